@@ -1,0 +1,154 @@
+"""The ``kvtier`` command: ``serve``, ``stats``, ``bench``.
+
+The only place (with kvtierd.app's log level) that reads the environment and files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvtier.units import format_bytes, parse_bytes
+
+DEFAULT_ADDRESS = "unix://run/kvtier.sock"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache server for LLM serving")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)")
+    s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
+    s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
+    s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
+    s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
+    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
+    s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables)")
+    s.add_argument("--metrics-host", help="Prometheus bind address")
+    s.add_argument("--eviction-policy", choices=["lru", "arc"])
+    s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
+    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
+
+    st = sub.add_parser("stats", help="print the daemon's statistics")
+    st.add_argument("--address", default=DEFAULT_ADDRESS, help="unix:///path or HOST:PORT")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--timeout-s", type=float, default=2.0)
+
+    b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
+    b.add_argument("suite", nargs="?", default="all", help="all | shm | tcp | lookup | quick")
+    b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
+    b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
+    b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
+    b.add_argument("--repeat", type=int, default=3, help="measurements per figure (best is kept)")
+    b.add_argument("--lookup-clients", type=int, default=4)
+    b.add_argument("--json", dest="json_out", help="also write results to this file")
+    b.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    b.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "stats":
+        return _stats(args)
+    from kvtier.bench import run_bench  # heavy; imported only for bench
+
+    return run_bench(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvtierd.app import run
+    from kvtierd.config import load_config, with_overrides
+
+    try:
+        cfg = load_config(args.config)
+        cfg = with_overrides(
+            cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
+            socket_path=args.socket_path, listen=args.listen, data_listen=args.data_listen,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
+            prefault=args.prefault)
+    except (ValueError, OSError) as e:
+        print(f"kvtier serve: configuration error: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvtier.client import Client
+    from kvtier.errors import KvtierError
+
+    client = Client(args.address, "tcp", timeout_s=args.timeout_s, heartbeat=False)
+    try:
+        stats = client.stats()
+    except KvtierError as e:
+        print(f"kvtier stats: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        print(format_stats(stats))
+    return 0
+
+
+_ROWS = [
+    ("lookups", "lookups"), ("blocks requested", "blocks_requested"),
+    ("blocks hit (host)", "blocks_hit_host"), ("blocks hit (nvme)", "blocks_hit_nvme"),
+    ("blocks missed", "blocks_missed"), ("tokens hit", "tokens_hit"),
+    ("tokens missed", "tokens_missed"), ("stores accepted", "stores_accepted"),
+    ("stores already present", "stores_already_present"), ("stores rejected", "stores_rejected"),
+    ("stores dropped", "stores_dropped"), ("blocks loaded", "loads"), ("evictions", "evictions"),
+    ("bytes in  shm", "bytes_in_shm"), ("bytes out shm", "bytes_out_shm"),
+    ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
+    ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
+]
+
+
+def _fmt(key: str, value: Any) -> str:
+    v = int(value)
+    return format_bytes(v) if "bytes" in key else f"{v:,}"
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A readable table: one column for the total, one per namespace."""
+    used, cap = int(stats["host_used_bytes"]), int(stats["host_capacity_bytes"])
+    head = [
+        f"kvtierd  boot epoch {stats['boot_epoch']}  up {float(stats['uptime_s']):.0f}s  "
+        f"policy {stats['eviction_policy']}  sessions {stats['sessions']}",
+        f"host tier {format_bytes(used)} / {format_bytes(cap)} used "
+        f"({100 * used / max(cap, 1):.1f}%), {stats['pinned_blocks']} pinned, "
+        f"{stats['writing_blocks']} writing",
+    ]
+    cols = [("total", stats["total"])] + [
+        (f"{ns['model_id'][:18]}#{str(ns['namespace_id'])[-4:]}", ns["counters"])
+        for ns in stats["namespaces"]]
+    width = max(14, *(len(name) + 2 for name, _ in cols))
+    lines = ["", f"{'':<24}" + "".join(f"{name:>{width}}" for name, _ in cols)]
+    for label, key in _ROWS:
+        lines.append(f"{label:<24}" + "".join(f"{_fmt(key, c.get(key, 0)):>{width}}"
+                                              for _, c in cols))
+    total = stats["total"]
+    req = int(total.get("blocks_requested", 0))
+    if req:
+        hit = int(total.get("blocks_hit_host", 0)) + int(total.get("blocks_hit_nvme", 0))
+        lines.append(f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested")
+    return "\n".join(head + lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

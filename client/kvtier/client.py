@@ -1,0 +1,485 @@
+"""kvtier.Client: the engine's handle on a kvtierd daemon (sync flavour; kvtier.aio wraps it).
+
+Lifecycle::
+
+    client = Client.connect("unix:///run/kvtier.sock", transport="shm")   # never raises when
+    ns = client.register(Namespace(...))                                # the daemon is away
+    keys = ns.block_keys(token_ids); n = ns.lookup(keys)
+    ns.put(keys, blocks); ns.get(keys); ns.get_into(keys, buffers)
+    client.close()                       # or `with Client.connect(...) as client:`
+
+Never hang the engine: every RPC has a deadline (``timeout_s``). When the daemon is down or
+restarting, lookups answer 0, gets answer misses and puts are dropped, each counted in
+``client.counters``; a circuit breaker waits ``backoff`` before trying again, then the client
+reopens its session, re-registers its namespaces and reattaches its transport by itself (also
+when a reply shows a new boot epoch). Caller mistakes (wrong block size, bad namespace) still
+raise :class:`kvtier.errors.InvalidArgument`.
+
+Thread-safety: a Client may be shared by threads; control calls run concurrently, transfers on
+the data channel are serialized by a lock, reconnects by another.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import grpc
+
+from kvtier import errors
+from kvtier.buffers import byte_view
+from kvtier.identity import Namespace
+from kvtier.protoutil import to_dict
+from kvtier.transports import DataTransport, make_transport
+from kvtier.transports.base import Item
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+TransportName = Literal["shm", "tcp"]
+_DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+
+
+class _Away(Exception):
+    """The daemon is unreachable right now (internal: callers get misses and drops)."""
+
+
+@dataclass
+class PutResult:
+    """What happened to each key of a put: stored, already there, refused for room, or dropped."""
+
+    stored: int = 0
+    already_present: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+    def __iadd__(self, other: PutResult) -> PutResult:
+        self.stored += other.stored
+        self.already_present += other.already_present
+        self.rejected += other.rejected
+        self.dropped += other.dropped
+        return self
+
+
+@dataclass
+class ClientCounters:
+    lookups: int = 0
+    lookups_failed: int = 0  # answered as a miss because the daemon was away
+    puts_dropped: int = 0  # blocks not stored because the daemon was away
+    gets_failed: int = 0  # get/get_into calls answered as misses because the daemon was away
+    reconnects: int = 0
+    epoch_changes: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    last_error: str = field(default="", repr=False)
+
+
+def address_target(address: str) -> str:
+    """``unix:///path`` stays, ``unix:path`` becomes absolute, ``host:port`` stays."""
+    if address.startswith("unix://"):
+        return address
+    if address.startswith("unix:"):
+        return "unix://" + os.path.abspath(address[5:])
+    return address
+
+
+class Client:
+    """See the module docstring. Owns the gRPC channel, the session and the data transport."""
+
+    def __init__(self, address: str, transport: TransportName = "shm", *, timeout_s: float = 1.0,
+                 lease_ttl_s: float = 10.0, client_name: str = "", heartbeat: bool = True,
+                 backoff_s: tuple[float, float] = (0.05, 2.0), tenant_key: bytes | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if transport not in ("shm", "tcp"):
+            raise errors.InvalidArgument(f"unknown transport {transport!r}", field="transport")
+        self.address = address_target(address)
+        self.transport_name = transport
+        self.timeout_s = timeout_s
+        self.lease_ttl_s = lease_ttl_s
+        self.client_name = client_name or f"pid{os.getpid()}"
+        self.tenant_key = tenant_key
+        self.counters = ClientCounters()
+        self._clock = clock
+        self._backoff_min, self._backoff_max = backoff_s
+        self._backoff = self._backoff_min
+        self._retry_at = 0.0
+        self._conn_lock = threading.RLock()
+        self._data_lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._session_id = 0
+        self._epoch = 0
+        self._max_batch = 1024
+        self._transport: DataTransport | None = None
+        self._namespaces: list[NamespaceHandle] = []
+        self._closed = False
+        self._last_call = 0.0
+        self._hb_stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        if heartbeat:
+            self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                        name="kvtier-heartbeat")
+            self._hb.start()
+
+    # -- public API -------------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, address: str, transport: TransportName = "shm", **kwargs: Any) -> Client:
+        """A client for ``address``; connects now if it can, later by itself if it cannot."""
+        client = cls(address, transport, **kwargs)
+        try:
+            client._ensure()
+        except _Away:
+            pass
+        return client
+
+    @property
+    def connected(self) -> bool:
+        return self._session_id != 0
+
+    @property
+    def boot_epoch(self) -> int:
+        return self._epoch
+
+    def register(self, namespace: Namespace) -> NamespaceHandle:
+        """A handle for ``namespace`` (validated here; registered now or on reconnect)."""
+        if not isinstance(namespace, Namespace):
+            raise errors.InvalidArgument("expected a kvtier.Namespace", field="namespace")
+        handle = NamespaceHandle(self, namespace)
+        with self._conn_lock:
+            self._namespaces.append(handle)
+            if self._session_id:
+                try:
+                    self._register(handle)
+                except _Away:
+                    pass
+        return handle
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's Stats figures as a dict (raises Unavailable when it is away)."""
+        with self._conn_lock:
+            self._channel_open()
+        try:
+            reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise errors.Unavailable(f"daemon at {self.address}: {e.code().name}: {e.details()}"
+                                     ) from None
+        return to_dict(reply)
+
+    def close(self) -> None:
+        self._closed = True
+        self._hb_stop.set()
+        with self._conn_lock:
+            if self._session_id and self._stub is not None:
+                try:
+                    self._stub.CloseSession(pb.CloseSessionRequest(session_id=self._session_id),
+                                            timeout=self.timeout_s)
+                except grpc.RpcError:
+                    pass
+            self._disconnect()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- connection management --------------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        """Connected, or _Away (without waiting while the breaker is open)."""
+        if self._session_id:
+            return
+        with self._conn_lock:
+            if self._session_id:
+                return
+            if self._closed:
+                raise _Away("client closed")
+            if self._clock() < self._retry_at:
+                raise _Away(self.counters.last_error or "daemon away (backing off)")
+            try:
+                self._open()
+            except _Away as e:
+                self._trip(str(e))
+                raise
+            self._backoff = self._backoff_min
+
+    def _open(self) -> None:
+        self._channel_open()
+        try:
+            reply = self._stub.OpenSession(pb.OpenSessionRequest(
+                client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
+                transport=make_transport(self.transport_name).proto_value), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _Away(f"OpenSession: {e.code().name}: {e.details()}") from None
+        transport = make_transport(self.transport_name)
+        try:
+            transport.attach(reply.session_id, reply, self.timeout_s)
+        except errors.TransportError as e:
+            raise _Away(str(e)) from None
+        if self._epoch and reply.boot_epoch != self._epoch:
+            self.counters.epoch_changes += 1
+        if self._epoch:
+            self.counters.reconnects += 1
+        self._session_id, self._epoch = reply.session_id, reply.boot_epoch
+        self._max_batch = max(1, reply.max_batch_blocks)
+        self._transport = transport
+        for handle in self._namespaces:
+            self._register(handle)
+
+    def _channel_open(self) -> None:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address, options=[
+                ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)])
+            self._stub = pb_grpc.KvtierStub(self._channel)
+
+    def _register(self, handle: NamespaceHandle) -> None:
+        spec = pb.NamespaceSpec(**{k: v for k, v in handle.namespace.to_dict().items()
+                                   if v is not None})
+        try:
+            reply = self._stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(spec=spec, digest=handle.namespace.digest),
+                timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() in _DOWN_CODES:
+                self._trip(f"RegisterNamespace: {e.details()}")
+                raise _Away(e.details()) from None
+            raise errors.from_grpc_code(e.code().name, e.details() or "") from None
+        if reply.block_bytes != handle.block_bytes or reply.namespace_id != handle.namespace_id:
+            raise errors.Internal("daemon and client disagree on the namespace's id or block size")
+        handle.registered_epoch = reply.boot_epoch
+
+    def _trip(self, why: str) -> None:
+        """Open the breaker: forget the session, retry after the backoff."""
+        with self._conn_lock:
+            self.counters.last_error = why
+            self._disconnect(keep_channel=True)
+            self._retry_at = self._clock() + self._backoff
+            self._backoff = min(self._backoff * 2, self._backoff_max)
+
+    def _disconnect(self, keep_channel: bool = False) -> None:
+        self._session_id = 0
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if not keep_channel and self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    def _call(self, method: str, request: Any, *, reconnect: bool = True) -> Any:
+        """One RPC with the deadline; _Away when the daemon is away. Retries once after a
+        reconnect when the daemon forgot our session or namespace (it restarted)."""
+        for attempt in (0, 1):
+            self._ensure()
+            if hasattr(request, "session_id"):
+                request.session_id = self._session_id
+            try:
+                reply = getattr(self._stub, method)(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in _DOWN_CODES:
+                    self._trip(f"{method}: {code.name}: {e.details()}")
+                    raise _Away(e.details()) from None
+                if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
+                        ("session" in (e.details() or "") or "namespace" in (e.details() or "")):
+                    self._reset_session()
+                    continue
+                raise errors.from_grpc_code(code.name, e.details() or "") from None
+            self._last_call = self._clock()
+            if reply.boot_epoch != self._epoch:
+                self._reset_session()  # daemon restarted under us: this reply is still valid
+            return reply
+        raise AssertionError("unreachable")
+
+    def _reset_session(self) -> None:
+        with self._conn_lock:
+            self._disconnect(keep_channel=True)
+            self._retry_at = 0.0
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(max(0.05, self.lease_ttl_s / 3)):
+            if self._clock() - self._last_call < self.lease_ttl_s / 3:
+                continue
+            try:
+                self._call("Heartbeat", pb.HeartbeatRequest())
+            except (_Away, errors.KvtierError):
+                pass
+
+    # -- data operations (used by NamespaceHandle) ----------------------------------------------
+
+    def _batches(self, n: int) -> range:
+        return range(0, n, self._max_batch)
+
+    def _lookup(self, handle: NamespaceHandle, keys: Sequence[bytes]) -> int:
+        self.counters.lookups += 1
+        packed = _pack_keys(keys)
+        try:
+            total = 0
+            for start in self._batches(len(keys)):
+                chunk = packed[start * 32 : (start + self._max_batch) * 32]
+                reply = self._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                              keys=chunk))
+                total += reply.hit_blocks
+                if reply.hit_blocks < len(chunk) // 32:
+                    break
+            return total
+        except _Away:
+            self.counters.lookups_failed += 1
+            return 0
+
+    def _put(self, handle: NamespaceHandle, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
+        if len(keys) != len(blocks):
+            raise errors.InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys",
+                                         field="blocks")
+        views = [byte_view(b) for b in blocks]
+        for i, v in enumerate(views):
+            if len(v) != handle.block_bytes:
+                raise errors.InvalidArgument(
+                    f"block {i} has {len(v)} bytes, namespace blocks have {handle.block_bytes}",
+                    field="blocks")
+        packed = _pack_keys(keys)
+        result = PutResult()
+        for start in self._batches(len(keys)):
+            end = min(start + self._max_batch, len(keys))
+            try:
+                result += self._put_batch(handle, packed[start * 32 : end * 32], views[start:end])
+            except _Away:
+                result.dropped += end - start
+                self.counters.puts_dropped += end - start
+        return result
+
+    def _put_batch(self, handle: NamespaceHandle, packed: bytes, views: list[memoryview]) -> PutResult:
+        tp = make_transport_value(self.transport_name)
+        prep = self._call("PrepareStore", pb.PrepareStoreRequest(
+            namespace_id=handle.namespace_id, keys=packed, transport=tp))
+        status = prep.status
+        result = PutResult(already_present=status.count(pb.STORE_ALREADY_PRESENT),
+                           rejected=status.count(pb.STORE_REJECTED))
+        if not prep.job_id:
+            return result
+        items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
+                             if status[i] == pb.STORE_RESERVED]
+        ok = True
+        try:
+            with self._data_lock:
+                self._data().write(prep.job_id, items)
+        except errors.TransportError as e:
+            ok = False
+            self._trip(f"store transfer: {e}")
+        try:
+            done = self._call("CompleteStore", pb.CompleteStoreRequest(job_id=prep.job_id, ok=ok),
+                              reconnect=False)
+        except (_Away, errors.KvtierError):
+            result.dropped += len(items)
+            self.counters.puts_dropped += len(items)
+            return result
+        result.stored += done.committed
+        result.dropped += done.aborted
+        self.counters.puts_dropped += done.aborted
+        self.counters.bytes_put += done.committed * handle.block_bytes
+        return result
+
+    def _get_into(self, handle: NamespaceHandle, keys: Sequence[bytes],
+                  views: list[memoryview]) -> list[bool]:
+        packed = _pack_keys(keys)
+        found = [False] * len(keys)
+        try:
+            for start in self._batches(len(keys)):
+                end = min(start + self._max_batch, len(keys))
+                self._get_batch(handle, packed[start * 32 : end * 32], views[start:end],
+                                found, start)
+        except _Away:
+            self.counters.gets_failed += 1
+            return [False] * len(keys)
+        return found
+
+    def _get_batch(self, handle: NamespaceHandle, packed: bytes, views: list[memoryview],
+                   found: list[bool], base: int) -> None:
+        prep = self._call("PrepareLoad", pb.PrepareLoadRequest(
+            namespace_id=handle.namespace_id, keys=packed,
+            transport=make_transport_value(self.transport_name)))
+        if not prep.job_id:
+            return
+        items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
+                             if prep.found[i]]
+        try:
+            with self._data_lock:
+                self._data().read(prep.job_id, items)
+        except errors.TransportError as e:
+            self._trip(f"load transfer: {e}")
+            raise _Away(str(e)) from None
+        finally:
+            try:
+                self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id),
+                           reconnect=False)
+            except (_Away, errors.KvtierError):
+                pass  # the lease releases the pins
+        for i, _off, _v in items:
+            found[base + i] = True
+        self.counters.bytes_got += len(items) * handle.block_bytes
+
+    def _data(self) -> DataTransport:
+        if self._transport is None:
+            raise errors.TransportError("no data transport attached")
+        return self._transport
+
+
+def make_transport_value(name: str) -> int:
+    return pb.TRANSPORT_SHM if name == "shm" else pb.TRANSPORT_TCP
+
+
+def _pack_keys(keys: Sequence[bytes]) -> bytes:
+    packed = b"".join(keys)
+    if len(packed) != 32 * len(keys) or any(len(k) != 32 for k in keys):
+        raise errors.InvalidArgument("every block key must be 32 bytes", field="keys")
+    return packed
+
+
+class NamespaceHandle:
+    """A registered namespace on one Client: hashing plus the batch operations.
+
+    ``lookup`` -> longest ready prefix; ``put`` -> PutResult; ``get`` -> list of bytearray or
+    None; ``get_into`` fills caller buffers and returns which keys were found. Thread-safe as the
+    Client is.
+    """
+
+    def __init__(self, client: Client, namespace: Namespace) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.block_bytes = namespace.block_bytes
+        self.namespace_id = namespace.namespace_id
+        self.registered_epoch = 0
+
+    def block_keys(self, token_ids: Sequence[int], *, parent: bytes | None = None,
+                   extras: Sequence[bytes] | None = None) -> list[bytes]:
+        return self.namespace.block_keys(token_ids, parent=parent, extras=extras,
+                                         tenant_key=self.client.tenant_key)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self.client._lookup(self, keys)
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
+        return self.client._put(self, keys, blocks)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        bufs = [bytearray(self.block_bytes) for _ in keys]
+        found = self.get_into(keys, bufs)
+        return [b if f else None for b, f in zip(bufs, found, strict=True)]
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+        if len(keys) != len(buffers):
+            raise errors.InvalidArgument(f"{len(buffers)} buffers for {len(keys)} keys",
+                                         field="buffers")
+        views = [byte_view(b, writable=True, field="buffers") for b in buffers]
+        for i, v in enumerate(views):
+            if len(v) != self.block_bytes:
+                raise errors.InvalidArgument(
+                    f"buffer {i} has {len(v)} bytes, namespace blocks have {self.block_bytes}",
+                    field="buffers")
+        return self.client._get_into(self, keys, views)

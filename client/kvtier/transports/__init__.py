@@ -1,0 +1,25 @@
+"""Client side of the data plane: how block bytes move between the caller and the host tier.
+
+``make_transport(name)`` picks an implementation by name and imports it lazily.
+"""
+
+from __future__ import annotations
+
+from kvtier.transports.base import DataTransport
+
+
+def make_transport(name: str) -> DataTransport:
+    if name == "shm":
+        from kvtier.transports.shm import ShmTransport
+
+        return ShmTransport()
+    if name == "tcp":
+        from kvtier.transports.tcp import TcpTransport
+
+        return TcpTransport()
+    from kvtier.errors import InvalidArgument
+
+    raise InvalidArgument(f"unknown transport {name!r} (expected 'shm' or 'tcp')", field="transport")
+
+
+__all__ = ["DataTransport", "make_transport"]

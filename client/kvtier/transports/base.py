@@ -1,0 +1,40 @@
+"""DataTransport: moves the bytes of one prepared job; knows nothing of keys or the index.
+
+Lifecycle::
+
+    attach(session_id, open_reply, timeout_s)   once per session (maps the arena / connects)
+      -> write(job_id, items) / read(job_id, items)   any number of times, one at a time
+      -> close()
+
+``items`` are ``(key_index, arena_offset, view)`` triples produced by the control plane's
+prepare reply. Failures raise :class:`kvtier.errors.TransportError`; the client then treats the
+daemon as away (stores dropped, loads missed) and reattaches later.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+Item = tuple[int, int, memoryview]
+
+
+class DataTransport(ABC):
+    """One session's data path. Not thread-safe: the client serializes transfers."""
+
+    name: str
+    proto_value: int
+
+    @abstractmethod
+    def attach(self, session_id: int, reply: Any, timeout_s: float) -> None: ...
+
+    @abstractmethod
+    def write(self, job_id: int, items: list[Item]) -> None:
+        """Move each view's bytes into the reserved slot; return once the daemon holds them."""
+
+    @abstractmethod
+    def read(self, job_id: int, items: list[Item]) -> None:
+        """Fill each view with its pinned block's bytes."""
+
+    @abstractmethod
+    def close(self) -> None: ...

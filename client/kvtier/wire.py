@@ -1,0 +1,57 @@
+"""The TCP data channel's framing, stated once (grammar and rationale: docs/tcp_data_channel.md).
+
+Every frame starts with one fixed 32-byte header::
+
+    header  = magic:4s ("KVD1") op:u8 pad:3x job_id:u64le index:u32le status:u32le length:u64le
+    frame   = header payload[length]
+
+Client -> daemon: HELLO (job_id = session id), WRITE (index = key index of a store job, payload =
+the block), FLUSH (ask for an ACK of everything sent for job_id), READ (send the blocks of a load
+job). Daemon -> client: HELLO_OK, ACK (index = blocks received for the job, status = 0 or an error
+code), DATA (index = key index, payload = the block), ERROR (payload = utf-8 message; the daemon
+closes the connection after it).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+MAGIC = b"KVD1"
+# magic, op, job_id, index, status, length  (little endian, 32 bytes)
+HEADER = struct.Struct("<4sB3xQIIQ")
+assert HEADER.size == 32
+MAX_ERROR_BYTES = 4096
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    WRITE = 2
+    FLUSH = 3
+    READ = 4
+    HELLO_OK = 17
+    ACK = 18
+    DATA = 19
+    ERROR = 31
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    UNKNOWN_JOB = 1
+    BAD_INDEX = 2
+    BAD_LENGTH = 3
+
+
+def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, op, job_id, index, status, length)
+
+
+def unpack(buf: bytes | bytearray | memoryview) -> tuple[Op, int, int, int, int]:
+    """Parse a header; ValueError for a bad magic or an unknown op."""
+    magic, op, job_id, index, status, length = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ValueError(f"bad frame magic {magic!r}")
+    try:
+        return Op(op), job_id, index, status, length
+    except ValueError:
+        raise ValueError(f"unknown frame op {op}") from None

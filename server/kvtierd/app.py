@@ -1,0 +1,214 @@
+"""Composition root and lifecycle of kvtierd.
+
+``Daemon(cfg)`` builds every component (arena, host tier, policy, cache, sessions, service,
+transports, metrics); ``run(cfg)`` drives the lifecycle:
+
+    startup (bind everything, health SERVING, print the ready line)
+      -> serve (lease sweeper runs)
+      -> drain on SIGTERM/SIGINT (health NOT_SERVING, stores refused, in-flight jobs get
+         ``drain_timeout_s`` to finish) -> shutdown.   A second signal exits at once.
+
+The ready line is ``KVTIERD_READY {json}`` on stdout with the bound addresses (ports chosen by the
+OS when configured as 0), so supervisors and tests need not guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvtier.protoutil import to_dict
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtierd.cache import TieredCache
+from kvtierd.config import DaemonConfig
+from kvtierd.index import Entry
+from kvtierd.metrics import MetricsServer
+from kvtierd.policies import EvictionPolicy, make_policy
+from kvtierd.service import KvtierService
+from kvtierd.sessions import SessionTable
+from kvtierd.tiers import Arena, HostTier
+from kvtierd.transports.shm import ShmFdServer
+from kvtierd.transports.tcp import DataChannelServer
+
+log = logging.getLogger("kvtierd")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
+
+
+class Daemon:
+    """Owns every component; the event loop that runs ``start`` owns all cache state."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.boot_epoch = time.time_ns()
+        slabs = cfg.host_bytes // cfg.slab_bytes
+        self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)
+        self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes,
+                             slot_align_bytes=cfg.slot_align_bytes)
+        # Ghost history for ARC: as many entries as the arena holds of its smallest slots.
+        policy: EvictionPolicy[Entry] = make_policy(cfg.eviction_policy,
+                                                   ghost_capacity=min(1 << 20, slabs * 64))
+        self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
+                                 policy_name=cfg.eviction_policy)
+        self.sessions = SessionTable(
+            max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
+            min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
+            on_release=self.cache.release_session)
+        self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
+                                     max_batch_blocks=cfg.max_batch_blocks,
+                                     advertise=self._advertise)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.shm: ShmFdServer | None = None
+        self.data: DataChannelServer | None = None
+        self.metrics: MetricsServer | None = None
+        self.addresses: dict[str, Any] = {}
+        self._stop = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def _advertise(self) -> dict[str, Any]:
+        return {
+            "shm_socket": self.shm.path if self.shm else "",
+            "data_host": self.data.host if self.data else "",
+            "data_port": self.data.port if self.data else 0,
+            "arena_bytes": self.arena.size,
+        }
+
+    def _socket_path(self) -> str:
+        path = self.cfg.socket_path
+        return os.path.abspath(path) if path else ""
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_KvtierServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
+                                             health.SERVICE_NAME), self.server)
+        if cfg.socket_path:
+            path = self._socket_path()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            self.server.add_insecure_port(f"unix://{path}")
+            self.addresses["unix"] = f"unix://{path}"
+        if cfg.listen:
+            port = self.server.add_insecure_port(cfg.listen)
+            if port == 0:
+                raise OSError(f"listen: cannot bind {cfg.listen}")
+            self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
+        if cfg.data_listen:
+            host, _, port_s = cfg.data_listen.rpartition(":")
+            self.data = DataChannelServer(host, int(port_s), self.cache, self.sessions)
+            await self.data.start()
+            self.addresses["data"] = f"{host}:{self.data.port}"
+        if cfg.shm_enabled:
+            self.shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
+                                   self.boot_epoch, self.sessions)
+            await self.shm.start()
+            self.addresses["shm"] = self.shm.path
+        await self.server.start()
+        if cfg.metrics_port >= 0:
+            self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
+                                         asyncio.get_running_loop(), self.snapshot)
+            self.metrics.start()
+            self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.lease_sweep_s)
+            n = self.sessions.sweep()
+            if n:
+                log.info("expired %d session lease(s)", n)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Stats as plain data (event-loop thread): the Stats reply plus RPC figures."""
+        snap = to_dict(self.service.stats_reply())
+        snap["rpc_errors"] = dict(self.service.errors)
+        snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
+        return snap
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def drain_and_stop(self) -> None:
+        log.info("draining: refusing new stores, waiting up to %.1fs for in-flight jobs",
+                 self.cfg.drain_timeout_s)
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while (self.cache.writing_blocks or self.cache.pinned_blocks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self.server:
+            await self.server.stop(grace=0.5)
+        for part in (self.data, self.shm, self.metrics):
+            if part is not None:
+                part.close()
+        self.sessions.close_all()
+        self.arena.close()
+        if self.cfg.socket_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path())
+
+
+async def _main(cfg: DaemonConfig) -> None:
+    daemon = Daemon(cfg)
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        daemon.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await daemon.start()
+    ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
+             "host_bytes": daemon.arena.size, "eviction_policy": cfg.eviction_policy}
+    print("KVTIERD_READY " + json.dumps(ready), flush=True)
+    log.info("kvtierd ready: %s", ready)
+    await daemon.wait_stopped()
+    await daemon.drain_and_stop()
+    log.info("kvtierd stopped")
+
+
+def run(cfg: DaemonConfig) -> None:
+    """Run the daemon until SIGTERM/SIGINT (blocking). Uses uvloop when available."""
+    logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.run(_main(cfg))
+    except ImportError:
+        asyncio.run(_main(cfg))
+
+
+def main() -> None:
+    """``kvtierd`` entry point: same as ``kvtier serve``."""
+    from kvtier.cli import main as cli_main
+
+    cli_main(["serve", *sys.argv[1:]])

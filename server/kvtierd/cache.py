@@ -1,0 +1,345 @@
+"""TieredCache: the sole writer of the block index; decides where bytes go.
+
+It answers with plain data (job ids, arena offsets) and never touches payload bytes: transports
+move them (the client itself over shm, the data channel over tcp) and report completion.
+
+Primitives (event-loop thread only; no locks). Each either fully succeeds or changes nothing:
+
+* ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
+  is the same across daemon restarts and never names another namespace).
+* ``lookup(ns, keys)`` -> longest prefix of READY blocks; ``pin_prefix`` also pins it as a load job.
+* ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
+  ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
+* ``prepare_load`` pins READY entries; ``complete_load`` unpins.
+* ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtier.errors import ResourceExhausted
+from kvtier.identity import Namespace
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.index import Entry, EntryState, NamespaceState
+from kvtierd.policies import EvictionPolicy
+from kvtierd.sessions import Session
+from kvtierd.stats import Counters
+from kvtierd.tiers import HostTier
+
+RESERVED, PRESENT, REJECTED = pb.STORE_RESERVED, pb.STORE_ALREADY_PRESENT, pb.STORE_REJECTED
+TIER_HOST = pb.TIER_HOST
+_TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "shm"}
+
+
+@dataclass(eq=False)
+class StoreJob:
+    id: int
+    session_id: int
+    ns: NamespaceState
+    transport: int
+    items: dict[int, Entry]  # key index in the request -> reserved entry
+    received: set[int] = field(default_factory=set)  # tcp: key indexes whose bytes arrived
+
+
+@dataclass(eq=False)
+class LoadJob:
+    id: int
+    session_id: int
+    ns: NamespaceState
+    transport: int
+    items: dict[int, Entry]  # key index in the request -> pinned entry
+
+
+class TieredCache:
+    """Owns the index (entries of every namespace), the jobs and the eviction policy.
+
+    Concurrency: event-loop thread only, no locks. Data-plane servers on the same loop call
+    ``store_target`` / ``load_sources`` to learn where bytes go; they never change the index.
+    """
+
+    def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *, max_namespaces: int,
+                 policy_name: str = "lru") -> None:
+        self.host = host
+        self.policy = policy
+        self.policy_name = policy_name
+        self.namespaces: dict[int, NamespaceState] = {}
+        self._max_namespaces = max_namespaces
+        self._jobs: dict[int, StoreJob | LoadJob] = {}
+        self._job_ids = itertools.count(1)
+        self.pinned_blocks = 0
+        self.writing_blocks = 0
+
+    # -- namespaces -------------------------------------------------------------------------------
+
+    def register_namespace(self, spec: Namespace) -> NamespaceState:
+        ns = self.namespaces.get(spec.namespace_id)
+        if ns is not None:
+            if ns.spec.digest != spec.digest:  # 63-bit id collision: refuse, never alias
+                raise FailedPrecondition("namespace id collision", field="namespace")
+            return ns
+        if len(self.namespaces) >= self._max_namespaces:
+            raise ResourceExhausted(f"too many namespaces (max {self._max_namespaces})",
+                                    field="namespace")
+        block_bytes = spec.block_bytes
+        if not self.host.fits(block_bytes):
+            raise InvalidArgument(
+                f"block of {block_bytes} bytes does not fit a slab of {self.host.slab_bytes} bytes"
+                " (raise slab_bytes)", field="namespace.block_bytes")
+        ns = NamespaceState(spec.namespace_id, spec, block_bytes,
+                            self.host.slot_bytes_for(block_bytes))
+        self.namespaces[ns.id] = ns
+        return ns
+
+    def namespace(self, namespace_id: int) -> NamespaceState:
+        ns = self.namespaces.get(namespace_id)
+        if ns is None:
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
+                           field="namespace_id")
+        return ns
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def lookup(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
+        """Longest prefix of READY blocks (hits are touched in the policy and counted)."""
+        entries = ns.entries
+        touch = self.policy.touch
+        hit = 0
+        for k in keys:
+            e = entries.get(k)
+            if e is None or e.state is not EntryState.READY:
+                break
+            touch(e)
+            hit += 1
+        c = ns.counters
+        n, tpb = len(keys), ns.spec.tokens_per_block
+        c.lookups += 1
+        c.blocks_requested += n
+        c.blocks_hit_host += hit
+        c.blocks_missed += n - hit
+        c.tokens_requested += n * tpb
+        c.tokens_hit += hit * tpb
+        c.tokens_missed += (n - hit) * tpb
+        return hit
+
+    def pin_prefix(self, session: Session, ns: NamespaceState, keys: Sequence[bytes]) -> LoadJob | None:
+        """Lookup, then pin the hit prefix as a load job (released by complete_load or expiry)."""
+        hit = self.lookup(ns, keys)
+        if hit == 0:
+            return None
+        return self._new_load_job(session, ns, {i: ns.entries[keys[i]] for i in range(hit)},
+                                  session.transport)
+
+    # -- stores -----------------------------------------------------------------------------------
+
+    def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
+                      transport: int) -> tuple[StoreJob | None, bytes, list[int]]:
+        status = bytearray(len(keys))
+        offsets = [0] * len(keys)
+        items: dict[int, Entry] = {}
+        protect: set[Entry] = set()  # READY keys of this batch: not evicted to make room for it
+        for i, k in enumerate(keys):
+            e = ns.entries.get(k)
+            if e is not None and e.state is EntryState.READY:
+                protect.add(e)
+        job_id = next(self._job_ids)
+        full = False
+        c = ns.counters
+        for i, k in enumerate(keys):
+            if k in ns.entries:
+                status[i] = PRESENT
+                c.stores_already_present += 1
+                continue
+            off = None if full else self._allocate(ns.slot_bytes, protect)
+            if off is None:
+                full = True  # nothing evictable for this class now: the rest cannot fit either
+                status[i] = REJECTED
+                c.stores_rejected += 1
+                continue
+            e = Entry(ns, k, off, job_id)
+            ns.entries[k] = e
+            items[i] = e
+            status[i] = RESERVED
+            offsets[i] = off
+        if not items:
+            return None, bytes(status), offsets
+        job = StoreJob(job_id, session.id, ns, transport, items)
+        self._jobs[job_id] = job
+        session.store_jobs.add(job_id)
+        self.writing_blocks += len(items)
+        return job, bytes(status), offsets
+
+    def complete_store(self, session: Session, job_id: int, ok: bool,
+                       item_ok: Sequence[bool] = ()) -> tuple[int, int]:
+        job = self._job(session, job_id, StoreJob)
+        if item_ok and len(item_ok) != len(job.items):
+            raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
+                                  field="item_ok")
+        del self._jobs[job_id]
+        session.store_jobs.discard(job_id)
+        committed = aborted = 0
+        ns, c = job.ns, job.ns.counters
+        for n, (i, e) in enumerate(sorted(job.items.items())):
+            good = ok and (item_ok[n] if item_ok else True)
+            if job.transport == pb.TRANSPORT_TCP and i not in job.received:
+                good = False  # bytes never arrived on the data channel
+            if good:
+                e.state = EntryState.READY
+                e.job = 0
+                self.policy.insert(e)
+                c.resident_blocks += 1
+                c.resident_bytes += ns.block_bytes
+                committed += 1
+            else:
+                self._free(e)
+                aborted += 1
+        self.writing_blocks -= len(job.items)
+        c.stores_accepted += committed
+        c.stores_dropped += aborted
+        name = _TRANSPORT_NAMES.get(job.transport, "shm")
+        setattr(c, f"bytes_in_{name}", getattr(c, f"bytes_in_{name}") + committed * ns.block_bytes)
+        return committed, aborted
+
+    # -- loads ------------------------------------------------------------------------------------
+
+    def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
+                     transport: int) -> LoadJob | None:
+        items: dict[int, Entry] = {}
+        for i, k in enumerate(keys):
+            e = ns.entries.get(k)
+            if e is not None and e.state is EntryState.READY:
+                self.policy.touch(e)
+                items[i] = e
+        if not items:
+            return None
+        return self._new_load_job(session, ns, items, transport)
+
+    def complete_load(self, session: Session, job_id: int) -> int:
+        job = self._job(session, job_id, LoadJob)
+        self._finish_load(session, job)
+        c = job.ns.counters
+        c.loads += len(job.items)
+        name = _TRANSPORT_NAMES.get(job.transport, "shm")
+        n = len(job.items) * job.ns.block_bytes
+        setattr(c, f"bytes_out_{name}", getattr(c, f"bytes_out_{name}") + n)
+        return len(job.items)
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def release_session(self, session: Session) -> None:
+        """Abort the session's store jobs and release its pins (close or lease expiry)."""
+        for job_id in list(session.store_jobs):
+            self.complete_store(session, job_id, ok=False)
+        for job_id in list(session.load_jobs):
+            job = self._jobs[job_id]
+            assert isinstance(job, LoadJob)
+            self._finish_load(session, job)
+
+    # -- data plane hooks -------------------------------------------------------------------------
+
+    def store_target(self, session_id: int, job_id: int, index: int, nbytes: int) -> memoryview:
+        """Where the bytes of key ``index`` of a store job go (tcp data channel)."""
+        job = self._jobs.get(job_id)
+        if not isinstance(job, StoreJob) or job.session_id != session_id:
+            raise NotFound(f"no store job {job_id} for this session", field="job_id")
+        e = job.items.get(index)
+        if e is None:
+            raise InvalidArgument(f"key {index} is not reserved in job {job_id}", field="index")
+        if nbytes != job.ns.block_bytes:
+            raise InvalidArgument(f"payload of {nbytes} bytes, block is {job.ns.block_bytes}",
+                                  field="length")
+        return self.host.arena.slot(e.offset, nbytes)
+
+    def store_entry(self, job_id: int, index: int) -> Entry:
+        job = self._jobs[job_id]
+        assert isinstance(job, StoreJob)
+        return job.items[index]
+
+    def mark_received(self, session_id: int, job_id: int, index: int) -> None:
+        job = self._jobs.get(job_id)
+        if isinstance(job, StoreJob) and job.session_id == session_id and index in job.items:
+            job.received.add(index)
+
+    def load_sources(self, session_id: int, job_id: int) -> list[tuple[int, memoryview]]:
+        """The pinned slots of a load job, in key order (tcp data channel)."""
+        job = self._jobs.get(job_id)
+        if not isinstance(job, LoadJob) or job.session_id != session_id:
+            raise NotFound(f"no load job {job_id} for this session", field="job_id")
+        nb = job.ns.block_bytes
+        return [(i, self.host.arena.slot(e.offset, nb)) for i, e in sorted(job.items.items())]
+
+    # -- figures ----------------------------------------------------------------------------------
+
+    def totals(self) -> Counters:
+        total = Counters()
+        for ns in self.namespaces.values():
+            total.add(ns.counters)
+        return total
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _job(self, session: Session, job_id: int, kind: type[StoreJob] | type[LoadJob]) -> StoreJob | LoadJob:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
+        if job.session_id != session.id:
+            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
+        if not isinstance(job, kind):
+            raise FailedPrecondition(f"job {job_id} is not a {kind.__name__}", field="job_id")
+        return job
+
+    def _new_load_job(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
+                      transport: int) -> LoadJob:
+        for e in items.values():
+            e.pins += 1
+        self.pinned_blocks += len(items)
+        job = LoadJob(next(self._job_ids), session.id, ns, transport, items)
+        self._jobs[job.id] = job
+        session.load_jobs.add(job.id)
+        return job
+
+    def _finish_load(self, session: Session, job: LoadJob) -> None:
+        del self._jobs[job.id]
+        session.load_jobs.discard(job.id)
+        for e in job.items.values():
+            assert e.pins > 0
+            e.pins -= 1
+        self.pinned_blocks -= len(job.items)
+
+    def _allocate(self, slot_bytes: int, protect: set[Entry]) -> int | None:
+        off = self.host.alloc(slot_bytes)
+        if off is not None:
+            return off
+        # 1) evict the best victim of the same size class: its slot is ours.
+        for e in self.policy.victims():
+            if e.pins == 0 and e.ns.slot_bytes == slot_bytes and e not in protect:
+                self._evict(e)
+                return self.host.alloc(slot_bytes)
+        # 2) the class starves: evict in policy order until some slab empties and moves to us.
+        for e in self.policy.victims():
+            if e.pins == 0 and e not in protect:
+                self._evict(e)
+                off = self.host.alloc(slot_bytes)
+                if off is not None:
+                    return off
+        return None
+
+    def _evict(self, e: Entry) -> None:
+        assert e.evictable(), e
+        self.policy.remove(e, evicted=True)
+        e.ns.counters.evictions += 1
+        self._drop_ready(e)
+
+    def _drop_ready(self, e: Entry) -> None:
+        c = e.ns.counters
+        c.resident_blocks -= 1
+        c.resident_bytes -= e.ns.block_bytes
+        self._free(e)
+
+    def _free(self, e: Entry) -> None:
+        e.job = 0  # a data channel still holding this entry sees it is no longer its to write
+        del e.ns.entries[e.key]
+        self.host.free(e.offset, e.ns.slot_bytes)

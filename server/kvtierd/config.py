@@ -1,0 +1,137 @@
+"""Daemon configuration: data, validated once.
+
+``DaemonConfig()`` is the embedded default that ``make serve`` runs (1 GiB host tier, Unix socket
+under ./run/, gRPC and data channel on 127.0.0.1, Prometheus metrics). Only the CLI reads files and
+the environment; it builds a ``DaemonConfig`` with :func:`load_config` and :func:`with_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvtier.units import parse_bytes
+
+EvictionName = Literal["lru", "arc"]
+_SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Everything the daemon needs; defaults are the embedded configuration."""
+
+    host_bytes: int = 1 << 30
+    """Size of the host tier (one memfd arena). Rounded down to a whole number of slabs."""
+    slab_bytes: int = 64 << 20
+    """Arena unit handed to a size class; the largest block a namespace may have."""
+    slot_align_bytes: int = 4096
+    """Every slot starts on this alignment (page-aligned for GPU registration and O_DIRECT)."""
+    eviction_policy: EvictionName = "lru"
+    """Host-tier eviction order: "lru" or "arc"."""
+    prefault: bool = True
+    """Allocate the arena's pages at start (fallocate) so that the first copies do not fault."""
+    socket_path: str = "run/kvtier.sock"
+    """gRPC Unix socket for same-host clients ("" disables). The shm fd socket sits beside it."""
+    listen: str = "127.0.0.1:50051"
+    """gRPC TCP listener HOST:PORT ("" disables; port 0 picks a free port)."""
+    data_listen: str = "127.0.0.1:0"
+    """TCP data channel HOST:PORT (port 0 picks a free port; advertised in OpenSession)."""
+    shm_enabled: bool = True
+    """Hand the arena fd to same-host clients (the shm transport)."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    """Prometheus /metrics port (-1 disables, 0 picks a free port)."""
+    lease_ttl_s: float = 10.0
+    """Default session lease; a session silent for longer loses its reservations and pins."""
+    min_lease_ttl_s: float = 0.2
+    max_lease_ttl_s: float = 300.0
+    lease_sweep_s: float = 0.1
+    """How often expired leases are collected."""
+    max_batch_blocks: int = 4096
+    """Most keys in one Lookup / PrepareStore / PrepareLoad (more is RESOURCE_EXHAUSTED)."""
+    max_sessions: int = 4096
+    max_namespaces: int = 1024
+    drain_timeout_s: float = 5.0
+    """On SIGTERM: how long in-flight jobs may take to finish before the daemon exits anyway."""
+    run_dir: str = "run"
+    """Where relative socket paths live and a pid file is written."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Unknown keys are rejected; this stays empty (reserved for forward compatibility)."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def shm_socket_path(self) -> str:
+        """Unix socket that hands the arena fd to shm clients (beside the gRPC socket)."""
+        base = self.socket_path or str(Path(self.run_dir) / "kvtier.sock")
+        return base + ".shm"
+
+
+def validate(cfg: DaemonConfig) -> None:
+    """Raise ValueError naming the field for any inconsistent value."""
+
+    def need(cond: bool, name: str, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"{name}: {msg}")
+
+    need(cfg.slot_align_bytes > 0 and cfg.slot_align_bytes & (cfg.slot_align_bytes - 1) == 0,
+         "slot_align_bytes", "must be a power of two")
+    need(cfg.slab_bytes >= cfg.slot_align_bytes and cfg.slab_bytes % cfg.slot_align_bytes == 0,
+         "slab_bytes", "must be a positive multiple of slot_align_bytes")
+    need(cfg.host_bytes >= cfg.slab_bytes, "host_bytes", "must hold at least one slab")
+    need(cfg.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
+    need(0 < cfg.min_lease_ttl_s <= cfg.lease_ttl_s <= cfg.max_lease_ttl_s,
+         "lease_ttl_s", "must satisfy 0 < min_lease_ttl_s <= lease_ttl_s <= max_lease_ttl_s")
+    need(cfg.lease_sweep_s > 0, "lease_sweep_s", "must be > 0")
+    need(1 <= cfg.max_batch_blocks <= 1 << 16, "max_batch_blocks", "must be in [1, 65536]")
+    need(cfg.max_sessions >= 1, "max_sessions", "must be >= 1")
+    need(cfg.max_namespaces >= 1, "max_namespaces", "must be >= 1")
+    need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
+    need(bool(cfg.socket_path or cfg.listen), "listen", "need a Unix socket or a TCP listener")
+    need(not cfg.extra, "extra", f"unknown keys {sorted(cfg.extra)}")
+    for name in ("listen", "data_listen"):
+        value = getattr(cfg, name)
+        if value:
+            host, sep, port = value.rpartition(":")
+            need(bool(sep and host) and port.isdigit() and int(port) <= 65535, name,
+                 f"expected HOST:PORT, got {value!r}")
+
+
+def _coerce(raw: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(DaemonConfig)} - {"extra"}
+    out: dict[str, Any] = {}
+    unknown: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = key.replace("-", "_")
+        if key not in known:
+            unknown[key] = value
+        elif key in _SIZE_FIELDS:
+            out[key] = parse_bytes(value, field=key)
+        else:
+            out[key] = value
+    if unknown:
+        out["extra"] = unknown
+    return out
+
+
+def load_config(path: str | Path | None) -> DaemonConfig:
+    """The embedded default, or a TOML/JSON file's values over it (sizes may be "1GiB")."""
+    if path is None:
+        return DaemonConfig()
+    p = Path(path)
+    text = p.read_text()
+    raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    if "kvtierd" in raw and isinstance(raw["kvtierd"], dict):
+        raw = raw["kvtierd"]
+    return DaemonConfig(**_coerce(raw))
+
+
+def with_overrides(cfg: DaemonConfig, **overrides: Any) -> DaemonConfig:
+    """A copy with the non-None overrides applied (and validated)."""
+    values = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(cfg, **_coerce(values))

@@ -1,0 +1,60 @@
+"""Index entries and their state machine.
+
+::
+
+    (absent) --reserve--> WRITING --commit--> READY --evict/delete--> (absent)
+                             |                 ^  |
+                             +--abort--> (absent)  +-- pin / unpin (pins > 0: never evicted)
+
+* WRITING entries are invisible to lookups and loads and never evicted; they belong to one store
+  job (``job``) of one session, and are freed when that job aborts or the session's lease lapses.
+* READY entries are immutable; ``pins`` counts load jobs holding them. Only READY entries with
+  ``pins == 0`` may be evicted.
+
+Keys are only ever compared within one namespace: each namespace has its own dict.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvtier.identity import Namespace
+from kvtierd.stats import Counters
+
+
+class EntryState(enum.IntEnum):
+    WRITING = 1
+    READY = 2
+
+
+class Entry:
+    """One block resident in a tier. Identity-hashed (the eviction policy keys on the object)."""
+
+    __slots__ = ("ns", "key", "state", "offset", "pins", "job")
+
+    def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
+        self.ns = ns
+        self.key = key
+        self.state = EntryState.WRITING
+        self.offset = offset
+        self.pins = 0
+        self.job = job
+
+    def evictable(self) -> bool:
+        return self.state is EntryState.READY and self.pins == 0
+
+    def __repr__(self) -> str:
+        return f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, pins={self.pins})"
+
+
+@dataclass(eq=False)
+class NamespaceState:
+    """A registered namespace: its identity, fixed block size, entries and counters."""
+
+    id: int
+    spec: Namespace
+    block_bytes: int
+    slot_bytes: int
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)

@@ -1,0 +1,89 @@
+"""Sessions: one per client connection, each with a lease.
+
+Lifecycle: ``open`` -> (any request or ``heartbeat`` renews the lease) -> ``close`` or expiry.
+On close or expiry the owner's release callback frees the session's reservations and pins.
+Session ids are random 63-bit numbers, so an id from a previous daemon boot is simply unknown.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.errors import NotFound, ResourceExhausted
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    client_name: str
+    ttl_s: float
+    deadline: float
+    transport: int = 0
+    store_jobs: set[int] = field(default_factory=set)
+    load_jobs: set[int] = field(default_factory=set)
+
+
+class SessionTable:
+    """Owns every Session. Event-loop thread only; no locks."""
+
+    def __init__(self, *, max_sessions: int, default_ttl_s: float, min_ttl_s: float,
+                 max_ttl_s: float, on_release: Callable[[Session], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: dict[int, Session] = {}
+        self._max = max_sessions
+        self._default_ttl = default_ttl_s
+        self._min_ttl = min_ttl_s
+        self._max_ttl = max_ttl_s
+        self._on_release = on_release
+        self._clock = clock
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, client_name: str, ttl_s: float | None, transport: int = 0) -> Session:
+        if len(self._sessions) >= self._max:
+            raise ResourceExhausted(f"too many sessions (max {self._max})", field="session")
+        ttl = self._default_ttl if not ttl_s else min(max(ttl_s, self._min_ttl), self._max_ttl)
+        sid = secrets.randbits(63) or 1
+        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport)
+        self._sessions[sid] = s
+        return s
+
+    def get(self, session_id: int) -> Session:
+        """The live session, its lease renewed; NotFound when unknown or expired."""
+        s = self._sessions.get(session_id)
+        now = self._clock()
+        if s is None or s.deadline < now:
+            if s is not None:
+                self._drop(s, expired=True)
+            raise NotFound(f"unknown or expired session {session_id}", field="session_id")
+        s.deadline = now + s.ttl_s
+        return s
+
+    def close(self, session_id: int) -> None:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"unknown or expired session {session_id}", field="session_id")
+        self._drop(s, expired=False)
+
+    def sweep(self) -> int:
+        """Expire every session past its deadline; returns how many."""
+        now = self._clock()
+        due = [s for s in self._sessions.values() if s.deadline < now]
+        for s in due:
+            self._drop(s, expired=True)
+        return len(due)
+
+    def close_all(self) -> None:
+        for s in list(self._sessions.values()):
+            self._drop(s, expired=False)
+
+    def _drop(self, s: Session, *, expired: bool) -> None:
+        del self._sessions[s.id]
+        if expired:
+            self.expired_total += 1
+        self._on_release(s)

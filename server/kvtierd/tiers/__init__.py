@@ -1,0 +1,5 @@
+"""Tiers allocate and free slots and know no keys. ``HostTier``: one memfd arena carved into slots."""
+
+from kvtierd.tiers.host import Arena, HostTier
+
+__all__ = ["Arena", "HostTier"]

@@ -1,0 +1,105 @@
+"""Shared fixtures: a real kvtierd process per test (or per module), with its own run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvtier
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DaemonProcess:
+    """A kvtierd started with ``kvtier serve`` in a temporary run dir; ports chosen by the OS."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.args = list(args)
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket",
+               str(self.run_dir / "kvtier.sock"), "--listen", "127.0.0.1:0",
+               "--metrics-port", "0", *self.args]
+        env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
+        self.stderr = open(self.run_dir / "kvtierd.log", "a")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     cwd=self.run_dir, env=env)
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("KVTIERD_READY "):
+                self.info = json.loads(line.split(" ", 1)[1])
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"kvtierd did not start: {(self.run_dir / 'kvtierd.log').read_text()}")
+
+    @property
+    def unix(self) -> str:
+        return str(self.info["unix"])
+
+    @property
+    def grpc(self) -> str:
+        return str(self.info["grpc"])
+
+    def address(self, transport: str) -> str:
+        return self.unix if transport == "shm" else self.grpc
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(15)
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Any]:
+    started: list[DaemonProcess] = []
+
+    def make(*args: str, run_dir: Path | None = None) -> DaemonProcess:
+        d = DaemonProcess(run_dir or tmp_path / f"d{len(started)}", *args).start()
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.kill()
+
+
+@pytest.fixture
+def daemon(daemon_factory: Any) -> DaemonProcess:
+    """A daemon with a 64 MiB host tier, 1 MiB slabs and short leases."""
+    return daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "2")
+
+
+def make_namespace(**overrides: Any) -> kvtier.Namespace:
+    """A small namespace: 16 tokens x 2 layers x 2 heads x 64 dim x bf16 = 16 KiB blocks."""
+    fields: dict[str, Any] = dict(model_id="test/model", model_revision="rev1",
+                                  tokenizer_digest="none", kv_dtype="bfloat16", layout="contiguous",
+                                  tokens_per_block=16, num_layers=2, num_kv_heads=2, head_dim=64)
+    fields.update(overrides)
+    return kvtier.Namespace(**fields)
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
