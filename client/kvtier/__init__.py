@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+from kvtier import aio
 from kvtier.client import Client, NamespaceHandle, PutResult
 from kvtier.errors import KvtierError
 from kvtier.identity import Namespace, block_keys, namespace_digest
 
 __version__ = "0.1.0"
-__all__ = ["Client", "KvtierError", "Namespace", "NamespaceHandle", "PutResult", "block_keys",
+__all__ = ["aio", "Client", "KvtierError", "Namespace", "NamespaceHandle", "PutResult", "block_keys",
            "namespace_digest"]
