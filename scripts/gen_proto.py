@@ -19,7 +19,6 @@ def generate(out_dir: Path) -> None:
         "protoc",
         f"-I{ROOT / 'proto'}",
         f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         "kvtier/v1/kvtier.proto",
     ]

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return _stats(args)
     from kvtier.bench import run_bench  # heavy; imported only for bench
 
-    return run_bench(args)
+    return int(run_bench(args))
 
 
 def _serve(args: argparse.Namespace) -> int:

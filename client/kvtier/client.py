@@ -431,7 +431,7 @@ class Client:
 
 
 def make_transport_value(name: str) -> int:
-    return pb.TRANSPORT_SHM if name == "shm" else pb.TRANSPORT_TCP
+    return int(pb.TRANSPORT_SHM if name == "shm" else pb.TRANSPORT_TCP)
 
 
 def _pack_keys(keys: Sequence[bytes]) -> bytes:

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtier.errors import GRPC_STATUS, InvalidArgument, KvtierError, ResourceExhausted
-from kvtier.errors import Unavailable
+from kvtier.errors import GRPC_STATUS, InvalidArgument, KvtierError, ResourceExhausted, Unavailable
 from kvtier.identity import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -73,7 +72,7 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
     return wrapper
 
 
-class KvtierService(pb_grpc.KvtierServicer):
+class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     """The control plane. Owns nothing but its latency histograms; event-loop thread only."""
 
     def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
