@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import DaemonProcess, make_namespace
 
 import kvtier
-from conftest import DaemonProcess, make_namespace
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 

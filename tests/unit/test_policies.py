@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
+
 from kvtierd.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyName, make_policy
 
 POLICY_NAMES: list[PolicyName] = ["lru", "arc"]
