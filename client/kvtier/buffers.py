@@ -15,7 +15,7 @@ def byte_view(obj: Any, *, writable: bool = False, field: str = "blocks") -> mem
     """A 1-D unsigned-byte memoryview over ``obj``'s memory (C-contiguous required)."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor, duck-typed
         if obj.is_cuda:
-            raise InvalidArgument("CUDA tensors move through kvtier.layouts, not put/get",
+            raise InvalidArgument("CUDA tensors are not accepted by put/get: copy to CPU first",
                                   field=field)
         if not obj.is_contiguous():
             raise InvalidArgument("tensor must be contiguous", field=field)

@@ -17,6 +17,9 @@ raise :class:`kvtier.errors.InvalidArgument`.
 
 Thread-safety: a Client may be shared by threads; control calls run concurrently, transfers on
 the data channel are serialized by a lock, reconnects by another.
+
+Size: this module is over the house limit on purpose: the breaker, the reconnect rules and the
+batch operations that depend on them read best in one place.
 """
 
 from __future__ import annotations
@@ -218,6 +221,9 @@ class Client:
         except grpc.RpcError as e:
             raise _Away(f"OpenSession: {e.code().name}: {e.details()}") from None
         transport = make_transport(self.transport_name)
+        if reply.data_host in ("0.0.0.0", "::", ""):
+            # The daemon listens on every interface: reach it where we reached its gRPC port.
+            reply.data_host = _grpc_host(self.address)
         try:
             transport.attach(reply.session_id, reply, self.timeout_s)
         except errors.TransportError as e:
@@ -365,20 +371,23 @@ class Client:
             return result
         items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
                              if status[i] == pb.STORE_RESERVED]
-        ok = True
+        failure = ""
         try:
             with self._data_lock:
                 self._data().write(prep.job_id, items)
         except errors.TransportError as e:
-            ok = False
-            self._trip(f"store transfer: {e}")
+            failure = f"store transfer: {e}"
         try:
-            done = self._call("CompleteStore", pb.CompleteStoreRequest(job_id=prep.job_id, ok=ok),
-                              reconnect=False)
+            # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
+            done = self._call("CompleteStore", pb.CompleteStoreRequest(
+                job_id=prep.job_id, ok=not failure), reconnect=False)
         except (_Away, errors.KvtierError):
             result.dropped += len(items)
             self.counters.puts_dropped += len(items)
             return result
+        finally:
+            if failure:
+                self._trip(failure)  # reattach the transport on the next call
         result.stored += done.committed
         result.dropped += done.aborted
         self.counters.puts_dropped += done.aborted
@@ -408,18 +417,19 @@ class Client:
             return
         items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
                              if prep.found[i]]
+        failure = ""
         try:
             with self._data_lock:
                 self._data().read(prep.job_id, items)
         except errors.TransportError as e:
-            self._trip(f"load transfer: {e}")
-            raise _Away(str(e)) from None
-        finally:
-            try:
-                self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id),
-                           reconnect=False)
-            except (_Away, errors.KvtierError):
-                pass  # the lease releases the pins
+            failure = f"load transfer: {e}"
+        try:
+            self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False)
+        except (_Away, errors.KvtierError):
+            pass  # the lease releases the pins
+        if failure:
+            self._trip(failure)
+            raise _Away(failure)
         for i, _off, _v in items:
             found[base + i] = True
         self.counters.bytes_got += len(items) * handle.block_bytes
@@ -428,6 +438,13 @@ class Client:
         if self._transport is None:
             raise errors.TransportError("no data transport attached")
         return self._transport
+
+
+def _grpc_host(address: str) -> str:
+    if address.startswith("unix:"):
+        return "127.0.0.1"
+    host = address.rpartition(":")[0]
+    return host.strip("[]") or "127.0.0.1"
 
 
 def make_transport_value(name: str) -> int:

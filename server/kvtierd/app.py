@@ -119,6 +119,8 @@ class Daemon:
             await self.shm.start()
             self.addresses["shm"] = self.shm.path
         await self.server.start()
+        if cfg.socket_path:
+            os.chmod(self._socket_path(), 0o660)  # engines of the same group may connect
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                          asyncio.get_running_loop(), self.snapshot)

@@ -243,3 +243,26 @@ def test_sigterm_drains_and_exits_cleanly(daemon: DaemonProcess) -> None:
     assert sock.exists()
     assert daemon.stop(signal.SIGTERM) == 0
     assert not sock.exists()
+
+
+def test_failed_transfer_aborts_its_reservation_at_once(daemon: DaemonProcess, transport: str) -> None:
+    from kvtier.errors import TransportError
+
+    with kvtier.Client.connect(daemon.address(transport), transport=transport) as client:
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 3)))
+
+        def broken(job_id: int, items: Any) -> None:
+            raise TransportError("cable pulled")
+
+        client._transport.write = broken  # type: ignore[union-attr,method-assign]
+        assert ns.put(keys, blocks(3, ns.block_bytes)).dropped == 3
+        stats = client.stats()
+        assert stats["writing_blocks"] == 0  # not left reserved until the lease ends
+        assert stats["total"]["stores_dropped"] == 3
+        # The client reattaches a fresh transport and the same keys store normally.
+        deadline = time.monotonic() + 5
+        while (r := ns.put(keys, blocks(3, ns.block_bytes))).stored == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.stored == 3
+

@@ -1,0 +1,55 @@
+# kvtierd container image: the daemon only (no torch, no CUDA; the shm transport needs neither).
+#
+#   docker build -t kvtier:0.1.0 .
+#   docker run --rm -v kvtier-run:/run/kvtier -p 50051:50051 -p 9464:9464 kvtier:0.1.0 --host-bytes 8GiB
+#
+# Arguments after the image name are appended to `kvtier serve` (a later flag wins), so the host
+# tier size and policy can be set per deployment; see docs/configuration.md for every flag.
+# The host tier is a memfd arena charged to this container's memory: give it a memory limit above
+# --host-bytes (about 1 GiB of headroom). Static checks of this file: tests/unit/test_deploy_files.py.
+
+# ---- build: one wheel of the package (generated protobuf modules are committed) ----------------
+FROM python:3.11-slim AS build
+WORKDIR /src
+# README* is optional: the wheel's long description when the file exists.
+COPY pyproject.toml README* ./
+COPY client ./client
+COPY server ./server
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- runtime ----------------------------------------------------------------------------------
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    KVTIER_LOG_LEVEL=INFO
+# Runtime dependencies are the pinned ones of pyproject.toml; torch is not among them.
+COPY --from=build /wheels /wheels
+RUN python -m pip install --no-cache-dir /wheels/*.whl \
+    && rm -rf /wheels \
+    && groupadd --system --gid 10001 kvtier \
+    && useradd --system --uid 10001 --gid kvtier --home-dir /var/lib/kvtier --create-home \
+       --shell /usr/sbin/nologin kvtier \
+    && mkdir -p /run/kvtier \
+    && chown kvtier:kvtier /run/kvtier \
+    && chmod 0770 /run/kvtier
+WORKDIR /var/lib/kvtier
+# Numeric, so that Kubernetes' runAsNonRoot can verify it.
+USER 10001:10001
+
+# /run/kvtier holds the gRPC Unix socket and the shm fd socket (kvtier.sock.shm) beside it: mount
+# a volume there that the engine containers share, at the same path (the path is advertised).
+VOLUME ["/run/kvtier"]
+# 50051: gRPC control plane (and gRPC health, reflection); 9464: Prometheus /metrics.
+# The TCP data channel listens on 127.0.0.1 with an OS-chosen port (pod-local; see docs).
+EXPOSE 50051 9464
+
+# Health: the standard gRPC health service, asked for the Kvtier service (NOT_SERVING while
+# draining). Exits 0 only on SERVING; any error (refused, deadline) exits 1.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(service='kvtier.v1.Kvtier'), timeout=3); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"]
+
+# SIGTERM drains (stores refused, in-flight jobs get drain_timeout_s, 5 s by default); a second
+# signal exits at once. Docker's default stop timeout (10 s) leaves room for the drain.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["kvtier", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "0.0.0.0:50051", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
+CMD []

@@ -1,0 +1,305 @@
+"""Static checks of the Dockerfile and the Kubernetes manifest (no docker, no cluster needed).
+
+The `kvtier serve` flags both files use are parsed by the real ``kvtier.cli.build_parser()`` and
+matched against its option strings exactly (argparse would accept a prefix of a renamed flag), then
+turned into a validated ``DaemonConfig``. Ports, paths and sizes must agree across the files. PyYAML
+is not a dependency: the manifest is read with a small indentation-based helper (``node``) and the
+kvtier container's ``command``/``args`` are one-line JSON-style lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.cli import build_parser
+from kvtierd.app import SERVICE_NAME
+from kvtierd.config import DaemonConfig, with_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+SIDECAR = ROOT / "deploy" / "kubernetes" / "sidecar.yaml"
+IMAGE = "python:3.11-slim"
+
+# -- helpers: kvtier serve ------------------------------------------------------------------------
+
+
+def serve_options() -> set[str]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {s for a in sub.choices["serve"]._actions for s in a.option_strings}
+
+
+def parse_serve(argv: list[str]) -> tuple[argparse.Namespace, DaemonConfig]:
+    """``argv`` starts with ``kvtier serve``: every flag must exist verbatim and parse."""
+    assert argv[:2] == ["kvtier", "serve"], argv
+    unknown = [a for a in argv[2:] if a.startswith("--") and a.split("=")[0] not in serve_options()]
+    assert not unknown, f"flags not offered by `kvtier serve`: {unknown}"
+    try:
+        args = build_parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"`kvtier serve` rejects {argv[2:]}")
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
+    return args, cfg
+
+
+def port_of(hostport: str) -> int:
+    return int(hostport.rpartition(":")[2])
+
+
+# -- helpers: Dockerfile --------------------------------------------------------------------------
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        word, _, rest = (pending + line).strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        pending = ""
+    assert not pending, "Dockerfile ends inside a continuation"
+    return out
+
+
+def final_stage() -> list[tuple[str, str]]:
+    ins = instructions()
+    last_from = max(i for i, (word, _) in enumerate(ins) if word == "FROM")
+    return ins[last_from:]
+
+
+def exec_form(word: str) -> list[str]:
+    values = [rest for w, rest in final_stage() if w == word]
+    assert values, f"no {word} in the final stage"
+    parsed = json.loads(values[-1])
+    assert isinstance(parsed, list) and all(isinstance(a, str) for a in parsed), values[-1]
+    return parsed
+
+
+def healthcheck_argv() -> list[str]:
+    checks = [rest for w, rest in final_stage() if w == "HEALTHCHECK"]
+    assert len(checks) == 1, "one HEALTHCHECK in the final stage"
+    m = re.search(r"\bCMD\s+(\[.*\])\s*$", checks[0])
+    assert m, f"HEALTHCHECK must use the exec form CMD [...]: {checks[0]}"
+    argv = json.loads(m.group(1))
+    assert isinstance(argv, list)
+    return [str(a) for a in argv]
+
+
+def docker_serve_argv() -> list[str]:
+    return exec_form("ENTRYPOINT") + exec_form("CMD")
+
+
+# -- helpers: the manifest ------------------------------------------------------------------------
+
+
+def node(lines: list[str], pattern: str) -> list[str]:
+    """The first line matching ``pattern`` and every following line indented deeper than it."""
+    for i, line in enumerate(lines):
+        if re.match(pattern, line):
+            indent = len(line) - len(line.lstrip(" "))
+            block = [line]
+            for nxt in lines[i + 1 :]:
+                if nxt.strip() and not nxt.lstrip().startswith("#") and \
+                        len(nxt) - len(nxt.lstrip(" ")) <= indent:
+                    break
+                block.append(nxt)
+            return block
+    raise AssertionError(f"no line matches {pattern!r}")
+
+
+def value(lines: list[str], key: str) -> str:
+    for line in lines:
+        m = re.match(rf"^\s*(?:- )?{re.escape(key)}:\s*(.+?)\s*(?:#.*)?$", line)
+        if m:
+            return m.group(1).strip("\"'")
+    raise AssertionError(f"no {key!r} in {lines[:1]}")
+
+
+def flow_list(lines: list[str], key: str) -> list[str]:
+    text = next(ln for ln in lines if re.match(rf"^\s*{key}:\s*\[", ln))
+    parsed = json.loads(text.split(":", 1)[1])
+    assert isinstance(parsed, list)
+    return [str(a) for a in parsed]
+
+
+def manifest() -> list[str]:
+    return SIDECAR.read_text().splitlines()
+
+
+def container(name: str) -> list[str]:
+    return node(manifest(), rf"^\s*- name: {name}\s*$")
+
+
+def kvtier_serve_argv() -> list[str]:
+    c = container("kvtier")
+    return flow_list(c, "command") + flow_list(c, "args")
+
+
+_QUANTITY = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(q: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMGT]i|[kMGT]?)", q)
+    assert m, f"unsupported memory quantity {q!r}"
+    return int(m.group(1)) * _QUANTITY[m.group(2)]
+
+
+# -- Dockerfile -----------------------------------------------------------------------------------
+
+
+def test_dockerfile_builds_from_python_slim_without_torch() -> None:
+    ins = instructions()
+    bases = [rest.split()[0] for w, rest in ins if w == "FROM"]
+    assert bases and all(b == IMAGE for b in bases), bases
+    runs = " ".join(rest for w, rest in ins if w == "RUN")
+    assert "pip" in runs and "torch" not in runs and "cuda" not in runs.lower()
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
+    stage = final_stage()
+    users = [i for i, (w, _) in enumerate(stage) if w == "USER"]
+    assert users, "no USER in the final stage: the daemon would run as root"
+    user = stage[users[-1]][1].split(":")
+    assert user[0].isdigit() and int(user[0]) != 0, f"USER {stage[users[-1]][1]}"
+    assert all(g.isdigit() and int(g) != 0 for g in user[1:])
+    entry = next(i for i, (w, _) in enumerate(stage) if w == "ENTRYPOINT")
+    assert users[-1] < entry
+    assert not [w for w, _ in stage[users[-1]:] if w == "RUN"], "RUN after USER runs as the user"
+
+
+def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
+    args, cfg = parse_serve(docker_serve_argv())
+    assert cfg.socket_path == "/run/kvtier/kvtier.sock"
+    assert cfg.listen == "0.0.0.0:50051"
+    assert cfg.metrics_host == "0.0.0.0"
+    exposed = {int(p.split("/")[0]) for w, rest in final_stage() if w == "EXPOSE" for p in rest.split()}
+    assert {port_of(cfg.listen), cfg.metrics_port} <= exposed, exposed
+    volumes = [rest for w, rest in final_stage() if w == "VOLUME"]
+    assert any(str(Path(cfg.socket_path).parent) in v for v in volumes), volumes
+
+
+def test_dockerfile_healthcheck_asks_grpc_health_on_the_listen_port() -> None:
+    argv = healthcheck_argv()
+    _, cfg = parse_serve(docker_serve_argv())
+    assert argv[:2] == ["python", "-c"], argv
+    compile(argv[2], "<HEALTHCHECK>", "exec")
+    assert "grpc_health.v1" in argv[2]
+    assert f"127.0.0.1:{port_of(cfg.listen)}" in argv[2]
+    assert f"service='{SERVICE_NAME}'" in argv[2]
+
+
+def test_healthcheck_command_passes_on_a_live_daemon_and_fails_once_it_stops(daemon: Any) -> None:
+    """The HEALTHCHECK's own code, pointed at a test daemon instead of 127.0.0.1:50051."""
+    _, cfg = parse_serve(docker_serve_argv())
+    code = healthcheck_argv()[2].replace(f"127.0.0.1:{port_of(cfg.listen)}", daemon.grpc)
+
+    def check() -> int:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30).returncode
+
+    assert check() == 0  # SERVING
+    daemon.stop()
+    assert check() != 0  # refused: unhealthy
+
+
+def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored() -> None:
+    ignored = [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")]
+    for must in (".venv", "run", ".git"):
+        assert must in ignored, f".dockerignore must exclude {must}"
+    for word, rest in instructions():
+        if word != "COPY" or rest.startswith("--from"):
+            continue
+        *sources, _dest = shlex.split(rest)
+        for src in sources:
+            if any(ch in src for ch in "*?["):
+                continue  # optional by design: a wildcard may match nothing
+            assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+            hit = [p for p in ignored if fnmatch.fnmatch(src.rstrip("/"), p)]
+            assert not hit, f"COPY {src} is excluded by .dockerignore {hit}"
+
+
+# -- Kubernetes sidecar ---------------------------------------------------------------------------
+
+
+def test_sidecar_is_a_deployment_with_an_engine_and_kvtier() -> None:
+    text = SIDECAR.read_text()
+    assert "\t" not in text, "YAML must be indented with spaces"
+    assert re.search(r"^apiVersion: apps/v1$", text, re.M)
+    assert re.search(r"^kind: Deployment$", text, re.M)
+    container("engine")
+    container("kvtier")
+
+
+def test_sidecar_serve_flags_exist_and_the_socket_dir_is_shared_at_the_same_path() -> None:
+    _, cfg = parse_serve(kvtier_serve_argv())
+    socket_dir = str(Path(cfg.socket_path).parent)
+    for name in ("engine", "kvtier"):
+        mounts = node(container(name), r"^\s*volumeMounts:")
+        assert re.search(rf"- name: kvtier-run\s*\n\s*mountPath: {re.escape(socket_dir)}\s*$",
+                         "\n".join(mounts), re.M), f"{name} must mount kvtier-run at {socket_dir}"
+    volume = node(manifest(), r"^\s*- name: kvtier-run\s*$")  # the first one is the pod volume
+    assert any(re.match(r"^\s*emptyDir:", ln) for ln in volume), volume
+    assert any(f"unix://{cfg.socket_path}" in ln for ln in container("engine"))
+
+
+def test_sidecar_memory_limit_exceeds_the_host_tier() -> None:
+    _, cfg = parse_serve(kvtier_serve_argv())
+    resources = node(container("kvtier"), r"^\s*resources:")
+    limit = quantity_bytes(value(node(resources, r"^\s*limits:"), "memory"))
+    request = quantity_bytes(value(node(resources, r"^\s*requests:"), "memory"))
+    assert limit > cfg.host_bytes, (limit, cfg.host_bytes)
+    assert request == limit  # the arena is prefaulted: all of it is used from the start
+
+
+@pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
+def test_sidecar_probes_use_grpc_health_on_the_listen_port(probe: str) -> None:
+    _, cfg = parse_serve(kvtier_serve_argv())
+    grpc_node = node(node(container("kvtier"), rf"^\s*{probe}:"), r"^\s*grpc:")
+    assert int(value(grpc_node, "port")) == port_of(cfg.listen)
+    service = [ln for ln in grpc_node if re.match(r"^\s*service:", ln)]
+    if service:
+        assert value(grpc_node, "service") == SERVICE_NAME
+
+
+def test_sidecar_ports_and_prometheus_annotations_agree_with_the_flags() -> None:
+    _, cfg = parse_serve(kvtier_serve_argv())
+    assert cfg.listen.startswith("0.0.0.0:"), "kubelet probes and Prometheus reach the pod IP"
+    assert cfg.metrics_host == "0.0.0.0"
+    ports = {int(p) for p in re.findall(r"containerPort:\s*(\d+)", "\n".join(container("kvtier")))}
+    assert {port_of(cfg.listen), cfg.metrics_port} <= ports
+    annotations = node(manifest(), r"^\s{6}annotations:")
+    assert value(annotations, "prometheus.io/scrape") == "true"
+    assert int(value(annotations, "prometheus.io/port")) == cfg.metrics_port
+
+
+def test_sidecar_kvtier_container_runs_as_non_root() -> None:
+    sc = node(container("kvtier"), r"^\s*securityContext:")
+    assert value(sc, "runAsNonRoot") == "true"
+    assert int(value(sc, "runAsUser")) != 0
+    assert value(sc, "allowPrivilegeEscalation") == "false"
+
+
+def test_sidecar_parses_as_yaml_when_pyyaml_is_installed() -> None:
+    yaml = pytest.importorskip("yaml")
+    docs = [d for d in yaml.safe_load_all(SIDECAR.read_text()) if d]
+    assert [d["kind"] for d in docs] == ["Deployment"]
+    containers = {c["name"]: c for c in docs[0]["spec"]["template"]["spec"]["containers"]}
+    assert containers["kvtier"]["command"] + containers["kvtier"]["args"] == kvtier_serve_argv()
