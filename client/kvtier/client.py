@@ -452,10 +452,9 @@ def make_transport_value(name: str) -> int:
 
 
 def _pack_keys(keys: Sequence[bytes]) -> bytes:
-    packed = b"".join(keys)
-    if len(packed) != 32 * len(keys) or any(len(k) != 32 for k in keys):
+    if any(not isinstance(k, bytes) or len(k) != 32 for k in keys):
         raise errors.InvalidArgument("every block key must be 32 bytes", field="keys")
-    return packed
+    return b"".join(keys)
 
 
 class NamespaceHandle:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -41,7 +42,7 @@ def parse_bytes(value: str | int, *, field: str = "size") -> int:
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{field}: cannot parse size {value!r} (examples: 1GiB, 512MiB, 4096)")
-    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    n = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: "16.1KB" is 16100 bytes
     if n != int(n):
         raise ValueError(f"{field}: {value!r} is not a whole number of bytes")
     return int(n)

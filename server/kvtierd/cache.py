@@ -19,9 +19,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from kvtier.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvtier.errors import ResourceExhausted
+from kvtier.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvtier.identity import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.index import Entry, EntryState, NamespaceState
@@ -52,6 +58,9 @@ class LoadJob:
     ns: NamespaceState
     transport: int
     items: dict[int, Entry]  # key index in the request -> pinned entry
+
+
+J = TypeVar("J", StoreJob, LoadJob)
 
 
 class TieredCache:
@@ -141,7 +150,7 @@ class TieredCache:
         offsets = [0] * len(keys)
         items: dict[int, Entry] = {}
         protect: set[Entry] = set()  # READY keys of this batch: not evicted to make room for it
-        for i, k in enumerate(keys):
+        for k in keys:
             e = ns.entries.get(k)
             if e is not None and e.state is EntryState.READY:
                 protect.add(e)
@@ -281,7 +290,7 @@ class TieredCache:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _job(self, session: Session, job_id: int, kind: type[StoreJob] | type[LoadJob]) -> StoreJob | LoadJob:
+    def _job(self, session: Session, job_id: int, kind: type[J]) -> J:
         job = self._jobs.get(job_id)
         if job is None:
             raise NotFound(f"unknown or finished job {job_id}", field="job_id")
@@ -310,21 +319,31 @@ class TieredCache:
         self.pinned_blocks -= len(job.items)
 
     def _allocate(self, slot_bytes: int, protect: set[Entry]) -> int | None:
+        """A free slot of ``slot_bytes``, evicting in policy order if needed; None if none can be.
+
+        Walks victims in policy order and takes whichever comes first: an evictable entry of the
+        same size class (its slot is reused), or a slab of another class whose every live slot
+        holds an evictable entry (those entries are evicted and the slab moves to this class).
+        So slabs follow demand instead of staying with the class that took them first, and a
+        store that cannot be placed evicts nothing: pinned and WRITING entries keep their slabs.
+        """
         off = self.host.alloc(slot_bytes)
         if off is not None:
             return off
-        # 1) evict the best victim of the same size class: its slot is ours.
+        groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
         for e in self.policy.victims():
-            if e.pins == 0 and e.ns.slot_bytes == slot_bytes and e not in protect:
+            if e.pins or e in protect:
+                continue
+            if e.ns.slot_bytes == slot_bytes:
                 self._evict(e)
                 return self.host.alloc(slot_bytes)
-        # 2) the class starves: evict in policy order until some slab empties and moves to us.
-        for e in self.policy.victims():
-            if e.pins == 0 and e not in protect:
-                self._evict(e)
-                off = self.host.alloc(slot_bytes)
-                if off is not None:
-                    return off
+            slab = self.host.slab_of(e.offset)
+            group = groups.setdefault(slab, [])
+            group.append(e)
+            if len(group) == self.host.live_slots(slab):
+                for victim in group:
+                    self._evict(victim)
+                return self.host.alloc(slot_bytes)  # the emptied slab is back in the pool
         return None
 
     def _evict(self, e: Entry) -> None:

@@ -18,6 +18,10 @@ from kvtier.units import parse_bytes
 
 EvictionName = Literal["lru", "arc"]
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes")
+# Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,14 +83,26 @@ def validate(cfg: DaemonConfig) -> None:
         if not cond:
             raise ValueError(f"{name}: {msg}")
 
+    # Types first: a config file can hold anything, and a str where an int belongs must be a
+    # ValueError naming the field, not a TypeError from a comparison below.
+    for f in dataclasses.fields(cfg):
+        kinds = _FIELD_TYPES.get(str(f.type))
+        value = getattr(cfg, f.name)
+        if kinds is not None:
+            need(isinstance(value, kinds) and (f.type == "bool" or not isinstance(value, bool)),
+                 f.name, f"expected {f.type}, got {type(value).__name__} {value!r}")
     need(cfg.slot_align_bytes > 0 and cfg.slot_align_bytes & (cfg.slot_align_bytes - 1) == 0,
          "slot_align_bytes", "must be a power of two")
     need(cfg.slab_bytes >= cfg.slot_align_bytes and cfg.slab_bytes % cfg.slot_align_bytes == 0,
          "slab_bytes", "must be a positive multiple of slot_align_bytes")
     need(cfg.host_bytes >= cfg.slab_bytes, "host_bytes", "must hold at least one slab")
     need(cfg.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
-    need(0 < cfg.min_lease_ttl_s <= cfg.lease_ttl_s <= cfg.max_lease_ttl_s,
-         "lease_ttl_s", "must satisfy 0 < min_lease_ttl_s <= lease_ttl_s <= max_lease_ttl_s")
+    need(cfg.min_lease_ttl_s > 0, "min_lease_ttl_s", "must be > 0")
+    need(cfg.max_lease_ttl_s >= cfg.min_lease_ttl_s, "max_lease_ttl_s",
+         "must be >= min_lease_ttl_s")
+    need(cfg.min_lease_ttl_s <= cfg.lease_ttl_s <= cfg.max_lease_ttl_s,
+         "lease_ttl_s", "must satisfy min_lease_ttl_s <= lease_ttl_s <= max_lease_ttl_s")
+    need(cfg.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
     need(cfg.lease_sweep_s > 0, "lease_sweep_s", "must be > 0")
     need(1 <= cfg.max_batch_blocks <= 1 << 16, "max_batch_blocks", "must be in [1, 65536]")
     need(cfg.max_sessions >= 1, "max_sessions", "must be >= 1")
@@ -126,6 +142,8 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     p = Path(path)
     text = p.read_text()
     raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: expected a table of DaemonConfig fields, got {type(raw).__name__}")
     if "kvtierd" in raw and isinstance(raw["kvtierd"], dict):
         raw = raw["kvtierd"]
     return DaemonConfig(**_coerce(raw))

@@ -46,6 +46,8 @@ class SessionTable:
 
     def open(self, client_name: str, ttl_s: float | None, transport: int = 0) -> Session:
         if len(self._sessions) >= self._max:
+            self.sweep()  # lapsed leases the sweeper has not collected yet do not count
+        if len(self._sessions) >= self._max:
             raise ResourceExhausted(f"too many sessions (max {self._max})", field="session")
         ttl = self._default_ttl if not ttl_s else min(max(ttl_s, self._min_ttl), self._max_ttl)
         sid = secrets.randbits(63) or 1

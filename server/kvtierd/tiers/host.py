@@ -6,6 +6,8 @@ Primitives (all O(1) amortized):
 * ``alloc(slot_bytes)`` -> arena offset, or None when no slot of that class is free and no slab is.
 * ``free(offset, slot_bytes)``: the slot returns to its slab; an emptied slab returns to the pool,
   so slabs move between classes: a class that starves gets the slabs that others emptied.
+* ``slab_of(offset)`` / ``live_slots(slab)``: which slab a slot is in and how many of its slots
+  are allocated (the cache uses them to empty exactly one slab for a starving class).
 
 The arena is a memfd (``memfd_create``): the daemon maps it once, and same-host clients map the
 same pages after receiving the fd over a Unix socket (the shm transport), so the daemon never
@@ -126,3 +128,11 @@ class HostTier:
 
     def free_slabs(self) -> int:
         return len(self._free_slabs)
+
+    def slab_of(self, offset: int) -> int:
+        """Index of the slab that holds the slot at ``offset``."""
+        return offset // self.slab_bytes
+
+    def live_slots(self, slab: int) -> int:
+        """Allocated slots in slab ``slab`` (0 while it is in the pool)."""
+        return self._slabs[slab].live

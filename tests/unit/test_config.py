@@ -1,0 +1,151 @@
+"""DaemonConfig: data validated once; every bad value is a ValueError that names its field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtierd.config import DaemonConfig, load_config, with_overrides
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def test_the_embedded_default_is_valid() -> None:
+    cfg = DaemonConfig()
+    assert cfg.host_bytes == GIB and cfg.slab_bytes == 64 * MIB
+    assert cfg.eviction_policy == "lru"
+    assert cfg.shm_socket_path == "run/kvtier.sock.shm"
+    assert load_config(None) == cfg
+
+
+def test_the_shm_socket_sits_beside_the_grpc_socket() -> None:
+    assert DaemonConfig(socket_path="/x/k.sock").shm_socket_path == "/x/k.sock.shm"
+    cfg = DaemonConfig(socket_path="", listen="127.0.0.1:1", run_dir="/r")
+    assert cfg.shm_socket_path == "/r/kvtier.sock.shm"
+
+
+BAD: list[tuple[str, dict[str, Any]]] = [
+    ("slot_align_bytes", {"slot_align_bytes": 3000}),
+    ("slot_align_bytes", {"slot_align_bytes": 0}),
+    ("slab_bytes", {"slab_bytes": 4096 * 3 + 1}),
+    ("slab_bytes", {"slab_bytes": 2048}),  # smaller than the alignment
+    ("host_bytes", {"host_bytes": 32 * MIB}),  # less than one 64 MiB slab
+    ("eviction_policy", {"eviction_policy": "fifo"}),
+    ("min_lease_ttl_s", {"min_lease_ttl_s": 0.0}),
+    ("max_lease_ttl_s", {"max_lease_ttl_s": 0.1}),  # below min_lease_ttl_s = 0.2
+    ("lease_ttl_s", {"lease_ttl_s": 0.1}),
+    ("lease_ttl_s", {"lease_ttl_s": 301.0}),
+    ("lease_ttl_s", {"lease_ttl_s": float("nan")}),
+    ("lease_sweep_s", {"lease_sweep_s": 0}),
+    ("max_batch_blocks", {"max_batch_blocks": 0}),
+    ("max_batch_blocks", {"max_batch_blocks": 65537}),
+    ("max_sessions", {"max_sessions": 0}),
+    ("max_namespaces", {"max_namespaces": 0}),
+    ("metrics_port", {"metrics_port": -2}),
+    ("metrics_port", {"metrics_port": 65536}),
+    ("drain_timeout_s", {"drain_timeout_s": -1.0}),
+    ("listen", {"listen": "127.0.0.1"}),
+    ("listen", {"listen": ":50051"}),
+    ("listen", {"listen": "127.0.0.1:99999"}),
+    ("listen", {"listen": "", "socket_path": ""}),  # no way to reach the daemon
+    ("data_listen", {"data_listen": "localhost:port"}),
+    ("extra", {"extra": {"hots_bytes": 1}}),
+    # wrong types are named too (a config file can hold anything)
+    ("host_bytes", {"host_bytes": "1GiB"}),
+    ("max_batch_blocks", {"max_batch_blocks": 1.5}),
+    ("max_sessions", {"max_sessions": True}),
+    ("lease_ttl_s", {"lease_ttl_s": "10"}),
+    ("prefault", {"prefault": "no"}),
+    ("shm_enabled", {"shm_enabled": 1}),
+    ("socket_path", {"socket_path": None}),
+]
+
+
+@pytest.mark.parametrize(("field", "values"), BAD, ids=[f"{f}={v}" for f, v in BAD])
+def test_each_bad_field_is_named(field: str, values: dict[str, Any]) -> None:
+    with pytest.raises(ValueError) as exc:
+        DaemonConfig(**values)
+    assert str(exc.value).startswith(f"{field}: "), str(exc.value)
+
+
+def test_good_edge_values_are_accepted() -> None:
+    cfg = DaemonConfig(host_bytes=64 * MIB, metrics_port=-1, listen="", max_batch_blocks=65536,
+                       lease_ttl_s=5, min_lease_ttl_s=5, max_lease_ttl_s=5, drain_timeout_s=0,
+                       data_listen="", slot_align_bytes=1 << 12, slab_bytes=4096)
+    assert cfg.lease_ttl_s == 5 and cfg.slab_bytes == 4096
+
+
+def test_with_overrides_applies_non_none_values_and_validates() -> None:
+    cfg = with_overrides(DaemonConfig(), host_bytes="2GiB", slab_bytes=None, listen="",
+                         eviction_policy="arc")
+    assert (cfg.host_bytes, cfg.slab_bytes, cfg.listen) == (2 * GIB, 64 * MIB, "")
+    assert cfg.eviction_policy == "arc"
+    with pytest.raises(ValueError, match="^eviction_policy: "):
+        with_overrides(cfg, eviction_policy="mru")
+    with pytest.raises(ValueError, match="^slab_bytes: "):
+        with_overrides(cfg, slab_bytes="lots")
+
+
+def test_load_config_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "kvtierd.toml"
+    path.write_text('host_bytes = "1GiB"\nslab-bytes = "16 MiB"\neviction_policy = "arc"\n'
+                    "lease_ttl_s = 3\nprefault = false\n")
+    cfg = load_config(path)
+    # sizes parsed, dashes accepted, the rest from the default
+    assert (cfg.host_bytes, cfg.slab_bytes) == (GIB, 16 * MIB)
+    assert cfg.eviction_policy == "arc" and cfg.lease_ttl_s == 3 and cfg.prefault is False
+    assert cfg.max_batch_blocks == DaemonConfig().max_batch_blocks
+
+
+def test_load_config_from_a_kvtierd_table(tmp_path: Path) -> None:
+    path = tmp_path / "all.toml"
+    path.write_text('[kvtierd]\nhost_bytes = "2GiB"\nslot_align_bytes = "16KiB"\n')
+    cfg = load_config(path)
+    assert (cfg.host_bytes, cfg.slot_align_bytes) == (2 * GIB, 16 << 10)
+
+
+def test_load_config_from_json(tmp_path: Path) -> None:
+    path = tmp_path / "kvtierd.json"
+    path.write_text(json.dumps({"host_bytes": "1GiB", "slab_bytes": 8 * MIB,
+                                "max_batch_blocks": 128, "metrics_port": -1}))
+    cfg = load_config(path)
+    assert (cfg.host_bytes, cfg.slab_bytes, cfg.max_batch_blocks) == (GIB, 8 * MIB, 128)
+    assert cfg.metrics_port == -1
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ('{"host_bytes": "1GiB", "hots_bytes": 1}', "hots_bytes"),  # unknown key named
+    ('{"host_bytes": "1 GiBs"}', "host_bytes"),  # unparsable size
+    ('{"host_bytes": -1}', "host_bytes"),
+    ('{"max_batch_blocks": "10"}', "max_batch_blocks"),  # a string where an int belongs
+    ('{"eviction_policy": "lfu"}', "eviction_policy"),
+    ('{"extra": {}}', "extra"),  # not a settable field
+])
+def test_load_config_rejects_bad_files_naming_the_field(tmp_path: Path, text: str,
+                                                        field: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=field):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("list.json", "[1, 2]"),
+    ("broken.json", "{"),
+    ("broken.toml", "host_bytes = "),
+])
+def test_load_config_rejects_files_that_are_not_a_table(tmp_path: Path, name: str,
+                                                        text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError):
+        load_config(path)
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DaemonConfig().host_bytes = 1  # type: ignore[misc]
