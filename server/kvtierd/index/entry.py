@@ -57,4 +57,7 @@ class NamespaceState:
     block_bytes: int
     slot_bytes: int
     entries: dict[bytes, Entry] = field(default_factory=dict)
+    """Every entry of the namespace, WRITING or READY."""
+    ready: dict[bytes, Entry] = field(default_factory=dict)
+    """The READY subset: lookups and loads read only this one (a C-speed map over a chain)."""
     counters: Counters = field(default_factory=Counters)

@@ -39,7 +39,7 @@ thread only; there are no locks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import islice
 from typing import Generic, TypeVar
 
@@ -64,6 +64,11 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def touch(self, key: K) -> None:
         """Record a hit on ``key``; no-op if ``key`` is not resident."""
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        """``touch`` each key in order (policies may do it faster)."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def remove(self, key: K, *, evicted: bool) -> None:
