@@ -47,22 +47,27 @@ class DaemonConfig:
     shm_enabled: bool = True
     """Hand the arena fd to same-host clients (the shm transport)."""
     metrics_host: str = "127.0.0.1"
+    """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts)."""
     metrics_port: int = 9464
     """Prometheus /metrics port (-1 disables, 0 picks a free port)."""
     lease_ttl_s: float = 10.0
     """Default session lease; a session silent for longer loses its reservations and pins."""
     min_lease_ttl_s: float = 0.2
+    """Shortest lease a client may ask for (shorter requests are raised to this)."""
     max_lease_ttl_s: float = 300.0
+    """Longest lease a client may ask for (longer requests are lowered to this)."""
     lease_sweep_s: float = 0.1
     """How often expired leases are collected."""
     max_batch_blocks: int = 4096
     """Most keys in one Lookup / PrepareStore / PrepareLoad (more is RESOURCE_EXHAUSTED)."""
     max_sessions: int = 4096
+    """Most open sessions; one more OpenSession is RESOURCE_EXHAUSTED."""
     max_namespaces: int = 1024
+    """Most registered namespaces; one more RegisterNamespace is RESOURCE_EXHAUSTED."""
     drain_timeout_s: float = 5.0
     """On SIGTERM: how long in-flight jobs may take to finish before the daemon exits anyway."""
     run_dir: str = "run"
-    """Where relative socket paths live and a pid file is written."""
+    """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Unknown keys are rejected; this stays empty (reserved for forward compatibility)."""
 
