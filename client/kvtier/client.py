@@ -425,8 +425,10 @@ class Client:
             failure = f"load transfer: {e}"
         try:
             self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False)
-        except (_Away, errors.KvtierError):
-            pass  # the lease releases the pins
+        except (_Away, errors.KvtierError) as e:
+            # Only a completed load proves the pins held during the copy; if the lease lapsed
+            # the slots may have been reused under us: the bytes are not trusted, all misses.
+            failure = failure or f"load not confirmed: {e}"
         if failure:
             self._trip(failure)
             raise _Away(failure)

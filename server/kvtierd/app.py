@@ -136,6 +136,7 @@ class Daemon:
             n = self.sessions.sweep()
             if n:
                 log.info("expired %d session lease(s)", n)
+            self.cache.sweep_limbo()
 
     def snapshot(self) -> dict[str, Any]:
         """Stats as plain data (event-loop thread): the Stats reply plus RPC figures."""

@@ -17,7 +17,9 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -71,8 +73,12 @@ class TieredCache:
     """
 
     def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *, max_namespaces: int,
-                 policy_name: str = "lru") -> None:
+                 policy_name: str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
+        self._clock = clock
+        # Slots of stores aborted by lease expiry, held back until a deadline: the session's
+        # process may be stalled, not dead, and still copying into them over shm.
+        self._limbo: deque[tuple[float, int, int]] = deque()  # (free at, offset, slot_bytes)
         self.policy = policy
         self.policy_name = policy_name
         self.namespaces: dict[int, NamespaceState] = {}
@@ -179,7 +185,7 @@ class TieredCache:
         return job, bytes(status), offsets
 
     def complete_store(self, session: Session, job_id: int, ok: bool,
-                       item_ok: Sequence[bool] = ()) -> tuple[int, int]:
+                       item_ok: Sequence[bool] = (), *, hold_until: float = 0.0) -> tuple[int, int]:
         job = self._job(session, job_id, StoreJob)
         if item_ok and len(item_ok) != len(job.items):
             raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
@@ -201,7 +207,7 @@ class TieredCache:
                 c.resident_bytes += ns.block_bytes
                 committed += 1
             else:
-                self._free(e)
+                self._free(e, hold_until)
                 aborted += 1
         self.writing_blocks -= len(job.items)
         c.stores_accepted += committed
@@ -237,13 +243,31 @@ class TieredCache:
     # -- sessions ---------------------------------------------------------------------------------
 
     def release_session(self, session: Session) -> None:
-        """Abort the session's store jobs and release its pins (close or lease expiry)."""
+        """Abort the session's store jobs and release its pins (close or lease expiry).
+
+        After an expiry the aborted slots stay out of use for one more lease period (limbo): a
+        stalled shm writer that wakes up late then writes into a slot nobody else holds.
+        """
+        hold_until = self._clock() + session.ttl_s if session.expired else 0.0
         for job_id in list(session.store_jobs):
-            self.complete_store(session, job_id, ok=False)
+            self.complete_store(session, job_id, ok=False, hold_until=hold_until)
         for job_id in list(session.load_jobs):
             job = self._jobs[job_id]
             assert isinstance(job, LoadJob)
             self._finish_load(session, job)
+
+    def sweep_limbo(self) -> int:
+        """Return held-back slots whose time has come to the tier; how many were returned."""
+        now, n = self._clock(), 0
+        while self._limbo and self._limbo[0][0] <= now:
+            _, offset, slot_bytes = self._limbo.popleft()
+            self.host.free(offset, slot_bytes)
+            n += 1
+        return n
+
+    @property
+    def limbo_blocks(self) -> int:
+        return len(self._limbo)
 
     # -- data plane hooks -------------------------------------------------------------------------
 
@@ -357,7 +381,10 @@ class TieredCache:
         c.resident_bytes -= e.ns.block_bytes
         self._free(e)
 
-    def _free(self, e: Entry) -> None:
+    def _free(self, e: Entry, hold_until: float = 0.0) -> None:
         e.job = 0  # a data channel still holding this entry sees it is no longer its to write
         del e.ns.entries[e.key]
-        self.host.free(e.offset, e.ns.slot_bytes)
+        if hold_until:
+            self._limbo.append((hold_until, e.offset, e.ns.slot_bytes))
+        else:
+            self.host.free(e.offset, e.ns.slot_bytes)

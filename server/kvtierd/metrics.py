@@ -72,6 +72,8 @@ class KvtierCollector:
         yield g("kvtier_pinned_blocks", "Blocks pinned by loads", value=snap["pinned_blocks"])
         yield g("kvtier_writing_blocks", "Blocks reserved and being written",
                 value=snap["writing_blocks"])
+        yield g("kvtier_limbo_blocks", "Slots held back after a lease expiry",
+                value=snap["limbo_blocks"])
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",

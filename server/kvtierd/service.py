@@ -207,7 +207,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             total=_counters(c.totals()), host_capacity_bytes=c.host.capacity_bytes,
             host_used_bytes=c.host.used_bytes, sessions=len(self.sessions),
             leases_expired=self.sessions.expired_total, pinned_blocks=c.pinned_blocks,
-            writing_blocks=c.writing_blocks, eviction_policy=c.policy_name)
+            writing_blocks=c.writing_blocks, eviction_policy=c.policy_name,
+            limbo_blocks=c.limbo_blocks)
         for ns in c.namespaces.values():
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,

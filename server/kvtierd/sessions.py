@@ -24,6 +24,7 @@ class Session:
     transport: int = 0
     store_jobs: set[int] = field(default_factory=set)
     load_jobs: set[int] = field(default_factory=set)
+    expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
 
 
 class SessionTable:
@@ -88,4 +89,5 @@ class SessionTable:
         del self._sessions[s.id]
         if expired:
             self.expired_total += 1
+            s.expired = True
         self._on_release(s)

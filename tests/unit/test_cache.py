@@ -565,3 +565,34 @@ def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     assert total.stores_accepted == 5 and total.evictions == 1 and total.resident_blocks == 4
     assert total.lookups == 2 and total.loads == 1
     assert cache.host.used_bytes == 4 * BLOCK
+
+
+def test_slots_of_an_expired_writer_are_held_back_one_lease(make_cache: MakeCache) -> None:
+    now = [100.0]
+    cache = make_cache()
+    cache._clock = lambda: now[0]  # noqa: SLF001  (a fake clock for the limbo deadline)
+    ns = cache.register_namespace(spec())
+    put(cache, ns, keys(1, 2))
+    writer = session(2)
+    cache.prepare_store(writer, ns, keys(3, 4), SHM)
+    # [1 2 3w 4w]; the writer's lease lapses (it may only be stalled, still copying over shm)
+    writer.expired = True
+    cache.release_session(writer)
+    assert cache.writing_blocks == 0 and cache.limbo_blocks == 2
+    assert resident(ns) == set(keys(1, 2))
+    # the two slots are not handed out again: a new store must evict instead
+    assert put(cache, ns, keys(5)) == st(RESERVED)
+    assert ns.counters.evictions == 1 and cache.limbo_blocks == 2
+    now[0] += writer.ttl_s - 1
+    assert cache.sweep_limbo() == 0
+    now[0] += 1
+    assert cache.sweep_limbo() == 2
+    assert put(cache, ns, keys(6, 7)) == st(RESERVED, RESERVED)
+    assert ns.counters.evictions == 1  # the returned slots took them
+
+
+def test_a_closed_session_frees_its_slots_at_once(cache: TieredCache, ns: NamespaceState) -> None:
+    writer = session(2)
+    cache.prepare_store(writer, ns, keys(3, 4), SHM)
+    cache.release_session(writer)  # closed, not expired: its process said it is done
+    assert cache.limbo_blocks == 0 and cache.host.used_bytes == 0
