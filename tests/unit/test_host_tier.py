@@ -182,3 +182,17 @@ def test_arena_is_shared_memory_behind_its_fd(make_tier: MakeTier) -> None:
     # a second mapping of the same fd (what an shm client does) sees the bytes
     with mmap.mmap(tier.arena.fd, tier.arena.size, flags=mmap.MAP_SHARED) as other:
         assert other[off : off + 4] == b"kvt!"
+
+
+def test_claim_takes_exactly_the_named_slot_and_refuses_conflicts() -> None:
+    from kvtierd.tiers import SlabAllocator
+
+    space = SlabAllocator(4 * 8192, slab_bytes=8192, slot_align_bytes=4096)
+    # recovery re-creates [_ 4096] in slab 0 and [16384 _] in slab 2
+    assert space.claim(4096, 4096) and space.claim(16384, 4096)
+    assert space.used_bytes == 8192 and space.free_slabs() == 2
+    assert not space.claim(4096, 4096)  # already taken
+    assert not space.claim(8192 + 4096, 8192)  # not on an 8 KiB slot boundary of slab 1
+    assert not space.claim(0, 8192)  # slab 0 belongs to the 4 KiB class now
+    assert space.alloc(4096) in (0, 16384 + 4096)  # the free slots of the claimed slabs
+    assert space.claim(99 * 8192, 4096) is False  # beyond the space

@@ -1,0 +1,581 @@
+"""The one disk seam of the NVMe tier: every byte the tier reads or writes goes through here.
+
+* :class:`Device` (ABC): one open, fixed-size file. ``pread_into`` / ``pwrite`` scatter/gather at
+  an absolute offset (``preadv`` / ``pwritev``, looping over short transfers), ``sync``
+  (``fdatasync``), ``close``; attributes ``path``, ``size``, ``direct`` (O_DIRECT in effect) and
+  ``align`` (what offsets, buffer addresses and lengths must be multiples of under O_DIRECT).
+* :class:`FileSystem`: one directory. Names resolve relative to its fd, no symlink is followed
+  (``O_NOFOLLOW``) and only regular files are opened. ``create_file`` (exclusive, preallocated),
+  ``open_file``, ``entries`` / ``listdir``, ``rename`` / ``remove`` (then fsync of the directory),
+  ``read_file`` / ``write_file_atomic`` (tmp + fsync + rename + directory fsync) for metadata.
+  O_DIRECT is probed once, on first use, with an aligned write and read of a scratch file;
+  ``direct_io`` / ``direct_io_note`` say what was found, and files open buffered without it.
+* :func:`aligned_buffer`: mmap-backed memory aligned for O_DIRECT staging.
+* :class:`FaultyDevice` / :class:`FaultyFileSystem` wrap the real ones to inject errors, torn
+  writes, flipped bytes and latency (tests and crash tests).
+
+Errors: every ``OSError`` becomes a :class:`DiskError`: :class:`DiskFull` (ENOSPC, EDQUOT),
+:class:`SyncFailed` (fsync / fdatasync failed), :class:`UnsafeFile` (a symlink or non-regular file)
+or :class:`DiskIOError` (everything else); ``errno`` is kept.
+
+Durability: O_DIRECT bypasses the page cache, not the device cache; only a successful ``sync()``
+makes writes durable. ``SyncFailed`` is sticky per Device: Linux may drop the pages of a failed
+writeback and report the next fsync as a success, so after one failure every later ``sync()`` of
+that Device raises too, and nothing written to it may ever be reported as persisted.
+
+Concurrency: Devices serve a bounded I/O thread pool. Concurrent ``pread_into`` / ``pwrite`` at
+distinct offsets are safe (positional syscalls, GIL released); ``sync()`` may run concurrently with
+writes (it covers the writes completed before it started). ``close()`` must not race other calls:
+the owner closes once its I/O is done. A FileSystem may be shared between threads.
+
+Size: above the 400-line guideline because the fault-injecting wrappers live beside the real
+implementation they wrap (one module is the whole seam).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtier.errors import KvtierError
+
+Buffer = memoryview | bytes | bytearray
+WBuffer = memoryview | bytearray
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO must not hang open()
+_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+class DiskError(KvtierError):
+    """An environment failure of the disk; ``errno`` is the OS error number when there is one."""
+
+    code_name = "UNAVAILABLE"
+
+    def __init__(self, message: str, *, err: int | None = None) -> None:
+        self.errno = err
+        super().__init__(message)
+
+
+class DiskFull(DiskError):
+    """ENOSPC or EDQUOT: stop admitting to the tier; what is stored stays readable."""
+
+
+class DiskIOError(DiskError):
+    """EIO and every other failed read, write, open or metadata call."""
+
+
+class SyncFailed(DiskError):
+    """fsync / fdatasync failed: writes since the last successful sync are NOT durable."""
+
+
+class UnsafeFile(DiskError):
+    """A symlink, directory, device or FIFO where a regular file was expected; never followed."""
+
+
+def disk_error(exc: OSError, what: str, *, sync: bool = False) -> DiskError:
+    """The typed error for ``exc``, raised by ``what`` (a short description with the path)."""
+    err = exc.errno
+    msg = f"{what}: {os.strerror(err) if err else exc}"
+    if sync:
+        return SyncFailed(msg, err=err)
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(msg, err=err)
+    if err == errno.ELOOP:
+        return UnsafeFile(f"{what}: is a symlink (never followed)", err=err)
+    return DiskIOError(msg, err=err)
+
+
+@contextmanager
+def _typed(what: str, *, sync: bool = False) -> Iterator[None]:
+    """Turn an OSError raised inside the block into its DiskError."""
+    try:
+        yield
+    except OSError as e:
+        raise disk_error(e, what, sync=sync) from e
+
+
+def aligned_buffer(nbytes: int, align: int = mmap.PAGESIZE) -> memoryview:
+    """``nbytes`` of zeroed anonymous memory starting at a multiple of ``align`` (a power of two).
+
+    The view keeps its mapping alive; the memory is freed when the last view on it goes.
+    """
+    assert nbytes > 0 and align > 0 and align & (align - 1) == 0, (nbytes, align)
+    if align <= mmap.PAGESIZE:  # mmap returns page-aligned memory
+        return memoryview(mmap.mmap(-1, nbytes))
+    import ctypes  # only for alignments above a page
+
+    mm = mmap.mmap(-1, nbytes + align)
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor  # release the export so that the view below is the only one
+    skip = -address % align
+    return memoryview(mm)[skip : skip + nbytes]
+
+
+def _nbytes(views: Sequence[Buffer]) -> int:
+    return sum(memoryview(v).nbytes for v in views)
+
+
+def _advance(views: Sequence[Buffer], n: int) -> list[memoryview]:
+    """The part of ``views`` after its first ``n`` bytes."""
+    out: list[memoryview] = []
+    for v in views:
+        m = memoryview(v).cast("B")
+        if n >= m.nbytes:
+            n -= m.nbytes
+            continue
+        out.append(m[n:])
+        n = 0
+    return out
+
+
+class Device(ABC):
+    """One open, fixed-size file (see the module docstring for the contract).
+
+    ``path``: for messages. ``size``: bytes, fixed at open (files are preallocated). ``direct``:
+    O_DIRECT in effect, so offsets, buffer addresses and lengths must be multiples of ``align``.
+    """
+
+    path: str
+    size: int
+    direct: bool
+    align: int
+
+    @abstractmethod
+    def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
+        """Fill ``views`` in order from ``offset``; returns the bytes read (fewer only at EOF)."""
+
+    @abstractmethod
+    def pwrite(self, offset: int, views: Sequence[Buffer]) -> int:
+        """Write ``views`` in order at ``offset``, all of them or raise; returns the byte count."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """fdatasync: on return, every write completed before the call is durable."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class FileDevice(Device):
+    """A Device over an open file descriptor; owns the fd (made by :class:`FileSystem`)."""
+
+    def __init__(self, fd: int, path: str, *, size: int, direct: bool, align: int) -> None:
+        self._fd, self.path, self.size, self.direct, self.align = fd, path, size, direct, align
+        self._sync_failed: str | None = None
+
+    def _check(self, offset: int, views: Sequence[Buffer]) -> None:
+        assert self._fd >= 0, f"{self.path}: used after close"
+        if self.direct:
+            a = self.align
+            assert offset % a == 0 and all(memoryview(v).nbytes % a == 0 for v in views), (
+                f"O_DIRECT transfer not aligned to {a}: offset {offset}")
+
+    def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
+        self._check(offset, views)
+        done, pending = 0, _advance(views, 0)
+        while pending:
+            try:
+                n = os.preadv(self._fd, pending[:_IOV_MAX], offset + done)
+            except OSError as e:
+                raise disk_error(e, f"read {self.path} at {offset + done}") from e
+            if n == 0:
+                break  # end of file
+            done += n
+            pending = _advance(pending, n)
+        return done
+
+    def pwrite(self, offset: int, views: Sequence[Buffer]) -> int:
+        nbytes = _nbytes(views)
+        self._check(offset, views)
+        assert 0 <= offset and offset + nbytes <= self.size, (self.path, offset, nbytes, self.size)
+        done, pending = 0, _advance(views, 0)
+        while pending:
+            try:
+                n = os.pwritev(self._fd, pending[:_IOV_MAX], offset + done)
+            except OSError as e:
+                raise disk_error(e, f"write {self.path} at {offset + done}") from e
+            if n == 0:
+                raise DiskIOError(f"write {self.path} at {offset + done}: wrote nothing", err=errno.EIO)
+            done += n
+            pending = _advance(pending, n)
+        return done
+
+    def sync(self) -> None:
+        assert self._fd >= 0, f"{self.path}: used after close"
+        if self._sync_failed is not None:
+            raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed ({self._sync_failed})",
+                             err=errno.EIO)
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            err = disk_error(e, f"fdatasync {self.path}", sync=True)
+            self._sync_failed = str(err)
+            raise err from e
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+EntryKind = Literal["file", "symlink", "dir", "other"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One directory entry as ``lstat`` sees it (symlinks are not followed)."""
+
+    name: str
+    kind: EntryKind
+    size: int
+
+
+class FileSystem:
+    """One directory and the files in it; the tier's only way to touch the disk.
+
+    Owns the directory fd. Thread-safe (the O_DIRECT probe runs once, under a lock).
+    """
+
+    def __init__(self, directory: str, *, io_align: int = 4096, create: bool = False) -> None:
+        assert io_align >= 512 and io_align & (io_align - 1) == 0, io_align
+        self.directory, self.io_align = directory, io_align
+        with _typed(f"open directory {directory}"):
+            if create:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            self._dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._probe_lock = threading.Lock()
+        self._direct: bool | None = None
+        self.direct_io_note = "not probed yet"
+
+    def close(self) -> None:
+        fd, self._dirfd = self._dirfd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _path(self, name: str) -> str:
+        assert name and "/" not in name and "\0" not in name and name not in (".", ".."), name
+        return os.path.join(self.directory, name)
+
+    # -- O_DIRECT -------------------------------------------------------------------------------
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether O_DIRECT works here (probed on first use; reason in ``direct_io_note``)."""
+        with self._probe_lock:
+            if self._direct is None:
+                self._direct, self.direct_io_note = self._probe_direct()
+            return self._direct
+
+    def _probe_direct(self) -> tuple[bool, str]:
+        name = f".kvtier-probe-{os.getpid()}-{threading.get_ident()}"
+        step = "open with O_DIRECT"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS,
+                         0o600, dir_fd=self._dirfd)
+        except OSError as e:
+            return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
+        try:
+            out, back = aligned_buffer(self.io_align), aligned_buffer(self.io_align)
+            out[:] = bytes(range(256)) * (self.io_align // 256)
+            step = f"aligned {self.io_align}-byte write"
+            os.pwritev(fd, [out], 0)
+            step = f"aligned {self.io_align}-byte read"
+            os.preadv(fd, [back], 0)
+            if back != out:
+                return False, "buffered: O_DIRECT read back other bytes than written"
+            return True, f"O_DIRECT: aligned {self.io_align}-byte write and read succeeded"
+        except OSError as e:
+            return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(name, dir_fd=self._dirfd)
+            except OSError:
+                pass
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def _preallocate(self, fd: int, nbytes: int) -> None:
+        os.posix_fallocate(fd, 0, nbytes)
+
+    def _unlink_quietly(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dirfd)
+        except OSError:
+            pass
+
+    def create_file(self, name: str, size_bytes: int, *, direct: bool | None = None) -> Device:
+        """Create ``name`` (must not exist) with ``size_bytes`` allocated, durably, and open it.
+
+        On any failure (DiskFull when the space is not there) the partial file is removed.
+        """
+        assert size_bytes > 0 and size_bytes % self.io_align == 0, size_bytes
+        path = self._path(name)
+        with _typed(f"create {path}"):
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600,
+                         dir_fd=self._dirfd)
+        try:
+            with _typed(f"preallocate {size_bytes} bytes for {path}"):
+                self._preallocate(fd, size_bytes)
+            with _typed(f"fsync {path}", sync=True):
+                os.fsync(fd)
+            self.sync_dir()
+        except BaseException:
+            self._unlink_quietly(name)
+            raise
+        finally:
+            os.close(fd)
+        return self.open_file(name, direct=direct)
+
+    def open_file(self, name: str, *, direct: bool | None = None, readonly: bool = False) -> Device:
+        """Open an existing regular file. ``direct``: None = O_DIRECT when the probe found it
+        works, True = O_DIRECT or DiskIOError, False = buffered. Symlinks raise UnsafeFile."""
+        path = self._path(name)
+        use_direct = self.direct_io if direct is None else direct
+        if direct and not self.direct_io:
+            raise DiskIOError(f"open {path}: O_DIRECT unsupported here ({self.direct_io_note})",
+                              err=errno.EINVAL)
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | _OPEN_FLAGS
+        try:
+            fd = os.open(name, flags | (os.O_DIRECT if use_direct else 0), dir_fd=self._dirfd)
+        except OSError as e:
+            if not (use_direct and direct is None and e.errno in _UNSUPPORTED):
+                raise disk_error(e, f"open {path}") from e
+            use_direct = False  # this file refuses O_DIRECT although the probe file took it
+            with _typed(f"open {path}"):
+                fd = os.open(name, flags, dir_fd=self._dirfd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafeFile(f"open {path}: not a regular file", err=errno.EINVAL)
+        return FileDevice(fd, path, size=st.st_size, direct=use_direct, align=self.io_align)
+
+    def read_file(self, name: str, *, max_bytes: int = 1 << 20) -> bytes | None:
+        """The content of a small regular file, or None when it does not exist."""
+        try:
+            dev = self.open_file(name, direct=False, readonly=True)
+        except DiskIOError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+        try:
+            if dev.size > max_bytes:
+                raise DiskIOError(f"read {dev.path}: {dev.size} bytes, more than {max_bytes}",
+                                  err=errno.EFBIG)
+            buf = bytearray(dev.size)
+            return bytes(buf[: dev.pread_into(0, [buf])])
+        finally:
+            dev.close()
+
+    def write_file_atomic(self, name: str, data: bytes) -> None:
+        """Replace ``name`` by ``data``: after a crash, either all of it or the previous content."""
+        tmp = name + ".tmp"
+        with _typed(f"create {self._path(tmp)}"):
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600,
+                         dir_fd=self._dirfd)
+        dev = FileDevice(fd, self._path(tmp), size=len(data), direct=False, align=1)
+        try:
+            dev.pwrite(0, [data])
+            dev.sync()
+        except BaseException:
+            self._unlink_quietly(tmp)
+            raise
+        finally:
+            dev.close()
+        self.rename(tmp, name)
+
+    # -- directory ------------------------------------------------------------------------------
+
+    def listdir(self) -> list[str]:
+        with _typed(f"list {self.directory}"):
+            return sorted(os.listdir(self._dirfd))
+
+    def entries(self) -> list[Entry]:
+        """Every entry with its kind and size, from lstat: nothing is followed."""
+        out = []
+        for name in self.listdir():
+            try:
+                with _typed(f"lstat {self._path(name)}"):
+                    st = os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
+            except DiskIOError as e:
+                if e.errno == errno.ENOENT:
+                    continue  # removed meanwhile
+                raise
+            m = st.st_mode
+            kind: EntryKind = ("symlink" if stat.S_ISLNK(m) else "file" if stat.S_ISREG(m)
+                               else "dir" if stat.S_ISDIR(m) else "other")
+            out.append(Entry(name, kind, st.st_size))
+        return out
+
+    def sync_dir(self) -> None:
+        with _typed(f"fsync directory {self.directory}", sync=True):
+            os.fsync(self._dirfd)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically replace ``dst`` by ``src`` and make the rename durable."""
+        with _typed(f"rename {self._path(src)} -> {self._path(dst)}"):
+            os.rename(src, dst, src_dir_fd=self._dirfd, dst_dir_fd=self._dirfd)
+        self.sync_dir()
+
+    def remove(self, name: str) -> None:
+        """Unlink ``name`` (a symlink itself, never its target) and make it durable."""
+        with _typed(f"remove {self._path(name)}"):
+            os.unlink(name, dir_fd=self._dirfd)
+        self.sync_dir()
+
+
+# -- fault injection ------------------------------------------------------------------------------
+
+
+class FaultyDevice(Device):
+    """Wraps a real Device and misbehaves on request (tests and crash tests only).
+
+    ``fail_writes/reads/syncs(n, err)``: the next ``n`` calls raise the typed error the real device
+    would raise for ``err``, having transferred nothing. ``tear_next_write(keep, succeed=...)``: the
+    next write stores only its first ``keep`` bytes, then raises DiskIOError(EIO) or reports full
+    success. ``flip_on_write(offset)``: after every write covering file offset ``offset``, that byte
+    is inverted on the real device; ``flip_byte(offset)`` inverts it now. ``latency_s``: a sleep
+    before every call. Counters: ``writes``, ``reads``, ``syncs``, ``faults``. A failed sync is
+    sticky, as on the real device. Thread-safe (fault state and counters under a lock).
+    """
+
+    def __init__(self, inner: Device, *, latency_s: float = 0.0) -> None:
+        self.inner, self.latency_s = inner, latency_s
+        self.path, self.size, self.direct, self.align = inner.path, inner.size, inner.direct, inner.align
+        self._lock = threading.Lock()
+        self._fail: dict[str, tuple[int, int]] = {}  # op -> (calls left to fail, errno)
+        self._tear: tuple[int, bool] | None = None
+        self._flip_offsets: set[int] = set()
+        self._sync_failed = False
+        self.counts = {"write": 0, "read": 0, "sync": 0, "fault": 0}
+
+    writes = property(lambda self: self.counts["write"])
+    reads = property(lambda self: self.counts["read"])
+    syncs = property(lambda self: self.counts["sync"])
+    faults = property(lambda self: self.counts["fault"])
+
+    def fail_writes(self, n: int = 1, err: int = errno.EIO) -> None:
+        self._fail["write"] = (n, err)
+
+    def fail_reads(self, n: int = 1, err: int = errno.EIO) -> None:
+        self._fail["read"] = (n, err)
+
+    def fail_syncs(self, n: int = 1, err: int = errno.EIO) -> None:
+        self._fail["sync"] = (n, err)
+
+    def tear_next_write(self, keep_bytes: int, *, succeed: bool = False) -> None:
+        self._tear = (keep_bytes, succeed)
+
+    def flip_on_write(self, offset: int) -> None:
+        self._flip_offsets.add(offset)
+
+    def _enter(self, op: str, offset: int | None) -> None:
+        """Count the call, sleep, and raise the armed fault for ``op`` if there is one."""
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        with self._lock:
+            self.counts[op] += 1
+            left, err = self._fail.get(op, (0, 0))
+            if left <= 0:
+                return
+            self._fail[op] = (left - 1, err)
+            self.counts["fault"] += 1
+        where = f" at {offset}" if offset is not None else ""
+        if op == "sync":
+            self._sync_failed = True
+        raise disk_error(OSError(err, os.strerror(err)), f"{op} {self.path}{where} (injected)",
+                         sync=op == "sync")
+
+    def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
+        self._enter("read", offset)
+        return self.inner.pread_into(offset, views)
+
+    def pwrite(self, offset: int, views: Sequence[Buffer]) -> int:
+        self._enter("write", offset)
+        with self._lock:
+            tear, self._tear = self._tear, None
+            if tear is not None:
+                self.counts["fault"] += 1
+        nbytes = _nbytes(views)
+        if tear is not None:
+            keep, succeed = tear
+            data = b"".join(bytes(memoryview(v).cast("B")) for v in views)[:keep]
+            if data:
+                self.poke(offset, data)
+            if not succeed:
+                raise DiskIOError(f"write {self.path} at {offset}: torn after {keep} bytes (injected)",
+                                  err=errno.EIO)
+        else:
+            self.inner.pwrite(offset, views)
+        for flip in sorted(self._flip_offsets):
+            if offset <= flip < offset + nbytes:
+                self.flip_byte(flip)
+        return nbytes
+
+    def sync(self) -> None:
+        self._enter("sync", None)
+        if self._sync_failed:
+            raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed", err=errno.EIO)
+        self.inner.sync()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _span(self, offset: int, nbytes: int) -> tuple[int, memoryview]:
+        """The whole aligned blocks around ``[offset, offset + nbytes)``, read from the real device."""
+        a = self.inner.align
+        start = offset - offset % a
+        end = min(-(-(offset + nbytes) // a) * a, self.inner.size)
+        assert offset + nbytes <= end, (offset, nbytes, self.inner.size)
+        buf = aligned_buffer(end - start, a)
+        self.inner.pread_into(start, [buf])
+        return start, buf
+
+    def poke(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at any offset through the real device, bypassing faults (whole aligned
+        blocks are read, patched and written back, so that it works under O_DIRECT too)."""
+        start, buf = self._span(offset, len(data))
+        buf[offset - start : offset - start + len(data)] = data
+        self.inner.pwrite(start, [buf])
+
+    def flip_byte(self, offset: int) -> None:
+        """Invert the byte at file offset ``offset`` on the real device, now (bit rot)."""
+        start, buf = self._span(offset, 1)
+        self.poke(offset, bytes([buf[offset - start] ^ 0xFF]))
+
+
+class FaultyFileSystem(FileSystem):
+    """A real FileSystem whose Devices are :class:`FaultyDevice` (``devices[name]``: the latest
+    one opened per name) and whose next preallocations fail on request (``fail_allocate``)."""
+
+    def __init__(self, directory: str, *, io_align: int = 4096, create: bool = False) -> None:
+        super().__init__(directory, io_align=io_align, create=create)
+        self.devices: dict[str, FaultyDevice] = {}
+        self._fail_allocate: list[int] = []
+
+    def fail_allocate(self, err: int = errno.ENOSPC, n: int = 1) -> None:
+        self._fail_allocate.extend([err] * n)
+
+    def _preallocate(self, fd: int, nbytes: int) -> None:
+        if self._fail_allocate:
+            err = self._fail_allocate.pop(0)
+            raise OSError(err, os.strerror(err))
+        super()._preallocate(fd, nbytes)
+
+    def open_file(self, name: str, *, direct: bool | None = None, readonly: bool = False) -> Device:
+        dev = FaultyDevice(super().open_file(name, direct=direct, readonly=readonly))
+        self.devices[name] = dev
+        return dev

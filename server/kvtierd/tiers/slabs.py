@@ -1,0 +1,116 @@
+"""SlabAllocator: fixed-size slots carved out of slabs by size class; knows no keys.
+
+Primitives (all O(1) amortized, except ``claim`` which is O(slots per slab)):
+
+* ``slot_bytes_for(nbytes)`` -> the size class (rounded up to ``slot_align_bytes``).
+* ``alloc(slot_bytes)`` -> offset, or None when no slot of that class is free and no slab is.
+* ``free(offset, slot_bytes)``: the slot returns to its slab; an emptied slab returns to the pool,
+  so slabs move between classes: a class that starves gets the slabs that others emptied.
+* ``claim(offset, slot_bytes)``: allocate that very slot (recovery re-creating its index).
+* ``slab_of(offset)`` / ``live_slots(slab)``: which slab a slot is in and how many of its slots
+  are allocated (the cache uses them to empty exactly one slab for a starving class).
+
+Offsets are in one linear space of ``capacity_bytes``; the host tier maps it onto its arena, the
+NVMe tier onto its block files (slabs never straddle two files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Slab:
+    base: int
+    slot_bytes: int = 0
+    free_slots: list[int] = field(default_factory=list)
+    live: int = 0
+
+
+class SlabAllocator:
+    """Owned by one tier; event-loop thread only, no locks."""
+
+    def __init__(self, capacity_bytes: int, *, slab_bytes: int, slot_align_bytes: int) -> None:
+        assert slab_bytes % slot_align_bytes == 0
+        self.slab_bytes = slab_bytes
+        self.slot_align_bytes = slot_align_bytes
+        self.num_slabs = capacity_bytes // slab_bytes
+        self.capacity_bytes = self.num_slabs * slab_bytes
+        self._slabs = [_Slab(base=i * slab_bytes) for i in range(self.num_slabs)]
+        self._free_slabs = list(reversed(range(self.num_slabs)))
+        self._partial: dict[int, dict[int, _Slab]] = {}  # slot_bytes -> slabs with a free slot
+        self.used_bytes = 0  # bytes of allocated slots
+
+    def slot_bytes_for(self, nbytes: int) -> int:
+        a = self.slot_align_bytes
+        return (nbytes + a - 1) // a * a
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < self.slot_bytes_for(nbytes) <= self.slab_bytes
+
+    def _take_slab(self, index: int, slot_bytes: int) -> _Slab:
+        slab = self._slabs[index]
+        n = self.slab_bytes // slot_bytes
+        slab.slot_bytes = slot_bytes
+        slab.free_slots = [slab.base + i * slot_bytes for i in range(n - 1, -1, -1)]
+        self._partial.setdefault(slot_bytes, {})[slab.base] = slab
+        return slab
+
+    def alloc(self, slot_bytes: int) -> int | None:
+        partial = self._partial.setdefault(slot_bytes, {})
+        if not partial:
+            if not self._free_slabs:
+                return None
+            self._take_slab(self._free_slabs.pop(), slot_bytes)
+        base, slab = next(iter(partial.items()))
+        offset = slab.free_slots.pop()
+        self._taken(slab, slot_bytes)
+        return offset
+
+    def claim(self, offset: int, slot_bytes: int) -> bool:
+        """Allocate exactly the slot at ``offset``; False if it cannot be (other class, taken)."""
+        index = offset // self.slab_bytes
+        if not 0 <= index < self.num_slabs or (offset - index * self.slab_bytes) % slot_bytes:
+            return False
+        slab = self._slabs[index]
+        if slab.slot_bytes == 0:
+            self._free_slabs.remove(index)
+            self._take_slab(index, slot_bytes)
+        if slab.slot_bytes != slot_bytes or offset not in slab.free_slots:
+            return False
+        slab.free_slots.remove(offset)
+        self._taken(slab, slot_bytes)
+        return True
+
+    def _taken(self, slab: _Slab, slot_bytes: int) -> None:
+        slab.live += 1
+        if not slab.free_slots:
+            del self._partial[slot_bytes][slab.base]
+        self.used_bytes += slot_bytes
+
+    def free(self, offset: int, slot_bytes: int) -> None:
+        slab = self._slabs[offset // self.slab_bytes]
+        assert slab.slot_bytes == slot_bytes and slab.live > 0, (offset, slot_bytes)
+        slab.free_slots.append(offset)
+        slab.live -= 1
+        self.used_bytes -= slot_bytes
+        partial = self._partial[slot_bytes]
+        if slab.live == 0:
+            # Whole slab empty: back to the pool so any class can take it.
+            partial.pop(slab.base, None)
+            slab.free_slots = []
+            slab.slot_bytes = 0
+            self._free_slabs.append(slab.base // self.slab_bytes)
+        else:
+            partial[slab.base] = slab
+
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    def slab_of(self, offset: int) -> int:
+        """Index of the slab that holds the slot at ``offset``."""
+        return offset // self.slab_bytes
+
+    def live_slots(self, slab: int) -> int:
+        """Allocated slots in slab ``slab`` (0 while it is in the pool)."""
+        return self._slabs[slab].live
