@@ -5,11 +5,18 @@ Every frame starts with one fixed 32-byte header::
     header  = magic:4s ("KVD1") op:u8 pad:3x job_id:u64le index:u32le status:u32le length:u64le
     frame   = header payload[length]
 
-Client -> daemon: HELLO (job_id = session id), WRITE (index = key index of a store job, payload =
-the block), FLUSH (ask for an ACK of everything sent for job_id), READ (send the blocks of a load
-job). Daemon -> client: HELLO_OK, ACK (index = blocks received for the job, status = 0 or an error
-code), DATA (index = key index, payload = the block), ERROR (payload = utf-8 message; the daemon
-closes the connection after it).
+Client -> daemon: HELLO (job_id = session id, status = the features the client offers), WRITE
+(index = key index of a store job, payload = the block), WRITE_RUN (index = the first of
+``status`` consecutive key indexes, payload = their blocks back to back, each length/status
+bytes), FLUSH (ask for an ACK of everything sent for job_id), READ (send the blocks of a load
+job). Daemon -> client: HELLO_OK (status = the offered features it accepts), ACK (status = 0 or
+an error code), DATA (index = key index, payload = the block), DATA_RUN (as WRITE_RUN), ERROR
+(payload = utf-8 message; the daemon closes the connection after it).
+
+Features (bits of HELLO's status): ``FEATURE_RUNS`` = WRITE_RUN and DATA_RUN may be used. A
+daemon that does not know a feature answers without its bit, so either side may be older: runs
+are used only when both offered them. A run carries many blocks under one header, so the daemon
+reads a run straight into adjacent slots with few system calls and no per-block header.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ MAGIC = b"KVD1"
 HEADER = struct.Struct("<4sB3xQIIQ")
 assert HEADER.size == 32
 MAX_ERROR_BYTES = 4096
+FEATURE_RUNS = 1
 
 
 class Op(enum.IntEnum):
@@ -29,10 +37,15 @@ class Op(enum.IntEnum):
     WRITE = 2
     FLUSH = 3
     READ = 4
+    WRITE_RUN = 5
     HELLO_OK = 17
     ACK = 18
     DATA = 19
+    DATA_RUN = 20
     ERROR = 31
+
+
+_OPS = {int(op): op for op in Op}  # a dict lookup is ~10x cheaper than Op(n) per frame
 
 
 class Status(enum.IntEnum):
@@ -51,7 +64,7 @@ def unpack(buf: bytes | bytearray | memoryview) -> tuple[Op, int, int, int, int]
     magic, op, job_id, index, status, length = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ValueError(f"bad frame magic {magic!r}")
-    try:
-        return Op(op), job_id, index, status, length
-    except ValueError:
-        raise ValueError(f"unknown frame op {op}") from None
+    known = _OPS.get(op)
+    if known is None:
+        raise ValueError(f"unknown frame op {op}")
+    return known, job_id, index, status, length

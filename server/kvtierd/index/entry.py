@@ -16,8 +16,10 @@ Keys are only ever compared within one namespace: each namespace has its own dic
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.identity import Namespace
 from kvtierd.stats import Counters
@@ -29,9 +31,16 @@ class EntryState(enum.IntEnum):
 
 
 class Entry:
-    """One block resident in a tier. Identity-hashed (the eviction policy keys on the object)."""
+    """One block. Identity-hashed (the eviction policies key on the object).
 
-    __slots__ = ("ns", "key", "state", "offset", "pins", "job")
+    Where its bytes are: ``offset >= 0`` -> a host slot (valid once READY and not promoting);
+    ``nvme`` -> a durable copy in the NVMe tier. A READY entry has at least one of the two.
+    ``flushing``: its host copy is being written to NVMe (the host slot must stay);
+    ``promoting``: its NVMe copy is being read into the host slot at ``offset`` (not valid yet).
+    """
+
+    __slots__ = ("ns", "key", "state", "offset", "pins", "job", "nvme", "flushing", "promoting",
+                 "hits")
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -40,12 +49,23 @@ class Entry:
         self.offset = offset
         self.pins = 0
         self.job = job
+        self.nvme: Any = None  # NvmeLocation
+        self.flushing = False
+        self.promoting: asyncio.Future[None] | None = None
+        self.hits = 0
+
+    @property
+    def in_host(self) -> bool:
+        """A valid host copy (READY, slot held, not being filled by a promotion)."""
+        return self.offset >= 0 and self.promoting is None and self.state is EntryState.READY
 
     def evictable(self) -> bool:
-        return self.state is EntryState.READY and self.pins == 0
+        return self.state is EntryState.READY and self.pins == 0 and not self.flushing \
+            and self.promoting is None
 
     def __repr__(self) -> str:
-        return f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, pins={self.pins})"
+        return (f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, "
+                f"pins={self.pins}, nvme={self.nvme is not None})")
 
 
 @dataclass(eq=False)

@@ -1,0 +1,152 @@
+"""``kvtier bench``: kvtier's data paths against memcpy, a raw loopback stream and Redis.
+
+One run, one process tree: this process starts its own kvtierd (``procs.DaemonProc``, a fresh
+one per block size) and, unless ``--no-redis``, a redis-server; it is itself the engine-side
+client for put/get (a process apart from the daemon, as an engine is), and spawns a socket sink
+and the concurrent lookup clients.
+
+The machine may be shared and noisy, so every figure of one block size is measured in
+interleaved rounds (memcpy, shm put/get_into/get, socket, Redis, tcp put/get_into/get, then
+again), after one warm-up each, and the best of ``--repeat`` rounds is kept: a figure and its
+baseline see the same conditions.
+
+Modules: ``plan`` (what to measure, results), ``baselines`` (memcpy, socket, Redis),
+``transfers`` (kvtier put/get/get_into), ``lookups``, ``report`` (table, targets, JSON),
+``procs`` (daemon and Redis processes), ``progress`` (the stderr bar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.bench.plan import GB, Op, Plan, Results, size_label, timed
+from kvtier.bench.progress import Progress
+
+if TYPE_CHECKING:
+    from kvtier.bench.baselines import SocketStream
+
+__all__ = ["run_bench"]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the suite named by ``args`` (see ``kvtier bench --help``); 0 when every figure was
+    measured and every round trip was byte-exact, 1 otherwise, 2 for bad arguments."""
+    try:
+        plan = Plan.from_args(args)
+    except ValueError as e:
+        print(f"kvtier bench: {e}", file=sys.stderr)
+        return 2
+    results = Results()
+    progress = Progress(_steps(plan), enabled=plan.progress)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+            _run(plan, Path(tmp), results, progress)
+    except (RuntimeError, AssertionError, OSError) as e:
+        progress.close()
+        print(f"kvtier bench: failed: {e}", file=sys.stderr)
+        return 1
+    progress.close()
+    from kvtier.bench.report import format_table, write_json
+
+    print(format_table(plan, results))
+    if plan.json_out:
+        write_json(plan.json_out, plan, results)
+    return 0
+
+
+def _steps(plan: Plan) -> int:
+    per_size = 0
+    if plan.wants("shm"):
+        per_size += 4  # memcpy, shm put, get_into, get
+    if plan.wants("tcp"):
+        per_size += 4 + (2 if plan.redis else 0)  # socket, tcp put, get_into, get (+ Redis)
+    lookups = 2 if plan.wants("lookup") else 0
+    return plan.repeat * (per_size * len(plan.block_sizes) + lookups)
+
+
+def measure(plan: Plan, block: int, ops: list[Op], results: Results, progress: Progress) -> None:
+    """Warm every op up once, then ``plan.repeat`` interleaved rounds; then the byte checks."""
+    for op in ops:
+        progress.show(f"{op.label} (warm-up)")
+        op.run()
+    nbytes = plan.sample_bytes(block)
+    for _ in range(plan.repeat):
+        for op in ops:
+            progress.show(op.label)
+            results.add_gbps(op.name, block, nbytes / timed(op.run) / GB)
+            progress.step(op.label)
+    for op in ops:
+        if op.check is not None:
+            op.check()
+
+
+def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
+    from kvtier.bench.baselines import SocketStream
+    from kvtier.bench.lookups import bench_lookup
+    from kvtier.bench.procs import DaemonProc
+
+    with contextlib.ExitStack() as stack:
+        stream: SocketStream | None = None
+        redis_port: int | None = None
+        if plan.wants("tcp"):
+            progress.show("starting the socket sink and Redis")
+            stream = stack.enter_context(SocketStream())
+            redis_port = _redis(plan, tmp, results, stack)
+        if plan.wants("shm") or plan.wants("tcp"):
+            for block in plan.block_sizes:
+                _one_size(plan, tmp, block, stream, redis_port, results, progress)
+    if plan.wants("lookup"):
+        progress.show("starting kvtierd for lookups")
+        with DaemonProc(tmp / "kvtierd-lookup", 64 << 20, 4 << 20) as daemon:
+            assert daemon.proc is not None
+            bench_lookup(plan, daemon.unix, daemon.proc.pid, results, progress)
+
+
+def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
+              redis_port: int | None, results: Results, progress: Progress) -> None:
+    """All throughput figures of one block size, against a fresh daemon: each size starts
+    from an empty arena of its own, whatever the sizes before it left behind."""
+    from kvtier.bench.baselines import memcpy_ops, redis_ops
+    from kvtier.bench.procs import DaemonProc
+    from kvtier.bench.transfers import KeySource, connect, transfer_ops
+
+    progress.show(f"starting kvtierd for {size_label(block)} blocks")
+    keys = KeySource()
+    with DaemonProc(tmp / f"kvtierd-{block}", plan.host_bytes, plan.slab_bytes) as daemon, \
+            contextlib.ExitStack() as clients:
+        ops: list[Op] = []
+        if plan.wants("shm"):
+            shm = clients.enter_context(contextlib.closing(connect(daemon.unix, "shm")))
+            ops += memcpy_ops(plan, block) + transfer_ops(plan, shm, block, keys)
+        if plan.wants("tcp"):
+            assert stream is not None
+            ops += stream.ops(plan, block)
+            if redis_port is not None:
+                ops += redis_ops(plan, redis_port, block)
+            tcp = clients.enter_context(contextlib.closing(connect(daemon.grpc, "tcp")))
+            ops += transfer_ops(plan, tcp, block, keys)
+        measure(plan, block, ops, results, progress)
+
+
+def _redis(plan: Plan, tmp: Path, results: Results, stack: contextlib.ExitStack) -> int | None:
+    """Start redis-server for the comparison, or say in a note why it is skipped."""
+    from kvtier.bench.procs import RedisProc
+
+    if not plan.redis:
+        results.notes.append("Redis comparison skipped (--no-redis)")
+        return None
+    if RedisProc.available() is None:
+        results.notes.append("Redis comparison skipped: redis-server is not on PATH")
+        return None
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        results.notes.append("Redis comparison skipped: redis-py is not installed "
+                             "(pip install 'kvtier[bench]')")
+        return None
+    return stack.enter_context(RedisProc(tmp / "redis")).port

@@ -1,0 +1,128 @@
+"""Processes the bench starts and owns: its own kvtierd and, for comparison, a redis-server.
+
+Both run in a private temporary directory, on loopback, with ports chosen by the OS (kvtierd)
+or found free (redis), and are stopped (SIGTERM, then SIGKILL) when the context exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+class DaemonProc:
+    """A ``kvtier serve`` subprocess; ``info`` is its KVTIERD_READY line."""
+
+    def __init__(self, run_dir: Path, host_bytes: int, slab_bytes: int) -> None:
+        self.run_dir = run_dir
+        self.args = ["--host-bytes", str(host_bytes), "--slab-bytes", str(slab_bytes),
+                     "--lease-ttl-s", "60"]
+        self.proc: subprocess.Popen[str] | None = None
+        self.info: dict[str, Any] = {}
+
+    def __enter__(self) -> DaemonProc:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.run_dir / "kvtierd.log", "w")  # noqa: SIM115  # closed in __exit__
+        self._log = log
+        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket",
+               str(self.run_dir / "kvtier.sock"), "--listen", "127.0.0.1:0",
+               "--data-listen", "127.0.0.1:0", "--metrics-port", "-1", *self.args]
+        env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                     cwd=self.run_dir, env=env)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("KVTIERD_READY "):
+                self.info = json.loads(line.split(" ", 1)[1])
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.__exit__(None, None, None)
+        tail = (self.run_dir / "kvtierd.log").read_text()[-2000:]
+        raise RuntimeError(f"kvtierd did not start:\n{tail}")
+
+    @property
+    def unix(self) -> str:
+        return str(self.info["unix"])
+
+    @property
+    def grpc(self) -> str:
+        return str(self.info["grpc"])
+
+    def address(self, transport: str) -> str:
+        """Same-host engines use the Unix socket (shm); remote ones gRPC over TCP (tcp)."""
+        return self.unix if transport == "shm" else self.grpc
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        _stop(self.proc)
+        self._log.close()
+
+
+class RedisProc:
+    """A throw-away ``redis-server`` on a free loopback port, without persistence."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> str | None:
+        return shutil.which("redis-server")
+
+    def __enter__(self) -> RedisProc:
+        exe = self.available()
+        if exe is None:
+            raise FileNotFoundError("redis-server not found on PATH")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.run_dir),
+               "--logfile", str(self.run_dir / "redis.log")]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        _stop(self.proc)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        _stop(self.proc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen[Any] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -1,0 +1,104 @@
+"""kvtier put / get / get_into over one transport, as an engine calls them.
+
+This process is the client; the daemon is another process (``DaemonProc``). Each ``put`` run
+stores ``plan.total_bytes`` under fresh keys (so every byte moves); ``get_into`` (into one
+preallocated batch buffer) and ``get`` (a new bytearray per block) then read the keys of the
+latest put, all resident. The ops' checks compare the bytes read with the bytes put.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvtier.bench.baselines import block_views, random_batch
+from kvtier.bench.plan import Op, Plan, size_label
+from kvtier.client import Client
+from kvtier.identity import Namespace
+
+RPC_TIMEOUT_S = 60.0  # a 64 MiB batch over a slow path must not hit the client's deadline
+
+
+def bench_namespace(block: int, name: str = "kvtier-bench") -> Namespace:
+    """A namespace whose blocks have exactly ``block`` bytes (uint8, 16 tokens, 1 layer)."""
+    if block % 32:
+        raise ValueError(f"block size {block} is not a multiple of 32 bytes")
+    return Namespace(model_id=name, model_revision="bench", tokenizer_digest="none",
+                     kv_dtype="uint8", layout="contiguous", tokens_per_block=16, num_layers=1,
+                     num_kv_heads=1, head_dim=block // 32)
+
+
+class KeySource:
+    """Fresh 32-byte keys, never repeated within a run (the daemon sees opaque keys)."""
+
+    def __init__(self) -> None:
+        self._nonce = os.urandom(8)
+        self._count = itertools.count()
+
+    def take(self, n: int) -> list[bytes]:
+        return [hashlib.sha256(self._nonce + next(self._count).to_bytes(8, "little")).digest()
+                for _ in range(n)]
+
+
+def connect(address: str, transport: str) -> Client:
+    client = Client.connect(address, transport,  # type: ignore[arg-type]
+                            timeout_s=RPC_TIMEOUT_S, client_name=f"bench-{transport}")
+    if not client.connected:
+        client.close()
+        raise RuntimeError(f"cannot connect to kvtierd at {address}: "
+                           f"{client.counters.last_error}")
+    return client
+
+
+def _chunks(keys: list[bytes], n: int) -> Iterator[list[bytes]]:
+    for i in range(0, len(keys), n):
+        yield keys[i : i + n]
+
+
+def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource) -> list[Op]:
+    """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order."""
+    t = client.transport_name
+    ns = client.register(bench_namespace(block))
+    n = plan.blocks_per_batch(block)
+    src, nkeys = random_batch(plan, block, seed=block), plan.batches(block) * n
+    views = block_views(src, block, n)
+    dst = np.zeros_like(src)
+    dst_views = block_views(dst, block, n)
+    current: list[list[bytes]] = []
+    # Keys of the warm-up and of every round, hashed now so that no timed put pays for them.
+    pending = [list(_chunks(keys.take(nkeys), n)) for _ in range(plan.repeat + 1)]
+
+    def put() -> None:
+        current[:] = pending.pop(0) if pending else list(_chunks(keys.take(nkeys), n))
+        for batch in current:
+            res = ns.put(batch, views)
+            if res.stored != len(batch):
+                raise RuntimeError(f"{t} put stored {res.stored} of {len(batch)}: {res}")
+
+    def get_into() -> None:
+        for batch in current:
+            if not all(ns.get_into(batch, dst_views)):
+                raise RuntimeError(f"{t} get_into missed keys that were just put "
+                                   f"({client.counters.last_error or 'evicted?'})")
+
+    def get() -> None:
+        for batch in current:
+            if any(b is None for b in ns.get(batch)):
+                raise RuntimeError(f"{t} get missed keys that were just put")
+
+    def check_get_into() -> None:
+        assert np.array_equal(src, dst), f"{t} get_into returned other bytes than were put"
+
+    def check_get() -> None:
+        got = ns.get(current[-1])
+        assert all(g is not None and g == v for g, v in zip(got, views, strict=True)), \
+            f"{t} get returned other bytes than were put"
+
+    label = f"{t} %s {size_label(block)}"
+    return [Op(f"{t}_put", label % "put", put),
+            Op(f"{t}_get_into", label % "get_into", get_into, check_get_into),
+            Op(f"{t}_get", label % "get", get, check_get)]
