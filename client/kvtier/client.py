@@ -454,7 +454,7 @@ def make_transport_value(name: str) -> int:
 
 
 def _pack_keys(keys: Sequence[bytes]) -> bytes:
-    if any(not isinstance(k, bytes) or len(k) != 32 for k in keys):
+    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {32}):  # C-speed checks
         raise errors.InvalidArgument("every block key must be 32 bytes", field="keys")
     return b"".join(keys)
 
