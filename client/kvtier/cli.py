@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eviction-policy", choices=["lru", "arc"])
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
+    s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
+    s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB")
+    s.add_argument("--io-align", dest="io_align_bytes", type=_size,
+                   help="NVMe slot alignment (default 4KiB; 16KiB works too)")
+    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"])
+
+    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
+    f.add_argument("directory")
 
     st = sub.add_parser("stats", help="print the daemon's statistics")
     st.add_argument("--address", default=DEFAULT_ADDRESS, help="unix:///path or HOST:PORT")
@@ -63,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "stats":
         return _stats(args)
+    if args.command == "fsck":
+        from kvtierd.tiers.nvme.fsck import main as fsck_main
+
+        return fsck_main([args.directory])
     from kvtier.bench import run_bench  # heavy; imported only for bench
 
     return int(run_bench(args))
@@ -79,7 +91,8 @@ def _serve(args: argparse.Namespace) -> int:
             socket_path=args.socket_path, listen=args.listen, data_listen=args.data_listen,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
-            prefault=args.prefault)
+            prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy)
     except (ValueError, OSError) as e:
         print(f"kvtier serve: configuration error: {e}", file=sys.stderr)
         return 2

@@ -38,12 +38,15 @@ from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy
 from kvtierd.service import KvtierService
 from kvtierd.sessions import SessionTable
+from kvtierd.tiering import NvmeBridge
 from kvtierd.tiers import Arena, HostTier
+from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
 from kvtierd.transports.shm import ShmFdServer
 from kvtierd.transports.tcp import DataChannelServer
 
 log = logging.getLogger("kvtierd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
+NVME_HEALTH_NAME = "kvtier.nvme"  # NOT_SERVING while the NVMe tier is degraded
 
 
 class Daemon:
@@ -54,13 +57,17 @@ class Daemon:
         self.boot_epoch = time.time_ns()
         slabs = cfg.host_bytes // cfg.slab_bytes
         self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)
-        self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes,
-                             slot_align_bytes=cfg.slot_align_bytes)
+        # With an NVMe tier, host slots are io-aligned too: O_DIRECT reads and writes go straight
+        # between a host slot and its disk slot, padding included.
+        align = max(cfg.slot_align_bytes, cfg.io_align_bytes if cfg.disk_dir else 0)
+        self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes, slot_align_bytes=align)
         # Ghost history for ARC: as many entries as the arena holds of its smallest slots.
         policy: EvictionPolicy[Entry] = make_policy(cfg.eviction_policy,
                                                    ghost_capacity=min(1 << 20, slabs * 64))
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy)
+        if cfg.disk_dir:
+            self.cache.bridge = _nvme_bridge(cfg, self.cache)
         self.sessions = SessionTable(
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
@@ -76,6 +83,7 @@ class Daemon:
         self.addresses: dict[str, Any] = {}
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._nvme_serving: bool | None = None
 
     def _advertise(self) -> dict[str, Any]:
         return {
@@ -131,12 +139,27 @@ class Daemon:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     async def _sweep(self) -> None:
+        next_probe = 0.0
         while True:
             await asyncio.sleep(self.cfg.lease_sweep_s)
             n = self.sessions.sweep()
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
+            bridge = self.cache.bridge
+            if bridge is not None:
+                if not bridge.nvme.admitting and time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + self.cfg.probe_interval_s
+                    await asyncio.get_running_loop().run_in_executor(None, bridge.nvme.probe)
+                await self._set_nvme_health(bridge.nvme.admitting)
+                bridge.maybe_flush()
+
+    async def _set_nvme_health(self, admitting: bool) -> None:
+        if admitting != self._nvme_serving:
+            self._nvme_serving = admitting
+            status = health_pb2.HealthCheckResponse.SERVING if admitting else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set(NVME_HEALTH_NAME, status)
 
     def snapshot(self) -> dict[str, Any]:
         """Stats as plain data (event-loop thread): the Stats reply plus RPC figures."""
@@ -161,6 +184,16 @@ class Daemon:
             await asyncio.sleep(0.02)
         if self._sweeper:
             self._sweeper.cancel()
+        bridge = self.cache.bridge
+        if bridge is not None:
+            flushed = await bridge.flush_all(deadline)
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(None, bridge.checkpoint)
+                log.info("nvme checkpoint written (%d blocks flushed while draining)", flushed)
+            except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
+                log.error("nvme checkpoint failed: %s", e)
+            await loop.run_in_executor(None, bridge.nvme.close)
         if self.server:
             await self.server.stop(grace=0.5)
         for part in (self.data, self.shm, self.metrics):
@@ -171,6 +204,20 @@ class Daemon:
         if self.cfg.socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path())
+
+
+def _nvme_bridge(cfg: DaemonConfig, cache: TieredCache) -> NvmeBridge:
+    """The NVMe tier over ``cfg.disk_dir``, its index recovered into ``cache`` (blocking)."""
+    slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
+    file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
+    nvme = NvmeTier(NvmeConfig(directory=cfg.disk_dir, capacity_bytes=max(cfg.disk_bytes, file_bytes),
+                               io_align=cfg.io_align_bytes, file_bytes=file_bytes,
+                               slab_bytes=slab, io_threads=cfg.io_threads))
+    bridge = NvmeBridge(cache, nvme, write_policy=cfg.write_policy,
+                        flush_watermark=cfg.flush_watermark,
+                        write_after_hits=cfg.write_after_hits)
+    bridge.load_recovered()
+    return bridge
 
 
 async def _main(cfg: DaemonConfig) -> None:

@@ -16,12 +16,13 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.errors import (
     FailedPrecondition,
@@ -39,7 +40,11 @@ from kvtierd.stats import Counters
 from kvtierd.tiers import HostTier
 
 RESERVED, PRESENT, REJECTED = pb.STORE_RESERVED, pb.STORE_ALREADY_PRESENT, pb.STORE_REJECTED
-TIER_HOST = pb.TIER_HOST
+TIER_HOST, TIER_NVME = pb.TIER_HOST, pb.TIER_NVME
+_HOST_TIERS = bytes([pb.TIER_HOST]) * 4096
+
+if TYPE_CHECKING:
+    from kvtierd.tiering import NvmeBridge
 _TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "shm"}
 
 
@@ -87,6 +92,7 @@ class TieredCache:
         self._job_ids = itertools.count(1)
         self.pinned_blocks = 0
         self.writing_blocks = 0
+        self.bridge: NvmeBridge | None = None  # set by the composition root when NVMe is on
 
     # -- namespaces -------------------------------------------------------------------------------
 
@@ -120,30 +126,53 @@ class TieredCache:
 
     def lookup(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
         """Longest prefix of READY blocks (hits are touched in the policy and counted)."""
+        return self.lookup_tiers(ns, keys)[0]
+
+    def lookup_tiers(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        """Longest prefix of READY blocks and the tier of each (one Tier byte per hit)."""
         found = list(map(ns.ready.get, keys))  # C-speed: ~40 µs for a 1,000-key chain
         try:
             hit = found.index(None)
         except ValueError:
             hit = len(found)
-        self.policy.touch_many(found[:hit])  # type: ignore[arg-type]  # no None before `hit`
+        hits: list[Entry] = found[:hit]  # type: ignore[assignment]  # no None before `hit`
+        if self.bridge is None:
+            self.policy.touch_many(hits)
+            tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TIER_HOST]) * hit
+            on_nvme = 0
+        else:
+            in_host = [e.in_host for e in hits]
+            tiers = bytes(TIER_HOST if h else TIER_NVME for h in in_host)
+            on_nvme = hit - sum(in_host)
+            self.policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])
+            self.bridge.policy.touch_many([e for e in hits if e.nvme is not None])
+            self.bridge.on_hits(hits)
         c = ns.counters
         n, tpb = len(keys), ns.spec.tokens_per_block
         c.lookups += 1
         c.blocks_requested += n
-        c.blocks_hit_host += hit
+        c.blocks_hit_host += hit - on_nvme
+        c.blocks_hit_nvme += on_nvme
         c.blocks_missed += n - hit
         c.tokens_requested += n * tpb
         c.tokens_hit += hit * tpb
         c.tokens_missed += (n - hit) * tpb
-        return hit
+        return hit, tiers
 
-    def pin_prefix(self, session: Session, ns: NamespaceState, keys: Sequence[bytes]) -> LoadJob | None:
-        """Lookup, then pin the hit prefix as a load job (released by complete_load or expiry)."""
+    async def pin_prefix(self, session: Session, ns: NamespaceState,
+                         keys: Sequence[bytes]) -> LoadJob | None:
+        """Lookup, then pin the hit prefix as a load job (released by complete_load or expiry).
+        NVMe-only blocks are promoted first; the prefix ends at the first that cannot be."""
         hit = self.lookup(ns, keys)
         if hit == 0:
             return None
-        return self._new_load_job(session, ns, {i: ns.ready[keys[i]] for i in range(hit)},
-                                  session.transport)
+        items = {i: ns.ready[keys[i]] for i in range(hit)}
+        if self.bridge is not None:
+            items = await self._promoted(session, items, prefix=True)
+            if not items:
+                return None
+            return self._job_for_pinned(session, ns, items, session.transport)
+        return self._new_load_job(session, ns, items, session.transport)
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -165,7 +194,7 @@ class TieredCache:
                 status[i] = PRESENT
                 c.stores_already_present += 1
                 continue
-            off = None if full else self._allocate(ns.slot_bytes, protect)
+            off = None if full else self.allocate_host(ns.slot_bytes, protect)
             if off is None:
                 full = True  # nothing evictable for this class now: the rest cannot fit either
                 status[i] = REJECTED
@@ -210,6 +239,8 @@ class TieredCache:
                 self._free(e, hold_until)
                 aborted += 1
         self.writing_blocks -= len(job.items)
+        if self.bridge is not None and committed:
+            self.bridge.on_committed([e for e in job.items.values() if e.state is EntryState.READY])
         c.stores_accepted += committed
         c.stores_dropped += aborted
         name = _TRANSPORT_NAMES.get(job.transport, "shm")
@@ -218,17 +249,52 @@ class TieredCache:
 
     # -- loads ------------------------------------------------------------------------------------
 
-    def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                     transport: int) -> LoadJob | None:
+    async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
+                           transport: int) -> LoadJob | None:
+        """Pin the READY entries among ``keys`` (promoting NVMe-only ones first)."""
         items: dict[int, Entry] = {}
         for i, k in enumerate(keys):
             e = ns.ready.get(k)
             if e is not None:
-                self.policy.touch(e)
                 items[i] = e
+        if self.bridge is not None and items:
+            items = await self._promoted(session, items, prefix=False)
+            if not items:
+                return None
+            for e in items.values():
+                self.policy.touch(e)
+            return self._job_for_pinned(session, ns, items, transport)
+        for e in items.values():
+            self.policy.touch(e)
         if not items:
             return None
         return self._new_load_job(session, ns, items, transport)
+
+    async def _promoted(self, session: Session, items: dict[int, Entry], *,
+                        prefix: bool) -> dict[int, Entry]:
+        """Pin ``items``, promote the NVMe-only ones, unpin and drop those that failed (and,
+        with ``prefix``, everything after the first failure). Returned entries stay pinned."""
+        assert self.bridge is not None
+        for e in items.values():
+            e.pins += 1
+        protect = set(items.values())
+        need = {id(e): e for e in items.values() if not e.in_host}
+        if need:  # make room the write-back way first: promotions must not evict unflushed blocks
+            slot = next(iter(need.values())).ns.slot_bytes
+            await self.bridge.ensure_room(slot, len(need))
+        results = dict(zip(need, await asyncio.gather(
+            *(self.bridge.promote(e, protect) for e in need.values())), strict=True))
+        kept: dict[int, Entry] = {}
+        failed = False
+        for i in sorted(items):
+            e = items[i]
+            good = not failed and results.get(id(e), True) and e.in_host and not session.released
+            failed = failed or (prefix and not good)
+            if good:
+                kept[i] = e
+            else:
+                e.pins -= 1
+        return kept
 
     def complete_load(self, session: Session, job_id: int) -> int:
         job = self._job(session, job_id, LoadJob)
@@ -332,6 +398,12 @@ class TieredCache:
         session.load_jobs.add(job.id)
         return job
 
+    def _job_for_pinned(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
+                        transport: int) -> LoadJob:
+        for e in items.values():
+            e.pins -= 1  # _new_load_job takes the job's own pins
+        return self._new_load_job(session, ns, items, transport)
+
     def _finish_load(self, session: Session, job: LoadJob) -> None:
         del self._jobs[job.id]
         session.load_jobs.discard(job.id)
@@ -340,7 +412,7 @@ class TieredCache:
             e.pins -= 1
         self.pinned_blocks -= len(job.items)
 
-    def _allocate(self, slot_bytes: int, protect: set[Entry]) -> int | None:
+    def allocate_host(self, slot_bytes: int, protect: set[Entry]) -> int | None:
         """A free slot of ``slot_bytes``, evicting in policy order if needed; None if none can be.
 
         Walks victims in policy order and takes whichever comes first: an evictable entry of the
@@ -352,9 +424,20 @@ class TieredCache:
         off = self.host.alloc(slot_bytes)
         if off is not None:
             return off
+        if self.bridge is not None and self.bridge.nvme.admitting:
+            # write-back: evict blocks that NVMe already holds before losing any that it does not
+            off = self._make_room(slot_bytes, protect, clean_only=True, max_scan=1024)
+            if off is not None:
+                return off
+        return self._make_room(slot_bytes, protect, clean_only=False)
+
+    def _make_room(self, slot_bytes: int, protect: set[Entry], *, clean_only: bool,
+                   max_scan: int = 1 << 62) -> int | None:
         groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
-        for e in self.policy.victims():
-            if e.pins or e in protect:
+        for n, e in enumerate(self.policy.victims()):
+            if n >= max_scan:
+                break
+            if e.pins or e.flushing or e in protect or (clean_only and e.nvme is None):
                 continue
             if e.ns.slot_bytes == slot_bytes:
                 self._evict(e)
@@ -372,6 +455,15 @@ class TieredCache:
         assert e.evictable(), e
         self.policy.remove(e, evicted=True)
         e.ns.counters.evictions += 1
+        if e.nvme is not None and self.bridge is not None:
+            # Its NVMe copy stays: the entry remains READY, served from NVMe from now on.
+            c = e.ns.counters
+            c.resident_blocks -= 1
+            c.resident_bytes -= e.ns.block_bytes
+            self.host.free(e.offset, e.ns.slot_bytes)
+            e.offset = -1
+            self.bridge.on_host_evicted(e)
+            return
         self._drop_ready(e)
 
     def _drop_ready(self, e: Entry) -> None:

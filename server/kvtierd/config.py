@@ -17,7 +17,9 @@ from typing import Any, Literal
 from kvtier.units import parse_bytes
 
 EvictionName = Literal["lru", "arc"]
-_SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes")
+WritePolicyName = Literal["write-back", "write-through", "selective"]
+_SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
+                "disk_file_bytes")
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -66,6 +68,25 @@ class DaemonConfig:
     """Most registered namespaces; one more RegisterNamespace is RESOURCE_EXHAUSTED."""
     drain_timeout_s: float = 5.0
     """On SIGTERM: how long in-flight jobs may take to finish before the daemon exits anyway."""
+    disk_dir: str = ""
+    """NVMe tier directory ("" disables the tier). Block files, journal and checkpoint live here."""
+    disk_bytes: int = 0
+    """NVMe tier size (preallocated block files); required with disk_dir."""
+    io_align_bytes: int = 4096
+    """NVMe slot alignment and header size (power of two, 512..65536; 16 KiB works too)."""
+    disk_file_bytes: int = 1 << 30
+    """Size of one block file (the tier is split into files of this size, at most)."""
+    write_policy: WritePolicyName = "write-back"
+    """When blocks reach NVMe: "write-back" (before host eviction; default), "write-through"
+    (every stored block), "selective" (at its write_after_hits-th hit)."""
+    write_after_hits: int = 2
+    """selective write-through: hits before a block is written to NVMe."""
+    flush_watermark: float = 0.8
+    """write-back: host occupancy above which the coldest blocks are written to NVMe."""
+    io_threads: int = 4
+    """Threads doing NVMe reads and writes (the event loop never blocks on disk)."""
+    probe_interval_s: float = 2.0
+    """While the NVMe tier is degraded (disk full, I/O error): how often it tries to recover."""
     run_dir: str = "run"
     """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -115,6 +136,18 @@ def validate(cfg: DaemonConfig) -> None:
     need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
     need(bool(cfg.socket_path or cfg.listen), "listen", "need a Unix socket or a TCP listener")
     need(not cfg.extra, "extra", f"unknown keys {sorted(cfg.extra)}")
+    a = cfg.io_align_bytes
+    need(512 <= a <= 65536 and a & (a - 1) == 0, "io_align_bytes",
+         "must be a power of two in [512, 65536]")
+    need(cfg.write_policy in ("write-back", "write-through", "selective"), "write_policy",
+         "must be 'write-back', 'write-through' or 'selective'")
+    need(cfg.write_after_hits >= 1, "write_after_hits", "must be >= 1")
+    need(0.0 < cfg.flush_watermark <= 1.0, "flush_watermark", "must be in (0, 1]")
+    need(1 <= cfg.io_threads <= 64, "io_threads", "must be in [1, 64]")
+    need(cfg.probe_interval_s > 0, "probe_interval_s", "must be > 0")
+    if cfg.disk_dir:
+        need(cfg.disk_bytes > 0, "disk_bytes", "must be > 0 with disk_dir")
+        need(cfg.disk_file_bytes >= cfg.slab_bytes, "disk_file_bytes", "must hold a slab")
     for name in ("listen", "data_listen"):
         value = getattr(cfg, name)
         if value:

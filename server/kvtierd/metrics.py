@@ -47,6 +47,15 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
                       {"transport": "tcp", "direction": "out"}),
     "resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "host"}),
     "resident_bytes": ("kvtier_resident_bytes", "Payload bytes resident", {"tier": "host"}),
+    "nvme_resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "nvme"}),
+    "nvme_resident_bytes": ("kvtier_resident_bytes", "Payload bytes resident", {"tier": "nvme"}),
+    "promotions": ("kvtier_promotions_total", "Blocks promoted NVMe -> host", {}),
+    "demotions": ("kvtier_demotions_total", "Blocks written host -> NVMe", {}),
+    "nvme_evictions": ("kvtier_evictions_total", "Blocks evicted", {"tier": "nvme"}),
+    "checksum_failures": ("kvtier_checksum_failures_total", "NVMe reads failing verification", {}),
+    "nvme_bytes_read": ("kvtier_nvme_io_bytes_total", "NVMe payload bytes", {"direction": "read"}),
+    "nvme_bytes_written": ("kvtier_nvme_io_bytes_total", "NVMe payload bytes",
+                           {"direction": "write"}),
 }
 assert set(_FAMILIES) == set(COUNTER_FIELDS)
 
@@ -74,6 +83,18 @@ class KvtierCollector:
                 value=snap["writing_blocks"])
         yield g("kvtier_limbo_blocks", "Slots held back after a lease expiry",
                 value=snap["limbo_blocks"])
+        nv = snap["nvme"]
+        if nv["enabled"]:
+            yield g("kvtier_nvme_capacity_bytes", "NVMe tier capacity", value=nv["capacity_bytes"])
+            yield g("kvtier_nvme_used_bytes", "NVMe tier bytes in slots", value=nv["used_bytes"])
+            yield g("kvtier_nvme_degraded", "1 while the NVMe tier does not admit blocks",
+                    value=0 if nv["admitting"] else 1)
+            yield CounterMetricFamily("kvtier_nvme_quarantined_slots", "Slots quarantined",
+                                      value=nv["quarantined_slots"])
+            yield g("kvtier_nvme_recovery_seconds", "Time the last recovery took",
+                    value=nv["recovery_seconds"])
+            yield g("kvtier_nvme_recovered_blocks", "Blocks the last recovery restored",
+                    value=nv["recovered_blocks"])
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",

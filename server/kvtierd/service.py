@@ -136,16 +136,28 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         if request.pin:
-            job = self.cache.pin_prefix(s, ns, keys)
+            job = await self.cache.pin_prefix(s, ns, keys)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
             n = len(job.items)
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=bytes([pb.TIER_HOST]) * n,
                                   offsets=[job.items[i].offset for i in range(n)])
-        hit = self.cache.lookup(ns, keys)
-        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit,
-                              tiers=bytes([pb.TIER_HOST]) * hit)
+        hit, tiers = self.cache.lookup_tiers(ns, keys)
+        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers)
+
+    @_rpc
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
+        self.sessions.get(request.session_id)
+        ns = self.cache.namespace(request.namespace_id)
+        keys = split_keys(request.keys, self.max_batch)
+        ready = 0
+        for k in keys:
+            if k not in ns.ready:
+                break
+            ready += 1
+        started = self.cache.bridge.prefetch(ns, keys[:ready]) if self.cache.bridge else 0
+        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
 
     def _transport(self, value: int) -> int:
         if value not in _TRANSPORTS:
@@ -161,6 +173,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._transport(request.transport)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
+        if self.cache.bridge is not None:
+            new = sum(1 for k in keys if k not in ns.entries)
+            await self.cache.bridge.ensure_room(ns.slot_bytes, new)
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
         return pb.PrepareStoreReply(boot_epoch=self.boot_epoch, job_id=job.id if job else 0,
                                     status=status, offsets=offsets)
@@ -179,7 +194,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._transport(request.transport)
-        job = self.cache.prepare_load(s, ns, keys, transport)
+        job = await self.cache.prepare_load(s, ns, keys, transport)
         n = len(keys)
         if job is None:
             return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(n),
@@ -209,11 +224,29 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             leases_expired=self.sessions.expired_total, pinned_blocks=c.pinned_blocks,
             writing_blocks=c.writing_blocks, eviction_policy=c.policy_name,
             limbo_blocks=c.limbo_blocks)
+        if c.bridge is not None:
+            reply.nvme.CopyFrom(self.nvme_stats())
         for ns in c.namespaces.values():
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters))
         return reply
+
+
+    def nvme_stats(self) -> pb.NvmeStats:
+        b = self.cache.bridge
+        assert b is not None
+        t, f = b.nvme, b.nvme.figures
+        return pb.NvmeStats(
+            enabled=True, directory=t.cfg.directory, capacity_bytes=t.space.capacity_bytes,
+            used_bytes=t.space.used_bytes, admitting=t.admitting,
+            degraded_reason=t.degraded_reason, direct_io=f.direct_io, write_policy=b.write_policy,
+            bytes_written=f.bytes_written, bytes_read=f.bytes_read,
+            checksum_failures=f.checksum_failures, quarantined_slots=f.quarantined_slots,
+            commit_groups=f.commit_groups, write_errors=f.write_errors,
+            recovery_seconds=f.recovery_seconds, recovered_blocks=f.recovered_blocks,
+            recovery_quarantined=f.recovery_quarantined, recovery_mode=f.recovery_mode,
+            flushes_in_flight=b.flushes_in_flight)
 
 
 def _counters(c: Counters) -> pb.Counters:

@@ -25,6 +25,7 @@ class Session:
     store_jobs: set[int] = field(default_factory=set)
     load_jobs: set[int] = field(default_factory=set)
     expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
+    released: bool = False  # closed or expired: no new jobs may be attached to it
 
 
 class SessionTable:
@@ -87,6 +88,7 @@ class SessionTable:
 
     def _drop(self, s: Session, *, expired: bool) -> None:
         del self._sessions[s.id]
+        s.released = True
         if expired:
             self.expired_total += 1
             s.expired = True

@@ -34,6 +34,14 @@ class Counters:
     bytes_out_tcp: int = 0
     resident_blocks: int = 0
     resident_bytes: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    nvme_evictions: int = 0
+    checksum_failures: int = 0
+    nvme_bytes_read: int = 0
+    nvme_bytes_written: int = 0
+    nvme_resident_blocks: int = 0
+    nvme_resident_bytes: int = 0
 
     def add(self, other: Counters) -> None:
         for f in COUNTER_FIELDS:
@@ -44,7 +52,8 @@ class Counters:
 
 
 COUNTER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Counters))
-GAUGE_FIELDS = frozenset({"resident_blocks", "resident_bytes"})
+GAUGE_FIELDS = frozenset({"resident_blocks", "resident_bytes", "nvme_resident_blocks",
+                          "nvme_resident_bytes"})
 
 
 # Latency bucket upper bounds in seconds (the Prometheus histogram's `le` labels).

@@ -119,11 +119,11 @@ def case(name: str, method: str, build: Build, code: grpc.StatusCode, field: str
 
 
 for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareStoreRequest),
-                      ("PrepareLoad", pb.PrepareLoadRequest)]:
+                      ("PrepareLoad", pb.PrepareLoadRequest), ("Prefetch", pb.PrefetchRequest)]:
     def _with(r: type = _req, **kw: Any) -> Build:
         def build(c: Ctx) -> Any:
             fields = dict(session_id=c.session_id, namespace_id=c.ns_id, keys=keys(1, 2))
-            if r is not pb.LookupRequest:
+            if r not in (pb.LookupRequest, pb.PrefetchRequest):
                 fields["transport"] = pb.TRANSPORT_SHM
             fields.update({k: (v(c) if callable(v) else v) for k, v in kw.items()})
             return r(**fields)
@@ -139,7 +139,7 @@ for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareS
          StatusCode.NOT_FOUND, "namespace_id")
     case(f"{_method}-unknown-session", _method, _with(session_id=UNKNOWN_SESSION),
          StatusCode.NOT_FOUND, "session_id")
-    if _req is not pb.LookupRequest:
+    if _req not in (pb.LookupRequest, pb.PrefetchRequest):
         for _tp in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_CUDA_IPC, 77):
             case(f"{_method}-transport-{_tp}", _method, _with(transport=_tp),
                  StatusCode.INVALID_ARGUMENT, "transport")

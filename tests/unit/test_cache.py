@@ -8,7 +8,8 @@ for pinned and ``5w`` for a block being written.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
 import pytest
 
@@ -35,6 +36,16 @@ SHM, TCP = pb.TRANSPORT_SHM, pb.TRANSPORT_TCP
 POLICIES: list[PolicyName] = ["lru", "arc"]
 
 MakeCache = Callable[..., TieredCache]
+T = TypeVar("T")
+
+
+def done(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (the host-only cache awaits nothing)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    raise AssertionError("the coroutine suspended")
 
 
 def keys(*ids: int) -> list[bytes]:
@@ -95,7 +106,7 @@ def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
 def pin(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
         s: Session | None = None) -> int:
     """Pin ``ks`` with a load job that is left open; returns its id."""
-    job = cache.prepare_load(s or session(), ns, ks, SHM)
+    job = done(cache.prepare_load(s or session(), ns, ks, SHM))
     assert job is not None and len(job.items) == len(ks)
     return job.id
 
@@ -123,7 +134,7 @@ def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceSta
     other = cache.register_namespace(spec(model="other"))
     put(cache, ns, keys(1, 2))
     assert cache.lookup(other, keys(1, 2)) == 0
-    assert cache.prepare_load(session(), other, keys(1), SHM) is None
+    assert done(cache.prepare_load(session(), other, keys(1), SHM)) is None
     # the same key bytes can be stored in the other namespace independently
     assert put(cache, other, keys(1)) == st(RESERVED)
 
@@ -131,12 +142,12 @@ def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceSta
 def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(1, 2, 4))
-    job = cache.pin_prefix(s, ns, keys(1, 2, 3, 4))
+    job = done(cache.pin_prefix(s, ns, keys(1, 2, 3, 4)))
     # [1* 2* 4]: 4 is resident but after the miss at 3
     assert job is not None and sorted(job.items) == [0, 1]
     assert [ns.entries[k].pins for k in keys(1, 2, 4)] == [1, 1, 0]
     assert cache.pinned_blocks == 2 and s.load_jobs == {job.id}
-    assert cache.pin_prefix(s, ns, keys(3, 1)) is None  # nothing hit, nothing pinned
+    assert done(cache.pin_prefix(s, ns, keys(3, 1))) is None  # nothing hit, nothing pinned
     assert cache.complete_load(s, job.id) == 2
     assert cache.pinned_blocks == 0
 
@@ -152,8 +163,8 @@ def test_writing_entries_are_invisible_until_committed(cache: TieredCache,
     assert job is not None and status == st(RESERVED, RESERVED)
     assert len(set(offsets)) == 2 and all(o % BLOCK == 0 for o in offsets)
     assert cache.lookup(ns, keys(1)) == 0
-    assert cache.prepare_load(s2, ns, keys(1, 2), SHM) is None
-    assert cache.pin_prefix(s2, ns, keys(1, 2)) is None
+    assert done(cache.prepare_load(s2, ns, keys(1, 2), SHM)) is None
+    assert done(cache.pin_prefix(s2, ns, keys(1, 2))) is None
     # another writer is told there is nothing to do (someone is already writing it)
     assert cache.prepare_store(s2, ns, keys(2), SHM)[1] == st(PRESENT)
     assert cache.writing_blocks == 2
@@ -296,7 +307,7 @@ def test_jobs_belong_to_their_session_and_kind(cache: TieredCache, ns: Namespace
     owner, other = session(1), session(2)
     put(cache, ns, keys(1))
     store, _, _ = cache.prepare_store(owner, ns, keys(2), SHM)
-    load = cache.prepare_load(owner, ns, keys(1), SHM)
+    load = done(cache.prepare_load(owner, ns, keys(1), SHM))
     assert store is not None and load is not None
     with pytest.raises(PermissionDenied):
         cache.complete_store(other, store.id, ok=False)
@@ -455,7 +466,7 @@ def test_prepare_load_pins_what_is_ready_and_complete_load_unpins(cache: TieredC
                                                                   ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(1, 3))
-    job = cache.prepare_load(s, ns, keys(1, 2, 3), SHM)
+    job = done(cache.prepare_load(s, ns, keys(1, 2, 3), SHM))
     assert job is not None and sorted(job.items) == [0, 2]
     assert cache.pinned_blocks == 2
     assert cache.load_sources(s.id, job.id)[0][0] == 0
@@ -467,7 +478,7 @@ def test_prepare_load_pins_what_is_ready_and_complete_load_unpins(cache: TieredC
     assert ns.counters.loads == 2 and ns.counters.bytes_out_shm == 2 * BLOCK
     with pytest.raises(NotFound):
         cache.complete_load(s, job.id)
-    assert cache.prepare_load(s, ns, keys(7), SHM) is None
+    assert done(cache.prepare_load(s, ns, keys(7), SHM)) is None
 
 
 def test_two_load_jobs_pin_a_block_twice(cache: TieredCache, ns: NamespaceState) -> None:
@@ -547,7 +558,7 @@ def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     cache.complete_store(s, job.id, ok=False)                         # 1 dropped
     pin(cache, ns, keys(1, 2, 3))
     put(cache, other, keys(7))                                        # other: 1 accepted
-    load = cache.prepare_load(s, other, keys(7), SHM)
+    load = done(cache.prepare_load(s, other, keys(7), SHM))
     assert load is not None
     # [1* 2* 3*] [7*]: full
     assert put(cache, ns, keys(5)) == st(REJECTED)                    # 1 rejected

@@ -84,6 +84,11 @@ class KvtierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvtier.v1.Kvtier/Prefetch',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.FromString,
+                _registered_method=True)
 
 
 class KvtierServicer:
@@ -154,6 +159,14 @@ class KvtierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Start promoting the NVMe-resident blocks of a key chain's ready prefix to the host tier
+        (ahead of a PrepareLoad); answers at once with how many promotions were started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvtierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +219,11 @@ def add_KvtierServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.StatsReply.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -478,6 +496,33 @@ class Kvtier:
             '/kvtier.v1.Kvtier/Stats',
             kvtier_dot_v1_dot_kvtier__pb2.StatsRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/Prefetch',
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,7 @@ from kvtierd.tiers.nvme.format import (
     round_up,
     verify_payload,
 )
+from kvtierd.tiers.nvme.journal import CHECKPOINT_NAME, parse_journal_name
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
     index = parse_data_file_name(e.name)
     if e.kind == "symlink":
         report.problems.append(Problem(e.name, "symlink", "a symlink: not followed, not read"))
+    elif e.name == CHECKPOINT_NAME or parse_journal_name(e.name) is not None:
+        if e.kind != "file":  # the index log: its own checks are recover()'s, at startup
+            report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))
     elif e.name == META_NAME or (index is not None and index < meta.files):
         if e.kind != "file":
             report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))

@@ -1,0 +1,315 @@
+"""Moves blocks between the host tier and the NVMe tier; the cache's second half.
+
+The TieredCache owns the index and the host tier; this bridge owns the NVMe side of every entry:
+
+* **flush** (demote): a READY host entry is written to NVMe; durable, it gets ``entry.nvme``.
+  Write policies decide when: ``write-back`` (default) keeps the host tier's coldest end clean by
+  flushing it once occupancy passes ``flush_watermark``, so that host eviction drops only blocks
+  that NVMe holds; ``write-through`` flushes every committed store; ``selective`` flushes a block
+  at its ``write_after_hits``-th hit. A block already on NVMe is never written again.
+* **host eviction** of an entry with an NVMe copy keeps the entry (READY, on NVMe only).
+* **promote**: a load of an NVMe-only entry first reads it into a host slot (header and payload
+  verified); a corrupt slot is quarantined and the block is a miss.
+* **NVMe eviction** frees NVMe copies in LRU order when the disk is full.
+* **recovery** puts the blocks found on disk back into the index; **drain** flushes and writes
+  the checkpoint.
+
+Concurrency: event-loop thread only. Every await point is followed by a re-check of the entry
+(it may have been dropped meanwhile); pins taken before an await keep entries in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvtier.identity import Namespace
+from kvtierd.index import Entry, EntryState, NamespaceState
+from kvtierd.policies import EvictionPolicy, LruPolicy
+from kvtierd.tiers.nvme.device import DiskError
+from kvtierd.tiers.nvme.format import CorruptSlot
+from kvtierd.tiers.nvme.tier import NvmeTier
+
+if TYPE_CHECKING:
+    from kvtierd.cache import TieredCache
+
+log = logging.getLogger("kvtierd.tiering")
+WritePolicy = Literal["write-back", "write-through", "selective"]
+MAX_FLUSHES_IN_FLIGHT = 32
+
+
+class NvmeBridge:
+    """Owns the NVMe policy (LRU over entries with an NVMe copy) and the flush/promote tasks."""
+
+    def __init__(self, cache: TieredCache, nvme: NvmeTier, *, write_policy: WritePolicy,
+                 flush_watermark: float, write_after_hits: int) -> None:
+        self.cache = cache
+        self.nvme = nvme
+        self.policy: EvictionPolicy[Entry] = LruPolicy()
+        self.write_policy = write_policy
+        self.flush_watermark = flush_watermark
+        self.write_after_hits = write_after_hits
+        self.flushes_in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._flushed = asyncio.Event()  # set whenever a flush ends
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    def load_recovered(self) -> int:
+        """Open the NVMe tier and put what it holds back into the index (at startup)."""
+        rec = self.nvme.open()
+        namespaces: dict[bytes, NamespaceState] = {}
+        for digest, spec in rec.namespaces.items():
+            try:
+                ns = self.cache.register_namespace(Namespace.from_dict(spec))
+            except Exception as err:  # noqa: BLE001  (a spec this daemon cannot host: skip it)
+                log.warning("recovered namespace %s not restored: %s", digest.hex()[:16], err)
+                continue
+            namespaces[digest] = ns
+        restored = 0
+        for digest, key, loc in rec.blocks:
+            home = namespaces.get(digest)
+            if home is None or key in home.entries or loc.payload_len != home.block_bytes:
+                self.nvme.release(loc, digest, key)
+                continue
+            e = Entry(home, key, -1, 0)
+            e.state = EntryState.READY
+            e.nvme = loc
+            home.entries[key] = e
+            home.ready[key] = e
+            self.policy.insert(e)
+            self._count_nvme(e, +1)
+            restored += 1
+        return restored
+
+    # -- flush (host -> NVMe) ---------------------------------------------------------------------
+
+    def on_committed(self, entries: Iterable[Entry]) -> None:
+        if self.write_policy == "write-through":
+            for e in entries:
+                self.schedule_flush(e)
+        self.maybe_flush()
+
+    def on_hits(self, entries: Iterable[Entry]) -> None:
+        if self.write_policy != "selective":
+            return
+        for e in entries:
+            e.hits += 1
+            if e.hits == self.write_after_hits:
+                self.schedule_flush(e)
+
+    def maybe_flush(self) -> None:
+        """write-back: flush the coldest dirty host entries while occupancy is over the mark."""
+        if self.write_policy != "write-back" or not self.nvme.admitting:
+            return
+        host = self.cache.host
+        excess = host.used_bytes - self.flush_watermark * host.capacity_bytes
+        scanned = 0
+        for e in self.cache.policy.victims():
+            if excess <= 0 or self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT or scanned > 4096:
+                break
+            scanned += 1
+            if e.nvme is None and not e.flushing:
+                self.schedule_flush(e)
+            excess -= e.ns.slot_bytes
+
+    def schedule_flush(self, e: Entry) -> None:
+        if e.nvme is not None or e.flushing or not e.in_host or not self.nvme.admitting:
+            return
+        e.flushing = True  # claimed now: the host slot stays until the write is done
+        self.flushes_in_flight += 1
+        self._spawn(self._flush(e))
+
+    async def _flush(self, e: Entry) -> None:
+        ns = e.ns
+        loc = None
+        try:
+            off = self._allocate(ns.block_bytes)
+            if off is None:
+                return
+            try:
+                await self.nvme.register_namespace(ns.spec.digest, ns.spec.to_dict())
+                view = self.cache.host.arena.slot(e.offset, ns.slot_bytes)
+                loc = await self.nvme.write(off, ns.spec.digest, e.key, view, ns.block_bytes)
+            except DiskError as err:
+                self.nvme.space.free(off, self.nvme.slot_bytes_for(ns.block_bytes))
+                log.debug("flush failed: %s", err)
+                return
+        finally:
+            e.flushing = False
+            self.flushes_in_flight -= 1
+            self._flushed.set()
+        if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.nvme is None:
+            e.nvme = loc
+            self.policy.insert(e)
+            self._count_nvme(e, +1)
+            ns.counters.demotions += 1
+            ns.counters.nvme_bytes_written += ns.block_bytes
+        elif loc is not None:
+            self.nvme.release(loc, ns.spec.digest, e.key)
+        self.maybe_flush()
+
+    async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5) -> None:
+        """Backpressure before a store of ``count`` new blocks: flush the coldest host blocks
+        and wait (up to ``timeout_s``) until the store can be placed by evicting only blocks
+        that NVMe holds, so that write-back loses nothing while the disk keeps up."""
+        host = self.cache.host
+        deadline = time.monotonic() + timeout_s
+        while self.nvme.admitting:
+            need = count * slot_bytes - (host.capacity_bytes - host.used_bytes)
+            waiting = False
+            for scanned, e in enumerate(self.cache.policy.victims()):
+                if need <= 0 or scanned >= 4096:
+                    break
+                if e.pins or e.promoting is not None:
+                    continue
+                if e.nvme is None:
+                    if not e.flushing:
+                        if self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT:
+                            waiting = True
+                            break
+                        self.schedule_flush(e)
+                    waiting = True
+                    if not e.flushing:  # could not be scheduled (not in host / not admitting)
+                        continue
+                need -= e.ns.slot_bytes
+            if not waiting and need <= 0:
+                return
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            self._flushed.clear()
+            try:
+                await asyncio.wait_for(self._flushed.wait(), remaining)
+            except TimeoutError:
+                return
+
+    async def flush_all(self, deadline: float) -> int:
+        """Drain: flush every dirty host entry (bounded concurrency) until ``deadline``."""
+        n = 0
+        for ns in list(self.cache.namespaces.values()):
+            for e in list(ns.ready.values()):
+                while self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                if time.monotonic() >= deadline or not self.nvme.admitting:
+                    return n
+                if e.nvme is None and e.in_host:
+                    self.schedule_flush(e)
+                    n += 1
+        while self.flushes_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return n
+
+    # -- promote (NVMe -> host) -------------------------------------------------------------------
+
+    async def promote(self, e: Entry, protect: set[Entry]) -> bool:
+        """Make ``e``'s host copy valid (reading its NVMe copy); False when it cannot be."""
+        while e.promoting is not None:
+            await asyncio.shield(e.promoting)
+        if e.in_host:
+            return True
+        ns = e.ns
+        if ns.entries.get(e.key) is not e or e.nvme is None:
+            return False
+        off = self.cache.allocate_host(ns.slot_bytes, protect)
+        if off is None:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        e.offset, e.promoting = off, fut
+        ok = False
+        try:
+            await self.nvme.read_into(e.nvme, ns.spec.digest, e.key,
+                                      self.cache.host.arena.slot(off, ns.slot_bytes))
+            ok = True
+        except CorruptSlot as err:
+            log.warning("nvme block %s… of %s failed verification (%s): quarantined",
+                        e.key[:4].hex(), ns.spec.model_id, err.reason)
+            ns.counters.checksum_failures += 1
+        except DiskError as err:
+            log.warning("nvme read failed: %s", err)
+        finally:
+            e.promoting = None
+            fut.set_result(None)
+        if ok:
+            self.cache.policy.insert(e)
+            ns.counters.resident_blocks += 1
+            ns.counters.resident_bytes += ns.block_bytes
+            ns.counters.promotions += 1
+            ns.counters.nvme_bytes_read += ns.block_bytes
+            return True
+        self.cache.host.free(off, ns.slot_bytes)
+        e.offset = -1
+        if not ok and e.nvme is not None:
+            self._drop_nvme(e, corrupt=True)
+        return False
+
+    def prefetch(self, ns: NamespaceState, keys: Iterable[bytes]) -> int:
+        """Start promotions of the NVMe-only blocks of a chain's ready prefix; how many."""
+        n = 0
+        for k in keys:
+            e = ns.ready.get(k)
+            if e is None:
+                break
+            if not e.in_host and e.promoting is None:
+                self._spawn(self._promote_quietly(e))
+                n += 1
+        return n
+
+    async def _promote_quietly(self, e: Entry) -> None:
+        await self.promote(e, set())
+
+    # -- NVMe space -------------------------------------------------------------------------------
+
+    def _allocate(self, block_bytes: int) -> int | None:
+        slot = self.nvme.slot_bytes_for(block_bytes)
+        off = self.nvme.space.alloc(slot)
+        if off is not None:
+            return off
+        for e in self.policy.victims():  # LRU NVMe copies; then the freed slab may move class
+            if e.pins or e.promoting is not None:
+                continue
+            self._drop_nvme(e, corrupt=False)
+            e.ns.counters.nvme_evictions += 1
+            off = self.nvme.space.alloc(slot)
+            if off is not None:
+                return off
+        return None
+
+    def _drop_nvme(self, e: Entry, *, corrupt: bool) -> None:
+        """Forget ``e``'s NVMe copy; an entry left with no copy at all leaves the index."""
+        loc, e.nvme = e.nvme, None
+        self.policy.remove(e, evicted=not corrupt)
+        self._count_nvme(e, -1)
+        if corrupt:
+            self.nvme.quarantine(loc, e.ns.spec.digest, e.key)
+        else:
+            self.nvme.release(loc, e.ns.spec.digest, e.key)
+        if e.offset < 0 and e.promoting is None:
+            e.ns.ready.pop(e.key, None)
+            del e.ns.entries[e.key]
+
+    def on_host_evicted(self, e: Entry) -> None:
+        """Hook from the cache: ``e`` lost its host copy but keeps its NVMe one."""
+        self.policy.touch(e)
+
+    @staticmethod
+    def _count_nvme(e: Entry, sign: int) -> None:
+        c = e.ns.counters
+        c.nvme_resident_blocks += sign
+        c.nvme_resident_bytes += sign * e.ns.block_bytes
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def checkpoint(self) -> None:
+        namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in self.cache.namespaces.values()}
+        blocks = [(e.ns.spec.digest, e.key, e.nvme) for ns in self.cache.namespaces.values()
+                  for e in ns.entries.values() if e.nvme is not None]
+        self.nvme.checkpoint(namespaces, blocks)

@@ -1,0 +1,420 @@
+"""NvmeTier: block files in a directory, written durably, read with verification.
+
+Knows locations, not entries: the TieredCache decides which block goes where and when; this
+class moves bytes between arena slots and slots of the block files, and keeps the journal.
+
+Lifecycle::
+
+    tier = NvmeTier(cfg)          # nothing touched yet
+    recovered = tier.open()       # format or recover the directory (blocking; at startup)
+    loc = await tier.write(...)   # durable when it returns (group-committed fdatasync + journal)
+    await tier.read_into(...)     # header and payload checksum verified, or CorruptSlot
+    tier.release(loc, ...)        # slot free again (DEL journaled lazily)
+    tier.checkpoint(entries)      # on drain: warm next start
+    tier.close()
+
+Concurrency: the allocator, counters and degraded state belong to the event-loop thread; block
+I/O runs on a bounded pool of ``io_threads`` threads; every journal write and every fdatasync runs
+on one commit thread, one group at a time, so a block is reported durable only after its bytes,
+its header and its journal record are (a failed fsync fails the whole group, never later "ok").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtierd.tiers.nvme import format as fmt
+from kvtierd.tiers.nvme import journal as jnl
+from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, FileSystem, aligned_buffer
+from kvtierd.tiers.slabs import SlabAllocator
+
+log = logging.getLogger("kvtierd.nvme")
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeLocation:
+    """Where a block lives on disk; ``offset`` is linear over all files (file * file_bytes + …)."""
+
+    offset: int
+    slot_bytes: int
+    payload_len: int
+    checksum: int
+    seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeConfig:
+    directory: str
+    capacity_bytes: int
+    io_align: int = 4096
+    file_bytes: int = 1 << 30
+    slab_bytes: int = 64 << 20
+    io_threads: int = 4
+    journal_rotate_bytes: int = 64 << 20
+
+
+@dataclass
+class NvmeFigures:
+    """Tier-wide figures (per-namespace ones live in the cache's Counters)."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    reads: int = 0
+    checksum_failures: int = 0
+    quarantined_slots: int = 0
+    commit_groups: int = 0
+    write_errors: int = 0
+    recovery_seconds: float = 0.0
+    recovered_blocks: int = 0
+    recovery_quarantined: int = 0
+    recovery_mode: str = ""
+    direct_io: bool = False
+    direct_io_note: str = ""
+
+
+@dataclass
+class Recovered:
+    """What open() found: namespace specs and blocks, to be put back into the index."""
+
+    namespaces: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    blocks: list[tuple[bytes, bytes, NvmeLocation]] = field(default_factory=list)
+
+
+class NvmeTier:
+    """Owns the block files, the slot allocator over them, the I/O pool and the journal."""
+
+    name = "nvme"
+
+    def __init__(self, cfg: NvmeConfig, fs_factory: Callable[..., FileSystem] = FileSystem) -> None:
+        assert cfg.file_bytes % cfg.slab_bytes == 0 and cfg.slab_bytes % cfg.io_align == 0
+        self.cfg = cfg
+        self.io_align = cfg.io_align
+        self._fs_factory = fs_factory
+        self.fs: FileSystem | None = None
+        self.files: list[Device | None] = []
+        nfiles = max(1, cfg.capacity_bytes // cfg.file_bytes)
+        self.space = SlabAllocator(nfiles * cfg.file_bytes, slab_bytes=cfg.slab_bytes,
+                                   slot_align_bytes=cfg.io_align)
+        self.figures = NvmeFigures()
+        self.admitting = False
+        self.degraded_reason = "not open"
+        self._seq = 0
+        self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvtier-nvme-io")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nvme-commit")
+        self._tls = threading.local()
+        self._journal: jnl.JournalWriter | None = None
+        self._journal_gen = 0
+        self._pending: list[tuple[Any, asyncio.Future[None] | None]] = []
+        self._dirty_files: set[int] = set()
+        self._commit_task: asyncio.Task[None] | None = None
+        self._known_ns: set[bytes] = set()
+        self._quarantine: set[int] = set()
+
+    # -- startup ----------------------------------------------------------------------------------
+
+    def slot_bytes_for(self, payload_len: int) -> int:
+        return fmt.slot_bytes(payload_len, self.io_align)
+
+    def fits(self, payload_len: int) -> bool:
+        return self.slot_bytes_for(payload_len) <= self.cfg.slab_bytes
+
+    def open(self) -> Recovered:
+        """Format the directory, or recover its index (blocking; call before serving)."""
+        t0 = time.monotonic()
+        cfg = self.cfg
+        self.fs = fs = self._fs_factory(cfg.directory, io_align=cfg.io_align, create=True)
+        self.figures.direct_io = fs.direct_io
+        self.figures.direct_io_note = getattr(fs, "direct_io_note", "")
+        raw = fs.read_file(fmt.META_NAME)
+        nfiles = self.space.capacity_bytes // cfg.file_bytes
+        if raw is None:
+            meta = fmt.StoreMeta(io_align=cfg.io_align, file_bytes=cfg.file_bytes, files=nfiles,
+                                 created_ns=time.time_ns())
+            fs.write_file_atomic(fmt.META_NAME, meta.encode())
+        else:
+            meta = fmt.StoreMeta.decode(raw)
+            if (meta.io_align, meta.file_bytes) != (cfg.io_align, cfg.file_bytes):
+                raise ValueError(f"disk_dir: formatted with io_align {meta.io_align} and file "
+                                 f"size {meta.file_bytes}; configured {cfg.io_align} and "
+                                 f"{cfg.file_bytes} (use another directory)")
+        self.files = [None] * nfiles
+        self._open_files()
+        rec = jnl.recover(fs)
+        recovered = self._rebuild(rec)
+        self._seq = max(rec.max_slot_seq, self._seq)
+        self._journal_gen = rec.next_gen
+        self._journal = jnl.JournalWriter.open(fs, self._journal_gen)
+        self._known_ns = set(recovered.namespaces)
+        f = self.figures
+        f.recovery_seconds = time.monotonic() - t0
+        f.recovered_blocks = len(recovered.blocks)
+        f.recovery_mode = "warm" if rec.stats.journal_records == 0 else "replay"
+        if all(d is not None for d in self.files):
+            self.admitting, self.degraded_reason = True, ""
+        log.info("nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
+                 cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
+                 f.recovery_seconds, f.direct_io)
+        return recovered
+
+    def _open_files(self) -> None:
+        assert self.fs is not None
+        names = set(self.fs.listdir())
+        for i in range(len(self.files)):
+            if self.files[i] is not None:
+                continue
+            name = fmt.data_file_name(i)
+            try:
+                if name in names:
+                    self.files[i] = self.fs.open_file(name)
+                else:
+                    self.files[i] = self.fs.create_file(name, self.cfg.file_bytes)
+            except DiskError as e:
+                self._degrade(e)
+                return
+
+    def _rebuild(self, rec: Any) -> Recovered:
+        """Claim the slots of recovered blocks. After a crash (journal records replayed) every
+        header is validated against its record; after a clean stop the checkpoint is trusted
+        (every later read verifies header and payload anyway)."""
+        out = Recovered(namespaces=dict(rec.namespaces))
+        validate = rec.stats.journal_records > 0
+        for (digest, key), add in rec.entries.items():
+            loc = NvmeLocation(self._linear(add.file, add.offset), add.slot_bytes, add.payload_len,
+                               add.payload_checksum, add.slot_seq)
+            usable = add.file < len(self.files) and self.files[add.file] is not None
+            try:
+                if not usable or digest not in out.namespaces:
+                    raise fmt.CorruptSlot("bad_layout", "no such file or namespace")
+                if validate:
+                    self._check_header(loc, digest, key)
+                if not self.space.claim(loc.offset, loc.slot_bytes):
+                    raise fmt.CorruptSlot("bad_layout", "slot overlaps another block")
+            except (fmt.CorruptSlot, DiskError) as e:
+                log.warning("recovery: block at %d dropped: %s", loc.offset, e)
+                self.figures.recovery_quarantined += 1
+                continue
+            out.blocks.append((digest, key, loc))
+        return out
+
+    def _check_header(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
+        dev, off = self._where(loc.offset)
+        hdr = self._header_buffer()
+        dev.pread_into(off, [hdr])
+        h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key,
+                              expect_payload_len=loc.payload_len)
+        if h.payload_checksum != loc.checksum or h.sequence != loc.seq:
+            raise fmt.CorruptSlot("wrong_key", "header differs from the journal record")
+
+    # -- I/O ----------------------------------------------------------------------------------------
+
+    def _linear(self, file: int, offset: int) -> int:
+        return file * self.cfg.file_bytes + offset
+
+    def _where(self, linear: int) -> tuple[Device, int]:
+        file, off = divmod(linear, self.cfg.file_bytes)
+        dev = self.files[file]
+        if dev is None:
+            raise DiskError(f"block file {file} is not available")
+        return dev, off
+
+    def _header_buffer(self) -> memoryview:
+        buf: memoryview | None = getattr(self._tls, "hdr", None)
+        if buf is None:
+            buf = self._tls.hdr = aligned_buffer(self.io_align, self.io_align)
+        return buf
+
+    def allocate(self, payload_len: int) -> int | None:
+        return self.space.alloc(self.slot_bytes_for(payload_len))
+
+    async def register_namespace(self, digest: bytes, spec: dict[str, Any]) -> None:
+        """Journal the namespace's spec once, so recovery can re-create it."""
+        if digest in self._known_ns or self._journal is None:
+            return
+        self._known_ns.add(digest)
+        await self._commit(jnl.NsRecord(digest, spec), sync_files=False)
+
+    async def write(self, offset: int, digest: bytes, key: bytes, payload: memoryview,
+                    payload_len: int) -> NvmeLocation:
+        """Write a block into the slot allocated at ``offset`` and wait until it is durable.
+
+        ``payload`` is the arena slot (at least ``round_up(payload_len, io_align)`` bytes, page
+        aligned), so O_DIRECT writes go straight from the arena. The caller frees the slot on error.
+        """
+        if not self.admitting:
+            raise DiskError(f"nvme tier not admitting: {self.degraded_reason}")
+        self._seq += 1
+        seq, slot = self._seq, self.slot_bytes_for(payload_len)
+        region = payload[: fmt.round_up(payload_len, self.io_align)]
+        loop = asyncio.get_running_loop()
+        try:
+            checksum = await loop.run_in_executor(self._io, self._write_slot, offset, digest, key,
+                                                  region, payload_len, seq)
+            file, off = divmod(offset, self.cfg.file_bytes)
+            self._dirty_files.add(file)
+            rec = jnl.AddRecord(digest, key, file, off, payload_len, slot, checksum, seq)
+            await self._commit(rec, sync_files=True)
+        except DiskError as e:
+            self.figures.write_errors += 1
+            self._degrade(e)
+            raise
+        self.figures.writes += 1
+        self.figures.bytes_written += payload_len
+        return NvmeLocation(offset, slot, payload_len, checksum, seq)
+
+    def _write_slot(self, offset: int, digest: bytes, key: bytes, region: memoryview,
+                    payload_len: int, seq: int) -> int:
+        dev, off = self._where(offset)
+        h = fmt.new_header(digest, key, region[:payload_len], sequence=seq, io_align=self.io_align)
+        hdr = self._header_buffer()
+        fmt.encode_header_into(h, hdr)
+        dev.pwrite(off, [hdr, region])
+        return h.payload_checksum
+
+    async def read_into(self, loc: NvmeLocation, digest: bytes, key: bytes,
+                        dest: memoryview) -> None:
+        """Read a block into ``dest`` (an arena slot), verified; CorruptSlot or DiskError."""
+        region = dest[: fmt.round_up(loc.payload_len, self.io_align)]
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._io, self._read_slot, loc, digest, key, region)
+        except fmt.CorruptSlot:
+            self.figures.checksum_failures += 1
+            raise
+        self.figures.reads += 1
+        self.figures.bytes_read += loc.payload_len
+
+    def _read_slot(self, loc: NvmeLocation, digest: bytes, key: bytes, region: memoryview) -> None:
+        dev, off = self._where(loc.offset)
+        hdr = self._header_buffer()
+        dev.pread_into(off, [hdr, region])
+        h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key,
+                              expect_payload_len=loc.payload_len)
+        if h.sequence != loc.seq:
+            raise fmt.CorruptSlot("wrong_key", f"sequence {h.sequence}, expected {loc.seq}")
+        fmt.verify_payload(h, region)
+
+    def release(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
+        """The slot is free again; its DEL record rides with the next commit group."""
+        self.space.free(loc.offset, loc.slot_bytes)
+        file, off = divmod(loc.offset, self.cfg.file_bytes)
+        self._pending.append((jnl.DelRecord(digest, key, file, off), None))
+
+    def quarantine(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
+        """A slot that failed verification: forgotten, never reused during this boot."""
+        self.figures.quarantined_slots += 1
+        self._quarantine.add(loc.offset)
+        file, off = divmod(loc.offset, self.cfg.file_bytes)
+        self._pending.append((jnl.DelRecord(digest, key, file, off), None))
+
+    # -- group commit -----------------------------------------------------------------------------
+
+    async def _commit(self, record: Any, *, sync_files: bool) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((record, fut))
+        if self._commit_task is None or self._commit_task.done():
+            self._commit_task = asyncio.get_running_loop().create_task(self._commit_loop())
+        await fut
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while any(f is not None for _, f in self._pending):
+            batch, self._pending = self._pending, []
+            files, self._dirty_files = self._dirty_files, set()
+            try:
+                await loop.run_in_executor(self._committer, self._sync_group, files,
+                                           [r for r, _ in batch])
+            except DiskError as e:
+                self._degrade(e)
+                for _, f in batch:
+                    if f is not None and not f.done():
+                        f.set_exception(e)
+                continue
+            self.figures.commit_groups += 1
+            for _, f in batch:
+                if f is not None and not f.done():
+                    f.set_result(None)
+
+    def _sync_group(self, files: Iterable[int], records: list[Any]) -> None:
+        """Commit thread: data files durable first, then their journal records."""
+        for i in sorted(files):
+            dev = self.files[i]
+            if dev is None:
+                raise DiskError(f"block file {i} is not available")
+            dev.sync()
+        assert self._journal is not None
+        for r in records:
+            self._journal.append(r)
+        self._journal.flush_and_sync()
+
+    # -- health -----------------------------------------------------------------------------------
+
+    def _degrade(self, e: DiskError) -> None:
+        if self.admitting:
+            log.error("nvme tier degraded, not admitting: %s", e)
+        self.admitting = False
+        self.degraded_reason = f"{type(e).__name__}: {e}"
+
+    def probe(self) -> bool:
+        """Blocking: try to resume admission (space back, device healthy). True if admitting."""
+        if self.admitting or self.fs is None:
+            return self.admitting
+        try:
+            self.fs.write_file_atomic("probe.tmp", bytes(self.io_align))
+            self.fs.remove("probe.tmp")
+            for i, dev in enumerate(self.files):
+                if dev is not None:
+                    dev.close()
+                    self.files[i] = None
+            self._open_files()
+            if any(d is None for d in self.files):
+                return False
+            if self._journal is None or self._journal.failed:
+                # Never reopen a journal whose sync failed: continue in a new generation.
+                self._journal_gen = max(self._journal_gen, self._journal.gen if self._journal
+                                        else 0) + 1
+                self._journal = jnl.JournalWriter.open(self.fs, self._journal_gen)
+        except (DiskError, DiskFull, OSError) as e:
+            self.degraded_reason = f"{type(e).__name__}: {e}"
+            return False
+        log.info("nvme tier admitting again")
+        self.admitting, self.degraded_reason = True, ""
+        return True
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def checkpoint(self, namespaces: dict[bytes, dict[str, Any]],
+                   blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]) -> None:
+        """Blocking: write the whole index so the next start is warm, then rotate the journal."""
+        if self.fs is None:
+            return
+        records: list[Any] = [jnl.NsRecord(d, spec) for d, spec in namespaces.items()]
+        for digest, key, loc in blocks:
+            file, off = divmod(loc.offset, self.cfg.file_bytes)
+            records.append(jnl.AddRecord(digest, key, file, off, loc.payload_len, loc.slot_bytes,
+                                         loc.checksum, loc.seq))
+        new_gen = max(self._journal_gen, self._journal.gen if self._journal else 0) + 1
+        jnl.write_checkpoint(self.fs, records, journal_gen=new_gen)
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        jnl.remove_journals_before(self.fs, new_gen)
+        self._journal_gen = new_gen
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
+        if self._journal is not None:
+            self._journal.close()
+        for dev in self.files:
+            if dev is not None:
+                dev.close()
+        if self.fs is not None:
+            self.fs.close()
