@@ -70,6 +70,18 @@ class PutResult:
 
 
 @dataclass
+class LookupResult:
+    """A detailed lookup: the ready prefix, each hit's tier, and whether NVMe holds it durably."""
+
+    hits: int
+    tiers: list[str]  # "host" or "nvme", one per hit
+    durable: list[bool]  # one per hit
+
+
+_TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
+
+
+@dataclass
 class ClientCounters:
     lookups: int = 0
     lookups_failed: int = 0  # answered as a miss because the daemon was away
@@ -339,6 +351,19 @@ class Client:
             self.counters.lookups_failed += 1
             return 0
 
+    def _lookup_detail(self, handle: NamespaceHandle, keys: Sequence[bytes]) -> LookupResult:
+        if len(keys) > self._max_batch:
+            raise errors.ResourceExhausted(f"at most {self._max_batch} keys per detailed lookup",
+                                           field="keys")
+        try:
+            reply = self._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                          keys=_pack_keys(keys)))
+        except _Away:
+            self.counters.lookups_failed += 1
+            return LookupResult(0, [], [])
+        return LookupResult(reply.hit_blocks, [_TIER_NAMES.get(t, "?") for t in reply.tiers],
+                            [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
+
     def _put(self, handle: NamespaceHandle, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
         if len(keys) != len(blocks):
             raise errors.InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys",
@@ -481,6 +506,20 @@ class NamespaceHandle:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self.client._lookup(self, keys)
+
+    def lookup_detail(self, keys: Sequence[bytes]) -> LookupResult:
+        """Like lookup, with the tier of each hit and whether NVMe holds it durably."""
+        return self.client._lookup_detail(self, keys)
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Ask the daemon to promote the NVMe-resident blocks of the ready prefix ahead of a
+        get; returns how many promotions it started (0 when the daemon is away)."""
+        try:
+            reply = self.client._call("Prefetch", pb.PrefetchRequest(
+                namespace_id=self.namespace_id, keys=_pack_keys(keys)))
+        except _Away:
+            return 0
+        return int(reply.promoting)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
         return self.client._put(self, keys, blocks)

@@ -143,8 +143,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=bytes([pb.TIER_HOST]) * n,
                                   offsets=[job.items[i].offset for i in range(n)])
-        hit, tiers = self.cache.lookup_tiers(ns, keys)
-        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers)
+        hit, tiers, durable = self.cache.lookup_detail(ns, keys)
+        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
+                              durable=durable)
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:

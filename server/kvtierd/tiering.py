@@ -214,6 +214,9 @@ class NvmeBridge:
         ns = e.ns
         if ns.entries.get(e.key) is not e or e.nvme is None:
             return False
+        await self.ensure_room(ns.slot_bytes, 1)  # no unflushed block is evicted for it
+        if e.in_host or e.promoting is not None or ns.entries.get(e.key) is not e or e.nvme is None:
+            return await self.promote(e, protect) if e.promoting is not None else e.in_host
         off = self.cache.allocate_host(ns.slot_bytes, protect)
         if off is None:
             return False
