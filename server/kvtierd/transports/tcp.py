@@ -156,7 +156,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         """A payload of ``count`` blocks for consecutive key indexes from ``first``."""
         self._job, self._seg, self._pos, self._left = job, 0, 0, length
         self._segments = []
-        if length == 0:
+        if length == 0:  # no block is empty: report it at FLUSH, the key is not received
+            self._errors.setdefault(job, Status.BAD_LENGTH)
             return None
         if length > _MAX_FRAME:
             return self._fail(f"frame length {length} too large")
