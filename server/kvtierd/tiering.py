@@ -98,8 +98,8 @@ class NvmeBridge:
             return
         for e in entries:
             e.hits += 1
-            if e.hits == self.write_after_hits:
-                self.schedule_flush(e)
+            if e.hits >= self.write_after_hits:  # not ==: a flush refused at the N-th hit
+                self.schedule_flush(e)  # (tier degraded) is retried; a no-op once on NVMe
 
     def maybe_flush(self) -> None:
         """write-back: flush the coldest dirty host entries while occupancy is over the mark."""

@@ -22,6 +22,7 @@ its header and its journal record are (a failed fsync fails the whole group, nev
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import threading
 import time
@@ -32,7 +33,14 @@ from typing import Any
 
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
-from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, FileSystem, aligned_buffer
+from kvtierd.tiers.nvme.device import (
+    Device,
+    DiskError,
+    DiskFull,
+    DiskIOError,
+    FileSystem,
+    aligned_buffer,
+)
 from kvtierd.tiers.slabs import SlabAllocator
 
 log = logging.getLogger("kvtierd.nvme")
@@ -151,6 +159,10 @@ class NvmeTier:
         recovered = self._rebuild(rec)
         self._seq = max(rec.max_slot_seq, self._seq)
         self._journal_gen = rec.next_gen
+        if rec.stats.journal_records and all(d is not None for d in self.files):
+            # After a crash: compact what was replayed into a checkpoint now, so that journals
+            # do not pile up (and restarts slow down) across repeated crashes.
+            self.checkpoint(recovered.namespaces, recovered.blocks)
         self._journal = jnl.JournalWriter.open(fs, self._journal_gen)
         self._known_ns = set(recovered.namespaces)
         f = self.figures
@@ -173,7 +185,15 @@ class NvmeTier:
             name = fmt.data_file_name(i)
             try:
                 if name in names:
-                    self.files[i] = self.fs.open_file(name)
+                    dev = self.fs.open_file(name)
+                    if dev.size < self.cfg.file_bytes:
+                        # A truncated file: writing past its end would fail (an assert in the
+                        # device, not a DiskError) and leak slots; the tier stays degraded.
+                        dev.close()
+                        raise DiskIOError(f"{dev.path}: {dev.size} bytes, expected "
+                                          f"{self.cfg.file_bytes} (truncated; see kvtier fsck)",
+                                          err=errno.EINVAL)
+                    self.files[i] = dev
                 else:
                     self.files[i] = self.fs.create_file(name, self.cfg.file_bytes)
             except DiskError as e:
@@ -182,27 +202,40 @@ class NvmeTier:
 
     def _rebuild(self, rec: Any) -> Recovered:
         """Claim the slots of recovered blocks. After a crash (journal records replayed) every
-        header is validated against its record; after a clean stop the checkpoint is trusted
-        (every later read verifies header and payload anyway)."""
+        header is validated against its record, on the I/O threads in parallel; after a clean
+        stop the checkpoint is trusted (every later read verifies header and payload anyway)."""
         out = Recovered(namespaces=dict(rec.namespaces))
-        validate = rec.stats.journal_records > 0
+        candidates: list[tuple[bytes, bytes, NvmeLocation]] = []
         for (digest, key), add in rec.entries.items():
             loc = NvmeLocation(self._linear(add.file, add.offset), add.slot_bytes, add.payload_len,
                                add.payload_checksum, add.slot_seq)
             usable = add.file < len(self.files) and self.files[add.file] is not None
-            try:
-                if not usable or digest not in out.namespaces:
-                    raise fmt.CorruptSlot("bad_layout", "no such file or namespace")
-                if validate:
-                    self._check_header(loc, digest, key)
-                if not self.space.claim(loc.offset, loc.slot_bytes):
-                    raise fmt.CorruptSlot("bad_layout", "slot overlaps another block")
-            except (fmt.CorruptSlot, DiskError) as e:
-                log.warning("recovery: block at %d dropped: %s", loc.offset, e)
+            if not usable or digest not in out.namespaces:
+                log.warning("recovery: block at %d dropped: no such file or namespace", loc.offset)
+                self.figures.recovery_quarantined += 1
+                continue
+            candidates.append((digest, key, loc))
+        if rec.stats.journal_records:
+            problems = list(self._io.map(self._header_problem, candidates))
+        else:
+            problems = [None] * len(candidates)
+        for (digest, key, loc), problem in zip(candidates, problems, strict=True):
+            if problem is None and not self.space.claim(loc.offset, loc.slot_bytes):
+                problem = "slot overlaps another block"
+            if problem is not None:
+                log.warning("recovery: block at %d dropped: %s", loc.offset, problem)
                 self.figures.recovery_quarantined += 1
                 continue
             out.blocks.append((digest, key, loc))
         return out
+
+    def _header_problem(self, block: tuple[bytes, bytes, NvmeLocation]) -> str | None:
+        digest, key, loc = block
+        try:
+            self._check_header(loc, digest, key)
+        except (fmt.CorruptSlot, DiskError) as e:
+            return str(e)
+        return None
 
     def _check_header(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
         dev, off = self._where(loc.offset)
@@ -239,7 +272,13 @@ class NvmeTier:
         if digest in self._known_ns or self._journal is None:
             return
         self._known_ns.add(digest)
-        await self._commit(jnl.NsRecord(digest, spec), sync_files=False)
+        try:
+            await self._commit(jnl.NsRecord(digest, spec), sync_files=False)
+        except DiskError:
+            # Not durable: journal it again with the next block of the namespace, or recovery
+            # would drop every block written after this failure for want of its namespace.
+            self._known_ns.discard(digest)
+            raise
 
     async def write(self, offset: int, digest: bytes, key: bytes, payload: memoryview,
                     payload_len: int) -> NvmeLocation:
