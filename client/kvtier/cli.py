@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout-s", type=float, default=2.0)
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
-    b.add_argument("suite", nargs="?", default="all", help="all | shm | tcp | lookup | quick")
+    b.add_argument("suite", nargs="?", default="all",
+                   help="all | shm | tcp | lookup | nvme | quick")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", help="also write results to this file")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--disk-dir", help="nvme suite: where its tier and raw files go (a private "
+                                      "subdirectory, removed after; default: the temp dir)")
     return p
 
 

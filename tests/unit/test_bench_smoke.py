@@ -3,27 +3,35 @@
 The quick suite starts its own kvtierd, moves a few MiB of 16 KiB and 64 KiB blocks over shm and
 tcp (checking every round trip byte for byte), streams the same bytes through a raw loopback
 socket, copies them with memcpy, and times lookups of a 1,000-key chain from one and from two
-client processes.
+client processes. The nvme suite, shrunk to a few MiB, two rounds and 300 recovery blocks, demotes and
+promotes through a daemon with an NVMe tier beside raw O_DIRECT I/O, and restarts it after
+SIGTERM and SIGKILL.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from kvtier.bench.plan import Plan
+from kvtier.bench import nvme
+from kvtier.bench.plan import NVME_IN_ALL, Plan, Results
 from kvtier.bench.progress import Progress
+from kvtier.bench.report import format_table, to_json
 from kvtier.cli import build_parser
 
 QUICK_SIZES = (16 << 10, 64 << 10)
 THROUGHPUT_OPS = ("memcpy", "socket", "shm_put", "shm_get_into", "shm_get", "tcp_put",
                   "tcp_get_into", "tcp_get")
+NVME_OPS = ("nvme_raw_write_1t", "nvme_raw_write", "nvme_demote", "nvme_raw_read_1t", "nvme_raw_read",
+            "nvme_promote_prefetch", "nvme_promote_prepare", "nvme_promote_get_into", "xxh3")
 LOOKUP_FIGURES = ("lookup_p50_ms", "lookup_p99_ms", "lookups_per_s", "lookup_1key_p50_ms",
                   "daemon_cpu_us_per_lookup")
 
@@ -90,3 +98,70 @@ def test_progress_bar_counts_to_its_total() -> None:
     assert "[########]   4/4" in stream.getvalue()
     bar.close()
     assert stream.getvalue().endswith("\r")
+
+
+def _small_nvme_plan(disk_dir: Path) -> Plan:
+    plan = Plan.from_args(_bench_args("nvme", "--sizes", "64KiB,256KiB", "--total-mib", "4",
+                                      "--batch-mib", "1", "--repeat", "2", "--no-progress",
+                                      "--disk-dir", str(disk_dir)))
+    return dataclasses.replace(plan, recovery_blocks=300)
+
+
+def test_nvme_suite_reports_every_figure(tmp_path: Path) -> None:
+    plan = _small_nvme_plan(tmp_path / "disk")
+    results = Results()
+    bench = Progress(nvme.steps(plan), enabled=False)
+    with tempfile.TemporaryDirectory(prefix="kvb-") as runs:  # short: Unix socket paths
+        nvme.bench_nvme(plan, Path(runs), results, bench)
+    assert bench.done == bench.total
+
+    for op in NVME_OPS:
+        for size in plan.block_sizes:
+            assert (results.gbps(op, size) or 0) > 0, f"{op} at {size} B missing or not positive"
+    for name in nvme.RECOVERY_FIGURES:
+        assert (results.seconds(name) or 0) > 0, name
+    assert len(results.recovery["recovery_replay_s"].samples) == 2  # the same crash, replayed twice
+    assert results.facts["recovered_warm_blocks"] == 300
+    assert results.facts["recovered_replay_blocks"] == 600
+    assert results.facts["filesystem"] != "?"
+    assert list((tmp_path / "disk").iterdir()) == []  # its private directory is gone
+
+    out = json.loads(json.dumps(to_json(plan, results)))
+    assert out["recovery"]["recovery_warm_s"]["per_10k_blocks"] > 0
+    assert any(t["target"].startswith("NVMe demote") for t in out["targets"])
+    table = format_table(plan, results)
+    assert "NVMe promote (get_into, end to end)" in table and "after kill -9" in table
+
+
+def test_nvme_suite_refuses_to_fill_the_disk(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _p: shutil_usage(free=1 << 30))
+    with pytest.raises(RuntimeError, match="GiB free"):
+        nvme.bench_nvme(_small_nvme_plan(tmp_path), tmp_path, Results(), Progress(1, enabled=False))
+    results = Results()  # under `all`, the other figures still count: a note instead
+    nvme.bench_nvme(dataclasses.replace(_small_nvme_plan(tmp_path), suite="all"), tmp_path,
+                    results, Progress(1, enabled=False))
+    assert any("NVMe figures skipped" in n for n in results.notes)
+    assert list(tmp_path.iterdir()) == []
+
+
+def shutil_usage(free: int) -> object:
+    return type("usage", (), {"free": free, "total": 2 * free, "used": free})()
+
+
+def test_nvme_geometry_keeps_one_set_in_the_host_tier() -> None:
+    plan = Plan.from_args(_bench_args("nvme"))
+    for block in plan.block_sizes:
+        g = nvme.Geometry(plan, block)
+        assert g.n * block == plan.sample_bytes(block)
+        assert g.n * block <= g.host_bytes < g.n * block + g.slab  # within a slab of one set
+        assert g.disk_bytes >= 3 * plan.repeat * g.n * nvme.nvme_slot_bytes(block)
+    assert nvme.disk_need(plan) < 8 << 30
+
+
+def test_suites_that_run_nvme() -> None:
+    assert Plan.from_args(_bench_args("nvme")).wants("nvme")
+    assert not Plan.from_args(_bench_args("quick")).wants("nvme")
+    assert not Plan.from_args(_bench_args("shm")).wants("nvme")
+    assert Plan.from_args(_bench_args()).wants("nvme") == NVME_IN_ALL
+    assert _bench_args("nvme", "--disk-dir", "/x").disk_dir == "/x"

@@ -11,7 +11,8 @@ again), after one warm-up each, and the best of ``--repeat`` rounds is kept: a f
 baseline see the same conditions.
 
 Modules: ``plan`` (what to measure, results), ``baselines`` (memcpy, socket, Redis),
-``transfers`` (kvtier put/get/get_into), ``lookups``, ``report`` (table, targets, JSON),
+``transfers`` (kvtier put/get/get_into), ``lookups``, ``nvme`` (the NVMe tier against raw
+O_DIRECT I/O, and recovery; suite ``nvme``), ``report`` (table, targets, JSON),
 ``procs`` (daemon and Redis processes), ``progress`` (the stderr bar).
 """
 
@@ -54,6 +55,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from kvtier.bench.report import format_table, write_json
 
     print(format_table(plan, results))
+    if plan.suite == "all" and not plan.wants("nvme"):
+        print("hint: the NVMe tier has a suite of its own (~2 min, several GiB of disk I/O): "
+              "kvtier bench nvme [--disk-dir DIR]")
     if plan.json_out:
         write_json(plan.json_out, plan, results)
     return 0
@@ -66,7 +70,12 @@ def _steps(plan: Plan) -> int:
     if plan.wants("tcp"):
         per_size += 4 + (2 if plan.redis else 0)  # socket, tcp put, get_into, get (+ Redis)
     lookups = 2 if plan.wants("lookup") else 0
-    return plan.repeat * (per_size * len(plan.block_sizes) + lookups)
+    steps = plan.repeat * (per_size * len(plan.block_sizes) + lookups)
+    if plan.wants("nvme"):
+        from kvtier.bench.nvme import steps as nvme_steps
+
+        steps += nvme_steps(plan)
+    return steps
 
 
 def measure(plan: Plan, block: int, ops: list[Op], results: Results, progress: Progress) -> None:
@@ -105,6 +114,10 @@ def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
         with DaemonProc(tmp / "kvtierd-lookup", 64 << 20, 4 << 20) as daemon:
             assert daemon.proc is not None
             bench_lookup(plan, daemon.unix, daemon.proc.pid, results, progress)
+    if plan.wants("nvme"):
+        from kvtier.bench.nvme import bench_nvme
+
+        bench_nvme(plan, tmp, results, progress)
 
 
 def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,

@@ -1,7 +1,8 @@
 """What one bench run measures (``Plan``) and what it found (``Results``), as plain data.
 
 ``Plan.from_args`` turns the ``kvtier bench`` arguments into a validated plan; the ``quick`` suite
-replaces the size flags by a tiny plan (a few MiB) so that the smoke test stays short.
+replaces the size flags by a tiny plan (a few MiB) so that the smoke test stays short. The ``nvme``
+suite (``bench.nvme``) uses the same sizes, plus ``disk_dir`` and ``recovery_blocks``.
 ``Results`` keeps every sample of every figure and reports the best one (highest GB/s, lowest
 latency), so a noisy neighbour can only make a figure look worse, never better.
 """
@@ -17,12 +18,14 @@ from typing import Any, Literal
 
 from kvtier.units import format_bytes, parse_bytes
 
-Suite = Literal["all", "shm", "tcp", "lookup", "quick"]
-SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "quick")
+Suite = Literal["all", "shm", "tcp", "lookup", "nvme", "quick"]
+SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick")
 MiB = 1 << 20
 GB = 1e9
 
 _LOOKUP_UNITS = {"lookups_per_s": "lookups/s", "daemon_cpu_us_per_lookup": "us"}
+NVME_IN_ALL = True
+"""Whether ``all`` runs the nvme suite too (it does: all stays under 3 minutes; docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class Plan:
     redis: bool = True
     progress: bool = True
     json_out: str | None = None
+    disk_dir: str | None = None
+    """Parent directory of the NVMe suite's tier and raw files (default: the system temp dir)."""
+    recovery_blocks: int = 10_000
+    """NVMe suite: blocks stored before each restart of the recovery figures."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
@@ -59,7 +66,8 @@ class Plan:
             raise ValueError(f"unknown suite {suite!r} (expected one of {', '.join(SUITES)})")
         common: dict[str, Any] = dict(
             suite=suite, redis=not args.no_redis, progress=not args.no_progress,
-            json_out=args.json_out, lookup_clients=max(1, args.lookup_clients))
+            json_out=args.json_out, lookup_clients=max(1, args.lookup_clients),
+            disk_dir=getattr(args, "disk_dir", None))
         if suite == "quick":
             return cls(block_sizes=(16 << 10, 64 << 10), batch_bytes=1 * MiB, total_bytes=4 * MiB,
                        repeat=1, lookup_samples=100, lookup_seconds=0.5,
@@ -105,7 +113,9 @@ class Plan:
     def slab_bytes(self) -> int:
         return max(64 * MiB, *(_round_up(b, 4096) for b in self.block_sizes))
 
-    def wants(self, part: Literal["shm", "tcp", "lookup"]) -> bool:
+    def wants(self, part: Literal["shm", "tcp", "lookup", "nvme"]) -> bool:
+        if part == "nvme":  # not in quick (disk I/O); in all only when NVME_IN_ALL
+            return self.suite == "nvme" or (self.suite == "all" and NVME_IN_ALL)
         return self.suite in ("all", "quick", part)
 
     def describe(self) -> dict[str, Any]:
@@ -114,7 +124,8 @@ class Plan:
                 "repeat": self.repeat, "lookup_keys": self.lookup_keys,
                 "lookup_samples": self.lookup_samples, "lookup_clients": self.lookup_clients,
                 "lookup_seconds": self.lookup_seconds, "redis": self.redis,
-                "host_bytes": self.host_bytes, "slab_bytes": self.slab_bytes}
+                "host_bytes": self.host_bytes, "slab_bytes": self.slab_bytes,
+                "disk_dir": self.disk_dir, "recovery_blocks": self.recovery_blocks}
 
 
 def _round_up(n: int, align: int) -> int:
@@ -150,6 +161,10 @@ class Results:
 
     throughput: dict[tuple[str, int], Figure] = field(default_factory=dict)
     lookup: dict[str, Figure] = field(default_factory=dict)
+    recovery: dict[str, Figure] = field(default_factory=dict)
+    """NVMe suite: restart and recovery seconds by name (``bench.nvme.RECOVERY_FIGURES``)."""
+    facts: dict[str, Any] = field(default_factory=dict)
+    """Plain values a run found out (e.g. whether O_DIRECT works, blocks recovered)."""
     notes: list[str] = field(default_factory=list)
 
     def add_gbps(self, op: str, block: int, gbps: float) -> None:
@@ -159,6 +174,13 @@ class Results:
         unit = _LOOKUP_UNITS.get(name, "ms")
         fig = self.lookup.setdefault(name, Figure(unit, higher_is_better=unit == "lookups/s"))
         fig.samples.append(value)
+
+    def add_seconds(self, name: str, seconds: float) -> None:
+        self.recovery.setdefault(name, Figure("s", higher_is_better=False)).samples.append(seconds)
+
+    def seconds(self, name: str) -> float | None:
+        fig = self.recovery.get(name)
+        return fig.best if fig else None
 
     def gbps(self, op: str, block: int) -> float | None:
         fig = self.throughput.get((op, block))

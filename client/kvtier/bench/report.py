@@ -2,7 +2,8 @@
 
 Targets (DESIGN.md §5 and the bench brief): shm put and get >= 0.8x memcpy; tcp put and get
 >= 0.8x a raw loopback stream, tcp get >= 1x Redis GET, tcp put >= 2x Redis SET; a 1,000-key
-lookup p50 <= 1 ms and >= 5,000 lookups/s from several client processes.
+lookup p50 <= 1 ms and >= 5,000 lookups/s from several client processes; NVMe demote and
+promote >= 0.8x raw O_DIRECT write+fdatasync / read of the same bytes (4 threads, as the tier).
 """
 
 from __future__ import annotations
@@ -21,9 +22,19 @@ OP_LABELS = {
     "redis_set": "Redis SET (pipelined)", "redis_get": "Redis GET (pipelined)",
     "shm_put": "shm put", "shm_get_into": "shm get_into", "shm_get": "shm get (allocates)",
     "tcp_put": "tcp put", "tcp_get_into": "tcp get_into", "tcp_get": "tcp get (allocates)",
+    "nvme_raw_write_1t": "raw O_DIRECT write+fdatasync, 1 thread",
+    "nvme_raw_write": "raw O_DIRECT write+fdatasync, 4 threads",
+    "nvme_raw_read_1t": "raw O_DIRECT read, 1 thread", "nvme_raw_read": "raw O_DIRECT read, 4 threads",
+    "nvme_demote": "NVMe demote (put -> durable)",
+    "nvme_promote_prefetch": "NVMe promote (prefetch, daemon)",
+    "nvme_promote_prepare": "NVMe promote (get_into's PrepareLoad)",
+    "nvme_promote_get_into": "NVMe promote (get_into, end to end)",
+    "xxh3": "xxh3_64 checksum, 1 thread",
 }
 OP_ORDER = ("memcpy", "socket", "redis_set", "redis_get", "shm_put", "shm_get_into", "shm_get",
-            "tcp_put", "tcp_get_into", "tcp_get")
+            "tcp_put", "tcp_get_into", "tcp_get", "nvme_raw_write_1t", "nvme_raw_write",
+            "nvme_demote", "nvme_raw_read_1t", "nvme_raw_read", "nvme_promote_prefetch",
+            "nvme_promote_prepare", "nvme_promote_get_into", "xxh3")
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,19 @@ TARGETS = (
     Target("tcp_put", "socket", 0.8), Target("tcp_get_into", "socket", 0.8),
     Target("tcp_get", "socket", 0.8),
     Target("tcp_get", "redis_get", 1.0), Target("tcp_put", "redis_set", 2.0),
+    Target("nvme_demote", "nvme_raw_write", 0.8),
+    Target("nvme_promote_prefetch", "nvme_raw_read", 0.8),
+    Target("nvme_promote_prepare", "nvme_raw_read", 0.8),
+    Target("nvme_promote_get_into", "nvme_raw_read", 0.8),
 )
+RECOVERY_LABELS = {
+    "ready_empty_s": "start -> KVTIERD_READY, empty directory",
+    "ready_warm_s": "start -> KVTIERD_READY after SIGTERM",
+    "recovery_warm_s": "nvme.recovery_seconds after SIGTERM (warm)",
+    "ready_replay_s": "start -> KVTIERD_READY after kill -9",
+    "recovery_replay_s": "nvme.recovery_seconds after kill -9 (replay)",
+}
+IO_THREADS = 4  # the daemon's default io_threads (bench.nvme uses as many for the raw figures)
 LOOKUP_P50_MS_MAX = 1.0
 LOOKUPS_PER_S_MIN = 5000.0
 
@@ -96,8 +119,22 @@ def to_json(plan: Plan, results: Results) -> dict[str, Any]:
                                                  key=lambda kv: (kv[0][1], kv[0][0]))]
     lookup = {name: {"value": fig.best, "unit": fig.unit, "samples": fig.samples}
               for name, fig in results.lookup.items()}
-    return {"machine": machine(), "plan": plan.describe(), "throughput": throughput,
-            "lookup": lookup, "targets": target_rows(plan, results), "notes": results.notes}
+    out = {"machine": machine(), "plan": plan.describe(), "throughput": throughput,
+           "lookup": lookup, "targets": target_rows(plan, results), "notes": results.notes}
+    if results.recovery or results.facts:
+        out["recovery"] = {name: {"value": fig.best, "unit": fig.unit, "samples": fig.samples,
+                                  "per_10k_blocks": per_10k(results, name)}
+                           for name, fig in results.recovery.items()}
+        out["facts"] = results.facts
+    return out
+
+
+def per_10k(results: Results, name: str) -> float | None:
+    """A recovery figure scaled to 10,000 blocks (None for the start-up figures)."""
+    blocks = results.facts.get({"recovery_warm_s": "recovered_warm_blocks",
+                                "recovery_replay_s": "recovered_replay_blocks"}.get(name, ""))
+    value = results.seconds(name)
+    return value * 10_000 / blocks if value is not None and blocks else None
 
 
 def write_json(path: str, plan: Plan, results: Results) -> None:
@@ -116,14 +153,20 @@ _W = 56  # width of the label column
 def format_table(plan: Plan, results: Results) -> str:
     """The human report: machine, GB/s per path and block size, targets as ratios, lookups."""
     m = machine()
-    head = [f"kvtier bench: suite {plan.suite}, best of {plan.repeat} interleaved rounds after a "
-            f"warm-up, {format_bytes(plan.total_bytes)} per sample in "
+    warm = "" if plan.suite == "nvme" else " after a warm-up"
+    head = [f"kvtier bench: suite {plan.suite}, best of {plan.repeat} interleaved rounds{warm}, "
+            f"{format_bytes(plan.total_bytes)} per sample in "
             f"{format_bytes(plan.batch_bytes)} batches",
             f"machine: {m['nproc']} CPUs ({m['cpu']}), {format_bytes(m['memory_bytes'])} RAM, "
             f"{m['platform']}, Python {m['python']}"]
+    if "filesystem" in results.facts:
+        f = results.facts
+        direct = "O_DIRECT" if f.get("tier_direct_io") and f.get("raw_direct_io") else "NO O_DIRECT"
+        head.append(f"nvme: {f['filesystem']} at {f['mount']} ({direct}), write-through, "
+                    f"{IO_THREADS} I/O threads; no warm-up (every round writes fresh slots)")
     rows = target_rows(plan, results)
     body = _throughput_lines(plan, results) + _target_lines(plan, rows)
-    body += _lookup_lines(plan, results, rows)
+    body += _lookup_lines(plan, results, rows) + _recovery_lines(results)
     return "\n".join(head + body + [f"note: {n}" for n in results.notes])
 
 
@@ -141,15 +184,16 @@ def _throughput_lines(plan: Plan, results: Results) -> list[str]:
 
 def _target_lines(plan: Plan, rows: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
-    for t in TARGETS:
+    shown = [t for t in TARGETS if any(r["target"] == t.name for r in rows)]
+    w = max([_W] + [len(t.name) + 1 for t in shown])
+    for t in shown:
         cells = {r["block_bytes"]: r for r in rows if r["target"] == t.name}
-        if cells:
-            lines.append(f"{t.name:<{_W}}" + "".join(f"{_ratio_cell(cells.get(s)):>12}"
-                                                     for s in plan.block_sizes))
+        lines.append(f"{t.name:<{w}}" + "".join(f"{_ratio_cell(cells.get(s)):>12}"
+                                                for s in plan.block_sizes))
     if not lines:
         return []
-    return ["", f"{'target: ratio, ok?':<{_W}}" + "".join(f"{size_label(s):>12}"
-                                                          for s in plan.block_sizes)] + lines
+    return ["", f"{'target: ratio, ok?':<{w}}" + "".join(f"{size_label(s):>12}"
+                                                         for s in plan.block_sizes)] + lines
 
 
 def _lookup_lines(plan: Plan, results: Results, rows: list[dict[str, Any]]) -> list[str]:
@@ -162,6 +206,24 @@ def _lookup_lines(plan: Plan, results: Results, rows: list[dict[str, Any]]) -> l
         if v is not None:
             lines.append(f"{text:<{_W}}{_num(v):>12} {_unit(name)}")
     return [""] + lines if lines else []
+
+
+def _recovery_lines(results: Results) -> list[str]:
+    if not results.recovery:
+        return []
+    f = results.facts
+    title = (f"recovery, {f.get('recovered_warm_blocks', 0):,} blocks of "
+             f"{size_label(f.get('recovery_block_bytes', 1))} (best)")
+    lines = ["", f"{title:<{_W}}{'seconds':>12}{'per 10,000':>12}"]
+    for name, text in RECOVERY_LABELS.items():
+        v = results.seconds(name)
+        if v is not None:
+            lines.append(f"{text:<{_W}}{v:>12.3f}{_cell(per_10k(results, name), '{:.3f}'):>12}")
+    if "recovered_replay_blocks" in f:
+        lines.append(f"(after kill -9: {f['recovered_replay_blocks']:,} blocks recovered, "
+                     f"{f['replayed_journal_records']:,} of them from the journal; every slot "
+                     "header is read back)")
+    return lines
 
 
 def _num(v: float) -> str:
