@@ -131,7 +131,8 @@ class NvmeBridge:
             if off is None:
                 return
             try:
-                await self.nvme.register_namespace(ns.spec.digest, ns.spec.to_dict())
+                if not self.nvme.knows_namespace(ns.spec.digest):
+                    await self.nvme.register_namespace(ns.spec.digest, ns.spec.to_dict())
                 view = self.cache.host.arena.slot(e.offset, ns.slot_bytes)
                 loc = await self.nvme.write(off, ns.spec.digest, e.key, view, ns.block_bytes)
             except DiskError as err:

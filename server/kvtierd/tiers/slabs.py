@@ -1,6 +1,6 @@
 """SlabAllocator: fixed-size slots carved out of slabs by size class; knows no keys.
 
-Primitives (all O(1) amortized, except ``claim`` which is O(slots per slab)):
+Primitives (all O(1) amortized):
 
 * ``slot_bytes_for(nbytes)`` -> the size class (rounded up to ``slot_align_bytes``).
 * ``alloc(slot_bytes)`` -> offset, or None when no slot of that class is free and no slab is.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 class _Slab:
     base: int
     slot_bytes: int = 0
-    free_slots: list[int] = field(default_factory=list)
+    free_slots: dict[int, None] = field(default_factory=dict)  # an ordered set: O(1) claim
     live: int = 0
 
 
@@ -52,7 +52,7 @@ class SlabAllocator:
         slab = self._slabs[index]
         n = self.slab_bytes // slot_bytes
         slab.slot_bytes = slot_bytes
-        slab.free_slots = [slab.base + i * slot_bytes for i in range(n - 1, -1, -1)]
+        slab.free_slots = dict.fromkeys(slab.base + i * slot_bytes for i in range(n - 1, -1, -1))
         self._partial.setdefault(slot_bytes, {})[slab.base] = slab
         return slab
 
@@ -63,7 +63,7 @@ class SlabAllocator:
                 return None
             self._take_slab(self._free_slabs.pop(), slot_bytes)
         base, slab = next(iter(partial.items()))
-        offset = slab.free_slots.pop()
+        offset, _ = slab.free_slots.popitem()  # last in, first out: lowest offset first
         self._taken(slab, slot_bytes)
         return offset
 
@@ -78,7 +78,7 @@ class SlabAllocator:
             self._take_slab(index, slot_bytes)
         if slab.slot_bytes != slot_bytes or offset not in slab.free_slots:
             return False
-        slab.free_slots.remove(offset)
+        del slab.free_slots[offset]
         self._taken(slab, slot_bytes)
         return True
 
@@ -91,14 +91,14 @@ class SlabAllocator:
     def free(self, offset: int, slot_bytes: int) -> None:
         slab = self._slabs[offset // self.slab_bytes]
         assert slab.slot_bytes == slot_bytes and slab.live > 0, (offset, slot_bytes)
-        slab.free_slots.append(offset)
+        slab.free_slots[offset] = None
         slab.live -= 1
         self.used_bytes -= slot_bytes
         partial = self._partial[slot_bytes]
         if slab.live == 0:
             # Whole slab empty: back to the pool so any class can take it.
             partial.pop(slab.base, None)
-            slab.free_slots = []
+            slab.free_slots = {}
             slab.slot_bytes = 0
             self._free_slabs.append(slab.base // self.slab_bytes)
         else:

@@ -267,6 +267,9 @@ class NvmeTier:
     def allocate(self, payload_len: int) -> int | None:
         return self.space.alloc(self.slot_bytes_for(payload_len))
 
+    def knows_namespace(self, digest: bytes) -> bool:
+        return digest in self._known_ns
+
     async def register_namespace(self, digest: bytes, spec: dict[str, Any]) -> None:
         """Journal the namespace's spec once, so recovery can re-create it."""
         if digest in self._known_ns or self._journal is None:
