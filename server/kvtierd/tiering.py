@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,14 +32,16 @@ from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy
 from kvtierd.tiers.nvme.device import DiskError
 from kvtierd.tiers.nvme.format import CorruptSlot
-from kvtierd.tiers.nvme.tier import NvmeTier
+from kvtierd.tiers.nvme.tier import NvmeLocation, NvmeTier
 
 if TYPE_CHECKING:
     from kvtierd.cache import TieredCache
 
 log = logging.getLogger("kvtierd.tiering")
 WritePolicy = Literal["write-back", "write-through", "selective"]
-MAX_FLUSHES_IN_FLIGHT = 32
+MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
+FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
+FLUSH_WORKERS = 2
 
 
 class NvmeBridge:
@@ -54,7 +57,9 @@ class NvmeBridge:
         self.write_after_hits = write_after_hits
         self.flushes_in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._flushed = asyncio.Event()  # set whenever a flush ends
+        self._flushed = asyncio.Event()  # set whenever a flush batch ends
+        self._flush_queue: deque[Entry] = deque()
+        self._flush_workers = 0
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -117,40 +122,70 @@ class NvmeBridge:
             excess -= e.ns.slot_bytes
 
     def schedule_flush(self, e: Entry) -> None:
+        """Queue ``e`` for writing to NVMe; flush workers write the queue in batches."""
         if e.nvme is not None or e.flushing or not e.in_host or not self.nvme.admitting:
             return
         e.flushing = True  # claimed now: the host slot stays until the write is done
         self.flushes_in_flight += 1
-        self._spawn(self._flush(e))
+        self._flush_queue.append(e)
+        if self._flush_workers < FLUSH_WORKERS:
+            self._flush_workers += 1
+            self._spawn(self._flush_worker())
 
-    async def _flush(self, e: Entry) -> None:
-        ns = e.ns
-        loc = None
+    async def _flush_worker(self) -> None:
+        """Take up to FLUSH_BATCH_BYTES of the queue at a time: one gathered write per run of
+        adjacent disk slots and one group commit per batch (two workers overlap the data
+        writes of one batch with the commit of the other)."""
         try:
-            off = self._allocate(ns.block_bytes)
-            if off is None:
-                return
-            try:
+            while self._flush_queue:
+                batch: list[Entry] = []
+                size = 0
+                while self._flush_queue and (not batch or size < FLUSH_BATCH_BYTES):
+                    e = self._flush_queue.popleft()
+                    batch.append(e)
+                    size += e.ns.block_bytes
+                await self._flush_batch(batch)
+        finally:
+            self._flush_workers -= 1
+
+    async def _flush_batch(self, batch: list[Entry]) -> None:
+        targets: list[tuple[Entry, int]] = []
+        locs: list[NvmeLocation] = []
+        try:
+            for e in batch:
+                ns = e.ns
                 if not self.nvme.knows_namespace(ns.spec.digest):
                     await self.nvme.register_namespace(ns.spec.digest, ns.spec.to_dict())
-                view = self.cache.host.arena.slot(e.offset, ns.slot_bytes)
-                loc = await self.nvme.write(off, ns.spec.digest, e.key, view, ns.block_bytes)
-            except DiskError as err:
-                self.nvme.space.free(off, self.nvme.slot_bytes_for(ns.block_bytes))
-                log.debug("flush failed: %s", err)
-                return
+                off = self._allocate(ns.block_bytes)
+                if off is not None and e.in_host:
+                    targets.append((e, off))
+                elif off is not None:
+                    self.nvme.space.free(off, self.nvme.slot_bytes_for(ns.block_bytes))
+            if targets:
+                locs = await self.nvme.write_many([
+                    (off, e.ns.spec.digest, e.key,
+                     self.cache.host.arena.slot(e.offset, e.ns.slot_bytes), e.ns.block_bytes)
+                    for e, off in targets])
+        except DiskError as err:
+            for e, off in targets:
+                self.nvme.space.free(off, self.nvme.slot_bytes_for(e.ns.block_bytes))
+            targets, locs = [], []
+            log.debug("flush failed: %s", err)
         finally:
-            e.flushing = False
-            self.flushes_in_flight -= 1
+            for e in batch:
+                e.flushing = False
+            self.flushes_in_flight -= len(batch)
             self._flushed.set()
-        if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.nvme is None:
-            e.nvme = loc
-            self.policy.insert(e)
-            self._count_nvme(e, +1)
-            ns.counters.demotions += 1
-            ns.counters.nvme_bytes_written += ns.block_bytes
-        elif loc is not None:
-            self.nvme.release(loc, ns.spec.digest, e.key)
+        for (e, _off), loc in zip(targets, locs, strict=True):
+            ns = e.ns
+            if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.nvme is None:
+                e.nvme = loc
+                self.policy.insert(e)
+                self._count_nvme(e, +1)
+                ns.counters.demotions += 1
+                ns.counters.nvme_bytes_written += ns.block_bytes
+            else:
+                self.nvme.release(loc, ns.spec.digest, e.key)
         self.maybe_flush()
 
     async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5) -> None:
