@@ -16,7 +16,6 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections import deque
@@ -285,12 +284,9 @@ class TieredCache:
         for e in items.values():
             e.pins += 1
         protect = set(items.values())
-        need = {id(e): e for e in items.values() if not e.in_host}
-        if need:  # make room the write-back way first: promotions must not evict unflushed blocks
-            slot = next(iter(need.values())).ns.slot_bytes
-            await self.bridge.ensure_room(slot, len(need))
-        results = dict(zip(need, await asyncio.gather(
-            *(self.bridge.promote(e, protect) for e in need.values())), strict=True))
+        need = [e for e in items.values() if not e.in_host]
+        promoted = await self.bridge.promote_many(need, protect) if need else set()
+        results = {id(e): e in promoted for e in need}
         kept: dict[int, Entry] = {}
         failed = False
         for i in sorted(items):

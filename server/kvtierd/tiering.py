@@ -243,62 +243,94 @@ class NvmeBridge:
 
     async def promote(self, e: Entry, protect: set[Entry]) -> bool:
         """Make ``e``'s host copy valid (reading its NVMe copy); False when it cannot be."""
-        while e.promoting is not None:
-            await asyncio.shield(e.promoting)
-        if e.in_host:
-            return True
-        ns = e.ns
-        if ns.entries.get(e.key) is not e or e.nvme is None:
-            return False
-        await self.ensure_room(ns.slot_bytes, 1)  # no unflushed block is evicted for it
-        if e.in_host or e.promoting is not None or ns.entries.get(e.key) is not e or e.nvme is None:
-            return await self.promote(e, protect) if e.promoting is not None else e.in_host
-        off = self.cache.allocate_host(ns.slot_bytes, protect)
-        if off is None:
-            return False
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        e.offset, e.promoting = off, fut
-        ok = False
+        return e in await self.promote_many([e], protect)
+
+    async def promote_many(self, entries: list[Entry], protect: set[Entry]) -> set[Entry]:
+        """Make the host copies of ``entries`` valid; returns those that now are.
+
+        Room is made the write-back way first (no unflushed block is evicted for a promotion),
+        host slots are taken up front, and the NVMe reads go in ~4 MiB jobs (one coalesced
+        ``preadv`` per run of adjacent disk slots), each block verified on its own: a corrupt
+        one is quarantined and left out. Concurrent promotions of one entry are joined.
+        """
+        waiting = [e.promoting for e in entries if e.promoting is not None]
+        if waiting:
+            await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
+
+        def todo() -> list[Entry]:
+            return [e for e in dict.fromkeys(entries) if not e.in_host and e.promoting is None
+                    and e.nvme is not None and e.ns.entries.get(e.key) is e]
+
+        pending = todo()
+        if pending:
+            await self.ensure_room(pending[0].ns.slot_bytes, len(pending))
+            pending = todo()
+        loop = asyncio.get_running_loop()
+        started: list[Entry] = []
+        for e in pending:
+            off = self.cache.allocate_host(e.ns.slot_bytes, protect)
+            if off is None:
+                break
+            e.offset, e.promoting = off, loop.create_future()
+            started.append(e)
+        jobs: list[list[Entry]] = []
+        size = FLUSH_BATCH_BYTES
+        for e in started:
+            if size >= FLUSH_BATCH_BYTES:
+                jobs.append([])
+                size = 0
+            jobs[-1].append(e)
+            size += e.ns.block_bytes
+        await asyncio.gather(*(self._promote_job(job) for job in jobs))
+        return {e for e in entries if e.in_host}
+
+    async def _promote_job(self, job: list[Entry]) -> None:
+        arena = self.cache.host.arena
         try:
-            await self.nvme.read_into(e.nvme, ns.spec.digest, e.key,
-                                      self.cache.host.arena.slot(off, ns.slot_bytes))
-            ok = True
-        except CorruptSlot as err:
-            log.warning("nvme block %s… of %s failed verification (%s): quarantined",
-                        e.key[:4].hex(), ns.spec.model_id, err.reason)
-            ns.counters.checksum_failures += 1
-        except DiskError as err:
-            log.warning("nvme read failed: %s", err)
-        finally:
-            e.promoting = None
-            fut.set_result(None)
-        if ok:
-            self.cache.policy.insert(e)
-            ns.counters.resident_blocks += 1
-            ns.counters.resident_bytes += ns.block_bytes
-            ns.counters.promotions += 1
-            ns.counters.nvme_bytes_read += ns.block_bytes
-            return True
-        self.cache.host.free(off, ns.slot_bytes)
-        e.offset = -1
-        if not ok and e.nvme is not None:
-            self._drop_nvme(e, corrupt=True)
-        return False
+            results = await self.nvme.read_many([
+                (e.nvme, e.ns.spec.digest, e.key, arena.slot(e.offset, e.ns.slot_bytes))
+                for e in job])
+        except Exception as failure:  # noqa: BLE001  (every waiter must be released)
+            results = [failure] * len(job)
+        for e, err in zip(job, results, strict=True):
+            fut, e.promoting = e.promoting, None
+            ns = e.ns
+            if err is None:
+                self.cache.policy.insert(e)
+                c = ns.counters
+                c.resident_blocks += 1
+                c.resident_bytes += ns.block_bytes
+                c.promotions += 1
+                c.nvme_bytes_read += ns.block_bytes
+            else:
+                if isinstance(err, CorruptSlot):
+                    log.warning("nvme block %s… of %s failed verification (%s): quarantined",
+                                e.key[:4].hex(), ns.spec.model_id, err.reason)
+                    ns.counters.checksum_failures += 1
+                else:
+                    log.warning("nvme read failed: %s", err)
+                self.cache.host.free(e.offset, ns.slot_bytes)
+                e.offset = -1
+                if e.nvme is not None:
+                    self._drop_nvme(e, corrupt=isinstance(err, CorruptSlot))
+            if fut is not None:
+                fut.set_result(None)
 
     def prefetch(self, ns: NamespaceState, keys: Iterable[bytes]) -> int:
-        """Start promotions of the NVMe-only blocks of a chain's ready prefix; how many."""
-        n = 0
+        """Start promoting the NVMe-only blocks of a chain's ready prefix; how many."""
+        todo: list[Entry] = []
         for k in keys:
             e = ns.ready.get(k)
             if e is None:
                 break
             if not e.in_host and e.promoting is None:
-                self._spawn(self._promote_quietly(e))
-                n += 1
-        return n
+                todo.append(e)
+        if todo:
+            self._spawn(self._promote_quietly(todo))
+        return len(todo)
 
-    async def _promote_quietly(self, e: Entry) -> None:
-        await self.promote(e, set())
+    async def _promote_quietly(self, entries: list[Entry]) -> None:
+        await self.promote_many(entries, set())
 
     # -- NVMe space -------------------------------------------------------------------------------
 
