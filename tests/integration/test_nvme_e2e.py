@@ -10,6 +10,7 @@ import hashlib
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -138,3 +139,25 @@ def test_fsck_finds_a_flipped_payload_byte_and_the_daemon_serves_a_miss(
         nvme = client.stats()["nvme"]
         assert (nvme["checksum_failures"], nvme["quarantined_slots"]) == (1, 1)
         assert ns.lookup(keys) == 3  # the block left the index: the prefix ends before it
+
+
+def test_a_16_kib_io_alignment_round_trips_through_a_restart(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    disk, run = tmp_path / "disk16", tmp_path / "run16"
+    args = (*serve(disk, "write-through"), "--io-align", "16KiB")
+    d = daemon_factory(*args, run_dir=run)
+    with kvtier.Client.connect(d.unix, transport="shm") as client:
+        ns = client.register(make_namespace())  # 16 KiB blocks: header region + one 16 KiB slot
+        keys = ns.block_keys(list(range(16 * 40)))
+        assert ns.put(keys, [block(i, ns.block_bytes) for i in range(40)]).stored == 40
+        deadline = time.monotonic() + 10
+        while not all(ns.lookup_detail(keys).durable) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(ns.lookup_detail(keys).durable)
+    assert d.stop(signal.SIGTERM) == 0
+    assert fsck(disk).returncode == 0
+    d2 = daemon_factory(*args, run_dir=run)
+    with kvtier.Client.connect(d2.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        assert read_all(ns, keys) == [bytearray(block(i, ns.block_bytes)) for i in range(40)]
+        assert client.stats()["nvme"]["recovered_blocks"] == 40
