@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +11,7 @@ from typing import Any
 import pytest
 
 import kvtier
+from kvtier.bench.procs import launch_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,23 +27,10 @@ class DaemonProcess:
 
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket",
-               str(self.run_dir / "kvtier.sock"), "--listen", "127.0.0.1:0",
-               "--metrics-port", "0", *self.args]
-        env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
         self.stderr = open(self.run_dir / "kvtierd.log", "a")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     cwd=self.run_dir, env=env)
-        deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("KVTIERD_READY "):
-                self.info = json.loads(line.split(" ", 1)[1])
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"kvtierd did not start: {(self.run_dir / 'kvtierd.log').read_text()}")
+        self.proc, self.info = launch_daemon(self.run_dir, self.args, self.stderr,
+                                             metrics_port=0, timeout_s=timeout_s)
+        return self
 
     @property
     def unix(self) -> str:

@@ -19,6 +19,29 @@ from types import TracebackType
 from typing import Any
 
 
+def launch_daemon(run_dir: Path, args: list[str], log: Any, *, metrics_port: int = -1,
+                  timeout_s: float = 60.0) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Start ``kvtier serve`` in ``run_dir`` (its Unix socket there, TCP ports chosen by the OS,
+    stderr to ``log``) and wait for its KVTIERD_READY line; (process, the line's JSON)."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket", str(run_dir / "kvtier.sock"),
+           "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+           "--metrics-port", str(metrics_port), *args]
+    env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=run_dir,
+                            env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("KVTIERD_READY "):
+            return proc, json.loads(line.split(" ", 1)[1])
+        if not line and proc.poll() is not None:
+            break
+    _stop(proc)
+    tail = (run_dir / "kvtierd.log").read_text()[-2000:] if (run_dir / "kvtierd.log").exists() else ""
+    raise RuntimeError(f"kvtierd did not start:\n{tail}")
+
+
 class DaemonProc:
     """A ``kvtier serve`` subprocess; ``info`` is its KVTIERD_READY line."""
 
@@ -31,26 +54,14 @@ class DaemonProc:
 
     def __enter__(self) -> DaemonProc:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.run_dir / "kvtierd.log", "w")  # noqa: SIM115  # closed in __exit__
-        self._log = log
-        cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket",
-               str(self.run_dir / "kvtier.sock"), "--listen", "127.0.0.1:0",
-               "--data-listen", "127.0.0.1:0", "--metrics-port", "-1", *self.args]
-        env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                     cwd=self.run_dir, env=env)
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("KVTIERD_READY "):
-                self.info = json.loads(line.split(" ", 1)[1])
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.__exit__(None, None, None)
-        tail = (self.run_dir / "kvtierd.log").read_text()[-2000:]
-        raise RuntimeError(f"kvtierd did not start:\n{tail}")
+        self._log = open(self.run_dir / "kvtierd.log", "w")  # noqa: SIM115  # closed in __exit__
+        try:
+            self.proc, self.info = launch_daemon(self.run_dir, self.args, self._log,
+                                                 metrics_port=-1)
+        except RuntimeError:
+            self._log.close()
+            raise
+        return self
 
     @property
     def unix(self) -> str:
