@@ -133,6 +133,12 @@ _ROWS = [
     ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
     ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
 ]
+_NVME_ROWS = [
+    ("nvme resident blocks", "nvme_resident_blocks"), ("nvme resident bytes", "nvme_resident_bytes"),
+    ("promotions", "promotions"), ("demotions", "demotions"), ("nvme evictions", "nvme_evictions"),
+    ("checksum failures", "checksum_failures"), ("nvme bytes read", "nvme_bytes_read"),
+    ("nvme bytes written", "nvme_bytes_written"),
+]
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -150,12 +156,22 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"({100 * used / max(cap, 1):.1f}%), {stats['pinned_blocks']} pinned, "
         f"{stats['writing_blocks']} writing",
     ]
+    nvme = stats.get("nvme") or {}
+    if nvme.get("enabled"):
+        nused, ncap = int(nvme["used_bytes"]), int(nvme["capacity_bytes"])
+        state = "admitting" if nvme["admitting"] else f"DEGRADED ({nvme['degraded_reason']})"
+        head.append(
+            f"nvme tier {format_bytes(nused)} / {format_bytes(ncap)} used, {state}, "
+            f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
+            f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
+            f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)")
+    rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else [])
     cols = [("total", stats["total"])] + [
         (f"{ns['model_id'][:18]}#{str(ns['namespace_id'])[-4:]}", ns["counters"])
         for ns in stats["namespaces"]]
     width = max(14, *(len(name) + 2 for name, _ in cols))
     lines = ["", f"{'':<24}" + "".join(f"{name:>{width}}" for name, _ in cols)]
-    for label, key in _ROWS:
+    for label, key in rows:
         lines.append(f"{label:<24}" + "".join(f"{_fmt(key, c.get(key, 0)):>{width}}"
                                               for _, c in cols))
     total = stats["total"]

@@ -161,3 +161,15 @@ def test_a_16_kib_io_alignment_round_trips_through_a_restart(daemon_factory: Any
         ns = client.register(make_namespace())
         assert read_all(ns, keys) == [bytearray(block(i, ns.block_bytes)) for i in range(40)]
         assert client.stats()["nvme"]["recovered_blocks"] == 40
+
+
+def test_stats_cli_shows_the_nvme_tier(daemon_factory: Any, tmp_path: Path) -> None:
+    d = daemon_factory(*serve(tmp_path / "disk", "write-through"), run_dir=tmp_path / "run")
+    with kvtier.Client.connect(d.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 4)))
+        ns.put(keys, [block(i, ns.block_bytes) for i in range(4)])
+    table = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", d.unix],
+                           capture_output=True, text=True, check=True).stdout
+    assert "nvme tier" in table and "write-through" in table and "direct I/O" in table
+    assert "promotions" in table and "nvme resident blocks" in table
