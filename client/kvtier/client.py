@@ -524,6 +524,33 @@ class NamespaceHandle:
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
         return self.client._put(self, keys, blocks)
 
+    def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> PutResult:
+        """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
+        ``keys``: one gather kernel into a staging tensor, then one batched put."""
+        staging = self._staging(layout, keys, block_ids)
+        layout.gather(block_ids, staging)
+        return self.put(keys, list(staging))
+
+    def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> list[bool]:
+        """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
+        kernel); blocks not found are left untouched. Returns which were loaded."""
+        staging = self._staging(layout, keys, block_ids)
+        found = self.get_into(keys, list(staging))
+        hit = [i for i, f in enumerate(found) if f]
+        if hit:
+            ids = [block_ids[i] for i in hit]
+            layout.scatter(ids, staging[hit] if len(hit) < len(found) else staging)
+        return found
+
+    def _staging(self, layout: Any, keys: Sequence[bytes], block_ids: Sequence[int]) -> Any:
+        if layout.block_bytes != self.block_bytes:
+            raise errors.InvalidArgument(f"layout blocks have {layout.block_bytes} bytes, namespace "
+                                         f"blocks {self.block_bytes}", field="layout")
+        if len(block_ids) != len(keys):
+            raise errors.InvalidArgument(f"{len(block_ids)} block ids for {len(keys)} keys",
+                                         field="block_ids")
+        return layout.staging(len(keys))
+
     def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         bufs = [bytearray(self.block_bytes) for _ in keys]
         found = self.get_into(keys, bufs)
