@@ -69,6 +69,13 @@ class LoadJob:
 J = TypeVar("J", StoreJob, LoadJob)
 
 
+def _check_live(session: Session) -> None:
+    """Jobs attach only to live sessions: a released one would never free them (its lease
+    may lapse while a request awaits flushes or promotions)."""
+    if session.released:
+        raise NotFound(f"session {session.id} expired or closed", field="session_id")
+
+
 class TieredCache:
     """Owns the index (entries of every namespace), the jobs and the eviction policy.
 
@@ -184,6 +191,7 @@ class TieredCache:
 
     def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
                       transport: int) -> tuple[StoreJob | None, bytes, list[int]]:
+        _check_live(session)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
         items: dict[int, Entry] = {}
@@ -393,6 +401,7 @@ class TieredCache:
 
     def _new_load_job(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
                       transport: int) -> LoadJob:
+        _check_live(session)
         for e in items.values():
             e.pins += 1
         self.pinned_blocks += len(items)

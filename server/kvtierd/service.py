@@ -177,6 +177,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if self.cache.bridge is not None:
             new = sum(1 for k in keys if k not in ns.entries)
             await self.cache.bridge.ensure_room(ns.slot_bytes, new)
+            # The wait may have outlived the lease: never attach a job to a released session.
+            s = self.sessions.get(request.session_id)
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
         return pb.PrepareStoreReply(boot_epoch=self.boot_epoch, job_id=job.id if job else 0,
                                     status=status, offsets=offsets)

@@ -607,3 +607,15 @@ def test_a_closed_session_frees_its_slots_at_once(cache: TieredCache, ns: Namesp
     cache.prepare_store(writer, ns, keys(3, 4), SHM)
     cache.release_session(writer)  # closed, not expired: its process said it is done
     assert cache.limbo_blocks == 0 and cache.host.used_bytes == 0
+
+
+def test_no_job_attaches_to_a_released_session(cache: TieredCache, ns: NamespaceState) -> None:
+    put(cache, ns, keys(1))
+    gone = session(3)
+    gone.released = True  # its lease lapsed while the request awaited flushes or promotions
+    with pytest.raises(NotFound, match="session_id"):
+        cache.prepare_store(gone, ns, keys(2), SHM)
+    with pytest.raises(NotFound, match="session_id"):
+        done(cache.prepare_load(gone, ns, keys(1), SHM))
+    assert cache.writing_blocks == 0 and cache.pinned_blocks == 0
+    assert ns.entries.keys() == set(keys(1))
