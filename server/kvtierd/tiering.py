@@ -241,10 +241,6 @@ class NvmeBridge:
 
     # -- promote (NVMe -> host) -------------------------------------------------------------------
 
-    async def promote(self, e: Entry, protect: set[Entry]) -> bool:
-        """Make ``e``'s host copy valid (reading its NVMe copy); False when it cannot be."""
-        return e in await self.promote_many([e], protect)
-
     async def promote_many(self, entries: list[Entry], protect: set[Entry]) -> set[Entry]:
         """Make the host copies of ``entries`` valid; returns those that now are.
 

@@ -7,8 +7,8 @@ Lifecycle::
 
     tier = NvmeTier(cfg)          # nothing touched yet
     recovered = tier.open()       # format or recover the directory (blocking; at startup)
-    loc = await tier.write(...)   # durable when it returns (group-committed fdatasync + journal)
-    await tier.read_into(...)     # header and payload checksum verified, or CorruptSlot
+    locs = await tier.write_many(items)  # durable when it returns (group commit + journal)
+    errs = await tier.read_many(items)   # each block verified: None, CorruptSlot or DiskError
     tier.release(loc, ...)        # slot free again (DEL journaled lazily)
     tier.checkpoint(entries)      # on drain: warm next start
     tier.close()
@@ -283,34 +283,6 @@ class NvmeTier:
             self._known_ns.discard(digest)
             raise
 
-    async def write(self, offset: int, digest: bytes, key: bytes, payload: memoryview,
-                    payload_len: int) -> NvmeLocation:
-        """Write a block into the slot allocated at ``offset`` and wait until it is durable.
-
-        ``payload`` is the arena slot (at least ``round_up(payload_len, io_align)`` bytes, page
-        aligned), so O_DIRECT writes go straight from the arena. The caller frees the slot on error.
-        """
-        if not self.admitting:
-            raise DiskError(f"nvme tier not admitting: {self.degraded_reason}")
-        self._seq += 1
-        seq, slot = self._seq, self.slot_bytes_for(payload_len)
-        region = payload[: fmt.round_up(payload_len, self.io_align)]
-        loop = asyncio.get_running_loop()
-        try:
-            checksum = await loop.run_in_executor(self._io, self._write_slot, offset, digest, key,
-                                                  region, payload_len, seq)
-            file, off = divmod(offset, self.cfg.file_bytes)
-            self._dirty_files.add(file)
-            rec = jnl.AddRecord(digest, key, file, off, payload_len, slot, checksum, seq)
-            await self._commit(rec, sync_files=True)
-        except DiskError as e:
-            self.figures.write_errors += 1
-            self._degrade(e)
-            raise
-        self.figures.writes += 1
-        self.figures.bytes_written += payload_len
-        return NvmeLocation(offset, slot, payload_len, checksum, seq)
-
     async def write_many(self, items: list[tuple[int, bytes, bytes, memoryview, int]]
                          ) -> list[NvmeLocation]:
         """``write`` for a batch: ``(offset, digest, key, arena slot, payload_len)`` each, slots
@@ -374,43 +346,11 @@ class NvmeTier:
             dev, off = self._where(start)
             dev.pwrite(off, views)
 
-    def _write_slot(self, offset: int, digest: bytes, key: bytes, region: memoryview,
-                    payload_len: int, seq: int) -> int:
-        dev, off = self._where(offset)
-        h = fmt.new_header(digest, key, region[:payload_len], sequence=seq, io_align=self.io_align)
-        hdr = self._header_buffer()
-        fmt.encode_header_into(h, hdr)
-        dev.pwrite(off, [hdr, region])
-        return h.payload_checksum
-
-    async def read_into(self, loc: NvmeLocation, digest: bytes, key: bytes,
-                        dest: memoryview) -> None:
-        """Read a block into ``dest`` (an arena slot), verified; CorruptSlot or DiskError."""
-        region = dest[: fmt.round_up(loc.payload_len, self.io_align)]
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._io, self._read_slot, loc, digest, key, region)
-        except fmt.CorruptSlot:
-            self.figures.checksum_failures += 1
-            raise
-        self.figures.reads += 1
-        self.figures.bytes_read += loc.payload_len
-
-    def _read_slot(self, loc: NvmeLocation, digest: bytes, key: bytes, region: memoryview) -> None:
-        dev, off = self._where(loc.offset)
-        hdr = self._header_buffer()
-        dev.pread_into(off, [hdr, region])
-        h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key,
-                              expect_payload_len=loc.payload_len)
-        if h.sequence != loc.seq:
-            raise fmt.CorruptSlot("wrong_key", f"sequence {h.sequence}, expected {loc.seq}")
-        fmt.verify_payload(h, region)
-
     async def read_many(self, items: list[tuple[NvmeLocation, bytes, bytes, memoryview]]
                         ) -> list[Exception | None]:
-        """``read_into`` for a batch, one executor call: runs of adjacent slots are read with one
-        ``preadv`` each, then every block is verified on its own. Per item: None (verified) or
-        the CorruptSlot / DiskError that makes it a miss."""
+        """Read a batch of blocks into arena slots in one executor call: one ``preadv`` per run
+        of adjacent disk slots, then every block verified on its own. Per item: None (verified)
+        or the CorruptSlot / DiskError that makes it a miss."""
         loop = asyncio.get_running_loop()
         try:
             results = await loop.run_in_executor(self._io, self._read_runs, items)
