@@ -12,6 +12,9 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
 * ``prepare_load`` pins READY entries; ``complete_load`` unpins.
 * ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
+
+Size: over the house limit because the entry state machine's transitions (store, load, evict,
+limbo, promotion hand-off) are kept in one place; NVMe movement lives in kvtierd.tiering.
 """
 
 from __future__ import annotations

