@@ -218,10 +218,15 @@ class NvmeTier:
                 self.figures.recovery_quarantined += 1
                 continue
             candidates.append((digest, key, loc))
+        problems: list[str | None] = [None] * len(candidates)
         if rec.stats.journal_records:
-            problems = list(self._io.map(self._header_problem, candidates))
-        else:
-            problems = [None] * len(candidates)
+            step = 10_000
+            for start in range(0, len(candidates), step):
+                chunk = candidates[start : start + step]
+                problems[start : start + len(chunk)] = self._io.map(self._header_problem, chunk)
+                if len(candidates) > step:
+                    log.info("recovery: %d of %d block headers validated",
+                             start + len(chunk), len(candidates))
         for (digest, key, loc), problem in zip(candidates, problems, strict=True):
             if problem is None and not self.space.claim(loc.offset, loc.slot_bytes):
                 problem = "slot overlaps another block"
