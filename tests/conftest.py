@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 import kvtier
-from kvtier.bench.procs import launch_daemon
+from kvtier.bench.procs import DaemonAddresses, launch_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class DaemonProcess:
+class DaemonProcess(DaemonAddresses):
     """A kvtierd started with ``kvtier serve`` in a temporary run dir; ports chosen by the OS."""
 
     def __init__(self, run_dir: Path, *args: str) -> None:
@@ -31,17 +31,6 @@ class DaemonProcess:
         self.proc, self.info = launch_daemon(self.run_dir, self.args, self.stderr,
                                              metrics_port=0, timeout_s=timeout_s)
         return self
-
-    @property
-    def unix(self) -> str:
-        return str(self.info["unix"])
-
-    @property
-    def grpc(self) -> str:
-        return str(self.info["grpc"])
-
-    def address(self, transport: str) -> str:
-        return self.unix if transport == "shm" else self.grpc
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

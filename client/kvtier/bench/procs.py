@@ -42,7 +42,25 @@ def launch_daemon(run_dir: Path, args: list[str], log: Any, *, metrics_port: int
     raise RuntimeError(f"kvtierd did not start:\n{tail}")
 
 
-class DaemonProc:
+class DaemonAddresses:
+    """Where a started daemon answers, read from its KVTIERD_READY line (``info``)."""
+
+    info: dict[str, Any]
+
+    @property
+    def unix(self) -> str:
+        return str(self.info["unix"])
+
+    @property
+    def grpc(self) -> str:
+        return str(self.info["grpc"])
+
+    def address(self, transport: str) -> str:
+        """Same-host engines use the Unix socket (shm); remote ones gRPC over TCP (tcp)."""
+        return self.unix if transport == "shm" else self.grpc
+
+
+class DaemonProc(DaemonAddresses):
     """A ``kvtier serve`` subprocess; ``info`` is its KVTIERD_READY line."""
 
     def __init__(self, run_dir: Path, host_bytes: int, slab_bytes: int) -> None:
@@ -62,18 +80,6 @@ class DaemonProc:
             self._log.close()
             raise
         return self
-
-    @property
-    def unix(self) -> str:
-        return str(self.info["unix"])
-
-    @property
-    def grpc(self) -> str:
-        return str(self.info["grpc"])
-
-    def address(self, transport: str) -> str:
-        """Same-host engines use the Unix socket (shm); remote ones gRPC over TCP (tcp)."""
-        return self.unix if transport == "shm" else self.grpc
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -1,7 +1,7 @@
-"""NVMe tier foundation: the disk seam (``device``), the slot and directory format (``format``,
-grammar in docs/block_format.md) and the offline checker (``fsck``).
-
-Block files, the journal and recovery build on these; nothing here knows the index or policies.
+"""NVMe tier: the disk seam (``device``), the slot and directory format (``format``, grammar in
+docs/block_format.md), the offline checker (``fsck``), the index log (``journal``) and the tier
+itself (``tier``: block files, batched I/O, group commit, recovery). Nothing here knows the index
+or policies; kvtierd.tiering connects the tier to the cache.
 """
 
 from kvtierd.tiers.nvme.device import (
