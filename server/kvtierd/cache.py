@@ -67,6 +67,7 @@ class LoadJob:
     ns: NamespaceState
     transport: int
     items: dict[int, Entry]  # key index in the request -> pinned entry
+    moves_bytes: bool = True  # False for a pinned lookup: releasing it counts no load
 
 
 J = TypeVar("J", StoreJob, LoadJob)
@@ -187,8 +188,11 @@ class TieredCache:
             items = await self._promoted(session, items, prefix=True)
             if not items:
                 return None
-            return self._job_for_pinned(session, ns, items, session.transport)
-        return self._new_load_job(session, ns, items, session.transport)
+            job = self._job_for_pinned(session, ns, items, session.transport)
+        else:
+            job = self._new_load_job(session, ns, items, session.transport)
+        job.moves_bytes = False
+        return job
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -313,6 +317,8 @@ class TieredCache:
     def complete_load(self, session: Session, job_id: int) -> int:
         job = self._job(session, job_id, LoadJob)
         self._finish_load(session, job)
+        if not job.moves_bytes:
+            return len(job.items)
         c = job.ns.counters
         c.loads += len(job.items)
         name = _TRANSPORT_NAMES.get(job.transport, "shm")

@@ -121,7 +121,8 @@ class KvtierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Longest prefix of READY blocks; with pin=true the prefix is pinned as a load job.
+        """Longest prefix of READY blocks; with pin=true the prefix is pinned as a load job
+        (CompleteLoad releases it; a pin counts no load in Stats: the pinning client loads later).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

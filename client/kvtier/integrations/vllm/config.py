@@ -21,12 +21,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvtier.identity import Namespace
 
 DEFAULT_ADDRESS = "unix:run/kvtier.sock"
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_BRANCH_DEFAULTS = ("main", "master")
 # Files whose bytes define a Hugging Face tokenizer (whichever of them exist).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -47,7 +49,7 @@ class ConnectorConfig:
     """The ``kv_connector_extra_config`` keys (see docs/vllm.md for each one)."""
 
     address: str = DEFAULT_ADDRESS
-    transport: str = "shm"
+    transport: Literal["shm", "tcp"] = "shm"
     lookup_timeout_ms: int = 300
     request_timeout_ms: int = 1000
     lease_ttl_ms: int = 10000
@@ -63,7 +65,10 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
-        if "socket" in extra and "address" not in extra:  # the short form a sidecar uses
+        if "socket" in extra:  # the short form a sidecar uses
+            if "address" in extra:
+                raise ConfigError("kv_connector_extra_config.socket",
+                                  "give either socket or address, not both")
             sock = extra.pop("socket")
             extra["address"] = sock if str(sock).startswith("unix:") else f"unix:{sock}"
         known = {f for f in cls.__dataclass_fields__}
@@ -145,12 +150,18 @@ class EngineIdentity:
 
 def resolve_model_revision(configured: str | None, engine_revision: str | None,
                            model_path: str) -> str:
-    """The model's immutable revision: the extra config's, vLLM's ``--revision``, or the commit of
-    a Hugging Face snapshot directory. Anything else is a ``ConfigError`` (no silent default)."""
+    """The model's immutable revision: the extra config's, the commit vLLM resolved its
+    ``--revision`` to (``engine_revision.resolved`` where vLLM provides it), an explicit
+    ``--revision`` other than a branch default, or the commit of a Hugging Face snapshot
+    directory. Anything else is a ``ConfigError`` (no silent default; vLLM reports ``"main"`` for
+    a hub model served without ``--revision``, which names no fixed weights)."""
     if configured:
         return configured
-    if engine_revision:
-        return engine_revision
+    resolved = getattr(engine_revision, "resolved", None)
+    if isinstance(resolved, str) and _COMMIT.fullmatch(resolved):
+        return resolved
+    if engine_revision and str(engine_revision) not in _BRANCH_DEFAULTS:
+        return str(engine_revision)
     m = _SNAPSHOT.search(os.path.abspath(model_path) + "/")
     if m:
         return m.group(1)

@@ -70,7 +70,7 @@ class KvtierConnectorStats(KVConnectorStats):
     """Counters (tokens, blocks, bytes, seconds) summed over workers and the scheduler."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():
@@ -222,6 +222,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def _variant(self, request: Request) -> Variant | None:
         if getattr(request, "prompt_embeds", None) is not None:
             return None  # no token ids to key by
+        if getattr(request, "mm_features", None):
+            return None  # placeholder tokens do not identify the images: never share these
         salt = getattr(request, "cache_salt", None) or None
         lora = getattr(request, "lora_request", None)
         if lora is None:

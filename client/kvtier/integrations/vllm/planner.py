@@ -158,6 +158,7 @@ class _Req:
     stored_upto: int = 0
     jobs: list[int] = field(default_factory=list)
     pins_released: bool = False
+    relookup: bool = False
 
 
 class Planner:
@@ -196,6 +197,9 @@ class Planner:
             return 0, False
         if st.matched is not None and st.matched[0] == num_local_tokens:
             return st.matched[1], False
+        if st.relookup:
+            st.relookup = False
+            self._submit(st)
         outcome = self._outcome(st)
         if outcome is None:
             if self._clock() - st.submitted_at < self.lookup_timeout_s:
@@ -207,8 +211,9 @@ class Planner:
         usable = min(outcome.hits, max(0, num_tokens - 1) // self.block_size)
         first = num_local_tokens // self.block_size
         answer = max(0, usable - first) * self.block_size
+        first_answer = st.matched is None
         st.matched = (num_local_tokens, answer)
-        if answer:
+        if answer and first_answer:
             self.stats.hit_blocks += answer // self.block_size
             tiers = outcome.tiers[first:usable]
             self.stats.host_hit_blocks += tiers.count("host")
@@ -254,7 +259,7 @@ class Planner:
             flush.update(st.jobs)
             st.block_ids, st.pending_load, st.matched = [], None, None
             self._release_now(st)
-            self._submit(st)  # asked again at re-admission: look up afresh
+            st.relookup = True  # look up afresh when vLLM admits it again
         for s in step.scheduled:
             for bid in s.block_ids or ():
                 job = self._fence.pop(bid, None)
@@ -273,7 +278,7 @@ class Planner:
         plan.flush = sorted(flush)
         self.stats.flushes += len(plan.flush)
         self._step += 1
-        while self._releases and self._releases[0][0] <= self._step:
+        while self._releases and self._releases[0][0] < self._step:  # N builds after the load
             self._thread.release(self._releases.popleft()[1])
         return plan
 
@@ -309,7 +314,7 @@ class Planner:
             got = self._thread.take(st.info.req_id, st.gen)
             if got is not None:
                 st.outcome = got
-                if st.timed_out:
+                if st.timed_out or not self.load_enabled:
                     self._release_now(st)  # answered too late to load; keys still serve stores
         return st.outcome
 

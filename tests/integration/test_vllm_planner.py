@@ -1,0 +1,416 @@
+"""The vLLM connector's planner and worker without vLLM, against a real daemon process.
+
+The planner is driven the way vLLM's scheduler drives the connector (on_new_request ->
+num_new_matched -> after_alloc -> build per step -> request_finished); the worker moves real CPU
+paged-KV tensors (vLLM's LBHNC layout) through the daemon.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from conftest import DaemonProcess
+
+import kvtier
+from kvtier.integrations.vllm.backend import DaemonBackend
+from kvtier.integrations.vllm.config import (
+    BASE,
+    ConnectorConfig,
+    EngineIdentity,
+    Variant,
+)
+from kvtier.integrations.vllm.planner import (
+    LookupOutcome,
+    Pin,
+    Planner,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+)
+from kvtier.integrations.vllm.worker import KvtierWorker
+
+BS = 16  # tokens per block
+L, H, D = 2, 2, 64
+NUM_BLOCKS = 16
+IDENTITY = EngineIdentity(model_id="test/vllm", model_revision="r1", tokenizer_digest="none",
+                          kv_dtype="bfloat16", layout="vllm.LBHNC", tokens_per_block=BS,
+                          num_layers=L, num_kv_heads=H, head_dim=D)
+
+
+def prompt(n_tokens: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 3 for i in range(n_tokens)]
+
+
+def cfg_for(d: DaemonProcess, **kw: Any) -> ConnectorConfig:
+    return ConnectorConfig(address=d.unix, **kw)
+
+
+class SlowBackend:
+    """The real daemon backend, held back until ``go`` is set (a slow daemon)."""
+
+    def __init__(self, inner: DaemonBackend) -> None:
+        self.inner = inner
+        self.go = threading.Event()
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
+        self.go.wait(10)
+        return self.inner.lookup(variant, token_ids)
+
+    def release(self, pins: Sequence[Pin]) -> None:
+        self.inner.release(pins)
+
+    def close(self) -> None:
+        self.go.set()
+        self.inner.close()
+
+
+def make_planner(d: DaemonProcess, *, timeout_s: float = 5.0, slow: bool = False,
+                 **kw: Any) -> tuple[Planner, Any]:
+    backend: Any = DaemonBackend(IDENTITY, cfg_for(d))
+    if slow:
+        backend = SlowBackend(backend)
+    return Planner(block_size=BS, backend=backend, lookup_timeout_s=timeout_s, **kw), backend
+
+
+def matched(p: Planner, req_id: str, local: int, n_tokens: int, wait_s: float = 5.0
+            ) -> tuple[int | None, bool]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = p.num_new_matched(req_id, local, n_tokens)
+        if got[0] is not None or time.monotonic() > deadline:
+            return got
+        time.sleep(0.005)
+
+
+def seed_blocks(d: DaemonProcess, tokens: list[int], n_blocks: int, variant: Variant = BASE,
+                fill: int = 7) -> list[bytes]:
+    """Store the first n_blocks of ``tokens`` as the engine would (same namespace and keys)."""
+    with kvtier.Client.connect(d.unix) as c:
+        h = c.register(IDENTITY.namespace(variant))
+        keys = h.block_keys(tokens)[:n_blocks]
+        r = h.put(keys, [bytes([fill + i]) * h.block_bytes for i in range(n_blocks)])
+        assert r.stored == n_blocks
+        return keys
+
+
+def pinned(d: DaemonProcess) -> int:
+    with kvtier.Client.connect(d.unix) as c:
+        return int(c.stats()["pinned_blocks"])
+
+
+def wait_pinned(d: DaemonProcess, want: int, timeout_s: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = pinned(d)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def schedule(req_id: str, block_ids: Sequence[int] | None, computed: int, scheduled: int, *,
+             replace: bool = True) -> ScheduledRequest:
+    return ScheduledRequest(req_id, list(block_ids) if block_ids is not None else None, replace,
+                            computed, scheduled)
+
+
+@pytest.fixture
+def planner_daemon(daemon: DaemonProcess) -> Iterator[DaemonProcess]:
+    yield daemon
+
+
+def test_miss_stores_every_full_prompt_block(daemon: DaemonProcess) -> None:
+    p, _ = make_planner(daemon)
+    toks = prompt(3 * BS + 5)
+    p.on_new_request(RequestInfo("a", toks, BASE))
+    assert matched(p, "a", 0, len(toks)) == (0, False)
+    p.after_alloc("a", [4, 5, 6, 7], 0)
+    plan = p.build(StepInput([schedule("a", [4, 5, 6, 7], 0, len(toks))]))
+    assert not plan.loads and not plan.flush
+    assert len(plan.stores) == 1 and plan.stores[0].block_ids == [4, 5, 6]
+    assert plan.stores[0].keys[0] == IDENTITY.namespace().block_keys(toks)
+    # the next step (decode) plans nothing more: only prompt blocks are stored, each once
+    plan = p.build(StepInput([schedule("a", None, len(toks), 1, replace=False)]))
+    assert plan.empty()
+    p.close()
+
+
+def test_chunked_prefill_stores_blocks_as_they_complete(daemon: DaemonProcess) -> None:
+    p, _ = make_planner(daemon)
+    toks = prompt(4 * BS)
+    p.on_new_request(RequestInfo("a", toks, BASE))
+    assert matched(p, "a", 0, len(toks)) == (0, False)
+    p.after_alloc("a", [1, 2], 0)
+    plan = p.build(StepInput([schedule("a", [1, 2], 0, BS + 3)]))  # 1 full block computed
+    assert [s.block_ids for s in plan.stores] == [[1]]
+    plan = p.build(StepInput([schedule("a", [3, 4], BS + 3, 3 * BS - 3, replace=False)]))
+    assert [s.block_ids for s in plan.stores] == [[2, 3, 4]]
+    p.close()
+
+
+def test_partial_hit_loads_the_prefix_and_stores_only_the_rest(daemon: DaemonProcess) -> None:
+    toks = prompt(4 * BS + 3)
+    keys = seed_blocks(daemon, toks, 2)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("b", toks, BASE))
+    assert matched(p, "b", 0, len(toks)) == (2 * BS, False)
+    assert matched(p, "b", 0, len(toks)) == (2 * BS, False)  # idempotent
+    assert p.stats.hit_blocks == 2 and p.stats.host_hit_blocks == 2
+    assert p.hit_sources("b", 2 * BS) == {"host": 2 * BS}
+    p.after_alloc("b", [9, 8, 7, 6, 5], 2 * BS)
+    plan = p.build(StepInput([schedule("b", [9, 8, 7, 6, 5], 2 * BS, len(toks) - 2 * BS)]))
+    assert len(plan.loads) == 1
+    assert plan.loads[0].block_ids == [9, 8] and plan.loads[0].keys[0] == keys
+    assert [s.block_ids for s in plan.stores] == [[7, 6]]  # blocks 2, 3; not the loaded ones
+    p.close()
+
+
+def test_local_prefix_hit_loads_only_beyond_it(daemon: DaemonProcess) -> None:
+    toks = prompt(5 * BS)
+    seed_blocks(daemon, toks, 4)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("c", toks, BASE))
+    assert matched(p, "c", BS, len(toks)) == (3 * BS, False)
+    p.after_alloc("c", [3, 4, 5, 6, 7], 3 * BS)
+    plan = p.build(StepInput([schedule("c", [3, 4, 5, 6, 7], 4 * BS, BS)]))
+    assert plan.loads[0].block_ids == [4, 5, 6]
+    assert plan.loads[0].keys[0] == IDENTITY.namespace().block_keys(toks)[1:4]
+    p.close()
+
+
+def test_full_prompt_hit_leaves_the_last_block_to_compute(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS)
+    seed_blocks(daemon, toks, 3)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("d", toks, BASE))
+    # (48 - 1) // 16 = 2 blocks: a synchronous load never claims the whole prompt
+    assert matched(p, "d", 0, len(toks)) == (2 * BS, False)
+    p.close()
+
+
+def test_deferred_lookup_answers_none_then_the_hit(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 2)
+    p, backend = make_planner(daemon, slow=True)
+    p.on_new_request(RequestInfo("e", toks, BASE))
+    for _ in range(3):
+        assert p.num_new_matched("e", 0, len(toks)) == (None, False)
+    backend.go.set()
+    assert matched(p, "e", 0, len(toks)) == (2 * BS, False)
+    p.close()
+
+
+def test_lookup_timeout_is_a_miss_for_good_and_late_pins_are_released(
+        daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 3)
+    p, backend = make_planner(daemon, timeout_s=0.05, slow=True)
+    p.on_new_request(RequestInfo("f", toks, BASE))
+    assert p.num_new_matched("f", 0, len(toks)) == (None, False)
+    time.sleep(0.1)
+    assert p.num_new_matched("f", 0, len(toks)) == (0, False)
+    assert p.stats.lookup_timeouts == 1
+    backend.go.set()
+    deadline = time.monotonic() + 5
+    while p.pending_lookups() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.num_new_matched("f", 0, len(toks)) == (0, False)  # still the same answer
+    p.after_alloc("f", [1, 2, 3, 4], 0)
+    p.build(StepInput([schedule("f", [1, 2, 3, 4], 0, len(toks))]))
+    assert wait_pinned(daemon, 0) == 0
+    p.close()
+
+
+def test_hits_stay_pinned_until_the_load_has_run(daemon: DaemonProcess) -> None:
+    toks = prompt(4 * BS + 1)
+    seed_blocks(daemon, toks, 3)
+    p, _ = make_planner(daemon, pin_release_steps=2)
+    p.on_new_request(RequestInfo("g", toks, BASE))
+    assert matched(p, "g", 0, len(toks)) == (3 * BS, False)
+    assert wait_pinned(daemon, 3) == 3
+    p.after_alloc("g", [0, 1, 2, 3, 4], 3 * BS)
+    p.build(StepInput([schedule("g", [0, 1, 2, 3, 4], 3 * BS, BS + 1)]))
+    assert wait_pinned(daemon, 3, timeout_s=0.2) == 3  # the workers load during this step
+    p.build(StepInput([schedule("g", None, 4 * BS + 1, 1, replace=False)]))
+    assert wait_pinned(daemon, 3, timeout_s=0.2) == 3  # still within pin_release_steps
+    p.build(StepInput([schedule("g", None, 4 * BS + 2, 1, replace=False)]))
+    assert wait_pinned(daemon, 0) == 0
+    p.close()
+
+
+def test_pins_released_when_vllm_does_not_load(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 2)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("h", toks, BASE))
+    assert matched(p, "h", 0, len(toks)) == (2 * BS, False)
+    assert wait_pinned(daemon, 2) == 2
+    p.after_alloc("h", [0, 1, 2, 3], 0)  # vLLM chose not to load (e.g. a longer local hit)
+    assert wait_pinned(daemon, 0) == 0
+    with kvtier.Client.connect(daemon.unix) as c:
+        total = c.stats()["total"]
+    assert total["loads"] == 0 and total["bytes_out_shm"] == 0  # a released pin moved nothing
+    p.close()
+
+
+def test_reallocated_block_fences_the_store_reading_it(daemon: DaemonProcess) -> None:
+    p, _ = make_planner(daemon)
+    a, b = prompt(2 * BS + 1, 1), prompt(2 * BS + 1, 2)
+    for rid, toks in (("a", a), ("b", b)):
+        p.on_new_request(RequestInfo(rid, toks, BASE))
+        assert matched(p, rid, 0, len(toks)) == (0, False)
+    p.after_alloc("a", [10, 11, 12], 0)
+    plan = p.build(StepInput([schedule("a", [10, 11, 12], 0, len(a))]))
+    job = plan.stores[0].job_id
+    p.request_finished("a")  # finished while its store is still in flight
+    p.after_alloc("b", [11, 3, 4], 0)
+    plan = p.build(StepInput([schedule("b", [11, 3, 4], 0, len(b))]))
+    assert plan.flush == [job]  # the worker waits for it before the forward writes block 11
+    plan = p.build(StepInput([schedule("b", [13], len(b), 1, replace=False)]))
+    assert plan.flush == []  # a fence is paid once
+    p.close()
+
+
+def test_preemption_flushes_its_stores_and_looks_up_again(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 2)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("p", toks, BASE))
+    assert matched(p, "p", 0, len(toks)) == (0, False)
+    p.after_alloc("p", [1, 2, 3, 4], 0)
+    job = p.build(StepInput([schedule("p", [1, 2, 3, 4], 0, len(toks))])).stores[0].job_id
+    plan = p.build(StepInput(preempted={"p"}))
+    assert plan.flush == [job]
+    # re-admitted later: a fresh lookup (its blocks are in the daemon by now)
+    seed_blocks(daemon, toks, 3)
+    assert matched(p, "p", 0, len(toks) + 3) == (3 * BS, False)
+    p.close()
+
+
+def test_load_disabled_never_leaves_pins(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 3)
+    p, _ = make_planner(daemon, load=False)
+    p.on_new_request(RequestInfo("nl", toks, BASE))
+    assert p.num_new_matched("nl", 0, len(toks)) == (0, False)
+    p.after_alloc("nl", [1, 2, 3, 4], 0)
+    deadline = time.monotonic() + 5
+    while p.pending_lookups() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    plan = p.build(StepInput([schedule("nl", [1, 2, 3, 4], 0, len(toks))]))
+    assert not plan.loads and not plan.stores  # all 3 blocks are already in the daemon
+    assert wait_pinned(daemon, 0) == 0
+    p.close()
+
+
+def test_salt_and_adapter_separate_blocks(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 3)
+    p, _ = make_planner(daemon)
+    variants = {"salt": Variant(cache_salt="tenant-b"),
+                "lora": Variant(adapter_id="sql", adapter_revision="v1"),
+                "base": BASE}
+    for rid, v in variants.items():
+        p.on_new_request(RequestInfo(rid, toks, v))
+    assert matched(p, "salt", 0, len(toks)) == (0, False)
+    assert matched(p, "lora", 0, len(toks)) == (0, False)
+    assert matched(p, "base", 0, len(toks)) == (3 * BS, False)
+    p.on_new_request(RequestInfo("nocache", toks, None))  # e.g. an adapter of unknown revision
+    assert p.num_new_matched("nocache", 0, len(toks)) == (0, False)
+    assert p.build(StepInput([schedule("nocache", [1, 2, 3, 4], 0, len(toks))])).empty()
+    p.close()
+
+
+def test_daemon_away_is_a_fast_miss(tmp_path: Any) -> None:
+    backend = DaemonBackend(IDENTITY, ConnectorConfig(address=f"unix:{tmp_path}/none.sock"))
+    p = Planner(block_size=BS, backend=backend, lookup_timeout_s=2.0)
+    toks = prompt(3 * BS)
+    t0 = time.monotonic()
+    p.on_new_request(RequestInfo("z", toks, BASE))
+    assert matched(p, "z", 0, len(toks)) == (0, False)
+    assert time.monotonic() - t0 < 1.5  # answered by the breaker, not by the timeout
+    p.close()
+
+
+# -- worker ------------------------------------------------------------------------------------
+
+
+def lbhnc_cache(fill: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One shared buffer, vLLM LBHNC: per layer [B, H, N, K‖V] bf16."""
+    buf = torch.zeros(L, NUM_BLOCKS, H, BS, 2 * D, dtype=torch.bfloat16)
+    if fill:
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)))
+    return buf, [buf[i] for i in range(L)]
+
+
+def test_worker_stores_then_loads_blocks_at_other_ids(daemon: DaemonProcess) -> None:
+    toks = prompt(5 * BS)
+    p, _ = make_planner(daemon)
+    p.on_new_request(RequestInfo("w", toks, BASE))
+    assert matched(p, "w", 0, len(toks)) == (0, False)
+    src, layers = lbhnc_cache(True)
+    w = KvtierWorker(IDENTITY, cfg_for(daemon))
+    w.register(layers)
+    p.after_alloc("w", [3, 9, 1, 14, 6], 0)
+    plan = p.build(StepInput([schedule("w", [3, 9, 1, 14, 6], 0, len(toks))]))
+    w.submit_stores(plan.stores)
+    assert w.drain() and w.idle()
+    w.wait([plan.stores[0].job_id])  # a finished job never blocks the fence
+    assert w.take_stats()["stored_blocks"] == 5
+    p.request_finished("w")
+    # a second engine: new lookup, load into different block ids
+    dst, layers2 = lbhnc_cache(False)
+    w2 = KvtierWorker(IDENTITY, cfg_for(daemon))
+    w2.register(layers2)
+    p.on_new_request(RequestInfo("w2", toks + [1], BASE))
+    assert matched(p, "w2", 0, len(toks) + 1) == (5 * BS, False)
+    p.after_alloc("w2", [0, 2, 4, 5, 7, 8], 5 * BS)
+    plan = p.build(StepInput([schedule("w2", [0, 2, 4, 5, 7, 8], 5 * BS, 1)]))
+    assert w2.load(plan.loads) == set()
+    for s, t in zip([3, 9, 1, 14, 6], [0, 2, 4, 5, 7], strict=True):
+        assert torch.equal(src[:, s], dst[:, t])
+    assert torch.count_nonzero(dst[:, 8]) == 0
+    stats = w2.take_stats()
+    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] == 5 * w2.block_bytes
+    for x in (w, w2):
+        x.close()
+    p.close()
+
+
+def test_worker_reports_failed_loads_and_never_raises(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    keys = seed_blocks(daemon, toks, 2)
+    _, layers = lbhnc_cache(False)
+    w = KvtierWorker(IDENTITY, cfg_for(daemon))
+    w.register(layers)
+    from kvtier.integrations.vllm.planner import LoadJob
+    missing = IDENTITY.namespace().block_keys(toks)[2]
+    assert w.load([LoadJob("r", BASE, [[keys[0], missing]], [5, 6])]) == {6}
+    daemon.kill()
+    t0 = time.monotonic()
+    assert w.load([LoadJob("r", BASE, [keys], [1, 2])]) == {1, 2}
+    assert time.monotonic() - t0 < 3
+    w.close()
+
+
+def test_worker_drops_stores_when_the_daemon_is_away(tmp_path: Any) -> None:
+    _, layers = lbhnc_cache(True)
+    w = KvtierWorker(IDENTITY, ConnectorConfig(address=f"unix:{tmp_path}/none.sock"))
+    w.register(layers)
+    from kvtier.integrations.vllm.planner import StoreJob
+    keys = IDENTITY.namespace().block_keys(prompt(2 * BS))
+    w.submit_stores([StoreJob(1, "r", BASE, [keys], [0, 1])])
+    w.wait([1])
+    assert w.drain()
+    assert w.take_stats()["store_dropped_blocks"] == 2
+    w.close()
+
+
+def test_worker_refuses_a_cache_of_another_geometry(daemon: DaemonProcess) -> None:
+    bad = [torch.zeros(NUM_BLOCKS, H, BS, D, dtype=torch.bfloat16) for _ in range(L)]
+    w = KvtierWorker(IDENTITY, cfg_for(daemon))
+    with pytest.raises(ValueError, match="kv_cache"):
+        w.register(bad)
