@@ -5,7 +5,7 @@ only, dummy weights, 128-token CPU blocks); the daemon is a real ``kvtier serve`
 
 * engine A stores P and Q; a new engine B gets them as external hits with identical outputs,
   and the daemon's own Stats count exactly the bytes B loaded;
-* another cache salt or model revision: zero hits;
+* another cache salt, LoRA adapter or model revision: zero hits;
 * the daemon killed before an engine starts and killed mid-run: every request is served.
 
 The vLLM environment is found at ``$KVTIER_VLLM_PYTHON`` (set by ``make test``) or
@@ -58,8 +58,10 @@ R = tokens(2 * BLOCK + 7, 3)
 class Engine:
     """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
 
-    def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path) -> None:
-        spec = {"model": str(model), "connector": connector, "max_model_len": 2048}
+    def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path, *,
+                 enable_lora: bool = False) -> None:
+        spec = {"model": str(model), "connector": connector, "max_model_len": 2048,
+                "enable_lora": enable_lora}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
                    PYTHONPATH=str(HERE))
         self.log = open(log, "w")  # noqa: SIM115
@@ -88,12 +90,20 @@ class Engine:
         return dict(json.loads(line))
 
     def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
-                 max_tokens: int = 4, timeout_s: float = 120) -> dict[str, Any]:
+                 lora: tuple[str, str] | None = None, max_tokens: int = 4,
+                 timeout_s: float = 120) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens}
+        cmd = {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens,
+               "lora": lora}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._answer(timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write('{"op": "metrics"}\n')
+        self.proc.stdin.flush()
+        return dict(self._answer(60)["metrics"])
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -169,6 +179,7 @@ def test_engine_b_loads_from_kvtier_with_identical_outputs(
     try:
         salted = eng.generate([P], salts=["tenant-b"])
         out = eng.generate([P, Q])
+        vllm_metrics = eng.metrics()
     finally:
         eng.close()
     assert salted["cached"] == [0]  # another cache salt never shares blocks
@@ -179,6 +190,12 @@ def test_engine_b_loads_from_kvtier_with_identical_outputs(
     loaded = sum(after[k]["bytes_out_shm"] - before.get(k, {}).get("bytes_out_shm", 0)
                  for k in after)
     assert loaded == 4 * BLOCK * BYTES_PER_TOKEN  # kvtier's Stats count the same traffic
+    # vLLM's own figures: prompt tokens by source and the connector's KVConnectorStats counters
+    assert vllm_metrics["vllm:prompt_tokens_by_source:external_kv_transfer"] == 4 * BLOCK
+    assert vllm_metrics["vllm:prompt_tokens_cached_by_source:host"] == 4 * BLOCK
+    assert vllm_metrics["vllm:kvtier_loaded_tokens"] == 4 * BLOCK
+    assert vllm_metrics["vllm:kvtier_loaded_bytes"] == loaded
+    assert vllm_metrics["vllm:kvtier_load_failed_blocks"] == 0
     assert len(after) == len(before) + 1  # the salted namespace is new; its lookup missed
     salt_ns = next(v for k, v in after.items() if k not in before)
     assert salt_ns["blocks_hit_host"] == 0 and salt_ns["lookups"] >= 1
@@ -194,6 +211,26 @@ def test_other_model_revision_gets_no_hits(workdir: Path, shared_daemon: DaemonP
         eng.close()
     assert out["cached"] == [0, 0]
     assert out["outputs"] == engine_a["outputs"]
+
+
+def test_lora_adapter_gets_no_base_hits(workdir: Path, shared_daemon: DaemonProcess,
+                                       engine_a: dict[str, Any]) -> None:
+    lora = str(workdir / "lora-sql")  # written by the vLLM environment (safetensors)
+    subprocess.run([VLLM_PYTHON, "-c", f"import vllm_driver; vllm_driver.write_lora_dir({lora!r})"],
+                   check=True, env=dict(os.environ, PYTHONPATH=str(HERE)), timeout=120)
+    before = namespace_stats(shared_daemon)
+    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_lora.log",
+                 enable_lora=True)
+    try:
+        with_adapter = eng.generate([P], lora=("sql", lora))
+        base = eng.generate([P])
+    finally:
+        eng.close()
+    assert with_adapter["cached"] == [0]  # the base model's blocks of P are in the daemon...
+    assert base["cached"] == [3 * BLOCK]  # ...and this engine does load them for base requests
+    after = namespace_stats(shared_daemon)
+    new = [v for k, v in after.items() if k not in before]
+    assert len(new) == 1 and new[0]["stores_accepted"] == 3  # the adapter's own namespace
 
 
 def test_daemon_down_and_killed_mid_run_never_fails_a_request(

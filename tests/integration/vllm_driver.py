@@ -5,8 +5,10 @@ where the JSON holds ``model`` (a directory with config.json), ``connector`` (th
 ``kv_connector_extra_config`` dict, or null for an engine without kvtier) and optional engine
 arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer line per command:
 
-* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...]}``
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...],
+  "lora": [name, path] | null}``
   -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s}``
+* ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters)
 * ``{"op": "quit"}``
 
 Prompts are token ids and the tokenizer is skipped (no model hub here); weights are dummy.
@@ -37,6 +39,29 @@ def write_model_dir(path: str, *, layers: int = 2, hidden: int = 256, heads: int
     return path
 
 
+def write_lora_dir(path: str, *, layers: int = 2, hidden: int = 256, q_dim: int = 256,
+                   kv_dim: int = 128, rank: int = 8, seed: int = 0) -> str:
+    """A PEFT LoRA adapter (q_proj, v_proj) for the model of ``write_model_dir``."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for proj, out_dim in (("q_proj", q_dim), ("v_proj", kv_dim)):
+            base = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.05
+            tensors[f"{base}.lora_B.weight"] = torch.randn(out_dim, rank, generator=g) * 0.05
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+                   "target_modules": ["q_proj", "v_proj"], "bias": "none",
+                   "task_type": "CAUSAL_LM", "fan_in_fan_out": False,
+                   "base_model_name_or_path": "tiny"}, f)
+    return path
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
@@ -48,6 +73,8 @@ def main() -> None:
                         max_model_len=spec.get("max_model_len", 4096),
                         enable_prefix_caching=spec.get("prefix_caching", True),
                         disable_log_stats=False)
+    if spec.get("enable_lora"):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = spec["max_num_seqs"]
     if spec.get("connector") is not None:
@@ -70,15 +97,27 @@ def main() -> None:
                 if salt:
                     p["cache_salt"] = salt
                 prompts.append(p)
+            lora = None
+            if cmd.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(cmd["lora"][0], 1, cmd["lora"][1])
             params = SamplingParams(temperature=0, max_tokens=cmd.get("max_tokens", 4),
                                     detokenize=False, ignore_eos=True)
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
             dt = time.perf_counter() - t0
             print("DRIVER " + json.dumps({
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens or 0 for o in outs],
                 "seconds": dt}), flush=True)
+        if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
+            values: dict = {}
+            for m in llm.get_metrics():
+                if type(m).__name__ == "Counter":
+                    key = m.name if not m.labels.get("source") else f"{m.name}:{m.labels['source']}"
+                    values[key] = values.get(key, 0) + m.value
+            print("DRIVER " + json.dumps({"metrics": values}), flush=True)
     print("DRIVER " + json.dumps({"bye": True}), flush=True)
 
 

@@ -22,7 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm.backend import DaemonBackend
@@ -87,6 +90,41 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# Counters exported to vLLM's Prometheus registry as vllm:kvtier_<key>_total (per engine).
+PROM_COUNTERS = {
+    "loaded_tokens": "Prompt tokens loaded from kvtier into the KV cache",
+    "loaded_bytes": "KV bytes loaded from kvtier",
+    "load_failed_blocks": "Blocks whose load failed (vLLM recomputed them)",
+    "stored_tokens": "Prompt tokens stored into kvtier",
+    "stored_bytes": "KV bytes stored into kvtier",
+    "store_dropped_blocks": "Blocks not stored (daemon away, full, or queue full)",
+    "sched_lookups": "kvtier lookups issued by the scheduler",
+    "sched_lookup_timeouts": "kvtier lookups answered as a miss after lookup_timeout_ms",
+    "sched_hit_blocks": "Blocks vLLM was told it can load from kvtier",
+}
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's own /metrics (front-end process)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc,
+                                  labelnames=labelnames), per_engine_labelvalues)
+            for key, doc in PROM_COUNTERS.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -210,6 +248,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVConnectorStats | None:
         return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.planner is not None:

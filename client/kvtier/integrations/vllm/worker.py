@@ -47,10 +47,12 @@ class WorkerStats:
     """Counters since the last ``take_stats`` (vLLM's KVConnectorStats interval)."""
 
     loaded_blocks: int = 0
+    loaded_tokens: int = 0
     loaded_bytes: int = 0
     load_failed_blocks: int = 0
     load_seconds: float = 0.0
     stored_blocks: int = 0
+    stored_tokens: int = 0
     stored_bytes: int = 0
     store_present_blocks: int = 0
     store_dropped_blocks: int = 0
@@ -131,6 +133,7 @@ class KvtierWorker:
             failed.update(b for b, ok in zip(block_ids, found, strict=True) if not ok)
         with self._cond:
             self._stats.loaded_blocks += loaded
+            self._stats.loaded_tokens += loaded * self.identity.tokens_per_block
             self._stats.loaded_bytes += loaded * self.block_bytes
             self._stats.load_failed_blocks += len(failed)
             self._stats.load_seconds += time.perf_counter() - t0
@@ -230,6 +233,7 @@ class KvtierWorker:
                 self._read_done(job.job_id)
             with self._cond:
                 self._stats.stored_blocks += stored
+                self._stats.stored_tokens += stored * self.identity.tokens_per_block
                 self._stats.stored_bytes += stored * self.block_bytes
                 self._stats.store_present_blocks += present
                 self._stats.store_dropped_blocks += dropped
