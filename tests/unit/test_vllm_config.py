@@ -71,6 +71,11 @@ def test_tokenizer_digest(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"v": 2}')
     d2 = resolve_tokenizer_digest(None, False, str(tmp_path))
     assert d1.startswith("sha256:") and d1 != d2
+    commit = "a" * 40
+    assert resolve_tokenizer_digest(None, False, "Qwen/Qwen3-0.6B", commit) == \
+        f"hf:Qwen/Qwen3-0.6B@{commit}"
+    with pytest.raises(ConfigError, match="tokenizer_digest"):
+        resolve_tokenizer_digest(None, False, "Qwen/Qwen3-0.6B", "main")
 
 
 def test_adapter_revision_from_config_or_files(tmp_path: Path) -> None:

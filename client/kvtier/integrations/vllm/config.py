@@ -188,18 +188,24 @@ def files_digest(directory: str | os.PathLike[str], names: tuple[str, ...]) -> s
     return f"sha256:{h.hexdigest()}" if found else None
 
 
-def resolve_tokenizer_digest(configured: str | None, skipped: bool, tokenizer_path: str) -> str:
+def resolve_tokenizer_digest(configured: str | None, skipped: bool, tokenizer_path: str,
+                             hub_revision: str | None = None) -> str:
     """``"none"`` when the engine runs without a tokenizer (token ids in, token ids out), the
-    configured digest, or the digest of the tokenizer files; else ``ConfigError``."""
+    configured digest, the digest of the tokenizer files in a local directory, or, for a hub id
+    at a commit, ``hf:<id>@<commit>`` (the files at a commit never change); else ``ConfigError``."""
     if configured:
         return configured
     if skipped:
         return "none"
-    digest = files_digest(tokenizer_path, TOKENIZER_FILES) if os.path.isdir(tokenizer_path) else None
-    if digest is None:
-        raise ConfigError("kv_connector_extra_config.tokenizer_digest",
-                          f"required: no tokenizer files found in {tokenizer_path!r}")
-    return digest
+    if os.path.isdir(tokenizer_path):
+        digest = files_digest(tokenizer_path, TOKENIZER_FILES)
+        if digest is not None:
+            return digest
+    elif hub_revision and _COMMIT.fullmatch(hub_revision):
+        return f"hf:{tokenizer_path}@{hub_revision}"
+    raise ConfigError("kv_connector_extra_config.tokenizer_digest",
+                      f"required: no tokenizer files found in {tokenizer_path!r} and no commit "
+                      "to name them by")
 
 
 def adapter_variant(cfg: ConnectorConfig, name: str, path: str | None, cache_salt: str | None,

@@ -327,11 +327,16 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     mc = vllm_config.model_config
     served = mc.served_model_name
     served = served[0] if isinstance(served, (list, tuple)) and served else served
+    revision = resolve_model_revision(cfg.model_revision, mc.revision, str(mc.model))
+    tokenizer = str(mc.tokenizer or mc.model)
+    tok_revision = getattr(mc, "tokenizer_revision", None)
+    tok_revision = getattr(tok_revision, "resolved", None) or tok_revision or \
+        (revision if tokenizer == str(mc.model) else None)
     return EngineIdentity(
         model_id=cfg.model_id or str(served or mc.model),
-        model_revision=resolve_model_revision(cfg.model_revision, mc.revision, str(mc.model)),
+        model_revision=revision,
         tokenizer_digest=resolve_tokenizer_digest(cfg.tokenizer_digest, mc.skip_tokenizer_init,
-                                                  str(mc.tokenizer or mc.model)),
+                                                  tokenizer, str(tok_revision or "") or None),
         kv_dtype=dtype, layout=f"vllm.{layout}", tokens_per_block=spec.block_size,
         num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads, head_dim=head,
         tp_size=par.tensor_parallel_size, tenant=cfg.tenant)
