@@ -26,7 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:  # vLLM >= 0.32; older releases have no per-source hit metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    CacheHitSource = None
 
 from kvtier.integrations.vllm.backend import DaemonBackend
 from kvtier.integrations.vllm.config import (
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvtier")
 
-_TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK}
+_TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK} if CacheHitSource else {}
 
 
 @dataclass
@@ -172,8 +176,10 @@ class KvtierConnector(KVConnectorBase_V1):
                                             request.num_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
-                                       ) -> dict[CacheHitSource, int]:
+                                       ) -> dict[Any, int]:
         assert self.planner is not None
+        if CacheHitSource is None:
+            return {}
         by_tier = self.planner.hit_sources(request.request_id, num_external_tokens)
         return {_TIER_SOURCE.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED): n
                 for t, n in by_tier.items() if n}
