@@ -38,7 +38,6 @@ from kvtier.buffers import byte_view
 from kvtier.identity import Namespace
 from kvtier.protoutil import to_dict
 from kvtier.transports import DataTransport, make_transport
-from kvtier.transports.base import Item
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -417,18 +416,36 @@ class Client:
                 raise errors.InvalidArgument(
                     f"block {i} has {len(v)} bytes, namespace blocks have {handle.block_bytes}",
                     field="blocks")
+        def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+            self._data().write(job_id, [(i, off, views[base + i])
+                                        for i, off in zip(idx, offsets, strict=True)])
+
+        return self._put_keys(handle, keys, write)
+
+    def _put_blocks(self, handle: NamespaceHandle, keys: Sequence[bytes], layout: Any,
+                    block_ids: Sequence[int]) -> PutResult:
+        """put_blocks over shm: gather straight into the reserved slots (kvtier.direct)."""
+        def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+            mover = self._data().mover(layout.device)  # type: ignore[attr-defined]
+            mover.store(layout, [block_ids[base + i] for i in idx], offsets)
+
+        return self._put_keys(handle, keys, write)
+
+    def _put_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
+                  write: Callable[[int, int, list[int], list[int]], None]) -> PutResult:
         packed = _pack_keys(keys)
         result = PutResult()
         for start in self._batches(len(keys)):
             end = min(start + self._max_batch, len(keys))
             try:
-                result += self._put_batch(handle, packed[start * 32 : end * 32], views[start:end])
+                result += self._put_batch(handle, packed[start * 32 : end * 32], start, write)
             except _Away:
                 result.dropped += end - start
                 self.counters.puts_dropped += end - start
         return result
 
-    def _put_batch(self, handle: NamespaceHandle, packed: bytes, views: list[memoryview]) -> PutResult:
+    def _put_batch(self, handle: NamespaceHandle, packed: bytes, base: int,
+                   write: Callable[[int, int, list[int], list[int]], None]) -> PutResult:
         tp = make_transport_value(self.transport_name)
         prep = self._call("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=handle.namespace_id, keys=packed, transport=tp))
@@ -437,14 +454,17 @@ class Client:
                            rejected=status.count(pb.STORE_REJECTED))
         if not prep.job_id:
             return result
-        items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
-                             if status[i] == pb.STORE_RESERVED]
+        idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
+        items = [prep.offsets[i] for i in idx]
         failure = ""
+        trip = True
         try:
             with self._data_lock:
-                self._data().write(prep.job_id, items)
+                write(prep.job_id, base, idx, items)
         except errors.TransportError as e:
             failure = f"store transfer: {e}"
+        except (RuntimeError, errors.KvtierError) as e:  # e.g. a CUDA error: this job only
+            failure, trip = f"store copy: {e}", False
         try:
             # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
             done = self._call("CompleteStore", pb.CompleteStoreRequest(
@@ -454,7 +474,7 @@ class Client:
             self.counters.puts_dropped += len(items)
             return result
         finally:
-            if failure:
+            if failure and trip:
                 self._trip(failure)  # reattach the transport on the next call
         result.stored += done.committed
         result.dropped += done.aborted
@@ -464,45 +484,64 @@ class Client:
 
     def _get_into(self, handle: NamespaceHandle, keys: Sequence[bytes],
                   views: list[memoryview]) -> list[bool]:
+        def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+            self._data().read(job_id, [(i, off, views[base + i])
+                                       for i, off in zip(idx, offsets, strict=True)])
+
+        return self._get_keys(handle, keys, read)
+
+    def _get_blocks(self, handle: NamespaceHandle, keys: Sequence[bytes], layout: Any,
+                    block_ids: Sequence[int]) -> list[bool]:
+        """get_blocks over shm: scatter straight from the pinned slots (kvtier.direct)."""
+        def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+            mover = self._data().mover(layout.device)  # type: ignore[attr-defined]
+            mover.load(layout, [block_ids[base + i] for i in idx], offsets)
+
+        return self._get_keys(handle, keys, read)
+
+    def _get_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
+                  read: Callable[[int, int, list[int], list[int]], None]) -> list[bool]:
         packed = _pack_keys(keys)
         found = [False] * len(keys)
         try:
             for start in self._batches(len(keys)):
                 end = min(start + self._max_batch, len(keys))
-                self._get_batch(handle, packed[start * 32 : end * 32], views[start:end],
-                                found, start)
+                self._get_batch(handle, packed[start * 32 : end * 32], found, start, read)
         except _Away:
             self.counters.gets_failed += 1
             return [False] * len(keys)
         return found
 
-    def _get_batch(self, handle: NamespaceHandle, packed: bytes, views: list[memoryview],
-                   found: list[bool], base: int) -> None:
+    def _get_batch(self, handle: NamespaceHandle, packed: bytes, found: list[bool], base: int,
+                   read: Callable[[int, int, list[int], list[int]], None]) -> None:
         prep = self._call("PrepareLoad", pb.PrepareLoadRequest(
             namespace_id=handle.namespace_id, keys=packed,
             transport=make_transport_value(self.transport_name)))
         if not prep.job_id:
             return
-        items: list[Item] = [(i, prep.offsets[i], views[i]) for i in range(len(views))
-                             if prep.found[i]]
+        idx = [i for i in range(len(packed) // 32) if prep.found[i]]
         failure = ""
+        trip = True
         try:
             with self._data_lock:
-                self._data().read(prep.job_id, items)
+                read(prep.job_id, base, idx, [prep.offsets[i] for i in idx])
         except errors.TransportError as e:
             failure = f"load transfer: {e}"
+        except (RuntimeError, errors.KvtierError) as e:  # e.g. a CUDA error: this job only
+            failure, trip = f"load copy: {e}", False
         try:
             self._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False)
         except (_Away, errors.KvtierError) as e:
             # Only a completed load proves the pins held during the copy; if the lease lapsed
             # the slots may have been reused under us: the bytes are not trusted, all misses.
-            failure = failure or f"load not confirmed: {e}"
+            failure, trip = failure or f"load not confirmed: {e}", True
         if failure:
-            self._trip(failure)
+            if trip:
+                self._trip(failure)
             raise _Away(failure)
-        for i, _off, _v in items:
+        for i in idx:
             found[base + i] = True
-        self.counters.bytes_got += len(items) * handle.block_bytes
+        self.counters.bytes_got += len(idx) * handle.block_bytes
 
     def _data(self) -> DataTransport:
         if self._transport is None:
@@ -575,6 +614,9 @@ class NamespaceHandle:
     def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> PutResult:
         """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
         ``keys``: one gather kernel into a staging tensor, then one batched put."""
+        if self.client.transport_name == "shm":
+            self._check_layout(layout, keys, block_ids)
+            return self.client._put_blocks(self, keys, layout, block_ids)
         staging = self._staging(layout, keys, block_ids)
         layout.gather(block_ids, staging)
         return self.put(keys, list(staging))
@@ -582,6 +624,9 @@ class NamespaceHandle:
     def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> list[bool]:
         """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
         kernel); blocks not found are left untouched. Returns which were loaded."""
+        if self.client.transport_name == "shm":
+            self._check_layout(layout, keys, block_ids)
+            return self.client._get_blocks(self, keys, layout, block_ids)
         staging = self._staging(layout, keys, block_ids)
         found = self.get_into(keys, list(staging))
         hit = [i for i, f in enumerate(found) if f]
@@ -591,13 +636,17 @@ class NamespaceHandle:
         return found
 
     def _staging(self, layout: Any, keys: Sequence[bytes], block_ids: Sequence[int]) -> Any:
+        self._check_layout(layout, keys, block_ids)
+        return layout.staging(len(keys))
+
+    def _check_layout(self, layout: Any, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         if layout.block_bytes != self.block_bytes:
             raise errors.InvalidArgument(f"layout blocks have {layout.block_bytes} bytes, namespace "
                                          f"blocks {self.block_bytes}", field="layout")
         if len(block_ids) != len(keys):
             raise errors.InvalidArgument(f"{len(block_ids)} block ids for {len(keys)} keys",
                                          field="block_ids")
-        return layout.staging(len(keys))
+        layout.check_ids(block_ids)
 
     def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         bufs = [bytearray(self.block_bytes) for _ in keys]

@@ -123,6 +123,9 @@ class PagedKvLayout:
         """Engine blocks ``block_ids`` -> ``out[i]`` = kvtier block i (one kernel per group)."""
         idx = self._index(block_ids)
         out3 = self._out_view(out, len(idx))
+        if len(self.groups) == 1 and out.device == self.device:
+            torch.index_select(self.groups[0].view, 0, idx, out=out3)  # straight into out
+            return out
         for g in self.groups:
             picked = torch.index_select(g.view, 0, idx)  # [n, count, page] on the engine device
             out3[:, g.first : g.first + g.count, :].copy_(picked, non_blocking=True)
@@ -135,6 +138,10 @@ class PagedKvLayout:
         for g in self.groups:
             part = src3[:, g.first : g.first + g.count, :].to(self.device, non_blocking=True)
             g.view.index_copy_(0, idx, part)
+
+    def check_ids(self, block_ids: Sequence[int] | torch.Tensor) -> None:
+        """``InvalidArgument`` unless every id is an engine block (checked before any I/O)."""
+        self._index(block_ids)
 
     def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         idx = torch.as_tensor(block_ids, dtype=torch.long)

@@ -54,6 +54,7 @@ class ShmTransport(DataTransport):
         self._view: memoryview | None = None
         self._base = 0  # address of the mapping
         self.arena_bytes = 0
+        self._movers: dict[str, Any] = {}  # device -> kvtier.direct.ArenaMover
 
     def attach(self, session_id: int, reply: Any, timeout_s: float) -> None:
         path = reply.shm_socket
@@ -100,12 +101,25 @@ class ShmTransport(DataTransport):
             else:
                 view[:] = slot
 
+    def mover(self, device: Any) -> Any:
+        """An ``ArenaMover`` between tensors on ``device`` and this arena (made once per device;
+        on CUDA this registers the mapping with ``cudaHostRegister``). Imports torch."""
+        key = str(device)
+        if key not in self._movers:
+            from kvtier.direct import ArenaMover
+
+            self._movers[key] = ArenaMover(self._arena(), device)
+        return self._movers[key]
+
     def _arena(self) -> memoryview:
         if self._view is None:
             raise TransportError("shm transport is not attached")
         return self._view
 
     def close(self) -> None:
+        for mover in self._movers.values():
+            mover.close()
+        self._movers.clear()
         if self._view is not None:
             self._view.release()
             self._view = None

@@ -162,7 +162,7 @@ class KvtierWorker:
             return None
         import torch
 
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         return event
 

@@ -1,0 +1,134 @@
+"""Direct moves between an engine's paged KV and the daemon's shm arena: no host bounce buffer.
+
+``NamespaceHandle.put_blocks`` / ``get_blocks`` over the shm transport use an ``ArenaMover``:
+
+* **CPU tensors**: the gather kernel writes straight into the reserved slots and the scatter
+  reads straight from the pinned ones, one kernel per run of consecutive slots: every byte is
+  copied once (the staging path copies it twice).
+* **CUDA tensors**: the arena mapping is registered with ``cudaHostRegister`` once per session
+  (``register_arena``), so host<->device copies are DMA at PCIe speed instead of pageable
+  copies. A store gathers the engine blocks into a device staging tensor on the engine's current
+  stream (one kernel), then a private copy stream, ordered after that stream by an event, copies
+  each run of consecutive slots device->host with one ``cudaMemcpyAsync``; the calling thread
+  waits for the copy's end event only, never for the engine's stream. A load copies the runs
+  host->device on the copy stream, waits for that event (the daemon's pins must hold until the
+  bytes have left the arena), then scatters on the engine's stream (one kernel).
+
+The daemon's slab allocator hands a batch consecutive slots whenever it can, so a batch is
+usually a handful of large copies (``runs``). Ownership: the mover belongs to one Client's
+transport attachment; the registration is undone by ``ShmTransport.close``. Not thread-safe: the
+client serialises transfers. Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.errors import TransportError
+
+Run = tuple[int, int, int]  # (first item, item count, arena offset of the first)
+REGISTER_CHUNK = 1 << 30  # cudaHostRegister granularity (large single registrations can fail)
+
+
+def runs(offsets: Sequence[int], block_bytes: int) -> list[Run]:
+    """Group items whose slots follow each other in the arena: ``offsets[i+1] == offsets[i] +
+    block_bytes`` continues a run. Items keep their order."""
+    out: list[Run] = []
+    for i, off in enumerate(offsets):
+        if out:
+            first, count, start = out[-1]
+            if off == start + count * block_bytes:
+                out[-1] = (first, count + 1, start)
+                continue
+        out.append((i, 1, off))
+    return out
+
+
+class ArenaMover:
+    """Moves batches between a ``PagedKvLayout`` and slots of one mapped arena."""
+
+    def __init__(self, arena: memoryview, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.frombuffer(arena, dtype=torch.uint8)
+        self.registered: list[tuple[int, int]] = []
+        self.stream: Any = None
+        if device.type == "cuda":
+            self._register(self.host.data_ptr(), self.host.numel())
+            self.stream = torch.cuda.Stream(device)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _register(self, base: int, size: int) -> None:
+        cudart = torch.cuda.cudart()
+        for start in range(0, size, REGISTER_CHUNK):
+            length = min(REGISTER_CHUNK, size - start)
+            err = cudart.cudaHostRegister(base + start, length, 0)
+            if int(err) != 0:
+                self.close()
+                raise TransportError(f"cudaHostRegister of the shm arena failed ({err})")
+            self.registered.append((base + start, length))
+
+    def close(self) -> None:
+        """Unregister the arena from CUDA and drop the tensor over it (its buffer export must
+        be gone before the mapping can be closed)."""
+        if self.registered:
+            cudart = torch.cuda.cudart()
+            for base, _length in self.registered:
+                cudart.cudaHostUnregister(base)
+            self.registered = []
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+    # -- moves --------------------------------------------------------------------------------
+
+    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Engine blocks ``block_ids[i]`` -> the slot at ``offsets[i]``; returns once the arena
+        holds the bytes (the daemon may then publish them)."""
+        bb = layout.block_bytes
+        self._check(offsets, bb)
+        if self.stream is None:
+            for first, count, off in runs(offsets, bb):
+                layout.gather(block_ids[first : first + count], self._slots(off, count, bb))
+            return
+        staging = torch.empty((len(block_ids), bb), dtype=torch.uint8, device=self.device)
+        layout.gather(block_ids, staging)  # on the engine's current stream
+        engine = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(engine)
+        with torch.cuda.stream(self.stream):
+            for first, count, off in runs(offsets, bb):
+                self._slots(off, count, bb).copy_(staging[first : first + count], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        staging.record_stream(self.stream)
+        done.synchronize()
+
+    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """The slot at ``offsets[i]`` -> engine block ``block_ids[i]``; the arena has been read
+        when this returns (the caller may then unpin)."""
+        bb = layout.block_bytes
+        self._check(offsets, bb)
+        if self.stream is None:
+            for first, count, off in runs(offsets, bb):
+                layout.scatter(block_ids[first : first + count], self._slots(off, count, bb))
+            return
+        staging = torch.empty((len(block_ids), bb), dtype=torch.uint8, device=self.device)
+        engine = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(engine)  # staging was allocated on the engine's stream
+        with torch.cuda.stream(self.stream):
+            for first, count, off in runs(offsets, bb):
+                staging[first : first + count].copy_(self._slots(off, count, bb), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        layout.scatter(block_ids, staging)  # on the engine's stream, after the copies
+
+    def _slots(self, offset: int, count: int, block_bytes: int) -> torch.Tensor:
+        return self.host[offset : offset + count * block_bytes].view(count, block_bytes)
+
+    def _check(self, offsets: Sequence[int], block_bytes: int) -> None:
+        size = self.host.numel()
+        for off in offsets:
+            if off < 0 or off + block_bytes > size:
+                raise TransportError(f"slot offset {off} outside the {size}-byte arena")
