@@ -6,13 +6,15 @@
   reads straight from the pinned ones, one kernel per run of consecutive slots: every byte is
   copied once (the staging path copies it twice).
 * **CUDA tensors**: the arena mapping is registered with ``cudaHostRegister`` once per session
-  (``register_arena``), so host<->device copies are DMA at PCIe speed instead of pageable
+  (on first use, ``ShmTransport.mover``), so host<->device copies are DMA at PCIe speed instead of pageable
   copies. A store gathers the engine blocks into a device staging tensor on the engine's current
   stream (one kernel), then a private copy stream, ordered after that stream by an event, copies
   each run of consecutive slots device->host with one ``cudaMemcpyAsync``; the calling thread
-  waits for the copy's end event only, never for the engine's stream. A load copies the runs
+  then waits for the copy's end event (a store must see what the engine queued before it, the
+  forward's KV included). A load copies the runs
   host->device on the copy stream, waits for that event (the daemon's pins must hold until the
-  bytes have left the arena), then scatters on the engine's stream (one kernel).
+  bytes have left the arena), then queues the scatter on the engine's stream (one kernel): a
+  load never waits for work already queued on the engine's stream.
 
 The daemon's slab allocator hands a batch consecutive slots whenever it can, so a batch is
 usually a handful of large copies (``runs``). Ownership: the mover belongs to one Client's
@@ -113,16 +115,16 @@ class ArenaMover:
             for first, count, off in runs(offsets, bb):
                 layout.scatter(block_ids[first : first + count], self._slots(off, count, bb))
             return
-        staging = torch.empty((len(block_ids), bb), dtype=torch.uint8, device=self.device)
         engine = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(engine)  # staging was allocated on the engine's stream
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # never waits for the engine's queued work
+            staging = torch.empty((len(block_ids), bb), dtype=torch.uint8, device=self.device)
             for first, count, off in runs(offsets, bb):
                 staging[first : first + count].copy_(self._slots(off, count, bb), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()
-        layout.scatter(block_ids, staging)  # on the engine's stream, after the copies
+        staging.record_stream(engine)
+        layout.scatter(block_ids, staging)  # queued on the engine's stream, after the copies
 
     def _slots(self, offset: int, count: int, block_bytes: int) -> torch.Tensor:
         return self.host[offset : offset + count * block_bytes].view(count, block_bytes)

@@ -109,3 +109,38 @@ def test_a_layout_of_another_block_size_is_refused(daemon: DaemonProcess) -> Non
         with pytest.raises(kvtier.errors.InvalidArgument, match="block_ids"):
             client.register(make_namespace()).put_blocks(keys, layout, [0, 1])
         assert client.stats()["total"]["stores_accepted"] == 0
+
+
+def test_runs_group_consecutive_slots() -> None:
+    from kvtier.direct import runs
+
+    assert runs([], 8) == []
+    assert runs([0, 8, 16, 40, 48, 8], 8) == [(0, 3, 0), (3, 2, 40), (5, 1, 8)]
+
+
+class FailingCopy(PagedKvLayout):
+    """A layout whose kernels fail like a CUDA error would (RuntimeError)."""
+
+    def gather(self, block_ids: object, out: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    def scatter(self, block_ids: object, src: torch.Tensor) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+def test_a_failed_copy_fails_its_job_only(daemon: DaemonProcess) -> None:
+    good = lbhnc(torch.randint(0, 256, (L * NUM_BLOCKS * PAGE,), dtype=torch.uint8))
+    bad = FailingCopy(good.groups, good.num_layers, good.num_blocks, good.page_bytes, good.name)
+    with kvtier.Client.connect(daemon.unix, transport="shm") as client:
+        ns = client.register(make_namespace(layout="test.LBHNC"))
+        keys = ns.block_keys(list(range(16 * 3)))
+        result = ns.put_blocks(keys, bad, [0, 1, 2])
+        assert result.stored == 0 and result.dropped == 3
+        stats = client.stats()
+        assert stats["writing_blocks"] == 0 and stats["total"]["stores_dropped"] == 3
+        assert client.counters.reconnects == 0  # the daemon and the session are fine
+        assert ns.put_blocks(keys, good, [0, 1, 2]).stored == 3  # the same keys store later
+        assert ns.get_blocks(keys, bad, [3, 4, 5]) == [False] * 3
+        assert client.stats()["pinned_blocks"] == 0  # the failed load unpinned its blocks
+        assert ns.get_blocks(keys, good, [3, 4, 5]) == [True] * 3
+        assert [pages(good, b) for b in (3, 4, 5)] == [pages(good, b) for b in (0, 1, 2)]

@@ -1,0 +1,153 @@
+"""The GPU data path on a CUDA machine: paged CUDA caches through a real daemon over shm.
+
+Marked ``gpu`` and skipped cleanly without CUDA (CI has none). What they check:
+* the shm arena is registered with CUDA (copies are DMA from page-locked memory);
+* LBNHC / LBHNC / BLHNC caches round-trip byte-exact (put at some block ids, get into another
+  cache at others, odd counts, a miss leaves its block alone);
+* two engine processes share blocks; a client killed mid-store leaves no daemon state behind
+  its lease; a failed copy fails its job only;
+* the engine's stream is not blocked by a transfer (the copy stream is ordered by events).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, DaemonProcess, make_namespace
+
+import kvtier
+from kvtier.layouts import PagedKvLayout
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+L, H, N, D = 2, 2, 16, 64  # make_namespace(): 16 KiB blocks
+C = 2 * D
+NUM_BLOCKS = 24
+
+
+def cache(order: str, fill: bool) -> tuple[torch.Tensor, PagedKvLayout]:
+    """A vLLM-style shared CUDA buffer and its per-layer [B, H, N, C] views."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shape = {"LBNHC": (L, NUM_BLOCKS, N, H, C), "LBHNC": (L, NUM_BLOCKS, H, N, C),
+             "BLHNC": (NUM_BLOCKS, L, H, N, C)}[order]
+    buf = (torch.randn(shape, generator=g, device="cuda") if fill
+           else torch.zeros(shape, device="cuda")).to(torch.bfloat16)
+    if order == "LBNHC":
+        layers = [buf[i].permute(0, 2, 1, 3) for i in range(L)]
+    elif order == "LBHNC":
+        layers = [buf[i] for i in range(L)]
+    else:
+        layers = [buf[:, i] for i in range(L)]
+    return buf, PagedKvLayout.from_layer_tensors(layers, name=order)
+
+
+def block_bytes(layout: PagedKvLayout, ids: list[int]) -> list[bytes]:
+    out = torch.empty((len(ids), layout.block_bytes), dtype=torch.uint8, device="cuda")
+    layout.gather(ids, out)
+    return [bytes(row.cpu().numpy()) for row in out]
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC", "BLHNC"])
+def test_cuda_cache_round_trips_over_shm(daemon: DaemonProcess, order: str) -> None:
+    _, src = cache(order, True)
+    _, dst = cache(order, False)
+    with kvtier.Client.connect(daemon.unix, transport="shm") as client:
+        ns = client.register(make_namespace(layout=f"vllm.{order}"))
+        keys = ns.block_keys(list(range(16 * 7)))
+        src_ids, dst_ids = [20, 3, 7, 0, 5, 11, 2], [1, 9, 4, 10, 23, 8, 12]
+        assert ns.put_blocks(keys, src, src_ids).stored == 7
+        mover = client._data().mover(torch.device("cuda", torch.cuda.current_device()))
+        assert mover.registered and mover.host.is_pinned()  # DMA, not pageable copies
+        untouched = block_bytes(dst, [6])
+        assert ns.get_blocks(keys + [b"\1" * 32], dst, dst_ids + [6]) == [True] * 7 + [False]
+        torch.cuda.synchronize()
+        assert block_bytes(dst, dst_ids) == block_bytes(src, src_ids)
+        assert block_bytes(dst, [6]) == untouched
+
+
+def test_transfers_do_not_block_the_engine_stream(daemon: DaemonProcess) -> None:
+    _, src = cache("LBNHC", True)
+    with kvtier.Client.connect(daemon.unix, transport="shm") as client:
+        ns = client.register(make_namespace(layout="vllm.LBNHC"))
+        keys = ns.block_keys(list(range(16 * 4)))
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            busy = torch.cuda._sleep  # a long kernel queued on the engine's stream
+            assert ns.put_blocks(keys, src, [0, 1, 2, 3]).stored == 4
+            busy(2_000_000_000)  # ~1 s of GPU time
+            t0 = time.perf_counter()
+            assert ns.get_blocks(keys, src, [4, 5, 6, 7]) == [True] * 4
+            waited = time.perf_counter() - t0
+        engine.synchronize()
+        assert waited < 0.5
+        assert block_bytes(src, [4, 5, 6, 7]) == block_bytes(src, [0, 1, 2, 3])
+
+
+CHILD = textwrap.dedent("""
+    import sys, torch, kvtier
+    sys.path.insert(0, {tests!r})
+    from conftest import make_namespace
+    from test_cuda_paths import cache, block_bytes
+    import hashlib
+    role, address = sys.argv[1], sys.argv[2]
+    _, layout = cache("LBHNC", role == "put")
+    with kvtier.Client.connect(address, transport="shm") as c:
+        ns = c.register(make_namespace(layout="vllm.LBHNC"))
+        keys = ns.block_keys(list(range(16 * 5)))
+        if role == "put":
+            assert ns.put_blocks(keys, layout, [1, 3, 5, 7, 9]).stored == 5
+            ids = [1, 3, 5, 7, 9]
+        elif role == "hang":
+            ns.put_blocks(keys, layout, [1, 3, 5, 7, 9])
+            print("STORED", flush=True)
+            import time; time.sleep(60)
+        else:
+            assert ns.get_blocks(keys, layout, [0, 2, 4, 6, 8]) == [True] * 5
+            ids = [0, 2, 4, 6, 8]
+        print(hashlib.sha256(b"".join(block_bytes(layout, ids))).hexdigest())
+""")
+
+
+def child(role: str, address: str) -> subprocess.Popen[str]:
+    code = CHILD.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"),
+                                                       str(Path(__file__).parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", code, role, address], stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_two_engine_processes_share_blocks(daemon: DaemonProcess) -> None:
+    put = child("put", daemon.unix)
+    put_out, _ = put.communicate(timeout=120)
+    get = child("get", daemon.unix)
+    get_out, _ = get.communicate(timeout=120)
+    assert put.returncode == 0 and get.returncode == 0
+    assert put_out.split()[-1] == get_out.split()[-1]
+
+
+def test_killed_client_leaves_nothing_behind_its_lease(daemon: DaemonProcess) -> None:
+    proc = child("hang", daemon.unix)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "STORED"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 15  # the daemon fixture's lease is 2 s (+ one in limbo)
+    with kvtier.Client.connect(daemon.unix) as c:
+        while time.monotonic() < deadline:
+            stats = c.stats()
+            if stats["sessions"] <= 1 and stats["pinned_blocks"] == 0 and \
+                    stats["writing_blocks"] == 0:
+                break
+            time.sleep(0.2)
+        assert stats["pinned_blocks"] == 0 and stats["writing_blocks"] == 0
+        assert stats["total"]["resident_blocks"] == 5  # what it stored stays served
