@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
-                   help="all | shm | tcp | lookup | nvme | quick")
+                   help="all | shm | tcp | lookup | nvme | quick | gpu")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--disk-dir", help="nvme suite: where its tier and raw files go (a private "
                                       "subdirectory, removed after; default: the temp dir)")
+    b.add_argument("--device", default="cuda", help="gpu suite: cuda[:N], or cpu for a dry run")
+    b.add_argument("--gpu-blocks", type=int, default=256, help="gpu suite: blocks per transfer")
+    b.add_argument("--gpu-shape", default="32,8,128,16",
+                   help="gpu suite: layers,kv_heads,head_dim,tokens_per_block (Llama-3-8B)")
     return p
 
 
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvtierd.tiers.nvme.fsck import main as fsck_main
 
         return fsck_main([args.directory])
+    if args.suite == "gpu":
+        from kvtier.bench.gpu import bench_gpu  # torch; imported only for this suite
+
+        return bench_gpu(args)
     from kvtier.bench import run_bench  # heavy; imported only for bench
 
     return int(run_bench(args))

@@ -144,3 +144,14 @@ def test_a_failed_copy_fails_its_job_only(daemon: DaemonProcess) -> None:
         assert client.stats()["pinned_blocks"] == 0  # the failed load unpinned its blocks
         assert ns.get_blocks(keys, good, [3, 4, 5]) == [True] * 3
         assert [pages(good, b) for b in (3, 4, 5)] == [pages(good, b) for b in (0, 1, 2)]
+
+
+def test_kernels_move_wide_elements_and_bytes_at_odd_offsets() -> None:
+    layout = lbhnc(torch.randint(0, 256, (L * NUM_BLOCKS * PAGE,), dtype=torch.uint8))
+    assert layout._dtype == torch.int64  # 8-byte elements: CPU index_copy_ is 10x faster
+    raw = torch.zeros(2 * layout.block_bytes + 1, dtype=torch.uint8)
+    odd = raw[1:].view(2, layout.block_bytes)  # starts 1 byte in: gathered byte-wise
+    layout.gather([4, 7], odd)
+    assert odd[0].numpy().tobytes() == pages(layout, 4)
+    layout.scatter([0, 1], odd)
+    assert [pages(layout, b) for b in (0, 1)] == [pages(layout, b) for b in (4, 7)]

@@ -165,3 +165,18 @@ def test_suites_that_run_nvme() -> None:
     assert not Plan.from_args(_bench_args("shm")).wants("nvme")
     assert Plan.from_args(_bench_args()).wants("nvme") == NVME_IN_ALL
     assert _bench_args("nvme", "--disk-dir", "/x").disk_dir == "/x"
+
+
+def test_gpu_suite_dry_run_on_cpu(tmp_path: Path) -> None:
+    """``kvtier bench gpu --device cpu``: the GPU benchmark's code path, byte-checked, on CPU."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "gpu", "--device", "cpu",
+                           "--gpu-blocks", "12", "--gpu-shape", "4,2,64,16", "--repeat", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["byte_exact"] and report["blocks"] == 12 and report["block_bytes"] == 4 * 8192
+    assert set(report["gbps"]) == {"copy_ host->device", "copy_ device->host",
+                                   "shm put_blocks (device->daemon)",
+                                   "shm get_blocks (daemon->device)"}
+    assert "shm put_blocks" in proc.stdout

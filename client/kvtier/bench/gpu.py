@@ -1,0 +1,138 @@
+"""``kvtier bench gpu``: paged GPU KV -> daemon -> paged GPU KV, beside a plain pinned copy.
+
+What it moves (issue 4): ``--gpu-blocks`` (256) blocks of a Llama-3-8B-shaped cache (32 layers,
+8 KV heads, head dim 128, bf16, 16 tokens per block: 64 KiB pages, 2 MiB blocks) in vLLM's LBNHC
+layout, from random block ids of one engine cache into a fresh kvtierd over ``shm``
+(``put_blocks``: gather kernel, DMA into the cudaHostRegister'ed arena) and back into other block
+ids (``get_blocks``: DMA, scatter kernel), byte-checked. The baseline is the same byte count as one
+``copy_`` between a pinned host tensor and a device tensor, each way, measured in the same run and
+interleaved with the kvtier rounds; the best of ``--repeat`` rounds is kept for every figure.
+
+``--device cpu`` runs the same code on CPU tensors (the baseline is then a plain memcpy): the
+smoke test uses it, since CI has no GPU. Targets (docs/benchmarks.md §8): each way >= 45 GB/s and
+>= 0.8x the pinned copy, gather/scatter included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+TARGET_GBPS = 45.0
+TARGET_RATIO = 0.8
+
+
+def bench_gpu(args: argparse.Namespace) -> int:
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("kvtier bench gpu: no CUDA device (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    layers, heads, head_dim, tokens = (int(x) for x in args.gpu_shape.split(","))
+    n = args.gpu_blocks
+    num_blocks = 2 * n + 8
+    buf = torch.empty((layers, num_blocks, tokens, heads, 2 * head_dim), dtype=torch.bfloat16,
+                      device=device)
+    buf.view(torch.uint8).random_(0, 256)
+    from kvtier.layouts import PagedKvLayout
+
+    layout = PagedKvLayout.from_layer_tensors([buf[i].permute(0, 2, 1, 3) for i in range(layers)],
+                                              name="LBNHC")
+    bb = layout.block_bytes
+    nbytes = n * bb
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    src, dst = perm[:n], perm[n : 2 * n]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    figures: dict[str, list[float]] = {}
+
+    def sample(name: str, fn: Callable[[], None]) -> None:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        figures.setdefault(name, []).append(nbytes / (time.perf_counter() - t0) / GB)
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    base = "pinned copy" if device.type == "cuda" else "copy_"
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    import kvtier
+    from kvtier.bench.procs import DaemonProc
+
+    host_bytes = max(256 << 20, (args.repeat + 2) * nbytes + (64 << 20))
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp, \
+            DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb)) as daemon:
+        client = kvtier.Client.connect(daemon.unix, "shm", timeout_s=60)
+        try:
+            ns = client.register(kvtier.Namespace(
+                model_id="bench/llama3-8b-shape", model_revision="bench", tokenizer_digest="none",
+                kv_dtype="bfloat16", layout="vllm.LBNHC", tokens_per_block=tokens,
+                num_layers=layers, num_kv_heads=heads, head_dim=head_dim))
+            keys: list[bytes] = []
+
+            def put() -> None:
+                keys[:] = [os.urandom(32) for _ in range(n)]
+                stored = ns.put_blocks(keys, layout, src).stored
+                if stored != n:
+                    raise RuntimeError(f"put stored {stored} of {n} blocks")
+
+            def get() -> None:
+                if not all(ns.get_blocks(keys, layout, dst)):
+                    raise RuntimeError("get missed blocks it had just stored")
+
+            ops = [(f"{base} host->device", lambda: dev.copy_(host, non_blocking=True)),
+                   (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True)),
+                   ("shm put_blocks (device->daemon)", put),
+                   ("shm get_blocks (daemon->device)", get)]
+            for _name, fn in ops:  # warm-up: registration, allocator, first faults
+                fn()
+                sync()
+            figures.clear()
+            for _ in range(args.repeat):
+                for name, fn in ops:
+                    sample(name, fn)
+            a = torch.empty((n, bb), dtype=torch.uint8, device=device)
+            b = torch.empty((n, bb), dtype=torch.uint8, device=device)
+            layout.gather(src, a)
+            layout.gather(dst, b)
+            exact = bool(torch.equal(a, b))
+        finally:
+            client.close()
+    best = {k: max(v) for k, v in figures.items()}
+    report = _report(best, device, n, bb, exact, base)
+    print(report["table"])
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({k: v for k, v in report.items()
+                                                   if k != "table"}, indent=2) + "\n")
+    return 0 if exact else 1
+
+
+def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
+            base: str) -> dict[str, Any]:
+    pairs = {"shm put_blocks (device->daemon)": f"{base} device->host",
+             "shm get_blocks (daemon->device)": f"{base} host->device"}
+    lines = [f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
+             f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
+             f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target"]
+    ratios: dict[str, float] = {}
+    for name, value in best.items():
+        base = pairs.get(name)
+        if base is None:
+            lines.append(f"{name:34} {value:7.2f}")
+            continue
+        ratio = value / best[base]
+        ratios[name] = ratio
+        ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
+        lines.append(f"{name:34} {value:7.2f} {ratio:12.2f}  "
+                     f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)")
+    lines.append("cuda_ipc: not built yet (docs/benchmarks.md §8)")
+    return {"device": str(device), "blocks": n, "block_bytes": bb, "byte_exact": exact,
+            "gbps": best, "ratio_to_pinned": ratios, "table": "\n".join(lines)}
