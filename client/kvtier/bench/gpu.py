@@ -51,10 +51,12 @@ def bench_gpu(args: argparse.Namespace) -> int:
     nbytes = n * bb
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     src, dst = perm[:n], perm[n : 2 * n]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     figures: dict[str, list[float]] = {}
 
-    def sample(name: str, fn: Callable[[], None]) -> None:
+    def sample(name: str, fn: Callable[[], object]) -> None:
         sync()
         t0 = time.perf_counter()
         fn()
@@ -124,11 +126,11 @@ def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
              f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target"]
     ratios: dict[str, float] = {}
     for name, value in best.items():
-        base = pairs.get(name)
-        if base is None:
+        pair = pairs.get(name)
+        if pair is None:
             lines.append(f"{name:34} {value:7.2f}")
             continue
-        ratio = value / best[base]
+        ratio = value / best[pair]
         ratios[name] = ratio
         ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
         lines.append(f"{name:34} {value:7.2f} {ratio:12.2f}  "
