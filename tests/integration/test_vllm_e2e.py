@@ -59,9 +59,9 @@ class Engine:
     """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path, *,
-                 enable_lora: bool = False) -> None:
+                 enable_lora: bool = False, num_blocks: int | None = None) -> None:
         spec = {"model": str(model), "connector": connector, "max_model_len": 2048,
-                "enable_lora": enable_lora}
+                "enable_lora": enable_lora, "num_blocks": num_blocks}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
                    PYTHONPATH=str(HERE))
         self.log = open(log, "w")  # noqa: SIM115
@@ -231,6 +231,34 @@ def test_lora_adapter_gets_no_base_hits(workdir: Path, shared_daemon: DaemonProc
     after = namespace_stats(shared_daemon)
     new = [v for k, v in after.items() if k not in before]
     assert len(new) == 1 and new[0]["stores_accepted"] == 3  # the adapter's own namespace
+
+
+def test_blocks_reused_under_pressure_are_stored_intact(workdir: Path) -> None:
+    """A 20-block engine cache for 10 prompts of 4 blocks each: vLLM queues them and hands freed
+    blocks to the next requests while their stores may still be in flight (the fence). A fresh
+    engine then loads every prompt from kvtier, and its output equals a recompute of the same
+    prompt in the same engine (a cache salt keeps that one away from the stored blocks)."""
+    d = DaemonProcess(workdir / "fence", "--host-bytes", "128MiB").start()
+    try:
+        prompts = [tokens(3 * BLOCK + 17, 100 + i) for i in range(10)]
+        eng = Engine(workdir / "model", connector(d), workdir / "engine_small.log", num_blocks=20)
+        try:
+            out = eng.generate(prompts, max_tokens=24)
+        finally:
+            eng.close()
+        assert len(out["outputs"]) == 10
+        assert wait_resident(d, 30) == 30
+        eng = Engine(workdir / "model", connector(d), workdir / "engine_check.log")
+        try:
+            for i, p in enumerate(prompts):
+                loaded = eng.generate([p], max_tokens=8)
+                computed = eng.generate([p], salts=[f"recompute-{i}"], max_tokens=8)
+                assert loaded["cached"] == [3 * BLOCK] and computed["cached"] == [0]
+                assert loaded["outputs"] == computed["outputs"], f"prompt {i}"
+        finally:
+            eng.close()
+    finally:
+        d.kill()
 
 
 def test_daemon_down_and_killed_mid_run_never_fails_a_request(

@@ -75,6 +75,8 @@ def main() -> None:
                         disable_log_stats=False)
     if spec.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("num_blocks"):  # a small KV cache: blocks are freed and reused within a run
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = spec["max_num_seqs"]
     if spec.get("connector") is not None:
