@@ -22,6 +22,12 @@ round of the kvtier arm it reads the daemon's Stats (the namespace's ``bytes_out
 Two reconciliation checks per round: computed + engine cache hit + loaded from kvtier = prompt
 tokens, and kvtier bytes out / KV bytes per token is a whole number equal to the loaded tokens.
 
+Defaults (sized for the 2-core development machine, ~12 min): a Qwen3-0.6B-shaped model (28
+layers, 8 KV heads, head dim 128; vocabulary cut to 32,000; dummy weights) in float32, because
+bf16 on a CPU without AVX-512 is ~60x slower; 4 documents of 1,500-1,900 tokens (6,598 in all)
+against a 1 GiB engine cache (4,608 tokens; 224 KiB of KV per token); the same OpenMP cores for
+both arms (vLLM's automatic binding gives an engine without a connector one core fewer).
+
 Output: a markdown table on stdout, the plot ``--png`` (TTFT per round, both arms, every
 repetition), and with ``--json`` every record. Each engine is this script re-invoked as
 ``--engine SPEC`` under the vLLM environment's interpreter, spoken to in JSON lines over
@@ -31,6 +37,7 @@ stdin/stdout; processes and temporary directories are removed on exit, also on e
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -72,8 +79,8 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
     """K and V of every layer for one token."""
-    return (args.layers * 2 * QWEN3_06B["num_key_value_heads"] * QWEN3_06B["head_dim"]
-            * DTYPE_BYTES[args.dtype])
+    return int(args.layers * 2 * QWEN3_06B["num_key_value_heads"] * QWEN3_06B["head_dim"]
+               * DTYPE_BYTES[args.dtype])
 
 
 def make_docs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -83,6 +90,31 @@ def make_docs(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]
     firsts = rng.sample(range(3, vocab), n)
     return [[first] + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi) - 1)]
             for first in firsts]
+
+
+def cr_ids(text: str) -> list[int]:
+    """CPU ids of a list like '0-1,4'."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def code_state() -> str:
+    """The commit, and a digest of the Python files under client/ and server/ as they are now
+    (kvtier is installed editable: a change during the run would mix two versions)."""
+    h = hashlib.sha256()
+    for path in sorted([*ROOT.glob("client/kvtier/**/*.py"), *ROOT.glob("server/**/*.py")]):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "client", "server"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head, dirty = "unknown", ""
+    return f"commit {head}{' + local changes' if dirty else ''}, client+server digest {h.hexdigest()[:12]}"
 
 
 def parse_order(text: str) -> list[str]:
@@ -158,9 +190,11 @@ def daemon_counters(address: str, revision: str) -> dict[str, Any]:
 class Engine:
     """One engine process (this script with ``--engine``), spoken to in JSON lines."""
 
-    def __init__(self, spec: dict[str, Any], log_path: Path, kv_cache_gib: int) -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS="2",
-                   PYTHONUNBUFFERED="1")
+    def __init__(self, spec: dict[str, Any], log_path: Path, kv_cache_gib: int, cpus: str) -> None:
+        # The same OpenMP binding for both arms: vLLM's automatic one reserves one core fewer for
+        # the worker when a kv_transfer_config is set, which on 2 cores means 2 cores vs 1.
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=cpus,
+                   OMP_NUM_THREADS=str(len(cr_ids(cpus))), PYTHONUNBUFFERED="1")
         self.log_path = log_path
         self.log: TextIO = open(log_path, "w")
         self.proc = subprocess.Popen(
@@ -172,7 +206,8 @@ class Engine:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(PROTO):
-                return json.loads(line[len(PROTO):])
+                reply: dict[str, Any] = json.loads(line[len(PROTO):])
+                return reply
             self.log.write(line)
             self.log.flush()
         self.log.flush()
@@ -217,6 +252,8 @@ def engine_main(spec: dict[str, Any]) -> None:
         model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
         dtype=spec["dtype"], seed=0, max_model_len=spec["max_model_len"],
         enable_prefix_caching=True, disable_log_stats=False)
+    if spec.get("num_blocks"):  # a smaller cache than 1 GiB, for quick checks of this script
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -259,7 +296,7 @@ def run_arm(arm: str, rep: int, docs: list[list[int]], args: argparse.Namespace,
             workdir: Path) -> dict[str, Any]:
     """One arm in fresh processes: every round over every document; returns the records."""
     spec = {"model": str(workdir / "model"), "dtype": args.dtype,
-            "max_model_len": args.max_model_len, "connector": None}
+            "max_model_len": args.max_model_len, "connector": None, "num_blocks": args.num_blocks}
     result: dict[str, Any] = {"arm": arm, "rep": rep, "requests": [], "rounds": []}
     with ExitStack() as stack:
         address = None
@@ -268,7 +305,7 @@ def run_arm(arm: str, rep: int, docs: list[list[int]], args: argparse.Namespace,
             address = stack.enter_context(daemon(ddir, args.host_bytes))["address"]
             spec["connector"] = {"address": address, "model_revision": args.revision}
         t_start = time.perf_counter()
-        engine = Engine(spec, workdir / f"engine-{arm}-{rep}.log", args.kv_cache_gib)
+        engine = Engine(spec, workdir / f"engine-{arm}-{rep}.log", args.kv_cache_gib, args.cpus)
         stack.callback(engine.close)
         engine.read()  # ready
         result["startup_s"] = time.perf_counter() - t_start
@@ -334,7 +371,7 @@ def markdown_table(rows: list[dict[str, Any]], bpt: int) -> str:
         return "n/a" if ok is None else ("ok" if ok else "FAIL")
 
     alone = {r["round"]: r["median_ttft"] for r in rows if r["arm"] == "alone"}
-    head = ("| arm | round | requests | median TTFT s (rep 1 / rep 2) | vs alone | prompt tokens "
+    head = ("| arm | round | requests | median TTFT s (run 1 / run 2) | vs alone | prompt tokens "
             "| computed | engine cache hit | loaded from kvtier | check 1 | kvtier bytes out "
             f"| ÷ {bpt:,} B/token | check 2 |")
     lines = [head, "|" + " --- |" * 13]
@@ -355,6 +392,7 @@ def markdown_table(rows: list[dict[str, Any]], bpt: int) -> str:
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     """TTFT per round: every request as a dot, each repetition's median as a line."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -373,6 +411,9 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.scatter([q["round"] + dx for q in r["requests"]], [q["ttft_s"] for q in r["requests"]],
                    s=10, color=colors[r["arm"]], alpha=0.35)
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(sorted({q["round"] for r in results for q in r["requests"]}))
     ax.set_xlabel("round (1 = first visits, then revisits)")
     ax.set_ylabel("time to first token, s (log)")
@@ -393,11 +434,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--docs", type=int, default=4, help="documents in the working set")
-    p.add_argument("--doc-tokens", default="1500-2000", help="document length range LO-HI")
+    p.add_argument("--doc-tokens", default="1500-1900", help="document length range LO-HI")
     p.add_argument("--rounds", type=int, default=3, help="round 1 visits, later rounds revisit")
     p.add_argument("--order", type=parse_order, default="alone,kvtier,kvtier,alone",
                    help="arms in run order, each in fresh processes")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="engine KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="override the engine's KV blocks (num_gpu_blocks_override), for quick checks")
     p.add_argument("--host-bytes", default="4GiB", help="kvtierd host tier")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="model and KV dtype (bfloat16 is ~60x slower than float32 on AVX2 CPUs)")
@@ -405,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary (Qwen3-0.6B has 151,936)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--warmup-tokens", type=int, default=200, help="one warm-up prompt per engine")
+    p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                   help="the engine worker's cores (VLLM_CPU_OMP_THREADS_BIND), same for both arms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--revision", default="seed-r1", help="model_revision for the connector")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "seed_ttft.png")
@@ -426,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_main(json.loads(args.engine))
         return 0
     t0 = time.perf_counter()
+    code = code_state()
     bpt = kv_bytes_per_token(args)
     docs = make_docs(args.docs, args.doc_lo, args.doc_hi, args.vocab, args.seed)
     working_set = sum(map(len, docs))
@@ -435,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / "model" / "config.json").write_text(json.dumps(model_config(args)))
         log(f"seed experiment: {args.docs} docs ({', '.join(str(len(d)) for d in docs)} tokens; "
             f"{working_set:,} in all), {args.rounds} rounds, order {','.join(args.order)}, "
-            f"{args.dtype}, {bpt:,} KV bytes/token, work dir {workdir}")
-        results = []
+            f"{args.dtype}, {bpt:,} KV bytes/token, work dir {workdir}; code: {code}")
+        results: list[dict[str, Any]] = []
         for arm in args.order:
             rep = sum(1 for r in results if r["arm"] == arm) + 1
             log(f"arm {arm} run {rep}")
@@ -446,14 +492,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
         rows = summarize(results, bpt)
         wall = time.perf_counter() - t0
+        if code_state() != code:
+            print(f"WARNING: client/ or server/ changed during the run (was {code})")
+            log("WARNING: client/ or server/ changed during the run; the arms may differ in code")
         capacity = sorted({r["kv_capacity_tokens"] for r in results if r["kv_capacity_tokens"]})
         title = (f"Qwen3-0.6B shape ({args.dtype}), {args.docs} docs / {working_set:,} tokens, "
                  f"engine KV cache {', '.join(f'{c:,}' for c in capacity)} tokens")
         plot(results, args.png, title)
+        size = f"{args.num_blocks} blocks" if args.num_blocks else f"{args.kv_cache_gib} GiB"
         print(f"Working set {working_set:,} tokens in {args.docs} documents "
               f"({', '.join(f'{len(d):,}' for d in docs)}); engine KV cache "
-              f"{', '.join(f'{c:,}' for c in capacity)} tokens ({args.kv_cache_gib} GiB); "
-              f"{bpt:,} KV bytes per token; wall time {wall:.0f} s.\n")
+              f"{', '.join(f'{c:,}' for c in capacity)} tokens ({size}); "
+              f"{bpt:,} KV bytes per token; engine start "
+              f"{', '.join(str(round(r['startup_s'])) for r in results)} s; wall time {wall:.0f} s; "
+              f"code: {code}.\n")
         print(markdown_table(rows, bpt))
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

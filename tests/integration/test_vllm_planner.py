@@ -414,3 +414,12 @@ def test_worker_refuses_a_cache_of_another_geometry(daemon: DaemonProcess) -> No
     w = KvtierWorker(IDENTITY, cfg_for(daemon))
     with pytest.raises(ValueError, match="kv_cache"):
         w.register(bad)
+
+
+def test_the_session_opens_before_the_first_request(daemon: DaemonProcess) -> None:
+    p, backend = make_planner(daemon)
+    deadline = time.monotonic() + 5
+    while p.pending_lookups() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert backend._client is not None and backend.client.connected  # warmed up, no request yet
+    p.close()

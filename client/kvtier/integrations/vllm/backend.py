@@ -1,7 +1,8 @@
 """The daemon as the connector's scheduler half sees it: hash, pinned lookup, release.
 
 ``DaemonBackend`` runs on the planner's lookup thread only (never the scheduler thread). It opens
-its ``kvtier.Client`` on first use, so building the connector never waits for the daemon; a daemon
+its ``kvtier.Client`` on the lookup thread's first task (``warmup``), so building the connector
+never waits for the daemon and the first request does not pay for the session; a daemon
 that is away answers every lookup as a miss at once (the client's breaker), and pins of a daemon
 that restarted are already gone.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
-from kvtier.integrations.vllm.config import ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.planner import LookupOutcome, Pin
 
 
@@ -40,6 +41,11 @@ class DaemonBackend:
             h = self.client.register(self.identity.namespace(variant, tp_rank))
             self._handles[(variant, tp_rank)] = h
         return h
+
+    def warmup(self) -> None:
+        """Open the session and register the base namespaces before the first request."""
+        for r in range(self.identity.tp_size):
+            self.handle(BASE, r)
 
     def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
         """Keys of every tp slice, then one pinned lookup per slice; the hit is the shortest."""

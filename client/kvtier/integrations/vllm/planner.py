@@ -79,6 +79,9 @@ class Backend(Protocol):
 
     def release(self, pins: Sequence[Pin]) -> None: ...
 
+    def warmup(self) -> None:
+        """Connect and register ahead of the first request (the lookup thread's first task)."""
+
     def close(self) -> None: ...
 
 
@@ -364,11 +367,12 @@ class _LookupThread:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._cond = threading.Condition()
-        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin]] = deque()
+        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin] | str] = deque()
         self._results: dict[str, tuple[int, LookupOutcome]] = {}
         self._forgotten: set[str] = set()
         self._busy = False
         self._closed = False
+        self._tasks.append("warmup")  # the first lookup must not pay for opening the session
         self._thread = threading.Thread(target=self._run, name="kvtier-lookup", daemon=True)
         self._thread.start()
 
@@ -425,6 +429,11 @@ class _LookupThread:
             try:
                 if isinstance(task, list):
                     self._backend.release(task)
+                    continue
+                if isinstance(task, str):
+                    warmup = getattr(self._backend, "warmup", None)
+                    if warmup is not None:
+                        warmup()
                     continue
                 req_id, gen, variant, tokens = task
                 outcome = self._backend.lookup(variant, tokens)
