@@ -11,12 +11,12 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
     w.close()
 
 Loads are synchronous on the engine thread, one batched ``get_blocks`` per namespace variant
-(one gather-free scatter per batch); a miss, a timeout or a daemon that is away fails those block
+(over shm, scatter kernels read straight from the pinned slots); a miss, a timeout or a daemon that is away fails those block
 ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``). Stores run on one
-``kvtier-store`` thread: it gathers the job's engine blocks into a staging tensor (one kernel),
-marks the job *read* (which is all the fence waits for) and then puts the staged bytes; on CUDA
-the gather first waits for an event recorded on the engine's stream in ``submit_stores``. When
-``max_queued_stores`` jobs wait already, a new job is dropped and counted (never blocks the engine).
+``kvtier-store`` thread: one ``put_blocks`` per job (over shm the gather kernel writes straight
+into the reserved arena slots, ``kvtier.direct``), then the job is marked *read*, which is what
+the fence waits for; on CUDA the gather first waits for an event recorded on the engine's stream
+in ``submit_stores``. When ``max_queued_stores`` jobs wait already, a new job is dropped and counted (never blocks the engine).
 
 Ownership: the engine owns the KV tensors; this object owns two ``kvtier.Client`` sessions (loads,
 stores: a long store transfer never delays a load), the store thread and its queue. Thread-safety:
@@ -211,20 +211,16 @@ class KvtierWorker:
             stored = present = dropped = 0
             try:
                 keys = job.keys[self.tp_rank]
-                staging = layout.staging(len(keys))
                 try:
                     if forward_done is not None:  # CUDA: read only what the forward wrote
                         import torch
 
-                        stream = torch.cuda.current_stream(layout.device)
-                        stream.wait_event(forward_done)
-                        layout.gather(job.block_ids, staging)
-                        stream.synchronize()
-                    else:
-                        layout.gather(job.block_ids, staging)
+                        torch.cuda.current_stream(layout.device).wait_event(forward_done)
+                    # over shm: one gather straight into the reserved arena slots
+                    result = self._handle("store", job.variant).put_blocks(keys, layout,
+                                                                          job.block_ids)
                 finally:
                     self._read_done(job.job_id)  # engine blocks may be reused from here on
-                result = self._handle("store", job.variant).put(keys, list(staging))
                 stored, present = result.stored, result.already_present
                 dropped = result.dropped + result.rejected
             except Exception as e:  # a failed store is a future miss, never an engine error
