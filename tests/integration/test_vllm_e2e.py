@@ -6,7 +6,8 @@ only, dummy weights, 128-token CPU blocks); the daemon is a real ``kvtier serve`
 * engine A stores P and Q; a new engine B gets them as external hits with identical outputs,
   and the daemon's own Stats count exactly the bytes B loaded;
 * another cache salt, LoRA adapter or model revision: zero hits;
-* the daemon killed before an engine starts and killed mid-run: every request is served.
+* the daemon killed before an engine starts, killed mid-run, and hung (SIGSTOP): every request
+  is served, within the deadlines.
 
 The vLLM environment is found at ``$KVTIER_VLLM_PYTHON`` (set by ``make test``) or
 ``.venv-vllm/bin/python``; without it these tests fail (run ``make vllm-env``) unless
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -288,5 +290,20 @@ def test_daemon_down_and_killed_mid_run_never_fails_a_request(
         out = eng.generate([P, R])
         assert out["outputs"][0] == engine_a["outputs"][0]
         assert time.monotonic() - t0 < 60
+        # a hung daemon (SIGSTOP: sockets open, no answers): bounded by the deadlines, not hung
+        d3 = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
+        time.sleep(2.5)
+        eng.generate([P])  # reconnected to the new, empty daemon: P is stored again
+        assert wait_resident(d3, 3) == 3
+        assert d3.proc is not None
+        d3.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            out = eng.generate([P, Q, R], timeout_s=60)
+            assert out["outputs"][:2] == engine_a["outputs"]
+            assert time.monotonic() - t0 < 20  # lookup 0.5 s, RPC deadlines 1 s, then the breaker
+        finally:
+            d3.proc.send_signal(signal.SIGCONT)
+            d3.kill()
     finally:
         eng.close()
