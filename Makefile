@@ -42,6 +42,7 @@ serve: $(STAMP)
 	$(BIN)/kvtier serve
 
 test: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/ruff check client server tests scripts
 	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -ra
 
 check: lint types test

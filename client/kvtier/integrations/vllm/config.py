@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,9 +143,6 @@ class EngineIdentity:
             tp_rank=tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
             adapter_id=variant.adapter_id, adapter_revision=variant.adapter_revision,
             cache_salt=variant.cache_salt, tenant=self.tenant)
-
-    def with_pp_rank(self, pp_rank: int) -> EngineIdentity:
-        return replace(self, pp_rank=pp_rank)
 
 
 def resolve_model_revision(configured: str | None, engine_revision: str | None,

@@ -170,7 +170,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.planner is not None
-        if request.request_id not in self.planner._reqs:
+        if not self.planner.knows(request.request_id):  # a request vLLM did not announce
             self.on_new_request(request)
         return self.planner.num_new_matched(request.request_id, num_computed_tokens,
                                             request.num_tokens)

@@ -191,6 +191,9 @@ class Planner:
         self._reqs[info.req_id] = st
         self._submit(st)
 
+    def knows(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
     def num_new_matched(self, req_id: str, num_local_tokens: int, num_tokens: int
                         ) -> tuple[int | None, bool]:
         """Tokens loadable beyond the engine's ``num_local_tokens`` (block-aligned): None while

@@ -11,12 +11,13 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
     w.close()
 
 Loads are synchronous on the engine thread, one batched ``get_blocks`` per namespace variant
-(over shm, scatter kernels read straight from the pinned slots); a miss, a timeout or a daemon that is away fails those block
-ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``). Stores run on one
-``kvtier-store`` thread: one ``put_blocks`` per job (over shm the gather kernel writes straight
-into the reserved arena slots, ``kvtier.direct``), then the job is marked *read*, which is what
-the fence waits for; on CUDA the gather first waits for an event recorded on the engine's stream
-in ``submit_stores``. When ``max_queued_stores`` jobs wait already, a new job is dropped and counted (never blocks the engine).
+(over shm, scatter kernels read straight from the pinned slots); a miss, a timeout or a daemon
+that is away fails those block ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``).
+Stores run on one ``kvtier-store`` thread: one ``put_blocks`` per job (over shm the gather kernel
+writes straight into the reserved arena slots, ``kvtier.direct``), then the job is marked *read*,
+which is what the fence waits for; on CUDA the gather first waits for an event recorded on the
+engine's stream in ``submit_stores``. When ``max_queued_stores`` jobs wait already, a new job is
+dropped and counted (never blocks the engine).
 
 Ownership: the engine owns the KV tensors; this object owns two ``kvtier.Client`` sessions (loads,
 stores: a long store transfer never delays a load), the store thread and its queue. Thread-safety:
