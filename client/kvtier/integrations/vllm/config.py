@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -134,15 +134,9 @@ class EngineIdentity:
     tenant: str | None = None
 
     def namespace(self, variant: Variant = BASE, tp_rank: int = 0) -> Namespace:
-        """The namespace of one tensor-parallel slice for requests of ``variant``."""
-        return Namespace(
-            model_id=self.model_id, model_revision=self.model_revision,
-            tokenizer_digest=self.tokenizer_digest, kv_dtype=self.kv_dtype, layout=self.layout,
-            tokens_per_block=self.tokens_per_block, num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, tp_size=self.tp_size,
-            tp_rank=tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
-            adapter_id=variant.adapter_id, adapter_revision=variant.adapter_revision,
-            cache_salt=variant.cache_salt, tenant=self.tenant)
+        """The namespace of one tensor-parallel slice for requests of ``variant`` (the fields of
+        both classes are Namespace fields of the same names)."""
+        return Namespace(**asdict(self), **asdict(variant), tp_rank=tp_rank)
 
 
 def resolve_model_revision(configured: str | None, engine_revision: str | None,
