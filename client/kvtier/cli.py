@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eviction-policy", choices=["lru", "arc"])
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
+    s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
+                   help="offer the cuda_ipc transport (needs cupy and a GPU)")
     s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
     s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB")
     s.add_argument("--io-align", dest="io_align_bytes", type=_size,
@@ -103,7 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy)
+            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
+            cuda_ipc=args.cuda_ipc)
     except (ValueError, OSError) as e:
         print(f"kvtier serve: configuration error: {e}", file=sys.stderr)
         return 2

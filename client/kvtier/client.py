@@ -42,7 +42,9 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-TransportName = Literal["shm", "tcp"]
+TransportName = Literal["shm", "tcp", "cuda_ipc"]
+_TRANSPORT_NAMES = ("shm", "tcp", "cuda_ipc")
+_MAPPED = ("shm", "cuda_ipc")  # transports that map the arena (direct put_blocks/get_blocks)
 _DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 
@@ -122,8 +124,9 @@ class Client:
                  lease_ttl_s: float = 10.0, client_name: str = "", heartbeat: bool = True,
                  backoff_s: tuple[float, float] = (0.05, 2.0), tenant_key: bytes | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if transport not in ("shm", "tcp"):
-            raise errors.InvalidArgument(f"unknown transport {transport!r}", field="transport")
+        if transport not in _TRANSPORT_NAMES:
+            raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
+                                         f"{', '.join(_TRANSPORT_NAMES)})", field="transport")
         self.address = address_target(address)
         self.transport_name = transport
         self.timeout_s = timeout_s
@@ -263,6 +266,7 @@ class Client:
             self.counters.reconnects += 1
         self._session_id, self._epoch = reply.session_id, reply.boot_epoch
         self._max_batch = max(1, reply.max_batch_blocks)
+        transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
         for handle in self._namespaces:
             self._register(handle)
@@ -336,6 +340,14 @@ class Client:
         with self._conn_lock:
             self._disconnect(keep_channel=True)
             self._retry_at = 0.0
+
+    def _transfer_rpc(self, method: str, request: Any) -> Any:
+        """A control RPC made by the data transport inside a transfer (cuda_ipc): no
+        reconnect (the job belongs to this session); a daemon away is a TransportError."""
+        try:
+            return self._call(method, request, reconnect=False)
+        except _Away as e:
+            raise errors.TransportError(f"{method}: {e}") from None
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(max(0.05, self.lease_ttl_s / 3)):
@@ -424,29 +436,38 @@ class Client:
 
     def _put_blocks(self, handle: NamespaceHandle, keys: Sequence[bytes], layout: Any,
                     block_ids: Sequence[int]) -> PutResult:
-        """put_blocks over shm: gather straight into the reserved slots (kvtier.direct)."""
+        """put_blocks over a mapped arena: gather straight into the reserved slots
+        (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
         def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
             mover = self._data().mover(layout.device)  # type: ignore[attr-defined]
-            mover.store(layout, [block_ids[base + i] for i in idx], offsets)
+            mover.store(layout, [block_ids[base + i] for i in idx], offsets, job_id)
 
-        return self._put_keys(handle, keys, write)
+        return self._put_keys(handle, keys, write, self._blocks_transport(layout))
+
+    def _blocks_transport(self, layout: Any) -> int:
+        """The transport value of a put_blocks/get_blocks job: cuda_ipc only for CUDA layouts
+        on a cuda_ipc session (CPU layouts move over the mapped arena like shm)."""
+        if self.transport_name == "cuda_ipc" and getattr(layout.device, "type", "") == "cuda":
+            return int(pb.TRANSPORT_CUDA_IPC)
+        return make_transport_value(self.transport_name)
 
     def _put_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
-                  write: Callable[[int, int, list[int], list[int]], None]) -> PutResult:
+                  write: Callable[[int, int, list[int], list[int]], None],
+                  tp: int = 0) -> PutResult:
         packed = _pack_keys(keys)
         result = PutResult()
         for start in self._batches(len(keys)):
             end = min(start + self._max_batch, len(keys))
             try:
-                result += self._put_batch(handle, packed[start * 32 : end * 32], start, write)
+                result += self._put_batch(handle, packed[start * 32 : end * 32], start, write,
+                                          tp or make_transport_value(self.transport_name))
             except _Away:
                 result.dropped += end - start
                 self.counters.puts_dropped += end - start
         return result
 
     def _put_batch(self, handle: NamespaceHandle, packed: bytes, base: int,
-                   write: Callable[[int, int, list[int], list[int]], None]) -> PutResult:
-        tp = make_transport_value(self.transport_name)
+                   write: Callable[[int, int, list[int], list[int]], None], tp: int) -> PutResult:
         prep = self._call("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=handle.namespace_id, keys=packed, transport=tp))
         status = prep.status
@@ -492,31 +513,33 @@ class Client:
 
     def _get_blocks(self, handle: NamespaceHandle, keys: Sequence[bytes], layout: Any,
                     block_ids: Sequence[int]) -> list[bool]:
-        """get_blocks over shm: scatter straight from the pinned slots (kvtier.direct)."""
+        """get_blocks over a mapped arena: scatter straight from the pinned slots
+        (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
         def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
             mover = self._data().mover(layout.device)  # type: ignore[attr-defined]
-            mover.load(layout, [block_ids[base + i] for i in idx], offsets)
+            mover.load(layout, [block_ids[base + i] for i in idx], offsets, job_id)
 
-        return self._get_keys(handle, keys, read)
+        return self._get_keys(handle, keys, read, self._blocks_transport(layout))
 
     def _get_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
-                  read: Callable[[int, int, list[int], list[int]], None]) -> list[bool]:
+                  read: Callable[[int, int, list[int], list[int]], None],
+                  tp: int = 0) -> list[bool]:
         packed = _pack_keys(keys)
         found = [False] * len(keys)
         try:
             for start in self._batches(len(keys)):
                 end = min(start + self._max_batch, len(keys))
-                self._get_batch(handle, packed[start * 32 : end * 32], found, start, read)
+                self._get_batch(handle, packed[start * 32 : end * 32], found, start, read,
+                                tp or make_transport_value(self.transport_name))
         except _Away:
             self.counters.gets_failed += 1
             return [False] * len(keys)
         return found
 
     def _get_batch(self, handle: NamespaceHandle, packed: bytes, found: list[bool], base: int,
-                   read: Callable[[int, int, list[int], list[int]], None]) -> None:
+                   read: Callable[[int, int, list[int], list[int]], None], tp: int) -> None:
         prep = self._call("PrepareLoad", pb.PrepareLoadRequest(
-            namespace_id=handle.namespace_id, keys=packed,
-            transport=make_transport_value(self.transport_name)))
+            namespace_id=handle.namespace_id, keys=packed, transport=tp))
         if not prep.job_id:
             return
         idx = [i for i in range(len(packed) // 32) if prep.found[i]]
@@ -557,7 +580,8 @@ def _grpc_host(address: str) -> str:
 
 
 def make_transport_value(name: str) -> int:
-    return int(pb.TRANSPORT_SHM if name == "shm" else pb.TRANSPORT_TCP)
+    """The transport of a job moving host buffers (a cuda_ipc session moves those over shm)."""
+    return int(pb.TRANSPORT_TCP if name == "tcp" else pb.TRANSPORT_SHM)
 
 
 def _pack_keys(keys: Sequence[bytes]) -> bytes:
@@ -614,7 +638,7 @@ class NamespaceHandle:
     def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> PutResult:
         """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
         ``keys``: one gather kernel into a staging tensor, then one batched put."""
-        if self.client.transport_name == "shm":
+        if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return self.client._put_blocks(self, keys, layout, block_ids)
         staging = self._staging(layout, keys, block_ids)
@@ -624,7 +648,7 @@ class NamespaceHandle:
     def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> list[bool]:
         """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
         kernel); blocks not found are left untouched. Returns which were loaded."""
-        if self.client.transport_name == "shm":
+        if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return self.client._get_blocks(self, keys, layout, block_ids)
         staging = self._staging(layout, keys, block_ids)

@@ -85,9 +85,11 @@ class ArenaMover:
 
     # -- moves --------------------------------------------------------------------------------
 
-    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
+              job_id: int = 0) -> None:
         """Engine blocks ``block_ids[i]`` -> the slot at ``offsets[i]``; returns once the arena
-        holds the bytes (the daemon may then publish them)."""
+        holds the bytes (the daemon may then publish them). ``job_id`` is unused here (the
+        cuda_ipc mover names the job to the daemon)."""
         bb = layout.block_bytes
         self._check(offsets, bb)
         if self.stream is None:
@@ -106,7 +108,8 @@ class ArenaMover:
         staging.record_stream(self.stream)
         done.synchronize()
 
-    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
+             job_id: int = 0) -> None:
         """The slot at ``offsets[i]`` -> engine block ``block_ids[i]``; the arena has been read
         when this returns (the caller may then unpin)."""
         bb = layout.block_bytes

@@ -64,6 +64,13 @@ class TransportError(KvtierError):
     code_name = "UNAVAILABLE"
 
 
+class Aborted(KvtierError):
+    """A transfer failed on the daemon's side (a CUDA error in a cuda_ipc copy): that job was
+    aborted (store entries freed, load pins released), nothing else."""
+
+    code_name = "ABORTED"
+
+
 class Internal(KvtierError):
     """A bug: an invariant was violated. Logged with a traceback by the daemon."""
 
@@ -81,6 +88,7 @@ GRPC_STATUS: dict[type[KvtierError], str] = {
         PermissionDenied,
         Unavailable,
         TransportError,
+        Aborted,
         Internal,
     )
 }
@@ -93,6 +101,7 @@ _BY_CODE: dict[str, type[KvtierError]] = {
     "PERMISSION_DENIED": PermissionDenied,
     "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": Unavailable,
+    "ABORTED": Aborted,
     "INTERNAL": Internal,
 }
 

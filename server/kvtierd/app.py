@@ -37,10 +37,11 @@ from kvtierd.index import Entry
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy
 from kvtierd.service import KvtierService
-from kvtierd.sessions import SessionTable
+from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiering import NvmeBridge
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
+from kvtierd.transports.cuda_ipc import CudaDriver, CudaIpcCopier, CudaUnavailable
 from kvtierd.transports.shm import ShmFdServer
 from kvtierd.transports.tcp import DataChannelServer
 
@@ -52,7 +53,7 @@ NVME_HEALTH_NAME = "kvtier.nvme"  # NOT_SERVING while the NVMe tier is degraded
 class Daemon:
     """Owns every component; the event loop that runs ``start`` owns all cache state."""
 
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, *, cuda_driver: CudaDriver | None = None) -> None:
         self.cfg = cfg
         self.boot_epoch = time.time_ns()
         slabs = cfg.host_bytes // cfg.slab_bytes
@@ -68,13 +69,21 @@ class Daemon:
                                  policy_name=cfg.eviction_policy)
         if cfg.disk_dir:
             self.cache.bridge = _nvme_bridge(cfg, self.cache)
+        # cuda_ipc: CUDA (cupy) only when enabled; the arena is page-locked in start().
+        self.cuda: CudaIpcCopier | None = None
+        if cfg.cuda_ipc or cuda_driver is not None:
+            if cuda_driver is None:
+                from kvtierd.transports.cuda_ipc import CupyDriver
+
+                cuda_driver = CupyDriver()
+            self.cuda = CudaIpcCopier(self.arena, cuda_driver)
         self.sessions = SessionTable(
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
-            on_release=self.cache.release_session)
+            on_release=self._release_session)
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
-                                     advertise=self._advertise)
+                                     advertise=self._advertise, cuda=self.cuda)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.shm: ShmFdServer | None = None
@@ -84,6 +93,11 @@ class Daemon:
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._nvme_serving: bool | None = None
+
+    def _release_session(self, session: Session) -> None:
+        self.cache.release_session(session)
+        if self.cuda is not None:
+            self.cuda.release_session(session.id)
 
     def _advertise(self) -> dict[str, Any]:
         return {
@@ -99,6 +113,8 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        if self.cuda is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.cuda.start)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_KvtierServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -200,6 +216,8 @@ class Daemon:
             if part is not None:
                 part.close()
         self.sessions.close_all()
+        if self.cuda is not None:
+            self.cuda.close()  # unregister before the arena is unmapped
         self.arena.close()
         if self.cfg.socket_path:
             with contextlib.suppress(FileNotFoundError):
@@ -237,7 +255,8 @@ async def _main(cfg: DaemonConfig) -> None:
         loop.add_signal_handler(sig, on_signal)
     await daemon.start()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
-             "host_bytes": daemon.arena.size, "eviction_policy": cfg.eviction_policy}
+             "host_bytes": daemon.arena.size, "eviction_policy": cfg.eviction_policy,
+             "cuda_ipc": daemon.cuda is not None}
     print("KVTIERD_READY " + json.dumps(ready), flush=True)
     log.info("kvtierd ready: %s", ready)
     await daemon.wait_stopped()
@@ -250,11 +269,15 @@ def run(cfg: DaemonConfig) -> None:
     logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        import uvloop
-
-        uvloop.run(_main(cfg))
-    except ImportError:
-        asyncio.run(_main(cfg))
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(_main(cfg))
+        else:
+            uvloop.run(_main(cfg))
+    except CudaUnavailable as e:
+        print(f"kvtierd: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:

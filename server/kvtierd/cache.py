@@ -47,7 +47,10 @@ _HOST_TIERS = bytes([pb.TIER_HOST]) * 4096
 
 if TYPE_CHECKING:
     from kvtierd.tiering import NvmeBridge
-_TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "shm"}
+_TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp",
+                    pb.TRANSPORT_CUDA_IPC: "cuda_ipc"}
+# Transports whose bytes the daemon moves itself: a store commits only what arrived.
+_DAEMON_MOVED = frozenset({pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC})
 
 
 @dataclass(eq=False)
@@ -57,7 +60,7 @@ class StoreJob:
     ns: NamespaceState
     transport: int
     items: dict[int, Entry]  # key index in the request -> reserved entry
-    received: set[int] = field(default_factory=set)  # tcp: key indexes whose bytes arrived
+    received: set[int] = field(default_factory=set)  # tcp, cuda_ipc: keys whose bytes arrived
 
 
 @dataclass(eq=False)
@@ -246,8 +249,8 @@ class TieredCache:
         ns, c = job.ns, job.ns.counters
         for n, (i, e) in enumerate(sorted(job.items.items())):
             good = ok and (item_ok[n] if item_ok else True)
-            if job.transport == pb.TRANSPORT_TCP and i not in job.received:
-                good = False  # bytes never arrived on the data channel
+            if job.transport in _DAEMON_MOVED and i not in job.received:
+                good = False  # the daemon never received these bytes
             if good:
                 e.state = EntryState.READY
                 e.job = 0
@@ -387,6 +390,33 @@ class TieredCache:
             raise NotFound(f"no load job {job_id} for this session", field="job_id")
         nb = job.ns.block_bytes
         return [(i, self.host.arena.slot(e.offset, nb)) for i, e in sorted(job.items.items())]
+
+    def copy_job(self, session: Session, job_id: int) -> StoreJob | LoadJob:
+        """A live job of ``session`` prepared for the cuda_ipc transport (CudaCopy)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
+        if job.session_id != session.id:
+            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
+        if job.transport != pb.TRANSPORT_CUDA_IPC:
+            name = _TRANSPORT_NAMES.get(job.transport, str(job.transport))
+            raise FailedPrecondition(f"job {job_id} was prepared for transport {name}, not "
+                                     "cuda_ipc", field="job_id")
+        return job
+
+    def mark_copied(self, job: StoreJob | LoadJob) -> None:
+        """A CudaCopy moved every block of a store job into its slots (if still live)."""
+        if isinstance(job, StoreJob) and self._jobs.get(job.id) is job:
+            job.received.update(job.items)
+
+    def abort_job(self, session: Session, job: StoreJob | LoadJob) -> None:
+        """Its transfer failed: free a store's entries, unpin a load's (if still live)."""
+        if self._jobs.get(job.id) is not job:
+            return
+        if isinstance(job, StoreJob):
+            self.complete_store(session, job.id, ok=False)
+        else:
+            self._finish_load(session, job)
 
     # -- figures ----------------------------------------------------------------------------------
 

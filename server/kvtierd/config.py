@@ -48,6 +48,10 @@ class DaemonConfig:
     """TCP data channel HOST:PORT (port 0 picks a free port; advertised in OpenSession)."""
     shm_enabled: bool = True
     """Hand the arena fd to same-host clients (the shm transport)."""
+    cuda_ipc: bool = False
+    """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
+    copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;
+    the arena is page-locked at start. Off: the daemon never touches CUDA."""
     metrics_host: str = "127.0.0.1"
     """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts)."""
     metrics_port: int = 9464

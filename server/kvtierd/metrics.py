@@ -45,6 +45,10 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
                      {"transport": "tcp", "direction": "in"}),
     "bytes_out_tcp": ("kvtier_transfer_bytes_total", "Payload bytes moved",
                       {"transport": "tcp", "direction": "out"}),
+    "bytes_in_cuda_ipc": ("kvtier_transfer_bytes_total", "Payload bytes moved",
+                          {"transport": "cuda_ipc", "direction": "in"}),
+    "bytes_out_cuda_ipc": ("kvtier_transfer_bytes_total", "Payload bytes moved",
+                           {"transport": "cuda_ipc", "direction": "out"}),
     "resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "host"}),
     "resident_bytes": ("kvtier_resident_bytes", "Payload bytes resident", {"tier": "host"}),
     "nvme_resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "nvme"}),
@@ -95,6 +99,16 @@ class KvtierCollector:
                     value=nv["recovery_seconds"])
             yield g("kvtier_nvme_recovered_blocks", "Blocks the last recovery restored",
                     value=nv["recovered_blocks"])
+        cu = snap["cuda_ipc"]
+        if cu["enabled"]:
+            yield g("kvtier_cuda_ipc_buffers", "Client CUDA buffers opened by the daemon",
+                    value=cu["buffers"])
+            yield CounterMetricFamily("kvtier_cuda_ipc_copies_total",
+                                      "cudaMemcpyAsync calls of cuda_ipc transfers",
+                                      value=cu["copies"])
+            yield CounterMetricFamily("kvtier_cuda_ipc_copy_errors_total",
+                                      "cuda_ipc transfers failed by a CUDA error (job aborted)",
+                                      value=cu["copy_errors"])
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",

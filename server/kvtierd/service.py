@@ -16,17 +16,26 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtier.errors import GRPC_STATUS, InvalidArgument, KvtierError, ResourceExhausted, Unavailable
+from kvtier.errors import (
+    GRPC_STATUS,
+    FailedPrecondition,
+    InvalidArgument,
+    KvtierError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvtier.identity import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtierd.cache import TieredCache
+from kvtierd.cache import LoadJob, TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
+from kvtierd.transports.cuda_ipc import CudaIpcCopier
 
 log = logging.getLogger("kvtierd.service")
 KEY_BYTES = 32
-_TRANSPORTS = frozenset({pb.TRANSPORT_SHM, pb.TRANSPORT_TCP})
+_TRANSPORTS = frozenset({pb.TRANSPORT_SHM, pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC})
 _OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
 _SPEC_FIELDS = tuple(f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields)
 
@@ -85,8 +94,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     """The control plane. Owns nothing but its latency histograms; event-loop thread only."""
 
     def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
-                 max_batch_blocks: int, advertise: Callable[[], dict[str, Any]]) -> None:
+                 max_batch_blocks: int, advertise: Callable[[], dict[str, Any]],
+                 cuda: CudaIpcCopier | None = None) -> None:
         self.cache = cache
+        self.cuda = cuda  # the cuda_ipc copier; None when cuda_ipc = false
         self.sessions = sessions
         self.boot_epoch = boot_epoch
         self.max_batch = max_batch_blocks
@@ -95,6 +106,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.draining = False
         self.latency: dict[str, LatencyHistogram] = {}
         self.errors: dict[str, int] = {}
+        self._copying: set[int] = set()  # jobs with a CudaCopy in flight
 
     @_rpc
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context: Any) -> Any:
@@ -112,6 +124,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             raise Unavailable("daemon is draining")
         if request.transport not in _TRANSPORTS | {pb.TRANSPORT_UNSPECIFIED}:
             raise InvalidArgument(f"unsupported transport {request.transport}", field="transport")
+        self._transport(request.transport or pb.TRANSPORT_SHM)
         s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0,
                                request.transport or pb.TRANSPORT_SHM)
         adv = self.advertise()
@@ -162,9 +175,61 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def _transport(self, value: int) -> int:
         if value not in _TRANSPORTS:
-            raise InvalidArgument(f"must be TRANSPORT_SHM or TRANSPORT_TCP, got {value}",
-                                  field="transport")
+            raise InvalidArgument(f"must be TRANSPORT_SHM, TRANSPORT_TCP or TRANSPORT_CUDA_IPC, "
+                                  f"got {value}", field="transport")
+        if value == pb.TRANSPORT_CUDA_IPC and self.cuda is None:
+            raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
+                                     "cuda_ipc = true)", field="transport")
         return value
+
+    def _copier(self) -> CudaIpcCopier:
+        if self.cuda is None:
+            raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
+                                     "cuda_ipc = true)", field="transport")
+        return self.cuda
+
+    @_rpc
+    async def RegisterCudaBuffer(self, request: pb.RegisterCudaBufferRequest, context: Any) -> Any:
+        cuda = self._copier()
+        s = self.sessions.get(request.session_id)
+        buf = await cuda.register(s.id, request.device_uuid, request.ipc_handle,
+                                  request.handle_offset, request.buffer_bytes)
+        if s.released:  # the lease lapsed while the handle was being opened
+            cuda.release(s.id, buf.id)
+            raise NotFound(f"session {s.id} expired or closed", field="session_id")
+        return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buf.id)
+
+    @_rpc
+    async def ReleaseCudaBuffer(self, request: pb.ReleaseCudaBufferRequest, context: Any) -> Any:
+        cuda = self._copier()
+        s = self.sessions.get(request.session_id)
+        cuda.release(s.id, request.buffer_id)
+        return pb.ReleaseCudaBufferReply(boot_epoch=self.boot_epoch)
+
+    @_rpc
+    async def CudaCopy(self, request: pb.CudaCopyRequest, context: Any) -> Any:
+        cuda = self._copier()
+        s = self.sessions.get(request.session_id)
+        job = self.cache.copy_job(s, request.job_id)
+        buf = cuda.buffer(s.id, request.buffer_id)
+        if job.id in self._copying:
+            raise FailedPrecondition(f"a CudaCopy for job {job.id} is in flight", field="job_id")
+        keys = sorted(job.items)
+        bb = job.ns.block_bytes
+        plan = cuda.plan(buf, [job.items[i].offset for i in keys], bb,
+                         list(request.buffer_offsets))
+        to_device = isinstance(job, LoadJob)
+        self._copying.add(job.id)
+        try:
+            copies = await cuda.copy(buf, plan, to_device)
+        except KvtierError:
+            self.cache.abort_job(s, job)  # a CUDA error fails this job, nothing else
+            raise
+        finally:
+            self._copying.discard(job.id)
+        self.cache.mark_copied(job)
+        return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies,
+                                bytes=len(keys) * bb)
 
     @_rpc
     async def PrepareStore(self, request: pb.PrepareStoreRequest, context: Any) -> Any:
@@ -229,6 +294,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             limbo_blocks=c.limbo_blocks)
         if c.bridge is not None:
             reply.nvme.CopyFrom(self.nvme_stats())
+        if self.cuda is not None:
+            f = self.cuda.figures
+            reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(
+                enabled=True, devices=len(self.cuda.uuids), buffers=self.cuda.buffers,
+                copies=f.copies, copy_errors=f.copy_errors, bytes_copied=f.bytes_copied))
         for ns in c.namespaces.values():
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,

@@ -42,6 +42,8 @@ class Counters:
     nvme_bytes_written: int = 0
     nvme_resident_blocks: int = 0
     nvme_resident_bytes: int = 0
+    bytes_in_cuda_ipc: int = 0
+    bytes_out_cuda_ipc: int = 0
 
     def add(self, other: Counters) -> None:
         for f in COUNTER_FIELDS:

@@ -140,9 +140,12 @@ for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareS
     case(f"{_method}-unknown-session", _method, _with(session_id=UNKNOWN_SESSION),
          StatusCode.NOT_FOUND, "session_id")
     if _req not in (pb.LookupRequest, pb.PrefetchRequest):
-        for _tp in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_CUDA_IPC, 77):
+        for _tp in (pb.TRANSPORT_UNSPECIFIED, 77):
             case(f"{_method}-transport-{_tp}", _method, _with(transport=_tp),
                  StatusCode.INVALID_ARGUMENT, "transport")
+        # Known, but this daemon runs without cuda_ipc = true.
+        case(f"{_method}-transport-cuda-ipc-disabled", _method,
+             _with(transport=pb.TRANSPORT_CUDA_IPC), StatusCode.FAILED_PRECONDITION, "transport")
 
 for _method, _req in [("Heartbeat", pb.HeartbeatRequest),
                       ("CloseSession", pb.CloseSessionRequest)]:
@@ -160,10 +163,23 @@ case("CompleteStore-unknown-job", "CompleteStore",
 case("CompleteLoad-unknown-job", "CompleteLoad",
      lambda c: pb.CompleteLoadRequest(session_id=c.session_id, job_id=999_999),
      StatusCode.NOT_FOUND, "job_id")
-for _tp in (pb.TRANSPORT_CUDA_IPC, 9):
-    case(f"OpenSession-transport-{_tp}", "OpenSession",
-         lambda c, tp=_tp: pb.OpenSessionRequest(client_name="x", transport=tp),
-         StatusCode.INVALID_ARGUMENT, "transport")
+case("OpenSession-transport-9", "OpenSession",
+     lambda c: pb.OpenSessionRequest(client_name="x", transport=9),
+     StatusCode.INVALID_ARGUMENT, "transport")
+case("OpenSession-transport-cuda-ipc-disabled", "OpenSession",
+     lambda c: pb.OpenSessionRequest(client_name="x", transport=pb.TRANSPORT_CUDA_IPC),
+     StatusCode.FAILED_PRECONDITION, "transport")
+# The cuda_ipc RPCs on a daemon without cuda_ipc = true: refused before anything is read.
+case("RegisterCudaBuffer-disabled", "RegisterCudaBuffer",
+     lambda c: pb.RegisterCudaBufferRequest(session_id=c.session_id, device_uuid=bytes(16),
+                                            ipc_handle=bytes(64), buffer_bytes=1 << 20),
+     StatusCode.FAILED_PRECONDITION, "transport")
+case("CudaCopy-disabled", "CudaCopy",
+     lambda c: pb.CudaCopyRequest(session_id=c.session_id, job_id=1, buffer_id=1),
+     StatusCode.FAILED_PRECONDITION, "transport")
+case("ReleaseCudaBuffer-disabled", "ReleaseCudaBuffer",
+     lambda c: pb.ReleaseCudaBufferRequest(session_id=c.session_id, buffer_id=1),
+     StatusCode.FAILED_PRECONDITION, "transport")
 
 
 @pytest.mark.parametrize(("method", "build", "code", "field"), [c[1:] for c in CASES],

@@ -13,13 +13,18 @@ def make_transport(name: str) -> DataTransport:
         from kvtier.transports.shm import ShmTransport
 
         return ShmTransport()
+    if name == "cuda_ipc":
+        from kvtier.transports.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport()
     if name == "tcp":
         from kvtier.transports.tcp import TcpTransport
 
         return TcpTransport()
     from kvtier.errors import InvalidArgument
 
-    raise InvalidArgument(f"unknown transport {name!r} (expected 'shm' or 'tcp')", field="transport")
+    raise InvalidArgument(f"unknown transport {name!r} (expected 'shm', 'tcp' or 'cuda_ipc')",
+                          field="transport")
 
 
 __all__ = ["DataTransport", "make_transport"]

@@ -36,5 +36,10 @@ class DataTransport(ABC):
     def read(self, job_id: int, items: list[Item]) -> None:
         """Fill each view with its pinned block's bytes."""
 
+    def bind_rpc(self, rpc: Any) -> None:
+        """Receive the session's ``(method, request) -> reply`` call, for transports whose
+        transfers are control RPCs too (cuda_ipc); the others ignore it."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...

@@ -89,6 +89,21 @@ class KvtierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.FromString,
                 _registered_method=True)
+        self.RegisterCudaBuffer = channel.unary_unary(
+                '/kvtier.v1.Kvtier/RegisterCudaBuffer',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferReply.FromString,
+                _registered_method=True)
+        self.ReleaseCudaBuffer = channel.unary_unary(
+                '/kvtier.v1.Kvtier/ReleaseCudaBuffer',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferReply.FromString,
+                _registered_method=True)
+        self.CudaCopy = channel.unary_unary(
+                '/kvtier.v1.Kvtier/CudaCopy',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.FromString,
+                _registered_method=True)
 
 
 class KvtierServicer:
@@ -168,6 +183,29 @@ class KvtierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterCudaBuffer(self, request, context):
+        """cuda_ipc transport (daemon started with cuda_ipc = true; docs/cuda_ipc.md). The client
+        registers a device buffer once by its CUDA IPC handle; CudaCopy then has the daemon copy a
+        job's blocks between that buffer and the job's arena slots on its own CUDA stream and
+        answers once the copies are done. A store job of this transport commits only the blocks a
+        CudaCopy moved; a CUDA error aborts the job (ABORTED) and nothing else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseCudaBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaCopy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvtierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +263,21 @@ def add_KvtierServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.SerializeToString,
+            ),
+            'RegisterCudaBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCudaBuffer,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferReply.SerializeToString,
+            ),
+            'ReleaseCudaBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseCudaBuffer,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferReply.SerializeToString,
+            ),
+            'CudaCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaCopy,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +577,87 @@ class Kvtier:
             '/kvtier.v1.Kvtier/Prefetch',
             kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCudaBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/RegisterCudaBuffer',
+            kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.RegisterCudaBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseCudaBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/ReleaseCudaBuffer',
+            kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReleaseCudaBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/CudaCopy',
+            kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.FromString,
             options,
             channel_credentials,
             insecure,

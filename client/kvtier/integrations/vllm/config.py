@@ -49,7 +49,7 @@ class ConnectorConfig:
     """The ``kv_connector_extra_config`` keys (see docs/vllm.md for each one)."""
 
     address: str = DEFAULT_ADDRESS
-    transport: Literal["shm", "tcp"] = "shm"
+    transport: Literal["shm", "tcp", "cuda_ipc"] = "shm"
     lookup_timeout_ms: int = 300
     request_timeout_ms: int = 1000
     lease_ttl_ms: int = 10000
@@ -86,7 +86,8 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config.{key}", message)
 
         need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
-        need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
+        need(self.transport in ("shm", "tcp", "cuda_ipc"), "transport",
+             "must be 'shm', 'tcp' or 'cuda_ipc'")
         for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps"):
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,

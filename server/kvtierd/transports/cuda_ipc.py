@@ -1,0 +1,361 @@
+"""cuda_ipc transport, daemon side: the daemon copies between clients' CUDA buffers and slots.
+
+Enabled by ``cuda_ipc = true`` (off by default): only then does the daemon import cupy (the
+``kvtier[cuda]`` extra) and create CUDA contexts. Protocol (proto ``RegisterCudaBuffer`` /
+``CudaCopy`` / ``ReleaseCudaBuffer``; docs/cuda_ipc.md)::
+
+    client: RegisterCudaBuffer(device uuid, IPC handle, offset, bytes)   once per buffer
+      -> PrepareStore / PrepareLoad (transport CUDA_IPC)
+      -> CudaCopy(job, buffer, one buffer offset per block)   the daemon copies, then answers
+      -> CompleteStore / CompleteLoad
+
+Lifecycle of a ``CudaIpcCopier``: ``start()`` (registers the arena with CUDA once: page-locked
+and portable, so every copy is DMA) -> ``register`` / ``copy`` / ``release`` /
+``release_session`` -> ``close()`` (closes every handle, unregisters the arena; before the
+arena is unmapped).
+
+Everything a request names is checked on the event loop (lengths, ownership, the job's
+transport, every offset against the buffer's size) before any CUDA call. The CUDA work of one
+device runs on that device's worker thread (an executor of one thread): each batch on the
+device's private stream, one ``cudaMemcpyAsync`` per run of consecutive slots and buffer
+offsets, then the stream is synchronised and the RPC answers. A handle is closed on the same
+thread, after the copies queued before it. One process may open an IPC handle only once, so
+opened handles are shared and counted per (device, handle).
+
+Ownership and concurrency: the copier owns the opened mappings and the buffer table (event-loop
+thread); the driver's calls run on the worker threads only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvtier.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+
+log = logging.getLogger("kvtierd.cuda_ipc")
+UUID_BYTES = 16
+HANDLE_BYTES = 64
+REGISTER_CHUNK = 1 << 30  # cudaHostRegister granularity (one huge registration can fail)
+Move = tuple[int, int, int]  # (destination address, source address, bytes)
+
+
+class CudaUnavailable(RuntimeError):
+    """cuda_ipc = true, but cupy, CUDA or a device is missing: the daemon does not start."""
+
+
+class CudaFailure(Exception):
+    """A CUDA call failed (raised by drivers; becomes ABORTED for the job at hand)."""
+
+
+class CudaDriver(Protocol):
+    """The few CUDA runtime calls the copier makes. Called from worker threads only (one per
+    device; ``register_host``/``unregister_host`` from the first)."""
+
+    def device_uuids(self) -> list[bytes]: ...
+
+    def register_host(self, address: int, nbytes: int) -> None: ...
+
+    def unregister_host(self, address: int) -> None: ...
+
+    def open_handle(self, device: int, handle: bytes) -> int: ...
+
+    def close_handle(self, device: int, address: int) -> None: ...
+
+    def copy(self, device: int, moves: Sequence[Move], to_device: bool) -> None:
+        """Queue every move on the device's stream, then wait for them all."""
+
+
+class CupyDriver:
+    """CudaDriver over cupy's runtime bindings (imported here, never at daemon import)."""
+
+    def __init__(self) -> None:
+        try:
+            from cupy.cuda import runtime
+        except ImportError as e:
+            raise CudaUnavailable("cuda_ipc = true needs cupy: pip install 'kvtier[cuda]' "
+                                  f"({e})") from None
+        self.rt = runtime
+        self._streams: dict[int, int] = {}
+        try:
+            n = runtime.getDeviceCount()
+        except runtime.CUDARuntimeError as e:
+            raise CudaUnavailable(f"cuda_ipc = true but CUDA is not usable: {e}") from None
+        if n < 1:
+            raise CudaUnavailable("cuda_ipc = true but no CUDA device is visible")
+
+    def device_uuids(self) -> list[bytes]:
+        rt = self.rt
+        return [bytes(rt.getDeviceProperties(i)["uuid"]) for i in range(rt.getDeviceCount())]
+
+    def register_host(self, address: int, nbytes: int) -> None:
+        self._run(lambda: self.rt.hostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
+
+    def unregister_host(self, address: int) -> None:
+        self._run(lambda: self.rt.hostUnregister(address))
+
+    def open_handle(self, device: int, handle: bytes) -> int:
+        self._run(lambda: self.rt.setDevice(device))
+        return int(self._run(lambda: self.rt.ipcOpenMemHandle(handle)))
+
+    def close_handle(self, device: int, address: int) -> None:
+        self._run(lambda: self.rt.setDevice(device))
+        self._run(lambda: self.rt.ipcCloseMemHandle(address))
+
+    def copy(self, device: int, moves: Sequence[Move], to_device: bool) -> None:
+        rt = self.rt
+        kind = rt.memcpyHostToDevice if to_device else rt.memcpyDeviceToHost
+
+        def run() -> None:
+            rt.setDevice(device)
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = rt.streamCreateWithFlags(1)  # non-blocking
+            for dst, src, n in moves:
+                rt.memcpyAsync(dst, src, n, kind, stream)
+            rt.streamSynchronize(stream)
+
+        self._run(run)
+
+    def _run(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except self.rt.CUDARuntimeError as e:
+            raise CudaFailure(str(e)) from None
+
+
+@dataclass(eq=False)
+class _Mapping:
+    device: int
+    handle: bytes
+    address: int  # where the opened allocation starts in the daemon
+    refs: int
+
+
+@dataclass(eq=False)
+class CudaBuffer:
+    id: int
+    session_id: int
+    device: int
+    address: int  # the buffer's first byte in the daemon's address space
+    nbytes: int
+    mapping: _Mapping
+    busy: int = 0  # copies in flight
+
+
+@dataclass
+class CopyFigures:
+    copies: int = 0
+    copy_errors: int = 0
+    bytes_copied: int = 0
+
+
+def runs(pairs: Sequence[tuple[int, int]], block_bytes: int) -> list[tuple[int, int, int]]:
+    """``(slot offset, buffer offset)`` per block -> ``(slot offset, buffer offset, bytes)``,
+    merging blocks whose slots and buffer offsets both follow the previous block's."""
+    out: list[tuple[int, int, int]] = []
+    for slot, buf in pairs:
+        if out:
+            s, b, n = out[-1]
+            if slot == s + n and buf == b + n:
+                out[-1] = (s, b, n + block_bytes)
+                continue
+        out.append((slot, buf, block_bytes))
+    return out
+
+
+class CudaIpcCopier:
+    """See the module docstring. Event-loop thread for every public method."""
+
+    def __init__(self, arena: Any, driver: CudaDriver, *, max_buffers_per_session: int = 16,
+                 max_buffer_bytes: int = 1 << 40) -> None:
+        self.arena = arena  # kvtierd.tiers.Arena
+        self.driver = driver
+        self.max_buffers = max_buffers_per_session
+        self.max_buffer_bytes = max_buffer_bytes
+        self.figures = CopyFigures()
+        self.uuids: list[bytes] = []
+        self._base = 0
+        self._registered: list[int] = []
+        self._buffers: dict[int, CudaBuffer] = {}
+        self._mappings: dict[tuple[int, bytes], _Mapping] = {}
+        self._ids = itertools.count(1)
+        self._workers: dict[int, ThreadPoolExecutor] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Learn the devices and page-lock the arena for every CUDA context (blocking: runs
+        before the daemon is ready; pinning a large arena takes a while)."""
+        self.uuids = self.driver.device_uuids()
+        view = self.arena.view
+        c = ctypes.c_char.from_buffer(view)
+        self._base = ctypes.addressof(c)
+        del c  # no export may outlive this call: the arena's mapping must stay closable
+        size = len(view)
+        try:
+            for start in range(0, size, REGISTER_CHUNK):
+                self.driver.register_host(self._base + start, min(REGISTER_CHUNK, size - start))
+                self._registered.append(self._base + start)
+        except CudaFailure as e:
+            self.close()
+            raise CudaUnavailable(f"cuda_ipc: cudaHostRegister of the host arena failed: {e}"
+                                  ) from None
+        log.info("cuda_ipc: %d device(s), arena of %d bytes page-locked", len(self.uuids), size)
+
+    def close(self) -> None:
+        """Close every mapping and unregister the arena (blocking; after the last copy)."""
+        for pool in self._workers.values():
+            pool.shutdown(wait=True)
+        self._workers.clear()
+        for m in self._mappings.values():
+            try:
+                self.driver.close_handle(m.device, m.address)
+            except CudaFailure as e:
+                log.warning("cuda_ipc: closing a handle on device %d: %s", m.device, e)
+        self._mappings.clear()
+        self._buffers.clear()
+        for address in self._registered:
+            try:
+                self.driver.unregister_host(address)
+            except CudaFailure as e:
+                log.warning("cuda_ipc: cudaHostUnregister: %s", e)
+        self._registered = []
+
+    @property
+    def buffers(self) -> int:
+        return len(self._buffers)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def register(self, session_id: int, device_uuid: bytes, handle: bytes,
+                       handle_offset: int, nbytes: int) -> CudaBuffer:
+        if len(device_uuid) != UUID_BYTES:
+            raise InvalidArgument(f"must be {UUID_BYTES} bytes, got {len(device_uuid)}",
+                                  field="device_uuid")
+        if len(handle) != HANDLE_BYTES:
+            raise InvalidArgument(f"must be {HANDLE_BYTES} bytes, got {len(handle)}",
+                                  field="ipc_handle")
+        if not 0 < nbytes <= self.max_buffer_bytes:
+            raise InvalidArgument(f"must be in 1..{self.max_buffer_bytes}, got {nbytes}",
+                                  field="buffer_bytes")
+        if device_uuid not in self.uuids:
+            raise FailedPrecondition(f"no device with UUID {device_uuid.hex()} is visible to the "
+                                     f"daemon ({len(self.uuids)} device(s); check "
+                                     "CUDA_VISIBLE_DEVICES of the daemon)", field="device_uuid")
+        owned = sum(1 for b in self._buffers.values() if b.session_id == session_id)
+        if owned >= self.max_buffers:
+            raise ResourceExhausted(f"session holds {owned} buffers (max {self.max_buffers})",
+                                    field="buffer_id")
+        device = self.uuids.index(device_uuid)
+        key = (device, handle)
+        m = self._mappings.get(key)
+        if m is None:
+            try:
+                address = await self._on(device, self.driver.open_handle, device, handle)
+            except CudaFailure as e:
+                raise FailedPrecondition(f"cudaIpcOpenMemHandle failed: {e}",
+                                         field="ipc_handle") from None
+            m = self._mappings.get(key)  # another registration may have opened it meanwhile
+            if m is None:
+                m = self._mappings[key] = _Mapping(device, handle, address, 0)
+            else:
+                self._on_nowait(device, self.driver.close_handle, device, address)
+        m.refs += 1
+        buf = CudaBuffer(next(self._ids), session_id, device, m.address + handle_offset, nbytes, m)
+        self._buffers[buf.id] = buf
+        return buf
+
+    def release(self, session_id: int, buffer_id: int) -> None:
+        self._drop(self.buffer(session_id, buffer_id))
+
+    def release_session(self, session_id: int) -> None:
+        for buf in [b for b in self._buffers.values() if b.session_id == session_id]:
+            self._drop(buf)
+
+    def buffer(self, session_id: int, buffer_id: int) -> CudaBuffer:
+        buf = self._buffers.get(buffer_id)
+        if buf is None:
+            raise NotFound(f"unknown or released buffer {buffer_id}", field="buffer_id")
+        if buf.session_id != session_id:
+            raise PermissionDenied(f"buffer {buffer_id} belongs to another session",
+                                   field="buffer_id")
+        return buf
+
+    def plan(self, buf: CudaBuffer, slots: Sequence[int], block_bytes: int,
+             buffer_offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Validate one copy (nothing is touched) -> runs of (slot, buffer offset, bytes)."""
+        if len(buffer_offsets) != len(slots):
+            raise InvalidArgument(f"has {len(buffer_offsets)} offsets for the job's "
+                                  f"{len(slots)} blocks", field="buffer_offsets")
+        for off in buffer_offsets:
+            if off + block_bytes > buf.nbytes:
+                raise InvalidArgument(f"block at {off} ends past the {buf.nbytes}-byte buffer",
+                                      field="buffer_offsets")
+        for slot in slots:
+            if slot + block_bytes > self.arena.size:
+                raise FailedPrecondition(f"slot {slot} outside the arena", field="job_id")
+        return runs(list(zip(slots, buffer_offsets, strict=True)), block_bytes)
+
+    async def copy(self, buf: CudaBuffer, plan: Sequence[tuple[int, int, int]],
+                   to_device: bool) -> int:
+        """Run a validated plan; returns the number of copies. Aborted on a CUDA error."""
+        base = self._base
+        if to_device:
+            moves = [(buf.address + b, base + s, n) for s, b, n in plan]
+        else:
+            moves = [(base + s, buf.address + b, n) for s, b, n in plan]
+        buf.busy += 1
+        try:
+            await self._on(buf.device, self.driver.copy, buf.device, moves, to_device)
+        except CudaFailure as e:
+            self.figures.copy_errors += 1
+            raise Aborted(f"CUDA copy on device {buf.device} failed: {e}") from None
+        finally:
+            buf.busy -= 1
+        self.figures.copies += len(moves)
+        self.figures.bytes_copied += sum(n for _, _, n in moves)
+        return len(moves)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _drop(self, buf: CudaBuffer) -> None:
+        del self._buffers[buf.id]
+        m = buf.mapping
+        m.refs -= 1
+        if m.refs == 0:
+            del self._mappings[(m.device, m.handle)]
+            # Queued behind every copy already submitted for this device.
+            self._on_nowait(m.device, self.driver.close_handle, m.device, m.address)
+
+    def _worker(self, device: int) -> ThreadPoolExecutor:
+        pool = self._workers.get(device)
+        if pool is None:
+            pool = self._workers[device] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"kvtier-cuda{device}")
+        return pool
+
+    async def _on(self, device: int, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._worker(device), fn, *args)
+
+    def _on_nowait(self, device: int, fn: Any, *args: Any) -> None:
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except CudaFailure as e:
+                log.warning("cuda_ipc: %s on device %d: %s", fn.__name__, device, e)
+
+        self._worker(device).submit(guarded)
