@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "subdirectory, removed after; default: the temp dir)")
     b.add_argument("--device", default="cuda", help="gpu suite: cuda[:N], or cpu for a dry run")
     b.add_argument("--gpu-blocks", type=int, default=256, help="gpu suite: blocks per transfer")
+    b.add_argument("--gpu-transports", default="shm,cuda_ipc",
+                   help="gpu suite: transports to measure (cuda_ipc needs cupy and CUDA)")
     b.add_argument("--gpu-shape", default="32,8,128,16",
                    help="gpu suite: layers,kv_heads,head_dim,tokens_per_block (Llama-3-8B)")
     return p

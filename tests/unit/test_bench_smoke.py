@@ -180,3 +180,4 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path: Path) -> None:
                                    "shm put_blocks (device->daemon)",
                                    "shm get_blocks (daemon->device)"}
     assert "shm put_blocks" in proc.stdout
+    assert report["notes"] == ["cuda_ipc: skipped, needs a CUDA device"]

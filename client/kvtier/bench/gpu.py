@@ -2,11 +2,18 @@
 
 What it moves (issue 4): ``--gpu-blocks`` (256) blocks of a Llama-3-8B-shaped cache (32 layers,
 8 KV heads, head dim 128, bf16, 16 tokens per block: 64 KiB pages, 2 MiB blocks) in vLLM's LBNHC
-layout, from random block ids of one engine cache into a fresh kvtierd over ``shm``
-(``put_blocks``: gather kernel, DMA into the cudaHostRegister'ed arena) and back into other block
-ids (``get_blocks``: DMA, scatter kernel), byte-checked. The baseline is the same byte count as one
-``copy_`` between a pinned host tensor and a device tensor, each way, measured in the same run and
-interleaved with the kvtier rounds; the best of ``--repeat`` rounds is kept for every figure.
+layout, from random block ids of one engine cache into a fresh kvtierd and back into other block
+ids, byte-checked, over each of ``--gpu-transports`` (default ``shm,cuda_ipc``):
+
+* ``shm``: ``put_blocks`` = gather kernel + DMA by the client into the cudaHostRegister'ed arena;
+  ``get_blocks`` = DMA + scatter kernel.
+* ``cuda_ipc``: the daemon (started with ``--cuda-ipc``) makes the DMA copies between the
+  client's IPC-exported staging buffer and its own page-locked arena; the client runs only the
+  gather/scatter kernels. Skipped with a note when cupy is missing or the device is a CPU.
+
+The baseline is the same byte count as one ``copy_`` between a pinned host tensor and a device
+tensor, each way, measured in the same run and interleaved with the kvtier rounds; the best of
+``--repeat`` rounds is kept for every figure.
 
 ``--device cpu`` runs the same code on CPU tensors (the baseline is then a plain memcpy): the
 smoke test uses it, since CI has no GPU. Targets (docs/benchmarks.md §8): each way >= 45 GB/s and
@@ -16,6 +23,7 @@ smoke test uses it, since CI has no GPU. Targets (docs/benchmarks.md §8): each 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -69,47 +77,41 @@ def bench_gpu(args: argparse.Namespace) -> int:
     import kvtier
     from kvtier.bench.procs import DaemonProc
 
+    transports, notes = _transports(args.gpu_transports, device)
     host_bytes = max(256 << 20, (args.repeat + 2) * nbytes + (64 << 20))
+    exact = True
+    extra = ["--cuda-ipc"] if "cuda_ipc" in transports else []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp, \
-            DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb)) as daemon:
-        client = kvtier.Client.connect(daemon.unix, "shm", timeout_s=60)
-        try:
+            DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb), extra) as daemon, \
+            contextlib.ExitStack() as clients:
+        ops: list[tuple[str, Callable[[], object]]] = [
+            (f"{base} host->device", lambda: dev.copy_(host, non_blocking=True)),
+            (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True))]
+        for t in transports:
+            client = kvtier.Client.connect(daemon.unix, t, timeout_s=60)  # type: ignore[arg-type]
+            clients.callback(client.close)
+            if not client.connected:
+                raise RuntimeError(f"{t}: {client.counters.last_error}")
             ns = client.register(kvtier.Namespace(
                 model_id="bench/llama3-8b-shape", model_revision="bench", tokenizer_digest="none",
                 kv_dtype="bfloat16", layout="vllm.LBNHC", tokens_per_block=tokens,
                 num_layers=layers, num_kv_heads=heads, head_dim=head_dim))
-            keys: list[bytes] = []
-
-            def put() -> None:
-                keys[:] = [os.urandom(32) for _ in range(n)]
-                stored = ns.put_blocks(keys, layout, src).stored
-                if stored != n:
-                    raise RuntimeError(f"put stored {stored} of {n} blocks")
-
-            def get() -> None:
-                if not all(ns.get_blocks(keys, layout, dst)):
-                    raise RuntimeError("get missed blocks it had just stored")
-
-            ops = [(f"{base} host->device", lambda: dev.copy_(host, non_blocking=True)),
-                   (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True)),
-                   ("shm put_blocks (device->daemon)", put),
-                   ("shm get_blocks (daemon->device)", get)]
-            for _name, fn in ops:  # warm-up: registration, allocator, first faults
-                fn()
-                sync()
-            figures.clear()
-            for _ in range(args.repeat):
-                for name, fn in ops:
-                    sample(name, fn)
-            a = torch.empty((n, bb), dtype=torch.uint8, device=device)
-            b = torch.empty((n, bb), dtype=torch.uint8, device=device)
-            layout.gather(src, a)
-            layout.gather(dst, b)
-            exact = bool(torch.equal(a, b))
-        finally:
-            client.close()
+            put, get = _round_trip(ns, layout, src, dst)
+            ops += [(f"{t} put_blocks (device->daemon)", put),
+                    (f"{t} get_blocks (daemon->device)", get)]
+        for _name, fn in ops:  # warm-up: registration, allocator, first faults
+            fn()
+            sync()
+            if _name.endswith("(daemon->device)"):
+                exact = exact and _same_blocks(layout, src, dst)
+                layout.scatter(dst, torch.zeros((n, bb), dtype=torch.uint8, device=device))
+        figures.clear()
+        for _ in range(args.repeat):
+            for name, fn in ops:
+                sample(name, fn)
+        exact = exact and _same_blocks(layout, src, dst)
     best = {k: max(v) for k, v in figures.items()}
-    report = _report(best, device, n, bb, exact, base)
+    report = _report(best, device, n, bb, exact, base, notes)
     print(report["table"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({k: v for k, v in report.items()
@@ -117,10 +119,59 @@ def bench_gpu(args: argparse.Namespace) -> int:
     return 0 if exact else 1
 
 
+def _transports(spec: str, device: Any) -> tuple[list[str], list[str]]:
+    """The transports to measure, and why any asked for is left out."""
+    wanted = [t.strip() for t in spec.split(",") if t.strip()]
+    for t in wanted:
+        if t not in ("shm", "cuda_ipc"):
+            raise SystemExit(f"kvtier bench gpu: --gpu-transports: unknown transport {t!r}")
+    notes: list[str] = []
+    if "cuda_ipc" in wanted:
+        why = ""
+        if device.type != "cuda":
+            why = "needs a CUDA device"
+        else:
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                why = "cupy is not installed (pip install 'kvtier[cuda]')"
+        if why:
+            wanted.remove("cuda_ipc")
+            notes.append(f"cuda_ipc: skipped, {why}")
+    return wanted, notes
+
+
+def _round_trip(ns: Any, layout: Any, src: list[int],
+                dst: list[int]) -> tuple[Callable[[], None], Callable[[], None]]:
+    keys: list[bytes] = []
+
+    def put() -> None:
+        keys[:] = [os.urandom(32) for _ in src]
+        stored = ns.put_blocks(keys, layout, src).stored
+        if stored != len(src):
+            raise RuntimeError(f"put stored {stored} of {len(src)} blocks")
+
+    def get() -> None:
+        if not all(ns.get_blocks(keys, layout, dst)):
+            raise RuntimeError("get missed blocks it had just stored")
+
+    return put, get
+
+
+def _same_blocks(layout: Any, src: list[int], dst: list[int]) -> bool:
+    import torch
+
+    a = torch.empty((len(src), layout.block_bytes), dtype=torch.uint8, device=layout.device)
+    b = torch.empty_like(a)
+    layout.gather(src, a)
+    layout.gather(dst, b)
+    return bool(torch.equal(a, b))
+
+
 def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
-            base: str) -> dict[str, Any]:
-    pairs = {"shm put_blocks (device->daemon)": f"{base} device->host",
-             "shm get_blocks (daemon->device)": f"{base} host->device"}
+            base: str, notes: list[str]) -> dict[str, Any]:
+    pairs = {name: f"{base} device->host" if "(device->daemon)" in name else f"{base} host->device"
+             for name in best if "_blocks (" in name}
     lines = [f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
              f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
              f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target"]
@@ -135,6 +186,6 @@ def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
         ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
         lines.append(f"{name:34} {value:7.2f} {ratio:12.2f}  "
                      f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)")
-    lines.append("cuda_ipc: not built yet (docs/benchmarks.md §8)")
+    lines += notes
     return {"device": str(device), "blocks": n, "block_bytes": bb, "byte_exact": exact,
-            "gbps": best, "ratio_to_pinned": ratios, "table": "\n".join(lines)}
+            "gbps": best, "ratio_to_pinned": ratios, "notes": notes, "table": "\n".join(lines)}

@@ -63,10 +63,11 @@ class DaemonAddresses:
 class DaemonProc(DaemonAddresses):
     """A ``kvtier serve`` subprocess; ``info`` is its KVTIERD_READY line."""
 
-    def __init__(self, run_dir: Path, host_bytes: int, slab_bytes: int) -> None:
+    def __init__(self, run_dir: Path, host_bytes: int, slab_bytes: int,
+                 extra_args: list[str] | None = None) -> None:
         self.run_dir = run_dir
         self.args = ["--host-bytes", str(host_bytes), "--slab-bytes", str(slab_bytes),
-                     "--lease-ttl-s", "60"]
+                     "--lease-ttl-s", "60", *(extra_args or [])]
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
 
