@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.errors import TransportError
+from kvtier.errors import FailedPrecondition, TransportError
 from kvtier.transports.shm import ShmTransport
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -94,14 +94,15 @@ class _Driver:
         err = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
                                           ctypes.c_uint64(address))
         if err:
-            raise TransportError(f"cuda_ipc: cuMemGetAddressRange failed (CUresult {err})")
+            raise FailedPrecondition(f"cuda_ipc: cuMemGetAddressRange failed (CUresult {err})",
+                                     field="transport")
         handle = (ctypes.c_char * 64)()
         err = lib.cuIpcGetMemHandle(ctypes.byref(handle), base)
-        if err:
-            raise TransportError(
+        if err:  # a lasting condition, not a daemon away: fails the batch, no reconnect
+            raise FailedPrecondition(
                 f"cuda_ipc: cuIpcGetMemHandle failed (CUresult {err}); memory from torch's "
                 "expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot "
-                "be exported this way: use transport 'shm'")
+                "be exported this way: use transport 'shm'", field="transport")
         return bytes(handle), address - base.value
 
 
@@ -117,6 +118,7 @@ class IpcMover:
         self.staging: torch.Tensor | None = None
         self.buffer_id = 0
         self._last_use: Any = None  # event after the last kernel reading the staging buffer
+        self._unexportable: FailedPrecondition | None = None  # set once export has failed
 
     def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
               job_id: int) -> None:
@@ -173,8 +175,14 @@ class IpcMover:
         import torch
 
         old = self.buffer_id
+        if self._unexportable is not None:
+            raise self._unexportable
         with torch.cuda.device(self.device):
-            handle, offset = _Driver.export(staging.data_ptr())
+            try:
+                handle, offset = _Driver.export(staging.data_ptr())
+            except FailedPrecondition as e:
+                self._unexportable = e  # every later batch fails at once, without a retry
+                raise
         reply = self._rpc("RegisterCudaBuffer", pb.RegisterCudaBufferRequest(
             device_uuid=self._uuid, ipc_handle=handle, handle_offset=offset,
             buffer_bytes=staging.numel()))
