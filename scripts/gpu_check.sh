@@ -10,11 +10,16 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/client:$PWD/server:$PWD/tests" PYTHONUNBUFFERED=1
+unset PYTORCH_CUDA_ALLOC_CONF  # expandable segments cannot be exported over CUDA IPC
 python -c "import xxhash" 2>/dev/null || pip install -q --no-index --find-links .whl xxhash
 { nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda)";
   python -c "import cupy; print('cupy', cupy.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
-timeout 240 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" \
+timeout 270 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider -o addopts="" \
   2>&1 | tee "$OUT/gpu_tests.log"
-timeout 200 python -m kvtier.cli bench gpu --json "$OUT/bench_gpu.json" \
+tests_rc=${PIPESTATUS[0]}
+timeout 170 python -m kvtier.cli bench gpu --json "$OUT/bench_gpu.json" \
   2>&1 | tee "$OUT/bench_gpu.log"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc, bench rc=$bench_rc" | tee "$OUT/rc.txt"
+exit $(( tests_rc != 0 ? tests_rc : bench_rc ))

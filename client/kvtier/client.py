@@ -24,10 +24,11 @@ batch operations that depend on them read best in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -146,6 +147,7 @@ class Client:
         self._epoch = 0
         self._max_batch = 1024
         self._transport: DataTransport | None = None
+        self._retired: list[DataTransport] = []  # detached during a transfer, closed after it
         self._namespaces: list[NamespaceHandle] = []
         self._closed = False
         self._last_call = 0.0
@@ -304,8 +306,15 @@ class Client:
     def _disconnect(self, keep_channel: bool = False) -> None:
         self._session_id = 0
         if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+            transport, self._transport = self._transport, None
+            # A transfer in flight on another thread (or this one: cuda_ipc makes RPCs inside a
+            # transfer) may still use the mapping: it closes the transport when it ends.
+            self._retired.append(transport)
+            if self._data_lock.acquire(blocking=False):
+                try:
+                    self._close_retired()
+                finally:
+                    self._data_lock.release()
         if not keep_channel and self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -480,7 +489,7 @@ class Client:
         failure = ""
         trip = True
         try:
-            with self._data_lock:
+            with self._transfer():
                 write(prep.job_id, base, idx, items)
         except errors.TransportError as e:
             failure = f"store transfer: {e}"
@@ -546,7 +555,7 @@ class Client:
         failure = ""
         trip = True
         try:
-            with self._data_lock:
+            with self._transfer():
                 read(prep.job_id, base, idx, [prep.offsets[i] for i in idx])
         except errors.TransportError as e:
             failure = f"load transfer: {e}"
@@ -565,6 +574,20 @@ class Client:
         for i in idx:
             found[base + i] = True
         self.counters.bytes_got += len(idx) * handle.block_bytes
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[None]:
+        """Hold the data channel for one transfer; close what was detached meanwhile."""
+        with self._data_lock:
+            try:
+                yield
+            finally:
+                self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Close detached transports (the caller holds the data lock)."""
+        while self._retired:
+            self._retired.pop().close()
 
     def _data(self) -> DataTransport:
         if self._transport is None:

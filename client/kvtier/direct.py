@@ -35,14 +35,16 @@ Run = tuple[int, int, int]  # (first item, item count, arena offset of the first
 REGISTER_CHUNK = 1 << 30  # cudaHostRegister granularity (large single registrations can fail)
 
 
-def runs(offsets: Sequence[int], block_bytes: int) -> list[Run]:
+def runs(offsets: Sequence[int], block_bytes: int, chunk: int = REGISTER_CHUNK) -> list[Run]:
     """Group items whose slots follow each other in the arena: ``offsets[i+1] == offsets[i] +
-    block_bytes`` continues a run. Items keep their order."""
+    block_bytes`` continues a run, within one ``chunk`` (one cudaHostRegister range: a copy
+    spanning two may not be treated as page-locked). Items keep their order."""
     out: list[Run] = []
     for i, off in enumerate(offsets):
         if out:
             first, count, start = out[-1]
-            if off == start + count * block_bytes:
+            if off == start + count * block_bytes and \
+                    (off + block_bytes - 1) // chunk == start // chunk:
                 out[-1] = (first, count + 1, start)
                 continue
         out.append((i, 1, off))
@@ -52,13 +54,16 @@ def runs(offsets: Sequence[int], block_bytes: int) -> list[Run]:
 class ArenaMover:
     """Moves batches between a ``PagedKvLayout`` and slots of one mapped arena."""
 
-    def __init__(self, arena: memoryview, device: torch.device) -> None:
+    def __init__(self, arena: memoryview, device: torch.device, *, register: bool = True) -> None:
+        """``register``: page-lock the arena for CUDA (portable: valid for every device's
+        context, so only the first CUDA mover of a mapping does it)."""
         self.device = device
         self.host = torch.frombuffer(arena, dtype=torch.uint8)
         self.registered: list[tuple[int, int]] = []
         self.stream: Any = None
         if device.type == "cuda":
-            self._register(self.host.data_ptr(), self.host.numel())
+            if register:
+                self._register(self.host.data_ptr(), self.host.numel())
             self.stream = torch.cuda.Stream(device)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -67,7 +72,7 @@ class ArenaMover:
         cudart = torch.cuda.cudart()
         for start in range(0, size, REGISTER_CHUNK):
             length = min(REGISTER_CHUNK, size - start)
-            err = cudart.cudaHostRegister(base + start, length, 0)
+            err = cudart.cudaHostRegister(base + start, length, 1)  # cudaHostRegisterPortable
             if int(err) != 0:
                 self.close()
                 raise TransportError(f"cudaHostRegister of the shm arena failed ({err})")

@@ -152,16 +152,27 @@ class PagedKvLayout:
         return t3.view(self._dtype), self._wide_views
 
     def check_ids(self, block_ids: Sequence[int] | torch.Tensor) -> None:
-        """``InvalidArgument`` unless every id is an engine block (checked before any I/O)."""
-        self._index(block_ids)
+        """``InvalidArgument`` unless every id is an engine block (checked before any I/O, on
+        the host: no device work, no wait for the engine's stream)."""
+        self._checked(block_ids)
 
-    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def _checked(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         idx = torch.as_tensor(block_ids, dtype=torch.long)
         if idx.ndim != 1:
             raise InvalidArgument("must be one-dimensional", field="block_ids")
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
             raise InvalidArgument(f"outside [0, {self.num_blocks})", field="block_ids")
-        return idx.to(self.device)
+        return idx
+
+    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The checked ids on the cache's device. To CUDA through pinned memory with
+        ``non_blocking``: a pageable copy would synchronise the current (engine's) stream."""
+        idx = self._checked(block_ids)
+        if self.device.type != "cuda":
+            return idx
+        if idx.device.type == "cpu":
+            idx = idx.pin_memory()
+        return idx.to(self.device, non_blocking=True)
 
     def _out_view(self, t: torch.Tensor, n: int) -> torch.Tensor:
         if t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() != n * self.block_bytes:

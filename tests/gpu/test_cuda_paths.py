@@ -141,7 +141,7 @@ CHILD = textwrap.dedent("""
     import hashlib
     role, address, transport = sys.argv[1], sys.argv[2], sys.argv[3]
     _, layout = cache("LBHNC", role == "put")
-    with kvtier.Client.connect(address, transport=transport) as c:
+    with kvtier.Client.connect(address, transport=transport, lease_ttl_s=2) as c:
         ns = c.register(make_namespace(layout="vllm.LBHNC"))
         keys = ns.block_keys(list(range(16 * 5)))
         if role == "put":
@@ -200,9 +200,9 @@ def test_killed_client_leaves_nothing_behind_its_lease(daemon: DaemonProcess,
         assert stats["cuda_ipc"]["buffers"] == 0  # its handles closed with its lease
 
 
-def test_cuda_ipc_errors_fail_the_job_not_the_daemon(daemon: DaemonProcess) -> None:
-    """A handle that opens nothing is refused; a copy beyond the real allocation (the client
-    declared a larger buffer) fails with a CUDA error: that job is aborted, the next one works."""
+def test_cuda_ipc_bad_buffers_are_refused_before_any_copy(daemon: DaemonProcess) -> None:
+    """A handle that opens nothing, and a buffer declared past the end of its allocation (a copy
+    there would fault on the copy engine), are refused at registration; the session goes on."""
     import grpc
 
     from kvtier.transports.cuda_ipc import _Driver, device_uuid
@@ -211,6 +211,7 @@ def test_cuda_ipc_errors_fail_the_job_not_the_daemon(daemon: DaemonProcess) -> N
 
     dev = torch.device("cuda", torch.cuda.current_device())
     mem = torch.full((1 << 21,), 7, dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
     handle, offset = _Driver.export(mem.data_ptr())
     with grpc.insecure_channel(daemon.unix) as ch:
         stub = pb_grpc.KvtierStub(ch)
@@ -220,28 +221,29 @@ def test_cuda_ipc_errors_fail_the_job_not_the_daemon(daemon: DaemonProcess) -> N
         spec = pb.NamespaceSpec(**{k: v for k, v in ns.to_dict().items() if v is not None})
         ns_id = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec)).namespace_id
         uuid = device_uuid(dev)
-        with pytest.raises(grpc.RpcError) as exc:
-            stub.RegisterCudaBuffer(pb.RegisterCudaBufferRequest(
-                session_id=sid, device_uuid=uuid, ipc_handle=os.urandom(64),
-                buffer_bytes=1 << 20))
-        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert (exc.value.details() or "").startswith("ipc_handle: ")
+        for fields, code, field in [
+                (dict(ipc_handle=os.urandom(64), buffer_bytes=1 << 20),
+                 grpc.StatusCode.FAILED_PRECONDITION, "ipc_handle"),
+                (dict(ipc_handle=handle, handle_offset=offset, buffer_bytes=1 << 36),
+                 grpc.StatusCode.INVALID_ARGUMENT, "buffer_bytes")]:
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.RegisterCudaBuffer(pb.RegisterCudaBufferRequest(
+                    session_id=sid, device_uuid=uuid, **fields))
+            assert exc.value.code() == code, exc.value.details()
+            assert (exc.value.details() or "").startswith(f"{field}: "), exc.value.details()
         buf = stub.RegisterCudaBuffer(pb.RegisterCudaBufferRequest(
             session_id=sid, device_uuid=uuid, ipc_handle=handle, handle_offset=offset,
-            buffer_bytes=1 << 36)).buffer_id  # declared far larger than it is
-
-        def store(key: int, buffer_offset: int) -> Any:
-            prep = stub.PrepareStore(pb.PrepareStoreRequest(
-                session_id=sid, namespace_id=ns_id, keys=key.to_bytes(32, "big"),
-                transport=pb.TRANSPORT_CUDA_IPC))
-            stub.CudaCopy(pb.CudaCopyRequest(session_id=sid, job_id=prep.job_id, buffer_id=buf,
-                                             buffer_offsets=[buffer_offset]))
-            return stub.CompleteStore(pb.CompleteStoreRequest(session_id=sid, job_id=prep.job_id,
-                                                              ok=True))
-
-        with pytest.raises(grpc.RpcError) as exc:
-            store(1, 1 << 35)
-        assert exc.value.code() == grpc.StatusCode.ABORTED, exc.value.details()
-        assert store(2, 0).committed == 1
+            buffer_bytes=1 << 21)).buffer_id
+        prep = stub.PrepareStore(pb.PrepareStoreRequest(
+            session_id=sid, namespace_id=ns_id, keys=(1).to_bytes(32, "big"),
+            transport=pb.TRANSPORT_CUDA_IPC))
+        stub.CudaCopy(pb.CudaCopyRequest(session_id=sid, job_id=prep.job_id, buffer_id=buf,
+                                         buffer_offsets=[4096]))
+        done = stub.CompleteStore(pb.CompleteStoreRequest(session_id=sid, job_id=prep.job_id,
+                                                          ok=True))
+        assert done.committed == 1
         stats = stub.Stats(pb.StatsRequest())
-        assert stats.cuda_ipc.copy_errors == 1 and stats.writing_blocks == 0
+        assert stats.cuda_ipc.copy_errors == 0 and stats.cuda_ipc.buffers == 1
+    with kvtier.Client.connect(daemon.unix, transport="shm") as c:
+        got = c.register(make_namespace()).get([(1).to_bytes(32, "big")])[0]
+        assert got == bytes([7]) * len(got)  # the daemon's copy put the GPU bytes in the arena

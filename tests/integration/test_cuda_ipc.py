@@ -61,10 +61,10 @@ class HostMemoryDriver:
     def unregister_host(self, address: int) -> None:
         self.registered = [r for r in self.registered if r[0] != address]
 
-    def open_handle(self, device: int, handle: bytes) -> int:
-        address = struct.unpack_from("<Q", handle)[0]
+    def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
+        address, size = struct.unpack_from("<QQ", handle)
         self.opened.append((device, address))
-        return int(address)
+        return int(address), int(size)
 
     def close_handle(self, device: int, address: int) -> None:
         self.closed.append((device, address))
@@ -78,8 +78,8 @@ class HostMemoryDriver:
 
 
 def handle_of(array: np.ndarray) -> bytes:
-    """The fake IPC handle of ``array``'s memory (its address, padded to 64 bytes)."""
-    return struct.pack("<Q", array.ctypes.data).ljust(64, b"\0")
+    """The fake IPC handle of ``array``'s memory (its address and size, padded to 64 bytes)."""
+    return struct.pack("<QQ", array.ctypes.data, array.nbytes).ljust(64, b"\0")
 
 
 class InProcessDaemon:
@@ -237,6 +237,9 @@ def test_runs_merge_only_blocks_adjacent_in_both_places() -> None:
     assert runs([(0, 0), (100, 300), (200, 400)], bb) == [(0, 0, 100), (100, 300, 200)]
     assert runs([(500, 0), (0, 100)], bb) == [(500, 0, 100), (0, 100, 100)]
     assert runs([], bb) == []
+    # Never across a registration chunk of the arena (chunk of 250 here).
+    assert runs([(0, 0), (100, 100), (200, 200), (300, 300)], bb, chunk=250) == \
+        [(0, 0, 200), (200, 200, 100), (300, 300, 100)]
 
 
 def test_bad_copies_are_refused_naming_the_field_and_change_nothing(
@@ -283,6 +286,8 @@ def test_bad_buffers_are_refused_naming_the_field(daemon: InProcessDaemon) -> No
         (dict(ipc_handle=h[:63]), StatusCode.INVALID_ARGUMENT, "ipc_handle"),
         (dict(ipc_handle=b""), StatusCode.INVALID_ARGUMENT, "ipc_handle"),
         (dict(buffer_bytes=0), StatusCode.INVALID_ARGUMENT, "buffer_bytes"),
+        (dict(buffer_bytes=65), StatusCode.INVALID_ARGUMENT, "buffer_bytes"),  # past the end
+        (dict(handle_offset=1), StatusCode.INVALID_ARGUMENT, "buffer_bytes"),
         (dict(device_uuid=b"\xff" * 16), StatusCode.FAILED_PRECONDITION, "device_uuid"),
     ]
     for over, code, field in cases:
@@ -292,7 +297,11 @@ def test_bad_buffers_are_refused_naming_the_field(daemon: InProcessDaemon) -> No
     refused(lambda: daemon.call("RegisterCudaBuffer", session_id=12345, **base),
             StatusCode.NOT_FOUND, "session_id")
     refused(lambda: s.call("ReleaseCudaBuffer", buffer_id=77), StatusCode.NOT_FOUND, "buffer_id")
-    assert daemon.driver.opened == [] and figures(daemon)["cuda_ipc"]["buffers"] == 0
+    assert figures(daemon)["cuda_ipc"]["buffers"] == 0
+    deadline = time.monotonic() + 5  # what was opened to learn its size is closed again
+    while len(daemon.driver.closed) < len(daemon.driver.opened) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(daemon.driver.closed) == len(daemon.driver.opened) == 2
     # The second device is matched by its UUID, not by an ordinal.
     s.buffer(np.zeros(64, np.uint8), uuid=UUID_B)
     assert daemon.driver.opened[-1][0] == 1

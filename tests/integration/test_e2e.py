@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -293,3 +294,32 @@ def test_a_load_whose_lease_lapsed_mid_copy_is_a_miss(daemon_factory: Any) -> No
         transport.read = stalled_read  # type: ignore[method-assign]
         assert ns.get(keys) == [None, None]  # copied, but not confirmed under the pins
         assert client.counters.gets_failed == 1
+
+
+def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProcess) -> None:
+    """The heartbeat thread may trip the breaker while another thread copies into the arena:
+    the mapping is closed when that transfer ends, not under it."""
+    with kvtier.Client.connect(daemon.unix, "shm") as client:
+        ns = client.register(make_namespace())
+        transport = client._data()
+        entered, release = threading.Event(), threading.Event()
+        real_write = transport.write
+
+        def slow_write(job_id: int, items: Any) -> None:
+            entered.set()
+            release.wait(10)
+            real_write(job_id, items)
+
+        transport.write = slow_write  # type: ignore[method-assign]
+        results: list[Any] = []
+        keys = ns.block_keys(list(range(16)))
+        worker = threading.Thread(target=lambda: results.append(
+            ns.put(keys, [bytes(ns.block_bytes)])))
+        worker.start()
+        assert entered.wait(10)
+        client._trip("daemon looked away")  # what the heartbeat thread does on a failure
+        assert transport._view is not None  # still mapped: the copy is running
+        release.set()
+        worker.join(10)
+        assert transport._view is None  # closed once the transfer ended
+        assert results and results[0].dropped == 1  # its completion found the session gone

@@ -116,6 +116,8 @@ def test_runs_group_consecutive_slots() -> None:
 
     assert runs([], 8) == []
     assert runs([0, 8, 16, 40, 48, 8], 8) == [(0, 3, 0), (3, 2, 40), (5, 1, 8)]
+    # never across a registration chunk (each is page-locked on its own)
+    assert runs([0, 8, 16, 24], 8, chunk=16) == [(0, 2, 0), (2, 2, 16)]
 
 
 class FailingCopy(PagedKvLayout):

@@ -28,6 +28,8 @@ def test_defaults_and_socket_shorthand() -> None:
     cfg = ConnectorConfig.from_extra(None)
     assert cfg.address == "unix:run/kvtier.sock" and cfg.transport == "shm"
     assert ConnectorConfig.from_extra({"socket": "/run/k.sock"}).address == "unix:/run/k.sock"
+    for transport in ("shm", "tcp", "cuda_ipc"):
+        assert ConnectorConfig.from_extra({"transport": transport}).transport == transport
 
 
 @pytest.mark.parametrize("extra, key", [

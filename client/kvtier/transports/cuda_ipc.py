@@ -177,6 +177,11 @@ class IpcMover:
         old = self.buffer_id
         if self._unexportable is not None:
             raise self._unexportable
+        # The new tensor may reuse memory that kernels queued on the engine's stream still use;
+        # that reuse is safe only for work on that stream, and the daemon writes from another
+        # process: wait for them. (A runtime call, it also makes the device's context current
+        # on this thread for the driver calls below.)
+        torch.cuda.current_stream(self.device).synchronize()
         with torch.cuda.device(self.device):
             try:
                 handle, offset = _Driver.export(staging.data_ptr())

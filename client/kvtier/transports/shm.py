@@ -108,7 +108,8 @@ class ShmTransport(DataTransport):
         if key not in self._movers:
             from kvtier.direct import ArenaMover
 
-            self._movers[key] = ArenaMover(self._arena(), device)
+            pinned = any(getattr(m, "registered", None) for m in self._movers.values())
+            self._movers[key] = ArenaMover(self._arena(), device, register=not pinned)
         return self._movers[key]
 
     def _arena(self) -> memoryview:
@@ -117,7 +118,7 @@ class ShmTransport(DataTransport):
         return self._view
 
     def close(self) -> None:
-        for mover in self._movers.values():
+        for mover in self._movers.values():  # a mover's staging may not outlive the mapping
             mover.close()
         self._movers.clear()
         if self._view is not None:

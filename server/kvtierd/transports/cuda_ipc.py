@@ -71,7 +71,8 @@ class CudaDriver(Protocol):
 
     def unregister_host(self, address: int) -> None: ...
 
-    def open_handle(self, device: int, handle: bytes) -> int: ...
+    def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
+        """Map a client's allocation: (its address here, its size in bytes)."""
 
     def close_handle(self, device: int, address: int) -> None: ...
 
@@ -98,8 +99,17 @@ class CupyDriver:
             raise CudaUnavailable("cuda_ipc = true but no CUDA device is visible")
 
     def device_uuids(self) -> list[bytes]:
-        rt = self.rt
-        return [bytes(rt.getDeviceProperties(i)["uuid"]) for i in range(rt.getDeviceCount())]
+        """UUIDs through the driver API: cupy's ``getDeviceProperties()["uuid"]`` is a C char
+        array turned into bytes, which stops at the first zero byte (or runs on)."""
+        lib = _libcuda()
+        _check(lib.cuInit(0), "cuInit")
+        out = []
+        for i in range(self.rt.getDeviceCount()):
+            dev, raw = ctypes.c_int(0), (ctypes.c_char * UUID_BYTES)()
+            _check(lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
+            _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid")
+            out.append(raw.raw)
+        return out
 
     def register_host(self, address: int, nbytes: int) -> None:
         self._run(lambda: self.rt.hostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
@@ -107,9 +117,16 @@ class CupyDriver:
     def unregister_host(self, address: int) -> None:
         self._run(lambda: self.rt.hostUnregister(address))
 
-    def open_handle(self, device: int, handle: bytes) -> int:
+    def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
         self._run(lambda: self.rt.setDevice(device))
-        return int(self._run(lambda: self.rt.ipcOpenMemHandle(handle)))
+        address = int(self._run(lambda: self.rt.ipcOpenMemHandle(handle)))
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        err = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                 ctypes.c_uint64(address))
+        if err:
+            self._run(lambda: self.rt.ipcCloseMemHandle(address))
+            raise CudaFailure(f"cuMemGetAddressRange of an opened handle: CUresult {err}")
+        return address, int(size.value) - (address - int(base.value))
 
     def close_handle(self, device: int, address: int) -> None:
         self._run(lambda: self.rt.setDevice(device))
@@ -137,11 +154,21 @@ class CupyDriver:
             raise CudaFailure(str(e)) from None
 
 
+def _libcuda() -> Any:
+    return ctypes.CDLL("libcuda.so.1")  # loaded already by cupy; dlopen returns the same handle
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise CudaUnavailable(f"cuda_ipc: {what} failed (CUresult {err})")
+
+
 @dataclass(eq=False)
 class _Mapping:
     device: int
     handle: bytes
     address: int  # where the opened allocation starts in the daemon
+    nbytes: int  # the allocation's size: no buffer may reach past it
     refs: int
 
 
@@ -163,14 +190,16 @@ class CopyFigures:
     bytes_copied: int = 0
 
 
-def runs(pairs: Sequence[tuple[int, int]], block_bytes: int) -> list[tuple[int, int, int]]:
+def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
+         chunk: int = REGISTER_CHUNK) -> list[tuple[int, int, int]]:
     """``(slot offset, buffer offset)`` per block -> ``(slot offset, buffer offset, bytes)``,
-    merging blocks whose slots and buffer offsets both follow the previous block's."""
+    merging blocks whose slots and buffer offsets both follow the previous block's, within one
+    ``chunk`` of the arena (one cudaHostRegister range: a copy spanning two may be staged)."""
     out: list[tuple[int, int, int]] = []
     for slot, buf in pairs:
         if out:
             s, b, n = out[-1]
-            if slot == s + n and buf == b + n:
+            if slot == s + n and buf == b + n and (slot + block_bytes - 1) // chunk == s // chunk:
                 out[-1] = (s, b, n + block_bytes)
                 continue
         out.append((slot, buf, block_bytes))
@@ -265,15 +294,24 @@ class CudaIpcCopier:
         m = self._mappings.get(key)
         if m is None:
             try:
-                address = await self._on(device, self.driver.open_handle, device, handle)
+                address, size = await self._on(device, self.driver.open_handle, device, handle)
             except CudaFailure as e:
                 raise FailedPrecondition(f"cudaIpcOpenMemHandle failed: {e}",
                                          field="ipc_handle") from None
             m = self._mappings.get(key)  # another registration may have opened it meanwhile
             if m is None:
-                m = self._mappings[key] = _Mapping(device, handle, address, 0)
+                m = self._mappings[key] = _Mapping(device, handle, address, size, 0)
             else:
                 self._on_nowait(device, self.driver.close_handle, device, address)
+        if handle_offset + nbytes > m.nbytes:
+            # A copy past the allocation would fault on the copy engine and could poison the
+            # daemon's context for every client: refused here, before any copy.
+            if m.refs == 0:
+                del self._mappings[key]
+                self._on_nowait(device, self.driver.close_handle, device, m.address)
+            raise InvalidArgument(f"{handle_offset} + {nbytes} bytes reach past the "
+                                  f"{m.nbytes}-byte allocation the handle names",
+                                  field="buffer_bytes")
         m.refs += 1
         buf = CudaBuffer(next(self._ids), session_id, device, m.address + handle_offset, nbytes, m)
         self._buffers[buf.id] = buf
