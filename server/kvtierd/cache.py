@@ -105,6 +105,9 @@ class TieredCache:
         self._job_ids = itertools.count(1)
         self.pinned_blocks = 0
         self.writing_blocks = 0
+        # Jobs whose bytes the daemon is copying right now (cuda_ipc): their slots are never
+        # handed out again before the copy is over.
+        self.copying: set[int] = set()
         self.bridge: NvmeBridge | None = None  # set by the composition root when NVMe is on
 
     # -- namespaces -------------------------------------------------------------------------------
@@ -339,7 +342,9 @@ class TieredCache:
         """
         hold_until = self._clock() + session.ttl_s if session.expired else 0.0
         for job_id in list(session.store_jobs):
-            self.complete_store(session, job_id, ok=False, hold_until=hold_until)
+            # A daemon-side copy still writing into the slots holds them back as well.
+            hold = self._clock() + session.ttl_s if job_id in self.copying else hold_until
+            self.complete_store(session, job_id, ok=False, hold_until=hold)
         for job_id in list(session.load_jobs):
             job = self._jobs[job_id]
             assert isinstance(job, LoadJob)

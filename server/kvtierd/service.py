@@ -106,7 +106,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.draining = False
         self.latency: dict[str, LatencyHistogram] = {}
         self.errors: dict[str, int] = {}
-        self._copying: set[int] = set()  # jobs with a CudaCopy in flight
 
     @_rpc
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context: Any) -> Any:
@@ -182,6 +181,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                                      "cuda_ipc = true)", field="transport")
         return value
 
+    def _not_copying(self, job_id: int) -> None:
+        if job_id in self.cache.copying:
+            raise FailedPrecondition(f"a CudaCopy for job {job_id} is in flight", field="job_id")
+
     def _copier(self) -> CudaIpcCopier:
         if self.cuda is None:
             raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
@@ -212,21 +215,20 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self.sessions.get(request.session_id)
         job = self.cache.copy_job(s, request.job_id)
         buf = cuda.buffer(s.id, request.buffer_id)
-        if job.id in self._copying:
-            raise FailedPrecondition(f"a CudaCopy for job {job.id} is in flight", field="job_id")
+        self._not_copying(job.id)
         keys = sorted(job.items)
         bb = job.ns.block_bytes
         plan = cuda.plan(buf, [job.items[i].offset for i in keys], bb,
                          list(request.buffer_offsets))
         to_device = isinstance(job, LoadJob)
-        self._copying.add(job.id)
+        self.cache.copying.add(job.id)
         try:
             copies = await cuda.copy(buf, plan, to_device)
         except KvtierError:
+            self.cache.copying.discard(job.id)
             self.cache.abort_job(s, job)  # a CUDA error fails this job, nothing else
             raise
-        finally:
-            self._copying.discard(job.id)
+        self.cache.copying.discard(job.id)
         self.cache.mark_copied(job)
         return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies,
                                 bytes=len(keys) * bb)
@@ -251,6 +253,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteStore(self, request: pb.CompleteStoreRequest, context: Any) -> Any:
         s = self.sessions.get(request.session_id)
+        self._not_copying(request.job_id)
         committed, aborted = self.cache.complete_store(s, request.job_id, request.ok,
                                                        list(request.item_ok))
         return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed,
@@ -276,6 +279,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
         s = self.sessions.get(request.session_id)
+        self._not_copying(request.job_id)
         self.cache.complete_load(s, request.job_id)
         return pb.CompleteLoadReply(boot_epoch=self.boot_epoch)
 

@@ -51,6 +51,8 @@ class HostMemoryDriver:
         self.closed: list[tuple[int, int]] = []
         self.copies: list[int] = []  # moves per copy call
         self.fail_copy = False
+        self.gate: threading.Event | None = None  # when set: copies wait for it
+        self.copy_entered = threading.Event()
 
     def device_uuids(self) -> list[bytes]:
         return list(self.uuids)
@@ -70,6 +72,9 @@ class HostMemoryDriver:
         self.closed.append((device, address))
 
     def copy(self, device: int, moves: Sequence[Move], to_device: bool) -> None:
+        self.copy_entered.set()
+        if self.gate is not None:
+            self.gate.wait(10)
         if self.fail_copy:
             raise CudaFailure("cudaErrorIllegalAddress: injected by the test")
         for dst, src, n in moves:
@@ -336,6 +341,27 @@ def test_a_cuda_error_fails_that_job_only(daemon: InProcessDaemon) -> None:
     s.call("CudaCopy", job_id=again.job_id, buffer_id=buf, buffer_offsets=[0, bb])
     assert s.call("CompleteStore", job_id=again.job_id, ok=True).committed == 2
     assert s.call("Lookup", namespace_id=s.ns_id, keys=keys(1, 2, 3, 4)).hit_blocks == 4
+
+
+def test_slots_under_a_copy_are_never_handed_out_again(daemon: InProcessDaemon) -> None:
+    """While the daemon copies into a store's slots, completing that job is refused, and a
+    session closed meanwhile leaves the slots in limbo instead of freeing them for reuse."""
+    s = Session(daemon)
+    bb = s.bb
+    buf = s.buffer(pattern(2, bb, 5))
+    prep = s.prepare_store([1, 2])
+    daemon.driver.gate = threading.Event()
+    copy = threading.Thread(target=lambda: s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf,
+                                                  buffer_offsets=[0, bb]))
+    copy.start()
+    assert daemon.driver.copy_entered.wait(5)
+    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True),
+            StatusCode.FAILED_PRECONDITION, "job_id")
+    s.call("CloseSession")
+    f = figures(daemon)
+    assert (f["limbo_blocks"], f["writing_blocks"]) == (2, 0)  # held back, not free
+    daemon.driver.gate.set()
+    copy.join(10)
 
 
 def test_handles_are_shared_and_closed_with_the_session(daemon: InProcessDaemon) -> None:
