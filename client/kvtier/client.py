@@ -463,13 +463,13 @@ class Client:
     def _put_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
                   write: Callable[[int, int, list[int], list[int]], None],
                   tp: int = 0) -> PutResult:
+        tp = tp or make_transport_value(self.transport_name)
         packed = _pack_keys(keys)
         result = PutResult()
         for start in self._batches(len(keys)):
             end = min(start + self._max_batch, len(keys))
             try:
-                result += self._put_batch(handle, packed[start * 32 : end * 32], start, write,
-                                          tp or make_transport_value(self.transport_name))
+                result += self._put_batch(handle, packed[start * 32 : end * 32], start, write, tp)
             except _Away:
                 result.dropped += end - start
                 self.counters.puts_dropped += end - start
@@ -533,13 +533,13 @@ class Client:
     def _get_keys(self, handle: NamespaceHandle, keys: Sequence[bytes],
                   read: Callable[[int, int, list[int], list[int]], None],
                   tp: int = 0) -> list[bool]:
+        tp = tp or make_transport_value(self.transport_name)
         packed = _pack_keys(keys)
         found = [False] * len(keys)
         try:
             for start in self._batches(len(keys)):
                 end = min(start + self._max_batch, len(keys))
-                self._get_batch(handle, packed[start * 32 : end * 32], found, start, read,
-                                tp or make_transport_value(self.transport_name))
+                self._get_batch(handle, packed[start * 32 : end * 32], found, start, read, tp)
         except _Away:
             self.counters.gets_failed += 1
             return [False] * len(keys)

@@ -205,14 +205,14 @@ def test_cuda_ipc_bad_buffers_are_refused_before_any_copy(daemon: DaemonProcess)
     there would fault on the copy engine), are refused at registration; the session goes on."""
     import grpc
 
-    from kvtier.transports.cuda_ipc import _Driver, device_uuid
+    from kvtier.transports.cuda_ipc import _export, device_uuid
     from kvtier.v1 import kvtier_pb2 as pb
     from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 
     dev = torch.device("cuda", torch.cuda.current_device())
     mem = torch.full((1 << 21,), 7, dtype=torch.uint8, device=dev)
     torch.cuda.synchronize()
-    handle, offset = _Driver.export(mem.data_ptr())
+    handle, offset = _export(mem.data_ptr())
     with grpc.insecure_channel(daemon.unix) as ch:
         stub = pb_grpc.KvtierStub(ch)
         sid = stub.OpenSession(pb.OpenSessionRequest(

@@ -5,9 +5,9 @@ over the mapped arena exactly as with ``shm``) plus, per CUDA device, an ``IpcMo
 ``put_blocks``/``get_blocks`` of CUDA layouts:
 
 * once (and again only when a larger batch needs a larger buffer) a device staging buffer is
-  exported: its allocation's base and size come from the driver (``cuMemGetAddressRange``), its
-  handle from ``cuIpcGetMemHandle``; ``RegisterCudaBuffer`` sends the handle, the offset of the
-  buffer inside that allocation and the device's UUID (ordinals differ between processes).
+  exported (``kvtier.cudadrv``: the allocation holding it, and that allocation's IPC handle);
+  ``RegisterCudaBuffer`` sends the handle, the offset of the buffer inside that allocation and
+  the device's UUID (ordinals differ between processes).
 * a store gathers the engine blocks into the staging buffer on the engine's current stream (one
   kernel, ordered after the forward), waits for that gather's event, then ``CudaCopy`` has the
   daemon copy device->arena on its own stream; it answers once the bytes are in the slots.
@@ -23,11 +23,11 @@ the client serialises transfers. Importing this module imports neither torch nor
 
 from __future__ import annotations
 
-import ctypes
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier import cudadrv
 from kvtier.errors import FailedPrecondition, TransportError
 from kvtier.transports.shm import ShmTransport
 from kvtier.v1 import kvtier_pb2 as pb
@@ -72,38 +72,17 @@ def device_uuid(device: Any) -> bytes:
     return uuid.UUID(text[4:] if text.startswith("GPU-") else text).bytes
 
 
-class _Driver:
-    """The two CUDA driver calls torch does not expose (libcuda is loaded in any CUDA process)."""
-
-    _lib: Any = None
-
-    @classmethod
-    def lib(cls) -> Any:
-        if cls._lib is None:
-            try:
-                cls._lib = ctypes.CDLL("libcuda.so.1")
-            except OSError as e:
-                raise TransportError(f"cuda_ipc: cannot load libcuda.so.1: {e}") from None
-        return cls._lib
-
-    @classmethod
-    def export(cls, address: int) -> tuple[bytes, int]:
-        """(IPC handle of the allocation holding ``address``, offset of ``address`` in it)."""
-        lib = cls.lib()
-        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        err = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                          ctypes.c_uint64(address))
-        if err:
-            raise FailedPrecondition(f"cuda_ipc: cuMemGetAddressRange failed (CUresult {err})",
-                                     field="transport")
-        handle = (ctypes.c_char * 64)()
-        err = lib.cuIpcGetMemHandle(ctypes.byref(handle), base)
-        if err:  # a lasting condition, not a daemon away: fails the batch, no reconnect
-            raise FailedPrecondition(
-                f"cuda_ipc: cuIpcGetMemHandle failed (CUresult {err}); memory from torch's "
-                "expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot "
-                "be exported this way: use transport 'shm'", field="transport")
-        return bytes(handle), address - base.value
+def _export(address: int) -> tuple[bytes, int]:
+    """(IPC handle of the allocation holding ``address``, offset of ``address`` in it). A
+    failure is lasting, not a daemon away: it fails the batch, without a reconnect."""
+    try:
+        base, _size = cudadrv.address_range(address)
+        return cudadrv.ipc_handle(base), address - base
+    except cudadrv.CudaDriverError as e:
+        raise FailedPrecondition(
+            f"cuda_ipc: {e}; memory from torch's expandable segments "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be exported this way: "
+            "use transport 'shm'", field="transport") from None
 
 
 class IpcMover:
@@ -184,7 +163,7 @@ class IpcMover:
         torch.cuda.current_stream(self.device).synchronize()
         with torch.cuda.device(self.device):
             try:
-                handle, offset = _Driver.export(staging.data_ptr())
+                handle, offset = _export(staging.data_ptr())
             except FailedPrecondition as e:
                 self._unexportable = e  # every later batch fails at once, without a retry
                 raise

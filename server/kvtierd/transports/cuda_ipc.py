@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvtier import cudadrv
 from kvtier.errors import (
     Aborted,
     FailedPrecondition,
@@ -99,17 +100,10 @@ class CupyDriver:
             raise CudaUnavailable("cuda_ipc = true but no CUDA device is visible")
 
     def device_uuids(self) -> list[bytes]:
-        """UUIDs through the driver API: cupy's ``getDeviceProperties()["uuid"]`` is a C char
-        array turned into bytes, which stops at the first zero byte (or runs on)."""
-        lib = _libcuda()
-        _check(lib.cuInit(0), "cuInit")
-        out = []
-        for i in range(self.rt.getDeviceCount()):
-            dev, raw = ctypes.c_int(0), (ctypes.c_char * UUID_BYTES)()
-            _check(lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
-            _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid")
-            out.append(raw.raw)
-        return out
+        try:
+            return cudadrv.device_uuids(self.rt.getDeviceCount())
+        except cudadrv.CudaDriverError as e:
+            raise CudaUnavailable(f"cuda_ipc: {e}") from None
 
     def register_host(self, address: int, nbytes: int) -> None:
         self._run(lambda: self.rt.hostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
@@ -120,13 +114,12 @@ class CupyDriver:
     def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
         self._run(lambda: self.rt.setDevice(device))
         address = int(self._run(lambda: self.rt.ipcOpenMemHandle(handle)))
-        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        err = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                 ctypes.c_uint64(address))
-        if err:
+        try:
+            base, size = cudadrv.address_range(address)
+        except cudadrv.CudaDriverError as e:
             self._run(lambda: self.rt.ipcCloseMemHandle(address))
-            raise CudaFailure(f"cuMemGetAddressRange of an opened handle: CUresult {err}")
-        return address, int(size.value) - (address - int(base.value))
+            raise CudaFailure(f"sizing an opened handle: {e}") from None
+        return address, size - (address - base)
 
     def close_handle(self, device: int, address: int) -> None:
         self._run(lambda: self.rt.setDevice(device))
@@ -152,15 +145,6 @@ class CupyDriver:
             return fn()
         except self.rt.CUDARuntimeError as e:
             raise CudaFailure(str(e)) from None
-
-
-def _libcuda() -> Any:
-    return ctypes.CDLL("libcuda.so.1")  # loaded already by cupy; dlopen returns the same handle
-
-
-def _check(err: int, what: str) -> None:
-    if err:
-        raise CudaUnavailable(f"cuda_ipc: {what} failed (CUresult {err})")
 
 
 @dataclass(eq=False)
