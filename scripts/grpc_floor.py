@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "client"))
-from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
-from kvtier.v1 import kvtier_pb2_grpc as pbg  # noqa: E402
+from kvtier_contract.v1 import kvtier_pb2 as pb  # noqa: E402
+from kvtier_contract.v1 import kvtier_pb2_grpc as pbg  # noqa: E402
 
 CLIENTS, CALLS = 3, 1500
 

@@ -1,5 +1,9 @@
 """kvtier: client SDK for the kvtier daemon (kvtierd).
 
+The SDK half of the project: it imports the shared contract (:mod:`kvtier_contract`: errors,
+identity, wire formats, protobuf), never the daemon. ``kvtier.errors`` is the contract's error
+module, re-exported for callers.
+
 ``import kvtier`` is cheap: it imports neither torch, cupy nor vLLM.
 
     client = kvtier.Client.connect("unix:///path/run/kvtier.sock", transport="shm")
@@ -11,9 +15,10 @@ from __future__ import annotations
 
 from kvtier import aio
 from kvtier.client import Client, NamespaceHandle, PutResult
-from kvtier.errors import KvtierError
-from kvtier.identity import Namespace, block_keys, namespace_digest
+from kvtier_contract import errors
+from kvtier_contract.errors import KvtierError
+from kvtier_contract.identity import Namespace, block_keys, namespace_digest
 
 __version__ = "0.1.0"
-__all__ = ["aio", "Client", "KvtierError", "Namespace", "NamespaceHandle", "PutResult", "block_keys",
-           "namespace_digest"]
+__all__ = ["aio", "errors", "Client", "KvtierError", "Namespace", "NamespaceHandle", "PutResult",
+           "block_keys", "namespace_digest"]

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.client import Client, NamespaceHandle, PutResult, TransportName
-from kvtier.identity import Namespace
+from kvtier_contract.identity import Namespace
 
 T = TypeVar("T")
 

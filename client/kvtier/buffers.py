@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.errors import InvalidArgument
+from kvtier_contract.errors import InvalidArgument
 
 
 def byte_view(obj: Any, *, writable: bool = False, field: str = "blocks") -> memoryview:

@@ -1,56 +1,36 @@
-"""The ``kvtier`` command: ``serve``, ``stats``, ``bench``.
+"""The ``kvtier`` command: ``stats``, ``bench``, and ``serve`` / ``fsck`` (aliases of ``kvtierd``).
 
-The only place (with kvtierd.app's log level) that reads the environment and files.
+The SDK's only place that reads the environment and files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from kvtier.units import format_bytes, parse_bytes
+from kvtier_contract import defaults
+from kvtier_contract.units import format_bytes
 
-DEFAULT_ADDRESS = "unix://run/kvtier.sock"
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+DAEMON_COMMANDS = ("serve", "fsck")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache server for LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)")
-    s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
-    s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
-    s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
-    s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
-    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
-    s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables)")
-    s.add_argument("--metrics-host", help="Prometheus bind address")
-    s.add_argument("--eviction-policy", choices=["lru", "arc"])
-    s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
-    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
-    s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
-                   help="offer the cuda_ipc transport (needs cupy and a GPU)")
-    s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
-    s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB")
-    s.add_argument("--io-align", dest="io_align_bytes", type=_size,
-                   help="NVMe slot alignment (default 4KiB; 16KiB works too)")
-    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"])
-
-    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
-    f.add_argument("directory")
+    # Aliases of the daemon's own command, run as a new process (no import arrow into kvtierd).
+    for name, what in (("serve", "run the kvtierd daemon: alias of `kvtierd serve`"),
+                       ("fsck", "verify an NVMe tier directory offline: alias of `kvtierd fsck`")):
+        alias = sub.add_parser(name, help=what, add_help=False)
+        alias.add_argument("daemon_args", nargs=argparse.REMAINDER)
 
     st = sub.add_parser("stats", help="print the daemon's statistics")
-    st.add_argument("--address", default=DEFAULT_ADDRESS, help="unix:///path or HOST:PORT")
+    st.add_argument("--address", default=None,
+                    help="unix:///abs/path, unix:rel/path or HOST:PORT (default: the default "
+                         "daemon's socket under this directory if present, else its TCP listener)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout-s", type=float, default=2.0)
 
@@ -78,14 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
+    if args.command in DAEMON_COMMANDS:
+        return _daemon(args.command, args.daemon_args)
     if args.command == "stats":
         return _stats(args)
-    if args.command == "fsck":
-        from kvtierd.tiers.nvme.fsck import main as fsck_main
-
-        return fsck_main([args.directory])
     if args.suite == "gpu":
         from kvtier.bench.gpu import bench_gpu  # torch; imported only for this suite
 
@@ -95,32 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     return int(run_bench(args))
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kvtierd.app import run
-    from kvtierd.config import load_config, with_overrides
-
-    try:
-        cfg = load_config(args.config)
-        cfg = with_overrides(
-            cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
-            socket_path=args.socket_path, listen=args.listen, data_listen=args.data_listen,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-            eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
-            prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
-            cuda_ipc=args.cuda_ipc)
-    except (ValueError, OSError) as e:
-        print(f"kvtier serve: configuration error: {e}", file=sys.stderr)
-        return 2
-    run(cfg)
-    return 0
+def _daemon(command: str, daemon_args: list[str]) -> int:
+    """``kvtier serve|fsck ARGS``: replace this process with ``python -m kvtierd COMMAND ARGS``
+    (signals reach the daemon itself, as under ``kvtierd`` directly)."""
+    argv = [sys.executable, "-m", "kvtierd", command, *daemon_args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+    return 127  # not reached
 
 
 def _stats(args: argparse.Namespace) -> int:
     from kvtier.client import Client
-    from kvtier.errors import KvtierError
+    from kvtier_contract.errors import KvtierError
 
-    client = Client(args.address, "tcp", timeout_s=args.timeout_s, heartbeat=False)
+    client = Client(args.address or defaults.default_address(), "tcp", timeout_s=args.timeout_s,
+                    heartbeat=False)
     try:
         stats = client.stats()
     except KvtierError as e:

@@ -13,7 +13,7 @@ restarting, lookups answer 0, gets answer misses and puts are dropped, each coun
 ``client.counters``; a circuit breaker waits ``backoff`` before trying again, then the client
 reopens its session, re-registers its namespaces and reattaches its transport by itself (also
 when a reply shows a new boot epoch). Caller mistakes (wrong block size, bad namespace) still
-raise :class:`kvtier.errors.InvalidArgument`.
+raise :class:`kvtier_contract.errors.InvalidArgument`.
 
 Thread-safety: a Client may be shared by threads; control calls run concurrently, transfers on
 the data channel are serialized by a lock, reconnects by another.
@@ -34,13 +34,13 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
-from kvtier import errors
 from kvtier.buffers import byte_view
-from kvtier.identity import Namespace
-from kvtier.protoutil import to_dict
 from kvtier.transports import DataTransport, make_transport
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtier_contract import errors
+from kvtier_contract.identity import Namespace
+from kvtier_contract.protoutil import to_dict
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 TransportName = Literal["shm", "tcp", "cuda_ipc"]
@@ -110,8 +110,15 @@ class ClientCounters:
 
 
 def address_target(address: str) -> str:
-    """``unix:///path`` stays, ``unix:path`` becomes absolute, ``host:port`` stays."""
+    """``unix:///path`` stays, ``unix:path`` becomes absolute, ``host:port`` stays.
+
+    ``unix://path`` (two slashes, relative) is refused: gRPC reads ``path``'s first part as an
+    authority and fails later with a C-core message naming nothing."""
     if address.startswith("unix://"):
+        if not address.startswith("unix:///"):
+            raise errors.InvalidArgument(
+                f"{address!r}: a Unix socket address is unix:///absolute/path or "
+                "unix:relative/path", field="address")
         return address
     if address.startswith("unix:"):
         return "unix://" + os.path.abspath(address[5:])

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import TransportError
+from kvtier_contract.cudadrv import REGISTER_CHUNK
+from kvtier_contract.errors import TransportError
 
 Run = tuple[int, int, int]  # (first item, item count, arena offset of the first)
-REGISTER_CHUNK = 1 << 30  # cudaHostRegister granularity (large single registrations can fail)
 
 
 def runs(offsets: Sequence[int], block_bytes: int, chunk: int = REGISTER_CHUNK) -> list[Run]:

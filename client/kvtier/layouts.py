@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import InvalidArgument
+from kvtier_contract.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvtier.protoutil import to_dict
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtier_contract.protoutil import to_dict
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.config import DaemonConfig
 from kvtierd.index import Entry
@@ -279,9 +279,3 @@ def run(cfg: DaemonConfig) -> None:
         print(f"kvtierd: {e}", file=sys.stderr)
         sys.exit(2)
 
-
-def main() -> None:
-    """``kvtierd`` entry point: same as ``kvtier serve``."""
-    from kvtier.cli import main as cli_main
-
-    cli_main(["serve", *sys.argv[1:]])

@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from kvtier.errors import (
+from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvtier.identity import Namespace
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract.identity import Namespace
+from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.sessions import Session

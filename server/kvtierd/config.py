@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtier.units import parse_bytes
+from kvtier_contract import defaults
+from kvtier_contract.units import parse_bytes
 
 EvictionName = Literal["lru", "arc"]
 WritePolicyName = Literal["write-back", "write-through", "selective"]
@@ -40,9 +41,9 @@ class DaemonConfig:
     """Host-tier eviction order: "lru" or "arc"."""
     prefault: bool = True
     """Allocate the arena's pages at start (fallocate) so that the first copies do not fault."""
-    socket_path: str = "run/kvtier.sock"
+    socket_path: str = defaults.SOCKET_PATH
     """gRPC Unix socket for same-host clients ("" disables). The shm fd socket sits beside it."""
-    listen: str = "127.0.0.1:50051"
+    listen: str = defaults.LISTEN
     """gRPC TCP listener HOST:PORT ("" disables; port 0 picks a free port)."""
     data_listen: str = "127.0.0.1:0"
     """TCP data channel HOST:PORT (port 0 picks a free port; advertised in OpenSession)."""

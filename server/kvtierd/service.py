@@ -1,8 +1,8 @@
 """gRPC service: translates proto messages to TieredCache / SessionTable calls and back.
 
 Every request is validated (ids, key counts and lengths, transports) before anything touches the
-index or memory; every reply carries the boot epoch. Errors from :mod:`kvtier.errors` become gRPC
-statuses through the one table ``kvtier.errors.GRPC_STATUS``. Runs on the daemon's event loop.
+index or memory; every reply carries the boot epoch. Errors from :mod:`kvtier_contract.errors` become gRPC
+statuses through the one table ``kvtier_contract.errors.GRPC_STATUS``. Runs on the daemon's event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvtier.errors import (
+from kvtier_contract.errors import (
     GRPC_STATUS,
     FailedPrecondition,
     InvalidArgument,
@@ -25,9 +25,9 @@ from kvtier.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.identity import Namespace
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtier_contract.identity import Namespace
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import LoadJob, TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram

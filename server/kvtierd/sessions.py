@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.errors import NotFound, ResourceExhausted
+from kvtier_contract.errors import NotFound, ResourceExhausted
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtier.identity import Namespace
+from kvtier_contract.identity import Namespace
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy
 from kvtierd.tiers.nvme.device import DiskError

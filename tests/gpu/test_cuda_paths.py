@@ -206,8 +206,8 @@ def test_cuda_ipc_bad_buffers_are_refused_before_any_copy(daemon: DaemonProcess)
     import grpc
 
     from kvtier.transports.cuda_ipc import _export, device_uuid
-    from kvtier.v1 import kvtier_pb2 as pb
-    from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+    from kvtier_contract.v1 import kvtier_pb2 as pb
+    from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
     dev = torch.device("cuda", torch.cuda.current_device())
     mem = torch.full((1 << 21,), 7, dtype=torch.uint8, device=dev)

@@ -2,7 +2,7 @@
 
 Three layers are exercised: the gRPC control plane with a raw stub (what a buggy or hostile
 client can send), the SDK (``kvtier.Client``: caller mistakes raise before anything is sent) and
-the TCP data channel with hand-built frames (``kvtier.wire``).
+the TCP data channel with hand-built frames (``kvtier_contract.wire``).
 
 "No change" is checked on the daemon's own figures: the Stats reply (less its uptime) is the same
 before and after the bad call. The daemon fixture: 64 MiB host tier, 1 MiB slabs, batches of at
@@ -22,11 +22,11 @@ import pytest
 from conftest import DaemonProcess, make_namespace
 
 import kvtier
-from kvtier import errors, wire
-from kvtier.protoutil import to_dict
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtier.wire import Op, Status
+from kvtier_contract import errors, wire
+from kvtier_contract.protoutil import to_dict
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtier_contract.wire import Op, Status
 
 MAX_BATCH = 4096  # DaemonConfig.max_batch_blocks default
 StatusCode = grpc.StatusCode

@@ -30,8 +30,8 @@ from conftest import make_namespace
 
 import kvtier
 from kvtier.layouts import PagedKvLayout
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.app import Daemon
 from kvtierd.config import DaemonConfig
 from kvtierd.transports.cuda_ipc import CudaFailure, Move, runs
@@ -180,7 +180,7 @@ def refused(fn: Any, code: grpc.StatusCode, field: str) -> str:
 
 
 def figures(d: InProcessDaemon) -> dict[str, Any]:
-    from kvtier.protoutil import to_dict
+    from kvtier_contract.protoutil import to_dict
 
     return to_dict(d.stub.Stats(pb.StatsRequest(), timeout=10))
 
@@ -451,7 +451,7 @@ def test_the_daemon_refuses_to_start_with_cuda_ipc_and_no_cuda(tmp_path: Path) -
     except ImportError:
         pass
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--cuda-ipc", "--host-bytes", "8MiB",
+        [sys.executable, "-m", "kvtierd", "serve", "--cuda-ipc", "--host-bytes", "8MiB",
          "--slab-bytes", "1MiB", "--socket", str(tmp_path / "k.sock"), "--listen", "",
          "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -253,7 +253,7 @@ def test_sigterm_drains_and_exits_cleanly(daemon: DaemonProcess) -> None:
 
 
 def test_failed_transfer_aborts_its_reservation_at_once(daemon: DaemonProcess, transport: str) -> None:
-    from kvtier.errors import TransportError
+    from kvtier_contract.errors import TransportError
 
     with kvtier.Client.connect(daemon.address(transport), transport=transport) as client:
         ns = client.register(make_namespace())

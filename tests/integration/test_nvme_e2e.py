@@ -50,7 +50,7 @@ def digest(ns: kvtier.client.NamespaceHandle, keys: Sequence[bytes],
 
 
 def fsck(directory: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", "fsck", str(directory)],
+    return subprocess.run([sys.executable, "-m", "kvtierd", "fsck", str(directory)],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import kvtier
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2 as pb
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from conftest import make_namespace  # noqa: E402

@@ -13,15 +13,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvtier.errors import (
+from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvtier.identity import Namespace
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract.identity import Namespace
+from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import PRESENT, REJECTED, RESERVED, TieredCache
 from kvtierd.index import EntryState, NamespaceState
 from kvtierd.policies import PolicyName, make_policy

@@ -1,7 +1,7 @@
 """Namespace identity and block keys: golden vectors, determinism, validation, chaining.
 
 The golden vectors in ``tests/data/hashing_golden.json`` were generated once with
-``kvtier.identity``; ``test_golden_vectors_match_reference`` recomputes every one of them with a
+``kvtier_contract.identity``; ``test_golden_vectors_match_reference`` recomputes every one of them with a
 from-scratch implementation of ``docs/hashing.md`` written here, so they are not self-confirming.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.errors import InvalidArgument
-from kvtier.identity import KV_DTYPES, Namespace, block_keys, namespace_digest
+from kvtier_contract.errors import InvalidArgument
+from kvtier_contract.identity import KV_DTYPES, Namespace, block_keys, namespace_digest
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN_PATH = REPO / "tests" / "data" / "hashing_golden.json"
@@ -96,7 +96,7 @@ def test_golden_keys(entry: dict[str, Any], seq: dict[str, Any]) -> None:
     assert _keys_for(namespace, seq) == seq["keys"]
 
 
-# --- independent reference (docs/hashing.md, written without kvtier.identity) --------------------
+# --- independent reference (docs/hashing.md, written without kvtier_contract.identity) --------------------
 
 # (tag, field name, type) exactly as the table in docs/hashing.md.
 REF_FIELDS = [
@@ -209,7 +209,7 @@ def test_hand_built_namespace_bytes() -> None:
 
 _RECOMPUTE = """
 import json, sys
-from kvtier.identity import Namespace
+from kvtier_contract.identity import Namespace
 golden = json.load(open(sys.argv[1], encoding="utf-8"))
 out = []
 for entry in golden["namespaces"]:
@@ -246,7 +246,7 @@ def test_fresh_interpreters_agree(seed: str) -> None:
         for n in GOLDEN["namespaces"]
     ]
     assert result["out"] == expected
-    assert result["heavy"] == []  # importing kvtier.identity pulls in neither numpy nor torch
+    assert result["heavy"] == []  # importing kvtier_contract.identity pulls in neither numpy nor torch
 
 
 # --- namespace validation -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import InvalidArgument
+from kvtier_contract.errors import InvalidArgument
 from kvtierd.tiers.nvme.device import DiskFull, FaultyFileSystem, SyncFailed
 from kvtierd.tiers.nvme.journal import (
     ADD_FRAME_BYTES,

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "client" / "kvtier" / "v1"
+COMMITTED = ROOT / "client" / "kvtier_contract" / "v1"
 HAND_WRITTEN = {"__init__.py"}
 
 
@@ -32,12 +32,13 @@ def committed_files() -> set[str]:
 def test_committed_modules_equal_a_fresh_generation(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is a dev dependency (pip install -e '.[dev]')")
     load_gen_proto().generate(tmp_path)
-    out = tmp_path / "kvtier" / "v1"
+    out = tmp_path / "kvtier_contract" / "v1"
     generated = {p.name for p in out.iterdir()}
     # The messages and the service stubs, at least; whatever else protoc is asked for is compared too.
     assert {"kvtier_pb2.py", "kvtier_pb2_grpc.py"} <= generated
     # Nothing committed that the script no longer generates (a stale .pyi), nothing missing.
-    assert committed_files() == generated, "client/kvtier/v1 and a fresh generation differ: run `make proto`"
+    assert committed_files() == generated, \
+        "client/kvtier_contract/v1 and a fresh generation differ: run `make proto`"
     stale = sorted(name for name in generated
                    if (out / name).read_bytes() != (COMMITTED / name).read_bytes())
-    assert not stale, f"client/kvtier/v1/{stale} differ from a fresh generation: run `make proto`"
+    assert not stale, f"client/kvtier_contract/v1/{stale} differ from a fresh generation: run `make proto`"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import NotFound, ResourceExhausted
+from kvtier_contract.errors import NotFound, ResourceExhausted
 from kvtierd.sessions import Session, SessionTable
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.identity import Namespace
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract.identity import Namespace
+from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import PRESENT, RESERVED, TIER_HOST, TieredCache
 from kvtierd.index import Entry
 from kvtierd.policies import PolicyName, make_policy

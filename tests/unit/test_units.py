@@ -1,10 +1,10 @@
-"""kvtier.units: human sizes in, human sizes out."""
+"""kvtier_contract.units: human sizes in, human sizes out."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.units import format_bytes, parse_bytes
+from kvtier_contract.units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(("text", "expected"), [

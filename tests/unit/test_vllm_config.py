@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import InvalidArgument
 from kvtier.integrations.vllm.config import (
     BASE,
     ConfigError,
@@ -18,6 +17,7 @@ from kvtier.integrations.vllm.config import (
     resolve_model_revision,
     resolve_tokenizer_digest,
 )
+from kvtier_contract.errors import InvalidArgument
 
 IDENTITY = EngineIdentity(model_id="m", model_revision="r1", tokenizer_digest="none",
                           kv_dtype="bfloat16", layout="vllm.LBHNC", tokens_per_block=16,

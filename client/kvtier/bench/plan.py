@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtier.units import format_bytes, parse_bytes
+from kvtier_contract.units import format_bytes, parse_bytes
 
 Suite = Literal["all", "shm", "tcp", "lookup", "nvme", "quick"]
 SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick")

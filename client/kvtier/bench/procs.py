@@ -23,7 +23,7 @@ def launch_daemon(run_dir: Path, args: list[str], log: Any, *, metrics_port: int
                   timeout_s: float = 60.0) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Start ``kvtier serve`` in ``run_dir`` (its Unix socket there, TCP ports chosen by the OS,
     stderr to ``log``) and wait for its KVTIERD_READY line; (process, the line's JSON)."""
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--socket", str(run_dir / "kvtier.sock"),
+    cmd = [sys.executable, "-m", "kvtierd", "serve", "--socket", str(run_dir / "kvtier.sock"),
            "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
            "--metrics-port", str(metrics_port), *args]
     env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.bench.plan import Plan, Results, size_label
-from kvtier.units import format_bytes
+from kvtier_contract.units import format_bytes
 
 OP_LABELS = {
     "memcpy": "memcpy (numpy.copyto)", "socket": "raw loopback TCP stream",

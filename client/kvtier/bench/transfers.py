@@ -18,7 +18,7 @@ import numpy as np
 from kvtier.bench.baselines import block_views, random_batch
 from kvtier.bench.plan import Op, Plan, size_label
 from kvtier.client import Client
-from kvtier.identity import Namespace
+from kvtier_contract.identity import Namespace
 
 RPC_TIMEOUT_S = 60.0  # a 64 MiB batch over a slow path must not hit the client's deadline
 

@@ -21,7 +21,7 @@ def make_transport(name: str) -> DataTransport:
         from kvtier.transports.tcp import TcpTransport
 
         return TcpTransport()
-    from kvtier.errors import InvalidArgument
+    from kvtier_contract.errors import InvalidArgument
 
     raise InvalidArgument(f"unknown transport {name!r} (expected 'shm', 'tcp' or 'cuda_ipc')",
                           field="transport")

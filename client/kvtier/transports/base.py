@@ -7,7 +7,7 @@ Lifecycle::
       -> close()
 
 ``items`` are ``(key_index, arena_offset, view)`` triples produced by the control plane's
-prepare reply. Failures raise :class:`kvtier.errors.TransportError`; the client then treats the
+prepare reply. Failures raise :class:`kvtier_contract.errors.TransportError`; the client then treats the
 daemon as away (stores dropped, loads missed) and reattaches later.
 """
 

@@ -5,7 +5,7 @@ over the mapped arena exactly as with ``shm``) plus, per CUDA device, an ``IpcMo
 ``put_blocks``/``get_blocks`` of CUDA layouts:
 
 * once (and again only when a larger batch needs a larger buffer) a device staging buffer is
-  exported (``kvtier.cudadrv``: the allocation holding it, and that allocation's IPC handle);
+  exported (``kvtier_contract.cudadrv``: the allocation holding it, and that allocation's IPC handle);
   ``RegisterCudaBuffer`` sends the handle, the offset of the buffer inside that allocation and
   the device's UUID (ordinals differ between processes).
 * a store gathers the engine blocks into the staging buffer on the engine's current stream (one
@@ -27,10 +27,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier import cudadrv
-from kvtier.errors import FailedPrecondition, TransportError
 from kvtier.transports.shm import ShmTransport
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract import cudadrv
+from kvtier_contract.errors import FailedPrecondition, TransportError
+from kvtier_contract.v1 import kvtier_pb2 as pb
 
 Rpc = Callable[[str, Any], Any]  # (method, request) -> reply; raises kvtier errors
 _MIN_BUFFER = 64 << 20

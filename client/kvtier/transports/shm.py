@@ -1,7 +1,7 @@
 """shm transport: map the daemon's memfd arena and copy bytes ourselves.
 
 The fd arrives over the daemon's shm Unix socket (SCM_RIGHTS; handshake in
-kvtierd.transports.shm). Each block is one copy between the caller's buffer and its slot.
+kvtier_contract.wire). Each block is one copy between the caller's buffer and its slot.
 
 Copies are plain memoryview assignments (glibc memcpy), except reads whose destination lies 1 to
 63 bytes after the source modulo 4 KiB: there glibc's ``rep movsb`` path (used for copies below
@@ -19,15 +19,13 @@ import ctypes
 import mmap
 import os
 import socket
-import struct
 from typing import Any
 
-from kvtier.errors import TransportError
 from kvtier.transports.base import DataTransport, Item
-from kvtier.v1 import kvtier_pb2 as pb
+from kvtier_contract import wire
+from kvtier_contract.errors import TransportError
+from kvtier_contract.v1 import kvtier_pb2 as pb
 
-_REQUEST = struct.Struct("<4sQ")
-_REPLY = struct.Struct("<4sQQ")
 _PAGE = 4096
 _ALIAS_BYTES = 64  # dst - src (mod 4 KiB) in (0, 64): the slow case of rep movsb
 
@@ -64,7 +62,7 @@ class ShmTransport(DataTransport):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(timeout_s)
                 s.connect(path)
-                s.sendall(_REQUEST.pack(b"KVS1", session_id))
+                s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
                 msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
         except OSError as e:
             raise TransportError(f"shm handshake with {path} failed: {e}") from e
@@ -72,8 +70,8 @@ class ShmTransport(DataTransport):
             raise TransportError(f"shm handshake refused: {msg[4:].decode(errors='replace')}")
         fd = fds[0]
         try:
-            magic, size, _epoch = _REPLY.unpack(msg[: _REPLY.size])
-            if magic != b"KVS1" or size != os.fstat(fd).st_size:
+            magic, size, _epoch = wire.SHM_REPLY.unpack(msg[: wire.SHM_REPLY.size])
+            if magic != wire.SHM_MAGIC or size != os.fstat(fd).st_size:
                 raise TransportError("shm handshake: bad reply")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)

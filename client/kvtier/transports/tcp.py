@@ -1,4 +1,4 @@
-"""tcp transport: the framed data channel (kvtier.wire) to the daemon's data port.
+"""tcp transport: the framed data channel (kvtier_contract.wire) to the daemon's data port.
 
 Stores send the job's blocks, then FLUSH, and wait for the ACK; loads send READ and receive the
 blocks straight into the caller's buffers. When the daemon accepts runs (HELLO feature bits),
@@ -13,11 +13,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from kvtier import wire
-from kvtier.errors import TransportError
 from kvtier.transports.base import DataTransport, Item
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.wire import Op
+from kvtier_contract import wire
+from kvtier_contract.errors import TransportError
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.wire import Op
 
 _SOCK_BUF = 4 << 20
 _IOV = 64  # buffers per sendmsg / recvmsg_into call at most (well under IOV_MAX)

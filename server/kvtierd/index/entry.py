@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.identity import Namespace
+from kvtier_contract.identity import Namespace
 from kvtierd.stats import Counters
 
 

@@ -37,8 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier import cudadrv
-from kvtier.errors import (
+from kvtier_contract import cudadrv
+from kvtier_contract.cudadrv import REGISTER_CHUNK
+from kvtier_contract.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
@@ -50,7 +51,6 @@ from kvtier.errors import (
 log = logging.getLogger("kvtierd.cuda_ipc")
 UUID_BYTES = 16
 HANDLE_BYTES = 64
-REGISTER_CHUNK = 1 << 30  # cudaHostRegister granularity (one huge registration can fail)
 Move = tuple[int, int, int]  # (destination address, source address, bytes)
 
 

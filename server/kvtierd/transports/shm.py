@@ -1,10 +1,7 @@
 """shm fd server: gives the host arena's memfd to same-host clients.
 
-Handshake on a Unix stream socket (one exchange per connection, then the daemon closes it)::
-
-    client -> daemon:  "KVS1" session_id:u64le
-    daemon -> client:  "KVS1" arena_bytes:u64le boot_epoch:u64le   + the fd (SCM_RIGHTS)
-                   or  "KVE1" utf-8 message                          (unknown session)
+Handshake on a Unix stream socket (one exchange per connection, then the daemon closes it),
+stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``).
 
 The peer's credentials (SO_PEERCRED) are logged; the socket file's mode (0660) decides who may
 connect.
@@ -17,14 +14,12 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 
-from kvtier.errors import KvtierError
+from kvtier_contract import wire
+from kvtier_contract.errors import KvtierError
 from kvtierd.sessions import SessionTable
 
 log = logging.getLogger("kvtierd.shm")
-REQUEST = struct.Struct("<4sQ")
-REPLY = struct.Struct("<4sQQ")
 
 
 class ShmFdServer:
@@ -64,18 +59,19 @@ class ShmFdServer:
         loop = asyncio.get_running_loop()
         with conn:
             try:
-                data = await asyncio.wait_for(loop.sock_recv(conn, REQUEST.size), 5.0)
-                if len(data) != REQUEST.size or data[:4] != b"KVS1":
+                data = await asyncio.wait_for(loop.sock_recv(conn, wire.SHM_REQUEST.size), 5.0)
+                if len(data) != wire.SHM_REQUEST.size or data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
-                _, session_id = REQUEST.unpack(data)
+                _, session_id = wire.SHM_REQUEST.unpack(data)
                 self._sessions.get(session_id)
                 conn.setblocking(True)
-                socket.send_fds(conn, [REPLY.pack(b"KVS1", self._bytes, self._epoch)], [self._fd])
+                reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, self._bytes, self._epoch)
+                socket.send_fds(conn, [reply], [self._fd])
                 self.handed_out += 1
             except (KvtierError, ValueError) as e:
                 with contextlib.suppress(OSError):
                     conn.setblocking(True)
-                    conn.sendall(b"KVE1" + str(e).encode()[:1000])
+                    conn.sendall(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
 

@@ -1,4 +1,4 @@
-"""TCP data channel server (framing: kvtier.wire; protocol: docs/tcp_data_channel.md).
+"""TCP data channel server (framing: kvtier_contract.wire; protocol: docs/tcp_data_channel.md).
 
 One connection per client session. A BufferedProtocol hands uvloop either the 32-byte header
 buffer or the destination arena memory itself, so WRITE payloads land in their slots with no
@@ -18,9 +18,9 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from kvtier import wire
-from kvtier.errors import InvalidArgument, KvtierError
-from kvtier.wire import Op, Status
+from kvtier_contract import wire
+from kvtier_contract.errors import InvalidArgument, KvtierError
+from kvtier_contract.wire import Op, Status
 from kvtierd.cache import TieredCache
 from kvtierd.index import Entry, EntryState
 from kvtierd.sessions import SessionTable

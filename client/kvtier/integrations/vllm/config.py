@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtier.identity import Namespace
+from kvtier_contract import defaults
+from kvtier_contract.identity import Namespace
 
-DEFAULT_ADDRESS = "unix:run/kvtier.sock"
+DEFAULT_ADDRESS = defaults.ADDRESS
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _BRANCH_DEFAULTS = ("main", "master")

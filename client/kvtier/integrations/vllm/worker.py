@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.client import Client, NamespaceHandle
-from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.config import ConfigError, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.planner import LoadJob, StoreJob
+from kvtier_contract.errors import KvtierError
 
 log = logging.getLogger("vllm.kvtier")
 

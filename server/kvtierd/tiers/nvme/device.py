@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.errors import KvtierError
+from kvtier_contract.errors import KvtierError
 
 Buffer = memoryview | bytes | bytearray
 WBuffer = memoryview | bytearray

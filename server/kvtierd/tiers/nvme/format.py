@@ -30,7 +30,7 @@ from typing import Literal
 
 import xxhash
 
-from kvtier.errors import KvtierError
+from kvtier_contract.errors import KvtierError
 
 MAGIC = b"KVTBLK01"
 FORMAT_VERSION = 1

@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.errors import InvalidArgument
+from kvtier_contract.errors import InvalidArgument
 from kvtierd.tiers.nvme.device import Device, DiskIOError, FileSystem, SyncFailed
 from kvtierd.tiers.nvme.format import round_up
 

@@ -13,6 +13,11 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+# cudaHostRegister granularity for the arena (one huge registration can fail): both the client
+# (its mapping) and the daemon (cuda_ipc) register in chunks of this size, and no copy run spans
+# two chunks.
+REGISTER_CHUNK = 1 << 30
+
 
 class CudaDriverError(RuntimeError):
     """A driver call failed; ``code`` is its CUresult."""

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvtier.v1 import kvtier_pb2 as kvtier_dot_v1_dot_kvtier__pb2
+from kvtier_contract.v1 import kvtier_pb2 as kvtier_dot_v1_dot_kvtier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

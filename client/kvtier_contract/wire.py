@@ -55,6 +55,18 @@ class Status(enum.IntEnum):
     BAD_LENGTH = 3
 
 
+# -- the shm handshake (docs/shm_transport.md), on the daemon's shm Unix socket, one exchange per
+# connection, then the daemon closes it:
+#   client -> daemon:  SHM_MAGIC session_id:u64le
+#   daemon -> client:  SHM_MAGIC arena_bytes:u64le boot_epoch:u64le   + the fd (SCM_RIGHTS)
+#                  or  SHM_REFUSED utf-8 message (at most SHM_MAX_ERROR_BYTES)
+SHM_MAGIC = b"KVS1"
+SHM_REFUSED = b"KVE1"
+SHM_REQUEST = struct.Struct("<4sQ")  # magic, session_id
+SHM_REPLY = struct.Struct("<4sQQ")  # magic, arena_bytes, boot_epoch
+SHM_MAX_ERROR_BYTES = 1000
+
+
 def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int = 0) -> bytes:
     return HEADER.pack(MAGIC, op, job_id, index, status, length)
 

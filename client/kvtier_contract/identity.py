@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any, NoReturn
 
-from kvtier.errors import InvalidArgument
+from kvtier_contract.errors import InvalidArgument
 
 __all__ = [
     "KV_DTYPES",

@@ -1,0 +1,82 @@
+"""The ``kvtierd`` command (also ``python -m kvtierd``): ``serve`` and ``fsck``.
+
+The daemon's only place (with kvtierd.app's log level) that reads the environment and files:
+it builds a :class:`~kvtierd.config.DaemonConfig` from the embedded defaults, an optional config
+file and the flags, then hands it to :func:`kvtierd.app.run`. ``kvtier serve`` and ``kvtier fsck``
+are aliases that start this command as a new process (the SDK never imports the daemon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvtier_contract.units import parse_bytes
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
+                                                            "KV-cache blocks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)")
+    s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
+    s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
+    s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
+    s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
+    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
+    s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables)")
+    s.add_argument("--metrics-host", help="Prometheus bind address")
+    s.add_argument("--eviction-policy", choices=["lru", "arc"])
+    s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
+    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
+    s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
+                   help="offer the cuda_ipc transport (needs cupy and a GPU)")
+    s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
+    s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB")
+    s.add_argument("--io-align", dest="io_align_bytes", type=_size,
+                   help="NVMe slot alignment (default 4KiB; 16KiB works too)")
+    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"])
+
+    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
+    f.add_argument("directory")
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "fsck":
+        from kvtierd.tiers.nvme.fsck import main as fsck_main
+
+        return fsck_main([args.directory])
+    return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvtierd.app import run
+    from kvtierd.config import load_config, with_overrides
+
+    try:
+        cfg = load_config(args.config)
+        cfg = with_overrides(
+            cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
+            socket_path=args.socket_path, listen=args.listen, data_listen=args.data_listen,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
+            prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
+            cuda_ipc=args.cuda_ipc)
+    except (ValueError, OSError) as e:
+        print(f"kvtierd serve: configuration error: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
