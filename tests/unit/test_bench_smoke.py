@@ -120,7 +120,7 @@ def test_nvme_suite_reports_every_figure(tmp_path: Path) -> None:
             assert (results.gbps(op, size) or 0) > 0, f"{op} at {size} B missing or not positive"
     for name in nvme.RECOVERY_FIGURES:
         assert (results.seconds(name) or 0) > 0, name
-    assert len(results.recovery["recovery_replay_s"].samples) == 2  # the same crash, replayed twice
+    assert len(results.recovery["recovery_replay_s"].samples) == 2  # two crashes made alike, one replay each
     assert results.facts["recovered_warm_blocks"] == 300
     assert results.facts["recovered_replay_blocks"] == 600
     assert results.facts["filesystem"] != "?"

@@ -6,6 +6,7 @@ scenarios use /dev/shm when the machine has it.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import errno
 import fcntl
@@ -19,13 +20,12 @@ from typing import Any
 
 import pytest
 
+from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
 from kvtierd.tiers.nvme import device as device_mod
 from kvtierd.tiers.nvme.device import (
     Device,
     DiskFull,
     DiskIOError,
-    FaultyDevice,
-    FaultyFileSystem,
     FileDevice,
     FileSystem,
     SyncFailed,
@@ -393,3 +393,22 @@ def test_faults_are_mapped_like_the_real_ones() -> None:
     assert isinstance(device_mod.disk_error(OSError(errno.ELOOP, "loop"), "o"), UnsafeFile)
     assert isinstance(device_mod.disk_error(OSError(errno.ENOSPC, "full"), "s", sync=True), SyncFailed)
     assert type(device_mod.disk_error(OSError(errno.EROFS, "ro"), "w")) is DiskIOError
+
+
+def test_the_daemon_never_imports_the_fault_doubles() -> None:
+    """kvtierd.testing is for tests and tooling: no module of the daemon imports it, lazily or not."""
+    package = Path(device_mod.__file__).resolve().parents[2]  # server/kvtierd
+    importers = []
+    for path in package.rglob("*.py"):
+        if path.parent.name == "testing":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n == "kvtierd.testing" or n.startswith("kvtierd.testing.") for n in names):
+                importers.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert importers == []

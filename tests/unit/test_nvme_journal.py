@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvtier_contract.errors import InvalidArgument
-from kvtierd.tiers.nvme.device import DiskFull, FaultyFileSystem, SyncFailed
+from kvtierd.testing.faults import FaultyFileSystem
+from kvtierd.tiers.nvme.device import DiskFull, SyncFailed
 from kvtierd.tiers.nvme.journal import (
     ADD_FRAME_BYTES,
     CHECKPOINT_NAME,

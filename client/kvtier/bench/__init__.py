@@ -12,8 +12,9 @@ baseline see the same conditions.
 
 Modules: ``plan`` (what to measure, results), ``baselines`` (memcpy, socket, Redis),
 ``transfers`` (kvtier put/get/get_into), ``lookups``, ``nvme`` (the NVMe tier against raw
-O_DIRECT I/O, and recovery; suite ``nvme``), ``report`` (table, targets, JSON),
-``procs`` (daemon and Redis processes), ``progress`` (the stderr bar).
+O_DIRECT I/O, and recovery; suite ``nvme``, with ``nvme_daemon``, ``rawdisk`` and ``recovery``),
+``report`` (table, targets, JSON), ``procs`` (daemon and Redis processes), ``progress`` (the
+stderr bar).
 """
 
 from __future__ import annotations

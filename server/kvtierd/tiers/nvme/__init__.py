@@ -9,8 +9,6 @@ from kvtierd.tiers.nvme.device import (
     DiskError,
     DiskFull,
     DiskIOError,
-    FaultyDevice,
-    FaultyFileSystem,
     FileSystem,
     SyncFailed,
     UnsafeFile,
@@ -29,7 +27,7 @@ from kvtierd.tiers.nvme.format import (
 )
 
 __all__ = [
-    "CorruptMeta", "CorruptSlot", "Device", "DiskError", "DiskFull", "DiskIOError", "FaultyDevice",
-    "FaultyFileSystem", "FileSystem", "SlotHeader", "StoreMeta", "SyncFailed", "UnsafeFile",
-    "aligned_buffer", "decode_header", "encode_header", "new_header", "slot_bytes", "verify_payload",
+    "CorruptMeta", "CorruptSlot", "Device", "DiskError", "DiskFull", "DiskIOError", "FileSystem",
+    "SlotHeader", "StoreMeta", "SyncFailed", "UnsafeFile", "aligned_buffer", "decode_header",
+    "encode_header", "new_header", "slot_bytes", "verify_payload",
 ]

@@ -11,8 +11,8 @@
   O_DIRECT is probed once, on first use, with an aligned write and read of a scratch file;
   ``direct_io`` / ``direct_io_note`` say what was found, and files open buffered without it.
 * :func:`aligned_buffer`: mmap-backed memory aligned for O_DIRECT staging.
-* :class:`FaultyDevice` / :class:`FaultyFileSystem` wrap the real ones to inject errors, torn
-  writes, flipped bytes and latency (tests and crash tests).
+
+Tests wrap this seam to inject faults: ``kvtierd.testing.faults`` (never imported by the daemon).
 
 Errors: every ``OSError`` becomes a :class:`DiskError`: :class:`DiskFull` (ENOSPC, EDQUOT),
 :class:`SyncFailed` (fsync / fdatasync failed), :class:`UnsafeFile` (a symlink or non-regular file)
@@ -28,8 +28,9 @@ distinct offsets are safe (positional syscalls, GIL released); ``sync()`` may ru
 writes (it covers the writes completed before it started). ``close()`` must not race other calls:
 the owner closes once its I/O is done. A FileSystem may be shared between threads.
 
-Size: above the 400-line guideline because the fault-injecting wrappers live beside the real
-implementation they wrap (one module is the whole seam).
+Size: about 440 lines, over the 400 guideline: the whole seam is this one module (the typed
+errors, the Device contract and its file implementation, the FileSystem that opens them and probes
+O_DIRECT), so that "all disk I/O goes through here" can be checked by reading one file.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ import mmap
 import os
 import stat
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier_contract.errors import KvtierError
+from kvtierd.tiers.base import TierUnavailable
 
 Buffer = memoryview | bytes | bytearray
 WBuffer = memoryview | bytearray
@@ -55,7 +55,7 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO m
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
-class DiskError(KvtierError):
+class DiskError(TierUnavailable):
     """An environment failure of the disk; ``errno`` is the OS error number when there is one."""
 
     code_name = "UNAVAILABLE"
@@ -435,147 +435,3 @@ class FileSystem:
         with _typed(f"remove {self._path(name)}"):
             os.unlink(name, dir_fd=self._dirfd)
         self.sync_dir()
-
-
-# -- fault injection ------------------------------------------------------------------------------
-
-
-class FaultyDevice(Device):
-    """Wraps a real Device and misbehaves on request (tests and crash tests only).
-
-    ``fail_writes/reads/syncs(n, err)``: the next ``n`` calls raise the typed error the real device
-    would raise for ``err``, having transferred nothing. ``tear_next_write(keep, succeed=...)``: the
-    next write stores only its first ``keep`` bytes, then raises DiskIOError(EIO) or reports full
-    success. ``flip_on_write(offset)``: after every write covering file offset ``offset``, that byte
-    is inverted on the real device; ``flip_byte(offset)`` inverts it now. ``latency_s``: a sleep
-    before every call. Counters: ``writes``, ``reads``, ``syncs``, ``faults``. A failed sync is
-    sticky, as on the real device. Thread-safe (fault state and counters under a lock).
-    """
-
-    def __init__(self, inner: Device, *, latency_s: float = 0.0) -> None:
-        self.inner, self.latency_s = inner, latency_s
-        self.path, self.size, self.direct, self.align = inner.path, inner.size, inner.direct, inner.align
-        self._lock = threading.Lock()
-        self._fail: dict[str, tuple[int, int]] = {}  # op -> (calls left to fail, errno)
-        self._tear: tuple[int, bool] | None = None
-        self._flip_offsets: set[int] = set()
-        self._sync_failed = False
-        self.counts = {"write": 0, "read": 0, "sync": 0, "fault": 0}
-
-    writes = property(lambda self: self.counts["write"])
-    reads = property(lambda self: self.counts["read"])
-    syncs = property(lambda self: self.counts["sync"])
-    faults = property(lambda self: self.counts["fault"])
-
-    def fail_writes(self, n: int = 1, err: int = errno.EIO) -> None:
-        self._fail["write"] = (n, err)
-
-    def fail_reads(self, n: int = 1, err: int = errno.EIO) -> None:
-        self._fail["read"] = (n, err)
-
-    def fail_syncs(self, n: int = 1, err: int = errno.EIO) -> None:
-        self._fail["sync"] = (n, err)
-
-    def tear_next_write(self, keep_bytes: int, *, succeed: bool = False) -> None:
-        self._tear = (keep_bytes, succeed)
-
-    def flip_on_write(self, offset: int) -> None:
-        self._flip_offsets.add(offset)
-
-    def _enter(self, op: str, offset: int | None) -> None:
-        """Count the call, sleep, and raise the armed fault for ``op`` if there is one."""
-        if self.latency_s:
-            time.sleep(self.latency_s)
-        with self._lock:
-            self.counts[op] += 1
-            left, err = self._fail.get(op, (0, 0))
-            if left <= 0:
-                return
-            self._fail[op] = (left - 1, err)
-            self.counts["fault"] += 1
-        where = f" at {offset}" if offset is not None else ""
-        if op == "sync":
-            self._sync_failed = True
-        raise disk_error(OSError(err, os.strerror(err)), f"{op} {self.path}{where} (injected)",
-                         sync=op == "sync")
-
-    def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
-        self._enter("read", offset)
-        return self.inner.pread_into(offset, views)
-
-    def pwrite(self, offset: int, views: Sequence[Buffer]) -> int:
-        self._enter("write", offset)
-        with self._lock:
-            tear, self._tear = self._tear, None
-            if tear is not None:
-                self.counts["fault"] += 1
-        nbytes = _nbytes(views)
-        if tear is not None:
-            keep, succeed = tear
-            data = b"".join(bytes(memoryview(v).cast("B")) for v in views)[:keep]
-            if data:
-                self.poke(offset, data)
-            if not succeed:
-                raise DiskIOError(f"write {self.path} at {offset}: torn after {keep} bytes (injected)",
-                                  err=errno.EIO)
-        else:
-            self.inner.pwrite(offset, views)
-        for flip in sorted(self._flip_offsets):
-            if offset <= flip < offset + nbytes:
-                self.flip_byte(flip)
-        return nbytes
-
-    def sync(self) -> None:
-        self._enter("sync", None)
-        if self._sync_failed:
-            raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed", err=errno.EIO)
-        self.inner.sync()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def _span(self, offset: int, nbytes: int) -> tuple[int, memoryview]:
-        """The whole aligned blocks around ``[offset, offset + nbytes)``, read from the real device."""
-        a = self.inner.align
-        start = offset - offset % a
-        end = min(-(-(offset + nbytes) // a) * a, self.inner.size)
-        assert offset + nbytes <= end, (offset, nbytes, self.inner.size)
-        buf = aligned_buffer(end - start, a)
-        self.inner.pread_into(start, [buf])
-        return start, buf
-
-    def poke(self, offset: int, data: bytes) -> None:
-        """Write ``data`` at any offset through the real device, bypassing faults (whole aligned
-        blocks are read, patched and written back, so that it works under O_DIRECT too)."""
-        start, buf = self._span(offset, len(data))
-        buf[offset - start : offset - start + len(data)] = data
-        self.inner.pwrite(start, [buf])
-
-    def flip_byte(self, offset: int) -> None:
-        """Invert the byte at file offset ``offset`` on the real device, now (bit rot)."""
-        start, buf = self._span(offset, 1)
-        self.poke(offset, bytes([buf[offset - start] ^ 0xFF]))
-
-
-class FaultyFileSystem(FileSystem):
-    """A real FileSystem whose Devices are :class:`FaultyDevice` (``devices[name]``: the latest
-    one opened per name) and whose next preallocations fail on request (``fail_allocate``)."""
-
-    def __init__(self, directory: str, *, io_align: int = 4096, create: bool = False) -> None:
-        super().__init__(directory, io_align=io_align, create=create)
-        self.devices: dict[str, FaultyDevice] = {}
-        self._fail_allocate: list[int] = []
-
-    def fail_allocate(self, err: int = errno.ENOSPC, n: int = 1) -> None:
-        self._fail_allocate.extend([err] * n)
-
-    def _preallocate(self, fd: int, nbytes: int) -> None:
-        if self._fail_allocate:
-            err = self._fail_allocate.pop(0)
-            raise OSError(err, os.strerror(err))
-        super()._preallocate(fd, nbytes)
-
-    def open_file(self, name: str, *, direct: bool | None = None, readonly: bool = False) -> Device:
-        dev = FaultyDevice(super().open_file(name, direct=direct, readonly=readonly))
-        self.devices[name] = dev
-        return dev
