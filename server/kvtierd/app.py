@@ -35,13 +35,13 @@ from kvtierd.cache import TieredCache
 from kvtierd.config import DaemonConfig
 from kvtierd.index import Entry
 from kvtierd.metrics import MetricsServer
-from kvtierd.policies import EvictionPolicy, make_policy
+from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import KvtierService
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.tiering import NvmeBridge
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
-from kvtierd.transports.cuda_ipc import CudaDriver, CudaIpcCopier, CudaUnavailable
+from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
+from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
 from kvtierd.transports.shm import ShmFdServer
 from kvtierd.transports.tcp import DataChannelServer
 
@@ -68,15 +68,17 @@ class Daemon:
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy)
         if cfg.disk_dir:
-            self.cache.bridge = _nvme_bridge(cfg, self.cache)
+            self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
+                cfg.write_policy, flush_watermark=cfg.flush_watermark,
+                write_after_hits=cfg.write_after_hits))
         # cuda_ipc: CUDA (cupy) only when enabled; the arena is page-locked in start().
-        self.cuda: CudaIpcCopier | None = None
+        self.cuda: CudaIpcTransport | None = None
         if cfg.cuda_ipc or cuda_driver is not None:
             if cuda_driver is None:
-                from kvtierd.transports.cuda_ipc import CupyDriver
+                from kvtierd.transports.cuda_driver import CupyDriver
 
                 cuda_driver = CupyDriver()
-            self.cuda = CudaIpcCopier(self.arena, cuda_driver)
+            self.cuda = CudaIpcTransport(CudaIpcCopier(self.arena, cuda_driver), self.cache)
         self.sessions = SessionTable(
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
@@ -162,13 +164,12 @@ class Daemon:
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
-            bridge = self.cache.bridge
-            if bridge is not None:
-                if not bridge.nvme.admitting and time.monotonic() >= next_probe:
+            for link in self.cache.chain:
+                if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
-                    await asyncio.get_running_loop().run_in_executor(None, bridge.nvme.probe)
-                await self._set_nvme_health(bridge.nvme.admitting)
-                bridge.maybe_flush()
+                    await asyncio.get_running_loop().run_in_executor(None, link.tier.probe)
+                await self._set_nvme_health(link.tier.admitting)
+                link.maybe_flush()
 
     async def _set_nvme_health(self, admitting: bool) -> None:
         if admitting != self._nvme_serving:
@@ -200,16 +201,16 @@ class Daemon:
             await asyncio.sleep(0.02)
         if self._sweeper:
             self._sweeper.cancel()
-        bridge = self.cache.bridge
-        if bridge is not None:
-            flushed = await bridge.flush_all(deadline)
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        for link in self.cache.chain:
+            flushed = await link.flush_all(deadline)
             try:
-                await loop.run_in_executor(None, bridge.checkpoint)
-                log.info("nvme checkpoint written (%d blocks flushed while draining)", flushed)
+                await loop.run_in_executor(None, link.checkpoint)
+                log.info("%s checkpoint written (%d blocks flushed while draining)",
+                         link.tier.name, flushed)
             except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
-                log.error("nvme checkpoint failed: %s", e)
-            await loop.run_in_executor(None, bridge.nvme.close)
+                log.error("%s checkpoint failed: %s", link.tier.name, e)
+            await loop.run_in_executor(None, link.tier.close)
         if self.server:
             await self.server.stop(grace=0.5)
         for part in (self.data, self.shm, self.metrics):
@@ -224,18 +225,13 @@ class Daemon:
                 os.unlink(self._socket_path())
 
 
-def _nvme_bridge(cfg: DaemonConfig, cache: TieredCache) -> NvmeBridge:
-    """The NVMe tier over ``cfg.disk_dir``, its index recovered into ``cache`` (blocking)."""
+def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
+    """The NVMe tier over ``cfg.disk_dir`` (not opened yet: the cache opens and restores it)."""
     slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
     file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
-    nvme = NvmeTier(NvmeConfig(directory=cfg.disk_dir, capacity_bytes=max(cfg.disk_bytes, file_bytes),
+    return NvmeTier(NvmeConfig(directory=cfg.disk_dir, capacity_bytes=max(cfg.disk_bytes, file_bytes),
                                io_align=cfg.io_align_bytes, file_bytes=file_bytes,
                                slab_bytes=slab, io_threads=cfg.io_threads))
-    bridge = NvmeBridge(cache, nvme, write_policy=cfg.write_policy,
-                        flush_watermark=cfg.flush_watermark,
-                        write_after_hits=cfg.write_after_hits)
-    bridge.load_recovered()
-    return bridge
 
 
 async def _main(cfg: DaemonConfig) -> None:

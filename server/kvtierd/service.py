@@ -21,21 +21,20 @@ from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
 from kvtier_contract.identity import Namespace
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtierd.cache import LoadJob, TieredCache
+from kvtierd.cache import TieredCache
+from kvtierd.domain import Transport
 from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
-from kvtierd.transports.cuda_ipc import CudaIpcCopier
+from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
 KEY_BYTES = 32
-_TRANSPORTS = frozenset({pb.TRANSPORT_SHM, pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC})
 _OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
 _SPEC_FIELDS = tuple(f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields)
 
@@ -91,13 +90,14 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
 
 
 class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
-    """The control plane. Owns nothing but its latency histograms; event-loop thread only."""
+    """The control plane. Owns nothing but its latency histograms and error counts; event-loop
+    thread only."""
 
     def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
                  max_batch_blocks: int, advertise: Callable[[], dict[str, Any]],
-                 cuda: CudaIpcCopier | None = None) -> None:
+                 cuda: CudaIpcTransport | None = None) -> None:
         self.cache = cache
-        self.cuda = cuda  # the cuda_ipc copier; None when cuda_ipc = false
+        self.cuda = cuda  # the cuda_ipc transport; None when cuda_ipc = false
         self.sessions = sessions
         self.boot_epoch = boot_epoch
         self.max_batch = max_batch_blocks
@@ -121,11 +121,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
         if self.draining:
             raise Unavailable("daemon is draining")
-        if request.transport not in _TRANSPORTS | {pb.TRANSPORT_UNSPECIFIED}:
+        if request.transport not in set(Transport) | {pb.TRANSPORT_UNSPECIFIED}:
             raise InvalidArgument(f"unsupported transport {request.transport}", field="transport")
-        self._transport(request.transport or pb.TRANSPORT_SHM)
-        s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0,
-                               request.transport or pb.TRANSPORT_SHM)
+        transport = self._transport(request.transport or pb.TRANSPORT_SHM)
+        s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport)
         adv = self.advertise()
         return pb.OpenSessionReply(
             boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),
@@ -148,13 +147,13 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         if request.pin:
-            job = await self.cache.pin_prefix(s, ns, keys)
+            job, tiers = self.cache.pin_prefix(s, ns, keys)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
             n = len(job.items)
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
-                                  tiers=bytes([pb.TIER_HOST]) * n,
-                                  offsets=[job.items[i].offset for i in range(n)])
+                                  tiers=tiers, offsets=[max(job.items[i].offset, 0)
+                                                        for i in range(n)])
         hit, tiers, durable = self.cache.lookup_detail(ns, keys)
         return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
                               durable=durable)
@@ -164,28 +163,19 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.sessions.get(request.session_id)
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        ready = 0
-        for k in keys:
-            if k not in ns.ready:
-                break
-            ready += 1
-        started = self.cache.bridge.prefetch(ns, keys[:ready]) if self.cache.bridge else 0
+        ready, started = self.cache.prefetch(ns, keys)
         return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
 
-    def _transport(self, value: int) -> int:
-        if value not in _TRANSPORTS:
+    def _transport(self, value: int) -> Transport:
+        if value not in set(Transport):
             raise InvalidArgument(f"must be TRANSPORT_SHM, TRANSPORT_TCP or TRANSPORT_CUDA_IPC, "
                                   f"got {value}", field="transport")
-        if value == pb.TRANSPORT_CUDA_IPC and self.cuda is None:
+        if value == Transport.CUDA_IPC and self.cuda is None:
             raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
                                      "cuda_ipc = true)", field="transport")
-        return value
+        return Transport(value)
 
-    def _not_copying(self, job_id: int) -> None:
-        if job_id in self.cache.copying:
-            raise FailedPrecondition(f"a CudaCopy for job {job_id} is in flight", field="job_id")
-
-    def _copier(self) -> CudaIpcCopier:
+    def _cuda(self) -> CudaIpcTransport:
         if self.cuda is None:
             raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
                                      "cuda_ipc = true)", field="transport")
@@ -193,45 +183,25 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def RegisterCudaBuffer(self, request: pb.RegisterCudaBufferRequest, context: Any) -> Any:
-        cuda = self._copier()
+        cuda = self._cuda()
         s = self.sessions.get(request.session_id)
-        buf = await cuda.register(s.id, request.device_uuid, request.ipc_handle,
-                                  request.handle_offset, request.buffer_bytes)
-        if s.released:  # the lease lapsed while the handle was being opened
-            cuda.release(s.id, buf.id)
-            raise NotFound(f"session {s.id} expired or closed", field="session_id")
-        return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buf.id)
+        buffer_id = await cuda.register(s, request.device_uuid, request.ipc_handle,
+                                        request.handle_offset, request.buffer_bytes)
+        return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buffer_id)
 
     @_rpc
     async def ReleaseCudaBuffer(self, request: pb.ReleaseCudaBufferRequest, context: Any) -> Any:
-        cuda = self._copier()
-        s = self.sessions.get(request.session_id)
-        cuda.release(s.id, request.buffer_id)
+        cuda = self._cuda()
+        cuda.release(self.sessions.get(request.session_id), request.buffer_id)
         return pb.ReleaseCudaBufferReply(boot_epoch=self.boot_epoch)
 
     @_rpc
     async def CudaCopy(self, request: pb.CudaCopyRequest, context: Any) -> Any:
-        cuda = self._copier()
+        cuda = self._cuda()
         s = self.sessions.get(request.session_id)
-        job = self.cache.copy_job(s, request.job_id)
-        buf = cuda.buffer(s.id, request.buffer_id)
-        self._not_copying(job.id)
-        keys = sorted(job.items)
-        bb = job.ns.block_bytes
-        plan = cuda.plan(buf, [job.items[i].offset for i in keys], bb,
-                         list(request.buffer_offsets))
-        to_device = isinstance(job, LoadJob)
-        self.cache.copying.add(job.id)
-        try:
-            copies = await cuda.copy(buf, plan, to_device)
-        except KvtierError:
-            self.cache.copying.discard(job.id)
-            self.cache.abort_job(s, job)  # a CUDA error fails this job, nothing else
-            raise
-        self.cache.copying.discard(job.id)
-        self.cache.mark_copied(job)
-        return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies,
-                                bytes=len(keys) * bb)
+        copies, nbytes = await cuda.copy(s, request.job_id, request.buffer_id,
+                                         list(request.buffer_offsets))
+        return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies, bytes=nbytes)
 
     @_rpc
     async def PrepareStore(self, request: pb.PrepareStoreRequest, context: Any) -> Any:
@@ -241,9 +211,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._transport(request.transport)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
-        if self.cache.bridge is not None:
-            new = sum(1 for k in keys if k not in ns.entries)
-            await self.cache.bridge.ensure_room(ns.slot_bytes, new)
+        if self.cache.chain:
+            await self.cache.make_room(ns, keys)
             # The wait may have outlived the lease: never attach a job to a released session.
             s = self.sessions.get(request.session_id)
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
@@ -253,7 +222,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteStore(self, request: pb.CompleteStoreRequest, context: Any) -> Any:
         s = self.sessions.get(request.session_id)
-        self._not_copying(request.job_id)
         committed, aborted = self.cache.complete_store(s, request.job_id, request.ok,
                                                        list(request.item_ok))
         return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed,
@@ -261,16 +229,21 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def PrepareLoad(self, request: pb.PrepareLoadRequest, context: Any) -> Any:
+        """found[i] = 1: key i is pinned at offsets[i]. found[i] = 0 with tiers[i] = a storage
+        tier: present there but not placed in the host tier this round (ask again after
+        CompleteLoad); with tiers[i] = TIER_NONE: absent."""
         s = self.sessions.get(request.session_id)
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._transport(request.transport)
-        job = await self.cache.prepare_load(s, ns, keys, transport)
+        job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
         n = len(keys)
-        if job is None:
-            return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(n),
-                                       offsets=[0] * n, tiers=bytes(n))
         found, offsets, tiers = bytearray(n), [0] * n, bytearray(n)
+        for i, tier in deferred.items():
+            tiers[i] = tier
+        if job is None:
+            return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(found),
+                                       offsets=offsets, tiers=bytes(tiers))
         for i, e in job.items.items():
             found[i], offsets[i], tiers[i] = 1, e.offset, pb.TIER_HOST
         return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, job_id=job.id, found=bytes(found),
@@ -279,7 +252,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
         s = self.sessions.get(request.session_id)
-        self._not_copying(request.job_id)
         self.cache.complete_load(s, request.job_id)
         return pb.CompleteLoadReply(boot_epoch=self.boot_epoch)
 
@@ -289,41 +261,23 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def stats_reply(self) -> pb.StatsReply:
         c = self.cache
+        host = c.host.stats()
         reply = pb.StatsReply(
             boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
-            total=_counters(c.totals()), host_capacity_bytes=c.host.capacity_bytes,
-            host_used_bytes=c.host.used_bytes, sessions=len(self.sessions),
-            leases_expired=self.sessions.expired_total, pinned_blocks=c.pinned_blocks,
-            writing_blocks=c.writing_blocks, eviction_policy=c.policy_name,
-            limbo_blocks=c.limbo_blocks)
-        if c.bridge is not None:
-            reply.nvme.CopyFrom(self.nvme_stats())
+            total=_counters(c.totals()), host_capacity_bytes=host["capacity_bytes"],
+            host_used_bytes=host["used_bytes"], sessions=len(self.sessions),
+            leases_expired=self.sessions.expired_total, **c.figures())
+        for link in c.chain:  # one storage tier today: NVMe
+            reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
+                                             flushes_in_flight=link.flushes_in_flight,
+                                             **link.tier.stats()))
         if self.cuda is not None:
-            f = self.cuda.figures
-            reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(
-                enabled=True, devices=len(self.cuda.uuids), buffers=self.cuda.buffers,
-                copies=f.copies, copy_errors=f.copy_errors, bytes_copied=f.bytes_copied))
+            reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
         for ns in c.namespaces.values():
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters))
         return reply
-
-
-    def nvme_stats(self) -> pb.NvmeStats:
-        b = self.cache.bridge
-        assert b is not None
-        t, f = b.nvme, b.nvme.figures
-        return pb.NvmeStats(
-            enabled=True, directory=t.cfg.directory, capacity_bytes=t.space.capacity_bytes,
-            used_bytes=t.space.used_bytes, admitting=t.admitting,
-            degraded_reason=t.degraded_reason, direct_io=f.direct_io, write_policy=b.write_policy,
-            bytes_written=f.bytes_written, bytes_read=f.bytes_read,
-            checksum_failures=f.checksum_failures, quarantined_slots=f.quarantined_slots,
-            commit_groups=f.commit_groups, write_errors=f.write_errors,
-            recovery_seconds=f.recovery_seconds, recovered_blocks=f.recovered_blocks,
-            recovery_quarantined=f.recovery_quarantined, recovery_mode=f.recovery_mode,
-            flushes_in_flight=b.flushes_in_flight)
 
 
 def _counters(c: Counters) -> pb.Counters:

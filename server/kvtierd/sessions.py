@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier_contract.errors import NotFound, ResourceExhausted
+from kvtierd.domain import Transport
 
 
 @dataclass(eq=False)
@@ -21,7 +22,7 @@ class Session:
     client_name: str
     ttl_s: float
     deadline: float
-    transport: int = 0
+    transport: Transport = Transport.SHM
     store_jobs: set[int] = field(default_factory=set)
     load_jobs: set[int] = field(default_factory=set)
     expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
@@ -46,7 +47,8 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, client_name: str, ttl_s: float | None, transport: int = 0) -> Session:
+    def open(self, client_name: str, ttl_s: float | None,
+             transport: Transport = Transport.SHM) -> Session:
         if len(self._sessions) >= self._max:
             self.sweep()  # lapsed leases the sweeper has not collected yet do not count
         if len(self._sessions) >= self._max:

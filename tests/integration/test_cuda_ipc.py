@@ -34,7 +34,8 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.app import Daemon
 from kvtierd.config import DaemonConfig
-from kvtierd.transports.cuda_ipc import CudaFailure, Move, runs
+from kvtierd.transports.cuda_driver import CudaFailure, Move
+from kvtierd.transports.cuda_ipc import runs
 
 UUID_A, UUID_B = bytes(range(16)), bytes(range(16, 32))
 StatusCode = grpc.StatusCode

@@ -8,6 +8,7 @@ for pinned and ``5w`` for a block being written.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -21,8 +22,8 @@ from kvtier_contract.errors import (
     ResourceExhausted,
 )
 from kvtier_contract.identity import Namespace
-from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.cache import PRESENT, REJECTED, RESERVED, TieredCache
+from kvtierd.cache import LoadJob, TieredCache
+from kvtierd.domain import StoreStatus, Transport
 from kvtierd.index import EntryState, NamespaceState
 from kvtierd.policies import PolicyName, make_policy
 from kvtierd.sessions import Session
@@ -32,7 +33,8 @@ from kvtierd.tiers import Arena, HostTier
 KIB = 1024
 BLOCK = 4 * KIB
 TOKENS_PER_BLOCK = 4
-SHM, TCP = pb.TRANSPORT_SHM, pb.TRANSPORT_TCP
+SHM, TCP = Transport.SHM, Transport.TCP
+RESERVED, PRESENT, REJECTED = StoreStatus.RESERVED, StoreStatus.ALREADY_PRESENT, StoreStatus.REJECTED
 POLICIES: list[PolicyName] = ["lru", "arc"]
 
 MakeCache = Callable[..., TieredCache]
@@ -61,7 +63,7 @@ def spec(block_bytes: int = BLOCK, model: str = "m") -> Namespace:
                      num_layers=1, num_kv_heads=1, head_dim=head_dim)
 
 
-def session(sid: int = 1, transport: int = SHM) -> Session:
+def session(sid: int = 1, transport: Transport = SHM) -> Session:
     return Session(sid, f"s{sid}", ttl_s=10.0, deadline=1e12, transport=transport)
 
 
@@ -70,13 +72,13 @@ def make_cache(request: pytest.FixtureRequest) -> Iterator[MakeCache]:
     arenas: list[Arena] = []
 
     def make(slabs: int = 4, slab_bytes: int = BLOCK, align: int = BLOCK,
-             max_namespaces: int = 8) -> TieredCache:
+             max_namespaces: int = 8, clock: Callable[[], float] = time.monotonic) -> TieredCache:
         arena = Arena(slabs * slab_bytes, prefault=False)
         arenas.append(arena)
         host = HostTier(arena, slab_bytes=slab_bytes, slot_align_bytes=align)
         policy = make_policy(request.param, ghost_capacity=16)
         return TieredCache(host, policy, max_namespaces=max_namespaces,
-                           policy_name=request.param)
+                           policy_name=request.param, clock=clock)
 
     yield make
     for a in arenas:
@@ -106,9 +108,17 @@ def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
 def pin(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
         s: Session | None = None) -> int:
     """Pin ``ks`` with a load job that is left open; returns its id."""
-    job = done(cache.prepare_load(s or session(), ns, ks, SHM))
+    job = load_job(cache, s or session(), ns, ks)
     assert job is not None and len(job.items) == len(ks)
     return job.id
+
+
+def load_job(cache: TieredCache, s: Session, ns: NamespaceState, ks: Sequence[bytes],
+         transport: Transport = SHM) -> LoadJob | None:
+    """prepare_load of a host-only cache: nothing is ever deferred."""
+    job, deferred = done(cache.prepare_load(s, ns, ks, transport))
+    assert deferred == {}
+    return job
 
 
 def resident(ns: NamespaceState) -> set[bytes]:
@@ -134,7 +144,7 @@ def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceSta
     other = cache.register_namespace(spec(model="other"))
     put(cache, ns, keys(1, 2))
     assert cache.lookup(other, keys(1, 2)) == 0
-    assert done(cache.prepare_load(session(), other, keys(1), SHM)) is None
+    assert load_job(cache, session(), other, keys(1)) is None
     # the same key bytes can be stored in the other namespace independently
     assert put(cache, other, keys(1)) == st(RESERVED)
 
@@ -142,12 +152,12 @@ def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceSta
 def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(1, 2, 4))
-    job = done(cache.pin_prefix(s, ns, keys(1, 2, 3, 4)))
+    job, tiers = cache.pin_prefix(s, ns, keys(1, 2, 3, 4))
     # [1* 2* 4]: 4 is resident but after the miss at 3
-    assert job is not None and sorted(job.items) == [0, 1]
+    assert job is not None and sorted(job.items) == [0, 1] and tiers == bytes([1, 1])  # host
     assert [ns.entries[k].pins for k in keys(1, 2, 4)] == [1, 1, 0]
     assert cache.pinned_blocks == 2 and s.load_jobs == {job.id}
-    assert done(cache.pin_prefix(s, ns, keys(3, 1))) is None  # nothing hit, nothing pinned
+    assert cache.pin_prefix(s, ns, keys(3, 1)) == (None, b"")  # nothing hit, nothing pinned
     assert cache.complete_load(s, job.id) == 2
     assert cache.pinned_blocks == 0
 
@@ -163,8 +173,8 @@ def test_writing_entries_are_invisible_until_committed(cache: TieredCache,
     assert job is not None and status == st(RESERVED, RESERVED)
     assert len(set(offsets)) == 2 and all(o % BLOCK == 0 for o in offsets)
     assert cache.lookup(ns, keys(1)) == 0
-    assert done(cache.prepare_load(s2, ns, keys(1, 2), SHM)) is None
-    assert done(cache.pin_prefix(s2, ns, keys(1, 2))) is None
+    assert load_job(cache, s2, ns, keys(1, 2)) is None
+    assert cache.pin_prefix(s2, ns, keys(1, 2))[0] is None
     # another writer is told there is nothing to do (someone is already writing it)
     assert cache.prepare_store(s2, ns, keys(2), SHM)[1] == st(PRESENT)
     assert cache.writing_blocks == 2
@@ -307,7 +317,7 @@ def test_jobs_belong_to_their_session_and_kind(cache: TieredCache, ns: Namespace
     owner, other = session(1), session(2)
     put(cache, ns, keys(1))
     store, _, _ = cache.prepare_store(owner, ns, keys(2), SHM)
-    load = done(cache.prepare_load(owner, ns, keys(1), SHM))
+    load = load_job(cache, owner, ns, keys(1))
     assert store is not None and load is not None
     with pytest.raises(PermissionDenied):
         cache.complete_store(other, store.id, ok=False)
@@ -330,31 +340,36 @@ def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache,
     s = session(transport=TCP)
     job, _, _ = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
-    cache.mark_received(s.id, job.id, 0)
-    cache.mark_received(s.id, job.id, 2)
-    cache.mark_received(99, job.id, 1)  # another session's data channel: ignored
+    for first in (0, 2):  # what the data channel does once a frame's bytes are in
+        run_job, _ = cache.jobs.store_run(s.id, job.id, first, 1, BLOCK)
+        run_job.arrived([first])
+    with pytest.raises(NotFound):
+        cache.jobs.store_run(99, job.id, 1, 1, BLOCK)  # another session's data channel
     # the client claims success for all three, but the bytes of 2 never arrived
     assert cache.complete_store(s, job.id, ok=True) == (2, 1)
     assert resident(ns) == set(keys(1, 3))
     assert ns.counters.bytes_in_tcp == 2 * BLOCK and ns.counters.bytes_in_shm == 0
 
 
-def test_store_target_checks_session_index_and_length(cache: TieredCache,
-                                                      ns: NamespaceState) -> None:
+def test_store_run_checks_session_index_and_length(cache: TieredCache,
+                                                   ns: NamespaceState) -> None:
     s = session(transport=TCP)
     put(cache, ns, keys(1))
-    job, _, offsets = cache.prepare_store(s, ns, keys(1, 2), TCP)
+    job, _, offsets = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
-    view = cache.store_target(s.id, job.id, 1, BLOCK)
-    assert len(view) == BLOCK
-    for args, field in [((99, job.id, 1, BLOCK), "job_id"),  # another session
-                        ((s.id, job.id + 1, 1, BLOCK), "job_id"),
-                        ((s.id, job.id, 0, BLOCK), "index"),  # present, not reserved
-                        ((s.id, job.id, 1, BLOCK - 1), "length")]:
+    run_job, entries = cache.jobs.store_run(s.id, job.id, 1, 2, 2 * BLOCK)  # keys 2 and 3
+    assert run_job is job and [e.offset for e in entries] == offsets[1:]
+    for args, field in [((99, job.id, 1, 1, BLOCK), "job_id"),  # another session
+                        ((s.id, job.id + 1, 1, 1, BLOCK), "job_id"),
+                        ((s.id, job.id, 0, 1, BLOCK), "index"),  # present, not reserved
+                        ((s.id, job.id, 1, 3, 3 * BLOCK), "index"),  # runs past the job
+                        ((s.id, job.id, 1, 1, BLOCK - 1), "length"),
+                        ((s.id, job.id, 1, 2, 3 * BLOCK), "length"),  # not one size per block
+                        ((s.id, job.id, 1, 0, 0), "length")]:
         with pytest.raises((NotFound, InvalidArgument)) as exc:
-            cache.store_target(*args)
+            cache.jobs.store_run(*args)
         assert exc.value.field == field, args
-    view.release()
+    assert job.received == set()  # validating changed nothing
 
 
 # ---- eviction ------------------------------------------------------------------------------
@@ -466,19 +481,19 @@ def test_prepare_load_pins_what_is_ready_and_complete_load_unpins(cache: TieredC
                                                                   ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(1, 3))
-    job = done(cache.prepare_load(s, ns, keys(1, 2, 3), SHM))
+    job = load_job(cache, s, ns, keys(1, 2, 3))
     assert job is not None and sorted(job.items) == [0, 2]
     assert cache.pinned_blocks == 2
-    assert cache.load_sources(s.id, job.id)[0][0] == 0
+    assert [i for i, _ in cache.jobs.load_run(s.id, job.id)[1]] == [0, 2]
     with pytest.raises(NotFound):
-        cache.load_sources(99, job.id)
+        cache.jobs.load_run(99, job.id)
     assert cache.complete_load(s, job.id) == 2
     assert cache.pinned_blocks == 0 and s.load_jobs == set()
     assert all(ns.entries[k].pins == 0 for k in keys(1, 3))
     assert ns.counters.loads == 2 and ns.counters.bytes_out_shm == 2 * BLOCK
     with pytest.raises(NotFound):
         cache.complete_load(s, job.id)
-    assert done(cache.prepare_load(s, ns, keys(7), SHM)) is None
+    assert load_job(cache, s, ns, keys(7)) is None
 
 
 def test_two_load_jobs_pin_a_block_twice(cache: TieredCache, ns: NamespaceState) -> None:
@@ -558,7 +573,7 @@ def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     cache.complete_store(s, job.id, ok=False)                         # 1 dropped
     pin(cache, ns, keys(1, 2, 3))
     put(cache, other, keys(7))                                        # other: 1 accepted
-    load = done(cache.prepare_load(s, other, keys(7), SHM))
+    load = load_job(cache, s, other, keys(7))
     assert load is not None
     # [1* 2* 3*] [7*]: full
     assert put(cache, ns, keys(5)) == st(REJECTED)                    # 1 rejected
@@ -580,8 +595,7 @@ def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
 
 def test_slots_of_an_expired_writer_are_held_back_one_lease(make_cache: MakeCache) -> None:
     now = [100.0]
-    cache = make_cache()
-    cache._clock = lambda: now[0]  # noqa: SLF001  (a fake clock for the limbo deadline)
+    cache = make_cache(clock=lambda: now[0])  # a fake clock for the limbo deadline
     ns = cache.register_namespace(spec())
     put(cache, ns, keys(1, 2))
     writer = session(2)
@@ -616,6 +630,6 @@ def test_no_job_attaches_to_a_released_session(cache: TieredCache, ns: Namespace
     with pytest.raises(NotFound, match="session_id"):
         cache.prepare_store(gone, ns, keys(2), SHM)
     with pytest.raises(NotFound, match="session_id"):
-        done(cache.prepare_load(gone, ns, keys(1), SHM))
+        load_job(cache, gone, ns, keys(1))
     assert cache.writing_blocks == 0 and cache.pinned_blocks == 0
     assert ns.entries.keys() == set(keys(1))

@@ -1,4 +1,4 @@
-"""NvmeBridge scenarios: a TieredCache of 4 KiB blocks over a real NVMe tier in a temp directory.
+"""Chain scenarios: a TieredCache of 4 KiB blocks over a real NVMe tier in a temp directory.
 
 The host tier holds ``host`` blocks (one 4 KiB slot per slab, so every eviction is visible); the
 NVMe tier holds ``nvme`` slots of 8 KiB (header region + payload, one slot per slab) in one block
@@ -29,20 +29,18 @@ from typing import Any
 import pytest
 
 from kvtier_contract.identity import Namespace
-from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.cache import PRESENT, RESERVED, TIER_HOST, TieredCache
+from kvtierd.cache import TieredCache, TierLink
+from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry
-from kvtierd.policies import PolicyName, make_policy
+from kvtierd.policies import PolicyName, WritePolicyName, make_policy, make_write_policy
 from kvtierd.sessions import Session
-from kvtierd.tiering import NvmeBridge, WritePolicy
+from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.device import (
     Device,
     DiskError,
     DiskFull,
     DiskIOError,
-    FaultyDevice,
-    FaultyFileSystem,
     FileSystem,
     SyncFailed,
 )
@@ -59,7 +57,8 @@ KIB = 1024
 A = 4 * KIB  # io_align: the header region of a slot
 BLOCK = 4 * KIB
 NVME_SLOT = A + BLOCK
-SHM = pb.TRANSPORT_SHM
+SHM = Transport.SHM
+RESERVED, PRESENT = StoreStatus.RESERVED, StoreStatus.ALREADY_PRESENT
 DRAIN_S = 5.0
 
 
@@ -90,10 +89,10 @@ def scenario(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None
 
 
 class Rig:
-    """One cache + NVMe tier + bridge, wired as ``app._nvme_bridge`` wires them."""
+    """One cache with an NVMe tier in its chain, wired as the daemon's composition root does."""
 
     def __init__(self, directory: Path, *, host: int = 8, nvme: int = 16,
-                 write_policy: WritePolicy = "write-through", watermark: float = 0.8,
+                 write_policy: WritePolicyName = "write-through", watermark: float = 0.8,
                  hits: int = 2, policy: PolicyName = "lru",
                  fs_factory: Callable[..., FileSystem] = FaultyFileSystem) -> None:
         self.arena = Arena(host * BLOCK, prefault=False)
@@ -103,10 +102,9 @@ class Rig:
         self.nvme = NvmeTier(NvmeConfig(directory=str(directory), capacity_bytes=nvme * NVME_SLOT,
                                         io_align=A, file_bytes=nvme * NVME_SLOT,
                                         slab_bytes=NVME_SLOT, io_threads=2), fs_factory=fs_factory)
-        self.bridge = NvmeBridge(self.cache, self.nvme, write_policy=write_policy,
-                                 flush_watermark=watermark, write_after_hits=hits)
-        self.cache.bridge = self.bridge
-        self.restored = self.bridge.load_recovered()
+        self.link: TierLink = self.cache.add_storage_tier(self.nvme, make_write_policy(
+            write_policy, flush_watermark=watermark, write_after_hits=hits))
+        self.restored = self.link.restored
         self.ns = self.cache.register_namespace(spec())
         self.session = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=SHM)
         self._closed = False
@@ -135,7 +133,7 @@ class Rig:
 
     def where(self, i: int) -> int:
         """Offset of block ``i``'s slot in the block file."""
-        loc = self.entry(i).nvme
+        loc = self.entry(i).copy_in(TierId.NVME)
         assert loc is not None, f"block {i} has no NVMe copy"
         return int(loc.offset) % self.nvme.cfg.file_bytes
 
@@ -144,7 +142,7 @@ class Rig:
     async def store(self, *ids: int) -> bytes:
         """Put blocks ``ids`` (backpressure first, as PrepareStore does); per-key status."""
         ks = keys(*ids)
-        await self.bridge.ensure_room(self.ns.slot_bytes, sum(k not in self.ns.entries for k in ks))
+        await self.cache.make_room(self.ns, ks)
         job, status, _ = self.cache.prepare_store(self.session, self.ns, ks, SHM)
         if job is not None:
             for i, e in job.items.items():
@@ -153,27 +151,43 @@ class Rig:
         return status
 
     async def read(self, *ids: int) -> list[bytes | None]:
-        """Load blocks ``ids`` (promoting NVMe-only ones); their bytes, None for a miss."""
+        """Load blocks ``ids`` as a client does: one round, then again for the deferred keys
+        (present on NVMe, not placed in the host tier that round) while rounds make progress.
+        Their bytes, None for a miss."""
         out: list[bytes | None] = [None] * len(ids)
-        job = await self.cache.prepare_load(self.session, self.ns, keys(*ids), SHM)
+        todo = list(range(len(ids)))
+        while todo:
+            got, deferred = await self.read_round(*(ids[i] for i in todo))
+            for j, data in enumerate(got):
+                if data is not None:
+                    out[todo[j]] = data
+            if not any(d is not None for d in got):
+                break  # no progress: the rest are misses
+            todo = [todo[j] for j in sorted(deferred)]
+        return out
+
+    async def read_round(self, *ids: int) -> tuple[list[bytes | None], dict[int, int]]:
+        """One prepare/complete load of ``ids``: their bytes (None if not served this round) and
+        the deferred ones (index -> tier)."""
+        out: list[bytes | None] = [None] * len(ids)
+        job, deferred = await self.cache.prepare_load(self.session, self.ns, keys(*ids), SHM)
         if job is not None:
             for i, e in job.items.items():
                 out[i] = bytes(self.cache.host.arena.slot(e.offset, BLOCK))
             self.cache.complete_load(self.session, job.id)
-        return out
+        return out, deferred
 
     def lookup(self, *ids: int) -> tuple[int, str, str]:
         hit, tiers, durable = self.cache.lookup_detail(self.ns, keys(*ids))
-        return (hit, "".join("h" if t == TIER_HOST else "n" for t in tiers),
+        return (hit, "".join("h" if t == TierId.HOST else "n" for t in tiers),
                 "".join("d" if d else "-" for d in durable))
 
     async def settle(self) -> None:
-        """Wait until every flush and promotion the bridge started has ended."""
-        while self.bridge._tasks:
-            await asyncio.gather(*self.bridge._tasks)
+        """Wait until every flush and promotion the chain started has ended."""
+        await self.link.settle()
 
     async def drain(self) -> int:
-        n = await self.bridge.flush_all(time.monotonic() + DRAIN_S)
+        n = await self.link.flush_all(time.monotonic() + DRAIN_S)
         await self.settle()
         return n
 
@@ -181,7 +195,7 @@ class Rig:
 
     def stop(self) -> None:
         """A clean stop: checkpoint, then close (as drain_and_stop does after flush_all)."""
-        self.bridge.checkpoint()
+        self.link.checkpoint()
         self.close()
 
     def crash(self) -> None:
@@ -296,7 +310,7 @@ async def test_selective_flushes_a_block_at_its_nth_hit(make_rig: Callable[..., 
     assert rig.lookup(1) == (1, "h", "-")  # 1's third hit: its flush starts
     await rig.settle()
     assert rig.nvme.figures.writes == 1
-    assert (rig.entry(1).nvme is not None, rig.entry(2).nvme is None) == (True, True)
+    assert (rig.entry(1).copies is not None, rig.entry(2).copies is None) == (True, True)
     for _ in range(3):
         rig.lookup(1)  # later hits of 1 write nothing
     await rig.settle()
@@ -333,7 +347,7 @@ async def test_a_block_already_on_nvme_is_never_written_again(make_rig: Callable
     written = rig.nvme.figures.bytes_written
     assert written == BLOCK
     assert await rig.store(1) == bytes([PRESENT])
-    rig.bridge.schedule_flush(rig.entry(1))
+    rig.link.schedule_flush(rig.entry(1))
     assert await rig.drain() == 0
     # Out of the host tier and promoted back: host and NVMe copies again, still one write.
     await rig.store(2, 3, 4, 5)
@@ -394,14 +408,57 @@ async def test_prefetch_promotes_ahead_of_the_load(make_rig: Callable[..., Rig])
     await rig.store(4, 5, 6, 7)
     await rig.settle()  # host [4 5 6 7]; 1..3 on NVMe only
     assert rig.lookup(1, 2, 3) == (3, "nnn", "ddd")
-    assert rig.bridge.prefetch(rig.ns, keys(9, 1)) == 0  # only the ready prefix
-    assert rig.bridge.prefetch(rig.ns, keys(1, 2, 3)) == 3
+    assert rig.cache.prefetch(rig.ns, keys(9, 1)) == (0, 0)  # only the ready prefix
+    assert rig.cache.prefetch(rig.ns, keys(1, 2, 3)) == (3, 3)
     await rig.settle()
     assert rig.lookup(1, 2, 3) == (3, "hhh", "ddd")
     reads = rig.nvme.figures.reads
     assert (reads, rig.ns.counters.promotions) == (3, 3)
     assert await rig.read(1, 2, 3) == [payload(1), payload(2), payload(3)]
     assert rig.nvme.figures.reads == reads  # the load read nothing from disk
+
+
+@scenario
+async def test_a_load_larger_than_the_host_tier_streams_in_rounds(
+        make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=4, nvme=32)
+    for first in (1, 5, 9):
+        await rig.store(*range(first, min(first + 4, 11)))
+        await rig.settle()  # write-through: nvme [1..10]; host [7 8 9 10] at the end
+    assert rig.lookup(*range(1, 11)) == (10, "n" * 6 + "h" * 4, "d" * 10)
+    # One round places what the host tier can hold now; the rest is deferred, not missed.
+    got, deferred = await rig.read_round(*range(1, 11))
+    served = [i for i, data in enumerate(got) if data is not None]
+    assert len(served) == 4 and all(got[i] == payload(i + 1) for i in served)
+    assert set(deferred) == set(range(10)) - set(served)
+    assert set(deferred.values()) == {TierId.NVME}
+    # Round after round, every block the lookup reported is served, byte for byte.
+    assert await rig.read(*range(1, 11)) == [payload(i) for i in range(1, 11)]
+    assert rig.lookup(*range(1, 11))[0] == 10  # nothing was lost on the way
+    assert rig.ns.counters.checksum_failures == 0
+
+
+@scenario
+async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
+        make_rig: Callable[..., Rig]) -> None:
+    gate = Gate("read")
+    rig = make_rig(host=4, fs_factory=gate.filesystem)
+    await rig.store(1, 2)
+    await rig.settle()
+    await rig.store(3, 4, 5, 6)
+    await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
+    # Answered without waiting on the disk (every read is held at the gate meanwhile).
+    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3))
+    assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
+    assert rig.ns.counters.blocks_hit_nvme == 2 and rig.ns.counters.blocks_hit_host == 1
+    assert all(e.pins == 1 for e in job.items.values())
+    await gate.wait_entered()  # the promotion runs in the background
+    gate.open()
+    await rig.settle()
+    assert rig.lookup(1, 2, 3) == (3, "hhh", "ddd")
+    assert await rig.read(1, 2) == [payload(1), payload(2)]
+    assert rig.cache.complete_load(rig.session, job.id) == 3
+    assert rig.cache.pinned_blocks == 0
 
 
 @scenario
@@ -470,12 +527,13 @@ def _flip_header(rig: Rig) -> None:
 
 
 def _other_namespace(rig: Rig) -> None:  # a valid header, of another namespace
-    h = new_header(b"\x99" * 32, keys(1)[0], payload(1), sequence=rig.entry(1).nvme.seq)
+    h = new_header(b"\x99" * 32, keys(1)[0], payload(1), sequence=rig.entry(1).copy_in(TierId.NVME).seq)
     rig.disk.poke(rig.where(1), encode_header(h))
 
 
 def _other_key(rig: Rig) -> None:  # a valid header, of another key
-    h = new_header(rig.ns.spec.digest, keys(77)[0], payload(1), sequence=rig.entry(1).nvme.seq)
+    h = new_header(rig.ns.spec.digest, keys(77)[0], payload(1),
+                   sequence=rig.entry(1).copy_in(TierId.NVME).seq)
     rig.disk.poke(rig.where(1), encode_header(h))
 
 
@@ -616,7 +674,7 @@ async def test_a_disk_fault_stops_admission_until_a_probe_succeeds(
     assert not rig.nvme.admitting
     assert rig.nvme.degraded_reason.startswith(error.__name__)
     assert rig.lookup(1, 2) == (2, "hh", "d-")  # 2 was never reported durable
-    assert rig.entry(2).nvme is None and rig.ns.counters.demotions == 1
+    assert rig.entry(2).copy_in(TierId.NVME) is None and rig.ns.counters.demotions == 1
     assert rig.nvme.figures.write_errors == 1
     assert rig.nvme.space.used_bytes == NVME_SLOT  # the failed write's slot is free again
     # The host tier keeps serving, and nothing more is sent to the degraded tier.

@@ -1,79 +1,47 @@
 """TieredCache: the sole writer of the block index; decides where bytes go.
 
 It answers with plain data (job ids, arena offsets) and never touches payload bytes: transports
-move them (the client itself over shm, the data channel over tcp) and report completion.
+move them (the client itself over shm, the data channel over tcp, the daemon's copier over
+cuda_ipc) and report completion; storage tiers move them between the host tier and themselves
+when the chain's links ask (kvtierd.cache.chain).
 
 Primitives (event-loop thread only; no locks). Each either fully succeeds or changes nothing:
 
 * ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
   is the same across daemon restarts and never names another namespace).
-* ``lookup(ns, keys)`` -> longest prefix of READY blocks; ``pin_prefix`` also pins it as a load job.
+* ``lookup(ns, keys)`` / ``lookup_detail`` -> longest prefix of READY blocks (and each one's
+  tier); ``pin_prefix`` also pins that prefix as a load job, answering at once with the real
+  tier of each hit, and promotes the ones held only below in the background.
 * ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
-* ``prepare_load`` pins READY entries; ``complete_load`` unpins.
+* ``prepare_load`` pins READY entries with a valid host slot, promoting as many of the ones held
+  only below as the host tier can place now; the others are *deferred* (still present: ask
+  again after ``complete_load``, so a load larger than the free host tier streams in rounds).
 * ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
 
-Size: over the house limit because the entry state machine's transitions (store, load, evict,
-limbo, promotion hand-off) are kept in one place; NVMe movement lives in kvtierd.tiering.
+Parts (one component, one writer): :class:`~kvtierd.cache.residency.HostResidency` (host slots,
+eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion,
+promotion), :class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of them).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
 
-from kvtier_contract.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-)
+from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
-from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache.chain import TierLink
+from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
+from kvtierd.cache.residency import HostResidency
+from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.policies import EvictionPolicy
+from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
-from kvtierd.tiers import HostTier
+from kvtierd.tiers import HostTier, StorageTier
 
-RESERVED, PRESENT, REJECTED = pb.STORE_RESERVED, pb.STORE_ALREADY_PRESENT, pb.STORE_REJECTED
-TIER_HOST, TIER_NVME = pb.TIER_HOST, pb.TIER_NVME
-_HOST_TIERS = bytes([pb.TIER_HOST]) * 4096
-
-if TYPE_CHECKING:
-    from kvtierd.tiering import NvmeBridge
-_TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp",
-                    pb.TRANSPORT_CUDA_IPC: "cuda_ipc"}
-# Transports whose bytes the daemon moves itself: a store commits only what arrived.
-_DAEMON_MOVED = frozenset({pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC})
-
-
-@dataclass(eq=False)
-class StoreJob:
-    id: int
-    session_id: int
-    ns: NamespaceState
-    transport: int
-    items: dict[int, Entry]  # key index in the request -> reserved entry
-    received: set[int] = field(default_factory=set)  # tcp, cuda_ipc: keys whose bytes arrived
-
-
-@dataclass(eq=False)
-class LoadJob:
-    id: int
-    session_id: int
-    ns: NamespaceState
-    transport: int
-    items: dict[int, Entry]  # key index in the request -> pinned entry
-    moves_bytes: bool = True  # False for a pinned lookup: releasing it counts no load
-
-
-J = TypeVar("J", StoreJob, LoadJob)
+_HOST_TIERS = bytes([TierId.HOST]) * 4096
 
 
 def _check_live(session: Session) -> None:
@@ -84,31 +52,34 @@ def _check_live(session: Session) -> None:
 
 
 class TieredCache:
-    """Owns the index (entries of every namespace), the jobs and the eviction policy.
+    """Owns the index (entries of every namespace), the jobs, the host residency and the chain
+    of storage tiers below it.
 
-    Concurrency: event-loop thread only, no locks. Data-plane servers on the same loop call
-    ``store_target`` / ``load_sources`` to learn where bytes go; they never change the index.
+    Concurrency: event-loop thread only, no locks. Data-plane servers on the same loop reach
+    jobs through ``jobs`` (where bytes go); they never change the index.
     """
 
     def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *, max_namespaces: int,
                  policy_name: str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
-        self._clock = clock
-        # Slots of stores aborted by lease expiry, held back until a deadline: the session's
-        # process may be stalled, not dead, and still copying into them over shm.
-        self._limbo: deque[tuple[float, int, int]] = deque()  # (free at, offset, slot_bytes)
         self.policy = policy
         self.policy_name = policy_name
+        self.residency = HostResidency(host, policy, clock=clock)
+        self.chain: list[TierLink] = []
         self.namespaces: dict[int, NamespaceState] = {}
         self._max_namespaces = max_namespaces
-        self._jobs: dict[int, StoreJob | LoadJob] = {}
-        self._job_ids = itertools.count(1)
+        self._clock = clock
+        self.jobs = JobTable()
         self.pinned_blocks = 0
         self.writing_blocks = 0
-        # Jobs whose bytes the daemon is copying right now (cuda_ipc): their slots are never
-        # handed out again before the copy is over.
-        self.copying: set[int] = set()
-        self.bridge: NvmeBridge | None = None  # set by the composition root when NVMe is on
+
+    def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy) -> TierLink:
+        """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start)."""
+        link = TierLink(self.residency, tier, write_policy, self.namespaces.values)
+        self.chain.append(link)
+        self.residency.links = self.chain
+        link.restored = link.restore(self.register_namespace)
+        return link
 
     # -- namespaces -------------------------------------------------------------------------------
 
@@ -141,69 +112,91 @@ class TieredCache:
     # -- lookups ----------------------------------------------------------------------------------
 
     def lookup(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
-        """Longest prefix of READY blocks (hits are touched in the policy and counted)."""
-        return self.lookup_tiers(ns, keys)[0]
-
-    def lookup_tiers(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, bytes]:
-        """Longest prefix of READY blocks and the tier of each (one Tier byte per hit)."""
-        hit, tiers, _ = self.lookup_detail(ns, keys)
-        return hit, tiers
+        """Longest prefix of READY blocks (hits are touched in the policies and counted)."""
+        return self.lookup_detail(ns, keys)[0]
 
     def lookup_detail(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
-        """Longest READY prefix, the tier of each hit, and whether each has a durable NVMe copy."""
+        """Longest READY prefix, the tier of each hit (one TierId byte each), and whether each
+        has a durable copy in a storage tier."""
         found = list(map(ns.ready.get, keys))  # C-speed: ~40 µs for a 1,000-key chain
         try:
             hit = found.index(None)
         except ValueError:
             hit = len(found)
         hits: list[Entry] = found[:hit]  # type: ignore[assignment]  # no None before `hit`
-        if self.bridge is None:
+        if not self.chain:
             self.policy.touch_many(hits)
-            tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TIER_HOST]) * hit
-            on_nvme = 0
+            tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TierId.HOST]) * hit
+            below = 0
             durable = bytes(hit)
         else:
             in_host = [e.in_host for e in hits]
-            tiers = bytes(TIER_HOST if h else TIER_NVME for h in in_host)
-            on_nvme = hit - sum(in_host)
-            durable = bytes(e.nvme is not None for e in hits)
+            tiers = bytes(TierId.HOST if h else self._tier_below(e)
+                          for e, h in zip(hits, in_host, strict=True))
+            below = hit - sum(in_host)
+            durable = bytes(bool(e.copies) for e in hits)
             self.policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])
-            self.bridge.policy.touch_many([e for e in hits if e.nvme is not None])
-            self.bridge.on_hits(hits)
+            for link in self.chain:
+                link.policy.touch_many([e for e in hits if e.copy_in(link.id) is not None])
+                link.on_hits(hits)
         c = ns.counters
         n, tpb = len(keys), ns.spec.tokens_per_block
         c.lookups += 1
         c.blocks_requested += n
-        c.blocks_hit_host += hit - on_nvme
-        c.blocks_hit_nvme += on_nvme
+        c.blocks_hit_host += hit - below
+        c.blocks_hit_nvme += below
         c.blocks_missed += n - hit
         c.tokens_requested += n * tpb
         c.tokens_hit += hit * tpb
         c.tokens_missed += (n - hit) * tpb
         return hit, tiers, durable
 
-    async def pin_prefix(self, session: Session, ns: NamespaceState,
-                         keys: Sequence[bytes]) -> LoadJob | None:
+    def _tier_below(self, e: Entry) -> int:
+        """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
+        return next(link.id for link in self.chain if e.copy_in(link.id) is not None)
+
+    def pin_prefix(self, session: Session, ns: NamespaceState,
+                   keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
         """Lookup, then pin the hit prefix as a load job (released by complete_load or expiry).
-        NVMe-only blocks are promoted first; the prefix ends at the first that cannot be."""
-        hit = self.lookup(ns, keys)
+
+        Answers at once with the tier of each hit as it is now; blocks held only below are
+        promoted in the background (a later load finds them in the host tier, or joins their
+        promotion). Pinned, they are evicted from no tier meanwhile."""
+        hit, tiers, _ = self.lookup_detail(ns, keys)
         if hit == 0:
-            return None
+            return None, b""
         items = {i: ns.ready[keys[i]] for i in range(hit)}
-        if self.bridge is not None:
-            items = await self._promoted(session, items, prefix=True)
-            if not items:
-                return None
-            job = self._job_for_pinned(session, ns, items, session.transport)
-        else:
-            job = self._new_load_job(session, ns, items, session.transport)
+        job = self._new_load_job(session, ns, items, session.transport)
         job.moves_bytes = False
-        return job
+        self._prefetch(list(items.values()))
+        return job, tiers
+
+    def prefetch(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Start promoting the below-only blocks of the READY prefix of ``keys``:
+        (ready prefix length, promotions started)."""
+        prefix: list[Entry] = []
+        for k in keys:
+            e = ns.ready.get(k)
+            if e is None:
+                break
+            prefix.append(e)
+        return len(prefix), self._prefetch(prefix)
+
+    def _prefetch(self, entries: Sequence[Entry]) -> int:
+        below = [e for e in entries if not e.in_host]
+        return sum(link.prefetch(below) for link in self.chain) if below else 0
 
     # -- stores -----------------------------------------------------------------------------------
 
+    async def make_room(self, ns: NamespaceState, keys: Sequence[bytes]) -> None:
+        """Backpressure before a store: let the chain clean the host tier's cold end so the new
+        blocks can be placed by evicting only blocks held below (no-op without a chain)."""
+        if self.chain:
+            new = sum(1 for k in keys if k not in ns.entries)
+            await self.chain[0].ensure_room(ns.slot_bytes, new)
+
     def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                      transport: int) -> tuple[StoreJob | None, bytes, list[int]]:
+                      transport: Transport) -> tuple[StoreJob | None, bytes, list[int]]:
         _check_live(session)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
@@ -213,126 +206,131 @@ class TieredCache:
             e = ns.entries.get(k)
             if e is not None and e.state is EntryState.READY:
                 protect.add(e)
-        job_id = next(self._job_ids)
+        job_id = self.jobs.next_id()
         full = False
         c = ns.counters
         for i, k in enumerate(keys):
             if k in ns.entries:
-                status[i] = PRESENT
+                status[i] = StoreStatus.ALREADY_PRESENT
                 c.stores_already_present += 1
                 continue
-            off = None if full else self.allocate_host(ns.slot_bytes, protect)
+            off = None if full else self.residency.allocate(ns.slot_bytes, protect)
             if off is None:
                 full = True  # nothing evictable for this class now: the rest cannot fit either
-                status[i] = REJECTED
+                status[i] = StoreStatus.REJECTED
                 c.stores_rejected += 1
                 continue
             e = Entry(ns, k, off, job_id)
             ns.entries[k] = e
             items[i] = e
-            status[i] = RESERVED
+            status[i] = StoreStatus.RESERVED
             offsets[i] = off
         if not items:
             return None, bytes(status), offsets
         job = StoreJob(job_id, session.id, ns, transport, items)
-        self._jobs[job_id] = job
+        self.jobs.add(job)
         session.store_jobs.add(job_id)
         self.writing_blocks += len(items)
         return job, bytes(status), offsets
 
     def complete_store(self, session: Session, job_id: int, ok: bool,
                        item_ok: Sequence[bool] = (), *, hold_until: float = 0.0) -> tuple[int, int]:
-        job = self._job(session, job_id, StoreJob)
+        job = self.jobs.get(session.id, job_id, StoreJob)
+        self.jobs.not_copying(job_id)
         if item_ok and len(item_ok) != len(job.items):
             raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
                                   field="item_ok")
-        del self._jobs[job_id]
-        session.store_jobs.discard(job_id)
-        committed = aborted = 0
+        return self._end_store(session, job, ok, item_ok, hold_until)
+
+    def _end_store(self, session: Session, job: StoreJob, ok: bool, item_ok: Sequence[bool],
+                   hold_until: float) -> tuple[int, int]:
+        self.jobs.remove(job)
+        session.store_jobs.discard(job.id)
+        committed: list[Entry] = []
+        aborted = 0
         ns, c = job.ns, job.ns.counters
         for n, (i, e) in enumerate(sorted(job.items.items())):
             good = ok and (item_ok[n] if item_ok else True)
-            if job.transport in _DAEMON_MOVED and i not in job.received:
+            if job.transport.daemon_moved and i not in job.received:
                 good = False  # the daemon never received these bytes
             if good:
                 e.state = EntryState.READY
                 e.job = 0
                 ns.ready[e.key] = e
                 self.policy.insert(e)
-                c.resident_blocks += 1
-                c.resident_bytes += ns.block_bytes
-                committed += 1
+                self.residency.count(e, +1)
+                committed.append(e)
             else:
-                self._free(e, hold_until)
+                self.residency.free_reserved(e, hold_until)
                 aborted += 1
         self.writing_blocks -= len(job.items)
-        if self.bridge is not None and committed:
-            self.bridge.on_committed([e for e in job.items.values() if e.state is EntryState.READY])
-        c.stores_accepted += committed
+        for link in self.chain:
+            if committed:
+                link.on_committed(committed)
+        c.stores_accepted += len(committed)
         c.stores_dropped += aborted
-        name = _TRANSPORT_NAMES.get(job.transport, "shm")
-        setattr(c, f"bytes_in_{name}", getattr(c, f"bytes_in_{name}") + committed * ns.block_bytes)
-        return committed, aborted
+        name = f"bytes_in_{job.transport.label}"
+        setattr(c, name, getattr(c, name) + len(committed) * ns.block_bytes)
+        return len(committed), aborted
 
     # -- loads ------------------------------------------------------------------------------------
 
     async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                           transport: int) -> LoadJob | None:
-        """Pin the READY entries among ``keys`` (promoting NVMe-only ones first)."""
+                           transport: Transport) -> tuple[LoadJob | None, dict[int, int]]:
+        """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
+        the keys still present below but not placed this round (deferred: index -> the storage
+        tier holding them)."""
         items: dict[int, Entry] = {}
         for i, k in enumerate(keys):
             e = ns.ready.get(k)
             if e is not None:
                 items[i] = e
-        if self.bridge is not None and items:
-            items = await self._promoted(session, items, prefix=False)
-            if not items:
-                return None
+        deferred: dict[int, int] = {}
+        if self.chain and items:
+            kept = await self._promoted(session, items)
+            deferred = {i: self._tier_below(e) for i, e in items.items()
+                        if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
+            items = kept
             for e in items.values():
-                self.policy.touch(e)
-            return self._job_for_pinned(session, ns, items, transport)
+                e.pins -= 1  # _new_load_job takes the job's own pins
         for e in items.values():
             self.policy.touch(e)
         if not items:
-            return None
-        return self._new_load_job(session, ns, items, transport)
+            return None, deferred
+        return self._new_load_job(session, ns, items, transport), deferred
 
-    async def _promoted(self, session: Session, items: dict[int, Entry], *,
-                        prefix: bool) -> dict[int, Entry]:
-        """Pin ``items``, promote the NVMe-only ones, unpin and drop those that failed (and,
-        with ``prefix``, everything after the first failure). Returned entries stay pinned."""
-        assert self.bridge is not None
+    async def _promoted(self, session: Session, items: dict[int, Entry]) -> dict[int, Entry]:
+        """Pin ``items``, promote those held only below (as many as fit), unpin and drop those
+        that are not in the host tier now. Returned entries stay pinned (once more)."""
         for e in items.values():
             e.pins += 1
         protect = set(items.values())
-        need = [e for e in items.values() if not e.in_host]
-        promoted = await self.bridge.promote_many(need, protect) if need else set()
-        results = {id(e): e in promoted for e in need}
+        for link in self.chain:
+            need = [e for e in items.values() if not e.in_host and e.copy_in(link.id) is not None]
+            if need:
+                await link.promote_many(need, protect)
         kept: dict[int, Entry] = {}
-        failed = False
         for i in sorted(items):
             e = items[i]
-            good = not failed and results.get(id(e), True) and e.in_host and not session.released
-            failed = failed or (prefix and not good)
-            if good:
+            if e.in_host and not session.released:
                 kept[i] = e
             else:
                 e.pins -= 1
         return kept
 
     def complete_load(self, session: Session, job_id: int) -> int:
-        job = self._job(session, job_id, LoadJob)
+        job = self.jobs.get(session.id, job_id, LoadJob)
+        self.jobs.not_copying(job_id)
         self._finish_load(session, job)
         if not job.moves_bytes:
             return len(job.items)
         c = job.ns.counters
         c.loads += len(job.items)
-        name = _TRANSPORT_NAMES.get(job.transport, "shm")
-        n = len(job.items) * job.ns.block_bytes
-        setattr(c, f"bytes_out_{name}", getattr(c, f"bytes_out_{name}") + n)
+        name = f"bytes_out_{job.transport.label}"
+        setattr(c, name, getattr(c, name) + len(job.items) * job.ns.block_bytes)
         return len(job.items)
 
-    # -- sessions ---------------------------------------------------------------------------------
+    # -- sessions and transfers -------------------------------------------------------------------
 
     def release_session(self, session: Session) -> None:
         """Abort the session's store jobs and release its pins (close or lease expiry).
@@ -342,86 +340,29 @@ class TieredCache:
         """
         hold_until = self._clock() + session.ttl_s if session.expired else 0.0
         for job_id in list(session.store_jobs):
+            job = self.jobs.get(session.id, job_id, StoreJob)
             # A daemon-side copy still writing into the slots holds them back as well.
-            hold = self._clock() + session.ttl_s if job_id in self.copying else hold_until
-            self.complete_store(session, job_id, ok=False, hold_until=hold)
+            copying = job_id in self.jobs.copying
+            self._end_store(session, job, False, (),
+                            self._clock() + session.ttl_s if copying else hold_until)
         for job_id in list(session.load_jobs):
-            job = self._jobs[job_id]
-            assert isinstance(job, LoadJob)
+            self._finish_load(session, self.jobs.get(session.id, job_id, LoadJob))
+
+    def abort_job(self, session: Session, job: Job) -> None:
+        """Its transfer failed: free a store's entries, unpin a load's (if still live)."""
+        if not self.jobs.is_live(job):
+            return
+        if isinstance(job, StoreJob):
+            self._end_store(session, job, False, (), 0.0)
+        else:
             self._finish_load(session, job)
 
     def sweep_limbo(self) -> int:
-        """Return held-back slots whose time has come to the tier; how many were returned."""
-        now, n = self._clock(), 0
-        while self._limbo and self._limbo[0][0] <= now:
-            _, offset, slot_bytes = self._limbo.popleft()
-            self.host.free(offset, slot_bytes)
-            n += 1
-        return n
+        return self.residency.sweep_limbo()
 
     @property
     def limbo_blocks(self) -> int:
-        return len(self._limbo)
-
-    # -- data plane hooks -------------------------------------------------------------------------
-
-    def store_target(self, session_id: int, job_id: int, index: int, nbytes: int) -> memoryview:
-        """Where the bytes of key ``index`` of a store job go (tcp data channel)."""
-        job = self._jobs.get(job_id)
-        if not isinstance(job, StoreJob) or job.session_id != session_id:
-            raise NotFound(f"no store job {job_id} for this session", field="job_id")
-        e = job.items.get(index)
-        if e is None:
-            raise InvalidArgument(f"key {index} is not reserved in job {job_id}", field="index")
-        if nbytes != job.ns.block_bytes:
-            raise InvalidArgument(f"payload of {nbytes} bytes, block is {job.ns.block_bytes}",
-                                  field="length")
-        return self.host.arena.slot(e.offset, nbytes)
-
-    def store_entry(self, job_id: int, index: int) -> Entry:
-        job = self._jobs[job_id]
-        assert isinstance(job, StoreJob)
-        return job.items[index]
-
-    def mark_received(self, session_id: int, job_id: int, index: int) -> None:
-        job = self._jobs.get(job_id)
-        if isinstance(job, StoreJob) and job.session_id == session_id and index in job.items:
-            job.received.add(index)
-
-    def load_sources(self, session_id: int, job_id: int) -> list[tuple[int, memoryview]]:
-        """The pinned slots of a load job, in key order (tcp data channel)."""
-        job = self._jobs.get(job_id)
-        if not isinstance(job, LoadJob) or job.session_id != session_id:
-            raise NotFound(f"no load job {job_id} for this session", field="job_id")
-        nb = job.ns.block_bytes
-        return [(i, self.host.arena.slot(e.offset, nb)) for i, e in sorted(job.items.items())]
-
-    def copy_job(self, session: Session, job_id: int) -> StoreJob | LoadJob:
-        """A live job of ``session`` prepared for the cuda_ipc transport (CudaCopy)."""
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
-        if job.session_id != session.id:
-            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
-        if job.transport != pb.TRANSPORT_CUDA_IPC:
-            name = _TRANSPORT_NAMES.get(job.transport, str(job.transport))
-            raise FailedPrecondition(f"job {job_id} was prepared for transport {name}, not "
-                                     "cuda_ipc", field="job_id")
-        return job
-
-    def mark_copied(self, job: StoreJob | LoadJob) -> None:
-        """A CudaCopy moved every block of a store job into its slots (if still live)."""
-        if isinstance(job, StoreJob) and self._jobs.get(job.id) is job:
-            job.received.update(job.items)
-
-    def abort_job(self, session: Session, job: StoreJob | LoadJob) -> None:
-        """Its transfer failed: free a store's entries, unpin a load's (if still live)."""
-        if self._jobs.get(job.id) is not job:
-            return
-        if isinstance(job, StoreJob):
-            self.complete_store(session, job.id, ok=False)
-        else:
-            self._finish_load(session, job)
+        return self.residency.limbo_blocks
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -431,108 +372,28 @@ class TieredCache:
             total.add(ns.counters)
         return total
 
+    def figures(self) -> dict[str, int | str]:
+        """The cache's own gauges, for Stats and /metrics."""
+        return {"pinned_blocks": self.pinned_blocks, "writing_blocks": self.writing_blocks,
+                "limbo_blocks": self.limbo_blocks, "eviction_policy": self.policy_name}
+
     # -- internals --------------------------------------------------------------------------------
 
-    def _job(self, session: Session, job_id: int, kind: type[J]) -> J:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
-        if job.session_id != session.id:
-            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
-        if not isinstance(job, kind):
-            raise FailedPrecondition(f"job {job_id} is not a {kind.__name__}", field="job_id")
-        return job
-
     def _new_load_job(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
-                      transport: int) -> LoadJob:
+                      transport: Transport) -> LoadJob:
         _check_live(session)
         for e in items.values():
             e.pins += 1
         self.pinned_blocks += len(items)
-        job = LoadJob(next(self._job_ids), session.id, ns, transport, items)
-        self._jobs[job.id] = job
+        job = LoadJob(self.jobs.next_id(), session.id, ns, transport, items)
+        self.jobs.add(job)
         session.load_jobs.add(job.id)
         return job
 
-    def _job_for_pinned(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
-                        transport: int) -> LoadJob:
-        for e in items.values():
-            e.pins -= 1  # _new_load_job takes the job's own pins
-        return self._new_load_job(session, ns, items, transport)
-
     def _finish_load(self, session: Session, job: LoadJob) -> None:
-        del self._jobs[job.id]
+        self.jobs.remove(job)
         session.load_jobs.discard(job.id)
         for e in job.items.values():
             assert e.pins > 0
             e.pins -= 1
         self.pinned_blocks -= len(job.items)
-
-    def allocate_host(self, slot_bytes: int, protect: set[Entry]) -> int | None:
-        """A free slot of ``slot_bytes``, evicting in policy order if needed; None if none can be.
-
-        Walks victims in policy order and takes whichever comes first: an evictable entry of the
-        same size class (its slot is reused), or a slab of another class whose every live slot
-        holds an evictable entry (those entries are evicted and the slab moves to this class).
-        So slabs follow demand instead of staying with the class that took them first, and a
-        store that cannot be placed evicts nothing: pinned and WRITING entries keep their slabs.
-        """
-        off = self.host.alloc(slot_bytes)
-        if off is not None:
-            return off
-        if self.bridge is not None and self.bridge.nvme.admitting:
-            # write-back: evict blocks that NVMe already holds before losing any that it does not
-            off = self._make_room(slot_bytes, protect, clean_only=True, max_scan=1024)
-            if off is not None:
-                return off
-        return self._make_room(slot_bytes, protect, clean_only=False)
-
-    def _make_room(self, slot_bytes: int, protect: set[Entry], *, clean_only: bool,
-                   max_scan: int = 1 << 62) -> int | None:
-        groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
-        for n, e in enumerate(self.policy.victims()):
-            if n >= max_scan:
-                break
-            if e.pins or e.flushing or e in protect or (clean_only and e.nvme is None):
-                continue
-            if e.ns.slot_bytes == slot_bytes:
-                self._evict(e)
-                return self.host.alloc(slot_bytes)
-            slab = self.host.slab_of(e.offset)
-            group = groups.setdefault(slab, [])
-            group.append(e)
-            if len(group) == self.host.live_slots(slab):
-                for victim in group:
-                    self._evict(victim)
-                return self.host.alloc(slot_bytes)  # the emptied slab is back in the pool
-        return None
-
-    def _evict(self, e: Entry) -> None:
-        assert e.evictable(), e
-        self.policy.remove(e, evicted=True)
-        e.ns.counters.evictions += 1
-        if e.nvme is not None and self.bridge is not None:
-            # Its NVMe copy stays: the entry remains READY, served from NVMe from now on.
-            c = e.ns.counters
-            c.resident_blocks -= 1
-            c.resident_bytes -= e.ns.block_bytes
-            self.host.free(e.offset, e.ns.slot_bytes)
-            e.offset = -1
-            self.bridge.on_host_evicted(e)
-            return
-        self._drop_ready(e)
-
-    def _drop_ready(self, e: Entry) -> None:
-        del e.ns.ready[e.key]
-        c = e.ns.counters
-        c.resident_blocks -= 1
-        c.resident_bytes -= e.ns.block_bytes
-        self._free(e)
-
-    def _free(self, e: Entry, hold_until: float = 0.0) -> None:
-        e.job = 0  # a data channel still holding this entry sees it is no longer its to write
-        del e.ns.entries[e.key]
-        if hold_until:
-            self._limbo.append((hold_until, e.offset, e.ns.slot_bytes))
-        else:
-            self.host.free(e.offset, e.ns.slot_bytes)

@@ -1,18 +1,20 @@
-"""Moves blocks between the host tier and the NVMe tier; the cache's second half.
+"""The chain below the host tier: one :class:`TierLink` per storage tier (NVMe today).
 
-The TieredCache owns the index and the host tier; this bridge owns the NVMe side of every entry:
+Part of the cache (kvtierd.cache). A link drives one :class:`~kvtierd.tiers.StorageTier` through
+that seam alone, and keeps the copies' side of every entry (``entry.copies[tier.id]``):
 
-* **flush** (demote): a READY host entry is written to NVMe; durable, it gets ``entry.nvme``.
-  Write policies decide when: ``write-back`` (default) keeps the host tier's coldest end clean by
-  flushing it once occupancy passes ``flush_watermark``, so that host eviction drops only blocks
-  that NVMe holds; ``write-through`` flushes every committed store; ``selective`` flushes a block
-  at its ``write_after_hits``-th hit. A block already on NVMe is never written again.
-* **host eviction** of an entry with an NVMe copy keeps the entry (READY, on NVMe only).
-* **promote**: a load of an NVMe-only entry first reads it into a host slot (header and payload
-  verified); a corrupt slot is quarantined and the block is a miss.
-* **NVMe eviction** frees NVMe copies in LRU order when the disk is full.
-* **recovery** puts the blocks found on disk back into the index; **drain** flushes and writes
-  the checkpoint.
+* **demote** (flush): a READY host block is written to the tier; durable, it gets its location.
+  The link's :class:`~kvtierd.policies.WritePolicy` chooses when (at commit, at a hit, or to keep
+  the host tier's cold end clean); a block already held is never written again.
+* **host eviction** of a block with a copy keeps it READY (served from the tier from then on).
+* **promote**: a load of a block held only below first reads it into a host slot (verified); a
+  corrupt copy is quarantined and the block is a miss.
+* **evict copies** in LRU order when the tier is full.
+* **recovery** puts the copies the tier found back into the index; **drain** flushes and writes
+  the tier's checkpoint.
+
+Counters: per namespace in the cache's Counters (the tier's columns: ``_TIER_COUNTERS``); the
+tier keeps its own figures (``tier.stats()``); ``flushes_in_flight`` is the link's.
 
 Concurrency: event-loop thread only. Every await point is followed by a re-check of the entry
 (it may have been dropped meanwhile); pins taken before an await keep entries in place.
@@ -24,52 +26,62 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
 
 from kvtier_contract.identity import Namespace
+from kvtierd.cache.residency import HostResidency
+from kvtierd.domain import TierId
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.policies import EvictionPolicy, LruPolicy
-from kvtierd.tiers.nvme.device import DiskError
-from kvtierd.tiers.nvme.format import CorruptSlot
-from kvtierd.tiers.nvme.tier import NvmeLocation, NvmeTier
+from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
+from kvtierd.tiers.base import CorruptCopy, StorageTier, TierUnavailable
 
-if TYPE_CHECKING:
-    from kvtierd.cache import TieredCache
-
-log = logging.getLogger("kvtierd.tiering")
-WritePolicy = Literal["write-back", "write-through", "selective"]
+log = logging.getLogger("kvtierd.chain")
 MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
 FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
 FLUSH_WORKERS = 2
 
+# Per-namespace counter columns of each storage tier: resident blocks and bytes, copies evicted,
+# payload bytes read and written.
+_TIER_COUNTERS = {
+    TierId.NVME: ("nvme_resident_blocks", "nvme_resident_bytes", "nvme_evictions",
+                  "nvme_bytes_read", "nvme_bytes_written"),
+}
 
-class NvmeBridge:
-    """Owns the NVMe policy (LRU over entries with an NVMe copy) and the flush/promote tasks."""
 
-    def __init__(self, cache: TieredCache, nvme: NvmeTier, *, write_policy: WritePolicy,
-                 flush_watermark: float, write_after_hits: int) -> None:
-        self.cache = cache
-        self.nvme = nvme
-        self.policy: EvictionPolicy[Entry] = LruPolicy()
+class TierLink:
+    """Owns the copy-eviction order of one storage tier, its write policy, the flush queue and
+    workers, and the promotions in flight from it. See the module docstring."""
+
+    def __init__(self, residency: HostResidency, tier: StorageTier, write_policy: WritePolicy,
+                 namespaces: Callable[[], Iterable[NamespaceState]]) -> None:
+        self.residency = residency
+        self.tier = tier
+        self.id = tier.id
         self.write_policy = write_policy
-        self.flush_watermark = flush_watermark
-        self.write_after_hits = write_after_hits
+        self.policy: EvictionPolicy[Entry] = LruPolicy()  # entries holding a copy here
+        self._namespaces = namespaces
+        self._columns = _TIER_COUNTERS[tier.id]
+        self.restored = 0  # copies put back into the index at start
         self.flushes_in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._flushed = asyncio.Event()  # set whenever a flush batch ends
         self._flush_queue: deque[Entry] = deque()
         self._flush_workers = 0
 
+    @property
+    def admitting(self) -> bool:
+        return self.tier.admitting
+
     # -- recovery ---------------------------------------------------------------------------------
 
-    def load_recovered(self) -> int:
-        """Open the NVMe tier and put what it holds back into the index (at startup)."""
-        rec = self.nvme.open()
+    def restore(self, register: Callable[[Namespace], NamespaceState]) -> int:
+        """Open the tier and put the copies it holds back into the index (at startup)."""
+        rec = self.tier.open()
         namespaces: dict[bytes, NamespaceState] = {}
         for digest, spec in rec.namespaces.items():
             try:
-                ns = self.cache.register_namespace(Namespace.from_dict(spec))
+                ns = register(Namespace.from_dict(spec))
             except Exception as err:  # noqa: BLE001  (a spec this daemon cannot host: skip it)
                 log.warning("recovered namespace %s not restored: %s", digest.hex()[:16], err)
                 continue
@@ -78,54 +90,46 @@ class NvmeBridge:
         for digest, key, loc in rec.blocks:
             home = namespaces.get(digest)
             if home is None or key in home.entries or loc.payload_len != home.block_bytes:
-                self.nvme.release(loc, digest, key)
+                self.tier.release(loc, digest, key)
                 continue
             e = Entry(home, key, -1, 0)
             e.state = EntryState.READY
-            e.nvme = loc
             home.entries[key] = e
             home.ready[key] = e
-            self.policy.insert(e)
-            self._count_nvme(e, +1)
+            self._add_copy(e, loc)
             restored += 1
         return restored
 
-    # -- flush (host -> NVMe) ---------------------------------------------------------------------
+    # -- demotion (host -> tier) ------------------------------------------------------------------
 
-    def on_committed(self, entries: Iterable[Entry]) -> None:
-        if self.write_policy == "write-through":
-            for e in entries:
-                self.schedule_flush(e)
+    def on_committed(self, entries: Sequence[Entry]) -> None:
+        for e in self.write_policy.committed(entries):
+            self.schedule_flush(e)
         self.maybe_flush()
 
-    def on_hits(self, entries: Iterable[Entry]) -> None:
-        if self.write_policy != "selective":
-            return
-        for e in entries:
-            e.hits += 1
-            if e.hits >= self.write_after_hits:  # not ==: a flush refused at the N-th hit
-                self.schedule_flush(e)  # (tier degraded) is retried; a no-op once on NVMe
+    def on_hits(self, entries: Sequence[Entry]) -> None:
+        for e in self.write_policy.hit(entries):
+            self.schedule_flush(e)  # a no-op once the copy exists
 
     def maybe_flush(self) -> None:
-        """write-back: flush the coldest dirty host entries while occupancy is over the mark."""
-        if self.write_policy != "write-back" or not self.nvme.admitting:
+        """Flush the coldest dirty host blocks while the write policy wants them clean."""
+        host = self.residency.host
+        excess = self.write_policy.excess_bytes(host.used_bytes, host.capacity_bytes)
+        if excess <= 0 or not self.tier.admitting:
             return
-        host = self.cache.host
-        excess = host.used_bytes - self.flush_watermark * host.capacity_bytes
-        scanned = 0
-        for e in self.cache.policy.victims():
+        for scanned, e in enumerate(self.residency.policy.victims()):
             if excess <= 0 or self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT or scanned > 4096:
                 break
-            scanned += 1
-            if e.nvme is None and not e.flushing:
+            if e.copy_in(self.id) is None and not e.flushing:
                 self.schedule_flush(e)
             excess -= e.ns.slot_bytes
 
     def schedule_flush(self, e: Entry) -> None:
-        """Queue ``e`` for writing to NVMe; flush workers write the queue in batches."""
-        if e.nvme is not None or e.flushing or not e.in_host or not self.nvme.admitting:
+        """Queue ``e`` for writing to the tier; flush workers write the queue in batches."""
+        if e.copy_in(self.id) is not None or e.flushing or not e.in_host \
+                or not self.tier.admitting:
             return
-        e.flushing = True  # claimed now: the host slot stays until the write is done
+        e.flushing += 1  # claimed now: the host slot stays until the write is done
         self.flushes_in_flight += 1
         self._flush_queue.append(e)
         if self._flush_workers < FLUSH_WORKERS:
@@ -133,9 +137,9 @@ class NvmeBridge:
             self._spawn(self._flush_worker())
 
     async def _flush_worker(self) -> None:
-        """Take up to FLUSH_BATCH_BYTES of the queue at a time: one gathered write per run of
-        adjacent disk slots and one group commit per batch (two workers overlap the data
-        writes of one batch with the commit of the other)."""
+        """Take up to FLUSH_BATCH_BYTES of the queue at a time: one batched write (one gathered
+        write per run of adjacent slots, one group commit); two workers overlap the data writes
+        of one batch with the commit of the other."""
         try:
             while self._flush_queue:
                 batch: list[Entry] = []
@@ -150,59 +154,58 @@ class NvmeBridge:
 
     async def _flush_batch(self, batch: list[Entry]) -> None:
         targets: list[tuple[Entry, int]] = []
-        locs: list[NvmeLocation] = []
+        locs: list[Any] = []
+        tier, host = self.tier, self.residency.host
         try:
             for e in batch:
                 ns = e.ns
-                if not self.nvme.knows_namespace(ns.spec.digest):
-                    await self.nvme.register_namespace(ns.spec.digest, ns.spec.to_dict())
+                if not tier.knows_namespace(ns.spec.digest):
+                    await tier.register_namespace(ns.spec.digest, ns.spec.to_dict())
                 off = self._allocate(ns.block_bytes)
                 if off is not None and e.in_host:
                     targets.append((e, off))
                 elif off is not None:
-                    self.nvme.space.free(off, self.nvme.slot_bytes_for(ns.block_bytes))
+                    tier.free(off, tier.slot_bytes_for(ns.block_bytes))
             if targets:
-                locs = await self.nvme.write_many([
-                    (off, e.ns.spec.digest, e.key,
-                     self.cache.host.arena.slot(e.offset, e.ns.slot_bytes), e.ns.block_bytes)
-                    for e, off in targets])
-        except DiskError as err:
+                locs = await tier.write_many([
+                    (off, e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes),
+                     e.ns.block_bytes) for e, off in targets])
+        except TierUnavailable as err:
             for e, off in targets:
-                self.nvme.space.free(off, self.nvme.slot_bytes_for(e.ns.block_bytes))
+                tier.free(off, tier.slot_bytes_for(e.ns.block_bytes))
             targets, locs = [], []
             log.debug("flush failed: %s", err)
         finally:
             for e in batch:
-                e.flushing = False
+                e.flushing -= 1
             self.flushes_in_flight -= len(batch)
             self._flushed.set()
         for (e, _off), loc in zip(targets, locs, strict=True):
             ns = e.ns
-            if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.nvme is None:
-                e.nvme = loc
-                self.policy.insert(e)
-                self._count_nvme(e, +1)
+            if ns.entries.get(e.key) is e and e.state is EntryState.READY \
+                    and e.copy_in(self.id) is None:
+                self._add_copy(e, loc)
                 ns.counters.demotions += 1
-                ns.counters.nvme_bytes_written += ns.block_bytes
+                self._bump(ns, 4, ns.block_bytes)
             else:
-                self.nvme.release(loc, ns.spec.digest, e.key)
+                tier.release(loc, ns.spec.digest, e.key)
         self.maybe_flush()
 
     async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5) -> None:
-        """Backpressure before a store of ``count`` new blocks: flush the coldest host blocks
-        and wait (up to ``timeout_s``) until the store can be placed by evicting only blocks
-        that NVMe holds, so that write-back loses nothing while the disk keeps up."""
-        host = self.cache.host
+        """Backpressure before ``count`` new host blocks: flush the coldest host blocks and wait
+        (up to ``timeout_s``) until they can be placed by evicting only blocks this tier holds,
+        so that nothing is lost while the tier keeps up."""
+        host = self.residency.host
         deadline = time.monotonic() + timeout_s
-        while self.nvme.admitting:
+        while self.tier.admitting:
             need = count * slot_bytes - (host.capacity_bytes - host.used_bytes)
             waiting = False
-            for scanned, e in enumerate(self.cache.policy.victims()):
+            for scanned, e in enumerate(self.residency.policy.victims()):
                 if need <= 0 or scanned >= 4096:
                     break
                 if e.pins or e.promoting is not None:
                     continue
-                if e.nvme is None:
+                if e.copy_in(self.id) is None:
                     if not e.flushing:
                         if self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT:
                             waiting = True
@@ -224,30 +227,31 @@ class NvmeBridge:
                 return
 
     async def flush_all(self, deadline: float) -> int:
-        """Drain: flush every dirty host entry (bounded concurrency) until ``deadline``."""
+        """Drain: flush every dirty host block (bounded concurrency) until ``deadline``."""
         n = 0
-        for ns in list(self.cache.namespaces.values()):
+        for ns in list(self._namespaces()):
             for e in list(ns.ready.values()):
                 while self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
-                if time.monotonic() >= deadline or not self.nvme.admitting:
+                if time.monotonic() >= deadline or not self.tier.admitting:
                     return n
-                if e.nvme is None and e.in_host:
+                if e.copy_in(self.id) is None and e.in_host:
                     self.schedule_flush(e)
                     n += 1
         while self.flushes_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         return n
 
-    # -- promote (NVMe -> host) -------------------------------------------------------------------
+    # -- promotion (tier -> host) -----------------------------------------------------------------
 
     async def promote_many(self, entries: list[Entry], protect: set[Entry]) -> set[Entry]:
-        """Make the host copies of ``entries`` valid; returns those that now are.
+        """Make the host copies of ``entries`` valid, as many as the host tier can place now;
+        returns those that now are.
 
         Room is made the write-back way first (no unflushed block is evicted for a promotion),
-        host slots are taken up front, and the NVMe reads go in ~4 MiB jobs (one coalesced
-        ``preadv`` per run of adjacent disk slots), each block verified on its own: a corrupt
-        one is quarantined and left out. Concurrent promotions of one entry are joined.
+        host slots are taken up front, and the reads go in ~4 MiB batches, each block verified on
+        its own: a corrupt one is quarantined and left out. Concurrent promotions of one entry
+        are joined.
         """
         waiting = [e.promoting for e in entries if e.promoting is not None]
         if waiting:
@@ -255,7 +259,7 @@ class NvmeBridge:
 
         def todo() -> list[Entry]:
             return [e for e in dict.fromkeys(entries) if not e.in_host and e.promoting is None
-                    and e.nvme is not None and e.ns.entries.get(e.key) is e]
+                    and e.copy_in(self.id) is not None and e.ns.entries.get(e.key) is e]
 
         pending = todo()
         if pending:
@@ -264,7 +268,7 @@ class NvmeBridge:
         loop = asyncio.get_running_loop()
         started: list[Entry] = []
         for e in pending:
-            off = self.cache.allocate_host(e.ns.slot_bytes, protect)
+            off = self.residency.allocate(e.ns.slot_bytes, protect)
             if off is None:
                 break
             e.offset, e.promoting = off, loop.create_future()
@@ -281,10 +285,10 @@ class NvmeBridge:
         return {e for e in entries if e.in_host}
 
     async def _promote_job(self, job: list[Entry]) -> None:
-        arena = self.cache.host.arena
+        host = self.residency.host
         try:
-            results = await self.nvme.read_many([
-                (e.nvme, e.ns.spec.digest, e.key, arena.slot(e.offset, e.ns.slot_bytes))
+            results = await self.tier.read_many([
+                (e.copy_in(self.id), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes))
                 for e in job])
         except Exception as failure:  # noqa: BLE001  (every waiter must be released)
             results = [failure] * len(job)
@@ -292,35 +296,29 @@ class NvmeBridge:
             fut, e.promoting = e.promoting, None
             ns = e.ns
             if err is None:
-                self.cache.policy.insert(e)
-                c = ns.counters
-                c.resident_blocks += 1
-                c.resident_bytes += ns.block_bytes
-                c.promotions += 1
-                c.nvme_bytes_read += ns.block_bytes
+                self.residency.policy.insert(e)
+                self.residency.count(e, +1)
+                ns.counters.promotions += 1
+                self._bump(ns, 3, ns.block_bytes)
             else:
-                if isinstance(err, CorruptSlot):
-                    log.warning("nvme block %s… of %s failed verification (%s): quarantined",
-                                e.key[:4].hex(), ns.spec.model_id, err.reason)
+                corrupt = isinstance(err, CorruptCopy)
+                if corrupt:
+                    log.warning("%s block %s… of %s failed verification (%s): quarantined",
+                                self.tier.name, e.key[:4].hex(), ns.spec.model_id, err)
                     ns.counters.checksum_failures += 1
                 else:
-                    log.warning("nvme read failed: %s", err)
-                self.cache.host.free(e.offset, ns.slot_bytes)
+                    log.warning("%s read failed: %s", self.tier.name, err)
+                host.free(e.offset, ns.slot_bytes)
                 e.offset = -1
-                if e.nvme is not None:
-                    self._drop_nvme(e, corrupt=isinstance(err, CorruptSlot))
+                if e.copy_in(self.id) is not None:
+                    self._drop_copy(e, corrupt=corrupt)
             if fut is not None:
                 fut.set_result(None)
 
-    def prefetch(self, ns: NamespaceState, keys: Iterable[bytes]) -> int:
-        """Start promoting the NVMe-only blocks of a chain's ready prefix; how many."""
-        todo: list[Entry] = []
-        for k in keys:
-            e = ns.ready.get(k)
-            if e is None:
-                break
-            if not e.in_host and e.promoting is None:
-                todo.append(e)
+    def prefetch(self, entries: Sequence[Entry]) -> int:
+        """Start promoting, in the background, those of ``entries`` held only here; how many."""
+        todo = [e for e in entries if not e.in_host and e.promoting is None
+                and e.copy_in(self.id) is not None]
         if todo:
             self._spawn(self._promote_quietly(todo))
         return len(todo)
@@ -328,55 +326,69 @@ class NvmeBridge:
     async def _promote_quietly(self, entries: list[Entry]) -> None:
         await self.promote_many(entries, set())
 
-    # -- NVMe space -------------------------------------------------------------------------------
+    # -- copies -----------------------------------------------------------------------------------
 
     def _allocate(self, block_bytes: int) -> int | None:
-        slot = self.nvme.slot_bytes_for(block_bytes)
-        off = self.nvme.space.alloc(slot)
+        slot = self.tier.slot_bytes_for(block_bytes)
+        off = self.tier.alloc(slot)
         if off is not None:
             return off
-        for e in self.policy.victims():  # LRU NVMe copies; then the freed slab may move class
+        for e in self.policy.victims():  # LRU copies; then the freed slab may move class
             if e.pins or e.promoting is not None:
                 continue
-            self._drop_nvme(e, corrupt=False)
-            e.ns.counters.nvme_evictions += 1
-            off = self.nvme.space.alloc(slot)
+            self._drop_copy(e, corrupt=False)
+            self._bump(e.ns, 2, 1)
+            off = self.tier.alloc(slot)
             if off is not None:
                 return off
         return None
 
-    def _drop_nvme(self, e: Entry, *, corrupt: bool) -> None:
-        """Forget ``e``'s NVMe copy; an entry left with no copy at all leaves the index."""
-        loc, e.nvme = e.nvme, None
+    def _add_copy(self, e: Entry, loc: Any) -> None:
+        if e.copies is None:
+            e.copies = {}
+        e.copies[self.id] = loc
+        self.policy.insert(e)
+        self._bump(e.ns, 0, 1)
+        self._bump(e.ns, 1, e.ns.block_bytes)
+
+    def _drop_copy(self, e: Entry, *, corrupt: bool) -> None:
+        """Forget ``e``'s copy here; an entry left with no copy at all leaves the index."""
+        assert e.copies is not None
+        loc = e.copies.pop(self.id)
         self.policy.remove(e, evicted=not corrupt)
-        self._count_nvme(e, -1)
+        self._bump(e.ns, 0, -1)
+        self._bump(e.ns, 1, -e.ns.block_bytes)
         if corrupt:
-            self.nvme.quarantine(loc, e.ns.spec.digest, e.key)
+            self.tier.quarantine(loc, e.ns.spec.digest, e.key)
         else:
-            self.nvme.release(loc, e.ns.spec.digest, e.key)
-        if e.offset < 0 and e.promoting is None:
-            e.ns.ready.pop(e.key, None)
-            del e.ns.entries[e.key]
+            self.tier.release(loc, e.ns.spec.digest, e.key)
+        if e.offset < 0 and e.promoting is None and not e.copies:
+            self.residency.forget(e)
 
     def on_host_evicted(self, e: Entry) -> None:
-        """Hook from the cache: ``e`` lost its host copy but keeps its NVMe one."""
+        """``e`` lost its host slot but keeps its copy here."""
         self.policy.touch(e)
 
-    @staticmethod
-    def _count_nvme(e: Entry, sign: int) -> None:
-        c = e.ns.counters
-        c.nvme_resident_blocks += sign
-        c.nvme_resident_bytes += sign * e.ns.block_bytes
+    def _bump(self, ns: NamespaceState, column: int, n: int) -> None:
+        name = self._columns[column]
+        setattr(ns.counters, name, getattr(ns.counters, name) + n)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def settle(self) -> None:
+        """Wait until every flush and promotion this link started has ended (tests, drain)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks)
+
     # -- shutdown ---------------------------------------------------------------------------------
 
     def checkpoint(self) -> None:
-        namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in self.cache.namespaces.values()}
-        blocks = [(e.ns.spec.digest, e.key, e.nvme) for ns in self.cache.namespaces.values()
-                  for e in ns.entries.values() if e.nvme is not None]
-        self.nvme.checkpoint(namespaces, blocks)
+        """Blocking: the tier records every copy it holds, for a warm next start."""
+        nss = list(self._namespaces())
+        namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in nss}
+        blocks = [(ns.spec.digest, e.key, e.copy_in(self.id)) for ns in nss
+                  for e in ns.entries.values() if e.copy_in(self.id) is not None]
+        self.tier.checkpoint(namespaces, blocks)

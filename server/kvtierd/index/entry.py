@@ -34,13 +34,15 @@ class Entry:
     """One block. Identity-hashed (the eviction policies key on the object).
 
     Where its bytes are: ``offset >= 0`` -> a host slot (valid once READY and not promoting);
-    ``nvme`` -> a durable copy in the NVMe tier. A READY entry has at least one of the two.
-    ``flushing``: its host copy is being written to NVMe (the host slot must stay);
-    ``promoting``: its NVMe copy is being read into the host slot at ``offset`` (not valid yet).
+    ``copies`` -> its copies in storage tiers (tier id -> that tier's location; None when it has
+    none), each durable. A READY entry has a valid host slot or at least one copy.
+    ``flushing``: how many demotions are writing its host copy down (the host slot must stay);
+    ``promoting``: a copy is being read into the host slot at ``offset`` (not valid yet).
+    Written only by the cache (kvtierd.cache); tiers and transports only read it.
     """
 
-    __slots__ = ("ns", "key", "state", "offset", "pins", "job", "nvme", "flushing", "promoting",
-                 "hits")
+    __slots__ = ("ns", "key", "state", "offset", "pins", "job", "copies", "flushing",
+                 "promoting", "hits")
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -49,8 +51,8 @@ class Entry:
         self.offset = offset
         self.pins = 0
         self.job = job
-        self.nvme: Any = None  # NvmeLocation
-        self.flushing = False
+        self.copies: dict[int, Any] | None = None  # TierId -> location in that tier
+        self.flushing = 0
         self.promoting: asyncio.Future[None] | None = None
         self.hits = 0
 
@@ -59,13 +61,17 @@ class Entry:
         """A valid host copy (READY, slot held, not being filled by a promotion)."""
         return self.offset >= 0 and self.promoting is None and self.state is EntryState.READY
 
+    def copy_in(self, tier: int) -> Any:
+        """This block's location in storage tier ``tier``, or None."""
+        return self.copies.get(tier) if self.copies else None
+
     def evictable(self) -> bool:
         return self.state is EntryState.READY and self.pins == 0 and not self.flushing \
             and self.promoting is None
 
     def __repr__(self) -> str:
         return (f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, "
-                f"pins={self.pins}, nvme={self.nvme is not None})")
+                f"pins={self.pins}, copies={sorted(self.copies or ())})")
 
 
 @dataclass(eq=False)

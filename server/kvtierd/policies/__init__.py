@@ -1,6 +1,10 @@
-"""Eviction policies, chosen by name: ``make_policy("lru" | "arc", ghost_capacity)``.
+"""Policies: they only order and choose, never move bytes or write the index.
 
-See :mod:`kvtierd.policies.base` for the primitives and the iteration contract.
+* Eviction (which resident block goes first): ``make_policy("lru" | "arc", ghost_capacity)``;
+  primitives and iteration contract in :mod:`kvtierd.policies.base`.
+* Writing down the chain (when a host block is copied to a storage tier):
+  ``make_write_policy("write-back" | "write-through" | "selective", …)``; hooks in
+  :mod:`kvtierd.policies.write`.
 """
 
 from __future__ import annotations
@@ -10,8 +14,17 @@ from typing import Literal
 from kvtierd.policies.arc import ArcPolicy
 from kvtierd.policies.base import EvictionPolicy, K
 from kvtierd.policies.lru import LruPolicy
+from kvtierd.policies.write import (
+    Selective,
+    WriteBack,
+    WritePolicy,
+    WritePolicyName,
+    WriteThrough,
+    make_write_policy,
+)
 
-__all__ = ["ArcPolicy", "EvictionPolicy", "LruPolicy", "PolicyName", "make_policy"]
+__all__ = ["ArcPolicy", "EvictionPolicy", "LruPolicy", "PolicyName", "Selective", "WriteBack",
+           "WritePolicy", "WritePolicyName", "WriteThrough", "make_policy", "make_write_policy"]
 
 PolicyName = Literal["lru", "arc"]
 

@@ -1,6 +1,11 @@
-"""Tiers allocate and free slots and know no keys. ``HostTier``: one memfd arena carved into slots."""
+"""Tiers allocate, store and return bytes; they know no index entries (kvtierd.tiers.base).
 
+``HostTier``: one memfd arena carved into slots (the :class:`MemoryTier`). ``NvmeTier``
+(kvtierd.tiers.nvme): block files with a journal (a :class:`StorageTier`).
+"""
+
+from kvtierd.tiers.base import MemoryTier, Recovered, StorageTier, Tier
 from kvtierd.tiers.host import Arena, HostTier
 from kvtierd.tiers.slabs import SlabAllocator
 
-__all__ = ["Arena", "HostTier", "SlabAllocator"]
+__all__ = ["Arena", "HostTier", "MemoryTier", "Recovered", "SlabAllocator", "StorageTier", "Tier"]

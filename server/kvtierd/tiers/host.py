@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
+from kvtierd.domain import TierId
+from kvtierd.tiers.base import MemoryTier
 from kvtierd.tiers.slabs import SlabAllocator
 
 
@@ -51,14 +54,21 @@ class Arena:
         os.close(self.fd)
 
 
-class HostTier(SlabAllocator):
-    """Slot allocator over an :class:`Arena`; knows no keys.
+class HostTier(SlabAllocator, MemoryTier):
+    """The host tier: slot allocator over an :class:`Arena`; knows no keys.
 
     Owned by the TieredCache; event-loop thread only, no locks.
     """
 
     name = "host"
+    id = TierId.HOST
 
     def __init__(self, arena: Arena, *, slab_bytes: int, slot_align_bytes: int) -> None:
         super().__init__(arena.size, slab_bytes=slab_bytes, slot_align_bytes=slot_align_bytes)
         self.arena = arena
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self.arena.slot(offset, nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes}

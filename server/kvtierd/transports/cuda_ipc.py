@@ -22,8 +22,9 @@ offsets, then the stream is synchronised and the RPC answers. A handle is closed
 thread, after the copies queued before it. One process may open an IPC handle only once, so
 opened handles are shared and counted per (device, handle).
 
-Ownership and concurrency: the copier owns the opened mappings and the buffer table (event-loop
-thread); the driver's calls run on the worker threads only.
+Ownership and concurrency: :class:`CudaIpcTransport` is the transport the service talks to; it
+owns the copier and asks the cache which slots a job holds. The copier owns the opened mappings
+and the buffer table (event-loop thread); the driver's calls run on the worker threads only.
 """
 
 from __future__ import annotations
@@ -35,116 +36,26 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from kvtier_contract import cudadrv
 from kvtier_contract.cudadrv import REGISTER_CHUNK
 from kvtier_contract.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
+    KvtierError,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
+from kvtierd.cache import LoadJob, TieredCache
+from kvtierd.domain import Transport
+from kvtierd.sessions import Session
+from kvtierd.transports.cuda_driver import CudaDriver, CudaFailure, CudaUnavailable
 
 log = logging.getLogger("kvtierd.cuda_ipc")
 UUID_BYTES = 16
 HANDLE_BYTES = 64
-Move = tuple[int, int, int]  # (destination address, source address, bytes)
-
-
-class CudaUnavailable(RuntimeError):
-    """cuda_ipc = true, but cupy, CUDA or a device is missing: the daemon does not start."""
-
-
-class CudaFailure(Exception):
-    """A CUDA call failed (raised by drivers; becomes ABORTED for the job at hand)."""
-
-
-class CudaDriver(Protocol):
-    """The few CUDA runtime calls the copier makes. Called from worker threads only (one per
-    device; ``register_host``/``unregister_host`` from the first)."""
-
-    def device_uuids(self) -> list[bytes]: ...
-
-    def register_host(self, address: int, nbytes: int) -> None: ...
-
-    def unregister_host(self, address: int) -> None: ...
-
-    def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
-        """Map a client's allocation: (its address here, its size in bytes)."""
-
-    def close_handle(self, device: int, address: int) -> None: ...
-
-    def copy(self, device: int, moves: Sequence[Move], to_device: bool) -> None:
-        """Queue every move on the device's stream, then wait for them all."""
-
-
-class CupyDriver:
-    """CudaDriver over cupy's runtime bindings (imported here, never at daemon import)."""
-
-    def __init__(self) -> None:
-        try:
-            from cupy.cuda import runtime
-        except ImportError as e:
-            raise CudaUnavailable("cuda_ipc = true needs cupy: pip install 'kvtier[cuda]' "
-                                  f"({e})") from None
-        self.rt = runtime
-        self._streams: dict[int, int] = {}
-        try:
-            n = runtime.getDeviceCount()
-        except runtime.CUDARuntimeError as e:
-            raise CudaUnavailable(f"cuda_ipc = true but CUDA is not usable: {e}") from None
-        if n < 1:
-            raise CudaUnavailable("cuda_ipc = true but no CUDA device is visible")
-
-    def device_uuids(self) -> list[bytes]:
-        try:
-            return cudadrv.device_uuids(self.rt.getDeviceCount())
-        except cudadrv.CudaDriverError as e:
-            raise CudaUnavailable(f"cuda_ipc: {e}") from None
-
-    def register_host(self, address: int, nbytes: int) -> None:
-        self._run(lambda: self.rt.hostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
-
-    def unregister_host(self, address: int) -> None:
-        self._run(lambda: self.rt.hostUnregister(address))
-
-    def open_handle(self, device: int, handle: bytes) -> tuple[int, int]:
-        self._run(lambda: self.rt.setDevice(device))
-        address = int(self._run(lambda: self.rt.ipcOpenMemHandle(handle)))
-        try:
-            base, size = cudadrv.address_range(address)
-        except cudadrv.CudaDriverError as e:
-            self._run(lambda: self.rt.ipcCloseMemHandle(address))
-            raise CudaFailure(f"sizing an opened handle: {e}") from None
-        return address, size - (address - base)
-
-    def close_handle(self, device: int, address: int) -> None:
-        self._run(lambda: self.rt.setDevice(device))
-        self._run(lambda: self.rt.ipcCloseMemHandle(address))
-
-    def copy(self, device: int, moves: Sequence[Move], to_device: bool) -> None:
-        rt = self.rt
-        kind = rt.memcpyHostToDevice if to_device else rt.memcpyDeviceToHost
-
-        def run() -> None:
-            rt.setDevice(device)
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = rt.streamCreateWithFlags(1)  # non-blocking
-            for dst, src, n in moves:
-                rt.memcpyAsync(dst, src, n, kind, stream)
-            rt.streamSynchronize(stream)
-
-        self._run(run)
-
-    def _run(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except self.rt.CUDARuntimeError as e:
-            raise CudaFailure(str(e)) from None
 
 
 @dataclass(eq=False)
@@ -381,3 +292,69 @@ class CudaIpcCopier:
                 log.warning("cuda_ipc: %s on device %d: %s", fn.__name__, device, e)
 
         self._worker(device).submit(guarded)
+
+
+class CudaIpcTransport:
+    """The cuda_ipc transport as the service sees it: buffers, copies, figures.
+
+    Owns its :class:`CudaIpcCopier`; a copy's job is the cache's (``cache.jobs``), validated
+    before any CUDA call, marked as copying while the copy runs (its completion is refused
+    meanwhile), committed-ready after it (stores), aborted on a CUDA error (that job only).
+    Lifecycle: ``start()`` (blocking) -> requests -> ``close()`` (blocking, before the arena is
+    unmapped). Event-loop thread for every method but the two blocking ones.
+    """
+
+    def __init__(self, copier: CudaIpcCopier, cache: TieredCache) -> None:
+        self.copier = copier
+        self._cache = cache
+
+    def start(self) -> None:
+        self.copier.start()
+
+    def close(self) -> None:
+        self.copier.close()
+
+    async def register(self, session: Session, device_uuid: bytes, handle: bytes,
+                       handle_offset: int, nbytes: int) -> int:
+        buf = await self.copier.register(session.id, device_uuid, handle, handle_offset, nbytes)
+        if session.released:  # the lease lapsed while the handle was being opened
+            self.copier.release(session.id, buf.id)
+            raise NotFound(f"session {session.id} expired or closed", field="session_id")
+        return buf.id
+
+    def release(self, session: Session, buffer_id: int) -> None:
+        self.copier.release(session.id, buffer_id)
+
+    def release_session(self, session_id: int) -> None:
+        self.copier.release_session(session_id)
+
+    async def copy(self, session: Session, job_id: int, buffer_id: int,
+                   buffer_offsets: Sequence[int]) -> tuple[int, int]:
+        """Move a cuda_ipc job's blocks between the buffer and their slots: (copies, bytes)."""
+        jobs = self._cache.jobs
+        job = jobs.any(session.id, job_id)
+        if job.transport is not Transport.CUDA_IPC:
+            raise FailedPrecondition(f"job {job_id} was prepared for transport "
+                                     f"{job.transport.label}, not cuda_ipc", field="job_id")
+        buf = self.copier.buffer(session.id, buffer_id)
+        jobs.not_copying(job.id)
+        keys = sorted(job.items)
+        bb = job.ns.block_bytes
+        plan = self.copier.plan(buf, [job.items[i].offset for i in keys], bb, buffer_offsets)
+        jobs.copying.add(job.id)
+        try:
+            copies = await self.copier.copy(buf, plan, isinstance(job, LoadJob))
+        except KvtierError:
+            self._cache.abort_job(session, job)  # a CUDA error fails this job, nothing else
+            raise
+        finally:
+            jobs.copying.discard(job.id)
+        if not isinstance(job, LoadJob) and jobs.is_live(job):
+            job.arrived(job.items)
+        return copies, len(keys) * bb
+
+    def stats(self) -> dict[str, int | bool]:
+        f = self.copier.figures
+        return {"enabled": True, "devices": len(self.copier.uuids),
+                "buffers": self.copier.buffers, "copies": f.copies,
+                "copy_errors": f.copy_errors, "bytes_copied": f.bytes_copied}

@@ -19,10 +19,9 @@ import os
 from dataclasses import dataclass
 
 from kvtier_contract import wire
-from kvtier_contract.errors import InvalidArgument, KvtierError
+from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
-from kvtierd.cache import TieredCache
-from kvtierd.index import Entry, EntryState
+from kvtierd.cache import StoreJob, TieredCache
 from kvtierd.sessions import SessionTable
 
 log = logging.getLogger("kvtierd.tcp")
@@ -41,7 +40,7 @@ class _Segment:
     """Arena bytes of one or more adjacent slots of one store job, filled in order."""
 
     view: memoryview
-    entry: Entry  # the first slot's entry: its job aborted (every slot freed) means discard
+    job: StoreJob
     indexes: range  # key indexes whose blocks the segment holds
 
 
@@ -49,8 +48,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     """State of one data connection: HEADER -> (PAYLOAD | DISCARD) -> HEADER ...
 
     A payload is a list of segments (one for a WRITE, one per run of adjacent slots for a
-    WRITE_RUN), or none to discard it. Owns only its buffers; asks the cache where bytes go.
-    Event-loop thread only.
+    WRITE_RUN), or none to discard it. Owns only its buffers; asks the cache's job table where
+    bytes go, once per frame, and tells the job which keys arrived. Event-loop thread only.
     """
 
     def __init__(self, cache: TieredCache, sessions: SessionTable) -> None:
@@ -82,8 +81,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return self._hdr_view[self._hdr_got :]
         if self._segments:
             seg = self._segments[self._seg]
-            e = seg.entry
-            if e.job == self._job and e.state is EntryState.WRITING:
+            if seg.job.live(seg.indexes.start):
                 return seg.view[self._pos : self._pos + _READ_CHUNK]
             # The job was aborted (lease expiry) while its bytes were arriving: discard the rest.
             self._segments = []
@@ -103,8 +101,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._pos += nbytes
         seg = self._segments[self._seg]
         if self._pos == len(seg.view):
-            for index in seg.indexes:
-                self.cache.mark_received(self.session_id, self._job, index)
+            seg.job.arrived(seg.indexes)
             self._seg += 1
             self._pos = 0
             if self._seg == len(self._segments):
@@ -169,39 +166,39 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             self._errors.setdefault(job, status)
         return None
 
-    def _plan_segments(self, job: int, first: int, count: int, length: int) -> list[_Segment]:
-        """Where the run's bytes go: adjacent slots merged into one segment each."""
-        if count <= 0 or length % count:
-            raise InvalidArgument(f"run of {count} blocks in {length} bytes", field="length")
+    def _plan_segments(self, job_id: int, first: int, count: int, length: int) -> list[_Segment]:
+        """Where the run's bytes go: adjacent slots merged into one segment each (one call to
+        the job table validates the whole run)."""
+        job, entries = self.cache.jobs.store_run(self.session_id, job_id, first, count, length)
         block = length // count
-        arena = self.cache.host.arena
+        host = self.cache.host
         segments: list[_Segment] = []
         end = -1  # arena offset just past the last segment
-        for index in range(first, first + count):
-            self.cache.store_target(self.session_id, job, index, block)  # validates
-            e = self.cache.store_entry(job, index)
+        for index, e in enumerate(entries, first):
             if e.offset == end:  # adjacent to the previous slot: grow that segment
                 last = segments[-1]
                 start = e.offset - len(last.view)
-                last.view = arena.slot(start, len(last.view) + block)
+                last.view = host.view(start, len(last.view) + block)
                 last.indexes = range(last.indexes.start, index + 1)
             else:
-                segments.append(_Segment(arena.slot(e.offset, block), e, range(index, index + 1)))
+                segments.append(_Segment(host.view(e.offset, block), job, range(index, index + 1)))
             end = e.offset + block
         return segments
 
-    def _on_read(self, job: int) -> None:
+    def _on_read(self, job_id: int) -> None:
         assert self.transport is not None
         try:
-            sources = self.cache.load_sources(self.session_id, job)
+            job, entries = self.cache.jobs.load_run(self.session_id, job_id)
         except KvtierError as e:
             return self._fail(str(e))
+        nb, host = job.ns.block_bytes, self.cache.host
+        sources = [(i, host.view(e.offset, nb)) for i, e in entries]
         if self.features & wire.FEATURE_RUNS:
-            self.transport.writelines(_data_runs(job, sources))
+            self.transport.writelines(_data_runs(job_id, sources))
             return None
         frames: list[bytes | memoryview] = []
         for index, view in sources:
-            frames.append(wire.pack(Op.DATA, job, index, length=len(view)))
+            frames.append(wire.pack(Op.DATA, job_id, index, length=len(view)))
             frames.append(view)
         self.transport.writelines(frames)
         return None

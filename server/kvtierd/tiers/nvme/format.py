@@ -31,6 +31,7 @@ from typing import Literal
 import xxhash
 
 from kvtier_contract.errors import KvtierError
+from kvtierd.tiers.base import CorruptCopy
 
 MAGIC = b"KVTBLK01"
 FORMAT_VERSION = 1
@@ -59,7 +60,7 @@ CorruptReason = Literal[
 ]
 
 
-class CorruptSlot(KvtierError):
+class CorruptSlot(CorruptCopy):
     """A slot that must not be served; ``reason`` is a :data:`CorruptReason`. On the read path
     this is a miss (the slot is quarantined and counted), never an error returned to a client."""
 

@@ -31,9 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvtierd.domain import TierId
+from kvtierd.tiers.base import Recovered, StorageTier
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme.device import (
@@ -91,18 +93,11 @@ class NvmeFigures:
     direct_io_note: str = ""
 
 
-@dataclass
-class Recovered:
-    """What open() found: namespace specs and blocks, to be put back into the index."""
-
-    namespaces: dict[bytes, dict[str, Any]] = field(default_factory=dict)
-    blocks: list[tuple[bytes, bytes, NvmeLocation]] = field(default_factory=list)
-
-
-class NvmeTier:
+class NvmeTier(StorageTier):
     """Owns the block files, the slot allocator over them, the I/O pool and the journal."""
 
     name = "nvme"
+    id = TierId.NVME
 
     def __init__(self, cfg: NvmeConfig, fs_factory: Callable[..., FileSystem] = FileSystem) -> None:
         assert cfg.file_bytes % cfg.slab_bytes == 0 and cfg.slab_bytes % cfg.io_align == 0
@@ -272,8 +267,34 @@ class NvmeTier:
             buf = self._tls.hdr = aligned_buffer(self.io_align, self.io_align)
         return buf
 
-    def allocate(self, payload_len: int) -> int | None:
-        return self.space.alloc(self.slot_bytes_for(payload_len))
+    def alloc(self, slot_bytes: int) -> int | None:
+        return self.space.alloc(slot_bytes)
+
+    def free(self, offset: int, slot_bytes: int) -> None:
+        """A slot from ``alloc`` that was never written (a failed or abandoned flush)."""
+        self.space.free(offset, slot_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:  # type: ignore[override]
+        return self.space.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:  # type: ignore[override]
+        return self.space.used_bytes
+
+    def stats(self) -> dict[str, Any]:
+        """Tier-wide figures, named as NvmeStats' fields."""
+        f = self.figures
+        return {
+            "directory": self.cfg.directory, "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes, "admitting": self.admitting,
+            "degraded_reason": self.degraded_reason, "direct_io": f.direct_io,
+            "bytes_written": f.bytes_written, "bytes_read": f.bytes_read,
+            "checksum_failures": f.checksum_failures, "quarantined_slots": f.quarantined_slots,
+            "commit_groups": f.commit_groups, "write_errors": f.write_errors,
+            "recovery_seconds": f.recovery_seconds, "recovered_blocks": f.recovered_blocks,
+            "recovery_quarantined": f.recovery_quarantined, "recovery_mode": f.recovery_mode,
+        }
 
     def knows_namespace(self, digest: bytes) -> bool:
         return digest in self._known_ns

@@ -1,0 +1,132 @@
+"""Store and load jobs: what one session holds of the index between prepare and complete.
+
+A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``pin_prefix`` and ends at
+``complete_*``, on a transfer failure, or when its session is released. Its id is unique for the
+daemon's lifetime; only the session that owns it may use it (PermissionDenied otherwise).
+
+The data plane reaches a job's slots through the :class:`JobTable` (one call per frame or
+batch): ``store_run`` validates a run of keys of a store job and answers where their bytes go,
+``load_run`` the pinned slots of a load job. Neither changes the index; ``StoreJob.arrived``
+records which keys' bytes the daemon itself received (tcp, cuda_ipc), the only ones a commit of
+such a job makes READY.
+
+Ownership: the TieredCache owns the table and every job. Event-loop thread only; no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtierd.domain import Transport
+from kvtierd.index import Entry, EntryState, NamespaceState
+
+
+@dataclass(eq=False)
+class StoreJob:
+    id: int
+    session_id: int
+    ns: NamespaceState
+    transport: Transport
+    items: dict[int, Entry]  # key index in the request -> reserved entry
+    received: set[int] = field(default_factory=set)  # tcp, cuda_ipc: keys whose bytes arrived
+
+    def live(self, index: int) -> bool:
+        """Key ``index`` is still this job's to write (the job was not aborted meanwhile)."""
+        e = self.items.get(index)
+        return e is not None and e.job == self.id and e.state is EntryState.WRITING
+
+    def arrived(self, indexes: Iterable[int]) -> None:
+        """The daemon received these keys' bytes in full (ignored once the job has ended)."""
+        self.received.update(i for i in indexes if self.live(i))
+
+
+@dataclass(eq=False)
+class LoadJob:
+    id: int
+    session_id: int
+    ns: NamespaceState
+    transport: Transport
+    items: dict[int, Entry]  # key index in the request -> pinned entry
+    moves_bytes: bool = True  # False for a pinned lookup: releasing it counts no load
+
+
+Job = StoreJob | LoadJob
+J = TypeVar("J", StoreJob, LoadJob)
+
+
+class JobTable:
+    """Every live job by id; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Job] = {}
+        self._ids = itertools.count(1)
+        self.copying: set[int] = set()
+        """Jobs whose bytes a daemon-side copy (cuda_ipc) is moving: they may not complete."""
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, job: Job) -> None:
+        self._jobs[job.id] = job
+
+    def remove(self, job: Job) -> None:
+        del self._jobs[job.id]
+
+    def is_live(self, job: Job) -> bool:
+        return self._jobs.get(job.id) is job
+
+    def get(self, session_id: int, job_id: int, kind: type[J]) -> J:
+        """The live job ``job_id`` of ``session_id``, of type ``kind``."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
+        if job.session_id != session_id:
+            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
+        if not isinstance(job, kind):
+            raise FailedPrecondition(f"job {job_id} is not a {kind.__name__}", field="job_id")
+        return job
+
+    def any(self, session_id: int, job_id: int) -> Job:
+        """The live job ``job_id`` of ``session_id``, store or load."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown or finished job {job_id}", field="job_id")
+        if job.session_id != session_id:
+            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
+        return job
+
+    def not_copying(self, job_id: int) -> None:
+        if job_id in self.copying:
+            raise FailedPrecondition(f"a CudaCopy for job {job_id} is in flight", field="job_id")
+
+    # -- data plane -------------------------------------------------------------------------------
+
+    def store_run(self, session_id: int, job_id: int, first: int, count: int,
+                  nbytes: int) -> tuple[StoreJob, list[Entry]]:
+        """A run of ``count`` consecutive keys of a store job from ``first``, ``nbytes`` in all:
+        the job and the reserved entry of each key, all validated before anything is written.
+        One call per WRITE or WRITE_RUN frame (tcp data channel)."""
+        if count <= 0 or nbytes % count:
+            raise InvalidArgument(f"run of {count} blocks in {nbytes} bytes", field="length")
+        job = self._jobs.get(job_id)
+        if not isinstance(job, StoreJob) or job.session_id != session_id:
+            raise NotFound(f"no store job {job_id} for this session", field="job_id")
+        entries = [job.items.get(i) for i in range(first, first + count)]
+        if None in entries:
+            missing = first + entries.index(None)
+            raise InvalidArgument(f"key {missing} is not reserved in job {job_id}", field="index")
+        if nbytes // count != job.ns.block_bytes:
+            raise InvalidArgument(f"payload of {nbytes // count} bytes, block is "
+                                  f"{job.ns.block_bytes}", field="length")
+        return job, entries  # type: ignore[return-value]  # no None left
+
+    def load_run(self, session_id: int, job_id: int) -> tuple[LoadJob, list[tuple[int, Entry]]]:
+        """The pinned entries of a load job, in key order (one call per READ frame)."""
+        job = self._jobs.get(job_id)
+        if not isinstance(job, LoadJob) or job.session_id != session_id:
+            raise NotFound(f"no load job {job_id} for this session", field="job_id")
+        return job, sorted(job.items.items())

@@ -1,0 +1,137 @@
+"""Host residency: which blocks hold a host slot, and making room for new ones.
+
+Part of the cache (kvtierd.cache): the :class:`HostResidency` owns the host tier's slots as the
+index sees them (allocation with eviction in policy order, the limbo of slots held back after a
+lease lapsed) and the host eviction policy. An evicted block that has a copy in a storage tier
+stays READY (served from there); one without leaves the index.
+
+Ownership: owned by the TieredCache; the chain's links (kvtierd.cache.chain) use it to place
+promoted blocks. Event-loop thread only; no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvtierd.index import Entry
+from kvtierd.policies import EvictionPolicy
+from kvtierd.tiers import HostTier
+
+
+class CopyHolder(Protocol):
+    """What residency asks of a storage tier's link (kvtierd.cache.chain.TierLink)."""
+
+    @property
+    def admitting(self) -> bool: ...
+
+    def on_host_evicted(self, e: Entry) -> None: ...
+
+
+class HostResidency:
+    """See the module docstring."""
+
+    def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host = host
+        self.policy = policy
+        self.links: Sequence[CopyHolder] = ()  # the storage tiers below, set by the cache
+        self._clock = clock
+        # Slots of stores aborted by lease expiry, held back until a deadline: the session's
+        # process may be stalled, not dead, and still copying into them over shm.
+        self._limbo: deque[tuple[float, int, int]] = deque()  # (free at, offset, slot_bytes)
+
+    # -- placing blocks ---------------------------------------------------------------------------
+
+    def allocate(self, slot_bytes: int, protect: set[Entry]) -> int | None:
+        """A free slot of ``slot_bytes``, evicting in policy order if needed; None if none can be.
+
+        Walks victims in policy order and takes whichever comes first: an evictable entry of the
+        same size class (its slot is reused), or a slab of another class whose every live slot
+        holds an evictable entry (those entries are evicted and the slab moves to this class).
+        So slabs follow demand instead of staying with the class that took them first, and a
+        store that cannot be placed evicts nothing: pinned and WRITING entries keep their slabs.
+        With a storage tier admitting, blocks it already holds are evicted before any it does not.
+        """
+        off = self.host.alloc(slot_bytes)
+        if off is not None:
+            return off
+        if any(link.admitting for link in self.links):
+            off = self._make_room(slot_bytes, protect, clean_only=True, max_scan=1024)
+            if off is not None:
+                return off
+        return self._make_room(slot_bytes, protect, clean_only=False)
+
+    def _make_room(self, slot_bytes: int, protect: set[Entry], *, clean_only: bool,
+                   max_scan: int = 1 << 62) -> int | None:
+        groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
+        for n, e in enumerate(self.policy.victims()):
+            if n >= max_scan:
+                break
+            if e.pins or e.flushing or e in protect or (clean_only and not e.copies):
+                continue
+            if e.ns.slot_bytes == slot_bytes:
+                self.evict(e)
+                return self.host.alloc(slot_bytes)
+            slab = self.host.slab_of(e.offset)
+            group = groups.setdefault(slab, [])
+            group.append(e)
+            if len(group) == self.host.live_slots(slab):
+                for victim in group:
+                    self.evict(victim)
+                return self.host.alloc(slot_bytes)  # the emptied slab is back in the pool
+        return None
+
+    def evict(self, e: Entry) -> None:
+        """Give up ``e``'s host slot (READY, evictable); it stays READY if a copy remains."""
+        assert e.evictable(), e
+        self.policy.remove(e, evicted=True)
+        e.ns.counters.evictions += 1
+        self.count(e, -1)
+        self.host.free(e.offset, e.ns.slot_bytes)
+        e.offset = -1
+        if not e.copies:
+            self.forget(e)
+            return
+        for link in self.links:
+            link.on_host_evicted(e)
+
+    # -- leaving ----------------------------------------------------------------------------------
+
+    def free_reserved(self, e: Entry, hold_until: float = 0.0) -> None:
+        """An aborted store's entry leaves the index; its slot is freed (or held in limbo)."""
+        e.job = 0  # a data channel still holding this entry sees it is no longer its to write
+        del e.ns.entries[e.key]
+        if hold_until:
+            self._limbo.append((hold_until, e.offset, e.ns.slot_bytes))
+        else:
+            self.host.free(e.offset, e.ns.slot_bytes)
+
+    @staticmethod
+    def forget(e: Entry) -> None:
+        """``e`` has no copy anywhere: it leaves the index."""
+        e.ns.ready.pop(e.key, None)
+        del e.ns.entries[e.key]
+
+    @staticmethod
+    def count(e: Entry, sign: int) -> None:
+        c = e.ns.counters
+        c.resident_blocks += sign
+        c.resident_bytes += sign * e.ns.block_bytes
+
+    # -- limbo ------------------------------------------------------------------------------------
+
+    def sweep_limbo(self) -> int:
+        """Return held-back slots whose time has come to the tier; how many were returned."""
+        now, n = self._clock(), 0
+        while self._limbo and self._limbo[0][0] <= now:
+            _, offset, slot_bytes = self._limbo.popleft()
+            self.host.free(offset, slot_bytes)
+            n += 1
+        return n
+
+    @property
+    def limbo_blocks(self) -> int:
+        return len(self._limbo)
