@@ -17,12 +17,17 @@ Features (bits of HELLO's status): ``FEATURE_RUNS`` = WRITE_RUN and DATA_RUN may
 daemon that does not know a feature answers without its bit, so either side may be older: runs
 are used only when both offered them. A run carries many blocks under one header, so the daemon
 reads a run straight into adjacent slots with few system calls and no per-block header.
+
+Both sides build the block frames they send with :func:`block_frames` / :func:`run_frames`
+(header and payload views, ready for one gathered write): the client its WRITE and WRITE_RUN
+frames, the daemon its DATA and DATA_RUN frames.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterable
 
 MAGIC = b"KVD1"
 # magic, op, job_id, index, status, length  (little endian, 32 bytes)
@@ -30,6 +35,9 @@ HEADER = struct.Struct("<4sB3xQIIQ")
 assert HEADER.size == 32
 MAX_ERROR_BYTES = 4096
 FEATURE_RUNS = 1
+MAX_RUN_BYTES = 64 << 20  # one WRITE_RUN / DATA_RUN payload at most (or one block): bounded latency
+
+Buffer = bytes | memoryview
 
 
 class Op(enum.IntEnum):
@@ -80,3 +88,32 @@ def unpack(buf: bytes | bytearray | memoryview) -> tuple[Op, int, int, int, int]
     if known is None:
         raise ValueError(f"unknown frame op {op}")
     return known, job_id, index, status, length
+
+
+def block_frames(op: Op, job_id: int, blocks: Iterable[tuple[int, Buffer]]) -> list[Buffer]:
+    """One WRITE or DATA frame per ``(key index, block)``: its header, then the block itself."""
+    frames: list[Buffer] = []
+    for index, view in blocks:
+        frames += (pack(op, job_id, index, length=len(view)), view)
+    return frames
+
+
+def run_frames(op: Op, job_id: int, blocks: Iterable[tuple[int, Buffer]]) -> list[Buffer]:
+    """WRITE_RUN or DATA_RUN frames: one header per run of consecutive key indexes whose blocks
+    have one size (at most ``MAX_RUN_BYTES`` of them, or one block), then the blocks themselves."""
+    frames: list[Buffer] = []
+    run: list[Buffer] = []
+    first = 0
+    for index, view in blocks:
+        if run and (index != first + len(run) or len(view) != len(run[0])
+                    or (len(run) + 1) * len(view) > MAX_RUN_BYTES):
+            frames.append(pack(op, job_id, first, len(run), len(run) * len(run[0])))
+            frames += run
+            run = []
+        if not run:
+            first = index
+        run.append(view)
+    if run:
+        frames.append(pack(op, job_id, first, len(run), len(run) * len(run[0])))
+        frames += run
+    return frames

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -21,10 +20,9 @@ from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
-    ResourceExhausted,
     Unavailable,
 )
-from kvtier_contract.identity import Namespace
+from kvtier_contract.protoutil import namespace_from_spec, split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
@@ -34,40 +32,9 @@ from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
-KEY_BYTES = 32
-_OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
-_SPEC_FIELDS = tuple(f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
-
-
-@functools.lru_cache(maxsize=256)
-def _key_splitter(n: int) -> struct.Struct:
-    return struct.Struct("32s" * n)
-
-
-def split_keys(data: bytes, max_keys: int) -> Sequence[bytes]:
-    """Packed 32-byte keys -> sequence; checks length and count before slicing anything.
-
-    One struct unpack (~20 µs for 1,000 keys) instead of 1,000 slices (~180 µs).
-    """
-    if len(data) % KEY_BYTES:
-        raise InvalidArgument(f"length {len(data)} is not a multiple of {KEY_BYTES}", field="keys")
-    n = len(data) // KEY_BYTES
-    if n > max_keys:
-        raise ResourceExhausted(f"{n} keys exceed the batch limit of {max_keys}", field="keys")
-    return _key_splitter(n).unpack(data) if n else ()
-
-
-def namespace_from_spec(spec: pb.NamespaceSpec) -> Namespace:
-    values: dict[str, Any] = {}
-    for name in _SPEC_FIELDS:
-        if name in _OPTIONAL_SPEC:
-            values[name] = getattr(spec, name) if spec.HasField(name) else None
-        else:
-            values[name] = getattr(spec, name)
-    return Namespace(**values)
 
 
 def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

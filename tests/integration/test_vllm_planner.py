@@ -24,9 +24,8 @@ from kvtier.integrations.vllm.config import (
     EngineIdentity,
     Variant,
 )
+from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
 from kvtier.integrations.vllm.planner import (
-    LookupOutcome,
-    Pin,
     Planner,
     RequestInfo,
     ScheduledRequest,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvtier.client import _grpc_host, address_target
+from kvtier.addresses import address_target, grpc_host
 
 
 def test_unix_addresses_become_absolute_grpc_targets() -> None:
@@ -14,6 +14,6 @@ def test_unix_addresses_become_absolute_grpc_targets() -> None:
 
 
 def test_a_wildcard_data_host_is_replaced_by_the_host_that_answered_grpc() -> None:
-    assert _grpc_host("kvtier.node.local:50051") == "kvtier.node.local"
-    assert _grpc_host("[fd00::1]:50051") == "fd00::1"
-    assert _grpc_host("unix:///run/kvtier.sock") == "127.0.0.1"
+    assert grpc_host("kvtier.node.local:50051") == "kvtier.node.local"
+    assert grpc_host("[fd00::1]:50051") == "fd00::1"
+    assert grpc_host("unix:///run/kvtier.sock") == "127.0.0.1"

@@ -17,7 +17,7 @@ from kvtier.transports.base import DataTransport, Item
 from kvtier_contract import wire
 from kvtier_contract.errors import TransportError
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtier_contract.wire import Op
+from kvtier_contract.wire import Buffer, Op
 
 _SOCK_BUF = 4 << 20
 _IOV = 64  # buffers per sendmsg / recvmsg_into call at most (well under IOV_MAX)
@@ -25,9 +25,6 @@ _IOV = 64  # buffers per sendmsg / recvmsg_into call at most (well under IOV_MAX
 # 64 MiB calls starve the other side (measured: 1 MiB puts 2.25 GB/s with 64 MiB calls,
 # 3.39 GB/s with 4 MiB calls; 16 MiB calls lose again; docs/benchmarks.md).
 _CALL_BYTES = 4 << 20
-_MAX_RUN_BYTES = 64 << 20  # one WRITE_RUN frame carries at most this much (or one block)
-
-Buffer = bytes | memoryview
 
 
 class TcpTransport(DataTransport):
@@ -75,24 +72,10 @@ class TcpTransport(DataTransport):
 
     def _write_frames(self, job_id: int, items: list[Item]) -> list[Buffer]:
         """One WRITE per block, or (runs) one WRITE_RUN per run of consecutive key indexes."""
-        frames: list[Buffer] = []
-        if not self._runs:
-            for index, _offset, view in items:
-                frames += (wire.pack(Op.WRITE, job_id, index, length=len(view)), view)
-            return frames
-        run: list[memoryview] = []
-        first = 0
-        for index, _offset, view in items:
-            if run and (index != first + len(run) or len(view) != len(run[0])
-                        or (len(run) + 1) * len(view) > _MAX_RUN_BYTES):
-                frames += _run_frame(Op.WRITE_RUN, job_id, first, run)
-                run = []
-            if not run:
-                first = index
-            run.append(view)
-        if run:
-            frames += _run_frame(Op.WRITE_RUN, job_id, first, run)
-        return frames
+        blocks = ((index, view) for index, _offset, view in items)
+        if self._runs:
+            return wire.run_frames(Op.WRITE_RUN, job_id, blocks)
+        return wire.block_frames(Op.WRITE, job_id, blocks)
 
     def read(self, job_id: int, items: list[Item]) -> None:
         s = self._socket()
@@ -143,12 +126,6 @@ class TcpTransport(DataTransport):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-def _run_frame(op: Op, job_id: int, first: int, views: list[memoryview]) -> list[Buffer]:
-    """Header and payload views of one run of ``len(views)`` consecutive keys."""
-    header = wire.pack(op, job_id, first, len(views), len(views) * len(views[0]))
-    return [header, *views]
 
 
 def _send_buffers(s: socket.socket, bufs: list[Buffer]) -> None:

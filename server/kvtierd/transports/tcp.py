@@ -29,7 +29,6 @@ _SCRATCH = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 _FEATURES = wire.FEATURE_RUNS  # what this daemon accepts of a client's HELLO offer
 _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
-_MAX_RUN_FRAME = 64 << 20  # DATA_RUN payload at most (bounded latency per frame)
 # Most bytes handed to one read of a segment (a read holds the socket while it copies; like the
 # client's calls, kept small; 1 and 4 MiB measured alike).
 _READ_CHUNK = 1 << 20
@@ -194,33 +193,10 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         nb, host = job.ns.block_bytes, self.cache.host
         sources = [(i, host.view(e.offset, nb)) for i, e in entries]
         if self.features & wire.FEATURE_RUNS:
-            self.transport.writelines(_data_runs(job_id, sources))
-            return None
-        frames: list[bytes | memoryview] = []
-        for index, view in sources:
-            frames.append(wire.pack(Op.DATA, job_id, index, length=len(view)))
-            frames.append(view)
-        self.transport.writelines(frames)
+            self.transport.writelines(wire.run_frames(Op.DATA_RUN, job_id, sources))
+        else:
+            self.transport.writelines(wire.block_frames(Op.DATA, job_id, sources))
         return None
-
-
-def _data_runs(job: int, sources: list[tuple[int, memoryview]]) -> list[bytes | memoryview]:
-    """DATA_RUN frames: one header per run of consecutive key indexes (at most 64 MiB)."""
-    frames: list[bytes | memoryview] = []
-    run: list[memoryview] = []
-    first = 0
-    for index, view in sources:
-        if run and (index != first + len(run) or (len(run) + 1) * len(view) > _MAX_RUN_FRAME):
-            frames.append(wire.pack(Op.DATA_RUN, job, first, len(run), len(run) * len(run[0])))
-            frames += run
-            run = []
-        if not run:
-            first = index
-        run.append(view)
-    if run:
-        frames.append(wire.pack(Op.DATA_RUN, job, first, len(run), len(run) * len(run[0])))
-        frames += run
-    return frames
 
 
 class DataChannelServer:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.planner import LookupOutcome, Pin
+from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
 
 
 class DaemonBackend:

@@ -21,10 +21,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from kvtier_contract import defaults
 from kvtier_contract.identity import Namespace
+from kvtier_contract.protoutil import TRANSPORT_NAMES, TransportName
 
 DEFAULT_ADDRESS = defaults.ADDRESS
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
@@ -50,7 +51,7 @@ class ConnectorConfig:
     """The ``kv_connector_extra_config`` keys (see docs/vllm.md for each one)."""
 
     address: str = DEFAULT_ADDRESS
-    transport: Literal["shm", "tcp", "cuda_ipc"] = "shm"
+    transport: TransportName = "shm"
     lookup_timeout_ms: int = 300
     request_timeout_ms: int = 1000
     lease_ttl_ms: int = 10000
@@ -87,7 +88,7 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config.{key}", message)
 
         need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
-        need(self.transport in ("shm", "tcp", "cuda_ipc"), "transport",
+        need(self.transport in TRANSPORT_NAMES.values(), "transport",
              "must be 'shm', 'tcp' or 'cuda_ipc'")
         for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps"):
             value = getattr(self, key)

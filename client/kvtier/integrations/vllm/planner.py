@@ -30,25 +30,24 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   that could overwrite the block (the fence).
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
 
-Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread;
-the two share only the task queue and the result map, under one lock.
+Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread
+(``LookupThread``, in ``lookup_thread.py``, with the ``Backend`` it drives and the
+``LookupOutcome`` it answers); the two share only the task queue and the result map, under one
+lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvtier.integrations.vllm.config import Variant
+from kvtier.integrations.vllm.lookup_thread import Backend, LookupOutcome, LookupThread, Pin
 
 log = logging.getLogger("vllm.kvtier")
-
-Pin = tuple[int, int, int]  # (slice index, pin id, boot epoch)
 
 
 @dataclass(frozen=True)
@@ -59,30 +58,6 @@ class RequestInfo:
     req_id: str
     prompt_token_ids: Sequence[int]
     variant: Variant | None
-
-
-@dataclass(frozen=True)
-class LookupOutcome:
-    """Answer of one background lookup: keys per slice, the hit prefix (minimum over slices),
-    the tier of each hit (slice 0) and the pins to release."""
-
-    keys: list[list[bytes]]
-    hits: int
-    tiers: list[str]
-    pins: list[Pin]
-
-
-class Backend(Protocol):
-    """The daemon as the lookup thread sees it (called from that thread only)."""
-
-    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome: ...
-
-    def release(self, pins: Sequence[Pin]) -> None: ...
-
-    def warmup(self) -> None:
-        """Connect and register ahead of the first request (the lookup thread's first task)."""
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -182,7 +157,7 @@ class Planner:
         self._releases: deque[tuple[int, list[Pin]]] = deque()  # (due step, pins)
         self._step = 0
         self._next_job = 1
-        self._thread = _LookupThread(backend)
+        self._thread = LookupThread(backend)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -362,96 +337,3 @@ class Planner:
         st.stored_upto = full
         self.stats.store_blocks += full - start
         plan.stores.append(job)
-
-
-class _LookupThread:
-    """The one thread that talks to the daemon for the scheduler. Tasks in, outcomes out."""
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self._cond = threading.Condition()
-        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin] | str] = deque()
-        self._results: dict[str, tuple[int, LookupOutcome]] = {}
-        self._forgotten: set[str] = set()
-        self._busy = False
-        self._closed = False
-        self._tasks.append("warmup")  # the first lookup must not pay for opening the session
-        self._thread = threading.Thread(target=self._run, name="kvtier-lookup", daemon=True)
-        self._thread.start()
-
-    def submit(self, req_id: str, gen: int, variant: Variant, tokens: Sequence[int]) -> None:
-        with self._cond:
-            self._forgotten.discard(req_id)
-            self._tasks.append((req_id, gen, variant, list(tokens)))
-            self._cond.notify()
-
-    def release(self, pins: list[Pin]) -> None:
-        with self._cond:
-            self._tasks.append(list(pins))
-            self._cond.notify()
-
-    def take(self, req_id: str, gen: int) -> LookupOutcome | None:
-        with self._cond:
-            got = self._results.get(req_id)
-            if got is None or got[0] != gen:
-                return None
-            del self._results[req_id]
-            return got[1]
-
-    def forget(self, req_id: str) -> None:
-        """The request is gone: drop its result, release the pins of a result still to come."""
-        with self._cond:
-            got = self._results.pop(req_id, None)
-            if got is not None:
-                if got[1].pins:
-                    self._tasks.append(list(got[1].pins))
-            else:
-                self._forgotten.add(req_id)
-            self._cond.notify()
-
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._tasks) + int(self._busy)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=5)
-        self._backend.close()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._tasks and not self._closed:
-                    self._cond.wait()
-                if not self._tasks:
-                    return
-                task = self._tasks.popleft()
-                self._busy = True
-            try:
-                if isinstance(task, list):
-                    self._backend.release(task)
-                    continue
-                if isinstance(task, str):
-                    warmup = getattr(self._backend, "warmup", None)
-                    if warmup is not None:
-                        warmup()
-                    continue
-                req_id, gen, variant, tokens = task
-                outcome = self._backend.lookup(variant, tokens)
-                with self._cond:
-                    if req_id in self._forgotten:
-                        self._forgotten.discard(req_id)
-                        if outcome.pins:
-                            self._tasks.append(list(outcome.pins))
-                    else:
-                        stale = self._results.get(req_id)
-                        if stale is not None and stale[1].pins:  # an older lookup never taken
-                            self._tasks.append(list(stale[1].pins))
-                        self._results[req_id] = (gen, outcome)
-            except Exception:  # a bug here must not kill the engine: that request misses
-                log.exception("kvtier: lookup thread task failed")
-            finally:
-                with self._cond:
-                    self._busy = False

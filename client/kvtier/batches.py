@@ -1,0 +1,246 @@
+"""The batch operations behind :class:`kvtier.client.NamespaceHandle`, over one Session.
+
+Keys travel at most ``session.max_batch`` per RPC. A lookup answers the longest ready prefix
+(batch after batch while each one is all hits). A put or get is a two-phase job per batch::
+
+    PrepareStore -> write the reserved slots (transport) -> CompleteStore(ok)
+    PrepareLoad  -> read the pinned slots (transport)    -> CompleteLoad
+
+A job is completed also when its transfer failed, so the daemon aborts its reservations at once
+instead of when the lease ends. A daemon that is away (:class:`kvtier.session.Away`) turns into
+misses and drops, counted in ``session.counters``; a failed transfer trips the breaker (the
+transport is reattached on the next call), a failed copy (e.g. a CUDA error) fails that job only.
+A load is trusted only once CompleteLoad confirmed that its pins held during the copy.
+
+Arguments arrive validated by the handle. Thread-safety: as the Session's (transfers hold its
+data lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.results import LookupResult, PinnedLookup, PutResult
+from kvtier.session import Away, Registered, Session
+from kvtier_contract import errors
+from kvtier_contract.protoutil import KEY_BYTES, pack_keys
+from kvtier_contract.v1 import kvtier_pb2 as pb
+
+Move = Callable[[int, int, list[int], list[int]], None]  # (job_id, base, key indexes, offsets)
+TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
+
+
+def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
+    session.counters.lookups += 1
+    packed = pack_keys(keys)
+    try:
+        total = 0
+        for start in range(0, len(keys), session._max_batch):
+            chunk = packed[start * KEY_BYTES : (start + session._max_batch) * KEY_BYTES]
+            reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                             keys=chunk))
+            total += reply.hit_blocks
+            if reply.hit_blocks < len(chunk) // KEY_BYTES:
+                break
+        return total
+    except Away:
+        session.counters.lookups_failed += 1
+        return 0
+
+
+def lookup_detail(session: Session, handle: Registered, keys: Sequence[bytes]) -> LookupResult:
+    if len(keys) > session._max_batch:
+        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per detailed lookup",
+                                       field="keys")
+    try:
+        reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                         keys=pack_keys(keys)))
+    except Away:
+        session.counters.lookups_failed += 1
+        return LookupResult(0, [], [])
+    return LookupResult(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
+                        [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
+
+
+def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -> PinnedLookup:
+    if len(keys) > session._max_batch:
+        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per pinned lookup",
+                                       field="keys")
+    session.counters.lookups += 1
+    try:
+        reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+                                                         keys=pack_keys(keys), pin=True))
+    except Away:
+        session.counters.lookups_failed += 1
+        return PinnedLookup(0, [], 0, 0)
+    return PinnedLookup(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
+                        reply.job_id, reply.boot_epoch)
+
+
+def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
+    try:
+        reply = session._call("Prefetch", pb.PrefetchRequest(
+            namespace_id=handle.namespace_id, keys=pack_keys(keys)))
+    except Away:
+        return 0
+    return int(reply.promoting)
+
+
+# -- stores -----------------------------------------------------------------------------------------
+
+def put(session: Session, handle: Registered, keys: Sequence[bytes],
+        views: list[memoryview]) -> PutResult:
+    def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+        session._data().write(job_id, [(i, off, views[base + i])
+                                       for i, off in zip(idx, offsets, strict=True)])
+
+    return _store(session, handle, keys, write)
+
+
+def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
+               block_ids: Sequence[int]) -> PutResult:
+    """put_blocks over a mapped arena: gather straight into the reserved slots
+    (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
+    def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+        mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
+        mover.store(layout, [block_ids[base + i] for i in idx], offsets, job_id)
+
+    return _store(session, handle, keys, write, _blocks_transport(session, layout))
+
+
+def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,
+           tp: int = 0) -> PutResult:
+    tp = tp or make_transport_value(session.transport_name)
+    packed = pack_keys(keys)
+    result = PutResult()
+    for start in range(0, len(keys), session._max_batch):
+        end = min(start + session._max_batch, len(keys))
+        try:
+            result += _store_batch(session, handle, packed[start * KEY_BYTES : end * KEY_BYTES],
+                                   start, write, tp)
+        except Away:
+            result.dropped += end - start
+            session.counters.puts_dropped += end - start
+    return result
+
+
+def _store_batch(session: Session, handle: Registered, packed: bytes, base: int, write: Move,
+                 tp: int) -> PutResult:
+    prep = session._call("PrepareStore", pb.PrepareStoreRequest(
+        namespace_id=handle.namespace_id, keys=packed, transport=tp))
+    status = prep.status
+    result = PutResult(already_present=status.count(pb.STORE_ALREADY_PRESENT),
+                       rejected=status.count(pb.STORE_REJECTED))
+    if not prep.job_id:
+        return result
+    idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
+    items = [prep.offsets[i] for i in idx]
+    failure, trip = _transfer(session, "store", lambda: write(prep.job_id, base, idx, items))
+    try:
+        # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
+        done = session._call("CompleteStore", pb.CompleteStoreRequest(
+            job_id=prep.job_id, ok=not failure), reconnect=False)
+    except (Away, errors.KvtierError):
+        result.dropped += len(items)
+        session.counters.puts_dropped += len(items)
+        return result
+    finally:
+        if failure and trip:
+            session._trip(failure)  # reattach the transport on the next call
+    result.stored += done.committed
+    result.dropped += done.aborted
+    session.counters.puts_dropped += done.aborted
+    session.counters.bytes_put += done.committed * handle.block_bytes
+    return result
+
+
+# -- loads ------------------------------------------------------------------------------------------
+
+def get_into(session: Session, handle: Registered, keys: Sequence[bytes],
+             views: list[memoryview]) -> list[bool]:
+    def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+        session._data().read(job_id, [(i, off, views[base + i])
+                                      for i, off in zip(idx, offsets, strict=True)])
+
+    return _load(session, handle, keys, read)
+
+
+def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
+               block_ids: Sequence[int]) -> list[bool]:
+    """get_blocks over a mapped arena: scatter straight from the pinned slots
+    (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
+    def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+        mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
+        mover.load(layout, [block_ids[base + i] for i in idx], offsets, job_id)
+
+    return _load(session, handle, keys, read, _blocks_transport(session, layout))
+
+
+def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Move,
+          tp: int = 0) -> list[bool]:
+    tp = tp or make_transport_value(session.transport_name)
+    packed = pack_keys(keys)
+    found = [False] * len(keys)
+    try:
+        for start in range(0, len(keys), session._max_batch):
+            end = min(start + session._max_batch, len(keys))
+            _load_batch(session, handle, packed[start * KEY_BYTES : end * KEY_BYTES], found, start,
+                        read, tp)
+    except Away:
+        session.counters.gets_failed += 1
+        return [False] * len(keys)
+    return found
+
+
+def _load_batch(session: Session, handle: Registered, packed: bytes, found: list[bool], base: int,
+                read: Move, tp: int) -> None:
+    prep = session._call("PrepareLoad", pb.PrepareLoadRequest(
+        namespace_id=handle.namespace_id, keys=packed, transport=tp))
+    if not prep.job_id:
+        return
+    idx = [i for i in range(len(packed) // KEY_BYTES) if prep.found[i]]
+    offsets = [prep.offsets[i] for i in idx]
+    failure, trip = _transfer(session, "load", lambda: read(prep.job_id, base, idx, offsets))
+    try:
+        session._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False)
+    except (Away, errors.KvtierError) as e:
+        # Only a completed load proves the pins held during the copy; if the lease lapsed
+        # the slots may have been reused under us: the bytes are not trusted, all misses.
+        failure, trip = failure or f"load not confirmed: {e}", True
+    if failure:
+        if trip:
+            session._trip(failure)
+        raise Away(failure)
+    for i in idx:
+        found[base + i] = True
+    session.counters.bytes_got += len(idx) * handle.block_bytes
+
+
+# -- the transfer of a job -------------------------------------------------------------------------
+
+def _transfer(session: Session, what: str, move: Callable[[], None]) -> tuple[str, bool]:
+    """Run one job's transfer holding the data channel -> (failure, trip): ``""`` when it went
+    through; a transport failure trips the breaker, a failed copy (e.g. a CUDA error) fails this
+    job only."""
+    try:
+        with session._transfer():
+            move()
+    except errors.TransportError as e:
+        return f"{what} transfer: {e}", True
+    except (RuntimeError, errors.KvtierError) as e:
+        return f"{what} copy: {e}", False
+    return "", True
+
+
+def make_transport_value(name: str) -> int:
+    """The transport of a job moving host buffers (a cuda_ipc session moves those over shm)."""
+    return int(pb.TRANSPORT_TCP if name == "tcp" else pb.TRANSPORT_SHM)
+
+
+def _blocks_transport(session: Session, layout: Any) -> int:
+    """The transport value of a put_blocks/get_blocks job: cuda_ipc only for CUDA layouts
+    on a cuda_ipc session (CPU layouts move over the mapped arena like shm)."""
+    if session.transport_name == "cuda_ipc" and getattr(layout.device, "type", "") == "cuda":
+        return int(pb.TRANSPORT_CUDA_IPC)
+    return make_transport_value(session.transport_name)

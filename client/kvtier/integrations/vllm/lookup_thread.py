@@ -1,0 +1,151 @@
+"""The planner's lookup thread: the one thread that talks to the daemon for vLLM's scheduler.
+
+The scheduler thread (``Planner``) hands it tasks and collects outcomes, never waiting::
+
+    submit(req_id, gen, variant, tokens)   hash the prompt, pinned lookup -> take(req_id, gen)
+    release(pins)                           unpin what a lookup pinned
+    forget(req_id)                          the request is gone: its pins are released, whenever
+                                            its lookup answers
+    close()                                 after the tasks already queued; closes the backend
+
+Its first task is the backend's ``warmup`` (open the session before the first request).
+``take`` answers only the generation asked for; an outcome never taken is replaced by the
+request's next one, its pins released. A task that raises is logged and the request misses: a
+bug here never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.integrations.vllm.config import Variant
+
+log = logging.getLogger("vllm.kvtier")
+
+Pin = tuple[int, int, int]  # (slice index, pin id, boot epoch)
+
+
+@dataclass(frozen=True)
+class LookupOutcome:
+    """Answer of one background lookup: keys per slice, the hit prefix (minimum over slices),
+    the tier of each hit (slice 0) and the pins to release."""
+
+    keys: list[list[bytes]]
+    hits: int
+    tiers: list[str]
+    pins: list[Pin]
+
+
+class Backend(Protocol):
+    """The daemon as the lookup thread sees it (called from that thread only)."""
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome: ...
+
+    def release(self, pins: Sequence[Pin]) -> None: ...
+
+    def warmup(self) -> None:
+        """Connect and register ahead of the first request (the lookup thread's first task)."""
+
+    def close(self) -> None: ...
+
+
+class LookupThread:
+    """The one thread that talks to the daemon for the scheduler. Tasks in, outcomes out.
+
+    Owns the thread and the backend (called from that thread only). The scheduler thread and
+    this one share only the task queue, the result map and the forgotten set, under ``_cond``.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._cond = threading.Condition()
+        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin] | str] = deque()
+        self._results: dict[str, tuple[int, LookupOutcome]] = {}
+        self._forgotten: set[str] = set()
+        self._busy = False
+        self._closed = False
+        self._tasks.append("warmup")  # the first lookup must not pay for opening the session
+        self._thread = threading.Thread(target=self._run, name="kvtier-lookup", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, gen: int, variant: Variant, tokens: Sequence[int]) -> None:
+        with self._cond:
+            self._forgotten.discard(req_id)
+            self._tasks.append((req_id, gen, variant, list(tokens)))
+            self._cond.notify()
+
+    def release(self, pins: list[Pin]) -> None:
+        with self._cond:
+            self._tasks.append(list(pins))
+            self._cond.notify()
+
+    def take(self, req_id: str, gen: int) -> LookupOutcome | None:
+        with self._cond:
+            got = self._results.get(req_id)
+            if got is None or got[0] != gen:
+                return None
+            del self._results[req_id]
+            return got[1]
+
+    def forget(self, req_id: str) -> None:
+        """The request is gone: drop its result, release the pins of a result still to come."""
+        with self._cond:
+            got = self._results.pop(req_id, None)
+            if got is not None:
+                if got[1].pins:
+                    self._tasks.append(list(got[1].pins))
+            else:
+                self._forgotten.add(req_id)
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._tasks) + int(self._busy)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+        self._backend.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._closed:
+                    self._cond.wait()
+                if not self._tasks:
+                    return
+                task = self._tasks.popleft()
+                self._busy = True
+            try:
+                if isinstance(task, list):
+                    self._backend.release(task)
+                    continue
+                if isinstance(task, str):
+                    warmup = getattr(self._backend, "warmup", None)
+                    if warmup is not None:
+                        warmup()
+                    continue
+                req_id, gen, variant, tokens = task
+                outcome = self._backend.lookup(variant, tokens)
+                with self._cond:
+                    if req_id in self._forgotten:
+                        self._forgotten.discard(req_id)
+                        if outcome.pins:
+                            self._tasks.append(list(outcome.pins))
+                    else:
+                        stale = self._results.get(req_id)
+                        if stale is not None and stale[1].pins:  # an older lookup never taken
+                            self._tasks.append(list(stale[1].pins))
+                        self._results[req_id] = (gen, outcome)
+            except Exception:  # a bug here must not kill the engine: that request misses
+                log.exception("kvtier: lookup thread task failed")
+            finally:
+                with self._cond:
+                    self._busy = False

@@ -1,0 +1,59 @@
+"""What the client's operations answer, and the counters it keeps: plain data, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PutResult:
+    """What happened to each key of a put: stored, already there, refused for room, or dropped."""
+
+    stored: int = 0
+    already_present: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+    def __iadd__(self, other: PutResult) -> PutResult:
+        self.stored += other.stored
+        self.already_present += other.already_present
+        self.rejected += other.rejected
+        self.dropped += other.dropped
+        return self
+
+
+@dataclass
+class LookupResult:
+    """A detailed lookup: the ready prefix, each hit's tier, and whether NVMe holds it durably."""
+
+    hits: int
+    tiers: list[str]  # "host" or "nvme", one per hit
+    durable: list[bool]  # one per hit
+
+
+@dataclass
+class PinnedLookup:
+    """A lookup whose hits stay pinned (not evictable) until ``Client.release(pin)``.
+
+    ``pin`` is 0 when nothing was pinned (no hit, or the daemon was away); ``epoch`` is the boot
+    epoch the pin belongs to (a restarted daemon has forgotten it)."""
+
+    hits: int
+    tiers: list[str]
+    pin: int
+    epoch: int
+
+
+@dataclass
+class ClientCounters:
+    """Owned by one Client; incremented, without a lock, by whichever thread runs the operation."""
+
+    lookups: int = 0
+    lookups_failed: int = 0  # answered as a miss because the daemon was away
+    puts_dropped: int = 0  # blocks not stored because the daemon was away
+    gets_failed: int = 0  # get/get_into calls answered as misses because the daemon was away
+    reconnects: int = 0
+    epoch_changes: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    last_error: str = field(default="", repr=False)
