@@ -6,6 +6,11 @@ Keys travel at most ``session.max_batch`` per RPC. A lookup answers the longest 
     PrepareStore -> write the reserved slots (transport) -> CompleteStore(ok)
     PrepareLoad  -> read the pinned slots (transport)    -> CompleteLoad
 
+A load streams in rounds: the daemon pins what its host tier holds or can place now and marks
+the rest of what it has below (NVMe) as deferred (``found`` 0, ``tiers`` naming the tier); the
+client loads those again after CompleteLoad, round after round while each one serves something,
+so a get larger than the daemon's free host tier still returns every block it has.
+
 A job is completed also when its transfer failed, so the daemon aborts its reservations at once
 instead of when the lease ends. A daemon that is away (:class:`kvtier.session.Away`) turns into
 misses and drops, counted in ``session.counters``; a failed transfer trips the breaker (the
@@ -27,7 +32,8 @@ from kvtier_contract import errors
 from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-Move = Callable[[int, int, list[int], list[int]], None]  # (job_id, base, key indexes, offsets)
+# (job_id, key indexes in the job, positions in the caller's lists, slot offsets)
+Move = Callable[[int, list[int], list[int], list[int]], None]
 TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
 
 
@@ -91,9 +97,9 @@ def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int
 
 def put(session: Session, handle: Registered, keys: Sequence[bytes],
         views: list[memoryview]) -> PutResult:
-    def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
-        session._data().write(job_id, [(i, off, views[base + i])
-                                       for i, off in zip(idx, offsets, strict=True)])
+    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
+        session._data().write(job_id, [(i, off, views[p])
+                                       for i, p, off in zip(idx, pos, offsets, strict=True)])
 
     return _store(session, handle, keys, write)
 
@@ -102,9 +108,9 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
                block_ids: Sequence[int]) -> PutResult:
     """put_blocks over a mapped arena: gather straight into the reserved slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
-    def write(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
         mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-        mover.store(layout, [block_ids[base + i] for i in idx], offsets, job_id)
+        mover.store(layout, [block_ids[p] for p in pos], offsets, job_id)
 
     return _store(session, handle, keys, write, _blocks_transport(session, layout))
 
@@ -136,7 +142,8 @@ def _store_batch(session: Session, handle: Registered, packed: bytes, base: int,
         return result
     idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
     items = [prep.offsets[i] for i in idx]
-    failure, trip = _transfer(session, "store", lambda: write(prep.job_id, base, idx, items))
+    pos = [base + i for i in idx]
+    failure, trip = _transfer(session, "store", lambda: write(prep.job_id, idx, pos, items))
     try:
         # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
         done = session._call("CompleteStore", pb.CompleteStoreRequest(
@@ -159,9 +166,9 @@ def _store_batch(session: Session, handle: Registered, packed: bytes, base: int,
 
 def get_into(session: Session, handle: Registered, keys: Sequence[bytes],
              views: list[memoryview]) -> list[bool]:
-    def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
-        session._data().read(job_id, [(i, off, views[base + i])
-                                      for i, off in zip(idx, offsets, strict=True)])
+    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
+        session._data().read(job_id, [(i, off, views[p])
+                                      for i, p, off in zip(idx, pos, offsets, strict=True)])
 
     return _load(session, handle, keys, read)
 
@@ -170,9 +177,9 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
                block_ids: Sequence[int]) -> list[bool]:
     """get_blocks over a mapped arena: scatter straight from the pinned slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
-    def read(job_id: int, base: int, idx: list[int], offsets: list[int]) -> None:
+    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
         mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-        mover.load(layout, [block_ids[base + i] for i in idx], offsets, job_id)
+        mover.load(layout, [block_ids[p] for p in pos], offsets, job_id)
 
     return _load(session, handle, keys, read, _blocks_transport(session, layout))
 
@@ -184,24 +191,31 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Mov
     found = [False] * len(keys)
     try:
         for start in range(0, len(keys), session._max_batch):
-            end = min(start + session._max_batch, len(keys))
-            _load_batch(session, handle, packed[start * KEY_BYTES : end * KEY_BYTES], found, start,
-                        read, tp)
+            todo = list(range(start, min(start + session._max_batch, len(keys))))
+            while todo:  # rounds: what was deferred, while each round serves something
+                served, todo = _load_batch(session, handle, packed, todo, found, read, tp)
+                if not served:
+                    break
     except Away:
         session.counters.gets_failed += 1
         return [False] * len(keys)
     return found
 
 
-def _load_batch(session: Session, handle: Registered, packed: bytes, found: list[bool], base: int,
-                read: Move, tp: int) -> None:
+def _load_batch(session: Session, handle: Registered, packed: bytes, todo: list[int],
+                found: list[bool], read: Move, tp: int) -> tuple[int, list[int]]:
+    """One PrepareLoad / transfer / CompleteLoad of the keys at positions ``todo`` (at most one
+    batch): (blocks served, positions deferred to another round)."""
     prep = session._call("PrepareLoad", pb.PrepareLoadRequest(
-        namespace_id=handle.namespace_id, keys=packed, transport=tp))
+        namespace_id=handle.namespace_id, keys=_keys_at(packed, todo), transport=tp))
+    deferred = [todo[i] for i in range(len(todo))
+                if not prep.found[i] and i < len(prep.tiers) and prep.tiers[i] != pb.TIER_NONE]
     if not prep.job_id:
-        return
-    idx = [i for i in range(len(packed) // KEY_BYTES) if prep.found[i]]
+        return 0, deferred
+    idx = [i for i in range(len(todo)) if prep.found[i]]
+    pos = [todo[i] for i in idx]
     offsets = [prep.offsets[i] for i in idx]
-    failure, trip = _transfer(session, "load", lambda: read(prep.job_id, base, idx, offsets))
+    failure, trip = _transfer(session, "load", lambda: read(prep.job_id, idx, pos, offsets))
     try:
         session._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False)
     except (Away, errors.KvtierError) as e:
@@ -212,9 +226,19 @@ def _load_batch(session: Session, handle: Registered, packed: bytes, found: list
         if trip:
             session._trip(failure)
         raise Away(failure)
-    for i in idx:
-        found[base + i] = True
+    for p in pos:
+        found[p] = True
     session.counters.bytes_got += len(idx) * handle.block_bytes
+    return len(idx), deferred
+
+
+def _keys_at(packed: bytes, positions: list[int]) -> bytes:
+    """The packed keys at increasing ``positions``: one slice when they are contiguous (a first
+    round), else joined (the deferred keys of a later round)."""
+    first, last = positions[0], positions[-1]
+    if last - first + 1 == len(positions):
+        return packed[first * KEY_BYTES : (last + 1) * KEY_BYTES]
+    return b"".join(packed[p * KEY_BYTES : (p + 1) * KEY_BYTES] for p in positions)
 
 
 # -- the transfer of a job -------------------------------------------------------------------------

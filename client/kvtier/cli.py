@@ -85,8 +85,12 @@ def _stats(args: argparse.Namespace) -> int:
     from kvtier.client import Client
     from kvtier_contract.errors import KvtierError
 
-    client = Client(args.address or defaults.default_address(), "tcp", timeout_s=args.timeout_s,
-                    heartbeat=False)
+    try:
+        client = Client(args.address or defaults.default_address(), "tcp",
+                        timeout_s=args.timeout_s, heartbeat=False)
+    except KvtierError as e:
+        print(f"kvtier stats: {e}", file=sys.stderr)
+        return 2
     try:
         stats = client.stats()
     except KvtierError as e:

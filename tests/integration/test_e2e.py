@@ -245,6 +245,25 @@ def test_stats_cli_reports_an_absent_daemon(tmp_path: Path) -> None:
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
 
 
+def test_stats_cli_with_no_flags_reaches_the_default_daemon(daemon_factory: Any,
+                                                            tmp_path: Path) -> None:
+    """``make serve`` starts the daemon on run/kvtier.sock under the repository; ``kvtier
+    stats`` run there with no flags must reach it (its old default was not a valid target)."""
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "run")
+    assert d.unix == f"unix://{tmp_path}/run/kvtier.sock"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["boot_epoch"] == d.info["boot_epoch"]
+
+
+def test_stats_cli_refuses_a_relative_unix_address_with_two_slashes(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address",
+                        "unix://run/kvtier.sock"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "address" in r.stderr and "unix:///absolute" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_sigterm_drains_and_exits_cleanly(daemon: DaemonProcess) -> None:
     sock = Path(daemon.unix.removeprefix("unix://"))
     assert sock.exists()

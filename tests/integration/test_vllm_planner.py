@@ -422,3 +422,28 @@ def test_the_session_opens_before_the_first_request(daemon: DaemonProcess) -> No
         time.sleep(0.01)
     assert backend._client is not None and backend.client.connected  # warmed up, no request yet
     p.close()
+
+
+def test_disk_hits_are_reported_as_disk_hits(daemon_factory: Any, tmp_path: Any) -> None:
+    """A daemon whose host tier holds 4 blocks over an NVMe tier: of 8 stored blocks, the 4
+    oldest live on NVMe only, and the pinned lookup says so (it used to promote inside the RPC
+    and call every hit a host hit, so the connector's disk-hit figures were always 0)."""
+    d = daemon_factory("--host-bytes", "64KiB", "--slab-bytes", "16KiB", "--disk-dir",
+                       str(tmp_path / "nvme"), "--disk-bytes", "16MiB",
+                       "--write-policy", "write-through")
+    toks = prompt(8 * BS + 3)
+    seed_blocks(d, toks[: 4 * BS], 4)
+    with kvtier.Client.connect(d.unix) as c:
+        h = c.register(IDENTITY.namespace(BASE))
+        keys = h.block_keys(toks)[:8]
+        deadline = time.monotonic() + 10
+        while not all(h.lookup_detail(keys[:4]).durable) and time.monotonic() < deadline:
+            time.sleep(0.02)  # write-through: wait until NVMe holds the first four
+        assert h.put(keys[4:], [bytes([7 + i]) * h.block_bytes for i in range(4)]).stored == 4
+        assert h.lookup_detail(keys).tiers == ["nvme"] * 4 + ["host"] * 4
+    p, _ = make_planner(d)
+    p.on_new_request(RequestInfo("disk", toks, BASE))
+    assert matched(p, "disk", 0, len(toks)) == (8 * BS, False)
+    assert (p.stats.nvme_hit_blocks, p.stats.host_hit_blocks) == (4, 4)
+    assert p.hit_sources("disk", 8 * BS) == {"nvme": 4 * BS, "host": 4 * BS}
+    p.close()
