@@ -12,13 +12,12 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 from kvtier_contract import defaults
 from kvtier_contract.units import parse_bytes
+from kvtierd.policies import PolicyName, WritePolicyName
 
-EvictionName = Literal["lru", "arc"]
-WritePolicyName = Literal["write-back", "write-through", "selective"]
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
                 "disk_file_bytes")
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
@@ -37,7 +36,7 @@ class DaemonConfig:
     """Arena unit handed to a size class; the largest block a namespace may have."""
     slot_align_bytes: int = 4096
     """Every slot starts on this alignment (page-aligned for GPU registration and O_DIRECT)."""
-    eviction_policy: EvictionName = "lru"
+    eviction_policy: PolicyName = "lru"
     """Host-tier eviction order: "lru" or "arc"."""
     prefault: bool = True
     """Allocate the arena's pages at start (fallocate) so that the first copies do not fault."""
@@ -127,7 +126,7 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.slab_bytes >= cfg.slot_align_bytes and cfg.slab_bytes % cfg.slot_align_bytes == 0,
          "slab_bytes", "must be a positive multiple of slot_align_bytes")
     need(cfg.host_bytes >= cfg.slab_bytes, "host_bytes", "must hold at least one slab")
-    need(cfg.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
+    need(cfg.eviction_policy in get_args(PolicyName), "eviction_policy", "must be 'lru' or 'arc'")
     need(cfg.min_lease_ttl_s > 0, "min_lease_ttl_s", "must be > 0")
     need(cfg.max_lease_ttl_s >= cfg.min_lease_ttl_s, "max_lease_ttl_s",
          "must be >= min_lease_ttl_s")
@@ -144,7 +143,7 @@ def validate(cfg: DaemonConfig) -> None:
     a = cfg.io_align_bytes
     need(512 <= a <= 65536 and a & (a - 1) == 0, "io_align_bytes",
          "must be a power of two in [512, 65536]")
-    need(cfg.write_policy in ("write-back", "write-through", "selective"), "write_policy",
+    need(cfg.write_policy in get_args(WritePolicyName), "write_policy",
          "must be 'write-back', 'write-through' or 'selective'")
     need(cfg.write_after_hits >= 1, "write_after_hits", "must be >= 1")
     need(0.0 < cfg.flush_watermark <= 1.0, "flush_watermark", "must be in (0, 1]")
