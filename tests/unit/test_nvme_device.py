@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvtier_contract.directio import aligned_buffer
 from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
 from kvtierd.tiers.nvme import device as device_mod
 from kvtierd.tiers.nvme.device import (
@@ -30,7 +31,6 @@ from kvtierd.tiers.nvme.device import (
     FileSystem,
     SyncFailed,
     UnsafeFile,
-    aligned_buffer,
 )
 
 A = 4096

@@ -6,8 +6,8 @@ against, so that a ratio compares like with like:
 * files: fresh ones beside the tier, created as the tier creates its block files (exclusive,
   ``posix_fallocate`` of the whole size, fsync of the file and of the directory), then opened
   with O_DIRECT where the filesystem takes it and buffered where it does not. Whether it does is
-  found once, as the daemon finds it: an aligned write and read of a scratch file
-  (``direct_io``; ``direct_io_note`` says what happened).
+  found once, with the daemon's own probe (kvtier_contract.directio): an aligned write and read
+  of a scratch file (``direct_io``; ``direct_io_note`` says what happened).
 * bytes: one slot of the tier's slot size (a 4 KiB header region + the block) per ``pwritev`` /
   ``preadv``, at slot-aligned offsets, from page-aligned anonymous memory (mmap), random bytes.
 * pattern: batch by batch, the slots of a batch on 1 thread or on a pool; every written batch
@@ -29,39 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier_contract.directio import aligned_buffer, probe_direct
+
 _OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-
-
-def page_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of zeroed anonymous memory starting on a page boundary (mmap)."""
-    return memoryview(mmap.mmap(-1, nbytes))
-
-
-def probe_direct(directory: Path, align: int) -> tuple[bool, str]:
-    """Whether O_DIRECT works in ``directory``: an ``align``-byte write and read of a scratch file
-    that read back the same bytes; and a note saying what was found."""
-    path = directory / f".raw-probe-{os.getpid()}"
-    step = "open with O_DIRECT"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS, 0o600)
-    except OSError as e:
-        return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
-    try:
-        out, back = page_buffer(align), page_buffer(align)
-        out[:] = bytes(range(256)) * (align // 256)
-        step = f"aligned {align}-byte write"
-        os.pwritev(fd, [out], 0)
-        step = f"aligned {align}-byte read"
-        os.preadv(fd, [back], 0)
-        if back != out:
-            return False, "buffered: O_DIRECT read back other bytes than written"
-        return True, f"O_DIRECT: aligned {align}-byte write and read succeeded"
-    except OSError as e:
-        return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
 
 
 def _fsync_path(path: Path, flags: int) -> None:
@@ -116,9 +87,14 @@ class RawDisk:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory, self.pool = directory, pool
         self.slot, self.per_batch, self.slots = slot_bytes, per_batch, slots
-        self.direct_io, self.direct_io_note = probe_direct(directory, align)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # the daemon's own probe (kvtier_contract.directio), so both do the same I/O
+            self.direct_io, self.direct_io_note = probe_direct(
+                dir_fd, f".raw-probe-{os.getpid()}", align, _OPEN_FLAGS)
+        finally:
+            os.close(dir_fd)
         span = per_batch * slot_bytes
-        self._src, self._dst = page_buffer(span), page_buffer(span)
+        self._src, self._dst = aligned_buffer(span), aligned_buffer(span)
         np.frombuffer(self._src, np.uint8)[:] = np.random.default_rng(7).integers(
             0, 256, span, dtype=np.uint8)  # random bytes: nothing below may skip zeros
         self.src = [self._src[i * slot_bytes : (i + 1) * slot_bytes] for i in range(per_batch)]

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtier_contract.directio import aligned_buffer
 from kvtierd.tiers.nvme.device import (
     Buffer,
     Device,
@@ -27,7 +28,6 @@ from kvtierd.tiers.nvme.device import (
     FileSystem,
     SyncFailed,
     WBuffer,
-    aligned_buffer,
     disk_error,
 )
 

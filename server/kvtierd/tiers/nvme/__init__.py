@@ -12,7 +12,6 @@ from kvtierd.tiers.nvme.device import (
     FileSystem,
     SyncFailed,
     UnsafeFile,
-    aligned_buffer,
 )
 from kvtierd.tiers.nvme.format import (
     CorruptMeta,
@@ -28,6 +27,6 @@ from kvtierd.tiers.nvme.format import (
 
 __all__ = [
     "CorruptMeta", "CorruptSlot", "Device", "DiskError", "DiskFull", "DiskIOError", "FileSystem",
-    "SlotHeader", "StoreMeta", "SyncFailed", "UnsafeFile", "aligned_buffer", "decode_header",
+    "SlotHeader", "StoreMeta", "SyncFailed", "UnsafeFile", "decode_header",
     "encode_header", "new_header", "slot_bytes", "verify_payload",
 ]

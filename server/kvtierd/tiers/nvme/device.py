@@ -10,7 +10,8 @@
   ``read_file`` / ``write_file_atomic`` (tmp + fsync + rename + directory fsync) for metadata.
   O_DIRECT is probed once, on first use, with an aligned write and read of a scratch file;
   ``direct_io`` / ``direct_io_note`` say what was found, and files open buffered without it.
-* :func:`aligned_buffer`: mmap-backed memory aligned for O_DIRECT staging.
+* :func:`aligned_buffer` (from :mod:`kvtier_contract.directio`): mmap-backed memory aligned for
+  O_DIRECT staging.
 
 Tests wrap this seam to inject faults: ``kvtierd.testing.faults`` (never imported by the daemon).
 
@@ -36,7 +37,6 @@ O_DIRECT), so that "all disk I/O goes through here" can be checked by reading on
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 import threading
@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier_contract.directio import probe_direct
 from kvtierd.tiers.base import TierUnavailable
 
 Buffer = memoryview | bytes | bytearray
@@ -101,24 +102,6 @@ def _typed(what: str, *, sync: bool = False) -> Iterator[None]:
         yield
     except OSError as e:
         raise disk_error(e, what, sync=sync) from e
-
-
-def aligned_buffer(nbytes: int, align: int = mmap.PAGESIZE) -> memoryview:
-    """``nbytes`` of zeroed anonymous memory starting at a multiple of ``align`` (a power of two).
-
-    The view keeps its mapping alive; the memory is freed when the last view on it goes.
-    """
-    assert nbytes > 0 and align > 0 and align & (align - 1) == 0, (nbytes, align)
-    if align <= mmap.PAGESIZE:  # mmap returns page-aligned memory
-        return memoryview(mmap.mmap(-1, nbytes))
-    import ctypes  # only for alignments above a page
-
-    mm = mmap.mmap(-1, nbytes + align)
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor  # release the export so that the view below is the only one
-    skip = -address % align
-    return memoryview(mm)[skip : skip + nbytes]
 
 
 def _nbytes(views: Sequence[Buffer]) -> int:
@@ -281,30 +264,7 @@ class FileSystem:
 
     def _probe_direct(self) -> tuple[bool, str]:
         name = f".kvtier-probe-{os.getpid()}-{threading.get_ident()}"
-        step = "open with O_DIRECT"
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _OPEN_FLAGS,
-                         0o600, dir_fd=self._dirfd)
-        except OSError as e:
-            return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
-        try:
-            out, back = aligned_buffer(self.io_align), aligned_buffer(self.io_align)
-            out[:] = bytes(range(256)) * (self.io_align // 256)
-            step = f"aligned {self.io_align}-byte write"
-            os.pwritev(fd, [out], 0)
-            step = f"aligned {self.io_align}-byte read"
-            os.preadv(fd, [back], 0)
-            if back != out:
-                return False, "buffered: O_DIRECT read back other bytes than written"
-            return True, f"O_DIRECT: aligned {self.io_align}-byte write and read succeeded"
-        except OSError as e:
-            return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
-        finally:
-            os.close(fd)
-            try:
-                os.unlink(name, dir_fd=self._dirfd)
-            except OSError:
-                pass
+        return probe_direct(self._dirfd, name, self.io_align, _OPEN_FLAGS)
 
     # -- files ----------------------------------------------------------------------------------
 

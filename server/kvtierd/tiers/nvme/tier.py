@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
 from kvtierd.tiers.base import Recovered, StorageTier
 from kvtierd.tiers.nvme import format as fmt
@@ -44,7 +45,6 @@ from kvtierd.tiers.nvme.device import (
     DiskFull,
     DiskIOError,
     FileSystem,
-    aligned_buffer,
 )
 from kvtierd.tiers.slabs import SlabAllocator
 
