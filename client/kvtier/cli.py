@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DAEMON_COMMANDS:  # every argument, --help included, is the daemon's
+        return _daemon(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in DAEMON_COMMANDS:
-        return _daemon(args.command, args.daemon_args)
     if args.command == "stats":
         return _stats(args)
     if args.suite == "gpu":

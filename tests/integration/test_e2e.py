@@ -342,3 +342,14 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
         worker.join(10)
         assert transport._view is None  # closed once the transfer ended
         assert results and results[0].dropped == 1  # its completion found the session gone
+
+
+def test_kvtier_serve_and_fsck_are_aliases_of_the_daemons_command(tmp_path: Path) -> None:
+    """``kvtier serve|fsck`` start ``python -m kvtierd`` (no import arrow from the SDK into the
+    daemon): every argument, --help included, reaches the daemon's own command."""
+    helped = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--help"],
+                            capture_output=True, text=True, timeout=30)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: kvtierd serve")
+    checked = subprocess.run([sys.executable, "-m", "kvtier.cli", "fsck", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 2 and "kvtierd fsck" in checked.stdout + checked.stderr

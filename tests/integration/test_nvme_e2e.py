@@ -1,4 +1,4 @@
-"""NVMe tier end to end: a real daemon with ``--disk-dir``, a real client, ``kvtier fsck``.
+"""NVMe tier end to end: a real daemon with ``--disk-dir``, a real client, ``kvtierd fsck``.
 
 The host tier is 2 MiB (128 blocks of 16 KiB), so a few hundred blocks are enough to push most
 of them out to the NVMe tier.

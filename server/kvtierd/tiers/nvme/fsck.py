@@ -1,4 +1,4 @@
-"""Offline check of an NVMe tier directory (``kvtier fsck DIR``): read-only, follows no symlink.
+"""Offline check of an NVMe tier directory (``kvtierd fsck DIR``): read-only, follows no symlink.
 
 ``fsck(directory)`` reads ``kvtier.meta``, then walks every data file slot by slot: at each
 io_align boundary it decodes a header region; a valid header whose payload verifies is a valid slot
@@ -216,9 +216,9 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem]) ->
 def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
     """The report for a person: a verdict line, the layout, one line per data file, problems."""
     if report.unusable is not None:
-        return f"kvtier fsck {report.directory}: UNUSABLE: {report.unusable}"
+        return f"kvtierd fsck {report.directory}: UNUSABLE: {report.unusable}"
     verdict = "clean" if report.clean else f"{len(report.problems)} problem(s)"
-    lines = [f"kvtier fsck {report.directory}: {verdict}"]
+    lines = [f"kvtierd fsck {report.directory}: {verdict}"]
     if (m := report.meta) is not None:
         created = datetime.datetime.fromtimestamp(m.created_ns / 1e9, datetime.UTC)
         lines.append(f"format {m.format_version}, io_align {m.io_align}, {m.files} data file(s) of "
@@ -236,7 +236,7 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier fsck", description="Check an NVMe tier "
+    parser = argparse.ArgumentParser(prog="kvtierd fsck", description="Check an NVMe tier "
                                      "directory offline (read-only). Exit 0 clean, 1 problems, "
                                      "2 unusable directory.")
     parser.add_argument("directory")
