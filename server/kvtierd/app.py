@@ -40,6 +40,7 @@ from kvtierd.service import KvtierService
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
+from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
 from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
 from kvtierd.transports.shm import ShmFdServer
@@ -88,8 +89,7 @@ class Daemon:
                                      advertise=self._advertise, cuda=self.cuda)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
-        self.shm: ShmFdServer | None = None
-        self.data: DataChannelServer | None = None
+        self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
         self.metrics: MetricsServer | None = None
         self.addresses: dict[str, Any] = {}
         self._stop = asyncio.Event()
@@ -98,16 +98,15 @@ class Daemon:
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)
-        if self.cuda is not None:
-            self.cuda.release_session(session.id)
+        for t in self.transports:
+            t.release_session(session.id)
 
     def _advertise(self) -> dict[str, Any]:
-        return {
-            "shm_socket": self.shm.path if self.shm else "",
-            "data_host": self.data.host if self.data else "",
-            "data_port": self.data.port if self.data else 0,
-            "arena_bytes": self.arena.size,
-        }
+        adv: dict[str, Any] = {"shm_socket": "", "data_host": "", "data_port": 0,
+                               "arena_bytes": self.arena.size}
+        for t in self.transports:
+            adv.update(t.advertise())
+        return adv
 
     def _socket_path(self) -> str:
         path = self.cfg.socket_path
@@ -116,7 +115,7 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         if self.cuda is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.cuda.start)
+            await self.cuda.start()  # page-locks the arena before anything is served
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_KvtierServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -136,14 +135,16 @@ class Daemon:
             self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
         if cfg.data_listen:
             host, _, port_s = cfg.data_listen.rpartition(":")
-            self.data = DataChannelServer(host, int(port_s), self.cache, self.sessions)
-            await self.data.start()
-            self.addresses["data"] = f"{host}:{self.data.port}"
+            data = DataChannelServer(host, int(port_s), self.cache, self.sessions)
+            await data.start()
+            self.transports.append(data)
+            self.addresses["data"] = f"{host}:{data.port}"
         if cfg.shm_enabled:
-            self.shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
-                                   self.boot_epoch, self.sessions)
-            await self.shm.start()
-            self.addresses["shm"] = self.shm.path
+            shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
+                              self.boot_epoch, self.sessions)
+            await shm.start()
+            self.transports.append(shm)
+            self.addresses["shm"] = shm.path
         await self.server.start()
         if cfg.socket_path:
             os.chmod(self._socket_path(), 0o660)  # engines of the same group may connect
@@ -213,12 +214,11 @@ class Daemon:
             await loop.run_in_executor(None, link.tier.close)
         if self.server:
             await self.server.stop(grace=0.5)
-        for part in (self.data, self.shm, self.metrics):
-            if part is not None:
-                part.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.sessions.close_all()
-        if self.cuda is not None:
-            self.cuda.close()  # unregister before the arena is unmapped
+        for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
+            t.close()
         self.arena.close()
         if self.cfg.socket_path:
             with contextlib.suppress(FileNotFoundError):

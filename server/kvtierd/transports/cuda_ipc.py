@@ -51,6 +51,7 @@ from kvtier_contract.errors import (
 from kvtierd.cache import LoadJob, TieredCache
 from kvtierd.domain import Transport
 from kvtierd.sessions import Session
+from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.cuda_driver import CudaDriver, CudaFailure, CudaUnavailable
 
 log = logging.getLogger("kvtierd.cuda_ipc")
@@ -294,22 +295,24 @@ class CudaIpcCopier:
         self._worker(device).submit(guarded)
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(ServerTransport):
     """The cuda_ipc transport as the service sees it: buffers, copies, figures.
 
     Owns its :class:`CudaIpcCopier`; a copy's job is the cache's (``cache.jobs``), validated
     before any CUDA call, marked as copying while the copy runs (its completion is refused
     meanwhile), committed-ready after it (stores), aborted on a CUDA error (that job only).
-    Lifecycle: ``start()`` (blocking) -> requests -> ``close()`` (blocking, before the arena is
-    unmapped). Event-loop thread for every method but the two blocking ones.
+    Lifecycle (kvtierd.transports.base): ``start()`` page-locks the arena on an executor thread
+    -> requests -> ``close()`` (blocking: after the copies queued, before the arena is unmapped).
     """
+
+    name = "cuda_ipc"
 
     def __init__(self, copier: CudaIpcCopier, cache: TieredCache) -> None:
         self.copier = copier
         self._cache = cache
 
-    def start(self) -> None:
-        self.copier.start()
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.copier.start)
 
     def close(self) -> None:
         self.copier.close()

@@ -14,16 +14,20 @@ import contextlib
 import logging
 import os
 import socket
+from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
 from kvtierd.sessions import SessionTable
+from kvtierd.transports.base import ServerTransport
 
 log = logging.getLogger("kvtierd.shm")
 
 
-class ShmFdServer:
+class ShmFdServer(ServerTransport):
     """Owns the listening socket and its file. Event-loop thread only."""
+
+    name = "shm"
 
     def __init__(self, path: str, arena_fd: int, arena_bytes: int, boot_epoch: int,
                  sessions: SessionTable) -> None:
@@ -74,6 +78,9 @@ class ShmFdServer:
                     conn.sendall(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
+
+    def advertise(self) -> dict[str, Any]:
+        return {"shm_socket": self.path}
 
     def close(self) -> None:
         if self._task:

@@ -17,12 +17,14 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import StoreJob, TieredCache
 from kvtierd.sessions import SessionTable
+from kvtierd.transports.base import ServerTransport
 
 log = logging.getLogger("kvtierd.tcp")
 _SCRATCH = 1 << 20
@@ -199,8 +201,10 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         return None
 
 
-class DataChannelServer:
+class DataChannelServer(ServerTransport):
     """Listens for data connections; owns the asyncio server. Event-loop thread only."""
+
+    name = "tcp"
 
     def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable) -> None:
         self.host, self.port = host, port
@@ -213,6 +217,9 @@ class DataChannelServer:
         self._server = await loop.create_server(
             lambda: DataChannelProtocol(self._cache, self._sessions), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def advertise(self) -> dict[str, Any]:
+        return {"data_host": self.host, "data_port": self.port}
 
     def close(self) -> None:
         if self._server:
