@@ -108,6 +108,9 @@ class TierLink:
         self.maybe_flush()
 
     def on_hits(self, entries: Sequence[Entry]) -> None:
+        if self.write_policy.counts_hits:
+            for e in entries:
+                e.hits += 1
         for e in self.write_policy.hit(entries):
             self.schedule_flush(e)  # a no-op once the copy exists
 

@@ -17,7 +17,8 @@ Whatever the policy, the link also cleans the cold end before a store or a promo
 * ``selective``: a block at its ``write_after_hits``-th hit (and every later hit until it has a
   copy: a flush refused while the tier was degraded is retried).
 
-Concurrency: event-loop thread only. ``selective`` keeps its hit counts in ``Entry.hits``.
+A policy never writes the index: ``selective`` reads ``Entry.hits``, which the cache counts for
+policies that ask for it (``counts_hits``). Concurrency: event-loop thread only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class WritePolicy(ABC):
     """Chooses blocks to demote; see the module docstring."""
 
     name: WritePolicyName
+    counts_hits = False
+    """Whether the cache must count hits per entry (``Entry.hits``) for this policy."""
 
     def committed(self, entries: Sequence[Entry]) -> Iterable[Entry]:
         return ()
@@ -74,17 +77,14 @@ class WriteThrough(WritePolicy):
 
 class Selective(WritePolicy):
     name: WritePolicyName = "selective"
+    counts_hits = True
 
     def __init__(self, write_after_hits: int) -> None:
         self.write_after_hits = write_after_hits
 
     def hit(self, entries: Sequence[Entry]) -> Iterable[Entry]:
-        due = []
-        for e in entries:
-            e.hits += 1
-            if e.hits >= self.write_after_hits:  # not ==: see the module docstring
-                due.append(e)
-        return due
+        n = self.write_after_hits
+        return [e for e in entries if e.hits >= n]  # not ==: see the module docstring
 
     def __repr__(self) -> str:
         return f"Selective(write_after_hits={self.write_after_hits})"
