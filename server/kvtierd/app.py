@@ -205,6 +205,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for link in self.cache.chain:
             flushed = await link.flush_all(deadline)
+            try:  # background promotions end first: the checkpoint reads the index off-loop
+                await asyncio.wait_for(link.settle(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("%s: promotions still running at the drain deadline", link.tier.name)
             try:
                 await loop.run_in_executor(None, link.checkpoint)
                 log.info("%s checkpoint written (%d blocks flushed while draining)",

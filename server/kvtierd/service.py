@@ -26,12 +26,13 @@ from kvtier_contract.protoutil import namespace_from_spec, split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
-from kvtierd.domain import Transport
+from kvtierd.domain import TierId, Transport
 from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
+NO_OFFSET = (1 << 64) - 1  # a pinned hit not in the host tier (yet) has no offset to read
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -118,9 +119,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
             n = len(job.items)
+            offsets = [job.items[i].offset if t == TierId.HOST else NO_OFFSET
+                       for i, t in enumerate(tiers)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
-                                  tiers=tiers, offsets=[max(job.items[i].offset, 0)
-                                                        for i in range(n)])
+                                  tiers=tiers, offsets=offsets)
         hit, tiers, durable = self.cache.lookup_detail(ns, keys)
         return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
                               durable=durable)

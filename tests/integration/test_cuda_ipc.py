@@ -458,3 +458,44 @@ def test_the_daemon_refuses_to_start_with_cuda_ipc_and_no_cuda(tmp_path: Path) -
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cuda_ipc = true needs cupy" in proc.stderr and "kvtier[cuda]" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_copy_outliving_its_rpc_keeps_its_slots_until_it_ends(daemon: InProcessDaemon) -> None:
+    """The client's deadline cancels a CudaCopy RPC, not the device copy: the job stays
+    uncompletable and its slots are not handed out again until the copy has ended, then the
+    job is aborted (its client gave it up)."""
+    s = Session(daemon)
+    buf = s.buffer(pattern(1, s.bb, 7))
+    prep = s.prepare_store([1])
+    daemon.driver.gate = threading.Event()
+    request = pb.CudaCopyRequest(session_id=s.id, job_id=prep.job_id, buffer_id=buf,
+                                 buffer_offsets=[0])
+    with pytest.raises(grpc.RpcError) as exc:
+        daemon.stub.CudaCopy(request, timeout=0.3)
+    assert exc.value.code() == StatusCode.DEADLINE_EXCEEDED and daemon.driver.copy_entered.is_set()
+    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=False),
+            StatusCode.FAILED_PRECONDITION, "job_id")  # the copy still writes into the slot
+    again = s.prepare_store([2], tp=pb.TRANSPORT_SHM)
+    assert again.offsets[0] != prep.offsets[0]  # that slot is not handed out meanwhile
+    daemon.driver.gate.set()
+    deadline = time.monotonic() + 5
+    while figures(daemon)["writing_blocks"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the copy ends; its job is aborted
+    assert figures(daemon)["writing_blocks"] == 1  # only the shm store of key 2 is left
+    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True), StatusCode.NOT_FOUND,
+            "job_id")
+
+
+def test_a_pinned_lookup_job_is_not_copied(daemon: InProcessDaemon) -> None:
+    """A pinned lookup only holds blocks; its job id moves no bytes (PrepareLoad does)."""
+    s = Session(daemon)
+    buf = s.buffer(pattern(1, s.bb, 8))
+    prep = s.prepare_store([1])
+    s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0])
+    s.call("CompleteStore", job_id=prep.job_id, ok=True)
+    pinned = s.call("Lookup", namespace_id=s.ns_id, keys=keys(1), pin=True)
+    assert pinned.hit_blocks == 1 and pinned.job_id
+    detail = refused(lambda: s.call("CudaCopy", job_id=pinned.job_id, buffer_id=buf,
+                                    buffer_offsets=[0]), StatusCode.FAILED_PRECONDITION, "job_id")
+    assert "PrepareLoad" in detail
+    s.call("CompleteLoad", job_id=pinned.job_id)

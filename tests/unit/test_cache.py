@@ -155,9 +155,11 @@ def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: Namespac
     job, tiers = cache.pin_prefix(s, ns, keys(1, 2, 3, 4))
     # [1* 2* 4]: 4 is resident but after the miss at 3
     assert job is not None and sorted(job.items) == [0, 1] and tiers == bytes([1, 1])  # host
-    assert [ns.entries[k].pins for k in keys(1, 2, 4)] == [1, 1, 0]
+    assert [ns.entries[k].holds for k in keys(1, 2, 4)] == [1, 1, 0]  # held, not read-pinned
     assert cache.pinned_blocks == 2 and s.load_jobs == {job.id}
     assert cache.pin_prefix(s, ns, keys(3, 1)) == (None, b"")  # nothing hit, nothing pinned
+    put(cache, ns, keys(5, 6, 7, 8))  # a host-only cache: held blocks have no other copy
+    assert cache.lookup(ns, keys(1, 2)) == 2  # [1* 2* 7 8]: never evicted while held
     assert cache.complete_load(s, job.id) == 2
     assert cache.pinned_blocks == 0
 

@@ -28,12 +28,15 @@ from typing import Any
 
 import pytest
 
+from kvtier_contract import wire
+from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace
+from kvtier_contract.wire import Op, Status
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry
 from kvtierd.policies import PolicyName, WritePolicyName, make_policy, make_write_policy
-from kvtierd.sessions import Session
+from kvtierd.sessions import Session, SessionTable
 from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.device import (
@@ -52,6 +55,7 @@ from kvtierd.tiers.nvme.format import (
 )
 from kvtierd.tiers.nvme.journal import parse_journal_name
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
+from kvtierd.transports.tcp import DataChannelProtocol
 
 KIB = 1024
 A = 4 * KIB  # io_align: the header region of a slot
@@ -133,7 +137,7 @@ class Rig:
 
     def where(self, i: int) -> int:
         """Offset of block ``i``'s slot in the block file."""
-        loc = self.entry(i).copy_in(TierId.NVME)
+        loc = self.entry(i).copy_in(0)
         assert loc is not None, f"block {i} has no NVMe copy"
         return int(loc.offset) % self.nvme.cfg.file_bytes
 
@@ -451,7 +455,7 @@ async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
     job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3))
     assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
     assert rig.ns.counters.blocks_hit_nvme == 2 and rig.ns.counters.blocks_hit_host == 1
-    assert all(e.pins == 1 for e in job.items.values())
+    assert all(e.holds == 1 and e.pins == 0 for e in job.items.values())
     await gate.wait_entered()  # the promotion runs in the background
     gate.open()
     await rig.settle()
@@ -527,13 +531,13 @@ def _flip_header(rig: Rig) -> None:
 
 
 def _other_namespace(rig: Rig) -> None:  # a valid header, of another namespace
-    h = new_header(b"\x99" * 32, keys(1)[0], payload(1), sequence=rig.entry(1).copy_in(TierId.NVME).seq)
+    h = new_header(b"\x99" * 32, keys(1)[0], payload(1), sequence=rig.entry(1).copy_in(0).seq)
     rig.disk.poke(rig.where(1), encode_header(h))
 
 
 def _other_key(rig: Rig) -> None:  # a valid header, of another key
     h = new_header(rig.ns.spec.digest, keys(77)[0], payload(1),
-                   sequence=rig.entry(1).copy_in(TierId.NVME).seq)
+                   sequence=rig.entry(1).copy_in(0).seq)
     rig.disk.poke(rig.where(1), encode_header(h))
 
 
@@ -674,7 +678,7 @@ async def test_a_disk_fault_stops_admission_until_a_probe_succeeds(
     assert not rig.nvme.admitting
     assert rig.nvme.degraded_reason.startswith(error.__name__)
     assert rig.lookup(1, 2) == (2, "hh", "d-")  # 2 was never reported durable
-    assert rig.entry(2).copy_in(TierId.NVME) is None and rig.ns.counters.demotions == 1
+    assert rig.entry(2).copy_in(0) is None and rig.ns.counters.demotions == 1
     assert rig.nvme.figures.write_errors == 1
     assert rig.nvme.space.used_bytes == NVME_SLOT  # the failed write's slot is free again
     # The host tier keeps serving, and nothing more is sent to the degraded tier.
@@ -768,3 +772,136 @@ async def test_recovery_after_a_crash_compacts_the_journal(make_rig: Callable[..
     third = make_rig(host=4)
     assert (third.nvme.figures.recovery_mode, third.nvme.figures.recovered_blocks) == ("warm", 3)
     assert await third.read(1, 2, 3) == [payload(1), payload(2), payload(3)]
+
+
+# -- pinned lookups, cancelled loads and the data channel ------------------------------------------
+
+
+@scenario
+async def test_every_hit_of_a_pinned_lookup_can_be_loaded(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=4, nvme=32)
+    for first in (1, 5):
+        await rig.store(*range(first, first + 4))
+        await rig.settle()  # nvme [1..8]; host [5 6 7 8]
+    # A hold keeps blocks in the index, not in the host tier: the prefix is all eight, though
+    # the host tier holds four, and the load of it streams through the host tier in rounds.
+    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(*range(1, 9)))
+    assert job is not None and len(job.items) == 8
+    assert list(tiers) == [TierId.NVME] * 4 + [TierId.HOST] * 4
+    await rig.settle()
+    assert await rig.read(*range(1, 9)) == [payload(i) for i in range(1, 9)]
+    assert rig.cache.complete_load(rig.session, job.id) == 8
+    assert rig.cache.pinned_blocks == 0 and all(rig.entry(i).holds == 0 for i in range(1, 9))
+
+
+@scenario
+async def test_a_held_block_keeps_its_last_copy(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=2, nvme=4)
+    for pair in ((1, 2), (3, 4)):
+        await rig.store(*pair)
+        await rig.settle()  # write-through: nvme [1 2 3 4] (full); host [3 4]
+    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1))
+    assert job is not None and list(tiers) == [TierId.NVME]
+    await rig.settle()  # 1's promotion took a host slot (evicting 3, which NVMe holds)
+    for pair in ((5, 6), (7, 8)):
+        await rig.store(*pair)
+        await rig.settle()  # NVMe full: its LRU copies go, never the held block's
+    assert rig.lookup(1)[0] == 1 and rig.entry(1).copies is not None
+    assert await rig.read(1) == [payload(1)]
+    rig.cache.complete_load(rig.session, job.id)
+
+
+@scenario
+async def test_a_cancelled_load_leaves_no_pin_and_no_endless_promotion(
+        make_rig: Callable[..., Rig]) -> None:
+    gate = Gate("read")
+    rig = make_rig(host=4, fs_factory=gate.filesystem)
+    await rig.store(1)
+    await rig.settle()
+    await rig.store(2, 3, 4, 5)
+    await rig.settle()  # 1 on NVMe only
+    task = asyncio.create_task(rig.cache.prepare_load(rig.session, rig.ns, keys(1), SHM))
+    await gate.wait_entered()  # its promotion is on the disk
+    task.cancel()  # the RPC's deadline
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert rig.entry(1).pins == 0  # the pin went with the request ...
+    gate.open()
+    await rig.settle()  # ... and the read finished on its own
+    assert rig.entry(1).promoting is None and rig.lookup(1) == (1, "h", "d")
+    assert await rig.read(1) == [payload(1)]
+
+
+class FakeTransport:
+    """What the data channel writes, and whether it closed the connection."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(bytes(data))
+
+    def writelines(self, frames: Any) -> None:
+        self.out.extend(bytes(f) for f in frames)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def data_channel(rig: Rig) -> tuple[DataChannelProtocol, FakeTransport]:
+    """The tcp data channel over the rig's cache, HELLO done for the rig's session."""
+    sessions = SessionTable(max_sessions=4, default_ttl_s=10, min_ttl_s=1, max_ttl_s=100,
+                            on_release=rig.cache.release_session)
+    rig.session = sessions.open("c", 10, SHM)
+    channel, transport = DataChannelProtocol(rig.cache, sessions), FakeTransport()
+    channel.connection_made(transport)  # type: ignore[arg-type]
+    feed(channel, wire.pack(Op.HELLO, rig.session.id, status=wire.FEATURE_RUNS))
+    transport.out.clear()
+    return channel, transport
+
+
+def feed(channel: DataChannelProtocol, data: bytes) -> None:
+    while data:
+        buf = channel.get_buffer(len(data))
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        channel.buffer_updated(n)
+        data = data[n:]
+
+
+@scenario
+async def test_a_pinned_lookup_job_sends_no_bytes(make_rig: Callable[..., Rig]) -> None:
+    """A pinned lookup's job only holds blocks (some may still be on their way from NVMe, their
+    slots not filled yet): a READ of it is refused; loads go through PrepareLoad."""
+    rig = make_rig(host=4)
+    channel, transport = data_channel(rig)
+    await rig.store(1)
+    await rig.settle()
+    await rig.store(2, 3, 4, 5)
+    await rig.settle()  # 1 on NVMe only
+    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2))
+    assert job is not None and list(tiers) == [TierId.NVME, TierId.HOST]
+    feed(channel, wire.pack(Op.READ, job.id))
+    assert transport.closed and wire.unpack(transport.out[0][:32])[0] is Op.ERROR
+    assert b"PrepareLoad" in transport.out[0]
+    await rig.settle()
+    rig.cache.complete_load(rig.session, job.id)
+
+
+@scenario
+async def test_a_write_run_header_is_bounded_before_anything_is_walked(
+        make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=4)
+    channel, transport = data_channel(rig)
+    job, _, _ = rig.cache.prepare_store(rig.session, rig.ns, keys(9), Transport.TCP)
+    assert job is not None
+    count = (1 << 32) - 1  # the largest a header carries: one byte per "block"
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidArgument) as exc:
+        rig.cache.jobs.store_run(rig.session.id, job.id, 0, count, count)
+    assert exc.value.field == "index" and time.perf_counter() - t0 < 0.05
+    feed(channel, wire.pack(Op.WRITE_RUN, job.id, 0, 2, 2 * BLOCK))  # 2 keys, 1 reserved
+    feed(channel, payload(1) + payload(2))  # discarded
+    feed(channel, wire.pack(Op.FLUSH, job.id))
+    assert wire.unpack(transport.out[-1])[3] == Status.BAD_INDEX and not transport.closed

@@ -10,8 +10,9 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 * ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
   is the same across daemon restarts and never names another namespace).
 * ``lookup(ns, keys)`` / ``lookup_detail`` -> longest prefix of READY blocks (and each one's
-  tier); ``pin_prefix`` also pins that prefix as a load job, answering at once with the real
-  tier of each hit, and promotes the ones held only below in the background.
+  tier); ``pin_prefix`` also *holds* that prefix (kept in the index, on whichever tier),
+  answering at once with the real tier of each hit, and promotes the ones held only below in
+  the background.
 * ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
 * ``prepare_load`` pins READY entries with a valid host slot, promoting as many of the ones held
@@ -75,7 +76,8 @@ class TieredCache:
 
     def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy) -> TierLink:
         """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start)."""
-        link = TierLink(self.residency, tier, write_policy, self.namespaces.values)
+        link = TierLink(self.residency, tier, write_policy, self.namespaces.values,
+                        level=len(self.chain))
         self.chain.append(link)
         self.residency.links = self.chain
         link.restored = link.restore(self.register_namespace)
@@ -137,7 +139,7 @@ class TieredCache:
             durable = bytes(bool(e.copies) for e in hits)
             self.policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])
             for link in self.chain:
-                link.policy.touch_many([e for e in hits if e.copy_in(link.id) is not None])
+                link.policy.touch_many([e for e in hits if e.copy_in(link.level) is not None])
                 link.on_hits(hits)
         c = ns.counters
         n, tpb = len(keys), ns.spec.tokens_per_block
@@ -153,22 +155,32 @@ class TieredCache:
 
     def _tier_below(self, e: Entry) -> int:
         """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
-        return next(link.id for link in self.chain if e.copy_in(link.id) is not None)
+        return next(link.id for link in self.chain if e.copy_in(link.level) is not None)
 
     def pin_prefix(self, session: Session, ns: NamespaceState,
                    keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
-        """Lookup, then pin the hit prefix as a load job (released by complete_load or expiry).
+        """Lookup, then hold the hit prefix (released by complete_load or expiry).
 
-        Answers at once with the tier of each hit as it is now; blocks held only below are
-        promoted in the background (a later load finds them in the host tier, or joins their
-        promotion). Pinned, they are evicted from no tier meanwhile."""
+        Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
+        the index (it keeps its last copy) but may still move between tiers, so holding a prefix
+        larger than the host tier never blocks the load of it, which streams through the host
+        tier in rounds. Blocks held only below start promoting in the background."""
         hit, tiers, _ = self.lookup_detail(ns, keys)
         if hit == 0:
             return None, b""
+        _check_live(session)
         items = {i: ns.ready[keys[i]] for i in range(hit)}
-        job = self._new_load_job(session, ns, items, session.transport)
-        job.moves_bytes = False
-        self._prefetch(list(items.values()))
+        for e in items.values():
+            e.holds += 1
+        self.pinned_blocks += hit
+        job = LoadJob(self.jobs.next_id(), session.id, ns, session.transport, items,
+                      moves_bytes=False)
+        self.jobs.add(job)
+        session.load_jobs.add(job.id)
+        below = [e for e in items.values() if not e.in_host]
+        if below:
+            for link in self.chain:
+                link.prefetch(below)
         return job, tiers
 
     def prefetch(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, int]:
@@ -180,11 +192,9 @@ class TieredCache:
             if e is None:
                 break
             prefix.append(e)
-        return len(prefix), self._prefetch(prefix)
-
-    def _prefetch(self, entries: Sequence[Entry]) -> int:
-        below = [e for e in entries if not e.in_host]
-        return sum(link.prefetch(below) for link in self.chain) if below else 0
+        below = [e for e in prefix if not e.in_host]
+        started = sum(link.prefetch(below) for link in self.chain) if below else 0
+        return len(prefix), started
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -305,10 +315,16 @@ class TieredCache:
         for e in items.values():
             e.pins += 1
         protect = set(items.values())
-        for link in self.chain:
-            need = [e for e in items.values() if not e.in_host and e.copy_in(link.id) is not None]
-            if need:
-                await link.promote_many(need, protect)
+        try:
+            for link in self.chain:
+                need = [e for e in items.values()
+                        if not e.in_host and e.copy_in(link.level) is not None]
+                if need:
+                    await link.promote_many(need, protect)
+        except BaseException:  # cancelled (the RPC's deadline): the pins go, the reads go on
+            for e in items.values():
+                e.pins -= 1
+            raise
         kept: dict[int, Entry] = {}
         for i in sorted(items):
             e = items[i]
@@ -393,7 +409,12 @@ class TieredCache:
     def _finish_load(self, session: Session, job: LoadJob) -> None:
         self.jobs.remove(job)
         session.load_jobs.discard(job.id)
-        for e in job.items.values():
-            assert e.pins > 0
-            e.pins -= 1
+        if job.moves_bytes:
+            for e in job.items.values():
+                assert e.pins > 0
+                e.pins -= 1
+        else:  # a pinned lookup's holds
+            for e in job.items.values():
+                assert e.holds > 0
+                e.holds -= 1
         self.pinned_blocks -= len(job.items)

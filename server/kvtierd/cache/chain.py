@@ -1,7 +1,7 @@
 """The chain below the host tier: one :class:`TierLink` per storage tier (NVMe today).
 
 Part of the cache (kvtierd.cache). A link drives one :class:`~kvtierd.tiers.StorageTier` through
-that seam alone, and keeps the copies' side of every entry (``entry.copies[tier.id]``):
+that seam alone, and keeps the copies' side of every entry (``entry.copy_in(level)``):
 
 * **demote** (flush): a READY host block is written to the tier; durable, it gets its location.
   The link's :class:`~kvtierd.policies.WritePolicy` chooses when (at commit, at a hit, or to keep
@@ -40,6 +40,7 @@ log = logging.getLogger("kvtierd.chain")
 MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
 FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
 FLUSH_WORKERS = 2
+MAX_VICTIM_SCAN = 4096  # copies looked at for one slot before the tier counts as full
 
 # Per-namespace counter columns of each storage tier: resident blocks and bytes, copies evicted,
 # payload bytes read and written.
@@ -54,10 +55,11 @@ class TierLink:
     workers, and the promotions in flight from it. See the module docstring."""
 
     def __init__(self, residency: HostResidency, tier: StorageTier, write_policy: WritePolicy,
-                 namespaces: Callable[[], Iterable[NamespaceState]]) -> None:
+                 namespaces: Callable[[], Iterable[NamespaceState]], *, level: int = 0) -> None:
         self.residency = residency
         self.tier = tier
         self.id = tier.id
+        self.level = level  # this link's place in the chain (0: right below the host tier)
         self.write_policy = write_policy
         self.policy: EvictionPolicy[Entry] = LruPolicy()  # entries holding a copy here
         self._namespaces = namespaces
@@ -123,13 +125,13 @@ class TierLink:
         for scanned, e in enumerate(self.residency.policy.victims()):
             if excess <= 0 or self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT or scanned > 4096:
                 break
-            if e.copy_in(self.id) is None and not e.flushing:
+            if e.copy_in(self.level) is None and not e.flushing:
                 self.schedule_flush(e)
             excess -= e.ns.slot_bytes
 
     def schedule_flush(self, e: Entry) -> None:
         """Queue ``e`` for writing to the tier; flush workers write the queue in batches."""
-        if e.copy_in(self.id) is not None or e.flushing or not e.in_host \
+        if e.copy_in(self.level) is not None or e.flushing or not e.in_host \
                 or not self.tier.admitting:
             return
         e.flushing += 1  # claimed now: the host slot stays until the write is done
@@ -186,7 +188,7 @@ class TierLink:
         for (e, _off), loc in zip(targets, locs, strict=True):
             ns = e.ns
             if ns.entries.get(e.key) is e and e.state is EntryState.READY \
-                    and e.copy_in(self.id) is None:
+                    and e.copy_in(self.level) is None:
                 self._add_copy(e, loc)
                 ns.counters.demotions += 1
                 self._bump(ns, 4, ns.block_bytes)
@@ -208,7 +210,7 @@ class TierLink:
                     break
                 if e.pins or e.promoting is not None:
                     continue
-                if e.copy_in(self.id) is None:
+                if e.copy_in(self.level) is None:
                     if not e.flushing:
                         if self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT:
                             waiting = True
@@ -238,7 +240,7 @@ class TierLink:
                     await asyncio.sleep(0.005)
                 if time.monotonic() >= deadline or not self.tier.admitting:
                     return n
-                if e.copy_in(self.id) is None and e.in_host:
+                if e.copy_in(self.level) is None and e.in_host:
                     self.schedule_flush(e)
                     n += 1
         while self.flushes_in_flight and time.monotonic() < deadline:
@@ -254,20 +256,29 @@ class TierLink:
         Room is made the write-back way first (no unflushed block is evicted for a promotion),
         host slots are taken up front, and the reads go in ~4 MiB batches, each block verified on
         its own: a corrupt one is quarantined and left out. Concurrent promotions of one entry
-        are joined.
+        are joined. The reads run as a task of this link: a caller cancelled meanwhile (an RPC
+        past its deadline) leaves them to finish, so no entry stays ``promoting``.
         """
         waiting = [e.promoting for e in entries if e.promoting is not None]
         if waiting:
             await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
-
-        def todo() -> list[Entry]:
-            return [e for e in dict.fromkeys(entries) if not e.in_host and e.promoting is None
-                    and e.copy_in(self.id) is not None and e.ns.entries.get(e.key) is e]
-
-        pending = todo()
+        pending = self._todo(entries)
         if pending:
             await self.ensure_room(pending[0].ns.slot_bytes, len(pending))
-            pending = todo()
+            pending = self._todo(entries)
+        started = self._reserve(pending, protect)
+        if started:
+            await asyncio.shield(self._spawn(self._read(started)))
+        return {e for e in entries if e.in_host}
+
+    def _todo(self, entries: Iterable[Entry]) -> list[Entry]:
+        """Entries still in the index, held here, with no host slot and no promotion."""
+        return [e for e in dict.fromkeys(entries) if not e.in_host and e.promoting is None
+                and e.copy_in(self.level) is not None and e.ns.entries.get(e.key) is e]
+
+    def _reserve(self, pending: list[Entry], protect: set[Entry]) -> list[Entry]:
+        """Host slots for ``pending`` in order, until one cannot be placed; each entry is
+        ``promoting`` from here until its read ends."""
         loop = asyncio.get_running_loop()
         started: list[Entry] = []
         for e in pending:
@@ -276,6 +287,10 @@ class TierLink:
                 break
             e.offset, e.promoting = off, loop.create_future()
             started.append(e)
+        return started
+
+    async def _read(self, started: list[Entry]) -> None:
+        """Read reserved entries in ~4 MiB batches (each one ``read_many``)."""
         jobs: list[list[Entry]] = []
         size = FLUSH_BATCH_BYTES
         for e in started:
@@ -285,13 +300,12 @@ class TierLink:
             jobs[-1].append(e)
             size += e.ns.block_bytes
         await asyncio.gather(*(self._promote_job(job) for job in jobs))
-        return {e for e in entries if e.in_host}
 
     async def _promote_job(self, job: list[Entry]) -> None:
         host = self.residency.host
         try:
             results = await self.tier.read_many([
-                (e.copy_in(self.id), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes))
+                (e.copy_in(self.level), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes))
                 for e in job])
         except Exception as failure:  # noqa: BLE001  (every waiter must be released)
             results = [failure] * len(job)
@@ -313,7 +327,7 @@ class TierLink:
                     log.warning("%s read failed: %s", self.tier.name, err)
                 host.free(e.offset, ns.slot_bytes)
                 e.offset = -1
-                if e.copy_in(self.id) is not None:
+                if e.copy_in(self.level) is not None:
                     self._drop_copy(e, corrupt=corrupt)
             if fut is not None:
                 fut.set_result(None)
@@ -321,7 +335,7 @@ class TierLink:
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""
         todo = [e for e in entries if not e.in_host and e.promoting is None
-                and e.copy_in(self.id) is not None]
+                and e.copy_in(self.level) is not None]
         if todo:
             self._spawn(self._promote_quietly(todo))
         return len(todo)
@@ -336,8 +350,10 @@ class TierLink:
         off = self.tier.alloc(slot)
         if off is not None:
             return off
-        for e in self.policy.victims():  # LRU copies; then the freed slab may move class
-            if e.pins or e.promoting is not None:
+        for n, e in enumerate(self.policy.victims()):  # LRU copies; the freed slab may move
+            if n >= MAX_VICTIM_SCAN:
+                break  # held or being read as far as we looked: the tier is full for now
+            if e.pins or e.holds or e.promoting is not None:
                 continue
             self._drop_copy(e, corrupt=False)
             self._bump(e.ns, 2, 1)
@@ -347,17 +363,16 @@ class TierLink:
         return None
 
     def _add_copy(self, e: Entry, loc: Any) -> None:
-        if e.copies is None:
-            e.copies = {}
-        e.copies[self.id] = loc
+        e.set_copy(self.level, loc)
         self.policy.insert(e)
         self._bump(e.ns, 0, 1)
         self._bump(e.ns, 1, e.ns.block_bytes)
 
     def _drop_copy(self, e: Entry, *, corrupt: bool) -> None:
         """Forget ``e``'s copy here; an entry left with no copy at all leaves the index."""
-        assert e.copies is not None
-        loc = e.copies.pop(self.id)
+        loc = e.copy_in(self.level)
+        assert loc is not None
+        e.set_copy(self.level, None)
         self.policy.remove(e, evicted=not corrupt)
         self._bump(e.ns, 0, -1)
         self._bump(e.ns, 1, -e.ns.block_bytes)
@@ -376,10 +391,11 @@ class TierLink:
         name = self._columns[column]
         setattr(ns.counters, name, getattr(ns.counters, name) + n)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def settle(self) -> None:
         """Wait until every flush and promotion this link started has ended (tests, drain)."""
@@ -392,6 +408,6 @@ class TierLink:
         """Blocking: the tier records every copy it holds, for a warm next start."""
         nss = list(self._namespaces())
         namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in nss}
-        blocks = [(ns.spec.digest, e.key, e.copy_in(self.id)) for ns in nss
-                  for e in ns.entries.values() if e.copy_in(self.id) is not None]
+        blocks = [(ns.spec.digest, e.key, e.copy_in(self.level)) for ns in nss
+                  for e in ns.entries.values() if e.copy_in(self.level) is not None]
         self.tier.checkpoint(namespaces, blocks)

@@ -115,13 +115,18 @@ class JobTable:
         job = self._jobs.get(job_id)
         if not isinstance(job, StoreJob) or job.session_id != session_id:
             raise NotFound(f"no store job {job_id} for this session", field="job_id")
+        if count > len(job.items):  # count comes off the wire: bounded before any walk
+            raise InvalidArgument(f"run of {count} keys in a job of {len(job.items)}",
+                                  field="index")
+        if first not in job.items:
+            raise InvalidArgument(f"key {first} is not reserved in job {job_id}", field="index")
+        if nbytes // count != job.ns.block_bytes:
+            raise InvalidArgument(f"payload of {nbytes // count} bytes, block is "
+                                  f"{job.ns.block_bytes}", field="length")
         entries = [job.items.get(i) for i in range(first, first + count)]
         if None in entries:
             missing = first + entries.index(None)
             raise InvalidArgument(f"key {missing} is not reserved in job {job_id}", field="index")
-        if nbytes // count != job.ns.block_bytes:
-            raise InvalidArgument(f"payload of {nbytes // count} bytes, block is "
-                                  f"{job.ns.block_bytes}", field="length")
         return job, entries  # type: ignore[return-value]  # no None left
 
     def load_run(self, session_id: int, job_id: int) -> tuple[LoadJob, list[tuple[int, Entry]]]:
@@ -129,4 +134,13 @@ class JobTable:
         job = self._jobs.get(job_id)
         if not isinstance(job, LoadJob) or job.session_id != session_id:
             raise NotFound(f"no load job {job_id} for this session", field="job_id")
+        self.moves_bytes(job)
         return job, sorted(job.items.items())
+
+    @staticmethod
+    def moves_bytes(job: Job) -> None:
+        """Refuse to move the bytes of a pinned lookup's job: it only holds blocks against
+        eviction (some may still be on their way into the host tier); loads use PrepareLoad."""
+        if isinstance(job, LoadJob) and not job.moves_bytes:
+            raise FailedPrecondition(f"job {job.id} is a pinned lookup: load its blocks with "
+                                     "PrepareLoad", field="job_id")

@@ -54,6 +54,7 @@ class HostResidency:
         So slabs follow demand instead of staying with the class that took them first, and a
         store that cannot be placed evicts nothing: pinned and WRITING entries keep their slabs.
         With a storage tier admitting, blocks it already holds are evicted before any it does not.
+        A held block (pinned lookup) is evicted only while a copy below remains.
         """
         off = self.host.alloc(slot_bytes)
         if off is not None:
@@ -70,7 +71,8 @@ class HostResidency:
         for n, e in enumerate(self.policy.victims()):
             if n >= max_scan:
                 break
-            if e.pins or e.flushing or e in protect or (clean_only and not e.copies):
+            if e.pins or e.flushing or e in protect or (clean_only and not e.copies) \
+                    or (e.holds and not e.copies):  # a held block keeps its last copy
                 continue
             if e.ns.slot_bytes == slot_bytes:
                 self.evict(e)

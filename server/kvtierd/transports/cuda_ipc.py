@@ -240,7 +240,7 @@ class CudaIpcCopier:
                 raise InvalidArgument(f"block at {off} ends past the {buf.nbytes}-byte buffer",
                                       field="buffer_offsets")
         for slot in slots:
-            if slot + block_bytes > self.arena.size:
+            if slot < 0 or slot + block_bytes > self.arena.size:
                 raise FailedPrecondition(f"slot {slot} outside the arena", field="job_id")
         return runs(list(zip(slots, buffer_offsets, strict=True)), block_bytes)
 
@@ -339,19 +339,33 @@ class CudaIpcTransport(ServerTransport):
         if job.transport is not Transport.CUDA_IPC:
             raise FailedPrecondition(f"job {job_id} was prepared for transport "
                                      f"{job.transport.label}, not cuda_ipc", field="job_id")
+        jobs.moves_bytes(job)
         buf = self.copier.buffer(session.id, buffer_id)
         jobs.not_copying(job.id)
         keys = sorted(job.items)
         bb = job.ns.block_bytes
         plan = self.copier.plan(buf, [job.items[i].offset for i in keys], bb, buffer_offsets)
         jobs.copying.add(job.id)
+        copy = asyncio.ensure_future(self.copier.copy(buf, plan, isinstance(job, LoadJob)))
         try:
-            copies = await self.copier.copy(buf, plan, isinstance(job, LoadJob))
+            copies = await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            # The RPC went (client deadline, server stop); the device copy did not. The job
+            # stays copying (not completable, its slots held) until the copy itself ends, then
+            # it is aborted: its client has given it up.
+            def ended(f: asyncio.Future[int]) -> None:
+                if not f.cancelled():
+                    f.exception()  # retrieved: a CUDA error was counted by the copier
+                jobs.copying.discard(job.id)
+                self._cache.abort_job(session, job)
+
+            copy.add_done_callback(ended)
+            raise
         except KvtierError:
+            jobs.copying.discard(job.id)
             self._cache.abort_job(session, job)  # a CUDA error fails this job, nothing else
             raise
-        finally:
-            jobs.copying.discard(job.id)
+        jobs.copying.discard(job.id)
         if not isinstance(job, LoadJob) and jobs.is_live(job):
             job.arrived(job.items)
         return copies, len(keys) * bb
