@@ -23,6 +23,10 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 Parts (one component, one writer): :class:`~kvtierd.cache.residency.HostResidency` (host slots,
 eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion,
 promotion), :class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of them).
+
+Size: just over the house limit, because every change to an entry's lifecycle (reserve,
+commit, abort, pin, hold, release) stays in this one class, where all of them can be read
+together; placement, copies and jobs live in the modules named above.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ tier keeps its own figures (``tier.stats()``); ``flushes_in_flight`` is the link
 
 Concurrency: event-loop thread only. Every await point is followed by a re-check of the entry
 (it may have been dropped meanwhile); pins taken before an await keep entries in place.
+
+Size: just over the house limit, because demotion, promotion and copy eviction of one tier share
+its queue, its copy policy and its task set; splitting them would spread one state machine.
 """
 
 from __future__ import annotations
