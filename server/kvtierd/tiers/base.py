@@ -32,10 +32,6 @@ from typing import Any
 from kvtier_contract.errors import KvtierError
 from kvtierd.domain import TierId
 
-BlockRef = tuple[bytes, bytes]
-"""(namespace digest, block key): what a storage tier records beside a copy to verify it."""
-
-
 class Tier(ABC):
     """Space of slots; see the module docstring. Implementations own their allocator."""
 
