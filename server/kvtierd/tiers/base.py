@@ -32,6 +32,7 @@ from typing import Any
 from kvtier_contract.errors import KvtierError
 from kvtierd.domain import TierId
 
+
 class Tier(ABC):
     """Space of slots; see the module docstring. Implementations own their allocator."""
 
