@@ -32,7 +32,7 @@ from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
-NO_OFFSET = (1 << 64) - 1  # a pinned hit not in the host tier (yet) has no offset to read
+NO_OFFSET = (1 << 64) - 1  # a held hit whose host slot may change has no offset to read
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -119,8 +119,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
             n = len(job.items)
-            offsets = [job.items[i].offset if t == TierId.HOST else NO_OFFSET
-                       for i, t in enumerate(tiers)]
+            # A hold keeps a block's last copy: its host slot only while it has no copy below.
+            offsets = [e.offset if t == TierId.HOST and e.copies is None else NO_OFFSET
+                       for e, t in zip(job.items.values(), tiers, strict=True)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=tiers, offsets=offsets)
         hit, tiers, durable = self.cache.lookup_detail(ns, keys)

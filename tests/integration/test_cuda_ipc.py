@@ -495,6 +495,7 @@ def test_a_pinned_lookup_job_is_not_copied(daemon: InProcessDaemon) -> None:
     s.call("CompleteStore", job_id=prep.job_id, ok=True)
     pinned = s.call("Lookup", namespace_id=s.ns_id, keys=keys(1), pin=True)
     assert pinned.hit_blocks == 1 and pinned.job_id
+    assert list(pinned.offsets) == list(prep.offsets)  # host only: the hold keeps its slot
     detail = refused(lambda: s.call("CudaCopy", job_id=pinned.job_id, buffer_id=buf,
                                     buffer_offsets=[0]), StatusCode.FAILED_PRECONDITION, "job_id")
     assert "PrepareLoad" in detail

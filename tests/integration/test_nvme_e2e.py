@@ -19,6 +19,7 @@ import pytest
 from conftest import DaemonProcess, make_namespace
 
 import kvtier
+from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.tiers.nvme.format import CorruptSlot, data_file_name, decode_header
 
 HOST = ("--host-bytes", "2MiB", "--slab-bytes", "1MiB")
@@ -242,3 +243,17 @@ def test_a_pinned_lookup_reports_disk_hits_as_disk_hits(big_daemon: DaemonProces
                    for i, g in enumerate(got))
         assert client.release(pinned.pin, pinned.epoch)
         assert client.stats()["pinned_blocks"] == 0
+
+
+def test_a_pinned_lookup_gives_no_offset_whose_slot_may_change(big_daemon: DaemonProcess) -> None:
+    """A hold keeps a block's last copy, not its host slot: a hit that NVMe also holds may leave
+    the host tier while held, so its offset is never handed out (2**64-1)."""
+    with kvtier.Client.connect(big_daemon.unix, transport="shm") as client:
+        ns = client.register(make_namespace(**BIG))
+        keys = ns.block_keys(list(range(16 * 100)))
+        seen = ns.lookup_detail(keys)
+        reply = client._call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id,
+                                                        keys=b"".join(keys), pin=True))
+        assert reply.hit_blocks == 100 and list(reply.tiers).count(1) == seen.tiers.count("host")
+        assert set(reply.offsets) == {(1 << 64) - 1}  # write-through: every hit is on NVMe too
+        assert client.release(reply.job_id, reply.boot_epoch)
