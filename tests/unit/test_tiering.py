@@ -186,6 +186,14 @@ class Rig:
         return (hit, "".join("h" if t == TierId.HOST else "n" for t in tiers),
                 "".join("d" if d else "-" for d in durable))
 
+    async def one_on_nvme_only(self) -> None:
+        """Block 1 on NVMe only (a 4-block host tier): stored, flushed, then pushed out of the
+        host tier by 2..5."""
+        await self.store(1)
+        await self.settle()
+        await self.store(2, 3, 4, 5)
+        await self.settle()
+
     async def settle(self) -> None:
         """Wait until every flush and promotion the chain started has ended."""
         await self.link.settle()
@@ -470,10 +478,7 @@ async def test_a_slow_promotion_blocks_neither_the_loop_nor_a_second_load(
         make_rig: Callable[..., Rig]) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
-    await rig.store(1)
-    await rig.settle()
-    await rig.store(2, 3, 4, 5)
-    await rig.settle()  # host [2 3 4 5]; 1 on NVMe only
+    await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
     first = asyncio.create_task(rig.read(1))
     await gate.wait_entered()  # the promotion of 1 is on the disk (it evicted 2 for its slot)
     second = asyncio.create_task(rig.read(1))
@@ -816,10 +821,7 @@ async def test_a_cancelled_load_leaves_no_pin_and_no_endless_promotion(
         make_rig: Callable[..., Rig]) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
-    await rig.store(1)
-    await rig.settle()
-    await rig.store(2, 3, 4, 5)
-    await rig.settle()  # 1 on NVMe only
+    await rig.one_on_nvme_only()  # 1 on NVMe only
     task = asyncio.create_task(rig.cache.prepare_load(rig.session, rig.ns, keys(1), SHM))
     await gate.wait_entered()  # its promotion is on the disk
     task.cancel()  # the RPC's deadline
@@ -876,10 +878,7 @@ async def test_a_pinned_lookup_job_sends_no_bytes(make_rig: Callable[..., Rig]) 
     slots not filled yet): a READ of it is refused; loads go through PrepareLoad."""
     rig = make_rig(host=4)
     channel, transport = data_channel(rig)
-    await rig.store(1)
-    await rig.settle()
-    await rig.store(2, 3, 4, 5)
-    await rig.settle()  # 1 on NVMe only
+    await rig.one_on_nvme_only()  # 1 on NVMe only
     job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2))
     assert job is not None and list(tiers) == [TierId.NVME, TierId.HOST]
     feed(channel, wire.pack(Op.READ, job.id))
