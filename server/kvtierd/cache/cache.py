@@ -278,8 +278,8 @@ class TieredCache:
                 self.residency.free_reserved(e, hold_until)
                 aborted += 1
         self.writing_blocks -= len(job.items)
-        for link in self.chain:
-            if committed:
+        if committed:
+            for link in self.chain:
                 link.on_committed(committed)
         c.stores_accepted += len(committed)
         c.stores_dropped += aborted
