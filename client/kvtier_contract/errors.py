@@ -46,6 +46,12 @@ class ResourceExhausted(KvtierError):
     code_name = "RESOURCE_EXHAUSTED"
 
 
+OVERLOADED = "daemon overloaded"
+"""How the message of a RESOURCE_EXHAUSTED begins when the daemon sheds load (too many requests
+in progress): the request may simply be tried later, unlike a batch over a limit. Clients treat
+it as a miss or a dropped store and trip nothing."""
+
+
 class PermissionDenied(KvtierError):
     """A session tries to use a job or namespace it does not own."""
 

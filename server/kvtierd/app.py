@@ -30,13 +30,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.config import DaemonConfig
 from kvtierd.index import Entry
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
-from kvtierd.service import KvtierService
+from kvtierd.service import KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
@@ -44,7 +43,7 @@ from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
 from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
 from kvtierd.transports.shm import ShmFdServer
-from kvtierd.transports.tcp import DataChannelServer
+from kvtierd.transports.tcp import DataChannelLimits, DataChannelServer
 
 log = logging.getLogger("kvtierd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
@@ -86,7 +85,8 @@ class Daemon:
             on_release=self._release_session)
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
-                                     advertise=self._advertise, cuda=self.cuda)
+                                     advertise=self._advertise, cuda=self.cuda,
+                                     max_inflight=cfg.max_inflight_rpcs)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
@@ -117,7 +117,7 @@ class Daemon:
         if self.cuda is not None:
             await self.cuda.start()  # page-locks the arena before anything is served
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_KvtierServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)  # lenient request decoding (service.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
                                              health.SERVICE_NAME), self.server)
@@ -135,13 +135,18 @@ class Daemon:
             self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
         if cfg.data_listen:
             host, _, port_s = cfg.data_listen.rpartition(":")
-            data = DataChannelServer(host, int(port_s), self.cache, self.sessions)
+            data = DataChannelServer(host, int(port_s), self.cache, self.sessions, DataChannelLimits(
+                hello_timeout_s=cfg.handshake_timeout_s, idle_timeout_s=cfg.data_idle_timeout_s,
+                max_connections=cfg.data_max_connections,
+                max_queued_bytes=cfg.data_max_queued_bytes))
             await data.start()
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"
         if cfg.shm_enabled:
             shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
-                              self.boot_epoch, self.sessions)
+                              self.boot_epoch, self.sessions,
+                              handshake_timeout_s=cfg.handshake_timeout_s,
+                              max_connections=cfg.shm_max_connections)
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
@@ -156,6 +161,8 @@ class Daemon:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        for link in self.cache.chain:  # a tier that opened degraded says so from the start
+            await self._set_nvme_health(link.tier.admitting)
 
     async def _sweep(self) -> None:
         next_probe = 0.0
@@ -168,7 +175,10 @@ class Daemon:
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
-                    await asyncio.get_running_loop().run_in_executor(None, link.tier.probe)
+                    try:  # a late open or a probe may fail in ways not foreseen: keep sweeping
+                        await link.probe()
+                    except Exception:
+                        log.exception("%s probe failed", link.tier.name)
                 await self._set_nvme_health(link.tier.admitting)
                 link.maybe_flush()
 
@@ -182,8 +192,12 @@ class Daemon:
     def snapshot(self) -> dict[str, Any]:
         """Stats as plain data (event-loop thread): the Stats reply plus RPC figures."""
         snap = to_dict(self.service.stats_reply())
-        snap["rpc_errors"] = dict(self.service.errors)
+        errors: dict[str, dict[str, int]] = {}
+        for (method, code), n in self.service.errors.items():
+            errors.setdefault(method, {})[code] = n
+        snap["rpc_errors"] = errors  # method -> status code name -> count
         snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
+        snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
         return snap
 
     def request_stop(self) -> None:

@@ -19,7 +19,7 @@ from kvtier_contract.units import parse_bytes
 from kvtierd.policies import PolicyName, WritePolicyName
 
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
-                "disk_file_bytes")
+                "disk_file_bytes", "data_max_queued_bytes")
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -48,6 +48,18 @@ class DaemonConfig:
     """TCP data channel HOST:PORT (port 0 picks a free port; advertised in OpenSession)."""
     shm_enabled: bool = True
     """Hand the arena fd to same-host clients (the shm transport)."""
+    handshake_timeout_s: float = 5.0
+    """A data connection must send HELLO, and an shm fd request its handshake, within this;
+    otherwise it is closed."""
+    data_idle_timeout_s: float = 300.0
+    """A data connection that receives no frame and whose peer takes no queued reply byte for
+    this long is closed (its queued replies dropped, their pins released)."""
+    data_max_connections: int = 1024
+    """Most open data connections; one more is answered ERROR and closed at once."""
+    data_max_queued_bytes: int = 16 << 20
+    """A data connection stops reading while more reply bytes than this wait to be sent."""
+    shm_max_connections: int = 128
+    """Most shm fd handshakes in progress at once; one more is closed at once."""
     cuda_ipc: bool = False
     """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
     copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;
@@ -70,6 +82,9 @@ class DaemonConfig:
     """Most open sessions; one more OpenSession is RESOURCE_EXHAUSTED."""
     max_namespaces: int = 1024
     """Most registered namespaces; one more RegisterNamespace is RESOURCE_EXHAUSTED."""
+    max_inflight_rpcs: int = 64
+    """Most Kvtier requests in progress at once (those waiting on NVMe flushes, promotions or
+    CUDA copies); one more is RESOURCE_EXHAUSTED at once. Health is never refused."""
     drain_timeout_s: float = 5.0
     """On SIGTERM: how long in-flight jobs may take to finish before the daemon exits anyway."""
     disk_dir: str = ""
@@ -137,6 +152,12 @@ def validate(cfg: DaemonConfig) -> None:
     need(1 <= cfg.max_batch_blocks <= 1 << 16, "max_batch_blocks", "must be in [1, 65536]")
     need(cfg.max_sessions >= 1, "max_sessions", "must be >= 1")
     need(cfg.max_namespaces >= 1, "max_namespaces", "must be >= 1")
+    need(cfg.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0")
+    need(cfg.data_idle_timeout_s > 0, "data_idle_timeout_s", "must be > 0")
+    need(cfg.data_max_connections >= 1, "data_max_connections", "must be >= 1")
+    need(cfg.data_max_queued_bytes >= 0, "data_max_queued_bytes", "must be >= 0")
+    need(cfg.shm_max_connections >= 1, "shm_max_connections", "must be >= 1")
+    need(cfg.max_inflight_rpcs >= 1, "max_inflight_rpcs", "must be >= 1")
     need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
     need(bool(cfg.socket_path or cfg.listen), "listen", "need a Unix socket or a TCP listener")
     need(not cfg.extra, "extra", f"unknown keys {sorted(cfg.extra)}")

@@ -3,22 +3,32 @@
 Metrics are pulled: at scrape time the collector asks the daemon loop for one consistent snapshot
 (``StatsReply`` plus RPC latency histograms) and turns it into families. Names carry the
 ``kvtier_`` prefix and base units; counters end in ``_total``.
+
+The HTTP server is our own (:class:`MetricsServer`), not prometheus_client's, which starts a
+thread per connection with no read timeout: here a listener thread reads every request head with
+a deadline, a small pool renders the replies, and open connections are capped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import selectors
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvtierd.stats import COUNTER_FIELDS, GAUGE_FIELDS
 
 log = logging.getLogger("kvtierd.metrics")
 Snapshot = dict[str, Any]
+_MAX_HEAD_BYTES = 8192  # a request head longer than this is closed unanswered
 
 # Counter field -> (metric name, help, extra labels). Several fields share one family by label.
 _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
@@ -109,13 +119,16 @@ class KvtierCollector:
             yield CounterMetricFamily("kvtier_cuda_ipc_copy_errors_total",
                                       "cuda_ipc transfers failed by a CUDA error (job aborted)",
                                       value=cu["copy_errors"])
+        yield from _connection_families(snap.get("connections", {}))
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",
                                   value=snap["leases_expired"])
-        errors = CounterMetricFamily("kvtier_rpc_errors_total", "RPC errors by status", labels=["code"])
-        for code, n in sorted(snap["rpc_errors"].items()):
-            errors.add_metric([code], n)
+        errors = CounterMetricFamily("kvtier_rpc_errors", "RPC errors by method and status",
+                                     labels=["method", "code"])
+        for method, by_code in sorted(snap["rpc_errors"].items()):
+            for code, n in sorted(by_code.items()):
+                errors.add_metric([method, code], n)
         yield errors
         h = HistogramMetricFamily("kvtier_rpc_duration_seconds", "RPC service time", labels=["method"])
         for method, (buckets, total) in sorted(snap["rpc_latency"].items()):
@@ -139,14 +152,41 @@ def _counter_families(snap: Snapshot) -> Iterator[Any]:
 
 
 class MetricsServer:
-    """Owns the /metrics HTTP server thread. ``start()`` -> ``port`` -> ``close()``."""
+    """Owns the /metrics HTTP server: one listener thread and a pool of ``workers`` threads.
+
+    ``start()`` -> ``port`` -> ``close()``. The listener thread accepts and reads request heads
+    for every connection at once (non-blocking, one ``selectors`` loop), so a peer that sends
+    half a request costs a socket, never a thread: it is closed ``read_timeout_s`` after it
+    connected, and when ``max_connections`` are open the oldest unfinished one is closed to
+    make room for a new one. A complete request goes to the worker pool (``workers`` threads; at
+    most ``max_connections`` requests queued, more are closed unanswered),
+    which takes the snapshot (on the daemon loop), renders it and writes the reply with a
+    ``write_timeout_s`` socket timeout, then closes the connection (no keep-alive).
+    Thread-safety: the listener thread owns the pending connections; workers own the
+    connection they are handed; ``close()`` may be called from any thread, once.
+    """
 
     def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
-                 snapshot: Callable[[], Snapshot]) -> None:
+                 snapshot: Callable[[], Snapshot], *, workers: int = 4,
+                 read_timeout_s: float = 5.0, write_timeout_s: float = 5.0,
+                 max_connections: int = 64) -> None:
         self.host, self.port = host, port
         self._loop = loop
         self._snapshot = snapshot
-        self._server: Any = None
+        self.workers, self.max_connections = workers, max_connections
+        self.read_timeout_s, self.write_timeout_s = read_timeout_s, write_timeout_s
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KvtierCollector(self._threadsafe_snapshot))
+        self._sock: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}  # conn -> (deadline, head)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-metrics")
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.closed_idle = 0  # connections closed for a read timeout or to make room
+        self._lock = threading.Lock()
+        self._queued = 0  # requests handed to the pool and not answered yet
 
     def _threadsafe_snapshot(self) -> Snapshot:
         async def take() -> Snapshot:
@@ -155,12 +195,150 @@ class MetricsServer:
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=5)
 
     def start(self) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(KvtierCollector(self._threadsafe_snapshot))
-        self._server, _thread = start_http_server(self.port, addr=self.host, registry=registry)
-        self.port = self._server.server_port
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._selector.register(sock, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._serve, name="kvtier-metrics-listener",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            now = time.monotonic()
+            timeout = min((d for d, _ in self._pending.values()), default=now + 1.0) - now
+            for key, _ in self._selector.select(max(0.0, timeout)):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "read":
+                    self._read(key.fileobj)  # type: ignore[arg-type]
+            now = time.monotonic()
+            for conn in [c for c, (d, _) in self._pending.items() if d <= now]:
+                self._drop(conn)
+        for conn in list(self._pending):
+            self._drop(conn)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and the like: try again at the next event
+                log.warning("metrics: accept failed: %s", e)
+                return
+            if len(self._pending) >= self.max_connections:
+                oldest = min(self._pending, key=lambda c: self._pending[c][0])
+                self._drop(oldest)
+            conn.setblocking(False)
+            self._pending[conn] = (time.monotonic() + self.read_timeout_s, bytearray())
+            self._selector.register(conn, selectors.EVENT_READ, "read")
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        head = self._pending[conn][1]
+        head += data
+        if data and b"\r\n\r\n" not in head and len(head) < _MAX_HEAD_BYTES:
+            return
+        self._selector.unregister(conn)
+        del self._pending[conn]
+        if not data or len(head) >= _MAX_HEAD_BYTES and b"\r\n\r\n" not in head:
+            conn.close()
+            return
+        with self._lock:
+            full = self._queued >= self.max_connections
+            self._queued += not full
+        if full:  # replies are not keeping up: refuse rather than queue without bound
+            conn.close()
+            return
+        try:
+            self._pool.submit(self._respond, conn, bytes(head))
+        except RuntimeError:  # closing
+            conn.close()
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._selector.unregister(conn)
+        del self._pending[conn]
+        conn.close()
+        self.closed_idle += 1
+
+    def _respond(self, conn: socket.socket, head: bytes) -> None:
+        """Worker thread: answer one request and close the connection."""
+        try:
+            self._reply(conn, head)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _reply(self, conn: socket.socket, head: bytes) -> None:
+        with conn:
+            conn.setblocking(True)
+            conn.settimeout(self.write_timeout_s)
+            method, path = _request_line(head)
+            if method not in ("GET", "HEAD"):
+                status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
+            elif path.split("?", 1)[0] not in ("/metrics", "/"):
+                status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
+            else:
+                try:
+                    status, body, ctype = "200 OK", generate_latest(self.registry), \
+                        CONTENT_TYPE_LATEST
+                except Exception as e:  # noqa: BLE001  (a scrape must never kill a worker)
+                    log.warning("metrics: rendering failed: %s", e)
+                    status, body, ctype = "500 Internal Server Error", b"error\n", "text/plain"
+            reply = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            try:
+                conn.sendall(reply + (body if method != "HEAD" else b""))
+            except OSError:
+                pass  # the scraper went away or stopped reading
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sock is not None:
+            self._sock.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _request_line(head: bytes) -> tuple[str, str]:
+    """(method, path) of a request head; ("", "") when it has no valid request line."""
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return "", ""
+    return parts[0].decode("latin-1"), parts[1].decode("latin-1")
+
+
+def _connection_families(figures: dict[str, int]) -> Iterator[Any]:
+    """Open connections and refusals per transport (``<transport>_connections[_what]``)."""
+    open_ = GaugeMetricFamily("kvtier_connections", "Open transport connections",
+                              labels=["transport"])
+    closed = CounterMetricFamily("kvtier_connections_closed", "Connections the daemon closed",
+                                 labels=["transport", "reason"])
+    for key, n in sorted(figures.items()):
+        transport, _, what = key.partition("_connections")
+        if not what:
+            open_.add_metric([transport], n)
+        elif what in ("_refused", "_timed_out"):
+            closed.add_metric([transport, what[1:]], n)
+    yield open_
+    yield closed

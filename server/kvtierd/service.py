@@ -3,6 +3,18 @@
 Every request is validated (ids, key counts and lengths, transports) before anything touches the
 index or memory; every reply carries the boot epoch. Errors from :mod:`kvtier_contract.errors` become gRPC
 statuses through the one table ``kvtier_contract.errors.GRPC_STATUS``. Runs on the daemon's event loop.
+
+Registration (:func:`add_to_server`) builds the Kvtier method handlers from the proto descriptor
+instead of the generated ``add_KvtierServicer_to_server`` (which stays as generated), with lenient
+request deserializers: a body that does not decode reaches the handler as :class:`Undecodable`
+and is answered INVALID_ARGUMENT, counted per method in ``errors``, and logged at most once per
+``BAD_INPUT_LOG_INTERVAL_S`` (left to grpc: UNKNOWN, uncounted, a traceback per request).
+
+Admission (in ``_rpc``): at most ``max_inflight`` Kvtier handlers in progress (those that wait:
+a store making room on NVMe, a load promoting blocks, a CUDA copy); one more is answered
+RESOURCE_EXHAUSTED at once. A request whose deadline passed before its handler ran (it waited in
+the loop's queue; its client gave up) is answered DEADLINE_EXCEEDED without doing the work.
+Health and reflection are other services and never refused.
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtier_contract.errors import (
     GRPC_STATUS,
+    OVERLOADED,
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
@@ -33,37 +47,115 @@ from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
 NO_OFFSET = (1 << 64) - 1  # a held hit whose host slot may change has no offset to read
+BAD_INPUT_LOG_INTERVAL_S = 10.0  # at most one log line per this many seconds for bad bodies
+_SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 
+class Undecodable:
+    """What a Kvtier request deserializer returns for bytes that are not a valid message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class RateLimitedLog:
+    """At most one warning per ``interval_s``; the next line says how many were suppressed.
+    Event-loop thread only."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log, self._interval, self._clock = logger, interval_s, clock
+        self._next = 0.0
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = self._clock()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        self._next = now + self._interval
+        if self.suppressed:
+            msg += f" ({self.suppressed} more like it in the last {self._interval:.0f}s)"
+            self.suppressed = 0
+        self._log.warning(msg, *args)
+
+
 def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Time the call and map kvtier errors to one gRPC status each."""
+    """Time the call and map kvtier errors to one gRPC status each; an undecodable request
+    is INVALID_ARGUMENT before the handler runs."""
     name = fn.__name__
+    request_type = _SERVICE.methods_by_name[name].input_type.full_name
 
     @functools.wraps(fn)
     async def wrapper(self: KvtierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = time.perf_counter()
+        if self.inflight >= self.max_inflight:
+            self.count_error(name, "RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{OVERLOADED}: {self.inflight} requests in progress "
+                                f"(max_inflight_rpcs = {self.max_inflight}); retry later")
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            self.count_error(name, "DEADLINE_EXCEEDED")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the deadline passed before the request could be served")
+        self.inflight += 1
         try:
+            if type(request) is Undecodable:
+                self.count_error(name, "INVALID_ARGUMENT")
+                self.bad_input_log.warning("%s: undecodable request body from %s: %s", name,
+                                           context.peer(), request.error)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request could not be decoded as {request_type}: "
+                                    f"{request.error}")
             return await fn(self, request, context)
         except KvtierError as e:
             code = getattr(grpc.StatusCode, GRPC_STATUS.get(type(e), "UNKNOWN"))
-            self.errors[code.name] = self.errors.get(code.name, 0) + 1
+            self.count_error(name, code.name)
             await context.abort(code, str(e))
         finally:
+            self.inflight -= 1
             self.latency.setdefault(name, LatencyHistogram()).observe(time.perf_counter() - t0)
 
     return wrapper
 
 
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Undecodable(str(e) or "malformed protobuf")
+
+    return deserialize
+
+
+def add_to_server(service: KvtierService, server: grpc.aio.Server) -> None:
+    """Register ``service``'s methods (all unary) with lenient request deserializers."""
+    handlers = {}
+    for m in _SERVICE.methods:
+        assert not (m.client_streaming or m.server_streaming), m.full_name
+        request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(service, m.name), request_deserializer=_lenient(request.FromString),
+            response_serializer=reply.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
 class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
-    """The control plane. Owns nothing but its latency histograms and error counts; event-loop
-    thread only."""
+    """The control plane. Owns nothing but its latency histograms and error counts (per method
+    and status); event-loop thread only."""
 
     def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
                  max_batch_blocks: int, advertise: Callable[[], dict[str, Any]],
-                 cuda: CudaIpcTransport | None = None) -> None:
+                 cuda: CudaIpcTransport | None = None, max_inflight: int = 1 << 30) -> None:
         self.cache = cache
         self.cuda = cuda  # the cuda_ipc transport; None when cuda_ipc = false
         self.sessions = sessions
@@ -73,7 +165,14 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.started = time.monotonic()
         self.draining = False
         self.latency: dict[str, LatencyHistogram] = {}
-        self.errors: dict[str, int] = {}
+        self.max_inflight = max_inflight  # handlers in progress before RESOURCE_EXHAUSTED
+        self.inflight = 0
+        self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
+        self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
+
+    def count_error(self, method: str, code: str) -> None:
+        key = (method, code)
+        self.errors[key] = self.errors.get(key, 0) + 1
 
     @_rpc
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context: Any) -> Any:

@@ -6,10 +6,16 @@ consecutive keys travel under one header (WRITE_RUN / DATA_RUN): the whole job g
 few gathered ``sendmsg`` calls (headers and caller views, no concatenation) and comes back
 through ``recvmsg_into`` scattering into the caller's views, instead of two system calls and a
 header per block. Older daemons get one WRITE frame per block.
+
+The daemon closes a data connection that stayed idle for ``data_idle_timeout_s`` (an ERROR frame,
+then EOF). Between transfers nothing is due from it, so a readable socket before a transfer means
+just that: the transport reconnects (HELLO for the same session) before sending, instead of
+failing the engine's next transfer.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 from typing import Any
 
@@ -37,8 +43,11 @@ class TcpTransport(DataTransport):
         self._sock: socket.socket | None = None
         self._hdr = bytearray(wire.HEADER.size)
         self._runs = False  # the daemon accepted wire.FEATURE_RUNS
+        self._attached: tuple[int, Any, float] | None = None  # to reconnect after an idle close
+        self.reconnects = 0  # data connections reopened after the daemon closed an idle one
 
     def attach(self, session_id: int, reply: Any, timeout_s: float) -> None:
+        self._attached = (session_id, reply, timeout_s)
         if not reply.data_port:
             raise TransportError("daemon does not offer a TCP data channel")
         try:
@@ -58,7 +67,7 @@ class TcpTransport(DataTransport):
         self._runs = bool(features & wire.FEATURE_RUNS)
 
     def write(self, job_id: int, items: list[Item]) -> None:
-        s = self._socket()
+        s = self._live_socket()
         frames = self._write_frames(job_id, items)
         frames.append(wire.pack(Op.FLUSH, job_id))
         try:
@@ -78,7 +87,7 @@ class TcpTransport(DataTransport):
         return wire.block_frames(Op.WRITE, job_id, blocks)
 
     def read(self, job_id: int, items: list[Item]) -> None:
-        s = self._socket()
+        s = self._live_socket()
         dest = {index: view for index, _offset, view in items}
         try:
             s.sendall(wire.pack(Op.READ, job_id))
@@ -116,6 +125,17 @@ class TcpTransport(DataTransport):
             self.close()
             raise TransportError(f"daemon closed the data channel: {body.decode(errors='replace')}")
         return op, job, index, status, length
+
+    def _live_socket(self) -> socket.socket:
+        """The connection, reopened first if the daemon closed it while idle (readable now:
+        nothing is due between transfers, so it is an ERROR frame or EOF)."""
+        s = self._socket()
+        if not select.select([s], [], [], 0)[0] or self._attached is None:
+            return s
+        self.close()
+        self.reconnects += 1
+        self.attach(*self._attached)
+        return self._socket()
 
     def _socket(self) -> socket.socket:
         if self._sock is None:

@@ -19,6 +19,10 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
   only below as the host tier can place now; the others are *deferred* (still present: ask
   again after ``complete_load``, so a load larger than the free host tier streams in rounds).
 * ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
+* ``load_queued(job)`` / ``load_sent(job)``: a data connection holds views of a load job's slots
+  that the kernel has not taken yet / no longer does. ``complete_load`` and ``release_session``
+  of a job still sending end the job at once (the engine never waits) but keep its pins, and
+  ``pinned_blocks``, until the last ``load_sent``: a slot is never reused while its bytes leave.
 
 Parts (one component, one writer): :class:`~kvtierd.cache.residency.HostResidency` (host slots,
 eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion,
@@ -356,7 +360,9 @@ class TieredCache:
         """Abort the session's store jobs and release its pins (close or lease expiry).
 
         After an expiry the aborted slots stay out of use for one more lease period (limbo): a
-        stalled shm writer that wakes up late then writes into a slot nobody else holds.
+        stalled shm writer that wakes up late then writes into a slot nobody else holds. A load
+        whose bytes still wait on a data connection keeps its pins until they leave
+        (``load_sent``); the data channel drops such a connection when its session ends.
         """
         hold_until = self._clock() + session.ttl_s if session.expired else 0.0
         for job_id in list(session.store_jobs):
@@ -410,9 +416,28 @@ class TieredCache:
         session.load_jobs.add(job.id)
         return job
 
+    def load_queued(self, job: LoadJob) -> None:
+        """A data connection queued views of ``job``'s slots (DATA frames the kernel has not
+        taken yet): the job's pins outlive its end until the matching ``load_sent``."""
+        assert job.moves_bytes
+        job.sending += 1
+
+    def load_sent(self, job: LoadJob) -> None:
+        """That connection's write buffer emptied, or the connection was lost and its views
+        dropped. A job that ended meanwhile is unpinned once no connection holds its bytes."""
+        assert job.sending > 0
+        job.sending -= 1
+        if not job.sending and job.ended:
+            self._unpin(job)
+
     def _finish_load(self, session: Session, job: LoadJob) -> None:
         self.jobs.remove(job)
         session.load_jobs.discard(job.id)
+        job.ended = True
+        if not job.sending:  # else the last load_sent unpins
+            self._unpin(job)
+
+    def _unpin(self, job: LoadJob) -> None:
         if job.moves_bytes:
             for e in job.items.values():
                 assert e.pins > 0

@@ -10,8 +10,9 @@ that seam alone, and keeps the copies' side of every entry (``entry.copy_in(leve
 * **promote**: a load of a block held only below first reads it into a host slot (verified); a
   corrupt copy is quarantined and the block is a miss.
 * **evict copies** in LRU order when the tier is full.
-* **recovery** puts the copies the tier found back into the index; **drain** flushes and writes
-  the tier's checkpoint.
+* **recovery** puts the copies the tier found back into the index (at start, or when a tier
+  that could not be opened at start opens on a later probe); **drain** flushes and writes the
+  tier's checkpoint.
 
 Counters: per namespace in the cache's Counters (the tier's columns: ``_TIER_COUNTERS``); the
 tier keeps its own figures (``tier.stats()``); ``flushes_in_flight`` is the link's.
@@ -37,7 +38,7 @@ from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import TierId
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
-from kvtierd.tiers.base import CorruptCopy, StorageTier, TierUnavailable
+from kvtierd.tiers.base import CorruptCopy, Recovered, StorageTier, TierUnavailable
 
 log = logging.getLogger("kvtierd.chain")
 MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
@@ -73,6 +74,8 @@ class TierLink:
         self._flushed = asyncio.Event()  # set whenever a flush batch ends
         self._flush_queue: deque[Entry] = deque()
         self._flush_workers = 0
+        # Set while the tier awaits a late open (it could not be opened at start).
+        self._deferred: Callable[[Namespace], NamespaceState] | None = None
 
     @property
     def admitting(self) -> bool:
@@ -81,8 +84,43 @@ class TierLink:
     # -- recovery ---------------------------------------------------------------------------------
 
     def restore(self, register: Callable[[Namespace], NamespaceState]) -> int:
-        """Open the tier and put the copies it holds back into the index (at startup)."""
-        rec = self.tier.open()
+        """Open the tier and put the copies it holds back into the index (at startup).
+
+        A tier whose index cannot be read now (TierUnavailable: a missing or read-only
+        directory, an I/O error) is left closed and degraded; the host tier serves, and
+        :meth:`probe` opens and restores it once the disk is back."""
+        try:
+            rec = self.tier.open()
+        except TierUnavailable as err:
+            log.error("%s tier not opened, the host tier serves alone until a probe opens it: "
+                      "%s", self.tier.name, err)
+            self._deferred = register
+            return 0
+        return self._put_back(rec, register)
+
+    async def probe(self) -> bool:
+        """A degraded tier tries to resume (its blocking work off the loop); whether it admits
+        now. A tier that could not be opened at start is opened here and its copies restored
+        into the live index."""
+        loop = asyncio.get_running_loop()
+        register = self._deferred
+        if register is None:
+            return await loop.run_in_executor(None, self.tier.probe)
+        try:
+            rec = await loop.run_in_executor(None, self.tier.open)
+        except TierUnavailable as err:
+            log.debug("%s tier still unavailable: %s", self.tier.name, err)
+            return False
+        self._deferred = None
+        n = self._put_back(rec, register)
+        self.restored += n
+        log.info("%s tier opened late: %d copies restored", self.tier.name, n)
+        return self.tier.admitting
+
+    def _put_back(self, rec: Recovered, register: Callable[[Namespace], NamespaceState]) -> int:
+        """Index the copies ``rec`` holds. At startup the index is empty; after a late open it
+        is live: a READY entry stored meanwhile gets the copy as its own; any other clash
+        (a second copy, an entry being written, a size mismatch) releases the slot."""
         namespaces: dict[bytes, NamespaceState] = {}
         for digest, spec in rec.namespaces.items():
             try:
@@ -94,13 +132,18 @@ class TierLink:
         restored = 0
         for digest, key, loc in rec.blocks:
             home = namespaces.get(digest)
-            if home is None or key in home.entries or loc.payload_len != home.block_bytes:
+            if home is None or loc.payload_len != home.block_bytes:
                 self.tier.release(loc, digest, key)
                 continue
-            e = Entry(home, key, -1, 0)
-            e.state = EntryState.READY
-            home.entries[key] = e
-            home.ready[key] = e
+            e = home.entries.get(key)
+            if e is None:
+                e = Entry(home, key, -1, 0)
+                e.state = EntryState.READY
+                home.entries[key] = e
+                home.ready[key] = e
+            elif e.state is not EntryState.READY or e.copy_in(self.level) is not None:
+                self.tier.release(loc, digest, key)
+                continue
             self._add_copy(e, loc)
             restored += 1
         return restored

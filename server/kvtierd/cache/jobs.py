@@ -8,7 +8,9 @@ The data plane reaches a job's slots through the :class:`JobTable` (one call per
 batch): ``store_run`` validates a run of keys of a store job and answers where their bytes go,
 ``load_run`` the pinned slots of a load job. Neither changes the index; ``StoreJob.arrived``
 records which keys' bytes the daemon itself received (tcp, cuda_ipc), the only ones a commit of
-such a job makes READY.
+such a job makes READY. ``LoadJob.sending`` counts the data connections whose write buffers still
+hold views of a load job's slots: a job that ends meanwhile keeps its pins until that count is 0
+(``TieredCache.load_queued`` / ``load_sent``), so no slot is reused while its bytes may leave.
 
 Ownership: the TieredCache owns the table and every job. Event-loop thread only; no locks.
 """
@@ -52,6 +54,8 @@ class LoadJob:
     transport: Transport
     items: dict[int, Entry]  # key index in the request -> pinned entry
     moves_bytes: bool = True  # False for a pinned lookup: releasing it counts no load
+    sending: int = 0  # tcp: connections whose write buffer still holds views of its slots
+    ended: bool = False  # completed or released; if still sending, its pins wait for the bytes
 
 
 Job = StoreJob | LoadJob

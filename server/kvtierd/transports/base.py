@@ -43,3 +43,7 @@ class ServerTransport(ABC):
     def release_session(self, session_id: int) -> None:
         """A session closed or lapsed: drop what it held here (nothing, by default)."""
         return None
+
+    def figures(self) -> dict[str, int]:
+        """Connection gauges and counters for Stats and /metrics (``<name>_connections...``)."""
+        return {}

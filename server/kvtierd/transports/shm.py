@@ -4,7 +4,9 @@ Handshake on a Unix stream socket (one exchange per connection, then the daemon 
 stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``).
 
 The peer's credentials (SO_PEERCRED) are logged; the socket file's mode (0660) decides who may
-connect.
+connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
+``max_connections`` handshakes are served at once (one more is closed at once, counted in
+``refused``), and running out of descriptors pauses accepting instead of ending it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class ShmFdServer(ServerTransport):
     name = "shm"
 
     def __init__(self, path: str, arena_fd: int, arena_bytes: int, boot_epoch: int,
-                 sessions: SessionTable) -> None:
+                 sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
+                 max_connections: int = 128) -> None:
         self.path = os.path.abspath(path)
         self._fd = arena_fd
         self._bytes = arena_bytes
@@ -38,7 +41,15 @@ class ShmFdServer(ServerTransport):
         self._sessions = sessions
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._timeout_s = handshake_timeout_s
+        self._max = max_connections
+        self._open = 0  # connections being served
         self.handed_out = 0
+        self.refused = 0
+        self._warned = -1e9
+
+    def figures(self) -> dict[str, int]:
+        return {"shm_connections": self._open, "shm_connections_refused": self.refused}
 
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -56,14 +67,28 @@ class ShmFdServer(ServerTransport):
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # EMFILE, ENFILE, ENOBUFS: wait for descriptors to come back
+                now = loop.time()
+                if now - self._warned > 10.0:
+                    self._warned = now
+                    log.warning("shm fd socket: accept failed (%s); retrying", e)
+                await asyncio.sleep(0.1)
+                continue
+            if self._open >= self._max:
+                self.refused += 1
+                conn.close()
+                continue
+            self._open += 1
             loop.create_task(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         with conn:
             try:
-                data = await asyncio.wait_for(loop.sock_recv(conn, wire.SHM_REQUEST.size), 5.0)
+                data = await asyncio.wait_for(loop.sock_recv(conn, wire.SHM_REQUEST.size),
+                                              self._timeout_s)
                 if len(data) != wire.SHM_REQUEST.size or data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
@@ -78,6 +103,8 @@ class ShmFdServer(ServerTransport):
                     conn.sendall(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
+            finally:
+                self._open -= 1
 
     def advertise(self) -> dict[str, Any]:
         return {"shm_socket": self.path}

@@ -8,6 +8,13 @@ costs a few large reads instead of two system calls and a header parse per block
 frames of a load job go to the transport in one ``writelines`` call (one gathered write under
 uvloop), straight from the pinned slots, as runs when the client accepts them. At start the
 server maps the whole (prefaulted) arena into the daemon's page tables, so recv never faults.
+
+Views, not copies, wait in a transport's write buffer, so a load job stays pinned until its
+queued bytes reach the kernel or are dropped with the connection (``TieredCache.load_queued`` /
+``load_sent``): a slot is never reused while its bytes may still leave. Every connection is
+bounded (:class:`DataChannelLimits`): HELLO in time, an idle timeout, a global cap, reading
+paused while too many reply bytes wait. Size: over the house limit by those limits, which act on
+the protocol's own state and stay beside it.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ import asyncio
 import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
-from kvtierd.cache import StoreJob, TieredCache
+from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ServerTransport
 
@@ -34,6 +42,32 @@ _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
 # Most bytes handed to one read of a segment (a read holds the socket while it copies; like the
 # client's calls, kept small; 1 and 4 MiB measured alike).
 _READ_CHUNK = 1 << 20
+_discard: memoryview | None = None
+
+
+def _scratch() -> memoryview:
+    """Where discarded payload bytes go: one buffer for every connection, made on first use.
+    Nothing ever reads it, so sharing it (even between threads) is harmless."""
+    global _discard
+    if _discard is None:
+        _discard = memoryview(bytearray(_SCRATCH))
+    return _discard
+
+
+@dataclass(frozen=True)
+class DataChannelLimits:
+    """What one daemon allows its data connections (DaemonConfig ``handshake_timeout_s`` and
+    ``data_*``; docs/configuration.md)."""
+
+    hello_timeout_s: float = 5.0
+    """A connection that has not sent HELLO this long after it opened is closed."""
+    idle_timeout_s: float = 300.0
+    """No frame received and no queued reply byte taken by the peer for this long: closed (the
+    queued replies dropped)."""
+    max_connections: int = 1024
+    """Open connections at most; one more is answered ERROR and closed at once."""
+    max_queued_bytes: int = 16 << 20
+    """Reading pauses while more reply bytes than this wait in a connection's write buffer."""
 
 
 @dataclass(eq=False)
@@ -50,32 +84,76 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
 
     A payload is a list of segments (one for a WRITE, one per run of adjacent slots for a
     WRITE_RUN), or none to discard it. Owns only its buffers; asks the cache's job table where
-    bytes go, once per frame, and tells the job which keys arrived. Event-loop thread only.
+    bytes go, once per frame, and tells the job which keys arrived.
+
+    Replies: the transport's write limits are 0/0, so ``pause_writing`` means "bytes queued" and
+    ``resume_writing`` "queue empty". A READ whose frames did not all reach the kernel at once
+    makes its job *sending* here until the queue empties or the connection is lost; reading is
+    paused while more than ``max_queued_bytes`` wait.
+
+    Limits apply when a :class:`DataChannelServer` owns the connection (a bare protocol, built
+    by tests to drive the parser, has no timer and no cap). One timer per connection: at the
+    HELLO deadline, then every half idle period (activity is stamped at ticks, so an idle
+    connection closes 1 to 1.5 idle periods after its last frame). Event-loop thread only.
     """
 
-    def __init__(self, cache: TieredCache, sessions: SessionTable) -> None:
+    def __init__(self, cache: TieredCache, sessions: SessionTable,
+                 server: DataChannelServer | None = None) -> None:
         self.cache = cache
         self.sessions = sessions
         self.transport: asyncio.Transport | None = None
         self.session_id = 0
         self.features = 0  # wire.FEATURE_* agreed at HELLO
+        self._server = server
         self._hdr = bytearray(wire.HEADER.size)
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
-        self._scratch = memoryview(bytearray(_SCRATCH))
         self._segments: list[_Segment] = []  # payload destinations; empty = discard
         self._seg = 0  # current segment
         self._job = 0
         self._pos = 0  # bytes of the current segment received
         self._left = 0  # payload bytes still to come
         self._errors: dict[int, int] = {}  # job -> first error status, reported on FLUSH
+        self._sending: list[LoadJob] = []  # jobs with views in the write buffer (once per READ)
+        self._reading_paused = False
+        self._closed = False  # we closed it (ERROR sent or timed out); waiting for the loss
+        self._timer: asyncio.TimerHandle | None = None
+        self._active = False  # a frame or payload bytes arrived since the last tick
+        self._seen = 0.0  # loop time of the last tick that saw activity
+        self._queued_seen = 0  # write buffer size at the last tick
+
+    # -- asyncio callbacks ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        if self._server is None:
+            return
+        transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
+        limits = self._server.limits
+        self._arm(limits.hello_timeout_s)
+        if not self._server.admit(self):
+            self._fail(f"too many data connections (max {limits.max_connections})")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """The queued views are gone (sent or dropped): the jobs they held may be unpinned."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._segments = []
+        self._release_sending()
+        if self._server is not None:
+            self._server.forget(self)
         self.transport = None
+
+    def resume_writing(self) -> None:
+        """The write buffer is empty (low water 0): every queued byte is in the kernel."""
+        if self.transport is None or self.transport.get_write_buffer_size():
+            return
+        self._release_sending()
+        if self._reading_paused:
+            self._reading_paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self._left:
@@ -87,15 +165,17 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             # The job was aborted (lease expiry) while its bytes were arriving: discard the rest.
             self._segments = []
             self._errors.setdefault(self._job, Status.UNKNOWN_JOB)
-        return self._scratch[: min(self._left, _SCRATCH)]
+        return _scratch()[: min(self._left, _SCRATCH)]
 
     def buffer_updated(self, nbytes: int) -> None:
         if not self._left:
             self._hdr_got += nbytes
             if self._hdr_got == len(self._hdr):
                 self._hdr_got = 0
+                self._active = True
                 self._on_header()
             return
+        self._active = True
         self._left -= nbytes
         if not self._segments:
             return
@@ -108,13 +188,69 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             if self._seg == len(self._segments):
                 self._segments = []
 
+    # -- limits -----------------------------------------------------------------------------------
+
+    def _arm(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        t, server = self.transport, self._server
+        if t is None or server is None:
+            return
+        if self._closed:  # an ERROR and close that did not complete in the grace period
+            t.abort()
+            return
+        if not self.session_id:
+            server.timed_out += 1
+            return self._fail(f"no HELLO within {server.limits.hello_timeout_s:g} s")
+        now, idle = asyncio.get_running_loop().time(), server.limits.idle_timeout_s
+        queued = t.get_write_buffer_size()
+        if self._active or queued < self._queued_seen:  # frames in, or the peer took bytes
+            self._active, self._seen = False, now
+        self._queued_seen = queued
+        if now - self._seen < idle:
+            return self._arm(idle / 2)
+        server.timed_out += 1
+        if queued:  # the peer stopped reading: drop its replies (connection_lost unpins)
+            t.abort()
+            return None
+        return self._fail(f"idle for {idle:g} s")
+
+    def end_session(self, session_id: int) -> None:
+        """The bound session closed or lapsed: close the connection; replies still queued are
+        dropped (the peer stopped before its lease did), so their pins go at once."""
+        if self.session_id != session_id or self.transport is None:
+            return
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self._fail(f"session {session_id} closed or expired")
+
+    def _release_sending(self) -> None:
+        jobs, self._sending = self._sending, []
+        for job in jobs:
+            self.cache.load_sent(job)
+
+    # -- frames -----------------------------------------------------------------------------------
+
     def _fail(self, message: str) -> None:
-        assert self.transport is not None
+        """Answer ERROR and close (queued replies are flushed first, for a grace period of one
+        HELLO timeout, then dropped)."""
+        if self._closed or self.transport is None:
+            return
+        self._closed = True
         body = message.encode()[: wire.MAX_ERROR_BYTES]
         self.transport.write(wire.pack(Op.ERROR, length=len(body)) + body)
         self.transport.close()
+        if self._server is not None:
+            self._arm(self._server.limits.hello_timeout_s)
 
     def _on_header(self) -> None:
+        if self._closed:
+            return None
         try:
             op, job, index, status, length = wire.unpack(self._hdr)
         except ValueError as e:
@@ -145,6 +281,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             self.sessions.get(session_id)
         except KvtierError as e:
             return self._fail(str(e))
+        if not self.session_id and self._server is not None:  # from now on: idle ticks
+            self._arm(self._server.limits.idle_timeout_s / 2)
         self.session_id = session_id
         self.features = offered & _FEATURES
         self.transport.write(wire.pack(Op.HELLO_OK, session_id, status=self.features))
@@ -187,7 +325,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         return segments
 
     def _on_read(self, job_id: int) -> None:
-        assert self.transport is not None
+        t = self.transport
+        assert t is not None
         try:
             job, entries = self.cache.jobs.load_run(self.session_id, job_id)
         except KvtierError as e:
@@ -195,35 +334,88 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         nb, host = job.ns.block_bytes, self.cache.host
         sources = [(i, host.view(e.offset, nb)) for i, e in entries]
         if self.features & wire.FEATURE_RUNS:
-            self.transport.writelines(wire.run_frames(Op.DATA_RUN, job_id, sources))
+            t.writelines(wire.run_frames(Op.DATA_RUN, job_id, sources))
         else:
-            self.transport.writelines(wire.block_frames(Op.DATA, job_id, sources))
+            t.writelines(wire.block_frames(Op.DATA, job_id, sources))
+        queued = t.get_write_buffer_size()
+        if queued:  # views of the job's slots wait in the transport: keep them pinned
+            self.cache.load_queued(job)
+            self._sending.append(job)
+            server = self._server
+            if server is not None and queued > server.limits.max_queued_bytes and \
+                    not self._reading_paused:
+                self._reading_paused = True  # resumed when the buffer empties
+                t.pause_reading()
         return None
 
 
 class DataChannelServer(ServerTransport):
-    """Listens for data connections; owns the asyncio server. Event-loop thread only."""
+    """Listens for data connections; owns the asyncio server and knows every open connection
+    (for the cap, session release and shutdown). Counts connections refused at the cap and
+    closed by a timeout (``figures``). Event-loop thread only."""
 
     name = "tcp"
 
-    def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable) -> None:
+    def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable,
+                 limits: DataChannelLimits | None = None) -> None:
         self.host, self.port = host, port
+        self.limits = limits or DataChannelLimits()
         self._cache, self._sessions = cache, sessions
         self._server: asyncio.AbstractServer | None = None
+        self._conns: set[DataChannelProtocol] = set()
+        self.accepted = 0
+        self.refused = 0  # beyond max_connections
+        self.timed_out = 0  # no HELLO in time, or idle
+        self._warned = 0.0
 
     async def start(self) -> None:
         populate_arena(self._cache.host.arena.mm, self._cache.host.arena.fd)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataChannelProtocol(self._cache, self._sessions), self.host, self.port)
+            lambda: DataChannelProtocol(self._cache, self._sessions, self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def admit(self, conn: DataChannelProtocol) -> bool:
+        """Count a new connection in, or refuse it at the cap (the caller closes it).
+
+        Per-tenant caps (once sessions carry a tenant) belong at HELLO, where the connection's
+        session, and so its tenant, becomes known: a count per tenant beside ``_conns``."""
+        if len(self._conns) >= self.limits.max_connections:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._warned > 10.0:
+                self._warned = now
+                log.warning("data channel at its cap of %d connections: refusing more (%d so far)",
+                            self.limits.max_connections, self.refused)
+            return False
+        self._conns.add(conn)
+        self.accepted += 1
+        return True
+
+    def forget(self, conn: DataChannelProtocol) -> None:
+        self._conns.discard(conn)
+
+    def release_session(self, session_id: int) -> None:
+        for conn in list(self._conns):
+            conn.end_session(session_id)
+
+    def figures(self) -> dict[str, int]:
+        """Gauges and counters of the data channel (for Stats and /metrics)."""
+        return {"tcp_connections": len(self._conns), "tcp_connections_accepted": self.accepted,
+                "tcp_connections_refused": self.refused,
+                "tcp_connections_timed_out": self.timed_out}
 
     def advertise(self) -> dict[str, Any]:
         return {"data_host": self.host, "data_port": self.port}
 
     def close(self) -> None:
+        """Stop listening and drop every connection (queued replies included: the arena is
+        about to be unmapped)."""
         if self._server:
             self._server.close()
+        for conn in list(self._conns):
+            if conn.transport is not None:
+                conn.transport.abort()
 
 
 def populate_arena(mm: mmap.mmap, fd: int) -> bool:

@@ -49,6 +49,7 @@ from kvtierd.tiers.nvme.device import (
 from kvtierd.tiers.slabs import SlabAllocator
 
 log = logging.getLogger("kvtierd.nvme")
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # block files opened read-only then
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,7 @@ class NvmeTier(StorageTier):
         self._commit_task: asyncio.Task[None] | None = None
         self._known_ns: set[bytes] = set()
         self._quarantine: set[int] = set()
+        self._readonly: set[int] = set()  # block files open read-only (a read-only filesystem)
 
     # -- startup ----------------------------------------------------------------------------------
 
@@ -133,8 +135,57 @@ class NvmeTier(StorageTier):
         return self.slot_bytes_for(payload_len) <= self.cfg.slab_bytes
 
     def open(self) -> Recovered:
-        """Format the directory, or recover its index (blocking; call before serving)."""
+        """Format the directory, or recover its index (blocking; call before serving).
+
+        Two ways to fail, neither fatal to the daemon:
+
+        * the index cannot be read (directory, metadata or log unreadable; no room for the
+          metadata of a fresh directory): DiskError, and nothing stays open, so ``open()`` may
+          be called again later (the cache's probe does, then restores what it finds);
+        * what comes after reading it fails (a block file that cannot be created or opened for
+          writing, the post-crash checkpoint, the new journal: a full or read-only filesystem):
+          the tier opens degraded. The recovered copies are returned and readable (block files
+          that cannot be written are opened read-only); ``probe()`` resumes admission.
+        """
         t0 = time.monotonic()
+        self.admitting, self.degraded_reason = False, "not open"
+        try:
+            rec = self._read_index()
+        except DiskError as e:
+            self._close_files()
+            self.degraded_reason = f"{type(e).__name__}: {e}"
+            raise
+        fs = self.fs
+        assert fs is not None
+        recovered = self._rebuild(rec)
+        self._seq = max(rec.max_slot_seq, self._seq)
+        self._journal_gen = rec.next_gen
+        writable = all(d is not None for d in self.files) and not self._readonly
+        try:
+            if rec.stats.journal_records and writable:
+                # After a crash: compact what was replayed into a checkpoint now, so that journals
+                # do not pile up (and restarts slow down) across repeated crashes.
+                self.checkpoint(recovered.namespaces, recovered.blocks)
+            self._journal = jnl.JournalWriter.open(fs, self._journal_gen)
+        except DiskError as e:  # the journals stay: the next start (or probe) continues them
+            self._degrade(e)
+            log.error("nvme tier %s opened degraded (recovered blocks are served, none "
+                      "admitted until a probe succeeds): %s", self.cfg.directory, e)
+        self._known_ns = set(recovered.namespaces)
+        f = self.figures
+        f.recovery_seconds = time.monotonic() - t0
+        f.recovered_blocks = len(recovered.blocks)
+        f.recovery_mode = "warm" if rec.stats.journal_records == 0 else "replay"
+        if writable and self._journal is not None:
+            self.admitting, self.degraded_reason = True, ""
+        log.info("nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
+                 self.cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
+                 f.recovery_seconds, f.direct_io)
+        return recovered
+
+    def _read_index(self) -> jnl.Recovery:
+        """Open the directory and its block files, read checkpoint and journals (DiskError when
+        any of it cannot be read; a block file that cannot be written only degrades)."""
         cfg = self.cfg
         self.fs = fs = self._fs_factory(cfg.directory, io_align=cfg.io_align, create=True)
         self.figures.direct_io = fs.direct_io
@@ -153,28 +204,22 @@ class NvmeTier(StorageTier):
                                  f"{cfg.file_bytes} (use another directory)")
         self.files = [None] * nfiles
         self._open_files()
-        rec = jnl.recover(fs)
-        recovered = self._rebuild(rec)
-        self._seq = max(rec.max_slot_seq, self._seq)
-        self._journal_gen = rec.next_gen
-        if rec.stats.journal_records and all(d is not None for d in self.files):
-            # After a crash: compact what was replayed into a checkpoint now, so that journals
-            # do not pile up (and restarts slow down) across repeated crashes.
-            self.checkpoint(recovered.namespaces, recovered.blocks)
-        self._journal = jnl.JournalWriter.open(fs, self._journal_gen)
-        self._known_ns = set(recovered.namespaces)
-        f = self.figures
-        f.recovery_seconds = time.monotonic() - t0
-        f.recovered_blocks = len(recovered.blocks)
-        f.recovery_mode = "warm" if rec.stats.journal_records == 0 else "replay"
-        if all(d is not None for d in self.files):
-            self.admitting, self.degraded_reason = True, ""
-        log.info("nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
-                 cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
-                 f.recovery_seconds, f.direct_io)
-        return recovered
+        return jnl.recover(fs)
+
+    def _close_files(self) -> None:
+        """Back to "not open" after a failed ``open()`` (nothing was claimed yet)."""
+        for dev in self.files:
+            if dev is not None:
+                dev.close()
+        self.files, self._readonly = [], set()
+        if self.fs is not None:
+            self.fs.close()
+            self.fs = None
 
     def _open_files(self) -> None:
+        """Open (or create) every missing block file. One that exists but cannot be opened for
+        writing (EROFS, EACCES, EPERM) is opened read-only: its blocks stay readable, the tier
+        degraded (``_readonly``) until a probe reopens it for writing."""
         assert self.fs is not None
         names = set(self.fs.listdir())
         for i in range(len(self.files)):
@@ -183,7 +228,7 @@ class NvmeTier(StorageTier):
             name = fmt.data_file_name(i)
             try:
                 if name in names:
-                    dev = self.fs.open_file(name)
+                    dev = self._open_existing(i, name)
                     if dev.size < self.cfg.file_bytes:
                         # A truncated file: writing past its end would fail (an assert in the
                         # device, not a DiskError) and leak slots; the tier stays degraded.
@@ -197,6 +242,19 @@ class NvmeTier(StorageTier):
             except DiskError as e:
                 self._degrade(e)
                 return
+
+    def _open_existing(self, i: int, name: str) -> Device:
+        assert self.fs is not None
+        self._readonly.discard(i)
+        try:
+            return self.fs.open_file(name)
+        except DiskIOError as e:
+            if e.errno not in _NOT_WRITABLE:
+                raise
+            dev = self.fs.open_file(name, readonly=True)
+            self._readonly.add(i)
+            self._degrade(e)
+            return dev
 
     def _rebuild(self, rec: Any) -> Recovered:
         """Claim the slots of recovered blocks. After a crash (journal records replayed) every
@@ -499,7 +557,7 @@ class NvmeTier(StorageTier):
                     dev.close()
                     self.files[i] = None
             self._open_files()
-            if any(d is None for d in self.files):
+            if any(d is None for d in self.files) or self._readonly:
                 return False
             if self._journal is None or self._journal.failed:
                 # Never reopen a journal whose sync failed: continue in a new generation.

@@ -1,0 +1,161 @@
+"""A daemon (re)started on a full or read-only NVMe filesystem: it serves the host tier, reports
+``kvtier.nvme`` NOT_SERVING, and resumes the NVMe tier once the disk is back, every durable block
+intact. The NVMe directory lives on a small tmpfs of its own (skipped where tmpfs cannot be
+mounted, i.e. without root).
+
+The tier: one 16 MiB block file and an 8 MiB journal preallocated at each start, on 48 MiB
+(after a crash the old journal stays until a checkpoint: 32 MiB in use).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import DaemonProcess, make_namespace
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvtier
+
+SERVE = ("--host-bytes", "2MiB", "--slab-bytes", "1MiB", "--disk-bytes", "16MiB",
+         "--write-policy", "write-through")
+BLOCKS = 40
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def block(i: int, nbytes: int) -> bytes:
+    return hashlib.shake_256(b"degraded start %d" % i).digest(nbytes)
+
+
+@pytest.fixture
+def mnt(tmp_path: Path) -> Iterator[Path]:
+    """A 48 MiB tmpfs, unmounted after the test."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs",
+                                            str(point)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the filesystem is full (down to its last 4 KiB); returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 20, 4096):
+            try:
+                while True:
+                    os.write(fd, b"\xa5" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def nvme_health(d: DaemonProcess) -> int:
+    with grpc.insecure_channel(d.unix) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvtier.nvme"), timeout=5)
+        return int(reply.status)
+
+
+def wait_for(cond: Any, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return bool(cond())
+
+
+def store_durably(d: DaemonProcess) -> tuple[list[bytes], list[bytes]]:
+    """BLOCKS blocks put and durable on NVMe (write-through); (keys, bytes)."""
+    with kvtier.Client.connect(d.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * BLOCKS)))
+        data = [block(i, ns.block_bytes) for i in range(BLOCKS)]
+        for i in range(0, BLOCKS, 8):
+            assert ns.put(keys[i : i + 8], data[i : i + 8]).stored == 8
+        assert wait_for(lambda: all(ns.lookup_detail(keys).durable))
+    return keys, data
+
+
+def check_degraded_then_resumed(d: DaemonProcess, keys: list[bytes], data: list[bytes],
+                                heal: Any) -> None:
+    with kvtier.Client.connect(d.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        assert nvme_health(d) != SERVING
+        nvme = client.stats()["nvme"]
+        assert not nvme["admitting"] and nvme["degraded_reason"]
+        fresh = ns.block_keys(list(range(16 * 4)), parent=b"\x01" * 32)
+        new = [block(1000 + i, ns.block_bytes) for i in range(4)]
+        assert ns.put(fresh, new).stored == 4  # the host tier serves
+        assert [bytes(g) if g else None for g in ns.get(fresh)] == new
+        assert ns.lookup_detail(fresh).durable == [False] * 4
+        heal()
+        assert wait_for(lambda: nvme_health(d) == SERVING), client.stats()["nvme"]
+        got = ns.get(keys)  # stored before the restart: all back, byte-exact
+        assert [bytes(g) if g else None for g in got] == data
+        more = ns.block_keys(list(range(16 * 4)), parent=b"\x02" * 32)
+        assert ns.put(more, new).stored == 4  # and the tier admits again
+        assert wait_for(lambda: all(ns.lookup_detail(more).durable))
+
+
+@pytest.mark.parametrize("stop", ["graceful", "crash"])
+def test_a_restart_on_a_full_disk_serves_the_host_tier_and_resumes(
+        daemon_factory: Any, tmp_path: Path, mnt: Path, stop: str) -> None:
+    disk, run = mnt / "nvme", tmp_path / "run"
+    d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    keys, data = store_durably(d1)
+    if stop == "graceful":
+        assert d1.stop(signal.SIGTERM) == 0  # checkpoint; the next start opens a new journal
+    else:
+        d1.kill()  # journals to replay; the next start wants a checkpoint and a journal
+    filler = fill(mnt)
+    d2 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)  # must start
+    check_degraded_then_resumed(d2, keys, data, heal=filler.unlink)
+
+
+def test_a_restart_on_a_read_only_filesystem_serves_and_resumes(
+        daemon_factory: Any, tmp_path: Path, mnt: Path) -> None:
+    disk, run = mnt / "nvme", tmp_path / "run"
+    d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    keys, data = store_durably(d1)
+    assert d1.stop(signal.SIGTERM) == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    d2 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    check_degraded_then_resumed(d2, keys, data, heal=lambda: subprocess.run(
+        ["mount", "-o", "remount,rw", str(mnt)], check=True))
+
+
+def test_a_start_whose_directory_cannot_be_created_opens_the_tier_later(
+        daemon_factory: Any, tmp_path: Path, mnt: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    d = daemon_factory(*SERVE, "--disk-dir", str(mnt / "nvme"), run_dir=tmp_path / "run")
+    with kvtier.Client.connect(d.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        assert nvme_health(d) != SERVING
+        keys = ns.block_keys(list(range(16 * 4)))
+        blocks = [block(i, ns.block_bytes) for i in range(4)]
+        assert ns.put(keys, blocks).stored == 4
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        assert wait_for(lambda: nvme_health(d) == SERVING)
+        assert wait_for(lambda: client.stats()["nvme"]["admitting"])
+        more = ns.block_keys(list(range(16 * 4)), parent=b"\x03" * 32)
+        assert ns.put(more, blocks).stored == 4
+        assert wait_for(lambda: all(ns.lookup_detail(more).durable))
+        assert [bytes(g) if g else None for g in ns.get(keys)] == blocks
