@@ -8,12 +8,15 @@ Lifecycle::
     ns.put(keys, blocks); ns.get(keys); ns.get_into(keys, buffers)
     client.close()                       # or `with Client.connect(...) as client:`
 
-Never hang the engine: every RPC has a deadline (``timeout_s``). When the daemon is down or
-restarting, lookups answer 0, gets answer misses and puts are dropped, each counted in
-``client.counters``; a circuit breaker waits ``backoff`` before trying again, then the client
-reopens its session, re-registers its namespaces and reattaches its transport by itself (also
-when a reply shows a new boot epoch). Caller mistakes (wrong block size, bad namespace) still
-raise :class:`kvtier_contract.errors.InvalidArgument`.
+Never hang the engine: every RPC has a deadline (``timeout_s``), and a put or get may take an
+overall ``deadline`` (a ``time.monotonic()`` value, e.g. the end of an engine step's budget; by
+default ``op_timeout_s`` from its start). When the daemon is down, silent or restarting, lookups
+answer 0, gets answer misses and puts are dropped, each counted in ``client.counters``; a
+circuit breaker (which several clients may share: ``breaker=``) then answers every call at once
+until its probe thread has seen the daemon again and reopened the session, re-registered the
+namespaces and reattached the transport (also when a reply shows a new boot epoch). Caller
+mistakes (wrong block size, bad namespace) still raise
+:class:`kvtier_contract.errors.InvalidArgument`.
 
 Where the parts live: the session, the breaker and the data transport in :mod:`kvtier.session`
 (``Client`` is a ``Session`` with the public verbs); the batched, two-phase operations behind
@@ -35,7 +38,7 @@ from kvtier import batches
 from kvtier.addresses import address_target
 from kvtier.buffers import byte_view
 from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult
-from kvtier.session import Away, Session
+from kvtier.session import Away, OutOfTime, Session
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
 from kvtier_contract.protoutil import TransportName, to_dict
@@ -61,18 +64,21 @@ class Client(Session):
             pass
         return client
 
-    def register(self, namespace: Namespace) -> NamespaceHandle:
-        """A handle for ``namespace`` (validated here; registered now or on reconnect)."""
+    def register(self, namespace: Namespace, *, deadline: float | None = None) -> NamespaceHandle:
+        """A handle for ``namespace`` (validated here; registered now if the session is open and
+        the breaker closed, within ``timeout_s`` and ``deadline``; else on the next (re)open)."""
         if not isinstance(namespace, Namespace):
             raise errors.InvalidArgument("expected a kvtier.Namespace", field="namespace")
         handle = NamespaceHandle(self, namespace)
-        with self._conn_lock:
+        with self._conn_lock:  # held across no RPC here
             self._namespaces.append(handle)
-            if self._session_id:
-                try:
-                    self._register(handle)
-                except Away:
-                    pass
+        try:
+            if self.connected and self.breaker.allows():
+                self._register(handle, self._rpc_timeout(deadline))
+        except OutOfTime:
+            pass  # not registered yet: the daemon says so on first use and the session reopens
+        except Away as e:
+            self._trip(str(e))
         return handle
 
     def stats(self) -> dict[str, Any]:
@@ -142,27 +148,40 @@ class NamespaceHandle:
         get; returns how many promotions it started (0 when the daemon is away)."""
         return batches.prefetch(self.client, self, keys)
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
-        return batches.put(self.client, self, keys, self._views(keys, blocks, "block"))
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *,
+            deadline: float | None = None) -> PutResult:
+        return batches.put(self.client, self, keys, self._views(keys, blocks, "block"),
+                           deadline=deadline)
 
-    def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> PutResult:
+    def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
+                   deadline: float | None = None, guard: batches.CopyGuard | None = None
+                   ) -> PutResult:
         """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
-        ``keys``: one gather kernel into a staging tensor, then one batched put."""
+        ``keys``: one gather kernel into a staging tensor, then one batched put. ``guard``: the
+        engine's say over when the engine blocks may be read (``batches.CopyGuard``)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
-            return batches.put_blocks(self.client, self, keys, layout, block_ids)
+            return batches.put_blocks(self.client, self, keys, layout, block_ids,
+                                      deadline=deadline, guard=guard)
         staging = self._staging(layout, keys, block_ids)
-        layout.gather(block_ids, staging)
-        return self.put(keys, list(staging))
+        try:  # the copy out of the engine blocks, before any RPC
+            staging = batches.guarded_gather(layout, block_ids, staging, guard)
+        except batches.CopyRevoked:
+            self.client.counters.puts_dropped += len(keys)
+            return PutResult(dropped=len(keys))
+        return self.put(keys, list(staging), deadline=deadline)
 
-    def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int]) -> list[bool]:
+    def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
+                   deadline: float | None = None) -> list[bool]:
         """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
-        kernel); blocks not found are left untouched. Returns which were loaded."""
+        kernel); blocks not found are left untouched. Returns which were loaded. ``deadline``:
+        no RPC starts after it (the blocks not loaded by then are misses)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
-            return batches.get_blocks(self.client, self, keys, layout, block_ids)
+            return batches.get_blocks(self.client, self, keys, layout, block_ids,
+                                      deadline=deadline)
         staging = self._staging(layout, keys, block_ids)
-        found = self.get_into(keys, list(staging))
+        found = self.get_into(keys, list(staging), deadline=deadline)
         hit = [i for i, f in enumerate(found) if f]
         if hit:
             ids = [block_ids[i] for i in hit]
@@ -182,14 +201,16 @@ class NamespaceHandle:
                                          field="block_ids")
         layout.check_ids(block_ids)
 
-    def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None
+            ) -> list[bytearray | None]:
         bufs = [bytearray(self.block_bytes) for _ in keys]
-        found = self.get_into(keys, bufs)
+        found = self.get_into(keys, bufs, deadline=deadline)
         return [b if f else None for b, f in zip(bufs, found, strict=True)]
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
+                 deadline: float | None = None) -> list[bool]:
         views = self._views(keys, buffers, "buffer", writable=True)
-        return batches.get_into(self.client, self, keys, views)
+        return batches.get_into(self.client, self, keys, views, deadline=deadline)
 
     def _views(self, keys: Sequence[bytes], objs: Sequence[Any], what: str, *,
                writable: bool = False) -> list[memoryview]:

@@ -52,6 +52,8 @@ class ClientCounters:
     lookups_failed: int = 0  # answered as a miss because the daemon was away
     puts_dropped: int = 0  # blocks not stored because the daemon was away
     gets_failed: int = 0  # get/get_into calls answered as misses because the daemon was away
+    out_of_time: int = 0  # RPCs not started because the caller's deadline (step budget) was spent
+    overloaded: int = 0  # requests the daemon shed (RESOURCE_EXHAUSTED, errors.OVERLOADED)
     reconnects: int = 0
     epoch_changes: int = 0
     bytes_put: int = 0

@@ -1,14 +1,19 @@
 """Session: the connection half of :class:`kvtier.Client`: channel, session, breaker, transport.
 
-Never hang the engine: every RPC has a deadline (``timeout_s``). When the daemon is down or
-restarting, a call raises :class:`Away` (the client's operations turn it into misses and drops);
-a circuit breaker waits ``backoff`` before trying again, then the session reopens, re-registers
-its namespaces and reattaches its data transport by itself (also when a reply shows a new boot
-epoch). Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types.
+Never hang the engine: every RPC has a deadline (``timeout_s``, shortened to what is left of a
+caller's ``deadline``: an engine step's budget). When the daemon is down, silent or restarting, a
+call raises :class:`Away` (the client's operations turn it into misses and drops) and opens the
+circuit breaker (:class:`kvtier.breaker.Breaker`, which the sessions of one engine worker may
+share): from then on every call fails at once, and the breaker's probe thread, never a caller,
+reopens the session, re-registers its namespaces and reattaches its data transport, each RPC
+with the short ``probe_timeout_s``; then the breaker closes. A reply with a new boot epoch, or a
+daemon that forgot the session, reopens at once on the caller. A call that would start with less
+than ``MIN_RPC_S`` of its deadline left raises :class:`OutOfTime` (an Away that trips nothing).
+Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types.
 
 The underscore methods are the package's internal API: :mod:`kvtier.client` and
 :mod:`kvtier.batches` make their RPCs and transfers through ``_call``, ``_transfer``, ``_data``
-and ``_trip``.
+and ``_trip``; ``probe`` is the breaker's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, Protocol
 import grpc
 
 from kvtier.addresses import address_target, grpc_host
+from kvtier.breaker import Breaker
 from kvtier.results import ClientCounters
 from kvtier.transports import DataTransport, make_transport
 from kvtier_contract import errors
@@ -33,10 +39,20 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+MIN_RPC_S = 0.02  # an RPC never starts with less of its caller's deadline left than this
 
 
 class Away(Exception):
     """The daemon is unreachable right now (internal: callers get misses and drops)."""
+
+
+class OutOfTime(Away):
+    """The caller's deadline (an engine step's budget) is spent: a miss or a drop, no trip."""
+
+
+class Overloaded(OutOfTime):
+    """The daemon shed this request (RESOURCE_EXHAUSTED, ``errors.OVERLOADED``): it answers, so
+    nothing trips; this call is a miss or a drop, like one out of time."""
 
 
 class Registered(Protocol):
@@ -49,26 +65,34 @@ class Registered(Protocol):
 
 
 class Session:
-    """Owns the gRPC channel, the daemon session, the breaker, the heartbeat thread and the data
-    transport of one Client.
+    """Owns the gRPC channel, the daemon session, the heartbeat thread and the data transport of
+    one Client, and its membership of a breaker (its own, or one shared with other sessions).
 
-    States: AWAY (no session) -> ``_ensure`` when the breaker allows (now >= retry_at) ->
-    ``_open`` (OpenSession, attach the transport, register every namespace) -> CONNECTED, backoff
-    reset; a failed open stays AWAY with ``retry_at = now + backoff`` and the backoff doubled up to
-    its maximum (``_trip``). CONNECTED -> AWAY by ``_trip`` (the daemon did not answer, or a
-    transfer failed) or ``_reset_session`` (a reply with a new boot epoch, or a daemon that forgot
-    the session or a namespace: retried at once). ``close()`` -> CLOSED, for good.
+    States: AWAY (no session) -> ``_ensure`` while the breaker is closed -> ``_open``
+    (OpenSession, attach the transport, register every namespace) -> CONNECTED. CONNECTED ->
+    AWAY by ``_trip`` (the daemon did not answer, or a transfer failed: the breaker opens, and
+    only its probe thread reopens, via ``probe``) or by ``_reset_session`` (a reply with a new
+    boot epoch, or a daemon that forgot the session or a namespace: reopened by the next call).
+    ``close()`` -> CLOSED, for good.
 
-    Thread-safety: shared by the caller's threads and the heartbeat thread. Control calls run
-    concurrently; reconnects hold ``_conn_lock`` (reentrant); transfers on the data channel hold
-    ``_data_lock``. A transport detached during a transfer is retired, and closed when the
-    transfer ends (never under it).
+    Thread-safety: shared by the caller's threads, the heartbeat thread and the breaker's probe
+    thread. Control calls run concurrently; (re)opening holds ``_conn_lock`` (reentrant), which
+    a caller waits for only as long as its deadline allows and ``_trip`` never waits for (it
+    marks the session stale instead); transfers on the data channel hold ``_data_lock``. A
+    transport detached during a transfer is retired, and closed when the transfer ends (never
+    under it).
     """
 
     def __init__(self, address: str, transport: TransportName = "shm", *, timeout_s: float = 1.0,
                  lease_ttl_s: float = 10.0, client_name: str = "", heartbeat: bool = True,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), tenant_key: bytes | None = None,
+                 backoff_s: tuple[float, float] = (0.05, 1.0), tenant_key: bytes | None = None,
+                 breaker: Breaker | None = None, probe_timeout_s: float | None = None,
+                 op_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``backoff_s``: the probe interval, doubling from the first to the second (used when
+        no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
+        ``min(timeout_s, 0.5)``); ``op_timeout_s``: the bound on one operation without a
+        deadline of its own (all its batches and load rounds)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -76,19 +100,20 @@ class Session:
         self.address = address_target(address)
         self.transport_name = transport
         self.timeout_s = timeout_s
+        self.probe_timeout_s = probe_timeout_s or min(timeout_s, 0.5)
+        self.op_timeout_s = op_timeout_s
         self.lease_ttl_s = lease_ttl_s
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
         self.counters = ClientCounters()
+        self.breaker = breaker if breaker is not None else Breaker(backoff_s)
         self._clock = clock
-        self._backoff_min, self._backoff_max = backoff_s
-        self._backoff = self._backoff_min
-        self._retry_at = 0.0
         self._conn_lock = threading.RLock()
         self._data_lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self._session_id = 0
+        self._stale = False  # tripped while another thread held _conn_lock: reopen next time
         self._epoch = 0
         self._max_batch = 1024
         self._transport: DataTransport | None = None
@@ -96,6 +121,7 @@ class Session:
         self._namespaces: list[Registered] = []
         self._closed = False
         self._last_call = 0.0
+        self.breaker.attach(self)
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
         if heartbeat:
@@ -105,7 +131,7 @@ class Session:
 
     @property
     def connected(self) -> bool:
-        return self._session_id != 0
+        return self._session_id != 0 and not self._stale
 
     @property
     def boot_epoch(self) -> int:
@@ -116,44 +142,105 @@ class Session:
         """Most keys the daemon takes in one RPC (from the session; 1024 before one is open)."""
         return self._max_batch
 
+    def deadline(self, timeout_s: float | None = None) -> float:
+        """The deadline ``timeout_s`` (default ``op_timeout_s``) from now, on this client's clock."""
+        return self._clock() + (self.op_timeout_s if timeout_s is None else timeout_s)
+
     def close(self) -> None:
         self._closed = True
         self._hb_stop.set()
+        self.breaker.detach(self)
         with self._conn_lock:
-            if self._session_id and self._stub is not None:
+            if self._session_id and self._stub is not None and self.breaker.allows():
                 try:
                     self._stub.CloseSession(pb.CloseSessionRequest(session_id=self._session_id),
-                                            timeout=self.timeout_s)
+                                            timeout=self.probe_timeout_s)
                 except grpc.RpcError:
                     pass
             self._disconnect()
 
     # -- connection management --------------------------------------------------------------------
 
-    def _ensure(self) -> None:
-        """Connected, or Away (without waiting while the breaker is open)."""
-        if self._session_id:
+    def _rpc_timeout(self, deadline: float | None, *, floor: bool = False) -> float:
+        """The deadline of the next RPC: ``timeout_s``, cut to what is left before ``deadline``.
+        OutOfTime when less than MIN_RPC_S is left (``floor``: the RPC gets MIN_RPC_S anyway,
+        for a completion that frees daemon state)."""
+        if deadline is None:
+            return self.timeout_s
+        left = deadline - self._clock()
+        if left < MIN_RPC_S:
+            if not floor:
+                self.counters.out_of_time += 1
+                raise OutOfTime("deadline spent")
+            left = MIN_RPC_S
+        return min(self.timeout_s, left)
+
+    def _ensure(self, deadline: float | None = None) -> None:
+        """Connected, or Away at once while the breaker is open (never waits for a probe)."""
+        if self._closed:
+            raise Away("client closed")
+        if not self.breaker.allows():
+            raise Away(self.breaker.why or "daemon away (breaker open)")
+        if self._session_id and not self._stale:
             return
-        with self._conn_lock:
+        if not self._conn_lock.acquire(timeout=self._rpc_timeout(deadline)):
+            raise Away("the session is being opened by another thread")
+        try:
+            if self._stale:
+                self._stale = False
+                self._disconnect(keep_channel=True)
             if self._session_id:
                 return
             if self._closed:
                 raise Away("client closed")
-            if self._clock() < self._retry_at:
-                raise Away(self.counters.last_error or "daemon away (backing off)")
+            if not self.breaker.allows():
+                raise Away(self.breaker.why or "daemon away (breaker open)")
             try:
-                self._open()
+                self._open(self._rpc_timeout(deadline))
+            except OutOfTime:
+                raise
             except Away as e:
                 self._trip(str(e))
                 raise
-            self._backoff = self._backoff_min
+        finally:
+            self._conn_lock.release()
 
-    def _open(self) -> None:
+    def probe(self) -> bool:
+        """On the breaker's probe thread: prove the session (a heartbeat) or reopen it, each RPC
+        within ``probe_timeout_s``. True when the daemon answered (a closed client: True)."""
+        timeout = self.probe_timeout_s
+        with self._conn_lock:
+            if self._closed:
+                return True
+            if self._session_id and not self._stale and self._stub is not None:
+                try:
+                    reply = self._stub.Heartbeat(
+                        pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout)
+                    if reply.boot_epoch == self._epoch:
+                        return True
+                except grpc.RpcError as e:
+                    if e.code() in DOWN_CODES:
+                        return False
+            self._stale = False
+            self._disconnect(keep_channel=True)  # forgotten, or another boot: open anew
+            try:
+                self._open(timeout)
+            except Away as e:
+                self.counters.last_error = str(e)
+                self._disconnect(keep_channel=True)
+                return False
+            except errors.KvtierError as e:  # the daemon answered; the next call will say more
+                self.counters.last_error = str(e)
+            return True
+
+    def _open(self, timeout: float) -> None:
+        """OpenSession, attach the transport, register every namespace (caller holds
+        ``_conn_lock``); each RPC within ``timeout``. Away when the daemon does not answer."""
         self._channel_open()
         try:
             reply = self._stub.OpenSession(pb.OpenSessionRequest(
                 client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
-                transport=make_transport(self.transport_name).proto_value), timeout=self.timeout_s)
+                transport=make_transport(self.transport_name).proto_value), timeout=timeout)
         except grpc.RpcError as e:
             raise Away(f"OpenSession: {e.code().name}: {e.details()}") from None
         transport = make_transport(self.transport_name)
@@ -161,7 +248,7 @@ class Session:
             # The daemon listens on every interface: reach it where we reached its gRPC port.
             reply.data_host = grpc_host(self.address)
         try:
-            transport.attach(reply.session_id, reply, self.timeout_s)
+            transport.attach(reply.session_id, reply, timeout)
         except errors.TransportError as e:
             raise Away(str(e)) from None
         if self._epoch and reply.boot_epoch != self._epoch:
@@ -173,7 +260,7 @@ class Session:
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
         for handle in self._namespaces:
-            self._register(handle)
+            self._register(handle, timeout)
 
     def _channel_open(self) -> None:
         if self._channel is None:
@@ -181,28 +268,32 @@ class Session:
                 ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)])
             self._stub = pb_grpc.KvtierStub(self._channel)
 
-    def _register(self, handle: Registered) -> None:
+    def _register(self, handle: Registered, timeout: float) -> None:
+        """RegisterNamespace; Away when the daemon does not answer (the caller trips)."""
         try:
             reply = self._stub.RegisterNamespace(
                 pb.RegisterNamespaceRequest(spec=namespace_spec(handle.namespace),
                                             digest=handle.namespace.digest),
-                timeout=self.timeout_s)
+                timeout=timeout)
         except grpc.RpcError as e:
             if e.code() in DOWN_CODES:
-                self._trip(f"RegisterNamespace: {e.details()}")
-                raise Away(e.details()) from None
+                raise Away(f"RegisterNamespace: {e.code().name}: {e.details()}") from None
             raise errors.from_grpc_code(e.code().name, e.details() or "") from None
         if reply.block_bytes != handle.block_bytes or reply.namespace_id != handle.namespace_id:
             raise errors.Internal("daemon and client disagree on the namespace's id or block size")
         handle.registered_epoch = reply.boot_epoch
 
     def _trip(self, why: str) -> None:
-        """Open the breaker: forget the session, retry after the backoff."""
-        with self._conn_lock:
-            self.counters.last_error = why
-            self._disconnect(keep_channel=True)
-            self._retry_at = self._clock() + self._backoff
-            self._backoff = min(self._backoff * 2, self._backoff_max)
+        """Open the breaker and forget the session; never waits (DESIGN §7)."""
+        self.counters.last_error = why
+        self.breaker.trip(why)
+        if self._conn_lock.acquire(blocking=False):
+            try:
+                self._disconnect(keep_channel=True)
+            finally:
+                self._conn_lock.release()
+        else:
+            self._stale = True  # whoever holds the lock is (re)opening; the next call reopens
 
     def _disconnect(self, keep_channel: bool = False) -> None:
         self._session_id = 0
@@ -221,20 +312,27 @@ class Session:
             self._channel = None
             self._stub = None
 
-    def _call(self, method: str, request: Any, *, reconnect: bool = True) -> Any:
-        """One RPC with the deadline; Away when the daemon is away. Retries once after a
-        reconnect when the daemon forgot our session or namespace (it restarted)."""
+    def _call(self, method: str, request: Any, *, reconnect: bool = True,
+              deadline: float | None = None, floor: bool = False) -> Any:
+        """One RPC within ``timeout_s`` and ``deadline`` (see ``_rpc_timeout``); Away when the
+        daemon is away (the breaker is then open). Retries once after a reconnect when the
+        daemon forgot our session or namespace (it restarted)."""
         for attempt in (0, 1):
-            self._ensure()
+            self._ensure(deadline)
             if hasattr(request, "session_id"):
                 request.session_id = self._session_id
+            timeout = self._rpc_timeout(deadline, floor=floor)
             try:
-                reply = getattr(self._stub, method)(request, timeout=self.timeout_s)
+                reply = getattr(self._stub, method)(request, timeout=timeout)
             except grpc.RpcError as e:
                 code = e.code()
                 if code in DOWN_CODES:
                     self._trip(f"{method}: {code.name}: {e.details()}")
                     raise Away(e.details()) from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+                        (e.details() or "").startswith(errors.OVERLOADED):
+                    self.counters.overloaded += 1
+                    raise Overloaded(e.details()) from None
                 if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
                         ("session" in (e.details() or "") or "namespace" in (e.details() or "")):
                     self._reset_session()
@@ -247,9 +345,8 @@ class Session:
         raise AssertionError("unreachable")
 
     def _reset_session(self) -> None:
-        with self._conn_lock:
-            self._disconnect(keep_channel=True)
-            self._retry_at = 0.0
+        """Reopen on the next call (the daemon answered: no breaker involved)."""
+        self._stale = True
 
     def _transfer_rpc(self, method: str, request: Any) -> Any:
         """A control RPC made by the data transport inside a transfer (cuda_ipc): no

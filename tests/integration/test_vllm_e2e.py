@@ -7,7 +7,9 @@ only, dummy weights, 128-token CPU blocks); the daemon is a real ``kvtier serve`
   and the daemon's own Stats count exactly the bytes B loaded;
 * another cache salt, LoRA adapter or model revision: zero hits;
 * the daemon killed before an engine starts, killed mid-run, and hung (SIGSTOP): every request
-  is served, within the deadlines.
+  is served, within the deadlines;
+* the daemon stopped (SIGSTOP) for 8 s under a stream of requests that load and store: requests
+  keep completing at the rate they did before, and hits come back after SIGCONT.
 
 The vLLM environment is found at ``$KVTIER_VLLM_PYTHON`` (set by ``make test``) or
 ``.venv-vllm/bin/python``; without it these tests fail (run ``make vllm-env``) unless
@@ -61,9 +63,11 @@ class Engine:
     """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path, *,
-                 enable_lora: bool = False, num_blocks: int | None = None) -> None:
+                 enable_lora: bool = False, num_blocks: int | None = None,
+                 prefix_caching: bool = True) -> None:
         spec = {"model": str(model), "connector": connector, "max_model_len": 2048,
-                "enable_lora": enable_lora, "num_blocks": num_blocks}
+                "enable_lora": enable_lora, "num_blocks": num_blocks,
+                "prefix_caching": prefix_caching}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
                    PYTHONPATH=str(HERE))
         self.log = open(log, "w")  # noqa: SIM115
@@ -307,3 +311,49 @@ def test_daemon_down_and_killed_mid_run_never_fails_a_request(
             d3.kill()
     finally:
         eng.close()
+
+
+def test_a_stopped_daemon_never_slows_the_engine(workdir: Path, engine_a: dict[str, Any]) -> None:
+    """Calls of one fresh prompt each, one after another: each prompt is looked up (a miss)
+    and its block is stored, the same compute with the daemon up or stopped. With the daemon
+    stopped (SIGSTOP) for 8 s the calls keep completing at (nearly) the rate they did before:
+    the scheduler's lookups and the worker's stores fail fast behind their breakers instead of
+    waiting on RPC deadlines. vLLM's own prefix cache is off, so P asks kvtier every time: it
+    loads from kvtier before the stop, and again soon after SIGCONT."""
+    d = DaemonProcess(workdir / "stall", "--host-bytes", "64MiB").start()
+    eng = Engine(workdir / "model", connector(d), workdir / "engine_stall.log",
+                 prefix_caching=False)
+    try:
+        assert eng.generate([P])["cached"] == [0]
+        assert wait_resident(d, 3) == 3
+        assert eng.generate([P])["cached"] == [3 * BLOCK]
+
+        def serve(seconds: float, seed: int) -> tuple[float, float]:
+            """(prompts served per second, slowest call in s)."""
+            n, slowest = 0, 0.0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                t1 = time.monotonic()
+                out = eng.generate([tokens(BLOCK + 5, seed + n)], max_tokens=2, timeout_s=60)
+                assert len(out["outputs"][0]) == 2
+                slowest = max(slowest, time.monotonic() - t1)
+                n += 1
+            return n / (time.monotonic() - t0), slowest
+
+        before, before_slowest = serve(4.0, 1000)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            during, during_slowest = serve(8.0, 2000)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        print(f"\nprompts/s before {before:.1f} (slowest call {before_slowest:.2f} s), during "
+              f"the stop {during:.1f} (slowest call {during_slowest:.2f} s)")
+        assert during >= 0.6 * before, (before, during)
+        deadline = time.monotonic() + 15
+        while eng.generate([P])["cached"] != [3 * BLOCK]:  # hits come back
+            assert time.monotonic() < deadline, "no kvtier hit within 15 s of SIGCONT"
+            time.sleep(0.2)
+    finally:
+        eng.close()
+        d.kill()

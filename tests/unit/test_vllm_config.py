@@ -27,6 +27,8 @@ IDENTITY = EngineIdentity(model_id="m", model_revision="r1", tokenizer_digest="n
 def test_defaults_and_socket_shorthand() -> None:
     cfg = ConnectorConfig.from_extra(None)
     assert cfg.address == "unix:run/kvtier.sock" and cfg.transport == "shm"
+    assert (cfg.step_budget_ms, cfg.probe_timeout_ms) == (100, 250)
+    assert ConnectorConfig.from_extra({"step_budget_ms": 40}).step_budget_ms == 40
     assert ConnectorConfig.from_extra({"socket": "/run/k.sock"}).address == "unix:/run/k.sock"
     for transport in ("shm", "tcp", "cuda_ipc"):
         assert ConnectorConfig.from_extra({"transport": transport}).transport == transport
@@ -37,6 +39,8 @@ def test_defaults_and_socket_shorthand() -> None:
     ({"transport": "rdma"}, "transport"),
     ({"lookup_timeout_ms": 0}, "lookup_timeout_ms"),
     ({"lookup_timeout_ms": True}, "lookup_timeout_ms"),
+    ({"step_budget_ms": 0}, "step_budget_ms"),
+    ({"probe_timeout_ms": 2.5}, "probe_timeout_ms"),
     ({"model_revision": ""}, "model_revision"),
     ({"adapter_revisions": {"a": 3}}, "adapter_revisions"),
     ({"store": "yes"}, "store"),

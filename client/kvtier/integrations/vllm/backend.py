@@ -3,8 +3,8 @@
 ``DaemonBackend`` runs on the planner's lookup thread only (never the scheduler thread). It opens
 its ``kvtier.Client`` on the lookup thread's first task (``warmup``), so building the connector
 never waits for the daemon and the first request does not pay for the session; a daemon
-that is away answers every lookup as a miss at once (the client's breaker), and pins of a daemon
-that restarted are already gone.
+that is away answers every lookup as a miss at once (the breaker this process's workers share,
+``worker.shared_breaker``), and pins of a daemon that restarted are already gone.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
+from kvtier.integrations.vllm.worker import shared_breaker
 
 
 class DaemonBackend:
@@ -30,9 +31,13 @@ class DaemonBackend:
     @property
     def client(self) -> Client:
         if self._client is None:
+            # A lookup answered after lookup_timeout_ms is a miss anyway: no RPC waits longer.
+            timeout_ms = min(self.cfg.request_timeout_ms, self.cfg.lookup_timeout_ms)
             self._client = Client.connect(
-                self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
-                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name)
+                self.cfg.address, self.cfg.transport, timeout_s=timeout_ms / 1000,
+                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
+                breaker=shared_breaker(self.cfg.address),
+                probe_timeout_s=self.cfg.probe_timeout_ms / 1000)
         return self._client
 
     def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:

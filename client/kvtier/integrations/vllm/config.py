@@ -63,6 +63,8 @@ class ConnectorConfig:
     load: bool = True
     store: bool = True
     pin_release_steps: int = 4
+    step_budget_ms: int = 100
+    probe_timeout_ms: int = 250
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -90,7 +92,8 @@ class ConnectorConfig:
         need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
         need(self.transport in TRANSPORT_NAMES.values(), "transport",
              "must be 'shm', 'tcp' or 'cuda_ipc'")
-        for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps"):
+        for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps",
+                    "step_budget_ms", "probe_timeout_ms"):
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
                  "must be a positive integer")

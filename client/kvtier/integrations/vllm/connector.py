@@ -146,6 +146,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.planner: Planner | None = None
         self.worker: KvtierWorker | None = None
         self._load_errors: set[int] = set()
+        self._step: tuple[KVConnectorMetadata | None, float] = (None, 0.0)  # (plan, its deadline)
         if role == KVConnectorRole.SCHEDULER:
             self.planner = Planner(
                 block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
@@ -213,14 +214,23 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KvtierConnectorMetadata):
-            self.worker.wait(kv_connector_metadata.plan.flush)
+            self.worker.wait(kv_connector_metadata.plan.flush,
+                             self._step_deadline(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is None or not isinstance(meta, KvtierConnectorMetadata):
             return
         if meta.plan.loads:
-            self._load_errors |= self.worker.load(meta.plan.loads)
+            self._load_errors |= self.worker.load(meta.plan.loads, self._step_deadline(meta))
+
+    def _step_deadline(self, meta: KVConnectorMetadata) -> float:
+        """One budget (``step_budget_ms``) per step: from the step's first hook (vLLM calls
+        ``handle_preemptions`` every step, before ``start_load_kv``) for both of them."""
+        assert self.worker is not None
+        if self._step[0] is not meta:
+            self._step = (meta, self.worker.step_deadline())
+        return self._step[1]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-step loads finish in start_load_kv

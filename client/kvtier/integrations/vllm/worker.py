@@ -4,25 +4,48 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
 
     w = KvtierWorker(identity, cfg, tp_rank=r)
     w.register(layer_tensors)        # in layer order; builds the PagedKvLayout, opens 2 clients
-    each step:  w.wait(plan.flush)   # fence: store jobs still reading re-allocated blocks
-                failed = w.load(plan.loads)      # before the forward; failed block ids
+    each step:  deadline = w.step_deadline()      # the step's budget (step_budget_ms)
+                w.wait(plan.flush, deadline)      # fence: store jobs still reading re-allocated blocks
+                failed = w.load(plan.loads, deadline)  # before the forward; failed block ids
                 w.submit_stores(plan.stores)     # after the forward; returns at once
                 w.take_stats()
     w.close()
+
+Never stall the engine (DESIGN.md §7). The engine thread's kvtier work in one step is bounded by
+``step_budget_ms``: no load RPC or load round starts after it (those blocks fail and vLLM
+recomputes them), and the fence waits no longer. The worker's clients share one circuit breaker
+with every kvtier client of this process for the same daemon (``shared_breaker``: the load and
+store sessions, and the scheduler's lookup session when it lives here): after the first call that
+finds the daemon down or silent, loads fail and stores are dropped at once until the breaker's
+probe thread has seen the daemon again.
 
 Loads are synchronous on the engine thread, one batched ``get_blocks`` per namespace variant
 (over shm, scatter kernels read straight from the pinned slots); a miss, a timeout or a daemon
 that is away fails those block ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``).
 Stores run on one ``kvtier-store`` thread: one ``put_blocks`` per job (over shm the gather kernel
-writes straight into the reserved arena slots, ``kvtier.direct``), then the job is marked *read*,
-which is what the fence waits for; on CUDA the gather first waits for an event recorded on the
-engine's stream in ``submit_stores``. When ``max_queued_stores`` jobs wait already, a new job is
-dropped and counted (never blocks the engine).
+writes straight into the reserved arena slots, ``kvtier.direct``); on CUDA the gather first waits
+for an event recorded on the engine's stream in ``submit_stores``. When ``max_queued_stores`` jobs
+wait already, or the breaker is open, a new job is dropped and counted (never blocks the engine).
+
+The fence. A store job reads engine blocks only during its copy out of them (``batches.CopyGuard``
+marks it); its RPCs (PrepareStore before, CompleteStore after) never touch them. A store job's
+states, under ``_cond``::
+
+    QUEUED --store thread--> PREPARING <--guard.begin/end--> COPYING --last copy / put done--> DONE
+      |                          |                             |
+      +--------fence-------------+                             +--fence, copy outlasts the step's
+      v                                                        v  budget: REVOKED (batch aborted)
+    SNAPSHOT (engine thread copies the job's blocks out) --> SNAPPED (the put writes the copy)
+      or REVOKED at once when the breaker is open (the store would be dropped anyway)
+
+So the fence waits only for a copy in progress, never for an RPC, and a job that left the fence
+(SNAPPED, REVOKED, DONE) never reads an engine block again; a revoked copy is never committed.
 
 Ownership: the engine owns the KV tensors; this object owns two ``kvtier.Client`` sessions (loads,
-stores: a long store transfer never delays a load), the store thread and its queue. Thread-safety:
-``register``/``wait``/``load``/``submit_stores``/``take_stats``/``close`` on the engine thread;
-the store thread shares the queue, the set of unread jobs and the counters under one condition.
+stores: a long store transfer never delays a load), the store thread, its queue and the job
+records. Thread-safety: ``register``/``wait``/``load``/``submit_stores``/``take_stats``/``close``
+on the engine thread; the store thread shares the queue, the job records and the counters under
+one condition, never held across an RPC or a copy.
 """
 
 from __future__ import annotations
@@ -33,14 +56,35 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
+from kvtier.batches import CopyRevoked
+from kvtier.breaker import Breaker
 from kvtier.client import Client, NamespaceHandle
-from kvtier.integrations.vllm.config import ConfigError, ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.config import (
+    BASE,
+    ConfigError,
+    ConnectorConfig,
+    EngineIdentity,
+    Variant,
+)
 from kvtier.integrations.vllm.planner import LoadJob, StoreJob
 from kvtier_contract.errors import KvtierError
 
 log = logging.getLogger("vllm.kvtier")
+
+_BREAKERS: dict[str, Breaker] = {}
+_BREAKERS_LOCK = threading.Lock()
+
+
+def shared_breaker(address: str) -> Breaker:
+    """The one breaker of this process for the daemon at ``address`` (workers' and scheduler's
+    clients alike): one daemon, one verdict on whether it answers."""
+    with _BREAKERS_LOCK:
+        breaker = _BREAKERS.get(address)
+        if breaker is None:
+            breaker = _BREAKERS[address] = Breaker()
+        return breaker
 
 
 @dataclass
@@ -59,24 +103,76 @@ class WorkerStats:
     store_dropped_blocks: int = 0
     store_seconds: float = 0.0
     fence_waits: int = 0
+    fence_seconds: float = 0.0  # engine-thread time in the fence
+    fence_snapshots: int = 0  # fenced jobs whose blocks the engine thread copied out itself
+    fence_revoked: int = 0  # fenced jobs given up (breaker open, or a copy past the budget)
+    engine_seconds: float = 0.0  # engine-thread time in kvtier (fence, loads, store submission)
+    budget_exhausted: int = 0  # steps whose loads stopped at the step budget
+
+
+State = Literal["queued", "preparing", "copying", "snapshot", "done"]
+
+
+class _Job:
+    """One queued store job and where it stands with the fence (guarded by the worker's
+    ``_cond``). ``snapshot``: the engine thread's copy of its blocks; ``revoked``: the engine
+    took its blocks back without one."""
+
+    def __init__(self, job: StoreJob, forward_done: Any) -> None:
+        self.job = job
+        self.forward_done = forward_done
+        self.state: State = "queued"
+        self.snapshot: Any = None
+        self.revoked = False
+
+
+class _Guard:
+    """The ``batches.CopyGuard`` of one job (store thread), over the worker's condition."""
+
+    def __init__(self, worker: KvtierWorker, rec: _Job) -> None:
+        self.worker = worker
+        self.rec = rec
+
+    def begin(self) -> Any | None:
+        rec, cond = self.rec, self.worker._cond
+        with cond:
+            cond.wait_for(lambda: rec.state != "snapshot")
+            if rec.snapshot is not None:
+                return rec.snapshot
+            if rec.revoked:
+                raise CopyRevoked("the fence took the blocks back")
+            rec.state = "copying"
+            return None
+
+    def end(self, more: bool) -> bool:
+        rec, worker = self.rec, self.worker
+        with worker._cond:
+            if rec.state == "copying":
+                rec.state = "preparing"
+                if not more:  # no engine block is read again: the fence may let go now
+                    rec.state = "done"
+                    worker._unread.pop(rec.job.job_id, None)
+            worker._cond.notify_all()
+            return rec.snapshot is not None or not rec.revoked
 
 
 class KvtierWorker:
     """See the module docstring."""
 
     def __init__(self, identity: EngineIdentity, cfg: ConnectorConfig, *, tp_rank: int = 0,
-                 max_queued_stores: int = 64) -> None:
+                 max_queued_stores: int = 64, breaker: Breaker | None = None) -> None:
         self.identity = identity
         self.cfg = cfg
         self.tp_rank = tp_rank
         self.max_queued_stores = max_queued_stores
+        self.breaker = breaker if breaker is not None else shared_breaker(cfg.address)
         self.block_bytes = identity.namespace(tp_rank=tp_rank).block_bytes
         self._layouts: tuple[Any, Any] | None = None  # (engine thread's, store thread's)
         self._clients: dict[str, Client] = {}
         self._handles: dict[tuple[str, Variant], NamespaceHandle] = {}
         self._cond = threading.Condition()
-        self._queue: deque[tuple[StoreJob, Any]] = deque()  # (job, CUDA event or None)
-        self._unread: set[int] = set()
+        self._queue: deque[_Job] = deque()
+        self._unread: dict[int, _Job] = {}  # jobs the fence must wait for or take over
         self._stats = WorkerStats()
         self._closed = False
         self._busy_job = False
@@ -98,8 +194,10 @@ class KvtierWorker:
         for role in ("load", "store"):
             self._clients[role] = Client.connect(
                 self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
-                lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, breaker=self.breaker,
+                probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
                 client_name=f"vllm-tp{self.tp_rank}-{role}")
+            self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
 
@@ -107,51 +205,122 @@ class KvtierWorker:
     def registered(self) -> bool:
         return self._layouts is not None
 
-    def wait(self, job_ids: Sequence[int]) -> None:
-        """Block until none of ``job_ids`` still has to read engine blocks (the fence)."""
-        with self._cond:
-            if any(j in self._unread for j in job_ids):
-                self._stats.fence_waits += 1
-            while any(j in self._unread for j in job_ids):
-                self._cond.wait()
+    def step_deadline(self) -> float:
+        """The end of a step's budget for kvtier's work, starting now."""
+        return time.monotonic() + self.cfg.step_budget_ms / 1000
 
-    def load(self, jobs: Sequence[LoadJob]) -> set[int]:
-        """Load every job into its engine blocks now; returns the block ids that failed."""
+    def wait(self, job_ids: Sequence[int], deadline: float | None = None) -> None:
+        """The fence: return once none of ``job_ids`` can read an engine block any more. A job
+        not copying yet is taken over (its blocks copied out here, or dropped while the breaker
+        is open); a copy in progress is waited for until ``deadline``, then revoked."""
+        if not job_ids:
+            return
+        t0 = time.perf_counter()
+        deadline = self.step_deadline() if deadline is None else deadline
+        take: list[_Job] = []
+        with self._cond:
+            fenced = [self._unread[j] for j in job_ids if j in self._unread]
+            if fenced:
+                self._stats.fence_waits += 1
+            for rec in fenced:
+                if rec.state in ("queued", "preparing"):
+                    if self.breaker.allows():
+                        rec.state = "snapshot"
+                        take.append(rec)
+                    else:
+                        self._revoke(rec)
+        for rec in take:  # outside the lock: a local copy, no RPC
+            self._snapshot(rec)
+        with self._cond:
+            while True:
+                copying = [r for r in fenced if r.job.job_id in self._unread]
+                left = deadline - time.monotonic()
+                if not copying or left <= 0:
+                    break
+                self._cond.wait(left)
+            for rec in copying:  # a copy that outlasts the step's budget: aborted, never stored
+                self._revoke(rec)
+            spent = time.perf_counter() - t0
+            self._stats.fence_seconds += spent
+            self._stats.engine_seconds += spent
+
+    def _snapshot(self, rec: _Job) -> None:
+        assert self._layouts is not None
+        layout = self._layouts[0]
+        try:
+            rows = layout.staging(len(rec.job.block_ids))
+            layout.gather(rec.job.block_ids, rows)
+        except Exception as e:  # a failed copy is a dropped store, never an engine error
+            log.warning("kvtier: fence copy of store job %d failed: %s", rec.job.job_id, e)
+            rows = None
+        with self._cond:
+            rec.state = "preparing"
+            rec.snapshot = rows
+            if rows is None:
+                self._revoke(rec)
+            else:
+                self._stats.fence_snapshots += 1
+                self._unread.pop(rec.job.job_id, None)
+            self._cond.notify_all()
+
+    def _revoke(self, rec: _Job) -> None:
+        """The engine takes the job's blocks back with no copy of them (caller holds _cond)."""
+        rec.revoked = True
+        self._stats.fence_revoked += 1
+        self._unread.pop(rec.job.job_id, None)
+        self._cond.notify_all()
+
+    def load(self, jobs: Sequence[LoadJob], deadline: float | None = None) -> set[int]:
+        """Load every job into its engine blocks now, within ``deadline`` (the step's budget);
+        returns the block ids that failed."""
         if not jobs:
             return set()
-        failed: set[int] = set()
-        if self._layouts is None:
-            return {b for j in jobs for b in j.block_ids}
+        if self._layouts is None or not self.breaker.allows():
+            missed = {b for j in jobs for b in j.block_ids}
+            with self._cond:
+                self._stats.load_failed_blocks += len(missed)
+            return missed
         t0 = time.perf_counter()
+        deadline = self.step_deadline() if deadline is None else deadline
+        failed: set[int] = set()
         loaded = 0
+        client = self._clients["load"]
+        out_of_time = client.counters.out_of_time
         for variant, keys, block_ids in _by_variant(jobs, self.tp_rank):
             try:
-                found = self._handle("load", variant).get_blocks(keys, self._layouts[0], block_ids)
+                found = self._handle("load", variant, deadline).get_blocks(
+                    keys, self._layouts[0], block_ids, deadline=deadline)
             except KvtierError as e:
                 log.warning("kvtier: load of %d blocks failed: %s", len(keys), e)
                 found = [False] * len(keys)
             loaded += sum(found)
             failed.update(b for b, ok in zip(block_ids, found, strict=True) if not ok)
+        spent = time.perf_counter() - t0
         with self._cond:
             self._stats.loaded_blocks += loaded
             self._stats.loaded_tokens += loaded * self.identity.tokens_per_block
             self._stats.loaded_bytes += loaded * self.block_bytes
             self._stats.load_failed_blocks += len(failed)
-            self._stats.load_seconds += time.perf_counter() - t0
+            self._stats.load_seconds += spent
+            self._stats.engine_seconds += spent
+            self._stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
         return failed
 
     def submit_stores(self, jobs: Sequence[StoreJob]) -> None:
         if not jobs:
             return
+        t0 = time.perf_counter()
         with self._cond:
             for job in jobs:
-                if self._layouts is None or self._closed or \
+                if self._layouts is None or self._closed or not self.breaker.allows() or \
                         len(self._queue) >= self.max_queued_stores:
                     self._stats.store_dropped_blocks += len(job.block_ids)
                     continue
-                self._queue.append((job, self._forward_done()))
-                self._unread.add(job.job_id)
+                rec = _Job(job, self._forward_done())
+                self._queue.append(rec)
+                self._unread[job.job_id] = rec
             self._cond.notify_all()
+            self._stats.engine_seconds += time.perf_counter() - t0
 
     def _forward_done(self) -> Any:
         """On CUDA, an event recorded on the engine's current stream after this step's forward:
@@ -206,29 +375,34 @@ class KvtierWorker:
                     self._cond.wait()
                 if not self._queue:
                     return
-                job, forward_done = self._queue.popleft()
+                rec = self._queue.popleft()
+                if rec.revoked:  # the fence dropped it before it started
+                    self._stats.store_dropped_blocks += len(rec.job.block_ids)
+                    continue
+                if rec.state == "queued":
+                    rec.state = "preparing"
                 self._busy_job = True
+            job = rec.job
             t0 = time.perf_counter()
             stored = present = dropped = 0
             try:
                 keys = job.keys[self.tp_rank]
-                try:
-                    if forward_done is not None:  # CUDA: read only what the forward wrote
-                        import torch
+                if rec.forward_done is not None:  # CUDA: read only what the forward wrote
+                    import torch
 
-                        torch.cuda.current_stream(layout.device).wait_event(forward_done)
-                    # over shm: one gather straight into the reserved arena slots
-                    result = self._handle("store", job.variant).put_blocks(keys, layout,
-                                                                          job.block_ids)
-                finally:
-                    self._read_done(job.job_id)  # engine blocks may be reused from here on
+                    torch.cuda.current_stream(layout.device).wait_event(rec.forward_done)
+                # over shm: one gather straight into the reserved arena slots, under the guard
+                result = self._handle("store", job.variant).put_blocks(
+                    keys, layout, job.block_ids, guard=_Guard(self, rec))
                 stored, present = result.stored, result.already_present
                 dropped = result.dropped + result.rejected
             except Exception as e:  # a failed store is a future miss, never an engine error
                 log.warning("kvtier: store job %d failed: %s", job.job_id, e)
                 dropped = len(job.block_ids)
-                self._read_done(job.job_id)
             with self._cond:
+                rec.state = "done"
+                rec.snapshot = None
+                self._unread.pop(job.job_id, None)  # engine blocks may be reused from here on
                 self._stats.stored_blocks += stored
                 self._stats.stored_tokens += stored * self.identity.tokens_per_block
                 self._stats.stored_bytes += stored * self.block_bytes
@@ -238,15 +412,12 @@ class KvtierWorker:
                 self._busy_job = False
                 self._cond.notify_all()
 
-    def _read_done(self, job_id: int) -> None:
-        with self._cond:
-            self._unread.discard(job_id)
-            self._cond.notify_all()
-
-    def _handle(self, role: str, variant: Variant) -> NamespaceHandle:
+    def _handle(self, role: str, variant: Variant, deadline: float | None = None
+                ) -> NamespaceHandle:
         h = self._handles.get((role, variant))
         if h is None:
-            h = self._clients[role].register(self.identity.namespace(variant, self.tp_rank))
+            h = self._clients[role].register(self.identity.namespace(variant, self.tp_rank),
+                                             deadline=deadline)
             self._handles[(role, variant)] = h
         return h
 

@@ -1,0 +1,100 @@
+"""Breaker: the circuit breaker one engine worker's sessions share, and its probe thread.
+
+Never hang the engine (DESIGN.md §7): after the first call that finds the daemon down or silent,
+every call of every member session fails at once (the callers answer misses and drop stores)
+until a probe, run on the breaker's own thread and never on a caller's, sees the daemon again::
+
+    CLOSED --trip(why)--> OPEN --probe: every member answered--> CLOSED
+                           |  probe failed: wait ``interval`` (doubling from the minimum of
+                           +-- ``backoff_s`` to its maximum), probe again
+
+A probe asks each member session to prove itself (``Member.probe``: a heartbeat on the session it
+has, else OpenSession + transport + namespaces), each RPC with the members' short probe deadline.
+Members join with ``attach`` and leave with ``detach``; the thread runs while the breaker is open
+and members remain, and is started again by the next trip.
+
+Thread-safety: any thread. ``_cond`` guards the state and is never held across an RPC; ``allows``
+reads one boolean without it (a stale answer costs one fast failure or one more call).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class Member(Protocol):
+    """A session that shares a breaker (``kvtier.session.Session``)."""
+
+    def probe(self) -> bool:
+        """On the probe thread: True when the daemon answered and the session is usable."""
+        ...
+
+
+class Breaker:
+    """See the module docstring. Owns the probe thread; the members own their sessions."""
+
+    def __init__(self, backoff_s: tuple[float, float] = (0.05, 1.0)) -> None:
+        self._min_s, self._max_s = backoff_s
+        self._cond = threading.Condition()
+        self._members: list[Member] = []
+        self._open = False
+        self._thread: threading.Thread | None = None
+        self.why = ""
+        self.trips = 0  # CLOSED -> OPEN transitions
+        self.probes = 0  # probes run (successful or not)
+
+    def allows(self) -> bool:
+        """Whether calls may go to the daemon now (CLOSED)."""
+        return not self._open
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def attach(self, member: Member) -> None:
+        with self._cond:
+            self._members.append(member)
+
+    def detach(self, member: Member) -> None:
+        with self._cond:
+            if member in self._members:
+                self._members.remove(member)
+            self._cond.notify_all()
+
+    def trip(self, why: str) -> None:
+        """OPEN (again): calls fail fast until a probe sees the daemon. Never blocks."""
+        with self._cond:
+            self.why = why
+            if not self._open:
+                self._open = True
+                self.trips += 1
+            if self._thread is None and self._members:
+                self._thread = threading.Thread(target=self._probe_loop, daemon=True,
+                                                name="kvtier-probe")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _probe_loop(self) -> None:
+        interval = self._min_s
+        while True:
+            with self._cond:
+                self._cond.wait(interval)  # the first probe waits too: a trip means trouble now
+                members = list(self._members)
+                if not self._open or not members:
+                    self._thread = None
+                    return
+            ok = all([m.probe() for m in members])  # every member, even after one failed
+            with self._cond:
+                self.probes += 1
+                if ok:
+                    self._open = False
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+            interval = min(interval * 2, self._max_s)
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Block until CLOSED (for tests and tools, never on an engine thread)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._open, timeout_s)
