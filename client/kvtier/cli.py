@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
-                   help="all | shm | tcp | lookup | nvme | quick | gpu")
+                   help="all | shm | tcp | lookup | nvme | quick | gpu | overload | soak")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu suite: transports to measure (cuda_ipc needs cupy and CUDA)")
     b.add_argument("--gpu-shape", default="32,8,128,16",
                    help="gpu suite: layers,kv_heads,head_dim,tokens_per_block (Llama-3-8B)")
+    b.add_argument("--overload-threads", type=int, default=64,
+                   help="overload suite: concurrent client threads")
+    b.add_argument("--duration", type=float, default=None,
+                   help="overload, soak suites: seconds of load (default 20 and 60)")
+    b.add_argument("--clients", type=int, default=4,
+                   help="soak suite: client processes, killed and restarted at random")
     return p
 
 
@@ -67,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.bench.gpu import bench_gpu  # torch; imported only for this suite
 
         return bench_gpu(args)
+    if args.suite == "overload":
+        from kvtier.bench.overload import bench_overload
+
+        return bench_overload(args)
+    if args.suite == "soak":
+        from kvtier.bench.soak import bench_soak
+
+        return bench_soak(args)
     from kvtier.bench import run_bench  # heavy; imported only for bench
 
     return int(run_bench(args))
