@@ -297,7 +297,10 @@ def _load_batch(session: Session, handle: Registered, packed: bytes, todo: list[
     except (Away, errors.KvtierError) as e:
         # Only a completed load proves the pins held during the copy; if the lease lapsed
         # the slots may have been reused under us: the bytes are not trusted, all misses.
-        failure, trip = failure or f"load not confirmed: {e}", True
+        # A daemon that answered (shed the call, or refused it) trips nothing more.
+        away = isinstance(e, Away) and not isinstance(e, OutOfTime)
+        trip = (bool(failure) and trip) or away
+        failure = failure or f"load not confirmed: {e}"
     if failure:
         if trip:
             session._trip(failure)

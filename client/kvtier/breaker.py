@@ -19,8 +19,12 @@ reads one boolean without it (a stale answer costs one fast failure or one more 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Protocol
+
+log = logging.getLogger("kvtier.breaker")
 
 
 class Member(Protocol):
@@ -77,24 +81,43 @@ class Breaker:
 
     def _probe_loop(self) -> None:
         interval = self._min_s
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    # The first probe waits too (a trip means trouble now). A later trip does not
+                    # cut the wait short: only a close or the last member leaving does.
+                    end = time.monotonic() + interval
+                    while self._open and self._members and (left := end - time.monotonic()) > 0:
+                        self._cond.wait(left)
+                    members = list(self._members)
+                    if not self._open or not members:
+                        self._thread = None
+                        return
+                ok = all([_probe(m) for m in members])  # every member, even after one failed
+                with self._cond:
+                    self.probes += 1
+                    if ok:
+                        self._open = False
+                        self._thread = None
+                        self._cond.notify_all()
+                        return
+                interval = min(interval * 2, self._max_s)
+        finally:  # only an unexpected error gets here with the thread still registered
             with self._cond:
-                self._cond.wait(interval)  # the first probe waits too: a trip means trouble now
-                members = list(self._members)
-                if not self._open or not members:
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    return
-            ok = all([m.probe() for m in members])  # every member, even after one failed
-            with self._cond:
-                self.probes += 1
-                if ok:
-                    self._open = False
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-            interval = min(interval * 2, self._max_s)
 
     def wait_closed(self, timeout_s: float) -> bool:
         """Block until CLOSED (for tests and tools, never on an engine thread)."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._open, timeout_s)
+
+
+def _probe(member: Member) -> bool:
+    """One member's probe; any error of its own (a short shm reply, an mmap failure, a CUDA
+    error) is a failed probe, never the end of the probe thread."""
+    try:
+        return member.probe()
+    except Exception as e:  # noqa: BLE001  (the thread must keep probing)
+        log.debug("probe of %r failed: %s", member, e)
+        return False

@@ -70,8 +70,10 @@ class Client(Session):
         if not isinstance(namespace, Namespace):
             raise errors.InvalidArgument("expected a kvtier.Namespace", field="namespace")
         handle = NamespaceHandle(self, namespace)
-        with self._conn_lock:  # held across no RPC here
-            self._namespaces.append(handle)
+        # No lock: an (re)open holds the connection lock across its RPCs, and an engine thread
+        # must not wait for it. list.append is atomic; an open iterating the list meanwhile
+        # registers the new handle too, or the next open does (registering twice is harmless).
+        self._namespaces.append(handle)
         try:
             if self.connected and self.breaker.allows():
                 self._register(handle, self._rpc_timeout(deadline))
@@ -79,6 +81,10 @@ class Client(Session):
             pass  # not registered yet: the daemon says so on first use and the session reopens
         except Away as e:
             self._trip(str(e))
+        except (errors.ResourceExhausted, errors.Unavailable, errors.Internal) as e:
+            # The daemon answered but cannot register it now (shed, namespace table full,
+            # draining): the handle stays unregistered, its calls miss until a reopen does.
+            self.counters.last_error = f"RegisterNamespace: {e}"
         return handle
 
     def stats(self) -> dict[str, Any]:

@@ -244,6 +244,7 @@ class Session:
         except grpc.RpcError as e:
             raise Away(f"OpenSession: {e.code().name}: {e.details()}") from None
         transport = make_transport(self.transport_name)
+        transport.io_timeout_s = self.timeout_s
         if reply.data_host in ("0.0.0.0", "::", ""):
             # The daemon listens on every interface: reach it where we reached its gRPC port.
             reply.data_host = grpc_host(self.address)
@@ -278,6 +279,10 @@ class Session:
         except grpc.RpcError as e:
             if e.code() in DOWN_CODES:
                 raise Away(f"RegisterNamespace: {e.code().name}: {e.details()}") from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+                    (e.details() or "").startswith(errors.OVERLOADED):
+                self.counters.overloaded += 1
+                raise Overloaded(e.details()) from None
             raise errors.from_grpc_code(e.code().name, e.details() or "") from None
         if reply.block_bytes != handle.block_bytes or reply.namespace_id != handle.namespace_id:
             raise errors.Internal("daemon and client disagree on the namespace's id or block size")

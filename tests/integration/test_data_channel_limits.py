@@ -401,3 +401,16 @@ def test_the_sdk_reconnects_quietly_after_an_idle_close(start: StartDaemon) -> N
             [block(7, i) for i in range(8)]
         assert client.breaker.allows() and client._transport.reconnects >= 1  # type: ignore[union-attr]
         assert client.counters.puts_dropped == 0 and client.counters.gets_failed == 0
+
+
+def test_transfers_get_the_sessions_timeout_not_the_opens(start: StartDaemon) -> None:
+    """A session reopened by the breaker's probe (probe_timeout_s) keeps the session's own
+    timeout for its transfers: a large READ is not cut off after 250 ms."""
+    d = start()
+    with kvtier.Client.connect(d.grpc, "tcp", timeout_s=3.0, probe_timeout_s=0.25) as client:
+        client.register(make_namespace())
+        assert client._transport._sock.gettimeout() == 3.0  # type: ignore[union-attr]
+        client._trip("test: reopened by the probe")
+        assert client.breaker.wait_closed(10.0)
+        client._ensure()
+        assert client._transport._sock.gettimeout() == 3.0  # type: ignore[union-attr]

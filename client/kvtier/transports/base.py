@@ -24,6 +24,9 @@ class DataTransport(ABC):
 
     name: str
     proto_value: int
+    io_timeout_s: float = 1.0
+    """Bound on each blocking socket operation of a transfer once attached (the session's
+    ``timeout_s``; attach itself runs within the timeout it is given)."""
 
     @abstractmethod
     def attach(self, session_id: int, reply: Any, timeout_s: float) -> None: ...

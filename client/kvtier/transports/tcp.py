@@ -65,6 +65,9 @@ class TcpTransport(DataTransport):
             self.close()
             raise TransportError(f"data channel handshake refused ({op.name})")
         self._runs = bool(features & wire.FEATURE_RUNS)
+        # Transfers get the session's own timeout, not the open's (a probe's 250 ms, or the
+        # last milliseconds of an engine step's budget).
+        s.settimeout(self.io_timeout_s)
 
     def write(self, job_id: int, items: list[Item]) -> None:
         s = self._live_socket()
