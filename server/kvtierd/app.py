@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.cache import TieredCache
+from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig
 from kvtierd.index import Entry
 from kvtierd.metrics import MetricsServer
@@ -175,10 +175,9 @@ class Daemon:
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
-                    try:  # a late open or a probe may fail in ways not foreseen: keep sweeping
-                        await link.probe()
-                    except Exception:
-                        log.exception("%s probe failed", link.tier.name)
+                    # In the background: a late open may take minutes, and leases, limbo and
+                    # health keep ticking meanwhile; drain waits for it (link.settle()).
+                    link.probe_soon()
                 await self._set_nvme_health(link.tier.admitting)
                 link.maybe_flush()
 
@@ -218,11 +217,15 @@ class Daemon:
             self._sweeper.cancel()
         loop = asyncio.get_running_loop()
         for link in self.cache.chain:
+            # A probe or late open in progress ends first (its copies back in the index), then
+            # the flushes, then the promotions: the checkpoint reads the index off-loop.
+            settled = await self._settle(link, deadline)
             flushed = await link.flush_all(deadline)
-            try:  # background promotions end first: the checkpoint reads the index off-loop
-                await asyncio.wait_for(link.settle(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                log.warning("%s: promotions still running at the drain deadline", link.tier.name)
+            settled = await self._settle(link, deadline) and settled
+            if not settled:  # still opening or reading: no checkpoint, the journals stay
+                log.warning("%s: still busy at the drain deadline; no checkpoint (the next "
+                            "start replays the journals)", link.tier.name)
+                continue
             try:
                 await loop.run_in_executor(None, link.checkpoint)
                 log.info("%s checkpoint written (%d blocks flushed while draining)",
@@ -241,6 +244,16 @@ class Daemon:
         if self.cfg.socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path())
+
+
+    @staticmethod
+    async def _settle(link: TierLink, deadline: float) -> bool:
+        """Wait (until ``deadline``, at least 0.1 s) for the link's tasks; whether they ended."""
+        try:
+            await asyncio.wait_for(link.settle(), max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:

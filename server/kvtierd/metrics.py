@@ -24,11 +24,14 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.stats import COUNTER_FIELDS, GAUGE_FIELDS
 
 log = logging.getLogger("kvtierd.metrics")
 Snapshot = dict[str, Any]
 _MAX_HEAD_BYTES = 8192  # a request head longer than this is closed unanswered
+ACCEPT_BACKOFF_S = 0.1  # accept() failed (out of descriptors): stop selecting the listener this long
+LOG_INTERVAL_S = 10.0  # at most one line per this many seconds for a failure that repeats
 
 # Counter field -> (metric name, help, extra labels). Several fields share one family by label.
 _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
@@ -158,7 +161,10 @@ class MetricsServer:
     for every connection at once (non-blocking, one ``selectors`` loop), so a peer that sends
     half a request costs a socket, never a thread: it is closed ``read_timeout_s`` after it
     connected, and when ``max_connections`` are open the oldest unfinished one is closed to
-    make room for a new one. A complete request goes to the worker pool (``workers`` threads; at
+    make room for a new one. When accepting fails (out of descriptors) the listener stops
+    selecting the listening socket for ``ACCEPT_BACKOFF_S`` (logged at most every
+    ``LOG_INTERVAL_S``), and a failing round is logged and survived, never the end of the thread.
+    A complete request goes to the worker pool (``workers`` threads; at
     most ``max_connections`` requests queued, more are closed unanswered),
     which takes the snapshot (on the daemon loop), renders it and writes the reply with a
     ``write_timeout_s`` socket timeout, then closes the connection (no keep-alive).
@@ -187,6 +193,9 @@ class MetricsServer:
         self.closed_idle = 0  # connections closed for a read timeout or to make room
         self._lock = threading.Lock()
         self._queued = 0  # requests handed to the pool and not answered yet
+        self._accept_paused_until = 0.0  # accept() failed (EMFILE): the listener rests till then
+        self._accept_log = RateLimitedLog(log, LOG_INTERVAL_S)
+        self._error_log = RateLimitedLog(log, LOG_INTERVAL_S)
 
     def _threadsafe_snapshot(self) -> Snapshot:
         async def take() -> Snapshot:
@@ -211,17 +220,33 @@ class MetricsServer:
 
     def _serve(self) -> None:
         while not self._closed:
-            now = time.monotonic()
-            timeout = min((d for d, _ in self._pending.values()), default=now + 1.0) - now
-            for key, _ in self._selector.select(max(0.0, timeout)):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "read":
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-            now = time.monotonic()
-            for conn in [c for c, (d, _) in self._pending.items() if d <= now]:
-                self._drop(conn)
+            try:
+                self._serve_once()
+            except Exception:  # noqa: BLE001  (a bug here must not end /metrics for good)
+                self._error_log.error("metrics: listener round failed", exc_info=True)
+                time.sleep(ACCEPT_BACKOFF_S)  # never a busy loop on a repeating failure
         for conn in list(self._pending):
+            self._drop(conn)
+
+    def _serve_once(self) -> None:
+        """One select round: accept, read the heads that arrived, close the expired."""
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            assert self._sock is not None
+            self._selector.register(self._sock, selectors.EVENT_READ, "accept")
+        deadlines = [d for d, _ in self._pending.values()]
+        if self._accept_paused_until:
+            deadlines.append(self._accept_paused_until)
+        timeout = min(deadlines, default=now + 1.0) - now
+        for key, _ in self._selector.select(max(0.0, timeout)):
+            if key.data == "accept":
+                self._accept()
+            elif key.data == "read" and key.fileobj in self._pending:
+                # (not pending: closed earlier this round to make room; its event is stale)
+                self._read(key.fileobj)
+        now = time.monotonic()
+        for conn in [c for c, (d, _) in self._pending.items() if d <= now]:
             self._drop(conn)
 
     def _accept(self) -> None:
@@ -231,8 +256,11 @@ class MetricsServer:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and the like: try again at the next event
-                log.warning("metrics: accept failed: %s", e)
+            except OSError as e:  # EMFILE and the like: stop accepting for a while, then retry
+                self._accept_log.warning("metrics: accept failed (%s); retrying in %.1fs", e,
+                                         ACCEPT_BACKOFF_S)
+                self._selector.unregister(self._sock)
+                self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
                 return
             if len(self._pending) >= self.max_connections:
                 oldest = min(self._pending, key=lambda c: self._pending[c][0])
@@ -248,7 +276,10 @@ class MetricsServer:
             return
         except OSError:
             data = b""
-        head = self._pending[conn][1]
+        pending = self._pending.get(conn)
+        if pending is None:  # dropped meanwhile
+            return
+        head = pending[1]
         head += data
         if data and b"\r\n\r\n" not in head and len(head) < _MAX_HEAD_BYTES:
             return

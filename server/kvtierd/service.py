@@ -12,7 +12,10 @@ and is answered INVALID_ARGUMENT, counted per method in ``errors``, and logged a
 
 Admission (in ``_rpc``): at most ``max_inflight`` Kvtier handlers in progress (those that wait:
 a store making room on NVMe, a load promoting blocks, a CUDA copy); one more is answered
-RESOURCE_EXHAUSTED at once. A request whose deadline passed before its handler ran (it waited in
+RESOURCE_EXHAUSTED at once. The RPCs that only release daemon state (``NEVER_SHED``: completing
+a job, renewing or closing a lease, releasing a CUDA buffer) are cheap and never wait, and shedding
+them would keep pins, reservations and WRITING entries alive under load: they are always
+admitted and not counted. A request whose deadline passed before its handler ran (it waited in
 the loop's queue; its client gave up) is answered DEADLINE_EXCEEDED without doing the work.
 Health and reflection are other services and never refused.
 """
@@ -41,6 +44,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.domain import TierId, Transport
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
@@ -49,6 +53,9 @@ log = logging.getLogger("kvtierd.service")
 NO_OFFSET = (1 << 64) - 1  # a held hit whose host slot may change has no offset to read
 BAD_INPUT_LOG_INTERVAL_S = 10.0  # at most one log line per this many seconds for bad bodies
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
+# Handlers that free pins, reservations or leases and never wait: admitted even at max_inflight.
+NEVER_SHED = frozenset({"CompleteStore", "CompleteLoad", "Heartbeat", "CloseSession",
+                        "ReleaseCudaBuffer"})
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -63,38 +70,17 @@ class Undecodable:
         self.error = error
 
 
-class RateLimitedLog:
-    """At most one warning per ``interval_s``; the next line says how many were suppressed.
-    Event-loop thread only."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._log, self._interval, self._clock = logger, interval_s, clock
-        self._next = 0.0
-        self.suppressed = 0
-
-    def warning(self, msg: str, *args: Any) -> None:
-        now = self._clock()
-        if now < self._next:
-            self.suppressed += 1
-            return
-        self._next = now + self._interval
-        if self.suppressed:
-            msg += f" ({self.suppressed} more like it in the last {self._interval:.0f}s)"
-            self.suppressed = 0
-        self._log.warning(msg, *args)
-
-
 def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Time the call and map kvtier errors to one gRPC status each; an undecodable request
     is INVALID_ARGUMENT before the handler runs."""
     name = fn.__name__
     request_type = _SERVICE.methods_by_name[name].input_type.full_name
+    admitted = 0 if name in NEVER_SHED else 1  # what the call counts in ``inflight``
 
     @functools.wraps(fn)
     async def wrapper(self: KvtierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = time.perf_counter()
-        if self.inflight >= self.max_inflight:
+        if admitted and self.inflight >= self.max_inflight:
             self.count_error(name, "RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{OVERLOADED}: {self.inflight} requests in progress "
@@ -104,7 +90,7 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
             self.count_error(name, "DEADLINE_EXCEEDED")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the deadline passed before the request could be served")
-        self.inflight += 1
+        self.inflight += admitted
         try:
             if type(request) is Undecodable:
                 self.count_error(name, "INVALID_ARGUMENT")
@@ -119,7 +105,7 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
             self.count_error(name, code.name)
             await context.abort(code, str(e))
         finally:
-            self.inflight -= 1
+            self.inflight -= admitted
             self.latency.setdefault(name, LatencyHistogram()).observe(time.perf_counter() - t0)
 
     return wrapper

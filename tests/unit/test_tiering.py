@@ -742,6 +742,39 @@ async def test_a_namespace_record_lost_to_a_failed_journal_sync_is_journaled_aga
     assert await again.read(1) == [payload(1)]
 
 
+@scenario
+async def test_a_read_error_is_a_miss_and_keeps_the_durable_copy(
+        make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=4)
+    await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
+    rig.disk.fail_reads(1, errno.EIO)  # a transient error: the copy itself is fine
+    assert await rig.read(1) == [None]
+    assert rig.lookup(1) == (1, "n", "d") and rig.nvme.figures.quarantined_slots == 0
+    assert await rig.read(1) == [payload(1)]
+
+
+@scenario
+async def test_a_probe_reopening_the_block_file_spares_the_reads_in_progress(
+        make_rig: Callable[..., Rig]) -> None:
+    gate = Gate("read")
+    rig = make_rig(host=4, fs_factory=gate.filesystem)
+    await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
+    rig.disk.fail_syncs(1)
+    await rig.store(6)
+    await rig.settle()  # the flush of 6 fails at fdatasync: degraded, the file must be reopened
+    assert not rig.nvme.admitting and rig.lookup(6) == (1, "h", "-")
+    old = rig.nvme.files[0]
+    first = asyncio.create_task(rig.read(1))
+    await gate.wait_entered()  # the promotion of 1 is about to read the block file
+    assert await asyncio.to_thread(rig.nvme.probe)  # reopens it: a new Device, the old closed
+    assert rig.nvme.files[0] is not old
+    gate.open()
+    assert await first == [payload(1)]  # read on the new Device: no closed fd, no lost copy
+    assert rig.lookup(1) == (1, "h", "d") and rig.ns.counters.checksum_failures == 0
+    assert await rig.drain() == 1  # 6 is flushed now
+    assert rig.lookup(1, 6) == (2, "hh", "dd")
+
+
 # -- restart ------------------------------------------------------------------------------------
 
 

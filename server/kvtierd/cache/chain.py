@@ -13,6 +13,11 @@ that seam alone, and keeps the copies' side of every entry (``entry.copy_in(leve
 * **recovery** puts the copies the tier found back into the index (at start, or when a tier
   that could not be opened at start opens on a later probe); **drain** flushes and writes the
   tier's checkpoint.
+* **probes** of a degraded tier (and the late open of one that could not be opened at start,
+  with putting its copies back) run as one task of the link at a time (``probe_soon``): the
+  caller never waits on the disk, cancelling it interrupts nothing, and ``settle()`` waits for
+  it. Until a late open has put its copies back, ``flush_all`` and ``checkpoint`` do nothing:
+  the index does not hold the tier's blocks yet, and a checkpoint of it would drop them.
 
 Counters: per namespace in the cache's Counters (the tier's columns: ``_TIER_COUNTERS``); the
 tier keeps its own figures (``tier.stats()``); ``flushes_in_flight`` is the link's.
@@ -38,6 +43,7 @@ from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import TierId
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.tiers.base import CorruptCopy, Recovered, StorageTier, TierUnavailable
 
 log = logging.getLogger("kvtierd.chain")
@@ -45,6 +51,7 @@ MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
 FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
 FLUSH_WORKERS = 2
 MAX_VICTIM_SCAN = 4096  # copies looked at for one slot before the tier counts as full
+PROBE_LOG_INTERVAL_S = 300.0  # a probe failing the same unforeseen way logs this seldom
 
 # Per-namespace counter columns of each storage tier: resident blocks and bytes, copies evicted,
 # payload bytes read and written.
@@ -74,8 +81,12 @@ class TierLink:
         self._flushed = asyncio.Event()  # set whenever a flush batch ends
         self._flush_queue: deque[Entry] = deque()
         self._flush_workers = 0
-        # Set while the tier awaits a late open (it could not be opened at start).
+        # Set while the tier awaits a late open (it could not be opened at start), until the
+        # copies it found are back in the index.
         self._deferred: Callable[[Namespace], NamespaceState] | None = None
+        self._probing: asyncio.Task[None] | None = None  # the probe (or late open) in progress
+        self._probe_failures = 0
+        self._probe_log = RateLimitedLog(log, PROBE_LOG_INTERVAL_S)
 
     @property
     def admitting(self) -> bool:
@@ -98,29 +109,60 @@ class TierLink:
             return 0
         return self._put_back(rec, register)
 
+    @property
+    def indexed(self) -> bool:
+        """Whether the index holds every copy the tier holds (False until a late open has put
+        them back): only then may a drain flush to the tier and checkpoint it."""
+        return self._deferred is None
+
+    def probe_soon(self) -> None:
+        """Start a probe of the degraded tier in the background, unless one is in progress: a
+        task of this link (see the module docstring). A tier that could not be opened at start
+        is opened there and its copies put back into the live index."""
+        if self._probing is None:
+            self._probing = self._spawn(self._probe())
+
     async def probe(self) -> bool:
-        """A degraded tier tries to resume (its blocking work off the loop); whether it admits
-        now. A tier that could not be opened at start is opened here and its copies restored
-        into the live index."""
-        loop = asyncio.get_running_loop()
-        register = self._deferred
-        if register is None:
-            return await loop.run_in_executor(None, self.tier.probe)
-        try:
-            rec = await loop.run_in_executor(None, self.tier.open)
-        except TierUnavailable as err:
-            log.debug("%s tier still unavailable: %s", self.tier.name, err)
-            return False
-        self._deferred = None
-        n = self._put_back(rec, register)
-        self.restored += n
-        log.info("%s tier opened late: %d copies restored", self.tier.name, n)
+        """``probe_soon`` and wait for that probe; whether the tier admits now. Cancelling the
+        caller leaves the probe running."""
+        self.probe_soon()
+        task = self._probing
+        assert task is not None
+        await asyncio.shield(task)
         return self.tier.admitting
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            register = self._deferred
+            if register is None:
+                await loop.run_in_executor(None, self.tier.probe)
+            else:
+                try:
+                    rec = await loop.run_in_executor(None, self.tier.open)
+                except TierUnavailable as err:
+                    log.debug("%s tier still unavailable: %s", self.tier.name, err)
+                    return
+                n = self._put_back(rec, register)  # no await between the open and this
+                self._deferred = None
+                self.restored += n
+                log.info("%s tier opened late: %d copies restored", self.tier.name, n)
+            self._probe_failures = 0
+        except Exception:  # noqa: BLE001  (unforeseen: the traceback once, then rate-limited)
+            self._probe_failures += 1
+            if self._probe_failures == 1:
+                log.exception("%s probe failed", self.tier.name)
+            else:
+                self._probe_log.error("%s probe failed again (%d times in a row)",
+                                      self.tier.name, self._probe_failures, exc_info=False)
+        finally:
+            self._probing = None
 
     def _put_back(self, rec: Recovered, register: Callable[[Namespace], NamespaceState]) -> int:
         """Index the copies ``rec`` holds. At startup the index is empty; after a late open it
-        is live: a READY entry stored meanwhile gets the copy as its own; any other clash
-        (a second copy, an entry being written, a size mismatch) releases the slot."""
+        is live: an entry stored meanwhile (READY, or WRITING: its commit then finds the copy
+        and writes none; its abort leaves the block held here) gets the copy as its own; any
+        other clash (a second copy, a size mismatch) releases the slot."""
         namespaces: dict[bytes, NamespaceState] = {}
         for digest, spec in rec.namespaces.items():
             try:
@@ -141,7 +183,7 @@ class TierLink:
                 e.state = EntryState.READY
                 home.entries[key] = e
                 home.ready[key] = e
-            elif e.state is not EntryState.READY or e.copy_in(self.level) is not None:
+            elif e.copy_in(self.level) is not None:
                 self.tier.release(loc, digest, key)
                 continue
             self._add_copy(e, loc)
@@ -278,8 +320,11 @@ class TierLink:
                 return
 
     async def flush_all(self, deadline: float) -> int:
-        """Drain: flush every dirty host block (bounded concurrency) until ``deadline``."""
+        """Drain: flush every dirty host block (bounded concurrency) until ``deadline``. Nothing
+        while the tier's own copies are not in the index yet (a late open in progress)."""
         n = 0
+        if not self.indexed:
+            return n
         for ns in list(self._namespaces()):
             for e in list(ns.ready.values()):
                 while self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT and time.monotonic() < deadline:
@@ -369,12 +414,12 @@ class TierLink:
                     log.warning("%s block %s… of %s failed verification (%s): quarantined",
                                 self.tier.name, e.key[:4].hex(), ns.spec.model_id, err)
                     ns.counters.checksum_failures += 1
-                else:
+                else:  # the copy may be fine (a transient error): kept, a miss this time
                     log.warning("%s read failed: %s", self.tier.name, err)
                 host.free(e.offset, ns.slot_bytes)
                 e.offset = -1
-                if e.copy_in(self.level) is not None:
-                    self._drop_copy(e, corrupt=corrupt)
+                if corrupt and e.copy_in(self.level) is not None:
+                    self._drop_copy(e, corrupt=True)
             if fut is not None:
                 fut.set_result(None)
 
@@ -444,14 +489,21 @@ class TierLink:
         return task
 
     async def settle(self) -> None:
-        """Wait until every flush and promotion this link started has ended (tests, drain)."""
+        """Wait until every flush, promotion and probe this link started has ended (tests,
+        drain). Cancelling the wait (a drain deadline) cancels none of them."""
         while self._tasks:
-            await asyncio.gather(*self._tasks)
+            await asyncio.gather(*(asyncio.shield(t) for t in self._tasks))
 
     # -- shutdown ---------------------------------------------------------------------------------
 
     def checkpoint(self) -> None:
-        """Blocking: the tier records every copy it holds, for a warm next start."""
+        """Blocking: the tier records every copy it holds, for a warm next start. Nothing while
+        a probe or late open is in progress or the tier's copies are not in the index yet: the
+        journals then stay, and the next start replays them."""
+        if self._probing is not None or not self.indexed:
+            log.warning("%s checkpoint skipped: the tier is still being opened or probed (the "
+                        "next start replays its journals)", self.tier.name)
+            return
         nss = list(self._namespaces())
         namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in nss}
         blocks = [(ns.spec.digest, e.key, e.copy_in(self.level)) for ns in nss

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvtierd.index import Entry
+from kvtierd.index import Entry, EntryState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.tiers import HostTier
 
@@ -103,13 +103,21 @@ class HostResidency:
     # -- leaving ----------------------------------------------------------------------------------
 
     def free_reserved(self, e: Entry, hold_until: float = 0.0) -> None:
-        """An aborted store's entry leaves the index; its slot is freed (or held in limbo)."""
+        """An aborted store's entry leaves the index; its slot is freed (or held in limbo).
+        An entry that got a copy below while it was written (a late open found the block)
+        stays instead, READY and held only there."""
         e.job = 0  # a data channel still holding this entry sees it is no longer its to write
-        del e.ns.entries[e.key]
         if hold_until:
             self._limbo.append((hold_until, e.offset, e.ns.slot_bytes))
         else:
             self.host.free(e.offset, e.ns.slot_bytes)
+        if not e.copies:
+            del e.ns.entries[e.key]
+            return
+        e.offset, e.state = -1, EntryState.READY
+        e.ns.ready[e.key] = e
+        for link in self.links:
+            link.on_host_evicted(e)
 
     @staticmethod
     def forget(e: Entry) -> None:

@@ -127,6 +127,10 @@ class FaultyDevice(Device):
             raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed", err=errno.EIO)
         self.inner.sync()
 
+    @property
+    def sync_failed(self) -> bool:
+        return self._sync_failed or self.inner.sync_failed
+
     def close(self) -> None:
         self.inner.close()
 

@@ -26,8 +26,10 @@ that Device raises too, and nothing written to it may ever be reported as persis
 
 Concurrency: Devices serve a bounded I/O thread pool. Concurrent ``pread_into`` / ``pwrite`` at
 distinct offsets are safe (positional syscalls, GIL released); ``sync()`` may run concurrently with
-writes (it covers the writes completed before it started). ``close()`` must not race other calls:
-the owner closes once its I/O is done. A FileSystem may be shared between threads.
+writes (it covers the writes completed before it started). ``close()`` may race them: calls in
+progress finish on the open fd, which is closed when the last of them returns (never reused under
+one); a call that starts after ``close()`` raises DiskIOError(EBADF). A FileSystem may be shared
+between threads.
 
 Size: about 440 lines, over the 400 guideline: the whole seam is this one module (the typed
 errors, the Device contract and its file implementation, the FileSystem that opens them and probes
@@ -126,12 +128,17 @@ class Device(ABC):
 
     ``path``: for messages. ``size``: bytes, fixed at open (files are preallocated). ``direct``:
     O_DIRECT in effect, so offsets, buffer addresses and lengths must be multiples of ``align``.
+    ``sync_failed``: a sync failed (sticky); only a new open of the file can be trusted again.
     """
 
     path: str
     size: int
     direct: bool
     align: int
+
+    @property
+    def sync_failed(self) -> bool:
+        return False
 
     @abstractmethod
     def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
@@ -150,14 +157,46 @@ class Device(ABC):
 
 
 class FileDevice(Device):
-    """A Device over an open file descriptor; owns the fd (made by :class:`FileSystem`)."""
+    """A Device over an open file descriptor; owns the fd (made by :class:`FileSystem`).
+
+    The fd is counted in use by every call in progress (under ``_lock``): ``close()`` closes it at
+    once when none is, else the last call to return does."""
 
     def __init__(self, fd: int, path: str, *, size: int, direct: bool, align: int) -> None:
         self._fd, self.path, self.size, self.direct, self.align = fd, path, size, direct, align
         self._sync_failed: str | None = None
+        self._lock = threading.Lock()
+        self._users = 0  # calls in progress on the fd
+        self._closing = False
+
+    @property
+    def sync_failed(self) -> bool:
+        return self._sync_failed is not None
+
+    @contextmanager
+    def _use(self, what: str) -> Iterator[int]:
+        """The fd, kept open until the block ends; DiskIOError(EBADF) once closed."""
+        with self._lock:
+            if self._closing:
+                raise DiskIOError(f"{what}: {self.path} is closed", err=errno.EBADF)
+            self._users += 1
+        try:
+            yield self._fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                fd = self._take_fd()
+            if fd >= 0:
+                os.close(fd)
+
+    def _take_fd(self) -> int:
+        """Under ``_lock``: the fd to close now (closing and no call in progress), or -1."""
+        if not self._closing or self._users:
+            return -1
+        fd, self._fd = self._fd, -1
+        return fd
 
     def _check(self, offset: int, views: Sequence[Buffer]) -> None:
-        assert self._fd >= 0, f"{self.path}: used after close"
         if self.direct:
             a = self.align
             assert offset % a == 0 and all(memoryview(v).nbytes % a == 0 for v in views), (
@@ -165,10 +204,14 @@ class FileDevice(Device):
 
     def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
         self._check(offset, views)
+        with self._use(f"read at {offset}") as fd:
+            return self._pread(fd, offset, views)
+
+    def _pread(self, fd: int, offset: int, views: Sequence[WBuffer]) -> int:
         done, pending = 0, _advance(views, 0)
         while pending:
             try:
-                n = os.preadv(self._fd, pending[:_IOV_MAX], offset + done)
+                n = os.preadv(fd, pending[:_IOV_MAX], offset + done)
             except OSError as e:
                 raise disk_error(e, f"read {self.path} at {offset + done}") from e
             if n == 0:
@@ -181,10 +224,14 @@ class FileDevice(Device):
         nbytes = _nbytes(views)
         self._check(offset, views)
         assert 0 <= offset and offset + nbytes <= self.size, (self.path, offset, nbytes, self.size)
+        with self._use(f"write at {offset}") as fd:
+            return self._pwrite(fd, offset, views)
+
+    def _pwrite(self, fd: int, offset: int, views: Sequence[Buffer]) -> int:
         done, pending = 0, _advance(views, 0)
         while pending:
             try:
-                n = os.pwritev(self._fd, pending[:_IOV_MAX], offset + done)
+                n = os.pwritev(fd, pending[:_IOV_MAX], offset + done)
             except OSError as e:
                 raise disk_error(e, f"write {self.path} at {offset + done}") from e
             if n == 0:
@@ -194,19 +241,21 @@ class FileDevice(Device):
         return done
 
     def sync(self) -> None:
-        assert self._fd >= 0, f"{self.path}: used after close"
         if self._sync_failed is not None:
             raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed ({self._sync_failed})",
                              err=errno.EIO)
-        try:
-            os.fdatasync(self._fd)
-        except OSError as e:
-            err = disk_error(e, f"fdatasync {self.path}", sync=True)
-            self._sync_failed = str(err)
-            raise err from e
+        with self._use("fdatasync") as fd:
+            try:
+                os.fdatasync(fd)
+            except OSError as e:
+                err = disk_error(e, f"fdatasync {self.path}", sync=True)
+                self._sync_failed = str(err)
+                raise err from e
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
+        with self._lock:
+            self._closing = True
+            fd = self._take_fd()
         if fd >= 0:
             os.close(fd)
 

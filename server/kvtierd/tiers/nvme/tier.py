@@ -149,28 +149,19 @@ class NvmeTier(StorageTier):
         """
         t0 = time.monotonic()
         self.admitting, self.degraded_reason = False, "not open"
+        self.figures.recovery_quarantined = 0
         try:
             rec = self._read_index()
-        except DiskError as e:
+            recovered = self._rebuild(rec)
+            self._seq = max(rec.max_slot_seq, self._seq)
+            self._journal_gen = rec.next_gen
+            self._start_journal(rec, recovered)
+        except BaseException as e:  # anything at all: back to "not open", so open() may repeat
             self._close_files()
-            self.degraded_reason = f"{type(e).__name__}: {e}"
+            if isinstance(e, DiskError):
+                self.degraded_reason = f"{type(e).__name__}: {e}"
             raise
-        fs = self.fs
-        assert fs is not None
-        recovered = self._rebuild(rec)
-        self._seq = max(rec.max_slot_seq, self._seq)
-        self._journal_gen = rec.next_gen
         writable = all(d is not None for d in self.files) and not self._readonly
-        try:
-            if rec.stats.journal_records and writable:
-                # After a crash: compact what was replayed into a checkpoint now, so that journals
-                # do not pile up (and restarts slow down) across repeated crashes.
-                self.checkpoint(recovered.namespaces, recovered.blocks)
-            self._journal = jnl.JournalWriter.open(fs, self._journal_gen)
-        except DiskError as e:  # the journals stay: the next start (or probe) continues them
-            self._degrade(e)
-            log.error("nvme tier %s opened degraded (recovered blocks are served, none "
-                      "admitted until a probe succeeds): %s", self.cfg.directory, e)
         self._known_ns = set(recovered.namespaces)
         f = self.figures
         f.recovery_seconds = time.monotonic() - t0
@@ -182,6 +173,22 @@ class NvmeTier(StorageTier):
                  self.cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
                  f.recovery_seconds, f.direct_io)
         return recovered
+
+    def _start_journal(self, rec: jnl.Recovery, recovered: Recovered) -> None:
+        """Compact a replayed journal into a checkpoint and open the next journal; a DiskError
+        here only degrades (the journals stay: the next start, or a probe, continues them)."""
+        assert self.fs is not None
+        writable = all(d is not None for d in self.files) and not self._readonly
+        try:
+            if rec.stats.journal_records and writable:
+                # After a crash: compact what was replayed into a checkpoint now, so that journals
+                # do not pile up (and restarts slow down) across repeated crashes.
+                self.checkpoint(recovered.namespaces, recovered.blocks)
+            self._journal = jnl.JournalWriter.open(self.fs, self._journal_gen)
+        except DiskError as e:
+            self._degrade(e)
+            log.error("nvme tier %s opened degraded (recovered blocks are served, none "
+                      "admitted until a probe succeeds): %s", self.cfg.directory, e)
 
     def _read_index(self) -> jnl.Recovery:
         """Open the directory and its block files, read checkpoint and journals (DiskError when
@@ -207,14 +214,20 @@ class NvmeTier(StorageTier):
         return jnl.recover(fs)
 
     def _close_files(self) -> None:
-        """Back to "not open" after a failed ``open()`` (nothing was claimed yet)."""
+        """Back to "not open" after a failed ``open()``: files, journal and directory closed,
+        the slots a partial ``_rebuild`` claimed free again."""
         for dev in self.files:
             if dev is not None:
                 dev.close()
         self.files, self._readonly = [], set()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         if self.fs is not None:
             self.fs.close()
             self.fs = None
+        self.space = SlabAllocator(self.space.capacity_bytes, slab_bytes=self.cfg.slab_bytes,
+                                   slot_align_bytes=self.cfg.io_align)
 
     def _open_files(self) -> None:
         """Open (or create) every missing block file. One that exists but cannot be opened for
@@ -299,9 +312,8 @@ class NvmeTier(StorageTier):
         return None
 
     def _check_header(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
-        dev, off = self._where(loc.offset)
         hdr = self._header_buffer()
-        dev.pread_into(off, [hdr])
+        self._pread(loc.offset, [hdr])
         h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key,
                               expect_payload_len=loc.payload_len)
         if h.payload_checksum != loc.checksum or h.sequence != loc.seq:
@@ -318,6 +330,17 @@ class NvmeTier(StorageTier):
         if dev is None:
             raise DiskError(f"block file {file} is not available")
         return dev, off
+
+    def _pread(self, linear: int, views: list[memoryview]) -> None:
+        """I/O thread: read at a linear offset; once more on the new Device when a probe
+        swapped the file's Device (and closed the old one) between looking it up and the read."""
+        dev, off = self._where(linear)
+        try:
+            dev.pread_into(off, views)
+        except DiskIOError as e:
+            if e.errno != errno.EBADF or self._where(linear)[0] is dev:
+                raise
+            self._where(linear)[0].pread_into(off, views)
 
     def _header_buffer(self) -> memoryview:
         buf: memoryview | None = getattr(self._tls, "hdr", None)
@@ -463,14 +486,12 @@ class NvmeTier(StorageTier):
             loc = items[i][0]
             if loc.offset != end or loc.offset // fb != start // fb:
                 if run:
-                    dev, off = self._where(start)
-                    dev.pread_into(off, run)
+                    self._pread(start, run)
                 run, start = [], loc.offset
             run += [headers[i * a : (i + 1) * a], regions[i]]
             end = loc.offset + loc.slot_bytes
         if run:
-            dev, off = self._where(start)
-            dev.pread_into(off, run)
+            self._pread(start, run)
         results: list[Exception | None] = []
         for i, (loc, digest, key, _dest) in enumerate(items):
             try:
@@ -552,10 +573,7 @@ class NvmeTier(StorageTier):
         try:
             self.fs.write_file_atomic("probe.tmp", bytes(self.io_align))
             self.fs.remove("probe.tmp")
-            for i, dev in enumerate(self.files):
-                if dev is not None:
-                    dev.close()
-                    self.files[i] = None
+            self._reopen_unwritable()
             self._open_files()
             if any(d is None for d in self.files) or self._readonly:
                 return False
@@ -570,6 +588,18 @@ class NvmeTier(StorageTier):
         log.info("nvme tier admitting again")
         self.admitting, self.degraded_reason = True, ""
         return True
+
+    def _reopen_unwritable(self) -> None:
+        """Reopen for writing the block files open read-only or whose sync failed; a file that
+        is fine stays as it is. The new Device is swapped in before the old one is closed, and
+        closing waits for the reads in progress on it (Device contract): none sees a closed fd."""
+        assert self.fs is not None
+        for i, dev in enumerate(self.files):
+            if dev is None or (i not in self._readonly and not dev.sync_failed):
+                continue
+            self.files[i] = self.fs.open_file(fmt.data_file_name(i))  # DiskError: stays as is
+            self._readonly.discard(i)
+            dev.close()
 
     # -- shutdown ---------------------------------------------------------------------------------
 
