@@ -3,9 +3,10 @@
 The quick suite starts its own kvtierd, moves a few MiB of 16 KiB and 64 KiB blocks over shm and
 tcp (checking every round trip byte for byte), streams the same bytes through a raw loopback
 socket, copies them with memcpy, and times lookups of a 1,000-key chain from one and from two
-client processes. The nvme suite, shrunk to a few MiB, two rounds and 300 recovery blocks, demotes and
-promotes through a daemon with an NVMe tier beside raw O_DIRECT I/O, and restarts it after
-SIGTERM and SIGKILL.
+client processes. Every baseline touches as much distinct memory as the kvtier path it is held
+against, and Redis is driven with hiredis and fresh keys per sample. The nvme suite, shrunk to a
+few MiB, two rounds and 300 recovery blocks, demotes and promotes through a daemon with an NVMe
+tier beside raw O_DIRECT I/O, and restarts it after SIGTERM and SIGKILL.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import nvme
-from kvtier.bench.plan import NVME_IN_ALL, Plan, Results
+from kvtier.bench import baselines, nvme
+from kvtier.bench.plan import NVME_IN_ALL, Plan, Results, Touches
+from kvtier.bench.procs import RedisProc
 from kvtier.bench.progress import Progress
-from kvtier.bench.report import format_table, to_json
+from kvtier.bench.report import TARGETS, format_table, to_json
 from kvtier.cli import build_parser
 
 QUICK_SIZES = (16 << 10, 64 << 10)
-THROUGHPUT_OPS = ("memcpy", "socket", "shm_put", "shm_get_into", "shm_get", "tcp_put",
-                  "tcp_get_into", "tcp_get")
+THROUGHPUT_OPS = ("memcpy_put", "memcpy_get", "socket_put", "socket_get", "shm_put", "shm_get_into",
+                  "shm_get", "tcp_put", "tcp_get_into", "tcp_get")
 NVME_OPS = ("nvme_raw_write_1t", "nvme_raw_write", "nvme_demote", "nvme_raw_read_1t", "nvme_raw_read",
             "nvme_promote_prefetch", "nvme_promote_prepare", "nvme_promote_get_into", "xxh3")
 LOOKUP_FIGURES = ("lookup_p50_ms", "lookup_p99_ms", "lookups_per_s", "lookup_1key_p50_ms",
@@ -59,6 +61,19 @@ def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
     for name in LOOKUP_FIGURES:
         assert result["lookup"][name]["value"] > 0, name
     assert result["lookup"]["lookup_p99_ms"]["value"] >= result["lookup"]["lookup_p50_ms"]["value"]
+
+    # Each baseline reads and writes as much distinct memory as the kvtier path held against it
+    # (a get that allocates writes fresh memory where its baseline fills one batch buffer).
+    touched = {(t["op"], t["block_bytes"]): (t["distinct_src_bytes"], t["distinct_dst_bytes"])
+               for t in result["throughput"]}
+    batch, sample = 1 << 20, 4 << 20
+    for t in TARGETS:
+        if t.baseline.startswith(("redis", "nvme")):  # --no-redis; no nvme in quick
+            continue
+        for size in QUICK_SIZES:
+            (op_src, op_dst), (base_src, base_dst) = touched[(t.op, size)], touched[(t.baseline, size)]
+            assert base_src == op_src and max(base_src, base_dst) == sample, (t.name, size)
+            assert base_dst == (op_dst if t.op.endswith(("_put", "_get_into")) else batch), t.name
 
     targets = {t["target"] for t in result["targets"]}
     assert any(t.startswith("shm put >=") for t in targets)
@@ -181,3 +196,61 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path: Path) -> None:
                                    "shm get_blocks (daemon->device)"}
     assert "shm put_blocks" in proc.stdout
     assert report["notes"] == ["cuda_ipc: skipped, needs a CUDA device"]
+
+
+def _small_plan(**kw: object) -> Plan:
+    plan = Plan.from_args(_bench_args("--sizes", "64KiB", "--batch-mib", "1", "--total-mib", "8",
+                                      "--repeat", "2"))
+    return dataclasses.replace(plan, **kw)  # type: ignore[arg-type]
+
+
+def test_memcpy_baselines_copy_through_a_whole_sample_of_distinct_memory() -> None:
+    plan, block = _small_plan(), 64 << 10
+    batch, sample = plan.batch_bytes, plan.sample_bytes(block)
+    assert sample == 8 * batch
+    put, get = baselines.memcpy_ops(plan, block)
+    assert (put.name, put.touches) == ("memcpy_put", Touches(src=batch, dst=sample))  # as shm put
+    assert (get.name, get.touches) == ("memcpy_get", Touches(src=sample, dst=batch))  # as get_into
+    for op in (put, get):
+        op.run()
+        assert op.check is not None
+        op.check()  # put: every batch of the sample-sized destination holds the source batch
+
+
+def test_distinct_bytes_counts_a_reused_buffer_once() -> None:
+    buf = baselines.prefaulted(4 << 10)
+    views = baselines.block_views(buf, 1 << 10, 4)
+    assert baselines.distinct_bytes(views) == 4 << 10
+    assert baselines.distinct_bytes(views * 8) == 4 << 10
+    assert baselines.distinct_bytes(views[:1] * 8) == 1 << 10
+
+
+def test_socket_baselines_stream_a_whole_sample_of_distinct_memory() -> None:
+    plan, block = _small_plan(), 64 << 10
+    batch, sample = plan.batch_bytes, plan.sample_bytes(block)
+    with baselines.SocketStream() as stream:
+        put, get = stream.ops(plan, block)
+        assert (put.name, put.touches) == ("socket_put", Touches(src=batch, dst=sample))
+        assert (get.name, get.touches) == ("socket_get", Touches(src=sample, dst=batch))
+        put.run()  # each raises unless the sink reports it touched `sample` distinct bytes
+        get.run()
+
+
+@pytest.mark.skipif(RedisProc.available() is None, reason="redis-server is not on PATH")
+def test_redis_baseline_uses_hiredis_and_fresh_keys_per_sample(tmp_path: Path) -> None:
+    from redis._parsers import _HiredisParser
+
+    plan, block = _small_plan(), 64 << 10
+    keys_per_sample = plan.sample_bytes(block) // block
+    with RedisProc(tmp_path / "redis") as server:
+        client = baselines.redis_client(server.port)
+        assert isinstance(client.connection_pool.make_connection()._parser, _HiredisParser)
+        put, get = baselines.redis_ops(plan, server.port, block)
+        assert put.touches == Touches(src=plan.batch_bytes, dst=plan.sample_bytes(block))
+        for sample in range(1, plan.repeat + 3):  # warm-up, rounds, and one more than planned
+            put.run()
+            assert client.dbsize() == sample * keys_per_sample  # nothing overwritten
+            get.run()
+        assert get.check is not None
+        get.check()
+

@@ -6,9 +6,10 @@ client for put/get (a process apart from the daemon, as an engine is), and spawn
 and the concurrent lookup clients.
 
 The machine may be shared and noisy, so every figure of one block size is measured in
-interleaved rounds (memcpy, shm put/get_into/get, socket, Redis, tcp put/get_into/get, then
-again), after one warm-up each, and the best of ``--repeat`` rounds is kept: a figure and its
-baseline see the same conditions.
+interleaved rounds (memcpy as put and as get, shm put/get_into/get, socket as put and as get,
+Redis SET/GET, tcp put/get_into/get, then again), after one warm-up each, and the best of
+``--repeat`` rounds is kept: a figure and its baseline see the same conditions. Every baseline
+touches as much distinct memory as the kvtier path it is held against (``baselines``).
 
 Modules: ``plan`` (what to measure, results), ``baselines`` (memcpy, socket, Redis),
 ``transfers`` (kvtier put/get/get_into), ``lookups``, ``nvme`` (the NVMe tier against raw
@@ -67,9 +68,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def _steps(plan: Plan) -> int:
     per_size = 0
     if plan.wants("shm"):
-        per_size += 4  # memcpy, shm put, get_into, get
+        per_size += 5  # memcpy as put and as get, shm put, get_into, get
     if plan.wants("tcp"):
-        per_size += 4 + (2 if plan.redis else 0)  # socket, tcp put, get_into, get (+ Redis)
+        per_size += 5 + (2 if plan.redis else 0)  # socket as put and as get, tcp x3 (+ Redis)
     lookups = 2 if plan.wants("lookup") else 0
     steps = plan.repeat * (per_size * len(plan.block_sizes) + lookups)
     if plan.wants("nvme"):
@@ -85,6 +86,9 @@ def measure(plan: Plan, block: int, ops: list[Op], results: Results, progress: P
         progress.show(f"{op.label} (warm-up)")
         op.run()
     nbytes = plan.sample_bytes(block)
+    for op in ops:
+        if op.touches is not None:
+            results.touches[(op.name, block)] = op.touches
     for _ in range(plan.repeat):
         for op in ops:
             progress.show(op.label)
@@ -159,8 +163,13 @@ def _redis(plan: Plan, tmp: Path, results: Results, stack: contextlib.ExitStack)
         return None
     try:
         import redis  # noqa: F401
+        from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
         results.notes.append("Redis comparison skipped: redis-py is not installed "
+                             "(pip install 'kvtier[bench]')")
+        return None
+    if not HIREDIS_AVAILABLE:  # redis-py's own parser would make GET a poor baseline
+        results.notes.append("Redis comparison skipped: hiredis is not installed "
                              "(pip install 'kvtier[bench]')")
         return None
     return stack.enter_context(RedisProc(tmp / "redis")).port

@@ -1,16 +1,33 @@
-"""Reference figures measured beside kvtier in the same run, on the same byte counts.
+"""Reference figures measured beside kvtier in the same run, on the same bytes and the same
+amount of distinct memory.
 
-* ``memcpy``: single-thread ``numpy.copyto`` of each block into a preallocated batch buffer.
-* ``socket``: a raw loopback TCP stream to a second process: ``sendall`` of each block here,
-  ``recv_into`` of each block into a preallocated batch buffer there, timed until the receiver
-  acknowledges the last byte (default buffer sizes, TCP_NODELAY as kvtier's channel has).
-* ``redis_set`` / ``redis_get``: redis-py pipelines of SET / GET, one pipeline per batch.
+A kvtier path touches, per sample, one ``batch_bytes`` buffer on the engine's side (put's source,
+get_into's destination, reused for every batch) and ``sample_bytes`` of distinct memory on the
+daemon's side (the fresh slots a put fills, the slots of the latest put that a get reads). Every
+baseline touches the same, so that none copies from or into memory a cache still holds while
+the kvtier path it is held against cannot (docs/benchmarks.md §13). Each ``Op.touches`` says how
+many distinct bytes it reads and writes per sample; the buffers on the distinct side are
+prefaulted, as the daemon's arena is.
+
+* ``memcpy_put``: single-thread ``numpy.copyto`` of each block of one batch into the next block
+  of a ``sample_bytes`` destination (as put); ``memcpy_get``: each block of a ``sample_bytes``
+  source into one batch buffer (as get_into).
+* ``socket_put`` / ``socket_get``: a raw loopback TCP stream between this process and a second
+  one (default buffer sizes, TCP_NODELAY on both ends as kvtier's channel has). ``socket_put``:
+  this process ``sendall``s each block of one batch, the sink ``recv_into``s the blocks into
+  ``sample_bytes`` of distinct memory and acknowledges the last byte. ``socket_get``: the sink
+  ``sendall``s ``sample_bytes`` of distinct memory, this process ``recv_into``s it into one batch.
+  The sink reports the distinct bytes it touched, and a run fails unless they are the sample's.
+* ``redis_set`` / ``redis_get``: redis-py with the hiredis parser, one pipeline per batch. Every
+  SET sample writes keys never written before (so redis-server allocates every value, as
+  the daemon fills fresh slots); GET reads the keys of the latest SET.
 
 Each returns ``Op``s (``plan.Op``) that the driver runs interleaved with kvtier's own.
 """
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import socket
 import struct
@@ -20,9 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.plan import Op, Plan, size_label
+from kvtier.bench.plan import Op, Plan, Touches, size_label
 
-_CMD = struct.Struct("<QQ")  # block bytes, total bytes (0, 0 = stop)
+_CMD = struct.Struct("<QQQ")  # mode, block bytes, total bytes (mode 0 = stop)
+_RECV, _SEND = 1, 2  # the sink receives (as the daemon in a put) / sends (as in a get)
+_COUNT = struct.Struct("<Q")  # the sink's report: distinct bytes it touched for the command
 
 
 def block_views(buf: np.ndarray, block: int, n: int) -> list[memoryview]:
@@ -36,49 +55,109 @@ def random_batch(plan: Plan, block: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+def prefaulted(nbytes: int, fill: int = 0x5A) -> np.ndarray:
+    """``nbytes`` of memory with every page written once (no page fault inside a timed run)."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(fill)
+    return buf
+
+
+def distinct_bytes(views: list[memoryview]) -> int:
+    """Bytes of distinct memory that ``views`` cover (views that start at one address count
+    once; the views of one list never overlap otherwise)."""
+    seen: dict[int, int] = {}
+    for v in views:
+        addr = np.frombuffer(v, dtype=np.uint8).ctypes.data
+        seen[addr] = max(seen.get(addr, 0), v.nbytes)
+    return sum(seen.values())
+
+
 # -- memcpy ----------------------------------------------------------------------------------------
 
 def memcpy_ops(plan: Plan, block: int) -> list[Op]:
-    n = plan.blocks_per_batch(block)
-    src, dst = random_batch(plan, block), np.empty(n * block, dtype=np.uint8)
-    pairs = [(dst[i * block : (i + 1) * block], src[i * block : (i + 1) * block]) for i in range(n)]
-    batches, copyto = plan.batches(block), np.copyto
+    """memcpy as put (one batch into fresh memory) and as get_into (distinct memory into one
+    batch), each over ``plan.sample_bytes(block)`` bytes per sample."""
+    n, batches = plan.blocks_per_batch(block), plan.batches(block)
+    total = plan.sample_bytes(block)
+    batch = random_batch(plan, block)
+    batch_views = block_views(batch, block, n)
+    copyto = np.copyto
 
-    def run() -> None:
-        for _ in range(batches):
-            for d, s in pairs:
-                copyto(d, s)
+    # put: the batch's blocks, batch after batch, into consecutive blocks of a sample-sized area
+    fresh = prefaulted(total)
+    fresh_views = block_views(fresh, block, n * batches)
+    put_src = [batch_views[i % n] for i in range(n * batches)]
+    put_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
+                 for d, s in zip(fresh_views, put_src, strict=True)]
 
-    def check() -> None:
-        assert np.array_equal(src, dst), "memcpy copied other bytes"
+    # get: a sample-sized area whose batches all differ, block by block into one batch buffer
+    stored = prefaulted(total)
+    for j in range(batches):
+        np.bitwise_xor(batch, j & 0xFF, out=stored[j * n * block : (j + 1) * n * block])
+    stored_views = block_views(stored, block, n * batches)
+    dst = prefaulted(n * block, 0)
+    dst_views = block_views(dst, block, n)
+    get_dst = [dst_views[i % n] for i in range(n * batches)]
+    get_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
+                 for d, s in zip(get_dst, stored_views, strict=True)]
 
-    return [Op("memcpy", f"memcpy {size_label(block)}", run, check)]
+    def run_put() -> None:
+        for d, s in put_pairs:
+            copyto(d, s)
+
+    def run_get() -> None:
+        for d, s in get_pairs:
+            copyto(d, s)
+
+    def check_put() -> None:
+        for j in range(batches):
+            assert np.array_equal(fresh[j * n * block : (j + 1) * n * block], batch), \
+                f"memcpy (as put) left batch {j} of the destination other than the source"
+
+    def check_get() -> None:
+        assert np.array_equal(dst, stored[(batches - 1) * n * block :]), \
+            "memcpy (as get) copied other bytes than the last batch"
+
+    label = size_label(block)
+    return [Op("memcpy_put", f"memcpy as put {label}", run_put, check_put,
+               Touches(src=distinct_bytes(put_src), dst=distinct_bytes(fresh_views))),
+            Op("memcpy_get", f"memcpy as get {label}", run_get, check_get,
+               Touches(src=distinct_bytes(stored_views), dst=distinct_bytes(get_dst)))]
 
 
 # -- raw loopback TCP stream -----------------------------------------------------------------------
 
 def _sink(conn: Connection) -> None:
-    """Child process: accept one stream, then per command receive its bytes and ack them."""
+    """Child process: accept one stream, then per command receive ``total`` bytes into (or send
+    them from) ``total`` bytes of distinct, prefaulted memory, and report the distinct bytes
+    touched."""
     with socket.socket() as ls:
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
         conn.send(ls.getsockname()[1])
         s, _ = ls.accept()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    bufs: dict[int, list[memoryview]] = {}
+    area = np.empty(0, np.uint8)
+    views: dict[tuple[int, int], list[memoryview]] = {}
     with s:
         cmd = bytearray(_CMD.size)
         while recv_exact(s, memoryview(cmd)):
-            block, total = _CMD.unpack(cmd)
-            if block == 0:
+            mode, block, total = _CMD.unpack(cmd)
+            if mode == 0:
                 return
-            views = bufs.get(block)
-            if views is None:
-                n = max(1, min(total, 64 << 20) // block)
-                views = bufs[block] = block_views(np.zeros(n * block, np.uint8), block, n)
-            for i in range(total // block):
-                recv_exact(s, views[i % len(views)])
-            s.sendall(b"k")
+            if total > area.nbytes:  # one area, as large as the largest sample
+                views.clear()
+                area = prefaulted(total)
+            vs = views.get((block, total))
+            if vs is None:
+                vs = views[(block, total)] = block_views(area, block, total // block)
+            if mode == _RECV:
+                for v in vs:
+                    recv_exact(s, v)
+            else:
+                for v in vs:
+                    s.sendall(v)
+            s.sendall(_COUNT.pack(distinct_bytes(vs)))
 
 
 def recv_exact(s: socket.socket, view: memoryview) -> bool:
@@ -93,7 +172,7 @@ def recv_exact(s: socket.socket, view: memoryview) -> bool:
 
 
 class SocketStream:
-    """A receiver process and one loopback connection to it; ``ops(block)`` streams to it."""
+    """A sink process and one loopback connection to it; ``ops(block)`` streams to and from it."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
@@ -113,7 +192,7 @@ class SocketStream:
                  tb: TracebackType | None) -> None:
         if self._sock is not None:
             try:
-                self._sock.sendall(_CMD.pack(0, 0))
+                self._sock.sendall(_CMD.pack(0, 0, 0))
             except OSError:
                 pass
             self._sock.close()
@@ -122,54 +201,104 @@ class SocketStream:
             self._proc.kill()
 
     def ops(self, plan: Plan, block: int) -> list[Op]:
+        """``socket_put`` (one batch here into fresh memory there) and ``socket_get`` (distinct
+        memory there into one batch here)."""
         s = self._sock
         assert s is not None, "use SocketStream as a context manager"
-        views = block_views(random_batch(plan, block), block, plan.blocks_per_batch(block))
-        total, batches, ack = plan.sample_bytes(block), plan.batches(block), bytearray(1)
+        n, batches = plan.blocks_per_batch(block), plan.batches(block)
+        total = plan.sample_bytes(block)
+        views = block_views(random_batch(plan, block), block, n)
+        send_views = [views[i % n] for i in range(n * batches)]
+        dst_views = block_views(prefaulted(n * block, 0), block, n)
+        recv_views = [dst_views[i % n] for i in range(n * batches)]
+        count = bytearray(_COUNT.size)
 
-        def run() -> None:
-            s.sendall(_CMD.pack(block, total))
-            for _ in range(batches):
-                for v in views:
-                    s.sendall(v)
-            if not recv_exact(s, memoryview(ack)):
+        def sink_count() -> None:
+            if not recv_exact(s, memoryview(count)):
                 raise RuntimeError("socket sink went away")
+            touched = _COUNT.unpack(count)[0]
+            if touched != total:
+                raise RuntimeError(f"socket sink touched {touched} distinct bytes, not {total}")
 
-        return [Op("socket", f"socket stream {size_label(block)}", run)]
+        def put() -> None:
+            s.sendall(_CMD.pack(_RECV, block, total))
+            for v in send_views:
+                s.sendall(v)
+            sink_count()
+
+        def get() -> None:
+            s.sendall(_CMD.pack(_SEND, block, total))
+            for v in recv_views:
+                if not recv_exact(s, v):
+                    raise RuntimeError("socket sink went away")
+            sink_count()
+
+        label = size_label(block)
+        return [Op("socket_put", f"socket as put {label}", put,
+                   touches=Touches(src=distinct_bytes(send_views), dst=total)),
+                Op("socket_get", f"socket as get {label}", get,
+                   touches=Touches(src=total, dst=distinct_bytes(recv_views)))]
 
 
 # -- Redis -----------------------------------------------------------------------------------------
 
-def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
-    """SET then GET of the same blocks through redis-py pipelines (one per batch)."""
+def redis_client(port: int) -> Any:
+    """A redis-py client that parses replies with hiredis (RuntimeError without it: redis-py's
+    own parser halves GET throughput and would make a poor baseline)."""
     import redis  # optional (the 'bench' extra); imported only when Redis is compared
+    from redis.utils import HIREDIS_AVAILABLE
 
-    r: Any = redis.Redis(host="127.0.0.1", port=port, socket_timeout=120)
+    if not HIREDIS_AVAILABLE:
+        raise RuntimeError("hiredis is not installed (pip install 'kvtier[bench]')")
+    from redis._parsers import _HiredisParser
+
+    pool = redis.ConnectionPool(host="127.0.0.1", port=port, socket_timeout=120,
+                                parser_class=_HiredisParser)
+    return redis.Redis(connection_pool=pool)
+
+
+def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
+    """SET of fresh keys, then GET of those keys, through pipelines (one per batch)."""
+    r = redis_client(port)
     r.flushall()
-    n = plan.blocks_per_batch(block)
+    n, batches = plan.blocks_per_batch(block), plan.batches(block)
     src = random_batch(plan, block)
     views = block_views(src, block, n)
-    names = [[f"kvb:{block}:{j}:{i}".encode() for i in range(n)]
-             for j in range(plan.batches(block))]
-    got: list[bytes] = []
+    samples = itertools.count()
+
+    def names(sample: int) -> list[list[bytes]]:
+        return [[f"kvb:{block}:{sample}:{j}:{i}".encode() for i in range(n)]
+                for j in range(batches)]
+
+    # Keys of the warm-up and of every round, made now so that no timed SET pays for them.
+    pending = [names(next(samples)) for _ in range(plan.repeat + 1)]
+    current: list[list[bytes]] = []
+    got: list[bytes | None] = []
 
     def put() -> None:
-        for batch in names:
+        current[:] = pending.pop(0) if pending else names(next(samples))
+        for batch in current:
             pipe = r.pipeline(transaction=False)
             for key, v in zip(batch, views, strict=True):
                 pipe.set(key, v)
             pipe.execute()
 
     def get() -> None:
-        for batch in names:
+        for batch in current:
             pipe = r.pipeline(transaction=False)
             for key in batch:
                 pipe.get(key)
             got[:] = pipe.execute()
+            if any(g is None for g in got):
+                raise RuntimeError("Redis GET missed keys that were just SET")
 
     def check() -> None:
-        assert b"".join(got) == src.tobytes(), "Redis GET returned other bytes than were SET"
+        assert b"".join(g or b"" for g in got) == src.tobytes(), \
+            "Redis GET returned other bytes than were SET"
 
     label = size_label(block)
-    return [Op("redis_set", f"redis SET {label}", put),
-            Op("redis_get", f"redis GET {label}", get, check)]
+    total = plan.sample_bytes(block)
+    return [Op("redis_set", f"redis SET {label}", put,
+               touches=Touches(src=distinct_bytes(views), dst=total)),
+            Op("redis_get", f"redis GET {label}", get, check,
+               touches=Touches(src=total, dst=total))]

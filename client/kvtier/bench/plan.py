@@ -86,8 +86,11 @@ class Plan:
     def check_memory(self) -> None:
         """ValueError when the daemon's arena, Redis and the buffers would not fit in 3/4 of RAM."""
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        need = self.host_bytes + 2 * max(self.sample_bytes(b) for b in self.block_sizes)
-        need += 8 * self.batch_bytes  # source and destination batches of each path
+        sample = max(self.sample_bytes(b) for b in self.block_sizes)
+        need = self.host_bytes + 8 * self.batch_bytes  # daemon; each path's batch buffers
+        need += 3 * sample  # memcpy as put and as get, the socket sink (baselines.py)
+        if self.redis:  # Redis keeps every sample's fresh keys of one block size, +25% per value
+            need += (self.repeat + 1) * sample * 5 // 4
         if need > ram * 3 // 4:
             raise ValueError(f"this plan needs about {format_bytes(need)} of memory, the machine "
                              f"has {format_bytes(ram)}: lower --total-mib or --batch-mib")
@@ -166,6 +169,8 @@ class Results:
     facts: dict[str, Any] = field(default_factory=dict)
     """Plain values a run found out (e.g. whether O_DIRECT works, blocks recovered)."""
     notes: list[str] = field(default_factory=list)
+    touches: dict[tuple[str, int], Touches] = field(default_factory=dict)
+    """Distinct memory per sample of each throughput figure that says (``Op.touches``)."""
 
     def add_gbps(self, op: str, block: int, gbps: float) -> None:
         self.throughput.setdefault((op, block), Figure("GB/s")).samples.append(gbps)
@@ -192,6 +197,15 @@ class Results:
 
 
 @dataclass(frozen=True)
+class Touches:
+    """Distinct bytes one sample of an op reads (``src``) and writes (``dst``), over all its
+    batches: a buffer reused for every batch counts once."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
 class Op:
     """One throughput figure of one block size: each ``run()`` moves ``plan.sample_bytes``.
 
@@ -205,6 +219,9 @@ class Op:
     """What the progress bar shows, e.g. ``"tcp put 1MiB"``."""
     run: Callable[[], object]
     check: Callable[[], None] | None = None
+    touches: Touches | None = None
+    """Distinct memory per sample; a baseline's equals that of the kvtier path it is held
+    against (``report.TARGETS``)."""
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -4,6 +4,11 @@ This process is the client; the daemon is another process (``DaemonProc``). Each
 stores ``plan.total_bytes`` under fresh keys (so every byte moves); ``get_into`` (into one
 preallocated batch buffer) and ``get`` (a new bytearray per block) then read the keys of the
 latest put, all resident. The ops' checks compare the bytes read with the bytes put.
+
+Memory each sample touches (``Op.touches``): put reads one batch buffer (reused for every batch)
+and fills ``plan.sample_bytes`` of fresh slots; get_into reads as many slots and writes one batch
+buffer; get reads as many slots into as many newly allocated bytes. The baselines
+(``baselines``) touch the same.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from kvtier.bench.baselines import block_views, random_batch
-from kvtier.bench.plan import Op, Plan, size_label
+from kvtier.bench.plan import Op, Plan, Touches, size_label
 from kvtier.client import Client
 from kvtier_contract.identity import Namespace
 
@@ -99,6 +104,8 @@ def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource) -> lis
             f"{t} get returned other bytes than were put"
 
     label = f"{t} %s {size_label(block)}"
-    return [Op(f"{t}_put", label % "put", put),
-            Op(f"{t}_get_into", label % "get_into", get_into, check_get_into),
-            Op(f"{t}_get", label % "get", get, check_get)]
+    total, batch = plan.sample_bytes(block), n * block
+    return [Op(f"{t}_put", label % "put", put, touches=Touches(src=batch, dst=total)),
+            Op(f"{t}_get_into", label % "get_into", get_into, check_get_into,
+               Touches(src=total, dst=batch)),
+            Op(f"{t}_get", label % "get", get, check_get, Touches(src=total, dst=total))]
