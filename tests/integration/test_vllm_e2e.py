@@ -10,6 +10,8 @@ only, dummy weights, 128-token CPU blocks); the daemon is a real ``kvtier serve`
   is served, within the deadlines;
 * the daemon stopped (SIGSTOP) for 8 s under a stream of requests that load and store: requests
   keep completing at the rate they did before, and hits come back after SIGCONT.
+* a two-turn conversation: a fresh engine's turn 2 (turn 1's prompt + answer + a new message)
+  loads turn 1's prompt and generated blocks, with the output of a recompute without kvtier.
 
 The vLLM environment is found at ``$KVTIER_VLLM_PYTHON`` (set by ``make test``) or
 ``.venv-vllm/bin/python``; without it these tests fail (run ``make vllm-env``) unless
@@ -356,4 +358,57 @@ def test_a_stopped_daemon_never_slows_the_engine(workdir: Path, engine_a: dict[s
             time.sleep(0.2)
     finally:
         eng.close()
+        d.kill()
+
+
+def test_second_turn_loads_the_first_turns_prompt_and_answer(workdir: Path) -> None:
+    """A two-turn conversation across engines: engine A answers turn 1 (its prompt, then 2+
+    blocks of generated tokens); a fresh engine B gets turn 2 = turn 1's prompt + its answer's
+    token ids + a new message, and loads from kvtier every block turn 1 computed: the prompt's
+    and the answer's (not just the prompt's). Turn 2's output equals a fresh engine's recompute
+    without kvtier."""
+    d = DaemonProcess(workdir / "chat", "--host-bytes", "64MiB").start()
+    turn1 = tokens(3 * BLOCK + 40, 20)
+    n_gen = 2 * BLOCK + 50
+    try:
+        eng = Engine(workdir / "model", connector(d), workdir / "engine_chat1.log")
+        try:
+            first = eng.generate([turn1], max_tokens=n_gen)
+            m1 = eng.metrics()
+        finally:
+            eng.close()
+        answer = first["outputs"][0]
+        assert len(answer) == n_gen
+        history = turn1 + answer
+        # every block turn 1 computed the KV of (the last sampled token's never is): 5 blocks,
+        # 3 of them the prompt's, 2 with generated tokens
+        full = (len(history) - 1) // BLOCK
+        assert full == 5
+        assert m1["vllm:kvtier_stored_tokens"] == full * BLOCK
+        assert wait_resident(d, full) == full
+        turn2 = history + tokens(BLOCK + 20, 21)
+        eng = Engine(workdir / "model", connector(d), workdir / "engine_chat2.log")
+        try:
+            second = eng.generate([turn2], max_tokens=16)
+            m2 = eng.metrics()
+        finally:
+            eng.close()
+        print(f"\nturn 2: {second['cached'][0]} of {len(turn2)} prompt tokens from kvtier "
+              f"(turn 1: {len(turn1)} prompt + {n_gen} generated)")
+        assert second["cached"] == [full * BLOCK]  # prompt only would be 3 blocks
+        assert second["cached"][0] >= (len(turn1) // BLOCK + n_gen // BLOCK) * BLOCK
+        assert m2["vllm:prompt_tokens_by_source:external_kv_transfer"] == full * BLOCK
+        assert m2["vllm:kvtier_loaded_tokens"] == full * BLOCK
+        assert m2["vllm:kvtier_load_failed_blocks"] == 0
+        fresh = Engine(workdir / "model", None, workdir / "engine_chat_fresh.log",
+                       prefix_caching=False)
+        try:
+            recomputed = fresh.generate([turn2], max_tokens=16)
+            again = fresh.generate([turn1], max_tokens=n_gen)
+        finally:
+            fresh.close()
+        assert recomputed["cached"] == [0]
+        assert again["outputs"] == first["outputs"]
+        assert second["outputs"] == recomputed["outputs"]
+    finally:
         d.kill()

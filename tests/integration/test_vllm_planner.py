@@ -323,6 +323,98 @@ def test_salt_and_adapter_separate_blocks(daemon: DaemonProcess) -> None:
     p.close()
 
 
+def decode(p: Planner, req_id: str, toks: list[int], out: list[int], n: int) -> list[Any]:
+    """``n`` decode steps as vLLM runs them: each feeds the last sampled token (its KV is
+    computed this step), then samples the next one (appended after the step). The stores
+    planned, step by step."""
+    stores = []
+    for _ in range(n):
+        computed = len(toks) - 1  # every token but the last sampled one has its KV
+        new_block = [100 + len(toks) // BS] if len(toks) % BS == 0 else None  # vLLM allocates
+        stores.append(p.build(StepInput([schedule(req_id, new_block, computed, 1,
+                                                  replace=False)])).stores)
+        toks.append(out.pop(0))
+    return stores
+
+
+def test_decode_stores_generated_blocks_chained_from_the_prompt(daemon: DaemonProcess) -> None:
+    """Generated tokens' full blocks are stored as decode completes them, under the keys the
+    next turn's prompt (prompt + answer + new message) hashes to; the block completed by the
+    last sampled token is not (its KV is never computed)."""
+    p, _ = make_planner(daemon)
+    prompt_toks = prompt(2 * BS + 5)
+    answer = prompt(2 * BS, seed=9)
+    toks = list(prompt_toks)  # vLLM's live all_token_ids: prompt, then each output token
+    p.on_new_request(RequestInfo("t1", prompt_toks, BASE, toks))
+    assert matched(p, "t1", 0, len(toks)) == (0, False)
+    p.after_alloc("t1", [0, 1, 2], 0)
+    plan = p.build(StepInput([schedule("t1", [0, 1, 2], 0, len(toks))]))  # prefill, samples o1
+    assert [s.block_ids for s in plan.stores] == [[0, 1]]
+    toks.append(answer[0])
+    out = list(answer[1:])
+    stores = decode(p, "t1", toks, out, 2 * BS - 1)  # samples o2 .. o_{2BS}
+    planned = [(i, s.block_ids) for i, step in enumerate(stores) for s in step]
+    # block 2 (5 prompt tokens + 11 generated) has its KV once o_11 is fed: decode step 10
+    assert planned == [(BS - 5 - 1, [2]), (2 * BS - 5 - 1, [100 + 4 - 1])]
+    job = stores[BS - 6][0]
+    assert job.keys[0] == IDENTITY.namespace().block_keys(toks)[2:3]
+    turn2 = toks + prompt(BS + 3, seed=11)  # history + answer + a new message
+    keys2 = IDENTITY.namespace().block_keys(turn2)
+    assert stores[2 * BS - 6][0].keys[0] == keys2[3:4]
+    # 2 * BS + 5 + 2 * BS tokens: 4 full blocks stored (2 of the prompt, 2 with generated
+    # tokens); block 4 is partial (and holds o_{2BS}, whose KV is never computed)
+    assert p.stats.store_blocks == 4 and p.stats.store_generated_blocks == 2
+    p.request_finished("t1")
+    with kvtier.Client.connect(daemon.unix) as c:
+        h = c.register(IDENTITY.namespace())
+        stored = [k for s in [plan.stores[0]] + [s for st in stores for s in st] for k in s.keys[0]]
+        assert h.put(stored, [bytes([7]) * h.block_bytes] * len(stored)).stored == 4
+    # turn 2 in another planner (another engine): the prompt and the answer's full blocks hit
+    p2, _ = make_planner(daemon)
+    p2.on_new_request(RequestInfo("t2", turn2, BASE, list(turn2)))
+    assert matched(p2, "t2", 0, len(turn2)) == (4 * BS, False)
+    p2.close()
+    p.close()
+
+
+def test_store_generated_off_stores_prompt_blocks_only(daemon: DaemonProcess) -> None:
+    p, _ = make_planner(daemon, store_generated=False)
+    prompt_toks = prompt(BS + 5)
+    toks = list(prompt_toks)
+    p.on_new_request(RequestInfo("g", prompt_toks, BASE, toks))
+    assert matched(p, "g", 0, len(toks)) == (0, False)
+    p.after_alloc("g", [0, 1], 0)
+    assert [s.block_ids for s in p.build(StepInput([schedule("g", [0, 1], 0, len(toks))])).stores
+            ] == [[0]]
+    toks.append(1)
+    stores = decode(p, "g", toks, prompt(2 * BS), 2 * BS)
+    assert not any(stores) and p.stats.store_generated_blocks == 0
+    p.close()
+
+
+def test_preempted_request_looks_up_its_output_too(daemon: DaemonProcess) -> None:
+    """Re-admitted after preemption, a request is recomputed from prompt + output so far: the
+    re-lookup covers the generated blocks too, and nothing already stored is stored again."""
+    p, _ = make_planner(daemon)
+    prompt_toks = prompt(BS + 3)
+    toks = list(prompt_toks)
+    p.on_new_request(RequestInfo("q", prompt_toks, BASE, toks))
+    assert matched(p, "q", 0, len(toks)) == (0, False)
+    p.after_alloc("q", [5, 6], 0)
+    p.build(StepInput([schedule("q", [5, 6], 0, len(toks))]))
+    toks.append(7)
+    stores = decode(p, "q", toks, prompt(2 * BS, seed=3), 2 * BS)
+    assert sum(len(s.block_ids) for st in stores for s in st) == 2
+    plan = p.build(StepInput(preempted={"q"}))
+    assert len(plan.flush) == 3  # the prompt's store job and both generated ones
+    seed_blocks(daemon, toks, 3)  # what the worker stored by now
+    assert matched(p, "q", 0, len(toks)) == (3 * BS, False)  # 3 of the 4 full blocks
+    p.after_alloc("q", [1, 2, 3, 4], 3 * BS)
+    plan = p.build(StepInput([schedule("q", [1, 2, 3, 4], 3 * BS, len(toks) - 3 * BS)]))
+    assert len(plan.loads) == 1 and not plan.stores  # 0-2 were hits, block 3 is partial
+    p.close()
+
+
 def test_daemon_away_is_a_fast_miss(tmp_path: Any) -> None:
     backend = DaemonBackend(IDENTITY, ConnectorConfig(address=f"unix:{tmp_path}/none.sock"))
     p = Planner(block_size=BS, backend=backend, lookup_timeout_s=2.0)

@@ -44,6 +44,7 @@ def test_defaults_and_socket_shorthand() -> None:
     ({"model_revision": ""}, "model_revision"),
     ({"adapter_revisions": {"a": 3}}, "adapter_revisions"),
     ({"store": "yes"}, "store"),
+    ({"store_generated": 1}, "store_generated"),
 ])
 def test_bad_settings_name_the_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as e:

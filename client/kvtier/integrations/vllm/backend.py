@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
+from kvtier.integrations.vllm.lookup_thread import KeyChain, LookupOutcome, Pin
 from kvtier.integrations.vllm.worker import shared_breaker
 
 
@@ -69,7 +69,17 @@ class DaemonBackend:
             if not hits:
                 break
         n = hits or 0
-        return LookupOutcome(keys, n, tiers[:n], pins)
+        return LookupOutcome(keys, n, tiers[:n], pins, self._chain(handles))
+
+    def _chain(self, handles: list[NamespaceHandle]) -> KeyChain:
+        """Each slice's key chain, hashed the way ``block_keys`` hashes a prompt (same namespace
+        digest and tenant key), without the handles: safe on the scheduler thread."""
+        namespaces = [h.namespace for h in handles]
+        tenant_key = self.client.tenant_key
+
+        def chain(rank: int, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
+            return namespaces[rank].block_keys(token_ids, parent=parent, tenant_key=tenant_key)
+        return chain
 
     def release(self, pins: Sequence[Pin]) -> None:
         for _rank, pin, epoch in pins:

@@ -62,6 +62,7 @@ class ConnectorConfig:
     tenant: str | None = None
     load: bool = True
     store: bool = True
+    store_generated: bool = True
     pin_release_steps: int = 4
     step_budget_ms: int = 100
     probe_timeout_ms: int = 250
@@ -105,7 +106,7 @@ class ConnectorConfig:
              and all(isinstance(k, str) and isinstance(v, str) and v
                      for k, v in self.adapter_revisions.items()),
              "adapter_revisions", "must map adapter names to revision strings")
-        for key in ("load", "store"):
+        for key in ("load", "store", "store_generated"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
 
 

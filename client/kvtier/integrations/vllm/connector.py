@@ -101,7 +101,7 @@ PROM_COUNTERS = {
     "loaded_tokens": "Prompt tokens loaded from kvtier into the KV cache",
     "loaded_bytes": "KV bytes loaded from kvtier",
     "load_failed_blocks": "Blocks whose load failed (vLLM recomputed them)",
-    "stored_tokens": "Prompt tokens stored into kvtier",
+    "stored_tokens": "Tokens (prompt and generated) stored into kvtier",
     "stored_bytes": "KV bytes stored into kvtier",
     "store_dropped_blocks": "Blocks not stored (daemon away, full, or queue full)",
     "sched_lookups": "kvtier lookups issued by the scheduler",
@@ -152,7 +152,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
                 lookup_timeout_s=self.cfg.lookup_timeout_ms / 1000,
                 pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
-                store=self.cfg.store)
+                store=self.cfg.store, store_generated=self.cfg.store_generated)
         log.info("kvtier connector (%s): %s at %s", role.name.lower(),
                  self.identity.namespace().to_dict(), self.cfg.address)
 
@@ -164,9 +164,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         assert self.planner is not None
+        # all_token_ids: vLLM's live, read-only view of prompt + output ids (generated blocks)
         self.planner.on_new_request(RequestInfo(request.request_id,
                                                 list(request.prompt_token_ids or ()),
-                                                self._variant(request)))
+                                                self._variant(request),
+                                                request.all_token_ids))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

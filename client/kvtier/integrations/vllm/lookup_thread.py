@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,17 +28,22 @@ from kvtier.integrations.vllm.config import Variant
 log = logging.getLogger("vllm.kvtier")
 
 Pin = tuple[int, int, int]  # (slice index, pin id, boot epoch)
+# (slice index, parent key or None, token ids) -> the keys of the token ids' full blocks, chained
+# from the parent: pure hashing (no RPC), callable from any thread.
+KeyChain = Callable[[int, "bytes | None", Sequence[int]], list[bytes]]
 
 
 @dataclass(frozen=True)
 class LookupOutcome:
     """Answer of one background lookup: keys per slice, the hit prefix (minimum over slices),
-    the tier of each hit (slice 0) and the pins to release."""
+    the tier of each hit (slice 0), the pins to release, and how to chain more keys on (the
+    request's generated blocks; None: the keys of the looked-up tokens are all there is)."""
 
     keys: list[list[bytes]]
     hits: int
     tiers: list[str]
     pins: list[Pin]
+    chain: KeyChain | None = None
 
 
 class Backend(Protocol):

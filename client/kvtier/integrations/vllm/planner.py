@@ -23,11 +23,16 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   engine steps after it was handed to the workers), or released at once when vLLM does not load.
 * The last token is always computed: a hit never covers ``(num_tokens - 1) // block_size`` full
   blocks or more, so a synchronous load never claims the whole prompt.
-* Stores: every full prompt block once it is computed, except blocks the lookup found in the
-  daemon. Each store job reads engine blocks on a worker thread after the step; when vLLM hands
-  one of those block ids to a request again (re-allocation, also after preemption or finish),
-  the next plan lists the job in ``flush`` and the worker waits for it before the forward pass
-  that could overwrite the block (the fence).
+* Stores: every full block once it is computed and its token ids are known, except blocks the
+  lookup found in the daemon: the prompt's, and (``store_generated``) the generated tokens' as
+  decode completes them, so the next turn of a conversation, which resends them as prompt, loads
+  them. A generated block's keys chain on from the prompt's over the request's token ids
+  (``LookupOutcome.chain``, hashed on the scheduler thread: one SHA-256 per block and slice),
+  exactly as the next turn's prompt hashes them. The last sampled token's KV is never computed, so
+  a block it completes is not stored. Each store job reads engine blocks on a worker thread
+  after the step; when vLLM hands one of those block ids to a request again (re-allocation,
+  also after preemption or finish), the next plan lists the job in ``flush`` and the worker
+  waits for it before the forward pass that could overwrite the block (the fence).
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
 
 Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread
@@ -53,11 +58,14 @@ log = logging.getLogger("vllm.kvtier")
 @dataclass(frozen=True)
 class RequestInfo:
     """What the planner needs of a request. ``variant`` None = not cacheable (never looked up
-    nor stored, e.g. an adapter without a known revision or a prompt given as embeddings)."""
+    nor stored, e.g. an adapter without a known revision or a prompt given as embeddings).
+    ``token_ids``: the request's live token ids (prompt, then every output token as vLLM appends
+    it; read at each step, never written), or None to store prompt blocks only."""
 
     req_id: str
     prompt_token_ids: Sequence[int]
     variant: Variant | None
+    token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,7 @@ class PlannerStats:
     nvme_hit_blocks: int = 0
     load_blocks: int = 0
     store_blocks: int = 0
+    store_generated_blocks: int = 0
     flushes: int = 0
 
 
@@ -134,6 +143,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     pending_load: tuple[int, int] | None = None  # (first block, count)
     stored_upto: int = 0
+    keys: list[list[bytes]] | None = None  # the key chain so far, per slice (prompt, then output)
     jobs: list[int] = field(default_factory=list)
     pins_released: bool = False
     relookup: bool = False
@@ -144,12 +154,14 @@ class Planner:
 
     def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
                  pin_release_steps: int = 4, load: bool = True, store: bool = True,
+                 store_generated: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.lookup_timeout_s = lookup_timeout_s
         self.pin_release_steps = pin_release_steps
         self.load_enabled = load
         self.store_enabled = store
+        self.store_generated = store_generated
         self.stats = PlannerStats()
         self._clock = clock
         self._reqs: dict[str, _Req] = {}
@@ -287,14 +299,16 @@ class Planner:
         st.outcome, st.timed_out, st.pins_released = None, False, False
         st.submitted_at = self._clock()
         if st.info.variant is not None:
-            self.stats.lookups += 1
-            self._thread.submit(st.info.req_id, st.gen, st.info.variant, st.info.prompt_token_ids)
+            self.stats.lookups += 1  # a re-lookup (after preemption) covers the output so far too
+            self._thread.submit(st.info.req_id, st.gen, st.info.variant, self._tokens(st))
 
     def _outcome(self, st: _Req) -> LookupOutcome | None:
         if st.outcome is None:
             got = self._thread.take(st.info.req_id, st.gen)
             if got is not None:
                 st.outcome = got
+                if got.keys and (not st.keys or len(got.keys[0]) > len(st.keys[0])):
+                    st.keys = [list(k) for k in got.keys]  # a re-lookup may cover more
                 if st.timed_out or not self.load_enabled:
                     self._release_now(st)  # answered too late to load; keys still serve stores
         return st.outcome
@@ -317,23 +331,53 @@ class Planner:
                        [k[first : first + count] for k in st.outcome.keys],
                        st.block_ids[first : first + count])
 
+    def _tokens(self, st: _Req) -> Sequence[int]:
+        """The token ids whose full blocks are stored: prompt and output, or the prompt alone."""
+        if self.store_generated and st.info.token_ids is not None:
+            return st.info.token_ids
+        return st.info.prompt_token_ids
+
+    def _chain(self, st: _Req, outcome: LookupOutcome, tokens: Sequence[int], upto: int
+               ) -> int:
+        """Extend ``st.keys`` to ``upto`` blocks of ``tokens`` (each slice's chain goes on from
+        its last key); the number of blocks that have keys."""
+        keys = st.keys
+        if not keys:
+            return 0
+        have = len(keys[0])
+        if upto > have and outcome.chain is not None:
+            block = tokens[have * self.block_size : upto * self.block_size]
+            for r, chain in enumerate(keys):
+                chain.extend(outcome.chain(r, chain[-1] if chain else None, block))
+            have = len(keys[0])
+        return have
+
     def _plan_store(self, st: _Req, computed_tokens: int, plan: StepPlan) -> None:
         if not self.store_enabled or st.info.variant is None:
             return
         outcome = self._outcome(st)
-        if outcome is None:
+        if outcome is None or not st.keys:
             return  # keys not hashed yet: planned on a later step
-        full = min(len(st.info.prompt_token_ids), computed_tokens) // self.block_size
-        full = min(full, len(st.block_ids), len(outcome.keys[0]) if outcome.keys else 0)
+        tokens = self._tokens(st)
+        # Full blocks whose KV this step computes and whose token ids are known (with async
+        # scheduling or spec decode the ids of a computed slot may come a step later).
+        full = min(len(tokens), computed_tokens) // self.block_size
+        full = min(full, len(st.block_ids))
         start = max(st.stored_upto, outcome.hits)
         if full <= start:
             return
+        full = min(full, self._chain(st, outcome, tokens, full))
+        if full <= start:
+            return
         job = StoreJob(self._next_job, st.info.req_id, st.info.variant,
-                       [k[start:full] for k in outcome.keys], st.block_ids[start:full])
+                       [k[start:full] for k in st.keys], st.block_ids[start:full])
         self._next_job += 1
         for bid in job.block_ids:
             self._fence[bid] = job.job_id
         st.jobs.append(job.job_id)
         st.stored_upto = full
         self.stats.store_blocks += full - start
+        if full > len(st.info.prompt_token_ids) // self.block_size:
+            self.stats.store_generated_blocks += full - max(
+                start, len(st.info.prompt_token_ids) // self.block_size)
         plan.stores.append(job)
