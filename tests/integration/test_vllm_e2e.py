@@ -107,6 +107,19 @@ class Engine:
         self.proc.stdin.flush()
         return self._answer(timeout_s)
 
+    def interleave(self, first: list[int], second: list[int], *, first_max_tokens: int,
+                   second_max_tokens: int = 4, second_after_tokens: int = 4,
+                   timeout_s: float = 180) -> dict[str, Any]:
+        """``first`` decodes; once it has ``second_after_tokens`` tokens ``second`` arrives (see
+        vllm_driver.py ``interleave`` for what comes back)."""
+        assert self.proc.stdin is not None
+        cmd = {"op": "interleave", "first": first, "second": second,
+               "first_max_tokens": first_max_tokens, "second_max_tokens": second_max_tokens,
+               "second_after_tokens": second_after_tokens}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout_s)
+
     def metrics(self) -> dict[str, float]:
         assert self.proc.stdin is not None
         self.proc.stdin.write('{"op": "metrics"}\n')

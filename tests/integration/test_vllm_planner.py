@@ -539,3 +539,85 @@ def test_disk_hits_are_reported_as_disk_hits(daemon_factory: Any, tmp_path: Any)
     assert (p.stats.nvme_hit_blocks, p.stats.host_hit_blocks) == (4, 4)
     assert p.hit_sources("disk", 8 * BS) == {"nvme": 4 * BS, "host": 4 * BS}
     p.close()
+
+
+def test_async_load_is_planned_unscheduled_and_pinned_until_reported(
+        daemon: DaemonProcess) -> None:
+    """load_async: the hit is an async load; vLLM does not schedule the request while it loads
+    (WAITING_FOR_REMOTE_KVS), so the load is planned without it being scheduled, the store job
+    still reading one of its new blocks is fenced first, and the pins are held until the
+    workers report the load finished, however many steps that takes."""
+    toks = prompt(4 * BS + 1)
+    seed_blocks(daemon, toks, 3)
+    p, _ = make_planner(daemon, pin_release_steps=1, load_async=True)
+    other = prompt(2 * BS, seed=5)
+    p.on_new_request(RequestInfo("o", other, BASE))
+    assert matched(p, "o", 0, len(other)) == (0, False)
+    p.after_alloc("o", [7, 8], 0)
+    store = p.build(StepInput([schedule("o", [7, 8], 0, len(other))])).stores[0]
+    p.request_finished("o")  # block 8 goes back to vLLM while its store may still read it
+    p.on_new_request(RequestInfo("a", toks, BASE))
+    assert matched(p, "a", 0, len(toks)) == (3 * BS, True)
+    assert matched(p, "a", 0, len(toks)) == (3 * BS, True)  # idempotent
+    assert wait_pinned(daemon, 3) == 3
+    p.after_alloc("a", [8, 1, 2, 3, 4], 3 * BS)
+    plan = p.build(StepInput())  # "a" is not scheduled while its load runs
+    assert [j.block_ids for j in plan.loads] == [[8, 1, 2]]
+    assert plan.flush == [store.job_id]  # the load must not write block 8 under that store
+    for _ in range(4):
+        assert p.build(StepInput()).empty()
+    assert wait_pinned(daemon, 3, timeout_s=0.2) == 3  # held while the load is in flight
+    assert p.loads_in_flight() == 1
+    p.load_finished("a")
+    assert wait_pinned(daemon, 0) == 0
+    # vLLM asks again only when the whole load failed: then it is recomputed, never retried
+    assert p.num_new_matched("a", 0, len(toks)) == (0, False)
+    p.after_alloc("a", [8, 1, 2, 3, 4], 0)
+    plan = p.build(StepInput([schedule("a", [8, 1, 2, 3, 4], 0, len(toks))]))
+    assert not plan.loads and [s.block_ids for s in plan.stores] == [[3]]  # block 3 only
+    p.close()
+
+
+def test_worker_async_load_runs_off_the_engine_thread(daemon: DaemonProcess) -> None:
+    """load_async returns at once; finished_loads reports each request once, with the block
+    ids that failed (a missing key; then the daemon killed: every block); the bytes land in the
+    engine blocks; a store job never reads a block a load is still writing."""
+    toks = prompt(3 * BS + 1)
+    keys = seed_blocks(daemon, toks, 2)
+    missing = IDENTITY.namespace().block_keys(toks)[2]
+    _, layers = lbhnc_cache(False)
+    w = KvtierWorker(IDENTITY, cfg_for(daemon, load_mode="async"))
+    w.register(layers)
+    from kvtier.integrations.vllm.planner import LoadJob, StoreJob
+
+    def finished(timeout_s: float = 5.0) -> tuple[set[str], set[int]]:
+        deadline = time.monotonic() + timeout_s
+        reqs: set[str] = set()
+        failed: set[int] = set()
+        while time.monotonic() < deadline:
+            r, f = w.finished_loads()
+            reqs |= r
+            failed |= f
+            if r:
+                return reqs, failed
+            time.sleep(0.005)
+        return reqs, failed
+
+    w.load_async([LoadJob("r1", BASE, [[keys[0], keys[1], missing]], [5, 6, 9])])
+    assert finished() == ({"r1"}, {9})
+    for b, fill in ((5, 7), (6, 8)):  # seed_blocks: block i holds bytes 7 + i
+        assert bool((layers[0][b].view(torch.uint8) == fill).all())
+    assert torch.count_nonzero(layers[0][9]) == 0
+    stats = w.take_stats()
+    assert stats["loaded_blocks"] == 2 and stats["load_failed_blocks"] == 1
+    assert stats["engine_seconds"] < 0.05  # the engine thread only queued it
+    with w._cond:  # a block a load is writing: a store reading it is dropped, never run
+        w._loading_blocks[11] = 1
+    w.submit_stores([StoreJob(1, "s", BASE, [keys[:1]], [11])])
+    assert w.take_stats()["store_dropped_blocks"] == 1
+    with w._cond:
+        w._loading_blocks.clear()
+    daemon.kill()
+    w.load_async([LoadJob("r2", BASE, [keys], [1, 2])])
+    assert finished() == ({"r2"}, {1, 2})
+    w.close()

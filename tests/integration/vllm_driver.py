@@ -8,6 +8,12 @@ arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer li
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...],
   "lora": [name, path] | null}``
   -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s}``
+* ``{"op": "interleave", "first": [ids], "first_max_tokens": n, "second": [ids],
+  "second_max_tokens": m, "second_after_tokens": k}``: the first request decodes alone until it
+  has ``k`` tokens, then the second arrives; the engine is stepped until both finish.
+  -> ``{"outputs": [first ids, second ids], "cached": [..], "ttft_s": second's first token after
+  its arrival, "first_tokens_before_ttft": tokens the first produced in that window,
+  "first_gap_s": the longest wait between two of its tokens in it, "second_done_s"}``
 * ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters)
 * ``{"op": "quit"}``
 
@@ -62,6 +68,54 @@ def write_lora_dir(path: str, *, layers: int = 2, hidden: int = 256, q_dim: int 
     return path
 
 
+def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
+    """See the module docstring: per-step progress of two requests, one arriving mid-decode."""
+    engine = llm.llm_engine  # type: ignore[attr-defined]
+    global _SEQ
+    _SEQ += 1
+    ids = {"first": f"first-{_SEQ}", "second": f"second-{_SEQ}"}
+
+    def params(n: int) -> object:
+        return sampling_params(temperature=0, max_tokens=n, detokenize=False, ignore_eos=True)
+
+    engine.add_request(ids["first"], {"prompt_token_ids": cmd["first"]},
+                       params(cmd["first_max_tokens"]))
+    got: dict[str, list[int]] = {"first": [], "second": []}
+    cached = {"first": 0, "second": 0}
+    t_add: float | None = None
+    ttft: float | None = None
+    done: float | None = None
+    before_ttft, last_tok, gap = 0, 0.0, 0.0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            which = "first" if out.request_id.startswith(ids["first"]) else "second"
+            now = time.perf_counter()
+            new = len(out.outputs[0].token_ids) - len(got[which])
+            got[which] = list(out.outputs[0].token_ids)
+            cached[which] = out.num_cached_tokens or 0
+            if which == "second" and ttft is None and new > 0 and t_add is not None:
+                ttft = now - t_add
+            if which == "second" and out.finished and t_add is not None:
+                done = now - t_add
+            if which == "first" and new > 0 and t_add is not None and ttft is None:
+                before_ttft += new
+                gap = max(gap, now - last_tok)
+            if which == "first" and new > 0:
+                last_tok = now
+        if t_add is None and len(got["first"]) >= cmd["second_after_tokens"]:
+            engine.add_request(ids["second"], {"prompt_token_ids": cmd["second"]},
+                               params(cmd["second_max_tokens"]))
+            t_add = last_tok = time.perf_counter()
+    if ttft is not None and t_add is not None:  # the wait since the first's last token
+        gap = max(gap, t_add + ttft - last_tok)
+    return {"outputs": [got["first"], got["second"]], "cached": [cached["first"],
+            cached["second"]], "ttft_s": ttft, "first_tokens_before_ttft": before_ttft,
+            "first_gap_s": gap, "second_done_s": done}
+
+
+_SEQ = 0
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
@@ -113,6 +167,8 @@ def main() -> None:
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens or 0 for o in outs],
                 "seconds": dt}), flush=True)
+        if cmd["op"] == "interleave":
+            print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
         if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
             values: dict = {}
             for m in llm.get_metrics():

