@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class DaemonProcess(DaemonAddresses):
     """A kvtierd started with ``kvtier serve`` in a temporary run dir; ports chosen by the OS."""
 
+    module: tuple[str, ...] = ("kvtierd",)  # what ``python -m`` runs (a test launcher instead)
+
     def __init__(self, run_dir: Path, *args: str) -> None:
         self.run_dir = run_dir
         self.args = list(args)
@@ -29,7 +31,8 @@ class DaemonProcess(DaemonAddresses):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stderr = open(self.run_dir / "kvtierd.log", "a")  # noqa: SIM115
         self.proc, self.info = launch_daemon(self.run_dir, self.args, self.stderr,
-                                             metrics_port=0, timeout_s=timeout_s)
+                                             metrics_port=0, timeout_s=timeout_s,
+                                             module=self.module)
         return self
 
     def kill(self) -> None:

@@ -15,12 +15,8 @@ out to the NVMe tier by later prompts, take seconds to load. Engine A stores the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,27 +35,7 @@ FILLERS = [tokens(8 * BLOCK + 9, 400 + i) for i in range(3)]  # 24 blocks: LONG 
 class SlowReadDaemon(DaemonProcess):
     """kvtierd with a slow NVMe tier (test-only launcher, same READY line as ``kvtier serve``)."""
 
-    def start(self, timeout_s: float = 30.0) -> SlowReadDaemon:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.stderr = open(self.run_dir / "kvtierd.log", "a")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "kvtierd.testing.serve", "--read-latency-ms",
-               str(READ_LATENCY_MS), "serve", "--socket", str(self.run_dir / "kvtier.sock"),
-               "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--metrics-port", "-1",
-               *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     cwd=self.run_dir, env=dict(os.environ,
-                                                                KVTIER_LOG_LEVEL="WARNING"))
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("KVTIERD_READY "):
-                self.info = json.loads(line.split(" ", 1)[1])
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(f"slow kvtierd did not start; see {self.run_dir / 'kvtierd.log'}")
+    module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
 
 
 @pytest.fixture(scope="module")

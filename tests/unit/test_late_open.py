@@ -38,15 +38,22 @@ def unreadable_until(healed: list[bool]) -> Callable[..., FileSystem]:
     return factory
 
 
+async def restarted_unreadable(make_rig: Callable[..., Rig], *ids: int
+                               ) -> tuple[Rig, list[bool]]:
+    """Blocks ``ids`` stored and durable on NVMe, then a restart on a directory that cannot be
+    opened until ``healed[0]``: (the restarted rig, healed)."""
+    rig = make_rig()
+    await rig.store(*ids)
+    await rig.settle()
+    rig.stop()
+    healed = [False]
+    return make_rig(fs_factory=unreadable_until(healed)), healed
+
+
 @scenario
 async def test_a_tier_opened_late_restores_its_copies_into_the_live_index(
         make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
-    await rig.store(1, 2)
-    await rig.settle()  # nvme [1 2]
-    rig.stop()
-    healed = [False]
-    again = make_rig(fs_factory=unreadable_until(healed))
+    again, healed = await restarted_unreadable(make_rig, 1, 2)
     assert (again.restored, again.nvme.admitting) == (0, False)
     assert again.nvme.degraded_reason.startswith("DiskIOError")
     assert again.lookup(1, 2) == (0, "", "")
@@ -124,12 +131,7 @@ async def test_a_checkpoint_while_a_late_open_runs_keeps_every_durable_block(
 @scenario
 async def test_a_late_open_that_fails_unforeseen_can_be_repeated(
         make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
-    await rig.store(1, 2)
-    await rig.settle()  # nvme [1 2]
-    rig.stop()
-    healed = [False]
-    again = make_rig(fs_factory=unreadable_until(healed))
+    again, healed = await restarted_unreadable(make_rig, 1, 2)
     healed[0] = True
     claim = again.nvme.space.claim
     calls = [0]
@@ -209,12 +211,7 @@ async def test_a_drain_during_a_late_open_waits_for_it_and_checkpoints_every_blo
 @scenario
 async def test_a_store_aborted_after_a_late_open_found_its_block_keeps_the_durable_copy(
         make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig()
-    await rig.store(1)
-    await rig.settle()  # nvme [1]
-    rig.stop()
-    healed = [False]
-    again = make_rig(fs_factory=unreadable_until(healed))
+    again, healed = await restarted_unreadable(make_rig, 1)
     job, status, _ = again.cache.prepare_store(again.session, again.ns, keys(1), SHM)
     assert job is not None and status == bytes([RESERVED])  # 1 is WRITING
     healed[0] = True

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_tiering import feed
 
 from kvtier_contract import wire
 from kvtier_contract.identity import Namespace
@@ -134,15 +135,6 @@ def spec(model: str) -> Namespace:
 
 def keys(*ids: int) -> list[bytes]:
     return [i.to_bytes(32, "big") for i in ids]
-
-
-def feed(channel: DataChannelProtocol, data: bytes) -> None:
-    while data:
-        buf = channel.get_buffer(len(data))
-        n = min(len(buf), len(data))
-        buf[:n] = data[:n]
-        channel.buffer_updated(n)
-        data = data[n:]
 
 
 def blocks_of(received: bytes | bytearray) -> list[bytes]:

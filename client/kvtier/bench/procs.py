@@ -14,16 +14,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 
 def launch_daemon(run_dir: Path, args: list[str], log: Any, *, metrics_port: int = -1,
-                  timeout_s: float = 60.0) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+                  timeout_s: float = 60.0, module: Sequence[str] = ("kvtierd",)
+                  ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Start ``kvtier serve`` in ``run_dir`` (its Unix socket there, TCP ports chosen by the OS,
-    stderr to ``log``) and wait for its KVTIERD_READY line; (process, the line's JSON)."""
-    cmd = [sys.executable, "-m", "kvtierd", "serve", "--socket", str(run_dir / "kvtier.sock"),
+    stderr to ``log``) and wait for its KVTIERD_READY line; (process, the line's JSON).
+    ``module``: ``python -m`` what (and its own arguments) runs ``serve`` (a test launcher)."""
+    cmd = [sys.executable, "-m", *module, "serve", "--socket", str(run_dir / "kvtier.sock"),
            "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
            "--metrics-port", str(metrics_port), *args]
     env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ServerTransport
 
@@ -46,7 +47,7 @@ class ShmFdServer(ServerTransport):
         self._open = 0  # connections being served
         self.handed_out = 0
         self.refused = 0
-        self._warned = -1e9
+        self._accept_log = RateLimitedLog(log, 10.0)
 
     def figures(self) -> dict[str, int]:
         return {"shm_connections": self._open, "shm_connections_refused": self.refused}
@@ -70,10 +71,7 @@ class ShmFdServer(ServerTransport):
             try:
                 conn, _ = await loop.sock_accept(self._sock)
             except OSError as e:  # EMFILE, ENFILE, ENOBUFS: wait for descriptors to come back
-                now = loop.time()
-                if now - self._warned > 10.0:
-                    self._warned = now
-                    log.warning("shm fd socket: accept failed (%s); retrying", e)
+                self._accept_log.warning("shm fd socket: accept failed (%s); retrying", e)
                 await asyncio.sleep(0.1)
                 continue
             if self._open >= self._max:

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import mmap
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ServerTransport
 
@@ -366,7 +366,7 @@ class DataChannelServer(ServerTransport):
         self.accepted = 0
         self.refused = 0  # beyond max_connections
         self.timed_out = 0  # no HELLO in time, or idle
-        self._warned = 0.0
+        self._cap_log = RateLimitedLog(log, 10.0)
 
     async def start(self) -> None:
         populate_arena(self._cache.host.arena.mm, self._cache.host.arena.fd)
@@ -382,11 +382,8 @@ class DataChannelServer(ServerTransport):
         session, and so its tenant, becomes known: a count per tenant beside ``_conns``."""
         if len(self._conns) >= self.limits.max_connections:
             self.refused += 1
-            now = time.monotonic()
-            if now - self._warned > 10.0:
-                self._warned = now
-                log.warning("data channel at its cap of %d connections: refusing more (%d so far)",
-                            self.limits.max_connections, self.refused)
+            self._cap_log.warning("data channel at its cap of %d connections: refusing more "
+                                  "(%d so far)", self.limits.max_connections, self.refused)
             return False
         self._conns.add(conn)
         self.accepted += 1
