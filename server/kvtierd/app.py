@@ -33,6 +33,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig
 from kvtierd.index import Entry
+from kvtierd.index.published import Publishers
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import KvtierService, add_to_server
@@ -83,10 +84,12 @@ class Daemon:
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
             on_release=self._release_session)
+        self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index)
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
                                      advertise=self._advertise, cuda=self.cuda,
                                      max_inflight=cfg.max_inflight_rpcs)
+        self.service.after_rpc = self.published.flush
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
@@ -107,6 +110,11 @@ class Daemon:
         for t in self.transports:
             adv.update(t.advertise())
         return adv
+
+    def _index_handout(self, session_id: int, namespace_id: int) -> tuple[int, int, int]:
+        """A read-only descriptor of a namespace's published index, for a live session."""
+        self.sessions.get(session_id)
+        return self.published.handout(self.cache.namespace(namespace_id))
 
     def _socket_path(self) -> str:
         path = self.cfg.socket_path
@@ -146,7 +154,8 @@ class Daemon:
             shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
                               self.boot_epoch, self.sessions,
                               handshake_timeout_s=cfg.handshake_timeout_s,
-                              max_connections=cfg.shm_max_connections)
+                              max_connections=cfg.shm_max_connections,
+                              index=self._index_handout, index_hold=self.published.hold)
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
@@ -172,6 +181,7 @@ class Daemon:
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
+            self.published.tick()
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
@@ -197,6 +207,7 @@ class Daemon:
         snap["rpc_errors"] = errors  # method -> status code name -> count
         snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
         snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
+        snap["published"] = self.published.figures()
         return snap
 
     def request_stop(self) -> None:
@@ -238,6 +249,7 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
         self.sessions.close_all()
+        self.published.close()  # clients stop reading them at once (retired)
         for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
             t.close()
         self.arena.close()

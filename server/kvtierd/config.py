@@ -60,6 +60,11 @@ class DaemonConfig:
     """A data connection stops reading while more reply bytes than this wait to be sent."""
     shm_max_connections: int = 128
     """Most shm fd handshakes in progress at once; one more is closed at once."""
+    publish_index: bool = True
+    """Publish a namespace's index read-only in shared memory once a same-host client asks for
+    it (over the shm socket): its lookups then need no round trip (docs/published_index.md).
+    Costs 16-32 bytes of shared memory per block of such a namespace and ~1 µs of daemon
+    time per block committed or evicted there. Needs shm_enabled."""
     cuda_ipc: bool = False
     """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
     copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;

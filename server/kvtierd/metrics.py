@@ -39,6 +39,10 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
     "blocks_requested": ("kvtier_lookup_blocks_requested_total", "Blocks asked for by lookups", {}),
     "blocks_hit_host": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier", {"tier": "host"}),
     "blocks_hit_nvme": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier", {"tier": "nvme"}),
+    "blocks_hit_local": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier",
+                         {"tier": "unknown"}),
+    "local_lookups": ("kvtier_local_lookups_total",
+                      "Lookups answered by clients from the published index", {}),
     "blocks_missed": ("kvtier_lookup_blocks_missed_total", "Blocks not found", {}),
     "tokens_requested": ("kvtier_lookup_tokens_requested_total", "Tokens asked for", {}),
     "tokens_hit": ("kvtier_lookup_tokens_hit_total", "Tokens found", {}),
@@ -123,6 +127,14 @@ class KvtierCollector:
                                       "cuda_ipc transfers failed by a CUDA error (job aborted)",
                                       value=cu["copy_errors"])
         yield from _connection_families(snap.get("connections", {}))
+        pub = snap.get("published", {})
+        if pub:
+            yield g("kvtier_published_indexes", "Namespaces whose index is published in shared "
+                    "memory", value=pub["published_indexes"])
+            yield g("kvtier_published_index_bytes", "Shared memory of the published indexes",
+                    value=pub["published_index_bytes"])
+            yield g("kvtier_published_index_left_out", "Blocks left out of a published index "
+                    "(no slot within the probe bound)", value=pub["published_index_left_out"])
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -37,6 +37,7 @@ from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
+    NotFound,
     Unavailable,
 )
 from kvtier_contract.protoutil import namespace_from_spec, split_keys
@@ -106,6 +107,7 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
             await context.abort(code, str(e))
         finally:
             self.inflight -= admitted
+            self.after_rpc()  # (the published indexes: the call's changes, before its reply)
             self.latency.setdefault(name, LatencyHistogram()).observe(time.perf_counter() - t0)
 
     return wrapper
@@ -135,6 +137,9 @@ def add_to_server(service: KvtierService, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
 
 
+_MAX_TALLY = 1 << 40  # blocks per namespace per heartbeat: far above any real rate
+
+
 class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     """The control plane. Owns nothing but its latency histograms and error counts (per method
     and status); event-loop thread only."""
@@ -153,6 +158,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.latency: dict[str, LatencyHistogram] = {}
         self.max_inflight = max_inflight  # handlers in progress before RESOURCE_EXHAUSTED
         self.inflight = 0
+        self.after_rpc: Callable[[], None] = lambda: None
+        """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
 
@@ -187,7 +194,38 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         s = self.sessions.get(request.session_id)
+        if request.local_lookups:
+            self._count_local_lookups(request.local_lookups)
         return pb.HeartbeatReply(boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000))
+
+    def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
+        """Add clients' published-index lookups to their namespaces' counters: all checked
+        first, so a bad tally changes nothing."""
+        if len(tallies) > len(self.cache.namespaces):
+            raise InvalidArgument(f"has {len(tallies)} entries for {len(self.cache.namespaces)} "
+                                  "namespaces", field="local_lookups")
+        checked = []
+        for i, t in enumerate(tallies):
+            name = f"local_lookups[{i}]"
+            if t.blocks_hit > t.blocks_requested or t.lookups > t.blocks_requested or \
+                    t.blocks_requested > _MAX_TALLY:
+                raise InvalidArgument("needs blocks_hit <= blocks_requested, lookups <= "
+                                      f"blocks_requested <= {_MAX_TALLY}", field=name)
+            ns = self.cache.namespaces.get(t.namespace_id)
+            if ns is None:
+                raise NotFound(f"unknown namespace {t.namespace_id}", field=f"{name}.namespace_id")
+            checked.append((ns, t))
+        for ns, t in checked:
+            c, tpb = ns.counters, ns.spec.tokens_per_block
+            miss = t.blocks_requested - t.blocks_hit
+            c.lookups += t.lookups
+            c.local_lookups += t.lookups
+            c.blocks_requested += t.blocks_requested
+            c.blocks_hit_local += t.blocks_hit
+            c.blocks_missed += miss
+            c.tokens_requested += t.blocks_requested * tpb
+            c.tokens_hit += t.blocks_hit * tpb
+            c.tokens_missed += miss * tpb
 
     @_rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> Any:

@@ -44,6 +44,8 @@ class Counters:
     nvme_resident_bytes: int = 0
     bytes_in_cuda_ipc: int = 0
     bytes_out_cuda_ipc: int = 0
+    local_lookups: int = 0
+    blocks_hit_local: int = 0
 
     def add(self, other: Counters) -> None:
         for f in COUNTER_FIELDS:

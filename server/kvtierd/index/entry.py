@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_contract.identity import Namespace
+from kvtierd.index.published import ReadyMap
 from kvtierd.stats import Counters
 
 
@@ -97,6 +98,7 @@ class NamespaceState:
     slot_bytes: int
     entries: dict[bytes, Entry] = field(default_factory=dict)
     """Every entry of the namespace, WRITING or READY."""
-    ready: dict[bytes, Entry] = field(default_factory=dict)
-    """The READY subset: lookups and loads read only this one (a C-speed map over a chain)."""
+    ready: ReadyMap = field(default_factory=ReadyMap)
+    """The READY subset: lookups and loads read only this one (a C-speed map over a chain).
+    Its changes reach the namespace's published index, when a client asked for one."""
     counters: Counters = field(default_factory=Counters)

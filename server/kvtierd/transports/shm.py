@@ -1,12 +1,18 @@
-"""shm fd server: gives the host arena's memfd to same-host clients.
+"""shm fd server: gives the host arena's memfd, and namespaces' published indexes, to
+same-host clients.
 
-Handshake on a Unix stream socket (one exchange per connection, then the daemon closes it),
-stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``).
+Handshakes on a Unix stream socket (one exchange per connection, then the daemon closes it),
+stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``)
+and :mod:`kvtier_contract.published_index` (``INDEX_REQUEST`` / ``INDEX_REPLY``: a read-only
+descriptor of one namespace's published index, for a live session). A connection that asked for
+an index stays open as its session's index channel (further index requests of the session; it
+closes when the session ends or the daemon dies, which tells the client to stop reading).
 
 The peer's credentials (SO_PEERCRED) are logged; the socket file's mode (0660) decides who may
 connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
 ``max_connections`` handshakes are served at once (one more is closed at once, counted in
-``refused``), and running out of descriptors pauses accepting instead of ending it.
+``refused``), and running out of descriptors pauses accepting instead of ending it. Index
+channels: at most one per live session (a newer one replaces it; the session's end closes it).
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
+from kvtier_contract import published_index as pi
 from kvtier_contract import wire
 from kvtier_contract.errors import KvtierError
 from kvtierd.ratelog import RateLimitedLog
@@ -27,6 +35,13 @@ from kvtierd.transports.base import ServerTransport
 log = logging.getLogger("kvtierd.shm")
 
 
+def _refuse(conn: socket.socket, e: Exception) -> None:
+    """Say why (never blocks: a peer that does not read gets nothing)."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
+
+
 class ShmFdServer(ServerTransport):
     """Owns the listening socket and its file. Event-loop thread only."""
 
@@ -34,7 +49,14 @@ class ShmFdServer(ServerTransport):
 
     def __init__(self, path: str, arena_fd: int, arena_bytes: int, boot_epoch: int,
                  sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
-                 max_connections: int = 128) -> None:
+                 max_connections: int = 128,
+                 index: Callable[[int, int], tuple[int, int, int]] | None = None,
+                 index_hold: Callable[[int, int], None] = lambda _ns, _delta: None) -> None:
+        """``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
+        published index (the caller here closes it), its size and generation; raises a
+        KvtierError or OSError to refuse. None: index requests are refused.
+        ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
+        index (the daemon stops publishing one that no channel reads)."""
         self.path = os.path.abspath(path)
         self._fd = arena_fd
         self._bytes = arena_bytes
@@ -44,13 +66,14 @@ class ShmFdServer(ServerTransport):
         self._task: asyncio.Task[None] | None = None
         self._timeout_s = handshake_timeout_s
         self._max = max_connections
-        self._open = 0  # connections being served
+        self._index = index
+        self._index_hold = index_hold
+        self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
+        self.indexes_handed_out = 0
+        self._open = 0  # handshakes being served
         self.handed_out = 0
         self.refused = 0
         self._accept_log = RateLimitedLog(log, 10.0)
-
-    def figures(self) -> dict[str, int]:
-        return {"shm_connections": self._open, "shm_connections_refused": self.refused}
 
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -82,12 +105,25 @@ class ShmFdServer(ServerTransport):
             loop.create_task(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+        handshake = True
         with conn:
             try:
-                data = await asyncio.wait_for(loop.sock_recv(conn, wire.SHM_REQUEST.size),
+                data = await asyncio.wait_for(self._recv(conn, wire.SHM_REQUEST.size),
                                               self._timeout_s)
-                if len(data) != wire.SHM_REQUEST.size or data[:4] != wire.SHM_MAGIC:
+                if data[:4] == pi.INDEX_MAGIC:
+                    data += await asyncio.wait_for(
+                        self._recv(conn, pi.INDEX_REQUEST.size - len(data)), self._timeout_s)
+                    held: set[int] = set()  # namespaces this channel reads
+                    try:
+                        session_id = self._serve_index(conn, data, held)
+                        handshake = False
+                        self._open -= 1
+                        await self._index_channel(conn, session_id, held)
+                    finally:
+                        for ns_id in held:
+                            self._index_hold(ns_id, -1)
+                    return
+                if data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
                 self._sessions.get(session_id)
@@ -96,18 +132,89 @@ class ShmFdServer(ServerTransport):
                 socket.send_fds(conn, [reply], [self._fd])
                 self.handed_out += 1
             except (KvtierError, ValueError) as e:
-                with contextlib.suppress(OSError):
-                    conn.setblocking(True)
-                    conn.sendall(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
+                _refuse(conn, e)
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
             finally:
-                self._open -= 1
+                if handshake:
+                    self._open -= 1
+
+    async def _index_channel(self, conn: socket.socket, session_id: int, held: set[int]) -> None:
+        """The session's index channel: it stays open while the session lives (the client
+        reads the daemon's liveness from it: a dead daemon's end closes) and takes further
+        index requests of that session; one per session (a newer one replaces it)."""
+        task = asyncio.current_task()
+        assert task is not None
+        old = self._channels.get(session_id)
+        if old is not None:
+            old.cancel()
+        self._channels[session_id] = task
+        try:
+            while True:
+                data = await self._recv(conn, pi.INDEX_REQUEST.size)  # no timeout: idle is normal
+                if data[:4] != pi.INDEX_MAGIC or pi.INDEX_REQUEST.unpack(data)[1] != session_id:
+                    raise ValueError("bad index request on the session's index channel")
+                try:
+                    self._serve_index(conn, data, held)
+                except (KvtierError, ValueError) as e:  # (this namespace only: the channel stays)
+                    _refuse(conn, e)
+        except (ValueError, OSError) as e:
+            log.debug("index channel of session %d ended: %s", session_id, e)
+        finally:
+            if self._channels.get(session_id) is task:
+                del self._channels[session_id]
+
+    def release_session(self, session_id: int) -> None:
+        task = self._channels.pop(session_id, None)
+        if task is not None:
+            task.cancel()  # its client sees the channel close and stops reading the index
+
+    def figures(self) -> dict[str, int]:
+        return {"shm_connections": self._open, "shm_connections_refused": self.refused,
+                "index_connections": len(self._channels)}
+
+    @staticmethod
+    async def _recv(conn: socket.socket, n: int) -> bytes:
+        """Exactly ``n`` bytes (ValueError when the peer stops sending before)."""
+        loop = asyncio.get_running_loop()
+        data = b""
+        while len(data) < n:
+            chunk = await loop.sock_recv(conn, n - len(data))
+            if not chunk:
+                raise ValueError("bad shm handshake (short)")
+            data += chunk
+        return data
+
+    def _serve_index(self, conn: socket.socket, data: bytes, held: set[int]) -> int:
+        """Answer one index request (its session's id); a KvtierError or ValueError refuses.
+        A namespace handed out on this channel for the first time is held (``index_hold``)
+        until the channel ends."""
+        _, session_id, namespace_id = pi.INDEX_REQUEST.unpack(data)
+        if self._index is None:
+            raise ValueError("published indexes are not served here")
+        try:
+            fd, size, generation = self._index(session_id, namespace_id)
+        except OSError as e:
+            raise ValueError(f"no published index: {e}") from None
+        try:  # non-blocking: a few bytes fit the socket buffer unless the peer never reads
+            if namespace_id not in held:
+                held.add(namespace_id)
+                self._index_hold(namespace_id, +1)
+            reply = pi.INDEX_REPLY.pack(pi.INDEX_MAGIC, size, self._epoch, generation)
+            if socket.send_fds(conn, [reply], [fd]) != len(reply):
+                raise OSError("short send")
+        finally:
+            os.close(fd)
+        self.indexes_handed_out += 1
+        return int(session_id)
 
     def advertise(self) -> dict[str, Any]:
         return {"shm_socket": self.path}
 
     def close(self) -> None:
+        for task in self._channels.values():
+            task.cancel()
+        self._channels.clear()
         if self._task:
             self._task.cancel()
         if self._sock:
