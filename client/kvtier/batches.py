@@ -6,6 +6,15 @@ Keys travel at most ``session.max_batch`` per RPC. A lookup answers the longest 
     PrepareStore -> write the reserved slots (transport) -> CompleteStore(ok)
     PrepareLoad  -> read the pinned slots (transport)    -> CompleteLoad
 
+one batch after the other, every RPC on the caller's thread. With pipelining on
+(``session.pipeline_bytes`` > 0; off by default, docs/benchmarks.md §14) a call of more than
+that many bytes is cut into jobs of at most that size (the first and the last smaller), the
+Prepare* of the next ``PREPARES_AHEAD`` jobs is in flight, on the session's RPC threads, while
+one job's bytes are copied, and each job's Complete* is collected later, every one of them
+before the call returns: a call waits for one round trip before its first copy and one after its
+last, not two per batch. Either way every job the daemon prepared is completed, also after a
+failure (an abort frees its slots or pins at once).
+
 A load streams in rounds: the daemon pins what its host tier holds or can place now and marks
 the rest of what it has below (NVMe) as deferred (``found`` 0, ``tiers`` naming the tier); the
 client loads those again after CompleteLoad, round after round while each one serves something,
@@ -24,7 +33,8 @@ A job is completed also when its transfer failed, so the daemon aborts its reser
 instead of when the lease ends. A daemon that is away (:class:`kvtier.session.Away`) turns into
 misses and drops, counted in ``session.counters``; a failed transfer trips the breaker (the
 transport is reattached on the next call), a failed copy (e.g. a CUDA error) fails that job only.
-A load is trusted only once CompleteLoad confirmed that its pins held during the copy.
+A load is trusted only once CompleteLoad confirmed that its pins held during the copy: a job's
+blocks count as found when its CompleteLoad is collected, never before.
 
 Arguments arrive validated by the handle. Thread-safety: as the Session's (transfers hold its
 data lock).
@@ -32,12 +42,22 @@ data lock).
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.buffers import byte_view
 from kvtier.results import LookupResult, PinnedLookup, PutResult
-from kvtier.session import Away, OutOfTime, Registered, Session
+from kvtier.session import (
+    MIN_RPC_S,
+    Away,
+    OutOfTime,
+    PendingCall,
+    Registered,
+    Session,
+    Unanswered,
+)
 from kvtier_contract import errors
 from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -45,6 +65,8 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 # (job_id, key indexes in the job, positions in the caller's lists, slot offsets)
 Move = Callable[[int, list[int], list[int], list[int]], None]
 TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
+PREPARES_AHEAD = 2  # jobs whose Prepare* is in flight while one job's bytes are copied
+COMPLETES_BEHIND = 4  # jobs whose Complete* may be left uncollected while the call goes on
 
 
 class CopyRevoked(RuntimeError):
@@ -87,6 +109,10 @@ def guarded_gather(layout: Any, block_ids: Sequence[int], staging: Any,
 def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
     session.counters.lookups += 1
     packed = pack_keys(keys)
+    if keys:
+        local = session._local_lookup(handle, packed, len(keys))
+        if local is not None:
+            return local
     try:
         total = 0
         for start in range(0, len(keys), session._max_batch):
@@ -100,6 +126,15 @@ def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
     except Away:
         session.counters.lookups_failed += 1
         return 0
+
+
+def lookup_local(session: Session, handle: Registered, keys: Sequence[bytes]) -> int | None:
+    if not keys:
+        return 0
+    hit = session._local_lookup(handle, pack_keys(keys), len(keys))
+    if hit is not None:
+        session.counters.lookups += 1
+    return hit
 
 
 def lookup_detail(session: Session, handle: Registered, keys: Sequence[bytes]) -> LookupResult:
@@ -183,48 +218,123 @@ def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: M
            tp: int = 0, *, deadline: float | None = None) -> PutResult:
     tp = tp or make_transport_value(session.transport_name)
     deadline = session.deadline() if deadline is None else deadline
-    packed = pack_keys(keys)
-    result = PutResult()
-    for start in range(0, len(keys), session._max_batch):
-        end = min(start + session._max_batch, len(keys))
+    spans = _job_spans(session, handle, tp, len(keys))
+    pipe = _StorePipe(session, handle, pack_keys(keys), write, tp, deadline,
+                      _pipelined(session, spans))
+    return pipe.run(spans)
+
+
+class _StorePipe:
+    """One put's jobs, pipelined: while one job's bytes are copied, the PrepareStore of the
+    next ``PREPARES_AHEAD`` jobs is in flight, and each job's CompleteStore is collected later
+    (at most ``COMPLETES_BEHIND`` left uncollected), all of them before the put returns.
+
+    Every job the daemon prepared gets a CompleteStore: ``ok`` after its copy went through,
+    else an abort that frees its slots at once. A job whose PrepareStore is shed or refused
+    is dropped, and the others still go. A job whose copy would start after the deadline is
+    aborted, as is every later one. After a failed transfer, or a PrepareStore the daemon did
+    not answer, no further job starts or copies, the jobs already prepared are aborted, and
+    only then does the breaker trip (an open breaker would refuse their CompleteStore and leave
+    their slots reserved until the lease ends). Caller mistakes the daemon reports (a kvtier
+    error from a PrepareStore) still raise, after the same aborts. The put's thread only.
+    """
+
+    def __init__(self, session: Session, handle: Registered, packed: bytes, write: Move,
+                 tp: int, deadline: float, pipelined: bool) -> None:
+        self.session, self.handle, self.packed = session, handle, packed
+        self.write, self.tp, self.deadline = write, tp, deadline
+        self.inline = not pipelined  # one RPC after the other, on the put's thread
+        self.prepares_ahead = PREPARES_AHEAD if pipelined else 0
+        self.completes_behind = COMPLETES_BEHIND if pipelined else 0
+        self.result = PutResult()
+        self.ahead: deque[tuple[int, int, Any, PendingCall | Away]] = deque()  # start, end,
+        #   the PrepareStore request and its call
+        self.behind: deque[tuple[int, PendingCall | Away]] = deque()  # reserved, complete
+        self.stop = ""  # why no further job starts or copies (a failure, the deadline)
+        self.trip = ""  # the daemon did not answer: trip the breaker once every job is closed
+
+    def run(self, spans: list[tuple[int, int]]) -> PutResult:
+        todo = deque(spans)
         try:
-            result += _store_batch(session, handle, packed[start * KEY_BYTES : end * KEY_BYTES],
-                                   start, write, tp, deadline)
-        except Away:
-            result.dropped += end - start
-            session.counters.puts_dropped += end - start
-    return result
+            while todo or self.ahead:
+                while todo and not self.stop and len(self.ahead) <= self.prepares_ahead:
+                    self._prepare(*todo.popleft())
+                if not self.ahead:  # stopped by a failed transfer: the rest is dropped
+                    self._drop(sum(end - start for start, end in todo))
+                    break
+                self._job(*self.ahead.popleft())
+                while len(self.behind) > self.completes_behind:
+                    self._collect(*self.behind.popleft())
+            while self.behind:
+                self._collect(*self.behind.popleft())
+        finally:
+            if self.ahead or self.behind:  # an error on the way out: abort what was prepared
+                self.stop = self.stop or "put failed"
+                _close(self.ahead, lambda job: self._job(*job))
+                _close(self.behind, lambda job: self._collect(*job))
+            if self.trip:
+                self.session._trip(self.trip)  # reattach the transport on the next call
+        return self.result
 
+    def _prepare(self, start: int, end: int) -> None:
+        request = pb.PrepareStoreRequest(namespace_id=self.handle.namespace_id,
+                                         keys=self.packed[start * KEY_BYTES : end * KEY_BYTES],
+                                         transport=self.tp)
+        call: PendingCall | Away
+        try:
+            call = self.session._start("PrepareStore", request, deadline=self.deadline,
+                                       inline=self.inline)
+        except Away as e:
+            call = e
+        self.ahead.append((start, end, request, call))
 
-def _store_batch(session: Session, handle: Registered, packed: bytes, base: int, write: Move,
-                 tp: int, deadline: float) -> PutResult:
-    prep = session._call("PrepareStore", pb.PrepareStoreRequest(
-        namespace_id=handle.namespace_id, keys=packed, transport=tp), deadline=deadline)
-    status = prep.status
-    result = PutResult(already_present=status.count(pb.STORE_ALREADY_PRESENT),
-                       rejected=status.count(pb.STORE_REJECTED))
-    if not prep.job_id:
-        return result
-    idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
-    items = [prep.offsets[i] for i in idx]
-    pos = [base + i for i in idx]
-    failure, trip = _transfer(session, "store", lambda: write(prep.job_id, idx, pos, items))
-    try:
+    def _job(self, start: int, end: int, request: Any, call: PendingCall | Away) -> None:
+        """Wait for the job's PrepareStore, copy its reserved blocks (none once the put has
+        failed), start its CompleteStore."""
+        try:
+            prep = _reply(call)
+        except Away as e:
+            self._drop(end - start)
+            if isinstance(e, Unanswered):
+                self.stop, self.trip = self.stop or e.why, self.trip or e.why
+            return
+        status = prep.status
+        self.result.already_present += status.count(pb.STORE_ALREADY_PRESENT)
+        self.result.rejected += status.count(pb.STORE_REJECTED)
+        if not prep.job_id:
+            return
+        idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
+        offsets = [prep.offsets[i] for i in idx]
+        pos = [start + i for i in idx]
+        if not self.stop and _late(self.session, self.deadline):
+            self.stop = "deadline spent"
+        failure, trip = self.stop, False
+        if not self.stop:
+            failure, trip = _transfer(self.session, "store",
+                                      lambda: self.write(prep.job_id, idx, pos, offsets))
         # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
-        done = session._call("CompleteStore", pb.CompleteStoreRequest(
-            job_id=prep.job_id, ok=not failure), reconnect=False, deadline=deadline, floor=True)
-    except (Away, errors.KvtierError):
-        result.dropped += len(items)
-        session.counters.puts_dropped += len(items)
-        return result
-    finally:
+        self.behind.append((len(idx), _complete(
+            self.session, "CompleteStore",
+            pb.CompleteStoreRequest(job_id=prep.job_id, ok=not failure), request, self.deadline,
+            self.inline)))
         if failure and trip:
-            session._trip(failure)  # reattach the transport on the next call
-    result.stored += done.committed
-    result.dropped += done.aborted
-    session.counters.puts_dropped += done.aborted
-    session.counters.bytes_put += done.committed * handle.block_bytes
-    return result
+            self.stop, self.trip = failure, self.trip or failure
+
+    def _collect(self, reserved: int, call: PendingCall | Away) -> None:
+        try:
+            done = _reply(call)
+        except (Away, errors.KvtierError) as e:
+            self._drop(reserved)
+            if isinstance(e, Unanswered):  # no answer even past its deadline
+                self.trip = self.trip or e.why
+            return
+        self.result.stored += done.committed
+        self._drop(done.aborted)
+        self.session.counters.bytes_put += done.committed * self.handle.block_bytes
+
+    def _drop(self, n: int) -> None:
+        self.result.dropped += n
+        self.session.counters.puts_dropped += n
 
 
 # -- loads ------------------------------------------------------------------------------------------
@@ -252,20 +362,21 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
 
 def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Move,
           tp: int = 0, *, deadline: float | None = None) -> list[bool]:
-    """Batch after batch, round after round, until ``deadline``: a round that would start
-    after it does not (its keys are misses; what earlier rounds loaded stays loaded)."""
+    """Round after round until ``deadline``: the first asks for every key, each later one
+    for the keys the daemon deferred (held below, not placed in the host tier that round),
+    while each round serves something. A job that would start after the deadline does not
+    (its keys are misses; what earlier jobs loaded stays loaded)."""
     tp = tp or make_transport_value(session.transport_name)
     deadline = session.deadline() if deadline is None else deadline
-    packed = pack_keys(keys)
     found = [False] * len(keys)
+    pipe = _LoadPipe(session, handle, pack_keys(keys), read, tp, deadline, found)
+    todo = list(range(len(keys)))
     try:
-        for start in range(0, len(keys), session._max_batch):
-            todo = list(range(start, min(start + session._max_batch, len(keys))))
-            while todo:  # rounds: what was deferred, while each round serves something
-                served, todo = _load_batch(session, handle, packed, todo, found, read, tp,
-                                           deadline)
-                if not served:
-                    break
+        while todo:
+            spans = _job_spans(session, handle, tp, len(todo))
+            served, todo = pipe.round([todo[s:e] for s, e in spans], _pipelined(session, spans))
+            if not served:
+                break
     except OutOfTime:
         session.counters.gets_failed += 1
         return found  # every block marked found was confirmed by its CompleteLoad
@@ -275,40 +386,132 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Mov
     return found
 
 
-def _load_batch(session: Session, handle: Registered, packed: bytes, todo: list[int],
-                found: list[bool], read: Move, tp: int, deadline: float
-                ) -> tuple[int, list[int]]:
-    """One PrepareLoad / transfer / CompleteLoad of the keys at positions ``todo`` (at most one
-    batch): (blocks served, positions deferred to another round)."""
-    prep = session._call("PrepareLoad", pb.PrepareLoadRequest(
-        namespace_id=handle.namespace_id, keys=_keys_at(packed, todo), transport=tp),
-        deadline=deadline)
-    deferred = [todo[i] for i in range(len(todo))
-                if not prep.found[i] and i < len(prep.tiers) and prep.tiers[i] != pb.TIER_NONE]
-    if not prep.job_id:
-        return 0, deferred
-    idx = [i for i in range(len(todo)) if prep.found[i]]
-    pos = [todo[i] for i in idx]
-    offsets = [prep.offsets[i] for i in idx]
-    failure, trip = _transfer(session, "load", lambda: read(prep.job_id, idx, pos, offsets))
-    try:
-        session._call("CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id), reconnect=False,
-                      deadline=deadline, floor=True)
-    except (Away, errors.KvtierError) as e:
-        # Only a completed load proves the pins held during the copy; if the lease lapsed
-        # the slots may have been reused under us: the bytes are not trusted, all misses.
-        # A daemon that answered (shed the call, or refused it) trips nothing more.
-        away = isinstance(e, Away) and not isinstance(e, OutOfTime)
-        trip = (bool(failure) and trip) or away
-        failure = failure or f"load not confirmed: {e}"
-    if failure:
-        if trip:
-            session._trip(failure)
-        raise Away(failure)
-    for p in pos:
-        found[p] = True
-    session.counters.bytes_got += len(idx) * handle.block_bytes
-    return len(idx), deferred
+class _LoadPipe:
+    """One get's jobs, pipelined as a put's (``_StorePipe``): PrepareLoad ahead of the
+    copies, CompleteLoad behind them. A job's blocks count as found only once its
+    CompleteLoad confirmed that its pins held during the copy.
+
+    A failure ends the round, and the get: no further job starts or copies, every job already
+    prepared still gets its CompleteLoad (its pins go at once) and each is collected, and then
+    ``round`` raises the first failure. After an OutOfTime (a PrepareLoad too late, or shed)
+    what was confirmed stays found; any other failure (a transfer, a CompleteLoad not
+    confirmed, the daemon away) is an Away, which the get answers with all misses (and a
+    failed transfer trips the breaker once the jobs are closed). The get's thread only.
+    """
+
+    def __init__(self, session: Session, handle: Registered, packed: bytes, read: Move, tp: int,
+                 deadline: float, found: list[bool]) -> None:
+        self.session, self.handle, self.packed = session, handle, packed
+        self.read, self.tp, self.deadline, self.found = read, tp, deadline, found
+        self.ahead: deque[tuple[list[int], Any, PendingCall | Away]] = deque()  # positions,
+        #   the PrepareLoad request and its call
+        self.behind: deque[tuple[list[int] | None, PendingCall | Away]] = deque()  # positions
+        #   loaded (None: a job that only unpins), its CompleteLoad
+        self.failure: Away | None = None
+        self.trip = ""
+        self.inline = False  # this round's RPCs: one after the other, on the get's thread
+        self.served = 0
+        self.deferred: list[int] = []
+
+    def round(self, jobs: list[list[int]], pipelined: bool) -> tuple[int, list[int]]:
+        """Load the positions of ``jobs`` (each at most one batch), pipelined or one RPC
+        after the other on the get's thread: (blocks served and confirmed, positions deferred
+        to another round)."""
+        todo = deque(jobs)
+        self.served, self.deferred = 0, []
+        self.inline = not pipelined
+        ahead, behind = (PREPARES_AHEAD, COMPLETES_BEHIND) if pipelined else (0, 0)
+        try:
+            while self.ahead or (todo and self.failure is None):
+                while todo and self.failure is None and len(self.ahead) <= ahead:
+                    self._prepare(todo.popleft())
+                self._job(*self.ahead.popleft())
+                while len(self.behind) > behind:
+                    self._collect(*self.behind.popleft())
+            while self.behind:
+                self._collect(*self.behind.popleft())
+        finally:
+            if self.ahead or self.behind:  # an error on the way out: unpin what was prepared
+                self.failure = self.failure or Away("get failed")
+                _close(self.ahead, lambda job: self._job(*job))
+                _close(self.behind, lambda job: self._collect(*job))
+            if self.trip:
+                self.session._trip(self.trip)  # reattach the transport on the next call
+        if self.failure is not None:
+            raise self.failure
+        return self.served, self.deferred
+
+    def _prepare(self, positions: list[int]) -> None:
+        request = pb.PrepareLoadRequest(namespace_id=self.handle.namespace_id,
+                                        keys=_keys_at(self.packed, positions), transport=self.tp)
+        call: PendingCall | Away
+        try:
+            call = self.session._start("PrepareLoad", request, deadline=self.deadline,
+                                       inline=self.inline)
+        except Away as e:
+            call = e
+        self.ahead.append((positions, request, call))
+
+    def _job(self, todo: list[int], request: Any, call: PendingCall | Away) -> None:
+        """Wait for the job's PrepareLoad, copy its pinned blocks (none once the get has
+        failed), start its CompleteLoad."""
+        try:
+            prep = _reply(call)
+        except Away as e:
+            self.failure = self.failure or e
+            if isinstance(e, Unanswered):
+                self.trip = self.trip or e.why
+            return
+        if not prep.job_id:
+            self.deferred += _deferred(prep, todo)
+            return
+        idx = [i for i in range(len(todo)) if prep.found[i]]
+        pos = [todo[i] for i in idx]
+        offsets = [prep.offsets[i] for i in idx]
+        if self.failure is None and _late(self.session, self.deadline):
+            self.failure = OutOfTime("deadline spent")
+        failure, trip = "get stopped", False
+        if self.failure is None:
+            failure, trip = _transfer(self.session, "load",
+                                      lambda: self.read(prep.job_id, idx, pos, offsets))
+        done = _complete(self.session, "CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id),
+                         request, self.deadline, self.inline)
+        if not failure:
+            self.deferred += _deferred(prep, todo)
+            self.behind.append((pos, done))
+            return
+        self.behind.append((None, done))  # the bytes are not trusted: it only unpins
+        if self.failure is None:
+            self.failure = Away(failure)
+            self.trip = failure if trip else ""
+
+    def _collect(self, pos: list[int] | None, call: PendingCall | Away) -> None:
+        try:
+            _reply(call)
+        except (Away, errors.KvtierError) as e:
+            if pos is None:
+                return  # a job that failed already: nothing was trusted
+            # Only a completed load proves the pins held during the copy; if the lease lapsed
+            # the slots may have been reused under us: the bytes are not trusted, all misses.
+            # A daemon that answered (shed the call, or refused it) trips nothing more.
+            why = f"load not confirmed: {e}"
+            if isinstance(e, Away) and not isinstance(e, OutOfTime) and not self.trip:
+                self.trip = why
+            if self.failure is None or isinstance(self.failure, OutOfTime):
+                self.failure = Away(why)
+            return
+        if pos is None:
+            return
+        for p in pos:
+            self.found[p] = True
+        self.served += len(pos)
+        self.session.counters.bytes_got += len(pos) * self.handle.block_bytes
+
+
+def _deferred(prep: Any, todo: list[int]) -> list[int]:
+    """The positions of ``todo`` that PrepareLoad found below but did not place this round."""
+    return [todo[i] for i in range(len(todo))
+            if not prep.found[i] and i < len(prep.tiers) and prep.tiers[i] != pb.TIER_NONE]
 
 
 def _keys_at(packed: bytes, positions: list[int]) -> bytes:
@@ -318,6 +521,77 @@ def _keys_at(packed: bytes, positions: list[int]) -> bytes:
     if last - first + 1 == len(positions):
         return packed[first * KEY_BYTES : (last + 1) * KEY_BYTES]
     return b"".join(packed[p * KEY_BYTES : (p + 1) * KEY_BYTES] for p in positions)
+
+
+# -- pipelining ------------------------------------------------------------------------------------
+
+def _job_spans(session: Session, handle: Registered, tp: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) of each job of a call of ``n`` keys: batches of ``max_batch`` keys when
+    pipelining is off (``pipeline_bytes`` 0) or the daemon copies (cuda_ipc); else jobs of
+    about ``pipeline_bytes`` (``_spans``)."""
+    if tp == pb.TRANSPORT_CUDA_IPC or session.pipeline_bytes <= 0:
+        step = session._max_batch
+        return [(start, min(start + step, n)) for start in range(0, n, step)]
+    per_job = max(1, min(session._max_batch, session.pipeline_bytes // handle.block_bytes))
+    return _spans(n, per_job)
+
+
+def _spans(n: int, per_job: int) -> list[tuple[int, int]]:
+    """[start, end) of each job over ``n`` keys: one job when they fit in one; else a first and
+    a last job of a quarter of ``per_job`` (the first job's Prepare* and the last one's
+    Complete* are the round trips nothing overlaps, and the fewer keys they carry, the
+    sooner they are answered: ~10 us per key here), and between them as few jobs of at most
+    ``per_job`` keys as can be, of even sizes."""
+    if n <= per_job:
+        return [(0, n)] if n else []
+    edge = max(1, per_job // 4)
+    mid = n - 2 * edge
+    jobs = -(-mid // per_job)
+    cuts = [0, *(edge + mid * j // jobs for j in range(jobs)), n - edge, n]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _pipelined(session: Session, spans: list[tuple[int, int]]) -> bool:
+    """Whether a call's jobs overlap their RPCs with the copies: with more than one job, unless
+    ``pipeline_bytes`` is 0. Otherwise every RPC is made on the caller's thread, in order."""
+    return len(spans) > 1 and session.pipeline_bytes > 0
+
+
+def _complete(session: Session, method: str, request: Any, prepared: Any, deadline: float,
+              inline: bool) -> PendingCall | Away:
+    """Start the completion of a job (CompleteStore / CompleteLoad) under the session that
+    prepared it (``prepared``: its Prepare* request): ``Session._start_completion``. Away
+    (a value, not raised) when it could not even start."""
+    try:
+        return session._start_completion(method, request, prepared.session_id, deadline,
+                                         inline=inline)
+    except Away as e:
+        return e
+
+
+def _close(jobs: deque[Any], close: Callable[[Any], None]) -> None:
+    """``close`` every job left, on the way out of an error: one that fails again (another
+    refusal) does not keep the others from being closed."""
+    while jobs:
+        with contextlib.suppress(Away, errors.KvtierError):
+            close(jobs.popleft())
+
+
+def _late(session: Session, deadline: float) -> bool:
+    """Whether a job's copy would start too late: with less than ``MIN_RPC_S`` of the deadline
+    left, as an RPC would not start (its Prepare* was answered before; its copy does not
+    start, its completion aborts it)."""
+    if session._clock() <= deadline - MIN_RPC_S:
+        return False
+    session.counters.out_of_time += 1
+    return True
+
+
+def _reply(call: PendingCall | Away) -> Any:
+    """The reply of a started call; raises what it failed with."""
+    if isinstance(call, Away):
+        raise call
+    return call.result()
 
 
 # -- the transfer of a job -------------------------------------------------------------------------

@@ -123,6 +123,7 @@ def _stats(args: argparse.Namespace) -> int:
 _ROWS = [
     ("lookups", "lookups"), ("blocks requested", "blocks_requested"),
     ("blocks hit (host)", "blocks_hit_host"), ("blocks hit (nvme)", "blocks_hit_nvme"),
+    ("lookups (local index)", "local_lookups"), ("blocks hit (local index)", "blocks_hit_local"),
     ("blocks missed", "blocks_missed"), ("tokens hit", "tokens_hit"),
     ("tokens missed", "tokens_missed"), ("stores accepted", "stores_accepted"),
     ("stores already present", "stores_already_present"), ("stores rejected", "stores_rejected"),
@@ -175,7 +176,8 @@ def format_stats(stats: dict[str, Any]) -> str:
     total = stats["total"]
     req = int(total.get("blocks_requested", 0))
     if req:
-        hit = int(total.get("blocks_hit_host", 0)) + int(total.get("blocks_hit_nvme", 0))
+        hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
+                                                  "blocks_hit_local"))
         lines.append(f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested")
     return "\n".join(head + lines)
 

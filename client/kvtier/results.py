@@ -50,6 +50,7 @@ class ClientCounters:
 
     lookups: int = 0
     lookups_failed: int = 0  # answered as a miss because the daemon was away
+    lookups_local: int = 0  # of `lookups`: answered from the published index, no round trip
     puts_dropped: int = 0  # blocks not stored because the daemon was away
     gets_failed: int = 0  # get/get_into calls answered as misses because the daemon was away
     out_of_time: int = 0  # RPCs not started because the caller's deadline (step budget) was spent

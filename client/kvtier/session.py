@@ -23,12 +23,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 import grpc
 
 from kvtier.addresses import address_target, grpc_host
 from kvtier.breaker import Breaker
+from kvtier.local_index import LocalIndexes
 from kvtier.results import ClientCounters
 from kvtier.transports import DataTransport, make_transport
 from kvtier_contract import errors
@@ -53,6 +56,51 @@ class OutOfTime(Away):
 class Overloaded(OutOfTime):
     """The daemon shed this request (RESOURCE_EXHAUSTED, ``errors.OVERLOADED``): it answers, so
     nothing trips; this call is a miss or a drop, like one out of time."""
+
+
+class Unanswered(Away):
+    """A call made with ``trip=False`` (``Session._start``) found the daemon down or silent:
+    the caller trips the breaker with ``why`` once it has closed what it started."""
+
+    def __init__(self, why: str, details: str) -> None:
+        super().__init__(details)
+        self.why = why
+
+
+class PendingCall:
+    """A control RPC in flight, started by ``Session._start`` (the next job's PrepareStore while
+    this job's bytes are copied, a CompleteStore collected before the put returns): a
+    ``Session._call`` run by one of the session's RPC threads.
+
+    ``result()`` answers as ``_call`` would have (the reply, Away, Overloaded, OutOfTime, a
+    kvtier error), except that a daemon found down or silent raises Unanswered without tripping
+    the breaker: the caller trips it once it has closed the jobs it started (a put aborts the
+    jobs it prepared ahead, whose completions the open breaker would refuse). Every RPC it
+    makes has ``_call``'s deadline (``timeout_s``, cut to the caller's ``deadline``); the wait
+    is bounded besides, by what is left of that deadline plus ``timeout_s`` plus ``GRACE_S``
+    (Unanswered after that). A call that is never collected still runs to its end.
+    Thread-safety: collected by the thread that started it.
+    """
+
+    GRACE_S = 0.5
+
+    def __init__(self, session: Session, method: str, future: Future[Any],
+                 deadline: float | None) -> None:
+        self._session = session
+        self._method = method
+        self._future = future
+        self._deadline = deadline
+
+    def result(self) -> Any:
+        s = self._session
+        wait_s = s.timeout_s + self.GRACE_S
+        if self._deadline is not None:
+            wait_s += max(0.0, self._deadline - s._clock())
+        try:
+            return self._future.result(timeout=wait_s)
+        except FutureTimeout:
+            raise Unanswered(f"{self._method}: no answer within {wait_s:.2f} s",
+                             "no answer") from None
 
 
 class Registered(Protocol):
@@ -83,16 +131,27 @@ class Session:
     under it).
     """
 
+    RPC_THREADS = 4  # threads that run the RPCs a put or get starts ahead (``_start``)
+    pipeline_bytes: int = 0
+    """Pipelining (:mod:`kvtier.batches`): a put or get of more than this many bytes is cut
+    into jobs of at most this size whose RPCs overlap the copies of the others, on the
+    session's RPC threads. 0 (the default) = off: one job per batch, every RPC on the caller's
+    thread, one after the other. Off by default because on the 2-vCPU development host the
+    overlapped RPC work took more from the copies than it hid (docs/benchmarks.md §14);
+    e.g. ``32 << 20`` on hosts with cores to spare. Settable per client."""
+
     def __init__(self, address: str, transport: TransportName = "shm", *, timeout_s: float = 1.0,
                  lease_ttl_s: float = 10.0, client_name: str = "", heartbeat: bool = True,
                  backoff_s: tuple[float, float] = (0.05, 1.0), tenant_key: bytes | None = None,
                  breaker: Breaker | None = None, probe_timeout_s: float | None = None,
-                 op_timeout_s: float = 30.0,
+                 op_timeout_s: float = 30.0, local_lookups: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
         ``min(timeout_s, 0.5)``); ``op_timeout_s``: the bound on one operation without a
-        deadline of its own (all its batches and load rounds)."""
+        deadline of its own (all its batches and load rounds); ``local_lookups``: answer
+        ``lookup`` from the daemon's published index when it is on this host
+        (:mod:`kvtier.local_index`)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -121,6 +180,9 @@ class Session:
         self._namespaces: list[Registered] = []
         self._closed = False
         self._last_call = 0.0
+        self._rpc_pool: ThreadPoolExecutor | None = None  # runs ``_start``'s calls
+        self._rpc_pool_lock = threading.Lock()
+        self.local = LocalIndexes(clock) if local_lookups else None
         self.breaker.attach(self)
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
@@ -149,10 +211,17 @@ class Session:
     def close(self) -> None:
         self._closed = True
         self._hb_stop.set()
+        with self._rpc_pool_lock:
+            if self._rpc_pool is not None:  # calls in flight end by their own deadlines
+                self._rpc_pool.shutdown(wait=False)
         self.breaker.detach(self)
         with self._conn_lock:
             if self._session_id and self._stub is not None and self.breaker.allows():
                 try:
+                    tallies = self._tally_request()  # local lookups not yet counted
+                    if tallies.local_lookups:
+                        tallies.session_id = self._session_id
+                        self._stub.Heartbeat(tallies, timeout=self.probe_timeout_s)
                     self._stub.CloseSession(pb.CloseSessionRequest(session_id=self._session_id),
                                             timeout=self.probe_timeout_s)
                 except grpc.RpcError:
@@ -260,6 +329,8 @@ class Session:
         self._max_batch = max(1, reply.max_batch_blocks)
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
+        if self.local is not None:
+            self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch)
         for handle in self._namespaces:
             self._register(handle, timeout)
 
@@ -302,6 +373,8 @@ class Session:
 
     def _disconnect(self, keep_channel: bool = False) -> None:
         self._session_id = 0
+        if self.local is not None:
+            self.local.clear()
         if self._transport is not None:
             transport, self._transport = self._transport, None
             # A transfer in flight on another thread (or this one: cuda_ipc makes RPCs inside a
@@ -318,10 +391,11 @@ class Session:
             self._stub = None
 
     def _call(self, method: str, request: Any, *, reconnect: bool = True,
-              deadline: float | None = None, floor: bool = False) -> Any:
+              deadline: float | None = None, floor: bool = False, trip: bool = True) -> Any:
         """One RPC within ``timeout_s`` and ``deadline`` (see ``_rpc_timeout``); Away when the
-        daemon is away (the breaker is then open). Retries once after a reconnect when the
-        daemon forgot our session or namespace (it restarted)."""
+        daemon is away (the breaker is then open; ``trip=False``: Unanswered, the breaker left
+        to the caller). Retries once after a reconnect when the daemon forgot our session or
+        namespace (it restarted)."""
         for attempt in (0, 1):
             self._ensure(deadline)
             if hasattr(request, "session_id"):
@@ -332,7 +406,10 @@ class Session:
             except grpc.RpcError as e:
                 code = e.code()
                 if code in DOWN_CODES:
-                    self._trip(f"{method}: {code.name}: {e.details()}")
+                    why = f"{method}: {code.name}: {e.details()}"
+                    if not trip:
+                        raise Unanswered(why, e.details() or "") from None
+                    self._trip(why)
                     raise Away(e.details()) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
                         (e.details() or "").startswith(errors.OVERLOADED):
@@ -349,6 +426,80 @@ class Session:
             return reply
         raise AssertionError("unreachable")
 
+    def _start(self, method: str, request: Any, *, deadline: float | None = None,
+               inline: bool = False) -> PendingCall:
+        """Start ``_call(method, request, deadline=deadline, trip=False)`` on one of the
+        session's RPC threads and return at once (a few microseconds; starting a gRPC future
+        costs the caller's thread ~0.5 ms here), or, ``inline``, make it now on the caller's
+        thread (nothing to overlap it with: no thread hand-off). Away at once while the
+        breaker is open or the client is closed; every other outcome comes from ``result()``."""
+        if self._closed:
+            raise Away("client closed")
+        if not self.breaker.allows():
+            raise Away(self.breaker.why or "daemon away (breaker open)")
+        return self._submit(method, deadline,
+                            lambda: self._call(method, request, deadline=deadline, trip=False),
+                            inline)
+
+    def _start_completion(self, method: str, request: Any, session_id: int,
+                          deadline: float | None, *, inline: bool = False) -> PendingCall:
+        """Start the completion (CompleteStore / CompleteLoad) of a job that session
+        ``session_id`` prepared, as ``_start`` does: Away at once unless the breaker is closed
+        and that session is still ours, as ``_call(reconnect=False)`` would have refused it
+        (never reopening a session). Once started it goes out under that session whatever
+        happens meanwhile (a later job's PrepareStore tripping the breaker must not keep it,
+        and the slots it frees, waiting for the lease). It gets ``timeout_s``, cut to
+        ``deadline`` but never below ``MIN_RPC_S``. ``inline``: as ``_start``'s."""
+        if self._closed:
+            raise Away("client closed")
+        if not self.breaker.allows():
+            raise Away(self.breaker.why or "daemon away (breaker open)")
+        if self._stale or session_id != self._session_id:
+            raise Away("the session of the job is gone")
+        return self._submit(method, deadline,
+                            lambda: self._complete(method, request, session_id, deadline), inline)
+
+    def _submit(self, method: str, deadline: float | None, fn: Callable[[], Any],
+                inline: bool) -> PendingCall:
+        """``fn()`` on an RPC thread (at most ``RPC_THREADS``, started on first use), or now
+        (``inline``)."""
+        if inline:
+            done: Future[Any] = Future()
+            try:
+                done.set_result(fn())
+            except Exception as e:  # noqa: BLE001  (result() raises it, as from a thread)
+                done.set_exception(e)
+            return PendingCall(self, method, done, deadline)
+        with self._rpc_pool_lock:
+            if self._rpc_pool is None:
+                self._rpc_pool = ThreadPoolExecutor(self.RPC_THREADS,
+                                                    thread_name_prefix="kvtier-rpc")
+            pool = self._rpc_pool
+        try:
+            future = pool.submit(fn)
+        except RuntimeError:  # shut down by close() meanwhile
+            raise Away("client closed") from None
+        return PendingCall(self, method, future, deadline)
+
+    def _complete(self, method: str, request: Any, session_id: int,
+                  deadline: float | None) -> Any:
+        """The RPC of ``_start_completion`` (on an RPC thread)."""
+        stub = self._stub
+        if stub is None or self._closed:
+            raise Away("client closed")
+        request.session_id = session_id
+        try:
+            reply = getattr(stub, method)(request,
+                                          timeout=self._rpc_timeout(deadline, floor=True))
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in DOWN_CODES:
+                self._trip(f"{method}: {code.name}: {e.details()}")
+                raise Away(e.details()) from None
+            raise errors.from_grpc_code(code.name, e.details() or "") from None
+        self._last_call = self._clock()
+        return reply
+
     def _reset_session(self) -> None:
         """Reopen on the next call (the daemon answered: no breaker involved)."""
         self._stale = True
@@ -361,14 +512,41 @@ class Session:
         except Away as e:
             raise errors.TransportError(f"{method}: {e}") from None
 
+    def _local_lookup(self, handle: Registered, packed: bytes, n: int) -> int | None:
+        """Hit prefix from the published index, or None (ask over gRPC): only for a live,
+        open session whose namespace is registered in this boot."""
+        local = self.local
+        if local is None or self._stale or not self._session_id or \
+                handle.registered_epoch != self._epoch or not self.breaker.allows():
+            return None
+        hit = local.lookup(handle.namespace_id, packed, n)
+        if hit is not None:
+            self.counters.lookups_local += 1
+        return hit
+
+    def _tally_request(self, tallies: dict[int, Any] | None = None) -> Any:
+        """A HeartbeatRequest carrying ``tallies`` (default: take the pending ones)."""
+        if tallies is None:
+            tallies = self.local.take_tallies() if self.local is not None else {}
+        return pb.HeartbeatRequest(local_lookups=[
+            pb.LookupTally(namespace_id=ns, lookups=t.lookups,
+                           blocks_requested=t.blocks_requested, blocks_hit=t.blocks_hit)
+            for ns, t in tallies.items()])
+
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(max(0.05, self.lease_ttl_s / 3)):
-            if self._clock() - self._last_call < self.lease_ttl_s / 3:
+            tallies = self.local.take_tallies() if self.local is not None else {}
+            if not tallies and self._clock() - self._last_call < self.lease_ttl_s / 3:
                 continue
+            epoch = self._epoch
+            request = self._tally_request(tallies)
             try:
-                self._call("Heartbeat", pb.HeartbeatRequest())
-            except (Away, errors.KvtierError):
-                pass
+                self._call("Heartbeat", request)
+            except Away:
+                if tallies and self.local is not None and self._epoch == epoch:
+                    self.local.give_back(tallies)  # the same daemon may take them later
+            except errors.KvtierError:
+                pass  # refused (never for tallies of this boot's namespaces): not sent again
 
     # -- the data channel -------------------------------------------------------------------------
 

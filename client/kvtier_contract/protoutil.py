@@ -51,9 +51,15 @@ def to_dict(msg: Message) -> dict[str, Any]:
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     """Block keys -> the packed ``keys`` field; InvalidArgument unless each is KEY_BYTES bytes."""
-    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):  # C speed
+    try:
+        packed = b"".join(keys)
+    except TypeError:
+        raise InvalidArgument(f"every block key must be {KEY_BYTES} bytes", field="keys") from None
+    # n keys of KEY_BYTES bytes in all, none longer: then each is exactly KEY_BYTES (C speed,
+    # ~3x cheaper than checking every key's type and length; it is on every lookup's path)
+    if len(packed) != KEY_BYTES * len(keys) or (keys and max(map(len, keys)) != KEY_BYTES):
         raise InvalidArgument(f"every block key must be {KEY_BYTES} bytes", field="keys")
-    return b"".join(keys)
+    return packed
 
 
 @functools.lru_cache(maxsize=256)

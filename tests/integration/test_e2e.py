@@ -217,7 +217,8 @@ def test_async_client_round_trip(daemon: DaemonProcess, transport: str) -> None:
 
 
 def test_metrics_and_stats_cli_show_the_same_figures(daemon: DaemonProcess) -> None:
-    with kvtier.Client.connect(daemon.unix, transport="shm") as client:
+    # (over gRPC, which knows each hit's tier; the published index path: test_lookup_paths)
+    with kvtier.Client.connect(daemon.unix, transport="shm", local_lookups=False) as client:
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 3)))
         ns.put(keys, blocks(3, ns.block_bytes))

@@ -53,7 +53,8 @@ def test_a_shed_request_is_a_miss_for_the_sdk_and_trips_nothing(daemon_factory: 
                 for i in range(0, len(keys), 64):
                     h.get(keys[i:i + 64])  # PrepareLoad's handler waits on the disk
 
-        with kvtier.Client.connect(d.unix, "shm") as probe:
+        # (over gRPC: a lookup answered from the published index never reaches the daemon)
+        with kvtier.Client.connect(d.unix, "shm", local_lookups=False) as probe:
             hp = probe.register(ns)
             t = threading.Thread(target=load, daemon=True)
             t.start()

@@ -621,3 +621,21 @@ def test_worker_async_load_runs_off_the_engine_thread(daemon: DaemonProcess) -> 
     w.load_async([LoadJob("r2", BASE, [keys], [1, 2])])
     assert finished() == ({"r2"}, {1, 2})
     w.close()
+
+
+def test_a_miss_in_the_published_index_costs_no_lookup_rpc(daemon: DaemonProcess) -> None:
+    """A new prompt (all misses) is answered from the published index; a revisit still makes
+    the pinned lookup RPC (its pins are what keeps the blocks until the load)."""
+    backend = DaemonBackend(IDENTITY, cfg_for(daemon))
+    try:
+        backend.warmup()
+        new = backend.lookup(BASE, prompt(BS * 4, seed=11))
+        assert new.hits == 0 and not new.pins
+        assert backend.local_misses == 1
+        seed_blocks(daemon, prompt(BS * 4, seed=12), 4)
+        old = backend.lookup(BASE, prompt(BS * 4, seed=12))
+        assert old.hits == 4 and old.pins  # pinned over gRPC
+        assert backend.local_misses == 1
+        backend.release(old.pins)
+    finally:
+        backend.close()

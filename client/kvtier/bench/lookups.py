@@ -1,9 +1,12 @@
 """Lookup latency (one client, sequential) and lookups/s (several client processes at once).
 
 Every lookup asks for the same ``plan.lookup_keys``-key chain (real chained keys of one token
-sequence), all of them hits, over the daemon's gRPC Unix socket as a same-host engine would.
-Two diagnostics come with them: the p50 of a 1-key lookup (the round-trip floor that every
-lookup pays) and the daemon's CPU time per lookup while the clients run (its ceiling).
+sequence), all of them hits, as a same-host engine would: by default from the daemon's
+published index (``lookup_*``, ``lookups_per_s``: the SDK's default path, checked to be the one
+that answered), and over the gRPC Unix socket in the same run (``*_grpc*``: the path a client on
+another host, or with ``local_lookups=False``, takes). Diagnostics: the p50 of a 1-key gRPC
+lookup (the round-trip floor every gRPC lookup pays) and the daemon's CPU time per lookup while
+the clients run (its ceiling), per path. The two paths alternate, round by round.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ LOOKUP_BLOCK = 4096  # block size of the lookup namespace (bytes do not matter t
 _TIMEOUT_S = 10.0
 
 
-def _connect(address: str, keys_n: int, name: str) -> tuple[Client, NamespaceHandle, list[bytes]]:
+PATHS = (("local", ""), ("grpc", "_grpc"))  # (path, figure-name suffix), in the order run
+
+
+def _connect(address: str, keys_n: int, name: str, local: bool = True
+             ) -> tuple[Client, NamespaceHandle, list[bytes]]:
     # transport "tcp": lookups never move bytes, and it spares each client mapping the arena.
-    client = Client.connect(address, "tcp", timeout_s=_TIMEOUT_S, client_name=name)
+    client = Client.connect(address, "tcp", timeout_s=_TIMEOUT_S, client_name=name,
+                            local_lookups=local)
     if not client.connected:
         raise RuntimeError(f"cannot connect to kvtierd at {address}: {client.counters.last_error}")
     ns = client.register(bench_namespace(LOOKUP_BLOCK, name="kvtier-bench-lookup"))
@@ -54,6 +62,7 @@ def cpu_seconds(pid: int) -> float:
 def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results,
                  progress: Progress) -> None:
     client, ns, keys = _connect(address, plan.lookup_keys, "bench-lookup")
+    grpc_client, grpc_ns, _ = _connect(address, plan.lookup_keys, "bench-lookup-grpc", False)
     try:
         zero = bytes(LOOKUP_BLOCK)
         res = ns.put(keys, [zero] * len(keys))
@@ -61,17 +70,31 @@ def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results,
             raise RuntimeError(f"could not store the lookup chain: {res}")
         for _ in range(min(50, plan.lookup_samples)):  # warm-up
             ns.lookup(keys)
+            grpc_ns.lookup(keys)
+        _check_local(client)
         for _ in range(plan.repeat):
             progress.show("lookup latency")
-            lat = sorted(_timed_lookups(ns, keys, plan.lookup_samples))
-            results.add_lookup("lookup_p50_ms", statistics.median(lat) * 1e3)
-            results.add_lookup("lookup_p99_ms", percentile(lat, 99) * 1e3)
-            one = _timed_lookups(ns, keys[:1], plan.lookup_samples)
+            for handle, suffix in ((ns, ""), (grpc_ns, "_grpc")):
+                lat = sorted(_timed_lookups(handle, keys, plan.lookup_samples))
+                results.add_lookup(f"lookup{suffix}_p50_ms", statistics.median(lat) * 1e3)
+                results.add_lookup(f"lookup{suffix}_p99_ms", percentile(lat, 99) * 1e3)
+            one = _timed_lookups(grpc_ns, keys[:1], plan.lookup_samples)
             results.add_lookup("lookup_1key_p50_ms", statistics.median(one) * 1e3)
             progress.step("lookup latency")
+        _check_local(client)
     finally:
         client.close()
+        grpc_client.close()
     _concurrent(plan, address, daemon_pid, results, progress)
+
+
+def _check_local(client: Client) -> None:
+    """The default path's figures are the published index's: it must have answered."""
+    if client.counters.lookups_local == 0 or client.counters.lookups_local < \
+            client.counters.lookups - 1:
+        raise RuntimeError("lookups were not answered from the published index "
+                           f"({client.counters.lookups_local} of {client.counters.lookups}; "
+                           "is the daemon's publish_index off?)")
 
 
 def _timed_lookups(ns: NamespaceHandle, keys: list[bytes], n: int) -> list[float]:
@@ -88,25 +111,37 @@ def _timed_lookups(ns: NamespaceHandle, keys: list[bytes], n: int) -> list[float
 
 def _lookup_worker(address: str, keys_n: int, rounds: int, seconds: float, barrier: Barrier,
                    out: Any, wid: int) -> None:
-    """Child process: ``rounds`` times, wait for the others, then look up for ``seconds``."""
-    client, ns, keys = _connect(address, keys_n, f"bench-lookup-{wid}")
+    """Child process: ``rounds`` times, for each path, wait for the others, then look up for
+    ``seconds``."""
+    handles = {}
+    clients = []
+    for path, _suffix in PATHS:
+        client, ns, keys = _connect(address, keys_n, f"bench-lookup-{wid}-{path}",
+                                    path == "local")
+        clients.append(client)
+        handles[path] = ns
     try:
-        for _ in range(3):
-            ns.lookup(keys)
+        for ns in handles.values():
+            for _ in range(3):
+                ns.lookup(keys)
         for _ in range(rounds):
-            barrier.wait()
-            count, misses = 0, 0
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline:
-                misses += ns.lookup(keys) != keys_n
-                count += 1
-            out.put((wid, count, misses))
+            for path, _suffix in PATHS:
+                ns = handles[path]
+                barrier.wait()
+                count, misses = 0, 0
+                deadline = time.perf_counter() + seconds
+                while time.perf_counter() < deadline:
+                    misses += ns.lookup(keys) != keys_n
+                    count += 1
+                out.put((wid, path, count, misses))
+        _check_local(clients[0])
     finally:
-        client.close()
+        for client in clients:
+            client.close()
 
 
-def _result(out: Any, procs: list[Any], timeout_s: float) -> tuple[int, int, int]:
-    """The next worker's (id, count, misses); RuntimeError as soon as a worker died."""
+def _result(out: Any, procs: list[Any], timeout_s: float) -> tuple[int, str, int, int]:
+    """The next worker's (id, path, count, misses); RuntimeError as soon as a worker died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -130,19 +165,19 @@ def _concurrent(plan: Plan, address: str, daemon_pid: int, results: Results,
     progress.show(f"lookups/s, {n} client processes (starting)")
     for p in procs:
         p.start()
-    cpu0 = cpu_seconds(daemon_pid)
     try:
         for _ in range(plan.repeat):
-            progress.show(f"lookups/s, {n} client processes")
-            got = [_result(out, procs, plan.lookup_seconds + 120) for _ in range(n)]
-            cpu1 = cpu_seconds(daemon_pid)
-            if any(m for _w, _c, m in got):
-                raise RuntimeError("a concurrent lookup missed blocks that were stored")
-            count = sum(c for _w, c, _m in got)
-            results.add_lookup("lookups_per_s", count / plan.lookup_seconds)
-            # (the first window also holds the clients' registration and three warm-up lookups)
-            results.add_lookup("daemon_cpu_us_per_lookup", (cpu1 - cpu0) / count * 1e6)
-            cpu0 = cpu1
+            for path, suffix in PATHS:
+                progress.show(f"lookups/s, {n} client processes, {path}")
+                cpu0 = cpu_seconds(daemon_pid)
+                got = [_result(out, procs, plan.lookup_seconds + 120) for _ in range(n)]
+                cpu1 = cpu_seconds(daemon_pid)
+                if any(m for _w, _p, _c, m in got) or any(p != path for _w, p, _c, _m in got):
+                    raise RuntimeError("a concurrent lookup missed blocks that were stored")
+                count = sum(c for _w, _p, c, _m in got)
+                results.add_lookup(f"lookups{suffix}_per_s", count / plan.lookup_seconds)
+                # (the first window also holds the clients' registration and warm-up lookups)
+                results.add_lookup(f"daemon_cpu_us_per_lookup{suffix}", (cpu1 - cpu0) / count * 1e6)
             progress.step(f"lookups/s, {n} client processes")
     finally:
         for p in procs:

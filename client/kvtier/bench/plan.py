@@ -23,7 +23,8 @@ SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick")
 MiB = 1 << 20
 GB = 1e9
 
-_LOOKUP_UNITS = {"lookups_per_s": "lookups/s", "daemon_cpu_us_per_lookup": "us"}
+_LOOKUP_UNITS = {"lookups_per_s": "lookups/s", "lookups_grpc_per_s": "lookups/s",
+                 "daemon_cpu_us_per_lookup": "us", "daemon_cpu_us_per_lookup_grpc": "us"}
 NVME_IN_ALL = True
 """Whether ``all`` runs the nvme suite too (it does: all stays under 3 minutes; docs/benchmarks.md)."""
 

@@ -11,6 +11,12 @@ whose data starts 16 bytes into a page, hit it. Those reads go through numpy's v
 ``positive`` loop, which has no such penalty. Writes skip the check: their destination (a slot)
 is page-aligned, so only sources starting in a page's last 32 bytes are slow, and the check
 would cost more than it saves (docs/benchmarks.md).
+
+Blocks of ``NOGIL_BYTES`` and more are copied with the GIL released (``ctypes.memmove``, the same
+glibc memcpy; numpy's loop, which releases it too, for the aliased reads): a pipelined put or
+get keeps its next jobs' RPCs in flight during a copy (kvtier.batches), on the session's RPC
+threads, which must not wait for the interpreter's 5 ms switch interval to get the GIL
+(docs/benchmarks.md §14). Smaller blocks keep the plain assignment (cheaper per call).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 
 _PAGE = 4096
 _ALIAS_BYTES = 64  # dst - src (mod 4 KiB) in (0, 64): the slow case of rep movsb
+NOGIL_BYTES = 64 << 10  # blocks at least this large are copied with the GIL released
 
 
 def _address(view: memoryview) -> int:
@@ -35,10 +42,15 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _vector_copy(dst: memoryview, src: memoryview) -> None:
-    import numpy as np  # only for the aliased case; ``import kvtier`` stays numpy-free
+def _vector_copy(dst: memoryview, src: memoryview, *, plain: bool = False) -> None:
+    """numpy's copy (its vectorised ``positive`` loop, or ``plain``: its memcpy), with the
+    GIL released."""
+    import numpy as np  # only here; ``import kvtier`` stays numpy-free
 
-    np.positive(np.frombuffer(src, np.uint8), out=np.frombuffer(dst, np.uint8))
+    if plain:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    else:
+        np.positive(np.frombuffer(src, np.uint8), out=np.frombuffer(dst, np.uint8))
 
 
 class ShmTransport(DataTransport):
@@ -85,19 +97,29 @@ class ShmTransport(DataTransport):
         # No alias check here: slots are page-aligned, so only a source that starts in the last
         # 32 bytes of a page is slow, and the check would cost more than it saves (measured
         # +40% per 16 KiB block).
-        arena = self._arena()
+        arena, base = self._arena(), self._base
+        memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
         for _index, offset, view in items:
-            arena[offset : offset + len(view)] = view
+            n = len(view)
+            if n < NOGIL_BYTES:
+                arena[offset : offset + n] = view
+            elif view.readonly:  # e.g. bytes: numpy finds its address
+                _vector_copy(arena[offset : offset + n], view, plain=True)
+            else:
+                memmove(base + offset, address(buffer(view)), n)
 
     def read(self, job_id: int, items: list[Item]) -> None:
         arena, base = self._arena(), self._base
-        address, buffer = ctypes.addressof, ctypes.c_char.from_buffer
+        memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
         for _index, offset, view in items:
-            slot = arena[offset : offset + len(view)]
-            if 0 < (address(buffer(view)) - base - offset) % _PAGE < _ALIAS_BYTES:
-                _vector_copy(view, slot)
+            n = len(view)
+            dst = address(buffer(view))
+            if 0 < (dst - base - offset) % _PAGE < _ALIAS_BYTES:
+                _vector_copy(view, arena[offset : offset + n])
+            elif n >= NOGIL_BYTES:
+                memmove(dst, base + offset, n)
             else:
-                view[:] = slot
+                view[:] = arena[offset : offset + n]
 
     def mover(self, device: Any) -> Any:
         """An ``ArenaMover`` between tensors on ``device`` and this arena (made once per device;

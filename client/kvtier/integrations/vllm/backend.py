@@ -27,6 +27,7 @@ class DaemonBackend:
         self.client_name = client_name
         self._client: Client | None = None
         self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
+        self.local_misses = 0  # lookups the published index answered as misses (no RPC)
 
     @property
     def client(self) -> Client:
@@ -53,9 +54,15 @@ class DaemonBackend:
             self.handle(BASE, r)
 
     def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
-        """Keys of every tp slice, then one pinned lookup per slice; the hit is the shortest."""
+        """Keys of every tp slice, then one pinned lookup per slice; the hit is the shortest.
+        A slice that the published index says has no hit at all ends it with no round trip
+        (a new prompt, the common case, costs the daemon nothing)."""
         handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
         keys = [h.block_keys(token_ids) for h in handles]
+        n_max = self.client.max_batch
+        if any(h.lookup_local(keys[r][:n_max]) == 0 for r, h in enumerate(handles)):
+            self.local_misses += 1
+            return LookupOutcome(keys, 0, [], [], self._chain(handles))
         hits: int | None = None
         tiers: list[str] = []
         pins: list[Pin] = []
