@@ -128,11 +128,12 @@ def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
         return 0
 
 
-def lookup_local(session: Session, handle: Registered, keys: Sequence[bytes]) -> int | None:
+def lookup_local(session: Session, handle: Registered, keys: Sequence[bytes], *,
+                 count: bool = True) -> int | None:
     if not keys:
         return 0
-    hit = session._local_lookup(handle, pack_keys(keys), len(keys))
-    if hit is not None:
+    hit = session._local_lookup(handle, pack_keys(keys), len(keys), count=count)
+    if hit is not None and count:
         session.counters.lookups += 1
     return hit
 

@@ -140,10 +140,11 @@ class NamespaceHandle:
     def lookup(self, keys: Sequence[bytes]) -> int:
         return batches.lookup(self.client, self, keys)
 
-    def lookup_local(self, keys: Sequence[bytes]) -> int | None:
+    def lookup_local(self, keys: Sequence[bytes], *, count: bool = True) -> int | None:
         """The hit prefix from the daemon's published index, or None when it cannot answer
-        (another host, not mapped yet, daemon away or frozen): never a round trip."""
-        return batches.lookup_local(self.client, self, keys)
+        (another host, not mapped yet, daemon away or frozen): never a round trip. ``count``
+        False: left out of the lookup counts (a probe that a counted lookup follows)."""
+        return batches.lookup_local(self.client, self, keys, count=count)
 
     def lookup_detail(self, keys: Sequence[bytes]) -> LookupResult:
         """Like lookup, with the tier of each hit and whether NVMe holds it durably."""

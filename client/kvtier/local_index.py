@@ -8,22 +8,24 @@ Lifecycle (owned by a :class:`kvtier.session.Session`)::
     tallies = local.take_tallies()                    # sent with the next heartbeat
     local.clear()                                     # session gone
 
-The first lookup of a namespace asks the daemon's shm socket for that namespace's segment (a
-read-only descriptor) and maps it; a remote client, whose shm socket is not there, stops
-asking for ``_RETRY_REMOTE_S``. A mapped segment answers only while the daemon shows it is
-alive: the session's index channel (the connection segments are fetched on, which the daemon
-keeps open while the session lives) is not closed at its end, which a daemon that died or
-ended the session does at once; and its stamp is at most ``STALE_AFTER_S`` old (a frozen
-daemon); and only while it is not retired and of the session's boot epoch.
-Otherwise ``lookup`` answers None and the caller asks over gRPC, which also decides about a
-daemon that is away (the breaker). Layout and rules: :mod:`kvtier_contract.published_index`.
+The first lookup of a namespace starts a background fetch of that namespace's segment (a
+read-only descriptor, from the daemon's shm socket) and goes over gRPC itself; a remote
+client, whose shm socket is not there, stops asking for ``_RETRY_REMOTE_S``. A mapped segment
+answers only while the daemon shows it is alive: the session's index channel (the connection
+segments are fetched on, which the daemon keeps open while the session lives) is not closed
+at its end, which a daemon that died or ended the session does at once; and its stamp is at
+most ``STALE_AFTER_S`` old (a frozen daemon); and only while it is not retired and of the
+session's boot epoch. Otherwise ``lookup`` answers None and the caller asks over gRPC, which
+also decides about a daemon that is away (the breaker). Layout and rules:
+:mod:`kvtier_contract.published_index`.
 
 A lookup here is advisory as every lookup is: it does not touch the eviction policy (the load
 that follows does) and is counted in the namespace's Stats when the tallies reach the daemon.
 
-Thread-safety: lookups from any thread without a lock (a segment is replaced, never changed
-under a reader: the old mapping lives while a reader holds it); fetching a segment holds
-``_fetch_lock``, which a lookup only tries (another thread fetching -> None).
+Thread-safety: lookups from any thread without a lock (they read one immutable view; a
+segment is replaced, never changed under a reader: the old mapping lives while a reader holds
+it). Segments are fetched on a background thread, never on the caller's: the first lookup of a
+namespace goes over gRPC and starts the fetch.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,7 +48,7 @@ from kvtier_contract import wire
 
 _RETRY_S = 1.0  # after a failed fetch of a namespace's segment
 _RETRY_REMOTE_S = 30.0  # after finding no shm socket at all (a client on another host)
-_FETCH_TIMEOUT_S = 0.25
+_FETCH_TIMEOUT_S = 5.0  # on the fetcher thread (a first build of a big namespace takes a while)
 
 
 class Segment:
@@ -127,19 +129,23 @@ class Tally:
 
 
 class LocalIndexes:
-    """The published indexes of one session's namespaces (see the module docstring)."""
+    """The published indexes of one session's namespaces (see the module docstring).
+
+    State: ``_view`` = (session id, boot epoch, shm socket path, index channel, segments),
+    replaced whole (never changed in place) under ``_lock`` by ``reset``/``clear``, by the
+    fetcher installing a segment and by a lookup that finds the channel closed; lookups read it
+    without the lock. A segment is used only with the channel it came on. Fetches run on one
+    short-lived ``kvtier-index`` thread at a time, never on the caller's: a lookup that finds no
+    segment starts one and goes over gRPC this time."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  fetch_timeout_s: float = _FETCH_TIMEOUT_S) -> None:
         self._clock = clock
         self._fetch_timeout_s = fetch_timeout_s
-        self._fetch_lock = threading.Lock()
-        self._socket = ""
-        self._channel: socket.socket | None = None  # the session's index channel
-        self._session = 0
-        self._epoch = 0
-        self._segments: dict[int, Segment] = {}
-        self._next_try: dict[int, float] = {}  # namespace -> when to ask again (0: the socket)
+        self._lock = threading.Lock()
+        self._view = _View()
+        self._fetching = False  # a fetcher thread runs (under _lock)
+        self._next_try: dict[int, float] = {}  # namespace -> when to ask again (-1: the socket)
         self._tallies: dict[int, Tally] = {}
         self._tally_lock = threading.Lock()
         self.fetched = 0
@@ -147,63 +153,48 @@ class LocalIndexes:
 
     def reset(self, shm_socket: str, session_id: int, boot_epoch: int) -> None:
         """A session opened: forget every segment of an older one (another boot, maybe)."""
-        if boot_epoch != self._epoch:
-            with self._tally_lock:
-                self._tallies = {}
-        self._drop_channel()
-        self._socket, self._session, self._epoch = shm_socket, session_id, boot_epoch
-        self._segments = {}
-        self._next_try = {}
+        with self._lock:
+            old = self._view
+            if boot_epoch != old.epoch:
+                with self._tally_lock:
+                    self._tallies = {}
+            self._view = _View(session_id, boot_epoch, shm_socket)
+            self._next_try = {}
+        old.close()
 
     def clear(self) -> None:
-        self._session = 0
-        self._segments = {}
-        self._drop_channel()
+        with self._lock:
+            old, self._view = self._view, _View(epoch=self._view.epoch)
+        old.close()
 
-    def _drop_channel(self) -> None:
-        ch, self._channel = self._channel, None
-        if ch is not None:
-            with contextlib.suppress(OSError):
-                ch.close()
-
-    def _alive(self) -> bool:
-        """The index channel is open at the daemon's end (one non-blocking peek)."""
-        ch = self._channel
-        if ch is None:
-            return False
-        try:
-            data = ch.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            data = b""
-        if data and self._fetch_lock.locked():
-            return False  # a reply in flight to a fetch on another thread: ask gRPC this time
-        self._segments = {}  # closed (the daemon died, or ended our session) or out of step
-        self._drop_channel()
-        return False
-
-    def lookup(self, namespace_id: int, packed: bytes, n: int) -> int | None:
-        """Hit prefix of ``n`` packed keys, or None (no usable segment: ask over gRPC)."""
-        if not self._session or not self._socket:
+    def lookup(self, namespace_id: int, packed: bytes, n: int, *,
+               tally: bool = True) -> int | None:
+        """Hit prefix of ``n`` packed keys, or None (no usable segment: ask over gRPC).
+        ``tally`` False: not counted in the daemon's Stats (a probe that a counted lookup
+        follows)."""
+        view = self._view
+        if not view.session or not view.path:
             return None
-        now = self._clock()
-        seg = self._segments.get(namespace_id)
-        if seg is not None and not self._alive():
+        seg = view.segments.get(namespace_id)
+        if seg is None or view.channel is None:
+            self._fetch_soon(namespace_id)
             return None
-        if seg is not None:
-            state = seg.state(now)
-            if state == "retired":
-                self._segments.pop(namespace_id, None)
-                seg = None
-            elif state == "stale":
-                return None
-        if seg is None:
-            seg = self._fetch(namespace_id, now)
-            if seg is None:
-                return None
+        alive = _peek(view.channel)
+        if alive is None:
+            return None  # bytes of a reply in flight: the fetcher reads them
+        if not alive:  # closed: the daemon died or ended our session
+            self._drop(view)
+            return None
+        state = seg.state(self._clock())
+        if state == "retired":
+            self._fetch_soon(namespace_id)
+            return None
+        if state == "stale":
+            return None
         hit = seg.hits(packed, n)
         self.answered += 1
+        if not tally:
+            return hit
         with self._tally_lock:
             t = self._tallies.get(namespace_id)
             if t is None:
@@ -218,77 +209,125 @@ class LocalIndexes:
             out, self._tallies = self._tallies, {}
         return {k: v for k, v in out.items() if v.blocks_requested}
 
-    def give_back(self, tallies: dict[int, Tally]) -> None:
-        """Tallies a heartbeat could not deliver: kept for the next one (same boot only)."""
-        with self._tally_lock:
-            for k, v in tallies.items():
-                t = self._tallies.setdefault(k, Tally())
-                t.lookups += v.lookups
-                t.blocks_requested += v.blocks_requested
-                t.blocks_hit += v.blocks_hit
+    def _drop(self, view: _View) -> None:
+        """``view``'s channel closed: a new one (and new segments) on the next fetch."""
+        with self._lock:
+            if self._view is not view:
+                return
+            self._view = _View(view.session, view.epoch, view.path)
+        view.close()
 
-    def _fetch(self, namespace_id: int, now: float) -> Segment | None:
+    def _fetch_soon(self, namespace_id: int) -> None:
+        now = self._clock()
         if now < self._next_try.get(namespace_id, 0.0) or now < self._next_try.get(-1, 0.0):
-            return None
-        if not self._fetch_lock.acquire(blocking=False):
-            return None
-        try:
-            session, epoch = self._session, self._epoch
-            try:
-                seg = self._ask(namespace_id, session)
-            except FileNotFoundError:  # no such socket here: the daemon is on another host
-                self._next_try[-1] = now + _RETRY_REMOTE_S
-                return None
-            except (OSError, ValueError):
-                self._next_try[namespace_id] = now + _RETRY_S
-                return None
-            if seg.epoch != epoch or session != self._session:
-                self._next_try[namespace_id] = now + _RETRY_S
-                self._drop_channel()
-                return None
-            self._segments[namespace_id] = seg
-            self.fetched += 1
-            return seg
-        finally:
-            self._fetch_lock.release()
+            return
+        with self._lock:
+            if self._fetching:
+                return
+            self._fetching = True
+        threading.Thread(target=self._fetch, args=(namespace_id,), daemon=True,
+                         name="kvtier-index").start()
 
-    def _ask(self, namespace_id: int, session_id: int) -> Segment:
-        """One index request on the session's index channel (opened on first use)."""
-        ch = self._channel
-        if ch is None:
-            ch = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def _fetch(self, namespace_id: int) -> None:
+        """On the fetcher thread: the namespace's segment, on the view's channel."""
+        try:
+            view = self._view
+            ch = view.channel
             try:
-                ch.settimeout(self._fetch_timeout_s)
-                ch.connect(self._socket)
-            except OSError:
-                ch.close()
-                raise
-            self._channel = ch
-            ch.setblocking(False)  # lookups peek at it; a fetch waits with poll below
-        try:
-            ch.send(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id))
-            if not select.select([ch], [], [], self._fetch_timeout_s)[0]:
-                raise TimeoutError("no index reply in time")
-            msg, fds, _flags, _addr = socket.recv_fds(ch, 4096, 1)
-        except OSError:
-            self._drop_channel()
-            raise
-        try:
-            if msg[:4] == wire.SHM_REFUSED:  # this namespace only; the channel stays open
-                raise ValueError(msg[4:].decode(errors="replace"))
-            if len(msg) != pi.INDEX_REPLY.size or msg[:4] != pi.INDEX_MAGIC or len(fds) != 1:
-                self._drop_channel()  # out of step (or closed: b""): start over next time
-                raise ValueError("bad index handshake reply")
-            _, size, _epoch, _gen = pi.INDEX_REPLY.unpack_from(msg)
-            if size < pi.HEADER_BYTES or size != os.fstat(fds[0]).st_size:
-                raise ValueError("index segment size disagrees with its descriptor")
-            m = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                if ch is None:
+                    ch = _connect(view.path, self._fetch_timeout_s)
+                seg = _ask(ch, view.session, namespace_id, self._fetch_timeout_s, self._clock)
+            except FileNotFoundError:  # no such socket here: the daemon is on another host
+                self._next_try[-1] = self._clock() + _RETRY_REMOTE_S
+                return
+            except (OSError, ValueError, struct.error) as e:
+                self._next_try[namespace_id] = self._clock() + _RETRY_S
+                if ch is view.channel:
+                    if not isinstance(e, _Refused):  # (a refusal leaves the channel usable)
+                        self._drop(view)
+                elif ch is not None:
+                    ch.close()
+                return
+            with self._lock:
+                ok = self._view is view and seg.epoch == view.epoch
+                if ok:
+                    self._view = view.with_segment(ch, namespace_id, seg)
+                    self.fetched += 1
+            if not ok and ch is not view.channel:
+                ch.close()  # (the session changed meanwhile: this one is of no use)
         finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        try:
-            return Segment(m, self._clock)
-        except (ValueError, struct.error):
-            m.close()
-            raise
+            with self._lock:
+                self._fetching = False
+
+
+class _Refused(ValueError):
+    """The daemon refused one index request (the channel stays usable)."""
+
+
+@dataclass(frozen=True)
+class _View:
+    """One session's channel and segments; immutable (LocalIndexes swaps whole views)."""
+
+    session: int = 0
+    epoch: int = 0
+    path: str = ""  # the daemon's shm socket
+    channel: socket.socket | None = None
+    segments: dict[int, Segment] = field(default_factory=dict)
+
+    def with_segment(self, ch: socket.socket, namespace_id: int, seg: Segment) -> _View:
+        return _View(self.session, self.epoch, self.path, ch,
+                     {**self.segments, namespace_id: seg})
+
+    def close(self) -> None:
+        if self.channel is not None:
+            with contextlib.suppress(OSError):
+                self.channel.close()
+
+
+def _peek(ch: socket.socket) -> bool | None:
+    """True: open; False: closed at the daemon's end; None: bytes waiting (a reply in flight)."""
+    try:
+        return None if ch.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _connect(path: str, timeout_s: float) -> socket.socket:
+    ch = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        ch.settimeout(timeout_s)
+        ch.connect(path)
+        ch.setblocking(False)  # lookups peek at it; a fetch waits with select
+    except OSError:
+        ch.close()
+        raise
+    return ch
+
+
+def _ask(ch: socket.socket, session_id: int, namespace_id: int, timeout_s: float,
+         clock: Callable[[], float]) -> Segment:
+    """One index request on an index channel; _Refused when the daemon said no."""
+    ch.send(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id))
+    if not select.select([ch], [], [], timeout_s)[0]:
+        raise TimeoutError("no index reply in time")
+    msg, fds, _flags, _addr = socket.recv_fds(ch, 4096, 1)
+    try:
+        if msg[:4] == wire.SHM_REFUSED:  # this namespace only; the channel stays open
+            raise _Refused(msg[4:].decode(errors="replace"))
+        if len(msg) != pi.INDEX_REPLY.size or msg[:4] != pi.INDEX_MAGIC or len(fds) != 1:
+            raise ValueError("bad index handshake reply")  # (or b"": closed)
+        _, size, _epoch, _gen = pi.INDEX_REPLY.unpack_from(msg)
+        if size < pi.HEADER_BYTES or size != os.fstat(fds[0]).st_size:
+            raise ValueError("index segment size disagrees with its descriptor")
+        m = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    try:
+        return Segment(m, clock)
+    except (ValueError, struct.error):
+        m.close()
+        raise

@@ -217,15 +217,14 @@ class Session:
         self.breaker.detach(self)
         with self._conn_lock:
             if self._session_id and self._stub is not None and self.breaker.allows():
-                try:
-                    tallies = self._tally_request()  # local lookups not yet counted
-                    if tallies.local_lookups:
-                        tallies.session_id = self._session_id
+                tallies = self._tally_request()  # local lookups not yet counted
+                if tallies.local_lookups:
+                    tallies.session_id = self._session_id
+                    with contextlib.suppress(grpc.RpcError):
                         self._stub.Heartbeat(tallies, timeout=self.probe_timeout_s)
+                with contextlib.suppress(grpc.RpcError):
                     self._stub.CloseSession(pb.CloseSessionRequest(session_id=self._session_id),
                                             timeout=self.probe_timeout_s)
-                except grpc.RpcError:
-                    pass
             self._disconnect()
 
     # -- connection management --------------------------------------------------------------------
@@ -512,15 +511,17 @@ class Session:
         except Away as e:
             raise errors.TransportError(f"{method}: {e}") from None
 
-    def _local_lookup(self, handle: Registered, packed: bytes, n: int) -> int | None:
+    def _local_lookup(self, handle: Registered, packed: bytes, n: int, *,
+                      count: bool = True) -> int | None:
         """Hit prefix from the published index, or None (ask over gRPC): only for a live,
-        open session whose namespace is registered in this boot."""
+        open session whose namespace is registered in this boot. ``count`` False: in neither
+        the counters nor the daemon's Stats."""
         local = self.local
         if local is None or self._stale or not self._session_id or \
                 handle.registered_epoch != self._epoch or not self.breaker.allows():
             return None
-        hit = local.lookup(handle.namespace_id, packed, n)
-        if hit is not None:
+        hit = local.lookup(handle.namespace_id, packed, n, tally=count)
+        if hit is not None and count:
             self.counters.lookups_local += 1
         return hit
 
@@ -538,15 +539,13 @@ class Session:
             tallies = self.local.take_tallies() if self.local is not None else {}
             if not tallies and self._clock() - self._last_call < self.lease_ttl_s / 3:
                 continue
-            epoch = self._epoch
             request = self._tally_request(tallies)
             try:
                 self._call("Heartbeat", request)
-            except Away:
-                if tallies and self.local is not None and self._epoch == epoch:
-                    self.local.give_back(tallies)  # the same daemon may take them later
-            except errors.KvtierError:
-                pass  # refused (never for tallies of this boot's namespaces): not sent again
+            except (Away, errors.KvtierError):
+                # Dropped, not sent again: an unanswered heartbeat may have been applied, and
+                # a lookup left uncounted is better than one counted twice.
+                pass
 
     # -- the data channel -------------------------------------------------------------------------
 

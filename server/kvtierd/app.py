@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier_contract.protoutil import to_dict
+from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig
@@ -84,7 +85,8 @@ class Daemon:
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
             on_release=self._release_session)
-        self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index)
+        self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index,
+                                    idle_retire_s=cfg.publish_index_idle_s)
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
                                      advertise=self._advertise, cuda=self.cuda,
@@ -97,6 +99,7 @@ class Daemon:
         self.addresses: dict[str, Any] = {}
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._stamper: asyncio.Task[None] | None = None
         self._nvme_serving: bool | None = None
 
     def _release_session(self, session: Session) -> None:
@@ -122,6 +125,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        _raise_fd_limit()
         if self.cuda is not None:
             await self.cuda.start()  # page-locks the arena before anything is served
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -168,10 +172,17 @@ class Daemon:
             self.metrics.start()
             self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._stamper = asyncio.get_running_loop().create_task(self._stamp())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         for link in self.cache.chain:  # a tier that opened degraded says so from the start
             await self._set_nvme_health(link.tier.admitting)
+
+    async def _stamp(self) -> None:
+        """The published indexes' tick: pending changes, liveness stamps, idle ones retired."""
+        while True:
+            await asyncio.sleep(STAMP_INTERVAL_S)
+            self.published.tick()
 
     async def _sweep(self) -> None:
         next_probe = 0.0
@@ -181,7 +192,6 @@ class Daemon:
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
-            self.published.tick()
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
@@ -226,6 +236,8 @@ class Daemon:
             await asyncio.sleep(0.02)
         if self._sweeper:
             self._sweeper.cancel()
+        if self._stamper:
+            self._stamper.cancel()
         loop = asyncio.get_running_loop()
         for link in self.cache.chain:
             # A probe or late open in progress ends first (its copies back in the index), then
@@ -266,6 +278,20 @@ class Daemon:
         except TimeoutError:
             return False
         return True
+
+
+def _raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard one: every bound on connections (data, shm, index
+    channels one per session, metrics) is the daemon's own, not a default soft limit of 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:

@@ -65,6 +65,9 @@ class DaemonConfig:
     it (over the shm socket): its lookups then need no round trip (docs/published_index.md).
     Costs 16-32 bytes of shared memory per block of such a namespace and ~1 µs of daemon
     time per block committed or evicted there. Needs shm_enabled."""
+    publish_index_idle_s: float = 30.0
+    """A published index that no client's index channel has read for this long is retired
+    (and built anew on the next request)."""
     cuda_ipc: bool = False
     """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
     copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;
@@ -162,6 +165,7 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.data_max_connections >= 1, "data_max_connections", "must be >= 1")
     need(cfg.data_max_queued_bytes >= 0, "data_max_queued_bytes", "must be >= 0")
     need(cfg.shm_max_connections >= 1, "shm_max_connections", "must be >= 1")
+    need(cfg.publish_index_idle_s >= 0, "publish_index_idle_s", "must be >= 0")
     need(cfg.max_inflight_rpcs >= 1, "max_inflight_rpcs", "must be >= 1")
     need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
     need(bool(cfg.socket_path or cfg.listen), "listen", "need a Unix socket or a TCP listener")

@@ -37,7 +37,6 @@ from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
-    NotFound,
     Unavailable,
 )
 from kvtier_contract.protoutil import namespace_from_spec, split_keys
@@ -137,7 +136,8 @@ def add_to_server(service: KvtierService, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
 
 
-_MAX_TALLY = 1 << 40  # blocks per namespace per heartbeat: far above any real rate
+_MAX_TALLY = 1 << 32  # blocks per namespace per heartbeat: far above any real rate
+_COUNTER_CAP = (1 << 63) - 1  # counters fed by clients' tallies stop here (uint64 in Stats)
 
 
 class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
@@ -200,11 +200,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
         """Add clients' published-index lookups to their namespaces' counters: all checked
-        first, so a bad tally changes nothing."""
+        first, so a bad tally changes nothing. Counters saturate (a client cannot wrap them)."""
         if len(tallies) > len(self.cache.namespaces):
             raise InvalidArgument(f"has {len(tallies)} entries for {len(self.cache.namespaces)} "
                                   "namespaces", field="local_lookups")
-        checked = []
+        checked: dict[int, tuple[Any, Any]] = {}
         for i, t in enumerate(tallies):
             name = f"local_lookups[{i}]"
             if t.blocks_hit > t.blocks_requested or t.lookups > t.blocks_requested or \
@@ -212,20 +212,22 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 raise InvalidArgument("needs blocks_hit <= blocks_requested, lookups <= "
                                       f"blocks_requested <= {_MAX_TALLY}", field=name)
             ns = self.cache.namespaces.get(t.namespace_id)
-            if ns is None:
-                raise NotFound(f"unknown namespace {t.namespace_id}", field=f"{name}.namespace_id")
-            checked.append((ns, t))
-        for ns, t in checked:
+            if ns is None:  # (INVALID_ARGUMENT: NOT_FOUND would read as a forgotten session)
+                raise InvalidArgument(f"no namespace {t.namespace_id} on this daemon",
+                                      field=f"{name}.namespace_id")
+            if ns.id in checked:
+                raise InvalidArgument(f"namespace {ns.id} appears twice",
+                                      field=f"{name}.namespace_id")
+            checked[ns.id] = (ns, t)
+        for ns, t in checked.values():
             c, tpb = ns.counters, ns.spec.tokens_per_block
             miss = t.blocks_requested - t.blocks_hit
-            c.lookups += t.lookups
-            c.local_lookups += t.lookups
-            c.blocks_requested += t.blocks_requested
-            c.blocks_hit_local += t.blocks_hit
-            c.blocks_missed += miss
-            c.tokens_requested += t.blocks_requested * tpb
-            c.tokens_hit += t.blocks_hit * tpb
-            c.tokens_missed += miss * tpb
+            for field, n in (("lookups", t.lookups), ("local_lookups", t.lookups),
+                             ("blocks_requested", t.blocks_requested),
+                             ("blocks_hit_local", t.blocks_hit), ("blocks_missed", miss),
+                             ("tokens_requested", t.blocks_requested * tpb),
+                             ("tokens_hit", t.blocks_hit * tpb), ("tokens_missed", miss * tpb)):
+                setattr(c, field, min(_COUNTER_CAP, getattr(c, field) + n))
 
     @_rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> Any:

@@ -34,6 +34,17 @@ def blocks(n: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
+def warm(handle: NamespaceHandle, timeout_s: float = 10.0) -> None:
+    """Look up until the published index answers (the first lookup fetches it in the
+    background and goes over gRPC itself)."""
+    c = handle.client.counters
+    before, deadline = c.lookups_local, time.monotonic() + timeout_s
+    while c.lookups_local == before:
+        assert time.monotonic() < deadline, "the published index never answered"
+        handle.lookup([b"\1" * 32])
+        time.sleep(0.005)
+
+
 class Pair:
     """One namespace seen by a local-lookup client and a gRPC-only client."""
 
@@ -44,9 +55,14 @@ class Pair:
                                                  timeout_s=0.5, backoff_s=(0.05, 0.2))
         self.local = self.local_client.register(make_namespace(**ns))
         self.grpc = self.grpc_client.register(make_namespace(**ns))
+        warm(self.local)
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Both paths' answer (asserted equal); asserts the local one came from the index."""
+    def lookup(self, keys: Sequence[bytes], *, settle: bool = False) -> int:
+        """Both paths' answer (asserted equal); asserts the local one came from the index.
+        ``settle``: first wait until the index answers (after a rebuild the client fetches
+        the new generation in the background, answering over gRPC meanwhile)."""
+        if settle:
+            warm(self.local)
         before = self.local_client.counters.lookups_local
         a = self.local.lookup(keys)
         b = self.grpc.lookup(keys)
@@ -72,7 +88,7 @@ def test_the_same_hits_as_grpc_in_every_lookup_case(pair: Pair, daemon: DaemonPr
     ns = pair.local
     keys = ns.block_keys(list(range(16 * 6)))
     assert pair.lookup([]) == 0
-    assert pair.lookup(keys) == 0  # nothing stored yet: the index is fetched empty
+    assert pair.lookup(keys) == 0  # nothing stored yet
     assert ns.put(keys, blocks(6, ns.block_bytes)).stored == 6
     assert pair.lookup(keys) == 6
     assert pair.lookup(keys[:3] + [b"\0" * 32] + keys[4:]) == 3  # longest prefix only
@@ -121,7 +137,7 @@ def test_more_keys_than_one_rpc_batch_and_a_table_that_grows_under_the_reader(
         data = blocks(1, ns.block_bytes)[0]
         for start in range(0, 5000, 1000):  # > max_batch_blocks (4,096) and the table grows
             assert ns.put(keys[start:start + 1000], [data] * 1000).stored == 1000
-            assert p.lookup(keys) == start + 1000
+            assert p.lookup(keys, settle=True) == start + 1000
         assert p.lookup(keys[2500:]) == 2500
         # The daemon built bigger tables as it went; the client followed each retirement.
         assert p.local_client.local.fetched > first  # type: ignore[union-attr]
@@ -166,13 +182,15 @@ def test_a_daemon_restart_invalidates_what_the_client_mapped_of_its_index(
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 4)))
         assert ns.put(keys, blocks(4, ns.block_bytes)).stored == 4
+        warm(ns)
+        local = client.counters.lookups_local
         assert ns.lookup(keys) == 4
-        assert client.counters.lookups_local == 1
+        assert client.counters.lookups_local == local + 1
         epoch1 = client.boot_epoch
         d1.kill()
         # At once, not after the stamp goes stale: the index channel closed with the daemon.
         assert ns.lookup(keys) == 0
-        assert client.counters.lookups_local == 1
+        assert client.counters.lookups_local == local + 1
         daemon_factory("--host-bytes", "32MiB", "--slab-bytes", "1MiB", run_dir=run_dir)
         deadline = time.monotonic() + 10
         while client.boot_epoch == epoch1 and time.monotonic() < deadline:
@@ -182,8 +200,8 @@ def test_a_daemon_restart_invalidates_what_the_client_mapped_of_its_index(
         local = client.counters.lookups_local
         while client.counters.lookups_local == local and time.monotonic() < deadline:
             assert ns.lookup(keys) == 0  # the new daemon has none of them: nothing stale
-            time.sleep(0.02)  # (until the reopen has registered the namespace again)
-        assert client.counters.lookups_local == local + 1  # answered by the new index: 0
+            time.sleep(0.02)  # (until the reopen registered the namespace and the new
+        assert client.counters.lookups_local == local + 1  # index came): answered by it: 0
         assert ns.put(keys, blocks(4, ns.block_bytes)).stored == 4
         assert ns.lookup(keys) == 4
     finally:
@@ -197,6 +215,7 @@ def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 4)))
         assert ns.put(keys, blocks(4, ns.block_bytes)).stored == 4
+        warm(ns)
         assert ns.lookup(keys) == 4
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGSTOP)
@@ -209,51 +228,68 @@ def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(
             assert client.counters.lookups_local == local
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
+        # Thawed: local answers again (after the breaker's probe, maybe on a new session and
+        # so a segment fetched anew in the background).
         deadline = time.monotonic() + 10
-        while ns.lookup(keys) != 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
         local = client.counters.lookups_local
-        assert ns.lookup(keys) == 4
-        assert client.counters.lookups_local == local + 1
+        while client.counters.lookups_local == local and time.monotonic() < deadline:
+            hit = ns.lookup(keys)
+            assert hit in (0, 4)
+            time.sleep(0.02)
+        assert client.counters.lookups_local == local + 1 and ns.lookup(keys) == 4
     finally:
         client.close()
 
 
-def test_local_lookups_are_counted_in_the_namespaces_stats(daemon: DaemonProcess) -> None:
+def test_local_lookups_are_counted_in_the_namespaces_stats(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    conf = tmp_path / "kvtierd.json"
+    conf.write_text('{"publish_index_idle_s": 0.5}')
+    daemon = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--config", str(conf))
     client = kvtier.Client.connect(daemon.unix, "tcp", lease_ttl_s=0.6)  # heartbeats ~0.2 s
     # (with heartbeats of 0.2 s the 11th lookup could still be sent by one: either way it counts)
     try:
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 6)))
         assert ns.put(keys[:4], blocks(4, ns.block_bytes)).stored == 4
+        warm(ns)  # (1-key lookups, all misses: over gRPC until the index came, then local)
+        deadline = time.monotonic() + 5
+        base: dict[str, int] = {}
+        while time.monotonic() < deadline:  # every warm-up lookup counted
+            base = client.stats()["namespaces"][0]["counters"]
+            if base["lookups"] == client.counters.lookups:
+                break
+            time.sleep(0.1)
+        assert base["lookups"] == client.counters.lookups
+        warmed = client.counters.lookups_local
         for _ in range(10):
             assert ns.lookup(keys) == 4
-        assert client.counters.lookups_local == 10
-        deadline = time.monotonic() + 5
+        assert client.counters.lookups_local == warmed + 10
         c: dict[str, int] = {}
         while time.monotonic() < deadline:
             c = client.stats()["namespaces"][0]["counters"]
-            if c.get("local_lookups") == 10:
+            if c.get("local_lookups") == base["local_lookups"] + 10:
                 break
             time.sleep(0.1)
-        assert c["local_lookups"] == 10 and c["lookups"] == 10
-        assert c["blocks_requested"] == 60 and c["blocks_hit_local"] == 40
-        assert c["blocks_missed"] == 20
-        assert c["tokens_hit"] == 40 * 16 and c["tokens_missed"] == 20 * 16
+        d = {k: c[k] - base[k] for k in c}
+        assert d["local_lookups"] == 10 and d["lookups"] == 10
+        assert d["blocks_requested"] == 60 and d["blocks_hit_local"] == 40
+        assert d["blocks_missed"] == 20
+        assert d["tokens_hit"] == 40 * 16 and d["tokens_missed"] == 20 * 16
         text = urllib.request.urlopen(daemon.info["metrics"], timeout=5).read().decode()
         assert any(line.startswith("kvtier_lookup_blocks_hit_total") and 'tier="unknown"' in line
-                   and line.endswith(" 40.0") for line in text.splitlines())
-        assert any(line.startswith("kvtier_local_lookups_total") and line.endswith(" 10.0")
-                   for line in text.splitlines())
+                   and line.endswith(f" {c['blocks_hit_local']:.1f}") for line in text.splitlines())
+        assert any(line.startswith("kvtier_local_lookups_total")
+                   and line.endswith(f" {c['local_lookups']:.1f}") for line in text.splitlines())
         assert "kvtier_published_indexes 1.0" in text
         assert 'kvtier_connections{transport="index"} 1.0' in text
         # Tallies still pending when the client closes are sent before the session ends.
         assert ns.lookup(keys) == 4
     finally:
         client.close()
-    with kvtier.Client.connect(daemon.unix, "tcp") as other:
-        assert other.stats()["total"]["local_lookups"] == 11
-    # Its only reader gone, the index is retired: the daemon stops publishing it.
+    with kvtier.Client.connect(daemon.unix, "tcp", local_lookups=False) as other:
+        assert other.stats()["total"]["local_lookups"] == c["local_lookups"] + 1
+    # Its only reader gone, the index is retired once idle (0.5 s here): no longer published.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(daemon.info["metrics"], timeout=5).read().decode()
@@ -285,10 +321,12 @@ def _stub(daemon: DaemonProcess) -> tuple[grpc.Channel, Any, int, list[int]]:
      "local_lookups[0]"),
     ({"blocks_requested": 4, "blocks_hit": 1, "lookups": 5}, grpc.StatusCode.INVALID_ARGUMENT,
      "local_lookups[0]"),
-    ({"blocks_requested": 1 << 50, "blocks_hit": 1, "lookups": 1},
+    ({"blocks_requested": (1 << 32) + 1, "blocks_hit": 1, "lookups": 1},
      grpc.StatusCode.INVALID_ARGUMENT, "local_lookups[0]"),
+    # (INVALID_ARGUMENT, not NOT_FOUND: the SDK reads a NOT_FOUND naming a namespace as a
+    # daemon that forgot it and reopens its session)
     ({"namespace_id": 12345, "blocks_requested": 4, "blocks_hit": 1, "lookups": 1},
-     grpc.StatusCode.NOT_FOUND, "local_lookups[0].namespace_id"),
+     grpc.StatusCode.INVALID_ARGUMENT, "local_lookups[0].namespace_id"),
 ])
 def test_a_bad_lookup_tally_is_refused_and_counts_nothing(daemon: DaemonProcess, tally: dict[str, int],
                                                            code: grpc.StatusCode, field: str) -> None:
@@ -382,3 +420,17 @@ def test_garbage_or_another_sessions_id_on_an_index_channel_closes_only_that_cha
     finally:
         channel.close()
         channel2.close()
+
+
+def test_a_namespace_twice_in_one_heartbeat_is_refused(
+        daemon: DaemonProcess) -> None:
+    channel, stub, sid, (ns_id, _) = _stub(daemon)
+    try:
+        t = pb.LookupTally(namespace_id=ns_id, lookups=1, blocks_requested=4, blocks_hit=1)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.HeartbeatRequest(session_id=sid, local_lookups=[t, t]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "local_lookups[1].namespace_id" in (e.value.details() or "")
+        assert stub.Stats(pb.StatsRequest(), timeout=5).total.lookups == 0
+    finally:
+        channel.close()

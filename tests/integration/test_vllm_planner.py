@@ -629,13 +629,22 @@ def test_a_miss_in_the_published_index_costs_no_lookup_rpc(daemon: DaemonProcess
     backend = DaemonBackend(IDENTITY, cfg_for(daemon))
     try:
         backend.warmup()
-        new = backend.lookup(BASE, prompt(BS * 4, seed=11))
-        assert new.hits == 0 and not new.pins
+        deadline = time.monotonic() + 10  # (the client fetches the index in the background)
+        while backend.local_misses == 0 and time.monotonic() < deadline:
+            new = backend.lookup(BASE, prompt(BS * 4, seed=11))
+            assert new.hits == 0 and not new.pins
+            time.sleep(0.005)
         assert backend.local_misses == 1
+        lookups = backend.client.counters.lookups
+        backend.lookup(BASE, prompt(BS * 4, seed=11))
+        assert backend.local_misses == 2
+        assert backend.client.counters.lookups == lookups + 1  # counted once
         seed_blocks(daemon, prompt(BS * 4, seed=12), 4)
+        lookups = backend.client.counters.lookups
         old = backend.lookup(BASE, prompt(BS * 4, seed=12))
         assert old.hits == 4 and old.pins  # pinned over gRPC
-        assert backend.local_misses == 1
+        assert backend.local_misses == 2
+        assert backend.client.counters.lookups == lookups + 1  # the probe is not counted
         backend.release(old.pins)
     finally:
         backend.close()

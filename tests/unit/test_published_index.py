@@ -216,3 +216,62 @@ def test_changes_reach_readers_at_the_flush_and_batches_land_where_single_ones_w
     assert reader.hits(b"".join(keys), len(keys)) == len(keys)
     seg = ns.ready.publisher.segment  # type: ignore[union-attr]
     assert seg.keys == len(keys)  # each key once: nothing published twice
+
+
+def test_lookup_tallies_saturate_instead_of_wrapping_a_counter() -> None:
+    """A client repeating huge tallies cannot push a counter past what Stats can carry."""
+    from types import SimpleNamespace
+
+    from kvtier_contract.v1 import kvtier_pb2 as pb
+    from kvtierd.service import KvtierService
+    from kvtierd.stats import Counters
+
+    counters = Counters(tokens_hit=(1 << 63) - 5)
+    ns = SimpleNamespace(id=7, counters=counters, spec=SimpleNamespace(tokens_per_block=16))
+    fake = SimpleNamespace(cache=SimpleNamespace(namespaces={7: ns}))
+    t = pb.LookupTally(namespace_id=7, lookups=1, blocks_requested=1 << 32, blocks_hit=1 << 32)
+    KvtierService._count_local_lookups(fake, [t])  # type: ignore[arg-type]
+    assert counters.tokens_hit == (1 << 63) - 1
+    assert counters.blocks_hit_local == 1 << 32
+    pb.Counters(tokens_hit=counters.tokens_hit)  # still fits the wire
+
+
+def test_two_keys_of_one_fingerprint_and_bucket_both_leave_in_one_batch() -> None:
+    ns, pubs = _ns(), Publishers(boot_epoch=1)
+    reader = _reader(pubs, ns)
+    k = _key(1, b"twin")
+    twin = bytes([k[0] ^ 2]) + k[1:]  # the same fingerprint (bit 1 is set anyway), same home
+    others = [_key(i, b"crowd") for i in range(60)]  # enough for the vectorized path
+    for key in [k, twin, *others]:
+        ns.ready[key] = object()
+    pubs.flush()
+    assert reader.hits(k, 1) == 1 and reader.hits(twin, 1) == 1
+    for key in [k, twin, *others]:
+        del ns.ready[key]
+    pubs.flush()
+    assert reader.hits(k, 1) == 0 and reader.hits(twin, 1) == 0
+    seg = ns.ready.publisher.segment  # type: ignore[union-attr]
+    assert seg.keys == 0
+
+
+def test_a_failure_while_publishing_drops_that_index_and_the_next_handout_builds_it_anew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtierd.index import published
+
+    ns, pubs = _ns(), Publishers(boot_epoch=1)
+    keys = [_key(i, b"fail") for i in range(100)]
+    for key in keys:
+        ns.ready[key] = object()
+    old = _reader(pubs, ns)
+    for key in keys:
+        del ns.ready[key]
+
+    def broken(self: object, keys: list[bytes]) -> None:
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(published.Segment, "remove_many", broken)
+    new = _reader(pubs, ns)  # the handout's flush fails: that index goes, a new one is built
+    monkeypatch.undo()
+    assert old.state(time.monotonic()) == "retired"
+    assert new.generation == 1 and new.state(time.monotonic()) == "ok"  # (a new Publisher)
+    assert new.hits(b"".join(keys), len(keys)) == 0  # built from ns.ready as it is now

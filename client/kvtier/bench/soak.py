@@ -258,6 +258,14 @@ def _reap(p: subprocess.Popen[bytes]) -> None:
         p.stdout.close()
 
 
+def _config(tmp: Path, cfg: SoakConfig) -> str:
+    """The daemon's config file: published indexes nobody reads are retired after one lease
+    (not the default 30 s), so the settled sample sees what the killed clients left behind."""
+    path = tmp / "kvtierd.json"
+    path.write_text(json.dumps({"publish_index_idle_s": cfg.lease_ttl_s}))
+    return str(path)
+
+
 def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
     """One soak run in a private temporary directory (see the module docstring)."""
     from kvtier.bench.procs import DaemonProc
@@ -266,7 +274,8 @@ def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
     rng = random.Random(cfg.seed)
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp, \
             DaemonProc(Path(tmp), cfg.host_bytes, MiB,
-                       ["--lease-ttl-s", str(cfg.lease_ttl_s)]) as daemon:  # last flag wins
+                       ["--lease-ttl-s", str(cfg.lease_ttl_s),  # (the last flag wins)
+                        "--config", _config(Path(tmp), cfg)]) as daemon:
         assert daemon.proc is not None
         pid = daemon.proc.pid
         stats = _Stats(daemon.grpc)

@@ -7,8 +7,8 @@ Lifecycle::
     registry.hold(ns_id, +1)               # a client's index channel reads it
     ns.ready[key] = e / ns.ready.pop(key)  # ReadyMap notes each change with its publisher
     registry.flush()                       # after every RPC: the changes reach the segments
-    registry.tick()                        # every lease sweep: flush, and the liveness stamp
-    registry.hold(ns_id, -1)               # the last reader gone: retired, unpublished
+    registry.tick()                        # every 0.1 s: flush, the liveness stamp, idle ones go
+    registry.hold(ns_id, -1)               # no reader left: retired after idle_retire_s
     registry.close()                       # shutdown: every segment says retired
 
 Changes are published in batches: at the end of every RPC (before its reply, so a client that
@@ -37,7 +37,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -79,10 +79,8 @@ class Segment:
             os.ftruncate(self.fd, self.size)
             self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
-            try:  # no new writable mapping or write() from anyone, ours included; ours stays
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | _F_SEAL_FUTURE_WRITE)
-            except OSError:  # kernel before 5.1: size sealed; clients get a read-only fd
-                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            # no new writable mapping or write() from anyone, ours included; ours stays
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | _F_SEAL_FUTURE_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
@@ -97,36 +95,34 @@ class Segment:
     def stamp(self, value: int, retired: bool = False) -> None:
         pi.STAMP_RETIRED.pack_into(self.map, pi.STAMP_OFFSET, value, int(retired))
 
-    def insert(self, key: bytes) -> None:
+    def _walk(self, key: bytes) -> tuple[int, Iterator[int]]:
+        """``key``'s fingerprint, and the first slot of each bucket it may live in, in order."""
         fp, home = _KEY_HEAD.unpack_from(key)
-        fp |= pi.FP_BIT
-        s, bmask = self.slots, self.bucket_mask
-        b = home & bmask
-        for _ in range(pi.MAX_PROBE):
-            base = b * pi.BUCKET
+        b, bmask = home & self.bucket_mask, self.bucket_mask
+        return fp | pi.FP_BIT, (((b + i) & bmask) * pi.BUCKET for i in range(pi.MAX_PROBE))
+
+    def insert(self, key: bytes) -> None:
+        fp, bases = self._walk(key)
+        s = self.slots
+        for base in bases:
             for j, v in enumerate(s[base:base + pi.BUCKET].tolist()):
                 if v <= pi.TOMBSTONE:
                     s[base + j] = fp
                     self.keys += 1
                     self.tombstones -= v
                     return
-            b = (b + 1) & bmask
         self.left_out += 1
 
     def _find(self, key: bytes) -> int:
         """The slot holding ``key``, or -1 (a bucket with an EMPTY slot ends the walk)."""
-        fp, home = _KEY_HEAD.unpack_from(key)
-        fp |= pi.FP_BIT
-        s, bmask = self.slots, self.bucket_mask
-        b = home & bmask
-        for _ in range(pi.MAX_PROBE):
-            base = b * pi.BUCKET
+        fp, bases = self._walk(key)
+        s = self.slots
+        for base in bases:
             row: list[int] = s[base:base + pi.BUCKET].tolist()
             if fp in row:
                 return int(base + row.index(fp))
             if pi.EMPTY in row:
                 return -1
-            b = (b + 1) & bmask
         return -1
 
     def remove(self, key: bytes) -> None:
@@ -148,12 +144,18 @@ class Segment:
         rows = self.array.reshape(-1, pi.BUCKET).take(home, axis=0)
         match = rows == fps[:, None]
         hit = _any4(match)
-        at = home[hit] * pi.BUCKET + match[hit].argmax(axis=1)
+        idx = np.flatnonzero(hit)
+        at = home[idx] * pi.BUCKET + match[idx].argmax(axis=1)
+        # Two keys of one fingerprint and home bucket find the same slot: one goes here, the
+        # other one by one (it finds its own copy further on, or nothing).
+        at, first = np.unique(at, return_index=True)
         self.array[at] = pi.TOMBSTONE
-        n = int(at.size)
-        self.keys -= n
-        self.tombstones += n
-        for i in np.flatnonzero(~hit & ~_any4(rows == pi.EMPTY)).tolist():
+        self.keys -= int(at.size)
+        self.tombstones += int(at.size)
+        again = np.ones(idx.size, dtype=bool)
+        again[first] = False
+        walk = np.flatnonzero(~hit & ~_any4(rows == pi.EMPTY)).tolist() + idx[again].tolist()
+        for i in walk:
             self.remove(keys[i])
 
     def insert_many(self, keys: list[bytes]) -> None:
@@ -228,7 +230,6 @@ class Publisher:
         self.generation = 0
         self.pending: dict[bytes, bool] = {}
         self.dirty = dirty
-        self.readers = 0  # index channels reading it (Publishers.hold)
         self.segment: Segment | None = self._build()
 
     def _build(self) -> Segment:
@@ -294,8 +295,7 @@ class Publisher:
 
     def handout(self) -> tuple[int, int, int]:
         """A new read-only descriptor of the current segment (the caller closes it), its size
-        and generation."""
-        self.flush()
+        and generation (flushed first by ``Publishers.handout``)."""
         seg = self.segment
         if seg is None:
             raise OSError("no published index (it could not be rebuilt)")
@@ -310,39 +310,61 @@ class Publisher:
 
 class Publishers:
     """Every published index of one daemon (namespaces that a client asked for).
-    Event-loop thread only. ``enabled`` False: handout refuses (config ``publish_index``)."""
 
-    def __init__(self, boot_epoch: int, enabled: bool = True) -> None:
+    Event-loop thread only. ``enabled`` False: handout refuses (config ``publish_index``, a
+    big-endian host, or a kernel without ``F_SEAL_FUTURE_WRITE``: a segment a client could
+    write is not published). Readers are counted per namespace id (``hold``), so they outlive
+    a publisher dropped and built again; a namespace nobody has read for ``idle_retire_s`` is
+    retired at the next tick (the grace keeps a client that reconnects from costing a build
+    each time)."""
+
+    def __init__(self, boot_epoch: int, enabled: bool = True, *,
+                 idle_retire_s: float = 30.0, clock: Any = time.monotonic) -> None:
         self.boot_epoch = boot_epoch
-        self.enabled = enabled and sys.byteorder == "little"
+        self.enabled = enabled and sys.byteorder == "little" and _future_write_seal()
+        self.idle_retire_s = idle_retire_s
+        self._clock = clock
         self._all: dict[int, Publisher] = {}
         self._dirty: set[Publisher] = set()
+        self._readers: dict[int, int] = {}  # namespace id -> index channels reading it
+        self._idle_since: dict[int, float] = {}  # published namespaces nobody reads
         self.handed_out = 0
+        self.builds = 0
 
     def handout(self, ns: NamespaceState) -> tuple[int, int, int]:
         if not self.enabled:
-            raise OSError("published indexes are disabled on this daemon (publish_index)")
+            raise OSError("published indexes are disabled on this daemon (publish_index, or "
+                          "the kernel cannot seal a segment against writes)")
+        self.flush()  # (a failure drops that publisher here, and a new one is built below)
         pub = ns.ready.publisher
         if pub is None:
             pub = Publisher(ns, self.boot_epoch, self._dirty)
+            self.builds += 1
             ns.ready.publisher = pub
             self._all[ns.id] = pub
+            if not self._readers.get(ns.id):
+                self._idle_since[ns.id] = self._clock()
         self.handed_out += 1
         return pub.handout()
 
     def hold(self, namespace_id: int, delta: int) -> None:
         """A reader (a client's index channel) starts (+1) or stops (-1) reading a namespace's
-        index; one that no channel reads any more is retired and costs nothing again (the
-        next handout builds it anew)."""
-        pub = self._all.get(namespace_id)
-        if pub is None:
-            return
-        pub.readers += delta
-        if pub.readers <= 0:
-            self._dirty.discard(pub)
-            pub.close()
-            pub.ns.ready.publisher = None
-            del self._all[namespace_id]
+        index; one that nobody reads is retired once idle for ``idle_retire_s``."""
+        n = self._readers.get(namespace_id, 0) + delta
+        if n > 0:
+            self._readers[namespace_id] = n
+            self._idle_since.pop(namespace_id, None)
+        else:
+            self._readers.pop(namespace_id, None)
+            if namespace_id in self._all:
+                self._idle_since[namespace_id] = self._clock()
+
+    def _drop(self, pub: Publisher) -> None:
+        self._dirty.discard(pub)
+        pub.close()  # retired: its clients look up over gRPC, then ask for a new one
+        pub.ns.ready.publisher = None
+        self._all.pop(pub.ns.id, None)
+        self._idle_since.pop(pub.ns.id, None)
 
     def flush(self) -> None:
         """Publish every pending change (after each RPC, and each tick for background ones)."""
@@ -352,17 +374,17 @@ class Publishers:
                 pub.flush()
             except Exception:  # noqa: BLE001  (never the RPC's failure: this index goes instead)
                 log.exception("namespace %d: published index dropped", pub.ns.id)
-                pub.close()  # retired: its clients look up over gRPC, then ask for a new one
-                pub.ns.ready.publisher = None
-                self._all.pop(pub.ns.id, None)
+                self._drop(pub)
 
     def tick(self) -> None:
-        """Pending changes, and the liveness stamp of every live segment (every lease sweep)."""
+        """Pending changes, the liveness stamp of every live segment, idle ones retired
+        (every ``STAMP_INTERVAL_S``)."""
         self.flush()
-        now = time.monotonic_ns()
+        now, mono = time.monotonic_ns(), self._clock()
         for ns_id, pub in list(self._all.items()):
-            if pub.segment is None:
-                del self._all[ns_id]
+            idle = self._idle_since.get(ns_id)
+            if pub.segment is None or (idle is not None and mono - idle >= self.idle_retire_s):
+                self._drop(pub)
                 continue
             pub.segment.stamp(now)
 
@@ -370,13 +392,27 @@ class Publishers:
         segs = [p.segment for p in self._all.values() if p.segment is not None]
         return {"published_indexes": len(segs),
                 "published_index_bytes": sum(s.size for s in segs),
-                "published_index_left_out": sum(s.left_out for s in segs)}
+                "published_index_left_out": sum(s.left_out for s in segs),
+                "published_index_builds": self.builds}
 
     def close(self) -> None:
-        for pub in self._all.values():
-            pub.close()
-            pub.ns.ready.publisher = None
-        self._all.clear()
+        for pub in list(self._all.values()):
+            self._drop(pub)
+
+
+def _future_write_seal() -> bool:
+    """Whether this kernel seals a memfd against new writable mappings (Linux 5.1+)."""
+    try:
+        fd = os.memfd_create("kvtier-seal-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class ReadyMap(dict[bytes, Any]):

@@ -113,7 +113,7 @@ class ShmFdServer(ServerTransport):
                 if data[:4] == pi.INDEX_MAGIC:
                     data += await asyncio.wait_for(
                         self._recv(conn, pi.INDEX_REQUEST.size - len(data)), self._timeout_s)
-                    held: set[int] = set()  # namespaces this channel reads
+                    held: dict[int, int] = {}  # namespace -> generation handed out here
                     try:
                         session_id = self._serve_index(conn, data, held)
                         handshake = False
@@ -139,7 +139,8 @@ class ShmFdServer(ServerTransport):
                 if handshake:
                     self._open -= 1
 
-    async def _index_channel(self, conn: socket.socket, session_id: int, held: set[int]) -> None:
+    async def _index_channel(self, conn: socket.socket, session_id: int,
+                             held: dict[int, int]) -> None:
         """The session's index channel: it stays open while the session lives (the client
         reads the daemon's liveness from it: a dead daemon's end closes) and takes further
         index requests of that session; one per session (a newer one replaces it)."""
@@ -185,10 +186,11 @@ class ShmFdServer(ServerTransport):
             data += chunk
         return data
 
-    def _serve_index(self, conn: socket.socket, data: bytes, held: set[int]) -> int:
+    def _serve_index(self, conn: socket.socket, data: bytes, held: dict[int, int]) -> int:
         """Answer one index request (its session's id); a KvtierError or ValueError refuses.
         A namespace handed out on this channel for the first time is held (``index_hold``)
-        until the channel ends."""
+        until the channel ends; one generation of a namespace is handed out once per channel
+        (so a client that asks without reading cannot pile descriptors up in the socket)."""
         _, session_id, namespace_id = pi.INDEX_REQUEST.unpack(data)
         if self._index is None:
             raise ValueError("published indexes are not served here")
@@ -197,9 +199,12 @@ class ShmFdServer(ServerTransport):
         except OSError as e:
             raise ValueError(f"no published index: {e}") from None
         try:  # non-blocking: a few bytes fit the socket buffer unless the peer never reads
+            if held.get(namespace_id) == generation:
+                raise ValueError(f"generation {generation} of namespace {namespace_id} was "
+                                 "handed out on this channel already")
             if namespace_id not in held:
-                held.add(namespace_id)
                 self._index_hold(namespace_id, +1)
+            held[namespace_id] = generation
             reply = pi.INDEX_REPLY.pack(pi.INDEX_MAGIC, size, self._epoch, generation)
             if socket.send_fds(conn, [reply], [fd]) != len(reply):
                 raise OSError("short send")

@@ -60,9 +60,12 @@ class DaemonBackend:
         handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
         keys = [h.block_keys(token_ids) for h in handles]
         n_max = self.client.max_batch
-        if any(h.lookup_local(keys[r][:n_max]) == 0 for r, h in enumerate(handles)):
-            self.local_misses += 1
-            return LookupOutcome(keys, 0, [], [], self._chain(handles))
+        for r, h in enumerate(handles):
+            # (uncounted: a hit is counted by the pinned lookup that follows, a miss here)
+            if h.lookup_local(keys[r][:n_max], count=False) == 0:
+                h.lookup_local(keys[r][:n_max])
+                self.local_misses += 1
+                return LookupOutcome(keys, 0, [], [], self._chain(handles))
         hits: int | None = None
         tiers: list[str] = []
         pins: list[Pin] = []
