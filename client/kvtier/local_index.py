@@ -149,7 +149,6 @@ class LocalIndexes:
         self._tallies: dict[int, Tally] = {}
         self._tally_lock = threading.Lock()
         self.fetched = 0
-        self.answered = 0
 
     def reset(self, shm_socket: str, session_id: int, boot_epoch: int) -> None:
         """A session opened: forget every segment of an older one (another boot, maybe)."""
@@ -192,7 +191,6 @@ class LocalIndexes:
         if state == "stale":
             return None
         hit = seg.hits(packed, n)
-        self.answered += 1
         if not tally:
             return hit
         with self._tally_lock:

@@ -67,9 +67,13 @@ INDEX_REQUEST = struct.Struct("<4sQQ")
 INDEX_REPLY = struct.Struct("<4sQQQ")
 
 
+_KEY_HEAD = struct.Struct("<QQ")  # a key's bytes 0..8 and 8..16
+
+
 def fingerprint(key: bytes) -> tuple[int, int]:
-    """(fp, home) of one key; home is not yet masked by the capacity."""
-    return int.from_bytes(key[:8], "little") | FP_BIT, int.from_bytes(key[8:16], "little")
+    """(fp, home) of one key; home is not yet masked by the bucket count."""
+    fp, home = _KEY_HEAD.unpack_from(key)
+    return fp | FP_BIT, home
 
 
 def capacity_for(keys: int) -> int:

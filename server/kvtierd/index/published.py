@@ -34,7 +34,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -54,7 +53,6 @@ class NamespaceState(Protocol):
 
 
 _VECTORIZE_FROM = 48  # pending changes of one kind from which a flush goes vectorized
-_KEY_HEAD = struct.Struct("<QQ")  # a key's fingerprint and home bucket bytes (contract module)
 _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1 (not in Python's fcntl module)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -97,9 +95,9 @@ class Segment:
 
     def _walk(self, key: bytes) -> tuple[int, Iterator[int]]:
         """``key``'s fingerprint, and the first slot of each bucket it may live in, in order."""
-        fp, home = _KEY_HEAD.unpack_from(key)
+        fp, home = pi.fingerprint(key)
         b, bmask = home & self.bucket_mask, self.bucket_mask
-        return fp | pi.FP_BIT, (((b + i) & bmask) * pi.BUCKET for i in range(pi.MAX_PROBE))
+        return fp, (((b + i) & bmask) * pi.BUCKET for i in range(pi.MAX_PROBE))
 
     def insert(self, key: bytes) -> None:
         fp, bases = self._walk(key)
@@ -328,7 +326,6 @@ class Publishers:
         self._dirty: set[Publisher] = set()
         self._readers: dict[int, int] = {}  # namespace id -> index channels reading it
         self._idle_since: dict[int, float] = {}  # published namespaces nobody reads
-        self.handed_out = 0
         self.builds = 0
 
     def handout(self, ns: NamespaceState) -> tuple[int, int, int]:
@@ -344,7 +341,6 @@ class Publishers:
             self._all[ns.id] = pub
             if not self._readers.get(ns.id):
                 self._idle_since[ns.id] = self._clock()
-        self.handed_out += 1
         return pub.handout()
 
     def hold(self, namespace_id: int, delta: int) -> None:

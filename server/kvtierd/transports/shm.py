@@ -69,7 +69,6 @@ class ShmFdServer(ServerTransport):
         self._index = index
         self._index_hold = index_hold
         self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
-        self.indexes_handed_out = 0
         self._open = 0  # handshakes being served
         self.handed_out = 0
         self.refused = 0
@@ -210,7 +209,6 @@ class ShmFdServer(ServerTransport):
                 raise OSError("short send")
         finally:
             os.close(fd)
-        self.indexes_handed_out += 1
         return int(session_id)
 
     def advertise(self) -> dict[str, Any]:
