@@ -22,9 +22,10 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     KVTIER_LOG_LEVEL=INFO
-# Runtime dependencies are the pinned ones of pyproject.toml; torch is not among them.
+# Runtime dependencies are the pinned ones of pyproject.toml, with the cluster tier's (redis-py,
+# hiredis: used only when --cluster is given); torch is not among them.
 COPY --from=build /wheels /wheels
-RUN python -m pip install --no-cache-dir /wheels/*.whl \
+RUN python -m pip install --no-cache-dir "$(ls /wheels/*.whl)[cluster]" \
     && rm -rf /wheels \
     && groupadd --system --gid 10001 kvtier \
     && useradd --system --uid 10001 --gid kvtier --home-dir /var/lib/kvtier --create-home \

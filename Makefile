@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# CPU build of torch only (tests pass torch CPU tensors); never a loose range.
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	@command -v redis-server >/dev/null || { \
-	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
-	  echo "warning: redis-server not installed; Redis comparisons in benchmarks are skipped"; }
+	# redis-server and redis-cli: the cluster tier's tests start a real Redis Cluster, the
+	# benchmarks compare against Redis. Required: without them `make test` stops here.
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+	  (apt-get update -qq && apt-get install -y -qq redis-server redis-tools) >/dev/null 2>&1; \
+	  command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+	  { echo "error: redis-server/redis-cli missing and apt-get could not install them" >&2; \
+	    exit 1; }; }
 	@touch $(STAMP)
 
 env: $(STAMP)

@@ -64,7 +64,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 
 # (job_id, key indexes in the job, positions in the caller's lists, slot offsets)
 Move = Callable[[int, list[int], list[int], list[int]], None]
-TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
+TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme", pb.TIER_CLUSTER: "cluster"}
 PREPARES_AHEAD = 2  # jobs whose Prepare* is in flight while one job's bytes are copied
 COMPLETES_BEHIND = 4  # jobs whose Complete* may be left uncollected while the call goes on
 

@@ -132,6 +132,10 @@ _ROWS = [
     ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
     ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
 ]
+_CLUSTER_ROWS = [
+    ("blocks hit (cluster)", "blocks_hit_cluster"), ("cluster imports", "cluster_imports"),
+    ("cluster corrupt values", "cluster_corrupt"),
+]
 _NVME_ROWS = [
     ("nvme resident blocks", "nvme_resident_blocks"), ("nvme resident bytes", "nvme_resident_bytes"),
     ("promotions", "promotions"), ("demotions", "demotions"), ("nvme evictions", "nvme_evictions"),
@@ -164,7 +168,11 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
             f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
             f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)")
-    rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else [])
+    cluster = stats.get("cluster") or {}
+    if cluster.get("enabled"):
+        head += _cluster_lines(cluster)
+    rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else []) + \
+        (_CLUSTER_ROWS if cluster.get("enabled") else [])
     cols = [("total", stats["total"])] + [
         (f"{ns['model_id'][:18]}#{str(ns['namespace_id'])[-4:]}", ns["counters"])
         for ns in stats["namespaces"]]
@@ -177,9 +185,32 @@ def format_stats(stats: dict[str, Any]) -> str:
     req = int(total.get("blocks_requested", 0))
     if req:
         hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
-                                                  "blocks_hit_local"))
+                                                  "blocks_hit_local", "blocks_hit_cluster"))
         lines.append(f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested")
     return "\n".join(head + lines)
+
+
+def _cluster_lines(cl: dict[str, Any]) -> list[str]:
+    """The cluster tier: state, write queue, then one line per master."""
+    state = "connected" if cl.get("connected") else "UNREACHABLE (lookups miss, stores dropped)"
+    lines = [f"cluster tier {state}, write policy {cl.get('write_policy')}, "
+             f"{int(cl.get('writes', 0)):,} written, {int(cl.get('write_drops', 0)):,} dropped, "
+             f"{int(cl.get('queued_blocks', 0)):,} queued "
+             f"({format_bytes(int(cl.get('queued_bytes', 0)))}), "
+             f"{int(cl.get('corrupt_values', 0)):,} corrupt values, "
+             f"{int(cl.get('lookup_timeouts', 0)):,} late lookups",
+             f"  {'node':<22}{'state':>8}{'slots':>7}{'hits':>10}{'misses':>10}{'read':>11}"
+             f"{'written':>11}{'errors':>8}{'ms/req':>8}"]
+    for n in cl.get("nodes", []):
+        answered = max(1, int(n.get("requests", 0)) - int(n.get("errors", 0)))
+        ms = 1000 * float(n.get("latency_seconds_sum", 0.0)) / answered
+        lines.append(
+            f"  {n['address']:<22}{'up' if n.get('healthy') else 'DOWN':>8}"
+            f"{int(n.get('slots', 0)):>7}{int(n.get('hits', 0)):>10,}"
+            f"{int(n.get('misses', 0)):>10,}{format_bytes(int(n.get('bytes_read', 0))):>11}"
+            f"{format_bytes(int(n.get('bytes_written', 0))):>11}{int(n.get('errors', 0)):>8}"
+            f"{ms:>8.2f}")
+    return lines
 
 
 if __name__ == "__main__":

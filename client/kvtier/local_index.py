@@ -54,10 +54,10 @@ _FETCH_TIMEOUT_S = 5.0  # on the fetcher thread (a first build of a big namespac
 class Segment:
     """One mapped segment. Immutable for the client; the daemon writes slots and stamp."""
 
-    __slots__ = ("map", "buckets", "bucket_mask", "epoch", "generation", "_offset")
+    __slots__ = ("map", "buckets", "bucket_mask", "epoch", "generation", "flags", "_offset")
 
     def __init__(self, m: mmap.mmap, clock: Callable[[], float]) -> None:
-        magic, version, epoch, _ns, generation, capacity, _probe, _, _, _ = \
+        magic, version, epoch, _ns, generation, capacity, _probe, flags, _, _ = \
             pi.HEADER.unpack_from(m, 0)
         if magic != pi.MAGIC or version != pi.VERSION or capacity & (capacity - 1) or \
                 capacity < pi.BUCKET or pi.segment_bytes(capacity) > len(m):
@@ -68,6 +68,7 @@ class Segment:
         self.bucket_mask = capacity // pi.BUCKET - 1
         self.epoch = epoch
         self.generation = generation
+        self.flags = flags
         stamp, _ = pi.STAMP_RETIRED.unpack_from(m, pi.STAMP_OFFSET)
         self._offset = clock() - stamp / 1e9  # our clock minus the daemon's, give or take a tick
 
@@ -191,6 +192,8 @@ class LocalIndexes:
         if state == "stale":
             return None
         hit = seg.hits(packed, n)
+        if hit < n and seg.flags & pi.FLAG_SHARED_TIER:
+            return None  # the daemon's cluster tier may hold the rest: ask it
         if not tally:
             return hit
         with self._tally_lock:

@@ -27,7 +27,7 @@ class LookupResult:
     """A detailed lookup: the ready prefix, each hit's tier, and whether NVMe holds it durably."""
 
     hits: int
-    tiers: list[str]  # "host" or "nvme", one per hit
+    tiers: list[str]  # "host", "nvme" or "cluster", one per hit
     durable: list[bool]  # one per hit
 
 

@@ -8,7 +8,7 @@ load still pins, and a block gone since is a miss.
 Segment layout (little endian)::
 
     header  (64 bytes) = magic:4s ("KVX1") version:u32 boot_epoch:u64 namespace_id:u64
-                         generation:u64 capacity:u64 max_probe:u32 pad:u32 stamp:u64 retired:u64
+                         generation:u64 capacity:u64 max_probe:u32 flags:u32 stamp:u64 retired:u64
     slots   (capacity x u64)  fingerprints, in capacity / BUCKET buckets
 
 Slots are grouped in buckets of ``BUCKET`` (4 slots, 32 bytes). A key (32 bytes, a SHA-256
@@ -29,7 +29,9 @@ not yet answered) or late (gone a moment ago), which an advisory lookup allows.
 the daemon runs (a reader that finds it more than ``STALE_AFTER_S`` old stops trusting the
 segment: the daemon froze or died); ``retired`` = 1 once the daemon replaced the segment
 (grown or compacted: ask for the new one) or shut down. ``generation`` counts a namespace's
-segments within one boot.
+segments within one boot. ``flags``: ``FLAG_SHARED_TIER`` = the daemon has a cluster tier that
+may hold blocks this table does not list, so a lookup that is not a full hit must ask the
+daemon (over gRPC); a full hit is still answered here.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ LOAD_DIVISOR = 2
 """The table is grown (or compacted) once used slots (keys + tombstones) pass capacity / 2;
 a new one is built at most a quarter full. Then nearly every key sits in its home bucket and a
 reader's lookup is one vectorized gather."""
+FLAG_SHARED_TIER = 1
 STAMP_INTERVAL_S = 0.1
 STALE_AFTER_S = 1.0
 

@@ -22,12 +22,14 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvtier_contract import published_index as pi
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -40,6 +42,7 @@ from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiers import Arena, HostTier
+from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
 from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
@@ -73,6 +76,10 @@ class Daemon:
             self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
                 write_after_hits=cfg.write_after_hits))
+        if cfg.cluster:  # started in start(); redis-py only when configured
+            from kvtierd.tiers.cluster.tier import ClusterTier
+
+            self.cache.add_cluster_tier(ClusterTier(cluster_settings(cfg)))
         # cuda_ipc: CUDA (cupy) only when enabled; the arena is page-locked in start().
         self.cuda: CudaIpcTransport | None = None
         if cfg.cuda_ipc or cuda_driver is not None:
@@ -86,7 +93,8 @@ class Daemon:
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
             on_release=self._release_session)
         self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index,
-                                    idle_retire_s=cfg.publish_index_idle_s)
+                                    idle_retire_s=cfg.publish_index_idle_s,
+                                    flags=pi.FLAG_SHARED_TIER if cfg.cluster else 0)
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
                                      advertise=self._advertise, cuda=self.cuda,
@@ -128,6 +136,8 @@ class Daemon:
         _raise_fd_limit()
         if self.cuda is not None:
             await self.cuda.start()  # page-locks the arena before anything is served
+        if self.cache.fleet is not None:  # connects in the background: never blocks a start
+            self.cache.fleet.tier.start()
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         add_to_server(self.service, self.server)  # lenient request decoding (service.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -258,6 +268,13 @@ class Daemon:
             await loop.run_in_executor(None, link.tier.close)
         if self.server:
             await self.server.stop(grace=0.5)
+        if self.cache.fleet is not None:  # imports end by their deadline; queued writes get
+            fleet = self.cache.fleet       # the drain deadline, then are dropped (counted)
+            while fleet.tier.pending_writes and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fleet.settle(), 2.0)
+            await loop.run_in_executor(None, self.cache.fleet.close)
         if self.metrics is not None:
             self.metrics.close()
         self.sessions.close_all()
@@ -292,6 +309,32 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError) as e:
             log.warning("could not raise the open-file limit from %d: %s", soft, e)
+
+
+def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
+    """The cluster tier's settings from ``cfg`` (the password read from its file here)."""
+    seeds, tls = parse_url(cfg.cluster)
+    try:
+        import hiredis  # noqa: F401  (the parser redis-py uses when it is there)
+        import redis  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"cluster: the cluster tier needs redis-py and hiredis "
+                         f"(pip install 'kvtier[cluster]'): {e}") from None
+    password = ""
+    if cfg.cluster_password_file:
+        try:
+            password = Path(cfg.cluster_password_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
+    creds = Credentials(username=cfg.cluster_username, password=password, tls=tls,
+                        ca_file=cfg.cluster_tls_ca, cert_file=cfg.cluster_tls_cert,
+                        key_file=cfg.cluster_tls_key)
+    return ClusterSettings(
+        seeds=seeds, creds=creds, write_policy=cfg.cluster_write_policy, ttl_s=cfg.cluster_ttl_s,
+        lookup_timeout_s=cfg.cluster_lookup_timeout_ms / 1000,
+        fetch_timeout_s=cfg.cluster_fetch_timeout_ms / 1000,
+        write_timeout_s=cfg.cluster_write_timeout_ms / 1000, queue_bytes=cfg.cluster_queue_bytes,
+        inflight_bytes=cfg.cluster_inflight_bytes, breaker_s=cfg.cluster_breaker_s)
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:

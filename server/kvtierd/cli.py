@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--io-align", dest="io_align_bytes", type=_size,
                    help="NVMe slot alignment (default 4KiB; 16KiB works too)")
     s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"])
+    s.add_argument("--cluster", help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
+                   "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)")
+    s.add_argument("--cluster-write-policy", choices=["commit", "evict"])
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
     f.add_argument("directory")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvtierd.app import run
+    from kvtierd.app import cluster_settings, run
     from kvtierd.config import load_config, with_overrides
 
     try:
@@ -74,7 +77,10 @@ def _serve(args: argparse.Namespace) -> int:
             eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
             io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
-            cuda_ipc=args.cuda_ipc)
+            cuda_ipc=args.cuda_ipc, cluster=args.cluster,
+            cluster_write_policy=args.cluster_write_policy)
+        if cfg.cluster:
+            cluster_settings(cfg)  # reads the password file: refused here, not at start
     except (ValueError, OSError) as e:
         print(f"kvtierd serve: configuration error: {e}", file=sys.stderr)
         return 2

@@ -12,14 +12,17 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from kvtier_contract import defaults
 from kvtier_contract.units import parse_bytes
 from kvtierd.policies import PolicyName, WritePolicyName
 
+ClusterWritePolicy = Literal["commit", "evict"]
+
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
-                "disk_file_bytes", "data_max_queued_bytes")
+                "disk_file_bytes", "data_max_queued_bytes", "cluster_queue_bytes",
+                "cluster_inflight_bytes")
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -114,6 +117,38 @@ class DaemonConfig:
     """Threads doing NVMe reads and writes (the event loop never blocks on disk)."""
     probe_interval_s: float = 2.0
     """While the NVMe tier is degraded (disk full, I/O error): how often it tries to recover."""
+    cluster: str = ""
+    """Cluster tier: ``redis://HOST:PORT[,HOST:PORT…]`` (``rediss://`` for TLS) of a Redis or
+    Valkey Cluster shared by the daemons of many nodes ("" disables; docs/cluster.md)."""
+    cluster_username: str = ""
+    """ACL user for the cluster ("" = the default user)."""
+    cluster_password_file: str = ""
+    """File holding the cluster password (first line; "" = none). Never logged."""
+    cluster_tls_ca: str = ""
+    """rediss://: CA bundle to verify the cluster's certificates ("" = the system's)."""
+    cluster_tls_cert: str = ""
+    """rediss://: client certificate, when the cluster requires one."""
+    cluster_tls_key: str = ""
+    """rediss://: the client certificate's key."""
+    cluster_write_policy: ClusterWritePolicy = "commit"
+    """Which blocks are written to the cluster: "commit" (every stored block, after the local
+    commit) or "evict" (a block leaving the host tier that the cluster does not hold yet)."""
+    cluster_ttl_s: float = 86400.0
+    """Expiry of a block in the cluster (``SET … PX``); the cluster's LRU may drop it earlier."""
+    cluster_lookup_timeout_ms: float = 30.0
+    """The cluster part of a lookup (pipelined EXISTS): an answer not there in time is a miss."""
+    cluster_fetch_timeout_ms: float = 500.0
+    """Reading blocks found only in the cluster into the host tier: late ones are misses."""
+    cluster_write_timeout_ms: float = 2000.0
+    """One batch of writes to the cluster; late ones are dropped (counted)."""
+    cluster_queue_bytes: int = 256 << 20
+    """Bytes waiting to be written to the cluster at most; more is dropped (counted). With the
+    "commit" policy these blocks stay in the host tier (pinned) until written."""
+    cluster_inflight_bytes: int = 64 << 20
+    """Bytes read or written to the cluster at once (one round of pipelines), at most."""
+    cluster_breaker_s: float = 1.0
+    """A cluster node that fails or answers late is skipped (its keys miss) for this long,
+    doubling while it keeps failing (at most 8x)."""
     run_dir: str = "run"
     """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -179,6 +214,22 @@ def validate(cfg: DaemonConfig) -> None:
     need(0.0 < cfg.flush_watermark <= 1.0, "flush_watermark", "must be in (0, 1]")
     need(1 <= cfg.io_threads <= 64, "io_threads", "must be in [1, 64]")
     need(cfg.probe_interval_s > 0, "probe_interval_s", "must be > 0")
+    if cfg.cluster:
+        try:
+            from kvtierd.tiers.cluster.settings import parse_url
+
+            parse_url(cfg.cluster)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+    need(cfg.cluster_write_policy in get_args(ClusterWritePolicy), "cluster_write_policy",
+         "must be 'commit' or 'evict'")
+    need(cfg.cluster_ttl_s >= 0.001, "cluster_ttl_s", "must be >= 0.001")
+    for name in ("cluster_lookup_timeout_ms", "cluster_fetch_timeout_ms",
+                 "cluster_write_timeout_ms"):
+        need(getattr(cfg, name) > 0, name, "must be > 0")
+    need(cfg.cluster_queue_bytes >= 0, "cluster_queue_bytes", "must be >= 0")
+    need(cfg.cluster_inflight_bytes >= 1 << 20, "cluster_inflight_bytes", "must be >= 1MiB")
+    need(cfg.cluster_breaker_s > 0, "cluster_breaker_s", "must be > 0")
     if cfg.disk_dir:
         need(cfg.disk_bytes > 0, "disk_bytes", "must be > 0 with disk_dir")
         need(cfg.disk_file_bytes >= cfg.slab_bytes, "disk_file_bytes", "must hold a slab")

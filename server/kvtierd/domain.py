@@ -16,6 +16,7 @@ class TierId(enum.IntEnum):
     NONE = 0
     HOST = 1
     NVME = 2
+    CLUSTER = 3
 
 
 class StoreStatus(enum.IntEnum):

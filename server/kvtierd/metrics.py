@@ -41,6 +41,12 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
     "blocks_hit_nvme": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier", {"tier": "nvme"}),
     "blocks_hit_local": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier",
                          {"tier": "unknown"}),
+    "blocks_hit_cluster": ("kvtier_lookup_blocks_hit_total", "Blocks found, by tier",
+                           {"tier": "cluster"}),
+    "cluster_imports": ("kvtier_cluster_imports_total",
+                        "Blocks fetched from the cluster tier into the host tier", {}),
+    "cluster_corrupt": ("kvtier_cluster_corrupt_total",
+                        "Cluster values that failed verification (a miss; deleted)", {}),
     "local_lookups": ("kvtier_local_lookups_total",
                       "Lookups answered by clients from the published index", {}),
     "blocks_missed": ("kvtier_lookup_blocks_missed_total", "Blocks not found", {}),
@@ -79,6 +85,48 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
                            {"direction": "write"}),
 }
 assert set(_FAMILIES) == set(COUNTER_FIELDS)
+
+
+def _cluster_families(cl: dict[str, Any]) -> Iterator[Any]:
+    """The cluster tier's figures, per node (``node`` = the master's host:port)."""
+    if not cl.get("enabled"):
+        return
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    yield g("kvtier_cluster_connected", "1 while a slot map is known and a master answers",
+            value=1 if cl.get("connected") else 0)
+    yield g("kvtier_cluster_queued_bytes", "Bytes waiting to be written to the cluster",
+            value=cl.get("queued_bytes", 0))
+    yield c("kvtier_cluster_writes_total", "Blocks written to the cluster (or already there)",
+            value=cl.get("writes", 0))
+    yield c("kvtier_cluster_write_drops_total", "Blocks not written: queue full, node down, late",
+            value=cl.get("write_drops", 0))
+    yield c("kvtier_cluster_lookup_timeouts_total",
+            "Lookups whose cluster part ran past the deadline", value=cl.get("lookup_timeouts", 0))
+    per_node = [
+        ("kvtier_cluster_node_keys_total", "Keys asked of a node, by outcome", "outcome",
+         (("hit", "hits"), ("miss", "misses"))),
+        ("kvtier_cluster_node_bytes_total", "Value bytes moved, by direction", "direction",
+         (("read", "bytes_read"), ("write", "bytes_written"))),
+    ]
+    nodes = cl.get("nodes", [])
+    for name, help_, label, pairs in per_node:
+        fam = c(name, help_, labels=["node", label])
+        for n in nodes:
+            for value, key in pairs:
+                fam.add_metric([n["address"], value], n.get(key, 0))
+        yield fam
+    errors = c("kvtier_cluster_node_errors_total", "Pipelines failed or late", labels=["node"])
+    requests = c("kvtier_cluster_node_requests_total", "Pipelines sent", labels=["node"])
+    latency = c("kvtier_cluster_node_latency_seconds_total",
+                "Time of answered pipelines (divide by requests - errors)", labels=["node"])
+    healthy = g("kvtier_cluster_node_healthy", "0 while a node's breaker is open",
+                labels=["node"])
+    for n in nodes:
+        errors.add_metric([n["address"]], n.get("errors", 0))
+        requests.add_metric([n["address"]], n.get("requests", 0))
+        latency.add_metric([n["address"]], n.get("latency_seconds_sum", 0.0))
+        healthy.add_metric([n["address"]], 1 if n.get("healthy") else 0)
+    yield from (errors, requests, latency, healthy)
 
 
 class KvtierCollector:
@@ -126,6 +174,7 @@ class KvtierCollector:
             yield CounterMetricFamily("kvtier_cuda_ipc_copy_errors_total",
                                       "cuda_ipc transfers failed by a CUDA error (job aborted)",
                                       value=cu["copy_errors"])
+        yield from _cluster_families(snap.get("cluster") or {})
         yield from _connection_families(snap.get("connections", {}))
         pub = snap.get("published", {})
         if pub:

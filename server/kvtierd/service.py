@@ -240,7 +240,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         if request.pin:
-            job, tiers = self.cache.pin_prefix(s, ns, keys)
+            job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
             n = len(job.items)
@@ -249,7 +249,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                        for e, t in zip(job.items.values(), tiers, strict=True)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=tiers, offsets=offsets)
-        hit, tiers, durable = self.cache.lookup_detail(ns, keys)
+        hit, tiers, durable = await self.cache.lookup_shared(ns, keys)
         return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
                               durable=durable)
 
@@ -366,6 +366,12 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
                                              flushes_in_flight=link.flushes_in_flight,
                                              **link.tier.stats()))
+        if c.fleet is not None:
+            fig = c.fleet.tier.stats()
+            nodes = fig.pop("nodes")
+            reply.cluster.CopyFrom(pb.ClusterStats(enabled=True, **fig))
+            for n in nodes:
+                reply.cluster.nodes.add(**n)
         if self.cuda is not None:
             reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
         for ns in c.namespaces.values():

@@ -46,6 +46,9 @@ class Counters:
     bytes_out_cuda_ipc: int = 0
     local_lookups: int = 0
     blocks_hit_local: int = 0
+    blocks_hit_cluster: int = 0
+    cluster_imports: int = 0
+    cluster_corrupt: int = 0
 
     def add(self, other: Counters) -> None:
         for f in COUNTER_FIELDS:

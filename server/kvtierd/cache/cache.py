@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
@@ -49,6 +50,10 @@ from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
 from kvtierd.tiers import HostTier, StorageTier
+
+if TYPE_CHECKING:  # the cluster tier needs redis-py: imported only when one is configured
+    from kvtierd.cache.fleet import ClusterLink
+    from kvtierd.tiers.cluster.tier import ClusterTier
 
 _HOST_TIERS = bytes([TierId.HOST]) * 4096
 
@@ -75,6 +80,7 @@ class TieredCache:
         self.policy_name = policy_name
         self.residency = HostResidency(host, policy, clock=clock)
         self.chain: list[TierLink] = []
+        self.fleet: ClusterLink | None = None  # the cluster tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
         self._max_namespaces = max_namespaces
         self._clock = clock
@@ -90,6 +96,13 @@ class TieredCache:
         self.residency.links = self.chain
         link.restored = link.restore(self.register_namespace)
         return link
+
+    def add_cluster_tier(self, tier: ClusterTier) -> ClusterLink:
+        """Consult and feed ``tier`` (started by the caller) after the local chain."""
+        from kvtierd.cache.fleet import ClusterLink
+
+        self.fleet = ClusterLink(self.residency, tier)
+        return self.fleet
 
     # -- namespaces -------------------------------------------------------------------------------
 
@@ -161,9 +174,60 @@ class TieredCache:
         c.tokens_missed += (n - hit) * tpb
         return hit, tiers, durable
 
+    async def lookup_shared(self, ns: NamespaceState,
+                            keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
+        """``lookup_detail``, then the cluster tier for the keys after the local prefix (within
+        its lookup deadline): those hits are reported as TIER_CLUSTER, not durable."""
+        hit, tiers, durable = self.lookup_detail(ns, keys)
+        if self.fleet is None or hit == len(keys):
+            return hit, tiers, durable
+        more = await self.fleet.extend(ns, keys[hit:])
+        if more:
+            self._count_cluster_hits(ns, more, moved_from_host=False)
+            tiers += bytes([TierId.CLUSTER]) * more
+            durable += bytes(more)
+        return hit + more, tiers, durable
+
+    @staticmethod
+    def _count_cluster_hits(ns: NamespaceState, n: int, *, moved_from_host: bool) -> None:
+        """``n`` hits counted as misses (or, once imported, as host hits) were cluster hits."""
+        c, tpb = ns.counters, ns.spec.tokens_per_block
+        c.blocks_hit_cluster += n
+        if moved_from_host:
+            c.blocks_hit_host -= n
+        else:
+            c.blocks_missed -= n
+            c.tokens_hit += n * tpb
+            c.tokens_missed -= n * tpb
+
+    async def import_shared(self, ns: NamespaceState, keys: Sequence[bytes],
+                            protect: set[Entry] | None = None) -> int:
+        """Import, from the cluster tier, the blocks after the local READY prefix of ``keys``
+        (kvtierd.cache.fleet); how many were. Nothing without a cluster tier."""
+        if self.fleet is None:
+            return 0
+        local = 0
+        for k in keys:
+            if ns.ready.get(k) is None:
+                break
+            local += 1
+        if local == len(keys):
+            return 0
+        return max(0, await self.fleet.import_(ns, keys, protect or set()) - local)
+
     def _tier_below(self, e: Entry) -> int:
         """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
         return next(link.id for link in self.chain if e.copy_in(link.level) is not None)
+
+    async def pin_prefix_shared(self, session: Session, ns: NamespaceState,
+                                keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
+        """``pin_prefix``, after importing from the cluster tier the blocks that extend the
+        local prefix (they are then host hits, counted as cluster hits)."""
+        imported = await self.import_shared(ns, keys)
+        job, tiers = self.pin_prefix(session, ns, keys)
+        if imported:
+            self._count_cluster_hits(ns, imported, moved_from_host=True)
+        return job, tiers
 
     def pin_prefix(self, session: Session, ns: NamespaceState,
                    keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
@@ -285,6 +349,8 @@ class TieredCache:
         if committed:
             for link in self.chain:
                 link.on_committed(committed)
+            if self.fleet is not None:
+                self.fleet.on_committed(committed)
         c.stores_accepted += len(committed)
         c.stores_dropped += aborted
         name = f"bytes_in_{job.transport.label}"
@@ -298,6 +364,9 @@ class TieredCache:
         """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
         the keys still present below but not placed this round (deferred: index -> the storage
         tier holding them)."""
+        if self.fleet is not None and any(k not in ns.entries for k in keys):
+            await self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
+            _check_live(session)
         items: dict[int, Entry] = {}
         for i, k in enumerate(keys):
             e = ns.ready.get(k)

@@ -29,6 +29,8 @@ class CopyHolder(Protocol):
 
     def on_host_evicted(self, e: Entry) -> None: ...
 
+    def on_committed(self, entries: Sequence[Entry]) -> None: ...
+
 
 class HostResidency:
     """See the module docstring."""
@@ -38,6 +40,9 @@ class HostResidency:
         self.host = host
         self.policy = policy
         self.links: Sequence[CopyHolder] = ()  # the storage tiers below, set by the cache
+        # Called with a block about to lose its host slot (its bytes still there): the cluster
+        # tier's "evict" write policy (kvtierd.cache.fleet).
+        self.on_evict: Callable[[Entry], None] | None = None
         self._clock = clock
         # Slots of stores aborted by lease expiry, held back until a deadline: the session's
         # process may be stalled, not dead, and still copying into them over shm.
@@ -91,6 +96,8 @@ class HostResidency:
         assert e.evictable(), e
         self.policy.remove(e, evicted=True)
         e.ns.counters.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(e)
         self.count(e, -1)
         self.host.free(e.offset, e.ns.slot_bytes)
         e.offset = -1

@@ -8,10 +8,10 @@
 
 * WRITING entries are invisible to lookups and loads and never evicted; they belong to one store
   job (``job``) of one session, and are freed when that job aborts or the session's lease lapses.
-* READY entries are immutable. ``pins`` counts load jobs reading their host slot: a pinned
-  entry keeps its host copy. ``holds`` counts pinned lookups: a held entry stays in the index
-  (it keeps its last copy; its host copy may go while a copy below remains). Only READY entries
-  without pins may lose their host copy.
+* READY entries are immutable. ``pins`` counts load jobs (and cluster writes) reading their
+  host slot: a pinned entry keeps its host copy. ``holds`` counts pinned lookups: a held entry
+  stays in the index (it keeps its last copy; its host copy may go while a copy below
+  remains). Only READY entries without pins may lose their host copy.
 
 Keys are only ever compared within one namespace: each namespace has its own dict.
 """
@@ -46,7 +46,7 @@ class Entry:
     """
 
     __slots__ = ("ns", "key", "state", "offset", "pins", "holds", "job", "copies", "flushing",
-                 "promoting", "hits")
+                 "promoting", "hits", "in_cluster")
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -60,6 +60,7 @@ class Entry:
         self.flushing = 0
         self.promoting: asyncio.Future[None] | None = None
         self.hits = 0
+        self.in_cluster = False  # known to be in the cluster tier (not a copy: it may go)
 
     @property
     def in_host(self) -> bool:

@@ -67,7 +67,8 @@ class Segment:
     """One generation of one namespace's table: the memfd, the daemon's writable mapping and
     its slot view. Owner: its Publisher (event-loop thread)."""
 
-    def __init__(self, namespace_id: int, boot_epoch: int, generation: int, capacity: int) -> None:
+    def __init__(self, namespace_id: int, boot_epoch: int, generation: int, capacity: int,
+                 flags: int = 0) -> None:
         self.capacity = capacity
         self.bucket_mask = capacity // pi.BUCKET - 1
         self.size = pi.segment_bytes(capacity)
@@ -85,7 +86,7 @@ class Segment:
         self.slots = memoryview(self.map)[pi.HEADER_BYTES:].cast("Q")
         self.array = np.frombuffer(self.map, dtype="<u8", count=capacity, offset=pi.HEADER_BYTES)
         pi.HEADER.pack_into(self.map, 0, pi.MAGIC, pi.VERSION, boot_epoch, namespace_id,
-                            generation, capacity, pi.MAX_PROBE, 0, 0, 0)
+                            generation, capacity, pi.MAX_PROBE, flags, 0, 0)
         self.keys = 0
         self.tombstones = 0
         self.left_out = 0
@@ -222,9 +223,11 @@ class Segment:
 class Publisher:
     """The published index of one namespace (``ns.ready.publisher``). Event-loop thread only."""
 
-    def __init__(self, ns: NamespaceState, boot_epoch: int, dirty: set[Publisher]) -> None:
+    def __init__(self, ns: NamespaceState, boot_epoch: int, dirty: set[Publisher],
+                 flags: int = 0) -> None:
         self.ns = ns
         self.boot_epoch = boot_epoch
+        self.flags = flags
         self.generation = 0
         self.pending: dict[bytes, bool] = {}
         self.dirty = dirty
@@ -235,7 +238,8 @@ class Publisher:
         self.generation += 1
         self.pending = {}
         n = len(self.ns.ready)
-        seg = Segment(self.ns.id, self.boot_epoch, self.generation, pi.capacity_for(n))
+        seg = Segment(self.ns.id, self.boot_epoch, self.generation, pi.capacity_for(n),
+                      self.flags)
         try:
             seg.fill(self.ns.ready.keys(), n)
         except BaseException:
@@ -317,8 +321,10 @@ class Publishers:
     each time)."""
 
     def __init__(self, boot_epoch: int, enabled: bool = True, *,
-                 idle_retire_s: float = 30.0, clock: Any = time.monotonic) -> None:
+                 idle_retire_s: float = 30.0, clock: Any = time.monotonic,
+                 flags: int = 0) -> None:
         self.boot_epoch = boot_epoch
+        self.flags = flags  # pi.FLAG_* written into every segment (a cluster tier behind)
         self.enabled = enabled and sys.byteorder == "little" and _future_write_seal()
         self.idle_retire_s = idle_retire_s
         self._clock = clock
@@ -335,7 +341,7 @@ class Publishers:
         self.flush()  # (a failure drops that publisher here, and a new one is built below)
         pub = ns.ready.publisher
         if pub is None:
-            pub = Publisher(ns, self.boot_epoch, self._dirty)
+            pub = Publisher(ns, self.boot_epoch, self._dirty, self.flags)
             self.builds += 1
             ns.ready.publisher = pub
             self._all[ns.id] = pub

@@ -1,0 +1,173 @@
+"""The cache's side of the cluster tier (kvtierd.tiers.cluster): a tier outside the index.
+
+Part of the cache (kvtierd.cache). The cluster is shared by the daemons of many nodes and
+evicts on its own, so the index never records what it holds; a block found only there is
+*imported*: fetched into a host slot, verified, and entered READY as if it had been stored
+here, then served over any transport like every other hit. ``Entry.in_cluster`` only remembers
+that a block need not be written there again.
+
+* ``extend(ns, keys)``: how many of ``keys`` (the part of a lookup after the local prefix) the
+  cluster holds as a prefix, within the lookup deadline.
+* ``import_(ns, keys, protect)``: fetch those of ``keys`` that the index lacks and the cluster
+  holds (asked first, with ``EXISTS``) into host slots (reserved first, evicting in policy
+  order, never an entry of ``protect``); the fetch runs as
+  a task of this link, so a caller cancelled meanwhile (an RPC past its deadline) leaves it to
+  finish, and no slot is freed while bytes are being copied into it. A key stored or imported
+  meanwhile keeps that entry (our slot is freed).
+* write policy ``commit``: every committed block is offered to the cluster, its entry pinned
+  until the write ends (the writer reads the host slot; no copy); ``evict``: a block leaving
+  the host tier with no copy in the cluster is copied out and offered (its slot goes at once).
+  Either way a full queue or a failed write drops it (counted by the tier).
+
+Concurrency: event-loop thread only; the tier's I/O runs on its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from kvtierd.cache.residency import HostResidency
+from kvtierd.index import Entry, EntryState, NamespaceState
+from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_OK
+from kvtierd.tiers.cluster.tier import ClusterTier
+
+log = logging.getLogger("kvtierd.cluster")
+
+
+class ClusterLink:
+    """Owns the imports in flight and the pins of blocks being written. See the module
+    docstring."""
+
+    def __init__(self, residency: HostResidency, tier: ClusterTier) -> None:
+        self.residency = residency
+        self.tier = tier
+        self.write_policy = tier.settings.write_policy
+        self.imports_in_flight = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        if self.write_policy == "evict":
+            residency.on_evict = self._on_evict
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    async def extend(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
+        """Leading keys of ``keys`` the cluster holds (answered within the lookup deadline)."""
+        if not keys or not self.tier.connected:
+            return 0
+        found = await self.tier.exists(ns.spec.digest, keys)
+        try:
+            return found.index(False)
+        except ValueError:
+            return len(found)
+
+    # -- imports ----------------------------------------------------------------------------------
+
+    async def import_(self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry]) -> int:
+        """Import the keys the index lacks (see the module docstring); how many leading keys of
+        ``keys`` are READY afterwards because of this import or were before."""
+        todo = [k for k in dict.fromkeys(keys) if k not in ns.entries]
+        if not todo or not self.tier.connected:
+            return 0
+        # Slots are taken (evicting) only for blocks the cluster holds.
+        present = await self.tier.exists(ns.spec.digest, todo)
+        todo = [k for k, p in zip(todo, present, strict=True) if p and k not in ns.entries]
+        offsets: list[int] = []
+        for _ in todo:
+            off = self.residency.allocate(ns.slot_bytes, protect)
+            if off is None:
+                break
+            offsets.append(off)
+        todo = todo[:len(offsets)]
+        if not todo:
+            return 0
+        task = self._spawn(self._import(ns, todo, offsets))
+        await asyncio.shield(task)
+        n = 0
+        for k in keys:
+            if ns.ready.get(k) is None:
+                break
+            n += 1
+        return n
+
+    async def _import(self, ns: NamespaceState, keys: list[bytes], offsets: list[int]) -> None:
+        host = self.residency.host
+        self.imports_in_flight += len(keys)
+        try:
+            results = await self.tier.fetch(ns.spec.digest, keys, ns.block_bytes,
+                                            [host.view(off, ns.slot_bytes) for off in offsets])
+        except Exception:  # noqa: BLE001  (the tier closed under us: every slot goes back)
+            log.warning("cluster fetch failed", exc_info=True)
+            results = [0] * len(keys)
+        finally:
+            self.imports_in_flight -= len(keys)
+        entered: list[Entry] = []
+        c = ns.counters
+        for k, off, r in zip(keys, offsets, results, strict=True):
+            if r == FETCH_CORRUPT:
+                c.cluster_corrupt += 1
+            if r != FETCH_OK or k in ns.entries:  # a miss, or stored/imported meanwhile
+                host.free(off, ns.slot_bytes)
+                continue
+            e = Entry(ns, k, off, 0)
+            e.state = EntryState.READY
+            e.in_cluster = True
+            ns.entries[k] = e
+            ns.ready[k] = e
+            self.residency.policy.insert(e)
+            self.residency.count(e, +1)
+            entered.append(e)
+        c.cluster_imports += len(entered)
+        if entered:
+            for link in self.residency.links:  # an NVMe write-through keeps a copy too
+                link.on_committed(entered)
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def on_committed(self, entries: Sequence[Entry]) -> None:
+        if self.write_policy != "commit":
+            return
+        todo = [e for e in entries if not e.in_cluster and e.in_host]
+        if not todo:
+            return
+        host = self.residency.host
+        items = [(e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes)) for e in todo]
+        for e in todo:
+            e.pins += 1  # the writer reads the slot: it stays until done
+
+        def done(oks: list[bool]) -> None:
+            for e, ok in zip(todo, oks, strict=True):
+                e.pins -= 1
+                if ok:
+                    e.in_cluster = True
+
+        if not self.tier.offer(items, done):
+            done([False] * len(todo))
+
+    def _on_evict(self, e: Entry) -> None:
+        """write policy ``evict``: ``e`` is leaving the host tier (its slot still valid)."""
+        if e.in_cluster:
+            return
+        data = bytes(self.residency.host.view(e.offset, e.ns.block_bytes))
+        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data))], _ignore)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def settle(self) -> None:
+        """Wait for the imports in flight (drain, tests)."""
+        while self._tasks:
+            await asyncio.gather(*(asyncio.shield(t) for t in self._tasks))
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def _ignore(oks: list[bool]) -> None:
+    pass

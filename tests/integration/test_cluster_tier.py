@@ -1,0 +1,336 @@
+"""The cluster tier end to end: real daemons sharing a real Redis Cluster (3 masters, 3 replicas
+on loopback, started by the tests: tests/redis_cluster.py).
+
+Two daemons with separate host tiers act as two nodes: what node A stores reaches the cluster,
+and node B serves it byte-exact over shm and tcp. A master killed with ``kill -9``, a value
+altered or copied under another key, a cluster past ``maxmemory``, a cluster unreachable at
+start or lost at run time: misses, never an error and never a wrong byte. redis-server and
+redis-cli are required (the Makefile installs them): these tests fail, not skip, without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProcess, make_namespace
+from redis_cluster import RedisCluster
+
+import kvtier
+from kvtierd.tiers.cluster.format import HEADER_BYTES, redis_key
+
+HOST = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "5")
+
+
+def block(tag: str, i: int, nbytes: int) -> bytes:
+    return hashlib.shake_256(b"cluster %s %d" % (tag.encode(), i)).digest(nbytes)
+
+
+def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str) -> DaemonProcess:
+    """A daemon using the cluster at ``url`` (deadlines generous for a loaded 2-core CI)."""
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f'cluster = "{url}"\ncluster_lookup_timeout_ms = 1000\n'
+                   'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n'
+                   + "".join(f"{line}\n" for line in extra))
+    d: DaemonProcess = daemon_factory("--config", str(cfg), *HOST, run_dir=tmp_path / name)
+    return d
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def cluster_stats(d: DaemonProcess) -> dict[str, Any]:
+    with kvtier.Client.connect(d.unix, transport="tcp") as c:
+        out: dict[str, Any] = c.stats()["cluster"]
+        return out
+
+
+def store(d: DaemonProcess, tag: str, n: int, **ns_fields: Any) -> tuple[list[bytes], list[bytes]]:
+    """Put ``n`` blocks through ``d`` and wait until the cluster has them all."""
+    with kvtier.Client.connect(d.unix, transport="shm") as c:
+        ns = c.register(make_namespace(**ns_fields))
+        keys = ns.block_keys([hash_token(tag, i) for i in range(16 * n)])
+        data = [block(tag, i, ns.block_bytes) for i in range(n)]
+        before = c.stats()["cluster"]["writes"]
+        assert ns.put(keys, data).stored == n
+    wait_for("the cluster writes", lambda: cluster_stats(d)["writes"] >= before + n)
+    return keys, data
+
+
+def hash_token(tag: str, i: int) -> int:
+    """Token ids of a prompt per tag (tags never share a key)."""
+    return (int.from_bytes(hashlib.sha256(tag.encode()).digest()[:2], "little") * 7919 + i) % 30000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    with RedisCluster(tmp_path_factory.mktemp("redis")) as rc:
+        yield rc
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path, transport: str) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    keys, data = store(a, f"ab-{transport}", 24)
+    with kvtier.Client.connect(b.unix, transport=transport) as c:
+        ns = c.register(make_namespace())
+        seen = ns.lookup_detail(keys)
+        assert seen.hits == 24 and set(seen.tiers) == {"cluster"}
+        assert not any(seen.durable)
+        # a lookup from B's published index (shm clients) does not stop at B's own tiers
+        assert ns.lookup(keys) == 24
+        got = ns.get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+        assert set(ns.lookup_detail(keys).tiers) == {"host"}  # imported: served locally now
+        st = c.stats()
+        total = st["total"]
+        assert total["cluster_imports"] == 24 and total["cluster_corrupt"] == 0
+        assert total["blocks_hit_cluster"] >= 24
+        cl = st["cluster"]
+        assert cl["enabled"] and cl["connected"] and len(cl["nodes"]) == 3
+        assert sum(n["hits"] for n in cl["nodes"]) >= 48  # EXISTS, then GET
+        assert sum(n["bytes_read"] for n in cl["nodes"]) == 24 * (HEADER_BYTES + ns.block_bytes)
+        assert cl["writes"] == 0  # imported blocks are not written back
+    with kvtier.Client.connect(a.unix, transport="tcp") as c:
+        assert c.stats()["cluster"]["writes"] == 24
+    with urllib.request.urlopen(b.info["metrics"], timeout=10) as r:
+        metrics = r.read().decode()
+    assert any(line.startswith("kvtier_lookup_blocks_hit_total{") and 'tier="cluster"' in line
+               and not line.endswith(" 0.0") for line in metrics.splitlines())
+    assert "kvtier_cluster_node_keys_total{node=" in metrics
+    assert "kvtier_cluster_connected 1.0" in metrics
+
+
+def test_a_flipped_byte_and_a_value_under_another_namespace_are_misses_counted_and_deleted(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    keys, data = store(a, "corrupt", 8)
+    spec, other = make_namespace(), make_namespace(model_revision="rev2")
+    rc = cluster.cluster_client()
+    victim = redis_key(spec.digest, keys[3])
+    value = rc.get(victim)
+    assert value is not None
+    flipped = bytes([value[HEADER_BYTES + 100] ^ 0x01])
+    rc.setrange(victim, HEADER_BYTES + 100, flipped)
+    # a valid value of `spec`, copied under the same block key of another namespace
+    with kvtier.Client.connect(b.unix, transport="tcp") as c:
+        ns2 = c.register(other)
+        keys2 = ns2.block_keys([hash_token("corrupt", i) for i in range(16 * 8)])
+    stolen = rc.get(redis_key(spec.digest, keys[0]))
+    rc.set(redis_key(other.digest, keys2[0]), stolen)
+
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        ns = c.register(spec)
+        got = ns.get(keys)
+        assert got[3] is None  # a miss, never the altered bytes
+        assert [bytes(g) for i, g in enumerate(got) if i != 3 and g is not None] == \
+            data[:3] + data[4:]
+        ns2 = c.register(other)
+        assert ns2.get(keys2[:1]) == [None]
+        st = c.stats()
+        assert st["cluster"]["corrupt_values"] == 2
+        assert st["total"]["cluster_corrupt"] == 2
+    wait_for("the bad values deleted", lambda: rc.exists(victim) == 0
+             and rc.exists(redis_key(other.digest, keys2[0])) == 0)
+    assert rc.exists(redis_key(spec.digest, keys[0])) == 1  # the good one stays
+
+
+def test_kill_9_of_a_master_costs_misses_then_its_replica_serves(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    with RedisCluster(tmp_path / "redis") as rc:
+        a = node(daemon_factory, tmp_path, "a", rc.url)
+        keys, data = store(a, "failover", 48)
+        spec = make_namespace()
+        owner = {k: rc.master_for_key(redis_key(spec.digest, k)) for k in keys}
+        dead = owner[keys[0]]
+        wait_for("replication", lambda: all(
+            rc.client(r).dbsize() == rc.client(m).dbsize() for m in rc.masters()
+            for r in rc.replicas_of(m)))
+        b = node(daemon_factory, tmp_path, "b", rc.url)
+        with kvtier.Client.connect(b.unix, transport="tcp") as c:
+            ns = c.register(spec)
+            first = ns.get(keys[:8])  # mid-run: B is serving from the cluster when it dies
+            assert [bytes(g) if g else None for g in first] == data[:8]
+            keys, data = keys[8:], data[8:]
+            rc.kill(dead)
+            for k, want in zip(keys, data, strict=True):  # one by one: every key is asked
+                got = ns.get([k])  # never raises
+                if got[0] is not None:
+                    assert bytes(got[0]) == want
+                    assert owner[k] != dead
+                else:
+                    assert owner[k] == dead
+            assert any(owner[k] == dead for k in keys)
+            rc.wait_failover(dead)
+
+            def all_served() -> bool:
+                got = ns.get(keys)
+                assert [bytes(g) for g in got if g is not None] == \
+                    [d for g, d in zip(got, data, strict=True) if g is not None]
+                return all(g is not None for g in got)
+
+            wait_for("the promoted replica serving", all_served, timeout=30)
+            assert c.stats()["total"]["cluster_corrupt"] == 0
+
+
+def test_a_cluster_past_maxmemory_makes_misses_not_errors(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    with RedisCluster(tmp_path / "redis", maxmemory="8mb") as rc:
+        a = node(daemon_factory, tmp_path, "a", rc.url)
+        big = dict(num_layers=16)  # 128 KiB blocks; 320 of them: 40 MiB into 3 x 8 MB
+        keys, data = store(a, "lru", 320, **big)
+        b = node(daemon_factory, tmp_path, "b", rc.url)
+        with kvtier.Client.connect(b.unix, transport="shm") as c:
+            ns = c.register(make_namespace(**big))
+            got = []
+            for i in range(0, len(keys), 32):
+                got += ns.get(keys[i:i + 32])
+            served = [i for i, g in enumerate(got) if g is not None]
+            assert 0 < len(served) < len(keys)  # the cluster evicted some, kept some
+            assert all(bytes(got[i]) == data[i] for i in served)
+            st = c.stats()
+            assert st["cluster"]["corrupt_values"] == 0
+            assert all(n["errors"] == 0 for n in st["cluster"]["nodes"])
+        assert sum(int(rc.client(p).info("stats")["evicted_keys"]) for p in rc.masters()) > 0
+
+
+def test_a_cluster_unreachable_at_start_and_lost_at_run_time_leaves_the_local_tiers_serving(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    with RedisCluster(tmp_path / "redis") as rc:
+        url = rc.url
+        rc.stop_all()
+        a = node(daemon_factory, tmp_path, "a", url)
+        assert not cluster_stats(a)["connected"]
+        with kvtier.Client.connect(a.unix, transport="shm") as c:
+            ns = c.register(make_namespace())
+            keys = ns.block_keys([hash_token("down", i) for i in range(16 * 8)])
+            data = [block("down", i, ns.block_bytes) for i in range(8)]
+            assert ns.put(keys, data).stored == 8  # the host tier serves alone
+            assert ns.lookup(keys) == 8
+            assert [bytes(g) for g in ns.get(keys) if g is not None] == data
+            assert c.stats()["cluster"]["write_drops"] == 8
+
+        rc.start_all()
+        wait_for("the cluster tier back", lambda: cluster_stats(a)["connected"], timeout=30)
+        keys2, data2 = store(a, "back", 8)
+        b = node(daemon_factory, tmp_path, "b", url)
+        with kvtier.Client.connect(b.unix, transport="tcp") as c:
+            ns = c.register(make_namespace())
+            assert [bytes(g) if g else None for g in ns.get(keys2[:4])] == data2[:4]
+
+        rc.stop_all()  # lost at run time
+        with kvtier.Client.connect(b.unix, transport="tcp") as c:
+            ns = c.register(make_namespace())
+            t0 = time.monotonic()
+            assert ns.lookup(keys2) == 4  # the imported ones, from B's host tier
+            got = ns.get(keys2)
+            assert [bytes(g) for g in got[:4] if g is not None] == data2[:4]
+            assert got[4:] == [None] * 4  # cluster-only blocks: misses, not errors
+            assert time.monotonic() - t0 < 10
+        rc.start_all()
+        wait_for("the cluster tier back again", lambda: cluster_stats(b)["connected"], timeout=30)
+
+
+def test_a_pinned_lookup_imports_the_cluster_blocks_and_holds_them(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    keys, data = store(a, "pinned", 12)
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        ns = c.register(make_namespace())
+        local = store_local(ns, keys[:4], data[:4])  # B holds the first 4 itself
+        assert local == 4
+        res = ns.lookup_pinned(keys)
+        assert res.hits == 12 and res.pin
+        assert set(ns.lookup_detail(keys).tiers) == {"host"}
+        assert c.release(res.pin, res.epoch)
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data
+        total = c.stats()["total"]
+        assert total["cluster_imports"] == 8
+        assert total["blocks_hit_cluster"] == 8  # the imported ones, once (not as host hits)
+
+
+def store_local(ns: Any, keys: list[bytes], data: list[bytes]) -> int:
+    stored: int = ns.put(keys, data).stored
+    return stored
+
+
+def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f'cluster = "{cluster.url}"\ncluster_write_policy = "evict"\n'
+                   'cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n')
+    a = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
+                       run_dir=tmp_path / "a")  # 128 blocks of 16 KiB
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    spec = make_namespace()
+    with kvtier.Client.connect(a.unix, transport="shm") as c:
+        ns = c.register(spec)
+        keys = ns.block_keys([hash_token("evict", i) for i in range(16 * 256)])
+        data = [block("evict", i, ns.block_bytes) for i in range(256)]
+        for i in range(0, 256, 16):
+            assert ns.put(keys[i:i + 16], data[i:i + 16]).stored == 16
+        wait_for("the evicted blocks written",
+                 lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 128)
+        assert cluster_stats(a)["write_drops"] == 0
+        resident = ns.lookup_detail(keys[-64:])
+        assert resident.hits == 64  # the newest are still in A's host tier...
+    rc = cluster.cluster_client()
+    assert not any(rc.exists(redis_key(spec.digest, k)) for k in keys[-64:])  # ...not written
+    with kvtier.Client.connect(b.unix, transport="tcp") as c:
+        ns = c.register(spec)
+        got = ns.get(keys[:64])  # the oldest left A's host tier: B finds them in the cluster
+        assert [bytes(g) if g else None for g in got] == data[:64]
+
+
+def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: Any,
+                                                              tmp_path: Path) -> None:
+    with RedisCluster(tmp_path / "redis", password="s3cret-pw") as rc:
+        secret = tmp_path / "redis-password"
+        secret.write_text("s3cret-pw\n")
+        a = node(daemon_factory, tmp_path, "a", rc.url, f'cluster_password_file = "{secret}"')
+        b = node(daemon_factory, tmp_path, "b", rc.url, f'cluster_password_file = "{secret}"')
+        keys, data = store(a, "password", 6)
+        with kvtier.Client.connect(b.unix, transport="tcp") as c:
+            ns = c.register(make_namespace())
+            assert [bytes(g) if g else None for g in ns.get(keys)] == data
+        nopw = node(daemon_factory, tmp_path, "nopw", rc.url)  # refused by the cluster: misses
+        time.sleep(1.0)
+        assert not cluster_stats(nopw)["connected"]
+        with kvtier.Client.connect(nopw.unix, transport="tcp") as c:
+            ns = c.register(make_namespace())
+            assert ns.get(keys) == [None] * 6
+        assert "s3cret-pw" not in (tmp_path / "a" / "kvtierd.log").read_text()
+
+
+def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: Path) -> None:
+    with RedisCluster(tmp_path / "redis", tls=True, tls_auth_clients="yes") as rc:
+        assert rc.url.startswith("rediss://")
+        tls = (f'cluster_tls_ca = "{rc.ca_file}"', f'cluster_tls_cert = "{rc.client_cert_file}"',
+               f'cluster_tls_key = "{rc.client_key_file}"')
+        a = node(daemon_factory, tmp_path, "a", rc.url, *tls)
+        b = node(daemon_factory, tmp_path, "b", rc.url, *tls)
+        keys, data = store(a, "tls", 6)
+        with kvtier.Client.connect(b.unix, transport="shm") as c:
+            ns = c.register(make_namespace())
+            assert [bytes(g) if g else None for g in ns.get(keys)] == data
+        plain = node(daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"))
+        nocert = node(daemon_factory, tmp_path, "nocert", rc.url, tls[0])
+        time.sleep(1.0)
+        for d in (plain, nocert):  # plaintext to a TLS port; TLS without a client certificate
+            assert not cluster_stats(d)["connected"]
+            with kvtier.Client.connect(d.unix, transport="tcp") as c:
+                assert c.register(make_namespace()).get(keys) == [None] * 6
