@@ -334,3 +334,27 @@ def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: P
             assert not cluster_stats(d)["connected"]
             with kvtier.Client.connect(d.unix, transport="tcp") as c:
                 assert c.register(make_namespace()).get(keys) == [None] * 6
+
+
+def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    cfg = tmp_path / "b.toml"
+    cfg.write_text(f'cluster = "{cluster.url}"\ncluster_lookup_timeout_ms = 1000\n'
+                   'cluster_fetch_timeout_ms = 3000\n')
+    b = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
+                       run_dir=tmp_path / "b")  # 128 blocks of 16 KiB
+    keys, data = store(a, "guard", 12)
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        ns = c.register(make_namespace())
+        assert ns.put(keys[:4], data[:4]).stored == 4  # B's own prefix: the coldest blocks
+        filler = ns.block_keys([hash_token("filler", i) for i in range(16 * 124)])
+        for i in range(0, 124, 31):
+            part = filler[i:i + 31]
+            assert ns.put(part, [block("filler", j, ns.block_bytes)
+                                 for j in range(i, i + len(part))]).stored == len(part)
+        wait_for("B's writes", lambda: cluster_stats(b)["writes"] >= 128)
+        res = ns.lookup_pinned(keys)  # imports 8 blocks into a full host tier
+        assert res.hits == 12
+        assert c.release(res.pin, res.epoch)
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data

@@ -206,14 +206,17 @@ class TieredCache:
         (kvtierd.cache.fleet); how many were. Nothing without a cluster tier."""
         if self.fleet is None:
             return 0
-        local = 0
+        prefix: list[Entry] = []
         for k in keys:
-            if ns.ready.get(k) is None:
+            e = ns.ready.get(k)
+            if e is None:
                 break
-            local += 1
-        if local == len(keys):
+            prefix.append(e)
+        if len(prefix) == len(keys):
             return 0
-        return max(0, await self.fleet.import_(ns, keys, protect or set()) - local)
+        # the local prefix is what the caller is about to pin: never evicted to make room
+        guard = set(prefix) | (protect or set())
+        return max(0, await self.fleet.import_(ns, keys, guard) - len(prefix))
 
     def _tier_below(self, e: Entry) -> int:
         """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""

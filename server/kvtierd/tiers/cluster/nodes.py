@@ -126,7 +126,9 @@ class Topology:
         return n
 
     def masters(self) -> list[Node]:
-        return [n for n in self.nodes.values() if n.slots]
+        """Nodes owning slots. Safe from the daemon's thread too (Stats): ``list()`` copies the
+        dict in one step, so a node added meanwhile on the tier's thread cannot break it."""
+        return [n for n in list(self.nodes.values()) if n.slots]
 
     @property
     def connected(self) -> bool:
