@@ -45,7 +45,7 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.domain import TierId, Transport
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.sessions import SessionTable
+from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
@@ -261,6 +261,19 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ready, started = self.cache.prefetch(ns, keys)
         return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
 
+    def _job_transport(self, session: Session, value: int) -> Transport:
+        """A job's transport: valid, and the one its session was opened for, or shm in a
+        cuda_ipc session (a tcp session never commits slots it did not send: it has no mapping
+        to write them through)."""
+        transport = self._transport(value)
+        # a cuda_ipc session maps the arena too (host buffers and CPU layouts move over it)
+        if transport is not session.transport and not (
+                transport is Transport.SHM and session.transport is Transport.CUDA_IPC):
+            raise FailedPrecondition(
+                f"{transport.label} job in a session opened for {session.transport.label} "
+                "(open a session per transport)", field="transport")
+        return transport
+
     def _transport(self, value: int) -> Transport:
         if value not in set(Transport):
             raise InvalidArgument(f"must be TRANSPORT_SHM, TRANSPORT_TCP or TRANSPORT_CUDA_IPC, "
@@ -303,7 +316,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self.sessions.get(request.session_id)
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        transport = self._transport(request.transport)
+        transport = self._job_transport(s, request.transport)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
         if self.cache.chain:
@@ -330,7 +343,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self.sessions.get(request.session_id)
         ns = self.cache.namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        transport = self._transport(request.transport)
+        transport = self._job_transport(s, request.transport)
         job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
         n = len(keys)
         found, offsets, tiers = bytearray(n), [0] * n, bytearray(n)

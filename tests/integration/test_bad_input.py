@@ -40,26 +40,29 @@ def keys(*ids: int) -> bytes:
 
 @dataclass
 class Ctx:
-    """One open session (tcp transport) with the test namespace registered."""
+    """Two open sessions (``session_id`` for shm jobs, ``tcp_session_id`` for tcp ones: a job's
+    transport must be its session's) with the test namespace registered."""
 
     stub: Any
     session_id: int
     ns_id: int
     block_bytes: int
     open_reply: Any
+    tcp_session_id: int
 
     def call(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, timeout=TIMEOUT_S)
 
-    def open_session(self, transport: int = pb.TRANSPORT_TCP) -> int:
+    def open_session(self, transport: int = pb.TRANSPORT_SHM) -> int:
         reply = self.call("OpenSession", pb.OpenSessionRequest(
             client_name="bad-input", lease_ttl_ms=60_000, transport=transport))
         return int(reply.session_id)
 
     def prepare_store(self, *ids: int, session_id: int | None = None,
                       transport: int = pb.TRANSPORT_SHM) -> Any:
+        default = self.tcp_session_id if transport == pb.TRANSPORT_TCP else self.session_id
         return self.call("PrepareStore", pb.PrepareStoreRequest(
-            session_id=session_id or self.session_id, namespace_id=self.ns_id, keys=keys(*ids),
+            session_id=session_id or default, namespace_id=self.ns_id, keys=keys(*ids),
             transport=transport))
 
     def store(self, *ids: int) -> None:
@@ -88,9 +91,13 @@ def ctx(daemon: DaemonProcess) -> Iterator[Ctx]:
         reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest),
                                      timeout=TIMEOUT_S)
         opened = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="bad-input", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP),
+            client_name="bad-input", lease_ttl_ms=60_000, transport=pb.TRANSPORT_SHM),
             timeout=TIMEOUT_S)
-        yield Ctx(stub, opened.session_id, reg.namespace_id, reg.block_bytes, opened)
+        tcp = stub.OpenSession(pb.OpenSessionRequest(
+            client_name="bad-input-tcp", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP),
+            timeout=TIMEOUT_S)
+        yield Ctx(stub, opened.session_id, reg.namespace_id, reg.block_bytes, opened,
+                  tcp.session_id)
 
 
 def rejected(ctx: Ctx, method: str, request: Any, code: grpc.StatusCode, field: str) -> str:
@@ -529,7 +536,7 @@ def test_data_channel_write_of_the_wrong_length_is_reported_and_not_committed(
     job = prep.job_id
     assert list(prep.status) == [pb.STORE_RESERVED] * 2
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)
+        hello(s, ctx.tcp_session_id)
         s.sendall(wire.pack(Op.WRITE, job, 0, length=bb) + b"\1" * bb)
         s.sendall(wire.pack(Op.WRITE, job, 1, length=bb - 1) + b"\2" * (bb - 1))
         s.sendall(wire.pack(Op.FLUSH, job))
@@ -538,7 +545,7 @@ def test_data_channel_write_of_the_wrong_length_is_reported_and_not_committed(
         s.sendall(wire.pack(Op.FLUSH, job))
         assert recv_frame(s)[:4] == (Op.ACK, job, 0, Status.OK)
     done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=job, ok=True))
+        session_id=ctx.tcp_session_id, job_id=job, ok=True))
     # key 2's bytes never arrived whole: aborted although the client said ok
     assert (done.committed, done.aborted) == (1, 1)
     assert ctx.lookup(1) == 1 and ctx.lookup(2) == 0
@@ -558,22 +565,22 @@ def test_data_channel_write_outside_a_job_is_reported(daemon: DaemonProcess, ctx
     prep = ctx.prepare_store(1, transport=pb.TRANSPORT_TCP)
     job, index = index_of(prep.job_id)
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)
+        hello(s, ctx.tcp_session_id)
         s.sendall(wire.pack(Op.WRITE, job, index, length=bb) + b"\3" * bb)
         s.sendall(wire.pack(Op.FLUSH, job))
         assert recv_frame(s)[:4] == (Op.ACK, job, 0, status)
     done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=True))
+        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
     assert (done.committed, done.aborted) == (0, 1)  # its own key never got bytes
     assert ctx.lookup(1) == 0
 
 
 def test_data_channel_write_into_another_sessions_job(daemon: DaemonProcess, ctx: Ctx) -> None:
     bb = ctx.block_bytes
-    other = ctx.open_session()
+    other = ctx.open_session(pb.TRANSPORT_TCP)
     prep = ctx.prepare_store(1, session_id=other, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)  # not the job's session
+        hello(s, ctx.tcp_session_id)  # not the job's session
         s.sendall(wire.pack(Op.WRITE, prep.job_id, 0, length=bb) + b"\4" * bb)
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, Status.UNKNOWN_JOB)
@@ -586,7 +593,7 @@ def test_data_channel_empty_write_of_a_reserved_key_is_reported(daemon: DaemonPr
                                                                 ctx: Ctx) -> None:
     prep = ctx.prepare_store(1, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)
+        hello(s, ctx.tcp_session_id)
         s.sendall(wire.pack(Op.WRITE, prep.job_id, 0, length=0))
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, Status.BAD_LENGTH)
@@ -595,7 +602,7 @@ def test_data_channel_empty_write_of_a_reserved_key_is_reported(daemon: DaemonPr
 def test_data_channel_read_of_a_store_job_is_refused(daemon: DaemonProcess, ctx: Ctx) -> None:
     prep = ctx.prepare_store(1, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)
+        hello(s, ctx.tcp_session_id)
         s.sendall(wire.pack(Op.READ, prep.job_id))
         expect_error_and_close(s, "job_id")
     assert ctx.state()["writing_blocks"] == 1  # the job itself is untouched
@@ -615,13 +622,13 @@ def test_a_run_round_trips_and_a_daemon_accepts_the_feature(daemon: DaemonProces
     bb = ctx.block_bytes
     prep = ctx.prepare_store(1, 2, 3, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
-        assert hello_runs(s, ctx.session_id) & wire.FEATURE_RUNS
+        assert hello_runs(s, ctx.tcp_session_id) & wire.FEATURE_RUNS
         s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=3, length=3 * bb)
                   + b"\1" * bb + b"\2" * bb + b"\3" * bb)
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, Status.OK)
     done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=True))
+        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
     assert done.committed == 3 and ctx.lookup(1, 2, 3) == 3
 
 
@@ -629,7 +636,7 @@ def test_a_run_is_refused_unless_the_feature_was_agreed(daemon: DaemonProcess, c
     bb = ctx.block_bytes
     prep = ctx.prepare_store(1, 2, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
-        hello(s, ctx.session_id)  # no features offered
+        hello(s, ctx.tcp_session_id)  # no features offered
         s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=2, length=2 * bb) + bytes(2 * bb))
         op, _job, _index, _status, body = recv_frame(s)
         assert op is Op.ERROR and b"WRITE_RUN" in body, body
@@ -653,11 +660,11 @@ def test_a_bad_run_is_reported_and_nothing_of_it_committed(
     prep = ctx.prepare_store(1, 2, transport=pb.TRANSPORT_TCP)
     length = length_of(bb)
     with data_socket(daemon) as s:
-        hello_runs(s, ctx.session_id)
+        hello_runs(s, ctx.tcp_session_id)
         s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=count, length=length)
                   + b"\7" * length)
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, status)
     done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=True))
+        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
     assert done.committed == 0 and ctx.lookup(1) == 0

@@ -4,11 +4,15 @@ Allocation is the :class:`kvtierd.tiers.slabs.SlabAllocator`'s (offsets are aren
 
 The arena is a memfd (``memfd_create``): the daemon maps it once, and same-host clients map the
 same pages after receiving the fd over a Unix socket (the shm transport), so the daemon never
-copies payloads on that path.
+copies payloads on that path. It is sealed against shrinking, growing and further sealing
+(``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before any client sees it: a client's
+``ftruncate`` fails with EPERM instead of turning every attached engine's next load into a
+SIGBUS. ``intact()`` re-checks size and seals (the daemon's sweeper; health NOT_SERVING if not).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from typing import Any
@@ -26,20 +30,32 @@ class Arena:
     entry is WRITING and read only while pinned or READY).
     """
 
+    SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
     def __init__(self, size: int, *, prefault: bool = True, name: str = "kvtier-host") -> None:
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
             if prefault:
                 # Allocate the pages now: the first copy into a slot must not pay the faults.
                 os.posix_fallocate(self.fd, 0, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.SEALS)
             self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
         self.view = memoryview(self.mm)
+
+    def intact(self) -> bool:
+        """Whether the memfd still has its size and its seals (it cannot lose them; checked
+        anyway: a size change would make every mapping fault)."""
+        try:
+            return os.fstat(self.fd).st_size == self.size and \
+                fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & self.SEALS == self.SEALS
+        except OSError:
+            return False
 
     def slot(self, offset: int, nbytes: int) -> memoryview:
         assert 0 <= offset and offset + nbytes <= self.size, (offset, nbytes)

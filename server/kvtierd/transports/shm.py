@@ -27,7 +27,8 @@ from typing import Any
 
 from kvtier_contract import published_index as pi
 from kvtier_contract import wire
-from kvtier_contract.errors import KvtierError
+from kvtier_contract.errors import FailedPrecondition, KvtierError
+from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ServerTransport
@@ -125,7 +126,12 @@ class ShmFdServer(ServerTransport):
                 if data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
-                self._sessions.get(session_id)
+                if self._sessions.get(session_id).transport is Transport.TCP:
+                    # a tcp session moves bytes over the data channel only: the arena is never
+                    # mapped by it (it may come from another host, or be a shm-less tenant)
+                    raise FailedPrecondition(f"session {session_id} was opened for the tcp "
+                                             "transport: the arena is not handed to it",
+                                             field="transport")
                 conn.setblocking(True)
                 reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, self._bytes, self._epoch)
                 socket.send_fds(conn, [reply], [self._fd])
