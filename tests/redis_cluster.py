@@ -421,6 +421,14 @@ class RedisCluster:
     def live_ports(self) -> list[int]:
         return [p for p in self.ports if self.alive(p)]
 
+    def pause(self, port: int) -> None:
+        """SIGSTOP the node: it keeps its sockets but answers nothing (a slow or hung node)."""
+        self._procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        """SIGCONT a node stopped by ``pause``."""
+        self._procs[port].send_signal(signal.SIGCONT)
+
     def node_dir(self, port: int) -> Path:
         return self._dirs[port]
 
@@ -626,6 +634,14 @@ class RedisCluster:
                     return p, f"sees running node {n.port} as {','.join(sorted(n.flags))}"
             if len(view) < len(self.ports):
                 return p, f"knows {len(view)} of {len(self.ports)} nodes"
+        if len(live) == len(self.ports):  # all up: N_MASTERS masters, each with a live replica
+            view = self.nodes(live[0])
+            masters = [n for n in view if n.is_master and n.slots]
+            if len(masters) != N_MASTERS:
+                return live[0], f"{len(masters)} masters own slots, expected {N_MASTERS}"
+            for m in masters:
+                if not any(n.master_id == m.node_id for n in view):
+                    return m.port, "master without a replica"
         for p in live:
             me = next(n for n in self.nodes(p) if "myself" in n.flags)
             if me.is_master:

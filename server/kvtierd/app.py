@@ -109,6 +109,7 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
         self._stamper: asyncio.Task[None] | None = None
         self._nvme_serving: bool | None = None
+        self._arena_ok = True
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)
@@ -202,6 +203,12 @@ class Daemon:
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
+            if self._arena_ok and not self.arena.intact():
+                self._arena_ok = False  # cannot happen while sealed; if it does, say so loudly
+                log.critical("the host arena changed size or lost its seals: every mapping may "
+                             "fault; health is NOT_SERVING until restart")
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.cfg.probe_interval_s
@@ -333,7 +340,9 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         seeds=seeds, creds=creds, write_policy=cfg.cluster_write_policy, ttl_s=cfg.cluster_ttl_s,
         lookup_timeout_s=cfg.cluster_lookup_timeout_ms / 1000,
         fetch_timeout_s=cfg.cluster_fetch_timeout_ms / 1000,
-        write_timeout_s=cfg.cluster_write_timeout_ms / 1000, queue_bytes=cfg.cluster_queue_bytes,
+        write_timeout_s=cfg.cluster_write_timeout_ms / 1000,
+        # blocks waiting for the cluster stay pinned in the host tier: never more than a quarter
+        queue_bytes=min(cfg.cluster_queue_bytes, cfg.host_bytes // 4),
         inflight_bytes=cfg.cluster_inflight_bytes, breaker_s=cfg.cluster_breaker_s)
 
 

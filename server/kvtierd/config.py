@@ -142,8 +142,9 @@ class DaemonConfig:
     cluster_write_timeout_ms: float = 2000.0
     """One batch of writes to the cluster; late ones are dropped (counted)."""
     cluster_queue_bytes: int = 256 << 20
-    """Bytes waiting to be written to the cluster at most; more is dropped (counted). With the
-    "commit" policy these blocks stay in the host tier (pinned) until written."""
+    """Bytes waiting to be written to the cluster at most (and at most a quarter of
+    host_bytes); more is dropped (counted). With the "commit" policy these blocks stay in the
+    host tier (pinned) until written or dropped."""
     cluster_inflight_bytes: int = 64 << 20
     """Bytes read or written to the cluster at once (one round of pipelines), at most."""
     cluster_breaker_s: float = 1.0

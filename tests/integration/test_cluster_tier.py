@@ -11,6 +11,7 @@ redis-cli are required (the Makefile installs them): these tests fail, not skip,
 from __future__ import annotations
 
 import hashlib
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -31,13 +32,15 @@ def block(tag: str, i: int, nbytes: int) -> bytes:
     return hashlib.shake_256(b"cluster %s %d" % (tag.encode(), i)).digest(nbytes)
 
 
-def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str) -> DaemonProcess:
-    """A daemon using the cluster at ``url`` (deadlines generous for a loaded 2-core CI)."""
+def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
+         host: tuple[str, ...] = HOST, defaults: bool = False) -> DaemonProcess:
+    """A daemon using the cluster at ``url`` (deadlines generous for a loaded 2-core CI, unless
+    ``defaults``: the shipped ones)."""
     cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(f'cluster = "{url}"\ncluster_lookup_timeout_ms = 1000\n'
-                   'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n'
-                   + "".join(f"{line}\n" for line in extra))
-    d: DaemonProcess = daemon_factory("--config", str(cfg), *HOST, run_dir=tmp_path / name)
+    generous = "" if defaults else ('cluster_lookup_timeout_ms = 1000\n'
+                                    'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n')
+    cfg.write_text(f'cluster = "{url}"\n' + generous + "".join(f"{line}\n" for line in extra))
+    d: DaemonProcess = daemon_factory("--config", str(cfg), *host, run_dir=tmp_path / name)
     return d
 
 
@@ -56,14 +59,19 @@ def cluster_stats(d: DaemonProcess) -> dict[str, Any]:
 
 
 def store(d: DaemonProcess, tag: str, n: int, **ns_fields: Any) -> tuple[list[bytes], list[bytes]]:
-    """Put ``n`` blocks through ``d`` and wait until the cluster has them all."""
+    """Put ``n`` blocks through ``d`` (8 MiB at a time: the write queue is a quarter of the
+    host tier) and wait until the cluster has each part."""
     with kvtier.Client.connect(d.unix, transport="shm") as c:
         ns = c.register(make_namespace(**ns_fields))
         keys = ns.block_keys([hash_token(tag, i) for i in range(16 * n)])
         data = [block(tag, i, ns.block_bytes) for i in range(n)]
-        before = c.stats()["cluster"]["writes"]
-        assert ns.put(keys, data).stored == n
-    wait_for("the cluster writes", lambda: cluster_stats(d)["writes"] >= before + n)
+        step = max(1, (8 << 20) // ns.block_bytes)
+        for i in range(0, n, step):
+            before = cluster_stats(d)["writes"]
+            part = min(step, n - i)
+            assert ns.put(keys[i:i + part], data[i:i + part]).stored == part
+            wait_for("the cluster writes", lambda b=before, p=part: cluster_stats(d)["writes"]
+                     >= b + p)
     return keys, data
 
 
@@ -353,8 +361,89 @@ def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
             part = filler[i:i + 31]
             assert ns.put(part, [block("filler", j, ns.block_bytes)
                                  for j in range(i, i + len(part))]).stored == len(part)
-        wait_for("B's writes", lambda: cluster_stats(b)["writes"] >= 128)
+        wait_for("B's writes (or drops: its queue is a quarter of its host tier)",
+                 lambda: cluster_stats(b)["writes"] + cluster_stats(b)["write_drops"] >= 128)
         res = ns.lookup_pinned(keys)  # imports 8 blocks into a full host tier
         assert res.hits == 12
         assert c.release(res.pin, res.epoch)
         assert [bytes(g) if g else None for g in ns.get(keys)] == data
+
+
+def test_a_large_import_with_the_shipped_deadlines_opens_no_breaker(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url, defaults=True,
+             host=("--host-bytes", "320MiB", "--slab-bytes", "1MiB"))
+    big = dict(num_layers=128)  # 1 MiB blocks: 192 of them in one get, 3x inflight_bytes
+    keys, data = store(a, "large", 192, **big)
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        ns = c.register(make_namespace(**big))
+        got = ns.get(keys)
+        assert [bytes(g) if g else None for g in got] == data
+        nodes = c.stats()["cluster"]["nodes"]
+        assert all(n["errors"] == 0 and n["healthy"] for n in nodes), nodes
+
+
+def test_a_hung_master_never_stalls_local_stores_or_lookups(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url, defaults=True)  # 64 MiB host
+    spec = make_namespace(num_layers=16)  # 128 KiB blocks
+    hung = cluster.masters()[0]
+    cluster.pause(hung)
+    try:
+        with kvtier.Client.connect(a.unix, transport="shm") as c:
+            ns = c.register(spec)
+            keys = ns.block_keys([hash_token("hung", i) for i in range(16 * 1024)])
+            data = [block("hung", i, ns.block_bytes) for i in range(1024)]  # 2x the host tier
+            slowest = 0.0
+            for i in range(0, 1024, 32):
+                t0 = time.monotonic()
+                assert ns.put(keys[i:i + 32], data[i:i + 32]).stored == 32  # never rejected
+                assert ns.lookup(keys[i:i + 32]) == 32
+                slowest = max(slowest, time.monotonic() - t0)
+            assert slowest < 2.0, slowest
+            got = ns.get(keys[-64:])  # the newest are in the host tier (a quarter may be
+            assert [bytes(g) if g else None for g in got] == data[-64:]  # pinned by writes)
+            st = c.stats()
+            assert st["total"]["stores_rejected"] == 0
+            assert st["cluster"]["writes"] > 0  # the other masters took theirs
+
+            def hung_node_tripped() -> bool:  # or the cluster failed it over meanwhile
+                nodes = {n["address"]: n for n in cluster_stats(a)["nodes"]}
+                n = nodes.get(f"127.0.0.1:{hung}")
+                return n is None or bool(n["errors"] >= 1)
+
+            wait_for("the hung master's breaker", hung_node_tripped, timeout=10)
+            assert cluster_stats(a)["write_drops"] > 0
+    finally:
+        cluster.resume(hung)
+
+
+def test_a_store_job_larger_than_the_write_queue_is_written_in_part(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)  # queue: a quarter of 64 MiB
+    with kvtier.Client.connect(a.unix, transport="shm") as c:
+        ns = c.register(make_namespace(num_layers=16))  # 128 KiB blocks
+        keys = ns.block_keys([hash_token("part", i) for i in range(16 * 256)])
+        assert ns.put(keys, [block("part", i, ns.block_bytes) for i in range(256)]).stored == 256
+    wait_for("the queue to drain", lambda: cluster_stats(a)["queued_blocks"] == 0)
+    st = cluster_stats(a)
+    assert st["writes"] == 128 and st["write_drops"] == 128  # 16 MiB of 32 MiB admitted
+
+
+def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url, defaults=True)
+    hung = cluster.masters()[1]
+    cluster.pause(hung)
+    try:
+        with kvtier.Client.connect(a.unix, transport="shm") as c:
+            ns = c.register(make_namespace())
+            keys = ns.block_keys([hash_token("drain", i) for i in range(16 * 64)])
+            assert ns.put(keys, [block("drain", i, ns.block_bytes) for i in range(64)]).stored \
+                == 64
+        t0 = time.monotonic()
+        assert a.stop(signal.SIGTERM) == 0
+        assert time.monotonic() - t0 < 12  # drain_timeout_s (5) + the tier's close
+    finally:
+        cluster.resume(hung)

@@ -120,12 +120,15 @@ def test_keys_are_grouped_by_the_master_owning_their_slot() -> None:
     assert sum(map(len, groups.values())) == 3000
 
 
-def test_a_failing_node_is_skipped_with_a_growing_breaker() -> None:
-    topo = Topology(["127.0.0.1:7000"], Credentials(), breaker_s=0.5)
+def test_a_failing_node_is_skipped_with_a_doubling_breaker_capped_at_8x() -> None:
+    import time
+
+    topo = Topology(["127.0.0.1:7000"], Credentials(), breaker_s=10.0)
     n = topo.node("127.0.0.1:7000")
     assert n.healthy
-    n.fail("refused")
-    assert not n.healthy and n.errors == 1
-    first = n._open_until
-    n.fail("refused")
-    assert n._open_until > first  # doubled
+    for factor in (1, 2, 4, 8, 8):
+        n.fail("refused")
+        left = n._open_until - time.monotonic()
+        assert 10.0 * factor - 1 < left <= 10.0 * factor, (factor, left)
+        assert not n.healthy
+    assert n.errors == 5

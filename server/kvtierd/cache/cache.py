@@ -201,11 +201,12 @@ class TieredCache:
             c.tokens_missed -= n * tpb
 
     async def import_shared(self, ns: NamespaceState, keys: Sequence[bytes],
-                            protect: set[Entry] | None = None) -> int:
-        """Import, from the cluster tier, the blocks after the local READY prefix of ``keys``
-        (kvtierd.cache.fleet); how many were. Nothing without a cluster tier."""
+                            protect: set[Entry] | None = None) -> list[Entry]:
+        """Import, from the cluster tier, the blocks that extend the local READY prefix of
+        ``keys`` (up to the first one the cluster lacks; kvtierd.cache.fleet); the entries
+        imported. Nothing without a cluster tier."""
         if self.fleet is None:
-            return 0
+            return []
         prefix: list[Entry] = []
         for k in keys:
             e = ns.ready.get(k)
@@ -213,10 +214,10 @@ class TieredCache:
                 break
             prefix.append(e)
         if len(prefix) == len(keys):
-            return 0
+            return []
         # the local prefix is what the caller is about to pin: never evicted to make room
         guard = set(prefix) | (protect or set())
-        return max(0, await self.fleet.import_(ns, keys, guard) - len(prefix))
+        return await self.fleet.import_(ns, keys[len(prefix):], guard, prefix_only=True)
 
     def _tier_below(self, e: Entry) -> int:
         """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
@@ -228,8 +229,11 @@ class TieredCache:
         local prefix (they are then host hits, counted as cluster hits)."""
         imported = await self.import_shared(ns, keys)
         job, tiers = self.pin_prefix(session, ns, keys)
-        if imported:
-            self._count_cluster_hits(ns, imported, moved_from_host=True)
+        if imported and job is not None:  # those the lookup counted as host hits
+            held = set(job.items.values())
+            n = sum(1 for e in imported if e in held)
+            if n:
+                self._count_cluster_hits(ns, n, moved_from_host=True)
         return job, tiers
 
     def pin_prefix(self, session: Session, ns: NamespaceState,

@@ -27,14 +27,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtierd.cache.residency import HostResidency
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_OK
+from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
 from kvtierd.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger("kvtierd.cluster")
+T = TypeVar("T")
 
 
 class ClusterLink:
@@ -64,15 +65,19 @@ class ClusterLink:
 
     # -- imports ----------------------------------------------------------------------------------
 
-    async def import_(self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry]) -> int:
-        """Import the keys the index lacks (see the module docstring); how many leading keys of
-        ``keys`` are READY afterwards because of this import or were before."""
+    async def import_(self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry], *,
+                      prefix_only: bool = False) -> list[Entry]:
+        """Import the keys the index lacks (see the module docstring); the entries entered.
+        ``prefix_only``: only those up to the first key the cluster lacks (a lookup's prefix:
+        nothing is evicted for blocks after a gap)."""
         todo = [k for k in dict.fromkeys(keys) if k not in ns.entries]
         if not todo or not self.tier.connected:
-            return 0
+            return []
         # Slots are taken (evicting) only for blocks the cluster holds.
         present = await self.tier.exists(ns.spec.digest, todo)
-        todo = [k for k, p in zip(todo, present, strict=True) if p and k not in ns.entries]
+        if prefix_only and False in present:
+            present = present[:present.index(False)]
+        todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
         offsets: list[int] = []
         for _ in todo:
             off = self.residency.allocate(ns.slot_bytes, protect)
@@ -81,25 +86,25 @@ class ClusterLink:
             offsets.append(off)
         todo = todo[:len(offsets)]
         if not todo:
-            return 0
+            return []
         task = self._spawn(self._import(ns, todo, offsets))
-        await asyncio.shield(task)
-        n = 0
-        for k in keys:
-            if ns.ready.get(k) is None:
-                break
-            n += 1
-        return n
+        return await asyncio.shield(task)
 
-    async def _import(self, ns: NamespaceState, keys: list[bytes], offsets: list[int]) -> None:
+    async def _import(self, ns: NamespaceState, keys: list[bytes],
+                      offsets: list[int]) -> list[Entry]:
         host = self.residency.host
         self.imports_in_flight += len(keys)
         try:
             results = await self.tier.fetch(ns.spec.digest, keys, ns.block_bytes,
                                             [host.view(off, ns.slot_bytes) for off in offsets])
-        except Exception:  # noqa: BLE001  (the tier closed under us: every slot goes back)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task itself is cancelled (the daemon's loop is closing)
+            results = [FETCH_MISS] * len(keys)  # the tier closed: its thread copies no more
+        except Exception:  # noqa: BLE001  (the tier failed: its fetch has ended; misses)
             log.warning("cluster fetch failed", exc_info=True)
-            results = [0] * len(keys)
+            results = [FETCH_MISS] * len(keys)
         finally:
             self.imports_in_flight -= len(keys)
         entered: list[Entry] = []
@@ -122,6 +127,7 @@ class ClusterLink:
         if entered:
             for link in self.residency.links:  # an NVMe write-through keeps a copy too
                 link.on_committed(entered)
+        return entered
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -133,28 +139,25 @@ class ClusterLink:
             return
         host = self.residency.host
         items = [(e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes)) for e in todo]
-        for e in todo:
-            e.pins += 1  # the writer reads the slot: it stays until done
-
-        def done(oks: list[bool]) -> None:
-            for e, ok in zip(todo, oks, strict=True):
-                e.pins -= 1
-                if ok:
-                    e.in_cluster = True
-
-        if not self.tier.offer(items, done):
-            done([False] * len(todo))
+        admitted = todo[:self.tier.offer(items, lambda oks: _written(admitted, oks))]
+        for e in admitted:
+            e.pins += 1  # the writer reads the slot: it stays until done (before any await)
 
     def _on_evict(self, e: Entry) -> None:
         """write policy ``evict``: ``e`` is leaving the host tier (its slot still valid)."""
-        if e.in_cluster:
+        if e.in_cluster or not self.tier.has_room(e.ns.block_bytes):
             return
         data = bytes(self.residency.host.view(e.offset, e.ns.block_bytes))
-        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data))], _ignore)
+
+        def done(oks: list[bool]) -> None:
+            if oks[0] and e.ns.entries.get(e.key) is e:  # still indexed (a copy on NVMe)
+                e.in_cluster = True
+
+        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data))], done)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -169,5 +172,9 @@ class ClusterLink:
         self.tier.close()
 
 
-def _ignore(oks: list[bool]) -> None:
-    pass
+def _written(entries: list[Entry], oks: list[bool]) -> None:
+    """``done`` of a commit-policy offer: the slots may go; written blocks are not resent."""
+    for e, ok in zip(entries, oks, strict=True):
+        e.pins -= 1
+        if ok:
+            e.in_cluster = True

@@ -50,6 +50,7 @@ class Node:
         self._breaker_s = breaker_s
         self._open_until = 0.0
         self._failures = 0
+        self._probing = False  # the half-open probe is out
         kwargs: dict[str, Any] = {}
         if creds.tls:
             kwargs.update(ssl=True, ssl_ca_certs=creds.ca_file or None,
@@ -63,24 +64,33 @@ class Node:
 
     @property
     def healthy(self) -> bool:
+        """The breaker is closed (or open long enough that the next request is the probe)."""
         return time.monotonic() >= self._open_until
 
     async def run(self, build: Callable[[Any], None], timeout: float) -> list[Any] | None:
-        """One pipeline (``build`` adds its commands); see the module docstring."""
-        if not self.healthy or timeout <= 0:
+        """One pipeline (``build`` adds its commands); see the module docstring. While the
+        breaker is half-open only one request (the probe) goes out; the others miss."""
+        if timeout <= 0 or not self.healthy or self._probing:
             return None
-        pipe = self.redis.pipeline(transaction=False)
-        build(pipe)
-        self.requests += 1
-        t0 = time.monotonic()
+        probe = self._failures > 0
+        self._probing = probe
         try:
-            out: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout)
-        except (Exception, TimeoutError) as err:  # noqa: BLE001  (any failure: a miss, breaker)
-            self.fail(err)
-            return None
-        self.latency_sum += time.monotonic() - t0
-        self._failures = 0
-        return out
+            pipe = self.redis.pipeline(transaction=False)
+            build(pipe)
+            self.requests += 1
+            t0 = time.monotonic()
+            try:
+                out: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False),
+                                                        timeout)
+            except (Exception, TimeoutError) as err:  # noqa: BLE001  (a miss; the breaker)
+                self.fail(err)
+                return None
+            self.latency_sum += time.monotonic() - t0
+            self._failures = 0
+            return out
+        finally:
+            if probe:
+                self._probing = False
 
     def fail(self, err: BaseException | str) -> None:
         """Open the breaker (doubling while failures continue)."""
@@ -155,7 +165,11 @@ class Topology:
             except (Exception, TimeoutError) as err:  # noqa: BLE001  (try the next node)
                 log.debug("CLUSTER SLOTS from %s failed: %s", address, err)
                 continue
-            self._apply(raw, address)
+            try:
+                self._apply(raw, address)
+            except (ValueError, TypeError, IndexError, AttributeError) as err:
+                log.warning("unreadable CLUSTER SLOTS from %s: %r", address, err)
+                continue
             self.refreshes += 1
             self.known = True
             return True

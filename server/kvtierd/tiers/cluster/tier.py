@@ -4,28 +4,33 @@ Only kvtierd talks to the cluster (docs/cluster.md). Unlike the NVMe tier, the c
 tier of this daemon's copies: other daemons write and the cluster evicts on its own, so the
 index never records what it holds. The cache asks it (kvtierd.cache.fleet):
 
-* ``exists(digest, keys)`` -> one bool per key, within the lookup deadline (pipelined
-  ``EXISTS``, one pipeline per master, masters in parallel); what is not answered in time is
-  a miss.
+* ``exists(digest, keys)`` -> one bool per key (pipelined ``EXISTS``, one pipeline per master,
+  masters in parallel). The daemon's side waits at most the lookup deadline: what is not
+  answered by then is a miss, however busy the tier's thread is.
 * ``fetch(digest, keys, payload_len, dests)`` -> one :data:`FETCH_OK` / :data:`FETCH_MISS` /
-  :data:`FETCH_CORRUPT` per key: ``GET`` (pipelined as above, at most ``inflight_bytes`` asked
-  at once), each value verified (kvtierd.tiers.cluster.format) and copied into its ``dests``
-  view (a host slot the cache reserved) before the call returns; a corrupt value is deleted in
-  the background and counted.
-* ``offer(items, done)``: queue blocks to write (``SET … NX PX ttl``); the bytes are read from
-  the given views by the writer, so the caller keeps them valid (pinned) until ``done(oks)`` is
-  called on the caller's loop. A full queue (``queue_bytes``) refuses, and those are counted
-  as drops; so are writes to a node that is down or late.
+  :data:`FETCH_CORRUPT` per key: ``GET`` in pipelines of at most ``inflight_bytes`` in all,
+  each pipeline within ``fetch_timeout_s``; each value verified (kvtierd.tiers.cluster.format)
+  and copied into its ``dests`` view (a host slot the cache reserved) before the call returns,
+  and it returns only once no copy into ``dests`` can happen any more. A corrupt value is
+  deleted in the background and counted.
+* ``offer(items, done)``: queue blocks to write (``SET … NX PX ttl``): as many of ``items``
+  (a prefix) as fit ``queue_bytes`` are admitted, the rest dropped (counted); the number
+  admitted is returned. The writer reads the bytes from the given views, so the caller keeps
+  them valid (pinned) until ``done(oks)`` (one bool per admitted item) runs on the caller's
+  loop; ``done`` is called exactly once, also when the tier closes. Each master has its own
+  queue and writer: a slow or dead master delays (and, past ``write_timeout_s``, drops) only
+  its own keys.
 
 Failure is a miss, never an error: a node that fails or answers late opens its breaker
 (kvtierd.tiers.cluster.nodes); with no slot map (the cluster unreachable at start, or lost)
 everything is a miss at once, and the tier comes back by itself when a refresh succeeds.
 
-Lifecycle: built -> ``start()`` (a thread running the tier's own event loop: every Redis
-socket, parse and digest happens there, never on the daemon's loop) -> ``close()`` (pending
-writes are dropped and their ``done`` called). Thread-safety: ``exists``/``fetch`` are awaited
-from the daemon's loop and run on the tier's; ``offer`` may be called from the daemon's loop;
-``stats()`` reads plain figures from any thread.
+Lifecycle: built -> ``start()`` (a thread running the tier's own event loop, uvloop when
+installed: every Redis socket, parse, digest and copy happens there, never on the daemon's
+loop) -> ``close()`` (every task of the tier's loop is cancelled; pending writes are dropped and
+their ``done`` called). Thread-safety: ``exists``/``fetch`` are awaited from the daemon's loop
+and run on the tier's; ``offer`` is called from the daemon's loop; the figures are plain ints
+(those touched from both threads under ``_lock``); ``stats()`` reads them from any thread.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, 
 
 log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
-
+MIN_REFRESH_GAP_S = 0.5  # slot-map reads asked for by failures or MOVED: at most this often
 
 WriteItem = tuple[bytes, bytes, memoryview]
 """(namespace digest, block key, the block's bytes: valid until ``done`` is called)."""
@@ -62,8 +67,30 @@ def _commands(name: str, rkeys: list[bytes]) -> Callable[[Any], None]:
     return add
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover  (uvloop is a dependency on Linux)
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class _Offer:
+    """One ``offer``: its admitted items, their results, and whom to tell. Tier thread only
+    (after ``offer`` hands it over)."""
+
+    __slots__ = ("items", "oks", "left", "done", "loop")
+
+    def __init__(self, items: list[WriteItem], done: Callable[[list[bool]], None],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.items, self.done, self.loop = items, done, loop
+        self.oks = [False] * len(items)
+        self.left = len(items)
+
+
 class ClusterTier:
-    """See the module docstring. Owns its thread, its loop, the topology and the write queue."""
+    """See the module docstring. Owns its thread, its loop, the topology and the write queues."""
 
     name = "cluster"
     id = TierId.CLUSTER
@@ -72,16 +99,13 @@ class ClusterTier:
         self.settings = settings
         self.topology = Topology(settings.seeds, settings.creds, settings.breaker_s)
         self.writes = self.write_drops = self.corrupt_values = self.lookup_timeouts = 0
-        self.queued_blocks = self.queued_bytes = 0
-        self.writing_blocks = 0  # taken from the queue, being written
-        self._lock = threading.Lock()  # queued_* and the queue: offer() vs the writer
-        self._queue: deque[tuple[list[WriteItem], Callable[[list[bool]], None],
-                                 asyncio.AbstractEventLoop]] = deque()
-        self._loop = asyncio.new_event_loop()
+        self.queued_blocks = self.queued_bytes = 0  # admitted, not yet written or dropped
+        self._lock = threading.Lock()  # the figures offer() and the writers both change
+        self._loop = _new_loop()
         self._thread = threading.Thread(target=self._run, name="kvtier-cluster", daemon=True)
-        self._wake: asyncio.Event | None = None
         self._refresh_now: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._queues: dict[Node | None, deque[tuple[_Offer, int]]] = {}
+        self._writers: dict[Node, asyncio.Task[None]] = {}
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -90,9 +114,8 @@ class ClusterTier:
         started = threading.Event()
 
         def boot() -> None:
-            self._wake, self._refresh_now = asyncio.Event(), asyncio.Event()
-            self._tasks = [self._loop.create_task(self._refresher()),
-                           self._loop.create_task(self._writer())]
+            self._refresh_now = asyncio.Event()
+            self._loop.create_task(self._refresher())
             started.set()
 
         self._loop.call_soon(boot)
@@ -104,17 +127,23 @@ class ClusterTier:
         self._loop.run_forever()
 
     def close(self) -> None:
-        """Stop the thread; pending writes are dropped (their ``done`` called with False)."""
-        if self._closed or not self._thread.is_alive():
-            self._closed = True
+        """Stop the thread: every task of the tier's loop is cancelled (fetches end, their
+        callers see misses), pending writes are dropped (their ``done`` called with False)."""
+        with self._lock:
+            already, self._closed = self._closed, True
+        if already or not self._thread.is_alive():
             return
-        self._closed = True
 
         async def stop() -> None:
-            for t in self._tasks:
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._drop_queue()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for q in self._queues.values():  # the writers are gone: what they held is dropped
+                while q:
+                    offer, i = q.popleft()
+                    self._resolve(offer, i, False)
             await self.topology.close()
 
         try:
@@ -123,15 +152,6 @@ class ClusterTier:
             log.warning("cluster tier did not stop cleanly", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-
-    def _drop_queue(self) -> None:
-        with self._lock:
-            pending = list(self._queue)
-            self._queue.clear()
-            self.queued_blocks = self.queued_bytes = 0
-        for items, done, loop in pending:
-            self.write_drops += len(items)
-            self._notify(loop, done, [False] * len(items))
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the tier's loop; awaited from the daemon's."""
@@ -143,16 +163,23 @@ class ClusterTier:
 
     @property
     def pending_writes(self) -> int:
-        """Blocks queued or being written (a drain waits for them, up to its deadline)."""
-        return self.queued_blocks + self.writing_blocks
+        """Blocks admitted and not yet written or dropped (a drain waits for them)."""
+        return self.queued_blocks
 
     # -- lookups and reads (awaited from the daemon's loop) --------------------------------------
 
     async def exists(self, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is held, as far as the cluster answers within the lookup deadline."""
+        """Whether each key is held, as far as the cluster answers within the lookup deadline
+        (counted from the caller's side: a busy tier thread makes misses, not delays)."""
         if not keys or self._closed:
             return [False] * len(keys)
-        return await self._call(self._exists(digest, list(keys)))
+        try:
+            return await asyncio.wait_for(self._call(self._exists(digest, list(keys))),
+                                          self.settings.lookup_timeout_s)
+        except TimeoutError:
+            with self._lock:
+                self.lookup_timeouts += 1
+            return [False] * len(keys)
 
     async def _exists(self, digest: bytes, keys: list[bytes]) -> list[bool]:
         deadline = time.monotonic() + self.settings.lookup_timeout_s
@@ -176,9 +203,8 @@ class ClusterTier:
                     self._check_moved(r)
 
         groups = self.topology.group(rkeys)
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items() if n is not None))
-        if time.monotonic() > deadline:
-            self.lookup_timeouts += 1
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items() if n is not None),
+                             return_exceptions=True)
         return found
 
     async def fetch(self, digest: bytes, keys: Sequence[bytes], payload_len: int,
@@ -191,46 +217,54 @@ class ClusterTier:
 
     async def _fetch(self, digest: bytes, keys: list[bytes], payload_len: int,
                      dests: list[memoryview]) -> list[int]:
-        deadline = time.monotonic() + self.settings.fetch_timeout_s
         rkeys = [redis_key(digest, k) for k in keys]
         result = [FETCH_MISS] * len(keys)
         groups = {n: idx for n, idx in self.topology.group(rkeys).items() if n is not None}
-        per_node = max(1, self.settings.inflight_bytes // max(1, payload_len * max(1, len(groups))))
+        budget = max(1, self.settings.inflight_bytes // max(1, payload_len))  # keys at once
+        total = sum(map(len, groups.values()))
 
         async def one(node: Node, idx: list[int]) -> None:
-            for start in range(0, len(idx), per_node):
-                chunk = idx[start:start + per_node]
+            per = len(idx) if total <= budget else max(1, budget * len(idx) // total)
+            for start in range(0, len(idx), per):
+                chunk = idx[start:start + per]
                 out = await node.run(_commands("get", [rkeys[i] for i in chunk]),
-                                     deadline - time.monotonic())
+                                     self.settings.fetch_timeout_s)
                 if out is None:
                     node.keys_missed += len(idx) - start
                     self._poke()
                     return
                 for i, value in zip(chunk, out, strict=True):
-                    if not isinstance(value, bytes):
-                        node.keys_missed += 1
-                        self._check_moved(value)
-                        continue
-                    node.bytes_read += len(value)
-                    try:
-                        payload = verify(value, digest, keys[i], payload_len)
-                    except CorruptValue as err:
-                        node.keys_missed += 1
-                        self.corrupt_values += 1
-                        result[i] = FETCH_CORRUPT
-                        log.warning("cluster value %s on %s refused (%s): deleted",
-                                    rkeys[i][:24].decode(), node.address, err.reason)
-                        self._loop.create_task(self._delete(node, rkeys[i]))
-                        continue
-                    dests[i][:payload_len] = payload
-                    node.keys_hit += 1
-                    result[i] = FETCH_OK
+                    result[i] = self._take_value(node, value, digest, keys[i], rkeys[i],
+                                                 payload_len, dests[i])
 
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()))
+        # Every node's coroutine has ended (none raises) before this returns: no copy into
+        # ``dests`` happens after the caller frees them.
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()),
+                             return_exceptions=True)
         return result
 
+    def _take_value(self, node: Node, value: Any, digest: bytes, key: bytes, rkey: bytes,
+                    payload_len: int, dest: memoryview) -> int:
+        if not isinstance(value, bytes):
+            node.keys_missed += 1
+            self._check_moved(value)
+            return FETCH_MISS
+        node.bytes_read += len(value)
+        try:
+            payload = verify(value, digest, key, payload_len)
+        except CorruptValue as err:
+            node.keys_missed += 1
+            self.corrupt_values += 1
+            log.warning("cluster value %s… on %s refused (%s): deleted",
+                        rkey[:24].decode(), node.address, err.reason)
+            self._loop.create_task(self._delete(node, rkey))
+            return FETCH_CORRUPT
+        dest[:payload_len] = payload
+        node.keys_hit += 1
+        return FETCH_OK
+
     async def _delete(self, node: Node, rkey: bytes) -> None:
-        await node.run(lambda p: p.delete(rkey), self.settings.write_timeout_s)
+        await node.run(_commands("delete", [rkey]), self.settings.write_timeout_s)
 
     def _check_moved(self, reply: Any) -> None:
         """A MOVED/ASK/CLUSTERDOWN answer: the slot map is stale; refresh it soon."""
@@ -244,95 +278,123 @@ class ClusterTier:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def offer(self, items: list[WriteItem], done: Callable[[list[bool]], None]) -> bool:
-        """Queue ``items`` for writing (all or none); False (counted as drops) when the queue
-        is full, the tier closed or the cluster unknown. ``done`` runs on the caller's loop."""
-        nbytes = sum(v.nbytes for _, _, v in items)
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``offer`` would admit a block of ``nbytes`` now (a hint: no reservation)."""
+        return not self._closed and self.topology.known and \
+            self.queued_bytes + nbytes <= self.settings.queue_bytes
+
+    def offer(self, items: list[WriteItem], done: Callable[[list[bool]], None]) -> int:
+        """Admit the longest prefix of ``items`` that fits the queue; how many were. ``done``
+        gets their results later, on the caller's loop (not called when none was admitted)."""
+        n = nbytes = 0
         with self._lock:
-            if self._closed or not self.topology.known \
-                    or self.queued_bytes + nbytes > self.settings.queue_bytes:
-                self.write_drops += len(items)
-                return False
-            self._queue.append((items, done, asyncio.get_running_loop()))
-            self.queued_blocks += len(items)
+            if not self._closed and self.topology.known:
+                room = self.settings.queue_bytes - self.queued_bytes
+                for _, _, view in items:
+                    if nbytes + view.nbytes > room:
+                        break
+                    nbytes += view.nbytes
+                    n += 1
+            self.write_drops += len(items) - n
+            self.queued_blocks += n
             self.queued_bytes += nbytes
-        wake = self._wake
-        if wake is not None:
-            self._loop.call_soon_threadsafe(wake.set)
-        return True
+        if n:
+            offer = _Offer(items[:n], done, asyncio.get_running_loop())
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, offer)
+            except RuntimeError:  # the tier's loop has stopped (closing)
+                self._loop_gone(offer)
+        return n
 
-    async def _writer(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                batch = self._take()
-                if not batch:
-                    break
-                await self._write(batch)
-
-    def _take(self) -> list[tuple[list[WriteItem], Callable[[list[bool]], None],
-                                  asyncio.AbstractEventLoop]]:
-        """Offers up to ``inflight_bytes`` (at least one)."""
-        out: list[tuple[list[WriteItem], Callable[[list[bool]], None],
-                        asyncio.AbstractEventLoop]] = []
-        size = 0
+    def _loop_gone(self, offer: _Offer) -> None:
         with self._lock:
-            while self._queue and (not out or size < self.settings.inflight_bytes):
-                items, done, loop = self._queue.popleft()
-                n = sum(v.nbytes for _, _, v in items)
-                self.queued_blocks -= len(items)
-                self.queued_bytes -= n
-                self.writing_blocks += len(items)
-                size += n
-                out.append((items, done, loop))
-        return out
+            self.write_drops += offer.left
+            self.queued_blocks -= offer.left
+            self.queued_bytes -= sum(v.nbytes for _, _, v in offer.items)
+        self._notify(offer)
 
-    async def _write(self, batch: list[tuple[list[WriteItem], Callable[[list[bool]], None],
-                                             asyncio.AbstractEventLoop]]) -> None:
-        flat: list[WriteItem] = [it for items, _, _ in batch for it in items]
-        rkeys = [redis_key(d, k) for d, k, _ in flat]
-        oks = [False] * len(flat)
-        deadline = time.monotonic() + self.settings.write_timeout_s
-        ttl_ms = max(1, int(self.settings.ttl_s * 1000))
-
-        def build(idx: list[int]) -> Callable[[Any], None]:
-            def add(p: Any) -> None:
+    def _dispatch(self, offer: _Offer) -> None:
+        """Tier thread: each item to its master's queue (no master: dropped now)."""
+        if self._closed:
+            self._loop_gone(offer)
+            return
+        rkeys = [redis_key(d, k) for d, k, _ in offer.items]
+        for node, idx in self.topology.group(rkeys).items():
+            if node is None:
                 for i in idx:
-                    d, k, view = flat[i]
-                    p.set(rkeys[i], b"".join((encode_header(d, k, view), view)), nx=True,
-                          px=ttl_ms)
-            return add
+                    self._resolve(offer, i, False)
+                continue
+            q = self._queues.setdefault(node, deque())
+            q.extend((offer, i) for i in idx)
+            if node not in self._writers:
+                task = self._loop.create_task(self._node_writer(node, q))
+                self._writers[node] = task
 
-        async def one(node: Node, idx: list[int]) -> None:
-            out = await node.run(build(idx), deadline - time.monotonic())
-            if out is None:
-                self._poke()
-                return
-            for i, r in zip(idx, out, strict=True):
-                if isinstance(r, Exception):
-                    self._check_moved(r)
-                    continue
-                oks[i] = True  # written, or already there (NX: the first writer wins)
-                node.bytes_written += flat[i][2].nbytes if r else 0
+    async def _node_writer(self, node: Node, q: deque[tuple[_Offer, int]]) -> None:
+        """One master's writes, one pipeline at a time (at most its share of
+        ``inflight_bytes``); ends when its queue is empty."""
+        ttl_ms = max(1, int(self.settings.ttl_s * 1000))
+        share = max(1 << 20, self.settings.inflight_bytes // max(1, len(self.topology.masters())))
+        try:
+            while q:
+                batch: list[tuple[_Offer, int]] = []
+                size = 0
+                while q and (not batch or size < share):
+                    offer, i = q.popleft()
+                    batch.append((offer, i))
+                    size += offer.items[i][2].nbytes
+                results: list[bool] = [False] * len(batch)
+                try:
+                    results = await self._write(node, batch, ttl_ms)
+                except Exception:  # noqa: BLE001  (a bug must not leave blocks pinned)
+                    log.exception("cluster write to %s failed", node.address)
+                finally:
+                    for (offer, i), ok in zip(batch, results, strict=True):
+                        self._resolve(offer, i, ok)
+        finally:
+            self._writers.pop(node, None)
+            if q and not self._closed:  # cancelled with items left: they go to the next writer
+                self._writers[node] = self._loop.create_task(self._node_writer(node, q))
 
-        groups = self.topology.group(rkeys)
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items() if n is not None))
-        self.writes += sum(oks)
-        self.write_drops += len(oks) - sum(oks)
+    async def _write(self, node: Node, batch: list[tuple[_Offer, int]], ttl_ms: int) -> list[bool]:
+        items = [offer.items[i] for offer, i in batch]
+
+        def build(p: Any) -> None:
+            for d, k, view in items:
+                p.set(redis_key(d, k), b"".join((encode_header(d, k, view), view)), nx=True,
+                      px=ttl_ms)
+
+        out = await node.run(build, self.settings.write_timeout_s)
+        if out is None:
+            self._poke()
+            return [False] * len(batch)
+        oks = []
+        for (_, _, view), r in zip(items, out, strict=True):
+            if isinstance(r, Exception):
+                self._check_moved(r)
+                oks.append(False)
+                continue
+            oks.append(True)  # written, or already there (NX: the first writer wins)
+            node.bytes_written += view.nbytes if r else 0
+        return oks
+
+    def _resolve(self, offer: _Offer, i: int, ok: bool) -> None:
+        offer.oks[i] = ok
+        offer.left -= 1
         with self._lock:
-            self.writing_blocks -= len(oks)
-        pos = 0
-        for items, done, loop in batch:
-            self._notify(loop, done, oks[pos:pos + len(items)])
-            pos += len(items)
+            self.queued_blocks -= 1
+            self.queued_bytes -= offer.items[i][2].nbytes
+            if ok:
+                self.writes += 1
+            else:
+                self.write_drops += 1
+        if offer.left == 0:
+            self._notify(offer)
 
     @staticmethod
-    def _notify(loop: asyncio.AbstractEventLoop, done: Callable[[list[bool]], None],
-                oks: list[bool]) -> None:
+    def _notify(offer: _Offer) -> None:
         try:
-            loop.call_soon_threadsafe(done, oks)
+            offer.loop.call_soon_threadsafe(offer.done, offer.oks)
         except RuntimeError:  # the daemon's loop is closed: nothing waits any more
             pass
 
@@ -342,7 +404,12 @@ class ClusterTier:
         assert self._refresh_now is not None
         was = None
         while True:
-            ok = await self.topology.refresh(timeout=max(0.2, self.settings.lookup_timeout_s * 10))
+            try:
+                ok = await self.topology.refresh(
+                    timeout=max(0.2, self.settings.lookup_timeout_s * 10))
+            except Exception:  # noqa: BLE001  (the refresher must outlive any surprise)
+                log.exception("cluster slot map refresh failed")
+                ok = False
             if ok != was:
                 if ok:
                     log.info("cluster tier connected: %d masters",
@@ -351,9 +418,11 @@ class ClusterTier:
                     log.warning("cluster tier unreachable: lookups miss, stores are dropped")
                 was = ok
             interval = self.settings.refresh_s if ok else min(0.5, self.settings.refresh_s)
+            await asyncio.sleep(MIN_REFRESH_GAP_S)  # pokes (failures, MOVED) coalesce here
+            self._refresh_now.clear()
             try:
-                await asyncio.wait_for(self._refresh_now.wait(), interval)
-                await asyncio.sleep(0.1)  # coalesce a burst of MOVED answers
+                await asyncio.wait_for(self._refresh_now.wait(),
+                                       max(0.0, interval - MIN_REFRESH_GAP_S))
             except TimeoutError:
                 pass
             self._refresh_now.clear()
