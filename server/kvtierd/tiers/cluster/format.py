@@ -16,7 +16,9 @@ the first writer wins.
 
 Primitives: ``redis_key(digest, key)``; ``encode_header(digest, key, payload)``;
 ``verify(value, digest, key, payload_len)`` -> the payload view, or raises :class:`CorruptValue`
-naming the reason. Pure functions, thread-safe; xxh3 releases the GIL on large inputs.
+naming the reason; ``verify_parts(header, payload, digest, key)`` checks a value received in two
+parts (the payload straight into a host slot: kvtierd.tiers.cluster.bulk). Pure functions,
+thread-safe; xxh3 releases the GIL on large inputs.
 """
 
 from __future__ import annotations
@@ -66,17 +68,28 @@ def verify(value: bytes | memoryview, namespace_digest: bytes, key: bytes,
     v = memoryview(value)
     if v.nbytes < HEADER_BYTES:
         raise CorruptValue(f"short value ({v.nbytes} bytes)")
-    magic, version, _flags, n, digest, echoed, pdigest = HEADER.unpack_from(v)
+    if v.nbytes != HEADER_BYTES + payload_len:
+        n = HEADER.unpack_from(v)[3]
+        raise CorruptValue(f"length {v.nbytes - HEADER_BYTES} (header {n}), "
+                           f"expected {payload_len}")
+    payload = v[HEADER_BYTES:]
+    verify_parts(v[:HEADER_BYTES], payload, namespace_digest, key)
+    return payload
+
+
+def verify_parts(header: bytes | memoryview, payload: bytes | memoryview,
+                 namespace_digest: bytes, key: bytes) -> None:
+    """Check a value read as its 96-byte header and its payload (already the expected length,
+    e.g. received straight into a host slot); :class:`CorruptValue` if it is not exactly the
+    block ``key`` of ``namespace_digest``."""
+    magic, version, _flags, n, digest, echoed, pdigest = HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptValue("bad magic")
     if version != VERSION:
         raise CorruptValue(f"unknown version {version}")
     if digest != namespace_digest or echoed != key:
         raise CorruptValue("stored under another block's key")
-    if n != payload_len or v.nbytes != HEADER_BYTES + n:
-        raise CorruptValue(f"length {v.nbytes - HEADER_BYTES} (header {n}), "
-                           f"expected {payload_len}")
-    payload = v[HEADER_BYTES:]
+    if n != memoryview(payload).nbytes:
+        raise CorruptValue(f"length {memoryview(payload).nbytes} (header {n})")
     if payload_digest(payload) != pdigest:
         raise CorruptValue("payload digest mismatch")
-    return payload

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,6 +30,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from kvtierd.ratelog import RateLimitedLog
+from kvtierd.tiers.cluster.bulk import BulkConnection
 from kvtierd.tiers.cluster.settings import Credentials
 
 log = logging.getLogger("kvtierd.cluster")
@@ -61,27 +62,31 @@ class Node:
             retry=Retry(NoBackoff(), 0), decode_responses=False,
             protocol=2, **kwargs)
         self._log = RateLimitedLog(log, 30.0)
+        self.bulk = BulkConnection(host.strip("[]"), int(port), creds)
 
     @property
     def healthy(self) -> bool:
         """The breaker is closed (or open long enough that the next request is the probe)."""
         return time.monotonic() >= self._open_until
 
-    async def run(self, build: Callable[[Any], None], timeout: float) -> list[Any] | None:
-        """One pipeline (``build`` adds its commands); see the module docstring. While the
-        breaker is half-open only one request (the probe) goes out; the others miss."""
+    async def get_into(self, rkeys: list[bytes], dests: list[memoryview], payload_len: int,
+                       timeout: float) -> list[Any] | None:
+        """Pipelined GETs into ``dests`` (kvtierd.tiers.cluster.bulk), under the breaker like
+        ``run``: None when skipped, failed or late (no byte reaches ``dests`` afterwards)."""
+        return await self._guarded(
+            lambda: self.bulk.get_into(rkeys, dests, payload_len, timeout), timeout)
+
+    async def _guarded(self, call: Callable[[], Awaitable[list[Any]]],
+                       timeout: float) -> list[Any] | None:
         if timeout <= 0 or not self.healthy or self._probing:
             return None
         probe = self._failures > 0
         self._probing = probe
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            build(pipe)
             self.requests += 1
             t0 = time.monotonic()
             try:
-                out: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False),
-                                                        timeout)
+                out = await call()
             except (Exception, TimeoutError) as err:  # noqa: BLE001  (a miss; the breaker)
                 self.fail(err)
                 return None
@@ -91,6 +96,17 @@ class Node:
         finally:
             if probe:
                 self._probing = False
+
+    async def run(self, build: Callable[[Any], None], timeout: float) -> list[Any] | None:
+        """One pipeline (``build`` adds its commands); see the module docstring. While the
+        breaker is half-open only one request (the probe) goes out; the others miss."""
+        async def call() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            build(pipe)
+            out: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout)
+            return out
+
+        return await self._guarded(call, timeout)
 
     def fail(self, err: BaseException | str) -> None:
         """Open the breaker (doubling while failures continue)."""
@@ -110,6 +126,7 @@ class Node:
                 "slots": self.slots}
 
     async def close(self) -> None:
+        self.bulk.abort()
         try:
             await self.redis.aclose()
         except Exception:  # noqa: BLE001  (closing a dead node's sockets)

@@ -46,7 +46,14 @@ from typing import Any, TypeVar
 from redis.exceptions import ResponseError
 
 from kvtierd.domain import TierId
-from kvtierd.tiers.cluster.format import CorruptValue, encode_header, redis_key, verify
+from kvtierd.tiers.cluster.bulk import WrongSize
+from kvtierd.tiers.cluster.format import (
+    HEADER_BYTES,
+    CorruptValue,
+    encode_header,
+    redis_key,
+    verify_parts,
+)
 from kvtierd.tiers.cluster.nodes import Node, Topology
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, ClusterSettings
 
@@ -227,15 +234,15 @@ class ClusterTier:
             per = len(idx) if total <= budget else max(1, budget * len(idx) // total)
             for start in range(0, len(idx), per):
                 chunk = idx[start:start + per]
-                out = await node.run(_commands("get", [rkeys[i] for i in chunk]),
-                                     self.settings.fetch_timeout_s)
+                out = await node.get_into([rkeys[i] for i in chunk], [dests[i] for i in chunk],
+                                          payload_len, self.settings.fetch_timeout_s)
                 if out is None:
                     node.keys_missed += len(idx) - start
                     self._poke()
                     return
-                for i, value in zip(chunk, out, strict=True):
-                    result[i] = self._take_value(node, value, digest, keys[i], rkeys[i],
-                                                 payload_len, dests[i])
+                for i, reply in zip(chunk, out, strict=True):
+                    result[i] = self._check(node, reply, digest, keys[i], rkeys[i], dests[i],
+                                            payload_len)
 
         # Every node's coroutine has ended (none raises) before this returns: no copy into
         # ``dests`` happens after the caller frees them.
@@ -243,25 +250,30 @@ class ClusterTier:
                              return_exceptions=True)
         return result
 
-    def _take_value(self, node: Node, value: Any, digest: bytes, key: bytes, rkey: bytes,
-                    payload_len: int, dest: memoryview) -> int:
-        if not isinstance(value, bytes):
+    def _check(self, node: Node, reply: Any, digest: bytes, key: bytes, rkey: bytes,
+               dest: memoryview, payload_len: int) -> int:
+        """One GET's result: the payload is in ``dest`` if ``reply`` is a header; verified."""
+        if reply is None or isinstance(reply, ResponseError):
             node.keys_missed += 1
-            self._check_moved(value)
+            self._check_moved(reply)
             return FETCH_MISS
-        node.bytes_read += len(value)
-        try:
-            payload = verify(value, digest, key, payload_len)
-        except CorruptValue as err:
-            node.keys_missed += 1
-            self.corrupt_values += 1
-            log.warning("cluster value %s… on %s refused (%s): deleted",
-                        rkey[:24].decode(), node.address, err.reason)
-            self._loop.create_task(self._delete(node, rkey))
-            return FETCH_CORRUPT
-        dest[:payload_len] = payload
-        node.keys_hit += 1
-        return FETCH_OK
+        if isinstance(reply, WrongSize):
+            err = CorruptValue(f"length {reply.length - HEADER_BYTES}, expected {payload_len}")
+        else:
+            node.bytes_read += HEADER_BYTES + payload_len
+            try:
+                verify_parts(reply, dest[:payload_len], digest, key)
+            except CorruptValue as e:
+                err = e
+            else:
+                node.keys_hit += 1
+                return FETCH_OK
+        node.keys_missed += 1
+        self.corrupt_values += 1
+        log.warning("cluster value %s… on %s refused (%s): deleted", rkey[:24].decode(),
+                    node.address, err.reason)
+        self._loop.create_task(self._delete(node, rkey))
+        return FETCH_CORRUPT
 
     async def _delete(self, node: Node, rkey: bytes) -> None:
         await node.run(_commands("delete", [rkey]), self.settings.write_timeout_s)
