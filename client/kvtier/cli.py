@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "daemon's socket under this directory if present, else its TCP listener)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout-s", type=float, default=2.0)
+    st.add_argument("--token-file", default=None,
+                    help="file holding this tenant's bearer token (a daemon with tenants; an "
+                         "operator's token sees every namespace); or KVTIER_TOKEN_FILE")
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
@@ -102,7 +105,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     try:
         client = Client(args.address or defaults.default_address(), "tcp",
-                        timeout_s=args.timeout_s, heartbeat=False)
+                        timeout_s=args.timeout_s, heartbeat=False,
+                        token_file=args.token_file or os.environ.get("KVTIER_TOKEN_FILE"))
     except KvtierError as e:
         print(f"kvtier stats: {e}", file=sys.stderr)
         return 2

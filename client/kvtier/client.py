@@ -94,6 +94,8 @@ class Client(Session):
         try:
             reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise errors.Unauthenticated(e.details() or "") from None
             raise errors.Unavailable(f"daemon at {self.address}: {e.code().name}: {e.details()}"
                                      ) from None
         return to_dict(reply)

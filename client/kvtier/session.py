@@ -145,13 +145,16 @@ class Session:
                  backoff_s: tuple[float, float] = (0.05, 1.0), tenant_key: bytes | None = None,
                  breaker: Breaker | None = None, probe_timeout_s: float | None = None,
                  op_timeout_s: float = 30.0, local_lookups: bool = True,
+                 token: str | None = None, token_file: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
         ``min(timeout_s, 0.5)``); ``op_timeout_s``: the bound on one operation without a
         deadline of its own (all its batches and load rounds); ``local_lookups``: answer
         ``lookup`` from the daemon's published index when it is on this host
-        (:mod:`kvtier.local_index`)."""
+        (:mod:`kvtier.local_index`); ``token`` / ``token_file`` (its first line): the bearer
+        token of this client's tenant, sent with every RPC (a daemon with a tenants file
+        refuses calls without one; docs/security.md). Never logged."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -164,6 +167,7 @@ class Session:
         self.lease_ttl_s = lease_ttl_s
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
+        self._metadata = bearer_metadata(token, token_file)
         self.counters = ClientCounters()
         self.breaker = breaker if breaker is not None else Breaker(backoff_s)
         self._clock = clock
@@ -337,7 +341,10 @@ class Session:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.address, options=[
                 ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)])
-            self._stub = pb_grpc.KvtierStub(self._channel)
+            channel = self._channel
+            if self._metadata:
+                channel = grpc.intercept_channel(channel, _WithMetadata(self._metadata))
+            self._stub = pb_grpc.KvtierStub(channel)
 
     def _register(self, handle: Registered, timeout: float) -> None:
         """RegisterNamespace; Away when the daemon does not answer (the caller trips)."""
@@ -567,3 +574,38 @@ class Session:
         if self._transport is None:
             raise errors.TransportError("no data transport attached")
         return self._transport
+
+
+def bearer_metadata(token: str | None, token_file: str | None) -> tuple[tuple[str, str], ...]:
+    """The ``authorization`` metadata for a tenant's token (given, or the first line of a
+    file); empty without one."""
+    if token_file:
+        try:
+            with open(token_file) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise errors.InvalidArgument(f"cannot read the token file: {e.strerror}",
+                                         field="token_file") from None
+        if not token:
+            raise errors.InvalidArgument("the token file is empty", field="token_file")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _WithMetadata(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds the credential to every unary call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        md = tuple(details.metadata or ()) + self._metadata
+        return continuation(_Details(details.method, details.timeout, md, details.credentials,
+                                     details.wait_for_ready, details.compression), request)
+
+
+class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
+    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
+                 wait_for_ready: Any, compression: Any) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
+                                                                   compression)

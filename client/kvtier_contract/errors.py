@@ -58,6 +58,13 @@ class PermissionDenied(KvtierError):
     code_name = "PERMISSION_DENIED"
 
 
+class Unauthenticated(KvtierError):
+    """No valid credential: the daemon has tenants and the call carried no token of one
+    (docs/security.md)."""
+
+    code_name = "UNAUTHENTICATED"
+
+
 class Unavailable(KvtierError):
     """The daemon cannot be reached, is draining, or did not answer within the deadline."""
 
@@ -92,6 +99,7 @@ GRPC_STATUS: dict[type[KvtierError], str] = {
         FailedPrecondition,
         ResourceExhausted,
         PermissionDenied,
+        Unauthenticated,
         Unavailable,
         TransportError,
         Aborted,
@@ -105,6 +113,7 @@ _BY_CODE: dict[str, type[KvtierError]] = {
     "FAILED_PRECONDITION": FailedPrecondition,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
     "PERMISSION_DENIED": PermissionDenied,
+    "UNAUTHENTICATED": Unauthenticated,
     "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": Unavailable,
     "ABORTED": Aborted,

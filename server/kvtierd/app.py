@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier_contract import published_index as pi
+from kvtier_contract.errors import NotFound
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -41,6 +42,7 @@ from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.tenants import load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
@@ -100,6 +102,8 @@ class Daemon:
                                      advertise=self._advertise, cuda=self.cuda,
                                      max_inflight=cfg.max_inflight_rpcs)
         self.service.after_rpc = self.published.flush
+        if cfg.tenants_file:
+            self.service.tenants = load_tenants(cfg.tenants_file)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
@@ -124,9 +128,40 @@ class Daemon:
         return adv
 
     def _index_handout(self, session_id: int, namespace_id: int) -> tuple[int, int, int]:
-        """A read-only descriptor of a namespace's published index, for a live session."""
-        self.sessions.get(session_id)
-        return self.published.handout(self.cache.namespace(namespace_id))
+        """A read-only descriptor of a namespace's published index, for a live session (of the
+        namespace's tenant: another tenant's namespace answers as an absent one)."""
+        s = self.sessions.get(session_id)
+        ns = self.cache.namespace(namespace_id)
+        if not self._may_see(s, ns.spec.tenant):
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
+                           field="namespace_id")
+        return self.published.handout(ns)
+
+    def _may_see(self, session: Session, tenant: str | None) -> bool:
+        """Whether ``session`` may use objects of ``tenant`` (the operator's may)."""
+        if self.service.tenants is None or session.tenant == tenant:
+            return True
+        who = self.service.tenants.by_name.get(session.tenant or "")
+        return who is not None and who.operator
+
+    def _peer_ok(self, session: Session, uid: int, gid: int) -> bool:
+        """shm handshakes: the Unix peer (SO_PEERCRED) must be allowed for the session's
+        tenant (its unix_uids / unix_gids)."""
+        if self.service.tenants is None:
+            return True
+        who = self.service.tenants.by_name.get(session.tenant or "")
+        return who is not None and who.allows_peer(uid, gid)
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: read the tenants file again; a bad file keeps the current tenants."""
+        if not self.cfg.tenants_file:
+            return
+        try:
+            self.service.tenants = load_tenants(self.cfg.tenants_file)
+        except ValueError as e:
+            log.error("tenants file not reloaded (the current one stays): %s", e)
+            return
+        log.info("tenants file reloaded: %d tenants", len(self.service.tenants))
 
     def _socket_path(self) -> str:
         path = self.cfg.socket_path
@@ -170,7 +205,8 @@ class Daemon:
                               self.boot_epoch, self.sessions,
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
-                              index=self._index_handout, index_hold=self.published.hold)
+                              index=self._index_handout, index_hold=self.published.hold,
+                              peer_ok=self._peer_ok)
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
@@ -370,10 +406,12 @@ async def _main(cfg: DaemonConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     await daemon.start()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
              "host_bytes": daemon.arena.size, "eviction_policy": cfg.eviction_policy,
-             "cuda_ipc": daemon.cuda is not None}
+             "cuda_ipc": daemon.cuda is not None,
+             "tenants": len(daemon.service.tenants) if daemon.service.tenants else 0}
     print("KVTIERD_READY " + json.dumps(ready), flush=True)
     log.info("kvtierd ready: %s", ready)
     await daemon.wait_stopped()

@@ -48,15 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
                    "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)")
     s.add_argument("--cluster-write-policy", choices=["commit", "evict"])
+    s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
+                   "docs/security.md); re-read on SIGHUP")
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
     f.add_argument("directory")
+
+    sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
+                                      "from stdin (first line), for a tenants file")
 
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "hash-token":
+        from kvtierd.tenants import token_digest
+
+        token = sys.stdin.readline().strip()
+        if not token:
+            print("kvtierd hash-token: no token on stdin", file=sys.stderr)
+            return 2
+        print(token_digest(token))
+        return 0
     if args.command == "fsck":
         from kvtierd.tiers.nvme.fsck import main as fsck_main
 
@@ -78,7 +92,11 @@ def _serve(args: argparse.Namespace) -> int:
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
             io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
             cuda_ipc=args.cuda_ipc, cluster=args.cluster,
-            cluster_write_policy=args.cluster_write_policy)
+            cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file)
+        if cfg.tenants_file:
+            from kvtierd.tenants import load_tenants
+
+            load_tenants(cfg.tenants_file)  # refused here, with the field, not at start
         if cfg.cluster:
             cluster_settings(cfg)  # reads the password file: refused here, not at start
     except (ValueError, OSError) as e:

@@ -150,6 +150,9 @@ class DaemonConfig:
     cluster_breaker_s: float = 1.0
     """A cluster node that fails or answers late is skipped (its keys miss) for this long,
     doubling while it keeps failing (at most 8x)."""
+    tenants_file: str = ""
+    """Tenants file (TOML: tenants, their token digests, Unix peers and quotas;
+    docs/security.md). "" = single-tenant: no credential asked. Re-read on SIGHUP."""
     run_dir: str = "run"
     """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -22,6 +22,7 @@ Health and reflection are other services and never refused.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
@@ -37,6 +38,9 @@ from kvtier_contract.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
     Unavailable,
 )
 from kvtier_contract.protoutil import namespace_from_spec, split_keys
@@ -44,9 +48,11 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.domain import TierId, Transport
+from kvtierd.index import NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
+from kvtierd.tenants import Tenant, Tenants
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
@@ -80,6 +86,15 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
     @functools.wraps(fn)
     async def wrapper(self: KvtierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = time.perf_counter()
+        caller = None
+        if self.tenants is not None:
+            caller = self.tenants.authenticate(_bearer(context))
+            if caller is None:
+                self.count_error(name, "UNAUTHENTICATED")
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "a credential is required: metadata 'authorization: Bearer "
+                                    "<token>' with a token of the daemon's tenants file")
+        CALLER.set(caller)
         if admitted and self.inflight >= self.max_inflight:
             self.count_error(name, "RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -112,6 +127,13 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
     return wrapper
 
 
+def _bearer(context: Any) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[7:].strip()
+    return None
+
+
 def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
         try:
@@ -135,6 +157,10 @@ def add_to_server(service: KvtierService, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
 
+
+CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvtier_caller",
+                                                                       default=None)
+"""The authenticated tenant of the RPC being served (None: single-tenant, or not an RPC)."""
 
 _MAX_TALLY = 1 << 32  # blocks per namespace per heartbeat: far above any real rate
 _COUNTER_CAP = (1 << 63) - 1  # counters fed by clients' tallies stop here (uint64 in Stats)
@@ -162,6 +188,51 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
+        self.tenants: Tenants | None = None
+        """Set (and swapped on reload) by the daemon when it has a tenants file."""
+
+    # -- tenancy: every id a caller names is checked against the caller's tenant ------------------
+
+    @staticmethod
+    def _scope() -> str | None:
+        """The tenant whose objects this call may see (None: all of them)."""
+        caller = CALLER.get()
+        return None if caller is None or caller.operator else caller.name
+
+    def _session(self, session_id: int) -> Session:
+        return self.sessions.get(session_id, self._scope())
+
+    def _namespace(self, namespace_id: int) -> NamespaceState:
+        """The namespace, or NotFound; another tenant's is answered exactly as an absent one
+        (the same message as ``TieredCache.namespace``)."""
+        scope = self._scope()
+        ns = self.cache.namespaces.get(namespace_id)
+        if ns is None or (scope is not None and ns.spec.tenant != scope):
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
+                           field="namespace_id")
+        return ns
+
+    def _visible(self) -> list[NamespaceState]:
+        scope = self._scope()
+        return [ns for ns in self.cache.namespaces.values()
+                if scope is None or ns.spec.tenant == scope]
+
+    def _quota(self, name: str) -> int | None:
+        caller = CALLER.get()
+        return None if caller is None else getattr(caller.quotas, name)
+
+    def _check_jobs(self, s: Session) -> None:
+        """Open-job quotas of the caller's tenant and of ``s`` (before a job is created)."""
+        per_session = self._quota("session_open_jobs")
+        if per_session is not None and len(s.store_jobs) + len(s.load_jobs) >= per_session:
+            raise ResourceExhausted(f"quota session_open_jobs ({per_session}) reached by session "
+                                    f"{s.id}", field="quota")
+        per_tenant = self._quota("open_jobs")
+        if per_tenant is not None and s.tenant is not None and sum(
+                len(o.store_jobs) + len(o.load_jobs)
+                for o in self.sessions.of_tenant(s.tenant)) >= per_tenant:
+            raise ResourceExhausted(f"quota open_jobs ({per_tenant}) reached by tenant "
+                                    f"{s.tenant}", field="quota")
 
     def count_error(self, method: str, code: str) -> None:
         key = (method, code)
@@ -173,9 +244,28 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if request.digest and request.digest != spec.digest:
             raise InvalidArgument("differs from the daemon's digest of the same fields "
                                   "(client and daemon disagree on the hashing spec)", field="digest")
+        caller = CALLER.get()
+        if caller is not None:
+            self._tenant_may_register(caller, spec)
         ns = self.cache.register_namespace(spec)
         return pb.RegisterNamespaceReply(boot_epoch=self.boot_epoch, namespace_id=ns.id,
                                          block_bytes=ns.block_bytes, digest=spec.digest)
+
+    def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
+        """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
+        two tenants never share a namespace, nor its blocks), within its quota."""
+        if spec.tenant is None:
+            raise InvalidArgument("required: this daemon has tenants (set it to your tenant's "
+                                  "name)", field="spec.tenant")
+        if spec.tenant != caller.name and not caller.operator:
+            raise PermissionDenied(f"{spec.tenant!r} is not the tenant of this credential",
+                                   field="spec.tenant")
+        quota = caller.quotas.namespaces
+        if quota is not None and spec.namespace_id not in self.cache.namespaces and sum(
+                1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant
+        ) >= quota:
+            raise ResourceExhausted(f"quota namespaces ({quota}) reached by tenant "
+                                    f"{spec.tenant}", field="quota")
 
     @_rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
@@ -184,7 +274,15 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if request.transport not in set(Transport) | {pb.TRANSPORT_UNSPECIFIED}:
             raise InvalidArgument(f"unsupported transport {request.transport}", field="transport")
         transport = self._transport(request.transport or pb.TRANSPORT_SHM)
-        s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport)
+        caller = CALLER.get()
+        tenant = caller.name if caller is not None else None
+        quota = self._quota("sessions")
+        if quota is not None and tenant is not None and \
+                len(self.sessions.of_tenant(tenant)) >= quota:
+            raise ResourceExhausted(f"quota sessions ({quota}) reached by tenant {tenant}",
+                                    field="quota")
+        s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
+                               tenant)
         adv = self.advertise()
         return pb.OpenSessionReply(
             boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),
@@ -193,7 +291,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id)
         if request.local_lookups:
             self._count_local_lookups(request.local_lookups)
         return pb.HeartbeatReply(boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000))
@@ -201,8 +299,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
         """Add clients' published-index lookups to their namespaces' counters: all checked
         first, so a bad tally changes nothing. Counters saturate (a client cannot wrap them)."""
-        if len(tallies) > len(self.cache.namespaces):
-            raise InvalidArgument(f"has {len(tallies)} entries for {len(self.cache.namespaces)} "
+        if len(tallies) > len(self._visible()):
+            raise InvalidArgument(f"has {len(tallies)} entries for {len(self._visible())} "
                                   "namespaces", field="local_lookups")
         checked: dict[int, tuple[Any, Any]] = {}
         for i, t in enumerate(tallies):
@@ -212,6 +310,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 raise InvalidArgument("needs blocks_hit <= blocks_requested, lookups <= "
                                       f"blocks_requested <= {_MAX_TALLY}", field=name)
             ns = self.cache.namespaces.get(t.namespace_id)
+            scope = self._scope()
+            if ns is not None and scope is not None and ns.spec.tenant != scope:
+                ns = None  # another tenant's: answered as an absent one
             if ns is None:  # (INVALID_ARGUMENT: NOT_FOUND would read as a forgotten session)
                 raise InvalidArgument(f"no namespace {t.namespace_id} on this daemon",
                                       field=f"{name}.namespace_id")
@@ -231,15 +332,16 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> Any:
-        self.sessions.close(request.session_id)
+        self.sessions.close(request.session_id, self._scope())
         return pb.CloseSessionReply(boot_epoch=self.boot_epoch)
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> Any:
-        s = self.sessions.get(request.session_id)
-        ns = self.cache.namespace(request.namespace_id)
+        s = self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         if request.pin:
+            self._check_jobs(s)
             job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
@@ -255,8 +357,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
-        self.sessions.get(request.session_id)
-        ns = self.cache.namespace(request.namespace_id)
+        self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         ready, started = self.cache.prefetch(ns, keys)
         return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
@@ -292,7 +394,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def RegisterCudaBuffer(self, request: pb.RegisterCudaBufferRequest, context: Any) -> Any:
         cuda = self._cuda()
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id)
         buffer_id = await cuda.register(s, request.device_uuid, request.ipc_handle,
                                         request.handle_offset, request.buffer_bytes)
         return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buffer_id)
@@ -300,36 +402,40 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def ReleaseCudaBuffer(self, request: pb.ReleaseCudaBufferRequest, context: Any) -> Any:
         cuda = self._cuda()
-        cuda.release(self.sessions.get(request.session_id), request.buffer_id)
+        cuda.release(self._session(request.session_id), request.buffer_id)
         return pb.ReleaseCudaBufferReply(boot_epoch=self.boot_epoch)
 
     @_rpc
     async def CudaCopy(self, request: pb.CudaCopyRequest, context: Any) -> Any:
         cuda = self._cuda()
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id)
         copies, nbytes = await cuda.copy(s, request.job_id, request.buffer_id,
                                          list(request.buffer_offsets))
         return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies, bytes=nbytes)
 
     @_rpc
     async def PrepareStore(self, request: pb.PrepareStoreRequest, context: Any) -> Any:
-        s = self.sessions.get(request.session_id)
-        ns = self.cache.namespace(request.namespace_id)
+        s = self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._job_transport(s, request.transport)
+        self._check_jobs(s)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
+        host_quota = self._quota("host_bytes")
+        if host_quota is not None and ns.spec.tenant is not None:
+            self.cache.fit_tenant(ns.spec.tenant, len(keys) * ns.slot_bytes, host_quota)
         if self.cache.chain:
             await self.cache.make_room(ns, keys)
             # The wait may have outlived the lease: never attach a job to a released session.
-            s = self.sessions.get(request.session_id)
+            s = self._session(request.session_id)
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
         return pb.PrepareStoreReply(boot_epoch=self.boot_epoch, job_id=job.id if job else 0,
                                     status=status, offsets=offsets)
 
     @_rpc
     async def CompleteStore(self, request: pb.CompleteStoreRequest, context: Any) -> Any:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id)
         committed, aborted = self.cache.complete_store(s, request.job_id, request.ok,
                                                        list(request.item_ok))
         return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed,
@@ -340,10 +446,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         """found[i] = 1: key i is pinned at offsets[i]. found[i] = 0 with tiers[i] = a storage
         tier: present there but not placed in the host tier this round (ask again after
         CompleteLoad); with tiers[i] = TIER_NONE: absent."""
-        s = self.sessions.get(request.session_id)
-        ns = self.cache.namespace(request.namespace_id)
+        s = self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._job_transport(s, request.transport)
+        self._check_jobs(s)
         job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
         n = len(keys)
         found, offsets, tiers = bytearray(n), [0] * n, bytearray(n)
@@ -359,7 +466,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
-        s = self.sessions.get(request.session_id)
+        s = self._session(request.session_id)
         self.cache.complete_load(s, request.job_id)
         return pb.CompleteLoadReply(boot_epoch=self.boot_epoch)
 
@@ -368,8 +475,27 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         return self.stats_reply()
 
     def stats_reply(self) -> pb.StatsReply:
+        """Everything (the operator, a single-tenant daemon, /metrics), or, for a tenant, its
+        own namespaces and totals over them, its sessions, and no per-tier detail."""
         c = self.cache
         host = c.host.stats()
+        scope = self._scope()
+        if scope is not None:
+            visible = self._visible()
+            total = Counters()
+            for ns in visible:
+                total.add(ns.counters)
+            reply = pb.StatsReply(
+                boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
+                total=_counters(total), host_capacity_bytes=host["capacity_bytes"],
+                host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes
+                                    for ns in visible),
+                sessions=len(self.sessions.of_tenant(scope)))
+            for ns in visible:
+                reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
+                                     model_revision=ns.spec.model_revision,
+                                     block_bytes=ns.block_bytes, counters=_counters(ns.counters))
+            return reply
         reply = pb.StatsReply(
             boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
             total=_counters(c.totals()), host_capacity_bytes=host["capacity_bytes"],

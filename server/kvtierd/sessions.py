@@ -23,6 +23,7 @@ class Session:
     ttl_s: float
     deadline: float
     transport: Transport = Transport.SHM
+    tenant: str | None = None  # who opened it (None: a single-tenant daemon)
     store_jobs: set[int] = field(default_factory=set)
     load_jobs: set[int] = field(default_factory=set)
     expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
@@ -48,21 +49,24 @@ class SessionTable:
         return len(self._sessions)
 
     def open(self, client_name: str, ttl_s: float | None,
-             transport: Transport = Transport.SHM) -> Session:
+             transport: Transport = Transport.SHM, tenant: str | None = None) -> Session:
         if len(self._sessions) >= self._max:
             self.sweep()  # lapsed leases the sweeper has not collected yet do not count
         if len(self._sessions) >= self._max:
             raise ResourceExhausted(f"too many sessions (max {self._max})", field="session")
         ttl = self._default_ttl if not ttl_s else min(max(ttl_s, self._min_ttl), self._max_ttl)
         sid = secrets.randbits(63) or 1
-        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport)
+        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant)
         self._sessions[sid] = s
         return s
 
-    def get(self, session_id: int) -> Session:
-        """The live session, its lease renewed; NotFound when unknown or expired."""
+    def get(self, session_id: int, tenant: str | None = None) -> Session:
+        """The live session, its lease renewed; NotFound when unknown or expired, or (with
+        ``tenant``) another tenant's: the same answer, so an id tells nothing."""
         s = self._sessions.get(session_id)
         now = self._clock()
+        if s is not None and tenant is not None and s.tenant != tenant:
+            s = None
         if s is None or s.deadline < now:
             if s is not None:
                 self._drop(s, expired=True)
@@ -70,11 +74,16 @@ class SessionTable:
         s.deadline = now + s.ttl_s
         return s
 
-    def close(self, session_id: int) -> None:
+    def close(self, session_id: int, tenant: str | None = None) -> None:
         s = self._sessions.get(session_id)
+        if s is not None and tenant is not None and s.tenant != tenant:
+            s = None
         if s is None:
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
         self._drop(s, expired=False)
+
+    def of_tenant(self, tenant: str) -> list[Session]:
+        return [s for s in self._sessions.values() if s.tenant == tenant]
 
     def sweep(self) -> int:
         """Expire every session past its deadline; returns how many."""

@@ -228,7 +228,8 @@ def test_lookup_tallies_saturate_instead_of_wrapping_a_counter() -> None:
 
     counters = Counters(tokens_hit=(1 << 63) - 5)
     ns = SimpleNamespace(id=7, counters=counters, spec=SimpleNamespace(tokens_per_block=16))
-    fake = SimpleNamespace(cache=SimpleNamespace(namespaces={7: ns}))
+    fake = SimpleNamespace(cache=SimpleNamespace(namespaces={7: ns}), _visible=lambda: [ns],
+                           _scope=lambda: None)
     t = pb.LookupTally(namespace_id=7, lookups=1, blocks_requested=1 << 32, blocks_hit=1 << 32)
     KvtierService._count_local_lookups(fake, [t])  # type: ignore[arg-type]
     assert counters.tokens_hit == (1 << 63) - 1

@@ -275,6 +275,34 @@ class TieredCache:
         started = sum(link.prefetch(below) for link in self.chain) if below else 0
         return len(prefix), started
 
+    def fit_tenant(self, tenant: str, new_bytes: int, quota: int) -> None:
+        """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
+        evictable blocks go first (never another tenant's); ResourceExhausted (quota
+        host_bytes) when they cannot. Slots being written count against the quota too."""
+        mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
+        used = sum(ns.counters.resident_blocks * ns.slot_bytes for ns in mine) + sum(
+            ns.slot_bytes for ns in mine for e in ns.entries.values()
+            if e.state is EntryState.WRITING)
+        excess = used + new_bytes - quota
+        if excess <= 0:
+            return
+        if new_bytes > quota:
+            raise ResourceExhausted(f"quota host_bytes ({quota}) is smaller than one batch of "
+                                    f"{new_bytes} bytes", field="quota")
+        owned = set(mine)
+        victims = []
+        for n, e in enumerate(self.policy.victims()):
+            if excess <= 0 or n > 1 << 16:
+                break
+            if e.ns in owned and e.evictable() and e.in_host:
+                victims.append(e)
+                excess -= e.ns.slot_bytes
+        if excess > 0:
+            raise ResourceExhausted(f"quota host_bytes ({quota}) reached by tenant {tenant} "
+                                    "(its blocks are pinned or being written)", field="quota")
+        for e in victims:
+            self.residency.evict(e)
+
     # -- stores -----------------------------------------------------------------------------------
 
     async def make_room(self, ns: NamespaceState, keys: Sequence[bytes]) -> None:

@@ -8,7 +8,8 @@ descriptor of one namespace's published index, for a live session). A connection
 an index stays open as its session's index channel (further index requests of the session; it
 closes when the session ends or the daemon dies, which tells the client to stop reading).
 
-The peer's credentials (SO_PEERCRED) are logged; the socket file's mode (0660) decides who may
+The peer's credentials (SO_PEERCRED) must be allowed for the session's tenant (a daemon with a
+tenants file: docs/security.md); the socket file's mode (0660) decides who may
 connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
 ``max_connections`` handshakes are served at once (one more is closed at once, counted in
 ``refused``), and running out of descriptors pauses accepting instead of ending it. Index
@@ -22,15 +23,16 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
 from kvtier_contract import published_index as pi
 from kvtier_contract import wire
-from kvtier_contract.errors import FailedPrecondition, KvtierError
+from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound
 from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.sessions import SessionTable
+from kvtierd.sessions import Session, SessionTable
 from kvtierd.transports.base import ServerTransport
 
 log = logging.getLogger("kvtierd.shm")
@@ -52,7 +54,8 @@ class ShmFdServer(ServerTransport):
                  sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
                  max_connections: int = 128,
                  index: Callable[[int, int], tuple[int, int, int]] | None = None,
-                 index_hold: Callable[[int, int], None] = lambda _ns, _delta: None) -> None:
+                 index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
+                 peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True) -> None:
         """``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
         published index (the caller here closes it), its size and generation; raises a
         KvtierError or OSError to refuse. None: index requests are refused.
@@ -69,6 +72,7 @@ class ShmFdServer(ServerTransport):
         self._max = max_connections
         self._index = index
         self._index_hold = index_hold
+        self._peer_ok = peer_ok  # (session, uid, gid): SO_PEERCRED against the session's tenant
         self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
         self._open = 0  # handshakes being served
         self.handed_out = 0
@@ -126,7 +130,13 @@ class ShmFdServer(ServerTransport):
                 if data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
-                if self._sessions.get(session_id).transport is Transport.TCP:
+                session = self._sessions.get(session_id)
+                uid, gid = _peer(conn)
+                if not self._peer_ok(session, uid, gid):
+                    # the same answer as an unknown session: an id tells a stranger nothing
+                    raise NotFound(f"unknown or expired session {session_id}",
+                                   field="session_id")
+                if session.transport is Transport.TCP:
                     # a tcp session moves bytes over the data channel only: the arena is never
                     # mapped by it (it may come from another host, or be a shm-less tenant)
                     raise FailedPrecondition(f"session {session_id} was opened for the tcp "
@@ -230,3 +240,10 @@ class ShmFdServer(ServerTransport):
             self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The connected peer's uid and gid (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, gid = struct.unpack("3i", creds)
+    return uid, gid

@@ -60,6 +60,7 @@ class ConnectorConfig:
     tokenizer_digest: str | None = None
     adapter_revisions: Mapping[str, str] = field(default_factory=dict)
     tenant: str | None = None
+    token_file: str | None = None  # the tenant's bearer token (first line; never logged)
     load: bool = True
     store: bool = True
     store_generated: bool = True
@@ -100,7 +101,7 @@ class ConnectorConfig:
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
                  "must be a positive integer")
-        for key in ("model_id", "model_revision", "tokenizer_digest", "tenant"):
+        for key in ("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"):
             value = getattr(self, key)
             need(value is None or (isinstance(value, str) and bool(value)), key,
                  "must be a non-empty string")

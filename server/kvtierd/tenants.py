@@ -1,0 +1,172 @@
+"""Tenants: who a caller is, from credentials only, and what each tenant may hold.
+
+A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (docs/security.md)::
+
+    [[tenant]]
+    name = "team-a"
+    tokens_sha256 = ["<64 hex: sha256 of a bearer token>", ...]   # several: rotation
+    unix_uids = [1000]          # shm handshakes only from these uids/gids ([] = any)
+    unix_gids = []
+    operator = false            # an operator sees and may act on every tenant's namespaces
+    [tenant.quotas]             # absent = unlimited
+    sessions = 64
+    namespaces = 16
+    open_jobs = 256             # store and load jobs (pinned lookups included) of all sessions
+    session_open_jobs = 64      # ... of one session
+    host_bytes = "8GiB"         # resident + being written in the host tier
+
+A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC; the daemon
+keeps only SHA-256 digests and compares them with ``hmac.compare_digest`` against every
+tenant's (no early exit), so neither the file nor a timing tells a token. Without a tenants
+file the daemon is single-tenant (no credential asked, as before).
+
+Ownership: :class:`Tenants` is immutable; a reload builds a new one and swaps it in (event-loop
+thread). Pure data otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier_contract.units import parse_bytes
+
+_QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes")
+_TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas"}
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Per tenant (``session_open_jobs``: per session of it); None = unlimited."""
+
+    sessions: int | None = None
+    namespaces: int | None = None
+    open_jobs: int | None = None
+    session_open_jobs: int | None = None
+    host_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    token_sha256: tuple[bytes, ...] = ()
+    unix_uids: frozenset[int] = frozenset()
+    unix_gids: frozenset[int] = frozenset()
+    operator: bool = False
+    quotas: Quotas = field(default_factory=Quotas)
+
+    def allows_peer(self, uid: int, gid: int) -> bool:
+        """Whether a Unix peer with these credentials may act for this tenant (no list: any)."""
+        if not self.unix_uids and not self.unix_gids:
+            return True
+        return uid in self.unix_uids or gid in self.unix_gids
+
+
+class Tenants:
+    """The tenants of one file; see the module docstring."""
+
+    def __init__(self, tenants: list[Tenant], source: str = "") -> None:
+        self.source = source
+        self.by_name = {t.name: t for t in tenants}
+        self._digests = [(d, t) for t in tenants for d in t.token_sha256]
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def authenticate(self, token: str | None) -> Tenant | None:
+        """The tenant whose token this is, or None."""
+        if not token:
+            return None
+        digest = hashlib.sha256(token.encode()).digest()
+        found: Tenant | None = None
+        for d, t in self._digests:  # every one compared: the time does not say which matched
+            if hmac.compare_digest(d, digest):
+                found = t
+        return found
+
+
+def token_digest(token: str) -> str:
+    """What a tenants file holds for ``token`` (``kvtierd hash-token``)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def load_tenants(path: str | Path) -> Tenants:
+    """Parse and validate a tenants file; ValueError naming the field at fault."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"tenants_file: cannot read {p}: {e}") from None
+    unknown = set(raw) - {"tenant"}
+    if unknown:
+        raise ValueError(f"tenants_file: unknown keys {sorted(unknown)}")
+    entries = raw.get("tenant", [])
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("tenant: expected at least one [[tenant]] table")
+    tenants: list[Tenant] = []
+    seen_tokens: set[bytes] = set()
+    for i, entry in enumerate(entries):
+        tenants.append(_tenant(entry, f"tenant[{i}]", seen_tokens))
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tenant: names must be unique, got {names}")
+    return Tenants(tenants, str(p))
+
+
+def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a table")
+    unknown = set(entry) - _TENANT_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
+    digests: list[bytes] = []
+    for j, h in enumerate(entry.get("tokens_sha256", [])):
+        try:
+            d = bytes.fromhex(h) if isinstance(h, str) else b""
+        except ValueError:
+            d = b""
+        if len(d) != 32:
+            raise ValueError(f"{where}.tokens_sha256[{j}]: expected 64 hex digits (sha256 of the "
+                             "token: `kvtierd hash-token`)")
+        if d in seen_tokens:
+            raise ValueError(f"{where}.tokens_sha256[{j}]: the same token twice")
+        seen_tokens.add(d)
+        digests.append(d)
+    ids: dict[str, frozenset[int]] = {}
+    for key in ("unix_uids", "unix_gids"):
+        values = entry.get(key, [])
+        if not isinstance(values, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ValueError(f"{where}.{key}: expected a list of non-negative integers")
+        ids[key] = frozenset(values)
+    operator = entry.get("operator", False)
+    if not isinstance(operator, bool):
+        raise ValueError(f"{where}.operator: expected true or false")
+    if not digests:
+        raise ValueError(f"{where}.tokens_sha256: at least one token (a tenant is known only by "
+                         "its credential)")
+    return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
+                  _quotas(entry.get("quotas", {}), f"{where}.quotas"))
+
+
+def _quotas(raw: Any, where: str) -> Quotas:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a table")
+    unknown = set(raw) - set(_QUOTAS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    values: dict[str, int] = {}
+    for key, v in raw.items():
+        if key == "host_bytes":
+            v = parse_bytes(v, field=f"{where}.{key}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{where}.{key}: expected a non-negative integer")
+        values[key] = v
+    return Quotas(**values)

@@ -1,0 +1,315 @@
+"""Tenants from credentials (issue 11): a real daemon with a tenants file.
+
+Every Kvtier RPC needs a bearer token of a tenant (UNAUTHENTICATED otherwise; the health service
+stays open); a tenant sees, registers, looks up, loads, counts and lists only its own namespaces
+and sessions, and another tenant's id answers exactly like an absent one; an operator sees all;
+quotas refuse fast (RESOURCE_EXHAUSTED naming the quota) and one tenant at its limits never makes
+another's register, put or get fail; shm handshakes come only from the tenant's Unix peers; the
+file is re-read on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import DaemonProcess, make_namespace
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvtier
+from kvtier_contract import errors, wire
+from kvtier_contract import published_index as pi
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
+
+TOKENS = {"team-a": "tok-a-7f3e", "team-b": "tok-b-91c2", "ops": "tok-ops-55aa",
+          "team-c": "tok-c-0b0b"}
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> Path:
+    body = ""
+    quotas = {"team-a": 'sessions = 3\nnamespaces = 2\nsession_open_jobs = 4\n'
+                        'host_bytes = "2MiB"\n'}
+    for name, token in TOKENS.items():
+        if name in drop:
+            continue
+        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest(token)}"]\n'
+        if name == "ops":
+            body += "operator = true\n"
+        if name == "team-c":
+            body += "unix_uids = [12345]\n"
+        if name in quotas:
+            body += "[tenant.quotas]\n" + quotas[name]
+        body += "\n"
+    path.write_text(body + extra)
+    return path
+
+
+@pytest.fixture
+def tenants(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n')
+    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "64MiB",
+                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    return d
+
+
+def client(d: DaemonProcess, tenant: str, transport: str = "tcp") -> kvtier.Client:
+    return kvtier.Client.connect(d.unix, transport=transport, token=TOKENS[tenant])  # type: ignore[arg-type]
+
+
+def ns_of(tenant: str, **kw: Any) -> kvtier.Namespace:
+    return make_namespace(tenant=tenant, **kw)
+
+
+class Raw:
+    """A raw stub with (or without) a token: what any process can send."""
+
+    def __init__(self, d: DaemonProcess, token: str | None) -> None:
+        self.channel = grpc.insecure_channel(d.grpc)
+        self.stub = pb_grpc.KvtierStub(self.channel)
+        self.md = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def __call__(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
+
+    def code(self, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as e:
+            self(method, request)
+        return e.value.code(), e.value.details() or ""
+
+    def session(self, transport: int = pb.TRANSPORT_TCP) -> int:
+        return int(self("OpenSession", pb.OpenSessionRequest(
+            client_name="raw", lease_ttl_ms=30_000, transport=transport)).session_id)
+
+
+@pytest.fixture
+def raw(tenants: DaemonProcess) -> Iterator[Any]:
+    opened: list[Raw] = []
+
+    def make(tenant: str | None) -> Raw:
+        r = Raw(tenants, TOKENS[tenant] if tenant else None)
+        opened.append(r)
+        return r
+
+    yield make
+    for r in opened:
+        r.channel.close()
+
+
+def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProcess,
+                                                            raw: Any) -> None:
+    for who in (raw(None), Raw(tenants, "not-a-token")):
+        for method, request in (("OpenSession", pb.OpenSessionRequest(client_name="x")),
+                                ("Stats", pb.StatsRequest()),
+                                ("RegisterNamespace", pb.RegisterNamespaceRequest())):
+            code, details = who.code(method, request)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (method, details)
+    with grpc.insecure_channel(tenants.grpc) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                  timeout=5)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    with kvtier.Client.connect(tenants.unix, transport="tcp", timeout_s=2) as c:
+        with pytest.raises(errors.Unauthenticated):
+            c.stats()
+
+
+def test_another_tenants_namespace_and_session_answer_like_absent_ones(
+        tenants: DaemonProcess, raw: Any) -> None:
+    with client(tenants, "team-a", "shm") as a:
+        ns = a.register(ns_of("team-a"))
+        keys = ns.block_keys(list(range(16 * 4)))
+        assert ns.put(keys, [b"\x05" * ns.block_bytes] * 4).stored == 4
+        b = raw("team-b")
+        sid = b.session()
+        absent = 4242424242
+        for method, build in (
+                ("Lookup", lambda n: pb.LookupRequest(session_id=sid, namespace_id=n,
+                                                       keys=b"".join(keys))),
+                ("Lookup", lambda n: pb.LookupRequest(session_id=sid, namespace_id=n,
+                                                       keys=b"".join(keys), pin=True)),
+                ("Prefetch", lambda n: pb.PrefetchRequest(session_id=sid, namespace_id=n,
+                                                           keys=b"".join(keys))),
+                ("PrepareLoad", lambda n: pb.PrepareLoadRequest(
+                    session_id=sid, namespace_id=n, keys=b"".join(keys),
+                    transport=pb.TRANSPORT_TCP)),
+                ("PrepareStore", lambda n: pb.PrepareStoreRequest(
+                    session_id=sid, namespace_id=n, keys=b"".join(keys),
+                    transport=pb.TRANSPORT_TCP))):
+            theirs = b.code(method, build(ns.namespace_id))
+            nothing = b.code(method, build(absent))
+            assert theirs[0] == nothing[0] == grpc.StatusCode.NOT_FOUND
+            assert theirs[1].replace(str(ns.namespace_id), "N") == \
+                nothing[1].replace(str(absent), "N")
+        # a's session, used with b's credential: unknown
+        a_sid = a._session_id
+        theirs = b.code("Heartbeat", pb.HeartbeatRequest(session_id=a_sid))
+        nothing = b.code("Heartbeat", pb.HeartbeatRequest(session_id=absent))
+        assert theirs[0] == nothing[0] == grpc.StatusCode.NOT_FOUND
+        assert theirs[1].replace(str(a_sid), "S") == nothing[1].replace(str(absent), "S")
+        # b's Stats: none of a's namespaces or counters; the operator's: everything
+        st = b("Stats", pb.StatsRequest())
+        assert not st.namespaces and st.total.stores_accepted == 0
+        with client(tenants, "ops") as ops:
+            everything = ops.stats()
+        assert [n["namespace_id"] for n in everything["namespaces"]] == [ns.namespace_id]
+        assert everything["total"]["stores_accepted"] == 4
+        # a's own view
+        mine = a.stats()
+        assert [n["namespace_id"] for n in mine["namespaces"]] == [ns.namespace_id]
+        # still a's: nothing b did changed it
+        assert [bytes(g) if g else None for g in ns.get(keys)] == [b"\x05" * ns.block_bytes] * 4
+
+
+def test_a_tenant_registers_only_namespaces_naming_it(tenants: DaemonProcess, raw: Any) -> None:
+    b = raw("team-b")
+    for spec, code, field in ((ns_of("team-a"), grpc.StatusCode.PERMISSION_DENIED, "spec.tenant"),
+                              (make_namespace(), grpc.StatusCode.INVALID_ARGUMENT, "spec.tenant")):
+        fields = {k: v for k, v in spec.to_dict().items() if v is not None}
+        got, details = b.code("RegisterNamespace", pb.RegisterNamespaceRequest(
+            spec=pb.NamespaceSpec(**fields), digest=spec.digest))
+        assert got == code and details.startswith(f"{field}: "), details
+    with client(tenants, "ops") as ops:  # the operator may register any tenant's
+        assert ops.register(ns_of("team-a")).namespace_id
+
+
+def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
+                                                         raw: Any) -> None:
+    a = raw("team-a")
+    sessions = [a.session(pb.TRANSPORT_SHM) for _ in range(3)]
+    code, details = a.code("OpenSession", pb.OpenSessionRequest(client_name="4th"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota sessions" in details
+    specs = [ns_of("team-a", model_revision=f"r{i}") for i in range(3)]
+    ids = []
+    for i, spec in enumerate(specs):
+        fields = {k: v for k, v in spec.to_dict().items() if v is not None}
+        request = pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=spec.digest)
+        if i < 2:
+            ids.append(a("RegisterNamespace", request).namespace_id)
+        else:
+            code, details = a.code("RegisterNamespace", request)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota namespaces" in details
+    sid = sessions[0]
+    for i in range(4):  # session_open_jobs = 4: the fifth store job of one session is refused
+        a("PrepareStore", pb.PrepareStoreRequest(session_id=sid, namespace_id=ids[0],
+                                                 keys=bytes([i + 1]) * 32,
+                                                 transport=pb.TRANSPORT_SHM))
+    code, details = a.code("PrepareStore", pb.PrepareStoreRequest(
+        session_id=sid, namespace_id=ids[0], keys=b"\x09" * 32, transport=pb.TRANSPORT_SHM))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota session_open_jobs" in details
+    for sid in sessions:  # (room for the SDK clients below under the sessions quota)
+        a("CloseSession", pb.CloseSessionRequest(session_id=sid))
+    # host_bytes = 2 MiB: team-a's puts evict team-a's own oldest blocks, never team-b's
+    with client(tenants, "team-b", "shm") as b, client(tenants, "team-a", "shm") as a2:
+        nb = b.register(ns_of("team-b"))
+        bkeys = nb.block_keys(list(range(16 * 32)))
+        bdata = [hashlib.shake_256(b"b%d" % i).digest(nb.block_bytes) for i in range(32)]
+        assert nb.put(bkeys, bdata).stored == 32
+        na = a2.register(specs[1])
+        akeys = na.block_keys(list(range(16 * 256)))  # 4 MiB: twice team-a's quota
+        for i in range(0, 256, 32):
+            assert na.put(akeys[i:i + 32], [b"\x01" * na.block_bytes] * 32).stored == 32
+        assert na.lookup(akeys[-64:]) == 64 and na.lookup(akeys) < 256
+        mine = a2.stats()
+        assert sum(n["counters"]["resident_bytes"] for n in mine["namespaces"]) <= 2 << 20
+        # team-b, meanwhile: registers, puts and gets as if team-a were not there
+        nb2 = b.register(ns_of("team-b", model_revision="other"))
+        k2 = nb2.block_keys(list(range(16 * 4)))
+        assert nb2.put(k2, [b"\x02" * nb2.block_bytes] * 4).stored == 4
+        assert [bytes(g) if g else None for g in nb.get(bkeys)] == bdata
+        assert b.stats()["total"]["stores_rejected"] == 0
+
+
+def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,
+                                                         raw: Any) -> None:
+    c = raw("team-c")  # unix_uids = [12345]; this test runs as another uid
+    assert os.getuid() != 12345
+    sid = c.session(pb.TRANSPORT_SHM)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(tenants.info["shm"])
+        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, sid))
+        msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    for fd in fds:
+        os.close(fd)
+    assert not fds and b"unknown or expired session" in msg
+    b = raw("team-b")  # no list: any peer
+    sid = b.session(pb.TRANSPORT_SHM)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(tenants.info["shm"])
+        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, sid))
+        msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    for fd in fds:
+        os.close(fd)
+    assert len(fds) == 1
+
+
+def test_another_tenants_published_index_is_not_handed_out(tenants: DaemonProcess,
+                                                           raw: Any) -> None:
+    with client(tenants, "team-a", "shm") as a:
+        ns = a.register(ns_of("team-a"))
+        sid = raw("team-b").session(pb.TRANSPORT_SHM)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(tenants.info["shm"])
+            s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns.namespace_id))
+            msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+        for fd in fds:
+            os.close(fd)
+        assert not fds and b"unknown namespace" in msg
+
+
+def test_the_tenants_file_is_reread_on_sighup(tenants: DaemonProcess, tmp_path: Path,
+                                              raw: Any) -> None:
+    b = raw("team-b")
+    assert b("Stats", pb.StatsRequest())
+    tenants_file(tmp_path / "tenants.toml", drop=("team-b",),
+                 extra=f'[[tenant]]\nname = "team-d"\ntokens_sha256 = ["{digest("tok-d")}"]\n')
+    assert tenants.proc is not None
+    tenants.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            Raw(tenants, "tok-d")("Stats", pb.StatsRequest())
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert b.code("Stats", pb.StatsRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+    (tmp_path / "tenants.toml").write_text("[[tenant]]\nname = 3\n")  # a bad file: kept as is
+    tenants.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert Raw(tenants, "tok-d")("Stats", pb.StatsRequest())
+    log = (tmp_path / "d" / "kvtierd.log").read_text()
+    assert "tenants file not reloaded" in log and "tok-d" not in log
+
+
+def test_kvtier_stats_takes_a_token_file(tenants: DaemonProcess, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKENS["team-a"] + "\n")
+    with client(tenants, "team-a") as a:
+        a.register(ns_of("team-a"))
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", tenants.unix,
+                          "--token-file", str(token), "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r'"model_id": "test/model"', out.stdout)
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", tenants.unix],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "credential" in out.stderr

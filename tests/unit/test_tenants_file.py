@@ -1,0 +1,80 @@
+"""The tenants file (kvtierd.tenants): every bad entry is refused naming its field; tokens are
+kept and compared only as SHA-256 digests."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtierd.tenants import load_tenants, token_digest
+
+GOOD = hashlib.sha256(b"tok").hexdigest()
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "tenants.toml"
+    p.write_text(body)
+    return p
+
+
+def test_a_good_file(tmp_path: Path) -> None:
+    t = load_tenants(write(tmp_path, f'''
+[[tenant]]
+name = "a"
+tokens_sha256 = ["{GOOD}", "{token_digest("next")}"]
+unix_uids = [1000]
+[tenant.quotas]
+sessions = 2
+host_bytes = "1GiB"
+
+[[tenant]]
+name = "ops"
+tokens_sha256 = ["{token_digest("ops")}"]
+operator = true
+'''))
+    a = t.authenticate("tok")
+    assert a is not None and a.name == "a" and a.quotas.host_bytes == 1 << 30
+    assert t.authenticate("next") is a  # two tokens: rotation
+    assert t.authenticate("nope") is None and t.authenticate("") is None
+    ops = t.authenticate("ops")
+    assert ops is not None and ops.operator and ops.quotas.sessions is None
+    assert a.allows_peer(1000, 5) and not a.allows_peer(1001, 5) and ops.allows_peer(7, 7)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ("", "tenant"),
+    ('[[tenant]]\nname = ""\n', "tenant[0].name"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD[:-2]}"]\n', "tenant[0].tokens_sha256[0]"),
+    ('[[tenant]]\nname = "a"\n', "tenant[0].tokens_sha256"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nunix_uids = [-1]\n',
+     "tenant[0].unix_uids"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\noperator = "yes"\n',
+     "tenant[0].operator"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ncolour = 1\n', "tenant[0]"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nsessions = -1\n',
+     "tenant[0].quotas.sessions"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nhost_bytes = "x"\n',
+     "tenant[0].quotas.host_bytes"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nram = 1\n',
+     "tenant[0].quotas"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+     f'[[tenant]]\nname = "b"\ntokens_sha256 = ["{GOOD}"]\n', "tenant[1].tokens_sha256[0]"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+     f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{token_digest("x")}"]\n', "tenant"),
+    ("not toml [", "tenants_file"),
+])
+def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_tenants(write(tmp_path, body))
+    assert str(e.value).startswith(f"{field}:"), str(e.value)
+
+
+def test_hash_token_prints_the_digest_a_file_holds() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvtierd", "hash-token"], input="s3cret\n",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == token_digest("s3cret")
+    assert "s3cret" not in out.stdout
