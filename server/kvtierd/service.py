@@ -276,6 +276,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._transport(request.transport or pb.TRANSPORT_SHM)
         caller = CALLER.get()
         tenant = caller.name if caller is not None else None
+        if caller is not None and transport.label not in caller.transports:
+            raise PermissionDenied(f"tenant {caller.name} may not use {transport.label} "
+                                   f"(allowed: {', '.join(sorted(caller.transports))})",
+                                   field="transport")
         quota = self._quota("sessions")
         if quota is not None and tenant is not None and \
                 len(self.sessions.of_tenant(tenant)) >= quota:

@@ -8,6 +8,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     unix_uids = [1000]          # shm handshakes only from these uids/gids ([] = any)
     unix_gids = []
     operator = false            # an operator sees and may act on every tenant's namespaces
+    transports = ["tcp"]        # transports its sessions may use (default: all); shm and
+                                # cuda_ipc map the shared arena (docs/security.md)
     [tenant.quotas]             # absent = unlimited
     sessions = 64
     namespaces = 16
@@ -36,7 +38,9 @@ from typing import Any
 from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes")
-_TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas"}
+_TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
+                "transports"}
+_TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Tenant:
     unix_gids: frozenset[int] = frozenset()
     operator: bool = False
     quotas: Quotas = field(default_factory=Quotas)
+    transports: frozenset[str] = frozenset(_TRANSPORTS)
 
     def allows_peer(self, uid: int, gid: int) -> bool:
         """Whether a Unix peer with these credentials may act for this tenant (no list: any)."""
@@ -152,8 +157,13 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if not digests:
         raise ValueError(f"{where}.tokens_sha256: at least one token (a tenant is known only by "
                          "its credential)")
+    transports = entry.get("transports", list(_TRANSPORTS))
+    if not isinstance(transports, list) or not transports or \
+            not all(t in _TRANSPORTS for t in transports):
+        raise ValueError(f"{where}.transports: expected a non-empty list of "
+                         f"{', '.join(_TRANSPORTS)}")
     return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
-                  _quotas(entry.get("quotas", {}), f"{where}.quotas"))
+                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports))
 
 
 def _quotas(raw: Any, where: str) -> Quotas:

@@ -34,7 +34,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 TOKENS = {"team-a": "tok-a-7f3e", "team-b": "tok-b-91c2", "ops": "tok-ops-55aa",
-          "team-c": "tok-c-0b0b"}
+          "team-c": "tok-c-0b0b", "team-d": "tok-d-3c3c"}
 
 
 def digest(token: str) -> str:
@@ -53,6 +53,10 @@ def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> 
             body += "operator = true\n"
         if name == "team-c":
             body += "unix_uids = [12345]\n"
+        if name == "team-b":
+            body += 'transports = ["tcp", "shm"]\n'
+        if name == "team-d":
+            body += 'transports = ["tcp"]\n'
         if name in quotas:
             body += "[tenant.quotas]\n" + quotas[name]
         body += "\n"
@@ -260,6 +264,15 @@ def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,
     assert len(fds) == 1
 
 
+def test_a_tenant_limited_to_tcp_cannot_open_an_shm_session(raw: Any) -> None:
+    d = raw("team-d")  # transports = ["tcp"]: never maps the shared arena
+    assert d.session(pb.TRANSPORT_TCP)
+    for transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_UNSPECIFIED):
+        code, details = d.code("OpenSession", pb.OpenSessionRequest(client_name="x",
+                                                                    transport=transport))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith("transport: ")
+
+
 def test_another_tenants_published_index_is_not_handed_out(tenants: DaemonProcess,
                                                            raw: Any) -> None:
     with client(tenants, "team-a", "shm") as a:
@@ -280,13 +293,13 @@ def test_the_tenants_file_is_reread_on_sighup(tenants: DaemonProcess, tmp_path: 
     b = raw("team-b")
     assert b("Stats", pb.StatsRequest())
     tenants_file(tmp_path / "tenants.toml", drop=("team-b",),
-                 extra=f'[[tenant]]\nname = "team-d"\ntokens_sha256 = ["{digest("tok-d")}"]\n')
+                 extra=f'[[tenant]]\nname = "team-e"\ntokens_sha256 = ["{digest("tok-e")}"]\n')
     assert tenants.proc is not None
     tenants.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while True:
         try:
-            Raw(tenants, "tok-d")("Stats", pb.StatsRequest())
+            Raw(tenants, "tok-e")("Stats", pb.StatsRequest())
             break
         except grpc.RpcError:
             assert time.monotonic() < deadline
@@ -295,9 +308,9 @@ def test_the_tenants_file_is_reread_on_sighup(tenants: DaemonProcess, tmp_path: 
     (tmp_path / "tenants.toml").write_text("[[tenant]]\nname = 3\n")  # a bad file: kept as is
     tenants.proc.send_signal(signal.SIGHUP)
     time.sleep(0.5)
-    assert Raw(tenants, "tok-d")("Stats", pb.StatsRequest())
+    assert Raw(tenants, "tok-e")("Stats", pb.StatsRequest())
     log = (tmp_path / "d" / "kvtierd.log").read_text()
-    assert "tenants file not reloaded" in log and "tok-d" not in log
+    assert "tenants file not reloaded" in log and "tok-e" not in log
 
 
 def test_kvtier_stats_takes_a_token_file(tenants: DaemonProcess, tmp_path: Path) -> None:

@@ -66,6 +66,8 @@ operator = true
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
      f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{token_digest("x")}"]\n', "tenant"),
     ("not toml [", "tenants_file"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["udp"]\n',
+     "tenant[0].transports"),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
