@@ -303,3 +303,45 @@ def test_sidecar_parses_as_yaml() -> None:
     assert [d["kind"] for d in docs] == ["Deployment"]
     containers = {c["name"]: c for c in docs[0]["spec"]["template"]["spec"]["containers"]}
     assert containers["kvtier"]["command"] + containers["kvtier"]["args"] == kvtier_serve_argv()
+
+
+# -- Kubernetes node DaemonSet (docs/security.md) ---------------------------------------------------
+
+DAEMONSET = ROOT / "deploy" / "kubernetes" / "daemonset.yaml"
+
+
+def _daemonset() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    import yaml
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d}
+    assert set(docs) == {"Secret", "DaemonSet"}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (kvtier,) = pod["containers"]
+    return docs["Secret"], pod, kvtier
+
+
+def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host_ipc() -> None:
+    _, pod, kvtier = _daemonset()
+    assert not pod.get("hostIPC") and not pod.get("hostNetwork") and not pod.get("hostPID")
+    sc = kvtier["securityContext"]
+    assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
+    run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
+    assert run["hostPath"]["path"] == str(Path(cfg.socket_path).parent)
+    assert cfg.listen == "" and cfg.metrics_host == "127.0.0.1"  # nothing plaintext off-node
+
+
+def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -> None:
+    from kvtierd.tenants import load_tenants
+
+    secret, pod, kvtier = _daemonset()
+    _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
+    mount = next(m for m in kvtier["volumeMounts"] if m["name"] == "tenants")
+    assert cfg.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tenants")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    tenants = load_tenants(tmp_path / "tenants.toml")
+    assert any(t.operator for t in tenants.by_name.values())
+    assert any(t.transports == frozenset({"tcp"}) for t in tenants.by_name.values())
