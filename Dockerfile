@@ -1,7 +1,7 @@
 # kvtierd container image: the daemon only (no torch, no CUDA; the shm transport needs neither).
 #
 #   docker build -t kvtier:0.1.0 .
-#   docker run --rm -v kvtier-run:/run/kvtier -p 50051:50051 -p 9464:9464 kvtier:0.1.0 --host-bytes 8GiB
+#   docker run --rm -v kvtier-run:/run/kvtier -p 50052:50052 -p 9464:9464 kvtier:0.1.0 --host-bytes 8GiB
 #
 # Arguments after the image name are appended to `kvtierd serve` (a later flag wins), so the host
 # tier size and policy can be set per deployment; see docs/configuration.md for every flag.
@@ -40,9 +40,9 @@ USER 10001:10001
 # /run/kvtier holds the gRPC Unix socket and the shm fd socket (kvtier.sock.shm) beside it: mount
 # a volume there that the engine containers share, at the same path (the path is advertised).
 VOLUME ["/run/kvtier"]
-# 50051: gRPC control plane (and gRPC health, reflection); 9464: Prometheus /metrics.
-# The TCP data channel listens on 127.0.0.1 with an OS-chosen port (pod-local; see docs).
-EXPOSE 50051 9464
+# 50052: gRPC health only (plaintext, for kubelet probes); 9464: Prometheus /metrics. The
+# control plane (50051) and the TCP data channel listen on 127.0.0.1 (pod-local; see docs).
+EXPOSE 50052 9464
 
 # Health: the standard gRPC health service, asked for the Kvtier service (NOT_SERVING while
 # draining). Exits 0 only on SERVING; any error (refused, deadline) exits 1.
@@ -52,5 +52,9 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
 # SIGTERM drains (stores refused, in-flight jobs get drain_timeout_s, 5 s by default); a second
 # signal exits at once. Docker's default stop timeout (10 s) leaves room for the drain.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["kvtierd", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "0.0.0.0:50051", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
+# gRPC listens on loopback only: same-pod engines use the Unix socket. For remote replicas, mount
+# a certificate (a Kubernetes Secret) and append `--listen 0.0.0.0:50051 --tls-cert /etc/kvtier/
+# tls.crt --tls-key /etc/kvtier/tls.key [--tls-client-ca ... --tls-require-client-cert]`; a
+# non-loopback listener without TLS is refused (docs/security.md). 50052 serves gRPC health only.
+ENTRYPOINT ["kvtierd", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "127.0.0.1:50051", "--health-listen", "0.0.0.0:50052", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
 CMD []

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--token-file", default=None,
                     help="file holding this tenant's bearer token (a daemon with tenants; an "
                          "operator's token sees every namespace); or KVTIER_TOKEN_FILE")
+    st.add_argument("--tls-ca", help="PEM CA of a daemon whose TCP listener serves TLS")
+    st.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
+    st.add_argument("--tls-key", help="PEM key of --tls-cert")
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
@@ -106,7 +109,8 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         client = Client(args.address or defaults.default_address(), "tcp",
                         timeout_s=args.timeout_s, heartbeat=False,
-                        token_file=args.token_file or os.environ.get("KVTIER_TOKEN_FILE"))
+                        token_file=args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
+                        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     except KvtierError as e:
         print(f"kvtier stats: {e}", file=sys.stderr)
         return 2

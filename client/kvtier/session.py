@@ -146,6 +146,8 @@ class Session:
                  breaker: Breaker | None = None, probe_timeout_s: float | None = None,
                  op_timeout_s: float = 30.0, local_lookups: bool = True,
                  token: str | None = None, token_file: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
@@ -154,7 +156,9 @@ class Session:
         ``lookup`` from the daemon's published index when it is on this host
         (:mod:`kvtier.local_index`); ``token`` / ``token_file`` (its first line): the bearer
         token of this client's tenant, sent with every RPC (a daemon with a tenants file
-        refuses calls without one; docs/security.md). Never logged."""
+        refuses calls without one; docs/security.md). Never logged. ``tls_ca``: PEM CA of a
+        daemon whose TCP listener serves TLS (``tls_cert`` / ``tls_key``: this client's
+        certificate, for mTLS)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -168,6 +172,7 @@ class Session:
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
         self._metadata = bearer_metadata(token, token_file)
+        self._tls = _tls_credentials(tls_ca, tls_cert, tls_key)
         self.counters = ClientCounters()
         self.breaker = breaker if breaker is not None else Breaker(backoff_s)
         self._clock = clock
@@ -339,8 +344,11 @@ class Session:
 
     def _channel_open(self) -> None:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address, options=[
-                ("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)])
+            options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
+            if self._tls is not None:
+                self._channel = grpc.secure_channel(self.address, self._tls, options=options)
+            else:
+                self._channel = grpc.insecure_channel(self.address, options=options)
             channel = self._channel
             if self._metadata:
                 channel = grpc.intercept_channel(channel, _WithMetadata(self._metadata))
@@ -574,6 +582,27 @@ class Session:
         if self._transport is None:
             raise errors.TransportError("no data transport attached")
         return self._transport
+
+
+def _tls_credentials(ca: str | None, cert: str | None,
+                     key: str | None) -> grpc.ChannelCredentials | None:
+    """TLS for the gRPC channel (files read now), or None for a plaintext one."""
+    if not ca and not cert:
+        return None
+    if bool(cert) != bool(key):
+        raise errors.InvalidArgument("tls_cert and tls_key go together", field="tls_key")
+
+    def read(name: str, path: str | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise errors.InvalidArgument(f"cannot read {path}: {e.strerror}", field=name) from None
+
+    return grpc.ssl_channel_credentials(read("tls_ca", ca), read("tls_key", key),
+                                        read("tls_cert", cert))
 
 
 def bearer_metadata(token: str | None, token_file: str | None) -> tuple[tuple[str, str], ...]:

@@ -35,7 +35,7 @@ from kvtier_contract.protoutil import to_dict
 from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache, TierLink
-from kvtierd.config import DaemonConfig
+from kvtierd.config import DaemonConfig, is_loopback
 from kvtierd.index import Entry
 from kvtierd.index.published import Publishers
 from kvtierd.metrics import MetricsServer
@@ -105,7 +105,9 @@ class Daemon:
         if cfg.tenants_file:
             self.service.tenants = load_tenants(cfg.tenants_file)
         self.health = health.aio.HealthServicer()
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.aio.Server | None = None  # the Unix socket's
+        self.tcp_server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
         self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
         self.metrics: MetricsServer | None = None
         self.addresses: dict[str, Any] = {}
@@ -163,6 +165,15 @@ class Daemon:
             return
         log.info("tenants file reloaded: %d tenants", len(self.service.tenants))
 
+    def _grpc_server(self, *, reflect: bool) -> grpc.aio.Server:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_to_server(self.service, server)  # lenient request decoding (service.py)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if reflect:
+            reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
+                                                 health.SERVICE_NAME), server)
+        return server
+
     def _socket_path(self) -> str:
         path = self.cfg.socket_path
         return os.path.abspath(path) if path else ""
@@ -174,12 +185,10 @@ class Daemon:
             await self.cuda.start()  # page-locks the arena before anything is served
         if self.cache.fleet is not None:  # connects in the background: never blocks a start
             self.cache.fleet.tier.start()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        add_to_server(self.service, self.server)  # lenient request decoding (service.py)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
-                                             health.SERVICE_NAME), self.server)
+        # One server per kind of listener: the Unix socket (reflection by default), the TCP
+        # listener (TLS when configured; no reflection unless "all"), a health-only one.
         if cfg.socket_path:
+            self.server = self._grpc_server(reflect=cfg.reflection in ("unix", "all"))
             path = self._socket_path()
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -187,10 +196,27 @@ class Daemon:
             self.server.add_insecure_port(f"unix://{path}")
             self.addresses["unix"] = f"unix://{path}"
         if cfg.listen:
-            port = self.server.add_insecure_port(cfg.listen)
+            self.tcp_server = self._grpc_server(reflect=cfg.reflection == "all")
+            if cfg.tls_cert:
+                port = self.tcp_server.add_secure_port(cfg.listen, _tls_credentials(cfg))
+            else:
+                port = self.tcp_server.add_insecure_port(cfg.listen)
+                if not is_loopback(cfg.listen):
+                    log.warning("gRPC listens on %s in plaintext (allow_plaintext_remote): "
+                                "tokens and figures cross the network unencrypted", cfg.listen)
             if port == 0:
                 raise OSError(f"listen: cannot bind {cfg.listen}")
             self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
+        if cfg.health_listen:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            port = self.health_server.add_insecure_port(cfg.health_listen)
+            if port == 0:
+                raise OSError(f"health_listen: cannot bind {cfg.health_listen}")
+            self.addresses["health"] = f"{cfg.health_listen.rpartition(':')[0]}:{port}"
+        if cfg.data_listen and not is_loopback(cfg.data_listen):
+            log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)",
+                        cfg.data_listen)
         if cfg.data_listen:
             host, _, port_s = cfg.data_listen.rpartition(":")
             data = DataChannelServer(host, int(port_s), self.cache, self.sessions, DataChannelLimits(
@@ -210,7 +236,9 @@ class Daemon:
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
-        await self.server.start()
+        for server in (self.server, self.tcp_server, self.health_server):
+            if server is not None:
+                await server.start()
         if cfg.socket_path:
             os.chmod(self._socket_path(), 0o660)  # engines of the same group may connect
         if cfg.metrics_port >= 0:
@@ -309,8 +337,9 @@ class Daemon:
             except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
                 log.error("%s checkpoint failed: %s", link.tier.name, e)
             await loop.run_in_executor(None, link.tier.close)
-        if self.server:
-            await self.server.stop(grace=0.5)
+        for server in (self.server, self.tcp_server, self.health_server):
+            if server is not None:
+                await server.stop(grace=0.5)
         if self.cache.fleet is not None:  # imports end by their deadline; queued writes get
             fleet = self.cache.fleet       # the drain deadline, then are dropped (counted)
             while fleet.tier.pending_writes and time.monotonic() < deadline:
@@ -352,6 +381,20 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError) as e:
             log.warning("could not raise the open-file limit from %d: %s", soft, e)
+
+
+def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
+    """The TCP listener's TLS (mTLS with ``tls_client_ca``); files read here, at start."""
+    def read(name: str, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{name}: cannot read {path}: {e.strerror}") from None
+
+    ca = read("tls_client_ca", cfg.tls_client_ca) if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read("tls_key", cfg.tls_key), read("tls_cert", cfg.tls_cert))],
+        root_certificates=ca, require_client_auth=cfg.tls_require_client_cert)
 
 
 def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:

@@ -50,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster-write-policy", choices=["commit", "evict"])
     s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
                    "docs/security.md); re-read on SIGHUP")
+    s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
+    s.add_argument("--tls-key", help="PEM key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA verifying client certificates (mTLS)")
+    s.add_argument("--tls-require-client-cert", dest="tls_require_client_cert",
+                   action="store_const", const=True, help="refuse TLS clients without one")
+    s.add_argument("--allow-plaintext-remote", dest="allow_plaintext_remote",
+                   action="store_const", const=True,
+                   help="allow a non-loopback listen/data-listen without TLS (warned at start)")
+    s.add_argument("--health-listen", help="HOST:PORT serving only gRPC health, plaintext "
+                   "(kubelet grpc probes)")
+    s.add_argument("--reflection", choices=["unix", "all", "off"])
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
     f.add_argument("directory")
@@ -92,7 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
             io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
             cuda_ipc=args.cuda_ipc, cluster=args.cluster,
-            cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file)
+            cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+            tls_require_client_cert=args.tls_require_client_cert,
+            allow_plaintext_remote=args.allow_plaintext_remote, health_listen=args.health_listen,
+            reflection=args.reflection)
         if cfg.tenants_file:
             from kvtierd.tenants import load_tenants
 

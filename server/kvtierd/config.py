@@ -150,6 +150,25 @@ class DaemonConfig:
     cluster_breaker_s: float = 1.0
     """A cluster node that fails or answers late is skipped (its keys miss) for this long,
     doubling while it keeps failing (at most 8x)."""
+    tls_cert: str = ""
+    """PEM certificate (chain) of the gRPC TCP listener: with ``tls_key``, ``listen`` serves
+    TLS only (docs/security.md)."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert``."""
+    tls_client_ca: str = ""
+    """PEM CA bundle: client certificates it signed are verified, and their identities
+    (common name, DNS names) may be tenants' credentials (``mtls_names``). "" = none asked."""
+    tls_require_client_cert: bool = False
+    """mTLS: a TLS client without a certificate signed by ``tls_client_ca`` is refused."""
+    allow_plaintext_remote: bool = False
+    """Bind ``listen`` or ``data_listen`` on a non-loopback address without TLS (the data
+    channel has no TLS yet). Off: such a configuration is refused at start; on: a warning at
+    every start."""
+    health_listen: str = ""
+    """HOST:PORT of a listener serving only the gRPC health service, plaintext (kubelet
+    ``grpc:`` probes reach the pod IP and speak no TLS); "" = none."""
+    reflection: str = "unix"
+    """gRPC server reflection: "unix" (on the Unix socket only), "all", or "off"."""
     tenants_file: str = ""
     """Tenants file (TOML: tenants, their token digests, Unix peers and quotas;
     docs/security.md). "" = single-tenant: no credential asked. Re-read on SIGHUP."""
@@ -237,12 +256,30 @@ def validate(cfg: DaemonConfig) -> None:
     if cfg.disk_dir:
         need(cfg.disk_bytes > 0, "disk_bytes", "must be > 0 with disk_dir")
         need(cfg.disk_file_bytes >= cfg.slab_bytes, "disk_file_bytes", "must hold a slab")
-    for name in ("listen", "data_listen"):
+    for name in ("listen", "data_listen", "health_listen"):
         value = getattr(cfg, name)
         if value:
             host, sep, port = value.rpartition(":")
             need(bool(sep and host) and port.isdigit() and int(port) <= 65535, name,
                  f"expected HOST:PORT, got {value!r}")
+    need(bool(cfg.tls_cert) == bool(cfg.tls_key), "tls_key", "tls_cert and tls_key go together")
+    need(not cfg.tls_client_ca or bool(cfg.tls_cert), "tls_client_ca", "needs tls_cert/tls_key")
+    need(not cfg.tls_require_client_cert or bool(cfg.tls_client_ca), "tls_require_client_cert",
+         "needs tls_client_ca")
+    need(cfg.reflection in ("unix", "all", "off"), "reflection", "must be 'unix', 'all' or 'off'")
+    if not cfg.allow_plaintext_remote:
+        need(not cfg.listen or bool(cfg.tls_cert) or is_loopback(cfg.listen), "listen",
+             f"{cfg.listen} is not a loopback address: serve TLS there (tls_cert, tls_key) or "
+             "set allow_plaintext_remote = true (--allow-plaintext-remote)")
+        need(not cfg.data_listen or is_loopback(cfg.data_listen), "data_listen",
+             f"{cfg.data_listen} is not a loopback address and the data channel has no TLS yet: "
+             "set allow_plaintext_remote = true (--allow-plaintext-remote) to accept that")
+
+
+def is_loopback(hostport: str) -> bool:
+    """Whether HOST:PORT binds a loopback address only."""
+    host = hostport.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _coerce(raw: dict[str, Any]) -> dict[str, Any]:

@@ -88,12 +88,14 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
         t0 = time.perf_counter()
         caller = None
         if self.tenants is not None:
-            caller = self.tenants.authenticate(_bearer(context))
+            caller = self.tenants.authenticate(_bearer(context)) or \
+                self.tenants.by_certificate(_cert_names(context))
             if caller is None:
                 self.count_error(name, "UNAUTHENTICATED")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                     "a credential is required: metadata 'authorization: Bearer "
-                                    "<token>' with a token of the daemon's tenants file")
+                                    "<token>' with a token of the daemon's tenants file, or a "
+                                    "client certificate of a tenant (mTLS)")
         CALLER.set(caller)
         if admitted and self.inflight >= self.max_inflight:
             self.count_error(name, "RESOURCE_EXHAUSTED")
@@ -132,6 +134,19 @@ def _bearer(context: Any) -> str | None:
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value[7:].strip()
     return None
+
+
+def _cert_names(context: Any) -> list[str]:
+    """The verified client certificate's common name and DNS names (none without mTLS)."""
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001  (no transport security on this connection)
+        return []
+    names = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        names += [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+                  for v in auth.get(key, ())]
+    return names
 
 
 def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

@@ -7,6 +7,7 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     tokens_sha256 = ["<64 hex: sha256 of a bearer token>", ...]   # several: rotation
     unix_uids = [1000]          # shm handshakes only from these uids/gids ([] = any)
     unix_gids = []
+    mtls_names = ["team-a.kvtier"]   # client certificates (CN or DNS name) that are this tenant
     operator = false            # an operator sees and may act on every tenant's namespaces
     transports = ["tcp"]        # transports its sessions may use (default: all); shm and
                                 # cuda_ipc map the shared arena (docs/security.md)
@@ -17,7 +18,9 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     session_open_jobs = 64      # ... of one session
     host_bytes = "8GiB"         # resident + being written in the host tier
 
-A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC; the daemon
+A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
+certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
+``mtls_names`` (a token wins when both are there); the daemon
 keeps only SHA-256 digests and compares them with ``hmac.compare_digest`` against every
 tenant's (no early exit), so neither the file nor a timing tells a token. Without a tenants
 file the daemon is single-tenant (no credential asked, as before).
@@ -39,7 +42,7 @@ from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
-                "transports"}
+                "transports", "mtls_names"}
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
@@ -63,6 +66,7 @@ class Tenant:
     operator: bool = False
     quotas: Quotas = field(default_factory=Quotas)
     transports: frozenset[str] = frozenset(_TRANSPORTS)
+    mtls_names: frozenset[str] = frozenset()
 
     def allows_peer(self, uid: int, gid: int) -> bool:
         """Whether a Unix peer with these credentials may act for this tenant (no list: any)."""
@@ -78,6 +82,7 @@ class Tenants:
         self.source = source
         self.by_name = {t.name: t for t in tenants}
         self._digests = [(d, t) for t in tenants for d in t.token_sha256]
+        self._mtls = {n: t for t in tenants for n in t.mtls_names}
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -92,6 +97,15 @@ class Tenants:
             if hmac.compare_digest(d, digest):
                 found = t
         return found
+
+
+    def by_certificate(self, names: list[str]) -> Tenant | None:
+        """The tenant of a verified client certificate (its CN and DNS names), or None."""
+        for n in names:
+            t = self._mtls.get(n)
+            if t is not None:
+                return t
+        return None
 
 
 def token_digest(token: str) -> str:
@@ -154,16 +168,20 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     operator = entry.get("operator", False)
     if not isinstance(operator, bool):
         raise ValueError(f"{where}.operator: expected true or false")
-    if not digests:
-        raise ValueError(f"{where}.tokens_sha256: at least one token (a tenant is known only by "
-                         "its credential)")
+    names = entry.get("mtls_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{where}.mtls_names: expected a list of non-empty strings")
+    if not digests and not names:
+        raise ValueError(f"{where}.tokens_sha256: at least one token or mtls_names entry (a "
+                         "tenant is known only by its credential)")
     transports = entry.get("transports", list(_TRANSPORTS))
     if not isinstance(transports, list) or not transports or \
             not all(t in _TRANSPORTS for t in transports):
         raise ValueError(f"{where}.transports: expected a non-empty list of "
                          f"{', '.join(_TRANSPORTS)}")
     return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
-                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports))
+                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
+                  frozenset(names))
 
 
 def _quotas(raw: Any, where: str) -> Quotas:

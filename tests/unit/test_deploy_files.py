@@ -188,10 +188,10 @@ def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
 def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
     args, cfg = parse_serve(docker_serve_argv())
     assert cfg.socket_path == "/run/kvtier/kvtier.sock"
-    assert cfg.listen == "0.0.0.0:50051"
-    assert cfg.metrics_host == "0.0.0.0"
+    assert cfg.listen == "127.0.0.1:50051"  # never 0.0.0.0 in plaintext (docs/security.md)
+    assert cfg.health_listen == "0.0.0.0:50052" and cfg.metrics_host == "0.0.0.0"
     exposed = {int(p.split("/")[0]) for w, rest in final_stage() if w == "EXPOSE" for p in rest.split()}
-    assert {port_of(cfg.listen), cfg.metrics_port} <= exposed, exposed
+    assert {port_of(cfg.health_listen), cfg.metrics_port} <= exposed, exposed
     volumes = [rest for w, rest in final_stage() if w == "VOLUME"]
     assert any(str(Path(cfg.socket_path).parent) in v for v in volumes), volumes
 
@@ -270,10 +270,10 @@ def test_sidecar_memory_limit_exceeds_the_host_tier() -> None:
 
 
 @pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
-def test_sidecar_probes_use_grpc_health_on_the_listen_port(probe: str) -> None:
+def test_sidecar_probes_use_grpc_health_on_the_health_port(probe: str) -> None:
     _, cfg = parse_serve(kvtier_serve_argv())
     grpc_node = node(node(container("kvtier"), rf"^\s*{probe}:"), r"^\s*grpc:")
-    assert int(value(grpc_node, "port")) == port_of(cfg.listen)
+    assert int(value(grpc_node, "port")) == port_of(cfg.health_listen)
     service = [ln for ln in grpc_node if re.match(r"^\s*service:", ln)]
     if service:
         assert value(grpc_node, "service") == SERVICE_NAME
@@ -281,10 +281,11 @@ def test_sidecar_probes_use_grpc_health_on_the_listen_port(probe: str) -> None:
 
 def test_sidecar_ports_and_prometheus_annotations_agree_with_the_flags() -> None:
     _, cfg = parse_serve(kvtier_serve_argv())
-    assert cfg.listen.startswith("0.0.0.0:"), "kubelet probes and Prometheus reach the pod IP"
+    assert cfg.health_listen.startswith("0.0.0.0:"), "kubelet probes reach the pod IP"
+    assert cfg.listen.startswith("127.0.0.1:"), "never 0.0.0.0 in plaintext"
     assert cfg.metrics_host == "0.0.0.0"
     ports = {int(p) for p in re.findall(r"containerPort:\s*(\d+)", "\n".join(container("kvtier")))}
-    assert {port_of(cfg.listen), cfg.metrics_port} <= ports
+    assert {port_of(cfg.health_listen), cfg.metrics_port} <= ports
     annotations = node(manifest(), r"^\s{6}annotations:")
     assert value(annotations, "prometheus.io/scrape") == "true"
     assert int(value(annotations, "prometheus.io/port")) == cfg.metrics_port
