@@ -16,7 +16,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     namespaces = 16
     open_jobs = 256             # store and load jobs (pinned lookups included) of all sessions
     session_open_jobs = 64      # ... of one session
-    host_bytes = "8GiB"         # resident + being written in the host tier
+    host_bytes = "8GiB"         # its resident blocks in the host tier (over it: its own
+                                # coldest blocks are evicted first)
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's

@@ -278,11 +278,11 @@ class TieredCache:
     def fit_tenant(self, tenant: str, new_bytes: int, quota: int) -> None:
         """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
         evictable blocks go first (never another tenant's); ResourceExhausted (quota
-        host_bytes) when they cannot. Slots being written count against the quota too."""
+        host_bytes) when they cannot."""
         mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
-        used = sum(ns.counters.resident_blocks * ns.slot_bytes for ns in mine) + sum(
-            ns.slot_bytes for ns in mine for e in ns.entries.values()
-            if e.state is EntryState.WRITING)
+        # resident blocks only (O(namespaces), not O(entries)): slots being written are not
+        # counted, an overshoot bounded by the tenant's open-job quotas times a batch
+        used = sum(ns.counters.resident_blocks * ns.slot_bytes for ns in mine)
         excess = used + new_bytes - quota
         if excess <= 0:
             return
