@@ -187,6 +187,19 @@ def wait_resident(d: DaemonProcess, blocks: int, timeout_s: float = 10) -> int:
         time.sleep(0.1)
 
 
+def stored_again(eng: Any, d: DaemonProcess, prompts: list[list[int]], blocks: int) -> int:
+    """Serve ``prompts`` until ``d`` holds ``blocks`` (at most 4 rounds): the engine's first
+    request after a restart may still meet its breaker's back-off (its stores are then
+    dropped, as they must be); a later one stores."""
+    got = 0
+    for _ in range(4):
+        eng.generate(prompts)
+        got = wait_resident(d, blocks, timeout_s=5)
+        if got >= blocks:
+            break
+    return got
+
+
 def test_engine_a_stores_its_prompt_blocks(engine_a: dict[str, Any],
                                            shared_daemon: DaemonProcess) -> None:
     assert engine_a["cached"] == [0, 0]  # nothing in the daemon yet
@@ -296,8 +309,7 @@ def test_daemon_down_and_killed_mid_run_never_fails_a_request(
         # the daemon comes back: the engine reconnects by itself and stores again
         d2 = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
         time.sleep(2.5)  # the client's breaker backs off at most 2 s
-        eng.generate([R])
-        assert wait_resident(d2, 2) == 2
+        assert stored_again(eng, d2, [R], 2) == 2
         # killed mid-run: a batch in flight and every later request is still served
         batch = [tokens(3 * BLOCK + 5, 10 + i) for i in range(6)]
         killer = threading.Timer(0.3, d2.kill)
@@ -312,8 +324,8 @@ def test_daemon_down_and_killed_mid_run_never_fails_a_request(
         # a hung daemon (SIGSTOP: sockets open, no answers): bounded by the deadlines, not hung
         d3 = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
         time.sleep(2.5)
-        eng.generate([P])  # reconnected to the new, empty daemon: P is stored again
-        assert wait_resident(d3, 3) == 3
+        # reconnected to the new, empty daemon: P is stored again
+        assert stored_again(eng, d3, [P], 3) == 3
         assert d3.proc is not None
         d3.proc.send_signal(signal.SIGSTOP)
         try:
