@@ -58,6 +58,17 @@ if TYPE_CHECKING:  # the cluster tier needs redis-py: imported only when one is 
 _HOST_TIERS = bytes([TierId.HOST]) * 4096
 
 
+def _ready_prefix(ns: NamespaceState, keys: Sequence[bytes]) -> list[Entry]:
+    """The READY entries of the longest prefix of ``keys`` (any tier)."""
+    prefix: list[Entry] = []
+    for k in keys:
+        e = ns.ready.get(k)
+        if e is None:
+            break
+        prefix.append(e)
+    return prefix
+
+
 def _check_live(session: Session) -> None:
     """Jobs attach only to live sessions: a released one would never free them (its lease
     may lapse while a request awaits flushes or promotions)."""
@@ -207,12 +218,7 @@ class TieredCache:
         imported. Nothing without a cluster tier."""
         if self.fleet is None:
             return []
-        prefix: list[Entry] = []
-        for k in keys:
-            e = ns.ready.get(k)
-            if e is None:
-                break
-            prefix.append(e)
+        prefix = _ready_prefix(ns, keys)
         if len(prefix) == len(keys):
             return []
         # the local prefix is what the caller is about to pin: never evicted to make room
@@ -265,12 +271,7 @@ class TieredCache:
     def prefetch(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, int]:
         """Start promoting the below-only blocks of the READY prefix of ``keys``:
         (ready prefix length, promotions started)."""
-        prefix: list[Entry] = []
-        for k in keys:
-            e = ns.ready.get(k)
-            if e is None:
-                break
-            prefix.append(e)
+        prefix = _ready_prefix(ns, keys)
         below = [e for e in prefix if not e.in_host]
         started = sum(link.prefetch(below) for link in self.chain) if below else 0
         return len(prefix), started
