@@ -47,6 +47,7 @@ from kvtier_contract.protoutil import namespace_from_spec, split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
+from kvtierd.cache.jobs import LoadJob
 from kvtierd.domain import TierId, Transport
 from kvtierd.index import NamespaceState
 from kvtierd.ratelog import RateLimitedLog
@@ -249,6 +250,23 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             raise ResourceExhausted(f"quota open_jobs ({per_tenant}) reached by tenant "
                                     f"{s.tenant}", field="quota")
 
+    def _check_pins(self, s: Session, job: LoadJob) -> None:
+        """The ``pinned_bytes`` quota of the caller's tenant, counted after ``job`` pinned its
+        blocks (a pinned lookup's hit is only known then): over it, the job is released at once
+        (nothing stays pinned) and the call is RESOURCE_EXHAUSTED."""
+        quota = self._quota("pinned_bytes")
+        if quota is None or s.tenant is None:
+            return
+        pinned = 0
+        for o in self.sessions.of_tenant(s.tenant):
+            for job_id in o.load_jobs:
+                j = self.cache.jobs.get(o.id, job_id, LoadJob)
+                pinned += len(j.items) * j.ns.slot_bytes
+        if pinned > quota:
+            self.cache.complete_load(s, job.id)
+            raise ResourceExhausted(f"quota pinned_bytes ({quota}) reached by tenant {s.tenant}",
+                                    field="quota")
+
     def count_error(self, method: str, code: str) -> None:
         key = (method, code)
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -364,6 +382,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch)
+            self._check_pins(s, job)
             n = len(job.items)
             # A hold keeps a block's last copy: its host slot only while it has no copy below.
             offsets = [e.offset if t == TierId.HOST and e.copies is None else NO_OFFSET
@@ -471,6 +490,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._job_transport(s, request.transport)
         self._check_jobs(s)
         job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
+        if job is not None:
+            self._check_pins(s, job)
         n = len(keys)
         found, offsets, tiers = bytearray(n), [0] * n, bytearray(n)
         for i, tier in deferred.items():

@@ -18,6 +18,7 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     session_open_jobs = 64      # ... of one session
     host_bytes = "8GiB"         # its resident blocks in the host tier (over it: its own
                                 # coldest blocks are evicted first)
+    pinned_bytes = "2GiB"       # blocks held by its open loads and pinned lookups
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
@@ -41,7 +42,9 @@ from typing import Any
 
 from kvtier_contract.units import parse_bytes
 
-_QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes")
+_QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
+           "pinned_bytes")
+_BYTE_QUOTAS = ("host_bytes", "pinned_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
                 "transports", "mtls_names"}
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
@@ -56,6 +59,7 @@ class Quotas:
     open_jobs: int | None = None
     session_open_jobs: int | None = None
     host_bytes: int | None = None
+    pinned_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ def _quotas(raw: Any, where: str) -> Quotas:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     values: dict[str, int] = {}
     for key, v in raw.items():
-        if key == "host_bytes":
+        if key in _BYTE_QUOTAS:
             v = parse_bytes(v, field=f"{where}.{key}")
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{where}.{key}: expected a non-negative integer")

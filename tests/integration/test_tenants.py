@@ -44,7 +44,7 @@ def digest(token: str) -> str:
 def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> Path:
     body = ""
     quotas = {"team-a": 'sessions = 3\nnamespaces = 2\nsession_open_jobs = 4\n'
-                        'host_bytes = "2MiB"\n'}
+                        'host_bytes = "2MiB"\npinned_bytes = "256KiB"\n'}
     for name, token in TOKENS.items():
         if name in drop:
             continue
@@ -237,6 +237,52 @@ def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
         assert nb2.put(k2, [b"\x02" * nb2.block_bytes] * 4).stored == 4
         assert [bytes(g) if g else None for g in nb.get(bkeys)] == bdata
         assert b.stats()["total"]["stores_rejected"] == 0
+
+
+def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: DaemonProcess,
+                                                                       raw: Any) -> None:
+    """pinned_bytes = 256 KiB (16 blocks of 16 KiB) for team-a: a pinned lookup or a load that
+    would hold more is RESOURCE_EXHAUSTED naming the quota and leaves nothing pinned; team-b is
+    not limited by it."""
+    spec = ns_of("team-a")
+    with client(tenants, "team-a", "shm") as sdk:
+        ns = sdk.register(spec)
+        keys = ns.block_keys(list(range(16 * 32)))
+        assert ns.put(keys, [bytes([i]) * ns.block_bytes for i in range(32)]).stored == 32
+    a = raw("team-a")
+    sid = a.session(pb.TRANSPORT_SHM)
+    fields = {k: v for k, v in spec.to_dict().items() if v is not None}
+    nid = a("RegisterNamespace", pb.RegisterNamespaceRequest(
+        spec=pb.NamespaceSpec(**fields), digest=spec.digest)).namespace_id
+
+    def pinned() -> int:
+        return int(raw("ops")("Stats", pb.StatsRequest()).pinned_blocks)
+
+    code, details = a.code("Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid,
+                                                      keys=b"".join(keys), pin=True))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
+    assert pinned() == 0
+    held = a("Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid,
+                                        keys=b"".join(keys[:16]), pin=True))
+    assert held.hit_blocks == 16 and held.job_id and pinned() == 16
+    code, details = a.code("PrepareLoad", pb.PrepareLoadRequest(
+        session_id=sid, namespace_id=nid, keys=keys[16], transport=pb.TRANSPORT_SHM))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
+    assert pinned() == 16
+    a("CompleteLoad", pb.CompleteLoadRequest(session_id=sid, job_id=held.job_id))
+    assert pinned() == 0
+    load = a("PrepareLoad", pb.PrepareLoadRequest(session_id=sid, namespace_id=nid,
+                                                  keys=b"".join(keys[16:32]),
+                                                  transport=pb.TRANSPORT_SHM))
+    assert load.job_id and load.found == b"\x01" * 16
+    # team-b has no such quota: it pins 32 blocks of its own meanwhile
+    with client(tenants, "team-b", "shm") as b:
+        nb = b.register(ns_of("team-b"))
+        bkeys = nb.block_keys(list(range(16 * 32)))
+        assert nb.put(bkeys, [b"\x07" * nb.block_bytes] * 32).stored == 32
+        p = nb.lookup_pinned(bkeys)
+        assert p.hits == 32
+        b.release(p.pin, p.epoch)
 
 
 def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,

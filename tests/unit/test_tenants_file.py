@@ -30,6 +30,7 @@ unix_uids = [1000]
 [tenant.quotas]
 sessions = 2
 host_bytes = "1GiB"
+pinned_bytes = "64MiB"
 
 [[tenant]]
 name = "ops"
@@ -38,6 +39,7 @@ operator = true
 '''))
     a = t.authenticate("tok")
     assert a is not None and a.name == "a" and a.quotas.host_bytes == 1 << 30
+    assert a.quotas.pinned_bytes == 64 << 20
     assert t.authenticate("next") is a  # two tokens: rotation
     assert t.authenticate("nope") is None and t.authenticate("") is None
     ops = t.authenticate("ops")
