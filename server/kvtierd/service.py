@@ -319,7 +319,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             raise ResourceExhausted(f"quota sessions ({quota}) reached by tenant {tenant}",
                                     field="quota")
         s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
-                               tenant)
+                               tenant, caller.max_lease_s if caller is not None else None)
         adv = self.advertise()
         return pb.OpenSessionReply(
             boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),

@@ -49,12 +49,18 @@ class SessionTable:
         return len(self._sessions)
 
     def open(self, client_name: str, ttl_s: float | None,
-             transport: Transport = Transport.SHM, tenant: str | None = None) -> Session:
+             transport: Transport = Transport.SHM, tenant: str | None = None,
+             ceiling_s: float | None = None) -> Session:
+        """A new session; its lease is the asked ``ttl_s`` (or the default) within the daemon's
+        bounds and at most ``ceiling_s`` (the tenant's ``max_lease_s``; never below the
+        daemon's minimum)."""
         if len(self._sessions) >= self._max:
             self.sweep()  # lapsed leases the sweeper has not collected yet do not count
         if len(self._sessions) >= self._max:
             raise ResourceExhausted(f"too many sessions (max {self._max})", field="session")
         ttl = self._default_ttl if not ttl_s else min(max(ttl_s, self._min_ttl), self._max_ttl)
+        if ceiling_s is not None:
+            ttl = min(ttl, max(ceiling_s, self._min_ttl))
         sid = secrets.randbits(63) or 1
         s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant)
         self._sessions[sid] = s

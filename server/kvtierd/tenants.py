@@ -11,6 +11,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     operator = false            # an operator sees and may act on every tenant's namespaces
     transports = ["tcp"]        # transports its sessions may use (default: all); shm and
                                 # cuda_ipc map the shared arena (docs/security.md)
+    max_lease_s = 30.0          # longest lease its sessions get (default: the daemon's
+                                # max_lease_ttl_s): how long a dead engine's pins can linger
     [tenant.quotas]             # absent = unlimited
     sessions = 64
     namespaces = 16
@@ -46,7 +48,7 @@ _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_byt
            "pinned_bytes")
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
-                "transports", "mtls_names"}
+                "transports", "mtls_names", "max_lease_s"}
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
@@ -72,6 +74,7 @@ class Tenant:
     quotas: Quotas = field(default_factory=Quotas)
     transports: frozenset[str] = frozenset(_TRANSPORTS)
     mtls_names: frozenset[str] = frozenset()
+    max_lease_s: float | None = None
 
     def allows_peer(self, uid: int, gid: int) -> bool:
         """Whether a Unix peer with these credentials may act for this tenant (no list: any)."""
@@ -184,9 +187,13 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
             not all(t in _TRANSPORTS for t in transports):
         raise ValueError(f"{where}.transports: expected a non-empty list of "
                          f"{', '.join(_TRANSPORTS)}")
+    max_lease = entry.get("max_lease_s")
+    if max_lease is not None and (not isinstance(max_lease, (int, float)) or
+                                  isinstance(max_lease, bool) or not 0 < max_lease <= 86400):
+        raise ValueError(f"{where}.max_lease_s: expected seconds in (0, 86400]")
     return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
                   _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
-                  frozenset(names))
+                  frozenset(names), None if max_lease is None else float(max_lease))
 
 
 def _quotas(raw: Any, where: str) -> Quotas:

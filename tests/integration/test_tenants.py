@@ -56,7 +56,7 @@ def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> 
         if name == "team-b":
             body += 'transports = ["tcp", "shm"]\n'
         if name == "team-d":
-            body += 'transports = ["tcp"]\n'
+            body += 'transports = ["tcp"]\nmax_lease_s = 2.5\n'
         if name in quotas:
             body += "[tenant.quotas]\n" + quotas[name]
         body += "\n"
@@ -283,6 +283,18 @@ def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: Da
         p = nb.lookup_pinned(bkeys)
         assert p.hits == 32
         b.release(p.pin, p.epoch)
+
+
+def test_the_tenants_lease_ceiling_bounds_its_sessions(raw: Any) -> None:
+    """team-d's max_lease_s = 2.5: its sessions never get a longer lease, whatever they ask;
+    team-b's get what they ask within the daemon's bounds."""
+    for ask_ms in (0, 1_000, 60_000):
+        d = raw("team-d")("OpenSession", pb.OpenSessionRequest(
+            client_name="d", lease_ttl_ms=ask_ms, transport=pb.TRANSPORT_TCP))
+        assert d.lease_ttl_ms == min(ask_ms or 2_500, 2_500)
+    b = raw("team-b")("OpenSession", pb.OpenSessionRequest(
+        client_name="b", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP))
+    assert b.lease_ttl_ms == 60_000
 
 
 def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,

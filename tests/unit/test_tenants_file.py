@@ -70,6 +70,12 @@ operator = true
     ("not toml [", "tenants_file"),
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["udp"]\n',
      "tenant[0].transports"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = 0\n',
+     "tenant[0].max_lease_s"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = "1h"\n',
+     "tenant[0].max_lease_s"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\npinned_bytes = -1\n',
+     "tenant[0].quotas.pinned_bytes"),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
