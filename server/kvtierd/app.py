@@ -75,9 +75,10 @@ class Daemon:
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy)
         if cfg.disk_dir:
-            self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
+            link = self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
                 write_after_hits=cfg.write_after_hits))
+            link.tenant_quota = self._nvme_quota
         if cfg.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
 
@@ -116,6 +117,11 @@ class Daemon:
         self._stamper: asyncio.Task[None] | None = None
         self._nvme_serving: bool | None = None
         self._arena_ok = True
+
+    def _nvme_quota(self, tenant: str) -> int | None:
+        """The tenant's ``nvme_bytes`` quota in the current tenants file (None: unlimited)."""
+        who = None if self.service.tenants is None else self.service.tenants.by_name.get(tenant)
+        return None if who is None else who.quotas.nvme_bytes
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)

@@ -21,6 +21,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     host_bytes = "8GiB"         # its resident blocks in the host tier (over it: its own
                                 # coldest blocks are evicted first)
     pinned_bytes = "2GiB"       # blocks held by its open loads and pinned lookups
+    nvme_bytes = "100GiB"       # its blocks in the NVMe tier (over it: its own coldest copies
+                                # there are evicted first, else the block is not written down)
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
@@ -45,8 +47,8 @@ from typing import Any
 from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
-           "pinned_bytes")
-_BYTE_QUOTAS = ("host_bytes", "pinned_bytes")
+           "pinned_bytes", "nvme_bytes")
+_BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
                 "transports", "mtls_names", "max_lease_s"}
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
@@ -62,6 +64,7 @@ class Quotas:
     session_open_jobs: int | None = None
     host_bytes: int | None = None
     pinned_bytes: int | None = None
+    nvme_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def digest(token: str) -> str:
 def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> Path:
     body = ""
     quotas = {"team-a": 'sessions = 3\nnamespaces = 2\nsession_open_jobs = 4\n'
-                        'host_bytes = "2MiB"\npinned_bytes = "256KiB"\n'}
+                        'host_bytes = "2MiB"\npinned_bytes = "256KiB"\nnvme_bytes = "1MiB"\n'}
     for name, token in TOKENS.items():
         if name in drop:
             continue
@@ -283,6 +283,39 @@ def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: Da
         p = nb.lookup_pinned(bkeys)
         assert p.hits == 32
         b.release(p.pin, p.epoch)
+
+
+def test_nvme_bytes_quota_keeps_a_tenants_disk_share(daemon_factory: Any, tmp_path: Path) -> None:
+    """nvme_bytes = 1 MiB for team-a (64 blocks of 16 KiB), write-through: team-a's blocks beyond
+    it stay in the host tier only, its own coldest copies make room; team-b's are all written."""
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n')
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--disk-dir",
+        str(tmp_path / "nvme"), "--disk-bytes", "16MiB", "--write-policy", "write-through",
+        run_dir=tmp_path / "d")
+
+    def on_disk(c: kvtier.Client) -> tuple[int, int]:
+        n = c.stats()["namespaces"]
+        return (sum(x["counters"]["nvme_resident_blocks"] for x in n),
+                sum(x["counters"]["nvme_resident_bytes"] for x in n))
+
+    with client(d, "team-a", "shm") as a, client(d, "team-b", "shm") as b:
+        na, nb = a.register(ns_of("team-a")), b.register(ns_of("team-b"))
+        akeys = na.block_keys(list(range(16 * 96)))
+        for i in range(0, 96, 32):
+            assert na.put(akeys[i:i + 32], [bytes([i]) * na.block_bytes] * 32).stored == 32
+        bkeys = nb.block_keys(list(range(16 * 80)))
+        assert nb.put(bkeys, [b"\x05" * nb.block_bytes] * 80).stored == 80
+        deadline = time.monotonic() + 20
+        while on_disk(b)[0] < 80 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert on_disk(b) == (80, 80 * nb.block_bytes)
+        blocks, nbytes = on_disk(a)
+        assert 32 <= blocks <= 64 and nbytes <= 1 << 20
+        # the newest of team-a's blocks are there (its oldest copies made room), all still hit
+        detail = na.lookup_detail(akeys)
+        assert detail.hits == 96 and detail.tiers[-1] == "host"
 
 
 def test_the_tenants_lease_ceiling_bounds_its_sessions(raw: Any) -> None:

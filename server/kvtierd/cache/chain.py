@@ -87,6 +87,10 @@ class TierLink:
         self._probing: asyncio.Task[None] | None = None  # the probe (or late open) in progress
         self._probe_failures = 0
         self._probe_log = RateLimitedLog(log, PROBE_LOG_INTERVAL_S)
+        self.tenant_quota: Callable[[str], int | None] = lambda tenant: None
+        """Bytes a tenant's blocks may occupy in this tier (the tenants file's ``nvme_bytes``),
+        None = unlimited; set by the daemon, read at every flush (a reload applies at once)."""
+        self._claimed: dict[str, int] = {}  # tenant -> bytes queued or being written here
 
     @property
     def admitting(self) -> bool:
@@ -220,9 +224,12 @@ class TierLink:
     def schedule_flush(self, e: Entry) -> None:
         """Queue ``e`` for writing to the tier; flush workers write the queue in batches."""
         if e.copy_in(self.level) is not None or e.flushing or not e.in_host \
-                or not self.tier.admitting:
+                or not self.tier.admitting or not self._tenant_fits(e.ns):
             return
         e.flushing += 1  # claimed now: the host slot stays until the write is done
+        if e.ns.spec.tenant is not None:
+            self._claimed[e.ns.spec.tenant] = self._claimed.get(e.ns.spec.tenant, 0) + \
+                e.ns.block_bytes
         self.flushes_in_flight += 1
         self._flush_queue.append(e)
         if self._flush_workers < FLUSH_WORKERS:
@@ -271,6 +278,13 @@ class TierLink:
         finally:
             for e in batch:
                 e.flushing -= 1
+                tenant = e.ns.spec.tenant
+                if tenant is not None:
+                    left = self._claimed.get(tenant, 0) - e.ns.block_bytes
+                    if left > 0:
+                        self._claimed[tenant] = left
+                    else:
+                        self._claimed.pop(tenant, None)
             self.flushes_in_flight -= len(batch)
             self._flushed.set()
         for (e, _off), loc in zip(targets, locs, strict=True):
@@ -435,6 +449,34 @@ class TierLink:
         await self.promote_many(entries, set())
 
     # -- copies -----------------------------------------------------------------------------------
+
+    def _tenant_fits(self, ns: NamespaceState) -> bool:
+        """Whether one more block of ``ns`` fits its tenant's quota here, after evicting that
+        tenant's own coldest copies (never another tenant's) within MAX_VICTIM_SCAN. A block
+        that does not fit is not written here: it lives in the host tier only, and is lost
+        when that evicts it (the tenant's quota, not the tier, is full)."""
+        tenant = ns.spec.tenant
+        quota = None if tenant is None else self.tenant_quota(tenant)
+        if tenant is None or quota is None:
+            return True
+        if ns.block_bytes > quota:
+            return False
+        resident = self._columns[1]
+        used = self._claimed.get(tenant, 0) + sum(
+            getattr(n.counters, resident) for n in self._namespaces() if n.spec.tenant == tenant)
+        if used + ns.block_bytes <= quota:
+            return True
+        mine = [e for n, e in zip(range(MAX_VICTIM_SCAN), self.policy.victims(), strict=False)
+                if e.ns.spec.tenant == tenant]
+        for e in mine:
+            if e.pins or e.holds or e.promoting is not None or e.copy_in(self.level) is None:
+                continue
+            self._drop_copy(e, corrupt=False)
+            self._bump(e.ns, 2, 1)
+            used -= e.ns.block_bytes
+            if used + ns.block_bytes <= quota:
+                return True
+        return False
 
     def _allocate(self, block_bytes: int) -> int | None:
         slot = self.tier.slot_bytes_for(block_bytes)
