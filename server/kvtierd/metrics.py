@@ -184,6 +184,8 @@ class KvtierCollector:
                     value=pub["published_index_bytes"])
             yield g("kvtier_published_index_left_out", "Blocks left out of a published index "
                     "(no slot within the probe bound)", value=pub["published_index_left_out"])
+            yield g("kvtier_published_index_building", "Published indexes being built on a "
+                    "thread (big namespaces)", value=pub["published_index_building"])
         yield g("kvtier_boot_epoch", "Boot epoch of this daemon", value=snap["boot_epoch"])
         yield g("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
         yield CounterMetricFamily("kvtier_leases_expired_total", "Sessions whose lease lapsed",

@@ -276,3 +276,73 @@ def test_a_failure_while_publishing_drops_that_index_and_the_next_handout_builds
     assert old.state(time.monotonic()) == "retired"
     assert new.generation == 1 and new.state(time.monotonic()) == "ok"  # (a new Publisher)
     assert new.hits(b"".join(keys), len(keys)) == 0  # built from ns.ready as it is now
+
+
+def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_not_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """background_from = 1,000: the first build and a rebuild run on a thread while the loop
+    keeps changing the namespace; the installed segment answers exactly as the dict does
+    (no key lost, none left twice: removing it once leaves no stale hit)."""
+    import asyncio
+    import threading
+
+    from kvtierd.index import published
+
+    gate = threading.Event()
+    fill = published.Segment.fill
+
+    def slow_fill(self: published.Segment, keys: list[bytes], count: int) -> None:
+        assert threading.current_thread() is not threading.main_thread()
+        gate.wait(10)
+        fill(self, keys, count)
+
+    monkeypatch.setattr(published.Segment, "fill", slow_fill)
+
+    async def run() -> None:
+        ns, pubs = _ns(), Publishers(boot_epoch=1, background_from=1000)
+        keys = [_key(i, b"bg") for i in range(5000)]
+        for key in keys[:2000]:
+            ns.ready[key] = object()
+        with pytest.raises(OSError, match="being built"):
+            pubs.handout(ns)  # the first build runs on its thread: refused, ask again
+        del ns.ready[keys[0]]  # changes while it builds: replayed onto the new segment
+        ns.ready[keys[0]] = object()  # (removed and added back: must be there once)
+        del ns.ready[keys[1]]
+        ns.ready[keys[2000]] = object()
+        pubs.flush()
+        pubs.tick()  # a building publisher is kept
+        gate.set()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if ns.ready.publisher is not None and ns.ready.publisher.segment is not None:
+                break
+        reader = _reader(pubs, ns)
+        assert reader.generation == 1
+        for k in keys[:2001]:
+            assert reader.hits(k, 1) == (k in ns.ready)
+        del ns.ready[keys[0]]
+        pubs.flush()
+        assert reader.hits(keys[0], 1) == 0  # only one copy of it was there
+        # a rebuild (past half full) also runs on its thread; the old segment answers meanwhile
+        gate.clear()
+        for key in keys[2001:]:
+            ns.ready[key] = object()
+        pubs.flush()
+        pub = ns.ready.publisher
+        assert pub is not None and pub.building is not None
+        assert reader.state(time.monotonic()) == "ok"
+        for key in keys[3000:3100]:
+            del ns.ready[key]
+        pubs.flush()
+        gate.set()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if pub.building is None:
+                break
+        assert reader.state(time.monotonic()) == "retired"
+        new = _reader(pubs, ns)
+        assert new.generation == 2
+        assert sum(new.hits(k, 1) for k in keys) == len(ns.ready) == 4898
+        pubs.close()
+
+    asyncio.run(run())
