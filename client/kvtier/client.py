@@ -133,6 +133,7 @@ class NamespaceHandle:
         self.block_bytes = namespace.block_bytes
         self.namespace_id = namespace.namespace_id
         self.registered_epoch = 0
+        self.register_retry_at = 0.0
 
     def block_keys(self, token_ids: Sequence[int], *, parent: bytes | None = None,
                    extras: Sequence[bytes] | None = None) -> list[bytes]:

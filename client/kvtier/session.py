@@ -58,6 +58,15 @@ class Overloaded(OutOfTime):
     nothing trips; this call is a miss or a drop, like one out of time."""
 
 
+class Unregistered(Away):
+    """The daemon does not hold this call's namespace and refused to register it (a quota, a
+    full namespace table): the call is a miss or a drop, nothing trips, and the namespace is
+    registered again at most once per ``REGISTER_RETRY_S``."""
+
+
+REGISTER_RETRY_S = 1.0
+
+
 class Unanswered(Away):
     """A call made with ``trip=False`` (``Session._start``) found the daemon down or silent:
     the caller trips the breaker with ``why`` once it has closed what it started."""
@@ -110,6 +119,7 @@ class Registered(Protocol):
     namespace_id: int
     block_bytes: int
     registered_epoch: int
+    register_retry_at: float  # (after a refusal) when the next call may register it again
 
 
 class Session:
@@ -340,7 +350,11 @@ class Session:
         if self.local is not None:
             self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch)
         for handle in self._namespaces:
-            self._register(handle, timeout)
+            try:
+                self._register(handle, timeout)
+            except errors.KvtierError as e:  # refused (quota, table full...): its calls miss
+                handle.register_retry_at = self._clock() + REGISTER_RETRY_S
+                self.counters.last_error = f"RegisterNamespace: {e}"
 
     def _channel_open(self) -> None:
         if self._channel is None:
@@ -414,6 +428,7 @@ class Session:
             self._ensure(deadline)
             if hasattr(request, "session_id"):
                 request.session_id = self._session_id
+            handle = self._registered_for(request, deadline)
             timeout = self._rpc_timeout(deadline, floor=floor)
             try:
                 reply = getattr(self._stub, method)(request, timeout=timeout)
@@ -430,6 +445,10 @@ class Session:
                     self.counters.overloaded += 1
                     raise Overloaded(e.details()) from None
                 if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
+                        "namespace" in (e.details() or "") and handle is not None:
+                    handle.registered_epoch = 0  # the daemon forgot it (expired): register again
+                    continue
+                if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
                         ("session" in (e.details() or "") or "namespace" in (e.details() or "")):
                     self._reset_session()
                     continue
@@ -439,6 +458,31 @@ class Session:
                 self._reset_session()  # daemon restarted under us: this reply is still valid
             return reply
         raise AssertionError("unreachable")
+
+    def _registered_for(self, request: Any, deadline: float | None) -> Registered | None:
+        """The handle of the namespace ``request`` names (None: it names none of ours),
+        registered in this session: if it is not (a refusal at the last open, or the daemon
+        forgot it), registered now, at most once per ``REGISTER_RETRY_S``; Unregistered when
+        the daemon refuses (a miss, not a trip)."""
+        ns_id = getattr(request, "namespace_id", 0)
+        if not ns_id:
+            return None
+        handle = next((h for h in self._namespaces if h.namespace_id == ns_id), None)
+        if handle is None or handle.registered_epoch == self._epoch:
+            return handle
+        if self._clock() < handle.register_retry_at:
+            raise Unregistered(f"namespace {ns_id} is not registered ({self.counters.last_error})")
+        try:
+            self._register(handle, self._rpc_timeout(deadline))
+        except Away as e:
+            if not isinstance(e, OutOfTime):
+                self._trip(str(e))
+            raise
+        except errors.KvtierError as e:
+            handle.register_retry_at = self._clock() + REGISTER_RETRY_S
+            self.counters.last_error = f"RegisterNamespace: {e}"
+            raise Unregistered(f"namespace {ns_id}: {e}") from None
+        return handle
 
     def _start(self, method: str, request: Any, *, deadline: float | None = None,
                inline: bool = False) -> PendingCall:

@@ -266,13 +266,16 @@ class Daemon:
             self.published.tick()
 
     async def _sweep(self) -> None:
-        next_probe = 0.0
+        next_probe = next_expiry = 0.0
         while True:
             await asyncio.sleep(self.cfg.lease_sweep_s)
             n = self.sessions.sweep()
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
+            if self.cfg.namespace_idle_s and time.monotonic() >= next_expiry:
+                next_expiry = time.monotonic() + min(1.0, self.cfg.namespace_idle_s / 4)
+                self._expire_namespaces()
             if self._arena_ok and not self.arena.intact():
                 self._arena_ok = False  # cannot happen while sealed; if it does, say so loudly
                 log.critical("the host arena changed size or lost its seals: every mapping may "
@@ -287,6 +290,13 @@ class Daemon:
                     link.probe_soon()
                 await self._set_nvme_health(link.tier.admitting)
                 link.maybe_flush()
+
+    def _expire_namespaces(self) -> None:
+        """Forget empty namespaces idle for ``namespace_idle_s`` (config docstring)."""
+        for ns in self.cache.expire_idle(self.cfg.namespace_idle_s, self.published.reading):
+            self.published.forget(ns)
+            log.info("namespace %d (%s) expired: empty and idle for %.0f s", ns.id,
+                     ns.spec.model_id, self.cfg.namespace_idle_s)
 
     async def _set_nvme_health(self, admitting: bool) -> None:
         if admitting != self._nvme_serving:

@@ -93,6 +93,10 @@ class DaemonConfig:
     """Most open sessions; one more OpenSession is RESOURCE_EXHAUSTED."""
     max_namespaces: int = 1024
     """Most registered namespaces; one more RegisterNamespace is RESOURCE_EXHAUSTED."""
+    namespace_idle_s: float = 3600.0
+    """A namespace that holds no block and that no RPC (and no published-index reader) has
+    named for this long is forgotten, freeing its place in the table (a client that names it
+    again is told NOT_FOUND and registers it again; the SDK does so by itself). 0: never."""
     max_inflight_rpcs: int = 64
     """Most Kvtier requests in progress at once (those waiting on NVMe flushes, promotions or
     CUDA copies); one more is RESOURCE_EXHAUSTED at once. Health is never refused."""
@@ -218,6 +222,7 @@ def validate(cfg: DaemonConfig) -> None:
     need(1 <= cfg.max_batch_blocks <= 1 << 16, "max_batch_blocks", "must be in [1, 65536]")
     need(cfg.max_sessions >= 1, "max_sessions", "must be >= 1")
     need(cfg.max_namespaces >= 1, "max_namespaces", "must be >= 1")
+    need(cfg.namespace_idle_s >= 0, "namespace_idle_s", "must be >= 0 (0: never)")
     need(cfg.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0")
     need(cfg.data_idle_timeout_s > 0, "data_idle_timeout_s", "must be > 0")
     need(cfg.data_max_connections >= 1, "data_max_connections", "must be >= 1")

@@ -226,6 +226,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if ns is None or (scope is not None and ns.spec.tenant != scope):
             raise NotFound(f"unknown namespace {namespace_id} (register it first)",
                            field="namespace_id")
+        self.cache.used(ns)
         return ns
 
     def _visible(self) -> list[NamespaceState]:

@@ -318,6 +318,47 @@ def test_nvme_bytes_quota_keeps_a_tenants_disk_share(daemon_factory: Any, tmp_pa
         assert detail.hits == 96 and detail.tiers[-1] == "host"
 
 
+def test_an_idle_empty_namespace_expires_and_frees_the_tenants_quota(daemon_factory: Any,
+                                                                     tmp_path: Path) -> None:
+    """namespace_idle_s = 1: team-a (namespaces = 2) registers two, the third is refused; once
+    the two are idle and empty they are forgotten and the third fits; a namespace holding blocks
+    never expires; an SDK handle whose namespace expired registers it again by itself."""
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n'
+                   "namespace_idle_s = 1.0\n")
+    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "64MiB",
+                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    # (no published index: a client reading a namespace's index keeps it from expiring)
+    a = kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-a"], local_lookups=False)
+    with a, client(d, "team-b", "tcp") as b:
+        idle = a.register(ns_of("team-a", model_revision="idle"))
+        kept = a.register(ns_of("team-a", model_revision="kept"))
+        assert idle.lookup(idle.block_keys(list(range(16)))) == 0
+        keys = kept.block_keys(list(range(16 * 2)))
+        assert kept.put(keys, [b"\x03" * kept.block_bytes] * 2).stored == 2
+        third = a.register(ns_of("team-a", model_revision="third"))
+        assert third.lookup(keys) == 0 and "quota namespaces" in a.counters.last_error
+        nb = b.register(ns_of("team-b"))
+        assert nb.lookup(keys) == 0
+
+        def registered() -> set[str]:
+            return {n["model_revision"] for n in a.stats()["namespaces"]}
+
+        deadline = time.monotonic() + 20
+        while "idle" in registered() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert registered() == {"kept"}  # (it holds blocks: never expires)
+        # the SDK's handles still work: a refused one registers when it fits, and one whose
+        # namespace the daemon forgot registers again (or misses, never raises, when refused)
+        assert third.put(keys, [b"\x04" * third.block_bytes] * 2).stored == 2
+        assert idle.lookup(idle.block_keys(list(range(16)))) == 0
+        assert "quota namespaces" in a.counters.last_error
+        assert registered() == {"kept", "third"}
+        assert [bytes(g or b"") for g in kept.get(keys)] == [b"\x03" * kept.block_bytes] * 2
+        assert [bytes(g or b"") for g in third.get(keys)] == [b"\x04" * third.block_bytes] * 2
+        assert nb.lookup(keys) == 0 and b.counters.reconnects == 0
+
+
 def test_the_tenants_lease_ceiling_bounds_its_sessions(raw: Any) -> None:
     """team-d's max_lease_s = 2.5: its sessions never get a longer lease, whatever they ask;
     team-b's get what they ask within the daemon's bounds."""

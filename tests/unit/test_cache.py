@@ -635,3 +635,26 @@ def test_no_job_attaches_to_a_released_session(cache: TieredCache, ns: Namespace
         load_job(cache, gone, ns, keys(1))
     assert cache.writing_blocks == 0 and cache.pinned_blocks == 0
     assert ns.entries.keys() == set(keys(1))
+
+
+def test_an_empty_idle_namespace_is_forgotten_and_its_counters_stay_in_the_totals(
+        make_cache: MakeCache) -> None:
+    now = [100.0]
+    cache = make_cache(max_namespaces=2, clock=lambda: now[0])
+    empty = cache.register_namespace(spec(model="empty"))
+    full = cache.register_namespace(spec(model="full"))
+    put(cache, full, [bytes([7]) * 32])
+    empty.counters.lookups += 5
+    with pytest.raises(ResourceExhausted):  # the table is full
+        cache.register_namespace(spec(model="third"))
+    now[0] += 9
+    cache.used(empty)  # an RPC named it: idle from now
+    now[0] += 9
+    assert cache.expire_idle(10.0, busy=lambda _id: False) == []
+    now[0] += 2
+    assert cache.expire_idle(10.0, busy=lambda _id: True) == []  # an index reader holds it
+    assert cache.expire_idle(10.0, busy=lambda _id: False) == [empty]
+    assert empty.id not in cache.namespaces and full.id in cache.namespaces  # (it holds a block)
+    assert cache.totals().lookups == 5 and cache.totals().stores_accepted == 1
+    again = cache.register_namespace(spec(model="empty"))  # room again: registered anew
+    assert again is not empty and again.counters.lookups == 0

@@ -93,6 +93,7 @@ class TieredCache:
         self.chain: list[TierLink] = []
         self.fleet: ClusterLink | None = None  # the cluster tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
+        self.expired_counters = Counters()  # of the namespaces expire_idle forgot
         self._max_namespaces = max_namespaces
         self._clock = clock
         self.jobs = JobTable()
@@ -122,6 +123,7 @@ class TieredCache:
         if ns is not None:
             if ns.spec.digest != spec.digest:  # 63-bit id collision: refuse, never alias
                 raise FailedPrecondition("namespace id collision", field="namespace")
+            ns.last_used = self._clock()
             return ns
         if len(self.namespaces) >= self._max_namespaces:
             raise ResourceExhausted(f"too many namespaces (max {self._max_namespaces})",
@@ -132,9 +134,25 @@ class TieredCache:
                 f"block of {block_bytes} bytes does not fit a slab of {self.host.slab_bytes} bytes"
                 " (raise slab_bytes)", field="namespace.block_bytes")
         ns = NamespaceState(spec.namespace_id, spec, block_bytes,
-                            self.host.slot_bytes_for(block_bytes))
+                            self.host.slot_bytes_for(block_bytes), last_used=self._clock())
         self.namespaces[ns.id] = ns
         return ns
+
+    def used(self, ns: NamespaceState) -> None:
+        """An RPC named ``ns`` (it is not idle)."""
+        ns.last_used = self._clock()
+
+    def expire_idle(self, idle_s: float, busy: Callable[[int], bool]) -> list[NamespaceState]:
+        """Forget the namespaces that hold no entry (so no job, pin or copy below either) and
+        were not used for ``idle_s``, unless ``busy(id)`` (a published-index reader); their
+        counters stay in the totals. Returns them."""
+        cutoff = self._clock() - idle_s
+        gone = [ns for ns in self.namespaces.values()
+                if not ns.entries and ns.last_used <= cutoff and not busy(ns.id)]
+        for ns in gone:
+            del self.namespaces[ns.id]
+            self.expired_counters.add(ns.counters)
+        return gone
 
     def namespace(self, namespace_id: int) -> NamespaceState:
         ns = self.namespaces.get(namespace_id)
@@ -499,6 +517,7 @@ class TieredCache:
 
     def totals(self) -> Counters:
         total = Counters()
+        total.add(self.expired_counters)  # (counters never go back: Prometheus totals)
         for ns in self.namespaces.values():
             total.add(ns.counters)
         return total

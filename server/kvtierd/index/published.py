@@ -472,6 +472,17 @@ class Publishers:
             if namespace_id in self._all:
                 self._idle_since[namespace_id] = self._clock()
 
+    def reading(self, namespace_id: int) -> bool:
+        """Whether a client's index channel reads this namespace's index."""
+        return self._readers.get(namespace_id, 0) > 0
+
+    def forget(self, ns: NamespaceState) -> None:
+        """``ns`` is no longer registered: its index (if any) goes."""
+        pub = ns.ready.publisher
+        if pub is not None:
+            self._drop(pub)
+        self._idle_since.pop(ns.id, None)
+
     def _drop(self, pub: Publisher) -> None:
         self._dirty.discard(pub)
         pub.close()  # retired: its clients look up over gRPC, then ask for a new one
