@@ -1,0 +1,222 @@
+"""Options and model identity for the Transformers prefix cache, as plain data.
+
+No torch or transformers import: the model's config is read by duck typing (``to_dict()`` and
+attributes), so this module is tested and imported without either.
+
+``PrefixCacheOptions`` holds every setting (validated once; a bad one is a ``ConfigError`` naming
+it). ``model_namespace(config, ...)`` builds the kvtier ``Namespace`` of a model: model id,
+immutable revision, tokenizer digest, KV dtype, the layout ``hf.dynamic.LKHTD``, block size and
+KV geometry, plus a digest of the config (``config_digest``) carried in the namespace's
+``cache_salt`` field, so two models of the same shape whose configs differ (rope settings, norm
+epsilon, activation, ...) never share a block.
+
+Fail-closed: nothing here invents an identity field. No revision, a branch name as revision, no
+tokenizer digest, no model id, or a config whose KV geometry cannot be read is a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.integrations.vllm.config import TOKENIZER_FILES, files_digest
+from kvtier_contract import defaults
+from kvtier_contract.identity import KV_DTYPES, MAX_STR_CHARS, Namespace
+from kvtier_contract.protoutil import TransportName
+
+DEFAULT_ADDRESS = defaults.ADDRESS
+LAYOUT = "hf.dynamic.LKHTD"
+"""Block bytes: for each layer in order, K then V, each ``[kv_heads, tokens, head_dim]`` C order
+(batch row 0 of ``DynamicCache.layers[i].keys/values``), in the model's KV dtype."""
+
+CONFIG_SALT_PREFIX = "hf-config:"
+_BRANCH_NAMES = ("main", "master", "head", "HEAD")
+# Config keys that do not change the KV a model computes for given token ids (the weights are
+# named by model id and revision; the dtype is its own namespace field). Every other key,
+# including unknown ones, goes into the config digest: a key left in only costs sharing.
+IGNORED_CONFIG_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "name_or_path", "_commit_hash", "architectures",
+    "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "pad_token_id", "bos_token_id",
+    "eos_token_id", "sep_token_id", "decoder_start_token_id", "tie_word_embeddings",
+    "_attn_implementation", "_attn_implementation_internal", "_experts_implementation",
+    "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
+    "chunk_size_feed_forward",
+})
+
+
+class ConfigError(ValueError):
+    """A prefix-cache setting or identity field is missing or malformed; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixCacheOptions:
+    """The ``KvtierPrefixCache`` keyword options (docs/transformers.md §2 explains each)."""
+
+    model_revision: str
+    """Immutable model revision (a commit hash); required, a branch name is refused."""
+    tokenizer_digest: str
+    """Digest of the tokenizer files (``tokenizer_files_digest``) or the explicit ``"none"``."""
+    model_id: str | None = None
+    """Model name in the namespace; default ``config._name_or_path`` (refused when empty)."""
+    tokens_per_block: int = 16
+    """Tokens per kvtier block; only full blocks are stored and restored."""
+    transport: TransportName = "shm"
+    """Data transport when the cache connects by address: ``"shm"`` (same host) or ``"tcp"``."""
+    request_timeout_ms: int = 1000
+    """Deadline of each RPC of a client the cache connects itself."""
+    op_timeout_ms: int = 5000
+    """Overall deadline of one restore or one store (all its RPCs and transfers)."""
+    load: bool = True
+    """False: ``restore`` always misses (a write-only cache)."""
+    store: bool = True
+    """False: nothing is stored (a read-only cache)."""
+    store_generated: bool = True
+    """``generate`` also stores the full blocks of the generated tokens, not just the prompt's."""
+    cache_salt: str | None = None
+    """Optional salt: caches with different salts never share blocks."""
+    tenant: str | None = None
+    """The namespace's tenant (required by a daemon with tenants)."""
+    token_file: str | None = None
+    """File whose first line is the tenant's bearer token (a client the cache connects itself)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, key: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(key, message)
+
+        for key in ("model_revision", "tokenizer_digest"):
+            value = getattr(self, key)
+            need(isinstance(value, str) and bool(value.strip()), key,
+                 "required: a non-empty string (fail-closed, no default)")
+        need(self.model_revision not in _BRANCH_NAMES, "model_revision",
+             f"{self.model_revision!r} is a branch name, not an immutable revision; give the "
+             "commit hash")
+        for key in ("model_id", "cache_salt", "tenant", "token_file"):
+            value = getattr(self, key)
+            need(value is None or (isinstance(value, str) and bool(value.strip())), key,
+                 "must be None or a non-empty string")
+        need(self.cache_salt is None or len(self.cache_salt) <= 160, "cache_salt",
+             "at most 160 characters")
+        for key in ("tokens_per_block", "request_timeout_ms", "op_timeout_ms"):
+            value = getattr(self, key)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+                 "must be a positive integer")
+        need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
+        for key in ("load", "store", "store_generated"):
+            need(isinstance(getattr(self, key), bool), key, "must be True or False")
+
+
+def tokenizer_files_digest(directory: str) -> str:
+    """``sha256:<hex>`` over the tokenizer files in ``directory`` (``tokenizer.json``,
+    ``tokenizer_config.json``, ...; the same digest the vLLM connector computes), e.g.
+    ``tokenizer_files_digest(tokenizer.name_or_path)`` for a local tokenizer directory.
+    ``ConfigError`` when none of those files exists there."""
+    digest = files_digest(directory, TOKENIZER_FILES)
+    if digest is None:
+        raise ConfigError("tokenizer_digest", f"no tokenizer files found in {directory!r}")
+    return digest
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _strip(v) for k, v in value.items() if k not in IGNORED_CONFIG_KEYS}
+    if isinstance(value, list | tuple):
+        return [_strip(v) for v in value]
+    return value
+
+
+def config_digest(config: Any) -> str:
+    """SHA-256 (hex) of the model config's ``to_dict()`` without ``IGNORED_CONFIG_KEYS`` (at any
+    depth), as canonical JSON (sorted keys; values JSON cannot encode are written with str)."""
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        raise ConfigError("config", f"expected a transformers PretrainedConfig, got "
+                                    f"{type(config).__name__}")
+    canonical = json.dumps(_strip(to_dict()), sort_keys=True, separators=(",", ":"),
+                           default=str, ensure_ascii=True)
+    return hashlib.sha256(b"kvtier/hf-config/v1\0" + canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What one token's KV looks like in a ``DynamicCache`` of the model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(config: Any) -> KvGeometry:
+    """Layers, KV heads and head dim from the decoder's text config (``ConfigError`` when a
+    field is missing or not a positive integer)."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if callable(get_text) else config
+
+    def positive(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"config.{name}", f"expected a positive integer, got {value!r}")
+        return value
+
+    layers = positive("num_hidden_layers", getattr(text, "num_hidden_layers", None))
+    heads = positive("num_attention_heads", getattr(text, "num_attention_heads", None))
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else positive("num_key_value_heads", kv_heads)
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None:
+        hidden = positive("hidden_size", getattr(text, "hidden_size", None))
+        if hidden % heads:
+            raise ConfigError("config.head_dim", f"hidden_size {hidden} is not a multiple of "
+                                                 f"num_attention_heads {heads}")
+        head_dim = hidden // heads
+    return KvGeometry(layers, kv_heads, positive("head_dim", head_dim))
+
+
+def _model_id(options: PrefixCacheOptions, config: Any) -> str:
+    if options.model_id:
+        return options.model_id
+    name = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError("model_id", "required: the model's config has no _name_or_path (a model "
+                                      "built in code); pass model_id")
+    return name
+
+
+def _salt(options: PrefixCacheOptions, config: Any) -> str:
+    salt = CONFIG_SALT_PREFIX + config_digest(config)
+    if options.cache_salt is not None:
+        salt += ";salt:" + options.cache_salt
+    assert len(salt) <= MAX_STR_CHARS
+    return salt
+
+
+def model_namespace(config: Any, kv_dtype: str, options: PrefixCacheOptions) -> Namespace:
+    """The namespace of a model with ``config`` computing KV in ``kv_dtype`` (e.g.
+    ``"bfloat16"``). The config digest and the optional ``options.cache_salt`` form the
+    namespace's ``cache_salt``: ``hf-config:<sha256 hex>[;salt:<cache_salt>]``."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError("dtype", f"KV dtype {kv_dtype!r} is not one kvtier stores "
+                                   f"({', '.join(sorted(KV_DTYPES))})")
+    geo = kv_geometry(config)
+    return Namespace(
+        model_id=_model_id(options, config), model_revision=options.model_revision,
+        tokenizer_digest=options.tokenizer_digest, kv_dtype=kv_dtype, layout=LAYOUT,
+        tokens_per_block=options.tokens_per_block, num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, cache_salt=_salt(options, config),
+        tenant=options.tenant)
+
+
+_TORCH_DTYPE = re.compile(r"^torch\.")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (by its str, without importing torch)."""
+    return _TORCH_DTYPE.sub("", str(dtype))

@@ -1,0 +1,292 @@
+"""``KvtierPrefixCache``: restore a stored prompt prefix into a ``DynamicCache`` before
+``generate`` and store a processed prompt's KV as kvtier blocks (docs/transformers.md).
+
+Lifecycle::
+
+    pc = KvtierPrefixCache("unix:run/kvtier.sock", model, model_revision="<commit>",
+                           tokenizer_digest=tokenizer_files_digest(tok_dir))
+    out = pc.generate(input_ids, max_new_tokens=64)        # restore -> generate -> store
+    # or by hand:
+    cache, n = pc.restore(input_ids)                       # (None, 0) on a miss
+    out = model.generate(input_ids, past_key_values=cache or DynamicCache(config=model.config))
+    pc.store(out[0], cache)
+    pc.close()
+
+Block bytes (layout ``hf.dynamic.LKHTD``): block ``b`` of a sequence is, for each layer in
+order, K then V, each ``[kv_heads, tokens_per_block, head_dim]`` in C order, taken from batch row
+0 of ``cache.layers[i].keys/values`` (``[batch, kv_heads, seq, head_dim]``) at token positions
+``b*T .. b*T+T-1``. One gather (stack, view, permute, contiguous) builds every block of a store,
+one permute rebuilds the per-layer tensors of a restore. Keys are the namespace's chained block
+keys of the token ids, so block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
+
+Failure behaviour: the daemon away, slow or restarting makes ``restore`` a miss and ``store`` a
+drop (the kvtier Client never raises for that); a block evicted between the lookup and the get
+cuts the restored prefix there. Caller mistakes (a batch of several rows, a cache of another
+kind, shape or dtype) raise ``InvalidArgument``; a model whose cache is not all full-attention
+``DynamicLayer`` (sliding window, hybrid, linear attention) is refused at construction.
+
+Owns its Client when given an address (``close`` closes it), never the model. Not thread-safe:
+one instance per thread (the counters are plain fields); the Client underneath may be shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvtier.client import Client, NamespaceHandle
+from kvtier.integrations.transformers.identity import (
+    ConfigError,
+    PrefixCacheOptions,
+    dtype_name,
+    kv_geometry,
+    model_namespace,
+)
+from kvtier_contract.errors import InvalidArgument
+
+log = logging.getLogger("kvtier.integrations.transformers")
+
+
+@dataclass
+class PrefixCacheCounters:
+    """What one ``KvtierPrefixCache`` did. Tokens are prompt positions; times are wall seconds."""
+
+    restores: int = 0
+    restore_hits: int = 0  # restores that returned a cache
+    restored_tokens: int = 0
+    restore_s: float = 0.0
+    stores: int = 0
+    blocks_stored: int = 0
+    blocks_already_present: int = 0
+    blocks_not_stored: int = 0  # dropped (daemon away, deadline) or rejected (no room)
+    store_s: float = 0.0
+    generate_uncached: int = 0  # generate calls passed through (batch > 1, padding, beams)
+
+
+class KvtierPrefixCache:
+    """Prefix caching for one Hugging Face causal LM (see the module docstring)."""
+
+    def __init__(self, client: Client | str, model: Any, *, model_revision: str,
+                 tokenizer_digest: str, **options: Any) -> None:
+        try:
+            self.options = PrefixCacheOptions(model_revision=model_revision,
+                                              tokenizer_digest=tokenizer_digest, **options)
+        except TypeError as e:
+            known = ", ".join(f.name for f in fields(PrefixCacheOptions))
+            raise ConfigError("options", f"{e}; known options: {known}") from None
+        self.model = model
+        config = model.config
+        _check_full_attention(config)
+        self.dtype: torch.dtype = model.dtype
+        self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
+        geo = kv_geometry(config)
+        self._shape = (geo.num_layers, 2, geo.num_kv_heads, self.options.tokens_per_block,
+                       geo.head_dim)  # one block: [L, K|V, H, T, D]
+        self._owns_client = isinstance(client, str)
+        if isinstance(client, str):
+            o = self.options
+            client = Client.connect(client, o.transport, timeout_s=o.request_timeout_ms / 1000,
+                                    op_timeout_s=o.op_timeout_ms / 1000, token_file=o.token_file,
+                                    client_name="kvtier-transformers")
+        self.client: Client = client
+        self.handle: NamespaceHandle = client.register(self.namespace)
+        self.counters = PrefixCacheCounters()
+
+    # -- restore ------------------------------------------------------------------------------------
+
+    def restore(self, input_ids: Any) -> tuple[Any, int]:
+        """``(DynamicCache, n)`` holding the KV of the first ``n`` tokens of ``input_ids`` (one
+        row: a 1-D sequence or a ``[1, seq]`` tensor), the longest stored prefix of whole blocks
+        that leaves at least one token to compute; ``(None, 0)`` on a miss."""
+        ids = _one_row(input_ids)
+        started = time.perf_counter()
+        try:
+            return self._restore(ids)
+        finally:
+            self.counters.restores += 1
+            self.counters.restore_s += time.perf_counter() - started
+
+    def _restore(self, ids: list[int]) -> tuple[Any, int]:
+        T = self.options.tokens_per_block
+        max_blocks = (len(ids) - 1) // T if self.options.load else 0
+        if max_blocks <= 0:
+            return None, 0
+        deadline = time.monotonic() + self.options.op_timeout_ms / 1000
+        keys = self.handle.block_keys(ids[: max_blocks * T])
+        hits = self.handle.lookup(keys)
+        if hits <= 0:
+            return None, 0
+        staging = torch.empty((hits, *self._shape), dtype=self.dtype)
+        found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
+        n = next((i for i, f in enumerate(found) if not f), len(found))
+        if n == 0:
+            return None, 0
+        cache = self._unpack(staging[:n])
+        self.counters.restore_hits += 1
+        self.counters.restored_tokens += n * T
+        return cache, n * T
+
+    def _unpack(self, blocks: torch.Tensor) -> Any:
+        """[n, L, 2, H, T, D] blocks -> a DynamicCache of n*T tokens on the model's device."""
+        n, L, _, H, T, D = blocks.shape
+        wide = _wide(blocks.to(self.model.device))  # rows of D values moved as wide words
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(L):
+            k, v = (wide[:, layer, i].permute(1, 0, 2, 3).reshape(1, H, n * T, -1)
+                    .view(self.dtype) for i in (0, 1))
+            cache.update(k, v, layer)
+        return cache
+
+    # -- store --------------------------------------------------------------------------------------
+
+    def store(self, token_ids: Any, cache: Any, *, skip_tokens: int = 0) -> int:
+        """Store the full blocks of ``token_ids`` (one row) whose KV ``cache`` holds, from block
+        ``skip_tokens // tokens_per_block`` on (blocks known to be stored already, e.g. the ones
+        ``restore`` returned). Returns the number of blocks the daemon stored; blocks it already
+        had, dropped or refused are counted in ``counters``."""
+        ids = _one_row(token_ids)
+        if not self.options.store:
+            return 0
+        started = time.perf_counter()
+        T = self.options.tokens_per_block
+        held = self._check_cache(cache)
+        total = min(len(ids), held) // T
+        first = max(0, skip_tokens) // T
+        if total <= first:
+            return 0
+        keys = self.handle.block_keys(ids[: total * T])[first:]
+        blocks = self._pack(cache, first * T, total * T)
+        deadline = time.monotonic() + self.options.op_timeout_ms / 1000
+        result = self.handle.put(keys, list(blocks), deadline=deadline)
+        c = self.counters
+        c.stores += 1
+        c.blocks_stored += result.stored
+        c.blocks_already_present += result.already_present
+        c.blocks_not_stored += result.dropped + result.rejected
+        c.store_s += time.perf_counter() - started
+        return result.stored
+
+    def _pack(self, cache: Any, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of batch row 0 -> [n, L, 2, H, T, D] contiguous CPU blocks (one
+        strided copy per layer and K/V on the cache's device, then one copy to the CPU)."""
+        L, _, H, T, D = self._shape
+        n = (end - start) // T
+        first = cache.layers[0].keys
+        out = _wide(torch.empty((n, L, 2, H, T, D), dtype=self.dtype, device=first.device))
+        for i, layer in enumerate(cache.layers):
+            for kv, t in enumerate((layer.keys, layer.values)):
+                src = _wide(t[0, :, start:end])  # [H, n*T, Dw]
+                out[:, i, kv].copy_(src.reshape(H, n, T, -1).permute(1, 0, 2, 3))
+        return out.to("cpu").view(self.dtype)
+
+    def _check_cache(self, cache: Any) -> int:
+        """The number of tokens ``cache`` holds; ``InvalidArgument`` unless it is a DynamicCache
+        of full-attention layers with one row in this model's shape and dtype."""
+        if not isinstance(cache, DynamicCache):
+            raise InvalidArgument(f"expected a transformers DynamicCache, got "
+                                  f"{type(cache).__name__}", field="cache")
+        L, _, H, _, D = self._shape
+        if len(cache.layers) != L or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise InvalidArgument(f"expected {L} DynamicLayer layers, got "
+                                  f"{[type(x).__name__ for x in cache.layers]}", field="cache")
+        held = cache.get_seq_length()
+        for i, layer in enumerate(cache.layers):
+            for t in (layer.keys, layer.values):
+                if held == 0 and (t is None or t.numel() == 0):
+                    continue
+                if t is None or tuple(t.shape) != (1, H, held, D) or t.dtype != self.dtype:
+                    shape = None if t is None else (tuple(t.shape), t.dtype)
+                    raise InvalidArgument(f"layer {i}: expected [1, {H}, {held}, {D}] "
+                                          f"{self.dtype}, got {shape}", field="cache")
+        return int(held)
+
+    # -- generate -----------------------------------------------------------------------------------
+
+    def generate(self, input_ids: Any, **kwargs: Any) -> Any:
+        """``model.generate(input_ids, **kwargs)`` with the longest stored prefix restored first
+        and the prompt's full blocks (and with ``store_generated`` the generated tokens' too)
+        stored after. Calls this cannot cache (several rows, a padded attention mask, beam
+        search or several return sequences, ``use_cache=False``) run uncached."""
+        if "past_key_values" in kwargs:
+            raise InvalidArgument("generate brings its own cache; call model.generate to pass "
+                                  "past_key_values", field="past_key_values")
+        if not self._cacheable(input_ids, kwargs):
+            self.counters.generate_uncached += 1
+            return self.model.generate(input_ids, **kwargs)
+        cache, restored = self.restore(input_ids)
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        tokens = sequences[0] if self.options.store_generated else input_ids.reshape(-1)
+        self.store(tokens, cache, skip_tokens=restored)
+        return out
+
+    def _cacheable(self, input_ids: Any, kwargs: dict[str, Any]) -> bool:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            return False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            return False
+        gen = kwargs.get("generation_config") or self.model.generation_config
+        for name in ("num_beams", "num_return_sequences"):
+            if int(kwargs.get(name, getattr(gen, name, 1) or 1)) != 1:
+                return False
+        return bool(kwargs.get("use_cache", getattr(gen, "use_cache", True)))
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the Client if this cache connected it (a caller's Client stays open)."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> KvtierPrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed with the widest integer element that divides its last dimension's bytes
+    (same bytes): strided CPU copies of 2-byte elements are several times slower than of 8-byte
+    ones. The last dimension must be contiguous."""
+    row = t.shape[-1] * t.element_size()
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        if row % size == 0 and (t.storage_offset() * t.element_size()) % size == 0:
+            return t.view(wide)
+    return t.view(torch.uint8)
+
+
+def _one_row(token_ids: Any) -> list[int]:
+    """Token ids of one sequence: a 1-D sequence or tensor, or a [1, seq] tensor."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise InvalidArgument(f"expected one sequence ([seq] or [1, seq]), got shape "
+                                  f"{list(token_ids.shape)}; batch size 1 only",
+                                  field="input_ids")
+        return [int(t) for t in token_ids.tolist()]
+    if isinstance(token_ids, Sequence) and all(isinstance(t, int) for t in token_ids):
+        return list(token_ids)
+    raise InvalidArgument("expected token ids (a tensor or a sequence of ints)", field="input_ids")
+
+
+def _check_full_attention(config: Any) -> None:
+    """Refuse a model whose DynamicCache is not made of full-attention DynamicLayers: a
+    sliding-window layer drops old tokens, a linear-attention layer keeps a state, not a KV per
+    token, so neither maps onto prefix blocks."""
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    if kinds - {DynamicLayer.__name__}:
+        raise ConfigError("model", f"only full-attention models are supported; this model's "
+                                   f"cache has {sorted(kinds)} layers (sliding window or hybrid)")
