@@ -23,10 +23,8 @@ import hashlib
 import importlib.util
 import json
 import os
-import queue
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -35,6 +33,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, DaemonProcess
+from driver_process import DriverProcess
 
 import kvtier
 from kvtier.integrations.lmcache.config import AdapterConfig, ConfigError
@@ -144,7 +143,7 @@ class LMCacheServer:
         self._log.close()
 
 
-class Driver:
+class Driver(DriverProcess):
     """LMCache's SDK in the LMCache environment, driven over stdin/stdout (lmcache_driver.py)."""
 
     def __init__(self, python: str, server: LMCacheServer, log: Path) -> None:
@@ -152,44 +151,11 @@ class Driver:
                 "http_url": f"http://127.0.0.1:{server.http_port}", "model": MODEL,
                 "layers": 2, "heads": 2, "head_dim": 64, "dtype": "bfloat16", "block": CHUNK,
                 "chunk": CHUNK, "hash_algorithm": "blake3"}
-        self.log = open(log, "w")  # noqa: SIM115  (closed in close)
-        self.proc = subprocess.Popen([python, str(HERE / "lmcache_driver.py"), json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=dict(os.environ, **ENV))
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._answer(120).get("ready"), f"driver did not start; see {log}"
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("DRIVER "):
-                self.lines.put(line[7:])
-        self.lines.put(None)
-
-    def _answer(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"driver gave no answer in {timeout_s} s") from None
-        assert line is not None, f"driver exited (rc={self.proc.poll()}); see {self.log.name}"
-        return dict(json.loads(line))
+        super().__init__([python, str(HERE / "lmcache_driver.py"), json.dumps(spec)], log,
+                         env=dict(os.environ, **ENV), ready_timeout_s=120)
 
     def __call__(self, op: str, timeout_s: float = 60, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout_s)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
+        return self.call({"op": op, **args}, timeout_s)
 
 
 class Stack:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, DaemonProcess
+from driver_process import DriverProcess
 
 import kvtier
 
@@ -61,7 +61,7 @@ Q = tokens(2 * BLOCK, 2)  # exactly 2 blocks: only 1 may be loaded (the last tok
 R = tokens(2 * BLOCK + 7, 3)
 
 
-class Engine:
+class Engine(DriverProcess):
     """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
 
     def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path, *,
@@ -72,71 +72,30 @@ class Engine:
                 "prefix_caching": prefix_caching}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
                    PYTHONPATH=str(HERE))
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=log.parent)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._answer(300).get("ready"), f"engine did not start; see {log}"
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("DRIVER "):
-                self.lines.put(line[7:])
-            else:
-                self.log.write(line)
-        self.lines.put(None)
-
-    def _answer(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"engine gave no answer in {timeout_s} s") from None
-        assert line is not None, f"engine exited (rc={self.proc.poll()}); see {self.log.name}"
-        return dict(json.loads(line))
+        super().__init__([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)], log,
+                         env=env, cwd=log.parent, what="engine")
 
     def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
                  lora: tuple[str, str] | None = None, max_tokens: int = 4,
                  timeout_s: float = 120) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens,
-               "lora": lora}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout_s)
+        return self.call({"op": "generate", "prompts": prompts, "salts": salts,
+                          "max_tokens": max_tokens, "lora": lora}, timeout_s)
 
     def interleave(self, first: list[int], second: list[int], *, first_max_tokens: int,
                    second_max_tokens: int = 4, second_after_tokens: int = 4,
                    timeout_s: float = 180) -> dict[str, Any]:
         """``first`` decodes; once it has ``second_after_tokens`` tokens ``second`` arrives (see
         vllm_driver.py ``interleave`` for what comes back)."""
-        assert self.proc.stdin is not None
-        cmd = {"op": "interleave", "first": first, "second": second,
-               "first_max_tokens": first_max_tokens, "second_max_tokens": second_max_tokens,
-               "second_after_tokens": second_after_tokens}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout_s)
+        return self.call({"op": "interleave", "first": first, "second": second,
+                          "first_max_tokens": first_max_tokens,
+                          "second_max_tokens": second_max_tokens,
+                          "second_after_tokens": second_after_tokens}, timeout_s)
 
     def metrics(self) -> dict[str, float]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write('{"op": "metrics"}\n')
-        self.proc.stdin.flush()
-        return dict(self._answer(60)["metrics"])
+        return dict(self.call({"op": "metrics"})["metrics"])
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+    def close(self, *, quit_cmd: dict[str, Any] | None = None, wait_s: float = 60) -> None:
+        super().close(quit_cmd=quit_cmd or {"op": "quit"}, wait_s=wait_s)
 
 
 @pytest.fixture(scope="module")
