@@ -5,7 +5,8 @@ Every frame starts with one fixed 32-byte header::
     header  = magic:4s ("KVD1") op:u8 pad:3x job_id:u64le index:u32le status:u32le length:u64le
     frame   = header payload[length]
 
-Client -> daemon: HELLO (job_id = session id, status = the features the client offers), WRITE
+Client -> daemon: HELLO (job_id = session id, status = the features the client offers, payload =
+the session's ``data_secret`` from OpenSessionReply, ``DATA_SECRET_BYTES`` long), WRITE
 (index = key index of a store job, payload = the block), WRITE_RUN (index = the first of
 ``status`` consecutive key indexes, payload = their blocks back to back, each length/status
 bytes), FLUSH (ask for an ACK of everything sent for job_id), READ (send the blocks of a load
@@ -35,6 +36,7 @@ HEADER = struct.Struct("<4sB3xQIIQ")
 assert HEADER.size == 32
 MAX_ERROR_BYTES = 4096
 FEATURE_RUNS = 1
+DATA_SECRET_BYTES = 32  # HELLO's payload: the session's data secret (OpenSessionReply.data_secret)
 MAX_RUN_BYTES = 64 << 20  # one WRITE_RUN / DATA_RUN payload at most (or one block): bounded latency
 
 Buffer = bytes | memoryview
@@ -77,6 +79,11 @@ SHM_MAX_ERROR_BYTES = 1000
 
 def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int = 0) -> bytes:
     return HEADER.pack(MAGIC, op, job_id, index, status, length)
+
+
+def hello(session_id: int, data_secret: bytes, features: int = 0) -> bytes:
+    """A whole HELLO frame: the session and its data secret (OpenSessionReply.data_secret)."""
+    return pack(Op.HELLO, session_id, status=features, length=len(data_secret)) + data_secret
 
 
 def unpack(buf: bytes | bytearray | memoryview) -> tuple[Op, int, int, int, int]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier_contract.errors import NotFound, ResourceExhausted
+from kvtier_contract.wire import DATA_SECRET_BYTES
 from kvtierd.domain import Transport
 
 
@@ -28,6 +29,9 @@ class Session:
     load_jobs: set[int] = field(default_factory=set)
     expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
     released: bool = False  # closed or expired: no new jobs may be attached to it
+    data_secret: bytes = field(default_factory=lambda: secrets.token_bytes(DATA_SECRET_BYTES),
+                               repr=False)
+    """Credential of its TCP data connections (HELLO), handed out only in OpenSessionReply."""
 
 
 class SessionTable:

@@ -290,7 +290,12 @@ class Case:
                 continue
             op, length = f["op"], f["length"]
             ident = rig.ident(f["job"])
-            rig.as_other |= op == Op.HELLO and ident == rig.other.id
+            if op == Op.HELLO and f.get("secret", True) and f["job"] in ("me", "other"):
+                secret = (rig.me if f["job"] == "me" else rig.other).data_secret
+                rig.as_other |= f["job"] == "other"
+                out += wire.HEADER.pack(wire.MAGIC, op, ident, f["index"], f["status"],
+                                        len(secret)) + secret
+                continue
             out += wire.HEADER.pack(wire.MAGIC, op, ident & U64, f["index"], f["status"], length)
             sent = f.get("sent")
             out += bytes([f.get("fill", 0x5A)]) * min(length, MAX_SENT if sent is None else sent)
@@ -301,9 +306,11 @@ class Case:
 
 
 def frame(op: int, job: str | int, index: int = 0, status: int = 0, length: int = 0,
-          sent: int | None = None, fill: int = 0x5A) -> dict[str, Any]:
+          sent: int | None = None, fill: int = 0x5A, secret: bool = True) -> dict[str, Any]:
+    """``secret``: a HELLO for a live named session carries that session's data secret (else
+    ``length`` fill bytes)."""
     return dict(op=int(op), job=job, index=index, status=status, length=length, sent=sent,
-                fill=fill)
+                fill=fill, secret=secret)
 
 
 HELLO = frame(Op.HELLO, "me", status=wire.FEATURE_RUNS)
@@ -340,7 +347,9 @@ def store_frames(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 random_hello = st.builds(frame, op=st.just(int(Op.HELLO)),
                         job=st.one_of(st.sampled_from(SESSION_NAMES), st.integers(0, U64)),
-                        status=st.integers(0, U32))
+                        status=st.integers(0, U32),
+                        length=st.one_of(st.just(wire.DATA_SECRET_BYTES), lengths),
+                        secret=st.booleans())
 hello = st.one_of(st.just(HELLO), st.just(HELLO), st.just(HELLO), random_hello)
 read = st.sampled_from([[frame(Op.READ, "load")], [frame(Op.READ, "pinned")]])
 structured = st.builds(  # most steps well formed, so that inputs get past the first frame

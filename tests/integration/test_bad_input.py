@@ -38,6 +38,9 @@ def keys(*ids: int) -> bytes:
     return b"".join(i.to_bytes(32, "big") for i in ids)
 
 
+DATA_SECRETS: dict[int, bytes] = {}  # session id -> its data secret (OpenSessionReply)
+
+
 @dataclass
 class Ctx:
     """Two open sessions (``session_id`` for shm jobs, ``tcp_session_id`` for tcp ones: a job's
@@ -56,6 +59,7 @@ class Ctx:
     def open_session(self, transport: int = pb.TRANSPORT_SHM) -> int:
         reply = self.call("OpenSession", pb.OpenSessionRequest(
             client_name="bad-input", lease_ttl_ms=60_000, transport=transport))
+        DATA_SECRETS[reply.session_id] = reply.data_secret
         return int(reply.session_id)
 
     def prepare_store(self, *ids: int, session_id: int | None = None,
@@ -96,6 +100,8 @@ def ctx(daemon: DaemonProcess) -> Iterator[Ctx]:
         tcp = stub.OpenSession(pb.OpenSessionRequest(
             client_name="bad-input-tcp", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP),
             timeout=TIMEOUT_S)
+        DATA_SECRETS.update({opened.session_id: opened.data_secret,
+                             tcp.session_id: tcp.data_secret})
         yield Ctx(stub, opened.session_id, reg.namespace_id, reg.block_bytes, opened,
                   tcp.session_id)
 
@@ -496,7 +502,7 @@ def expect_error_and_close(s: socket.socket, message: str) -> None:
 
 
 def hello(s: socket.socket, session_id: int) -> None:
-    s.sendall(wire.pack(Op.HELLO, session_id))
+    s.sendall(wire.hello(session_id, DATA_SECRETS[session_id]))
     assert recv_frame(s)[:2] == (Op.HELLO_OK, session_id)
 
 
@@ -505,7 +511,8 @@ def hello(s: socket.socket, session_id: int) -> None:
     (b"KVD0" + bytes(28), "bad frame magic"),
     (wire.HEADER.pack(wire.MAGIC, 99, 0, 0, 0, 0), "unknown frame op"),
     (wire.pack(Op.WRITE, 1, 0, length=0), "HELLO first"),
-    (wire.pack(Op.HELLO, UNKNOWN_SESSION), "session"),
+    (wire.hello(UNKNOWN_SESSION, bytes(32)), "unknown session or wrong data secret"),
+    (wire.pack(Op.HELLO, UNKNOWN_SESSION), "data secret"),
 ])
 def test_data_channel_garbage_gets_an_error_frame_and_a_close(daemon: DaemonProcess, ctx: Ctx,
                                                               frames: bytes,
@@ -520,6 +527,24 @@ def test_data_channel_garbage_gets_an_error_frame_and_a_close(daemon: DaemonProc
     with data_socket(daemon) as s:
         hello(s, ctx.session_id)
     assert ctx.lookup(1) == 1
+
+
+def test_a_session_id_without_its_data_secret_binds_no_data_connection(daemon: DaemonProcess,
+                                                                      ctx: Ctx) -> None:
+    """The session id is in every control request; the data channel takes only the secret
+    handed out with the session: a live id with another secret is answered as an unknown one,
+    and a bound connection cannot move to another session."""
+    sid = ctx.tcp_session_id
+    wrong = bytes(b ^ 1 for b in DATA_SECRETS[sid])
+    with data_socket(daemon) as s:
+        s.sendall(wire.hello(sid, wrong))
+        expect_error_and_close(s, "unknown session or wrong data secret")
+    with data_socket(daemon) as s:
+        hello(s, ctx.session_id)
+        s.sendall(wire.hello(sid, DATA_SECRETS[sid]))
+        expect_error_and_close(s, "unknown session or wrong data secret")
+    with data_socket(daemon) as s:
+        hello(s, sid)  # the right one still binds
 
 
 def test_data_channel_refuses_a_reply_op_from_the_client(daemon: DaemonProcess, ctx: Ctx) -> None:
@@ -612,7 +637,7 @@ def test_data_channel_read_of_a_store_job_is_refused(daemon: DaemonProcess, ctx:
 
 
 def hello_runs(s: socket.socket, session_id: int) -> int:
-    s.sendall(wire.pack(Op.HELLO, session_id, status=wire.FEATURE_RUNS))
+    s.sendall(wire.hello(session_id, DATA_SECRETS[session_id], wire.FEATURE_RUNS))
     op, sid, _index, status, _body = recv_frame(s)
     assert (op, sid) == (Op.HELLO_OK, session_id)
     return status

@@ -74,9 +74,9 @@ class Peer:
         self.d = d
         self.channel = grpc.insecure_channel(d.grpc)
         self.stub = pb_grpc.KvtierStub(self.channel)
-        self.sid = self.stub.OpenSession(pb.OpenSessionRequest(
-            client_name="limits", lease_ttl_ms=lease_ms, transport=pb.TRANSPORT_TCP),
-            timeout=T).session_id
+        opened = self.stub.OpenSession(pb.OpenSessionRequest(
+            client_name="limits", lease_ttl_ms=lease_ms, transport=pb.TRANSPORT_TCP), timeout=T)
+        self.sid, self.secret = opened.session_id, opened.data_secret
 
     def register(self, **overrides: Any) -> int:
         ns = make_namespace(**overrides)
@@ -87,7 +87,7 @@ class Peer:
     def connect(self, rcvbuf: int = 0) -> socket.socket:
         """A data connection, HELLO done (no runs: one DATA frame per block)."""
         s = raw_socket(self.d, rcvbuf)
-        s.sendall(wire.pack(Op.HELLO, self.sid))
+        s.sendall(wire.hello(self.sid, self.secret))
         op, sid, *_ = wire.unpack(recv_exact(s, wire.HEADER.size))
         assert (op, sid) == (Op.HELLO_OK, self.sid)
         return s

@@ -120,7 +120,7 @@ class Rig:
         channel, kernel = DataChannelProtocol(self.cache, self.sessions, server), Kernel(1 << 20)
         kernel.protocol = channel
         channel.connection_made(kernel)  # type: ignore[arg-type]
-        feed(channel, wire.pack(Op.HELLO, self.s.id))
+        feed(channel, wire.hello(self.s.id, self.s.data_secret))
         if wire.unpack(bytes(kernel.received[:HDR]))[0] is Op.HELLO_OK:
             del kernel.received[:HDR]
         kernel.room = room  # from here on

@@ -891,7 +891,7 @@ def data_channel(rig: Rig) -> tuple[DataChannelProtocol, FakeTransport]:
     rig.session = sessions.open("c", 10, SHM)
     channel, transport = DataChannelProtocol(rig.cache, sessions), FakeTransport()
     channel.connection_made(transport)  # type: ignore[arg-type]
-    feed(channel, wire.pack(Op.HELLO, rig.session.id, status=wire.FEATURE_RUNS))
+    feed(channel, wire.hello(rig.session.id, rig.session.data_secret, wire.FEATURE_RUNS))
     transport.out.clear()
     return channel, transport
 

@@ -56,7 +56,7 @@ class TcpTransport(DataTransport):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
             self._sock = s
-            s.sendall(wire.pack(Op.HELLO, session_id, status=wire.FEATURE_RUNS))
+            s.sendall(wire.hello(session_id, bytes(reply.data_secret), wire.FEATURE_RUNS))
             op, _job, _index, features, _length = self._recv_header()
         except OSError as e:
             self.close()

@@ -20,6 +20,7 @@ the protocol's own state and stay beside it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import mmap
 import os
@@ -108,6 +109,9 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._hdr = bytearray(wire.HEADER.size)
         self._hdr_view = memoryview(self._hdr)
         self._hdr_got = 0
+        self._hello: bytearray | None = None  # HELLO's payload (the data secret) being read
+        self._hello_got = 0
+        self._hello_args = (0, 0)  # its session id and offered features
         self._segments: list[_Segment] = []  # payload destinations; empty = discard
         self._seg = 0  # current segment
         self._job = 0
@@ -158,6 +162,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self._left:
             return self._hdr_view[self._hdr_got :]
+        if self._hello is not None:
+            return memoryview(self._hello)[self._hello_got :]
         if self._segments:
             seg = self._segments[self._seg]
             if seg.job.live(seg.indexes.start):
@@ -177,6 +183,12 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return
         self._active = True
         self._left -= nbytes
+        if self._hello is not None:
+            self._hello_got += nbytes
+            if not self._left:
+                secret, self._hello = bytes(self._hello), None
+                self._on_hello(*self._hello_args, secret)
+            return
         if not self._segments:
             return
         self._pos += nbytes
@@ -257,7 +269,12 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return self._fail(str(e))
         assert self.transport is not None
         if op is Op.HELLO:
-            return self._on_hello(job, status)
+            if length != wire.DATA_SECRET_BYTES:
+                return self._fail("HELLO carries the session's data secret "
+                                  f"({wire.DATA_SECRET_BYTES} bytes, OpenSessionReply.data_secret)")
+            self._hello, self._hello_got = bytearray(length), 0
+            self._hello_args, self._left = (job, status), length
+            return None
         if not self.session_id:
             return self._fail("HELLO first")
         try:
@@ -275,12 +292,19 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return self._on_read(job)
         return self._fail(f"unexpected op {op.name}")
 
-    def _on_hello(self, session_id: int, offered: int) -> None:
-        assert self.transport is not None
+    def _on_hello(self, session_id: int, offered: int, secret: bytes) -> None:
+        """Bind the connection to ``session_id`` if ``secret`` is its data secret (a session id
+        alone is no credential: it appears in every control request). A wrong secret and an
+        unknown session get the same answer."""
+        if self.transport is None or self._closed:
+            return None
         try:
-            self.sessions.get(session_id)
-        except KvtierError as e:
-            return self._fail(str(e))
+            s = self.sessions.get(session_id)
+        except KvtierError:
+            s = None
+        if s is None or not hmac.compare_digest(secret, s.data_secret) or \
+                (self.session_id and session_id != self.session_id):
+            return self._fail("unknown session or wrong data secret")
         if not self.session_id and self._server is not None:  # from now on: idle ticks
             self._arm(self._server.limits.idle_timeout_s / 2)
         self.session_id = session_id
