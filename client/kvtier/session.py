@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -167,8 +168,9 @@ class Session:
         (:mod:`kvtier.local_index`); ``token`` / ``token_file`` (its first line): the bearer
         token of this client's tenant, sent with every RPC (a daemon with a tenants file
         refuses calls without one; docs/security.md). Never logged. ``tls_ca``: PEM CA of a
-        daemon whose TCP listener serves TLS (``tls_cert`` / ``tls_key``: this client's
-        certificate, for mTLS)."""
+        daemon whose TCP listener (and so its TCP data channel) serves TLS (``tls_cert`` /
+        ``tls_key``: this client's certificate, for mTLS); on a Unix socket address gRPC stays
+        plaintext and the files only verify the data channel."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -183,6 +185,7 @@ class Session:
         self.tenant_key = tenant_key
         self._metadata = bearer_metadata(token, token_file)
         self._tls = _tls_credentials(tls_ca, tls_cert, tls_key)
+        self._tls_files = (tls_ca, tls_cert, tls_key)  # for a TLS data channel
         self.counters = ClientCounters()
         self.breaker = breaker if breaker is not None else Breaker(backoff_s)
         self._clock = clock
@@ -336,6 +339,9 @@ class Session:
             # The daemon listens on every interface: reach it where we reached its gRPC port.
             reply.data_host = grpc_host(self.address)
         try:
+            if reply.data_tls:
+                transport.tls_context = _data_tls_context(*self._tls_files)
+                transport.tls_server_name = grpc_host(self.address)
             transport.attach(reply.session_id, reply, timeout)
         except errors.TransportError as e:
             raise Away(str(e)) from None
@@ -359,7 +365,8 @@ class Session:
     def _channel_open(self) -> None:
         if self._channel is None:
             options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
-            if self._tls is not None:
+            if self._tls is not None and not self.address.startswith("unix:"):
+                # (the Unix socket never serves TLS; the files still verify a TLS data channel)
                 self._channel = grpc.secure_channel(self.address, self._tls, options=options)
             else:
                 self._channel = grpc.insecure_channel(self.address, options=options)
@@ -647,6 +654,18 @@ def _tls_credentials(ca: str | None, cert: str | None,
 
     return grpc.ssl_channel_credentials(read("tls_ca", ca), read("tls_key", key),
                                         read("tls_cert", cert))
+
+
+def _data_tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """TLS for the data channel: the gRPC channel's CA (the system's without one) and client
+    certificate."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca or None)
+        if cert and key:
+            ctx.load_cert_chain(cert, key)
+    except OSError as e:
+        raise errors.TransportError(f"data channel TLS: {e}") from None
+    return ctx
 
 
 def bearer_metadata(token: str | None, token_file: str | None) -> tuple[tuple[str, str], ...]:

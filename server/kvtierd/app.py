@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -220,7 +221,7 @@ class Daemon:
             if port == 0:
                 raise OSError(f"health_listen: cannot bind {cfg.health_listen}")
             self.addresses["health"] = f"{cfg.health_listen.rpartition(':')[0]}:{port}"
-        if cfg.data_listen and not is_loopback(cfg.data_listen):
+        if cfg.data_listen and not cfg.tls_cert and not is_loopback(cfg.data_listen):
             log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)",
                         cfg.data_listen)
         if cfg.data_listen:
@@ -228,7 +229,8 @@ class Daemon:
             data = DataChannelServer(host, int(port_s), self.cache, self.sessions, DataChannelLimits(
                 hello_timeout_s=cfg.handshake_timeout_s, idle_timeout_s=cfg.data_idle_timeout_s,
                 max_connections=cfg.data_max_connections,
-                max_queued_bytes=cfg.data_max_queued_bytes))
+                max_queued_bytes=cfg.data_max_queued_bytes),
+                ssl_context=_data_tls(cfg) if cfg.tls_cert else None)
             await data.start()
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"
@@ -411,6 +413,23 @@ def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(read("tls_key", cfg.tls_key), read("tls_cert", cfg.tls_cert))],
         root_certificates=ca, require_client_auth=cfg.tls_require_client_cert)
+
+
+def _data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
+    """The data channel's TLS: the gRPC listener's certificate and key (TLS 1.2+); client
+    certificates are asked for exactly as the gRPC listener asks (a connection still binds to a
+    session only with that session's data secret)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        if cfg.tls_client_ca:
+            ctx.load_verify_locations(cfg.tls_client_ca)
+    except OSError as e:
+        raise ValueError(f"tls_cert/tls_key/tls_client_ca: cannot read: {e.strerror}") from None
+    ctx.verify_mode = ssl.CERT_REQUIRED if cfg.tls_require_client_cert else \
+        ssl.CERT_OPTIONAL if cfg.tls_client_ca else ssl.CERT_NONE
+    return ctx
 
 
 def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:

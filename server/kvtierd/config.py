@@ -276,9 +276,10 @@ def validate(cfg: DaemonConfig) -> None:
         need(not cfg.listen or bool(cfg.tls_cert) or is_loopback(cfg.listen), "listen",
              f"{cfg.listen} is not a loopback address: serve TLS there (tls_cert, tls_key) or "
              "set allow_plaintext_remote = true (--allow-plaintext-remote)")
-        need(not cfg.data_listen or is_loopback(cfg.data_listen), "data_listen",
-             f"{cfg.data_listen} is not a loopback address and the data channel has no TLS yet: "
-             "set allow_plaintext_remote = true (--allow-plaintext-remote) to accept that")
+        need(not cfg.data_listen or bool(cfg.tls_cert) or is_loopback(cfg.data_listen),
+             "data_listen", f"{cfg.data_listen} is not a loopback address: serve TLS there "
+             "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
+             "allow_plaintext_remote = true (--allow-plaintext-remote)")
 
 
 def is_loopback(hostport: str) -> bool:

@@ -326,7 +326,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),
             shm_socket=adv["shm_socket"], data_host=adv["data_host"], data_port=adv["data_port"],
             arena_bytes=adv["arena_bytes"], max_batch_blocks=self.max_batch,
-            data_secret=s.data_secret)
+            data_secret=s.data_secret, data_tls=adv.get("data_tls", False))
 
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:

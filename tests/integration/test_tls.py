@@ -86,6 +86,48 @@ def test_tls_without_client_certificates_takes_tokens(daemon_factory: Any, tmp_p
         assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
+        daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
+    """Stores and loads over tcp cross TLS (verified against the client's CA), from a client on
+    the TLS listener or on the Unix socket; plaintext to the data port gets no frame back, and a
+    client that cannot verify the daemon's certificate gets misses, never an exception."""
+    import socket
+    import ssl
+
+    from kvtier_contract import wire
+
+    d = tls_daemon(daemon_factory, tmp_path, pki, require=False)
+    for address in (d.grpc, d.unix):
+        with kvtier.Client.connect(address, transport="tcp", tls_ca=str(pki / "ca.crt"),
+                                   token="tok-a") as c:
+            ns = c.register(make_namespace(tenant="team-a", model_revision=address[-6:]))
+            keys = ns.block_keys(list(range(16 * 8)))
+            data = [hashlib.shake_256(b"%d" % i).digest(ns.block_bytes) for i in range(8)]
+            assert ns.put(keys, data).stored == 8, c.counters.last_error
+            assert [bytes(g) if g else None for g in ns.get(keys)] == data
+            assert c.counters.last_error == ""
+    host, _, port = d.info["data"].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:  # plaintext HELLO
+        s.sendall(wire.hello(1, bytes(32)))
+        try:
+            reply = s.recv(64)
+        except (ConnectionResetError, TimeoutError):
+            reply = b""
+        assert not reply.startswith(wire.MAGIC)  # a TLS alert or nothing, never a frame
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:  # TLS, a guessed secret
+        s.sendall(wire.hello(1, bytes(32)))
+        op, *_ = wire.unpack(s.recv(wire.HEADER.size))
+        assert op is wire.Op.ERROR
+    with kvtier.Client.connect(d.unix, transport="tcp", token="tok-a", timeout_s=2) as c:
+        ns = c.register(make_namespace(tenant="team-a"))  # no CA: the system's cannot verify
+        keys = ns.block_keys(list(range(16)))
+        assert ns.put(keys, [b"\x01" * ns.block_bytes]).stored == 0
+        assert ns.get(keys) == [None]
+        assert "certificate verify failed" in c.counters.last_error
+
+
 def test_a_plaintext_non_loopback_listener_is_refused_unless_allowed(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kvtierd", "serve", "--socket", str(tmp_path / "k.sock"),
             "--metrics-port", "-1", "--host-bytes", "64MiB", "--slab-bytes", "1MiB"]

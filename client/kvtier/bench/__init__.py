@@ -70,7 +70,9 @@ def _steps(plan: Plan) -> int:
     if plan.wants("shm"):
         per_size += 5  # memcpy as put and as get, shm put, get_into, get
     if plan.wants("tcp"):
-        per_size += 5 + (2 if plan.redis else 0)  # socket as put and as get, tcp x3 (+ Redis)
+        per_size += 5 + (2 if plan.redis and not plan.wants("tls") else 0)  # socket x2, tcp x3
+    if plan.wants("tls"):
+        per_size += 3  # tcp over TLS x3
     lookups = 2 if plan.wants("lookup") else 0
     steps = plan.repeat * (per_size * len(plan.block_sizes) + lookups)
     if plan.wants("nvme"):
@@ -110,7 +112,8 @@ def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
         if plan.wants("tcp"):
             progress.show("starting the socket sink and Redis")
             stream = stack.enter_context(SocketStream())
-            redis_port = _redis(plan, tmp, results, stack)
+            if not plan.wants("tls"):
+                redis_port = _redis(plan, tmp, results, stack)
         if plan.wants("shm") or plan.wants("tcp"):
             for block in plan.block_sizes:
                 _one_size(plan, tmp, block, stream, redis_port, results, progress)
@@ -148,6 +151,16 @@ def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
                 ops += redis_ops(plan, redis_port, block)
             tcp = clients.enter_context(contextlib.closing(connect(daemon.grpc, "tcp")))
             ops += transfer_ops(plan, tcp, block, keys)
+        if plan.wants("tls"):
+            from kvtier.bench.procs import self_signed
+
+            cert, key = self_signed(tmp / f"tls-{block}")
+            tls_daemon = clients.enter_context(DaemonProc(
+                tmp / f"kvtierd-tls-{block}", plan.host_bytes, plan.slab_bytes,
+                ["--tls-cert", str(cert), "--tls-key", str(key)]))
+            tls = clients.enter_context(contextlib.closing(
+                connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
+            ops += transfer_ops(plan, tls, block, keys, name="tcp_tls")
         measure(plan, block, ops, results, progress)
 
 

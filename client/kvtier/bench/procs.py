@@ -132,6 +132,19 @@ class RedisProc:
         _stop(self.proc)
 
 
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A throw-away certificate for 127.0.0.1 and localhost and its key (openssl), for the tls
+    suite: the client trusts that certificate itself as its CA."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-keyout", str(key),
+                    "-out", str(cert), "-subj", "/CN=kvtier-bench",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,6 +29,8 @@ OP_LABELS = {
     "redis_get": "Redis GET (pipelined, hiredis)",
     "shm_put": "shm put", "shm_get_into": "shm get_into", "shm_get": "shm get (allocates)",
     "tcp_put": "tcp put", "tcp_get_into": "tcp get_into", "tcp_get": "tcp get (allocates)",
+    "tcp_tls_put": "tcp put over TLS", "tcp_tls_get_into": "tcp get_into over TLS",
+    "tcp_tls_get": "tcp get over TLS (allocates)",
     "nvme_raw_write_1t": "raw O_DIRECT write+fdatasync, 1 thread",
     "nvme_raw_write": "raw O_DIRECT write+fdatasync, 4 threads",
     "nvme_raw_read_1t": "raw O_DIRECT read, 1 thread", "nvme_raw_read": "raw O_DIRECT read, 4 threads",
@@ -40,7 +42,8 @@ OP_LABELS = {
 }
 OP_ORDER = ("memcpy_put", "memcpy_get", "socket_put", "socket_get", "redis_set", "redis_get",
             "shm_put", "shm_get_into", "shm_get",
-            "tcp_put", "tcp_get_into", "tcp_get", "nvme_raw_write_1t", "nvme_raw_write",
+            "tcp_put", "tcp_get_into", "tcp_get", "tcp_tls_put", "tcp_tls_get_into", "tcp_tls_get",
+            "nvme_raw_write_1t", "nvme_raw_write",
             "nvme_demote", "nvme_raw_read_1t", "nvme_raw_read", "nvme_promote_prefetch",
             "nvme_promote_prepare", "nvme_promote_get_into", "xxh3")
 

@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -49,9 +50,9 @@ class KeySource:
                 for _ in range(n)]
 
 
-def connect(address: str, transport: str) -> Client:
+def connect(address: str, transport: str, **kwargs: Any) -> Client:
     client = Client.connect(address, transport,  # type: ignore[arg-type]
-                            timeout_s=RPC_TIMEOUT_S, client_name=f"bench-{transport}")
+                            timeout_s=RPC_TIMEOUT_S, client_name=f"bench-{transport}", **kwargs)
     if not client.connected:
         client.close()
         raise RuntimeError(f"cannot connect to kvtierd at {address}: "
@@ -64,9 +65,11 @@ def _chunks(keys: list[bytes], n: int) -> Iterator[list[bytes]]:
         yield keys[i : i + n]
 
 
-def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource) -> list[Op]:
-    """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order."""
-    t = client.transport_name
+def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
+                 name: str | None = None) -> list[Op]:
+    """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order
+    (figures named ``<name>_put`` ..., by default the transport's name)."""
+    t = name or client.transport_name
     ns = client.register(bench_namespace(block))
     n = plan.blocks_per_batch(block)
     src, nkeys = random_batch(plan, block, seed=block), plan.batches(block) * n

@@ -24,6 +24,10 @@ class DataTransport(ABC):
 
     name: str
     proto_value: int
+    tls_context: Any = None
+    """An ``ssl.SSLContext`` for a data channel that serves TLS (tcp only; set before attach)."""
+    tls_server_name: str | None = None
+    """The name that channel's certificate is checked against (tcp only)."""
     io_timeout_s: float = 1.0
     """Bound on each blocking socket operation of a transfer once attached (the session's
     ``timeout_s``; attach itself runs within the timeout it is given)."""

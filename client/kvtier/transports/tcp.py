@@ -11,12 +11,19 @@ The daemon closes a data connection that stayed idle for ``data_idle_timeout_s``
 then EOF). Between transfers nothing is due from it, so a readable socket before a transfer means
 just that: the transport reconnects (HELLO for the same session) before sending, instead of
 failing the engine's next transfer.
+
+When the daemon's reply says ``data_tls`` (its gRPC TCP listener serves TLS), the connection is
+TLS, verified with ``tls_context`` (set by the session from its ``tls_ca`` / ``tls_cert`` /
+``tls_key``; the system's CAs without one) against ``tls_server_name`` (the host the session
+reached gRPC at). An SSL socket has no ``sendmsg`` / ``recvmsg_into``: its buffers go one
+``sendall`` / ``recv_into`` at a time (TLS records are 16 KiB either way).
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import ssl
 from typing import Any
 
 from kvtier.transports.base import DataTransport, Item
@@ -55,6 +62,9 @@ class TcpTransport(DataTransport):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+            if reply.data_tls:
+                ctx = self.tls_context or ssl.create_default_context()
+                s = ctx.wrap_socket(s, server_hostname=self.tls_server_name or reply.data_host)
             self._sock = s
             s.sendall(wire.hello(session_id, bytes(reply.data_secret), wire.FEATURE_RUNS))
             op, _job, _index, features, _length = self._recv_header()
@@ -154,6 +164,10 @@ class TcpTransport(DataTransport):
 def _send_buffers(s: socket.socket, bufs: list[Buffer]) -> None:
     """Send every buffer in order, gathered into calls of about ``_CALL_BYTES`` (at most
     ``_IOV`` buffers); resumes after partial sends."""
+    if isinstance(s, ssl.SSLSocket):
+        for b in bufs:
+            s.sendall(b)
+        return
     i, n = 0, len(bufs)
     while i < n:
         sent = s.sendmsg(bufs[i : _call_end(bufs, i)])
@@ -181,6 +195,14 @@ def _call_end(bufs: list[Buffer] | list[memoryview], i: int) -> int:
 def _recv_views(s: socket.socket, views: list[memoryview]) -> None:
     """Fill every view in order, scattered like ``_send_buffers`` gathers."""
     views = [v for v in views if len(v)]
+    if isinstance(s, ssl.SSLSocket):
+        for v in views:
+            while len(v):
+                got = s.recv_into(v)
+                if got == 0:
+                    raise TransportError("data channel closed by the daemon")
+                v = v[got:]
+        return
     i, n = 0, len(views)
     while i < n:
         got = s.recvmsg_into(views[i : _call_end(views, i)])[0]

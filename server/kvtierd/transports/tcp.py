@@ -24,6 +24,7 @@ import hmac
 import logging
 import mmap
 import os
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,8 +382,11 @@ class DataChannelServer(ServerTransport):
     name = "tcp"
 
     def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable,
-                 limits: DataChannelLimits | None = None) -> None:
+                 limits: DataChannelLimits | None = None, *,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: serve TLS (every connection; advertised as ``data_tls``)."""
         self.host, self.port = host, port
+        self.ssl_context = ssl_context
         self.limits = limits or DataChannelLimits()
         self._cache, self._sessions = cache, sessions
         self._server: asyncio.AbstractServer | None = None
@@ -396,7 +400,9 @@ class DataChannelServer(ServerTransport):
         populate_arena(self._cache.host.arena.mm, self._cache.host.arena.fd)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataChannelProtocol(self._cache, self._sessions, self), self.host, self.port)
+            lambda: DataChannelProtocol(self._cache, self._sessions, self), self.host, self.port,
+            ssl=self.ssl_context, ssl_handshake_timeout=self.limits.hello_timeout_s
+            if self.ssl_context else None)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def admit(self, conn: DataChannelProtocol) -> bool:
@@ -427,7 +433,8 @@ class DataChannelServer(ServerTransport):
                 "tcp_connections_timed_out": self.timed_out}
 
     def advertise(self) -> dict[str, Any]:
-        return {"data_host": self.host, "data_port": self.port}
+        return {"data_host": self.host, "data_port": self.port,
+                "data_tls": self.ssl_context is not None}
 
     def close(self) -> None:
         """Stop listening and drop every connection (queued replies included: the arena is
