@@ -8,11 +8,11 @@ other line it prints goes to the log file, with its stderr.
 Lifecycle::
 
     d = DriverProcess([python, "x_driver.py", json.dumps(spec)], log_path, env=..., cwd=...)
-    d.call({"op": "..."}, timeout_s)   # -> the answer dict (AssertionError naming the log when
+    d.request({"op": "..."}, timeout_s)  # -> the answer dict (AssertionError naming the log when
                                        #    it does not come or the driver exited)
     d.close()                          # stdin closed (or ``quit`` sent), then wait, then kill
 
-Owned by one test; ``call`` is not thread-safe (one command at a time).
+Owned by one test; ``request`` is not thread-safe (one command at a time).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class DriverProcess:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
-    def call(self, cmd: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
+    def request(self, cmd: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
         """Send ``cmd`` and wait for its answer."""
         self.send(cmd)
         return self.answer(timeout_s)

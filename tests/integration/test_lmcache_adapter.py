@@ -155,7 +155,7 @@ class Driver(DriverProcess):
                          env=dict(os.environ, **ENV), ready_timeout_s=120)
 
     def __call__(self, op: str, timeout_s: float = 60, **args: Any) -> dict[str, Any]:
-        return self.call({"op": op, **args}, timeout_s)
+        return self.request({"op": op, **args}, timeout_s)
 
 
 class Stack:

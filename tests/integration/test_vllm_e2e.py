@@ -78,7 +78,7 @@ class Engine(DriverProcess):
     def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
                  lora: tuple[str, str] | None = None, max_tokens: int = 4,
                  timeout_s: float = 120) -> dict[str, Any]:
-        return self.call({"op": "generate", "prompts": prompts, "salts": salts,
+        return self.request({"op": "generate", "prompts": prompts, "salts": salts,
                           "max_tokens": max_tokens, "lora": lora}, timeout_s)
 
     def interleave(self, first: list[int], second: list[int], *, first_max_tokens: int,
@@ -86,13 +86,13 @@ class Engine(DriverProcess):
                    timeout_s: float = 180) -> dict[str, Any]:
         """``first`` decodes; once it has ``second_after_tokens`` tokens ``second`` arrives (see
         vllm_driver.py ``interleave`` for what comes back)."""
-        return self.call({"op": "interleave", "first": first, "second": second,
+        return self.request({"op": "interleave", "first": first, "second": second,
                           "first_max_tokens": first_max_tokens,
                           "second_max_tokens": second_max_tokens,
                           "second_after_tokens": second_after_tokens}, timeout_s)
 
     def metrics(self) -> dict[str, float]:
-        return dict(self.call({"op": "metrics"})["metrics"])
+        return dict(self.request({"op": "metrics"})["metrics"])
 
     def close(self, *, quit_cmd: dict[str, Any] | None = None, wait_s: float = 60) -> None:
         super().close(quit_cmd=quit_cmd or {"op": "quit"}, wait_s=wait_s)

@@ -1,0 +1,382 @@
+"""SGLang's HiCache storage seam with the kvtier backend (``kvtier.integrations.sglang``).
+
+SGLang (``sglang==0.5.23 --no-deps``, its own environment built by ``make test``) has no CPU
+build, so it does not serve here: ``sglang_driver.py`` runs SGLang's real ``HiCacheStorage``
+base class, ``HiCacheStorageConfig`` and dynamic backend loader, over CPU host pools whose
+page-addressing methods are SGLang's own (lifted from the installed source; see the driver), with
+a real ``kvtierd`` process:
+
+* every page shape (MHA and MLA, page-first, page-first-direct, layer-first, page-head) round-trips
+  byte-exact between two pools (two SGLang processes), at other page slots, through the zero-copy
+  path and through the plain path, which store the same bytes under the same key; over ``tcp``
+  too;
+* malformed arguments are misses, never exceptions;
+* ``batch_exists`` counts leading hits only; a page not found is left untouched;
+* a daemon that never was, or that dies: ``False``s, 0 and misses, no exception, within the
+  deadline; back when the daemon is;
+* two TP ranks never read each other's pages (MHA); MLA ranks share one copy;
+* identity is fail-closed: a missing revision or tokenizer digest, an unknown key, refuse startup;
+  another revision gets no hits;
+* 128 pages stored and loaded (GB/s printed).
+
+The SGLang environment is found at ``$KVTIER_SGLANG_PYTHON`` (set by ``make test``) or
+``.venv-sglang/bin/python``; without it these tests fail (run ``make sglang-env``) unless
+``KVTIER_SKIP_SGLANG=1`` says to skip them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, DaemonProcess
+from driver_process import DriverProcess
+
+from kvtier.integrations.sglang.config import page_key
+
+HERE = Path(__file__).resolve().parent
+SGLANG_PYTHON = os.environ.get("KVTIER_SGLANG_PYTHON") or str(
+    ROOT / ".venv-sglang" / "bin" / "python")
+REQUEST_TIMEOUT_MS = 500
+
+pytestmark = pytest.mark.timeout(300)
+
+# name -> pool geometry: 16 pages of 4 tokens, 2 layers (MHA: 2 heads x 8; MLA: a 24-wide row).
+SHAPES = {
+    f"{kind}-{layout}": dict(kind=kind, layout=layout, pages=16, page_size=4, layers=2, heads=2,
+                             head_dim=8, kv_cache_dim=24)
+    for kind, layouts in (("mha", ("page_first", "page_first_direct", "layer_first", "page_head")),
+                          ("mla", ("page_first", "page_first_direct", "layer_first")))
+    for layout in layouts
+}
+
+
+def _need_env() -> None:
+    if os.environ.get("KVTIER_SKIP_SGLANG") == "1":
+        pytest.skip("KVTIER_SKIP_SGLANG=1")
+    if not os.access(SGLANG_PYTHON, os.X_OK):
+        pytest.fail(f"no SGLang environment at {SGLANG_PYTHON}: run `make sglang-env` "
+                    "(or set KVTIER_SKIP_SGLANG=1 to skip these tests)", pytrace=False)
+
+
+class Driver(DriverProcess):
+    """One SGLang-environment process driven over stdin/stdout (see sglang_driver.py)."""
+
+    def __init__(self, log: Path) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+        super().__init__([SGLANG_PYTHON, str(HERE / "sglang_driver.py")], log, env=env,
+                         cwd=log.parent, ready_timeout_s=120)
+
+    def ask(self, op: str, timeout_s: float = 60, **kw: Any) -> dict[str, Any]:
+        answer = self.request({"op": op, **kw}, timeout_s)
+        assert not str(answer.get("error", "")).startswith("driver:"), answer
+        return answer
+
+    def call(self, backend: str, method: str, keys: list[str], pages: list[int] | None = None
+             ) -> Any:
+        """The backend's answer; the test fails if the backend raised into SGLang."""
+        r = self.ask("call", backend=backend, method=method, keys=keys, pages=pages or [])
+        assert r["raised"] is None, r["raised"]
+        return r["result"]
+
+    def backend(self, name: str, pool: str, address: str, *, fails: bool = False, **kw: Any
+                ) -> dict[str, Any]:
+        """Start a backend as SGLang does (its loader, then ``register_mem_pool_host``); unless
+        ``fails``, the test fails when that raised."""
+        extra = {"address": address, "model_revision": "rev-a", "tokenizer_digest": "none",
+                 "request_timeout_ms": REQUEST_TIMEOUT_MS, **kw.pop("extra", {})}
+        answer = self.ask("backend", name=name, pool=pool, extra=extra, **kw)
+        assert fails or answer.get("ok"), answer
+        return answer
+
+    def digests(self, pool: str, pages: list[int]) -> list[str]:
+        return list(self.ask("digests", pool=pool, pages=pages)["digests"])
+
+    def close(self, *, quit_cmd: dict[str, Any] | None = None, wait_s: float = 30) -> None:
+        super().close(quit_cmd=quit_cmd or {"op": "quit"}, wait_s=wait_s)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sglang")
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(workdir: Path) -> Iterator[DaemonProcess]:
+    _need_env()
+    d = DaemonProcess(workdir / "daemon", "--host-bytes", "256MiB").start()
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def drv(workdir: Path, shared_daemon: DaemonProcess) -> Iterator[Driver]:
+    driver = Driver(workdir / "driver.log")
+    yield driver
+    driver.close()
+
+
+def keys(tag: str, *ids: int) -> list[str]:
+    """SGLang-style page keys (hex SHA-256 strings), distinct per test."""
+    return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in ids]
+
+
+# -- the page contract ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_pages_round_trip_byte_exact_between_two_pools(drv: Driver, shared_daemon: DaemonProcess,
+                                                       shape: str) -> None:
+    geo = SHAPES[shape]
+    drv.ask("pool", name=f"{shape}/src", seed=1, **geo)
+    drv.ask("pool", name=f"{shape}/dst", seed=None, **geo)
+    drv.backend(f"{shape}/A", f"{shape}/src", shared_daemon.unix)
+    drv.backend(f"{shape}/B", f"{shape}/dst", shared_daemon.unix)
+    k = keys(shape, 0, 1, 2, 3)
+    zero = drv.digests(f"{shape}/dst", [0])[0]
+
+    # A stores source pages 3, 5, 7 over the zero-copy path, and page 9 over the plain one.
+    assert drv.call(f"{shape}/A", "batch_set_v1", k[:3], [3, 5, 7]) == [True] * 3
+    assert drv.call(f"{shape}/A", "set_page", k[3:], [9]) is True
+    # B (another process's pool) finds all four, and loads them into other slots.
+    assert drv.call(f"{shape}/B", "batch_exists", k) == 4
+    assert drv.call(f"{shape}/B", "batch_get_v1", k[:2] + k[3:], [12, 0, 6]) == [True] * 3
+    assert drv.call(f"{shape}/B", "get_page", k[2:3], [1]) is True
+
+    src = drv.digests(f"{shape}/src", [3, 5, 7, 9])
+    assert drv.digests(f"{shape}/dst", [12, 0, 1, 6]) == [src[0], src[1], src[2], src[3]]
+    # Pages nobody loaded are untouched.
+    assert drv.digests(f"{shape}/dst", [2, 11, 13]) == [zero] * 3
+
+
+def test_tcp_transport_moves_the_same_bytes(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    """A pool on another host: gRPC over TCP and the framed data channel, no shared memory."""
+    geo = SHAPES["mla-layer_first"]
+    drv.ask("pool", name="tcp/src", seed=7, **geo)
+    drv.ask("pool", name="tcp/dst", seed=None, **geo)
+    addr = shared_daemon.address("tcp")
+    drv.backend("tcp/A", "tcp/src", addr, extra={"transport": "tcp"})
+    drv.backend("tcp/B", "tcp/dst", addr, extra={"transport": "tcp"})
+    k = keys("tcp", 0, 1, 2)
+    assert drv.call("tcp/A", "batch_set_v1", k, [1, 2, 3]) == [True] * 3
+    assert drv.call("tcp/B", "batch_exists", k) == 3
+    assert drv.call("tcp/B", "batch_get_v1", k, [15, 14, 13]) == [True] * 3
+    assert drv.digests("tcp/dst", [15, 14, 13]) == drv.digests("tcp/src", [1, 2, 3])
+
+
+def test_batch_exists_counts_leading_hits_and_misses_leave_pages_untouched(
+        drv: Driver, shared_daemon: DaemonProcess) -> None:
+    geo = SHAPES["mha-page_first"]
+    drv.ask("pool", name="lead/src", seed=2, **geo)
+    drv.ask("pool", name="lead/dst", seed=None, **geo)
+    drv.backend("lead/A", "lead/src", shared_daemon.unix)
+    drv.backend("lead/B", "lead/dst", shared_daemon.unix)
+    k = keys("lead", 0, 1, 2, 3)
+    # Stored: 0, 1 and 3; page 2 never was.
+    assert drv.call("lead/A", "batch_set_v1", [k[0], k[1], k[3]], [0, 1, 3]) == [True] * 3
+    assert drv.call("lead/B", "batch_exists", k) == 2
+    assert drv.call("lead/B", "batch_exists", k[2:]) == 0
+    assert drv.call("lead/B", "exists", k[3:]) is True
+    assert drv.call("lead/B", "exists", k[2:3]) is False
+    zero = drv.digests("lead/dst", [0])[0]
+    assert drv.call("lead/B", "batch_get_v1", k, [4, 5, 6, 7]) == [True, True, False, True]
+    src, dst = drv.digests("lead/src", [0, 1, 3]), drv.digests("lead/dst", [4, 5, 6, 7])
+    assert dst == [src[0], src[1], zero, src[2]]
+    assert drv.call("lead/B", "get_page", k[2:3], [8]) is False
+    c = drv.ask("counters", backend="lead/B")["counters"]
+    assert (c["pages_hit"], c["pages_loaded"], c["pages_load_failed"], c["errors"]) == (3, 3, 2, 0)
+
+
+def test_host_indices_that_are_not_whole_pages_are_refused(drv: Driver,
+                                                          shared_daemon: DaemonProcess) -> None:
+    drv.ask("pool", name="idx/p", seed=3, **SHAPES["mha-layer_first"])
+    drv.backend("idx/A", "idx/p", shared_daemon.unix)
+    k = keys("idx", 0, 1)
+    # Two keys, one page of indices; then a page beyond the pool.
+    assert drv.call("idx/A", "batch_set_v1", k, [0]) == [False, False]
+    assert drv.call("idx/A", "batch_set_v1", k[:1], [16]) == [False]
+    assert drv.call("idx/A", "batch_exists", k) == 0
+    assert drv.ask("counters", backend="idx/A")["counters"]["pages_store_failed"] == 3
+
+
+def test_malformed_arguments_are_misses_not_exceptions(drv: Driver,
+                                                      shared_daemon: DaemonProcess) -> None:
+    drv.ask("pool", name="junk/p", seed=6, **SHAPES["mha-page_first"])
+    # With SGLang's storage metrics on: its StorageMetrics cannot be imported in this CPU
+    # environment, so get_stats() answers None too.
+    drv.backend("junk/A", "junk/p", shared_daemon.unix, metrics=True)
+    got = drv.call("junk/A", "garbage", keys("junk", 0, 1))
+    assert got == ["0", "[]", "[False, False]", "[False, False]", "[False, False]", "None",
+                   "False", "False", "PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={}, "
+                   "restorable_prefix_pages=None)", "{}", "{}", "None"], got
+    assert drv.ask("counters", backend="junk/A")["counters"]["errors"] >= 3
+
+
+# -- failure behaviour ----------------------------------------------------------------------------
+
+
+def _all_misses(drv: Driver, b: str, k: list[str]) -> float:
+    """Every verb answers a miss without raising; returns the slowest call's seconds."""
+    slowest = 0.0
+    expect: list[tuple[str, list[str], list[int], Any]] = [
+        ("batch_exists", k, [], 0), ("batch_get_v1", k, [0, 1], [False, False]),
+        ("batch_set_v1", k, [2, 3], [False, False]), ("exists", k[:1], [], False),
+        ("get_page", k[:1], [4], False), ("set_page", k[:1], [5], False)]
+    for method, kk, pages, want in expect:
+        r = drv.ask("call", backend=b, method=method, keys=kk, pages=pages)
+        assert r["raised"] is None, r["raised"]
+        assert r["result"] == want, (method, r)
+        slowest = max(slowest, r["seconds"])
+    return slowest
+
+
+def test_no_daemon_gives_misses_and_never_raises(drv: Driver, workdir: Path) -> None:
+    drv.ask("pool", name="none/p", seed=4, **SHAPES["mha-page_first"])
+    drv.backend("none/A", "none/p", f"unix:{workdir}/no-daemon.sock")  # the daemon may come later
+    assert _all_misses(drv, "none/A", keys("none", 0, 1)) < 2 * REQUEST_TIMEOUT_MS / 1000
+
+
+def test_daemon_killed_mid_run_gives_misses_then_recovers(drv: Driver, workdir: Path) -> None:
+    d = DaemonProcess(workdir / "dies", "--host-bytes", "64MiB").start()
+    try:
+        drv.ask("pool", name="dies/p", seed=5, **SHAPES["mla-page_first"])
+        drv.backend("dies/A", "dies/p", d.unix)
+        k = keys("dies", 0, 1)
+        assert drv.call("dies/A", "batch_set_v1", k, [0, 1]) == [True, True]
+        d.kill()
+        assert _all_misses(drv, "dies/A", k) < 3 * REQUEST_TIMEOUT_MS / 1000
+        c = drv.ask("counters", backend="dies/A")["counters"]
+        assert c["errors"] == 0 and c["pages_store_failed"] >= 3
+        d = DaemonProcess(workdir / "dies", "--host-bytes", "64MiB").start()  # same socket
+        deadline = time.monotonic() + 20
+        while drv.call("dies/A", "batch_set_v1", k, [0, 1]) != [True, True]:
+            assert time.monotonic() < deadline, "the backend never came back to the daemon"
+            time.sleep(0.2)  # poll: the breaker's probe reopens the session by itself
+        assert drv.call("dies/A", "batch_exists", k) == 2
+    finally:
+        d.kill()
+
+
+# -- identity -------------------------------------------------------------------------------------
+
+
+def test_two_mha_ranks_never_mix(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    geo = SHAPES["mha-page_first"]
+    for r in (0, 1):
+        drv.ask("pool", name=f"tp/src{r}", seed=10 + r, **geo)
+        drv.ask("pool", name=f"tp/dst{r}", seed=None, **geo)
+        for role in ("src", "dst"):
+            drv.backend(f"tp/{role}{r}", f"tp/{role}{r}", shared_daemon.unix, tp_rank=r,
+                        tp_size=2)
+    k = keys("tp", 0, 1)
+    assert drv.call("tp/src0", "batch_set_v1", k, [0, 1]) == [True, True]
+    assert drv.call("tp/dst1", "batch_exists", k) == 0  # rank 0's pages are not rank 1's
+    assert drv.call("tp/src1", "batch_set_v1", k, [0, 1]) == [True, True]
+    for r in (0, 1):
+        assert drv.call(f"tp/dst{r}", "batch_get_v1", k, [2, 3]) == [True, True]
+        assert drv.digests(f"tp/dst{r}", [2, 3]) == drv.digests(f"tp/src{r}", [0, 1])
+    assert drv.digests("tp/src0", [0]) != drv.digests("tp/src1", [0])
+
+
+def test_mla_ranks_share_one_copy(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    geo = SHAPES["mla-layer_first"]
+    drv.ask("pool", name="mlatp/src", seed=20, **geo)
+    drv.ask("pool", name="mlatp/dst", seed=None, **geo)
+    drv.backend("mlatp/w", "mlatp/src", shared_daemon.unix, tp_rank=0, tp_size=2)
+    drv.backend("mlatp/r", "mlatp/dst", shared_daemon.unix, tp_rank=1, tp_size=2)
+    k = keys("mlatp", 0)
+    assert drv.call("mlatp/w", "batch_set_v1", k, [6]) == [True]
+    assert drv.call("mlatp/r", "batch_get_v1", k, [9]) == [True]
+    assert drv.digests("mlatp/dst", [9]) == drv.digests("mlatp/src", [6])
+
+
+def test_another_revision_or_salt_gets_no_hits(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    geo = SHAPES["mha-page_first"]
+    drv.ask("pool", name="rev/p", seed=30, **geo)
+    drv.backend("rev/a", "rev/p", shared_daemon.unix)
+    drv.backend("rev/b", "rev/p", shared_daemon.unix, extra={"model_revision": "rev-b"})
+    drv.backend("rev/s", "rev/p", shared_daemon.unix, extra={"cache_salt": "s"})
+    k = keys("rev", 0, 1)
+    assert drv.call("rev/a", "batch_set_v1", k, [0, 1]) == [True, True]
+    assert drv.call("rev/a", "batch_exists", k) == 2
+    assert drv.call("rev/b", "batch_exists", k) == 0
+    assert drv.call("rev/s", "batch_exists", k) == 0
+
+
+def test_missing_identity_refuses_to_start(drv: Driver, workdir: Path) -> None:
+    drv.ask("pool", name="cfg/p", seed=None, **SHAPES["mha-page_first"])
+    addr = f"unix:{workdir}/no-daemon.sock"
+    no_rev = drv.ask("backend", name="cfg/1", pool="cfg/p",
+                     extra={"address": addr, "tokenizer_digest": "none"})
+    assert "extra_config.model_revision" in no_rev["error"]
+    model = workdir / "models--org--m" / "snapshots" / ("a" * 40)
+    model.mkdir(parents=True)
+    no_tok = drv.ask("backend", name="cfg/2", pool="cfg/p", model_name=str(model),
+                     extra={"address": addr})
+    assert "extra_config.tokenizer_digest" in no_tok["error"]
+    (model / "tokenizer.json").write_text("{}")
+    assert drv.ask("backend", name="cfg/3", pool="cfg/p", model_name=str(model),
+                   extra={"address": addr})["ok"]  # revision and digest from the snapshot
+    typo = drv.backend("cfg/4", "cfg/p", addr, fails=True, extra={"adress": addr})
+    assert "extra_config.adress" in typo["error"]
+    bad = drv.backend("cfg/5", "cfg/p", addr, fails=True, extra={"request_timeout_ms": 0})
+    assert "extra_config.request_timeout_ms" in bad["error"]
+
+
+def test_a_pool_it_cannot_store_exactly_refuses_to_start(drv: Driver, workdir: Path) -> None:
+    drv.ask("pool", name="f64/p", seed=None, dtype="float64", **SHAPES["mha-page_first"])
+    addr = f"unix:{workdir}/no-daemon.sock"
+    r = drv.backend("f64/A", "f64/p", addr, fails=True)
+    assert "KV dtype float64" in r["error"], r
+    # A hybrid model: a second host pool (Mamba states here) beside the KV pool.
+    drv.ask("pool", name="hyb/kv", seed=None, **SHAPES["mha-page_first"])
+    drv.ask("pool", name="hyb/state", seed=None, **SHAPES["mha-layer_first"])
+    r = drv.backend("hyb/A", "hyb/kv", addr, fails=True, sidecar="hyb/state")
+    assert "hybrid / multi-pool models are not supported" in r["error"], r
+
+
+# -- throughput -----------------------------------------------------------------------------------
+
+
+def test_128_pages_round_trip(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    """128 pages of 64 tokens (K and V x 4 layers x 4 KV heads x 128 x bf16: 512 KiB a page, 64 MiB)."""
+    geo = dict(kind="mha", layout="page_first", pages=128, page_size=64, layers=4, heads=4,
+               head_dim=128)
+    drv.ask("pool", name="bench/src", seed=40, **geo)
+    drv.ask("pool", name="bench/dst", seed=None, **geo)
+    drv.backend("bench/w", "bench/src", shared_daemon.unix, extra={"op_timeout_ms": 30000})
+    drv.backend("bench/r", "bench/dst", shared_daemon.unix, extra={"op_timeout_ms": 30000})
+    r = drv.ask("bench", backend="bench/w", reader="bench/r", pages=128, rounds=2)
+    assert r.get("same") is True, r
+    gb = r["bytes"] / 1e9
+    print(f"\nsglang 128 pages ({r['bytes'] >> 20} MiB): batch_set_v1 {gb / r['put_s']:.2f} GB/s, "
+          f"batch_get_v1 {gb / r['get_s']:.2f} GB/s")
+
+
+# -- without SGLang -------------------------------------------------------------------------------
+
+
+def test_page_keys_bind_the_namespace_and_tenant() -> None:
+    ns_a, ns_b = bytes(32), bytes([1]) + bytes(31)
+    key = "ab" * 32
+    k = page_key(ns_a, key)
+    assert k == hashlib.sha256(b"kvtier/sglang/page/v1" + ns_a + (64).to_bytes(4, "little")
+                               + key.encode()).digest()
+    assert len({k, page_key(ns_b, key), page_key(ns_a, key, b"tenant-secret"),
+                page_key(ns_a, key[:-1])}) == 4
+
+
+def test_import_without_sglang_is_cheap_and_clear() -> None:
+    code = ("import sys, kvtier.integrations.sglang as m\n"
+            "assert 'torch' not in sys.modules and 'sglang' not in sys.modules\n"
+            "try:\n    m.KvtierHiCacheStorage\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert "needs SGLang" in out
