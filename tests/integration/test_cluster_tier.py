@@ -304,6 +304,33 @@ def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
         assert [bytes(g) if g else None for g in got] == data[:64]
 
 
+def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted_dropped(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    """One master hung and a 16-block write queue: the queue fills with that master's blocks, and
+    the blocks evicted meanwhile leave unwritten; each is counted a drop (it was counted nowhere,
+    so `writes + write_drops` never reached the evictions: a CI flake of the test above)."""
+    a = node(daemon_factory, tmp_path, "a", cluster.url, 'cluster_write_policy = "evict"',
+             "cluster_queue_bytes = 262144", "cluster_write_timeout_ms = 30000",
+             host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"))  # 128 blocks of 16 KiB
+    hung = cluster.masters()[0]
+    cluster.pause(hung)
+    try:
+        with kvtier.Client.connect(a.unix, transport="shm") as c:
+            ns = c.register(make_namespace())
+            keys = ns.block_keys([hash_token("leave", i) for i in range(16 * 256)])
+            for i in range(0, 256, 16):
+                assert ns.put(keys[i:i + 16], [b"\x07" * ns.block_bytes] * 16).stored == 16
+
+        def accounted() -> int:
+            s = cluster_stats(a)
+            return int(s["writes"] + s["write_drops"] + s["queued_blocks"])
+
+        wait_for("every evicted block accounted for", lambda: accounted() >= 128, timeout=10)
+        assert cluster_stats(a)["write_drops"] > 0
+    finally:
+        cluster.resume(hung)
+
+
 def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: Any,
                                                               tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "redis", password="s3cret-pw") as rc:

@@ -145,7 +145,10 @@ class ClusterLink:
 
     def _on_evict(self, e: Entry) -> None:
         """write policy ``evict``: ``e`` is leaving the host tier (its slot still valid)."""
-        if e.in_cluster or not self.tier.has_room(e.ns.block_bytes):
+        if e.in_cluster:
+            return
+        if not self.tier.has_room(e.ns.block_bytes):
+            self.tier.dropped(1)  # it leaves unwritten: a drop, as offer would count it
             return
         data = bytes(self.residency.host.view(e.offset, e.ns.block_bytes))
 

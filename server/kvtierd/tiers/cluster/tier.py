@@ -295,6 +295,11 @@ class ClusterTier:
         return not self._closed and self.topology.known and \
             self.queued_bytes + nbytes <= self.settings.queue_bytes
 
+    def dropped(self, n: int) -> None:
+        """``n`` blocks were not offered because ``has_room`` said no: counted as drops."""
+        with self._lock:
+            self.write_drops += n
+
     def offer(self, items: list[WriteItem], done: Callable[[list[bool]], None]) -> int:
         """Admit the longest prefix of ``items`` that fits the queue; how many were. ``done``
         gets their results later, on the caller's loop (not called when none was admitted)."""
