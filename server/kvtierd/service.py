@@ -264,7 +264,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 j = self.cache.jobs.get(o.id, job_id, LoadJob)
                 pinned += len(j.items) * j.ns.slot_bytes
         if pinned > quota:
-            self.cache.complete_load(s, job.id)
+            self.cache.abort_job(s, job)  # (no load counted: nothing moved)
             raise ResourceExhausted(f"quota pinned_bytes ({quota}) reached by tenant {s.tenant}",
                                     field="quota")
 

@@ -269,6 +269,7 @@ def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: Da
         session_id=sid, namespace_id=nid, keys=keys[16], transport=pb.TRANSPORT_SHM))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
     assert pinned() == 16
+    assert raw("ops")("Stats", pb.StatsRequest()).total.loads == 0  # a refusal moved nothing
     a("CompleteLoad", pb.CompleteLoadRequest(session_id=sid, job_id=held.job_id))
     assert pinned() == 0
     load = a("PrepareLoad", pb.PrepareLoadRequest(session_id=sid, namespace_id=nid,
