@@ -18,12 +18,26 @@ Owned by one test; ``request`` is not thread-safe (one command at a time).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+
+def require_env(python: str, engine: str, make_target: str, skip_var: str) -> str:
+    """``python``, an engine's environment interpreter; fails the test without it (it is built by
+    ``make test``), or skips it when ``$skip_var`` is 1."""
+    if os.environ.get(skip_var) == "1":
+        pytest.skip(f"{skip_var}=1")
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"no {engine} environment at {python}: run `make {make_target}` (or set "
+                    f"{skip_var}=1 to skip these tests)", pytrace=False)
+    return python
 
 
 class DriverProcess:

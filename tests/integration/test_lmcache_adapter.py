@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, DaemonProcess
-from driver_process import DriverProcess
+from driver_process import DriverProcess, require_env
 
 import kvtier
 from kvtier.integrations.lmcache.config import AdapterConfig, ConfigError
@@ -61,12 +61,7 @@ def params(daemon: DaemonProcess, **over: Any) -> dict[str, Any]:
 
 def need_lmcache() -> str:
     """The LMCache environment's python; fails (or skips, when told to) without one."""
-    if os.environ.get("KVTIER_SKIP_LMCACHE") == "1":
-        pytest.skip("KVTIER_SKIP_LMCACHE=1")
-    if not os.access(LMCACHE_PYTHON, os.X_OK):
-        pytest.fail(f"no LMCache environment at {LMCACHE_PYTHON}: run `make lmcache-env` "
-                    "(or set KVTIER_SKIP_LMCACHE=1 to skip these tests)", pytrace=False)
-    return LMCACHE_PYTHON
+    return require_env(LMCACHE_PYTHON, "LMCache", "lmcache-env", "KVTIER_SKIP_LMCACHE")
 
 
 @pytest.fixture

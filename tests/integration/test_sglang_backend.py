@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, DaemonProcess
-from driver_process import DriverProcess
+from driver_process import DriverProcess, require_env
 
 from kvtier.integrations.sglang.config import page_key
 
@@ -59,11 +59,7 @@ SHAPES = {
 
 
 def _need_env() -> None:
-    if os.environ.get("KVTIER_SKIP_SGLANG") == "1":
-        pytest.skip("KVTIER_SKIP_SGLANG=1")
-    if not os.access(SGLANG_PYTHON, os.X_OK):
-        pytest.fail(f"no SGLang environment at {SGLANG_PYTHON}: run `make sglang-env` "
-                    "(or set KVTIER_SKIP_SGLANG=1 to skip these tests)", pytrace=False)
+    require_env(SGLANG_PYTHON, "SGLang", "sglang-env", "KVTIER_SKIP_SGLANG")
 
 
 class Driver(DriverProcess):
