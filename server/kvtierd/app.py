@@ -43,7 +43,7 @@ from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.tenants import load_tenants
+from kvtierd.tenants import Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
@@ -70,11 +70,18 @@ class Daemon:
         # between a host slot and its disk slot, padding included.
         align = max(cfg.slot_align_bytes, cfg.io_align_bytes if cfg.disk_dir else 0)
         self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes, slot_align_bytes=align)
+        # Tenants allowed shm or cuda_ipc get arenas of their own, before anything (NVMe
+        # recovery included) registers a namespace: a namespace's arena is its tenant's.
+        tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
+        self._tenant_arenas: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
+        self.cuda: CudaIpcTransport | None = None  # (made below; registers every arena)
+        if tenants is not None:
+            self._add_tenant_arenas(tenants)
         # Ghost history for ARC: as many entries as the arena holds of its smallest slots.
-        policy: EvictionPolicy[Entry] = make_policy(cfg.eviction_policy,
-                                                   ghost_capacity=min(1 << 20, slabs * 64))
+        policy: EvictionPolicy[Entry] = make_policy(
+            cfg.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64))
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
-                                 policy_name=cfg.eviction_policy)
+                                 policy_name=cfg.eviction_policy, arena_of=self._arena_of)
         if cfg.disk_dir:
             link = self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
@@ -84,14 +91,13 @@ class Daemon:
             from kvtierd.tiers.cluster.tier import ClusterTier
 
             self.cache.add_cluster_tier(ClusterTier(cluster_settings(cfg)))
-        # cuda_ipc: CUDA (cupy) only when enabled; the arena is page-locked in start().
-        self.cuda: CudaIpcTransport | None = None
+        # cuda_ipc: CUDA (cupy) only when enabled; the arenas are page-locked in start().
         if cfg.cuda_ipc or cuda_driver is not None:
             if cuda_driver is None:
                 from kvtierd.transports.cuda_driver import CupyDriver
 
                 cuda_driver = CupyDriver()
-            self.cuda = CudaIpcTransport(CudaIpcCopier(self.arena, cuda_driver), self.cache)
+            self.cuda = CudaIpcTransport(CudaIpcCopier(self.host, cuda_driver), self.cache)
         self.sessions = SessionTable(
             max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
             min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
@@ -104,8 +110,7 @@ class Daemon:
                                      advertise=self._advertise, cuda=self.cuda,
                                      max_inflight=cfg.max_inflight_rpcs)
         self.service.after_rpc = self.published.flush
-        if cfg.tenants_file:
-            self.service.tenants = load_tenants(cfg.tenants_file)
+        self.service.tenants = tenants
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None  # the Unix socket's
         self.tcp_server: grpc.aio.Server | None = None
@@ -123,6 +128,46 @@ class Daemon:
         """The tenant's ``nvme_bytes`` quota in the current tenants file (None: unlimited)."""
         who = None if self.service.tenants is None else self.service.tenants.by_name.get(tenant)
         return None if who is None else who.quotas.nvme_bytes
+
+    def _add_tenant_arenas(self, tenants: Tenants) -> None:
+        """An arena of its own for each tenant allowed shm or cuda_ipc that has none yet (at
+        start and on reload). An arena lives as long as the daemon and never changes tenant,
+        so no slot ever moves to another tenant (nothing to zero). A size changed in the file
+        takes effect at the next start (arenas are sealed against resizing)."""
+        slab = self.cfg.slab_bytes
+        for t in tenants.by_name.values():
+            if not t.maps_memory:
+                continue
+            size = max(slab, t.arena_size(self.cfg.tenant_arena_bytes) // slab * slab)
+            pool = self._tenant_arenas.get(t.name)
+            if pool is not None:
+                if self.host.pool_bytes[pool] != size:
+                    log.warning("tenant %s: arena of %d bytes kept (the file asks %d; sizes "
+                                "change at the next start)", t.name, self.host.pool_bytes[pool],
+                                size)
+                continue
+            try:
+                arena = Arena(size, prefault=self.cfg.prefault, name=f"kvtier-{t.name}"[:200])
+            except OSError as e:  # its shm sessions are refused; never handed another arena
+                log.error("tenant %s: cannot make its arena of %d bytes: %s", t.name, size, e)
+                continue
+            pool = self.host.add_arena(arena)
+            if self.cuda is not None:
+                self.cuda.copier.add_arena(pool)
+            self._tenant_arenas[t.name] = pool
+            log.info("tenant %s: arena of %d bytes", t.name, size)
+
+    def _arena_of(self, tenant: str | None) -> int:
+        """The arena (pool) of ``tenant``'s blocks: its own, or the shared one (0)."""
+        return self._tenant_arenas.get(tenant or "", 0)
+
+    def _session_arena(self, session: Session) -> tuple[int, int] | None:
+        """fd and size of the arena ``session`` maps (shm handshake), or None: refused."""
+        pool = self.service.mapped_arena(session)
+        if pool is None:
+            return None
+        arena = self.host.arenas[pool]
+        return arena.fd, arena.size
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)
@@ -166,10 +211,12 @@ class Daemon:
         if not self.cfg.tenants_file:
             return
         try:
-            self.service.tenants = load_tenants(self.cfg.tenants_file)
+            tenants = load_tenants(self.cfg.tenants_file)
         except ValueError as e:
             log.error("tenants file not reloaded (the current one stays): %s", e)
             return
+        self._add_tenant_arenas(tenants)
+        self.service.tenants = tenants
         log.info("tenants file reloaded: %d tenants", len(self.service.tenants))
 
     def _grpc_server(self, *, reflect: bool) -> grpc.aio.Server:
@@ -235,7 +282,7 @@ class Daemon:
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"
         if cfg.shm_enabled:
-            shm = ShmFdServer(cfg.shm_socket_path, self.arena.fd, self.arena.size,
+            shm = ShmFdServer(cfg.shm_socket_path, self._session_arena,
                               self.boot_epoch, self.sessions,
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
@@ -278,9 +325,9 @@ class Daemon:
             if self.cfg.namespace_idle_s and time.monotonic() >= next_expiry:
                 next_expiry = time.monotonic() + min(1.0, self.cfg.namespace_idle_s / 4)
                 self._expire_namespaces()
-            if self._arena_ok and not self.arena.intact():
+            if self._arena_ok and not self.host.intact():
                 self._arena_ok = False  # cannot happen while sealed; if it does, say so loudly
-                log.critical("the host arena changed size or lost its seals: every mapping may "
+                log.critical("a host arena changed size or lost its seals: every mapping may "
                              "fault; health is NOT_SERVING until restart")
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -371,7 +418,7 @@ class Daemon:
         self.published.close()  # clients stop reading them at once (retired)
         for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
             t.close()
-        self.arena.close()
+        self.host.close()
         if self.cfg.socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path())
@@ -487,7 +534,7 @@ async def _main(cfg: DaemonConfig) -> None:
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     await daemon.start()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
-             "host_bytes": daemon.arena.size, "eviction_policy": cfg.eviction_policy,
+             "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.eviction_policy,
              "cuda_ipc": daemon.cuda is not None,
              "tenants": len(daemon.service.tenants) if daemon.service.tenants else 0}
     print("KVTIERD_READY " + json.dumps(ready), flush=True)

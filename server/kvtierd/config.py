@@ -22,7 +22,7 @@ ClusterWritePolicy = Literal["commit", "evict"]
 
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
                 "disk_file_bytes", "data_max_queued_bytes", "cluster_queue_bytes",
-                "cluster_inflight_bytes")
+                "cluster_inflight_bytes", "tenant_arena_bytes")
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -176,6 +176,11 @@ class DaemonConfig:
     tenants_file: str = ""
     """Tenants file (TOML: tenants, their token digests, Unix peers and quotas;
     docs/security.md). "" = single-tenant: no credential asked. Re-read on SIGHUP."""
+    tenant_arena_bytes: int = 256 << 20
+    """Size of the host arena of its own that each tenant allowed shm or cuda_ipc gets, when
+    the tenants file names neither its ``arena_bytes`` nor a ``host_bytes`` quota (rounded down
+    to whole slabs, at least one). The host tier holds ``host_bytes`` (the shared arena:
+    single-tenant daemons and tcp-only tenants) plus every tenant's arena."""
     run_dir: str = "run"
     """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -48,7 +48,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
 from kvtierd.cache.jobs import LoadJob
-from kvtierd.domain import TierId, Transport
+from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
@@ -322,10 +322,12 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
                                tenant, caller.max_lease_s if caller is not None else None)
         adv = self.advertise()
+        pool = self.mapped_arena(s)
         return pb.OpenSessionReply(
             boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),
             shm_socket=adv["shm_socket"], data_host=adv["data_host"], data_port=adv["data_port"],
-            arena_bytes=adv["arena_bytes"], max_batch_blocks=self.max_batch,
+            arena_bytes=self.cache.host.pool_bytes[pool] if pool is not None else 0,
+            max_batch_blocks=self.max_batch,
             data_secret=s.data_secret, data_tls=adv.get("data_tls", False))
 
     @_rpc
@@ -380,6 +382,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         if request.pin:
+            base = self._arena_base(s, ns)
             self._check_jobs(s)
             job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
             if job is None:
@@ -387,7 +390,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             self._check_pins(s, job)
             n = len(job.items)
             # A hold keeps a block's last copy: its host slot only while it has no copy below.
-            offsets = [e.offset if t == TierId.HOST and e.copies is None else NO_OFFSET
+            offsets = [e.offset - base if t == TierId.HOST and e.copies is None else NO_OFFSET
                        for e, t in zip(job.items.values(), tiers, strict=True)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=tiers, offsets=offsets)
@@ -402,6 +405,28 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         keys = split_keys(request.keys, self.max_batch)
         ready, started = self.cache.prefetch(ns, keys)
         return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
+
+    def mapped_arena(self, session: Session) -> int | None:
+        """The arena (pool) a session's client maps: the shared one on a single-tenant daemon,
+        its tenant's own on a daemon with tenants (None: it has none, nothing is handed out)."""
+        if self.tenants is None:
+            return 0
+        pool = self.cache.arena_of(session.tenant)
+        return pool or None
+
+    def _arena_base(self, session: Session, ns: NamespaceState) -> int:
+        """For a session whose client maps an arena: that arena's start, subtracted from the
+        offsets it is told (so they are offsets in its mapping). A namespace whose blocks live
+        in another arena (the operator acting on a tenant's, or one registered before its tenant
+        had an arena) cannot be moved through that mapping: FAILED_PRECONDITION (use tcp)."""
+        if session.transport is Transport.TCP:
+            return 0
+        pool = self.mapped_arena(session)
+        if pool is None or ns.pool != pool:
+            raise FailedPrecondition(
+                f"namespace {ns.id} lives in a host arena this session does not map (open a "
+                "tcp session for it)", field="transport")
+        return self.cache.host.pool_bases[pool]
 
     def _job_transport(self, session: Session, value: int) -> Transport:
         """A job's transport: valid, and the one its session was opened for, or shm in a
@@ -459,6 +484,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._job_transport(s, request.transport)
+        base = self._arena_base(s, ns)
         self._check_jobs(s)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
@@ -470,6 +496,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             # The wait may have outlived the lease: never attach a job to a released session.
             s = self._session(request.session_id)
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
+        if base and job is not None:
+            offsets = [o - base if st == StoreStatus.RESERVED else 0
+                       for o, st in zip(offsets, status, strict=True)]
         return pb.PrepareStoreReply(boot_epoch=self.boot_epoch, job_id=job.id if job else 0,
                                     status=status, offsets=offsets)
 
@@ -490,6 +519,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         transport = self._job_transport(s, request.transport)
+        base = self._arena_base(s, ns)
         self._check_jobs(s)
         job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
         if job is not None:
@@ -502,7 +532,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(found),
                                        offsets=offsets, tiers=bytes(tiers))
         for i, e in job.items.items():
-            found[i], offsets[i], tiers[i] = 1, e.offset, pb.TIER_HOST
+            found[i], offsets[i], tiers[i] = 1, e.offset - base, pb.TIER_HOST
         return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, job_id=job.id, found=bytes(found),
                                    offsets=offsets, tiers=bytes(tiers))
 

@@ -9,8 +9,11 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     unix_gids = []
     mtls_names = ["team-a.kvtier"]   # client certificates (CN or DNS name) that are this tenant
     operator = false            # an operator sees and may act on every tenant's namespaces
-    transports = ["tcp"]        # transports its sessions may use (default: all); shm and
-                                # cuda_ipc map the shared arena (docs/security.md)
+    transports = ["tcp"]        # transports its sessions may use (default: all)
+    arena_bytes = "8GiB"        # a tenant allowed shm or cuda_ipc gets a host arena of its
+                                # own, the only memory its engines map (default: its
+                                # host_bytes quota, else the daemon's tenant_arena_bytes);
+                                # tcp-only tenants live in the shared arena, mapped by no one
     max_lease_s = 30.0          # longest lease its sessions get (default: the daemon's
                                 # max_lease_ttl_s): how long a dead engine's pins can linger
     [tenant.quotas]             # absent = unlimited
@@ -50,7 +53,9 @@ _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_byt
            "pinned_bytes", "nvme_bytes")
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
-                "transports", "mtls_names", "max_lease_s"}
+                "transports", "mtls_names", "max_lease_s", "arena_bytes"}
+MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
+"""Transports whose clients map host memory: their tenants get an arena of their own."""
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
@@ -78,6 +83,20 @@ class Tenant:
     transports: frozenset[str] = frozenset(_TRANSPORTS)
     mtls_names: frozenset[str] = frozenset()
     max_lease_s: float | None = None
+    arena_bytes: int | None = None  # asked for in the file (see ``maps_memory``)
+
+    @property
+    def maps_memory(self) -> bool:
+        """Whether its engines map host memory (shm, cuda_ipc): it then has an arena of its
+        own, and none of its sessions is ever handed another."""
+        return bool(self.transports & MAPPING_TRANSPORTS)
+
+    def arena_size(self, default: int) -> int:
+        """Bytes of its own arena: ``arena_bytes``, else its ``host_bytes`` quota, else
+        ``default`` (the daemon's ``tenant_arena_bytes``)."""
+        if self.arena_bytes is not None:
+            return self.arena_bytes
+        return self.quotas.host_bytes if self.quotas.host_bytes is not None else default
 
     def allows_peer(self, uid: int, gid: int) -> bool:
         """Whether a Unix peer with these credentials may act for this tenant (no list: any)."""
@@ -194,9 +213,17 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if max_lease is not None and (not isinstance(max_lease, (int, float)) or
                                   isinstance(max_lease, bool) or not 0 < max_lease <= 86400):
         raise ValueError(f"{where}.max_lease_s: expected seconds in (0, 86400]")
+    arena = entry.get("arena_bytes")
+    if arena is not None:
+        arena = parse_bytes(arena, field=f"{where}.arena_bytes")
+        if arena <= 0:
+            raise ValueError(f"{where}.arena_bytes: expected a positive size")
+        if not MAPPING_TRANSPORTS & set(transports):
+            raise ValueError(f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
+                             "(a tcp-only tenant's blocks live in the shared arena)")
     return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
                   _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
-                  frozenset(names), None if max_lease is None else float(max_lease))
+                  frozenset(names), None if max_lease is None else float(max_lease), arena)
 
 
 def _quotas(raw: Any, where: str) -> Quotas:

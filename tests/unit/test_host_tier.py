@@ -196,3 +196,35 @@ def test_claim_takes_exactly_the_named_slot_and_refuses_conflicts() -> None:
     assert not space.claim(0, 8192)  # slab 0 belongs to the 4 KiB class now
     assert space.alloc(4096) in (0, 16384 + 4096)  # the free slots of the claimed slabs
     assert space.claim(99 * 8192, 4096) is False  # beyond the space
+
+
+def test_each_arena_is_a_pool_of_its_own_and_arenas_never_touch(make_tier: MakeTier) -> None:
+    tier = make_tier(2)
+    other = Arena(3 * SLAB, prefault=False)
+    try:
+        pool = tier.add_arena(other)
+        assert pool == 1 and tier.capacity_bytes == 5 * SLAB
+        base = tier.pool_bases[1]
+        assert base == 3 * SLAB  # one guard slab after arena 0's two
+        assert tier.pool_of(2 * SLAB) == -1 and tier.pool_of(base) == 1
+        shared = alloc_n(tier, LARGE, 4)  # arena 0 full...
+        assert tier.alloc(LARGE) is None
+        mine = [tier.alloc(LARGE, pool) for _ in range(6)]  # ...arena 1 untouched by it
+        assert all(o is not None and base <= o < base + 3 * SLAB for o in mine)
+        assert tier.alloc(LARGE, pool) is None and tier.free_bytes(pool) == 0
+        # a slot's view is the bytes of its own arena, at offset - base
+        off = mine[0]
+        assert off is not None
+        tier.view(off, 4)[:] = b"mine"
+        assert bytes(other.slot(off - base, 4)) == b"mine"
+        assert bytes(tier.arena.slot(shared[0], 4)) != b"mine"
+        # an emptied slab goes back to its own arena's pool, never to another
+        for o in mine[:2]:
+            assert o is not None
+            tier.free(o, LARGE)
+        assert tier.free_slabs(0) == 0 and tier.free_slabs(1) == 1
+        assert tier.alloc(SMALL) is None and tier.alloc(SMALL, pool) is not None
+        assert tier.pool_used == [4 * LARGE, 4 * LARGE + SMALL]
+        assert tier.intact()
+    finally:
+        other.close()

@@ -76,6 +76,12 @@ operator = true
      "tenant[0].max_lease_s"),
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\npinned_bytes = -1\n',
      "tenant[0].quotas.pinned_bytes"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = "lots"\n',
+     "tenant[0].arena_bytes"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = 0\n',
+     "tenant[0].arena_bytes"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["tcp"]\n'
+     'arena_bytes = "1GiB"\n', "tenant[0].arena_bytes"),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
@@ -88,3 +94,37 @@ def test_hash_token_prints_the_digest_a_file_holds() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == token_digest("s3cret")
     assert "s3cret" not in out.stdout
+
+
+def test_a_tenant_that_maps_memory_has_an_arena_of_its_own(tmp_path: Path) -> None:
+    t = load_tenants(write(tmp_path, f'''
+[[tenant]]
+name = "sized"
+tokens_sha256 = ["{token_digest("1")}"]
+arena_bytes = "3GiB"
+[tenant.quotas]
+host_bytes = "1GiB"
+
+[[tenant]]
+name = "quota"
+tokens_sha256 = ["{token_digest("2")}"]
+transports = ["shm"]
+[tenant.quotas]
+host_bytes = "1GiB"
+
+[[tenant]]
+name = "default"
+tokens_sha256 = ["{token_digest("3")}"]
+transports = ["cuda_ipc", "tcp"]
+
+[[tenant]]
+name = "remote"
+tokens_sha256 = ["{token_digest("4")}"]
+transports = ["tcp"]
+'''))
+    by = t.by_name
+    assert [by[n].maps_memory for n in ("sized", "quota", "default", "remote")] == \
+        [True, True, True, False]
+    assert by["sized"].arena_size(7) == 3 << 30
+    assert by["quota"].arena_size(7) == 1 << 30
+    assert by["default"].arena_size(7) == 7

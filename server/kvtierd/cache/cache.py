@@ -85,8 +85,11 @@ class TieredCache:
     """
 
     def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *, max_namespaces: int,
-                 policy_name: str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
+                 policy_name: str = "lru", clock: Callable[[], float] = time.monotonic,
+                 arena_of: Callable[[str | None], int] = lambda _tenant: 0) -> None:
         self.host = host
+        # the host arena (pool) of a tenant's blocks, fixed for a namespace when registered
+        self.arena_of = arena_of
         self.policy = policy
         self.policy_name = policy_name
         self.residency = HostResidency(host, policy, clock=clock)
@@ -134,7 +137,8 @@ class TieredCache:
                 f"block of {block_bytes} bytes does not fit a slab of {self.host.slab_bytes} bytes"
                 " (raise slab_bytes)", field="namespace.block_bytes")
         ns = NamespaceState(spec.namespace_id, spec, block_bytes,
-                            self.host.slot_bytes_for(block_bytes), last_used=self._clock())
+                            self.host.slot_bytes_for(block_bytes), last_used=self._clock(),
+                            pool=self.arena_of(spec.tenant))
         self.namespaces[ns.id] = ns
         return ns
 
@@ -329,7 +333,7 @@ class TieredCache:
         blocks can be placed by evicting only blocks held below (no-op without a chain)."""
         if self.chain:
             new = sum(1 for k in keys if k not in ns.entries)
-            await self.chain[0].ensure_room(ns.slot_bytes, new)
+            await self.chain[0].ensure_room(ns.slot_bytes, new, pool=ns.pool)
 
     def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
                       transport: Transport) -> tuple[StoreJob | None, bytes, list[int]]:
@@ -350,7 +354,7 @@ class TieredCache:
                 status[i] = StoreStatus.ALREADY_PRESENT
                 c.stores_already_present += 1
                 continue
-            off = None if full else self.residency.allocate(ns.slot_bytes, protect)
+            off = None if full else self.residency.allocate(ns.slot_bytes, protect, ns.pool)
             if off is None:
                 full = True  # nothing evictable for this class now: the rest cannot fit either
                 status[i] = StoreStatus.REJECTED

@@ -298,19 +298,20 @@ class TierLink:
                 tier.release(loc, ns.spec.digest, e.key)
         self.maybe_flush()
 
-    async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5) -> None:
-        """Backpressure before ``count`` new host blocks: flush the coldest host blocks and wait
-        (up to ``timeout_s``) until they can be placed by evicting only blocks this tier holds,
-        so that nothing is lost while the tier keeps up."""
+    async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5, *,
+                          pool: int = 0) -> None:
+        """Backpressure before ``count`` new host blocks in arena ``pool``: flush the coldest
+        host blocks of that arena and wait (up to ``timeout_s``) until they can be placed by
+        evicting only blocks this tier holds, so that nothing is lost while the tier keeps up."""
         host = self.residency.host
         deadline = time.monotonic() + timeout_s
         while self.tier.admitting:
-            need = count * slot_bytes - (host.capacity_bytes - host.used_bytes)
+            need = count * slot_bytes - host.free_bytes(pool)
             waiting = False
             for scanned, e in enumerate(self.residency.policy.victims()):
                 if need <= 0 or scanned >= 4096:
                     break
-                if e.pins or e.promoting is not None:
+                if e.pins or e.promoting is not None or e.ns.pool != pool:
                     continue
                 if e.copy_in(self.level) is None:
                     if not e.flushing:
@@ -369,7 +370,8 @@ class TierLink:
             await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
         pending = self._todo(entries)
         if pending:
-            await self.ensure_room(pending[0].ns.slot_bytes, len(pending))
+            await self.ensure_room(pending[0].ns.slot_bytes, len(pending),
+                                   pool=pending[0].ns.pool)
             pending = self._todo(entries)
         started = self._reserve(pending, protect)
         if started:
@@ -387,7 +389,7 @@ class TierLink:
         loop = asyncio.get_running_loop()
         started: list[Entry] = []
         for e in pending:
-            off = self.residency.allocate(e.ns.slot_bytes, protect)
+            off = self.residency.allocate(e.ns.slot_bytes, protect, e.ns.pool)
             if off is None:
                 break
             e.offset, e.promoting = off, loop.create_future()

@@ -80,7 +80,7 @@ class ClusterLink:
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
         offsets: list[int] = []
         for _ in todo:
-            off = self.residency.allocate(ns.slot_bytes, protect)
+            off = self.residency.allocate(ns.slot_bytes, protect, ns.pool)
             if off is None:
                 break
             offsets.append(off)

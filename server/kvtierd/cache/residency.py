@@ -50,8 +50,9 @@ class HostResidency:
 
     # -- placing blocks ---------------------------------------------------------------------------
 
-    def allocate(self, slot_bytes: int, protect: set[Entry]) -> int | None:
-        """A free slot of ``slot_bytes``, evicting in policy order if needed; None if none can be.
+    def allocate(self, slot_bytes: int, protect: set[Entry], pool: int = 0) -> int | None:
+        """A free slot of ``slot_bytes`` in arena ``pool`` (the namespace's: ``ns.pool``),
+        evicting blocks of that arena in policy order if needed; None if none can be.
 
         Walks victims in policy order and takes whichever comes first: an evictable entry of the
         same size class (its slot is reused), or a slab of another class whose every live slot
@@ -61,34 +62,35 @@ class HostResidency:
         With a storage tier admitting, blocks it already holds are evicted before any it does not.
         A held block (pinned lookup) is evicted only while a copy below remains.
         """
-        off = self.host.alloc(slot_bytes)
+        off = self.host.alloc(slot_bytes, pool)
         if off is not None:
             return off
         if any(link.admitting for link in self.links):
-            off = self._make_room(slot_bytes, protect, clean_only=True, max_scan=1024)
+            off = self._make_room(slot_bytes, protect, pool, clean_only=True, max_scan=1024)
             if off is not None:
                 return off
-        return self._make_room(slot_bytes, protect, clean_only=False)
+        return self._make_room(slot_bytes, protect, pool, clean_only=False)
 
-    def _make_room(self, slot_bytes: int, protect: set[Entry], *, clean_only: bool,
+    def _make_room(self, slot_bytes: int, protect: set[Entry], pool: int, *, clean_only: bool,
                    max_scan: int = 1 << 62) -> int | None:
         groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
         for n, e in enumerate(self.policy.victims()):
             if n >= max_scan:
                 break
-            if e.pins or e.flushing or e in protect or (clean_only and not e.copies) \
+            if e.ns.pool != pool or e.pins or e.flushing or e in protect or \
+                    (clean_only and not e.copies) \
                     or (e.holds and not e.copies):  # a held block keeps its last copy
                 continue
             if e.ns.slot_bytes == slot_bytes:
                 self.evict(e)
-                return self.host.alloc(slot_bytes)
+                return self.host.alloc(slot_bytes, pool)
             slab = self.host.slab_of(e.offset)
             group = groups.setdefault(slab, [])
             group.append(e)
             if len(group) == self.host.live_slots(slab):
                 for victim in group:
                     self.evict(victim)
-                return self.host.alloc(slot_bytes)  # the emptied slab is back in the pool
+                return self.host.alloc(slot_bytes, pool)  # the emptied slab is back in the pool
         return None
 
     def evict(self, e: Entry) -> None:

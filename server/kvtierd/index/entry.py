@@ -106,3 +106,5 @@ class NamespaceState:
     last_used: float = 0.0
     """When an RPC last named it (the cache's clock): an empty namespace idle for
     ``namespace_idle_s`` is forgotten (``TieredCache.expire_idle``)."""
+    pool: int = 0
+    """The host arena its blocks live in (its tenant's; fixed at registration)."""

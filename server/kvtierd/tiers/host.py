@@ -1,6 +1,10 @@
-"""Host tier: one memfd arena carved into slots by size class.
+"""Host tier: memfd arenas carved into slots by size class.
 
-Allocation is the :class:`kvtierd.tiers.slabs.SlabAllocator`'s (offsets are arena offsets).
+Allocation is the :class:`kvtierd.tiers.slabs.SlabAllocator`'s: one pool per arena. Arena 0 is
+the shared one (``host_bytes``); a daemon with tenants adds one arena per tenant whose engines
+map memory (shm, cuda_ipc), so a tenant's mapping holds only its own blocks
+(docs/security.md). Offsets are in the allocator's one linear space; an arena's slots are
+``[base, base + size)`` of it, and what a client that mapped an arena sees is ``offset - base``.
 
 The arena is a memfd (``memfd_create``): the daemon maps it once, and same-host clients map the
 same pages after receiving the fd over a Unix socket (the shm transport), so the daemon never
@@ -71,9 +75,11 @@ class Arena:
 
 
 class HostTier(SlabAllocator, MemoryTier):
-    """The host tier: slot allocator over an :class:`Arena`; knows no keys.
+    """The host tier: slot allocator over :class:`Arena` s, one pool each; knows no keys.
 
-    Owned by the TieredCache; event-loop thread only, no locks.
+    ``arena`` is arena 0 (the shared one); ``add_arena`` adds another (its pool id). Arenas live
+    as long as the tier: a pool never changes hands, so a slot never moves to another arena's
+    owner (nothing needs zeroing). Owned by the TieredCache; event-loop thread only, no locks.
     """
 
     name = "host"
@@ -82,9 +88,27 @@ class HostTier(SlabAllocator, MemoryTier):
     def __init__(self, arena: Arena, *, slab_bytes: int, slot_align_bytes: int) -> None:
         super().__init__(arena.size, slab_bytes=slab_bytes, slot_align_bytes=slot_align_bytes)
         self.arena = arena
+        self.arenas = [arena]
+
+    def add_arena(self, arena: Arena) -> int:
+        """Another arena as a pool of its own (its size a whole number of slabs): the pool id."""
+        assert arena.size % self.slab_bytes == 0, arena.size
+        self.arenas.append(arena)
+        return self.add_pool(arena.size)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return self.arena.slot(offset, nbytes)
+        pool = self.pool_of(offset)
+        return self.arenas[pool].slot(offset - self.pool_bases[pool], nbytes)
+
+    def intact(self) -> bool:
+        """Every arena still has its size and seals."""
+        return all(a.intact() for a in self.arenas)
+
+    def close(self) -> None:
+        for a in self.arenas:
+            a.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes}
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
+                "arenas": [{"capacity_bytes": n, "used_bytes": u}
+                           for n, u in zip(self.pool_bytes, self.pool_used, strict=True)]}

@@ -10,8 +10,15 @@ Primitives (all O(1) amortized):
 * ``slab_of(offset)`` / ``live_slots(slab)``: which slab a slot is in and how many of its slots
   are allocated (the cache uses them to empty exactly one slab for a starving class).
 
-Offsets are in one linear space of ``capacity_bytes``; the host tier maps it onto its arena, the
-NVMe tier onto its block files (slabs never straddle two files).
+Offsets are in one linear space; the host tier maps it onto its arenas, the NVMe tier onto its
+block files (slabs never straddle two files).
+
+**Pools** (``add_pool(nbytes)``): the space is a sequence of pools, each a run of slabs that only
+``alloc(slot_bytes, pool)`` of that pool hands out; a slab emptied returns to its own pool. The
+host tier makes one pool per arena (the shared one, then one per tenant with its own arena:
+kvtierd.tiers.host); pools after the first start one guard slab after the previous one ends, so
+two slots of different pools are never adjacent (a run of adjacent slots is one arena's memory).
+``SlabAllocator(capacity)`` makes pool 0 of that size; the NVMe tier uses only that one.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 @dataclass(eq=False)
 class _Slab:
     base: int
+    pool: int
     slot_bytes: int = 0
     free_slots: dict[int, None] = field(default_factory=dict)  # an ordered set: O(1) claim
     live: int = 0
@@ -34,12 +42,40 @@ class SlabAllocator:
         assert slab_bytes % slot_align_bytes == 0
         self.slab_bytes = slab_bytes
         self.slot_align_bytes = slot_align_bytes
-        self.num_slabs = capacity_bytes // slab_bytes
-        self.capacity_bytes = self.num_slabs * slab_bytes
-        self._slabs = [_Slab(base=i * slab_bytes) for i in range(self.num_slabs)]
-        self._free_slabs = list(reversed(range(self.num_slabs)))
-        self._partial: dict[int, dict[int, _Slab]] = {}  # slot_bytes -> slabs with a free slot
+        self.capacity_bytes = 0
         self.used_bytes = 0  # bytes of allocated slots
+        self._slabs: list[_Slab] = []  # every slab of the space, guards included
+        self._free_slabs: list[list[int]] = []  # per pool
+        # per pool: slot_bytes -> slabs with a free slot
+        self._partial: list[dict[int, dict[int, _Slab]]] = []
+        self.pool_bases: list[int] = []
+        self.pool_bytes: list[int] = []
+        self.pool_used: list[int] = []
+        self.add_pool(capacity_bytes)
+
+    @property
+    def num_slabs(self) -> int:
+        return self.capacity_bytes // self.slab_bytes
+
+    def add_pool(self, nbytes: int) -> int:
+        """A new pool of ``nbytes`` (rounded down to whole slabs) after the last one: its id."""
+        pool = len(self.pool_bases)
+        if pool:
+            self._slabs.append(_Slab(base=len(self._slabs) * self.slab_bytes, pool=-1))  # guard
+        first, n = len(self._slabs), nbytes // self.slab_bytes
+        self._slabs.extend(_Slab(base=(first + i) * self.slab_bytes, pool=pool) for i in range(n))
+        self._free_slabs.append(list(reversed(range(first, first + n))))
+        self._partial.append({})
+        self.pool_bases.append(first * self.slab_bytes)
+        self.pool_bytes.append(n * self.slab_bytes)
+        self.pool_used.append(0)
+        self.capacity_bytes += n * self.slab_bytes
+        return pool
+
+    def pool_of(self, offset: int) -> int:
+        """The pool that holds the slot at ``offset`` (-1: a guard slab, or outside the space)."""
+        index = offset // self.slab_bytes
+        return self._slabs[index].pool if 0 <= index < len(self._slabs) else -1
 
     def slot_bytes_for(self, nbytes: int) -> int:
         a = self.slot_align_bytes
@@ -53,15 +89,15 @@ class SlabAllocator:
         n = self.slab_bytes // slot_bytes
         slab.slot_bytes = slot_bytes
         slab.free_slots = dict.fromkeys(slab.base + i * slot_bytes for i in range(n - 1, -1, -1))
-        self._partial.setdefault(slot_bytes, {})[slab.base] = slab
+        self._partial[slab.pool].setdefault(slot_bytes, {})[slab.base] = slab
         return slab
 
-    def alloc(self, slot_bytes: int) -> int | None:
-        partial = self._partial.setdefault(slot_bytes, {})
+    def alloc(self, slot_bytes: int, pool: int = 0) -> int | None:
+        partial = self._partial[pool].setdefault(slot_bytes, {})
         if not partial:
-            if not self._free_slabs:
+            if not self._free_slabs[pool]:
                 return None
-            self._take_slab(self._free_slabs.pop(), slot_bytes)
+            self._take_slab(self._free_slabs[pool].pop(), slot_bytes)
         base, slab = next(iter(partial.items()))
         offset, _ = slab.free_slots.popitem()  # last in, first out: lowest offset first
         self._taken(slab, slot_bytes)
@@ -70,11 +106,12 @@ class SlabAllocator:
     def claim(self, offset: int, slot_bytes: int) -> bool:
         """Allocate exactly the slot at ``offset``; False if it cannot be (other class, taken)."""
         index = offset // self.slab_bytes
-        if not 0 <= index < self.num_slabs or (offset - index * self.slab_bytes) % slot_bytes:
+        if not 0 <= index < len(self._slabs) or (offset - index * self.slab_bytes) % slot_bytes \
+                or self._slabs[index].pool < 0:
             return False
         slab = self._slabs[index]
         if slab.slot_bytes == 0:
-            self._free_slabs.remove(index)
+            self._free_slabs[slab.pool].remove(index)
             self._take_slab(index, slot_bytes)
         if slab.slot_bytes != slot_bytes or offset not in slab.free_slots:
             return False
@@ -85,8 +122,9 @@ class SlabAllocator:
     def _taken(self, slab: _Slab, slot_bytes: int) -> None:
         slab.live += 1
         if not slab.free_slots:
-            del self._partial[slot_bytes][slab.base]
+            del self._partial[slab.pool][slot_bytes][slab.base]
         self.used_bytes += slot_bytes
+        self.pool_used[slab.pool] += slot_bytes
 
     def free(self, offset: int, slot_bytes: int) -> None:
         slab = self._slabs[offset // self.slab_bytes]
@@ -94,18 +132,26 @@ class SlabAllocator:
         slab.free_slots[offset] = None
         slab.live -= 1
         self.used_bytes -= slot_bytes
-        partial = self._partial[slot_bytes]
+        self.pool_used[slab.pool] -= slot_bytes
+        partial = self._partial[slab.pool][slot_bytes]
         if slab.live == 0:
-            # Whole slab empty: back to the pool so any class can take it.
+            # Whole slab empty: back to its pool so any class can take it.
             partial.pop(slab.base, None)
             slab.free_slots = {}
             slab.slot_bytes = 0
-            self._free_slabs.append(slab.base // self.slab_bytes)
+            self._free_slabs[slab.pool].append(slab.base // self.slab_bytes)
         else:
             partial[slab.base] = slab
 
-    def free_slabs(self) -> int:
-        return len(self._free_slabs)
+    def free_slabs(self, pool: int | None = None) -> int:
+        """Slabs in the pool ``pool`` (every pool's: None)."""
+        if pool is None:
+            return sum(len(f) for f in self._free_slabs)
+        return len(self._free_slabs[pool])
+
+    def free_bytes(self, pool: int) -> int:
+        """Bytes of ``pool`` not in allocated slots."""
+        return self.pool_bytes[pool] - self.pool_used[pool]
 
     def slab_of(self, offset: int) -> int:
         """Index of the slab that holds the slot at ``offset``."""

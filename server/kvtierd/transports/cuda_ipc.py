@@ -33,7 +33,7 @@ import asyncio
 import ctypes
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -87,15 +87,19 @@ class CopyFigures:
 
 
 def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
-         chunk: int = REGISTER_CHUNK) -> list[tuple[int, int, int]]:
+         chunk: int = REGISTER_CHUNK, base: Callable[[int], int] = lambda _slot: 0
+         ) -> list[tuple[int, int, int]]:
     """``(slot offset, buffer offset)`` per block -> ``(slot offset, buffer offset, bytes)``,
     merging blocks whose slots and buffer offsets both follow the previous block's, within one
-    ``chunk`` of the arena (one cudaHostRegister range: a copy spanning two may be staged)."""
+    ``chunk`` of an arena (one cudaHostRegister range: a copy spanning two may be staged);
+    ``base(slot)``: where the slot's arena starts (arenas never touch: kvtierd.tiers.slabs)."""
     out: list[tuple[int, int, int]] = []
     for slot, buf in pairs:
         if out:
             s, b, n = out[-1]
-            if slot == s + n and buf == b + n and (slot + block_bytes - 1) // chunk == s // chunk:
+            start = base(s)
+            if slot == s + n and buf == b + n and \
+                    (slot + block_bytes - 1 - start) // chunk == (s - start) // chunk:
                 out[-1] = (s, b, n + block_bytes)
                 continue
         out.append((slot, buf, block_bytes))
@@ -105,15 +109,16 @@ def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
 class CudaIpcCopier:
     """See the module docstring. Event-loop thread for every public method."""
 
-    def __init__(self, arena: Any, driver: CudaDriver, *, max_buffers_per_session: int = 16,
+    def __init__(self, host: Any, driver: CudaDriver, *, max_buffers_per_session: int = 16,
                  max_buffer_bytes: int = 1 << 40) -> None:
-        self.arena = arena  # kvtierd.tiers.Arena
+        self.host = host  # kvtierd.tiers.HostTier: its arenas, one pool each
         self.driver = driver
         self.max_buffers = max_buffers_per_session
         self.max_buffer_bytes = max_buffer_bytes
         self.figures = CopyFigures()
         self.uuids: list[bytes] = []
-        self._base = 0
+        self._bases: list[int] = []  # per pool: the address of its arena's first byte
+        self._started = False
         self._registered: list[int] = []
         self._buffers: dict[int, CudaBuffer] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
@@ -123,23 +128,40 @@ class CudaIpcCopier:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Learn the devices and page-lock the arena for every CUDA context (blocking: runs
+        """Learn the devices and page-lock every arena for every CUDA context (blocking: runs
         before the daemon is ready; pinning a large arena takes a while)."""
         self.uuids = self.driver.device_uuids()
-        view = self.arena.view
+        self._started = True
+        for pool in range(len(self.host.arenas)):
+            self.add_arena(pool)
+
+    def add_arena(self, pool: int) -> None:
+        """Page-lock the arena of ``pool`` (blocking; at start, or when a tenant's arena is
+        made later). CudaUnavailable if CUDA refuses."""
+        if not self._started:
+            return  # start() registers it
+        view = self.host.arenas[pool].view
         c = ctypes.c_char.from_buffer(view)
-        self._base = ctypes.addressof(c)
+        base = ctypes.addressof(c)
         del c  # no export may outlive this call: the arena's mapping must stay closable
         size = len(view)
         try:
             for start in range(0, size, REGISTER_CHUNK):
-                self.driver.register_host(self._base + start, min(REGISTER_CHUNK, size - start))
-                self._registered.append(self._base + start)
+                self.driver.register_host(base + start, min(REGISTER_CHUNK, size - start))
+                self._registered.append(base + start)
         except CudaFailure as e:
             self.close()
-            raise CudaUnavailable(f"cuda_ipc: cudaHostRegister of the host arena failed: {e}"
+            raise CudaUnavailable(f"cuda_ipc: cudaHostRegister of a host arena failed: {e}"
                                   ) from None
-        log.info("cuda_ipc: %d device(s), arena of %d bytes page-locked", len(self.uuids), size)
+        self._bases.extend([0] * (pool + 1 - len(self._bases)))
+        self._bases[pool] = base
+        log.info("cuda_ipc: %d device(s), arena %d of %d bytes page-locked", len(self.uuids),
+                 pool, size)
+
+    def _address(self, slot: int) -> int:
+        pool: int = self.host.pool_of(slot)
+        base: int = self.host.pool_bases[pool]
+        return self._bases[pool] + slot - base
 
     def close(self) -> None:
         """Close every mapping and unregister the arena (blocking; after the last copy)."""
@@ -239,19 +261,23 @@ class CudaIpcCopier:
             if off + block_bytes > buf.nbytes:
                 raise InvalidArgument(f"block at {off} ends past the {buf.nbytes}-byte buffer",
                                       field="buffer_offsets")
+        host = self.host
         for slot in slots:
-            if slot < 0 or slot + block_bytes > self.arena.size:
-                raise FailedPrecondition(f"slot {slot} outside the arena", field="job_id")
-        return runs(list(zip(slots, buffer_offsets, strict=True)), block_bytes)
+            pool = host.pool_of(slot)
+            if pool < 0 or pool >= len(self._bases) or \
+                    slot + block_bytes > host.pool_bases[pool] + host.pool_bytes[pool]:
+                raise FailedPrecondition(f"slot {slot} outside the arenas", field="job_id")
+        return runs(list(zip(slots, buffer_offsets, strict=True)), block_bytes,
+                    base=lambda s: host.pool_bases[host.pool_of(s)])
 
     async def copy(self, buf: CudaBuffer, plan: Sequence[tuple[int, int, int]],
                    to_device: bool) -> int:
         """Run a validated plan; returns the number of copies. Aborted on a CUDA error."""
-        base = self._base
+        at = self._address
         if to_device:
-            moves = [(buf.address + b, base + s, n) for s, b, n in plan]
+            moves = [(buf.address + b, at(s), n) for s, b, n in plan]
         else:
-            moves = [(base + s, buf.address + b, n) for s, b, n in plan]
+            moves = [(at(s), buf.address + b, n) for s, b, n in plan]
         buf.busy += 1
         try:
             await self._on(buf.device, self.driver.copy, buf.device, moves, to_device)

@@ -1,5 +1,9 @@
-"""shm fd server: gives the host arena's memfd, and namespaces' published indexes, to
+"""shm fd server: gives a session's host arena memfd, and namespaces' published indexes, to
 same-host clients.
+
+Which arena: the one ``arena(session)`` names (kvtierd.app: the shared arena on a single-tenant
+daemon, the tenant's own arena on a daemon with tenants; a session with none is refused). A
+client therefore maps only memory that holds its own tenant's blocks.
 
 Handshakes on a Unix stream socket (one exchange per connection, then the daemon closes it),
 stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``)
@@ -50,20 +54,20 @@ class ShmFdServer(ServerTransport):
 
     name = "shm"
 
-    def __init__(self, path: str, arena_fd: int, arena_bytes: int, boot_epoch: int,
-                 sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
+    def __init__(self, path: str, arena: Callable[[Session], tuple[int, int] | None],
+                 boot_epoch: int, sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
                  max_connections: int = 128,
                  index: Callable[[int, int], tuple[int, int, int]] | None = None,
                  index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
                  peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True) -> None:
-        """``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
+        """``arena(session)``: the fd and size of the arena that session maps, or None (refused).
+        ``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
         published index (the caller here closes it), its size and generation; raises a
         KvtierError or OSError to refuse. None: index requests are refused.
         ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
         index (the daemon stops publishing one that no channel reads)."""
         self.path = os.path.abspath(path)
-        self._fd = arena_fd
-        self._bytes = arena_bytes
+        self._arena = arena
         self._epoch = boot_epoch
         self._sessions = sessions
         self._sock: socket.socket | None = None
@@ -142,9 +146,14 @@ class ShmFdServer(ServerTransport):
                     raise FailedPrecondition(f"session {session_id} was opened for the tcp "
                                              "transport: the arena is not handed to it",
                                              field="transport")
+                mapped = self._arena(session)
+                if mapped is None:  # a tenant whose own arena could not be made: never another
+                    raise FailedPrecondition(f"tenant {session.tenant} has no arena of its own "
+                                             "(see the daemon's log)", field="transport")
+                fd, size = mapped
                 conn.setblocking(True)
-                reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, self._bytes, self._epoch)
-                socket.send_fds(conn, [reply], [self._fd])
+                reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, size, self._epoch)
+                socket.send_fds(conn, [reply], [fd])
                 self.handed_out += 1
             except (KvtierError, ValueError) as e:
                 _refuse(conn, e)

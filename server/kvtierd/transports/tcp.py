@@ -397,7 +397,8 @@ class DataChannelServer(ServerTransport):
         self._cap_log = RateLimitedLog(log, 10.0)
 
     async def start(self) -> None:
-        populate_arena(self._cache.host.arena.mm, self._cache.host.arena.fd)
+        for arena in self._cache.host.arenas:  # (an arena made by a later reload is not)
+            populate_arena(arena.mm, arena.fd)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: DataChannelProtocol(self._cache, self._sessions, self), self.host, self.port,
