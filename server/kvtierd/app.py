@@ -41,9 +41,9 @@ from kvtierd.index import Entry
 from kvtierd.index.published import Publishers
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
-from kvtierd.service import KvtierService, add_to_server
+from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.tenants import Tenants, load_tenants
+from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
@@ -156,6 +156,15 @@ class Daemon:
                 self.cuda.copier.add_arena(pool)
             self._tenant_arenas[t.name] = pool
             log.info("tenant %s: arena of %d bytes", t.name, size)
+
+    def _metrics_caller(self, token: str | None) -> tuple[bool, Tenant | None]:
+        """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a
+        tenant's token sees that tenant's figures, the operator's everything, none: 401."""
+        tenants = self.service.tenants
+        if tenants is None:
+            return True, None
+        caller = tenants.authenticate(token)
+        return caller is not None, caller
 
     def _arena_of(self, tenant: str | None) -> int:
         """The arena (pool) of ``tenant``'s blocks: its own, or the shared one (0)."""
@@ -298,7 +307,8 @@ class Daemon:
             os.chmod(self._socket_path(), 0o660)  # engines of the same group may connect
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
-                                         asyncio.get_running_loop(), self.snapshot)
+                                         asyncio.get_running_loop(), self.snapshot,
+                                         authorize=self._metrics_caller)
             self.metrics.start()
             self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
@@ -354,9 +364,18 @@ class Daemon:
                 health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(NVME_HEALTH_NAME, status)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Stats as plain data (event-loop thread): the Stats reply plus RPC figures."""
-        snap = to_dict(self.service.stats_reply())
+    def snapshot(self, caller: Tenant | None = None) -> dict[str, Any]:
+        """Stats as plain data (event-loop thread): the Stats reply plus RPC figures; for a
+        tenant's credential (not the operator's), the Stats reply it would get and nothing
+        daemon-wide (RPC errors and latency, connections, published indexes)."""
+        scope = CALLER.set(caller)
+        try:
+            snap = to_dict(self.service.stats_reply())
+        finally:
+            CALLER.reset(scope)
+        if caller is not None and not caller.operator:
+            snap.update(rpc_errors={}, rpc_latency={}, connections={}, published={})
+            return snap
         errors: dict[str, dict[str, int]] = {}
         for (method, code), n in self.service.errors.items():
             errors.setdefault(method, {})[code] = n

@@ -216,6 +216,7 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.slab_bytes >= cfg.slot_align_bytes and cfg.slab_bytes % cfg.slot_align_bytes == 0,
          "slab_bytes", "must be a positive multiple of slot_align_bytes")
     need(cfg.host_bytes >= cfg.slab_bytes, "host_bytes", "must hold at least one slab")
+    need(cfg.tenant_arena_bytes > 0, "tenant_arena_bytes", "must be > 0")
     need(cfg.eviction_policy in get_args(PolicyName), "eviction_policy", "must be 'lru' or 'arc'")
     need(cfg.min_lease_ttl_s > 0, "min_lease_ttl_s", "must be > 0")
     need(cfg.max_lease_ttl_s >= cfg.min_lease_ttl_s, "max_lease_ttl_s",
@@ -285,6 +286,11 @@ def validate(cfg: DaemonConfig) -> None:
              "data_listen", f"{cfg.data_listen} is not a loopback address: serve TLS there "
              "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
              "allow_plaintext_remote = true (--allow-plaintext-remote)")
+        need(not cfg.tenants_file or cfg.metrics_port < 0 or
+             is_loopback(f"{cfg.metrics_host}:{cfg.metrics_port}"), "metrics_host",
+             f"{cfg.metrics_host} is not a loopback address: with tenants, /metrics takes "
+             "bearer tokens, which plaintext HTTP would carry in the clear; bind it to loopback "
+             "or set allow_plaintext_remote = true (--allow-plaintext-remote)")
 
 
 def is_loopback(hostport: str) -> bool:

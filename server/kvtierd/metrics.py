@@ -236,16 +236,22 @@ class MetricsServer:
     """
 
     def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
-                 snapshot: Callable[[], Snapshot], *, workers: int = 4,
+                 snapshot: Callable[[Any], Snapshot], *, workers: int = 4,
                  read_timeout_s: float = 5.0, write_timeout_s: float = 5.0,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64,
+                 authorize: Callable[[str | None], tuple[bool, Any]] = lambda _t: (True, None)
+                 ) -> None:
+        """``snapshot(caller)`` (on the loop): the figures ``caller`` may see.
+        ``authorize(bearer token or None)`` -> (allowed, caller): a request that is not
+        allowed is answered 401 (a daemon with tenants: kvtierd.app)."""
         self.host, self.port = host, port
         self._loop = loop
         self._snapshot = snapshot
+        self._authorize = authorize
         self.workers, self.max_connections = workers, max_connections
         self.read_timeout_s, self.write_timeout_s = read_timeout_s, write_timeout_s
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvtierCollector(self._threadsafe_snapshot))
+        self.registry.register(KvtierCollector(lambda: self._threadsafe_snapshot(None)))
         self._sock: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -260,9 +266,9 @@ class MetricsServer:
         self._accept_log = RateLimitedLog(log, LOG_INTERVAL_S)
         self._error_log = RateLimitedLog(log, LOG_INTERVAL_S)
 
-    def _threadsafe_snapshot(self) -> Snapshot:
+    def _threadsafe_snapshot(self, caller: Any) -> Snapshot:
         async def take() -> Snapshot:
-            return self._snapshot()
+            return self._snapshot(caller)
 
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=5)
 
@@ -381,18 +387,29 @@ class MetricsServer:
             conn.setblocking(True)
             conn.settimeout(self.write_timeout_s)
             method, path = _request_line(head)
+            allowed, caller = self._authorize(_bearer(head))
+            extra = ""
             if method not in ("GET", "HEAD"):
                 status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
             elif path.split("?", 1)[0] not in ("/metrics", "/"):
                 status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
+            elif not allowed:
+                status, ctype = "401 Unauthorized", "text/plain"
+                body = b"a bearer token of a tenant or the operator is needed\n"
+                extra = 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
             else:
+                registry = self.registry
+                if caller is not None:  # this caller's own figures (a registry per request)
+                    registry = CollectorRegistry(auto_describe=False)
+                    registry.register(KvtierCollector(
+                        lambda: self._threadsafe_snapshot(caller)))
                 try:
-                    status, body, ctype = "200 OK", generate_latest(self.registry), \
+                    status, body, ctype = "200 OK", generate_latest(registry), \
                         CONTENT_TYPE_LATEST
                 except Exception as e:  # noqa: BLE001  (a scrape must never kill a worker)
                     log.warning("metrics: rendering failed: %s", e)
                     status, body, ctype = "500 Internal Server Error", b"error\n", "text/plain"
-            reply = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+            reply = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n{extra}"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
             try:
                 conn.sendall(reply + (body if method != "HEAD" else b""))
@@ -412,6 +429,17 @@ class MetricsServer:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _bearer(head: bytes) -> str | None:
+    """The bearer token of a request head's ``Authorization`` header, or None."""
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip().decode("latin-1")
+    return None
 
 
 def _request_line(head: bytes) -> tuple[str, str]:

@@ -557,9 +557,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             total = Counters()
             for ns in visible:
                 total.add(ns.counters)
-            reply = pb.StatsReply(
+            reply = pb.StatsReply(  # the capacity of the arena its blocks live in
                 boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
-                total=_counters(total), host_capacity_bytes=host["capacity_bytes"],
+                total=_counters(total),
+                host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope)],
                 host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes
                                     for ns in visible),
                 sessions=len(self.sessions.of_tenant(scope)))

@@ -53,6 +53,9 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("listen", {"listen": "127.0.0.1:99999"}),
     ("listen", {"listen": "", "socket_path": ""}),  # no way to reach the daemon
     ("data_listen", {"data_listen": "localhost:port"}),
+    # with tenants, /metrics takes tokens: not in plaintext off the host
+    ("metrics_host", {"tenants_file": "t.toml", "metrics_host": "0.0.0.0"}),
+    ("tenant_arena_bytes", {"tenant_arena_bytes": -1}),
     ("extra", {"extra": {"hots_bytes": 1}}),
     # wrong types are named too (a config file can hold anything)
     ("host_bytes", {"host_bytes": "1GiB"}),

@@ -63,7 +63,7 @@ class NoDescriptors:
 
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:
-    m = MetricsServer("127.0.0.1", 0, asyncio.new_event_loop(), lambda: {}, max_connections=1)
+    m = MetricsServer("127.0.0.1", 0, asyncio.new_event_loop(), lambda _caller: {}, max_connections=1)
     yield m
     m.close()
 
