@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--token-file", default=None,
                     help="file holding this tenant's bearer token (a daemon with tenants; an "
                          "operator's token sees every namespace); or KVTIER_TOKEN_FILE")
+    st.add_argument("--unix-login", action="store_true",
+                    help="no token: log in as this Unix user (a tenant with unix_login; a Unix "
+                         "socket address)")
     st.add_argument("--tls-ca", help="PEM CA of a daemon whose TCP listener serves TLS")
     st.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
     st.add_argument("--tls-key", help="PEM key of --tls-cert")
@@ -109,7 +112,9 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         client = Client(args.address or defaults.default_address(), "tcp",
                         timeout_s=args.timeout_s, heartbeat=False,
-                        token_file=args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
+                        token_file=None if args.unix_login else
+                        args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
+                        unix_login=args.unix_login,
                         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     except KvtierError as e:
         print(f"kvtier stats: {e}", file=sys.stderr)

@@ -91,6 +91,11 @@ class Client(Session):
         """The daemon's Stats figures as a dict (raises Unavailable when it is away)."""
         with self._conn_lock:
             self._channel_open()
+            if self._login_path and not self.connected:
+                try:
+                    self._login(self.timeout_s)
+                except Away as e:
+                    raise errors.Unavailable(str(e)) from None
         try:
             reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:

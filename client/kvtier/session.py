@@ -33,6 +33,7 @@ import grpc
 from kvtier.addresses import address_target, grpc_host
 from kvtier.breaker import Breaker
 from kvtier.local_index import LocalIndexes
+from kvtier.login import shm_socket_of, unix_login
 from kvtier.results import ClientCounters
 from kvtier.transports import DataTransport, make_transport
 from kvtier_contract import errors
@@ -158,7 +159,7 @@ class Session:
                  op_timeout_s: float = 30.0, local_lookups: bool = True,
                  token: str | None = None, token_file: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None,
+                 tls_key: str | None = None, unix_login: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
@@ -170,7 +171,9 @@ class Session:
         refuses calls without one; docs/security.md). Never logged. ``tls_ca``: PEM CA of a
         daemon whose TCP listener (and so its TCP data channel) serves TLS (``tls_cert`` /
         ``tls_key``: this client's certificate, for mTLS); on a Unix socket address gRPC stays
-        plaintext and the files only verify the data channel."""
+        plaintext and the files only verify the data channel. ``unix_login``: no token; this
+        process's Unix user logs in on the daemon's socket at every session open and gets its
+        tenant's token (:mod:`kvtier.login`; a Unix socket address only)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -184,6 +187,12 @@ class Session:
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
         self._metadata = bearer_metadata(token, token_file)
+        self._login_path = ""
+        if unix_login:
+            if self._metadata:
+                raise errors.InvalidArgument("give a token or log in as the Unix peer, not both",
+                                             field="unix_login")
+            self._login_path = shm_socket_of(self.address)
         self._tls = _tls_credentials(tls_ca, tls_cert, tls_key)
         self._tls_files = (tls_ca, tls_cert, tls_key)  # for a TLS data channel
         self.counters = ClientCounters()
@@ -327,6 +336,8 @@ class Session:
         """OpenSession, attach the transport, register every namespace (caller holds
         ``_conn_lock``); each RPC within ``timeout``. Away when the daemon does not answer."""
         self._channel_open()
+        if self._login_path:  # a fresh token per session: a restarted daemon knows none
+            self._login(timeout)
         try:
             reply = self._stub.OpenSession(pb.OpenSessionRequest(
                 client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
@@ -362,6 +373,15 @@ class Session:
                 handle.register_retry_at = self._clock() + REGISTER_RETRY_S
                 self.counters.last_error = f"RegisterNamespace: {e}"
 
+    def _login(self, timeout: float) -> None:
+        """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away
+        when the daemon refuses or cannot be reached (the engine recomputes meanwhile)."""
+        try:
+            token = unix_login(self._login_path, timeout)
+        except errors.KvtierError as e:
+            raise Away(f"Unix login: {e}") from None
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
     def _channel_open(self) -> None:
         if self._channel is None:
             options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
@@ -371,8 +391,8 @@ class Session:
             else:
                 self._channel = grpc.insecure_channel(self.address, options=options)
             channel = self._channel
-            if self._metadata:
-                channel = grpc.intercept_channel(channel, _WithMetadata(self._metadata))
+            if self._metadata or self._login_path:
+                channel = grpc.intercept_channel(channel, _WithMetadata(lambda: self._metadata))
             self._stub = pb_grpc.KvtierStub(channel)
 
     def _register(self, handle: Registered, timeout: float) -> None:
@@ -686,11 +706,11 @@ def bearer_metadata(token: str | None, token_file: str | None) -> tuple[tuple[st
 class _WithMetadata(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Adds the credential to every unary call of a channel."""
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
+    def __init__(self, metadata: Callable[[], tuple[tuple[str, str], ...]]) -> None:
+        self._metadata = metadata  # read per call: a Unix login renews it at each session open
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        md = tuple(details.metadata or ()) + self._metadata
+        md = tuple(details.metadata or ()) + self._metadata()
         return continuation(_Details(details.method, details.timeout, md, details.credentials,
                                      details.wait_for_ready, details.compression), request)
 

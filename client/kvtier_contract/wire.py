@@ -76,6 +76,16 @@ SHM_REQUEST = struct.Struct("<4sQ")  # magic, session_id
 SHM_REPLY = struct.Struct("<4sQQ")  # magic, arena_bytes, boot_epoch
 SHM_MAX_ERROR_BYTES = 1000
 
+# -- the Unix peer login (docs/security.md), on the same socket, one exchange per connection: the
+# daemon reads the peer's uid/gid (SO_PEERCRED) and, when a tenant of its tenants file logs in by
+# them (``unix_login``), mints a bearer token for it:
+#   client -> daemon:  LOGIN_MAGIC 0:u64le                    (SHM_REQUEST's size)
+#   daemon -> client:  LOGIN_MAGIC length:u64le token (ASCII, length bytes, at most LOGIN_MAX)
+#                  or  SHM_REFUSED utf-8 message
+LOGIN_MAGIC = b"KVL1"
+LOGIN_REPLY = struct.Struct("<4sQ")  # magic, token length; the token follows
+LOGIN_MAX_TOKEN_BYTES = 256
+
 
 def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int = 0) -> bytes:
     return HEADER.pack(MAGIC, op, job_id, index, status, length)

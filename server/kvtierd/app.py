@@ -163,7 +163,7 @@ class Daemon:
         tenants = self.service.tenants
         if tenants is None:
             return True, None
-        caller = tenants.authenticate(token)
+        caller = self.service.caller_of(token)
         return caller is not None, caller
 
     def _arena_of(self, tenant: str | None) -> int:
@@ -296,7 +296,7 @@ class Daemon:
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
                               index=self._index_handout, index_hold=self.published.hold,
-                              peer_ok=self._peer_ok)
+                              peer_ok=self._peer_ok, login=self.service.unix_login)
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path

@@ -53,7 +53,7 @@ from kvtierd.index import NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
-from kvtierd.tenants import Tenant, Tenants
+from kvtierd.tenants import Tenant, Tenants, UnixLogins
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
@@ -89,14 +89,14 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
         t0 = time.perf_counter()
         caller = None
         if self.tenants is not None:
-            caller = self.tenants.authenticate(_bearer(context)) or \
+            caller = self.caller_of(_bearer(context)) or \
                 self.tenants.by_certificate(_cert_names(context))
             if caller is None:
                 self.count_error(name, "UNAUTHENTICATED")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                     "a credential is required: metadata 'authorization: Bearer "
-                                    "<token>' with a token of the daemon's tenants file, or a "
-                                    "client certificate of a tenant (mTLS)")
+                                    "<token>' with a token of the daemon's tenants file or of a "
+                                    "Unix peer login, or a client certificate of a tenant (mTLS)")
         CALLER.set(caller)
         if admitted and self.inflight >= self.max_inflight:
             self.count_error(name, "RESOURCE_EXHAUSTED")
@@ -206,8 +206,35 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
         self.tenants: Tenants | None = None
         """Set (and swapped on reload) by the daemon when it has a tenants file."""
+        self.unix_logins = UnixLogins()
+        """Tokens minted for Unix peers (the shm socket's login)."""
 
     # -- tenancy: every id a caller names is checked against the caller's tenant ------------------
+
+    def caller_of(self, token: str | None) -> Tenant | None:
+        """The tenant a bearer token is: one of the tenants file's, or one minted by a Unix peer
+        login while the current file still logs that peer in as that tenant (a reload may have
+        changed it: then the token is no credential)."""
+        tenants = self.tenants
+        assert tenants is not None
+        if token is not None and token.startswith(UnixLogins.PREFIX):
+            minted = self.unix_logins.authenticate(token)
+            if minted is None:
+                return None
+            who = tenants.by_unix_peer(minted[1], minted[2])
+            return who if who is not None and who.name == minted[0] else None
+        return tenants.authenticate(token)
+
+    def unix_login(self, uid: int, gid: int) -> str:
+        """A token for the tenant that Unix peer ``uid``/``gid`` logs in as (shm socket)."""
+        if self.tenants is None:
+            raise FailedPrecondition("this daemon has no tenants: no credential is needed",
+                                     field="login")
+        who = self.tenants.by_unix_peer(uid, gid)
+        if who is None:
+            raise PermissionDenied(f"no tenant logs in Unix peer uid {uid} gid {gid}",
+                                   field="login")
+        return self.unix_logins.login(who.name, uid, gid)
 
     @staticmethod
     def _scope() -> str | None:

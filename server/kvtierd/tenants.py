@@ -7,6 +7,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     tokens_sha256 = ["<64 hex: sha256 of a bearer token>", ...]   # several: rotation
     unix_uids = [1000]          # shm handshakes only from these uids/gids ([] = any)
     unix_gids = []
+    unix_login = false          # true: a Unix peer with one of these uids/gids is this tenant
+                                # without a token (it logs in on the shm socket: SO_PEERCRED)
     mtls_names = ["team-a.kvtier"]   # client certificates (CN or DNS name) that are this tenant
     operator = false            # an operator sees and may act on every tenant's namespaces
     transports = ["tcp"]        # transports its sessions may use (default: all)
@@ -29,7 +31,10 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
-``mtls_names`` (a token wins when both are there); the daemon
+``mtls_names`` (a token wins when both are there), or a token the daemon minted for its Unix
+peer (:class:`UnixLogins`: grpcio does not show a Unix socket's peer credentials to a handler,
+so a same-host client proves its uid/gid on the shm socket, where SO_PEERCRED is read, and
+presents the token it got there on the gRPC socket); the daemon
 keeps only SHA-256 digests and compares them with ``hmac.compare_digest`` against every
 tenant's (no early exit), so neither the file nor a timing tells a token. Without a tenants
 file the daemon is single-tenant (no credential asked, as before).
@@ -40,9 +45,15 @@ thread). Pure data otherwise.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import secrets
+import threading
+import time
 import tomllib
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +64,7 @@ _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_byt
            "pinned_bytes", "nvme_bytes")
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
-                "transports", "mtls_names", "max_lease_s", "arena_bytes"}
+                "transports", "mtls_names", "max_lease_s", "arena_bytes", "unix_login"}
 MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
 """Transports whose clients map host memory: their tenants get an arena of their own."""
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
@@ -84,6 +95,7 @@ class Tenant:
     mtls_names: frozenset[str] = frozenset()
     max_lease_s: float | None = None
     arena_bytes: int | None = None  # asked for in the file (see ``maps_memory``)
+    unix_login: bool = False  # its unix_uids / unix_gids are a credential (UnixLogins)
 
     @property
     def maps_memory(self) -> bool:
@@ -113,6 +125,12 @@ class Tenants:
         self.by_name = {t.name: t for t in tenants}
         self._digests = [(d, t) for t in tenants for d in t.token_sha256]
         self._mtls = {n: t for t in tenants for n in t.mtls_names}
+        logins = [t for t in tenants if t.unix_login]
+        self._login_uids = {u: t for t in logins for u in t.unix_uids}
+        self._login_gids: dict[int, Tenant | None] = {}
+        for t in logins:
+            for g in t.unix_gids:  # a gid two tenants log in by: neither (ambiguous)
+                self._login_gids[g] = None if g in self._login_gids else t
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -128,6 +146,11 @@ class Tenants:
                 found = t
         return found
 
+
+    def by_unix_peer(self, uid: int, gid: int) -> Tenant | None:
+        """The ``unix_login`` tenant a Unix peer is (its uid listed, else its gid), or None."""
+        t = self._login_uids.get(uid)
+        return t if t is not None else self._login_gids.get(gid)
 
     def by_certificate(self, names: list[str]) -> Tenant | None:
         """The tenant of a verified client certificate (its CN and DNS names), or None."""
@@ -163,6 +186,13 @@ def load_tenants(path: str | Path) -> Tenants:
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
         raise ValueError(f"tenant: names must be unique, got {names}")
+    login_uids: dict[int, str] = {}
+    for i, t in enumerate(tenants):
+        for u in t.unix_uids if t.unix_login else ():
+            if u in login_uids:
+                raise ValueError(f"tenant[{i}].unix_uids: uid {u} already logs in as tenant "
+                                 f"{login_uids[u]}")
+            login_uids[u] = t.name
     return Tenants(tenants, str(p))
 
 
@@ -201,9 +231,15 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     names = entry.get("mtls_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"{where}.mtls_names: expected a list of non-empty strings")
-    if not digests and not names:
-        raise ValueError(f"{where}.tokens_sha256: at least one token or mtls_names entry (a "
-                         "tenant is known only by its credential)")
+    unix_login = entry.get("unix_login", False)
+    if not isinstance(unix_login, bool):
+        raise ValueError(f"{where}.unix_login: expected true or false")
+    if unix_login and not ids["unix_uids"] and not ids["unix_gids"]:
+        raise ValueError(f"{where}.unix_login: needs unix_uids or unix_gids (the peers that "
+                         "log in as this tenant)")
+    if not digests and not names and not unix_login:
+        raise ValueError(f"{where}.tokens_sha256: at least one token, mtls_names entry or "
+                         "unix_login (a tenant is known only by its credential)")
     transports = entry.get("transports", list(_TRANSPORTS))
     if not isinstance(transports, list) or not transports or \
             not all(t in _TRANSPORTS for t in transports):
@@ -223,7 +259,8 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
                              "(a tcp-only tenant's blocks live in the shared arena)")
     return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
                   _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
-                  frozenset(names), None if max_lease is None else float(max_lease), arena)
+                  frozenset(names), None if max_lease is None else float(max_lease), arena,
+                  unix_login)
 
 
 def _quotas(raw: Any, where: str) -> Quotas:
@@ -240,3 +277,68 @@ def _quotas(raw: Any, where: str) -> Quotas:
             raise ValueError(f"{where}.{key}: expected a non-negative integer")
         values[key] = v
     return Quotas(**values)
+
+
+class UnixLogins:
+    """Bearer tokens minted for Unix peers that logged in on the shm socket (``login``), and
+    their tenants (``authenticate``).
+
+    A token is 32 random bytes (``unix.`` + base64url), kept as its SHA-256 only. It is the
+    tenant's while it is used: one unused for ``idle_s`` is forgotten (a heartbeat keeps a
+    live client's), and each tenant holds at most ``per_tenant`` (a new login replaces that
+    tenant's least recently used, never another tenant's), so the table is bounded and one
+    tenant logging in without end costs the others nothing. Tokens live in memory only: a
+    restarted daemon knows none, and clients log in again when they reconnect.
+
+    Thread-safety: one lock (gRPC handlers on the loop, /metrics on its threads).
+    """
+
+    PREFIX = "unix."
+
+    def __init__(self, *, idle_s: float = 900.0, per_tenant: int = 256,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s, self.per_tenant = idle_s, per_tenant
+        self._clock = clock
+        self._lock = threading.Lock()
+        # tenant -> token digest -> last use, least recently used first
+        self._by_tenant: dict[str, OrderedDict[bytes, float]] = {}
+        self._tenant_of: dict[bytes, tuple[str, int, int]] = {}  # -> tenant, peer uid, gid
+        self.logins = 0
+
+    def login(self, tenant: str, uid: int, gid: int) -> str:
+        """A new token for ``tenant``, logged in by Unix peer ``uid``/``gid`` (the caller
+        checked that the peer is that tenant: Tenants.by_unix_peer)."""
+        raw = secrets.token_bytes(32)
+        token = self.PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        digest = hashlib.sha256(token.encode()).digest()
+        with self._lock:
+            mine = self._by_tenant.setdefault(tenant, OrderedDict())
+            while len(mine) >= self.per_tenant:
+                old, _ = mine.popitem(last=False)
+                del self._tenant_of[old]
+            mine[digest] = self._clock()
+            self._tenant_of[digest] = (tenant, uid, gid)
+            self.logins += 1
+        return token
+
+    def authenticate(self, token: str | None) -> tuple[str, int, int] | None:
+        """The tenant and Unix peer of a live minted token (its use renews it), or None."""
+        if not token or not token.startswith(self.PREFIX):
+            return None
+        digest = hashlib.sha256(token.encode()).digest()
+        now = self._clock()
+        with self._lock:
+            who = self._tenant_of.get(digest)
+            if who is None:
+                return None
+            mine = self._by_tenant[who[0]]
+            if now - mine[digest] > self.idle_s:
+                del mine[digest], self._tenant_of[digest]
+                return None
+            mine[digest] = now
+            mine.move_to_end(digest)
+            return who
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tenant_of)

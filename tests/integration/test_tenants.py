@@ -492,3 +492,97 @@ def test_metrics_show_a_tenant_only_its_own_namespaces(tenants: DaemonProcess) -
     code, ops = _scrape(tenants, TOKENS["ops"])
     assert code == 200 and 'model="org/model-of-a"' in ops and 'model="org/model-of-b"' in ops
     assert 'method="RegisterNamespace"' in ops
+
+
+def _login_file(path: Path, uid: int) -> Path:
+    path.write_text(f'[[tenant]]\nname = "team-u"\nunix_login = true\nunix_uids = [{uid}]\n\n'
+                    f'[[tenant]]\nname = "team-a"\ntokens_sha256 = ["{digest(TOKENS["team-a"])}"]\n')
+    return path
+
+
+@pytest.fixture
+def logins(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{_login_file(tmp_path / "tenants.toml", os.getuid())}"\n')
+    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB",
+                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    return d
+
+
+def _raw_login(d: DaemonProcess) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(d.info["shm"])
+        s.sendall(wire.SHM_REQUEST.pack(wire.LOGIN_MAGIC, 0))
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_unix_peer_logs_in_as_its_tenant_without_a_token(logins: DaemonProcess,
+                                                          transport: str) -> None:
+    with kvtier.Client.connect(logins.unix, transport=transport,  # type: ignore[arg-type]
+                               unix_login=True) as u:
+        ns = u.register(ns_of("team-u"))
+        keys = ns.block_keys(list(range(16 * 4)))
+        data = [bytes([i]) * ns.block_bytes for i in range(4)]
+        assert ns.put(keys, data).stored == 4
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data
+        assert [n["model_id"] for n in u.stats()["namespaces"]] == ["test/model"]
+    with client(logins, "team-a") as a:  # another tenant sees none of team-u's
+        a.register(ns_of("team-a"))
+        assert len(a.stats()["namespaces"]) == 1
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", logins.unix,
+                          "--unix-login", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"namespaces"' in out.stdout
+
+
+def test_a_minted_token_is_a_credential_only_while_its_tenant_logs_in_so(
+        logins: DaemonProcess, tmp_path: Path) -> None:
+    reply = _raw_login(logins)
+    magic, n = wire.LOGIN_REPLY.unpack_from(reply)
+    token = reply[wire.LOGIN_REPLY.size:].decode()
+    assert magic == wire.LOGIN_MAGIC and n == len(token) and token.startswith("unix.")
+    ok = Raw(logins, None)
+    ok.md = (("authorization", f"Bearer {token}"),)
+    assert ok("Stats", pb.StatsRequest()).boot_epoch
+    forged = Raw(logins, None)
+    forged.md = (("authorization", f"Bearer {token[:-4]}AAAA"),)
+    assert forged.code("Stats", pb.StatsRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+    # a reload that stops team-u logging in by uid: its minted tokens stop working at once
+    _login_file(tmp_path / "tenants.toml", os.getuid() + 1)
+    assert logins.proc is not None
+    logins.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            ok("Stats", pb.StatsRequest())
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # ...and this uid no longer logs in: refused, naming why; an SDK client gets misses
+    refused = _raw_login(logins)
+    assert refused.startswith(wire.SHM_REFUSED) and b"no tenant logs in Unix peer" in refused
+    with kvtier.Client.connect(logins.unix, transport="shm", unix_login=True) as u:
+        ns = u.register(ns_of("team-u"))
+        keys = ns.block_keys(list(range(16)))
+        assert ns.put(keys, [b"\0" * ns.block_bytes]).stored == 0
+        assert ns.get(keys) == [None]
+        assert "no tenant logs in Unix peer" in (u.counters.last_error or "")
+    ok.channel.close()
+    forged.channel.close()
+
+
+def test_unix_login_is_refused_without_tenants_and_with_a_token(daemon: DaemonProcess) -> None:
+    refused = _raw_login(daemon)
+    assert refused.startswith(wire.SHM_REFUSED) and b"no tenants" in refused
+    with pytest.raises(errors.InvalidArgument) as e:
+        kvtier.Client.connect(daemon.unix, token="t", unix_login=True)
+    assert e.value.field == "unix_login"
+    with pytest.raises(errors.InvalidArgument):
+        kvtier.Client.connect(daemon.grpc, transport="tcp", unix_login=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.tenants import load_tenants, token_digest
+from kvtierd.tenants import UnixLogins, load_tenants, token_digest
 
 GOOD = hashlib.sha256(b"tok").hexdigest()
 
@@ -128,3 +128,61 @@ transports = ["tcp"]
     assert by["sized"].arena_size(7) == 3 << 30
     assert by["quota"].arena_size(7) == 1 << 30
     assert by["default"].arena_size(7) == 7
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ('[[tenant]]\nname = "u"\nunix_login = true\n', "tenant[0].unix_login"),
+    ('[[tenant]]\nname = "u"\nunix_login = "yes"\nunix_uids = [5]\n', "tenant[0].unix_login"),
+    ('[[tenant]]\nname = "u"\nunix_login = true\nunix_uids = [5]\n'
+     '[[tenant]]\nname = "v"\nunix_login = true\nunix_uids = [5]\n', "tenant[1].unix_uids"),
+])
+def test_a_bad_unix_login_names_the_field(tmp_path: Path, body: str, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_tenants(write(tmp_path, body))
+    assert str(e.value).startswith(f"{field}:"), str(e.value)
+
+
+def test_unix_peers_log_in_by_uid_then_gid(tmp_path: Path) -> None:
+    t = load_tenants(write(tmp_path, f'''
+[[tenant]]
+name = "by-uid"
+unix_login = true
+unix_uids = [1000]
+unix_gids = [50]
+
+[[tenant]]
+name = "by-gid"
+unix_login = true
+unix_gids = [60, 70]
+
+[[tenant]]
+name = "other"
+unix_login = true
+unix_gids = [70]
+
+[[tenant]]
+name = "tokens-only"
+tokens_sha256 = ["{GOOD}"]
+unix_uids = [2000]
+'''))
+    assert t.by_unix_peer(1000, 60).name == "by-uid"  # type: ignore[union-attr]
+    assert t.by_unix_peer(1, 60).name == "by-gid"  # type: ignore[union-attr]
+    assert t.by_unix_peer(1, 70) is None  # two tenants log in by gid 70: neither
+    assert t.by_unix_peer(2000, 1) is None  # its uid only gates shm handshakes
+
+
+def test_minted_tokens_are_bounded_per_tenant_and_expire_when_idle() -> None:
+    now = [0.0]
+    logins = UnixLogins(idle_s=10.0, per_tenant=2, clock=lambda: now[0])
+    a1, a2 = logins.login("a", 1, 1), logins.login("a", 1, 1)
+    b1 = logins.login("b", 2, 2)
+    assert a1.startswith("unix.") and a1 != a2
+    assert logins.authenticate(a1) == ("a", 1, 1) and logins.authenticate(b1) == ("b", 2, 2)
+    a3 = logins.login("a", 1, 1)  # a's least recently used (a2) goes; b's stays
+    assert logins.authenticate(a2) is None and logins.authenticate(b1) == ("b", 2, 2)
+    assert logins.authenticate(a3) == ("a", 1, 1) and len(logins) == 3
+    now[0] = 9.0
+    assert logins.authenticate(a1) is not None  # used: renewed
+    now[0] = 15.0
+    assert logins.authenticate(a1) is not None and logins.authenticate(b1) is None  # idle 15 s
+    assert logins.authenticate("unix.forged") is None and logins.authenticate(GOOD) is None

@@ -12,6 +12,10 @@ descriptor of one namespace's published index, for a live session). A connection
 an index stays open as its session's index channel (further index requests of the session; it
 closes when the session ends or the daemon dies, which tells the client to stop reading).
 
+A third exchange, ``LOGIN_MAGIC``, is the Unix peer login: the daemon reads the peer's uid and
+gid (SO_PEERCRED) and answers a bearer token of the tenant that logs in by them (or refuses),
+which the client then presents on the gRPC socket (grpcio shows handlers no peer credentials).
+
 The peer's credentials (SO_PEERCRED) must be allowed for the session's tenant (a daemon with a
 tenants file: docs/security.md); the socket file's mode (0660) decides who may
 connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
@@ -59,13 +63,16 @@ class ShmFdServer(ServerTransport):
                  max_connections: int = 128,
                  index: Callable[[int, int], tuple[int, int, int]] | None = None,
                  index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
-                 peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True) -> None:
+                 peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
+                 login: Callable[[int, int], str] | None = None) -> None:
         """``arena(session)``: the fd and size of the arena that session maps, or None (refused).
         ``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
         published index (the caller here closes it), its size and generation; raises a
         KvtierError or OSError to refuse. None: index requests are refused.
         ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
-        index (the daemon stops publishing one that no channel reads)."""
+        index (the daemon stops publishing one that no channel reads). ``login(uid, gid)``: a
+        bearer token for that Unix peer (kvtierd.tenants.UnixLogins), or a KvtierError; None:
+        logins are refused."""
         self.path = os.path.abspath(path)
         self._arena = arena
         self._epoch = boot_epoch
@@ -77,10 +84,12 @@ class ShmFdServer(ServerTransport):
         self._index = index
         self._index_hold = index_hold
         self._peer_ok = peer_ok  # (session, uid, gid): SO_PEERCRED against the session's tenant
+        self._login = login
         self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
         self._open = 0  # handshakes being served
         self.handed_out = 0
         self.refused = 0
+        self.logins = 0
         self._accept_log = RateLimitedLog(log, 10.0)
 
     async def start(self) -> None:
@@ -131,6 +140,9 @@ class ShmFdServer(ServerTransport):
                         for ns_id in held:
                             self._index_hold(ns_id, -1)
                     return
+                if data[:4] == wire.LOGIN_MAGIC:
+                    self._serve_login(conn)
+                    return
                 if data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
@@ -162,6 +174,17 @@ class ShmFdServer(ServerTransport):
             finally:
                 if handshake:
                     self._open -= 1
+
+    def _serve_login(self, conn: socket.socket) -> None:
+        """A Unix peer logs in: a token for the tenant its uid/gid are (KvtierError: refused)."""
+        if self._login is None:
+            raise FailedPrecondition("Unix peer logins are not served here", field="login")
+        uid, gid = _peer(conn)
+        token = self._login(uid, gid).encode()
+        assert len(token) <= wire.LOGIN_MAX_TOKEN_BYTES
+        conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
+        conn.send(wire.LOGIN_REPLY.pack(wire.LOGIN_MAGIC, len(token)) + token)
+        self.logins += 1
 
     async def _index_channel(self, conn: socket.socket, session_id: int,
                              held: dict[int, int]) -> None:
