@@ -49,6 +49,9 @@ def test_defaults_and_socket_shorthand() -> None:
     ({"store_generated": 1}, "store_generated"),
     ({"load_mode": "later"}, "load_mode"),
     ({"async_load_timeout_ms": 0}, "async_load_timeout_ms"),
+    ({"unix_login": "yes"}, "unix_login"),
+    ({"unix_login": True, "token_file": "/t"}, "unix_login"),
+    ({"unix_login": True, "address": "127.0.0.1:50051"}, "unix_login"),
 ])
 def test_bad_settings_name_the_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as e:

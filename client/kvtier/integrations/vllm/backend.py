@@ -38,7 +38,8 @@ class DaemonBackend:
                 self.cfg.address, self.cfg.transport, timeout_s=timeout_ms / 1000,
                 lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
                 breaker=shared_breaker(self.cfg.address),
-                probe_timeout_s=self.cfg.probe_timeout_ms / 1000, token_file=self.cfg.token_file)
+                probe_timeout_s=self.cfg.probe_timeout_ms / 1000, token_file=self.cfg.token_file,
+                unix_login=self.cfg.unix_login)
         return self._client
 
     def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:

@@ -61,6 +61,7 @@ class ConnectorConfig:
     adapter_revisions: Mapping[str, str] = field(default_factory=dict)
     tenant: str | None = None
     token_file: str | None = None  # the tenant's bearer token (first line; never logged)
+    unix_login: bool = False  # no token: log in as this Unix user (docs/security.md)
     load: bool = True
     store: bool = True
     store_generated: bool = True
@@ -109,8 +110,12 @@ class ConnectorConfig:
              and all(isinstance(k, str) and isinstance(v, str) and v
                      for k, v in self.adapter_revisions.items()),
              "adapter_revisions", "must map adapter names to revision strings")
-        for key in ("load", "store", "store_generated"):
+        for key in ("load", "store", "store_generated", "unix_login"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
+        need(not (self.unix_login and self.token_file), "unix_login",
+             "give token_file or unix_login, not both")
+        need(not self.unix_login or self.address.startswith("unix:"), "unix_login",
+             "needs a Unix socket address (socket or unix: address)")
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
 
 

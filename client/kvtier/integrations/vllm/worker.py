@@ -219,7 +219,8 @@ class KvtierWorker:
                 self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
                 lease_ttl_s=self.cfg.lease_ttl_ms / 1000, breaker=self.breaker,
                 probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
-                client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file)
+                client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
+                unix_login=self.cfg.unix_login)
             self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
