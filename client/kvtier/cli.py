@@ -139,6 +139,7 @@ _ROWS = [
     ("bytes in  shm", "bytes_in_shm"), ("bytes out shm", "bytes_out_shm"),
     ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
     ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
+    ("corrupt blocks", "corrupt_blocks"),
 ]
 _CLUSTER_ROWS = [
     ("blocks hit (cluster)", "blocks_hit_cluster"), ("cluster imports", "cluster_imports"),

@@ -158,7 +158,7 @@ class Session:
                  op_timeout_s: float = 30.0, local_lookups: bool = True,
                  token: str | None = None, token_file: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None,
+                 tls_key: str | None = None, verify_bytes: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
@@ -170,7 +170,10 @@ class Session:
         refuses calls without one; docs/security.md). Never logged. ``tls_ca``: PEM CA of a
         daemon whose TCP listener (and so its TCP data channel) serves TLS (``tls_cert`` /
         ``tls_key``: this client's certificate, for mTLS); on a Unix socket address gRPC stays
-        plaintext and the files only verify the data channel."""
+        plaintext and the files only verify the data channel. ``verify_bytes`` (default on):
+        hash each block an shm put copies into its slot (sent with CompleteStore) and check
+        every block ``get_into`` loads against its digest, a mismatch being a miss
+        (docs/security.md); off only to measure what verification costs (``kvtier bench``)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -183,6 +186,7 @@ class Session:
         self.lease_ttl_s = lease_ttl_s
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
+        self.verify_bytes = verify_bytes
         self._metadata = bearer_metadata(token, token_file)
         self._tls = _tls_credentials(tls_ca, tls_cert, tls_key)
         self._tls_files = (tls_ca, tls_cert, tls_key)  # for a TLS data channel

@@ -75,6 +75,7 @@ class Daemon:
                                                    ghost_capacity=min(1 << 20, slabs * 64))
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy)
+        self.cache.verify_bytes = cfg.verify_bytes
         if cfg.disk_dir:
             link = self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
@@ -104,6 +105,7 @@ class Daemon:
                                      advertise=self._advertise, cuda=self.cuda,
                                      max_inflight=cfg.max_inflight_rpcs)
         self.service.after_rpc = self.published.flush
+        self.service.verify_store = cfg.verify_store
         if cfg.tenants_file:
             self.service.tenants = load_tenants(cfg.tenants_file)
         self.health = health.aio.HealthServicer()
