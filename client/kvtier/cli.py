@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
-                   help="all | shm | tcp | lookup | nvme | quick | gpu | overload | soak")
+                   help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
