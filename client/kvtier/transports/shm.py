@@ -38,7 +38,8 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 _PAGE = 4096
 _ALIAS_BYTES = 64  # dst - src (mod 4 KiB) in (0, 64): the slow case of rep movsb
 NOGIL_BYTES = 64 << 10  # blocks at least this large are copied with the GIL released
-HASH_GROUP_BYTES = 4 << 20  # copied bytes handed to the hashing thread at a time
+HASH_GROUP_BYTES = 4 << 20  # bytes hashed on the helper thread alongside one copy
+INLINE_HASH_BYTES = 1 << 20  # smaller transfers hash in line (a thread hand-off costs ~50 µs)
 
 
 def _address(view: memoryview) -> int:
@@ -57,34 +58,55 @@ def _vector_copy(dst: memoryview, src: memoryview, *, plain: bool = False) -> No
         np.positive(np.frombuffer(src, np.uint8), out=np.frombuffer(dst, np.uint8))
 
 
-class _Hasher:
-    """The digests of one transfer's blocks (kvtier_contract.digests), in order: each group of
-    about ``HASH_GROUP_BYTES`` copied blocks is hashed on the transport's helper thread while
-    the caller copies the next group (copy and hash both release the GIL), the last group on
-    the caller's thread. Measured on the 2-vCPU development host (docs/benchmarks.md, "Bytes
-    verified end to end"): hashing each block in line after its copy kept 0.65-0.76x of the
-    unverified put and get_into; overlapped in 4 MiB groups 0.70-0.98x (1 MiB groups and
-    256 KiB groups did worse: more hand-offs)."""
+class _Digests:
+    """The digests of one transfer's blocks (kvtier_contract.digests), in order. Each group of
+    about ``HASH_GROUP_BYTES`` is hashed on the transport's helper thread *while* the caller
+    copies that same group (copy and hash both release the GIL): the two read the same bytes at
+    the same time, so they come from memory once. Measured on the 2-vCPU development host
+    (docs/benchmarks.md §18): hashing each block after its copy, in line, kept 0.65-0.76x of the
+    unverified put and get_into; on the helper thread after each 4 MiB group 0.70-0.98x;
+    alongside the copy 0.77-1.2x.
+
+    A put hashes the caller's buffers (the bytes it hands over: a buffer changed during the
+    copy only makes its own block a miss later); a get hashes the pinned slots as it copies
+    them, so a slot altered after its commit is a miss (a write racing that very copy may go
+    unseen this once; the block's digest stays and the next load checks again). Leaving the
+    ``with`` block waits for every hash, also after a failed copy: no hash outlives the
+    transfer, whose views the mapping's close would pull away."""
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
-        self._done: list[Future[list[int]]] = []
-        self._group: list[memoryview] = []
-        self._bytes = 0
+        self._parts: list[Future[list[int]]] = []
 
-    def add(self, view: memoryview) -> None:
-        self._group.append(view)
-        self._bytes += len(view)
-        if self._bytes >= HASH_GROUP_BYTES:
-            self._done.append(self._pool.submit(_digests, self._group))
-            self._group, self._bytes = [], 0
+    def __enter__(self) -> _Digests:
+        return self
 
-    def digests(self) -> list[int]:
-        """Every digest, once every hash has ended (also after a failed copy: no hash may
-        outlive the transfer, whose views the mapping's close would pull away)."""
-        tail = _digests(self._group)
-        wait(self._done)
-        return [d for f in self._done for d in f.result()] + tail
+    def __exit__(self, *exc: object) -> None:
+        wait(self._parts)
+
+    def start(self, views: list[memoryview]) -> None:
+        self._parts.append(self._pool.submit(_digests, views))
+
+    def result(self) -> list[int]:
+        return [d for part in self._parts for d in part.result()]
+
+
+def _small(items: list[Item]) -> bool:
+    """A transfer of less than ``INLINE_HASH_BYTES``: hashed on the caller's thread."""
+    return sum(len(view) for _i, _o, view in items) < INLINE_HASH_BYTES
+
+
+def _groups(items: list[Item]) -> list[list[Item]]:
+    """``items`` cut into runs of about ``HASH_GROUP_BYTES`` (at least one block each)."""
+    groups: list[list[Item]] = [[]]
+    size = 0
+    for item in items:
+        if size >= HASH_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += len(item[2])
+    return groups
 
 
 def _digests(views: list[memoryview]) -> list[int]:
@@ -133,46 +155,65 @@ class ShmTransport(DataTransport):
         self.arena_bytes = size
 
     def write(self, job_id: int, items: list[Item], *, digest: bool = False) -> list[int] | None:
+        """With ``digest``: each group of blocks is hashed from the caller's buffers on the
+        helper thread while this thread copies the same group into its slots (``_Digests``)."""
+        if not digest:
+            self._copy_in(items)
+            return None
+        if _small(items):  # not worth a hand-off: hashed in line, still in the CPU's cache
+            self._copy_in(items)
+            return [block_digest(view) for _i, _o, view in items]
+        with _Digests(self._pool) as digests:
+            for group in _groups(items):
+                digests.start([view for _i, _o, view in group])
+                self._copy_in(group)
+        return digests.result()
+
+    def _copy_in(self, items: list[Item]) -> None:
         # No alias check here: slots are page-aligned, so only a source that starts in the last
         # 32 bytes of a page is slow, and the check would cost more than it saves (measured
         # +40% per 16 KiB block).
         arena, base = self._arena(), self._base
         memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
-        hasher = _Hasher(self._pool) if digest else None
-        try:
-            for _index, offset, view in items:
-                n = len(view)
-                if n < NOGIL_BYTES:
-                    arena[offset : offset + n] = view
-                elif view.readonly:  # e.g. bytes: numpy finds its address
-                    _vector_copy(arena[offset : offset + n], view, plain=True)
-                else:
-                    memmove(base + offset, address(buffer(view)), n)
-                if hasher is not None:  # the slot's bytes, as they landed
-                    hasher.add(arena[offset : offset + n])
-        finally:
-            digests = hasher.digests() if hasher is not None else None
-        return digests
+        for _index, offset, view in items:
+            n = len(view)
+            if n < NOGIL_BYTES:
+                arena[offset : offset + n] = view
+            elif view.readonly:  # e.g. bytes: numpy finds its address
+                _vector_copy(arena[offset : offset + n], view, plain=True)
+            else:
+                memmove(base + offset, address(buffer(view)), n)
 
     def read(self, job_id: int, items: list[Item], digests: Sequence[int] = ()) -> list[int]:
+        """With ``digests``: each group of slots is hashed on the helper thread while this
+        thread copies the same group out (``_Digests``)."""
+        if not digests:
+            self._copy_out(items)
+            return []
+        if _small(items):  # not worth a hand-off: the copies hashed in line
+            self._copy_out(items)
+            return [k for k, (d, (_i, _o, view)) in enumerate(zip(digests, items, strict=True))
+                    if d and d != block_digest(view)]
+        arena = self._arena()
+        with _Digests(self._pool) as got:
+            for group in _groups(items):
+                got.start([arena[off : off + len(view)] for _i, off, view in group])
+                self._copy_out(group)
+        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
+                if d and d != g]
+
+    def _copy_out(self, items: list[Item]) -> None:
         arena, base = self._arena(), self._base
         memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
-        hasher = _Hasher(self._pool) if digests else None
-        try:
-            for _index, offset, view in items:
-                n = len(view)
-                dst = address(buffer(view))
-                if 0 < (dst - base - offset) % _PAGE < _ALIAS_BYTES:
-                    _vector_copy(view, arena[offset : offset + n])
-                elif n >= NOGIL_BYTES:
-                    memmove(dst, base + offset, n)
-                else:
-                    view[:] = arena[offset : offset + n]
-                if hasher is not None:  # the copy, not the slot: what the engine gets
-                    hasher.add(view)
-        finally:
-            got = hasher.digests() if hasher is not None else []
-        return [k for k, (d, g) in enumerate(zip(digests, got, strict=False)) if d and d != g]
+        for _index, offset, view in items:
+            n = len(view)
+            dst = address(buffer(view))
+            if 0 < (dst - base - offset) % _PAGE < _ALIAS_BYTES:
+                _vector_copy(view, arena[offset : offset + n])
+            elif n >= NOGIL_BYTES:
+                memmove(dst, base + offset, n)
+            else:
+                view[:] = arena[offset : offset + n]
 
     @property
     def _pool(self) -> ThreadPoolExecutor:
