@@ -3,7 +3,7 @@
 Every block gets one digest when it is committed: xxh3_64 (seed 0) of its payload bytes, the
 same function as the NVMe tier's payload checksum (kvtierd.tiers.nvme.format), so a block's
 NVMe header carries its digest unchanged. Computed where the bytes are at the commit: by an shm
-client right after it copied a block into its slot (sent in ``CompleteStoreRequest.digests``),
+client from the bytes it copies into a slot (sent in ``CompleteStoreRequest.digests``),
 by the daemon for what it received over tcp, or by the daemon from the slot at CompleteStore
 (cuda_ipc, clients that send none, ``verify_store = "daemon"``). Checked by the client on every
 ``get_into`` (the digests come in ``PrepareLoadReply.digests``).

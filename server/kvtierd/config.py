@@ -81,11 +81,11 @@ class DaemonConfig:
     commit, sent with every load for the client to check (a mismatch is a miss, counted in
     ``corrupt_blocks``, and the block is dropped) and written as its NVMe payload checksum."""
     verify_store: VerifyStore = "client"
-    """Who hashes an shm store: "client" (the SDK hashes each block right after copying it
-    into its slot and sends the digests in CompleteStore; a client without them falls back to
+    """Who hashes an shm store: "client" (the SDK hashes each block as it copies it into its
+    slot and sends the digests in CompleteStore; a client without them falls back to
     "daemon") or "daemon" (the daemon hashes the slots at CompleteStore, off the event loop;
-    ~+50% on an shm put: docs/benchmarks.md). tcp stores are hashed by the daemon as they
-    arrive, cuda_ipc stores at CompleteStore."""
+    0.60-0.71x of the unverified shm put here: docs/benchmarks.md §18). tcp stores are hashed
+    by the daemon as they arrive, cuda_ipc stores at CompleteStore."""
     metrics_host: str = "127.0.0.1"
     """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts)."""
     metrics_port: int = 9464
