@@ -368,9 +368,18 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
     def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
              digests: list[int]) -> list[int]:
-        mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-        mover.load(layout, [block_ids[p] for p in pos], offsets, job_id)
-        return []  # not checked: the bytes go straight into the engine's layout
+        data = session._data()
+        mover = data.mover(layout.device)  # type: ignore[attr-defined]
+
+        def copy() -> None:
+            mover.load(layout, [block_ids[p] for p in pos], offsets, job_id)
+
+        if not digests:
+            copy()
+            return []
+        # The pinned slots are hashed while the mover (or the daemon's CUDA copy) reads them.
+        return data.check_slots(offsets, layout.block_bytes, digests,  # type: ignore[attr-defined]
+                                copy)
 
     return _load(session, handle, keys, read, _blocks_transport(session, layout),
                  deadline=deadline)

@@ -227,3 +227,28 @@ def test_the_nvme_checksum_is_the_digest_from_the_commit(daemon_factory: Any,
         assert st["total"]["demotions"] == 2
         for k, b in zip(keys, data, strict=True):
             assert header_checksum(disk, ns.namespace.digest, k) == xxhash.xxh3_64_intdigest(b)
+
+
+def test_get_blocks_checks_the_slots_it_scatters(daemon: DaemonProcess) -> None:
+    """The direct path (a mover scattering pinned slots into an engine's layout) is checked
+    too: an overwritten slot is a miss there as well, counted and dropped."""
+    torch = pytest.importorskip("torch")
+    from kvtier.layouts import PagedKvLayout
+
+    with kvtier.Client.connect(daemon.unix, transport="shm") as c:
+        ns = c.register(make_namespace())
+        n = 8
+        src = torch.randint(0, 255, (n, ns.block_bytes), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        keys = ns.block_keys(list(range(16 * n)))
+        assert ns.put_blocks(keys, PagedKvLayout.contiguous(src, num_layers=1),
+                             list(range(n))).stored == n
+        with raw_session(daemon) as (stub, sid), arena(daemon, sid) as mm:
+            off, dg = slot_and_digest(stub, sid, ns.namespace_id, keys[3])
+            assert dg == xxhash.xxh3_64_intdigest(src[3].numpy().tobytes())
+            mm[off + 7] ^= 0xFF
+        found = ns.get_blocks(keys, PagedKvLayout.contiguous(dst, num_layers=1), list(range(n)))
+        assert found == [True] * 3 + [False] * (n - 3)
+        assert torch.equal(dst[:3], src[:3])
+        assert ns_counters(c, ns)["corrupt_blocks"] == 1
+        assert ns.lookup(keys) == 3

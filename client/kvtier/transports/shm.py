@@ -25,7 +25,7 @@ import ctypes
 import mmap
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -199,6 +199,21 @@ class ShmTransport(DataTransport):
             for group in _groups(items):
                 got.start([arena[off : off + len(view)] for _i, off, view in group])
                 self._copy_out(group)
+        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
+                if d and d != g]
+
+    def check_slots(self, offsets: Sequence[int], nbytes: int, digests: Sequence[int],
+                    copy: Callable[[], None]) -> list[int]:
+        """Run ``copy`` (a mover reading the slots at ``offsets`` into an engine's layout, or
+        the daemon's CUDA copy of them) while the helper thread hashes the same slots; the
+        positions whose slot did not match its digest (0: not checked)."""
+        arena = self._arena()
+        views = [arena[off : off + nbytes] for off in offsets]
+        per = max(1, HASH_GROUP_BYTES // max(1, nbytes))
+        with _Digests(self._pool) as got:
+            for i in range(0, len(views), per):
+                got.start(views[i : i + per])
+            copy()
         return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
                 if d and d != g]
 
