@@ -378,8 +378,9 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
             copy()
             return []
         # The pinned slots are hashed while the mover (or the daemon's CUDA copy) reads them.
-        return data.check_slots(offsets, layout.block_bytes, digests,  # type: ignore[attr-defined]
-                                copy)
+        bad: list[int] = data.check_slots(  # type: ignore[attr-defined]
+            offsets, layout.block_bytes, digests, copy)
+        return bad
 
     return _load(session, handle, keys, read, _blocks_transport(session, layout),
                  deadline=deadline)
