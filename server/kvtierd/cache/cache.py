@@ -520,9 +520,11 @@ class TieredCache:
     def drop_corrupt(self, entries: Sequence[Entry]) -> int:
         """Take corrupt blocks (``confirm_corrupt``) out of the host tier, counted in
         ``corrupt_blocks``: the slot is freed at once when nothing else holds it (a block with
-        a copy below stays READY, served from there after a verified read), else the block is
-        no longer served and its slot goes when the host tier evicts it. Never handed to the
-        cluster tier's evict policy. How many were dropped."""
+        a copy below stays READY, served from there after a verified read). One that another
+        job still holds stays where it is: without a copy below it is no longer served and its
+        slot goes when the host tier evicts it; with one, it stays READY (every load checks it
+        again, and a later claim drops it). Never handed to the cluster tier's evict policy.
+        How many were found corrupt."""
         n = 0
         for e in entries:
             ns = e.ns
@@ -531,7 +533,8 @@ class TieredCache:
             n += 1
             ns.counters.corrupt_blocks += 1
             if not e.evictable():
-                ns.ready.pop(e.key, None)
+                if not e.copies:  # (with a copy it would stay in the index unserved for good)
+                    ns.ready.pop(e.key, None)
                 continue
             self.policy.remove(e, evicted=False)
             self.residency.count(e, -1)
