@@ -200,14 +200,25 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
     ``guard``, from the engine's snapshot when it took one (then a plain write into the slots).
     Over cuda_ipc the guarded copy includes the daemon's CudaCopy RPC: a fence that stops
     waiting for it aborts the batch."""
+    tp = _blocks_transport(session, layout)
+
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         source = guard.begin() if guard is not None else None
         intact = True
-        digests = None  # a mover's blocks are hashed by the daemon at CompleteStore
+        digests = None  # None: the daemon hashes the slots at CompleteStore
         try:
             if source is None:
-                mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-                mover.store(layout, [block_ids[p] for p in pos], offsets, job_id)
+                data = session._data()
+                mover = data.mover(layout.device)  # type: ignore[attr-defined]
+                ids = [block_ids[p] for p in pos]
+                if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
+                    # The mover fills the slots group by group; each group is hashed on the
+                    # helper thread while the next one is gathered.
+                    digests = data.store_hashed(  # type: ignore[attr-defined]
+                        offsets, layout.block_bytes,
+                        lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id))
+                else:  # (the daemon's cuda_ipc copies write the slots: it hashes them)
+                    mover.store(layout, ids, offsets, job_id)
             else:
                 digests = session._data().write(
                     job_id, [(i, off, byte_view(source[p])) for i, p, off
@@ -219,8 +230,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
             raise CopyRevoked("the engine took its blocks back during the copy")
         return digests
 
-    return _store(session, handle, keys, write, _blocks_transport(session, layout),
-                  deadline=deadline)
+    return _store(session, handle, keys, write, tp, deadline=deadline)
 
 
 def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,

@@ -202,6 +202,21 @@ class ShmTransport(DataTransport):
         return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
                 if d and d != g]
 
+    def store_hashed(self, offsets: Sequence[int], nbytes: int,
+                     copy: Callable[[int, int], None]) -> list[int]:
+        """The digests of the slots at ``offsets`` as ``copy(lo, hi)`` (a mover gathering an
+        engine's blocks into slots ``offsets[lo:hi]``) fills them, one group of about
+        ``HASH_GROUP_BYTES`` at a time: each group is hashed on the helper thread while the
+        next one is copied (the bytes are in the slots only once a copy returns)."""
+        arena = self._arena()
+        per = max(1, HASH_GROUP_BYTES // max(1, nbytes))
+        with _Digests(self._pool) as digests:
+            for lo in range(0, len(offsets), per):
+                hi = min(len(offsets), lo + per)
+                copy(lo, hi)
+                digests.start([arena[off : off + nbytes] for off in offsets[lo:hi]])
+        return digests.result()
+
     def check_slots(self, offsets: Sequence[int], nbytes: int, digests: Sequence[int],
                     copy: Callable[[], None]) -> list[int]:
         """Run ``copy`` (a mover reading the slots at ``offsets`` into an engine's layout, or
