@@ -34,7 +34,10 @@ instead of when the lease ends. A daemon that is away (:class:`kvtier.session.Aw
 misses and drops, counted in ``session.counters``; a failed transfer trips the breaker (the
 transport is reattached on the next call), a failed copy (e.g. a CUDA error) fails that job only.
 A load is trusted only once CompleteLoad confirmed that its pins held during the copy: a job's
-blocks count as found when its CompleteLoad is collected, never before.
+blocks count as found when its CompleteLoad is collected, never before. Bytes verified end to end
+(docs/security.md): a put's copy returns the digests it computed (shm; CompleteStore carries
+them), a get's copy checks the bytes against ``PrepareLoadReply.digests``; a block that differs
+is a miss, as is every later block of the get, and CompleteLoad names it (``corrupt``).
 
 Arguments arrive validated by the handle. Thread-safety: as the Session's (transfers hold its
 data lock).

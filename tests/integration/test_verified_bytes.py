@@ -252,3 +252,42 @@ def test_get_blocks_checks_the_slots_it_scatters(daemon: DaemonProcess) -> None:
         assert torch.equal(dst[:3], src[:3])
         assert ns_counters(c, ns)["corrupt_blocks"] == 1
         assert ns.lookup(keys) == 3
+
+
+def test_verify_store_daemon_ignores_the_clients_digests(daemon_factory: Any) -> None:
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB",
+                       "--verify-store", "daemon")
+    with kvtier.Client.connect(d.unix, transport="shm") as c:
+        ns = c.register(make_namespace())
+        keys = ns.block_keys(list(range(16)))
+        data = block(40, ns.block_bytes)
+        with raw_session(d) as (stub, sid), arena(d, sid) as mm:
+            prep = stub.PrepareStore(pb.PrepareStoreRequest(
+                session_id=sid, namespace_id=ns.namespace_id, keys=pack_keys(keys),
+                transport=pb.TRANSPORT_SHM), timeout=5)
+            mm[prep.offsets[0] : prep.offsets[0] + len(data)] = data
+            stub.CompleteStore(pb.CompleteStoreRequest(session_id=sid, job_id=prep.job_id,
+                                                       ok=True, digests=[12345]), timeout=5)
+            assert slot_and_digest(stub, sid, ns.namespace_id, keys[0])[1] == \
+                xxhash.xxh3_64_intdigest(data)
+        assert ns.get(keys) == [data]
+
+
+def test_without_verify_bytes_nothing_is_hashed_or_checked(daemon_factory: Any) -> None:
+    """The switch (for measuring the cost): no digests, and an overwritten slot is served as
+    it is, which is the threat verified bytes remove."""
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--no-verify-bytes")
+    with kvtier.Client.connect(d.unix, transport="shm") as c:
+        ns = c.register(make_namespace())
+        keys = ns.block_keys(list(range(16)))
+        assert ns.put(keys, [block(50, ns.block_bytes)]).stored == 1
+        with raw_session(d) as (stub, sid), arena(d, sid) as mm:
+            rep = stub.PrepareLoad(pb.PrepareLoadRequest(
+                session_id=sid, namespace_id=ns.namespace_id, keys=keys[0],
+                transport=pb.TRANSPORT_SHM), timeout=5)
+            assert list(rep.digests) == []
+            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=rep.job_id),
+                              timeout=5)
+            mm[rep.offsets[0] : rep.offsets[0] + 4] = b"evil"
+        [got] = ns.get(keys)
+        assert got is not None and bytes(got[:4]) == b"evil"
