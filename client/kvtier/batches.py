@@ -34,7 +34,10 @@ instead of when the lease ends. A daemon that is away (:class:`kvtier.session.Aw
 misses and drops, counted in ``session.counters``; a failed transfer trips the breaker (the
 transport is reattached on the next call), a failed copy (e.g. a CUDA error) fails that job only.
 A load is trusted only once CompleteLoad confirmed that its pins held during the copy: a job's
-blocks count as found when its CompleteLoad is collected, never before.
+blocks count as found when its CompleteLoad is collected, never before. Bytes verified end to end
+(docs/security.md): a put's copy returns the digests it computed (shm; CompleteStore carries
+them), a get's copy checks the bytes against ``PrepareLoadReply.digests``; a block that differs
+is a miss, as is every later block of the get, and CompleteLoad names it (``corrupt``).
 
 Arguments arrive validated by the handle. Thread-safety: as the Session's (transfers hold its
 data lock).
@@ -62,8 +65,12 @@ from kvtier_contract import errors
 from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-# (job_id, key indexes in the job, positions in the caller's lists, slot offsets)
-Move = Callable[[int, list[int], list[int], list[int]], None]
+# (job_id, key indexes in the job, positions in the caller's lists, slot offsets) -> the digest
+# of each block as written (None: the daemon hashes them)
+Move = Callable[[int, list[int], list[int], list[int]], list[int] | None]
+# (job_id, key indexes, positions, slot offsets, digests: one per block, or empty) -> the
+# indexes into those lists of the blocks whose bytes did not match their digest
+LoadMove = Callable[[int, list[int], list[int], list[int], list[int]], list[int]]
 TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme", pb.TIER_CLUSTER: "cluster"}
 PREPARES_AHEAD = 2  # jobs whose Prepare* is in flight while one job's bytes are copied
 COMPLETES_BEHIND = 4  # jobs whose Complete* may be left uncollected while the call goes on
@@ -180,9 +187,10 @@ def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int
 
 def put(session: Session, handle: Registered, keys: Sequence[bytes],
         views: list[memoryview], *, deadline: float | None = None) -> PutResult:
-    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
-        session._data().write(job_id, [(i, off, views[p])
-                                       for i, p, off in zip(idx, pos, offsets, strict=True)])
+    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
+        return session._data().write(job_id, [(i, off, views[p]) for i, p, off
+                                              in zip(idx, pos, offsets, strict=True)],
+                                     digest=session.verify_bytes)
 
     return _store(session, handle, keys, write, deadline=deadline)
 
@@ -195,24 +203,37 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
     ``guard``, from the engine's snapshot when it took one (then a plain write into the slots).
     Over cuda_ipc the guarded copy includes the daemon's CudaCopy RPC: a fence that stops
     waiting for it aborts the batch."""
-    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
+    tp = _blocks_transport(session, layout)
+
+    def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         source = guard.begin() if guard is not None else None
         intact = True
+        digests = None  # None: the daemon hashes the slots at CompleteStore
         try:
             if source is None:
-                mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-                mover.store(layout, [block_ids[p] for p in pos], offsets, job_id)
+                data = session._data()
+                mover = data.mover(layout.device)  # type: ignore[attr-defined]
+                ids = [block_ids[p] for p in pos]
+                if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
+                    # The mover fills the slots group by group; each group is hashed on the
+                    # helper thread while the next one is gathered.
+                    digests = data.store_hashed(  # type: ignore[attr-defined]
+                        offsets, layout.block_bytes,
+                        lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id))
+                else:  # (the daemon's cuda_ipc copies write the slots: it hashes them)
+                    mover.store(layout, ids, offsets, job_id)
             else:
-                session._data().write(job_id, [(i, off, byte_view(source[p])) for i, p, off
-                                               in zip(idx, pos, offsets, strict=True)])
+                digests = session._data().write(
+                    job_id, [(i, off, byte_view(source[p])) for i, p, off
+                             in zip(idx, pos, offsets, strict=True)], digest=session.verify_bytes)
         finally:
             if guard is not None:
                 intact = guard.end(pos[-1] + 1 < len(keys)) if pos else guard.end(True)
         if not intact:
             raise CopyRevoked("the engine took its blocks back during the copy")
+        return digests
 
-    return _store(session, handle, keys, write, _blocks_transport(session, layout),
-                  deadline=deadline)
+    return _store(session, handle, keys, write, tp, deadline=deadline)
 
 
 def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,
@@ -310,14 +331,18 @@ class _StorePipe:
         if not self.stop and _late(self.session, self.deadline):
             self.stop = "deadline spent"
         failure, trip = self.stop, False
+        digests: list[list[int] | None] = [None]  # the job's digests, as the copy made them
         if not self.stop:
-            failure, trip = _transfer(self.session, "store",
-                                      lambda: self.write(prep.job_id, idx, pos, offsets))
+            def move() -> None:
+                digests[0] = self.write(prep.job_id, idx, pos, offsets)
+
+            failure, trip = _transfer(self.session, "store", move)
         # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
         self.behind.append((len(idx), _complete(
             self.session, "CompleteStore",
-            pb.CompleteStoreRequest(job_id=prep.job_id, ok=not failure), request, self.deadline,
-            self.inline)))
+            pb.CompleteStoreRequest(job_id=prep.job_id, ok=not failure,
+                                    digests=(digests[0] or []) if not failure else []),
+            request, self.deadline, self.inline)))
         if failure and trip:
             self.stop, self.trip = failure, self.trip or failure
 
@@ -342,9 +367,10 @@ class _StorePipe:
 
 def get_into(session: Session, handle: Registered, keys: Sequence[bytes],
              views: list[memoryview], *, deadline: float | None = None) -> list[bool]:
-    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
-        session._data().read(job_id, [(i, off, views[p])
-                                      for i, p, off in zip(idx, pos, offsets, strict=True)])
+    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
+             digests: list[int]) -> list[int]:
+        return session._data().read(job_id, [(i, off, views[p]) for i, p, off
+                                             in zip(idx, pos, offsets, strict=True)], digests)
 
     return _load(session, handle, keys, read, deadline=deadline)
 
@@ -353,15 +379,27 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
                block_ids: Sequence[int], *, deadline: float | None = None) -> list[bool]:
     """get_blocks over a mapped arena: scatter straight from the pinned slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
-    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> None:
-        mover = session._data().mover(layout.device)  # type: ignore[attr-defined]
-        mover.load(layout, [block_ids[p] for p in pos], offsets, job_id)
+    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
+             digests: list[int]) -> list[int]:
+        data = session._data()
+        mover = data.mover(layout.device)  # type: ignore[attr-defined]
+
+        def copy() -> None:
+            mover.load(layout, [block_ids[p] for p in pos], offsets, job_id)
+
+        if not digests:
+            copy()
+            return []
+        # The pinned slots are hashed while the mover (or the daemon's CUDA copy) reads them.
+        bad: list[int] = data.check_slots(  # type: ignore[attr-defined]
+            offsets, layout.block_bytes, digests, copy)
+        return bad
 
     return _load(session, handle, keys, read, _blocks_transport(session, layout),
                  deadline=deadline)
 
 
-def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Move,
+def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: LoadMove,
           tp: int = 0, *, deadline: float | None = None) -> list[bool]:
     """Round after round until ``deadline``: the first asks for every key, each later one
     for the keys the daemon deferred (held below, not placed in the host tier that round),
@@ -376,14 +414,24 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Mov
         while todo:
             spans = _job_spans(session, handle, tp, len(todo))
             served, todo = pipe.round([todo[s:e] for s, e in spans], _pipelined(session, spans))
+            if pipe.cut is not None:
+                todo = [p for p in todo if p < pipe.cut]
             if not served:
                 break
     except OutOfTime:
         session.counters.gets_failed += 1
-        return found  # every block marked found was confirmed by its CompleteLoad
+        return _cut(found, pipe.cut)  # every block marked found was confirmed by its CompleteLoad
     except Away:
         session.counters.gets_failed += 1
         return [False] * len(keys)
+    return _cut(found, pipe.cut)
+
+
+def _cut(found: list[bool], cut: int | None) -> list[bool]:
+    """A block whose bytes failed verification is a miss, and so is every later one: the
+    prefix the engine may use ends there."""
+    if cut is not None:
+        found[cut:] = [False] * (len(found) - cut)
     return found
 
 
@@ -400,7 +448,8 @@ class _LoadPipe:
     failed transfer trips the breaker once the jobs are closed). The get's thread only.
     """
 
-    def __init__(self, session: Session, handle: Registered, packed: bytes, read: Move, tp: int,
+    def __init__(self, session: Session, handle: Registered, packed: bytes, read: LoadMove,
+                 tp: int,
                  deadline: float, found: list[bool]) -> None:
         self.session, self.handle, self.packed = session, handle, packed
         self.read, self.tp, self.deadline, self.found = read, tp, deadline, found
@@ -413,6 +462,7 @@ class _LoadPipe:
         self.inline = False  # this round's RPCs: one after the other, on the get's thread
         self.served = 0
         self.deferred: list[int] = []
+        self.cut: int | None = None  # the first position whose bytes failed verification
 
     def round(self, jobs: list[list[int]], pipelined: bool) -> tuple[int, list[int]]:
         """Load the positions of ``jobs`` (each at most one batch), pipelined or one RPC
@@ -469,15 +519,27 @@ class _LoadPipe:
         idx = [i for i in range(len(todo)) if prep.found[i]]
         pos = [todo[i] for i in idx]
         offsets = [prep.offsets[i] for i in idx]
+        digests = [prep.digests[i] for i in idx] \
+            if self.session.verify_bytes and len(prep.digests) == len(todo) else []
         if self.failure is None and _late(self.session, self.deadline):
             self.failure = OutOfTime("deadline spent")
         failure, trip = "get stopped", False
+        bad: list[int] = []
         if self.failure is None:
-            failure, trip = _transfer(self.session, "load",
-                                      lambda: self.read(prep.job_id, idx, pos, offsets))
-        done = _complete(self.session, "CompleteLoad", pb.CompleteLoadRequest(job_id=prep.job_id),
+            def move() -> None:
+                bad.extend(self.read(prep.job_id, idx, pos, offsets, digests))
+
+            failure, trip = _transfer(self.session, "load", move)
+        done = _complete(self.session, "CompleteLoad",
+                         pb.CompleteLoadRequest(job_id=prep.job_id,
+                                                corrupt=[idx[k] for k in bad]),
                          request, self.deadline, self.inline)
         if not failure:
+            if bad:  # a miss, as is every later block of the get (the engine recomputes)
+                self.session.counters.corrupt_blocks += len(bad)
+                first = pos[bad[0]]
+                self.cut = first if self.cut is None else min(self.cut, first)
+                pos = [p for p in pos if p < first]
             self.deferred += _deferred(prep, todo)
             self.behind.append((pos, done))
             return

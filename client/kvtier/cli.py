@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
     b.add_argument("suite", nargs="?", default="all",
-                   help="all | shm | tcp | lookup | nvme | quick | gpu | overload | soak")
+                   help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
@@ -144,6 +144,7 @@ _ROWS = [
     ("bytes in  shm", "bytes_in_shm"), ("bytes out shm", "bytes_out_shm"),
     ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
     ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
+    ("corrupt blocks", "corrupt_blocks"),
 ]
 _CLUSTER_ROWS = [
     ("blocks hit (cluster)", "blocks_hit_cluster"), ("cluster imports", "cluster_imports"),

@@ -59,4 +59,5 @@ class ClientCounters:
     epoch_changes: int = 0
     bytes_put: int = 0
     bytes_got: int = 0
+    corrupt_blocks: int = 0  # loaded blocks whose bytes did not match their digest (misses)
     last_error: str = field(default="", repr=False)

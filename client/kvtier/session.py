@@ -160,6 +160,7 @@ class Session:
                  token: str | None = None, token_file: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, unix_login: bool = False,
+                 verify_bytes: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
@@ -173,7 +174,10 @@ class Session:
         ``tls_key``: this client's certificate, for mTLS); on a Unix socket address gRPC stays
         plaintext and the files only verify the data channel. ``unix_login``: no token; this
         process's Unix user logs in on the daemon's socket at every session open and gets its
-        tenant's token (:mod:`kvtier.login`; a Unix socket address only)."""
+        tenant's token (:mod:`kvtier.login`; a Unix socket address only). ``verify_bytes``
+        (default on): hash each block an shm put copies into its slot (sent with CompleteStore)
+        and check every block ``get_into`` loads against its digest, a mismatch being a miss
+        (docs/security.md); off only to measure what verification costs (``kvtier bench``)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -186,6 +190,7 @@ class Session:
         self.lease_ttl_s = lease_ttl_s
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
+        self.verify_bytes = verify_bytes
         self._metadata = bearer_metadata(token, token_file)
         self._login_path = ""
         if unix_login:

@@ -82,6 +82,7 @@ class Daemon:
             cfg.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64))
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy, arena_of=self._arena_of)
+        self.cache.verify_bytes = cfg.verify_bytes
         if cfg.disk_dir:
             link = self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
@@ -110,6 +111,7 @@ class Daemon:
                                      advertise=self._advertise, cuda=self.cuda,
                                      max_inflight=cfg.max_inflight_rpcs)
         self.service.after_rpc = self.published.flush
+        self.service.verify_store = cfg.verify_store
         self.service.tenants = tenants
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None  # the Unix socket's

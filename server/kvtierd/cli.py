@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--health-listen", help="HOST:PORT serving only gRPC health, plaintext "
                    "(kubelet grpc probes)")
     s.add_argument("--reflection", choices=["unix", "all", "off"])
+    s.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_const", const=False,
+                   help="give blocks no digest (loads unverified; for measuring its cost)")
+    s.add_argument("--verify-store", choices=["client", "daemon"],
+                   help="who hashes an shm store (default: client)")
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
     f.add_argument("directory")
@@ -107,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
             tls_require_client_cert=args.tls_require_client_cert,
             allow_plaintext_remote=args.allow_plaintext_remote, health_listen=args.health_listen,
-            reflection=args.reflection)
+            reflection=args.reflection, verify_bytes=args.verify_bytes,
+            verify_store=args.verify_store)
         if cfg.tenants_file:
             from kvtierd.tenants import load_tenants
 

@@ -19,6 +19,7 @@ from kvtier_contract.units import parse_bytes
 from kvtierd.policies import PolicyName, WritePolicyName
 
 ClusterWritePolicy = Literal["commit", "evict"]
+VerifyStore = Literal["client", "daemon"]
 
 _SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
                 "disk_file_bytes", "data_max_queued_bytes", "cluster_queue_bytes",
@@ -75,6 +76,16 @@ class DaemonConfig:
     """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
     copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;
     the arena is page-locked at start. Off: the daemon never touches CUDA."""
+    verify_bytes: bool = True
+    """Bytes verified end to end (docs/security.md): every block gets an xxh3_64 digest at its
+    commit, sent with every load for the client to check (a mismatch is a miss, counted in
+    ``corrupt_blocks``, and the block is dropped) and written as its NVMe payload checksum."""
+    verify_store: VerifyStore = "client"
+    """Who hashes an shm store: "client" (the SDK hashes each block as it copies it into its
+    slot and sends the digests in CompleteStore; a client without them falls back to
+    "daemon") or "daemon" (the daemon hashes the slots at CompleteStore, off the event loop;
+    0.60-0.71x of the unverified shm put here: docs/benchmarks.md §18). tcp stores are hashed
+    by the daemon as they arrive, cuda_ipc stores at CompleteStore."""
     metrics_host: str = "127.0.0.1"
     """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts)."""
     metrics_port: int = 9464
@@ -255,6 +266,8 @@ def validate(cfg: DaemonConfig) -> None:
             parse_url(cfg.cluster)
         except ValueError as e:
             raise ValueError(str(e)) from None
+    need(cfg.verify_store in get_args(VerifyStore), "verify_store",
+         "must be 'client' or 'daemon'")
     need(cfg.cluster_write_policy in get_args(ClusterWritePolicy), "cluster_write_policy",
          "must be 'commit' or 'evict'")
     need(cfg.cluster_ttl_s >= 0.001, "cluster_ttl_s", "must be >= 0.001")

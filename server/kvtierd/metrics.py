@@ -47,6 +47,8 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
                         "Blocks fetched from the cluster tier into the host tier", {}),
     "cluster_corrupt": ("kvtier_cluster_corrupt_total",
                         "Cluster values that failed verification (a miss; deleted)", {}),
+    "corrupt_blocks": ("kvtier_corrupt_blocks_total",
+                       "Host blocks whose bytes no longer matched their digest (dropped)", {}),
     "local_lookups": ("kvtier_local_lookups_total",
                       "Lookups answered by clients from the published index", {}),
     "blocks_missed": ("kvtier_lookup_blocks_missed_total", "Blocks not found", {}),

@@ -22,6 +22,7 @@ Health and reflection are other services and never refused.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import (
     GRPC_STATUS,
     OVERLOADED,
@@ -47,7 +49,8 @@ from kvtier_contract.protoutil import namespace_from_spec, split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
-from kvtierd.cache.jobs import LoadJob
+from kvtierd.cache.cache import check_digest_count
+from kvtierd.cache.jobs import LoadJob, StoreJob
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import NamespaceState
 from kvtierd.ratelog import RateLimitedLog
@@ -208,6 +211,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         """Set (and swapped on reload) by the daemon when it has a tenants file."""
         self.unix_logins = UnixLogins()
         """Tokens minted for Unix peers (the shm socket's login)."""
+        self.verify_store = "client"
+        """Who hashes an shm store (config ``verify_store``; set by the daemon)."""
 
     # -- tenancy: every id a caller names is checked against the caller's tenant ------------------
 
@@ -532,10 +537,37 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteStore(self, request: pb.CompleteStoreRequest, context: Any) -> Any:
         s = self._session(request.session_id)
+        digests = await self._store_digests(s, request)
         committed, aborted = self.cache.complete_store(s, request.job_id, request.ok,
-                                                       list(request.item_ok))
+                                                       list(request.item_ok), digests=digests)
         return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed,
                                      aborted=aborted)
+
+    async def _store_digests(self, s: Session, request: pb.CompleteStoreRequest) -> list[int]:
+        """The digest of each reserved key's block (docs/security.md "Bytes verified end to
+        end"): an shm client's own (``verify_store = "client"``; a wrong one makes only its own
+        tenant's block a miss at its next load), else hashed here from the slots, off the event
+        loop (xxhash releases the GIL); a tcp job's were hashed as its bytes arrived. The
+        client's count is checked first (INVALID_ARGUMENT, nothing changes)."""
+        job = self.cache.jobs.get(s.id, request.job_id, StoreJob)
+        self.cache.jobs.not_copying(job.id)
+        given = list(request.digests)
+        check_digest_count(given, job)
+        if not self.cache.verify_bytes or not request.ok:
+            return []
+        if given and job.transport is Transport.SHM and self.verify_store == "client":
+            return given
+        items = sorted(job.items.items())
+        out = [job.digests.get(i, 0) for i, _e in items]
+        todo = [(n, e) for n, (i, e) in enumerate(items) if i not in job.digests and
+                (not job.transport.daemon_moved or i in job.received)]
+        if todo:
+            nb, host = job.ns.block_bytes, self.cache.host
+            views = [host.view(e.offset, nb) for _n, e in todo]
+            hashed = await asyncio.get_running_loop().run_in_executor(None, _digests, views)
+            for (n, _e), d in zip(todo, hashed, strict=True):
+                out[n] = d
+        return out
 
     @_rpc
     async def PrepareLoad(self, request: pb.PrepareLoadRequest, context: Any) -> Any:
@@ -560,14 +592,26 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                                        offsets=offsets, tiers=bytes(tiers))
         for i, e in job.items.items():
             found[i], offsets[i], tiers[i] = 1, e.offset - base, pb.TIER_HOST
+        digests: list[int] = []
+        if self.cache.verify_bytes:  # 0: no digest known (the client checks nothing)
+            digests = [0] * n
+            for i, e in job.items.items():
+                digests[i] = e.digest or 0
         return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, job_id=job.id, found=bytes(found),
-                                   offsets=offsets, tiers=bytes(tiers))
+                                   offsets=offsets, tiers=bytes(tiers), digests=digests)
 
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
         s = self._session(request.session_id)
+        bad = []
+        if request.corrupt:  # rehashed while the job's pins hold the slots
+            bad = self.cache.confirm_corrupt(s, request.job_id, list(request.corrupt))
         self.cache.complete_load(s, request.job_id)
-        return pb.CompleteLoadReply(boot_epoch=self.boot_epoch)
+        dropped = self.cache.drop_corrupt(bad) if bad else 0
+        if dropped:
+            log.warning("%d block(s) of namespace %d failed verification at a load: dropped",
+                        dropped, bad[0].ns.id)
+        return pb.CompleteLoadReply(boot_epoch=self.boot_epoch, dropped=dropped)
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
@@ -618,6 +662,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters))
         return reply
+
+
+def _digests(views: list[memoryview]) -> list[int]:
+    """Executor thread: the digest of each view (xxhash releases the GIL)."""
+    return [block_digest(v) for v in views]
 
 
 def _counters(c: Counters) -> pb.Counters:

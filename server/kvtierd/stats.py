@@ -49,6 +49,7 @@ class Counters:
     blocks_hit_cluster: int = 0
     cluster_imports: int = 0
     cluster_corrupt: int = 0
+    corrupt_blocks: int = 0
 
     def add(self, other: Counters) -> None:
         for f in COUNTER_FIELDS:

@@ -107,6 +107,7 @@ BY_TYPE: dict[int, st.SearchStrategy[Any]] = {
     F.TYPE_BOOL: st.booleans(),
     F.TYPE_UINT32: st.one_of(st.sampled_from([0, 1, U32]), st.integers(0, U32)),
     F.TYPE_UINT64: st.one_of(st.sampled_from([0, 1, U64]), ids),
+    F.TYPE_FIXED64: st.one_of(st.sampled_from([0, 1, U64]), st.integers(0, U64)),
     F.TYPE_INT64: st.one_of(st.sampled_from([0, 1, -1, 3, I64 - 1, -I64]),
                             st.integers(-I64, I64 - 1)),
     F.TYPE_STRING: st.one_of(st.text(max_size=30), st.builds(str.__mul__, st.just("s"), st.just(70_000))),

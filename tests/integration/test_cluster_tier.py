@@ -18,11 +18,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import xxhash
 from conftest import DaemonProcess, make_namespace
 from redis_cluster import RedisCluster
 
 import kvtier
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.tiers.cluster.format import HEADER_BYTES, redis_key
 
 HOST = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "5")
@@ -105,6 +109,17 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
         st = c.stats()
         total = st["total"]
         assert total["cluster_imports"] == 24 and total["cluster_corrupt"] == 0
+        assert total["corrupt_blocks"] == 0  # every import got its digest, and every load matched
+        with grpc.insecure_channel(b.grpc) as ch:  # each imported block's digest: its xxh3_64
+            stub = pb_grpc.KvtierStub(ch)
+            sid = stub.OpenSession(pb.OpenSessionRequest(transport=pb.TRANSPORT_TCP),
+                                   timeout=5).session_id
+            rep = stub.PrepareLoad(pb.PrepareLoadRequest(
+                session_id=sid, namespace_id=ns.namespace_id, keys=b"".join(keys),
+                transport=pb.TRANSPORT_TCP), timeout=5)
+            assert list(rep.digests) == [xxhash.xxh3_64_intdigest(d) for d in data]
+            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=rep.job_id),
+                              timeout=5)
         assert total["blocks_hit_cluster"] >= 24
         cl = st["cluster"]
         assert cl["enabled"] and cl["connected"] and len(cl["nodes"]) == 3

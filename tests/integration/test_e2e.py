@@ -279,7 +279,7 @@ def test_failed_transfer_aborts_its_reservation_at_once(daemon: DaemonProcess, t
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 3)))
 
-        def broken(job_id: int, items: Any) -> None:
+        def broken(job_id: int, items: Any, **kw: Any) -> None:
             raise TransportError("cable pulled")
 
         client._transport.write = broken  # type: ignore[union-attr,method-assign]
@@ -305,11 +305,12 @@ def test_a_load_whose_lease_lapsed_mid_copy_is_a_miss(daemon_factory: Any) -> No
         assert transport is not None
         real_read = transport.read
 
-        def stalled_read(job_id: int, items: Any) -> None:
-            real_read(job_id, items)
+        def stalled_read(job_id: int, items: Any, *args: Any) -> list[int]:
+            bad = real_read(job_id, items, *args)
             deadline = time.monotonic() + 5  # the engine stalls past its lease
             while client.stats()["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
+            return bad
 
         transport.read = stalled_read  # type: ignore[method-assign]
         assert ns.get(keys) == [None, None]  # copied, but not confirmed under the pins
@@ -325,10 +326,10 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
         entered, release = threading.Event(), threading.Event()
         real_write = transport.write
 
-        def slow_write(job_id: int, items: Any) -> None:
+        def slow_write(job_id: int, items: Any, **kw: Any) -> list[int] | None:
             entered.set()
             release.wait(10)
-            real_write(job_id, items)
+            return real_write(job_id, items, **kw)
 
         transport.write = slow_write  # type: ignore[method-assign]
         results: list[Any] = []

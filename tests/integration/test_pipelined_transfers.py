@@ -55,12 +55,12 @@ def record(client: kvtier.Client) -> list[str]:
 
     client._start = _start  # type: ignore[method-assign]
     client._start_completion = _start_completion  # type: ignore[method-assign]
-    def logged(name: str) -> Callable[[int, Any], None]:
+    def logged(name: str) -> Callable[..., Any]:
         real = getattr(transport, name)
 
-        def copy(job_id: int, items: Any) -> None:
+        def copy(job_id: int, items: Any, *args: Any, **kw: Any) -> Any:
             log.append(f"{name} {len(items)}")
-            real(job_id, items)
+            return real(job_id, items, *args, **kw)
 
         return copy
 
@@ -75,11 +75,11 @@ def fail_copy(client: kvtier.Client, name: str, nth: int,
     transport = client._data()
     real, calls = getattr(transport, name), [0]
 
-    def copy(job_id: int, items: Any) -> None:
+    def copy(job_id: int, items: Any, *args: Any, **kw: Any) -> Any:
         calls[0] += 1
         if calls[0] == nth:
             raise error()
-        real(job_id, items)
+        return real(job_id, items, *args, **kw)
 
     setattr(transport, name, copy)
 
@@ -206,10 +206,11 @@ def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(
     transport = client._data()
     real_write, real_read = transport.write, transport.read
 
-    def slow(real: Any) -> Callable[[int, Any], None]:
-        def copy(job_id: int, items: Any) -> None:
-            real(job_id, items)
+    def slow(real: Any) -> Callable[..., Any]:
+        def copy(job_id: int, items: Any, *args: Any, **kw: Any) -> Any:
+            out = real(job_id, items, *args, **kw)
             time.sleep(0.4)  # the engine's budget runs out during job 0
+            return out
 
         return copy
 
@@ -242,12 +243,13 @@ def test_a_lease_lapsing_during_a_later_job_turns_the_whole_get_into_misses(
         target = client._data()
         real_read, reads = target.read, [0]
 
-        def stalled_read(job_id: int, items: Any) -> None:
-            real_read(job_id, items)
+        def stalled_read(job_id: int, items: Any, *args: Any) -> list[int]:
+            bad = real_read(job_id, items, *args)
             reads[0] += 1
             deadline = time.monotonic() + 10  # the engine stalls past its lease in job 1
             while reads[0] == 2 and client.stats()["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
+            return bad
 
         target.read = stalled_read  # type: ignore[method-assign]
         assert ns.get(keys) == [None] * 10  # job 1's pins were not confirmed: nothing is

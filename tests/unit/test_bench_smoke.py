@@ -68,8 +68,8 @@ def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
                for t in result["throughput"]}
     batch, sample = 1 << 20, 4 << 20
     for t in TARGETS:
-        if t.baseline.startswith(("redis", "nvme")):  # --no-redis; no nvme in quick
-            continue
+        if t.baseline.startswith(("redis", "nvme")) or "unverified" in t.baseline:
+            continue  # --no-redis; no nvme in quick, nor the unverified paths (suite verify)
         for size in QUICK_SIZES:
             (op_src, op_dst), (base_src, base_dst) = touched[(t.op, size)], touched[(t.baseline, size)]
             assert base_src == op_src and max(base_src, base_dst) == sample, (t.name, size)
@@ -81,6 +81,24 @@ def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
     assert any("lookup p50" in t for t in targets)
     assert result["machine"]["nproc"] >= 1
     assert "shm get_into" in run.stdout and "target" in run.stdout
+
+
+def test_verify_suite_measures_verified_beside_unverified(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "verify", "--sizes", "64KiB",
+                          "--total-mib", "4", "--batch-mib", "2", "--repeat", "1", "--no-progress",
+                          "--no-redis", "--json", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    got = {t["op"] for t in result["throughput"] if t["gbps"] > 0}
+    assert got == {"shm_put", "shm_get_into", "tcp_put", "tcp_get_into", "shm_unverified_put",
+                   "shm_unverified_get_into", "tcp_unverified_put", "tcp_unverified_get_into",
+                   "shm_daemon_put"}
+    ratios = {(t["op"], t["baseline"]) for t in result["targets"] if t.get("ratio")}
+    assert ("shm_put", "shm_unverified_put") in ratios
+    assert ("shm_get_into", "shm_unverified_get_into") in ratios
+    assert "shm put, bytes not verified" in run.stdout
 
 
 def test_quick_plan_is_a_few_mib_whatever_the_size_flags() -> None:

@@ -73,6 +73,8 @@ def _steps(plan: Plan) -> int:
         per_size += 5 + (2 if plan.redis and not plan.wants("tls") else 0)  # socket x2, tcp x3
     if plan.wants("tls"):
         per_size += 3  # tcp over TLS x3
+    if plan.wants("verify"):
+        per_size += 9  # shm and tcp put, get_into, verified and not; shm put hashed by the daemon
     lookups = 2 if plan.wants("lookup") else 0
     steps = plan.repeat * (per_size * len(plan.block_sizes) + lookups)
     if plan.wants("nvme"):
@@ -117,6 +119,9 @@ def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
         if plan.wants("shm") or plan.wants("tcp"):
             for block in plan.block_sizes:
                 _one_size(plan, tmp, block, stream, redis_port, results, progress)
+        if plan.wants("verify"):
+            for block in plan.block_sizes:
+                _verify_size(plan, tmp, block, results, progress)
     if plan.wants("lookup"):
         progress.show("starting kvtierd for lookups")
         with DaemonProc(tmp / "kvtierd-lookup", 64 << 20, 4 << 20) as daemon:
@@ -161,6 +166,38 @@ def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
             tls = clients.enter_context(contextlib.closing(
                 connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
             ops += transfer_ops(plan, tls, block, keys, name="tcp_tls")
+        measure(plan, block, ops, results, progress)
+
+
+def _verify_size(plan: Plan, tmp: Path, block: int, results: Results,
+                 progress: Progress) -> None:
+    """Bytes verified end to end against the unverified path (docs/security.md), interleaved:
+    a daemon as configured by default (shm clients hash their puts, every get_into checks),
+    one with ``--no-verify-bytes`` and clients with ``verify_bytes=False``, and one with
+    ``--verify-store daemon`` (the daemon hashes shm slots at CompleteStore). Each daemon has
+    an arena of its own, fresh for this block size."""
+    from kvtier.bench.procs import DaemonProc
+    from kvtier.bench.transfers import KeySource, connect, transfer_ops
+
+    progress.show(f"starting three kvtierd for {size_label(block)} blocks")
+    keys = KeySource()
+    daemons: dict[str, list[str]] = {"": [], "_unverified": ["--no-verify-bytes"],
+                                     "_daemon": ["--verify-store", "daemon"]}
+    with contextlib.ExitStack() as stack:
+        ops: list[Op] = []
+        for suffix, extra in daemons.items():
+            d = stack.enter_context(DaemonProc(tmp / f"kvtierd-verify{suffix}-{block}",
+                                               plan.host_bytes, plan.slab_bytes, extra))
+            for transport, address in (("shm", d.unix), ("tcp", d.grpc)):
+                if suffix == "_daemon" and transport == "tcp":
+                    continue  # tcp stores are hashed as they arrive, whatever verify_store
+                client = stack.enter_context(contextlib.closing(connect(
+                    address, transport, verify_bytes=suffix != "_unverified")))
+                name = transport + suffix
+                keep = {f"{name}_put"} if suffix == "_daemon" else \
+                    {f"{name}_put", f"{name}_get_into"}  # (a get's cost is get_into's and more)
+                ops += [op for op in transfer_ops(plan, client, block, keys, name=name)
+                        if op.name in keep]
         measure(plan, block, ops, results, progress)
 
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from kvtier_contract.units import format_bytes, parse_bytes
 
-Suite = Literal["all", "shm", "tcp", "lookup", "nvme", "quick", "tls"]
-SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick", "tls")
+Suite = Literal["all", "shm", "tcp", "lookup", "nvme", "quick", "tls", "verify"]
+SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick", "tls", "verify")
 MiB = 1 << 20
 GB = 1e9
 
@@ -117,7 +117,9 @@ class Plan:
     def slab_bytes(self) -> int:
         return max(64 * MiB, *(_round_up(b, 4096) for b in self.block_sizes))
 
-    def wants(self, part: Literal["shm", "tcp", "lookup", "nvme", "tls"]) -> bool:
+    def wants(self, part: Literal["shm", "tcp", "lookup", "nvme", "tls", "verify"]) -> bool:
+        if part == "verify":  # verified beside unverified transfers, in one run: its own suite
+            return self.suite == "verify"
         if part == "nvme":  # not in quick (disk I/O); in all only when NVME_IN_ALL
             return self.suite == "nvme" or (self.suite == "all" and NVME_IN_ALL)
         if part == "tls":  # tcp beside tcp over TLS, in one run: its own suite only

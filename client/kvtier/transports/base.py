@@ -7,13 +7,17 @@ Lifecycle::
       -> close()
 
 ``items`` are ``(key_index, arena_offset, view)`` triples produced by the control plane's
-prepare reply. Failures raise :class:`kvtier_contract.errors.TransportError`; the client then treats the
-daemon as away (stores dropped, loads missed) and reattaches later.
+prepare reply. Bytes verified end to end (docs/security.md): ``write(..., digest=True)`` returns
+the digest of each block it wrote when the transport copies it itself (shm), and
+``read(..., digests)`` checks each block it filled against its digest from PrepareLoad.
+Failures raise :class:`kvtier_contract.errors.TransportError`; the client then treats the daemon
+as away (stores dropped, loads missed) and reattaches later.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 Item = tuple[int, int, memoryview]
@@ -36,12 +40,16 @@ class DataTransport(ABC):
     def attach(self, session_id: int, reply: Any, timeout_s: float) -> None: ...
 
     @abstractmethod
-    def write(self, job_id: int, items: list[Item]) -> None:
-        """Move each view's bytes into the reserved slot; return once the daemon holds them."""
+    def write(self, job_id: int, items: list[Item], *, digest: bool = False) -> list[int] | None:
+        """Move each view's bytes into the reserved slot; return once the daemon holds them.
+        With ``digest``: each block's digest (kvtier_contract.digests) of the bytes written, or
+        None when the daemon hashes the blocks itself (tcp, cuda_ipc)."""
 
     @abstractmethod
-    def read(self, job_id: int, items: list[Item]) -> None:
-        """Fill each view with its pinned block's bytes."""
+    def read(self, job_id: int, items: list[Item], digests: Sequence[int] = ()) -> list[int]:
+        """Fill each view with its pinned block's bytes. ``digests`` (one per item, 0 = none
+        known; empty = check nothing): the bytes loaded are hashed as they are loaded; returns
+        the positions in ``items`` whose bytes did not match (misses)."""
 
     def bind_rpc(self, rpc: Any) -> None:
         """Receive the session's ``(method, request) -> reply`` call, for transports whose

@@ -24,10 +24,12 @@ from __future__ import annotations
 import select
 import socket
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.transports.base import DataTransport, Item
 from kvtier_contract import wire
+from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import TransportError
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.wire import Buffer, Op
@@ -79,7 +81,8 @@ class TcpTransport(DataTransport):
         # last milliseconds of an engine step's budget).
         s.settimeout(self.io_timeout_s)
 
-    def write(self, job_id: int, items: list[Item]) -> None:
+    def write(self, job_id: int, items: list[Item], *, digest: bool = False) -> list[int] | None:
+        """``digest`` is ignored: the daemon hashes the blocks as they arrive."""
         s = self._live_socket()
         frames = self._write_frames(job_id, items)
         frames.append(wire.pack(Op.FLUSH, job_id))
@@ -91,6 +94,7 @@ class TcpTransport(DataTransport):
             raise TransportError(f"data channel write failed: {e}") from e
         if op is not Op.ACK or status != wire.Status.OK:
             raise TransportError(f"store job {job_id} not acknowledged: {op.name} status {status}")
+        return None
 
     def _write_frames(self, job_id: int, items: list[Item]) -> list[Buffer]:
         """One WRITE per block, or (runs) one WRITE_RUN per run of consecutive key indexes."""
@@ -99,17 +103,27 @@ class TcpTransport(DataTransport):
             return wire.run_frames(Op.WRITE_RUN, job_id, blocks)
         return wire.block_frames(Op.WRITE, job_id, blocks)
 
-    def read(self, job_id: int, items: list[Item]) -> None:
+    def read(self, job_id: int, items: list[Item], digests: Sequence[int] = ()) -> list[int]:
+        """Each frame's blocks are checked against ``digests`` once the frame is in."""
         s = self._live_socket()
         dest = {index: view for index, _offset, view in items}
+        expect = {index: (k, digests[k]) for k, (index, _o, _v) in enumerate(items)
+                  if digests and digests[k]}
+        bad: list[int] = []
         try:
             s.sendall(wire.pack(Op.READ, job_id))
             while dest:
                 op, _job, index, count, length = self._recv_header()
-                _recv_views(s, self._frame_views(dest, op, index, count, length))
+                views = self._frame_views(dest, op, index, count, length)
+                _recv_views(s, list(views))
+                for i, v in enumerate(views, index):
+                    k, d = expect.get(i, (0, 0))
+                    if d and block_digest(v) != d:
+                        bad.append(k)
         except OSError as e:
             self.close()
             raise TransportError(f"data channel read failed: {e}") from e
+        return sorted(bad)
 
     def _frame_views(self, dest: dict[int, memoryview], op: Op, index: int, count: int,
                      length: int) -> list[memoryview]:

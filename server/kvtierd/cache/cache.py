@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.chain import TierLink
@@ -67,6 +68,13 @@ def _ready_prefix(ns: NamespaceState, keys: Sequence[bytes]) -> list[Entry]:
             break
         prefix.append(e)
     return prefix
+
+
+def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
+    """A CompleteStore's digests: none, or exactly one per reserved key."""
+    if digests and len(digests) != len(job.items):
+        raise InvalidArgument(f"has {len(digests)} digests for {len(job.items)} reserved keys",
+                              field="digests")
 
 
 def _check_live(session: Session) -> None:
@@ -102,6 +110,8 @@ class TieredCache:
         self.jobs = JobTable()
         self.pinned_blocks = 0
         self.writing_blocks = 0
+        self.verify_bytes = True
+        """Give every committed block a digest (config ``verify_bytes``; set by the daemon)."""
 
     def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy) -> TierLink:
         """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start)."""
@@ -374,16 +384,21 @@ class TieredCache:
         return job, bytes(status), offsets
 
     def complete_store(self, session: Session, job_id: int, ok: bool,
-                       item_ok: Sequence[bool] = (), *, hold_until: float = 0.0) -> tuple[int, int]:
+                       item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
+                       digests: Sequence[int] = ()) -> tuple[int, int]:
+        """``digests``: one per reserved key (their order), each committed block's digest
+        (kvtierd.service computes or checks them); empty: tcp jobs take the digests of what
+        the data channel received, other blocks get none."""
         job = self.jobs.get(session.id, job_id, StoreJob)
         self.jobs.not_copying(job_id)
         if item_ok and len(item_ok) != len(job.items):
             raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
                                   field="item_ok")
-        return self._end_store(session, job, ok, item_ok, hold_until)
+        check_digest_count(digests, job)
+        return self._end_store(session, job, ok, item_ok, hold_until, digests)
 
     def _end_store(self, session: Session, job: StoreJob, ok: bool, item_ok: Sequence[bool],
-                   hold_until: float) -> tuple[int, int]:
+                   hold_until: float, digests: Sequence[int] = ()) -> tuple[int, int]:
         self.jobs.remove(job)
         session.store_jobs.discard(job.id)
         committed: list[Entry] = []
@@ -396,6 +411,8 @@ class TieredCache:
             if good:
                 e.state = EntryState.READY
                 e.job = 0
+                if self.verify_bytes:
+                    e.digest = digests[n] if digests else job.digests.get(i)
                 ns.ready[e.key] = e
                 self.policy.insert(e)
                 self.residency.count(e, +1)
@@ -480,6 +497,59 @@ class TieredCache:
         name = f"bytes_out_{job.transport.label}"
         setattr(c, name, getattr(c, name) + len(job.items) * job.ns.block_bytes)
         return len(job.items)
+
+    def confirm_corrupt(self, session: Session, job_id: int,
+                        indexes: Sequence[int]) -> list[Entry]:
+        """The blocks among load job ``job_id``'s key ``indexes`` (a client found their bytes
+        did not match their digest) whose host slot no longer matches: rehashed here, while the
+        job's pins hold the slots, so a client cannot drop blocks that are fine. Every index is
+        checked before anything is hashed. Call before ``complete_load``; then
+        ``drop_corrupt``."""
+        job = self.jobs.get(session.id, job_id, LoadJob)
+        self.jobs.moves_bytes(job)
+        if len(indexes) > len(job.items):
+            raise InvalidArgument(f"has {len(indexes)} indexes for a job of {len(job.items)} "
+                                  "blocks", field="corrupt")
+        for i in indexes:
+            if i not in job.items:
+                raise InvalidArgument(f"key {i} is not a block of job {job_id}", field="corrupt")
+        bad = []
+        for i in dict.fromkeys(indexes):
+            e = job.items[i]
+            if e.digest is not None and e.in_host and block_digest(
+                    self.host.view(e.offset, e.ns.block_bytes)) != e.digest:
+                bad.append(e)
+        return bad
+
+    def drop_corrupt(self, entries: Sequence[Entry]) -> int:
+        """Take corrupt blocks (``confirm_corrupt``) out of the host tier, counted in
+        ``corrupt_blocks``: the slot is freed at once when nothing else holds it (a block with
+        a copy below stays READY, served from there after a verified read). One that another
+        job still holds stays where it is: without a copy below it is no longer served and its
+        slot goes when the host tier evicts it; with one, it stays READY (every load checks it
+        again, and a later claim drops it). Never handed to the cluster tier's evict policy.
+        How many were found corrupt."""
+        n = 0
+        for e in entries:
+            ns = e.ns
+            if ns.entries.get(e.key) is not e or not e.in_host:
+                continue  # gone or moved meanwhile
+            n += 1
+            ns.counters.corrupt_blocks += 1
+            if not e.evictable():
+                if not e.copies:  # (with a copy it would stay in the index unserved for good)
+                    ns.ready.pop(e.key, None)
+                continue
+            self.policy.remove(e, evicted=False)
+            self.residency.count(e, -1)
+            self.host.free(e.offset, ns.slot_bytes)
+            e.offset = -1
+            if not e.copies:
+                self.residency.forget(e)
+            else:
+                for link in self.chain:
+                    link.on_host_evicted(e)
+        return n
 
     # -- sessions and transfers -------------------------------------------------------------------
 

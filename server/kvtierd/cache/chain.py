@@ -185,6 +185,7 @@ class TierLink:
             if e is None:
                 e = Entry(home, key, -1, 0)
                 e.state = EntryState.READY
+                e.digest = self.tier.digest_of(loc)  # the block's digest from its commit
                 home.entries[key] = e
                 home.ready[key] = e
             elif e.copy_in(self.level) is not None:
@@ -269,7 +270,7 @@ class TierLink:
             if targets:
                 locs = await tier.write_many([
                     (off, e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes),
-                     e.ns.block_bytes) for e, off in targets])
+                     e.ns.block_bytes, e.digest) for e, off in targets])
         except TierUnavailable as err:
             for e, off in targets:
                 tier.free(off, tier.slot_bytes_for(e.ns.block_bytes))

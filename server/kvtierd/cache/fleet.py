@@ -29,6 +29,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from kvtier_contract.digests import block_digest
 from kvtierd.cache.residency import HostResidency
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
@@ -118,6 +119,9 @@ class ClusterLink:
             e = Entry(ns, k, off, 0)
             e.state = EntryState.READY
             e.in_cluster = True
+            # The cluster's own xxh3-128 was checked in fetch; the host tier's digest is
+            # xxh3_64 of the bytes as imported (kvtier_contract.digests).
+            e.digest = block_digest(host.view(off, ns.block_bytes))
             ns.entries[k] = e
             ns.ready[k] = e
             self.residency.policy.insert(e)

@@ -35,6 +35,7 @@ class StoreJob:
     transport: Transport
     items: dict[int, Entry]  # key index in the request -> reserved entry
     received: set[int] = field(default_factory=set)  # tcp, cuda_ipc: keys whose bytes arrived
+    digests: dict[int, int] = field(default_factory=dict)  # tcp: digests of received blocks
 
     def live(self, index: int) -> bool:
         """Key ``index`` is still this job's to write (the job was not aborted meanwhile)."""

@@ -42,11 +42,13 @@ class Entry:
     ~230 per entry held below), each durable. A READY entry has a valid host slot or a copy.
     ``flushing``: how many demotions are writing its host copy down (the host slot must stay);
     ``promoting``: a copy is being read into the host slot at ``offset`` (not valid yet).
+    ``digest``: xxh3_64 of its bytes, fixed at its commit (kvtier_contract.digests; None when
+    the daemon does not verify bytes): sent with every load, and its NVMe payload checksum.
     Written only by the cache (kvtierd.cache); tiers and transports only read it.
     """
 
     __slots__ = ("ns", "key", "state", "offset", "pins", "holds", "job", "copies", "flushing",
-                 "promoting", "hits", "in_cluster")
+                 "promoting", "hits", "in_cluster", "digest")
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -61,6 +63,7 @@ class Entry:
         self.promoting: asyncio.Future[None] | None = None
         self.hits = 0
         self.in_cluster = False  # known to be in the cluster tier (not a copy: it may go)
+        self.digest: int | None = None  # its bytes' digest, from its commit on
 
     @property
     def in_host(self) -> bool:

@@ -78,8 +78,10 @@ class Recovered:
     blocks: list[tuple[bytes, bytes, Any]] = field(default_factory=list)  # digest, key, location
 
 
-WriteItem = tuple[int, bytes, bytes, memoryview, int]
-"""(slot offset in the storage tier, namespace digest, key, host bytes, payload length)."""
+WriteItem = tuple[int, bytes, bytes, memoryview, int, int | None]
+"""(slot offset in the storage tier, namespace digest, key, host bytes, payload length, the
+block's digest from its commit or None). A tier that checksums its copies uses that digest as
+their checksum (kvtier_contract.digests), computing one only for None."""
 ReadItem = tuple[Any, bytes, bytes, memoryview]
 """(location, namespace digest, key, host slot to fill)."""
 
@@ -113,6 +115,11 @@ class StorageTier(Tier):
     @abstractmethod
     async def read_many(self, items: list[ReadItem]) -> list[Exception | None]:
         """Read copies into host slots, each verified: None, or why that one failed."""
+
+    def digest_of(self, loc: Any) -> int | None:
+        """The block digest a copy was written with (kvtier_contract.digests), if the tier
+        records one: a block restored from the tier, or promoted, keeps its digest."""
+        return None
 
     @abstractmethod
     def release(self, loc: Any, digest: bytes, key: bytes) -> None:

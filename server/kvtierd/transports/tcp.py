@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_contract import wire
+from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
@@ -117,6 +118,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._seg = 0  # current segment
         self._job = 0
         self._pos = 0  # bytes of the current segment received
+        self._hashed = 0  # blocks of the current segment hashed (their digests in the job)
         self._left = 0  # payload bytes still to come
         self._errors: dict[int, int] = {}  # job -> first error status, reported on FLUSH
         self._sending: list[LoadJob] = []  # jobs with views in the write buffer (once per READ)
@@ -194,12 +196,25 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return
         self._pos += nbytes
         seg = self._segments[self._seg]
+        if self.cache.verify_bytes:
+            self._hash_arrived(seg)
         if self._pos == len(seg.view):
             seg.job.arrived(seg.indexes)
             self._seg += 1
             self._pos = 0
+            self._hashed = 0
             if self._seg == len(self._segments):
                 self._segments = []
+
+    def _hash_arrived(self, seg: _Segment) -> None:
+        """Hash the blocks of ``seg`` that arrived in full since the last call, while their bytes
+        are still in the CPU's cache (a read takes at most ``_READ_CHUNK``): their digests,
+        fixed at the commit (docs/security.md "Bytes verified end to end")."""
+        block = len(seg.view) // len(seg.indexes)
+        done = self._pos // block
+        for b in range(self._hashed, done):
+            seg.job.digests[seg.indexes[b]] = block_digest(seg.view[b * block : (b + 1) * block])
+        self._hashed = done
 
     # -- limits -----------------------------------------------------------------------------------
 
@@ -316,6 +331,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     def _on_write(self, job: int, first: int, count: int, length: int) -> None:
         """A payload of ``count`` blocks for consecutive key indexes from ``first``."""
         self._job, self._seg, self._pos, self._left = job, 0, 0, length
+        self._hashed = 0
         self._segments = []
         if length == 0:  # no block is empty: report it at FLUSH, the key is not received
             self._errors.setdefault(job, Status.BAD_LENGTH)

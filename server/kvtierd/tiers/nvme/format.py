@@ -119,9 +119,12 @@ class SlotHeader:
 
 def new_header(namespace_digest: bytes, key: bytes, payload: memoryview | bytes | bytearray, *,
                sequence: int, io_align: int = DEFAULT_IO_ALIGN,
-               written_at_ns: int | None = None) -> SlotHeader:
-    """The header for writing ``payload`` (its length and checksum computed here)."""
-    return SlotHeader(namespace_digest, key, memoryview(payload).nbytes, payload_checksum(payload),
+               written_at_ns: int | None = None, checksum: int | None = None) -> SlotHeader:
+    """The header for writing ``payload`` (its length computed here; its checksum too unless
+    given: a block's digest from its commit, never recomputed from the bytes being written, so
+    bytes altered in the host tier after the commit fail verification when read back)."""
+    return SlotHeader(namespace_digest, key, memoryview(payload).nbytes,
+                      payload_checksum(payload) if checksum is None else checksum,
                       sequence, time.time_ns() if written_at_ns is None else written_at_ns, io_align)
 
 

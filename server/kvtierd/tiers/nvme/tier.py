@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
-from kvtierd.tiers.base import Recovered, StorageTier
+from kvtierd.tiers.base import Recovered, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme.device import (
@@ -393,10 +393,11 @@ class NvmeTier(StorageTier):
             self._known_ns.discard(digest)
             raise
 
-    async def write_many(self, items: list[tuple[int, bytes, bytes, memoryview, int]]
+    async def write_many(self, items: list[WriteItem]
                          ) -> list[NvmeLocation]:
-        """``write`` for a batch: ``(offset, digest, key, arena slot, payload_len)`` each, slots
-        allocated by the caller. One gathered ``pwritev`` per run of adjacent slots, one group
+        """``write`` for a batch: ``(offset, digest, key, arena slot, payload_len, checksum)``
+        each (checksum: the block's digest, or None to compute it), slots allocated by the
+        caller. One gathered ``pwritev`` per run of adjacent slots, one group
         commit for all; durable when it returns, or DiskError for the whole batch."""
         if not self.admitting:
             raise DiskError(f"nvme tier not admitting: {self.degraded_reason}")
@@ -407,8 +408,8 @@ class NvmeTier(StorageTier):
         try:
             checksums = await loop.run_in_executor(self._io, self._write_runs, items, seqs)
             records = []
-            for (offset, digest, key, _view, plen), seq, checksum in zip(items, seqs, checksums,
-                                                                         strict=True):
+            for (offset, digest, key, _view, plen, _c), seq, checksum in zip(
+                    items, seqs, checksums, strict=True):
                 file, off = divmod(offset, fb)
                 self._dirty_files.add(file)
                 records.append(jnl.AddRecord(digest, key, file, off, plen,
@@ -423,13 +424,14 @@ class NvmeTier(StorageTier):
         self.figures.writes += len(items)
         self.figures.bytes_written += sum(it[4] for it in items)
         return [NvmeLocation(offset, self.slot_bytes_for(plen), plen, checksum, seq)
-                for (offset, _d, _k, _v, plen), seq, checksum in zip(items, seqs, checksums,
-                                                                     strict=True)]
+                for (offset, _d, _k, _v, plen, _c), seq, checksum in zip(
+                    items, seqs, checksums, strict=True)]
 
-    def _write_runs(self, items: list[tuple[int, bytes, bytes, memoryview, int]],
+    def _write_runs(self, items: list[WriteItem],
                     seqs: list[int]) -> list[int]:
-        """I/O thread: headers computed here (payload checksums too), then one pwritev per run
-        of slots that follow each other in one file. Returns the checksums in item order."""
+        """I/O thread: headers computed here (payload checksums too, unless the item carries its
+        block's digest), then one pwritev per run of slots that follow each other in one file.
+        Returns the checksums in item order."""
         a, fb = self.io_align, self.cfg.file_bytes
         checksums = [0] * len(items)
         headers = aligned_buffer(a * len(items), a)
@@ -437,9 +439,10 @@ class NvmeTier(StorageTier):
         run: list[memoryview] = []
         run_start = run_end = -1
         for i in order:
-            offset, digest, key, view, plen = items[i]
+            offset, digest, key, view, plen, given = items[i]
             region = view[: fmt.round_up(plen, a)]
-            h = fmt.new_header(digest, key, region[:plen], sequence=seqs[i], io_align=a)
+            h = fmt.new_header(digest, key, region[:plen], sequence=seqs[i], io_align=a,
+                               checksum=given)
             hdr = headers[i * a : (i + 1) * a]
             fmt.encode_header_into(h, hdr)
             checksums[i] = h.payload_checksum
@@ -504,6 +507,10 @@ class NvmeTier(StorageTier):
             except fmt.CorruptSlot as e:
                 results.append(e)
         return results
+
+    def digest_of(self, loc: NvmeLocation) -> int:
+        """The payload checksum: the block's digest (written as given at demotion)."""
+        return loc.checksum
 
     def release(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
         """The slot is free again; its DEL record rides with the next commit group."""
