@@ -52,7 +52,7 @@ from kvtierd.cache import TieredCache
 from kvtierd.cache.cache import check_digest_count
 from kvtierd.cache.jobs import LoadJob, StoreJob
 from kvtierd.domain import StoreStatus, TierId, Transport
-from kvtierd.index import NamespaceState
+from kvtierd.index import Entry, NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
@@ -603,9 +603,15 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
         s = self._session(request.session_id)
-        bad = []
-        if request.corrupt:  # rehashed while the job's pins hold the slots
-            bad = self.cache.confirm_corrupt(s, request.job_id, list(request.corrupt))
+        bad: list[Entry] = []
+        claimed = self.cache.corrupt_claims(s, request.job_id, list(request.corrupt)) \
+            if request.corrupt else []
+        if claimed:  # rehashed off the loop (up to a whole job's bytes), the slots still pinned
+            host = self.cache.host
+            views = [host.view(e.offset, e.ns.block_bytes) for e in claimed]
+            hashed = await asyncio.get_running_loop().run_in_executor(None, _digests, views)
+            self.cache.jobs.get(s.id, request.job_id, LoadJob)  # pinned all along, or NotFound
+            bad = [e for e, d in zip(claimed, hashed, strict=True) if d != e.digest]
         self.cache.complete_load(s, request.job_id)
         dropped = self.cache.drop_corrupt(bad) if bad else 0
         if dropped:

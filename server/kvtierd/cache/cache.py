@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.chain import TierLink
@@ -498,13 +497,13 @@ class TieredCache:
         setattr(c, name, getattr(c, name) + len(job.items) * job.ns.block_bytes)
         return len(job.items)
 
-    def confirm_corrupt(self, session: Session, job_id: int,
-                        indexes: Sequence[int]) -> list[Entry]:
-        """The blocks among load job ``job_id``'s key ``indexes`` (a client found their bytes
-        did not match their digest) whose host slot no longer matches: rehashed here, while the
-        job's pins hold the slots, so a client cannot drop blocks that are fine. Every index is
-        checked before anything is hashed. Call before ``complete_load``; then
-        ``drop_corrupt``."""
+    def corrupt_claims(self, session: Session, job_id: int,
+                       indexes: Sequence[int]) -> list[Entry]:
+        """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
+        not match their digest) that have a digest and a host slot: the caller rehashes them
+        (off the event loop, while the job's pins hold the slots: kvtierd.service), so a client
+        cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ. Every index
+        is checked first (INVALID_ARGUMENT, nothing changes)."""
         job = self.jobs.get(session.id, job_id, LoadJob)
         self.jobs.moves_bytes(job)
         if len(indexes) > len(job.items):
@@ -513,16 +512,11 @@ class TieredCache:
         for i in indexes:
             if i not in job.items:
                 raise InvalidArgument(f"key {i} is not a block of job {job_id}", field="corrupt")
-        bad = []
-        for i in dict.fromkeys(indexes):
-            e = job.items[i]
-            if e.digest is not None and e.in_host and block_digest(
-                    self.host.view(e.offset, e.ns.block_bytes)) != e.digest:
-                bad.append(e)
-        return bad
+        return [e for e in (job.items[i] for i in dict.fromkeys(indexes))
+                if e.digest is not None and e.in_host]
 
     def drop_corrupt(self, entries: Sequence[Entry]) -> int:
-        """Take corrupt blocks (``confirm_corrupt``) out of the host tier, counted in
+        """Take corrupt blocks (``corrupt_claims``, rehashed) out of the host tier, counted in
         ``corrupt_blocks``: the slot is freed at once when nothing else holds it (a block with
         a copy below stays READY, served from there after a verified read). One that another
         job still holds stays where it is: without a copy below it is no longer served and its
