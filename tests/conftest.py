@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 import kvtier
 from kvtier.bench.procs import DaemonAddresses, launch_daemon
+from kvtier_contract import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,3 +81,13 @@ def make_namespace(**overrides: Any) -> kvtier.Namespace:
 @pytest.fixture(params=["shm", "tcp"])
 def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def shm_handshake(daemon: DaemonProcess, session_id: int) -> tuple[bytes, list[int]]:
+    """The raw shm fd handshake (what any local process can send): the reply and the fds."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(daemon.info["shm"])
+        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
+        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+    return msg, fds

@@ -12,28 +12,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import socket
 from typing import Any
 
 import grpc
 import pytest
-from conftest import DaemonProcess, make_namespace
+from conftest import DaemonProcess, make_namespace, shm_handshake
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
-from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
-
-
-def shm_handshake(daemon: DaemonProcess, session_id: int) -> tuple[bytes, list[int]]:
-    """The raw shm fd handshake (what any local process can send)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(daemon.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-    return msg, fds
 
 
 def open_session(stub: Any, transport: int) -> int:

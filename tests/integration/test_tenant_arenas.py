@@ -18,7 +18,6 @@ import hashlib
 import mmap
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +25,9 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import DaemonProcess, make_namespace
+from conftest import DaemonProcess, make_namespace, shm_handshake
 
 import kvtier
-from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
@@ -106,15 +104,6 @@ def client(d: DaemonProcess, tenant: str, transport: str) -> kvtier.Client:
                                  token=TOKENS[tenant])
 
 
-def handshake(d: DaemonProcess, session_id: int) -> tuple[bytes, list[int]]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(d.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-    return msg, fds
-
-
 def blocks(tag: bytes, ns: Any, n: int = BLOCKS) -> list[bytes]:
     return [hashlib.shake_256(tag + b"%d" % i).digest(ns.block_bytes) for i in range(n)]
 
@@ -140,7 +129,7 @@ def test_a_tenants_mapping_holds_only_its_own_blocks(arenas: DaemonProcess, raw:
     a = raw("team-a")
     reply = a.open(pb.TRANSPORT_SHM)
     assert reply.arena_bytes == 8 * MiB  # its own arena, not the daemon's 16 MiB shared one
-    msg, fds = handshake(arenas, reply.session_id)
+    msg, fds = shm_handshake(arenas, reply.session_id)
     assert fds, msg
     try:
         assert os.fstat(fds[0]).st_size == 8 * MiB
@@ -220,7 +209,7 @@ def test_a_tenant_added_by_a_reload_gets_its_arena(arenas: DaemonProcess, tmp_pa
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert reply.arena_bytes == 4 * MiB
-    msg, fds = handshake(arenas, reply.session_id)
+    msg, fds = shm_handshake(arenas, reply.session_id)
     assert fds, msg
     size = os.fstat(fds[0]).st_size
     os.close(fds[0])

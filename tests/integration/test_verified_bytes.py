@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,10 +21,9 @@ from typing import Any
 import grpc
 import pytest
 import xxhash
-from conftest import DaemonProcess, make_namespace
+from conftest import DaemonProcess, make_namespace, shm_handshake
 
 import kvtier
-from kvtier_contract import wire
 from kvtier_contract.protoutil import pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
@@ -49,11 +47,7 @@ def raw_session(daemon: DaemonProcess, transport: int = pb.TRANSPORT_SHM
 @contextmanager
 def arena(daemon: DaemonProcess, session_id: int) -> Iterator[mmap.mmap]:
     """The arena, mapped read-write through the shm handshake (what any shm session gets)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(daemon.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+    msg, fds = shm_handshake(daemon, session_id)
     assert fds, msg
     try:
         mm = mmap.mmap(fds[0], os.fstat(fds[0]).st_size, flags=mmap.MAP_SHARED,
