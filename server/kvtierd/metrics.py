@@ -102,6 +102,8 @@ def _cluster_families(cl: dict[str, Any]) -> Iterator[Any]:
             value=cl.get("writes", 0))
     yield c("kvtier_cluster_write_drops_total", "Blocks not written: queue full, node down, late",
             value=cl.get("write_drops", 0))
+    yield c("kvtier_cluster_corrupt_exports_total", "Blocks not written to the cluster: their "
+            "bytes no longer matched their digest", value=cl.get("corrupt_exports", 0))
     yield c("kvtier_cluster_lookup_timeouts_total",
             "Lookups whose cluster part ran past the deadline", value=cl.get("lookup_timeouts", 0))
     per_node = [

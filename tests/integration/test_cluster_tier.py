@@ -11,6 +11,8 @@ redis-cli are required (the Makefile installs them): these tests fail, not skip,
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import signal
 import time
 import urllib.request
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 import xxhash
-from conftest import DaemonProcess, make_namespace
+from conftest import DaemonProcess, make_namespace, shm_handshake
 from redis_cluster import RedisCluster
 
 import kvtier
@@ -324,6 +326,49 @@ def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
         ns = c.register(spec)
         got = ns.get(keys[:64])  # the oldest left A's host tier: B finds them in the cluster
         assert [bytes(g) if g else None for g in got] == data[:64]
+
+
+def test_a_block_altered_in_the_host_tier_is_never_exported(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    """A committed block's slot overwritten (through an shm mapping) before the evict policy
+    writes it out: its bytes no longer match its digest, so it is not written (counted), and
+    the cluster never serves them; its neighbours are written as usual."""
+    a = node(daemon_factory, tmp_path, "a", cluster.url, 'cluster_write_policy = "evict"',
+             host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"))  # 128 blocks of 16 KiB
+    wait_for("A's cluster tier connected", lambda: cluster_stats(a)["connected"])
+    spec = make_namespace()
+    with kvtier.Client.connect(a.unix, transport="shm") as c:
+        ns = c.register(spec)
+        keys = ns.block_keys([hash_token("altered", i) for i in range(16 * 144)])
+        data = [block("altered", i, ns.block_bytes) for i in range(144)]
+        assert ns.put(keys[:16], data[:16]).stored == 16
+        with grpc.insecure_channel(a.grpc) as ch:  # overwrite block 3's committed slot
+            stub = pb_grpc.KvtierStub(ch)
+            sid = stub.OpenSession(pb.OpenSessionRequest(
+                client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
+                timeout=5).session_id
+            load = stub.PrepareLoad(pb.PrepareLoadRequest(
+                session_id=sid, namespace_id=ns.namespace_id, keys=keys[3],
+                transport=pb.TRANSPORT_SHM), timeout=5)
+            msg, fds = shm_handshake(a, sid)
+            assert fds, msg
+            try:
+                with mmap.mmap(fds[0], 0, flags=mmap.MAP_SHARED) as mm:
+                    off = load.offsets[0]
+                    mm[off : off + ns.block_bytes] = b"\xee" * ns.block_bytes
+            finally:
+                os.close(fds[0])
+            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=load.job_id),
+                              timeout=5)
+        for i in range(16, 144, 16):  # the first 16 leave the host tier
+            wait_for("the write queue empty", lambda: cluster_stats(a)["queued_blocks"] == 0)
+            assert ns.put(keys[i:i + 16], data[i:i + 16]).stored == 16
+        wait_for("the evicted blocks written",
+                 lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 16)
+        assert cluster_stats(a)["corrupt_exports"] == 1
+    rc = cluster.cluster_client()
+    assert not rc.exists(redis_key(spec.digest, keys[3]))
+    assert all(rc.exists(redis_key(spec.digest, k)) for n, k in enumerate(keys[:16]) if n != 3)
 
 
 def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted_dropped(

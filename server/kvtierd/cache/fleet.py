@@ -142,7 +142,8 @@ class ClusterLink:
         if not todo:
             return
         host = self.residency.host
-        items = [(e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes)) for e in todo]
+        items = [(e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes), e.digest)
+                 for e in todo]
         admitted = todo[:self.tier.offer(items, lambda oks: _written(admitted, oks))]
         for e in admitted:
             e.pins += 1  # the writer reads the slot: it stays until done (before any await)
@@ -160,7 +161,7 @@ class ClusterLink:
             if oks[0] and e.ns.entries.get(e.key) is e:  # still indexed (a copy on NVMe)
                 e.in_cluster = True
 
-        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data))], done)
+        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data), e.digest)], done)
 
     # -- lifecycle --------------------------------------------------------------------------------
 

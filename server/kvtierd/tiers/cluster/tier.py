@@ -45,7 +45,9 @@ from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
+from kvtier_contract.digests import block_digest
 from kvtierd.domain import TierId
+from kvtierd.ratelog import RateLimitedLog
 from kvtierd.tiers.cluster.bulk import WrongSize
 from kvtierd.tiers.cluster.format import (
     HEADER_BYTES,
@@ -61,8 +63,11 @@ log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
 MIN_REFRESH_GAP_S = 0.5  # slot-map reads asked for by failures or MOVED: at most this often
 
-WriteItem = tuple[bytes, bytes, memoryview]
-"""(namespace digest, block key, the block's bytes: valid until ``done`` is called)."""
+WriteItem = tuple[bytes, bytes, memoryview, int | None]
+"""(namespace digest, block key, the block's bytes: valid until ``done`` is called, the block's
+digest from its commit or None): a block whose bytes no longer match their digest is not
+written (a write drop, counted in ``corrupt_exports`` too): the cluster never gets bytes the
+host tier would not serve (docs/security.md)."""
 
 
 def _commands(name: str, rkeys: list[bytes]) -> Callable[[Any], None]:
@@ -106,6 +111,8 @@ class ClusterTier:
         self.settings = settings
         self.topology = Topology(settings.seeds, settings.creds, settings.breaker_s)
         self.writes = self.write_drops = self.corrupt_values = self.lookup_timeouts = 0
+        self.corrupt_exports = 0  # blocks not written: their bytes no longer matched
+        self._corrupt_log = RateLimitedLog(log, 10.0)
         self.queued_blocks = self.queued_bytes = 0  # admitted, not yet written or dropped
         self._lock = threading.Lock()  # the figures offer() and the writers both change
         self._loop = _new_loop()
@@ -307,7 +314,7 @@ class ClusterTier:
         with self._lock:
             if not self._closed and self.topology.known:
                 room = self.settings.queue_bytes - self.queued_bytes
-                for _, _, view in items:
+                for _, _, view, _d in items:
                     if nbytes + view.nbytes > room:
                         break
                     nbytes += view.nbytes
@@ -327,7 +334,7 @@ class ClusterTier:
         with self._lock:
             self.write_drops += offer.left
             self.queued_blocks -= offer.left
-            self.queued_bytes -= sum(v.nbytes for _, _, v in offer.items)
+            self.queued_bytes -= sum(v.nbytes for _, _, v, _d in offer.items)
         self._notify(offer)
 
     def _dispatch(self, offer: _Offer) -> None:
@@ -335,7 +342,7 @@ class ClusterTier:
         if self._closed:
             self._loop_gone(offer)
             return
-        rkeys = [redis_key(d, k) for d, k, _ in offer.items]
+        rkeys = [redis_key(d, k) for d, k, _v, _d in offer.items]
         for node, idx in self.topology.group(rkeys).items():
             if node is None:
                 for i in idx:
@@ -374,19 +381,34 @@ class ClusterTier:
                 self._writers[node] = self._loop.create_task(self._node_writer(node, q))
 
     async def _write(self, node: Node, batch: list[tuple[_Offer, int]], ttl_ms: int) -> list[bool]:
-        items = [offer.items[i] for offer, i in batch]
+        # a block altered in the host tier since its commit is not exported (hashed on this
+        # tier's thread, off the daemon's loop)
+        intact = [expect is None or block_digest(view) == expect
+                  for _d, _k, view, expect in (offer.items[i] for offer, i in batch)]
+        if not all(intact):
+            with self._lock:
+                self.corrupt_exports += intact.count(False)
+            self._corrupt_log.warning("cluster tier: %d block(s) no longer matched their "
+                                      "digest: not written", intact.count(False))
+        items = [offer.items[i] for (offer, i), ok in zip(batch, intact, strict=True) if ok]
 
         def build(p: Any) -> None:
-            for d, k, view in items:
+            for d, k, view, _d in items:
                 p.set(redis_key(d, k), b"".join((encode_header(d, k, view), view)), nx=True,
                       px=ttl_ms)
 
-        out = await node.run(build, self.settings.write_timeout_s)
+        out = await node.run(build, self.settings.write_timeout_s) if items else []
         if out is None:
             self._poke()
             return [False] * len(batch)
+        results = iter(out)
         oks = []
-        for (_, _, view), r in zip(items, out, strict=True):
+        for (_, _, view, _d), ok in zip((offer.items[i] for offer, i in batch), intact,
+                                        strict=True):
+            if not ok:
+                oks.append(False)
+                continue
+            r = next(results)
             if isinstance(r, Exception):
                 self._check_moved(r)
                 oks.append(False)
@@ -450,6 +472,7 @@ class ClusterTier:
         return {"connected": self.connected, "write_policy": self.settings.write_policy,
                 "queued_blocks": self.queued_blocks, "queued_bytes": self.queued_bytes,
                 "writes": self.writes, "write_drops": self.write_drops,
+                "corrupt_exports": self.corrupt_exports,
                 "corrupt_values": self.corrupt_values, "lookup_timeouts": self.lookup_timeouts,
                 "topology_refreshes": self.topology.refreshes,
                 "nodes": [n.figures() for n in sorted(self.topology.masters(),
