@@ -346,3 +346,19 @@ def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -
     tenants = load_tenants(tmp_path / "tenants.toml")
     assert any(t.operator for t in tenants.by_name.values())
     assert any(t.transports == frozenset({"tcp"}) for t in tenants.by_name.values())
+
+
+def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
+        tmp_path: Path) -> None:
+    from kvtierd.tenants import load_tenants
+
+    secret, _, kvtier = _daemonset()
+    _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    tenants = load_tenants(tmp_path / "tenants.toml")
+    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values()
+                 if t.maps_memory)
+    resources = kvtier["resources"]
+    limit = quantity_bytes(resources["limits"]["memory"])
+    assert limit > cfg.host_bytes + arenas, (limit, cfg.host_bytes, arenas)
+    assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
