@@ -26,6 +26,12 @@ def block_digest(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def block_digests(payloads: Sequence[Buffer]) -> list[int]:
+    """The digest of each payload (one call: a thread's share of a transfer)."""
+    h = xxhash.xxh3_64_intdigest
+    return [h(p) for p in payloads]
+
+
 def mismatches(views: Sequence[Buffer], digests: Sequence[int]) -> list[int]:
     """Positions of ``views`` whose digest differs from ``digests`` (same length)."""
     h = xxhash.xxh3_64_intdigest

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvtier_contract.digests import block_digest
+from kvtier_contract.digests import block_digests
 from kvtier_contract.errors import (
     GRPC_STATUS,
     OVERLOADED,
@@ -564,7 +564,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if todo:
             nb, host = job.ns.block_bytes, self.cache.host
             views = [host.view(e.offset, nb) for _n, e in todo]
-            hashed = await asyncio.get_running_loop().run_in_executor(None, _digests, views)
+            hashed = await asyncio.get_running_loop().run_in_executor(None, block_digests, views)
             for (n, _e), d in zip(todo, hashed, strict=True):
                 out[n] = d
         return out
@@ -609,7 +609,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if claimed:  # rehashed off the loop (up to a whole job's bytes), the slots still pinned
             host = self.cache.host
             views = [host.view(e.offset, e.ns.block_bytes) for e in claimed]
-            hashed = await asyncio.get_running_loop().run_in_executor(None, _digests, views)
+            hashed = await asyncio.get_running_loop().run_in_executor(None, block_digests, views)
             self.cache.jobs.get(s.id, request.job_id, LoadJob)  # pinned all along, or NotFound
             bad = [e for e, d in zip(claimed, hashed, strict=True) if d != e.digest]
         self.cache.complete_load(s, request.job_id)
@@ -668,11 +668,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters))
         return reply
-
-
-def _digests(views: list[memoryview]) -> list[int]:
-    """Executor thread: the digest of each view (xxhash releases the GIL)."""
-    return [block_digest(v) for v in views]
 
 
 def _counters(c: Counters) -> pb.Counters:

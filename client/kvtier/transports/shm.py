@@ -31,7 +31,7 @@ from typing import Any
 
 from kvtier.transports.base import DataTransport, Item
 from kvtier_contract import wire
-from kvtier_contract.digests import block_digest
+from kvtier_contract.digests import block_digest, block_digests
 from kvtier_contract.errors import TransportError
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
@@ -85,7 +85,7 @@ class _Digests:
         wait(self._parts)
 
     def start(self, views: list[memoryview]) -> None:
-        self._parts.append(self._pool.submit(_digests, views))
+        self._parts.append(self._pool.submit(block_digests, views))
 
     def result(self) -> list[int]:
         return [d for part in self._parts for d in part.result()]
@@ -107,10 +107,6 @@ def _groups(items: list[Item]) -> list[list[Item]]:
         groups[-1].append(item)
         size += len(item[2])
     return groups
-
-
-def _digests(views: list[memoryview]) -> list[int]:
-    return [block_digest(v) for v in views]
 
 
 class ShmTransport(DataTransport):
