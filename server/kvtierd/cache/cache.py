@@ -356,24 +356,30 @@ class TieredCache:
             if e is not None and e.state is EntryState.READY:
                 protect.add(e)
         job_id = self.jobs.next_id()
-        full = False
         c = ns.counters
+        fresh: dict[bytes, int] = {}  # key -> its first index in this batch
+        entries = ns.entries
         for i, k in enumerate(keys):
-            if k in ns.entries:
+            if k in entries or k in fresh:
                 status[i] = StoreStatus.ALREADY_PRESENT
                 c.stores_already_present += 1
-                continue
-            off = None if full else self.residency.allocate(ns.slot_bytes, protect, ns.pool)
-            if off is None:
-                full = True  # nothing evictable for this class now: the rest cannot fit either
-                status[i] = StoreStatus.REJECTED
-                c.stores_rejected += 1
-                continue
+            else:
+                fresh[k] = i
+        # One walk of the victims for the batch; what cannot be placed now is rejected (nothing
+        # evictable for this class: the rest of the batch cannot fit either).
+        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
+            if fresh else []
+        for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
-            ns.entries[k] = e
+            entries[k] = e
             items[i] = e
             status[i] = StoreStatus.RESERVED
             offsets[i] = off
+        rejected = len(fresh) - len(placed)
+        if rejected:
+            c.stores_rejected += rejected
+            for i in list(fresh.values())[len(placed):]:
+                status[i] = StoreStatus.REJECTED
         if not items:
             return None, bytes(status), offsets
         job = StoreJob(job_id, session.id, ns, transport, items)
