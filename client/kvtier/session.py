@@ -32,6 +32,7 @@ import grpc
 
 from kvtier.addresses import address_target, grpc_host
 from kvtier.breaker import Breaker
+from kvtier.control import ControlChannels
 from kvtier.local_index import LocalIndexes
 from kvtier.login import shm_socket_of, unix_login
 from kvtier.results import ClientCounters
@@ -160,7 +161,7 @@ class Session:
                  token: str | None = None, token_file: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, unix_login: bool = False,
-                 verify_bytes: bool = True,
+                 verify_bytes: bool = True, control_channel: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``backoff_s``: the probe interval, doubling from the first to the second (used when
         no ``breaker`` is given); ``probe_timeout_s``: each probe RPC's deadline (default
@@ -177,7 +178,10 @@ class Session:
         tenant's token (:mod:`kvtier.login`; a Unix socket address only). ``verify_bytes``
         (default on): hash each block an shm put copies into its slot (sent with CompleteStore)
         and check every block ``get_into`` loads against its digest, a mismatch being a miss
-        (docs/security.md); off only to measure what verification costs (``kvtier bench``)."""
+        (docs/security.md); off only to measure what verification costs (``kvtier bench``).
+        ``control_channel`` (default on): a same-host (shm, cuda_ipc) session makes its control
+        calls (Prepare*/Complete*, Lookup, Heartbeat...) on control channels of the daemon's
+        shm socket instead of gRPC (:mod:`kvtier.control`; gRPC when the daemon refuses them)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -191,6 +195,7 @@ class Session:
         self.client_name = client_name or f"pid{os.getpid()}"
         self.tenant_key = tenant_key
         self.verify_bytes = verify_bytes
+        self.control_channel = control_channel
         self._metadata = bearer_metadata(token, token_file)
         self._login_path = ""
         if unix_login:
@@ -218,6 +223,7 @@ class Session:
         self._last_call = 0.0
         self._rpc_pool: ThreadPoolExecutor | None = None  # runs ``_start``'s calls
         self._rpc_pool_lock = threading.Lock()
+        self._control: ControlChannels | None = None  # the session's control channels
         self.local = LocalIndexes(clock) if local_lookups else None
         self.breaker.attach(self)
         self._hb_stop = threading.Event()
@@ -369,6 +375,9 @@ class Session:
         self._max_batch = max(1, reply.max_batch_blocks)
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
+        if self.control_channel and reply.shm_socket and transport.name != "tcp":
+            self._control = ControlChannels(reply.shm_socket, reply.session_id,
+                                            bytes(reply.data_secret), timeout)
         if self.local is not None:
             self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch)
         for handle in self._namespaces:
@@ -433,6 +442,9 @@ class Session:
 
     def _disconnect(self, keep_channel: bool = False) -> None:
         self._session_id = 0
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self.local is not None:
             self.local.clear()
         if self._transport is not None:
@@ -463,7 +475,7 @@ class Session:
             handle = self._registered_for(request, deadline)
             timeout = self._rpc_timeout(deadline, floor=floor)
             try:
-                reply = getattr(self._stub, method)(request, timeout=timeout)
+                reply = self._invoke(self._stub, method, request, timeout)
             except grpc.RpcError as e:
                 code = e.code()
                 if code in DOWN_CODES:
@@ -579,8 +591,8 @@ class Session:
             raise Away("client closed")
         request.session_id = session_id
         try:
-            reply = getattr(stub, method)(request,
-                                          timeout=self._rpc_timeout(deadline, floor=True))
+            reply = self._invoke(stub, method, request,
+                                 self._rpc_timeout(deadline, floor=True))
         except grpc.RpcError as e:
             code = e.code()
             if code in DOWN_CODES:
@@ -589,6 +601,16 @@ class Session:
             raise errors.from_grpc_code(code.name, e.details() or "") from None
         self._last_call = self._clock()
         return reply
+
+    def _invoke(self, stub: Any, method: str, request: Any, timeout: float) -> Any:
+        """``method`` on the session's control channel when it can carry it (the request's
+        session is the channel's), else over gRPC; grpc.RpcError either way."""
+        control = self._control
+        if control is not None and getattr(request, "session_id", 0) == control.session_id:
+            reply = control.call(method, request, timeout)
+            if reply is not None:
+                return reply
+        return getattr(stub, method)(request, timeout=timeout)
 
     def _reset_session(self) -> None:
         """Reopen on the next call (the daemon answered: no breaker involved)."""

@@ -86,6 +86,24 @@ LOGIN_MAGIC = b"KVL1"
 LOGIN_REPLY = struct.Struct("<4sQ")  # magic, token length; the token follows
 LOGIN_MAX_TOKEN_BYTES = 256
 
+# -- the control channel (docs/shm_transport.md "Control channel"), on the same socket: a
+# session's control calls as length-prefixed protobufs, instead of gRPC (a same-host client's
+# hot path: Prepare*/Complete* per batch). The connection stays open for the session's life:
+#   client -> daemon:  CONTROL_MAGIC session_id:u64le data_secret (DATA_SECRET_BYTES)
+#   daemon -> client:  CONTROL_MAGIC boot_epoch:u64le              or  SHM_REFUSED message
+# then, one call at a time (the daemon reads the next once it has answered):
+#   client -> daemon:  CALL   length:u32le method:u8 timeout_ms:u32le  + the request (length)
+#   daemon -> client:  RESULT length:u32le status:u8                   + the reply, or for a
+#                      status other than 0 (a gRPC status code) a utf-8 message (length)
+CONTROL_MAGIC = b"KVC1"
+CONTROL_REPLY = struct.Struct("<4sQ")  # magic, boot_epoch
+CALL = struct.Struct("<IBI")  # request length, method (CONTROL_METHODS index + 1), timeout ms
+RESULT = struct.Struct("<IB")  # reply length, status (0: OK, else a gRPC status code)
+CONTROL_MAX_BYTES = 4 << 20  # one request or reply at most (gRPC's default receive limit)
+CONTROL_METHODS = ("PrepareStore", "CompleteStore", "PrepareLoad", "CompleteLoad", "Lookup",
+                   "Prefetch", "Heartbeat", "CudaCopy")
+"""Kvtier RPCs a control channel carries: the session-scoped ones a transfer or lookup makes."""
+
 
 def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int = 0) -> bytes:
     return HEADER.pack(MAGIC, op, job_id, index, status, length)

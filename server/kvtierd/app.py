@@ -23,6 +23,7 @@ import signal
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
 from kvtierd.transports.base import ServerTransport
+from kvtierd.transports.control import ControlChannel
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
 from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
 from kvtierd.transports.shm import ShmFdServer
@@ -209,6 +211,11 @@ class Daemon:
         who = self.service.tenants.by_name.get(session.tenant or "")
         return who is not None and who.operator
 
+    def _control_channel(self, session: Session,
+                         on_close: Callable[[ControlChannel], None]) -> ControlChannel:
+        """The protocol of a control channel of ``session`` (shm socket handshake)."""
+        return ControlChannel(self.service, session.id, session.tenant, on_close)
+
     def _peer_ok(self, session: Session, uid: int, gid: int) -> bool:
         """shm handshakes: the Unix peer (SO_PEERCRED) must be allowed for the session's
         tenant (its unix_uids / unix_gids)."""
@@ -298,7 +305,8 @@ class Daemon:
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
                               index=self._index_handout, index_hold=self.published.hold,
-                              peer_ok=self._peer_ok, login=self.service.unix_login)
+                              peer_ok=self._peer_ok, login=self.service.unix_login,
+                              control=self._control_channel if cfg.control_channel else None)
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path

@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -92,8 +92,11 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
         t0 = time.perf_counter()
         caller = None
         if self.tenants is not None:
-            caller = self.caller_of(_bearer(context)) or \
-                self.tenants.by_certificate(_cert_names(context))
+            if type(context) is ChannelContext:
+                caller = self.tenants.by_name.get(context.tenant or "")
+            else:
+                caller = self.caller_of(_bearer(context)) or \
+                    self.tenants.by_certificate(_cert_names(context))
             if caller is None:
                 self.count_error(name, "UNAUTHENTICATED")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -131,6 +134,38 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
             self.latency.setdefault(name, LatencyHistogram()).observe(time.perf_counter() - t0)
 
     return wrapper
+
+
+class ChannelAbort(Exception):
+    """What ``ChannelContext.abort`` raises: the call's status, for the channel's reply."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class ChannelContext:
+    """The context of a call made on a session's control channel
+    (:mod:`kvtierd.transports.control`) instead of gRPC: the caller is that session's tenant
+    (as it is in the current tenants file: one a reload removed is no credential), the deadline
+    is the frame's, and ``abort`` raises ChannelAbort. One per call; event-loop thread only."""
+
+    __slots__ = ("tenant", "_deadline")
+
+    def __init__(self, tenant: str | None, timeout_s: float | None) -> None:
+        self.tenant = tenant
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    @staticmethod
+    def peer() -> str:
+        return "control-channel"
+
+    @staticmethod
+    async def abort(code: grpc.StatusCode, details: str) -> NoReturn:
+        raise ChannelAbort(code, details)
 
 
 def _bearer(context: Any) -> str | None:

@@ -4,8 +4,8 @@ A call larger than ``Client.pipeline_bytes`` runs as several jobs: the Prepare* 
 goes out while one job's bytes are copied, and each job's Complete* is collected before the call
 returns. Here blocks are 16 KiB and jobs hold at most 4 keys (``pipeline_bytes`` = 64 KiB), the
 first and the last a quarter of that: 10 keys make jobs 0 (key 0), 1 (keys 1-4), 2 (5-8) and
-3 (9). Faults are injected into the client's own stub and transport, where the daemon's answers
-would come from.
+3 (9). Faults are injected into the client's own gRPC stub (its control channel off) and
+transport, where the daemon's answers would come from.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def blocks(n: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
 
 @pytest.fixture
 def client(daemon: DaemonProcess, transport: str) -> Iterator[kvtier.Client]:
-    with kvtier.Client.connect(daemon.address(transport), transport=transport) as c:
+    # (control calls over gRPC: faults are injected into the client's gRPC stub)
+    with kvtier.Client.connect(daemon.address(transport), transport=transport,
+                               control_channel=False) as c:
         c.pipeline_bytes = JOB * make_namespace().block_bytes
         yield c
 

@@ -12,6 +12,11 @@ descriptor of one namespace's published index, for a live session). A connection
 an index stays open as its session's index channel (further index requests of the session; it
 closes when the session ends or the daemon dies, which tells the client to stop reading).
 
+A fourth, ``CONTROL_MAGIC`` (with the session's id and data secret), turns the connection into
+that session's control channel (:mod:`kvtierd.transports.control`): its control calls as framed
+protobufs, served by the gRPC handlers, until the session ends or either side closes it; at most
+``CHANNELS_PER_SESSION`` per session, not counted against ``max_connections``.
+
 A third exchange, ``LOGIN_MAGIC``, is the Unix peer login: the daemon reads the peer's uid and
 gid (SO_PEERCRED) and answers a bearer token of the tenant that logs in by them (or refuses),
 which the client then presents on the gRPC socket (grpcio shows handlers no peer credentials).
@@ -28,22 +33,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier_contract import published_index as pi
 from kvtier_contract import wire
-from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound
+from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound, ResourceExhausted
 from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.transports.base import ServerTransport
 
 log = logging.getLogger("kvtierd.shm")
+CHANNELS_PER_SESSION = 8  # control channels of one session (the SDK opens at most 4)
+
+
+class Channel(Protocol):
+    """A control channel as this server keeps it (kvtierd.transports.control.ControlChannel)."""
+
+    session_id: int
+
+    def close(self) -> None: ...
+
+
+# (session, on_close(channel)) -> the protocol serving that session's control connection
+ChannelFactory = Callable[[Session, Callable[[Any], None]], asyncio.Protocol]
 
 
 def _refuse(conn: socket.socket, e: Exception) -> None:
@@ -64,7 +83,8 @@ class ShmFdServer(ServerTransport):
                  index: Callable[[int, int], tuple[int, int, int]] | None = None,
                  index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
                  peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
-                 login: Callable[[int, int], str] | None = None) -> None:
+                 login: Callable[[int, int], str] | None = None,
+                 control: ChannelFactory | None = None) -> None:
         """``arena(session)``: the fd and size of the arena that session maps, or None (refused).
         ``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
         published index (the caller here closes it), its size and generation; raises a
@@ -72,7 +92,9 @@ class ShmFdServer(ServerTransport):
         ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
         index (the daemon stops publishing one that no channel reads). ``login(uid, gid)``: a
         bearer token for that Unix peer (kvtierd.tenants.UnixLogins), or a KvtierError; None:
-        logins are refused."""
+        logins are refused. ``control(session, on_close)``: the protocol serving a control
+        channel of that session (it calls ``on_close(itself)`` when its connection ends); None:
+        control channels are refused."""
         self.path = os.path.abspath(path)
         self._arena = arena
         self._epoch = boot_epoch
@@ -86,6 +108,8 @@ class ShmFdServer(ServerTransport):
         self._peer_ok = peer_ok  # (session, uid, gid): SO_PEERCRED against the session's tenant
         self._login = login
         self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
+        self._control = control
+        self._controls: dict[int, set[Channel]] = {}  # session id -> its control channels
         self._open = 0  # handshakes being served
         self.handed_out = 0
         self.refused = 0
@@ -143,6 +167,11 @@ class ShmFdServer(ServerTransport):
                 if data[:4] == wire.LOGIN_MAGIC:
                     self._serve_login(conn)
                     return
+                if data[:4] == wire.CONTROL_MAGIC:
+                    data += await asyncio.wait_for(self._recv(conn, wire.DATA_SECRET_BYTES),
+                                                   self._timeout_s)
+                    await self._serve_control(conn, data)
+                    return
                 if data[:4] != wire.SHM_MAGIC:
                     raise ValueError("bad shm handshake")
                 _, session_id = wire.SHM_REQUEST.unpack(data)
@@ -174,6 +203,40 @@ class ShmFdServer(ServerTransport):
             finally:
                 if handshake:
                     self._open -= 1
+
+    async def _serve_control(self, conn: socket.socket, data: bytes) -> None:
+        """Make ``conn`` a control channel of the session it names, if ``data`` carries that
+        session's data secret and the peer may act for its tenant (KvtierError: refused)."""
+        if self._control is None:
+            raise FailedPrecondition("control channels are not served here",
+                                     field="control_channel")
+        _, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
+        secret = data[wire.SHM_REQUEST.size :]
+        session = self._sessions.get(session_id)
+        if not hmac.compare_digest(secret, session.data_secret) or \
+                not self._peer_ok(session, *_peer(conn)):
+            # the same answer as an unknown session: an id tells a stranger nothing
+            raise NotFound(f"unknown or expired session {session_id}", field="session_id")
+        mine = self._controls.setdefault(session_id, set())
+        if len(mine) >= CHANNELS_PER_SESSION:
+            raise ResourceExhausted(f"session {session_id} has {CHANNELS_PER_SESSION} control "
+                                    "channels open already", field="control_channel")
+        conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
+        conn.send(wire.CONTROL_REPLY.pack(wire.CONTROL_MAGIC, self._epoch))
+        channel = self._control(session, self._control_closed)
+        mine.add(channel)  # type: ignore[arg-type]  # (a ControlChannel)
+        # The transport gets its own descriptor: ``conn`` is closed when the handshake ends.
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: channel,
+                                                                 sock=conn.dup())
+        if session.released:  # (ended while the transport was being made)
+            self.release_session(session_id)
+
+    def _control_closed(self, channel: Channel) -> None:
+        mine = self._controls.get(channel.session_id)
+        if mine is not None:
+            mine.discard(channel)
+            if not mine:
+                del self._controls[channel.session_id]
 
     def _serve_login(self, conn: socket.socket) -> None:
         """A Unix peer logs in: a token for the tenant its uid/gid are (KvtierError: refused)."""
@@ -216,10 +279,13 @@ class ShmFdServer(ServerTransport):
         task = self._channels.pop(session_id, None)
         if task is not None:
             task.cancel()  # its client sees the channel close and stops reading the index
+        for channel in list(self._controls.pop(session_id, ())):
+            channel.close()
 
     def figures(self) -> dict[str, int]:
         return {"shm_connections": self._open, "shm_connections_refused": self.refused,
-                "index_connections": len(self._channels)}
+                "index_connections": len(self._channels),
+                "control_connections": sum(len(c) for c in self._controls.values())}
 
     @staticmethod
     async def _recv(conn: socket.socket, n: int) -> bytes:
@@ -266,6 +332,10 @@ class ShmFdServer(ServerTransport):
         for task in self._channels.values():
             task.cancel()
         self._channels.clear()
+        for mine in list(self._controls.values()):
+            for channel in list(mine):
+                channel.close()
+        self._controls.clear()
         if self._task:
             self._task.cancel()
         if self._sock:

@@ -1,0 +1,155 @@
+"""Control channel: one session's control calls as framed protobufs on a Unix socket connection
+(``kvtier_contract.wire``: ``CALL`` / ``RESULT``), served by the same KvtierService handlers
+as gRPC, for a same-host client's hot path (docs/shm_transport.md "Control channel").
+
+Why: a gRPC call from the Python client through grpc.aio costs about 1-1.4 ms of round trip
+and ~0.5 ms of daemon CPU here, whatever it carries; a transfer makes two per batch
+(docs/benchmarks.md §5.1, §19). A frame on a Unix socket served by the event loop costs a
+fraction of that.
+
+Lifecycle: :class:`kvtierd.transports.shm.ShmFdServer` checks a ``CONTROL_MAGIC`` handshake
+(a live session, its data secret, the Unix peer allowed for its tenant) and hands the
+connection to a ``ControlChannel`` bound to that session; it lives until the peer closes it,
+a bad frame, the daemon's close, or its session's end (``close()``).
+
+Every call goes through the service's ``_rpc`` wrapper as a gRPC call does (admission, the
+deadline, error mapping, latency histograms, the published indexes' flush), with a
+:class:`kvtierd.service.ChannelContext`: the caller is the session's tenant, and a request must
+name the channel's own session.
+
+Bounded: one call at a time (reading pauses while a call is served, and while the peer leaves
+replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
+a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
+closes the connection; at most ``CHANNELS_PER_SESSION`` per session (ShmFdServer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvtier_contract import wire
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.ratelog import RateLimitedLog
+from kvtierd.service import ChannelAbort, ChannelContext, KvtierService, Undecodable
+
+log = logging.getLogger("kvtierd.control")
+CHANNELS_PER_SESSION = 8  # a client opens one per thread making calls at once (the SDK: <= 4)
+MAX_ERROR_BYTES = 4096
+_SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
+_PARSE = {name: getattr(pb, _SERVICE.methods_by_name[name].input_type.name).FromString
+          for name in wire.CONTROL_METHODS}
+
+
+class ControlChannel(asyncio.Protocol):
+    """One control connection of one session. Owns its receive buffer; event-loop thread only.
+    States: serving one call (reading paused) or idle; closed for good."""
+
+    def __init__(self, service: KvtierService, session_id: int, tenant: str | None,
+                 on_close: Callable[[ControlChannel], None]) -> None:
+        self.session_id = session_id
+        self._service = service
+        self._tenant = tenant
+        self._on_close = on_close
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._busy = False  # a call is being served
+        self._write_paused = False  # the peer leaves replies unread
+        self._bad_log = RateLimitedLog(log, 10.0)
+        self.calls = 0
+
+    # -- asyncio.Protocol -------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass)
+        self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        self._next()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._next()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._on_close(self)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Start serving the next whole frame, if any and none is being served."""
+        t = self._transport
+        if t is None or self._busy:
+            return
+        if self._write_paused:
+            t.pause_reading()  # until the peer reads its replies
+            return
+        buf = self._buf
+        if len(buf) < wire.CALL.size:
+            t.resume_reading()
+            return
+        length, method, timeout_ms = wire.CALL.unpack_from(buf)
+        if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
+            self._bad_log.warning("control channel of session %d: bad frame (method %d, %d "
+                                  "bytes): closed", self.session_id, method, length)
+            t.close()
+            return
+        end = wire.CALL.size + length
+        if len(buf) < end:
+            t.resume_reading()
+            return
+        body = bytes(buf[wire.CALL.size : end])
+        del buf[:end]
+        self._busy = True
+        t.pause_reading()
+        asyncio.get_running_loop().create_task(
+            self._serve(wire.CONTROL_METHODS[method - 1], body, timeout_ms))
+
+    async def _serve(self, name: str, body: bytes, timeout_ms: int) -> None:
+        try:
+            status, out = await self._call(name, body, timeout_ms)
+        except Exception:  # noqa: BLE001  (a bug: answered, logged; the channel stays)
+            log.exception("control channel: %s failed", name)
+            status, out = grpc.StatusCode.INTERNAL.value[0], b"internal error"
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        t.write(wire.RESULT.pack(len(out), status) + out)
+        self.calls += 1
+        self._busy = False
+        self._next()
+
+    async def _call(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes]:
+        service = self._service
+        request: Any
+        try:
+            request = _PARSE[name](body)
+        except DecodeError as e:
+            request = Undecodable(str(e) or "malformed protobuf")
+        context = ChannelContext(self._tenant, timeout_ms / 1000 if timeout_ms else None)
+        if type(request) is not Undecodable and getattr(request, "session_id", self.session_id) \
+                != self.session_id:
+            # (as the handler says of another tenant's session: an id tells nothing)
+            service.count_error(name, "NOT_FOUND")
+            return (grpc.StatusCode.NOT_FOUND.value[0],
+                    f"unknown or expired session {request.session_id} (a control channel "
+                    "serves only its own session)".encode())
+        try:
+            reply = await getattr(service, name)(request, context)
+        except ChannelAbort as e:
+            return e.code.value[0], e.details.encode()[:MAX_ERROR_BYTES]
+        return 0, reply.SerializeToString()
