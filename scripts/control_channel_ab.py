@@ -1,14 +1,15 @@
-"""A/B: shm transfers before and after the control channel and batched slot allocation
-(docs/benchmarks.md §19), interleaved in one run with the bench's own pieces.
+"""A/B: shm and tcp transfers before and after the control channels and batched slot
+allocation (docs/benchmarks.md §19), interleaved in one run with the bench's own pieces.
 
 Per block size, three clients, each against a fresh daemon of its own (2 GiB host tier, 64 MiB
 slabs, as ``kvtier bench``): **before** = the daemon of a base commit (``--base``, checked out
 by ``git worktree`` into a temporary directory and run from there) with control calls over
 gRPC; **gRPC** = this tree's daemon (batched slot allocation) with control calls over gRPC;
 **after** = this tree's daemon and its control channel (the default). The SDK is this tree's
-for all three: with ``control_channel=False`` its path is the base's. Held against the bench's
-memcpy baselines (as put, as get), measured in the same interleaved rounds; best of
-``--repeat`` after a warm-up, as ``kvtier bench``.
+for all three: with ``control_channel=False`` its path is the base's. The same three over tcp
+(``--transports shm,tcp``; the remote client's control channel is on the data port). Held
+against the bench's memcpy (as put, as get) and loopback stream baselines, measured in the same
+interleaved rounds; best of ``--repeat`` after a warm-up, as ``kvtier bench``.
 
 Run: ``.venv/bin/python scripts/control_channel_ab.py [--base 9e2b228] [--repeat 3]``.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from kvtier.bench import measure  # noqa: E402
-from kvtier.bench.baselines import memcpy_ops  # noqa: E402
+from kvtier.bench.baselines import SocketStream, memcpy_ops  # noqa: E402
 from kvtier.bench.plan import Plan, Results, size_label  # noqa: E402
 from kvtier.bench.procs import DaemonProc  # noqa: E402
 from kvtier.bench.progress import Progress  # noqa: E402
@@ -59,12 +60,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="9e2b228")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--transports", default="shm,tcp")
     args = ap.parse_args()
+    transports = args.transports.split(",")
     plan = Plan(suite="shm", block_sizes=SIZES, batch_bytes=64 << 20, total_bytes=512 << 20,
                 repeat=args.repeat, redis=False, progress=False)
     results = Results()
     progress = Progress(enabled=False, total=1)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, SocketStream() as stream:
         base = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
                         args.base], check=True, capture_output=True)
@@ -72,26 +75,35 @@ def main() -> None:
             for block in SIZES:
                 with daemon(Path(tmp) / f"old{block}", str(base / "server")) as old, \
                         daemon(Path(tmp) / f"new{block}", None) as new:
-                    clients = [connect(old.unix, "shm", control_channel=False),
-                               connect(new.unix, "shm", control_channel=False),
-                               connect(new.unix, "shm")]
                     keys = KeySource()
-                    ops = memcpy_ops(plan, block)
-                    for name, c in zip(("before", "grpc", "after"), clients, strict=True):
-                        ops += transfer_ops(plan, c, block, keys, name=name)
-                    ops = [op for op in ops if op.name.startswith("memcpy") or
-                           not op.name.endswith("_get")]  # (get allocates: not held here)
+                    ops = memcpy_ops(plan, block) if "shm" in transports else []
+                    if "tcp" in transports:
+                        ops += stream.ops(plan, block)
+                    clients = []
+                    for t in transports:
+                        clients += [connect(old.address(t), t, control_channel=False),
+                                    connect(new.address(t), t, control_channel=False),
+                                    connect(new.address(t), t)]
+                        for name, c in zip(("before", "grpc", "after"), clients[-3:],
+                                           strict=True):
+                            ops += transfer_ops(plan, c, block, keys, name=f"{t}_{name}")
+                    ops = [op for op in ops if op.name.startswith(("memcpy", "socket"))
+                           or not op.name.endswith("_get")]  # (kvtier's get allocates)
                     measure(plan, block, ops, results, progress)
-                    assert clients[2]._control is not None and clients[2]._control.calls
                     for c in clients:
+                        assert bool(c._control and c._control.calls) == c.control_channel
                         c.close()
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                            check=False, capture_output=True)
     rows = [("memcpy_put", "memcpy into fresh memory (as put)"),
-            ("memcpy_get", "memcpy from distinct memory (as get)")]
-    for what in ("put", "get_into"):
-        rows += [(f"{v}_{what}", f"shm {what}, {v}") for v in ("before", "grpc", "after")]
+            ("memcpy_get", "memcpy from distinct memory (as get)"),
+            ("socket_put", "loopback stream into fresh memory (as put)"),
+            ("socket_get", "loopback stream from distinct memory (as get)")]
+    for t in transports:
+        for what in ("put", "get_into"):
+            rows += [(f"{t}_{v}_{what}", f"{t} {what}, {v}") for v in ("before", "grpc", "after")]
+    rows = [r for r in rows if results.gbps(r[0], SIZES[0]) is not None]
     print("| GB/s | " + " | ".join(size_label(b) for b in SIZES) + " |")
     print("| --- |" + " ---: |" * len(SIZES))
     for name, label in rows:
@@ -99,11 +111,14 @@ def main() -> None:
     print()
     print("| ratio | " + " | ".join(size_label(b) for b in SIZES) + " |")
     print("| --- |" + " ---: |" * len(SIZES))
-    for what, base_name in (("put", "memcpy_put"), ("get_into", "memcpy_get")):
-        for v in ("before", "grpc", "after"):
-            cells = [results.gbps(f"{v}_{what}", b) / results.gbps(base_name, b)  # type: ignore[operator]
-                     for b in SIZES]
-            print(f"| shm {what}, {v} / memcpy | " + " | ".join(f"{x:.2f}x" for x in cells) + " |")
+    for t in transports:
+        base = "memcpy" if t == "shm" else "socket"
+        for what, base_name in (("put", f"{base}_put"), ("get_into", f"{base}_get")):
+            for v in ("before", "grpc", "after"):
+                cells = [results.gbps(f"{t}_{v}_{what}", b)  # type: ignore[operator]
+                         / results.gbps(base_name, b) for b in SIZES]
+                print(f"| {t} {what}, {v} / {base} | "
+                      + " | ".join(f"{x:.2f}x" for x in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Control channels: a same-host session's control calls as framed protobufs on the daemon's shm
-socket instead of gRPC (``kvtier_contract.wire``: ``CONTROL_*``, ``CALL``, ``RESULT``;
-docs/shm_transport.md "Control channel").
+"""Control channels: a session's control calls as framed protobufs instead of gRPC
+(``kvtier_contract.wire``: ``CALL``, ``RESULT``): on the daemon's shm socket for a same-host
+session (``CONTROL_MAGIC`` handshake, :func:`unix_dialer`; docs/shm_transport.md "The control
+channel"), on its TCP data port for a remote one (HELLO offering ``FEATURE_CONTROL``, over TLS
+when the data channel is; :func:`tcp_dialer`; docs/tcp_data_channel.md).
 
 A gRPC unary call costs this client ~1-1.4 ms of round trip here whatever it carries, and a
 transfer makes two per batch; a frame on a Unix socket a fraction of that (docs/benchmarks.md
@@ -12,15 +14,19 @@ Lifecycle: a :class:`ControlChannels` belongs to one session of one Session (mad
 session opens, closed when it is dropped). Each connection carries one call at a time; a thread
 takes an idle one or opens one (at most ``MAX_CHANNELS``; beyond that, or after the daemon
 refused the handshake, ``call`` answers None and the caller uses gRPC). A connection whose call
-got no whole answer (a timeout, the daemon gone) is closed, never reused.
+got no whole answer (a timeout, the daemon gone) is closed, never reused; an idle one the daemon
+closed meanwhile (its session ended, its idle timeout) is noticed before use and replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -55,10 +61,12 @@ class ControlChannels:
     connection is used by one thread at a time (taken from, and given back to, the idle list
     under the lock)."""
 
-    def __init__(self, path: str, session_id: int, data_secret: bytes, timeout_s: float) -> None:
+    def __init__(self, dial: Callable[[float], socket.socket], session_id: int,
+                 timeout_s: float) -> None:
+        """``dial(timeout_s)``: a new connection that passed the handshake (OSError or
+        ValueError when it cannot be made or was refused)."""
         self.session_id = session_id
-        self._path = path
-        self._hello = (wire.SHM_REQUEST.pack(wire.CONTROL_MAGIC, session_id) + data_secret)
+        self._dial = dial
         self._timeout_s = timeout_s  # a handshake's
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
@@ -106,34 +114,23 @@ class ControlChannels:
         with self._lock:
             if self._closed or self.refused:
                 return None
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                sock = self._idle.pop()
+                if not _readable(sock):
+                    return sock
+                self._open -= 1  # the daemon closed it while idle: nothing is due on it
+                with contextlib.suppress(OSError):
+                    sock.close()
             if self._open >= MAX_CHANNELS:
                 return None
             self._open += 1
         try:
-            return self._connect()
+            return self._dial(self._timeout_s)
         except (OSError, ValueError) as e:
             with self._lock:
                 self._open -= 1
                 self.refused = str(e) or type(e).__name__
             return None
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self._timeout_s)
-            sock.connect(self._path)
-            sock.sendall(self._hello)
-            reply = sock.recv(wire.CONTROL_REPLY.size + wire.SHM_MAX_ERROR_BYTES)
-            if reply[:4] == wire.SHM_REFUSED:
-                raise ValueError(f"refused: {reply[4:].decode(errors='replace')}")
-            if len(reply) != wire.CONTROL_REPLY.size or reply[:4] != wire.CONTROL_MAGIC:
-                raise ValueError("bad control channel handshake reply")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -157,6 +154,67 @@ class ControlChannels:
         for sock in idle:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def unix_dialer(path: str, session_id: int, data_secret: bytes
+                ) -> Callable[[float], socket.socket]:
+    """Control connections on the daemon's shm socket ``path`` (``CONTROL_MAGIC``)."""
+    hello = wire.SHM_REQUEST.pack(wire.CONTROL_MAGIC, session_id) + data_secret
+
+    def dial(timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            sock.sendall(hello)
+            reply = sock.recv(wire.CONTROL_REPLY.size + wire.SHM_MAX_ERROR_BYTES)
+            if reply[:4] == wire.SHM_REFUSED:
+                raise ValueError(f"refused: {reply[4:].decode(errors='replace')}")
+            if len(reply) != wire.CONTROL_REPLY.size or reply[:4] != wire.CONTROL_MAGIC:
+                raise ValueError("bad control channel handshake reply")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return dial
+
+
+def tcp_dialer(host: str, port: int, session_id: int, data_secret: bytes, *,
+               tls: ssl.SSLContext | None = None, server_name: str | None = None
+               ) -> Callable[[float], socket.socket]:
+    """Control connections on the daemon's TCP data port (HELLO offering FEATURE_CONTROL;
+    ``tls``: the data channel serves TLS, verified against ``server_name``)."""
+    hello = wire.hello(session_id, data_secret, wire.FEATURE_CONTROL)
+
+    def dial(timeout_s: float) -> socket.socket:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=server_name or host)
+            sock.sendall(hello)
+            head = _recv(sock, wire.HEADER.size, time.monotonic() + timeout_s)
+            op, _job, _index, features, _length = wire.unpack(head)
+            if op is not wire.Op.HELLO_OK or not features & wire.FEATURE_CONTROL:
+                raise ValueError(f"the daemon serves no control channel here ({op.name})")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return dial
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether an idle connection has something to read: the daemon closed it (nothing else is
+    ever due on an idle control connection)."""
+    try:
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:

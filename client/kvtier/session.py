@@ -32,7 +32,7 @@ import grpc
 
 from kvtier.addresses import address_target, grpc_host
 from kvtier.breaker import Breaker
-from kvtier.control import ControlChannels
+from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
 from kvtier.local_index import LocalIndexes
 from kvtier.login import shm_socket_of, unix_login
 from kvtier.results import ClientCounters
@@ -179,9 +179,10 @@ class Session:
         (default on): hash each block an shm put copies into its slot (sent with CompleteStore)
         and check every block ``get_into`` loads against its digest, a mismatch being a miss
         (docs/security.md); off only to measure what verification costs (``kvtier bench``).
-        ``control_channel`` (default on): a same-host (shm, cuda_ipc) session makes its control
-        calls (Prepare*/Complete*, Lookup, Heartbeat...) on control channels of the daemon's
-        shm socket instead of gRPC (:mod:`kvtier.control`; gRPC when the daemon refuses them)."""
+        ``control_channel`` (default on): the session makes its control calls (Prepare*/
+        Complete*, Lookup, Heartbeat...) on control channels instead of gRPC, on the daemon's shm
+        socket (shm, cuda_ipc) or its TCP data port (tcp) (:mod:`kvtier.control`; gRPC when the
+        daemon refuses them)."""
         names = tuple(TRANSPORT_NAMES.values())
         if transport not in names:
             raise errors.InvalidArgument(f"unknown transport {transport!r} (expected one of "
@@ -375,9 +376,16 @@ class Session:
         self._max_batch = max(1, reply.max_batch_blocks)
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
-        if self.control_channel and reply.shm_socket and transport.name != "tcp":
-            self._control = ControlChannels(reply.shm_socket, reply.session_id,
-                                            bytes(reply.data_secret), timeout)
+        if self.control_channel:
+            secret, dial = bytes(reply.data_secret), None
+            if transport.name != "tcp" and reply.shm_socket:  # same host: the shm socket
+                dial = unix_dialer(reply.shm_socket, reply.session_id, secret)
+            elif transport.name == "tcp" and reply.data_port:  # the data port (TLS if it is)
+                dial = tcp_dialer(reply.data_host, reply.data_port, reply.session_id, secret,
+                                  tls=transport.tls_context if reply.data_tls else None,
+                                  server_name=grpc_host(self.address))
+            if dial is not None:
+                self._control = ControlChannels(dial, reply.session_id, timeout)
         if self.local is not None:
             self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch)
         for handle in self._namespaces:

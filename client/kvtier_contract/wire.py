@@ -18,6 +18,10 @@ Features (bits of HELLO's status): ``FEATURE_RUNS`` = WRITE_RUN and DATA_RUN may
 daemon that does not know a feature answers without its bit, so either side may be older: runs
 are used only when both offered them. A run carries many blocks under one header, so the daemon
 reads a run straight into adjacent slots with few system calls and no per-block header.
+``FEATURE_CONTROL`` = after HELLO_OK the connection is a *control channel* of the session: no
+more KVD1 frames, only ``CALL`` / ``RESULT`` (below; the same framing as on the shm socket),
+a remote client's control calls without gRPC. A daemon that does not serve it answers
+without the bit, and the client closes that connection.
 
 Both sides build the block frames they send with :func:`block_frames` / :func:`run_frames`
 (header and payload views, ready for one gathered write): the client its WRITE and WRITE_RUN
@@ -36,6 +40,7 @@ HEADER = struct.Struct("<4sB3xQIIQ")
 assert HEADER.size == 32
 MAX_ERROR_BYTES = 4096
 FEATURE_RUNS = 1
+FEATURE_CONTROL = 2
 DATA_SECRET_BYTES = 32  # HELLO's payload: the session's data secret (OpenSessionReply.data_secret)
 MAX_RUN_BYTES = 64 << 20  # one WRITE_RUN / DATA_RUN payload at most (or one block): bounded latency
 

@@ -295,7 +295,8 @@ class Daemon:
                 hello_timeout_s=cfg.handshake_timeout_s, idle_timeout_s=cfg.data_idle_timeout_s,
                 max_connections=cfg.data_max_connections,
                 max_queued_bytes=cfg.data_max_queued_bytes),
-                ssl_context=_data_tls(cfg) if cfg.tls_cert else None)
+                ssl_context=_data_tls(cfg) if cfg.tls_cert else None,
+                control=self._control_channel if cfg.control_channel else None)
             await data.start()
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"

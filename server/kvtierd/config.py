@@ -65,9 +65,9 @@ class DaemonConfig:
     shm_max_connections: int = 128
     """Most shm fd handshakes in progress at once; one more is closed at once."""
     control_channel: bool = True
-    """Serve sessions' control calls as framed protobufs on the shm socket, besides gRPC (a
-    same-host client's Prepare*/Complete*, Lookup, Heartbeat: docs/shm_transport.md "Control
-    channel"). Needs shm_enabled."""
+    """Serve sessions' control calls (Prepare*/Complete*, Lookup, Heartbeat...) as framed
+    protobufs besides gRPC, on the shm socket and on the TCP data port (docs/shm_transport.md
+    "The control channel", docs/tcp_data_channel.md "Control connections")."""
     publish_index: bool = True
     """Publish a namespace's index read-only in shared memory once a same-host client asks for
     it (over the shm socket): its lookups then need no round trip (docs/published_index.md).

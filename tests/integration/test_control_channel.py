@@ -1,8 +1,9 @@
 """The control channel (issue 16, transfers): a same-host session's control calls as framed
 protobufs on the shm socket instead of gRPC, served by the same handlers.
 
-* the SDK's shm puts, gets, lookups and heartbeats go over it (byte-exact), and over gRPC when
-  the daemon does not serve it (``control_channel = false``);
+* the SDK's shm puts, gets, lookups and heartbeats go over it (byte-exact), a tcp session's
+  over one on the data port (HELLO offering FEATURE_CONTROL), and over gRPC when the daemon does
+  not serve it (``control_channel = false``);
 * the handshake needs a live session and its data secret; a channel speaks only for its own
   session and, on a daemon with tenants, as that session's tenant;
 * bad frames: an undecodable body is INVALID_ARGUMENT (the channel stays), an unknown method or
@@ -132,6 +133,44 @@ def test_without_the_control_channel_the_client_uses_grpc(daemon_factory: Any,
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
         assert c._control is not None and c._control.calls == 0
         assert "not served" in c._control.refused
+    with kvtier.Client.connect(d.grpc, "tcp") as c:
+        ns = c.register(make_namespace())
+        assert ns.put(keys, data).already_present == 4
+        assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
+        assert c._control is not None and c._control.calls == 0
+        assert "serves no control channel" in c._control.refused
+
+
+def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProcess) -> None:
+    with kvtier.Client.connect(daemon.grpc, "tcp") as c:
+        ns = c.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 8)))
+        data = data_for(ns, 8, b"t")
+        assert ns.put(keys, data).stored == 8
+        assert ns.lookup(keys) == 8
+        assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
+        assert c._control is not None and c._control.calls >= 5
+        metrics = _metrics(daemon)
+        assert 'kvtier_connections{transport="tcp"} 2.0' in metrics  # data + control
+        assert 'kvtier_rpc_duration_seconds_count{method="PrepareLoad"} 1.0' in metrics
+
+
+def test_a_tcp_control_hello_needs_the_data_secret(daemon: DaemonProcess, raw: Raw) -> None:
+    reply = raw.open()
+    host, port = daemon.info["data"].rsplit(":", 1)
+    for secret, ok in ((b"\0" * wire.DATA_SECRET_BYTES, False), (bytes(reply.data_secret), True)):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(wire.hello(reply.session_id, secret, wire.FEATURE_CONTROL))
+            op, _job, _index, features, length = wire.unpack(_exactly(s, wire.HEADER.size))
+            if not ok:
+                assert op is wire.Op.ERROR and b"wrong data secret" in _exactly(s, length)
+                continue
+            assert op is wire.Op.HELLO_OK and features & wire.FEATURE_CONTROL
+            status, body = call(s, "Heartbeat", pb.HeartbeatRequest(
+                session_id=reply.session_id).SerializeToString())
+            assert status == 0 and pb.HeartbeatReply.FromString(body).boot_epoch
+            raw("CloseSession", pb.CloseSessionRequest(session_id=reply.session_id))
+            assert closed(s)  # the session's end closes it, without a KVD1 frame
 
 
 def test_the_handshake_needs_a_live_session_and_its_data_secret(daemon: DaemonProcess,

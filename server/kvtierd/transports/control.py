@@ -1,6 +1,6 @@
-"""Control channel: one session's control calls as framed protobufs on a Unix socket connection
-(``kvtier_contract.wire``: ``CALL`` / ``RESULT``), served by the same KvtierService handlers
-as gRPC, for a same-host client's hot path (docs/shm_transport.md "Control channel").
+"""Control channel: one session's control calls as framed protobufs (``kvtier_contract.wire``:
+``CALL`` / ``RESULT``) on a Unix socket or TCP connection, served by the same KvtierService
+handlers as gRPC: the transfers' hot path (docs/shm_transport.md "The control channel").
 
 Why: a gRPC call from the Python client through grpc.aio costs about 1-1.4 ms of round trip
 and ~0.5 ms of daemon CPU here, whatever it carries; a transfer makes two per batch
@@ -8,9 +8,10 @@ and ~0.5 ms of daemon CPU here, whatever it carries; a transfer makes two per ba
 fraction of that.
 
 Lifecycle: :class:`kvtierd.transports.shm.ShmFdServer` checks a ``CONTROL_MAGIC`` handshake
-(a live session, its data secret, the Unix peer allowed for its tenant) and hands the
+(a live session, its data secret, the Unix peer allowed for its tenant), or the TCP data
+channel a HELLO offering ``FEATURE_CONTROL`` (the session's data secret), and hands the
 connection to a ``ControlChannel`` bound to that session; it lives until the peer closes it,
-a bad frame, the daemon's close, or its session's end (``close()``).
+a bad frame, the daemon's close, or its session's end (``close()``, or the data channel's).
 
 Every call goes through the service's ``_rpc`` wrapper as a gRPC call does (admission, the
 deadline, error mapping, latency histograms, the published indexes' flush), with a
@@ -20,7 +21,8 @@ name the channel's own session.
 Bounded: one call at a time (reading pauses while a call is served, and while the peer leaves
 replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
 a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
-closes the connection; at most ``CHANNELS_PER_SESSION`` per session (ShmFdServer).
+closes the connection; on the shm socket at most 8 per session (``ShmFdServer``), on the data
+port under the data channel's limits (``data_max_connections``, its idle timeout).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from kvtierd.ratelog import RateLimitedLog
 from kvtierd.service import ChannelAbort, ChannelContext, KvtierService, Undecodable
 
 log = logging.getLogger("kvtierd.control")
-CHANNELS_PER_SESSION = 8  # a client opens one per thread making calls at once (the SDK: <= 4)
 MAX_ERROR_BYTES = 4096
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 _PARSE = {name: getattr(pb, _SERVICE.methods_by_name[name].input_type.name).FromString

@@ -15,6 +15,11 @@ queued bytes reach the kernel or are dropped with the connection (``TieredCache.
 bounded (:class:`DataChannelLimits`): HELLO in time, an idle timeout, a global cap, reading
 paused while too many reply bytes wait. Size: over the house limit by those limits, which act on
 the protocol's own state and stay beside it.
+
+A HELLO offering ``FEATURE_CONTROL`` (when the server has a ``control`` factory) makes the
+connection a control channel of its session instead (:mod:`kvtierd.transports.control`): from
+HELLO_OK on, its bytes go to a ControlChannel, under the same limits (cap, idle timeout,
+session end).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import mmap
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,7 @@ from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.sessions import SessionTable
+from kvtierd.sessions import Session, SessionTable
 from kvtierd.transports.base import ServerTransport
 
 log = logging.getLogger("kvtierd.tcp")
@@ -46,6 +52,9 @@ _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
 # client's calls, kept small; 1 and 4 MiB measured alike).
 _READ_CHUNK = 1 << 20
 _discard: memoryview | None = None
+_CONTROL_READ = 64 << 10  # bytes per read of a control connection
+# (session, on_close(channel)) -> the protocol of a control channel of that session
+ChannelFactory = Callable[[Session, Callable[[Any], None]], asyncio.Protocol]
 
 
 def _scratch() -> memoryview:
@@ -128,6 +137,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._active = False  # a frame or payload bytes arrived since the last tick
         self._seen = 0.0  # loop time of the last tick that saw activity
         self._queued_seen = 0  # write buffer size at the last tick
+        self._control: asyncio.Protocol | None = None  # a control channel's, after its HELLO
+        self._control_buf: memoryview | None = None
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
@@ -151,9 +162,18 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if self._server is not None:
             self._server.forget(self)
         self.transport = None
+        if self._control is not None:
+            self._control.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._control is not None:
+            self._control.pause_writing()
 
     def resume_writing(self) -> None:
         """The write buffer is empty (low water 0): every queued byte is in the kernel."""
+        if self._control is not None:
+            self._control.resume_writing()
+            return
         if self.transport is None or self.transport.get_write_buffer_size():
             return
         self._release_sending()
@@ -163,6 +183,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
                 self.transport.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._control_buf is not None:
+            return self._control_buf
         if not self._left:
             return self._hdr_view[self._hdr_got :]
         if self._hello is not None:
@@ -177,6 +199,10 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         return _scratch()[: min(self._left, _SCRATCH)]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._control is not None and self._control_buf is not None:
+            self._active = True
+            self._control.data_received(bytes(self._control_buf[:nbytes]))
+            return
         if not self._left:
             self._hdr_got += nbytes
             if self._hdr_got == len(self._hdr):
@@ -270,8 +296,9 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if self._closed or self.transport is None:
             return
         self._closed = True
-        body = message.encode()[: wire.MAX_ERROR_BYTES]
-        self.transport.write(wire.pack(Op.ERROR, length=len(body)) + body)
+        if self._control is None:  # (no KVD1 frame on a control channel: just closed)
+            body = message.encode()[: wire.MAX_ERROR_BYTES]
+            self.transport.write(wire.pack(Op.ERROR, length=len(body)) + body)
         self.transport.close()
         if self._server is not None:
             self._arm(self._server.limits.hello_timeout_s)
@@ -324,8 +351,15 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if not self.session_id and self._server is not None:  # from now on: idle ticks
             self._arm(self._server.limits.idle_timeout_s / 2)
         self.session_id = session_id
-        self.features = offered & _FEATURES
+        server = self._server
+        control = server.control if server is not None else None
+        self.features = offered & (_FEATURES | (wire.FEATURE_CONTROL if control else 0))
         self.transport.write(wire.pack(Op.HELLO_OK, session_id, status=self.features))
+        if control is not None and self.features & wire.FEATURE_CONTROL:
+            # From now on a control channel: its bytes are calls (kvtierd.transports.control).
+            self._control = control(s, lambda _channel: None)
+            self._control_buf = memoryview(bytearray(_CONTROL_READ))
+            self._control.connection_made(self.transport)
         return None
 
     def _on_write(self, job: int, first: int, count: int, length: int) -> None:
@@ -399,8 +433,12 @@ class DataChannelServer(ServerTransport):
 
     def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable,
                  limits: DataChannelLimits | None = None, *,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
-        """``ssl_context``: serve TLS (every connection; advertised as ``data_tls``)."""
+                 ssl_context: ssl.SSLContext | None = None,
+                 control: ChannelFactory | None = None) -> None:
+        """``ssl_context``: serve TLS (every connection; advertised as ``data_tls``).
+        ``control(session, on_close)``: the protocol of a control channel of that session, for
+        a HELLO offering FEATURE_CONTROL (None: not offered back)."""
+        self.control = control
         self.host, self.port = host, port
         self.ssl_context = ssl_context
         self.limits = limits or DataChannelLimits()
