@@ -3,10 +3,12 @@
 Every lookup asks for the same ``plan.lookup_keys``-key chain (real chained keys of one token
 sequence), all of them hits, as a same-host engine would: by default from the daemon's
 published index (``lookup_*``, ``lookups_per_s``: the SDK's default path, checked to be the one
-that answered), and over the gRPC Unix socket in the same run (``*_grpc*``: the path a client on
-another host, or with ``local_lookups=False``, takes). Diagnostics: the p50 of a 1-key gRPC
-lookup (the round-trip floor every gRPC lookup pays) and the daemon's CPU time per lookup while
-the clients run (its ceiling), per path. The two paths alternate, round by round.
+that answered), on a control channel of the TCP data port (``*_control*``: the path a client on
+another host, or with ``local_lookups=False``, takes), and over the gRPC Unix socket
+(``*_grpc*``: ``control_channel=False``; the bare gRPC floor) in the same run. Diagnostics: the
+p50 of a 1-key lookup on the control channel and over gRPC (the round-trip floor each path
+pays) and the daemon's CPU time per lookup while the clients run (its ceiling), per path. The
+paths alternate, round by round.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ LOOKUP_BLOCK = 4096  # block size of the lookup namespace (bytes do not matter t
 _TIMEOUT_S = 10.0
 
 
-PATHS = (("local", ""), ("grpc", "_grpc"))  # (path, figure-name suffix), in the order run
+# (path, figure-name suffix), in the order run
+PATHS = (("local", ""), ("control", "_control"), ("grpc", "_grpc"))
 
 
-def _connect(address: str, keys_n: int, name: str, local: bool = True
+def _connect(address: str, keys_n: int, name: str, path: str = "local"
              ) -> tuple[Client, NamespaceHandle, list[bytes]]:
     # transport "tcp": lookups never move bytes, and it spares each client mapping the arena.
     client = Client.connect(address, "tcp", timeout_s=_TIMEOUT_S, client_name=name,
-                            local_lookups=local)
+                            local_lookups=path == "local", control_channel=path != "grpc")
     if not client.connected:
         raise RuntimeError(f"cannot connect to kvtierd at {address}: {client.counters.last_error}")
     ns = client.register(bench_namespace(LOOKUP_BLOCK, name="kvtier-bench-lookup"))
@@ -61,30 +64,36 @@ def cpu_seconds(pid: int) -> float:
 
 def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results,
                  progress: Progress) -> None:
-    client, ns, keys = _connect(address, plan.lookup_keys, "bench-lookup")
-    grpc_client, grpc_ns, _ = _connect(address, plan.lookup_keys, "bench-lookup-grpc", False)
+    opened = {path: _connect(address, plan.lookup_keys, f"bench-lookup-{path}", path)
+              for path, _suffix in PATHS}
+    client, ns, keys = opened["local"]
     try:
         zero = bytes(LOOKUP_BLOCK)
         res = ns.put(keys, [zero] * len(keys))
         if res.stored + res.already_present != len(keys):
             raise RuntimeError(f"could not store the lookup chain: {res}")
         for _ in range(min(50, plan.lookup_samples)):  # warm-up
-            ns.lookup(keys)
-            grpc_ns.lookup(keys)
+            for _c, handle, _k in opened.values():
+                handle.lookup(keys)
         base = _until_local(ns, keys)
         for _ in range(plan.repeat):
             progress.show("lookup latency")
-            for handle, suffix in ((ns, ""), (grpc_ns, "_grpc")):
-                lat = sorted(_timed_lookups(handle, keys, plan.lookup_samples))
+            for path, suffix in PATHS:
+                lat = sorted(_timed_lookups(opened[path][1], keys, plan.lookup_samples))
                 results.add_lookup(f"lookup{suffix}_p50_ms", statistics.median(lat) * 1e3)
                 results.add_lookup(f"lookup{suffix}_p99_ms", percentile(lat, 99) * 1e3)
-            one = _timed_lookups(grpc_ns, keys[:1], plan.lookup_samples)
-            results.add_lookup("lookup_1key_p50_ms", statistics.median(one) * 1e3)
+            for path, name in (("grpc", "lookup_1key_p50_ms"),
+                               ("control", "lookup_1key_control_p50_ms")):
+                one = _timed_lookups(opened[path][1], keys[:1], plan.lookup_samples)
+                results.add_lookup(name, statistics.median(one) * 1e3)
             progress.step("lookup latency")
         _check_local(client, base)
+        control = opened["control"][0]._control
+        if control is None or not control.calls:
+            raise RuntimeError("the control-channel path's lookups went over gRPC")
     finally:
-        client.close()
-        grpc_client.close()
+        for c, _h, _k in opened.values():
+            c.close()
     _concurrent(plan, address, daemon_pid, results, progress)
 
 
@@ -134,8 +143,7 @@ def _lookup_worker(address: str, keys_n: int, rounds: int, seconds: float, barri
     handles = {}
     clients = []
     for path, _suffix in PATHS:
-        client, ns, keys = _connect(address, keys_n, f"bench-lookup-{wid}-{path}",
-                                    path == "local")
+        client, ns, keys = _connect(address, keys_n, f"bench-lookup-{wid}-{path}", path)
         clients.append(client)
         handles[path] = ns
     try:

@@ -237,6 +237,13 @@ def _lookup_lines(plan: Plan, results: Results, rows: list[dict[str, Any]]) -> l
     k = plan.lookup_keys
     for name, text in (("lookup_p99_ms", f"{k}-key lookup p99"),
                        ("daemon_cpu_us_per_lookup", "daemon CPU time per lookup"),
+                       ("lookup_control_p50_ms", f"{k}-key lookup p50, control channel"),
+                       ("lookup_control_p99_ms", f"{k}-key lookup p99, control channel"),
+                       ("lookups_control_per_s",
+                        f"lookups/s, control channel, {plan.lookup_clients} clients"),
+                       ("daemon_cpu_us_per_lookup_control",
+                        "daemon CPU time per control-channel lookup"),
+                       ("lookup_1key_control_p50_ms", "1-key control-channel lookup p50"),
                        ("lookup_grpc_p50_ms", f"{k}-key lookup p50 over gRPC"),
                        ("lookup_grpc_p99_ms", f"{k}-key lookup p99 over gRPC"),
                        ("lookups_grpc_per_s", f"lookups/s over gRPC, {plan.lookup_clients} clients"),
@@ -271,8 +278,9 @@ def _num(v: float) -> str:
 
 
 def _unit(name: str) -> str:
-    return {"lookups_per_s": "/s", "lookups_grpc_per_s": "/s", "daemon_cpu_us_per_lookup": "us",
-            "daemon_cpu_us_per_lookup_grpc": "us"}.get(name, "ms")
+    return {"lookups_per_s": "/s", "lookups_grpc_per_s": "/s", "lookups_control_per_s": "/s",
+            "daemon_cpu_us_per_lookup": "us", "daemon_cpu_us_per_lookup_grpc": "us",
+            "daemon_cpu_us_per_lookup_control": "us"}.get(name, "ms")
 
 
 def _ratio_cell(row: dict[str, Any] | None) -> str:
