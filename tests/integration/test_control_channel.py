@@ -155,6 +155,25 @@ def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProc
         assert 'kvtier_rpc_duration_seconds_count{method="PrepareLoad"} 1.0' in metrics
 
 
+def test_a_control_connection_the_daemon_closed_while_idle_is_replaced(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text("data_idle_timeout_s = 0.5\n")
+    d = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB", "--slab-bytes", "1MiB")
+    with kvtier.Client.connect(d.grpc, "tcp", heartbeat=False) as c:
+        ns = c.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 2)))
+        data = data_for(ns, 2, b"i")
+        assert ns.put(keys, data).stored == 2
+        assert c._control is not None
+        time.sleep(1.5)  # the daemon closes the idle data and control connections
+        calls = c._control.calls
+        assert ns.lookup(keys) == 2
+        assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
+        assert c._control.calls >= calls + 3  # on new control connections
+        assert c.breaker.trips == 0 and c.counters.puts_dropped == 0
+
+
 def test_a_tcp_control_hello_needs_the_data_secret(daemon: DaemonProcess, raw: Raw) -> None:
     reply = raw.open()
     host, port = daemon.info["data"].rsplit(":", 1)
