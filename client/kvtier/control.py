@@ -13,7 +13,8 @@ codes are the same; a failure is reported as a :class:`ControlError`, a ``grpc.R
 Lifecycle: a :class:`ControlChannels` belongs to one session of one Session (made when the
 session opens, closed when it is dropped). Each connection carries one call at a time; a thread
 takes an idle one or opens one (at most ``MAX_CHANNELS``; beyond that, or after the daemon
-refused the handshake, ``call`` answers None and the caller uses gRPC). A connection whose call
+refused the handshake, ``call`` answers None and the caller uses gRPC; for ``RETRY_S`` after a
+connection could not be made). A connection whose call
 got no whole answer (a timeout, the daemon gone) is closed, never reused; an idle one the daemon
 closed meanwhile (its session ended, its idle timeout) is noticed before use and replaced.
 """
@@ -35,6 +36,7 @@ from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
 MAX_CHANNELS = 4  # connections of one session (threads calling at once: the SDK's RPC threads)
+RETRY_S = 1.0  # after a connection could not be made, the session's calls use gRPC this long
 METHODS = {name: n + 1 for n, name in enumerate(wire.CONTROL_METHODS)}
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 _REPLY = {name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
@@ -72,6 +74,7 @@ class ControlChannels:
         self._idle: list[socket.socket] = []
         self._open = 0
         self._closed = False
+        self._retry_at = 0.0  # after a connection could not be made: gRPC until then
         self.refused = ""  # why the daemon refused a handshake (then gRPC for this session)
         self.calls = 0
 
@@ -104,7 +107,6 @@ class ControlChannels:
             raise ControlError(grpc.StatusCode.UNAVAILABLE,
                                f"{method}: control channel: {e}") from None
         self._give_back(sock)
-        self.calls += 1
         if status:
             raise ControlError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
                                data.decode(errors="replace"))
@@ -112,7 +114,7 @@ class ControlChannels:
 
     def _take(self) -> socket.socket | None:
         with self._lock:
-            if self._closed or self.refused:
+            if self._closed or self.refused or time.monotonic() < self._retry_at:
                 return None
             while self._idle:
                 sock = self._idle.pop()
@@ -126,14 +128,20 @@ class ControlChannels:
             self._open += 1
         try:
             return self._dial(self._timeout_s)
-        except (OSError, ValueError) as e:
+        except ValueError as e:  # refused, or not served: gRPC for the rest of the session
             with self._lock:
                 self._open -= 1
                 self.refused = str(e) or type(e).__name__
             return None
+        except OSError:  # not reachable now (a restart, descriptors): gRPC for a while
+            with self._lock:
+                self._open -= 1
+                self._retry_at = time.monotonic() + RETRY_S
+            return None
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
+            self.calls += 1
             if not self._closed:
                 self._idle.append(sock)
                 return
@@ -168,6 +176,8 @@ def unix_dialer(path: str, session_id: int, data_secret: bytes
             sock.connect(path)
             sock.sendall(hello)
             reply = sock.recv(wire.CONTROL_REPLY.size + wire.SHM_MAX_ERROR_BYTES)
+            if not reply:  # (closed at once: the socket's handshake cap, a restart)
+                raise ConnectionError("closed during the control channel handshake")
             if reply[:4] == wire.SHM_REFUSED:
                 raise ValueError(f"refused: {reply[4:].decode(errors='replace')}")
             if len(reply) != wire.CONTROL_REPLY.size or reply[:4] != wire.CONTROL_MAGIC:
@@ -194,8 +204,13 @@ def tcp_dialer(host: str, port: int, session_id: int, data_secret: bytes, *,
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name or host)
             sock.sendall(hello)
-            head = _recv(sock, wire.HEADER.size, time.monotonic() + timeout_s)
+            try:
+                head = _recv(sock, wire.HEADER.size, time.monotonic() + timeout_s)
+            except ValueError as e:  # closed at once
+                raise ConnectionError(str(e)) from None
             op, _job, _index, features, _length = wire.unpack(head)
+            if op is wire.Op.ERROR:  # (the data port's connection cap, a restart)
+                raise ConnectionError("the data port refused a control connection")
             if op is not wire.Op.HELLO_OK or not features & wire.FEATURE_CONTROL:
                 raise ValueError(f"the daemon serves no control channel here ({op.name})")
         except BaseException:
