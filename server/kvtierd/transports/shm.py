@@ -217,17 +217,20 @@ class ShmFdServer(ServerTransport):
                 not self._peer_ok(session, *_peer(conn)):
             # the same answer as an unknown session: an id tells a stranger nothing
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
-        mine = self._controls.setdefault(session_id, set())
-        if len(mine) >= CHANNELS_PER_SESSION:
+        if len(self._controls.get(session_id, ())) >= CHANNELS_PER_SESSION:
             raise ResourceExhausted(f"session {session_id} has {CHANNELS_PER_SESSION} control "
                                     "channels open already", field="control_channel")
         conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
         conn.send(wire.CONTROL_REPLY.pack(wire.CONTROL_MAGIC, self._epoch))
-        channel = self._control(session, self._control_closed)
-        mine.add(channel)  # type: ignore[arg-type]  # (a ControlChannel)
-        # The transport gets its own descriptor: ``conn`` is closed when the handshake ends.
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: channel,
-                                                                 sock=conn.dup())
+        channel: Any = self._control(session, self._control_closed)
+        self._controls.setdefault(session_id, set()).add(channel)  # (its loss removes it)
+        try:
+            # The transport gets its own descriptor: ``conn`` is closed when the handshake ends.
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: channel,
+                                                                     sock=conn.dup())
+        except BaseException:
+            self._control_closed(channel)
+            raise
         if session.released:  # (ended while the transport was being made)
             self.release_session(session_id)
 
