@@ -192,6 +192,33 @@ def test_a_tcp_control_hello_needs_the_data_secret(daemon: DaemonProcess, raw: R
             assert closed(s)  # the session's end closes it, without a KVD1 frame
 
 
+def test_eight_control_connections_per_session_on_the_data_port(daemon: DaemonProcess,
+                                                                 raw: Raw) -> None:
+    reply = raw.open()
+    host, port = daemon.info["data"].rsplit(":", 1)
+    socks = []
+    try:
+        for n in range(9):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            socks.append(s)
+            s.sendall(wire.hello(reply.session_id, bytes(reply.data_secret),
+                                 wire.FEATURE_CONTROL))
+            op, _job, _index, _features, length = wire.unpack(_exactly(s, wire.HEADER.size))
+            if n < 8:
+                assert op is wire.Op.HELLO_OK
+            else:
+                assert op is wire.Op.ERROR
+                assert b"8 control connections open already" in _exactly(s, length)
+        # a data connection of the same session is still welcome
+        s = socket.create_connection((host, int(port)), timeout=5)
+        socks.append(s)
+        s.sendall(wire.hello(reply.session_id, bytes(reply.data_secret), wire.FEATURE_RUNS))
+        assert wire.unpack(_exactly(s, wire.HEADER.size))[0] is wire.Op.HELLO_OK
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_the_handshake_needs_a_live_session_and_its_data_secret(daemon: DaemonProcess,
                                                                 raw: Raw) -> None:
     reply = raw.open()

@@ -21,8 +21,8 @@ name the channel's own session.
 Bounded: one call at a time (reading pauses while a call is served, and while the peer leaves
 replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
 a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
-closes the connection; on the shm socket at most 8 per session (``ShmFdServer``), on the data
-port under the data channel's limits (``data_max_connections``, its idle timeout).
+closes the connection; at most 8 per session on the shm socket (``ShmFdServer``) and 8 on the
+data port, where the data channel's limits apply too (``data_max_connections``, idle timeout).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
 _READ_CHUNK = 1 << 20
 _discard: memoryview | None = None
 _CONTROL_READ = 64 << 10  # bytes per read of a control connection
+CONTROLS_PER_SESSION = 8  # control connections of one session (the SDK opens at most 4)
 # (session, on_close(channel)) -> the protocol of a control channel of that session
 ChannelFactory = Callable[[Session, Callable[[Any], None]], asyncio.Protocol]
 
@@ -164,6 +165,11 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self.transport = None
         if self._control is not None:
             self._control.connection_lost(exc)
+
+    @property
+    def is_control(self) -> bool:
+        """A control connection (its HELLO asked for FEATURE_CONTROL)."""
+        return self._control is not None
 
     def pause_writing(self) -> None:
         if self._control is not None:
@@ -350,9 +356,13 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return self._fail("unknown session or wrong data secret")
         if not self.session_id and self._server is not None:  # from now on: idle ticks
             self._arm(self._server.limits.idle_timeout_s / 2)
-        self.session_id = session_id
         server = self._server
         control = server.control if server is not None else None
+        if control is not None and offered & wire.FEATURE_CONTROL and \
+                server is not None and server.controls_of(session_id) >= CONTROLS_PER_SESSION:
+            return self._fail(f"session {session_id} has {CONTROLS_PER_SESSION} control "
+                              "connections open already")
+        self.session_id = session_id
         self.features = offered & (_FEATURES | (wire.FEATURE_CONTROL if control else 0))
         self.transport.write(wire.pack(Op.HELLO_OK, session_id, status=self.features))
         if control is not None and self.features & wire.FEATURE_CONTROL:
@@ -473,6 +483,11 @@ class DataChannelServer(ServerTransport):
         self._conns.add(conn)
         self.accepted += 1
         return True
+
+    def controls_of(self, session_id: int) -> int:
+        """Control connections of a session (a HELLO asking for one more than
+        ``CONTROLS_PER_SESSION`` is refused)."""
+        return sum(1 for c in self._conns if c.session_id == session_id and c.is_control)
 
     def forget(self, conn: DataChannelProtocol) -> None:
         self._conns.discard(conn)
