@@ -62,14 +62,8 @@ class HostResidency:
         With a storage tier admitting, blocks it already holds are evicted before any it does not.
         A held block (pinned lookup) is evicted only while a copy below remains.
         """
-        off = self.host.alloc(slot_bytes, pool)
-        if off is not None:
-            return off
-        if any(link.admitting for link in self.links):
-            off = self._make_room(slot_bytes, protect, pool, clean_only=True, max_scan=1024)
-            if off is not None:
-                return off
-        return self._make_room(slot_bytes, protect, pool, clean_only=False)
+        placed = self.allocate_many(slot_bytes, 1, protect, pool)
+        return placed[0] if placed else None
 
     def allocate_many(self, slot_bytes: int, count: int, protect: set[Entry],
                       pool: int = 0) -> list[int]:
@@ -86,18 +80,15 @@ class HostResidency:
                 break
             out.append(off)
         if len(out) < count and any(link.admitting for link in self.links):
-            self._make_room(slot_bytes, protect, pool, clean_only=True, max_scan=1024 + count,
-                            out=out, count=count)
+            self._make_room(slot_bytes, protect, pool, out, count, clean_only=True, max_scan=1024)
         if len(out) < count:
-            self._make_room(slot_bytes, protect, pool, clean_only=False, out=out, count=count)
+            self._make_room(slot_bytes, protect, pool, out, count, clean_only=False)
         return out
 
-    def _make_room(self, slot_bytes: int, protect: set[Entry], pool: int, *, clean_only: bool,
-                   max_scan: int = 1 << 62, out: list[int] | None = None,
-                   count: int = 1) -> int | None:
-        """Evict in policy order until a slot is free, and take it (None: none could be made);
-        with ``out``, until ``out`` holds ``count`` slots (each appended as it is taken)."""
-        taken = [] if out is None else out
+    def _make_room(self, slot_bytes: int, protect: set[Entry], pool: int, taken: list[int],
+                   count: int, *, clean_only: bool, max_scan: int = 1 << 62) -> None:
+        """Evict in policy order, taking each slot that frees up, until ``taken`` holds
+        ``count`` slots (or nothing more can be evicted, or ``max_scan`` victims were seen)."""
         groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
         alloc = self.host.alloc
         for n, e in enumerate(self.policy.victims()):
@@ -123,9 +114,6 @@ class HostResidency:
                 if off is None:
                     break
                 taken.append(off)
-        if out is None:
-            return taken[0] if taken else None
-        return None
 
     def evict(self, e: Entry) -> None:
         """Give up ``e``'s host slot (READY, evictable); it stays READY if a copy remains."""

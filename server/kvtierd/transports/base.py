@@ -19,8 +19,19 @@ Every method runs on the daemon's event-loop thread.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtierd.sessions import Session
+
+CONTROL_CHANNELS_PER_SESSION = 8
+"""Control channels of one session on each transport that serves them (the SDK opens at most 4)."""
+ChannelFactory = Callable[["Session", Callable[[Any], None]], asyncio.Protocol]
+"""(session, on_close(channel)) -> the protocol serving a control channel of that session
+(kvtierd.transports.control.ControlChannel; the shm socket and the TCP data port take one)."""
 
 
 class ServerTransport(ABC):

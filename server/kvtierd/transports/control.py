@@ -62,7 +62,6 @@ class ControlChannel(asyncio.Protocol):
         self._busy = False  # a call is being served
         self._write_paused = False  # the peer leaves replies unread
         self._bad_log = RateLimitedLog(log, 10.0)
-        self.calls = 0
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -130,7 +129,6 @@ class ControlChannel(asyncio.Protocol):
         if t is None or t.is_closing():
             return
         t.write(wire.RESULT.pack(len(out), status) + out)
-        self.calls += 1
         self._busy = False
         self._next()
 

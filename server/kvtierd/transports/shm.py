@@ -15,7 +15,7 @@ closes when the session ends or the daemon dies, which tells the client to stop 
 A fourth, ``CONTROL_MAGIC`` (with the session's id and data secret), turns the connection into
 that session's control channel (:mod:`kvtierd.transports.control`): its control calls as framed
 protobufs, served by the gRPC handlers, until the session ends or either side closes it; at most
-``CHANNELS_PER_SESSION`` per session, not counted against ``max_connections``.
+``CONTROL_CHANNELS_PER_SESSION`` per session, not counted against ``max_connections``.
 
 A third exchange, ``LOGIN_MAGIC``, is the Unix peer login: the daemon reads the peer's uid and
 gid (SO_PEERCRED) and answers a bearer token of the tenant that logs in by them (or refuses),
@@ -47,10 +47,9 @@ from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound, Re
 from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.transports.base import ServerTransport
+from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
 
 log = logging.getLogger("kvtierd.shm")
-CHANNELS_PER_SESSION = 8  # control channels of one session (the SDK opens at most 4)
 
 
 class Channel(Protocol):
@@ -59,10 +58,6 @@ class Channel(Protocol):
     session_id: int
 
     def close(self) -> None: ...
-
-
-# (session, on_close(channel)) -> the protocol serving that session's control connection
-ChannelFactory = Callable[[Session, Callable[[Any], None]], asyncio.Protocol]
 
 
 def _refuse(conn: socket.socket, e: Exception) -> None:
@@ -217,8 +212,9 @@ class ShmFdServer(ServerTransport):
                 not self._peer_ok(session, *_peer(conn)):
             # the same answer as an unknown session: an id tells a stranger nothing
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
-        if len(self._controls.get(session_id, ())) >= CHANNELS_PER_SESSION:
-            raise ResourceExhausted(f"session {session_id} has {CHANNELS_PER_SESSION} control "
+        if len(self._controls.get(session_id, ())) >= CONTROL_CHANNELS_PER_SESSION:
+            raise ResourceExhausted(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} "
+                                    "control "
                                     "channels open already", field="control_channel")
         conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
         conn.send(wire.CONTROL_REPLY.pack(wire.CONTROL_MAGIC, self._epoch))

@@ -30,7 +30,6 @@ import logging
 import mmap
 import os
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +39,8 @@ from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.sessions import Session, SessionTable
-from kvtierd.transports.base import ServerTransport
+from kvtierd.sessions import SessionTable
+from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
 
 log = logging.getLogger("kvtierd.tcp")
 _SCRATCH = 1 << 20
@@ -53,9 +52,6 @@ _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
 _READ_CHUNK = 1 << 20
 _discard: memoryview | None = None
 _CONTROL_READ = 64 << 10  # bytes per read of a control connection
-CONTROLS_PER_SESSION = 8  # control connections of one session (the SDK opens at most 4)
-# (session, on_close(channel)) -> the protocol of a control channel of that session
-ChannelFactory = Callable[[Session, Callable[[Any], None]], asyncio.Protocol]
 
 
 def _scratch() -> memoryview:
@@ -359,8 +355,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         server = self._server
         control = server.control if server is not None else None
         if control is not None and offered & wire.FEATURE_CONTROL and \
-                server is not None and server.controls_of(session_id) >= CONTROLS_PER_SESSION:
-            return self._fail(f"session {session_id} has {CONTROLS_PER_SESSION} control "
+                server is not None and server.controls_of(session_id) >= CONTROL_CHANNELS_PER_SESSION:
+            return self._fail(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} control "
                               "connections open already")
         self.session_id = session_id
         self.features = offered & (_FEATURES | (wire.FEATURE_CONTROL if control else 0))
@@ -486,7 +482,7 @@ class DataChannelServer(ServerTransport):
 
     def controls_of(self, session_id: int) -> int:
         """Control connections of a session (a HELLO asking for one more than
-        ``CONTROLS_PER_SESSION`` is refused)."""
+        ``CONTROL_CHANNELS_PER_SESSION`` is refused)."""
         return sum(1 for c in self._conns if c.session_id == session_id and c.is_control)
 
     def forget(self, conn: DataChannelProtocol) -> None:
