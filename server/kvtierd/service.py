@@ -99,6 +99,10 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
                     self.tenants.by_certificate(_cert_names(context))
             if caller is None:
                 self.count_error(name, "UNAUTHENTICATED")
+                if type(context) is ChannelContext:  # its tenant was removed by a reload
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                        f"tenant {context.tenant!r} of this channel's session is "
+                                        "no longer in the daemon's tenants file")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                     "a credential is required: metadata 'authorization: Bearer "
                                     "<token>' with a token of the daemon's tenants file or of a "

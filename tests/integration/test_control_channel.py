@@ -326,6 +326,47 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
     b.close()
 
 
+def test_a_tenant_removed_by_a_reload_is_refused_on_its_open_channel(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """The caller is the tenant the *current* tenants file names: a channel opened before the
+    reload that removed its tenant gets UNAUTHENTICATED for its next call, as gRPC does."""
+    tenants = tmp_path / "tenants.toml"
+
+    def write(names: tuple[str, ...]) -> None:
+        tenants.write_text("".join(
+            f'[[tenant]]\nname = "{n}"\n'
+            f'tokens_sha256 = ["{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"]'
+            '\ntransports = ["shm", "tcp"]\n\n' for n in names))
+
+    write(("team-a", "team-b"))
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tenants}"\ntenant_arena_bytes = "4MiB"\n')
+    d = daemon_factory("--config", str(cfg), "--host-bytes", "8MiB", "--slab-bytes", "1MiB")
+    b = Raw(d, TOKENS["team-b"])
+    reply = b.open()
+    s, _ = connect(d, reply.session_id, bytes(reply.data_secret))
+    assert s is not None
+    heartbeat = pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString()
+    with s:
+        assert call(s, "Heartbeat", heartbeat)[0] == 0
+        write(("team-a",))
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while True:  # the reload is done once team-b's token is refused over gRPC
+            try:
+                b("Stats", pb.StatsRequest())
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, body = call(s, "Heartbeat", heartbeat)
+        assert status == grpc.StatusCode.UNAUTHENTICATED.value[0], body
+        assert b"'team-b'" in body and b"tenants file" in body, body
+    b.channel.close()
+
+
 def test_a_stopped_daemon_is_a_miss_within_the_timeout(daemon: DaemonProcess) -> None:
     c = kvtier.Client.connect(daemon.unix, "shm", timeout_s=0.3, local_lookups=False)
     try:
