@@ -203,6 +203,65 @@ def test_deferred_lookup_answers_none_then_the_hit(daemon: DaemonProcess) -> Non
     p.close()
 
 
+def warmed(p: Planner) -> Planner:
+    """The lookup thread has opened its session (a fresh engine's first task)."""
+    deadline = time.monotonic() + 5
+    while p.pending_lookups() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return p
+
+
+def test_a_lookup_is_answered_in_the_step_it_is_asked(daemon: DaemonProcess) -> None:
+    """The scheduler thread waits (bounded) for the lookup thread: a new request's miss or hit
+    is known at its first ``num_new_matched``, so vLLM admits it in this step, not the next."""
+    toks = prompt(3 * BS + 1)
+    seed_blocks(daemon, toks, 2)
+    p, _ = make_planner(daemon, lookup_wait_s=1.0)  # generous: a loaded CI machine
+    warmed(p)
+    p.on_new_request(RequestInfo("hit", toks, BASE))
+    assert p.num_new_matched("hit", 0, len(toks)) == (2 * BS, False)
+    assert wait_pinned(daemon, 2) == 2  # a pinned lookup, as without the wait
+    p.on_new_request(RequestInfo("miss", prompt(2 * BS, seed=5), BASE))
+    assert p.num_new_matched("miss", 0, 2 * BS) == (0, False)
+    assert p.stats.lookup_waits == 2
+    # its keys came with the answer: the prompt's blocks are stored in this very step
+    p.after_alloc("miss", [3, 4], 0)
+    plan = p.build(StepInput([schedule("miss", [3, 4], 0, 2 * BS)]))
+    assert [s.block_ids for s in plan.stores] == [[3, 4]]
+    p.close()
+
+
+def test_the_lookup_wait_is_a_budget_per_step(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    p, backend = make_planner(daemon, slow=True, lookup_wait_s=0.2)
+    warmed(p)
+    p.on_new_request(RequestInfo("a", toks, BASE))
+    p.on_new_request(RequestInfo("b", prompt(3 * BS + 1, seed=3), BASE))
+    t0 = time.perf_counter()
+    assert p.num_new_matched("a", 0, len(toks)) == (None, False)
+    waited_a = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert p.num_new_matched("b", 0, len(toks)) == (None, False)
+    waited_b = time.perf_counter() - t0
+    assert waited_a >= 0.19 and waited_b < waited_a / 2  # a's wait spent the step's budget
+    p.build(StepInput())  # the next step: a budget again, and the answer comes within it
+    threading.Timer(0.05, backend.go.set).start()
+    assert p.num_new_matched("a", 0, len(toks)) == (0, False)
+    assert p.stats.lookup_waits == 1
+    p.close()
+
+
+def test_no_lookup_wait_answers_on_a_later_step(daemon: DaemonProcess) -> None:
+    toks = prompt(3 * BS + 1)
+    p, _ = make_planner(daemon, lookup_wait_s=0.0)
+    warmed(p)
+    p.on_new_request(RequestInfo("a", toks, BASE))
+    assert p.num_new_matched("a", 0, len(toks)) == (None, False)
+    assert matched(p, "a", 0, len(toks)) == (0, False)
+    assert p.stats.lookup_waits == 0
+    p.close()
+
+
 def test_lookup_timeout_is_a_miss_for_good_and_late_pins_are_released(
         daemon: DaemonProcess) -> None:
     toks = prompt(3 * BS + 1)

@@ -53,6 +53,7 @@ class ConnectorConfig:
     address: str = DEFAULT_ADDRESS
     transport: TransportName = "shm"
     lookup_timeout_ms: int = 300
+    lookup_wait_ms: int = 2  # per engine step, the scheduler thread's wait for lookups
     request_timeout_ms: int = 1000
     lease_ttl_ms: int = 10000
     model_id: str | None = None
@@ -117,6 +118,9 @@ class ConnectorConfig:
         need(not self.unix_login or self.address.startswith("unix:"), "unix_login",
              "needs a Unix socket address (socket or unix: address)")
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
+        need(isinstance(self.lookup_wait_ms, int) and not isinstance(self.lookup_wait_ms, bool)
+             and 0 <= self.lookup_wait_ms <= 1000, "lookup_wait_ms",
+             "must be an integer from 0 (never wait: answers come a step later) to 1000")
 
 
 @dataclass(frozen=True)

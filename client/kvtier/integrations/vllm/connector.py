@@ -157,6 +157,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.planner = Planner(
                 block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
                 lookup_timeout_s=self.cfg.lookup_timeout_ms / 1000,
+                lookup_wait_s=self.cfg.lookup_wait_ms / 1000,
                 pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
                 store=self.cfg.store, store_generated=self.cfg.store_generated,
                 load_async=self.cfg.load_mode == "async")

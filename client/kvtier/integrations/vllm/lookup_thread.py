@@ -3,6 +3,7 @@
 The scheduler thread (``Planner``) hands it tasks and collects outcomes, never waiting::
 
     submit(req_id, gen, variant, tokens)   hash the prompt, pinned lookup -> take(req_id, gen)
+    wait(req_id, gen, timeout_s)            block until that answer is there (bounded), then take
     release(pins)                           unpin what a lookup pinned
     forget(req_id)                          the request is gone: its pins are released, whenever
                                             its lookup answers
@@ -10,7 +11,8 @@ The scheduler thread (``Planner``) hands it tasks and collects outcomes, never w
 
 Its first task is the backend's ``warmup`` (open the session before the first request).
 ``take`` answers only the generation asked for; an outcome never taken is replaced by the
-request's next one, its pins released. A task that raises is logged and the request misses: a
+request's next one, its pins released. Lookups go before queued releases (a release only delays
+the unpinning; a lookup delays a request's admission). A task that raises is logged and the request misses: a
 bug here never reaches the engine.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,7 +72,8 @@ class LookupThread:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._cond = threading.Condition()
-        self._tasks: deque[tuple[str, int, Variant, Sequence[int]] | list[Pin] | str] = deque()
+        self._tasks: deque[list[Pin] | str] = deque()  # the warmup, then releases
+        self._lookups: deque[tuple[str, int, Variant, Sequence[int]]] = deque()
         self._results: dict[str, tuple[int, LookupOutcome]] = {}
         self._forgotten: set[str] = set()
         self._busy = False
@@ -81,13 +85,13 @@ class LookupThread:
     def submit(self, req_id: str, gen: int, variant: Variant, tokens: Sequence[int]) -> None:
         with self._cond:
             self._forgotten.discard(req_id)
-            self._tasks.append((req_id, gen, variant, list(tokens)))
-            self._cond.notify()
+            self._lookups.append((req_id, gen, variant, list(tokens)))
+            self._cond.notify_all()
 
     def release(self, pins: list[Pin]) -> None:
         with self._cond:
             self._tasks.append(list(pins))
-            self._cond.notify()
+            self._cond.notify_all()
 
     def take(self, req_id: str, gen: int) -> LookupOutcome | None:
         with self._cond:
@@ -96,6 +100,21 @@ class LookupThread:
                 return None
             del self._results[req_id]
             return got[1]
+
+    def wait(self, req_id: str, gen: int, timeout_s: float) -> LookupOutcome | None:
+        """``take``, waiting at most ``timeout_s`` for the answer (the scheduler thread's bounded
+        wait; the lookup thread runs meanwhile: the wait releases the GIL)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                got = self._results.get(req_id)
+                if got is not None and got[0] == gen:
+                    del self._results[req_id]
+                    return got[1]
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._cond.wait(left)
 
     def forget(self, req_id: str) -> None:
         """The request is gone: drop its result, release the pins of a result still to come."""
@@ -106,27 +125,31 @@ class LookupThread:
                     self._tasks.append(list(got[1].pins))
             else:
                 self._forgotten.add(req_id)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._tasks) + int(self._busy)
+            return len(self._tasks) + len(self._lookups) + int(self._busy)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=5)
         self._backend.close()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._tasks and not self._closed:
+                while not self._tasks and not self._lookups and not self._closed:
                     self._cond.wait()
-                if not self._tasks:
+                task: tuple[str, int, Variant, Sequence[int]] | list[Pin] | str
+                if self._lookups and not (self._tasks and self._tasks[0] == "warmup"):
+                    task = self._lookups.popleft()
+                elif self._tasks:
+                    task = self._tasks.popleft()
+                else:
                     return
-                task = self._tasks.popleft()
                 self._busy = True
             try:
                 if isinstance(task, list):
@@ -149,6 +172,7 @@ class LookupThread:
                         if stale is not None and stale[1].pins:  # an older lookup never taken
                             self._tasks.append(list(stale[1].pins))
                         self._results[req_id] = (gen, outcome)
+                        self._cond.notify_all()  # a scheduler thread may be waiting for it
             except Exception:  # a bug here must not kill the engine: that request misses
                 log.exception("kvtier: lookup thread task failed")
             finally:

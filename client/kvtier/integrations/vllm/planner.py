@@ -17,8 +17,11 @@ Lifecycle (all calls on the scheduler thread, in vLLM's order)::
 Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
 
 * No RPC on the scheduler thread. Keys are hashed and lookups run on one background thread
-  (``kvtier-lookup``); until the answer is there ``num_new_matched`` answers ``None`` ("not yet
-  known", vLLM asks again next step), and after ``lookup_timeout_s`` it answers a miss for good.
+  (``kvtier-lookup``). The scheduler thread waits for an answer at most ``lookup_wait_s`` per
+  engine step in all (a lookup answered by the published index or one control-channel round
+  trip takes well under that, so a new request is admitted in the step it arrives instead of
+  the next); past that budget ``num_new_matched`` answers ``None`` ("not yet known", vLLM asks
+  again next step), and after ``lookup_timeout_s`` it answers a miss for good.
 * Hits are pinned in the daemon from the lookup until the load has run (``pin_release_steps``
   engine steps after it was handed to the workers), or released at once when vLLM does not load.
 * The last token is always computed: a hit never covers ``(num_tokens - 1) // block_size`` full
@@ -130,6 +133,7 @@ class StepInput:
 class PlannerStats:
     lookups: int = 0
     lookup_timeouts: int = 0
+    lookup_waits: int = 0  # lookups answered while the scheduler thread waited (same step)
     hit_blocks: int = 0
     host_hit_blocks: int = 0
     nvme_hit_blocks: int = 0
@@ -162,11 +166,13 @@ class Planner:
     """See the module docstring."""
 
     def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
-                 pin_release_steps: int = 4, load: bool = True, store: bool = True,
-                 store_generated: bool = True, load_async: bool = False,
+                 lookup_wait_s: float = 0.002, pin_release_steps: int = 4, load: bool = True,
+                 store: bool = True, store_generated: bool = True, load_async: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.lookup_timeout_s = lookup_timeout_s
+        self.lookup_wait_s = lookup_wait_s
+        self._wait_left = lookup_wait_s  # of this step's budget for waiting on lookups
         self.pin_release_steps = pin_release_steps
         self.load_enabled = load
         self.store_enabled = store
@@ -207,6 +213,13 @@ class Planner:
             st.relookup = False
             self._submit(st)
         outcome = self._outcome(st)
+        if outcome is None and self._wait_left > 0 and st.info.variant is not None:
+            t0 = time.perf_counter()
+            got = self._thread.wait(st.info.req_id, st.gen, self._wait_left)
+            self._wait_left -= time.perf_counter() - t0
+            if got is not None:
+                self.stats.lookup_waits += 1
+                outcome = self._accept(st, got)
         if outcome is None:
             if self._clock() - st.submitted_at < self.lookup_timeout_s:
                 return None, False
@@ -298,6 +311,7 @@ class Planner:
         plan.flush = sorted(flush)
         self.stats.flushes += len(plan.flush)
         self._step += 1
+        self._wait_left = self.lookup_wait_s
         while self._releases and self._releases[0][0] < self._step:  # N builds after the load
             self._thread.release(self._releases.popleft()[1])
         return plan
@@ -345,12 +359,16 @@ class Planner:
         if st.outcome is None:
             got = self._thread.take(st.info.req_id, st.gen)
             if got is not None:
-                st.outcome = got
-                if got.keys and (not st.keys or len(got.keys[0]) > len(st.keys[0])):
-                    st.keys = [list(k) for k in got.keys]  # a re-lookup may cover more
-                if st.timed_out or not self.load_enabled:
-                    self._release_now(st)  # answered too late to load; keys still serve stores
+                self._accept(st, got)
         return st.outcome
+
+    def _accept(self, st: _Req, got: LookupOutcome) -> LookupOutcome:
+        st.outcome = got
+        if got.keys and (not st.keys or len(got.keys[0]) > len(st.keys[0])):
+            st.keys = [list(k) for k in got.keys]  # a re-lookup may cover more
+        if st.timed_out or not self.load_enabled:
+            self._release_now(st)  # answered too late to load; keys still serve stores
+        return got
 
     def _release_now(self, st: _Req) -> None:
         if st.outcome is not None and not st.pins_released:
