@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.buffers import byte_view
-from kvtier.results import LookupResult, PinnedLookup, PutResult
+from kvtier.results import LookupResult, PinnedLookup, PutResult, SlicesLookup
 from kvtier.session import (
     MIN_RPC_S,
     Away,
@@ -172,6 +172,41 @@ def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -
         return PinnedLookup(0, [], 0, 0)
     return PinnedLookup(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
                         reply.job_id, reply.boot_epoch)
+
+
+def lookup_slices(session: Session, handles: Sequence[Registered],
+                  chains: Sequence[Sequence[bytes]]) -> SlicesLookup:
+    """``lookup_pinned`` in every slice's namespace, in one round trip (LookupSlices) where the
+    daemon serves it, else one lookup per slice with the same rules: each slice's keys cut at
+    the hit so far, stopping at a slice with no hit."""
+    if len(handles) != len(chains) or not handles:
+        raise errors.InvalidArgument(f"{len(handles)} namespaces and {len(chains)} key chains: "
+                                     "one chain per namespace, at least one", field="chains")
+    if any(len(keys) > session._max_batch for keys in chains):
+        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per slice",
+                                       field="chains")
+    session.counters.lookups += 1
+    if not session._lookup_slices and session.connected:  # an older daemon
+        out: list[PinnedLookup] = []
+        hit: int | None = None
+        for handle, keys in zip(handles, chains, strict=True):
+            got = lookup_pinned(session, handle, keys if hit is None else keys[:hit])
+            session.counters.lookups -= 1  # (counted once, above)
+            out.append(got)
+            hit = got.hits if hit is None else min(hit, got.hits)
+            if not hit:
+                break
+        return SlicesLookup(hit or 0, out)
+    try:
+        reply = session._call("LookupSlices", pb.LookupSlicesRequest(
+            namespace_ids=[h.namespace_id for h in handles],
+            keys=[pack_keys(keys) for keys in chains], pin=True))
+    except Away:
+        session.counters.lookups_failed += 1
+        return SlicesLookup(0, [])
+    return SlicesLookup(reply.hit_blocks, [
+        PinnedLookup(r.hit_blocks, [TIER_NAMES.get(t, "?") for t in r.tiers], r.job_id,
+                     reply.boot_epoch) for r in reply.slices])
 
 
 def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:

@@ -37,7 +37,7 @@ import grpc
 from kvtier import batches
 from kvtier.addresses import address_target
 from kvtier.buffers import byte_view
-from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult
+from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup
 from kvtier.session import Away, OutOfTime, Session
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
@@ -45,7 +45,7 @@ from kvtier_contract.protoutil import TransportName, to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
 __all__ = ["Client", "ClientCounters", "LookupResult", "NamespaceHandle", "PinnedLookup",
-           "PutResult", "TransportName", "address_target"]
+           "PutResult", "SlicesLookup", "TransportName", "address_target"]
 
 _MAPPED = ("shm", "cuda_ipc")  # transports that map the arena (direct put_blocks/get_blocks)
 
@@ -104,6 +104,15 @@ class Client(Session):
             raise errors.Unavailable(f"daemon at {self.address}: {e.code().name}: {e.details()}"
                                      ) from None
         return to_dict(reply)
+
+    def lookup_slices(self, handles: Sequence[NamespaceHandle],
+                      chains: Sequence[Sequence[bytes]]) -> SlicesLookup:
+        """A pinned lookup of ``chains[i]`` in ``handles[i]``'s namespace for each parallel slice
+        of an engine (one namespace per TP rank), in one round trip: the hit is the prefix every
+        slice holds (each slice's keys are cut at the hit so far; it stops at a slice with no
+        hit). Release each slice's pin (``SlicesLookup.slices[i].pin``). A daemon that does not
+        serve it (older than this SDK) gets one pinned lookup per slice, same answer."""
+        return batches.lookup_slices(self, handles, chains)
 
     def release(self, pin: int, epoch: int = 0) -> bool:
         """Unpin what ``lookup_pinned`` pinned. Never raises: a pin the daemon no longer knows

@@ -45,6 +45,16 @@ class PinnedLookup:
 
 
 @dataclass
+class SlicesLookup:
+    """A pinned lookup in the namespaces of an engine's parallel slices (one per TP rank):
+    ``hits`` is the prefix every slice holds; ``slices`` one PinnedLookup per slice looked up,
+    in order (fewer than asked once a slice had no hit); release each one's pin."""
+
+    hits: int
+    slices: list[PinnedLookup]
+
+
+@dataclass
 class ClientCounters:
     """Owned by one Client; incremented, without a lock, by whichever thread runs the operation."""
 

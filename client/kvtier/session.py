@@ -217,6 +217,7 @@ class Session:
         self._stale = False  # tripped while another thread held _conn_lock: reopen next time
         self._epoch = 0
         self._max_batch = 1024
+        self._lookup_slices = False  # the daemon serves LookupSlices (OpenSessionReply)
         self._transport: DataTransport | None = None
         self._retired: list[DataTransport] = []  # detached during a transfer, closed after it
         self._namespaces: list[Registered] = []
@@ -374,6 +375,7 @@ class Session:
             self.counters.reconnects += 1
         self._session_id, self._epoch = reply.session_id, reply.boot_epoch
         self._max_batch = max(1, reply.max_batch_blocks)
+        self._lookup_slices = reply.lookup_slices
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
         if self.control_channel:
@@ -480,7 +482,7 @@ class Session:
             self._ensure(deadline)
             if hasattr(request, "session_id"):
                 request.session_id = self._session_id
-            handle = self._registered_for(request, deadline)
+            handles = self._registered_for(request, deadline)
             timeout = self._rpc_timeout(deadline, floor=floor)
             try:
                 reply = self._invoke(self._stub, method, request, timeout)
@@ -497,8 +499,9 @@ class Session:
                     self.counters.overloaded += 1
                     raise Overloaded(e.details()) from None
                 if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
-                        "namespace" in (e.details() or "") and handle is not None:
-                    handle.registered_epoch = 0  # the daemon forgot it (expired): register again
+                        "namespace" in (e.details() or "") and handles:
+                    for handle in handles:  # the daemon forgot one (expired): register again
+                        handle.registered_epoch = 0
                     continue
                 if code == grpc.StatusCode.NOT_FOUND and attempt == 0 and reconnect and \
                         ("session" in (e.details() or "") or "namespace" in (e.details() or "")):
@@ -511,17 +514,26 @@ class Session:
             return reply
         raise AssertionError("unreachable")
 
-    def _registered_for(self, request: Any, deadline: float | None) -> Registered | None:
-        """The handle of the namespace ``request`` names (None: it names none of ours),
-        registered in this session: if it is not (a refusal at the last open, or the daemon
-        forgot it), registered now, at most once per ``REGISTER_RETRY_S``; Unregistered when
-        the daemon refuses (a miss, not a trip)."""
-        ns_id = getattr(request, "namespace_id", 0)
-        if not ns_id:
-            return None
-        handle = next((h for h in self._namespaces if h.namespace_id == ns_id), None)
-        if handle is None or handle.registered_epoch == self._epoch:
+    def _registered_for(self, request: Any, deadline: float | None) -> list[Registered]:
+        """The handles of the namespaces ``request`` names (``namespace_id``, or LookupSlices'
+        ``namespace_ids``) that are ours, each registered in this session: one that is not (a
+        refusal at the last open, or the daemon forgot it) is registered now, at most once per
+        ``REGISTER_RETRY_S``; Unregistered when the daemon refuses (a miss, not a trip)."""
+        ids = getattr(request, "namespace_ids", None)
+        if ids is None:
+            ns_id = getattr(request, "namespace_id", 0)
+            ids = [ns_id] if ns_id else []
+        out: list[Registered] = []
+        for ns_id in ids:
+            handle = next((h for h in self._namespaces if h.namespace_id == ns_id), None)
+            if handle is not None:
+                out.append(self._registered(handle, deadline))
+        return out
+
+    def _registered(self, handle: Registered, deadline: float | None) -> Registered:
+        if handle.registered_epoch == self._epoch:
             return handle
+        ns_id = handle.namespace_id
         if self._clock() < handle.register_retry_at:
             raise Unregistered(f"namespace {ns_id} is not registered ({self.counters.last_error})")
         try:

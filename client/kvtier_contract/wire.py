@@ -106,7 +106,7 @@ CALL = struct.Struct("<IBI")  # request length, method (CONTROL_METHODS index + 
 RESULT = struct.Struct("<IB")  # reply length, status (0: OK, else a gRPC status code)
 CONTROL_MAX_BYTES = 4 << 20  # one request or reply at most (gRPC's default receive limit)
 CONTROL_METHODS = ("PrepareStore", "CompleteStore", "PrepareLoad", "CompleteLoad", "Lookup",
-                   "Prefetch", "Heartbeat", "CudaCopy")
+                   "Prefetch", "Heartbeat", "CudaCopy", "LookupSlices")
 """Kvtier RPCs a control channel carries: the session-scoped ones a transfer or lookup makes."""
 
 

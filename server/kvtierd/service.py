@@ -220,6 +220,7 @@ CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvtier_c
                                                                        default=None)
 """The authenticated tenant of the RPC being served (None: single-tenant, or not an RPC)."""
 
+MAX_SLICES = 64  # namespaces per LookupSlices call (an engine's TP ranks)
 _MAX_TALLY = 1 << 32  # blocks per namespace per heartbeat: far above any real rate
 _COUNTER_CAP = (1 << 63) - 1  # counters fed by clients' tallies stop here (uint64 in Stats)
 
@@ -399,7 +400,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             shm_socket=adv["shm_socket"], data_host=adv["data_host"], data_port=adv["data_port"],
             arena_bytes=self.cache.host.pool_bytes[pool] if pool is not None else 0,
             max_batch_blocks=self.max_batch,
-            data_secret=s.data_secret, data_tls=adv.get("data_tls", False))
+            data_secret=s.data_secret, data_tls=adv.get("data_tls", False), lookup_slices=True)
 
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
@@ -452,22 +453,72 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self._session(request.session_id)
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        if request.pin:
-            base = self._arena_base(s, ns)
+        base = self._arena_base(s, ns) if request.pin else 0
+        return (await self._lookup(s, ns, keys, request.pin, base))[0]
+
+    @_rpc
+    async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
+        """Every argument is checked before anything is pinned; a failure after the first pin
+        (a quota, the session gone) releases the pins taken so far, and so does a slice with
+        no hit (the common prefix is empty: every slice's reply then has job_id 0)."""
+        s = self._session(request.session_id)
+        ids = list(request.namespace_ids)
+        if not 1 <= len(ids) <= MAX_SLICES:
+            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call",
+                                  field="namespace_ids")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a namespace appears twice", field="namespace_ids")
+        if len(request.keys) != len(ids):
+            raise InvalidArgument(f"{len(request.keys)} key chains for {len(ids)} namespaces "
+                                  "(one per namespace)", field="keys")
+        nss = [self._namespace(i) for i in ids]
+        chains = [split_keys(k, self.max_batch) for k in request.keys]
+        bases = [self._arena_base(s, ns) if request.pin else 0 for ns in nss]
+        replies: list[Any] = []
+        pinned: list[LoadJob] = []
+        hit: int | None = None
+        try:
+            for ns, keys, base in zip(nss, chains, bases, strict=True):
+                reply, job = await self._lookup(s, ns, keys if hit is None else keys[:hit],
+                                                request.pin, base)
+                replies.append(reply)
+                if job is not None:
+                    pinned.append(job)
+                hit = reply.hit_blocks if hit is None else min(hit, reply.hit_blocks)
+                if not hit:
+                    break
+        except BaseException:
+            for job in pinned:  # all or nothing
+                self.cache.abort_job(s, job)
+            raise
+        if pinned and not hit:  # a slice holds none of it: nothing is loadable, nothing pinned
+            for job in pinned:
+                self.cache.abort_job(s, job)
+            for reply in replies:
+                reply.job_id = 0
+                del reply.offsets[:]
+        return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0,
+                                    slices=replies)
+
+    async def _lookup(self, s: Session, ns: NamespaceState, keys: Sequence[bytes], pin: bool,
+                      base: int) -> tuple[Any, LoadJob | None]:
+        """One namespace's lookup (``base``: the session's arena start, for a pin's offsets):
+        its reply, and the job holding its pins."""
+        if pin:
             self._check_jobs(s)
             job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
             if job is None:
-                return pb.LookupReply(boot_epoch=self.boot_epoch)
+                return pb.LookupReply(boot_epoch=self.boot_epoch), None
             self._check_pins(s, job)
             n = len(job.items)
             # A hold keeps a block's last copy: its host slot only while it has no copy below.
             offsets = [e.offset - base if t == TierId.HOST and e.copies is None else NO_OFFSET
                        for e, t in zip(job.items.values(), tiers, strict=True)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
-                                  tiers=tiers, offsets=offsets)
+                                  tiers=tiers, offsets=offsets), job
         hit, tiers, durable = await self.cache.lookup_shared(ns, keys)
         return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
-                              durable=durable)
+                              durable=durable), None
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:

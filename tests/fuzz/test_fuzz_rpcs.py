@@ -55,7 +55,7 @@ MAX_BATCH = 4096  # DaemonConfig.max_batch_blocks default
 CANARY_BLOCKS = 8
 U32, U64, I64 = (1 << 32) - 1, (1 << 64) - 1, 1 << 63
 # Short-run examples per RPC (default 30): more where a request reaches the index.
-EXAMPLES = {"Lookup": 60, "PrepareStore": 90, "PrepareLoad": 80, "CompleteStore": 60,
+EXAMPLES = {"Lookup": 60, "LookupSlices": 60, "PrepareStore": 90, "PrepareLoad": 80, "CompleteStore": 60,
             "CompleteLoad": 50, "Prefetch": 50, "RegisterNamespace": 60, "OpenSession": 50,
             "Stats": 5}
 SERVE = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "2")
@@ -100,9 +100,10 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "buffer_bytes": st.one_of(st.sampled_from([0, 1, U64]), ids),
     "handle_offset": st.one_of(st.sampled_from([0, U64]), ids),
 }
+FIELDS["namespace_ids"] = FIELDS["namespace_id"]  # LookupSlices' (a list of them)
 # Present in every drawn request (their values still include 0 and garbage): without them
 # almost every request would stop at "unknown session".
-REQUIRED = {"session_id", "namespace_id", "job_id", "keys", "spec"}
+REQUIRED = {"session_id", "namespace_id", "namespace_ids", "job_id", "keys", "spec"}
 BY_TYPE: dict[int, st.SearchStrategy[Any]] = {
     F.TYPE_BOOL: st.booleans(),
     F.TYPE_UINT32: st.one_of(st.sampled_from([0, 1, U32]), st.integers(0, U32)),
@@ -173,7 +174,10 @@ VALID: dict[str, Any] = {
 def request_strategy(method: str) -> st.SearchStrategy[dict[str, Any]]:
     """Requests of ``method``: mostly a valid one with a few fields broken, else free."""
     desc = SERVICE.methods_by_name[method].input_type
-    valid = {f.name: VALID[f.name] for f in desc.fields if f.name in VALID}
+    valid = {f.name: [VALID[f.name]] if f.is_repeated else VALID[f.name]
+             for f in desc.fields if f.name in VALID}
+    if "namespace_ids" in desc.fields_by_name:  # LookupSlices: the fuzz namespace, one slice
+        valid["namespace_ids"] = [VALID["namespace_id"]]
     if method == "CompleteLoad":
         valid["job_id"] = Sym("load")
     return st.one_of(mutated(desc, valid), mutated(desc, valid), message_strategy(desc))

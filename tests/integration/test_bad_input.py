@@ -160,6 +160,35 @@ for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareS
         case(f"{_method}-transport-cuda-ipc-disabled", _method,
              _with(transport=pb.TRANSPORT_CUDA_IPC), StatusCode.FAILED_PRECONDITION, "transport")
 
+def _slices(**kw: Any) -> Build:
+    def build(c: Ctx) -> Any:
+        fields: dict[str, Any] = dict(session_id=c.session_id, namespace_ids=[c.ns_id],
+                                      keys=[keys(1, 2)], pin=True)
+        fields.update({k: (v(c) if callable(v) else v) for k, v in kw.items()})
+        return pb.LookupSlicesRequest(**fields)
+    return build
+
+
+case("LookupSlices-no-namespace", "LookupSlices", _slices(namespace_ids=[], keys=[]),
+     StatusCode.INVALID_ARGUMENT, "namespace_ids")
+case("LookupSlices-65-namespaces", "LookupSlices",
+     _slices(namespace_ids=list(range(1, 66)), keys=[b""] * 65),
+     StatusCode.INVALID_ARGUMENT, "namespace_ids")
+case("LookupSlices-a-namespace-twice", "LookupSlices",
+     _slices(namespace_ids=lambda c: [c.ns_id, c.ns_id], keys=[keys(1), keys(1)]),
+     StatusCode.INVALID_ARGUMENT, "namespace_ids")
+case("LookupSlices-fewer-chains-than-namespaces", "LookupSlices",
+     _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS]), StatusCode.INVALID_ARGUMENT, "keys")
+case("LookupSlices-keys-not-a-multiple-of-32", "LookupSlices", _slices(keys=[keys(1) + b"\0"]),
+     StatusCode.INVALID_ARGUMENT, "keys")
+case("LookupSlices-more-keys-than-a-batch", "LookupSlices",
+     _slices(keys=[bytes(32 * (MAX_BATCH + 1))]), StatusCode.RESOURCE_EXHAUSTED, "keys")
+case("LookupSlices-unknown-namespace", "LookupSlices",
+     _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS], keys=[keys(1, 2), keys(1, 2)]),
+     StatusCode.NOT_FOUND, "namespace_id")
+case("LookupSlices-unknown-session", "LookupSlices", _slices(session_id=UNKNOWN_SESSION),
+     StatusCode.NOT_FOUND, "session_id")
+
 for _method, _req in [("Heartbeat", pb.HeartbeatRequest),
                       ("CloseSession", pb.CloseSessionRequest)]:
     case(f"{_method}-unknown-session", _method,

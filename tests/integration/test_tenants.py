@@ -239,6 +239,43 @@ def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
         assert b.stats()["total"]["stores_rejected"] == 0
 
 
+def test_lookup_slices_is_all_or_nothing_under_quota_and_tenant_scoping(
+        tenants: DaemonProcess, raw: Any) -> None:
+    """team-a's pinned_bytes quota (256 KiB = 16 blocks) passed at its second slice: the first
+    slice's pins are released too; a slice naming team-b's namespace is NOT_FOUND, as for
+    Lookup, and pins nothing of team-a's either."""
+    with client(tenants, "team-a", "shm") as sdk:
+        handles = [sdk.register(ns_of("team-a", tp_rank=r, tp_size=2)) for r in range(2)]
+        chains = [h.block_keys(list(range(16 * 12))) for h in handles]
+        for h, keys in zip(handles, chains, strict=True):
+            assert h.put(keys, [b"a" * h.block_bytes] * 12).stored == 12
+        ids = [h.namespace_id for h in handles]
+    with client(tenants, "team-b", "shm") as sdk:
+        hb = sdk.register(ns_of("team-b"))
+        kb = hb.block_keys(list(range(16 * 2)))
+        assert hb.put(kb, [b"b" * hb.block_bytes] * 2).stored == 2
+        b_id = hb.namespace_id
+    a = raw("team-a")
+    sid = a.session(pb.TRANSPORT_SHM)
+
+    def pinned() -> int:
+        return int(raw("ops")("Stats", pb.StatsRequest()).pinned_blocks)
+
+    code, details = a.code("LookupSlices", pb.LookupSlicesRequest(
+        session_id=sid, namespace_ids=ids, keys=[b"".join(k) for k in chains], pin=True))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
+    assert pinned() == 0
+    code, details = a.code("LookupSlices", pb.LookupSlicesRequest(
+        session_id=sid, namespace_ids=[ids[0], b_id], keys=[b"".join(chains[0][:4]),
+                                                            b"".join(kb)], pin=True))
+    assert code == grpc.StatusCode.NOT_FOUND and "namespace" in details
+    assert pinned() == 0
+    got = a("LookupSlices", pb.LookupSlicesRequest(
+        session_id=sid, namespace_ids=ids, keys=[b"".join(k[:8]) for k in chains], pin=True))
+    assert got.hit_blocks == 8 and [r.hit_blocks for r in got.slices] == [8, 8]
+    assert pinned() == 16
+
+
 def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: DaemonProcess,
                                                                        raw: Any) -> None:
     """pinned_bytes = 256 KiB (16 blocks of 16 KiB) for team-a: a pinned lookup or a load that

@@ -7,6 +7,7 @@ paged-KV tensors (vLLM's LBHNC layout) through the daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -229,6 +230,29 @@ def test_a_lookup_is_answered_in_the_step_it_is_asked(daemon: DaemonProcess) -> 
     plan = p.build(StepInput([schedule("miss", [3, 4], 0, 2 * BS)]))
     assert [s.block_ids for s in plan.stores] == [[3, 4]]
     p.close()
+
+
+def test_a_tensor_parallel_engine_looks_every_slice_up_at_once(daemon: DaemonProcess) -> None:
+    """TP 2: rank 0 holds 3 blocks of the prompt, rank 1 holds 2: the hit is 2 blocks (what
+    every slice holds), from one LookupSlices; the load names both slices' keys."""
+    ident = dataclasses.replace(IDENTITY, tp_size=2)
+    toks = prompt(4 * BS + 1)
+    with kvtier.Client.connect(daemon.unix) as c:
+        for rank, n in ((0, 3), (1, 2)):
+            h = c.register(ident.namespace(BASE, rank))
+            keys = h.block_keys(toks)[:n]
+            assert h.put(keys, [bytes([rank + 1]) * h.block_bytes] * n).stored == n
+    backend = DaemonBackend(ident, cfg_for(daemon))
+    p = warmed(Planner(block_size=BS, backend=backend, lookup_timeout_s=5.0, lookup_wait_s=1.0))
+    p.on_new_request(RequestInfo("tp", toks, BASE))
+    assert p.num_new_matched("tp", 0, len(toks)) == (2 * BS, False)
+    assert wait_pinned(daemon, 3 + 2) == 5  # rank 0's 3 blocks, rank 1's 2 (keys cut at 3)
+    p.after_alloc("tp", [5, 6, 7, 8, 9], 2 * BS)
+    plan = p.build(StepInput([schedule("tp", [5, 6, 7, 8, 9], 2 * BS, 2 * BS + 1)]))
+    assert plan.loads[0].block_ids == [5, 6]
+    assert plan.loads[0].keys == [ident.namespace(BASE, r).block_keys(toks)[:2] for r in (0, 1)]
+    p.close()
+    assert wait_pinned(daemon, 0) == 0
 
 
 def test_the_lookup_wait_is_a_budget_per_step(daemon: DaemonProcess) -> None:

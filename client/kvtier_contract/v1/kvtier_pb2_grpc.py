@@ -59,6 +59,11 @@ class KvtierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupReply.FromString,
                 _registered_method=True)
+        self.LookupSlices = channel.unary_unary(
+                '/kvtier.v1.Kvtier/LookupSlices',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesReply.FromString,
+                _registered_method=True)
         self.PrepareStore = channel.unary_unary(
                 '/kvtier.v1.Kvtier/PrepareStore',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrepareStoreRequest.SerializeToString,
@@ -138,6 +143,17 @@ class KvtierServicer:
     def Lookup(self, request, context):
         """Longest prefix of READY blocks; with pin=true the prefix is pinned as a load job
         (CompleteLoad releases it; a pin counts no load in Stats: the pinning client loads later).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupSlices(self, request, context):
+        """Lookup in the namespaces of an engine's parallel slices (one per TP rank) in one call. The
+        hit is the prefix every slice holds: each slice's keys are cut at the hit of the slices
+        before it, and the call stops at a slice with no hit. With pin=true each slice's hits are
+        pinned as a load job of its own (CompleteLoad each); all or nothing: an error, or a common
+        prefix of 0 blocks, leaves nothing pinned.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,6 +249,11 @@ def add_KvtierServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupReply.SerializeToString,
+            ),
+            'LookupSlices': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupSlices,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesReply.SerializeToString,
             ),
             'PrepareStore': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareStore,
@@ -415,6 +436,33 @@ class Kvtier:
             '/kvtier.v1.Kvtier/Lookup',
             kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupSlices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/LookupSlices',
+            kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.LookupSlicesReply.FromString,
             options,
             channel_credentials,
             insecure,

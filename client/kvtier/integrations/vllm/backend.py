@@ -55,7 +55,7 @@ class DaemonBackend:
             self.handle(BASE, r)
 
     def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
-        """Keys of every tp slice, then one pinned lookup per slice; the hit is the shortest.
+        """Keys of every tp slice, then one pinned lookup of them all; the hit is the shortest.
         A slice that the published index says has no hit at all ends it with no round trip
         (a new prompt, the common case, costs the daemon nothing)."""
         handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
@@ -67,19 +67,11 @@ class DaemonBackend:
                 h.lookup_local(keys[r][:n_max])
                 self.local_misses += 1
                 return LookupOutcome(keys, 0, [], [], self._chain(handles))
-        hits: int | None = None
-        tiers: list[str] = []
-        pins: list[Pin] = []
-        for r, h in enumerate(handles):
-            res = h.lookup_pinned(keys[r][: self.client.max_batch])
-            if res.pin:
-                pins.append((r, res.pin, res.epoch))
-            hits = res.hits if hits is None else min(hits, res.hits)
-            if r == 0:
-                tiers = res.tiers
-            if not hits:
-                break
-        n = hits or 0
+        # One round trip for every slice (LookupSlices): the hit every slice holds, pinned.
+        got = self.client.lookup_slices(handles, [k[:n_max] for k in keys])
+        pins = [(r, res.pin, res.epoch) for r, res in enumerate(got.slices) if res.pin]
+        tiers = got.slices[0].tiers if got.slices else []
+        n = got.hits
         return LookupOutcome(keys, n, tiers[:n], pins, self._chain(handles))
 
     def _chain(self, handles: list[NamespaceHandle]) -> KeyChain:
