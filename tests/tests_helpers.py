@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 
 
@@ -11,3 +14,17 @@ def worker_keys(ns: Any, seed: int, n_blocks: int) -> list[bytes]:
     """The keys tests/integration/worker.py computes for ``seed``."""
     tokens = [int(t) for t in np.random.default_rng(seed).integers(0, 150_000, 16 * n_blocks)]
     return list(ns.block_keys(tokens))
+
+
+def until_unauthenticated(call: Callable[[], Any], timeout_s: float = 10.0) -> None:
+    """Repeat ``call`` (a gRPC call) until the daemon answers UNAUTHENTICATED: a SIGHUP reload
+    of the tenants file that removed the credential has taken effect."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            call()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e
+            return
+        assert time.monotonic() < deadline, "the credential was still accepted"
+        time.sleep(0.05)

@@ -26,6 +26,7 @@ import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests_helpers import until_unauthenticated
 
 import kvtier
 from kvtier_contract import errors, wire
@@ -593,15 +594,7 @@ def test_a_minted_token_is_a_credential_only_while_its_tenant_logs_in_so(
     _login_file(tmp_path / "tenants.toml", os.getuid() + 1)
     assert logins.proc is not None
     logins.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            ok("Stats", pb.StatsRequest())
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAUTHENTICATED
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    until_unauthenticated(lambda: ok("Stats", pb.StatsRequest()))
     # ...and this uid no longer logs in: refused, naming why; an SDK client gets misses
     refused = _raw_login(logins)
     assert refused.startswith(wire.SHM_REFUSED) and b"no tenant logs in Unix peer" in refused
