@@ -186,7 +186,12 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
         raise errors.ResourceExhausted(f"at most {session._max_batch} keys per slice",
                                        field="chains")
     session.counters.lookups += 1
-    if not session._lookup_slices and session.connected:  # an older daemon
+    try:
+        session._ensure()  # (the open tells whether the daemon serves LookupSlices)
+    except Away:
+        session.counters.lookups_failed += 1
+        return SlicesLookup(0, [])
+    if not session._lookup_slices:  # an older daemon
         out: list[PinnedLookup] = []
         hit: int | None = None
         for handle, keys in zip(handles, chains, strict=True):
