@@ -1,6 +1,7 @@
 """The planner's lookup thread: the one thread that talks to the daemon for vLLM's scheduler.
 
-The scheduler thread (``Planner``) hands it tasks and collects outcomes, never waiting::
+The scheduler thread (``Planner``) hands it tasks and collects outcomes, waiting for one only
+within its per-step budget (``wait``)::
 
     submit(req_id, gen, variant, tokens)   hash the prompt, pinned lookup -> take(req_id, gen)
     wait(req_id, gen, timeout_s)            block until that answer is there (bounded), then take
@@ -12,8 +13,8 @@ The scheduler thread (``Planner``) hands it tasks and collects outcomes, never w
 Its first task is the backend's ``warmup`` (open the session before the first request).
 ``take`` answers only the generation asked for; an outcome never taken is replaced by the
 request's next one, its pins released. Lookups go before queued releases (a release only delays
-the unpinning; a lookup delays a request's admission). A task that raises is logged and the request misses: a
-bug here never reaches the engine.
+the unpinning; a lookup delays a request's admission). A task that raises is logged and the
+request misses: a bug here never reaches the engine.
 """
 
 from __future__ import annotations
