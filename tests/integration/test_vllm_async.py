@@ -79,7 +79,8 @@ def test_async_load_keeps_other_requests_decoding(
         extra = {"load_mode": mode, "step_budget_ms": 60000, "request_timeout_ms": 60000}
         eng = Engine(workdir / "model", connector(d, **extra), workdir / f"engine_{mode}.log")
         try:
-            out = eng.interleave(tokens(BLOCK + 10, 500 + i), LONG[i], first_max_tokens=400,
+            # (1,500 tokens: the decode outlasts the >= 2 s load even at ~1.5 ms per token)
+            out = eng.interleave(tokens(BLOCK + 10, 500 + i), LONG[i], first_max_tokens=1500,
                                  second_max_tokens=4, second_after_tokens=8)
             metrics = eng.metrics()
         finally:

@@ -13,7 +13,8 @@ arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer li
   has ``k`` tokens, then the second arrives; the engine is stepped until both finish.
   -> ``{"outputs": [first ids, second ids], "cached": [..], "ttft_s": second's first token after
   its arrival, "first_tokens_before_ttft": tokens the first produced in that window,
-  "first_gap_s": the longest wait between two of its tokens in it, "second_done_s"}``
+  "first_gap_s": the longest wait between two of its tokens in it (up to its last token if it
+  finished first), "second_done_s"}``
 * ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters)
 * ``{"op": "quit"}``
 
@@ -86,6 +87,7 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
     ttft: float | None = None
     done: float | None = None
     before_ttft, last_tok, gap = 0, 0.0, 0.0
+    first_done: float | None = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             which = "first" if out.request_id.startswith(ids["first"]) else "second"
@@ -102,11 +104,16 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
                 gap = max(gap, now - last_tok)
             if which == "first" and new > 0:
                 last_tok = now
+            if which == "first" and out.finished:
+                first_done = now
         if t_add is None and len(got["first"]) >= cmd["second_after_tokens"]:
             engine.add_request(ids["second"], {"prompt_token_ids": cmd["second"]},
                                params(cmd["second_max_tokens"]))
             t_add = last_tok = time.perf_counter()
-    if ttft is not None and t_add is not None:  # the wait since the first's last token
+    if ttft is not None and t_add is not None and (
+            first_done is None or first_done > t_add + ttft):
+        # the wait since the first's last token, if it still had tokens to make (a first
+        # request that finished before the second's first token was not kept waiting)
         gap = max(gap, t_add + ttft - last_tok)
     return {"outputs": [got["first"], got["second"]], "cached": [cached["first"],
             cached["second"]], "ttft_s": ttft, "first_tokens_before_ttft": before_ttft,
