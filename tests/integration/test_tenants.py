@@ -122,7 +122,10 @@ def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProce
     for who in (raw(None), Raw(tenants, "not-a-token")):
         for method, request in (("OpenSession", pb.OpenSessionRequest(client_name="x")),
                                 ("Stats", pb.StatsRequest()),
-                                ("RegisterNamespace", pb.RegisterNamespaceRequest())):
+                                ("RegisterNamespace", pb.RegisterNamespaceRequest()),
+                                ("LookupSlices", pb.LookupSlicesRequest(
+                                    session_id=1, namespace_ids=[1], keys=[bytes(32)],
+                                    pin=True))):
             code, details = who.code(method, request)
             assert code == grpc.StatusCode.UNAUTHENTICATED, (method, details)
     with grpc.insecure_channel(tenants.grpc) as ch:
