@@ -39,14 +39,20 @@ def block(tag: str, i: int, nbytes: int) -> bytes:
 
 
 def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
-         host: tuple[str, ...] = HOST, defaults: bool = False) -> DaemonProcess:
+         host: tuple[str, ...] = HOST, defaults: bool = False,
+         connect: bool = True) -> DaemonProcess:
     """A daemon using the cluster at ``url`` (deadlines generous for a loaded 2-core CI, unless
-    ``defaults``: the shipped ones)."""
+    ``defaults``: the shipped ones), returned once its cluster tier is connected unless not
+    ``connect``. (The daemon serves before its tier has the slot map: until then a store is
+    not written to the cluster and a lookup does not ask it, by design, and a loaded CI
+    machine made that the first store of a test.)"""
     cfg = tmp_path / f"{name}.toml"
     generous = "" if defaults else ('cluster_lookup_timeout_ms = 1000\n'
                                     'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n')
     cfg.write_text(f'cluster = "{url}"\n' + generous + "".join(f"{line}\n" for line in extra))
     d: DaemonProcess = daemon_factory("--config", str(cfg), *host, run_dir=tmp_path / name)
+    if connect:
+        wait_for(f"{name}'s cluster tier connected", lambda: cluster_stats(d)["connected"])
     return d
 
 
@@ -237,7 +243,7 @@ def test_a_cluster_unreachable_at_start_and_lost_at_run_time_leaves_the_local_ti
     with RedisCluster(tmp_path / "redis") as rc:
         url = rc.url
         rc.stop_all()
-        a = node(daemon_factory, tmp_path, "a", url)
+        a = node(daemon_factory, tmp_path, "a", url, connect=False)
         assert not cluster_stats(a)["connected"]
         with kvtier.Client.connect(a.unix, transport="shm") as c:
             ns = c.register(make_namespace())
@@ -335,7 +341,6 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
     the cluster never serves them; its neighbours are written as usual."""
     a = node(daemon_factory, tmp_path, "a", cluster.url, 'cluster_write_policy = "evict"',
              host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"))  # 128 blocks of 16 KiB
-    wait_for("A's cluster tier connected", lambda: cluster_stats(a)["connected"])
     spec = make_namespace()
     with kvtier.Client.connect(a.unix, transport="shm") as c:
         ns = c.register(spec)
@@ -409,7 +414,7 @@ def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: An
         with kvtier.Client.connect(b.unix, transport="tcp") as c:
             ns = c.register(make_namespace())
             assert [bytes(g) if g else None for g in ns.get(keys)] == data
-        nopw = node(daemon_factory, tmp_path, "nopw", rc.url)  # refused by the cluster: misses
+        nopw = node(daemon_factory, tmp_path, "nopw", rc.url, connect=False)  # refused by the cluster: misses
         time.sleep(1.0)
         assert not cluster_stats(nopw)["connected"]
         with kvtier.Client.connect(nopw.unix, transport="tcp") as c:
@@ -429,8 +434,9 @@ def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: P
         with kvtier.Client.connect(b.unix, transport="shm") as c:
             ns = c.register(make_namespace())
             assert [bytes(g) if g else None for g in ns.get(keys)] == data
-        plain = node(daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"))
-        nocert = node(daemon_factory, tmp_path, "nocert", rc.url, tls[0])
+        plain = node(daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"),
+                     connect=False)
+        nocert = node(daemon_factory, tmp_path, "nocert", rc.url, tls[0], connect=False)
         time.sleep(1.0)
         for d in (plain, nocert):  # plaintext to a TLS port; TLS without a client certificate
             assert not cluster_stats(d)["connected"]
@@ -446,6 +452,7 @@ def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
                    'cluster_fetch_timeout_ms = 3000\n')
     b = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
                        run_dir=tmp_path / "b")  # 128 blocks of 16 KiB
+    wait_for("B's cluster tier connected", lambda: cluster_stats(b)["connected"])
     keys, data = store(a, "guard", 12)
     with kvtier.Client.connect(b.unix, transport="shm") as c:
         ns = c.register(make_namespace())
