@@ -16,6 +16,16 @@ def worker_keys(ns: Any, seed: int, n_blocks: int) -> list[bytes]:
     return list(ns.block_keys(tokens))
 
 
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll ``cond`` every 50 ms until it holds; AssertionError naming ``what`` after
+    ``timeout`` seconds. Wait for the state an assertion needs, not for a proxy of it."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def until_unauthenticated(call: Callable[[], Any], timeout_s: float = 10.0) -> None:
     """Repeat ``call`` (a gRPC call) until the daemon answers UNAUTHENTICATED: a SIGHUP reload
     of the tenants file that removed the credential has taken effect."""

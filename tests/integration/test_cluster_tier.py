@@ -16,7 +16,7 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import pytest
 import xxhash
 from conftest import DaemonProcess, make_namespace, shm_handshake
 from redis_cluster import RedisCluster
+from tests_helpers import wait_for
 
 import kvtier
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -54,14 +55,6 @@ def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
     if connect:
         wait_for(f"{name}'s cluster tier connected", lambda: cluster_stats(d)["connected"])
     return d
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def cluster_stats(d: DaemonProcess) -> dict[str, Any]:

@@ -5,7 +5,6 @@ all or nothing; bad input refused with the field named and nothing pinned.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
+from tests_helpers import wait_for
 
 import kvtier
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -160,11 +160,8 @@ def test_a_restarted_daemon_is_looked_up_afresh(daemon_factory: Any, tmp_path: P
         # closed the breaker. (Not until ``boot_epoch`` changes: the probe learns the new epoch
         # from OpenSession and registers the namespaces before the breaker closes, and a lookup
         # in that window is still a miss.)
-        deadline = time.monotonic() + 10
+        wait_for("a lookup answered", lambda: bool(c.lookup_slices(handles, chains).slices))
         got = c.lookup_slices(handles, chains)
-        while not got.slices and time.monotonic() < deadline:
-            time.sleep(0.05)
-            got = c.lookup_slices(handles, chains)
         assert got.hits == 0 and got.slices and got.slices[0].epoch != first.slices[0].epoch
         for h, keys in zip(handles, chains, strict=True):
             assert h.put(keys[:2], [b"z" * h.block_bytes] * 2).stored == 2
