@@ -61,12 +61,21 @@ from redis_cluster import RedisCluster, available  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier.bench.lookups import cpu_seconds  # noqa: E402
-from kvtierd.tiers.cluster.format import HEADER_BYTES, redis_key  # noqa: E402
+from kvtierd.tiers.cluster.format import HEADER_BYTES  # noqa: E402
+from kvtierd.tiers.cluster.format import redis_key as realm_key  # noqa: E402
+from kvtierd.tiers.cluster.keys import FleetKeys  # noqa: E402
 
 LAYER_BYTES = 16 * 2 * 64 * 2 * 2  # one layer of the test namespace: K and V, 8 KiB
 POLL_S = 0.005
 CHAIN = 64  # keys of a lookup chain
 WAIT_S = 120.0
+FLEET_KEY = os.urandom(32)  # the two daemons' fleet key (one per run)
+REALM = FleetKeys(FLEET_KEY).realm(None)
+
+
+def redis_key(digest: bytes, key: bytes) -> bytes:
+    """The Redis key the daemons (no tenants) use for a block."""
+    return realm_key(REALM, digest, key)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,7 +105,10 @@ def start_node(run_dir: Path, name: str, url: str, host_bytes: int, slab_bytes: 
                queue_bytes: int) -> DaemonProcess:
     cfg = run_dir / f"{name}.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
+    fleet = run_dir / "fleet.key"
+    fleet.write_text(FLEET_KEY.hex() + "\n")
     cfg.write_text(f'cluster = "{url}"\n'
+                   f'cluster_fleet_key_file = "{fleet}"\n'
                    "cluster_lookup_timeout_ms = 1000\n"
                    "cluster_fetch_timeout_ms = 5000\n"
                    "cluster_write_timeout_ms = 10000\n"

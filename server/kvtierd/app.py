@@ -510,7 +510,8 @@ def _data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
 
 
 def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
-    """The cluster tier's settings from ``cfg`` (the password read from its file here)."""
+    """The cluster tier's settings from ``cfg`` (the password and the fleet key read from their
+    files here)."""
     seeds, tls = parse_url(cfg.cluster)
     try:
         import hiredis  # noqa: F401  (the parser redis-py uses when it is there)
@@ -527,8 +528,12 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
     creds = Credentials(username=cfg.cluster_username, password=password, tls=tls,
                         ca_file=cfg.cluster_tls_ca, cert_file=cfg.cluster_tls_cert,
                         key_file=cfg.cluster_tls_key)
+    from kvtierd.tiers.cluster.keys import read_fleet_key
+
     return ClusterSettings(
-        seeds=seeds, creds=creds, write_policy=cfg.cluster_write_policy, ttl_s=cfg.cluster_ttl_s,
+        seeds=seeds, fleet_key=read_fleet_key(cfg.cluster_fleet_key_file),
+        tenanted=bool(cfg.tenants_file), creds=creds, write_policy=cfg.cluster_write_policy,
+        ttl_s=cfg.cluster_ttl_s,
         lookup_timeout_s=cfg.cluster_lookup_timeout_ms / 1000,
         fetch_timeout_s=cfg.cluster_fetch_timeout_ms / 1000,
         write_timeout_s=cfg.cluster_write_timeout_ms / 1000,

@@ -143,6 +143,11 @@ class DaemonConfig:
     """ACL user for the cluster ("" = the default user)."""
     cluster_password_file: str = ""
     """File holding the cluster password (first line; "" = none). Never logged."""
+    cluster_fleet_key_file: str = ""
+    """File holding the fleet key, as hex (at least 32 bytes: ``openssl rand -hex 32``), that the
+    daemons of one fleet share: every value written to the cluster carries a MAC under it (per
+    tenant, a key derived from it), and a value whose MAC fails is a miss. Required with
+    ``cluster`` (a daemon refuses to start without it). Never logged (docs/cluster.md)."""
     cluster_tls_ca: str = ""
     """rediss://: CA bundle to verify the cluster's certificates ("" = the system's)."""
     cluster_tls_cert: str = ""
@@ -270,6 +275,9 @@ def validate(cfg: DaemonConfig) -> None:
             parse_url(cfg.cluster)
         except ValueError as e:
             raise ValueError(str(e)) from None
+        from kvtierd.tiers.cluster.keys import read_fleet_key
+
+        read_fleet_key(cfg.cluster_fleet_key_file)  # ValueError naming cluster_fleet_key_file
     need(cfg.verify_store in get_args(VerifyStore), "verify_store",
          "must be 'client' or 'daemon'")
     need(cfg.cluster_write_policy in get_args(ClusterWritePolicy), "cluster_write_policy",

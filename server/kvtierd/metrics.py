@@ -98,8 +98,11 @@ def _cluster_families(cl: dict[str, Any]) -> Iterator[Any]:
             value=1 if cl.get("connected") else 0)
     yield g("kvtier_cluster_queued_bytes", "Bytes waiting to be written to the cluster",
             value=cl.get("queued_bytes", 0))
-    yield c("kvtier_cluster_writes_total", "Blocks written to the cluster (or already there)",
+    yield c("kvtier_cluster_writes_total", "Blocks written to the cluster",
             value=cl.get("writes", 0))
+    yield c("kvtier_cluster_mac_failures_total", "Cluster values refused because their MAC did "
+            "not verify (not written by a daemon of this fleet and tenant): misses",
+            value=cl.get("mac_failures", 0))
     yield c("kvtier_cluster_write_drops_total", "Blocks not written: queue full, node down, late",
             value=cl.get("write_drops", 0))
     yield c("kvtier_cluster_corrupt_exports_total", "Blocks not written to the cluster: their "

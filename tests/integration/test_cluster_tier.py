@@ -30,9 +30,24 @@ from tests_helpers import wait_for
 import kvtier
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtierd.tiers.cluster.format import HEADER_BYTES, redis_key
+from kvtierd.tiers.cluster.format import HEADER, HEADER_BYTES, SIGNED
+from kvtierd.tiers.cluster.format import redis_key as realm_key
+from kvtierd.tiers.cluster.keys import FleetKeys, Realm
 
 HOST = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "5")
+FLEET_KEY = hashlib.sha256(b"the test fleet").digest()
+REALM = FleetKeys(FLEET_KEY).realm(None)  # the realm of daemons without tenants
+
+
+def redis_key(digest: bytes, key: bytes, realm: Realm = REALM) -> bytes:
+    return realm_key(realm, digest, key)
+
+
+def fleet_line(tmp_path: Path, key: bytes = FLEET_KEY) -> str:
+    """The config line giving a daemon ``key`` as its fleet key (a file per key)."""
+    path = tmp_path / f"fleet-{key[:4].hex()}.key"
+    path.write_text(key.hex() + "\n")
+    return f'cluster_fleet_key_file = "{path}"\n'
 
 
 def block(tag: str, i: int, nbytes: int) -> bytes:
@@ -40,43 +55,50 @@ def block(tag: str, i: int, nbytes: int) -> bytes:
 
 
 def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
-         host: tuple[str, ...] = HOST, defaults: bool = False,
-         connect: bool = True) -> DaemonProcess:
-    """A daemon using the cluster at ``url`` (deadlines generous for a loaded 2-core CI, unless
-    ``defaults``: the shipped ones), returned once its cluster tier is connected unless not
-    ``connect``. (The daemon serves before its tier has the slot map: until then a store is
-    not written to the cluster and a lookup does not ask it, by design, and a loaded CI
-    machine made that the first store of a test.)"""
+         host: tuple[str, ...] = HOST, defaults: bool = False, connect: bool = True,
+         fleet_key: bytes = FLEET_KEY, token: str | None = None) -> DaemonProcess:
+    """A daemon using the cluster at ``url`` with ``fleet_key`` (deadlines generous for a loaded
+    2-core CI, unless ``defaults``: the shipped ones), returned once its cluster tier is
+    connected unless not ``connect`` (asked with ``token`` when it has tenants). (The daemon
+    serves before its tier has the slot map: until then a store is not written to the cluster
+    and a lookup does not ask it, by design, and a loaded CI machine made that the first store
+    of a test.)"""
     cfg = tmp_path / f"{name}.toml"
     generous = "" if defaults else ('cluster_lookup_timeout_ms = 1000\n'
                                     'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n')
-    cfg.write_text(f'cluster = "{url}"\n' + generous + "".join(f"{line}\n" for line in extra))
+    cfg.write_text(f'cluster = "{url}"\n' + fleet_line(tmp_path, fleet_key) + generous
+                   + "".join(f"{line}\n" for line in extra))
     d: DaemonProcess = daemon_factory("--config", str(cfg), *host, run_dir=tmp_path / name)
     if connect:
-        wait_for(f"{name}'s cluster tier connected", lambda: cluster_stats(d)["connected"])
+        wait_for(f"{name}'s cluster tier connected", lambda: cluster_stats(d, token)["connected"])
     return d
 
 
-def cluster_stats(d: DaemonProcess) -> dict[str, Any]:
-    with kvtier.Client.connect(d.unix, transport="tcp") as c:
+def cluster_stats(d: DaemonProcess, token: str | None = None) -> dict[str, Any]:
+    with kvtier.Client.connect(d.unix, transport="tcp", token=token) as c:
         out: dict[str, Any] = c.stats()["cluster"]
         return out
 
 
-def store(d: DaemonProcess, tag: str, n: int, **ns_fields: Any) -> tuple[list[bytes], list[bytes]]:
+def store(d: DaemonProcess, tag: str, n: int, *, token: str | None = None,
+          admin: str | None = None, fill: bytes | None = None,
+          **ns_fields: Any) -> tuple[list[bytes], list[bytes]]:
     """Put ``n`` blocks through ``d`` (8 MiB at a time: the write queue is a quarter of the
-    host tier) and wait until the cluster has each part."""
-    with kvtier.Client.connect(d.unix, transport="shm") as c:
+    host tier) and wait until the cluster has each part. With tenants: as ``token``'s tenant
+    (over tcp), the daemon's figures read with ``admin``'s token. ``fill``: the byte every block
+    is made of, instead of the tag's blocks."""
+    with kvtier.Client.connect(d.unix, transport="tcp" if token else "shm", token=token) as c:
         ns = c.register(make_namespace(**ns_fields))
         keys = ns.block_keys([hash_token(tag, i) for i in range(16 * n)])
-        data = [block(tag, i, ns.block_bytes) for i in range(n)]
+        data = [fill * ns.block_bytes if fill else block(tag, i, ns.block_bytes)
+                for i in range(n)]
         step = max(1, (8 << 20) // ns.block_bytes)
         for i in range(0, n, step):
-            before = cluster_stats(d)["writes"]
+            before = cluster_stats(d, admin)["writes"]
             part = min(step, n - i)
             assert ns.put(keys[i:i + part], data[i:i + part]).stored == part
-            wait_for("the cluster writes", lambda b=before, p=part: cluster_stats(d)["writes"]
-                     >= b + p)
+            wait_for("the cluster writes", lambda b=before, p=part: cluster_stats(d, admin)[
+                "writes"] >= b + p)
     return keys, data
 
 
@@ -296,7 +318,8 @@ def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
         cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'cluster = "{cluster.url}"\ncluster_write_policy = "evict"\n'
-                   'cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n')
+                   'cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n'
+                   + fleet_line(tmp_path))
     a = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
                        run_dir=tmp_path / "a")  # 128 blocks of 16 KiB
     b = node(daemon_factory, tmp_path, "b", cluster.url)
@@ -342,13 +365,14 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
         assert ns.put(keys[:16], data[:16]).stored == 16
         with grpc.insecure_channel(a.grpc) as ch:  # overwrite block 3's committed slot
             stub = pb_grpc.KvtierStub(ch)
-            sid = stub.OpenSession(pb.OpenSessionRequest(
+            opened = stub.OpenSession(pb.OpenSessionRequest(
                 client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
-                timeout=5).session_id
+                timeout=5)
+            sid = opened.session_id
             load = stub.PrepareLoad(pb.PrepareLoadRequest(
                 session_id=sid, namespace_id=ns.namespace_id, keys=keys[3],
                 transport=pb.TRANSPORT_SHM), timeout=5)
-            msg, fds = shm_handshake(a, sid)
+            msg, fds = shm_handshake(a, sid, opened.data_secret)
             assert fds, msg
             try:
                 with mmap.mmap(fds[0], 0, flags=mmap.MAP_SHARED) as mm:
@@ -442,7 +466,7 @@ def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     cfg = tmp_path / "b.toml"
     cfg.write_text(f'cluster = "{cluster.url}"\ncluster_lookup_timeout_ms = 1000\n'
-                   'cluster_fetch_timeout_ms = 3000\n')
+                   'cluster_fetch_timeout_ms = 3000\n' + fleet_line(tmp_path))
     b = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
                        run_dir=tmp_path / "b")  # 128 blocks of 16 KiB
     wait_for("B's cluster tier connected", lambda: cluster_stats(b)["connected"])
@@ -541,3 +565,148 @@ def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
         assert time.monotonic() - t0 < 12  # drain_timeout_s (5) + the tier's close
     finally:
         cluster.resume(hung)
+
+
+# -- who may write what the fleet serves (docs/cluster.md "Trust"; issue 26, finding 1) ----------
+
+def forged(authentic: bytes, payload: bytes) -> bytes:
+    """``authentic``'s header over ``payload`` instead: length and digest recomputed, as anyone
+    with write access to the cluster can; its MAC kept (no one can make one without the key)."""
+    fields = HEADER.unpack_from(authentic)
+    signed = SIGNED.pack(*fields[:3], len(payload), *fields[4:6], xxhash.xxh3_128_digest(payload))
+    return signed + authentic[SIGNED.size:HEADER_BYTES] + payload
+
+
+def planted(digest: bytes, key: bytes, payload: bytes) -> bytes:
+    """A value made from scratch for block ``key``: every header field right but the MAC."""
+    return SIGNED.pack(b"KVC1", 2, 0, len(payload), digest, key,
+                       xxhash.xxh3_128_digest(payload)) + bytes(HEADER_BYTES - SIGNED.size) \
+        + payload
+
+
+def log_of(d: DaemonProcess) -> str:
+    return (d.run_dir / "kvtierd.log").read_text()
+
+
+def test_a_forged_value_is_a_miss_counted_logged_once_and_never_served(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    keys, data = store(a, "forged", 8)
+    spec, rc = make_namespace(), cluster.cluster_client()
+    evil = b"\x66" * len(data[0])
+    for i in (2, 5):  # A's values, their bytes replaced
+        rk = redis_key(spec.digest, keys[i])
+        rc.set(rk, forged(rc.get(rk), evil))
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        ns = c.register(spec)
+        extra = ns.block_keys([hash_token("forged", i) for i in range(16 * 10)])[8:]
+        assert extra[0] not in keys
+        for k in extra:  # blocks no daemon stored: values planted from scratch
+            rc.set(redis_key(spec.digest, k), planted(spec.digest, k, evil))
+        got = ns.get(keys + extra)
+        assert [i for i, g in enumerate(got) if g is None] == [2, 5, 8, 9]
+        assert [bytes(g) for g in got if g is not None] == \
+            [d for i, d in enumerate(data) if i not in (2, 5)]  # 0 wrong bytes
+        st = c.stats()
+        assert st["cluster"]["mac_failures"] == 4 and st["cluster"]["corrupt_values"] == 4
+        assert st["total"]["cluster_corrupt"] == 4
+    with urllib.request.urlopen(b.info["metrics"], timeout=10) as r:
+        assert "kvtier_cluster_mac_failures_total 4.0" in r.read().decode().splitlines()
+    wait_for("the forged values deleted", lambda: not any(
+        rc.exists(redis_key(spec.digest, k)) for k in (keys[2], keys[5], *extra)))
+    refused = [line for line in log_of(b).splitlines() if "cluster value" in line]
+    assert len(refused) == 1 and "bad MAC" in refused[0], refused  # once, not per value
+    for d in (a, b):
+        assert FLEET_KEY.hex() not in log_of(d)
+
+
+def test_a_value_planted_before_the_real_store_does_not_outlive_it(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    b = node(daemon_factory, tmp_path, "b", cluster.url)
+    spec, rc = make_namespace(), cluster.cluster_client()
+    with kvtier.Client.connect(b.unix, transport="tcp") as c:
+        ns = c.register(spec)
+        keys = ns.block_keys([hash_token("early", i) for i in range(16 * 6)])
+        for k in keys:  # planted first, for blocks A is about to store
+            rc.set(redis_key(spec.digest, k), planted(spec.digest, k, b"\x99" * ns.block_bytes))
+    stored, data = store(a, "early", 6)
+    assert stored == keys
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        got = c.register(spec).get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+        assert c.stats()["cluster"]["mac_failures"] == 0  # A's store replaced every one
+
+
+TENANT_TOKENS = {"team-a": "tok-cl-a", "team-b": "tok-cl-b", "ops": "tok-cl-ops"}
+
+
+def tenants_line(tmp_path: Path) -> str:
+    path = tmp_path / "tenants.toml"
+    path.write_text("".join(
+        f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]\n'
+        + ("operator = true\n" if name == "ops" else "") + "\n"
+        for name, t in TENANT_TOKENS.items()))
+    return f'tenants_file = "{path}"'
+
+
+def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    """Two daemons with tenants and one without, one fleet key. A client of the untenanted
+    daemon naming team-a's tenant (as any may there) makes team-a's namespace digest and block
+    keys, but its values are in the untenanted realm: under other Redis keys, and their MAC
+    fails under team-a's; team-b's authentic values copied under team-a's keys fail too; what
+    team-a itself stores replaces them all."""
+    ops = TENANT_TOKENS["ops"]
+    t1 = node(daemon_factory, tmp_path, "t1", cluster.url, tenants_line(tmp_path), token=ops)
+    t2 = node(daemon_factory, tmp_path, "t2", cluster.url, tenants_line(tmp_path), token=ops)
+    open_ = node(daemon_factory, tmp_path, "open", cluster.url)  # no tenants file
+    fleet, rc = FleetKeys(FLEET_KEY), cluster.cluster_client()
+    ra = fleet.realm("team-a")
+    spec_a, spec_b = make_namespace(tenant="team-a"), make_namespace(tenant="team-b")
+    keys, _ = store(open_, "realm", 4, fill=b"\x13", tenant="team-a")
+    assert all(rc.exists(redis_key(spec_a.digest, k)) for k in keys)  # untenanted realm
+    assert not any(rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys)
+
+    def team_a_gets() -> list[bytes | None]:
+        with kvtier.Client.connect(t2.unix, transport="tcp", token=TENANT_TOKENS["team-a"]) as c:
+            return [bytes(g) if g is not None else None
+                    for g in c.register(spec_a).get(keys)]
+
+    assert team_a_gets() == [None] * 4  # never even asked for: another realm's keys
+    for k in keys:
+        rc.set(redis_key(spec_a.digest, k, ra), rc.get(redis_key(spec_a.digest, k)))
+    assert team_a_gets() == [None] * 4  # copied under team-a's keys: the MAC fails
+    assert cluster_stats(t2, ops)["mac_failures"] == 4
+    keys_b, _ = store(t1, "realm", 4, token=TENANT_TOKENS["team-b"], admin=ops, tenant="team-b")
+    for kb, ka in zip(keys_b, keys, strict=True):  # team-b's authentic values, team-a's keys
+        rc.set(redis_key(spec_a.digest, ka, ra), rc.get(redis_key(spec_b.digest, kb,
+                                                                   fleet.realm("team-b"))))
+    assert team_a_gets() == [None] * 4
+    assert cluster_stats(t2, ops)["corrupt_values"] == 8
+    wait_for("the refused values deleted", lambda: not any(  # (before team-a's own store)
+        rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys))
+    _, data = store(t1, "realm", 4, token=TENANT_TOKENS["team-a"], admin=ops, tenant="team-a")
+    assert team_a_gets() == data
+    assert all(rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys)
+    assert all(redis_key(spec_a.digest, k, ra).startswith(ra.prefix) for k in keys)
+
+
+def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    other_key = hashlib.sha256(b"another fleet").digest()
+    a = node(daemon_factory, tmp_path, "a", cluster.url)
+    x = node(daemon_factory, tmp_path, "x", cluster.url, fleet_key=other_key)
+    spec, rc = make_namespace(), cluster.cluster_client()
+    keys, _ = store(a, "fleets", 4)
+    keys_x, _ = store(x, "fleets-x", 4)
+    for d, theirs in ((x, keys), (a, keys_x)):
+        with kvtier.Client.connect(d.unix, transport="tcp") as c:
+            assert c.register(spec).get(theirs) == [None] * 4
+    rx = FleetKeys(other_key).realm(None)
+    for k in keys:  # A's authentic values under X's keys
+        rc.set(redis_key(spec.digest, k, rx), rc.get(redis_key(spec.digest, k)))
+    with kvtier.Client.connect(x.unix, transport="tcp") as c:
+        assert c.register(spec).get(keys) == [None] * 4
+        assert c.stats()["cluster"]["mac_failures"] == 4

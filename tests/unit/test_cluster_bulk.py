@@ -16,8 +16,10 @@ from redis.exceptions import ResponseError
 
 from kvtierd.tiers.cluster.bulk import ProtocolFault, WrongSize, _Replies
 from kvtierd.tiers.cluster.format import HEADER_BYTES, encode_header
+from kvtierd.tiers.cluster.keys import FleetKeys
 
 DIGEST = hashlib.sha256(b"ns").digest()
+REALM = FleetKeys(hashlib.sha256(b"fleet").digest()).realm(None)
 N = 4096  # payload bytes
 
 
@@ -32,7 +34,7 @@ class FakeTransport:
 def value(i: int) -> tuple[bytes, bytes]:
     key = hashlib.sha256(b"%d" % i).digest()
     payload = hashlib.shake_256(b"p%d" % i).digest(N)
-    return encode_header(DIGEST, key, payload), payload
+    return encode_header(REALM, DIGEST, key, payload), payload
 
 
 def stream() -> tuple[bytes, list[bytes], list[bytes]]:
@@ -57,7 +59,7 @@ def feed(proto: _Replies, data: bytes, cut: int) -> None:
         pos += n
 
 
-@pytest.mark.parametrize("cut", [1, 2, 7, 95, 96, 97, 4097, 4200, 1 << 20])
+@pytest.mark.parametrize("cut", [1, 2, 7, 127, 128, 129, 4097, 4200, 1 << 20])
 def test_replies_cut_anywhere_are_parsed_and_payloads_land_in_their_slots(cut: int) -> None:
     async def run() -> None:
         data, headers, payloads = stream()

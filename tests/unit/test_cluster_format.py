@@ -1,4 +1,5 @@
-"""The cluster tier's pure parts: value format, key names, URLs, settings, slot grouping.
+"""The cluster tier's pure parts: value format, MACs and realms, key names, URLs, settings, slot
+grouping, the fleet key file.
 
 The tier against a real Redis Cluster: tests/integration/test_cluster_tier.py.
 """
@@ -7,51 +8,112 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from pathlib import Path
 
 import pytest
+import xxhash
 from redis.crc import key_slot
 
 from kvtierd.config import DaemonConfig
 from kvtierd.tiers.cluster.format import (
     HEADER,
     HEADER_BYTES,
+    SIGNED,
     CorruptValue,
     encode_header,
     redis_key,
     verify,
 )
+from kvtierd.tiers.cluster.keys import FleetKeys, Realm, main, read_fleet_key
 from kvtierd.tiers.cluster.nodes import SLOTS, Topology
 from kvtierd.tiers.cluster.settings import Credentials, parse_url
 
 DIGEST = hashlib.sha256(b"ns").digest()
 KEY = hashlib.sha256(b"block").digest()
 PAYLOAD = hashlib.shake_256(b"payload").digest(16384)
+FLEET = FleetKeys(hashlib.sha256(b"fleet key").digest())
+REALM = FLEET.realm(None)
 
 
-def value(digest: bytes = DIGEST, key: bytes = KEY, payload: bytes = PAYLOAD) -> bytes:
-    return encode_header(digest, key, payload) + payload
+def value(digest: bytes = DIGEST, key: bytes = KEY, payload: bytes = PAYLOAD,
+          realm: Realm = REALM) -> bytes:
+    return encode_header(realm, digest, key, payload) + payload
 
 
-def test_key_names_carry_no_hash_tag_so_blocks_spread_over_every_slot() -> None:
-    k = redis_key(DIGEST, KEY)
-    assert k == b"kvt1:" + DIGEST.hex().encode() + b":" + KEY.hex().encode()
-    assert b"{" not in k and len(k) == 134
-    slots = {key_slot(redis_key(DIGEST, hashlib.sha256(b"%d" % i).digest())) for i in range(2000)}
+def test_key_names_carry_their_realm_and_no_hash_tag_so_blocks_spread_over_every_slot() -> None:
+    k = redis_key(REALM, DIGEST, KEY)
+    assert k == REALM.prefix + DIGEST.hex().encode() + b":" + KEY.hex().encode()
+    assert k.startswith(b"kvt2:") and len(REALM.prefix) == 22
+    assert b"{" not in k and len(k) == 151
+    slots = {key_slot(redis_key(REALM, DIGEST, hashlib.sha256(b"%d" % i).digest()))
+             for i in range(2000)}
     assert len(slots) > 1800  # one model's blocks land on (nearly) every shard
 
 
 def test_a_value_round_trips_and_its_header_echoes_identity() -> None:
     v = value()
-    assert len(v) == HEADER_BYTES + len(PAYLOAD) and HEADER_BYTES == 96
-    assert bytes(verify(v, DIGEST, KEY, len(PAYLOAD))) == PAYLOAD
-    magic, version, flags, n, digest, key, _ = HEADER.unpack_from(v)
-    assert (magic, version, flags, n, digest, key) == (b"KVC1", 1, 0, len(PAYLOAD), DIGEST, KEY)
+    assert len(v) == HEADER_BYTES + len(PAYLOAD) and HEADER_BYTES == 128
+    assert bytes(verify(v, REALM, DIGEST, KEY, len(PAYLOAD))) == PAYLOAD
+    magic, version, flags, n, digest, key, _, _mac = HEADER.unpack_from(v)
+    assert (magic, version, flags, n, digest, key) == (b"KVC1", 2, 0, len(PAYLOAD), DIGEST, KEY)
+
+
+def test_realms_are_derived_from_the_fleet_key_and_tenant_and_never_show_it() -> None:
+    fleet_key = hashlib.sha256(b"fleet key").digest()
+    a, b, none = FLEET.realm("team-a"), FLEET.realm("team-b"), FLEET.realm(None)
+    assert len({a.mac_key, b.mac_key, none.mac_key, fleet_key}) == 4
+    assert len({a.prefix, b.prefix, none.prefix}) == 3
+    assert FleetKeys(fleet_key).realm("team-a") == a  # every daemon of the fleet agrees
+    assert FleetKeys(bytes(32)).realm("team-a").mac_key != a.mac_key  # another fleet
+    assert b"team-a" not in a.prefix and a.acl_pattern == f"~{a.prefix.decode()}*"
+    for shown in (repr(a), repr(FLEET), repr(FLEET.realm(None))):
+        assert a.mac_key.hex() not in shown and fleet_key.hex() not in shown
+    with pytest.raises(ValueError, match="cluster_fleet_key_file"):
+        FleetKeys(bytes(31))
+
+
+def forge(v: bytes, *, mac: bytes | None = None, version: int = 2,
+          digest: bytes = DIGEST, key: bytes = KEY) -> bytes:
+    """``v`` with its signed fields changed and everything else recomputed as an attacker
+    can (payload digest), but not the MAC (``mac``: what to put there; default: keep it)."""
+    payload = v[HEADER_BYTES:]
+    signed = SIGNED.pack(b"KVC1", version, 0, len(payload), digest, key,
+                         xxhash.xxh3_128_digest(payload))
+    return signed + (mac if mac is not None else v[SIGNED.size:HEADER_BYTES]) + payload
+
+
+@pytest.mark.parametrize(("planted", "reason"), [
+    (lambda: forge(value(), mac=bytes(32)), "bad MAC"),  # a valid header and digest, no MAC
+    (lambda: forge(value()[:HEADER_BYTES] + b"\x55" * len(PAYLOAD)),
+     "bad MAC"),  # other bytes, their digest recomputed, the authentic MAC kept
+    (lambda: value(realm=FLEET.realm("team-b")), "bad MAC"),  # another tenant's authentic value
+    (lambda: value(realm=FleetKeys(bytes(32)).realm(None)), "bad MAC"),  # another fleet's
+    (lambda: forge(value(), version=1), "unknown version"),
+])
+def test_a_value_this_realm_did_not_write_is_refused_as_forged(planted: object,
+                                                              reason: str) -> None:
+    with pytest.raises(CorruptValue) as e:
+        verify(planted(), REALM, DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
+    assert reason in e.value.reason
+    assert e.value.forged == (reason == "bad MAC")
+
+
+def test_a_version_1_value_without_a_mac_is_refused() -> None:
+    payload = PAYLOAD
+    v1 = struct.pack("<4sHHQ32s32s16s", b"KVC1", 1, 0, len(payload), DIGEST, KEY,
+                     xxhash.xxh3_128_digest(payload)) + payload
+    with pytest.raises(CorruptValue, match="length"):  # 96-byte header: the size is off
+        verify(v1, REALM, DIGEST, KEY, len(PAYLOAD))
+    with pytest.raises(CorruptValue, match="unknown version 1"):  # even padded to size
+        verify(v1[:96] + bytes(32) + payload, REALM, DIGEST, KEY, len(PAYLOAD))
 
 
 @pytest.mark.parametrize(("mutate", "reason"), [
     (lambda v: v[:50], "short value"),
     (lambda v: b"XXXX" + v[4:], "bad magic"),
-    (lambda v: v[:4] + struct.pack("<H", 2) + v[6:], "unknown version"),
+    (lambda v: v[:4] + struct.pack("<H", 3) + v[6:], "unknown version"),
+    (lambda v: v[:HEADER_BYTES - 1] + bytes([v[HEADER_BYTES - 1] ^ 1]) + v[HEADER_BYTES:],
+     "bad MAC"),
     (lambda v: v[:-1], "length"),
     (lambda v: v + b"\0", "length"),
     (lambda v: v[:HEADER_BYTES + 7] + bytes([v[HEADER_BYTES + 7] ^ 1]) + v[HEADER_BYTES + 8:],
@@ -59,7 +121,7 @@ def test_a_value_round_trips_and_its_header_echoes_identity() -> None:
 ])
 def test_a_damaged_value_is_refused_naming_the_check(mutate: object, reason: str) -> None:
     with pytest.raises(CorruptValue) as e:
-        verify(mutate(value()), DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
+        verify(mutate(value()), REALM, DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
     assert reason in e.value.reason
 
 
@@ -67,9 +129,11 @@ def test_a_valid_value_under_another_key_or_namespace_is_refused() -> None:
     other = hashlib.sha256(b"other").digest()
     for digest, key in ((other, KEY), (DIGEST, other)):
         with pytest.raises(CorruptValue, match="another block's key"):
-            verify(value(), digest, key, len(PAYLOAD))
+            verify(value(), REALM, digest, key, len(PAYLOAD))
+        with pytest.raises(CorruptValue, match="bad MAC"):  # its identity rewritten too
+            verify(forge(value(), digest=digest, key=key), REALM, digest, key, len(PAYLOAD))
     with pytest.raises(CorruptValue, match="length"):  # a block of another size
-        verify(value(), DIGEST, KEY, len(PAYLOAD) // 2)
+        verify(value(), REALM, DIGEST, KEY, len(PAYLOAD) // 2)
 
 
 def test_cluster_urls() -> None:
@@ -84,6 +148,7 @@ def test_cluster_urls() -> None:
 
 @pytest.mark.parametrize(("field", "bad", "match"), [
     ("cluster", "redis://nohost", "cluster"),
+    ("cluster", "redis://127.0.0.1:7000", "cluster_fleet_key_file: required with cluster"),
     ("cluster_write_policy", "sometimes", "cluster_write_policy"),
     ("cluster_lookup_timeout_ms", 0, "cluster_lookup_timeout_ms"),
     ("cluster_inflight_bytes", 1024, "cluster_inflight_bytes"),
@@ -98,6 +163,35 @@ def test_bad_cluster_settings_name_the_field(field: str, bad: object, match: str
 def test_the_default_config_has_no_cluster_and_make_serve_needs_none() -> None:
     cfg = DaemonConfig()
     assert cfg.cluster == "" and cfg.cluster_write_policy == "commit"
+    assert cfg.cluster_fleet_key_file == ""
+
+
+def test_the_fleet_key_file_is_hex_of_at_least_32_bytes(tmp_path: Path) -> None:
+    good = tmp_path / "fleet.key"
+    good.write_text(hashlib.sha256(b"k").hexdigest() + "\n")
+    assert read_fleet_key(good) == hashlib.sha256(b"k").digest()
+    spaced = tmp_path / "spaced.key"
+    spaced.write_text(" ".join(hashlib.sha512(b"k").hexdigest()[i:i + 8] for i in range(0, 128, 8)))
+    assert read_fleet_key(spaced) == hashlib.sha512(b"k").digest()  # 64 bytes, whitespace ignored
+    for text, match in (("ab" * 31, "31 bytes of key; at least 32"), ("zz" * 32, "hex digits"),
+                        ("", "0 bytes of key")):
+        bad = tmp_path / "bad.key"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"cluster_fleet_key_file: .*{match}") as e:
+            read_fleet_key(bad)
+        assert not text or text not in str(e.value)  # the content is never quoted
+    with pytest.raises(ValueError, match="cluster_fleet_key_file: cannot read"):
+        read_fleet_key(tmp_path / "missing.key")
+
+
+def test_the_keys_tool_prints_a_realms_acl_pattern(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "fleet.key"
+    key.write_text(hashlib.sha256(b"k").hexdigest())
+    assert main([str(key), "team-a"]) == 0
+    realm = FleetKeys(hashlib.sha256(b"k").digest()).realm("team-a")
+    assert capsys.readouterr().out == realm.acl_pattern + "\n"
+    assert main([str(tmp_path / "missing")]) == 2
 
 
 def test_keys_are_grouped_by_the_master_owning_their_slot() -> None:
@@ -108,7 +202,7 @@ def test_keys_are_grouped_by_the_master_owning_their_slot() -> None:
                  [2 * third, SLOTS - 2, [b"", 7002, b"c"]]], via="127.0.0.1:7000")
     assert sorted(n.address for n in topo.masters()) == [
         "127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]  # "" host: the node asked
-    rkeys = [redis_key(DIGEST, hashlib.sha256(b"%d" % i).digest()) for i in range(3000)]
+    rkeys = [redis_key(REALM, DIGEST, hashlib.sha256(b"%d" % i).digest()) for i in range(3000)]
     groups = topo.group(rkeys)
     for node, idx in groups.items():
         for i in idx:

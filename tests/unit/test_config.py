@@ -152,3 +152,25 @@ def test_load_config_rejects_files_that_are_not_a_table(tmp_path: Path, name: st
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         DaemonConfig().host_bytes = 1  # type: ignore[misc]
+
+
+def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> None:
+    """No cluster without a fleet key (it would serve values anyone with write access to the
+    cluster planted); the file is read and checked at load, its content never quoted."""
+    cfg = tmp_path / "kvtierd.toml"
+    key = tmp_path / "fleet.key"
+    for body, match in (
+        ('cluster = "redis://127.0.0.1:7000"\n', "cluster_fleet_key_file: required with cluster"),
+        (f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{tmp_path / "none"}"\n',
+         "cluster_fleet_key_file: cannot read"),
+        (f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{key}"\n',
+         "cluster_fleet_key_file: .* 16 bytes of key; at least 32"),
+    ):
+        key.write_text("0f" * 16)
+        cfg.write_text(body)
+        with pytest.raises(ValueError, match=match) as e:
+            load_config(cfg)
+        assert "0f" * 16 not in str(e.value)
+    key.write_text("a5" * 32 + "\n")
+    assert load_config(cfg).cluster_fleet_key_file == str(key)
+    assert DaemonConfig(cluster_fleet_key_file="unused").cluster == ""  # no cluster: not read

@@ -19,6 +19,10 @@ that a block need not be written there again.
   the host tier with no copy in the cluster is copied out and offered (its slot goes at once).
   Either way a full queue or a failed write drops it (counted by the tier).
 
+Every call names the realm of the namespace's values (``ClusterTier.realm_of(ns.spec.tenant)``:
+its tenant's with a tenants file; kvtierd.tiers.cluster.keys): which Redis keys it reads and
+writes, and under which key their MACs are made and checked.
+
 Concurrency: event-loop thread only; the tier's I/O runs on its own thread.
 """
 
@@ -58,7 +62,7 @@ class ClusterLink:
         """Leading keys of ``keys`` the cluster holds (answered within the lookup deadline)."""
         if not keys or not self.tier.connected:
             return 0
-        found = await self.tier.exists(ns.spec.digest, keys)
+        found = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest, keys)
         try:
             return found.index(False)
         except ValueError:
@@ -75,7 +79,8 @@ class ClusterLink:
         if not todo or not self.tier.connected:
             return []
         # Slots are taken (evicting) only for blocks the cluster holds.
-        present = await self.tier.exists(ns.spec.digest, todo)
+        present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
+                                         todo)
         if prefix_only and False in present:
             present = present[:present.index(False)]
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
@@ -96,7 +101,8 @@ class ClusterLink:
         host = self.residency.host
         self.imports_in_flight += len(keys)
         try:
-            results = await self.tier.fetch(ns.spec.digest, keys, ns.block_bytes,
+            results = await self.tier.fetch(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
+                                            keys, ns.block_bytes,
                                             [host.view(off, ns.slot_bytes) for off in offsets])
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -142,8 +148,9 @@ class ClusterLink:
         if not todo:
             return
         host = self.residency.host
-        items = [(e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes), e.digest)
-                 for e in todo]
+        realm = self.tier.realm_of
+        items = [(realm(e.ns.spec.tenant), e.ns.spec.digest, e.key,
+                  host.view(e.offset, e.ns.block_bytes), e.digest) for e in todo]
         admitted = todo[:self.tier.offer(items, lambda oks: _written(admitted, oks))]
         for e in admitted:
             e.pins += 1  # the writer reads the slot: it stays until done (before any await)
@@ -161,7 +168,8 @@ class ClusterLink:
             if oks[0] and e.ns.entries.get(e.key) is e:  # still indexed (a copy on NVMe)
                 e.in_cluster = True
 
-        self.tier.offer([(e.ns.spec.digest, e.key, memoryview(data), e.digest)], done)
+        self.tier.offer([(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key,
+                          memoryview(data), e.digest)], done)
 
     # -- lifecycle --------------------------------------------------------------------------------
 

@@ -5,12 +5,12 @@ buffer, stream buffer, parser, result); for a block that is then verified and co
 a host slot, that is most of an import's CPU (docs/benchmarks.md §16). Here one RESP2 connection
 per master (``BulkConnection``, beside redis-py's, which keeps every other command) reads the
 replies of ``GET k1 … kn`` with an ``asyncio.BufferedProtocol``: a value of the expected size
-has its 96-byte header read into a small buffer and its payload received by the kernel directly
+has its 128-byte header read into a small buffer and its payload received by the kernel directly
 into the destination view; anything else (nil, an error reply such as ``MOVED``, a value of
 another size) is parsed from a scratch buffer. The caller verifies header and payload afterwards
 (kvtierd.tiers.cluster.format.verify_parts): a slot is entered into the index only then.
 
-``get_into(rkeys, dests, payload_len, timeout)`` -> one result per key: a 96-byte header
+``get_into(rkeys, dests, payload_len, timeout)`` -> one result per key: a 128-byte header
 (``bytes``: the payload is in its dest), ``None`` (absent), :class:`WrongSize` (a value of
 another length: discarded, never copied) or a ``redis.exceptions.ResponseError`` (an error
 reply). A timeout, a protocol error or a closed connection raises (the node's breaker decides);

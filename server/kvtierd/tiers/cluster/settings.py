@@ -24,12 +24,17 @@ class Credentials:
     connect_timeout_s: float = 0.5
 
 
-
 @dataclass(frozen=True)
 class ClusterSettings:
     """Config of the cluster tier (built from DaemonConfig's ``cluster_*`` fields)."""
 
     seeds: tuple[str, ...]
+    fleet_key: bytes = field(default=b"", repr=False)
+    """The fleet key (kvtierd.tiers.cluster.keys; at least 32 bytes, the tier refuses less).
+    Never logged."""
+    tenanted: bool = False
+    """The daemon has a tenants file: a namespace's values are in its tenant's realm (without
+    one, every namespace's are in the untenanted realm, whatever ``tenant`` it names)."""
     creds: Credentials = field(default_factory=Credentials)
     write_policy: str = "commit"
     ttl_s: float = 86400.0

@@ -4,16 +4,22 @@ Only kvtierd talks to the cluster (docs/cluster.md). Unlike the NVMe tier, the c
 tier of this daemon's copies: other daemons write and the cluster evicts on its own, so the
 index never records what it holds. The cache asks it (kvtierd.cache.fleet):
 
-* ``exists(digest, keys)`` -> one bool per key (pipelined ``EXISTS``, one pipeline per master,
-  masters in parallel). The daemon's side waits at most the lookup deadline: what is not
+Every call names the realm of the blocks (``realm_of(tenant)``, kvtierd.tiers.cluster.keys):
+their Redis keys' prefix and the key of their MACs.
+
+* ``exists(realm, digest, keys)`` -> one bool per key (pipelined ``EXISTS``, one pipeline per
+  master, masters in parallel). The daemon's side waits at most the lookup deadline: what is not
   answered by then is a miss, however busy the tier's thread is.
-* ``fetch(digest, keys, payload_len, dests)`` -> one :data:`FETCH_OK` / :data:`FETCH_MISS` /
+* ``fetch(realm, digest, keys, payload_len, dests)`` -> one :data:`FETCH_OK` / :data:`FETCH_MISS` /
   :data:`FETCH_CORRUPT` per key: ``GET`` in pipelines of at most ``inflight_bytes`` in all,
   each pipeline within ``fetch_timeout_s``; each value verified (kvtierd.tiers.cluster.format)
   and copied into its ``dests`` view (a host slot the cache reserved) before the call returns,
   and it returns only once no copy into ``dests`` can happen any more. A corrupt value is
-  deleted in the background and counted.
-* ``offer(items, done)``: queue blocks to write (``SET … NX PX ttl``): as many of ``items``
+  deleted in the background and counted (``corrupt_values``; those whose MAC failed, i.e. not
+  written by a daemon of this fleet and realm, in ``mac_failures`` too), logged at most once
+  per 10 s.
+* ``offer(items, done)``: queue blocks to write (a plain ``SET … PX ttl``, never NX: a value
+  planted before the real store must not outlive it): as many of ``items``
   (a prefix) as fit ``queue_bytes`` are admitted, the rest dropped (counted); the number
   admitted is returned. The writer reads the bytes from the given views, so the caller keeps
   them valid (pinned) until ``done(oks)`` (one bool per admitted item) runs on the caller's
@@ -56,6 +62,7 @@ from kvtierd.tiers.cluster.format import (
     redis_key,
     verify_parts,
 )
+from kvtierd.tiers.cluster.keys import FleetKeys, Realm
 from kvtierd.tiers.cluster.nodes import Node, Topology
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, ClusterSettings
 
@@ -63,9 +70,9 @@ log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
 MIN_REFRESH_GAP_S = 0.5  # slot-map reads asked for by failures or MOVED: at most this often
 
-WriteItem = tuple[bytes, bytes, memoryview, int | None]
-"""(namespace digest, block key, the block's bytes: valid until ``done`` is called, the block's
-digest from its commit or None): a block whose bytes no longer match their digest is not
+WriteItem = tuple[Realm, bytes, bytes, memoryview, int | None]
+"""(the block's realm, namespace digest, block key, the block's bytes: valid until ``done`` is
+called, the block's digest from its commit or None): a block whose bytes no longer match their digest is not
 written (a write drop, counted in ``corrupt_exports`` too): the cluster never gets bytes the
 host tier would not serve (docs/security.md)."""
 
@@ -109,10 +116,13 @@ class ClusterTier:
 
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
+        self.keys = FleetKeys(settings.fleet_key)  # ValueError: no (or a short) fleet key
         self.topology = Topology(settings.seeds, settings.creds, settings.breaker_s)
         self.writes = self.write_drops = self.corrupt_values = self.lookup_timeouts = 0
         self.corrupt_exports = 0  # blocks not written: their bytes no longer matched
+        self.mac_failures = 0  # values refused because their MAC failed (in corrupt_values too)
         self._corrupt_log = RateLimitedLog(log, 10.0)
+        self._refused_log = RateLimitedLog(log, 10.0)  # values refused (tier thread)
         self.queued_blocks = self.queued_bytes = 0  # admitted, not yet written or dropped
         self._lock = threading.Lock()  # the figures offer() and the writers both change
         self._loop = _new_loop()
@@ -175,6 +185,11 @@ class ClusterTier:
     def connected(self) -> bool:
         return self.topology.connected
 
+    def realm_of(self, tenant: str | None) -> Realm:
+        """The realm of a namespace naming ``tenant``: its tenant's with a tenants file, else
+        the untenanted one (a client's claim of a tenant is no credential)."""
+        return self.keys.realm(tenant if self.settings.tenanted else None)
+
     @property
     def pending_writes(self) -> int:
         """Blocks admitted and not yet written or dropped (a drain waits for them)."""
@@ -182,22 +197,22 @@ class ClusterTier:
 
     # -- lookups and reads (awaited from the daemon's loop) --------------------------------------
 
-    async def exists(self, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
+    async def exists(self, realm: Realm, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held, as far as the cluster answers within the lookup deadline
         (counted from the caller's side: a busy tier thread makes misses, not delays)."""
         if not keys or self._closed:
             return [False] * len(keys)
         try:
-            return await asyncio.wait_for(self._call(self._exists(digest, list(keys))),
+            return await asyncio.wait_for(self._call(self._exists(realm, digest, list(keys))),
                                           self.settings.lookup_timeout_s)
         except TimeoutError:
             with self._lock:
                 self.lookup_timeouts += 1
             return [False] * len(keys)
 
-    async def _exists(self, digest: bytes, keys: list[bytes]) -> list[bool]:
+    async def _exists(self, realm: Realm, digest: bytes, keys: list[bytes]) -> list[bool]:
         deadline = time.monotonic() + self.settings.lookup_timeout_s
-        rkeys = [redis_key(digest, k) for k in keys]
+        rkeys = [redis_key(realm, digest, k) for k in keys]
         found = [False] * len(keys)
 
         async def one(node: Node, idx: list[int]) -> None:
@@ -221,17 +236,18 @@ class ClusterTier:
                              return_exceptions=True)
         return found
 
-    async def fetch(self, digest: bytes, keys: Sequence[bytes], payload_len: int,
+    async def fetch(self, realm: Realm, digest: bytes, keys: Sequence[bytes], payload_len: int,
                     dests: Sequence[memoryview]) -> list[int]:
         """Read, verify and copy each key's block into its ``dests`` view; see the module
         docstring. Returns only when no copy into ``dests`` is in progress any more."""
         if not keys or self._closed:
             return [FETCH_MISS] * len(keys)
-        return await self._call(self._fetch(digest, list(keys), payload_len, list(dests)))
+        return await self._call(self._fetch(realm, digest, list(keys), payload_len,
+                                            list(dests)))
 
-    async def _fetch(self, digest: bytes, keys: list[bytes], payload_len: int,
+    async def _fetch(self, realm: Realm, digest: bytes, keys: list[bytes], payload_len: int,
                      dests: list[memoryview]) -> list[int]:
-        rkeys = [redis_key(digest, k) for k in keys]
+        rkeys = [redis_key(realm, digest, k) for k in keys]
         result = [FETCH_MISS] * len(keys)
         groups = {n: idx for n, idx in self.topology.group(rkeys).items() if n is not None}
         budget = max(1, self.settings.inflight_bytes // max(1, payload_len))  # keys at once
@@ -248,8 +264,8 @@ class ClusterTier:
                     self._poke()
                     return
                 for i, reply in zip(chunk, out, strict=True):
-                    result[i] = self._check(node, reply, digest, keys[i], rkeys[i], dests[i],
-                                            payload_len)
+                    result[i] = self._check(node, reply, realm, digest, keys[i], rkeys[i],
+                                            dests[i], payload_len)
 
         # Every node's coroutine has ended (none raises) before this returns: no copy into
         # ``dests`` happens after the caller frees them.
@@ -257,9 +273,10 @@ class ClusterTier:
                              return_exceptions=True)
         return result
 
-    def _check(self, node: Node, reply: Any, digest: bytes, key: bytes, rkey: bytes,
-               dest: memoryview, payload_len: int) -> int:
-        """One GET's result: the payload is in ``dest`` if ``reply`` is a header; verified."""
+    def _check(self, node: Node, reply: Any, realm: Realm, digest: bytes, key: bytes,
+               rkey: bytes, dest: memoryview, payload_len: int) -> int:
+        """One GET's result: the payload is in ``dest`` if ``reply`` is a header; verified
+        (identity, length, MAC, digest: kvtierd.tiers.cluster.format)."""
         if reply is None or isinstance(reply, ResponseError):
             node.keys_missed += 1
             self._check_moved(reply)
@@ -269,7 +286,7 @@ class ClusterTier:
         else:
             node.bytes_read += HEADER_BYTES + payload_len
             try:
-                verify_parts(reply, dest[:payload_len], digest, key)
+                verify_parts(reply, dest[:payload_len], realm, digest, key)
             except CorruptValue as e:
                 err = e
             else:
@@ -277,8 +294,9 @@ class ClusterTier:
                 return FETCH_OK
         node.keys_missed += 1
         self.corrupt_values += 1
-        log.warning("cluster value %s… on %s refused (%s): deleted", rkey[:24].decode(),
-                    node.address, err.reason)
+        self.mac_failures += err.forged
+        self._refused_log.warning("cluster value %s… on %s refused (%s): deleted",
+                                  rkey[:40].decode(), node.address, err.reason)
         self._loop.create_task(self._delete(node, rkey))
         return FETCH_CORRUPT
 
@@ -314,7 +332,7 @@ class ClusterTier:
         with self._lock:
             if not self._closed and self.topology.known:
                 room = self.settings.queue_bytes - self.queued_bytes
-                for _, _, view, _d in items:
+                for _r, _, _, view, _d in items:
                     if nbytes + view.nbytes > room:
                         break
                     nbytes += view.nbytes
@@ -334,7 +352,7 @@ class ClusterTier:
         with self._lock:
             self.write_drops += offer.left
             self.queued_blocks -= offer.left
-            self.queued_bytes -= sum(v.nbytes for _, _, v, _d in offer.items)
+            self.queued_bytes -= sum(v.nbytes for _r, _, _, v, _d in offer.items)
         self._notify(offer)
 
     def _dispatch(self, offer: _Offer) -> None:
@@ -342,7 +360,7 @@ class ClusterTier:
         if self._closed:
             self._loop_gone(offer)
             return
-        rkeys = [redis_key(d, k) for d, k, _v, _d in offer.items]
+        rkeys = [redis_key(r, d, k) for r, d, k, _v, _d in offer.items]
         for node, idx in self.topology.group(rkeys).items():
             if node is None:
                 for i in idx:
@@ -366,7 +384,7 @@ class ClusterTier:
                 while q and (not batch or size < share):
                     offer, i = q.popleft()
                     batch.append((offer, i))
-                    size += offer.items[i][2].nbytes
+                    size += offer.items[i][3].nbytes
                 results: list[bool] = [False] * len(batch)
                 try:
                     results = await self._write(node, batch, ttl_ms)
@@ -384,7 +402,7 @@ class ClusterTier:
         # a block altered in the host tier since its commit is not exported (hashed on this
         # tier's thread, off the daemon's loop)
         intact = [expect is None or block_digest(view) == expect
-                  for _d, _k, view, expect in (offer.items[i] for offer, i in batch)]
+                  for _r, _d, _k, view, expect in (offer.items[i] for offer, i in batch)]
         if not all(intact):
             with self._lock:
                 self.corrupt_exports += intact.count(False)
@@ -392,9 +410,9 @@ class ClusterTier:
                                       "digest: not written", intact.count(False))
         items = [offer.items[i] for (offer, i), ok in zip(batch, intact, strict=True) if ok]
 
-        def build(p: Any) -> None:
-            for d, k, view, _d in items:
-                p.set(redis_key(d, k), b"".join((encode_header(d, k, view), view)), nx=True,
+        def build(p: Any) -> None:  # no NX: a value planted before this one must not stay
+            for r, d, k, view, _d in items:
+                p.set(redis_key(r, d, k), b"".join((encode_header(r, d, k, view), view)),
                       px=ttl_ms)
 
         out = await node.run(build, self.settings.write_timeout_s) if items else []
@@ -403,7 +421,7 @@ class ClusterTier:
             return [False] * len(batch)
         results = iter(out)
         oks = []
-        for (_, _, view, _d), ok in zip((offer.items[i] for offer, i in batch), intact,
+        for (_r, _, _, view, _d), ok in zip((offer.items[i] for offer, i in batch), intact,
                                         strict=True):
             if not ok:
                 oks.append(False)
@@ -413,8 +431,8 @@ class ClusterTier:
                 self._check_moved(r)
                 oks.append(False)
                 continue
-            oks.append(True)  # written, or already there (NX: the first writer wins)
-            node.bytes_written += view.nbytes if r else 0
+            oks.append(True)
+            node.bytes_written += view.nbytes
         return oks
 
     def _resolve(self, offer: _Offer, i: int, ok: bool) -> None:
@@ -422,7 +440,7 @@ class ClusterTier:
         offer.left -= 1
         with self._lock:
             self.queued_blocks -= 1
-            self.queued_bytes -= offer.items[i][2].nbytes
+            self.queued_bytes -= offer.items[i][3].nbytes
             if ok:
                 self.writes += 1
             else:
@@ -473,7 +491,8 @@ class ClusterTier:
                 "queued_blocks": self.queued_blocks, "queued_bytes": self.queued_bytes,
                 "writes": self.writes, "write_drops": self.write_drops,
                 "corrupt_exports": self.corrupt_exports,
-                "corrupt_values": self.corrupt_values, "lookup_timeouts": self.lookup_timeouts,
+                "corrupt_values": self.corrupt_values, "mac_failures": self.mac_failures,
+                "lookup_timeouts": self.lookup_timeouts,
                 "topology_refreshes": self.topology.refreshes,
                 "nodes": [n.figures() for n in sorted(self.topology.masters(),
                                                        key=lambda n: n.address)]}

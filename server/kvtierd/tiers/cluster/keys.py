@@ -1,0 +1,124 @@
+"""The fleet key: who may write a value the cluster tier serves (docs/cluster.md, docs/security.md).
+
+The daemons of one fleet share a secret, the *fleet key* (``cluster_fleet_key_file``: hex, at
+least 32 bytes, e.g. ``openssl rand -hex 32``). Every value they write carries a MAC under a
+*realm* key derived from it, and a value whose MAC does not verify is never served
+(kvtierd.tiers.cluster.format). A realm is one tenant of a daemon with a tenants file, or
+"untenanted" for a daemon without one (whatever ``tenant`` its clients put in their namespaces:
+such a daemon has no credential that says who they are, so its values never pass for a
+tenant's)::
+
+    realm key = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/tenant/v1\\0" + tenant name)
+              = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/untenanted/v1")   (no tenants)
+    realm tag = hex(BLAKE2b-64(key = realm key, data = "kvtier/fleet/tag/v1"))     (16 hex)
+
+Redis keys start with ``kvt2:<realm tag>:``: an operator can give each tenant's traffic a Redis
+ACL key pattern (``~kvt2:<tag>:*``), and the tag, derived from the key, names no tenant and
+cannot be guessed without the fleet key. ``python -m kvtierd.tiers.cluster.keys FILE [TENANT]``
+prints a realm's pattern.
+
+The key is never logged: :class:`FleetKeys` and :class:`Realm` leave it out of their ``repr``.
+Pure functions and immutable objects (the realm cache is a dict filled on first use, from the
+cluster tier's thread and the daemon's loop: a race computes the same value twice); stdlib only,
+so the config can validate the file without redis-py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIELD = "cluster_fleet_key_file"
+MIN_KEY_BYTES = 32
+MAC_BYTES = 32
+TAG_PREFIX = b"kvt2:"
+_TENANT_DOMAIN = b"kvtier/fleet/tenant/v1\0"
+_UNTENANTED_DOMAIN = b"kvtier/fleet/untenanted/v1"
+_TAG_DOMAIN = b"kvtier/fleet/tag/v1"
+
+
+def read_fleet_key(path: str | Path) -> bytes:
+    """The fleet key in ``path`` (hex digits, whitespace ignored, at least 32 bytes); a
+    ValueError naming ``cluster_fleet_key_file`` (never quoting the file's content) otherwise."""
+    if not str(path):
+        raise ValueError(f"{FIELD}: required with cluster (a file holding the fleet key the "
+                         f"daemons of one fleet share, hex: openssl rand -hex 32 > FILE; "
+                         f"docs/cluster.md)")
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not ASCII hex"
+        raise ValueError(f"{FIELD}: cannot read {str(path)!r}: {why}") from None
+    try:
+        key = bytes.fromhex("".join(text.split()))
+    except ValueError:
+        raise ValueError(f"{FIELD}: {str(path)!r} must hold the key as hex digits "
+                         f"(openssl rand -hex 32)") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"{FIELD}: {str(path)!r} holds {len(key)} bytes of key; at least "
+                         f"{MIN_KEY_BYTES} are needed (openssl rand -hex 32)")
+    return key
+
+
+@dataclass(frozen=True)
+class Realm:
+    """Whose values a Redis key holds: the MAC key and the key prefix of one tenant (or of
+    untenanted daemons) under one fleet key."""
+
+    name: str | None
+    """The tenant, or None (untenanted)."""
+    mac_key: bytes = field(repr=False)
+    """The 32-byte BLAKE2b key of this realm's MACs."""
+    prefix: bytes = b""
+    """``kvt2:<tag>:``, the start of every Redis key of this realm."""
+
+    @property
+    def acl_pattern(self) -> str:
+        """The Redis ACL key pattern covering this realm's keys."""
+        return f"~{self.prefix.decode()}*"
+
+
+class FleetKeys:
+    """The fleet key and the realms derived from it (see the module docstring)."""
+
+    def __init__(self, fleet_key: bytes) -> None:
+        if len(fleet_key) < MIN_KEY_BYTES:
+            raise ValueError(f"{FIELD}: a fleet key needs at least {MIN_KEY_BYTES} bytes")
+        # BLAKE2b takes keys of at most 64 bytes: a longer one is hashed down first
+        self._root = fleet_key if len(fleet_key) <= 64 else hashlib.blake2b(fleet_key).digest()
+        self._realms: dict[str | None, Realm] = {}
+
+    def __repr__(self) -> str:
+        return f"FleetKeys(<{len(self._realms)} realms>)"
+
+    def realm(self, tenant: str | None) -> Realm:
+        """The realm of ``tenant`` (None: untenanted)."""
+        r = self._realms.get(tenant)
+        if r is None:
+            data = _UNTENANTED_DOMAIN if tenant is None else _TENANT_DOMAIN + tenant.encode()
+            mac_key = hashlib.blake2b(data, key=self._root, digest_size=32).digest()
+            tag = hashlib.blake2b(_TAG_DOMAIN, key=mac_key, digest_size=8).hexdigest()
+            r = self._realms[tenant] = Realm(tenant, mac_key, TAG_PREFIX + tag.encode() + b":")
+        return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the Redis ACL key pattern of a tenant's realm (no tenant: the untenanted one)."""
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2:
+        print("usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE [TENANT]",
+              file=sys.stderr)
+        return 2
+    try:
+        keys = FleetKeys(read_fleet_key(args[0]))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(keys.realm(args[1] if len(args) == 2 else None).acl_pattern)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
