@@ -365,14 +365,13 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
         assert ns.put(keys[:16], data[:16]).stored == 16
         with grpc.insecure_channel(a.grpc) as ch:  # overwrite block 3's committed slot
             stub = pb_grpc.KvtierStub(ch)
-            opened = stub.OpenSession(pb.OpenSessionRequest(
+            sid = stub.OpenSession(pb.OpenSessionRequest(
                 client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
-                timeout=5)
-            sid = opened.session_id
+                timeout=5).session_id
             load = stub.PrepareLoad(pb.PrepareLoadRequest(
                 session_id=sid, namespace_id=ns.namespace_id, keys=keys[3],
                 transport=pb.TRANSPORT_SHM), timeout=5)
-            msg, fds = shm_handshake(a, sid, opened.data_secret)
+            msg, fds = shm_handshake(a, sid)
             assert fds, msg
             try:
                 with mmap.mmap(fds[0], 0, flags=mmap.MAP_SHARED) as mm:
