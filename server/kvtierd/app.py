@@ -44,6 +44,7 @@ from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
@@ -108,13 +109,16 @@ class Daemon:
         self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index,
                                     idle_retire_s=cfg.publish_index_idle_s,
                                     flags=pi.FLAG_SHARED_TIER if cfg.cluster else 0)
+        self.tenancy = Tenancy(tenants, Shares(
+            max_sessions=cfg.max_sessions, max_namespaces=cfg.max_namespaces,
+            shared_arena_bytes=self.arena.size, disk_bytes=cfg.disk_bytes,
+            tenant_arena_bytes=cfg.tenant_arena_bytes))
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
                                      max_batch_blocks=cfg.max_batch_blocks,
                                      advertise=self._advertise, cuda=self.cuda,
-                                     max_inflight=cfg.max_inflight_rpcs)
+                                     max_inflight=cfg.max_inflight_rpcs, tenancy=self.tenancy)
         self.service.after_rpc = self.published.flush
         self.service.verify_store = cfg.verify_store
-        self.service.tenants = tenants
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None  # the Unix socket's
         self.tcp_server: grpc.aio.Server | None = None
@@ -129,9 +133,8 @@ class Daemon:
         self._arena_ok = True
 
     def _nvme_quota(self, tenant: str) -> int | None:
-        """The tenant's ``nvme_bytes`` quota in the current tenants file (None: unlimited)."""
-        who = None if self.service.tenants is None else self.service.tenants.by_name.get(tenant)
-        return None if who is None else who.quotas.nvme_bytes
+        """The tenant's ``nvme_bytes`` quota (None: unlimited)."""
+        return self.tenancy.quota(tenant, "nvme_bytes") if self.tenancy.tenants else None
 
     def _add_tenant_arenas(self, tenants: Tenants) -> None:
         """An arena of its own for each tenant allowed shm or cuda_ipc that has none yet (at
@@ -164,10 +167,9 @@ class Daemon:
     def _metrics_caller(self, token: str | None) -> tuple[bool, Tenant | None]:
         """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a
         tenant's token sees that tenant's figures, the operator's everything, none: 401."""
-        tenants = self.service.tenants
-        if tenants is None:
+        if self.tenancy.tenants is None:
             return True, None
-        caller = self.service.caller_of(token)
+        caller = self.tenancy.caller_of(token)
         return caller is not None, caller
 
     def _arena_of(self, tenant: str | None) -> int:
@@ -206,10 +208,7 @@ class Daemon:
 
     def _may_see(self, session: Session, tenant: str | None) -> bool:
         """Whether ``session`` may use objects of ``tenant`` (the operator's may)."""
-        if self.service.tenants is None or session.tenant == tenant:
-            return True
-        who = self.service.tenants.by_name.get(session.tenant or "")
-        return who is not None and who.operator
+        return self.tenancy.may_see(session.tenant, tenant)
 
     def _control_channel(self, session: Session,
                          on_close: Callable[[ControlChannel], None]) -> ControlChannel:
@@ -219,10 +218,7 @@ class Daemon:
     def _peer_ok(self, session: Session, uid: int, gid: int) -> bool:
         """shm handshakes: the Unix peer (SO_PEERCRED) must be allowed for the session's
         tenant (its unix_uids / unix_gids)."""
-        if self.service.tenants is None:
-            return True
-        who = self.service.tenants.by_name.get(session.tenant or "")
-        return who is not None and who.allows_peer(uid, gid)
+        return self.tenancy.allows_peer(session.tenant, uid, gid)
 
     def reload_tenants(self) -> None:
         """SIGHUP: read the tenants file again; a bad file keeps the current tenants."""
@@ -234,8 +230,13 @@ class Daemon:
             log.error("tenants file not reloaded (the current one stays): %s", e)
             return
         self._add_tenant_arenas(tenants)
-        self.service.tenants = tenants
-        log.info("tenants file reloaded: %d tenants", len(self.service.tenants))
+        self.tenancy.reload(tenants)
+        revoked = self.tenancy.revoked(self.sessions.all())
+        for s in revoked:  # (their channels and data connections close with them)
+            self.sessions.close(s.id)
+        (log.warning if revoked else log.info)(
+            "tenants file reloaded: %d tenants; %d sessions closed (their tenant or credential "
+            "is no longer in the file)", len(tenants), len(revoked))
 
     def _grpc_server(self, *, reflect: bool) -> grpc.aio.Server:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -306,7 +307,7 @@ class Daemon:
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
                               index=self._index_handout, index_hold=self.published.hold,
-                              peer_ok=self._peer_ok, login=self.service.unix_login,
+                              peer_ok=self._peer_ok, login=self.tenancy.unix_login,
                               control=self._control_channel if cfg.control_channel else None)
             await shm.start()
             self.transports.append(shm)
@@ -571,7 +572,7 @@ async def _main(cfg: DaemonConfig) -> None:
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
              "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.eviction_policy,
              "cuda_ipc": daemon.cuda is not None,
-             "tenants": len(daemon.service.tenants) if daemon.service.tenants else 0}
+             "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0}
     print("KVTIERD_READY " + json.dumps(ready), flush=True)
     log.info("kvtierd ready: %s", ready)
     await daemon.wait_stopped()

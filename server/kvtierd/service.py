@@ -56,7 +56,8 @@ from kvtierd.index import Entry, NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
-from kvtierd.tenants import Tenant, Tenants, UnixLogins
+from kvtierd.tenancy import NO_CREDENTIAL, Credential, Tenancy
+from kvtierd.tenants import Tenant
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
@@ -90,13 +91,16 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
     @functools.wraps(fn)
     async def wrapper(self: KvtierService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = time.perf_counter()
-        caller = None
-        if self.tenants is not None:
+        caller, cred = None, NO_CREDENTIAL
+        tenancy = self.tenancy
+        if tenancy.tenants is not None:
             if type(context) is ChannelContext:
-                caller = self.tenants.by_name.get(context.tenant or "")
+                caller = tenancy.tenant(context.tenant)
             else:
-                caller = self.caller_of(_bearer(context)) or \
-                    self.tenants.by_certificate(_cert_names(context))
+                found = tenancy.authenticate(_bearer(context)) or \
+                    tenancy.authenticate(None, _cert_names(context))
+                if found is not None:
+                    caller, cred = found
             if caller is None:
                 self.count_error(name, "UNAUTHENTICATED")
                 if type(context) is ChannelContext:  # its tenant was removed by a reload
@@ -108,6 +112,7 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
                                     "<token>' with a token of the daemon's tenants file or of a "
                                     "Unix peer login, or a client certificate of a tenant (mTLS)")
         CALLER.set(caller)
+        CREDENTIAL.set(cred)
         if admitted and self.inflight >= self.max_inflight:
             self.count_error(name, "RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -219,6 +224,9 @@ def add_to_server(service: KvtierService, server: grpc.aio.Server) -> None:
 CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvtier_caller",
                                                                        default=None)
 """The authenticated tenant of the RPC being served (None: single-tenant, or not an RPC)."""
+CREDENTIAL: contextvars.ContextVar[Credential] = contextvars.ContextVar("kvtier_credential",
+                                                                       default=NO_CREDENTIAL)
+"""What proved that tenant (OpenSession records it on the session; a reload checks it again)."""
 
 MAX_SLICES = 64  # namespaces per LookupSlices call (an engine's TP ranks)
 _MAX_TALLY = 1 << 32  # blocks per namespace per heartbeat: far above any real rate
@@ -231,7 +239,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
                  max_batch_blocks: int, advertise: Callable[[], dict[str, Any]],
-                 cuda: CudaIpcTransport | None = None, max_inflight: int = 1 << 30) -> None:
+                 cuda: CudaIpcTransport | None = None, max_inflight: int = 1 << 30,
+                 tenancy: Tenancy | None = None) -> None:
         self.cache = cache
         self.cuda = cuda  # the cuda_ipc transport; None when cuda_ipc = false
         self.sessions = sessions
@@ -247,39 +256,12 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
-        self.tenants: Tenants | None = None
-        """Set (and swapped on reload) by the daemon when it has a tenants file."""
-        self.unix_logins = UnixLogins()
-        """Tokens minted for Unix peers (the shm socket's login)."""
+        self.tenancy = tenancy or Tenancy(None)
+        """Who callers are and what their tenants may hold (the daemon's one Tenancy)."""
         self.verify_store = "client"
         """Who hashes an shm store (config ``verify_store``; set by the daemon)."""
 
     # -- tenancy: every id a caller names is checked against the caller's tenant ------------------
-
-    def caller_of(self, token: str | None) -> Tenant | None:
-        """The tenant a bearer token is: one of the tenants file's, or one minted by a Unix peer
-        login while the current file still logs that peer in as that tenant (a reload may have
-        changed it: then the token is no credential)."""
-        tenants = self.tenants
-        assert tenants is not None
-        if token is not None and token.startswith(UnixLogins.PREFIX):
-            minted = self.unix_logins.authenticate(token)
-            if minted is None:
-                return None
-            who = tenants.by_unix_peer(minted[1], minted[2])
-            return who if who is not None and who.name == minted[0] else None
-        return tenants.authenticate(token)
-
-    def unix_login(self, uid: int, gid: int) -> str:
-        """A token for the tenant that Unix peer ``uid``/``gid`` logs in as (shm socket)."""
-        if self.tenants is None:
-            raise FailedPrecondition("this daemon has no tenants: no credential is needed",
-                                     field="login")
-        who = self.tenants.by_unix_peer(uid, gid)
-        if who is None:
-            raise PermissionDenied(f"no tenant logs in Unix peer uid {uid} gid {gid}",
-                                   field="login")
-        return self.unix_logins.login(who.name, uid, gid)
 
     @staticmethod
     def _scope() -> str | None:
@@ -307,8 +289,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 if scope is None or ns.spec.tenant == scope]
 
     def _quota(self, name: str) -> int | None:
-        caller = CALLER.get()
-        return None if caller is None else getattr(caller.quotas, name)
+        """The caller's tenant's quota ``name`` (kvtierd.tenancy: the file's, else the default)."""
+        return self.tenancy.quota(CALLER.get(), name)
 
     def _check_jobs(self, s: Session) -> None:
         """Open-job quotas of the caller's tenant and of ``s`` (before a job is created)."""
@@ -366,7 +348,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if spec.tenant != caller.name and not caller.operator:
             raise PermissionDenied(f"{spec.tenant!r} is not the tenant of this credential",
                                    field="spec.tenant")
-        quota = caller.quotas.namespaces
+        quota = self.tenancy.quota(caller, "namespaces")
         if quota is not None and spec.namespace_id not in self.cache.namespaces and sum(
                 1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant
         ) >= quota:
@@ -392,7 +374,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             raise ResourceExhausted(f"quota sessions ({quota}) reached by tenant {tenant}",
                                     field="quota")
         s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
-                               tenant, caller.max_lease_s if caller is not None else None)
+                               tenant, caller.max_lease_s if caller is not None else None,
+                               CREDENTIAL.get())
         adv = self.advertise()
         pool = self.mapped_arena(s)
         return pb.OpenSessionReply(
@@ -531,7 +514,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     def mapped_arena(self, session: Session) -> int | None:
         """The arena (pool) a session's client maps: the shared one on a single-tenant daemon,
         its tenant's own on a daemon with tenants (None: it has none, nothing is handed out)."""
-        if self.tenants is None:
+        if self.tenancy.tenants is None:
             return 0
         pool = self.cache.arena_of(session.tenant)
         return pool or None

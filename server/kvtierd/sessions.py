@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvtier_contract.errors import NotFound, ResourceExhausted
 from kvtier_contract.wire import DATA_SECRET_BYTES
 from kvtierd.domain import Transport
+from kvtierd.tenancy.credential import NO_CREDENTIAL, Credential
 
 
 @dataclass(eq=False)
@@ -32,6 +33,9 @@ class Session:
     data_secret: bytes = field(default_factory=lambda: secrets.token_bytes(DATA_SECRET_BYTES),
                                repr=False)
     """Credential of its TCP data connections (HELLO), handed out only in OpenSessionReply."""
+    credential: Credential = NO_CREDENTIAL
+    """What proved its tenant at OpenSession: a reload that no longer honours it closes the
+    session (kvtierd.tenancy.Tenancy.revoked)."""
 
 
 class SessionTable:
@@ -54,7 +58,8 @@ class SessionTable:
 
     def open(self, client_name: str, ttl_s: float | None,
              transport: Transport = Transport.SHM, tenant: str | None = None,
-             ceiling_s: float | None = None) -> Session:
+             ceiling_s: float | None = None,
+             credential: Credential = NO_CREDENTIAL) -> Session:
         """A new session; its lease is the asked ``ttl_s`` (or the default) within the daemon's
         bounds and at most ``ceiling_s`` (the tenant's ``max_lease_s``; never below the
         daemon's minimum)."""
@@ -66,7 +71,8 @@ class SessionTable:
         if ceiling_s is not None:
             ttl = min(ttl, max(ceiling_s, self._min_ttl))
         sid = secrets.randbits(63) or 1
-        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant)
+        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant,
+                    credential=credential)
         self._sessions[sid] = s
         return s
 
@@ -94,6 +100,9 @@ class SessionTable:
 
     def of_tenant(self, tenant: str) -> list[Session]:
         return [s for s in self._sessions.values() if s.tenant == tenant]
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
 
     def sweep(self) -> int:
         """Expire every session past its deadline; returns how many."""

@@ -18,7 +18,7 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
                                 # tcp-only tenants live in the shared arena, mapped by no one
     max_lease_s = 30.0          # longest lease its sessions get (default: the daemon's
                                 # max_lease_ttl_s): how long a dead engine's pins can linger
-    [tenant.quotas]             # absent = unlimited
+    [tenant.quotas]             # absent: the daemon's default, a fair share (docs/security.md)
     sessions = 64
     namespaces = 16
     open_jobs = 256             # store and load jobs (pinned lookups included) of all sessions
@@ -28,6 +28,7 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     pinned_bytes = "2GiB"       # blocks held by its open loads and pinned lookups
     nvme_bytes = "100GiB"       # its blocks in the NVMe tier (over it: its own coldest copies
                                 # there are evicted first, else the block is not written down)
+    buffered_bytes = "32MiB"    # control frames received but not yet whole, all its channels
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
@@ -61,8 +62,8 @@ from typing import Any
 from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
-           "pinned_bytes", "nvme_bytes")
-_BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes")
+           "pinned_bytes", "nvme_bytes", "buffered_bytes")
+_BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes", "buffered_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
                 "transports", "mtls_names", "max_lease_s", "arena_bytes", "unix_login"}
 MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
@@ -72,7 +73,8 @@ _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 @dataclass(frozen=True)
 class Quotas:
-    """Per tenant (``session_open_jobs``: per session of it); None = unlimited."""
+    """Per tenant (``session_open_jobs``: per session of it), as the file has them; None = not
+    set: the daemon's default applies (kvtierd.tenancy.Tenancy.quota)."""
 
     sessions: int | None = None
     namespaces: int | None = None
@@ -81,6 +83,7 @@ class Quotas:
     host_bytes: int | None = None
     pinned_bytes: int | None = None
     nvme_bytes: int | None = None
+    buffered_bytes: int | None = None
 
 
 @dataclass(frozen=True)

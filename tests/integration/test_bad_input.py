@@ -309,10 +309,10 @@ def test_complete_store_of_another_sessions_job(ctx: Ctx) -> None:
     # [1w 2w] belong to `other`
     rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
         session_id=ctx.session_id, job_id=prep.job_id, ok=True),
-        StatusCode.PERMISSION_DENIED, "job_id")
+        StatusCode.NOT_FOUND, "job_id")  # as an absent job: an id tells nothing
     rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
         session_id=ctx.session_id, job_id=prep.job_id, ok=False),
-        StatusCode.PERMISSION_DENIED, "job_id")
+        StatusCode.NOT_FOUND, "job_id")
     # the owner still completes it
     done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
         session_id=other, job_id=prep.job_id, ok=True))
@@ -327,7 +327,7 @@ def test_complete_load_of_another_sessions_job(ctx: Ctx) -> None:
         session_id=other, namespace_id=ctx.ns_id, keys=keys(1), transport=pb.TRANSPORT_SHM))
     assert load.job_id and ctx.state()["pinned_blocks"] == 1
     rejected(ctx, "CompleteLoad", pb.CompleteLoadRequest(
-        session_id=ctx.session_id, job_id=load.job_id), StatusCode.PERMISSION_DENIED, "job_id")
+        session_id=ctx.session_id, job_id=load.job_id), StatusCode.NOT_FOUND, "job_id")
     ctx.call("CompleteLoad", pb.CompleteLoadRequest(session_id=other, job_id=load.job_id))
     assert ctx.state()["pinned_blocks"] == 0
 

@@ -266,7 +266,7 @@ def test_bad_copies_are_refused_naming_the_field_and_change_nothing(
         (dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, 2**63]),
          StatusCode.INVALID_ARGUMENT, "buffer_offsets"),
         (dict(job_id=prep.job_id, buffer_id=theirs, buffer_offsets=ok),
-         StatusCode.PERMISSION_DENIED, "buffer_id"),
+         StatusCode.NOT_FOUND, "buffer_id"),  # another session's: as an absent one
         (dict(job_id=prep.job_id, buffer_id=999, buffer_offsets=ok),
          StatusCode.NOT_FOUND, "buffer_id"),
         (dict(job_id=shm_job.job_id, buffer_id=buf, buffer_offsets=[0]),
@@ -276,7 +276,7 @@ def test_bad_copies_are_refused_naming_the_field_and_change_nothing(
     for fields, code, field in cases:
         refused(lambda f=fields: s.call("CudaCopy", **f), code, field)
     refused(lambda: other.call("CudaCopy", job_id=prep.job_id, buffer_id=theirs,
-                               buffer_offsets=ok), StatusCode.PERMISSION_DENIED, "job_id")
+                               buffer_offsets=ok), StatusCode.NOT_FOUND, "job_id")
     assert daemon.driver.copies == []  # nothing was copied
     # The job is intact: a good copy after all those commits both blocks.
     s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf, buffer_offsets=ok)

@@ -312,9 +312,10 @@ class TieredCache:
         evictable blocks go first (never another tenant's); ResourceExhausted (quota
         host_bytes) when they cannot."""
         mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
-        # resident blocks only (O(namespaces), not O(entries)): slots being written are not
-        # counted, an overshoot bounded by the tenant's open-job quotas times a batch
-        used = sum(ns.counters.resident_blocks * ns.slot_bytes for ns in mine)
+        # resident and reserved (WRITING) slots, O(namespaces): a store that never completes
+        # holds its slots against its own tenant's quota, not the shared arena
+        used = sum((ns.counters.resident_blocks + ns.writing_blocks) * ns.slot_bytes
+                   for ns in mine)
         excess = used + new_bytes - quota
         if excess <= 0:
             return
@@ -386,6 +387,7 @@ class TieredCache:
         self.jobs.add(job)
         session.store_jobs.add(job_id)
         self.writing_blocks += len(items)
+        ns.writing_blocks += len(items)
         return job, bytes(status), offsets
 
     def complete_store(self, session: Session, job_id: int, ok: bool,
@@ -426,6 +428,7 @@ class TieredCache:
                 self.residency.free_reserved(e, hold_until)
                 aborted += 1
         self.writing_blocks -= len(job.items)
+        job.ns.writing_blocks -= len(job.items)
         if committed:
             for link in self.chain:
                 link.on_committed(committed)

@@ -2,7 +2,8 @@
 
 A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``pin_prefix`` and ends at
 ``complete_*``, on a transfer failure, or when its session is released. Its id is unique for the
-daemon's lifetime; only the session that owns it may use it (PermissionDenied otherwise).
+daemon's lifetime; only the session that owns it may use it (another session's job answers
+NotFound, exactly like an absent one: an id tells nothing).
 
 The data plane reaches a job's slots through the :class:`JobTable` (one call per frame or
 batch): ``store_run`` validates a run of keys of a store job and answers where their bytes go,
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, EntryState, NamespaceState
 
@@ -87,10 +88,8 @@ class JobTable:
     def get(self, session_id: int, job_id: int, kind: type[J]) -> J:
         """The live job ``job_id`` of ``session_id``, of type ``kind``."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or job.session_id != session_id:  # another session's: as an absent one
             raise NotFound(f"unknown or finished job {job_id}", field="job_id")
-        if job.session_id != session_id:
-            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
         if not isinstance(job, kind):
             raise FailedPrecondition(f"job {job_id} is not a {kind.__name__}", field="job_id")
         return job
@@ -98,10 +97,8 @@ class JobTable:
     def any(self, session_id: int, job_id: int) -> Job:
         """The live job ``job_id`` of ``session_id``, store or load."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or job.session_id != session_id:  # another session's: as an absent one
             raise NotFound(f"unknown or finished job {job_id}", field="job_id")
-        if job.session_id != session_id:
-            raise PermissionDenied(f"job {job_id} belongs to another session", field="job_id")
         return job
 
     def not_copying(self, job_id: int) -> None:

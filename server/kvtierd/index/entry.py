@@ -106,6 +106,9 @@ class NamespaceState:
     """The READY subset: lookups and loads read only this one (a C-speed map over a chain).
     Its changes reach the namespace's published index, when a client asked for one."""
     counters: Counters = field(default_factory=Counters)
+    writing_blocks: int = 0
+    """Entries WRITING (reserved by open store jobs): their host slots count against the
+    tenant's ``host_bytes`` quota as resident ones do (kvtierd.cache.TieredCache.fit_tenant)."""
     last_used: float = 0.0
     """When an RPC last named it (the cache's clock): an empty namespace idle for
     ``namespace_idle_s`` is forgotten (``TieredCache.expire_idle``)."""

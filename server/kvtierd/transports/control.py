@@ -21,7 +21,10 @@ name the channel's own session.
 Bounded: one call at a time (reading pauses while a call is served, and while the peer leaves
 replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
 a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
-closes the connection; at most 8 per session on the shm socket (``ShmFdServer``) and 8 on the
+closes the connection; the bytes received and not yet a whole frame count against the tenant's
+``buffered_bytes`` quota over all its channels (kvtierd.tenancy: one that would pass it is
+closed), so half-sent frames park at most that much per tenant, not 4 MiB per channel; at
+most 8 per session on the shm socket (``ShmFdServer``) and 8 on the
 data port, where the data channel's limits apply too (``data_max_connections``, idle timeout).
 """
 
@@ -41,6 +44,8 @@ from kvtierd.ratelog import RateLimitedLog
 from kvtierd.service import ChannelAbort, ChannelContext, KvtierService, Undecodable
 
 log = logging.getLogger("kvtierd.control")
+_BAD_LOG = RateLimitedLog(log, 10.0)  # per daemon: a peer opening channel after channel floods nothing
+BUFFERED = "buffered_bytes"  # the ledger's resource and the quota's name
 MAX_ERROR_BYTES = 4096
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 _PARSE = {name: getattr(pb, _SERVICE.methods_by_name[name].input_type.name).FromString
@@ -61,7 +66,6 @@ class ControlChannel(asyncio.Protocol):
         self._buf = bytearray()
         self._busy = False  # a call is being served
         self._write_paused = False  # the peer leaves replies unread
-        self._bad_log = RateLimitedLog(log, 10.0)
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -70,8 +74,21 @@ class ControlChannel(asyncio.Protocol):
         self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
 
     def data_received(self, data: bytes) -> None:
-        self._buf += data
+        tenancy = self._service.tenancy
+        if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
+                                   tenancy.quota(self._tenant, BUFFERED)):
+            _BAD_LOG.warning("control channel of tenant %s: quota buffered_bytes (%s) reached "
+                             "by frames not yet whole: closed", self._tenant,
+                             tenancy.quota(self._tenant, BUFFERED))
+            self.close()
+            return
+        self._buf += data  # (every byte of _buf is counted in the ledger)
         self._next()
+
+    def _consumed(self, n: int) -> None:
+        """``n`` bytes left the receive buffer: no longer held against the tenant."""
+        del self._buf[:n]
+        self._service.tenancy.ledger.give(self._tenant, BUFFERED, n)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -82,6 +99,7 @@ class ControlChannel(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._consumed(len(self._buf))
         self._on_close(self)
 
     def close(self) -> None:
@@ -104,8 +122,8 @@ class ControlChannel(asyncio.Protocol):
             return
         length, method, timeout_ms = wire.CALL.unpack_from(buf)
         if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
-            self._bad_log.warning("control channel of session %d: bad frame (method %d, %d "
-                                  "bytes): closed", self.session_id, method, length)
+            _BAD_LOG.warning("control channel of tenant %s: bad frame (method %d, %d bytes): "
+                             "closed", self._tenant, method, length)
             t.close()
             return
         end = wire.CALL.size + length
@@ -113,7 +131,7 @@ class ControlChannel(asyncio.Protocol):
             t.resume_reading()
             return
         body = bytes(buf[wire.CALL.size : end])
-        del buf[:end]
+        self._consumed(end)
         self._busy = True
         t.pause_reading()
         asyncio.get_running_loop().create_task(

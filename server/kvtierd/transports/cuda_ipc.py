@@ -45,7 +45,6 @@ from kvtier_contract.errors import (
     InvalidArgument,
     KvtierError,
     NotFound,
-    PermissionDenied,
     ResourceExhausted,
 )
 from kvtierd.cache import LoadJob, TieredCache
@@ -244,11 +243,8 @@ class CudaIpcCopier:
 
     def buffer(self, session_id: int, buffer_id: int) -> CudaBuffer:
         buf = self._buffers.get(buffer_id)
-        if buf is None:
+        if buf is None or buf.session_id != session_id:  # another session's: as an absent one
             raise NotFound(f"unknown or released buffer {buffer_id}", field="buffer_id")
-        if buf.session_id != session_id:
-            raise PermissionDenied(f"buffer {buffer_id} belongs to another session",
-                                   field="buffer_id")
         return buf
 
     def plan(self, buf: CudaBuffer, slots: Sequence[int], block_bytes: int,

@@ -1,0 +1,261 @@
+"""Tenancy, second round (issue 26): every resource a tenant can hold is counted against a quota,
+quotas are on by default, and a reload revokes at once. A real daemon with a tenants file.
+
+* reservations (store jobs never completed) count against the tenant's ``host_bytes``: a tcp-only
+  tenant cannot reserve the shared arena away from the others, with its quota set or by default;
+* half-sent control frames count against the tenant's ``buffered_bytes`` over all its channels;
+* a reload that removes a tenant, or only the token a session was opened with, closes that
+  session and its channels at once; a session opened with a token still in the file stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import DaemonProcess, make_namespace
+from tests_helpers import until_unauthenticated, wait_for
+
+import kvtier
+from kvtier_contract import wire
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
+
+TOKENS = {"hog": "tcy-hog-1", "other": "tcy-other-2", "hog-next": "tcy-hog-3"}
+MiB = 1 << 20
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def tenant(name: str, tokens: tuple[str, ...], quotas: str = "",
+           transports: str = '["tcp"]') -> str:
+    body = (f'[[tenant]]\nname = "{name}"\ntokens_sha256 = '
+            f'[{", ".join(repr(digest(TOKENS[t])) for t in tokens)}]\n'
+            f"transports = {transports}\n").replace("'", '"')
+    return body + (f"[tenant.quotas]\n{quotas}\n" if quotas else "") + "\n"
+
+
+class Raw:
+    """A gRPC stub with a tenant's token: what any process holding it can send."""
+
+    def __init__(self, d: DaemonProcess, token: str) -> None:
+        self.channel = grpc.insecure_channel(d.grpc)
+        self.stub = pb_grpc.KvtierStub(self.channel)
+        self.md = (("authorization", f"Bearer {token}"),)
+
+    def __call__(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
+
+    def code(self, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as e:
+            self(method, request)
+        return e.value.code(), e.value.details() or ""
+
+    def open(self, transport: int = pb.TRANSPORT_TCP) -> Any:
+        return self("OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000,
+                                                          transport=transport))
+
+    def register(self, ns: kvtier.Namespace) -> int:
+        fields = {k: v for k, v in ns.to_dict().items() if v is not None}
+        return int(self("RegisterNamespace", pb.RegisterNamespaceRequest(
+            spec=pb.NamespaceSpec(**fields), digest=ns.digest)).namespace_id)
+
+
+@pytest.fixture
+def raws() -> Iterator[Any]:
+    opened: list[Raw] = []
+
+    def make(d: DaemonProcess, token: str) -> Raw:
+        opened.append(Raw(d, token))
+        return opened[-1]
+
+    yield make
+    for r in opened:
+        r.channel.close()
+
+
+def start(daemon_factory: Any, tmp_path: Path, tenants: str, *args: str) -> DaemonProcess:
+    (tmp_path / "tenants.toml").write_text(tenants)
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\ntenant_arena_bytes = "4MiB"\n')
+    d: DaemonProcess = daemon_factory("--config", str(cfg), "--slab-bytes", "1MiB", *args)
+    return d
+
+
+def hog_reserves(hog: Raw, ns: kvtier.Namespace, batches: int, blocks: int) -> tuple[int, str]:
+    """PrepareStore ``batches`` of ``blocks`` new keys each and never complete them: (blocks
+    reserved, the first refusal's message or "")."""
+    sid = hog.open().session_id
+    ns_id = hog.register(ns)
+    reserved = 0
+    for b in range(batches):
+        keys = b"".join(hashlib.sha256(b"hog%d.%d" % (b, i)).digest() for i in range(blocks))
+        try:
+            reply = hog("PrepareStore", pb.PrepareStoreRequest(
+                session_id=sid, namespace_id=ns_id, keys=keys, transport=pb.TRANSPORT_TCP))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+            return reserved, e.details() or ""
+        reserved += sum(1 for st in reply.status if st == pb.STORE_RESERVED)
+    return reserved, ""
+
+
+def other_puts(d: DaemonProcess, blocks: int) -> int:
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["other"]) as c:
+        ns = c.register(make_namespace(tenant="other"))
+        keys = ns.block_keys(list(range(16 * blocks)))
+        data = [hashlib.shake_256(b"o%d" % i).digest(ns.block_bytes) for i in range(blocks)]
+        stored = ns.put(keys, data).stored
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data[:stored] + \
+            [None] * (blocks - stored)  # type: ignore[operator]
+        return stored
+
+
+def test_reservations_count_against_the_host_quota(daemon_factory: Any, tmp_path: Path,
+                                                   raws: Any) -> None:
+    """The finding: a tcp-only tenant with every quota set reserved the whole shared arena in 8
+    PrepareStore calls it never completed; the others' puts were refused until the leases ran
+    out. Now its reservations are its resident bytes as far as its quota goes."""
+    quotas = ('sessions = 4\nnamespaces = 2\nopen_jobs = 16\nsession_open_jobs = 16\n'
+              'host_bytes = "4MiB"\npinned_bytes = "4MiB"\nnvme_bytes = "0"\n'
+              'buffered_bytes = "8MiB"\n')
+    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), quotas) +
+              tenant("other", ("other",)), "--host-bytes", "16MiB")
+    hog = raws(d, TOKENS["hog"])
+    ns = make_namespace(tenant="hog")  # 16 KiB blocks: 128 a batch is 2 MiB
+    reserved, refusal = hog_reserves(hog, ns, 8, 128)
+    assert reserved * ns.block_bytes <= 4 * MiB, reserved  # two batches, not eight
+    assert "quota host_bytes (4194304) reached by tenant hog" in refusal
+    assert other_puts(d, 256) == 256  # 4 MiB of the 12 the hog left
+
+
+def test_by_default_a_shared_arena_tenant_gets_its_share(daemon_factory: Any, tmp_path: Path,
+                                                         raws: Any) -> None:
+    """No quota in the file: two tcp-only tenants share the 16 MiB shared arena, 8 MiB each."""
+    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",)) + tenant("other", ("other",)),
+              "--host-bytes", "16MiB")
+    hog = raws(d, TOKENS["hog"])
+    ns = make_namespace(tenant="hog")
+    reserved, refusal = hog_reserves(hog, ns, 8, 128)
+    assert reserved * ns.block_bytes <= 8 * MiB and "quota host_bytes (8388608)" in refusal
+    assert other_puts(d, 256) == 256
+
+
+# -- control channels' buffered bytes -------------------------------------------------------------
+
+
+def control(d: DaemonProcess, session_id: int, secret: bytes) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(d.info["shm"])
+    s.sendall(wire.SHM_REQUEST.pack(wire.CONTROL_MAGIC, session_id) + secret)
+    assert s.recv(4096)[:4] == wire.CONTROL_MAGIC
+    return s
+
+
+def closed_by_daemon(s: socket.socket, timeout_s: float = 5.0) -> bool:
+    s.settimeout(timeout_s)
+    try:
+        return s.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_control_frames_park_at_most_the_tenants_buffered_bytes(
+        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    """The finding: each control channel could park a half-sent 4 MiB frame (+4 MiB of daemon
+    memory each). Now all of a tenant's channels share its ``buffered_bytes`` (here 7 MiB): the
+    channel whose bytes would pass it is closed; another tenant's channels are untouched."""
+    shm = '["shm", "tcp"]'
+    d = start(daemon_factory, tmp_path,
+              tenant("hog", ("hog",), 'buffered_bytes = "7MiB"', shm) +
+              tenant("other", ("other",), "", shm), "--host-bytes", "8MiB")
+    hog, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["other"])
+    socks = []
+    half = b"\x00" * (2 * MiB)  # half of a 4 MiB frame
+    for _ in range(2):
+        reply = hog.open(pb.TRANSPORT_SHM)
+        for _ in range(4):
+            s = control(d, reply.session_id, bytes(reply.data_secret))
+            socks.append(s)
+            s.sendall(wire.CALL.pack(4 * MiB, 1, 1000))
+            try:
+                s.sendall(half)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed already
+    # 7 MiB in all: three channels hold their half frames (2 MiB each), the others are closed
+    alive = [s for s in socks if not closed_by_daemon(s, 0.5)]
+    assert len(alive) == 3, len(alive)
+    # the other tenant's channel serves as if the hog were not there
+    reply = other.open(pb.TRANSPORT_SHM)
+    s = control(d, reply.session_id, bytes(reply.data_secret))
+    beat = pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString()
+    s.sendall(wire.CALL.pack(len(beat), wire.CONTROL_METHODS.index("Heartbeat") + 1, 1000) + beat)
+    length, status = wire.RESULT.unpack(s.recv(wire.RESULT.size))
+    assert status == 0
+    # a closed channel gives its bytes back: a new hog channel may park again
+    alive[0].close()
+    reply = hog.open(pb.TRANSPORT_SHM)
+    again = control(d, reply.session_id, bytes(reply.data_secret))
+    again.sendall(wire.CALL.pack(4 * MiB, 1, 1000) + half)
+    assert not closed_by_daemon(again, 0.5)
+    for x in (*socks, s, again):
+        x.close()
+
+
+# -- revocation -------------------------------------------------------------------------------------
+
+
+def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
+        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    """The finding: a revoked token or a removed tenant kept working through its open control
+    channels, and data frames kept a removed tenant's session alive. Now the reload closes
+    every session whose credential the new file does not honour, with its channels."""
+    shm = '["shm", "tcp"]'
+
+    def write(hog_tokens: tuple[str, ...], with_other: bool = True) -> None:
+        (tmp_path / "tenants.toml").write_text(
+            tenant("hog", hog_tokens, "", shm) +
+            (tenant("other", ("other",), "", shm) if with_other else ""))
+
+    write(("hog", "hog-next"))
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\ntenant_arena_bytes = "4MiB"\n')
+    d = daemon_factory("--config", str(cfg), "--slab-bytes", "1MiB", "--host-bytes", "8MiB")
+    old, nxt, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["hog-next"]), \
+        raws(d, TOKENS["other"])
+    channels = {}
+    for who, r in (("old", old), ("next", nxt), ("other", other)):
+        reply = r.open(pb.TRANSPORT_SHM)
+        channels[who] = (reply.session_id, control(d, reply.session_id,
+                                                   bytes(reply.data_secret)))
+    # rotation: the hog's first token leaves the file, its second stays
+    write(("hog-next",))
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGHUP)
+    until_unauthenticated(lambda: old("Stats", pb.StatsRequest()))
+    assert closed_by_daemon(channels["old"][1])
+    code, _ = nxt.code("Heartbeat", pb.HeartbeatRequest(session_id=channels["old"][0]))
+    assert code == grpc.StatusCode.NOT_FOUND  # the session is gone, not only the token
+    assert not closed_by_daemon(channels["next"][1], 0.3)
+    nxt("Heartbeat", pb.HeartbeatRequest(session_id=channels["next"][0]))
+    # removal: the whole tenant leaves; the other tenant keeps its session and channel
+    write(("hog-next",), with_other=False)
+    d.proc.send_signal(signal.SIGHUP)
+    until_unauthenticated(lambda: other("Stats", pb.StatsRequest()))
+    assert closed_by_daemon(channels["other"][1])
+    assert not closed_by_daemon(channels["next"][1], 0.3)
+    log = d.run_dir / "kvtierd.log"
+    wait_for("the reload's log line", lambda: "1 sessions closed" in log.read_text(), 5)
+    for _sid, s in channels.values():
+        s.close()
