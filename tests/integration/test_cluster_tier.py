@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 import xxhash
 from conftest import DaemonProcess, make_namespace, shm_handshake
 from redis_cluster import RedisCluster
@@ -365,13 +366,14 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
         assert ns.put(keys[:16], data[:16]).stored == 16
         with grpc.insecure_channel(a.grpc) as ch:  # overwrite block 3's committed slot
             stub = pb_grpc.KvtierStub(ch)
-            sid = stub.OpenSession(pb.OpenSessionRequest(
+            opened = stub.OpenSession(pb.OpenSessionRequest(
                 client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
-                timeout=5).session_id
+                timeout=5)
+            sid = opened.session_id
             load = stub.PrepareLoad(pb.PrepareLoadRequest(
                 session_id=sid, namespace_id=ns.namespace_id, keys=keys[3],
                 transport=pb.TRANSPORT_SHM), timeout=5)
-            msg, fds = shm_handshake(a, sid)
+            msg, fds = shm_handshake(a, sid, opened.data_secret)
             assert fds, msg
             try:
                 with mmap.mmap(fds[0], 0, flags=mmap.MAP_SHARED) as mm:
@@ -709,3 +711,29 @@ def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(
     with kvtier.Client.connect(x.unix, transport="tcp") as c:
         assert c.register(spec).get(keys) == [None] * 4
         assert c.stats()["cluster"]["mac_failures"] == 4
+
+
+def test_a_redis_acl_user_held_to_its_realms_key_pattern_is_all_a_daemon_needs(
+        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    """docs/cluster.md "Redis ACL users per tenant": the user the docs show, on every node."""
+    acl = ["on", ">node-pw", "resetkeys", REALM.acl_pattern, "resetchannels", "-@all", "+get",
+           "+set", "+exists", "+del", "+cluster|slots", "+ping", "+auth", "+hello"]
+    for port in cluster.live_ports():
+        cluster.client(port).execute_command("ACL", "SETUSER", "kvt-node", *acl)
+    pw = tmp_path / "node-pw"
+    pw.write_text("node-pw\n")
+    creds = ('cluster_username = "kvt-node"', f'cluster_password_file = "{pw}"')
+    a = node(daemon_factory, tmp_path, "a", cluster.url, *creds)
+    b = node(daemon_factory, tmp_path, "b", cluster.url, *creds)
+    keys, data = store(a, "acl", 6)
+    with kvtier.Client.connect(b.unix, transport="shm") as c:
+        assert [bytes(g) if g is not None else None
+                for g in c.register(make_namespace()).get(keys)] == data
+    other = redis_key(make_namespace().digest, keys[0], FleetKeys(FLEET_KEY).realm("team-a"))
+    user = redis.Redis(host="127.0.0.1", port=cluster.master_for_key(other),
+                       username="kvt-node", password="node-pw")
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.set(other, b"x")  # another realm's keys: refused by Redis itself
+    finally:
+        user.close()
