@@ -8,6 +8,7 @@ the environment; it builds a ``DaemonConfig`` with :func:`load_config` and :func
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -302,6 +303,11 @@ def validate(cfg: DaemonConfig) -> None:
     need(not cfg.tls_client_ca or bool(cfg.tls_cert), "tls_client_ca", "needs tls_cert/tls_key")
     need(not cfg.tls_require_client_cert or bool(cfg.tls_client_ca), "tls_require_client_cert",
          "needs tls_client_ca")
+    # gRPC asks a client for a certificate only when it requires one: with an optional one, a
+    # client's certificate would never reach the daemon and its mtls_names tenant never match
+    need(not cfg.tls_client_ca or cfg.tls_require_client_cert, "tls_client_ca",
+         "gRPC does not ask for optional client certificates (they would be ignored): set "
+         "tls_require_client_cert = true for mTLS, or leave tls_client_ca out and use tokens")
     need(cfg.reflection in ("unix", "all", "off"), "reflection", "must be 'unix', 'all' or 'off'")
     if not cfg.allow_plaintext_remote:
         need(not cfg.listen or bool(cfg.tls_cert) or is_loopback(cfg.listen), "listen",
@@ -319,9 +325,15 @@ def validate(cfg: DaemonConfig) -> None:
 
 
 def is_loopback(hostport: str) -> bool:
-    """Whether HOST:PORT binds a loopback address only."""
+    """Whether HOST:PORT binds a loopback address only: "localhost" or a literal loopback
+    address (127.0.0.0/8, ::1); a host name that merely starts with "127." is not one."""
     host = hostport.rpartition(":")[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _coerce(raw: dict[str, Any]) -> dict[str, Any]:

@@ -38,9 +38,9 @@ def tls_daemon(daemon_factory: Any, tmp_path: Path, pki: Path, *, require: bool)
         '[[tenant]]\nname = "team-a"\nmtls_names = ["kvtier test client"]\n'
         f'tokens_sha256 = ["{hashlib.sha256(b"tok-a").hexdigest()}"]\n')
     cfg = tmp_path / "kvtierd.toml"
+    mtls = f'tls_client_ca = "{pki / "ca.crt"}"\ntls_require_client_cert = true\n'
     cfg.write_text(f'tls_cert = "{pki / "server.crt"}"\ntls_key = "{pki / "server.key"}"\n'
-                   f'tls_client_ca = "{pki / "ca.crt"}"\ntls_require_client_cert = '
-                   f'{"true" if require else "false"}\ntenants_file = "{tenants}"\n'
+                   f'{mtls if require else ""}tenants_file = "{tenants}"\n'
                    'listen = "127.0.0.1:0"\n')
     return daemon_factory("--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB",
                           run_dir=tmp_path / "d")

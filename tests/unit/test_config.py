@@ -174,3 +174,28 @@ def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> Non
     key.write_text("a5" * 32 + "\n")
     assert load_config(cfg).cluster_fleet_key_file == str(key)
     assert DaemonConfig(cluster_fleet_key_file="unused").cluster == ""  # no cluster: not read
+
+
+@pytest.mark.parametrize(("hostport", "loopback"), [
+    ("127.0.0.1:1", True), ("127.8.9.10:1", True), ("[::1]:1", True), ("localhost:1", True),
+    ("127.evil.example:1", False), ("127.0.0.1.nip.io:1", False), ("0.0.0.0:1", False),
+    ("[::]:1", False), ("10.0.0.1:1", False), ("kvtier:1", False)])
+def test_the_loopback_check_reads_addresses_not_prefixes(hostport: str, loopback: bool) -> None:
+    """Issue 26: any host name starting with "127." passed as loopback (plaintext allowed)."""
+    from kvtierd.config import is_loopback
+
+    assert is_loopback(hostport) is loopback
+
+
+def test_an_optional_client_certificate_is_refused_not_ignored(tmp_path: Path) -> None:
+    """Issue 26: with tls_client_ca set and certificates optional, gRPC never asked for one and
+    mTLS tenants silently never matched. Now that combination is a config error naming it."""
+    from kvtierd.config import DaemonConfig, validate
+
+    for name in ("ca.crt", "s.crt", "s.key"):
+        (tmp_path / name).write_text("x")
+    tls = dict(tls_cert=str(tmp_path / "s.crt"), tls_key=str(tmp_path / "s.key"),
+               tls_client_ca=str(tmp_path / "ca.crt"))
+    with pytest.raises(ValueError, match="tls_client_ca: gRPC does not ask for optional"):
+        validate(DaemonConfig(**tls))  # type: ignore[arg-type]
+    validate(DaemonConfig(**tls, tls_require_client_cert=True))  # type: ignore[arg-type]

@@ -348,6 +348,25 @@ def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -
     assert any(t.transports == frozenset({"tcp"}) for t in tenants.by_name.values())
 
 
+def test_daemonset_tenants_set_every_quota_within_the_daemons_share(tmp_path: Path) -> None:
+    """Issue 26: the example tenants left pinned_bytes and open_jobs unset. Every quota is
+    written down, and the shared arena's tenants (tcp only) fit it together."""
+    from kvtierd.tenancy import QUOTA_NAMES
+    from kvtierd.tenants import load_tenants
+
+    secret, _, kvtier = _daemonset()
+    _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    tenants = load_tenants(tmp_path / "tenants.toml").by_name.values()
+    for t in tenants:
+        unset = [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None]
+        assert not unset, (t.name, unset)
+    shared = [t.quotas.host_bytes or 0 for t in tenants if not t.maps_memory]
+    assert sum(shared) <= cfg.host_bytes, (shared, cfg.host_bytes)
+    assert sum(t.quotas.sessions or 0 for t in tenants) <= cfg.max_sessions
+    assert sum(t.quotas.namespaces or 0 for t in tenants) <= cfg.max_namespaces
+
+
 def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
         tmp_path: Path) -> None:
     from kvtierd.tenants import load_tenants
