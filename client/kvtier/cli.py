@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print the daemon's statistics")
     st.add_argument("--address", default=None,
-                    help="unix:///abs/path, unix:rel/path or HOST:PORT (default: the default "
-                         "daemon's socket under this directory if present, else its TCP listener)")
+                    help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
+                         f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout-s", type=float, default=2.0)
     st.add_argument("--token-file", default=None,

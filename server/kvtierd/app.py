@@ -23,7 +23,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig, is_loopback
 from kvtierd.index import Entry
 from kvtierd.index.published import Publishers
+from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import CALLER, KvtierService, add_to_server
@@ -66,6 +67,12 @@ class Daemon:
 
     def __init__(self, cfg: DaemonConfig, *, cuda_driver: CudaDriver | None = None) -> None:
         self.cfg = cfg
+        # One daemon per disk directory: its lock before anything there is read or written
+        # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
+        nvme = _nvme_tier(cfg) if cfg.disk_dir else None
+        if nvme is not None:
+            _lock_disk(nvme)
+        self._socket_lock: OwnerLock | None = None
         self.boot_epoch = time.time_ns()
         slabs = cfg.host_bytes // cfg.slab_bytes
         self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)
@@ -87,7 +94,8 @@ class Daemon:
                                  policy_name=cfg.eviction_policy, arena_of=self._arena_of)
         self.cache.verify_bytes = cfg.verify_bytes
         if cfg.disk_dir:
-            link = self.cache.add_storage_tier(_nvme_tier(cfg), make_write_policy(
+            assert nvme is not None
+            link = self.cache.add_storage_tier(nvme, make_write_policy(
                 cfg.write_policy, flush_watermark=cfg.flush_watermark,
                 write_after_hits=cfg.write_after_hits))
             link.tenant_quota = self._nvme_quota
@@ -253,6 +261,8 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        # One daemon per socket: its lock before anything is unlinked or bound (InUse: exit).
+        self._socket_lock = _lock_sockets(cfg)
         _raise_fd_limit()
         if self.cuda is not None:
             await self.cuda.start()  # page-locks the arena before anything is served
@@ -263,10 +273,11 @@ class Daemon:
         if cfg.socket_path:
             self.server = self._grpc_server(reflect=cfg.reflection in ("unix", "all"))
             path = self._socket_path()
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            self.server.add_insecure_port(f"unix://{path}")
+                os.unlink(path)  # a dead daemon's (this one holds the socket's lock)
+            with _private_umask():  # created owner-only: no window before the chmod
+                self.server.add_insecure_port(f"unix://{path}")
+            os.chmod(path, cfg.socket_mode)
             self.addresses["unix"] = f"unix://{path}"
         if cfg.listen:
             self.tcp_server = self._grpc_server(reflect=cfg.reflection == "all")
@@ -309,14 +320,13 @@ class Daemon:
                               index=self._index_handout, index_hold=self.published.hold,
                               peer_ok=self._peer_ok, login=self.tenancy.unix_login,
                               control=self._control_channel if cfg.control_channel else None)
+            shm.socket_mode = cfg.socket_mode
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
         for server in (self.server, self.tcp_server, self.health_server):
             if server is not None:
                 await server.start()
-        if cfg.socket_path:
-            os.chmod(self._socket_path(), 0o660)  # engines of the same group may connect
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                          asyncio.get_running_loop(), self.snapshot,
@@ -450,9 +460,11 @@ class Daemon:
         for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
             t.close()
         self.host.close()
-        if self.cfg.socket_path:
+        if self.cfg.socket_path and self._socket_lock is not None:  # ours: we hold its lock
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path())
+        if self._socket_lock is not None:
+            self._socket_lock.release()
 
 
     @staticmethod
@@ -463,6 +475,37 @@ class Daemon:
         except TimeoutError:
             return False
         return True
+
+
+def _lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
+    """The lock of the daemon's Unix sockets (``<socket>.lock``: the gRPC socket and the shm
+    socket beside it), its directory made (0700 when new); None when it has neither."""
+    if not cfg.socket_path and not cfg.shm_enabled:
+        return None
+    base = os.path.abspath(cfg.shm_socket_path.removesuffix(".shm"))
+    os.makedirs(os.path.dirname(base), mode=0o700, exist_ok=True)
+    return OwnerLock.take(base + ".lock")
+
+
+def _lock_disk(nvme: NvmeTier) -> None:
+    """The NVMe directory's lock, now; a directory that cannot be made or opened yet (a
+    read-only or missing mount) is locked by the tier's later open instead."""
+    try:
+        nvme.lock()
+    except OSError as e:
+        log.warning("nvme directory %s not locked yet (%s): the tier locks it when it opens",
+                    nvme.cfg.directory, e.strerror or e)
+
+
+@contextlib.contextmanager
+def _private_umask() -> Iterator[None]:
+    """umask 0177 (sockets and files owner-only) around a bind: the mode is then widened, if
+    configured, by a chmod; never narrowed after others could connect."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def _raise_fd_limit() -> None:
@@ -594,4 +637,7 @@ def run(cfg: DaemonConfig) -> None:
     except CudaUnavailable as e:
         print(f"kvtierd: {e}", file=sys.stderr)
         sys.exit(2)
+    except InUse as e:  # one line, no traceback: which lock, whose
+        print(f"kvtierd: {e}", file=sys.stderr)
+        sys.exit(1)
 

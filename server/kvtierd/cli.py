@@ -21,6 +21,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _mode(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an octal mode such as 600 or 0660, got "
+                                         f"{text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
                                                             "KV-cache blocks")
@@ -31,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
     s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
     s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
-    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
+    s.add_argument("--socket-mode", type=_mode, help="mode of the Unix sockets, octal (default "
+                   "600: the daemon's user only; 660: its group too)")
+    s.add_argument("--listen", help="gRPC TCP HOST:PORT (default none; '' disables)")
     s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
     s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables)")
     s.add_argument("--metrics-host", help="Prometheus bind address")
@@ -66,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-store", choices=["client", "daemon"],
                    help="who hashes an shm store (default: client)")
 
-    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot)")
+    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
+                       "while a daemon uses it)")
     f.add_argument("directory")
 
     sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
@@ -101,7 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         cfg = with_overrides(
             cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
-            socket_path=args.socket_path, listen=args.listen, data_listen=args.data_listen,
+            socket_path=args.socket_path, socket_mode=args.socket_mode, listen=args.listen,
+            data_listen=args.data_listen,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,

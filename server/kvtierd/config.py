@@ -1,7 +1,8 @@
 """Daemon configuration: data, validated once.
 
-``DaemonConfig()`` is the embedded default that ``make serve`` runs (1 GiB host tier, Unix socket
-under ./run/, gRPC and data channel on 127.0.0.1, Prometheus metrics). Only the CLI reads files and
+``DaemonConfig()`` is the embedded default that ``make serve`` runs (1 GiB host tier, gRPC on an
+owner-only Unix socket under ./run/ and no TCP gRPC listener, the data channel on 127.0.0.1,
+Prometheus metrics). Only the CLI reads files and
 the environment; it builds a ``DaemonConfig`` with :func:`load_config` and :func:`with_overrides`.
 """
 
@@ -46,9 +47,15 @@ class DaemonConfig:
     prefault: bool = True
     """Allocate the arena's pages at start (fallocate) so that the first copies do not fault."""
     socket_path: str = defaults.SOCKET_PATH
-    """gRPC Unix socket for same-host clients ("" disables). The shm fd socket sits beside it."""
+    """gRPC Unix socket for same-host clients ("" disables). The shm fd socket sits beside it;
+    ``<socket>.lock`` beside both is held while the daemon runs (one daemon per socket)."""
+    socket_mode: int = 0o600
+    """Mode of the Unix sockets (gRPC and shm; created owner-only, then set to this): 0o600 lets
+    only the daemon's user connect. 0o660 lets its group in too (engines running as other uids:
+    the Kubernetes manifests), with a tenants file to tell them apart (docs/security.md)."""
     listen: str = defaults.LISTEN
-    """gRPC TCP listener HOST:PORT ("" disables; port 0 picks a free port)."""
+    """gRPC TCP listener HOST:PORT ("" disables, the default: TCP reaches every local user,
+    the Unix socket only its owner; port 0 picks a free port)."""
     data_listen: str = "127.0.0.1:0"
     """TCP data channel HOST:PORT (port 0 picks a free port; advertised in OpenSession)."""
     shm_enabled: bool = True
@@ -259,6 +266,9 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.max_inflight_rpcs >= 1, "max_inflight_rpcs", "must be >= 1")
     need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
     need(bool(cfg.socket_path or cfg.listen), "listen", "need a Unix socket or a TCP listener")
+    need(0o600 <= cfg.socket_mode <= 0o777 and cfg.socket_mode & 0o600 == 0o600, "socket_mode",
+         f"expected a file mode with the owner's read and write, 0o600..0o777 (e.g. 0o600, "
+         f"0o660), got {cfg.socket_mode!r}")
     need(not cfg.extra, "extra", f"unknown keys {sorted(cfg.extra)}")
     a = cfg.io_align_bytes
     need(512 <= a <= 65536 and a & (a - 1) == 0, "io_align_bytes",

@@ -22,6 +22,23 @@ def test_the_embedded_default_is_valid() -> None:
     assert load_config(None) == cfg
 
 
+def test_the_local_default_is_private(tmp_path: Path) -> None:
+    """``make serve``: gRPC on an owner-only Unix socket and on no TCP port (loopback TCP lets
+    every local user in); the data channel needs a session's secret from that socket."""
+    cfg = DaemonConfig()
+    assert cfg.socket_path == "run/kvtier.sock" and cfg.socket_mode == 0o600
+    assert cfg.listen == ""
+    assert cfg.data_listen == "127.0.0.1:0" and cfg.metrics_host == "127.0.0.1"
+    path = tmp_path / "k.toml"
+    path.write_text("socket_mode = 0o660\n")  # a DaemonSet's engines of the daemon's group
+    assert load_config(path).socket_mode == 0o660
+    from kvtierd.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--socket-mode", "660"]).socket_mode == 0o660
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--socket-mode", "rw-rw----"])
+
+
 def test_the_shm_socket_sits_beside_the_grpc_socket() -> None:
     assert DaemonConfig(socket_path="/x/k.sock").shm_socket_path == "/x/k.sock.shm"
     cfg = DaemonConfig(socket_path="", listen="127.0.0.1:1", run_dir="/r")
@@ -65,6 +82,9 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("prefault", {"prefault": "no"}),
     ("shm_enabled", {"shm_enabled": 1}),
     ("socket_path", {"socket_path": None}),
+    ("socket_mode", {"socket_mode": 0o400}),  # the owner itself could not connect
+    ("socket_mode", {"socket_mode": 0o1777}),
+    ("socket_mode", {"socket_mode": "0600"}),
 ]
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.tiers.nvme.format import (
+    LOCK_NAME,
     META_NAME,
     StoreMeta,
     data_file_name,
@@ -237,3 +239,23 @@ def test_report_for_a_person(tmp_path: Path) -> None:
     assert "io_align 4096, 2 data file(s) of 65536 bytes" in lines[1]
     assert "blocks-00000.kvt: 0 valid slot(s)" in lines[2]
     assert lines[-1] == "  PROBLEM blocks-00000.kvt @ 0: corrupt_slot: bad_header_checksum"
+
+
+def test_a_directory_a_live_daemon_holds_is_refused(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    d = make_store(tmp_path)
+    put(d, 0, seed=1)
+    held = OwnerLock.take(str(d / LOCK_NAME))  # as a daemon holds it while it runs
+    try:
+        before = snapshot(d)
+        with pytest.raises(InUse) as exc:
+            fsck(str(d))
+        assert exc.value.pid == os.getpid()
+        assert main([str(d)]) == 3
+        err = capsys.readouterr().err
+        assert "REFUSED" in err and f"pid {os.getpid()}" in err and str(d) in err, err
+        assert snapshot(d) == before
+    finally:
+        held.release()
+    report = fsck(str(d))  # the daemon stopped: checked, and its lock file is no problem
+    assert report.clean and report.total("valid") == 1, format_report(report)

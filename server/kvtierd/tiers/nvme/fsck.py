@@ -15,7 +15,10 @@ and the walk jumps over it; anything else advances one io_align block. Classific
 The directory level reports missing, zero-length, truncated and oversized data files, foreign files,
 leftover temporary files, symlinks and non-regular entries (reported, never opened). The walk reads
 with buffered I/O (no O_DIRECT probe: fsck writes nothing). ``main(argv)`` returns 0 when clean,
-1 when problems were found, 2 when the directory is unusable (missing, no or bad meta file).
+1 when problems were found, 2 when the directory is unusable (missing, no or bad meta file), 3
+when a live daemon holds the directory (``kvtier.lock``: its files change under the walk, so the
+verdict would mean nothing; stop the daemon first). fsck holds a shared lock for the walk, so a
+daemon does not start on the directory meanwhile.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtierd.lockfile import InUse, shared
 from kvtierd.tiers.nvme.device import Device, DiskError, Entry, FileSystem
 from kvtierd.tiers.nvme.format import (
+    LOCK_NAME,
     META_NAME,
     CorruptMeta,
     CorruptSlot,
@@ -84,6 +91,12 @@ class FsckReport:
 
 
 def fsck(directory: str) -> FsckReport:
+    """Check ``directory``; InUse when a live daemon holds it (nothing is read then)."""
+    with shared(os.path.join(directory, LOCK_NAME)):
+        return _fsck(directory)
+
+
+def _fsck(directory: str) -> FsckReport:
     report = FsckReport(directory)
     try:
         fs = FileSystem(directory)
@@ -128,7 +141,7 @@ def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
     elif e.name == CHECKPOINT_NAME or parse_journal_name(e.name) is not None:
         if e.kind != "file":  # the index log: its own checks are recover()'s, at startup
             report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))
-    elif e.name == META_NAME or (index is not None and index < meta.files):
+    elif e.name in (META_NAME, LOCK_NAME) or (index is not None and index < meta.files):
         if e.kind != "file":
             report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))
     elif e.name.endswith(".tmp") or e.name.startswith(".kvtier-probe-"):
@@ -238,11 +251,16 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtierd fsck", description="Check an NVMe tier "
                                      "directory offline (read-only). Exit 0 clean, 1 problems, "
-                                     "2 unusable directory.")
+                                     "2 unusable directory, 3 in use by a live daemon.")
     parser.add_argument("directory")
     parser.add_argument("--max-problems", type=int, default=50, help="problems listed (default 50)")
     args = parser.parse_args(argv)
-    report = fsck(args.directory)
+    try:
+        report = fsck(args.directory)
+    except InUse as e:
+        print(f"kvtierd fsck {args.directory}: REFUSED: {e}; stop that daemon first (its files "
+              "change while it runs)", file=sys.stderr)
+        return 3
     print(format_report(report, max_problems=args.max_problems))
     return 2 if report.unusable is not None else 0 if report.clean else 1
 

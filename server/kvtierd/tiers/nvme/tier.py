@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from typing import Any
 
 from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
+from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.tiers.base import Recovered, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
@@ -45,6 +47,7 @@ from kvtierd.tiers.nvme.device import (
     DiskFull,
     DiskIOError,
     FileSystem,
+    disk_error,
 )
 from kvtierd.tiers.slabs import SlabAllocator
 
@@ -125,8 +128,18 @@ class NvmeTier(StorageTier):
         self._known_ns: set[bytes] = set()
         self._quarantine: set[int] = set()
         self._readonly: set[int] = set()  # block files open read-only (a read-only filesystem)
+        self.owner: OwnerLock | None = None  # the directory's LOCK_NAME, from lock() to close()
 
     # -- startup ----------------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the directory's lock (one daemon per directory), creating the directory if
+        needed; nothing else is touched. InUse: another live process holds it; OSError: it
+        cannot be made now (the daemon starts anyway, and ``open()`` takes it later). The
+        daemon calls this first of all at start; ``open()`` calls it when not held yet."""
+        if self.owner is None:
+            os.makedirs(self.cfg.directory, mode=0o700, exist_ok=True)
+            self.owner = OwnerLock.take(os.path.join(self.cfg.directory, fmt.LOCK_NAME))
 
     def slot_bytes_for(self, payload_len: int) -> int:
         return fmt.slot_bytes(payload_len, self.io_align)
@@ -195,6 +208,12 @@ class NvmeTier(StorageTier):
         any of it cannot be read; a block file that cannot be written only degrades)."""
         cfg = self.cfg
         self.fs = fs = self._fs_factory(cfg.directory, io_align=cfg.io_align, create=True)
+        try:
+            self.lock()  # before anything is read or written: a late open races no one
+        except InUse as e:
+            raise DiskError(str(e), err=errno.EBUSY) from None
+        except OSError as e:
+            raise disk_error(e, f"lock {cfg.directory}") from None
         self.figures.direct_io = fs.direct_io
         self.figures.direct_io_note = getattr(fs, "direct_io_note", "")
         raw = fs.read_file(fmt.META_NAME)
@@ -638,3 +657,6 @@ class NvmeTier(StorageTier):
                 dev.close()
         if self.fs is not None:
             self.fs.close()
+        if self.owner is not None:
+            self.owner.release()
+            self.owner = None
