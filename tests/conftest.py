@@ -83,11 +83,13 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def shm_handshake(daemon: DaemonProcess, session_id: int) -> tuple[bytes, list[int]]:
-    """The raw shm fd handshake (what any local process can send): the reply and the fds."""
+def shm_handshake(daemon: DaemonProcess, session_id: int,
+                  secret: bytes) -> tuple[bytes, list[int]]:
+    """The raw shm fd handshake (what a local process that opened the session can send, with
+    its data secret from OpenSessionReply): the reply and the fds."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(daemon.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
+        s.sendall(wire.shm_request(wire.SHM_MAGIC, session_id, secret))
         msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
     return msg, fds

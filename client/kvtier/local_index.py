@@ -3,13 +3,14 @@
 Lifecycle (owned by a :class:`kvtier.session.Session`)::
 
     local = LocalIndexes()
-    local.reset(shm_socket, session_id, boot_epoch)   # each session (re)open
+    local.reset(shm_socket, session_id, boot_epoch, data_secret)   # each session (re)open
     hit = local.lookup(namespace_id, packed, n)       # int, or None: ask over gRPC instead
     tallies = local.take_tallies()                    # sent with the next heartbeat
     local.clear()                                     # session gone
 
 The first lookup of a namespace starts a background fetch of that namespace's segment (a
-read-only descriptor, from the daemon's shm socket) and goes over gRPC itself; a remote
+read-only descriptor, from the daemon's shm socket, asked for with the session's id and data
+secret) and goes over gRPC itself; a remote
 client, whose shm socket is not there, stops asking for ``_RETRY_REMOTE_S``. A mapped segment
 answers only while the daemon shows it is alive: the session's index channel (the connection
 segments are fetched on, which the daemon keeps open while the session lives) is not closed
@@ -151,14 +152,16 @@ class LocalIndexes:
         self._tally_lock = threading.Lock()
         self.fetched = 0
 
-    def reset(self, shm_socket: str, session_id: int, boot_epoch: int) -> None:
-        """A session opened: forget every segment of an older one (another boot, maybe)."""
+    def reset(self, shm_socket: str, session_id: int, boot_epoch: int,
+              data_secret: bytes) -> None:
+        """A session opened: forget every segment of an older one (another boot, maybe).
+        ``data_secret``: the session's (OpenSessionReply), sent with every index request."""
         with self._lock:
             old = self._view
             if boot_epoch != old.epoch:
                 with self._tally_lock:
                     self._tallies = {}
-            self._view = _View(session_id, boot_epoch, shm_socket)
+            self._view = _View(session_id, boot_epoch, shm_socket, secret=data_secret)
             self._next_try = {}
         old.close()
 
@@ -215,7 +218,7 @@ class LocalIndexes:
         with self._lock:
             if self._view is not view:
                 return
-            self._view = _View(view.session, view.epoch, view.path)
+            self._view = _View(view.session, view.epoch, view.path, secret=view.secret)
         view.close()
 
     def _fetch_soon(self, namespace_id: int) -> None:
@@ -237,7 +240,8 @@ class LocalIndexes:
             try:
                 if ch is None:
                     ch = _connect(view.path, self._fetch_timeout_s)
-                seg = _ask(ch, view.session, namespace_id, self._fetch_timeout_s, self._clock)
+                seg = _ask(ch, view.session, view.secret, namespace_id, self._fetch_timeout_s,
+                           self._clock)
             except FileNotFoundError:  # no such socket here: the daemon is on another host
                 self._next_try[-1] = self._clock() + _RETRY_REMOTE_S
                 return
@@ -274,10 +278,11 @@ class _View:
     path: str = ""  # the daemon's shm socket
     channel: socket.socket | None = None
     segments: dict[int, Segment] = field(default_factory=dict)
+    secret: bytes = b""  # the session's data secret, in every index request
 
     def with_segment(self, ch: socket.socket, namespace_id: int, seg: Segment) -> _View:
         return _View(self.session, self.epoch, self.path, ch,
-                     {**self.segments, namespace_id: seg})
+                     {**self.segments, namespace_id: seg}, self.secret)
 
     def close(self) -> None:
         if self.channel is not None:
@@ -307,10 +312,10 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
     return ch
 
 
-def _ask(ch: socket.socket, session_id: int, namespace_id: int, timeout_s: float,
-         clock: Callable[[], float]) -> Segment:
+def _ask(ch: socket.socket, session_id: int, secret: bytes, namespace_id: int,
+         timeout_s: float, clock: Callable[[], float]) -> Segment:
     """One index request on an index channel; _Refused when the daemon said no."""
-    ch.send(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id))
+    ch.send(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id, secret))
     if not select.select([ch], [], [], timeout_s)[0]:
         raise TimeoutError("no index reply in time")
     msg, fds, _flags, _addr = socket.recv_fds(ch, 4096, 1)

@@ -389,7 +389,8 @@ class Session:
             if dial is not None:
                 self._control = ControlChannels(dial, reply.session_id, timeout)
         if self.local is not None:
-            self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch)
+            self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch,
+                             bytes(reply.data_secret))
         for handle in self._namespaces:
             try:
                 self._register(handle, timeout)

@@ -60,13 +60,17 @@ FLAG_SHARED_TIER = 1
 STAMP_INTERVAL_S = 0.1
 STALE_AFTER_S = 1.0
 
-# the index handshake on the shm Unix socket (docs/shm_transport.md), one exchange per connection:
-#   client -> daemon:  INDEX_MAGIC session_id:u64le namespace_id:u64le
+# the index handshake on the shm Unix socket (docs/shm_transport.md); the connection then stays
+# open as the session's index channel, each further request in the same form. The session's data
+# secret (OpenSessionReply.data_secret, 32 bytes) is in every request; ``KVI1`` (without it) is
+# refused by name:
+#   client -> daemon:  INDEX_MAGIC session_id:u64le namespace_id:u64le data_secret:32s
 #   daemon -> client:  INDEX_MAGIC segment_bytes:u64le boot_epoch:u64le generation:u64le
 #                      + a read-only fd of the segment (SCM_RIGHTS)
 #                  or  SHM_REFUSED utf-8 message
-INDEX_MAGIC = b"KVI1"
-INDEX_REQUEST = struct.Struct("<4sQQ")
+INDEX_MAGIC = b"KVI2"
+INDEX_MAGIC_V1 = b"KVI1"  # without the data secret: refused
+INDEX_REQUEST = struct.Struct("<4sQQ32s")  # magic, session_id, namespace_id, data_secret
 INDEX_REPLY = struct.Struct("<4sQQQ")
 
 

@@ -71,13 +71,18 @@ class Status(enum.IntEnum):
 
 
 # -- the shm handshake (docs/shm_transport.md), on the daemon's shm Unix socket, one exchange per
-# connection, then the daemon closes it:
-#   client -> daemon:  SHM_MAGIC session_id:u64le
+# connection, then the daemon closes it. The session's data secret (OpenSessionReply.data_secret)
+# proves the caller opened the session: a session id alone is no credential (it appears in every
+# control request); ``KVS1`` (the id alone) is refused by name:
+#   client -> daemon:  SHM_MAGIC session_id:u64le data_secret (DATA_SECRET_BYTES)
 #   daemon -> client:  SHM_MAGIC arena_bytes:u64le boot_epoch:u64le   + the fd (SCM_RIGHTS)
 #                  or  SHM_REFUSED utf-8 message (at most SHM_MAX_ERROR_BYTES)
-SHM_MAGIC = b"KVS1"
+# Every request on the socket starts with SHM_REQUEST (12 bytes: a magic and a u64), which names
+# the exchange; KVS2, KVC1 and the published index's KVI2 go on with the session's data secret.
+SHM_MAGIC = b"KVS2"
+SHM_MAGIC_V1 = b"KVS1"  # the session id alone: refused
 SHM_REFUSED = b"KVE1"
-SHM_REQUEST = struct.Struct("<4sQ")  # magic, session_id
+SHM_REQUEST = struct.Struct("<4sQ")  # magic, session_id (then the secret, for KVS2 and KVC1)
 SHM_REPLY = struct.Struct("<4sQQ")  # magic, arena_bytes, boot_epoch
 SHM_MAX_ERROR_BYTES = 1000
 
@@ -117,6 +122,11 @@ def pack(op: Op, job_id: int = 0, index: int = 0, status: int = 0, length: int =
 def hello(session_id: int, data_secret: bytes, features: int = 0) -> bytes:
     """A whole HELLO frame: the session and its data secret (OpenSessionReply.data_secret)."""
     return pack(Op.HELLO, session_id, status=features, length=len(data_secret)) + data_secret
+
+
+def shm_request(magic: bytes, session_id: int, data_secret: bytes) -> bytes:
+    """A whole KVS2 or KVC1 request: the session and its data secret."""
+    return SHM_REQUEST.pack(magic, session_id) + data_secret
 
 
 def unpack(buf: bytes | bytearray | memoryview) -> tuple[Op, int, int, int, int]:

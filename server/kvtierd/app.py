@@ -306,7 +306,10 @@ class Daemon:
             data = DataChannelServer(host, int(port_s), self.cache, self.sessions, DataChannelLimits(
                 hello_timeout_s=cfg.handshake_timeout_s, idle_timeout_s=cfg.data_idle_timeout_s,
                 max_connections=cfg.data_max_connections,
-                max_queued_bytes=cfg.data_max_queued_bytes),
+                max_queued_bytes=cfg.data_max_queued_bytes,
+                max_unauthenticated=cfg.data_max_unauthenticated,
+                per_tenant=cfg.data_max_connections_per_tenant or
+                max(1, cfg.data_max_connections // 2)),
                 ssl_context=_data_tls(cfg) if cfg.tls_cert else None,
                 control=self._control_channel if cfg.control_channel else None)
             await data.start()
@@ -317,6 +320,7 @@ class Daemon:
                               self.boot_epoch, self.sessions,
                               handshake_timeout_s=cfg.handshake_timeout_s,
                               max_connections=cfg.shm_max_connections,
+                              per_uid=cfg.shm_handshakes_per_uid,
                               index=self._index_handout, index_hold=self.published.hold,
                               peer_ok=self._peer_ok, login=self.tenancy.unix_login,
                               control=self._control_channel if cfg.control_channel else None)

@@ -67,11 +67,24 @@ class DaemonConfig:
     """A data connection that receives no frame and whose peer takes no queued reply byte for
     this long is closed (its queued replies dropped, their pins released)."""
     data_max_connections: int = 1024
-    """Most open data connections; one more is answered ERROR and closed at once."""
+    """Most open data connections; one more is answered ERROR and closed at once (but a
+    connection still waiting for its HELLO is closed to make room: see below)."""
+    data_max_unauthenticated: int = 64
+    """Most data connections that have not yet sent a valid HELLO; one more closes the oldest of
+    them (ERROR), as does a new connection when ``data_max_connections`` are open and some are
+    still waiting: connections that prove no session never keep a client out."""
+    data_max_connections_per_tenant: int = 0
+    """Most data connections (control connections included) bound to the sessions of one tenant
+    (a daemon with a tenants file); one more is answered ERROR at its HELLO. 0: half of
+    ``data_max_connections``. A single-tenant daemon has no per-tenant cap."""
     data_max_queued_bytes: int = 16 << 20
     """A data connection stops reading while more reply bytes than this wait to be sent."""
     shm_max_connections: int = 128
     """Most shm fd handshakes in progress at once; one more is closed at once."""
+    shm_handshakes_per_uid: int = 16
+    """Most shm socket handshakes in progress at once from one peer uid (SO_PEERCRED), within
+    ``shm_max_connections``; one more is refused at once, so one local user's half-open
+    connections never lock another's handshakes out."""
     control_channel: bool = True
     """Serve sessions' control calls (Prepare*/Complete*, Lookup, Heartbeat...) as framed
     protobufs besides gRPC, on the shm socket and on the TCP data port (docs/shm_transport.md
@@ -262,6 +275,10 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.data_max_connections >= 1, "data_max_connections", "must be >= 1")
     need(cfg.data_max_queued_bytes >= 0, "data_max_queued_bytes", "must be >= 0")
     need(cfg.shm_max_connections >= 1, "shm_max_connections", "must be >= 1")
+    need(cfg.shm_handshakes_per_uid >= 1, "shm_handshakes_per_uid", "must be >= 1")
+    need(cfg.data_max_unauthenticated >= 1, "data_max_unauthenticated", "must be >= 1")
+    need(0 <= cfg.data_max_connections_per_tenant <= cfg.data_max_connections,
+         "data_max_connections_per_tenant", "must be in [0, data_max_connections] (0: half)")
     need(cfg.publish_index_idle_s >= 0, "publish_index_idle_s", "must be >= 0")
     need(cfg.max_inflight_rpcs >= 1, "max_inflight_rpcs", "must be >= 1")
     need(-1 <= cfg.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")

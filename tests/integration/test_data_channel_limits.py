@@ -18,6 +18,7 @@ namespace ``tag`` is 16 KiB of the 8-byte word ``tag << 32 | i``, so any foreign
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import resource
 import select
 import socket
@@ -346,7 +347,7 @@ def test_connections_beyond_the_cap_are_closed_at_once(start: StartDaemon,
                                                       peers: Callable[..., Peer]) -> None:
     d = start(data_max_connections=8, handshake_timeout_s=20.0)
     peer = peers(d)
-    held = [raw_socket(d) for _ in range(8)]
+    held = [peer.connect() for _ in range(8)]  # past HELLO: none of them makes room
     extra = raw_socket(d)
     extra.settimeout(2.0)
     op, *_, length = wire.unpack(recv_exact(extra, wire.HEADER.size))
@@ -360,6 +361,78 @@ def test_connections_beyond_the_cap_are_closed_at_once(start: StartDaemon,
     assert eventually(lambda: _hello_ok(peer), 3.0)
     for s in [*held, extra]:
         s.close()
+
+
+def test_connections_that_never_send_hello_do_not_keep_a_client_out(
+        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    d = start(data_max_connections=16, handshake_timeout_s=30.0)  # no timeout helps here
+    peer = peers(d)
+    flood = [raw_socket(d) for _ in range(48)]  # three times the cap, none proves a session
+    t0 = time.monotonic()
+    s = peer.connect()  # the oldest waiting connection makes room: HELLO_OK at once
+    assert time.monotonic() - t0 < 2.0
+    # every connection that waited beyond the cap was closed (ERROR naming why), the newest stay
+    assert eventually(lambda: sum(not is_closed(f) for f in flood) <= 15, 3.0)
+    assert not is_closed(s)
+    for f in [*flood, s]:
+        f.close()
+
+
+def test_at_most_data_max_unauthenticated_connections_wait_for_hello(
+        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    d = start(data_max_unauthenticated=4, handshake_timeout_s=30.0)
+    peer = peers(d)
+    bound = [peer.connect() for _ in range(6)]  # past HELLO: not waiting, never closed for room
+    waiting = [raw_socket(d) for _ in range(12)]
+    # the oldest waiting ones made room, each answered ERROR; the newest 4 still wait
+    assert eventually(lambda: [is_closed(w) for w in waiting] == [True] * 8 + [False] * 4, 3.0)
+    assert not any(is_closed(s) for s in bound)
+    peer.connect().close()  # and a client's HELLO goes through
+    for s in [*bound, *waiting]:
+        s.close()
+
+
+TENANT_TOKENS = {"team-a": "limits-a-1", "team-b": "limits-b-2"}
+
+
+def test_one_tenant_cannot_take_every_data_connection(start: StartDaemon,
+                                                      tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(
+        f'[[tenant]]\nname = "{name}"\ntransports = ["tcp"]\n'
+        f'tokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n\n'
+        for name, token in TENANT_TOKENS.items()))
+    d = start(data_max_connections=8, tenants_file=str(tenants))  # a tenant's share: 8 / 2
+    a, b = tenant_session(d, "team-a"), tenant_session(d, "team-b")
+    held = [hello(d, *a) for _ in range(4)]
+    assert all(op is Op.HELLO_OK for _s, op, _m in held)
+    extra, op, message = hello(d, *a)
+    assert op is Op.ERROR and b"data_max_connections_per_tenant" in message, message
+    assert eventually(lambda: is_closed(extra), 2.0)
+    others = [hello(d, *b) for _ in range(4)]  # the other tenant's share is whole
+    assert all(op is Op.HELLO_OK for _s, op, _m in others)
+    held.pop()[0].close()  # one of team-a's closes: its next one is served
+    assert eventually(lambda: hello(d, *a)[1] is Op.HELLO_OK, 3.0)
+    for s, _op, _m in [*held, *others]:
+        s.close()
+    extra.close()
+
+
+def tenant_session(d: DaemonProcess, tenant: str) -> tuple[int, bytes]:
+    """A tcp session of ``tenant`` (its id and data secret)."""
+    with grpc.insecure_channel(d.grpc) as ch:
+        opened = pb_grpc.KvtierStub(ch).OpenSession(pb.OpenSessionRequest(
+            client_name="limits", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP), timeout=T,
+            metadata=(("authorization", f"Bearer {TENANT_TOKENS[tenant]}"),))
+    return opened.session_id, opened.data_secret
+
+
+def hello(d: DaemonProcess, sid: int, secret: bytes) -> tuple[socket.socket, Op, bytes]:
+    """A data connection that sent HELLO: the socket, the daemon's answer and its payload."""
+    s = raw_socket(d)
+    s.sendall(wire.hello(sid, secret))
+    op, *_, length = wire.unpack(recv_exact(s, wire.HEADER.size))
+    return s, op, recv_exact(s, length) if op is Op.ERROR else b""
 
 
 def _hello_ok(peer: Peer) -> bool:

@@ -25,9 +25,12 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 
 def open_session(stub: Any, transport: int) -> int:
-    reply = stub.OpenSession(pb.OpenSessionRequest(client_name="isolation", lease_ttl_ms=30_000,
-                                                   transport=transport), timeout=5)
-    return int(reply.session_id)
+    return int(open_reply(stub, transport).session_id)
+
+
+def open_reply(stub: Any, transport: int) -> Any:
+    return stub.OpenSession(pb.OpenSessionRequest(client_name="isolation", lease_ttl_ms=30_000,
+                                                  transport=transport), timeout=5)
 
 
 def serving(daemon: DaemonProcess) -> bool:
@@ -46,7 +49,8 @@ def test_a_clients_ftruncate_of_the_arena_fails_and_an_attached_engine_keeps_loa
         assert ns.put(keys, data).stored == 8
         with grpc.insecure_channel(daemon.grpc) as ch:
             stub = pb_grpc.KvtierStub(ch)
-            msg, fds = shm_handshake(daemon, open_session(stub, pb.TRANSPORT_SHM))
+            opened = open_reply(stub, pb.TRANSPORT_SHM)
+            msg, fds = shm_handshake(daemon, opened.session_id, opened.data_secret)
             assert fds, msg
             fd = fds[0]
             try:
@@ -66,7 +70,8 @@ def test_a_clients_ftruncate_of_the_arena_fails_and_an_attached_engine_keeps_loa
 def test_the_arena_fd_is_never_handed_to_a_tcp_session(daemon: DaemonProcess) -> None:
     with grpc.insecure_channel(daemon.grpc) as ch:
         stub = pb_grpc.KvtierStub(ch)
-        msg, fds = shm_handshake(daemon, open_session(stub, pb.TRANSPORT_TCP))
+        opened = open_reply(stub, pb.TRANSPORT_TCP)
+        msg, fds = shm_handshake(daemon, opened.session_id, opened.data_secret)
         for fd in fds:
             os.close(fd)
         assert not fds

@@ -313,7 +313,17 @@ def _stub(daemon: DaemonProcess) -> tuple[grpc.Channel, Any, int, list[int]]:
         r = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=namespace_spec(ns),
                                                                digest=ns.digest), timeout=5)
         ids.append(r.namespace_id)
+    _SECRETS[s.session_id] = s.data_secret
     return channel, stub, s.session_id, ids
+
+
+_SECRETS: dict[int, bytes] = {}  # session id -> data secret, of the sessions _stub opened
+
+
+def _index_request(session_id: int, namespace_id: int) -> bytes:
+    """A KVI2 request with the session's data secret (32 zero bytes for one _stub did not open)."""
+    return pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id,
+                                 _SECRETS.get(session_id, bytes(32)))
 
 
 @pytest.mark.parametrize("tally, code, field", [
@@ -352,7 +362,7 @@ def _ask_index(path: str, session_id: int, namespace_id: int) -> tuple[bytes, li
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(path)
-        s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id))
+        s.sendall(_index_request(session_id, namespace_id))
         msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
     return msg, fds
 
@@ -400,16 +410,16 @@ def test_garbage_or_another_sessions_id_on_an_index_channel_closes_only_that_cha
     channel2, _s2, sid2, _ = _stub(daemon)
     try:
         for follow_up in (b"\xff" * pi.INDEX_REQUEST.size,
-                          pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid2, ns_id)):
+                          _index_request(sid2, ns_id)):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(5)
                 s.connect(daemon.info["shm"])
-                s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns_id))
+                s.sendall(_index_request(sid, ns_id))
                 msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
                 for fd in fds:
                     os.close(fd)
                 assert msg.startswith(pi.INDEX_MAGIC)
-                s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, 424242))  # refused, kept
+                s.sendall(_index_request(sid, 424242))  # refused, kept
                 assert s.recv(4096).startswith(wire.SHM_REFUSED)
                 s.sendall(follow_up)
                 assert s.recv(4096) == b""  # closed by the daemon

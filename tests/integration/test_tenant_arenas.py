@@ -129,7 +129,7 @@ def test_a_tenants_mapping_holds_only_its_own_blocks(arenas: DaemonProcess, raw:
     a = raw("team-a")
     reply = a.open(pb.TRANSPORT_SHM)
     assert reply.arena_bytes == 8 * MiB  # its own arena, not the daemon's 16 MiB shared one
-    msg, fds = shm_handshake(arenas, reply.session_id)
+    msg, fds = shm_handshake(arenas, reply.session_id, reply.data_secret)
     assert fds, msg
     try:
         assert os.fstat(fds[0]).st_size == 8 * MiB
@@ -209,7 +209,7 @@ def test_a_tenant_added_by_a_reload_gets_its_arena(arenas: DaemonProcess, tmp_pa
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert reply.arena_bytes == 4 * MiB
-    msg, fds = shm_handshake(arenas, reply.session_id)
+    msg, fds = shm_handshake(arenas, reply.session_id, reply.data_secret)
     assert fds, msg
     size = os.fstat(fds[0]).st_size
     os.close(fds[0])

@@ -99,8 +99,12 @@ class Raw:
         return e.value.code(), e.value.details() or ""
 
     def session(self, transport: int = pb.TRANSPORT_TCP) -> int:
-        return int(self("OpenSession", pb.OpenSessionRequest(
-            client_name="raw", lease_ttl_ms=30_000, transport=transport)).session_id)
+        return int(self.open(transport).session_id)
+
+    def open(self, transport: int = pb.TRANSPORT_TCP) -> Any:
+        """An OpenSessionReply (its session_id and data_secret)."""
+        return self("OpenSession", pb.OpenSessionRequest(
+            client_name="raw", lease_ttl_ms=30_000, transport=transport))
 
 
 @pytest.fixture
@@ -420,21 +424,21 @@ def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,
                                                          raw: Any) -> None:
     c = raw("team-c")  # unix_uids = [12345]; this test runs as another uid
     assert os.getuid() != 12345
-    sid = c.session(pb.TRANSPORT_SHM)
+    opened = c.open(pb.TRANSPORT_SHM)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(tenants.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, sid))
+        s.sendall(wire.shm_request(wire.SHM_MAGIC, opened.session_id, opened.data_secret))
         msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
     for fd in fds:
         os.close(fd)
     assert not fds and b"unknown or expired session" in msg
     b = raw("team-b")  # no list: any peer
-    sid = b.session(pb.TRANSPORT_SHM)
+    opened = b.open(pb.TRANSPORT_SHM)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(tenants.info["shm"])
-        s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, sid))
+        s.sendall(wire.shm_request(wire.SHM_MAGIC, opened.session_id, opened.data_secret))
         msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
     for fd in fds:
         os.close(fd)
@@ -454,11 +458,12 @@ def test_another_tenants_published_index_is_not_handed_out(tenants: DaemonProces
                                                            raw: Any) -> None:
     with client(tenants, "team-a", "shm") as a:
         ns = a.register(ns_of("team-a"))
-        sid = raw("team-b").session(pb.TRANSPORT_SHM)
+        opened = raw("team-b").open(pb.TRANSPORT_SHM)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect(tenants.info["shm"])
-            s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns.namespace_id))
+            s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, opened.session_id, ns.namespace_id,
+                                            opened.data_secret))
             msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
         for fd in fds:
             os.close(fd)

@@ -34,20 +34,24 @@ def block(i: int, nbytes: int) -> bytes:
     return hashlib.shake_256(b"verified %d" % i).digest(nbytes)
 
 
+_SECRETS: dict[int, bytes] = {}  # session id -> data secret, of the sessions raw_session opened
+
+
 @contextmanager
 def raw_session(daemon: DaemonProcess, transport: int = pb.TRANSPORT_SHM
                 ) -> Iterator[tuple[Any, int]]:
     with grpc.insecure_channel(daemon.grpc) as ch:
         stub = pb_grpc.KvtierStub(ch)
-        sid = stub.OpenSession(pb.OpenSessionRequest(client_name="verify", lease_ttl_ms=30_000,
-                                                     transport=transport), timeout=5).session_id
-        yield stub, sid
+        opened = stub.OpenSession(pb.OpenSessionRequest(
+            client_name="verify", lease_ttl_ms=30_000, transport=transport), timeout=5)
+        _SECRETS[opened.session_id] = opened.data_secret  # (arena() hands it over)
+        yield stub, opened.session_id
 
 
 @contextmanager
 def arena(daemon: DaemonProcess, session_id: int) -> Iterator[mmap.mmap]:
     """The arena, mapped read-write through the shm handshake (what any shm session gets)."""
-    msg, fds = shm_handshake(daemon, session_id)
+    msg, fds = shm_handshake(daemon, session_id, _SECRETS[session_id])
     assert fds, msg
     try:
         mm = mmap.mmap(fds[0], os.fstat(fds[0]).st_size, flags=mmap.MAP_SHARED,

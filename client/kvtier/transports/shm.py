@@ -1,7 +1,8 @@
 """shm transport: map the daemon's memfd arena and copy bytes ourselves.
 
 The fd arrives over the daemon's shm Unix socket (SCM_RIGHTS; handshake in
-kvtier_contract.wire). Each block is one copy between the caller's buffer and its slot.
+kvtier_contract.wire: the session's id and data secret, from OpenSessionReply). Each block
+is one copy between the caller's buffer and its slot.
 
 Copies are plain memoryview assignments (glibc memcpy), except reads whose destination lies 1 to
 63 bytes after the source modulo 4 KiB: there glibc's ``rep movsb`` path (used for copies below
@@ -131,7 +132,7 @@ class ShmTransport(DataTransport):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(timeout_s)
                 s.connect(path)
-                s.sendall(wire.SHM_REQUEST.pack(wire.SHM_MAGIC, session_id))
+                s.sendall(wire.shm_request(wire.SHM_MAGIC, session_id, bytes(reply.data_secret)))
                 msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
         except OSError as e:
             raise TransportError(f"shm handshake with {path} failed: {e}") from e

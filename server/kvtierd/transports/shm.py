@@ -8,7 +8,10 @@ client therefore maps only memory that holds its own tenant's blocks.
 Handshakes on a Unix stream socket (one exchange per connection, then the daemon closes it),
 stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``)
 and :mod:`kvtier_contract.published_index` (``INDEX_REQUEST`` / ``INDEX_REPLY``: a read-only
-descriptor of one namespace's published index, for a live session). A connection that asked for
+descriptor of one namespace's published index, for a live session). Both carry the session's id
+and data secret (OpenSessionReply.data_secret; a session id alone is no credential), checked as
+the control channel's is (``_session``: one answer for an unknown session, a wrong secret and a
+peer the tenant does not allow). A connection that asked for
 an index stays open as its session's index channel (further index requests of the session; it
 closes when the session ends or the daemon dies, which tells the client to stop reading).
 
@@ -22,11 +25,13 @@ gid (SO_PEERCRED) and answers a bearer token of the tenant that logs in by them 
 which the client then presents on the gRPC socket (grpcio shows handlers no peer credentials).
 
 The peer's credentials (SO_PEERCRED) must be allowed for the session's tenant (a daemon with a
-tenants file: docs/security.md); the socket file's mode (``socket_mode``: 0600 by default,
-owner only) decides who may connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
-``max_connections`` handshakes are served at once (one more is closed at once, counted in
-``refused``), and running out of descriptors pauses accepting instead of ending it. Index
-channels: at most one per live session (a newer one replaces it; the session's end closes it).
+tenants file: docs/security.md); the socket file's mode (0660) decides who may
+connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
+``max_connections`` handshakes are served at once and at most ``per_uid`` of one peer uid
+(SO_PEERCRED at accept; one more is refused at once, counted in ``refused``: one local user's
+half-open connections never lock another's handshakes out), and running out of descriptors
+pauses accepting instead of ending it. Index channels: at most one per live session (a newer
+one replaces it; the session's end closes it).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
+from kvtierd.transports.slots import KeyedSlots
 
 log = logging.getLogger("kvtierd.shm")
+_SETTLE_TURNS = 4  # loop turns a handshake at a cap waits for one in progress to end
 
 
 class Channel(Protocol):
@@ -71,11 +78,10 @@ class ShmFdServer(ServerTransport):
     """Owns the listening socket and its file. Event-loop thread only."""
 
     name = "shm"
-    socket_mode = 0o600  # of the socket file (DaemonConfig.socket_mode); set before start()
 
     def __init__(self, path: str, arena: Callable[[Session], tuple[int, int] | None],
                  boot_epoch: int, sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
-                 max_connections: int = 128,
+                 max_connections: int = 128, per_uid: int = 16,
                  index: Callable[[int, int], tuple[int, int, int]] | None = None,
                  index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
                  peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
@@ -90,7 +96,8 @@ class ShmFdServer(ServerTransport):
         bearer token for that Unix peer (kvtierd.tenants.UnixLogins), or a KvtierError; None:
         logins are refused. ``control(session, on_close)``: the protocol serving a control
         channel of that session (it calls ``on_close(itself)`` when its connection ends); None:
-        control channels are refused."""
+        control channels are refused. ``per_uid``: handshakes in progress at once from one peer
+        uid (SO_PEERCRED at accept), within ``max_connections``."""
         self.path = os.path.abspath(path)
         self._arena = arena
         self._epoch = boot_epoch
@@ -107,6 +114,7 @@ class ShmFdServer(ServerTransport):
         self._control = control
         self._controls: dict[int, set[Channel]] = {}  # session id -> its control channels
         self._open = 0  # handshakes being served
+        self._uids = KeyedSlots(per_uid)  # ... of each peer uid
         self.handed_out = 0
         self.refused = 0
         self.logins = 0
@@ -115,14 +123,10 @@ class ShmFdServer(ServerTransport):
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a dead daemon's (the daemon holds the socket's lock)
+            os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # created owner-only: no window before the chmod
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, self.socket_mode)
+        sock.bind(self.path)
+        os.chmod(self.path, 0o660)
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
@@ -138,71 +142,116 @@ class ShmFdServer(ServerTransport):
                 self._accept_log.warning("shm fd socket: accept failed (%s); retrying", e)
                 await asyncio.sleep(0.1)
                 continue
-            if self._open >= self._max:
+            try:
+                uid = _peer(conn)[0]
+            except OSError:
+                conn.close()
+                continue
+            if not await self._admit(uid):
                 self.refused += 1
+                _refuse(conn, ResourceExhausted(
+                    "too many shm handshakes in progress (from this uid, or in all)",
+                    field="shm_handshakes_per_uid"))
                 conn.close()
                 continue
             self._open += 1
-            loop.create_task(self._serve(conn))
+            self._uids.take(uid)
+            loop.create_task(self._serve(conn, uid))
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _admit(self, uid: int) -> bool:
+        """Whether a handshake of ``uid`` may start now. At a cap, the handshakes in progress
+        get a few turns of the loop first: a burst of honest ones (each a few loop turns, their
+        requests already sent) drains in that time; a peer that connects and sends nothing
+        holds its slots until the handshake timeout, its next connections are refused."""
+        for _ in range(_SETTLE_TURNS):
+            if self._open < self._max and not self._uids.full(uid):
+                return True
+            await asyncio.sleep(0)
+        return False
+
+    async def _serve(self, conn: socket.socket, uid: int) -> None:
         handshake = True
         with conn:
             try:
-                data = await asyncio.wait_for(self._recv(conn, wire.SHM_REQUEST.size),
-                                              self._timeout_s)
+                data = await self._request(conn)
                 if data[:4] == pi.INDEX_MAGIC:
-                    data += await asyncio.wait_for(
-                        self._recv(conn, pi.INDEX_REQUEST.size - len(data)), self._timeout_s)
                     held: dict[int, int] = {}  # namespace -> generation handed out here
                     try:
                         session_id = self._serve_index(conn, data, held)
                         handshake = False
-                        self._open -= 1
+                        self._handshake_done(uid)
                         await self._index_channel(conn, session_id, held)
                     finally:
                         for ns_id in held:
                             self._index_hold(ns_id, -1)
-                    return
-                if data[:4] == wire.LOGIN_MAGIC:
+                elif data[:4] == wire.LOGIN_MAGIC:
                     self._serve_login(conn)
-                    return
-                if data[:4] == wire.CONTROL_MAGIC:
-                    data += await asyncio.wait_for(self._recv(conn, wire.DATA_SECRET_BYTES),
-                                                   self._timeout_s)
+                elif data[:4] == wire.CONTROL_MAGIC:
                     await self._serve_control(conn, data)
-                    return
-                if data[:4] != wire.SHM_MAGIC:
-                    raise ValueError("bad shm handshake")
-                _, session_id = wire.SHM_REQUEST.unpack(data)
-                session = self._sessions.get(session_id)
-                uid, gid = _peer(conn)
-                if not self._peer_ok(session, uid, gid):
-                    # the same answer as an unknown session: an id tells a stranger nothing
-                    raise NotFound(f"unknown or expired session {session_id}",
-                                   field="session_id")
-                if session.transport is Transport.TCP:
-                    # a tcp session moves bytes over the data channel only: the arena is never
-                    # mapped by it (it may come from another host, or be a shm-less tenant)
-                    raise FailedPrecondition(f"session {session_id} was opened for the tcp "
-                                             "transport: the arena is not handed to it",
-                                             field="transport")
-                mapped = self._arena(session)
-                if mapped is None:  # a tenant whose own arena could not be made: never another
-                    raise FailedPrecondition(f"tenant {session.tenant} has no arena of its own "
-                                             "(see the daemon's log)", field="transport")
-                fd, size = mapped
-                conn.setblocking(True)
-                reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, size, self._epoch)
-                socket.send_fds(conn, [reply], [fd])
-                self.handed_out += 1
+                else:
+                    self._serve_arena(conn, data)
             except (KvtierError, ValueError) as e:
                 _refuse(conn, e)
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
             finally:
                 if handshake:
-                    self._open -= 1
+                    self._handshake_done(uid)
+
+    def _handshake_done(self, uid: int) -> None:
+        self._open -= 1
+        self._uids.give(uid)
+
+    async def _request(self, conn: socket.socket) -> bytes:
+        """A whole handshake request, within ``handshake_timeout_s`` all told (TimeoutError);
+        ValueError for an unknown or retired magic."""
+        async with asyncio.timeout(self._timeout_s):
+            data = await self._recv(conn, wire.SHM_REQUEST.size)
+            magic = data[:4]
+            if magic in (wire.SHM_MAGIC_V1, pi.INDEX_MAGIC_V1):
+                raise ValueError(f"the {magic.decode()} handshake (a session id alone) is no "
+                                 "longer served: this daemon asks for the session's data "
+                                 "secret (KVS2 / KVI2; upgrade the kvtier client)")
+            if magic == pi.INDEX_MAGIC:
+                return data + await self._recv(conn, pi.INDEX_REQUEST.size - len(data))
+            if magic in (wire.SHM_MAGIC, wire.CONTROL_MAGIC):
+                return data + await self._recv(conn, wire.DATA_SECRET_BYTES)
+            if magic != wire.LOGIN_MAGIC:
+                raise ValueError("bad shm handshake")
+            return data
+
+    def _session(self, conn: socket.socket, session_id: int, secret: bytes) -> Session:
+        """The live session ``session_id``, when ``secret`` is its data secret and the peer
+        (SO_PEERCRED) may act for its tenant; else NotFound: an unknown session, a wrong secret
+        and a foreign peer get one answer, so an id tells a stranger nothing."""
+        try:
+            session: Session | None = self._sessions.get(session_id)
+        except KvtierError:
+            session = None
+        if session is None or not hmac.compare_digest(secret, session.data_secret) or \
+                not self._peer_ok(session, *_peer(conn)):
+            raise NotFound(f"unknown or expired session {session_id}", field="session_id")
+        return session
+
+    def _serve_arena(self, conn: socket.socket, data: bytes) -> None:
+        """Hand the session's arena fd (KVS2); KvtierError: refused."""
+        _, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
+        session = self._session(conn, session_id, data[wire.SHM_REQUEST.size :])
+        if session.transport is Transport.TCP:
+            # a tcp session moves bytes over the data channel only: the arena is never
+            # mapped by it (it may come from another host, or be a shm-less tenant)
+            raise FailedPrecondition(f"session {session_id} was opened for the tcp "
+                                     "transport: the arena is not handed to it",
+                                     field="transport")
+        mapped = self._arena(session)
+        if mapped is None:  # a tenant whose own arena could not be made: never another
+            raise FailedPrecondition(f"tenant {session.tenant} has no arena of its own "
+                                     "(see the daemon's log)", field="transport")
+        fd, size = mapped
+        conn.setblocking(True)
+        reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, size, self._epoch)
+        socket.send_fds(conn, [reply], [fd])
+        self.handed_out += 1
 
     async def _serve_control(self, conn: socket.socket, data: bytes) -> None:
         """Make ``conn`` a control channel of the session it names, if ``data`` carries that
@@ -211,12 +260,7 @@ class ShmFdServer(ServerTransport):
             raise FailedPrecondition("control channels are not served here",
                                      field="control_channel")
         _, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
-        secret = data[wire.SHM_REQUEST.size :]
-        session = self._sessions.get(session_id)
-        if not hmac.compare_digest(secret, session.data_secret) or \
-                not self._peer_ok(session, *_peer(conn)):
-            # the same answer as an unknown session: an id tells a stranger nothing
-            raise NotFound(f"unknown or expired session {session_id}", field="session_id")
+        session = self._session(conn, session_id, data[wire.SHM_REQUEST.size :])
         if len(self._controls.get(session_id, ())) >= CONTROL_CHANNELS_PER_SESSION:
             raise ResourceExhausted(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} "
                                     "control "
@@ -304,13 +348,15 @@ class ShmFdServer(ServerTransport):
         return data
 
     def _serve_index(self, conn: socket.socket, data: bytes, held: dict[int, int]) -> int:
-        """Answer one index request (its session's id); a KvtierError or ValueError refuses.
+        """Answer one index request (its session's id) of a live session whose data secret it
+        carries, from a peer its tenant allows; a KvtierError or ValueError refuses.
         A namespace handed out on this channel for the first time is held (``index_hold``)
         until the channel ends; one generation of a namespace is handed out once per channel
         (so a client that asks without reading cannot pile descriptors up in the socket)."""
-        _, session_id, namespace_id = pi.INDEX_REQUEST.unpack(data)
+        _, session_id, namespace_id, secret = pi.INDEX_REQUEST.unpack(data)
         if self._index is None:
             raise ValueError("published indexes are not served here")
+        self._session(conn, session_id, secret)  # (the peer and the secret, every request)
         try:
             fd, size, generation = self._index(session_id, namespace_id)
         except OSError as e:

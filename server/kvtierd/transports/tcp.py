@@ -13,8 +13,10 @@ Views, not copies, wait in a transport's write buffer, so a load job stays pinne
 queued bytes reach the kernel or are dropped with the connection (``TieredCache.load_queued`` /
 ``load_sent``): a slot is never reused while its bytes may still leave. Every connection is
 bounded (:class:`DataChannelLimits`): HELLO in time, an idle timeout, a global cap, reading
-paused while too many reply bytes wait. Size: over the house limit by those limits, which act on
-the protocol's own state and stay beside it.
+paused while too many reply bytes wait; connections waiting for HELLO have a budget of their
+own (the oldest waiting one makes room for a new one), and those past HELLO count against their
+tenant's share of the cap. Size: over the house limit by those limits, which act on the
+protocol's own state and stay beside it.
 
 A HELLO offering ``FEATURE_CONTROL`` (when the server has a ``control`` factory) makes the
 connection a control channel of its session instead (:mod:`kvtierd.transports.control`): from
@@ -41,6 +43,7 @@ from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
+from kvtierd.transports.slots import KeyedSlots
 
 log = logging.getLogger("kvtierd.tcp")
 _SCRATCH = 1 << 20
@@ -77,6 +80,12 @@ class DataChannelLimits:
     """Open connections at most; one more is answered ERROR and closed at once."""
     max_queued_bytes: int = 16 << 20
     """Reading pauses while more reply bytes than this wait in a connection's write buffer."""
+    max_unauthenticated: int = 64
+    """Connections without a valid HELLO yet, at most; one more (or one more at the cap while
+    some wait) closes the oldest waiting one, so they never keep a client out."""
+    per_tenant: int = 0
+    """Connections bound (at HELLO) to the sessions of one tenant, at most (0: no cap; a
+    session without a tenant, on a single-tenant daemon, is never capped)."""
 
 
 @dataclass(eq=False)
@@ -136,6 +145,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._queued_seen = 0  # write buffer size at the last tick
         self._control: asyncio.Protocol | None = None  # a control channel's, after its HELLO
         self._control_buf: memoryview | None = None
+        self.tenant: str | None = None  # the tenant whose share it counts against, after HELLO
 
     # -- asyncio callbacks ------------------------------------------------------------------------
 
@@ -350,14 +360,17 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if s is None or not hmac.compare_digest(secret, s.data_secret) or \
                 (self.session_id and session_id != self.session_id):
             return self._fail("unknown session or wrong data secret")
-        if not self.session_id and self._server is not None:  # from now on: idle ticks
-            self._arm(self._server.limits.idle_timeout_s / 2)
         server = self._server
         control = server.control if server is not None else None
         if control is not None and offered & wire.FEATURE_CONTROL and \
                 server is not None and server.controls_of(session_id) >= CONTROL_CHANNELS_PER_SESSION:
             return self._fail(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} control "
                               "connections open already")
+        if not self.session_id and server is not None:
+            if not server.bind(self, s.tenant):
+                return self._fail(f"tenant {s.tenant} has {server.limits.per_tenant} data "
+                                  "connections open (data_max_connections_per_tenant)")
+            self._arm(server.limits.idle_timeout_s / 2)  # from now on: idle ticks
         self.session_id = session_id
         self.features = offered & (_FEATURES | (wire.FEATURE_CONTROL if control else 0))
         self.transport.write(wire.pack(Op.HELLO_OK, session_id, status=self.features))
@@ -451,6 +464,8 @@ class DataChannelServer(ServerTransport):
         self._cache, self._sessions = cache, sessions
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[DataChannelProtocol] = set()
+        self._waiting: dict[DataChannelProtocol, None] = {}  # no HELLO yet, oldest first
+        self._tenants = KeyedSlots(self.limits.per_tenant)  # connections past HELLO per tenant
         self.accepted = 0
         self.refused = 0  # beyond max_connections
         self.timed_out = 0  # no HELLO in time, or idle
@@ -467,17 +482,38 @@ class DataChannelServer(ServerTransport):
         self.port = self._server.sockets[0].getsockname()[1]
 
     def admit(self, conn: DataChannelProtocol) -> bool:
-        """Count a new connection in, or refuse it at the cap (the caller closes it).
-
-        Per-tenant caps (once sessions carry a tenant) belong at HELLO, where the connection's
-        session, and so its tenant, becomes known: a count per tenant beside ``_conns``."""
+        """Count a new connection in, or refuse it at the cap (the caller closes it). Room is
+        made first by closing the oldest connection still waiting for HELLO, when
+        ``max_unauthenticated`` wait or the cap is reached with some waiting: a flood of
+        connections that prove no session never keeps a client out (one that sends its HELLO
+        at once is past it long before ``max_unauthenticated`` newer ones arrive)."""
+        full = len(self._conns) >= self.limits.max_connections
+        if self._waiting and (full or len(self._waiting) >= self.limits.max_unauthenticated):
+            oldest = next(iter(self._waiting))
+            self.forget(oldest)
+            self.refused += 1
+            oldest._fail(f"too many data connections waiting for HELLO (max "
+                         f"{self.limits.max_unauthenticated}): the oldest is closed")
         if len(self._conns) >= self.limits.max_connections:
             self.refused += 1
             self._cap_log.warning("data channel at its cap of %d connections: refusing more "
                                   "(%d so far)", self.limits.max_connections, self.refused)
             return False
         self._conns.add(conn)
+        self._waiting[conn] = None
         self.accepted += 1
+        return True
+
+    def bind(self, conn: DataChannelProtocol, tenant: str | None) -> bool:
+        """``conn`` passed HELLO for a session of ``tenant``: it counts against that tenant's
+        share (``per_tenant``) from now on, or False when the tenant holds its share (the
+        caller closes it). None (a single-tenant daemon): no share."""
+        self._waiting.pop(conn, None)
+        if tenant is not None:
+            if not self._tenants.take(tenant):
+                self.refused += 1
+                return False
+            conn.tenant = tenant
         return True
 
     def controls_of(self, session_id: int) -> int:
@@ -486,7 +522,12 @@ class DataChannelServer(ServerTransport):
         return sum(1 for c in self._conns if c.session_id == session_id and c.is_control)
 
     def forget(self, conn: DataChannelProtocol) -> None:
-        self._conns.discard(conn)
+        if conn in self._conns:
+            self._conns.discard(conn)
+            self._waiting.pop(conn, None)
+            if conn.tenant is not None:
+                self._tenants.give(conn.tenant)
+                conn.tenant = None
 
     def release_session(self, session_id: int) -> None:
         for conn in list(self._conns):
