@@ -25,8 +25,8 @@ gid (SO_PEERCRED) and answers a bearer token of the tenant that logs in by them 
 which the client then presents on the gRPC socket (grpcio shows handlers no peer credentials).
 
 The peer's credentials (SO_PEERCRED) must be allowed for the session's tenant (a daemon with a
-tenants file: docs/security.md); the socket file's mode (0660) decides who may
-connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
+tenants file: docs/security.md); the socket file's mode (``socket_mode``: 0600 by default,
+owner only) decides who may connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
 ``max_connections`` handshakes are served at once and at most ``per_uid`` of one peer uid
 (SO_PEERCRED at accept; one more is refused at once, counted in ``refused``: one local user's
 half-open connections never lock another's handshakes out), and running out of descriptors
@@ -78,6 +78,7 @@ class ShmFdServer(ServerTransport):
     """Owns the listening socket and its file. Event-loop thread only."""
 
     name = "shm"
+    socket_mode = 0o600  # of the socket file (DaemonConfig.socket_mode); set before start()
 
     def __init__(self, path: str, arena: Callable[[Session], tuple[int, int] | None],
                  boot_epoch: int, sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
@@ -123,10 +124,14 @@ class ShmFdServer(ServerTransport):
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            os.unlink(self.path)  # a dead daemon's (the daemon holds the socket's lock)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(self.path)
-        os.chmod(self.path, 0o660)
+        old = os.umask(0o177)  # created owner-only: no window before the chmod
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self.socket_mode)
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
