@@ -162,9 +162,12 @@ def control(d: DaemonProcess, session_id: int, secret: bytes) -> socket.socket:
 
 
 def closed_by_daemon(s: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether the daemon closes ``s`` within ``timeout_s`` (a last ERROR frame read past)."""
     s.settimeout(timeout_s)
     try:
-        return s.recv(1) == b""
+        while s.recv(65536):
+            pass
+        return True
     except (ConnectionResetError, BrokenPipeError):
         return True
     except TimeoutError:
@@ -239,6 +242,13 @@ def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
         reply = r.open(pb.TRANSPORT_SHM)
         channels[who] = (reply.session_id, control(d, reply.session_id,
                                                    bytes(reply.data_secret)))
+    # and a tcp session of the tenant to be removed, with a data connection (its frames used to
+    # keep the session alive after the reload)
+    reply = other.open(pb.TRANSPORT_TCP)
+    host, port = d.info["data"].rsplit(":", 1)
+    data = socket.create_connection((host, int(port)), timeout=5)
+    data.sendall(wire.hello(reply.session_id, bytes(reply.data_secret)))
+    assert wire.unpack(data.recv(wire.HEADER.size))[0] is wire.Op.HELLO_OK
     # rotation: the hog's first token leaves the file, its second stays
     write(("hog-next",))
     assert d.proc is not None
@@ -253,9 +263,10 @@ def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
     write(("hog-next",), with_other=False)
     d.proc.send_signal(signal.SIGHUP)
     until_unauthenticated(lambda: other("Stats", pb.StatsRequest()))
-    assert closed_by_daemon(channels["other"][1])
+    assert closed_by_daemon(channels["other"][1]) and closed_by_daemon(data)
     assert not closed_by_daemon(channels["next"][1], 0.3)
     log = d.run_dir / "kvtierd.log"
-    wait_for("the reload's log line", lambda: "1 sessions closed" in log.read_text(), 5)
+    wait_for("the reload's log line", lambda: "2 sessions closed" in log.read_text(), 5)
     for _sid, s in channels.values():
         s.close()
+    data.close()
