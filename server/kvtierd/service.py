@@ -294,33 +294,33 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def _check_jobs(self, s: Session) -> None:
         """Open-job quotas of the caller's tenant and of ``s`` (before a job is created)."""
-        per_session = self._quota("session_open_jobs")
-        if per_session is not None and len(s.store_jobs) + len(s.load_jobs) >= per_session:
-            raise ResourceExhausted(f"quota session_open_jobs ({per_session}) reached by session "
-                                    f"{s.id}", field="quota")
-        per_tenant = self._quota("open_jobs")
-        if per_tenant is not None and s.tenant is not None and sum(
-                len(o.store_jobs) + len(o.load_jobs)
-                for o in self.sessions.of_tenant(s.tenant)) >= per_tenant:
-            raise ResourceExhausted(f"quota open_jobs ({per_tenant}) reached by tenant "
-                                    f"{s.tenant}", field="quota")
+        caller = CALLER.get()
+        if caller is None:
+            return
+        self.tenancy.check(caller, "session_open_jobs", len(s.store_jobs) + len(s.load_jobs) + 1,
+                           f"session {s.id}")
+        if s.tenant is not None:
+            self.tenancy.check(caller, "open_jobs", 1 + sum(
+                len(o.store_jobs) + len(o.load_jobs) for o in self.sessions.of_tenant(s.tenant)),
+                f"tenant {s.tenant}")
 
     def _check_pins(self, s: Session, job: LoadJob) -> None:
         """The ``pinned_bytes`` quota of the caller's tenant, counted after ``job`` pinned its
         blocks (a pinned lookup's hit is only known then): over it, the job is released at once
         (nothing stays pinned) and the call is RESOURCE_EXHAUSTED."""
-        quota = self._quota("pinned_bytes")
-        if quota is None or s.tenant is None:
+        caller = CALLER.get()
+        if caller is None or s.tenant is None or self._quota("pinned_bytes") is None:
             return
         pinned = 0
         for o in self.sessions.of_tenant(s.tenant):
             for job_id in o.load_jobs:
                 j = self.cache.jobs.get(o.id, job_id, LoadJob)
                 pinned += len(j.items) * j.ns.slot_bytes
-        if pinned > quota:
+        try:
+            self.tenancy.check(caller, "pinned_bytes", pinned, f"tenant {s.tenant}")
+        except ResourceExhausted:
             self.cache.abort_job(s, job)  # (no load counted: nothing moved)
-            raise ResourceExhausted(f"quota pinned_bytes ({quota}) reached by tenant {s.tenant}",
-                                    field="quota")
+            raise
 
     def count_error(self, method: str, code: str) -> None:
         key = (method, code)
@@ -348,12 +348,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         if spec.tenant != caller.name and not caller.operator:
             raise PermissionDenied(f"{spec.tenant!r} is not the tenant of this credential",
                                    field="spec.tenant")
-        quota = self.tenancy.quota(caller, "namespaces")
-        if quota is not None and spec.namespace_id not in self.cache.namespaces and sum(
-                1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant
-        ) >= quota:
-            raise ResourceExhausted(f"quota namespaces ({quota}) reached by tenant "
-                                    f"{spec.tenant}", field="quota")
+        if spec.namespace_id not in self.cache.namespaces:
+            self.tenancy.check(caller, "namespaces", 1 + sum(
+                1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant),
+                f"tenant {spec.tenant}")
 
     @_rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
@@ -368,11 +366,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             raise PermissionDenied(f"tenant {caller.name} may not use {transport.label} "
                                    f"(allowed: {', '.join(sorted(caller.transports))})",
                                    field="transport")
-        quota = self._quota("sessions")
-        if quota is not None and tenant is not None and \
-                len(self.sessions.of_tenant(tenant)) >= quota:
-            raise ResourceExhausted(f"quota sessions ({quota}) reached by tenant {tenant}",
-                                    field="quota")
+        if caller is not None:
+            self.tenancy.check(caller, "sessions", len(self.sessions.of_tenant(caller.name)) + 1)
         s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
                                tenant, caller.max_lease_s if caller is not None else None,
                                CREDENTIAL.get())

@@ -10,6 +10,8 @@ Primitives (every entry of the daemon asks these, none decides on its own):
   ``may_see(viewer, owner)`` (a tenant sees its own objects, an operator everyone's);
 * ``quota(tenant, name)``: the file's value, else the daemon's default (:meth:`default`):
   quotas are on by default, sized so that no tenant takes more than its share;
+  ``check(tenant, name, after)`` refuses (RESOURCE_EXHAUSTED naming the quota) what would pass
+  it — the entries count what is held (sessions, jobs, pins: their tables), this decides;
 * ``reload(tenants)`` swaps the file; ``revoked(sessions)`` names the sessions whose credential
   the current file no longer honours (a removed tenant, a removed token, certificate name or
   Unix login): the daemon closes them, and with them their channels, at once;
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvtier_contract.errors import FailedPrecondition, PermissionDenied
+from kvtier_contract.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 from kvtierd.tenancy.credential import Credential
 from kvtierd.tenancy.ledger import Ledger
 from kvtierd.tenants import Quotas, Tenant, Tenants, UnixLogins
@@ -200,6 +202,14 @@ class Tenancy:
             assert self._tenants is not None
             defaults = self._default_quotas(tenant, self._tenants)
         return defaults[name]
+
+    def check(self, tenant: Tenant | None, name: str, after: int, holder: str = "") -> None:
+        """ResourceExhausted (field ``quota``) when ``tenant`` would hold ``after`` of quota
+        ``name`` and that passes it; ``holder`` names who reached it (default: the tenant)."""
+        quota = self.quota(tenant, name)
+        if quota is not None and after > quota:
+            who = holder or f"tenant {tenant.name if tenant is not None else '(owner)'}"
+            raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota")
 
     def default(self, tenant: str, name: str) -> int | None:
         """The default of quota ``name`` for ``tenant`` (what applies when its file sets none)."""
