@@ -73,6 +73,11 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     # with tenants, /metrics takes tokens: not in plaintext off the host
     ("metrics_host", {"tenants_file": "t.toml", "metrics_host": "0.0.0.0"}),
     ("tenant_arena_bytes", {"tenant_arena_bytes": -1}),
+    ("shm_handshakes_per_uid", {"shm_handshakes_per_uid": 0}),
+    ("data_max_unauthenticated", {"data_max_unauthenticated": 0}),
+    ("data_max_connections_per_tenant", {"data_max_connections_per_tenant": -1}),
+    ("data_max_connections_per_tenant", {"data_max_connections": 8,
+                                         "data_max_connections_per_tenant": 9}),
     ("extra", {"extra": {"hots_bytes": 1}}),
     # wrong types are named too (a config file can hold anything)
     ("host_bytes", {"host_bytes": "1GiB"}),
