@@ -438,7 +438,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
         """Every argument is checked before anything is pinned; a failure after the first pin
         (a quota, the session gone) releases the pins taken so far, and so does a slice with
-        no hit (the common prefix is empty: every slice's reply then has job_id 0)."""
+        no hit (the common prefix is empty: every slice's reply then has job_id 0). The loop
+        yields between slices, so one big call (up to 64 slices) never holds the event loop for
+        more than one slice's lookup (docs/benchmarks.md §21)."""
         s = self._session(request.session_id)
         ids = list(request.namespace_ids)
         if not 1 <= len(ids) <= MAX_SLICES:
@@ -456,7 +458,10 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         pinned: list[LoadJob] = []
         hit: int | None = None
         try:
-            for ns, keys, base in zip(nss, chains, bases, strict=True):
+            for n, (ns, keys, base) in enumerate(zip(nss, chains, bases, strict=True)):
+                if n:  # other callers' RPCs run between slices: one slice at most delays them
+                    await asyncio.sleep(0)
+                    s = self._session(request.session_id)  # (closed meanwhile: NOT_FOUND)
                 reply, job = await self._lookup(s, ns, keys if hit is None else keys[:hit],
                                                 request.pin, base)
                 replies.append(reply)
