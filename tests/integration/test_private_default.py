@@ -41,8 +41,10 @@ def other_user() -> Iterator[tuple[int, int]]:
     if not useradd or not userdel:
         pytest.skip("useradd/userdel not installed: cannot create a second local user")
     name = f"kvt-{secrets.token_hex(4)}"
-    subprocess.run([useradd, "--system", "--no-create-home", "--user-group", "--shell",
-                    "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=60)
+    made = subprocess.run([useradd, "--system", "--no-create-home", "--user-group", "--shell",
+                           "/usr/sbin/nologin", name], capture_output=True, text=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"useradd could not create a second local user: {made.stderr.strip()}")
     try:
         pw = pwd.getpwnam(name)
         yield pw.pw_uid, pw.pw_gid
