@@ -7,6 +7,7 @@ Session ids are random 63-bit numbers, so an id from a previous daemon boot is s
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import time
 from collections.abc import Callable
@@ -89,6 +90,16 @@ class SessionTable:
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
         s.deadline = now + s.ttl_s
         return s
+
+    def with_secret(self, session_id: int, secret: bytes) -> Session | None:
+        """The live session whose data secret ``secret`` is, its lease renewed; else None (an
+        unknown or expired session and a wrong secret alike). A wrong secret renews nothing:
+        a stranger holding only a session id cannot keep a dead engine's pins alive."""
+        s = self._sessions.get(session_id)
+        if s is None or s.deadline < self._clock() or \
+                not hmac.compare_digest(secret, s.data_secret):
+            return None
+        return self.get(session_id)
 
     def close(self, session_id: int, tenant: str | None = None) -> None:
         s = self._sessions.get(session_id)

@@ -153,3 +153,20 @@ def test_close_all_releases_every_session(table: SessionTable, released: Release
     table.close_all()
     assert {sid for sid, _ in released} == ids and len(table) == 0
     assert table.expired_total == 0
+
+
+def test_only_the_data_secret_renews_a_lease_through_a_handshake(
+        table: SessionTable, clock: FakeClock) -> None:
+    """Issue 26: a handshake naming a live session with a wrong secret renewed its lease (a
+    stranger holding only the id could keep a dead engine's pins alive)."""
+    s = table.open("e", 1.0)
+    clock.advance(0.8)
+    assert table.with_secret(s.id, b"\0" * len(s.data_secret)) is None
+    assert table.with_secret(s.id + 1, s.data_secret) is None
+    clock.advance(0.3)  # 1.1 s after the open: the wrong secret renewed nothing
+    assert table.with_secret(s.id, s.data_secret) is None
+    t = table.open("f", 1.0)
+    clock.advance(0.8)
+    assert table.with_secret(t.id, t.data_secret) is t  # the right one renews
+    clock.advance(0.8)
+    assert table.get(t.id) is t

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -229,12 +228,8 @@ class ShmFdServer(ServerTransport):
         """The live session ``session_id``, when ``secret`` is its data secret and the peer
         (SO_PEERCRED) may act for its tenant; else NotFound: an unknown session, a wrong secret
         and a foreign peer get one answer, so an id tells a stranger nothing."""
-        try:
-            session: Session | None = self._sessions.get(session_id)
-        except KvtierError:
-            session = None
-        if session is None or not hmac.compare_digest(secret, session.data_secret) or \
-                not self._peer_ok(session, *_peer(conn)):
+        session = self._sessions.with_secret(session_id, secret)
+        if session is None or not self._peer_ok(session, *_peer(conn)):
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
         return session
 

@@ -27,7 +27,6 @@ session end).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import mmap
 import os
@@ -353,12 +352,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         unknown session get the same answer."""
         if self.transport is None or self._closed:
             return None
-        try:
-            s = self.sessions.get(session_id)
-        except KvtierError:
-            s = None
-        if s is None or not hmac.compare_digest(secret, s.data_secret) or \
-                (self.session_id and session_id != self.session_id):
+        s = self.sessions.with_secret(session_id, secret)
+        if s is None or (self.session_id and session_id != self.session_id):
             return self._fail("unknown session or wrong data secret")
         server = self._server
         control = server.control if server is not None else None
