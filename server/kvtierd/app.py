@@ -262,7 +262,9 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         # One daemon per socket: its lock before anything is unlinked or bound (InUse: exit).
-        self._socket_lock = _lock_sockets(cfg)
+        # A daemon process (_main) has taken it before the daemon was even built.
+        if self._socket_lock is None:
+            self._socket_lock = _lock_sockets(cfg)
         _raise_fd_limit()
         if self.cuda is not None:
             await self.cuda.start()  # page-locks the arena before anything is served
@@ -600,7 +602,9 @@ def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
 
 
 async def _main(cfg: DaemonConfig) -> None:
+    socket_lock = _lock_sockets(cfg)  # first of all: a second daemon exits before any work
     daemon = Daemon(cfg)
+    daemon._socket_lock = socket_lock
     loop = asyncio.get_running_loop()
     signals = 0
 

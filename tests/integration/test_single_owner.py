@@ -33,7 +33,7 @@ def second_daemon(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
            "127.0.0.1:0", "--metrics-port", "-1", *args]
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30,
-                              env=dict(os.environ, KVTIER_LOG_LEVEL="WARNING"))
+                              env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"))  # still one line
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the second daemon did not exit: {e.stderr!r}") from None
 
