@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
                    "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)")
     s.add_argument("--cluster-write-policy", choices=["commit", "evict"])
+    s.add_argument("--cluster-fleet-key-file", help="the fleet key (hex, >= 32 bytes) that "
+                   "authenticates cluster values; required with --cluster (docs/cluster.md)")
     s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
                    "docs/security.md); re-read on SIGHUP")
     s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
@@ -120,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
             io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
             cuda_ipc=args.cuda_ipc, cluster=args.cluster,
             cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,
+            cluster_fleet_key_file=args.cluster_fleet_key_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
             tls_require_client_cert=args.tls_require_client_cert,
             allow_plaintext_remote=args.allow_plaintext_remote, health_listen=args.health_listen,

@@ -224,3 +224,20 @@ def test_an_optional_client_certificate_is_refused_not_ignored(tmp_path: Path) -
     with pytest.raises(ValueError, match="tls_client_ca: gRPC does not ask for optional"):
         validate(DaemonConfig(**tls))  # type: ignore[arg-type]
     validate(DaemonConfig(**tls, tls_require_client_cert=True))  # type: ignore[arg-type]
+
+
+def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
+    """`kvtierd serve --cluster URL` alone is refused (no fleet key): the key file can be given
+    on the command line too, not only in a config file."""
+    import dataclasses
+
+    from kvtierd.cli import build_parser
+    from kvtierd.config import DaemonConfig, with_overrides
+
+    key = tmp_path / "fleet.key"
+    key.write_text("ab" * 32 + "\n")
+    args = build_parser().parse_args(["serve", "--cluster", "redis://127.0.0.1:7000",
+                                      "--cluster-fleet-key-file", str(key)])
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
+    assert cfg.cluster_fleet_key_file == str(key)
