@@ -8,6 +8,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
+
+from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 
 def worker_keys(ns: Any, seed: int, n_blocks: int) -> list[bytes]:
@@ -38,3 +41,21 @@ def until_unauthenticated(call: Callable[[], Any], timeout_s: float = 10.0) -> N
             return
         assert time.monotonic() < deadline, "the credential was still accepted"
         time.sleep(0.05)
+
+
+class TokenStub:
+    """A raw Kvtier stub on ``address`` with a bearer token (or none): what any process holding
+    it can send. ``code`` returns the refusal a call must get."""
+
+    def __init__(self, address: str, token: str | None) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.KvtierStub(self.channel)
+        self.md = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def __call__(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
+
+    def code(self, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as e:
+            self(method, request)
+        return e.value.code(), e.value.details() or ""

@@ -23,12 +23,11 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import until_unauthenticated, wait_for
+from tests_helpers import TokenStub, until_unauthenticated, wait_for
 
 import kvtier
 from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 TOKENS = {"hog": "tcy-hog-1", "other": "tcy-other-2", "hog-next": "tcy-hog-3"}
 MiB = 1 << 20
@@ -46,21 +45,11 @@ def tenant(name: str, tokens: tuple[str, ...], quotas: str = "",
     return body + (f"[tenant.quotas]\n{quotas}\n" if quotas else "") + "\n"
 
 
-class Raw:
+class Raw(TokenStub):
     """A gRPC stub with a tenant's token: what any process holding it can send."""
 
     def __init__(self, d: DaemonProcess, token: str) -> None:
-        self.channel = grpc.insecure_channel(d.grpc)
-        self.stub = pb_grpc.KvtierStub(self.channel)
-        self.md = (("authorization", f"Bearer {token}"),)
-
-    def __call__(self, method: str, request: Any) -> Any:
-        return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
-
-    def code(self, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
-        with pytest.raises(grpc.RpcError) as e:
-            self(method, request)
-        return e.value.code(), e.value.details() or ""
+        super().__init__(d.grpc, token)
 
     def open(self, transport: int = pb.TRANSPORT_TCP) -> Any:
         return self("OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000,

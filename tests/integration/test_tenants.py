@@ -26,13 +26,12 @@ import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests_helpers import until_unauthenticated, wait_for
+from tests_helpers import TokenStub, until_unauthenticated, wait_for
 
 import kvtier
 from kvtier_contract import errors, wire
 from kvtier_contract import published_index as pi
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 TOKENS = {"team-a": "tok-a-7f3e", "team-b": "tok-b-91c2", "ops": "tok-ops-55aa",
           "team-c": "tok-c-0b0b", "team-d": "tok-d-3c3c"}
@@ -82,21 +81,11 @@ def ns_of(tenant: str, **kw: Any) -> kvtier.Namespace:
     return make_namespace(tenant=tenant, **kw)
 
 
-class Raw:
+class Raw(TokenStub):
     """A raw stub with (or without) a token: what any process can send."""
 
     def __init__(self, d: DaemonProcess, token: str | None) -> None:
-        self.channel = grpc.insecure_channel(d.grpc)
-        self.stub = pb_grpc.KvtierStub(self.channel)
-        self.md = (("authorization", f"Bearer {token}"),) if token else ()
-
-    def __call__(self, method: str, request: Any) -> Any:
-        return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
-
-    def code(self, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
-        with pytest.raises(grpc.RpcError) as e:
-            self(method, request)
-        return e.value.code(), e.value.details() or ""
+        super().__init__(d.grpc, token)
 
     def session(self, transport: int = pb.TRANSPORT_TCP) -> int:
         return int(self.open(transport).session_id)
