@@ -8,6 +8,7 @@ for pinned and ``5w`` for a block being written.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
@@ -616,6 +617,29 @@ def test_slots_of_an_expired_writer_are_held_back_one_lease(make_cache: MakeCach
     assert cache.sweep_limbo() == 2
     assert put(cache, ns, keys(6, 7)) == st(RESERVED, RESERVED)
     assert ns.counters.evictions == 1  # the returned slots took them
+
+
+def test_reserved_and_held_back_slots_count_against_the_tenants_host_quota(
+        make_cache: MakeCache) -> None:
+    """Issue 26: a store prepared and never completed held its slots outside the tenant's
+    ``host_bytes``, and so did the slots held back after its lease lapsed."""
+    now = [100.0]
+    cache = make_cache(clock=lambda: now[0])
+    ns = cache.register_namespace(dataclasses.replace(spec(), tenant="t"))
+    slot = ns.slot_bytes
+    cache.fit_tenant("t", 2 * slot, 3 * slot)  # nothing held: two fit a quota of three
+    writer = session(2)
+    cache.prepare_store(writer, ns, keys(1, 2), SHM)  # [1w 2w]
+    with pytest.raises(ResourceExhausted, match="quota host_bytes"):
+        cache.fit_tenant("t", 2 * slot, 3 * slot)  # 2 reserved + 2 more > 3
+    writer.expired = True
+    cache.release_session(writer)  # [] with 2 slots in limbo for one more lease
+    assert ns.writing_blocks == 0 and ns.limbo_blocks == 2
+    with pytest.raises(ResourceExhausted, match="quota host_bytes"):
+        cache.fit_tenant("t", 2 * slot, 3 * slot)
+    now[0] += writer.ttl_s
+    assert cache.sweep_limbo() == 2 and ns.limbo_blocks == 0
+    cache.fit_tenant("t", 2 * slot, 3 * slot)  # the tenant's slots are back
 
 
 def test_a_closed_session_frees_its_slots_at_once(cache: TieredCache, ns: NamespaceState) -> None:

@@ -312,10 +312,10 @@ class TieredCache:
         evictable blocks go first (never another tenant's); ResourceExhausted (quota
         host_bytes) when they cannot."""
         mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
-        # resident and reserved (WRITING) slots, O(namespaces): a store that never completes
-        # holds its slots against its own tenant's quota, not the shared arena
-        used = sum((ns.counters.resident_blocks + ns.writing_blocks) * ns.slot_bytes
-                   for ns in mine)
+        # resident, reserved (WRITING) and limbo slots, O(namespaces): a store that never
+        # completes holds its slots against its own tenant's quota, not the shared arena
+        used = sum((ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) *
+                   ns.slot_bytes for ns in mine)
         excess = used + new_bytes - quota
         if excess <= 0:
             return

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvtierd.index import Entry, EntryState
+from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.tiers import HostTier
 
@@ -46,7 +46,8 @@ class HostResidency:
         self._clock = clock
         # Slots of stores aborted by lease expiry, held back until a deadline: the session's
         # process may be stalled, not dead, and still copying into them over shm.
-        self._limbo: deque[tuple[float, int, int]] = deque()  # (free at, offset, slot_bytes)
+        # (free at, offset, the namespace whose slot it was: its limbo_blocks count it)
+        self._limbo: deque[tuple[float, int, NamespaceState]] = deque()
 
     # -- placing blocks ---------------------------------------------------------------------------
 
@@ -139,7 +140,8 @@ class HostResidency:
         stays instead, READY and held only there."""
         e.job = 0  # a data channel still holding this entry sees it is no longer its to write
         if hold_until:
-            self._limbo.append((hold_until, e.offset, e.ns.slot_bytes))
+            self._limbo.append((hold_until, e.offset, e.ns))
+            e.ns.limbo_blocks += 1
         else:
             self.host.free(e.offset, e.ns.slot_bytes)
         if not e.copies:
@@ -168,7 +170,9 @@ class HostResidency:
         """Return held-back slots whose time has come to the tier; how many were returned."""
         now, n = self._clock(), 0
         while self._limbo and self._limbo[0][0] <= now:
-            _, offset, slot_bytes = self._limbo.popleft()
+            _, offset, ns = self._limbo.popleft()
+            ns.limbo_blocks -= 1
+            slot_bytes = ns.slot_bytes
             self.host.free(offset, slot_bytes)
             n += 1
         return n

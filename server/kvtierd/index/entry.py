@@ -109,6 +109,10 @@ class NamespaceState:
     writing_blocks: int = 0
     """Entries WRITING (reserved by open store jobs): their host slots count against the
     tenant's ``host_bytes`` quota as resident ones do (kvtierd.cache.TieredCache.fit_tenant)."""
+    limbo_blocks: int = 0
+    """Slots of its stores aborted by a lapsed lease, held back for one more lease (their
+    writer may still be alive): they count against the tenant's ``host_bytes`` too, so letting
+    leases lapse does not double what a tenant holds."""
     last_used: float = 0.0
     """When an RPC last named it (the cache's clock): an empty namespace idle for
     ``namespace_idle_s`` is forgotten (``TieredCache.expire_idle``)."""
