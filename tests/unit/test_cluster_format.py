@@ -21,6 +21,7 @@ from kvtierd.tiers.cluster.format import (
     SIGNED,
     CorruptValue,
     encode_header,
+    payload_digest,
     redis_key,
     verify,
 )
@@ -78,7 +79,7 @@ def forge(v: bytes, *, mac: bytes | None = None, version: int = 2,
     can (payload digest), but not the MAC (``mac``: what to put there; default: keep it)."""
     payload = v[HEADER_BYTES:]
     signed = SIGNED.pack(b"KVC1", version, 0, len(payload), digest, key,
-                         xxhash.xxh3_128_digest(payload))
+                         payload_digest(payload))
     return signed + (mac if mac is not None else v[SIGNED.size:HEADER_BYTES]) + payload
 
 
@@ -96,6 +97,16 @@ def test_a_value_this_realm_did_not_write_is_refused_as_forged(planted: object,
         verify(planted(), REALM, DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
     assert reason in e.value.reason
     assert e.value.forged == (reason == "bad MAC")
+
+
+def test_the_payload_digest_is_blake3_and_binds_the_payload() -> None:
+    """The MAC covers the payload through this digest: it must be cryptographic (BLAKE3, 128
+    bits), not xxh3, whose secret is public (an authentic header could be paired with another
+    payload of the same xxh3)."""
+    assert payload_digest(b"abc").hex() == "6437b3ac38465133ffb63b75273a8db5"  # BLAKE3("abc")
+    v = value()
+    with pytest.raises(CorruptValue, match="payload digest mismatch"):  # header kept, one bit
+        verify(v[:-1] + bytes([v[-1] ^ 1]), REALM, DIGEST, KEY, len(PAYLOAD))
 
 
 def test_a_version_1_value_without_a_mac_is_refused() -> None:

@@ -8,12 +8,15 @@ prefix of its realm (a tenant, or untenanted daemons: kvtierd.tiers.cluster.keys
 The value is a 128-byte header, then the raw block::
 
     magic "KVC1" | version u16 (2) | flags u16 (0) | payload_len u64 |
-    namespace_digest 32s | key 32s | payload_digest 16s (xxh3_128 of the payload, big-endian) |
+    namespace_digest 32s | key 32s | payload_digest 16s (BLAKE3 of the payload, 128 bits) |
     mac 32s (BLAKE2b-256 under the realm's key of the 96 bytes before it)
 
 The key and namespace digest are echoed so that a value copied under another key (another
 namespace's, another block's) is refused, not served; the length and digest refuse a truncated,
-torn or altered payload. The MAC says who wrote it: anyone who can write to the cluster can
+torn or altered payload. The MAC covers the payload through that digest, which is why the
+digest is a cryptographic one (BLAKE3): with a fast non-cryptographic hash (xxh3, whose secret is
+public) someone with write access could pair an authentic header with another payload of the
+same digest. The MAC says who wrote it: anyone who can write to the cluster can
 compute a digest, but only a daemon holding the fleet key can compute the MAC of a realm, and a
 realm's MAC does not verify in another's. A value of version 1 (no MAC) is refused. Values are
 written with a plain ``SET … PX ttl``: a value planted before the real store is overwritten by
@@ -24,7 +27,7 @@ Primitives: ``redis_key(realm, digest, key)``; ``encode_header(realm, digest, ke
 :class:`CorruptValue` naming the reason (``forged`` when the MAC failed);
 ``verify_parts(header, payload, realm, digest, key)`` checks a value received in two parts (the
 payload straight into a host slot: kvtierd.tiers.cluster.bulk). Pure functions, thread-safe;
-xxh3 releases the GIL on large inputs.
+BLAKE3 releases the GIL on large inputs.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import hashlib
 import hmac
 import struct
 
-import xxhash
+import blake3
 
 from kvtier_contract.errors import KvtierError
 from kvtierd.tiers.cluster.keys import MAC_BYTES, Realm
@@ -63,8 +66,9 @@ def redis_key(realm: Realm, namespace_digest: bytes, key: bytes) -> bytes:
 
 
 def payload_digest(payload: bytes | memoryview) -> bytes:
-    """xxh3_128 of the payload, 16 bytes big-endian."""
-    return xxhash.xxh3_128_digest(payload)
+    """BLAKE3 of the payload, 16 bytes (second preimages cost 2**128: only a MAC's holder can
+    make a header, and no one can find another payload for it)."""
+    return blake3.blake3(payload).digest(16)
 
 
 def mac(realm: Realm, signed: bytes | memoryview) -> bytes:
