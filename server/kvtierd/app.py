@@ -241,7 +241,14 @@ class Daemon:
         self.tenancy.reload(tenants)
         revoked = self.tenancy.revoked(self.sessions.all())
         for s in revoked:  # (their channels and data connections close with them)
-            self.sessions.close(s.id)
+            try:
+                self.sessions.close(s.id)
+            except Exception:  # (a bug; the other revocations still happen)
+                log.exception("closing revoked session %d failed", s.id)
+        for s in self.sessions.all():
+            who = self.tenancy.tenant(s.tenant)
+            if who is not None and who.max_lease_s is not None:
+                self.sessions.clamp(s, who.max_lease_s)
         (log.warning if revoked else log.info)(
             "tenants file reloaded: %d tenants; %d sessions closed (their tenant or credential "
             "is no longer in the file)", len(tenants), len(revoked))

@@ -91,6 +91,14 @@ class SessionTable:
         s.deadline = now + s.ttl_s
         return s
 
+    def clamp(self, s: Session, ceiling_s: float) -> None:
+        """A reload lowered its tenant's lease ceiling: its lease is at most that long from now
+        on (never below the daemon's minimum), the current one cut short to match."""
+        ttl = min(s.ttl_s, max(ceiling_s, self._min_ttl))
+        if ttl < s.ttl_s:
+            s.ttl_s = ttl
+            s.deadline = min(s.deadline, self._clock() + ttl)
+
     def with_secret(self, session_id: int, secret: bytes) -> Session | None:
         """The live session whose data secret ``secret`` is, its lease renewed; else None (an
         unknown or expired session and a wrong secret alike). A wrong secret renews nothing:

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier_contract import wire
 from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
@@ -66,6 +67,8 @@ _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_byt
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes", "buffered_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
                 "transports", "mtls_names", "max_lease_s", "arena_bytes", "unix_login"}
+MIN_BUFFERED_BYTES = wire.CONTROL_MAX_BYTES + wire.CALL.size
+"""The least ``buffered_bytes`` quota: one whole control frame."""
 MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
 """Transports whose clients map host memory: their tenants get an arena of their own."""
 _TRANSPORTS = ("shm", "tcp", "cuda_ipc")
@@ -278,6 +281,10 @@ def _quotas(raw: Any, where: str) -> Quotas:
             v = parse_bytes(v, field=f"{where}.{key}")
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{where}.{key}: expected a non-negative integer")
+        if key == "buffered_bytes" and v < MIN_BUFFERED_BYTES:
+            raise ValueError(f"{where}.{key}: at least one whole control frame "
+                             f"({MIN_BUFFERED_BYTES} bytes: 4 MiB and its 9-byte head), or every "
+                             "large call would close its channel")
         values[key] = v
     return Quotas(**values)
 

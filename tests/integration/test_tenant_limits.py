@@ -316,14 +316,15 @@ def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
             d.proc.send_signal(signal.SIGHUP)
             if n % 2 == 0:
                 until_unauthenticated(lambda: other("Stats", pb.StatsRequest()))
-            else:
+            else:  # restored: its client opens a session again and stores (the next removal
+                # then has a session to close)
                 wait_for("the other tenant restored", lambda: _answers(other), 10)
+                mark = len(results["other"])
+                wait_for("the other tenant storing again", lambda mark=mark: any(  # type: ignore[misc]
+                    isinstance(r, tuple) and r[0] == 4 for r in results["other"][mark:]), 20)
             seen = len(results["hog"])
             wait_for("the hog busy after the reload",
                      lambda seen=seen: len(results["hog"]) > seen + 2, 10)  # type: ignore[misc]
-        restored = len(results["other"])
-        wait_for("the restored tenant storing again", lambda: any(
-            isinstance(r, tuple) and r[0] == 4 and r[1] for r in results["other"][restored:]), 20)
     finally:
         stop.set()
         for t in threads:
@@ -336,9 +337,9 @@ def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
     assert all(r[2] for r in theirs)  # misses while out, never a wrong byte
     assert all(r[3] < 10 for r in theirs)  # and never a hang
     assert not any(t.is_alive() for t in threads)
-    # the removals closed the busy tenant's session each time it had one again (5 removals)
+    # every removal but the first closed the busy tenant's session (it had opened one again)
     closed = re.findall(r"; ([1-9][0-9]*) sessions closed", (d.run_dir / "kvtierd.log").read_text())
-    assert len(closed) >= 3, closed
+    assert len(closed) >= 4, closed
 
 
 def _answers(r: Raw) -> bool:

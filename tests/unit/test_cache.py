@@ -682,3 +682,20 @@ def test_an_empty_idle_namespace_is_forgotten_and_its_counters_stay_in_the_total
     assert cache.totals().lookups == 5 and cache.totals().stores_accepted == 1
     again = cache.register_namespace(spec(model="empty"))  # room again: registered anew
     assert again is not empty and again.counters.lookups == 0
+
+
+def test_a_namespace_with_held_back_slots_does_not_expire(make_cache: MakeCache) -> None:
+    """Its limbo slots count against its tenant's host_bytes: forgetting it would drop them out
+    of the count (and a namespace registered anew would start from zero)."""
+    now = [100.0]
+    cache = make_cache(clock=lambda: now[0])
+    ns = cache.register_namespace(spec())
+    writer = session(2)
+    cache.prepare_store(writer, ns, keys(1), SHM)
+    writer.expired = True
+    cache.release_session(writer)  # [] and one slot in limbo for a lease
+    now[0] += 20
+    assert not ns.entries and ns.limbo_blocks == 1
+    assert cache.expire_idle(10.0, busy=lambda _id: False) == []
+    cache.sweep_limbo()
+    assert cache.expire_idle(10.0, busy=lambda _id: False) == [ns]

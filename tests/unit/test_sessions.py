@@ -170,3 +170,17 @@ def test_only_the_data_secret_renews_a_lease_through_a_handshake(
     assert table.with_secret(t.id, t.data_secret) is t  # the right one renews
     clock.advance(0.8)
     assert table.get(t.id) is t
+
+
+def test_a_lowered_lease_ceiling_cuts_live_leases_short(table: SessionTable,
+                                                        clock: FakeClock) -> None:
+    """Issue 26: a reload that shortened a tenant's max_lease_s left its sessions' leases."""
+    s = table.open("e", 4.0)
+    table.clamp(s, 0.6)
+    assert s.ttl_s == 0.6
+    clock.advance(0.7)
+    with pytest.raises(NotFound):
+        table.get(s.id)
+    t = table.open("f", 4.0)
+    table.clamp(t, 0.1)  # never below the daemon's minimum (0.5 s)
+    assert t.ttl_s == 0.5

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier_contract.errors import FailedPrecondition, PermissionDenied
+from kvtierd.domain import Transport
 from kvtierd.tenancy import NO_CREDENTIAL, QUOTA_NAMES, Credential, Ledger, Shares, Tenancy
 from kvtierd.tenancy.room import DEFAULT_BUFFERED_BYTES
 from kvtierd.tenants import Tenants, load_tenants, token_digest
@@ -42,6 +43,7 @@ class Held:
 
     tenant: str | None
     credential: Credential
+    transport: Transport = Transport.TCP
 
 
 def test_defaults_are_a_fair_share_and_the_file_wins(tmp_path: Path) -> None:
@@ -115,3 +117,30 @@ def test_the_ledger_refuses_past_the_limit_and_changes_nothing() -> None:
     assert led.take(None, "buffered_bytes", 1 << 40, None)  # no limit
     led.give("a", "buffered_bytes", 6)
     assert led.held("a", "buffered_bytes") == 0 and led.total("buffered_bytes") == 10 + (1 << 40)
+
+
+def test_an_operator_does_not_shrink_the_tenants_shares(tmp_path: Path) -> None:
+    """A file with one tenant and a monitoring operator: the tenant keeps the whole daemon."""
+    t = Tenancy(tenants(tmp_path, entry("a", "ta", extra=TCP) +
+                        entry("ops", "to", extra=TCP + "operator = true\n")), SHARES)
+    assert t.quota("a", "sessions") == 100 and t.quota("a", "host_bytes") == 64 * MiB
+    assert t.quota("ops", "sessions") == 100  # (a tenant's share, without shrinking it)
+
+
+def test_a_late_arena_tenants_shared_namespaces_get_a_share(tmp_path: Path) -> None:
+    """A tcp-only tenant given shm by a reload keeps its older namespaces in the shared arena:
+    they get a share of it (its own-arena default says none), counted among the sharers."""
+    t = Tenancy(tenants(tmp_path, entry("a", "ta", extra=TCP) + entry("c", "tc")), SHARES)
+    c = t.tenant("c")
+    assert t.quota(c, "host_bytes") is None and t.shared_share(c) == 32 * MiB
+    assert Tenancy(None, SHARES).shared_share(None) is None
+
+
+def test_a_reload_revokes_sessions_of_a_transport_it_no_longer_allows(tmp_path: Path) -> None:
+    t = Tenancy(tenants(tmp_path, entry("c", "tc")), SHARES)
+    found = t.authenticate("tc")
+    assert found is not None
+    shm, tcp = Held("c", found[1], Transport.SHM), Held("c", found[1], Transport.TCP)
+    assert t.revoked([shm, tcp]) == []
+    t.reload(tenants(tmp_path, entry("c", "tc", extra=TCP)))  # shm taken away
+    assert t.revoked([shm, tcp]) == [shm]

@@ -78,6 +78,8 @@ operator = true
      "tenant[0].quotas.pinned_bytes"),
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = "lots"\n',
      "tenant[0].arena_bytes"),
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\n'
+     'buffered_bytes = "1MiB"\n', "tenant[0].quotas.buffered_bytes"),  # under one frame
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = 0\n',
      "tenant[0].arena_bytes"),
     (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["tcp"]\n'

@@ -156,12 +156,14 @@ class TieredCache:
         ns.last_used = self._clock()
 
     def expire_idle(self, idle_s: float, busy: Callable[[int], bool]) -> list[NamespaceState]:
-        """Forget the namespaces that hold no entry (so no job, pin or copy below either) and
-        were not used for ``idle_s``, unless ``busy(id)`` (a published-index reader); their
-        counters stay in the totals. Returns them."""
+        """Forget the namespaces that hold no entry (so no job, pin or copy below either) nor
+        slot held back after a lapsed lease, and were not used for ``idle_s``, unless
+        ``busy(id)`` (a published-index reader); their counters stay in the totals. Returns
+        them."""
         cutoff = self._clock() - idle_s
-        gone = [ns for ns in self.namespaces.values()
-                if not ns.entries and ns.last_used <= cutoff and not busy(ns.id)]
+        gone = [ns for ns in self.namespaces.values()  # (limbo slots: still its tenant's)
+                if not ns.entries and not ns.limbo_blocks and ns.last_used <= cutoff and
+                not busy(ns.id)]
         for ns in gone:
             del self.namespaces[ns.id]
             self.expired_counters.add(ns.counters)

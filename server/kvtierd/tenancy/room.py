@@ -14,7 +14,8 @@ Primitives (every entry of the daemon asks these, none decides on its own):
   it — the entries count what is held (sessions, jobs, pins: their tables), this decides;
 * ``reload(tenants)`` swaps the file; ``revoked(sessions)`` names the sessions whose credential
   the current file no longer honours (a removed tenant, a removed token, certificate name or
-  Unix login): the daemon closes them, and with them their channels, at once;
+  Unix login) or whose transport it no longer allows: the daemon closes them, and with them
+  their channels, at once;
 * ``ledger``: what each tenant holds of the resources no other table counts
   (:class:`~kvtierd.tenancy.ledger.Ledger`).
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvtier_contract.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+from kvtierd.domain import Transport
 from kvtierd.tenancy.credential import Credential
 from kvtierd.tenancy.ledger import Ledger
 from kvtierd.tenants import Quotas, Tenant, Tenants, UnixLogins
@@ -47,6 +49,8 @@ class Holder(Protocol):
     def tenant(self) -> str | None: ...
     @property
     def credential(self) -> Credential: ...
+    @property
+    def transport(self) -> Transport: ...
 
 
 H = TypeVar("H", bound=Holder)
@@ -162,10 +166,16 @@ class Tenancy:
         self._tenants = tenants
 
     def revoked(self, sessions: Iterable[H]) -> list[H]:
-        """The sessions whose credential the current file no longer honours for their tenant."""
+        """The sessions whose credential the current file no longer honours for their tenant,
+        or whose transport it no longer allows that tenant."""
         if self._tenants is None:
             return []
-        return [s for s in sessions if not self.honours(s.tenant, s.credential)]
+        return [s for s in sessions if not self.honours(s.tenant, s.credential) or
+                not self._allows_transport(s.tenant, s.transport)]
+
+    def _allows_transport(self, tenant: str | None, transport: Transport) -> bool:
+        who = self.tenant(tenant)
+        return who is not None and transport.label in who.transports
 
     def honours(self, tenant: str | None, cred: Credential) -> bool:
         """Whether ``cred`` still proves ``tenant`` under the current file."""
@@ -211,17 +221,29 @@ class Tenancy:
             who = holder or f"tenant {tenant.name if tenant is not None else '(owner)'}"
             raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota")
 
+    def shared_share(self, tenant: Tenant | None) -> int | None:
+        """``host_bytes`` of a tenant's blocks in the shared arena when its quota says none: a
+        tenant given an arena of its own by a reload keeps the namespaces it registered before
+        in the shared arena, and they get a tcp-only tenant's share (None: single-tenant)."""
+        tenants = self._tenants
+        if tenant is None or tenants is None:
+            return None
+        shared = _sharers(tenants) + (1 if tenant.maps_memory else 0)
+        return self.shares.shared_arena_bytes // max(1, shared)
+
     def default(self, tenant: str, name: str) -> int | None:
         """The default of quota ``name`` for ``tenant`` (what applies when its file sets none)."""
         return self._defaults.get(tenant, {}).get(name)
 
     def _default_quotas(self, t: Tenant, tenants: Tenants) -> dict[str, int | None]:
         """A fair share of what the daemon shares: sessions, namespaces and disk split evenly
-        among the tenants; a tenant in the shared arena (tcp only) gets its share of that arena
-        for its blocks (reserved ones included) and pins; a tenant with an arena of its own is
-        bounded there by that arena, which nobody else uses."""
-        n = max(1, len(tenants))
-        shared = max(1, sum(1 for o in tenants.by_name.values() if not o.maps_memory))
+        among the tenants that are not operators (an operator reads figures and acts for
+        others: it gets a tenant's share without shrinking the others'); a tenant in the shared
+        arena (tcp only) gets its share of that arena for its blocks (reserved ones included)
+        and pins; a tenant with an arena of its own is bounded there by that arena, which
+        nobody else uses."""
+        n = max(1, sum(1 for o in tenants.by_name.values() if not o.operator))
+        shared = max(1, _sharers(tenants))
         sh = self.shares
         host = None if t.maps_memory else sh.shared_arena_bytes // shared
         own = t.arena_size(sh.tenant_arena_bytes) if t.maps_memory else host
@@ -235,3 +257,8 @@ class Tenancy:
             "nvme_bytes": sh.disk_bytes // n if sh.disk_bytes else None,
             "buffered_bytes": DEFAULT_BUFFERED_BYTES,
         }
+
+
+def _sharers(tenants: Tenants) -> int:
+    """Tenants whose blocks live in the shared arena (tcp only), operators left out."""
+    return sum(1 for o in tenants.by_name.values() if not o.maps_memory and not o.operator)

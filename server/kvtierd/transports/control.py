@@ -66,6 +66,7 @@ class ControlChannel(asyncio.Protocol):
         self._buf = bytearray()
         self._busy = False  # a call is being served
         self._write_paused = False  # the peer leaves replies unread
+        self._closed = False  # close() was called: nothing more is served
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -74,6 +75,8 @@ class ControlChannel(asyncio.Protocol):
         self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
 
     def data_received(self, data: bytes) -> None:
+        if self._closed:  # (a TLS transport still delivers what it decrypts while closing)
+            return
         tenancy = self._service.tenancy
         if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
                                    tenancy.quota(self._tenant, BUFFERED)):
@@ -103,6 +106,7 @@ class ControlChannel(asyncio.Protocol):
         self._on_close(self)
 
     def close(self) -> None:
+        self._closed = True  # no call starts after this, whatever still arrives
         if self._transport is not None:
             self._transport.close()
 
@@ -111,7 +115,7 @@ class ControlChannel(asyncio.Protocol):
     def _next(self) -> None:
         """Start serving the next whole frame, if any and none is being served."""
         t = self._transport
-        if t is None or self._busy:
+        if t is None or self._busy or self._closed or t.is_closing():
             return
         if self._write_paused:
             t.pause_reading()  # until the peer reads its replies
@@ -124,7 +128,7 @@ class ControlChannel(asyncio.Protocol):
         if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
             _BAD_LOG.warning("control channel of tenant %s: bad frame (method %d, %d bytes): "
                              "closed", self._tenant, method, length)
-            t.close()
+            self.close()
             return
         end = wire.CALL.size + length
         if len(buf) < end:
