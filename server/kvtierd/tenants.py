@@ -28,7 +28,8 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     pinned_bytes = "2GiB"       # blocks held by its open loads and pinned lookups
     nvme_bytes = "100GiB"       # its blocks in the NVMe tier (over it: its own coldest copies
                                 # there are evicted first, else the block is not written down)
-    buffered_bytes = "32MiB"    # control frames received but not yet whole, all its channels
+    buffered_bytes = "32MiB"    # control frames received and not yet answered, replies unread
+    control_channels = 64       # open control channels, all its sessions
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
@@ -63,7 +64,7 @@ from kvtier_contract import wire
 from kvtier_contract.units import parse_bytes
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
-           "pinned_bytes", "nvme_bytes", "buffered_bytes")
+           "pinned_bytes", "nvme_bytes", "buffered_bytes", "control_channels")
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes", "buffered_bytes")
 _TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
                 "transports", "mtls_names", "max_lease_s", "arena_bytes", "unix_login"}
@@ -87,6 +88,7 @@ class Quotas:
     pinned_bytes: int | None = None
     nvme_bytes: int | None = None
     buffered_bytes: int | None = None
+    control_channels: int | None = None
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,38 @@ def test_half_sent_control_frames_park_at_most_the_tenants_buffered_bytes(
         x.close()
 
 
+def test_a_tenants_control_channels_are_counted_across_its_sessions(
+        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    """8 per session is not a bound on a tenant with many sessions: ``control_channels`` is.
+    One more is closed once made (its client goes on over gRPC); the other tenant's are not."""
+    shm = '["shm", "tcp"]'
+    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), "control_channels = 3", shm) +
+              tenant("other", ("other",), "", shm), "--host-bytes", "8MiB")
+    hog, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["other"])
+    socks = []
+    for _ in range(4):  # four sessions, one channel each
+        reply = hog.open(pb.TRANSPORT_SHM)
+        socks.append(control(d, reply.session_id, bytes(reply.data_secret)))
+    assert [closed_by_daemon(s, 0.5) for s in socks] == [False, False, False, True]
+    reply = other.open(pb.TRANSPORT_SHM)
+    mine = [control(d, reply.session_id, bytes(reply.data_secret)) for _ in range(4)]
+    assert not any(closed_by_daemon(s, 0.3) for s in mine)
+    socks[0].close()  # one given back (once the daemon sees it go): the hog may open one again
+    reply = hog.open(pb.TRANSPORT_SHM)
+    kept: list[socket.socket] = []
+
+    def opens_one() -> bool:
+        s = control(d, reply.session_id, bytes(reply.data_secret))
+        ok = not closed_by_daemon(s, 0.3)
+        (kept.append if ok else lambda x: x.close())(s)
+        return ok
+
+    wait_for("a channel given back, taken again", opens_one, 10)
+    assert len(kept) == 1 and not closed_by_daemon(socks[1], 0.1)
+    for x in (*socks, *mine, *kept):
+        x.close()
+
+
 # -- revocation -------------------------------------------------------------------------------------
 
 

@@ -60,6 +60,8 @@ DEFAULT_OPEN_JOBS = 1024
 """Open store and load jobs of one tenant when its file sets none (pins and reservations are
 bounded by the byte quotas; this bounds the job table)."""
 DEFAULT_SESSION_OPEN_JOBS = 256
+DEFAULT_CONTROL_CHANNELS = 64
+"""Open control channels of one tenant (the SDK opens at most 4 a session, 1-2 in practice)."""
 DEFAULT_BUFFERED_BYTES = 64 << 20
 """Bytes of control frames received but not yet whole, all channels of one tenant (a frame is
 at most 4 MiB: 16 channels mid-frame at once)."""
@@ -256,6 +258,7 @@ class Tenancy:
             "pinned_bytes": own,
             "nvme_bytes": sh.disk_bytes // n if sh.disk_bytes else None,
             "buffered_bytes": DEFAULT_BUFFERED_BYTES,
+            "control_channels": DEFAULT_CONTROL_CHANNELS,
         }
 
 

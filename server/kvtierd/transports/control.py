@@ -23,8 +23,10 @@ replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request,
 a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
 closes the connection; the bytes received and not yet a whole frame count against the tenant's
 ``buffered_bytes`` quota over all its channels (kvtierd.tenancy: one that would pass it is
-closed), so half-sent frames park at most that much per tenant, not 4 MiB per channel; at
-most 8 per session on the shm socket (``ShmFdServer``) and 8 on the
+closed), so half-sent frames park at most that much per tenant, not 4 MiB per channel (the
+request being served and replies the peer leaves unread count there too: a tenant over it gets
+no further bytes in); at most its ``control_channels`` quota per tenant (one more is closed once
+made: its client uses gRPC), 8 per session on the shm socket (``ShmFdServer``) and 8 on the
 data port, where the data channel's limits apply too (``data_max_connections``, idle timeout).
 """
 
@@ -46,6 +48,7 @@ from kvtierd.service import ChannelAbort, ChannelContext, KvtierService, Undecod
 log = logging.getLogger("kvtierd.control")
 _BAD_LOG = RateLimitedLog(log, 10.0)  # per daemon: a peer opening channel after channel floods nothing
 BUFFERED = "buffered_bytes"  # the ledger's resource and the quota's name
+CHANNELS = "control_channels"  # (likewise)
 MAX_ERROR_BYTES = 4096
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 _PARSE = {name: getattr(pb, _SERVICE.methods_by_name[name].input_type.name).FromString
@@ -67,12 +70,21 @@ class ControlChannel(asyncio.Protocol):
         self._busy = False  # a call is being served
         self._write_paused = False  # the peer leaves replies unread
         self._closed = False  # close() was called: nothing more is served
+        self._counted = False  # it holds one of its tenant's control_channels
+        self._reply_held = 0  # bytes of replies the peer has not read, counted in the ledger
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass)
         self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
+        tenancy = self._service.tenancy
+        quota = tenancy.quota(self._tenant, CHANNELS)
+        self._counted = tenancy.ledger.take(self._tenant, CHANNELS, 1, quota)
+        if not self._counted:  # (its client goes on over gRPC)
+            _BAD_LOG.warning("control channel of tenant %s: quota control_channels (%s) "
+                             "reached: closed", self._tenant, quota)
+            self.close()
 
     def data_received(self, data: bytes) -> None:
         if self._closed:  # (a TLS transport still delivers what it decrypts while closing)
@@ -98,11 +110,21 @@ class ControlChannel(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._replies_read()
         self._next()
+
+    def _replies_read(self) -> None:
+        if self._reply_held:
+            self._service.tenancy.ledger.give(self._tenant, BUFFERED, self._reply_held)
+            self._reply_held = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._consumed(len(self._buf))
+        self._replies_read()
+        if self._counted:
+            self._counted = False
+            self._service.tenancy.ledger.give(self._tenant, CHANNELS, 1)
         self._on_close(self)
 
     def close(self) -> None:
@@ -135,22 +157,31 @@ class ControlChannel(asyncio.Protocol):
             t.resume_reading()
             return
         body = bytes(buf[wire.CALL.size : end])
-        self._consumed(end)
+        del buf[:end]  # (its bytes stay counted while the call is served: _serve gives them)
         self._busy = True
         t.pause_reading()
         asyncio.get_running_loop().create_task(
             self._serve(wire.CONTROL_METHODS[method - 1], body, timeout_ms))
 
     async def _serve(self, name: str, body: bytes, timeout_ms: int) -> None:
+        ledger = self._service.tenancy.ledger
         try:
             status, out = await self._call(name, body, timeout_ms)
         except Exception:  # noqa: BLE001  (a bug: answered, logged; the channel stays)
             log.exception("control channel: %s failed", name)
             status, out = grpc.StatusCode.INTERNAL.value[0], b"internal error"
+        finally:
+            ledger.give(self._tenant, BUFFERED, wire.CALL.size + len(body))
         t = self._transport
         if t is None or t.is_closing():
             return
         t.write(wire.RESULT.pack(len(out), status) + out)
+        unread = t.get_write_buffer_size()  # what the kernel did not take: the peer's to read
+        if unread > self._reply_held:
+            ledger.take(self._tenant, BUFFERED, unread - self._reply_held, None)
+            self._reply_held = unread
+        elif not unread:
+            self._replies_read()
         self._busy = False
         self._next()
 
