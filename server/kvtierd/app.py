@@ -38,7 +38,7 @@ from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig, is_loopback
-from kvtierd.index import Entry
+from kvtierd.index import Entry, NamespaceState
 from kvtierd.index.published import Publishers
 from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.metrics import MetricsServer
@@ -93,6 +93,7 @@ class Daemon:
         self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
                                  policy_name=cfg.eviction_policy, arena_of=self._arena_of)
         self.cache.verify_bytes = cfg.verify_bytes
+        self.cache.host_quota = self._host_quota
         if cfg.disk_dir:
             assert nvme is not None
             link = self.cache.add_storage_tier(nvme, make_write_policy(
@@ -139,6 +140,16 @@ class Daemon:
         self._stamper: asyncio.Task[None] | None = None
         self._nvme_serving: bool | None = None
         self._arena_ok = True
+
+    def _host_quota(self, ns: NamespaceState) -> int | None:
+        """The ``host_bytes`` quota of ``ns``'s tenant (None: none, or single-tenant); for a
+        namespace left in the shared arena by a tenant that got an arena of its own later, a
+        tcp-only tenant's share of it."""
+        who = self.tenancy.tenant(ns.spec.tenant)
+        if who is None:
+            return None
+        quota = self.tenancy.quota(who, "host_bytes")
+        return self.tenancy.shared_share(who) if quota is None and ns.pool == 0 else quota
 
     def _nvme_quota(self, tenant: str) -> int | None:
         """The tenant's ``nvme_bytes`` quota (None: unlimited)."""

@@ -322,15 +322,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             self.cache.abort_job(s, job)  # (no load counted: nothing moved)
             raise
 
-    def _fit_host_quota(self, ns: NamespaceState, keys: Sequence[bytes]) -> None:
-        """Make the store's slots fit the ``host_bytes`` quota of the namespace's tenant (its
-        own coldest blocks evicted first), or RESOURCE_EXHAUSTED."""
-        quota = self._quota("host_bytes")
-        if quota is None and ns.pool == 0 and ns.spec.tenant is not None:
-            quota = self.tenancy.shared_share(CALLER.get())  # (an arena of its own came late)
-        if quota is not None and ns.spec.tenant is not None:
-            self.cache.fit_tenant(ns.spec.tenant, len(keys) * ns.slot_bytes, quota)
-
     def count_error(self, method: str, code: str) -> None:
         key = (method, code)
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -602,7 +593,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self._check_jobs(s)
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
-        self._fit_host_quota(ns, keys)
+        self.cache.fit(ns, len(keys))  # the tenant's host_bytes (its coldest blocks go first)
         if self.cache.chain:
             await self.cache.make_room(ns, keys)
             # The wait may have outlived the lease: never attach a job to a released session;
@@ -610,7 +601,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             # again, with no await between the check and the reservation.
             s = self._session(request.session_id)
             self._check_jobs(s)
-            self._fit_host_quota(ns, keys)
+            self.cache.fit(ns, len(keys))
         job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
         if base and job is not None:
             offsets = [o - base if st == StoreStatus.RESERVED else 0

@@ -141,6 +141,44 @@ def test_by_default_a_shared_arena_tenant_gets_its_share(daemon_factory: Any, tm
     assert other_puts(d, 256) == 256
 
 
+def test_blocks_promoted_from_nvme_keep_to_the_host_quota(daemon_factory: Any, tmp_path: Path,
+                                                          raws: Any) -> None:
+    """The review's finding: loads promoting a tenant's NVMe blocks took shared-arena slots
+    without its ``host_bytes``, evicting the other tenants' blocks. Now a promotion evicts the
+    tenant's own coldest blocks first, as a store does: the hog reads its 6 MiB back, and never
+    holds more than its 2 MiB of host memory; the other's blocks stay resident."""
+    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), 'host_bytes = "2MiB"') +
+              tenant("other", ("other",)), "--host-bytes", "8MiB", "--disk-dir",
+              str(tmp_path / "nvme"), "--disk-bytes", "32MiB", "--write-policy", "write-through")
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["hog"]) as hog, \
+            kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["other"]) as other:
+        nh, no = hog.register(make_namespace(tenant="hog")), \
+            other.register(make_namespace(tenant="other"))
+
+        def on_disk(c: kvtier.Client) -> int:
+            return sum(n["counters"]["nvme_resident_blocks"] for n in c.stats()["namespaces"])
+
+        hkeys = nh.block_keys(list(range(16 * 384)))  # 6 MiB of 16 KiB blocks
+        hdata = [hashlib.shake_256(b"h%d" % i).digest(nh.block_bytes) for i in range(384)]
+        for i in range(0, 384, 64):  # (a block being written down is not evicted for the next)
+            assert nh.put(hkeys[i:i + 64], hdata[i:i + 64]).stored == 64
+            wait_for("the batch written down", lambda i=i: on_disk(hog) == i + 64, 20)
+        okeys = no.block_keys(list(range(16 * 192)))  # 3 MiB
+        odata = [hashlib.shake_256(b"o%d" % i).digest(no.block_bytes) for i in range(192)]
+        assert no.put(okeys, odata).stored == 192
+        wait_for("the other's written down", lambda: on_disk(other) == 192, 20)
+
+        def in_host(c: kvtier.Client) -> int:
+            return sum(n["counters"]["resident_bytes"] for n in c.stats()["namespaces"])
+
+        for i in range(0, 384, 64):  # its oldest first: promoted from the NVMe tier
+            got = nh.get(hkeys[i:i + 64])
+            assert [bytes(g) for g in got] == hdata[i:i + 64]  # type: ignore[arg-type]
+            assert in_host(hog) <= 2 * MiB, in_host(hog)
+        assert no.lookup_detail(okeys).tiers[-1] == "host"  # the other's, still all in host
+        assert in_host(other) == 192 * no.block_bytes
+
+
 # -- control channels' buffered bytes -------------------------------------------------------------
 
 

@@ -684,6 +684,24 @@ def test_an_empty_idle_namespace_is_forgotten_and_its_counters_stay_in_the_total
     assert again is not empty and again.counters.lookups == 0
 
 
+def test_room_for_promotions_keeps_to_the_tenants_quota(make_cache: MakeCache) -> None:
+    """Blocks promoted from below or imported from the cluster take host slots too: the
+    tenant's quota lets in as many as its own coldest blocks can make room for, never evicting
+    the blocks of the lookup itself (``protect``) nor pinned ones."""
+    cache = make_cache()
+    ns = cache.register_namespace(dataclasses.replace(spec(), tenant="t"))
+    cache.host_quota = lambda _ns: 3 * ns.slot_bytes
+    put(cache, ns, keys(1, 2, 3))  # [1 2 3]: the quota is full
+    assert cache.room_for(ns, 2) == 2 and resident(ns) == set(keys(3))  # 1 and 2 made room
+    put(cache, ns, keys(4, 5))  # [3 4 5]
+    held = {ns.entries[k] for k in keys(3, 4)}
+    assert cache.room_for(ns, 2, held) == 1 and resident(ns) == set(keys(3, 4))  # 5 only
+    pin = load_job(cache, session(7), ns, keys(3, 4))  # pinned: not evictable either
+    assert pin is not None and cache.room_for(ns, 2) == 1  # the slot 5 left
+    cache.host_quota = lambda _ns: None
+    assert cache.room_for(ns, 50) == 50  # no quota: the host tier alone decides
+
+
 def test_a_namespace_with_held_back_slots_does_not_expire(make_cache: MakeCache) -> None:
     """Its limbo slots count against its tenant's host_bytes: forgetting it would drop them out
     of the count (and a namespace registered anew would start from zero)."""

@@ -36,7 +36,7 @@ together; placement, copies and jobs live in the modules named above.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -100,6 +100,10 @@ class TieredCache:
         self.policy = policy
         self.policy_name = policy_name
         self.residency = HostResidency(host, policy, clock=clock)
+        self.residency.room_for = self.room_for
+        self.host_quota: Callable[[NamespaceState], int | None] = lambda _ns: None
+        """The ``host_bytes`` quota of a namespace's tenant (None: none). Set by the daemon from
+        its Tenancy; stores (``fit``), promotions and imports (``room_for``) keep to it."""
         self.chain: list[TierLink] = []
         self.fleet: ClusterLink | None = None  # the cluster tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
@@ -309,10 +313,30 @@ class TieredCache:
         started = sum(link.prefetch(below) for link in self.chain) if below else 0
         return len(prefix), started
 
-    def fit_tenant(self, tenant: str, new_bytes: int, quota: int) -> None:
+    def fit(self, ns: NamespaceState, n_blocks: int, protect: Set[Entry] = frozenset()) -> None:
+        """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
+        (``fit_tenant``; nothing to do without one)."""
+        quota = self.host_quota(ns)
+        if quota is not None and ns.spec.tenant is not None and n_blocks:
+            self.fit_tenant(ns.spec.tenant, n_blocks * ns.slot_bytes, quota, protect)
+
+    def room_for(self, ns: NamespaceState, n: int, protect: Set[Entry] = frozenset()) -> int:
+        """How many of ``n`` new host slots of ``ns`` (blocks promoted from below, imported
+        from the cluster) its tenant's quota lets in, its own coldest blocks evicted for them
+        as for a store; the rest stay where they are (misses for now)."""
+        while n:
+            try:
+                self.fit(ns, n, protect)
+                return n
+            except ResourceExhausted:
+                n //= 2
+        return 0
+
+    def fit_tenant(self, tenant: str, new_bytes: int, quota: int,
+                   protect: Set[Entry] = frozenset()) -> None:
         """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
-        evictable blocks go first (never another tenant's); ResourceExhausted (quota
-        host_bytes) when they cannot."""
+        evictable blocks go first (never another tenant's, nor those in ``protect``);
+        ResourceExhausted (quota host_bytes) when they cannot."""
         mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
         # resident, reserved (WRITING) and limbo slots, O(namespaces): a store that never
         # completes holds its slots against its own tenant's quota, not the shared arena
@@ -329,7 +353,7 @@ class TieredCache:
         for n, e in enumerate(self.policy.victims()):
             if excess <= 0 or n > 1 << 16:
                 break
-            if e.ns in owned and e.evictable() and e.in_host:
+            if e.ns in owned and e.evictable() and e.in_host and e not in protect:
                 victims.append(e)
                 excess -= e.ns.slot_bytes
         if excess > 0:

@@ -385,11 +385,19 @@ class TierLink:
                 and e.copy_in(self.level) is not None and e.ns.entries.get(e.key) is e]
 
     def _reserve(self, pending: list[Entry], protect: set[Entry]) -> list[Entry]:
-        """Host slots for ``pending`` in order, until one cannot be placed; each entry is
-        ``promoting`` from here until its read ends."""
+        """Host slots for ``pending`` in order, until one cannot be placed (the host tier, or
+        its tenant's host quota: ``residency.room_for``); each entry is ``promoting`` from here
+        until its read ends."""
         loop = asyncio.get_running_loop()
         started: list[Entry] = []
+        room: dict[NamespaceState, int] = {}
         for e in pending:
+            if e.ns not in room:
+                room[e.ns] = self.residency.room_for(
+                    e.ns, sum(1 for p in pending if p.ns is e.ns), protect)
+            if not room[e.ns]:
+                break
+            room[e.ns] -= 1
             off = self.residency.allocate(e.ns.slot_bytes, protect, e.ns.pool)
             if off is None:
                 break

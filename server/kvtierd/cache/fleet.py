@@ -84,6 +84,7 @@ class ClusterLink:
         if prefix_only and False in present:
             present = present[:present.index(False)]
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
+        todo = todo[:self.residency.room_for(ns, len(todo), protect)]  # its tenant's quota
         offsets: list[int] = []
         for _ in todo:
             off = self.residency.allocate(ns.slot_bytes, protect, ns.pool)

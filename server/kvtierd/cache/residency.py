@@ -43,6 +43,11 @@ class HostResidency:
         # Called with a block about to lose its host slot (its bytes still there): the cluster
         # tier's "evict" write policy (kvtierd.cache.fleet).
         self.on_evict: Callable[[Entry], None] | None = None
+        # How many of n new slots of a namespace its tenant's host quota lets in (its own
+        # coldest blocks evicted for them): promotions and imports ask before they allocate.
+        # Set by the cache (TieredCache.room_for); by default, all of them.
+        self.room_for: Callable[[NamespaceState, int, set[Entry]], int] = \
+            lambda _ns, n, _protect: n
         self._clock = clock
         # Slots of stores aborted by lease expiry, held back until a deadline: the session's
         # process may be stalled, not dead, and still copying into them over shm.
