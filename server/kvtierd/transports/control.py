@@ -89,6 +89,9 @@ class ControlChannel(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:  # (a TLS transport still delivers what it decrypts while closing)
             return
+        t = self._transport
+        if self._reply_held and t is not None and not t.get_write_buffer_size():
+            self._replies_read()  # (drained below the pause mark: no callback said so)
         tenancy = self._service.tenancy
         if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
                                    tenancy.quota(self._tenant, BUFFERED)):
