@@ -419,6 +419,9 @@ def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted
         assert cluster_stats(a)["write_drops"] > 0
     finally:
         cluster.resume(hung)
+        # Paused past the node timeout (1 s), its replica took its slots over: the next test
+        # needs the failover settled (CI saw the next test's writes time out meanwhile).
+        cluster.wait_ready()
 
 
 def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: Any,
@@ -536,6 +539,9 @@ def test_a_hung_master_never_stalls_local_stores_or_lookups(
             assert cluster_stats(a)["write_drops"] > 0
     finally:
         cluster.resume(hung)
+        # Paused past the node timeout (1 s), its replica took its slots over: the next test
+        # needs the failover settled (CI saw the next test's writes time out meanwhile).
+        cluster.wait_ready()
 
 
 def test_a_store_job_larger_than_the_write_queue_is_written_in_part(
@@ -566,6 +572,9 @@ def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
         assert time.monotonic() - t0 < 12  # drain_timeout_s (5) + the tier's close
     finally:
         cluster.resume(hung)
+        # Paused past the node timeout (1 s), its replica took its slots over: the next test
+        # needs the failover settled (CI saw the next test's writes time out meanwhile).
+        cluster.wait_ready()
 
 
 # -- who may write what the fleet serves (docs/cluster.md "Trust"; issue 26, finding 1) ----------
