@@ -147,7 +147,10 @@ class Tenants:
         """The tenant whose token this is, or None."""
         if not token:
             return None
-        digest = hashlib.sha256(token.encode()).digest()
+        return self.by_token_digest(hashlib.sha256(token.encode()).digest())
+
+    def by_token_digest(self, digest: bytes) -> Tenant | None:
+        """The tenant whose token has this SHA-256, or None."""
         found: Tenant | None = None
         for d, t in self._digests:  # every one compared: the time does not say which matched
             if hmac.compare_digest(d, digest):

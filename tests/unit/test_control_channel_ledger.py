@@ -58,27 +58,31 @@ def frame(session_id: int = 5) -> bytes:
     return wire.CALL.pack(len(body), BEAT, 1000) + body
 
 
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
+async def served() -> None:
+    """Until every call the channel started has ended (no sleeps: the tasks themselves)."""
+    await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+
+
+def opened() -> tuple[FakeService, FakeTransport, ControlChannel]:
+    svc, t = FakeService(), FakeTransport()
+    ch = ControlChannel(svc, 5, None, lambda _c: None)  # type: ignore[arg-type]
+    ch.connection_made(t)  # type: ignore[arg-type]
+    return svc, t, ch
 
 
 def test_every_byte_held_is_counted_and_given_back() -> None:
     async def scenario() -> None:
-        svc, t = FakeService(), FakeTransport()
+        svc, t, ch = opened()
         ledger = svc.tenancy.ledger
-        ch = ControlChannel(svc, 5, None, lambda _c: None)  # type: ignore[arg-type]
-        ch.connection_made(t)  # type: ignore[arg-type]
         assert ledger.held(None, CHANNELS) == 1
         f = frame()
         ch.data_received(f[:4])  # half a head: held
         assert ledger.held(None, BUFFERED) == 4
-        ch.data_received(f[4:])  # whole: being served, still held
-        await settle()
+        ch.data_received(f[4:])  # whole: being served (its task started), still held
         assert ledger.held(None, BUFFERED) == len(f)
         t.unread = 100  # the peer does not read the reply
         svc.gate.set()
-        await settle()
+        await served()
         assert len(t.written) == 1 and ledger.held(None, BUFFERED) == 100
         t.unread = 0  # it read it: noticed with the next bytes
         ch.data_received(f[:3])
@@ -91,16 +95,13 @@ def test_every_byte_held_is_counted_and_given_back() -> None:
 
 def test_a_call_in_flight_gives_its_bytes_back_after_the_connection_is_lost() -> None:
     async def scenario() -> None:
-        svc, t = FakeService(), FakeTransport()
+        svc, t, ch = opened()
         ledger = svc.tenancy.ledger
-        ch = ControlChannel(svc, 5, None, lambda _c: None)  # type: ignore[arg-type]
-        ch.connection_made(t)  # type: ignore[arg-type]
         ch.data_received(frame())
-        await settle()
         ch.connection_lost(None)  # the call is still waiting
         assert ledger.held(None, BUFFERED) == len(frame())
         svc.gate.set()
-        await settle()
+        await served()
         assert ledger.held(None, BUFFERED) == 0 and not t.written  # nothing sent, all given
 
     asyncio.run(scenario())
@@ -108,14 +109,12 @@ def test_a_call_in_flight_gives_its_bytes_back_after_the_connection_is_lost() ->
 
 def test_a_closed_channel_serves_nothing_more() -> None:
     async def scenario() -> None:
-        svc, t = FakeService(), FakeTransport()
+        svc, t, ch = opened()
         svc.gate.set()
-        ch = ControlChannel(svc, 5, None, lambda _c: None)  # type: ignore[arg-type]
-        ch.connection_made(t)  # type: ignore[arg-type]
         ch.close()
         t.closing = False  # (a TLS transport flushing: still delivers what it decrypts)
         ch.data_received(frame())
-        await settle()
+        await served()
         assert not t.written and svc.tenancy.ledger.held(None, BUFFERED) == 0
 
     asyncio.run(scenario())

@@ -1,36 +1,40 @@
-"""The ledger: per tenant, how much of a bounded resource it holds now.
+"""The ledger: per holder, how much of a bounded resource it holds now.
 
-For resources that no index or table counts already: the bytes of control frames received but
-not yet whole (``buffered_bytes``). ``take(tenant, resource, n, limit)`` adds ``n`` if the
-tenant's total stays within ``limit`` (True) or changes nothing (False); ``give(tenant,
-resource, n)`` returns them. A tenant of None is the single-tenant daemon's one owner.
+For resources that no index or table counts already: the tenancy's counts each tenant's
+control channels and the bytes they hold (a tenant of None is the single-tenant daemon's one
+owner); the shm socket counts handshakes per peer uid, the data port connections per tenant,
+each in a ledger of its own. ``take(holder, resource, n, limit)`` adds ``n`` if the holder's
+total stays within ``limit`` (None: no limit) and says True, or changes nothing (False);
+``give(holder, resource, n)`` returns them.
 
-Ownership: the daemon's Tenancy owns it. Event-loop thread only (``held`` may be read from
-/metrics threads: a dict read of ints).
+Ownership: whoever made it (the Tenancy, a transport server). Event-loop thread only (``held``
+may be read from /metrics threads: a dict read of ints).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 
 class Ledger:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str | None, str], int] = {}
+        self._held: dict[tuple[Hashable, str], int] = {}
 
-    def take(self, tenant: str | None, resource: str, n: int, limit: int | None) -> bool:
-        """Count ``n`` more of ``resource`` against ``tenant`` unless that passes ``limit``."""
+    def take(self, holder: Hashable, resource: str, n: int, limit: int | None) -> bool:
+        """Count ``n`` more of ``resource`` against ``holder`` unless that passes ``limit``."""
         assert n >= 0
-        key = (tenant, resource)
+        key = (holder, resource)
         now = self._held.get(key, 0)
         if limit is not None and now + n > limit:
             return False
         self._held[key] = now + n
         return True
 
-    def give(self, tenant: str | None, resource: str, n: int) -> None:
-        """Return ``n`` of ``resource`` that ``tenant`` took."""
-        key = (tenant, resource)
+    def give(self, holder: Hashable, resource: str, n: int) -> None:
+        """Return ``n`` of ``resource`` that ``holder`` took."""
+        key = (holder, resource)
         left = self._held.get(key, 0) - n
         assert left >= 0, (key, n)
         if left:
@@ -38,8 +42,8 @@ class Ledger:
         else:
             self._held.pop(key, None)
 
-    def held(self, tenant: str | None, resource: str) -> int:
-        return self._held.get((tenant, resource), 0)
+    def held(self, holder: Hashable, resource: str) -> int:
+        return self._held.get((holder, resource), 0)
 
     def total(self, resource: str) -> int:
         return sum(v for (_, r), v in list(self._held.items()) if r == resource)

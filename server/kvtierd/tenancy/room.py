@@ -113,10 +113,11 @@ class Tenancy:
             if who is None or who.name != minted[0]:
                 return None  # a reload changed who that peer is: no credential any more
             return who, Credential("unix", uid=minted[1], gid=minted[2])
-        found = tenants.authenticate(token)
-        if found is not None:
-            assert token is not None
-            return found, Credential("token", hashlib.sha256(token.encode()).digest())
+        if token:
+            digest = hashlib.sha256(token.encode()).digest()
+            found = tenants.by_token_digest(digest)
+            if found is not None:
+                return found, Credential("token", digest)
         for name in cert_names:
             t = tenants.by_certificate([name])
             if t is not None:

@@ -26,12 +26,12 @@ which the client then presents on the gRPC socket (grpcio shows handlers no peer
 
 The peer's credentials (SO_PEERCRED) must be allowed for the session's tenant (a daemon with a
 tenants file: docs/security.md); the socket file's mode (``socket_mode``: 0600 by default,
-owner only) decides who may connect. Bounded: a handshake must arrive within ``handshake_timeout_s``, at most
-``max_connections`` handshakes are served at once and at most ``per_uid`` of one peer uid
-(SO_PEERCRED at accept; one more is refused at once, counted in ``refused``: one local user's
-half-open connections never lock another's handshakes out), and running out of descriptors
-pauses accepting instead of ending it. Index channels: at most one per live session (a newer
-one replaces it; the session's end closes it).
+owner only) decides who may connect. Bounded: a handshake must arrive within
+``handshake_timeout_s``, at most ``max_connections`` are served at once and at most ``per_uid``
+of one peer uid (SO_PEERCRED at accept; one more is refused at once, counted in ``refused``),
+and running out of descriptors pauses accepting instead of ending it. Index channels: at most
+one per live session (a newer one replaces it; the session's end closes it). Size: just over
+the house limit, since the four handshakes share one accept loop, its bounds and one check.
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound, Re
 from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.tenancy.ledger import Ledger
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
-from kvtierd.transports.slots import KeyedSlots
 
 log = logging.getLogger("kvtierd.shm")
+HANDSHAKES = "handshakes"  # what a peer uid holds of the socket (its ledger's resource)
 _SETTLE_TURNS = 4  # loop turns a handshake at a cap waits for one in progress to end
 
 
@@ -114,7 +115,8 @@ class ShmFdServer(ServerTransport):
         self._control = control
         self._controls: dict[int, set[Channel]] = {}  # session id -> its control channels
         self._open = 0  # handshakes being served
-        self._uids = KeyedSlots(per_uid)  # ... of each peer uid
+        self._uids = Ledger()  # ... of each peer uid (HANDSHAKES), at most per_uid (0: no cap)
+        self._per_uid = per_uid
         self.handed_out = 0
         self.refused = 0
         self.logins = 0
@@ -159,7 +161,7 @@ class ShmFdServer(ServerTransport):
                 conn.close()
                 continue
             self._open += 1
-            self._uids.take(uid)
+            self._uids.take(uid, HANDSHAKES, 1, None)  # (_admit checked the cap)
             loop.create_task(self._serve(conn, uid))
 
     async def _admit(self, uid: int) -> bool:
@@ -168,7 +170,8 @@ class ShmFdServer(ServerTransport):
         requests already sent) drains in that time; a peer that connects and sends nothing
         holds its slots until the handshake timeout, its next connections are refused."""
         for _ in range(_SETTLE_TURNS):
-            if self._open < self._max and not self._uids.full(uid):
+            if self._open < self._max and not (
+                    self._per_uid and self._uids.held(uid, HANDSHAKES) >= self._per_uid):
                 return True
             await asyncio.sleep(0)
         return False
@@ -204,7 +207,7 @@ class ShmFdServer(ServerTransport):
 
     def _handshake_done(self, uid: int) -> None:
         self._open -= 1
-        self._uids.give(uid)
+        self._uids.give(uid, HANDSHAKES, 1)
 
     async def _request(self, conn: socket.socket) -> bytes:
         """A whole handshake request, within ``handshake_timeout_s`` all told (TimeoutError);

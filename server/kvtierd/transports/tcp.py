@@ -41,10 +41,11 @@ from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import SessionTable
+from kvtierd.tenancy.ledger import Ledger
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
-from kvtierd.transports.slots import KeyedSlots
 
 log = logging.getLogger("kvtierd.tcp")
+CONNECTIONS = "data_connections"  # what a tenant holds of the data port (its ledger's resource)
 _SCRATCH = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 _FEATURES = wire.FEATURE_RUNS  # what this daemon accepts of a client's HELLO offer
@@ -460,7 +461,7 @@ class DataChannelServer(ServerTransport):
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[DataChannelProtocol] = set()
         self._waiting: dict[DataChannelProtocol, None] = {}  # no HELLO yet, oldest first
-        self._tenants = KeyedSlots(self.limits.per_tenant)  # connections past HELLO per tenant
+        self._tenants = Ledger()  # connections past HELLO (CONNECTIONS) per tenant
         self.accepted = 0
         self.refused = 0  # beyond max_connections
         self.timed_out = 0  # no HELLO in time, or idle
@@ -505,7 +506,7 @@ class DataChannelServer(ServerTransport):
         caller closes it). None (a single-tenant daemon): no share."""
         self._waiting.pop(conn, None)
         if tenant is not None:
-            if not self._tenants.take(tenant):
+            if not self._tenants.take(tenant, CONNECTIONS, 1, self.limits.per_tenant or None):
                 self.refused += 1
                 return False
             conn.tenant = tenant
@@ -521,7 +522,7 @@ class DataChannelServer(ServerTransport):
             self._conns.discard(conn)
             self._waiting.pop(conn, None)
             if conn.tenant is not None:
-                self._tenants.give(conn.tenant)
+                self._tenants.give(conn.tenant, CONNECTIONS, 1)
                 conn.tenant = None
 
     def release_session(self, session_id: int) -> None:
