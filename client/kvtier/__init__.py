@@ -18,7 +18,7 @@ from kvtier.client import Client, NamespaceHandle, PutResult
 from kvtier_contract import errors
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace, block_keys, namespace_digest
+from kvtier_contract.version import __version__ as __version__
 
-__version__ = "0.1.0"
 __all__ = ["aio", "errors", "Client", "KvtierError", "Namespace", "NamespaceHandle", "PutResult",
            "block_keys", "namespace_digest"]
