@@ -1,5 +1,13 @@
 # Two commands on a fresh machine: `make serve` and `make test` (see README.md).
 PY ?= python3
+# `make serve` runs the daemon from its own small environment: the runtime requirements of the SDK
+# and the daemon (packaging/*/requirements.txt) and this tree, editable; no torch, no dev tools, no
+# Redis. Its ports and flags are settable: `make serve METRICS_PORT=9465` (-1: no /metrics),
+# `make serve SERVE_ARGS='--host-bytes 4GiB --listen 127.0.0.1:50061'`.
+SERVE_VENV ?= .venv-serve
+SERVE_STAMP = $(SERVE_VENV)/.installed
+METRICS_PORT ?= 9464
+SERVE_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -20,7 +28,8 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_VERSION := 0.5.6
 
 # `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
-.PHONY: serve test check lint types bench seed proto env vllm-env sglang-env lmcache-env clean
+.PHONY: serve serve-env wheels test check lint types bench seed proto env vllm-env sglang-env \
+	lmcache-env clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -73,9 +82,21 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
 
 lmcache-env: $(LMCACHE_STAMP)
 
-serve: $(STAMP)
+$(SERVE_STAMP): pyproject.toml Makefile packaging/kvtier/requirements.txt packaging/kvtierd/requirements.txt
+	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q -e .
+	@touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	@mkdir -p run
-	$(BIN)/kvtierd serve
+	$(SERVE_VENV)/bin/kvtierd serve --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+
+# dist/kvtier-<version>-py3-none-any.whl (the SDK) and dist/kvtierd-<version>-py3-none-any.whl
+# (the daemon); see scripts/build_wheels.py and README.md "Install".
+wheels: $(STAMP)
+	$(BIN)/python scripts/build_wheels.py --out dist
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/ruff check client server tests scripts
@@ -108,4 +129,4 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build *.egg-info
+	rm -rf $(VENV) $(SERVE_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build dist *.egg-info
