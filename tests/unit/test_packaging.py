@@ -107,3 +107,13 @@ def test_both_commands_print_the_one_version(prog: str, capsys: pytest.CaptureFi
         parser.parse_args(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"{prog} {__version__}\n"
+
+
+def test_the_install_instructions_name_wheels_and_images_of_this_version() -> None:
+    from kvtier_contract.version import __version__
+
+    for path in ("README.md", "Dockerfile"):
+        text = (ROOT / path).read_text()
+        named = set(re.findall(r"kvtierd?-(\d+\.\d+\.\d+)-py3-none-any\.whl", text))
+        named |= set(re.findall(r"\bkvtier:(\d+\.\d+\.\d+)\b", text))
+        assert named == {__version__}, f"{path} names versions {sorted(named)}, not {__version__}"
