@@ -11,6 +11,7 @@ Needs the index (pip's configured one) and ``make``; about 30 s on 2 cores, most
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from email.parser import Parser
 from pathlib import Path
 from typing import Any
@@ -143,25 +145,16 @@ def readme_snippet(address: str) -> str:
     )
 
 
-def test_make_serve_from_the_wheels_serves_the_readme_snippet(venv: dict[str, Any]) -> None:
-    env, work = venv["env"], venv["work"]
-    assert run([env / "bin" / "kvtierd", "--version"], cwd=work).strip() == f"kvtierd {__version__}"
-    assert json.loads(run([env / "bin" / "python", "-c", PROBE], cwd=work))["torch_installed"] is False
-    (env / ".installed").touch()  # make serve's stamp: this venv is its environment, as installed
-    port = free_port()
-    args = f"--socket {work / 'kvtier.sock'} --host-bytes 64MiB --slab-bytes 4MiB"
+@contextlib.contextmanager
+def make_serve(*variables: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """``make serve VARIABLES...`` in the repository, in its own process group; (make, the ready
+    line's JSON). Killed, with the daemon, if still running when the block exits."""
+    argv = ["make", "-s", "--no-print-directory", "serve", *variables]
+    env = clean_env(KVTIER_LOG_LEVEL="WARNING")
     make = subprocess.Popen(
-        [
-            "make",
-            "-s",
-            "--no-print-directory",
-            "serve",
-            f"SERVE_VENV={env}",
-            f"METRICS_PORT={port}",
-            f"SERVE_ARGS={args}",
-        ],
+        argv,
         cwd=ROOT,
-        env=clean_env(KVTIER_LOG_LEVEL="WARNING"),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -176,7 +169,21 @@ def test_make_serve_from_the_wheels_serves_the_readme_snippet(venv: dict[str, An
                 break
         else:
             pytest.fail("make serve exited before the daemon was ready:\n" + "".join(lines))
-        info = json.loads(line.split(" ", 1)[1])
+        yield make, json.loads(line.split(" ", 1)[1])
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait(10)
+
+
+def test_make_serve_from_the_wheels_serves_the_readme_snippet(venv: dict[str, Any]) -> None:
+    env, work = venv["env"], venv["work"]
+    assert run([env / "bin" / "kvtierd", "--version"], cwd=work).strip() == f"kvtierd {__version__}"
+    assert json.loads(run([env / "bin" / "python", "-c", PROBE], cwd=work))["torch_installed"] is False
+    (env / ".installed").touch()  # make serve's stamp: this venv is its environment, as installed
+    port = free_port()
+    args = f"--socket {work / 'kvtier.sock'} --host-bytes 64MiB --slab-bytes 4MiB"
+    with make_serve(f"SERVE_VENV={env}", f"METRICS_PORT={port}", f"SERVE_ARGS={args}") as (make, info):
         assert info["metrics"] == f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(info["metrics"], timeout=10) as page:
             assert b"kvtier_" in page.read()
@@ -187,7 +194,3 @@ def test_make_serve_from_the_wheels_serves_the_readme_snippet(venv: dict[str, An
         make.wait(30)
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
-    finally:
-        if make.poll() is None:
-            os.killpg(make.pid, signal.SIGKILL)
-            make.wait(10)
