@@ -94,9 +94,11 @@ serve: $(SERVE_STAMP)
 	$(SERVE_VENV)/bin/kvtierd serve --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 # dist/kvtier-<version>-py3-none-any.whl (the SDK) and dist/kvtierd-<version>-py3-none-any.whl
-# (the daemon); see scripts/build_wheels.py and README.md "Install".
-wheels: $(STAMP)
-	$(BIN)/python scripts/build_wheels.py --out dist
+# (the daemon); see scripts/build_wheels.py and README.md "Install". Built with the small serve
+# environment's Python (the build needs only setuptools), not the test environment.
+wheels: $(SERVE_STAMP)
+	$(SERVE_VENV)/bin/python -m pip install -q 'setuptools>=77'
+	$(SERVE_VENV)/bin/python scripts/build_wheels.py --out dist
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/ruff check client server tests scripts
