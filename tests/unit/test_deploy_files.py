@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import importlib.util
 import json
 import re
 import shlex
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_cluster import make_test_pki
 
 from kvtierd.app import SERVICE_NAME
 from kvtierd.cli import build_parser
@@ -196,27 +198,59 @@ def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
     assert any(str(Path(cfg.socket_path).parent) in v for v in volumes), volumes
 
 
-def test_dockerfile_healthcheck_asks_grpc_health_on_the_listen_port() -> None:
+def test_dockerfile_healthcheck_asks_grpc_health_on_the_plaintext_health_port() -> None:
     argv = healthcheck_argv()
     _, cfg = parse_serve(docker_serve_argv())
     assert argv[:2] == ["python", "-c"], argv
     compile(argv[2], "<HEALTHCHECK>", "exec")
-    assert "grpc_health.v1" in argv[2]
-    assert f"127.0.0.1:{port_of(cfg.listen)}" in argv[2]
+    assert "grpc_health.v1" in argv[2] and "insecure_channel" in argv[2]
+    # The health-only listener is plaintext whatever --listen serves (TLS, per the Dockerfile).
+    assert f"127.0.0.1:{port_of(cfg.health_listen)}" in argv[2]
+    assert f":{port_of(cfg.listen)}" not in argv[2]
     assert f"service='{SERVICE_NAME}'" in argv[2]
 
 
-def test_healthcheck_command_passes_on_a_live_daemon_and_fails_once_it_stops(daemon: Any) -> None:
-    """The HEALTHCHECK's own code, pointed at a test daemon instead of 127.0.0.1:50051."""
+def test_healthcheck_passes_on_a_daemon_serving_tls_as_advised_and_fails_once_it_stops(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """The HEALTHCHECK's own code, pointed at a test daemon's health listener, the daemon started
+    with the Dockerfile's TLS advice (--listen with --tls-cert/--tls-key). The control port itself
+    refuses the plaintext probe: what the HEALTHCHECK asked before (issue 29, item 8)."""
+    make_test_pki(tmp_path / "pki")
     _, cfg = parse_serve(docker_serve_argv())
-    code = healthcheck_argv()[2].replace(f"127.0.0.1:{port_of(cfg.listen)}", daemon.grpc)
+    daemon = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--listen", "127.0.0.1:0",
+                            "--tls-cert", str(tmp_path / "pki" / "server.crt"),
+                            "--tls-key", str(tmp_path / "pki" / "server.key"),
+                            "--health-listen", "127.0.0.1:0")
+    code = healthcheck_argv()[2]
 
-    def check() -> int:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30).returncode
+    def check(address: str) -> int:
+        probe = code.replace(f"127.0.0.1:{port_of(cfg.health_listen)}", address)
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30).returncode
 
-    assert check() == 0  # SERVING
+    assert check(daemon.info["health"]) == 0  # SERVING
+    assert check(daemon.grpc) != 0  # the TLS control port: a plaintext probe fails
     daemon.stop()
-    assert check() != 0  # refused: unhealthy
+    assert check(daemon.info["health"]) != 0  # refused: unhealthy
+
+
+def test_dockerfile_installs_the_two_wheels_its_build_stage_builds() -> None:
+    ins = instructions()
+    stages = [i for i, (w, _) in enumerate(ins) if w == "FROM"]
+    assert len(stages) == 2, "a build stage and the runtime stage"
+    build, final = ins[stages[0]:stages[1]], final_stage()
+    assert any(w == "RUN" and "scripts/build_wheels.py --out /wheels" in r for w, r in build)
+    copied = {src.rstrip("/") for w, r in build if w == "COPY" for src in shlex.split(r)[:-1]}
+    spec = importlib.util.spec_from_file_location("build_wheels", ROOT / "scripts" / "build_wheels.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    inputs = [p for ps in script.PACKAGES.values() for p in ps] + [
+        ROOT / "packaging", ROOT / "README.md", ROOT / "scripts" / "build_wheels.py"]
+    missing = [str(p.relative_to(ROOT)) for p in inputs
+               if not any(p.relative_to(ROOT).is_relative_to(c) for c in copied)]
+    assert not missing, f"the build stage does not COPY what scripts/build_wheels.py reads: {missing}"
+    installs = " ".join(r for w, r in final if w == "RUN" and "pip install" in r)
+    assert "/wheels/kvtier-*.whl" in installs and "/wheels/kvtierd-*.whl)[cluster]" in installs
 
 
 def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored() -> None:
