@@ -36,21 +36,31 @@ def tools() -> Path:
     if os.environ.get("KVTIER_SKIP_HELM") == "1":
         pytest.skip("KVTIER_SKIP_HELM=1")
     folder = Path(os.environ.get("KVTIER_HELM_TOOLS") or ROOT / ".venv" / "tools")
-    missing = [p for p in ("helm", "kv/bin/kubernetes-validate", "crd/node_modules")
-               if not (folder / p).exists()]
+    missing = [
+        p for p in ("helm", "kv/bin/kubernetes-validate", "crd/node_modules") if not (folder / p).exists()
+    ]
     if missing:
-        pytest.fail(f"{folder}: no {', '.join(missing)}: run `make helm` (or set "
-                    "KVTIER_HELM_TOOLS, or KVTIER_SKIP_HELM=1 to skip these tests)", pytrace=False)
+        pytest.fail(
+            f"{folder}: no {', '.join(missing)}: run `make helm` (or set "
+            "KVTIER_HELM_TOOLS, or KVTIER_SKIP_HELM=1 to skip these tests)",
+            pytrace=False,
+        )
     return folder
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
     """``helm ARGS`` with no cluster, no repositories and no home of its own."""
     home = tools() / "home"
-    env = dict(os.environ, HELM_CACHE_HOME=str(home / "cache"), HELM_CONFIG_HOME=str(home / "config"),
-               HELM_DATA_HOME=str(home / "data"), KUBECONFIG=os.devnull)
-    return subprocess.run([str(tools() / "helm"), *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    env = dict(
+        os.environ,
+        HELM_CACHE_HOME=str(home / "cache"),
+        HELM_CONFIG_HOME=str(home / "config"),
+        HELM_DATA_HOME=str(home / "data"),
+        KUBECONFIG=os.devnull,
+    )
+    return subprocess.run(
+        [str(tools() / "helm"), *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def render(*values: Path, chart: Path = CHART, sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -81,18 +91,33 @@ def validate_builtin(docs: list[dict[str, Any]], tmp: Path) -> None:
     """Every built-in object against Kubernetes' own schemas, unknown fields refused."""
     path = tmp / "builtin.yaml"
     path.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CRD_KINDS]))
-    out = subprocess.run([str(tools() / "kv" / "bin" / "kubernetes-validate"), "--strict",
-                          "--quiet", "-k", KUBERNETES_VERSION, str(path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            str(tools() / "kv" / "bin" / "kubernetes-validate"),
+            "--strict",
+            "--quiet",
+            "-k",
+            KUBERNETES_VERSION,
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def validate_crds(docs: list[dict[str, Any]]) -> None:
     """ServiceMonitor, PodMonitor and PrometheusRule against prometheus-operator's schemas."""
     crds = [d for d in docs if d["kind"] in CRD_KINDS]
-    out = subprocess.run(["node", "--input-type=module", "-e", VALIDATOR.read_text()],
-                         input=json.dumps(crds), capture_output=True, text=True,
-                         cwd=tools() / "crd", timeout=120)
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", VALIDATOR.read_text()],
+        input=json.dumps(crds),
+        capture_output=True,
+        text=True,
+        cwd=tools() / "crd",
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [], out.stdout
 

@@ -50,7 +50,7 @@ def rendered(mode: str, values: str) -> list[dict[str, Any]]:
 
 def quantity(q: str) -> int:
     digits = q.rstrip("KMGTi")
-    return int(digits) * QUANTITY[q[len(digits):]]
+    return int(digits) * QUANTITY[q[len(digits) :]]
 
 
 def serve_config(docs: list[dict[str, Any]]) -> Any:
@@ -79,7 +79,8 @@ def test_helm_lint_strict_passes(values: str) -> None:
 
 @pytest.mark.parametrize(("mode", "values"), CASES)
 def test_rendered_manifests_pass_kubernetes_and_prometheus_operator_schemas(
-        mode: str, values: str, tmp_path: Path) -> None:
+    mode: str, values: str, tmp_path: Path
+) -> None:
     docs = rendered(mode, values)
     kinds = by_kind(docs)
     assert ("DaemonSet" if mode == "daemonset" else "Deployment") in kinds
@@ -151,16 +152,14 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
         assert not [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None], t.name
     mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tenants")
     assert cfg.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
-    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values()
-                 if t.maps_memory)
+    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory)
     resources = container(docs)["resources"]
     assert quantity(resources["limits"]["memory"]) > cfg.host_bytes + arenas
     shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not t.maps_memory]
     assert sum(shared) <= cfg.host_bytes
 
 
-def test_the_scraper_is_a_figures_only_operator_whose_token_the_monitors_send(
-        tmp_path: Path) -> None:
+def test_the_scraper_is_a_figures_only_operator_whose_token_the_monitors_send(tmp_path: Path) -> None:
     docs = rendered("daemonset", "all")
     cfg = serve_config(docs)
     tenants = tenants_of(docs, tmp_path)
@@ -183,8 +182,9 @@ def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> Non
     cfg = serve_config(docs)
     mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tls")
     volume = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "tls")
-    secret = next(s for s in by_kind(docs)["Secret"]
-                  if s["metadata"]["name"] == volume["secret"]["secretName"])
+    secret = next(
+        s for s in by_kind(docs)["Secret"] if s["metadata"]["name"] == volume["secret"]["secretName"]
+    )
     assert secret["type"] == "kubernetes.io/tls" and mount["readOnly"]
     for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca):
         assert Path(path).parent == Path(mount["mountPath"])
@@ -192,20 +192,25 @@ def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> Non
     assert cfg.tls_require_client_cert
     existing = render(VALUES_ALL, sets=("tls.existingSecret=my-certs",))
     assert "tls" not in {s["metadata"]["name"].rpartition("-")[2] for s in by_kind(existing)["Secret"]}
-    assert next(v for v in pod_spec(existing)["volumes"]
-                if v["name"] == "tls")["secret"]["secretName"] == "my-certs"
+    assert (
+        next(v for v in pod_spec(existing)["volumes"] if v["name"] == "tls")["secret"]["secretName"]
+        == "my-certs"
+    )
 
 
-@pytest.mark.parametrize(("sets", "says"), [
-    (("mode=node",), "mode"),
-    (("tenants.enabled=true",), "tenants.list or tenants.existingSecret"),
-    (("resources.limits.memory=8Gi",), "resources.limits.memory"),
-    (("tls.enabled=true",), "tls.existingSecret"),
-    (("tenants.enabled=true", "tenants.list[0].name=a"), "metrics.scrape"),
-    (("daemon.extraArgs={--listen=0.0.0.0:50051}",), "daemon.extraArgs"),
-    (("daemon.hostBytes=16GB",), "hostBytes"),
-    (("tenants.list[0].name=a", "tenants.list[0].quotas.sesions=1"), "sesions"),
-])
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (("mode=node",), "mode"),
+        (("tenants.enabled=true",), "tenants.list or tenants.existingSecret"),
+        (("resources.limits.memory=8Gi",), "resources.limits.memory"),
+        (("tls.enabled=true",), "tls.existingSecret"),
+        (("tenants.enabled=true", "tenants.list[0].name=a"), "metrics.scrape"),
+        (("daemon.extraArgs={--listen=0.0.0.0:50051}",), "daemon.extraArgs"),
+        (("daemon.hostBytes=16GB",), "hostBytes"),
+        (("tenants.list[0].name=a", "tenants.list[0].quotas.sesions=1"), "sesions"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_value(sets: tuple[str, ...], says: str) -> None:
     assert says in render_error(*sets)
 
@@ -223,9 +228,20 @@ def _chart_copy(tmp_path: Path, alerts: str | None, dashboard: str | None) -> Pa
 
 
 def test_prometheus_rule_and_dashboard_wrap_the_chart_files(tmp_path: Path) -> None:
-    groups = [{"name": "kvtier", "rules": [
-        {"alert": "KvtierDown", "expr": "up{job=\"kvtier\"} == 0", "for": "5m",
-         "labels": {"severity": "critical"}, "annotations": {"summary": "kvtierd is down"}}]}]
+    groups = [
+        {
+            "name": "kvtier",
+            "rules": [
+                {
+                    "alert": "KvtierDown",
+                    "expr": 'up{job="kvtier"} == 0',
+                    "for": "5m",
+                    "labels": {"severity": "critical"},
+                    "annotations": {"summary": "kvtierd is down"},
+                }
+            ],
+        }
+    ]
     dashboard = json.dumps({"title": "kvtier", "panels": []}, indent=1)
     chart = _chart_copy(tmp_path, yaml.safe_dump({"groups": groups}), dashboard)
     docs = render(VALUES_ALL, chart=chart)
@@ -243,20 +259,19 @@ def test_without_the_files_the_chart_renders_without_rule_and_dashboard(tmp_path
     assert "PrometheusRule" not in by_kind(docs) and "ConfigMap" not in by_kind(docs)
 
 
-def test_the_shipped_alerts_and_dashboard_when_present_render_and_validate(
-        tmp_path: Path) -> None:
+def test_the_shipped_alerts_and_dashboard_when_present_render_and_validate(tmp_path: Path) -> None:
     """files/ is written by the observability work; once there, the chart must carry it whole."""
     files = CHART / "files"
     docs = render(VALUES_ALL)
     kinds = by_kind(docs)
     if (files / "kvtier-alerts.yaml").exists():
         (rule,) = kinds["PrometheusRule"]
-        assert rule["spec"]["groups"] == yaml.safe_load((files / "kvtier-alerts.yaml").read_text())[
-            "groups"]
+        assert rule["spec"]["groups"] == yaml.safe_load((files / "kvtier-alerts.yaml").read_text())["groups"]
     if (files / "kvtier-dashboard.json").exists():
         (cm,) = kinds["ConfigMap"]
         assert json.loads(cm["data"]["kvtier-dashboard.json"]) == json.loads(
-            (files / "kvtier-dashboard.json").read_text())
+            (files / "kvtier-dashboard.json").read_text()
+        )
     validate_crds(docs)
     validate_builtin(docs, tmp_path)
 
