@@ -140,3 +140,31 @@ def test_without_the_charts_flag_the_daemon_refuses_a_pod_ip_metrics_with_tenant
     ]
     with pytest.raises(RuntimeError, match="metrics_host"):
         DaemonProcess(tmp_path / "run", *args).start()
+
+
+def test_kvtier_stats_works_with_the_scrapers_token(chart_daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The operator reads the same figures with `kvtier stats` (Stats needs no session)."""
+    import subprocess
+    import sys
+
+    with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
+        c.register(make_namespace(tenant="team-a", model_id="org/model-of-a"))
+    token = tmp_path / "token"
+    token.write_text(SCRAPE + "\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "stats",
+            "--address",
+            chart_daemon.unix,
+            "--token-file",
+            str(token),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "org/model-of-a" in out.stdout
