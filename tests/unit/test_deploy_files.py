@@ -412,3 +412,11 @@ def test_plain_manifests_pass_strict_kubernetes_schemas(tmp_path: Path) -> None:
 
     for path in (SIDECAR, DAEMONSET):
         validate_builtin([d for d in yaml.safe_load_all(path.read_text()) if d], tmp_path)
+
+
+def test_manifests_name_the_projects_version() -> None:
+    from kvtier_contract.version import __version__
+
+    for path in (SIDECAR, DAEMONSET):
+        tags = set(re.findall(r"image: \S+/kvtier:(\S+)", path.read_text()))
+        assert tags == {__version__}, (path.name, tags)
