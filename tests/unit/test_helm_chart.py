@@ -285,3 +285,26 @@ def test_rendered_tenants_file_is_valid_toml_with_the_values_types(tmp_path: Pat
     for got, want in zip(raw["tenant"], values, strict=False):
         assert got["quotas"] == want["quotas"]
         assert got["transports"] == want["transports"]
+
+
+def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
+    """mode external: the named templates put the same container in a dependent chart's pod."""
+    chart = tmp_path / "engine-chart"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "helm" / "engine-chart", chart)
+    meta = chart / "Chart.yaml"
+    meta.write_text(meta.read_text().replace("KVTIER_CHART", str(CHART)))
+    out = helm("dependency", "build", str(chart))
+    assert out.returncode == 0, out.stderr
+    docs = render(chart=chart)
+    kinds = by_kind(docs)
+    assert "DaemonSet" not in kinds and [d["metadata"]["name"] for d in kinds["Deployment"]] == ["my-engine"]
+    cfg = serve_config(docs)
+    assert cfg.host_bytes == 8 << 30 and cfg.listen.startswith("127.0.0.1:")
+    socket_dir = str(Path(cfg.socket_path).parent)
+    assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs, "engine")["volumeMounts"]
+    assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs)["volumeMounts"]
+    labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
+    (pm,) = kinds["PodMonitor"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    validate_builtin(docs, tmp_path)
+    validate_crds(docs)

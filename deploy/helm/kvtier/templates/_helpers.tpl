@@ -108,7 +108,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.tls.requireClientCert }}
 {{- $args = concat $args (list "--tls-client-ca" "/etc/kvtier/tls/ca.crt" "--tls-require-client-cert") }}
 {{- end }}
-{{- else if eq $v.mode "sidecar" }}
+{{- else if ne $v.mode "daemonset" }}
 {{- $args = concat $args (list "--listen" (printf "127.0.0.1:%d" (int $v.tls.listenPort))) }}
 {{- else }}
 {{- $args = concat $args (list "--listen" "") }}
@@ -136,9 +136,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toJson $args }}
 {{- end }}
 
-{{/* The kvtier container. Another chart's pod may include it (sidecar mode without this chart's
-     Deployment): {{ include "kvtier.sidecar.container" .Subcharts.kvtier | nindent 8 }}, with
-     the volumes of "kvtier.sidecar.volumes" and the socket directory mounted in its engine. */}}
+{{/* The kvtier container. An engine chart that depends on this one (mode: external) puts it in
+     its own pod: {{ include "kvtier.sidecar.container" .Subcharts.kvtier | nindent 8 }}, with
+     the volumes of "kvtier.sidecar.volumes", an emptyDir "kvtier-run" mounted at
+     daemon.socketDir in its engine too, and "kvtier.selectorLabels" on the pod for the metrics
+     Service and monitors (tests/data/helm/engine-chart). */}}
 {{- define "kvtier.sidecar.container" -}}
 {{- $v := .Values -}}
 - name: kvtier
