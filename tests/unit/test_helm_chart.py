@@ -308,3 +308,13 @@ def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
     assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
     validate_builtin(docs, tmp_path)
     validate_crds(docs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_tenants_file_rolls_the_pods(mode: str) -> None:
+    def checksum(*sets: str) -> str:
+        docs = render(VALUES_ALL, sets=(f"mode={mode}", *sets))
+        (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "Deployment")]
+        return str(workload["spec"]["template"]["metadata"]["annotations"]["checksum/secrets"])
+
+    assert checksum() != checksum("tenants.list[1].quotas.sessions=32")
