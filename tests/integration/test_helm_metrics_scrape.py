@@ -1,5 +1,5 @@
 """The Helm chart's /metrics, as rendered, on a real kvtierd: scrapeable from the pod network
-with the figures-only scraper's token, and that token good for figures and nothing else.
+with the scraper's token, and that token unable to open a session or register a namespace.
 
 The DaemonSet of deploy/helm/kvtier (tenants on) is rendered by the real helm; its kvtier
 container's arguments and its tenants file start a real daemon, with only the paths, the ports
@@ -109,7 +109,7 @@ def test_the_scraper_reads_every_tenants_figures_and_anonymous_scrapes_get_401(
 
 
 def test_the_scrapers_token_opens_no_session_and_registers_nothing(chart_daemon: DaemonProcess) -> None:
-    """Sent in plaintext HTTP, the token must be worth figures only."""
+    """Sent in plaintext HTTP, the token must hold nothing: no session, no namespace."""
     raw = TokenStub(chart_daemon.unix, SCRAPE)
     try:
         assert raw("Stats", pb.StatsRequest()) is not None  # figures: yes
