@@ -384,7 +384,7 @@ def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
     assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
 
 
-def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_figures_only_token(
+def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_an_operator_that_holds_nothing(
         tmp_path: Path) -> None:
     """Issue 29: /metrics was bound to the pod's loopback, out of Prometheus' reach. It is on the
     pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the

@@ -159,7 +159,9 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
     assert sum(shared) <= cfg.host_bytes
 
 
-def test_the_scraper_is_a_figures_only_operator_whose_token_the_monitors_send(tmp_path: Path) -> None:
+def test_the_scraper_is_an_operator_that_holds_nothing_and_the_monitors_send_its_token(
+    tmp_path: Path,
+) -> None:
     docs = rendered("daemonset", "all")
     cfg = serve_config(docs)
     tenants = tenants_of(docs, tmp_path)

@@ -117,7 +117,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.metrics.enabled }}
 {{- $args = concat $args (list "--metrics-host" (ternary "0.0.0.0" "127.0.0.1" $v.metrics.exposed) "--metrics-port" (toString (int $v.metrics.port))) }}
 {{- if and $v.metrics.exposed $v.tenants.enabled }}
-{{- /* /metrics on the pod IP asks for the figures-only scraper's token in plaintext HTTP; the
+{{- /* /metrics on the pod IP asks for the scraper's token in plaintext HTTP; the
      TCP listeners are TLS or loopback (kvtier.validate), so the flag opens nothing else. */}}
 {{- $args = append $args "--allow-plaintext-remote" }}
 {{- end }}
@@ -241,7 +241,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* A scrape endpoint's bearer token (the figures-only scraper's), when the daemon asks one. */}}
+{{/* A scrape endpoint's bearer token (the scraper's), when the daemon asks one. */}}
 {{- define "kvtier.scrapeAuthorization" -}}
 {{- if include "kvtier.scrapeNeedsToken" . }}
 authorization:

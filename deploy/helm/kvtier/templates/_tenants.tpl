@@ -1,5 +1,5 @@
 {{/* The tenants file (docs/security.md "Tenants"): tenants.list, then, when /metrics is scraped
-     over the pod network, the figures-only scraper: an operator (it sees every tenant's
+     over the pod network, the scraper: an operator (it sees every tenant's
      figures) with every quota 0, so it can open no session, register no namespace and hold
      nothing; its token, sent in plaintext HTTP, opens no session (an operator could still act
      in a session whose random id it knew: deploy/kubernetes/README.md "Metrics"). */}}
