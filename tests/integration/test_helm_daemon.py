@@ -1,10 +1,15 @@
-"""The Helm chart's /metrics, as rendered, on a real kvtierd: scrapeable from the pod network
-with the scraper's token, and that token unable to open a session or register a namespace.
+"""The Helm chart's kvtier container, as rendered, run as a real kvtierd.
 
-The DaemonSet of deploy/helm/kvtier (tenants on) is rendered by the real helm; its kvtier
-container's arguments and its tenants file start a real daemon, with only the paths, the ports
-(0: chosen by the OS) and the host tier's size changed for this machine. /metrics keeps the
-chart's bind address, 0.0.0.0 (the pod IP), and is scraped over loopback.
+The DaemonSet of deploy/helm/kvtier is rendered by the real helm; its kvtier container's
+arguments and its tenants file start a real daemon, with only the paths (certificates, tenants
+file, socket), the ports (0: chosen by the OS) and the host tier's size changed for this machine.
+Listeners keep the chart's bind address, 0.0.0.0 (the pod IP), and are reached over loopback.
+
+* /metrics: scrapeable from the pod network with the scraper's token, 401 without one, and that
+  token unable to open a session or register a namespace.
+* TLS (the chart's tls values, mTLS): an engine on another node stores and loads over the TLS
+  gRPC listener and the TLS data channel bound to 0.0.0.0 (advertised as such: the client dials
+  the host it reached gRPC at).
 """
 
 from __future__ import annotations
@@ -168,3 +173,67 @@ def test_kvtier_stats_works_with_the_scrapers_token(chart_daemon: DaemonProcess,
     )
     assert out.returncode == 0, out.stderr
     assert "org/model-of-a" in out.stdout
+
+
+def test_an_engine_on_another_node_stores_and_loads_over_the_charts_mtls_listeners(tmp_path: Path) -> None:
+    from redis_cluster import make_test_pki
+
+    pki = tmp_path / "pki"
+    make_test_pki(pki)
+    digest = hashlib.sha256(TEAM_A.encode()).hexdigest()
+    docs = render(
+        sets=(
+            "mode=daemonset",
+            "tls.enabled=true",
+            "tls.existingSecret=kvtier-certs",
+            "tls.requireClientCert=true",
+            "tenants.enabled=true",
+            "tenants.list[0].name=team-a",
+            f"tenants.list[0].tokensSha256={{{digest}}}",
+            "tenants.list[0].mtlsNames={kvtier test client}",
+            "tenants.list[0].transports={tcp}",
+            "tenants.list[0].quotas.host_bytes=32MiB",
+            f"metrics.scrape.token={SCRAPE}",
+        )
+    )
+    kvtier_c = container(docs)
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    args = _for_this_machine(
+        kvtier_c["command"] + kvtier_c["args"], tmp_path / "run", tmp_path / "tenants.toml"
+    )
+    files = {
+        "/etc/kvtier/tls/tls.crt": "server.crt",
+        "/etc/kvtier/tls/tls.key": "server.key",
+        "/etc/kvtier/tls/ca.crt": "ca.crt",
+    }
+    args = [str(pki / files[a]) if a in files else a for a in args]
+    for flag in ("--listen", "--data-listen"):  # the chart's 0.0.0.0, on a free port
+        assert args[args.index(flag) + 1].startswith("0.0.0.0:")
+        args[args.index(flag) + 1] = "0.0.0.0:0"
+    d = DaemonProcess(tmp_path / "run", *args).start()
+    try:
+        assert d.info["grpc"].startswith("0.0.0.0:")
+        address = "127.0.0.1:" + d.info["grpc"].rpartition(":")[2]  # "the pod IP"
+        tls = dict(
+            tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "client.crt"), tls_key=str(pki / "client.key")
+        )
+        with kvtier.Client.connect(address, transport="tcp", token=TEAM_A, **tls) as c:
+            ns = c.register(make_namespace(tenant="team-a"))
+            keys = ns.block_keys(list(range(16 * 4)))
+            data = [hashlib.shake_256(b"%d" % i).digest(ns.block_bytes) for i in range(4)]
+            assert ns.put(keys, data).stored == 4, c.counters.last_error
+            assert [bytes(g) if g else None for g in ns.get(keys)] == data
+            assert c.counters.last_error == ""
+        from kvtier_contract.errors import KvtierError
+
+        try:  # no client certificate: refused at connect, or every store dropped
+            with kvtier.Client.connect(
+                address, transport="tcp", token=TEAM_A, tls_ca=tls["tls_ca"], timeout_s=2
+            ) as c:
+                stored = c.register(make_namespace(tenant="team-a")).put(keys[:1], data[:1]).stored
+        except KvtierError:
+            stored = 0
+        assert stored == 0
+    finally:
+        d.kill()
