@@ -320,3 +320,26 @@ def test_a_changed_tenants_file_rolls_the_pods(mode: str) -> None:
         return str(workload["spec"]["template"]["metadata"]["annotations"]["checksum/secrets"])
 
     assert checksum() != checksum("tenants.list[1].quotas.sessions=32")
+
+
+@pytest.mark.parametrize("sets", [("metrics.exposed=false",), ("metrics.enabled=false",)])
+def test_metrics_kept_on_loopback_or_off_render_no_scraper_and_no_plaintext_flag(
+    sets: tuple[str, ...], tmp_path: Path
+) -> None:
+    docs = render(VALUES_ALL, sets=sets)
+    cfg = serve_config(docs)
+    if sets == ("metrics.enabled=false",):
+        assert cfg.metrics_port == -1
+    else:
+        assert cfg.metrics_host == "127.0.0.1"
+    assert not cfg.allow_plaintext_remote
+    assert "metrics" not in {p["name"] for p in container(docs)["ports"]}
+    kinds = by_kind(docs)
+    assert not {"Service", "ServiceMonitor", "PodMonitor"} & set(kinds)
+    assert "kvtier-metrics" not in tenants_of(docs, tmp_path).by_name
+    validate_builtin(docs, tmp_path)
+
+
+def test_the_image_defaults_to_the_projects_version() -> None:
+    for mode in MODES:
+        assert container(rendered(mode, "defaults"))["image"].endswith(f"/kvtier:{__version__}")
