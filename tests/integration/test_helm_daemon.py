@@ -1,0 +1,239 @@
+"""The Helm chart's kvtier container, as rendered, run as a real kvtierd.
+
+The DaemonSet of deploy/helm/kvtier is rendered by the real helm; its kvtier container's
+arguments and its tenants file start a real daemon, with only the paths (certificates, tenants
+file, socket), the ports (0: chosen by the OS) and the host tier's size changed for this machine.
+Listeners keep the chart's bind address, 0.0.0.0 (the pod IP), and are reached over loopback.
+
+* /metrics: scrapeable from the pod network with the scraper's token, 401 without one, and that
+  token unable to open a session or register a namespace.
+* TLS (the chart's tls values, mTLS): an engine on another node stores and loads over the TLS
+  gRPC listener and the TLS data channel bound to 0.0.0.0 (advertised as such: the client dials
+  the host it reached gRPC at).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import DaemonProcess, make_namespace
+from helm_chart import by_kind, container, render
+from tests_helpers import TokenStub
+
+import kvtier
+from kvtier_contract.v1 import kvtier_pb2 as pb
+
+SCRAPE = "scrape-tok-1"
+TEAM_A = "team-a-tok-1"
+MiB = 1 << 20
+
+
+def _chart() -> tuple[list[str], str]:
+    """(the kvtier container's command + args, the tenants file) of the rendered DaemonSet."""
+    digest = hashlib.sha256(TEAM_A.encode()).hexdigest()
+    docs = render(
+        sets=(
+            "mode=daemonset",
+            "tenants.enabled=true",
+            "tenants.list[0].name=team-a",
+            f"tenants.list[0].tokensSha256={{{digest}}}",
+            "tenants.list[0].transports={tcp}",
+            "tenants.list[0].quotas.host_bytes=32MiB",
+            f"metrics.scrape.token={SCRAPE}",
+            "metrics.serviceMonitor.enabled=true",
+        )
+    )
+    kvtier_c = container(docs)
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
+    return kvtier_c["command"] + kvtier_c["args"], secret["stringData"]["tenants.toml"]
+
+
+def _for_this_machine(argv: list[str], run_dir: Path, tenants: Path) -> list[str]:
+    """The chart's ``serve`` arguments with paths, ports and sizes of this test."""
+    swap = {
+        "--socket": str(run_dir / "kvtier.sock"),
+        "--tenants-file": str(tenants),
+        "--metrics-port": "0",
+        "--health-listen": "0.0.0.0:0",
+        "--host-bytes": "64MiB",
+    }
+    out = list(argv[2:])
+    for i, a in enumerate(out[:-1]):
+        if a in swap:
+            out[i + 1] = swap[a]
+    return out
+
+
+@pytest.fixture
+def chart_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    argv, toml = _chart()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(toml)
+    args = _for_this_machine(argv, tmp_path / "run", tenants)
+    assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
+    d = DaemonProcess(tmp_path / "run", *args).start()
+    yield d
+    d.kill()
+
+
+def _scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
+    port = int(d.info["metrics"].rpartition(":")[2].split("/")[0])
+    assert d.info["metrics"].startswith("http://0.0.0.0:"), d.info["metrics"]  # the pod IP
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
+def test_the_scraper_reads_every_tenants_figures_and_anonymous_scrapes_get_401(
+    chart_daemon: DaemonProcess,
+) -> None:
+    with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
+        ns = c.register(make_namespace(tenant="team-a", model_id="org/model-of-a"))
+        keys = ns.block_keys(list(range(16 * 2)))
+        assert ns.put(keys, [b"\x5a" * ns.block_bytes] * 2).stored == 2
+    for token in (None, "not-a-token"):
+        code, body = _scrape(chart_daemon, token)
+        assert code == 401 and "model-of-a" not in body
+    code, body = _scrape(chart_daemon, SCRAPE)
+    assert code == 200
+    assert 'model="org/model-of-a"' in body  # another tenant's namespace: the operator's view
+    assert 'method="RegisterNamespace"' in body  # daemon-wide figures
+    assert all(k.hex() not in body for k in keys)  # figures, never keys
+
+
+def test_the_scrapers_token_opens_no_session_and_registers_nothing(chart_daemon: DaemonProcess) -> None:
+    """Sent in plaintext HTTP, the token must hold nothing: no session, no namespace."""
+    raw = TokenStub(chart_daemon.unix, SCRAPE)
+    try:
+        assert raw("Stats", pb.StatsRequest()) is not None  # figures: yes
+        code, _ = raw.code(
+            "OpenSession",
+            pb.OpenSessionRequest(client_name="scraper", lease_ttl_ms=30_000, transport=pb.TRANSPORT_TCP),
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        ns = make_namespace(tenant="kvtier-metrics")
+        fields: dict[str, Any] = {k: v for k, v in ns.to_dict().items() if v is not None}
+        code, _ = raw.code(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=ns.digest),
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        raw.channel.close()
+
+
+def test_without_the_charts_flag_the_daemon_refuses_a_pod_ip_metrics_with_tenants(tmp_path: Path) -> None:
+    """--allow-plaintext-remote is what lets /metrics onto the pod IP: the chart must set it."""
+    argv, toml = _chart()
+    (tmp_path / "tenants.toml").write_text(toml)
+    args = [
+        a
+        for a in _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
+        if a != "--allow-plaintext-remote"
+    ]
+    with pytest.raises(RuntimeError, match="metrics_host"):
+        DaemonProcess(tmp_path / "run", *args).start()
+
+
+def test_kvtier_stats_works_with_the_scrapers_token(chart_daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The operator reads the same figures with `kvtier stats` (Stats needs no session)."""
+    import subprocess
+    import sys
+
+    with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
+        c.register(make_namespace(tenant="team-a", model_id="org/model-of-a"))
+    token = tmp_path / "token"
+    token.write_text(SCRAPE + "\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "stats",
+            "--address",
+            chart_daemon.unix,
+            "--token-file",
+            str(token),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "org/model-of-a" in out.stdout
+
+
+def test_an_engine_on_another_node_stores_and_loads_over_the_charts_mtls_listeners(tmp_path: Path) -> None:
+    from redis_cluster import make_test_pki
+
+    pki = tmp_path / "pki"
+    make_test_pki(pki)
+    digest = hashlib.sha256(TEAM_A.encode()).hexdigest()
+    docs = render(
+        sets=(
+            "mode=daemonset",
+            "tls.enabled=true",
+            "tls.existingSecret=kvtier-certs",
+            "tls.requireClientCert=true",
+            "tenants.enabled=true",
+            "tenants.list[0].name=team-a",
+            f"tenants.list[0].tokensSha256={{{digest}}}",
+            "tenants.list[0].mtlsNames={kvtier test client}",
+            "tenants.list[0].transports={tcp}",
+            "tenants.list[0].quotas.host_bytes=32MiB",
+            f"metrics.scrape.token={SCRAPE}",
+        )
+    )
+    kvtier_c = container(docs)
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    args = _for_this_machine(
+        kvtier_c["command"] + kvtier_c["args"], tmp_path / "run", tmp_path / "tenants.toml"
+    )
+    files = {
+        "/etc/kvtier/tls/tls.crt": "server.crt",
+        "/etc/kvtier/tls/tls.key": "server.key",
+        "/etc/kvtier/tls/ca.crt": "ca.crt",
+    }
+    args = [str(pki / files[a]) if a in files else a for a in args]
+    for flag in ("--listen", "--data-listen"):  # the chart's 0.0.0.0, on a free port
+        assert args[args.index(flag) + 1].startswith("0.0.0.0:")
+        args[args.index(flag) + 1] = "0.0.0.0:0"
+    d = DaemonProcess(tmp_path / "run", *args).start()
+    try:
+        assert d.info["grpc"].startswith("0.0.0.0:")
+        address = "127.0.0.1:" + d.info["grpc"].rpartition(":")[2]  # "the pod IP"
+        tls = dict(
+            tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "client.crt"), tls_key=str(pki / "client.key")
+        )
+        with kvtier.Client.connect(address, transport="tcp", token=TEAM_A, **tls) as c:
+            ns = c.register(make_namespace(tenant="team-a"))
+            keys = ns.block_keys(list(range(16 * 4)))
+            data = [hashlib.shake_256(b"%d" % i).digest(ns.block_bytes) for i in range(4)]
+            assert ns.put(keys, data).stored == 4, c.counters.last_error
+            assert [bytes(g) if g else None for g in ns.get(keys)] == data
+            assert c.counters.last_error == ""
+        from kvtier_contract.errors import KvtierError
+
+        try:  # no client certificate: refused at connect, or every store dropped
+            with kvtier.Client.connect(
+                address, transport="tcp", token=TEAM_A, tls_ca=tls["tls_ca"], timeout_s=2
+            ) as c:
+                stored = c.register(make_namespace(tenant="team-a")).put(keys[:1], data[:1]).stored
+        except KvtierError:
+            stored = 0
+        assert stored == 0
+    finally:
+        d.kill()

@@ -1,0 +1,345 @@
+"""deploy/helm/kvtier rendered by the real helm (``make helm``) and checked against real schemas.
+
+Both modes (daemonset, sidecar), with the chart's defaults and with tests/data/helm/values-all.yaml
+(TLS, mTLS, tenants with every quota, an NVMe tier, the scraper, every monitoring object):
+``helm lint --strict`` (values.schema.json included), Kubernetes' JSON schemas with unknown
+fields refused, prometheus-operator's schemas for the CRD kinds, the kvtier container's flags
+parsed by ``kvtierd serve``'s own parser into a valid config, ports that agree, and a /metrics
+that the pod network reaches. tests/helm_chart.py says where the tools come from.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helm_chart import (
+    CHART,
+    VALUES_ALL,
+    by_kind,
+    container,
+    helm,
+    parse_serve,
+    pod_spec,
+    render,
+    render_error,
+    validate_builtin,
+    validate_crds,
+)
+
+from kvtier_contract.version import __version__
+from kvtierd.app import SERVICE_NAME
+from kvtierd.tenancy.room import QUOTA_NAMES
+from kvtierd.tenants import load_tenants, token_digest
+
+MODES = ["daemonset", "sidecar"]
+CASES = [(mode, values) for mode in MODES for values in ("defaults", "all")]
+SCRAPE_TOKEN = "scrape-token-for-tests"  # values-all.yaml's metrics.scrape.token
+QUANTITY = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def rendered(mode: str, values: str) -> list[dict[str, Any]]:
+    files = (VALUES_ALL,) if values == "all" else ()
+    return render(*files, sets=(f"mode={mode}",))
+
+
+def quantity(q: str) -> int:
+    digits = q.rstrip("KMGTi")
+    return int(digits) * QUANTITY[q[len(digits) :]]
+
+
+def serve_config(docs: list[dict[str, Any]]) -> Any:
+    kvtier = container(docs)
+    return parse_serve(kvtier["command"] + kvtier["args"])
+
+
+def tenants_of(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
+    (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
+    return load_tenants(tmp_path / "tenants.toml")
+
+
+def test_chart_version_is_the_projects() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == __version__
+
+
+@pytest.mark.parametrize("values", ["defaults", "all"])
+def test_helm_lint_strict_passes(values: str) -> None:
+    extra = ["--values", str(VALUES_ALL)] if values == "all" else []
+    for mode in MODES:
+        out = helm("lint", "--strict", str(CHART), "--set", f"mode={mode}", *extra)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(("mode", "values"), CASES)
+def test_rendered_manifests_pass_kubernetes_and_prometheus_operator_schemas(
+    mode: str, values: str, tmp_path: Path
+) -> None:
+    docs = rendered(mode, values)
+    kinds = by_kind(docs)
+    assert ("DaemonSet" if mode == "daemonset" else "Deployment") in kinds
+    validate_builtin(docs, tmp_path)
+    validate_crds(docs)
+    if values == "all":
+        assert {"ServiceMonitor", "PodMonitor"} <= set(kinds)
+    else:  # monitoring objects are off by default: a cluster without their CRDs installs fine
+        assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule"} & set(kinds)
+
+
+@pytest.mark.parametrize(("mode", "values"), CASES)
+def test_kvtier_flags_exist_and_ports_agree(mode: str, values: str) -> None:
+    docs = rendered(mode, values)
+    cfg = serve_config(docs)
+    kvtier = container(docs)
+    ports = {p["name"]: p["containerPort"] for p in kvtier["ports"]}
+    assert ports["health"] == int(cfg.health_listen.rpartition(":")[2])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert kvtier[probe]["grpc"]["port"] == ports["health"]
+    assert kvtier["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    # /metrics on the pod IP, on the port the Service, ServiceMonitor and PodMonitor name
+    assert cfg.metrics_host == "0.0.0.0" and ports["metrics"] == cfg.metrics_port
+    (service,) = [s for s in by_kind(docs)["Service"] if s["metadata"]["name"].endswith("-metrics")]
+    assert service["spec"]["clusterIP"] == "None"
+    (sport,) = service["spec"]["ports"]
+    assert sport["targetPort"] == "metrics" and sport["port"] == cfg.metrics_port
+    for sm in by_kind(docs).get("ServiceMonitor", []):
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == [sport["name"]]
+        labels = service["metadata"]["labels"]
+        assert sm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for pm in by_kind(docs).get("PodMonitor", []):
+        assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    socket_dir = str(Path(cfg.socket_path).parent)
+    mounts = {m["name"]: m["mountPath"] for m in kvtier["volumeMounts"]}
+    assert mounts["kvtier-run"] == socket_dir
+    if cfg.listen:  # TLS on a TCP listener, or the sidecar's loopback
+        assert cfg.tls_cert or cfg.listen.startswith("127.0.0.1:")
+    if cfg.tls_cert:
+        assert ports["grpc-tls"] == int(cfg.listen.rpartition(":")[2])
+        assert ports["data-tls"] == int(cfg.data_listen.rpartition(":")[2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_socket_directory_is_shared_at_the_same_path(mode: str) -> None:
+    docs = rendered(mode, "defaults")
+    cfg = serve_config(docs)
+    socket_dir = str(Path(cfg.socket_path).parent)
+    run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
+    if mode == "daemonset":
+        assert run["hostPath"]["path"] == socket_dir
+        assert not any(pod_spec(docs).get(k) for k in ("hostIPC", "hostNetwork", "hostPID"))
+    else:
+        assert "emptyDir" in run
+        engine = container(docs, "engine")
+        assert {"name": "kvtier-run", "mountPath": socket_dir} in engine["volumeMounts"]
+        env = {e["name"]: e["value"] for e in engine["env"]}
+        assert env["KVTIER_ADDRESS"] == f"unix://{cfg.socket_path}"
+    sc = container(docs)["securityContext"]
+    assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and not sc["allowPrivilegeEscalation"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_path: Path) -> None:
+    docs = rendered(mode, "all")
+    cfg = serve_config(docs)
+    tenants = tenants_of(docs, tmp_path)
+    for t in tenants.by_name.values():
+        assert not [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None], t.name
+    mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tenants")
+    assert cfg.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
+    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory)
+    resources = container(docs)["resources"]
+    assert quantity(resources["limits"]["memory"]) > cfg.host_bytes + arenas
+    shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not t.maps_memory]
+    assert sum(shared) <= cfg.host_bytes
+
+
+def test_the_scraper_is_an_operator_that_holds_nothing_and_the_monitors_send_its_token(
+    tmp_path: Path,
+) -> None:
+    docs = rendered("daemonset", "all")
+    cfg = serve_config(docs)
+    tenants = tenants_of(docs, tmp_path)
+    scraper = tenants.by_name["kvtier-metrics"]
+    assert scraper.operator and not scraper.maps_memory
+    assert tenants.by_token_digest(bytes.fromhex(token_digest(SCRAPE_TOKEN))) is scraper
+    held = {n: getattr(scraper.quotas, n) for n in QUOTA_NAMES if n != "buffered_bytes"}
+    assert held and set(held.values()) == {0}, held  # no session, namespace, job or byte
+    assert cfg.allow_plaintext_remote and cfg.tls_cert  # the flag opens /metrics and nothing else
+    secrets = {s["metadata"]["name"]: s for s in by_kind(docs)["Secret"]}
+    for monitor in by_kind(docs)["ServiceMonitor"] + by_kind(docs)["PodMonitor"]:
+        (endpoint,) = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+        ref = endpoint["authorization"]["credentials"]
+        assert endpoint["authorization"]["type"] == "Bearer"
+        assert secrets[ref["name"]]["stringData"][ref["key"]] == SCRAPE_TOKEN
+
+
+def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> None:
+    docs = rendered("daemonset", "all")
+    cfg = serve_config(docs)
+    mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tls")
+    volume = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "tls")
+    secret = next(
+        s for s in by_kind(docs)["Secret"] if s["metadata"]["name"] == volume["secret"]["secretName"]
+    )
+    assert secret["type"] == "kubernetes.io/tls" and mount["readOnly"]
+    for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca):
+        assert Path(path).parent == Path(mount["mountPath"])
+        assert Path(path).name in secret["stringData"]
+    assert cfg.tls_require_client_cert
+    existing = render(VALUES_ALL, sets=("tls.existingSecret=my-certs",))
+    assert "tls" not in {s["metadata"]["name"].rpartition("-")[2] for s in by_kind(existing)["Secret"]}
+    assert (
+        next(v for v in pod_spec(existing)["volumes"] if v["name"] == "tls")["secret"]["secretName"]
+        == "my-certs"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (("mode=node",), "mode"),
+        (("tenants.enabled=true",), "tenants.list or tenants.existingSecret"),
+        (("resources.limits.memory=8Gi",), "resources.limits.memory"),
+        (("tls.enabled=true",), "tls.existingSecret"),
+        (("tenants.enabled=true", "tenants.list[0].name=a"), "metrics.scrape"),
+        (("daemon.extraArgs={--listen=0.0.0.0:50051}",), "daemon.extraArgs"),
+        (("daemon.hostBytes=16GB",), "hostBytes"),
+        (("tenants.list[0].name=a", "tenants.list[0].quotas.sesions=1"), "sesions"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_value(sets: tuple[str, ...], says: str) -> None:
+    assert says in render_error(*sets)
+
+
+def _chart_copy(tmp_path: Path, alerts: str | None, dashboard: str | None) -> Path:
+    chart = tmp_path / "kvtier"
+    shutil.copytree(CHART, chart)
+    for name, text in (("kvtier-alerts.yaml", alerts), ("kvtier-dashboard.json", dashboard)):
+        path = chart / "files" / name
+        path.unlink(missing_ok=True)
+        if text is not None:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+    return chart
+
+
+def test_prometheus_rule_and_dashboard_wrap_the_chart_files(tmp_path: Path) -> None:
+    groups = [
+        {
+            "name": "kvtier",
+            "rules": [
+                {
+                    "alert": "KvtierDown",
+                    "expr": 'up{job="kvtier"} == 0',
+                    "for": "5m",
+                    "labels": {"severity": "critical"},
+                    "annotations": {"summary": "kvtierd is down"},
+                }
+            ],
+        }
+    ]
+    dashboard = json.dumps({"title": "kvtier", "panels": []}, indent=1)
+    chart = _chart_copy(tmp_path, yaml.safe_dump({"groups": groups}), dashboard)
+    docs = render(VALUES_ALL, chart=chart)
+    (rule,) = by_kind(docs)["PrometheusRule"]
+    assert rule["spec"]["groups"] == groups
+    validate_crds(docs)
+    (cm,) = [c for c in by_kind(docs)["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["kvtier-dashboard.json"]) == json.loads(dashboard)
+    validate_builtin(docs, tmp_path)
+
+
+def test_without_the_files_the_chart_renders_without_rule_and_dashboard(tmp_path: Path) -> None:
+    docs = render(VALUES_ALL, chart=_chart_copy(tmp_path, None, None))
+    assert "PrometheusRule" not in by_kind(docs) and "ConfigMap" not in by_kind(docs)
+
+
+def test_the_shipped_alerts_and_dashboard_when_present_render_and_validate(tmp_path: Path) -> None:
+    """files/ is written by the observability work; once there, the chart must carry it whole."""
+    files = CHART / "files"
+    docs = render(VALUES_ALL)
+    kinds = by_kind(docs)
+    if (files / "kvtier-alerts.yaml").exists():
+        (rule,) = kinds["PrometheusRule"]
+        assert rule["spec"]["groups"] == yaml.safe_load((files / "kvtier-alerts.yaml").read_text())["groups"]
+    if (files / "kvtier-dashboard.json").exists():
+        (cm,) = kinds["ConfigMap"]
+        assert json.loads(cm["data"]["kvtier-dashboard.json"]) == json.loads(
+            (files / "kvtier-dashboard.json").read_text()
+        )
+    validate_crds(docs)
+    validate_builtin(docs, tmp_path)
+
+
+def test_rendered_tenants_file_is_valid_toml_with_the_values_types(tmp_path: Path) -> None:
+    docs = rendered("sidecar", "all")
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
+    raw = tomllib.loads(secret["stringData"]["tenants.toml"])
+    values = yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
+    assert [t["name"] for t in raw["tenant"]] == [t["name"] for t in values] + ["kvtier-metrics"]
+    for got, want in zip(raw["tenant"], values, strict=False):
+        assert got["quotas"] == want["quotas"]
+        assert got["transports"] == want["transports"]
+
+
+def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
+    """mode external: the named templates put the same container in a dependent chart's pod."""
+    chart = tmp_path / "engine-chart"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "helm" / "engine-chart", chart)
+    meta = chart / "Chart.yaml"
+    meta.write_text(meta.read_text().replace("KVTIER_CHART", str(CHART)))
+    out = helm("dependency", "build", str(chart))
+    assert out.returncode == 0, out.stderr
+    docs = render(chart=chart)
+    kinds = by_kind(docs)
+    assert "DaemonSet" not in kinds and [d["metadata"]["name"] for d in kinds["Deployment"]] == ["my-engine"]
+    cfg = serve_config(docs)
+    assert cfg.host_bytes == 8 << 30 and cfg.listen.startswith("127.0.0.1:")
+    socket_dir = str(Path(cfg.socket_path).parent)
+    assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs, "engine")["volumeMounts"]
+    assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs)["volumeMounts"]
+    labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
+    (pm,) = kinds["PodMonitor"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    validate_builtin(docs, tmp_path)
+    validate_crds(docs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_tenants_file_rolls_the_pods(mode: str) -> None:
+    def checksum(*sets: str) -> str:
+        docs = render(VALUES_ALL, sets=(f"mode={mode}", *sets))
+        (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "Deployment")]
+        return str(workload["spec"]["template"]["metadata"]["annotations"]["checksum/secrets"])
+
+    assert checksum() != checksum("tenants.list[1].quotas.sessions=32")
+
+
+@pytest.mark.parametrize("sets", [("metrics.exposed=false",), ("metrics.enabled=false",)])
+def test_metrics_kept_on_loopback_or_off_render_no_scraper_and_no_plaintext_flag(
+    sets: tuple[str, ...], tmp_path: Path
+) -> None:
+    docs = render(VALUES_ALL, sets=sets)
+    cfg = serve_config(docs)
+    if sets == ("metrics.enabled=false",):
+        assert cfg.metrics_port == -1
+    else:
+        assert cfg.metrics_host == "127.0.0.1"
+    assert not cfg.allow_plaintext_remote
+    assert "metrics" not in {p["name"] for p in container(docs)["ports"]}
+    kinds = by_kind(docs)
+    assert not {"Service", "ServiceMonitor", "PodMonitor"} & set(kinds)
+    assert "kvtier-metrics" not in tenants_of(docs, tmp_path).by_name
+    validate_builtin(docs, tmp_path)
+
+
+def test_the_image_defaults_to_the_projects_version() -> None:
+    for mode in MODES:
+        assert container(rendered(mode, "defaults"))["image"].endswith(f"/kvtier:{__version__}")
