@@ -419,6 +419,7 @@ class Daemon:
             snap = to_dict(self.service.stats_reply())
         finally:
             CALLER.reset(scope)
+        snap["draining"] = self.service.draining  # kvtier_draining: not ready, shutting down
         if caller is not None and not caller.operator:
             snap.update(rpc_errors={}, rpc_latency={}, connections={}, published={})
             return snap
