@@ -14,20 +14,69 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-AGGREGATIONS = frozenset({"sum", "avg", "min", "max", "count", "group", "stddev", "stdvar",
-                          "topk", "bottomk", "quantile", "count_values"})
-FUNCTIONS = frozenset({
-    "rate", "irate", "increase", "delta", "idelta", "deriv", "changes", "resets", "abs", "absent",
-    "absent_over_time", "avg_over_time", "min_over_time", "max_over_time", "sum_over_time",
-    "count_over_time", "last_over_time", "quantile_over_time", "histogram_quantile", "clamp",
-    "clamp_min", "clamp_max", "scalar", "vector", "time", "timestamp", "round", "ceil", "floor",
-    "sort", "sort_desc", "label_replace", "label_join", "predict_linear", "sgn", "exp", "ln",
-})
+AGGREGATIONS = frozenset(
+    {
+        "sum",
+        "avg",
+        "min",
+        "max",
+        "count",
+        "group",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+    }
+)
+FUNCTIONS = frozenset(
+    {
+        "rate",
+        "irate",
+        "increase",
+        "delta",
+        "idelta",
+        "deriv",
+        "changes",
+        "resets",
+        "abs",
+        "absent",
+        "absent_over_time",
+        "avg_over_time",
+        "min_over_time",
+        "max_over_time",
+        "sum_over_time",
+        "count_over_time",
+        "last_over_time",
+        "quantile_over_time",
+        "histogram_quantile",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "scalar",
+        "vector",
+        "time",
+        "timestamp",
+        "round",
+        "ceil",
+        "floor",
+        "sort",
+        "sort_desc",
+        "label_replace",
+        "label_join",
+        "predict_linear",
+        "sgn",
+        "exp",
+        "ln",
+    }
+)
 KEYWORDS = frozenset({"and", "or", "unless", "bool"})
 MATCHING = frozenset({"on", "ignoring", "group_left", "group_right"})
 GROUPING = frozenset({"by", "without"})
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<ws>\s+)
   | (?P<range>\[\s*(?:\d+[smhdwy]|\$\w+|\$\{\w+\})(?::(?:\d+[smhdwy])?)?\s*\])
   | (?P<duration>\d+(?:ms|[smhdwy]))(?![\w.])
@@ -37,7 +86,9 @@ _TOKEN = re.compile(r"""
   | (?P<matchop>=~|!~|!=|==|>=|<=)
   | (?P<op>[-+*/%^<>=])
   | (?P<punct>[(){},])
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 class PromQLError(ValueError):
@@ -71,7 +122,7 @@ def _tokens(expr: str) -> list[tuple[str, str]]:
     while pos < len(expr):
         m = _TOKEN.match(expr, pos)
         if m is None:
-            raise PromQLError(f"cannot read {expr[pos:pos + 20]!r} at {pos} of {expr!r}")
+            raise PromQLError(f"cannot read {expr[pos : pos + 20]!r} at {pos} of {expr!r}")
         pos = m.end()
         kind = m.lastgroup or ""
         if kind != "ws":

@@ -71,8 +71,11 @@ class Exposition:
                     self.values.setdefault((s.name, k), set()).add(v)
 
     def value(self, name: str, **labels: str) -> float:
-        found = [s.value for s in self.samples if s.name == name
-                 and all(s.labels.get(k) == v for k, v in labels.items())]
+        found = [
+            s.value
+            for s in self.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
         assert len(found) == 1, (name, labels, found)
         return float(found[0])
 
@@ -94,12 +97,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         key = tmp / "fleet.key"
         key.write_text(hashlib.sha256(b"dashboard fleet").hexdigest() + "\n")
         cfg = tmp / "kvtierd.toml"
-        cfg.write_text(f'tenants_file = "{_tenants(tmp / "tenants.toml")}"\n'
-                       f'disk_dir = "{tmp / "nvme"}"\ndisk_bytes = "64MiB"\n'
-                       f'cluster = "{rc.url}"\ncluster_fleet_key_file = "{key}"\n'
-                       "cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n")
-        d = DaemonProcess(tmp / "d", "--config", str(cfg), "--host-bytes", "64MiB",
-                          "--slab-bytes", "1MiB").start()
+        cfg.write_text(
+            f'tenants_file = "{_tenants(tmp / "tenants.toml")}"\n'
+            f'disk_dir = "{tmp / "nvme"}"\ndisk_bytes = "64MiB"\n'
+            f'cluster = "{rc.url}"\ncluster_fleet_key_file = "{key}"\n'
+            "cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n"
+        )
+        d = DaemonProcess(
+            tmp / "d", "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB"
+        ).start()
         try:
             with client(d, "ops") as ops:
                 wait_for("the cluster tier connected", lambda: ops.stats()["cluster"]["connected"])
@@ -114,8 +120,7 @@ def _traffic(d: DaemonProcess) -> None:
     team-b holds one namespace; a raw request for a session that does not exist is refused."""
     with client(d, "team-a") as a:
         for tokenizer in (TOKENIZER, "tok-other"):
-            ns = a.register(make_namespace(tenant="team-a", tokenizer_digest=tokenizer,
-                                           cache_salt=SALT))
+            ns = a.register(make_namespace(tenant="team-a", tokenizer_digest=tokenizer, cache_salt=SALT))
             keys = ns.block_keys(list(range(16 * 4)))
             assert ns.put(keys, [bytes([i]) * ns.block_bytes for i in range(4)]).stored == 4
             assert ns.lookup(keys + [b"\1" * 32]) == 4
@@ -125,7 +130,8 @@ def _traffic(d: DaemonProcess) -> None:
     with client(d, "team-b") as b:
         b.register(make_namespace(tenant="team-b", model_id="org/model-of-b"))
     code, _ = TokenStub(d.grpc, TOKENS["team-a"]).code(
-        "Lookup", pb.LookupRequest(session_id=12345, namespace_id=1, keys=b"\0" * 32))
+        "Lookup", pb.LookupRequest(session_id=12345, namespace_id=1, keys=b"\0" * 32)
+    )
     assert code != grpc.StatusCode.OK
 
 
@@ -139,8 +145,9 @@ def check(query: Query, exposed: Exposition, where: str) -> None:
         for label, op, value in sel.matchers:
             assert label in known, f"{where}: {sel.name} has no label {label!r}"
             if label in BOUNDED and op == "=":
-                assert value in exposed.values[(sel.name, label)], \
+                assert value in exposed.values[(sel.name, label)], (
                     f"{where}: {sel.name}{{{label}={value!r}}} is never written"
+                )
     for g in query.groupings:
         for sel in g.selectors:
             have = SYNTHETIC.get(sel.name) or exposed.labels[sel.name] | TARGET_LABELS
@@ -157,8 +164,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def test_every_dashboard_query_names_metrics_and_labels_the_daemon_exposes(
-        daemon: DaemonProcess) -> None:
+def test_every_dashboard_query_names_metrics_and_labels_the_daemon_exposes(daemon: DaemonProcess) -> None:
     exposed = scrape(daemon, TOKENS["ops"])
     queries = dashboard_queries()
     assert len(queries) >= 40
@@ -178,18 +184,25 @@ def test_every_dashboard_query_names_metrics_and_labels_the_daemon_exposes(
             assert label in exposed.labels[q.selectors[0].name] | TARGET_LABELS
     # what the issue asks the dashboard to show: hits per tier and tenant, bytes in/out,
     # evictions, NVMe health, the cluster tier, quotas, the process
-    for name in ("kvtier_lookup_blocks_hit_total", "kvtier_local_lookup_blocks_hit_total",
-                 "kvtier_transfer_bytes_total", "kvtier_evictions_total", "kvtier_nvme_degraded",
-                 "kvtier_cluster_connected", "kvtier_cluster_mac_failures_total",
-                 "kvtier_quota_limit", "kvtier_quota_refusals_total", "process_cpu_seconds_total",
-                 "process_resident_memory_bytes"):
+    for name in (
+        "kvtier_lookup_blocks_hit_total",
+        "kvtier_local_lookup_blocks_hit_total",
+        "kvtier_transfer_bytes_total",
+        "kvtier_evictions_total",
+        "kvtier_nvme_degraded",
+        "kvtier_cluster_connected",
+        "kvtier_cluster_mac_failures_total",
+        "kvtier_quota_limit",
+        "kvtier_quota_refusals_total",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+    ):
         assert name in used, f"the dashboard shows no {name}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
 
 
-def test_every_alert_expression_names_metrics_and_labels_the_daemon_exposes(
-        daemon: DaemonProcess) -> None:
+def test_every_alert_expression_names_metrics_and_labels_the_daemon_exposes(daemon: DaemonProcess) -> None:
     exposed = scrape(daemon, TOKENS["ops"])
     groups = yaml.safe_load((FILES / "kvtier-alerts.yaml").read_text())["groups"]
     names = set()
@@ -203,19 +216,24 @@ def test_every_alert_expression_names_metrics_and_labels_the_daemon_exposes(
             except PromQLError as e:
                 raise AssertionError(f"alert {rule['alert']}: {e}") from None
             check(q, exposed, f"alert {rule['alert']}")
-    assert {"KvtierDown", "KvtierDraining", "KvtierNvmeDegraded", "KvtierClusterDisconnected",
-            "KvtierClusterMacFailures", "KvtierQuotaRefusals", "KvtierHitRateCollapse",
-            "KvtierBadRequests"} <= names
+    assert {
+        "KvtierDown",
+        "KvtierDraining",
+        "KvtierNvmeDegraded",
+        "KvtierClusterDisconnected",
+        "KvtierClusterMacFailures",
+        "KvtierQuotaRefusals",
+        "KvtierHitRateCollapse",
+        "KvtierBadRequests",
+    } <= names
 
 
-def test_metrics_carry_the_tenant_the_exact_boot_epoch_and_the_process(
-        daemon: DaemonProcess) -> None:
+def test_metrics_carry_the_tenant_the_exact_boot_epoch_and_the_process(daemon: DaemonProcess) -> None:
     ops = scrape(daemon, TOKENS["ops"])
     hits = [s for s in ops.samples if s.name == "kvtier_lookup_blocks_hit_total"]
     assert {s.labels["tier"] for s in hits} == {"host", "nvme", "cluster"}  # never "unknown"
     assert 'tier="unknown"' not in ops.text
-    assert sum(s.value for s in hits if s.labels["tenant"] == "team-a"
-               and s.labels["tier"] == "host") == 8
+    assert sum(s.value for s in hits if s.labels["tenant"] == "team-a" and s.labels["tier"] == "host") == 8
     assert {s.labels["tenant"] for s in hits} == {"team-a", "team-b"}
     assert ops.value("kvtier_quota_refusals_total", tenant="team-a", quota="namespaces") == 1
     assert ops.value("kvtier_quota_limit", tenant="team-a", quota="namespaces") == 2
@@ -238,17 +256,38 @@ def test_stats_shows_every_identity_field_and_the_tenant(daemon: DaemonProcess) 
     def stats(tenant: str, *flags: str) -> subprocess.CompletedProcess[str]:
         token = daemon.run_dir / f"{tenant}.token"
         token.write_text(TOKENS[tenant])
-        return subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address",
-                               daemon.unix, "--token-file", str(token), *flags],
-                              capture_output=True, text=True, timeout=60, check=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.cli",
+                "stats",
+                "--address",
+                daemon.unix,
+                "--token-file",
+                str(token),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
 
     out = json.loads(stats("team-a", "--json").stdout)
     spaces = out["namespaces"]
     assert len(spaces) == 2 and {ns["tenant"] for ns in spaces} == {"team-a"}
     want = set(make_namespace().to_dict())
     for ns in spaces:
-        assert set(ns) == {"namespace_id", "model_id", "model_revision", "block_bytes",
-                           "counters", "spec", "tenant"}
+        assert set(ns) == {
+            "namespace_id",
+            "model_id",
+            "model_revision",
+            "block_bytes",
+            "counters",
+            "spec",
+            "tenant",
+        }
         assert set(ns["spec"]) == want and ns["spec"]["cache_salt"] == SALT
         assert ns["spec"]["adapter_id"] is None and ns["spec"]["tenant"] == "team-a"
     assert {ns["spec"]["tokenizer_digest"] for ns in spaces} == {TOKENIZER, "tok-other"}

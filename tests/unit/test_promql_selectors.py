@@ -8,32 +8,53 @@ from promql_selectors import PromQLError, parse, parse_variable
 
 
 def test_selectors_matchers_and_grouping_labels_are_found() -> None:
-    q = parse('histogram_quantile(0.99, sum by (le, method) (rate(kvtier_rpc_duration_seconds_bucket'
-              '{instance=~"$instance"}[$__rate_interval])))')
+    q = parse(
+        "histogram_quantile(0.99, sum by (le, method) (rate(kvtier_rpc_duration_seconds_bucket"
+        '{instance=~"$instance"}[$__rate_interval])))'
+    )
     assert [s.name for s in q.selectors] == ["kvtier_rpc_duration_seconds_bucket"]
     assert q.selectors[0].matchers == [("instance", "=~", "$instance")]
     assert [(g.keyword, g.labels, [s.name for s in g.selectors]) for g in q.groupings] == [
-        ("by", ["le", "method"], ["kvtier_rpc_duration_seconds_bucket"])]
+        ("by", ["le", "method"], ["kvtier_rpc_duration_seconds_bucket"])
+    ]
 
 
 def test_a_grouping_applies_to_its_own_argument_only() -> None:
-    q = parse('sum by (tier) (rate(a_total[5m])) / scalar(sum(rate(b_total{x="1"}[5m] offset 1d)))'
-              ' and sum(c) without (y) > 0.5')
+    q = parse(
+        'sum by (tier) (rate(a_total[5m])) / scalar(sum(rate(b_total{x="1"}[5m] offset 1d)))'
+        " and sum(c) without (y) > 0.5"
+    )
     assert [s.name for s in q.selectors] == ["a_total", "b_total", "c"]
     assert [(g.keyword, g.labels, [s.name for s in g.selectors]) for g in q.groupings] == [
-        ("by", ["tier"], ["a_total"]), ("without", ["y"], ["c"])]
+        ("by", ["tier"], ["a_total"]),
+        ("without", ["y"], ["c"]),
+    ]
 
 
 def test_vector_matching_labels_apply_to_every_selector() -> None:
     q = parse("a / on (tenant) group_left b")
     assert [(g.keyword, g.labels, len(g.selectors)) for g in q.groupings] == [
-        ("on", ["tenant"], 2), ("group_left", [], 2)]
+        ("on", ["tenant"], 2),
+        ("group_left", [], 2),
+    ]
 
 
-@pytest.mark.parametrize("bad", [
-    "", "sum(", "rate(x[5m]", 'x{a~"b"}', "x{a=b}", "frobnicate(x)", "x[5 m]", "x @ 5",
-    '{__name__="x"}', "x # comment", "42",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "sum(",
+        "rate(x[5m]",
+        'x{a~"b"}',
+        "x{a=b}",
+        "frobnicate(x)",
+        "x[5 m]",
+        "x @ 5",
+        '{__name__="x"}',
+        "x # comment",
+        "42",
+    ],
+)
 def test_what_it_cannot_read_is_an_error(bad: str) -> None:
     with pytest.raises(PromQLError):
         parse(bad)
