@@ -429,6 +429,7 @@ class Daemon:
         snap["rpc_errors"] = errors  # method -> status code name -> count
         snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
         snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
+        snap["connections"]["control_bad_frames"] = self.service.bad_frames
         snap["published"] = self.published.figures()
         return snap
 

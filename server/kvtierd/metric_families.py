@@ -333,7 +333,16 @@ def _connection_families(figures: dict[str, int]) -> Iterator[Any]:
     closed = CounterMetricFamily(
         "kvtier_connections_closed", "Connections the daemon closed", labels=["transport", "reason"]
     )
+    bad = CounterMetricFamily(
+        "kvtier_bad_frames",
+        "Connections closed for a frame that broke the protocol (tcp: the data channel; "
+        "control: control channels)",
+        labels=["transport"],
+    )
     for key, n in sorted(figures.items()):
+        if key.endswith("_bad_frames"):
+            bad.add_metric([key.removesuffix("_bad_frames")], n)
+            continue
         transport, _, what = key.partition("_connections")
         if not what:
             open_.add_metric([transport], n)
@@ -341,6 +350,7 @@ def _connection_families(figures: dict[str, int]) -> Iterator[Any]:
             closed.add_metric([transport, what[1:]], n)
     yield open_
     yield closed
+    yield bad
 
 
 class KvtierCollector:

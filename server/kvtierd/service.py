@@ -258,6 +258,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
         self.refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
+        self.bad_frames = 0  # control-channel frames that broke the protocol (channel closed)
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
         self.tenancy = tenancy or Tenancy(None)
         """Who callers are and what their tenants may hold (the daemon's one Tenancy)."""

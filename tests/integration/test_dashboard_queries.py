@@ -1,7 +1,7 @@
 """The Grafana dashboard and the alert rules against the metrics a real daemon exposes (issue 29).
 
 One daemon with every tier an operator watches (host, NVMe, a real Redis Cluster) and a tenants
-file serves a tenant's traffic (puts, lookups, gets, a quota refusal, a refused request); its
+file serves a tenant's traffic (puts, lookups, gets, a quota refusal, a refused request, a bad frame); its
 /metrics, scraped with the operator's token, is parsed with prometheus_client's parser. Every
 PromQL query of deploy/helm/kvtier/files/kvtier-dashboard.json (panels and variables) and every
 ``expr`` of kvtier-alerts.yaml is read by a strict selector extractor (tests/promql_selectors.py):
@@ -12,9 +12,11 @@ The same daemon shows the tenant label, the exact boot epoch and the process fig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,6 +135,12 @@ def _traffic(d: DaemonProcess) -> None:
         "Lookup", pb.LookupRequest(session_id=12345, namespace_id=1, keys=b"\0" * 32)
     )
     assert code != grpc.StatusCode.OK
+    host, port = d.info["data"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:  # not a KVD1 header
+        s.sendall(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n")  # > 32 bytes
+        with contextlib.suppress(ConnectionResetError):  # (closed with our bytes unread)
+            while s.recv(4096):  # answered ERROR, then closed
+                pass
 
 
 def check(query: Query, exposed: Exposition, where: str) -> None:
@@ -196,6 +204,7 @@ def test_every_dashboard_query_names_metrics_and_labels_the_daemon_exposes(daemo
         "kvtier_quota_refusals_total",
         "process_cpu_seconds_total",
         "process_resident_memory_bytes",
+        "kvtier_bad_frames_total",
     ):
         assert name in used, f"the dashboard shows no {name}"
     ids = [p["id"] for p in dash["panels"]]
@@ -225,6 +234,7 @@ def test_every_alert_expression_names_metrics_and_labels_the_daemon_exposes(daem
         "KvtierQuotaRefusals",
         "KvtierHitRateCollapse",
         "KvtierBadRequests",
+        "KvtierBadFrames",
     } <= names
 
 
@@ -238,6 +248,8 @@ def test_metrics_carry_the_tenant_the_exact_boot_epoch_and_the_process(daemon: D
     assert ops.value("kvtier_quota_refusals_total", tenant="team-a", quota="namespaces") == 1
     assert ops.value("kvtier_quota_limit", tenant="team-a", quota="namespaces") == 2
     assert ops.value("kvtier_tenant_namespaces", tenant="team-a") == 2
+    assert ops.value("kvtier_bad_frames_total", transport="tcp") == 1
+    assert ops.value("kvtier_bad_frames_total", transport="control") == 0
     epoch = daemon.info["boot_epoch"]
     assert ops.value("kvtier_boot_info", boot_epoch=str(epoch)) == 1  # every digit
     assert ops.value("kvtier_boot_time_seconds") == pytest.approx(epoch / 1e9)
