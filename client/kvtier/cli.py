@@ -202,6 +202,7 @@ def _identity_lines(namespaces: list[dict[str, Any]]) -> list[str]:
     for ns in namespaces:
         sp = ns.get("spec") or {}
         opt = {k: sp.get(k) or "-" for k in _OPTIONAL_IDENTITY}
+        adapter = f"{sp['adapter_id']}@{sp.get('adapter_revision')}" if sp.get("adapter_id") else "-"
         lines += [
             f"  {_column(ns)}  id {ns['namespace_id']}  tenant {ns.get('tenant') or '-'}  "
             f"block {format_bytes(int(ns['block_bytes']))}",
@@ -212,9 +213,8 @@ def _identity_lines(namespaces: list[dict[str, Any]]) -> list[str]:
             f"{sp.get('tokens_per_block', '?')}  layers {sp.get('num_layers', '?')}  kv heads "
             f"{sp.get('num_kv_heads', '?')}  head dim {sp.get('head_dim', '?')}",
             f"    tp rank {sp.get('tp_rank', 0)}/{sp.get('tp_size', 1)}  pp rank "
-            f"{sp.get('pp_rank', 0)}/{sp.get('pp_size', 1)}  adapter {opt['adapter_id']}@"
-            f"{opt['adapter_revision']}  cache salt {opt['cache_salt']}  identity tenant "
-            f"{opt['tenant']}",
+            f"{sp.get('pp_rank', 0)}/{sp.get('pp_size', 1)}  adapter {adapter}  cache salt "
+            f"{opt['cache_salt']}  identity tenant {opt['tenant']}",
         ]
     return lines
 
