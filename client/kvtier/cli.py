@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default=None,
                     help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
                          f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)")
-    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--json", action="store_true",
+                    help="machine-readable output (keys: docs/metrics.md, `kvtier stats --json`)")
     st.add_argument("--timeout-s", type=float, default=2.0)
     st.add_argument("--token-file", default=None,
                     help="file holding this tenant's bearer token (a daemon with tenants; an "
@@ -74,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Output cut short by its reader (``kvtier stats | head -1``) ends the
+    command quietly with status 141 (128 + SIGPIPE, as a shell reports it), no traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DAEMON_COMMANDS:  # every argument, --help included, is the daemon's
         return _daemon(argv[0], argv[1:])
@@ -129,7 +145,7 @@ def _stats(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
+        print(json.dumps(stats_json(stats), indent=2, sort_keys=True))
     else:
         print(format_stats(stats))
     return 0
@@ -158,6 +174,67 @@ _NVME_ROWS = [
     ("checksum failures", "checksum_failures"), ("nvme bytes read", "nvme_bytes_read"),
     ("nvme bytes written", "nvme_bytes_written"),
 ]
+
+
+_OPTIONAL_IDENTITY = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
+
+
+def stats_json(stats: dict[str, Any]) -> dict[str, Any]:
+    """The Stats reply as ``--json`` prints it: every field of the reply, with each namespace's
+    ``spec`` (its identity, kvtier_contract.identity.Namespace's 17 fields) holding null for an
+    optional field left unset rather than the wire's empty string."""
+    out = dict(stats)
+    out["namespaces"] = []
+    for ns in stats["namespaces"]:
+        spec = dict(ns.get("spec") or {})
+        for key in _OPTIONAL_IDENTITY:
+            spec[key] = spec.get(key) or None
+        out["namespaces"].append({**ns, "spec": spec})
+    return out
+
+
+def _column(ns: dict[str, Any]) -> str:
+    """A namespace's column name in the table: model id (cut) # last digits of its id."""
+    return f"{ns['model_id'][:18]}#{str(ns['namespace_id'])[-4:]}"
+
+
+def _identity_lines(namespaces: list[dict[str, Any]]) -> list[str]:
+    """Every identity field of each namespace, and the tenant that holds it."""
+    lines = ["", "namespaces (identity; tenant: who holds it in the tenants file)"]
+    for ns in namespaces:
+        sp = ns.get("spec") or {}
+        opt = {k: sp.get(k) or "-" for k in _OPTIONAL_IDENTITY}
+        adapter = f"{sp['adapter_id']}@{sp.get('adapter_revision')}" if sp.get("adapter_id") else "-"
+        lines += [
+            f"  {_column(ns)}  id {ns['namespace_id']}  tenant {ns.get('tenant') or '-'}  "
+            f"block {format_bytes(int(ns['block_bytes']))}",
+            f"    model {sp.get('model_id', ns['model_id'])}  revision "
+            f"{sp.get('model_revision', ns['model_revision'])}  tokenizer "
+            f"{sp.get('tokenizer_digest', '?')}",
+            f"    kv {sp.get('kv_dtype', '?')} layout {sp.get('layout', '?')}  tokens/block "
+            f"{sp.get('tokens_per_block', '?')}  layers {sp.get('num_layers', '?')}  kv heads "
+            f"{sp.get('num_kv_heads', '?')}  head dim {sp.get('head_dim', '?')}",
+            f"    tp rank {sp.get('tp_rank', 0)}/{sp.get('tp_size', 1)}  pp rank "
+            f"{sp.get('pp_rank', 0)}/{sp.get('pp_size', 1)}  adapter {adapter}  cache salt "
+            f"{opt['cache_salt']}  identity tenant {opt['tenant']}",
+        ]
+    return lines
+
+
+def _tenant_lines(tenants: list[dict[str, Any]]) -> list[str]:
+    """Per tenant: sessions, namespaces, each quota's limit and refusals."""
+    lines = ["", "tenants (quota: limit, refusals)"]
+    for t in tenants:
+        quotas = []
+        for q in t.get("quotas", []):
+            limit = (format_bytes(int(q["limit"])) if q["name"].endswith("_bytes")
+                     else f"{int(q['limit']):,}") if q["limited"] else "unlimited"
+            refused = f" ({int(q['refusals']):,} refused)" if q["refusals"] else ""
+            quotas.append(f"{q['name']} {limit}{refused}")
+        lines += [f"  {t['name']}{' (operator)' if t.get('operator') else ''}  sessions "
+                  f"{t['sessions']}  namespaces {t['namespaces']}",
+                  "    " + ", ".join(quotas)]
+    return lines
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -189,9 +266,8 @@ def format_stats(stats: dict[str, Any]) -> str:
         head += _cluster_lines(cluster)
     rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else []) + \
         (_CLUSTER_ROWS if cluster.get("enabled") else [])
-    cols = [("total", stats["total"])] + [
-        (f"{ns['model_id'][:18]}#{str(ns['namespace_id'])[-4:]}", ns["counters"])
-        for ns in stats["namespaces"]]
+    cols = [("total", stats["total"])] + [(_column(ns), ns["counters"])
+                                          for ns in stats["namespaces"]]
     width = max(14, *(len(name) + 2 for name, _ in cols))
     lines = ["", f"{'':<24}" + "".join(f"{name:>{width}}" for name, _ in cols)]
     for label, key in rows:
@@ -203,6 +279,10 @@ def format_stats(stats: dict[str, Any]) -> str:
         hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
                                                   "blocks_hit_local", "blocks_hit_cluster"))
         lines.append(f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested")
+    if stats["namespaces"]:
+        lines += _identity_lines(stats["namespaces"])
+    if stats.get("tenants"):
+        lines += _tenant_lines(stats["tenants"])
     return "\n".join(head + lines)
 
 

@@ -419,6 +419,7 @@ class Daemon:
             snap = to_dict(self.service.stats_reply())
         finally:
             CALLER.reset(scope)
+        snap["draining"] = self.service.draining  # kvtier_draining: not ready, shutting down
         if caller is not None and not caller.operator:
             snap.update(rpc_errors={}, rpc_latency={}, connections={}, published={})
             return snap
@@ -428,6 +429,7 @@ class Daemon:
         snap["rpc_errors"] = errors  # method -> status code name -> count
         snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
         snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
+        snap["connections"]["control_bad_frames"] = self.service.bad_frames
         snap["published"] = self.published.figures()
         return snap
 

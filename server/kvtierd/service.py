@@ -45,7 +45,7 @@ from kvtier_contract.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier_contract.protoutil import namespace_from_spec, split_keys
+from kvtier_contract.protoutil import namespace_from_spec, namespace_spec, split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
@@ -56,7 +56,7 @@ from kvtierd.index import Entry, NamespaceState
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters, LatencyHistogram
-from kvtierd.tenancy import NO_CREDENTIAL, Credential, Tenancy
+from kvtierd.tenancy import NO_CREDENTIAL, QUOTA_NAMES, Credential, Tenancy
 from kvtierd.tenants import Tenant
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
@@ -136,6 +136,8 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
         except KvtierError as e:
             code = getattr(grpc.StatusCode, GRPC_STATUS.get(type(e), "UNKNOWN"))
             self.count_error(name, code.name)
+            if e.field == "quota":
+                self.count_refusal(caller, str(e))
             await context.abort(code, str(e))
         finally:
             self.inflight -= admitted
@@ -255,6 +257,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.after_rpc: Callable[[], None] = lambda: None
         """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
+        self.refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
+        self.bad_frames = 0  # control-channel frames that broke the protocol (channel closed)
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
         self.tenancy = tenancy or Tenancy(None)
         """Who callers are and what their tenants may hold (the daemon's one Tenancy)."""
@@ -716,10 +720,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes
                                     for ns in visible),
                 sessions=len(self.sessions.of_tenant(scope)))
-            for ns in visible:
-                reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
-                                     model_revision=ns.spec.model_revision,
-                                     block_bytes=ns.block_bytes, counters=_counters(ns.counters))
+            self._add_identities(reply, visible, [scope])
             return reply
         reply = pb.StatsReply(
             boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
@@ -738,11 +739,43 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                 reply.cluster.nodes.add(**n)
         if self.cuda is not None:
             reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
-        for ns in c.namespaces.values():
+        tenants = self.tenancy.tenants
+        self._add_identities(reply, list(c.namespaces.values()),
+                             sorted(tenants.by_name) if tenants is not None else [])
+        return reply
+
+    def _add_identities(self, reply: pb.StatsReply, namespaces: list[NamespaceState],
+                        tenant_names: list[str]) -> None:
+        """Each namespace (every identity field and the tenant holding it: a tenant of the
+        tenants file, else "") and each tenant (sessions, namespaces, quotas and refusals)."""
+        held: dict[str, int] = {}
+        for ns in namespaces:
+            tenant = ns.spec.tenant or ""
+            tenant = tenant if self.tenancy.tenant(tenant) is not None else ""
+            held[tenant] = held.get(tenant, 0) + 1
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,
-                                 block_bytes=ns.block_bytes, counters=_counters(ns.counters))
-        return reply
+                                 block_bytes=ns.block_bytes, counters=_counters(ns.counters),
+                                 spec=namespace_spec(ns.spec), tenant=tenant)
+        for name in tenant_names:
+            t = self.tenancy.tenant(name)
+            if t is None:
+                continue
+            ts = reply.tenants.add(name=name, operator=t.operator, namespaces=held.get(name, 0),
+                                   sessions=len(self.sessions.of_tenant(name)))
+            for quota in QUOTA_NAMES:
+                limit = self.tenancy.quota(t, quota)
+                ts.quotas.add(name=quota, limited=limit is not None, limit=limit or 0,
+                              refusals=self.refusals.get((name, quota), 0))
+
+    def count_refusal(self, caller: Tenant | None, message: str) -> None:
+        """Count a RESOURCE_EXHAUSTED naming a quota (``quota NAME (LIMIT) reached ...``)
+        against the caller's tenant; a message naming no known quota counts nothing."""
+        words = message.split()
+        quota = words[words.index("quota") + 1] if "quota" in words[:-1] else ""
+        if caller is not None and quota in QUOTA_NAMES:
+            key = (caller.name, quota)
+            self.refusals[key] = self.refusals.get(key, 0) + 1
 
 
 def _counters(c: Counters) -> pb.Counters:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import io
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,29 @@ def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
     assert any("lookup p50" in t for t in targets)
     assert result["machine"]["nproc"] >= 1
     assert "shm get_into" in run.stdout and "target" in run.stdout
+    # its samples are too small for a verdict: every ratio says so, none says ok or NO
+    assert "ratios indicative only" in run.stdout.splitlines()[0]  # the headline
+    assert all(t["indicative"] for t in result["targets"])
+    cells = re.findall(r" {2,}(\d+\.\d\dx \S+)", run.stdout)  # (not the targets' names)
+    assert len(cells) >= 12 and set(c.split()[1] for c in cells) == {"indicative"}
+
+
+def _ratio_results() -> Results:
+    r = Results()
+    for op, gbps in (("shm_put", 5.0), ("memcpy_put", 10.0)):
+        for size in QUICK_SIZES:
+            r.add_gbps(op, size, gbps)
+    r.add_lookup("lookup_p50_ms", 0.9)
+    return r
+
+
+def test_quick_ratios_are_labelled_indicative_and_others_get_a_verdict() -> None:
+    quick = format_table(Plan.from_args(_bench_args("quick")), _ratio_results())
+    assert "indicative only" in quick and " NO" not in quick and "MISSED" not in quick
+    assert "0.50x indicative" in quick
+    full = format_table(Plan.from_args(_bench_args("shm", "--sizes", "16KiB,64KiB")),
+                        _ratio_results())
+    assert "0.50x NO" in full and "MISSED" in full and "indicative" not in full
 
 
 def test_verify_suite_measures_verified_beside_unverified(tmp_path: Path) -> None:

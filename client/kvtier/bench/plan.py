@@ -61,6 +61,12 @@ class Plan:
     recovery_blocks: int = 10_000
     """NVMe suite: blocks stored before each restart of the recovery figures."""
 
+    @property
+    def indicative(self) -> bool:
+        """The quick suite's samples (a few MiB, one round) are too small for a verdict: its
+        ratios and lookup figures are reported as indicative, never ok / NO."""
+        return self.suite == "quick"
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Plan:
         suite = args.suite

@@ -115,7 +115,19 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+INDICATIVE = "indicative"
+
+
 def target_rows(plan: Plan, results: Results) -> list[dict[str, Any]]:
+    """Each target's figure per block size; ``met`` is the verdict, ``indicative`` (quick)
+    says that the sample was too small for one."""
+    rows = _target_rows(plan, results)
+    for r in rows:
+        r["indicative"] = plan.indicative
+    return rows
+
+
+def _target_rows(plan: Plan, results: Results) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for t in TARGETS:
         for block in plan.block_sizes:
@@ -185,7 +197,8 @@ def format_table(plan: Plan, results: Results) -> str:
     """The human report: machine, GB/s per path and block size, targets as ratios, lookups."""
     m = machine()
     warm = "" if plan.suite == "nvme" else " after a warm-up"
-    head = [f"kvtier bench: suite {plan.suite}, best of {plan.repeat} interleaved rounds{warm}, "
+    label = f" (ratios {INDICATIVE} only)" if plan.indicative else ""
+    head = [f"kvtier bench: suite {plan.suite}{label}, best of {plan.repeat} interleaved rounds{warm}, "
             f"{format_bytes(plan.total_bytes)} per sample in "
             f"{format_bytes(plan.batch_bytes)} batches",
             f"machine: {m['nproc']} CPUs ({m['cpu']}), {format_bytes(m['memory_bytes'])} RAM, "
@@ -199,6 +212,10 @@ def format_table(plan: Plan, results: Results) -> str:
         direct = "O_DIRECT" if f.get("tier_direct_io") and f.get("raw_direct_io") else "NO O_DIRECT"
         head.append(f"nvme: {f['filesystem']} at {f['mount']} ({direct}), write-through, "
                     f"{IO_THREADS} I/O threads; no warm-up (every round writes fresh slots)")
+    if plan.indicative:
+        head.append(f"{INDICATIVE}: the quick suite moves {format_bytes(plan.total_bytes)} per "
+                    "sample in one round, too little for a verdict; run `kvtier bench` (suite "
+                    "all) for verdicts against the targets (docs/benchmarks.md)")
     rows = target_rows(plan, results)
     body = _throughput_lines(plan, results) + _target_lines(plan, rows)
     body += _lookup_lines(plan, results, rows) + _recovery_lines(results)
@@ -220,20 +237,23 @@ def _throughput_lines(plan: Plan, results: Results) -> list[str]:
 def _target_lines(plan: Plan, rows: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     shown = [t for t in TARGETS if any(r["target"] == t.name for r in rows)]
+    cw = 18 if plan.indicative else 12  # "0.91x indicative"
     w = max([_W] + [len(t.name) + 1 for t in shown])
     for t in shown:
         cells = {r["block_bytes"]: r for r in rows if r["target"] == t.name}
-        lines.append(f"{t.name:<{w}}" + "".join(f"{_ratio_cell(cells.get(s)):>12}"
-                                                for s in plan.block_sizes))
+        lines.append(f"{t.name:<{w}}" + "".join(
+            f"{_ratio_cell(cells.get(s), plan.indicative):>{cw}}" for s in plan.block_sizes))
     if not lines:
         return []
-    return ["", f"{'target: ratio, ok?':<{w}}" + "".join(f"{size_label(s):>12}"
-                                                         for s in plan.block_sizes)] + lines
+    title = f"target: ratio, {INDICATIVE} only" if plan.indicative else "target: ratio, ok?"
+    return ["", f"{title:<{w}}" + "".join(f"{size_label(s):>{cw}}"
+                                          for s in plan.block_sizes)] + lines
 
 
 def _lookup_lines(plan: Plan, results: Results, rows: list[dict[str, Any]]) -> list[str]:
     lines = [f"{r['target']:<{_W}}{_num(r['value']):>12} {_unit(r['op'])} "
-             f"{'ok' if r['met'] else 'MISSED'}" for r in rows if "value" in r]
+             f"{INDICATIVE if plan.indicative else 'ok' if r['met'] else 'MISSED'}"
+             for r in rows if "value" in r]
     k = plan.lookup_keys
     for name, text in (("lookup_p99_ms", f"{k}-key lookup p99"),
                        ("daemon_cpu_us_per_lookup", "daemon CPU time per lookup"),
@@ -283,7 +303,8 @@ def _unit(name: str) -> str:
             "daemon_cpu_us_per_lookup_control": "us"}.get(name, "ms")
 
 
-def _ratio_cell(row: dict[str, Any] | None) -> str:
+def _ratio_cell(row: dict[str, Any] | None, indicative: bool = False) -> str:
+    """``0.93x ok`` / ``0.71x NO``; for the quick suite ``0.71x indicative``: no verdict."""
     if row is None or row["ratio"] is None:
         return "-"
-    return f"{row['ratio']:.2f}x {'ok' if row['met'] else 'NO'}"
+    return f"{row['ratio']:.2f}x {INDICATIVE if indicative else 'ok' if row['met'] else 'NO'}"

@@ -153,6 +153,7 @@ class ControlChannel(asyncio.Protocol):
         if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
             _BAD_LOG.warning("control channel of tenant %s: bad frame (method %d, %d bytes): "
                              "closed", self._tenant, method, length)
+            self._service.bad_frames += 1
             self.close()
             return
         end = wire.CALL.size + length

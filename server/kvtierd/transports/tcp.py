@@ -315,17 +315,23 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if self._server is not None:
             self._arm(self._server.limits.hello_timeout_s)
 
+    def _bad_frame(self, message: str) -> None:
+        """A frame that breaks the protocol: counted (kvtier_bad_frames_total), then _fail."""
+        if self._server is not None and not self._closed:
+            self._server.bad_frames += 1
+        self._fail(message)
+
     def _on_header(self) -> None:
         if self._closed:
             return None
         try:
             op, job, index, status, length = wire.unpack(self._hdr)
         except ValueError as e:
-            return self._fail(str(e))
+            return self._bad_frame(str(e))
         assert self.transport is not None
         if op is Op.HELLO:
             if length != wire.DATA_SECRET_BYTES:
-                return self._fail("HELLO carries the session's data secret "
+                return self._bad_frame("HELLO carries the session's data secret "
                                   f"({wire.DATA_SECRET_BYTES} bytes, OpenSessionReply.data_secret)")
             self._hello, self._hello_got = bytearray(length), 0
             self._hello_args, self._left = (job, status), length
@@ -345,7 +351,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return None
         if op is Op.READ:
             return self._on_read(job)
-        return self._fail(f"unexpected op {op.name}")
+        return self._bad_frame(f"unexpected op {op.name}")
 
     def _on_hello(self, session_id: int, offered: int, secret: bytes) -> None:
         """Bind the connection to ``session_id`` if ``secret`` is its data secret (a session id
@@ -386,7 +392,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             self._errors.setdefault(job, Status.BAD_LENGTH)
             return None
         if length > _MAX_FRAME:
-            return self._fail(f"frame length {length} too large")
+            return self._bad_frame(f"frame length {length} too large")
         try:
             self._segments = self._plan_segments(job, first, count, length)
         except KvtierError as e:
@@ -465,6 +471,7 @@ class DataChannelServer(ServerTransport):
         self.accepted = 0
         self.refused = 0  # beyond max_connections
         self.timed_out = 0  # no HELLO in time, or idle
+        self.bad_frames = 0  # connections closed for a frame that breaks the protocol
         self._cap_log = RateLimitedLog(log, 10.0)
 
     async def start(self) -> None:
@@ -533,7 +540,7 @@ class DataChannelServer(ServerTransport):
         """Gauges and counters of the data channel (for Stats and /metrics)."""
         return {"tcp_connections": len(self._conns), "tcp_connections_accepted": self.accepted,
                 "tcp_connections_refused": self.refused,
-                "tcp_connections_timed_out": self.timed_out}
+                "tcp_connections_timed_out": self.timed_out, "tcp_bad_frames": self.bad_frames}
 
     def advertise(self) -> dict[str, Any]:
         return {"data_host": self.host, "data_port": self.port,

@@ -1,0 +1,377 @@
+"""The metric families of /metrics: a daemon snapshot turned into Prometheus families.
+
+Pulled: at scrape time :class:`KvtierCollector` asks for one consistent snapshot (the ``Stats``
+reply as a dict, plus RPC figures for the operator) and yields families. Names carry the
+``kvtier_`` prefix and base units; counters end in ``_total``. Labels stay bounded: ``namespace``
+and ``model`` per registered namespace, ``tenant`` from the tenants file ("" for a namespace no
+tenant of the file holds), ``tier``, ``transport``, ``direction``, ``outcome``, ``quota``, ``node``
+(a cluster master), ``method`` and ``code`` (gRPC). No key, digest, token or block byte is ever a
+label or a value. docs/metrics.md lists every family.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+
+from kvtierd.stats import COUNTER_FIELDS, GAUGE_FIELDS
+
+log = logging.getLogger("kvtierd.metrics")
+Snapshot = dict[str, Any]
+
+_HIT = (
+    "kvtier_lookup_blocks_hit_total",
+    "Blocks found by lookups the daemon answered, by the tier that held them",
+)
+_BYTES = ("kvtier_transfer_bytes_total", "Payload bytes moved between clients and the host tier")
+# Counter field -> (metric name, help, extra labels). Several fields share one family by label.
+_FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
+    "lookups": ("kvtier_lookups_total", "Lookups (gRPC and published index)", {}),
+    "blocks_requested": ("kvtier_lookup_blocks_requested_total", "Blocks asked for by lookups", {}),
+    "blocks_hit_host": (*_HIT, {"tier": "host"}),
+    "blocks_hit_nvme": (*_HIT, {"tier": "nvme"}),
+    "blocks_hit_cluster": (*_HIT, {"tier": "cluster"}),
+    "blocks_hit_local": (
+        "kvtier_local_lookup_blocks_hit_total",
+        "Blocks found by lookups that clients answered from the published index "
+        "(held in the host or the NVMe tier; the index does not say which)",
+        {},
+    ),
+    "cluster_imports": (
+        "kvtier_cluster_imports_total",
+        "Blocks fetched from the cluster tier into the host tier",
+        {},
+    ),
+    "cluster_corrupt": (
+        "kvtier_cluster_corrupt_total",
+        "Cluster values that failed verification (a miss; deleted)",
+        {},
+    ),
+    "corrupt_blocks": (
+        "kvtier_corrupt_blocks_total",
+        "Host blocks whose bytes no longer matched their digest (dropped)",
+        {},
+    ),
+    "local_lookups": (
+        "kvtier_local_lookups_total",
+        "Lookups answered by clients from the published index",
+        {},
+    ),
+    "blocks_missed": ("kvtier_lookup_blocks_missed_total", "Blocks not found", {}),
+    "tokens_requested": ("kvtier_lookup_tokens_requested_total", "Tokens asked for", {}),
+    "tokens_hit": ("kvtier_lookup_tokens_hit_total", "Tokens found", {}),
+    "tokens_missed": ("kvtier_lookup_tokens_missed_total", "Tokens not found", {}),
+    "stores_accepted": ("kvtier_store_blocks_total", "Store outcomes", {"outcome": "accepted"}),
+    "stores_already_present": ("kvtier_store_blocks_total", "Store outcomes", {"outcome": "already_present"}),
+    "stores_rejected": ("kvtier_store_blocks_total", "Store outcomes", {"outcome": "rejected"}),
+    "stores_dropped": ("kvtier_store_blocks_total", "Store outcomes", {"outcome": "dropped"}),
+    "loads": ("kvtier_load_blocks_total", "Blocks loaded by clients", {}),
+    "evictions": ("kvtier_evictions_total", "Blocks evicted", {"tier": "host"}),
+    "bytes_in_shm": (*_BYTES, {"transport": "shm", "direction": "in"}),
+    "bytes_out_shm": (*_BYTES, {"transport": "shm", "direction": "out"}),
+    "bytes_in_tcp": (*_BYTES, {"transport": "tcp", "direction": "in"}),
+    "bytes_out_tcp": (*_BYTES, {"transport": "tcp", "direction": "out"}),
+    "bytes_in_cuda_ipc": (*_BYTES, {"transport": "cuda_ipc", "direction": "in"}),
+    "bytes_out_cuda_ipc": (*_BYTES, {"transport": "cuda_ipc", "direction": "out"}),
+    "resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "host"}),
+    "resident_bytes": ("kvtier_resident_bytes", "Payload bytes resident", {"tier": "host"}),
+    "nvme_resident_blocks": ("kvtier_resident_blocks", "Blocks resident", {"tier": "nvme"}),
+    "nvme_resident_bytes": ("kvtier_resident_bytes", "Payload bytes resident", {"tier": "nvme"}),
+    "promotions": ("kvtier_promotions_total", "Blocks promoted NVMe -> host", {}),
+    "demotions": ("kvtier_demotions_total", "Blocks written host -> NVMe", {}),
+    "nvme_evictions": ("kvtier_evictions_total", "Blocks evicted", {"tier": "nvme"}),
+    "checksum_failures": ("kvtier_checksum_failures_total", "NVMe reads failing verification", {}),
+    "nvme_bytes_read": ("kvtier_nvme_io_bytes_total", "NVMe payload bytes", {"direction": "read"}),
+    "nvme_bytes_written": ("kvtier_nvme_io_bytes_total", "NVMe payload bytes", {"direction": "write"}),
+}
+assert set(_FAMILIES) == set(COUNTER_FIELDS)
+NAMESPACE_LABELS = ("namespace", "model", "tenant")
+
+
+def _counter_families(snap: Snapshot) -> Iterator[Any]:
+    """The per-namespace counters, labelled ``namespace``, ``model``, ``tenant`` (+ extras)."""
+    families: dict[str, Any] = {}
+    for field, (name, help_, labels) in _FAMILIES.items():
+        fam = families.get(name)
+        if fam is None:
+            keys = [*NAMESPACE_LABELS, *labels]
+            cls = GaugeMetricFamily if field in GAUGE_FIELDS else CounterMetricFamily
+            fam = families[name] = cls(
+                name.removesuffix("_total") if cls is CounterMetricFamily else name, help_, labels=keys
+            )
+        for ns in snap["namespaces"]:
+            fam.add_metric(
+                [str(ns["namespace_id"]), ns["model_id"], ns.get("tenant", ""), *labels.values()],
+                ns["counters"][field],
+            )
+    yield from families.values()
+
+
+def _tenant_families(tenants: list[dict[str, Any]]) -> Iterator[Any]:
+    """Per tenant of the tenants file: sessions, namespaces, quota limits and refusals."""
+    sessions = GaugeMetricFamily("kvtier_tenant_sessions", "Open sessions of a tenant", labels=["tenant"])
+    namespaces = GaugeMetricFamily("kvtier_tenant_namespaces", "Namespaces a tenant holds", labels=["tenant"])
+    limit = GaugeMetricFamily(
+        "kvtier_quota_limit",
+        "A tenant's quota (the file's value, else the daemon's default; absent: unlimited); *_bytes in bytes",
+        labels=["tenant", "quota"],
+    )
+    refused = CounterMetricFamily(
+        "kvtier_quota_refusals",
+        "Requests refused (RESOURCE_EXHAUSTED) because a tenant's quota was reached",
+        labels=["tenant", "quota"],
+    )
+    for t in tenants:
+        sessions.add_metric([t["name"]], t["sessions"])
+        namespaces.add_metric([t["name"]], t["namespaces"])
+        for q in t["quotas"]:
+            if q["limited"]:
+                limit.add_metric([t["name"], q["name"]], q["limit"])
+            refused.add_metric([t["name"], q["name"]], q["refusals"])
+    yield from (sessions, namespaces, limit, refused)
+
+
+def _cluster_families(cl: dict[str, Any]) -> Iterator[Any]:
+    """The cluster tier's figures, per node (``node`` = the master's host:port)."""
+    if not cl.get("enabled"):
+        return
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    yield g(
+        "kvtier_cluster_connected",
+        "1 while a slot map is known and a master answers",
+        value=1 if cl.get("connected") else 0,
+    )
+    yield g(
+        "kvtier_cluster_queued_bytes",
+        "Bytes waiting to be written to the cluster",
+        value=cl.get("queued_bytes", 0),
+    )
+    yield c("kvtier_cluster_writes_total", "Blocks written to the cluster", value=cl.get("writes", 0))
+    yield c(
+        "kvtier_cluster_mac_failures_total",
+        "Cluster values refused because their MAC did "
+        "not verify (not written by a daemon of this fleet and tenant): misses",
+        value=cl.get("mac_failures", 0),
+    )
+    yield c(
+        "kvtier_cluster_write_drops_total",
+        "Blocks not written: queue full, node down, late",
+        value=cl.get("write_drops", 0),
+    )
+    yield c(
+        "kvtier_cluster_corrupt_exports_total",
+        "Blocks not written to the cluster: their bytes no longer matched their digest",
+        value=cl.get("corrupt_exports", 0),
+    )
+    yield c(
+        "kvtier_cluster_lookup_timeouts_total",
+        "Lookups whose cluster part ran past the deadline",
+        value=cl.get("lookup_timeouts", 0),
+    )
+    per_node = [
+        (
+            "kvtier_cluster_node_keys_total",
+            "Keys asked of a node, by outcome",
+            "outcome",
+            (("hit", "hits"), ("miss", "misses")),
+        ),
+        (
+            "kvtier_cluster_node_bytes_total",
+            "Value bytes moved, by direction",
+            "direction",
+            (("read", "bytes_read"), ("write", "bytes_written")),
+        ),
+    ]
+    nodes = cl.get("nodes", [])
+    for name, help_, label, pairs in per_node:
+        fam = c(name, help_, labels=["node", label])
+        for n in nodes:
+            for value, key in pairs:
+                fam.add_metric([n["address"], value], n.get(key, 0))
+        yield fam
+    errors = c("kvtier_cluster_node_errors_total", "Pipelines failed or late", labels=["node"])
+    requests = c("kvtier_cluster_node_requests_total", "Pipelines sent", labels=["node"])
+    latency = c(
+        "kvtier_cluster_node_latency_seconds_total",
+        "Time of answered pipelines (divide by requests - errors)",
+        labels=["node"],
+    )
+    healthy = g("kvtier_cluster_node_healthy", "0 while a node's breaker is open", labels=["node"])
+    for n in nodes:
+        errors.add_metric([n["address"]], n.get("errors", 0))
+        requests.add_metric([n["address"]], n.get("requests", 0))
+        latency.add_metric([n["address"]], n.get("latency_seconds_sum", 0.0))
+        healthy.add_metric([n["address"]], 1 if n.get("healthy") else 0)
+    yield from (errors, requests, latency, healthy)
+
+
+def _host_families(snap: Snapshot) -> Iterator[Any]:
+    g = GaugeMetricFamily
+    yield g("kvtier_host_capacity_bytes", "Host tier capacity", value=snap["host_capacity_bytes"])
+    yield g("kvtier_host_used_bytes", "Host tier bytes in use (slots)", value=snap["host_used_bytes"])
+    yield g("kvtier_sessions", "Open sessions", value=snap["sessions"])
+    yield g("kvtier_pinned_blocks", "Blocks pinned by loads", value=snap["pinned_blocks"])
+    yield g("kvtier_writing_blocks", "Blocks reserved and being written", value=snap["writing_blocks"])
+    yield g("kvtier_limbo_blocks", "Slots held back after a lease expiry", value=snap["limbo_blocks"])
+    yield g(
+        "kvtier_draining",
+        "1 while the daemon drains to stop (health NOT_SERVING, stores refused)",
+        value=1 if snap.get("draining") else 0,
+    )
+
+
+def _nvme_families(nv: dict[str, Any]) -> Iterator[Any]:
+    if not nv["enabled"]:
+        return
+    g = GaugeMetricFamily
+    yield g("kvtier_nvme_capacity_bytes", "NVMe tier capacity", value=nv["capacity_bytes"])
+    yield g("kvtier_nvme_used_bytes", "NVMe tier bytes in slots", value=nv["used_bytes"])
+    yield g(
+        "kvtier_nvme_degraded",
+        "1 while the NVMe tier does not admit blocks",
+        value=0 if nv["admitting"] else 1,
+    )
+    yield CounterMetricFamily(
+        "kvtier_nvme_quarantined_slots", "Slots quarantined", value=nv["quarantined_slots"]
+    )
+    yield CounterMetricFamily("kvtier_nvme_write_errors", "NVMe writes that failed", value=nv["write_errors"])
+    yield g("kvtier_nvme_recovery_seconds", "Time the last recovery took", value=nv["recovery_seconds"])
+    yield g("kvtier_nvme_recovered_blocks", "Blocks the last recovery restored", value=nv["recovered_blocks"])
+
+
+def _cuda_families(cu: dict[str, Any]) -> Iterator[Any]:
+    if not cu["enabled"]:
+        return
+    yield GaugeMetricFamily(
+        "kvtier_cuda_ipc_buffers", "Client CUDA buffers opened by the daemon", value=cu["buffers"]
+    )
+    yield CounterMetricFamily(
+        "kvtier_cuda_ipc_copies_total", "cudaMemcpyAsync calls of cuda_ipc transfers", value=cu["copies"]
+    )
+    yield CounterMetricFamily(
+        "kvtier_cuda_ipc_copy_errors_total",
+        "cuda_ipc transfers failed by a CUDA error (job aborted)",
+        value=cu["copy_errors"],
+    )
+
+
+def _published_families(pub: dict[str, Any]) -> Iterator[Any]:
+    if not pub:
+        return
+    g = GaugeMetricFamily
+    yield g(
+        "kvtier_published_indexes",
+        "Namespaces whose index is published in shared memory",
+        value=pub["published_indexes"],
+    )
+    yield g(
+        "kvtier_published_index_bytes",
+        "Shared memory of the published indexes",
+        value=pub["published_index_bytes"],
+    )
+    yield g(
+        "kvtier_published_index_left_out",
+        "Blocks left out of a published index (no slot within the probe bound)",
+        value=pub["published_index_left_out"],
+    )
+    yield g(
+        "kvtier_published_index_building",
+        "Published indexes being built on a thread (big namespaces)",
+        value=pub["published_index_building"],
+    )
+
+
+def _boot_families(snap: Snapshot) -> Iterator[Any]:
+    """The boot epoch exactly (an info label: a float64 value keeps only ~16 of its 19 digits),
+    the start time in seconds, and the old float gauge (kept for readers of the old name)."""
+    epoch = int(snap["boot_epoch"])
+    yield InfoMetricFamily(
+        "kvtier_boot",
+        "This daemon's boot epoch (nanoseconds since the Unix "
+        "epoch at start; it changes on every start), exact",
+        value={"boot_epoch": str(epoch)},
+    )
+    yield GaugeMetricFamily(
+        "kvtier_boot_time_seconds", "Start time, seconds since the Unix epoch", value=epoch / 1e9
+    )
+    yield GaugeMetricFamily(
+        "kvtier_boot_epoch",
+        "Boot epoch as a float (rounded: use kvtier_boot_info's boot_epoch label)",
+        value=epoch,
+    )
+    yield GaugeMetricFamily("kvtier_uptime_seconds", "Seconds since start", value=snap["uptime_s"])
+
+
+def _rpc_families(snap: Snapshot) -> Iterator[Any]:
+    yield CounterMetricFamily(
+        "kvtier_leases_expired_total", "Sessions whose lease lapsed", value=snap["leases_expired"]
+    )
+    errors = CounterMetricFamily(
+        "kvtier_rpc_errors", "RPC errors by method and status", labels=["method", "code"]
+    )
+    for method, by_code in sorted(snap["rpc_errors"].items()):
+        for code, n in sorted(by_code.items()):
+            errors.add_metric([method, code], n)
+    yield errors
+    h = HistogramMetricFamily("kvtier_rpc_duration_seconds", "RPC service time", labels=["method"])
+    for method, (buckets, total) in sorted(snap["rpc_latency"].items()):
+        h.add_metric([method], buckets, total)
+    yield h
+
+
+def _connection_families(figures: dict[str, int]) -> Iterator[Any]:
+    """Open connections and refusals per transport (``<transport>_connections[_what]``)."""
+    open_ = GaugeMetricFamily("kvtier_connections", "Open transport connections", labels=["transport"])
+    closed = CounterMetricFamily(
+        "kvtier_connections_closed", "Connections the daemon closed", labels=["transport", "reason"]
+    )
+    bad = CounterMetricFamily(
+        "kvtier_bad_frames",
+        "Connections closed for a frame that broke the protocol (tcp: the data channel; "
+        "control: control channels)",
+        labels=["transport"],
+    )
+    for key, n in sorted(figures.items()):
+        if key.endswith("_bad_frames"):
+            bad.add_metric([key.removesuffix("_bad_frames")], n)
+            continue
+        transport, _, what = key.partition("_connections")
+        if not what:
+            open_.add_metric([transport], n)
+        elif what in ("_refused", "_timed_out"):
+            closed.add_metric([transport, what[1:]], n)
+    yield open_
+    yield closed
+    yield bad
+
+
+class KvtierCollector:
+    """Turns a snapshot into metric families at scrape time. Called on the HTTP server thread."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            snap = self._snapshot()
+        except Exception as e:  # the daemon is shutting down: expose nothing rather than fail
+            log.debug("metrics snapshot failed: %s", e)
+            return
+        yield from _counter_families(snap)
+        yield from _host_families(snap)
+        yield from _nvme_families(snap["nvme"])
+        yield from _cuda_families(snap["cuda_ipc"])
+        yield from _cluster_families(snap.get("cluster") or {})
+        yield from _tenant_families(snap.get("tenants") or [])
+        yield from _connection_families(snap.get("connections", {}))
+        yield from _published_families(snap.get("published", {}))
+        yield from _boot_families(snap)
+        yield from _rpc_families(snap)
