@@ -116,6 +116,13 @@ def _main(argv: list[str] | None) -> int:
 def _daemon(command: str, daemon_args: list[str]) -> int:
     """``kvtier serve|fsck ARGS``: replace this process with ``python -m kvtierd COMMAND ARGS``
     (signals reach the daemon itself, as under ``kvtierd`` directly)."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvtierd") is None:  # an SDK-only install (the kvtier wheel)
+        print(f"kvtier {command}: the daemon is not installed here (the kvtier wheel is the SDK "
+              f"only): install the kvtierd wheel of the same version, or run kvtierd where it "
+              f"is (README.md, Install)", file=sys.stderr)
+        return 2
     argv = [sys.executable, "-m", "kvtierd", command, *daemon_args]
     sys.stdout.flush()
     sys.stderr.flush()

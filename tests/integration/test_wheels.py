@@ -87,6 +87,8 @@ def venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     sdk_only = {
         "probe": json.loads(run([env / "bin" / "python", "-c", PROBE], cwd=work)),
         "version": run([env / "bin" / "kvtier", "--version"], cwd=work),
+        "serve": subprocess.run([env / "bin" / "kvtier", "serve", "--help"], cwd=work,
+                                capture_output=True, text=True, timeout=60),
     }
     run([env / "bin" / "python", "-m", "pip", "install", "-q", wheels["kvtierd"]], cwd=work, timeout=300)
     return {"env": env, "work": work, "sdk_only": sdk_only}
@@ -112,6 +114,9 @@ def test_the_sdk_wheel_alone_imports_without_torch_or_the_daemon(venv: dict[str,
     assert not probe["torch_loaded"] and not probe["torch_installed"], probe
     assert not probe["kvtierd_installed"], probe
     assert venv["sdk_only"]["version"].strip() == f"kvtier {__version__}"
+    serve = venv["sdk_only"]["serve"]  # the alias names the missing wheel, in one line
+    assert serve.returncode == 2 and "install the kvtierd wheel" in serve.stderr, serve
+    assert "Traceback" not in serve.stderr
 
 
 def free_port() -> int:
