@@ -53,9 +53,11 @@ class Progress:
         """A progress line now: ``done`` of ``total`` units, the rate so far, ``detail``."""
         now = self._clock()
         elapsed = now - self.started
-        text = self._amount(done)
         if self.total:
-            text += f" of {self._amount(self.total)} ({100 * done / self.total:.0f}%)"
+            number = format_bytes(done) if self.unit == "bytes" else f"{done:,}"
+            text = f"{number} of {self._amount(self.total)} ({100 * done / self.total:.0f}%)"
+        else:
+            text = self._amount(done)
         if elapsed > 0:
             text += f", {self._amount(int(done / elapsed))}/s"
         text += f", {elapsed:.1f}s"
