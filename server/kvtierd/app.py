@@ -45,14 +45,21 @@ from kvtierd.index.published import Publishers
 from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
-from kvtierd.preflight import StartupError, bind_refusal, disk_refusal, tenant_arena_bytes
+from kvtierd.preflight import (
+    StartupError,
+    bind_refusal,
+    disk_refusal,
+    nvme_config,
+    tenant_arena_bytes,
+)
 from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
-from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
+from kvtierd.tiers.nvme.format import CorruptMeta
+from kvtierd.tiers.nvme.tier import NvmeTier
 from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.control import ControlChannel
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
@@ -99,9 +106,15 @@ class Daemon:
         self.cache.host_quota = self._host_quota
         if cfg.disk_dir:
             assert nvme is not None
-            link = self.cache.add_storage_tier(nvme, make_write_policy(
-                cfg.write_policy, flush_watermark=cfg.flush_watermark,
-                write_after_hits=cfg.write_after_hits))
+            try:
+                link = self.cache.add_storage_tier(nvme, make_write_policy(
+                    cfg.write_policy, flush_watermark=cfg.flush_watermark,
+                    write_after_hits=cfg.write_after_hits))
+            except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+                nvme.close()
+                raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; "
+                                   f"check it with kvtierd fsck, or choose another "
+                                   f"directory") from None
             link.tenant_quota = self._nvme_quota
         if cfg.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
@@ -676,11 +689,7 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
     """The NVMe tier over ``cfg.disk_dir`` (not opened yet: the cache opens and restores it)."""
-    slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
-    file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
-    return NvmeTier(NvmeConfig(directory=cfg.disk_dir, capacity_bytes=max(cfg.disk_bytes, file_bytes),
-                               io_align=cfg.io_align_bytes, file_bytes=file_bytes,
-                               slab_bytes=slab, io_threads=cfg.io_threads))
+    return NvmeTier(nvme_config(cfg))
 
 
 async def _main(cfg: DaemonConfig) -> None:

@@ -33,6 +33,9 @@ from pathlib import Path
 from kvtier_contract.units import format_bytes
 from kvtierd.config import DaemonConfig
 from kvtierd.tenants import Tenants, load_tenants
+from kvtierd.tiers.nvme.format import parse_data_file_name
+from kvtierd.tiers.nvme.journal import DEFAULT_JOURNAL_BYTES
+from kvtierd.tiers.nvme.tier import NvmeConfig
 
 DAEMON_RESERVE_BYTES = 256 << 20
 """Memory left to the daemon itself (and the system) beyond its arenas: an idle daemon's own
@@ -299,8 +302,43 @@ def check_disk_dir(cfg: DaemonConfig) -> None:
         problem = f"{probe} is on a read-only filesystem"
     elif not os.access(probe, os.W_OK | os.X_OK):
         problem = f"{probe} is not writable by uid {os.geteuid()}"
+    else:
+        problem = _space_problem(cfg, path, probe)
     if problem is not None:
         raise StartupError(disk_refusal(cfg, problem))
+
+
+def _space_problem(cfg: DaemonConfig, path: Path, probe: Path) -> str | None:
+    """Whether the filesystem lacks the room the tier's open preallocates: its block files not
+    made yet and a new journal (a fuller one opens degraded: every write would fail)."""
+    ncfg = nvme_config(cfg)
+    files = max(1, ncfg.capacity_bytes // ncfg.file_bytes)
+    present = {parse_data_file_name(n) for n in os.listdir(path)} if path.is_dir() else set()
+    missing = files - sum(1 for i in present if i is not None and i < files)
+    need = missing * ncfg.file_bytes + DEFAULT_JOURNAL_BYTES
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    if need <= free:
+        return None
+    return (
+        f"its filesystem has {format_bytes(free)} free, the NVMe tier needs {format_bytes(need)} "
+        f"more ({missing} block file(s) of {format_bytes(ncfg.file_bytes)} and a journal of "
+        f"{format_bytes(DEFAULT_JOURNAL_BYTES)}): lower --disk-bytes or free space"
+    )
+
+
+def nvme_config(cfg: DaemonConfig) -> NvmeConfig:
+    """The NVMe tier's geometry from ``cfg`` (block files of whole NVMe slabs)."""
+    slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
+    file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
+    return NvmeConfig(
+        directory=cfg.disk_dir,
+        capacity_bytes=max(cfg.disk_bytes, file_bytes),
+        io_align=cfg.io_align_bytes,
+        file_bytes=file_bytes,
+        slab_bytes=slab,
+        io_threads=cfg.io_threads,
+    )
 
 
 def disk_refusal(cfg: DaemonConfig, problem: str) -> str:

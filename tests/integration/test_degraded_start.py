@@ -99,9 +99,9 @@ def store_durably(d: DaemonProcess) -> tuple[list[bytes], list[bytes]]:
 
 def refused(disk: Path, run: Path, why: str, *, opened: bool = False) -> None:
     """A start on ``disk`` without --disk-optional: exit 2 at once, one line naming disk_dir,
-    the reason and the flag (before the arena is made: no other line; after the tier's open,
-    ``opened``: the tier's own log lines before it), no traceback, no socket left behind,
-    nothing written to the disk directory."""
+    the reason and the flag (before the arena is made: no other line, nothing written to the
+    disk directory; after the tier's open, ``opened``: the tier's own log lines before it, and
+    the open may have begun a journal), no traceback, no socket left behind."""
     before = sorted(p.name for p in disk.iterdir()) if disk.is_dir() else None
     done = start_expecting_exit(run, *SERVE, "--disk-dir", str(disk))
     lines = done.stderr.strip().splitlines()
@@ -111,7 +111,8 @@ def refused(disk: Path, run: Path, why: str, *, opened: bool = False) -> None:
     assert lines[0].startswith(f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: ")
     assert why in lines[0] and "--disk-optional" in lines[0], lines[0]
     assert not (run / "kvtier.sock").exists() and not (run / "kvtier.sock.shm").exists()
-    assert (sorted(p.name for p in disk.iterdir()) if disk.is_dir() else None) == before
+    if not opened:
+        assert (sorted(p.name for p in disk.iterdir()) if disk.is_dir() else None) == before
 
 
 def start_expecting_exit(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,7 +159,7 @@ def test_a_restart_on_a_full_disk_serves_the_host_tier_and_resumes(
     else:
         d1.kill()  # journals to replay; the next start wants a checkpoint and a journal
     filler = fill(mnt)
-    refused(disk, tmp_path / "refused", "opened degraded", opened=True)
+    refused(disk, tmp_path / "refused", "free, the NVMe tier needs 8.0 MiB more (0 block file(s)")
     d2 = daemon_factory(*DEGRADE, "--disk-dir", str(disk), run_dir=run)  # must start
     check_degraded_then_resumed(d2, keys, data, heal=filler.unlink)
 
@@ -206,3 +207,31 @@ def test_a_disk_dir_that_is_a_file_refuses_the_start_and_degrades_with_disk_opti
     assert d.info["tiers"]["nvme"]["state"] == "degraded"
     assert nvme_health(d) != SERVING
     assert disk.read_bytes() == b"x"
+
+
+def test_a_tier_that_opens_degraded_refuses_the_start_and_serves_with_disk_optional(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """The checks before the open pass (the directory is there, writable, its files too), the
+    open finds a truncated block file: refused after the tier's own log lines, or degraded."""
+    disk, run = tmp_path / "nvme", tmp_path / "run"
+    d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    assert d1.info["tiers"]["nvme"]["state"] == "serving"
+    assert d1.stop(signal.SIGTERM) == 0
+    os.truncate(disk / "blocks-00000.kvt", 4096)
+    refused(disk, tmp_path / "refused", "the NVMe tier opened degraded: ", opened=True)
+    d2 = daemon_factory(*DEGRADE, "--disk-dir", str(disk), run_dir=run)
+    assert "truncated" in d2.info["tiers"]["nvme"]["reason"]
+    assert nvme_health(d2) != SERVING
+
+
+def test_a_directory_of_another_kind_is_one_line_even_with_disk_optional(tmp_path: Path) -> None:
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    (disk / "kvtier.meta").write_text("not a kvtier meta file")
+    for optional in ((), ("--disk-optional",)):
+        done = start_expecting_exit(tmp_path / "run", *SERVE, *optional, "--disk-dir", str(disk))
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done
+        assert lines[0].startswith(f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: "
+                                   "kvtier.meta: not JSON"), lines[0]
+        assert lines[0].endswith("check it with kvtierd fsck, or choose another directory")

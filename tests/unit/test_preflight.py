@@ -3,6 +3,7 @@ and real directories: each refusal is one line naming the setting, its flag and 
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,3 +216,17 @@ def test_disk_dir_that_is_a_file_is_refused_unless_optional(tmp_path: Path) -> N
     check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB, disk_optional=True))
     check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "new" / "nvme"), disk_bytes=GiB))
     assert not (tmp_path / "new").exists()  # checked, not made
+
+
+def test_a_disk_too_small_for_the_block_files_is_refused_before_any_is_made(tmp_path: Path) -> None:
+    cfg = DaemonConfig(disk_dir=str(tmp_path / "nvme"), disk_bytes=1 << 50)  # 1 PiB
+    with pytest.raises(StartupError) as e:
+        check_disk_dir(cfg)
+    line = str(e.value)
+    assert line.startswith(f"disk_dir {tmp_path}/nvme (--disk-dir) cannot be used: its filesystem has ")
+    assert (
+        "the NVMe tier needs 1024.0 TiB more (1048576 block file(s) of 1.0 GiB and a journal of 8.0 MiB)"
+        in line
+    )
+    assert "lower --disk-bytes or free space" in line and not (tmp_path / "nvme").exists()
+    check_disk_dir(dataclasses.replace(cfg, disk_bytes=64 << 20))  # 64 MiB fits
