@@ -106,6 +106,7 @@ def test_a_tier_replaying_its_journal_logs_each_phase(
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     where = f"nvme tier {cfg.directory}: "
     assert any(m.startswith(where + "reading the index: 6 records") and "done" in m for m in said), said
+    assert any(m.startswith(where + "locating blocks: 5 of 5 blocks (100%)") for m in said), said
     assert any(m.startswith(where + "validating block headers: 5 of 5 blocks (100%)") for m in said), said
     assert any(
         m.startswith(where + "claiming slots: 5 of 5 blocks (100%)") and "5 dropped" in m for m in said

@@ -301,7 +301,10 @@ class NvmeTier(StorageTier):
         stop the checkpoint is trusted (every later read verifies header and payload anyway)."""
         out = Recovered(namespaces=dict(rec.namespaces))
         candidates: list[tuple[bytes, bytes, NvmeLocation]] = []
-        for (digest, key), add in rec.entries.items():
+        progress = self._progress("locating blocks", "blocks", len(rec.entries))
+        for i, ((digest, key), add) in enumerate(rec.entries.items()):
+            if not i & 0xFFF:
+                progress.tick(i)
             loc = NvmeLocation(self._linear(add.file, add.offset), add.slot_bytes, add.payload_len,
                                add.payload_checksum, add.slot_seq)
             usable = add.file < len(self.files) and self.files[add.file] is not None
@@ -310,6 +313,7 @@ class NvmeTier(StorageTier):
                 self.figures.recovery_quarantined += 1
                 continue
             candidates.append((digest, key, loc))
+        progress.finish(len(rec.entries))
         problems: list[str | None] = [None] * len(candidates)
         if rec.stats.journal_records:
             step = 10_000
