@@ -3,13 +3,16 @@
 ``Daemon(cfg)`` builds every component (arena, host tier, policy, cache, sessions, service,
 transports, metrics); ``run(cfg)`` drives the lifecycle:
 
-    startup (bind everything, health SERVING, print the ready line)
+    checks (the sockets' lock, then kvtierd.preflight: memory, NVMe directory, ports; the NVMe
+            tier's open: a refusal is one StartupError line, exit 2, before any socket is bound)
+      -> startup (bind everything, health SERVING, print the ready line)
       -> serve (lease sweeper runs)
       -> drain on SIGTERM/SIGINT (health NOT_SERVING, stores refused, in-flight jobs get
          ``drain_timeout_s`` to finish) -> shutdown.   A second signal exits at once.
 
 The ready line is ``KVTIERD_READY {json}`` on stdout with the bound addresses (ports chosen by the
-OS when configured as 0), so supervisors and tests need not guess.
+OS when configured as 0) and every tier's state (``tiers``), so supervisors and tests need not
+guess.
 """
 
 from __future__ import annotations
