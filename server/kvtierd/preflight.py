@@ -214,20 +214,26 @@ def bound_ports(cfg: DaemonConfig) -> list[tuple[str, str, int]]:
 
 
 def check_ports(cfg: DaemonConfig) -> None:
-    """Each configured port (not 0) can be bound now, and no two settings name the same one."""
-    seen: dict[int, str] = {}
+    """Each configured port (not 0) can be bound now, and no two settings name the same port on
+    the same (or a wildcard) address."""
+    seen: list[tuple[str, str, int]] = []
     for name, host, port in bound_ports(cfg):
         if port == 0:
             continue
-        if port in seen:
-            raise StartupError(
-                f"{_where(name, host, port)} names the port of {seen[port]}: "
-                f"choose another port ({_fix(name)})"
-            )
-        seen[port] = name
+        for other, other_host, other_port in seen:
+            if port == other_port and (host == other_host or _wildcard(host) or _wildcard(other_host)):
+                raise StartupError(
+                    f"{_where(name, host, port)} names the port of {other}: "
+                    f"choose another port ({_fix(name)})"
+                )
+        seen.append((name, host, port))
         err = try_bind(host, port)
         if err is not None:
             raise StartupError(bind_refusal(name, host, port, err))
+
+
+def _wildcard(host: str) -> bool:
+    return host.strip("[]") in ("", "0.0.0.0", "::")
 
 
 def _flag(name: str) -> str:

@@ -230,3 +230,12 @@ def test_a_disk_too_small_for_the_block_files_is_refused_before_any_is_made(tmp_
     )
     assert "lower --disk-bytes or free space" in line and not (tmp_path / "nvme").exists()
     check_disk_dir(dataclasses.replace(cfg, disk_bytes=64 << 20))  # 64 MiB fits
+
+
+def test_one_port_on_two_loopback_addresses_is_two_listeners() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2", metrics_port=free))
+    with pytest.raises(StartupError, match=r"names the port of listen"):
+        check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_host="0.0.0.0", metrics_port=free))
