@@ -3,13 +3,16 @@
 ``Daemon(cfg)`` builds every component (arena, host tier, policy, cache, sessions, service,
 transports, metrics); ``run(cfg)`` drives the lifecycle:
 
-    startup (bind everything, health SERVING, print the ready line)
+    checks (the sockets' lock, then kvtierd.preflight: memory, NVMe directory, ports; the NVMe
+            tier's open: a refusal is one StartupError line, exit 2, before any socket is bound)
+      -> startup (bind everything, health SERVING, print the ready line)
       -> serve (lease sweeper runs)
       -> drain on SIGTERM/SIGINT (health NOT_SERVING, stores refused, in-flight jobs get
          ``drain_timeout_s`` to finish) -> shutdown.   A second signal exits at once.
 
 The ready line is ``KVTIERD_READY {json}`` on stdout with the bound addresses (ports chosen by the
-OS when configured as 0), so supervisors and tests need not guess.
+OS when configured as 0) and every tier's state (``tiers``), so supervisors and tests need not
+guess.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from kvtier_contract import published_index as pi
 from kvtier_contract.errors import NotFound
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.published_index import STAMP_INTERVAL_S
+from kvtier_contract.units import format_bytes
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd import preflight
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import DaemonConfig, is_loopback
 from kvtierd.index import Entry, NamespaceState
@@ -43,13 +48,21 @@ from kvtierd.index.published import Publishers
 from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
+from kvtierd.preflight import (
+    StartupError,
+    bind_refusal,
+    disk_refusal,
+    nvme_config,
+    tenant_arena_bytes,
+)
 from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
-from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
+from kvtierd.tiers.nvme.format import CorruptMeta
+from kvtierd.tiers.nvme.tier import NvmeTier
 from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.control import ControlChannel
 from kvtierd.transports.cuda_driver import CudaDriver, CudaUnavailable
@@ -71,7 +84,7 @@ class Daemon:
         # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
         nvme = _nvme_tier(cfg) if cfg.disk_dir else None
         if nvme is not None:
-            _lock_disk(nvme)
+            _lock_disk(nvme, cfg)
         self._socket_lock: OwnerLock | None = None
         self.boot_epoch = time.time_ns()
         slabs = cfg.host_bytes // cfg.slab_bytes
@@ -96,9 +109,15 @@ class Daemon:
         self.cache.host_quota = self._host_quota
         if cfg.disk_dir:
             assert nvme is not None
-            link = self.cache.add_storage_tier(nvme, make_write_policy(
-                cfg.write_policy, flush_watermark=cfg.flush_watermark,
-                write_after_hits=cfg.write_after_hits))
+            try:
+                link = self.cache.add_storage_tier(nvme, make_write_policy(
+                    cfg.write_policy, flush_watermark=cfg.flush_watermark,
+                    write_after_hits=cfg.write_after_hits))
+            except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+                nvme.close()
+                raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; "
+                                   f"check it with kvtierd fsck, or choose another "
+                                   f"directory") from None
             link.tenant_quota = self._nvme_quota
         if cfg.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
@@ -160,28 +179,24 @@ class Daemon:
         start and on reload). An arena lives as long as the daemon and never changes tenant,
         so no slot ever moves to another tenant (nothing to zero). A size changed in the file
         takes effect at the next start (arenas are sealed against resizing)."""
-        slab = self.cfg.slab_bytes
-        for t in tenants.by_name.values():
-            if not t.maps_memory:
-                continue
-            size = max(slab, t.arena_size(self.cfg.tenant_arena_bytes) // slab * slab)
-            pool = self._tenant_arenas.get(t.name)
+        for name, size in tenant_arena_bytes(self.cfg, tenants).items():
+            pool = self._tenant_arenas.get(name)
             if pool is not None:
                 if self.host.pool_bytes[pool] != size:
                     log.warning("tenant %s: arena of %d bytes kept (the file asks %d; sizes "
-                                "change at the next start)", t.name, self.host.pool_bytes[pool],
+                                "change at the next start)", name, self.host.pool_bytes[pool],
                                 size)
                 continue
             try:
-                arena = Arena(size, prefault=self.cfg.prefault, name=f"kvtier-{t.name}"[:200])
+                arena = Arena(size, prefault=self.cfg.prefault, name=f"kvtier-{name}"[:200])
             except OSError as e:  # its shm sessions are refused; never handed another arena
-                log.error("tenant %s: cannot make its arena of %d bytes: %s", t.name, size, e)
+                log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
                 continue
             pool = self.host.add_arena(arena)
             if self.cuda is not None:
                 self.cuda.copier.add_arena(pool)
-            self._tenant_arenas[t.name] = pool
-            log.info("tenant %s: arena of %d bytes", t.name, size)
+            self._tenant_arenas[name] = pool
+            log.info("tenant %s: arena of %d bytes", name, size)
 
     def _metrics_caller(self, token: str | None) -> tuple[bool, Tenant | None]:
         """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a
@@ -238,6 +253,50 @@ class Daemon:
         """shm handshakes: the Unix peer (SO_PEERCRED) must be allowed for the session's
         tenant (its unix_uids / unix_gids)."""
         return self.tenancy.allows_peer(session.tenant, uid, gid)
+
+    def refuse_unusable_tiers(self) -> None:
+        """At start, after the NVMe tier's open: a tier that opened degraded (disk full,
+        read-only, unreadable index) refuses the start (StartupError) unless ``disk_optional``;
+        then it serves degraded, said in the ready line, and a probe resumes it."""
+        for link in self.cache.chain:
+            if not link.tier.admitting and not self.cfg.disk_optional:
+                reason = link.tier.degraded_reason
+                link.tier.close()
+                raise StartupError(disk_refusal(self.cfg, f"the NVMe tier opened degraded: "
+                                                          f"{reason}"))
+
+    def tiers(self) -> dict[str, Any]:
+        """Every tier and its state (the ready line's ``tiers``); None: a tier not configured."""
+        host = {"bytes": self.host.capacity_bytes, "shared_arena_bytes": self.arena.size,
+                "tenant_arenas": len(self._tenant_arenas),
+                "eviction_policy": self.cfg.eviction_policy}
+        nvme: dict[str, Any] | None = None
+        for link in self.cache.chain:
+            nvme = {"directory": self.cfg.disk_dir, "bytes": self.cfg.disk_bytes,
+                    "state": "serving" if link.tier.admitting else "degraded",
+                    "reason": link.tier.degraded_reason, "recovered_blocks": link.restored,
+                    "write_policy": self.cfg.write_policy}
+        cluster: dict[str, Any] | None = None
+        if self.cache.fleet is not None:
+            seeds, tls = parse_url(self.cfg.cluster)
+            cluster = {"seeds": list(seeds), "tls": tls,
+                       "state": "connected" if self.cache.fleet.tier.connected else "connecting",
+                       "write_policy": self.cfg.cluster_write_policy}
+        return {"host": host, "nvme": nvme, "cluster": cluster}
+
+    async def abort_start(self) -> None:
+        """A start that failed half-way (a port taken since the startup checks): the servers
+        and transports made so far closed, the Unix socket files this daemon bound removed."""
+        for server in (self.server, self.tcp_server, self.health_server):
+            if server is not None:
+                await server.stop(None)
+        for t in self.transports:
+            t.close()
+        for key in ("unix", "shm"):
+            path = str(self.addresses.get(key, "")).removeprefix("unix://")
+            if path and self._socket_lock is not None:  # ours: we hold their lock
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def reload_tenants(self) -> None:
         """SIGHUP: read the tenants file again; a bad file keeps the current tenants."""
@@ -301,22 +360,16 @@ class Daemon:
             self.addresses["unix"] = f"unix://{path}"
         if cfg.listen:
             self.tcp_server = self._grpc_server(reflect=cfg.reflection == "all")
-            if cfg.tls_cert:
-                port = self.tcp_server.add_secure_port(cfg.listen, _tls_credentials(cfg))
-            else:
-                port = self.tcp_server.add_insecure_port(cfg.listen)
-                if not is_loopback(cfg.listen):
-                    log.warning("gRPC listens on %s in plaintext (allow_plaintext_remote): "
-                                "tokens and figures cross the network unencrypted", cfg.listen)
-            if port == 0:
-                raise OSError(f"listen: cannot bind {cfg.listen}")
+            creds = _tls_credentials(cfg) if cfg.tls_cert else None
+            port = _add_port(self.tcp_server, "listen", cfg.listen, creds)
+            if creds is None and not is_loopback(cfg.listen):
+                log.warning("gRPC listens on %s in plaintext (allow_plaintext_remote): "
+                            "tokens and figures cross the network unencrypted", cfg.listen)
             self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
         if cfg.health_listen:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            port = self.health_server.add_insecure_port(cfg.health_listen)
-            if port == 0:
-                raise OSError(f"health_listen: cannot bind {cfg.health_listen}")
+            port = _add_port(self.health_server, "health_listen", cfg.health_listen, None)
             self.addresses["health"] = f"{cfg.health_listen.rpartition(':')[0]}:{port}"
         if cfg.data_listen and not cfg.tls_cert and not is_loopback(cfg.data_listen):
             log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)",
@@ -332,7 +385,10 @@ class Daemon:
                 max(1, cfg.data_max_connections // 2)),
                 ssl_context=_data_tls(cfg) if cfg.tls_cert else None,
                 control=self._control_channel if cfg.control_channel else None)
-            await data.start()
+            try:
+                await data.start()
+            except OSError as e:
+                raise StartupError(bind_refusal("data_listen", host, int(port_s), e)) from None
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"
         if cfg.shm_enabled:
@@ -355,7 +411,12 @@ class Daemon:
             self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                          asyncio.get_running_loop(), self.snapshot,
                                          authorize=self._metrics_caller)
-            self.metrics.start()
+            try:
+                self.metrics.start()
+            except OSError as e:
+                self.metrics = None
+                raise StartupError(bind_refusal("metrics_port", cfg.metrics_host,
+                                                cfg.metrics_port, e)) from None
             self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._stamper = asyncio.get_running_loop().create_task(self._stamp())
@@ -513,12 +574,15 @@ def _lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
     return OwnerLock.take(base + ".lock")
 
 
-def _lock_disk(nvme: NvmeTier) -> None:
-    """The NVMe directory's lock, now; a directory that cannot be made or opened yet (a
-    read-only or missing mount) is locked by the tier's later open instead."""
+def _lock_disk(nvme: NvmeTier, cfg: DaemonConfig) -> None:
+    """The NVMe directory's lock, now. A directory that cannot be made or opened yet (a
+    read-only or missing mount) refuses the start (StartupError), or with ``disk_optional`` is
+    locked by the tier's later open instead."""
     try:
         nvme.lock()
     except OSError as e:
+        if not cfg.disk_optional:
+            raise StartupError(disk_refusal(cfg, f"cannot lock it: {e.strerror or e}")) from None
         log.warning("nvme directory %s not locked yet (%s): the tier locks it when it opens",
                     nvme.cfg.directory, e.strerror or e)
 
@@ -532,6 +596,22 @@ def _private_umask() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+def _add_port(server: grpc.aio.Server, name: str, address: str,
+              creds: grpc.ServerCredentials | None) -> int:
+    """Bind ``address`` (setting ``name``) on ``server``; the port bound. StartupError (one
+    line) when it cannot be bound: the preflight found it free, someone took it since."""
+    try:
+        port = int(server.add_secure_port(address, creds) if creds is not None else
+                   server.add_insecure_port(address))
+    except RuntimeError:  # grpcio >= 1.50 raises where older ones returned 0
+        port = 0
+    if port == 0:
+        host, _, port_s = address.rpartition(":")
+        raise StartupError(bind_refusal(name, host, int(port_s), preflight.try_bind(
+            host, int(port_s))))
+    return port
 
 
 def _raise_fd_limit() -> None:
@@ -614,17 +694,16 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
     """The NVMe tier over ``cfg.disk_dir`` (not opened yet: the cache opens and restores it)."""
-    slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
-    file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
-    return NvmeTier(NvmeConfig(directory=cfg.disk_dir, capacity_bytes=max(cfg.disk_bytes, file_bytes),
-                               io_align=cfg.io_align_bytes, file_bytes=file_bytes,
-                               slab_bytes=slab, io_threads=cfg.io_threads))
+    return NvmeTier(nvme_config(cfg))
 
 
 async def _main(cfg: DaemonConfig) -> None:
     socket_lock = _lock_sockets(cfg)  # first of all: a second daemon exits before any work
+    for warning in preflight.check(cfg):  # before the arena is reserved or a socket bound
+        log.warning("%s", warning)
     daemon = Daemon(cfg)
     daemon._socket_lock = socket_lock
+    daemon.refuse_unusable_tiers()
     loop = asyncio.get_running_loop()
     signals = 0
 
@@ -639,13 +718,20 @@ async def _main(cfg: DaemonConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except StartupError:
+        await daemon.abort_start()  # a port taken since the preflight: no socket left behind
+        raise
+    tiers = daemon.tiers()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
              "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.eviction_policy,
              "cuda_ipc": daemon.cuda is not None,
-             "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0}
+             "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0,
+             "tiers": tiers}
     print("KVTIERD_READY " + json.dumps(ready), flush=True)
-    log.info("kvtierd ready: %s", ready)
+    log.info("kvtierd ready: %s; %s", describe_tiers(tiers),
+             ", ".join(f"{k} {v}" for k, v in daemon.addresses.items()))
     await daemon.wait_stopped()
     await daemon.drain_and_stop()
     log.info("kvtierd stopped")
@@ -668,4 +754,27 @@ def run(cfg: DaemonConfig) -> None:
     except InUse as e:  # one line, no traceback: which lock, whose
         print(f"kvtierd: {e}", file=sys.stderr)
         sys.exit(1)
+    except StartupError as e:  # a startup check (kvtierd.preflight): setting, flag and fix
+        print(f"kvtierd serve: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def describe_tiers(tiers: dict[str, Any]) -> str:
+    """The ready log line's tiers: ``host 1.0 GiB (lru); nvme /d serving, 12 blocks; ...``."""
+    host = tiers["host"]
+    parts = [f"host {format_bytes(host['bytes'])} ({host['eviction_policy']}"
+             + (f", {host['tenant_arenas']} tenant arena(s))" if host["tenant_arenas"] else ")")]
+    nvme = tiers["nvme"]
+    if nvme is None:
+        parts.append("nvme off")
+    elif nvme["state"] == "serving":
+        parts.append(f"nvme {nvme['directory']} serving ({format_bytes(nvme['bytes'])}, "
+                     f"{nvme['recovered_blocks']} blocks recovered)")
+    else:
+        parts.append(f"nvme {nvme['directory']} DEGRADED, not admitting ({nvme['reason']}): "
+                     "the host tier serves alone until it opens")
+    cluster = tiers["cluster"]
+    parts.append("cluster off" if cluster is None else
+                 f"cluster {','.join(cluster['seeds'])} ({cluster['state']})")
+    return "; ".join(parts)
 

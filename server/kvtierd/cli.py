@@ -30,36 +30,114 @@ def _mode(text: str) -> int:
                                          f"{text!r}") from None
 
 
+class _ConfigDefaults(argparse.HelpFormatter):
+    """``kvtierd serve --help``: each flag's help ends with its default, the DaemonConfig field
+    of its ``dest`` (the flags' own defaults are None: "not set", the file or default wins).
+    kvtierd.config is imported only when help is shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = config_default(action.dest)
+        if default is None:
+            return text
+        return f"{text} (default: {default.replace('%', '%%')})".lstrip()
+
+
+def config_default(name: str) -> str | None:
+    """The embedded default of DaemonConfig field ``name`` as a person writes it (``1GiB``,
+    ``0600``, ``none``), or None: no such field."""
+    import dataclasses
+
+    from kvtierd.config import _SIZE_FIELDS, DaemonConfig
+
+    field = next((f for f in dataclasses.fields(DaemonConfig) if f.name == name), None)
+    if field is None or field.default is dataclasses.MISSING:
+        return None
+    value = field.default
+    if isinstance(value, bool):
+        return f"{name} = {str(value).lower()}"
+    if name in _SIZE_FIELDS and isinstance(value, int):
+        return _exact_size(value) if value else "0"
+    if name == "socket_mode":
+        return f"{value:04o}"
+    return "none" if value == "" else str(value)
+
+
+def _exact_size(n: int) -> str:
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+FSCK_DESCRIPTION = """\
+Check an NVMe tier directory (--disk-dir) offline, read-only: the meta file, every data file
+slot by slot (header and payload checksums), leftover, foreign and missing files. Prints a
+report on stdout and, while it runs, progress lines on stderr (bytes and slots checked, rate).
+
+It refuses a directory a live daemon holds (its kvtier.lock): the files change under a running
+daemon, so the verdict would mean nothing; stop the daemon first. While fsck runs, a daemon
+does not start on the directory.
+
+exit status: 0 clean, 1 problems found, 2 unusable directory (missing, no or bad meta file),
+3 refused: a live daemon holds the directory."""
+
+
+def add_fsck_arguments(f: argparse.ArgumentParser) -> None:
+    """``kvtierd fsck``'s arguments (this parser's and kvtierd.tiers.nvme.fsck's own)."""
+    f.add_argument("directory", help="the NVMe tier directory (the daemon's --disk-dir)")
+    f.add_argument("--max-problems", type=int, default=50,
+                   help="problems listed in the report (default 50)")
+    f.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between progress lines on stderr (default 5; 0: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
                                                             "KV-cache blocks")
     p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)")
+    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)",
+                       formatter_class=_ConfigDefaults,
+                       description="Run the kvtierd daemon. Every flag overrides the DaemonConfig "
+                       "field of its name (docs/configuration.md); the defaults shown are the "
+                       "embedded ones, which --config FILE may change. Startup checks refuse, "
+                       "in one line and with exit status 2, a host tier larger than the memory "
+                       "available, a port in use and an unusable --disk-dir.")
     s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
     s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
+    s.add_argument("--allow-host-bytes-over-available", dest="allow_host_bytes_over_available",
+                   action="store_const", const=True, help="start even when the host tier (and "
+                   "tenant arenas) exceed the memory available (warned at start)")
     s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
     s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
-    s.add_argument("--socket-mode", type=_mode, help="mode of the Unix sockets, octal (default "
-                   "600: the daemon's user only; 660: its group too)")
-    s.add_argument("--listen", help="gRPC TCP HOST:PORT (default none; '' disables)")
+    s.add_argument("--socket-mode", type=_mode, help="mode of the Unix sockets, octal (600: the "
+                   "daemon's user only; 660: its group too)")
+    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
     s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables, 0 picks one)")
     s.add_argument("--metrics-host", help="Prometheus bind address")
-    s.add_argument("--eviction-policy", choices=["lru", "arc"])
+    s.add_argument("--eviction-policy", choices=["lru", "arc"], help="host tier eviction order")
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
-    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False)
+    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
+                   help="do not allocate the arena's pages at start")
     s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
                    help="offer the cuda_ipc transport (needs cupy and a GPU)")
     s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
-    s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB")
+    s.add_argument("--disk-optional", dest="disk_optional", action="store_const", const=True,
+                   help="start with the host tier alone when --disk-dir cannot be used (the "
+                   "tier opens once it can); without it such a start is refused")
+    s.add_argument("--disk-bytes", type=_size,
+                   help="NVMe tier size, e.g. 100GiB; required with --disk-dir")
     s.add_argument("--io-align", dest="io_align_bytes", type=_size,
-                   help="NVMe slot alignment (default 4KiB; 16KiB works too)")
-    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"])
+                   help="NVMe slot alignment (16KiB works too)")
+    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"],
+                   help="when blocks are written to NVMe")
     s.add_argument("--cluster", help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
                    "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)")
-    s.add_argument("--cluster-write-policy", choices=["commit", "evict"])
+    s.add_argument("--cluster-write-policy", choices=["commit", "evict"],
+                   help="which blocks are written to the cluster")
     s.add_argument("--cluster-fleet-key-file", help="the fleet key (hex, >= 32 bytes) that "
                    "authenticates cluster values; required with --cluster (docs/cluster.md)")
     s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
@@ -74,15 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback listen/data-listen without TLS (warned at start)")
     s.add_argument("--health-listen", help="HOST:PORT serving only gRPC health, plaintext "
                    "(kubelet grpc probes)")
-    s.add_argument("--reflection", choices=["unix", "all", "off"])
+    s.add_argument("--reflection", choices=["unix", "all", "off"],
+                   help="where gRPC server reflection is served")
     s.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_const", const=False,
                    help="give blocks no digest (loads unverified; for measuring its cost)")
     s.add_argument("--verify-store", choices=["client", "daemon"],
-                   help="who hashes an shm store (default: client)")
+                   help="who hashes an shm store")
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
-                       "while a daemon uses it)")
-    f.add_argument("directory")
+                       "while a daemon uses it)", description=FSCK_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fsck_arguments(f)
 
     sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
                                       "from stdin (first line), for a tenants file")
@@ -104,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fsck":
         from kvtierd.tiers.nvme.fsck import main as fsck_main
 
-        return fsck_main([args.directory])
+        return fsck_main([args.directory, "--max-problems", str(args.max_problems),
+                          "--progress-interval", str(args.progress_interval)])
     return _serve(args)
 
 
@@ -121,6 +202,8 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
             eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
             prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+            disk_optional=args.disk_optional,
+            allow_host_bytes_over_available=args.allow_host_bytes_over_available,
             io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
             cuda_ipc=args.cuda_ipc, cluster=args.cluster,
             cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,

@@ -38,6 +38,9 @@ class DaemonConfig:
 
     host_bytes: int = 1 << 30
     """Size of the host tier (one memfd arena). Rounded down to a whole number of slabs."""
+    allow_host_bytes_over_available: bool = False
+    """Start even when the arenas (host_bytes plus the tenants') exceed the memory available
+    less 256 MiB (MemAvailable, the memory cgroup's headroom); off: refused at start."""
     slab_bytes: int = 64 << 20
     """Arena unit handed to a size class; the largest block a namespace may have."""
     slot_align_bytes: int = 4096
@@ -140,6 +143,9 @@ class DaemonConfig:
     """On SIGTERM: how long in-flight jobs may take to finish before the daemon exits anyway."""
     disk_dir: str = ""
     """NVMe tier directory ("" disables the tier). Block files, journal and checkpoint live here."""
+    disk_optional: bool = False
+    """Start with the host tier alone when the NVMe tier cannot be opened (the tier opens once
+    it can, see probe_interval_s); off: such a start is refused."""
     disk_bytes: int = 0
     """NVMe tier size (preallocated block files); required with disk_dir."""
     io_align_bytes: int = 4096

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -241,3 +242,62 @@ def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
     fields = {f.name for f in dataclasses.fields(DaemonConfig)}
     cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
     assert cfg.cluster_fleet_key_file == str(key)
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    from kvtierd.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*argv, "--help"])
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: one line of words
+
+
+def test_serve_help_shows_every_flags_default_from_daemon_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The flags' own defaults are None ("not set": a --config file may set the field); the
+    help shows the field's embedded default instead, written as a person writes it."""
+    from kvtierd.cli import build_parser, config_default
+
+    text = _help(capsys, "serve")
+    for shown in ("--host-bytes HOST_BYTES host tier size, e.g. 1GiB (default: 1GiB)",
+                  "(largest block), e.g. 64MiB (default: 64MiB)",
+                  "'' disables) (default: run/kvtier.sock)", "its group too) (default: 0600)",
+                  "--listen LISTEN gRPC TCP HOST:PORT ('' disables) (default: none)",
+                  "0 picks one) (default: 9464)", "(default: 127.0.0.1:0)",
+                  "at start (default: prefault = true)", "(default: disk_optional = false)",
+                  "(default: allow_host_bytes_over_available = false)", "(default: 4KiB)",
+                  "(default: write-back)", "--eviction-policy {lru,arc} host tier eviction order "
+                  "(default: lru)", "(default: 10.0)"):
+        assert shown in text, shown
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    parser = serve.choices["serve"]
+    flags = [a for a in parser._actions if a.dest in fields]
+    assert len(flags) >= 30
+    for a in flags:  # every flag that sets a field says its default
+        said = parser._get_formatter()._get_help_string(a)  # type: ignore[attr-defined]
+        assert said is not None and said.endswith(f"(default: {config_default(a.dest)})"), said
+
+
+def test_the_new_flags_set_their_fields() -> None:
+    from kvtierd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--disk-optional", "--allow-host-bytes-over-available"])
+    assert args.disk_optional is True and args.allow_host_bytes_over_available is True
+    cfg = with_overrides(DaemonConfig(), disk_optional=args.disk_optional,
+                         allow_host_bytes_over_available=args.allow_host_bytes_over_available)
+    assert cfg.disk_optional and cfg.allow_host_bytes_over_available
+    assert not DaemonConfig().disk_optional and not DaemonConfig().allow_host_bytes_over_available
+
+
+def test_fsck_help_says_what_it_does_its_exit_codes_and_that_it_refuses_a_live_daemon(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = _help(capsys, "fsck")
+    assert "offline, read-only" in text and "slot by slot" in text
+    assert "exit status: 0 clean, 1 problems found, 2 unusable directory" in text
+    assert "3 refused: a live daemon holds the directory" in text
+    assert "It refuses a directory a live daemon holds" in text
+    assert "--progress-interval SECONDS" in text and "--max-problems" in text

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtierd.lockfile import InUse, OwnerLock
+from kvtierd.progress import Progress
 from kvtierd.tiers.nvme.format import (
     LOCK_NAME,
     META_NAME,
@@ -259,3 +260,51 @@ def test_a_directory_a_live_daemon_holds_is_refused(tmp_path: Path,
         held.release()
     report = fsck(str(d))  # the daemon stopped: checked, and its lock file is no problem
     assert report.clean and report.total("valid") == 1, format_report(report)
+
+
+class Ticks:
+    """A clock that moves one second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_progress_counts_bytes_and_slots_with_a_rate_while_the_walk_runs(tmp_path: Path) -> None:
+    d = make_store(tmp_path)  # two files of 16 blocks of 4 KiB: 128 KiB
+    end = put(d, 0, seed=1)
+    put(d, end, seed=2, n=100)
+    put(d, 0, seed=3, file=1)
+    lines: list[str] = []
+    progress = Progress("fsck", lines.append, interval_s=10.0, clock=Ticks())
+    report = fsck(str(d), progress)
+    assert report.clean
+    assert lines[0] == "fsck: checking 2 data file(s), 128.0 KiB"
+    ticks = lines[1:-1]  # one clock read per io_align step: a line every 10 of them
+    assert 2 <= len(ticks) <= 4, lines
+    first = ticks[0]
+    assert first.startswith("fsck: ") and " of 128.0 KiB (" in first and "/s, " in first, first
+    assert "valid slot(s), 0 corrupt, 0 problem(s); at blocks-0000" in first, first
+    assert lines[-1].startswith("fsck: 128.0 KiB of 128.0 KiB (100%), ")
+    assert lines[-1].endswith("; done; 3 valid slot(s), 0 corrupt, 0 problem(s)"), lines[-1]
+
+
+def test_short_work_stays_quiet_and_the_cli_prints_progress_to_stderr_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = make_store(tmp_path)
+    put(d, 0, seed=1)
+    lines: list[str] = []
+    fsck(str(d), Progress("fsck", lines.append, interval_s=3600.0))
+    assert lines == ["fsck: checking 2 data file(s), 128.0 KiB"]  # no progress line, no "done"
+    assert main([str(d), "--progress-interval", "1e-9"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"kvtierd fsck {d}: clean") and "%" not in out
+    err_lines = err.splitlines()
+    assert err_lines[0] == f"kvtierd fsck {d}: checking 2 data file(s), 128.0 KiB"
+    assert len(err_lines) > 10 and "(100%)" in err_lines[-1] and "done" in err_lines[-1]
+    assert main([str(d), "--progress-interval", "0"]) == 0
+    assert capsys.readouterr().err == ""  # 0: no progress at all

@@ -18,7 +18,8 @@ with buffered I/O (no O_DIRECT probe: fsck writes nothing). ``main(argv)`` retur
 1 when problems were found, 2 when the directory is unusable (missing, no or bad meta file), 3
 when a live daemon holds the directory (``kvtier.lock``: its files change under the walk, so the
 verdict would mean nothing; stop the daemon first). fsck holds a shared lock for the walk, so a
-daemon does not start on the directory meanwhile.
+daemon does not start on the directory meanwhile. With a :class:`~kvtierd.progress.Progress`,
+the walk reports how far it got (bytes and slots checked, rate): ``main`` prints it on stderr.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import bisect
 import datetime
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier_contract.units import format_bytes
 from kvtierd.lockfile import InUse, shared
+from kvtierd.progress import Progress
 from kvtierd.tiers.nvme.device import Device, DiskError, Entry, FileSystem
 from kvtierd.tiers.nvme.format import (
     LOCK_NAME,
@@ -80,6 +83,7 @@ class FsckReport:
     unusable: str | None = None  # why the directory cannot be checked at all
     files: list[FileSummary] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    checked_bytes: int = 0  # of the data files walked so far
 
     @property
     def clean(self) -> bool:
@@ -90,13 +94,14 @@ class FsckReport:
         return sum(int(getattr(f, counter)) for f in self.files)
 
 
-def fsck(directory: str) -> FsckReport:
-    """Check ``directory``; InUse when a live daemon holds it (nothing is read then)."""
+def fsck(directory: str, progress: Progress | None = None) -> FsckReport:
+    """Check ``directory``; InUse when a live daemon holds it (nothing is read then).
+    ``progress`` (its total and unit are set here: bytes of data files) hears how far it got."""
     with shared(os.path.join(directory, LOCK_NAME)):
-        return _fsck(directory)
+        return _fsck(directory, progress)
 
 
-def _fsck(directory: str) -> FsckReport:
+def _fsck(directory: str, progress: Progress | None) -> FsckReport:
     report = FsckReport(directory)
     try:
         fs = FileSystem(directory)
@@ -104,14 +109,21 @@ def _fsck(directory: str) -> FsckReport:
         report.unusable = str(e)
         return report
     try:
-        _check_directory(fs, report)
+        _check_directory(fs, report, progress)
     finally:
         fs.close()
+    if progress is not None:
+        progress.finish(report.checked_bytes, _counts(report))
     report.problems.sort(key=lambda p: (p.name, -1 if p.offset is None else p.offset))
     return report
 
 
-def _check_directory(fs: FileSystem, report: FsckReport) -> None:
+def _counts(report: FsckReport) -> str:
+    return (f"{report.total('valid')} valid slot(s), {report.total('corrupt')} corrupt, "
+            f"{len(report.problems)} problem(s)")
+
+
+def _check_directory(fs: FileSystem, report: FsckReport, progress: Progress | None) -> None:
     try:
         raw = fs.read_file(META_NAME)
         if raw is None:
@@ -124,13 +136,17 @@ def _check_directory(fs: FileSystem, report: FsckReport) -> None:
         return
     for entry in entries.values():
         _check_entry(entry, meta, report)
-    for index in range(meta.files):
-        name = data_file_name(index)
-        found = entries.get(name)
+    data = [entries.get(data_file_name(index)) for index in range(meta.files)]
+    if progress is not None:
+        progress.total, progress.unit = sum(e.size for e in data if e and e.kind == "file"), "bytes"
+        progress.say(f"checking {meta.files} data file(s), {format_bytes(progress.total)}")
+    for index, found in enumerate(data):
         if found is None:
-            report.problems.append(Problem(name, "missing_file", "listed by the meta file, absent"))
+            report.problems.append(Problem(data_file_name(index), "missing_file",
+                                           "listed by the meta file, absent"))
         elif found.kind == "file":
-            _check_data_file(fs, found, meta, report)
+            _check_data_file(fs, found, meta, report, progress)
+            report.checked_bytes += found.size
 
 
 def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
@@ -153,7 +169,8 @@ def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
         report.problems.append(Problem(e.name, "foreign_file", f"unexpected {e.kind}, not touched"))
 
 
-def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckReport) -> None:
+def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckReport,
+                     progress: Progress | None) -> None:
     summary = FileSummary(e.name, e.size)
     report.files.append(summary)
     if e.size == 0:
@@ -169,15 +186,21 @@ def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckRepo
     except DiskError as err:
         report.problems.append(Problem(e.name, "unreadable", str(err)))
         return
+    tick = None
+    if progress is not None:
+        def tick(offset: int) -> None:
+            if progress.due():
+                progress.report(report.checked_bytes + offset, f"{_counts(report)}; at {e.name}")
     try:
-        _walk(dev, meta.io_align, summary, report.problems)
+        _walk(dev, meta.io_align, summary, report.problems, tick)
     except DiskError as err:
         report.problems.append(Problem(e.name, "unreadable", str(err)))
     finally:
         dev.close()
 
 
-def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem]) -> None:
+def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
+          tick: Callable[[int], None] | None = None) -> None:
     size = dev.size
     region = bytearray(a)
     payload = bytearray()
@@ -186,6 +209,8 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem]) ->
     suspects: list[tuple[int, int, int, str]] = []  # (offset, end, sequence, reason)
     offset = 0
     while offset + a <= size:
+        if tick is not None:
+            tick(offset)
         if dev.pread_into(offset, [region]) < a:
             break  # the file shrank meanwhile
         try:
@@ -249,20 +274,28 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtierd fsck", description="Check an NVMe tier "
-                                     "directory offline (read-only). Exit 0 clean, 1 problems, "
-                                     "2 unusable directory, 3 in use by a live daemon.")
-    parser.add_argument("directory")
-    parser.add_argument("--max-problems", type=int, default=50, help="problems listed (default 50)")
+    from kvtierd.cli import FSCK_DESCRIPTION, add_fsck_arguments
+
+    parser = argparse.ArgumentParser(prog="kvtierd fsck", description=FSCK_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fsck_arguments(parser)
     args = parser.parse_args(argv)
+    progress = None
+    if args.progress_interval > 0:
+        progress = Progress(f"kvtierd fsck {args.directory}", _stderr,
+                            interval_s=args.progress_interval)
     try:
-        report = fsck(args.directory)
+        report = fsck(args.directory, progress)
     except InUse as e:
         print(f"kvtierd fsck {args.directory}: REFUSED: {e}; stop that daemon first (its files "
               "change while it runs)", file=sys.stderr)
         return 3
     print(format_report(report, max_problems=args.max_problems))
     return 2 if report.unusable is not None else 0 if report.clean else 1
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

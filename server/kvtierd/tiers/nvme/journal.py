@@ -22,13 +22,14 @@ import errno
 import json
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from kvtier_contract.errors import InvalidArgument
+from kvtierd.progress import Progress
 from kvtierd.tiers.nvme.device import Device, DiskIOError, FileSystem, SyncFailed
 from kvtierd.tiers.nvme.format import round_up
 
@@ -181,11 +182,14 @@ def _frame_problem(data: bytes, pos: int, allowed: tuple[int, ...]) -> str | Non
     return None
 
 
-def _scan(data: bytes, *, checkpoint: bool) -> _Scan:
-    """Parse frames from offset 0 until the first invalid one (or a checkpoint's END)."""
+def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None = None,
+          tick_every: int = 1 << 16) -> _Scan:
+    """Parse frames from offset 0 until the first invalid one (or a checkpoint's END);
+    ``tick(records so far)`` every ``tick_every`` ADD records (progress)."""
     allowed = (T_NS, T_ADD, T_END) if checkpoint else (T_NS, T_ADD, T_DEL)
     out, pos, view = _Scan(), 0, memoryview(data)
     records: list[Record] = []
+    next_tick = tick_every if tick is not None else 1 << 62
     xxh3, unpack_add, size, checked = xxhash.xxh3_64_intdigest, _ADD_FRAME.unpack_from, \
         ADD_FRAME_BYTES, ADD_FRAME_BYTES - FRAME_CRC.size
     while pos < len(data):
@@ -195,6 +199,9 @@ def _scan(data: bytes, *, checkpoint: bool) -> _Scan:
                     and xxh3(view[pos : pos + checked]) == crc):
                 records.append(AddRecord(*fields))
                 pos, out.last_seq = pos + size, seq
+                if len(records) >= next_tick and tick is not None:
+                    tick(len(records))
+                    next_tick = len(records) + tick_every
                 continue
         problem, rec = _frame_problem(data, pos, allowed), None
         if problem is None:
@@ -440,15 +447,28 @@ class _Replay:
                 self.namespaces[rec.digest] = rec.spec
 
 
-def recover(fs: FileSystem) -> Recovery:
+def recover(fs: FileSystem, progress: Progress | None = None, *,
+            tick_every: int = 1 << 16) -> Recovery:
     """Read ``checkpoint.kvc`` (if present and valid), then replay the journals of generation >=
     its journal_gen (all of them without one) in generation order, each up to its first torn or
-    corrupt record. Raises DiskError when a file cannot be read. Startup only, one thread."""
+    corrupt record. Raises DiskError when a file cannot be read. Startup only, one thread.
+    ``progress`` hears the records read so far, within a file every ``tick_every`` records."""
     names = {e.name: e.kind for e in fs.entries()}
     state, problems, ckpt_gen, ckpt_records = _Replay(), [], 0, 0
+    read = [0]  # records of the files read before the current one
+
+    def ticker(name: str) -> Callable[[int], None] | None:
+        if progress is None:
+            return None
+        return lambda n: progress.tick(read[0] + n, f"reading {name}")
+
     ignored = CHECKPOINT_NAME in names
     if ignored:
-        problem, scan = _read_checkpoint(fs, names[CHECKPOINT_NAME])
+        problem, scan = _read_checkpoint(fs, names[CHECKPOINT_NAME], ticker(CHECKPOINT_NAME),
+                                         tick_every)
+        read[0] += len(scan.records)
+        if progress is not None:
+            progress.tick(read[0], f"{CHECKPOINT_NAME} read")
         if problem is None and scan.end_record is not None:
             state.apply(scan.records)
             ckpt_records, ckpt_gen, ignored = len(scan.records), scan.end_record[1], False
@@ -459,23 +479,31 @@ def recover(fs: FileSystem) -> Recovery:
     for g, name in journals:
         if g < ckpt_gen or names[name] != "file":
             continue  # superseded by the checkpoint; or not a regular file: fsck reports it
-        scan = _scan(fs.read_file(name, max_bytes=_MAX_FILE_BYTES) or b"", checkpoint=False)
+        scan = _scan(fs.read_file(name, max_bytes=_MAX_FILE_BYTES) or b"", checkpoint=False,
+                     tick=ticker(name), tick_every=tick_every)
         state.apply(scan.records)
         replayed, journal_records = replayed + 1, journal_records + len(scan.records)
+        read[0] += len(scan.records)
+        if progress is not None:
+            progress.tick(read[0], f"{name} replayed")
         torn += scan.torn_bytes
         if scan.problem:
             problems.append(f"{name}: replay stopped, {scan.problem}; {scan.torn_bytes} bytes ignored")
+    if progress is not None:
+        progress.finish(read[0], f"{ckpt_records} from the checkpoint, {journal_records} "
+                                 f"replayed from {replayed} journal(s)")
     stats = RecoveryStats(ckpt_records, journal_records, torn, ignored, replayed, tuple(problems))
     next_gen = max([1, ckpt_gen] + [g + 1 for g, _ in journals])
     return Recovery(state.namespaces, state.entries, next_gen, state.max_slot_seq, stats)
 
 
-def _read_checkpoint(fs: FileSystem, kind: str) -> tuple[str | None, _Scan]:
+def _read_checkpoint(fs: FileSystem, kind: str, tick: Callable[[int], None] | None = None,
+                     tick_every: int = 1 << 16) -> tuple[str | None, _Scan]:
     """(why the checkpoint must be ignored or None, what it holds)."""
     if kind != "file":
         return f"a {kind}, not a regular file", _Scan()
     scan = _scan(fs.read_file(CHECKPOINT_NAME, max_bytes=_MAX_FILE_BYTES) or b"",
-                 checkpoint=True)
+                 checkpoint=True, tick=tick, tick_every=tick_every)
     if scan.end_record is None:
         return f"no END record ({scan.problem or 'ends early'})", scan
     if scan.end_record[0] != len(scan.records):

@@ -38,6 +38,7 @@ from typing import Any
 from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
 from kvtierd.lockfile import InUse, OwnerLock
+from kvtierd.progress import Progress
 from kvtierd.tiers.base import Recovered, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
@@ -75,6 +76,7 @@ class NvmeConfig:
     slab_bytes: int = 64 << 20
     io_threads: int = 4
     journal_rotate_bytes: int = 64 << 20
+    progress_interval_s: float = 5.0  # recovery logs how far it got at most this often
 
 
 @dataclass
@@ -230,7 +232,12 @@ class NvmeTier(StorageTier):
                                  f"{cfg.file_bytes} (use another directory)")
         self.files = [None] * nfiles
         self._open_files()
-        return jnl.recover(fs)
+        return jnl.recover(fs, self._progress("reading the index", "records"))
+
+    def _progress(self, what: str, unit: str, total: int | None = None) -> Progress:
+        """INFO lines on how far a recovery phase got (at most every progress_interval_s)."""
+        return Progress(f"nvme tier {self.cfg.directory}: {what}", log.info, total=total,
+                        unit=unit, interval_s=self.cfg.progress_interval_s)
 
     def _close_files(self) -> None:
         """Back to "not open" after a failed ``open()``: files, journal and directory closed,
@@ -294,7 +301,10 @@ class NvmeTier(StorageTier):
         stop the checkpoint is trusted (every later read verifies header and payload anyway)."""
         out = Recovered(namespaces=dict(rec.namespaces))
         candidates: list[tuple[bytes, bytes, NvmeLocation]] = []
-        for (digest, key), add in rec.entries.items():
+        progress = self._progress("locating blocks", "blocks", len(rec.entries))
+        for i, ((digest, key), add) in enumerate(rec.entries.items()):
+            if not i & 0xFFF:
+                progress.tick(i)
             loc = NvmeLocation(self._linear(add.file, add.offset), add.slot_bytes, add.payload_len,
                                add.payload_checksum, add.slot_seq)
             usable = add.file < len(self.files) and self.files[add.file] is not None
@@ -303,16 +313,20 @@ class NvmeTier(StorageTier):
                 self.figures.recovery_quarantined += 1
                 continue
             candidates.append((digest, key, loc))
+        progress.finish(len(rec.entries))
         problems: list[str | None] = [None] * len(candidates)
         if rec.stats.journal_records:
             step = 10_000
+            progress = self._progress("validating block headers", "blocks", len(candidates))
             for start in range(0, len(candidates), step):
                 chunk = candidates[start : start + step]
                 problems[start : start + len(chunk)] = self._io.map(self._header_problem, chunk)
-                if len(candidates) > step:
-                    log.info("recovery: %d of %d block headers validated",
-                             start + len(chunk), len(candidates))
-        for (digest, key, loc), problem in zip(candidates, problems, strict=True):
+                progress.tick(start + len(chunk))
+            progress.finish(len(candidates))
+        progress = self._progress("claiming slots", "blocks", len(candidates))
+        for i, ((digest, key, loc), problem) in enumerate(zip(candidates, problems, strict=True)):
+            if not i & 0xFFF:
+                progress.tick(i, f"{self.figures.recovery_quarantined} dropped")
             if problem is None and not self.space.claim(loc.offset, loc.slot_bytes):
                 problem = "slot overlaps another block"
             if problem is not None:
@@ -320,6 +334,7 @@ class NvmeTier(StorageTier):
                 self.figures.recovery_quarantined += 1
                 continue
             out.blocks.append((digest, key, loc))
+        progress.finish(len(candidates), f"{self.figures.recovery_quarantined} dropped")
         return out
 
     def _header_problem(self, block: tuple[bytes, bytes, NvmeLocation]) -> str | None:
