@@ -98,7 +98,7 @@ def _scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
         return int(e.code), e.read().decode()
 
 
-def test_the_scraper_reads_every_tenants_figures_and_anonymous_scrapes_get_401(
+def test_the_scrape_token_reads_every_figure_and_anonymous_or_tenant_scrapes_get_401(
     chart_daemon: DaemonProcess,
 ) -> None:
     with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
