@@ -227,7 +227,7 @@ class MetricsServer:
                 status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
             elif not allowed:
                 status, ctype = "401 Unauthorized", "text/plain"
-                body = b"a bearer token is needed: a scrape token, a tenant's or the operator's\n"
+                body = b"a valid bearer token is needed (docs/metrics.md, Who sees what)\n"
                 extra = 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
             else:
                 registry = self.registry

@@ -119,6 +119,7 @@ def test_a_scrape_token_sees_every_figure_and_a_tenant_only_its_own(scraped: Dae
 def test_every_rpc_refuses_a_scrape_token_even_on_a_known_session(scraped: DaemonProcess) -> None:
     owner = TokenStub(scraped.grpc, TOKENS["team-a"])
     scraper = TokenStub(scraped.grpc, SCRAPE)
+    unknown = TokenStub(scraped.grpc, "not-a-token")
     try:
         victim = owner(
             "OpenSession",
@@ -130,10 +131,12 @@ def test_every_rpc_refuses_a_scrape_token_even_on_a_known_session(scraped: Daemo
                 request.session_id = victim  # an id it knows, as the operator's token could use
             code, details = scraper.code(method.name, request)
             assert code == grpc.StatusCode.UNAUTHENTICATED, (method.name, code, details)
+            assert (code, details) == unknown.code(method.name, request)  # exactly alike
         owner("Heartbeat", pb.HeartbeatRequest(session_id=victim))  # still the owner's, alive
     finally:
         owner.channel.close()
         scraper.channel.close()
+        unknown.channel.close()
     for transport in ("tcp", "shm"):  # the SDK: no figures, nothing stored
         try:
             with kvtier.Client.connect(scraped.unix, transport=transport, token=SCRAPE, timeout_s=2) as c:
