@@ -37,7 +37,7 @@ from kvtier_contract.protoutil import to_dict
 from kvtier_contract.published_index import STAMP_INTERVAL_S
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache, TierLink
-from kvtierd.config import DaemonConfig, check_metrics_exposure, is_loopback, metrics_scrape_only
+from kvtierd.config import DaemonConfig, is_loopback
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.index.published import Publishers
 from kvtierd.lockfile import InUse, OwnerLock
@@ -46,6 +46,7 @@ from kvtierd.policies import EvictionPolicy, make_policy, make_write_policy
 from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
+from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
@@ -189,7 +190,7 @@ class Daemon:
         """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a scrape
         token (metrics_tokens_sha256) everything (caller None: the operator's view), a
         tenant's token that tenant's figures, the operator's everything, none: 401; off
-        loopback in plaintext (config.metrics_scrape_only) scrape tokens only."""
+        loopback in plaintext (tenancy.exposure.metrics_scrape_only) scrape tokens only."""
         if self.tenancy.tenants is None or self.tenancy.is_metrics_token(token):
             return True, None
         if metrics_scrape_only(self.cfg):

@@ -131,7 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
             reflection=args.reflection, verify_bytes=args.verify_bytes,
             verify_store=args.verify_store)
         if cfg.tenants_file:
-            from kvtierd.config import check_metrics_exposure
+            from kvtierd.tenancy.exposure import check_metrics_exposure
             from kvtierd.tenants import load_tenants
 
             tenants = load_tenants(cfg.tenants_file)  # refused here, with the field, not at start

@@ -344,32 +344,7 @@ def validate(cfg: DaemonConfig) -> None:
              "data_listen", f"{cfg.data_listen} is not a loopback address: serve TLS there "
              "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
              "allow_plaintext_remote = true (--allow-plaintext-remote)")
-    # (metrics_host with tenants: check_metrics_exposure, once the tenants file is read)
-
-
-def metrics_scrape_only(cfg: DaemonConfig) -> bool:
-    """Whether /metrics accepts scrape-only tokens alone: a daemon with tenants serving it off
-    loopback (plaintext HTTP) without ``allow_plaintext_remote``. A tenant's or the operator's
-    token, which can act on sessions, is then refused there (401), so that none has a reason to
-    travel in the clear; a scrape token shows figures and acts on nothing."""
-    return bool(cfg.tenants_file) and cfg.metrics_port >= 0 and not cfg.allow_plaintext_remote \
-        and not is_loopback(f"{cfg.metrics_host}:{cfg.metrics_port}")
-
-
-def check_metrics_exposure(cfg: DaemonConfig, metrics_tokens: int) -> None:
-    """With tenants, /metrics asks for a bearer token, and plaintext HTTP carries it in the
-    clear. Off loopback that is allowed when the tenants file has ``metrics_tokens`` scrape-only
-    tokens (a leaked one shows figures, acts on nothing; /metrics then takes only them:
-    ``metrics_scrape_only``) or with ``allow_plaintext_remote`` (every token, the acting ones
-    too); refused otherwise (ValueError naming metrics_host). Called once the tenants file is
-    read (kvtierd.cli, kvtierd.app): validate() sees no file."""
-    if metrics_tokens == 0 and metrics_scrape_only(cfg):
-        raise ValueError(
-            f"metrics_host: {cfg.metrics_host} is not a loopback address: with tenants, /metrics "
-            "takes bearer tokens, which plaintext HTTP carries in the clear; add scrape-only "
-            "tokens to the tenants file (metrics_tokens_sha256: /metrics then takes only them), "
-            "bind it to loopback, or set allow_plaintext_remote = true (--allow-plaintext-remote: "
-            "every token, in the clear)")
+    # (metrics_host with tenants: kvtierd.tenancy.exposure, once the tenants file is read)
 
 
 def is_loopback(hostport: str) -> bool:

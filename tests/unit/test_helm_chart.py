@@ -34,7 +34,7 @@ from helm_chart import (
 
 from kvtier_contract.version import __version__
 from kvtierd.app import SERVICE_NAME
-from kvtierd.config import check_metrics_exposure, metrics_scrape_only
+from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenancy.room import QUOTA_NAMES
 from kvtierd.tenants import load_tenants, token_digest
 

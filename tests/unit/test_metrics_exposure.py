@@ -1,4 +1,4 @@
-"""/metrics of a daemon with tenants off loopback (kvtierd.config.check_metrics_exposure): plaintext
+"""/metrics of a daemon with tenants off loopback (kvtierd.tenancy.exposure): plaintext
 HTTP carries its bearer tokens in the clear, so it is allowed only with scrape-only tokens in the
 tenants file (then only they are taken there) or with allow_plaintext_remote."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.config import DaemonConfig, check_metrics_exposure, metrics_scrape_only
+from kvtierd.config import DaemonConfig
+from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 
 
 def test_off_loopback_without_a_scrape_token_is_refused_naming_the_field() -> None:
