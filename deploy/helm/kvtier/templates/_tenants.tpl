@@ -5,7 +5,7 @@
      figures and acts on nothing. Then tenants.list. */}}
 {{- define "kvtier.tenantsToml" -}}
 {{- if and .Values.metrics.enabled .Values.metrics.exposed }}
-{{- $s := .Values.metrics.scrape }}
+{{- $s := .Values.metrics.scrape -}}
 metrics_tokens_sha256 = [{{ $s.tokenSha256 | default (sha256sum $s.token) | toJson }}]
 {{ end }}
 {{- range .Values.tenants.list }}
