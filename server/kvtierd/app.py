@@ -58,6 +58,7 @@ from kvtierd.preflight import (
 from kvtierd.service import CALLER, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
+from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenants import Tenant, Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
@@ -96,6 +97,8 @@ class Daemon:
         # Tenants allowed shm or cuda_ipc get arenas of their own, before anything (NVMe
         # recovery included) registers a namespace: a namespace's arena is its tenant's.
         tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
+        if tenants is not None:
+            check_metrics_exposure(cfg, len(tenants.metrics_digests))
         self._tenant_arenas: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
         self.cuda: CudaIpcTransport | None = None  # (made below; registers every arena)
         if tenants is not None:
@@ -199,10 +202,14 @@ class Daemon:
             log.info("tenant %s: arena of %d bytes", name, size)
 
     def _metrics_caller(self, token: str | None) -> tuple[bool, Tenant | None]:
-        """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a
-        tenant's token sees that tenant's figures, the operator's everything, none: 401."""
-        if self.tenancy.tenants is None:
+        """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a scrape
+        token (metrics_tokens_sha256) everything (caller None: the operator's view), a
+        tenant's token that tenant's figures, the operator's everything, none: 401; off
+        loopback in plaintext (tenancy.exposure.metrics_scrape_only) scrape tokens only."""
+        if self.tenancy.tenants is None or self.tenancy.is_metrics_token(token):
             return True, None
+        if metrics_scrape_only(self.cfg):
+            return False, None
         caller = self.tenancy.caller_of(token)
         return caller is not None, caller
 
@@ -309,6 +316,9 @@ class Daemon:
             return
         self._add_tenant_arenas(tenants)
         self.tenancy.reload(tenants)
+        if metrics_scrape_only(self.cfg) and not tenants.metrics_digests:
+            log.warning("the tenants file has no metrics_tokens_sha256 now: every scrape of "
+                        "/metrics (plaintext, off loopback) is refused until it has one again")
         revoked = self.tenancy.revoked(self.sessions.all())
         for s in revoked:  # (their channels and data connections close with them)
             try:
@@ -418,6 +428,12 @@ class Daemon:
                 raise StartupError(bind_refusal("metrics_port", cfg.metrics_host,
                                                 cfg.metrics_port, e)) from None
             self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
+            if cfg.tenants_file and not is_loopback(f"{cfg.metrics_host}:{self.metrics.port}"):
+                log.warning("/metrics listens on %s in plaintext HTTP: the bearer tokens of its "
+                            "scrapes travel in the clear (%s)", self.addresses["metrics"],
+                            "scrape tokens only: figures, no keys or bytes"
+                            if metrics_scrape_only(cfg) else "every token is accepted there, "
+                            "tenants' and the operator's too: allow_plaintext_remote")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._stamper = asyncio.get_running_loop().create_task(self._stamp())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

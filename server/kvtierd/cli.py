@@ -214,9 +214,11 @@ def _serve(args: argparse.Namespace) -> int:
             reflection=args.reflection, verify_bytes=args.verify_bytes,
             verify_store=args.verify_store)
         if cfg.tenants_file:
+            from kvtierd.tenancy.exposure import check_metrics_exposure
             from kvtierd.tenants import load_tenants
 
-            load_tenants(cfg.tenants_file)  # refused here, with the field, not at start
+            tenants = load_tenants(cfg.tenants_file)  # refused here, with the field, not at start
+            check_metrics_exposure(cfg, len(tenants.metrics_digests))
         if cfg.cluster:
             cluster_settings(cfg)  # reads the password file: refused here, not at start
     except (ValueError, OSError) as e:

@@ -350,11 +350,7 @@ def validate(cfg: DaemonConfig) -> None:
              "data_listen", f"{cfg.data_listen} is not a loopback address: serve TLS there "
              "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
              "allow_plaintext_remote = true (--allow-plaintext-remote)")
-        need(not cfg.tenants_file or cfg.metrics_port < 0 or
-             is_loopback(f"{cfg.metrics_host}:{cfg.metrics_port}"), "metrics_host",
-             f"{cfg.metrics_host} is not a loopback address: with tenants, /metrics takes "
-             "bearer tokens, which plaintext HTTP would carry in the clear; bind it to loopback "
-             "or set allow_plaintext_remote = true (--allow-plaintext-remote)")
+    # (metrics_host with tenants: kvtierd.tenancy.exposure, once the tenants file is read)
 
 
 def is_loopback(hostport: str) -> bool:

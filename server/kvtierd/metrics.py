@@ -3,9 +3,10 @@ families), the only modules that import prometheus_client.
 
 Metrics are pulled: at scrape time the collector asks the daemon loop for one consistent snapshot
 (``StatsReply`` plus RPC latency histograms) and turns it into families. A scrape with the
-operator's credential, or any scrape of a daemon without tenants, also gets the process
-(``process_*``: CPU, memory, descriptors, start time) and platform (``python_info``) figures; a
-tenant's gets only its own namespaces and tenant.
+operator's credential or a scrape token (kvtierd.tenants: ``metrics_tokens_sha256``), or any
+scrape of a daemon without tenants, also gets the process (``process_*``: CPU, memory,
+descriptors, start time) and platform (``python_info``) figures; a tenant's gets only its own
+namespaces and tenant.
 
 The HTTP server is our own (:class:`MetricsServer`), not prometheus_client's, which starts a
 thread per connection with no read timeout: here a listener thread reads every request head with
@@ -226,7 +227,7 @@ class MetricsServer:
                 status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
             elif not allowed:
                 status, ctype = "401 Unauthorized", "text/plain"
-                body = b"a bearer token of a tenant or the operator is needed\n"
+                body = b"a valid bearer token is needed (docs/metrics.md, Who sees what)\n"
                 extra = 'WWW-Authenticate: Bearer realm="kvtier"\r\n'
             else:
                 registry = self.registry

@@ -31,6 +31,15 @@ A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (doc
     buffered_bytes = "32MiB"    # control frames received and not yet answered, replies unread
     control_channels = 64       # open control channels, all its sessions
 
+and, at the top (before the first ``[[tenant]]``), the scrape-only tokens::
+
+    metrics_tokens_sha256 = ["<64 hex>", ...]   # /metrics only (several: rotation)
+
+A scrape token is no tenant's: /metrics answers it with every figure (what the operator's token
+sees, ``process_*`` included; never keys or bytes), and everything else (every gRPC call, so no
+session and no handshake) refuses it exactly like an unknown token. A digest is either a scrape
+token's or a tenant's, never both.
+
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
 ``mtls_names`` (a token wins when both are there), or a token the daemon minted for its Unix
@@ -128,8 +137,11 @@ class Tenant:
 class Tenants:
     """The tenants of one file; see the module docstring."""
 
-    def __init__(self, tenants: list[Tenant], source: str = "") -> None:
+    def __init__(self, tenants: list[Tenant], source: str = "",
+                 metrics_tokens: tuple[bytes, ...] = ()) -> None:
         self.source = source
+        self.metrics_digests = metrics_tokens
+        """SHA-256 digests of the scrape-only tokens (``metrics_tokens_sha256``)."""
         self.by_name = {t.name: t for t in tenants}
         self._digests = [(d, t) for t in tenants for d in t.token_sha256]
         self._mtls = {n: t for t in tenants for n in t.mtls_names}
@@ -157,6 +169,15 @@ class Tenants:
                 found = t
         return found
 
+    def is_metrics_token(self, token: str | None) -> bool:
+        """Whether ``token`` is a scrape-only token (/metrics, every figure; nothing else)."""
+        if not token:
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        found = False
+        for d in self.metrics_digests:  # every one compared, like by_token_digest
+            found |= hmac.compare_digest(d, digest)
+        return found
 
     def by_unix_peer(self, uid: int, gid: int) -> Tenant | None:
         """The ``unix_login`` tenant a Unix peer is (its uid listed, else its gid), or None."""
@@ -184,14 +205,15 @@ def load_tenants(path: str | Path) -> Tenants:
         raw = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"tenants_file: cannot read {p}: {e}") from None
-    unknown = set(raw) - {"tenant"}
+    unknown = set(raw) - {"tenant", "metrics_tokens_sha256"}
     if unknown:
         raise ValueError(f"tenants_file: unknown keys {sorted(unknown)}")
     entries = raw.get("tenant", [])
     if not isinstance(entries, list) or not entries:
         raise ValueError("tenant: expected at least one [[tenant]] table")
-    tenants: list[Tenant] = []
     seen_tokens: set[bytes] = set()
+    scrape = _digests(raw.get("metrics_tokens_sha256", []), "metrics_tokens_sha256", seen_tokens)
+    tenants: list[Tenant] = []
     for i, entry in enumerate(entries):
         tenants.append(_tenant(entry, f"tenant[{i}]", seen_tokens))
     names = [t.name for t in tenants]
@@ -204,31 +226,44 @@ def load_tenants(path: str | Path) -> Tenants:
                 raise ValueError(f"tenant[{i}].unix_uids: uid {u} already logs in as tenant "
                                  f"{login_uids[u]}")
             login_uids[u] = t.name
-    return Tenants(tenants, str(p))
+    return Tenants(tenants, str(p), tuple(scrape))
+
+
+def _digests(raw: Any, where: str, seen: set[bytes]) -> list[bytes]:
+    """A list of token digests (64 hex digits each), none seen before (``seen`` grows)."""
+    if not isinstance(raw, list):
+        raise ValueError(f"{where}: expected a list of 64-hex-digit digests (`kvtierd "
+                         "hash-token`)")
+    digests: list[bytes] = []
+    for j, h in enumerate(raw):
+        try:
+            d = bytes.fromhex(h) if isinstance(h, str) else b""
+        except ValueError:
+            d = b""
+        if len(d) != 32:
+            raise ValueError(f"{where}[{j}]: expected 64 hex digits (sha256 of the "
+                             "token: `kvtierd hash-token`)")
+        if d in seen:
+            raise ValueError(f"{where}[{j}]: the same token twice (a token is one tenant's, or "
+                             "a scrape token: metrics_tokens_sha256, never both)")
+        seen.add(d)
+        digests.append(d)
+    return digests
 
 
 def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a table")
     unknown = set(entry) - _TENANT_KEYS
+    if "metrics_tokens_sha256" in unknown:
+        raise ValueError(f"{where}.metrics_tokens_sha256: scrape tokens are no tenant's: write "
+                         "the list at the top of the file, before the first [[tenant]]")
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     name = entry.get("name")
     if not isinstance(name, str) or not name or len(name) > 128:
         raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
-    digests: list[bytes] = []
-    for j, h in enumerate(entry.get("tokens_sha256", [])):
-        try:
-            d = bytes.fromhex(h) if isinstance(h, str) else b""
-        except ValueError:
-            d = b""
-        if len(d) != 32:
-            raise ValueError(f"{where}.tokens_sha256[{j}]: expected 64 hex digits (sha256 of the "
-                             "token: `kvtierd hash-token`)")
-        if d in seen_tokens:
-            raise ValueError(f"{where}.tokens_sha256[{j}]: the same token twice")
-        seen_tokens.add(d)
-        digests.append(d)
+    digests = _digests(entry.get("tokens_sha256", []), f"{where}.tokens_sha256", seen_tokens)
     ids: dict[str, frozenset[int]] = {}
     for key in ("unix_uids", "unix_gids"):
         values = entry.get(key, [])

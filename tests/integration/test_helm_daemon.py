@@ -5,8 +5,10 @@ arguments and its tenants file start a real daemon, with only the paths (certifi
 file, socket), the ports (0: chosen by the OS) and the host tier's size changed for this machine.
 Listeners keep the chart's bind address, 0.0.0.0 (the pod IP), and are reached over loopback.
 
-* /metrics: scrapeable from the pod network with the scraper's token, 401 without one, and that
-  token unable to open a session or register a namespace.
+* /metrics: scrapeable from the pod network with the chart's scrape token (every figure), 401
+  without one and with a tenant's (it can act: never asked for in plaintext); the scrape token
+  refused by every gRPC call like an unknown one. No --allow-plaintext-remote: the daemon
+  binds /metrics off loopback because its tenants file has a scrape token.
 * TLS (the chart's tls values, mTLS): an engine on another node stores and loads over the TLS
   gRPC listener and the TLS data channel bound to 0.0.0.0 (advertised as such: the client dials
   the host it reached gRPC at).
@@ -96,7 +98,7 @@ def _scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
         return int(e.code), e.read().decode()
 
 
-def test_the_scraper_reads_every_tenants_figures_and_anonymous_scrapes_get_401(
+def test_the_scrape_token_reads_every_figure_and_anonymous_or_tenant_scrapes_get_401(
     chart_daemon: DaemonProcess,
 ) -> None:
     with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
@@ -111,68 +113,45 @@ def test_the_scraper_reads_every_tenants_figures_and_anonymous_scrapes_get_401(
     assert 'model="org/model-of-a"' in body  # another tenant's namespace: the operator's view
     assert 'method="RegisterNamespace"' in body  # daemon-wide figures
     assert all(k.hex() not in body for k in keys)  # figures, never keys
+    assert "process_resident_memory_bytes" in body  # the operator's view: process figures too
+    code, body = _scrape(chart_daemon, TEAM_A)  # a tenant's token can act: not in plaintext
+    assert code == 401 and "model-of-a" not in body
 
 
-def test_the_scrapers_token_opens_no_session_and_registers_nothing(chart_daemon: DaemonProcess) -> None:
-    """Sent in plaintext HTTP, the token must hold nothing: no session, no namespace."""
+def test_the_scrape_token_is_refused_by_every_rpc(chart_daemon: DaemonProcess) -> None:
+    """Sent in plaintext HTTP, the token must act on nothing: every Kvtier RPC refuses it as an
+    unknown token (Stats included; tests/integration/test_scrape_tokens.py: the handshakes)."""
     raw = TokenStub(chart_daemon.unix, SCRAPE)
     try:
-        assert raw("Stats", pb.StatsRequest()) is not None  # figures: yes
-        code, _ = raw.code(
-            "OpenSession",
-            pb.OpenSessionRequest(client_name="scraper", lease_ttl_ms=30_000, transport=pb.TRANSPORT_TCP),
-        )
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        ns = make_namespace(tenant="kvtier-metrics")
+        for method in pb.DESCRIPTOR.services_by_name["Kvtier"].methods:
+            request = getattr(pb, method.input_type.name)()
+            code, details = raw.code(method.name, request)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (method.name, code, details)
+        ns = make_namespace(tenant="team-a")
         fields: dict[str, Any] = {k: v for k, v in ns.to_dict().items() if v is not None}
         code, _ = raw.code(
             "RegisterNamespace",
             pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=ns.digest),
         )
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code == grpc.StatusCode.UNAUTHENTICATED
     finally:
         raw.channel.close()
 
 
-def test_without_the_charts_flag_the_daemon_refuses_a_pod_ip_metrics_with_tenants(tmp_path: Path) -> None:
-    """--allow-plaintext-remote is what lets /metrics onto the pod IP: the chart must set it."""
+def test_the_chart_sets_no_plaintext_flag_and_without_its_scrape_token_the_daemon_refuses(
+    tmp_path: Path,
+) -> None:
+    """The scrape token in the tenants file is what lets /metrics onto the pod IP: the chart
+    passes no --allow-plaintext-remote (which would also let plaintext gRPC off the pod), and
+    the same arguments with a tenants file without metrics_tokens_sha256 are refused."""
     argv, toml = _chart()
-    (tmp_path / "tenants.toml").write_text(toml)
-    args = [
-        a
-        for a in _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
-        if a != "--allow-plaintext-remote"
-    ]
-    with pytest.raises(RuntimeError, match="metrics_host"):
-        DaemonProcess(tmp_path / "run", *args).start()
-
-
-def test_kvtier_stats_works_with_the_scrapers_token(chart_daemon: DaemonProcess, tmp_path: Path) -> None:
-    """The operator reads the same figures with `kvtier stats` (Stats needs no session)."""
-    import subprocess
-    import sys
-
-    with kvtier.Client.connect(chart_daemon.unix, transport="tcp", token=TEAM_A) as c:
-        c.register(make_namespace(tenant="team-a", model_id="org/model-of-a"))
-    token = tmp_path / "token"
-    token.write_text(SCRAPE + "\n")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "stats",
-            "--address",
-            chart_daemon.unix,
-            "--token-file",
-            str(token),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    assert "--allow-plaintext-remote" not in argv
+    (tmp_path / "tenants.toml").write_text(
+        "\n".join(line for line in toml.splitlines() if not line.startswith("metrics_tokens_sha256"))
     )
-    assert out.returncode == 0, out.stderr
-    assert "org/model-of-a" in out.stdout
+    args = _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
+    with pytest.raises(RuntimeError, match="metrics_host: .*metrics_tokens_sha256"):
+        DaemonProcess(tmp_path / "run", *args).start()
 
 
 def test_an_engine_on_another_node_stores_and_loads_over_the_charts_mtls_listeners(tmp_path: Path) -> None:

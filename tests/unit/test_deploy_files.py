@@ -364,7 +364,7 @@ def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
     assert run["hostPath"]["path"] == str(Path(cfg.socket_path).parent)
-    # nothing plaintext off-node but /metrics (figures, for the ops token: see below)
+    # nothing plaintext off-node but /metrics (figures, for the scrape token: see below)
     assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
 
 
@@ -418,24 +418,29 @@ def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
     assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
 
 
-def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_an_operator_that_holds_nothing(
+def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token(
         tmp_path: Path) -> None:
     """Issue 29: /metrics was bound to the pod's loopback, out of Prometheus' reach. It is on the
     pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the
-    operator credential it sends may hold nothing (tests/integration/test_helm_metrics_scrape.py
-    runs the chart's equivalent on a real daemon)."""
+    file has a scrape-only token (metrics_tokens_sha256: no tenant's, refused by every RPC) and
+    no --allow-plaintext-remote: /metrics there takes only it
+    (tests/integration/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
+    from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
     from kvtierd.tenancy.room import QUOTA_NAMES
     from kvtierd.tenants import load_tenants
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
-    assert cfg.metrics_host == "0.0.0.0" and cfg.allow_plaintext_remote
-    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")  # the flag opens no more
+    assert cfg.metrics_host == "0.0.0.0" and not cfg.allow_plaintext_remote
+    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
     assert {"name": "metrics", "containerPort": cfg.metrics_port} in kvtier["ports"]
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
-    operators = [t for t in load_tenants(tmp_path / "tenants.toml").by_name.values() if t.operator]
-    assert operators
-    for t in operators:
+    tenants = load_tenants(tmp_path / "tenants.toml")
+    assert len(tenants.metrics_digests) == 1 and metrics_scrape_only(cfg)
+    check_metrics_exposure(cfg, len(tenants.metrics_digests))  # the daemon starts with it
+    assert tenants.by_token_digest(tenants.metrics_digests[0]) is None  # no tenant's token
+    operators = [t for t in tenants.by_name.values() if t.operator]
+    for t in operators:  # `kvtier stats` over the socket; refused by /metrics on the pod IP
         held = {n: getattr(t.quotas, n) for n in QUOTA_NAMES if n != "buffered_bytes"}
         assert set(held.values()) == {0}, (t.name, held)
 

@@ -1,7 +1,7 @@
 """deploy/helm/kvtier rendered by the real helm (``make helm``) and checked against real schemas.
 
 Both modes (daemonset, sidecar), with the chart's defaults and with tests/data/helm/values-all.yaml
-(TLS, mTLS, tenants with every quota, an NVMe tier, the scraper, every monitoring object):
+(TLS, mTLS, tenants with every quota, an NVMe tier, the scrape token, every monitoring object):
 ``helm lint --strict`` (values.schema.json included), Kubernetes' JSON schemas with unknown
 fields refused, prometheus-operator's schemas for the CRD kinds, the kvtier container's flags
 parsed by ``kvtierd serve``'s own parser into a valid config, ports that agree, and a /metrics
@@ -34,6 +34,7 @@ from helm_chart import (
 
 from kvtier_contract.version import __version__
 from kvtierd.app import SERVICE_NAME
+from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenancy.room import QUOTA_NAMES
 from kvtierd.tenants import load_tenants, token_digest
 
@@ -159,18 +160,23 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
     assert sum(shared) <= cfg.host_bytes
 
 
-def test_the_scraper_is_an_operator_that_holds_nothing_and_the_monitors_send_its_token(
-    tmp_path: Path,
-) -> None:
-    docs = rendered("daemonset", "all")
+@pytest.mark.parametrize("mode", MODES)
+def test_the_scrape_token_is_scrape_only_and_the_monitors_send_it(mode: str, tmp_path: Path) -> None:
+    """Issue 29: the scrape credential was an operator tenant (it could act on a session whose id
+    it knew) behind --allow-plaintext-remote. It is a scrape-only token now (the tenants file's
+    metrics_tokens_sha256: no tenant's), and /metrics on the pod IP takes only it."""
+    docs = rendered(mode, "all")
     cfg = serve_config(docs)
     tenants = tenants_of(docs, tmp_path)
-    scraper = tenants.by_name["kvtier-metrics"]
-    assert scraper.operator and not scraper.maps_memory
-    assert tenants.by_token_digest(bytes.fromhex(token_digest(SCRAPE_TOKEN))) is scraper
-    held = {n: getattr(scraper.quotas, n) for n in QUOTA_NAMES if n != "buffered_bytes"}
-    assert held and set(held.values()) == {0}, held  # no session, namespace, job or byte
-    assert cfg.allow_plaintext_remote and cfg.tls_cert  # the flag opens /metrics and nothing else
+    digest = bytes.fromhex(token_digest(SCRAPE_TOKEN))
+    assert tenants.metrics_digests == (digest,) and tenants.is_metrics_token(SCRAPE_TOKEN)
+    assert tenants.by_token_digest(digest) is None  # no tenant: every RPC refuses it
+    assert sorted(tenants.by_name) == sorted(
+        t["name"] for t in yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
+    )
+    assert not cfg.allow_plaintext_remote  # so no plaintext gRPC, and no acting token on /metrics
+    assert cfg.metrics_host == "0.0.0.0" and metrics_scrape_only(cfg)
+    check_metrics_exposure(cfg, len(tenants.metrics_digests))  # the daemon starts with it
     secrets = {s["metadata"]["name"]: s for s in by_kind(docs)["Secret"]}
     for monitor in by_kind(docs)["ServiceMonitor"] + by_kind(docs)["PodMonitor"]:
         (endpoint,) = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
@@ -283,7 +289,8 @@ def test_rendered_tenants_file_is_valid_toml_with_the_values_types(tmp_path: Pat
     (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
     raw = tomllib.loads(secret["stringData"]["tenants.toml"])
     values = yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
-    assert [t["name"] for t in raw["tenant"]] == [t["name"] for t in values] + ["kvtier-metrics"]
+    assert [t["name"] for t in raw["tenant"]] == [t["name"] for t in values]  # the scrape token: none
+    assert raw["metrics_tokens_sha256"] == [token_digest(SCRAPE_TOKEN)]
     for got, want in zip(raw["tenant"], values, strict=False):
         assert got["quotas"] == want["quotas"]
         assert got["transports"] == want["transports"]
@@ -323,7 +330,7 @@ def test_a_changed_tenants_file_rolls_the_pods(mode: str) -> None:
 
 
 @pytest.mark.parametrize("sets", [("metrics.exposed=false",), ("metrics.enabled=false",)])
-def test_metrics_kept_on_loopback_or_off_render_no_scraper_and_no_plaintext_flag(
+def test_metrics_kept_on_loopback_or_off_render_no_scrape_token_and_no_plaintext_flag(
     sets: tuple[str, ...], tmp_path: Path
 ) -> None:
     docs = render(VALUES_ALL, sets=sets)
@@ -336,7 +343,7 @@ def test_metrics_kept_on_loopback_or_off_render_no_scraper_and_no_plaintext_flag
     assert "metrics" not in {p["name"] for p in container(docs)["ports"]}
     kinds = by_kind(docs)
     assert not {"Service", "ServiceMonitor", "PodMonitor"} & set(kinds)
-    assert "kvtier-metrics" not in tenants_of(docs, tmp_path).by_name
+    assert tenants_of(docs, tmp_path).metrics_digests == ()
     validate_builtin(docs, tmp_path)
 
 

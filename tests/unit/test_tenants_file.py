@@ -188,3 +188,45 @@ def test_minted_tokens_are_bounded_per_tenant_and_expire_when_idle() -> None:
     now[0] = 15.0
     assert logins.authenticate(a1) is not None and logins.authenticate(b1) is None  # idle 15 s
     assert logins.authenticate("unix.forged") is None and logins.authenticate(GOOD) is None
+
+
+def test_scrape_tokens_are_no_tenants_credential(tmp_path: Path) -> None:
+    t = load_tenants(write(tmp_path, f'''
+metrics_tokens_sha256 = ["{token_digest("scrape-1")}", "{token_digest("scrape-2")}"]
+
+[[tenant]]
+name = "a"
+tokens_sha256 = ["{GOOD}"]
+operator = true
+'''))
+    assert t.is_metrics_token("scrape-1") and t.is_metrics_token("scrape-2")  # rotation
+    assert t.authenticate("scrape-1") is None  # no tenant, not even the operator
+    assert not t.is_metrics_token("tok") and not t.is_metrics_token(None)
+    assert not t.is_metrics_token("") and not t.is_metrics_token("nope")
+    assert len(t) == 1 and t.metrics_digests == (hashlib.sha256(b"scrape-1").digest(),
+                                                 hashlib.sha256(b"scrape-2").digest())
+    without = load_tenants(write(tmp_path, f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'))
+    assert without.metrics_digests == () and not without.is_metrics_token("scrape-1")
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (f'metrics_tokens_sha256 = ["{GOOD[:-2]}"]\n[[tenant]]\nname = "a"\n'
+     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[0]"),
+    (f'metrics_tokens_sha256 = "{GOOD}"\n[[tenant]]\nname = "a"\n'
+     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256"),
+    (f'metrics_tokens_sha256 = ["{GOOD}", 7]\n[[tenant]]\nname = "a"\n'
+     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[1]"),
+    (f'metrics_tokens_sha256 = ["{GOOD}", "{GOOD}"]\n[[tenant]]\nname = "a"\n'
+     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[1]"),
+    # a digest that is also a tenant's token: which would it be?
+    (f'metrics_tokens_sha256 = ["{GOOD}"]\n[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n',
+     "tenant[0].tokens_sha256[0]"),
+    # written after a [[tenant]] header, TOML makes it that tenant's key
+    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+     f'metrics_tokens_sha256 = ["{token_digest("x")}"]\n', "tenant[0].metrics_tokens_sha256"),
+    (f'metrics_tokens_sha256 = ["{GOOD}"]\n', "tenant"),  # scrape tokens alone: no tenant
+])
+def test_a_bad_scrape_token_list_names_the_field(tmp_path: Path, body: str, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_tenants(write(tmp_path, body))
+    assert str(e.value).startswith(f"{field}:"), str(e.value)

@@ -8,6 +8,8 @@ revocation and every quota are decided in one place (docs/security.md):
   credential is, which sessions a reload revokes, every quota with its default;
 * :class:`~kvtierd.tenancy.ledger.Ledger`: what each tenant holds of the resources that have no
   owner object of their own to count them (control channels' buffered frame bytes).
+* :mod:`~kvtierd.tenancy.exposure`: which tokens /metrics takes off loopback (plaintext HTTP),
+  and when a daemon with tenants may serve it there at all.
 
 The tenants file's format stays in :mod:`kvtierd.tenants` (parsing and validation only).
 """

@@ -3,7 +3,8 @@
 Primitives (every entry of the daemon asks these, none decides on its own):
 
 * ``authenticate(token, cert_names)`` -> (tenant, the credential that proved it) or None;
-  ``caller_of(token)`` for callers without certificates (/metrics);
+  ``caller_of(token)`` for callers without certificates (/metrics), and
+  ``is_metrics_token(token)``, a scrape-only token that /metrics alone accepts;
   ``unix_login(uid, gid)`` mints a token for a Unix peer that logs in (shm socket);
 * ``tenant(name)`` (as the current file has it: a removed tenant is None),
   ``allows_peer(tenant, uid, gid)`` (SO_PEERCRED of a handshake against the tenant's Unix ids),
@@ -23,8 +24,9 @@ Without a tenants file the daemon is single-tenant: every caller is the one owne
 credential is asked, and only the daemon-wide bounds and ``buffered_bytes`` apply.
 
 Ownership: the daemon (kvtierd.app) owns the one Tenancy; the service, the transports and the
-tiers hold it. Event-loop thread, except ``caller_of`` and ``tenant`` which /metrics threads call:
-they read the current immutable :class:`~kvtierd.tenants.Tenants`, swapped in one assignment.
+tiers hold it. Event-loop thread, except ``caller_of``, ``is_metrics_token`` and ``tenant``, which
+/metrics threads call: they read the current immutable :class:`~kvtierd.tenants.Tenants`,
+swapped in one assignment.
 """
 
 from __future__ import annotations
@@ -128,6 +130,13 @@ class Tenancy:
         """The tenant of a bearer token (file or Unix login), or None."""
         found = self.authenticate(token)
         return None if found is None else found[0]
+
+    def is_metrics_token(self, token: str | None) -> bool:
+        """Whether ``token`` is a scrape-only token of the current file (``metrics_tokens_sha256``):
+        /metrics answers it with every figure; ``authenticate`` never knows it (every gRPC
+        call and handshake refuses it as an unknown token)."""
+        tenants = self._tenants
+        return tenants is not None and tenants.is_metrics_token(token)
 
     def unix_login(self, uid: int, gid: int) -> str:
         """A token for the tenant that Unix peer ``uid``/``gid`` logs in as (shm socket)."""

@@ -116,11 +116,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $args = concat $args (list "--health-listen" (printf "0.0.0.0:%d" (int $v.daemon.healthPort))) }}
 {{- if $v.metrics.enabled }}
 {{- $args = concat $args (list "--metrics-host" (ternary "0.0.0.0" "127.0.0.1" $v.metrics.exposed) "--metrics-port" (toString (int $v.metrics.port))) }}
-{{- if and $v.metrics.exposed $v.tenants.enabled }}
-{{- /* /metrics on the pod IP asks for the scraper's token in plaintext HTTP; the
-     TCP listeners are TLS or loopback (kvtier.validate), so the flag opens nothing else. */}}
-{{- $args = append $args "--allow-plaintext-remote" }}
-{{- end }}
+{{- /* With tenants, /metrics on the pod IP takes only the scrape token of the tenants file
+     (metrics_tokens_sha256: figures, no action), so no --allow-plaintext-remote: that flag
+     would let a tenant's or the operator's token, and plaintext gRPC, off the pod. */}}
 {{- else }}
 {{- $args = concat $args (list "--metrics-port" "-1") }}
 {{- end }}
@@ -241,7 +239,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* A scrape endpoint's bearer token (the scraper's), when the daemon asks one. */}}
+{{/* A scrape endpoint's bearer token (the scrape-only token), when the daemon asks one. */}}
 {{- define "kvtier.scrapeAuthorization" -}}
 {{- if include "kvtier.scrapeNeedsToken" . }}
 authorization:

@@ -1,9 +1,13 @@
-{{/* The tenants file (docs/security.md "Tenants"): tenants.list, then, when /metrics is scraped
-     over the pod network, the scraper: an operator (it sees every tenant's
-     figures) with every quota 0, so it can open no session, register no namespace and hold
-     nothing; its token, sent in plaintext HTTP, opens no session (an operator could still act
-     in a session whose random id it knew: deploy/kubernetes/README.md "Metrics"). */}}
+{{/* The tenants file (docs/security.md "Tenants file"): when /metrics is scraped over the pod
+     network, first (TOML: before any [[tenant]]) the scrape token's digest, a scrape-only
+     credential: /metrics answers it with every figure, and every gRPC call and handshake
+     refuses it like an unknown token, so the token a scrape sends in plaintext HTTP reads
+     figures and acts on nothing. Then tenants.list. */}}
 {{- define "kvtier.tenantsToml" -}}
+{{- if and .Values.metrics.enabled .Values.metrics.exposed }}
+{{- $s := .Values.metrics.scrape -}}
+metrics_tokens_sha256 = [{{ $s.tokenSha256 | default (sha256sum $s.token) | toJson }}]
+{{ end }}
 {{- range .Values.tenants.list }}
 [[tenant]]
 name = {{ .name | toJson }}
@@ -46,22 +50,4 @@ max_lease_s = {{ float64 . }}
 {{- end }}
 
 {{ end }}
-{{- if and .Values.metrics.enabled .Values.metrics.exposed }}
-{{- $s := .Values.metrics.scrape }}
-[[tenant]]
-name = {{ $s.tenantName | toJson }}
-tokens_sha256 = [{{ $s.tokenSha256 | default (sha256sum $s.token) | toJson }}]
-operator = true
-transports = ["tcp"]
-[tenant.quotas]
-sessions = 0
-namespaces = 0
-open_jobs = 0
-session_open_jobs = 0
-host_bytes = "0"
-pinned_bytes = "0"
-nvme_bytes = "0"
-buffered_bytes = "8MiB"   # the least a tenant may have (one control frame); it opens no channel
-control_channels = 0
-{{- end }}
 {{- end }}
