@@ -70,28 +70,6 @@ def _exact_size(n: int) -> str:
     return f"{n}B"
 
 
-FSCK_DESCRIPTION = """\
-Check an NVMe tier directory (--disk-dir) offline, read-only: the meta file, every data file
-slot by slot (header and payload checksums), leftover, foreign and missing files. Prints a
-report on stdout and, while it runs, progress lines on stderr (bytes and slots checked, rate).
-
-It refuses a directory a live daemon holds (its kvtier.lock): the files change under a running
-daemon, so the verdict would mean nothing; stop the daemon first. While fsck runs, a daemon
-does not start on the directory.
-
-exit status: 0 clean, 1 problems found, 2 unusable directory (missing, no or bad meta file),
-3 refused: a live daemon holds the directory."""
-
-
-def add_fsck_arguments(f: argparse.ArgumentParser) -> None:
-    """``kvtierd fsck``'s arguments (this parser's and kvtierd.tiers.nvme.fsck's own)."""
-    f.add_argument("directory", help="the NVMe tier directory (the daemon's --disk-dir)")
-    f.add_argument("--max-problems", type=int, default=50,
-                   help="problems listed in the report (default 50)")
-    f.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between progress lines on stderr (default 5; 0: none)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
                                                             "KV-cache blocks")
@@ -158,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give blocks no digest (loads unverified; for measuring its cost)")
     s.add_argument("--verify-store", choices=["client", "daemon"],
                    help="who hashes an shm store")
+
+    from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
 
     f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
                        "while a daemon uses it)", description=FSCK_DESCRIPTION,

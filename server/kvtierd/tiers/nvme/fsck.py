@@ -273,9 +273,29 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from kvtierd.cli import FSCK_DESCRIPTION, add_fsck_arguments
+FSCK_DESCRIPTION = """\
+Check an NVMe tier directory (--disk-dir) offline, read-only: the meta file, every data file
+slot by slot (header and payload checksums), leftover, foreign and missing files. Prints a
+report on stdout and, while it runs, progress lines on stderr (bytes and slots checked, rate).
 
+It refuses a directory a live daemon holds (its kvtier.lock): the files change under a running
+daemon, so the verdict would mean nothing; stop the daemon first. While fsck runs, a daemon
+does not start on the directory.
+
+exit status: 0 clean, 1 problems found, 2 unusable directory (missing, no or bad meta file),
+3 refused: a live daemon holds the directory."""
+
+
+def add_fsck_arguments(f: argparse.ArgumentParser) -> None:
+    """``kvtierd fsck``'s arguments (this module's parser and ``kvtierd fsck``'s)."""
+    f.add_argument("directory", help="the NVMe tier directory (the daemon's --disk-dir)")
+    f.add_argument("--max-problems", type=int, default=50,
+                   help="problems listed in the report (default 50)")
+    f.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between progress lines on stderr (default 5; 0: none)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtierd fsck", description=FSCK_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_fsck_arguments(parser)
