@@ -161,7 +161,7 @@ def test_another_revision_config_or_tokenizer_gets_no_hits(daemon: DaemonProcess
         prefix_cache(daemon.unix, model, model_revision="fedcba9876543210fedcba9876543210fedcba98"),
         prefix_cache(daemon.unix, rope),
         prefix_cache(daemon.unix, tiny_llama(rms_norm_eps=1e-5)),
-        prefix_cache(daemon.unix, model, tokenizer_digest="sha256:" + "0" * 64),
+        prefix_cache(daemon.unix, model, tokenizer_digest="sha256:" + "e" * 64),
         prefix_cache(daemon.unix, model, cache_salt="tenant-b"),
     ]
     for other in others:
@@ -173,7 +173,7 @@ def test_another_revision_config_or_tokenizer_gets_no_hits(daemon: DaemonProcess
 
 def test_identity_fails_closed(model: Any) -> None:
     address = "unix:/nonexistent/kvtier.sock"  # refused before any connection
-    with pytest.raises(ConfigError, match="model_revision.*branch"):
+    with pytest.raises(ConfigError, match="model_revision.*moving ref"):
         prefix_cache(address, model, model_revision="main")
     with pytest.raises(ConfigError, match="model_revision: required"):
         prefix_cache(address, model, model_revision="")
