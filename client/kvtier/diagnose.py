@@ -31,8 +31,10 @@ from kvtier_contract import errors
 
 log = logging.getLogger("kvtier.client")
 
-START = ("is kvtierd running? Start it with `make serve` (socket run/kvtier.sock under the "
-         "checkout) or `kvtierd serve --socket PATH`, or fix the address")
+START = (
+    "is kvtierd running? Start it with `make serve` (socket run/kvtier.sock under the "
+    "checkout) or `kvtierd serve --socket PATH`, or fix the address"
+)
 SECURITY = "docs/security.md"
 
 
@@ -64,16 +66,16 @@ class Diagnosis:
     rpc: tuple[str, str, str] | None = None  # the failed RPC: (method, code name, details)
 
 
-def explain_rpc(peer: Peer, method: str, code: str, details: str, *,
-                tls_probe: bool | None = None) -> Diagnosis:
+def explain_rpc(
+    peer: Peer, method: str, code: str, details: str, *, tls_probe: bool | None = None
+) -> Diagnosis:
     """A failed RPC ``method`` (gRPC status ``code`` name and ``details``) explained.
     ``tls_probe``: whether the port answered a TLS handshake (``speaks_tls``), when known."""
     d = _explain_rpc(peer, method, code, details, tls_probe)
     return Diagnosis(d.cause, d.error, (method, code, details))
 
 
-def _explain_rpc(peer: Peer, method: str, code: str, details: str,
-                 tls_probe: bool | None) -> Diagnosis:
+def _explain_rpc(peer: Peer, method: str, code: str, details: str, tls_probe: bool | None) -> Diagnosis:
     at = f"daemon at {peer.address}"
     if code == "UNAUTHENTICATED":
         return _unauthenticated(peer, at, details)
@@ -82,9 +84,12 @@ def _explain_rpc(peer: Peer, method: str, code: str, details: str,
     if code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED"):
         return Diagnosis(code.lower(), errors.from_grpc_code(code, f"{at}: {method}: {details}"))
     if code == "DEADLINE_EXCEEDED" or "Deadline Exceeded" in details:
-        return _down("silent", f"{at}: no answer within {peer.timeout_s:g} s: a wrong host, a "
-                     "firewall, or a daemon too busy; check the address (timeout_s= for a slow "
-                     "link)")
+        return _down(
+            "silent",
+            f"{at}: no answer within {peer.timeout_s:g} s: a wrong host, a "
+            "firewall, or a daemon too busy; check the address (timeout_s= for a slow "
+            "link)",
+        )
     return _unreachable(peer, at, details, tls_probe)
 
 
@@ -97,17 +102,32 @@ def _unauthenticated(peer: Peer, at: str, details: str) -> Diagnosis:
         why = "refused the token its Unix login gave (revoked since?)"
         return Diagnosis("login-token", errors.Unauthenticated(f"{at} {why}", field="unix_login"))
     if peer.token:
-        return Diagnosis("token", errors.Unauthenticated(
-            f"{at} refused the token: no tenant of its tenants file has it (tokens_sha256), or "
-            f"it was revoked; check token=/token_file= ({SECURITY})", field="token"))
+        return Diagnosis(
+            "token",
+            errors.Unauthenticated(
+                f"{at} refused the token: no tenant of its tenants file has it (tokens_sha256), or "
+                f"it was revoked; check token=/token_file= ({SECURITY})",
+                field="token",
+            ),
+        )
     if peer.client_cert:
-        return Diagnosis("cert-name", errors.Unauthenticated(
-            f"{at} took the client certificate but no tenant has its name (mtls_names); add it "
-            f"or pass a tenant's token= ({SECURITY})", field="tls_cert"))
-    return Diagnosis("no-token", errors.Unauthenticated(
-        f"{at} has tenants and this client gave no credential: pass token= or token_file= of a "
-        f"tenant, unix_login=True on its Unix socket, or a tenant's client certificate "
-        f"({SECURITY}; the daemon said: {details})", field="token"))
+        return Diagnosis(
+            "cert-name",
+            errors.Unauthenticated(
+                f"{at} took the client certificate but no tenant has its name (mtls_names); add it "
+                f"or pass a tenant's token= ({SECURITY})",
+                field="tls_cert",
+            ),
+        )
+    return Diagnosis(
+        "no-token",
+        errors.Unauthenticated(
+            f"{at} has tenants and this client gave no credential: pass token= or token_file= of a "
+            f"tenant, unix_login=True on its Unix socket, or a tenant's client certificate "
+            f"({SECURITY}; the daemon said: {details})",
+            field="token",
+        ),
+    )
 
 
 def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis:
@@ -116,21 +136,30 @@ def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> D
         if "No such file" in details:
             return _down("no-socket", f"{at}: no socket file {path}: {START}")
         if "Connection refused" in details:
-            return _down("stale-socket", f"{at}: nothing listens on {path} (a daemon that "
-                         "exited left its socket behind?): restart kvtierd, or fix the address")
+            return _down(
+                "stale-socket",
+                f"{at}: nothing listens on {path} (a daemon that "
+                "exited left its socket behind?): restart kvtierd, or fix the address",
+            )
         if "Permission denied" in details:
-            return Diagnosis("socket-permission", errors.PermissionDenied(
-                f"{at}: permission denied on {path}: the daemon's socket is private to its "
-                f"owner; run as that user, or use a tenant with unix_login ({SECURITY})",
-                field="address"))
+            return Diagnosis(
+                "socket-permission",
+                errors.PermissionDenied(
+                    f"{at}: permission denied on {path}: the daemon's socket is private to its "
+                    f"owner; run as that user, or use a tenant with unix_login ({SECURITY})",
+                    field="address",
+                ),
+            )
         return _down("unreachable", f"{at}: {details}: {START}")
     if "resolv" in details or "Domain name not found" in details or "DNS" in details:
-        return _down("dns", f"{at}: cannot resolve host {grpc_host(peer.address)!r}: check the "
-                     "address")
+        return _down("dns", f"{at}: cannot resolve host {grpc_host(peer.address)!r}: check the address")
     if "Connection refused" in details:
-        return _down("refused", f"{at}: nothing listens there (connection refused): is kvtierd "
-                     "running with --listen on that port? (`make serve` listens on its Unix "
-                     "socket only) Or fix the address")
+        return _down(
+            "refused",
+            f"{at}: nothing listens there (connection refused): is kvtierd "
+            "running with --listen on that port? (`make serve` listens on its Unix "
+            "socket only) Or fix the address",
+        )
     tls = _tls_trap(peer, at, details, tls_probe)
     return tls if tls is not None else _down("unreachable", f"{at}: {details}: {START}")
 
@@ -138,32 +167,63 @@ def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> D
 def _tls_trap(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis | None:
     """The TLS mistakes gRPC reports as a handshake failure or a closed socket."""
     if "WRONG_VERSION_NUMBER" in details:
-        return _down("tls-on-plaintext", f"{at}: TLS handshake failed: a TLS client on a "
-                     "plaintext port (the daemon has no tls_cert there); drop tls_ca=/tls_cert= "
-                     "or use the daemon's TLS listener", "tls_ca")
+        return _down(
+            "tls-on-plaintext",
+            f"{at}: TLS handshake failed: a TLS client on a "
+            "plaintext port (the daemon has no tls_cert there); drop tls_ca=/tls_cert= "
+            "or use the daemon's TLS listener",
+            "tls_ca",
+        )
     if "CERTIFICATE_VERIFY_FAILED" in details:
         given = "the CA given (tls_ca=)" if peer.ca else "the system's CAs (no tls_ca= given)"
-        return _down("tls-unknown-ca", f"{at}: TLS: the daemon's certificate is not signed by "
-                     f"{given}; pass tls_ca= the CA that signed its tls_cert", "tls_ca")
+        return _down(
+            "tls-unknown-ca",
+            f"{at}: TLS: the daemon's certificate is not signed by "
+            f"{given}; pass tls_ca= the CA that signed its tls_cert",
+            "tls_ca",
+        )
     if "Hostname Verification" in details or "Peer name" in details:
-        return _down("tls-hostname", f"{at}: TLS: the daemon's certificate does not name host "
-                     f"{grpc_host(peer.address)!r}; connect by a name its subjectAltName lists, "
-                     "or reissue the certificate", "address")
+        return _down(
+            "tls-hostname",
+            f"{at}: TLS: the daemon's certificate does not name host "
+            f"{grpc_host(peer.address)!r}; connect by a name its subjectAltName lists, "
+            "or reissue the certificate",
+            "address",
+        )
     if "Socket closed" not in details and "reset" not in details.lower():
         return None
+    return _closed(peer, at, tls_probe)
+
+
+def _closed(peer: Peer, at: str, tls_probe: bool | None) -> Diagnosis | None:
+    """The daemon closed a TCP connection during the handshake: a TLS port that a plaintext
+    client reached (``tls_probe``: whether it answered a TLS handshake), or a client
+    certificate it requires or refuses."""
     if not peer.tls:
         if tls_probe is False:
             return None
         sure = "" if tls_probe else " (a plaintext client on a TLS port?)"
-        return _down("plaintext-on-tls", f"{at}: the daemon closed the connection{sure}: its "
-                     "port serves TLS; pass tls_ca= (the CA of its certificate), and tls_cert=/"
-                     "tls_key= if it requires client certificates", "tls_ca")
+        return _down(
+            "plaintext-on-tls",
+            f"{at}: the daemon closed the connection{sure}: its "
+            "port serves TLS; pass tls_ca= (the CA of its certificate), and tls_cert=/"
+            "tls_key= if it requires client certificates",
+            "tls_ca",
+        )
     if not peer.client_cert:
-        return _down("tls-cert-required", f"{at}: the daemon closed the TLS handshake: it "
-                     "requires a client certificate (tls_require_client_cert); pass tls_cert= and "
-                     "tls_key= of one signed by its tls_client_ca", "tls_cert")
-    return _down("tls-cert-refused", f"{at}: the daemon closed the TLS handshake: it refused the "
-                 "client certificate (not signed by its tls_client_ca? expired?)", "tls_cert")
+        return _down(
+            "tls-cert-required",
+            f"{at}: the daemon closed the TLS handshake: it "
+            "requires a client certificate (tls_require_client_cert); pass tls_cert= and "
+            "tls_key= of one signed by its tls_client_ca",
+            "tls_cert",
+        )
+    return _down(
+        "tls-cert-refused",
+        f"{at}: the daemon closed the TLS handshake: it refused the "
+        "client certificate (not signed by its tls_client_ca? expired?)",
+        "tls_cert",
+    )
 
 
 def explain_attach(peer: Peer, error: errors.KvtierError) -> Diagnosis:
@@ -172,23 +232,37 @@ def explain_attach(peer: Peer, error: errors.KvtierError) -> Diagnosis:
     text = str(error)
     if "certificate verify failed" in text or "CERTIFICATE_VERIFY_FAILED" in text:
         given = "the CA given (tls_ca=)" if peer.ca else "the system's CAs (no tls_ca= given)"
-        return _down("data-tls-ca", f"{at}: the TLS data channel's certificate is not signed by "
-                     f"{given}: pass tls_ca= the CA of the daemon's tls_cert ({text})", "tls_ca")
+        return _down(
+            "data-tls-ca",
+            f"{at}: the TLS data channel's certificate is not signed by "
+            f"{given}: pass tls_ca= the CA of the daemon's tls_cert ({text})",
+            "tls_ca",
+        )
     hint = ""
     if peer.transport in ("shm", "cuda_ipc"):
-        hint = (f"; {peer.transport} maps the daemon's memory and needs it on this host "
-                "(transport='tcp' for a remote daemon)")
-    return _down(f"attach-{peer.transport}", f"{at}: the {peer.transport} data channel did not "
-                 f"attach: {text}{hint}", "transport")
+        hint = (
+            f"; {peer.transport} maps the daemon's memory and needs it on this host "
+            "(transport='tcp' for a remote daemon)"
+        )
+    return _down(
+        f"attach-{peer.transport}",
+        f"{at}: the {peer.transport} data channel did not attach: {text}{hint}",
+        "transport",
+    )
 
 
 def explain_login(peer: Peer, error: errors.KvtierError) -> Diagnosis:
     """The Unix peer login on the daemon's shm socket failed."""
     at = f"daemon at {peer.address}"
     if isinstance(error, errors.PermissionDenied):
-        return Diagnosis("login-refused", errors.PermissionDenied(
-            f"{at} refused the Unix login: {error} (its tenants file must list this uid or gid "
-            f"under a tenant with unix_login = true; {SECURITY})", field="unix_login"))
+        return Diagnosis(
+            "login-refused",
+            errors.PermissionDenied(
+                f"{at} refused the Unix login: {error} (its tenants file must list this uid or gid "
+                f"under a tenant with unix_login = true; {SECURITY})",
+                field="unix_login",
+            ),
+        )
     return _down("login-unreachable", f"{at}: Unix login failed: {error}; {START}", "unix_login")
 
 
@@ -217,9 +291,12 @@ class CauseLog:
     many reports were left out meanwhile). Shared by the sessions of one breaker.
     Thread-safety: any thread (one lock, never held while logging)."""
 
-    def __init__(self, interval_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 logger: logging.Logger = log) -> None:
+    def __init__(
+        self,
+        interval_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger = log,
+    ) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._log = logger
