@@ -9,7 +9,10 @@ reopens the session, re-registers its namespaces and reattaches its data transpo
 with the short ``probe_timeout_s``; then the breaker closes. A reply with a new boot epoch, or a
 daemon that forgot the session, reopens at once on the caller. A call that would start with less
 than ``MIN_RPC_S`` of its deadline left raises :class:`OutOfTime` (an Away that trips nothing).
-Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types.
+Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types. Why calls
+miss or drop (the daemon away, a refused credential, a TLS mistake, a refused namespace) is
+put in words naming the fix by :mod:`kvtier.diagnose`, kept in ``counters.last_error`` and
+logged at WARNING once per cause (the breaker's ``causes``, shared by its sessions).
 
 The underscore methods are the package's internal API: :mod:`kvtier.client` and
 :mod:`kvtier.batches` make their RPCs and transfers through ``_call``, ``_transfer``, ``_data``
@@ -329,10 +332,11 @@ class Session:
 
     def _first_open(self, *, strict: bool) -> Diagnosis | None:
         """``Client.connect``'s open, within ``timeout_s``: None when the session is open, else
-        why not (a plaintext client closed on a TCP port is told apart from a TLS port by one
-        handshake, within ``probe_timeout_s``). ``strict``: tried even while a shared breaker is
-        open, and a failure trips nothing (the caller raises and closes); else a failure trips
-        the breaker, which logs it once (WARNING) and reconnects by itself later."""
+        why not (when a TCP port closed a plaintext client's connection, one TLS handshake
+        within ``probe_timeout_s`` tells whether the port serves TLS). ``strict``: tried even
+        while a shared breaker is open, and a failure trips nothing (the caller raises and
+        closes); else a failure trips the breaker, which logs it once (WARNING) and reconnects
+        by itself later."""
         if not strict and not self.breaker.allows():
             return None  # another session of this breaker found the daemon away: it probes
         with self._conn_lock:
@@ -352,6 +356,8 @@ class Session:
         if diagnosis.cause != "plaintext-on-tls" or diagnosis.rpc is None:
             return diagnosis
         host, _, port = self.address.rpartition(":")
+        if not port.isdigit():  # a gRPC target of another form (dns:, ipv4: lists): no probe
+            return diagnosis
         answers = speaks_tls(host.strip("[]"), int(port), self.probe_timeout_s)
         return explain_rpc(self._peer, *diagnosis.rpc, tls_probe=answers)
 
