@@ -114,8 +114,10 @@ def _unauthenticated(peer: Peer, at: str, details: str) -> Diagnosis:
         return Diagnosis(
             "cert-name",
             errors.Unauthenticated(
-                f"{at} took the client certificate but no tenant has its name (mtls_names); add it "
-                f"or pass a tenant's token= ({SECURITY})",
+                f"{at} did not take the client certificate as a credential: the daemon does not "
+                "ask for client certificates (that needs tls_client_ca with "
+                "tls_require_client_cert = true), or no tenant lists its name in mtls_names; "
+                f"fix either, or pass a tenant's token= ({SECURITY})",
                 field="tls_cert",
             ),
         )

@@ -141,6 +141,16 @@ def test_tls_mistakes_name_their_likely_cause(daemon_factory: Any, tmp_path: Pat
     refused(
         mtls.grpc, errors.Unavailable, "tls_cert", "requires a client certificate", tls_ca=ca, token=TOKEN
     )
+    refused(  # gRPC never asks for the certificate unless the daemon requires one
+        tls.grpc,
+        errors.Unauthenticated,
+        "tls_cert",
+        "does not ask for client certificates",
+        "tls_require_client_cert = true",
+        tls_ca=ca,
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
     refused(
         mtls.grpc,
         errors.Unavailable,
