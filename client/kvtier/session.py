@@ -345,7 +345,7 @@ class Session:
                 return None
             except Away as e:
                 diagnosis = (self._sharpen(e.diagnosis) if e.diagnosis is not None
-                             else _away_diagnosis(self.address, str(e)))
+                             else _away_diagnosis(self._peer, str(e)))
                 self._disconnect(keep_channel=True)
         if not strict:
             self._trip(str(diagnosis.error), diagnosis)
@@ -491,7 +491,7 @@ class Session:
         """Record why calls miss or drop: in ``counters.last_error`` (the diagnosis' words when
         there is one) and, once per cause, in a WARNING (the breaker's ``causes``)."""
         if diagnosis is None:
-            diagnosis = _away_diagnosis(self.address, why)
+            diagnosis = _away_diagnosis(self._peer, why)
         message = str(diagnosis.error)
         self.counters.last_error = message
         self.breaker.causes.report(diagnosis.cause, f"{message}; meanwhile lookups miss and "
@@ -770,11 +770,16 @@ class Session:
         return self._transport
 
 
-def _away_diagnosis(address: str, why: str) -> Diagnosis:
-    """A failure known only by its words (a transfer that broke, no answer in time): the
-    cause is what failed (the words before the first colon)."""
-    what = why.partition(":")[0].strip() or "call"
-    return Diagnosis(f"away-{what}", errors.Unavailable(f"daemon at {address}: {why}"))
+def _away_diagnosis(peer: Peer, why: str) -> Diagnosis:
+    """A failure known only by its words: a failed RPC's (``Method: CODE: details``, from a
+    call started on an RPC thread) explained as ``explain_rpc`` does; any other (a transfer
+    that broke, no answer in time) has for cause what failed (the words before the colon)."""
+    method, _, rest = why.partition(": ")
+    code, _, details = rest.partition(": ")
+    if code.isupper() and code.replace("_", "").isalpha() and details:
+        return explain_rpc(peer, method, code, details)
+    what = method.strip() or "call"
+    return Diagnosis(f"away-{what}", errors.Unavailable(f"daemon at {peer.address}: {why}"))
 
 
 def _tls_credentials(ca: str | None, cert: str | None,

@@ -8,11 +8,13 @@ mismatch, a silent host), on gRPC's own words, and the rate limit on an injected
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from kvtier.breaker import Breaker
 from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_rpc
+from kvtier.session import Session
 from kvtier_contract import errors
 
 TCP = Peer("kvtier.example:50051", "tcp", tls=True, ca=True, token=True, timeout_s=0.5)
@@ -86,3 +88,20 @@ def test_the_sessions_of_one_breaker_share_its_cause_log() -> None:
     shared = CauseLog()
     assert Breaker(causes=shared).causes is shared
     assert Breaker().causes is not Breaker().causes
+
+
+def test_a_failure_known_only_by_its_words_is_explained_too(tmp_path: Path) -> None:
+    """Calls started on the RPC threads report ``Method: CODE: details``; the session explains
+    those as a failed connect would, and any other words keep what failed as their cause."""
+    session = Session(f"unix://{tmp_path}/k.sock", heartbeat=False)
+    try:
+        session._note(
+            "PrepareStore: UNAVAILABLE: failed to connect to all addresses; last error: "
+            f"FAILED_PRECONDITION: unix:{tmp_path}/k.sock: connect failed: No such file or directory"
+        )
+        assert f"no socket file {tmp_path}/k.sock: is kvtierd running?" in session.counters.last_error
+        session._note("store transfer: data channel closed")
+        assert session.counters.last_error.endswith("store transfer: data channel closed")
+        assert session.breaker.causes.seen() == ["away-store transfer", "no-socket"]
+    finally:
+        session.close()
