@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Protocol
 
+from kvtier.diagnose import CauseLog
+
 log = logging.getLogger("kvtier.breaker")
 
 
@@ -38,7 +40,11 @@ class Member(Protocol):
 class Breaker:
     """See the module docstring. Owns the probe thread; the members own their sessions."""
 
-    def __init__(self, backoff_s: tuple[float, float] = (0.05, 1.0)) -> None:
+    def __init__(self, backoff_s: tuple[float, float] = (0.05, 1.0),
+                 causes: CauseLog | None = None) -> None:
+        """``causes``: where the members log why calls fail (one WARNING per cause and
+        interval, shared by every member: an engine worker's clients say it once)."""
+        self.causes = causes if causes is not None else CauseLog()
         self._min_s, self._max_s = backoff_s
         self._cond = threading.Condition()
         self._members: list[Member] = []
@@ -100,6 +106,8 @@ class Breaker:
                         self._open = False
                         self._thread = None
                         self._cond.notify_all()
+                        log.info("kvtier: the daemon answers again (%s had opened the breaker)",
+                                 self.why)
                         return
                 interval = min(interval * 2, self._max_s)
         finally:  # only an unexpected error gets here with the thread still registered

@@ -2,15 +2,19 @@
 
 Lifecycle::
 
-    client = Client.connect("unix:///run/kvtier.sock", transport="shm")   # never raises when
-    ns = client.register(Namespace(...))                                # the daemon is away
+    client = Client.connect("unix:///run/kvtier.sock", transport="shm")   # raises if it cannot
+    ns = client.register(Namespace(...))                                # (lazy=True: never)
     keys = ns.block_keys(token_ids); n = ns.lookup(keys)
     ns.put(keys, blocks); ns.get(keys); ns.get_into(keys, buffers)
     client.close()                       # or `with Client.connect(...) as client:`
 
 Never hang the engine: every RPC has a deadline (``timeout_s``), and a put or get may take an
 overall ``deadline`` (a ``time.monotonic()`` value, e.g. the end of an engine step's budget; by
-default ``op_timeout_s`` from its start). When the daemon is down, silent or restarting, lookups
+default ``op_timeout_s`` from its start). ``Client.connect`` opens the session at once and raises
+one error naming the address, the cause and the fix when it cannot (no daemon there, a refused
+or missing token, a TLS mistake: :mod:`kvtier.diagnose`); with ``lazy=True`` (what the engine
+integrations use) it never raises for that: the cause is logged once at WARNING and the client
+connects by itself once the daemon is there. When the daemon is down, silent or restarting, lookups
 answer 0, gets answer misses and puts are dropped, each counted in ``client.counters``; a
 circuit breaker (which several clients may share: ``breaker=``) then answers every call at once
 until its probe thread has seen the daemon again and reopened the session, re-registered the
@@ -37,6 +41,7 @@ import grpc
 from kvtier import batches
 from kvtier.addresses import address_target
 from kvtier.buffers import byte_view
+from kvtier.diagnose import explain_rpc
 from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup
 from kvtier.session import Away, OutOfTime, Session
 from kvtier_contract import errors
@@ -55,13 +60,27 @@ class Client(Session):
     (:class:`kvtier.session.Session`, which also states the states and the locking)."""
 
     @classmethod
-    def connect(cls, address: str, transport: TransportName = "shm", **kwargs: Any) -> Client:
-        """A client for ``address``; connects now if it can, later by itself if it cannot."""
+    def connect(cls, address: str, transport: TransportName = "shm", *, lazy: bool = False,
+                **kwargs: Any) -> Client:
+        """A client for ``address`` (``kwargs``: :class:`kvtier.session.Session`'s), its session
+        opened now, within ``timeout_s``: the daemon answered and took the credential.
+
+        Raises, the client closed, when it cannot: ``Unavailable`` (no daemon there, a TLS
+        mistake), ``Unauthenticated`` (no token, or one refused), ``PermissionDenied`` (a
+        private socket, a refused Unix login), each naming the address, the cause and the fix
+        (``field``: the argument to change); ``InvalidArgument`` for a malformed address or
+        option. ``lazy=True`` (an engine that must not fail): never raises for the daemon; the
+        cause is logged once at WARNING (and kept in ``counters.last_error``), calls miss and
+        drop, and the client connects by itself once the daemon is there."""
         client = cls(address, transport, **kwargs)
         try:
-            client._ensure()
-        except Away:
-            pass
+            diagnosis = client._first_open(strict=not lazy)
+        except BaseException:
+            client.close()
+            raise
+        if diagnosis is not None and not lazy:
+            client.close()
+            raise diagnosis.error
         return client
 
     def register(self, namespace: Namespace, *, deadline: float | None = None) -> NamespaceHandle:
@@ -80,29 +99,31 @@ class Client(Session):
         except OutOfTime:
             pass  # not registered yet: the daemon says so on first use and the session reopens
         except Away as e:
-            self._trip(str(e))
+            self._trip(str(e), e.diagnosis)
         except (errors.ResourceExhausted, errors.Unavailable, errors.Internal) as e:
             # The daemon answered but cannot register it now (shed, namespace table full,
             # draining): the handle stays unregistered, its calls miss until a reopen does.
-            self.counters.last_error = f"RegisterNamespace: {e}"
+            self._refused(handle, e)
         return handle
 
     def stats(self) -> dict[str, Any]:
-        """The daemon's Stats figures as a dict (raises Unavailable when it is away)."""
+        """The daemon's Stats figures as a dict; raises the error naming the cause and the fix
+        when the daemon cannot be reached or refuses (as ``connect`` does)."""
         with self._conn_lock:
             self._channel_open()
             if self._login_path and not self.connected:
                 try:
                     self._login(self.timeout_s)
                 except Away as e:
+                    if e.diagnosis is not None:
+                        raise e.diagnosis.error from None
                     raise errors.Unavailable(str(e)) from None
         try:
             reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise errors.Unauthenticated(e.details() or "") from None
-            raise errors.Unavailable(f"daemon at {self.address}: {e.code().name}: {e.details()}"
-                                     ) from None
+            diagnosis = self._sharpen(explain_rpc(self._peer, "Stats", e.code().name,
+                                                  e.details() or ""))
+            raise diagnosis.error from None
         return to_dict(reply)
 
     def lookup_slices(self, handles: Sequence[NamespaceHandle],

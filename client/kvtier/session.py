@@ -9,7 +9,10 @@ reopens the session, re-registers its namespaces and reattaches its data transpo
 with the short ``probe_timeout_s``; then the breaker closes. A reply with a new boot epoch, or a
 daemon that forgot the session, reopens at once on the caller. A call that would start with less
 than ``MIN_RPC_S`` of its deadline left raises :class:`OutOfTime` (an Away that trips nothing).
-Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types.
+Caller mistakes the daemon reports still raise :mod:`kvtier_contract.errors` types. Why calls
+miss or drop (the daemon away, a refused credential, a TLS mistake, a refused namespace) is
+put in words naming the fix by :mod:`kvtier.diagnose`, kept in ``counters.last_error`` and
+logged at WARNING once per cause (the breaker's ``causes``, shared by its sessions).
 
 The underscore methods are the package's internal API: :mod:`kvtier.client` and
 :mod:`kvtier.batches` make their RPCs and transfers through ``_call``, ``_transfer``, ``_data``
@@ -33,6 +36,7 @@ import grpc
 from kvtier.addresses import address_target, grpc_host
 from kvtier.breaker import Breaker
 from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
+from kvtier.diagnose import Diagnosis, Peer, explain_attach, explain_login, explain_rpc, speaks_tls
 from kvtier.local_index import LocalIndexes
 from kvtier.login import shm_socket_of, unix_login
 from kvtier.results import ClientCounters
@@ -49,7 +53,12 @@ MIN_RPC_S = 0.02  # an RPC never starts with less of its caller's deadline left 
 
 
 class Away(Exception):
-    """The daemon is unreachable right now (internal: callers get misses and drops)."""
+    """The daemon is unreachable right now (internal: callers get misses and drops).
+    ``diagnosis``: why, in words naming the fix (:mod:`kvtier.diagnose`), when known."""
+
+    def __init__(self, message: str = "", diagnosis: Diagnosis | None = None) -> None:
+        super().__init__(message)
+        self.diagnosis = diagnosis
 
 
 class OutOfTime(Away):
@@ -206,6 +215,10 @@ class Session:
             self._login_path = shm_socket_of(self.address)
         self._tls = _tls_credentials(tls_ca, tls_cert, tls_key)
         self._tls_files = (tls_ca, tls_cert, tls_key)  # for a TLS data channel
+        self._peer = Peer(self.address, transport,
+                          tls=self._tls is not None and not self.address.startswith("unix:"),
+                          ca=bool(tls_ca), client_cert=bool(tls_cert), token=bool(self._metadata),
+                          unix_login=unix_login, timeout_s=timeout_s)
         self.counters = ClientCounters()
         self.breaker = breaker if breaker is not None else Breaker(backoff_s)
         self._clock = clock
@@ -312,10 +325,41 @@ class Session:
             except OutOfTime:
                 raise
             except Away as e:
-                self._trip(str(e))
+                self._trip(str(e), e.diagnosis)
                 raise
         finally:
             self._conn_lock.release()
+
+    def _first_open(self, *, strict: bool) -> Diagnosis | None:
+        """``Client.connect``'s open, within ``timeout_s``: None when the session is open, else
+        why not (when a TCP port closed a plaintext client's connection, one TLS handshake
+        within ``probe_timeout_s`` tells whether the port serves TLS). ``strict``: tried even
+        while a shared breaker is open, and a failure trips nothing (the caller raises and
+        closes); else a failure trips the breaker, which logs it once (WARNING) and reconnects
+        by itself later."""
+        if not strict and not self.breaker.allows():
+            return None  # another session of this breaker found the daemon away: it probes
+        with self._conn_lock:
+            try:
+                self._open(self.timeout_s)
+                return None
+            except Away as e:
+                diagnosis = (self._sharpen(e.diagnosis) if e.diagnosis is not None
+                             else _away_diagnosis(self._peer, str(e)))
+                self._disconnect(keep_channel=True)
+        if not strict:
+            self._trip(str(diagnosis.error), diagnosis)
+        return diagnosis
+
+    def _sharpen(self, diagnosis: Diagnosis) -> Diagnosis:
+        """``diagnosis`` made sure where a TLS handshake can tell (a closed socket)."""
+        if diagnosis.cause != "plaintext-on-tls" or diagnosis.rpc is None:
+            return diagnosis
+        host, _, port = self.address.rpartition(":")
+        if not port.isdigit():  # a gRPC target of another form (dns:, ipv4: lists): no probe
+            return diagnosis
+        answers = speaks_tls(host.strip("[]"), int(port), self.probe_timeout_s)
+        return explain_rpc(self._peer, *diagnosis.rpc, tls_probe=answers)
 
     def probe(self) -> bool:
         """On the breaker's probe thread: prove the session (a heartbeat) or reopen it, each RPC
@@ -338,11 +382,11 @@ class Session:
             try:
                 self._open(timeout)
             except Away as e:
-                self.counters.last_error = str(e)
+                self._note(str(e), e.diagnosis)
                 self._disconnect(keep_channel=True)
                 return False
             except errors.KvtierError as e:  # the daemon answered; the next call will say more
-                self.counters.last_error = str(e)
+                self._note(str(e))
             return True
 
     def _open(self, timeout: float) -> None:
@@ -356,7 +400,9 @@ class Session:
                 client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
                 transport=make_transport(self.transport_name).proto_value), timeout=timeout)
         except grpc.RpcError as e:
-            raise Away(f"OpenSession: {e.code().name}: {e.details()}") from None
+            raise Away(f"OpenSession: {e.code().name}: {e.details()}",
+                       explain_rpc(self._peer, "OpenSession", e.code().name, e.details() or "")
+                       ) from None
         transport = make_transport(self.transport_name)
         transport.io_timeout_s = self.timeout_s
         if reply.data_host in ("0.0.0.0", "::", ""):
@@ -368,7 +414,7 @@ class Session:
                 transport.tls_server_name = grpc_host(self.address)
             transport.attach(reply.session_id, reply, timeout)
         except errors.TransportError as e:
-            raise Away(str(e)) from None
+            raise Away(str(e), explain_attach(self._peer, e)) from None
         if self._epoch and reply.boot_epoch != self._epoch:
             self.counters.epoch_changes += 1
         if self._epoch:
@@ -396,7 +442,7 @@ class Session:
                 self._register(handle, timeout)
             except errors.KvtierError as e:  # refused (quota, table full...): its calls miss
                 handle.register_retry_at = self._clock() + REGISTER_RETRY_S
-                self.counters.last_error = f"RegisterNamespace: {e}"
+                self._refused(handle, e)
 
     def _login(self, timeout: float) -> None:
         """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away
@@ -404,7 +450,7 @@ class Session:
         try:
             token = unix_login(self._login_path, timeout)
         except errors.KvtierError as e:
-            raise Away(f"Unix login: {e}") from None
+            raise Away(f"Unix login: {e}", explain_login(self._peer, e)) from None
         self._metadata = (("authorization", f"Bearer {token}"),)
 
     def _channel_open(self) -> None:
@@ -429,7 +475,9 @@ class Session:
                 timeout=timeout)
         except grpc.RpcError as e:
             if e.code() in DOWN_CODES:
-                raise Away(f"RegisterNamespace: {e.code().name}: {e.details()}") from None
+                raise Away(f"RegisterNamespace: {e.code().name}: {e.details()}",
+                           explain_rpc(self._peer, "RegisterNamespace", e.code().name,
+                                       e.details() or "")) from None
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
                     (e.details() or "").startswith(errors.OVERLOADED):
                 self.counters.overloaded += 1
@@ -439,9 +487,27 @@ class Session:
             raise errors.Internal("daemon and client disagree on the namespace's id or block size")
         handle.registered_epoch = reply.boot_epoch
 
-    def _trip(self, why: str) -> None:
+    def _note(self, why: str, diagnosis: Diagnosis | None = None) -> None:
+        """Record why calls miss or drop: in ``counters.last_error`` (the diagnosis' words when
+        there is one) and, once per cause, in a WARNING (the breaker's ``causes``)."""
+        if diagnosis is None:
+            diagnosis = _away_diagnosis(self._peer, why)
+        message = str(diagnosis.error)
+        self.counters.last_error = message
+        self.breaker.causes.report(diagnosis.cause, f"{message}; meanwhile lookups miss and "
+                                   "puts are dropped (the engine recomputes)")
+
+    def _refused(self, handle: Registered, error: errors.KvtierError) -> None:
+        """The daemon refused to register ``handle``'s namespace: its calls miss."""
+        ns = handle.namespace
+        self._note(f"RegisterNamespace: {error}", Diagnosis(
+            f"register-{type(error).__name__}", type(error)(
+                f"daemon at {self.address} refused namespace {ns.model_id}@{ns.model_revision} "
+                f"(id {handle.namespace_id}): {error}")))
+
+    def _trip(self, why: str, diagnosis: Diagnosis | None = None) -> None:
         """Open the breaker and forget the session; never waits (DESIGN §7)."""
-        self.counters.last_error = why
+        self._note(why, diagnosis)
         self.breaker.trip(why)
         if self._conn_lock.acquire(blocking=False):
             try:
@@ -493,7 +559,7 @@ class Session:
                     why = f"{method}: {code.name}: {e.details()}"
                     if not trip:
                         raise Unanswered(why, e.details() or "") from None
-                    self._trip(why)
+                    self._trip(why, explain_rpc(self._peer, method, code.name, e.details() or ""))
                     raise Away(e.details()) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
                         (e.details() or "").startswith(errors.OVERLOADED):
@@ -541,11 +607,11 @@ class Session:
             self._register(handle, self._rpc_timeout(deadline))
         except Away as e:
             if not isinstance(e, OutOfTime):
-                self._trip(str(e))
+                self._trip(str(e), e.diagnosis)
             raise
         except errors.KvtierError as e:
             handle.register_retry_at = self._clock() + REGISTER_RETRY_S
-            self.counters.last_error = f"RegisterNamespace: {e}"
+            self._refused(handle, e)
             raise Unregistered(f"namespace {ns_id}: {e}") from None
         return handle
 
@@ -617,7 +683,8 @@ class Session:
         except grpc.RpcError as e:
             code = e.code()
             if code in DOWN_CODES:
-                self._trip(f"{method}: {code.name}: {e.details()}")
+                self._trip(f"{method}: {code.name}: {e.details()}",
+                           explain_rpc(self._peer, method, code.name, e.details() or ""))
                 raise Away(e.details()) from None
             raise errors.from_grpc_code(code.name, e.details() or "") from None
         self._last_call = self._clock()
@@ -701,6 +768,18 @@ class Session:
         if self._transport is None:
             raise errors.TransportError("no data transport attached")
         return self._transport
+
+
+def _away_diagnosis(peer: Peer, why: str) -> Diagnosis:
+    """A failure known only by its words: a failed RPC's (``Method: CODE: details``, from a
+    call started on an RPC thread) explained as ``explain_rpc`` does; any other (a transfer
+    that broke, no answer in time) has for cause what failed (the words before the colon)."""
+    method, _, rest = why.partition(": ")
+    code, _, details = rest.partition(": ")
+    if code.isupper() and code.replace("_", "").isalpha() and details:
+        return explain_rpc(peer, method, code, details)
+    what = method.strip() or "call"
+    return Diagnosis(f"away-{what}", errors.Unavailable(f"daemon at {peer.address}: {why}"))
 
 
 def _tls_credentials(ca: str | None, cert: str | None,

@@ -6,6 +6,9 @@ Primitives:
   (fail closed: a missing identity field is a ``TypeError``, a malformed one ``InvalidArgument``).
 * ``namespace_digest(ns)``: 32 bytes, SHA-256 over a typed, length-prefixed encoding of every field.
 * ``block_keys(...)``: chained 32-byte keys for the full blocks of a token sequence.
+* ``revision_problem(value)`` / ``tokenizer_digest_problem(value)``: the one rule for what may
+  name a revision (model or adapter) and a tokenizer, used by ``Namespace`` (so by the SDK and
+  the daemon alike) and by every engine integration to refuse a setting before it gets here.
 
 Everything here is a pure function of its arguments: no ``hash()``, no PYTHONHASHSEED, no process
 or host state, so every process on every host computes the same digests and keys. Pure Python
@@ -27,9 +30,13 @@ from kvtier_contract.errors import InvalidArgument
 
 __all__ = [
     "KV_DTYPES",
+    "MUTABLE_REVISIONS",
     "Namespace",
     "block_keys",
+    "is_mutable_revision",
     "namespace_digest",
+    "revision_problem",
+    "tokenizer_digest_problem",
 ]
 
 # KV dtype name -> item size in bytes.
@@ -78,9 +85,10 @@ class Namespace:
     model_id: str
     """Model name, e.g. ``"Qwen/Qwen3-0.6B"``."""
     model_revision: str
-    """Immutable model revision (a commit hash), never a moving branch name."""
+    """Immutable model revision (a commit hash), never a moving ref (``revision_problem``)."""
     tokenizer_digest: str
-    """Digest of the tokenizer files, or the explicit string ``"none"`` when the engine skips it."""
+    """Digest of the tokenizer files, or the explicit string ``"none"`` when the engine skips it
+    (never a placeholder: ``tokenizer_digest_problem``)."""
     kv_dtype: str
     """KV cache dtype, one of ``KV_DTYPES``."""
     layout: str
@@ -104,7 +112,7 @@ class Namespace:
     adapter_id: str | None = None
     """LoRA/adapter id, or None for the base model; requires ``adapter_revision``."""
     adapter_revision: str | None = None
-    """Immutable adapter revision; given exactly when ``adapter_id`` is."""
+    """Immutable adapter revision (``revision_problem``); given exactly when ``adapter_id`` is."""
     cache_salt: str | None = None
     """Opaque salt that isolates otherwise identical namespaces, or None."""
     tenant: str | None = None
@@ -121,6 +129,14 @@ class Namespace:
             _check_str(name, getattr(self, name), optional=True)
         for name in (*_POSITIVE_INT, "tp_rank", "pp_rank"):
             _check_int(name, getattr(self, name), minimum=1 if name in _POSITIVE_INT else 0)
+        for name in ("model_revision", "adapter_revision"):
+            value = getattr(self, name)
+            problem = None if value is None else revision_problem(value)
+            if problem:
+                _fail(name, problem)
+        problem = tokenizer_digest_problem(self.tokenizer_digest)
+        if problem:
+            _fail("tokenizer_digest", problem)
         if self.kv_dtype not in KV_DTYPES:
             allowed = ", ".join(sorted(KV_DTYPES))
             _fail("kv_dtype", f"unknown dtype {self.kv_dtype!r}; allowed: {allowed}")
@@ -197,6 +213,65 @@ class Namespace:
 
 
 _NO_DEFAULT = (*_REQUIRED_STR, "tokens_per_block", "num_layers", "num_kv_heads", "head_dim")
+
+MUTABLE_REVISIONS = frozenset({
+    "main", "master", "head", "latest", "trunk", "develop", "dev", "default", "stable", "nightly"})
+"""Names that move (branches, ``HEAD``, ``latest``), in lower case: refused as revisions in any
+case, as is any ``refs/heads/...`` or ``origin/...``."""
+_UNSET = frozenset({"none", "null", "nil", "undefined"})  # str() of a value nobody set
+_PLACEHOLDER_WORDS = frozenset({"todo", "tbd", "fixme", "changeme", "placeholder", "unknown"})
+
+
+def is_mutable_revision(value: str) -> bool:
+    """Whether ``value`` names a ref that moves (``MUTABLE_REVISIONS``, ``refs/heads/...``)."""
+    low = value.strip().lower()
+    return low in MUTABLE_REVISIONS or low.startswith(("refs/heads/", "origin/"))
+
+
+def _placeholder(value: str) -> bool:
+    """Text copied from a template (``<commit>``, ``...``), a placeholder word, or all zeros
+    after an optional ``algorithm:`` prefix (``0000000``, ``sha256:000...``: no real digest)."""
+    if any(mark in value for mark in ("<", ">", "\u2026", "...")):
+        return True
+    if value.strip().lower() in _PLACEHOLDER_WORDS:
+        return True
+    body = value.rpartition(":")[2]
+    return not body or set(body) == {"0"}
+
+
+def revision_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a model or adapter revision, or None when it can. A revision
+    names fixed weights: a commit hash (or another immutable id: a tag, a files digest); never
+    empty, a moving ref (``main``, ``HEAD``, ``latest``...), an unset value (``"None"``) or a
+    placeholder (``<commit>``, all zeros). The hash of every accepted value is unchanged."""
+    text = value.strip()
+    if not text:
+        return "required (empty): give the immutable revision (a commit hash)"
+    if is_mutable_revision(text):
+        return (f"{value!r} is a moving ref, not an immutable revision: its weights can change "
+                "under the same name; pin the commit hash (e.g. the Hub's commit, or `git "
+                "rev-parse HEAD`)")
+    if text.lower() in _UNSET:
+        return f"{value!r} looks like an unset value: give the commit hash"
+    if _placeholder(text):
+        return f"{value!r} is a placeholder, not a revision: give the commit hash"
+    return None
+
+
+def tokenizer_digest_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a tokenizer digest, or None when it can: the literal ``"none"``
+    (the engine takes token ids only) or a digest of the tokenizer files; never an unset value
+    in other spelling (``"None"``, ``"null"``) or a placeholder (``sha256:000...``, ``<digest>``)."""
+    text = value.strip()
+    if text == "none":
+        return None
+    if text.lower() in _UNSET:
+        return (f"{value!r} looks like an unset value; write the literal 'none' when the engine "
+                "skips the tokenizer, else a digest of its files")
+    if _placeholder(text):
+        return (f"{value!r} is a placeholder, not a digest: two tokenizers would share it; give "
+                "a digest of the tokenizer files (or 'none' when the engine skips the tokenizer)")
+    return None
 
 
 def _fail(name: str, message: str) -> NoReturn:

@@ -267,6 +267,8 @@ def test_register_namespace_with_a_missing_identity_field(ctx: Ctx, name: str) -
     ({"adapter_id": "lora-x"}, "namespace.adapter_revision"),
     ({"cache_salt": ""}, "namespace.cache_salt"),  # present but empty: not a silent "no salt"
     ({"model_id": " "}, "namespace.model_id"),
+    ({"model_revision": "main"}, "namespace.model_revision"),  # the SDK's rule, on the daemon
+    ({"tokenizer_digest": "sha256:" + "0" * 64}, "namespace.tokenizer_digest"),
 ])
 def test_register_namespace_with_a_malformed_field(ctx: Ctx, overrides: dict[str, Any],
                                                    field: str) -> None:

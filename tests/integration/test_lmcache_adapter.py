@@ -285,6 +285,29 @@ def test_many_tasks_in_flight_as_lmcache_calls_them(lmcache_env: str,
         until("the daemon to unpin", lambda: client.stats()["pinned_blocks"] == 0)
 
 
+@pytest.mark.timeout(120)
+def test_an_adapter_built_without_its_daemon_starts_and_says_why_once(lmcache_env: str,
+                                                                       tmp_path: Path) -> None:
+    """The server must not fail: an adapter whose daemon is not there (yet) is built, reports
+    itself healthy with its daemon away, and its client says why once at WARNING."""
+    address = f"unix:{tmp_path}/none.sock"
+    code = ("import json, sys\nfrom kvtier.integrations.lmcache import KvtierL2Adapter\n"
+            "a = KvtierL2Adapter(json.loads(sys.argv[1]))\n"
+            "print(json.dumps(a.report_status()))\na.close()\n")
+    out = subprocess.run([lmcache_env, "-c", code, json.dumps(params_at(address))],
+                         capture_output=True, text=True, timeout=100, env=dict(os.environ, **ENV))
+    assert out.returncode == 0, out.stderr[-3000:]
+    status = json.loads(out.stdout.strip().splitlines()[-1])
+    assert status["is_healthy"] and not status["daemon_connected"], status
+    assert out.stderr.count(f"no socket file {tmp_path}/none.sock: is kvtierd running?") == 1, \
+        out.stderr[-3000:]
+
+
+def params_at(address: str) -> dict[str, Any]:
+    return {"address": address, "chunk_tokens": CHUNK, "hash_algorithm": "blake3",
+            "models": {MODEL: dict(IDENTITY)}, "request_timeout_ms": 500}
+
+
 @pytest.mark.timeout(300)
 def test_missing_identity_field_stops_the_server(lmcache_env: str, daemon: DaemonProcess,
                                                  tmp_path: Path) -> None:

@@ -237,6 +237,10 @@ def test_no_daemon_gives_misses_and_never_raises(drv: Driver, workdir: Path) -> 
     drv.ask("pool", name="none/p", seed=4, **SHAPES["mha-page_first"])
     drv.backend("none/A", "none/p", f"unix:{workdir}/no-daemon.sock")  # the daemon may come later
     assert _all_misses(drv, "none/A", keys("none", 0, 1)) < 2 * REQUEST_TIMEOUT_MS / 1000
+    assert _all_misses(drv, "none/A", keys("none", 2, 3)) < 2 * REQUEST_TIMEOUT_MS / 1000
+    # ...and the cause is said once (WARNING, naming the fix), not once per call
+    log = (workdir / "driver.log").read_text()
+    assert log.count(f"no socket file {workdir}/no-daemon.sock: is kvtierd running?") == 1, log
 
 
 def test_daemon_killed_mid_run_gives_misses_then_recovers(drv: Driver, workdir: Path) -> None:

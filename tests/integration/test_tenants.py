@@ -125,7 +125,10 @@ def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProce
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                   timeout=5)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-    with kvtier.Client.connect(tenants.unix, transport="tcp", timeout_s=2) as c:
+    with pytest.raises(errors.Unauthenticated, match="gave no credential") as e:
+        kvtier.Client.connect(tenants.unix, transport="tcp", timeout_s=2)
+    assert e.value.field == "token"
+    with kvtier.Client.connect(tenants.unix, transport="tcp", timeout_s=2, lazy=True) as c:
         with pytest.raises(errors.Unauthenticated):
             c.stats()
 
@@ -598,7 +601,10 @@ def test_a_minted_token_is_a_credential_only_while_its_tenant_logs_in_so(
     # ...and this uid no longer logs in: refused, naming why; an SDK client gets misses
     refused = _raw_login(logins)
     assert refused.startswith(wire.SHM_REFUSED) and b"no tenant logs in Unix peer" in refused
-    with kvtier.Client.connect(logins.unix, transport="shm", unix_login=True) as u:
+    with pytest.raises(errors.PermissionDenied, match="no tenant logs in Unix peer") as e:
+        kvtier.Client.connect(logins.unix, transport="shm", unix_login=True)
+    assert e.value.field == "unix_login"
+    with kvtier.Client.connect(logins.unix, transport="shm", unix_login=True, lazy=True) as u:
         ns = u.register(ns_of("team-u"))
         keys = ns.block_keys(list(range(16)))
         assert ns.put(keys, [b"\0" * ns.block_bytes]).stored == 0

@@ -58,7 +58,8 @@ def test_mtls_identifies_the_tenant_and_plaintext_or_no_certificate_fails(
         assert [bytes(g) if g else None for g in ns.get(keys)] == [b"\x03" * ns.block_bytes] * 4
         assert [n["namespace_id"] for n in c.stats()["namespaces"]] == [ns.namespace_id]
     for kwargs in ({}, {"tls_ca": str(pki / "ca.crt")}):  # plaintext; TLS without a cert
-        with kvtier.Client.connect(d.grpc, transport="tcp", timeout_s=2, **kwargs) as c:
+        with kvtier.Client.connect(d.grpc, transport="tcp", timeout_s=2, lazy=True,
+                                   **kwargs) as c:
             with pytest.raises((errors.Unavailable, errors.Unauthenticated)):
                 c.stats()
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", d.grpc,
@@ -75,7 +76,7 @@ def test_tls_without_client_certificates_takes_tokens(daemon_factory: Any, tmp_p
         assert c.register(make_namespace(tenant="team-a")).namespace_id
         assert c.stats()["namespaces"]
     with kvtier.Client.connect(d.grpc, transport="tcp", tls_ca=str(pki / "ca.crt"),
-                               timeout_s=2) as c:
+                               timeout_s=2, lazy=True) as c:
         with pytest.raises(errors.Unauthenticated):
             c.stats()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -120,7 +121,8 @@ def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
         s.sendall(wire.hello(1, bytes(32)))
         op, *_ = wire.unpack(s.recv(wire.HEADER.size))
         assert op is wire.Op.ERROR
-    with kvtier.Client.connect(d.unix, transport="tcp", token="tok-a", timeout_s=2) as c:
+    with kvtier.Client.connect(d.unix, transport="tcp", token="tok-a", timeout_s=2,
+                               lazy=True) as c:  # (without lazy: an error naming tls_ca)
         ns = c.register(make_namespace(tenant="team-a"))  # no CA: the system's cannot verify
         keys = ns.block_keys(list(range(16)))
         assert ns.put(keys, [b"\x01" * ns.block_bytes]).stored == 0

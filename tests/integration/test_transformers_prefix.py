@@ -6,6 +6,7 @@ be restored, and 6 tokens the model still computes."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -161,7 +162,7 @@ def test_another_revision_config_or_tokenizer_gets_no_hits(daemon: DaemonProcess
         prefix_cache(daemon.unix, model, model_revision="fedcba9876543210fedcba9876543210fedcba98"),
         prefix_cache(daemon.unix, rope),
         prefix_cache(daemon.unix, tiny_llama(rms_norm_eps=1e-5)),
-        prefix_cache(daemon.unix, model, tokenizer_digest="sha256:" + "0" * 64),
+        prefix_cache(daemon.unix, model, tokenizer_digest="sha256:" + "e" * 64),
         prefix_cache(daemon.unix, model, cache_salt="tenant-b"),
     ]
     for other in others:
@@ -173,7 +174,7 @@ def test_another_revision_config_or_tokenizer_gets_no_hits(daemon: DaemonProcess
 
 def test_identity_fails_closed(model: Any) -> None:
     address = "unix:/nonexistent/kvtier.sock"  # refused before any connection
-    with pytest.raises(ConfigError, match="model_revision.*branch"):
+    with pytest.raises(ConfigError, match="model_revision.*moving ref"):
         prefix_cache(address, model, model_revision="main")
     with pytest.raises(ConfigError, match="model_revision: required"):
         prefix_cache(address, model, model_revision="")
@@ -205,6 +206,23 @@ def test_daemon_away_is_a_miss_and_a_dropped_store(daemon: DaemonProcess, model:
         assert torch.equal(got, expected)
         assert pc.counters.restored_tokens == 0  # a miss, computed in full
         assert pc.counters.blocks_stored == 4 and pc.counters.blocks_not_stored == 4
+
+
+def test_a_wrong_address_is_said_once_and_generate_recomputes(
+        tmp_path: Any, model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine must not fail: a cache built on an address with no daemon is built, says why
+    once at WARNING (not per call), and every generate computes in full."""
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    ids = prompt(70)
+    with torch.no_grad():
+        expected = model.generate(ids, **GEN)
+    with prefix_cache(f"unix:{tmp_path}/none.sock", model, request_timeout_ms=300) as pc:
+        for _ in range(3):
+            assert torch.equal(pc.generate(ids, **GEN), expected)
+        assert pc.counters.restored_tokens == 0
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "kvtier.client" and r.levelno == logging.WARNING]
+    assert len(said) == 1 and "no socket file" in said[0] and "kvtierd running" in said[0], said
 
 
 def test_calls_it_cannot_cache_run_uncached(pc: KvtierPrefixCache, model: Any) -> None:

@@ -348,7 +348,7 @@ def test_adapter_x_salt_x_and_tenant_x_differ() -> None:
 CHANGES: dict[str, Any] = {
     "model_id": "tiny2",
     "model_revision": "r1",
-    "tokenizer_digest": "sha256:00",
+    "tokenizer_digest": "sha256:01",
     "kv_dtype": "bfloat16",  # same itemsize as float16: the digest must still differ
     "layout": "vllm.LBNHC",
     "tokens_per_block": 8,

@@ -67,8 +67,8 @@ class KvtierL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=0)  # kvtier owns capacity and eviction
         self.cfg = cfg
         self.counters = AdapterCounters()
-        self._client = Client.connect(
-            cfg.address, cfg.transport, timeout_s=cfg.request_timeout_ms / 1000,
+        self._client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
+            cfg.address, cfg.transport, lazy=True, timeout_s=cfg.request_timeout_ms / 1000,
             op_timeout_s=cfg.op_timeout_ms / 1000, lease_ttl_s=cfg.lease_ttl_ms / 1000,
             client_name="lmcache-l2", token_file=cfg.token_file)
         self._keys = KeyMapper(cfg, self._client.tenant_key)

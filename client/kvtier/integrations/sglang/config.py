@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_contract import defaults
+from kvtier_contract.identity import revision_problem, tokenizer_digest_problem
 from kvtier_contract.protoutil import TRANSPORT_NAMES, TransportName
 
 _PAGE_DOMAIN = b"kvtier/sglang/page/v1"
@@ -101,6 +102,11 @@ class BackendConfig:
             value = getattr(self, key)
             need(value is None or (isinstance(value, str) and bool(value)), key,
                  "must be a non-empty string")
+        # The one identity rule (kvtier_contract.identity), refused here by its key's name.
+        problem = revision_problem(self.model_revision) if self.model_revision else None
+        need(problem is None, "model_revision", str(problem))
+        problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest else None
+        need(problem is None, "tokenizer_digest", str(problem))
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ KV geometry, plus a digest of the config (``config_digest``) carried in the name
 ``cache_salt`` field, so two models of the same shape whose configs differ (rope settings, norm
 epsilon, activation, ...) never share a block.
 
-Fail-closed: nothing here invents an identity field. No revision, a branch name as revision, no
-tokenizer digest, no model id, or a config whose KV geometry cannot be read is a ``ConfigError``.
+Fail-closed: nothing here invents an identity field. No revision, a moving ref (``main``...) or
+a placeholder as revision (``kvtier_contract.identity.revision_problem``, the rule every
+integration and the SDK share), no tokenizer digest, no model id, or a config whose KV geometry
+cannot be read is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any
 
 from kvtier.integrations.vllm.config import TOKENIZER_FILES, files_digest
 from kvtier_contract import defaults
-from kvtier_contract.identity import KV_DTYPES, MAX_STR_CHARS, Namespace
+from kvtier_contract.identity import (
+    KV_DTYPES,
+    MAX_STR_CHARS,
+    Namespace,
+    revision_problem,
+    tokenizer_digest_problem,
+)
 from kvtier_contract.protoutil import TransportName
 
 DEFAULT_ADDRESS = defaults.ADDRESS
@@ -34,7 +42,6 @@ LAYOUT = "hf.dynamic.LKHTD"
 (batch row 0 of ``DynamicCache.layers[i].keys/values``), in the model's KV dtype."""
 
 CONFIG_SALT_PREFIX = "hf-config:"
-_BRANCH_NAMES = ("main", "master", "head", "HEAD")
 # Config keys that do not change the KV a model computes for given token ids (the weights are
 # named by model id and revision; the dtype is its own namespace field). Every other key,
 # including unknown ones, goes into the config digest: a key left in only costs sharing.
@@ -97,9 +104,11 @@ class PrefixCacheOptions:
             value = getattr(self, key)
             need(isinstance(value, str) and bool(value.strip()), key,
                  "required: a non-empty string (fail-closed, no default)")
-        need(self.model_revision not in _BRANCH_NAMES, "model_revision",
-             f"{self.model_revision!r} is a branch name, not an immutable revision; give the "
-             "commit hash")
+        # The one identity rule (kvtier_contract.identity): no moving ref, no placeholder.
+        need(revision_problem(self.model_revision) is None, "model_revision",
+             str(revision_problem(self.model_revision)))
+        need(tokenizer_digest_problem(self.tokenizer_digest) is None, "tokenizer_digest",
+             str(tokenizer_digest_problem(self.tokenizer_digest)))
         for key in ("model_id", "cache_salt", "tenant", "token_file"):
             value = getattr(self, key)
             need(value is None or (isinstance(value, str) and bool(value.strip())), key,

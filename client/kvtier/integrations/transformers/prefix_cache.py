@@ -92,7 +92,8 @@ class KvtierPrefixCache:
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
-            client = Client.connect(client, o.transport, timeout_s=o.request_timeout_ms / 1000,
+            client = Client.connect(client, o.transport, lazy=True,  # a daemon away: misses
+                                    timeout_s=o.request_timeout_ms / 1000,
                                     op_timeout_s=o.op_timeout_ms / 1000, token_file=o.token_file,
                                     client_name="kvtier-transformers")
         self.client: Client = client

@@ -34,8 +34,8 @@ class DaemonBackend:
         if self._client is None:
             # A lookup answered after lookup_timeout_ms is a miss anyway: no RPC waits longer.
             timeout_ms = min(self.cfg.request_timeout_ms, self.cfg.lookup_timeout_ms)
-            self._client = Client.connect(
-                self.cfg.address, self.cfg.transport, timeout_s=timeout_ms / 1000,
+            self._client = Client.connect(  # lazy: away is a miss, logged once per cause
+                self.cfg.address, self.cfg.transport, lazy=True, timeout_s=timeout_ms / 1000,
                 lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
                 breaker=shared_breaker(self.cfg.address),
                 probe_timeout_s=self.cfg.probe_timeout_ms / 1000, token_file=self.cfg.token_file,

@@ -24,13 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_contract import defaults
-from kvtier_contract.identity import Namespace
+from kvtier_contract.identity import (
+    Namespace,
+    is_mutable_revision,
+    revision_problem,
+    tokenizer_digest_problem,
+)
 from kvtier_contract.protoutil import TRANSPORT_NAMES, TransportName
 
 DEFAULT_ADDRESS = defaults.ADDRESS
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_BRANCH_DEFAULTS = ("main", "master")
 # Files whose bytes define a Hugging Face tokenizer (whichever of them exist).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -111,6 +115,14 @@ class ConnectorConfig:
              and all(isinstance(k, str) and isinstance(v, str) and v
                      for k, v in self.adapter_revisions.items()),
              "adapter_revisions", "must map adapter names to revision strings")
+        # The one identity rule (kvtier_contract.identity), refused here by its key's name.
+        revisions = {"model_revision": self.model_revision, **{
+            f"adapter_revisions.{k}": v for k, v in self.adapter_revisions.items()}}
+        for key, value in revisions.items():
+            problem = revision_problem(value) if value else None
+            need(problem is None, key, str(problem))
+        problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest else None
+        need(problem is None, "tokenizer_digest", str(problem))
         for key in ("load", "store", "store_generated", "unix_login"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
         need(not (self.unix_login and self.token_file), "unix_login",
@@ -171,7 +183,7 @@ def resolve_model_revision(configured: str | None, engine_revision: str | None,
     resolved = getattr(engine_revision, "resolved", None)
     if isinstance(resolved, str) and _COMMIT.fullmatch(resolved):
         return resolved
-    if engine_revision and str(engine_revision) not in _BRANCH_DEFAULTS:
+    if engine_revision and not is_mutable_revision(str(engine_revision)):
         return str(engine_revision)
     m = _SNAPSHOT.search(os.path.abspath(model_path) + "/")
     if m:

@@ -215,8 +215,8 @@ class KvtierWorker:
                          PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout),
                          PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout))
         for role in ("load", "store"):
-            self._clients[role] = Client.connect(
-                self.cfg.address, self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+            self._clients[role] = Client.connect(  # lazy: away is a miss, logged once per cause
+                self.cfg.address, self.cfg.transport, lazy=True, timeout_s=self.cfg.request_timeout_ms / 1000,
                 lease_ttl_s=self.cfg.lease_ttl_ms / 1000, breaker=self.breaker,
                 probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
                 client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,

@@ -1,0 +1,264 @@
+"""A client that says why (issue 29, items 2, 6 and 7): ``Client.connect`` opens the session at
+once and raises one error naming the address, the cause and the fix; with ``lazy=True`` (what
+the engine integrations use) it never raises for the daemon and logs each cause once at WARNING.
+
+Real daemons (plaintext, tenants, TLS, mTLS with certificates made by the test), real sockets;
+a second CA stands for "a certificate nobody here signed".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProcess, make_namespace
+from redis_cluster import make_test_pki
+
+import kvtier
+from kvtier.aio import AsyncClient
+from kvtier_contract import errors
+
+TOKEN = "tok-a-29"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    make_test_pki(d)
+    make_test_pki(d / "other")  # another CA: its certificates verify nowhere here
+    return d
+
+
+def secured(
+    daemon_factory: Any,
+    tmp_path: Path,
+    pki: Path,
+    *,
+    tls: bool = True,
+    require_cert: bool = False,
+    run_dir: Path | None = None,
+) -> DaemonProcess:
+    """A daemon with one tenant (token TOKEN, client certificate name of the test PKI)."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[[tenant]]\nname = "team-a"\nmtls_names = ["kvtier test client"]\n'
+        f'tokens_sha256 = ["{hashlib.sha256(TOKEN.encode()).hexdigest()}"]\n'
+    )
+    body = f'tenants_file = "{tenants}"\n'
+    if tls:
+        body += (
+            f'tls_cert = "{pki / "server.crt"}"\ntls_key = "{pki / "server.key"}"\nlisten = "127.0.0.1:0"\n'
+        )
+    if require_cert:
+        body += f'tls_client_ca = "{pki / "ca.crt"}"\ntls_require_client_cert = true\n'
+    cfg = tmp_path / f"kvtierd-{tls}-{require_cert}.toml"
+    cfg.write_text(body)
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=run_dir
+    )
+    return d
+
+
+def refused(address: str, kind: type[errors.KvtierError], field: str, *words: str, **kwargs: Any) -> str:
+    """Connect must raise ``kind`` naming ``field``, with each of ``words``; returns the text."""
+    kwargs.setdefault("transport", "tcp")
+    kwargs.setdefault("timeout_s", 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(kind) as e:
+        kvtier.Client.connect(address, **kwargs)
+    assert time.monotonic() - t0 < 2 * kwargs["timeout_s"] + 1  # within the connect deadline
+    text = str(e.value)
+    assert e.value.field == field, text
+    for word in words:
+        assert word in text, (word, text)
+    return text
+
+
+def test_no_daemon_at_the_address_is_one_error_naming_the_fix(tmp_path: Path) -> None:
+    sock = tmp_path / "kvtier.sock"
+    for address in (f"unix://{sock}", str(sock)):  # a bare socket path is that socket
+        text = refused(
+            address,
+            errors.Unavailable,
+            "address",
+            f"no socket file {sock}",
+            "is kvtierd running?",
+            "make serve",
+        )
+        assert f"unix://{sock}" in text
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))  # a socket file nobody listens on (a daemon that exited)
+    stale.close()
+    refused(f"unix://{sock}", errors.Unavailable, "address", "nothing listens on", "restart")
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refused(f"127.0.0.1:{port}", errors.Unavailable, "address", "connection refused", "--listen")
+    refused("no-such-host.invalid:50051", errors.Unavailable, "address", "cannot resolve host")
+    with pytest.raises(errors.Unavailable, match="no socket file"):
+        asyncio.run(AsyncClient.connect(f"unix://{sock}.none", transport="tcp"))
+
+
+def test_a_missing_or_refused_credential_is_named(daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
+    d = secured(daemon_factory, tmp_path, pki, tls=False)
+    refused(d.unix, errors.Unauthenticated, "token", "gave no credential", "token_file=")
+    refused(d.unix, errors.Unauthenticated, "token", "refused the token", token="wrong")
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKEN) as c:
+        assert c.connected and c.register(make_namespace(tenant="team-a")).namespace_id
+
+
+def test_tls_mistakes_name_their_likely_cause(daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
+    ca, other = str(pki / "ca.crt"), pki / "other"
+    plain = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB")
+    tls = secured(daemon_factory, tmp_path, pki, run_dir=tmp_path / "tls")
+    mtls = secured(daemon_factory, tmp_path, pki, require_cert=True, run_dir=tmp_path / "mtls")
+    refused(plain.grpc, errors.Unavailable, "tls_ca", "TLS client on a plaintext port", tls_ca=ca)
+    for d in (tls, mtls):  # a plaintext client on a TLS port, told apart by a handshake
+        refused(d.grpc, errors.Unavailable, "tls_ca", "its port serves TLS", token=TOKEN)
+    refused(
+        tls.grpc,
+        errors.Unavailable,
+        "tls_ca",
+        "not signed by the CA given",
+        tls_ca=str(other / "ca.crt"),
+        token=TOKEN,
+    )
+    refused(
+        tls.grpc,
+        errors.Unavailable,
+        "tls_ca",
+        "the system's CAs (no tls_ca= given)",
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+        token=TOKEN,
+    )
+    refused(
+        mtls.grpc, errors.Unavailable, "tls_cert", "requires a client certificate", tls_ca=ca, token=TOKEN
+    )
+    refused(  # gRPC never asks for the certificate unless the daemon requires one
+        tls.grpc,
+        errors.Unauthenticated,
+        "tls_cert",
+        "does not ask for client certificates",
+        "tls_require_client_cert = true",
+        tls_ca=ca,
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
+    refused(
+        mtls.grpc,
+        errors.Unavailable,
+        "tls_cert",
+        "refused the client certificate",
+        tls_ca=ca,
+        tls_cert=str(other / "client.crt"),
+        tls_key=str(other / "client.key"),
+    )
+    refused(
+        tls.unix, errors.Unavailable, "tls_ca", "TLS data channel", "tls_ca=", token=TOKEN
+    )  # gRPC on the Unix socket, the tcp data channel's TLS unverified
+    with kvtier.Client.connect(
+        mtls.grpc,
+        transport="tcp",
+        tls_ca=ca,
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    ) as c:
+        assert c.connected
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "kvtier.client" and r.levelno == logging.WARNING
+    ]
+
+
+def test_a_lazy_client_logs_each_cause_once_and_connects_when_it_can(
+    daemon_factory: Any, tmp_path: Path, pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    run_dir = tmp_path / "later"
+    address = f"unix://{run_dir}/kvtier.sock"
+    client = kvtier.Client.connect(address, transport="shm", timeout_s=0.5, lazy=True, backoff_s=(0.05, 0.1))
+    try:
+        ns = client.register(make_namespace(tenant="team-a"))
+        keys = ns.block_keys(list(range(32)))
+        for _ in range(20):  # every call misses or drops; the cause is said once
+            assert ns.lookup(keys) == 0
+            assert ns.put(keys, [b"\1" * ns.block_bytes] * 2).dropped == 2
+        said = warnings_of(caplog)
+        assert len(said) == 1 and "no socket file" in said[0] and "make serve" in said[0], said
+        assert "no socket file" in client.counters.last_error
+        # The daemon comes, with tenants: a new cause (no token), said once more.
+        secured(daemon_factory, tmp_path, pki, tls=False, run_dir=run_dir)
+        deadline = time.monotonic() + 20
+        while len(warnings_of(caplog)) < 2 and time.monotonic() < deadline:
+            assert ns.lookup(keys) == 0
+            time.sleep(0.05)
+        said = warnings_of(caplog)
+        assert len(said) == 2 and "gave no credential" in said[1], said
+        assert client.breaker.causes.seen() == ["no-socket", "no-token"]
+    finally:
+        client.close()
+
+
+def test_a_lazy_client_connects_once_the_daemon_is_there(daemon_factory: Any, tmp_path: Path) -> None:
+    run_dir = tmp_path / "later"
+    client = kvtier.Client.connect(
+        f"unix:{run_dir}/kvtier.sock", transport="shm", timeout_s=0.5, lazy=True, backoff_s=(0.05, 0.1)
+    )
+    try:
+        assert not client.connected
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16)))
+        daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=run_dir)
+        deadline = time.monotonic() + 20
+        while not ns.put(keys, [b"\2" * ns.block_bytes]).stored:
+            assert time.monotonic() < deadline, client.counters.last_error
+            time.sleep(0.05)
+        assert [bytes(g) if g else None for g in ns.get(keys)] == [b"\2" * ns.block_bytes]
+    finally:
+        client.close()
+
+
+def test_the_vllm_connector_starts_says_why_once_and_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine must not fail: the vLLM scheduler's backends (two, sharing this process's
+    breaker for the address) start on an address with no daemon, say why once between them,
+    and answer every lookup as a miss at once."""
+    from kvtier.integrations.vllm.backend import DaemonBackend
+    from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity
+
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    cfg = ConnectorConfig(address=f"unix:{tmp_path}/none.sock", lookup_timeout_ms=300)
+    identity = EngineIdentity(
+        model_id="test/vllm",
+        model_revision="r1",
+        tokenizer_digest="none",
+        kv_dtype="bfloat16",
+        layout="vllm.LBHNC",
+        tokens_per_block=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    backends = [DaemonBackend(identity, cfg, client_name=f"sched{i}") for i in range(2)]
+    try:
+        t0 = time.monotonic()
+        for b in backends:
+            b.warmup()
+            for _ in range(10):
+                assert b.lookup(BASE, list(range(64))).hits == 0
+        assert time.monotonic() - t0 < 3
+        said = warnings_of(caplog)
+        assert len(said) == 1 and "no socket file" in said[0], said
+    finally:
+        for b in backends:
+            b.close()

@@ -1,0 +1,107 @@
+"""kvtier.diagnose: the words a failure gets, and one WARNING per cause (issue 29, item 2).
+
+The daemon-backed cases (no socket, refused token, each TLS trap) are in
+tests/integration/test_connect_errors.py; here the cases a test daemon cannot stage (a hostname
+mismatch, a silent host), on gRPC's own words, and the rate limit on an injected clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvtier.breaker import Breaker
+from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_rpc
+from kvtier.session import Session
+from kvtier_contract import errors
+
+TCP = Peer("kvtier.example:50051", "tcp", tls=True, ca=True, token=True, timeout_s=0.5)
+
+
+def test_a_hostname_mismatch_names_the_host_and_the_fix() -> None:
+    d = explain_rpc(
+        TCP,
+        "OpenSession",
+        "UNAVAILABLE",
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.5:50051: "
+        "Custom verification check failed with error: UNAUTHENTICATED: Hostname "
+        "Verification Check failed.",
+    )
+    assert d.cause == "tls-hostname" and isinstance(d.error, errors.Unavailable)
+    assert "does not name host 'kvtier.example'" in str(d.error) and "subjectAltName" in str(d.error)
+    assert d.rpc == ("OpenSession", "UNAVAILABLE", d.rpc[2])
+
+
+def test_a_silent_host_names_the_deadline() -> None:
+    d = explain_rpc(TCP, "OpenSession", "DEADLINE_EXCEEDED", "Deadline Exceeded")
+    assert d.cause == "silent" and "no answer within 0.5 s" in str(d.error)
+
+
+def test_a_plaintext_port_that_does_not_speak_tls_is_not_called_a_tls_port() -> None:
+    plain = Peer("h:1", "tcp")
+    closed = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:1.2.3.4:1: Socket closed"
+    guess = explain_rpc(plain, "OpenSession", "UNAVAILABLE", closed)  # not probed: a guess
+    assert guess.cause == "plaintext-on-tls" and "(a plaintext client on a TLS port?)" in str(guess.error)
+    d = explain_rpc(plain, "OpenSession", "UNAVAILABLE", closed, tls_probe=False)
+    assert d.cause == "unreachable" and "TLS" not in str(d.error)
+    sure = explain_rpc(plain, "OpenSession", "UNAVAILABLE", closed, tls_probe=True)
+    assert "TLS port?" not in str(sure.error) and "its port serves TLS" in str(sure.error)
+
+
+def test_other_refusals_keep_their_class_and_name_the_daemon() -> None:
+    d = explain_rpc(TCP, "OpenSession", "RESOURCE_EXHAUSTED", "sessions: 3 open, the quota")
+    assert isinstance(d.error, errors.ResourceExhausted)
+    assert "daemon at kvtier.example:50051: OpenSession: sessions" in str(d.error)
+
+
+def test_an_shm_attach_to_another_host_says_to_use_tcp() -> None:
+    d = explain_attach(
+        Peer("10.0.0.5:50051", "shm"), errors.TransportError("shm socket /run/kvtier.sock.shm: No such file")
+    )
+    assert d.error.field == "transport" and "transport='tcp'" in str(d.error)
+
+
+def test_each_cause_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    causes = CauseLog(interval_s=60.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    assert causes.report("no-socket", "no socket file")
+    for _ in range(50):
+        assert not causes.report("no-socket", "no socket file")
+    assert causes.report("no-token", "gave no credential")  # another cause: said at once
+    now[0] += 59.9
+    assert not causes.report("no-socket", "no socket file")
+    now[0] += 0.2
+    assert causes.report("no-socket", "no socket file")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [
+        "kvtier: no socket file",
+        "kvtier: gave no credential",
+        "kvtier: no socket file (51 more times since the last warning)",
+    ]
+    assert causes.seen() == ["no-socket", "no-token"]
+
+
+def test_the_sessions_of_one_breaker_share_its_cause_log() -> None:
+    shared = CauseLog()
+    assert Breaker(causes=shared).causes is shared
+    assert Breaker().causes is not Breaker().causes
+
+
+def test_a_failure_known_only_by_its_words_is_explained_too(tmp_path: Path) -> None:
+    """Calls started on the RPC threads report ``Method: CODE: details``; the session explains
+    those as a failed connect would, and any other words keep what failed as their cause."""
+    session = Session(f"unix://{tmp_path}/k.sock", heartbeat=False)
+    try:
+        session._note(
+            "PrepareStore: UNAVAILABLE: failed to connect to all addresses; last error: "
+            f"FAILED_PRECONDITION: unix:{tmp_path}/k.sock: connect failed: No such file or directory"
+        )
+        assert f"no socket file {tmp_path}/k.sock: is kvtierd running?" in session.counters.last_error
+        session._note("store transfer: data channel closed")
+        assert session.counters.last_error.endswith("store transfer: data channel closed")
+        assert session.breaker.causes.seen() == ["away-store transfer", "no-socket"]
+    finally:
+        session.close()
