@@ -102,8 +102,8 @@ class DaemonConfig:
     (and built anew on the next request)."""
     cuda_ipc: bool = False
     """Offer the cuda_ipc transport: the daemon opens clients' CUDA buffers by IPC handle and
-    copies between them and the arena itself. Needs cupy (``kvtier[cuda]``) and a visible GPU;
-    the arena is page-locked at start. Off: the daemon never touches CUDA."""
+    copies between them and the arena itself. Needs cupy (the daemon's ``kvtierd[cuda]`` extra)
+    and a visible GPU; the arena is page-locked at start. Off: the daemon never touches CUDA."""
     verify_bytes: bool = True
     """Bytes verified end to end (docs/security.md): every block gets an xxh3_64 digest at its
     commit, sent with every load for the client to check (a mismatch is a miss, counted in

@@ -436,7 +436,9 @@ def test_a_cuda_ipc_client_moves_host_buffers_and_cpu_layouts_over_the_mapping(
 def test_a_cuda_ipc_client_of_a_daemon_without_it_misses_and_says_why(tmp_path: Path,
                                                                        daemon_factory: Any) -> None:
     d = daemon_factory("--host-bytes", "16MiB", "--slab-bytes", "1MiB")
-    with kvtier.Client.connect(d.unix, "cuda_ipc", timeout_s=2) as client:
+    with pytest.raises(kvtier.errors.FailedPrecondition, match="cuda_ipc is disabled"):
+        kvtier.Client.connect(d.unix, "cuda_ipc", timeout_s=2)  # a caller that may fail: told
+    with kvtier.Client.connect(d.unix, "cuda_ipc", timeout_s=2, lazy=True) as client:  # an engine
         assert not client.connected
         assert "cuda_ipc is disabled" in client.counters.last_error
         ns = client.register(make_namespace())
@@ -456,7 +458,7 @@ def test_the_daemon_refuses_to_start_with_cuda_ipc_and_no_cuda(tmp_path: Path) -
          "--slab-bytes", "1MiB", "--socket", str(tmp_path / "k.sock"), "--listen", "",
          "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "cuda_ipc = true needs cupy" in proc.stderr and "kvtier[cuda]" in proc.stderr
+    assert "cuda_ipc = true needs cupy" in proc.stderr and "kvtierd[cuda]" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

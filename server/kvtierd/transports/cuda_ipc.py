@@ -1,7 +1,7 @@
 """cuda_ipc transport, daemon side: the daemon copies between clients' CUDA buffers and slots.
 
 Enabled by ``cuda_ipc = true`` (off by default): only then does the daemon import cupy (the
-``kvtier[cuda]`` extra) and create CUDA contexts. Protocol (proto ``RegisterCudaBuffer`` /
+``kvtierd[cuda]`` extra) and create CUDA contexts. Protocol (proto ``RegisterCudaBuffer`` /
 ``CudaCopy`` / ``ReleaseCudaBuffer``; docs/cuda_ipc.md)::
 
     client: RegisterCudaBuffer(device uuid, IPC handle, offset, bytes)   once per buffer
