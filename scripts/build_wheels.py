@@ -39,6 +39,7 @@ PACKAGES = {  # distribution -> the package folders it ships
     "kvtier": [ROOT / "client" / "kvtier", ROOT / "client" / "kvtier_contract"],
     "kvtierd": [ROOT / "server" / "kvtierd"],
 }
+BENCH_EXTRA = 'bench = ["kvtierd[cluster]"]'  # pinned to the version in the staged copy
 _JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo")
 
 
@@ -67,6 +68,12 @@ def stage(dist: str, into: Path) -> Path:
         (root / "VERSION").write_text(v + "\n")
         reqs = root / "requirements.txt"
         reqs.write_text(reqs.read_text() + f"kvtier=={v}\n")
+    if dist == "kvtier":  # its bench extra: the daemon of this very version, never another's
+        project = root / "pyproject.toml"
+        text = project.read_text()
+        if BENCH_EXTRA not in text:
+            raise SystemExit(f"error: packaging/kvtier/pyproject.toml lost its line {BENCH_EXTRA!r}")
+        project.write_text(text.replace(BENCH_EXTRA, f'bench = ["kvtierd[cluster]=={version()}"]'))
     return root
 
 

@@ -105,6 +105,7 @@ def test_each_wheel_holds_its_own_packages_and_the_one_version(wheels: dict[str,
     assert not [r for r in sdk_requires if r.startswith("torch")], "torch is the engine image's"
     assert f"kvtier=={__version__}" in daemon.get_all("Requires-Dist")
     assert "cluster" in daemon.get_all("Provides-Extra")
+    assert f'kvtierd[cluster]=={__version__}; extra == "bench"' in sdk_requires, sdk_requires
 
 
 def test_the_sdk_wheel_alone_imports_without_torch_or_the_daemon(venv: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvtier.bench.baselines import SocketStream
 
 __all__ = ["run_bench"]
+_BENCH_EXTRA = "the kvtier wheel's bench extra; in a checkout: pip install -e '.[bench]'"
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -215,11 +216,11 @@ def _redis(plan: Plan, tmp: Path, results: Results, stack: contextlib.ExitStack)
         import redis  # noqa: F401
         from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
-        results.notes.append("Redis comparison skipped: redis-py is not installed "
-                             "(pip install 'kvtier[bench]')")
+        results.notes.append(f"Redis comparison skipped: redis-py is not installed "
+                             f"({_BENCH_EXTRA})")
         return None
     if not HIREDIS_AVAILABLE:  # redis-py's own parser would make GET a poor baseline
-        results.notes.append("Redis comparison skipped: hiredis is not installed "
-                             "(pip install 'kvtier[bench]')")
+        results.notes.append(f"Redis comparison skipped: hiredis is not installed "
+                             f"({_BENCH_EXTRA})")
         return None
     return stack.enter_context(RedisProc(tmp / "redis")).port

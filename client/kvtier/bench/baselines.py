@@ -249,7 +249,8 @@ def redis_client(port: int) -> Any:
     from redis.utils import HIREDIS_AVAILABLE
 
     if not HIREDIS_AVAILABLE:
-        raise RuntimeError("hiredis is not installed (pip install 'kvtier[bench]')")
+        raise RuntimeError("hiredis is not installed (the kvtier wheel's bench extra; in a checkout: "
+                           "pip install -e '.[bench]')")
     from redis._parsers import _HiredisParser
 
     pool = redis.ConnectionPool(host="127.0.0.1", port=port, socket_timeout=120,

@@ -1,6 +1,6 @@
 """The bench's output: a table of GB/s, the targets as ratios, and the same as JSON.
 
-Targets (DESIGN.md §5, the bench brief and issue 16): shm put and get_into >= 0.9x memcpy, shm
+Targets (docs/benchmarks.md; issue 16): shm put and get_into >= 0.9x memcpy, shm
 get >= 0.8x; tcp put and get_into >= 0.9x a raw loopback stream, tcp get >= 0.8x (each against
 the baseline that touches the same distinct memory: "as put" or "as get", bench.baselines); tcp
 get >= 1x Redis GET, tcp put >= 2x Redis SET; a 1,000-key lookup p50 <= 0.5 ms and >= 5,000

@@ -13,7 +13,7 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
                 w.take_stats()
     w.close()
 
-Never stall the engine (DESIGN.md §7). The engine thread's kvtier work in one step is bounded by
+Never stall the engine. The engine thread's kvtier work in one step is bounded by
 ``step_budget_ms``: no load RPC or load round starts after it (those blocks fail and vLLM
 recomputes them), and the fence waits no longer. The worker's clients share one circuit breaker
 with every kvtier client of this process for the same daemon (``shared_breaker``: the load and
