@@ -331,7 +331,7 @@ def validate(cfg: DaemonConfig) -> None:
         if value:
             host, sep, port = value.rpartition(":")
             need(bool(sep and host) and port.isdigit() and int(port) <= 65535, name,
-                 f"expected HOST:PORT, got {value!r}")
+                 f"expected HOST:PORT with a port in 0..65535 (0: the OS picks one), got {value!r}")
     need(bool(cfg.tls_cert) == bool(cfg.tls_key), "tls_key", "tls_cert and tls_key go together")
     need(not cfg.tls_client_ca or bool(cfg.tls_cert), "tls_client_ca", "needs tls_cert/tls_key")
     need(not cfg.tls_require_client_cert or bool(cfg.tls_client_ca), "tls_require_client_cert",

@@ -261,10 +261,11 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
         created = datetime.datetime.fromtimestamp(m.created_ns / 1e9, datetime.UTC)
         lines.append(f"format {m.format_version}, io_align {m.io_align}, {m.files} data file(s) of "
                      f"{m.file_bytes} bytes, created {created:%Y-%m-%d %H:%M:%S} UTC")
+    unit = f"{report.meta.io_align}-byte" if report.meta is not None else "io-aligned"
     for f in report.files:
         lines.append(f"  {f.name}: {f.valid} valid slot(s) ({f.payload_bytes} payload bytes), "
-                     f"{f.corrupt} corrupt, {f.superseded} superseded; blocks: {f.empty} empty, "
-                     f"{f.unrecognized} unrecognized")
+                     f"{f.corrupt} corrupt, {f.superseded} superseded; {unit} units outside slots: "
+                     f"{f.empty} empty, {f.unrecognized} unrecognized")
     for p in report.problems[:max_problems]:
         where = f" @ {p.offset}" if p.offset is not None else ""
         lines.append(f"  PROBLEM {p.name}{where}: {p.kind}: {p.detail}")
