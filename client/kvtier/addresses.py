@@ -91,6 +91,15 @@ def grpc_host(address: str) -> str:
     return host.strip("[]") or "127.0.0.1"
 
 
+def tcp_endpoint(target: str) -> tuple[str, int] | None:
+    """(host, port) of a ``host:port`` / ``[v6]:port`` target; None for a Unix socket or a gRPC
+    scheme target (``dns:///h:p``, ``ipv4:a:p,b:p``...), which name no one endpoint."""
+    if target.startswith(("unix:", *_GRPC_SCHEMES)):
+        return None
+    host, _, port = target.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
 def socket_path(target: str) -> str | None:
     """The socket file of a ``unix:///path`` target (None for a TCP one)."""
     return target[len("unix://"):] if target.startswith("unix:///") else None

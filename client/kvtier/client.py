@@ -63,14 +63,16 @@ class Client(Session):
     def connect(cls, address: str, transport: TransportName = "shm", *, lazy: bool = False,
                 **kwargs: Any) -> Client:
         """A client for ``address`` (``kwargs``: :class:`kvtier.session.Session`'s), its session
-        opened now, within ``timeout_s``: the daemon answered and took the credential.
+        opened now, every step within one deadline ``timeout_s`` from now: the daemon answered
+        and took the credential.
 
         Raises, the client closed, when it cannot: ``Unavailable`` (no daemon there, a TLS
         mistake), ``Unauthenticated`` (no token, or one refused), ``PermissionDenied`` (a
         private socket, a refused Unix login), each naming the address, the cause and the fix
         (``field``: the argument to change); ``InvalidArgument`` for a malformed address or
         option. ``lazy=True`` (an engine that must not fail): never raises for the daemon; the
-        cause is logged once at WARNING (and kept in ``counters.last_error``), calls miss and
+        cause is logged once at WARNING (and kept in ``counters.last_error``; no TLS probe on
+        the caller's thread, so a closed connection's cause is a likely one), calls miss and
         drop, and the client connects by itself once the daemon is there."""
         client = cls(address, transport, **kwargs)
         try:

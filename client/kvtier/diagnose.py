@@ -12,8 +12,8 @@ closed"); the client turns each into one :mod:`kvtier_contract.errors` error her
 * ``CauseLog``: one WARNING per cause, then at most one per ``interval_s`` (engines that must not
   fail learn why their lookups miss without a line per call).
 
-Pure functions of their arguments except ``speaks_tls`` (one TCP connection) and ``CauseLog``
-(its lock). Thread-safe.
+Pure functions of their arguments except ``speaks_tls`` (one TCP connection, and a name lookup
+on a helper thread for a host name) and ``CauseLog`` (its lock). Thread-safe.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.addresses import grpc_host, socket_path
 from kvtier_contract import errors
@@ -133,6 +134,12 @@ def _unauthenticated(peer: Peer, at: str, details: str) -> Diagnosis:
 
 
 def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis:
+    if details.startswith("daemon is draining"):  # it answered: told to stop (a restart?)
+        return _down(
+            "draining",
+            f"{at} is draining (told to stop: a restart or a shutdown) and takes no new "
+            "session or store; retry once it is back (a lazy client reconnects by itself)",
+        )
     path = socket_path(peer.address)
     if path is not None:
         if "No such file" in details:
@@ -169,13 +176,7 @@ def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> D
 def _tls_trap(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis | None:
     """The TLS mistakes gRPC reports as a handshake failure or a closed socket."""
     if "WRONG_VERSION_NUMBER" in details:
-        return _down(
-            "tls-on-plaintext",
-            f"{at}: TLS handshake failed: a TLS client on a "
-            "plaintext port (the daemon has no tls_cert there); drop tls_ca=/tls_cert= "
-            "or use the daemon's TLS listener",
-            "tls_ca",
-        )
+        return _tls_on_plaintext(at)
     if "CERTIFICATE_VERIFY_FAILED" in details:
         given = "the CA given (tls_ca=)" if peer.ca else "the system's CAs (no tls_ca= given)"
         return _down(
@@ -199,8 +200,8 @@ def _tls_trap(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diag
 
 def _closed(peer: Peer, at: str, tls_probe: bool | None) -> Diagnosis | None:
     """The daemon closed a TCP connection during the handshake: a TLS port that a plaintext
-    client reached (``tls_probe``: whether it answered a TLS handshake), or a client
-    certificate it requires or refuses."""
+    client reached, a plaintext port that a TLS client reached, or a client certificate it
+    requires or refuses (``tls_probe``: whether the port answered a TLS handshake, when known)."""
     if not peer.tls:
         if tls_probe is False:
             return None
@@ -212,19 +213,32 @@ def _closed(peer: Peer, at: str, tls_probe: bool | None) -> Diagnosis | None:
             "tls_key= if it requires client certificates",
             "tls_ca",
         )
+    if tls_probe is False:
+        return _tls_on_plaintext(at)
+    unsure = "" if tls_probe else " (unless the port does not serve TLS: then drop tls_ca=/tls_cert=)"
     if not peer.client_cert:
         return _down(
             "tls-cert-required",
             f"{at}: the daemon closed the TLS handshake: it "
             "requires a client certificate (tls_require_client_cert); pass tls_cert= and "
-            "tls_key= of one signed by its tls_client_ca",
+            f"tls_key= of one signed by its tls_client_ca{unsure}",
             "tls_cert",
         )
     return _down(
         "tls-cert-refused",
         f"{at}: the daemon closed the TLS handshake: it refused the "
-        "client certificate (not signed by its tls_client_ca? expired?)",
+        f"client certificate (not signed by its tls_client_ca? expired?){unsure}",
         "tls_cert",
+    )
+
+
+def _tls_on_plaintext(at: str) -> Diagnosis:
+    return _down(
+        "tls-on-plaintext",
+        f"{at}: TLS handshake failed: a TLS client on a "
+        "plaintext port (the daemon has no tls_cert there); drop tls_ca=/tls_cert= "
+        "or use the daemon's TLS listener",
+        "tls_ca",
     )
 
 
@@ -270,22 +284,57 @@ def explain_login(peer: Peer, error: errors.KvtierError) -> Diagnosis:
 
 def speaks_tls(host: str, port: int, timeout_s: float) -> bool | None:
     """Whether ``host:port`` answers a TLS handshake (certificates unchecked: only the protocol
-    is asked); None when the port cannot be reached at all."""
+    is asked), all within ``timeout_s``: one address of the host (its first), resolved on a
+    helper thread unless it is an IP address; None when it cannot be resolved or reached."""
+    deadline = time.monotonic() + timeout_s
+    address = _first_address(host, port, timeout_s)
+    left = deadline - time.monotonic()
+    if address is None or left <= 0:
+        return None
+    family, sockaddr = address
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    try:
-        raw = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError:
-        return None
-    with raw:
+    with socket.socket(family, socket.SOCK_STREAM) as raw:
+        try:
+            raw.settimeout(left)
+            raw.connect(sockaddr)
+            raw.settimeout(max(0.001, deadline - time.monotonic()))  # the handshake: what is left
+        except OSError:
+            return None
         try:
             with ctx.wrap_socket(raw, server_hostname=host):
                 return True
         except ssl.SSLError as e:  # an alert is TLS talking (a required client certificate)
             return "ALERT" in str(e.reason or "").upper()
+        except TimeoutError:  # accepted, then silent: tells nothing
+            return None
         except OSError:
             return False
+
+
+def _first_address(host: str, port: int, timeout_s: float) -> tuple[int, Any] | None:
+    """(family, sockaddr) of ``host:port``'s first address; the name lookup (unbounded in the
+    C library) runs on a daemon thread waited for at most ``timeout_s``."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        box: list[Any] = []
+        done = threading.Event()
+
+        def resolve() -> None:
+            try:
+                box.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            except (OSError, UnicodeError):
+                pass
+            done.set()
+
+        threading.Thread(target=resolve, daemon=True, name="kvtier-resolve").start()
+        if not done.wait(timeout_s) or not box:
+            return None
+        found = box
+    family, _, _, _, sockaddr = found[0]
+    return family, sockaddr
 
 
 class CauseLog:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvtier.addresses import address_target, grpc_host
+from kvtier.addresses import address_target, grpc_host, tcp_endpoint
 from kvtier.breaker import Breaker
 from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
 from kvtier.diagnose import Diagnosis, Peer, explain_attach, explain_login, explain_rpc, speaks_tls
@@ -331,34 +331,41 @@ class Session:
             self._conn_lock.release()
 
     def _first_open(self, *, strict: bool) -> Diagnosis | None:
-        """``Client.connect``'s open, within ``timeout_s``: None when the session is open, else
-        why not (when a TCP port closed a plaintext client's connection, one TLS handshake
-        within ``probe_timeout_s`` tells whether the port serves TLS). ``strict``: tried even
-        while a shared breaker is open, and a failure trips nothing (the caller raises and
-        closes); else a failure trips the breaker, which logs it once (WARNING) and reconnects
-        by itself later."""
+        """``Client.connect``'s open, all of it within one deadline ``timeout_s`` from now: each
+        step (Unix login, OpenSession, attach, register, the TLS probe) gets what is left of it.
+        None when the session is open, else why not. ``strict``: tried even while a shared
+        breaker is open, a failure trips nothing (the caller raises and closes), and when a TCP
+        port closed the connection one TLS handshake (``_sharpen``) tells whether the port
+        serves TLS. Else (lazy: an engine's thread, which must not wait) no probe: a failure
+        trips the breaker, which logs it once (WARNING) and reconnects by itself later."""
         if not strict and not self.breaker.allows():
             return None  # another session of this breaker found the daemon away: it probes
+        deadline = self._clock() + self.timeout_s
         with self._conn_lock:
             try:
-                self._open(self.timeout_s)
+                self._open(self.timeout_s, deadline)
                 return None
             except Away as e:
-                diagnosis = (self._sharpen(e.diagnosis) if e.diagnosis is not None
-                             else _away_diagnosis(self._peer, str(e)))
+                diagnosis = e.diagnosis if e.diagnosis is not None else _away_diagnosis(self._peer, str(e))
                 self._disconnect(keep_channel=True)
-        if not strict:
-            self._trip(str(diagnosis.error), diagnosis)
+        if strict:
+            return self._sharpen(diagnosis, deadline)
+        self._trip(str(diagnosis.error), diagnosis)
         return diagnosis
 
-    def _sharpen(self, diagnosis: Diagnosis) -> Diagnosis:
-        """``diagnosis`` made sure where a TLS handshake can tell (a closed socket)."""
-        if diagnosis.cause != "plaintext-on-tls" or diagnosis.rpc is None:
+    _PROBED = ("plaintext-on-tls", "tls-cert-required", "tls-cert-refused")  # a closed socket
+
+    def _sharpen(self, diagnosis: Diagnosis, deadline: float | None = None) -> Diagnosis:
+        """``diagnosis`` made sure where a TLS handshake can tell (a TCP port that closed the
+        connection): one handshake to one address of the host, within ``probe_timeout_s`` and
+        what is left before ``deadline``. Never on a Unix socket or a gRPC scheme target."""
+        endpoint = tcp_endpoint(self.address)
+        if diagnosis.cause not in self._PROBED or diagnosis.rpc is None or endpoint is None:
             return diagnosis
-        host, _, port = self.address.rpartition(":")
-        if not port.isdigit():  # a gRPC target of another form (dns:, ipv4: lists): no probe
+        left = self.probe_timeout_s if deadline is None else deadline - self._clock()
+        if left < MIN_RPC_S:
             return diagnosis
-        answers = speaks_tls(host.strip("[]"), int(port), self.probe_timeout_s)
+        answers = speaks_tls(*endpoint, min(self.probe_timeout_s, left))
         return explain_rpc(self._peer, *diagnosis.rpc, tls_probe=answers)
 
     def probe(self) -> bool:
@@ -389,16 +396,18 @@ class Session:
                 self._note(str(e))
             return True
 
-    def _open(self, timeout: float) -> None:
+    def _open(self, timeout: float, deadline: float | None = None) -> None:
         """OpenSession, attach the transport, register every namespace (caller holds
-        ``_conn_lock``); each RPC within ``timeout``. Away when the daemon does not answer."""
+        ``_conn_lock``); each step within ``timeout`` and what is left before ``deadline``
+        (None: no bound on the whole). Away when the daemon does not answer."""
         self._channel_open()
         if self._login_path:  # a fresh token per session: a restarted daemon knows none
-            self._login(timeout)
+            self._login(self._step_timeout(timeout, deadline, "Unix login"))
         try:
             reply = self._stub.OpenSession(pb.OpenSessionRequest(
                 client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
-                transport=make_transport(self.transport_name).proto_value), timeout=timeout)
+                transport=make_transport(self.transport_name).proto_value),
+                timeout=self._step_timeout(timeout, deadline, "OpenSession"))
         except grpc.RpcError as e:
             raise Away(f"OpenSession: {e.code().name}: {e.details()}",
                        explain_rpc(self._peer, "OpenSession", e.code().name, e.details() or "")
@@ -412,7 +421,7 @@ class Session:
             if reply.data_tls:
                 transport.tls_context = _data_tls_context(*self._tls_files)
                 transport.tls_server_name = grpc_host(self.address)
-            transport.attach(reply.session_id, reply, timeout)
+            transport.attach(reply.session_id, reply, self._step_timeout(timeout, deadline, "attach"))
         except errors.TransportError as e:
             raise Away(str(e), explain_attach(self._peer, e)) from None
         if self._epoch and reply.boot_epoch != self._epoch:
@@ -439,10 +448,21 @@ class Session:
                              bytes(reply.data_secret))
         for handle in self._namespaces:
             try:
-                self._register(handle, timeout)
+                self._register(handle, self._step_timeout(timeout, deadline, "RegisterNamespace"))
             except errors.KvtierError as e:  # refused (quota, table full...): its calls miss
                 handle.register_retry_at = self._clock() + REGISTER_RETRY_S
                 self._refused(handle, e)
+
+    def _step_timeout(self, timeout: float, deadline: float | None, step: str) -> float:
+        """``timeout``, cut to what is left before ``deadline``; Away (the daemon was too slow
+        to answer, as a deadline exceeded) when less than MIN_RPC_S is left for ``step``."""
+        if deadline is None:
+            return timeout
+        left = deadline - self._clock()
+        if left < MIN_RPC_S:
+            raise Away(f"{step}: DEADLINE_EXCEEDED: Deadline Exceeded", explain_rpc(
+                self._peer, step, "DEADLINE_EXCEEDED", "Deadline Exceeded"))
+        return min(timeout, left)
 
     def _login(self, timeout: float) -> None:
         """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away

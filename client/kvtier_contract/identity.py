@@ -7,8 +7,8 @@ Primitives:
 * ``namespace_digest(ns)``: 32 bytes, SHA-256 over a typed, length-prefixed encoding of every field.
 * ``block_keys(...)``: chained 32-byte keys for the full blocks of a token sequence.
 * ``revision_problem(value)`` / ``tokenizer_digest_problem(value)``: the one rule for what may
-  name a revision (model or adapter) and a tokenizer, used by ``Namespace`` (so by the SDK and
-  the daemon alike) and by every engine integration to refuse a setting before it gets here.
+  name a revision (model or adapter) and a tokenizer (:mod:`kvtier_contract.revisions`, names
+  kept here for callers), used by ``Namespace`` and by every engine integration.
 
 Everything here is a pure function of its arguments: no ``hash()``, no PYTHONHASHSEED, no process
 or host state, so every process on every host computes the same digests and keys. Pure Python
@@ -27,6 +27,12 @@ from functools import cached_property
 from typing import Any, NoReturn
 
 from kvtier_contract.errors import InvalidArgument
+from kvtier_contract.revisions import (
+    MUTABLE_REVISIONS,
+    is_mutable_revision,
+    revision_problem,
+    tokenizer_digest_problem,
+)
 
 __all__ = [
     "KV_DTYPES",
@@ -213,66 +219,6 @@ class Namespace:
 
 
 _NO_DEFAULT = (*_REQUIRED_STR, "tokens_per_block", "num_layers", "num_kv_heads", "head_dim")
-
-MUTABLE_REVISIONS = frozenset({
-    "main", "master", "head", "latest", "trunk", "develop", "dev", "default", "stable", "nightly"})
-"""Names that move (branches, ``HEAD``, ``latest``), in lower case: refused as revisions in any
-case, as is any ``refs/heads/...`` or ``origin/...``."""
-_UNSET = frozenset({"none", "null", "nil", "undefined"})  # str() of a value nobody set
-_PLACEHOLDER_WORDS = frozenset({"todo", "tbd", "fixme", "changeme", "placeholder", "unknown"})
-
-
-def is_mutable_revision(value: str) -> bool:
-    """Whether ``value`` names a ref that moves (``MUTABLE_REVISIONS``, ``refs/heads/...``)."""
-    low = value.strip().lower()
-    return low in MUTABLE_REVISIONS or low.startswith(("refs/heads/", "origin/"))
-
-
-def _placeholder(value: str) -> bool:
-    """Text copied from a template (``<commit>``, ``...``), a placeholder word, or all zeros
-    after an optional ``algorithm:`` prefix (``0000000``, ``sha256:000...``: no real digest)."""
-    if any(mark in value for mark in ("<", ">", "\u2026", "...")):
-        return True
-    if value.strip().lower() in _PLACEHOLDER_WORDS:
-        return True
-    body = value.rpartition(":")[2]
-    return not body or set(body) == {"0"}
-
-
-def revision_problem(value: str) -> str | None:
-    """Why ``value`` cannot be a model or adapter revision, or None when it can. A revision
-    names fixed weights: a commit hash (or another immutable id: a tag, a files digest); never
-    empty, a moving ref (``main``, ``HEAD``, ``latest``...), an unset value (``"None"``) or a
-    placeholder (``<commit>``, all zeros). The hash of every accepted value is unchanged."""
-    text = value.strip()
-    if not text:
-        return "required (empty): give the immutable revision (a commit hash)"
-    if is_mutable_revision(text):
-        return (f"{value!r} is a moving ref, not an immutable revision: its weights can change "
-                "under the same name; pin the commit hash (e.g. the Hub's commit, or `git "
-                "rev-parse HEAD`)")
-    if text.lower() in _UNSET:
-        return f"{value!r} looks like an unset value: give the commit hash"
-    if _placeholder(text):
-        return f"{value!r} is a placeholder, not a revision: give the commit hash"
-    return None
-
-
-def tokenizer_digest_problem(value: str) -> str | None:
-    """Why ``value`` cannot be a tokenizer digest, or None when it can: the literal ``"none"``
-    (the engine takes token ids only) or a digest of the tokenizer files; never an unset value
-    in other spelling (``"None"``, ``"null"``) or a placeholder (``sha256:000...``, ``<digest>``)."""
-    text = value.strip()
-    if text == "none":
-        return None
-    if text.lower() in _UNSET:
-        return (f"{value!r} looks like an unset value; write the literal 'none' when the engine "
-                "skips the tokenizer, else a digest of its files")
-    if _placeholder(text):
-        return (f"{value!r} is a placeholder, not a digest: two tokenizers would share it; give "
-                "a digest of the tokenizer files (or 'none' when the engine skips the tokenizer)")
-    return None
-
 
 def _fail(name: str, message: str) -> NoReturn:
     raise InvalidArgument(message, field=f"namespace.{name}")

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -262,3 +263,100 @@ def test_the_vllm_connector_starts_says_why_once_and_misses(
     finally:
         for b in backends:
             b.close()
+
+
+class StandIn:
+    """A TCP port on which no daemon answers. It reads the first byte of each connection (b"P":
+    gRPC's HTTP/2 preface; b"\\x16": a TLS ClientHello, the client's TLS probe) and closes a
+    connection after ``hold_s`` without a word; a ClientHello it leaves unanswered ``hello_s``."""
+
+    def __init__(self, hold_s: float = 0.0, hello_s: float = 0.0) -> None:
+        self.hold_s, self.hello_s = hold_s, hello_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.first: list[bytes] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                first = conn.recv(1)
+            except OSError:
+                first = b""
+            self.first.append(first)
+            self._stop.wait(self.hello_s if first == b"\x16" else self.hold_s)
+
+    def hellos(self) -> int:
+        return self.first.count(b"\x16")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+def test_connect_keeps_to_timeout_s_with_every_step_slow(pki: Path) -> None:
+    """One deadline for the whole connect: a port that closes gRPC's connection late (most of
+    timeout_s spent) and then holds the TLS probe unanswered costs timeout_s, not timeout_s plus
+    probe_timeout_s; a port that never answers costs timeout_s, plaintext or TLS."""
+    slow = StandIn(hold_s=0.8, hello_s=10)
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts, never reads
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            kvtier.Client.connect(slow.address, transport="tcp", timeout_s=1.0, probe_timeout_s=1.0)
+        assert time.monotonic() - t0 < 1.0 + 0.4
+        assert slow.hellos() == 1  # it did probe, within what was left
+        for tls in ({}, {"tls_ca": str(pki / "ca.crt")}):
+            t0 = time.monotonic()
+            address = f"127.0.0.1:{silent.getsockname()[1]}"
+            with pytest.raises(errors.Unavailable, match="no answer within 1 s"):
+                kvtier.Client.connect(address, transport="tcp", timeout_s=1.0, probe_timeout_s=1.0, **tls)
+            assert time.monotonic() - t0 < 1.0 + 0.4
+    finally:
+        slow.close()
+        silent.close()
+
+
+def test_only_a_strict_connect_probes_for_tls() -> None:
+    """A lazy client (an engine's thread) is never held by the TLS probe: on a port that closes
+    connections, it logs the likely cause and returns; a strict connect probes once."""
+    port = StandIn()
+    try:
+        lazy = kvtier.Client.connect(port.address, transport="tcp", timeout_s=1.0, lazy=True)
+        lazy.close()
+        assert "a plaintext client on a TLS port?" in lazy.counters.last_error
+        with pytest.raises(errors.Unavailable):
+            kvtier.Client.connect(port.address, transport="tcp", timeout_s=1.0)
+        deadline = time.monotonic() + 5
+        while port.hellos() < 1:  # the strict connect's probe, read after the lazy one's would be
+            assert time.monotonic() < deadline, port.first
+            time.sleep(0.01)
+        assert port.hellos() == 1, port.first
+    finally:
+        port.close()
+
+
+def test_a_tls_client_on_a_port_that_closes_plaintext_is_told_so(pki: Path) -> None:
+    """A TLS client whose handshake the port closes: the probe finds no TLS there, so the error
+    says TLS client on a plaintext port, not "requires a client certificate"."""
+    port = StandIn()
+    try:
+        refused(
+            port.address,
+            errors.Unavailable,
+            "tls_ca",
+            "TLS client on a plaintext port",
+            tls_ca=str(pki / "ca.crt"),
+        )
+    finally:
+        port.close()

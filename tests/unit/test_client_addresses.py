@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.addresses import address_target, grpc_host
+from kvtier.addresses import address_target, grpc_host, tcp_endpoint
 from kvtier_contract import defaults
 from kvtier_contract.errors import InvalidArgument
 from kvtierd.config import DaemonConfig
@@ -76,3 +76,11 @@ def test_well_formed_addresses_pass_unchanged() -> None:
     for address in ("localhost:50051", "[fd00::1]:50051", "kvtier.node.local:1", "h:65535",
                     "dns:///kvtier:50051", "ipv4:127.0.0.1:50051"):
         assert address_target(address) == address
+
+
+def test_only_a_host_port_target_names_one_endpoint_to_probe() -> None:
+    assert tcp_endpoint("kvtier.example:50051") == ("kvtier.example", 50051)
+    assert tcp_endpoint("[fd00::1]:50051") == ("fd00::1", 50051)
+    for target in ("unix:///run/kvtier.sock", "dns:///kvtier:50051", "ipv4:10.0.0.1:1,10.0.0.2:1",
+                   "ipv6:[::1]:1", "unix-abstract:kvtier"):
+        assert tcp_endpoint(target) is None, target

@@ -105,3 +105,29 @@ def test_a_failure_known_only_by_its_words_is_explained_too(tmp_path: Path) -> N
         assert session.breaker.causes.seen() == ["away-store transfer", "no-socket"]
     finally:
         session.close()
+
+
+CLOSED = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:1.2.3.4:1: Socket closed"
+
+
+def test_a_tls_client_whose_handshake_a_plaintext_port_closes_is_told_so() -> None:
+    """gRPC says "Socket closed" both when a TLS daemon wants a client certificate and when a
+    plaintext port drops a ClientHello: the probe (strict connect) tells them apart."""
+    plain = explain_rpc(TCP, "OpenSession", "UNAVAILABLE", CLOSED, tls_probe=False)
+    assert plain.cause == "tls-on-plaintext" and plain.error.field == "tls_ca"
+    assert "TLS client on a plaintext port" in str(plain.error)
+    sure = explain_rpc(TCP, "OpenSession", "UNAVAILABLE", CLOSED, tls_probe=True)
+    assert sure.cause == "tls-cert-required" and "unless" not in str(sure.error)
+    guess = explain_rpc(TCP, "OpenSession", "UNAVAILABLE", CLOSED)  # not probed (lazy)
+    assert guess.cause == "tls-cert-required"
+    assert "unless the port does not serve TLS: then drop tls_ca=" in str(guess.error)
+
+
+@pytest.mark.parametrize("details", ["daemon is draining", "daemon is draining: stores are not admitted"])
+def test_a_draining_daemon_is_said_to_be_draining_not_missing(details: str) -> None:
+    for peer in (TCP, Peer("unix:///run/kvtier.sock")):
+        d = explain_rpc(peer, "OpenSession", "UNAVAILABLE", details)
+        text = str(d.error)
+        assert d.cause == "draining" and isinstance(d.error, errors.Unavailable)
+        assert "is draining" in text and "retry" in text, text
+        assert "is kvtierd running" not in text and "make serve" not in text, text

@@ -48,6 +48,40 @@ def test_the_root_project_reads_both_distributions_requirements_files() -> None:
         assert sub["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
 
 
+GENERATED = ROOT / "client" / "kvtier_contract" / "v1"
+
+
+def gencode_versions() -> dict[str, tuple[int, ...]]:
+    """The runtime versions the committed generated code checks for at import."""
+    pb2 = (GENERATED / "kvtier_pb2.py").read_text()
+    found = re.search(r"ValidateProtobufRuntimeVersion\(\s*[\w.]+,\s*(\d+),\s*(\d+),\s*(\d+),", pb2)
+    grpc_py = (GENERATED / "kvtier_pb2_grpc.py").read_text()
+    grpc = re.search(r"^GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_py, re.M)
+    assert found and grpc, "the generated code's version checks moved: update this test"
+    return {"protobuf": version(".".join(found.groups())), "grpcio": version(grpc[1])}
+
+
+def version(text: str) -> tuple[int, ...]:
+    """``7.35`` -> (7, 35, 0): a release's parts, padded so that 7.35 == 7.35.0 < 7.35.1."""
+    parts = [int(part) for part in text.split(".")]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+@pytest.mark.parametrize("path", ["packaging/kvtier/requirements.txt", "packaging/kvtierd/requirements.txt"])
+def test_every_floor_is_at_least_what_the_generated_code_checks_at_import(path: str) -> None:
+    floors = {}
+    for req in requirements(path):
+        m = re.fullmatch(r"([\w-]+)\s*(?:>=|==)\s*([\d.]+)(?:,.*)?", req)
+        if m:
+            floors[m[1].lower()] = version(m[2])
+    for name, needed in gencode_versions().items():
+        assert name in floors, f"{path}: {name} has no floor (>= or ==)"
+        assert floors[name] >= needed, (
+            f"{path}: {name} floor {'.'.join(map(str, floors[name]))} is below the "
+            f"{'.'.join(map(str, needed))} the generated code checks for at import"
+        )
+
+
 def test_the_sdk_needs_no_daemon_package_and_torch_is_never_required() -> None:
     sdk = names(requirements("packaging/kvtier/requirements.txt"))
     assert sdk == {"grpcio", "protobuf", "numpy", "xxhash"}

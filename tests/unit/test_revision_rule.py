@@ -5,6 +5,7 @@ the same words, and accept the same values, whose hashes do not change."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from kvtier.integrations.vllm.config import ConfigError as VllmError
 from kvtier.integrations.vllm.config import ConnectorConfig, resolve_model_revision
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace, revision_problem, tokenizer_digest_problem
+from kvtierd.cache.chain import TierLink
+from kvtierd.domain import TierId
+from kvtierd.tiers.base import Recovered
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "hashing_golden.json"
 BASE: dict[str, Any] = dict(
@@ -35,8 +39,15 @@ BASE: dict[str, Any] = dict(
     head_dim=64,
 )
 
-MOVING = ["main", "master", "HEAD", "head", "Latest", "trunk", "develop", "refs/heads/v2", "origin/main"]
-PLACEHOLDERS = ["<commit>", "<commit sha>", "...", "\u2026", "0" * 40, "0000000", "TODO", "None", "null"]
+MOVING = [
+    "main", "master", "HEAD", "head", "Latest", "trunk", "develop", "dev", "refs/heads/v2", "origin/main",
+    # git's symbolic refs and expressions relative to a ref (no ref name holds ~, ^ or @{)
+    "HEAD~1", "HEAD^", "main~3", "v1.0^2", "FETCH_HEAD", "ORIG_HEAD", "@", "@{u}", "main@{1}",
+    "refs/remotes/origin/main", "upstream/main",
+]
+PLACEHOLDERS = [
+    "<commit>", "<commit sha>", "...", "\u2026", "0" * 40, "0000000", "sha1:0000000", "TODO", "None", "null",
+]
 GOOD_REVISIONS = [
     "c1899de289a04d12100db370d81485cdf75e47ca",
     "r0",
@@ -44,6 +55,14 @@ GOOD_REVISIONS = [
     "rev-b",
     "sha256:" + "ab" * 32,
     "1",
+    # real names that end in zeros: only seven or more zeros are a digest nobody computed
+    "0",
+    "00",
+    "000000",
+    "run:0",
+    "2024-05-01T12:00",
+    "snapshot-2024-01-01T00:00:00",
+    "refs/tags/v1.0",
 ]
 BAD_DIGESTS = [
     "sha256:" + "0" * 64,
@@ -160,3 +179,39 @@ def test_vllm_takes_no_moving_ref_from_the_engine() -> None:
     assert resolve_model_revision(None, "v1.0", "/m") == "v1.0"
     with pytest.raises(VllmError, match="adapter_revisions.sql"):
         ConnectorConfig.from_extra({"adapter_revisions": {"sql": "main"}})
+
+
+class RecoveredTier:
+    """An NVMe tier's ``open()`` after an upgrade: blocks of namespaces whose revisions the rule
+    now refuses (written by a daemon that took them). Records what the link frees."""
+
+    id = TierId.NVME
+    name = "nvme"
+
+    def __init__(self, revisions: list[str], blocks_each: int) -> None:
+        self.rec = Recovered()
+        for i, revision in enumerate(revisions):
+            digest = bytes([i + 1]) * 32
+            self.rec.namespaces[digest] = {**BASE, "model_revision": revision}
+            self.rec.blocks += [(digest, bytes([i, b]) * 16, (i, b)) for b in range(blocks_each)]
+        self.released: list[Any] = []
+
+    def open(self) -> Recovered:
+        return self.rec
+
+    def release(self, loc: Any, digest: bytes, key: bytes) -> None:
+        self.released.append(loc)
+
+
+def test_a_warm_restart_drops_refused_namespaces_in_one_summary_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tier = RecoveredTier(["main", "HEAD~1", "latest", "dev"], blocks_each=3)
+    link = TierLink(None, tier, None, lambda: [])  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="kvtierd.chain"):
+        assert link.restore(lambda ns: pytest.fail(f"registered {ns}")) == 0
+    assert len(tier.released) == 12  # every block of a refused namespace is freed
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert "4 recovered namespaces not restored, their 12 blocks freed" in lines[0]
+    assert "model_revision: 'HEAD~1' is a moving ref" in lines[0]

@@ -168,17 +168,19 @@ class TierLink:
         and writes none; its abort leaves the block held here) gets the copy as its own; any
         other clash (a second copy, a size mismatch) releases the slot."""
         namespaces: dict[bytes, NamespaceState] = {}
+        skipped: dict[bytes, str] = {}  # a spec this daemon cannot host (a moving ref...): why
         for digest, spec in rec.namespaces.items():
             try:
                 ns = register(Namespace.from_dict(spec))
-            except Exception as err:  # noqa: BLE001  (a spec this daemon cannot host: skip it)
-                log.warning("recovered namespace %s not restored: %s", digest.hex()[:16], err)
+            except Exception as err:  # noqa: BLE001  (skip it; one summary line below)
+                skipped[digest] = str(err)
                 continue
             namespaces[digest] = ns
-        restored = 0
+        restored = dropped = 0
         for digest, key, loc in rec.blocks:
             home = namespaces.get(digest)
             if home is None or loc.payload_len != home.block_bytes:
+                dropped += digest in skipped
                 self.tier.release(loc, digest, key)
                 continue
             e = home.entries.get(key)
@@ -193,6 +195,11 @@ class TierLink:
                 continue
             self._add_copy(e, loc)
             restored += 1
+        if skipped:  # one line, not one per namespace (a rule change can refuse many)
+            why = sorted(set(skipped.values()))
+            more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
+            log.warning("%s: %d recovered namespaces not restored, their %d blocks freed: %s%s",
+                        self.tier.name, len(skipped), dropped, "; ".join(why[:3]), more)
         return restored
 
     # -- demotion (host -> tier) ------------------------------------------------------------------
