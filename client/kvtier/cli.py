@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)")
     st.add_argument("--json", action="store_true",
                     help="machine-readable output (keys: docs/metrics.md, `kvtier stats --json`)")
-    st.add_argument("--timeout-s", type=float, default=2.0)
+    st.add_argument("--timeout-s", type=float, default=2.0,
+                    help="deadline of the connect and of the Stats call, seconds (default 2)")
     st.add_argument("--token-file", default=None,
                     help="file holding this tenant's bearer token (a daemon with tenants; an "
                          "operator's token sees every namespace); or KVTIER_TOKEN_FILE")
@@ -130,6 +132,19 @@ def _daemon(command: str, daemon_args: list[str]) -> int:
     return 127  # not reached
 
 
+# The SDK's errors name its keyword arguments (token=, tls_ca=, ...); `kvtier stats` says its flags.
+_SDK_ARGS = {"token_file": "--token-file", "token": "--token-file", "tls_ca": "--tls-ca",
+             "tls_cert": "--tls-cert", "tls_key": "--tls-key", "unix_login": "--unix-login",
+             "timeout_s": "--timeout-s", "address": "--address"}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the SDK's ``name=`` spellings replaced by this command's flags."""
+    flags = re.sub(r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=",
+                   lambda m: _SDK_ARGS[m.group(1)], message)
+    return re.sub(r"(--[a-z-]+)(?:\s*(?:or|/)\s*\1)+", r"\1", flags)  # token= or token_file=
+
+
 def _stats(args: argparse.Namespace) -> int:
     from kvtier.client import Client
     from kvtier_contract.errors import KvtierError
@@ -142,12 +157,12 @@ def _stats(args: argparse.Namespace) -> int:
                         unix_login=args.unix_login,
                         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     except KvtierError as e:
-        print(f"kvtier stats: {e}", file=sys.stderr)
+        print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
         return 2
     try:
         stats = client.stats()
     except KvtierError as e:
-        print(f"kvtier stats: {e}", file=sys.stderr)
+        print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
         return 1
     finally:
         client.close()
