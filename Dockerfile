@@ -46,8 +46,8 @@ USER 10001:10001
 # /run/kvtier holds the gRPC Unix socket and the shm fd socket (kvtier.sock.shm) beside it: mount
 # a volume there that the engine containers share, at the same path (the path is advertised).
 VOLUME ["/run/kvtier"]
-# 50052: gRPC health only (plaintext, for kubelet probes); 9464: Prometheus /metrics. The
-# control plane (50051) and the TCP data channel listen on 127.0.0.1 (pod-local; see docs).
+# 50052: gRPC health only (plaintext, for kubelet probes); 9464: Prometheus /metrics (plaintext
+# HTTP: --allow-plaintext-metrics in the ENTRYPOINT says so explicitly). The control plane (50051) and the TCP data channel listen on 127.0.0.1 (pod-local; see docs).
 EXPOSE 50052 9464
 
 # Health: the standard gRPC health service, asked for the Kvtier service (NOT_SERVING while
@@ -65,5 +65,7 @@ STOPSIGNAL SIGTERM
 # tls.crt --tls-key /etc/kvtier/tls.key [--tls-client-ca ... --tls-require-client-cert]`; a
 # non-loopback listener without TLS is refused (docs/security.md). 50052 serves gRPC health only,
 # plaintext (the HEALTHCHECK and kubelet probes): keep --health-listen when overriding flags.
-ENTRYPOINT ["kvtierd", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "127.0.0.1:50051", "--health-listen", "0.0.0.0:50052", "--metrics-host", "0.0.0.0", "--metrics-port", "9464"]
+# /metrics on 0.0.0.0 is plaintext HTTP, refused without --allow-plaintext-metrics (with
+# --tenants-file it then takes only the file's scrape tokens: docs/security.md).
+ENTRYPOINT ["kvtierd", "serve", "--socket", "/run/kvtier/kvtier.sock", "--listen", "127.0.0.1:50051", "--health-listen", "0.0.0.0:50052", "--metrics-host", "0.0.0.0", "--allow-plaintext-metrics", "--metrics-port", "9464"]
 CMD []

@@ -29,6 +29,24 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> None
         time.sleep(0.05)
 
 
+def scrape_metrics(daemon: Any, token: str | None) -> tuple[int, str]:
+    """GET the /metrics of ``daemon`` (a conftest.DaemonProcess: its ``info["metrics"]`` URL;
+    one bound on 0.0.0.0 is asked on 127.0.0.1) with a bearer token, or none: (status, body),
+    a 401's included."""
+    import urllib.error  # (here, not at the top: this block stays apart from the others)
+    import urllib.request
+
+    url = daemon.info["metrics"].replace("://0.0.0.0:", "://127.0.0.1:")
+    req = urllib.request.Request(url)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
 def until_unauthenticated(call: Callable[[], Any], timeout_s: float = 10.0) -> None:
     """Repeat ``call`` (a gRPC call) until the daemon answers UNAUTHENTICATED: a SIGHUP reload
     of the tenants file that removed the credential has taken effect."""

@@ -201,16 +201,24 @@ _NVME_ROWS = [
 _OPTIONAL_IDENTITY = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
 
 
+def _salt(shown: str | None) -> str | None:
+    """A namespace's cache salt as stats prints it: the daemon's tag (``hmac:<12 hex>``, never
+    the salt: docs/metrics.md §4), None when unset; anything else (a daemon that sent the salt
+    itself) only as "set"."""
+    return None if not shown else shown if shown.startswith("hmac:") else "set"
+
+
 def stats_json(stats: dict[str, Any]) -> dict[str, Any]:
     """The Stats reply as ``--json`` prints it: every field of the reply, with each namespace's
-    ``spec`` (its identity, kvtier_contract.identity.Namespace's 17 fields) holding null for an
-    optional field left unset rather than the wire's empty string."""
+    ``spec`` (its identity, kvtier_contract.identity.Namespace's 17 fields, the cache salt as
+    its tag) holding null for an optional field left unset rather than the wire's empty string."""
     out = dict(stats)
     out["namespaces"] = []
     for ns in stats["namespaces"]:
         spec = dict(ns.get("spec") or {})
         for key in _OPTIONAL_IDENTITY:
             spec[key] = spec.get(key) or None
+        spec["cache_salt"] = _salt(spec["cache_salt"])
         out["namespaces"].append({**ns, "spec": spec})
     return out
 
@@ -238,7 +246,7 @@ def _identity_lines(namespaces: list[dict[str, Any]]) -> list[str]:
             f"{sp.get('num_kv_heads', '?')}  head dim {sp.get('head_dim', '?')}",
             f"    tp rank {sp.get('tp_rank', 0)}/{sp.get('tp_size', 1)}  pp rank "
             f"{sp.get('pp_rank', 0)}/{sp.get('pp_size', 1)}  adapter {adapter}  cache salt "
-            f"{opt['cache_salt']}  identity tenant {opt['tenant']}",
+            f"{_salt(sp.get('cache_salt')) or '-'}  identity tenant {opt['tenant']}",
         ]
     return lines
 

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-plaintext-remote", dest="allow_plaintext_remote",
                    action="store_const", const=True,
                    help="allow a non-loopback listen/data-listen without TLS (warned at start)")
+    s.add_argument("--allow-plaintext-metrics", dest="metrics_plaintext_remote",
+                   action="store_const", const=True, help="serve /metrics in plaintext off "
+                   "loopback; with tenants, only scrape tokens are accepted there")
     s.add_argument("--health-listen", help="HOST:PORT serving only gRPC health, plaintext "
                    "(kubelet grpc probes)")
     s.add_argument("--reflection", choices=["unix", "all", "off"],
@@ -190,7 +193,8 @@ def _serve(args: argparse.Namespace) -> int:
             cluster_fleet_key_file=args.cluster_fleet_key_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
             tls_require_client_cert=args.tls_require_client_cert,
-            allow_plaintext_remote=args.allow_plaintext_remote, health_listen=args.health_listen,
+            allow_plaintext_remote=args.allow_plaintext_remote,
+            metrics_plaintext_remote=args.metrics_plaintext_remote, health_listen=args.health_listen,
             reflection=args.reflection, verify_bytes=args.verify_bytes,
             verify_store=args.verify_store)
         if cfg.tenants_file:

@@ -115,7 +115,8 @@ class DaemonConfig:
     0.60-0.71x of the unverified shm put here: docs/benchmarks.md §18). tcp stores are hashed
     by the daemon as they arrive, cuda_ipc stores at CompleteStore."""
     metrics_host: str = "127.0.0.1"
-    """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts)."""
+    """Prometheus /metrics bind address (0.0.0.0 to be scraped from other hosts: /metrics is
+    plaintext HTTP, so a non-loopback one needs ``metrics_plaintext_remote``)."""
     metrics_port: int = 9464
     """Prometheus /metrics port (-1 disables, 0 picks a free port)."""
     lease_ttl_s: float = 10.0
@@ -215,6 +216,10 @@ class DaemonConfig:
     """Bind ``listen`` or ``data_listen`` on a non-loopback address without TLS (the data
     channel has no TLS yet). Off: such a configuration is refused at start; on: a warning at
     every start."""
+    metrics_plaintext_remote: bool = False
+    """Serve /metrics (plaintext HTTP) on a non-loopback ``metrics_host``. With tenants, only
+    scrape tokens (the tenants file's ``metrics_tokens_sha256``) are accepted there. Off (and
+    ``allow_plaintext_remote`` off): such a ``metrics_host`` is refused at start."""
     health_listen: str = ""
     """HOST:PORT of a listener serving only the gRPC health service, plaintext (kubelet
     ``grpc:`` probes reach the pod IP and speak no TLS); "" = none."""
@@ -350,7 +355,14 @@ def validate(cfg: DaemonConfig) -> None:
              "data_listen", f"{cfg.data_listen} is not a loopback address: serve TLS there "
              "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
              "allow_plaintext_remote = true (--allow-plaintext-remote)")
-    # (metrics_host with tenants: kvtierd.tenancy.exposure, once the tenants file is read)
+    need(cfg.metrics_port < 0 or cfg.metrics_plaintext_remote or cfg.allow_plaintext_remote
+         or is_loopback(f"{cfg.metrics_host}:{cfg.metrics_port}"), "metrics_host",
+         f"{cfg.metrics_host} is not a loopback address and /metrics is plaintext HTTP: set "
+         "metrics_plaintext_remote = true (--allow-plaintext-metrics; with tenants, scrape tokens "
+         "only), or allow_plaintext_remote = true (--allow-plaintext-remote: every token, and "
+         "plaintext gRPC), or bind it to loopback (metrics_host = \"127.0.0.1\")")
+    # (the scrape token /metrics then needs with tenants: kvtierd.tenancy.exposure, once the
+    # tenants file is read)
 
 
 def is_loopback(hostport: str) -> bool:

@@ -25,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -746,17 +749,21 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
     def _add_identities(self, reply: pb.StatsReply, namespaces: list[NamespaceState],
                         tenant_names: list[str]) -> None:
-        """Each namespace (every identity field and the tenant holding it: a tenant of the
-        tenants file, else "") and each tenant (sessions, namespaces, quotas and refusals)."""
+        """Each namespace (every identity field, the cache salt as ``salt_tag``'s tag, never
+        itself, and the tenant holding it: a tenant of the tenants file, else "") and each
+        tenant (sessions, namespaces, quotas and refusals)."""
         held: dict[str, int] = {}
         for ns in namespaces:
             tenant = ns.spec.tenant or ""
             tenant = tenant if self.tenancy.tenant(tenant) is not None else ""
             held[tenant] = held.get(tenant, 0) + 1
+            spec = namespace_spec(ns.spec)
+            if ns.spec.cache_salt is not None:  # an isolation secret (vLLM: per user)
+                spec.cache_salt = salt_tag(ns.spec.cache_salt)
             reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters),
-                                 spec=namespace_spec(ns.spec), tenant=tenant)
+                                 spec=spec, tenant=tenant)
         for name in tenant_names:
             t = self.tenancy.tenant(name)
             if t is None:
@@ -780,3 +787,14 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
 
 def _counters(c: Counters) -> pb.Counters:
     return pb.Counters(**{f: getattr(c, f) for f in COUNTER_FIELDS})
+
+
+_SALT_TAG_KEY = secrets.token_bytes(32)  # one per daemon process, never written anywhere
+
+
+def salt_tag(salt: str) -> str:
+    """What Stats shows for a cache salt: ``hmac:`` and 12 hex digits of its HMAC-SHA256 under
+    a key of this daemon process. Equal salts get equal tags in one daemon's run (two salted
+    namespaces can be told apart), and the tag neither reveals a salt nor confirms a guessed
+    one (unlike a plain digest of a guessable salt); it changes when the daemon restarts."""
+    return "hmac:" + hmac.new(_SALT_TAG_KEY, salt.encode(), hashlib.sha256).hexdigest()[:12]

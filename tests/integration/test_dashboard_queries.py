@@ -286,7 +286,9 @@ def test_stats_shows_every_identity_field_and_the_tenant(daemon: DaemonProcess) 
             check=True,
         )
 
-    out = json.loads(stats("team-a", "--json").stdout)
+    raw = stats("team-a", "--json").stdout
+    assert SALT not in raw  # a cache salt isolates users: only its tag is shown
+    out = json.loads(raw)
     spaces = out["namespaces"]
     assert len(spaces) == 2 and {ns["tenant"] for ns in spaces} == {"team-a"}
     want = set(make_namespace().to_dict())
@@ -300,15 +302,19 @@ def test_stats_shows_every_identity_field_and_the_tenant(daemon: DaemonProcess) 
             "spec",
             "tenant",
         }
-        assert set(ns["spec"]) == want and ns["spec"]["cache_salt"] == SALT
+        assert set(ns["spec"]) == want and re.fullmatch(r"hmac:[0-9a-f]{12}", ns["spec"]["cache_salt"])
         assert ns["spec"]["adapter_id"] is None and ns["spec"]["tenant"] == "team-a"
     assert {ns["spec"]["tokenizer_digest"] for ns in spaces} == {TOKENIZER, "tok-other"}
+    [tag] = {ns["spec"]["cache_salt"] for ns in spaces}  # one salt: one tag
     [team] = out["tenants"]  # only its own tenant
     assert team["name"] == "team-a"
     assert {q["name"]: q["refusals"] for q in team["quotas"]}["namespaces"] == 1
     text = stats("team-a").stdout
+    assert SALT not in text and f"cache salt {tag}" in text
     assert TOKENIZER in text and "tok-other" in text and "tenant team-a" in text
     assert re.search(r"namespaces 2\b", text) and "model-of-b" not in text
-    ops = json.loads(stats("ops", "--json").stdout)
+    raw = stats("ops", "--json").stdout
+    assert SALT not in raw and SALT not in stats("ops").stdout
+    ops = json.loads(raw)
     assert {ns["tenant"] for ns in ops["namespaces"]} == {"team-a", "team-b"}
     assert {t["name"] for t in ops["tenants"]} == set(TOKENS)

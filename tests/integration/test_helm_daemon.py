@@ -7,8 +7,10 @@ Listeners keep the chart's bind address, 0.0.0.0 (the pod IP), and are reached o
 
 * /metrics: scrapeable from the pod network with the chart's scrape token (every figure), 401
   without one and with a tenant's (it can act: never asked for in plaintext); the scrape token
-  refused by every gRPC call like an unknown one. No --allow-plaintext-remote: the daemon
-  binds /metrics off loopback because its tenants file has a scrape token.
+  refused by every gRPC call like an unknown one. The chart passes --allow-plaintext-metrics
+  (plaintext /metrics off loopback is an explicit choice; without it the daemon refuses to
+  start), never --allow-plaintext-remote, and the daemon binds /metrics off loopback only
+  because its tenants file has a scrape token.
 * TLS (the chart's tls values, mTLS): an engine on another node stores and loads over the TLS
   gRPC listener and the TLS data channel bound to 0.0.0.0 (advertised as such: the client dials
   the host it reached gRPC at).
@@ -17,8 +19,6 @@ Listeners keep the chart's bind address, 0.0.0.0 (the pod IP), and are reached o
 from __future__ import annotations
 
 import hashlib
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
 from helm_chart import by_kind, container, render
-from tests_helpers import TokenStub
+from tests_helpers import TokenStub, scrape_metrics
 
 import kvtier
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -81,21 +81,9 @@ def chart_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     args = _for_this_machine(argv, tmp_path / "run", tenants)
     assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
     d = DaemonProcess(tmp_path / "run", *args).start()
+    assert d.info["metrics"].startswith("http://0.0.0.0:"), d.info["metrics"]  # the pod IP
     yield d
     d.kill()
-
-
-def _scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
-    port = int(d.info["metrics"].rpartition(":")[2].split("/")[0])
-    assert d.info["metrics"].startswith("http://0.0.0.0:"), d.info["metrics"]  # the pod IP
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode()
 
 
 def test_the_scrape_token_reads_every_figure_and_anonymous_or_tenant_scrapes_get_401(
@@ -106,15 +94,15 @@ def test_the_scrape_token_reads_every_figure_and_anonymous_or_tenant_scrapes_get
         keys = ns.block_keys(list(range(16 * 2)))
         assert ns.put(keys, [b"\x5a" * ns.block_bytes] * 2).stored == 2
     for token in (None, "not-a-token"):
-        code, body = _scrape(chart_daemon, token)
+        code, body = scrape_metrics(chart_daemon, token)
         assert code == 401 and "model-of-a" not in body
-    code, body = _scrape(chart_daemon, SCRAPE)
+    code, body = scrape_metrics(chart_daemon, SCRAPE)
     assert code == 200
     assert 'model="org/model-of-a"' in body  # another tenant's namespace: the operator's view
     assert 'method="RegisterNamespace"' in body  # daemon-wide figures
     assert all(k.hex() not in body for k in keys)  # figures, never keys
     assert "process_resident_memory_bytes" in body  # the operator's view: process figures too
-    code, body = _scrape(chart_daemon, TEAM_A)  # a tenant's token can act: not in plaintext
+    code, body = scrape_metrics(chart_daemon, TEAM_A)  # a tenant's token can act: not in plaintext
     assert code == 401 and "model-of-a" not in body
 
 
@@ -138,14 +126,27 @@ def test_the_scrape_token_is_refused_by_every_rpc(chart_daemon: DaemonProcess) -
         raw.channel.close()
 
 
-def test_the_chart_sets_no_plaintext_flag_and_without_its_scrape_token_the_daemon_refuses(
+def test_the_chart_sets_only_the_metrics_plaintext_flag_and_without_it_the_daemon_refuses(
     tmp_path: Path,
 ) -> None:
-    """The scrape token in the tenants file is what lets /metrics onto the pod IP: the chart
-    passes no --allow-plaintext-remote (which would also let plaintext gRPC off the pod), and
-    the same arguments with a tenants file without metrics_tokens_sha256 are refused."""
+    """Plaintext /metrics on the pod IP is an explicit choice: the chart passes the narrow
+    --allow-plaintext-metrics, and the same arguments without it are refused at start, naming
+    metrics_host and both flags."""
     argv, toml = _chart()
-    assert "--allow-plaintext-remote" not in argv
+    assert "--allow-plaintext-metrics" in argv and "--allow-plaintext-remote" not in argv
+    (tmp_path / "tenants.toml").write_text(toml)
+    args = _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
+    args.remove("--allow-plaintext-metrics")
+    with pytest.raises(
+        RuntimeError, match="metrics_host: .*--allow-plaintext-metrics.*--allow-plaintext-remote"
+    ):
+        DaemonProcess(tmp_path / "run", *args).start()
+
+
+def test_without_its_scrape_token_the_charts_daemon_refuses(tmp_path: Path) -> None:
+    """The scrape token in the tenants file is what lets /metrics onto the pod IP with tenants:
+    the chart's arguments with a tenants file without metrics_tokens_sha256 are refused."""
+    argv, toml = _chart()
     (tmp_path / "tenants.toml").write_text(
         "\n".join(line for line in toml.splitlines() if not line.startswith("metrics_tokens_sha256"))
     )

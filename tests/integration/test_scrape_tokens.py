@@ -8,9 +8,10 @@
   on another tenant's live session too, and every handshake of the shm socket and the data
   channel (which take a session's data secret, never a token).
 * SIGHUP re-reads the list: a removed scrape token gets 401, an added one 200.
-* /metrics off loopback in plaintext: allowed without --allow-plaintext-remote when the file
-  has a scrape token, and then it takes only scrape tokens (a tenant's or the operator's, which
-  can act, gets 401); refused at start when the file has none.
+* /metrics off loopback in plaintext: refused at start without an explicit flag, naming
+  metrics_host and both flags; with --allow-plaintext-metrics (not --allow-plaintext-remote)
+  allowed when the file has a scrape token, and then it takes only scrape tokens (a tenant's or
+  the operator's, which can act, gets 401); refused at start when the file has none.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ import hashlib
 import os
 import signal
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import TokenStub, wait_for
+from tests_helpers import TokenStub, scrape_metrics, wait_for
 
 import kvtier
 from kvtier_contract import errors, wire
@@ -74,18 +73,6 @@ def scraped(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
     return start(daemon_factory, tmp_path)
 
 
-def scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
-    port = d.info["metrics"].rpartition(":")[2].split("/")[0]
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode()
-
-
 def families(body: str) -> set[str]:
     return {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE ")}
 
@@ -101,17 +88,17 @@ def put_two(d: DaemonProcess, tenant: str, model: str) -> list[bytes]:
 def test_a_scrape_token_sees_every_figure_and_a_tenant_only_its_own(scraped: DaemonProcess) -> None:
     keys = put_two(scraped, "team-a", "org/model-of-a") + put_two(scraped, "team-b", "org/model-of-b")
     for token in (None, "not-a-token", digest(SCRAPE)):  # its digest is no token either
-        code, body = scrape(scraped, token)
+        code, body = scrape_metrics(scraped, token)
         assert code == 401 and "model-of" not in body, (token, code)
-    code, body = scrape(scraped, SCRAPE)
+    code, body = scrape_metrics(scraped, SCRAPE)
     assert code == 200
     assert 'model="org/model-of-a"' in body and 'model="org/model-of-b"' in body
     assert 'method="RegisterNamespace"' in body  # daemon-wide: every tenant's RPCs
     assert "process_resident_memory_bytes" in body and "python_info" in body
     assert all(k.hex() not in body for k in keys)  # figures, never keys
-    code, ops = scrape(scraped, TOKENS["ops"])
+    code, ops = scrape_metrics(scraped, TOKENS["ops"])
     assert code == 200 and families(ops) == families(body)  # the operator's view, no less
-    code, a = scrape(scraped, TOKENS["team-a"])
+    code, a = scrape_metrics(scraped, TOKENS["team-a"])
     assert code == 200 and 'model="org/model-of-a"' in a and "model-of-b" not in a
     assert 'method="' not in a and "process_resident_memory_bytes" not in a
 
@@ -192,27 +179,27 @@ def test_no_handshake_takes_a_scrape_token(scraped: DaemonProcess) -> None:
 
 
 def test_sighup_revokes_a_removed_scrape_token(scraped: DaemonProcess, tmp_path: Path) -> None:
-    assert scrape(scraped, SCRAPE)[0] == 200 and scrape(scraped, SCRAPE_NEXT)[0] == 401
+    assert scrape_metrics(scraped, SCRAPE)[0] == 200 and scrape_metrics(scraped, SCRAPE_NEXT)[0] == 401
     write_tenants(tmp_path / "tenants.toml", (SCRAPE_NEXT,))  # rotation: the old one goes
     assert scraped.proc is not None
     scraped.proc.send_signal(signal.SIGHUP)
-    wait_for("the removed scrape token refused", lambda: scrape(scraped, SCRAPE)[0] == 401)
-    assert scrape(scraped, SCRAPE_NEXT)[0] == 200 and scrape(scraped, TOKENS["ops"])[0] == 200
+    wait_for("the removed scrape token refused", lambda: scrape_metrics(scraped, SCRAPE)[0] == 401)
+    assert scrape_metrics(scraped, SCRAPE_NEXT)[0] == 200 and scrape_metrics(scraped, TOKENS["ops"])[0] == 200
     write_tenants(tmp_path / "tenants.toml", ())
     scraped.proc.send_signal(signal.SIGHUP)
-    wait_for("the last scrape token refused", lambda: scrape(scraped, SCRAPE_NEXT)[0] == 401)
+    wait_for("the last scrape token refused", lambda: scrape_metrics(scraped, SCRAPE_NEXT)[0] == 401)
     log = (tmp_path / "d" / "kvtierd.log").read_text()
     assert SCRAPE not in log and SCRAPE_NEXT not in log
 
 
 def test_off_loopback_plaintext_metrics_take_scrape_tokens_only(daemon_factory: Any, tmp_path: Path) -> None:
-    d = start(daemon_factory, tmp_path, "--metrics-host", "0.0.0.0")  # no --allow-plaintext-remote
+    d = start(daemon_factory, tmp_path, "--metrics-host", "0.0.0.0", "--allow-plaintext-metrics")
     assert d.info["metrics"].startswith("http://0.0.0.0:")
     put_two(d, "team-a", "org/model-of-a")
-    code, body = scrape(d, SCRAPE)
+    code, body = scrape_metrics(d, SCRAPE)
     assert code == 200 and 'model="org/model-of-a"' in body
     for token in (TOKENS["team-a"], TOKENS["ops"]):  # they can act: never asked for in the clear
-        code, body = scrape(d, token)
+        code, body = scrape_metrics(d, token)
         assert code == 401 and "model-of-a" not in body
     log = tmp_path / "d" / "kvtierd.log"
     assert "in plaintext HTTP" in log.read_text() and "scrape tokens only" in log.read_text()
@@ -220,14 +207,36 @@ def test_off_loopback_plaintext_metrics_take_scrape_tokens_only(daemon_factory: 
     assert d.proc is not None
     d.proc.send_signal(signal.SIGHUP)
     wait_for("the reload", lambda: "no metrics_tokens_sha256 now" in log.read_text())
-    assert scrape(d, SCRAPE)[0] == 401 and scrape(d, TOKENS["ops"])[0] == 401
+    assert scrape_metrics(d, SCRAPE)[0] == 401 and scrape_metrics(d, TOKENS["ops"])[0] == 401
 
 
 def test_off_loopback_metrics_without_a_scrape_token_is_refused_at_start(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
     with pytest.raises(RuntimeError, match="metrics_host: .*metrics_tokens_sha256"):
-        start(daemon_factory, tmp_path, "--metrics-host", "0.0.0.0", scrape_tokens=())
+        start(
+            daemon_factory,
+            tmp_path,
+            "--metrics-host",
+            "0.0.0.0",
+            "--allow-plaintext-metrics",
+            scrape_tokens=(),
+        )
+
+
+@pytest.mark.parametrize("scrape_tokens", [(SCRAPE,), ()])
+def test_off_loopback_metrics_without_an_explicit_flag_is_refused_at_start(
+    daemon_factory: Any, tmp_path: Path, scrape_tokens: tuple[str, ...]
+) -> None:
+    """A scrape token in the file is not consent to plaintext off loopback: the flag is."""
+    with pytest.raises(RuntimeError) as e:
+        start(daemon_factory, tmp_path, "--metrics-host", "0.0.0.0", scrape_tokens=scrape_tokens)
+    for said in (
+        "metrics_host: 0.0.0.0 is not a loopback address",
+        "--allow-plaintext-metrics",
+        "--allow-plaintext-remote",
+    ):
+        assert said in str(e.value), (said, str(e.value))
 
 
 def test_allow_plaintext_remote_still_takes_every_token_off_loopback(
@@ -237,6 +246,17 @@ def test_allow_plaintext_remote_still_takes_every_token_off_loopback(
         daemon_factory, tmp_path, "--metrics-host", "0.0.0.0", "--allow-plaintext-remote", scrape_tokens=()
     )
     put_two(d, "team-a", "org/model-of-a")
-    code, body = scrape(d, TOKENS["team-a"])
+    code, body = scrape_metrics(d, TOKENS["team-a"])
     assert code == 200 and 'model="org/model-of-a"' in body
     assert "every token is accepted there" in (tmp_path / "d" / "kvtierd.log").read_text()
+
+
+def test_without_tenants_off_loopback_metrics_also_need_the_flag(daemon_factory: Any, tmp_path: Path) -> None:
+    """No token to leak, but the figures (model ids, counts) leave the host in plaintext all
+    the same: the same explicit choice (DESIGN.md §9), and with it no token is asked."""
+    common = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--metrics-host", "0.0.0.0")
+    with pytest.raises(RuntimeError, match="metrics_host: 0.0.0.0 is not a loopback address"):
+        daemon_factory(*common, run_dir=tmp_path / "refused")
+    d = daemon_factory(*common, "--allow-plaintext-metrics", run_dir=tmp_path / "d")
+    assert d.info["metrics"].startswith("http://0.0.0.0:")
+    assert scrape_metrics(d, None)[0] == 200

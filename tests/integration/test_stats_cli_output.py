@@ -1,15 +1,47 @@
 """``kvtier stats`` for an operator on a daemon without tenants: every identity field, tenant ""
-(no tenants file), and output cut short by its reader (``kvtier stats | head -1``) ends quietly."""
+(no tenants file), the cache salt only as a tag (never the salt: the Stats reply, the table and
+``--json``), and output cut short by its reader (``kvtier stats | head -1``) ends quietly."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 from conftest import DaemonProcess, make_namespace
 
 import kvtier
+
+SALT, OTHER_SALT = "user-4711-salt", "user-4712-salt"
+
+
+def _stats(daemon: DaemonProcess, *flags: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", daemon.unix, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
+def test_cache_salts_are_shown_as_tags_never_themselves(daemon: DaemonProcess) -> None:
+    with kvtier.Client.connect(daemon.unix, "tcp") as c:
+        for model, salt in (("m/a", SALT), ("m/b", SALT), ("m/c", OTHER_SALT), ("m/d", None)):
+            c.register(make_namespace(model_id=model, cache_salt=salt))
+        reply = c.stats()
+        text, out = _stats(daemon), _stats(daemon, "--json")
+    for shown in (json.dumps(reply), text, out):
+        assert SALT not in shown and OTHER_SALT not in shown and "4711" not in shown
+    tags = {ns["model_id"]: ns["spec"]["cache_salt"] for ns in json.loads(out)["namespaces"]}
+    assert tags["m/d"] is None and all(re.fullmatch(r"hmac:[0-9a-f]{12}", tags[m]) for m in "m/a m/c".split())
+    assert tags["m/a"] == tags["m/b"] != tags["m/c"]  # equal salts: equal tags, so told apart
+    sdk = {ns["model_id"]: ns["spec"].get("cache_salt") or None for ns in reply["namespaces"]}
+    assert sdk == tags  # the SDK's reply: the same tags
+    for tag in (tags["m/a"], tags["m/c"]):
+        assert f"cache salt {tag}" in text
+    assert "cache salt -" in text
 
 
 def test_stats_json_shows_the_identity_and_no_tenant_without_a_tenants_file(daemon: DaemonProcess) -> None:

@@ -26,7 +26,7 @@ import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tests_helpers import TokenStub, until_unauthenticated, wait_for
+from tests_helpers import TokenStub, scrape_metrics, until_unauthenticated, wait_for
 
 import kvtier
 from kvtier_contract import errors, wire
@@ -502,20 +502,6 @@ def test_kvtier_stats_takes_a_token_file(tenants: DaemonProcess, tmp_path: Path)
     assert out.returncode == 1 and "credential" in out.stderr
 
 
-def _scrape(d: DaemonProcess, token: str | None) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(d.info["metrics"])
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode()
-
-
 def test_metrics_show_a_tenant_only_its_own_namespaces(tenants: DaemonProcess) -> None:
     for tenant, model in (("team-a", "org/model-of-a"), ("team-b", "org/model-of-b")):
         with client(tenants, tenant) as c:
@@ -523,14 +509,14 @@ def test_metrics_show_a_tenant_only_its_own_namespaces(tenants: DaemonProcess) -
             keys = ns.block_keys(list(range(16 * 2)))
             assert ns.put(keys, [b"\1" * ns.block_bytes] * 2).stored == 2
     for token in (None, "not-a-token"):
-        code, body = _scrape(tenants, token)
+        code, body = scrape_metrics(tenants, token)
         assert code == 401 and "model-of" not in body
-    code, a = _scrape(tenants, TOKENS["team-a"])
+    code, a = scrape_metrics(tenants, TOKENS["team-a"])
     assert code == 200
     assert 'model="org/model-of-a"' in a and "model-of-b" not in a
     assert 'method="' not in a  # nothing daemon-wide: no other tenant's RPCs
     assert "kvtier_host_capacity_bytes 2.097152e+06" in a  # its own arena (host_bytes quota)
-    code, ops = _scrape(tenants, TOKENS["ops"])
+    code, ops = scrape_metrics(tenants, TOKENS["ops"])
     assert code == 200 and 'model="org/model-of-a"' in ops and 'model="org/model-of-b"' in ops
     assert 'method="RegisterNamespace"' in ops
 

@@ -192,6 +192,8 @@ def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
     assert cfg.socket_path == "/run/kvtier/kvtier.sock"
     assert cfg.listen == "127.0.0.1:50051"  # never 0.0.0.0 in plaintext (docs/security.md)
     assert cfg.health_listen == "0.0.0.0:50052" and cfg.metrics_host == "0.0.0.0"
+    # plaintext /metrics off loopback: the narrow explicit flag, never the broad one
+    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote
     exposed = {int(p.split("/")[0]) for w, rest in final_stage() if w == "EXPOSE" for p in rest.split()}
     assert {port_of(cfg.health_listen), cfg.metrics_port} <= exposed, exposed
     volumes = [rest for w, rest in final_stage() if w == "VOLUME"]
@@ -318,6 +320,7 @@ def test_sidecar_ports_and_prometheus_annotations_agree_with_the_flags() -> None
     assert cfg.health_listen.startswith("0.0.0.0:"), "kubelet probes reach the pod IP"
     assert cfg.listen.startswith("127.0.0.1:"), "never 0.0.0.0 in plaintext"
     assert cfg.metrics_host == "0.0.0.0"
+    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote  # the narrow flag only
     ports = {int(p) for p in re.findall(r"containerPort:\s*(\d+)", "\n".join(container("kvtier")))}
     assert {port_of(cfg.health_listen), cfg.metrics_port} <= ports
     annotations = node(manifest(), r"^\s{6}annotations:")
@@ -423,7 +426,7 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
     """Issue 29: /metrics was bound to the pod's loopback, out of Prometheus' reach. It is on the
     pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the
     file has a scrape-only token (metrics_tokens_sha256: no tenant's, refused by every RPC) and
-    no --allow-plaintext-remote: /metrics there takes only it
+    --allow-plaintext-metrics, not --allow-plaintext-remote: /metrics there takes only it
     (tests/integration/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
     from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
     from kvtierd.tenancy.room import QUOTA_NAMES
@@ -432,6 +435,7 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     assert cfg.metrics_host == "0.0.0.0" and not cfg.allow_plaintext_remote
+    assert cfg.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
     assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
     assert {"name": "metrics", "containerPort": cfg.metrics_port} in kvtier["ports"]
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])

@@ -105,6 +105,8 @@ def test_kvtier_flags_exist_and_ports_agree(mode: str, values: str) -> None:
     assert kvtier["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     # /metrics on the pod IP, on the port the Service, ServiceMonitor and PodMonitor name
     assert cfg.metrics_host == "0.0.0.0" and ports["metrics"] == cfg.metrics_port
+    # plaintext HTTP off loopback: the narrow explicit flag (kvtierd refuses it without one)
+    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote
     (service,) = [s for s in by_kind(docs)["Service"] if s["metadata"]["name"].endswith("-metrics")]
     assert service["spec"]["clusterIP"] == "None"
     (sport,) = service["spec"]["ports"]
@@ -175,6 +177,7 @@ def test_the_scrape_token_is_scrape_only_and_the_monitors_send_it(mode: str, tmp
         t["name"] for t in yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
     )
     assert not cfg.allow_plaintext_remote  # so no plaintext gRPC, and no acting token on /metrics
+    assert cfg.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
     assert cfg.metrics_host == "0.0.0.0" and metrics_scrape_only(cfg)
     check_metrics_exposure(cfg, len(tenants.metrics_digests))  # the daemon starts with it
     secrets = {s["metadata"]["name"]: s for s in by_kind(docs)["Secret"]}
@@ -215,6 +218,7 @@ def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> Non
         (("tls.enabled=true",), "tls.existingSecret"),
         (("tenants.enabled=true", "tenants.list[0].name=a"), "metrics.scrape"),
         (("daemon.extraArgs={--listen=0.0.0.0:50051}",), "daemon.extraArgs"),
+        (("daemon.extraArgs={--allow-plaintext-metrics}",), "daemon.extraArgs"),
         (("daemon.hostBytes=16GB",), "hostBytes"),
         (("tenants.list[0].name=a", "tenants.list[0].quotas.sesions=1"), "sesions"),
     ],
@@ -339,7 +343,7 @@ def test_metrics_kept_on_loopback_or_off_render_no_scrape_token_and_no_plaintext
         assert cfg.metrics_port == -1
     else:
         assert cfg.metrics_host == "127.0.0.1"
-    assert not cfg.allow_plaintext_remote
+    assert not cfg.allow_plaintext_remote and not cfg.metrics_plaintext_remote
     assert "metrics" not in {p["name"] for p in container(docs)["ports"]}
     kinds = by_kind(docs)
     assert not {"Service", "ServiceMonitor", "PodMonitor"} & set(kinds)

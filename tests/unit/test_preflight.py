@@ -238,4 +238,6 @@ def test_one_port_on_two_loopback_addresses_is_two_listeners() -> None:
         free = s.getsockname()[1]
     check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2", metrics_port=free))
     with pytest.raises(StartupError, match=r"names the port of listen"):
-        check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_host="0.0.0.0", metrics_port=free))
+        listen = f"127.0.0.1:{free}"
+        check_ports(DaemonConfig(listen=listen, metrics_host="0.0.0.0", metrics_port=free,
+                                 metrics_plaintext_remote=True))  # off loopback: the flag

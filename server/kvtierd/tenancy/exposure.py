@@ -6,13 +6,16 @@ A bearer token sent to such a /metrics crosses the network in the clear. A scrap
 leaked one gives away is the figures it reads; a tenant's or the operator's token can act on
 sessions. Hence:
 
-* off loopback, without ``allow_plaintext_remote``, /metrics takes scrape tokens only
+* a non-loopback ``metrics_host`` is an explicit choice whether or not there are tenants:
+  ``metrics_plaintext_remote`` (--allow-plaintext-metrics) or ``allow_plaintext_remote``;
+  without either it is refused at start (``validate(cfg)``, kvtierd.config);
+* with ``metrics_plaintext_remote`` alone, /metrics off loopback takes scrape tokens only
   (``metrics_scrape_only``), and the daemon starts only when its file has one
   (``check_metrics_exposure``; after a reload without any, every scrape gets 401);
 * ``allow_plaintext_remote`` takes every token there, as it lets plaintext gRPC off the host:
-  an explicit choice, warned at every start.
+  the broad choice, warned at every start.
 
-``validate(cfg)`` (kvtierd.config) reads no file, so the check runs once the tenants file is read
+``validate(cfg)`` reads no file, so the scrape-token check runs once the tenants file is read
 (kvtierd.cli before start, kvtierd.app.Daemon for embedders). Pure functions of the config.
 """
 
@@ -38,8 +41,9 @@ def check_metrics_exposure(cfg: DaemonConfig, metrics_tokens: int) -> None:
     if metrics_tokens == 0 and metrics_scrape_only(cfg):
         raise ValueError(
             f"metrics_host: {cfg.metrics_host} is not a loopback address: with tenants, /metrics "
-            "takes bearer tokens, which plaintext HTTP carries in the clear; add scrape-only "
-            "tokens to the tenants file (metrics_tokens_sha256: /metrics then takes only them), "
-            "bind it to loopback, or set allow_plaintext_remote = true (--allow-plaintext-remote: "
-            "every token, in the clear)"
+            "takes bearer tokens, which plaintext HTTP carries in the clear, and "
+            "metrics_plaintext_remote (--allow-plaintext-metrics) accepts only scrape tokens "
+            "there: add one to the tenants file (metrics_tokens_sha256), bind it to loopback, or "
+            "set allow_plaintext_remote = true (--allow-plaintext-remote: every token, in the "
+            "clear)"
         )

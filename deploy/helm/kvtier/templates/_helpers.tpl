@@ -77,7 +77,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "metrics.scrape: with tenants, /metrics asks for a token: set metrics.scrape.token, or metrics.scrape.existingSecret and metrics.scrape.tokenSha256 (or metrics.exposed=false: loopback only)" }}
 {{- end }}
 {{- range $v.daemon.extraArgs }}
-{{- if has (regexReplaceAll "=.*" . "") (list "--listen" "--data-listen" "--allow-plaintext-remote" "--tenants-file" "--tls-cert" "--tls-key" "--metrics-host" "--socket") }}
+{{- if has (regexReplaceAll "=.*" . "") (list "--listen" "--data-listen" "--allow-plaintext-remote" "--allow-plaintext-metrics" "--tenants-file" "--tls-cert" "--tls-key" "--metrics-host" "--socket") }}
 {{- fail (printf "daemon.extraArgs: %s is set by the chart (tls, tenants, metrics, daemon.socketDir): use those values" .) }}
 {{- end }}
 {{- end }}
@@ -116,9 +116,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $args = concat $args (list "--health-listen" (printf "0.0.0.0:%d" (int $v.daemon.healthPort))) }}
 {{- if $v.metrics.enabled }}
 {{- $args = concat $args (list "--metrics-host" (ternary "0.0.0.0" "127.0.0.1" $v.metrics.exposed) "--metrics-port" (toString (int $v.metrics.port))) }}
-{{- /* With tenants, /metrics on the pod IP takes only the scrape token of the tenants file
-     (metrics_tokens_sha256: figures, no action), so no --allow-plaintext-remote: that flag
-     would let a tenant's or the operator's token, and plaintext gRPC, off the pod. */}}
+{{- /* /metrics on the pod IP is plaintext HTTP: kvtierd refuses that without an explicit flag.
+     --allow-plaintext-metrics, the narrow one: with tenants, /metrics then takes only the scrape
+     token of the tenants file (metrics_tokens_sha256: figures, no action). Never
+     --allow-plaintext-remote: it would let a tenant's or the operator's token, and plaintext
+     gRPC, off the pod. */}}
+{{- if $v.metrics.exposed }}
+{{- $args = concat $args (list "--allow-plaintext-metrics") }}
+{{- end }}
 {{- else }}
 {{- $args = concat $args (list "--metrics-port" "-1") }}
 {{- end }}
