@@ -358,6 +358,18 @@ def _daemonset() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     return docs["Secret"], pod, kvtier
 
 
+def test_daemonset_prepares_its_socket_dir_as_the_chart_does() -> None:
+    """The node's /run/kvtier (a tmpfs: gone after a reboot) is made if missing and given to
+    10001, mode 0770, by an init container with only CHOWN and FOWNER: the chart's, same image."""
+    _, pod, kvtier = _daemonset()
+    run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
+    assert run["hostPath"] == {"path": "/run/kvtier", "type": "DirectoryOrCreate"}
+    (init,) = pod["initContainers"]
+    assert init["image"] == kvtier["image"] and init["command"][-1] == "/run/kvtier"
+    assert "chown 10001:10001" in init["command"][2] and "chmod 0770" in init["command"][2]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+
+
 def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host_ipc() -> None:
     _, pod, kvtier = _daemonset()
     assert not pod.get("hostIPC") and not pod.get("hostNetwork") and not pod.get("hostPID")

@@ -11,7 +11,10 @@ that the pod network reaches. tests/helm_chart.py says where the tools come from
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -144,6 +147,34 @@ def test_the_socket_directory_is_shared_at_the_same_path(mode: str) -> None:
         assert env["KVTIER_ADDRESS"] == f"unix://{cfg.socket_path}"
     sc = container(docs)["securityContext"]
     assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and not sc["allowPrivilegeEscalation"]
+
+
+def test_the_daemonset_prepares_the_nodes_socket_directory(tmp_path: Path) -> None:
+    """/run is a tmpfs on most nodes: by default an init container makes the directory the
+    daemon's (10001) with the engines' group (10001), mode 0770, over a DirectoryOrCreate
+    hostPath; its command, run here on a real directory, does exactly that."""
+    docs = rendered("daemonset", "defaults")
+    run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
+    assert run["hostPath"]["type"] == "DirectoryOrCreate"
+    (init,) = pod_spec(docs)["initContainers"]
+    assert init["image"] == container(docs)["image"]
+    sc = init["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
+    assert [m["mountPath"] for m in init["volumeMounts"]] == [run["hostPath"]["path"]]
+    if os.geteuid() != 0:
+        pytest.skip("chown to 10001 needs root")
+    node_dir = tmp_path / "run-kvtier"
+    node_dir.mkdir(mode=0o755)
+    subprocess.run([*init["command"][:-1], str(node_dir)], check=True, timeout=30)
+    st = node_dir.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (10001, 10001, 0o770)
+
+
+def test_without_prepare_the_socket_directory_must_exist() -> None:
+    docs = render(sets=("mode=daemonset", "daemonset.prepareSocketDir=false"))
+    run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
+    assert run["hostPath"]["type"] == "Directory" and "initContainers" not in pod_spec(docs)
 
 
 @pytest.mark.parametrize("mode", MODES)
