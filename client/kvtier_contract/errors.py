@@ -41,9 +41,15 @@ class FailedPrecondition(KvtierError):
 
 
 class ResourceExhausted(KvtierError):
-    """A batch larger than the configured limits, or more sessions than allowed."""
+    """A batch larger than the configured limits, or more sessions than allowed. ``quota``
+    names the tenant quota that refused it (``sessions``, ``host_bytes``...), None for any
+    other limit; the daemon counts refusals by it (the message is for people)."""
 
     code_name = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, field: str | None = None, quota: str | None = None) -> None:
+        self.quota = quota
+        super().__init__(message, field=field)
 
 
 OVERLOADED = "daemon overloaded"

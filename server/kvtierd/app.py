@@ -122,6 +122,7 @@ class Daemon:
                                    f"check it with kvtierd fsck, or choose another "
                                    f"directory") from None
             link.tenant_quota = self._nvme_quota
+            link.quota_refused = lambda tenant: self.tenancy.count_refusal(tenant, "nvme_bytes")
         if cfg.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
 

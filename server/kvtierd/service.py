@@ -139,8 +139,8 @@ def _rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitab
         except KvtierError as e:
             code = getattr(grpc.StatusCode, GRPC_STATUS.get(type(e), "UNKNOWN"))
             self.count_error(name, code.name)
-            if e.field == "quota":
-                self.count_refusal(caller, str(e))
+            if isinstance(e, ResourceExhausted) and e.quota is not None:
+                self.tenancy.count_refusal(caller, e.quota)
             await context.abort(code, str(e))
         finally:
             self.inflight -= admitted
@@ -260,7 +260,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.after_rpc: Callable[[], None] = lambda: None
         """Run at the end of every RPC on the event loop (the daemon publishes index changes)."""
         self.errors: dict[tuple[str, str], int] = {}  # (method, status code name) -> count
-        self.refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
         self.bad_frames = 0  # control-channel frames that broke the protocol (channel closed)
         self.bad_input_log = RateLimitedLog(log, BAD_INPUT_LOG_INTERVAL_S)
         self.tenancy = tenancy or Tenancy(None)
@@ -773,16 +772,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             for quota in QUOTA_NAMES:
                 limit = self.tenancy.quota(t, quota)
                 ts.quotas.add(name=quota, limited=limit is not None, limit=limit or 0,
-                              refusals=self.refusals.get((name, quota), 0))
-
-    def count_refusal(self, caller: Tenant | None, message: str) -> None:
-        """Count a RESOURCE_EXHAUSTED naming a quota (``quota NAME (LIMIT) reached ...``)
-        against the caller's tenant; a message naming no known quota counts nothing."""
-        words = message.split()
-        quota = words[words.index("quota") + 1] if "quota" in words[:-1] else ""
-        if caller is not None and quota in QUOTA_NAMES:
-            key = (caller.name, quota)
-            self.refusals[key] = self.refusals.get(key, 0) + 1
+                              refusals=self.tenancy.refusals(name, quota))
 
 
 def _counters(c: Counters) -> pb.Counters:

@@ -31,6 +31,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 
 TOKENS = {"hog": "tcy-hog-1", "other": "tcy-other-2", "hog-next": "tcy-hog-3"}
 MiB = 1 << 20
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def digest(token: str) -> str:
@@ -418,3 +419,66 @@ def _answers(r: Raw) -> bool:
         return True
     except grpc.RpcError:
         return False
+
+
+# -- refusals counted by quota -------------------------------------------------------------------
+
+
+def test_every_quota_refusal_is_counted_under_its_name(daemon_factory: Any, tmp_path: Path,
+                                                        raws: Any) -> None:
+    """The review's finding: only refusals that came back through a gRPC handler were counted,
+    by parsing their text, so ``control_channels`` and ``buffered_bytes`` (a control channel
+    closed) and ``nvme_bytes`` (a block not written to disk) stayed 0 in stats and metrics.
+    Now each of the nine quotas, provoked once, is counted under its own name."""
+    quotas = ('sessions = 3\nnamespaces = 1\nopen_jobs = 3\nsession_open_jobs = 2\n'
+              'host_bytes = "1MiB"\npinned_bytes = "64KiB"\nnvme_bytes = 0\n'
+              f'control_channels = 2\nbuffered_bytes = {4 * MiB + wire.CALL.size}\n')
+    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), quotas, '["shm", "tcp"]'),
+              "--host-bytes", "8MiB", "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes",
+              "16MiB", "--write-policy", "write-through")
+    spec = make_namespace(tenant="hog")
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["hog"]) as c:
+        ns = c.register(spec)
+        keys = ns.block_keys(list(range(16 * 8)))
+        assert ns.put(keys, [b"\x03" * ns.block_bytes] * 8).stored == 8  # nvme_bytes refuses
+    hog = raws(d, TOKENS["hog"])
+    s1, s2, s3 = hog.open().session_id, hog.open().session_id, hog.open(pb.TRANSPORT_SHM)
+    assert hog.code("OpenSession", pb.OpenSessionRequest(client_name="4th"))[0] == EXHAUSTED
+    nid = hog.register(spec)
+    other_spec = make_namespace(tenant="hog", model_revision="r2")
+    fields = {k: v for k, v in other_spec.to_dict().items() if v is not None}
+    assert hog.code("RegisterNamespace", pb.RegisterNamespaceRequest(
+        spec=pb.NamespaceSpec(**fields), digest=other_spec.digest))[0] == EXHAUSTED
+
+    def store(sid: int, n: int, tag: bytes) -> Any:
+        return pb.PrepareStoreRequest(session_id=sid, namespace_id=nid, transport=pb.TRANSPORT_TCP,
+                                      keys=b"".join(hashlib.sha256(tag + b"%d" % i).digest()
+                                                    for i in range(n)))
+
+    assert hog.code("PrepareStore", store(s1, 80, b"big"))[0] == EXHAUSTED  # 1.25 MiB: host_bytes
+    assert hog.code("Lookup", pb.LookupRequest(session_id=s1, namespace_id=nid, pin=True,
+                                               keys=b"".join(keys)))[0] == EXHAUSTED  # 128 KiB
+    hog("PrepareStore", store(s1, 1, b"a"))
+    hog("PrepareStore", store(s1, 1, b"b"))
+    assert hog.code("PrepareStore", store(s1, 1, b"c"))[0] == EXHAUSTED  # session_open_jobs
+    hog("PrepareStore", store(s2, 1, b"d"))
+    assert hog.code("PrepareStore", store(s2, 1, b"e"))[0] == EXHAUSTED  # open_jobs
+    chans = [control(d, s3.session_id, bytes(s3.data_secret)) for _ in range(3)]
+    assert [closed_by_daemon(s, 0.5) for s in chans] == [False, False, True]  # control_channels
+    for s in chans[:2]:  # 2 x 3 MiB of frames not yet whole: over 4 MiB, one is closed
+        try:
+            s.sendall(wire.CALL.pack(4 * MiB, 1, 1000) + b"\x00" * (3 * MiB))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    assert sum(closed_by_daemon(s, 0.5) for s in chans[:2]) == 1
+
+    def refusals() -> dict[str, int]:
+        (t,) = hog("Stats", pb.StatsRequest()).tenants
+        return {q.name: q.refusals for q in t.quotas}
+
+    wait_for("the NVMe tier's refusals counted", lambda: refusals()["nvme_bytes"] >= 8, 10)
+    counted = refusals()
+    assert counted.pop("nvme_bytes") >= 8  # (each block, each time a flush is asked for it)
+    assert counted == {name: 1 for name in counted} and len(counted) == 8, counted
+    for s in chans:
+        s.close()

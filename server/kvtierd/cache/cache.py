@@ -347,7 +347,7 @@ class TieredCache:
             return
         if new_bytes > quota:
             raise ResourceExhausted(f"quota host_bytes ({quota}) is smaller than one batch of "
-                                    f"{new_bytes} bytes", field="quota")
+                                    f"{new_bytes} bytes", field="quota", quota="host_bytes")
         owned = set(mine)
         victims = []
         for n, e in enumerate(self.policy.victims()):
@@ -358,7 +358,8 @@ class TieredCache:
                 excess -= e.ns.slot_bytes
         if excess > 0:
             raise ResourceExhausted(f"quota host_bytes ({quota}) reached by tenant {tenant} "
-                                    "(its blocks are pinned or being written)", field="quota")
+                                    "(its blocks are pinned or being written)", field="quota",
+                                    quota="host_bytes")
         for e in victims:
             self.residency.evict(e)
 

@@ -90,6 +90,9 @@ class TierLink:
         self.tenant_quota: Callable[[str], int | None] = lambda tenant: None
         """Bytes a tenant's blocks may occupy in this tier (the tenants file's ``nvme_bytes``),
         None = unlimited; set by the daemon, read at every flush (a reload applies at once)."""
+        self.quota_refused: Callable[[str], None] = lambda tenant: None
+        """Called with the tenant each time ``tenant_quota`` keeps one of its blocks from being
+        written here (the daemon counts it as an ``nvme_bytes`` refusal)."""
         self._claimed: dict[str, int] = {}  # tenant -> bytes queued or being written here
 
     @property
@@ -478,6 +481,7 @@ class TierLink:
         if tenant is None or quota is None:
             return True
         if ns.block_bytes > quota:
+            self.quota_refused(tenant)
             return False
         resident = self._columns[1]
         used = self._claimed.get(tenant, 0) + sum(
@@ -494,6 +498,7 @@ class TierLink:
             used -= e.ns.block_bytes
             if used + ns.block_bytes <= quota:
                 return True
+        self.quota_refused(tenant)
         return False
 
     def _allocate(self, block_bytes: int) -> int | None:

@@ -13,6 +13,10 @@ Primitives (every entry of the daemon asks these, none decides on its own):
   quotas are on by default, sized so that no tenant takes more than its share;
   ``check(tenant, name, after)`` refuses (RESOURCE_EXHAUSTED naming the quota) what would pass
   it — the entries count what is held (sessions, jobs, pins: their tables), this decides;
+* ``count_refusal(tenant, quota)``: every entry that refuses something by a quota (the gRPC and
+  control-channel calls, a control channel's own ``control_channels`` and ``buffered_bytes``,
+  a block the NVMe tier does not write for ``nvme_bytes``) counts it here, by the quota's name
+  (the error's ``quota`` attribute, never its text); ``refusals(tenant, quota)`` reads it;
 * ``reload(tenants)`` swaps the file; ``revoked(sessions)`` names the sessions whose credential
   the current file no longer honours (a removed tenant, a removed token, certificate name or
   Unix login) or whose transport it no longer allows: the daemon closes them, and with them
@@ -90,6 +94,7 @@ class Tenancy:
         self.logins = UnixLogins()
         """Tokens minted for Unix peers (the shm socket's login)."""
         self.ledger = Ledger()
+        self._refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
         self._tenants = tenants
         self._defaults: dict[str, dict[str, int | None]] = {}
         if tenants is not None:
@@ -231,7 +236,21 @@ class Tenancy:
         quota = self.quota(tenant, name)
         if quota is not None and after > quota:
             who = holder or f"tenant {tenant.name if tenant is not None else '(owner)'}"
-            raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota")
+            raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota",
+                                    quota=name)
+
+    def count_refusal(self, tenant: Tenant | str | None, quota: str) -> None:
+        """Count one refusal by quota ``quota`` against ``tenant`` (a tenant of the file; the
+        single-tenant daemon's owner, None, has no figures and counts nothing)."""
+        assert quota in QUOTA_NAMES, quota
+        name = tenant.name if isinstance(tenant, Tenant) else tenant
+        if name is not None and self._tenants is not None:
+            key = (name, quota)
+            self._refusals[key] = self._refusals.get(key, 0) + 1
+
+    def refusals(self, tenant: str, quota: str) -> int:
+        """How many times quota ``quota`` refused ``tenant`` since the daemon started."""
+        return self._refusals.get((tenant, quota), 0)
 
     def shared_share(self, tenant: Tenant | None) -> int | None:
         """``host_bytes`` of a tenant's blocks in the shared arena when its quota says none: a

@@ -82,6 +82,7 @@ class ControlChannel(asyncio.Protocol):
         quota = tenancy.quota(self._tenant, CHANNELS)
         self._counted = tenancy.ledger.take(self._tenant, CHANNELS, 1, quota)
         if not self._counted:  # (its client goes on over gRPC)
+            tenancy.count_refusal(self._tenant, CHANNELS)
             _BAD_LOG.warning("control channel of tenant %s: quota control_channels (%s) "
                              "reached: closed", self._tenant, quota)
             self.close()
@@ -95,6 +96,7 @@ class ControlChannel(asyncio.Protocol):
         tenancy = self._service.tenancy
         if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
                                    tenancy.quota(self._tenant, BUFFERED)):
+            tenancy.count_refusal(self._tenant, BUFFERED)
             _BAD_LOG.warning("control channel of tenant %s: quota buffered_bytes (%s) reached "
                              "by frames not yet whole: closed", self._tenant,
                              tenancy.quota(self._tenant, BUFFERED))
