@@ -3,8 +3,12 @@
 ``Daemon(cfg)`` builds every component (arena, host tier, policy, cache, sessions, service,
 transports, metrics); ``run(cfg)`` drives the lifecycle:
 
-    checks (the sockets' lock, then kvtierd.preflight: memory, NVMe directory, ports; the NVMe
-            tier's open: a refusal is one StartupError line, exit 2, before any socket is bound)
+    checks (the sockets' lock; kvtierd.preflight: memory, NVMe directory, ports; then, in
+            Daemon(), the tenants file, the cluster tier's files, the NVMe directory's lock
+            and the tier's open, a tier that opens degraded refused unless disk_optional):
+            a refusal is one StartupError line, exit 2, before the host arena is reserved
+            (and prefaulted) and before any socket is bound; the arena comes next, then the
+            NVMe tier's recovered copies are put into the index
       -> startup (bind everything, health SERVING, print the ready line)
       -> serve (lease sweeper runs)
       -> drain on SIGTERM/SIGINT (health NOT_SERVING, stores refused, in-flight jobs get
@@ -28,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,7 +64,8 @@ from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenants import Tenant, Tenants, load_tenants
-from kvtierd.tiers import Arena, HostTier
+from kvtierd.tiers import Arena, HostTier, Recovered
+from kvtierd.tiers.base import TierUnavailable
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
 from kvtierd.tiers.nvme.format import CorruptMeta
 from kvtierd.tiers.nvme.tier import NvmeTier
@@ -74,6 +79,7 @@ from kvtierd.transports.tcp import DataChannelLimits, DataChannelServer
 log = logging.getLogger("kvtierd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
 NVME_HEALTH_NAME = "kvtier.nvme"  # NOT_SERVING while the NVMe tier is degraded
+T = TypeVar("T")
 
 
 class Daemon:
@@ -81,24 +87,27 @@ class Daemon:
 
     def __init__(self, cfg: DaemonConfig, *, cuda_driver: CudaDriver | None = None) -> None:
         self.cfg = cfg
+        # Every refusal of the configuration comes before any memory is reserved: the tenants
+        # file (read again: it may have changed since the CLI's check), then the NVMe tier.
+        tenants = _tenants(cfg)
+        cluster = _config_checked(cluster_settings, cfg) if cfg.cluster else None  # files read
         # One daemon per disk directory: its lock before anything there is read or written
         # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
         nvme = _nvme_tier(cfg) if cfg.disk_dir else None
+        opened: Recovered | None = None
         if nvme is not None:
             _lock_disk(nvme, cfg)
+            opened = _open_nvme(nvme, cfg)  # its index read; a degraded tier refused
         self._socket_lock: OwnerLock | None = None
         self.boot_epoch = time.time_ns()
         slabs = cfg.host_bytes // cfg.slab_bytes
-        self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)
+        self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)  # reserved here
         # With an NVMe tier, host slots are io-aligned too: O_DIRECT reads and writes go straight
         # between a host slot and its disk slot, padding included.
         align = max(cfg.slot_align_bytes, cfg.io_align_bytes if cfg.disk_dir else 0)
         self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes, slot_align_bytes=align)
         # Tenants allowed shm or cuda_ipc get arenas of their own, before anything (NVMe
         # recovery included) registers a namespace: a namespace's arena is its tenant's.
-        tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
-        if tenants is not None:
-            check_metrics_exposure(cfg, len(tenants.metrics_digests))
         self._tenant_arenas: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
         self.cuda: CudaIpcTransport | None = None  # (made below; registers every arena)
         if tenants is not None:
@@ -115,7 +124,7 @@ class Daemon:
             try:
                 link = self.cache.add_storage_tier(nvme, make_write_policy(
                     cfg.write_policy, flush_watermark=cfg.flush_watermark,
-                    write_after_hits=cfg.write_after_hits))
+                    write_after_hits=cfg.write_after_hits), opened)
             except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
                 nvme.close()
                 raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; "
@@ -126,7 +135,8 @@ class Daemon:
         if cfg.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
 
-            self.cache.add_cluster_tier(ClusterTier(cluster_settings(cfg)))
+            assert cluster is not None
+            self.cache.add_cluster_tier(ClusterTier(cluster))
         # cuda_ipc: CUDA (cupy) only when enabled; the arenas are page-locked in start().
         if cfg.cuda_ipc or cuda_driver is not None:
             if cuda_driver is None:
@@ -262,17 +272,6 @@ class Daemon:
         tenant (its unix_uids / unix_gids)."""
         return self.tenancy.allows_peer(session.tenant, uid, gid)
 
-    def refuse_unusable_tiers(self) -> None:
-        """At start, after the NVMe tier's open: a tier that opened degraded (disk full,
-        read-only, unreadable index) refuses the start (StartupError) unless ``disk_optional``;
-        then it serves degraded, said in the ready line, and a probe resumes it."""
-        for link in self.cache.chain:
-            if not link.tier.admitting and not self.cfg.disk_optional:
-                reason = link.tier.degraded_reason
-                link.tier.close()
-                raise StartupError(disk_refusal(self.cfg, f"the NVMe tier opened degraded: "
-                                                          f"{reason}"))
-
     def tiers(self) -> dict[str, Any]:
         """Every tier and its state (the ready line's ``tiers``); None: a tier not configured."""
         host = {"bytes": self.host.capacity_bytes, "shared_arena_bytes": self.arena.size,
@@ -294,12 +293,15 @@ class Daemon:
 
     async def abort_start(self) -> None:
         """A start that failed half-way (a port taken since the startup checks): the servers
-        and transports made so far closed, the Unix socket files this daemon bound removed."""
+        and transports made so far closed, the NVMe tier closed (its directory unlocked), the
+        Unix socket files this daemon bound removed."""
         for server in (self.server, self.tcp_server, self.health_server):
             if server is not None:
                 await server.stop(None)
         for t in self.transports:
             t.close()
+        for link in self.cache.chain:  # its files, I/O threads and the directory's lock
+            await asyncio.get_running_loop().run_in_executor(None, link.tier.close)
         for key in ("unix", "shm"):
             path = str(self.addresses.get(key, "")).removeprefix("unix://")
             if path and self._socket_lock is not None:  # ours: we hold their lock
@@ -710,17 +712,58 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
-    """The NVMe tier over ``cfg.disk_dir`` (not opened yet: the cache opens and restores it)."""
+    """The NVMe tier over ``cfg.disk_dir`` (not opened yet: ``_open_nvme``)."""
     return NvmeTier(nvme_config(cfg))
+
+
+def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
+    """Open the NVMe tier (its index read and its files opened; nothing put into a cache yet)
+    before any host memory is reserved. A tier that is not a kvtier directory, or opens
+    degraded (disk full, read-only, unreadable index), refuses the start (StartupError, the
+    tier closed) unless ``disk_optional``: then it serves degraded, said in the ready line, and
+    a probe resumes it. None: not opened (the cache's restore tries once more, then defers)."""
+    try:
+        opened: Recovered | None = nvme.open()
+    except TierUnavailable:
+        opened = None
+    except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+        nvme.close()
+        raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; check it "
+                           "with kvtierd fsck, or choose another directory") from None
+    if not nvme.admitting and not cfg.disk_optional:
+        reason = nvme.degraded_reason
+        nvme.close()
+        raise StartupError(disk_refusal(cfg, f"the NVMe tier opened degraded: {reason}"))
+    return opened
+
+
+def _tenants(cfg: DaemonConfig) -> Tenants | None:
+    """The tenants file, checked against the metrics exposure; StartupError when it is not
+    valid (it may have changed since the CLI read it)."""
+    if not cfg.tenants_file:
+        return None
+    tenants = _config_checked(load_tenants, cfg.tenants_file)
+    _config_checked(check_metrics_exposure, cfg, len(tenants.metrics_digests))
+    return tenants
+
+
+def _config_checked(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, its configuration ValueError (a file read at start) a StartupError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise StartupError(f"{e}") from None
 
 
 async def _main(cfg: DaemonConfig) -> None:
     socket_lock = _lock_sockets(cfg)  # first of all: a second daemon exits before any work
-    for warning in preflight.check(cfg):  # before the arena is reserved or a socket bound
-        log.warning("%s", warning)
-    daemon = Daemon(cfg)
+    try:  # every check before the arena is reserved or a socket bound
+        for warning in preflight.check(cfg):
+            log.warning("%s", warning)
+        daemon = Daemon(cfg)
+    except ValueError as e:  # a file read at start that the CLI found valid (changed since)
+        raise StartupError(f"{e}") from None
     daemon._socket_lock = socket_lock
-    daemon.refuse_unusable_tiers()
     loop = asyncio.get_running_loop()
     signals = 0
 
@@ -737,9 +780,9 @@ async def _main(cfg: DaemonConfig) -> None:
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tenants)
     try:
         await daemon.start()
-    except StartupError:
-        await daemon.abort_start()  # a port taken since the preflight: no socket left behind
-        raise
+    except (StartupError, ValueError) as e:  # a port taken since the preflight, a TLS file
+        await daemon.abort_start()  # no socket left behind, the NVMe tier closed
+        raise e if isinstance(e, StartupError) else StartupError(f"{e}") from None
     tiers = daemon.tiers()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
              "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.eviction_policy,

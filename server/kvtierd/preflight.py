@@ -89,7 +89,10 @@ def tenant_arena_bytes(cfg: DaemonConfig, tenants: Tenants) -> dict[str, int]:
 def arenas_bytes(cfg: DaemonConfig) -> tuple[int, int]:
     """(the shared arena's bytes, the tenants' arenas' bytes together) that the daemon makes."""
     shared = cfg.host_bytes // cfg.slab_bytes * cfg.slab_bytes
-    tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
+    try:
+        tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
+    except ValueError as e:  # (the CLI read it: it changed since, or an embedder's run(cfg))
+        raise StartupError(f"{e}") from None
     return shared, sum(tenant_arena_bytes(cfg, tenants).values()) if tenants else 0
 
 
@@ -308,6 +311,8 @@ def check_disk_dir(cfg: DaemonConfig) -> None:
         problem = f"{probe} is on a read-only filesystem"
     elif not os.access(probe, os.W_OK | os.X_OK):
         problem = f"{probe} is not writable by uid {os.geteuid()}"
+    elif probe == path and not os.access(path, os.R_OK):  # (its block files are listed)
+        problem = f"{path} is not readable by uid {os.geteuid()}"
     else:
         problem = _space_problem(cfg, path, probe)
     if problem is not None:
@@ -319,7 +324,10 @@ def _space_problem(cfg: DaemonConfig, path: Path, probe: Path) -> str | None:
     made yet and a new journal (a fuller one opens degraded: every write would fail)."""
     ncfg = nvme_config(cfg)
     files = max(1, ncfg.capacity_bytes // ncfg.file_bytes)
-    present = {parse_data_file_name(n) for n in os.listdir(path)} if path.is_dir() else set()
+    try:
+        present = {parse_data_file_name(n) for n in os.listdir(path)} if path.is_dir() else set()
+    except OSError as e:  # (a race with the checks above, or a filesystem that refuses)
+        return f"cannot list {path}: {e.strerror or e}"
     missing = files - sum(1 for i in present if i is not None and i < files)
     need = missing * ncfg.file_bytes + DEFAULT_JOURNAL_BYTES
     st = os.statvfs(probe)

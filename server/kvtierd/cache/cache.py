@@ -49,7 +49,7 @@ from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
-from kvtierd.tiers import HostTier, StorageTier
+from kvtierd.tiers import HostTier, Recovered, StorageTier
 
 if TYPE_CHECKING:  # the cluster tier needs redis-py: imported only when one is configured
     from kvtierd.cache.fleet import ClusterLink
@@ -116,13 +116,15 @@ class TieredCache:
         self.verify_bytes = True
         """Give every committed block a digest (config ``verify_bytes``; set by the daemon)."""
 
-    def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy) -> TierLink:
-        """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start)."""
+    def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy,
+                         opened: Recovered | None = None) -> TierLink:
+        """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start);
+        ``opened``: what ``tier.open()`` already returned (TierLink.restore), else opened here."""
         link = TierLink(self.residency, tier, write_policy, self.namespaces.values,
                         level=len(self.chain))
         self.chain.append(link)
         self.residency.links = self.chain
-        link.restored = link.restore(self.register_namespace)
+        link.restored = link.restore(self.register_namespace, opened)
         return link
 
     def add_cluster_tier(self, tier: ClusterTier) -> ClusterLink:

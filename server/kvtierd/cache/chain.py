@@ -101,14 +101,17 @@ class TierLink:
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    def restore(self, register: Callable[[Namespace], NamespaceState]) -> int:
-        """Open the tier and put the copies it holds back into the index (at startup).
+    def restore(self, register: Callable[[Namespace], NamespaceState],
+                opened: Recovered | None = None) -> int:
+        """Open the tier and put the copies it holds back into the index (at startup);
+        ``opened``: what the caller's own ``tier.open()`` returned (the daemon opens the tier
+        before it reserves host memory, to refuse a degraded one first), not opened again.
 
         A tier whose index cannot be read now (TierUnavailable: a missing or read-only
         directory, an I/O error) is left closed and degraded; the host tier serves, and
         :meth:`probe` opens and restores it once the disk is back."""
         try:
-            rec = self.tier.open()
+            rec = opened if opened is not None else self.tier.open()
         except TierUnavailable as err:
             log.error("%s tier not opened, the host tier serves alone until a probe opens it: "
                       "%s", self.tier.name, err)
