@@ -31,9 +31,14 @@ from kvtierd.tiers.nvme.tier import NvmeTier
 
 
 def config(tmp_path: Path, **kw: Any) -> DaemonConfig:
-    fields: dict[str, Any] = dict(host_bytes=8 << 20, slab_bytes=1 << 20, prefault=False,
-                                  socket_path=str(tmp_path / "run" / "kvtier.sock"), listen="",
-                                  metrics_port=-1)
+    fields: dict[str, Any] = dict(
+        host_bytes=8 << 20,
+        slab_bytes=1 << 20,
+        prefault=False,
+        socket_path=str(tmp_path / "run" / "kvtier.sock"),
+        listen="",
+        metrics_port=-1,
+    )
     fields.update(kw)
     return DaemonConfig(**fields)
 
@@ -65,7 +70,8 @@ def unlocked(cfg: DaemonConfig) -> bool:
 
 
 def test_a_tier_that_opens_degraded_is_refused_before_the_arena_is_reserved(
-        tmp_path: Path, arenas: list[int]) -> None:
+    tmp_path: Path, arenas: list[int]
+) -> None:
     cfg = config(tmp_path, disk_dir=str(tmp_path / "nvme"), disk_bytes=16 << 20)
     tier = NvmeTier(nvme_config(cfg))
     tier.open()
@@ -76,8 +82,7 @@ def test_a_tier_that_opens_degraded_is_refused_before_the_arena_is_reserved(
     assert "the NVMe tier opened degraded: " in str(e.value) and "--disk-optional" in str(e.value)
     assert arenas == []  # refused first: no host memory reserved, none prefaulted
     assert unlocked(cfg)
-    d = app.Daemon(config(tmp_path, disk_dir=cfg.disk_dir, disk_bytes=16 << 20,
-                          disk_optional=True))
+    d = app.Daemon(config(tmp_path, disk_dir=cfg.disk_dir, disk_bytes=16 << 20, disk_optional=True))
     assert arenas == [8 << 20] and not d.cache.chain[0].tier.admitting  # degraded, serving
     d.cache.chain[0].tier.close()
     d.host.close()
@@ -95,7 +100,8 @@ TENANT = '[[tenant]]\nname = "a"\ntokens_sha256 = ["' + "ab" * 32 + '"]\n'
 
 
 def test_a_tenants_file_changed_since_the_cli_read_it_is_one_line(
-        tmp_path: Path, arenas: list[int], capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, arenas: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANT + "bogus = 1\n")  # (valid when the CLI read it; edited since)
     line = exits_in_one_line(config(tmp_path, tenants_file=str(tenants)), capsys)
@@ -104,7 +110,8 @@ def test_a_tenants_file_changed_since_the_cli_read_it_is_one_line(
 
 
 def test_metrics_off_loopback_without_a_scrape_token_is_one_line_before_the_arena(
-        tmp_path: Path, arenas: list[int], capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, arenas: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANT)
     cfg = config(tmp_path, tenants_file=str(tenants), metrics_host="0.0.0.0", metrics_port=0)
@@ -118,17 +125,42 @@ def test_a_disk_dir_that_cannot_be_listed_is_one_line_naming_the_flag(tmp_path: 
     disk.mkdir(mode=0o300)  # writable and enterable, not readable
     disk.chmod(0o300)
     # root reads any directory: drop the capabilities that let it (setpriv, util-linux)
-    drop = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
-            "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
-    cmd = [*drop, sys.executable, "-m", "kvtierd", "serve", "--socket",
-           str(tmp_path / "run" / "kvtier.sock"), "--listen", "", "--metrics-port", "-1",
-           "--host-bytes", "8MiB", "--slab-bytes", "1MiB", "--disk-dir", str(disk),
-           "--disk-bytes", "16MiB"]
+    drop = (
+        [
+            "setpriv",
+            "--inh-caps=-dac_override,-dac_read_search",
+            "--bounding-set=-dac_override,-dac_read_search",
+        ]
+        if os.geteuid() == 0
+        else []
+    )
+    cmd = [
+        *drop,
+        sys.executable,
+        "-m",
+        "kvtierd",
+        "serve",
+        "--socket",
+        str(tmp_path / "run" / "kvtier.sock"),
+        "--listen",
+        "",
+        "--metrics-port",
+        "-1",
+        "--host-bytes",
+        "8MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(disk),
+        "--disk-bytes",
+        "16MiB",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done
-    assert lines[0].startswith(f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: "
-                               f"{disk} is not readable by uid "), lines[0]
+    assert lines[0].startswith(
+        f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: {disk} is not readable by uid "
+    ), lines[0]
     assert "Traceback" not in done.stderr
 
 
@@ -142,12 +174,12 @@ def held() -> Iterator[int]:
 
 
 def test_a_start_failing_after_the_tier_opened_closes_it(
-        tmp_path: Path, held: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The port check passed (skipped here), then another process took the port: the bind fails
     after the NVMe tier was opened; the tier is closed (its lock free), the error one line."""
     monkeypatch.setattr(preflight, "check_ports", lambda cfg: None)
-    cfg = config(tmp_path, disk_dir=str(tmp_path / "nvme"), disk_bytes=16 << 20,
-                 metrics_port=held)
+    cfg = config(tmp_path, disk_dir=str(tmp_path / "nvme"), disk_bytes=16 << 20, metrics_port=held)
     with pytest.raises(StartupError) as e:
         asyncio.run(app._main(cfg))
     assert str(e.value).startswith(f"metrics_port {held} (--metrics-port) is in use: ")
