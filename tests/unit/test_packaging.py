@@ -128,6 +128,22 @@ def test_make_serve_installs_only_runtime_requirements_and_takes_its_ports_from_
     assert installs == ["/v/bin/python -m pip install -q -e ."], recipe  # runtime requirements only
     assert not re.search(r"torch|redis|\[dev\]|mypy|\.venv/", recipe), recipe
     assert recipe.splitlines()[-1] == "/v/bin/kvtierd serve --metrics-port 9465 --listen 127.0.0.1:50061"
+    # by default the OS picks /metrics' port: a second clone's `make serve` starts too
+    assert make_n("serve", "SERVE_VENV=/v").splitlines()[-1] == "/v/bin/kvtierd serve --metrics-port 0 "
+
+
+def make_n(*argv: str) -> str:
+    """What ``make -n -B ARGV...`` would run here."""
+    return subprocess.run(["make", "-n", "-B", "--no-print-directory", *argv], cwd=ROOT,
+                          capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_wheels_builds_with_the_setuptools_the_dockerfile_pins() -> None:
+    pinned = re.findall(r"setuptools==[0-9.]+", (ROOT / "Dockerfile").read_text())
+    assert len(pinned) == 1, pinned
+    installs = [ln for ln in make_n("wheels", "SERVE_VENV=/v").splitlines() if "setuptools" in ln]
+    assert installs == [f"/v/bin/python -m pip install -q {pinned[0]}"], installs
 
 
 @pytest.mark.parametrize("prog", ["kvtier", "kvtierd"])
