@@ -83,6 +83,15 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture
+def held() -> Iterator[int]:
+    """A port another process listens on (127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
 def shm_handshake(daemon: DaemonProcess, session_id: int,
                   secret: bytes) -> tuple[bytes, list[int]]:
     """The raw shm fd handshake (what a local process that opened the session can send, with

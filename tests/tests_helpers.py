@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -77,3 +82,51 @@ class TokenStub:
         with pytest.raises(grpc.RpcError) as e:
             self(method, request)
         return e.value.code(), e.value.details() or ""
+
+
+class Ticks:
+    """A clock that moves one second each time it is read (progress reports without waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+
+def serve_cmd(run: Path, *args: str) -> list[str]:
+    """``kvtierd serve`` on the socket ``run/kvtier.sock``, without /metrics, then ``args``."""
+    return [sys.executable, "-m", "kvtierd", "serve", "--socket", str(run / "kvtier.sock"),
+            "--metrics-port", "-1", *args]
+
+
+def serve_exits(run: Path, *args: str, prefix: Sequence[str] = (),
+                timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """``prefix`` then ``serve_cmd(run, *args)``, expected to exit by itself (a daemon that
+    starts instead is killed at the timeout and the test fails); INFO logs."""
+    run.mkdir(parents=True, exist_ok=True)
+    try:
+        return subprocess.run([*prefix, *serve_cmd(run, *args)], cwd=run, capture_output=True,
+                              text=True, timeout=timeout_s,
+                              env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"))
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the daemon did not exit: {e.stderr!r}") from None
+
+
+def serve_ready(run: Path, *args: str, level: str = "INFO") -> tuple[dict[str, Any], str]:
+    """Start ``serve_cmd(run, *args)``, read its KVTIERD_READY JSON, stop it: (that JSON, what
+    it logged at ``level`` and above, in ``run/log``)."""
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "log", "w") as log:
+        proc = subprocess.Popen(serve_cmd(run, *args), cwd=run, stdout=subprocess.PIPE,
+                                stderr=log, text=True, env=dict(os.environ, KVTIER_LOG_LEVEL=level))
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("KVTIERD_READY "), (run / "log").read_text()
+        finally:
+            proc.terminate()
+            proc.wait(15)
+    return json.loads(line.split(" ", 1)[1]), (run / "log").read_text()

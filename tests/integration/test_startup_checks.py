@@ -7,56 +7,32 @@ every tier."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests_helpers import serve_exits, serve_ready
 
 from kvtierd import app, preflight
 from kvtierd.config import DaemonConfig
 from kvtierd.preflight import StartupError
 
 
-def serve(run: Path, *args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """``kvtierd serve`` expected to exit by itself (a daemon that starts instead is killed at
-    the timeout and the test fails)."""
-    run.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtierd",
-        "serve",
-        "--socket",
-        str(run / "kvtier.sock"),
+def serve(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``kvtierd serve`` (8 MiB host tier, TCP listeners on free ports) expected to exit."""
+    return serve_exits(
+        run,
         "--listen",
         "127.0.0.1:0",
         "--data-listen",
         "127.0.0.1:0",
-        "--metrics-port",
-        "-1",
         "--host-bytes",
         "8MiB",
         "--slab-bytes",
         "1MiB",
         *args,
-    ]
-    try:
-        return subprocess.run(
-            cmd,
-            cwd=run,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"),
-        )
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the daemon did not exit: {e.stderr!r}") from None
+    )
 
 
 def one_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -101,48 +77,16 @@ def test_host_bytes_far_above_the_available_memory_is_refused_at_once(tmp_path: 
 
 def test_the_override_starts_a_lazy_arena_above_the_available_memory_with_a_warning(tmp_path: Path) -> None:
     over = 2 * mem_available() >> 30 << 30  # --no-prefault: no page is allocated until used
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtierd",
-        "serve",
-        "--socket",
-        str(tmp_path / "kvtier.sock"),
-        "--metrics-port",
-        "-1",
+    info, text = serve_ready(
+        tmp_path,
         "--host-bytes",
         f"{over >> 30}GiB",
         "--no-prefault",
         "--allow-host-bytes-over-available",
-    ]
-    with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=dict(os.environ, KVTIER_LOG_LEVEL="WARNING"),
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line.startswith("KVTIERD_READY "), (tmp_path / "log").read_text()
-            assert json.loads(line.split(" ", 1)[1])["host_bytes"] == over
-        finally:
-            proc.terminate()
-            proc.wait(15)
-    text = (tmp_path / "log").read_text()
+        level="WARNING",
+    )
+    assert info["host_bytes"] == over
     assert "WARNING" in text and "starting anyway (allow_host_bytes_over_available)" in text
-
-
-@pytest.fixture
-def held() -> Iterator[int]:
-    """A port another process listens on (127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize("setting", ["listen", "data_listen", "health_listen", "metrics_port"])
@@ -182,41 +126,10 @@ def test_a_port_taken_after_the_checks_is_refused_and_the_sockets_removed(
 
 def ready(run: Path, *args: str) -> tuple[dict[str, object], str]:
     """Start a daemon, read its KVTIERD_READY JSON and its INFO "kvtierd ready" log line, stop it."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtierd",
-        "serve",
-        "--socket",
-        str(run / "kvtier.sock"),
-        "--metrics-port",
-        "-1",
-        "--host-bytes",
-        "8MiB",
-        "--slab-bytes",
-        "1MiB",
-        *args,
-    ]
-    run.mkdir(parents=True, exist_ok=True)
-    with open(run / "log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=run,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"),
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line.startswith("KVTIERD_READY "), (run / "log").read_text()
-        finally:
-            proc.terminate()
-            proc.wait(15)
-    logged = [x for x in (run / "log").read_text().splitlines() if "kvtierd ready: " in x]
+    info, text = serve_ready(run, "--host-bytes", "8MiB", "--slab-bytes", "1MiB", *args)
+    logged = [x for x in text.splitlines() if "kvtierd ready: " in x]
     assert len(logged) == 1
-    return json.loads(line.split(" ", 1)[1]), logged[0]
+    return info, logged[0]
 
 
 def test_the_ready_line_names_every_tier(tmp_path: Path) -> None:

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests_helpers import serve_exits
 
 from kvtierd import app, preflight
 from kvtierd.config import DaemonConfig
@@ -134,18 +131,10 @@ def test_a_disk_dir_that_cannot_be_listed_is_one_line_naming_the_flag(tmp_path: 
         if os.geteuid() == 0
         else []
     )
-    cmd = [
-        *drop,
-        sys.executable,
-        "-m",
-        "kvtierd",
-        "serve",
-        "--socket",
-        str(tmp_path / "run" / "kvtier.sock"),
+    done = serve_exits(
+        tmp_path / "run",
         "--listen",
         "",
-        "--metrics-port",
-        "-1",
         "--host-bytes",
         "8MiB",
         "--slab-bytes",
@@ -154,23 +143,14 @@ def test_a_disk_dir_that_cannot_be_listed_is_one_line_naming_the_flag(tmp_path: 
         str(disk),
         "--disk-bytes",
         "16MiB",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        prefix=drop,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done
     assert lines[0].startswith(
         f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: {disk} is not readable by uid "
     ), lines[0]
     assert "Traceback" not in done.stderr
-
-
-@pytest.fixture
-def held() -> Iterator[int]:
-    """A port another process listens on (127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 def test_a_start_failing_after_the_tier_opened_closes_it(

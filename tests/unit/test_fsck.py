@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tests_helpers import Ticks
 
 from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.progress import Progress
@@ -260,17 +261,6 @@ def test_a_directory_a_live_daemon_holds_is_refused(tmp_path: Path,
         held.release()
     report = fsck(str(d))  # the daemon stopped: checked, and its lock file is no problem
     assert report.clean and report.total("valid") == 1, format_report(report)
-
-
-class Ticks:
-    """A clock that moves one second each time it is read."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 def test_progress_counts_bytes_and_slots_with_a_rate_while_the_walk_runs(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,15 +161,6 @@ def test_no_figure_no_check(tmp_path: Path) -> None:
     assert available_memory(src) is None
     cfg = DaemonConfig(host_bytes=1 << 50)
     assert check_memory(cfg, arenas_bytes(cfg), src) == []
-
-
-@pytest.fixture
-def held() -> Iterator[int]:
-    """A port another process listens on (127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize("setting", ["listen", "data_listen", "health_listen", "metrics_port"])

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from tests_helpers import Ticks
 
 from kvtierd.progress import Progress
 from kvtierd.tiers.nvme.device import FileSystem
@@ -20,17 +21,6 @@ NS = NsRecord(DIGEST, {"model": "m"})
 
 def add(i: int) -> AddRecord:
     return AddRecord(DIGEST, bytes([i]) * 32, 0, i * 8192, 5000, 8192, 0xC0FFEE + i, i + 1)
-
-
-class Ticks:
-    """A clock that moves one second each time it is read."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 def test_recover_reports_the_records_read_per_file_and_within_a_file(tmp_path: Path) -> None:
