@@ -165,7 +165,8 @@ def _daemon_over(directory: Path, held: HeldOpen, monkeypatch: pytest.MonkeyPatc
                                metrics_port=-1, disk_dir=str(directory), disk_bytes=16 * NVME_SLOT,
                                disk_file_bytes=16 * NVME_SLOT, io_align_bytes=BLOCK,
                                write_policy="write-through", lease_sweep_s=0.01,
-                               probe_interval_s=0.01, min_lease_ttl_s=0.01))
+                               probe_interval_s=0.01, min_lease_ttl_s=0.01,
+                               disk_optional=True))  # (it starts with the tier not open)
 
 
 @scenario
