@@ -111,7 +111,13 @@ def test_metrics_off_loopback_without_a_scrape_token_is_one_line_before_the_aren
 ) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANT)
-    cfg = config(tmp_path, tenants_file=str(tenants), metrics_host="0.0.0.0", metrics_port=0)
+    cfg = config(
+        tmp_path,
+        tenants_file=str(tenants),
+        metrics_host="0.0.0.0",
+        metrics_port=0,
+        metrics_plaintext_remote=True,
+    )
     line = exits_in_one_line(cfg, capsys)
     assert line.startswith("kvtierd serve: metrics_host: 0.0.0.0 is not a loopback address"), line
     assert arenas == []
