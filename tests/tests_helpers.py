@@ -95,22 +95,36 @@ class Ticks:
         return self.now
 
 
-
 def serve_cmd(run: Path, *args: str) -> list[str]:
     """``kvtierd serve`` on the socket ``run/kvtier.sock``, without /metrics, then ``args``."""
-    return [sys.executable, "-m", "kvtierd", "serve", "--socket", str(run / "kvtier.sock"),
-            "--metrics-port", "-1", *args]
+    return [
+        sys.executable,
+        "-m",
+        "kvtierd",
+        "serve",
+        "--socket",
+        str(run / "kvtier.sock"),
+        "--metrics-port",
+        "-1",
+        *args,
+    ]
 
 
-def serve_exits(run: Path, *args: str, prefix: Sequence[str] = (),
-                timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+def serve_exits(
+    run: Path, *args: str, prefix: Sequence[str] = (), timeout_s: float = 30.0
+) -> subprocess.CompletedProcess[str]:
     """``prefix`` then ``serve_cmd(run, *args)``, expected to exit by itself (a daemon that
     starts instead is killed at the timeout and the test fails); INFO logs."""
     run.mkdir(parents=True, exist_ok=True)
     try:
-        return subprocess.run([*prefix, *serve_cmd(run, *args)], cwd=run, capture_output=True,
-                              text=True, timeout=timeout_s,
-                              env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"))
+        return subprocess.run(
+            [*prefix, *serve_cmd(run, *args)],
+            cwd=run,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"),
+        )
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the daemon did not exit: {e.stderr!r}") from None
 
@@ -120,8 +134,14 @@ def serve_ready(run: Path, *args: str, level: str = "INFO") -> tuple[dict[str, A
     it logged at ``level`` and above, in ``run/log``)."""
     run.mkdir(parents=True, exist_ok=True)
     with open(run / "log", "w") as log:
-        proc = subprocess.Popen(serve_cmd(run, *args), cwd=run, stdout=subprocess.PIPE,
-                                stderr=log, text=True, env=dict(os.environ, KVTIER_LOG_LEVEL=level))
+        proc = subprocess.Popen(
+            serve_cmd(run, *args),
+            cwd=run,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=dict(os.environ, KVTIER_LOG_LEVEL=level),
+        )
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline()
