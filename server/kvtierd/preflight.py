@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +122,17 @@ def check_memory(
             f"{line}: starting anyway (allow_host_bytes_over_available); once the arenas "
             "fill, the OOM killer may end other processes"
         ]
+    if room >= cfg.slab_bytes:
+        fix = f"lower --host-bytes to at most {room >> 20}MiB"
+    else:  # the tenant arenas alone leave no room for a shared arena of one slab
+        over = tenants + cfg.slab_bytes + DAEMON_RESERVE_BYTES - avail.bytes
+        fix = (
+            f"the tenant arenas alone leave no room: lower them by at least {format_bytes(over)} "
+            "(arena_bytes in the tenants file, tenant_arena_bytes)"
+        )
     raise StartupError(
-        f"{line}: lower --host-bytes to at most {room >> 20}MiB, or set "
-        "allow_host_bytes_over_available = true (--allow-host-bytes-over-available) "
-        "if that memory will be free before the arena fills"
+        f"{line}: {fix}, or set allow_host_bytes_over_available = true "
+        "(--allow-host-bytes-over-available) if that memory will be free before the arena fills"
     )
 
 
@@ -314,9 +322,19 @@ def check_disk_dir(cfg: DaemonConfig) -> None:
     elif probe == path and not os.access(path, os.R_OK):  # (its block files are listed)
         problem = f"{path} is not readable by uid {os.geteuid()}"
     else:
-        problem = _space_problem(cfg, path, probe)
+        problem = _cannot_create(probe) or _space_problem(cfg, path, probe)
     if problem is not None:
         raise StartupError(disk_refusal(cfg, problem))
+
+
+def _cannot_create(probe: Path) -> str | None:
+    """Whether a directory can really be made in ``probe`` (made and removed at once): access()
+    says yes to root everywhere, and a pseudo filesystem such as /proc refuses what it allows."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvtierd-probe-", dir=probe))
+    except OSError as e:
+        return f"cannot create a directory in {probe}: {e.strerror or e}"
+    return None
 
 
 def _space_problem(cfg: DaemonConfig, path: Path, probe: Path) -> str | None:

@@ -154,6 +154,12 @@ def test_tenant_arenas_count_with_the_host_tier(tmp_path: Path) -> None:
     with pytest.raises(StartupError) as e:
         check_memory(cfg, arenas_bytes(cfg), src)
     assert "plus 1.5 GiB of tenant arenas" in str(e.value)
+    assert "lower --host-bytes to at most 768MiB" in str(e.value)  # room left for the shared arena
+    small = fake_system(tmp_path / "small", available=GiB + 512 * MiB)  # the tenants' arenas alone
+    with pytest.raises(StartupError) as e:
+        check_memory(cfg, arenas_bytes(cfg), small)
+    assert "--host-bytes to at most" not in str(e.value)  # no host_bytes would do: say what would
+    assert "the tenant arenas alone leave no room: lower them by at least 320.0 MiB" in str(e.value)
 
 
 def test_no_figure_no_check(tmp_path: Path) -> None:
@@ -206,6 +212,17 @@ def test_disk_dir_that_is_a_file_is_refused_unless_optional(tmp_path: Path) -> N
     check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB, disk_optional=True))
     check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "new" / "nvme"), disk_bytes=GiB))
     assert not (tmp_path / "new").exists()  # checked, not made
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]  # the probe directory is gone again
+
+
+def test_a_disk_dir_on_a_pseudo_filesystem_is_refused_for_what_it_is() -> None:
+    """/proc says yes to access() for root and has "0 B free": the reason is that nothing can
+    be made there, not its space."""
+    with pytest.raises(StartupError) as e:
+        check_disk_dir(DaemonConfig(disk_dir="/proc/kvtier-nvme", disk_bytes=GiB))
+    why = str(e.value).split("cannot be used: ", 1)[1]
+    assert why.startswith(("cannot create a directory in /proc", "/proc is not writable")), why
+    assert "free" not in why
 
 
 def test_a_disk_too_small_for_the_block_files_is_refused_before_any_is_made(tmp_path: Path) -> None:
