@@ -543,9 +543,9 @@ class Daemon:
                             "start replays the journals)", link.tier.name)
                 continue
             try:
-                await loop.run_in_executor(None, link.checkpoint)
-                log.info("%s checkpoint written (%d blocks flushed while draining)",
-                         link.tier.name, flushed)
+                if await loop.run_in_executor(None, link.checkpoint):  # (or it said why not)
+                    log.info("%s checkpoint written (%d blocks flushed while draining)",
+                             link.tier.name, flushed)
             except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
                 log.error("%s checkpoint failed: %s", link.tier.name, e)
             await loop.run_in_executor(None, link.tier.close)

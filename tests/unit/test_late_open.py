@@ -117,7 +117,7 @@ async def test_a_checkpoint_while_a_late_open_runs_keeps_every_durable_block(
     caller.cancel()  # the sweeper is cancelled (a drain): the open goes on regardless
     # A drain's checkpoint now would record the live index, which lacks 1 and 2, and delete the
     # journals that hold them: it is skipped, and flush_all writes nothing either.
-    await asyncio.to_thread(again.link.checkpoint)
+    assert await asyncio.to_thread(again.link.checkpoint) is False  # skipped, and says so
     assert await again.link.flush_all(time.monotonic() + 1) == 0
     held.release()
     await again.settle()  # the open ends and puts its copies back

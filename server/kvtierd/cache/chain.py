@@ -564,16 +564,17 @@ class TierLink:
 
     # -- shutdown ---------------------------------------------------------------------------------
 
-    def checkpoint(self) -> None:
-        """Blocking: the tier records every copy it holds, for a warm next start. Nothing while
-        a probe or late open is in progress or the tier's copies are not in the index yet: the
-        journals then stay, and the next start replays them."""
+    def checkpoint(self) -> bool:
+        """Blocking: the tier records every copy it holds, for a warm next start; True once
+        written. Nothing (False) while a probe or late open is in progress or the tier's copies
+        are not in the index yet: the journals then stay, and the next start replays them."""
         if self._probing is not None or not self.indexed:
             log.warning("%s checkpoint skipped: the tier is still being opened or probed (the "
                         "next start replays its journals)", self.tier.name)
-            return
+            return False
         nss = list(self._namespaces())
         namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in nss}
         blocks = [(ns.spec.digest, e.key, e.copy_in(self.level)) for ns in nss
                   for e in ns.entries.values() if e.copy_in(self.level) is not None]
         self.tier.checkpoint(namespaces, blocks)
+        return True
