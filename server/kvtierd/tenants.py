@@ -203,8 +203,10 @@ def load_tenants(path: str | Path) -> Tenants:
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"tenants_file: cannot read {p}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"tenants_file: cannot read {p}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"tenants_file: {p} is not valid TOML: {e}") from None
     unknown = set(raw) - {"tenant", "metrics_tokens_sha256"}
     if unknown:
         raise ValueError(f"tenants_file: unknown keys {sorted(unknown)}")

@@ -300,3 +300,21 @@ def test_fsck_help_says_what_it_does_its_exit_codes_and_that_it_refuses_a_live_d
     assert "3 refused: a live daemon holds the directory" in text
     assert "It refuses a directory a live daemon holds" in text
     assert "--progress-interval SECONDS" in text and "--max-problems" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--disk-dir", "X"], "disk_bytes (--disk-bytes): must be > 0 with disk_dir"),
+    (["--listen", "127.0.0.1:99999"], "listen (--listen): expected HOST:PORT with a port in 0..65535"),
+    (["--config", "/nonexistent/kvtierd.toml"],
+     "config (--config): cannot read /nonexistent/kvtierd.toml: No such file or directory"),
+    (["--tenants-file", "/nonexistent/t.toml"],
+     "tenants_file (--tenants-file): cannot read /nonexistent/t.toml: No such file or directory"),
+])
+def test_serve_configuration_errors_name_the_flag_in_one_line(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtierd.cli import main
+
+    assert main(["serve", "--socket", "/nonexistent/k.sock", "--metrics-port", "-1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvtierd serve: configuration error: {says}" + err.split(says, 1)[1]
+    assert err.count("\n") == 1, err
