@@ -210,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         if isinstance(e, OSError) and e.filename:
             why = f"cannot read {e.filename}: {e.strerror}"
             if e.filename == args.config:
-                why = f"config (--config): {why}"
+                why = f"config: {why}"
         print(f"kvtierd serve: configuration error: {with_flag(why)}", file=sys.stderr)
         return 2
     run(cfg)
@@ -218,11 +218,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def with_flag(message: str) -> str:
-    """``field: why`` errors of the config name the field's flag too: ``field (--flag): why``."""
+    """``field: why`` errors of the config name the field's flag too: ``field: why (--flag)``."""
     field, sep, rest = message.partition(": ")
     if not sep or "(--" in field:
         return message
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,index]
     flags = {a.dest: a.option_strings[0] for a in serve._actions if a.option_strings}
     flag = flags.get(field)
-    return f"{field} ({flag}): {rest}" if flag else message
+    return f"{message} ({flag})" if flag and flag not in rest else message

@@ -303,12 +303,12 @@ def test_fsck_help_says_what_it_does_its_exit_codes_and_that_it_refuses_a_live_d
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--disk-dir", "X"], "disk_bytes (--disk-bytes): must be > 0 with disk_dir"),
-    (["--listen", "127.0.0.1:99999"], "listen (--listen): expected HOST:PORT with a port in 0..65535"),
+    (["--disk-dir", "X"], "disk_bytes: must be > 0 with disk_dir (--disk-bytes)"),
+    (["--listen", "127.0.0.1:99999"], "listen: expected HOST:PORT with a port in 0..65535"),
     (["--config", "/nonexistent/kvtierd.toml"],
-     "config (--config): cannot read /nonexistent/kvtierd.toml: No such file or directory"),
+     "config: cannot read /nonexistent/kvtierd.toml: No such file or directory (--config)"),
     (["--tenants-file", "/nonexistent/t.toml"],
-     "tenants_file (--tenants-file): cannot read /nonexistent/t.toml: No such file or directory"),
+     "tenants_file: cannot read /nonexistent/t.toml: No such file or directory (--tenants-file)"),
 ])
 def test_serve_configuration_errors_name_the_flag_in_one_line(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
