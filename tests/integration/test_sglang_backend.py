@@ -17,7 +17,13 @@ a real ``kvtierd`` process:
 * two TP ranks never read each other's pages (MHA); MLA ranks share one copy;
 * identity is fail-closed: a missing revision or tokenizer digest, an unknown key, refuse startup;
   another revision gets no hits;
-* 128 pages stored and loaded (GB/s printed).
+* 128 pages stored and loaded (GB/s printed);
+* storage v2 (hybrid models: a KV pool with Mamba / SWA / indexer side pools, SGLang's
+  ``MambaPoolHost`` page methods): the same calls on SGLang's own ``HiCacheFile`` and on kvtier
+  give the same answers and bytes; pools never share keys; which pools TP ranks share; misses
+  without a daemon;
+* the reference backend's contract (``HiCacheFile``): an empty plain ``batch_set`` is True;
+  ``clear()`` is True only when nothing is left (kvtier: False, said once).
 
 The SGLang environment is found at ``$KVTIER_SGLANG_PYTHON`` (set by ``make test``) or
 ``.venv-sglang/bin/python``; without it these tests fail (run ``make sglang-env``) unless
@@ -461,6 +467,38 @@ def test_v2_pools_never_share_keys(drv: Driver, shared_daemon: DaemonProcess) ->
                 sides={"mamba": other["mamba"], "swa": other["swa"]})
     assert _v2(drv, "iso/r1", "batch_get_v2", transfers=[
         {"name": "mamba", "keys": k[1:], "pages": [0]}]) == {"mamba": [False]}
+
+
+def test_v2_mla_model_shares_replicated_pools_and_not_mamba_state(
+        drv: Driver, shared_daemon: DaemonProcess) -> None:
+    """An MLA hybrid model (e.g. MLA KV with Mamba state): SGLang writes the replicated pools
+    (the KV latent, an MLA-shaped side pool) on TP rank 0 only and every rank reads that copy;
+    Mamba state is TP-sharded and written by every rank, so rank 1 never reads rank 0's."""
+    mla_side = dict(SHAPES["mla-page_first"], kv_cache_dim=8)
+    for role, seed in (("src", 90), ("dst", None)):
+        drv.ask("pool", name=f"mlah/{role}/kv", seed=seed, **SHAPES["mla-page_first"])
+        drv.ask("pool", name=f"mlah/{role}/mamba", seed=seed, **MAMBA)
+        drv.ask("pool", name=f"mlah/{role}/idx", seed=seed, **mla_side)
+    for rank, role in ((0, "src"), (1, "dst")):
+        drv.backend(f"mlah/{role}", f"mlah/{role}/kv", shared_daemon.unix, tp_rank=rank,
+                    tp_size=2, sides={"mamba": f"mlah/{role}/mamba",
+                                      "indexer": f"mlah/{role}/idx"})
+    k = keys("mlah", 0, 1)
+    assert _v2(drv, "mlah/src", "batch_set_v2", transfers=[
+        {"name": "kv", "keys": k, "pages": [1, 2]},
+        {"name": "indexer", "keys": k, "pages": [1, 2]},
+        {"name": "mamba", "keys": k[1:], "pages": [4], "policy": "trailing_pages"}]) == {
+        "kv": [True] * 2, "indexer": [True] * 2, "mamba": [True]}
+    assert _v2(drv, "mlah/dst", "batch_exists_v2", k, [
+        {"name": "indexer", "keys": k, "policy": "all_pages"},
+        {"name": "mamba", "keys": k[1:], "policy": "trailing_pages"}]) == {
+        "kv": 0, "pools": {"kv": 2, "indexer": 2}, "restorable": []}
+    assert _v2(drv, "mlah/dst", "batch_get_v2", transfers=[
+        {"name": "kv", "keys": k, "pages": [5, 6]},
+        {"name": "indexer", "keys": k, "pages": [5, 6]},
+        {"name": "mamba", "keys": k[1:], "pages": [0]}]) == {
+        "kv": [True] * 2, "indexer": [True] * 2, "mamba": [False]}
+    assert drv.digests("mlah/dst/idx", [5, 6]) == drv.digests("mlah/src/idx", [1, 2])
 
 
 def test_v2_without_daemon_answers_misses(drv: Driver, workdir: Path) -> None:

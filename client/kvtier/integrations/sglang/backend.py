@@ -7,7 +7,12 @@ as ``KvtierHiCacheStorage(storage_config, kwargs)``. Lifecycle:
                                 field raises ConfigError here: SGLang refuses to start), connect
     register_mem_pool_host      probe the host pool's pages (``pages.HostPoolPages``), build the
               (SGLang startup)  namespace from the pool's dtype and geometry, register it
+    register_mem_host_pool_v2   each pool of the model's group: the KV pool again ("kv"), and a
+              (SGLang startup)  hybrid model's side pools (Mamba, SWA, indexer, ...), each in a
+                                namespace of its own (``_SidePool``, ``_side_namespace``)
     batch_exists / batch_get_v1 / batch_set_v1 / get / set / ...   (SGLang's storage threads)
+    batch_exists_v2 / batch_get_v2 / batch_set_v2   (hybrid models: per-pool transfers)
+    clear                       False: a shared daemon is not emptied by one engine (logged once)
     close
 
 Never raises into SGLang's storage threads: an exception there kills the thread and leaks host
@@ -230,12 +235,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
             for transfer in pool_transfers or []:
                 if not restorable:
                     break
-                have = self._presence(transfer.name, keys[:kv_pages], deadline)
                 policy = _policy(transfer.hit_policy)
-                if policy == "all_pages":
-                    boundary = have.index(False) if False in have else kv_pages
+                if policy == "all_pages":  # one prefix lookup
+                    boundary = self._held_prefix(transfer.name, keys[:kv_pages])
                     usable = set(range(1, boundary + 1))
-                elif policy == "trailing_pages":
+                elif policy == "trailing_pages":  # one lookup per page
+                    have = self._presence(transfer.name, keys[:kv_pages], deadline)
                     n = max(1, len(transfer.keys or []))
                     usable = {end for end in range(1, kv_pages + 1)
                               if all(have[max(0, end - n):end])}
@@ -317,15 +322,25 @@ class KvtierHiCacheStorage(HiCacheStorage):
         result = handle.put(kk, pages)
         return [result.stored + result.already_present == len(keys)] * len(keys)
 
-    def _presence(self, pool_name: Any, keys: list[str], deadline: float) -> list[bool]:
-        """Whether pool ``pool_name`` holds its page of each KV key (one lookup per key; the
-        local index answers without a round trip over ``shm``). Unregistered pool, or past the
-        deadline: not held."""
+    def _pool_handle(self, pool_name: Any) -> NamespaceHandle | None:
         name = _pool_name(pool_name)
         handle = self.handle if name == "kv" else getattr(
             self.side_pools.get(name), "handle", None)
         if handle is None:
             self._note(f"pool.{name}", "a hit query for a pool SGLang never registered")
+        return handle
+
+    def _held_prefix(self, pool_name: Any, keys: list[str]) -> int:
+        """How many of the pool's pages of ``keys``, from the first, the daemon holds."""
+        handle = self._pool_handle(pool_name)
+        return handle.lookup(self._keys(handle, keys)) if handle is not None and keys else 0
+
+    def _presence(self, pool_name: Any, keys: list[str], deadline: float) -> list[bool]:
+        """Whether pool ``pool_name`` holds its page of each KV key (one lookup per key; the
+        local index answers without a round trip over ``shm``). Unregistered pool, or past the
+        deadline: not held."""
+        handle = self._pool_handle(pool_name)
+        if handle is None:
             return [False] * len(keys)
         have = []
         for key in self._keys(handle, keys):
