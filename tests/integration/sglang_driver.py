@@ -18,7 +18,9 @@ Commands (``name``s are the driver's handles):
   "heads", "head_dim", "kv_cache_dim", "dtype", "seed": int|null}`` (seed null: zeros)
 * ``{"op": "pool", "name", "kind": "mamba", "layout", "pages", "layers", "temporal": [dims],
   "convs": [[dims], ...], "temporal_dtype", "dtype", "seed"}``: a ``MambaPoolHost`` (one state
-  slot per page; its page methods lifted likewise, its buffers with ``init_kv_buffer``'s dims)
+  slot per page; its page methods lifted likewise, its buffers with ``init_kv_buffer``'s dims);
+  ``{"kind": "dsa_indexer", "layout", "pages", "page_size", "layers", "page_stride", "seed"}``:
+  a ``DSAIndexerPoolHost`` likewise
 * ``{"op": "backend", "name", "pool", "tp_rank", "tp_size", "model_name", "extra": {...},
   "sides": {pool name: pool}, "metrics": bool, "file": dir|null}``: SGLang's attach (the loader,
   then the pool registrations: the KV pool, then each side pool of a hybrid model); ``file``:
@@ -84,6 +86,27 @@ MAMBA = sglang_methods("sglang.srt.mem_cache.pool_host.mamba", "MambaPoolHost")
 CpuMHAPool = type("CpuMHAPool", (), dict(MHA))
 CpuMLAPool = type("CpuMLAPool", (), dict(MLA))
 CpuMambaPool = type("CpuMambaPool", (), dict(MAMBA))
+DSA = sglang_methods("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost")
+CpuDSAIndexerPool = type("CpuDSAIndexerPool", (), dict(DSA))
+
+
+def make_dsa_indexer_pool(layout: str, pages: int, page_size: int, layers: int,
+                          page_stride: int, seed: int | None) -> Any:
+    """SGLang's DSAIndexerPoolHost (its page methods) over a CPU ``index_k_with_scale_buffer``
+    with the dims of its ``init_kv_buffer`` (uint8: a page's index keys and scales, per layer)."""
+    pool = CpuDSAIndexerPool()
+    size = pages * page_size
+    pool.layout, pool.page_size, pool.size, pool.page_num = layout, page_size, size, pages
+    pool.layer_num, pool.indexer_page_stride_size = layers, page_stride
+    pool.indexer_dtype = pool.dtype = torch.uint8
+    pool.device, pool.pin_memory = "cpu", False
+    pool.indexer_page_num = (size + page_size + 1) // page_size
+    dims = ((layers, pool.indexer_page_num, page_stride) if layout == "layer_first"
+            else (pool.indexer_page_num, layers, 1, page_stride))
+    g = torch.Generator().manual_seed(seed or 0)
+    pool.index_k_with_scale_buffer = (torch.zeros(dims, dtype=torch.uint8) if seed is None else
+                                      torch.randint(0, 256, dims, generator=g, dtype=torch.uint8))
+    return pool
 
 
 def make_mamba_pool(layout: str, slots: int, layers: int, temporal: list[int],
@@ -173,6 +196,11 @@ class Driver:
         self.backends: dict[str, Any] = {}
 
     def pool(self, c: dict[str, Any]) -> dict[str, Any]:
+        if c["kind"] == "dsa_indexer":
+            self.pools[c["name"]] = make_dsa_indexer_pool(
+                c["layout"], c["pages"], c["page_size"], c["layers"], c["page_stride"],
+                c.get("seed"))
+            return {"ok": True}
         if c["kind"] == "mamba":
             self.pools[c["name"]] = make_mamba_pool(
                 c["layout"], c["pages"], c["layers"], c["temporal"], c["convs"],

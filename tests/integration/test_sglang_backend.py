@@ -471,10 +471,11 @@ def test_v2_pools_never_share_keys(drv: Driver, shared_daemon: DaemonProcess) ->
 
 def test_v2_mla_model_shares_replicated_pools_and_not_mamba_state(
         drv: Driver, shared_daemon: DaemonProcess) -> None:
-    """An MLA hybrid model (e.g. MLA KV with Mamba state): SGLang writes the replicated pools
-    (the KV latent, an MLA-shaped side pool) on TP rank 0 only and every rank reads that copy;
-    Mamba state is TP-sharded and written by every rank, so rank 1 never reads rank 0's."""
-    mla_side = dict(SHAPES["mla-page_first"], kv_cache_dim=8)
+    """An MLA hybrid model (MLA KV, a DSA indexer, Mamba state): SGLang writes the replicated
+    pools (the KV latent, SGLang's DSAIndexerPoolHost) on TP rank 0 only and every rank reads that
+    copy; Mamba state is TP-sharded and written by every rank, so rank 1 never reads rank 0's."""
+    mla_side = dict(kind="dsa_indexer", layout="page_first", pages=16, page_size=4, layers=2,
+                    page_stride=12)
     for role, seed in (("src", 90), ("dst", None)):
         drv.ask("pool", name=f"mlah/{role}/kv", seed=seed, **SHAPES["mla-page_first"])
         drv.ask("pool", name=f"mlah/{role}/mamba", seed=seed, **MAMBA)

@@ -536,7 +536,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
 # Pool attributes that make up a side pool's geometry (its namespace layout digest), where present.
 _GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_cache_dim",
                    "num_mamba_layers", "temporal_dtype", "conv_dtype", "temporal_state_shape",
-                   "conv_state_shapes", "size_per_token")
+                   "conv_state_shapes", "size_per_token", "indexer_dtype",
+                   "indexer_page_stride_size")
 
 
 @dataclass

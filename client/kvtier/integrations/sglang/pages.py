@@ -130,17 +130,20 @@ def whole_pages(host_indices: Any, n_pages: int, page_size: int, num_pages: int
 
 def _raw_bytes(pool: Any, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
     """A uint8 tensor over host memory ``[lo, hi)``, and whether it is a view of the storage of
-    the pool's ``kv_buffer`` (which then covers every page: the view keeps the memory alive, even
-    once SGLang drops the buffer at teardown); else a view of the raw addresses (kept alive by the
+    one of the pool's own CPU tensors (its ``kv_buffer``, else another tensor attribute such as
+    the DSA indexer's buffer) that covers every page: the view keeps the memory alive, even once
+    SGLang drops the buffer at teardown. Else a view of the raw addresses (kept alive by the
     pool), which may span memory between separate allocations that no page uses."""
-    buf = getattr(pool, "kv_buffer", None)
-    if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
-        storage = buf.untyped_storage()
-        base = storage.data_ptr()
-        if base <= lo and hi <= base + storage.nbytes():
-            raw = torch.empty(0, dtype=torch.uint8)
-            raw.set_(storage, lo - base, (hi - lo,), (1,))
-            return raw, True
+    attrs = getattr(pool, "__dict__", {})
+    buffers = [getattr(pool, "kv_buffer", None), *attrs.values()]
+    for buf in buffers:
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
+            storage = buf.untyped_storage()
+            base = storage.data_ptr()
+            if base <= lo and hi <= base + storage.nbytes():
+                raw = torch.empty(0, dtype=torch.uint8)
+                raw.set_(storage, lo - base, (hi - lo,), (1,))
+                return raw, True
     raw = torch.frombuffer((ctypes.c_ubyte * (hi - lo)).from_address(lo), dtype=torch.uint8)
     return raw, False
 
