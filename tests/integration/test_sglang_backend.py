@@ -526,6 +526,43 @@ def test_v2_without_daemon_answers_misses(drv: Driver, workdir: Path) -> None:
                                                    "indexer": [False] * 2}, r
 
 
+def test_v2_daemon_killed_mid_run_answers_misses_then_recovers(drv: Driver,
+                                                              workdir: Path) -> None:
+    d = DaemonProcess(workdir / "v2dies", "--host-bytes", "64MiB").start()
+    try:
+        pools = _hybrid(drv, "v2dies", seed=75)
+        drv.backend("v2dies/A", pools["kv"], d.unix, sides={"mamba": pools["mamba"],
+                                                            "swa": pools["swa"]})
+        k = keys("v2dies", 0, 1)
+        t = [{"name": "mamba", "keys": k[1:], "pages": [1], "policy": "trailing_pages"},
+             {"name": "swa", "keys": k, "pages": [2, 3], "policy": "trailing_pages"}]
+        query = [{k_: v for k_, v in x.items() if k_ != "pages"} for x in t]
+        assert drv.call("v2dies/A", "batch_set_v1", k, [0, 1]) == [True, True]
+        assert _v2(drv, "v2dies/A", "batch_set_v2", transfers=t) == {"mamba": [True],
+                                                                     "swa": [True, True]}
+        assert _v2(drv, "v2dies/A", "batch_exists_v2", k, query)["kv"] == 2
+        d.kill()
+        for method, args, want in (
+                ("batch_exists_v2", {"keys": k, "transfers": query},
+                 {"kv": 0, "pools": {}, "restorable": []}),
+                ("batch_get_v2", {"transfers": t}, {"mamba": [False], "swa": [False, False]}),
+                ("batch_set_v2", {"transfers": t}, {"mamba": [False], "swa": [False, False]})):
+            r = drv.ask("call", backend="v2dies/A", method=method, pages=[],
+                        **{"keys": [], **args})
+            assert r["raised"] is None and r["result"] == want, (method, r)
+            assert r["seconds"] < 3 * REQUEST_TIMEOUT_MS / 1000, (method, r)
+        d = DaemonProcess(workdir / "v2dies", "--host-bytes", "64MiB").start()  # same socket
+        deadline = time.monotonic() + 20
+        while _v2(drv, "v2dies/A", "batch_set_v2", transfers=t) != {"mamba": [True],
+                                                                    "swa": [True, True]}:
+            assert time.monotonic() < deadline, "the backend never came back to the daemon"
+            time.sleep(0.2)  # poll: the breaker's probe reopens the session by itself
+        assert drv.call("v2dies/A", "batch_set_v1", k, [0, 1]) == [True, True]
+        assert _v2(drv, "v2dies/A", "batch_exists_v2", k, query)["restorable"] == [2]
+    finally:
+        d.kill()
+
+
 # -- the reference backend's contract (SGLang's HiCacheFile) ---------------------------------------
 
 

@@ -543,7 +543,7 @@ _GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_c
 @dataclass
 class _SidePool:
     """One side pool of a hybrid model: its pages, moved zero-copy when they are equal pieces
-    of the pool's own ``kv_buffer`` at a fixed stride (``pages``), else as SGLang's flat data
+    of one of the pool's own tensors at a fixed stride (``pages``), else as SGLang's flat data
     pages (``get_data_page`` / ``set_from_flat_data_page``, the path of SGLang's file backend:
     Mamba state, whose pieces live in separate buffers)."""
 
