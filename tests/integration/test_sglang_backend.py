@@ -433,6 +433,24 @@ def test_v2_hybrid_round_trip_agrees_with_sglang_file_backend(
     assert missed == {"mamba": [False]}
 
 
+def test_v2_over_tcp_moves_the_same_bytes(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    src, dst = _hybrid(drv, "v2tcp/src", seed=65), _hybrid(drv, "v2tcp/dst", seed=None)
+    addr = shared_daemon.address("tcp")
+    for role, pools in (("w", src), ("r", dst)):
+        drv.backend(f"v2tcp/{role}", pools["kv"], addr, extra={"transport": "tcp"},
+                    sides={"mamba": pools["mamba"], "swa": pools["swa"]})
+    k = keys("v2tcp", 0, 1)
+    t = [{"name": "mamba", "keys": k[1:], "pages": [3], "policy": "trailing_pages"},
+         {"name": "swa", "keys": k, "pages": [5, 6], "policy": "trailing_pages"}]
+    assert _v2(drv, "v2tcp/w", "batch_set_v2", transfers=t) == {"mamba": [True],
+                                                                "swa": [True, True]}
+    assert _v2(drv, "v2tcp/r", "batch_get_v2", transfers=[
+        dict(t[0], pages=[7]), dict(t[1], pages=[10, 11])]) == {"mamba": [True],
+                                                                "swa": [True, True]}
+    assert drv.digests(dst["mamba"], [7]) == drv.digests(src["mamba"], [3])
+    assert drv.digests(dst["swa"], [10, 11]) == drv.digests(src["swa"], [5, 6])
+
+
 def test_v2_pools_never_share_keys(drv: Driver, shared_daemon: DaemonProcess) -> None:
     """A page of one pool is never found as another pool's page under the same SGLang key,
     even where the pools' pages have the same size (SWA and draft-SWA here)."""

@@ -344,7 +344,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         have = []
         for key in self._keys(handle, keys):
-            have.append(time.monotonic() < deadline and handle.lookup([key]) == 1)
+            if time.monotonic() >= deadline:
+                have.append(False)
+                continue
+            # The published index first, left out of the client's lookup counts (one query
+            # here is one lookup per page); a round trip only when it cannot answer.
+            hit = handle.lookup_local([key], count=False)
+            have.append((handle.lookup([key]) if hit is None else hit) == 1)
         return have
 
     # -- the zero-copy interface (interface_v1) --------------------------------------------------
