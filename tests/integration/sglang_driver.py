@@ -16,13 +16,22 @@ Commands (``name``s are the driver's handles):
 
 * ``{"op": "pool", "name", "kind": "mha"|"mla", "layout", "pages", "page_size", "layers",
   "heads", "head_dim", "kv_cache_dim", "dtype", "seed": int|null}`` (seed null: zeros)
+* ``{"op": "pool", "name", "kind": "mamba", "layout", "pages", "layers", "temporal": [dims],
+  "convs": [[dims], ...], "temporal_dtype", "dtype", "seed"}``: a ``MambaPoolHost`` (one state
+  slot per page; its page methods lifted likewise, its buffers with ``init_kv_buffer``'s dims);
+  ``{"kind": "dsa_indexer", "layout", "pages", "page_size", "layers", "page_stride", "seed"}``:
+  a ``DSAIndexerPoolHost`` likewise
 * ``{"op": "backend", "name", "pool", "tp_rank", "tp_size", "model_name", "extra": {...},
-  "sidecar": pool|null, "metrics": bool}``: SGLang's attach (the loader, then the pool registrations)
+  "sides": {pool name: pool}, "metrics": bool, "file": dir|null}``: SGLang's attach (the loader,
+  then the pool registrations: the KV pool, then each side pool of a hybrid model); ``file``:
+  SGLang's own ``HiCacheFile`` (``create_backend("file", ...)``) instead of kvtier
   -> ``{"ok": true}`` or ``{"error": "<type>: <message>"}`` (construction or registration raised)
-* ``{"op": "call", "backend", "method", "keys", "pages"}``: ``batch_exists``, ``batch_get_v1``,
-  ``batch_set_v1`` (pages -> host indices), ``exists``, ``get_page`` / ``set_page`` (the plain
-  ``get`` / ``set`` with SGLang's flat data pages), ``garbage`` (every verb with malformed
-  arguments) -> ``{"result", "raised", "seconds"}``
+* ``{"op": "call", "backend", "method", "keys", "pages", "transfers"}``: ``batch_exists``,
+  ``batch_get_v1``, ``batch_set_v1`` (pages -> host indices), ``exists``, ``get_page`` /
+  ``set_page`` (the plain ``get`` / ``set`` with SGLang's flat data pages), ``batch_set`` (plain,
+  flat pages), ``clear``, ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2`` (transfers:
+  ``[{"name", "keys", "pages", "policy"}]`` -> SGLang ``PoolTransfer``s), ``garbage`` (every verb
+  with malformed arguments) -> ``{"result", "raised", "seconds"}``
 * ``{"op": "digests", "pool", "pages"}`` -> SHA-256 of each page's flat data page bytes
 * ``{"op": "counters", "backend"}``; ``{"op": "close", "backend"}``
 * ``{"op": "bench", "backend", "reader", "pages": 128}`` -> seconds and bytes of a put and a get
@@ -43,11 +52,17 @@ import traceback
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 LIFTED = ("get_page_buffer_meta", "get_data_page", "set_from_flat_data_page",
-          "get_dummy_flat_data_page", "_storage_page_index")
+          "get_dummy_flat_data_page", "_storage_page_index", "_iter_page_tensors",
+          "_flatten_tensor_bytes", "get_size_per_token")
 
 
 def sglang_methods(module: str, cls: str) -> dict[str, Any]:
@@ -67,8 +82,65 @@ def sglang_methods(module: str, cls: str) -> dict[str, Any]:
 
 MHA = sglang_methods("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost")
 MLA = sglang_methods("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost")
+MAMBA = sglang_methods("sglang.srt.mem_cache.pool_host.mamba", "MambaPoolHost")
 CpuMHAPool = type("CpuMHAPool", (), dict(MHA))
 CpuMLAPool = type("CpuMLAPool", (), dict(MLA))
+CpuMambaPool = type("CpuMambaPool", (), dict(MAMBA))
+DSA = sglang_methods("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost")
+CpuDSAIndexerPool = type("CpuDSAIndexerPool", (), dict(DSA))
+
+
+def make_dsa_indexer_pool(layout: str, pages: int, page_size: int, layers: int,
+                          page_stride: int, seed: int | None) -> Any:
+    """SGLang's DSAIndexerPoolHost (its page methods) over a CPU ``index_k_with_scale_buffer``
+    with the dims of its ``init_kv_buffer`` (uint8: a page's index keys and scales, per layer)."""
+    pool = CpuDSAIndexerPool()
+    size = pages * page_size
+    pool.layout, pool.page_size, pool.size, pool.page_num = layout, page_size, size, pages
+    pool.layer_num, pool.indexer_page_stride_size = layers, page_stride
+    pool.indexer_dtype = pool.dtype = torch.uint8
+    pool.device, pool.pin_memory = "cpu", False
+    pool.indexer_page_num = (size + page_size + 1) // page_size
+    dims = ((layers, pool.indexer_page_num, page_stride) if layout == "layer_first"
+            else (pool.indexer_page_num, layers, 1, page_stride))
+    g = torch.Generator().manual_seed(seed or 0)
+    pool.index_k_with_scale_buffer = (torch.zeros(dims, dtype=torch.uint8) if seed is None else
+                                      torch.randint(0, 256, dims, generator=g, dtype=torch.uint8))
+    return pool
+
+
+def make_mamba_pool(layout: str, slots: int, layers: int, temporal: list[int],
+                    convs: list[list[int]], temporal_dtype: str, conv_dtype: str,
+                    seed: int | None) -> Any:
+    """SGLang's MambaPoolHost (its page methods) over CPU buffers with the dims of its
+    ``init_kv_buffer``: one slot per page (page_size 1), the temporal (SSM) state and each conv
+    state in its own buffer."""
+    pool = CpuMambaPool()
+    pool.layout, pool.page_size, pool.size, pool.page_num = layout, 1, slots, slots
+    pool.num_mamba_layers, pool.device, pool.pin_memory = layers, "cpu", False
+    pool.temporal_state_shape = torch.Size(temporal)
+    pool.conv_state_shapes = [torch.Size(c) for c in convs]
+    pool.temporal_state_elem_size = int(torch.Size(temporal).numel())
+    pool.conv_state_elem_sizes = [int(torch.Size(c).numel()) for c in convs]
+    pool.temporal_dtype, pool.conv_dtype = getattr(torch, temporal_dtype), getattr(torch, conv_dtype)
+    pool.dtype = pool.conv_dtype
+    pool.slot_state_device_tensors, pool.slot_state_buffers = (), []
+    g = torch.Generator().manual_seed(seed or 0)
+
+    def alloc(dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if seed is None:
+            return torch.zeros(dims, dtype=dtype)
+        return torch.randn(dims, generator=g).to(dtype)
+
+    if layout in ("page_first", "page_first_direct"):
+        pool.temporal_buffer = alloc((slots, layers, 1, *temporal), pool.temporal_dtype)
+        pool.conv_buffer = [alloc((slots, layers, 1, *c), pool.conv_dtype) for c in convs]
+    else:
+        pool.temporal_buffer = alloc((layers, slots, *temporal), pool.temporal_dtype)
+        pool.conv_buffer = [alloc((layers, slots, *c), pool.conv_dtype) for c in convs]
+    pool.kv_buffer = [pool.temporal_buffer, *pool.conv_buffer]
+    pool.size_per_token = pool.get_size_per_token()
+    return pool
 
 
 def make_pool(kind: str, layout: str, pages: int, page_size: int, layers: int, heads: int,
@@ -124,6 +196,16 @@ class Driver:
         self.backends: dict[str, Any] = {}
 
     def pool(self, c: dict[str, Any]) -> dict[str, Any]:
+        if c["kind"] == "dsa_indexer":
+            self.pools[c["name"]] = make_dsa_indexer_pool(
+                c["layout"], c["pages"], c["page_size"], c["layers"], c["page_stride"],
+                c.get("seed"))
+            return {"ok": True}
+        if c["kind"] == "mamba":
+            self.pools[c["name"]] = make_mamba_pool(
+                c["layout"], c["pages"], c["layers"], c["temporal"], c["convs"],
+                c.get("temporal_dtype", "float32"), c.get("dtype", "bfloat16"), c.get("seed"))
+            return {"ok": True}
         self.pools[c["name"]] = make_pool(
             c["kind"], c["layout"], c["pages"], c["page_size"], c["layers"], c.get("heads", 1),
             c.get("head_dim", 1), c.get("kv_cache_dim", 0), c.get("dtype", "bfloat16"),
@@ -135,13 +217,16 @@ class Driver:
         cfg = storage_config(pool, c.get("tp_rank", 0), c.get("tp_size", 1),
                              c.get("model_name", "test/model"), c.get("extra", {}),
                              c.get("metrics", False))
+        kind = "dynamic"
+        if c.get("file"):  # SGLang's own reference backend (HiCacheFile) over a directory
+            kind, cfg.extra_config = "file", {"file_storage_path": c["file"]}
         try:  # as SGLang's HybridCacheController.attach_storage_backend does (0.5.23: every
             # model's host pools are a group; a plain MHA/MLA model's holds the KV pool only)
-            backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+            backend = StorageBackendFactory.create_backend(kind, cfg, pool)
             backend.register_mem_pool_host(pool)
             backend.register_mem_host_pool_v2(pool, PoolName.KV)
-            if c.get("sidecar"):  # a hybrid model's second pool (e.g. Mamba states)
-                backend.register_mem_host_pool_v2(self.pools[c["sidecar"]], PoolName.MAMBA)
+            for name, side in (c.get("sides") or {}).items():  # a hybrid model's other pools
+                backend.register_mem_host_pool_v2(self.pools[side], PoolName(name))
             backend.on_host_pools_registered()
         except Exception as e:  # noqa: BLE001 - reported to the test
             return {"error": f"{type(e).__name__}: {e}"}
@@ -163,6 +248,19 @@ class Driver:
                 result = getattr(b, m)(keys, host_indices(pool, pages), None)
             elif m == "exists":
                 result = b.exists(keys[0])
+            elif m in ("batch_get_v2", "batch_set_v2"):
+                got = getattr(b, m)(self.transfers(b, c["transfers"]), None)
+                result = {str(name): list(ok) for name, ok in got.items()}
+            elif m == "batch_exists_v2":
+                r = b.batch_exists_v2(keys, self.transfers(b, c.get("transfers", [])), None)
+                result = {"kv": r.kv_hit_pages,
+                          "pools": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
+                          "restorable": r.restorable_prefix_pages}
+            elif m == "batch_set":  # the plain call with flat data pages
+                result = b.batch_set(keys, [pool.get_data_page(p * pool.page_size, flat=True)
+                                            for p in pages])
+            elif m == "clear":
+                result = b.clear()
             elif m == "get_page":  # the plain path, as SGLang's _generic_page_get
                 got = b.get(keys[0], pool.get_dummy_flat_data_page())
                 if got is not None:
@@ -184,10 +282,26 @@ class Driver:
             raised = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         return {"result": result, "raised": raised, "seconds": time.perf_counter() - start}
 
+    def transfers(self, b: Any, specs: list[dict[str, Any]]) -> list[PoolTransfer]:
+        """SGLang PoolTransfers: ``{"name", "keys", "pages" (of that pool), "policy"}``."""
+        out = []
+        for t in specs:
+            name = PoolName(t["name"])
+            pool = b.registered_pools.get(name, b.mem_pool_host)  # unregistered: KV indices
+            out.append(PoolTransfer(
+                name=name, keys=t.get("keys"),
+                host_indices=host_indices(pool, t["pages"]) if "pages" in t else None,
+                hit_policy=PoolHitPolicy(t.get("policy", "all_pages"))))
+        return out
+
     def digests(self, c: dict[str, Any]) -> dict[str, Any]:
         pool = self.pools[c["pool"]]
         return {"digests": [hashlib.sha256(page_bytes(pool, p)).hexdigest()[:16]
                             for p in c["pages"]]}
+
+    def flat(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Bytes of each of a pool's flat data pages (any pool kind)."""
+        return {"bytes": [len(page_bytes(self.pools[c["pool"]], p)) for p in c["pages"]]}
 
     def counters(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"counters": dataclasses.asdict(self.backends[c["backend"]].counters)}

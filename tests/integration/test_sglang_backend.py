@@ -17,7 +17,13 @@ a real ``kvtierd`` process:
 * two TP ranks never read each other's pages (MHA); MLA ranks share one copy;
 * identity is fail-closed: a missing revision or tokenizer digest, an unknown key, refuse startup;
   another revision gets no hits;
-* 128 pages stored and loaded (GB/s printed).
+* 128 pages stored and loaded (GB/s printed);
+* storage v2 (hybrid models: a KV pool with Mamba / SWA / indexer side pools, SGLang's
+  ``MambaPoolHost`` page methods): the same calls on SGLang's own ``HiCacheFile`` and on kvtier
+  give the same answers and bytes; pools never share keys; which pools TP ranks share; misses
+  without a daemon;
+* the reference backend's contract (``HiCacheFile``): an empty plain ``batch_set`` is True;
+  ``clear()`` is True only when nothing is left (kvtier: False, said once).
 
 The SGLang environment is found at ``$KVTIER_SGLANG_PYTHON`` (set by ``make test``) or
 ``.venv-sglang/bin/python``; without it these tests fail (run ``make sglang-env``) unless
@@ -66,7 +72,9 @@ class Driver(DriverProcess):
     """One SGLang-environment process driven over stdin/stdout (see sglang_driver.py)."""
 
     def __init__(self, log: Path) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+        # This checkout's kvtier first (the environment's editable install may be another one).
+        path = os.pathsep.join([str(HERE), str(ROOT / "client"), str(ROOT / "server")])
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
         super().__init__([SGLANG_PYTHON, str(HERE / "sglang_driver.py")], log, env=env,
                          cwd=log.parent, ready_timeout_s=120)
 
@@ -211,7 +219,7 @@ def test_malformed_arguments_are_misses_not_exceptions(drv: Driver,
     got = drv.call("junk/A", "garbage", keys("junk", 0, 1))
     assert got == ["0", "[]", "[False, False]", "[False, False]", "[False, False]", "None",
                    "False", "False", "PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={}, "
-                   "restorable_prefix_pages=None)", "{}", "{}", "None"], got
+                   "restorable_prefix_pages=[])", "{}", "{}", "None"], got
     assert drv.ask("counters", backend="junk/A")["counters"]["errors"] >= 3
 
 
@@ -335,11 +343,280 @@ def test_a_pool_it_cannot_store_exactly_refuses_to_start(drv: Driver, workdir: P
     addr = f"unix:{workdir}/no-daemon.sock"
     r = drv.backend("f64/A", "f64/p", addr, fails=True)
     assert "KV dtype float64" in r["error"], r
-    # A hybrid model: a second host pool (Mamba states here) beside the KV pool.
-    drv.ask("pool", name="hyb/kv", seed=None, **SHAPES["mha-page_first"])
-    drv.ask("pool", name="hyb/state", seed=None, **SHAPES["mha-layer_first"])
-    r = drv.backend("hyb/A", "hyb/kv", addr, fails=True, sidecar="hyb/state")
-    assert "hybrid / multi-pool models are not supported" in r["error"], r
+    # The v2 registration of the KV pool must be the pool registered first (no logical anchors).
+    drv.ask("pool", name="anchor/kv", seed=None, **SHAPES["mha-page_first"])
+    drv.ask("pool", name="anchor/other", seed=None, **SHAPES["mha-page_first"])
+    r = drv.backend("anchor/A", "anchor/kv", addr, fails=True, sides={"kv": "anchor/other"})
+    assert "not the pool registered by register_mem_pool_host" in r["error"], r
+
+
+# -- storage interface v2: hybrid models (a KV pool and side pools) -------------------------------
+
+# A hybrid model's host pools: the KV pool (MHA page-first), a Mamba state pool (SGLang's
+# MambaPoolHost: one slot a page, fp32 SSM state and a bf16 conv state in separate buffers) and
+# an SWA window pool (an MHA host pool of its own geometry, layer-first).
+KV = SHAPES["mha-page_first"]
+MAMBA = dict(kind="mamba", layout="page_first", pages=8, layers=2, temporal=[2, 3, 4],
+             convs=[[3, 8]], temporal_dtype="float32", dtype="bfloat16")
+SWA = dict(kind="mha", layout="layer_first", pages=12, page_size=4, layers=1, heads=1,
+           head_dim=16)
+
+
+def _hybrid(drv: Driver, tag: str, seed: int | None) -> dict[str, str]:
+    names = {"kv": f"{tag}/kv", "mamba": f"{tag}/mamba", "swa": f"{tag}/swa"}
+    for i, (pool, geo) in enumerate(((names["kv"], KV), (names["mamba"], MAMBA),
+                                     (names["swa"], SWA))):
+        drv.ask("pool", name=pool, seed=None if seed is None else seed + i, **geo)
+    return names
+
+
+def _v2(drv: Driver, backend: str, method: str, keys: list[str] | None = None,
+        transfers: list[dict[str, Any]] | None = None) -> Any:
+    r = drv.ask("call", backend=backend, method=method, keys=keys or [], pages=[],
+                transfers=transfers or [])
+    assert r["raised"] is None, r["raised"]
+    return r["result"]
+
+
+def test_v2_hybrid_round_trip_agrees_with_sglang_file_backend(
+        drv: Driver, shared_daemon: DaemonProcess, workdir: Path) -> None:
+    """The same v2 calls on SGLang's own HiCacheFile and on kvtier: the same answers, and the
+    same bytes in every pool of another process's pools."""
+    k = keys("v2", 0, 1, 2, 3, 4)  # k[4] is never stored
+    src = _hybrid(drv, "v2/src", seed=50)
+    store = [  # KV pages 0-3; Mamba state after pages 2 and 4 (1 trailing page each);
+        # the SWA window (2 trailing pages) of the 4-page prefix
+        {"name": "kv", "keys": k[:4], "pages": [3, 5, 7, 9]},
+        {"name": "mamba", "keys": [k[1]], "pages": [6], "policy": "trailing_pages"},
+        {"name": "mamba", "keys": [k[3]], "pages": [2], "policy": "trailing_pages"},
+        {"name": "swa", "keys": k[2:4], "pages": [4, 6], "policy": "trailing_pages"}]
+    queries = {
+        "mamba+swa": [{"name": "mamba", "keys": [k[4]], "policy": "trailing_pages"},
+                      {"name": "swa", "keys": k[3:5], "policy": "trailing_pages"}],
+        "mamba": [{"name": "mamba", "keys": [k[4]], "policy": "trailing_pages"}],
+        "swa-all": [{"name": "swa", "keys": k[:5], "policy": "all_pages"}],
+        "kv-only": []}
+    load = [{"name": "kv", "keys": k[:4], "pages": [0, 1, 2, 3]},
+            {"name": "mamba", "keys": [k[3]], "pages": [5], "policy": "trailing_pages"},
+            {"name": "swa", "keys": k[2:4], "pages": [8, 9], "policy": "trailing_pages"},
+            {"name": "mamba", "keys": [k[0]], "pages": [1], "policy": "trailing_pages"}]
+    answers = {}
+    for impl in ("file", "kvtier"):
+        dst = _hybrid(drv, f"v2/{impl}/dst", seed=None)
+        kw: dict[str, Any] = {"file": str(workdir / "hicache-file")} if impl == "file" else {}
+        w, r = f"v2/{impl}/w", f"v2/{impl}/r"
+        drv.backend(w, src["kv"], shared_daemon.unix, sides={"mamba": src["mamba"],
+                                                             "swa": src["swa"]}, **kw)
+        drv.backend(r, dst["kv"], shared_daemon.unix, sides={"mamba": dst["mamba"],
+                                                             "swa": dst["swa"]}, **kw)
+        stored = [_v2(drv, w, "batch_set_v2", transfers=[t]) for t in store]
+        hits = {q: _v2(drv, r, "batch_exists_v2", k, t) for q, t in queries.items()}
+        loaded = _v2(drv, r, "batch_get_v2", transfers=load[:3])
+        missed = _v2(drv, r, "batch_get_v2", transfers=load[3:])
+        answers[impl] = (stored, hits, loaded, missed)
+        # Every pool's pages arrived byte-exact in the other process's pools.
+        assert drv.digests(dst["kv"], [0, 1, 2, 3]) == drv.digests(src["kv"], [3, 5, 7, 9])
+        assert drv.digests(dst["mamba"], [5]) == drv.digests(src["mamba"], [2])
+        assert drv.digests(dst["swa"], [8, 9]) == drv.digests(src["swa"], [4, 6])
+        assert drv.digests(dst["mamba"], [1]) == drv.digests(dst["mamba"], [0])  # untouched
+    assert answers["kvtier"] == answers["file"], answers
+    stored, hits, loaded, missed = answers["kvtier"]
+    assert all(ok == [True] * len(ok) for s in stored for ok in s.values())
+    # 4 KV pages held; Mamba state after 2 and 4 pages; the SWA window of 4 pages only.
+    assert hits["mamba+swa"] == {"kv": 4, "pools": {"kv": 4, "mamba": 4, "swa": 4},
+                                 "restorable": [4]}
+    assert hits["mamba"] == {"kv": 2 + 2, "pools": {"kv": 4, "mamba": 4},
+                             "restorable": [2, 4]}
+    assert hits["swa-all"] == {"kv": 0, "pools": {"kv": 4}, "restorable": []}
+    assert hits["kv-only"] == {"kv": 4, "pools": {"kv": 4}, "restorable": [1, 2, 3, 4]}
+    assert loaded == {"kv": [True] * 4, "mamba": [True], "swa": [True, True]}
+    assert missed == {"mamba": [False]}
+
+
+def test_v2_over_tcp_moves_the_same_bytes(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    src, dst = _hybrid(drv, "v2tcp/src", seed=65), _hybrid(drv, "v2tcp/dst", seed=None)
+    addr = shared_daemon.address("tcp")
+    for role, pools in (("w", src), ("r", dst)):
+        drv.backend(f"v2tcp/{role}", pools["kv"], addr, extra={"transport": "tcp"},
+                    sides={"mamba": pools["mamba"], "swa": pools["swa"]})
+    k = keys("v2tcp", 0, 1)
+    t = [{"name": "mamba", "keys": k[1:], "pages": [3], "policy": "trailing_pages"},
+         {"name": "swa", "keys": k, "pages": [5, 6], "policy": "trailing_pages"}]
+    assert _v2(drv, "v2tcp/w", "batch_set_v2", transfers=t) == {"mamba": [True],
+                                                                "swa": [True, True]}
+    assert _v2(drv, "v2tcp/r", "batch_get_v2", transfers=[
+        dict(t[0], pages=[7]), dict(t[1], pages=[10, 11])]) == {"mamba": [True],
+                                                                "swa": [True, True]}
+    assert drv.digests(dst["mamba"], [7]) == drv.digests(src["mamba"], [3])
+    assert drv.digests(dst["swa"], [10, 11]) == drv.digests(src["swa"], [5, 6])
+
+
+def test_v2_pools_never_share_keys(drv: Driver, shared_daemon: DaemonProcess) -> None:
+    """A page of one pool is never found as another pool's page under the same SGLang key,
+    even where the pools' pages have the same size (SWA and draft-SWA here)."""
+    src, dst = _hybrid(drv, "iso/src", seed=60), _hybrid(drv, "iso/dst", seed=None)
+    drv.ask("pool", name="iso/src/draft", seed=61, **SWA)
+    drv.ask("pool", name="iso/dst/draft", seed=None, **SWA)
+    drv.backend("iso/w", src["kv"], shared_daemon.unix, sides={
+        "mamba": src["mamba"], "swa": src["swa"], "draft_swa": "iso/src/draft"})
+    drv.backend("iso/r", dst["kv"], shared_daemon.unix, sides={
+        "mamba": dst["mamba"], "swa": dst["swa"], "draft_swa": "iso/dst/draft"})
+    k = keys("iso", 0, 1)
+    assert _v2(drv, "iso/w", "batch_set_v2", transfers=[
+        {"name": "swa", "keys": k, "pages": [0, 1]},
+        {"name": "mamba", "keys": k[1:], "pages": [3]}]) == {"swa": [True] * 2, "mamba": [True]}
+    # Side pages are not KV pages, and the SWA pages are not draft-SWA pages.
+    assert drv.call("iso/r", "batch_exists", k) == 0
+    assert _v2(drv, "iso/r", "batch_get_v2", transfers=[
+        {"name": "kv", "keys": k, "pages": [0, 1]},
+        {"name": "draft_swa", "keys": k, "pages": [2, 3]},
+        {"name": "swa", "keys": k, "pages": [4, 5]}]) == {
+        "kv": [False, False], "draft_swa": [False, False], "swa": [True, True]}
+    assert drv.digests(dst["swa"], [4, 5]) == drv.digests(src["swa"], [0, 1])
+    # Storing the KV pages makes the KV prefix a hit; the draft-SWA pool still has none.
+    assert drv.call("iso/w", "batch_set_v1", k, [0, 1]) == [True, True]
+    assert _v2(drv, "iso/r", "batch_exists_v2", k, [
+        {"name": "swa", "keys": k, "policy": "all_pages"},
+        {"name": "draft_swa", "keys": k, "policy": "all_pages"}]) == {
+        "kv": 0, "pools": {"kv": 2, "swa": 2}, "restorable": []}
+    # A rank's Mamba state is its own (TP-sharded): rank 1 does not see rank 0's.
+    other = _hybrid(drv, "iso/rank1", seed=None)
+    drv.backend("iso/r1", other["kv"], shared_daemon.unix, tp_rank=1, tp_size=2,
+                sides={"mamba": other["mamba"], "swa": other["swa"]})
+    assert _v2(drv, "iso/r1", "batch_get_v2", transfers=[
+        {"name": "mamba", "keys": k[1:], "pages": [0]}]) == {"mamba": [False]}
+
+
+def test_v2_mla_model_shares_replicated_pools_and_not_mamba_state(
+        drv: Driver, shared_daemon: DaemonProcess) -> None:
+    """An MLA hybrid model (MLA KV, a DSA indexer, Mamba state): SGLang writes the replicated
+    pools (the KV latent, SGLang's DSAIndexerPoolHost) on TP rank 0 only and every rank reads that
+    copy; Mamba state is TP-sharded and written by every rank, so rank 1 never reads rank 0's."""
+    mla_side = dict(kind="dsa_indexer", layout="page_first", pages=16, page_size=4, layers=2,
+                    page_stride=12)
+    for role, seed in (("src", 90), ("dst", None)):
+        drv.ask("pool", name=f"mlah/{role}/kv", seed=seed, **SHAPES["mla-page_first"])
+        drv.ask("pool", name=f"mlah/{role}/mamba", seed=seed, **MAMBA)
+        drv.ask("pool", name=f"mlah/{role}/idx", seed=seed, **mla_side)
+    for rank, role in ((0, "src"), (1, "dst")):
+        drv.backend(f"mlah/{role}", f"mlah/{role}/kv", shared_daemon.unix, tp_rank=rank,
+                    tp_size=2, sides={"mamba": f"mlah/{role}/mamba",
+                                      "indexer": f"mlah/{role}/idx"})
+    k = keys("mlah", 0, 1)
+    assert _v2(drv, "mlah/src", "batch_set_v2", transfers=[
+        {"name": "kv", "keys": k, "pages": [1, 2]},
+        {"name": "indexer", "keys": k, "pages": [1, 2]},
+        {"name": "mamba", "keys": k[1:], "pages": [4], "policy": "trailing_pages"}]) == {
+        "kv": [True] * 2, "indexer": [True] * 2, "mamba": [True]}
+    assert _v2(drv, "mlah/dst", "batch_exists_v2", k, [
+        {"name": "indexer", "keys": k, "policy": "all_pages"},
+        {"name": "mamba", "keys": k[1:], "policy": "trailing_pages"}]) == {
+        "kv": 0, "pools": {"kv": 2, "indexer": 2}, "restorable": []}
+    assert _v2(drv, "mlah/dst", "batch_get_v2", transfers=[
+        {"name": "kv", "keys": k, "pages": [5, 6]},
+        {"name": "indexer", "keys": k, "pages": [5, 6]},
+        {"name": "mamba", "keys": k[1:], "pages": [0]}]) == {
+        "kv": [True] * 2, "indexer": [True] * 2, "mamba": [False]}
+    assert drv.digests("mlah/dst/idx", [5, 6]) == drv.digests("mlah/src/idx", [1, 2])
+
+
+def test_v2_without_daemon_answers_misses(drv: Driver, workdir: Path) -> None:
+    pools = _hybrid(drv, "v2none", seed=70)
+    drv.backend("v2none/A", pools["kv"], f"unix:{workdir}/no-daemon.sock",
+                sides={"mamba": pools["mamba"], "swa": pools["swa"]})
+    k = keys("v2none", 0, 1)
+    t = [{"name": "kv", "keys": k, "pages": [0, 1]},
+         {"name": "mamba", "keys": k[1:], "pages": [1], "policy": "trailing_pages"},
+         {"name": "swa", "keys": k, "pages": [2, 3]}]
+    for method in ("batch_set_v2", "batch_get_v2"):
+        r = drv.ask("call", backend="v2none/A", method=method, transfers=t, keys=[], pages=[])
+        assert r["raised"] is None and r["seconds"] < 2 * REQUEST_TIMEOUT_MS / 1000, r
+        assert r["result"] == {"kv": [False] * 2, "mamba": [False], "swa": [False] * 2}, r
+    r = drv.ask("call", backend="v2none/A", method="batch_exists_v2", keys=k, pages=[],
+                transfers=[t[1] | {"keys": k[1:]}])
+    assert r["raised"] is None and r["result"] == {"kv": 0, "pools": {}, "restorable": []}, r
+    # Transfers SGLang could not have meant: misses too, never an exception.
+    bad = [{"name": "mamba", "keys": k, "pages": [1]}, {"name": "indexer", "keys": k,
+                                                         "pages": [0, 1]}]
+    r = drv.ask("call", backend="v2none/A", method="batch_set_v2", transfers=bad, keys=[],
+                pages=[])
+    assert r["raised"] is None and r["result"] == {"mamba": [False] * 2,
+                                                   "indexer": [False] * 2}, r
+
+
+def test_v2_daemon_killed_mid_run_answers_misses_then_recovers(drv: Driver,
+                                                              workdir: Path) -> None:
+    d = DaemonProcess(workdir / "v2dies", "--host-bytes", "64MiB").start()
+    try:
+        pools = _hybrid(drv, "v2dies", seed=75)
+        drv.backend("v2dies/A", pools["kv"], d.unix, sides={"mamba": pools["mamba"],
+                                                            "swa": pools["swa"]})
+        k = keys("v2dies", 0, 1)
+        t = [{"name": "mamba", "keys": k[1:], "pages": [1], "policy": "trailing_pages"},
+             {"name": "swa", "keys": k, "pages": [2, 3], "policy": "trailing_pages"}]
+        query = [{k_: v for k_, v in x.items() if k_ != "pages"} for x in t]
+        assert drv.call("v2dies/A", "batch_set_v1", k, [0, 1]) == [True, True]
+        assert _v2(drv, "v2dies/A", "batch_set_v2", transfers=t) == {"mamba": [True],
+                                                                     "swa": [True, True]}
+        assert _v2(drv, "v2dies/A", "batch_exists_v2", k, query)["kv"] == 2
+        d.kill()
+        for method, args, want in (
+                ("batch_exists_v2", {"keys": k, "transfers": query},
+                 {"kv": 0, "pools": {}, "restorable": []}),
+                ("batch_get_v2", {"transfers": t}, {"mamba": [False], "swa": [False, False]}),
+                ("batch_set_v2", {"transfers": t}, {"mamba": [False], "swa": [False, False]})):
+            r = drv.ask("call", backend="v2dies/A", method=method, pages=[],
+                        **{"keys": [], **args})
+            assert r["raised"] is None and r["result"] == want, (method, r)
+            assert r["seconds"] < 3 * REQUEST_TIMEOUT_MS / 1000, (method, r)
+        d = DaemonProcess(workdir / "v2dies", "--host-bytes", "64MiB").start()  # same socket
+        deadline = time.monotonic() + 20
+        while _v2(drv, "v2dies/A", "batch_set_v2", transfers=t) != {"mamba": [True],
+                                                                    "swa": [True, True]}:
+            assert time.monotonic() < deadline, "the backend never came back to the daemon"
+            time.sleep(0.2)  # poll: the breaker's probe reopens the session by itself
+        assert drv.call("v2dies/A", "batch_set_v1", k, [0, 1]) == [True, True]
+        assert _v2(drv, "v2dies/A", "batch_exists_v2", k, query)["restorable"] == [2]
+    finally:
+        d.kill()
+
+
+# -- the reference backend's contract (SGLang's HiCacheFile) ---------------------------------------
+
+
+def test_empty_plain_batch_set_is_true_as_in_sglang_file_backend(
+        drv: Driver, shared_daemon: DaemonProcess, workdir: Path) -> None:
+    """A plain ``batch_set`` of no pages stores everything it was given: True on SGLang's
+    HiCacheFile, and on kvtier."""
+    drv.ask("pool", name="empty/p", seed=81, **SHAPES["mha-page_first"])
+    answers = {}
+    for impl in ("file", "kvtier"):
+        kw: dict[str, Any] = {"file": str(workdir / "hicache-empty")} if impl == "file" else {}
+        drv.backend(f"empty/{impl}", "empty/p", shared_daemon.unix, **kw)
+        answers[impl] = (drv.call(f"empty/{impl}", "batch_set", [], []),
+                         drv.call(f"empty/{impl}", "batch_set", keys("empty", 0), [1]))
+    assert answers["kvtier"] == answers["file"] == (True, True), answers
+
+
+def test_clear_answers_true_only_when_it_cleared_as_sglang_file_backend(
+        drv: Driver, shared_daemon: DaemonProcess, workdir: Path) -> None:
+    """``clear()`` answers True only when the backend holds nothing afterwards: HiCacheFile
+    clears and says True; kvtier cannot clear a daemon whose pages other engines share, and
+    says False (with one warning that says why, not one per call)."""
+    drv.ask("pool", name="clr/p", seed=80, **SHAPES["mha-page_first"])
+    k = keys("clr", 0)
+    for impl in ("file", "kvtier"):
+        kw: dict[str, Any] = {"file": str(workdir / "hicache-clear")} if impl == "file" else {}
+        b = f"clr/{impl}"
+        drv.backend(b, "clr/p", shared_daemon.unix, **kw)
+        assert drv.call(b, "set_page", k, [2]) is True, impl
+        assert drv.call(b, "exists", k) is True, impl
+        cleared = drv.call(b, "clear", [])
+        assert cleared is (not drv.call(b, "exists", k)), (impl, cleared)
+        assert cleared is (impl == "file")
+        assert drv.call(b, "clear", []) is (impl == "file")
+    log = (workdir / "driver.log").read_text()
+    assert log.count("kvtier HiCache clear: nothing cleared") == 1, log
 
 
 # -- throughput -----------------------------------------------------------------------------------

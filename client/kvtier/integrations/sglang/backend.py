@@ -7,7 +7,12 @@ as ``KvtierHiCacheStorage(storage_config, kwargs)``. Lifecycle:
                                 field raises ConfigError here: SGLang refuses to start), connect
     register_mem_pool_host      probe the host pool's pages (``pages.HostPoolPages``), build the
               (SGLang startup)  namespace from the pool's dtype and geometry, register it
+    register_mem_host_pool_v2   each pool of the model's group: the KV pool again ("kv"), and a
+              (SGLang startup)  hybrid model's side pools (Mamba, SWA, indexer, ...), each in a
+                                namespace of its own (``_SidePool``, ``_side_namespace``)
     batch_exists / batch_get_v1 / batch_set_v1 / get / set / ...   (SGLang's storage threads)
+    batch_exists_v2 / batch_get_v2 / batch_set_v2   (hybrid models: per-pool transfers)
+    clear                       False: a shared daemon is not emptied by one engine (logged once)
     close
 
 Never raises into SGLang's storage threads: an exception there kills the thread and leaks host
@@ -22,6 +27,8 @@ incremented without a lock (approximate under races, as the SDK's).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +39,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
+    PoolName,
     PoolTransferResult,
 )
 
@@ -43,7 +51,7 @@ from kvtier.integrations.sglang.config import (
     page_key,
     resolve_identity,
 )
-from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError
+from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError, whole_pages
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import KV_DTYPES, Namespace
 
@@ -64,6 +72,9 @@ class BackendCounters:
     pages_load_failed: int = 0  # asked for and not loaded (miss, daemon away, bad indices)
     pages_stored: int = 0  # stored or already present
     pages_store_failed: int = 0
+    v2_pages_loaded: int = 0  # pages of batch_get_v2 transfers loaded (any pool)
+    v2_pages_stored: int = 0  # pages of batch_set_v2 transfers stored or already present
+    v2_pages_failed: int = 0  # pages of v2 transfers not loaded / not stored
     errors: int = 0  # exceptions caught at the SGLang boundary
     last_error: str = field(default="", repr=False)
 
@@ -80,7 +91,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.counters = BackendCounters()
         self.pages: HostPoolPages | None = None
         self.handle: NamespaceHandle | None = None
+        self.side_pools: dict[str, _SidePool] = {}  # hybrid models' other host pools, by name
         self._logged: dict[str, float] = {}
+        self._cleared_logged = False
         self.metrics = bool(storage_config.enable_storage_metrics)
         # (pages, GB/s) of each load / store batch since the last get_stats (SGLang's metrics).
         self._loads: list[tuple[int, float]] = []
@@ -145,29 +158,200 @@ class KvtierHiCacheStorage(HiCacheStorage):
             tenant=self.cfg.tenant)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang 0.5.23 registers every model's pools as a group: a plain MHA/MLA model's group
-        holds only the KV pool, already registered by ``register_mem_pool_host``. Any other pool
-        (Mamba, SWA, DSA indexer: hybrid models) is refused at startup, rather than storing a KV
-        prefix without the state that must go with it."""
-        if str(host_pool_name) == "kv" and host_pool is getattr(self, "mem_pool_host", None):
-            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        """SGLang registers every host pool of the model's group here (storage interface v2):
+        the KV pool (``"kv"``, the pool ``register_mem_pool_host`` already registered) and, for
+        hybrid models, each side pool (Mamba state, SWA window, DSA indexer, draft, DeepSeek V4
+        compressed pools). Each side pool gets its own namespace (``_side_namespace``: the pool's
+        name, class, layout, dtypes and page bytes), so its pages never share a key with the KV
+        pool's or another pool's. Raises ``ConfigError`` (SGLang does not start) for a pool whose
+        pages cannot be stored exactly."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name == "kv":
+            if host_pool is not getattr(self, "mem_pool_host", None):
+                raise ConfigError("mem_pool_host", f"HiCache KV pool {type(host_pool).__name__} "
+                                  "is not the pool registered by register_mem_pool_host (a "
+                                  "logical anchor): not supported by the kvtier backend")
             return
-        raise ConfigError("mem_pool_host", f"HiCache pool {host_pool_name!s} "
-                          f"({type(host_pool).__name__}): hybrid / multi-pool models are not "
-                          "supported by the kvtier backend")
+        try:
+            side = _SidePool.probe(host_pool, name)
+            namespace = self._side_namespace(host_pool, name, side)
+        except ConfigError:
+            raise
+        except (PoolShapeError, ValueError, NotImplementedError, AttributeError, TypeError,
+                InvalidArgument) as e:
+            raise ConfigError(f"host_pool.{name}", f"{type(host_pool).__name__}: cannot store "
+                              f"its pages: {type(e).__name__}: {e}") from e
+        side.handle = self.client.register(namespace)
+        self.side_pools[name] = side
+        log.info("kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)", name,
+                 namespace.to_dict(), side.block_bytes,
+                 "zero-copy" if side.pages is not None else "flat pages")
 
-    # The *_v2 verbs of hybrid models: never reached after the refusal above, and still never
-    # raising into SGLang's storage threads if they are.
+    def _side_namespace(self, pool: Any, name: str, side: _SidePool) -> Namespace:
+        """A side pool's namespace: the model's identity, and the pool's own geometry. Its pages
+        are opaque bytes (``kv_dtype`` uint8, 1 layer, 1 head of ``block_bytes / 2 /
+        page_size``); ``layout`` names the pool, its class and host layout, and a digest of its
+        dtypes and shapes. Rank-replicated (one copy, written by rank 0 and read by all) only
+        for an MLA model's pools that are not Mamba state and not per-head (SGLang's writers:
+        ``HybridCacheController.should_backup``); every other pool is per TP rank."""
+        page_size = side.page_size
+        if side.block_bytes % (2 * page_size):
+            raise ConfigError(f"host_pool.{name}", f"a page of {side.block_bytes} bytes is not "
+                              f"a whole number of 2 x {page_size} bytes")
+        geometry = {attr: str(getattr(pool, attr)) for attr in _GEOMETRY_ATTRS
+                    if hasattr(pool, attr)}
+        geometry.update(page_bytes=str(side.block_bytes), page_size=str(page_size))
+        digest = hashlib.sha256(repr(sorted(geometry.items())).encode()).hexdigest()[:16]
+        layout = f"sglang.v2.{name}.{type(pool).__name__}.{getattr(pool, 'layout', None)}.{digest}"
+        cfg = self.storage_config
+        shared = self.is_mla and name != "mamba" and not hasattr(pool, "head_num")
+        tp_size, tp_rank = (1, 0) if shared else (cfg.tp_size, cfg.tp_rank)
+        return Namespace(
+            model_id=self.identity.model_id, model_revision=self.identity.model_revision,
+            tokenizer_digest=self.identity.tokenizer_digest, kv_dtype="uint8", layout=layout,
+            tokens_per_block=page_size, num_layers=1, num_kv_heads=1,
+            head_dim=side.block_bytes // (2 * page_size), tp_size=tp_size, tp_rank=tp_rank,
+            pp_size=cfg.pp_size, pp_rank=cfg.pp_rank, cache_salt=self.cfg.cache_salt,
+            tenant=self.cfg.tenant)
+
+    # -- storage interface v2 (hybrid models: the KV pool with side pools) ------------------------
+
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
                         extra_info: Any = None) -> Any:
-        return PoolTransferResult.empty()
+        """SGLang's hybrid hit query (``HiCacheFile.batch_exists_v2`` semantics): the leading KV
+        pages the daemon holds, then each transfer's pool cuts the usable prefix: ``ALL_PAGES``
+        needs the pool's page for every KV page of the prefix, ``TRAILING_PAGES`` only for the
+        last ``len(transfer.keys)`` pages before the cut. A side pool's page ``i`` is stored
+        under KV key ``keys[i]`` in the pool's namespace. ``restorable_prefix_pages`` lists every
+        usable prefix length (SGLang intersects them across ranks)."""
+        def run() -> Any:
+            handle = self._ready()
+            kv_pages = handle.lookup(self._keys(handle, keys)) if handle and keys else 0
+            self.counters.pages_hit += kv_pages
+            hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+            restorable = list(range(1, kv_pages + 1))
+            deadline = time.monotonic() + self.cfg.op_timeout_ms / 1000
+            for transfer in pool_transfers or []:
+                if not restorable:
+                    break
+                policy = _policy(transfer.hit_policy)
+                if policy == "all_pages":  # one prefix lookup
+                    boundary = self._held_prefix(transfer.name, keys[:kv_pages])
+                    usable = set(range(1, boundary + 1))
+                elif policy == "trailing_pages":  # one lookup per page
+                    have = self._presence(transfer.name, keys[:kv_pages], deadline)
+                    n = max(1, len(transfer.keys or []))
+                    usable = {end for end in range(1, kv_pages + 1)
+                              if all(have[max(0, end - n):end])}
+                    boundary = max(usable, default=0)
+                else:
+                    self._note("batch_exists_v2", f"pool {transfer.name}: hit policy {policy} "
+                               "is not supported (no hit)")
+                    usable, boundary = set(), 0
+                if boundary:
+                    hits[transfer.name] = boundary
+                restorable = [p for p in restorable if p in usable]
+            return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        return self._guard("batch_get_v2", lambda: {
-            str(t.name): [False] * len(t.keys or []) for t in transfers or []}, {})
+        self.counters.pages_queried += _length(keys)
+        return self._guard("batch_exists_v2", run, PoolTransferResult.empty())
 
-    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        return self.batch_get_v2(transfers, extra_info)
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Load each transfer's pages (``keys``, ``host_indices`` of its pool) into its host
+        pool; ``True`` per page loaded, a page not found is left untouched."""
+        return self._batch_v2("batch_get_v2", transfers, load=True)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Store each transfer's pages (for a ``TRAILING_PAGES`` pool SGLang passes only the
+        last pages of the prefix). Per pool all ``True`` when every page is stored or already
+        there, else all ``False`` (as ``batch_set_v1``)."""
+        return self._batch_v2("batch_set_v2", transfers, load=False)
+
+    def _batch_v2(self, op: str, transfers: Any, *, load: bool) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for transfer in _iterate(transfers):
+            n = _length(getattr(transfer, "keys", None) or [])
+            name = getattr(transfer, "name", None)
+            ok = self._guard(op, functools.partial(self._transfer, transfer, load=load),
+                             [False] * n)
+            if name is not None:
+                out[name] = ok
+            loaded = sum(map(bool, ok))
+            if load:
+                self.counters.v2_pages_loaded += loaded
+            else:
+                self.counters.v2_pages_stored += loaded
+            self.counters.v2_pages_failed += n - loaded
+        return out
+
+    def _transfer(self, transfer: Any, *, load: bool) -> list[bool]:
+        keys = list(transfer.keys or [])
+        if not keys:
+            return []
+        name = _pool_name(transfer.name)
+        if name == "kv":
+            if load:
+                return self.batch_get_v1(keys, transfer.host_indices)
+            return self.batch_set_v1(keys, transfer.host_indices)
+        side = self.side_pools.get(name)
+        if side is None or side.handle is None:
+            self._note(f"pool.{name}", "a transfer for a pool SGLang never registered")
+            return [False] * len(keys)
+        ids = side.page_ids(transfer.host_indices, len(keys))
+        if ids is None:
+            self._note(f"pool.{name}", f"{len(keys)} keys with host indices that are not whole "
+                       "pages")
+            return [False] * len(keys)
+        handle = side.handle
+        kk = self._keys(handle, keys)
+        if side.pages is not None:  # zero-copy, as batch_*_v1
+            if load:
+                return handle.get_blocks(kk, side.pages.layout(), ids)
+            result = handle.put_blocks(kk, side.pages.layout(), ids)
+            return [result.stored + result.already_present == len(keys)] * len(keys)
+        pool, ps = side.pool, side.page_size
+        if load:  # SGLang's flat data pages (HiCacheFile's path)
+            bufs = [pool.get_dummy_flat_data_page() for _ in keys]
+            found = handle.get_into(kk, bufs)
+            for page, buf, hit in zip(ids, bufs, found, strict=True):
+                if hit:
+                    pool.set_from_flat_data_page(page * ps, buf)
+            return found
+        pages = [pool.get_data_page(page * ps, flat=True) for page in ids]
+        result = handle.put(kk, pages)
+        return [result.stored + result.already_present == len(keys)] * len(keys)
+
+    def _pool_handle(self, pool_name: Any) -> NamespaceHandle | None:
+        name = _pool_name(pool_name)
+        handle = self.handle if name == "kv" else getattr(
+            self.side_pools.get(name), "handle", None)
+        if handle is None:
+            self._note(f"pool.{name}", "a hit query for a pool SGLang never registered")
+        return handle
+
+    def _held_prefix(self, pool_name: Any, keys: list[str]) -> int:
+        """How many of the pool's pages of ``keys``, from the first, the daemon holds."""
+        handle = self._pool_handle(pool_name)
+        return handle.lookup(self._keys(handle, keys)) if handle is not None and keys else 0
+
+    def _presence(self, pool_name: Any, keys: list[str], deadline: float) -> list[bool]:
+        """Whether pool ``pool_name`` holds its page of each KV key (one lookup per key; the
+        local index answers without a round trip over ``shm``). Unregistered pool, or past the
+        deadline: not held."""
+        handle = self._pool_handle(pool_name)
+        if handle is None:
+            return [False] * len(keys)
+        have = []
+        for key in self._keys(handle, keys):
+            if time.monotonic() >= deadline:
+                have.append(False)
+                continue
+            # The published index first, left out of the client's lookup counts (one query
+            # here is one lookup per page); a round trip only when it cannot answer.
+            hit = handle.lookup_local([key], count=False)
+            have.append((handle.lookup([key]) if hit is None else hit) == 1)
+        return have
 
     # -- the zero-copy interface (interface_v1) --------------------------------------------------
 
@@ -261,6 +445,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return result.stored + result.already_present == len(keys)
 
         n = _length(keys)
+        if n == 0 and keys is not None:
+            return True  # nothing to store is done (SGLang's HiCacheFile answers True too)
         ok = n > 0 and self._guard("batch_set", run, False)
         self._count_stored(n, ok)
         return ok
@@ -283,8 +469,17 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         return self._guard("get_stats", run, None)
 
-    def clear(self) -> None:
-        """Nothing to do: kvtier evicts by itself, and one rank may not drop a shared cache."""
+    def clear(self) -> bool:
+        """``False``: nothing is cleared, and a warning says why, once. The daemon has no call
+        that drops a namespace's pages (it evicts by itself), and its pages are shared with every
+        other engine of the same identity, which one SGLang rank may not empty. Use a new
+        ``cache_salt`` (or restart the daemon) to start from an empty cache."""
+        if not self._cleared_logged:
+            self._cleared_logged = True
+            log.warning("kvtier HiCache clear: nothing cleared: the kvtier daemon has no call "
+                        "that drops a namespace's pages (it evicts by itself, and they are "
+                        "shared with other engines); set a new cache_salt to start empty")
+        return False
 
     def close(self) -> None:
         self._guard("close", self.client.close, None)
@@ -342,6 +537,72 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if now - self._logged.get(op, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[op] = now
             log.warning("kvtier HiCache %s failed (answered as a miss): %s", op, message)
+
+
+# Pool attributes that make up a side pool's geometry (its namespace layout digest), where present.
+_GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_cache_dim",
+                   "num_mamba_layers", "temporal_dtype", "conv_dtype", "temporal_state_shape",
+                   "conv_state_shapes", "size_per_token", "indexer_dtype",
+                   "indexer_page_stride_size")
+
+
+@dataclass
+class _SidePool:
+    """One side pool of a hybrid model: its pages, moved zero-copy when they are equal pieces
+    of one of the pool's own tensors at a fixed stride (``pages``), else as SGLang's flat data
+    pages (``get_data_page`` / ``set_from_flat_data_page``, the path of SGLang's file backend:
+    Mamba state, whose pieces live in separate buffers)."""
+
+    name: str
+    pool: Any
+    page_size: int
+    num_pages: int
+    block_bytes: int
+    pages: HostPoolPages | None
+    handle: NamespaceHandle | None = None
+
+    @classmethod
+    def probe(cls, pool: Any, name: str) -> _SidePool:
+        page_size = int(pool.page_size)
+        num_pages = int(pool.size) // page_size
+        if page_size < 1 or num_pages < 1:
+            raise PoolShapeError(f"host pool of {pool.size} tokens in pages of {page_size}")
+        dummy = pool.get_dummy_flat_data_page()
+        block_bytes = int(dummy.numel()) * int(dummy.element_size())
+        page = pool.get_data_page(0, flat=True)
+        if int(page.numel()) * int(page.element_size()) != block_bytes or block_bytes < 1:
+            raise PoolShapeError(f"a data page has {page.numel() * page.element_size()} bytes, "
+                                 f"the pool's empty page {block_bytes}")
+        pages: HostPoolPages | None = None
+        try:
+            pages = HostPoolPages.probe(pool, f"sglang.v2.{name}")
+        except Exception:  # noqa: BLE001 - no fixed-stride pieces: flat pages instead
+            pages = None
+        if pages is not None and (not pages.in_buffer or pages.block_bytes != block_bytes):
+            pages = None
+        return cls(name, pool, page_size, num_pages, block_bytes, pages)
+
+    def page_ids(self, host_indices: Any, n_pages: int) -> list[int] | None:
+        if host_indices is None:
+            return None
+        return whole_pages(host_indices, n_pages, self.page_size, self.num_pages)
+
+
+def _pool_name(name: Any) -> str:
+    """A PoolName (a ``str`` enum) or a plain string, as its value."""
+    return str(getattr(name, "value", name))
+
+
+def _policy(policy: Any) -> str:
+    return str(getattr(policy, "value", policy))
+
+
+def _iterate(items: Any) -> list[Any]:
+    """``list(items)``, or [] for something that is not a sequence (never raises)."""
+    try:
+        return list(items or [])
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def _length(keys: Any) -> int:

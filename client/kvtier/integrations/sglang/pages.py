@@ -30,7 +30,7 @@ import torch
 
 from kvtier.layouts import PagedKvLayout
 
-__all__ = ["HostPoolPages", "PoolShapeError"]
+__all__ = ["HostPoolPages", "PoolShapeError", "whole_pages"]
 
 
 class PoolShapeError(ValueError):
@@ -60,8 +60,11 @@ class HostPoolPages:
         self.segment_bytes = shape.segment_bytes
         self.block_bytes = self.segments * shape.segment_bytes
         self.name = name
+        # True when every page lies in the pool's own kv_buffer tensor (one allocation), so the
+        # address order of a page's segments is fixed by the pool's class, not by the allocator.
+        self.in_buffer = False
         self._shape = shape
-        self._raw = _raw_bytes(pool, shape.lo, shape.hi)
+        self._raw, self.in_buffer = _raw_bytes(pool, shape.lo, shape.hi)
         self._local = threading.local()
 
     @classmethod
@@ -108,30 +111,41 @@ class HostPoolPages:
         """The pool pages of ``n_pages`` pages given as host token indices (SGLang passes
         ``n_pages * page_size`` indices, page after page; the first index of each page names it,
         as in ``get_page_buffer_meta``). None when they do not name whole pages of this pool."""
-        idx = torch.as_tensor(host_indices).reshape(-1)
-        if idx.numel() != n_pages * self.page_size:
-            return None
-        starts = idx[:: self.page_size].tolist()
-        ids = [int(s) // self.page_size for s in starts]
-        if any(int(s) % self.page_size or not 0 <= p < self.num_pages
-               for s, p in zip(starts, ids, strict=True)):
-            return None
-        return ids
+        return whole_pages(host_indices, n_pages, self.page_size, self.num_pages)
+
+def whole_pages(host_indices: Any, n_pages: int, page_size: int, num_pages: int
+                ) -> list[int] | None:
+    """The pages (of ``num_pages`` pages of ``page_size`` tokens) named by ``host_indices``:
+    ``n_pages * page_size`` indices, page after page, the first of each page naming it. None
+    when they do not name whole pages of the pool."""
+    idx = torch.as_tensor(host_indices).reshape(-1)
+    if idx.numel() != n_pages * page_size:
+        return None
+    starts = idx[::page_size].tolist()
+    ids = [int(s) // page_size for s in starts]
+    if any(int(s) % page_size or not 0 <= p < num_pages for s, p in zip(starts, ids, strict=True)):
+        return None
+    return ids
 
 
-def _raw_bytes(pool: Any, lo: int, hi: int) -> torch.Tensor:
-    """A uint8 tensor over host memory ``[lo, hi)``: a view of the storage of the pool's
-    ``kv_buffer`` when that covers it (the view keeps the memory alive, even once SGLang drops
-    the buffer at teardown), else a view of the raw addresses (kept alive by the pool)."""
-    buf = getattr(pool, "kv_buffer", None)
-    if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
-        storage = buf.untyped_storage()
-        base = storage.data_ptr()
-        if base <= lo and hi <= base + storage.nbytes():
-            raw = torch.empty(0, dtype=torch.uint8)
-            raw.set_(storage, lo - base, (hi - lo,), (1,))
-            return raw
-    return torch.frombuffer((ctypes.c_ubyte * (hi - lo)).from_address(lo), dtype=torch.uint8)
+def _raw_bytes(pool: Any, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
+    """A uint8 tensor over host memory ``[lo, hi)``, and whether it is a view of the storage of
+    one of the pool's own CPU tensors (its ``kv_buffer``, else another tensor attribute such as
+    the DSA indexer's buffer) that covers every page: the view keeps the memory alive, even once
+    SGLang drops the buffer at teardown. Else a view of the raw addresses (kept alive by the
+    pool), which may span memory between separate allocations that no page uses."""
+    attrs = getattr(pool, "__dict__", {})
+    buffers = [getattr(pool, "kv_buffer", None), *attrs.values()]
+    for buf in buffers:
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
+            storage = buf.untyped_storage()
+            base = storage.data_ptr()
+            if base <= lo and hi <= base + storage.nbytes():
+                raw = torch.empty(0, dtype=torch.uint8)
+                raw.set_(storage, lo - base, (hi - lo,), (1,))
+                return raw, True
+    raw = torch.frombuffer((ctypes.c_ubyte * (hi - lo)).from_address(lo), dtype=torch.uint8)
+    return raw, False
 
 
 def _segments(pool: Any, page: int, page_size: int) -> list[tuple[int, int]]:
