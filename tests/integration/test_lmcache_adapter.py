@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, DaemonProcess
+from conftest import ROOT, DaemonProcess, make_namespace
 from driver_process import DriverProcess, require_env
 
 import kvtier
@@ -378,6 +378,28 @@ def test_lookup_and_lock_answers_each_key_as_lmcaches_own_adapter_does(
                       "pinned_after_unlock": None}  # LMCache's reference answer
     assert got[1] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": 3,
                       "pinned_after_unlock": 0}
+
+
+def test_the_per_key_pinned_lookup_answers_past_a_gap_and_pins_only_what_it_found(
+        daemon: DaemonProcess) -> None:
+    """``NamespaceHandle.lookup_each_pinned`` (the daemon's PrepareLoad, no bytes moved): what
+    the adapter asks about the keys after a missing one. Releasing it counts as a load in the
+    daemon's figures (docs/lmcache.md section 7 says so)."""
+    with kvtier.Client.connect(daemon.unix) as client:
+        handle = client.register(make_namespace())
+        keys = [bytes([i]) * 32 for i in range(6)]
+        block = bytes(handle.block_bytes)
+        assert handle.put([keys[i] for i in (1, 2, 4)], [block] * 3).stored == 3
+        assert handle.lookup_pinned(keys).hits == 0  # a prefix lookup sees nothing
+        each = handle.lookup_each_pinned(keys)
+        assert each.found == [False, True, True, False, True, False] and each.pin
+        assert client.stats()["pinned_blocks"] == 3
+        loads = client.stats()["total"]["loads"]
+        assert client.release(each.pin, each.epoch)
+        assert client.stats()["pinned_blocks"] == 0
+        assert client.stats()["total"]["loads"] == loads + 3
+        nothing = handle.lookup_each_pinned([keys[0], keys[3]])
+        assert nothing.found == [False, False] and nothing.pin == 0
 
 
 def params_at(address: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.lmcache.config import AdapterConfig, AdapterCounters
 from kvtier.integrations.lmcache.keys import KeyMapper
 from kvtier.integrations.lmcache.locks import PinTable
+from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace
 
 log = logging.getLogger("kvtier.integrations.lmcache")
@@ -86,7 +87,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
-        self._said: set[str] = set()  # refusal reasons already logged
+        self._said: set[str] = set()  # reasons already logged (refusals, daemon refusals)
         self._stores: dict[int, L2StoreResult] = {}
         self._lookups: dict[int, Bitmap] = {}
         self._loads: dict[int, Bitmap] = {}
@@ -200,12 +201,17 @@ class KvtierL2Adapter(L2AdapterInterface):
     def _refused(self, why: str) -> None:
         self.counters.refused += 1
         self.counters.last_refusal = why
-        with self._lock:
-            if why in self._said:
-                return
-            self._said.add(why)
+        if not self._first_time(why):
+            return
         log.warning("kvtier L2 adapter: chunk refused (a miss or a failed store; said once per "
                     "reason, counted in 'refused'): %s", why)
+
+    def _first_time(self, why: str) -> bool:
+        with self._lock:
+            if why in self._said or len(self._said) >= 64:  # bounded: reasons may carry numbers
+                return False
+            self._said.add(why)
+            return True
 
     def _note_error(self, e: BaseException) -> None:
         self.counters.errors += 1
@@ -265,16 +271,24 @@ class KvtierL2Adapter(L2AdapterInterface):
             step = max(1, self._client.max_batch)
             for start in range(0, len(kvkeys), step):
                 part = kvkeys[start:start + step]
-                prefix = handle.lookup_pinned(part)
-                self._lock_found(bitmap, keys, [idx[start + j] for j in range(prefix.hits)],
-                                 prefix.pin, prefix.epoch)
-                rest = prefix.hits + 1  # key `hits` is missing (or the daemon is away)
-                if rest >= len(part):
-                    continue
-                each = handle.lookup_each_pinned(part[rest:])
-                found = [idx[start + rest + j] for j, ok in enumerate(each.found) if ok]
-                self._lock_found(bitmap, keys, found, each.pin, each.epoch)
-                self.counters.locked_past_gap += len(found)
+                try:  # a refusal (a tenant's pin quota) is a miss for these keys, not the task:
+                    # the locks already taken stay reported, so LMCache unlocks them
+                    prefix = handle.lookup_pinned(part)
+                    self._lock_found(bitmap, keys, [idx[start + j] for j in range(prefix.hits)],
+                                     prefix.pin, prefix.epoch)
+                    rest = prefix.hits + 1  # key `hits` is missing (or the daemon is away)
+                    if rest >= len(part):
+                        continue
+                    each = handle.lookup_each_pinned(part[rest:])
+                    found = [idx[start + rest + j] for j, ok in enumerate(each.found) if ok]
+                    self._lock_found(bitmap, keys, found, each.pin, each.epoch)
+                    self.counters.locked_past_gap += len(found)
+                except KvtierError as e:
+                    self.counters.errors += 1
+                    self.counters.last_error = why = f"{type(e).__name__}: {e}"
+                    if self._first_time(why):
+                        log.warning("kvtier L2 adapter: lookup refused by the daemon (misses; "
+                                    "said once per reason, counted in 'errors'): %s", why)
         return bitmap
 
     def _lock_found(self, bitmap: Bitmap, keys: list[Any], found: list[int], pin: int,
