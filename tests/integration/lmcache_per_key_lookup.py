@@ -49,25 +49,23 @@ def wait(fd: int, timeout_s: float = 10.0) -> None:
         os.eventfd_read(fd)
 
 
-def pinned(address: str | None) -> int | None:
+def pinned(address: str | None, expected: int) -> int | None:
+    """The daemon's pinned blocks, once they are ``expected`` (an unlock's release runs on the
+    adapter's worker thread) or after 10 s; None without a daemon to ask."""
     if address is None:
         return None
     import kvtier
 
     with kvtier.Client.connect(address) as client:
         deadline = time.monotonic() + 10
-        while True:  # an unlock's release runs on the adapter's worker thread
+        while True:
             n = int(client.stats()["pinned_blocks"])
-            if n == want or time.monotonic() > deadline:
+            if n == expected or time.monotonic() > deadline:
                 return n
             time.sleep(0.02)
 
 
-want = -1
-
-
 def main() -> None:
-    global want
     spec, address = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec])).adapters[0]
     l1 = torch.zeros((len(STORED), *SHAPE), dtype=torch.bfloat16)
@@ -87,13 +85,11 @@ def main() -> None:
             wait(adapter.get_lookup_and_lock_event_fd())
             found = adapter.query_lookup_and_lock_result(task)
         hits = found.get_indices_list()
-        want = len(hits)
-        pinned_locked = pinned(address)
+        pinned_locked = pinned(address, len(hits))
         adapter.submit_unlock([keys[i] for i in hits])
-        want = 0
         print(json.dumps({"stored": stored.is_successful(), "found": hits,
                           "pinned_while_locked": pinned_locked,
-                          "pinned_after_unlock": pinned(address)}), flush=True)
+                          "pinned_after_unlock": pinned(address, 0)}), flush=True)
     finally:
         adapter.close()
 
