@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.buffers import byte_view
-from kvtier.results import LookupResult, PinnedLookup, PutResult, SlicesLookup
+from kvtier.results import LookupResult, PinnedEach, PinnedLookup, PutResult, SlicesLookup
 from kvtier.session import (
     MIN_RPC_S,
     Away,
@@ -172,6 +172,23 @@ def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -
         return PinnedLookup(0, [], 0, 0)
     return PinnedLookup(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
                         reply.job_id, reply.boot_epoch)
+
+
+def lookup_each_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -> PinnedEach:
+    """One answer per key (PrepareLoad's ``found``), the found ones pinned as one load job that
+    moves no bytes until released (CompleteLoad)."""
+    if len(keys) > session._max_batch:
+        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per pinned lookup",
+                                       field="keys")
+    session.counters.lookups += 1
+    try:
+        reply = session._call("PrepareLoad", pb.PrepareLoadRequest(
+            namespace_id=handle.namespace_id, keys=pack_keys(keys),
+            transport=make_transport_value(session.transport_name)))
+    except Away:
+        session.counters.lookups_failed += 1
+        return PinnedEach([False] * len(keys), 0, 0)
+    return PinnedEach([bool(b) for b in reply.found], reply.job_id, reply.boot_epoch)
 
 
 def lookup_slices(session: Session, handles: Sequence[Registered],

@@ -42,7 +42,14 @@ from kvtier import batches
 from kvtier.addresses import address_target
 from kvtier.buffers import byte_view
 from kvtier.diagnose import explain_rpc
-from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup
+from kvtier.results import (
+    ClientCounters,
+    LookupResult,
+    PinnedEach,
+    PinnedLookup,
+    PutResult,
+    SlicesLookup,
+)
 from kvtier.session import Away, OutOfTime, Session
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
@@ -194,6 +201,13 @@ class NamespaceHandle:
         """Like lookup_detail (at most one batch of keys), and the hits stay pinned against
         eviction until ``client.release(result.pin, result.epoch)``."""
         return batches.lookup_pinned(self.client, self, keys)
+
+    def lookup_each_pinned(self, keys: Sequence[bytes]) -> PinnedEach:
+        """One answer per key, not a prefix (at most one batch of keys): the keys ready in the
+        host tier, or promoted into it now, are found and stay pinned until
+        ``client.release(result.pin, result.epoch)``. Releasing counts their blocks as loaded
+        in the daemon's figures (the pin is a load job); prefer ``lookup_pinned`` for a chain."""
+        return batches.lookup_each_pinned(self.client, self, keys)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the daemon to promote the NVMe-resident blocks of the ready prefix ahead of a

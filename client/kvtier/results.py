@@ -45,6 +45,17 @@ class PinnedLookup:
 
 
 @dataclass
+class PinnedEach:
+    """A per-key pinned lookup: ``found[i]`` says whether key ``i`` is ready and now pinned in
+    the host tier, all under one pin released by ``Client.release(pin, epoch)`` (0: nothing
+    pinned). A key held only below that did not fit in the host tier this round is not found."""
+
+    found: list[bool]
+    pin: int
+    epoch: int
+
+
+@dataclass
 class SlicesLookup:
     """A pinned lookup in the namespaces of an engine's parallel slices (one per TP rank):
     ``hits`` is the prefix every slice holds; ``slices`` one PinnedLookup per slice looked up,

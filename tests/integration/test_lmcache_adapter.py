@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, DaemonProcess
+from conftest import ROOT, DaemonProcess, make_namespace
 from driver_process import DriverProcess, require_env
 
 import kvtier
@@ -303,6 +303,105 @@ def test_an_adapter_built_without_its_daemon_starts_and_says_why_once(lmcache_en
         out.stderr[-3000:]
 
 
+# -- LMCache's own conformance tool and contract (issue 28's peer findings) -------------------------
+
+CONFORMANCE_MODEL = "test/conformance"
+# basic_check's objects: 1,024 bfloat16 values = one 16-token chunk of 1 layer, 1 head of 32.
+CONFORMANCE_IDENTITY = dict(IDENTITY, num_layers=1, num_kv_heads=1, head_dim=32)
+SHORT_HASH_REFUSED = ("chunk refused (a miss or a failed store; said once per reason, counted "
+                      "in 'refused'): chunk_hash of 4 bytes, shorter than "
+                      "adapter_params.min_chunk_hash_bytes 16")
+
+
+def conformance_run(python: str, daemon: DaemonProcess, **over: Any) -> str:
+    """``python -m lmcache.v1.basic_check --mode test_l2_adapter`` (LMCache's conformance tool
+    for L2 adapters) against kvtier's adapter: stdout and stderr together."""
+    spec = {"type": "plugin", "module_path": "kvtier.integrations.lmcache",
+            "class_name": "KvtierL2Adapter",
+            "adapter_params": params(daemon, models={CONFORMANCE_MODEL: CONFORMANCE_IDENTITY},
+                                     **over)}
+    out = subprocess.run([python, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter",
+                          "--model", CONFORMANCE_MODEL, "--num-keys", "5", "--obj-size", "1024",
+                          "--kv-dtype", "bfloat16", "--l2-adapter", json.dumps(spec)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200,
+                         env=dict(os.environ, **ENV))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "Test Failed" not in out.stdout, out.stdout[-3000:]
+    return out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_lmcache_conformance_tool_passes_against_kvtier(lmcache_env: str,
+                                                        daemon: DaemonProcess) -> None:
+    """The tool's keys: 4-byte test hashes (``ObjectKey.IntHash2Bytes``) and ``kv_rank=0``.
+    Rank 0 is the unsharded slice; a 4-byte hash is accepted only when the operator says so
+    (``min_chunk_hash_bytes``: 4 is for this tool, never for serving)."""
+    out = conformance_run(lmcache_env, daemon, min_chunk_hash_bytes=4)
+    for line in ("Validation: 5/5 correctly absent", "Batch store OK", "Validation: 5/5 found",
+                 "Validation (loaded): 5/5", "Validation (content): 5/5"):
+        assert line in out, out[-3000:]
+    assert SHORT_HASH_REFUSED not in out
+    with kvtier.Client.connect(daemon.unix) as client:
+        until("the daemon to unpin", lambda: client.stats()["pinned_blocks"] == 0)
+
+
+@pytest.mark.timeout(300)
+def test_lmcache_conformance_tool_keys_are_refused_by_default_and_said_once(
+        lmcache_env: str, daemon: DaemonProcess) -> None:
+    """By default a 4-byte hash is refused (two prompts could share it): every phase's 20
+    refusals are one WARNING naming the reason and the setting, and nothing is stored."""
+    out = conformance_run(lmcache_env, daemon)
+    assert out.count(SHORT_HASH_REFUSED) == 1, out[-3000:]
+    assert "Batch store FAIL" in out and "Validation: 0/5 found" in out, out[-3000:]
+    with kvtier.Client.connect(daemon.unix) as client:
+        assert client.stats()["total"]["stores_accepted"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_lookup_and_lock_answers_each_key_as_lmcaches_own_adapter_does(
+        lmcache_env: str, daemon: DaemonProcess) -> None:
+    """LMCache's contract: one answer per key. Chunks 1, 2 and 4 of six are stored (chunk 0 is
+    held by LMCache's L1 or another L2): LMCache's own mock adapter answers 1, 2, 4, and so must
+    kvtier's, locking (pinning) exactly those three until they are unlocked."""
+    script = str(HERE / "lmcache_per_key_lookup.py")
+    mock = {"type": "mock", "max_size_gb": 0.1, "mock_bandwidth_gb": 100}
+    kv = {"type": "plugin", "module_path": "kvtier.integrations.lmcache",
+          "class_name": "KvtierL2Adapter", "adapter_params": params(daemon)}
+    got = []
+    for spec, address in ((mock, []), (kv, [daemon.unix])):
+        out = subprocess.run([lmcache_env, script, json.dumps(spec), *address],
+                             capture_output=True, text=True, timeout=150,
+                             env=dict(os.environ, **ENV))
+        assert out.returncode == 0, out.stderr[-3000:]
+        got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert got[0] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": None,
+                      "pinned_after_unlock": None}  # LMCache's reference answer
+    assert got[1] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": 3,
+                      "pinned_after_unlock": 0}
+
+
+def test_the_per_key_pinned_lookup_answers_past_a_gap_and_pins_only_what_it_found(
+        daemon: DaemonProcess) -> None:
+    """``NamespaceHandle.lookup_each_pinned`` (the daemon's PrepareLoad, no bytes moved): what
+    the adapter asks about the keys after a missing one. Releasing it counts as a load in the
+    daemon's figures (docs/lmcache.md section 7 says so)."""
+    with kvtier.Client.connect(daemon.unix) as client:
+        handle = client.register(make_namespace())
+        keys = [bytes([i]) * 32 for i in range(6)]
+        block = bytes(handle.block_bytes)
+        assert handle.put([keys[i] for i in (1, 2, 4)], [block] * 3).stored == 3
+        assert handle.lookup_pinned(keys).hits == 0  # a prefix lookup sees nothing
+        each = handle.lookup_each_pinned(keys)
+        assert each.found == [False, True, True, False, True, False] and each.pin
+        assert client.stats()["pinned_blocks"] == 3
+        loads = client.stats()["total"]["loads"]
+        assert client.release(each.pin, each.epoch)
+        assert client.stats()["pinned_blocks"] == 0
+        assert client.stats()["total"]["loads"] == loads + 3
+        nothing = handle.lookup_each_pinned([keys[0], keys[3]])
+        assert nothing.found == [False, False] and nothing.pin == 0
+
+
 def params_at(address: str) -> dict[str, Any]:
     return {"address": address, "chunk_tokens": CHUNK, "hash_algorithm": "blake3",
             "models": {MODEL: dict(IDENTITY)}, "request_timeout_ms": 500}
@@ -353,6 +452,8 @@ def test_every_identity_field_is_required(field: str) -> None:
     ({"hash_algorithm": "builtin"}, "adapter_params.hash_algorithm"),
     ({"chunk_tokens": 0}, "adapter_params.chunk_tokens"),
     ({"transport": "cuda_ipc"}, "adapter_params.transport"),
+    ({"min_chunk_hash_bytes": 0}, "adapter_params.min_chunk_hash_bytes"),
+    ({"min_chunk_hash_bytes": 33}, "adapter_params.min_chunk_hash_bytes"),
     ({"colour": "blue"}, "adapter_params.colour"),
     ({"models": {MODEL: dict(IDENTITY, kv_dtype="float64")}},
      f"adapter_params.models.{MODEL}.kv_dtype"),
@@ -375,10 +476,21 @@ def test_keys_separate_every_identity_field_and_refuse_what_fits_none() -> None:
     assert len({r[1] for r in resolved if r is not None}) == len(variants)  # all distinct
     again = mapper.resolve(Key(h))
     assert again is not None and resolved[0] is not None and again[1] == resolved[0][1]
-    # Unknown model, a 64-bit (builtin) hash, a rank outside its world size: refused.
-    for bad in (Key(h, model_name="x"), Key(h[:8]), Key(h, kv_rank=1 << 24 | 1 << 16)):
+    # Unknown model, a 64-bit (builtin) hash, a rank outside its world size: refused, and
+    # each says why (the adapter logs each reason once).
+    for bad, why in ((Key(h, model_name="x"), "model_name 'x' is not in adapter_params.models"),
+                     (Key(h[:8]), "chunk_hash of 8 bytes, shorter than "
+                                  "adapter_params.min_chunk_hash_bytes 16"),
+                     (Key(h, kv_rank=1 << 24 | 1 << 16), "kv_rank: rank 1 of world size 1")):
         assert mapper.resolve(bad) is None
+        assert str(mapper.resolve_or_why(bad)).startswith(why), mapper.resolve_or_why(bad)
     assert decode_kv_rank(4 << 24 | 3 << 16 | 4 << 8 | 3) == (4, 3)
+    # kv_rank 0 (LMCache's tests and conformance tool): the unsharded slice, world size 1.
+    assert decode_kv_rank(0) == (1, 0)
+    assert mapper.resolve(Key(h, kv_rank=0)) == mapper.resolve(Key(h, kv_rank=1 << 24))
+    short = KeyMapper(AdapterConfig.from_params(base_params(min_chunk_hash_bytes=4)))
+    four = short.resolve(Key(h[:4], kv_rank=0))
+    assert four is not None and four[1] not in {r[1] for r in resolved if r is not None}
 
 
 def test_a_pin_is_released_when_the_last_of_its_keys_is_unlocked() -> None:

@@ -13,11 +13,15 @@ records the result and signals the task kind's eventfd; the controller then coll
 
 * store: chunks are grouped by namespace (``keys.KeyMapper``) and put; the task succeeds when
   every chunk is stored or was already there. A chunk whose key or byte size fits no configured
-  identity, or that the daemon did not take (away, out of time, no room), fails the task:
-  LMCache then keeps it only in L1.
-* lookup-and-lock: per namespace, a pinned lookup (``NamespaceHandle.lookup_pinned``) of its
-  keys in order; the ready prefix is reported found and stays pinned against eviction until
-  LMCache unlocks every one of its keys (``locks.PinTable``), then the pin is released.
+  identity (refused: the reason is logged once at WARNING), or that the daemon did not take
+  (away, out of time, no room), fails the task: LMCache then keeps it only in L1.
+* lookup-and-lock: one answer per key, as LMCache's contract asks (its prefetch policies combine
+  the answers of L1 and every L2, so a chunk found here after one missing here still counts).
+  Per namespace, a pinned lookup (``NamespaceHandle.lookup_pinned``) of its keys in order pins
+  the ready prefix; when a key is missing, one per-key pinned lookup
+  (``lookup_each_pinned``: PrepareLoad's answer per key) answers the keys after it. Exactly
+  the keys reported found are pinned against eviction, until LMCache unlocks every key of a pin
+  (``locks.PinTable``); then the pin is released.
 * load: ``get_into`` straight into LMCache's L1 buffers; the bitmap says which arrived (a block
   counts only once the daemon confirmed that its pin held during the copy).
 * unlock: bookkeeping on the caller's thread, the release RPC on a worker thread; never fails
@@ -50,6 +54,7 @@ from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.lmcache.config import AdapterConfig, AdapterCounters
 from kvtier.integrations.lmcache.keys import KeyMapper
 from kvtier.integrations.lmcache.locks import PinTable
+from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace
 
 log = logging.getLogger("kvtier.integrations.lmcache")
@@ -82,6 +87,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        self._said: set[str] = set()  # reasons already logged (refusals, daemon refusals)
         self._stores: dict[int, L2StoreResult] = {}
         self._lookups: dict[int, Bitmap] = {}
         self._loads: dict[int, Bitmap] = {}
@@ -154,9 +160,10 @@ class KvtierL2Adapter(L2AdapterInterface):
                 "daemon_connected": self._client.connected and self._client.breaker.allows(),
                 "address": self.cfg.address,
                 "stored": c.stored, "store_dropped": c.store_dropped, "refused": c.refused,
-                "lookups": c.lookups, "locked": c.locked, "loaded": c.loaded,
+                "lookups": c.lookups, "locked": c.locked, "locked_past_gap": c.locked_past_gap,
+                "loaded": c.loaded,
                 "load_missed": c.load_missed, "unlocks": c.unlocks, "locked_keys": len(self._pins),
-                "errors": c.errors, "last_error": c.last_error}
+                "last_refusal": c.last_refusal, "errors": c.errors, "last_error": c.last_error}
 
     # -- task plumbing ----------------------------------------------------------------------------
 
@@ -191,6 +198,21 @@ class KvtierL2Adapter(L2AdapterInterface):
             return False
         return True
 
+    def _refused(self, why: str) -> None:
+        self.counters.refused += 1
+        self.counters.last_refusal = why
+        if not self._first_time(why):
+            return
+        log.warning("kvtier L2 adapter: chunk refused (a miss or a failed store; said once per "
+                    "reason, counted in 'refused'): %s", why)
+
+    def _first_time(self, why: str) -> bool:
+        with self._lock:
+            if why in self._said or len(self._said) >= 64:  # bounded: reasons may carry numbers
+                return False
+            self._said.add(why)
+            return True
+
     def _note_error(self, e: BaseException) -> None:
         self.counters.errors += 1
         self.counters.last_error = f"{type(e).__name__}: {e}"
@@ -205,15 +227,18 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _group(self, keys: list[Any], objects: list[Any] | None) -> Groups:
         """Keys by namespace, in order; keys (and objects of the wrong size) that fit no
-        identity are left out and counted as refused."""
+        identity are left out, counted as refused, and each reason is logged once."""
         groups: Groups = {}
         for i, key in enumerate(keys):
-            resolved = self._keys.resolve(key)
-            if resolved is not None and objects is not None and \
+            resolved = self._keys.resolve_or_why(key)
+            if not isinstance(resolved, str) and objects is not None and \
                     objects[i].get_size() != resolved[0].block_bytes:
-                resolved = None
-            if resolved is None:
-                self.counters.refused += 1
+                resolved = (f"object of {objects[i].get_size()} bytes; a chunk of model "
+                            f"{key.model_name!r} is {resolved[0].block_bytes} bytes "
+                            f"(2 x num_layers x num_kv_heads x head_dim x itemsize x "
+                            f"chunk_tokens)")
+            if isinstance(resolved, str):
+                self._refused(resolved)
                 continue
             ns, kvkey = resolved
             idx, kvkeys = groups.setdefault(ns, ([], []))
@@ -237,6 +262,8 @@ class KvtierL2Adapter(L2AdapterInterface):
         return L2StoreResult(kept == len(keys), stored_bytes)
 
     def _lookup(self, keys: list[Any]) -> Bitmap:
+        """One answer per key: per namespace and batch, the ready prefix in one pinned lookup;
+        the keys after its first miss in one per-key pinned lookup (only when there are any)."""
         self.counters.lookups += 1
         bitmap = Bitmap(len(keys))
         for ns, (idx, kvkeys) in self._group(keys, None).items():
@@ -244,18 +271,36 @@ class KvtierL2Adapter(L2AdapterInterface):
             step = max(1, self._client.max_batch)
             for start in range(0, len(kvkeys), step):
                 part = kvkeys[start:start + step]
-                found = handle.lookup_pinned(part)
-                hits = [idx[start + j] for j in range(found.hits)]
-                if found.pin and hits:
-                    self._pins.add(found.pin, found.epoch, [keys[i] for i in hits])
-                elif found.pin:
-                    self._client.release(found.pin, found.epoch)
-                for i in hits:
-                    bitmap.set(i)
-                self.counters.locked += len(hits)
-                if found.hits < len(part):
-                    break  # the ready prefix of this namespace ends here
+                try:  # a refusal (a tenant's pin quota) is a miss for these keys, not the task:
+                    # the locks already taken stay reported, so LMCache unlocks them
+                    prefix = handle.lookup_pinned(part)
+                    self._lock_found(bitmap, keys, [idx[start + j] for j in range(prefix.hits)],
+                                     prefix.pin, prefix.epoch)
+                    rest = prefix.hits + 1  # key `hits` is missing (or the daemon is away)
+                    if rest >= len(part):
+                        continue
+                    each = handle.lookup_each_pinned(part[rest:])
+                    found = [idx[start + rest + j] for j, ok in enumerate(each.found) if ok]
+                    self._lock_found(bitmap, keys, found, each.pin, each.epoch)
+                    self.counters.locked_past_gap += len(found)
+                except KvtierError as e:
+                    self.counters.errors += 1
+                    self.counters.last_error = why = f"{type(e).__name__}: {e}"
+                    if self._first_time(why):
+                        log.warning("kvtier L2 adapter: lookup refused by the daemon (misses; "
+                                    "said once per reason, counted in 'errors'): %s", why)
         return bitmap
+
+    def _lock_found(self, bitmap: Bitmap, keys: list[Any], found: list[int], pin: int,
+                    epoch: int) -> None:
+        """Report ``found`` (indexes into ``keys``) and record their pin as their locks."""
+        if pin and found:
+            self._pins.add(pin, epoch, [keys[i] for i in found])
+        elif pin:
+            self._client.release(pin, epoch)
+        for i in found:
+            bitmap.set(i)
+        self.counters.locked += len(found)
 
     def _load(self, keys: list[Any], objects: list[Any]) -> Bitmap:
         bitmap = Bitmap(len(keys))

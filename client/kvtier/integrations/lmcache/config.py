@@ -116,6 +116,11 @@ class AdapterConfig:
     """Session lease: the daemon frees this adapter's locks this long after it vanished."""
     workers: int = 2
     """Threads that run the adapter's tasks (LMCache's threads only submit and poll)."""
+    min_chunk_hash_bytes: int = 16
+    """Shortest chunk hash accepted (1..32). LMCache's ``blake3`` and ``sha256_cbor`` hashes
+    are 32 bytes. Its conformance tool (``basic_check --mode test_l2_adapter``) and unit tests
+    build 4-byte test hashes: set 4 to run those, never to serve (two prompts whose short hashes
+    collide would share a block)."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> AdapterConfig:
@@ -154,10 +159,12 @@ class AdapterConfig:
             need(bool(name.strip()) and "@" not in name, f"models.{name}",
                  "model names are non-empty and have no '@' (LMCache's rule)")
         for key in ("chunk_tokens", "request_timeout_ms", "op_timeout_ms", "lease_ttl_ms",
-                    "workers"):
+                    "workers", "min_chunk_hash_bytes"):
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
                  "must be a positive integer")
+        need(self.min_chunk_hash_bytes <= 32, "min_chunk_hash_bytes",
+             "at most 32 (LMCache's hashes are 32 bytes)")
         need(self.hash_algorithm in HASH_ALGORITHMS, "hash_algorithm",
              f"must be one of {', '.join(HASH_ALGORITHMS)} (a 64-bit builtin hash could name "
              "two prefixes alike)")
@@ -185,8 +192,10 @@ class AdapterCounters:
     stored: int = 0  # chunks the daemon took (or already had)
     store_dropped: int = 0  # chunks not stored: daemon away, out of time, refused for room
     refused: int = 0  # chunks whose key or size does not fit a configured identity
+    last_refusal: str = field(default="", repr=False)  # why the last refused chunk was
     lookups: int = 0
     locked: int = 0  # keys reported found (and pinned)
+    locked_past_gap: int = 0  # of those, keys found after a missing one (PrepareLoad's answer)
     loaded: int = 0
     load_missed: int = 0
     unlocks: int = 0

@@ -6,7 +6,8 @@ An LMCache ``ObjectKey`` is ``(chunk_hash, model_name, kv_rank, object_group_id,
   (``--hash-algorithm``: blake3 or sha256_cbor, 32 bytes), so it covers the whole prefix;
 * ``model_name``: the name the engine registered; its identity comes from ``adapter_params``;
 * ``kv_rank``: ``world_size << 24 | global_rank << 16 | local_world_size << 8 | local_rank``,
-  the slice of the KV this object holds;
+  the slice of the KV this object holds; ``0`` (no world size packed: what LMCache's own tests
+  and its conformance tool build) is the one slice of an unsharded model, world size 1, rank 0;
 * ``object_group_id``: the object group (a hybrid model's KV groups), 0 otherwise;
 * ``cache_salt``: LMCache's per-user isolation salt ("" for none).
 
@@ -18,9 +19,10 @@ salt to ``cache_salt``). The block key is
             ‖ u32le len(chunk_hash) ‖ chunk_hash)
 
 (HMAC-SHA-256 with the tenant key when the client has one), so the same chunk hash under another
-model, revision, rank, group, salt or hash algorithm never names the same block. A key that does
-not fit (unknown model, malformed rank, a chunk hash shorter than ``MIN_CHUNK_HASH_BYTES``) is
-refused: ``resolve`` answers None and the adapter reports a miss or a dropped store.
+model, revision, rank, group, salt or hash algorithm never names the same block (nor the same
+bytes under a hash of another length). A key that does not fit (unknown model, malformed rank, a
+chunk hash shorter than ``min_chunk_hash_bytes``) is refused: ``refusal`` says why, ``resolve``
+answers None and the adapter logs the reason once and reports a miss or a dropped store.
 
 Thread-safety: ``KeyMapper.resolve`` may be called from any thread; its cache is a dict
 filled under a lock.
@@ -40,7 +42,6 @@ from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace
 
 KEY_DOMAIN = b"kvtier/lmcache/v1"
-MIN_CHUNK_HASH_BYTES = 16  # a shorter hash (a 64-bit builtin one) could name two prefixes alike
 _U32 = struct.Struct("<I")
 
 
@@ -56,10 +57,13 @@ class Slice:
 
 
 def decode_kv_rank(kv_rank: int) -> tuple[int, int]:
-    """``(world_size, global_rank)`` of LMCache's packed kv rank; InvalidArgument when the
-    rank is not one LMCache's ``ObjectKey.ComputeKVRank`` makes."""
+    """``(world_size, global_rank)`` of LMCache's packed kv rank; ``0`` (the unsharded rank
+    LMCache's tests and conformance tool use) is ``(1, 0)``; InvalidArgument when the rank is
+    neither that nor one LMCache's ``ObjectKey.ComputeKVRank`` makes."""
     if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 0 <= kv_rank < 1 << 32:
         raise InvalidArgument(f"not a packed kv rank: {kv_rank!r}", field="kv_rank")
+    if kv_rank == 0:
+        return 1, 0
     world_size, rank = (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
     if world_size < 1 or rank >= world_size:
         raise InvalidArgument(f"rank {rank} of world size {world_size}", field="kv_rank")
@@ -86,24 +90,36 @@ class KeyMapper:
         self._namespaces: dict[Slice, Namespace] = {}
         self._lock = threading.Lock()
 
-    def slice_of(self, key: Any) -> Slice | None:
-        """The slice of an ``ObjectKey`` (duck-typed), or None when it fits no identity."""
+    def slice_of(self, key: Any) -> Slice | str:
+        """The slice of an ``ObjectKey`` (duck-typed), or why it fits no identity."""
         try:
             model = key.model_name
             chunk_hash = key.chunk_hash
             group = key.object_group_id
             salt = key.cache_salt
+        except AttributeError as e:
+            return f"not an LMCache ObjectKey ({e})"
+        if model not in self._cfg.models:
+            return (f"model_name {model!r} is not in adapter_params.models "
+                    f"({', '.join(sorted(self._cfg.models))})")
+        try:
             world_size, rank = decode_kv_rank(key.kv_rank)
-        except (AttributeError, InvalidArgument):
-            return None
-        if model not in self._cfg.models or not isinstance(chunk_hash, bytes) or \
-                len(chunk_hash) < MIN_CHUNK_HASH_BYTES or not isinstance(group, int) or \
-                group < 0 or not isinstance(salt, str):
-            return None
+        except InvalidArgument as e:
+            return str(e)
+        least = self._cfg.min_chunk_hash_bytes
+        if not isinstance(chunk_hash, bytes) or len(chunk_hash) < least:
+            got = f"{len(chunk_hash)} bytes" if isinstance(chunk_hash, bytes) else \
+                type(chunk_hash).__name__
+            return (f"chunk_hash of {got}, shorter than adapter_params.min_chunk_hash_bytes "
+                    f"{least}: a short hash could name two prefixes alike")
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            return f"object_group_id {group!r} is not a group index"
+        if not isinstance(salt, str):
+            return f"cache_salt {salt!r} is not a string"
         return Slice(model, world_size, rank, group, salt)
 
-    def namespace(self, s: Slice) -> Namespace | None:
-        """The namespace of a slice (built once), or None when the Namespace refuses it."""
+    def namespace(self, s: Slice) -> Namespace | str:
+        """The namespace of a slice (built once), or why the Namespace refuses it."""
         ns = self._namespaces.get(s)
         if ns is not None:
             return ns
@@ -112,16 +128,21 @@ class KeyMapper:
                 model_id=s.model, chunk_tokens=self._cfg.chunk_tokens, world_size=s.world_size,
                 rank=s.rank, group=s.group, cache_salt=s.cache_salt or None,
                 tenant=self._cfg.tenant)
-        except InvalidArgument:
-            return None
+        except InvalidArgument as e:
+            return str(e)
         with self._lock:
             return self._namespaces.setdefault(s, ns)
 
-    def resolve(self, key: Any) -> tuple[Namespace, bytes] | None:
-        """(namespace, kvtier key) of an ``ObjectKey``, or None when it is refused."""
+    def resolve_or_why(self, key: Any) -> tuple[Namespace, bytes] | str:
+        """(namespace, kvtier key) of an ``ObjectKey``, or why it is refused."""
         s = self.slice_of(key)
-        ns = None if s is None else self.namespace(s)
-        if ns is None:
-            return None
+        ns = s if isinstance(s, str) else self.namespace(s)
+        if isinstance(ns, str):
+            return ns
         return ns, block_key(ns.digest, self._cfg.hash_algorithm, key.chunk_hash,
                              self._tenant_key)
+
+    def resolve(self, key: Any) -> tuple[Namespace, bytes] | None:
+        """(namespace, kvtier key) of an ``ObjectKey``, or None when it is refused."""
+        got = self.resolve_or_why(key)
+        return None if isinstance(got, str) else got

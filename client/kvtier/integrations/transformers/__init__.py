@@ -18,6 +18,7 @@ from typing import Any
 
 from kvtier.integrations.transformers.identity import (
     LAYOUT,
+    LAYOUT_MLA,
     ConfigError,
     PrefixCacheOptions,
     config_digest,
@@ -25,7 +26,7 @@ from kvtier.integrations.transformers.identity import (
     tokenizer_files_digest,
 )
 
-__all__ = ["LAYOUT", "ConfigError", "KvtierPrefixCache", "PrefixCacheCounters",
+__all__ = ["LAYOUT", "LAYOUT_MLA", "ConfigError", "KvtierPrefixCache", "PrefixCacheCounters",
            "PrefixCacheOptions", "config_digest", "model_namespace", "tokenizer_files_digest"]
 
 _LAZY = ("KvtierPrefixCache", "PrefixCacheCounters")

@@ -5,8 +5,9 @@ attributes), so this module is tested and imported without either.
 
 ``PrefixCacheOptions`` holds every setting (validated once; a bad one is a ``ConfigError`` naming
 it). ``model_namespace(config, ...)`` builds the kvtier ``Namespace`` of a model: model id,
-immutable revision, tokenizer digest, KV dtype, the layout ``hf.dynamic.LKHTD``, block size and
-KV geometry, plus a digest of the config (``config_digest``) carried in the namespace's
+immutable revision, tokenizer digest, KV dtype, the layout (``hf.dynamic.LKHTD``, or
+``hf.dynamic.mla.LKTD`` for MLA models), block size and the KV geometry the model's cache
+holds, plus a digest of the config (``config_digest``) carried in the namespace's
 ``cache_salt`` field, so two models of the same shape whose configs differ (rope settings, norm
 epsilon, activation, ...) never share a block.
 
@@ -40,6 +41,11 @@ DEFAULT_ADDRESS = defaults.ADDRESS
 LAYOUT = "hf.dynamic.LKHTD"
 """Block bytes: for each layer in order, K then V, each ``[kv_heads, tokens, head_dim]`` C order
 (batch row 0 of ``DynamicCache.layers[i].keys/values``), in the model's KV dtype."""
+LAYOUT_MLA = "hf.dynamic.mla.LKTD"
+"""MLA block bytes: for each layer in order, the latent ``[tokens, kv_lora_rank]`` (the cache's
+keys) then the rotated key ``[tokens, qk_rope_head_dim]`` (the cache's values), C order, batch
+row 0, in the model's KV dtype; the namespace says 1 head of ``(kv_lora_rank +
+qk_rope_head_dim) / 2``."""
 
 CONFIG_SALT_PREFIX = "hf-config:"
 # Config keys that do not change the KV a model computes for given token ids (the weights are
@@ -157,36 +163,69 @@ def config_digest(config: Any) -> str:
 
 @dataclass(frozen=True)
 class KvGeometry:
-    """What one token's KV looks like in a ``DynamicCache`` of the model."""
+    """What one token's KV looks like in a ``DynamicCache`` of the model: per layer,
+    ``num_kv_heads`` heads of ``key_dim`` keys and of ``value_dim`` values. Equal dims for
+    multi-head / grouped-query attention; for MLA (``latent``) one head of the compressed latent
+    (the cache's keys, ``kv_lora_rank`` wide) and one of the rotated shared key (the cache's
+    values, ``qk_rope_head_dim`` wide)."""
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
+    latent: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """The namespace's ``head_dim``: K and V widths averaged (the namespace counts a token
+        as 2 x heads x head_dim values), so ``block_bytes`` is the block's bytes exactly."""
+        return (self.key_dim + self.value_dim) // 2
+
+    @property
+    def layout(self) -> str:
+        return LAYOUT_MLA if self.latent else LAYOUT
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config.{name}", f"expected a positive integer, got {value!r}")
+    return value
 
 
 def kv_geometry(config: Any) -> KvGeometry:
-    """Layers, KV heads and head dim from the decoder's text config (``ConfigError`` when a
-    field is missing or not a positive integer)."""
+    """Layers, KV heads and K/V widths of what the model's ``DynamicCache`` holds, from the
+    decoder's text config (``ConfigError`` naming the field when one is missing or not a
+    positive integer).
+
+    A config with ``kv_lora_rank`` is MLA (DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE Lite, ...):
+    Transformers caches the latent as keys ``[batch, 1, seq, kv_lora_rank]`` and the rotated
+    key as values ``[batch, 1, seq, qk_rope_head_dim]``; their config's ``head_dim`` is the
+    rope dim and ``num_key_value_heads`` the attention heads, neither of which is cached. An
+    odd latent row (``kv_lora_rank + qk_rope_head_dim``) has no namespace geometry and is
+    refused."""
     get_text = getattr(config, "get_text_config", None)
     text = get_text(decoder=True) if callable(get_text) else config
-
-    def positive(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"config.{name}", f"expected a positive integer, got {value!r}")
-        return value
-
-    layers = positive("num_hidden_layers", getattr(text, "num_hidden_layers", None))
-    heads = positive("num_attention_heads", getattr(text, "num_attention_heads", None))
+    layers = _positive("num_hidden_layers", getattr(text, "num_hidden_layers", None))
+    if getattr(text, "kv_lora_rank", None) is not None:
+        latent = _positive("kv_lora_rank", text.kv_lora_rank)
+        rope = _positive("qk_rope_head_dim", getattr(text, "qk_rope_head_dim", None))
+        if (latent + rope) % 2:
+            raise ConfigError("config.kv_lora_rank", f"MLA latent row kv_lora_rank + "
+                              f"qk_rope_head_dim = {latent} + {rope} is odd; kvtier stores "
+                              f"rows of even width only")
+        return KvGeometry(layers, 1, latent, rope, latent=True)
+    heads = _positive("num_attention_heads", getattr(text, "num_attention_heads", None))
     kv_heads = getattr(text, "num_key_value_heads", None)
-    kv_heads = heads if kv_heads is None else positive("num_key_value_heads", kv_heads)
+    kv_heads = heads if kv_heads is None else _positive("num_key_value_heads", kv_heads)
     head_dim = getattr(text, "head_dim", None)
     if head_dim is None:
-        hidden = positive("hidden_size", getattr(text, "hidden_size", None))
+        hidden = _positive("hidden_size", getattr(text, "hidden_size", None))
         if hidden % heads:
             raise ConfigError("config.head_dim", f"hidden_size {hidden} is not a multiple of "
                                                  f"num_attention_heads {heads}")
         head_dim = hidden // heads
-    return KvGeometry(layers, kv_heads, positive("head_dim", head_dim))
+    head_dim = _positive("head_dim", head_dim)
+    return KvGeometry(layers, kv_heads, head_dim, head_dim)
 
 
 def _model_id(options: PrefixCacheOptions, config: Any) -> str:
@@ -217,7 +256,7 @@ def model_namespace(config: Any, kv_dtype: str, options: PrefixCacheOptions) -> 
     geo = kv_geometry(config)
     return Namespace(
         model_id=_model_id(options, config), model_revision=options.model_revision,
-        tokenizer_digest=options.tokenizer_digest, kv_dtype=kv_dtype, layout=LAYOUT,
+        tokenizer_digest=options.tokenizer_digest, kv_dtype=kv_dtype, layout=geo.layout,
         tokens_per_block=options.tokens_per_block, num_layers=geo.num_layers,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, cache_salt=_salt(options, config),
         tenant=options.tenant)

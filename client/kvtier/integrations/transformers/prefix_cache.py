@@ -15,15 +15,20 @@ Lifecycle::
 Block bytes (layout ``hf.dynamic.LKHTD``): block ``b`` of a sequence is, for each layer in
 order, K then V, each ``[kv_heads, tokens_per_block, head_dim]`` in C order, taken from batch row
 0 of ``cache.layers[i].keys/values`` (``[batch, kv_heads, seq, head_dim]``) at token positions
-``b*T .. b*T+T-1``. One gather (stack, view, permute, contiguous) builds every block of a store,
-one permute rebuilds the per-layer tensors of a restore. Keys are the namespace's chained block
+``b*T .. b*T+T-1``. MLA models (layout ``hf.dynamic.mla.LKTD``) cache 1 head whose keys are the
+latent (``kv_lora_rank`` wide) and whose values are the rope key (``qk_rope_head_dim`` wide):
+the same order with K and V of different widths (``identity.kv_geometry``). One strided copy
+per layer and K/V builds the blocks of a store, one permute per layer and K/V rebuilds the
+per-layer tensors of a restore. Keys are the namespace's chained block
 keys of the token ids, so block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
 
 Failure behaviour: the daemon away, slow or restarting makes ``restore`` a miss and ``store`` a
 drop (the kvtier Client never raises for that); a block evicted between the lookup and the get
 cuts the restored prefix there. Caller mistakes (a batch of several rows, a cache of another
 kind, shape or dtype) raise ``InvalidArgument``; a model whose cache is not all full-attention
-``DynamicLayer`` (sliding window, hybrid, linear attention) is refused at construction.
+``DynamicLayer`` (sliding window, hybrid, linear attention) is refused at construction. A store
+that fails after ``generate`` never loses the output: ``generate`` logs the reason (once per
+reason), counts it in ``store_failures`` and returns what the model generated.
 
 Owns its Client when given an address (``close`` closes it), never the model. Not thread-safe:
 one instance per thread (the counters are plain fields); the Client underneath may be shared.
@@ -68,6 +73,7 @@ class PrefixCacheCounters:
     blocks_not_stored: int = 0  # dropped (daemon away, deadline) or rejected (no room)
     store_s: float = 0.0
     generate_uncached: int = 0  # generate calls passed through (batch > 1, padding, beams)
+    store_failures: int = 0  # stores after generate that raised (logged; the output returned)
 
 
 class KvtierPrefixCache:
@@ -86,9 +92,8 @@ class KvtierPrefixCache:
         _check_full_attention(config)
         self.dtype: torch.dtype = model.dtype
         self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
-        geo = kv_geometry(config)
-        self._shape = (geo.num_layers, 2, geo.num_kv_heads, self.options.tokens_per_block,
-                       geo.head_dim)  # one block: [L, K|V, H, T, D]
+        self.geometry = kv_geometry(config)
+        self._said: set[str] = set()  # store failures already logged
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
@@ -124,7 +129,7 @@ class KvtierPrefixCache:
         hits = self.handle.lookup(keys)
         if hits <= 0:
             return None, 0
-        staging = torch.empty((hits, *self._shape), dtype=self.dtype)
+        staging = torch.empty((hits, *self._block_shape()), dtype=self.dtype)
         found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
@@ -134,14 +139,28 @@ class KvtierPrefixCache:
         self.counters.restored_tokens += n * T
         return cache, n * T
 
+    def _block_shape(self) -> tuple[int, int]:
+        """One block: [L, H*T*Dk + H*T*Dv] (per layer K then V, each [H, T, D] C order)."""
+        g = self.geometry
+        return g.num_layers, g.num_kv_heads * self.options.tokens_per_block * (g.key_dim +
+                                                                                g.value_dim)
+
+    def _parts(self, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of ``layer`` in [n, L, row] blocks, as [n, H, T, D] views."""
+        g, T = self.geometry, self.options.tokens_per_block
+        n, k_len = blocks.shape[0], g.num_kv_heads * T * g.key_dim
+        row = blocks[:, layer]
+        return (row[:, :k_len].view(n, g.num_kv_heads, T, g.key_dim),
+                row[:, k_len:].view(n, g.num_kv_heads, T, g.value_dim))
+
     def _unpack(self, blocks: torch.Tensor) -> Any:
-        """[n, L, 2, H, T, D] blocks -> a DynamicCache of n*T tokens on the model's device."""
-        n, L, _, H, T, D = blocks.shape
-        wide = _wide(blocks.to(self.model.device))  # rows of D values moved as wide words
+        """[n, L, row] blocks -> a DynamicCache of n*T tokens on the model's device."""
+        blocks = blocks.to(self.model.device)
+        n, H, T = blocks.shape[0], self.geometry.num_kv_heads, self.options.tokens_per_block
         cache = DynamicCache(config=self.model.config)
-        for layer in range(L):
-            k, v = (wide[:, layer, i].permute(1, 0, 2, 3).reshape(1, H, n * T, -1)
-                    .view(self.dtype) for i in (0, 1))
+        for layer in range(self.geometry.num_layers):
+            k, v = (_wide(part).permute(1, 0, 2, 3).reshape(1, H, n * T, -1).view(self.dtype)
+                    for part in self._parts(blocks, layer))  # rows moved as wide words
             cache.update(k, v, layer)
         return cache
 
@@ -175,17 +194,18 @@ class KvtierPrefixCache:
         return result.stored
 
     def _pack(self, cache: Any, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of batch row 0 -> [n, L, 2, H, T, D] contiguous CPU blocks (one
+        """Tokens [start, end) of batch row 0 -> [n, L, row] contiguous CPU blocks (one
         strided copy per layer and K/V on the cache's device, then one copy to the CPU)."""
-        L, _, H, T, D = self._shape
+        H, T = self.geometry.num_kv_heads, self.options.tokens_per_block
         n = (end - start) // T
         first = cache.layers[0].keys
-        out = _wide(torch.empty((n, L, 2, H, T, D), dtype=self.dtype, device=first.device))
+        out = torch.empty((n, *self._block_shape()), dtype=self.dtype, device=first.device)
         for i, layer in enumerate(cache.layers):
-            for kv, t in enumerate((layer.keys, layer.values)):
-                src = _wide(t[0, :, start:end])  # [H, n*T, Dw]
-                out[:, i, kv].copy_(src.reshape(H, n, T, -1).permute(1, 0, 2, 3))
-        return out.to("cpu").view(self.dtype)
+            for dst, t in zip(self._parts(out, i), (layer.keys, layer.values), strict=True):
+                src = t[0, :, start:end]  # [H, n*T, D]
+                size = min(_wide_size(dst), _wide_size(src))  # the same words on both sides
+                _wide(dst, size).copy_(_wide(src, size).reshape(H, n, T, -1).permute(1, 0, 2, 3))
+        return out.to("cpu")
 
     def _check_cache(self, cache: Any) -> int:
         """The number of tokens ``cache`` holds; ``InvalidArgument`` unless it is a DynamicCache
@@ -193,18 +213,20 @@ class KvtierPrefixCache:
         if not isinstance(cache, DynamicCache):
             raise InvalidArgument(f"expected a transformers DynamicCache, got "
                                   f"{type(cache).__name__}", field="cache")
-        L, _, H, _, D = self._shape
+        g = self.geometry
+        L, H = g.num_layers, g.num_kv_heads
         if len(cache.layers) != L or any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise InvalidArgument(f"expected {L} DynamicLayer layers, got "
                                   f"{[type(x).__name__ for x in cache.layers]}", field="cache")
         held = cache.get_seq_length()
         for i, layer in enumerate(cache.layers):
-            for t in (layer.keys, layer.values):
+            for name, t, D in (("keys", layer.keys, g.key_dim),
+                               ("values", layer.values, g.value_dim)):
                 if held == 0 and (t is None or t.numel() == 0):
                     continue
                 if t is None or tuple(t.shape) != (1, H, held, D) or t.dtype != self.dtype:
                     shape = None if t is None else (tuple(t.shape), t.dtype)
-                    raise InvalidArgument(f"layer {i}: expected [1, {H}, {held}, {D}] "
+                    raise InvalidArgument(f"layer {i} {name}: expected [1, {H}, {held}, {D}] "
                                           f"{self.dtype}, got {shape}", field="cache")
         return int(held)
 
@@ -225,9 +247,18 @@ class KvtierPrefixCache:
         if cache is None:
             cache = DynamicCache(config=self.model.config)
         out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        tokens = sequences[0] if self.options.store_generated else input_ids.reshape(-1)
-        self.store(tokens, cache, skip_tokens=restored)
+        try:  # the output is the caller's whatever happens to the store
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            tokens = sequences[0] if self.options.store_generated else input_ids.reshape(-1)
+            self.store(tokens, cache, skip_tokens=restored)
+        except Exception as e:
+            self.counters.store_failures += 1
+            reason = f"{type(e).__name__}: {e}"
+            if reason not in self._said:
+                self._said.add(reason)
+                log.error("kvtier prefix cache: KV not stored after generate (the output is "
+                          "returned; said once per reason, counted in store_failures): %s",
+                          reason)
         return out
 
     def _cacheable(self, input_ids: Any, kwargs: dict[str, Any]) -> bool:
@@ -256,16 +287,21 @@ class KvtierPrefixCache:
         self.close()
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed with the widest integer element that divides its last dimension's bytes
-    (same bytes): strided CPU copies of 2-byte elements are several times slower than of 8-byte
-    ones. The last dimension must be contiguous."""
-    row = t.shape[-1] * t.element_size()
-    for wide in (torch.int64, torch.int32, torch.int16):
-        size = wide.itemsize
-        if row % size == 0 and (t.storage_offset() * t.element_size()) % size == 0:
-            return t.view(wide)
-    return t.view(torch.uint8)
+_WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _wide_size(t: torch.Tensor) -> int:
+    """The widest integer element (bytes) that divides ``t``'s last dimension, its other strides
+    and its offset in bytes: strided CPU copies of 2-byte elements are several times slower than
+    of 8-byte ones. The last dimension must be contiguous."""
+    es = t.element_size()
+    spans = [t.shape[-1] * es, t.storage_offset() * es, *(s * es for s in t.stride()[:-1])]
+    return next(size for size in _WIDE if all(x % size == 0 for x in spans))
+
+
+def _wide(t: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """``t`` (same bytes) viewed with ``size``-byte integer elements (default the widest)."""
+    return t.view(_WIDE[size or _wide_size(t)])
 
 
 def _one_row(token_ids: Any) -> list[int]:
