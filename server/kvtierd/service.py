@@ -661,8 +661,6 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self._session(request.session_id)
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        token_ids, parent = list(request.token_ids), request.parent_key or None
-        check_origin(ns, keys, token_ids, parent)  # before anything is evicted for the store
         transport = self._job_transport(s, request.transport)
         base = self._arena_base(s, ns)
         self._check_jobs(s)

@@ -4,8 +4,11 @@ and sends them on ZMQ PUB sockets, with a replay buffer and a ROUTER socket per 
 Streams (docs/events.md): the **operator** stream (``events_endpoint``) carries every block;
 a **tenant** stream (``events_tenant_endpoint``, a template with ``{tenant}``, ipc:// only)
 carries one tenant's blocks and nothing else, on a socket of its own. Each stream has its own
-sequence numbers (from 0 at every start: its first message is ``AllBlocksCleared``) and its own
-bounded replay buffer of ``buffer_batches`` messages.
+sequence numbers and its own bounded replay buffer of ``buffer_batches`` messages. A stream's
+first message is ``AllBlocksCleared`` and its first seq the wall clock in microseconds when it
+was made, not 0: a restart is then a forward gap to a subscriber that was following the old
+daemon, and the replay it asks for from its next expected seq is the new stream from its
+start (AllBlocksCleared, then the NVMe recovery) while that is still buffered.
 
 Lifecycle: ``start()`` (the caller's thread: binds the operator stream and the tenants named
 then, under the caller's umask) -> the thread runs -> ``close()`` (sends what is queued, up to a
@@ -155,7 +158,8 @@ class EventPublisher:
                 replay.close(linger=0)
             raise ValueError(f"{setting}: cannot bind {endpoint}"
                              f"{' / ' + replay_endpoint if replay_endpoint else ''}: {e}") from None
-        st = _Stream(name, pub, replay, deque(maxlen=self.settings.buffer_batches))
+        st = _Stream(name, pub, replay, deque(maxlen=self.settings.buffer_batches),
+                     seq=time.time_ns() // 1000)
         st.events.append(Cleared())  # every stream starts by saying "forget what you knew"
         return st
 
@@ -218,9 +222,9 @@ class EventPublisher:
                 if operator is not None:
                     _append(operator.events, evs)
                 if tenanted and tenant is not None:
-                    st = self._tenant_stream(tenant)
-                    if st is not None:
-                        _append(st.events, evs)
+                    mine = self._tenant_stream(tenant)
+                    if mine is not None:
+                        _append(mine.events, evs)
 
     def _send_all(self) -> None:
         topic = self.settings.topic.encode()
