@@ -204,9 +204,8 @@ class TierLink:
             self._add_copy(e, loc, announce=False)
             announced.append(e)
             restored += 1
-        events = self.residency.events
-        if events is not None:  # (at start: AllBlocksCleared went first; docs/events.md)
-            events.stored(announced, MEDIUM_STORAGE)
+        if announced and self.residency.events is not None:  # (at start: after the
+            self.residency.events.stored(announced, MEDIUM_STORAGE)  # AllBlocksCleared)
         if skipped:  # one line, not one per namespace (a rule change can refuse many)
             why = sorted(set(skipped.values()))
             more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
