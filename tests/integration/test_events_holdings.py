@@ -80,6 +80,7 @@ def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any,
                     assert put.stored == 16
                     f.pump(0.0)
                 handles.append((ns, list(keys)))
+            assert set(plain.lookup_detail(early_keys[:20]).tiers) == {"nvme"}
             got = plain.get(early_keys[:20])  # promotions from NVMe
             assert all(g is not None for g in got)
             f.settle(lambda: agrees(f, handles, why))

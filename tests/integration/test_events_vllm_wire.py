@@ -66,6 +66,9 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
         sub.close(0)
         ctx.term()
     assert messages
+    tenants = {e.get("tenant_id") for m in messages
+               for e in msgpack.unpackb(m[2], raw=False)[1] if e["type"] != "AllBlocksCleared"}
+    assert tenants == {"team-w"}  # what vLLM's decoder must tolerate is really there
     capture = tmp_path / "capture.msgpack"
     capture.write_bytes(msgpack.packb(messages, use_bin_type=True))
     out = subprocess.run([VLLM_PYTHON, str(HERE / "events_vllm_driver.py"), str(capture), replay],
