@@ -243,13 +243,35 @@ def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int
 # -- stores -----------------------------------------------------------------------------------------
 
 def put(session: Session, handle: Registered, keys: Sequence[bytes],
-        views: list[memoryview], *, deadline: float | None = None) -> PutResult:
+        views: list[memoryview], *, deadline: float | None = None,
+        token_ids: Sequence[int] | None = None, parent: bytes | None = None) -> PutResult:
+    """``token_ids`` (every key's tokens, ``tokens_per_block`` each) and ``parent`` (the key
+    before ``keys[0]``): optional, sent with the store for the daemon's KV events
+    (docs/events.md); InvalidArgument naming ``token_ids`` when the count is wrong."""
+    origin = _origin(handle, keys, token_ids, parent)
+
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         return session._data().write(job_id, [(i, off, views[p]) for i, p, off
                                               in zip(idx, pos, offsets, strict=True)],
                                      digest=session.verify_bytes)
 
-    return _store(session, handle, keys, write, deadline=deadline)
+    return _store(session, handle, keys, write, deadline=deadline, origin=origin)
+
+
+def _origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] | None,
+            parent: bytes | None) -> tuple[Sequence[int], int, bytes] | None:
+    """(token ids, tokens per block, parent key or b"") of a put, checked; None: neither."""
+    if not token_ids and parent is None:
+        return None
+    tpb = handle.namespace.tokens_per_block
+    if token_ids and len(token_ids) != len(keys) * tpb:
+        raise errors.InvalidArgument(
+            f"has {len(token_ids)} token ids for {len(keys)} keys of {tpb} tokens",
+            field="token_ids")
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise errors.InvalidArgument(f"must be {KEY_BYTES} bytes, got {len(parent)}",
+                                     field="parent_key")
+    return token_ids or (), tpb, parent or b""
 
 
 def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
@@ -294,12 +316,14 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
 
 
 def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,
-           tp: int = 0, *, deadline: float | None = None) -> PutResult:
+           tp: int = 0, *, deadline: float | None = None,
+           origin: tuple[Sequence[int], int, bytes] | None = None) -> PutResult:
     tp = tp or make_transport_value(session.transport_name)
     deadline = session.deadline() if deadline is None else deadline
     spans = _job_spans(session, handle, tp, len(keys))
     pipe = _StorePipe(session, handle, pack_keys(keys), write, tp, deadline,
                       _pipelined(session, spans))
+    pipe.origin = origin
     return pipe.run(spans)
 
 
@@ -331,6 +355,8 @@ class _StorePipe:
         self.behind: deque[tuple[int, PendingCall | Away]] = deque()  # reserved, complete
         self.stop = ""  # why no further job starts or copies (a failure, the deadline)
         self.trip = ""  # the daemon did not answer: trip the breaker once every job is closed
+        self.origin: tuple[Sequence[int], int, bytes] | None = None  # (token ids, per block,
+        #   parent key): sent with each job's PrepareStore (KV events), when the put has them
 
     def run(self, spans: list[tuple[int, int]]) -> PutResult:
         todo = deque(spans)
@@ -359,6 +385,11 @@ class _StorePipe:
         request = pb.PrepareStoreRequest(namespace_id=self.handle.namespace_id,
                                          keys=self.packed[start * KEY_BYTES : end * KEY_BYTES],
                                          transport=self.tp)
+        if self.origin is not None:
+            tokens, tpb, parent = self.origin
+            request.token_ids.extend(tokens[start * tpb : end * tpb])
+            request.parent_key = self.packed[(start - 1) * KEY_BYTES : start * KEY_BYTES] \
+                if start else parent
         call: PendingCall | Away
         try:
             call = self.session._start("PrepareStore", request, deadline=self.deadline,

@@ -215,9 +215,13 @@ class NamespaceHandle:
         return batches.prefetch(self.client, self, keys)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *,
-            deadline: float | None = None) -> PutResult:
+            deadline: float | None = None, token_ids: Sequence[int] | None = None,
+            parent: bytes | None = None) -> PutResult:
+        """Store ``blocks`` under ``keys``. ``token_ids`` (every key's tokens, in order) and
+        ``parent`` (the key before ``keys[0]``) are optional: the daemon publishes them in its
+        KV events for cache-aware routers (docs/events.md)."""
         return batches.put(self.client, self, keys, self._views(keys, blocks, "block"),
-                           deadline=deadline)
+                           deadline=deadline, token_ids=token_ids, parent=parent)
 
     def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
                    deadline: float | None = None, guard: batches.CopyGuard | None = None

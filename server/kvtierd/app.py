@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -79,6 +79,9 @@ from kvtierd.transports.tcp import DataChannelLimits, DataChannelServer
 log = logging.getLogger("kvtierd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
 NVME_HEALTH_NAME = "kvtier.nvme"  # NOT_SERVING while the NVMe tier is degraded
+if TYPE_CHECKING:  # pyzmq and msgpack: only when events are on
+    from kvtierd.events.publisher import EventPublisher
+
 T = TypeVar("T")
 
 
@@ -91,6 +94,9 @@ class Daemon:
         # file (read again: it may have changed since the CLI's check), then the NVMe tier.
         tenants = _tenants(cfg)
         cluster = _config_checked(cluster_settings, cfg) if cfg.cluster else None  # files read
+        # KV events: bound and publishing before the NVMe recovery, which they announce
+        self.events: EventPublisher | None = _config_checked(_event_publisher, cfg, tenants) \
+            if cfg.events_endpoint or cfg.events_tenant_endpoint else None
         # One daemon per disk directory: its lock before anything there is read or written
         # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
         nvme = _nvme_tier(cfg) if cfg.disk_dir else None
@@ -119,6 +125,10 @@ class Daemon:
                                  policy_name=cfg.eviction_policy, arena_of=self._arena_of)
         self.cache.verify_bytes = cfg.verify_bytes
         self.cache.host_quota = self._host_quota
+        if self.events is not None:
+            from kvtierd.events import BlockEvents
+
+            self.cache.residency.events = BlockEvents(self.events.queue)
         if cfg.disk_dir:
             assert nvme is not None
             try:
@@ -302,6 +312,8 @@ class Daemon:
             t.close()
         for link in self.cache.chain:  # its files, I/O threads and the directory's lock
             await asyncio.get_running_loop().run_in_executor(None, link.tier.close)
+        if self.events is not None:
+            self.events.close(0.0)
         for key in ("unix", "shm"):
             path = str(self.addresses.get(key, "")).removeprefix("unix://")
             if path and self._socket_lock is not None:  # ours: we hold their lock
@@ -511,6 +523,8 @@ class Daemon:
         snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
         snap["connections"]["control_bad_frames"] = self.service.bad_frames
         snap["published"] = self.published.figures()
+        if self.events is not None:
+            snap["events"] = self.events.figures()
         return snap
 
     def request_stop(self) -> None:
@@ -562,6 +576,10 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
         self.sessions.close_all()
+        if self.events is not None:  # the drain's last events (demotions) sent, then closed
+            if self.cache.residency.events is not None:
+                self.cache.residency.events.flush()
+            await loop.run_in_executor(None, self.events.close, 1.0)
         self.published.close()  # clients stop reading them at once (retired)
         for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
             t.close()
@@ -581,6 +599,25 @@ class Daemon:
         except TimeoutError:
             return False
         return True
+
+
+def _event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublisher:
+    """The KV-event publisher (pyzmq and msgpack imported here), its sockets bound owner-only
+    (ipc://: then set to ``socket_mode``) and its thread started; ValueError naming the
+    setting when the packages are missing or an endpoint cannot be bound."""
+    from kvtierd.events import EventQueue
+    from kvtierd.events.publisher import EventPublisher, EventSettings, check_dependencies
+
+    check_dependencies()
+    publisher = EventPublisher(EventSettings(
+        endpoint=cfg.events_endpoint, replay_endpoint=cfg.events_replay_endpoint,
+        tenant_endpoint=cfg.events_tenant_endpoint,
+        tenant_replay_endpoint=cfg.events_tenant_replay_endpoint, topic=cfg.events_topic,
+        buffer_batches=cfg.events_buffer_batches, socket_mode=cfg.socket_mode),
+        EventQueue(cfg.events_queue_blocks))
+    with _private_umask():
+        publisher.start(list(tenants.by_name) if tenants is not None else [])
+    return publisher
 
 
 def _lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:

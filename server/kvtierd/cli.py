@@ -120,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "authenticates cluster values; required with --cluster (docs/cluster.md)")
     s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
                    "docs/security.md); re-read on SIGHUP")
+    s.add_argument("--events-endpoint", help="publish KV events (vLLM's wire format) on this "
+                   "ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (docs/events.md); off by default")
+    s.add_argument("--events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay "
+                   "requests of --events-endpoint")
+    s.add_argument("--events-tenant-endpoint", help="per-tenant event streams: ipc://PATH "
+                   "with {tenant} in it")
+    s.add_argument("--events-tenant-replay-endpoint", help="per-tenant replay endpoints: "
+                   "ipc://PATH with {tenant} in it")
+    s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per "
+                   "stream")
     s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
     s.add_argument("--tls-key", help="PEM key of --tls-cert")
     s.add_argument("--tls-client-ca", help="PEM CA verifying client certificates (mTLS)")
@@ -196,7 +206,11 @@ def _serve(args: argparse.Namespace) -> int:
             allow_plaintext_remote=args.allow_plaintext_remote,
             metrics_plaintext_remote=args.metrics_plaintext_remote, health_listen=args.health_listen,
             reflection=args.reflection, verify_bytes=args.verify_bytes,
-            verify_store=args.verify_store)
+            verify_store=args.verify_store, events_endpoint=args.events_endpoint,
+            events_replay_endpoint=args.events_replay_endpoint,
+            events_tenant_endpoint=args.events_tenant_endpoint,
+            events_tenant_replay_endpoint=args.events_tenant_replay_endpoint,
+            events_buffer_batches=args.events_buffer_batches)
         if cfg.tenants_file:
             from kvtierd.tenancy.exposure import check_metrics_exposure
             from kvtierd.tenants import load_tenants
@@ -205,6 +219,10 @@ def _serve(args: argparse.Namespace) -> int:
             check_metrics_exposure(cfg, len(tenants.metrics_digests))
         if cfg.cluster:
             cluster_settings(cfg)  # reads the password file: refused here, not at start
+        if cfg.events_endpoint or cfg.events_tenant_endpoint:
+            from kvtierd.events.publisher import check_dependencies
+
+            check_dependencies()  # pyzmq and msgpack: refused here, naming events_endpoint
     except (ValueError, OSError) as e:
         why = str(e)
         if isinstance(e, OSError) and e.filename:

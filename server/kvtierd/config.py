@@ -233,6 +233,25 @@ class DaemonConfig:
     the tenants file names neither its ``arena_bytes`` nor a ``host_bytes`` quota (rounded down
     to whole slabs, at least one). The host tier holds ``host_bytes`` (the shared arena:
     single-tenant daemons and tcp-only tenants) plus every tenant's arena."""
+    events_endpoint: str = ""
+    """KV events (docs/events.md): the ZMQ PUB endpoint of the operator stream, every tenant's
+    blocks (``tcp://127.0.0.1:5557``, ``ipc:///run/kvtier/events.sock``); "" = off (the
+    default). Needs the ``events`` extra (pyzmq, msgpack)."""
+    events_replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint answering replay requests of the operator stream ("" = none)."""
+    events_tenant_endpoint: str = ""
+    """Per-tenant PUB endpoints: an ``ipc://`` path with ``{tenant}`` in it, e.g.
+    ``ipc:///run/kvtier/events-{tenant}.sock``; a tenant's stream carries its blocks only. ""
+    = none."""
+    events_tenant_replay_endpoint: str = ""
+    """Per-tenant replay endpoints (``ipc://`` with ``{tenant}``); needs events_tenant_endpoint."""
+    events_topic: str = ""
+    """The topic frame of every event message (vLLM's default: "")."""
+    events_buffer_batches: int = 10_000
+    """Messages (batches) each stream keeps for replay. >= 1."""
+    events_queue_blocks: int = 1 << 20
+    """Blocks waiting to be published, at most; past it a record is dropped (counted in
+    ``kvtier_event_blocks_dropped_total``) rather than slowing a request. >= 1."""
     run_dir: str = "run"
     """Directory of the shm fd socket when the gRPC Unix socket is disabled."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -328,6 +347,7 @@ def validate(cfg: DaemonConfig) -> None:
     need(cfg.cluster_queue_bytes >= 0, "cluster_queue_bytes", "must be >= 0")
     need(cfg.cluster_inflight_bytes >= 1 << 20, "cluster_inflight_bytes", "must be >= 1MiB")
     need(cfg.cluster_breaker_s > 0, "cluster_breaker_s", "must be > 0")
+    _validate_events(cfg, need)
     if cfg.disk_dir:
         need(cfg.disk_bytes > 0, "disk_bytes", "must be > 0 with disk_dir")
         need(cfg.disk_file_bytes >= cfg.slab_bytes, "disk_file_bytes", "must hold a slab")
@@ -363,6 +383,33 @@ def validate(cfg: DaemonConfig) -> None:
          "plaintext gRPC), or bind it to loopback (metrics_host = \"127.0.0.1\")")
     # (the scrape token /metrics then needs with tenants: kvtierd.tenancy.exposure, once the
     # tenants file is read)
+
+
+def _validate_events(cfg: DaemonConfig, need: Any) -> None:
+    """The ``events_*`` settings (the endpoints' syntax; binding them is the daemon's)."""
+    need(cfg.events_buffer_batches >= 1, "events_buffer_batches", "must be >= 1")
+    need(cfg.events_queue_blocks >= 1, "events_queue_blocks", "must be >= 1")
+    for name in ("events_endpoint", "events_replay_endpoint"):
+        value = getattr(cfg, name)
+        if not value:
+            continue
+        need(value.startswith(("tcp://", "ipc://")), name,
+             f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+        if value.startswith("tcp://") and not cfg.allow_plaintext_remote:
+            need(is_loopback(value.removeprefix("tcp://")), name,
+                 f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
+                 " and carry every tenant's block keys: use ipc:// or loopback, or set "
+                 "allow_plaintext_remote = true (docs/security.md)")
+    need(not cfg.events_replay_endpoint or bool(cfg.events_endpoint), "events_replay_endpoint",
+         "needs events_endpoint")
+    for name in ("events_tenant_endpoint", "events_tenant_replay_endpoint"):
+        value = getattr(cfg, name)
+        need(not value or value.startswith("ipc://") and "{tenant}" in value, name,
+             f"expected ipc://PATH with {{tenant}} in it, got {value!r}")
+    need(not cfg.events_tenant_endpoint or bool(cfg.tenants_file), "events_tenant_endpoint",
+         "needs a tenants_file")
+    need(not cfg.events_tenant_replay_endpoint or bool(cfg.events_tenant_endpoint),
+         "events_tenant_replay_endpoint", "needs events_tenant_endpoint")
 
 
 def is_loopback(hostport: str) -> bool:

@@ -289,6 +289,26 @@ def _published_families(pub: dict[str, Any]) -> Iterator[Any]:
     )
 
 
+def _event_families(ev: dict[str, Any]) -> Iterator[Any]:
+    """KV events (docs/events.md): daemon-wide, only while events are on."""
+    if not ev:
+        return
+    c = CounterMetricFamily
+    yield c("kvtier_events_published_total", "KV events sent (all streams)",
+            value=ev["events_published"])
+    yield c("kvtier_event_batches_published_total", "KV event messages (batches) sent",
+            value=ev["event_batches_published"])
+    yield c("kvtier_event_blocks_dropped_total",
+            "Blocks whose events were dropped because the publisher's queue was full",
+            value=ev["event_blocks_dropped"])
+    yield c("kvtier_event_replay_requests_total", "Replay requests answered",
+            value=ev["event_replay_requests"])
+    yield GaugeMetricFamily("kvtier_event_blocks_queued", "Blocks waiting to be published",
+                            value=ev["event_blocks_queued"])
+    yield GaugeMetricFamily("kvtier_event_streams", "Event streams bound (operator and tenants)",
+                            value=ev["event_streams"])
+
+
 def _boot_families(snap: Snapshot) -> Iterator[Any]:
     """The boot epoch exactly (an info label: a float64 value keeps only ~16 of its 19 digits),
     the start time in seconds, and the old float gauge (kept for readers of the old name)."""
@@ -373,5 +393,6 @@ class KvtierCollector:
         yield from _tenant_families(snap.get("tenants") or [])
         yield from _connection_families(snap.get("connections", {}))
         yield from _published_families(snap.get("published", {}))
+        yield from _event_families(snap.get("events", {}))
         yield from _boot_families(snap)
         yield from _rpc_families(snap)

@@ -52,7 +52,7 @@ from kvtier_contract.protoutil import namespace_from_spec, namespace_spec, split
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
-from kvtierd.cache.cache import check_digest_count
+from kvtierd.cache.cache import check_digest_count, check_origin
 from kvtierd.cache.jobs import LoadJob, StoreJob
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry, NamespaceState
@@ -594,6 +594,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         s = self._session(request.session_id)
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
+        token_ids, parent = list(request.token_ids), request.parent_key or None
+        check_origin(ns, keys, token_ids, parent)  # before anything is evicted for the store
         transport = self._job_transport(s, request.transport)
         base = self._arena_base(s, ns)
         self._check_jobs(s)
@@ -608,7 +610,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             s = self._session(request.session_id)
             self._check_jobs(s)
             self.cache.fit(ns, len(keys))
-        job, status, offsets = self.cache.prepare_store(s, ns, keys, transport)
+        job, status, offsets = self.cache.prepare_store(s, ns, keys, transport,
+                                                        token_ids=token_ids, parent=parent)
         if base and job is not None:
             offsets = [o - base if st == StoreStatus.RESERVED else 0
                        for o, st in zip(offsets, status, strict=True)]

@@ -101,6 +101,7 @@ def test_the_extras_the_docs_name_agree_with_the_development_project() -> None:
     for extra in ("transformers", "cuda"):
         assert SDK["project"]["optional-dependencies"][extra] == root[extra], extra
     assert DAEMON["project"]["optional-dependencies"]["cluster"] == root["cluster"]
+    assert DAEMON["project"]["optional-dependencies"]["events"] == root["events"]
     scripts = {**SDK["project"]["scripts"], **DAEMON["project"]["scripts"]}
     assert scripts == ROOT_PROJECT["project"]["scripts"]
 

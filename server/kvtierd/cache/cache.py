@@ -45,6 +45,7 @@ from kvtierd.cache.chain import TierLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import StoreStatus, TierId, Transport
+from kvtierd.events import MEDIUM_CPU
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
@@ -74,6 +75,20 @@ def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
     if digests and len(digests) != len(job.items):
         raise InvalidArgument(f"has {len(digests)} digests for {len(job.items)} reserved keys",
                               field="digests")
+
+
+def check_origin(ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int],
+                 parent: bytes | None) -> None:
+    """A store's optional token ids (exactly ``tokens_per_block`` per key) and parent key (32
+    bytes): InvalidArgument naming the field otherwise."""
+    if token_ids and len(token_ids) != len(keys) * ns.spec.tokens_per_block:
+        raise InvalidArgument(
+            f"has {len(token_ids)} token ids for {len(keys)} keys of "
+            f"{ns.spec.tokens_per_block} tokens (expected {len(keys) * ns.spec.tokens_per_block}"
+            " or none)", field="token_ids")
+    if parent is not None and len(parent) != 32:
+        raise InvalidArgument(f"must be 32 bytes (a block key) or empty, got {len(parent)}",
+                              field="parent_key")
 
 
 def _check_live(session: Session) -> None:
@@ -375,7 +390,13 @@ class TieredCache:
             await self.chain[0].ensure_room(ns.slot_bytes, new, pool=ns.pool)
 
     def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                      transport: Transport) -> tuple[StoreJob | None, bytes, list[int]]:
+                      transport: Transport, *, token_ids: Sequence[int] = (),
+                      parent: bytes | None = None) -> tuple[StoreJob | None, bytes, list[int]]:
+        """Reserve the keys not held yet. ``token_ids`` (all the keys' tokens, or none) and
+        ``parent`` (the key before ``keys[0]``, or None) are kept with each reserved entry
+        while KV events are on, for its ``BlockStored``; checked either way (InvalidArgument
+        naming ``token_ids`` / ``parent_key``, nothing changed)."""
+        check_origin(ns, keys, token_ids, parent)
         _check_live(session)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
@@ -399,8 +420,13 @@ class TieredCache:
         # evictable for this class: the rest of the batch cannot fit either).
         placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
             if fresh else []
+        events = self.residency.events is not None
+        tpb = ns.spec.tokens_per_block
         for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
+            if events:
+                e.origin = (keys[i - 1] if i else parent,
+                            tuple(token_ids[i * tpb:(i + 1) * tpb]))
             entries[k] = e
             items[i] = e
             status[i] = StoreStatus.RESERVED
@@ -459,6 +485,8 @@ class TieredCache:
         self.writing_blocks -= len(job.items)
         job.ns.writing_blocks -= len(job.items)
         if committed:
+            if self.residency.events is not None:
+                self.residency.events.stored(committed, MEDIUM_CPU)
             for link in self.chain:
                 link.on_committed(committed)
             if self.fleet is not None:
@@ -571,7 +599,11 @@ class TieredCache:
             if not e.evictable():
                 if not e.copies:  # (with a copy it would stay in the index unserved for good)
                     ns.ready.pop(e.key, None)
+                    if self.residency.events is not None:
+                        self.residency.events.removed((e,), MEDIUM_CPU)
                 continue
+            if self.residency.events is not None:
+                self.residency.events.removed((e,), MEDIUM_CPU)
             self.policy.remove(e, evicted=False)
             self.residency.count(e, -1)
             self.host.free(e.offset, ns.slot_bytes)

@@ -41,6 +41,7 @@ from typing import Any
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import TierId
+from kvtierd.events import MEDIUM_CPU, MEDIUM_STORAGE
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
 from kvtierd.ratelog import RateLimitedLog
@@ -183,6 +184,7 @@ class TierLink:
                 continue
             namespaces[digest] = ns
         restored = dropped = 0
+        announced: list[Entry] = []
         for digest, key, loc in rec.blocks:
             home = namespaces.get(digest)
             if home is None or loc.payload_len != home.block_bytes:
@@ -199,8 +201,11 @@ class TierLink:
             elif e.copy_in(self.level) is not None:
                 self.tier.release(loc, digest, key)
                 continue
-            self._add_copy(e, loc)
+            self._add_copy(e, loc, announce=False)
+            announced.append(e)
             restored += 1
+        if announced and self.residency.events is not None:  # (at start: after the
+            self.residency.events.stored(announced, MEDIUM_STORAGE)  # AllBlocksCleared)
         if skipped:  # one line, not one per namespace (a rule change can refuse many)
             why = sorted(set(skipped.values()))
             more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
@@ -301,15 +306,19 @@ class TierLink:
                         self._claimed.pop(tenant, None)
             self.flushes_in_flight -= len(batch)
             self._flushed.set()
+        demoted: list[Entry] = []
         for (e, _off), loc in zip(targets, locs, strict=True):
             ns = e.ns
             if ns.entries.get(e.key) is e and e.state is EntryState.READY \
                     and e.copy_in(self.level) is None:
-                self._add_copy(e, loc)
+                self._add_copy(e, loc, announce=False)
+                demoted.append(e)
                 ns.counters.demotions += 1
                 self._bump(ns, 4, ns.block_bytes)
             else:
                 tier.release(loc, ns.spec.digest, e.key)
+        if demoted and self.residency.events is not None:
+            self.residency.events.stored(demoted, MEDIUM_STORAGE)
         self.maybe_flush()
 
     async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5, *,
@@ -438,6 +447,7 @@ class TierLink:
                 for e in job])
         except Exception as failure:  # noqa: BLE001  (every waiter must be released)
             results = [failure] * len(job)
+        promoted: list[Entry] = []
         for e, err in zip(job, results, strict=True):
             fut, e.promoting = e.promoting, None
             ns = e.ns
@@ -446,6 +456,7 @@ class TierLink:
                 self.residency.count(e, +1)
                 ns.counters.promotions += 1
                 self._bump(ns, 3, ns.block_bytes)
+                promoted.append(e)
             else:
                 corrupt = isinstance(err, CorruptCopy)
                 if corrupt:
@@ -460,6 +471,8 @@ class TierLink:
                     self._drop_copy(e, corrupt=True)
             if fut is not None:
                 fut.set_result(None)
+        if promoted and self.residency.events is not None:
+            self.residency.events.stored(promoted, MEDIUM_CPU)
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""
@@ -521,8 +534,12 @@ class TierLink:
                 return off
         return None
 
-    def _add_copy(self, e: Entry, loc: Any) -> None:
+    def _add_copy(self, e: Entry, loc: Any, *, announce: bool = True) -> None:
+        """``e`` is held here now (``announce``: told to KV events at once; the callers that
+        add many tell them in one call)."""
         e.set_copy(self.level, loc)
+        if announce and self.residency.events is not None:
+            self.residency.events.stored((e,), MEDIUM_STORAGE)
         self.policy.insert(e)
         self._bump(e.ns, 0, 1)
         self._bump(e.ns, 1, e.ns.block_bytes)
@@ -532,6 +549,8 @@ class TierLink:
         loc = e.copy_in(self.level)
         assert loc is not None
         e.set_copy(self.level, None)
+        if self.residency.events is not None:
+            self.residency.events.removed((e,), MEDIUM_STORAGE)
         self.policy.remove(e, evicted=not corrupt)
         self._bump(e.ns, 0, -1)
         self._bump(e.ns, 1, -e.ns.block_bytes)

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from kvtier_contract.digests import block_digest
 from kvtierd.cache.residency import HostResidency
+from kvtierd.events import MEDIUM_CPU, MEDIUM_REMOTE
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
 from kvtierd.tiers.cluster.tier import ClusterTier
@@ -135,6 +136,8 @@ class ClusterLink:
             self.residency.count(e, +1)
             entered.append(e)
         c.cluster_imports += len(entered)
+        if entered and self.residency.events is not None:
+            self.residency.events.stored(entered, MEDIUM_CPU)
         if entered:
             for link in self.residency.links:  # an NVMe write-through keeps a copy too
                 link.on_committed(entered)
@@ -152,7 +155,7 @@ class ClusterLink:
         realm = self.tier.realm_of
         items = [(realm(e.ns.spec.tenant), e.ns.spec.digest, e.key,
                   host.view(e.offset, e.ns.block_bytes), e.digest) for e in todo]
-        admitted = todo[:self.tier.offer(items, lambda oks: _written(admitted, oks))]
+        admitted = todo[:self.tier.offer(items, lambda oks: self._written(admitted, oks))]
         for e in admitted:
             e.pins += 1  # the writer reads the slot: it stays until done (before any await)
 
@@ -168,9 +171,24 @@ class ClusterLink:
         def done(oks: list[bool]) -> None:
             if oks[0] and e.ns.entries.get(e.key) is e:  # still indexed (a copy on NVMe)
                 e.in_cluster = True
+                if self.residency.events is not None:
+                    self.residency.events.stored((e,), MEDIUM_REMOTE)
 
         self.tier.offer([(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key,
                           memoryview(data), e.digest)], done)
+
+    def _written(self, entries: list[Entry], oks: list[bool]) -> None:
+        """``done`` of a commit-policy offer: the slots may go; written blocks are not resent
+        (and, with KV events on, are published as held REMOTE: never removed, since the
+        cluster evicts on its own and no daemon sees it; docs/events.md)."""
+        written = []
+        for e, ok in zip(entries, oks, strict=True):
+            e.pins -= 1
+            if ok:
+                e.in_cluster = True
+                written.append(e)
+        if written and self.residency.events is not None:
+            self.residency.events.stored(written, MEDIUM_REMOTE)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -189,9 +207,4 @@ class ClusterLink:
         self.tier.close()
 
 
-def _written(entries: list[Entry], oks: list[bool]) -> None:
-    """``done`` of a commit-policy offer: the slots may go; written blocks are not resent."""
-    for e, ok in zip(entries, oks, strict=True):
-        e.pins -= 1
-        if ok:
-            e.in_cluster = True
+

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvtierd.events import MEDIUM_CPU, BlockEvents
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.tiers import HostTier
@@ -48,6 +49,10 @@ class HostResidency:
         # Set by the cache (TieredCache.room_for); by default, all of them.
         self.room_for: Callable[[NamespaceState, int, set[Entry]], int] = \
             lambda _ns, n, _protect: n
+        self.events: BlockEvents | None = None
+        """Where blocks entering and leaving the tiers are told (KV events; None: off). Set
+        by the daemon; the cache and the links call it where a block becomes visible in a tier
+        (host: commit, promotion, import) or leaves it (host: eviction, corrupt drop)."""
         self._clock = clock
         # Slots of stores aborted by lease expiry, held back until a deadline: the session's
         # process may be stalled, not dead, and still copying into them over shm.
@@ -126,6 +131,8 @@ class HostResidency:
         assert e.evictable(), e
         self.policy.remove(e, evicted=True)
         e.ns.counters.evictions += 1
+        if self.events is not None:
+            self.events.removed((e,), MEDIUM_CPU)
         if self.on_evict is not None:
             self.on_evict(e)
         self.count(e, -1)

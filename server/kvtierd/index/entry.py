@@ -48,7 +48,7 @@ class Entry:
     """
 
     __slots__ = ("ns", "key", "state", "offset", "pins", "holds", "job", "copies", "flushing",
-                 "promoting", "hits", "in_cluster", "digest")
+                 "promoting", "hits", "in_cluster", "digest", "origin")
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -64,6 +64,9 @@ class Entry:
         self.hits = 0
         self.in_cluster = False  # known to be in the cluster tier (not a copy: it may go)
         self.digest: int | None = None  # its bytes' digest, from its commit on
+        # (parent key or None, token ids or ()) as its store said, kept only while KV events
+        # are on (kvtierd.events): what a router needs to place the block
+        self.origin: tuple[bytes | None, tuple[int, ...]] | None = None
 
     @property
     def in_host(self) -> bool:

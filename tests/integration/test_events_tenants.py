@@ -1,0 +1,87 @@
+"""KV events per tenant: a tenant's stream carries its own blocks and nothing else.
+
+A real daemon with a tenants file publishes an operator stream (every tenant's blocks, each
+event with its ``tenant_id``) and one ipc:// stream per tenant. Tenants A and B store; A's
+subscriber receives every key of A and not one key of B (and B's the converse); the operator's
+receives both; the tenant sockets are owner-only files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_namespace
+
+import kvtier
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgpack")
+from events_follower import Follower  # noqa: E402  (needs pyzmq and msgpack)
+
+TOKENS = {"team-a": "tok-a-e1", "team-b": "tok-b-e2"}
+
+
+def tenants_toml(path: Path) -> Path:
+    path.write_text("".join(
+        f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]'
+        '\ntransports = ["tcp"]\n\n' for n, t in TOKENS.items()))
+    return path
+
+
+def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: Any,
+                                                             tmp_path: Path) -> None:
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB",
+                       "--tenants-file", str(tenants_toml(tmp_path / "tenants.toml")),
+                       "--events-endpoint", f"ipc://{tmp_path}/ev.sock",
+                       "--events-replay-endpoint", f"ipc://{tmp_path}/replay.sock",
+                       "--events-tenant-endpoint", f"ipc://{tmp_path}/ev-{{tenant}}.sock",
+                       "--events-tenant-replay-endpoint",
+                       f"ipc://{tmp_path}/replay-{{tenant}}.sock", run_dir=tmp_path / "run")
+    for name in ("ev-team-a.sock", "ev-team-b.sock", "replay-team-a.sock"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    follow = {t: Follower(f"ipc://{tmp_path}/ev-{t}.sock", f"ipc://{tmp_path}/replay-{t}.sock")
+              for t in TOKENS}
+    operator = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock")
+    keys: dict[str, list[bytes]] = {}
+    try:
+        for t, token in TOKENS.items():
+            with kvtier.Client.connect(d.unix, transport="tcp", token=token) as c:
+                ns = c.register(make_namespace(tenant=t))
+                # the same tokens in both tenants: different keys (the tenant is in the key)
+                keys[t] = ns.block_keys(list(range(16 * 24)))
+                assert ns.put(keys[t], [bytes(ns.block_bytes)] * 24).stored == 24
+        a, b = set(keys["team-a"]), set(keys["team-b"])
+        assert not a & b
+        follow["team-a"].settle(lambda: set(follow["team-a"].held) >= a)
+        follow["team-b"].settle(lambda: set(follow["team-b"].held) >= b)
+        operator.settle(lambda: set(operator.held) >= a | b)
+        for f in (*follow.values(), operator):
+            f.pump(0.3)  # anything still on its way
+        assert set(follow["team-a"].held) == a  # all of A's, none of B's
+        assert set(follow["team-b"].held) == b
+        assert follow["team-a"].tenants == {"team-a"}
+        assert follow["team-b"].tenants == {"team-b"}
+        assert operator.tenants == {"team-a", "team-b"}
+        # a late joiner of A's stream replays A's history only
+        late = Follower(f"ipc://{tmp_path}/ev-team-a.sock",
+                        f"ipc://{tmp_path}/replay-team-a.sock")
+        try:
+            with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-b"]) as c:
+                ns = c.register(make_namespace(tenant="team-b"))
+                more = ns.block_keys(list(range(1000, 1000 + 16 * 4)))
+                ns.put(more, [bytes(ns.block_bytes)] * 4)
+            with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-a"]) as c:
+                ns = c.register(make_namespace(tenant="team-a"))
+                mine = ns.block_keys(list(range(2000, 2000 + 16 * 4)))
+                ns.put(mine, [bytes(ns.block_bytes)] * 4)
+            late.settle(lambda: set(late.held) >= a | set(mine))
+            assert not set(late.held) & (b | set(more))
+        finally:
+            late.close()
+    finally:
+        for f in (*follow.values(), operator):
+            f.close()
