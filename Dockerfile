@@ -28,10 +28,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     KVTIER_LOG_LEVEL=INFO
 # The daemon's pinned requirements (packaging/kvtierd/requirements.txt), the SDK wheel of the same
-# version and the cluster tier's extra (redis-py, hiredis, blake3: used only when --cluster is
-# given); torch is not among them.
+# version, the cluster tier's extra (redis-py, hiredis, blake3: used only when --cluster is
+# given) and the KV events' extra (pyzmq, msgpack: used only when --events-endpoint is given);
+# torch is not among them.
 COPY --from=build /wheels /wheels
-RUN python -m pip install --no-cache-dir /wheels/kvtier-*.whl "$(ls /wheels/kvtierd-*.whl)[cluster]" \
+RUN python -m pip install --no-cache-dir /wheels/kvtier-*.whl "$(ls /wheels/kvtierd-*.whl)[cluster,events]" \
     && rm -rf /wheels \
     && groupadd --system --gid 10001 kvtier \
     && useradd --system --uid 10001 --gid kvtier --home-dir /var/lib/kvtier --create-home \

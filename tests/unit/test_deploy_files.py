@@ -252,7 +252,7 @@ def test_dockerfile_installs_the_two_wheels_its_build_stage_builds() -> None:
                if not any(p.relative_to(ROOT).is_relative_to(c) for c in copied)]
     assert not missing, f"the build stage does not COPY what scripts/build_wheels.py reads: {missing}"
     installs = " ".join(r for w, r in final if w == "RUN" and "pip install" in r)
-    assert "/wheels/kvtier-*.whl" in installs and "/wheels/kvtierd-*.whl)[cluster]" in installs
+    assert "/wheels/kvtier-*.whl" in installs and "/wheels/kvtierd-*.whl)[cluster,events]" in installs
 
 
 def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored() -> None:
