@@ -248,7 +248,7 @@ def put(session: Session, handle: Registered, keys: Sequence[bytes],
     """``token_ids`` (every key's tokens, ``tokens_per_block`` each) and ``parent`` (the key
     before ``keys[0]``): optional, sent with the store for the daemon's KV events
     (docs/events.md); InvalidArgument naming ``token_ids`` when the count is wrong."""
-    origin = _origin(handle, keys, token_ids, parent)
+    origin = check_origin(handle, keys, token_ids, parent)
 
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         return session._data().write(job_id, [(i, off, views[p]) for i, p, off
@@ -258,8 +258,8 @@ def put(session: Session, handle: Registered, keys: Sequence[bytes],
     return _store(session, handle, keys, write, deadline=deadline, origin=origin)
 
 
-def _origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] | None,
-            parent: bytes | None) -> tuple[Sequence[int], int, bytes] | None:
+def check_origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] | None,
+                 parent: bytes | None) -> tuple[Sequence[int], int, bytes] | None:
     """(token ids, tokens per block, parent key or b"") of a put, checked; None: neither."""
     if not token_ids and parent is None:
         return None
@@ -276,13 +276,15 @@ def _origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] 
 
 def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
                block_ids: Sequence[int], *, deadline: float | None = None,
-               guard: CopyGuard | None = None) -> PutResult:
+               guard: CopyGuard | None = None, token_ids: Sequence[int] | None = None,
+               parent: bytes | None = None) -> PutResult:
     """put_blocks over a mapped arena: gather straight into the reserved slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies; under
     ``guard``, from the engine's snapshot when it took one (then a plain write into the slots).
     Over cuda_ipc the guarded copy includes the daemon's CudaCopy RPC: a fence that stops
-    waiting for it aborts the batch."""
+    waiting for it aborts the batch. ``token_ids`` and ``parent``: as for :func:`put`."""
     tp = _blocks_transport(session, layout)
+    origin = check_origin(handle, keys, token_ids, parent)
 
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         source = guard.begin() if guard is not None else None
@@ -312,7 +314,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
             raise CopyRevoked("the engine took its blocks back during the copy")
         return digests
 
-    return _store(session, handle, keys, write, tp, deadline=deadline)
+    return _store(session, handle, keys, write, tp, deadline=deadline, origin=origin)
 
 
 def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,

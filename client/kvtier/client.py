@@ -224,22 +224,27 @@ class NamespaceHandle:
                            deadline=deadline, token_ids=token_ids, parent=parent)
 
     def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
-                   deadline: float | None = None, guard: batches.CopyGuard | None = None
+                   deadline: float | None = None, guard: batches.CopyGuard | None = None,
+                   token_ids: Sequence[int] | None = None, parent: bytes | None = None
                    ) -> PutResult:
         """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
         ``keys``: one gather kernel into a staging tensor, then one batched put. ``guard``: the
-        engine's say over when the engine blocks may be read (``batches.CopyGuard``)."""
+        engine's say over when the engine blocks may be read (``batches.CopyGuard``).
+        ``token_ids`` and ``parent``: optional, as for :meth:`put` (the daemon's KV events)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return batches.put_blocks(self.client, self, keys, layout, block_ids,
-                                      deadline=deadline, guard=guard)
+                                      deadline=deadline, guard=guard, token_ids=token_ids,
+                                      parent=parent)
+        batches.check_origin(self, keys, token_ids, parent)  # before the copy out
         staging = self._staging(layout, keys, block_ids)
         try:  # the copy out of the engine blocks, before any RPC
             staging = batches.guarded_gather(layout, block_ids, staging, guard)
         except batches.CopyRevoked:
             self.client.counters.puts_dropped += len(keys)
             return PutResult(dropped=len(keys))
-        return self.put(keys, list(staging), deadline=deadline)
+        return self.put(keys, list(staging), deadline=deadline, token_ids=token_ids,
+                        parent=parent)
 
     def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
                    deadline: float | None = None) -> list[bool]:
