@@ -731,3 +731,45 @@ def test_a_miss_in_the_published_index_costs_no_lookup_rpc(daemon: DaemonProcess
         backend.release(old.pins)
     finally:
         backend.close()
+
+
+def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory: Any,
+                                                                 tmp_path: Any) -> None:
+    """``event_token_ids``: the connector's stores (chunked prefill: two jobs, the second
+    chaining on from the first) reach the daemon's KV events with their token ids and parent
+    key, so a router hashing tokens matches them; off (the default), none are sent."""
+    pytest.importorskip("zmq")
+    from events_follower import Follower
+
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB",
+                       "--events-endpoint", f"ipc://{tmp_path}/ev.sock",
+                       "--events-replay-endpoint", f"ipc://{tmp_path}/replay.sock")
+    follow = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock")
+    w = KvtierWorker(IDENTITY, cfg_for(d))
+    w.register(lbhnc_cache(True)[1])
+    try:
+        for on, seed in ((True, 1), (False, 2)):
+            p, _ = make_planner(d, event_token_ids=on)
+            toks = prompt(4 * BS, seed=seed)
+            keys = IDENTITY.namespace().block_keys(toks)
+            p.on_new_request(RequestInfo("e", toks, BASE))
+            assert matched(p, "e", 0, len(toks)) == (0, False)
+            p.after_alloc("e", [1, 2], 0)
+            jobs = p.build(StepInput([schedule("e", [1, 2], 0, BS + 3)])).stores
+            jobs += p.build(StepInput([schedule("e", [3, 4], BS + 3, 3 * BS - 3,
+                                                replace=False)])).stores
+            assert [j.block_ids for j in jobs] == [[1], [2, 3, 4]]
+            w.submit_stores(jobs)
+            assert w.drain()
+            want = set(keys)
+            follow.settle(lambda: set(follow.stored) >= want)  # noqa: B023 (settled here)
+            for i, k in enumerate(keys):
+                assert follow.stored[k]["tokens"] == (toks[i * BS:(i + 1) * BS] if on else []), i
+                # without: only a job's own chain is known (its first block has no parent)
+                linked = i and (on or i not in (0, 1))
+                assert follow.stored[k]["parent"] == (keys[i - 1] if linked else None), i
+            p.request_finished("e")
+            p.close()
+    finally:
+        w.close()
+        follow.close()

@@ -70,6 +70,7 @@ class ConnectorConfig:
     load: bool = True
     store: bool = True
     store_generated: bool = True
+    event_token_ids: bool = False  # send stored blocks' token ids for the daemon's KV events
     pin_release_steps: int = 4
     step_budget_ms: int = 100
     probe_timeout_ms: int = 250
@@ -123,7 +124,7 @@ class ConnectorConfig:
             need(problem is None, key, str(problem))
         problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest else None
         need(problem is None, "tokenizer_digest", str(problem))
-        for key in ("load", "store", "store_generated", "unix_login"):
+        for key in ("load", "store", "store_generated", "event_token_ids", "unix_login"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
         need(not (self.unix_login and self.token_file), "unix_login",
              "give token_file or unix_login, not both")

@@ -160,7 +160,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 lookup_wait_s=self.cfg.lookup_wait_ms / 1000,
                 pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
                 store=self.cfg.store, store_generated=self.cfg.store_generated,
-                load_async=self.cfg.load_mode == "async")
+                load_async=self.cfg.load_mode == "async",
+                event_token_ids=self.cfg.event_token_ids)
         log.info("kvtier connector (%s): %s at %s", role.name.lower(),
                  self.identity.namespace().to_dict(), self.cfg.address)
 

@@ -90,13 +90,17 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Store engine block ``block_ids[i]`` under ``keys[slice][i]`` after this step's forward."""
+    """Store engine block ``block_ids[i]`` under ``keys[slice][i]`` after this step's forward.
+    With ``event_token_ids``: the blocks' token ids, and per slice the key before ``keys[s][0]``
+    (None at a chain's start), which the daemon publishes in its KV events (docs/events.md)."""
 
     job_id: int
     req_id: str
     variant: Variant
     keys: list[list[bytes]]
     block_ids: list[int]
+    token_ids: list[int] | None = None
+    parents: list[bytes | None] | None = None
 
 
 @dataclass
@@ -168,6 +172,7 @@ class Planner:
     def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
                  lookup_wait_s: float = 0.002, pin_release_steps: int = 4, load: bool = True,
                  store: bool = True, store_generated: bool = True, load_async: bool = False,
+                 event_token_ids: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.lookup_timeout_s = lookup_timeout_s
@@ -178,6 +183,7 @@ class Planner:
         self.store_enabled = store
         self.store_generated = store_generated
         self.load_async = load_async
+        self.event_token_ids = event_token_ids
         self.stats = PlannerStats()
         self._clock = clock
         self._reqs: dict[str, _Req] = {}
@@ -429,8 +435,12 @@ class Planner:
         full = min(full, self._chain(st, outcome, tokens, full))
         if full <= start:
             return
+        events = self.event_token_ids
         job = StoreJob(self._next_job, st.info.req_id, st.info.variant,
-                       [k[start:full] for k in st.keys], st.block_ids[start:full])
+                       [k[start:full] for k in st.keys], st.block_ids[start:full],
+                       list(tokens[start * self.block_size : full * self.block_size])
+                       if events else None,
+                       [k[start - 1] if start else None for k in st.keys] if events else None)
         self._next_job += 1
         for bid in job.block_ids:
             self._fence[bid] = job.job_id

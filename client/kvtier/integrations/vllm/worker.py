@@ -510,7 +510,8 @@ class KvtierWorker:
                     torch.cuda.current_stream(layout.device).wait_event(rec.forward_done)
                 # over shm: one gather straight into the reserved arena slots, under the guard
                 result = self._handle("store", job.variant).put_blocks(
-                    keys, layout, job.block_ids, guard=_Guard(self, rec))
+                    keys, layout, job.block_ids, guard=_Guard(self, rec), token_ids=job.token_ids,
+                    parent=job.parents[self.tp_rank] if job.parents else None)
                 stored, present = result.stored, result.already_present
                 dropped = result.dropped + result.rejected
             except Exception as e:  # a failed store is a future miss, never an engine error
