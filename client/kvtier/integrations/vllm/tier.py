@@ -75,7 +75,7 @@ def metric_name(key: str) -> str:
     return f"vllm:kv_offload_kvtier_{key}"
 
 
-class _Lookups(AsyncLookupManager):
+class _Lookups(AsyncLookupManager):  # type: ignore[misc]  # (vLLM is untyped here)
     """vLLM's batching lookup thread, asking the daemon through ``TierJobs.lookup``."""
 
     def __init__(self, jobs: TierJobs, tier_type: str) -> None:
@@ -86,7 +86,7 @@ class _Lookups(AsyncLookupManager):
         return self._jobs.lookup(keys)
 
 
-class KvtierSecondaryTier(SecondaryTierManager):
+class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """See the module docstring. Scheduler thread only (vLLM's contract); owns a ``TierJobs``
     and a lookup manager, each with its own threads."""
 

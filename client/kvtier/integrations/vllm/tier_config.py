@@ -28,15 +28,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier_contract.identity import Namespace
-from kvtier_contract.protoutil import TransportName
-
 from kvtier.integrations.vllm.config import (
     DEFAULT_ADDRESS,
     ConfigError,
     resolve_model_revision,
     resolve_tokenizer_digest,
 )
+from kvtier_contract.identity import Namespace, revision_problem, tokenizer_digest_problem
+from kvtier_contract.protoutil import TransportName
 
 PREFIX = "secondary_tiers.kvtier"
 _DOMAIN = b"kvtier/vllm-offload/v1"
@@ -126,6 +125,13 @@ class TierConfig:
                  "must be a non-empty string")
         need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
              "adapter_id and adapter_revision go together")
+        for key in ("model_revision", "adapter_revision"):  # the one identity rule
+            value = getattr(self, key)
+            problem = revision_problem(value) if value else None
+            need(problem is None, key, str(problem))
+        problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest \
+            else None
+        need(problem is None, "tokenizer_digest", str(problem))
         for key in ("load", "store", "unix_login"):
             need(isinstance(getattr(self, key), bool), key, "must be true or false")
         need(not (self.unix_login and self.token_file), "unix_login",
