@@ -168,7 +168,9 @@ def test_engine_b_revisits_load_from_kvtier(workdir: Path, daemon: DaemonProcess
     assert out["outputs"] == baseline["outputs"][:2]
     after = daemon_total(daemon)
     assert after["bytes_out_shm"] - before["bytes_out_shm"] == 5 * ROW_BYTES
-    assert after["blocks_hit_host"] - before["blocks_hit_host"] >= 5
+    # (answered by the daemon's published index on this host, or by a Lookup RPC)
+    hits = ("blocks_hit_local", "blocks_hit_host")
+    assert sum(after[k] - before[k] for k in hits) >= 5
     assert metrics["vllm:kv_offload_kvtier_loaded_blocks"] == 5
     assert metrics["vllm:kv_offload_kvtier_load_failed_blocks"] == 0
 

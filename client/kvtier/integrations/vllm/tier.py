@@ -104,9 +104,9 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.namespace = tier_namespace(self.cfg, pool_geometry(offloading_spec,
                                                                 self.block_size_bytes),
                                         **engine_facts(offloading_spec))
-        rows = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or \
-            primary_kv_view.format != "B" else primary_kv_view
-        self.jobs = TierJobs(self.cfg, self.namespace, rows, self.block_size_bytes)
+        # One flat byte view of the pool, the tier's own (released at shutdown).
+        self.jobs = TierJobs(self.cfg, self.namespace, primary_kv_view.cast("B"),
+                             self.block_size_bytes)
         self._lookups = _Lookups(self.jobs, tier_type)
         self._load_keys: dict[int, list[OffloadKey]] = {}
         log.info("kvtier tier: namespace %s at %s", self.namespace.to_dict(), self.cfg.address)

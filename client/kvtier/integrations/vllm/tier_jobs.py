@@ -136,6 +136,10 @@ class TierJobs:
         self._stores.shutdown(wait=False, cancel_futures=True)
         for client, _ in list(self._clients.values()):
             client.close()
+        try:  # let vLLM unmap its pool (a job still running keeps its rows until it ends)
+            self._rows.release()
+        except BufferError:
+            pass
 
     def _submit(self, job_id: int, is_load: bool, offload_keys: list[bytes],
                 chunk_ids: list[int]) -> None:
