@@ -131,7 +131,8 @@ class TierJobs:
         wait_futures(futures)
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._stores.shutdown(wait=False, cancel_futures=True)
         for client, _ in list(self._clients.values()):
@@ -145,14 +146,16 @@ class TierJobs:
                 chunk_ids: list[int]) -> None:
         if len(offload_keys) != len(chunk_ids):
             raise ValueError(f"job {job_id}: {len(offload_keys)} keys, {len(chunk_ids)} chunks")
+        fut: Future[None] | None = None
         with self._lock:
             queued = sum(1 for v in self._pending.values() if v == is_load)
-            if self._closed or queued >= MAX_QUEUED_JOBS:
-                self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
-                return
-            pool = self._loads if is_load else self._stores
-            fut = pool.submit(self._run, job_id, is_load, offload_keys, chunk_ids)
-            self._pending[fut] = is_load
+            if not self._closed and queued < MAX_QUEUED_JOBS:
+                pool = self._loads if is_load else self._stores
+                fut = pool.submit(self._run, job_id, is_load, offload_keys, chunk_ids)
+                self._pending[fut] = is_load
+        if fut is None:  # closed, or too many queued: failed (a store: dropped) at once
+            self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
+            return
         fut.add_done_callback(self._forget)
 
     def _forget(self, fut: Future[None]) -> None:
