@@ -153,7 +153,7 @@ def test_engine_a_stores_prompt_chunks_through_the_tier(engine_a: dict[str, Any]
 def test_engine_b_revisits_load_from_kvtier(workdir: Path, daemon: DaemonProcess,
                                             engine_a: dict[str, Any],
                                             baseline: dict[str, Any]) -> None:
-    assert wait_resident(daemon, 5) == 5
+    assert wait_resident(daemon, 5) >= 5  # (engine B adds its salted and LoRA chunks)
     before = daemon_total(daemon)
     lora = ("tiny-lora", str(workdir / "lora"))
     salted, adapted, out, metrics = run(
@@ -178,7 +178,7 @@ def test_engine_b_revisits_load_from_kvtier(workdir: Path, daemon: DaemonProcess
 def test_other_model_revision_gets_no_hits(workdir: Path, daemon: DaemonProcess,
                                            engine_a: dict[str, Any],
                                            baseline: dict[str, Any]) -> None:
-    assert wait_resident(daemon, 5) == 5
+    assert wait_resident(daemon, 5) >= 5  # (engine B adds its salted and LoRA chunks)
     before = daemon_total(daemon)
     out, metrics = run(workdir / "model", tier_config(daemon.unix, model_revision="rev-b"),
                        workdir / "engine_rev_b.log", {"prompts": [P, Q]}, {})

@@ -165,10 +165,12 @@ class PoolGeometry:
 
 
 def hash_algo_name(algo: str | None) -> str:
-    """vLLM's hash algorithm and where its seed comes from: the cryptographic ones use a fixed
-    seed unless PYTHONHASHSEED is set; xxhash's is random per process without it."""
+    """vLLM's hash algorithm (``unknown`` where the scheduler has no current vLLM config) and
+    where its seed comes from: the cryptographic ones use a fixed seed unless PYTHONHASHSEED is
+    set; xxhash's is random per process without it. (Different algorithms or seeds give
+    different hashes anyway; this only makes the namespace say which ones its keys came from.)"""
     seed = os.environ.get("PYTHONHASHSEED")
-    return f"{algo or 'sha256'}:seed={seed if seed is not None else 'default'}"
+    return f"{algo or 'unknown'}:seed={seed if seed is not None else 'default'}"
 
 
 def tier_namespace(cfg: TierConfig, geometry: PoolGeometry, *, model: str,

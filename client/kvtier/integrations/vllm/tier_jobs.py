@@ -146,6 +146,9 @@ class TierJobs:
                 chunk_ids: list[int]) -> None:
         if len(offload_keys) != len(chunk_ids):
             raise ValueError(f"job {job_id}: {len(offload_keys)} keys, {len(chunk_ids)} chunks")
+        if not offload_keys:  # nothing to move (e.g. stores turned off): done at once
+            self._finish(job_id, is_load, [], 0, 0.0)
+            return
         fut: Future[None] | None = None
         with self._lock:
             queued = sum(1 for v in self._pending.values() if v == is_load)
