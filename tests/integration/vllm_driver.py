@@ -2,8 +2,9 @@
 
 Run with the vLLM environment's interpreter: ``.venv-vllm/bin/python vllm_driver.py '<json>'``
 where the JSON holds ``model`` (a directory with config.json), ``connector`` (the
-``kv_connector_extra_config`` dict, or null for an engine without kvtier) and optional engine
-arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer line per command:
+``kv_connector_extra_config`` dict, or null for an engine without kvtier) or a whole
+``kv_transfer_config`` (vLLM's OffloadingConnector with kvtier's secondary tier), and optional
+engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` answer line per command:
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...],
   "lora": [name, path] | null}``
@@ -140,7 +141,9 @@ def main() -> None:
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = spec["max_num_seqs"]
-    if spec.get("connector") is not None:
+    if spec.get("kv_transfer_config") is not None:  # e.g. OffloadingConnector + kvtier's tier
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    elif spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",

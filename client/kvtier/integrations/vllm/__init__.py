@@ -1,23 +1,32 @@
-"""kvtier for vLLM: ``--kv-transfer-config '{"kv_connector": "KvtierConnector",
-"kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both", ...}'``.
+"""kvtier for vLLM, two ways in (docs/vllm.md says when to pick which):
+
+* the connector: ``--kv-transfer-config '{"kv_connector": "KvtierConnector",
+  "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both", ...}'``;
+* a secondary tier of vLLM's native offloading: ``"kv_connector": "OffloadingConnector"`` with
+  ``"spec_name": "TieringOffloadingSpec"`` and a ``secondary_tiers`` entry
+  ``{"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm", ...}``.
 
 Importing this package has no side effects and does not import vLLM or torch (vLLM's front-end
 process imports it too); ``KvtierConnector`` and ``KvtierConnectorStats`` load
-``kvtier.integrations.vllm.connector`` (which imports vLLM) on first access. The planning logic
-(``planner``), the engine identity (``config``) and the worker's data movement (``worker``) are
-plain Python and tested without vLLM. See docs/vllm.md.
+``kvtier.integrations.vllm.connector`` (which imports vLLM) on first access,
+``KvtierSecondaryTier`` loads ``kvtier.integrations.vllm.tier``. The planning logic
+(``planner``), the engine identity (``config``, ``tier_config``), the worker's data movement
+(``worker``) and the tier's jobs (``tier_jobs``) are plain Python and tested without vLLM.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats"]
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats",
+           "KvtierSecondaryTier"]
+_MODULES = {"KvtierSecondaryTier": "tier"}
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from kvtier.integrations.vllm import connector
-
-        return getattr(connector, name)
+        module = importlib.import_module(
+            f"kvtier.integrations.vllm.{_MODULES.get(name, 'connector')}")
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

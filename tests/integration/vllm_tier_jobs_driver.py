@@ -1,0 +1,157 @@
+"""kvtier's vLLM secondary tier inside vLLM's own tiering manager, in the vLLM environment.
+
+Run as ``.venv-vllm/bin/python vllm_tier_jobs_driver.py '{"address": ..., "engine_id": ...}'``:
+builds vLLM's real ``TieringOffloadingSpec`` (its shared CPU pool, CPU primary tier and
+``TieringOffloadingManager``) with ``KvtierSecondaryTier`` as its one secondary tier, then answers
+one JSON command per stdin line with one ``DRIVER {json}`` line:
+
+* ``{"op": "roundtrip"}``: rows 0..3 of the pool get a byte pattern, a store job cascades them to
+  the daemon, the tier's lookups (flushed once per "step") find them, a load job brings them into
+  rows 8..11 -> ``{"stored": bool, "lookup": [..], "loaded": bool, "same_bytes": bool,
+  "steps_to_hit": n}``
+* ``{"op": "timed", "keys": seed}``: with the daemon in whatever state the test put it (e.g.
+  SIGSTOP), times every scheduler-side call -> ``{"submit_store_s", "submit_load_s",
+  "lookup_s": max of the per-call times, "finished_s": until both jobs reported,
+  "store_ok", "load_ok", "lookup_results": the final answers, "resolved_s"}``
+* ``{"op": "quit"}``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+TOKENS = 16
+ROW_BYTES = TOKENS * 2 * 2 * 64 * 2  # 16 tokens x K,V x 2 layers x 64 x bf16 = 8 KiB
+
+
+def build(address: str, engine_id: str) -> tuple[object, object]:
+    tier = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm",
+            "address": address, "model_revision": "rev-a", "tokenizer_digest": "none",
+            "request_timeout_ms": 500, "lookup_timeout_ms": 300, "job_timeout_ms": 2000}
+    par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
+                                   dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                   data_parallel_rank_local=None, is_parallelism_agnostic=False)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=ROW_BYTES, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 32 * ROW_BYTES, "secondary_tiers": [tier]},
+        engine_id=engine_id, model=OffloadingModelConfig(name="/models/tiny", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
+        parallel=par, kv_cache_layout="LBHNC")
+    spec = TieringOffloadingSpec(config)
+    manager = spec.get_manager()
+    return spec, manager.secondary_tiers[0]  # type: ignore[attr-defined]
+
+
+def keys(seed: int, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{seed}:{i}".encode()).digest() + (0).to_bytes(4, "big")
+            for i in range(n)]
+
+
+def job(job_id: int, ks: list[bytes], rows: list[int], load: bool, req: str) -> TransferJob:
+    return TransferJob(job_id=job_id, keys=ks, chunk_ids=np.array(rows, dtype=np.int64),
+                       is_promotion=load, req_context=ReqContext(req_id=req))
+
+
+def wait_jobs(tier: object, ids: set[int], timeout_s: float) -> dict[int, bool]:
+    got: dict[int, bool] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(got) != ids and time.monotonic() < deadline:
+        for r in tier.get_finished_jobs():  # type: ignore[attr-defined]
+            got[r.job_id] = r.success
+        time.sleep(0.01)
+    return got
+
+
+def lookup_until_resolved(tier: object, ks: list[bytes], req: str, timeout_s: float
+                          ) -> tuple[list[str], int, float, float]:
+    """Look ``ks`` up step after step (on_schedule_end between steps) until none is RETRY:
+    (answers, steps, the longest single call, seconds)."""
+    ctx = ReqContext(req_id=req)
+    t0 = time.monotonic()
+    worst = 0.0
+    steps = 0
+    while True:
+        steps += 1
+        answers = []
+        for k in ks:
+            t = time.perf_counter()
+            answers.append(tier.lookup(k, ctx))  # type: ignore[attr-defined]
+            worst = max(worst, time.perf_counter() - t)
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # type: ignore[attr-defined]
+        if LookupResult.RETRY not in answers or time.monotonic() - t0 > timeout_s:
+            tier.on_request_finished(ctx)  # type: ignore[attr-defined]
+            return [a.name for a in answers], steps, worst, time.monotonic() - t0
+        time.sleep(0.02)
+
+
+def roundtrip(tier: object, view: np.ndarray) -> dict[str, object]:
+    ks = keys(1, 4)
+    for i in range(4):
+        view[i, :] = np.frombuffer(hashlib.sha256(bytes([i])).digest() * (ROW_BYTES // 32),
+                                   dtype=view.dtype)
+    tier.submit_store(job(1, ks, [0, 1, 2, 3], False, "r1"))  # type: ignore[attr-defined]
+    stored = wait_jobs(tier, {1}, 10).get(1, False)
+    answers, steps, _, _ = lookup_until_resolved(tier, ks, "r2", 10)
+    tier.submit_load(job(2, ks, [8, 9, 10, 11], True, "r2"))  # type: ignore[attr-defined]
+    loaded = wait_jobs(tier, {2}, 10).get(2, False)
+    same = bool((view[8:12] == view[0:4]).all())
+    return {"stored": stored, "lookup": answers, "loaded": loaded, "same_bytes": same,
+            "steps_to_hit": steps}
+
+
+def timed(tier: object, seed: int) -> dict[str, object]:
+    ks = keys(seed, 4)
+    t = time.perf_counter()
+    tier.submit_store(job(10 + seed, ks, [4, 5, 6, 7], False, "t1"))  # type: ignore[attr-defined]
+    store_s = time.perf_counter() - t
+    t = time.perf_counter()
+    tier.submit_load(job(20 + seed, keys(1, 4), [12, 13, 14, 15], True, "t2"))  # type: ignore
+    load_s = time.perf_counter() - t
+    t0 = time.monotonic()
+    done = wait_jobs(tier, {10 + seed, 20 + seed}, 30)
+    finished_s = time.monotonic() - t0
+    answers, steps, worst, resolved_s = lookup_until_resolved(tier, keys(1, 4), "t3", 30)
+    return {"submit_store_s": store_s, "submit_load_s": load_s, "lookup_s": worst,
+            "finished_s": finished_s, "store_ok": done.get(10 + seed),
+            "load_ok": done.get(20 + seed), "lookup_results": answers,
+            "lookup_steps": steps, "resolved_s": resolved_s}
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    spec, tier = build(args["address"], args["engine_id"])
+    view = np.frombuffer(tier._primary_kv_view, dtype=np.uint8).reshape(  # type: ignore
+        -1, tier.block_size_bytes)  # type: ignore[attr-defined]
+    print("DRIVER " + json.dumps({"ready": True, "row_bytes": tier.block_size_bytes}),  # type: ignore
+          flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "roundtrip":
+            print("DRIVER " + json.dumps(roundtrip(tier, view)), flush=True)
+        if cmd["op"] == "timed":
+            print("DRIVER " + json.dumps(timed(tier, int(cmd["keys"]))), flush=True)
+    tier.shutdown()  # type: ignore[attr-defined]
+    print("DRIVER " + json.dumps({"bye": True}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
