@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier_contract import defaults
 from kvtier_contract.identity import (
@@ -48,6 +48,63 @@ class ConfigError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+_S = TypeVar("_S")
+Need = Callable[[bool, str, str], None]
+
+
+def settings_from(cls: type[_S], extra: Mapping[str, Any] | None, prefix: str) -> _S:
+    """``cls(**extra)`` of a settings dataclass (the connector's or the tier's), validated:
+    ``socket`` is the short form of a Unix ``address``; an unknown key is refused by name
+    (``<prefix>.<key>``), as is what the class's ``validate`` refuses."""
+    extra = dict(extra or {})
+    if "socket" in extra:  # the short form a sidecar uses
+        if "address" in extra:
+            raise ConfigError(f"{prefix}.socket", "give either socket or address, not both")
+        sock = str(extra.pop("socket"))
+        extra["address"] = sock if sock.startswith("unix:") else f"unix:{sock}"
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    for key in extra:
+        if key not in known:
+            raise ConfigError(f"{prefix}.{key}",
+                              f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
+    cfg = cls(**extra)
+    cfg.validate()  # type: ignore[attr-defined]
+    return cfg
+
+
+def needs(prefix: str) -> Need:
+    """``need(ok, key, message)``: ConfigError ``<prefix>.<key>: message`` unless ``ok``."""
+    def need(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{prefix}.{key}", message)
+    return need
+
+
+def check_client_fields(cfg: Any, need: Need, *, positive: Sequence[str],
+                        strings: Sequence[str], flags: Sequence[str]) -> None:
+    """The checks the connector's and the tier's settings share: the address, positive integer
+    ``positive``, non-empty-or-absent ``strings``, boolean ``flags``, the tokenizer digest rule,
+    and a Unix login (a Unix address, no token file)."""
+    need(isinstance(cfg.address, str) and bool(cfg.address), "address",
+         "must be a non-empty string")
+    for key in positive:
+        value = getattr(cfg, key)
+        need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+             "must be a positive integer")
+    for key in strings:
+        value = getattr(cfg, key)
+        need(value is None or (isinstance(value, str) and bool(value)), key,
+             "must be a non-empty string")
+    problem = tokenizer_digest_problem(cfg.tokenizer_digest) if cfg.tokenizer_digest else None
+    need(problem is None, "tokenizer_digest", str(problem))
+    for key in flags:
+        need(isinstance(getattr(cfg, key), bool), key, "must be true or false")
+    need(not (cfg.unix_login and cfg.token_file), "unix_login",
+         "give token_file or unix_login, not both")
+    need(not cfg.unix_login or cfg.address.startswith("unix:"), "unix_login",
+         "needs a Unix socket address (socket or unix: address)")
 
 
 @dataclass(frozen=True)
@@ -79,39 +136,18 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
-        if "socket" in extra:  # the short form a sidecar uses
-            if "address" in extra:
-                raise ConfigError("kv_connector_extra_config.socket",
-                                  "give either socket or address, not both")
-            sock = extra.pop("socket")
-            extra["address"] = sock if str(sock).startswith("unix:") else f"unix:{sock}"
-        known = {f for f in cls.__dataclass_fields__}
-        for key in extra:
-            if key not in known:
-                raise ConfigError(f"kv_connector_extra_config.{key}",
-                                  f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
-        cfg = cls(**extra)
-        cfg.validate()
-        return cfg
+        return settings_from(cls, extra, "kv_connector_extra_config")
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, message: str) -> None:
-            if not ok:
-                raise ConfigError(f"kv_connector_extra_config.{key}", message)
-
-        need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
+        need = needs("kv_connector_extra_config")
+        check_client_fields(
+            self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms",
+                                  "pin_release_steps", "step_budget_ms", "probe_timeout_ms",
+                                  "async_load_timeout_ms"),
+            strings=("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"),
+            flags=("load", "store", "store_generated", "event_token_ids", "unix_login"))
         need(self.transport in TRANSPORT_NAMES.values(), "transport",
              "must be 'shm', 'tcp' or 'cuda_ipc'")
-        for key in ("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms", "pin_release_steps",
-                    "step_budget_ms", "probe_timeout_ms", "async_load_timeout_ms"):
-            value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                 "must be a positive integer")
-        for key in ("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"):
-            value = getattr(self, key)
-            need(value is None or (isinstance(value, str) and bool(value)), key,
-                 "must be a non-empty string")
         need(isinstance(self.adapter_revisions, Mapping)
              and all(isinstance(k, str) and isinstance(v, str) and v
                      for k, v in self.adapter_revisions.items()),
@@ -122,14 +158,6 @@ class ConnectorConfig:
         for key, value in revisions.items():
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
-        problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest else None
-        need(problem is None, "tokenizer_digest", str(problem))
-        for key in ("load", "store", "store_generated", "event_token_ids", "unix_login"):
-            need(isinstance(getattr(self, key), bool), key, "must be true or false")
-        need(not (self.unix_login and self.token_file), "unix_login",
-             "give token_file or unix_login, not both")
-        need(not self.unix_login or self.address.startswith("unix:"), "unix_login",
-             "needs a Unix socket address (socket or unix: address)")
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
         need(isinstance(self.lookup_wait_ms, int) and not isinstance(self.lookup_wait_ms, bool)
              and 0 <= self.lookup_wait_ms <= 1000, "lookup_wait_ms",

@@ -31,10 +31,13 @@ from typing import Any
 from kvtier.integrations.vllm.config import (
     DEFAULT_ADDRESS,
     ConfigError,
+    check_client_fields,
+    needs,
     resolve_model_revision,
     resolve_tokenizer_digest,
+    settings_from,
 )
-from kvtier_contract.identity import Namespace, revision_problem, tokenizer_digest_problem
+from kvtier_contract.identity import Namespace, revision_problem
 from kvtier_contract.protoutil import TransportName
 
 PREFIX = "secondary_tiers.kvtier"
@@ -89,55 +92,24 @@ class TierConfig:
 
     @classmethod
     def from_tier(cls, kwargs: Mapping[str, Any]) -> TierConfig:
-        extra = dict(kwargs)
-        if "socket" in extra:  # the short form a sidecar uses, as for the connector
-            if "address" in extra:
-                raise ConfigError(f"{PREFIX}.socket", "give either socket or address, not both")
-            sock = str(extra.pop("socket"))
-            extra["address"] = sock if sock.startswith("unix:") else f"unix:{sock}"
-        known = set(cls.__dataclass_fields__)
-        for key in extra:
-            if key not in known:
-                raise ConfigError(f"{PREFIX}.{key}",
-                                  f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
-        cfg = cls(**extra)
-        cfg.validate()
-        return cfg
+        return settings_from(cls, kwargs, PREFIX)
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, message: str) -> None:
-            if not ok:
-                raise ConfigError(f"{PREFIX}.{key}", message)
-
-        need(isinstance(self.address, str) and bool(self.address), "address",
-             "must be a non-empty string")
+        need = needs(PREFIX)
+        check_client_fields(
+            self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "job_timeout_ms",
+                                  "probe_timeout_ms", "lease_ttl_ms"),
+            strings=("model_id", "model_revision", "tokenizer_digest", "adapter_id",
+                     "adapter_revision", "cache_salt", "tenant", "token_file", "locality"),
+            flags=("load", "store", "unix_login"))
         need(self.transport in ("shm", "tcp"), "transport",
              "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)")
-        for key in ("lookup_timeout_ms", "request_timeout_ms", "job_timeout_ms",
-                    "probe_timeout_ms", "lease_ttl_ms"):
-            value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                 "must be a positive integer")
-        for key in ("model_id", "model_revision", "tokenizer_digest", "adapter_id",
-                    "adapter_revision", "cache_salt", "tenant", "token_file", "locality"):
-            value = getattr(self, key)
-            need(value is None or (isinstance(value, str) and bool(value)), key,
-                 "must be a non-empty string")
         need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
              "adapter_id and adapter_revision go together")
         for key in ("model_revision", "adapter_revision"):  # the one identity rule
             value = getattr(self, key)
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
-        problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest \
-            else None
-        need(problem is None, "tokenizer_digest", str(problem))
-        for key in ("load", "store", "unix_login"):
-            need(isinstance(getattr(self, key), bool), key, "must be true or false")
-        need(not (self.unix_login and self.token_file), "unix_login",
-             "give token_file or unix_login, not both")
-        need(not self.unix_login or self.address.startswith("unix:"), "unix_login",
-             "needs a Unix socket address (socket or unix: address)")
 
 
 @dataclass(frozen=True)
