@@ -28,6 +28,7 @@ from kvtierd.events.wire import (
     decode_batch,
     encode_batch,
     event_map,
+    pack_tokens,
 )
 from kvtierd.index import NamespaceState
 from kvtierd.policies import make_policy
@@ -149,7 +150,8 @@ def test_token_ids_and_parent_ride_with_the_entries_when_events_are_on(
     parent = keys(99)[0]
     put(cache, ns, keys(1, 2, 3), token_ids=list(range(12)), parent=parent)
     e1, e2, e3 = (ns.entries[k] for k in keys(1, 2, 3))
-    assert e1.origin == (parent, (0, 1, 2, 3)) and e3.origin == (keys(2)[0], (8, 9, 10, 11))
+    assert e1.origin == (parent, pack_tokens([0, 1, 2, 3]))
+    assert e3.origin == (keys(2)[0], pack_tokens([8, 9, 10, 11]))
     [(tenant, [ev])] = list(_events("stored", "CPU", [e1, e2, e3]))
     assert isinstance(ev, Stored)
     assert (ev.keys, ev.parent, list(ev.token_ids)) == (keys(1, 2, 3), parent, list(range(12)))
@@ -157,6 +159,23 @@ def test_token_ids_and_parent_ride_with_the_entries_when_events_are_on(
     # a run broken by a block from elsewhere: two events; no tokens unless all have them
     runs = [e.keys for _t, [e] in _events("stored", "STORAGE", [e1, e3, e2])]  # type: ignore[attr-defined]
     assert runs == [keys(1), keys(3), keys(2)]
+
+
+def test_token_ids_past_their_share_of_a_slot_are_not_kept(cache: TieredCache) -> None:
+    """A namespace of tiny blocks and many tokens per block (a client's choice) would make each
+    block's token ids outweigh the block the quotas count: past 1/64 of its slot they are not
+    kept, and its events carry no tokens (the parent still rides)."""
+    cache.residency.events = BlockEvents(EventQueue(100))
+    ns = cache.register_namespace(Namespace(
+        model_id="m", model_revision="r", tokenizer_digest="none", kv_dtype="uint8",
+        layout="contiguous", tokens_per_block=512, num_layers=1, num_kv_heads=1, head_dim=1))
+    assert ns.slot_bytes == BLOCK  # 1 KiB of bytes, 2 KiB of token ids: 4 KiB slot
+    parent = keys(99)[0]
+    put(cache, ns, keys(1, 2), token_ids=list(range(1024)), parent=parent)
+    e1, e2 = (ns.entries[k] for k in keys(1, 2))
+    assert e1.origin == (parent, b"") and e2.origin == (keys(1)[0], b"")
+    [(_t, [ev])] = list(_events("stored", "CPU", [e1, e2]))
+    assert isinstance(ev, Stored) and list(ev.token_ids) == [] and ev.parent == parent
 
 
 def test_bad_token_ids_or_parent_are_refused_naming_the_field_and_change_nothing(

@@ -46,6 +46,7 @@ from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.events import MEDIUM_CPU
+from kvtierd.events.wire import pack_tokens
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
@@ -75,6 +76,12 @@ def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
     if digests and len(digests) != len(job.items):
         raise InvalidArgument(f"has {len(digests)} digests for {len(job.items)} reserved keys",
                               field="digests")
+
+
+# A block keeps its token ids (4 bytes each, for its KV events) only while they take at most this
+# share of its slot: a client's namespace of tiny blocks and many tokens per block cannot make
+# the daemon hold more for its blocks than the quotas it is held to count (host_bytes, nvme_bytes).
+TOKEN_SHARE_OF_SLOT = 64
 
 
 def check_origin(ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int],
@@ -421,12 +428,13 @@ class TieredCache:
         placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
             if fresh else []
         events = self.residency.events is not None
-        tpb = ns.spec.tokens_per_block
+        span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
+        packed = pack_tokens(token_ids) if events and token_ids and \
+            span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
         for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
             if events:
-                e.origin = (keys[i - 1] if i else parent,
-                            tuple(token_ids[i * tpb:(i + 1) * tpb]))
+                e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
             entries[k] = e
             items[i] = e
             status[i] = StoreStatus.RESERVED

@@ -33,7 +33,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtierd.events.sink import EventQueue, Record
-from kvtierd.events.wire import END_SEQ, SEQ, Cleared, Event, Removed, Stored, encode_batch
+from kvtierd.events.wire import (
+    END_SEQ,
+    SEQ,
+    Cleared,
+    Event,
+    Removed,
+    Stored,
+    encode_batch,
+    unpack_tokens,
+)
 
 if TYPE_CHECKING:
     from kvtierd.index import Entry
@@ -298,9 +307,9 @@ def _stored(run: list[Entry], medium: Any) -> Stored:
     tpb = spec.tokens_per_block
     origin = run[0].origin
     tokens: list[int] = []
-    if all(e.origin is not None and len(e.origin[1]) == tpb for e in run):
+    if all(e.origin is not None and len(e.origin[1]) == 4 * tpb for e in run):
         for e in run:
-            tokens.extend(e.origin[1])  # type: ignore[index]  # (checked just above)
+            tokens.extend(unpack_tokens(e.origin[1]))  # type: ignore[index]  # (checked above)
     extra: tuple[str, ...] = tuple(v for v in (spec.adapter_id, spec.cache_salt) if v)
     return Stored(keys=[e.key for e in run], parent=origin[0] if origin is not None else None,
                   token_ids=tokens, block_size=tpb, medium=medium, lora_name=spec.adapter_id,

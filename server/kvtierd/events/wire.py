@@ -24,6 +24,7 @@ msgpack (the ``events`` extra) is imported by the functions that encode, not by 
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -103,3 +104,13 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | Non
 
     ts, events, *rest = msgpack.unpackb(payload, raw=False)
     return float(ts), list(events), (rest[0] if rest else None)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids (u32, as PrepareStoreRequest carries them) packed 4 bytes each, the form a block
+    keeps them in (``Entry.origin``); :func:`unpack_tokens` reads them back."""
+    return array("I", token_ids).tobytes()
+
+
+def unpack_tokens(packed: bytes) -> list[int]:
+    return memoryview(packed).cast("I").tolist()

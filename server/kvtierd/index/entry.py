@@ -64,9 +64,9 @@ class Entry:
         self.hits = 0
         self.in_cluster = False  # known to be in the cluster tier (not a copy: it may go)
         self.digest: int | None = None  # its bytes' digest, from its commit on
-        # (parent key or None, token ids or ()) as its store said, kept only while KV events
-        # are on (kvtierd.events): what a router needs to place the block
-        self.origin: tuple[bytes | None, tuple[int, ...]] | None = None
+        # (parent key or None, token ids packed as u32, or b"") as its store said, kept only
+        # while KV events are on (kvtierd.events): what a router needs to place the block
+        self.origin: tuple[bytes | None, bytes] | None = None
 
     @property
     def in_host(self) -> bool:
