@@ -9,7 +9,7 @@ as ``KvtierHiCacheStorage(storage_config, kwargs)``. Lifecycle:
               (SGLang startup)  namespace from the pool's dtype and geometry, register it
     register_mem_host_pool_v2   each pool of the model's group: the KV pool again ("kv"), and a
               (SGLang startup)  hybrid model's side pools (Mamba, SWA, indexer, ...), each in a
-                                namespace of its own (``_SidePool``, ``_side_namespace``)
+                                namespace of its own (``SidePool``, ``_side_namespace``)
     batch_exists / batch_get_v1 / batch_set_v1 / get / set / ...   (SGLang's storage threads)
     batch_exists_v2 / batch_get_v2 / batch_set_v2   (hybrid models: per-pool transfers)
     clear                       False: a shared daemon is not emptied by one engine (logged once)
@@ -23,6 +23,10 @@ breaker answers at once). Calls before ``register_mem_pool_host`` are misses.
 Thread-safety: SGLang's prefetch and backup threads call concurrently; the kvtier ``Client`` is
 thread-safe, each thread gets its own ``PagedKvLayout``, and the counters are plain integers
 incremented without a lock (approximate under races, as the SDK's).
+
+Size: over the house limit, because SGLang's storage interface is one class (v1 and v2 calls
+and the legacy get/set family), each call a few lines around the never-raise guard; the page
+geometry lives in ``pages`` (``HostPoolPages``, ``SidePool``) and the identity in ``config``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ from kvtier.integrations.sglang.config import (
     page_key,
     resolve_identity,
 )
-from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError, whole_pages
+from kvtier.integrations.sglang.pages import (
+    SIDE_GEOMETRY_ATTRS,
+    HostPoolPages,
+    PoolShapeError,
+    SidePool,
+)
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import KV_DTYPES, Namespace
 
@@ -91,7 +100,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.counters = BackendCounters()
         self.pages: HostPoolPages | None = None
         self.handle: NamespaceHandle | None = None
-        self.side_pools: dict[str, _SidePool] = {}  # hybrid models' other host pools, by name
+        self.side_pools: dict[str, SidePool] = {}  # hybrid models' other host pools, by name
         self._logged: dict[str, float] = {}
         self._cleared_logged = False
         self.metrics = bool(storage_config.enable_storage_metrics)
@@ -174,7 +183,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                                   "logical anchor): not supported by the kvtier backend")
             return
         try:
-            side = _SidePool.probe(host_pool, name)
+            side = SidePool.probe(host_pool, name)
             namespace = self._side_namespace(host_pool, name, side)
         except ConfigError:
             raise
@@ -188,7 +197,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                  namespace.to_dict(), side.block_bytes,
                  "zero-copy" if side.pages is not None else "flat pages")
 
-    def _side_namespace(self, pool: Any, name: str, side: _SidePool) -> Namespace:
+    def _side_namespace(self, pool: Any, name: str, side: SidePool) -> Namespace:
         """A side pool's namespace: the model's identity, and the pool's own geometry. Its pages
         are opaque bytes (``kv_dtype`` uint8, 1 layer, 1 head of ``block_bytes / 2 /
         page_size``); ``layout`` names the pool, its class and host layout, and a digest of its
@@ -199,7 +208,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if side.block_bytes % (2 * page_size):
             raise ConfigError(f"host_pool.{name}", f"a page of {side.block_bytes} bytes is not "
                               f"a whole number of 2 x {page_size} bytes")
-        geometry = {attr: str(getattr(pool, attr)) for attr in _GEOMETRY_ATTRS
+        geometry = {attr: str(getattr(pool, attr)) for attr in SIDE_GEOMETRY_ATTRS
                     if hasattr(pool, attr)}
         geometry.update(page_bytes=str(side.block_bytes), page_size=str(page_size))
         digest = hashlib.sha256(repr(sorted(geometry.items())).encode()).hexdigest()[:16]
@@ -537,55 +546,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if now - self._logged.get(op, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[op] = now
             log.warning("kvtier HiCache %s failed (answered as a miss): %s", op, message)
-
-
-# Pool attributes that make up a side pool's geometry (its namespace layout digest), where present.
-_GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_cache_dim",
-                   "num_mamba_layers", "temporal_dtype", "conv_dtype", "temporal_state_shape",
-                   "conv_state_shapes", "size_per_token", "indexer_dtype",
-                   "indexer_page_stride_size")
-
-
-@dataclass
-class _SidePool:
-    """One side pool of a hybrid model: its pages, moved zero-copy when they are equal pieces
-    of one of the pool's own tensors at a fixed stride (``pages``), else as SGLang's flat data
-    pages (``get_data_page`` / ``set_from_flat_data_page``, the path of SGLang's file backend:
-    Mamba state, whose pieces live in separate buffers)."""
-
-    name: str
-    pool: Any
-    page_size: int
-    num_pages: int
-    block_bytes: int
-    pages: HostPoolPages | None
-    handle: NamespaceHandle | None = None
-
-    @classmethod
-    def probe(cls, pool: Any, name: str) -> _SidePool:
-        page_size = int(pool.page_size)
-        num_pages = int(pool.size) // page_size
-        if page_size < 1 or num_pages < 1:
-            raise PoolShapeError(f"host pool of {pool.size} tokens in pages of {page_size}")
-        dummy = pool.get_dummy_flat_data_page()
-        block_bytes = int(dummy.numel()) * int(dummy.element_size())
-        page = pool.get_data_page(0, flat=True)
-        if int(page.numel()) * int(page.element_size()) != block_bytes or block_bytes < 1:
-            raise PoolShapeError(f"a data page has {page.numel() * page.element_size()} bytes, "
-                                 f"the pool's empty page {block_bytes}")
-        pages: HostPoolPages | None = None
-        try:
-            pages = HostPoolPages.probe(pool, f"sglang.v2.{name}")
-        except Exception:  # noqa: BLE001 - no fixed-stride pieces: flat pages instead
-            pages = None
-        if pages is not None and (not pages.in_buffer or pages.block_bytes != block_bytes):
-            pages = None
-        return cls(name, pool, page_size, num_pages, block_bytes, pages)
-
-    def page_ids(self, host_indices: Any, n_pages: int) -> list[int] | None:
-        if host_indices is None:
-            return None
-        return whole_pages(host_indices, n_pages, self.page_size, self.num_pages)
 
 
 def _pool_name(name: Any) -> str:

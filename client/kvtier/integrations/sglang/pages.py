@@ -15,6 +15,10 @@ moves a batch with one gather (store) or scatter (load) kernel per run of evenly
 straight between the pool and the daemon's mapped arena. A pool that does not fit this shape is
 refused at registration (SGLang startup), never guessed at.
 
+``SidePool.probe(pool, name)`` does the same for a hybrid model's side pool (storage v2: Mamba,
+SWA, indexer...): its pages move zero-copy when they are fixed-stride pieces of one of the pool's
+own tensors, else as SGLang's flat data pages.
+
 Thread-safety: a ``HostPoolPages`` is immutable after ``probe``; ``layout()`` gives each thread
 its own ``PagedKvLayout`` (SGLang's prefetch and backup threads call the backend concurrently).
 """
@@ -24,9 +28,12 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtier.client import NamespaceHandle
 
 from kvtier.layouts import PagedKvLayout
 
@@ -155,3 +162,52 @@ def _segments(pool: Any, page: int, page_size: int) -> list[tuple[int, int]]:
     if not ptrs or len(ptrs) != len(sizes):
         raise PoolShapeError("get_page_buffer_meta gave no segments")
     return sorted((int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True))
+
+
+# Pool attributes that make up a side pool's geometry (its namespace layout digest), where present.
+SIDE_GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_cache_dim",
+                   "num_mamba_layers", "temporal_dtype", "conv_dtype", "temporal_state_shape",
+                   "conv_state_shapes", "size_per_token", "indexer_dtype",
+                   "indexer_page_stride_size")
+
+
+@dataclass
+class SidePool:
+    """One side pool of a hybrid model: its pages, moved zero-copy when they are equal pieces
+    of one of the pool's own tensors at a fixed stride (``pages``), else as SGLang's flat data
+    pages (``get_data_page`` / ``set_from_flat_data_page``, the path of SGLang's file backend:
+    Mamba state, whose pieces live in separate buffers)."""
+
+    name: str
+    pool: Any
+    page_size: int
+    num_pages: int
+    block_bytes: int
+    pages: HostPoolPages | None
+    handle: NamespaceHandle | None = None
+
+    @classmethod
+    def probe(cls, pool: Any, name: str) -> SidePool:
+        page_size = int(pool.page_size)
+        num_pages = int(pool.size) // page_size
+        if page_size < 1 or num_pages < 1:
+            raise PoolShapeError(f"host pool of {pool.size} tokens in pages of {page_size}")
+        dummy = pool.get_dummy_flat_data_page()
+        block_bytes = int(dummy.numel()) * int(dummy.element_size())
+        page = pool.get_data_page(0, flat=True)
+        if int(page.numel()) * int(page.element_size()) != block_bytes or block_bytes < 1:
+            raise PoolShapeError(f"a data page has {page.numel() * page.element_size()} bytes, "
+                                 f"the pool's empty page {block_bytes}")
+        pages: HostPoolPages | None = None
+        try:
+            pages = HostPoolPages.probe(pool, f"sglang.v2.{name}")
+        except Exception:  # noqa: BLE001 - no fixed-stride pieces: flat pages instead
+            pages = None
+        if pages is not None and (not pages.in_buffer or pages.block_bytes != block_bytes):
+            pages = None
+        return cls(name, pool, page_size, num_pages, block_bytes, pages)
+
+    def page_ids(self, host_indices: Any, n_pages: int) -> list[int] | None:
+        if host_indices is None:
+            return None
+        return whole_pages(host_indices, n_pages, self.page_size, self.num_pages)
