@@ -283,8 +283,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
     ``guard``, from the engine's snapshot when it took one (then a plain write into the slots).
     Over cuda_ipc the guarded copy includes the daemon's CudaCopy RPC: a fence that stops
     waiting for it aborts the batch. ``token_ids`` and ``parent``: as for :func:`put`."""
-    tp = _blocks_transport(session, layout)
-    origin = check_origin(handle, keys, token_ids, parent)
+    tp, origin = _blocks_transport(session, layout), check_origin(handle, keys, token_ids, parent)
 
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
         source = guard.begin() if guard is not None else None

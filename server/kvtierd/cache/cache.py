@@ -98,6 +98,17 @@ def check_origin(ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[
                               field="parent_key")
 
 
+def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, Entry],
+                  token_ids: Sequence[int], parent: bytes | None) -> None:
+    """Each reserved entry (``items``: batch index -> entry) keeps its parent key and packed
+    token ids for its KV events; token ids past their share of the slot are not kept."""
+    span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
+    packed = pack_tokens(token_ids) if token_ids and \
+        span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
+    for i, e in items.items():
+        e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
+
+
 def _check_live(session: Session) -> None:
     """Jobs attach only to live sessions: a released one would never free them (its lease
     may lapse while a request awaits flushes or promotions)."""
@@ -427,18 +438,14 @@ class TieredCache:
         # evictable for this class: the rest of the batch cannot fit either).
         placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
             if fresh else []
-        events = self.residency.events is not None
-        span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
-        packed = pack_tokens(token_ids) if events and token_ids and \
-            span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
         for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
-            if events:
-                e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
             entries[k] = e
             items[i] = e
             status[i] = StoreStatus.RESERVED
             offsets[i] = off
+        if self.residency.events is not None:
+            _keep_origins(ns, keys, items, token_ids, parent)
         rejected = len(fresh) - len(placed)
         if rejected:
             c.stores_rejected += rejected

@@ -174,15 +174,7 @@ class TierLink:
         is live: an entry stored meanwhile (READY, or WRITING: its commit then finds the copy
         and writes none; its abort leaves the block held here) gets the copy as its own; any
         other clash (a second copy, a size mismatch) releases the slot."""
-        namespaces: dict[bytes, NamespaceState] = {}
-        skipped: dict[bytes, str] = {}  # a spec this daemon cannot host (a moving ref...): why
-        for digest, spec in rec.namespaces.items():
-            try:
-                ns = register(Namespace.from_dict(spec))
-            except Exception as err:  # noqa: BLE001  (skip it; one summary line below)
-                skipped[digest] = str(err)
-                continue
-            namespaces[digest] = ns
+        namespaces, skipped = _register_recovered(rec, register)
         restored = dropped = 0
         announced: list[Entry] = []
         for digest, key, loc in rec.blocks:
@@ -597,3 +589,17 @@ class TierLink:
                   for e in ns.entries.values() if e.copy_in(self.level) is not None]
         self.tier.checkpoint(namespaces, blocks)
         return True
+
+
+def _register_recovered(rec: Recovered, register: Callable[[Namespace], NamespaceState]
+                        ) -> tuple[dict[bytes, NamespaceState], dict[bytes, str]]:
+    """The recovered namespaces registered (by digest), and those this daemon cannot host (a
+    moving ref...) with why."""
+    namespaces: dict[bytes, NamespaceState] = {}
+    skipped: dict[bytes, str] = {}
+    for digest, spec in rec.namespaces.items():
+        try:
+            namespaces[digest] = register(Namespace.from_dict(spec))
+        except Exception as err:  # noqa: BLE001  (skip it; one summary line in _put_back)
+            skipped[digest] = str(err)
+    return namespaces, skipped
