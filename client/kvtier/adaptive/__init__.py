@@ -1,0 +1,31 @@
+"""Load or recompute: the engine integrations' shared decision (issue 30, docs/adaptive.md).
+
+A hit is worth loading only when its bytes arrive before the engine would have recomputed them.
+This package holds the pieces every integration (vLLM connector and secondary tier, SGLang,
+Transformers) uses to decide, all plain Python with no engine import and no I/O:
+
+* ``figures``: what is measured while serving. ``LinearFit`` (exponentially forgetting least
+  squares of ``y = a + b·x``), ``LoadFigures`` (each tier's end-to-end load cost, from the
+  engine's own loads and the daemon's per-tier reports) and ``PrefillRate`` (the engine's
+  seconds per prefilled token, from its steps).
+* ``decision``: ``Decider.decide(tiers, ...)`` -> ``Decision``: how many blocks of a hit prefix to
+  load under the ``always`` / ``never`` / ``adaptive`` policy, with probes that let a tier that was
+  cut back show it recovered; ``DecisionStats`` counts every decision.
+* ``budget``: ``InterferenceBudget``: the transfer time kvtier may add to each engine step
+  (a fraction of the step), loads charged before stores, stores refused (counted) when spent.
+"""
+
+from __future__ import annotations
+
+from kvtier.adaptive.budget import BudgetStats, InterferenceBudget
+from kvtier.adaptive.decision import (
+    LOAD_POLICIES,
+    Decider,
+    Decision,
+    DecisionStats,
+    LoadPolicy,
+)
+from kvtier.adaptive.figures import LinearFit, LoadFigures, PrefillRate
+
+__all__ = ["LOAD_POLICIES", "BudgetStats", "Decider", "Decision", "DecisionStats",
+           "InterferenceBudget", "LinearFit", "LoadFigures", "LoadPolicy", "PrefillRate"]

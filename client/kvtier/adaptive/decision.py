@@ -1,0 +1,203 @@
+"""The load-or-recompute decision for one request's hit prefix.
+
+Lifecycle (one owning thread; the figures it holds are fed on the same thread)::
+
+    decider = Decider("adaptive", figures=LoadFigures(), prefill=PrefillRate())
+    decider.step(tokens, seconds)            # each engine step that computed tokens
+    decider.report(tier, latency_s, bps, age_s=...)  # the daemon's per-tier figures, as they come
+    d = decider.decide(tiers, block_tokens=16, block_bytes=...)   # per request, after the lookup
+    ...load d.load_blocks blocks, recompute the rest...
+    decider.loaded(bytes_by_tier, seconds, predicted_s=d.predicted_s)  # when the load is over
+
+Policies (``LoadPolicy``): ``always`` loads every hit block (kvtier before issue 30), ``never``
+loads none (the engine alone, with stores still running), ``adaptive`` (the default) loads the
+prefix ``k`` that maximizes ``recompute(k blocks) - load(k blocks)``, never a prefix whose
+predicted load takes longer than recomputing it. Ties go to the longer prefix. Costs:
+
+* ``load(k)``: ``LoadFigures.predict`` of the first ``k`` blocks' bytes by tier (a fixed cost per
+  tier plus bytes over bandwidth, measured end to end);
+* ``recompute(k)``: ``PrefillRate.seconds_per_token × k × block_tokens``.
+
+Without figures yet (no engine step measured, or a tier never seen) the decision loads: the load
+is what measures the tier. A tier that was cut back is probed: when nothing new about it arrived
+for ``probe_after_s`` (no own load, no fresh daemon report), one decision loads up to and
+including its first block, so a tier that recovered is seen within one probe interval and one
+load; a tier still slow costs one block per interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.adaptive.figures import Clock, LoadFigures, PrefillRate
+
+LoadPolicy = Literal["adaptive", "always", "never"]
+LOAD_POLICIES: tuple[LoadPolicy, ...] = ("adaptive", "always", "never")
+Reason = Literal["miss", "always", "never", "faster", "slower", "budget", "no-figures", "probe"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How much of a hit prefix to load. ``reason``: ``faster`` (the whole hit pays off),
+    ``slower`` (cut back: ``load_blocks < hit_blocks`` because loading the rest would take longer
+    than recomputing it), ``probe`` (a cut tier's first block loaded to measure it), ``no-figures``
+    (loaded whole: nothing measured yet), or the pinned policy / a ``miss``."""
+
+    load_blocks: int
+    hit_blocks: int
+    reason: Reason
+    predicted_s: float | None = None  # predicted load time of the chosen prefix
+    recompute_s: float | None = None  # predicted recompute time of the same tokens
+
+    @property
+    def cut_blocks(self) -> int:
+        return self.hit_blocks - self.load_blocks
+
+
+@dataclass
+class DecisionStats:
+    """Counters of every decision (the integrations export them as metrics)."""
+
+    decisions: int = 0
+    tokens_loaded: int = 0
+    tokens_recomputed_slower: int = 0  # hits recomputed because loading them was slower
+    tokens_recomputed_policy: int = 0  # hits recomputed because the policy is ``never``
+    tokens_recomputed_budget: int = 0  # hits recomputed to keep the interference budget
+    probes: int = 0
+    predicted_load_s: float = 0.0  # over loads with a prediction that reported back
+    actual_load_s: float = 0.0     # the same loads, measured
+    loads_timed: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class Decider:
+    """See the module docstring. One owning thread; ``stats`` read by the owner's exporter."""
+
+    def __init__(self, policy: LoadPolicy = "adaptive", *, figures: LoadFigures | None = None,
+                 prefill: PrefillRate | None = None, probe_after_s: float = 5.0,
+                 clock: Clock = time.monotonic) -> None:
+        if policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy: {policy!r} is not one of {', '.join(LOAD_POLICIES)}")
+        if probe_after_s <= 0:
+            raise ValueError(f"probe_after_s: must be > 0, got {probe_after_s}")
+        self.policy: LoadPolicy = policy
+        self.figures = figures if figures is not None else LoadFigures(clock=clock)
+        self.prefill = prefill if prefill is not None else PrefillRate(clock=clock)
+        self.probe_after_s = probe_after_s
+        self.stats = DecisionStats()
+        self._clock = clock
+        self._probed: dict[str, float] = {}  # tier -> when it was last probed
+
+    # -- figures in -----------------------------------------------------------------------------
+
+    def step(self, tokens: int, seconds: float) -> None:
+        """An engine step that computed ``tokens`` tokens in ``seconds``."""
+        self.prefill.observe_step(tokens, seconds)
+
+    def report(self, tier: str, latency_s: float, bytes_per_s: float, *,
+               age_s: float = 0.0) -> None:
+        """The daemon's figures for ``tier``, measured ``age_s`` ago (a figure the daemon has not
+        refreshed is not news: it counts as arriving when it was measured)."""
+        self.figures.report(tier, latency_s, bytes_per_s, age_s=age_s)
+
+    def loaded(self, bytes_by_tier: Mapping[str, int], seconds: float, *,
+               predicted_s: float | None = None) -> None:
+        """A load is over: ``seconds`` end to end for these bytes."""
+        self.figures.observe(bytes_by_tier, seconds)
+        if predicted_s is not None:
+            self.stats.predicted_load_s += predicted_s
+            self.stats.actual_load_s += seconds
+            self.stats.loads_timed += 1
+
+    # -- the decision ---------------------------------------------------------------------------
+
+    def decide(self, tiers: Sequence[str], *, block_tokens: int, block_bytes: int,
+               max_load_s: float | None = None) -> Decision:
+        """How many of the hit blocks (``tiers``: where each is, in prefix order) to load.
+        ``max_load_s``: the interference budget left for loads (adaptive only): a longer prefix
+        is cut back to one predicted to fit (reason ``budget``), the rest recomputed."""
+        n = len(tiers)
+        if n == 0:
+            d = Decision(0, 0, "miss")
+        elif self.policy == "never":
+            d = Decision(0, n, "never")
+        elif self.policy == "always":
+            d = Decision(n, n, "always", self._load_cost(tiers, n, block_bytes))
+        else:
+            d = self._adaptive(tiers, block_tokens, block_bytes)
+            if max_load_s is not None and d.load_blocks and d.predicted_s is not None \
+                    and d.predicted_s > max_load_s:
+                d = self._fit_budget(d, tiers, block_tokens, block_bytes, max_load_s)
+        self._count(d, block_tokens)
+        return d
+
+    def _fit_budget(self, d: Decision, tiers: Sequence[str], block_tokens: int,
+                    block_bytes: int, max_load_s: float) -> Decision:
+        k, cost = d.load_blocks, d.predicted_s
+        while k > 0 and cost is not None and cost > max_load_s:
+            k -= 1
+            cost = self._load_cost(tiers, k, block_bytes) if k else 0.0
+        spt = self.prefill.seconds_per_token() or 0.0
+        return Decision(k, d.hit_blocks, "budget", cost if k else None,
+                        spt * k * block_tokens if k else None)
+
+    def _adaptive(self, tiers: Sequence[str], block_tokens: int, block_bytes: int) -> Decision:
+        n = len(tiers)
+        spt = self.prefill.seconds_per_token()
+        if spt is None:
+            return Decision(n, n, "no-figures", self._load_cost(tiers, n, block_bytes))
+        best_k, best_gain, best_cost = 0, 0.0, 0.0
+        for k in range(1, n + 1):
+            cost = self._load_cost(tiers, k, block_bytes)
+            if cost is None:  # a tier with no figure yet: load it, that measures it
+                return Decision(n, n, "no-figures", None, spt * n * block_tokens)
+            gain = spt * k * block_tokens - cost
+            if gain >= best_gain:
+                best_k, best_gain, best_cost = k, gain, cost
+        if best_k == n:
+            return Decision(n, n, "faster", best_cost, spt * n * block_tokens)
+        probe = self._probe(tiers, best_k)
+        if probe is not None:
+            return Decision(probe, n, "probe", self._load_cost(tiers, probe, block_bytes),
+                            spt * probe * block_tokens)
+        return Decision(best_k, n, "slower", best_cost if best_k else None,
+                        spt * best_k * block_tokens if best_k else None)
+
+    def _load_cost(self, tiers: Sequence[str], k: int, block_bytes: int) -> float | None:
+        by_tier: dict[str, int] = {}
+        for tier in tiers[:k]:
+            by_tier[tier] = by_tier.get(tier, 0) + block_bytes
+        return self.figures.predict(by_tier)
+
+    def _probe(self, tiers: Sequence[str], k: int) -> int | None:
+        """A prefix reaching one block into a cut tier that is due a probe, or None."""
+        now = self._clock()
+        seen: set[str] = set()
+        for i in range(k, len(tiers)):
+            tier = tiers[i]
+            if tier in seen:
+                continue
+            seen.add(tier)
+            last = max(self.figures.updated_at(tier) or float("-inf"),
+                       self._probed.get(tier, float("-inf")))
+            if now - last >= self.probe_after_s:
+                self._probed[tier] = now
+                return i + 1
+        return None
+
+    def _count(self, d: Decision, block_tokens: int) -> None:
+        s = self.stats
+        s.decisions += 1
+        s.by_reason[d.reason] = s.by_reason.get(d.reason, 0) + 1
+        s.tokens_loaded += d.load_blocks * block_tokens
+        if d.reason == "never":
+            s.tokens_recomputed_policy += d.hit_blocks * block_tokens
+        elif d.reason == "budget":
+            s.tokens_recomputed_budget += d.cut_blocks * block_tokens
+        elif d.cut_blocks:
+            s.tokens_recomputed_slower += d.cut_blocks * block_tokens
+        if d.reason == "probe":
+            s.probes += 1
