@@ -179,11 +179,12 @@ def test_the_budget_cuts_a_load_that_does_not_fit() -> None:
 
 def test_the_budget_puts_loads_before_stores_and_drops_stores_when_spent() -> None:
     b = InterferenceBudget(0.25)
-    b.step(0.040)  # 10 ms of transfer allowed
-    b.charge_load(0.008)
+    assert b.admit_store(0.5)  # no step measured yet: nothing to bound against
+    b.step(0.040)  # a first step: two steps' worth (20 ms) of transfer allowed
+    b.charge_load(0.018)
     assert b.admit_store(0.004, nbytes=100)  # 2 ms left: admitted, goes 2 ms into debt
     assert not b.admit_store(0.001, nbytes=100)  # spent: dropped, counted
-    assert (b.stats.stores_admitted, b.stats.stores_dropped, b.stats.bytes_dropped) == (1, 1, 100)
+    assert (b.stats.stores_admitted, b.stats.stores_dropped, b.stats.bytes_dropped) == (2, 1, 100)
     for _ in range(10):
         b.step(0.040)
     assert b.balance == pytest.approx(0.020)  # capped at two steps' worth
@@ -192,7 +193,7 @@ def test_the_budget_puts_loads_before_stores_and_drops_stores_when_spent() -> No
 
 
 def test_the_budget_bounds_transfer_time_over_a_run_of_steps() -> None:
-    b = InterferenceBudget(0.1)
+    b = InterferenceBudget(0.1, burst_steps=1)
     for _ in range(100):
         b.step(0.030)
         while b.admit_store(0.002):

@@ -5,7 +5,8 @@ that feed them; on a CPU build the cores the forward pass runs on. Unbounded, th
 decoding request's step (measured on an H100 with vLLM's CPU offloading: decode p50 15 -> 42 ms).
 The budget bounds that stretch to ``fraction`` of a step: a token bucket in seconds of transfer.
 
-State: ``balance`` (seconds of transfer allowed now)::
+State: ``balance`` (seconds of transfer allowed now; None before the first step is measured,
+when every transfer is admitted: there is no step to bound it against yet)::
 
     step(s):            balance = min(balance + fraction·s, burst_steps·fraction·s)
     charge_load(t):     balance -= t    (loads go first and always run: the engine was promised
@@ -44,7 +45,7 @@ class InterferenceBudget:
             raise ValueError(f"burst_steps: must be >= 1, got {burst_steps}")
         self.fraction = fraction
         self.burst_steps = burst_steps
-        self.balance = 0.0
+        self.balance: float | None = None
         self.stats = BudgetStats()
 
     def step(self, seconds: float) -> None:
@@ -55,30 +56,30 @@ class InterferenceBudget:
         self.stats.step_s += seconds
         if self.fraction is not None:
             grant = self.fraction * seconds
-            self.balance = min(self.balance + grant, self.burst_steps * grant)
+            cap = self.burst_steps * grant
+            self.balance = cap if self.balance is None else min(self.balance + grant, cap)
 
     def charge_load(self, seconds: float) -> None:
         self.stats.load_s += seconds
-        if self.fraction is not None:
+        if self.fraction is not None and self.balance is not None:
             self.balance -= seconds
 
     def admit_store(self, seconds: float, nbytes: int = 0) -> bool:
         """Admit a store predicted to take ``seconds``, or refuse it (counted) when spent."""
-        if self.fraction is not None and self.balance <= 0:
+        if self.balance is not None and self.balance <= 0:
             self.stats.stores_dropped += 1
             self.stats.bytes_dropped += nbytes
             return False
         self.stats.stores_admitted += 1
         self.stats.store_s += seconds
-        if self.fraction is not None:
+        if self.balance is not None:
             self.balance -= seconds
         return True
 
     def settle(self, predicted_s: float, actual_s: float) -> None:
         """Correct a charge once the transfer's real time is known."""
-        delta = actual_s - predicted_s
-        if self.fraction is not None:
-            self.balance -= delta
+        if self.balance is not None:
+            self.balance -= actual_s - predicted_s
 
     def used_fraction(self) -> float:
         """Transfer seconds charged over step seconds, so far (0 before the first step)."""
