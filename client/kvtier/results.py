@@ -82,3 +82,15 @@ class ClientCounters:
     bytes_got: int = 0
     corrupt_blocks: int = 0  # loaded blocks whose bytes did not match their digest (misses)
     last_error: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class TierFigure:
+    """A tier's recent load figures as the daemon measured them (``Client.tier_figures``): the
+    latency of a read of that tier (from the request's arrival to the bytes in the host tier,
+    queueing included) and its bandwidth, measured ``age_s`` ago, over ``reads`` recent reads."""
+
+    latency_s: float
+    bytes_per_s: float
+    age_s: float
+    reads: int = 0

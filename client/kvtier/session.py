@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any, Protocol
 
 import grpc
@@ -39,7 +40,7 @@ from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
 from kvtier.diagnose import Diagnosis, Peer, explain_attach, explain_login, explain_rpc, speaks_tls
 from kvtier.local_index import LocalIndexes
 from kvtier.login import shm_socket_of, unix_login
-from kvtier.results import ClientCounters
+from kvtier.results import ClientCounters, TierFigure
 from kvtier.transports import DataTransport, make_transport
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
@@ -240,6 +241,8 @@ class Session:
         self._rpc_pool_lock = threading.Lock()
         self._control: ControlChannels | None = None  # the session's control channels
         self.local = LocalIndexes(clock) if local_lookups else None
+        # tier -> (figure, our clock when it arrived): the daemon's per-tier load figures
+        self._tier_figures: dict[str, tuple[TierFigure, float]] = {}
         self.breaker.attach(self)
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
@@ -255,6 +258,13 @@ class Session:
     @property
     def boot_epoch(self) -> int:
         return self._epoch
+
+    def tier_figures(self) -> dict[str, TierFigure]:
+        """The daemon's latest per-tier load figures (tier name -> ``TierFigure``, its age grown
+        by the time since it arrived); empty until a heartbeat brought some. Any thread."""
+        now = self._clock()
+        return {tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
+                for tier, (fig, at) in dict(self._tier_figures).items()}
 
     @property
     def max_batch(self) -> int:
