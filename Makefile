@@ -157,10 +157,11 @@ types: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvtier bench
 
-# The seed experiment (docs/benchmarks.md §9): real vLLM with and without kvtier, ~20-25 min on
+# The seed experiment (docs/benchmarks.md §9): real vLLM with and without kvtier, ~25-30 min on
 # 2 cores: revisits, multi-turn chats, two engines on one daemon, concurrent clients (sync vs async
-# loads). One scenario: `$(VLLM_VENV)/bin/python scripts/seed_experiment.py --chats` (--revisit,
-# --fleet, --mix). matplotlib is only for the revisit plot (skipped when it is missing).
+# loads), a slowed tier (load policies) and decode interference (the budget). One scenario:
+# `$(VLLM_VENV)/bin/python scripts/seed_experiment.py --chats` (--revisit, --fleet, --mix, --slow,
+# --interference). matplotlib is only for the revisit plot (skipped when it is missing).
 seed: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip install -q matplotlib==3.10.7
 	$(VLLM_VENV)/bin/python scripts/seed_experiment.py

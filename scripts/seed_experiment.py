@@ -2,15 +2,19 @@
 revisits, alone and with kvtier (docs/benchmarks.md §9). Run: ``make seed``, or
 ``.venv-vllm/bin/python scripts/seed_experiment.py`` (the defaults are the documented run).
 
-Four scenarios, each chosen by a flag; with none of the flags, all four run, in this order:
+Six scenarios, each chosen by a flag; with none of the flags, all six run, in this order:
 
 * ``--revisit``: the original experiment, described below (scripts/seed/revisit.py);
 * ``--chats``: multi-turn conversations, tokens by source per turn (scripts/seed/chats.py);
 * ``--fleet``: two engines sharing one daemon, cross-replica hits (scripts/seed/fleet.py);
 * ``--mix``: concurrent clients, revisits and new documents, sync vs async loads vs the engine
-  alone, TTFT and inter-token latency (scripts/seed/mix.py).
+  alone, TTFT and inter-token latency (scripts/seed/mix.py);
+* ``--slow``: a tier slowed on purpose, then fast again: the engine alone against the ``always``
+  and ``adaptive`` load policies (scripts/seed/slow.py);
+* ``--interference``: a decoding request's inter-token latency with loads and stores running
+  beside it, with the interference budget and without (scripts/seed/interference.py).
 
-The last three use the same model shape with ``--small-layers`` layers (default 4, so that they
+The last five use the same model shape with ``--small-layers`` layers (default 4, so that they
 fit the runtime) and engine KV caches of a fixed number of blocks; their module docstrings say
 what they measure. The rest of this docstring is the ``--revisit`` scenario.
 
@@ -73,8 +77,9 @@ from seed.common import (
     parse_range,
 )
 
-SCENARIOS = ("revisit", "chats", "fleet", "mix")
-NEEDS = {"chats": ("alone", "sync"), "fleet": ("sync", "sync-b"), "mix": ("alone", "sync", "async")}
+SCENARIOS = ("revisit", "chats", "fleet", "mix", "slow", "interference")
+NEEDS = {"chats": ("alone", "sync"), "fleet": ("sync", "sync-b"), "mix": ("alone", "sync", "async"),
+         "slow": ("alone",), "interference": ("alone", "budget", "nobudget")}
 
 
 def parse_order(text: str) -> list[str]:
@@ -121,6 +126,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mix-doc-tokens", type=parse_range, default="600-1000")
     g.add_argument("--mix-revisit", type=float, default=0.5, help="share of requests that revisit")
     g.add_argument("--mix-answer", type=int, default=24, help="tokens per answer")
+    g.add_argument("--slow-docs", type=int, default=4, help="documents per phase of --slow")
+    g.add_argument("--slow-rounds", type=int, default=2, help="revisit rounds per phase of --slow")
+    g.add_argument("--slow-read-ms", type=int, default=150,
+                   help="each NVMe read's sleep in the slow phase of --slow")
+    g.add_argument("--slow-host-bytes", default="16MiB", help="the --slow daemon's host tier")
+    g.add_argument("--slow-slab-bytes", default="4MiB", help="the --slow daemon's slab size")
+    g.add_argument("--interference-decode", type=int, default=160,
+                   help="tokens the decoding request of --interference generates")
     g = p.add_argument_group("all scenarios")
     g.add_argument("--kv-cache-gib", type=int, default=1,
                    help="VLLM_CPU_KVCACHE_SPACE (the revisit engine's cache when --num-blocks is unset)")
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine_main(json.loads(args.engine))
         return 0
-    from seed import chats, fleet, mix, revisit
+    from seed import chats, fleet, interference, mix, revisit, slow
 
     t0 = time.perf_counter()
     code = code_state()
@@ -187,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     # every small engine the remaining scenarios need, started side by side
                     small.start(sorted({e for s in args.scenarios for e in NEEDS.get(s, ())}))
-                    module = {"chats": chats, "fleet": fleet, "mix": mix}[name]
+                    module = {"chats": chats, "fleet": fleet, "mix": mix, "slow": slow,
+                              "interference": interference}[name]
                     report, rec, good = module.run(args, small)
                 took = time.perf_counter() - t1
                 ok &= good

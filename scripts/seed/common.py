@@ -128,15 +128,18 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
 
 
 @contextmanager
-def daemon(workdir: Path, host_bytes: str) -> Iterator[dict[str, Any]]:
-    """A fresh ``kvtierd`` on a Unix socket in ``workdir``; yields its KVTIERD_READY record."""
+def daemon(workdir: Path, host_bytes: str, *extra: str,
+           launcher: tuple[str, ...] = ("kvtier.cli",)) -> Iterator[dict[str, Any]]:
+    """A fresh ``kvtierd`` on a Unix socket in ``workdir``; yields its KVTIERD_READY record.
+    ``extra``: more ``serve`` flags; ``launcher``: the module and its own flags before ``serve``
+    (``("kvtierd.testing.serve", "--read-latency-file", PATH)``: a slow NVMe tier, test-only)."""
     workdir.mkdir(parents=True, exist_ok=True)
     sock = workdir / "kv.sock"
     log_path = workdir / "kvtierd.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "kvtier.cli", "serve", "--socket", str(sock), "--listen", "",
-             "--metrics-port", "-1", "--host-bytes", host_bytes],
+            [str(VLLM_PYTHON), "-m", *launcher, "serve", "--socket", str(sock), "--listen", "",
+             "--metrics-port", "-1", "--host-bytes", host_bytes, *extra],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -260,12 +263,15 @@ def fmt_s(x: float) -> str:
 
 # The engines of the chats, fleet and mix scenarios: one set, started side by side once and
 # shared by whichever of those scenarios run (an engine start costs 30-60 s of both cores here).
-# name -> (kvtier connector or None, load_mode, revision suffix)
-SMALL_ENGINES: dict[str, tuple[bool, str, str]] = {
-    "alone": (False, "", ""),
-    "sync": (True, "sync", "-small"),  # fleet's engine A
-    "sync-b": (True, "sync", "-small"),  # fleet's engine B: same namespace as A
-    "async": (True, "async", "-small-async"),  # its own namespace (mix compares it with sync)
+# name -> (kvtier connector or None, load_mode, revision suffix, more connector settings)
+SMALL_ENGINES: dict[str, tuple[bool, str, str, dict[str, Any]]] = {
+    "alone": (False, "", "", {}),
+    "sync": (True, "sync", "-small", {}),  # fleet's engine A
+    "sync-b": (True, "sync", "-small", {}),  # fleet's engine B: same namespace as A
+    "async": (True, "async", "-small-async", {}),  # its own namespace (mix compares it with sync)
+    # the interference scenario: the default budget, and none
+    "budget": (True, "sync", "-small-budget", {"interference_budget": 0.25}),
+    "nobudget": (True, "sync", "-small-nobudget", {"interference_budget": None}),
 }
 
 
@@ -291,12 +297,22 @@ class EngineSet:
         if self.address is None:
             self.address = self.stack.enter_context(daemon(self.workdir / "daemon",
                                                            self.args.host_bytes))["address"]
-        new = [n for n in names if n not in self.engines]
+        new = {}
+        for name in names:
+            if name not in self.engines:
+                kvtier, mode, _, more = SMALL_ENGINES[name]
+                new[name] = (connector_config(self.address, self.revision(name), load_mode=mode, **more)
+                             if kvtier else None)
+        return self.start_with(names, new)
+
+    def start_with(self, names: list[str], connectors: dict[str, dict[str, Any] | None]
+                   ) -> dict[str, Engine]:
+        """Start an engine per entry of ``connectors`` (name -> its ``kv_connector_extra_config``,
+        None: no connector) not yet running, side by side; returns those of ``names``."""
+        new = [n for n in connectors if n not in self.engines]
         for name in new:
-            kvtier, mode, _ = SMALL_ENGINES[name]
-            conn = connector_config(self.address, self.revision(name), load_mode=mode) if kvtier else None
             spec = engine_spec(self.model, self.args.dtype, self.max_model_len, self.args.small_blocks,
-                               conn)
+                               connectors[name])
             engine = Engine(spec, self.workdir / f"engine-{name}.log", self.args.kv_cache_gib,
                             self.args.cpus)
             self.stack.callback(engine.close)

@@ -5,13 +5,16 @@ SPEC``), builds one ``vllm.LLM`` and answers one ``SEED {json}`` line per JSON c
   ``first_token_latency``: arrival to first token), ``wall_s``, ``num_cached_tokens``,
   ``prompt_tokens``, ``sources`` (deltas of ``vllm:prompt_tokens_by_source`` over the request) and
   ``output`` (the generated ids); one request at a time.
+* ``{"op": "metrics"}`` -> ``kvtier``: every vLLM counter whose name has ``kvtier`` in it (the
+  connector's decisions and budget: docs/vllm.md), summed over labels.
 * ``{"op": "clients", "clients": [[ids, ...], ...], "max_tokens": n}``: closed-loop clients in
   one engine. Each client sends its prompts one after the other, the next as soon as the previous
   finished; all clients start together, so several requests are in flight and vLLM batches them
   (``LLMEngine.add_request`` / ``step``, the loop under ``LLM.generate``). -> per request
   ``client``, ``index``, ``ttft_s`` (from ``add_request`` to the ``step`` that returned its first
   token), ``itl_s`` (the gaps between its later tokens, as the steps returned them),
-  ``num_cached_tokens``; and the phase's ``sources`` and ``wall_s``.
+  ``num_cached_tokens``; and the phase's ``sources`` and ``wall_s``. ``"max_tokens_each": [n, ...]``
+  (optional): one answer length per client instead.
 * ``{"op": "quit"}``.
 """
 
@@ -52,6 +55,13 @@ def engine_main(spec: dict[str, Any]) -> None:
                 out[m.labels["source"]] += int(m.value)
         return out
 
+    def kvtier_counters() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in llm.get_metrics():
+            if "kvtier" in m.name and isinstance(m, Counter):
+                out[m.name] = out.get(m.name, 0.0) + float(m.value)
+        return out
+
     def answer(obj: dict[str, Any]) -> None:
         print(PROTO + json.dumps(obj), flush=True)
 
@@ -71,15 +81,18 @@ def engine_main(spec: dict[str, Any]) -> None:
             answer({"ttft_s": ttft, "wall_s": wall, "num_cached_tokens": out.num_cached_tokens or 0,
                     "prompt_tokens": len(cmd["ids"]), "output": list(out.outputs[0].token_ids),
                     "sources": {s: after[s] - before[s] for s in SOURCES}})
+        elif cmd["op"] == "metrics":
+            answer({"kvtier": kvtier_counters()})
         elif cmd["op"] == "clients":
-            reqs = run_clients(llm.llm_engine, cmd["clients"], params(cmd["max_tokens"]))
+            each = cmd.get("max_tokens_each") or [cmd["max_tokens"]] * len(cmd["clients"])
+            reqs = run_clients(llm.llm_engine, cmd["clients"], [params(n) for n in each])
             after = by_source()
             answer({"requests": reqs, "wall_s": time.perf_counter() - t0,
                     "sources": {s: after[s] - before[s] for s in SOURCES}})
     answer({"bye": True})
 
 
-def run_clients(engine: Any, clients: list[list[list[int]]], params: Any) -> list[dict[str, Any]]:
+def run_clients(engine: Any, clients: list[list[list[int]]], params: list[Any]) -> list[dict[str, Any]]:
     """Closed-loop clients (see the module docstring); returns one record per request."""
     recs: dict[str, dict[str, Any]] = {}
     last_tok: dict[str, float] = {}
@@ -95,7 +108,7 @@ def run_clients(engine: Any, clients: list[list[list[int]]], params: Any) -> lis
                      "itl_s": [], "t_add": time.perf_counter()}
         nxt[c] += 1
         got[rid] = 0
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        engine.add_request(rid, {"prompt_token_ids": ids}, params[c])
 
     for c in range(len(clients)):
         submit(c)

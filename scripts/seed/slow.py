@@ -1,0 +1,110 @@
+"""Never slower than recompute (``--slow``): the engine alone against kvtier with the ``always``
+and the ``adaptive`` load policy (docs/vllm.md, docs/adaptive.md), on a daemon whose tier is slow
+on purpose and then fast again.
+
+The daemon is ``python -m kvtierd.testing.serve --read-latency-file F serve ...`` (test-only: the
+real daemon, whose NVMe reads sleep the milliseconds written in ``F``) with a host tier of
+``--slow-host-bytes`` and write-through NVMe, so a revisit's blocks are read from the NVMe tier.
+Two phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-tokens``):
+
+* ``slow``: every NVMe read sleeps ``--slow-read-ms``: loading a block takes longer than the
+  engine takes to recompute it;
+* ``fast``: the file says 0: the same tier at its own speed (page cache), far faster than
+  recompute. It runs after ``slow``, so the adaptive engine starts it with figures that say the
+  tier is slow and must see it recover (its probes, and the daemon's figures from the other
+  engine's loads).
+
+In each phase, each engine (``alone``, ``always``, ``adaptive``; one request at a time,
+``max_tokens=1``) first visits every document (stores; not measured), then revisits them for
+``--slow-rounds`` rounds; the engine cache (``--small-blocks``) cannot keep them between rounds.
+Per engine and phase: the revisits' wall clock and TTFT p50, the ratio to the engine alone, the
+tokens loaded and recomputed, and the adaptive engine's decision counters. The outputs of the
+three engines must be equal (check).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from seed.common import SOURCES, EngineSet, connector_config, daemon, log, make_docs, percentile
+
+ENGINES = ("alone", "always", "adaptive")
+PHASES = ("slow", "fast")
+
+
+def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], bool]:
+    latency = es.workdir / "read-latency-ms"
+    latency.write_text(str(args.slow_read_ms))
+    ready = es.stack.enter_context(daemon(
+        es.workdir / "slow-daemon", args.slow_host_bytes, "--slab-bytes", args.slow_slab_bytes,
+        "--disk-dir", str(es.workdir / "slow-nvme"), "--disk-bytes", "4GiB",
+        "--write-policy", "write-through",
+        launcher=("kvtierd.testing.serve", "--read-latency-file", str(latency))))
+    rev = f"{args.revision}-slow"
+    engines = es.start_with(["alone", "slow-always", "slow-adaptive"], {
+        "alone": None,
+        "slow-always": connector_config(ready["address"], rev + "-always", load_policy="always"),
+        "slow-adaptive": connector_config(ready["address"], rev + "-adaptive", load_policy="adaptive")})
+    by = {"alone": engines["alone"], "always": engines["slow-always"],
+          "adaptive": engines["slow-adaptive"]}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    outputs_equal = True
+    records: list[dict[str, Any]] = []
+    for p, phase in enumerate(PHASES):
+        latency.write_text(str(args.slow_read_ms if phase == "slow" else 0))
+        docs = make_docs(args.slow_docs, *args.fleet_doc_tokens, args.vocab, args.seed + 5000 + p)
+        outs: dict[str, list[list[int]]] = {}
+        for name in ENGINES:
+            eng = by[name]
+            for ids in docs:  # first visits: the kvtier engines store them
+                eng.call({"op": "generate", "ids": ids})
+            m0 = eng.call({"op": "metrics"})["kvtier"]
+            ttfts: list[float] = []
+            wall = 0.0
+            src = dict.fromkeys(SOURCES, 0)
+            outs[name] = []
+            for rnd in range(args.slow_rounds):
+                for i, ids in enumerate(docs):
+                    rec = eng.call({"op": "generate", "ids": ids})
+                    ttfts.append(rec["ttft_s"])
+                    wall += rec["wall_s"]
+                    for s in SOURCES:
+                        src[s] += rec["sources"][s]
+                    outs[name].append(rec["output"])
+                    records.append({**rec, "phase": phase, "engine": name, "round": rnd + 2, "doc": i})
+            m1 = eng.call({"op": "metrics"})["kvtier"]
+            rows[(phase, name)] = {"wall_s": wall, "ttft_p50": percentile(ttfts, 0.5),
+                                   "sources": src,
+                                   "decisions": {k: m1[k] - m0.get(k, 0.0) for k in m1}}
+            log(f"  slow-tier {phase} {name}: revisits {wall:.2f}s, TTFT p50 "
+                f"{percentile(ttfts, 0.5):.3f}s, sources {src}")
+        outputs_equal &= outs["always"] == outs["alone"] == outs["adaptive"]
+    return report(args, rows, outputs_equal), {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()},
+                                                "records": records}, outputs_equal
+
+
+def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]], equal: bool) -> str:
+    lines = ["| phase | engine | revisits wall s | vs alone | TTFT p50 s | vs alone | computed "
+             "| engine cache hit | loaded from kvtier | recomputed: slower | probes |",
+             "|" + " --- |" * 11]
+    for phase in PHASES:
+        base = rows[(phase, "alone")]
+        for name in ENGINES:
+            r = rows[(phase, name)]
+            d = r["decisions"]
+
+            def pick(word: str, d: dict[str, float] = d) -> str:
+                vals = [v for k, v in d.items() if word in k]
+                return f"{int(sum(vals)):,}" if vals else "-"
+
+            lines.append(
+                f"| {phase} | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f}× "
+                f"| {r['ttft_p50']:.3f} | {r['ttft_p50'] / base['ttft_p50']:.2f}× "
+                f"| {r['sources']['local_compute']:,} | {r['sources']['local_cache_hit']:,} "
+                f"| {r['sources']['external_kv_transfer']:,} | {pick('recomputed_slower')} "
+                f"| {pick('probe')} |")
+    return (f"{args.slow_docs} documents per phase, {args.slow_rounds} revisit rounds, one request at a "
+            f"time; NVMe reads sleep {args.slow_read_ms} ms in the slow phase, 0 in the fast one; host "
+            f"tier {args.slow_host_bytes}.\n\n" + "\n".join(lines)
+            + f"\n\nCheck (the three engines' outputs are equal): {'ok' if equal else 'FAIL'}.")
