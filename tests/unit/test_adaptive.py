@@ -218,3 +218,19 @@ def test_a_change_of_regime_restarts_the_fit_and_jitter_does_not() -> None:
     assert fit.predict(MIB) == pytest.approx((5 * 0.0002 + 0.0007) / 6)
     fit.observe(MIB, 0.200)  # the disk slowed down: what came before is dropped
     assert fit.predict(MIB) == pytest.approx(0.200)
+
+
+def test_a_tier_that_stays_slow_is_probed_ever_less_often() -> None:
+    clock = Clock()
+    d = Decider(clock=clock, probe_after_s=5.0, probe_max_s=20.0)
+    engine(clock, d)
+    d.loaded({"nvme": MIB}, 0.5)
+    hits = ["nvme"] * 4
+    probes = []
+    for _ in range(90):  # 90 s, one decision a second, the disk still slow after each probe
+        clock.t += 1
+        got = d.decide(hits, block_tokens=BT, block_bytes=MIB)
+        if got.reason == "probe":
+            probes.append(clock.t - 1000)
+            d.loaded({"nvme": MIB}, 0.5)
+    assert probes == [5.0, 15.0, 35.0, 55.0, 75.0]  # waits 5, 10, 20, 20, 20 after the news

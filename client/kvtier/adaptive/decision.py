@@ -22,7 +22,9 @@ Without figures yet (no engine step measured, or a tier never seen) the decision
 is what measures the tier. A tier that was cut back is probed: when nothing new about it arrived
 for ``probe_after_s`` (no own load, no fresh daemon report), one decision loads up to and
 including its first block, so a tier that recovered is seen within one probe interval and one
-load; a tier still slow costs one block per interval.
+load. A tier still slow costs one block per probe, and each probe that finds it still slow
+doubles its interval (up to ``probe_max_s``), so a tier that stays slow costs ever less; the
+interval starts again from ``probe_after_s`` once the tier pays off again.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Decider:
 
     def __init__(self, policy: LoadPolicy = "adaptive", *, figures: LoadFigures | None = None,
                  prefill: PrefillRate | None = None, probe_after_s: float = 5.0,
-                 clock: Clock = time.monotonic) -> None:
+                 probe_max_s: float = 60.0, clock: Clock = time.monotonic) -> None:
         if policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy: {policy!r} is not one of {', '.join(LOAD_POLICIES)}")
         if probe_after_s <= 0:
@@ -87,9 +89,11 @@ class Decider:
         self.figures = figures if figures is not None else LoadFigures(clock=clock)
         self.prefill = prefill if prefill is not None else PrefillRate(clock=clock)
         self.probe_after_s = probe_after_s
+        self.probe_max_s = max(probe_max_s, probe_after_s)
         self.stats = DecisionStats()
         self._clock = clock
         self._probed: dict[str, float] = {}  # tier -> when it was last probed
+        self._probe_wait: dict[str, float] = {}  # tier -> its probe interval now
 
     # -- figures in -----------------------------------------------------------------------------
 
@@ -158,6 +162,8 @@ class Decider:
             if gain >= best_gain:
                 best_k, best_gain, best_cost = k, gain, cost
         if best_k == n:
+            for tier in set(tiers):  # every tier pays off: probe it soon again if it slows
+                self._probe_wait.pop(tier, None)
             return Decision(n, n, "faster", best_cost, spt * n * block_tokens)
         probe = self._probe(tiers, best_k)
         if probe is not None:
@@ -183,8 +189,10 @@ class Decider:
             seen.add(tier)
             last = max(self.figures.updated_at(tier) or float("-inf"),
                        self._probed.get(tier, float("-inf")))
-            if now - last >= self.probe_after_s:
+            wait = self._probe_wait.get(tier, self.probe_after_s)
+            if now - last >= wait:
                 self._probed[tier] = now
+                self._probe_wait[tier] = min(2 * wait, self.probe_max_s)
                 return i + 1
         return None
 
