@@ -140,12 +140,18 @@ class Decider:
 
     def _fit_budget(self, d: Decision, tiers: Sequence[str], block_tokens: int,
                     block_bytes: int, max_load_s: float) -> Decision:
-        k, cost = d.load_blocks, d.predicted_s
-        while k > 0 and cost is not None and cost > max_load_s:
-            k -= 1
-            cost = self._load_cost(tiers, k, block_bytes) if k else 0.0
+        lo, hi = 0, d.load_blocks  # the load's cost grows with k: the longest prefix that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            c = self._load_cost(tiers, mid, block_bytes)
+            if c is not None and c <= max_load_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = lo
+        cost = self._load_cost(tiers, k, block_bytes) if k else None
         spt = self.prefill.seconds_per_token() or 0.0
-        return Decision(k, d.hit_blocks, "budget", cost if k else None,
+        return Decision(k, d.hit_blocks, "budget", cost,
                         spt * k * block_tokens if k else None)
 
     def _adaptive(self, tiers: Sequence[str], block_tokens: int, block_bytes: int) -> Decision:
@@ -154,8 +160,12 @@ class Decider:
         if spt is None:
             return Decision(n, n, "no-figures", self._load_cost(tiers, n, block_bytes))
         best_k, best_gain, best_cost = 0, 0.0, 0.0
-        for k in range(1, n + 1):
-            cost = self._load_cost(tiers, k, block_bytes)
+        by_tier: dict[str, int] = {}
+        for k in range(1, n + 1):  # one pass: the prefix's bytes by tier grow a block at a time
+            by_tier[tiers[k - 1]] = by_tier.get(tiers[k - 1], 0) + block_bytes
+            if k < n and tiers[k] == tiers[k - 1]:
+                continue  # within a run of one tier cost and gain are linear: check its ends
+            cost = self.figures.predict(by_tier)
             if cost is None:  # a tier with no figure yet: load it, that measures it
                 return Decision(n, n, "no-figures", None, spt * n * block_tokens)
             gain = spt * k * block_tokens - cost
