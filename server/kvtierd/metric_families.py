@@ -317,13 +317,13 @@ def _tier_read_families(figures: list[dict[str, Any]]) -> Iterator[Any]:
     one sample per tier that has been read since the start (none before; the operator's view)."""
     latency = GaugeMetricFamily(
         "kvtier_tier_read_latency_seconds",
-        "Recent latency of reads into the host tier, from the daemon's request to the bytes "
-        "in place (exponentially weighted)",
+        "Recent fixed cost of a read into the host tier, queueing in the daemon included "
+        "(a read of n bytes costs about this + n / kvtier_tier_read_bytes_per_second)",
         labels=["tier"],
     )
     bandwidth = GaugeMetricFamily(
         "kvtier_tier_read_bytes_per_second",
-        "Recent payload bandwidth of reads into the host tier (exponentially weighted)",
+        "Recent marginal payload bandwidth of reads into the host tier",
         labels=["tier"],
     )
     for f in figures:

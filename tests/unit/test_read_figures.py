@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 
-from kvtierd.cache.read_figures import ReadFigures
+from kvtierd.cache.read_figures import MAX_BYTES_PER_S, ReadFigures
 from kvtierd.metric_families import KvtierCollector
 from kvtierd.testing.faults import LatencyFile
 from kvtierd.testing.serve import _fault
@@ -34,15 +34,17 @@ def test_nothing_is_known_before_the_first_read() -> None:
     assert figs.figure() is None and figs.reads == 0
 
 
-def test_one_read_gives_its_latency_bandwidth_and_age() -> None:
+def test_one_read_splits_into_its_waiting_and_its_transfer() -> None:
     clock = Clock(10.0)
     figs = ReadFigures(clock=clock)
     # asked at 9.0, submitted at 9.5 (0.5 s waiting for room / the I/O pool), done at 10.0
     figs.observe(4 * MIB, 9.0, 9.5, 10.0)
     f = figs.figure()
     assert f is not None
-    assert f.latency_s == pytest.approx(1.0)  # queueing counts in the latency
-    assert f.bytes_per_s == pytest.approx(8 * MIB)  # bandwidth over the read itself
+    # one size only: the read's own time is the transfer, the rest the latency
+    assert f.latency_s == pytest.approx(0.5)
+    assert f.bytes_per_s == pytest.approx(8 * MIB)
+    assert f.latency_s + 4 * MIB / f.bytes_per_s == pytest.approx(1.0)  # the batch's cost
     assert (f.age_s, f.reads) == (0.0, 1)
     clock.t = 12.5
     f2 = figs.figure()
@@ -50,60 +52,87 @@ def test_one_read_gives_its_latency_bandwidth_and_age() -> None:
     assert f2.latency_s == f.latency_s  # no read since: the figure stays, only older
 
 
+SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 2 * MIB]  # load sizes vary, as prompts' hits do
+
+
+def test_a_fixed_cost_per_read_is_latency_and_the_rest_bandwidth() -> None:
+    """A disk that takes 50 ms per read batch, then moves 1 GB/s: both figures are found, so
+    ``latency + n / bandwidth`` predicts a batch of any size without counting it twice."""
+    clock = Clock(0.0)
+    figs = ReadFigures(clock=clock)
+    for i in range(12):
+        n = SIZES[i % len(SIZES)]
+        t = clock.t
+        clock.t += 0.050 + n / 1e9
+        figs.observe(n, t, t, clock.t)  # the 50 ms are inside the read, as a slow disk's are
+    f = figs.figure()
+    assert f is not None
+    assert f.latency_s == pytest.approx(0.050, rel=1e-6)
+    assert f.bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert f.latency_s + 8 * MIB / f.bytes_per_s == pytest.approx(0.050 + 8 * MIB / 1e9)
+
+
 def test_a_tier_that_slows_is_followed_within_a_few_reads_and_recovers_the_same_way() -> None:
     clock = Clock(0.0)
     figs = ReadFigures(weight=0.3, half_life_s=10.0, clock=clock)
+    i = 0
 
-    def read(latency_s: float) -> float:
-        """One 1 MiB read batch of ``latency_s`` back to back with the previous one."""
+    def read(fixed_s: float) -> float:
+        """One read batch back to back with the previous one: ``fixed_s`` + 1 GB/s."""
+        nonlocal i
+        n = SIZES[i % len(SIZES)]
+        i += 1
         start = clock.t
-        clock.t += latency_s
-        figs.observe(MIB, start, start, clock.t)
+        clock.t += fixed_s + n / 1e9
+        figs.observe(n, start, start, clock.t)
         f = figs.figure()
         assert f is not None
         return f.latency_s
 
-    fast = [read(0.001) for _ in range(10)]
-    assert fast[-1] == pytest.approx(0.001)
-    slow = [read(0.050) for _ in range(6)]
-    assert slow == sorted(slow)  # rising
-    assert 0.015 < slow[0] < 0.02  # the first slow read weighs 0.3 of the figure
-    assert slow[-1] > 0.04  # six reads on: nearly all of it
+    fast = [read(0.001) for _ in range(12)]
+    assert fast[-1] == pytest.approx(0.001, rel=1e-3)
+    slow = [read(0.050) for _ in range(8)]
+    assert slow[0] > 0.01  # seen at the first slow read
+    assert slow[-1] > 0.045  # eight reads on: nearly all of it
     back = [read(0.001) for _ in range(10)]
-    assert back == sorted(back, reverse=True)
-    assert back[-1] < 0.003  # recovered
+    assert back[0] < slow[-1] and back[-1] < 0.005  # recovered
     f = figs.figure()
-    assert f is not None and f.reads == 26
+    assert f is not None and f.reads == 30
 
 
 def test_after_a_long_silence_one_read_outweighs_the_old_figures() -> None:
     clock = Clock(0.0)
     figs = ReadFigures(weight=0.3, half_life_s=1.0, clock=clock)
-    for _ in range(20):
-        figs.observe(MIB, clock.t, clock.t, clock.t + 0.050)
-        clock.t += 0.050
+    for _ in range(20):  # each waited 50 ms before its 1 ms read
+        figs.observe(MIB, clock.t, clock.t + 0.050, clock.t + 0.051)
+        clock.t += 0.051
     clock.t += 10.0  # ten half-lives without a read
-    figs.observe(MIB, clock.t - 0.001, clock.t - 0.001, clock.t)
+    figs.observe(MIB, clock.t - 0.002, clock.t - 0.001, clock.t)  # waited 1 ms
     f = figs.figure()
     assert f is not None
     # the past (~3.3 reads' weight) fades to 0.7 * 2**-10 of that: the new read is nearly all
     # of the figure (back to back, it would be 0.7 * 3.3 against 1: ~0.035 s)
-    assert 0.001 < f.latency_s < 0.0012
+    assert 0.001 <= f.latency_s < 0.0012
 
 
-def test_bandwidth_weighs_large_batches_by_their_bytes() -> None:
+def test_the_slope_stays_between_zero_and_the_reads_own_rate() -> None:
     clock = Clock(0.0)
-    figs = ReadFigures(weight=1.0, clock=clock)  # no memory: the latest batch alone
-    figs.observe(MIB, 0.0, 0.0, 1.0)
-    figs.observe(3 * MIB, 1.0, 1.0, 2.0)
-    f = figs.figure()
-    assert f is not None and f.bytes_per_s == pytest.approx(3 * MIB)
-    halves = ReadFigures(weight=0.5, half_life_s=1e9, clock=clock)
-    halves.observe(MIB, 0.0, 0.0, 1.0)  # 1 MiB/s
-    halves.observe(9 * MIB, 1.0, 1.0, 2.0)  # 9 MiB/s
-    f = halves.figure()
-    # (0.5 * 1 + 9) MiB over (0.5 * 1 + 1) s: the bigger batch dominates
-    assert f is not None and f.bytes_per_s == pytest.approx(9.5 / 1.5 * MIB)
+    # bigger batches were no slower (noise on a latency-bound tier): no bandwidth term
+    flat = ReadFigures(weight=0.5, half_life_s=1e9, clock=clock)
+    flat.observe(MIB, 0.0, 0.0, 0.060)
+    flat.observe(8 * MIB, 1.0, 1.0, 1.050)
+    f = flat.figure()
+    assert f is not None and f.bytes_per_s == MAX_BYTES_PER_S
+    assert f.latency_s == pytest.approx((0.5 * 0.060 + 0.050) / 1.5, rel=1e-3)  # mean cost
+    # a steeper line than the reads themselves allow (the waiting grew with size): clamped
+    steep = ReadFigures(weight=0.5, half_life_s=1e9, clock=clock)
+    steep.observe(MIB, 0.0, 0.0, 0.001)  # 1 MiB in 1 ms
+    steep.observe(8 * MIB, 1.0, 1.9, 2.0)  # 8 MiB in 0.1 s, after waiting 0.9 s
+    f = steep.figure()
+    assert f is not None
+    rate = (0.5 * MIB + 8 * MIB) / (0.5 * 0.001 + 0.1)  # the reads' own, bytes-weighted
+    assert f.bytes_per_s == pytest.approx(rate)
+    assert f.latency_s >= 0.0
 
 
 def test_the_collector_exposes_latency_and_bandwidth_per_tier() -> None:

@@ -2,8 +2,8 @@
 
 Part of the cache (kvtierd.cache). Each link below the host tier (``TierLink`` for NVMe,
 ``ClusterLink`` for the cluster tier) owns one :class:`ReadFigures` (``link.read_figures``) and
-feeds it once per read batch (a promotion or an import), with three times on the daemon's
-monotonic clock:
+feeds it once per read batch (a promotion or an import) with its payload bytes and three times
+on the daemon's monotonic clock:
 
 * ``asked``: when the cache asked for the read (inside the RPC handler: PrepareLoad, a Lookup
   that pins, Prefetch); waits for a promotion already in flight, for room in the host tier and
@@ -11,14 +11,21 @@ monotonic clock:
 * ``started``: when the read itself was submitted;
 * ``done``: when the bytes were in the host tier.
 
-Figures (exponentially weighted over the recent batches: each batch weighs ``weight`` against
-what came before, and what came before fades further with a half-life of ``half_life_s`` of
-silence, so one batch after a long pause counts almost alone):
+The figures are the two terms of the cost of a batch of ``n`` bytes, ``latency_s + n /
+bytes_per_s`` (how ``kvtier.adaptive`` uses them), so that the transfer is not counted twice:
 
-* ``latency_s``: ``done - asked``, averaged;
-* ``bytes_per_s``: payload bytes over ``done - started``, as the ratio of the weighted sums
-  (large batches count in proportion to their bytes);
-* ``age_s``: since the latest batch; ``reads``: batches measured.
+* ``latency_s``: the intercept, what a batch costs whatever its size (queueing in the daemon,
+  a disk's or a link's fixed cost per read);
+* ``bytes_per_s``: the marginal rate, 1 / the slope of ``done - asked`` over bytes.
+
+Both come from an exponentially weighted least-squares line through the recent batches
+(``done - asked`` against bytes). When their sizes do not spread enough to tell the two apart
+(every batch alike), the slope is the read's own time per byte (``done - started`` over bytes)
+and the latency what is left (the waiting). The slope is kept between zero (1 TB/s at most) and
+that read-time rate (a marginal rate is never below the average one), the latency at >= 0.
+Weights: each batch weighs ``weight`` against those before it, and what came before fades
+further with a half-life of ``half_life_s`` without a batch, so after a pause one batch counts
+almost alone. A batch that read nothing (every block failed) is left out.
 
 A few float operations per batch, no allocation. Concurrency: owned by the event-loop thread
 (the link's owner); ``figure()`` is read on that thread too (Heartbeat, Stats, /metrics' loop
@@ -33,6 +40,8 @@ from dataclasses import dataclass
 
 DEFAULT_WEIGHT = 0.3  # of a new batch against the weighted past
 DEFAULT_HALF_LIFE_S = 10.0  # of the past's weight, in seconds without a batch
+MIN_SPREAD = 0.25  # batch sizes' weighted std / mean needed to fit a slope
+MAX_BYTES_PER_S = 1e12
 
 
 @dataclass(frozen=True)
@@ -55,25 +64,25 @@ class ReadFigures:
         self.clock = clock
         self._keep = 1.0 - weight  # the past's weight at a new batch (before fading)
         self._half_life_s = half_life_s
-        self._w = 0.0  # weighted count of batches
-        self._latency = 0.0  # weighted sum of latencies
-        self._bytes = 0.0  # weighted sum of bytes
-        self._seconds = 0.0  # weighted sum of read durations
+        # weighted sums: count, bytes x, cost y = done - asked, x*x, x*y, read time
+        self._w = self._x = self._y = self._xx = self._xy = self._read = 0.0
         self._at: float | None = None  # clock of the latest batch
         self.reads = 0
 
     def observe(self, nbytes: int, asked: float, started: float, done: float) -> None:
-        """One read batch of ``nbytes`` payload bytes (times on ``clock``; see above). A batch
-        that read nothing (every block failed) is not a figure of the tier's speed: ignored."""
+        """One read batch of ``nbytes`` payload bytes (times on ``clock``; see above)."""
         if nbytes <= 0:
             return
         keep = self._keep
         if self._at is not None and done > self._at:
             keep *= 0.5 ** ((done - self._at) / self._half_life_s)
+        x, y = float(nbytes), max(0.0, done - asked)
         self._w = self._w * keep + 1.0
-        self._latency = self._latency * keep + max(0.0, done - asked)
-        self._bytes = self._bytes * keep + nbytes
-        self._seconds = self._seconds * keep + max(1e-9, done - started)
+        self._x = self._x * keep + x
+        self._y = self._y * keep + y
+        self._xx = self._xx * keep + x * x
+        self._xy = self._xy * keep + x * y
+        self._read = self._read * keep + max(1e-9, done - started)
         self._at = done if self._at is None else max(self._at, done)
         self.reads += 1
 
@@ -81,5 +90,14 @@ class ReadFigures:
         """The figures now; None until a batch was measured."""
         if self._at is None:
             return None
-        return ReadFigure(self._latency / self._w, self._bytes / self._seconds,
-                          max(0.0, self.clock() - self._at), self.reads)
+        w = self._w
+        mx, my = self._x / w, self._y / w
+        max_slope = self._read / self._x  # s/B over the reads themselves: the average rate
+        var = self._xx / w - mx * mx
+        if var > (MIN_SPREAD * mx) ** 2:
+            slope = (self._xy / w - mx * my) / var
+        else:  # sizes alike: the slope cannot be told from the intercept
+            slope = max_slope
+        slope = min(max(slope, 1.0 / MAX_BYTES_PER_S), max_slope)
+        latency = max(0.0, my - slope * mx)
+        return ReadFigure(latency, 1.0 / slope, max(0.0, self.clock() - self._at), self.reads)
