@@ -272,7 +272,8 @@ class Session:
 
     def tier_figures(self) -> dict[str, TierFigure]:
         """The daemon's latest per-tier load figures (tier name -> ``TierFigure``, its age grown
-        by the time since it arrived); empty until a heartbeat brought some. Any thread."""
+        by the time since it arrived); from the OpenSession reply and every heartbeat reply, empty
+        until one brought some (the daemon has read no tier below the host tier yet). Any thread."""
         now = self._clock()
         return {tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
                 for tier, (fig, at) in dict(self._tier_figures).items()}
