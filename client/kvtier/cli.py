@@ -294,6 +294,8 @@ def format_stats(stats: dict[str, Any]) -> str:
     cluster = stats.get("cluster") or {}
     if cluster.get("enabled"):
         head += _cluster_lines(cluster)
+    if stats.get("tier_figures"):
+        head.append(_read_line(stats["tier_figures"]))
     rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else []) + \
         (_CLUSTER_ROWS if cluster.get("enabled") else [])
     cols = [("total", stats["total"])] + [(_column(ns), ns["counters"])
@@ -314,6 +316,17 @@ def format_stats(stats: dict[str, Any]) -> str:
     if stats.get("tenants"):
         lines += _tenant_lines(stats["tenants"])
     return "\n".join(head + lines)
+
+
+_TIERS = {1: "host", 2: "nvme", 3: "cluster"}  # kvtier.v1.Tier
+
+
+def _read_line(figures: list[dict[str, Any]]) -> str:
+    """The daemon's recent reads into the host tier, per tier (issue 30: load or recompute)."""
+    parts = [f"{_TIERS.get(int(f['tier']), '?')} {int(f['latency_us']) / 1000:.1f} ms, "
+             f"{format_bytes(int(f['bytes_per_s']))}/s ({int(f['reads']):,} reads, last "
+             f"{int(f['age_ms']) / 1000:.1f}s ago)" for f in figures]
+    return "reads into the host tier: " + "; ".join(parts)
 
 
 def _cluster_lines(cl: dict[str, Any]) -> list[str]:

@@ -86,9 +86,11 @@ class ClientCounters:
 
 @dataclass(frozen=True)
 class TierFigure:
-    """A tier's recent load figures as the daemon measured them (``Client.tier_figures``): the
-    latency of a read of that tier (from the request's arrival to the bytes in the host tier,
-    queueing included) and its bandwidth, measured ``age_s`` ago, over ``reads`` recent reads."""
+    """A tier's recent load figures as the daemon measured them (``Client.tier_figures``): a
+    read of ``n`` bytes of that tier into the host tier (from the daemon's request for it to the
+    bytes in place, queueing in the daemon included) costs about ``latency_s + n /
+    bytes_per_s``; the latest read that fed them was ``age_s`` ago, ``reads`` the read batches
+    measured since the daemon started (docs/metrics.md section 6)."""
 
     latency_s: float
     bytes_per_s: float

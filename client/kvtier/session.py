@@ -51,6 +51,7 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 MIN_RPC_S = 0.02  # an RPC never starts with less of its caller's deadline left than this
+_TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme", pb.TIER_CLUSTER: "cluster"}
 
 
 class Away(Exception):
@@ -259,9 +260,20 @@ class Session:
     def boot_epoch(self) -> int:
         return self._epoch
 
+    def _take_figures(self, reply: Any) -> None:
+        """Keep the per-tier read figures a reply carries (HeartbeatReply, OpenSessionReply),
+        stamped with our clock; a tier the reply leaves out keeps its older figure."""
+        now = self._clock()
+        got = {_TIER_NAMES[f.tier]: (TierFigure(f.latency_us / 1e6, float(f.bytes_per_s),
+                                                f.age_ms / 1e3, int(f.reads)), now)
+               for f in reply.tier_figures if f.tier in _TIER_NAMES}
+        if got:  # one new dict, swapped in whole: readers on other threads see old or new
+            self._tier_figures = {**self._tier_figures, **got}
+
     def tier_figures(self) -> dict[str, TierFigure]:
         """The daemon's latest per-tier load figures (tier name -> ``TierFigure``, its age grown
-        by the time since it arrived); empty until a heartbeat brought some. Any thread."""
+        by the time since it arrived); from the OpenSession reply and every heartbeat reply, empty
+        until one brought some (the daemon has read no tier below the host tier yet). Any thread."""
         now = self._clock()
         return {tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
                 for tier, (fig, at) in dict(self._tier_figures).items()}
@@ -389,6 +401,7 @@ class Session:
                 try:
                     reply = self._stub.Heartbeat(
                         pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout)
+                    self._take_figures(reply)
                     if reply.boot_epoch == self._epoch:
                         return True
                 except grpc.RpcError as e:
@@ -441,6 +454,7 @@ class Session:
         self._session_id, self._epoch = reply.session_id, reply.boot_epoch
         self._max_batch = max(1, reply.max_batch_blocks)
         self._lookup_slices = reply.lookup_slices
+        self._take_figures(reply)  # figures from the start, not one heartbeat later
         transport.bind_rpc(self._transfer_rpc)
         self._transport = transport
         if self.control_channel:
@@ -606,6 +620,8 @@ class Session:
                     continue
                 raise errors.from_grpc_code(code.name, e.details() or "") from None
             self._last_call = self._clock()
+            if method == "Heartbeat":  # (over gRPC or a control channel alike)
+                self._take_figures(reply)
             if reply.boot_epoch != self._epoch:
                 self._reset_session()  # daemon restarted under us: this reply is still valid
             return reply
@@ -766,10 +782,10 @@ class Session:
             for ns, t in tallies.items()])
 
     def _heartbeat_loop(self) -> None:
+        # Every period, even while other calls keep the lease alive: the replies bring the
+        # daemon's tier figures (``tier_figures``), which a busy engine needs most.
         while not self._hb_stop.wait(max(0.05, self.lease_ttl_s / 3)):
             tallies = self.local.take_tallies() if self.local is not None else {}
-            if not tallies and self._clock() - self._last_call < self.lease_ttl_s / 3:
-                continue
             request = self._tally_request(tallies)
             try:
                 self._call("Heartbeat", request)

@@ -309,6 +309,33 @@ def _event_families(ev: dict[str, Any]) -> Iterator[Any]:
                             value=ev["event_streams"])
 
 
+_TIER_LABELS = {1: "host", 2: "nvme", 3: "cluster"}  # kvtier.v1.Tier
+
+
+def _tier_read_families(figures: list[dict[str, Any]]) -> Iterator[Any]:
+    """What reading each tier below the host tier into it costs now (kvtierd.cache.read_figures):
+    one sample per tier that has been read since the start (none before; the operator's view)."""
+    latency = GaugeMetricFamily(
+        "kvtier_tier_read_latency_seconds",
+        "Recent fixed cost of a read into the host tier, queueing in the daemon included "
+        "(a read of n bytes costs about this + n / kvtier_tier_read_bytes_per_second)",
+        labels=["tier"],
+    )
+    bandwidth = GaugeMetricFamily(
+        "kvtier_tier_read_bytes_per_second",
+        "Recent marginal payload bandwidth of reads into the host tier",
+        labels=["tier"],
+    )
+    for f in figures:
+        tier = _TIER_LABELS.get(f["tier"])
+        if tier is None:
+            continue
+        latency.add_metric([tier], f["latency_us"] / 1e6)
+        bandwidth.add_metric([tier], f["bytes_per_s"])
+    yield latency
+    yield bandwidth
+
+
 def _boot_families(snap: Snapshot) -> Iterator[Any]:
     """The boot epoch exactly (an info label: a float64 value keeps only ~16 of its 19 digits),
     the start time in seconds, and the old float gauge (kept for readers of the old name)."""
@@ -390,6 +417,7 @@ class KvtierCollector:
         yield from _nvme_families(snap["nvme"])
         yield from _cuda_families(snap["cuda_ipc"])
         yield from _cluster_families(snap.get("cluster") or {})
+        yield from _tier_read_families(snap.get("tier_figures") or [])
         yield from _tenant_families(snap.get("tenants") or [])
         yield from _connection_families(snap.get("connections", {}))
         yield from _published_families(snap.get("published", {}))

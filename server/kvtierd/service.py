@@ -384,14 +384,23 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             shm_socket=adv["shm_socket"], data_host=adv["data_host"], data_port=adv["data_port"],
             arena_bytes=self.cache.host.pool_bytes[pool] if pool is not None else 0,
             max_batch_blocks=self.max_batch,
-            data_secret=s.data_secret, data_tls=adv.get("data_tls", False), lookup_slices=True)
+            data_secret=s.data_secret, data_tls=adv.get("data_tls", False), lookup_slices=True,
+            tier_figures=self._tier_figures())
 
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         s = self._session(request.session_id)
         if request.local_lookups:
             self._count_local_lookups(request.local_lookups)
-        return pb.HeartbeatReply(boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000))
+        return pb.HeartbeatReply(boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000),
+                                 tier_figures=self._tier_figures())
+
+    def _tier_figures(self) -> list[pb.TierFigures]:
+        """The cache's read figures per tier below the host tier, on the wire."""
+        return [pb.TierFigures(tier=int(tier), latency_us=round(f.latency_s * 1e6),
+                               bytes_per_s=round(f.bytes_per_s), age_ms=round(f.age_s * 1e3),
+                               reads=f.reads)
+                for tier, f in sorted(self.cache.read_figures().items())]
 
     def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
         """Add clients' published-index lookups to their namespaces' counters: all checked
@@ -731,7 +740,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
             total=_counters(c.totals()), host_capacity_bytes=host["capacity_bytes"],
             host_used_bytes=host["used_bytes"], sessions=len(self.sessions),
-            leases_expired=self.sessions.expired_total, **c.figures())
+            leases_expired=self.sessions.expired_total, tier_figures=self._tier_figures(),
+            **c.figures())
         for link in c.chain:  # one storage tier today: NVMe
             reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
                                              flushes_in_flight=link.flushes_in_flight,

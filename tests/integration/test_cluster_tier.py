@@ -150,6 +150,12 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
         assert sum(n["hits"] for n in cl["nodes"]) >= 48  # EXISTS, then GET
         assert sum(n["bytes_read"] for n in cl["nodes"]) == 24 * (HEADER_BYTES + ns.block_bytes)
         assert cl["writes"] == 0  # imported blocks are not written back
+        # the imports are the cluster tier's read figures (issue 30), in Stats and heartbeats
+        (fig,) = st["tier_figures"]
+        assert fig["tier"] == pb.TIER_CLUSTER and fig["reads"] >= 1 and fig["bytes_per_s"] > 0
+        assert 0 <= fig["latency_us"] < 10_000_000
+        c._call("Heartbeat", pb.HeartbeatRequest())
+        assert c.tier_figures()["cluster"].reads == fig["reads"]
     with kvtier.Client.connect(a.unix, transport="tcp") as c:
         assert c.stats()["cluster"]["writes"] == 24
     with urllib.request.urlopen(b.info["metrics"], timeout=10) as r:
@@ -158,6 +164,7 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
                and not line.endswith(" 0.0") for line in metrics.splitlines())
     assert "kvtier_cluster_node_keys_total{node=" in metrics
     assert "kvtier_cluster_connected 1.0" in metrics
+    assert 'kvtier_tier_read_latency_seconds{tier="cluster"}' in metrics
 
 
 def test_a_flipped_byte_and_a_value_under_another_namespace_are_misses_counted_and_deleted(

@@ -33,6 +33,7 @@ from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import TieredCache, TierLink
+from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry
 from kvtierd.policies import PolicyName, WritePolicyName, make_policy, make_write_policy
@@ -428,6 +429,45 @@ async def test_prefetch_promotes_ahead_of_the_load(make_rig: Callable[..., Rig])
     assert (reads, rig.ns.counters.promotions) == (3, 3)
     assert await rig.read(1, 2, 3) == [payload(1), payload(2), payload(3)]
     assert rig.nvme.figures.reads == reads  # the load read nothing from disk
+
+
+class Ticks:
+    """A clock that moves one second at each look: the n-th time read is n."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@scenario
+async def test_promotions_feed_the_tiers_read_figures(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(host=4)
+    rig.link.read_figures = ReadFigures(weight=1.0, clock=Ticks())  # the latest batch alone
+    await rig.store(1, 2, 3)
+    await rig.settle()
+    await rig.store(4, 5, 6, 7)
+    await rig.settle()  # host [4 5 6 7]; 1..3 on NVMe only
+    assert await rig.read(4, 5) == [payload(4), payload(5)]
+    assert rig.cache.read_figures() == {}  # host hits read nothing below
+    assert await rig.read(1, 2) == [payload(1), payload(2)]
+    # a load: asked (t=1), read submitted (t=2), bytes in the host tier (t=3): one second
+    # waiting (latency), one reading two blocks (bandwidth)
+    fig = rig.cache.read_figures()[TierId.NVME]
+    assert (fig.latency_s, fig.bytes_per_s, fig.reads) == (1.0, 2 * BLOCK, 1)
+    # a prefetch (a pinned lookup's promotion too): asked when it is started, not when it runs
+    assert rig.cache.prefetch(rig.ns, keys(3)) == (1, 1)
+    await rig.settle()
+    fig = rig.cache.read_figures()[TierId.NVME]
+    assert (fig.latency_s, fig.bytes_per_s, fig.reads) == (1.0, BLOCK, 2)
+    # a failed read is no figure of the tier's speed
+    await rig.store(8, 9, 10, 11)
+    await rig.settle()  # 1..3 pushed out again
+    rig.disk.fail_reads(1, errno.EIO)
+    assert await rig.read(1) == [None]
+    assert rig.link.read_figures.reads == 2
 
 
 @scenario

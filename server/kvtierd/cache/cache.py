@@ -43,6 +43,7 @@ from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.chain import TierLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
+from kvtierd.cache.read_figures import ReadFigure
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.events import MEDIUM_CPU
@@ -679,6 +680,19 @@ class TieredCache:
         """The cache's own gauges, for Stats and /metrics."""
         return {"pinned_blocks": self.pinned_blocks, "writing_blocks": self.writing_blocks,
                 "limbo_blocks": self.limbo_blocks, "eviction_policy": self.policy_name}
+
+    def read_figures(self) -> dict[TierId, ReadFigure]:
+        """What reading each tier below the host tier into it costs now (kvtierd.cache.read_figures);
+        a tier with no read measured yet is absent."""
+        figures = [(TierId(link.id), link.read_figures) for link in self.chain]
+        if self.fleet is not None:
+            figures.append((TierId.CLUSTER, self.fleet.read_figures))
+        out: dict[TierId, ReadFigure] = {}
+        for tier, source in figures:
+            fig = source.figure()
+            if fig is not None:
+                out[tier] = fig
+        return out
 
     # -- internals --------------------------------------------------------------------------------
 

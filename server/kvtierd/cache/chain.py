@@ -39,6 +39,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from kvtier_contract.identity import Namespace
+from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import TierId
 from kvtierd.events import MEDIUM_CPU, MEDIUM_STORAGE
@@ -95,6 +96,9 @@ class TierLink:
         """Called with the tenant each time ``tenant_quota`` keeps one of its blocks from being
         written here (the daemon counts it as an ``nvme_bytes`` refusal)."""
         self._claimed: dict[str, int] = {}  # tenant -> bytes queued or being written here
+        self.read_figures = ReadFigures()
+        """What promotions from this tier cost now (kvtierd.cache.read_figures): fed once per
+        ``promote_many`` that read something."""
 
     @property
     def admitting(self) -> bool:
@@ -370,9 +374,12 @@ class TierLink:
 
     # -- promotion (tier -> host) -----------------------------------------------------------------
 
-    async def promote_many(self, entries: list[Entry], protect: set[Entry]) -> set[Entry]:
+    async def promote_many(self, entries: list[Entry], protect: set[Entry], *,
+                           asked: float | None = None) -> set[Entry]:
         """Make the host copies of ``entries`` valid, as many as the host tier can place now;
-        returns those that now are.
+        returns those that now are. ``asked``: when the promotion was asked for (on
+        ``read_figures.clock``; default: now), the start of the latency ``read_figures``
+        measure.
 
         Room is made the write-back way first (no unflushed block is evicted for a promotion),
         host slots are taken up front, and the reads go in ~4 MiB batches, each block verified on
@@ -380,6 +387,8 @@ class TierLink:
         are joined. The reads run as a task of this link: a caller cancelled meanwhile (an RPC
         past its deadline) leaves them to finish, so no entry stays ``promoting``.
         """
+        if asked is None:
+            asked = self.read_figures.clock()
         waiting = [e.promoting for e in entries if e.promoting is not None]
         if waiting:
             await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
@@ -390,7 +399,7 @@ class TierLink:
             pending = self._todo(entries)
         started = self._reserve(pending, protect)
         if started:
-            await asyncio.shield(self._spawn(self._read(started)))
+            await asyncio.shield(self._spawn(self._read(started, asked)))
         return {e for e in entries if e.in_host}
 
     def _todo(self, entries: Iterable[Entry]) -> list[Entry]:
@@ -419,8 +428,10 @@ class TierLink:
             started.append(e)
         return started
 
-    async def _read(self, started: list[Entry]) -> None:
-        """Read reserved entries in ~4 MiB batches (each one ``read_many``)."""
+    async def _read(self, started: list[Entry], asked: float) -> None:
+        """Read reserved entries in ~4 MiB batches (each one ``read_many``); the whole counts
+        as one read batch of ``read_figures``."""
+        began = self.read_figures.clock()
         jobs: list[list[Entry]] = []
         size = FLUSH_BATCH_BYTES
         for e in started:
@@ -429,9 +440,11 @@ class TierLink:
                 size = 0
             jobs[-1].append(e)
             size += e.ns.block_bytes
-        await asyncio.gather(*(self._promote_job(job) for job in jobs))
+        nbytes = await asyncio.gather(*(self._promote_job(job) for job in jobs))
+        self.read_figures.observe(sum(nbytes), asked, began, self.read_figures.clock())
 
-    async def _promote_job(self, job: list[Entry]) -> None:
+    async def _promote_job(self, job: list[Entry]) -> int:
+        """Read one batch; the payload bytes promoted."""
         host = self.residency.host
         try:
             results = await self.tier.read_many([
@@ -465,17 +478,18 @@ class TierLink:
                 fut.set_result(None)
         if promoted and self.residency.events is not None:
             self.residency.events.stored(promoted, MEDIUM_CPU)
+        return sum(e.ns.block_bytes for e in promoted)
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""
         todo = [e for e in entries if not e.in_host and e.promoting is None
                 and e.copy_in(self.level) is not None]
         if todo:
-            self._spawn(self._promote_quietly(todo))
+            self._spawn(self._promote_quietly(todo, self.read_figures.clock()))
         return len(todo)
 
-    async def _promote_quietly(self, entries: list[Entry]) -> None:
-        await self.promote_many(entries, set())
+    async def _promote_quietly(self, entries: list[Entry], asked: float) -> None:
+        await self.promote_many(entries, set(), asked=asked)
 
     # -- copies -----------------------------------------------------------------------------------
 

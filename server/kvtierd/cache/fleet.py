@@ -34,6 +34,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvtier_contract.digests import block_digest
+from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.cache.residency import HostResidency
 from kvtierd.events import MEDIUM_CPU, MEDIUM_REMOTE
 from kvtierd.index import Entry, EntryState, NamespaceState
@@ -53,6 +54,9 @@ class ClusterLink:
         self.tier = tier
         self.write_policy = tier.settings.write_policy
         self.imports_in_flight = 0
+        self.read_figures = ReadFigures()
+        """What imports cost now (kvtierd.cache.read_figures): fed once per fetch that imported
+        something; asked = the start of ``import_`` (its EXISTS round trip counts)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         if self.write_policy == "evict":
             residency.on_evict = self._on_evict
@@ -79,6 +83,7 @@ class ClusterLink:
         todo = [k for k in dict.fromkeys(keys) if k not in ns.entries]
         if not todo or not self.tier.connected:
             return []
+        asked = self.read_figures.clock()
         # Slots are taken (evicting) only for blocks the cluster holds.
         present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
                                          todo)
@@ -95,13 +100,14 @@ class ClusterLink:
         todo = todo[:len(offsets)]
         if not todo:
             return []
-        task = self._spawn(self._import(ns, todo, offsets))
+        task = self._spawn(self._import(ns, todo, offsets, asked))
         return await asyncio.shield(task)
 
     async def _import(self, ns: NamespaceState, keys: list[bytes],
-                      offsets: list[int]) -> list[Entry]:
+                      offsets: list[int], asked: float) -> list[Entry]:
         host = self.residency.host
         self.imports_in_flight += len(keys)
+        began = self.read_figures.clock()
         try:
             results = await self.tier.fetch(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
                                             keys, ns.block_bytes,
@@ -116,6 +122,8 @@ class ClusterLink:
             results = [FETCH_MISS] * len(keys)
         finally:
             self.imports_in_flight -= len(keys)
+        self.read_figures.observe(sum(r == FETCH_OK for r in results) * ns.block_bytes, asked, began,
+                             self.read_figures.clock())
         entered: list[Entry] = []
         c = ns.counters
         for k, off, r in zip(keys, offsets, results, strict=True):

@@ -15,10 +15,11 @@ cannot tell an injected fault from a real one.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier_contract.directio import aligned_buffer
 from kvtierd.tiers.nvme.device import (
@@ -44,13 +45,16 @@ class FaultyDevice(Device):
     next write stores only its first ``keep`` bytes, then raises DiskIOError(EIO) or reports full
     success. ``flip_on_write(offset)``: after every write covering file offset ``offset``, that byte
     is inverted on the real device; ``flip_byte(offset)`` inverts it now. ``latency_s``: a sleep
-    before every call; ``read_latency_s``: one more before every read (a slow disk to load from).
+    before every call; ``read_latency_s``: one more before every read (a slow disk to load from),
+    or, when ``read_latency`` is set, what it answers at each read (a disk that slows and recovers
+    while the daemon runs: :class:`LatencyFile`).
     Counters: ``writes``, ``reads``, ``syncs``, ``faults``. A failed sync is
     sticky, as on the real device. Thread-safe (fault state and counters under a lock).
     """
 
     def __init__(self, inner: Device, *, latency_s: float = 0.0, read_latency_s: float = 0.0) -> None:
         self.inner, self.latency_s, self.read_latency_s = inner, latency_s, read_latency_s
+        self.read_latency: Callable[[], float] | None = None
         self.path, self.size, self.direct, self.align = inner.path, inner.size, inner.direct, inner.align
         self._lock = threading.Lock()
         self._fail: dict[str, tuple[int, int]] = {}  # op -> (calls left to fail, errno)
@@ -83,8 +87,10 @@ class FaultyDevice(Device):
         """Count the call, sleep, and raise the armed fault for ``op`` if there is one."""
         if self.latency_s:
             time.sleep(self.latency_s)
-        if op == "read" and self.read_latency_s:
-            time.sleep(self.read_latency_s)
+        if op == "read":
+            delay = self.read_latency() if self.read_latency is not None else self.read_latency_s
+            if delay > 0:
+                time.sleep(delay)
         with self._lock:
             self.counts[op] += 1
             left, err = self._fail.get(op, (0, 0))
@@ -158,6 +164,37 @@ class FaultyDevice(Device):
         """Invert the byte at file offset ``offset`` on the real device, now (bit rot)."""
         start, buf = self._span(offset, 1)
         self.poke(offset, bytes([buf[offset - start] ^ 0xFF]))
+
+
+class LatencyFile:
+    """A read latency that a file holds, in milliseconds (a number; a missing, empty or
+    unreadable file, or one that is not a number >= 0, means 0), read again at most every
+    ``refresh_s`` seconds: another process slows the disk and un-slows it by writing the file.
+    Call it (any thread) for the latency in seconds now."""
+
+    def __init__(self, path: str, *, refresh_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path, self.refresh_s, self._clock = path, refresh_s, clock
+        self._lock = threading.Lock()
+        self._value_s = 0.0
+        self._read_at: float | None = None
+
+    def __call__(self) -> float:
+        now = self._clock()
+        with self._lock:
+            if self._read_at is None or now - self._read_at >= self.refresh_s:
+                self._read_at = now
+                self._value_s = self._read()
+            return self._value_s
+
+    def _read(self) -> float:
+        try:
+            with open(self.path) as f:
+                text = f.read(64).strip()
+            ms = float(text) if text else 0.0
+        except (OSError, ValueError):
+            return 0.0
+        return ms / 1000 if math.isfinite(ms) and ms >= 0 else 0.0
 
 
 class FaultyFileSystem(FileSystem):

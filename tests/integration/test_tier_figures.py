@@ -1,0 +1,133 @@
+"""The daemon's per-tier read figures reach the SDK (issue 30): a real daemon whose NVMe tier is
+slowed and un-slowed while it runs (``python -m kvtierd.testing.serve --read-latency-file F``,
+test-only), a real client.
+
+The host tier is 2 MiB (128 blocks of 16 KiB): of 256 blocks put, the first 128 are pushed out
+to the NVMe tier, so a load of them is a promotion (an NVMe read into the host tier). The
+client's lease is 0.6 s, so it heartbeats every 0.2 s; its ``tier_figures()`` follow the disk
+within a heartbeat or two, over the control channel (the shm default) and over gRPC alike.
+Load sizes vary (1 to 4 blocks), as prompts' hits do, so that the daemon can tell the fixed
+cost of a read (latency) from its transfer (bandwidth; kvtierd.cache.read_figures).
+A client that connects later has the figures from its OpenSession reply, before any heartbeat;
+/metrics has them per tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import DaemonProcess, make_namespace
+from tests_helpers import scrape_metrics, wait_for
+
+import kvtier
+from kvtier.results import TierFigure
+from kvtier_contract.v1 import kvtier_pb2 as pb
+
+HOST_BLOCKS = 128
+SLOW_MS = 50
+SIZES = [1, 4, 2, 3]  # blocks per load, in turn: sizes vary, so latency and bandwidth part
+# (at most 4: the NVMe tier's 4 I/O threads read them at once, each read SLOW_MS slower)
+
+
+class SlowDiskDaemon(DaemonProcess):
+    """kvtierd whose NVMe reads sleep the milliseconds a file holds (test-only launcher)."""
+
+    def __init__(self, run_dir: Path, latency_file: Path, *args: str) -> None:
+        super().__init__(run_dir, *args)
+        self.module = ("kvtierd.testing.serve", "--read-latency-file", str(latency_file))
+
+
+@pytest.fixture
+def slow(tmp_path: Path) -> Iterator[tuple[SlowDiskDaemon, Path]]:
+    latency = tmp_path / "read-latency-ms"  # absent: no latency (the start reads the disk)
+    d = SlowDiskDaemon(tmp_path / "run", latency, "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
+                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "16MiB",
+                       "--write-policy", "write-back").start()
+    try:
+        yield d, latency
+    finally:
+        d.kill()
+
+
+def nvme_latency(client: kvtier.Client) -> float | None:
+    fig = client.tier_figures().get("nvme")
+    return None if fig is None else fig.latency_s
+
+
+@pytest.mark.parametrize("control_channel", [True, False], ids=["control", "grpc"])
+def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
+        slow: tuple[SlowDiskDaemon, Path], control_channel: bool) -> None:
+    d, latency = slow
+    with kvtier.Client.connect(d.unix, "shm", lease_ttl_s=0.6, local_lookups=False,
+                               control_channel=control_channel) as client:
+        assert (client._control is not None) == control_channel
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
+        for i in range(0, len(keys), 16):
+            data = [hashlib.shake_256(b"f%d" % j).digest(ns.block_bytes) for j in range(i, i + 16)]
+            assert ns.put(keys[i : i + 16], data).stored == 16
+        assert ns.lookup_detail(keys[:HOST_BLOCKS]).tiers == ["nvme"] * HOST_BLOCKS
+        assert client.tier_figures() == {}  # nothing read from the disk yet
+        loaded = 0
+
+        def load() -> None:
+            """One load of blocks held only on the NVMe tier (the next ones): a promotion."""
+            nonlocal loaded
+            n = SIZES[fig_reads() % len(SIZES)]
+            got = ns.get(keys[loaded : loaded + n])
+            assert len(got) == n and all(g is not None for g in got)
+            loaded += n
+
+        def fig_now() -> TierFigure:
+            return client.tier_figures().get("nvme") or TierFigure(1.0, 1.0, 0.0)
+
+        def fig_reads() -> int:
+            reply = client._call("Heartbeat", pb.HeartbeatRequest())  # as the thread does
+            return sum(f.reads for f in reply.tier_figures)
+
+        latency.write_text(str(SLOW_MS))
+        time.sleep(0.15)  # the daemon reads the file again at most every 100 ms
+        took = 0.0
+        for _ in range(4):
+            t0 = time.monotonic()
+            load()
+            took = max(took, time.monotonic() - t0)
+            assert time.monotonic() - t0 >= SLOW_MS / 1000  # the disk is slow: a load waits
+        client._tier_figures = {}  # (the loads' heartbeats brought some: wait for the thread's)
+        wait_for("the slow NVMe figure", lambda: (nvme_latency(client) or 0) >= 0.9 * SLOW_MS / 1000,
+                 timeout=1.0)  # a heartbeat comes every 0.2 s
+        fig = client.tier_figures()["nvme"]
+        assert fig.reads == 4 and fig.bytes_per_s > 0 and fig.age_s < 1.0
+        assert fig.latency_s <= took  # measured inside the daemon: less than end to end
+        for n in SIZES:  # what the figures predict for a load is what one took
+            assert SLOW_MS / 1000 * 0.9 < fig.latency_s + n * ns.block_bytes / fig.bytes_per_s \
+                <= took + 0.02
+
+        reply = client._call("Heartbeat", pb.HeartbeatRequest())  # the same path as the loop
+        assert [f.tier for f in reply.tier_figures] == [pb.TIER_NVME]
+        assert reply.tier_figures[0].latency_us >= 0.9 * SLOW_MS * 1000
+        if control_channel:
+            assert client._control is not None and client._control.calls > 0
+
+        latency.write_text("0")  # the disk recovers
+        time.sleep(0.15)
+        for _ in range(8):
+            load()
+        wait_for("the NVMe figure of all 12 loads", lambda: fig_now().reads == 12, timeout=1.0)
+        assert fig_now().latency_s < 0.025  # fallen back
+
+        # a client that connects now has the figures at once (its OpenSession reply)
+        with kvtier.Client.connect(d.unix, "shm", heartbeat=False) as late:
+            late_fig = late.tier_figures()["nvme"]
+            assert late_fig.reads == 12 and late_fig.latency_s < 0.025
+
+        status, text = scrape_metrics(d, None)
+        assert status == 200
+        line = next(ln for ln in text.splitlines()
+                    if ln.startswith('kvtier_tier_read_latency_seconds{tier="nvme"}'))
+        assert 0 < float(line.split()[-1]) < 0.025
+        assert 'kvtier_tier_read_bytes_per_second{tier="nvme"}' in text
