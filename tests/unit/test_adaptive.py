@@ -13,6 +13,7 @@ from kvtier.adaptive import (
     InterferenceBudget,
     LinearFit,
     LoadFigures,
+    PrefillRate,
 )
 
 MIB = 1 << 20
@@ -218,3 +219,17 @@ def test_a_change_of_regime_restarts_the_fit_and_jitter_does_not() -> None:
     assert fit.predict(MIB) == pytest.approx((5 * 0.0002 + 0.0007) / 6)
     fit.observe(MIB, 0.200)  # the disk slowed down: what came before is dropped
     assert fit.predict(MIB) == pytest.approx(0.200)
+
+
+def test_a_steady_prefill_rate_keeps_its_slope_through_one_noisy_step() -> None:
+    """A step 10x slower than the fit (the host busy for one step) restarts a default fit,
+    leaving the slope of that one point; a ``steady`` rate keeps its figures (issue 30: the
+    Transformers prefix cache times a few noisy forwards per generate)."""
+    clock = Clock()
+    for steady, expect in ((False, 0.05), (True, 0.001)):
+        rate = PrefillRate(clock=clock, steady=steady)
+        for tokens in (64, 1, 6, 1, 64, 1):
+            rate.observe_step(tokens, 0.004 + tokens * 0.001)
+        rate.observe_step(1, 0.05)  # one outlier step
+        spt = rate.seconds_per_token()
+        assert spt is not None and spt == pytest.approx(expect, rel=0.3), (steady, spt)
