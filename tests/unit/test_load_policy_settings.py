@@ -38,7 +38,7 @@ def test_defaults_are_adaptive() -> None:
 
 @pytest.mark.parametrize(("key", "value"), BAD)
 def test_transformers_refuses_a_bad_value_by_name(key: str, value: Any) -> None:
-    with pytest.raises(TransformersError) as e:
+    with pytest.raises(TransformersError, match=r": must be ") as e:
         transformers(**{key: value})
     assert e.value.field == key
 
@@ -46,7 +46,7 @@ def test_transformers_refuses_a_bad_value_by_name(key: str, value: Any) -> None:
 @pytest.mark.parametrize(("key", "value"), BAD + [("prefill_seconds_per_token", 0),
                                                   ("prefill_seconds_per_token", "fast")])
 def test_sglang_refuses_a_bad_value_by_name(key: str, value: Any) -> None:
-    with pytest.raises(SglangError) as e:
+    with pytest.raises(SglangError, match=r": must be ") as e:  # (not "unknown key")
         BackendConfig.from_extra({key: value})
     assert e.value.field == f"extra_config.{key}"
 
@@ -55,7 +55,7 @@ def test_sglang_refuses_a_bad_value_by_name(key: str, value: Any) -> None:
     ("interference_budget", 0), ("interference_budget", 1.5), ("interference_budget", "x"),
     ("prefill_seconds_per_token", -0.001)])
 def test_vllm_tier_refuses_a_bad_value_by_name(key: str, value: Any) -> None:
-    with pytest.raises(VllmError, match=rf"^secondary_tiers\.kvtier\.{key}: "):
+    with pytest.raises(VllmError, match=rf"^secondary_tiers\.kvtier\.{key}: must be "):
         TierConfig.from_tier({key: value})
 
 

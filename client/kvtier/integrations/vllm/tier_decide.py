@@ -14,14 +14,13 @@ The engine's prefill rate. vLLM's tier API shows a secondary tier no step timing
 counts (``ScheduleEndContext`` holds request ids; ``ReqContext`` no lengths). What it does show:
 ``on_schedule_end`` once per scheduler step, so the time between two calls is one engine step
 (the forward and the scheduling around it), and the chunks vLLM cascades to the tier, which are
-the full chunks the engine computed (a chunk loaded or already held is not stored again). So the
-rate is measured as busy step time over computed tokens, over windows of at least
-``WINDOW_S`` of busy time that saw at least one stored chunk: an average that counts decode
-steps too, so it is an upper bound on the prefill cost per token (it errs toward loading).
-Time while no request is live (the engine idle between requests) is not counted. With
-``store`` false nothing is cascaded and nothing is measured: set ``prefill_seconds_per_token``
-(or ``adaptive`` loads every hit, as ``always``). ``prefill_seconds_per_token`` set: that fixed
-figure, measured by the operator, instead.
+the full chunks the engine computed (a chunk loaded or already held is not stored again; with
+``store`` false vLLM still cascades them, the tier moves nothing). So the rate is measured as
+busy step time over computed tokens, over windows of at least ``WINDOW_S`` of busy time that
+saw at least one cascaded chunk: an average that counts decode steps too, so it is an upper
+bound on the prefill cost per token (it errs toward loading). Time while no request is live
+(the engine idle between requests) is not counted. ``prefill_seconds_per_token`` set: that
+fixed figure, measured by the operator, instead.
 
 The step time found this way also feeds the interference budget (``interference_budget``, a
 fraction of each step): loads are charged and always run, a store job is refused (counted in
@@ -189,10 +188,15 @@ class TierDecisions:
         """vLLM cascaded ``n`` chunks the engine computed."""
         self._window_tokens += n * self.chunk_tokens
 
-    def charge_load(self, n_chunks: int) -> float:
-        """A load job of ``n_chunks`` starts: its predicted time, charged to the budget."""
+    def charge_load(self, offload_keys: Sequence[bytes]) -> float:
+        """A load job starts: its predicted time (by the tier each chunk was answered from;
+        the host tier's figure for a chunk not known), charged to the budget."""
         with self._lock:
-            cost = self.decider.figures.predict({"host": n_chunks * self.row_bytes}) or 0.0
+            by_tier: dict[str, int] = {}
+            for key in offload_keys:
+                tier = self._tier_of.get(bytes(key), "host")
+                by_tier[tier] = by_tier.get(tier, 0) + self.row_bytes
+            cost = self.decider.figures.predict(by_tier) or 0.0
             self.budget.charge_load(cost)
             return cost
 

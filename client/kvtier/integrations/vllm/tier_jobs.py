@@ -155,7 +155,7 @@ class TierJobs:
             self._finish(job_id, is_load, [], 0, 0.0)
             return
         # The interference budget: a load is charged and runs; a store beyond it is dropped.
-        charged = self.decisions.charge_load(len(offload_keys)) if is_load \
+        charged = self.decisions.charge_load(offload_keys) if is_load \
             else self.decisions.admit_store(len(offload_keys))
         if charged is None:
             self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
