@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.adaptive import (
     Decider,
+    FixedPrefillRate,
     InterferenceBudget,
     LinearFit,
     LoadFigures,
@@ -233,3 +234,16 @@ def test_a_steady_prefill_rate_keeps_its_slope_through_one_noisy_step() -> None:
         rate.observe_step(1, 0.05)  # one outlier step
         spt = rate.seconds_per_token()
         assert spt is not None and spt == pytest.approx(expect, rel=0.3), (steady, spt)
+
+
+def test_an_operators_fixed_rate_weighs_loads_where_no_step_is_seen() -> None:
+    """SGLang's storage backend sees no engine step: the operator's rate decides (issue 30)."""
+    clock = Clock()
+    rate = FixedPrefillRate(0.001)
+    rate.observe_step(100, 5.0)  # ignored: the figure is the operator's
+    assert rate.seconds_per_token() == 0.001 and rate.seconds_for(16) == pytest.approx(0.016)
+    decider = Decider(prefill=rate, clock=clock)
+    decider.loaded({"nvme": MIB}, 0.200)  # 200 ms a block against 16 ms of recompute
+    assert decider.decide(["nvme"] * 4, block_tokens=BT, block_bytes=MIB).load_blocks == 0
+    with pytest.raises(ValueError, match="prefill_seconds_per_token"):
+        FixedPrefillRate(0.0)

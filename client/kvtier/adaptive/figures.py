@@ -13,7 +13,8 @@ a caller that shares one across threads holds its own lock.
   bytes into the engine. Two sources, the fresher wins: the engine's own loads (``observe``, the
   time a load took with its bytes by tier) and the daemon's per-tier figures (``report``: the
   latency and bandwidth of its recent reads of that tier, which other clients' loads keep fresh).
-* ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds).
+* ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds);
+  ``FixedPrefillRate``: an operator's figure where no step can be measured.
 """
 
 from __future__ import annotations
@@ -218,3 +219,21 @@ class PrefillRate:
         """Seconds the engine spends to prefill ``tokens`` more tokens; None when not known."""
         spt = self.seconds_per_token()
         return None if spt is None else spt * tokens
+
+
+class FixedPrefillRate(PrefillRate):
+    """An operator's figure for the engine's seconds per prefilled token, for an integration
+    that sees no engine step to measure (SGLang's storage backend; the vLLM secondary tier when
+    ``prefill_seconds_per_token`` is set). Steps observed are ignored."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        if not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
+            raise ValueError(f"prefill_seconds_per_token: must be > 0, got {seconds_per_token}")
+        super().__init__()
+        self._spt = float(seconds_per_token)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        return None
+
+    def seconds_per_token(self) -> float | None:
+        return self._spt

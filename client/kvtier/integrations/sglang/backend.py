@@ -31,7 +31,8 @@ incremented without a lock (approximate under races, as the SDK's).
 
 Size: over the house limit, because SGLang's storage interface is one class (v1 and v2 calls
 and the legacy get/set family), each call a few lines around the never-raise guard; the page
-geometry lives in ``pages`` (``HostPoolPages``, ``SidePool``) and the identity in ``config``.
+geometry lives in ``pages`` (``HostPoolPages``, ``SidePool``) and the identity in ``config``; the
+load-or-recompute bookkeeping (a page's tier from its hit query to its load) is two helpers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier.adaptive import Decider, PrefillRate
+from kvtier.adaptive import Decider, FixedPrefillRate, PrefillRate
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.sglang.config import (
     BackendConfig,
@@ -86,7 +87,7 @@ class BackendCounters:
     """What the backend did, in pages (plus the exceptions it kept from SGLang)."""
 
     pages_queried: int = 0
-    pages_hit: int = 0  # leading hits answered by batch_exists / exists
+    pages_hit: int = 0  # leading pages the daemon held at batch_exists (before load_policy)
     pages_loaded: int = 0
     pages_load_failed: int = 0  # asked for and not loaded (miss, daemon away, bad indices)
     pages_stored: int = 0  # stored or already present
@@ -102,19 +103,6 @@ class BackendCounters:
     predicted_load_s: float = 0.0  # predicted time of the loads of a decided prefix
     actual_load_s: float = 0.0  # the same loads, measured
     last_error: str = field(default="", repr=False)
-
-
-class _OperatorRate(PrefillRate):
-    """``prefill_seconds_per_token`` as the engine's prefill rate: SGLang's storage interface
-    shows the backend no engine step (``extra_info`` carries prefix keys only), so nothing here
-    can measure it."""
-
-    def __init__(self, seconds_per_token: float) -> None:
-        super().__init__()
-        self._spt = float(seconds_per_token)
-
-    def seconds_per_token(self) -> float | None:
-        return self._spt
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -138,7 +126,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._stores: list[tuple[int, float]] = []
         spt = self.cfg.prefill_seconds_per_token
         self.decider = Decider(self.cfg.load_policy, probe_after_s=self.cfg.probe_after_s,
-                               prefill=_OperatorRate(spt) if spt else PrefillRate())
+                               prefill=FixedPrefillRate(spt) if spt else PrefillRate())
         self._decider_lock = threading.Lock()  # the prefetch and the I/O threads share it
         self._tier_of: OrderedDict[str, str] = OrderedDict()  # reported page -> its tier
         self._predicted: OrderedDict[tuple[str, int], float] = OrderedDict()

@@ -35,22 +35,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.adaptive import Decider, InterferenceBudget, LoadPolicy, PrefillRate
+from kvtier.adaptive import (
+    Decider,
+    FixedPrefillRate,
+    InterferenceBudget,
+    LoadPolicy,
+    PrefillRate,
+)
 
 WINDOW_S = 0.2  # busy seconds per prefill-rate observation
 MAX_STEP_S = 5.0  # a longer gap between scheduler steps is not one step
 _REMEMBERED = 1 << 16  # chunks answered HIT whose load has not come yet
-
-
-class _OperatorRate(PrefillRate):
-    """``prefill_seconds_per_token``: the operator's fixed figure."""
-
-    def __init__(self, seconds_per_token: float) -> None:
-        super().__init__()
-        self._spt = float(seconds_per_token)
-
-    def seconds_per_token(self) -> float | None:
-        return self._spt
 
 
 @dataclass
@@ -71,7 +66,7 @@ class TierDecisions:
     def __init__(self, *, policy: LoadPolicy, probe_after_s: float, budget: float | None,
                  chunk_tokens: int, row_bytes: int, prefill_seconds_per_token: float | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        rate = _OperatorRate(prefill_seconds_per_token) if prefill_seconds_per_token \
+        rate = FixedPrefillRate(prefill_seconds_per_token) if prefill_seconds_per_token \
             else PrefillRate(steady=True, clock=clock)
         self.measured_rate = prefill_seconds_per_token is None
         self.decider = Decider(policy, probe_after_s=probe_after_s, prefill=rate, clock=clock)
