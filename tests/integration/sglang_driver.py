@@ -248,6 +248,12 @@ class Driver:
                 result = getattr(b, m)(keys, host_indices(pool, pages), None)
             elif m == "exists":
                 result = b.exists(keys[0])
+            elif m == "prefetch":  # as SGLang's prefetch: the hit query, then the hit's pages
+                n = b.batch_exists(keys, None)
+                found = b.batch_get_v1(keys[:n], host_indices(pool, pages[:n]), None) if n else []
+                result = {"reported": n, "found": found}
+            elif m == "tiers":  # where the daemon holds each leading hit
+                result = b.handle.lookup_detail(b._keys(b.handle, keys)).tiers
             elif m in ("batch_get_v2", "batch_set_v2"):
                 got = getattr(b, m)(self.transfers(b, c["transfers"]), None)
                 result = {str(name): list(ok) for name, ok in got.items()}

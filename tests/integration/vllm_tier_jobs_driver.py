@@ -13,6 +13,13 @@ one JSON command per stdin line with one ``DRIVER {json}`` line:
   SIGSTOP), times every scheduler-side call -> ``{"submit_store_s", "submit_load_s",
   "lookup_s": max of the per-call times, "finished_s": until both jobs reported,
   "store_ok", "load_ok", "lookup_results": the final answers, "resolved_s"}``
+* load or recompute (issue 30), on tiers built by ``{"op": "build", "name", "extra"}`` (more
+  tier settings): ``{"op": "store", "name", "seed", "n"}`` stores ``n`` chunks of a byte pattern;
+  ``{"op": "play", "name", "seed", "steps", "step_s"}`` plays engine steps through the tier's
+  hooks as vLLM's manager calls them (``on_new_request``, a one-chunk cascaded store per step,
+  ``on_schedule_end``, ``on_request_finished``) -> ``{"spt"}``; ``{"op": "fetch", "name",
+  "seed", "n"}`` looks the chunks up step by step until resolved, loads the HIT prefix into rows
+  16.. -> ``{"hits", "same", "seconds"}``; ``{"op": "stats", "name"}`` -> the tier's counters.
 * ``{"op": "quit"}``
 """
 
@@ -39,10 +46,11 @@ TOKENS = 16
 ROW_BYTES = TOKENS * 2 * 2 * 64 * 2  # 16 tokens x K,V x 2 layers x 64 x bf16 = 8 KiB
 
 
-def build(address: str, engine_id: str) -> tuple[object, object]:
+def build(address: str, engine_id: str, **extra: object) -> tuple[object, object]:
     tier = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm",
             "address": address, "model_revision": "rev-a", "tokenizer_digest": "none",
-            "request_timeout_ms": 500, "lookup_timeout_ms": 300, "job_timeout_ms": 2000}
+            "request_timeout_ms": 500, "lookup_timeout_ms": 300, "job_timeout_ms": 2000,
+            **extra}
     par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
                                    dcp_size=1, data_parallel_index=0, data_parallel_size=1,
                                    data_parallel_rank_local=None, is_parallelism_agnostic=False)
@@ -134,6 +142,78 @@ def timed(tier: object, seed: int) -> dict[str, object]:
             "lookup_steps": steps, "resolved_s": resolved_s}
 
 
+def pattern(seed: int, i: int) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(f"p{seed}:{i}".encode()).digest() * (ROW_BYTES // 32),
+                         dtype=np.uint8)
+
+
+class Tiers:
+    """Named tiers for the load-or-recompute ops (see the module docstring)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.tiers: dict[str, tuple[object, np.ndarray]] = {}
+        self.job_id = 10_000
+
+    def next_id(self) -> int:
+        self.job_id += 1
+        return self.job_id
+
+    def build(self, c: dict[str, object]) -> dict[str, object]:
+        _, tier = build(self.address, f"engine-{c['name']}", **c.get("extra", {}))  # type: ignore
+        view = np.frombuffer(tier._primary_kv_view, dtype=np.uint8).reshape(  # type: ignore
+            -1, tier.block_size_bytes)  # type: ignore[attr-defined]
+        self.tiers[str(c["name"])] = (tier, view)
+        return {"ok": True}
+
+    def store(self, c: dict[str, object]) -> dict[str, object]:
+        tier, view = self.tiers[str(c["name"])]
+        seed, n = int(c["seed"]), int(c["n"])  # type: ignore[arg-type]
+        for i in range(n):
+            view[i, :] = pattern(seed, i)
+        jid = self.next_id()
+        tier.submit_store(job(jid, keys(seed, n), list(range(n)), False, "w"))  # type: ignore
+        return {"ok": wait_jobs(tier, {jid}, 10).get(jid, False)}
+
+    def play(self, c: dict[str, object]) -> dict[str, object]:
+        tier, _ = self.tiers[str(c["name"])]
+        seed, step_s = int(c["seed"]), float(c["step_s"])  # type: ignore[arg-type]
+        ctx = ReqContext(req_id=f"play{seed}")
+        tier.on_new_request(ctx)  # type: ignore[attr-defined]
+        tier.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))  # type: ignore
+        ids = set()
+        for i in range(int(c["steps"])):  # type: ignore[arg-type]
+            time.sleep(step_s)  # the engine's forward
+            jid = self.next_id()
+            ids.add(jid)
+            tier.submit_store(job(jid, keys(seed, i + 1)[i:], [30], False, ctx.req_id))  # type: ignore
+            tier.on_schedule_end(ScheduleEndContext((), ()))  # type: ignore[attr-defined]
+        tier.on_request_finished(ctx)  # type: ignore[attr-defined]
+        wait_jobs(tier, ids, 10)
+        return {"spt": tier.jobs.decisions.decider.prefill.seconds_per_token()}  # type: ignore
+
+    def fetch(self, c: dict[str, object]) -> dict[str, object]:
+        tier, view = self.tiers[str(c["name"])]
+        seed, n = int(c["seed"]), int(c["n"])  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        ks = keys(seed, n)
+        answers, _, _, _ = lookup_until_resolved(tier, ks, f"fetch{seed}", 10)
+        hits = answers.index("MISS") if "MISS" in answers else len(answers)
+        same = True
+        if hits:
+            jid = self.next_id()
+            tier.submit_load(job(jid, ks[:hits], list(range(16, 16 + hits)), True,  # type: ignore
+                                 f"fetch{seed}"))
+            ok = wait_jobs(tier, {jid}, 10).get(jid, False)
+            same = ok and all((view[16 + i] == pattern(seed, i)).all() for i in range(hits))
+        return {"answers": answers, "hits": hits, "same": bool(same),
+                "seconds": time.monotonic() - t0}
+
+    def stats(self, c: dict[str, object]) -> dict[str, object]:
+        tier, _ = self.tiers[str(c["name"])]
+        return {"stats": tier.jobs.take_stats()}  # type: ignore[attr-defined]
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     spec, tier = build(args["address"], args["engine_id"])
@@ -141,6 +221,7 @@ def main() -> None:
         -1, tier.block_size_bytes)  # type: ignore[attr-defined]
     print("DRIVER " + json.dumps({"ready": True, "row_bytes": tier.block_size_bytes}),  # type: ignore
           flush=True)
+    named = Tiers(args["address"])
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
@@ -149,6 +230,8 @@ def main() -> None:
             print("DRIVER " + json.dumps(roundtrip(tier, view)), flush=True)
         if cmd["op"] == "timed":
             print("DRIVER " + json.dumps(timed(tier, int(cmd["keys"]))), flush=True)
+        if cmd["op"] in ("build", "store", "play", "fetch", "stats"):
+            print("DRIVER " + json.dumps(getattr(named, cmd["op"])(cmd)), flush=True)
     tier.shutdown()  # type: ignore[attr-defined]
     print("DRIVER " + json.dumps({"bye": True}), flush=True)
 

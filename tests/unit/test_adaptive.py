@@ -10,9 +10,11 @@ import pytest
 
 from kvtier.adaptive import (
     Decider,
+    FixedPrefillRate,
     InterferenceBudget,
     LinearFit,
     LoadFigures,
+    PrefillRate,
 )
 
 MIB = 1 << 20
@@ -234,3 +236,30 @@ def test_a_tier_that_stays_slow_is_probed_ever_less_often() -> None:
             probes.append(clock.t - 1000)
             d.loaded({"nvme": MIB}, 0.5)
     assert probes == [5.0, 15.0, 35.0, 55.0, 75.0]  # waits 5, 10, 20, 20, 20 after the news
+
+
+def test_a_steady_prefill_rate_keeps_its_slope_through_one_noisy_step() -> None:
+    """A step 10x slower than the fit (the host busy for one step) restarts a default fit,
+    leaving the slope of that one point; a ``steady`` rate keeps its figures (issue 30: the
+    Transformers prefix cache times a few noisy forwards per generate)."""
+    clock = Clock()
+    for steady, expect in ((False, 0.05), (True, 0.001)):
+        rate = PrefillRate(clock=clock, steady=steady)
+        for tokens in (64, 1, 6, 1, 64, 1):
+            rate.observe_step(tokens, 0.004 + tokens * 0.001)
+        rate.observe_step(1, 0.05)  # one outlier step
+        spt = rate.seconds_per_token()
+        assert spt is not None and spt == pytest.approx(expect, rel=0.3), (steady, spt)
+
+
+def test_an_operators_fixed_rate_weighs_loads_where_no_step_is_seen() -> None:
+    """SGLang's storage backend sees no engine step: the operator's rate decides (issue 30)."""
+    clock = Clock()
+    rate = FixedPrefillRate(0.001)
+    rate.observe_step(100, 5.0)  # ignored: the figure is the operator's
+    assert rate.seconds_per_token() == 0.001 and rate.seconds_for(16) == pytest.approx(0.016)
+    decider = Decider(prefill=rate, clock=clock)
+    decider.loaded({"nvme": MIB}, 0.200)  # 200 ms a block against 16 ms of recompute
+    assert decider.decide(["nvme"] * 4, block_tokens=BT, block_bytes=MIB).load_blocks == 0
+    with pytest.raises(ValueError, match="prefill_seconds_per_token"):
+        FixedPrefillRate(0.0)

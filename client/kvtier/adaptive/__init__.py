@@ -25,7 +25,7 @@ from kvtier.adaptive.decision import (
     DecisionStats,
     LoadPolicy,
 )
-from kvtier.adaptive.figures import LinearFit, LoadFigures, PrefillRate
+from kvtier.adaptive.figures import FixedPrefillRate, LinearFit, LoadFigures, PrefillRate
 
 __all__ = ["LOAD_POLICIES", "BudgetStats", "Decider", "Decision", "DecisionStats",
-           "InterferenceBudget", "LinearFit", "LoadFigures", "LoadPolicy", "PrefillRate"]
+           "FixedPrefillRate", "InterferenceBudget", "LinearFit", "LoadFigures", "LoadPolicy", "PrefillRate"]

@@ -13,7 +13,8 @@ a caller that shares one across threads holds its own lock.
   bytes into the engine. Two sources, the fresher wins: the engine's own loads (``observe``, the
   time a load took with its bytes by tier) and the daemon's per-tier figures (``report``: the
   latency and bandwidth of its recent reads of that tier, which other clients' loads keep fresh).
-* ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds).
+* ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds);
+  ``FixedPrefillRate``: an operator's figure where no step can be measured.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ class LinearFit:
     SHIFT = 4.0
     SHIFT_FLOOR_S = 0.001
 
-    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic) -> None:
+    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic,
+                 restart_on_shift: bool = True) -> None:
         if half_life_s <= 0:
             raise ValueError(f"half_life_s: must be > 0, got {half_life_s}")
         self.half_life_s = half_life_s
+        self.restart_on_shift = restart_on_shift  # False: only forgetting ages old figures out
         self._clock = clock
         self._s = [0.0, 0.0, 0.0, 0.0, 0.0]  # Σw, Σwx, Σwy, Σwxx, Σwxy
         self.updated_at: float | None = None
@@ -66,7 +69,7 @@ class LinearFit:
         now = self._clock()
         self._decay(now)
         pred = self.predict(x)
-        if pred is not None and abs(y - pred) > self.SHIFT_FLOOR_S \
+        if self.restart_on_shift and pred is not None and abs(y - pred) > self.SHIFT_FLOOR_S \
                 and (y > self.SHIFT * pred or y * self.SHIFT < pred):
             self._s = [0.0, 0.0, 0.0, 0.0, 0.0]
         s = self._s
@@ -195,10 +198,15 @@ class PrefillRate:
 
     ``observe_step(tokens, seconds)`` once per engine step that computed tokens (decode steps
     too: they pin the fixed cost, so the slope is the cost of one more token). One owning thread.
+    ``steady=True``: one step far off the fit (a host busy with something else for one step)
+    does not restart it (``LinearFit.restart_on_shift``): for an engine whose steps are few and
+    noisy (a Transformers ``generate`` call times a handful), where a restart would leave the
+    slope of one noisy point.
     """
 
-    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic) -> None:
-        self.fit = LinearFit(half_life_s=half_life_s, clock=clock)
+    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic,
+                 steady: bool = False) -> None:
+        self.fit = LinearFit(half_life_s=half_life_s, clock=clock, restart_on_shift=not steady)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.fit.observe(tokens, seconds)
@@ -211,3 +219,21 @@ class PrefillRate:
         """Seconds the engine spends to prefill ``tokens`` more tokens; None when not known."""
         spt = self.seconds_per_token()
         return None if spt is None else spt * tokens
+
+
+class FixedPrefillRate(PrefillRate):
+    """An operator's figure for the engine's seconds per prefilled token, for an integration
+    that sees no engine step to measure (SGLang's storage backend; the vLLM secondary tier when
+    ``prefill_seconds_per_token`` is set). Steps observed are ignored."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        if not (math.isfinite(seconds_per_token) and seconds_per_token > 0):
+            raise ValueError(f"prefill_seconds_per_token: must be > 0, got {seconds_per_token}")
+        super().__init__()
+        self._spt = float(seconds_per_token)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        return None
+
+    def seconds_per_token(self) -> float | None:
+        return self._spt

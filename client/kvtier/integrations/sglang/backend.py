@@ -15,6 +15,11 @@ as ``KvtierHiCacheStorage(storage_config, kwargs)``. Lifecycle:
     clear                       False: a shared daemon is not emptied by one engine (logged once)
     close
 
+Load or recompute (``load_policy``, docs/sglang.md): ``batch_exists`` / ``batch_exists_v2``
+answer the held prefix cut to what a ``kvtier.adaptive.Decider`` finds worth loading (each
+page's tier, the loads' measured times, the daemon's per-tier figures, and the operator's
+``prefill_seconds_per_token``: the storage interface shows no engine step to measure it from).
+
 Never raises into SGLang's storage threads: an exception there kills the thread and leaks host
 memory, so every storage call catches everything, counts it (``self.counters``) and answers a
 miss: ``False`` per key, 0 leading hits, ``None``. A daemon that is away is a miss too (the SDK's
@@ -26,7 +31,8 @@ incremented without a lock (approximate under races, as the SDK's).
 
 Size: over the house limit, because SGLang's storage interface is one class (v1 and v2 calls
 and the legacy get/set family), each call a few lines around the never-raise guard; the page
-geometry lives in ``pages`` (``HostPoolPages``, ``SidePool``) and the identity in ``config``.
+geometry lives in ``pages`` (``HostPoolPages``, ``SidePool``) and the identity in ``config``; the
+load-or-recompute bookkeeping (a page's tier from its hit query to its load) is two helpers.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -47,6 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvtier.adaptive import Decider, FixedPrefillRate, PrefillRate
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.sglang.config import (
     BackendConfig,
@@ -69,6 +78,8 @@ __all__ = ["BackendCounters", "KvtierHiCacheStorage"]
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _LOG_EVERY_S = 30.0  # at most one warning per failing operation name per this many seconds
+_REMEMBERED_PAGES = 1 << 16  # pages reported by batch_exists whose tier waits for their load
+_REMEMBERED_PREFIXES = 1024  # decided prefixes whose predicted load time waits for it
 
 
 @dataclass
@@ -76,7 +87,7 @@ class BackendCounters:
     """What the backend did, in pages (plus the exceptions it kept from SGLang)."""
 
     pages_queried: int = 0
-    pages_hit: int = 0  # leading hits answered by batch_exists / exists
+    pages_hit: int = 0  # leading pages the daemon held at batch_exists (before load_policy)
     pages_loaded: int = 0
     pages_load_failed: int = 0  # asked for and not loaded (miss, daemon away, bad indices)
     pages_stored: int = 0  # stored or already present
@@ -85,6 +96,12 @@ class BackendCounters:
     v2_pages_stored: int = 0  # pages of batch_set_v2 transfers stored or already present
     v2_pages_failed: int = 0  # pages of v2 transfers not loaded / not stored
     errors: int = 0  # exceptions caught at the SGLang boundary
+    # The load-or-recompute decision (``load_policy``; every count in ``decider.stats``):
+    tokens_reported: int = 0  # held tokens batch_exists reported (what SGLang will prefetch)
+    tokens_recomputed_slower: int = 0  # held tokens not reported: loading them was slower
+    tokens_recomputed_policy: int = 0  # held tokens not reported: ``load_policy="never"``
+    predicted_load_s: float = 0.0  # predicted time of the loads of a decided prefix
+    actual_load_s: float = 0.0  # the same loads, measured
     last_error: str = field(default="", repr=False)
 
 
@@ -107,6 +124,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
         # (pages, GB/s) of each load / store batch since the last get_stats (SGLang's metrics).
         self._loads: list[tuple[int, float]] = []
         self._stores: list[tuple[int, float]] = []
+        spt = self.cfg.prefill_seconds_per_token
+        self.decider = Decider(self.cfg.load_policy, probe_after_s=self.cfg.probe_after_s,
+                               prefill=FixedPrefillRate(spt) if spt else PrefillRate())
+        self._decider_lock = threading.Lock()  # the prefetch and the I/O threads share it
+        self._tier_of: OrderedDict[str, str] = OrderedDict()  # reported page -> its tier
+        self._predicted: OrderedDict[tuple[str, int], float] = OrderedDict()
         rank = f"tp{storage_config.tp_rank}pp{storage_config.pp_rank}dp{storage_config.dp_rank}"
         self.client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
             self.cfg.address, self.cfg.transport, lazy=True, timeout_s=self.cfg.request_timeout_ms / 1000,
@@ -236,8 +259,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         usable prefix length (SGLang intersects them across ranks)."""
         def run() -> Any:
             handle = self._ready()
-            kv_pages = handle.lookup(self._keys(handle, keys)) if handle and keys else 0
-            self.counters.pages_hit += kv_pages
+            kv_pages = self._held_and_decided(handle, keys) if handle and keys else 0
             hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
             restorable = list(range(1, kv_pages + 1))
             deadline = time.monotonic() + self.cfg.op_timeout_ms / 1000
@@ -365,14 +387,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # -- the zero-copy interface (interface_v1) --------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, the daemon holds."""
+        """How many of ``keys``, from the first, the daemon holds, cut by ``load_policy`` to
+        the prefix worth loading (SGLang prefetches what this answers, recomputes the rest)."""
         def run() -> int:
             handle = self._ready()
             if handle is None or not keys:
                 return 0
-            hits = handle.lookup(self._keys(handle, keys))
-            self.counters.pages_hit += hits
-            return hits
+            return self._held_and_decided(handle, keys)
 
         self.counters.pages_queried += _length(keys)
         return self._guard("batch_exists", run, 0)
@@ -385,7 +406,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
             handle, ids = self._ready(), self._page_ids(host_indices, len(keys))
             if handle is None or ids is None or self.pages is None:
                 return [False] * len(keys)
-            return handle.get_blocks(self._keys(handle, keys), self.pages.layout(), ids)
+            found = handle.get_blocks(self._keys(handle, keys), self.pages.layout(), ids)
+            self._loaded(keys, found, time.perf_counter() - start)
+            return found
 
         n, start = _length(keys), time.perf_counter()
         found = self._guard("batch_get_v1", run, [False] * n)
@@ -430,7 +453,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 return [None] * len(keys)
             targets = list(target_locations or [None] * len(keys))
             bufs = [t if t is not None else self._new_page() for t in targets]
+            start = time.perf_counter()
             found = handle.get_into(self._keys(handle, keys), bufs)
+            self._loaded(keys, found, time.perf_counter() - start)
             return [b if f else None for b, f in zip(bufs, found, strict=True)]
 
         n = _length(keys)
@@ -492,6 +517,60 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self._guard("close", self.client.close, None)
+
+    # -- load or recompute (docs/sglang.md, "Load or recompute") ---------------------------------
+
+    def _held_and_decided(self, handle: NamespaceHandle, keys: list[str]) -> int:
+        """The leading pages of ``keys`` the daemon holds, cut to the prefix ``load_policy``
+        loads: what ``batch_exists`` tells SGLang, so SGLang prefetches only that prefix and
+        recomputes the rest."""
+        keys = keys[: self.client.max_batch]  # SGLang asks in batches of 128 or fewer
+        looked = handle.lookup_detail(self._keys(handle, keys))
+        tiers = looked.tiers[: looked.hits]
+        self.counters.pages_hit += len(tiers)
+        if not tiers or self.pages is None:
+            return len(tiers)
+        ps = self.pages.page_size
+        with self._decider_lock:
+            for tier, fig in self.client.tier_figures().items():
+                self.decider.report(tier, fig.latency_s, fig.bytes_per_s, age_s=fig.age_s)
+            stats = self.decider.stats
+            slower, policy = stats.tokens_recomputed_slower, stats.tokens_recomputed_policy
+            d = self.decider.decide(tiers, block_tokens=ps, block_bytes=self.pages.block_bytes)
+            c = self.counters
+            c.tokens_reported += d.load_blocks * ps
+            c.tokens_recomputed_slower += stats.tokens_recomputed_slower - slower
+            c.tokens_recomputed_policy += stats.tokens_recomputed_policy - policy
+            for key, tier in zip(keys[: d.load_blocks], tiers, strict=False):
+                self._tier_of[key] = tier
+                self._tier_of.move_to_end(key)
+            if d.load_blocks and d.predicted_s is not None:
+                self._predicted[(keys[0], d.load_blocks)] = d.predicted_s
+            while len(self._tier_of) > _REMEMBERED_PAGES:  # reported pages SGLang never got
+                self._tier_of.popitem(last=False)
+            while len(self._predicted) > _REMEMBERED_PREFIXES:
+                self._predicted.popitem(last=False)
+        return d.load_blocks
+
+    def _loaded(self, keys: Sequence[str], found: Sequence[bool], seconds: float) -> None:
+        """A load of pages ``batch_exists`` reported is over: its time, with its bytes by tier,
+        into the decider's figures (a load of pages whose tier is not known, or with a miss,
+        measures nothing)."""
+        if self.pages is None or not keys:
+            return
+        with self._decider_lock:
+            tiers = [self._tier_of.pop(k, None) for k in keys]
+            predicted = self._predicted.pop((keys[0], len(keys)), None)
+            if not all(found) or any(t is None for t in tiers):
+                return
+            by_tier: dict[str, int] = {}
+            for tier in tiers:
+                assert tier is not None
+                by_tier[tier] = by_tier.get(tier, 0) + self.pages.block_bytes
+            self.decider.loaded(by_tier, seconds, predicted_s=predicted)
+            if predicted is not None:
+                self.counters.predicted_load_s += predicted
+                self.counters.actual_load_s += seconds
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.adaptive.decision import LOAD_POLICIES, LoadPolicy
 from kvtier_contract import defaults
 from kvtier_contract.identity import revision_problem, tokenizer_digest_problem
 from kvtier_contract.protoutil import TRANSPORT_NAMES, TransportName
@@ -71,6 +73,14 @@ class BackendConfig:
     """Session lease: the daemon drops this client's reservations after this long silent."""
     probe_timeout_ms: int = 250
     """Deadline of the breaker's reconnect probe while the daemon is away."""
+    load_policy: LoadPolicy = "adaptive"
+    """How many held pages ``batch_exists`` reports: ``adaptive`` (the prefix whose load beats
+    recomputing it, once ``prefill_seconds_per_token`` is set), ``always`` or ``never``."""
+    probe_after_s: float = 5.0
+    """``adaptive``: a tier that was cut back is loaded one page again after this long."""
+    prefill_seconds_per_token: float | None = None
+    """The engine's prefill cost per token, set by the operator (the storage interface sees no
+    engine step to measure it from); None: ``adaptive`` reports every held page."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> BackendConfig:
@@ -97,6 +107,13 @@ class BackendConfig:
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
                  "must be a positive integer")
+        need(self.load_policy in LOAD_POLICIES, "load_policy",
+             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        need(_positive_number(self.probe_after_s), "probe_after_s",
+             f"must be a positive number of seconds, got {self.probe_after_s!r}")
+        need(self.prefill_seconds_per_token is None
+             or _positive_number(self.prefill_seconds_per_token), "prefill_seconds_per_token",
+             f"must be a positive number or null, got {self.prefill_seconds_per_token!r}")
         for key in ("model_id", "model_revision", "tokenizer_digest", "cache_salt", "tenant",
                     "token_file"):
             value = getattr(self, key)
@@ -107,6 +124,11 @@ class BackendConfig:
         need(problem is None, "model_revision", str(problem))
         problem = tokenizer_digest_problem(self.tokenizer_digest) if self.tokenizer_digest else None
         need(problem is None, "tokenizer_digest", str(problem))
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 @dataclass(frozen=True)

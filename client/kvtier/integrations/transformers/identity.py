@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.adaptive.decision import LOAD_POLICIES, LoadPolicy
 from kvtier.integrations.vllm.config import TOKENIZER_FILES, files_digest
 from kvtier_contract import defaults
 from kvtier_contract.identity import (
@@ -100,6 +102,13 @@ class PrefixCacheOptions:
     """The namespace's tenant (required by a daemon with tenants)."""
     token_file: str | None = None
     """File whose first line is the tenant's bearer token (a client the cache connects itself)."""
+    load_policy: LoadPolicy = "adaptive"
+    """``"adaptive"``: restore only the stored prefix that arrives before the model would have
+    recomputed it (measured load figures against the model's measured prefill rate);
+    ``"always"``: restore every stored block; ``"never"``: restore nothing (stores still run)."""
+    probe_after_s: float = 5.0
+    """A tier cut back by ``adaptive`` is loaded one block again after this many seconds without
+    news of it, so a tier that recovered is seen."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, message: str) -> None:
@@ -128,6 +137,12 @@ class PrefixCacheOptions:
         need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
         for key in ("load", "store", "store_generated"):
             need(isinstance(getattr(self, key), bool), key, "must be True or False")
+        need(self.load_policy in LOAD_POLICIES, "load_policy",
+             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        need(isinstance(self.probe_after_s, (int, float)) and not isinstance(
+            self.probe_after_s, bool) and math.isfinite(self.probe_after_s)
+             and self.probe_after_s > 0, "probe_after_s",
+             f"must be a positive number of seconds, got {self.probe_after_s!r}")
 
 
 def tokenizer_files_digest(directory: str) -> str:

@@ -22,6 +22,11 @@ per layer and K/V builds the blocks of a store, one permute per layer and K/V re
 per-layer tensors of a restore. Keys are the namespace's chained block
 keys of the token ids, so block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
 
+Load or recompute (``load_policy``, docs/transformers.md §7): ``restore`` loads the stored
+prefix a ``kvtier.adaptive.Decider`` chooses, from each hit's tier (``lookup_detail``), the load
+figures of earlier restores (and the daemon's ``tier_figures``) and the model's prefill rate,
+which ``generate`` measures by timing the model's forward passes.
+
 Failure behaviour: the daemon away, slow or restarting makes ``restore`` a miss and ``store`` a
 drop (the kvtier Client never raises for that); a block evicted between the lookup and the get
 cuts the restored prefix there. Caller mistakes (a batch of several rows, a cache of another
@@ -36,9 +41,10 @@ one instance per thread (the counters are plain fields); the Client underneath m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -46,6 +52,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvtier.adaptive import Decider, PrefillRate
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.transformers.identity import (
     ConfigError,
@@ -74,6 +81,12 @@ class PrefixCacheCounters:
     store_s: float = 0.0
     generate_uncached: int = 0  # generate calls passed through (batch > 1, padding, beams)
     store_failures: int = 0  # stores after generate that raised (logged; the output returned)
+    # The load-or-recompute decision (``load_policy``; the full counts in ``decider.stats``):
+    tokens_recomputed_slower: int = 0  # stored tokens recomputed: loading them was slower
+    tokens_recomputed_policy: int = 0  # stored tokens recomputed: ``load_policy="never"``
+    predicted_load_s: float = 0.0  # the predicted time of the restores that had a prediction
+    actual_load_s: float = 0.0  # the same restores' measured time
+    prefill_steps: int = 0  # forward passes timed during generate (the prefill rate's source)
 
 
 class KvtierPrefixCache:
@@ -94,6 +107,7 @@ class KvtierPrefixCache:
         self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
         self.geometry = kv_geometry(config)
         self._said: set[str] = set()  # store failures already logged
+        self._predicted_s: float | None = None  # the last decision's predicted load time
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
@@ -104,6 +118,8 @@ class KvtierPrefixCache:
         self.client: Client = client
         self.handle: NamespaceHandle = client.register(self.namespace)
         self.counters = PrefixCacheCounters()
+        self.decider = Decider(self.options.load_policy, probe_after_s=self.options.probe_after_s,
+                               prefill=PrefillRate(steady=True))
 
     # -- restore ------------------------------------------------------------------------------------
 
@@ -125,19 +141,55 @@ class KvtierPrefixCache:
         if max_blocks <= 0:
             return None, 0
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
-        keys = self.handle.block_keys(ids[: max_blocks * T])
-        hits = self.handle.lookup(keys)
+        keys = self.handle.block_keys(ids[: max_blocks * T])[: self.client.max_batch]
+        looked = self.handle.lookup_detail(keys)
+        tiers = looked.tiers[: looked.hits]
+        if not tiers:
+            return None, 0
+        hits = self._decide(tiers)
         if hits <= 0:
             return None, 0
         staging = torch.empty((hits, *self._block_shape()), dtype=self.dtype)
+        started = time.perf_counter()
         found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
             return None, 0
+        self._loaded(tiers[:n], time.perf_counter() - started, complete=n == hits)
         cache = self._unpack(staging[:n])
         self.counters.restore_hits += 1
         self.counters.restored_tokens += n * T
         return cache, n * T
+
+    def _decide(self, tiers: list[str]) -> int:
+        """How many of the hit blocks (``tiers``: where each one is) to restore, by
+        ``load_policy``, with the daemon's latest per-tier figures fed in first."""
+        for tier, fig in self.client.tier_figures().items():
+            self.decider.report(tier, fig.latency_s, fig.bytes_per_s, age_s=fig.age_s)
+        before = self.decider.stats
+        slower, policy = before.tokens_recomputed_slower, before.tokens_recomputed_policy
+        d = self.decider.decide(tiers, block_tokens=self.options.tokens_per_block,
+                                block_bytes=self._block_bytes())
+        c, after = self.counters, self.decider.stats
+        c.tokens_recomputed_slower += after.tokens_recomputed_slower - slower
+        c.tokens_recomputed_policy += after.tokens_recomputed_policy - policy
+        self._predicted_s = d.predicted_s
+        return d.load_blocks
+
+    def _loaded(self, tiers: list[str], seconds: float, *, complete: bool) -> None:
+        """A restore of blocks from ``tiers`` took ``seconds``: the decider's load figures."""
+        by_tier: dict[str, int] = {}
+        for tier in tiers:
+            by_tier[tier] = by_tier.get(tier, 0) + self._block_bytes()
+        predicted = self._predicted_s if complete else None  # a cut load is not what was predicted
+        self.decider.loaded(by_tier, seconds, predicted_s=predicted)
+        if predicted is not None:
+            self.counters.predicted_load_s += predicted
+            self.counters.actual_load_s += seconds
+
+    def _block_bytes(self) -> int:
+        rows, row = self._block_shape()
+        return rows * row * self.dtype.itemsize
 
     def _block_shape(self) -> tuple[int, int]:
         """One block: [L, H*T*Dk + H*T*Dv] (per layer K then V, each [H, T, D] C order)."""
@@ -246,7 +298,8 @@ class KvtierPrefixCache:
         cache, restored = self.restore(input_ids)
         if cache is None:
             cache = DynamicCache(config=self.model.config)
-        out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
+        with self._timed_forwards():
+            out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
         try:  # the output is the caller's whatever happens to the store
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             tokens = sequences[0] if self.options.store_generated else input_ids.reshape(-1)
@@ -260,6 +313,37 @@ class KvtierPrefixCache:
                           "returned; said once per reason, counted in store_failures): %s",
                           reason)
         return out
+
+    @contextlib.contextmanager
+    def _timed_forwards(self) -> Iterator[None]:
+        """Time each forward pass of the model while ``generate`` runs (the uncached suffix's
+        prefill, then one token per decode step) into the decider's prefill rate: the
+        engine's own seconds per token, on this model, device and dtype."""
+        cuda = self.model.device.type == "cuda"
+        started: list[tuple[int, float]] = []
+
+        def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                if cuda:
+                    torch.cuda.synchronize(self.model.device)
+                started.append((int(ids.shape[1]), time.perf_counter()))
+
+        def after(module: Any, args: Any, output: Any) -> None:
+            if started:
+                tokens, t0 = started.pop()
+                if cuda:
+                    torch.cuda.synchronize(self.model.device)
+                self.decider.step(tokens, time.perf_counter() - t0)
+                self.counters.prefill_steps += 1
+
+        hooks = [self.model.register_forward_pre_hook(before, with_kwargs=True),
+                 self.model.register_forward_hook(after)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _cacheable(self, input_ids: Any, kwargs: dict[str, Any]) -> bool:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:

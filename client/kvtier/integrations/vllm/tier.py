@@ -15,6 +15,12 @@ daemon's answer, batched once per step), jobs through ``TierJobs`` (its threads;
 by ``get_finished_jobs``). A daemon that is away or hung makes lookups misses, loads fail and
 stores drop, each within one RPC deadline, then at once while the breaker is open.
 
+Load or recompute (``load_policy``, docs/vllm.md §7): a lookup answers HIT only for the held
+prefix a ``kvtier.adaptive.Decider`` finds worth loading (``tier_decide.TierDecisions``: each
+chunk's tier, the loads' times, the daemon's per-tier figures, and the engine's prefill rate
+from the scheduler's step cadence and the chunks it stores); vLLM recomputes from the first MISS.
+Store jobs beyond the ``interference_budget`` (a fraction of the measured step) are dropped.
+
 Identity and keys: ``tier_config`` (the namespace is the connector's fields plus the pool's row
 format; block keys are derived from vLLM's ``OffloadKey`` inside it). Metrics: vLLM's own
 ``vllm:kv_offload_tiering_*`` (tier label ``KvtierSecondaryTier``) from the job results, plus
@@ -67,7 +73,16 @@ METRICS = {
     "loaded_blocks": "Chunks the kvtier tier loaded into vLLM's CPU pool.",
     "load_failed_blocks": "Chunks a kvtier load could not bring (daemon away, evicted, late).",
     "stored_blocks": "Chunks the kvtier tier stored in the daemon.",
-    "store_dropped_blocks": "Chunks the kvtier tier dropped (daemon away, full, late, queue).",
+    "store_dropped_blocks": "Chunks the kvtier tier dropped (daemon away, full, late, queue, "
+                            "budget).",
+    "loaded_tokens": "Held tokens the kvtier tier answered HIT for (load_policy let them load).",
+    "recomputed_slower_tokens": "Held tokens the kvtier tier answered MISS for because loading "
+                                "them was predicted slower than recomputing them.",
+    "recomputed_policy_tokens": "Held tokens answered MISS because load_policy is never.",
+    "predicted_load_seconds": "Predicted time of the kvtier tier's loads that had a prediction.",
+    "actual_load_seconds": "Measured time of the same loads.",
+    "store_budget_dropped_blocks": "Chunks not stored because the interference budget was "
+                                   "spent (also in store_dropped_blocks).",
 }
 
 
@@ -121,6 +136,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
+        self.jobs.decisions.stored_chunks(len(keys))  # chunks the engine computed
         if not self.cfg.store:
             self.jobs.submit_store(job_metadata.job_id, [], [])  # reported done, nothing moved
             return
@@ -150,12 +166,15 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         return self.jobs.has_pending()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.jobs.decisions.request_started(req_context.req_id)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
+        self.jobs.decisions.request_finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.jobs.decisions.step_end()  # one scheduler step: the step clock (tier_decide)
         self._lookups.flush()
 
     def drain_jobs(self) -> None:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.adaptive.decision import LOAD_POLICIES, LoadPolicy
 from kvtier.integrations.vllm.config import (
     DEFAULT_ADDRESS,
     ConfigError,
@@ -89,6 +91,17 @@ class TierConfig:
     """Store blocks (false: load only)."""
     locality: str | None = None
     """vLLM's ``locality`` of this tier (``LOCAL`` / ``REMOTE``), for per-request tier filters."""
+    load_policy: LoadPolicy = "adaptive"
+    """How many held chunks a lookup answers HIT for: ``adaptive`` (the prefix whose load beats
+    recomputing it), ``always`` (every held chunk) or ``never`` (none; stores still run)."""
+    probe_after_s: float = 5.0
+    """``adaptive``: a tier that was cut back is loaded one chunk again after this long."""
+    interference_budget: float | None = 0.25
+    """The fraction of each engine step the tier's transfers may add; a store job beyond it is
+    dropped (counted). None: no budget."""
+    prefill_seconds_per_token: float | None = None
+    """The engine's prefill cost per token, set by the operator; None: measured from the
+    scheduler's steps and the chunks vLLM stores (``tier_decide``)."""
 
     @classmethod
     def from_tier(cls, kwargs: Mapping[str, Any]) -> TierConfig:
@@ -102,6 +115,17 @@ class TierConfig:
             strings=("model_id", "model_revision", "tokenizer_digest", "adapter_id",
                      "adapter_revision", "cache_salt", "tenant", "token_file", "locality"),
             flags=("load", "store", "unix_login"))
+        need(self.load_policy in LOAD_POLICIES, "load_policy",
+             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        need(_positive(self.probe_after_s), "probe_after_s",
+             f"must be a positive number of seconds, got {self.probe_after_s!r}")
+        need(self.interference_budget is None or (_positive(self.interference_budget)
+                                                  and self.interference_budget <= 1),
+             "interference_budget",
+             f"must be in (0, 1] or null, got {self.interference_budget!r}")
+        need(self.prefill_seconds_per_token is None or _positive(self.prefill_seconds_per_token),
+             "prefill_seconds_per_token",
+             f"must be a positive number or null, got {self.prefill_seconds_per_token!r}")
         need(self.transport in ("shm", "tcp"), "transport",
              "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)")
         need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
@@ -110,6 +134,11 @@ class TierConfig:
             value = getattr(self, key)
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.tier_config import TierConfig, offload_block_key
+from kvtier.integrations.vllm.tier_decide import TierDecisions
 from kvtier.integrations.vllm.worker import shared_breaker
 from kvtier_contract.identity import Namespace
 
@@ -69,7 +70,7 @@ class TierStats:
     stored_blocks: int = 0
     store_dropped_blocks: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
 
 
@@ -91,6 +92,10 @@ class TierJobs:
         self._done: queue.SimpleQueue[JobDone] = queue.SimpleQueue()
         self._pending: dict[Future[None], bool] = {}  # future -> is_load
         self._stats = TierStats()
+        self.decisions = TierDecisions(
+            policy=cfg.load_policy, probe_after_s=cfg.probe_after_s,
+            budget=cfg.interference_budget, chunk_tokens=namespace.tokens_per_block,
+            row_bytes=row_bytes, prefill_seconds_per_token=cfg.prefill_seconds_per_token)
         self._clients: dict[str, tuple[Client, NamespaceHandle]] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tier-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tier-store")
@@ -120,10 +125,10 @@ class TierJobs:
         with self._lock:
             return bool(self._pending)
 
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self) -> dict[str, float]:
         with self._lock:
             stats, self._stats = self._stats, TierStats()
-        return stats.as_dict()
+        return {**stats.as_dict(), **vars(self.decisions.take())}
 
     def drain(self) -> None:
         with self._lock:
@@ -149,12 +154,18 @@ class TierJobs:
         if not offload_keys:  # nothing to move (e.g. stores turned off): done at once
             self._finish(job_id, is_load, [], 0, 0.0)
             return
+        # The interference budget: a load is charged and runs; a store beyond it is dropped.
+        charged = self.decisions.charge_load(offload_keys) if is_load \
+            else self.decisions.admit_store(len(offload_keys))
+        if charged is None:
+            self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
+            return
         fut: Future[None] | None = None
         with self._lock:
             queued = sum(1 for v in self._pending.values() if v == is_load)
             if not self._closed and queued < MAX_QUEUED_JOBS:
                 pool = self._loads if is_load else self._stores
-                fut = pool.submit(self._run, job_id, is_load, offload_keys, chunk_ids)
+                fut = pool.submit(self._run, job_id, is_load, offload_keys, chunk_ids, charged)
                 self._pending[fut] = is_load
         if fut is None:  # closed, or too many queued: failed (a store: dropped) at once
             self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
@@ -168,7 +179,7 @@ class TierJobs:
     # -- job threads --------------------------------------------------------------------------
 
     def _run(self, job_id: int, is_load: bool, offload_keys: list[bytes],
-             chunk_ids: list[int]) -> None:
+             chunk_ids: list[int], charged_s: float = 0.0) -> None:
         t0 = time.monotonic()
         found = [False] * len(offload_keys)
         try:
@@ -186,7 +197,12 @@ class TierJobs:
             log.warning("kvtier tier: %s job %d failed: %s", "load" if is_load else "store",
                         job_id, e)
         nbytes = sum(found) * self._row_bytes
-        self._finish(job_id, is_load, found, nbytes, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        if is_load:  # the load figures (and the budget's correction)
+            self.decisions.loaded(offload_keys, found, seconds, charged_s)
+        else:
+            self.decisions.stored(charged_s, seconds)
+        self._finish(job_id, is_load, found, nbytes, seconds)
 
     def _finish(self, job_id: int, is_load: bool, found: list[bool], nbytes: int,
                 seconds: float) -> None:
@@ -203,19 +219,26 @@ class TierJobs:
     # -- lookup thread ------------------------------------------------------------------------
 
     def lookup(self, offload_keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``offload_keys`` (one request's chunks, in order) the daemon holds: the
-        ready prefix is a hit, the rest a miss. Never raises: away is a miss."""
-        hits = 0
+        """Which of ``offload_keys`` (one request's chunks, in order) to answer HIT for: the
+        ready prefix the daemon holds, cut by ``load_policy`` to the prefix worth loading
+        (``TierDecisions.decide``); the rest a miss. Never raises: away is a miss."""
+        held = hits = 0
         try:
             client, handle = self._handle("lookup")
             keys = self._keys(handle, offload_keys)[:client.max_batch]
-            hits = handle.lookup(keys) if keys else 0
+            if keys:
+                looked = handle.lookup_detail(keys)
+                tiers = looked.tiers[:looked.hits]
+                held = len(tiers)
+                figures = {t: (f.latency_s, f.bytes_per_s, f.age_s)
+                           for t, f in client.tier_figures().items()}
+                hits = self.decisions.decide(offload_keys, tiers, figures)
         except Exception as e:
             log.warning("kvtier tier: lookup of %d keys failed: %s", len(offload_keys), e)
         with self._lock:
             self._stats.lookups += 1
             self._stats.lookup_keys += len(offload_keys)
-            self._stats.lookup_hits += hits
+            self._stats.lookup_hits += held
         return [i < hits for i in range(len(offload_keys))]
 
     # -- sessions -----------------------------------------------------------------------------
