@@ -197,6 +197,17 @@ class NamespaceHandle:
         """Like lookup, with the tier of each hit and whether NVMe holds it durably."""
         return batches.lookup_detail(self.client, self, keys)
 
+    def lookup_tiers(self, keys: Sequence[bytes]) -> LookupResult:
+        """``lookup_detail`` that answers a miss without a round trip when it can: the daemon's
+        published index is asked first (:mod:`kvtier.local_index`); only a hit, or an index that
+        cannot answer, goes to the daemon for each block's tier. Counted once either way. For
+        callers that decide per tier whether to load (:mod:`kvtier.adaptive`)."""
+        local = self.lookup_local(keys, count=False)
+        if local == 0:
+            self.lookup_local(keys)  # count the miss (the index answers again; no round trip)
+            return LookupResult(0, [], [])
+        return self.lookup_detail(keys)
+
     def lookup_pinned(self, keys: Sequence[bytes]) -> PinnedLookup:
         """Like lookup_detail (at most one batch of keys), and the hits stay pinned against
         eviction until ``client.release(result.pin, result.epoch)``."""

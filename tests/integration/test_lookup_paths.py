@@ -445,3 +445,17 @@ def test_a_namespace_twice_in_one_heartbeat_is_refused(
         assert stub.Stats(pb.StatsRequest(), timeout=5).total.lookups == 0
     finally:
         channel.close()
+
+
+def test_lookup_tiers_answers_a_miss_from_the_index_and_a_hit_with_its_tiers(pair: Pair) -> None:
+    """``lookup_tiers`` (the adaptive integrations' lookup, issue 30): a miss takes no round
+    trip, a hit gives each block's tier, and each call is counted once."""
+    ns, c = pair.local, pair.local_client.counters
+    keys = ns.block_keys(list(range(16 * 4)))
+    before = (c.lookups, c.lookups_local)
+    assert ns.lookup_tiers(keys).hits == 0
+    assert (c.lookups, c.lookups_local) == (before[0] + 1, before[1] + 1)  # the index answered
+    assert ns.put(keys[:3], blocks(3, ns.block_bytes)).stored == 3
+    got = ns.lookup_tiers(keys)
+    assert (got.hits, got.tiers) == (3, ["host"] * 3)
+    assert c.lookups_local == before[1] + 1  # the hit asked the daemon for the tiers

@@ -23,7 +23,7 @@ per-layer tensors of a restore. Keys are the namespace's chained block
 keys of the token ids, so block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
 
 Load or recompute (``load_policy``, docs/transformers.md §7): ``restore`` loads the stored
-prefix a ``kvtier.adaptive.Decider`` chooses, from each hit's tier (``lookup_detail``), the load
+prefix a ``kvtier.adaptive.Decider`` chooses, from each hit's tier (``lookup_tiers``), the load
 figures of earlier restores (and the daemon's ``tier_figures``) and the model's prefill rate,
 which ``generate`` measures by timing the model's forward passes.
 
@@ -142,7 +142,7 @@ class KvtierPrefixCache:
             return None, 0
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
         keys = self.handle.block_keys(ids[: max_blocks * T])[: self.client.max_batch]
-        looked = self.handle.lookup_detail(keys)
+        looked = self.handle.lookup_tiers(keys)  # a miss without a round trip when it can
         tiers = looked.tiers[: looked.hits]
         if not tiers:
             return None, 0

@@ -227,7 +227,7 @@ class TierJobs:
             client, handle = self._handle("lookup")
             keys = self._keys(handle, offload_keys)[:client.max_batch]
             if keys:
-                looked = handle.lookup_detail(keys)
+                looked = handle.lookup_tiers(keys)
                 tiers = looked.tiers[:looked.hits]
                 held = len(tiers)
                 figures = {t: (f.latency_s, f.bytes_per_s, f.age_s)
