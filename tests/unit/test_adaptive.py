@@ -13,6 +13,7 @@ from kvtier.adaptive import (
     InterferenceBudget,
     LinearFit,
     LoadFigures,
+    PrefillRate,
 )
 
 MIB = 1 << 20
@@ -218,3 +219,15 @@ def test_a_change_of_regime_restarts_the_fit_and_jitter_does_not() -> None:
     assert fit.predict(MIB) == pytest.approx((5 * 0.0002 + 0.0007) / 6)
     fit.observe(MIB, 0.200)  # the disk slowed down: what came before is dropped
     assert fit.predict(MIB) == pytest.approx(0.200)
+
+
+def test_prefill_rate_holds_over_interleaved_decode_and_prefill_steps() -> None:
+    # decode steps (1 token, the fixed cost) and prefill steps lie far apart on one line: neither
+    # may restart the fit as a "new regime" (it did: the rate then swung with the last step)
+    rate = PrefillRate(clock=Clock())
+    for _ in range(3):
+        rate.observe_step(1, 0.010)
+        rate.observe_step(101, 0.110)
+    assert rate.seconds_per_token() == pytest.approx(0.001)
+    rate.observe_step(1, 0.010)  # a decode step last: the same rate
+    assert rate.seconds_per_token() == pytest.approx(0.001)

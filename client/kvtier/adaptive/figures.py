@@ -41,10 +41,12 @@ class LinearFit:
     SHIFT = 4.0
     SHIFT_FLOOR_S = 0.001
 
-    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic) -> None:
+    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic,
+                 shift: bool = True) -> None:
         if half_life_s <= 0:
             raise ValueError(f"half_life_s: must be > 0, got {half_life_s}")
         self.half_life_s = half_life_s
+        self.shift = shift  # False: no regime restarts (the fit only forgets with time)
         self._clock = clock
         self._s = [0.0, 0.0, 0.0, 0.0, 0.0]  # Σw, Σwx, Σwy, Σwxx, Σwxy
         self.updated_at: float | None = None
@@ -66,7 +68,7 @@ class LinearFit:
         now = self._clock()
         self._decay(now)
         pred = self.predict(x)
-        if pred is not None and abs(y - pred) > self.SHIFT_FLOOR_S \
+        if self.shift and pred is not None and abs(y - pred) > self.SHIFT_FLOOR_S \
                 and (y > self.SHIFT * pred or y * self.SHIFT < pred):
             self._s = [0.0, 0.0, 0.0, 0.0, 0.0]
         s = self._s
@@ -195,10 +197,13 @@ class PrefillRate:
 
     ``observe_step(tokens, seconds)`` once per engine step that computed tokens (decode steps
     too: they pin the fixed cost, so the slope is the cost of one more token). One owning thread.
+    No regime restarts (``LinearFit(shift=False)``): decode steps (1 token, the fixed cost) and
+    prefill steps (hundreds of tokens) lie far apart on one line, and each would otherwise look
+    like a new regime to the other and drop it.
     """
 
     def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic) -> None:
-        self.fit = LinearFit(half_life_s=half_life_s, clock=clock)
+        self.fit = LinearFit(half_life_s=half_life_s, clock=clock, shift=False)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.fit.observe(tokens, seconds)
