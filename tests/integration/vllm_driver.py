@@ -16,7 +16,8 @@ engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` an
   its arrival, "first_tokens_before_ttft": tokens the first produced in that window,
   "first_gap_s": the longest wait between two of its tokens in it (up to its last token if it
   finished first), "second_done_s"}``
-* ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters)
+* ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters;
+  kvtier's ``*seconds*`` counters unrounded)
 * ``{"op": "quit"}``
 
 Prompts are token ids and the tokenizer is skipped (no model hub here); weights are dummy.
@@ -181,10 +182,21 @@ def main() -> None:
             print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
         if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
             values: dict = {}
+            seconds: dict = {}
             for m in llm.get_metrics():
                 if type(m).__name__ == "Counter":
                     key = m.name if not m.labels.get("source") else f"{m.name}:{m.labels['source']}"
                     values[key] = values.get(key, 0) + m.value
+            # (get_metrics rounds counters down to integers: kvtier's seconds, as counted)
+            from prometheus_client import REGISTRY
+
+            for fam in REGISTRY.collect():
+                if fam.type == "counter" and fam.name.startswith("vllm:kvtier_") and \
+                        "seconds" in fam.name:
+                    for sample in fam.samples:
+                        if sample.name.endswith("_total"):
+                            seconds[fam.name] = seconds.get(fam.name, 0.0) + sample.value
+            values.update(seconds)
             print("DRIVER " + json.dumps({"metrics": values}), flush=True)
     print("DRIVER " + json.dumps({"bye": True}), flush=True)
 

@@ -125,7 +125,9 @@ class WorkerStats:
     engine_seconds: float = 0.0  # engine-thread time in kvtier (fence, loads, store submission)
     budget_exhausted: int = 0  # steps whose loads stopped at the step budget
     # the interference budget, over the steps in which a request decodes
+    budget_steps: int = 0
     budget_step_seconds: float = 0.0  # their forward seconds
+    budget_store_jobs: int = 0  # store jobs admitted in them
     budget_load_seconds: float = 0.0  # loads issued in them, measured
     budget_store_seconds: float = 0.0  # stores admitted in them, measured
     store_dropped_budget_blocks: int = 0  # stores refused: the budget was spent
@@ -301,6 +303,7 @@ class KvtierWorker:
         self._step_reports.append(StepReport(step, tokens, seconds))
         if decoding:
             self.budget.step(seconds)
+            self._stats.budget_steps += 1
             self._stats.budget_step_seconds += seconds
 
     def take_reports(self) -> tuple[list[StepReport], list[LoadReport]]:
@@ -550,6 +553,7 @@ class KvtierWorker:
                         self._stats.store_dropped_budget_bytes += nbytes
                         self._stats.store_dropped_blocks += len(job.block_ids)
                         continue
+                    self._stats.budget_store_jobs += 1
                 rec = _Job(job, self._forward_done())
                 rec.charged = charged
                 self._queue.append(rec)
