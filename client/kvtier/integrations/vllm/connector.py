@@ -13,6 +13,11 @@ hits with ``load_kv_async=True``, hands the loads to the worker's load thread in
 ``start_load_kv`` (called after the forward) and reports them through ``get_finished``, failed
 blocks through ``get_block_ids_with_load_errors`` in the same step (vLLM then recomputes from the
 first failed block); ``update_connector_output`` tells the planner, which releases the pins.
+
+Load or recompute (docs/vllm.md §4): the workers time each step's forward (from
+``bind_connector_metadata`` to ``wait_for_save``) and each load, and send them to the scheduler
+with vLLM's worker -> scheduler channel (``build_connector_worker_meta`` -> ``KvtierWorkerMeta``
+-> ``update_connector_output``), where the planner's decider turns them into figures.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Lifecycle (all calls on the scheduler thread, in vLLM's order)::
     planner.num_new_matched(req_id, n_local, n_tokens)  # None until known; timeout -> miss
     planner.after_alloc(req_id, block_ids, n_external)  # a load is planned, or pins released
     plan = planner.build(step)                 # loads, stores, fences; once per engine step
+    planner.observe(step_reports, load_reports)  # what the workers measured (worker meta)
     planner.request_finished(req_id)
     planner.close()
 
@@ -36,7 +37,13 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   after the step; when vLLM hands one of those block ids to a request again (re-allocation,
   also after preemption or finish), the next plan lists the job in ``flush`` and the worker
   waits for it before the forward pass that could overwrite the block (the fence).
-* Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
+* Load or recompute (``decider``, a ``kvtier.adaptive.Decider``; docs/vllm.md §4): of the hit
+  blocks beyond the engine's own, vLLM is answered the prefix the decider chooses from the
+  blocks' tiers and the figures: the workers' step and load reports (``observe``) and the
+  daemon's per-tier figures (read from the lookup thread's session on ``build``, no RPC). While
+  another request decodes, a load is cut to ``interference_budget`` x the recent step time.
+* Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer (the
+  decision is made once per hit).
 * Asynchronous loads (``load_async``, ``load_mode="async"``): a hit is answered as an async load.
   vLLM then allocates the request's blocks, calls ``after_alloc`` and parks the request in
   ``WAITING_FOR_REMOTE_KVS`` without scheduling it, so ``build`` plans the load for a request that

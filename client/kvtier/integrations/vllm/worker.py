@@ -4,13 +4,23 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
 
     w = KvtierWorker(identity, cfg, tp_rank=r)
     w.register(layer_tensors)        # in layer order; builds the PagedKvLayout, opens 2 clients
-    each step:  deadline = w.step_deadline()      # the step's budget (step_budget_ms)
+    each step:  w.forward_start()                # the plan is bound: the step starts
+                deadline = w.step_deadline()      # the step's budget (step_budget_ms)
                 w.wait(plan.flush, deadline)      # fence: store jobs still reading re-allocated blocks
-                failed = w.load(plan.loads, deadline)  # before the forward; failed block ids
+                failed = w.load(plan.loads, deadline, decoding=...)  # before the forward
+                w.forward_start()                 # (sync loads: the forward starts after them)
                 (or, async: w.load_async(plan.loads) after the forward, and every step
                  done_reqs, failed = w.finished_loads())
-                w.submit_stores(plan.stores)     # after the forward; returns at once
-                w.take_stats()
+                w.forward_end(plan.step, plan.tokens, plan.decoding)  # in wait_for_save
+                w.submit_stores(plan.stores, decoding=...)  # after the forward; returns at once
+                w.take_stats(); w.take_reports()  # counters; step and load figures
+
+The interference budget (``cfg.interference_budget``, ``kvtier.adaptive.InterferenceBudget``,
+under ``_cond``), over the steps in which a request decodes: ``forward_end`` refills it with the
+step's forward seconds; the step's loads were charged before (sync: measured; async: predicted
+at hand-off, settled when done); each store job is admitted while the balance lasts, charged its
+predicted copy time and settled with the real one, otherwise dropped and counted
+(``store_dropped_budget_blocks``), never queued.
     w.close()
 
 Never stall the engine. The engine thread's kvtier work in one step is bounded by
