@@ -119,8 +119,10 @@ def shared_daemon(workdir: Path) -> Iterator[DaemonProcess]:
 
 def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
     address = d if isinstance(d, str) else d.unix
+    # load_policy always: these tests check that hits load correctly; whether a hit is worth
+    # loading (this tiny model recomputes a block in ~3 ms) is test_vllm_slow_tier.py's subject
     return {"address": address, "model_revision": "rev-a",
-            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kw}
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "load_policy": "always", **kw}
 
 
 def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:

@@ -781,17 +781,23 @@ def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
     """The figures the scheduler's decision needs (step seconds, loads by tier) and the budget:
     a decoding step's load is charged first, its stores admitted while the balance lasts and
     dropped (counted) once it is spent; a step where nobody decodes is not budgeted."""
-    toks = prompt(4 * BS + 1)
-    seed_blocks(daemon, toks, 4)
     p, _ = make_planner(daemon)
-    p.on_new_request(RequestInfo("l", toks, BASE))
-    assert matched(p, "l", 0, len(toks)) == (4 * BS, False)
-    p.after_alloc("l", [0, 1, 2, 3, 4], 4 * BS)
-    plan = p.build(StepInput([schedule("l", [0, 1, 2, 3, 4], 4 * BS, 1)]))
-    assert plan.loads[0].tiers == ["host"] * 4 and plan.tokens == 1
     _, layers = lbhnc_cache(True)
     w = KvtierWorker(IDENTITY, cfg_for(daemon, interference_budget=0.5))
     w.register(layers)
+    for req_id, seed in (("warm", 1), ("l", 2)):
+        toks = prompt(4 * BS + 1, seed)
+        seed_blocks(daemon, toks, 4)
+        p.on_new_request(RequestInfo(req_id, toks, BASE))
+        assert matched(p, req_id, 0, len(toks)) == (4 * BS, False)
+        p.after_alloc(req_id, [0, 1, 2, 3, 4], 4 * BS)
+        plan = p.build(StepInput([schedule(req_id, [0, 1, 2, 3, 4], 4 * BS, 1)]))
+        assert plan.loads[0].tiers == ["host"] * 4 and plan.tokens == 1
+        if req_id == "warm":  # the worker's first load pays its setup: not a tier figure
+            assert w.load(plan.loads) == set()
+            assert w.take_reports() == ([], [])
+            w.take_stats()
+            p.request_finished(req_id)
     w.forward_start()
     assert w.load(plan.loads, decoding=True) == set()
     w.forward_start()

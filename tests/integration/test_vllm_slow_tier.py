@@ -103,7 +103,8 @@ def test_adaptive_is_never_slower_than_the_engine_alone_where_always_load_is(
                                   store_then_evict),
                 "engine": run_arm(tmp_path, "engine", None)}
         evict_host(d, 1)
-        arms["adaptive"] = run_arm(tmp_path, "adaptive", connector(d, **common))  # the default
+        arms["adaptive"] = run_arm(tmp_path, "adaptive",
+                                   connector(d, load_policy="adaptive", **common))
     finally:
         d.kill()
     engine, always, adaptive = arms["engine"], arms["always"], arms["adaptive"]
