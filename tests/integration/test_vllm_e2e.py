@@ -119,10 +119,13 @@ def shared_daemon(workdir: Path) -> Iterator[DaemonProcess]:
 
 def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
     address = d if isinstance(d, str) else d.unix
-    # load_policy always: these tests check that hits load correctly; whether a hit is worth
-    # loading (this tiny model recomputes a block in ~3 ms) is test_vllm_slow_tier.py's subject
+    # These tests check that hits load and blocks store correctly, so every hit is loaded and
+    # every store admitted: whether a hit is worth loading (this tiny model recomputes a block
+    # in ~3 ms) and the interference budget (which drops stores made while a request decodes)
+    # are test_vllm_slow_tier.py's and test_vllm_budget.py's subjects, which set both.
     return {"address": address, "model_revision": "rev-a",
-            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "load_policy": "always", **kw}
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "load_policy": "always",
+            "interference_budget": None, **kw}
 
 
 def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,8 @@ engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` an
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...],
   "lora": [name, path] | null}``
-  -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s}``
+  -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s, "phases":
+  [[queued -> scheduled s, scheduled -> first token s] | null, ...]}``
 * ``{"op": "interleave", "first": [ids], "first_max_tokens": n, "second": [ids],
   "second_max_tokens": m, "second_after_tokens": k}``: the first request decodes alone until it
   has ``k`` tokens, then the second arrives; the engine is stepped until both finish.
@@ -125,6 +126,15 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
 _SEQ = 0
 
 
+def _phases(out: object) -> list[float] | None:
+    """(queued -> scheduled, scheduled -> first token) seconds of one request, from vLLM's
+    per-request stats (None when vLLM has none)."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "scheduled_ts", 0):
+        return None
+    return [m.scheduled_ts - m.queued_ts, m.first_token_ts - m.scheduled_ts]
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
@@ -177,6 +187,7 @@ def main() -> None:
             print("DRIVER " + json.dumps({
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens or 0 for o in outs],
+                "phases": [_phases(o) for o in outs],
                 "seconds": dt}), flush=True)
         if cmd["op"] == "interleave":
             print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
