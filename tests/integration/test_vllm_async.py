@@ -76,7 +76,9 @@ def test_async_load_keeps_other_requests_decoding(
     for mode, i in (("async", 0), ("sync", 1)):
         # sync: a step budget that lets the whole slow load run on the engine thread (the
         # default 100 ms would give it up and recompute)
-        extra = {"load_mode": mode, "step_budget_ms": 60000, "request_timeout_ms": 60000}
+        # load_policy always: what is tested is a load held in flight, not whether to load
+        extra = {"load_mode": mode, "step_budget_ms": 60000, "request_timeout_ms": 60000,
+                 "load_policy": "always"}
         eng = Engine(workdir / "model", connector(d, **extra), workdir / f"engine_{mode}.log")
         try:
             # (1,500 tokens: the decode outlasts the >= 2 s load even at ~1.5 ms per token)
@@ -108,7 +110,7 @@ def test_failed_async_load_falls_back_to_recompute(
     """The daemon is killed while the long prompt's async load waits on the slow disk: the
     load fails, vLLM recomputes those blocks, and the output equals the recompute."""
     d, recomputed = stored
-    eng = Engine(workdir / "model", connector(d, load_mode="async"),
+    eng = Engine(workdir / "model", connector(d, load_mode="async", load_policy="always"),
                  workdir / "engine_async_fail.log")
     try:
         killer = threading.Timer(1.2, d.kill)  # LONG[2] loads for >= 2 s from ~0.4 s on

@@ -42,6 +42,8 @@ VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / 
 BLOCK = 128  # vLLM's CPU block size
 BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # K,V x 2 layers x 2 KV heads x head dim 64 x bf16
 LOOKUP_TIMEOUT_MS = 500
+# The engine process imports this checkout's kvtier (not whatever the vLLM environment has).
+PATH = os.pathsep.join([str(HERE), str(ROOT / "client"), str(ROOT / "server")])
 
 if os.environ.get("KVTIER_SKIP_VLLM") == "1":
     pytest.skip("KVTIER_SKIP_VLLM=1", allow_module_level=True)
@@ -71,7 +73,7 @@ class Engine(DriverProcess):
                 "enable_lora": enable_lora, "num_blocks": num_blocks,
                 "prefix_caching": prefix_caching}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
-                   PYTHONPATH=str(HERE))
+                   PYTHONPATH=PATH)
         super().__init__([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)], log,
                          env=env, cwd=log.parent, what="engine")
 
@@ -117,8 +119,13 @@ def shared_daemon(workdir: Path) -> Iterator[DaemonProcess]:
 
 def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
     address = d if isinstance(d, str) else d.unix
+    # These tests check that hits load and blocks store correctly, so every hit is loaded and
+    # every store admitted: whether a hit is worth loading (this tiny model recomputes a block
+    # in ~3 ms) and the interference budget (which drops stores made while a request decodes)
+    # are test_vllm_slow_tier.py's and test_vllm_budget.py's subjects, which set both.
     return {"address": address, "model_revision": "rev-a",
-            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **kw}
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "load_policy": "always",
+            "interference_budget": None, **kw}
 
 
 def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:

@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.planner import (
     RequestInfo,
     ScheduledRequest,
     StepInput,
+    StoreJob,
 )
 from kvtier.integrations.vllm.worker import KvtierWorker
 
@@ -773,3 +774,55 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
     finally:
         w.close()
         follow.close()
+
+
+def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
+        daemon: DaemonProcess) -> None:
+    """The figures the scheduler's decision needs (step seconds, loads by tier) and the budget:
+    a decoding step's load is charged first, its stores admitted while the balance lasts and
+    dropped (counted) once it is spent; a step where nobody decodes is not budgeted."""
+    p, _ = make_planner(daemon)
+    _, layers = lbhnc_cache(True)
+    w = KvtierWorker(IDENTITY, cfg_for(daemon, interference_budget=0.5))
+    w.register(layers)
+    for req_id, seed in (("warm", 1), ("l", 2)):
+        toks = prompt(4 * BS + 1, seed)
+        seed_blocks(daemon, toks, 4)
+        p.on_new_request(RequestInfo(req_id, toks, BASE))
+        assert matched(p, req_id, 0, len(toks)) == (4 * BS, False)
+        p.after_alloc(req_id, [0, 1, 2, 3, 4], 4 * BS)
+        plan = p.build(StepInput([schedule(req_id, [0, 1, 2, 3, 4], 4 * BS, 1)]))
+        assert plan.loads[0].tiers == ["host"] * 4 and plan.tokens == 1
+        if req_id == "warm":  # the worker's first load pays its setup: not a tier figure
+            assert w.load(plan.loads) == set()
+            assert w.take_reports() == ([], [])
+            w.take_stats()
+            p.request_finished(req_id)
+    w.forward_start()
+    assert w.load(plan.loads, decoding=True) == set()
+    w.forward_start()
+    w.forward_end(plan.step, plan.tokens, True)
+    steps, loads = w.take_reports()
+    assert [(s.step, s.tokens) for s in steps] == [(plan.step, 1)] and steps[0].seconds > 0
+    assert [(r.req_ids, r.bytes_by_tier) for r in loads] == [(("l",), {"host": 4 * w.block_bytes})]
+    st = w.take_stats()
+    assert st["budget_steps"] == 1 and st["budget_load_seconds"] == loads[0].seconds
+    assert w.budget.stats.load_s == loads[0].seconds  # charged, before any store
+
+    def store_job(job_id: int, ids: list[int]) -> StoreJob:
+        return StoreJob(job_id, "s", BASE, [[bytes([job_id, i]) * 16 for i in ids]], ids)
+
+    w.budget.balance = -0.001  # spent (the load's debt)
+    w.submit_stores([store_job(1, [5, 6])], decoding=True)
+    w.submit_stores([store_job(2, [7])], decoding=False)  # nobody decodes: not budgeted
+    w.budget.balance = 1.0
+    w.submit_stores([store_job(3, [8])], decoding=True)
+    assert w.drain()
+    st = w.take_stats()
+    assert st["store_dropped_budget_blocks"] == 2
+    assert st["store_dropped_budget_bytes"] == 2 * w.block_bytes
+    assert st["stored_blocks"] == 2 and st["budget_store_jobs"] == 1
+    assert 0 < st["budget_store_seconds"] <= st["store_seconds"]
+    assert w.budget.balance == pytest.approx(1.0 - st["budget_store_seconds"])  # settled
+    w.close()
+    p.close()

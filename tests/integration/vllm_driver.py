@@ -8,7 +8,8 @@ engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` an
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": 4, "salts": [null|str, ...],
   "lora": [name, path] | null}``
-  -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s}``
+  -> ``{"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s, "phases":
+  [[queued -> scheduled s, scheduled -> first token s] | null, ...]}``
 * ``{"op": "interleave", "first": [ids], "first_max_tokens": n, "second": [ids],
   "second_max_tokens": m, "second_after_tokens": k}``: the first request decodes alone until it
   has ``k`` tokens, then the second arrives; the engine is stepped until both finish.
@@ -16,7 +17,8 @@ engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` an
   its arrival, "first_tokens_before_ttft": tokens the first produced in that window,
   "first_gap_s": the longest wait between two of its tokens in it (up to its last token if it
   finished first), "second_done_s"}``
-* ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters)
+* ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters;
+  kvtier's ``*seconds*`` counters unrounded)
 * ``{"op": "quit"}``
 
 Prompts are token ids and the tokenizer is skipped (no model hub here); weights are dummy.
@@ -124,6 +126,15 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
 _SEQ = 0
 
 
+def _phases(out: object) -> list[float] | None:
+    """(queued -> scheduled, scheduled -> first token) seconds of one request, from vLLM's
+    per-request stats (None when vLLM has none)."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "scheduled_ts", 0):
+        return None
+    return [m.scheduled_ts - m.queued_ts, m.first_token_ts - m.scheduled_ts]
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
@@ -176,15 +187,27 @@ def main() -> None:
             print("DRIVER " + json.dumps({
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens or 0 for o in outs],
+                "phases": [_phases(o) for o in outs],
                 "seconds": dt}), flush=True)
         if cmd["op"] == "interleave":
             print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
         if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
             values: dict = {}
+            seconds: dict = {}
             for m in llm.get_metrics():
                 if type(m).__name__ == "Counter":
                     key = m.name if not m.labels.get("source") else f"{m.name}:{m.labels['source']}"
                     values[key] = values.get(key, 0) + m.value
+            # (get_metrics rounds counters down to integers: kvtier's seconds, as counted)
+            from prometheus_client import REGISTRY
+
+            for fam in REGISTRY.collect():
+                if fam.type == "counter" and fam.name.startswith("vllm:kvtier_") and \
+                        "seconds" in fam.name:
+                    for sample in fam.samples:
+                        if sample.name.endswith("_total"):
+                            seconds[fam.name] = seconds.get(fam.name, 0.0) + sample.value
+            values.update(seconds)
             print("DRIVER " + json.dumps({"metrics": values}), flush=True)
     print("DRIVER " + json.dumps({"bye": True}), flush=True)
 

@@ -32,6 +32,12 @@ def test_defaults_and_socket_shorthand() -> None:
     assert ConnectorConfig.from_extra({"load_mode": "async"}).load_mode == "async"
     assert ConnectorConfig.from_extra({"step_budget_ms": 40}).step_budget_ms == 40
     assert ConnectorConfig.from_extra({"socket": "/run/k.sock"}).address == "unix:/run/k.sock"
+    assert (cfg.load_policy, cfg.interference_budget, cfg.probe_after_s) == ("adaptive", 0.25, 5.0)
+    pinned = ConnectorConfig.from_extra({"load_policy": "always", "interference_budget": None,
+                                         "probe_after_s": 2})
+    assert (pinned.load_policy, pinned.interference_budget, pinned.probe_after_s) == \
+        ("always", None, 2)
+    assert ConnectorConfig.from_extra({"interference_budget": 1}).interference_budget == 1
     for transport in ("shm", "tcp", "cuda_ipc"):
         assert ConnectorConfig.from_extra({"transport": transport}).transport == transport
 
@@ -52,6 +58,15 @@ def test_defaults_and_socket_shorthand() -> None:
     ({"lookup_wait_ms": -1}, "lookup_wait_ms"),
     ({"lookup_wait_ms": 1001}, "lookup_wait_ms"),
     ({"lookup_wait_ms": 0.5}, "lookup_wait_ms"),
+    ({"load_policy": "sometimes"}, "load_policy"),
+    ({"load_policy": None}, "load_policy"),
+    ({"interference_budget": 0}, "interference_budget"),
+    ({"interference_budget": 1.5}, "interference_budget"),
+    ({"interference_budget": True}, "interference_budget"),
+    ({"interference_budget": "0.25"}, "interference_budget"),
+    ({"probe_after_s": 0}, "probe_after_s"),
+    ({"probe_after_s": float("inf")}, "probe_after_s"),
+    ({"probe_after_s": "5"}, "probe_after_s"),
     ({"unix_login": "yes"}, "unix_login"),
     ({"unix_login": True, "token_file": "/t"}, "unix_login"),
     ({"unix_login": True, "address": "127.0.0.1:50051"}, "unix_login"),

@@ -198,15 +198,14 @@ class PrefillRate:
 
     ``observe_step(tokens, seconds)`` once per engine step that computed tokens (decode steps
     too: they pin the fixed cost, so the slope is the cost of one more token). One owning thread.
-    ``steady=True``: one step far off the fit (a host busy with something else for one step)
-    does not restart it (``LinearFit.restart_on_shift``): for an engine whose steps are few and
-    noisy (a Transformers ``generate`` call times a handful), where a restart would leave the
-    slope of one noisy point.
+    No regime restarts (``LinearFit(restart_on_shift=False)``): decode steps (1 token, the
+    fixed cost) and prefill steps (hundreds of tokens) lie far apart on one line, and each would
+    otherwise look like a new regime to the other and drop it; nor would one noisy step (a host
+    busy with something else for one step) leave the slope of that one point.
     """
 
-    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic,
-                 steady: bool = False) -> None:
-        self.fit = LinearFit(half_life_s=half_life_s, clock=clock, restart_on_shift=not steady)
+    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic) -> None:
+        self.fit = LinearFit(half_life_s=half_life_s, clock=clock, restart_on_shift=False)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.fit.observe(tokens, seconds)

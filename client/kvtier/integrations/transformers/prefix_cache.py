@@ -119,7 +119,7 @@ class KvtierPrefixCache:
         self.handle: NamespaceHandle = client.register(self.namespace)
         self.counters = PrefixCacheCounters()
         self.decider = Decider(self.options.load_policy, probe_after_s=self.options.probe_after_s,
-                               prefill=PrefillRate(steady=True))
+                               prefill=PrefillRate())
 
     # -- restore ------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.lookup_thread import KeyChain, LookupOutcome, Pin
 from kvtier.integrations.vllm.worker import shared_breaker
+from kvtier.results import TierFigure
 
 
 class DaemonBackend:
@@ -48,6 +49,12 @@ class DaemonBackend:
             h = self.client.register(self.identity.namespace(variant, tp_rank))
             self._handles[(variant, tp_rank)] = h
         return h
+
+    def tier_figures(self) -> dict[str, TierFigure]:
+        """The daemon's per-tier load figures from this session's heartbeats (any thread, no
+        RPC; empty before the session is open)."""
+        client = self._client
+        return client.tier_figures() if client is not None else {}
 
     def warmup(self) -> None:
         """Open the session and register the base namespaces before the first request."""

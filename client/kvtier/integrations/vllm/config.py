@@ -16,6 +16,7 @@ files, the explicit ``"none"`` when vLLM skips the tokenizer, or the extra confi
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvtier.adaptive import LOAD_POLICIES, LoadPolicy
 from kvtier_contract import defaults
 from kvtier_contract.identity import (
     Namespace,
@@ -133,6 +135,13 @@ class ConnectorConfig:
     probe_timeout_ms: int = 250
     load_mode: str = "sync"  # "sync": before the step's forward; "async": on the load thread
     async_load_timeout_ms: int = 10000
+    # Load or recompute (issue 30, docs/vllm.md "Load or recompute"): "adaptive" loads the hit
+    # prefix that arrives before recomputing it would finish, "always" every hit, "never" none.
+    load_policy: LoadPolicy = "adaptive"
+    # Fraction of an engine step kvtier's transfers may add (loads first; stores past it are
+    # dropped and counted); None: no budget.
+    interference_budget: float | None = 0.25
+    probe_after_s: float = 5.0  # a tier cut back is tried again (one block) after this long
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -159,9 +168,22 @@ class ConnectorConfig:
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
+        need(self.load_policy in LOAD_POLICIES, "load_policy",
+             f"must be one of {', '.join(repr(p) for p in LOAD_POLICIES)}")
+        budget = self.interference_budget
+        need(budget is None or (_real(budget) and 0 < budget <= 1), "interference_budget",
+             "must be a fraction in (0, 1] of an engine step, or null for no budget")
+        need(_real(self.probe_after_s) and 0 < self.probe_after_s < math.inf, "probe_after_s",
+             "must be a positive number of seconds")
         need(isinstance(self.lookup_wait_ms, int) and not isinstance(self.lookup_wait_ms, bool)
              and 0 <= self.lookup_wait_ms <= 1000, "lookup_wait_ms",
              "must be an integer from 0 (never wait: answers come a step later) to 1000")
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
 
 
 @dataclass(frozen=True)

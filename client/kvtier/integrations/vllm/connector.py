@@ -13,6 +13,11 @@ hits with ``load_kv_async=True``, hands the loads to the worker's load thread in
 ``start_load_kv`` (called after the forward) and reports them through ``get_finished``, failed
 blocks through ``get_block_ids_with_load_errors`` in the same step (vLLM then recomputes from the
 first failed block); ``update_connector_output`` tells the planner, which releases the pins.
+
+Load or recompute (docs/vllm.md §4): the workers time each step's forward (from
+``bind_connector_metadata`` to ``wait_for_save``) and each load, and send them to the scheduler
+with vLLM's worker -> scheduler channel (``build_connector_worker_meta`` -> ``KvtierWorkerMeta``
+-> ``update_connector_output``), where the planner's decider turns them into figures.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -38,6 +44,7 @@ try:  # vLLM >= 0.32; older releases have no per-source hit metrics
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     CacheHitSource = None
 
+from kvtier.adaptive import Decider
 from kvtier.integrations.vllm.backend import DaemonBackend
 from kvtier.integrations.vllm.config import (
     BASE,
@@ -50,11 +57,13 @@ from kvtier.integrations.vllm.config import (
     resolve_tokenizer_digest,
 )
 from kvtier.integrations.vllm.planner import (
+    LoadReport,
     Planner,
     RequestInfo,
     ScheduledRequest,
     StepInput,
     StepPlan,
+    StepReport,
 )
 from kvtier.integrations.vllm.worker import KvtierWorker
 
@@ -76,6 +85,31 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     """One step's plan, pickled from the scheduler to every worker."""
 
     plan: StepPlan
+
+
+@dataclass
+class KvtierWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers measured in one step, for the scheduler's load-or-recompute decision
+    (vLLM's worker -> scheduler channel, ``update_connector_output``): the step's forward
+    seconds and the loads that ended. Workers of one engine (tp ranks) run the same step and
+    each load its own slice of the same blocks: aggregated, a step or a load counts once, with
+    the slowest rank's seconds."""
+
+    steps: list[StepReport]
+    loads: list[LoadReport]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KvtierWorkerMeta):
+            return self
+        steps = {r.step: r for r in self.steps}
+        for s in other.steps:
+            if s.step not in steps or s.seconds > steps[s.step].seconds:
+                steps[s.step] = s
+        loads = {r.req_ids: r for r in self.loads}
+        for r in other.loads:
+            if r.req_ids not in loads or r.seconds > loads[r.req_ids].seconds:
+                loads[r.req_ids] = r
+        return KvtierWorkerMeta(list(steps.values()), list(loads.values()))
 
 
 @dataclass
@@ -113,7 +147,24 @@ PROM_COUNTERS = {
     "sched_lookups": "kvtier lookups issued by the scheduler",
     "sched_lookup_timeouts": "kvtier lookups answered as a miss after lookup_timeout_ms",
     "sched_hit_blocks": "Blocks vLLM was told it can load from kvtier",
+    # the load-or-recompute decision (scheduler) and the interference budget (workers)
+    "decision_tokens_loaded": "Hit tokens the load-or-recompute decision chose to load",
+    "decision_tokens_recomputed_slower": "Hit tokens recomputed because loading them was slower",
+    "decision_tokens_recomputed_budget": "Hit tokens recomputed to keep the interference budget",
+    "decision_tokens_recomputed_policy": "Hit tokens recomputed because load_policy is never",
+    "decision_probes": "Loads of one block of a cut-back tier to measure it again",
+    "load_seconds_predicted": "Predicted seconds of the decided loads that reported back",
+    "load_seconds_actual": "Measured seconds of the same loads",
+    "budget_steps": "Engine steps in which a request decodes (the budget's steps)",
+    "budget_step_seconds": "Forward seconds of steps in which a request decodes",
+    "budget_store_jobs": "Store jobs admitted in those steps",
+    "budget_load_seconds": "Seconds of loads issued in those steps",
+    "budget_store_seconds": "Seconds of stores admitted in those steps",
+    "store_dropped_budget_blocks": "Blocks not stored: the interference budget was spent",
+    "store_dropped_budget_bytes": "KV bytes not stored: the interference budget was spent",
 }
+# Planner counters exported under their own name (the others as sched_<name>).
+_UNPREFIXED = ("decision_", "load_seconds_")
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
@@ -161,7 +212,11 @@ class KvtierConnector(KVConnectorBase_V1):
                 pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
                 store=self.cfg.store, store_generated=self.cfg.store_generated,
                 load_async=self.cfg.load_mode == "async",
-                event_token_ids=self.cfg.event_token_ids)
+                event_token_ids=self.cfg.event_token_ids,
+                decider=Decider(self.cfg.load_policy,
+                                probe_after_s=self.cfg.probe_after_s),
+                block_bytes=self.identity.namespace().block_bytes,
+                interference_budget=self.cfg.interference_budget)
         log.info("kvtier connector (%s): %s at %s", role.name.lower(),
                  self.identity.namespace().to_dict(), self.cfg.address)
 
@@ -207,8 +262,12 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierConnectorMetadata(self.planner.build(step_input(scheduler_output)))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Async loads the workers reported finished (loaded or failed): release their pins."""
+        """What the workers measured (steps, loads) into the decision; async loads the workers
+        reported finished (loaded or failed): release their pins."""
         if self.planner is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KvtierWorkerMeta):
+                self.planner.observe(meta.steps, meta.loads)
             for req_id in connector_output.finished_recving or ():
                 self.planner.load_finished(req_id)
 
@@ -229,6 +288,18 @@ class KvtierConnector(KVConnectorBase_V1):
         self.worker = KvtierWorker(self.identity, self.cfg, tp_rank=get_tensor_model_parallel_rank())
         self.worker.register([kv_caches[n] for n in self._layer_names])
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step starts (vLLM binds the plan right before the forward): time it."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvtierConnectorMetadata):
+            self.worker.forward_start()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        steps, loads = self.worker.take_reports()
+        return KvtierWorkerMeta(steps, loads) if steps or loads else None
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KvtierConnectorMetadata):
             self.worker.wait(kv_connector_metadata.plan.flush,
@@ -240,10 +311,13 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         if not meta.plan.loads:
             return
+        decoding = meta.plan.decoding
         if self.cfg.load_mode == "async":  # vLLM calls this after the forward: hand off, return
-            self.worker.load_async(meta.plan.loads)
+            self.worker.load_async(meta.plan.loads, decoding=decoding)
         else:
-            self._load_errors |= self.worker.load(meta.plan.loads, self._step_deadline(meta))
+            self._load_errors |= self.worker.load(meta.plan.loads, self._step_deadline(meta),
+                                                  decoding=decoding)
+            self.worker.forward_start()  # the forward starts after the loads
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -274,7 +348,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if self.worker is not None and isinstance(meta, KvtierConnectorMetadata):
-            self.worker.submit_stores(meta.plan.stores)
+            plan = meta.plan  # the forward is over: time it, then this step's stores
+            self.worker.forward_end(plan.step, plan.tokens, plan.decoding)
+            self.worker.submit_stores(plan.stores, decoding=plan.decoding)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -285,7 +361,8 @@ class KvtierConnector(KVConnectorBase_V1):
             data: dict[str, Any] = self.worker.take_stats()
         elif self.planner is not None:
             now = vars(self.planner.stats).copy()
-            data = {f"sched_{k}": v - self._reported.get(k, 0) for k, v in now.items()}
+            data = {(k if k.startswith(_UNPREFIXED) else f"sched_{k}"):
+                    v - self._reported.get(k, 0) for k, v in now.items()}
             self._reported = now
         else:
             return None

@@ -23,11 +23,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.integrations.vllm.config import Variant
+from kvtier.results import TierFigure
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -59,6 +60,9 @@ class Backend(Protocol):
 
     def warmup(self) -> None:
         """Connect and register ahead of the first request (the lookup thread's first task)."""
+
+    # Optional: ``tier_figures() -> Mapping[str, TierFigure]``, callable from any thread without
+    # an RPC (the daemon's per-tier load figures); ``LookupThread.tier_figures`` reads it.
 
     def close(self) -> None: ...
 
@@ -127,6 +131,19 @@ class LookupThread:
             else:
                 self._forgotten.add(req_id)
             self._cond.notify_all()
+
+    def tier_figures(self) -> Mapping[str, TierFigure]:
+        """The daemon's per-tier load figures as the backend's session last heard them (any
+        thread: a read of what its heartbeats brought, never an RPC); empty when the backend
+        has none (no session yet, or a backend without ``tier_figures``)."""
+        figures = getattr(self._backend, "tier_figures", None)
+        if figures is None:
+            return {}
+        try:
+            return dict(figures())
+        except Exception:  # figures are advice: never a reason to fail the scheduler
+            log.exception("kvtier: reading the daemon's tier figures failed")
+            return {}
 
     def pending(self) -> int:
         with self._cond:

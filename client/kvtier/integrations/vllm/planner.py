@@ -11,6 +11,7 @@ Lifecycle (all calls on the scheduler thread, in vLLM's order)::
     planner.num_new_matched(req_id, n_local, n_tokens)  # None until known; timeout -> miss
     planner.after_alloc(req_id, block_ids, n_external)  # a load is planned, or pins released
     plan = planner.build(step)                 # loads, stores, fences; once per engine step
+    planner.observe(step_reports, load_reports)  # what the workers measured (worker meta)
     planner.request_finished(req_id)
     planner.close()
 
@@ -36,7 +37,13 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   after the step; when vLLM hands one of those block ids to a request again (re-allocation,
   also after preemption or finish), the next plan lists the job in ``flush`` and the worker
   waits for it before the forward pass that could overwrite the block (the fence).
-* Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer.
+* Load or recompute (``decider``, a ``kvtier.adaptive.Decider``; docs/vllm.md §4): of the hit
+  blocks beyond the engine's own, vLLM is answered the prefix the decider chooses from the
+  blocks' tiers and the figures: the workers' step and load reports (``observe``) and the
+  daemon's per-tier figures (read from the lookup thread's session on ``build``, no RPC). While
+  another request decodes, a load is cut to ``interference_budget`` x the recent step time.
+* Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer (the
+  decision is made once per hit).
 * Asynchronous loads (``load_async``, ``load_mode="async"``): a hit is answered as an async load.
   vLLM then allocates the request's blocks, calls ``after_alloc`` and parks the request in
   ``WAITING_FOR_REMOTE_KVS`` without scheduling it, so ``build`` plans the load for a request that
@@ -59,6 +66,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.adaptive import Decider, Decision
 from kvtier.integrations.vllm.config import Variant
 from kvtier.integrations.vllm.lookup_thread import Backend, LookupOutcome, LookupThread, Pin
 
@@ -80,12 +88,16 @@ class RequestInfo:
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Load ``keys[slice][i]`` into engine block ``block_ids[i]`` before this step's forward."""
+    """Load ``keys[slice][i]`` into engine block ``block_ids[i]`` before this step's forward.
+    ``tiers[i]``: where the lookup found block ``i`` ("host", "nvme", ...; empty when unknown),
+    ``predicted_s``: the decision's predicted load time (None: no figures yet)."""
 
     req_id: str
     variant: Variant
     keys: list[list[bytes]]
     block_ids: list[int]
+    tiers: list[str] = field(default_factory=list)
+    predicted_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,11 +117,17 @@ class StoreJob:
 
 @dataclass
 class StepPlan:
-    """What the workers do in one step: fences first, then loads, forward, stores."""
+    """What the workers do in one step: fences first, then loads, forward, stores. ``step``:
+    the plan's number; ``tokens``: tokens the step computes (the workers report the step's
+    forward seconds with both: the engine's prefill rate); ``decoding``: a request in the step
+    is decoding (its stores are held to the interference budget)."""
 
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     flush: list[int] = field(default_factory=list)
+    step: int = 0
+    tokens: int = 0
+    decoding: bool = False
 
     def empty(self) -> bool:
         return not (self.loads or self.stores or self.flush)
@@ -145,6 +163,34 @@ class PlannerStats:
     store_blocks: int = 0
     store_generated_blocks: int = 0
     flushes: int = 0
+    # the load-or-recompute decision (the Decider's counters, exported unprefixed)
+    decision_tokens_loaded: int = 0
+    decision_tokens_recomputed_slower: int = 0
+    decision_tokens_recomputed_budget: int = 0
+    decision_tokens_recomputed_policy: int = 0
+    decision_probes: int = 0
+    load_seconds_predicted: float = 0.0
+    load_seconds_actual: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One engine step as the workers measured it: the plan's ``step``, its ``tokens`` and the
+    forward's seconds (kvtier's own engine-thread time taken out)."""
+
+    step: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One load the workers ran: the requests it served, its bytes by tier (one tp slice) and
+    its seconds end to end."""
+
+    req_ids: tuple[str, ...]
+    bytes_by_tier: dict[str, int]
+    seconds: float
 
 
 @dataclass
@@ -164,6 +210,8 @@ class _Req:
     relookup: bool = False
     loading: bool = False  # an async load is in flight (handed to the workers, not finished)
     load_done: bool = False  # its async load finished: vLLM asks again only after a failure
+    decision: Decision | None = None  # the load-or-recompute decision behind ``matched``
+    decided_at: tuple[int, int] = (0, 0)  # (first hit block, hit blocks) it was made for
 
 
 class Planner:
@@ -172,9 +220,19 @@ class Planner:
     def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
                  lookup_wait_s: float = 0.002, pin_release_steps: int = 4, load: bool = True,
                  store: bool = True, store_generated: bool = True, load_async: bool = False,
-                 event_token_ids: bool = False,
+                 event_token_ids: bool = False, decider: Decider | None = None,
+                 block_bytes: int = 0, interference_budget: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
+        # The load-or-recompute decision (adaptive by default: without figures it loads every
+        # hit, which is what measures the tiers). ``block_bytes``: the bytes one worker loads
+        # per block (one tp slice, every layer), what a tier's load time is predicted from.
+        self.decider = decider if decider is not None else Decider(clock=clock)
+        self.block_bytes = block_bytes
+        self.interference_budget = interference_budget
+        self._step_s: float | None = None  # recent forward seconds per step (moving average)
+        self._decoding: set[str] = set()  # requests that decoded in the last planned step
+        self._daemon_figures: dict[str, tuple[float, float, int]] = {}
         self.lookup_timeout_s = lookup_timeout_s
         self.lookup_wait_s = lookup_wait_s
         self._wait_left = lookup_wait_s  # of this step's budget for waiting on lookups
@@ -235,15 +293,37 @@ class Planner:
             return 0, False
         usable = min(outcome.hits, max(0, num_tokens - 1) // self.block_size)
         first = num_local_tokens // self.block_size
-        answer = max(0, usable - first) * self.block_size
+        tiers = self._tiers(outcome, first, usable)
         first_answer = st.matched is None
-        st.matched = (num_local_tokens, answer)
-        if answer and first_answer:
-            self.stats.hit_blocks += answer // self.block_size
-            tiers = outcome.tiers[first:usable]
+        if tiers and first_answer:
+            self.stats.hit_blocks += len(tiers)
             self.stats.host_hit_blocks += tiers.count("host")
             self.stats.nvme_hit_blocks += tiers.count("nvme")
+        answer = self._decide(st, first, tiers) * self.block_size
+        st.matched = (num_local_tokens, answer)
         return answer, self.load_async and answer > 0
+
+    def _tiers(self, outcome: LookupOutcome, first: int, usable: int) -> list[str]:
+        """The tier of each hit block vLLM may load (``"unknown"`` where the lookup gave none)."""
+        n = max(0, usable - first)
+        tiers = list(outcome.tiers[first:usable])
+        return tiers + ["unknown"] * (n - len(tiers))
+
+    def _decide(self, st: _Req, first: int, tiers: list[str]) -> int:
+        """Blocks of the hit ``tiers`` (from block ``first``) to load: the Decider's answer,
+        decided once per hit (asked again for the same blocks, the same decision)."""
+        d = st.decision
+        if d is not None and st.decided_at == (first, len(tiers)):
+            return d.load_blocks
+        max_load_s = None
+        if self.interference_budget is not None and self._step_s is not None \
+                and self._decoding - {st.info.req_id}:
+            max_load_s = self.interference_budget * self._step_s  # the loads' share of a step
+        d = self.decider.decide(tiers, block_tokens=self.block_size,
+                                block_bytes=self.block_bytes, max_load_s=max_load_s)
+        st.decision, st.decided_at = d, (first, len(tiers))
+        self._sync_decision_stats()
+        return d.load_blocks
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the external hit by tier ("host", "nvme")."""
@@ -276,14 +356,16 @@ class Planner:
     # -- once per step --------------------------------------------------------------------------
 
     def build(self, step: StepInput) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(step=self._step)
         flush: set[int] = set()
+        self._daemon_report()
+        decoding: set[str] = set()
         for req_id in step.preempted:
             st = self._reqs.get(req_id)
             if st is None:
                 continue
             flush.update(st.jobs)
-            st.block_ids, st.pending_load, st.matched = [], None, None
+            st.block_ids, st.pending_load, st.matched, st.decision = [], None, None, None
             st.load_done = False
             self._pending.pop(req_id, None)
             self._release_now(st)
@@ -300,6 +382,9 @@ class Planner:
                 st.block_ids = list(s.block_ids or ())
             elif s.block_ids:
                 st.block_ids.extend(s.block_ids)
+            plan.tokens += s.num_scheduled_tokens
+            if s.num_computed_tokens >= len(st.info.prompt_token_ids):
+                decoding.add(s.req_id)  # (its prompt is computed: this step decodes)
             if st.pending_load is not None:
                 plan.loads.append(self._load_job(st))
             self._plan_store(st, s.num_computed_tokens + s.num_scheduled_tokens, plan)
@@ -315,6 +400,8 @@ class Planner:
             if st.pending_load is not None:
                 plan.loads.append(self._load_job(st))
         plan.flush = sorted(flush)
+        plan.decoding = bool(decoding)
+        self._decoding = decoding
         self.stats.flushes += len(plan.flush)
         self._step += 1
         self._wait_left = self.lookup_wait_s
@@ -337,6 +424,48 @@ class Planner:
         if st is not None and st.loading:
             st.loading, st.load_done = False, True
             self._release_now(st)
+
+    def observe(self, steps: Sequence[StepReport], loads: Sequence[LoadReport]) -> None:
+        """What the workers measured (``update_connector_output``, scheduler thread): each
+        step's tokens and forward seconds feed the engine's prefill rate and the recent step
+        time (the loads' budget share); each load's bytes by tier and seconds feed the tiers'
+        figures, with the decisions' predicted time of the same loads."""
+        for r in steps:
+            if r.tokens > 0 and r.seconds > 0:
+                self.decider.step(r.tokens, r.seconds)
+                self._step_s = r.seconds if self._step_s is None else \
+                    0.8 * self._step_s + 0.2 * r.seconds
+        for load in loads:
+            predicted: float | None = 0.0
+            for req_id in load.req_ids:
+                st = self._reqs.get(req_id)
+                d = st.decision if st is not None else None
+                if d is None or d.predicted_s is None or predicted is None:
+                    predicted = None
+                else:
+                    predicted += d.predicted_s
+            self.decider.loaded(load.bytes_by_tier, load.seconds, predicted_s=predicted)
+        if loads:
+            self._sync_decision_stats()
+
+    def _daemon_report(self) -> None:
+        """The daemon's per-tier figures, as the lookup thread's session last heard them (a
+        read of what its heartbeat brought: no RPC), into the decision when they changed."""
+        for tier, f in self._thread.tier_figures().items():
+            key = (f.latency_s, f.bytes_per_s, f.reads)
+            if self._daemon_figures.get(tier) != key:
+                self._daemon_figures[tier] = key
+                self.decider.report(tier, f.latency_s, f.bytes_per_s, age_s=f.age_s)
+
+    def _sync_decision_stats(self) -> None:
+        ds, s = self.decider.stats, self.stats
+        s.decision_tokens_loaded = ds.tokens_loaded
+        s.decision_tokens_recomputed_slower = ds.tokens_recomputed_slower
+        s.decision_tokens_recomputed_budget = ds.tokens_recomputed_budget
+        s.decision_tokens_recomputed_policy = ds.tokens_recomputed_policy
+        s.decision_probes = ds.probes
+        s.load_seconds_predicted = ds.predicted_load_s
+        s.load_seconds_actual = ds.actual_load_s
 
     def loads_in_flight(self) -> int:
         return sum(1 for st in self._reqs.values() if st.loading)
@@ -393,9 +522,12 @@ class Planner:
         elif not st.pins_released and st.outcome.pins:
             st.pins_released = True
             self._releases.append((self._step + self.pin_release_steps, list(st.outcome.pins)))
+        d = st.decision
         return LoadJob(st.info.req_id, st.info.variant,
                        [k[first : first + count] for k in st.outcome.keys],
-                       st.block_ids[first : first + count])
+                       st.block_ids[first : first + count],
+                       self._tiers(st.outcome, first, first + count),
+                       d.predicted_s if d is not None and d.load_blocks == count else None)
 
     def _tokens(self, st: _Req) -> Sequence[int]:
         """The token ids whose full blocks are stored: prompt and output, or the prompt alone."""

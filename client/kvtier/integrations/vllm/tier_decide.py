@@ -67,7 +67,7 @@ class TierDecisions:
                  chunk_tokens: int, row_bytes: int, prefill_seconds_per_token: float | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         rate = FixedPrefillRate(prefill_seconds_per_token) if prefill_seconds_per_token \
-            else PrefillRate(steady=True, clock=clock)
+            else PrefillRate(clock=clock)
         self.measured_rate = prefill_seconds_per_token is None
         self.decider = Decider(policy, probe_after_s=probe_after_s, prefill=rate, clock=clock)
         self.budget = InterferenceBudget(budget)

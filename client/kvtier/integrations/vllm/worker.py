@@ -4,13 +4,23 @@ No vLLM import (the adapter hands in the per-layer tensors and the plans). Lifec
 
     w = KvtierWorker(identity, cfg, tp_rank=r)
     w.register(layer_tensors)        # in layer order; builds the PagedKvLayout, opens 2 clients
-    each step:  deadline = w.step_deadline()      # the step's budget (step_budget_ms)
+    each step:  w.forward_start()                # the plan is bound: the step starts
+                deadline = w.step_deadline()      # the step's budget (step_budget_ms)
                 w.wait(plan.flush, deadline)      # fence: store jobs still reading re-allocated blocks
-                failed = w.load(plan.loads, deadline)  # before the forward; failed block ids
+                failed = w.load(plan.loads, deadline, decoding=...)  # before the forward
+                w.forward_start()                 # (sync loads: the forward starts after them)
                 (or, async: w.load_async(plan.loads) after the forward, and every step
                  done_reqs, failed = w.finished_loads())
-                w.submit_stores(plan.stores)     # after the forward; returns at once
-                w.take_stats()
+                w.forward_end(plan.step, plan.tokens, plan.decoding)  # in wait_for_save
+                w.submit_stores(plan.stores, decoding=...)  # after the forward; returns at once
+                w.take_stats(); w.take_reports()  # counters; step and load figures
+
+The interference budget (``cfg.interference_budget``, ``kvtier.adaptive.InterferenceBudget``,
+under ``_cond``), over the steps in which a request decodes: ``forward_end`` refills it with the
+step's forward seconds; the step's loads were charged before (sync: measured; async: predicted
+at hand-off, settled when done); each store job is admitted while the balance lasts, charged its
+predicted copy time and settled with the real one, otherwise dropped and counted
+(``store_dropped_budget_blocks``), never queued.
     w.close()
 
 Never stall the engine. The engine thread's kvtier work in one step is bounded by
@@ -73,6 +83,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvtier.adaptive import InterferenceBudget
 from kvtier.batches import CopyRevoked
 from kvtier.breaker import Breaker
 from kvtier.client import Client, NamespaceHandle
@@ -83,7 +94,7 @@ from kvtier.integrations.vllm.config import (
     EngineIdentity,
     Variant,
 )
-from kvtier.integrations.vllm.planner import LoadJob, StoreJob
+from kvtier.integrations.vllm.planner import LoadJob, LoadReport, StepReport, StoreJob
 from kvtier_contract.errors import KvtierError
 
 log = logging.getLogger("vllm.kvtier")
@@ -123,6 +134,14 @@ class WorkerStats:
     fence_revoked: int = 0  # fenced jobs given up (breaker open, or a copy past the budget)
     engine_seconds: float = 0.0  # engine-thread time in kvtier (fence, loads, store submission)
     budget_exhausted: int = 0  # steps whose loads stopped at the step budget
+    # the interference budget, over the steps in which a request decodes
+    budget_steps: int = 0
+    budget_step_seconds: float = 0.0  # their forward seconds
+    budget_store_jobs: int = 0  # store jobs admitted in them
+    budget_load_seconds: float = 0.0  # loads issued in them, measured
+    budget_store_seconds: float = 0.0  # stores admitted in them, measured
+    store_dropped_budget_blocks: int = 0  # stores refused: the budget was spent
+    store_dropped_budget_bytes: int = 0
 
 
 State = Literal["queued", "preparing", "copying", "snapshot", "done"]
@@ -136,6 +155,7 @@ class _Job:
     def __init__(self, job: StoreJob, forward_done: Any) -> None:
         self.job = job
         self.forward_done = forward_done
+        self.charged: float | None = None  # the budget's charge (predicted seconds), if held to it
         self.state: State = "queued"
         self.snapshot: Any = None
         self.revoked = False
@@ -194,11 +214,21 @@ class KvtierWorker:
         self._thread: threading.Thread | None = None
         # async loads (under _cond): queued (req_id, jobs), finished (req_id, failed block ids),
         # engine blocks being written (block id -> loads writing it)
-        self._load_queue: deque[tuple[str, list[LoadJob]]] = deque()
+        self._load_queue: deque[tuple[str, list[LoadJob], float | None]] = deque()
         self._loads_done: list[tuple[str, set[int]]] = []
         self._loading_blocks: dict[int, int] = {}
         self._load_busy = False
         self._load_thread: threading.Thread | None = None
+        # The interference budget and the figures the scheduler's decision needs (under _cond):
+        # each step's forward seconds, each load's bytes by tier and seconds.
+        self.budget = InterferenceBudget(cfg.interference_budget)
+        self._store_s_per_byte: float | None = None  # measured stores (moving average)
+        self._engine_s_total = 0.0  # engine-thread seconds in kvtier, never reset
+        self._forward: tuple[float, float, Any] | None = None  # (wall start, engine_s, event)
+        self._pending_steps: list[tuple[int, int, bool, Any, Any]] = []  # CUDA: events to read
+        self._step_reports: list[StepReport] = []
+        self._load_reports: list[LoadReport] = []
+        self._warm_loads: set[bool] = set()  # load paths (engine thread or not) used once
 
     # -- engine thread ----------------------------------------------------------------------------
 
@@ -237,6 +267,78 @@ class KvtierWorker:
         """The end of a step's budget for kvtier's work, starting now."""
         return time.monotonic() + self.cfg.step_budget_ms / 1000
 
+    def forward_start(self) -> None:
+        """The step's forward starts now (engine thread; again after sync loads: the later
+        mark wins). On CUDA an event on the engine's stream marks it too."""
+        event = None
+        if self._layouts is not None and self._layouts[0].device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self._layouts[0].device))
+        with self._cond:
+            self._forward = (time.perf_counter(), self._engine_s_total, event)
+
+    def forward_end(self, step: int, tokens: int, decoding: bool) -> None:
+        """The step's forward is over (engine thread, in ``wait_for_save`` before the stores
+        are submitted): its seconds, less kvtier's own engine-thread time in between, are the
+        step's figure and, when a request decodes in it, refill the interference budget. On
+        CUDA the time between the two events is read once the GPU has passed them."""
+        with self._cond:
+            mark, self._forward = self._forward, None
+            if mark is None:
+                return
+            t0, engine0, start_event = mark
+            if start_event is None:
+                seconds = time.perf_counter() - t0 - (self._engine_s_total - engine0)
+                self._stepped(step, tokens, decoding, seconds)
+                return
+        import torch
+
+        end_event = torch.cuda.Event(enable_timing=True)
+        assert self._layouts is not None
+        end_event.record(torch.cuda.current_stream(self._layouts[0].device))
+        with self._cond:
+            self._pending_steps.append((step, tokens, decoding, start_event, end_event))
+            self._read_events()
+
+    def _read_events(self) -> None:
+        """CUDA step timings whose events the GPU has passed (caller holds _cond)."""
+        while self._pending_steps and self._pending_steps[0][4].query():
+            step, tokens, decoding, start, end = self._pending_steps.pop(0)
+            self._stepped(step, tokens, decoding, start.elapsed_time(end) / 1000)
+
+    def _stepped(self, step: int, tokens: int, decoding: bool, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self._step_reports.append(StepReport(step, tokens, seconds))
+        if decoding:
+            self.budget.step(seconds)
+            self._stats.budget_steps += 1
+            self._stats.budget_step_seconds += seconds
+
+    def take_reports(self) -> tuple[list[StepReport], list[LoadReport]]:
+        """The steps and loads measured since the last call, for the scheduler's decision."""
+        with self._cond:
+            if self._pending_steps:
+                self._read_events()
+            steps, self._step_reports = self._step_reports, []
+            loads, self._load_reports = self._load_reports, []
+        return steps, loads
+
+    def _engine_time(self, seconds: float) -> None:
+        """Engine-thread seconds kvtier spent (caller holds _cond)."""
+        self._stats.engine_seconds += seconds
+        self._engine_s_total += seconds
+
+    def _load_bytes(self, jobs: Sequence[LoadJob]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for job in jobs:
+            tiers = job.tiers or ["unknown"] * len(job.block_ids)
+            for tier in tiers:
+                out[tier] = out.get(tier, 0) + self.block_bytes
+        return out
+
     def wait(self, job_ids: Sequence[int], deadline: float | None = None) -> None:
         """The fence: return once none of ``job_ids`` can read an engine block any more. A job
         not copying yet is taken over (its blocks copied out here, or dropped while the breaker
@@ -270,7 +372,7 @@ class KvtierWorker:
                 self._revoke(rec)
             spent = time.perf_counter() - t0
             self._stats.fence_seconds += spent
-            self._stats.engine_seconds += spent
+            self._engine_time(spent)
 
     def _snapshot(self, rec: _Job) -> None:
         assert self._layouts is not None
@@ -298,9 +400,11 @@ class KvtierWorker:
         self._unread.pop(rec.job.job_id, None)
         self._cond.notify_all()
 
-    def load(self, jobs: Sequence[LoadJob], deadline: float | None = None) -> set[int]:
+    def load(self, jobs: Sequence[LoadJob], deadline: float | None = None, *,
+             decoding: bool = False) -> set[int]:
         """Load every job into its engine blocks now, within ``deadline`` (the step's budget);
-        returns the block ids that failed."""
+        returns the block ids that failed. ``decoding``: a request decodes in this step (the
+        load is charged to the interference budget: loads always run, before the stores)."""
         if not jobs:
             return set()
         if self._layouts is None or not self.breaker.allows():
@@ -309,10 +413,12 @@ class KvtierWorker:
                 self._stats.load_failed_blocks += len(missed)
             return missed
         deadline = self.step_deadline() if deadline is None else deadline
-        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True)
+        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True,
+                              charge=decoding)
 
     def _load_now(self, jobs: Sequence[LoadJob], layout: Any, deadline: float, *,
-                  engine_thread: bool) -> set[int]:
+                  engine_thread: bool, charge: bool = False, charged: float | None = None
+                  ) -> set[int]:
         """One batched ``get_blocks`` per variant into ``layout``'s engine blocks, by
         ``deadline``; the block ids that failed."""
         t0 = time.perf_counter()
@@ -342,11 +448,24 @@ class KvtierWorker:
             self._stats.load_failed_blocks += len(failed)
             self._stats.load_seconds += spent
             if engine_thread:
-                self._stats.engine_seconds += spent
+                self._engine_time(spent)
                 self._stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
+            if charged is not None:  # an async load charged its prediction when handed off
+                self.budget.settle(charged, spent)
+                self._stats.budget_load_seconds += spent
+            elif charge:
+                self.budget.charge_load(spent)
+                self._stats.budget_load_seconds += spent
+            if loaded and engine_thread not in self._warm_loads:
+                # the first load of each path pays one-time setup (staging buffers, the data
+                # channel): not a figure of the tier
+                self._warm_loads.add(engine_thread)
+            elif loaded:
+                self._load_reports.append(LoadReport(
+                    tuple(dict.fromkeys(j.req_id for j in jobs)), self._load_bytes(jobs), spent))
         return failed
 
-    def load_async(self, jobs: Sequence[LoadJob]) -> None:
+    def load_async(self, jobs: Sequence[LoadJob], *, decoding: bool = False) -> None:
         """Queue each request's load for the load thread and return at once (engine thread,
         after the forward). Every request is reported by ``finished_loads`` exactly once, also
         when it cannot be loaded at all (breaker open, not registered, closing)."""
@@ -366,9 +485,13 @@ class KvtierWorker:
                     continue
                 for b in ids:
                     self._loading_blocks[b] = self._loading_blocks.get(b, 0) + 1
-                self._load_queue.append((req_id, req_jobs))
+                charged = None
+                if decoding:  # charged its prediction now (loads before this step's stores)
+                    charged = sum(j.predicted_s or 0.0 for j in req_jobs)
+                    self.budget.charge_load(charged)
+                self._load_queue.append((req_id, req_jobs, charged))
             self._cond.notify_all()
-            self._stats.engine_seconds += time.perf_counter() - t0
+            self._engine_time(time.perf_counter() - t0)
 
     def finished_loads(self) -> tuple[set[str], set[int]]:
         """The requests whose async load is over since the last call, and the block ids of
@@ -390,14 +513,15 @@ class KvtierWorker:
                     self._cond.wait()
                 if not self._load_queue:
                     return
-                req_id, jobs = self._load_queue.popleft()
+                req_id, jobs, charged = self._load_queue.popleft()
                 self._load_busy = True
             ids = [b for j in jobs for b in j.block_ids]
             failed = set(ids)
             try:
                 if self.breaker.allows():
                     deadline = time.monotonic() + self.cfg.async_load_timeout_ms / 1000
-                    failed = self._load_now(jobs, layout, deadline, engine_thread=False)
+                    failed = self._load_now(jobs, layout, deadline, engine_thread=False,
+                                            charged=charged)
                     if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
                         import torch
 
@@ -419,7 +543,11 @@ class KvtierWorker:
                 self._load_busy = False
                 self._cond.notify_all()
 
-    def submit_stores(self, jobs: Sequence[StoreJob]) -> None:
+    def submit_stores(self, jobs: Sequence[StoreJob], *, decoding: bool = False) -> None:
+        """Queue this step's store jobs (engine thread, after the forward; returns at once).
+        ``decoding``: a request decodes in this step, so each job is held to the interference
+        budget: admitted while it lasts (charged its predicted copy time, settled when done),
+        otherwise dropped and counted rather than queued."""
         if not jobs:
             return
         t0 = time.perf_counter()
@@ -431,11 +559,22 @@ class KvtierWorker:
                     # (a block an async load is still writing is never read by a store)
                     self._stats.store_dropped_blocks += len(job.block_ids)
                     continue
+                charged = None
+                if decoding:
+                    nbytes = len(job.block_ids) * self.block_bytes
+                    charged = (self._store_s_per_byte or 0.0) * nbytes
+                    if not self.budget.admit_store(charged, nbytes):
+                        self._stats.store_dropped_budget_blocks += len(job.block_ids)
+                        self._stats.store_dropped_budget_bytes += nbytes
+                        self._stats.store_dropped_blocks += len(job.block_ids)
+                        continue
+                    self._stats.budget_store_jobs += 1
                 rec = _Job(job, self._forward_done())
+                rec.charged = charged
                 self._queue.append(rec)
                 self._unread[job.job_id] = rec
             self._cond.notify_all()
-            self._stats.engine_seconds += time.perf_counter() - t0
+            self._engine_time(time.perf_counter() - t0)
 
     def _forward_done(self) -> Any:
         """On CUDA, an event recorded on the engine's current stream after this step's forward:
@@ -495,6 +634,8 @@ class KvtierWorker:
                 rec = self._queue.popleft()
                 if rec.revoked:  # the fence dropped it before it started
                     self._stats.store_dropped_blocks += len(rec.job.block_ids)
+                    if rec.charged is not None:
+                        self.budget.settle(rec.charged, 0.0)
                     continue
                 if rec.state == "queued":
                     rec.state = "preparing"
@@ -526,7 +667,16 @@ class KvtierWorker:
                 self._stats.stored_bytes += stored * self.block_bytes
                 self._stats.store_present_blocks += present
                 self._stats.store_dropped_blocks += dropped
-                self._stats.store_seconds += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                self._stats.store_seconds += spent
+                if stored:
+                    per_byte = spent / (stored * self.block_bytes)
+                    old = self._store_s_per_byte
+                    self._store_s_per_byte = per_byte if old is None else \
+                        0.8 * old + 0.2 * per_byte
+                if rec.charged is not None:
+                    self.budget.settle(rec.charged, spent)
+                    self._stats.budget_store_seconds += spent
                 self._busy_job = False
                 self._cond.notify_all()
 

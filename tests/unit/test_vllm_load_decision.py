@@ -1,0 +1,184 @@
+"""The vLLM planner's load-or-recompute decision (issue 30): figures in, the answer vLLM gets out.
+
+The backend is a fake (no daemon): each prompt's first token says where its hit blocks are, so a
+test sets the tiers of a hit. The figures go in the way the connector feeds them: the workers'
+``StepReport``/``LoadReport`` through ``Planner.observe`` and the daemon's per-tier figures
+through the backend's ``tier_figures`` (read on ``build``). The clock is injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvtier.adaptive import Decider
+from kvtier.integrations.vllm.config import BASE, Variant
+from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
+from kvtier.integrations.vllm.planner import (
+    LoadReport,
+    Planner,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+    StepReport,
+)
+from kvtier.results import TierFigure
+
+BS = 16
+BB = 16384  # bytes of one block (one worker's slice, every layer)
+HOST4_NVME4 = ["host"] * 4 + ["nvme"] * 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBackend:
+    """Hits by prompt: ``tiers_by_first_token[prompt[0]]`` lists the tier of each hit block."""
+
+    def __init__(self, tiers_by_first_token: dict[int, list[str]]) -> None:
+        self.tiers = tiers_by_first_token
+        self.figures: dict[str, TierFigure] = {}
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
+        tiers = self.tiers.get(token_ids[0], [])
+        keys = [[bytes([i % 256]) * 32 for i in range(len(token_ids) // BS)]]
+        return LookupOutcome(keys, len(tiers), list(tiers), [])
+
+    def release(self, pins: Sequence[Pin]) -> None:
+        pass
+
+    def tier_figures(self) -> dict[str, TierFigure]:
+        return dict(self.figures)
+
+    def close(self) -> None:
+        pass
+
+
+def planner(tiers: dict[int, list[str]], *, policy: str = "adaptive",
+            budget: float | None = None) -> tuple[Planner, FakeBackend, Clock]:
+    clock = Clock()
+    backend = FakeBackend(tiers)
+    p = Planner(block_size=BS, backend=backend, lookup_timeout_s=30, lookup_wait_s=10,
+                decider=Decider(policy, probe_after_s=5.0, clock=clock),  # type: ignore[arg-type]
+                block_bytes=BB, interference_budget=budget, clock=clock)
+    return p, backend, clock
+
+
+def ask(p: Planner, req_id: str, first_token: int, n_tokens: int = 12 * BS) -> int:
+    """vLLM's question for a new request with nothing cached locally: tokens to load."""
+    p.on_new_request(RequestInfo(req_id, [first_token] * n_tokens, BASE))
+    got, _ = p.num_new_matched(req_id, 0, n_tokens)
+    assert got is not None
+    return got
+
+
+def engine_steps(p: Planner) -> None:
+    """The engine's measured steps: 1 ms per token computed, 9 ms fixed (16 ms per block)."""
+    p.observe([StepReport(1, 1, 0.010), StepReport(2, 101, 0.110), StepReport(3, 1, 0.010)], [])
+
+
+def tier_loads(p: Planner, *, nvme_s_per_block: float) -> None:
+    """Loads the workers ran: host 0.25 ms per block, nvme as given."""
+    p.observe([], [LoadReport(("w0",), {"host": 4 * BB}, 0.001),
+                   LoadReport(("w1",), {"nvme": 4 * BB}, 4 * nvme_s_per_block)])
+
+
+def test_a_slow_nvme_tier_is_cut_after_the_host_prefix() -> None:
+    p, _, _ = planner({7: HOST4_NVME4})
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)  # 200 ms per block > 16 ms to recompute it
+    assert ask(p, "r", 7) == 4 * BS  # the host prefix only
+    assert p.num_new_matched("r", 0, 12 * BS) == (4 * BS, False)  # asked again: the same
+    s = p.stats
+    assert (s.decision_tokens_loaded, s.decision_tokens_recomputed_slower) == (4 * BS, 4 * BS)
+    assert p.decider.stats.decisions == 1
+    assert s.hit_blocks == 8  # what the lookup found; the answer is what pays off
+    p.close()
+
+
+def test_a_fast_tier_is_loaded_whole_and_without_figures_everything_loads() -> None:
+    p, _, _ = planner({7: HOST4_NVME4, 8: HOST4_NVME4})
+    assert ask(p, "first", 7) == 8 * BS  # nothing measured yet: the load measures the tiers
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.002)  # 2 ms per block < 16 ms
+    assert ask(p, "second", 8) == 8 * BS
+    assert p.decider.stats.by_reason == {"no-figures": 1, "faster": 1}
+    p.close()
+
+
+def test_a_cut_tier_is_probed_and_comes_back_when_it_recovers() -> None:
+    p, _, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4})
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)
+    assert ask(p, "slow", 7) == 4 * BS
+    clock.now += 6.0  # past probe_after_s with nothing new about nvme: one block of it
+    assert ask(p, "probe", 8) == 5 * BS
+    assert p.stats.decision_probes == 1
+    # the probe's load (host 4 blocks + nvme 1 block) was fast: the disk recovered
+    p.observe([], [LoadReport(("probe",), {"host": 4 * BB, "nvme": BB}, 0.003)])
+    assert ask(p, "back", 9) == 8 * BS
+    p.close()
+
+
+def test_the_daemons_figures_cut_a_tier_the_engine_never_loaded_from() -> None:
+    p, backend, _ = planner({7: HOST4_NVME4})
+    engine_steps(p)
+    p.observe([], [LoadReport(("w0",), {"host": 4 * BB}, 0.001)])
+    backend.figures = {"nvme": TierFigure(latency_s=0.25, bytes_per_s=1e9, age_s=0.0, reads=9)}
+    p.build(StepInput())  # the scheduler's step reads them (no RPC)
+    assert ask(p, "r", 7) == 4 * BS
+    p.close()
+
+
+@pytest.mark.parametrize("policy, tokens", [("always", 8 * BS), ("never", 0)])
+def test_pinned_policies(policy: str, tokens: int) -> None:
+    p, _, _ = planner({7: HOST4_NVME4}, policy=policy)
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)
+    assert ask(p, "r", 7) == tokens
+    assert p.stats.decision_tokens_loaded == tokens
+    assert p.stats.decision_tokens_recomputed_policy == 8 * BS - tokens
+    p.close()
+
+
+def test_a_load_while_another_request_decodes_is_cut_to_the_budget() -> None:
+    p, _, _ = planner({5: [], 7: ["host"] * 8}, budget=0.25)
+    engine_steps(p)  # recent step ~10-30 ms: the loads' share ~ a few ms
+    p.observe([], [LoadReport(("w0",), {"host": 4 * BB}, 0.004)])  # 1 ms per host block
+    assert ask(p, "decoding", 5) == 0
+    p.build(StepInput([ScheduledRequest("decoding", [0], True, 12 * BS, 1)]))  # it decodes
+    got = ask(p, "r", 7)
+    budget_s = 0.25 * p._step_s  # type: ignore[operator]
+    assert 0 < got < 8 * BS  # cut back to what fits...
+    assert p.decider.figures.predict({"host": got // BS * BB}) <= budget_s  # type: ignore[operator]
+    assert p.stats.decision_tokens_recomputed_budget == 8 * BS - got
+    # without a decoding request in the step, the same hit loads whole
+    p2, _, _ = planner({7: ["host"] * 8}, budget=0.25)
+    engine_steps(p2)
+    p2.observe([], [LoadReport(("w0",), {"host": 4 * BB}, 0.004)])
+    assert ask(p2, "r", 7) == 8 * BS
+    p.close()
+    p2.close()
+
+
+def test_the_load_job_carries_tiers_and_prediction_and_the_report_settles_it() -> None:
+    p, _, _ = planner({7: HOST4_NVME4})
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)
+    assert ask(p, "r", 7) == 4 * BS
+    p.after_alloc("r", list(range(12)), 4 * BS)
+    plan = p.build(StepInput([ScheduledRequest("r", list(range(12)), True, 4 * BS, 8 * BS)]))
+    (job,) = plan.loads
+    assert job.tiers == ["host"] * 4 and job.predicted_s is not None
+    assert plan.tokens == 8 * BS and not plan.decoding
+    before = p.stats.load_seconds_actual
+    p.observe([], [LoadReport(("r",), {"host": 4 * BB}, 0.0015)])
+    assert p.stats.load_seconds_actual == pytest.approx(before + 0.0015)
+    assert p.stats.load_seconds_predicted == pytest.approx(job.predicted_s)
+    p.close()
