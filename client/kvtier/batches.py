@@ -159,14 +159,16 @@ def lookup_detail(session: Session, handle: Registered, keys: Sequence[bytes]) -
                         [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
 
 
-def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -> PinnedLookup:
+def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes], *,
+                  promote: bool = True) -> PinnedLookup:
     if len(keys) > session._max_batch:
         raise errors.ResourceExhausted(f"at most {session._max_batch} keys per pinned lookup",
                                        field="keys")
     session.counters.lookups += 1
     try:
         reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
-                                                         keys=pack_keys(keys), pin=True))
+                                                         keys=pack_keys(keys), pin=True,
+                                                         hold_only=not promote))
     except Away:
         session.counters.lookups_failed += 1
         return PinnedLookup(0, [], 0, 0)
@@ -192,7 +194,7 @@ def lookup_each_pinned(session: Session, handle: Registered, keys: Sequence[byte
 
 
 def lookup_slices(session: Session, handles: Sequence[Registered],
-                  chains: Sequence[Sequence[bytes]]) -> SlicesLookup:
+                  chains: Sequence[Sequence[bytes]], *, promote: bool = True) -> SlicesLookup:
     """``lookup_pinned`` in every slice's namespace, in one round trip (LookupSlices) where the
     daemon serves it, else one lookup per slice with the same rules: each slice's keys cut at
     the hit so far, stopping at a slice with no hit."""
@@ -212,7 +214,8 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
         out: list[PinnedLookup] = []
         hit: int | None = None
         for handle, keys in zip(handles, chains, strict=True):
-            got = lookup_pinned(session, handle, keys if hit is None else keys[:hit])
+            got = lookup_pinned(session, handle, keys if hit is None else keys[:hit],
+                                promote=promote)
             session.counters.lookups -= 1  # (counted once, above)
             out.append(got)
             hit = got.hits if hit is None else min(hit, got.hits)
@@ -222,7 +225,7 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
     try:
         reply = session._call("LookupSlices", pb.LookupSlicesRequest(
             namespace_ids=[h.namespace_id for h in handles],
-            keys=[pack_keys(keys) for keys in chains], pin=True))
+            keys=[pack_keys(keys) for keys in chains], pin=True, hold_only=not promote))
     except Away:
         session.counters.lookups_failed += 1
         return SlicesLookup(0, [])

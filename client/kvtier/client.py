@@ -136,13 +136,14 @@ class Client(Session):
         return to_dict(reply)
 
     def lookup_slices(self, handles: Sequence[NamespaceHandle],
-                      chains: Sequence[Sequence[bytes]]) -> SlicesLookup:
+                      chains: Sequence[Sequence[bytes]], *, promote: bool = True) -> SlicesLookup:
         """A pinned lookup of ``chains[i]`` in ``handles[i]``'s namespace for each parallel slice
         of an engine (one namespace per TP rank), in one round trip: the hit is the prefix every
         slice holds (each slice's keys are cut at the hit so far; it stops at a slice with no
         hit). Release each slice's pin (``SlicesLookup.slices[i].pin``). A daemon that does not
-        serve it (older than this SDK) gets one pinned lookup per slice, same answer."""
-        return batches.lookup_slices(self, handles, chains)
+        serve it (older than this SDK) gets one pinned lookup per slice, same answer.
+        ``promote`` False: hold the hits only (``lookup_pinned``)."""
+        return batches.lookup_slices(self, handles, chains, promote=promote)
 
     def release(self, pin: int, epoch: int = 0) -> bool:
         """Unpin what ``lookup_pinned`` pinned. Never raises: a pin the daemon no longer knows
@@ -208,10 +209,13 @@ class NamespaceHandle:
             return LookupResult(0, [], [])
         return self.lookup_detail(keys)
 
-    def lookup_pinned(self, keys: Sequence[bytes]) -> PinnedLookup:
+    def lookup_pinned(self, keys: Sequence[bytes], *, promote: bool = True) -> PinnedLookup:
         """Like lookup_detail (at most one batch of keys), and the hits stay pinned against
-        eviction until ``client.release(result.pin, result.epoch)``."""
-        return batches.lookup_pinned(self.client, self, keys)
+        eviction until ``client.release(result.pin, result.epoch)``. The daemon starts
+        promoting hits held only below the host tier (and importing cluster hits) at once;
+        ``promote`` False holds them only, for a caller that may decide not to load them (the
+        load that does promotes them then)."""
+        return batches.lookup_pinned(self.client, self, keys, promote=promote)
 
     def lookup_each_pinned(self, keys: Sequence[bytes]) -> PinnedEach:
         """One answer per key, not a prefix (at most one batch of keys): the keys ready in the

@@ -447,7 +447,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         base = self._arena_base(s, ns) if request.pin else 0
-        return (await self._lookup(s, ns, keys, request.pin, base))[0]
+        return (await self._lookup(s, ns, keys, request.pin, base,
+                                   promote=not request.hold_only))[0]
 
     @_rpc
     async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
@@ -478,7 +479,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                     await asyncio.sleep(0)
                     s = self._session(request.session_id)  # (closed meanwhile: NOT_FOUND)
                 reply, job = await self._lookup(s, ns, keys if hit is None else keys[:hit],
-                                                request.pin, base)
+                                                request.pin, base,
+                                                promote=not request.hold_only)
                 replies.append(reply)
                 if job is not None:
                     pinned.append(job)
@@ -499,12 +501,12 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                                     slices=replies)
 
     async def _lookup(self, s: Session, ns: NamespaceState, keys: Sequence[bytes], pin: bool,
-                      base: int) -> tuple[Any, LoadJob | None]:
+                      base: int, *, promote: bool = True) -> tuple[Any, LoadJob | None]:
         """One namespace's lookup (``base``: the session's arena start, for a pin's offsets):
-        its reply, and the job holding its pins."""
+        its reply, and the job holding its pins (``promote`` False: ``hold_only``)."""
         if pin:
             self._check_jobs(s)
-            job, tiers = await self.cache.pin_prefix_shared(s, ns, keys)
+            job, tiers = await self.cache.pin_prefix_shared(s, ns, keys, promote=promote)
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch), None
             self._check_pins(s, job)

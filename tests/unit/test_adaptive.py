@@ -273,3 +273,16 @@ def test_prefill_rate_holds_over_interleaved_decode_and_prefill_steps() -> None:
     assert rate.seconds_per_token() == pytest.approx(0.001)
     rate.observe_step(1, 0.010)  # a decode step last: the same rate
     assert rate.seconds_per_token() == pytest.approx(0.001)
+
+
+def test_cut_tiers_name_the_tiers_the_latest_decisions_cut_back() -> None:
+    clock = Clock()
+    d = Decider(clock=clock)
+    engine(clock, d)
+    d.loaded({"host": MIB}, 0.0003)
+    d.loaded({"nvme": MIB}, 0.300)
+    assert d.decide(["host", "nvme"], block_tokens=BT, block_bytes=MIB).load_blocks == 1
+    assert d.cut_tiers == {"nvme"}
+    d.loaded({"nvme": MIB}, 0.0004)  # recovered
+    assert d.decide(["host", "nvme"], block_tokens=BT, block_bytes=MIB).load_blocks == 2
+    assert d.cut_tiers == set()

@@ -514,6 +514,28 @@ async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
 
 
 @scenario
+async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
+        make_rig: Callable[..., Rig]) -> None:
+    """``Lookup(pin, hold_only)`` (issue 30): a client that may recompute NVMe hits holds them
+    without making the daemon read them; the load that does take them promotes them then."""
+    rig = make_rig(host=4)
+    await rig.store(1, 2)
+    await rig.settle()
+    await rig.store(3, 4, 5, 6)
+    await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
+    reads = rig.disk.reads
+    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3), promote=False)
+    assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
+    await rig.settle()
+    assert rig.lookup(1, 2, 3) == (3, "nnh", "ddd")  # nothing was promoted
+    assert rig.disk.reads == reads  # nor read
+    assert rig.cache.read_figures() == {}
+    assert await rig.read(1, 2) == [payload(1), payload(2)]  # the load promotes them
+    assert rig.cache.complete_load(rig.session, job.id) == 3
+    assert rig.cache.pinned_blocks == 0
+
+
+@scenario
 async def test_a_slow_promotion_blocks_neither_the_loop_nor_a_second_load(
         make_rig: Callable[..., Rig]) -> None:
     gate = Gate("read")

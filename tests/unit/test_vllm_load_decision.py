@@ -44,8 +44,11 @@ class FakeBackend:
     def __init__(self, tiers_by_first_token: dict[int, list[str]]) -> None:
         self.tiers = tiers_by_first_token
         self.figures: dict[str, TierFigure] = {}
+        self.promoted: list[bool] = []  # per lookup: whether it asked the daemon to promote
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
+               promote: bool = True) -> LookupOutcome:
+        self.promoted.append(promote)
         tiers = self.tiers.get(token_ids[0], [])
         keys = [[bytes([i % 256]) * 32 for i in range(len(token_ids) // BS)]]
         return LookupOutcome(keys, len(tiers), list(tiers), [])
@@ -99,6 +102,23 @@ def test_a_slow_nvme_tier_is_cut_after_the_host_prefix() -> None:
     assert (s.decision_tokens_loaded, s.decision_tokens_recomputed_slower) == (4 * BS, 4 * BS)
     assert p.decider.stats.decisions == 1
     assert s.hit_blocks == 8  # what the lookup found; the answer is what pays off
+    p.close()
+
+
+def test_lookups_promote_nothing_while_decisions_cut_the_tiers_below_host() -> None:
+    """A pinned lookup makes the daemon read NVMe hits into the host tier at once; while the
+    decisions recompute them, that disk work is wasted (and competes with the engine), so the
+    lookups hold them only (``Lookup.hold_only``) until a decision loads that tier again."""
+    p, backend, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4})
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)
+    assert ask(p, "slow", 7) == 4 * BS  # nvme cut: the next lookups hold only
+    assert ask(p, "held", 8) == 4 * BS
+    assert backend.promoted == [True, False]
+    tier_loads(p, nvme_s_per_block=0.0005)  # the disk recovered (a probe, or the daemon says)
+    assert ask(p, "whole", 9) == 8 * BS
+    ask(p, "after", 7)
+    assert backend.promoted == [True, False, False, True]
     p.close()
 
 

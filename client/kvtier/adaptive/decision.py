@@ -93,6 +93,10 @@ class Decider:
         self.stats = DecisionStats()
         self._clock = clock
         self._probed: dict[str, float] = {}  # tier -> when it was last probed
+        self.cut_tiers: set[str] = set()
+        """Tiers the latest adaptive decision that met them cut back for cost (a later one that
+        loads them whole clears them): a hint for work done ahead of a decision (the vLLM
+        connector's pinned lookups start no promotions from a cut tier)."""
         self._probe_wait: dict[str, float] = {}  # tier -> its probe interval now
 
     # -- figures in -----------------------------------------------------------------------------
@@ -174,7 +178,10 @@ class Decider:
         if best_k == n:
             for tier in set(tiers):  # every tier pays off: probe it soon again if it slows
                 self._probe_wait.pop(tier, None)
+                self.cut_tiers.discard(tier)
             return Decision(n, n, "faster", best_cost, spt * n * block_tokens)
+        self.cut_tiers.update(tiers[best_k:])
+        self.cut_tiers.difference_update(tiers[:best_k])
         probe = self._probe(tiers, best_k)
         if probe is not None:
             return Decision(probe, n, "probe", self._load_cost(tiers, probe, block_bytes),

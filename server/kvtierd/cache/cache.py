@@ -303,11 +303,13 @@ class TieredCache:
         return next(link.id for link in self.chain if e.copy_in(link.level) is not None)
 
     async def pin_prefix_shared(self, session: Session, ns: NamespaceState,
-                                keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
+                                keys: Sequence[bytes], *, promote: bool = True
+                                ) -> tuple[LoadJob | None, bytes]:
         """``pin_prefix``, after importing from the cluster tier the blocks that extend the
-        local prefix (they are then host hits, counted as cluster hits)."""
-        imported = await self.import_shared(ns, keys)
-        job, tiers = self.pin_prefix(session, ns, keys)
+        local prefix (they are then host hits, counted as cluster hits). ``promote`` False
+        (``hold_only``): no import, and no promotion started (``pin_prefix``)."""
+        imported = await self.import_shared(ns, keys) if promote else []
+        job, tiers = self.pin_prefix(session, ns, keys, promote=promote)
         if imported and job is not None:  # those the lookup counted as host hits
             held = set(job.items.values())
             n = sum(1 for e in imported if e in held)
@@ -315,14 +317,16 @@ class TieredCache:
                 self._count_cluster_hits(ns, n, moved_from_host=True)
         return job, tiers
 
-    def pin_prefix(self, session: Session, ns: NamespaceState,
-                   keys: Sequence[bytes]) -> tuple[LoadJob | None, bytes]:
+    def pin_prefix(self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *,
+                   promote: bool = True) -> tuple[LoadJob | None, bytes]:
         """Lookup, then hold the hit prefix (released by complete_load or expiry).
 
         Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
         the index (it keeps its last copy) but may still move between tiers, so holding a prefix
         larger than the host tier never blocks the load of it, which streams through the host
-        tier in rounds. Blocks held only below start promoting in the background."""
+        tier in rounds. Blocks held only below start promoting in the background, unless
+        ``promote`` is False (the client may not load them; the PrepareLoad that does promotes
+        them then)."""
         hit, tiers, _ = self.lookup_detail(ns, keys)
         if hit == 0:
             return None, b""
@@ -335,7 +339,7 @@ class TieredCache:
                       moves_bytes=False)
         self.jobs.add(job)
         session.load_jobs.add(job.id)
-        below = [e for e in items.values() if not e.in_host]
+        below = [e for e in items.values() if not e.in_host] if promote else []
         if below:
             for link in self.chain:
                 link.prefetch(below)

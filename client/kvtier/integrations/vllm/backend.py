@@ -61,7 +61,8 @@ class DaemonBackend:
         for r in range(self.identity.tp_size):
             self.handle(BASE, r)
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome:
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
+               promote: bool = True) -> LookupOutcome:
         """Keys of every tp slice, then one pinned lookup of them all; the hit is the shortest.
         A slice that the published index says has no hit at all ends it with no round trip
         (a new prompt, the common case, costs the daemon nothing)."""
@@ -75,7 +76,7 @@ class DaemonBackend:
                 self.local_misses += 1
                 return LookupOutcome(keys, 0, [], [], self._chain(handles))
         # One round trip for every slice (LookupSlices): the hit every slice holds, pinned.
-        got = self.client.lookup_slices(handles, [k[:n_max] for k in keys])
+        got = self.client.lookup_slices(handles, [k[:n_max] for k in keys], promote=promote)
         pins = [(r, res.pin, res.epoch) for r, res in enumerate(got.slices) if res.pin]
         tiers = got.slices[0].tiers if got.slices else []
         n = got.hits

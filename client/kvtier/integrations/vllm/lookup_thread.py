@@ -54,7 +54,11 @@ class LookupOutcome:
 class Backend(Protocol):
     """The daemon as the lookup thread sees it (called from that thread only)."""
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int]) -> LookupOutcome: ...
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
+               promote: bool = True) -> LookupOutcome:
+        """A pinned lookup; ``promote`` False: hold the hits only, start no promotion of those
+        held below the host tier (``NamespaceHandle.lookup_pinned``)."""
+        ...
 
     def release(self, pins: Sequence[Pin]) -> None: ...
 
@@ -83,6 +87,10 @@ class LookupThread:
         self._forgotten: set[str] = set()
         self._busy = False
         self._closed = False
+        self.promote = True
+        """Whether lookups start promoting hits held below the host tier (the scheduler thread
+        sets it False while its decisions cut those tiers: no disk reads for blocks it will
+        recompute). Read by the lookup thread per lookup; a stale value costs one promotion."""
         self._tasks.append("warmup")  # the first lookup must not pay for opening the session
         self._thread = threading.Thread(target=self._run, name="kvtier-lookup", daemon=True)
         self._thread.start()
@@ -179,7 +187,8 @@ class LookupThread:
                         warmup()
                     continue
                 req_id, gen, variant, tokens = task
-                outcome = self._backend.lookup(variant, tokens)
+                outcome = (self._backend.lookup(variant, tokens) if self.promote
+                           else self._backend.lookup(variant, tokens, promote=False))
                 with self._cond:
                     if req_id in self._forgotten:
                         self._forgotten.discard(req_id)

@@ -42,6 +42,8 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   blocks' tiers and the figures: the workers' step and load reports (``observe``) and the
   daemon's per-tier figures (read from the lookup thread's session on ``build``, no RPC). While
   another request decodes, a load is cut to ``interference_budget`` x the recent step time.
+  While the decisions cut the tiers below the host tier, the lookups hold hits only
+  (``LookupThread.promote`` False: no disk reads for blocks vLLM will recompute).
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer (the
   decision is made once per hit).
 * Asynchronous loads (``load_async``, ``load_mode="async"``): a hit is answered as an async load.
@@ -71,6 +73,7 @@ from kvtier.integrations.vllm.config import Variant
 from kvtier.integrations.vllm.lookup_thread import Backend, LookupOutcome, LookupThread, Pin
 
 log = logging.getLogger("vllm.kvtier")
+BELOW_HOST = frozenset({"nvme", "cluster"})  # tiers a pinned lookup promotes or imports from
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,8 @@ class Planner:
         d = self.decider.decide(tiers, block_tokens=self.block_size,
                                 block_bytes=self.block_bytes, max_load_s=max_load_s)
         st.decision, st.decided_at = d, (first, len(tiers))
+        # no promotions ahead of decisions that cut the tiers below the host tier
+        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST)
         self._sync_decision_stats()
         return d.load_blocks
 
