@@ -826,3 +826,32 @@ def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
     assert w.budget.balance == pytest.approx(1.0 - st["budget_store_seconds"])  # settled
     w.close()
     p.close()
+
+
+def test_a_load_cut_at_its_deadline_still_reports_a_figure(daemon: DaemonProcess) -> None:
+    """A sync load that runs out of its step's time fails (vLLM recomputes); the time it took
+    is still news about the tier, a lower bound: without it a tier slower than the step's
+    budget would never show in the figures, and every revisit would pay the deadline again
+    (issue 30; seen in the seed experiment's slow tier before this report existed)."""
+    p, _ = make_planner(daemon)
+    _, layers = lbhnc_cache(True)
+    w = KvtierWorker(IDENTITY, cfg_for(daemon))
+    w.register(layers)
+    for req_id, seed in (("warm", 1), ("late", 2)):
+        toks = prompt(4 * BS + 1, seed)
+        seed_blocks(daemon, toks, 4)
+        p.on_new_request(RequestInfo(req_id, toks, BASE))
+        assert matched(p, req_id, 0, len(toks)) == (4 * BS, False)
+        p.after_alloc(req_id, [0, 1, 2, 3, 4], 4 * BS)
+        plan = p.build(StepInput([schedule(req_id, [0, 1, 2, 3, 4], 4 * BS, 1)]))
+        if req_id == "warm":
+            assert w.load(plan.loads) == set()  # setup paid, not a figure
+            w.take_reports()
+            p.request_finished(req_id)
+    failed = w.load(plan.loads, deadline=time.monotonic() - 0.001)  # out of time at once
+    assert failed == {0, 1, 2, 3}
+    _, loads = w.take_reports()
+    assert [(r.req_ids, r.bytes_by_tier) for r in loads] == [(("late",), {"host": w.block_bytes})]
+    assert loads[0].seconds >= 0
+    w.close()
+    p.close()

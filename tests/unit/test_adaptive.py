@@ -286,3 +286,16 @@ def test_cut_tiers_name_the_tiers_the_latest_decisions_cut_back() -> None:
     d.loaded({"nvme": MIB}, 0.0004)  # recovered
     assert d.decide(["host", "nvme"], block_tokens=BT, block_bytes=MIB).load_blocks == 2
     assert d.cut_tiers == set()
+
+
+def test_an_unmeasured_tier_is_loaded_while_a_slow_one_behind_it_is_cut() -> None:
+    """The host tier never measured (its first load was setup), NVMe known slow from the
+    daemon: load the host prefix (it measures the host tier), recompute the NVMe blocks."""
+    clock = Clock()
+    d = Decider(clock=clock)
+    engine(clock, d)
+    d.report("nvme", 0.150, 50e6)  # 150 ms a read
+    got = d.decide(["host", "host", "nvme", "nvme"], block_tokens=BT, block_bytes=MIB)
+    assert (got.load_blocks, got.reason, got.predicted_s) == (2, "slower", None)
+    got = d.decide(["host", "host"], block_tokens=BT, block_bytes=MIB)
+    assert (got.load_blocks, got.reason) == (2, "no-figures")

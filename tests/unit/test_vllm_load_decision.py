@@ -64,12 +64,14 @@ class FakeBackend:
 
 
 def planner(tiers: dict[int, list[str]], *, policy: str = "adaptive",
-            budget: float | None = None) -> tuple[Planner, FakeBackend, Clock]:
+            budget: float | None = None, sync_s: float | None = None,
+            load_async: bool = False) -> tuple[Planner, FakeBackend, Clock]:
     clock = Clock()
     backend = FakeBackend(tiers)
     p = Planner(block_size=BS, backend=backend, lookup_timeout_s=30, lookup_wait_s=10,
                 decider=Decider(policy, probe_after_s=5.0, clock=clock),  # type: ignore[arg-type]
-                block_bytes=BB, interference_budget=budget, clock=clock)
+                block_bytes=BB, interference_budget=budget, sync_load_budget_s=sync_s,
+                load_async=load_async, clock=clock)
     return p, backend, clock
 
 
@@ -120,6 +122,18 @@ def test_lookups_promote_nothing_while_decisions_cut_the_tiers_below_host() -> N
     ask(p, "after", 7)
     assert backend.promoted == [True, False, False, True]
     p.close()
+
+
+def test_a_sync_load_is_cut_to_what_fits_the_steps_budget() -> None:
+    """A synchronous load runs within ``step_budget_ms`` or fails there with its time wasted:
+    the decision plans only what is predicted to fit (an async load has no such bound)."""
+    for load_async, want in ((False, 5), (True, 8)):
+        p, _, _ = planner({7: HOST4_NVME4}, sync_s=0.02, load_async=load_async)
+        engine_steps(p)
+        tier_loads(p, nvme_s_per_block=0.010)  # 10 ms a block: faster than recompute (16)...
+        got = ask(p, "r", 7)
+        assert got == want * BS, (load_async, got)  # ...but one fits in 20 ms beside the host
+        p.close()
 
 
 def test_a_fast_tier_is_loaded_whole_and_without_figures_everything_loads() -> None:

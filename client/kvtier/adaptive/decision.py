@@ -18,13 +18,15 @@ predicted load takes longer than recomputing it. Ties go to the longer prefix. C
   tier plus bytes over bandwidth, measured end to end);
 * ``recompute(k)``: ``PrefillRate.seconds_per_token × k × block_tokens``.
 
-Without figures yet (no engine step measured, or a tier never seen) the decision loads: the load
-is what measures the tier. A tier that was cut back is probed: when nothing new about it arrived
-for ``probe_after_s`` (no own load, no fresh daemon report), one decision loads up to and
-including its first block, so a tier that recovered is seen within one probe interval and one
-load. A tier still slow costs one block per probe, and each probe that finds it still slow
-doubles its interval (up to ``probe_max_s``), so a tier that stays slow costs ever less; the
-interval starts again from ``probe_after_s`` once the tier pays off again.
+Without a prefill rate yet (no engine step measured) the decision loads the whole hit; a tier
+never seen costs nothing in the sum (loading it is what measures it), so a prefix of unmeasured
+host blocks is still loaded while a tier measured slow behind it is cut. A tier that was cut
+back is probed: when nothing new about it arrived for ``probe_after_s`` (no own load, no fresh
+daemon report), one decision loads up to and including its first block, so a tier that
+recovered is seen within one probe interval and one load. A tier still slow costs one block
+per probe, and each probe that finds it still slow doubles its interval (up to
+``probe_max_s``), so a tier that stays slow costs ever less; the interval starts again from
+``probe_after_s`` once the tier pays off again.
 """
 
 from __future__ import annotations
@@ -169,12 +171,15 @@ class Decider:
             by_tier[tiers[k - 1]] = by_tier.get(tiers[k - 1], 0) + block_bytes
             if k < n and tiers[k] == tiers[k - 1]:
                 continue  # within a run of one tier cost and gain are linear: check its ends
-            cost = self.figures.predict(by_tier)
-            if cost is None:  # a tier with no figure yet: load it, that measures it
-                return Decision(n, n, "no-figures", None, spt * n * block_tokens)
+            # a tier with no figure yet costs nothing here: loading it is what measures it
+            cost = self.figures.predict(by_tier, unknown=0.0)
+            assert cost is not None
             gain = spt * k * block_tokens - cost
             if gain >= best_gain:
                 best_k, best_gain, best_cost = k, gain, cost
+        unknown = any(not self.figures.known(t) for t in set(tiers[:best_k]))
+        if best_k == n and unknown:
+            return Decision(n, n, "no-figures", None, spt * n * block_tokens)
         if best_k == n:
             for tier in set(tiers):  # every tier pays off: probe it soon again if it slows
                 self._probe_wait.pop(tier, None)
@@ -186,7 +191,7 @@ class Decider:
         if probe is not None:
             return Decision(probe, n, "probe", self._load_cost(tiers, probe, block_bytes),
                             spt * probe * block_tokens)
-        return Decision(best_k, n, "slower", best_cost if best_k else None,
+        return Decision(best_k, n, "slower", best_cost if best_k and not unknown else None,
                         spt * best_k * block_tokens if best_k else None)
 
     def _load_cost(self, tiers: Sequence[str], k: int, block_bytes: int) -> float | None:

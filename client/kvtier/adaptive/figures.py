@@ -180,17 +180,27 @@ class LoadFigures:
             copy = ab[1] * nbytes if ab is not None else 0.0
         return rep.latency_s + nbytes / rep.bytes_per_s + copy
 
-    def predict(self, bytes_by_tier: Mapping[str, int]) -> float | None:
-        """Seconds to load these bytes; None when a tier with bytes has no figure yet."""
+    def predict(self, bytes_by_tier: Mapping[str, int], *,
+                unknown: float | None = None) -> float | None:
+        """Seconds to load these bytes. A tier with bytes and no figure yet makes it None, or
+        costs ``unknown`` seconds when that is given (0.0: an optimistic guess, so that a load
+        measures the tier)."""
         total = 0.0
         for tier, nbytes in bytes_by_tier.items():
             if nbytes <= 0:
                 continue
             c = self.cost(tier, nbytes)
             if c is None:
-                return None
+                if unknown is None:
+                    return None
+                c = unknown
             total += c
         return total
+
+    def known(self, tier: str) -> bool:
+        """Whether ``tier`` has a figure (own or reported)."""
+        fit = self._own.get(tier)
+        return (fit is not None and fit.known) or tier in self._reported
 
 
 class PrefillRate:

@@ -216,7 +216,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 decider=Decider(self.cfg.load_policy,
                                 probe_after_s=self.cfg.probe_after_s),
                 block_bytes=self.identity.namespace().block_bytes,
-                interference_budget=self.cfg.interference_budget)
+                interference_budget=self.cfg.interference_budget,
+                sync_load_budget_s=self.cfg.step_budget_ms / 1000)
         log.info("kvtier connector (%s): %s at %s", role.name.lower(),
                  self.identity.namespace().to_dict(), self.cfg.address)
 

@@ -225,6 +225,7 @@ class Planner:
                  store: bool = True, store_generated: bool = True, load_async: bool = False,
                  event_token_ids: bool = False, decider: Decider | None = None,
                  block_bytes: int = 0, interference_budget: float | None = None,
+                 sync_load_budget_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         # The load-or-recompute decision (adaptive by default: without figures it loads every
@@ -233,6 +234,9 @@ class Planner:
         self.decider = decider if decider is not None else Decider(clock=clock)
         self.block_bytes = block_bytes
         self.interference_budget = interference_budget
+        # a synchronous load runs within the step's budget (``step_budget_ms``) or fails there,
+        # its time wasted: the decision cuts a sync load to what is predicted to fit
+        self.sync_load_budget_s = None if load_async else sync_load_budget_s
         self._step_s: float | None = None  # recent forward seconds per step (moving average)
         self._decoding: set[str] = set()  # requests that decoded in the last planned step
         self._daemon_figures: dict[str, tuple[float, float, int]] = {}
@@ -318,10 +322,11 @@ class Planner:
         d = st.decision
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
-        max_load_s = None
+        max_load_s = self.sync_load_budget_s
         if self.interference_budget is not None and self._step_s is not None \
                 and self._decoding - {st.info.req_id}:
-            max_load_s = self.interference_budget * self._step_s  # the loads' share of a step
+            share = self.interference_budget * self._step_s  # the loads' share of a step
+            max_load_s = share if max_load_s is None else min(max_load_s, share)
         d = self.decider.decide(tiers, block_tokens=self.block_size,
                                 block_bytes=self.block_bytes, max_load_s=max_load_s)
         st.decision, st.decided_at = d, (first, len(tiers))

@@ -331,12 +331,15 @@ class KvtierWorker:
         self._stats.engine_seconds += seconds
         self._engine_s_total += seconds
 
-    def _load_bytes(self, jobs: Sequence[LoadJob]) -> dict[str, int]:
+    def _load_bytes(self, jobs: Sequence[LoadJob], only: set[int] | None = None
+                    ) -> dict[str, int]:
+        """Bytes by tier of the jobs' blocks (``only``: of those engine block ids)."""
         out: dict[str, int] = {}
         for job in jobs:
             tiers = job.tiers or ["unknown"] * len(job.block_ids)
-            for tier in tiers:
-                out[tier] = out.get(tier, 0) + self.block_bytes
+            for bid, tier in zip(job.block_ids, tiers, strict=False):
+                if only is None or bid in only:
+                    out[tier] = out.get(tier, 0) + self.block_bytes
         return out
 
     def wait(self, job_ids: Sequence[int], deadline: float | None = None) -> None:
@@ -456,13 +459,20 @@ class KvtierWorker:
             elif charge:
                 self.budget.charge_load(spent)
                 self._stats.budget_load_seconds += spent
+            timed_out = client.counters.out_of_time > out_of_time
             if loaded and engine_thread not in self._warm_loads:
                 # the first load of each path pays one-time setup (staging buffers, the data
                 # channel): not a figure of the tier
                 self._warm_loads.add(engine_thread)
-            elif loaded:
+            elif loaded or timed_out:
+                # a load cut at its deadline is a figure too, a lower bound: what did arrive
+                # took ``spent`` (nothing did: one block took longer than ``spent``)
+                arrived = None if not failed else (
+                    {b for j in jobs for b in j.block_ids} - failed if loaded else
+                    _first_block(jobs))
                 self._load_reports.append(LoadReport(
-                    tuple(dict.fromkeys(j.req_id for j in jobs)), self._load_bytes(jobs), spent))
+                    tuple(dict.fromkeys(j.req_id for j in jobs)),
+                    self._load_bytes(jobs, arrived), spent))
         return failed
 
     def load_async(self, jobs: Sequence[LoadJob], *, decoding: bool = False) -> None:
@@ -688,6 +698,11 @@ class KvtierWorker:
                                              deadline=deadline)
             self._handles[(role, variant)] = h
         return h
+
+
+def _first_block(jobs: Sequence[LoadJob]) -> set[int]:
+    """The first engine block of the first job (a load that delivered nothing)."""
+    return {jobs[0].block_ids[0]} if jobs and jobs[0].block_ids else set()
 
 
 def _by_variant(jobs: Sequence[LoadJob], rank: int
