@@ -79,7 +79,7 @@ from seed.common import (
 
 SCENARIOS = ("revisit", "chats", "fleet", "mix", "slow", "interference")
 NEEDS = {"chats": ("alone", "sync"), "fleet": ("sync", "sync-b"), "mix": ("alone", "sync", "async"),
-         "slow": ("alone",), "interference": ("alone", "budget", "nobudget")}
+         "slow": ("alone",), "interference": ("alone", "budget", "tight", "nobudget")}
 
 
 def parse_order(text: str) -> list[str]:

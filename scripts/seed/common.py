@@ -269,9 +269,10 @@ SMALL_ENGINES: dict[str, tuple[bool, str, str, dict[str, Any]]] = {
     "sync": (True, "sync", "-small", {}),  # fleet's engine A
     "sync-b": (True, "sync", "-small", {}),  # fleet's engine B: same namespace as A
     "async": (True, "async", "-small-async", {}),  # its own namespace (mix compares it with sync)
-    # the interference scenario: the default budget, and none
+    # the interference scenario: the default budget, none, and a tight one (2 % of a step)
     "budget": (True, "sync", "-small-budget", {"interference_budget": 0.25}),
     "nobudget": (True, "sync", "-small-nobudget", {"interference_budget": None}),
+    "tight": (True, "sync", "-small-tight", {"interference_budget": 0.02}),
 }
 
 

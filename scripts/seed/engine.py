@@ -60,6 +60,13 @@ def engine_main(spec: dict[str, Any]) -> None:
         for m in llm.get_metrics():
             if "kvtier" in m.name and isinstance(m, Counter):
                 out[m.name] = out.get(m.name, 0.0) + float(m.value)
+        # get_metrics rounds counters down to integers: kvtier's seconds from the registry
+        from prometheus_client import REGISTRY
+
+        for fam in REGISTRY.collect():
+            if fam.type == "counter" and "kvtier" in fam.name and "seconds" in fam.name:
+                total = sum(x.value for x in fam.samples if x.name.endswith("_total"))
+                out[fam.name] = total
         return out
 
     def answer(obj: dict[str, Any]) -> None:

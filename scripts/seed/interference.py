@@ -1,9 +1,10 @@
 """Decode interference (``--interference``): what loads and stores running at full rate cost a
 request that is decoding beside them, with kvtier's interference budget and without.
 
-Three engines of the small set: ``alone`` (no connector), ``budget`` (kvtier with the default
+Four engines of the small set: ``alone`` (no connector), ``budget`` (kvtier with the default
 ``interference_budget`` 0.25: kvtier's transfers may add at most a quarter of a step; stores
-past it are dropped, counted) and ``nobudget`` (``interference_budget`` null). Each first visits
+past it are dropped, counted), ``tight`` (0.02: the budget binding on this host, where
+transfers take a few percent of a step) and ``nobudget`` (``interference_budget`` null). Each first visits
 ``--mix-pool`` documents (the kvtier engines store them). Then, per engine, two runs:
 
 * ``quiet``: one request decodes ``--interference-decode`` tokens alone;
@@ -25,7 +26,7 @@ from typing import Any
 
 from seed.common import EngineSet, log, make_docs, percentile, random_ids
 
-ENGINES = ("alone", "budget", "nobudget")
+ENGINES = ("alone", "budget", "tight", "nobudget")
 
 
 def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], bool]:
@@ -66,16 +67,22 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     lines = ["| engine | run | decode ITL p50 ms | p99 ms | p50 vs quiet | p99 vs quiet "
-             "| loaded from kvtier | stores dropped (budget) | wall s |", "|" + " --- |" * 9]
+             "| loaded from kvtier | kvtier transfers / decoding steps' time | stores dropped (budget) "
+             "| wall s |", "|" + " --- |" * 10]
     for name in ENGINES:
         q = rows[(name, "quiet")]
         for mode in ("quiet", "busy"):
             r = rows[(name, mode)]
-            dropped = [v for k, v in r["kvtier"].items() if "dropped" in k and "budget" in k]
+            k = r["kvtier"]
+            dropped = [v for n, v in k.items() if "dropped_budget_blocks" in n]
+            step_s = k.get("vllm:kvtier_budget_step_seconds", 0.0)
+            moved = k.get("vllm:kvtier_budget_load_seconds", 0.0) + \
+                k.get("vllm:kvtier_budget_store_seconds", 0.0)
+            share = f"{moved / step_s:.1%}" if step_s else "-"
             lines.append(
                 f"| {name} | {mode} | {r['itl_p50'] * 1e3:.1f} | {r['itl_p99'] * 1e3:.1f} "
                 f"| {r['itl_p50'] / q['itl_p50']:.2f}× | {r['itl_p99'] / q['itl_p99']:.2f}× "
-                f"| {r['sources']['external_kv_transfer']:,} "
+                f"| {r['sources']['external_kv_transfer']:,} | {share} "
                 f"| {int(sum(dropped)) if dropped else '-'} | {r['wall_s']:.1f} |")
     return (f"One request decodes {args.interference_decode} tokens; busy: {args.mix_clients} clients × "
             f"{args.mix_requests} requests beside it (revisits of {args.mix_pool} pool documents and "

@@ -5,14 +5,15 @@ on purpose and then fast again.
 The daemon is ``python -m kvtierd.testing.serve --read-latency-file F serve ...`` (test-only: the
 real daemon, whose NVMe reads sleep the milliseconds written in ``F``) with a host tier of
 ``--slow-host-bytes`` and write-through NVMe, so a revisit's blocks are read from the NVMe tier.
-Two phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-tokens``):
+Three phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-tokens``):
 
+* ``fast``: the file says 0: the tier at its own speed (page cache), far faster than recompute:
+  adaptive must keep the speed-up of always;
 * ``slow``: every NVMe read sleeps ``--slow-read-ms``: loading a block takes longer than the
-  engine takes to recompute it;
-* ``fast``: the file says 0: the same tier at its own speed (page cache), far faster than
-  recompute. It runs after ``slow``, so the adaptive engine starts it with figures that say the
-  tier is slow and must see it recover (its probes, and the daemon's figures from the other
-  engine's loads).
+  engine takes to recompute it (and longer than a sync load's step budget): adaptive must not
+  be slower than the engine alone;
+* ``recovered``: 0 again. The adaptive engine starts it with figures that say the tier is slow
+  and must see it recover (its probes, and the daemon's figures from the other engine's loads).
 
 In each phase, each engine (``alone``, ``always``, ``adaptive``; one request at a time,
 ``max_tokens=1``) first visits every document (stores; not measured), then revisits them for
@@ -30,7 +31,7 @@ from typing import Any
 from seed.common import SOURCES, EngineSet, connector_config, daemon, log, make_docs, percentile
 
 ENGINES = ("alone", "always", "adaptive")
-PHASES = ("slow", "fast")
+PHASES = ("fast", "slow", "recovered")
 
 
 def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], bool]:
@@ -105,6 +106,6 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]]
                 f"| {r['sources']['external_kv_transfer']:,} | {pick('recomputed_slower')} "
                 f"| {pick('probe')} |")
     return (f"{args.slow_docs} documents per phase, {args.slow_rounds} revisit rounds, one request at a "
-            f"time; NVMe reads sleep {args.slow_read_ms} ms in the slow phase, 0 in the fast one; host "
+            f"time; NVMe reads sleep {args.slow_read_ms} ms in the slow phase, 0 in the others; host "
             f"tier {args.slow_host_bytes}.\n\n" + "\n".join(lines)
             + f"\n\nCheck (the three engines' outputs are equal): {'ok' if equal else 'FAIL'}.")

@@ -330,6 +330,11 @@ class Planner:
         d = self.decider.decide(tiers, block_tokens=self.block_size,
                                 block_bytes=self.block_bytes, max_load_s=max_load_s)
         st.decision, st.decided_at = d, (first, len(tiers))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
+                      "recompute %s s, budget %s s", st.info.req_id, d.load_blocks, d.hit_blocks,
+                      ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)), d.reason,
+                      d.predicted_s, d.recompute_s, max_load_s)
         # no promotions ahead of decisions that cut the tiers below the host tier
         self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST)
         self._sync_decision_stats()
