@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.planner import (
     RequestInfo,
     ScheduledRequest,
     StepInput,
+    StepPlan,
     StoreJob,
 )
 from kvtier.integrations.vllm.worker import KvtierWorker
@@ -776,6 +777,26 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
         follow.close()
 
 
+def warm_worker_and_plan(daemon: DaemonProcess, p: Planner, w: KvtierWorker,
+                         req_id: str) -> StepPlan:
+    """A worker past its first load (which pays one-time setup and is no tier figure), and the
+    plan of a second request's load of 4 host blocks, ``req_id``, decoding one token."""
+    for rid, seed in (("warm", 1), (req_id, 2)):
+        toks = prompt(4 * BS + 1, seed)
+        seed_blocks(daemon, toks, 4)
+        p.on_new_request(RequestInfo(rid, toks, BASE))
+        assert matched(p, rid, 0, len(toks)) == (4 * BS, False)
+        p.after_alloc(rid, [0, 1, 2, 3, 4], 4 * BS)
+        plan = p.build(StepInput([schedule(rid, [0, 1, 2, 3, 4], 4 * BS, 1)]))
+        assert plan.loads[0].tiers == ["host"] * 4 and plan.tokens == 1
+        if rid == "warm":
+            assert w.load(plan.loads) == set()
+            assert w.take_reports() == ([], [])
+            w.take_stats()
+            p.request_finished(rid)
+    return plan
+
+
 def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
         daemon: DaemonProcess) -> None:
     """The figures the scheduler's decision needs (step seconds, loads by tier) and the budget:
@@ -785,19 +806,7 @@ def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
     _, layers = lbhnc_cache(True)
     w = KvtierWorker(IDENTITY, cfg_for(daemon, interference_budget=0.5))
     w.register(layers)
-    for req_id, seed in (("warm", 1), ("l", 2)):
-        toks = prompt(4 * BS + 1, seed)
-        seed_blocks(daemon, toks, 4)
-        p.on_new_request(RequestInfo(req_id, toks, BASE))
-        assert matched(p, req_id, 0, len(toks)) == (4 * BS, False)
-        p.after_alloc(req_id, [0, 1, 2, 3, 4], 4 * BS)
-        plan = p.build(StepInput([schedule(req_id, [0, 1, 2, 3, 4], 4 * BS, 1)]))
-        assert plan.loads[0].tiers == ["host"] * 4 and plan.tokens == 1
-        if req_id == "warm":  # the worker's first load pays its setup: not a tier figure
-            assert w.load(plan.loads) == set()
-            assert w.take_reports() == ([], [])
-            w.take_stats()
-            p.request_finished(req_id)
+    plan = warm_worker_and_plan(daemon, p, w, "l")
     w.forward_start()
     assert w.load(plan.loads, decoding=True) == set()
     w.forward_start()
@@ -837,17 +846,7 @@ def test_a_load_cut_at_its_deadline_still_reports_a_figure(daemon: DaemonProcess
     _, layers = lbhnc_cache(True)
     w = KvtierWorker(IDENTITY, cfg_for(daemon))
     w.register(layers)
-    for req_id, seed in (("warm", 1), ("late", 2)):
-        toks = prompt(4 * BS + 1, seed)
-        seed_blocks(daemon, toks, 4)
-        p.on_new_request(RequestInfo(req_id, toks, BASE))
-        assert matched(p, req_id, 0, len(toks)) == (4 * BS, False)
-        p.after_alloc(req_id, [0, 1, 2, 3, 4], 4 * BS)
-        plan = p.build(StepInput([schedule(req_id, [0, 1, 2, 3, 4], 4 * BS, 1)]))
-        if req_id == "warm":
-            assert w.load(plan.loads) == set()  # setup paid, not a figure
-            w.take_reports()
-            p.request_finished(req_id)
+    plan = warm_worker_and_plan(daemon, p, w, "late")
     failed = w.load(plan.loads, deadline=time.monotonic() - 0.001)  # out of time at once
     assert failed == {0, 1, 2, 3}
     _, loads = w.take_reports()
