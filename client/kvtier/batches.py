@@ -458,17 +458,19 @@ class _StorePipe:
 # -- loads ------------------------------------------------------------------------------------------
 
 def get_into(session: Session, handle: Registered, keys: Sequence[bytes],
-             views: list[memoryview], *, deadline: float | None = None) -> list[bool]:
+             views: list[memoryview], *, deadline: float | None = None,
+             host_only: bool = False) -> list[bool]:
     def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
              digests: list[int]) -> list[int]:
         return session._data().read(job_id, [(i, off, views[p]) for i, p, off
                                              in zip(idx, pos, offsets, strict=True)], digests)
 
-    return _load(session, handle, keys, read, deadline=deadline)
+    return _load(session, handle, keys, read, deadline=deadline, host_only=host_only)
 
 
 def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
-               block_ids: Sequence[int], *, deadline: float | None = None) -> list[bool]:
+               block_ids: Sequence[int], *, deadline: float | None = None,
+               host_only: bool = False) -> list[bool]:
     """get_blocks over a mapped arena: scatter straight from the pinned slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
     def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
@@ -488,19 +490,21 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
         return bad
 
     return _load(session, handle, keys, read, _blocks_transport(session, layout),
-                 deadline=deadline)
+                 deadline=deadline, host_only=host_only)
 
 
 def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: LoadMove,
-          tp: int = 0, *, deadline: float | None = None) -> list[bool]:
+          tp: int = 0, *, deadline: float | None = None, host_only: bool = False) -> list[bool]:
     """Round after round until ``deadline``: the first asks for every key, each later one
     for the keys the daemon deferred (held below, not placed in the host tier that round),
     while each round serves something. A job that would start after the deadline does not
-    (its keys are misses; what earlier jobs loaded stays loaded)."""
+    (its keys are misses; what earlier jobs loaded stays loaded). ``host_only``: one round,
+    of what the host tier holds now (``PrepareLoadRequest.host_only``)."""
     tp = tp or make_transport_value(session.transport_name)
     deadline = session.deadline() if deadline is None else deadline
     found = [False] * len(keys)
     pipe = _LoadPipe(session, handle, pack_keys(keys), read, tp, deadline, found)
+    pipe.host_only = host_only
     todo = list(range(len(keys)))
     try:
         while todo:
@@ -508,7 +512,7 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Loa
             served, todo = pipe.round([todo[s:e] for s, e in spans], _pipelined(session, spans))
             if pipe.cut is not None:
                 todo = [p for p in todo if p < pipe.cut]
-            if not served:
+            if not served or host_only:
                 break
     except OutOfTime:
         session.counters.gets_failed += 1
@@ -555,6 +559,7 @@ class _LoadPipe:
         self.served = 0
         self.deferred: list[int] = []
         self.cut: int | None = None  # the first position whose bytes failed verification
+        self.host_only = False  # PrepareLoad pins only what the host tier holds now
 
     def round(self, jobs: list[list[int]], pipelined: bool) -> tuple[int, list[int]]:
         """Load the positions of ``jobs`` (each at most one batch), pipelined or one RPC
@@ -586,7 +591,8 @@ class _LoadPipe:
 
     def _prepare(self, positions: list[int]) -> None:
         request = pb.PrepareLoadRequest(namespace_id=self.handle.namespace_id,
-                                        keys=_keys_at(self.packed, positions), transport=self.tp)
+                                        keys=_keys_at(self.packed, positions), transport=self.tp,
+                                        host_only=self.host_only)
         call: PendingCall | Away
         try:
             call = self.session._start("PrepareLoad", request, deadline=self.deadline,

@@ -262,16 +262,18 @@ class NamespaceHandle:
                         parent=parent)
 
     def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
-                   deadline: float | None = None) -> list[bool]:
+                   deadline: float | None = None, host_only: bool = False) -> list[bool]:
         """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
         kernel); blocks not found are left untouched. Returns which were loaded. ``deadline``:
-        no RPC starts after it (the blocks not loaded by then are misses)."""
+        no RPC starts after it (the blocks not loaded by then are misses). ``host_only``: load
+        only what the daemon's host tier holds now, never waiting on a promotion (a block that
+        left the host tier is a miss at once; ``PrepareLoadRequest.host_only``)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return batches.get_blocks(self.client, self, keys, layout, block_ids,
-                                      deadline=deadline)
+                                      deadline=deadline, host_only=host_only)
         staging = self._staging(layout, keys, block_ids)
-        found = self.get_into(keys, list(staging), deadline=deadline)
+        found = self.get_into(keys, list(staging), deadline=deadline, host_only=host_only)
         hit = [i for i, f in enumerate(found) if f]
         if hit:
             ids = [block_ids[i] for i in hit]
@@ -298,9 +300,12 @@ class NamespaceHandle:
         return [b if f else None for b, f in zip(bufs, found, strict=True)]
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
-                 deadline: float | None = None) -> list[bool]:
+                 deadline: float | None = None, host_only: bool = False) -> list[bool]:
+        """Load ``keys`` into ``buffers`` (one block each); which were loaded. ``host_only``:
+        as ``get_blocks``."""
         views = self._views(keys, buffers, "buffer", writable=True)
-        return batches.get_into(self.client, self, keys, views, deadline=deadline)
+        return batches.get_into(self.client, self, keys, views, deadline=deadline,
+                                host_only=host_only)
 
     def _views(self, keys: Sequence[bytes], objs: Sequence[Any], what: str, *,
                writable: bool = False) -> list[memoryview]:

@@ -675,7 +675,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._job_transport(s, request.transport)
         base = self._arena_base(s, ns)
         self._check_jobs(s)
-        job, deferred = await self.cache.prepare_load(s, ns, keys, transport)
+        job, deferred = await self.cache.prepare_load(s, ns, keys, transport,
+                                                      host_only=request.host_only)
         if job is not None:
             self._check_pins(s, job)
         n = len(keys)

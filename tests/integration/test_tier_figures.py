@@ -131,3 +131,32 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
                     if ln.startswith('kvtier_tier_read_latency_seconds{tier="nvme"}'))
         assert 0 < float(line.split()[-1]) < 0.025
         assert 'kvtier_tier_read_bytes_per_second{tier="nvme"}' in text
+
+
+def test_a_host_only_load_never_waits_on_the_slow_disk(
+        slow: tuple[SlowDiskDaemon, Path]) -> None:
+    """``host_only`` (a sync load planned from host hits, issue 30): blocks held only on a slow
+    NVMe tier are misses at once, the breaker stays closed and nothing is promoted; the same
+    load without it waits for the disk and gets them."""
+    d, latency = slow
+    with kvtier.Client.connect(d.unix, "shm", local_lookups=False) as client:
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
+        for i in range(0, len(keys), 16):
+            data = [hashlib.shake_256(b"h%d" % j).digest(ns.block_bytes) for j in range(i, i + 16)]
+            assert ns.put(keys[i : i + 16], data).stored == 16
+        last = keys[-4:]  # still in the host tier
+        wait_for("the first blocks on NVMe only",
+                 lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4, timeout=10.0)
+        latency.write_text("500")
+        time.sleep(0.15)
+        bufs = [bytearray(ns.block_bytes) for _ in range(4)]
+        t0 = time.monotonic()
+        assert ns.get_into(keys[:4], bufs, host_only=True) == [False] * 4
+        assert time.monotonic() - t0 < 0.25  # no 500 ms read waited for
+        assert client.breaker.allows()
+        assert ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4  # nothing promoted
+        assert ns.get_into(last, bufs, host_only=True) == [True] * 4  # host hits load
+        t0 = time.monotonic()
+        assert ns.get_into(keys[:4], bufs) == [True] * 4  # without it: promoted, loaded
+        assert time.monotonic() - t0 >= 0.45

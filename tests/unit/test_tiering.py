@@ -536,6 +536,27 @@ async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
 
 
 @scenario
+async def test_a_host_only_load_pins_what_the_host_tier_holds_and_reads_nothing(
+        make_rig: Callable[..., Rig]) -> None:
+    """``PrepareLoad(host_only)`` (issue 30): a sync load planned from host hits must not wait
+    on a disk; a block that left the host tier since the lookup is deferred at once."""
+    rig = make_rig(host=4)
+    await rig.store(1, 2)
+    await rig.settle()
+    await rig.store(3, 4, 5, 6)
+    await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
+    reads = rig.disk.reads
+    job, deferred = await rig.cache.prepare_load(rig.session, rig.ns, keys(1, 2, 3), SHM,
+                                                 host_only=True)
+    assert job is not None and sorted(job.items) == [2]  # key 3 only
+    assert deferred == {0: TierId.NVME, 1: TierId.NVME}
+    assert rig.disk.reads == reads and rig.lookup(1, 2, 3) == (3, "nnh", "ddd")
+    rig.cache.complete_load(rig.session, job.id)
+    assert rig.cache.pinned_blocks == 0
+    assert await rig.read(1, 2) == [payload(1), payload(2)]  # without it: promoted, loaded
+
+
+@scenario
 async def test_a_slow_promotion_blocks_neither_the_loop_nor_a_second_load(
         make_rig: Callable[..., Rig]) -> None:
     gate = Gate("read")

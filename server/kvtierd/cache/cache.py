@@ -520,11 +520,13 @@ class TieredCache:
     # -- loads ------------------------------------------------------------------------------------
 
     async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                           transport: Transport) -> tuple[LoadJob | None, dict[int, int]]:
+                           transport: Transport, *, host_only: bool = False
+                           ) -> tuple[LoadJob | None, dict[int, int]]:
         """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
         the keys still present below but not placed this round (deferred: index -> the storage
-        tier holding them)."""
-        if self.fleet is not None and any(k not in ns.entries for k in keys):
+        tier holding them). ``host_only``: only those in the host tier now; nothing is
+        promoted or imported (the rest is deferred at once)."""
+        if not host_only and self.fleet is not None and any(k not in ns.entries for k in keys):
             await self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
             _check_live(session)
         items: dict[int, Entry] = {}
@@ -533,7 +535,11 @@ class TieredCache:
             if e is not None:
                 items[i] = e
         deferred: dict[int, int] = {}
-        if self.chain and items:
+        if host_only and self.chain and items:
+            deferred = {i: self._tier_below(e) for i, e in items.items()
+                        if not e.in_host and e.copies}
+            items = {i: e for i, e in items.items() if e.in_host}
+        elif self.chain and items:
             kept = await self._promoted(session, items)
             deferred = {i: self._tier_below(e) for i, e in items.items()
                         if i not in kept and e.copies and e.ns.ready.get(e.key) is e}

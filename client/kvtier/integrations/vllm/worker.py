@@ -429,10 +429,14 @@ class KvtierWorker:
         loaded = 0
         client = self._clients["load"]
         out_of_time = client.counters.out_of_time
+        # a sync load planned from host hits only never waits on a promotion: a block that
+        # left the host tier since the lookup is a miss at once, not the step's budget spent on
+        # a disk read (which would also open the breaker)
+        host_only = engine_thread and all(j.tiers and set(j.tiers) == {"host"} for j in jobs)
         for variant, keys, block_ids in _by_variant(jobs, self.tp_rank):
             try:
                 found = self._handle("load", variant, deadline).get_blocks(
-                    keys, layout, block_ids, deadline=deadline)
+                    keys, layout, block_ids, deadline=deadline, host_only=host_only)
             except KvtierError as e:
                 log.warning("kvtier: load of %d blocks failed: %s", len(keys), e)
                 found = [False] * len(keys)
