@@ -142,6 +142,9 @@ def test_a_daemon_report_fresher_than_our_loads_wins() -> None:
     figures.observe({"host": MIB}, 0.001)
     figures.observe({"nvme": MIB}, 0.5)
     clock.t += 10
+    figures.report("nvme", 0.0001, 2e9, age_s=1.0)
+    assert figures.cost("nvme", MIB) == pytest.approx(0.5)  # ours is recent and slower: kept
+    clock.t += 30  # ours is a half-life old
     figures.report("nvme", 0.0001, 2e9, age_s=1.0)  # the disk is fast again
     assert figures.cost("nvme", MIB) == pytest.approx(0.0001 + MIB / 2e9 + 0.001)
     figures.report("nvme", 9.0, 1.0, age_s=20.0)  # older than what we hold: ignored
@@ -299,3 +302,20 @@ def test_an_unmeasured_tier_is_loaded_while_a_slow_one_behind_it_is_cut() -> Non
     assert (got.load_blocks, got.reason, got.predicted_s) == (2, "slower", None)
     got = d.decide(["host", "host"], block_tokens=BT, block_bytes=MIB)
     assert (got.load_blocks, got.reason) == (2, "no-figures")
+
+
+def test_a_daemon_figure_that_misses_what_the_engine_pays_does_not_win_over_a_recent_load() -> None:
+    """The daemon fits its reads as latency + bytes / bandwidth; reads that run in parallel
+    with the same sizes look like bandwidth (150 ms each, 4 at once: 'fast'). The engine's own
+    load that ran out of its 100 ms step budget says one block takes longer: kept while recent
+    (the seed experiment's slow tier planned 2-block loads that all failed before this)."""
+    clock = Clock()
+    d = Decider(clock=clock)
+    engine(clock, d)
+    d.loaded({"host": MIB}, 0.0003)
+    d.report("nvme", 0.002, 4 * MIB / 0.150)  # 4 reads in 150 ms: about 38 ms a block
+    hits = ["host", "nvme", "nvme", "nvme"]  # blocks of 128 tokens: 128 ms of recompute each
+    assert d.decide(hits, block_tokens=128, block_bytes=MIB, max_load_s=0.1).load_blocks == 3
+    d.loaded({"nvme": MIB}, 0.100)  # a load cut at the deadline: one block took >= 100 ms
+    d.report("nvme", 0.002, 4 * MIB / 0.150)  # the daemon, fresher, says the same as before
+    assert d.decide(hits, block_tokens=128, block_bytes=MIB, max_load_s=0.1).load_blocks == 1

@@ -10,9 +10,11 @@ a caller that shares one across threads holds its own lock.
 * ``LinearFit``: weighted least squares of ``y = a + b·x`` with exponential forgetting. The
   intercept is the fixed cost (a round trip, a step's overhead), the slope the cost per unit.
 * ``LoadFigures``: per tier ("host", "nvme", "cluster"), the end-to-end seconds to load ``n``
-  bytes into the engine. Two sources, the fresher wins: the engine's own loads (``observe``, the
-  time a load took with its bytes by tier) and the daemon's per-tier figures (``report``: the
-  latency and bandwidth of its recent reads of that tier, which other clients' loads keep fresh).
+  bytes into the engine. Two sources: the engine's own loads (``observe``, the time a load took
+  with its bytes by tier) and the daemon's per-tier figures (``report``: the latency and
+  bandwidth of its recent reads of that tier, which other clients' loads keep fresh). The
+  fresher wins, except that a recent own figure slower than the daemon's is kept (the daemon's
+  misses part of what this engine pays).
 * ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds);
   ``FixedPrefillRate``: an operator's figure where no step can be measured.
 """
@@ -178,7 +180,16 @@ class LoadFigures:
             host = self._own.get("host")
             ab = host.coefficients() if host is not None else None
             copy = ab[1] * nbytes if ab is not None else 0.0
-        return rep.latency_s + nbytes / rep.bytes_per_s + copy
+        reported = rep.latency_s + nbytes / rep.bytes_per_s + copy
+        if fit is not None and fit.known and fit.updated_at is not None \
+                and self._clock() - fit.updated_at < self._half_life_s:
+            # Our own recent loads were slower than the daemon's figure says: its figure misses
+            # part of what this engine pays (reads in parallel that a line of cost over bytes
+            # cannot tell from bandwidth, the transport, our own queueing). The slower one,
+            # while ours is recent; a recovered tier shows in our next load (a probe).
+            own = fit.predict(nbytes)
+            return max(reported, own) if own is not None else reported
+        return reported
 
     def predict(self, bytes_by_tier: Mapping[str, int], *,
                 unknown: float | None = None) -> float | None:
