@@ -463,7 +463,9 @@ class KvtierWorker:
             elif charge:
                 self.budget.charge_load(spent)
                 self._stats.budget_load_seconds += spent
-            timed_out = client.counters.out_of_time > out_of_time
+            # out of time: an RPC not started for lack of it, or one that outlasted it
+            timed_out = client.counters.out_of_time > out_of_time or (
+                bool(failed) and time.monotonic() >= deadline - 0.001)
             if loaded and engine_thread not in self._warm_loads:
                 # the first load of each path pays one-time setup (staging buffers, the data
                 # channel): not a figure of the tier
