@@ -513,16 +513,22 @@ async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
     assert rig.cache.pinned_blocks == 0
 
 
+async def one_and_two_below(make_rig: Callable[..., Rig]) -> Rig:
+    """A 4-block host tier holding [3 4 5 6], with 1 and 2 on NVMe only."""
+    rig = make_rig(host=4)
+    await rig.store(1, 2)
+    await rig.settle()
+    await rig.store(3, 4, 5, 6)
+    await rig.settle()
+    return rig
+
+
 @scenario
 async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
         make_rig: Callable[..., Rig]) -> None:
     """``Lookup(pin, hold_only)`` (issue 30): a client that may recompute NVMe hits holds them
     without making the daemon read them; the load that does take them promotes them then."""
-    rig = make_rig(host=4)
-    await rig.store(1, 2)
-    await rig.settle()
-    await rig.store(3, 4, 5, 6)
-    await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
+    rig = await one_and_two_below(make_rig)
     reads = rig.disk.reads
     job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3), promote=False)
     assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
@@ -540,11 +546,7 @@ async def test_a_host_only_load_pins_what_the_host_tier_holds_and_reads_nothing(
         make_rig: Callable[..., Rig]) -> None:
     """``PrepareLoad(host_only)`` (issue 30): a sync load planned from host hits must not wait
     on a disk; a block that left the host tier since the lookup is deferred at once."""
-    rig = make_rig(host=4)
-    await rig.store(1, 2)
-    await rig.settle()
-    await rig.store(3, 4, 5, 6)
-    await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
+    rig = await one_and_two_below(make_rig)
     reads = rig.disk.reads
     job, deferred = await rig.cache.prepare_load(rig.session, rig.ns, keys(1, 2, 3), SHM,
                                                  host_only=True)
