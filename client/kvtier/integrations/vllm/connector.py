@@ -1,4 +1,5 @@
-"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. The only module that imports vLLM.
+"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. With ``tier.py``, one of the
+two modules that import vLLM.
 
 Everything vLLM-shaped is translated here and nowhere else: ``VllmConfig`` -> ``EngineIdentity`` +
 ``ConnectorConfig``; ``Request`` -> ``RequestInfo``; ``SchedulerOutput`` -> ``StepInput``; the
@@ -18,6 +19,9 @@ Load or recompute (docs/vllm.md §4): the workers time each step's forward (from
 ``bind_connector_metadata`` to ``wait_for_save``) and each load, and send them to the scheduler
 with vLLM's worker -> scheduler channel (``build_connector_worker_meta`` -> ``KvtierWorkerMeta``
 -> ``update_connector_output``), where the planner's decider turns them into figures.
+
+Size: over the 400-line budget (issue 27 lists it): vLLM's connector interface is one class
+of many hooks, plus its stats and worker-metadata classes that vLLM requires beside it.
 """
 
 from __future__ import annotations

@@ -58,6 +58,9 @@ Ownership: the planner owns the per-request state (scheduler thread only) and th
 (``LookupThread``, in ``lookup_thread.py``, with the ``Backend`` it drives and the
 ``LookupOutcome`` it answers); the two share only the task queue and the result map, under one
 lock.
+
+Size: over the 400-line budget (issue 27 lists it): one per-request state machine on the
+scheduler thread; the decision itself is ``kvtier.adaptive``.
 """
 
 from __future__ import annotations

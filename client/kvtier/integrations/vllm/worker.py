@@ -71,6 +71,10 @@ request is aborted until the load is reported finished. kvtier itself never stor
 a load is writing: ``submit_stores`` drops such a job (it cannot happen through the planner, which
 stores only scheduled requests' computed blocks; the check makes it a rule). Loads use the load
 session and their own ``PagedKvLayout`` (staging buffers) on the load thread only.
+
+Size: over the 400-line budget (issue 27 lists it): the worker's load, store and fence paths
+share one job table and lock; ``_load_now`` (49 lines) and ``_store_loop`` keep each path's
+accounting under that lock in one place.
 """
 
 from __future__ import annotations
@@ -466,20 +470,25 @@ class KvtierWorker:
             # out of time: an RPC not started for lack of it, or one that outlasted it
             timed_out = client.counters.out_of_time > out_of_time or (
                 bool(failed) and time.monotonic() >= deadline - 0.001)
-            if loaded and engine_thread not in self._warm_loads:
-                # the first load of each path pays one-time setup (staging buffers, the data
-                # channel): not a figure of the tier
-                self._warm_loads.add(engine_thread)
-            elif loaded or timed_out:
-                # a load cut at its deadline is a figure too, a lower bound: what did arrive
-                # took ``spent`` (nothing did: one block took longer than ``spent``)
-                arrived = None if not failed else (
-                    {b for j in jobs for b in j.block_ids} - failed if loaded else
-                    _first_block(jobs))
-                self._load_reports.append(LoadReport(
-                    tuple(dict.fromkeys(j.req_id for j in jobs)),
-                    self._load_bytes(jobs, arrived), spent))
+            self._report_load(jobs, engine_thread, loaded, failed, timed_out, spent)
         return failed
+
+    def _report_load(self, jobs: Sequence[LoadJob], engine_thread: bool, loaded: int,
+                     failed: set[int], timed_out: bool, spent: float) -> None:
+        """The load's figure for the scheduler's decision (caller holds _cond)."""
+        if loaded and engine_thread not in self._warm_loads:
+            # the first load of each path pays one-time setup (staging buffers, the data
+            # channel): not a figure of the tier
+            self._warm_loads.add(engine_thread)
+        elif loaded or timed_out:
+            # a load cut at its deadline is a figure too, a lower bound: what did arrive
+            # took ``spent`` (nothing did: one block took longer than ``spent``)
+            arrived = None if not failed else (
+                {b for j in jobs for b in j.block_ids} - failed if loaded else
+                _first_block(jobs))
+            self._load_reports.append(LoadReport(
+                tuple(dict.fromkeys(j.req_id for j in jobs)),
+                self._load_bytes(jobs, arrived), spent))
 
     def load_async(self, jobs: Sequence[LoadJob], *, decoding: bool = False) -> None:
         """Queue each request's load for the load thread and return at once (engine thread,
