@@ -497,7 +497,8 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Loa
           tp: int = 0, *, deadline: float | None = None, host_only: bool = False) -> list[bool]:
     """Round after round until ``deadline``: the first asks for every key, each later one
     for the keys the daemon deferred (held below, not placed in the host tier that round),
-    while each round serves something. A job that would start after the deadline does not
+    while each round serves something and the daemon did not answer that its reads outlast
+    the deadline (``deadline_cut``). A job that would start after the deadline does not
     (its keys are misses; what earlier jobs loaded stays loaded). ``host_only``: one round,
     of what the host tier holds now (``PrepareLoadRequest.host_only``)."""
     tp = tp or make_transport_value(session.transport_name)
@@ -512,7 +513,7 @@ def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: Loa
             served, todo = pipe.round([todo[s:e] for s, e in spans], _pipelined(session, spans))
             if pipe.cut is not None:
                 todo = [p for p in todo if p < pipe.cut]
-            if not served or host_only:
+            if not served or host_only or pipe.deadline_cut:
                 break
     except OutOfTime:
         session.counters.gets_failed += 1
@@ -560,6 +561,7 @@ class _LoadPipe:
         self.deferred: list[int] = []
         self.cut: int | None = None  # the first position whose bytes failed verification
         self.host_only = False  # PrepareLoad pins only what the host tier holds now
+        self.deadline_cut = False  # the daemon answered by the deadline with reads still going
 
     def round(self, jobs: list[list[int]], pipelined: bool) -> tuple[int, list[int]]:
         """Load the positions of ``jobs`` (each at most one batch), pipelined or one RPC
@@ -611,6 +613,9 @@ class _LoadPipe:
             if isinstance(e, Unanswered):
                 self.trip = self.trip or e.why
             return
+        if prep.deadline_cut and not self.deadline_cut:  # answered ahead of the deadline with
+            self.deadline_cut = True  # reads still running: this get is out of time
+            self.session.counters.out_of_time += 1
         if not prep.job_id:
             self.deferred += _deferred(prep, todo)
             return

@@ -52,6 +52,7 @@ from kvtier_contract.protoutil import namespace_from_spec, namespace_spec, split
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.cache import TieredCache
+from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.cache import check_digest_count, check_origin
 from kvtierd.cache.jobs import LoadJob, StoreJob
 from kvtierd.domain import StoreStatus, TierId, Transport
@@ -675,17 +676,27 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         transport = self._job_transport(s, request.transport)
         base = self._arena_base(s, ns)
         self._check_jobs(s)
+        # never let the caller's deadline pass waiting on a slow tier (the caller would take
+        # a live daemon for one that is away): answer by then with what the host tier holds
+        answer_by = AnswerBy.for_deadline(context.time_remaining())
         job, deferred = await self.cache.prepare_load(s, ns, keys, transport,
-                                                      host_only=request.host_only)
+                                                      host_only=request.host_only,
+                                                      answer_by=answer_by)
         if job is not None:
+            left = context.time_remaining()
+            if left is not None and left <= 0:  # (the loop itself was late): pin nothing
+                self.cache.abort_job(s, job)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the deadline passed before the load could be answered")
             self._check_pins(s, job)
         n = len(keys)
         found, offsets, tiers = bytearray(n), [0] * n, bytearray(n)
         for i, tier in deferred.items():
             tiers[i] = tier
+        cut = answer_by is not None and answer_by.cut
         if job is None:
             return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(found),
-                                       offsets=offsets, tiers=bytes(tiers))
+                                       offsets=offsets, tiers=bytes(tiers), deadline_cut=cut)
         for i, e in job.items.items():
             found[i], offsets[i], tiers[i] = 1, e.offset - base, pb.TIER_HOST
         digests: list[int] = []
@@ -694,7 +705,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
             for i, e in job.items.items():
                 digests[i] = e.digest or 0
         return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, job_id=job.id, found=bytes(found),
-                                   offsets=offsets, tiers=bytes(tiers), digests=digests)
+                                   offsets=offsets, tiers=bytes(tiers), digests=digests,
+                                   deadline_cut=cut)
 
     @_rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:

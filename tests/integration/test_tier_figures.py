@@ -160,3 +160,38 @@ def test_a_host_only_load_never_waits_on_the_slow_disk(
         t0 = time.monotonic()
         assert ns.get_into(keys[:4], bufs) == [True] * 4  # without it: promoted, loaded
         assert time.monotonic() - t0 >= 0.45
+
+
+@pytest.mark.parametrize("control_channel", [True, False], ids=["control", "grpc"])
+def test_a_load_that_outlasts_its_deadline_on_a_slow_disk_is_answered_by_it(
+        slow: tuple[SlowDiskDaemon, Path], control_channel: bool) -> None:
+    """A load whose blocks need NVMe reads longer than its deadline (a sync load in an engine
+    step, issue 30): the daemon answers by the deadline (``deadline_cut``) with what the host
+    tier holds, pins nothing it did not answer, lets the reads go on, and the client counts the
+    load out of time and keeps its breaker closed (a slow tier is not a daemon away: lookups
+    and stores go on). Before this, the deadline passed in silence and the breaker opened."""
+    d, latency = slow
+    with kvtier.Client.connect(d.unix, "shm", local_lookups=False,
+                               control_channel=control_channel) as client:
+        ns = client.register(make_namespace())
+        keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
+        for i in range(0, len(keys), 16):
+            data = [hashlib.shake_256(b"d%d" % j).digest(ns.block_bytes) for j in range(i, i + 16)]
+            assert ns.put(keys[i : i + 16], data).stored == 16
+        wait_for("the first blocks on NVMe only",
+                 lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4, timeout=10.0)
+        latency.write_text("400")
+        time.sleep(0.15)
+        bufs = [bytearray(ns.block_bytes) for _ in range(4)]
+        late = client.counters.out_of_time
+        t0 = time.monotonic()
+        assert ns.get_into(keys[:4], bufs, deadline=client.deadline(0.15)) == [False] * 4
+        assert time.monotonic() - t0 < 0.15  # answered by the deadline, not after it
+        assert client.breaker.allows() and client.breaker.trips == 0
+        assert client.counters.out_of_time == late + 1
+        assert client.stats()["pinned_blocks"] == 0  # nothing left pinned
+        # the reads went on: the blocks reach the host tier, and a host-only load gets them
+        wait_for("the promoted blocks", lambda: ns.lookup_detail(keys[:4]).tiers == ["host"] * 4,
+                 timeout=3.0)
+        assert ns.get_into(keys[:4], bufs, host_only=True) == [True] * 4
+        assert bufs[0] == hashlib.shake_256(b"d0").digest(ns.block_bytes)

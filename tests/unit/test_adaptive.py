@@ -319,3 +319,38 @@ def test_a_daemon_figure_that_misses_what_the_engine_pays_does_not_win_over_a_re
     d.loaded({"nvme": MIB}, 0.100)  # a load cut at the deadline: one block took >= 100 ms
     d.report("nvme", 0.002, 4 * MIB / 0.150)  # the daemon, fresher, says the same as before
     assert d.decide(hits, block_tokens=128, block_bytes=MIB, max_load_s=0.1).load_blocks == 1
+
+
+def test_a_tier_the_daemon_sees_recover_wins_over_our_slow_load() -> None:
+    """Our slow own load is kept over a faster daemon figure only while the daemon says what it
+    said then: once other clients' reads show the tier 4x faster, the daemon's figure wins (a
+    sync engine whose probes are rare sees the recovery within a heartbeat, not a half-life)."""
+    clock = Clock()
+    figures = LoadFigures(clock=clock)
+    figures.observe({"host": MIB}, 0.001)
+    figures.report("nvme", 0.150, 50e6)  # the slow disk, as the daemon measures it
+    figures.observe({"nvme": MIB}, 0.400)  # and as we paid it
+    clock.t += 1
+    figures.report("nvme", 0.140, 50e6)  # still slow: ours is kept
+    assert figures.cost("nvme", MIB) == pytest.approx(0.400)
+    clock.t += 1
+    figures.report("nvme", 0.0002, 2e9)  # the disk recovered, within our half-life
+    assert figures.cost("nvme", MIB) == pytest.approx(0.0002 + MIB / 2e9 + 0.001)
+
+
+def test_a_probe_may_outlast_a_sync_step_budget_but_not_a_decoding_share() -> None:
+    """A tier measured slower than a sync load's step budget is still probed (else it is never
+    measured again: the budget would cut every probe); the decoding requests' share cuts it."""
+    clock = Clock()
+    d = Decider(clock=clock, probe_after_s=5.0)
+    engine(clock, d)
+    d.loaded({"host": MIB}, 0.0003)
+    d.loaded({"nvme": MIB}, 0.400)
+    hits = ["host", "nvme", "nvme"]
+    clock.t += 6  # a probe is due
+    cut = d.decide(hits, block_tokens=BT, block_bytes=MIB, max_load_s=0.1)
+    assert (cut.load_blocks, cut.reason) == (1, "budget")  # in budget: cut to the host block
+    clock.t += 20
+    got = d.decide(hits, block_tokens=BT, block_bytes=MIB, max_load_s=0.1,
+                   probes_in_budget=False)
+    assert (got.load_blocks, got.reason) == (2, "probe")

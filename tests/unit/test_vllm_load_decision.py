@@ -160,6 +160,20 @@ def test_a_cut_tier_is_probed_and_comes_back_when_it_recovers() -> None:
     p.close()
 
 
+def test_a_sync_engine_probes_a_tier_slower_than_its_step_budget() -> None:
+    """A sync load is cut to ``step_budget_ms``, but a probe of a tier measured slower than
+    that is not (the daemon answers by the step's deadline, so a still-slow tier costs one
+    block recomputed): else a sync engine would never see the disk recover."""
+    p, _, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4}, sync_s=0.1)
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.2)  # 200 ms a block: over the 100 ms step budget
+    assert ask(p, "slow", 7) == 4 * BS
+    clock.now += 6.0
+    assert ask(p, "probe", 8) == 5 * BS
+    assert p.stats.decision_probes == 1
+    p.close()
+
+
 def test_the_daemons_figures_cut_a_tier_the_engine_never_loaded_from() -> None:
     p, backend, _ = planner({7: HOST4_NVME4})
     engine_steps(p)

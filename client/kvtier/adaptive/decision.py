@@ -125,10 +125,13 @@ class Decider:
     # -- the decision ---------------------------------------------------------------------------
 
     def decide(self, tiers: Sequence[str], *, block_tokens: int, block_bytes: int,
-               max_load_s: float | None = None) -> Decision:
+               max_load_s: float | None = None, probes_in_budget: bool = True) -> Decision:
         """How many of the hit blocks (``tiers``: where each is, in prefix order) to load.
-        ``max_load_s``: the interference budget left for loads (adaptive only): a longer prefix
-        is cut back to one predicted to fit (reason ``budget``), the rest recomputed."""
+        ``max_load_s``: the budget left for loads (adaptive only): a longer prefix is cut back
+        to one predicted to fit (reason ``budget``), the rest recomputed. ``probes_in_budget``
+        False: a probe (one block, rare) may exceed it, for a budget that only bounds the
+        load's own loss (a sync load's step), not others' (a decoding request's step): else a
+        tier measured slower than the budget is never measured again."""
         n = len(tiers)
         if n == 0:
             d = Decision(0, 0, "miss")
@@ -139,7 +142,8 @@ class Decider:
         else:
             d = self._adaptive(tiers, block_tokens, block_bytes)
             if max_load_s is not None and d.load_blocks and d.predicted_s is not None \
-                    and d.predicted_s > max_load_s:
+                    and d.predicted_s > max_load_s \
+                    and (probes_in_budget or d.reason != "probe"):
                 d = self._fit_budget(d, tiers, block_tokens, block_bytes, max_load_s)
         self._count(d, block_tokens)
         return d

@@ -14,7 +14,8 @@ a caller that shares one across threads holds its own lock.
   with its bytes by tier) and the daemon's per-tier figures (``report``: the latency and
   bandwidth of its recent reads of that tier, which other clients' loads keep fresh). The
   fresher wins, except that a recent own figure slower than the daemon's is kept (the daemon's
-  misses part of what this engine pays).
+  misses part of what this engine pays), until the daemon's figure turns ``SHIFT`` times faster
+  than it was at our own load (the tier recovered: others' reads show it first).
 * ``PrefillRate``: seconds per prefilled token, from the engine's steps (tokens computed, seconds);
   ``FixedPrefillRate``: an operator's figure where no step can be measured.
 """
@@ -118,6 +119,8 @@ class LoadFigures:
         self._half_life_s = half_life_s
         self._own: dict[str, LinearFit] = {}
         self._reported: dict[str, Report] = {}
+        self._reported_then: dict[str, Report | None] = {}  # tier -> the daemon's figure as of
+        #   our latest own load from it
 
     def _fit(self, tier: str) -> LinearFit:
         fit = self._own.get(tier)
@@ -133,6 +136,8 @@ class LoadFigures:
         parts = {t: int(b) for t, b in bytes_by_tier.items() if b > 0}
         if not parts or not math.isfinite(seconds) or seconds < 0:
             return
+        for tier in parts:
+            self._reported_then[tier] = self._reported.get(tier)
         if len(parts) == 1:
             (tier, nbytes), = parts.items()
             self._fit(tier).observe(nbytes, seconds)
@@ -182,14 +187,25 @@ class LoadFigures:
             copy = ab[1] * nbytes if ab is not None else 0.0
         reported = rep.latency_s + nbytes / rep.bytes_per_s + copy
         if fit is not None and fit.known and fit.updated_at is not None \
-                and self._clock() - fit.updated_at < self._half_life_s:
+                and self._clock() - fit.updated_at < self._half_life_s \
+                and not self._recovered_since(tier, rep, nbytes):
             # Our own recent loads were slower than the daemon's figure says: its figure misses
             # part of what this engine pays (reads in parallel that a line of cost over bytes
             # cannot tell from bandwidth, the transport, our own queueing). The slower one,
-            # while ours is recent; a recovered tier shows in our next load (a probe).
+            # while ours is recent and the daemon has not seen the tier recover since.
             own = fit.predict(nbytes)
             return max(reported, own) if own is not None else reported
         return reported
+
+    def _recovered_since(self, tier: str, rep: Report, nbytes: int) -> bool:
+        """Whether the daemon's figure ``rep`` is ``LinearFit.SHIFT`` times faster than the one
+        it reported when we last loaded from ``tier`` (the tier recovered meanwhile: other
+        clients' reads show it before our next load does)."""
+        then = self._reported_then.get(tier)
+        if then is None or then is rep:
+            return False
+        return (rep.latency_s + nbytes / rep.bytes_per_s) * LinearFit.SHIFT < \
+            then.latency_s + nbytes / then.bytes_per_s
 
     def predict(self, bytes_by_tier: Mapping[str, int], *,
                 unknown: float | None = None) -> float | None:

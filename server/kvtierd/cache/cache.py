@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
+from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.chain import TierLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
 from kvtierd.cache.read_figures import ReadFigure
@@ -520,14 +521,18 @@ class TieredCache:
     # -- loads ------------------------------------------------------------------------------------
 
     async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                           transport: Transport, *, host_only: bool = False
+                           transport: Transport, *, host_only: bool = False,
+                           answer_by: AnswerBy | None = None
                            ) -> tuple[LoadJob | None, dict[int, int]]:
         """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
         the keys still present below but not placed this round (deferred: index -> the storage
         tier holding them). ``host_only``: only those in the host tier now; nothing is
-        promoted or imported (the rest is deferred at once)."""
+        promoted or imported (the rest is deferred at once). ``answer_by``: imports and
+        promotions are waited for until then only (the reads go on; what has not arrived is
+        deferred, and ``answer_by.cut`` says so)."""
         if not host_only and self.fleet is not None and any(k not in ns.entries for k in keys):
-            await self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
+            importing = self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
+            await (importing if answer_by is None else answer_by.wait(importing))
             _check_live(session)
         items: dict[int, Entry] = {}
         for i, k in enumerate(keys):
@@ -540,7 +545,7 @@ class TieredCache:
                         if not e.in_host and e.copies}
             items = {i: e for i, e in items.items() if e.in_host}
         elif self.chain and items:
-            kept = await self._promoted(session, items)
+            kept = await self._promoted(session, items, answer_by)
             deferred = {i: self._tier_below(e) for i, e in items.items()
                         if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
             items = kept
@@ -552,9 +557,11 @@ class TieredCache:
             return None, deferred
         return self._new_load_job(session, ns, items, transport), deferred
 
-    async def _promoted(self, session: Session, items: dict[int, Entry]) -> dict[int, Entry]:
-        """Pin ``items``, promote those held only below (as many as fit), unpin and drop those
-        that are not in the host tier now. Returned entries stay pinned (once more)."""
+    async def _promoted(self, session: Session, items: dict[int, Entry],
+                        answer_by: AnswerBy | None = None) -> dict[int, Entry]:
+        """Pin ``items``, promote those held only below (as many as fit, waiting until
+        ``answer_by`` at most), unpin and drop those that are not in the host tier now.
+        Returned entries stay pinned (once more)."""
         for e in items.values():
             e.pins += 1
         protect = set(items.values())
@@ -562,8 +569,13 @@ class TieredCache:
             for link in self.chain:
                 need = [e for e in items.values()
                         if not e.in_host and e.copy_in(link.level) is not None]
-                if need:
-                    await link.promote_many(need, protect)
+                if not need:
+                    continue
+                promoting = link.promote_many(need, protect)
+                if answer_by is None:
+                    await promoting
+                elif await answer_by.wait(promoting) is None:
+                    break  # out of time: what is in the host tier now
         except BaseException:  # cancelled (the RPC's deadline): the pins go, the reads go on
             for e in items.values():
                 e.pins -= 1

@@ -326,12 +326,17 @@ class Planner:
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
         max_load_s = self.sync_load_budget_s
-        if self.interference_budget is not None and self._step_s is not None \
-                and self._decoding - {st.info.req_id}:
+        interfering = self.interference_budget is not None and self._step_s is not None \
+            and bool(self._decoding - {st.info.req_id})
+        if interfering:
+            assert self.interference_budget is not None and self._step_s is not None
             share = self.interference_budget * self._step_s  # the loads' share of a step
             max_load_s = share if max_load_s is None else min(max_load_s, share)
+        # a probe may outlast the sync step budget (the daemon answers by the deadline: at
+        # worst one block recomputed), never a decoding request's share
         d = self.decider.decide(tiers, block_tokens=self.block_size,
-                                block_bytes=self.block_bytes, max_load_s=max_load_s)
+                                block_bytes=self.block_bytes, max_load_s=max_load_s,
+                                probes_in_budget=interfering)
         st.decision, st.decided_at = d, (first, len(tiers))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
