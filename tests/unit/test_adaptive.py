@@ -338,19 +338,24 @@ def test_a_tier_the_daemon_sees_recover_wins_over_our_slow_load() -> None:
     assert figures.cost("nvme", MIB) == pytest.approx(0.0002 + MIB / 2e9 + 0.001)
 
 
-def test_a_probe_may_outlast_a_sync_step_budget_but_not_a_decoding_share() -> None:
-    """A tier measured slower than a sync load's step budget is still probed (else it is never
-    measured again: the budget would cut every probe); the decoding requests' share cuts it."""
+def test_a_read_probe_loads_nothing_and_names_the_tier_to_read() -> None:
+    """Where a failed load costs more than its block (a vLLM sync load: the step's forward is
+    recomputed), a probe due reads the tier instead of loading it: the decision stays cut and
+    the tier is named in ``probe_reads``; the daemon's figure of that read then brings it back."""
     clock = Clock()
     d = Decider(clock=clock, probe_after_s=5.0)
     engine(clock, d)
     d.loaded({"host": MIB}, 0.0003)
+    d.report("nvme", 0.150, 50e6)
     d.loaded({"nvme": MIB}, 0.400)
     hits = ["host", "nvme", "nvme"]
     clock.t += 6  # a probe is due
-    cut = d.decide(hits, block_tokens=BT, block_bytes=MIB, max_load_s=0.1)
-    assert (cut.load_blocks, cut.reason) == (1, "budget")  # in budget: cut to the host block
-    clock.t += 20
-    got = d.decide(hits, block_tokens=BT, block_bytes=MIB, max_load_s=0.1,
-                   probes_in_budget=False)
-    assert (got.load_blocks, got.reason) == (2, "probe")
+    got = d.decide(hits, block_tokens=BT, block_bytes=MIB, read_probes=True)
+    assert (got.load_blocks, got.reason) == (1, "slower")
+    assert d.probe_reads == {"nvme"} and d.stats.probes == 1
+    d.probe_reads.clear()
+    assert d.decide(hits, block_tokens=BT, block_bytes=MIB, read_probes=True).load_blocks == 1
+    assert d.probe_reads == set()  # not due again yet
+    d.report("nvme", 0.0002, 2e9)  # the daemon read it: fast again
+    got = d.decide(hits, block_tokens=BT, block_bytes=MIB, read_probes=True)
+    assert (got.load_blocks, got.reason) == (3, "faster")

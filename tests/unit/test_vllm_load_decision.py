@@ -147,7 +147,8 @@ def test_a_fast_tier_is_loaded_whole_and_without_figures_everything_loads() -> N
 
 
 def test_a_cut_tier_is_probed_and_comes_back_when_it_recovers() -> None:
-    p, _, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4})
+    """An async engine probes by loading one block (a failed async load costs only it)."""
+    p, _, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4}, load_async=True)
     engine_steps(p)
     tier_loads(p, nvme_s_per_block=0.2)
     assert ask(p, "slow", 7) == 4 * BS
@@ -160,17 +161,25 @@ def test_a_cut_tier_is_probed_and_comes_back_when_it_recovers() -> None:
     p.close()
 
 
-def test_a_sync_engine_probes_a_tier_slower_than_its_step_budget() -> None:
-    """A sync load is cut to ``step_budget_ms``, but a probe of a tier measured slower than
-    that is not (the daemon answers by the step's deadline, so a still-slow tier costs one
-    block recomputed): else a sync engine would never see the disk recover."""
-    p, _, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4}, sync_s=0.1)
+def test_a_sync_engine_probes_a_cut_tier_by_a_read_not_a_load() -> None:
+    """A sync load that fails costs vLLM the step's forward (the request is recomputed from the
+    failed block), so a sync engine never probes by loading: the next pinned lookups promote
+    (the daemon reads the tier), and the daemon's figure of those reads brings the tier back."""
+    p, backend, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4,
+                                 10: HOST4_NVME4}, sync_s=0.1)
     engine_steps(p)
-    tier_loads(p, nvme_s_per_block=0.2)  # 200 ms a block: over the 100 ms step budget
+    backend.figures = {"nvme": TierFigure(latency_s=0.15, bytes_per_s=5e7, age_s=0.0, reads=4)}
+    p.build(StepInput())
+    tier_loads(p, nvme_s_per_block=0.2)  # 200 ms a block: cut
     assert ask(p, "slow", 7) == 4 * BS
-    clock.now += 6.0
-    assert ask(p, "probe", 8) == 5 * BS
+    clock.now += 6.0  # a probe is due: nothing more is loaded, the next lookup promotes
+    assert ask(p, "probe", 8) == 4 * BS
     assert p.stats.decision_probes == 1
+    ask(p, "promotes", 9)
+    assert backend.promoted == [True, False, True]  # (the first: nothing was cut yet)
+    backend.figures = {"nvme": TierFigure(latency_s=0.0005, bytes_per_s=2e9, age_s=0.0, reads=8)}
+    p.build(StepInput())  # the daemon read the disk fast: recovered
+    assert ask(p, "back", 10) == 8 * BS
     p.close()
 
 

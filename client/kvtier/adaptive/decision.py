@@ -100,6 +100,10 @@ class Decider:
         loads them whole clears them): a hint for work done ahead of a decision (the vLLM
         connector's pinned lookups start no promotions from a cut tier)."""
         self._probe_wait: dict[str, float] = {}  # tier -> its probe interval now
+        self.probe_reads: set[str] = set()
+        """Tiers due a probe by a read (``decide(read_probes=True)``): the owner has the daemon
+        read that tier's hits (the vLLM connector lets its next pinned lookups promote), so the
+        daemon's figure (``report``) shows whether it recovered; the owner clears it."""
 
     # -- figures in -----------------------------------------------------------------------------
 
@@ -125,13 +129,13 @@ class Decider:
     # -- the decision ---------------------------------------------------------------------------
 
     def decide(self, tiers: Sequence[str], *, block_tokens: int, block_bytes: int,
-               max_load_s: float | None = None, probes_in_budget: bool = True) -> Decision:
+               max_load_s: float | None = None, read_probes: bool = False) -> Decision:
         """How many of the hit blocks (``tiers``: where each is, in prefix order) to load.
         ``max_load_s``: the budget left for loads (adaptive only): a longer prefix is cut back
-        to one predicted to fit (reason ``budget``), the rest recomputed. ``probes_in_budget``
-        False: a probe (one block, rare) may exceed it, for a budget that only bounds the
-        load's own loss (a sync load's step), not others' (a decoding request's step): else a
-        tier measured slower than the budget is never measured again."""
+        to one predicted to fit (reason ``budget``), the rest recomputed. ``read_probes``: a
+        probe due loads nothing; the tier is added to ``probe_reads`` instead, for the owner to
+        have the daemon read it (where a load that fails costs more than the block: a vLLM sync
+        load's whole step is recomputed)."""
         n = len(tiers)
         if n == 0:
             d = Decision(0, 0, "miss")
@@ -140,10 +144,9 @@ class Decider:
         elif self.policy == "always":
             d = Decision(n, n, "always", self._load_cost(tiers, n, block_bytes))
         else:
-            d = self._adaptive(tiers, block_tokens, block_bytes)
+            d = self._adaptive(tiers, block_tokens, block_bytes, read_probes)
             if max_load_s is not None and d.load_blocks and d.predicted_s is not None \
-                    and d.predicted_s > max_load_s \
-                    and (probes_in_budget or d.reason != "probe"):
+                    and d.predicted_s > max_load_s:
                 d = self._fit_budget(d, tiers, block_tokens, block_bytes, max_load_s)
         self._count(d, block_tokens)
         return d
@@ -164,7 +167,8 @@ class Decider:
         return Decision(k, d.hit_blocks, "budget", cost,
                         spt * k * block_tokens if k else None)
 
-    def _adaptive(self, tiers: Sequence[str], block_tokens: int, block_bytes: int) -> Decision:
+    def _adaptive(self, tiers: Sequence[str], block_tokens: int, block_bytes: int,
+                  read_probes: bool = False) -> Decision:
         n = len(tiers)
         spt = self.prefill.seconds_per_token()
         if spt is None:
@@ -192,7 +196,10 @@ class Decider:
         self.cut_tiers.update(tiers[best_k:])
         self.cut_tiers.difference_update(tiers[:best_k])
         probe = self._probe(tiers, best_k)
-        if probe is not None:
+        if probe is not None and read_probes:
+            self.probe_reads.add(tiers[probe - 1])
+            self.stats.probes += 1
+        elif probe is not None:
             return Decision(probe, n, "probe", self._load_cost(tiers, probe, block_bytes),
                             spt * probe * block_tokens)
         return Decision(best_k, n, "slower", best_cost if best_k and not unknown else None,

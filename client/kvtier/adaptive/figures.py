@@ -119,8 +119,8 @@ class LoadFigures:
         self._half_life_s = half_life_s
         self._own: dict[str, LinearFit] = {}
         self._reported: dict[str, Report] = {}
-        self._reported_then: dict[str, Report | None] = {}  # tier -> the daemon's figure as of
-        #   our latest own load from it
+        self._reported_then: dict[str, Report | None] = {}  # tier -> the daemon's slowest
+        #   figure since our latest own load from it (latency and bandwidth, each at its worst)
 
     def _fit(self, tier: str) -> LinearFit:
         fit = self._own.get(tier)
@@ -161,7 +161,12 @@ class LoadFigures:
             at = self._clock() - max(0.0, age_s)
             old = self._reported.get(tier)
             if old is None or at >= old.at:
-                self._reported[tier] = Report(latency_s, bytes_per_s, at)
+                rep = self._reported[tier] = Report(latency_s, bytes_per_s, at)
+                then = self._reported_then.get(tier)
+                if tier in self._reported_then:  # (the reads of our cut load may land now)
+                    self._reported_then[tier] = rep if then is None else Report(
+                        max(then.latency_s, latency_s), min(then.bytes_per_s, bytes_per_s),
+                        then.at)
 
     def updated_at(self, tier: str) -> float | None:
         """When the latest figure for ``tier`` (either source) arrived; None: never."""
@@ -198,11 +203,11 @@ class LoadFigures:
         return reported
 
     def _recovered_since(self, tier: str, rep: Report, nbytes: int) -> bool:
-        """Whether the daemon's figure ``rep`` is ``LinearFit.SHIFT`` times faster than the one
-        it reported when we last loaded from ``tier`` (the tier recovered meanwhile: other
-        clients' reads show it before our next load does)."""
+        """Whether the daemon's figure ``rep`` is ``LinearFit.SHIFT`` times faster than the
+        slowest it reported since we last loaded from ``tier`` (the tier recovered meanwhile:
+        the daemon's reads, others' or a read probe's, show it before our next load does)."""
         then = self._reported_then.get(tier)
-        if then is None or then is rep:
+        if then is None:
             return False
         return (rep.latency_s + nbytes / rep.bytes_per_s) * LinearFit.SHIFT < \
             then.latency_s + nbytes / then.bytes_per_s

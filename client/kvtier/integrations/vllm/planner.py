@@ -326,25 +326,27 @@ class Planner:
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
         max_load_s = self.sync_load_budget_s
-        interfering = self.interference_budget is not None and self._step_s is not None \
-            and bool(self._decoding - {st.info.req_id})
-        if interfering:
-            assert self.interference_budget is not None and self._step_s is not None
+        if self.interference_budget is not None and self._step_s is not None \
+                and self._decoding - {st.info.req_id}:
             share = self.interference_budget * self._step_s  # the loads' share of a step
             max_load_s = share if max_load_s is None else min(max_load_s, share)
-        # a probe may outlast the sync step budget (the daemon answers by the deadline: at
-        # worst one block recomputed), never a decoding request's share
+        # A sync load that fails costs vLLM the step's whole forward (the request is rescheduled
+        # and recomputed from the failed block): a sync engine probes a cut tier by a read
+        # instead (its next pinned lookups promote; the daemon's figure tells).
         d = self.decider.decide(tiers, block_tokens=self.block_size,
                                 block_bytes=self.block_bytes, max_load_s=max_load_s,
-                                probes_in_budget=interfering)
+                                read_probes=not self.load_async)
         st.decision, st.decided_at = d, (first, len(tiers))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
                       "recompute %s s, budget %s s", st.info.req_id, d.load_blocks, d.hit_blocks,
                       ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)), d.reason,
                       d.predicted_s, d.recompute_s, max_load_s)
-        # no promotions ahead of decisions that cut the tiers below the host tier
-        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST)
+        # no promotions ahead of decisions that cut the tiers below the host tier, but for a
+        # read probe's: the lookups until the next decision promote
+        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST) or \
+            bool(self.decider.probe_reads & BELOW_HOST)
+        self.decider.probe_reads.clear()
         self._sync_decision_stats()
         return d.load_blocks
 

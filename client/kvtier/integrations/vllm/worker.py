@@ -429,6 +429,7 @@ class KvtierWorker:
         """One batched ``get_blocks`` per variant into ``layout``'s engine blocks, by
         ``deadline``; the block ids that failed."""
         t0 = time.perf_counter()
+        had = deadline - time.monotonic()  # the time this load may take
         failed: set[int] = set()
         loaded = 0
         client = self._clients["load"]
@@ -470,6 +471,11 @@ class KvtierWorker:
             # out of time: an RPC not started for lack of it, or one that outlasted it
             timed_out = client.counters.out_of_time > out_of_time or (
                 bool(failed) and time.monotonic() >= deadline - 0.001)
+            if timed_out and not loaded:
+                # it needed more than the time it had (the daemon may answer ahead of the
+                # deadline with its reads still going): count twice that, which a load with
+                # this much time is then predicted not to fit (a real figure replaces it)
+                spent = max(spent, 2 * had)
             self._report_load(jobs, engine_thread, loaded, failed, timed_out, spent)
         return failed
 
