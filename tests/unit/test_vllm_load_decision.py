@@ -193,6 +193,20 @@ def test_the_daemons_figures_cut_a_tier_the_engine_never_loaded_from() -> None:
     p.close()
 
 
+def test_a_decision_reads_the_daemons_figures_that_arrived_while_the_engine_was_idle() -> None:
+    """An idle engine builds no step; the daemon's figures its heartbeats brought meanwhile (a
+    disk that slowed under other engines' reads) count from its next request's decision on,
+    not from the step after it (the seed run's first slow-phase request loaded and failed)."""
+    p, backend, clock = planner({7: HOST4_NVME4})
+    engine_steps(p)
+    tier_loads(p, nvme_s_per_block=0.001)  # the disk was fast
+    p.build(StepInput())
+    clock.now += 10.0
+    backend.figures = {"nvme": TierFigure(latency_s=0.25, bytes_per_s=1e9, age_s=0.0, reads=9)}
+    assert ask(p, "r", 7) == 4 * BS  # no build in between
+    p.close()
+
+
 @pytest.mark.parametrize("policy, tokens", [("always", 8 * BS), ("never", 0)])
 def test_pinned_policies(policy: str, tokens: int) -> None:
     p, _, _ = planner({7: HOST4_NVME4}, policy=policy)

@@ -43,7 +43,9 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   daemon's per-tier figures (read from the lookup thread's session on ``build``, no RPC). While
   another request decodes, a load is cut to ``interference_budget`` x the recent step time.
   While the decisions cut the tiers below the host tier, the lookups hold hits only
-  (``LookupThread.promote`` False: no disk reads for blocks vLLM will recompute).
+  (``LookupThread.promote`` False: no disk reads for blocks vLLM will recompute), except after a
+  read probe: a sync engine probes a cut tier by letting the next lookups promote (a failed
+  sync load would cost the step's forward), and the daemon's figure of those reads tells.
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer (the
   decision is made once per hit).
 * Asynchronous loads (``load_async``, ``load_mode="async"``): a hit is answered as an async load.
@@ -325,6 +327,7 @@ class Planner:
         d = st.decision
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
+        self._daemon_report()  # (an idle engine's first decision: the figures of meanwhile)
         max_load_s = self.sync_load_budget_s
         if self.interference_budget is not None and self._step_s is not None \
                 and self._decoding - {st.info.req_id}:
