@@ -205,3 +205,25 @@ def test_kvtier_stats_prints_the_read_figures() -> None:
     text = format_stats(snap)
     assert "reads into the host tier: nvme 52.0 ms, 80.0 MiB/s (7 reads, last 1.5s ago)" in text
     assert "reads into the host tier" not in format_stats({**snap, "tier_figures": []})
+
+
+def test_parts_read_in_parallel_are_not_taken_for_bandwidth() -> None:
+    """The NVMe link reads a promotion as ~4 MiB parts on the tier's I/O threads: 4 parts of
+    150 ms at once take 150 ms for 16 MiB. A line through whole batches says 37.5 ms a part and
+    no latency, so a load of one part (150 ms) would be predicted at 37.5 ms: the seed run's
+    adaptive engine planned such loads and they failed. With the parts' own times, a part is
+    predicted at what one took, and 4 at less than twice what they took (the safe side)."""
+    clock = Clock(10.0)
+    figs = ReadFigures(clock=clock)
+    for _ in range(3):
+        figs.observe(16 * MIB, 9.85, 9.85, 10.0, [(4 * MIB, 0.150)] * 4)
+    fig = figs.figure()
+    assert fig is not None
+    one = fig.latency_s + 4 * MIB / fig.bytes_per_s
+    four = fig.latency_s + 16 * MIB / fig.bytes_per_s
+    assert one == pytest.approx(0.150)
+    assert 0.150 < four < 0.300
+    plain = ReadFigures(clock=clock)  # one part: unchanged (the part's share is its whole)
+    plain.observe(4 * MIB, 9.85, 9.85, 10.0, [(4 * MIB, 0.150)])
+    solo = plain.figure()
+    assert solo is not None and solo.latency_s == pytest.approx(0.0)

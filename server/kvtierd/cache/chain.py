@@ -440,8 +440,17 @@ class TierLink:
                 size = 0
             jobs[-1].append(e)
             size += e.ns.block_bytes
-        nbytes = await asyncio.gather(*(self._promote_job(job) for job in jobs))
-        self.read_figures.observe(sum(nbytes), asked, began, self.read_figures.clock())
+        if len(jobs) == 1:
+            nbytes, parts = await self._promote_job(jobs[0]), []
+        else:  # parallel parts: each one's own time too (read_figures: not bandwidth)
+            parts = await asyncio.gather(*(self._timed_job(job) for job in jobs))
+            nbytes = sum(n for n, _ in parts)
+        self.read_figures.observe(nbytes, asked, began, self.read_figures.clock(), parts)
+
+    async def _timed_job(self, job: list[Entry]) -> tuple[int, float]:
+        began = self.read_figures.clock()
+        nbytes = await self._promote_job(job)
+        return nbytes, self.read_figures.clock() - began
 
     async def _promote_job(self, job: list[Entry]) -> int:
         """Read one batch; the payload bytes promoted."""

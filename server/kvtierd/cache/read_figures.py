@@ -23,6 +23,15 @@ Both come from an exponentially weighted least-squares line through the recent b
 (every batch alike), the slope is the read's own time per byte (``done - started`` over bytes)
 and the latency what is left (the waiting). The slope is kept between zero (1 TB/s at most) and
 that read-time rate (a marginal rate is never below the average one), the latency at >= 0.
+
+A batch read as parallel parts (the NVMe link's ~4 MiB jobs on the tier's I/O threads) also
+gives each part's own time (``parts``). A line through whole batches reads parallelism as
+bandwidth: 4 parts of 150 ms at once look like 37.5 ms per part and no latency, and a load of
+one part, which takes 150 ms, would be predicted at a quarter of that. So the latency is at
+least what a part takes beyond its share of the batch's transfer (``part time - part bytes x the
+batch's time per byte``, averaged): a load of one part is then predicted at what one took, and
+a larger one above what it takes (at most twice), which errs the safe way for a caller deciding
+between loading and recomputing.
 Weights: each batch weighs ``weight`` against those before it, and what came before fades
 further with a half-life of ``half_life_s`` without a batch, so after a pause one batch counts
 almost alone. A batch that read nothing (every block failed) is left out.
@@ -35,7 +44,7 @@ snapshot). No locks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 DEFAULT_WEIGHT = 0.3  # of a new batch against the weighted past
@@ -66,13 +75,19 @@ class ReadFigures:
         self._half_life_s = half_life_s
         # weighted sums: count, bytes x, cost y = done - asked, x*x, x*y, read time
         self._w = self._x = self._y = self._xx = self._xy = self._read = 0.0
+        self._part = 0.0  # what a part takes beyond its share of its batch's transfer
         self._at: float | None = None  # clock of the latest batch
         self.reads = 0
 
-    def observe(self, nbytes: int, asked: float, started: float, done: float) -> None:
-        """One read batch of ``nbytes`` payload bytes (times on ``clock``; see above)."""
+    def observe(self, nbytes: int, asked: float, started: float, done: float,
+                parts: Sequence[tuple[int, float]] = ()) -> None:
+        """One read batch of ``nbytes`` payload bytes (times on ``clock``; see above);
+        ``parts``: (payload bytes, seconds) of each part read in parallel, when it was."""
         if nbytes <= 0:
             return
+        rate = max(1e-9, done - started) / nbytes  # the batch's read seconds per byte
+        part = [s - n * rate for n, s in parts if n > 0]
+        excess = max(0.0, sum(part) / len(part)) if part else 0.0
         keep = self._keep
         if self._at is not None and done > self._at:
             keep *= 0.5 ** ((done - self._at) / self._half_life_s)
@@ -83,6 +98,7 @@ class ReadFigures:
         self._xx = self._xx * keep + x * x
         self._xy = self._xy * keep + x * y
         self._read = self._read * keep + max(1e-9, done - started)
+        self._part = self._part * keep + excess
         self._at = done if self._at is None else max(self._at, done)
         self.reads += 1
 
@@ -99,5 +115,5 @@ class ReadFigures:
         else:  # sizes alike: the slope cannot be told from the intercept
             slope = max_slope
         slope = min(max(slope, 1.0 / MAX_BYTES_PER_S), max_slope)
-        latency = max(0.0, my - slope * mx)
+        latency = max(0.0, my - slope * mx, self._part / w)
         return ReadFigure(latency, 1.0 / slope, max(0.0, self.clock() - self._at), self.reads)
