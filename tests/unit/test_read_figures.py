@@ -126,11 +126,11 @@ def test_the_slope_stays_between_zero_and_the_reads_own_rate() -> None:
     assert f.latency_s == pytest.approx((0.5 * 0.060 + 0.050) / 1.5, rel=1e-3)  # mean cost
     # a steeper line than the reads themselves allow (the waiting grew with size): clamped
     steep = ReadFigures(weight=0.5, half_life_s=1e9, clock=clock)
-    steep.observe(MIB, 0.0, 0.0, 0.001)  # 1 MiB in 1 ms
-    steep.observe(8 * MIB, 1.0, 1.9, 2.0)  # 8 MiB in 0.1 s, after waiting 0.9 s
-    f = steep.figure()
+    steep.observe(MIB, 0.0, 0.0, 0.010)  # 1 MiB in 10 ms
+    steep.observe(8 * MIB, 1.0, 1.24, 1.30)  # 8 MiB in 60 ms, after waiting 240 ms
+    f = steep.figure()  # (300 ms against 80 ms predicted: under 4x, one regime)
     assert f is not None
-    rate = (0.5 * MIB + 8 * MIB) / (0.5 * 0.001 + 0.1)  # the reads' own, bytes-weighted
+    rate = (0.5 * MIB + 8 * MIB) / (0.5 * 0.010 + 0.06)  # the reads' own, bytes-weighted
     assert f.bytes_per_s == pytest.approx(rate)
     assert f.latency_s >= 0.0
 
@@ -227,3 +227,28 @@ def test_parts_read_in_parallel_are_not_taken_for_bandwidth() -> None:
     plain.observe(4 * MIB, 9.85, 9.85, 10.0, [(4 * MIB, 0.150)])
     solo = plain.figure()
     assert solo is not None and solo.latency_s == pytest.approx(0.0)
+
+
+def test_a_disk_that_slows_is_told_at_once_not_blended_in() -> None:
+    """A batch 4x off the prediction restarts the figures (as the clients' fits do): after
+    many fast reads, one read 150 ms slower is the figure at once, the change put on the
+    latency (the slope kept), and recovery the same way. A blend that is still fast half-way
+    made the seed run's adaptive engine plan a one-block load that then failed."""
+    clock = Clock(0.0)
+    figs = ReadFigures(clock=clock)
+    for n in (MIB, 4 * MIB, 2 * MIB, 8 * MIB) * 3:  # 1 ms + 1 GB/s
+        start = clock.t
+        clock.t += 0.001 + n / 1e9
+        figs.observe(n, start, start, clock.t)
+    start = clock.t
+    clock.t += 0.151 + 4 * MIB / 1e9
+    figs.observe(4 * MIB, start, start, clock.t)
+    f = figs.figure()
+    assert f is not None
+    assert f.bytes_per_s == pytest.approx(1e9, rel=1e-3)
+    assert f.latency_s == pytest.approx(0.151, rel=1e-3)
+    start = clock.t
+    clock.t += 0.001 + 4 * MIB / 1e9
+    figs.observe(4 * MIB, start, start, clock.t)  # recovered
+    f = figs.figure()
+    assert f is not None and f.latency_s == pytest.approx(0.001, rel=1e-3)

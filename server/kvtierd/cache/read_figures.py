@@ -36,6 +36,15 @@ Weights: each batch weighs ``weight`` against those before it, and what came bef
 further with a half-life of ``half_life_s`` without a batch, so after a pause one batch counts
 almost alone. A batch that read nothing (every block failed) is left out.
 
+A change of regime restarts the figures, as the clients' own fits do (``kvtier.adaptive``): a
+batch of a size like the recent ones (within 2x of their mean: a line through batches of one
+size says little about others) ``SHIFT`` times slower or faster than predicted, and more than
+``SHIFT_FLOOR_S`` from it
+(a disk that slowed down or recovered, not jitter), drops what came before, so the next
+heartbeat tells every client the new regime rather than a blend (a blend that is still fast
+half-way is what makes a client plan a load that then fails). Until the sizes spread again, the
+slope is kept from before the restart and the change is put on the latency.
+
 A few float operations per batch, no allocation. Concurrency: owned by the event-loop thread
 (the link's owner); ``figure()`` is read on that thread too (Heartbeat, Stats, /metrics' loop
 snapshot). No locks.
@@ -51,6 +60,8 @@ DEFAULT_WEIGHT = 0.3  # of a new batch against the weighted past
 DEFAULT_HALF_LIFE_S = 10.0  # of the past's weight, in seconds without a batch
 MIN_SPREAD = 0.25  # batch sizes' weighted std / mean needed to fit a slope
 MAX_BYTES_PER_S = 1e12
+SHIFT = 4.0  # a batch this many times off the prediction restarts the figures
+SHIFT_FLOOR_S = 0.001  # ... when it is also this far from it
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class ReadFigures:
         # weighted sums: count, bytes x, cost y = done - asked, x*x, x*y, read time
         self._w = self._x = self._y = self._xx = self._xy = self._read = 0.0
         self._part = 0.0  # what a part takes beyond its share of its batch's transfer
+        self._slope_before: float | None = None  # s/B before the latest restart
         self._at: float | None = None  # clock of the latest batch
         self.reads = 0
 
@@ -92,6 +104,12 @@ class ReadFigures:
         if self._at is not None and done > self._at:
             keep *= 0.5 ** ((done - self._at) / self._half_life_s)
         x, y = float(nbytes), max(0.0, done - asked)
+        now = self.figure()
+        if now is not None and self._x / 2 <= x * self._w <= 2 * self._x:  # a size like before
+            pred = now.latency_s + x / now.bytes_per_s
+            if abs(y - pred) > SHIFT_FLOOR_S and (y > SHIFT * pred or y * SHIFT < pred):
+                keep = 0.0  # a new regime: what came before says nothing about it
+                self._slope_before = 1.0 / now.bytes_per_s
         self._w = self._w * keep + 1.0
         self._x = self._x * keep + x
         self._y = self._y * keep + y
@@ -112,6 +130,8 @@ class ReadFigures:
         var = self._xx / w - mx * mx
         if var > (MIN_SPREAD * mx) ** 2:
             slope = (self._xy / w - mx * my) / var
+        elif self._slope_before is not None:  # sizes alike since a restart: the old slope
+            slope = self._slope_before
         else:  # sizes alike: the slope cannot be told from the intercept
             slope = max_slope
         slope = min(max(slope, 1.0 / MAX_BYTES_PER_S), max_slope)
