@@ -9,10 +9,10 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 
 * ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
   is the same across daemon restarts and never names another namespace).
-* ``lookup(ns, keys)`` / ``lookup_detail`` -> longest prefix of READY blocks (and each one's
-  tier); ``pin_prefix`` also *holds* that prefix (kept in the index, on whichever tier),
-  answering at once with the real tier of each hit, and promotes the ones held only below in
-  the background.
+* ``lookup(ns, keys, options)`` -> longest prefix of READY blocks, each one's tier and
+  durability (kvtierd.cache.lookup); options: consult the shared tier after the local prefix,
+  *hold* that prefix (kept in the index, on whichever tier; answering at once with the real tier
+  of each hit, promoting the ones held only below in the background), or only prefetch.
 * ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
 * ``prepare_load`` pins READY entries with a valid host slot, promoting as many of the ones held
@@ -37,13 +37,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence, Set
-from typing import TYPE_CHECKING
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.chain import TierLink
+from kvtierd.cache.fleet import SharedLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
+from kvtierd.cache.lookup import (
+    LOCAL,
+    LookupOptions,
+    LookupResult,
+    count_hits,
+    ready_prefix,
+    tier_below,
+)
 from kvtierd.cache.read_figures import ReadFigure
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import StoreStatus, TierId, Transport
@@ -53,24 +61,7 @@ from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
-from kvtierd.tiers import HostTier, Recovered, StorageTier
-
-if TYPE_CHECKING:  # the cluster tier needs redis-py: imported only when one is configured
-    from kvtierd.cache.fleet import ClusterLink
-    from kvtierd.tiers.cluster.tier import ClusterTier
-
-_HOST_TIERS = bytes([TierId.HOST]) * 4096
-
-
-def _ready_prefix(ns: NamespaceState, keys: Sequence[bytes]) -> list[Entry]:
-    """The READY entries of the longest prefix of ``keys`` (any tier)."""
-    prefix: list[Entry] = []
-    for k in keys:
-        e = ns.ready.get(k)
-        if e is None:
-            break
-        prefix.append(e)
-    return prefix
+from kvtierd.tiers import HostTier, Recovered, SharedTier, StorageTier
 
 
 def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
@@ -140,7 +131,7 @@ class TieredCache:
         """The ``host_bytes`` quota of a namespace's tenant (None: none). Set by the daemon from
         its Tenancy; stores (``fit``), promotions and imports (``room_for``) keep to it."""
         self.chain: list[TierLink] = []
-        self.fleet: ClusterLink | None = None  # the cluster tier, outside the index
+        self.fleet: SharedLink | None = None  # the shared tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
         self.expired_counters = Counters()  # of the namespaces expire_idle forgot
         self._max_namespaces = max_namespaces
@@ -162,11 +153,9 @@ class TieredCache:
         link.restored = link.restore(self.register_namespace, opened)
         return link
 
-    def add_cluster_tier(self, tier: ClusterTier) -> ClusterLink:
+    def add_shared_tier(self, tier: SharedTier) -> SharedLink:
         """Consult and feed ``tier`` (started by the caller) after the local chain."""
-        from kvtierd.cache.fleet import ClusterLink
-
-        self.fleet = ClusterLink(self.residency, tier)
+        self.fleet = SharedLink(self.residency, tier)
         return self.fleet
 
     # -- namespaces -------------------------------------------------------------------------------
@@ -219,107 +208,39 @@ class TieredCache:
 
     # -- lookups ----------------------------------------------------------------------------------
 
-    def lookup(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
-        """Longest prefix of READY blocks (hits are touched in the policies and counted)."""
-        return self.lookup_detail(ns, keys)[0]
-
-    def lookup_detail(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
-        """Longest READY prefix, the tier of each hit (one TierId byte each), and whether each
-        has a durable copy in a storage tier."""
-        found = list(map(ns.ready.get, keys))  # C-speed: ~40 µs for a 1,000-key chain
-        try:
-            hit = found.index(None)
-        except ValueError:
-            hit = len(found)
-        hits: list[Entry] = found[:hit]  # type: ignore[assignment]  # no None before `hit`
-        if not self.chain:
-            self.policy.touch_many(hits)
-            tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TierId.HOST]) * hit
-            below = 0
-            durable = bytes(hit)
-        else:
-            in_host = [e.in_host for e in hits]
-            tiers = bytes(TierId.HOST if h else self._tier_below(e)
-                          for e, h in zip(hits, in_host, strict=True))
-            below = hit - sum(in_host)
-            durable = bytes(bool(e.copies) for e in hits)
-            self.policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])
-            for link in self.chain:
-                link.policy.touch_many([e for e in hits if e.copy_in(link.level) is not None])
-                link.on_hits(hits)
-        c = ns.counters
-        n, tpb = len(keys), ns.spec.tokens_per_block
-        c.lookups += 1
-        c.blocks_requested += n
-        c.blocks_hit_host += hit - below
-        c.blocks_hit_nvme += below
-        c.blocks_missed += n - hit
-        c.tokens_requested += n * tpb
-        c.tokens_hit += hit * tpb
-        c.tokens_missed += (n - hit) * tpb
-        return hit, tiers, durable
-
-    async def lookup_shared(self, ns: NamespaceState,
-                            keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
-        """``lookup_detail``, then the cluster tier for the keys after the local prefix (within
-        its lookup deadline): those hits are reported as TIER_CLUSTER, not durable."""
-        hit, tiers, durable = self.lookup_detail(ns, keys)
-        if self.fleet is None or hit == len(keys):
-            return hit, tiers, durable
-        more = await self.fleet.extend(ns, keys[hit:])
-        if more:
-            self._count_cluster_hits(ns, more, moved_from_host=False)
-            tiers += bytes([TierId.CLUSTER]) * more
-            durable += bytes(more)
-        return hit + more, tiers, durable
-
-    @staticmethod
-    def _count_cluster_hits(ns: NamespaceState, n: int, *, moved_from_host: bool) -> None:
-        """``n`` hits counted as misses (or, once imported, as host hits) were cluster hits."""
-        c, tpb = ns.counters, ns.spec.tokens_per_block
-        c.blocks_hit_cluster += n
-        if moved_from_host:
-            c.blocks_hit_host -= n
-        else:
-            c.blocks_missed -= n
-            c.tokens_hit += n * tpb
-            c.tokens_missed -= n * tpb
-
-    async def import_shared(self, ns: NamespaceState, keys: Sequence[bytes],
-                            protect: set[Entry] | None = None) -> list[Entry]:
-        """Import, from the cluster tier, the blocks that extend the local READY prefix of
-        ``keys`` (up to the first one the cluster lacks; kvtierd.cache.fleet); the entries
-        imported. Nothing without a cluster tier."""
-        if self.fleet is None:
-            return []
-        prefix = _ready_prefix(ns, keys)
-        if len(prefix) == len(keys):
-            return []
-        # the local prefix is what the caller is about to pin: never evicted to make room
-        guard = set(prefix) | (protect or set())
-        return await self.fleet.import_(ns, keys[len(prefix):], guard, prefix_only=True)
-
-    def _tier_below(self, e: Entry) -> int:
-        """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
-        return next(link.id for link in self.chain if e.copy_in(link.level) is not None)
-
-    async def pin_prefix_shared(self, session: Session, ns: NamespaceState,
-                                keys: Sequence[bytes], *, promote: bool = True
-                                ) -> tuple[LoadJob | None, bytes]:
-        """``pin_prefix``, after importing from the cluster tier the blocks that extend the
-        local prefix (they are then host hits, counted as cluster hits). ``promote`` False
-        (``hold_only``): no import, and no promotion started (``pin_prefix``)."""
-        imported = await self.import_shared(ns, keys) if promote else []
-        job, tiers = self.pin_prefix(session, ns, keys, promote=promote)
-        if imported and job is not None:  # those the lookup counted as host hits
-            held = set(job.items.values())
+    async def lookup(self, ns: NamespaceState, keys: Sequence[bytes],
+                     options: LookupOptions = LOCAL) -> LookupResult:
+        """The longest prefix of READY blocks of ``keys`` (hits touched in the policies and
+        counted), and what ``options`` add (kvtierd.cache.lookup.LookupOptions): the shared
+        tier after the local prefix, a hold of the hit prefix, promotions. Awaits only the
+        shared tier (``shared``), so a lookup without one never suspends."""
+        if options.prefetch:
+            prefix = ready_prefix(ns, keys)
+            below = [e for e in prefix if not e.in_host]
+            started = sum(link.prefetch(below) for link in self.chain) if below else 0
+            return LookupResult(len(prefix), promoting=started)
+        fleet = self.fleet if options.shared else None
+        if options.pin is None:
+            hit, tiers, durable = count_hits(ns, keys, self.policy, self.chain)
+            if fleet is not None and hit < len(keys):
+                more = await fleet.extend(ns, keys[hit:])
+                if more:
+                    fleet.count_hits(ns, more, moved_from_host=False)
+                    return LookupResult(hit + more, tiers + bytes([fleet.tier.id]) * more,
+                                        durable + bytes(more))
+            return LookupResult(hit, tiers, durable)
+        imported = await fleet.import_prefix(ns, keys) \
+            if fleet is not None and options.promote else []
+        found = self._hold(options.pin, ns, keys, promote=options.promote)
+        if imported and found.job is not None and fleet is not None:
+            held = set(found.job.items.values())  # those counted as host hits just now
             n = sum(1 for e in imported if e in held)
             if n:
-                self._count_cluster_hits(ns, n, moved_from_host=True)
-        return job, tiers
+                fleet.count_hits(ns, n, moved_from_host=True)
+        return found
 
-    def pin_prefix(self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *,
-                   promote: bool = True) -> tuple[LoadJob | None, bytes]:
+    def _hold(self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *,
+              promote: bool) -> LookupResult:
         """Lookup, then hold the hit prefix (released by complete_load or expiry).
 
         Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
@@ -328,9 +249,9 @@ class TieredCache:
         tier in rounds. Blocks held only below start promoting in the background, unless
         ``promote`` is False (the client may not load them; the PrepareLoad that does promotes
         them then)."""
-        hit, tiers, _ = self.lookup_detail(ns, keys)
+        hit, tiers, durable = count_hits(ns, keys, self.policy, self.chain)
         if hit == 0:
-            return None, b""
+            return LookupResult(0)
         _check_live(session)
         items = {i: ns.ready[keys[i]] for i in range(hit)}
         for e in items.values():
@@ -344,15 +265,7 @@ class TieredCache:
         if below:
             for link in self.chain:
                 link.prefetch(below)
-        return job, tiers
-
-    def prefetch(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, int]:
-        """Start promoting the below-only blocks of the READY prefix of ``keys``:
-        (ready prefix length, promotions started)."""
-        prefix = _ready_prefix(ns, keys)
-        below = [e for e in prefix if not e.in_host]
-        started = sum(link.prefetch(below) for link in self.chain) if below else 0
-        return len(prefix), started
+        return LookupResult(hit, tiers, durable, job)
 
     def fit(self, ns: NamespaceState, n_blocks: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
@@ -541,12 +454,12 @@ class TieredCache:
                 items[i] = e
         deferred: dict[int, int] = {}
         if host_only and self.chain and items:
-            deferred = {i: self._tier_below(e) for i, e in items.items()
+            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
                         if not e.in_host and e.copies}
             items = {i: e for i, e in items.items() if e.in_host}
         elif self.chain and items:
             kept = await self._promoted(session, items, answer_by)
-            deferred = {i: self._tier_below(e) for i, e in items.items()
+            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
                         if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
             items = kept
             for e in items.values():
@@ -708,7 +621,7 @@ class TieredCache:
         a tier with no read measured yet is absent."""
         figures = [(TierId(link.id), link.read_figures) for link in self.chain]
         if self.fleet is not None:
-            figures.append((TierId.CLUSTER, self.fleet.read_figures))
+            figures.append((TierId(self.fleet.tier.id), self.fleet.read_figures))
         out: dict[TierId, ReadFigure] = {}
         for tier, source in figures:
             fig = source.figure()

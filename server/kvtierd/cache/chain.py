@@ -19,8 +19,9 @@ that seam alone, and keeps the copies' side of every entry (``entry.copy_in(leve
   it. Until a late open has put its copies back, ``flush_all`` and ``checkpoint`` do nothing:
   the index does not hold the tier's blocks yet, and a checkpoint of it would drop them.
 
-Counters: per namespace in the cache's Counters (the tier's columns: ``_TIER_COUNTERS``); the
-tier keeps its own figures (``tier.stats()``); ``flushes_in_flight`` is the link's.
+Counters: per namespace in the cache's Counters, in the columns the tier names
+(``tier.columns``, kvtierd.tiers.base.StorageColumns); the tier keeps its own figures
+(``tier.stats()``); ``flushes_in_flight`` is the link's.
 
 Concurrency: event-loop thread only. Every await point is followed by a re-check of the entry
 (it may have been dropped meanwhile); pins taken before an await keep entries in place.
@@ -41,7 +42,6 @@ from typing import Any
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.cache.residency import HostResidency
-from kvtierd.domain import TierId
 from kvtierd.events import MEDIUM_CPU, MEDIUM_STORAGE
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
@@ -54,13 +54,6 @@ FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
 FLUSH_WORKERS = 2
 MAX_VICTIM_SCAN = 4096  # copies looked at for one slot before the tier counts as full
 PROBE_LOG_INTERVAL_S = 300.0  # a probe failing the same unforeseen way logs this seldom
-
-# Per-namespace counter columns of each storage tier: resident blocks and bytes, copies evicted,
-# payload bytes read and written.
-_TIER_COUNTERS = {
-    TierId.NVME: ("nvme_resident_blocks", "nvme_resident_bytes", "nvme_evictions",
-                  "nvme_bytes_read", "nvme_bytes_written"),
-}
 
 
 class TierLink:
@@ -76,7 +69,7 @@ class TierLink:
         self.write_policy = write_policy
         self.policy: EvictionPolicy[Entry] = LruPolicy()  # entries holding a copy here
         self._namespaces = namespaces
-        self._columns = _TIER_COUNTERS[tier.id]
+        self.columns = tier.columns
         self.restored = 0  # copies put back into the index at start
         self.flushes_in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -90,11 +83,12 @@ class TierLink:
         self._probe_failures = 0
         self._probe_log = RateLimitedLog(log, PROBE_LOG_INTERVAL_S)
         self.tenant_quota: Callable[[str], int | None] = lambda tenant: None
-        """Bytes a tenant's blocks may occupy in this tier (the tenants file's ``nvme_bytes``),
-        None = unlimited; set by the daemon, read at every flush (a reload applies at once)."""
+        """Bytes a tenant's blocks may occupy in this tier (for NVMe the tenants file's
+        ``nvme_bytes``), None = unlimited; set by the daemon, read at every flush (a reload
+        applies at once)."""
         self.quota_refused: Callable[[str], None] = lambda tenant: None
         """Called with the tenant each time ``tenant_quota`` keeps one of its blocks from being
-        written here (the daemon counts it as an ``nvme_bytes`` refusal)."""
+        written here (the daemon counts it as that quota's refusal)."""
         self._claimed: dict[str, int] = {}  # tenant -> bytes queued or being written here
         self.read_figures = ReadFigures()
         """What promotions from this tier cost now (kvtierd.cache.read_figures): fed once per
@@ -310,7 +304,7 @@ class TierLink:
                 self._add_copy(e, loc, announce=False)
                 demoted.append(e)
                 ns.counters.demotions += 1
-                self._bump(ns, 4, ns.block_bytes)
+                self._bump(ns, self.columns.bytes_written, ns.block_bytes)
             else:
                 tier.release(loc, ns.spec.digest, e.key)
         if demoted and self.residency.events is not None:
@@ -469,7 +463,7 @@ class TierLink:
                 self.residency.policy.insert(e)
                 self.residency.count(e, +1)
                 ns.counters.promotions += 1
-                self._bump(ns, 3, ns.block_bytes)
+                self._bump(ns, self.columns.bytes_read, ns.block_bytes)
                 promoted.append(e)
             else:
                 corrupt = isinstance(err, CorruptCopy)
@@ -514,7 +508,7 @@ class TierLink:
         if ns.block_bytes > quota:
             self.quota_refused(tenant)
             return False
-        resident = self._columns[1]
+        resident = self.columns.resident_bytes
         used = self._claimed.get(tenant, 0) + sum(
             getattr(n.counters, resident) for n in self._namespaces() if n.spec.tenant == tenant)
         if used + ns.block_bytes <= quota:
@@ -525,7 +519,7 @@ class TierLink:
             if e.pins or e.holds or e.promoting is not None or e.copy_in(self.level) is None:
                 continue
             self._drop_copy(e, corrupt=False)
-            self._bump(e.ns, 2, 1)
+            self._bump(e.ns, self.columns.evictions, 1)
             used -= e.ns.block_bytes
             if used + ns.block_bytes <= quota:
                 return True
@@ -543,7 +537,7 @@ class TierLink:
             if e.pins or e.holds or e.promoting is not None:
                 continue
             self._drop_copy(e, corrupt=False)
-            self._bump(e.ns, 2, 1)
+            self._bump(e.ns, self.columns.evictions, 1)
             off = self.tier.alloc(slot)
             if off is not None:
                 return off
@@ -556,8 +550,8 @@ class TierLink:
         if announce and self.residency.events is not None:
             self.residency.events.stored((e,), MEDIUM_STORAGE)
         self.policy.insert(e)
-        self._bump(e.ns, 0, 1)
-        self._bump(e.ns, 1, e.ns.block_bytes)
+        self._bump(e.ns, self.columns.resident_blocks, 1)
+        self._bump(e.ns, self.columns.resident_bytes, e.ns.block_bytes)
 
     def _drop_copy(self, e: Entry, *, corrupt: bool) -> None:
         """Forget ``e``'s copy here; an entry left with no copy at all leaves the index."""
@@ -567,8 +561,8 @@ class TierLink:
         if self.residency.events is not None:
             self.residency.events.removed((e,), MEDIUM_STORAGE)
         self.policy.remove(e, evicted=not corrupt)
-        self._bump(e.ns, 0, -1)
-        self._bump(e.ns, 1, -e.ns.block_bytes)
+        self._bump(e.ns, self.columns.resident_blocks, -1)
+        self._bump(e.ns, self.columns.resident_bytes, -e.ns.block_bytes)
         if corrupt:
             self.tier.quarantine(loc, e.ns.spec.digest, e.key)
         else:
@@ -580,9 +574,9 @@ class TierLink:
         """``e`` lost its host slot but keeps its copy here."""
         self.policy.touch(e)
 
-    def _bump(self, ns: NamespaceState, column: int, n: int) -> None:
-        name = self._columns[column]
-        setattr(ns.counters, name, getattr(ns.counters, name) + n)
+    @staticmethod
+    def _bump(ns: NamespaceState, column: str, n: int) -> None:
+        setattr(ns.counters, column, getattr(ns.counters, column) + n)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,6 +1,6 @@
 """Store and load jobs: what one session holds of the index between prepare and complete.
 
-A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``pin_prefix`` and ends at
+A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``lookup`` (a hold) and ends at
 ``complete_*``, on a transfer failure, or when its session is released. Its id is unique for the
 daemon's lifetime; only the session that owns it may use it (another session's job answers
 NotFound, exactly like an absent one: an id tells nothing).

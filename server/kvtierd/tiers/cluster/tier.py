@@ -54,6 +54,7 @@ from redis.exceptions import ResponseError
 from kvtier_contract.digests import block_digest
 from kvtierd.domain import TierId
 from kvtierd.ratelog import RateLimitedLog
+from kvtierd.tiers.base import SharedColumns, SharedWriteItem
 from kvtierd.tiers.cluster.bulk import WrongSize
 from kvtierd.tiers.cluster.format import (
     HEADER_BYTES,
@@ -70,11 +71,11 @@ log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
 MIN_REFRESH_GAP_S = 0.5  # slot-map reads asked for by failures or MOVED: at most this often
 
-WriteItem = tuple[Realm, bytes, bytes, memoryview, int | None]
-"""(the block's realm, namespace digest, block key, the block's bytes: valid until ``done`` is
-called, the block's digest from its commit or None): a block whose bytes no longer match their digest is not
-written (a write drop, counted in ``corrupt_exports`` too): the cluster never gets bytes the
-host tier would not serve (docs/security.md)."""
+WriteItem = SharedWriteItem
+"""(the block's :class:`Realm`, namespace digest, block key, the block's bytes: valid until
+``done`` is called, the block's digest from its commit or None): a block whose bytes no longer
+match their digest is not written (a write drop, counted in ``corrupt_exports`` too): the
+cluster never gets bytes the host tier would not serve (docs/security.md)."""
 
 
 def _commands(name: str, rkeys: list[bytes]) -> Callable[[Any], None]:
@@ -109,10 +110,13 @@ class _Offer:
 
 
 class ClusterTier:
-    """See the module docstring. Owns its thread, its loop, the topology and the write queues."""
+    """See the module docstring. Owns its thread, its loop, the topology and the write queues.
+    A :class:`~kvtierd.tiers.base.SharedTier`."""
 
     name = "cluster"
     id = TierId.CLUSTER
+    columns = SharedColumns(hits="blocks_hit_cluster", imports="cluster_imports",
+                            corrupt="cluster_corrupt")
 
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
@@ -184,6 +188,10 @@ class ClusterTier:
     @property
     def connected(self) -> bool:
         return self.topology.connected
+
+    @property
+    def write_policy(self) -> str:
+        return self.settings.write_policy
 
     def realm_of(self, tenant: str | None) -> Realm:
         """The realm of a namespace naming ``tenant``: its tenant's with a tenants file, else
