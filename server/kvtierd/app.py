@@ -146,7 +146,7 @@ class Daemon:
             from kvtierd.tiers.cluster.tier import ClusterTier
 
             assert cluster is not None
-            self.cache.add_cluster_tier(ClusterTier(cluster))
+            self.cache.add_shared_tier(ClusterTier(cluster))
         # cuda_ipc: CUDA (cupy) only when enabled; the arenas are page-locked in start().
         if cfg.cuda_ipc or cuda_driver is not None:
             if cuda_driver is None:

@@ -55,6 +55,7 @@ from kvtierd.cache import TieredCache
 from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.cache import check_digest_count, check_origin
 from kvtierd.cache.jobs import LoadJob, StoreJob
+from kvtierd.cache.lookup import PREFETCH, SHARED, LookupOptions
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.ratelog import RateLimitedLog
@@ -507,7 +508,9 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         its reply, and the job holding its pins (``promote`` False: ``hold_only``)."""
         if pin:
             self._check_jobs(s)
-            job, tiers = await self.cache.pin_prefix_shared(s, ns, keys, promote=promote)
+            held = await self.cache.lookup(ns, keys, LookupOptions(pin=s, promote=promote,
+                                                                   shared=True))
+            job, tiers = held.job, held.tiers
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch), None
             self._check_pins(s, job)
@@ -517,17 +520,18 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
                        for e, t in zip(job.items.values(), tiers, strict=True)]
             return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
                                   tiers=tiers, offsets=offsets), job
-        hit, tiers, durable = await self.cache.lookup_shared(ns, keys)
-        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=hit, tiers=tiers,
-                              durable=durable), None
+        found = await self.cache.lookup(ns, keys, SHARED)
+        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=found.hit,
+                              tiers=found.tiers, durable=found.durable), None
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
         self._session(request.session_id)
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
-        ready, started = self.cache.prefetch(ns, keys)
-        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=ready, promoting=started)
+        found = await self.cache.lookup(ns, keys, PREFETCH)
+        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=found.hit,
+                                promoting=found.promoting)
 
     def mapped_arena(self, session: Session) -> int | None:
         """The arena (pool) a session's client maps: the shared one on a single-tenant daemon,

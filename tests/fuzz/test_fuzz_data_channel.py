@@ -53,6 +53,7 @@ from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace
 from kvtier_contract.wire import Op, Status
 from kvtierd.cache import TieredCache
+from kvtierd.cache.lookup import LookupOptions
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.policies import make_policy
 from kvtierd.sessions import SessionTable
@@ -171,7 +172,7 @@ class Rig:
         load, deferred = _done(self.cache.prepare_load(self.me, self.ns, keys(1, 2, 3),
                                                        Transport.TCP))
         assert load is not None and not deferred
-        pinned, _ = self.cache.pin_prefix(self.me, self.ns, keys(1))
+        pinned = _done(self.cache.lookup(self.ns, keys(1), LookupOptions(pin=self.me))).job
         assert pinned is not None
         store, status, self.store_slots = self.cache.prepare_store(
             self.me, self.ns, keys(11, 12, 13, 14), Transport.TCP)
@@ -465,8 +466,8 @@ def check_index(rig: Rig) -> None:
     rig.sessions.close_all()
     assert cache.writing_blocks == 0 and cache.pinned_blocks == 0
     if not rig.evicted:
-        assert cache.lookup(rig.canary_ns, keys(101, 102, 103, 104)) == 4
-        assert cache.lookup(rig.ns, keys(1, 2, 3)) == 3
+        assert _done(cache.lookup(rig.canary_ns, keys(101, 102, 103, 104))).hit == 4
+        assert _done(cache.lookup(rig.ns, keys(1, 2, 3))).hit == 3
 
 
 # ---- tests -------------------------------------------------------------------------------------

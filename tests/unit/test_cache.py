@@ -23,6 +23,7 @@ from kvtier_contract.errors import (
 )
 from kvtier_contract.identity import Namespace
 from kvtierd.cache import LoadJob, TieredCache
+from kvtierd.cache.lookup import LookupOptions
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.index import EntryState, NamespaceState
 from kvtierd.policies import PolicyName, make_policy
@@ -48,6 +49,13 @@ def done(coro: Coroutine[Any, Any, T]) -> T:
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
     raise AssertionError("the coroutine suspended")
+
+
+def pin_prefix(cache: TieredCache, session: Session, ns: NamespaceState,
+               ks: list[bytes]) -> tuple[LoadJob | None, bytes]:
+    """A lookup holding its hit prefix: (the hold, each hit's tier)."""
+    found = done(cache.lookup(ns, ks, LookupOptions(pin=session)))
+    return found.job, found.tiers
 
 
 def keys(*ids: int) -> list[bytes]:
@@ -134,16 +142,16 @@ def st(*codes: int) -> bytes:
 
 def test_lookup_answers_the_longest_ready_prefix(cache: TieredCache, ns: NamespaceState) -> None:
     assert put(cache, ns, keys(1, 2, 3)) == st(RESERVED, RESERVED, RESERVED)
-    assert cache.lookup(ns, keys(1, 2, 3)) == 3
-    assert cache.lookup(ns, keys(1, 2, 9, 3)) == 2  # 3 is there but after a miss
-    assert cache.lookup(ns, keys(9, 1)) == 0
-    assert cache.lookup(ns, []) == 0
+    assert done(cache.lookup(ns, keys(1, 2, 3))).hit == 3
+    assert done(cache.lookup(ns, keys(1, 2, 9, 3))).hit == 2  # 3 is there but after a miss
+    assert done(cache.lookup(ns, keys(9, 1))).hit == 0
+    assert done(cache.lookup(ns, [])).hit == 0
 
 
 def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceState) -> None:
     other = cache.register_namespace(spec(model="other"))
     put(cache, ns, keys(1, 2))
-    assert cache.lookup(other, keys(1, 2)) == 0
+    assert done(cache.lookup(other, keys(1, 2))).hit == 0
     assert load_job(cache, session(), other, keys(1)) is None
     # the same key bytes can be stored in the other namespace independently
     assert put(cache, other, keys(1)) == st(RESERVED)
@@ -152,14 +160,14 @@ def test_keys_never_match_across_namespaces(cache: TieredCache, ns: NamespaceSta
 def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(1, 2, 4))
-    job, tiers = cache.pin_prefix(s, ns, keys(1, 2, 3, 4))
+    job, tiers = pin_prefix(cache, s, ns, keys(1, 2, 3, 4))
     # [1* 2* 4]: 4 is resident but after the miss at 3
     assert job is not None and sorted(job.items) == [0, 1] and tiers == bytes([1, 1])  # host
     assert [ns.entries[k].holds for k in keys(1, 2, 4)] == [1, 1, 0]  # held, not read-pinned
     assert cache.pinned_blocks == 2 and s.load_jobs == {job.id}
-    assert cache.pin_prefix(s, ns, keys(3, 1)) == (None, b"")  # nothing hit, nothing pinned
+    assert pin_prefix(cache, s, ns, keys(3, 1)) == (None, b"")  # nothing hit, nothing pinned
     put(cache, ns, keys(5, 6, 7, 8))  # a host-only cache: held blocks have no other copy
-    assert cache.lookup(ns, keys(1, 2)) == 2  # [1* 2* 7 8]: never evicted while held
+    assert done(cache.lookup(ns, keys(1, 2))).hit == 2  # [1* 2* 7 8]: never evicted while held
     assert cache.complete_load(s, job.id) == 2
     assert cache.pinned_blocks == 0
 
@@ -174,15 +182,15 @@ def test_writing_entries_are_invisible_until_committed(cache: TieredCache,
     # [1w 2w]
     assert job is not None and status == st(RESERVED, RESERVED)
     assert len(set(offsets)) == 2 and all(o % BLOCK == 0 for o in offsets)
-    assert cache.lookup(ns, keys(1)) == 0
+    assert done(cache.lookup(ns, keys(1))).hit == 0
     assert load_job(cache, s2, ns, keys(1, 2)) is None
-    assert cache.pin_prefix(s2, ns, keys(1, 2))[0] is None
+    assert pin_prefix(cache, s2, ns, keys(1, 2))[0] is None
     # another writer is told there is nothing to do (someone is already writing it)
     assert cache.prepare_store(s2, ns, keys(2), SHM)[1] == st(PRESENT)
     assert cache.writing_blocks == 2
     assert cache.complete_store(s1, job.id, ok=True) == (2, 0)
     # [1 2]
-    assert cache.lookup(ns, keys(1, 2)) == 2
+    assert done(cache.lookup(ns, keys(1, 2))).hit == 2
     assert cache.writing_blocks == 0
 
 
@@ -207,7 +215,7 @@ def test_pinned_entries_are_never_evicted(cache: TieredCache, ns: NamespaceState
     assert status == st(RESERVED, RESERVED, REJECTED)
     assert resident(ns) == set(keys(1, 2, 5, 6))
     assert ns.counters.evictions == 2
-    assert cache.lookup(ns, keys(1, 2)) == 2
+    assert done(cache.lookup(ns, keys(1, 2))).hit == 2
 
 
 def test_store_is_rejected_as_a_value_when_only_pinned_and_writing_remain(
@@ -258,7 +266,7 @@ def test_a_failed_complete_store_frees_its_slots_and_leaves_nothing_visible(
     assert cache.complete_store(s, job.id, ok=False) == (0, 2)
     # []
     assert ns.entries == {}
-    assert cache.lookup(ns, keys(1)) == 0
+    assert done(cache.lookup(ns, keys(1))).hit == 0
     assert cache.host.used_bytes == 0 and cache.host.free_slabs() == 4
     assert cache.writing_blocks == 0 and s.store_jobs == set()
     assert ns.counters.stores_dropped == 2 and ns.counters.stores_accepted == 0
@@ -384,7 +392,7 @@ def test_eviction_makes_room_in_policy_order(cache: TieredCache, ns: NamespaceSt
     assert put(cache, ns, keys(5)) == st(RESERVED)
     # [2 3 4 5]: 1 was never hit, it goes first under both policies
     assert resident(ns) == set(keys(2, 3, 4, 5))
-    assert cache.lookup(ns, keys(2)) == 1
+    assert done(cache.lookup(ns, keys(2))).hit == 1
     assert put(cache, ns, keys(6)) == st(RESERVED)
     # [4 5 2 6] (lru) / T1 [4 5 6], T2 [2] (arc): 3 goes; the hit on 2 saved it
     assert resident(ns) == set(keys(2, 4, 5, 6))
@@ -568,9 +576,9 @@ def test_register_namespace_is_idempotent_and_bounded(make_cache: MakeCache) -> 
 def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     other = cache.register_namespace(spec(model="other"))
-    assert cache.lookup(ns, keys(1, 2)) == 0                          # 2 missed
+    assert done(cache.lookup(ns, keys(1, 2))).hit == 0                          # 2 missed
     put(cache, ns, keys(1, 2, 3))                                     # 3 accepted
-    assert cache.lookup(ns, keys(1, 2, 9)) == 2                       # 2 hit, 1 missed
+    assert done(cache.lookup(ns, keys(1, 2, 9))).hit == 2                       # 2 hit, 1 missed
     job, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)           # 1 present
     assert job is not None
     cache.complete_store(s, job.id, ok=False)                         # 1 dropped

@@ -25,6 +25,7 @@ from kvtier_contract.identity import Namespace, revision_problem, tokenizer_dige
 from kvtierd.cache.chain import TierLink
 from kvtierd.domain import TierId
 from kvtierd.tiers.base import Recovered
+from kvtierd.tiers.nvme.tier import NvmeTier
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "hashing_golden.json"
 BASE: dict[str, Any] = dict(
@@ -187,6 +188,7 @@ class RecoveredTier:
 
     id = TierId.NVME
     name = "nvme"
+    columns = NvmeTier.columns  # where the link counts (kvtierd.tiers.base.StorageColumns)
 
     def __init__(self, revisions: list[str], blocks_each: int) -> None:
         self.rec = Recovered()

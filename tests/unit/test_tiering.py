@@ -5,7 +5,7 @@ NVMe tier holds ``nvme`` slots of 8 KiB (header region + payload, one slot per s
 file. Every byte goes through FaultyFileSystem / FaultyDevice, so a scenario can flip bytes on
 disk, tear writes, fail syncs, or hold the disk at a gate (a slow disk without a sleep in the test).
 The scenarios drive the cache API the way the service does (ensure_room, prepare/complete_store,
-prepare_load, lookup_detail) on one asyncio loop.
+prepare_load, lookup) on one asyncio loop.
 
 Keys are small integers (``keys(1, 2)``); a block's bytes follow from its key (``payload(1)``), so
 every read is checked byte for byte. ``rig.lookup(...)`` answers ``(hits, tiers, durable)`` with
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -32,10 +32,11 @@ from kvtier_contract import wire
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace
 from kvtier_contract.wire import Op, Status
-from kvtierd.cache import TieredCache, TierLink
+from kvtierd.cache import LoadJob, TieredCache, TierLink
+from kvtierd.cache.lookup import PREFETCH, LookupOptions
 from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.domain import StoreStatus, TierId, Transport
-from kvtierd.index import Entry
+from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import PolicyName, WritePolicyName, make_policy, make_write_policy
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
@@ -65,6 +66,31 @@ NVME_SLOT = A + BLOCK
 SHM = Transport.SHM
 RESERVED, PRESENT = StoreStatus.RESERVED, StoreStatus.ALREADY_PRESENT
 DRAIN_S = 5.0
+
+
+T = TypeVar("T")
+
+
+def _now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (a lookup without a shared tier awaits nothing)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    raise AssertionError("the coroutine suspended")
+
+
+def pin_prefix(cache: TieredCache, session: Session, ns: NamespaceState, ks: list[bytes], *,
+               promote: bool = True) -> tuple[LoadJob | None, bytes]:
+    """A lookup holding its hit prefix: (the hold, each hit's tier)."""
+    found = _now(cache.lookup(ns, ks, LookupOptions(pin=session, promote=promote)))
+    return found.job, found.tiers
+
+
+def prefetch(cache: TieredCache, ns: NamespaceState, ks: list[bytes]) -> tuple[int, int]:
+    """A prefetch: (the READY prefix, promotions started)."""
+    found = _now(cache.lookup(ns, ks, PREFETCH))
+    return found.hit, found.promoting
 
 
 def keys(*ids: int) -> list[bytes]:
@@ -183,7 +209,8 @@ class Rig:
         return out, deferred
 
     def lookup(self, *ids: int) -> tuple[int, str, str]:
-        hit, tiers, durable = self.cache.lookup_detail(self.ns, keys(*ids))
+        found = _now(self.cache.lookup(self.ns, keys(*ids)))
+        hit, tiers, durable = found.hit, found.tiers, found.durable
         return (hit, "".join("h" if t == TierId.HOST else "n" for t in tiers),
                 "".join("d" if d else "-" for d in durable))
 
@@ -421,8 +448,8 @@ async def test_prefetch_promotes_ahead_of_the_load(make_rig: Callable[..., Rig])
     await rig.store(4, 5, 6, 7)
     await rig.settle()  # host [4 5 6 7]; 1..3 on NVMe only
     assert rig.lookup(1, 2, 3) == (3, "nnn", "ddd")
-    assert rig.cache.prefetch(rig.ns, keys(9, 1)) == (0, 0)  # only the ready prefix
-    assert rig.cache.prefetch(rig.ns, keys(1, 2, 3)) == (3, 3)
+    assert prefetch(rig.cache, rig.ns, keys(9, 1)) == (0, 0)  # only the ready prefix
+    assert prefetch(rig.cache, rig.ns, keys(1, 2, 3)) == (3, 3)
     await rig.settle()
     assert rig.lookup(1, 2, 3) == (3, "hhh", "ddd")
     reads = rig.nvme.figures.reads
@@ -458,7 +485,7 @@ async def test_promotions_feed_the_tiers_read_figures(make_rig: Callable[..., Ri
     fig = rig.cache.read_figures()[TierId.NVME]
     assert (fig.latency_s, fig.bytes_per_s, fig.reads) == (1.0, 2 * BLOCK, 1)
     # a prefetch (a pinned lookup's promotion too): asked when it is started, not when it runs
-    assert rig.cache.prefetch(rig.ns, keys(3)) == (1, 1)
+    assert prefetch(rig.cache, rig.ns, keys(3)) == (1, 1)
     await rig.settle()
     fig = rig.cache.read_figures()[TierId.NVME]
     assert (fig.latency_s, fig.bytes_per_s, fig.reads) == (1.0, BLOCK, 2)
@@ -500,7 +527,7 @@ async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
     await rig.store(3, 4, 5, 6)
     await rig.settle()  # host [3 4 5 6]; 1, 2 on NVMe only
     # Answered without waiting on the disk (every read is held at the gate meanwhile).
-    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3))
+    job, tiers = pin_prefix(rig.cache, rig.session, rig.ns, keys(1, 2, 3))
     assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
     assert rig.ns.counters.blocks_hit_nvme == 2 and rig.ns.counters.blocks_hit_host == 1
     assert all(e.holds == 1 and e.pins == 0 for e in job.items.values())
@@ -530,7 +557,7 @@ async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
     without making the daemon read them; the load that does take them promotes them then."""
     rig = await one_and_two_below(make_rig)
     reads = rig.disk.reads
-    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2, 3), promote=False)
+    job, tiers = pin_prefix(rig.cache, rig.session, rig.ns, keys(1, 2, 3), promote=False)
     assert job is not None and list(tiers) == [TierId.NVME, TierId.NVME, TierId.HOST]
     await rig.settle()
     assert rig.lookup(1, 2, 3) == (3, "nnh", "ddd")  # nothing was promoted
@@ -908,7 +935,7 @@ async def test_every_hit_of_a_pinned_lookup_can_be_loaded(make_rig: Callable[...
         await rig.settle()  # nvme [1..8]; host [5 6 7 8]
     # A hold keeps blocks in the index, not in the host tier: the prefix is all eight, though
     # the host tier holds four, and the load of it streams through the host tier in rounds.
-    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(*range(1, 9)))
+    job, tiers = pin_prefix(rig.cache, rig.session, rig.ns, keys(*range(1, 9)))
     assert job is not None and len(job.items) == 8
     assert list(tiers) == [TierId.NVME] * 4 + [TierId.HOST] * 4
     await rig.settle()
@@ -923,7 +950,7 @@ async def test_a_held_block_keeps_its_last_copy(make_rig: Callable[..., Rig]) ->
     for pair in ((1, 2), (3, 4)):
         await rig.store(*pair)
         await rig.settle()  # write-through: nvme [1 2 3 4] (full); host [3 4]
-    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1))
+    job, tiers = pin_prefix(rig.cache, rig.session, rig.ns, keys(1))
     assert job is not None and list(tiers) == [TierId.NVME]
     await rig.settle()  # 1's promotion took a host slot (evicting 3, which NVMe holds)
     for pair in ((5, 6), (7, 8)):
@@ -997,7 +1024,7 @@ async def test_a_pinned_lookup_job_sends_no_bytes(make_rig: Callable[..., Rig]) 
     rig = make_rig(host=4)
     channel, transport = data_channel(rig)
     await rig.one_on_nvme_only()  # 1 on NVMe only
-    job, tiers = rig.cache.pin_prefix(rig.session, rig.ns, keys(1, 2))
+    job, tiers = pin_prefix(rig.cache, rig.session, rig.ns, keys(1, 2))
     assert job is not None and list(tiers) == [TierId.NVME, TierId.HOST]
     feed(channel, wire.pack(Op.READ, job.id))
     assert transport.closed and wire.unpack(transport.out[0][:32])[0] is Op.ERROR

@@ -9,42 +9,35 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 
 * ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
   is the same across daemon restarts and never names another namespace).
-* ``lookup(ns, keys)`` / ``lookup_detail`` -> longest prefix of READY blocks (and each one's
-  tier); ``pin_prefix`` also *holds* that prefix (kept in the index, on whichever tier),
-  answering at once with the real tier of each hit, and promotes the ones held only below in
-  the background.
+* ``lookup(ns, keys, options)``, ``prepare_load`` / ``complete_load``, ``load_queued`` /
+  ``load_sent``: the read half of this class, written in kvtierd.cache.reads.
 * ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
-* ``prepare_load`` pins READY entries with a valid host slot, promoting as many of the ones held
-  only below as the host tier can place now; the others are *deferred* (still present: ask
-  again after ``complete_load``, so a load larger than the free host tier streams in rounds).
 * ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
-* ``load_queued(job)`` / ``load_sent(job)``: a data connection holds views of a load job's slots
-  that the kernel has not taken yet / no longer does. ``complete_load`` and ``release_session``
-  of a job still sending end the job at once (the engine never waits) but keep its pins, and
-  ``pinned_blocks``, until the last ``load_sent``: a slot is never reused while its bytes leave.
+  A load job still sending keeps its pins until its last ``load_sent`` (kvtierd.cache.reads).
 
 Parts (one component, one writer): :class:`~kvtierd.cache.residency.HostResidency` (host slots,
 eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion,
-promotion), :class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of them).
+promotion), :class:`~kvtierd.cache.fleet.SharedLink` for the shared tier (imports, exports),
+:class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of them).
 
-Size: just over the house limit, because every change to an entry's lifecycle (reserve,
-commit, abort, pin, hold, release) stays in this one class, where all of them can be read
-together; placement, copies and jobs live in the modules named above.
+Size: over the house limit while the store half (prepare/complete_store, quota fit, corrupt
+claims) is still written here; it is the store side's seam (kvtierd.cache.reads is the read
+side's).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence, Set
-from typing import TYPE_CHECKING
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
-from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.chain import TierLink
-from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
+from kvtierd.cache.fleet import SharedLink
+from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob, check_live
 from kvtierd.cache.read_figures import ReadFigure
+from kvtierd.cache.reads import Reads
 from kvtierd.cache.residency import HostResidency
 from kvtierd.domain import StoreStatus, TierId, Transport
 from kvtierd.events import MEDIUM_CPU
@@ -53,24 +46,7 @@ from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
-from kvtierd.tiers import HostTier, Recovered, StorageTier
-
-if TYPE_CHECKING:  # the cluster tier needs redis-py: imported only when one is configured
-    from kvtierd.cache.fleet import ClusterLink
-    from kvtierd.tiers.cluster.tier import ClusterTier
-
-_HOST_TIERS = bytes([TierId.HOST]) * 4096
-
-
-def _ready_prefix(ns: NamespaceState, keys: Sequence[bytes]) -> list[Entry]:
-    """The READY entries of the longest prefix of ``keys`` (any tier)."""
-    prefix: list[Entry] = []
-    for k in keys:
-        e = ns.ready.get(k)
-        if e is None:
-            break
-        prefix.append(e)
-    return prefix
+from kvtierd.tiers import HostTier, Recovered, SharedTier, StorageTier
 
 
 def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
@@ -111,14 +87,10 @@ def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, En
         e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
 
 
-def _check_live(session: Session) -> None:
-    """Jobs attach only to live sessions: a released one would never free them (its lease
-    may lapse while a request awaits flushes or promotions)."""
-    if session.released:
-        raise NotFound(f"session {session.id} expired or closed", field="session_id")
+_check_live = check_live  # (kvtierd.cache.jobs: jobs attach only to live sessions)
 
 
-class TieredCache:
+class TieredCache(Reads):
     """Owns the index (entries of every namespace), the jobs, the host residency and the chain
     of storage tiers below it.
 
@@ -140,7 +112,7 @@ class TieredCache:
         """The ``host_bytes`` quota of a namespace's tenant (None: none). Set by the daemon from
         its Tenancy; stores (``fit``), promotions and imports (``room_for``) keep to it."""
         self.chain: list[TierLink] = []
-        self.fleet: ClusterLink | None = None  # the cluster tier, outside the index
+        self.fleet: SharedLink | None = None  # the shared tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
         self.expired_counters = Counters()  # of the namespaces expire_idle forgot
         self._max_namespaces = max_namespaces
@@ -162,11 +134,9 @@ class TieredCache:
         link.restored = link.restore(self.register_namespace, opened)
         return link
 
-    def add_cluster_tier(self, tier: ClusterTier) -> ClusterLink:
+    def add_shared_tier(self, tier: SharedTier) -> SharedLink:
         """Consult and feed ``tier`` (started by the caller) after the local chain."""
-        from kvtierd.cache.fleet import ClusterLink
-
-        self.fleet = ClusterLink(self.residency, tier)
+        self.fleet = SharedLink(self.residency, tier)
         return self.fleet
 
     # -- namespaces -------------------------------------------------------------------------------
@@ -216,143 +186,6 @@ class TieredCache:
             raise NotFound(f"unknown namespace {namespace_id} (register it first)",
                            field="namespace_id")
         return ns
-
-    # -- lookups ----------------------------------------------------------------------------------
-
-    def lookup(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
-        """Longest prefix of READY blocks (hits are touched in the policies and counted)."""
-        return self.lookup_detail(ns, keys)[0]
-
-    def lookup_detail(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
-        """Longest READY prefix, the tier of each hit (one TierId byte each), and whether each
-        has a durable copy in a storage tier."""
-        found = list(map(ns.ready.get, keys))  # C-speed: ~40 µs for a 1,000-key chain
-        try:
-            hit = found.index(None)
-        except ValueError:
-            hit = len(found)
-        hits: list[Entry] = found[:hit]  # type: ignore[assignment]  # no None before `hit`
-        if not self.chain:
-            self.policy.touch_many(hits)
-            tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TierId.HOST]) * hit
-            below = 0
-            durable = bytes(hit)
-        else:
-            in_host = [e.in_host for e in hits]
-            tiers = bytes(TierId.HOST if h else self._tier_below(e)
-                          for e, h in zip(hits, in_host, strict=True))
-            below = hit - sum(in_host)
-            durable = bytes(bool(e.copies) for e in hits)
-            self.policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])
-            for link in self.chain:
-                link.policy.touch_many([e for e in hits if e.copy_in(link.level) is not None])
-                link.on_hits(hits)
-        c = ns.counters
-        n, tpb = len(keys), ns.spec.tokens_per_block
-        c.lookups += 1
-        c.blocks_requested += n
-        c.blocks_hit_host += hit - below
-        c.blocks_hit_nvme += below
-        c.blocks_missed += n - hit
-        c.tokens_requested += n * tpb
-        c.tokens_hit += hit * tpb
-        c.tokens_missed += (n - hit) * tpb
-        return hit, tiers, durable
-
-    async def lookup_shared(self, ns: NamespaceState,
-                            keys: Sequence[bytes]) -> tuple[int, bytes, bytes]:
-        """``lookup_detail``, then the cluster tier for the keys after the local prefix (within
-        its lookup deadline): those hits are reported as TIER_CLUSTER, not durable."""
-        hit, tiers, durable = self.lookup_detail(ns, keys)
-        if self.fleet is None or hit == len(keys):
-            return hit, tiers, durable
-        more = await self.fleet.extend(ns, keys[hit:])
-        if more:
-            self._count_cluster_hits(ns, more, moved_from_host=False)
-            tiers += bytes([TierId.CLUSTER]) * more
-            durable += bytes(more)
-        return hit + more, tiers, durable
-
-    @staticmethod
-    def _count_cluster_hits(ns: NamespaceState, n: int, *, moved_from_host: bool) -> None:
-        """``n`` hits counted as misses (or, once imported, as host hits) were cluster hits."""
-        c, tpb = ns.counters, ns.spec.tokens_per_block
-        c.blocks_hit_cluster += n
-        if moved_from_host:
-            c.blocks_hit_host -= n
-        else:
-            c.blocks_missed -= n
-            c.tokens_hit += n * tpb
-            c.tokens_missed -= n * tpb
-
-    async def import_shared(self, ns: NamespaceState, keys: Sequence[bytes],
-                            protect: set[Entry] | None = None) -> list[Entry]:
-        """Import, from the cluster tier, the blocks that extend the local READY prefix of
-        ``keys`` (up to the first one the cluster lacks; kvtierd.cache.fleet); the entries
-        imported. Nothing without a cluster tier."""
-        if self.fleet is None:
-            return []
-        prefix = _ready_prefix(ns, keys)
-        if len(prefix) == len(keys):
-            return []
-        # the local prefix is what the caller is about to pin: never evicted to make room
-        guard = set(prefix) | (protect or set())
-        return await self.fleet.import_(ns, keys[len(prefix):], guard, prefix_only=True)
-
-    def _tier_below(self, e: Entry) -> int:
-        """The first storage tier holding a copy of ``e`` (which is READY, not in the host)."""
-        return next(link.id for link in self.chain if e.copy_in(link.level) is not None)
-
-    async def pin_prefix_shared(self, session: Session, ns: NamespaceState,
-                                keys: Sequence[bytes], *, promote: bool = True
-                                ) -> tuple[LoadJob | None, bytes]:
-        """``pin_prefix``, after importing from the cluster tier the blocks that extend the
-        local prefix (they are then host hits, counted as cluster hits). ``promote`` False
-        (``hold_only``): no import, and no promotion started (``pin_prefix``)."""
-        imported = await self.import_shared(ns, keys) if promote else []
-        job, tiers = self.pin_prefix(session, ns, keys, promote=promote)
-        if imported and job is not None:  # those the lookup counted as host hits
-            held = set(job.items.values())
-            n = sum(1 for e in imported if e in held)
-            if n:
-                self._count_cluster_hits(ns, n, moved_from_host=True)
-        return job, tiers
-
-    def pin_prefix(self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *,
-                   promote: bool = True) -> tuple[LoadJob | None, bytes]:
-        """Lookup, then hold the hit prefix (released by complete_load or expiry).
-
-        Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
-        the index (it keeps its last copy) but may still move between tiers, so holding a prefix
-        larger than the host tier never blocks the load of it, which streams through the host
-        tier in rounds. Blocks held only below start promoting in the background, unless
-        ``promote`` is False (the client may not load them; the PrepareLoad that does promotes
-        them then)."""
-        hit, tiers, _ = self.lookup_detail(ns, keys)
-        if hit == 0:
-            return None, b""
-        _check_live(session)
-        items = {i: ns.ready[keys[i]] for i in range(hit)}
-        for e in items.values():
-            e.holds += 1
-        self.pinned_blocks += hit
-        job = LoadJob(self.jobs.next_id(), session.id, ns, session.transport, items,
-                      moves_bytes=False)
-        self.jobs.add(job)
-        session.load_jobs.add(job.id)
-        below = [e for e in items.values() if not e.in_host] if promote else []
-        if below:
-            for link in self.chain:
-                link.prefetch(below)
-        return job, tiers
-
-    def prefetch(self, ns: NamespaceState, keys: Sequence[bytes]) -> tuple[int, int]:
-        """Start promoting the below-only blocks of the READY prefix of ``keys``:
-        (ready prefix length, promotions started)."""
-        prefix = _ready_prefix(ns, keys)
-        below = [e for e in prefix if not e.in_host]
-        started = sum(link.prefetch(below) for link in self.chain) if below else 0
-        return len(prefix), started
 
     def fit(self, ns: NamespaceState, n_blocks: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
@@ -518,89 +351,6 @@ class TieredCache:
         setattr(c, name, getattr(c, name) + len(committed) * ns.block_bytes)
         return len(committed), aborted
 
-    # -- loads ------------------------------------------------------------------------------------
-
-    async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                           transport: Transport, *, host_only: bool = False,
-                           answer_by: AnswerBy | None = None
-                           ) -> tuple[LoadJob | None, dict[int, int]]:
-        """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
-        the keys still present below but not placed this round (deferred: index -> the storage
-        tier holding them). ``host_only``: only those in the host tier now; nothing is
-        promoted or imported (the rest is deferred at once). ``answer_by``: imports and
-        promotions are waited for until then only (the reads go on; what has not arrived is
-        deferred, and ``answer_by.cut`` says so)."""
-        if not host_only and self.fleet is not None and any(k not in ns.entries for k in keys):
-            importing = self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
-            await (importing if answer_by is None else answer_by.wait(importing))
-            _check_live(session)
-        items: dict[int, Entry] = {}
-        for i, k in enumerate(keys):
-            e = ns.ready.get(k)
-            if e is not None:
-                items[i] = e
-        deferred: dict[int, int] = {}
-        if host_only and self.chain and items:
-            deferred = {i: self._tier_below(e) for i, e in items.items()
-                        if not e.in_host and e.copies}
-            items = {i: e for i, e in items.items() if e.in_host}
-        elif self.chain and items:
-            kept = await self._promoted(session, items, answer_by)
-            deferred = {i: self._tier_below(e) for i, e in items.items()
-                        if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
-            items = kept
-            for e in items.values():
-                e.pins -= 1  # _new_load_job takes the job's own pins
-        for e in items.values():
-            self.policy.touch(e)
-        if not items:
-            return None, deferred
-        return self._new_load_job(session, ns, items, transport), deferred
-
-    async def _promoted(self, session: Session, items: dict[int, Entry],
-                        answer_by: AnswerBy | None = None) -> dict[int, Entry]:
-        """Pin ``items``, promote those held only below (as many as fit, waiting until
-        ``answer_by`` at most), unpin and drop those that are not in the host tier now.
-        Returned entries stay pinned (once more)."""
-        for e in items.values():
-            e.pins += 1
-        protect = set(items.values())
-        try:
-            for link in self.chain:
-                need = [e for e in items.values()
-                        if not e.in_host and e.copy_in(link.level) is not None]
-                if not need:
-                    continue
-                promoting = link.promote_many(need, protect)
-                if answer_by is None:
-                    await promoting
-                elif await answer_by.wait(promoting) is None:
-                    break  # out of time: what is in the host tier now
-        except BaseException:  # cancelled (the RPC's deadline): the pins go, the reads go on
-            for e in items.values():
-                e.pins -= 1
-            raise
-        kept: dict[int, Entry] = {}
-        for i in sorted(items):
-            e = items[i]
-            if e.in_host and not session.released:
-                kept[i] = e
-            else:
-                e.pins -= 1
-        return kept
-
-    def complete_load(self, session: Session, job_id: int) -> int:
-        job = self.jobs.get(session.id, job_id, LoadJob)
-        self.jobs.not_copying(job_id)
-        self._finish_load(session, job)
-        if not job.moves_bytes:
-            return len(job.items)
-        c = job.ns.counters
-        c.loads += len(job.items)
-        name = f"bytes_out_{job.transport.label}"
-        setattr(c, name, getattr(c, name) + len(job.items) * job.ns.block_bytes)
-        return len(job.items)
-
     def corrupt_claims(self, session: Session, job_id: int,
                        indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
@@ -708,55 +458,10 @@ class TieredCache:
         a tier with no read measured yet is absent."""
         figures = [(TierId(link.id), link.read_figures) for link in self.chain]
         if self.fleet is not None:
-            figures.append((TierId.CLUSTER, self.fleet.read_figures))
+            figures.append((TierId(self.fleet.tier.id), self.fleet.read_figures))
         out: dict[TierId, ReadFigure] = {}
         for tier, source in figures:
             fig = source.figure()
             if fig is not None:
                 out[tier] = fig
         return out
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _new_load_job(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
-                      transport: Transport) -> LoadJob:
-        _check_live(session)
-        for e in items.values():
-            e.pins += 1
-        self.pinned_blocks += len(items)
-        job = LoadJob(self.jobs.next_id(), session.id, ns, transport, items)
-        self.jobs.add(job)
-        session.load_jobs.add(job.id)
-        return job
-
-    def load_queued(self, job: LoadJob) -> None:
-        """A data connection queued views of ``job``'s slots (DATA frames the kernel has not
-        taken yet): the job's pins outlive its end until the matching ``load_sent``."""
-        assert job.moves_bytes
-        job.sending += 1
-
-    def load_sent(self, job: LoadJob) -> None:
-        """That connection's write buffer emptied, or the connection was lost and its views
-        dropped. A job that ended meanwhile is unpinned once no connection holds its bytes."""
-        assert job.sending > 0
-        job.sending -= 1
-        if not job.sending and job.ended:
-            self._unpin(job)
-
-    def _finish_load(self, session: Session, job: LoadJob) -> None:
-        self.jobs.remove(job)
-        session.load_jobs.discard(job.id)
-        job.ended = True
-        if not job.sending:  # else the last load_sent unpins
-            self._unpin(job)
-
-    def _unpin(self, job: LoadJob) -> None:
-        if job.moves_bytes:
-            for e in job.items.values():
-                assert e.pins > 0
-                e.pins -= 1
-        else:  # a pinned lookup's holds
-            for e in job.items.values():
-                assert e.holds > 0
-                e.holds -= 1
-        self.pinned_blocks -= len(job.items)

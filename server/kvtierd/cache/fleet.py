@@ -1,27 +1,30 @@
-"""The cache's side of the cluster tier (kvtierd.tiers.cluster): a tier outside the index.
+"""The cache's side of a shared tier (kvtierd.tiers.base.SharedTier): a tier outside the index.
 
-Part of the cache (kvtierd.cache). The cluster is shared by the daemons of many nodes and
-evicts on its own, so the index never records what it holds; a block found only there is
-*imported*: fetched into a host slot, verified, and entered READY as if it had been stored
-here, then served over any transport like every other hit. ``Entry.in_cluster`` only remembers
-that a block need not be written there again.
+Part of the cache (kvtierd.cache). One :class:`SharedLink` drives one shared tier (the cluster
+tier, kvtierd.tiers.cluster, today) through that seam alone. A shared tier is written by the
+daemons of many nodes and evicts on its own, so the index never records what it holds; a block
+found only there is *imported*: fetched into a host slot, verified, and entered READY as if it
+had been stored here, then served over any transport like every other hit.
+``Entry.in_cluster`` (named after the first shared tier) only remembers that a block need not
+be written there again.
 
 * ``extend(ns, keys)``: how many of ``keys`` (the part of a lookup after the local prefix) the
-  cluster holds as a prefix, within the lookup deadline.
-* ``import_(ns, keys, protect)``: fetch those of ``keys`` that the index lacks and the cluster
-  holds (asked first, with ``EXISTS``) into host slots (reserved first, evicting in policy
+  shared tier holds as a prefix, within the lookup deadline.
+* ``import_(ns, keys, protect)``: fetch those of ``keys`` that the index lacks and the shared
+  tier holds (asked first, with ``exists``) into host slots (reserved first, evicting in policy
   order, never an entry of ``protect``); the fetch runs as
   a task of this link, so a caller cancelled meanwhile (an RPC past its deadline) leaves it to
   finish, and no slot is freed while bytes are being copied into it. A key stored or imported
   meanwhile keeps that entry (our slot is freed).
-* write policy ``commit``: every committed block is offered to the cluster, its entry pinned
+* write policy ``commit``: every committed block is offered to the tier, its entry pinned
   until the write ends (the writer reads the host slot; no copy); ``evict``: a block leaving
-  the host tier with no copy in the cluster is copied out and offered (its slot goes at once).
+  the host tier with no copy in the shared tier is copied out and offered (its slot goes at
+  once).
   Either way a full queue or a failed write drops it (counted by the tier).
 
-Every call names the realm of the namespace's values (``ClusterTier.realm_of(ns.spec.tenant)``:
-its tenant's with a tenants file; kvtierd.tiers.cluster.keys): which Redis keys it reads and
-writes, and under which key their MACs are made and checked.
+Every call names the realm of the namespace's values (``tier.realm_of(ns.spec.tenant)``; for
+the cluster tier its tenant's with a tenants file, kvtierd.tiers.cluster.keys). Figures go to
+the tier's own counter columns (``tier.columns``).
 
 Concurrency: event-loop thread only; the tier's I/O runs on its own thread.
 """
@@ -34,25 +37,26 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvtier_contract.digests import block_digest
+from kvtierd.cache.lookup import ready_prefix
 from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.cache.residency import HostResidency
 from kvtierd.events import MEDIUM_CPU, MEDIUM_REMOTE
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
-from kvtierd.tiers.cluster.tier import ClusterTier
+from kvtierd.tiers.base import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, SharedTier
 
 log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
 
 
-class ClusterLink:
+class SharedLink:
     """Owns the imports in flight and the pins of blocks being written. See the module
     docstring."""
 
-    def __init__(self, residency: HostResidency, tier: ClusterTier) -> None:
+    def __init__(self, residency: HostResidency, tier: SharedTier) -> None:
         self.residency = residency
         self.tier = tier
-        self.write_policy = tier.settings.write_policy
+        self.columns = tier.columns
+        self.write_policy = tier.write_policy
         self.imports_in_flight = 0
         self.read_figures = ReadFigures()
         """What imports cost now (kvtierd.cache.read_figures): fed once per fetch that imported
@@ -64,7 +68,7 @@ class ClusterLink:
     # -- lookups ----------------------------------------------------------------------------------
 
     async def extend(self, ns: NamespaceState, keys: Sequence[bytes]) -> int:
-        """Leading keys of ``keys`` the cluster holds (answered within the lookup deadline)."""
+        """Leading keys of ``keys`` the tier holds (answered within the lookup deadline)."""
         if not keys or not self.tier.connected:
             return 0
         found = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest, keys)
@@ -78,13 +82,13 @@ class ClusterLink:
     async def import_(self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry], *,
                       prefix_only: bool = False) -> list[Entry]:
         """Import the keys the index lacks (see the module docstring); the entries entered.
-        ``prefix_only``: only those up to the first key the cluster lacks (a lookup's prefix:
+        ``prefix_only``: only those up to the first key the tier lacks (a lookup's prefix:
         nothing is evicted for blocks after a gap)."""
         todo = [k for k in dict.fromkeys(keys) if k not in ns.entries]
         if not todo or not self.tier.connected:
             return []
         asked = self.read_figures.clock()
-        # Slots are taken (evicting) only for blocks the cluster holds.
+        # Slots are taken (evicting) only for blocks the tier holds.
         present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
                                          todo)
         if prefix_only and False in present:
@@ -103,6 +107,15 @@ class ClusterLink:
         task = self._spawn(self._import(ns, todo, offsets, asked))
         return await asyncio.shield(task)
 
+    async def import_prefix(self, ns: NamespaceState, keys: Sequence[bytes]) -> list[Entry]:
+        """Import the blocks that extend the local READY prefix of ``keys`` (up to the first one
+        the tier lacks); the entries imported. The local prefix (what the caller is about to
+        hold) is never evicted to make room."""
+        prefix = ready_prefix(ns, keys)
+        if len(prefix) == len(keys):
+            return []
+        return await self.import_(ns, keys[len(prefix):], set(prefix), prefix_only=True)
+
     async def _import(self, ns: NamespaceState, keys: list[bytes],
                       offsets: list[int], asked: float) -> list[Entry]:
         host = self.residency.host
@@ -118,38 +131,61 @@ class ClusterLink:
                 raise  # this task itself is cancelled (the daemon's loop is closing)
             results = [FETCH_MISS] * len(keys)  # the tier closed: its thread copies no more
         except Exception:  # noqa: BLE001  (the tier failed: its fetch has ended; misses)
-            log.warning("cluster fetch failed", exc_info=True)
+            log.warning("%s fetch failed", self.tier.name, exc_info=True)
             results = [FETCH_MISS] * len(keys)
         finally:
             self.imports_in_flight -= len(keys)
         self.read_figures.observe(sum(r == FETCH_OK for r in results) * ns.block_bytes, asked, began,
                              self.read_figures.clock())
+        return self._enter(ns, keys, offsets, results)
+
+    def _enter(self, ns: NamespaceState, keys: list[bytes], offsets: list[int],
+               results: list[int]) -> list[Entry]:
+        """Index the blocks fetched into their host slots (READY, as if stored here); the
+        others' slots are freed. The entries entered."""
+        host = self.residency.host
         entered: list[Entry] = []
-        c = ns.counters
+        corrupt = 0
         for k, off, r in zip(keys, offsets, results, strict=True):
-            if r == FETCH_CORRUPT:
-                c.cluster_corrupt += 1
+            corrupt += r == FETCH_CORRUPT
             if r != FETCH_OK or k in ns.entries:  # a miss, or stored/imported meanwhile
                 host.free(off, ns.slot_bytes)
                 continue
             e = Entry(ns, k, off, 0)
             e.state = EntryState.READY
             e.in_cluster = True
-            # The cluster's own xxh3-128 was checked in fetch; the host tier's digest is
-            # xxh3_64 of the bytes as imported (kvtier_contract.digests).
+            # The tier verified its own checksum in fetch; the host tier's digest is xxh3_64
+            # of the bytes as imported (kvtier_contract.digests).
             e.digest = block_digest(host.view(off, ns.block_bytes))
             ns.entries[k] = e
             ns.ready[k] = e
             self.residency.policy.insert(e)
             self.residency.count(e, +1)
             entered.append(e)
-        c.cluster_imports += len(entered)
+        self._bump(ns, self.columns.corrupt, corrupt)
+        self._bump(ns, self.columns.imports, len(entered))
         if entered and self.residency.events is not None:
             self.residency.events.stored(entered, MEDIUM_CPU)
         if entered:
             for link in self.residency.links:  # an NVMe write-through keeps a copy too
                 link.on_committed(entered)
         return entered
+
+    def count_hits(self, ns: NamespaceState, n: int, *, moved_from_host: bool) -> None:
+        """``n`` hits counted as misses (or, once imported, as host hits) were hits here."""
+        c, tpb = ns.counters, ns.spec.tokens_per_block
+        self._bump(ns, self.columns.hits, n)
+        if moved_from_host:
+            c.blocks_hit_host -= n
+        else:
+            c.blocks_missed -= n
+            c.tokens_hit += n * tpb
+            c.tokens_missed -= n * tpb
+
+    @staticmethod
+    def _bump(ns: NamespaceState, column: str, n: int) -> None:
+        if n:
+            setattr(ns.counters, column, getattr(ns.counters, column) + n)
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -188,7 +224,7 @@ class ClusterLink:
     def _written(self, entries: list[Entry], oks: list[bool]) -> None:
         """``done`` of a commit-policy offer: the slots may go; written blocks are not resent
         (and, with KV events on, are published as held REMOTE: never removed, since the
-        cluster evicts on its own and no daemon sees it; docs/events.md)."""
+        tier evicts on its own and no daemon sees it; docs/events.md)."""
         written = []
         for e, ok in zip(entries, oks, strict=True):
             e.pins -= 1
@@ -215,4 +251,4 @@ class ClusterLink:
         self.tier.close()
 
 
-
+ClusterLink = SharedLink  # (its name while the cluster tier was the only shared tier)

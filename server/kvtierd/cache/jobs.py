@@ -1,6 +1,6 @@
 """Store and load jobs: what one session holds of the index between prepare and complete.
 
-A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``pin_prefix`` and ends at
+A job is created by the cache's ``prepare_store`` / ``prepare_load`` / ``lookup`` (a hold) and ends at
 ``complete_*``, on a transfer failure, or when its session is released. Its id is unique for the
 daemon's lifetime; only the session that owns it may use it (another session's job answers
 NotFound, exactly like an absent one: an id tells nothing).
@@ -26,6 +26,7 @@ from typing import TypeVar
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, EntryState, NamespaceState
+from kvtierd.sessions import Session
 
 
 @dataclass(eq=False)
@@ -146,3 +147,10 @@ class JobTable:
         if isinstance(job, LoadJob) and not job.moves_bytes:
             raise FailedPrecondition(f"job {job.id} is a pinned lookup: load its blocks with "
                                      "PrepareLoad", field="job_id")
+
+
+def check_live(session: Session) -> None:
+    """Jobs attach only to live sessions: a released one would never free them (its lease
+    may lapse while a request awaits flushes or promotions)."""
+    if session.released:
+        raise NotFound(f"session {session.id} expired or closed", field="session_id")

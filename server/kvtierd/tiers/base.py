@@ -17,17 +17,24 @@ Two kinds implement it:
   verified into host slots), ``release`` / ``quarantine`` of a copy, recovery at ``open()``,
   ``checkpoint()`` on drain, and degraded mode (``admitting``, ``probe()``).
 
+Beside them, a :class:`SharedTier` (the cluster tier, kvtierd.tiers.cluster; an object store
+later) is not a tier of this daemon's slots: other daemons write it and it evicts on its own, so
+the index never records what it holds. It answers ``exists`` / ``fetch`` (into host slots the
+cache reserved) and takes ``offer`` ed copies; failure there is a miss, never an error.
+
 The :class:`~kvtierd.cache.TieredCache` alone decides what goes where and writes the index; it
-drives storage tiers through this interface only (kvtierd/cache/chain.py), so a new storage tier
-plugs in without touching the cache's internals.
+drives storage tiers through this interface only (kvtierd/cache/chain.py) and shared tiers
+through theirs (kvtierd/cache/fleet.py), so a new tier plugs in without touching the cache's
+internals. Each tier names its own per-namespace counter columns (:class:`StorageColumns`,
+:class:`SharedColumns`): the cache's code names no tier.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier_contract.errors import KvtierError
 from kvtierd.domain import TierId
@@ -86,15 +93,31 @@ ReadItem = tuple[Any, bytes, bytes, memoryview]
 """(location, namespace digest, key, host slot to fill)."""
 
 
+@dataclass(frozen=True)
+class StorageColumns:
+    """The per-namespace counters (kvtierd.stats.Counters fields) a storage tier's link keeps:
+    lookup hits served from it, copies resident (blocks, bytes), copies evicted, payload bytes
+    read (promoted) and written (demoted)."""
+
+    hits: str
+    resident_blocks: str
+    resident_bytes: str
+    evictions: str
+    bytes_read: str
+    bytes_written: str
+
+
 class StorageTier(Tier):
     """A tier of copies below the host tier; see the module docstring.
 
     ``admitting`` is False while degraded (``degraded_reason`` says why); ``probe()`` (blocking)
     tries to resume. A location is the tier's own value, kept by the cache in the entry.
+    ``columns``: where the cache counts this tier's figures per namespace.
     """
 
     admitting: bool
     degraded_reason: str
+    columns: StorageColumns
 
     @abstractmethod
     def open(self) -> Recovered:
@@ -140,6 +163,78 @@ class StorageTier(Tier):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+FETCH_MISS, FETCH_OK, FETCH_CORRUPT = 0, 1, 2
+"""The per-key answers of :meth:`SharedTier.fetch`."""
+
+SharedWriteItem = tuple[Any, bytes, bytes, memoryview, int | None]
+"""(the block's realm, namespace digest, block key, the block's bytes: valid until ``done`` is
+called, the block's digest from its commit or None)."""
+
+
+@dataclass(frozen=True)
+class SharedColumns:
+    """The per-namespace counters a shared tier's link keeps: lookup hits found there, blocks
+    imported from it, values found corrupt there."""
+
+    hits: str
+    imports: str
+    corrupt: str
+
+
+class SharedTier(Protocol):
+    """A tier shared by the daemons of many nodes, outside the index; see the module docstring.
+
+    Every call names a *realm* (``realm_of(tenant)``: the tier's own value) that scopes the
+    blocks' names and how they are authenticated. ``write_policy``: ``"commit"`` (offer every
+    committed block) or ``"evict"`` (offer a block leaving the host tier without a copy there).
+
+    Lifecycle: built -> ``start()`` (connects in the background; ``connected`` says when) ->
+    ``close()`` (blocking: pending writes are dropped, their ``done`` called). ``exists`` /
+    ``fetch`` are awaited and ``offer`` is called from the daemon's loop; ``stats()`` from any
+    thread.
+    """
+
+    name: str
+    id: TierId
+    columns: SharedColumns
+
+    @property
+    def write_policy(self) -> str: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def pending_writes(self) -> int:
+        """Blocks admitted by ``offer`` and not yet written or dropped (a drain waits)."""
+
+    def realm_of(self, tenant: str | None) -> Any: ...
+
+    async def exists(self, realm: Any, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held, as far as the tier answers within the lookup deadline."""
+
+    async def fetch(self, realm: Any, digest: bytes, keys: Sequence[bytes], payload_len: int,
+                    dests: Sequence[memoryview]) -> list[int]:
+        """Read and verify each key's block into its ``dests`` view: one ``FETCH_*`` each;
+        returns only once no copy into ``dests`` can happen any more."""
+
+    def offer(self, items: list[SharedWriteItem], done: Callable[[list[bool]], None]) -> int:
+        """Admit a prefix of ``items`` for writing; how many. ``done(oks)`` runs once on the
+        caller's loop when they are written or dropped (not called when none was admitted)."""
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``offer`` would admit a block of ``nbytes`` now (a hint)."""
+
+    def dropped(self, n: int) -> None:
+        """``n`` blocks were not offered because ``has_room`` said no: counted as drops."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class TierUnavailable(KvtierError):

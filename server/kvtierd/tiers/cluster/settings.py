@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FETCH_MISS, FETCH_OK, FETCH_CORRUPT = 0, 1, 2
+from kvtierd.tiers.base import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
+
+__all__ = ["FETCH_CORRUPT", "FETCH_MISS", "FETCH_OK", "ClusterSettings", "Credentials",
+           "parse_url"]
 
 
 @dataclass(frozen=True)

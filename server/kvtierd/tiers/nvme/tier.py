@@ -39,7 +39,7 @@ from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
 from kvtierd.lockfile import InUse, OwnerLock
 from kvtierd.progress import Progress
-from kvtierd.tiers.base import Recovered, StorageTier, WriteItem
+from kvtierd.tiers.base import Recovered, StorageColumns, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme.device import (
@@ -104,6 +104,9 @@ class NvmeTier(StorageTier):
 
     name = "nvme"
     id = TierId.NVME
+    columns = StorageColumns(hits="blocks_hit_nvme", resident_blocks="nvme_resident_blocks",
+                             resident_bytes="nvme_resident_bytes", evictions="nvme_evictions",
+                             bytes_read="nvme_bytes_read", bytes_written="nvme_bytes_written")
 
     def __init__(self, cfg: NvmeConfig, fs_factory: Callable[..., FileSystem] = FileSystem) -> None:
         assert cfg.file_bytes % cfg.slab_bytes == 0 and cfg.slab_bytes % cfg.io_align == 0
