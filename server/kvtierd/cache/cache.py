@@ -111,6 +111,28 @@ def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, En
         e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
 
 
+def _split_batch(ns: NamespaceState, keys: Sequence[bytes],
+                 status: bytearray) -> tuple[dict[bytes, int], set[Entry]]:
+    """A store batch's keys not held yet (key -> its first index in the batch; the others are
+    ALREADY_PRESENT in ``status`` and counted so), and its READY entries (not evicted to make
+    room for it)."""
+    protect: set[Entry] = set()
+    for k in keys:
+        e = ns.entries.get(k)
+        if e is not None and e.state is EntryState.READY:
+            protect.add(e)
+    c = ns.counters
+    fresh: dict[bytes, int] = {}
+    entries = ns.entries
+    for i, k in enumerate(keys):
+        if k in entries or k in fresh:
+            status[i] = StoreStatus.ALREADY_PRESENT
+            c.stores_already_present += 1
+        else:
+            fresh[k] = i
+    return fresh, protect
+
+
 def _check_live(session: Session) -> None:
     """Jobs attach only to live sessions: a released one would never free them (its lease
     may lapse while a request awaits flushes or promotions)."""
@@ -425,21 +447,9 @@ class TieredCache:
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
         items: dict[int, Entry] = {}
-        protect: set[Entry] = set()  # READY keys of this batch: not evicted to make room for it
-        for k in keys:
-            e = ns.entries.get(k)
-            if e is not None and e.state is EntryState.READY:
-                protect.add(e)
+        fresh, protect = _split_batch(ns, keys, status)
         job_id = self.jobs.next_id()
-        c = ns.counters
-        fresh: dict[bytes, int] = {}  # key -> its first index in this batch
-        entries = ns.entries
-        for i, k in enumerate(keys):
-            if k in entries or k in fresh:
-                status[i] = StoreStatus.ALREADY_PRESENT
-                c.stores_already_present += 1
-            else:
-                fresh[k] = i
+        c, entries = ns.counters, ns.entries
         # One walk of the victims for the batch; what cannot be placed now is rejected (nothing
         # evictable for this class: the rest of the batch cannot fit either).
         placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
@@ -470,7 +480,7 @@ class TieredCache:
                        item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
                        digests: Sequence[int] = ()) -> tuple[int, int]:
         """``digests``: one per reserved key (their order), each committed block's digest
-        (kvtierd.service computes or checks them); empty: tcp jobs take the digests of what
+        (kvtierd.cache.flows computes or checks them); empty: tcp jobs take the digests of what
         the data channel received, other blocks get none."""
         job = self.jobs.get(session.id, job_id, StoreJob)
         self.jobs.not_copying(job_id)
@@ -605,9 +615,9 @@ class TieredCache:
                        indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
         not match their digest) that have a digest and a host slot: the caller rehashes them
-        (off the event loop, while the job's pins hold the slots: kvtierd.service), so a client
-        cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ. Every index
-        is checked first (INVALID_ARGUMENT, nothing changes)."""
+        (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
+        client cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ.
+        Every index is checked first (INVALID_ARGUMENT, nothing changes)."""
         job = self.jobs.get(session.id, job_id, LoadJob)
         self.jobs.moves_bytes(job)
         if len(indexes) > len(job.items):
