@@ -59,7 +59,7 @@ from kvtierd.preflight import (
     nvme_config,
     tenant_arena_bytes,
 )
-from kvtierd.service import CALLER, KvtierService, add_to_server
+from kvtierd.service import CALLER, ChannelDispatch, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
@@ -275,7 +275,7 @@ class Daemon:
     def _control_channel(self, session: Session,
                          on_close: Callable[[ControlChannel], None]) -> ControlChannel:
         """The protocol of a control channel of ``session`` (shm socket handshake)."""
-        return ControlChannel(self.service, session.id, session.tenant, on_close)
+        return ControlChannel(ChannelDispatch(self.service), session.id, session.tenant, on_close)
 
     def _peer_ok(self, session: Session, uid: int, gid: int) -> bool:
         """shm handshakes: the Unix peer (SO_PEERCRED) must be allowed for the session's
@@ -350,7 +350,7 @@ class Daemon:
 
     def _grpc_server(self, *, reflect: bool) -> grpc.aio.Server:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        add_to_server(self.service, server)  # lenient request decoding (service.py)
+        add_to_server(self.service, server)  # lenient request decoding (service/registration.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if reflect:
             reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,

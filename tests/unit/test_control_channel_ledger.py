@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.service.channel import ChannelDispatch
 from kvtierd.tenancy import Tenancy
 from kvtierd.transports.control import BUFFERED, CHANNELS, ControlChannel
 
@@ -65,7 +66,7 @@ async def served() -> None:
 
 def opened() -> tuple[FakeService, FakeTransport, ControlChannel]:
     svc, t = FakeService(), FakeTransport()
-    ch = ControlChannel(svc, 5, None, lambda _c: None)  # type: ignore[arg-type]
+    ch = ControlChannel(ChannelDispatch(svc), 5, None, lambda _c: None)  # type: ignore[arg-type]
     ch.connection_made(t)  # type: ignore[arg-type]
     return svc, t, ch
 

@@ -1,6 +1,7 @@
 """The cache: the index's only writer, the jobs, host residency and the chain of tiers below.
 
-See :mod:`kvtierd.cache.cache` for the primitives.
+See :mod:`kvtierd.cache.cache` for the primitives, and :mod:`kvtierd.cache.flows` for the store
+and load flows around them that wait or hash (quota fit and room before a store, digests).
 """
 
 from kvtierd.cache.cache import TieredCache

@@ -90,6 +90,28 @@ def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, En
 _check_live = check_live  # (kvtierd.cache.jobs: jobs attach only to live sessions)
 
 
+def _split_batch(ns: NamespaceState, keys: Sequence[bytes],
+                 status: bytearray) -> tuple[dict[bytes, int], set[Entry]]:
+    """A store batch's keys not held yet (key -> its first index in the batch; the others are
+    ALREADY_PRESENT in ``status`` and counted so), and its READY entries (not evicted to make
+    room for it)."""
+    protect: set[Entry] = set()
+    for k in keys:
+        e = ns.entries.get(k)
+        if e is not None and e.state is EntryState.READY:
+            protect.add(e)
+    c = ns.counters
+    fresh: dict[bytes, int] = {}
+    entries = ns.entries
+    for i, k in enumerate(keys):
+        if k in entries or k in fresh:
+            status[i] = StoreStatus.ALREADY_PRESENT
+            c.stores_already_present += 1
+        else:
+            fresh[k] = i
+    return fresh, protect
+
+
 class TieredCache(Reads):
     """Owns the index (entries of every namespace), the jobs, the host residency and the chain
     of storage tiers below it.
@@ -258,21 +280,9 @@ class TieredCache(Reads):
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
         items: dict[int, Entry] = {}
-        protect: set[Entry] = set()  # READY keys of this batch: not evicted to make room for it
-        for k in keys:
-            e = ns.entries.get(k)
-            if e is not None and e.state is EntryState.READY:
-                protect.add(e)
+        fresh, protect = _split_batch(ns, keys, status)
         job_id = self.jobs.next_id()
-        c = ns.counters
-        fresh: dict[bytes, int] = {}  # key -> its first index in this batch
-        entries = ns.entries
-        for i, k in enumerate(keys):
-            if k in entries or k in fresh:
-                status[i] = StoreStatus.ALREADY_PRESENT
-                c.stores_already_present += 1
-            else:
-                fresh[k] = i
+        c, entries = ns.counters, ns.entries
         # One walk of the victims for the batch; what cannot be placed now is rejected (nothing
         # evictable for this class: the rest of the batch cannot fit either).
         placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
@@ -303,7 +313,7 @@ class TieredCache(Reads):
                        item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
                        digests: Sequence[int] = ()) -> tuple[int, int]:
         """``digests``: one per reserved key (their order), each committed block's digest
-        (kvtierd.service computes or checks them); empty: tcp jobs take the digests of what
+        (kvtierd.cache.flows computes or checks them); empty: tcp jobs take the digests of what
         the data channel received, other blocks get none."""
         job = self.jobs.get(session.id, job_id, StoreJob)
         self.jobs.not_copying(job_id)
@@ -355,9 +365,9 @@ class TieredCache(Reads):
                        indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
         not match their digest) that have a digest and a host slot: the caller rehashes them
-        (off the event loop, while the job's pins hold the slots: kvtierd.service), so a client
-        cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ. Every index
-        is checked first (INVALID_ARGUMENT, nothing changes)."""
+        (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
+        client cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ.
+        Every index is checked first (INVALID_ARGUMENT, nothing changes)."""
         job = self.jobs.get(session.id, job_id, LoadJob)
         self.jobs.moves_bytes(job)
         if len(indexes) > len(job.items):

@@ -13,10 +13,11 @@ channel a HELLO offering ``FEATURE_CONTROL`` (the session's data secret), and ha
 connection to a ``ControlChannel`` bound to that session; it lives until the peer closes it,
 a bad frame, the daemon's close, or its session's end (``close()``, or the data channel's).
 
-Every call goes through the service's ``_rpc`` wrapper as a gRPC call does (admission, the
-deadline, error mapping, latency histograms, the published indexes' flush), with a
-:class:`kvtierd.service.ChannelContext`: the caller is the session's tenant, and a request must
-name the channel's own session.
+This module frames and paces; it knows no method's meaning. Each whole frame is handed to the
+channel's :class:`ControlDispatcher` (the daemon's: :class:`kvtierd.service.channel.ChannelDispatch`,
+wired by kvtierd.app), which serves it through the service's call gate as a gRPC call is served
+(admission, the deadline, error mapping, latency histograms, the published indexes' flush): the
+caller is the session's tenant, and a request must name the channel's own session.
 
 Bounded: one call at a time (reading pauses while a call is served, and while the peer leaves
 replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
@@ -35,34 +36,48 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Protocol, cast
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvtier_contract import wire
-from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.service import ChannelAbort, ChannelContext, KvtierService, Undecodable
+from kvtierd.tenancy import Tenancy
 
 log = logging.getLogger("kvtierd.control")
 _BAD_LOG = RateLimitedLog(log, 10.0)  # per daemon: a peer opening channel after channel floods nothing
 BUFFERED = "buffered_bytes"  # the ledger's resource and the quota's name
 CHANNELS = "control_channels"  # (likewise)
-MAX_ERROR_BYTES = 4096
-_SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
-_PARSE = {name: getattr(pb, _SERVICE.methods_by_name[name].input_type.name).FromString
-          for name in wire.CONTROL_METHODS}
+
+
+class ControlDispatcher(Protocol):
+    """What serves a control channel's calls and holds the ledger its bytes count in (the
+    daemon's: kvtierd.service.channel.ChannelDispatch). Event-loop thread only."""
+
+    @property
+    def tenancy(self) -> Tenancy:
+        """The daemon's one Tenancy: the ledger and quotas of ``buffered_bytes`` and
+        ``control_channels``."""
+        ...
+
+    def bad_frame(self) -> None:
+        """A frame broke the protocol (the channel closes)."""
+
+    async def call(self, session_id: int, tenant: str | None, name: str, body: bytes,
+                   timeout_ms: int) -> tuple[int, bytes]:
+        """Serve one call of method ``name`` of session ``session_id`` (its tenant ``tenant``):
+        (status code, reply or error bytes). Raises only on a bug."""
+        ...
 
 
 class ControlChannel(asyncio.Protocol):
     """One control connection of one session. Owns its receive buffer; event-loop thread only.
     States: serving one call (reading paused) or idle; closed for good."""
 
-    def __init__(self, service: KvtierService, session_id: int, tenant: str | None,
+    def __init__(self, dispatch: ControlDispatcher, session_id: int, tenant: str | None,
                  on_close: Callable[[ControlChannel], None]) -> None:
         self.session_id = session_id
-        self._service = service
+        self._dispatch = dispatch
         self._tenant = tenant
         self._on_close = on_close
         self._transport: asyncio.Transport | None = None
@@ -78,7 +93,7 @@ class ControlChannel(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass)
         self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
-        tenancy = self._service.tenancy
+        tenancy = self._dispatch.tenancy
         quota = tenancy.quota(self._tenant, CHANNELS)
         self._counted = tenancy.ledger.take(self._tenant, CHANNELS, 1, quota)
         if not self._counted:  # (its client goes on over gRPC)
@@ -93,7 +108,7 @@ class ControlChannel(asyncio.Protocol):
         t = self._transport
         if self._reply_held and t is not None and not t.get_write_buffer_size():
             self._replies_read()  # (drained below the pause mark: no callback said so)
-        tenancy = self._service.tenancy
+        tenancy = self._dispatch.tenancy
         if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
                                    tenancy.quota(self._tenant, BUFFERED)):
             tenancy.count_refusal(self._tenant, BUFFERED)
@@ -108,7 +123,7 @@ class ControlChannel(asyncio.Protocol):
     def _consumed(self, n: int) -> None:
         """``n`` bytes left the receive buffer: no longer held against the tenant."""
         del self._buf[:n]
-        self._service.tenancy.ledger.give(self._tenant, BUFFERED, n)
+        self._dispatch.tenancy.ledger.give(self._tenant, BUFFERED, n)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -120,7 +135,7 @@ class ControlChannel(asyncio.Protocol):
 
     def _replies_read(self) -> None:
         if self._reply_held:
-            self._service.tenancy.ledger.give(self._tenant, BUFFERED, self._reply_held)
+            self._dispatch.tenancy.ledger.give(self._tenant, BUFFERED, self._reply_held)
             self._reply_held = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -129,7 +144,7 @@ class ControlChannel(asyncio.Protocol):
         self._replies_read()
         if self._counted:
             self._counted = False
-            self._service.tenancy.ledger.give(self._tenant, CHANNELS, 1)
+            self._dispatch.tenancy.ledger.give(self._tenant, CHANNELS, 1)
         self._on_close(self)
 
     def close(self) -> None:
@@ -155,7 +170,7 @@ class ControlChannel(asyncio.Protocol):
         if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
             _BAD_LOG.warning("control channel of tenant %s: bad frame (method %d, %d bytes): "
                              "closed", self._tenant, method, length)
-            self._service.bad_frames += 1
+            self._dispatch.bad_frame()
             self.close()
             return
         end = wire.CALL.size + length
@@ -170,9 +185,10 @@ class ControlChannel(asyncio.Protocol):
             self._serve(wire.CONTROL_METHODS[method - 1], body, timeout_ms))
 
     async def _serve(self, name: str, body: bytes, timeout_ms: int) -> None:
-        ledger = self._service.tenancy.ledger
+        ledger = self._dispatch.tenancy.ledger
         try:
-            status, out = await self._call(name, body, timeout_ms)
+            status, out = await self._dispatch.call(self.session_id, self._tenant, name, body,
+                                                    timeout_ms)
         except Exception:  # noqa: BLE001  (a bug: answered, logged; the channel stays)
             log.exception("control channel: %s failed", name)
             status, out = grpc.StatusCode.INTERNAL.value[0], b"internal error"
@@ -190,24 +206,3 @@ class ControlChannel(asyncio.Protocol):
             self._replies_read()
         self._busy = False
         self._next()
-
-    async def _call(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes]:
-        service = self._service
-        request: Any
-        try:
-            request = _PARSE[name](body)
-        except DecodeError as e:
-            request = Undecodable(str(e) or "malformed protobuf")
-        context = ChannelContext(self._tenant, timeout_ms / 1000 if timeout_ms else None)
-        if type(request) is not Undecodable and getattr(request, "session_id", self.session_id) \
-                != self.session_id:
-            # (as the handler says of another tenant's session: an id tells nothing)
-            service.count_error(name, "NOT_FOUND")
-            return (grpc.StatusCode.NOT_FOUND.value[0],
-                    f"unknown or expired session {request.session_id} (a control channel "
-                    "serves only its own session)".encode())
-        try:
-            reply = await getattr(service, name)(request, context)
-        except ChannelAbort as e:
-            return e.code.value[0], e.details.encode()[:MAX_ERROR_BYTES]
-        return 0, reply.SerializeToString()

@@ -1,0 +1,119 @@
+"""Handlers of lookups: Lookup, LookupSlices (one lookup over an engine's tensor-parallel
+slices, all or nothing), Prefetch. Each translates its request into TieredCache lookup calls and
+their answer into a reply. Event-loop thread only (see
+:class:`~kvtierd.service.base.ServiceBase`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier_contract.errors import InvalidArgument
+from kvtier_contract.protoutil import split_keys
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache.jobs import LoadJob
+from kvtierd.cache.lookup import PREFETCH, SHARED, LookupOptions
+from kvtierd.domain import TierId
+from kvtierd.index import NamespaceState
+from kvtierd.service.base import ServiceBase
+from kvtierd.service.gate import rpc
+from kvtierd.sessions import Session
+
+NO_OFFSET = (1 << 64) - 1  # a held hit whose host slot may change has no offset to read
+MAX_SLICES = 64  # namespaces per LookupSlices call (an engine's TP ranks)
+
+
+class LookupHandlers(ServiceBase):
+    """Lookup, LookupSlices, Prefetch (see the module docstring)."""
+
+    @rpc
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> Any:
+        s = self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
+        keys = split_keys(request.keys, self.max_batch)
+        base = self._arena_base(s, ns) if request.pin else 0
+        return (await self._lookup(s, ns, keys, request.pin, base,
+                                   promote=not request.hold_only))[0]
+
+    @rpc
+    async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
+        """Every argument is checked before anything is pinned; a failure after the first pin
+        (a quota, the session gone) releases the pins taken so far, and so does a slice with
+        no hit (the common prefix is empty: every slice's reply then has job_id 0). The loop
+        yields between slices, so one big call (up to 64 slices) never holds the event loop for
+        more than one slice's lookup (docs/benchmarks.md §21)."""
+        s = self._session(request.session_id)
+        ids = list(request.namespace_ids)
+        if not 1 <= len(ids) <= MAX_SLICES:
+            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call",
+                                  field="namespace_ids")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a namespace appears twice", field="namespace_ids")
+        if len(request.keys) != len(ids):
+            raise InvalidArgument(f"{len(request.keys)} key chains for {len(ids)} namespaces "
+                                  "(one per namespace)", field="keys")
+        nss = [self._namespace(i) for i in ids]
+        chains = [split_keys(k, self.max_batch) for k in request.keys]
+        bases = [self._arena_base(s, ns) if request.pin else 0 for ns in nss]
+        replies: list[Any] = []
+        pinned: list[LoadJob] = []
+        hit: int | None = None
+        try:
+            for n, (ns, keys, base) in enumerate(zip(nss, chains, bases, strict=True)):
+                if n:  # other callers' RPCs run between slices: one slice at most delays them
+                    await asyncio.sleep(0)
+                    s = self._session(request.session_id)  # (closed meanwhile: NOT_FOUND)
+                reply, job = await self._lookup(s, ns, keys if hit is None else keys[:hit],
+                                                request.pin, base,
+                                                promote=not request.hold_only)
+                replies.append(reply)
+                if job is not None:
+                    pinned.append(job)
+                hit = reply.hit_blocks if hit is None else min(hit, reply.hit_blocks)
+                if not hit:
+                    break
+        except BaseException:
+            for job in pinned:  # all or nothing
+                self.cache.abort_job(s, job)
+            raise
+        if pinned and not hit:  # a slice holds none of it: nothing is loadable, nothing pinned
+            for job in pinned:
+                self.cache.abort_job(s, job)
+            for reply in replies:
+                reply.job_id = 0
+                del reply.offsets[:]
+        return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0,
+                                    slices=replies)
+
+    async def _lookup(self, s: Session, ns: NamespaceState, keys: Sequence[bytes], pin: bool,
+                      base: int, *, promote: bool = True) -> tuple[Any, LoadJob | None]:
+        """One namespace's lookup (``base``: the session's arena start, for a pin's offsets):
+        its reply, and the job holding its pins (``promote`` False: ``hold_only``)."""
+        if pin:
+            self._check_jobs(s)
+            held = await self.cache.lookup(ns, keys, LookupOptions(pin=s, promote=promote,
+                                                                   shared=True))
+            job, tiers = held.job, held.tiers
+            if job is None:
+                return pb.LookupReply(boot_epoch=self.boot_epoch), None
+            self._check_pins(s, job)
+            n = len(job.items)
+            # A hold keeps a block's last copy: its host slot only while it has no copy below.
+            offsets = [e.offset - base if t == TierId.HOST and e.copies is None else NO_OFFSET
+                       for e, t in zip(job.items.values(), tiers, strict=True)]
+            return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
+                                  tiers=tiers, offsets=offsets), job
+        found = await self.cache.lookup(ns, keys, SHARED)
+        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=found.hit,
+                              tiers=found.tiers, durable=found.durable), None
+
+    @rpc
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
+        self._session(request.session_id)
+        ns = self._namespace(request.namespace_id)
+        keys = split_keys(request.keys, self.max_batch)
+        found = await self.cache.lookup(ns, keys, PREFETCH)
+        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=found.hit,
+                                promoting=found.promoting)

@@ -1,0 +1,120 @@
+"""The Stats handler and the reply it builds (also what /metrics renders): everything for the
+operator or a single-tenant daemon; for a tenant, its own namespaces and totals over them, its
+sessions, and no per-tier detail. A cache salt is shown only as :func:`salt_tag`. Event-loop
+thread only (see :class:`~kvtierd.service.base.ServiceBase`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from typing import Any
+
+from kvtier_contract.protoutil import namespace_spec
+from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.index import NamespaceState
+from kvtierd.service.base import ServiceBase
+from kvtierd.service.gate import rpc
+from kvtierd.stats import COUNTER_FIELDS, Counters
+from kvtierd.tenancy import QUOTA_NAMES
+
+
+class StatsHandlers(ServiceBase):
+    """Stats (see the module docstring)."""
+
+    @rpc
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
+        return self.stats_reply()
+
+    def stats_reply(self) -> pb.StatsReply:
+        """Everything (the operator, a single-tenant daemon, /metrics), or, for a tenant, its
+        own namespaces and totals over them, its sessions, and no per-tier detail."""
+        scope = self._scope()
+        if scope is not None:
+            return self._tenant_stats(scope)
+        c = self.cache
+        host = c.host.stats()
+        reply = pb.StatsReply(
+            boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
+            total=_counters(c.totals()), host_capacity_bytes=host["capacity_bytes"],
+            host_used_bytes=host["used_bytes"], sessions=len(self.sessions),
+            leases_expired=self.sessions.expired_total, tier_figures=self._tier_figures(),
+            **c.figures())
+        for link in c.chain:  # one storage tier today: NVMe
+            reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
+                                             flushes_in_flight=link.flushes_in_flight,
+                                             **link.tier.stats()))
+        if c.fleet is not None:
+            fig = c.fleet.tier.stats()
+            nodes = fig.pop("nodes")
+            reply.cluster.CopyFrom(pb.ClusterStats(enabled=True, **fig))
+            for n in nodes:
+                reply.cluster.nodes.add(**n)
+        if self.cuda is not None:
+            reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
+        tenants = self.tenancy.tenants
+        self._add_identities(reply, list(c.namespaces.values()),
+                             sorted(tenants.by_name) if tenants is not None else [])
+        return reply
+
+    def _tenant_stats(self, scope: str) -> pb.StatsReply:
+        """What tenant ``scope`` sees: its namespaces, totals over them, its sessions."""
+        c = self.cache
+        visible = self._visible()
+        total = Counters()
+        for ns in visible:
+            total.add(ns.counters)
+        reply = pb.StatsReply(  # the capacity of the arena its blocks live in
+            boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
+            total=_counters(total),
+            host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope)],
+            host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes
+                                for ns in visible),
+            sessions=len(self.sessions.of_tenant(scope)))
+        self._add_identities(reply, visible, [scope])
+        return reply
+
+    def _add_identities(self, reply: pb.StatsReply, namespaces: list[NamespaceState],
+                        tenant_names: list[str]) -> None:
+        """Each namespace (every identity field, the cache salt as ``salt_tag``'s tag, never
+        itself, and the tenant holding it: a tenant of the tenants file, else "") and each
+        tenant (sessions, namespaces, quotas and refusals)."""
+        held: dict[str, int] = {}
+        for ns in namespaces:
+            tenant = ns.spec.tenant or ""
+            tenant = tenant if self.tenancy.tenant(tenant) is not None else ""
+            held[tenant] = held.get(tenant, 0) + 1
+            spec = namespace_spec(ns.spec)
+            if ns.spec.cache_salt is not None:  # an isolation secret (vLLM: per user)
+                spec.cache_salt = salt_tag(ns.spec.cache_salt)
+            reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
+                                 model_revision=ns.spec.model_revision,
+                                 block_bytes=ns.block_bytes, counters=_counters(ns.counters),
+                                 spec=spec, tenant=tenant)
+        for name in tenant_names:
+            t = self.tenancy.tenant(name)
+            if t is None:
+                continue
+            ts = reply.tenants.add(name=name, operator=t.operator, namespaces=held.get(name, 0),
+                                   sessions=len(self.sessions.of_tenant(name)))
+            for quota in QUOTA_NAMES:
+                limit = self.tenancy.quota(t, quota)
+                ts.quotas.add(name=quota, limited=limit is not None, limit=limit or 0,
+                              refusals=self.tenancy.refusals(name, quota))
+
+
+def _counters(c: Counters) -> pb.Counters:
+    return pb.Counters(**{f: getattr(c, f) for f in COUNTER_FIELDS})
+
+
+_SALT_TAG_KEY = secrets.token_bytes(32)  # one per daemon process, never written anywhere
+
+
+def salt_tag(salt: str) -> str:
+    """What Stats shows for a cache salt: ``hmac:`` and 12 hex digits of its HMAC-SHA256 under
+    a key of this daemon process. Equal salts get equal tags in one daemon's run (two salted
+    namespaces can be told apart), and the tag neither reveals a salt nor confirms a guessed
+    one (unlike a plain digest of a guessable salt); it changes when the daemon restarts."""
+    return "hmac:" + hmac.new(_SALT_TAG_KEY, salt.encode(), hashlib.sha256).hexdigest()[:12]
