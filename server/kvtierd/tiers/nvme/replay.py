@@ -8,7 +8,7 @@ returns it; the files stay the FileSystem's. Concurrency: startup only, one thre
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +128,7 @@ class _Reader:
         if self.progress is not None:
             self.progress.tick(self.read, what)
 
-    def checkpoint(self, state: _Replay, names: dict[str, str]) -> tuple[int, int, bool]:
+    def checkpoint(self, state: _Replay, names: Mapping[str, str]) -> tuple[int, int, bool]:
         """Apply the checkpoint when valid: (its records, the journal_gen its END names, whether
         one was there but ignored)."""
         if CHECKPOINT_NAME not in names:
