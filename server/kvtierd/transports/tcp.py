@@ -39,11 +39,16 @@ from typing import Any
 from kvtierd.cache import TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ChannelFactory, ServerTransport
-from kvtierd.transports.tcp_admission import CONNECTIONS, ConnectionTable, DataChannelLimits
+from kvtierd.transports.tcp_admission import (
+    CONNECTIONS,
+    ConnectionTable,
+    DataChannelLimits,
+    Timers,
+)
 from kvtierd.transports.tcp_protocol import DataChannelProtocol
 
 __all__ = ["CONNECTIONS", "DataChannelLimits", "DataChannelProtocol", "DataChannelServer",
-           "populate_arena"]
+           "Timers", "populate_arena"]
 log = logging.getLogger("kvtierd.tcp")
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 
@@ -58,11 +63,12 @@ class DataChannelServer(ConnectionTable, ServerTransport):
     def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable,
                  limits: DataChannelLimits | None = None, *,
                  ssl_context: ssl.SSLContext | None = None,
-                 control: ChannelFactory | None = None) -> None:
+                 control: ChannelFactory | None = None, timers: Timers | None = None) -> None:
         """``ssl_context``: serve TLS (every connection; advertised as ``data_tls``).
         ``control(session, on_close)``: the protocol of a control channel of that session, for
-        a HELLO offering FEATURE_CONTROL (None: not offered back)."""
-        super().__init__(limits, control)
+        a HELLO offering FEATURE_CONTROL (None: not offered back). ``timers``: the connections'
+        clock and timers (None: the running loop's; tests drive their own)."""
+        super().__init__(limits, control, timers)
         self.host, self.port = host, port
         self.ssl_context = ssl_context
         self._cache, self._sessions = cache, sessions

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,20 @@ class DataChannelLimits:
     session without a tenant, on a single-tenant daemon, is never capped)."""
 
 
+class Timers(Protocol):
+    """Where connections' timers run: the running event loop, or a hand-driven clock in tests."""
+
+    def time(self) -> float: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable: ...
+
+
+class Cancellable(Protocol):
+    """A timer that may be cancelled (asyncio.TimerHandle)."""
+
+    def cancel(self) -> None: ...
+
+
 class Connection(Protocol):
     """What the table needs of a data connection."""
 
@@ -67,9 +82,11 @@ class ConnectionTable:
     frame (the protocol counts the last two). Event-loop thread only."""
 
     def __init__(self, limits: DataChannelLimits | None = None,
-                 control: ChannelFactory | None = None) -> None:
+                 control: ChannelFactory | None = None, timers: Timers | None = None) -> None:
+        """``timers``: None (the running event loop's clock and timers) or a stand-in."""
         self.limits = limits or DataChannelLimits()
         self.control = control
+        self._timers = timers
         self._conns: set[Connection] = set()
         self._waiting: dict[Connection, None] = {}  # no HELLO yet, oldest first
         self._tenants = Ledger()  # connections past HELLO (CONNECTIONS) per tenant
@@ -78,6 +95,13 @@ class ConnectionTable:
         self.timed_out = 0  # no HELLO in time, or idle
         self.bad_frames = 0  # connections closed for a frame that breaks the protocol
         self._cap_log = RateLimitedLog(log, 10.0)
+
+    @property
+    def timers(self) -> Timers:
+        """The connections' clock and timers (event-loop thread)."""
+        if self._timers is not None:
+            return self._timers
+        return asyncio.get_running_loop()
 
     def admit(self, conn: Connection) -> bool:
         """Count a new connection in, or refuse it at the cap (the caller closes it). Room is

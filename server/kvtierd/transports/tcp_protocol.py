@@ -20,7 +20,7 @@ from kvtier_contract.wire import Op, Status
 from kvtierd.cache import LoadJob, StoreJob, TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION
-from kvtierd.transports.tcp_admission import ConnectionTable
+from kvtierd.transports.tcp_admission import Cancellable, ConnectionTable
 
 _SCRATCH = 1 << 20
 _FEATURES = wire.FEATURE_RUNS  # what this daemon accepts of a client's HELLO offer
@@ -92,7 +92,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._sending: list[LoadJob] = []  # jobs with views in the write buffer (once per READ)
         self._reading_paused = False
         self._closed = False  # we closed it (ERROR sent or timed out); waiting for the loss
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Cancellable | None = None
         self._active = False  # a frame or payload bytes arrived since the last tick
         self._seen = 0.0  # loop time of the last tick that saw activity
         self._queued_seen = 0  # write buffer size at the last tick
@@ -212,7 +212,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     def _arm(self, delay: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+        assert self._server is not None
+        self._timer = self._server.timers.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -225,7 +226,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if not self.session_id:
             server.timed_out += 1
             return self._fail(f"no HELLO within {server.limits.hello_timeout_s:g} s")
-        now, idle = asyncio.get_running_loop().time(), server.limits.idle_timeout_s
+        now, idle = server.timers.time(), server.limits.idle_timeout_s
         queued = t.get_write_buffer_size()
         if self._active or queued < self._queued_seen:  # frames in, or the peer took bytes
             self._active, self._seen = False, now
