@@ -3,7 +3,7 @@
 (``journal``: writer and checkpoints; ``records``: its frame grammar; ``replay``: recovery) and the
 tier itself (``tier``: block files, group commit, probing; ``startup``: open and recovery;
 ``runs``: batched I/O; ``values``: config, locations, figures). Nothing here knows the index or
-policies; kvtierd.tiering connects the tier to the cache.
+policies; the cache's chain link (kvtierd.cache.chain.TierLink) connects the tier to it.
 """
 
 from kvtierd.tiers.nvme.device import (
