@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvtierd.metrics import MetricsServer
+from kvtierd.metrics import ACCEPT_BACKOFF_S, MetricsServer
 
 
 class SteppedSelector:
-    """Wraps the listener's selector: while ``paused`` the next select() waits for ``resume()``
-    (``waiting`` is set meanwhile), so events can pile up for one round."""
+    """Wraps the listener's selector: the first select() called once ``pause_when()`` holds
+    waits for ``resume()`` (``waiting`` is set meanwhile), so events can pile up for one round."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, pause_when: Callable[[], bool]) -> None:
         self.inner = inner
-        self.paused = False
+        self.pause_when: Callable[[], bool] | None = pause_when
         self.waiting = threading.Event()
         self._go = threading.Event()
 
@@ -33,10 +35,10 @@ class SteppedSelector:
         self._go.set()
 
     def select(self, timeout: float | None = None) -> Any:
-        if self.paused:
+        if self.pause_when is not None and self.pause_when():
+            self.pause_when = None
             self.waiting.set()
             assert self._go.wait(10), "never resumed"
-            self.paused = False
         return self.inner.select(timeout)
 
     def __getattr__(self, name: str) -> Any:
@@ -46,12 +48,18 @@ class SteppedSelector:
 class NoDescriptors:
     """The listening socket, whose accept() fails with EMFILE (counted in ``accepts``)."""
 
-    def __init__(self, inner: socket.socket) -> None:
+    def __init__(self, inner: socket.socket, tries: int) -> None:
         self.inner = inner
         self.accepts = 0
+        self.at: list[float] = []  # when each accept() was tried
+        self.tried = threading.Event()  # set at the ``tries``-th accept()
+        self._tries = tries
 
     def accept(self) -> Any:
         self.accepts += 1
+        self.at.append(time.monotonic())
+        if self.accepts >= self._tries:
+            self.tried.set()
         raise OSError(errno.EMFILE, "Too many open files")
 
     def fileno(self) -> int:
@@ -80,18 +88,17 @@ def answers(port: int) -> bytes:
 
 def test_a_read_event_of_a_connection_closed_to_make_room_is_skipped(
         server: MetricsServer) -> None:
-    sel = server._selector = SteppedSelector(server._selector)  # type: ignore[assignment]
+    # The round after the listener accepted A (max_connections = 1) waits.
+    sel = SteppedSelector(server._selector, lambda: len(server._pending) >= 1)
+    server._selector = sel  # type: ignore[assignment]
     server.start()
     a = socket.create_connection(("127.0.0.1", server.port))
-    while len(server._pending) < 1:  # the listener has accepted A (max_connections = 1)
-        time.sleep(0.01)
-    sel.paused = True
-    server._wake_w.send(b"x")  # ends the round in progress; the next one waits
     assert sel.waiting.wait(5)
-    server._wake_r.recv(1)
+    (a_here,) = server._pending  # the listener's end of A
     b = socket.create_connection(("127.0.0.1", server.port))  # accepting B closes A ...
     a.sendall(b"GET /metr")  # ... whose read event is in the same round
-    time.sleep(0.2)  # both have reached the listening host
+    for waiting in (server._sock, a_here):  # both have reached the listening host
+        assert waiting is not None and select.select([waiting], [], [], 5)[0]
     sel.resume()
     assert answers(server.port) == b"HTTP/1.1 404 Not Found"  # the listener is alive
     assert server._thread is not None and server._thread.is_alive()
@@ -103,11 +110,12 @@ def test_accept_failing_for_want_of_descriptors_backs_off(
         server: MetricsServer, caplog: pytest.LogCaptureFixture) -> None:
     server.start()
     assert server._sock is not None
-    listener = NoDescriptors(server._sock)
+    listener = NoDescriptors(server._sock, tries=4)
     server._sock = listener  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, logger="kvtierd.metrics"), \
             socket.create_connection(("127.0.0.1", server.port)):  # never accepted
-        time.sleep(0.5)
+        assert listener.tried.wait(10)
     lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
-    # ~5 tries (one per 100 ms), one line; without the backoff: a busy loop, a line per try.
-    assert listener.accepts <= 10 and len(lines) == 1, (listener.accepts, len(lines))
+    # One try per ACCEPT_BACKOFF_S, one line; without the backoff: a busy loop, a line per try.
+    gaps = [b - a for a, b in itertools.pairwise(listener.at[:4])]
+    assert min(gaps) >= ACCEPT_BACKOFF_S * 0.9 and len(lines) == 1, (gaps, len(lines))

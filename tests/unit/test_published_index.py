@@ -10,6 +10,7 @@ import os
 import random
 import struct
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -157,24 +158,33 @@ def test_the_segment_is_sealed_and_its_handed_out_descriptor_is_read_only() -> N
 
 
 def test_the_stamp_marks_a_daemon_that_stopped_and_close_marks_retired() -> None:
-    ns, pubs = _ns(), Publishers(boot_epoch=9)
+    now_ns = [5_000_000_000]  # the daemon's monotonic clock (the segments' stamps)
+
+    def later(fraction_of_stale: float) -> None:
+        now_ns[0] += int(pi.STALE_AFTER_S * fraction_of_stale * 1e9)
+
+    ns, pubs = _ns(), Publishers(boot_epoch=9, stamp_clock=lambda: now_ns[0])
     fd, size, _ = pubs.handout(ns)
     m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     os.close(fd)
     skew = 1e6  # the reader's clock runs in another clock namespace: only the offset matters
-    reader = ReaderSegment(m, lambda: time.monotonic() + skew)
+
+    def reader_now() -> float:
+        return now_ns[0] / 1e9 + skew
+
+    reader = ReaderSegment(m, reader_now)
     assert reader.epoch == 9
-    assert reader.state(time.monotonic() + skew) == "ok"
-    time.sleep(pi.STALE_AFTER_S * 0.5)
+    assert reader.state(reader_now()) == "ok"
+    later(0.5)
     pubs.tick()
-    time.sleep(pi.STALE_AFTER_S * 0.6)  # ticked half-way: still fresh
-    assert reader.state(time.monotonic() + skew) == "ok"
-    time.sleep(pi.STALE_AFTER_S * 0.6)  # no tick for longer than STALE_AFTER_S: stale
-    assert reader.state(time.monotonic() + skew) == "stale"
+    later(0.6)  # ticked half-way: still fresh
+    assert reader.state(reader_now()) == "ok"
+    later(0.6)  # no tick for longer than STALE_AFTER_S: stale
+    assert reader.state(reader_now()) == "stale"
     pubs.tick()
-    assert reader.state(time.monotonic() + skew) == "ok"
+    assert reader.state(reader_now()) == "ok"
     pubs.close()
-    assert reader.state(time.monotonic() + skew) == "retired"
+    assert reader.state(reader_now()) == "retired"
 
 
 def test_ready_map_refuses_changes_the_index_would_not_see() -> None:
@@ -297,8 +307,24 @@ def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_no
         fill(self, keys, count)
 
     monkeypatch.setattr(published.Segment, "fill", slow_fill)
+    installed = published.Publisher._built
+    built: list[asyncio.Event] = []
+
+    def built_and_tell(self: published.Publisher, seg: published.Segment,
+                       error: BaseException | None) -> None:
+        installed(self, seg, error)
+        built[0].set()
+
+    monkeypatch.setattr(published.Publisher, "_built", built_and_tell)
+
+    async def until(done: Callable[[], bool]) -> None:
+        """Wait for installs on the loop until ``done()`` (checked on the loop: no race)."""
+        while not done():
+            built[0].clear()
+            await asyncio.wait_for(built[0].wait(), 10)
 
     async def run() -> None:
+        built.append(asyncio.Event())
         ns, pubs = _ns(), Publishers(boot_epoch=1, background_from=1000)
         keys = [_key(i, b"bg") for i in range(5000)]
         for key in keys[:2000]:
@@ -312,10 +338,8 @@ def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_no
         pubs.flush()
         pubs.tick()  # a building publisher is kept
         gate.set()
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if ns.ready.publisher is not None and ns.ready.publisher.segment is not None:
-                break
+        await until(lambda: ns.ready.publisher is not None and ns.ready.publisher.segment
+                    is not None)
         reader = _reader(pubs, ns)
         assert reader.generation == 1
         for k in keys[:2001]:
@@ -335,10 +359,7 @@ def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_no
             del ns.ready[key]
         pubs.flush()
         gate.set()
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if pub.building is None:
-                break
+        await until(lambda: pub.building is None)
         assert reader.state(time.monotonic()) == "retired"
         new = _reader(pubs, ns)
         assert new.generation == 2

@@ -9,7 +9,7 @@ as the views themselves (as uvloop holds them) until the peer reads. Expected st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -214,8 +214,43 @@ def test_a_bare_protocol_that_sends_everything_at_once_pins_nothing_longer(rig: 
 # ---- limits (a server owns the connection) ----------------------------------------------------
 
 
-def server(rig: Rig, **limits: Any) -> DataChannelServer:
-    return DataChannelServer("127.0.0.1", 0, rig.cache, rig.sessions, DataChannelLimits(**limits))
+class Timer:
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when, self.callback, self.cancelled = when, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Clock:
+    """The connections' timers on a hand-driven clock: ``advance`` runs the timers due, in
+    order, each at its own time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        timer = Timer(self.now + delay, callback)
+        self._timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        end = self.now + seconds
+        while due := [t for t in self._timers if not t.cancelled and t.when <= end]:
+            timer = min(due, key=lambda t: t.when)
+            self._timers.remove(timer)
+            self.now = timer.when
+            timer.callback()
+        self.now = end
+
+
+def server(rig: Rig, clock: Clock | None = None, **limits: Any) -> DataChannelServer:
+    return DataChannelServer("127.0.0.1", 0, rig.cache, rig.sessions, DataChannelLimits(**limits),
+                             timers=clock)
 
 
 def error_of(kernel: Kernel) -> str:
@@ -242,16 +277,17 @@ def test_reading_pauses_while_replies_go_unread(rig: Rig) -> None:
 
 def test_no_hello_in_time_and_idle_connections_are_closed(rig: Rig) -> None:
     async def scenario() -> None:
-        srv = server(rig, hello_timeout_s=0.05, idle_timeout_s=0.1)
+        clock = Clock()
+        srv = server(rig, clock, hello_timeout_s=0.05, idle_timeout_s=0.1)
         silent = Kernel(1 << 20)
         channel = DataChannelProtocol(rig.cache, rig.sessions, srv)
         silent.protocol = channel
         channel.connection_made(silent)  # type: ignore[arg-type]
         _, idle = rig.connect(1 << 20, srv)
-        await asyncio.sleep(0.08)
+        clock.advance(0.08)
         assert silent.closed and "no HELLO" in error_of(silent)
         assert not idle.closed
-        await asyncio.sleep(0.2)
+        clock.advance(0.2)
         assert idle.closed and "idle" in error_of(idle)
         assert srv.timed_out == 2
 
@@ -263,11 +299,12 @@ def test_a_peer_that_stops_reading_is_dropped_at_the_idle_timeout(rig: Rig) -> N
         rig.put(rig.a, 1)
         load, _ = await rig.cache.prepare_load(rig.s, rig.a, keys(1), Transport.TCP)
         assert load is not None
-        channel, kernel = rig.connect(0, server(rig, idle_timeout_s=0.1))
+        clock = Clock()
+        channel, kernel = rig.connect(0, server(rig, clock, idle_timeout_s=0.1))
         feed(channel, wire.pack(Op.READ, load.id))
         rig.cache.complete_load(rig.s, load.id)
         assert rig.cache.pinned_blocks == 1
-        await asyncio.sleep(0.3)
+        clock.advance(0.3)
         assert kernel.closed and rig.cache.pinned_blocks == 0
 
     asyncio.run(scenario())

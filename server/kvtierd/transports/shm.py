@@ -30,8 +30,8 @@ owner only) decides who may connect. Bounded: a handshake must arrive within
 ``handshake_timeout_s``, at most ``max_connections`` are served at once and at most ``per_uid``
 of one peer uid (SO_PEERCRED at accept; one more is refused at once, counted in ``refused``),
 and running out of descriptors pauses accepting instead of ending it. Index channels: at most
-one per live session (a newer one replaces it; the session's end closes it). Size: just over
-the house limit, since the four handshakes share one accept loop, its bounds and one check.
+one per live session (a newer one replaces it; the session's end closes it): they are served
+by :mod:`kvtierd.transports.shm_index`; the socket helpers are :mod:`~kvtierd.transports.shm_socket`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -53,6 +52,8 @@ from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy.ledger import Ledger
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
+from kvtierd.transports.shm_index import IndexChannels
+from kvtierd.transports.shm_socket import peer, recv_exactly, refuse
 
 log = logging.getLogger("kvtierd.shm")
 HANDSHAKES = "handshakes"  # what a peer uid holds of the socket (its ledger's resource)
@@ -65,13 +66,6 @@ class Channel(Protocol):
     session_id: int
 
     def close(self) -> None: ...
-
-
-def _refuse(conn: socket.socket, e: Exception) -> None:
-    """Say why (never blocks: a peer that does not read gets nothing)."""
-    with contextlib.suppress(OSError):
-        conn.setblocking(False)
-        conn.send(wire.SHM_REFUSED + str(e).encode()[: wire.SHM_MAX_ERROR_BYTES])
 
 
 class ShmFdServer(ServerTransport):
@@ -107,11 +101,10 @@ class ShmFdServer(ServerTransport):
         self._task: asyncio.Task[None] | None = None
         self._timeout_s = handshake_timeout_s
         self._max = max_connections
-        self._index = index
-        self._index_hold = index_hold
+        self._indexes = None if index is None else IndexChannels(index, index_hold, boot_epoch,
+                                                                  self._session)
         self._peer_ok = peer_ok  # (session, uid, gid): SO_PEERCRED against the session's tenant
         self._login = login
-        self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
         self._control = control
         self._controls: dict[int, set[Channel]] = {}  # session id -> its control channels
         self._open = 0  # handshakes being served
@@ -149,13 +142,13 @@ class ShmFdServer(ServerTransport):
                 await asyncio.sleep(0.1)
                 continue
             try:
-                uid = _peer(conn)[0]
+                uid = peer(conn)[0]
             except OSError:
                 conn.close()
                 continue
             if not await self._admit(uid):
                 self.refused += 1
-                _refuse(conn, ResourceExhausted(
+                refuse(conn, ResourceExhausted(
                     "too many shm handshakes in progress (from this uid, or in all)",
                     field="shm_handshakes_per_uid"))
                 conn.close()
@@ -182,15 +175,16 @@ class ShmFdServer(ServerTransport):
             try:
                 data = await self._request(conn)
                 if data[:4] == pi.INDEX_MAGIC:
+                    if self._indexes is None:
+                        raise ValueError("published indexes are not served here")
                     held: dict[int, int] = {}  # namespace -> generation handed out here
                     try:
-                        session_id = self._serve_index(conn, data, held)
+                        session_id = self._indexes.answer(conn, data, held)
                         handshake = False
                         self._handshake_done(uid)
-                        await self._index_channel(conn, session_id, held)
+                        await self._indexes.serve(conn, session_id, held)
                     finally:
-                        for ns_id in held:
-                            self._index_hold(ns_id, -1)
+                        self._indexes.unhold(held)
                 elif data[:4] == wire.LOGIN_MAGIC:
                     self._serve_login(conn)
                 elif data[:4] == wire.CONTROL_MAGIC:
@@ -198,7 +192,7 @@ class ShmFdServer(ServerTransport):
                 else:
                     self._serve_arena(conn, data)
             except (KvtierError, ValueError) as e:
-                _refuse(conn, e)
+                refuse(conn, e)
             except (OSError, TimeoutError) as e:
                 log.debug("shm handshake failed: %s", e)
             finally:
@@ -213,16 +207,16 @@ class ShmFdServer(ServerTransport):
         """A whole handshake request, within ``handshake_timeout_s`` all told (TimeoutError);
         ValueError for an unknown or retired magic."""
         async with asyncio.timeout(self._timeout_s):
-            data = await self._recv(conn, wire.SHM_REQUEST.size)
+            data = await recv_exactly(conn, wire.SHM_REQUEST.size)
             magic = data[:4]
             if magic in (wire.SHM_MAGIC_V1, pi.INDEX_MAGIC_V1):
                 raise ValueError(f"the {magic.decode()} handshake (a session id alone) is no "
                                  "longer served: this daemon asks for the session's data "
                                  "secret (KVS2 / KVI2; upgrade the kvtier client)")
             if magic == pi.INDEX_MAGIC:
-                return data + await self._recv(conn, pi.INDEX_REQUEST.size - len(data))
+                return data + await recv_exactly(conn, pi.INDEX_REQUEST.size - len(data))
             if magic in (wire.SHM_MAGIC, wire.CONTROL_MAGIC):
-                return data + await self._recv(conn, wire.DATA_SECRET_BYTES)
+                return data + await recv_exactly(conn, wire.DATA_SECRET_BYTES)
             if magic != wire.LOGIN_MAGIC:
                 raise ValueError("bad shm handshake")
             return data
@@ -232,7 +226,7 @@ class ShmFdServer(ServerTransport):
         (SO_PEERCRED) may act for its tenant; else NotFound: an unknown session, a wrong secret
         and a foreign peer get one answer, so an id tells a stranger nothing."""
         session = self._sessions.with_secret(session_id, secret)
-        if session is None or not self._peer_ok(session, *_peer(conn)):
+        if session is None or not self._peer_ok(session, *peer(conn)):
             raise NotFound(f"unknown or expired session {session_id}", field="session_id")
         return session
 
@@ -293,98 +287,30 @@ class ShmFdServer(ServerTransport):
         """A Unix peer logs in: a token for the tenant its uid/gid are (KvtierError: refused)."""
         if self._login is None:
             raise FailedPrecondition("Unix peer logins are not served here", field="login")
-        uid, gid = _peer(conn)
+        uid, gid = peer(conn)
         token = self._login(uid, gid).encode()
         assert len(token) <= wire.LOGIN_MAX_TOKEN_BYTES
         conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
         conn.send(wire.LOGIN_REPLY.pack(wire.LOGIN_MAGIC, len(token)) + token)
         self.logins += 1
 
-    async def _index_channel(self, conn: socket.socket, session_id: int,
-                             held: dict[int, int]) -> None:
-        """The session's index channel: it stays open while the session lives (the client
-        reads the daemon's liveness from it: a dead daemon's end closes) and takes further
-        index requests of that session; one per session (a newer one replaces it)."""
-        task = asyncio.current_task()
-        assert task is not None
-        old = self._channels.get(session_id)
-        if old is not None:
-            old.cancel()
-        self._channels[session_id] = task
-        try:
-            while True:
-                data = await self._recv(conn, pi.INDEX_REQUEST.size)  # no timeout: idle is normal
-                if data[:4] != pi.INDEX_MAGIC or pi.INDEX_REQUEST.unpack(data)[1] != session_id:
-                    raise ValueError("bad index request on the session's index channel")
-                try:
-                    self._serve_index(conn, data, held)
-                except (KvtierError, ValueError) as e:  # (this namespace only: the channel stays)
-                    _refuse(conn, e)
-        except (ValueError, OSError) as e:
-            log.debug("index channel of session %d ended: %s", session_id, e)
-        finally:
-            if self._channels.get(session_id) is task:
-                del self._channels[session_id]
-
     def release_session(self, session_id: int) -> None:
-        task = self._channels.pop(session_id, None)
-        if task is not None:
-            task.cancel()  # its client sees the channel close and stops reading the index
+        if self._indexes is not None:
+            self._indexes.release(session_id)
         for channel in list(self._controls.pop(session_id, ())):
             channel.close()
 
     def figures(self) -> dict[str, int]:
         return {"shm_connections": self._open, "shm_connections_refused": self.refused,
-                "index_connections": len(self._channels),
+                "index_connections": len(self._indexes or ()),
                 "control_connections": sum(len(c) for c in self._controls.values())}
-
-    @staticmethod
-    async def _recv(conn: socket.socket, n: int) -> bytes:
-        """Exactly ``n`` bytes (ValueError when the peer stops sending before)."""
-        loop = asyncio.get_running_loop()
-        data = b""
-        while len(data) < n:
-            chunk = await loop.sock_recv(conn, n - len(data))
-            if not chunk:
-                raise ValueError("bad shm handshake (short)")
-            data += chunk
-        return data
-
-    def _serve_index(self, conn: socket.socket, data: bytes, held: dict[int, int]) -> int:
-        """Answer one index request (its session's id) of a live session whose data secret it
-        carries, from a peer its tenant allows; a KvtierError or ValueError refuses.
-        A namespace handed out on this channel for the first time is held (``index_hold``)
-        until the channel ends; one generation of a namespace is handed out once per channel
-        (so a client that asks without reading cannot pile descriptors up in the socket)."""
-        _, session_id, namespace_id, secret = pi.INDEX_REQUEST.unpack(data)
-        if self._index is None:
-            raise ValueError("published indexes are not served here")
-        self._session(conn, session_id, secret)  # (the peer and the secret, every request)
-        try:
-            fd, size, generation = self._index(session_id, namespace_id)
-        except OSError as e:
-            raise ValueError(f"no published index: {e}") from None
-        try:  # non-blocking: a few bytes fit the socket buffer unless the peer never reads
-            if held.get(namespace_id) == generation:
-                raise ValueError(f"generation {generation} of namespace {namespace_id} was "
-                                 "handed out on this channel already")
-            if namespace_id not in held:
-                self._index_hold(namespace_id, +1)
-            held[namespace_id] = generation
-            reply = pi.INDEX_REPLY.pack(pi.INDEX_MAGIC, size, self._epoch, generation)
-            if socket.send_fds(conn, [reply], [fd]) != len(reply):
-                raise OSError("short send")
-        finally:
-            os.close(fd)
-        return int(session_id)
 
     def advertise(self) -> dict[str, Any]:
         return {"shm_socket": self.path}
 
     def close(self) -> None:
-        for task in self._channels.values():
-            task.cancel()
-        self._channels.clear()
+        if self._indexes is not None:
+            self._indexes.close()
         for mine in list(self._controls.values()):
             for channel in list(mine):
                 channel.close()
@@ -395,10 +321,3 @@ class ShmFdServer(ServerTransport):
             self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-
-
-def _peer(conn: socket.socket) -> tuple[int, int]:
-    """The connected peer's uid and gid (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, gid = struct.unpack("3i", creds)
-    return uid, gid

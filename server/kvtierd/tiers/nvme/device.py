@@ -15,9 +15,7 @@
 
 Tests wrap this seam to inject faults: ``kvtierd.testing.faults`` (never imported by the daemon).
 
-Errors: every ``OSError`` becomes a :class:`DiskError`: :class:`DiskFull` (ENOSPC, EDQUOT),
-:class:`SyncFailed` (fsync / fdatasync failed), :class:`UnsafeFile` (a symlink or non-regular file)
-or :class:`DiskIOError` (everything else); ``errno`` is kept.
+Errors: every ``OSError`` becomes a :class:`DiskError` (:mod:`kvtierd.tiers.nvme.errors`).
 
 Durability: O_DIRECT bypasses the page cache, not the device cache; only a successful ``sync()``
 makes writes durable. ``SyncFailed`` is sticky per Device: Linux may drop the pages of a failed
@@ -29,11 +27,8 @@ distinct offsets are safe (positional syscalls, GIL released); ``sync()`` may ru
 writes (it covers the writes completed before it started). ``close()`` may race them: calls in
 progress finish on the open fd, which is closed when the last of them returns (never reused under
 one); a call that starts after ``close()`` raises DiskIOError(EBADF). A FileSystem may be shared
-between threads.
-
-Size: about 440 lines, over the 400 guideline: the whole seam is this one module (the typed
-errors, the Device contract and its file implementation, the FileSystem that opens them and probes
-O_DIRECT), so that "all disk I/O goes through here" can be checked by reading one file.
+between threads. Every disk system call is in this one module, so that "all disk I/O goes through
+here" can be checked by reading one file.
 """
 
 from __future__ import annotations
@@ -49,61 +44,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvtier_contract.directio import probe_direct
-from kvtierd.tiers.base import TierUnavailable
+from kvtierd.tiers.nvme.errors import DiskError as DiskError
+from kvtierd.tiers.nvme.errors import DiskFull as DiskFull
+from kvtierd.tiers.nvme.errors import DiskIOError as DiskIOError
+from kvtierd.tiers.nvme.errors import SyncFailed as SyncFailed
+from kvtierd.tiers.nvme.errors import UnsafeFile as UnsafeFile
+from kvtierd.tiers.nvme.errors import _typed
+from kvtierd.tiers.nvme.errors import disk_error as disk_error
 
 Buffer = memoryview | bytes | bytearray
 WBuffer = memoryview | bytearray
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO must not hang open()
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-
-
-class DiskError(TierUnavailable):
-    """An environment failure of the disk; ``errno`` is the OS error number when there is one."""
-
-    code_name = "UNAVAILABLE"
-
-    def __init__(self, message: str, *, err: int | None = None) -> None:
-        self.errno = err
-        super().__init__(message)
-
-
-class DiskFull(DiskError):
-    """ENOSPC or EDQUOT: stop admitting to the tier; what is stored stays readable."""
-
-
-class DiskIOError(DiskError):
-    """EIO and every other failed read, write, open or metadata call."""
-
-
-class SyncFailed(DiskError):
-    """fsync / fdatasync failed: writes since the last successful sync are NOT durable."""
-
-
-class UnsafeFile(DiskError):
-    """A symlink, directory, device or FIFO where a regular file was expected; never followed."""
-
-
-def disk_error(exc: OSError, what: str, *, sync: bool = False) -> DiskError:
-    """The typed error for ``exc``, raised by ``what`` (a short description with the path)."""
-    err = exc.errno
-    msg = f"{what}: {os.strerror(err) if err else exc}"
-    if sync:
-        return SyncFailed(msg, err=err)
-    if err in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFull(msg, err=err)
-    if err == errno.ELOOP:
-        return UnsafeFile(f"{what}: is a symlink (never followed)", err=err)
-    return DiskIOError(msg, err=err)
-
-
-@contextmanager
-def _typed(what: str, *, sync: bool = False) -> Iterator[None]:
-    """Turn an OSError raised inside the block into its DiskError."""
-    try:
-        yield
-    except OSError as e:
-        raise disk_error(e, what, sync=sync) from e
 
 
 def _nbytes(views: Sequence[Buffer]) -> int:

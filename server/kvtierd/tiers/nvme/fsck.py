@@ -216,13 +216,7 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
         try:
             h = decode_header(region, available_bytes=size - offset)
         except CorruptSlot as c:
-            if c.reason == "zero":
-                summary.empty += 1
-            elif c.reason == "bad_magic":
-                summary.unrecognized += 1
-            else:
-                summary.corrupt += 1
-                problems.append(Problem(summary.name, "corrupt_slot", str(c), offset))
+            _count_bad_header(c, offset, summary, problems)
             offset += a
             continue
         need = round_up(h.payload_len, a)
@@ -242,6 +236,26 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
         summary.valid += 1
         summary.payload_bytes += h.payload_len
         offset += h.slot_bytes
+    _judge_suspects(suspects, valid_offsets, valid_sequences, summary, problems)
+
+
+def _count_bad_header(c: CorruptSlot, offset: int, summary: FileSummary,
+                      problems: list[Problem]) -> None:
+    """A slot whose header does not decode: never written, not ours, or corrupt."""
+    if c.reason == "zero":
+        summary.empty += 1
+    elif c.reason == "bad_magic":
+        summary.unrecognized += 1
+    else:
+        summary.corrupt += 1
+        problems.append(Problem(summary.name, "corrupt_slot", str(c), offset))
+
+
+def _judge_suspects(suspects: list[tuple[int, int, int, str]], valid_offsets: list[int],
+                    valid_sequences: list[int], summary: FileSummary,
+                    problems: list[Problem]) -> None:
+    """A slot whose payload fails verification is superseded when a newer valid slot lies inside
+    it (its space was reused), else corrupt."""
     for start, end, sequence, reason in suspects:
         lo, hi = bisect.bisect_right(valid_offsets, start), bisect.bisect_left(valid_offsets, end)
         if any(s > sequence for s in valid_sequences[lo:hi]):
