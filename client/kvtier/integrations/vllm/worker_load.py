@@ -37,7 +37,7 @@ from typing import Any
 
 from kvtier.client import Client
 from kvtier.integrations.vllm.config import Variant
-from kvtier.integrations.vllm.planner import LoadJob, LoadReport
+from kvtier.integrations.vllm.plans import LoadJob, LoadReport
 from kvtier.integrations.vllm.worker_state import WorkerState
 from kvtier_contract.errors import KvtierError
 

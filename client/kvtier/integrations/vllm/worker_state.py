@@ -21,7 +21,7 @@ from kvtier.adaptive import InterferenceBudget
 from kvtier.breaker import Breaker
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.planner import LoadJob, LoadReport, StepReport
+from kvtier.integrations.vllm.plans import LoadJob, LoadReport, StepReport
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.worker_store import _Job

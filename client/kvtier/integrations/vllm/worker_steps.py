@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from kvtier.integrations.vllm.planner import LoadReport, StepReport
+from kvtier.integrations.vllm.plans import LoadReport, StepReport
 from kvtier.integrations.vllm.worker_state import WorkerState
 
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvtier.batches import CopyRevoked
-from kvtier.integrations.vllm.planner import StoreJob
+from kvtier.integrations.vllm.plans import StoreJob
 from kvtier.integrations.vllm.worker_state import WorkerState
 
 log = logging.getLogger("vllm.kvtier")
