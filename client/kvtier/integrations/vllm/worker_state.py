@@ -2,7 +2,8 @@
 
 ``WorkerState`` declares the attributes the store path (``worker_store``), the load path
 (``worker_load``) and the step timing (``worker_steps``) share, and the few helpers all of them
-use; ``KvtierWorker.__init__`` sets them. ``WorkerStats`` is the counters' record.
+use; ``KvtierWorker.__init__`` sets them. ``WorkerStats`` is the counters' record, ``_Job``
+a store job's record (its states: ``worker_store``).
 
 Ownership and concurrency: as ``KvtierWorker`` (see ``worker.py``): the job table, the queues,
 the counters, the interference budget and the reports are guarded by one condition, ``_cond``,
@@ -15,16 +16,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 from kvtier.adaptive import InterferenceBudget
 from kvtier.breaker import Breaker
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.config import ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.plans import LoadJob, LoadReport, StepReport
-
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.worker_store import _Job
+from kvtier.integrations.vllm.plans import LoadJob, LoadReport, StepReport, StoreJob
 
 
 @dataclass
@@ -56,6 +54,23 @@ class WorkerStats:
     budget_store_seconds: float = 0.0  # stores admitted in them, measured
     store_dropped_budget_blocks: int = 0  # stores refused: the budget was spent
     store_dropped_budget_bytes: int = 0
+
+State = Literal["queued", "preparing", "copying", "snapshot", "done"]
+
+
+class _Job:
+    """One queued store job and where it stands with the fence (guarded by the worker's
+    ``_cond``). ``snapshot``: the engine thread's copy of its blocks; ``revoked``: the engine
+    took its blocks back without one."""
+
+    def __init__(self, job: StoreJob, forward_done: Any) -> None:
+        self.job = job
+        self.forward_done = forward_done
+        self.charged: float | None = None  # the budget's charge (predicted seconds), if held to it
+        self.state: State = "queued"
+        self.snapshot: Any = None
+        self.revoked = False
+
 
 
 class WorkerState:

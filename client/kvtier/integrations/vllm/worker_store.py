@@ -35,30 +35,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from kvtier.batches import CopyRevoked
 from kvtier.integrations.vllm.plans import StoreJob
-from kvtier.integrations.vllm.worker_state import WorkerState
+from kvtier.integrations.vllm.worker_state import WorkerState, _Job
 
 log = logging.getLogger("vllm.kvtier")
-
-State = Literal["queued", "preparing", "copying", "snapshot", "done"]
-
-
-class _Job:
-    """One queued store job and where it stands with the fence (guarded by the worker's
-    ``_cond``). ``snapshot``: the engine thread's copy of its blocks; ``revoked``: the engine
-    took its blocks back without one."""
-
-    def __init__(self, job: StoreJob, forward_done: Any) -> None:
-        self.job = job
-        self.forward_done = forward_done
-        self.charged: float | None = None  # the budget's charge (predicted seconds), if held to it
-        self.state: State = "queued"
-        self.snapshot: Any = None
-        self.revoked = False
-
 
 class _Guard:
     """The ``batches.CopyGuard`` of one job (store thread), over the worker's condition."""
