@@ -131,7 +131,7 @@ def test_slow_tier_adaptive_recomputes_where_always_loads_slowly(
         # the daemon measured the always cache's slow NVMe reads and hands the figure to
         # every session (OpenSession, heartbeats): adaptive never loads from the slow tier
         fig = adaptive.client.tier_figures()["nvme"]
-        hit_bytes = 64 // T * adaptive._block_bytes()
+        hit_bytes = 64 // T * adaptive.blocks.block_bytes()
         assert fig.latency_s + hit_bytes / fig.bytes_per_s >= READ_LATENCY_MS / 1000 * 0.5
         outs = [timed_generate(adaptive, seed) for seed in (12, 13, 14)]
         for (out, _), seed in zip(outs, (12, 13, 14), strict=True):

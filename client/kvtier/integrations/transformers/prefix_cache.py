@@ -11,16 +11,9 @@ Lifecycle::
     out = model.generate(input_ids, past_key_values=cache or DynamicCache(config=model.config))
     pc.store(out[0], cache)
     pc.close()
-
-Block bytes (layout ``hf.dynamic.LKHTD``): block ``b`` of a sequence is, for each layer in
-order, K then V, each ``[kv_heads, tokens_per_block, head_dim]`` in C order, taken from batch row
-0 of ``cache.layers[i].keys/values`` (``[batch, kv_heads, seq, head_dim]``) at token positions
-``b*T .. b*T+T-1``. MLA models (layout ``hf.dynamic.mla.LKTD``) cache 1 head whose keys are the
-latent (``kv_lora_rank`` wide) and whose values are the rope key (``qk_rope_head_dim`` wide):
-the same order with K and V of different widths (``identity.kv_geometry``). One strided copy
-per layer and K/V builds the blocks of a store, one permute per layer and K/V rebuilds the
-per-layer tensors of a restore. Keys are the namespace's chained block
-keys of the token ids, so block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
+Block bytes: ``cache_blocks`` (``CacheBlocks``, layout ``hf.dynamic.LKHTD``; MLA models
+``hf.dynamic.mla.LKTD``). Keys are the namespace's chained block keys of the token ids, so
+block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
 
 Load or recompute (``load_policy``, docs/transformers.md §7): ``restore`` loads the stored
 prefix a ``kvtier.adaptive.Decider`` chooses, from each hit's tier (``lookup_tiers``), the load
@@ -37,10 +30,6 @@ reason), counts it in ``store_failures`` and returns what the model generated.
 
 Owns its Client when given an address (``close`` closes it), never the model. Not thread-safe:
 one instance per thread (the counters are plain fields); the Client underneath may be shared.
-
-Size: over the 400-line budget (issue 27 lists it): one class whose restore, store and timed
-generate share the cache's state; the load-or-recompute decision (issue 30) is in
-``kvtier.adaptive``, only its feeding is here.
 """
 
 from __future__ import annotations
@@ -54,12 +43,13 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvtier.adaptive import Decider, PrefillRate
 from kvtier.client import Client, NamespaceHandle
+from kvtier.integrations.transformers.cache_blocks import CacheBlocks, _check_full_attention
 from kvtier.integrations.transformers.identity import (
     ConfigError,
+    KvGeometry,
     PrefixCacheOptions,
     dtype_name,
     kv_geometry,
@@ -109,7 +99,8 @@ class KvtierPrefixCache:
         _check_full_attention(config)
         self.dtype: torch.dtype = model.dtype
         self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
-        self.geometry = kv_geometry(config)
+        self.blocks = CacheBlocks(kv_geometry(config), self.options.tokens_per_block, self.dtype,
+                                  model)
         self._said: set[str] = set()  # store failures already logged
         self._predicted_s: float | None = None  # the last decision's predicted load time
         self._owns_client = isinstance(client, str)
@@ -124,6 +115,15 @@ class KvtierPrefixCache:
         self.counters = PrefixCacheCounters()
         self.decider = Decider(self.options.load_policy, probe_after_s=self.options.probe_after_s,
                                prefill=PrefillRate())
+
+    @property
+    def geometry(self) -> KvGeometry:
+        """The model's KV geometry (``blocks.geometry``: replacing it changes the blocks)."""
+        return self.blocks.geometry
+
+    @geometry.setter
+    def geometry(self, geometry: KvGeometry) -> None:
+        self.blocks.geometry = geometry
 
     # -- restore ------------------------------------------------------------------------------------
 
@@ -153,14 +153,14 @@ class KvtierPrefixCache:
         hits = self._decide(tiers)
         if hits <= 0:
             return None, 0
-        staging = torch.empty((hits, *self._block_shape()), dtype=self.dtype)
+        staging = torch.empty((hits, *self.blocks.block_shape()), dtype=self.dtype)
         started = time.perf_counter()
         found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
             return None, 0
         self._loaded(tiers[:n], time.perf_counter() - started, complete=n == hits)
-        cache = self._unpack(staging[:n])
+        cache = self.blocks.unpack(staging[:n])
         self.counters.restore_hits += 1
         self.counters.restored_tokens += n * T
         return cache, n * T
@@ -173,7 +173,7 @@ class KvtierPrefixCache:
         before = self.decider.stats
         slower, policy = before.tokens_recomputed_slower, before.tokens_recomputed_policy
         d = self.decider.decide(tiers, block_tokens=self.options.tokens_per_block,
-                                block_bytes=self._block_bytes())
+                                block_bytes=self.blocks.block_bytes())
         c, after = self.counters, self.decider.stats
         c.tokens_recomputed_slower += after.tokens_recomputed_slower - slower
         c.tokens_recomputed_policy += after.tokens_recomputed_policy - policy
@@ -184,43 +184,12 @@ class KvtierPrefixCache:
         """A restore of blocks from ``tiers`` took ``seconds``: the decider's load figures."""
         by_tier: dict[str, int] = {}
         for tier in tiers:
-            by_tier[tier] = by_tier.get(tier, 0) + self._block_bytes()
+            by_tier[tier] = by_tier.get(tier, 0) + self.blocks.block_bytes()
         predicted = self._predicted_s if complete else None  # a cut load is not what was predicted
         self.decider.loaded(by_tier, seconds, predicted_s=predicted)
         if predicted is not None:
             self.counters.predicted_load_s += predicted
             self.counters.actual_load_s += seconds
-
-    def _block_bytes(self) -> int:
-        rows, row = self._block_shape()
-        return rows * row * self.dtype.itemsize
-
-    def _block_shape(self) -> tuple[int, int]:
-        """One block: [L, H*T*Dk + H*T*Dv] (per layer K then V, each [H, T, D] C order)."""
-        g = self.geometry
-        return g.num_layers, g.num_kv_heads * self.options.tokens_per_block * (g.key_dim +
-                                                                                g.value_dim)
-
-    def _parts(self, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V of ``layer`` in [n, L, row] blocks, as [n, H, T, D] views."""
-        g, T = self.geometry, self.options.tokens_per_block
-        n, k_len = blocks.shape[0], g.num_kv_heads * T * g.key_dim
-        row = blocks[:, layer]
-        return (row[:, :k_len].view(n, g.num_kv_heads, T, g.key_dim),
-                row[:, k_len:].view(n, g.num_kv_heads, T, g.value_dim))
-
-    def _unpack(self, blocks: torch.Tensor) -> Any:
-        """[n, L, row] blocks -> a DynamicCache of n*T tokens on the model's device."""
-        blocks = blocks.to(self.model.device)
-        n, H, T = blocks.shape[0], self.geometry.num_kv_heads, self.options.tokens_per_block
-        cache = DynamicCache(config=self.model.config)
-        for layer in range(self.geometry.num_layers):
-            k, v = (_wide(part).permute(1, 0, 2, 3).reshape(1, H, n * T, -1).view(self.dtype)
-                    for part in self._parts(blocks, layer))  # rows moved as wide words
-            cache.update(k, v, layer)
-        return cache
-
-    # -- store --------------------------------------------------------------------------------------
 
     def store(self, token_ids: Any, cache: Any, *, skip_tokens: int = 0) -> int:
         """Store the full blocks of ``token_ids`` (one row) whose KV ``cache`` holds, from block
@@ -232,13 +201,13 @@ class KvtierPrefixCache:
             return 0
         started = time.perf_counter()
         T = self.options.tokens_per_block
-        held = self._check_cache(cache)
+        held = self.blocks.check_cache(cache)
         total = min(len(ids), held) // T
         first = max(0, skip_tokens) // T
         if total <= first:
             return 0
         keys = self.handle.block_keys(ids[: total * T])[first:]
-        blocks = self._pack(cache, first * T, total * T)
+        blocks = self.blocks.pack(cache, first * T, total * T)
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
         result = self.handle.put(keys, list(blocks), deadline=deadline)
         c = self.counters
@@ -248,45 +217,6 @@ class KvtierPrefixCache:
         c.blocks_not_stored += result.dropped + result.rejected
         c.store_s += time.perf_counter() - started
         return result.stored
-
-    def _pack(self, cache: Any, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of batch row 0 -> [n, L, row] contiguous CPU blocks (one
-        strided copy per layer and K/V on the cache's device, then one copy to the CPU)."""
-        H, T = self.geometry.num_kv_heads, self.options.tokens_per_block
-        n = (end - start) // T
-        first = cache.layers[0].keys
-        out = torch.empty((n, *self._block_shape()), dtype=self.dtype, device=first.device)
-        for i, layer in enumerate(cache.layers):
-            for dst, t in zip(self._parts(out, i), (layer.keys, layer.values), strict=True):
-                src = t[0, :, start:end]  # [H, n*T, D]
-                size = min(_wide_size(dst), _wide_size(src))  # the same words on both sides
-                _wide(dst, size).copy_(_wide(src, size).reshape(H, n, T, -1).permute(1, 0, 2, 3))
-        return out.to("cpu")
-
-    def _check_cache(self, cache: Any) -> int:
-        """The number of tokens ``cache`` holds; ``InvalidArgument`` unless it is a DynamicCache
-        of full-attention layers with one row in this model's shape and dtype."""
-        if not isinstance(cache, DynamicCache):
-            raise InvalidArgument(f"expected a transformers DynamicCache, got "
-                                  f"{type(cache).__name__}", field="cache")
-        g = self.geometry
-        L, H = g.num_layers, g.num_kv_heads
-        if len(cache.layers) != L or any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise InvalidArgument(f"expected {L} DynamicLayer layers, got "
-                                  f"{[type(x).__name__ for x in cache.layers]}", field="cache")
-        held = cache.get_seq_length()
-        for i, layer in enumerate(cache.layers):
-            for name, t, D in (("keys", layer.keys, g.key_dim),
-                               ("values", layer.values, g.value_dim)):
-                if held == 0 and (t is None or t.numel() == 0):
-                    continue
-                if t is None or tuple(t.shape) != (1, H, held, D) or t.dtype != self.dtype:
-                    shape = None if t is None else (tuple(t.shape), t.dtype)
-                    raise InvalidArgument(f"layer {i} {name}: expected [1, {H}, {held}, {D}] "
-                                          f"{self.dtype}, got {shape}", field="cache")
-        return int(held)
-
-    # -- generate -----------------------------------------------------------------------------------
 
     def generate(self, input_ids: Any, **kwargs: Any) -> Any:
         """``model.generate(input_ids, **kwargs)`` with the longest stored prefix restored first
@@ -374,24 +304,6 @@ class KvtierPrefixCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-_WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _wide_size(t: torch.Tensor) -> int:
-    """The widest integer element (bytes) that divides ``t``'s last dimension, its other strides
-    and its offset in bytes: strided CPU copies of 2-byte elements are several times slower than
-    of 8-byte ones. The last dimension must be contiguous."""
-    es = t.element_size()
-    spans = [t.shape[-1] * es, t.storage_offset() * es, *(s * es for s in t.stride()[:-1])]
-    return next(size for size in _WIDE if all(x % size == 0 for x in spans))
-
-
-def _wide(t: torch.Tensor, size: int | None = None) -> torch.Tensor:
-    """``t`` (same bytes) viewed with ``size``-byte integer elements (default the widest)."""
-    return t.view(_WIDE[size or _wide_size(t)])
-
-
 def _one_row(token_ids: Any) -> list[int]:
     """Token ids of one sequence: a 1-D sequence or tensor, or a [1, seq] tensor."""
     if isinstance(token_ids, torch.Tensor):
@@ -405,13 +317,3 @@ def _one_row(token_ids: Any) -> list[int]:
     if isinstance(token_ids, Sequence) and all(isinstance(t, int) for t in token_ids):
         return list(token_ids)
     raise InvalidArgument("expected token ids (a tensor or a sequence of ints)", field="input_ids")
-
-
-def _check_full_attention(config: Any) -> None:
-    """Refuse a model whose DynamicCache is not made of full-attention DynamicLayers: a
-    sliding-window layer drops old tokens, a linear-attention layer keeps a state, not a KV per
-    token, so neither maps onto prefix blocks."""
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-    if kinds - {DynamicLayer.__name__}:
-        raise ConfigError("model", f"only full-attention models are supported; this model's "
-                                   f"cache has {sorted(kinds)} layers (sliding window or hybrid)")

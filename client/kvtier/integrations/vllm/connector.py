@@ -1,5 +1,5 @@
-"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. With ``tier.py``, one of the
-two modules that import vLLM.
+"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. With ``connector_meta.py`` and
+``tier.py``, one of the three modules that import vLLM.
 
 Everything vLLM-shaped is translated here and nowhere else: ``VllmConfig`` -> ``EngineIdentity`` +
 ``ConnectorConfig``; ``Request`` -> ``RequestInfo``; ``SchedulerOutput`` -> ``StepInput``; the
@@ -20,15 +20,14 @@ Load or recompute (docs/vllm.md §4): the workers time each step's forward (from
 with vLLM's worker -> scheduler channel (``build_connector_worker_meta`` -> ``KvtierWorkerMeta``
 -> ``update_connector_output``), where the planner's decider turns them into figures.
 
-Size: over the 400-line budget (issue 27 lists it): vLLM's connector interface is one class
-of many hooks, plus its stats and worker-metadata classes that vLLM requires beside it.
+The classes vLLM requires beside the connector (its metadata, stats and Prometheus metrics) are
+in ``connector_meta`` and the translation of vLLM's configuration and scheduler output in
+``connector_translate``; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,22 +53,24 @@ from kvtier.integrations.vllm.config import (
     BASE,
     ConfigError,
     ConnectorConfig,
-    EngineIdentity,
     Variant,
     adapter_variant,
-    resolve_model_revision,
-    resolve_tokenizer_digest,
 )
-from kvtier.integrations.vllm.planner import (
-    LoadReport,
-    Planner,
-    RequestInfo,
-    ScheduledRequest,
-    StepInput,
-    StepPlan,
-    StepReport,
+from kvtier.integrations.vllm.connector_meta import (
+    _UNPREFIXED,
+    PROM_COUNTERS,
+    KvtierConnectorMetadata,
+    KvtierConnectorStats,
+    KvtierPromMetrics,
+    KvtierWorkerMeta,
 )
+from kvtier.integrations.vllm.connector_translate import engine_identity, layer_order, step_input
+from kvtier.integrations.vllm.planner import Planner, RequestInfo
 from kvtier.integrations.vllm.worker import KvtierWorker
+
+__all__ = ["PROM_COUNTERS", "KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats",
+           "KvtierPromMetrics", "KvtierWorkerMeta", "engine_identity", "layer_order",
+           "step_input"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,114 +83,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvtier")
 
 _TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK} if CacheHitSource else {}
-
-
-@dataclass
-class KvtierConnectorMetadata(KVConnectorMetadata):
-    """One step's plan, pickled from the scheduler to every worker."""
-
-    plan: StepPlan
-
-
-@dataclass
-class KvtierWorkerMeta(KVConnectorWorkerMetadata):
-    """What the workers measured in one step, for the scheduler's load-or-recompute decision
-    (vLLM's worker -> scheduler channel, ``update_connector_output``): the step's forward
-    seconds and the loads that ended. Workers of one engine (tp ranks) run the same step and
-    each load its own slice of the same blocks: aggregated, a step or a load counts once, with
-    the slowest rank's seconds."""
-
-    steps: list[StepReport]
-    loads: list[LoadReport]
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, KvtierWorkerMeta):
-            return self
-        steps = {r.step: r for r in self.steps}
-        for s in other.steps:
-            if s.step not in steps or s.seconds > steps[s.step].seconds:
-                steps[s.step] = s
-        loads = {r.req_ids: r for r in self.loads}
-        for r in other.loads:
-            if r.req_ids not in loads or r.seconds > loads[r.req_ids].seconds:
-                loads[r.req_ids] = r
-        return KvtierWorkerMeta(list(steps.values()), list(loads.values()))
-
-
-@dataclass
-class KvtierConnectorStats(KVConnectorStats):
-    """Counters (tokens, blocks, bytes, seconds) summed over workers and the scheduler."""
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(self.data)
-        for direction in ("loaded", "stored"):
-            secs = self.data.get(f"{'load' if direction == 'loaded' else 'store'}_seconds", 0.0)
-            if secs:
-                out[f"{direction}_GBps"] = round(self.data.get(f"{direction}_bytes", 0) / secs / 1e9, 3)
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-# Counters exported to vLLM's Prometheus registry as vllm:kvtier_<key>_total (per engine).
-PROM_COUNTERS = {
-    "loaded_tokens": "Prompt tokens loaded from kvtier into the KV cache",
-    "loaded_bytes": "KV bytes loaded from kvtier",
-    "load_failed_blocks": "Blocks whose load failed (vLLM recomputed them)",
-    "stored_tokens": "Tokens (prompt and generated) stored into kvtier",
-    "stored_bytes": "KV bytes stored into kvtier",
-    "store_dropped_blocks": "Blocks not stored (daemon away, full, or queue full)",
-    "sched_lookups": "kvtier lookups issued by the scheduler",
-    "sched_lookup_timeouts": "kvtier lookups answered as a miss after lookup_timeout_ms",
-    "sched_hit_blocks": "Blocks vLLM was told it can load from kvtier",
-    # the load-or-recompute decision (scheduler) and the interference budget (workers)
-    "decision_tokens_loaded": "Hit tokens the load-or-recompute decision chose to load",
-    "decision_tokens_recomputed_slower": "Hit tokens recomputed because loading them was slower",
-    "decision_tokens_recomputed_budget": "Hit tokens recomputed to keep the interference budget",
-    "decision_tokens_recomputed_policy": "Hit tokens recomputed because load_policy is never",
-    "decision_probes": "Loads of one block of a cut-back tier to measure it again",
-    "load_seconds_predicted": "Predicted seconds of the decided loads that reported back",
-    "load_seconds_actual": "Measured seconds of the same loads",
-    "budget_steps": "Engine steps in which a request decodes (the budget's steps)",
-    "budget_step_seconds": "Forward seconds of steps in which a request decodes",
-    "budget_store_jobs": "Store jobs admitted in those steps",
-    "budget_load_seconds": "Seconds of loads issued in those steps",
-    "budget_store_seconds": "Seconds of stores admitted in those steps",
-    "store_dropped_budget_blocks": "Blocks not stored: the interference budget was spent",
-    "store_dropped_budget_bytes": "KV bytes not stored: the interference budget was spent",
-}
-# Planner counters exported under their own name (the others as sched_<name>).
-_UNPREFIXED = ("decision_", "load_seconds_")
-
-
-class KvtierPromMetrics(KVConnectorPromMetrics):
-    """The connector's counters in vLLM's own /metrics (front-end process)."""
-
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            key: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc,
-                                  labelnames=labelnames), per_engine_labelvalues)
-            for key, doc in PROM_COUNTERS.items()}
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.items():
-            per_engine = self._counters.get(key)
-            if per_engine is not None and value:
-                per_engine[engine_idx].inc(value)
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -409,72 +302,3 @@ class KvtierConnector(KVConnectorBase_V1):
             log.warning("kvtier: request %s not cached: %s", request.request_id, e)
             return None
 
-
-def step_input(so: SchedulerOutput) -> StepInput:
-    """The planner's view of one ``SchedulerOutput``."""
-    step = StepInput(preempted=set(so.preempted_req_ids or ()))
-    n_sched = so.num_scheduled_tokens
-    for new in so.scheduled_new_reqs:
-        step.scheduled.append(ScheduledRequest(new.req_id, list(new.block_ids[0]), True,
-                                               new.num_computed_tokens,
-                                               n_sched.get(new.req_id, 0)))
-    cached = so.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        groups = cached.new_block_ids[i]
-        step.scheduled.append(ScheduledRequest(
-            req_id, list(groups[0]) if groups else None, req_id in cached.resumed_req_ids,
-            cached.num_computed_tokens[i], n_sched.get(req_id, 0)))
-    return step
-
-
-def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                    cfg: ConnectorConfig) -> EngineIdentity:
-    """Every engine-wide namespace field, from vLLM's configuration; ``ConfigError`` when one is
-    missing or the engine's KV is not something this connector can move."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError("kv_cache_groups", f"{len(groups)} KV cache groups; kvtier supports one "
-                          "(run without the hybrid KV cache manager)")
-    spec = groups[0].kv_cache_spec
-    head = getattr(spec, "head_size", None)
-    if head is None or type(spec).__name__.startswith("MLA") or \
-            getattr(spec, "head_size_v", head) != head:
-        raise ConfigError("kv_cache_spec", f"{type(spec).__name__} is not supported (needs K and V "
-                          "of one head size: full attention, no MLA)")
-    dtype = str(spec.dtype).removeprefix("torch.")
-    expected_page = 2 * spec.num_kv_heads * spec.block_size * head * spec.dtype.itemsize
-    if spec.page_size_bytes != expected_page:
-        raise ConfigError("kv_cache_spec", f"page of {spec.page_size_bytes} B, expected "
-                          f"{expected_page} B (padded or quantized pages are not supported)")
-    par = vllm_config.parallel_config
-    if par.pipeline_parallel_size != 1:
-        raise ConfigError("parallel_config.pipeline_parallel_size",
-                          "pipeline parallelism is not supported by the kvtier connector yet")
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or \
-        vllm_config.cache_config.kv_cache_layout
-    if not layout:
-        raise ConfigError("cache_config.kv_cache_layout", "not resolved by vLLM")
-    mc = vllm_config.model_config
-    served = mc.served_model_name
-    served = served[0] if isinstance(served, (list, tuple)) and served else served
-    revision = resolve_model_revision(cfg.model_revision, mc.revision, str(mc.model))
-    tokenizer = str(mc.tokenizer or mc.model)
-    tok_revision = getattr(mc, "tokenizer_revision", None)
-    tok_revision = getattr(tok_revision, "resolved", None) or tok_revision or \
-        (revision if tokenizer == str(mc.model) else None)
-    return EngineIdentity(
-        model_id=cfg.model_id or str(served or mc.model),
-        model_revision=revision,
-        tokenizer_digest=resolve_tokenizer_digest(cfg.tokenizer_digest, mc.skip_tokenizer_init,
-                                                  tokenizer, str(tok_revision or "") or None),
-        kv_dtype=dtype, layout=f"vllm.{layout}", tokens_per_block=spec.block_size,
-        num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads, head_dim=head,
-        tp_size=par.tensor_parallel_size, tenant=cfg.tenant)
-
-
-def layer_order(names: list[str]) -> list[str]:
-    """Layer names by their layer index (``model.layers.12.self_attn.attn`` -> 12)."""
-    def index(name: str) -> tuple[int, str]:
-        m = re.search(r"\.(\d+)\.", name)
-        return (int(m.group(1)) if m else 0, name)
-    return sorted(names, key=index)

@@ -166,42 +166,53 @@ class LookupThread:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._tasks and not self._lookups and not self._closed:
-                    self._cond.wait()
-                task: tuple[str, int, Variant, Sequence[int]] | list[Pin] | str
-                if self._lookups and not (self._tasks and self._tasks[0] == "warmup"):
-                    task = self._lookups.popleft()
-                elif self._tasks:
-                    task = self._tasks.popleft()
-                else:
-                    return
-                self._busy = True
+            task = self._next_task()
+            if task is None:
+                return
             try:
-                if isinstance(task, list):
-                    self._backend.release(task)
-                    continue
-                if isinstance(task, str):
-                    warmup = getattr(self._backend, "warmup", None)
-                    if warmup is not None:
-                        warmup()
-                    continue
-                req_id, gen, variant, tokens = task
-                outcome = (self._backend.lookup(variant, tokens) if self.promote
-                           else self._backend.lookup(variant, tokens, promote=False))
-                with self._cond:
-                    if req_id in self._forgotten:
-                        self._forgotten.discard(req_id)
-                        if outcome.pins:
-                            self._tasks.append(list(outcome.pins))
-                    else:
-                        stale = self._results.get(req_id)
-                        if stale is not None and stale[1].pins:  # an older lookup never taken
-                            self._tasks.append(list(stale[1].pins))
-                        self._results[req_id] = (gen, outcome)
-                        self._cond.notify_all()  # a scheduler thread may be waiting for it
+                self._do(task)
             except Exception:  # a bug here must not kill the engine: that request misses
                 log.exception("kvtier: lookup thread task failed")
             finally:
                 with self._cond:
                     self._busy = False
+
+    def _next_task(self) -> tuple[str, int, Variant, Sequence[int]] | list[Pin] | str | None:
+        """The next task (lookups before queued releases, but never ahead of the warmup), or
+        None once closed with nothing left; marks the thread busy."""
+        with self._cond:
+            while not self._tasks and not self._lookups and not self._closed:
+                self._cond.wait()
+            task: tuple[str, int, Variant, Sequence[int]] | list[Pin] | str
+            if self._lookups and not (self._tasks and self._tasks[0] == "warmup"):
+                task = self._lookups.popleft()
+            elif self._tasks:
+                task = self._tasks.popleft()
+            else:
+                return None
+            self._busy = True
+            return task
+
+    def _do(self, task: tuple[str, int, Variant, Sequence[int]] | list[Pin] | str) -> None:
+        if isinstance(task, list):
+            self._backend.release(task)
+            return
+        if isinstance(task, str):
+            warmup = getattr(self._backend, "warmup", None)
+            if warmup is not None:
+                warmup()
+            return
+        req_id, gen, variant, tokens = task
+        outcome = (self._backend.lookup(variant, tokens) if self.promote
+                   else self._backend.lookup(variant, tokens, promote=False))
+        with self._cond:
+            if req_id in self._forgotten:
+                self._forgotten.discard(req_id)
+                if outcome.pins:
+                    self._tasks.append(list(outcome.pins))
+            else:
+                stale = self._results.get(req_id)
+                if stale is not None and stale[1].pins:  # an older lookup never taken
+                    self._tasks.append(list(stale[1].pins))
+                self._results[req_id] = (gen, outcome)
+                self._cond.notify_all()  # a scheduler thread may be waiting for it
