@@ -93,25 +93,25 @@ class Daemon:
         # Every refusal of the configuration comes before any memory is reserved: the tenants
         # file (read again: it may have changed since the CLI's check), then the NVMe tier.
         tenants = _tenants(cfg)
-        cluster = _config_checked(cluster_settings, cfg) if cfg.cluster else None  # files read
+        cluster = _config_checked(cluster_settings, cfg) if cfg.cluster_tier.cluster else None  # files read
         # KV events: bound and publishing before the NVMe recovery, which they announce
         self.events: EventPublisher | None = _config_checked(_event_publisher, cfg, tenants) \
-            if cfg.events_endpoint or cfg.events_tenant_endpoint else None
+            if cfg.events.events_endpoint or cfg.events.events_tenant_endpoint else None
         # One daemon per disk directory: its lock before anything there is read or written
         # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
-        nvme = _nvme_tier(cfg) if cfg.disk_dir else None
+        nvme = _nvme_tier(cfg) if cfg.nvme_tier.disk_dir else None
         opened: Recovered | None = None
         if nvme is not None:
             _lock_disk(nvme, cfg)
             opened = _open_nvme(nvme, cfg)  # its index read; a degraded tier refused
         self._socket_lock: OwnerLock | None = None
         self.boot_epoch = time.time_ns()
-        slabs = cfg.host_bytes // cfg.slab_bytes
-        self.arena = Arena(slabs * cfg.slab_bytes, prefault=cfg.prefault)  # reserved here
+        slabs = cfg.host_tier.host_bytes // cfg.host_tier.slab_bytes
+        self.arena = Arena(slabs * cfg.host_tier.slab_bytes, prefault=cfg.host_tier.prefault)  # reserved here
         # With an NVMe tier, host slots are io-aligned too: O_DIRECT reads and writes go straight
         # between a host slot and its disk slot, padding included.
-        align = max(cfg.slot_align_bytes, cfg.io_align_bytes if cfg.disk_dir else 0)
-        self.host = HostTier(self.arena, slab_bytes=cfg.slab_bytes, slot_align_bytes=align)
+        align = max(cfg.host_tier.slot_align_bytes, cfg.nvme_tier.io_align_bytes if cfg.nvme_tier.disk_dir else 0)
+        self.host = HostTier(self.arena, slab_bytes=cfg.host_tier.slab_bytes, slot_align_bytes=align)
         # Tenants allowed shm or cuda_ipc get arenas of their own, before anything (NVMe
         # recovery included) registers a namespace: a namespace's arena is its tenant's.
         self._tenant_arenas: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
@@ -120,57 +120,57 @@ class Daemon:
             self._add_tenant_arenas(tenants)
         # Ghost history for ARC: as many entries as the arena holds of its smallest slots.
         policy: EvictionPolicy[Entry] = make_policy(
-            cfg.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64))
-        self.cache = TieredCache(self.host, policy, max_namespaces=cfg.max_namespaces,
-                                 policy_name=cfg.eviction_policy, arena_of=self._arena_of)
-        self.cache.verify_bytes = cfg.verify_bytes
+            cfg.host_tier.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64))
+        self.cache = TieredCache(self.host, policy, max_namespaces=cfg.sessions.max_namespaces,
+                                 policy_name=cfg.host_tier.eviction_policy, arena_of=self._arena_of)
+        self.cache.verify_bytes = cfg.transports.verify_bytes
         self.cache.host_quota = self._host_quota
         if self.events is not None:
             from kvtierd.events import BlockEvents
 
             self.cache.residency.events = BlockEvents(self.events.queue)
-        if cfg.disk_dir:
+        if cfg.nvme_tier.disk_dir:
             assert nvme is not None
             try:
                 link = self.cache.add_storage_tier(nvme, make_write_policy(
-                    cfg.write_policy, flush_watermark=cfg.flush_watermark,
-                    write_after_hits=cfg.write_after_hits), opened)
+                    cfg.nvme_tier.write_policy, flush_watermark=cfg.nvme_tier.flush_watermark,
+                    write_after_hits=cfg.nvme_tier.write_after_hits), opened)
             except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
                 nvme.close()
-                raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; "
+                raise StartupError(f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: {e}; "
                                    f"check it with kvtierd fsck, or choose another "
                                    f"directory") from None
             link.tenant_quota = self._nvme_quota
             link.quota_refused = lambda tenant: self.tenancy.count_refusal(tenant, "nvme_bytes")
-        if cfg.cluster:  # started in start(); redis-py only when configured
+        if cfg.cluster_tier.cluster:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
 
             assert cluster is not None
             self.cache.add_cluster_tier(ClusterTier(cluster))
         # cuda_ipc: CUDA (cupy) only when enabled; the arenas are page-locked in start().
-        if cfg.cuda_ipc or cuda_driver is not None:
+        if cfg.transports.cuda_ipc or cuda_driver is not None:
             if cuda_driver is None:
                 from kvtierd.transports.cuda_driver import CupyDriver
 
                 cuda_driver = CupyDriver()
             self.cuda = CudaIpcTransport(CudaIpcCopier(self.host, cuda_driver), self.cache)
         self.sessions = SessionTable(
-            max_sessions=cfg.max_sessions, default_ttl_s=cfg.lease_ttl_s,
-            min_ttl_s=cfg.min_lease_ttl_s, max_ttl_s=cfg.max_lease_ttl_s,
+            max_sessions=cfg.sessions.max_sessions, default_ttl_s=cfg.sessions.lease_ttl_s,
+            min_ttl_s=cfg.sessions.min_lease_ttl_s, max_ttl_s=cfg.sessions.max_lease_ttl_s,
             on_release=self._release_session)
-        self.published = Publishers(self.boot_epoch, enabled=cfg.publish_index,
-                                    idle_retire_s=cfg.publish_index_idle_s,
-                                    flags=pi.FLAG_SHARED_TIER if cfg.cluster else 0)
+        self.published = Publishers(self.boot_epoch, enabled=cfg.transports.publish_index,
+                                    idle_retire_s=cfg.transports.publish_index_idle_s,
+                                    flags=pi.FLAG_SHARED_TIER if cfg.cluster_tier.cluster else 0)
         self.tenancy = Tenancy(tenants, Shares(
-            max_sessions=cfg.max_sessions, max_namespaces=cfg.max_namespaces,
-            shared_arena_bytes=self.arena.size, disk_bytes=cfg.disk_bytes,
-            tenant_arena_bytes=cfg.tenant_arena_bytes))
+            max_sessions=cfg.sessions.max_sessions, max_namespaces=cfg.sessions.max_namespaces,
+            shared_arena_bytes=self.arena.size, disk_bytes=cfg.nvme_tier.disk_bytes,
+            tenant_arena_bytes=cfg.tenancy.tenant_arena_bytes))
         self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
-                                     max_batch_blocks=cfg.max_batch_blocks,
+                                     max_batch_blocks=cfg.requests.max_batch_blocks,
                                      advertise=self._advertise, cuda=self.cuda,
-                                     max_inflight=cfg.max_inflight_rpcs, tenancy=self.tenancy)
+                                     max_inflight=cfg.requests.max_inflight_rpcs, tenancy=self.tenancy)
         self.service.after_rpc = self.published.flush
-        self.service.verify_store = cfg.verify_store
+        self.service.verify_store = cfg.transports.verify_store
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None  # the Unix socket's
         self.tcp_server: grpc.aio.Server | None = None
@@ -212,7 +212,7 @@ class Daemon:
                                 size)
                 continue
             try:
-                arena = Arena(size, prefault=self.cfg.prefault, name=f"kvtier-{name}"[:200])
+                arena = Arena(size, prefault=self.cfg.host_tier.prefault, name=f"kvtier-{name}"[:200])
             except OSError as e:  # its shm sessions are refused; never handed another arena
                 log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
                 continue
@@ -286,19 +286,19 @@ class Daemon:
         """Every tier and its state (the ready line's ``tiers``); None: a tier not configured."""
         host = {"bytes": self.host.capacity_bytes, "shared_arena_bytes": self.arena.size,
                 "tenant_arenas": len(self._tenant_arenas),
-                "eviction_policy": self.cfg.eviction_policy}
+                "eviction_policy": self.cfg.host_tier.eviction_policy}
         nvme: dict[str, Any] | None = None
         for link in self.cache.chain:
-            nvme = {"directory": self.cfg.disk_dir, "bytes": self.cfg.disk_bytes,
+            nvme = {"directory": self.cfg.nvme_tier.disk_dir, "bytes": self.cfg.nvme_tier.disk_bytes,
                     "state": "serving" if link.tier.admitting else "degraded",
                     "reason": link.tier.degraded_reason, "recovered_blocks": link.restored,
-                    "write_policy": self.cfg.write_policy}
+                    "write_policy": self.cfg.nvme_tier.write_policy}
         cluster: dict[str, Any] | None = None
         if self.cache.fleet is not None:
-            seeds, tls = parse_url(self.cfg.cluster)
+            seeds, tls = parse_url(self.cfg.cluster_tier.cluster)
             cluster = {"seeds": list(seeds), "tls": tls,
                        "state": "connected" if self.cache.fleet.tier.connected else "connecting",
-                       "write_policy": self.cfg.cluster_write_policy}
+                       "write_policy": self.cfg.cluster_tier.cluster_write_policy}
         return {"host": host, "nvme": nvme, "cluster": cluster}
 
     async def abort_start(self) -> None:
@@ -322,10 +322,10 @@ class Daemon:
 
     def reload_tenants(self) -> None:
         """SIGHUP: read the tenants file again; a bad file keeps the current tenants."""
-        if not self.cfg.tenants_file:
+        if not self.cfg.tenancy.tenants_file:
             return
         try:
-            tenants = load_tenants(self.cfg.tenants_file)
+            tenants = load_tenants(self.cfg.tenancy.tenants_file)
         except ValueError as e:
             log.error("tenants file not reloaded (the current one stays): %s", e)
             return
@@ -358,7 +358,7 @@ class Daemon:
         return server
 
     def _socket_path(self) -> str:
-        path = self.cfg.socket_path
+        path = self.cfg.grpc.socket_path
         return os.path.abspath(path) if path else ""
 
     async def start(self) -> None:
@@ -374,76 +374,76 @@ class Daemon:
             self.cache.fleet.tier.start()
         # One server per kind of listener: the Unix socket (reflection by default), the TCP
         # listener (TLS when configured; no reflection unless "all"), a health-only one.
-        if cfg.socket_path:
-            self.server = self._grpc_server(reflect=cfg.reflection in ("unix", "all"))
+        if cfg.grpc.socket_path:
+            self.server = self._grpc_server(reflect=cfg.grpc.reflection in ("unix", "all"))
             path = self._socket_path()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a dead daemon's (this one holds the socket's lock)
             with _private_umask():  # created owner-only: no window before the chmod
                 self.server.add_insecure_port(f"unix://{path}")
-            os.chmod(path, cfg.socket_mode)
+            os.chmod(path, cfg.grpc.socket_mode)
             self.addresses["unix"] = f"unix://{path}"
-        if cfg.listen:
-            self.tcp_server = self._grpc_server(reflect=cfg.reflection == "all")
-            creds = _tls_credentials(cfg) if cfg.tls_cert else None
-            port = _add_port(self.tcp_server, "listen", cfg.listen, creds)
-            if creds is None and not is_loopback(cfg.listen):
+        if cfg.grpc.listen:
+            self.tcp_server = self._grpc_server(reflect=cfg.grpc.reflection == "all")
+            creds = _tls_credentials(cfg) if cfg.grpc.tls_cert else None
+            port = _add_port(self.tcp_server, "listen", cfg.grpc.listen, creds)
+            if creds is None and not is_loopback(cfg.grpc.listen):
                 log.warning("gRPC listens on %s in plaintext (allow_plaintext_remote): "
-                            "tokens and figures cross the network unencrypted", cfg.listen)
-            self.addresses["grpc"] = f"{cfg.listen.rpartition(':')[0]}:{port}"
-        if cfg.health_listen:
+                            "tokens and figures cross the network unencrypted", cfg.grpc.listen)
+            self.addresses["grpc"] = f"{cfg.grpc.listen.rpartition(':')[0]}:{port}"
+        if cfg.grpc.health_listen:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            port = _add_port(self.health_server, "health_listen", cfg.health_listen, None)
-            self.addresses["health"] = f"{cfg.health_listen.rpartition(':')[0]}:{port}"
-        if cfg.data_listen and not cfg.tls_cert and not is_loopback(cfg.data_listen):
+            port = _add_port(self.health_server, "health_listen", cfg.grpc.health_listen, None)
+            self.addresses["health"] = f"{cfg.grpc.health_listen.rpartition(':')[0]}:{port}"
+        if cfg.transports.data_listen and not cfg.grpc.tls_cert and not is_loopback(cfg.transports.data_listen):
             log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)",
-                        cfg.data_listen)
-        if cfg.data_listen:
-            host, _, port_s = cfg.data_listen.rpartition(":")
+                        cfg.transports.data_listen)
+        if cfg.transports.data_listen:
+            host, _, port_s = cfg.transports.data_listen.rpartition(":")
             data = DataChannelServer(host, int(port_s), self.cache, self.sessions, DataChannelLimits(
-                hello_timeout_s=cfg.handshake_timeout_s, idle_timeout_s=cfg.data_idle_timeout_s,
-                max_connections=cfg.data_max_connections,
-                max_queued_bytes=cfg.data_max_queued_bytes,
-                max_unauthenticated=cfg.data_max_unauthenticated,
-                per_tenant=cfg.data_max_connections_per_tenant or
-                max(1, cfg.data_max_connections // 2)),
-                ssl_context=_data_tls(cfg) if cfg.tls_cert else None,
-                control=self._control_channel if cfg.control_channel else None)
+                hello_timeout_s=cfg.transports.handshake_timeout_s, idle_timeout_s=cfg.transports.data_idle_timeout_s,
+                max_connections=cfg.transports.data_max_connections,
+                max_queued_bytes=cfg.transports.data_max_queued_bytes,
+                max_unauthenticated=cfg.transports.data_max_unauthenticated,
+                per_tenant=cfg.transports.data_max_connections_per_tenant or
+                max(1, cfg.transports.data_max_connections // 2)),
+                ssl_context=_data_tls(cfg) if cfg.grpc.tls_cert else None,
+                control=self._control_channel if cfg.transports.control_channel else None)
             try:
                 await data.start()
             except OSError as e:
                 raise StartupError(bind_refusal("data_listen", host, int(port_s), e)) from None
             self.transports.append(data)
             self.addresses["data"] = f"{host}:{data.port}"
-        if cfg.shm_enabled:
+        if cfg.transports.shm_enabled:
             shm = ShmFdServer(cfg.shm_socket_path, self._session_arena,
                               self.boot_epoch, self.sessions,
-                              handshake_timeout_s=cfg.handshake_timeout_s,
-                              max_connections=cfg.shm_max_connections,
-                              per_uid=cfg.shm_handshakes_per_uid,
+                              handshake_timeout_s=cfg.transports.handshake_timeout_s,
+                              max_connections=cfg.transports.shm_max_connections,
+                              per_uid=cfg.transports.shm_handshakes_per_uid,
                               index=self._index_handout, index_hold=self.published.hold,
                               peer_ok=self._peer_ok, login=self.tenancy.unix_login,
-                              control=self._control_channel if cfg.control_channel else None)
-            shm.socket_mode = cfg.socket_mode
+                              control=self._control_channel if cfg.transports.control_channel else None)
+            shm.socket_mode = cfg.grpc.socket_mode
             await shm.start()
             self.transports.append(shm)
             self.addresses["shm"] = shm.path
         for server in (self.server, self.tcp_server, self.health_server):
             if server is not None:
                 await server.start()
-        if cfg.metrics_port >= 0:
-            self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port,
+        if cfg.metrics.metrics_port >= 0:
+            self.metrics = MetricsServer(cfg.metrics.metrics_host, cfg.metrics.metrics_port,
                                          asyncio.get_running_loop(), self.snapshot,
                                          authorize=self._metrics_caller)
             try:
                 self.metrics.start()
             except OSError as e:
                 self.metrics = None
-                raise StartupError(bind_refusal("metrics_port", cfg.metrics_host,
-                                                cfg.metrics_port, e)) from None
-            self.addresses["metrics"] = f"http://{cfg.metrics_host}:{self.metrics.port}/metrics"
-            if cfg.tenants_file and not is_loopback(f"{cfg.metrics_host}:{self.metrics.port}"):
+                raise StartupError(bind_refusal("metrics_port", cfg.metrics.metrics_host,
+                                                cfg.metrics.metrics_port, e)) from None
+            self.addresses["metrics"] = f"http://{cfg.metrics.metrics_host}:{self.metrics.port}/metrics"
+            if cfg.tenancy.tenants_file and not is_loopback(f"{cfg.metrics.metrics_host}:{self.metrics.port}"):
                 log.warning("/metrics listens on %s in plaintext HTTP: the bearer tokens of its "
                             "scrapes travel in the clear (%s)", self.addresses["metrics"],
                             "scrape tokens only: figures, no keys or bytes"
@@ -465,13 +465,13 @@ class Daemon:
     async def _sweep(self) -> None:
         next_probe = next_expiry = 0.0
         while True:
-            await asyncio.sleep(self.cfg.lease_sweep_s)
+            await asyncio.sleep(self.cfg.sessions.lease_sweep_s)
             n = self.sessions.sweep()
             if n:
                 log.info("expired %d session lease(s)", n)
             self.cache.sweep_limbo()
-            if self.cfg.namespace_idle_s and time.monotonic() >= next_expiry:
-                next_expiry = time.monotonic() + min(1.0, self.cfg.namespace_idle_s / 4)
+            if self.cfg.sessions.namespace_idle_s and time.monotonic() >= next_expiry:
+                next_expiry = time.monotonic() + min(1.0, self.cfg.sessions.namespace_idle_s / 4)
                 self._expire_namespaces()
             if self._arena_ok and not self.host.intact():
                 self._arena_ok = False  # cannot happen while sealed; if it does, say so loudly
@@ -481,7 +481,7 @@ class Daemon:
                     await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             for link in self.cache.chain:
                 if not link.tier.admitting and time.monotonic() >= next_probe:
-                    next_probe = time.monotonic() + self.cfg.probe_interval_s
+                    next_probe = time.monotonic() + self.cfg.nvme_tier.probe_interval_s
                     # In the background: a late open may take minutes, and leases, limbo and
                     # health keep ticking meanwhile; drain waits for it (link.settle()).
                     link.probe_soon()
@@ -490,10 +490,10 @@ class Daemon:
 
     def _expire_namespaces(self) -> None:
         """Forget empty namespaces idle for ``namespace_idle_s`` (config docstring)."""
-        for ns in self.cache.expire_idle(self.cfg.namespace_idle_s, self.published.reading):
+        for ns in self.cache.expire_idle(self.cfg.sessions.namespace_idle_s, self.published.reading):
             self.published.forget(ns)
             log.info("namespace %d (%s) expired: empty and idle for %.0f s", ns.id,
-                     ns.spec.model_id, self.cfg.namespace_idle_s)
+                     ns.spec.model_id, self.cfg.sessions.namespace_idle_s)
 
     async def _set_nvme_health(self, admitting: bool) -> None:
         if admitting != self._nvme_serving:
@@ -535,10 +535,10 @@ class Daemon:
 
     async def drain_and_stop(self) -> None:
         log.info("draining: refusing new stores, waiting up to %.1fs for in-flight jobs",
-                 self.cfg.drain_timeout_s)
+                 self.cfg.requests.drain_timeout_s)
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        deadline = time.monotonic() + self.cfg.requests.drain_timeout_s
         while (self.cache.writing_blocks or self.cache.pinned_blocks) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if self._sweeper:
@@ -584,7 +584,7 @@ class Daemon:
         for t in self.transports:  # cuda_ipc unregisters before the arena is unmapped
             t.close()
         self.host.close()
-        if self.cfg.socket_path and self._socket_lock is not None:  # ours: we hold its lock
+        if self.cfg.grpc.socket_path and self._socket_lock is not None:  # ours: we hold its lock
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path())
         if self._socket_lock is not None:
@@ -610,11 +610,11 @@ def _event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublish
 
     check_dependencies()
     publisher = EventPublisher(EventSettings(
-        endpoint=cfg.events_endpoint, replay_endpoint=cfg.events_replay_endpoint,
-        tenant_endpoint=cfg.events_tenant_endpoint,
-        tenant_replay_endpoint=cfg.events_tenant_replay_endpoint, topic=cfg.events_topic,
-        buffer_batches=cfg.events_buffer_batches, socket_mode=cfg.socket_mode),
-        EventQueue(cfg.events_queue_blocks))
+        endpoint=cfg.events.events_endpoint, replay_endpoint=cfg.events.events_replay_endpoint,
+        tenant_endpoint=cfg.events.events_tenant_endpoint,
+        tenant_replay_endpoint=cfg.events.events_tenant_replay_endpoint, topic=cfg.events.events_topic,
+        buffer_batches=cfg.events.events_buffer_batches, socket_mode=cfg.grpc.socket_mode),
+        EventQueue(cfg.events.events_queue_blocks))
     with _private_umask():
         publisher.start(list(tenants.by_name) if tenants is not None else [])
     return publisher
@@ -623,7 +623,7 @@ def _event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublish
 def _lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
     """The lock of the daemon's Unix sockets (``<socket>.lock``: the gRPC socket and the shm
     socket beside it), its directory made (0700 when new); None when it has neither."""
-    if not cfg.socket_path and not cfg.shm_enabled:
+    if not cfg.grpc.socket_path and not cfg.transports.shm_enabled:
         return None
     base = os.path.abspath(cfg.shm_socket_path.removesuffix(".shm"))
     os.makedirs(os.path.dirname(base), mode=0o700, exist_ok=True)
@@ -637,7 +637,7 @@ def _lock_disk(nvme: NvmeTier, cfg: DaemonConfig) -> None:
     try:
         nvme.lock()
     except OSError as e:
-        if not cfg.disk_optional:
+        if not cfg.nvme_tier.disk_optional:
             raise StartupError(disk_refusal(cfg, f"cannot lock it: {e.strerror or e}")) from None
         log.warning("nvme directory %s not locked yet (%s): the tier locks it when it opens",
                     nvme.cfg.directory, e.strerror or e)
@@ -692,10 +692,10 @@ def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
         except OSError as e:
             raise ValueError(f"{name}: cannot read {path}: {e.strerror}") from None
 
-    ca = read("tls_client_ca", cfg.tls_client_ca) if cfg.tls_client_ca else None
+    ca = read("tls_client_ca", cfg.grpc.tls_client_ca) if cfg.grpc.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(read("tls_key", cfg.tls_key), read("tls_cert", cfg.tls_cert))],
-        root_certificates=ca, require_client_auth=cfg.tls_require_client_cert)
+        [(read("tls_key", cfg.grpc.tls_key), read("tls_cert", cfg.grpc.tls_cert))],
+        root_certificates=ca, require_client_auth=cfg.grpc.tls_require_client_cert)
 
 
 def _data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
@@ -705,20 +705,20 @@ def _data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-        if cfg.tls_client_ca:
-            ctx.load_verify_locations(cfg.tls_client_ca)
+        ctx.load_cert_chain(cfg.grpc.tls_cert, cfg.grpc.tls_key)
+        if cfg.grpc.tls_client_ca:
+            ctx.load_verify_locations(cfg.grpc.tls_client_ca)
     except OSError as e:
         raise ValueError(f"tls_cert/tls_key/tls_client_ca: cannot read: {e.strerror}") from None
-    ctx.verify_mode = ssl.CERT_REQUIRED if cfg.tls_require_client_cert else \
-        ssl.CERT_OPTIONAL if cfg.tls_client_ca else ssl.CERT_NONE
+    ctx.verify_mode = ssl.CERT_REQUIRED if cfg.grpc.tls_require_client_cert else \
+        ssl.CERT_OPTIONAL if cfg.grpc.tls_client_ca else ssl.CERT_NONE
     return ctx
 
 
 def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
     """The cluster tier's settings from ``cfg`` (the password and the fleet key read from their
     files here)."""
-    seeds, tls = parse_url(cfg.cluster)
+    seeds, tls = parse_url(cfg.cluster_tier.cluster)
     try:
         import hiredis  # noqa: F401  (the parser redis-py uses when it is there)
         import redis  # noqa: F401
@@ -726,30 +726,30 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         raise ValueError(f"cluster: the cluster tier needs redis-py and hiredis "
                          f"(pip install 'kvtier[cluster]'): {e}") from None
     password = ""
-    if cfg.cluster_password_file:
+    if cfg.cluster_tier.cluster_password_file:
         try:
-            password = Path(cfg.cluster_password_file).read_text().splitlines()[0].strip()
+            password = Path(cfg.cluster_tier.cluster_password_file).read_text().splitlines()[0].strip()
         except (OSError, IndexError) as e:
             raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
-    creds = Credentials(username=cfg.cluster_username, password=password, tls=tls,
-                        ca_file=cfg.cluster_tls_ca, cert_file=cfg.cluster_tls_cert,
-                        key_file=cfg.cluster_tls_key)
+    creds = Credentials(username=cfg.cluster_tier.cluster_username, password=password, tls=tls,
+                        ca_file=cfg.cluster_tier.cluster_tls_ca, cert_file=cfg.cluster_tier.cluster_tls_cert,
+                        key_file=cfg.cluster_tier.cluster_tls_key)
     from kvtierd.tiers.cluster.keys import read_fleet_key
 
     return ClusterSettings(
-        seeds=seeds, fleet_key=read_fleet_key(cfg.cluster_fleet_key_file),
-        tenanted=bool(cfg.tenants_file), creds=creds, write_policy=cfg.cluster_write_policy,
-        ttl_s=cfg.cluster_ttl_s,
-        lookup_timeout_s=cfg.cluster_lookup_timeout_ms / 1000,
-        fetch_timeout_s=cfg.cluster_fetch_timeout_ms / 1000,
-        write_timeout_s=cfg.cluster_write_timeout_ms / 1000,
+        seeds=seeds, fleet_key=read_fleet_key(cfg.cluster_tier.cluster_fleet_key_file),
+        tenanted=bool(cfg.tenancy.tenants_file), creds=creds, write_policy=cfg.cluster_tier.cluster_write_policy,
+        ttl_s=cfg.cluster_tier.cluster_ttl_s,
+        lookup_timeout_s=cfg.cluster_tier.cluster_lookup_timeout_ms / 1000,
+        fetch_timeout_s=cfg.cluster_tier.cluster_fetch_timeout_ms / 1000,
+        write_timeout_s=cfg.cluster_tier.cluster_write_timeout_ms / 1000,
         # blocks waiting for the cluster stay pinned in the host tier: never more than a quarter
-        queue_bytes=min(cfg.cluster_queue_bytes, cfg.host_bytes // 4),
-        inflight_bytes=cfg.cluster_inflight_bytes, breaker_s=cfg.cluster_breaker_s)
+        queue_bytes=min(cfg.cluster_tier.cluster_queue_bytes, cfg.host_tier.host_bytes // 4),
+        inflight_bytes=cfg.cluster_tier.cluster_inflight_bytes, breaker_s=cfg.cluster_tier.cluster_breaker_s)
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
-    """The NVMe tier over ``cfg.disk_dir`` (not opened yet: ``_open_nvme``)."""
+    """The NVMe tier over ``cfg.nvme_tier.disk_dir`` (not opened yet: ``_open_nvme``)."""
     return NvmeTier(nvme_config(cfg))
 
 
@@ -765,9 +765,9 @@ def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
         opened = None
     except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
         nvme.close()
-        raise StartupError(f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {e}; check it "
+        raise StartupError(f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: {e}; check it "
                            "with kvtierd fsck, or choose another directory") from None
-    if not nvme.admitting and not cfg.disk_optional:
+    if not nvme.admitting and not cfg.nvme_tier.disk_optional:
         reason = nvme.degraded_reason
         nvme.close()
         raise StartupError(disk_refusal(cfg, f"the NVMe tier opened degraded: {reason}"))
@@ -777,9 +777,9 @@ def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
 def _tenants(cfg: DaemonConfig) -> Tenants | None:
     """The tenants file, checked against the metrics exposure; StartupError when it is not
     valid (it may have changed since the CLI read it)."""
-    if not cfg.tenants_file:
+    if not cfg.tenancy.tenants_file:
         return None
-    tenants = _config_checked(load_tenants, cfg.tenants_file)
+    tenants = _config_checked(load_tenants, cfg.tenancy.tenants_file)
     _config_checked(check_metrics_exposure, cfg, len(tenants.metrics_digests))
     return tenants
 
@@ -822,7 +822,7 @@ async def _main(cfg: DaemonConfig) -> None:
         raise e if isinstance(e, StartupError) else StartupError(f"{e}") from None
     tiers = daemon.tiers()
     ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
-             "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.eviction_policy,
+             "host_bytes": daemon.host.capacity_bytes, "eviction_policy": cfg.host_tier.eviction_policy,
              "cuda_ipc": daemon.cuda is not None,
              "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0,
              "tiers": tiers}

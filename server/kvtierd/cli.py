@@ -48,15 +48,15 @@ def config_default(name: str) -> str | None:
     ``0600``, ``none``), or None: no such field."""
     import dataclasses
 
-    from kvtierd.config import _SIZE_FIELDS, DaemonConfig
+    from kvtierd.config import SIZE_FIELDS, flat_field
 
-    field = next((f for f in dataclasses.fields(DaemonConfig) if f.name == name), None)
+    field = flat_field(name)
     if field is None or field.default is dataclasses.MISSING:
         return None
     value = field.default
     if isinstance(value, bool):
         return f"{name} = {str(value).lower()}"
-    if name in _SIZE_FIELDS and isinstance(value, int):
+    if name in SIZE_FIELDS and isinstance(value, int):
         return _exact_size(value) if value else "0"
     if name == "socket_mode":
         return f"{value:04o}"
@@ -211,15 +211,15 @@ def _serve(args: argparse.Namespace) -> int:
             events_tenant_endpoint=args.events_tenant_endpoint,
             events_tenant_replay_endpoint=args.events_tenant_replay_endpoint,
             events_buffer_batches=args.events_buffer_batches)
-        if cfg.tenants_file:
+        if cfg.tenancy.tenants_file:
             from kvtierd.tenancy.exposure import check_metrics_exposure
             from kvtierd.tenants import load_tenants
 
-            tenants = load_tenants(cfg.tenants_file)  # refused here, with the field, not at start
+            tenants = load_tenants(cfg.tenancy.tenants_file)  # refused here, with the field, not at start
             check_metrics_exposure(cfg, len(tenants.metrics_digests))
-        if cfg.cluster:
+        if cfg.cluster_tier.cluster:
             cluster_settings(cfg)  # reads the password file: refused here, not at start
-        if cfg.events_endpoint or cfg.events_tenant_endpoint:
+        if cfg.events.events_endpoint or cfg.events.events_tenant_endpoint:
             from kvtierd.events.publisher import check_dependencies
 
             check_dependencies()  # pyzmq and msgpack: refused here, naming events_endpoint

@@ -161,7 +161,7 @@ def _daemon_over(directory: Path, held: HeldOpen, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(app, "_nvme_tier", tier)
     # The Rig's geometry: 4 KiB host slots, 8 KiB NVMe slots in one 128 KiB block file.
-    return Daemon(DaemonConfig(host_bytes=8 * BLOCK, slab_bytes=BLOCK, prefault=False,
+    return Daemon(DaemonConfig.from_flat(host_bytes=8 * BLOCK, slab_bytes=BLOCK, prefault=False,
                                metrics_port=-1, disk_dir=str(directory), disk_bytes=16 * NVME_SLOT,
                                disk_file_bytes=16 * NVME_SLOT, io_align_bytes=BLOCK,
                                write_policy="write-through", lease_sweep_s=0.01,
