@@ -21,6 +21,7 @@ import pytest
 from tests_helpers import serve_exits
 
 from kvtierd import app, preflight
+from kvtierd.app import build
 from kvtierd.config import DaemonConfig
 from kvtierd.preflight import StartupError, nvme_config
 from kvtierd.tiers import Arena
@@ -50,7 +51,7 @@ def arenas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             made.append(size)
             super().__init__(size, **kw)
 
-    monkeypatch.setattr(app, "Arena", Watched)
+    monkeypatch.setattr(build, "Arena", Watched)
     return made
 
 
