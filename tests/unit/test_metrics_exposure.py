@@ -1,4 +1,4 @@
-"""/metrics off loopback (kvtierd.config.validate, kvtierd.tenancy.exposure): plaintext HTTP,
+"""/metrics off loopback (kvtierd.config.checks, kvtierd.tenancy.exposure): plaintext HTTP,
 so a non-loopback metrics_host is an explicit choice (metrics_plaintext_remote or the broad
 allow_plaintext_remote), tenants or not. With tenants its bearer tokens travel in the clear, so
 metrics_plaintext_remote also needs scrape-only tokens in the tenants file (then only they are

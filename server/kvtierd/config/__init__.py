@@ -31,8 +31,6 @@ from kvtierd.config.groups import (
     VerifyStore,
 )
 
-_SIZE_FIELDS = SIZE_FIELDS  # (its name before the groups)
-
 __all__ = [
     "GROUPS", "GROUP_OF", "SIZE_FIELDS", "ClusterTierConfig", "ClusterWritePolicy",
     "DaemonConfig", "EventsConfig", "GrpcConfig", "HostTierConfig", "MetricsConfig",
