@@ -10,7 +10,6 @@ folder; without the tools the tests fail and say how to get them (``KVTIER_SKIP_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 import yaml
 
 from kvtierd.cli import build_parser
-from kvtierd.config import DaemonConfig, with_overrides
+from kvtierd.config import DaemonConfig, flat_keys, with_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "kvtier"
@@ -151,5 +150,5 @@ def parse_serve(argv: list[str]) -> DaemonConfig:
     unknown = [a for a in argv[2:] if a.startswith("--") and a.split("=")[0] not in serve_options()]
     assert not unknown, f"flags not offered by `kvtierd serve`: {unknown}"
     args = build_parser().parse_args(argv[1:])
-    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    fields = set(flat_keys())
     return with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from kvtier_contract.units import parse_bytes
 from kvtier_contract.version import __version__
+
+if TYPE_CHECKING:
+    from kvtierd.config import DaemonConfig
 
 
 def _size(text: str) -> int:
@@ -48,15 +52,15 @@ def config_default(name: str) -> str | None:
     ``0600``, ``none``), or None: no such field."""
     import dataclasses
 
-    from kvtierd.config import _SIZE_FIELDS, DaemonConfig
+    from kvtierd.config import SIZE_FIELDS, flat_field
 
-    field = next((f for f in dataclasses.fields(DaemonConfig) if f.name == name), None)
+    field = flat_field(name)
     if field is None or field.default is dataclasses.MISSING:
         return None
     value = field.default
     if isinstance(value, bool):
         return f"{name} = {str(value).lower()}"
-    if name in _SIZE_FIELDS and isinstance(value, int):
+    if name in SIZE_FIELDS and isinstance(value, int):
         return _exact_size(value) if value else "0"
     if name == "socket_mode":
         return f"{value:04o}"
@@ -83,6 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
                        "embedded ones, which --config FILE may change. Startup checks refuse, "
                        "in one line and with exit status 2, a host tier larger than the memory "
                        "available, a port in use and an unusable --disk-dir.")
+    _host_and_listener_flags(s)
+    _storage_and_tenant_flags(s)
+    _security_flags(s)
+
+    from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
+
+    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
+                       "while a daemon uses it)", description=FSCK_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_fsck_arguments(f)
+
+    sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
+                                      "from stdin (first line), for a tenants file")
+
+    return p
+
+
+def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the config file, the host tier, the listeners, leases, cuda_ipc."""
     s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
     s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
     s.add_argument("--allow-host-bytes-over-available", dest="allow_host_bytes_over_available",
@@ -102,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not allocate the arena's pages at start")
     s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
                    help="offer the cuda_ipc transport (needs cupy and a GPU)")
+
+
+def _storage_and_tenant_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the NVMe and cluster tiers, the tenants file, KV events."""
     s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
     s.add_argument("--disk-optional", dest="disk_optional", action="store_const", const=True,
                    help="start with the host tier alone when --disk-dir cannot be used (the "
@@ -130,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "ipc://PATH with {tenant} in it")
     s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per "
                    "stream")
+
+
+def _security_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: TLS, plaintext exposure, health and reflection, byte verification."""
     s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
     s.add_argument("--tls-key", help="PEM key of --tls-cert")
     s.add_argument("--tls-client-ca", help="PEM CA verifying client certificates (mTLS)")
@@ -149,18 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give blocks no digest (loads unverified; for measuring its cost)")
     s.add_argument("--verify-store", choices=["client", "daemon"],
                    help="who hashes an shm store")
-
-    from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
-
-    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
-                       "while a daemon uses it)", description=FSCK_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_fsck_arguments(f)
-
-    sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
-                                      "from stdin (first line), for a tenants file")
-
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,46 +202,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvtierd.app import cluster_settings, run
-    from kvtierd.config import load_config, with_overrides
+    from kvtierd.app import run
 
     try:
-        cfg = load_config(args.config)
-        cfg = with_overrides(
-            cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
-            socket_path=args.socket_path, socket_mode=args.socket_mode, listen=args.listen,
-            data_listen=args.data_listen,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-            eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
-            prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-            disk_optional=args.disk_optional,
-            allow_host_bytes_over_available=args.allow_host_bytes_over_available,
-            io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
-            cuda_ipc=args.cuda_ipc, cluster=args.cluster,
-            cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,
-            cluster_fleet_key_file=args.cluster_fleet_key_file,
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-            tls_require_client_cert=args.tls_require_client_cert,
-            allow_plaintext_remote=args.allow_plaintext_remote,
-            metrics_plaintext_remote=args.metrics_plaintext_remote, health_listen=args.health_listen,
-            reflection=args.reflection, verify_bytes=args.verify_bytes,
-            verify_store=args.verify_store, events_endpoint=args.events_endpoint,
-            events_replay_endpoint=args.events_replay_endpoint,
-            events_tenant_endpoint=args.events_tenant_endpoint,
-            events_tenant_replay_endpoint=args.events_tenant_replay_endpoint,
-            events_buffer_batches=args.events_buffer_batches)
-        if cfg.tenants_file:
-            from kvtierd.tenancy.exposure import check_metrics_exposure
-            from kvtierd.tenants import load_tenants
-
-            tenants = load_tenants(cfg.tenants_file)  # refused here, with the field, not at start
-            check_metrics_exposure(cfg, len(tenants.metrics_digests))
-        if cfg.cluster:
-            cluster_settings(cfg)  # reads the password file: refused here, not at start
-        if cfg.events_endpoint or cfg.events_tenant_endpoint:
-            from kvtierd.events.publisher import check_dependencies
-
-            check_dependencies()  # pyzmq and msgpack: refused here, naming events_endpoint
+        cfg = _config(args)
+        _check_files(cfg)
     except (ValueError, OSError) as e:
         why = str(e)
         if isinstance(e, OSError) and e.filename:
@@ -233,6 +217,56 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     run(cfg)
     return 0
+
+
+def _config(args: argparse.Namespace) -> DaemonConfig:
+    """The embedded defaults, the --config file over them, the flags given over both."""
+    from kvtierd.config import load_config, with_overrides
+
+    cfg = load_config(args.config)
+    return with_overrides(
+        cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
+        socket_path=args.socket_path, socket_mode=args.socket_mode, listen=args.listen,
+        data_listen=args.data_listen,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
+        prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+        disk_optional=args.disk_optional,
+        allow_host_bytes_over_available=args.allow_host_bytes_over_available,
+        io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
+        cuda_ipc=args.cuda_ipc, cluster=args.cluster,
+        cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,
+        cluster_fleet_key_file=args.cluster_fleet_key_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        tls_require_client_cert=args.tls_require_client_cert,
+        allow_plaintext_remote=args.allow_plaintext_remote,
+        metrics_plaintext_remote=args.metrics_plaintext_remote, health_listen=args.health_listen,
+        reflection=args.reflection, verify_bytes=args.verify_bytes,
+        verify_store=args.verify_store, events_endpoint=args.events_endpoint,
+        events_replay_endpoint=args.events_replay_endpoint,
+        events_tenant_endpoint=args.events_tenant_endpoint,
+        events_tenant_replay_endpoint=args.events_tenant_replay_endpoint,
+        events_buffer_batches=args.events_buffer_batches)
+
+
+def _check_files(cfg: DaemonConfig) -> None:
+    """The files and packages the config names, refused here with the field rather than at
+    start: the tenants file (and /metrics' exposure with it), the cluster's password file,
+    the events' packages."""
+    from kvtierd.app import cluster_settings
+
+    if cfg.tenancy.tenants_file:
+        from kvtierd.tenancy.exposure import check_metrics_exposure
+        from kvtierd.tenants import load_tenants
+
+        tenants = load_tenants(cfg.tenancy.tenants_file)  # refused here, with the field, not at start
+        check_metrics_exposure(cfg, len(tenants.metrics_digests))
+    if cfg.cluster_tier.cluster:
+        cluster_settings(cfg)  # reads the password file: refused here, not at start
+    if cfg.events.events_endpoint or cfg.events.events_tenant_endpoint:
+        from kvtierd.events.publisher import check_dependencies
+
+        check_dependencies()  # pyzmq and msgpack: refused here, naming events_endpoint
 
 
 def with_flag(message: str) -> str:

@@ -79,9 +79,9 @@ def check(cfg: DaemonConfig) -> list[str]:
 
 def tenant_arena_bytes(cfg: DaemonConfig, tenants: Tenants) -> dict[str, int]:
     """Each tenant allowed shm or cuda_ipc -> the size of its own arena (whole slabs, >= one)."""
-    slab = cfg.slab_bytes
+    slab = cfg.host_tier.slab_bytes
     return {
-        t.name: max(slab, t.arena_size(cfg.tenant_arena_bytes) // slab * slab)
+        t.name: max(slab, t.arena_size(cfg.tenancy.tenant_arena_bytes) // slab * slab)
         for t in tenants.by_name.values()
         if t.maps_memory
     }
@@ -89,9 +89,9 @@ def tenant_arena_bytes(cfg: DaemonConfig, tenants: Tenants) -> dict[str, int]:
 
 def arenas_bytes(cfg: DaemonConfig) -> tuple[int, int]:
     """(the shared arena's bytes, the tenants' arenas' bytes together) that the daemon makes."""
-    shared = cfg.host_bytes // cfg.slab_bytes * cfg.slab_bytes
+    shared = cfg.host_tier.host_bytes // cfg.host_tier.slab_bytes * cfg.host_tier.slab_bytes
     try:
-        tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else None
+        tenants = load_tenants(cfg.tenancy.tenants_file) if cfg.tenancy.tenants_file else None
     except ValueError as e:  # (the CLI read it: it changed since, or an embedder's run(cfg))
         raise StartupError(f"{e}") from None
     return shared, sum(tenant_arena_bytes(cfg, tenants).values()) if tenants else 0
@@ -112,20 +112,21 @@ def check_memory(
             f" plus {format_bytes(tenants)} of tenant arenas (tenant_arena_bytes, "
             "arena_bytes in the tenants file)"
         )
-    room = max(0, avail.bytes - DAEMON_RESERVE_BYTES - tenants) // cfg.slab_bytes * cfg.slab_bytes
+    slab = cfg.host_tier.slab_bytes
+    room = max(0, avail.bytes - DAEMON_RESERVE_BYTES - tenants) // slab * slab
     line = (
         f"{what} exceeds the memory available, {format_bytes(avail.bytes)} ({avail.source}) "
         f"less {format_bytes(DAEMON_RESERVE_BYTES)} kept for the daemon itself"
     )
-    if cfg.allow_host_bytes_over_available:
+    if cfg.host_tier.allow_host_bytes_over_available:
         return [
             f"{line}: starting anyway (allow_host_bytes_over_available); once the arenas "
             "fill, the OOM killer may end other processes"
         ]
-    if room >= cfg.slab_bytes:
+    if room >= cfg.host_tier.slab_bytes:
         fix = f"lower --host-bytes to at most {room >> 20}MiB"
     else:  # the tenant arenas alone leave no room for a shared arena of one slab
-        over = tenants + cfg.slab_bytes + DAEMON_RESERVE_BYTES - avail.bytes
+        over = tenants + cfg.host_tier.slab_bytes + DAEMON_RESERVE_BYTES - avail.bytes
         fix = (
             f"the tenant arenas alone leave no room: lower them by at least {format_bytes(over)} "
             "(arena_bytes in the tenants file, tenant_arena_bytes)"
@@ -214,13 +215,13 @@ def _stat(path: Path, key: str) -> int:
 def bound_ports(cfg: DaemonConfig) -> list[tuple[str, str, int]]:
     """(setting, host, port) of every TCP listener the daemon makes."""
     out = []
-    for name in ("listen", "data_listen", "health_listen"):
-        value: str = getattr(cfg, name)
+    for name, value in (("listen", cfg.grpc.listen), ("data_listen", cfg.transports.data_listen),
+                        ("health_listen", cfg.grpc.health_listen)):
         if value:
             host, _, port = value.rpartition(":")
             out.append((name, host, int(port)))
-    if cfg.metrics_port >= 0:
-        out.append(("metrics_port", cfg.metrics_host, cfg.metrics_port))
+    if cfg.metrics.metrics_port >= 0:
+        out.append(("metrics_port", cfg.metrics.metrics_host, cfg.metrics.metrics_port))
     return out
 
 
@@ -306,9 +307,9 @@ def try_bind(host: str, port: int) -> OSError | None:
 def check_disk_dir(cfg: DaemonConfig) -> None:
     """The NVMe directory (or, when it does not exist yet, the nearest directory above it) is a
     directory this user may write on a writable filesystem; skipped with ``disk_optional``."""
-    if not cfg.disk_dir or cfg.disk_optional:
+    if not cfg.nvme_tier.disk_dir or cfg.nvme_tier.disk_optional:
         return
-    path = Path(os.path.abspath(cfg.disk_dir))
+    path = Path(os.path.abspath(cfg.nvme_tier.disk_dir))
     probe = path
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
@@ -361,22 +362,22 @@ def _space_problem(cfg: DaemonConfig, path: Path, probe: Path) -> str | None:
 
 def nvme_config(cfg: DaemonConfig) -> NvmeConfig:
     """The NVMe tier's geometry from ``cfg`` (block files of whole NVMe slabs)."""
-    slab = 2 * cfg.slab_bytes  # room for the header region plus the largest block
-    file_bytes = max(slab, min(cfg.disk_file_bytes, cfg.disk_bytes) // slab * slab)
+    slab = 2 * cfg.host_tier.slab_bytes  # room for the header region plus the largest block
+    file_bytes = max(slab, min(cfg.nvme_tier.disk_file_bytes, cfg.nvme_tier.disk_bytes) // slab * slab)
     return NvmeConfig(
-        directory=cfg.disk_dir,
-        capacity_bytes=max(cfg.disk_bytes, file_bytes),
-        io_align=cfg.io_align_bytes,
+        directory=cfg.nvme_tier.disk_dir,
+        capacity_bytes=max(cfg.nvme_tier.disk_bytes, file_bytes),
+        io_align=cfg.nvme_tier.io_align_bytes,
         file_bytes=file_bytes,
         slab_bytes=slab,
-        io_threads=cfg.io_threads,
+        io_threads=cfg.nvme_tier.io_threads,
     )
 
 
 def disk_refusal(cfg: DaemonConfig, problem: str) -> str:
     """The line refusing a start whose NVMe tier cannot be used (here or after its open)."""
     return (
-        f"disk_dir {cfg.disk_dir} (--disk-dir) cannot be used: {problem}; fix it, choose "
+        f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: {problem}; fix it, choose "
         "another directory, or set disk_optional = true (--disk-optional) to start with the "
         "host tier alone and open the NVMe tier once it can"
     )

@@ -56,21 +56,19 @@ thread). Pure data otherwise.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import secrets
-import threading
-import time
 import tomllib
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.units import parse_bytes
+from kvtierd.unix_logins import UnixLogins
+
+__all__ = ["MAPPING_TRANSPORTS", "Quotas", "Tenant", "Tenants", "UnixLogins", "load_tenants",
+           "token_digest"]
 
 _QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
            "pinned_bytes", "nvme_bytes", "buffered_bytes", "control_channels")
@@ -266,6 +264,18 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if not isinstance(name, str) or not name or len(name) > 128:
         raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
     digests = _digests(entry.get("tokens_sha256", []), f"{where}.tokens_sha256", seen_tokens)
+    ids, operator, names, unix_login = _credentials(entry, where, digests)
+    transports, max_lease, arena = _allowances(entry, where)
+    return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
+                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
+                  frozenset(names), None if max_lease is None else float(max_lease), arena,
+                  unix_login)
+
+
+def _credentials(entry: dict[str, Any], where: str, digests: list[bytes]
+                 ) -> tuple[dict[str, frozenset[int]], bool, list[str], bool]:
+    """How a tenant is known besides its token digests: its Unix peers, whether it is the
+    operator, its mTLS names, whether its Unix peers log in without a token; at least one."""
     ids: dict[str, frozenset[int]] = {}
     for key in ("unix_uids", "unix_gids"):
         values = entry.get(key, [])
@@ -288,6 +298,12 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if not digests and not names and not unix_login:
         raise ValueError(f"{where}.tokens_sha256: at least one token, mtls_names entry or "
                          "unix_login (a tenant is known only by its credential)")
+    return ids, operator, names, unix_login
+
+
+def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int | None]:
+    """What a tenant may use besides its quotas: its transports, its longest lease, the size
+    of its own arena (only for a tenant allowed shm or cuda_ipc)."""
     transports = entry.get("transports", list(_TRANSPORTS))
     if not isinstance(transports, list) or not transports or \
             not all(t in _TRANSPORTS for t in transports):
@@ -305,10 +321,7 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
         if not MAPPING_TRANSPORTS & set(transports):
             raise ValueError(f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
                              "(a tcp-only tenant's blocks live in the shared arena)")
-    return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
-                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
-                  frozenset(names), None if max_lease is None else float(max_lease), arena,
-                  unix_login)
+    return transports, max_lease, arena
 
 
 def _quotas(raw: Any, where: str) -> Quotas:
@@ -329,68 +342,3 @@ def _quotas(raw: Any, where: str) -> Quotas:
                              "large call would close its channel")
         values[key] = v
     return Quotas(**values)
-
-
-class UnixLogins:
-    """Bearer tokens minted for Unix peers that logged in on the shm socket (``login``), and
-    their tenants (``authenticate``).
-
-    A token is 32 random bytes (``unix.`` + base64url), kept as its SHA-256 only. It is the
-    tenant's while it is used: one unused for ``idle_s`` is forgotten (a heartbeat keeps a
-    live client's), and each tenant holds at most ``per_tenant`` (a new login replaces that
-    tenant's least recently used, never another tenant's), so the table is bounded and one
-    tenant logging in without end costs the others nothing. Tokens live in memory only: a
-    restarted daemon knows none, and clients log in again when they reconnect.
-
-    Thread-safety: one lock (gRPC handlers on the loop, /metrics on its threads).
-    """
-
-    PREFIX = "unix."
-
-    def __init__(self, *, idle_s: float = 900.0, per_tenant: int = 256,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.idle_s, self.per_tenant = idle_s, per_tenant
-        self._clock = clock
-        self._lock = threading.Lock()
-        # tenant -> token digest -> last use, least recently used first
-        self._by_tenant: dict[str, OrderedDict[bytes, float]] = {}
-        self._tenant_of: dict[bytes, tuple[str, int, int]] = {}  # -> tenant, peer uid, gid
-        self.logins = 0
-
-    def login(self, tenant: str, uid: int, gid: int) -> str:
-        """A new token for ``tenant``, logged in by Unix peer ``uid``/``gid`` (the caller
-        checked that the peer is that tenant: Tenants.by_unix_peer)."""
-        raw = secrets.token_bytes(32)
-        token = self.PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
-        digest = hashlib.sha256(token.encode()).digest()
-        with self._lock:
-            mine = self._by_tenant.setdefault(tenant, OrderedDict())
-            while len(mine) >= self.per_tenant:
-                old, _ = mine.popitem(last=False)
-                del self._tenant_of[old]
-            mine[digest] = self._clock()
-            self._tenant_of[digest] = (tenant, uid, gid)
-            self.logins += 1
-        return token
-
-    def authenticate(self, token: str | None) -> tuple[str, int, int] | None:
-        """The tenant and Unix peer of a live minted token (its use renews it), or None."""
-        if not token or not token.startswith(self.PREFIX):
-            return None
-        digest = hashlib.sha256(token.encode()).digest()
-        now = self._clock()
-        with self._lock:
-            who = self._tenant_of.get(digest)
-            if who is None:
-                return None
-            mine = self._by_tenant[who[0]]
-            if now - mine[digest] > self.idle_s:
-                del mine[digest], self._tenant_of[digest]
-                return None
-            mine[digest] = now
-            mine.move_to_end(digest)
-            return who
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._tenant_of)

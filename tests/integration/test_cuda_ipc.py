@@ -93,7 +93,7 @@ class InProcessDaemon:
 
     def __init__(self, tmp: Path, driver: HostMemoryDriver, lease_ttl_s: float = 5.0) -> None:
         self.driver = driver
-        self.cfg = DaemonConfig(host_bytes=16 << 20, slab_bytes=1 << 20, prefault=False,
+        self.cfg = DaemonConfig.from_flat(host_bytes=16 << 20, slab_bytes=1 << 20, prefault=False,
                                 socket_path=str(tmp / "kvtier.sock"), listen="",
                                 data_listen="127.0.0.1:0", metrics_port=-1,
                                 lease_ttl_s=lease_ttl_s, min_lease_ttl_s=0.2,
@@ -108,7 +108,7 @@ class InProcessDaemon:
             return d
 
         self.daemon = self.run(start())
-        self.address = f"unix://{self.cfg.socket_path}"
+        self.address = f"unix://{self.cfg.grpc.socket_path}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.KvtierStub(self.channel)
 

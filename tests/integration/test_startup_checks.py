@@ -111,7 +111,7 @@ def test_a_port_taken_after_the_checks_is_refused_and_the_sockets_removed(
     """The check passed (skipped here), then another process took the port: the bind fails
     after the Unix sockets were made; they are removed, and the error is the same one line."""
     monkeypatch.setattr(preflight, "check_ports", lambda cfg: None)
-    cfg = DaemonConfig(
+    cfg = DaemonConfig.from_flat(
         host_bytes=8 << 20,
         slab_bytes=1 << 20,
         prefault=False,

@@ -21,6 +21,7 @@ import pytest
 from tests_helpers import serve_exits
 
 from kvtierd import app, preflight
+from kvtierd.app import build
 from kvtierd.config import DaemonConfig
 from kvtierd.preflight import StartupError, nvme_config
 from kvtierd.tiers import Arena
@@ -37,7 +38,7 @@ def config(tmp_path: Path, **kw: Any) -> DaemonConfig:
         metrics_port=-1,
     )
     fields.update(kw)
-    return DaemonConfig(**fields)
+    return DaemonConfig.from_flat(**fields)
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def arenas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             made.append(size)
             super().__init__(size, **kw)
 
-    monkeypatch.setattr(app, "Arena", Watched)
+    monkeypatch.setattr(build, "Arena", Watched)
     return made
 
 
@@ -79,7 +80,7 @@ def test_a_tier_that_opens_degraded_is_refused_before_the_arena_is_reserved(
     assert "the NVMe tier opened degraded: " in str(e.value) and "--disk-optional" in str(e.value)
     assert arenas == []  # refused first: no host memory reserved, none prefaulted
     assert unlocked(cfg)
-    d = app.Daemon(config(tmp_path, disk_dir=cfg.disk_dir, disk_bytes=16 << 20, disk_optional=True))
+    d = app.Daemon(config(tmp_path, disk_dir=cfg.nvme_tier.disk_dir, disk_bytes=16 << 20, disk_optional=True))
     assert arenas == [8 << 20] and not d.cache.chain[0].tier.admitting  # degraded, serving
     d.cache.chain[0].tier.close()
     d.host.close()

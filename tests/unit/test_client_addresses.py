@@ -36,8 +36,8 @@ def test_the_default_address_reaches_the_default_daemon(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     assert defaults.default_address() == "unix:run/kvtier.sock"  # where `make serve` puts it
     assert address_target(defaults.default_address()) == f"unix://{tmp_path}/run/kvtier.sock"
-    assert DaemonConfig().socket_path == defaults.SOCKET_PATH
-    assert DaemonConfig().listen == defaults.LISTEN == ""  # no TCP: the local default is private
+    assert DaemonConfig().grpc.socket_path == defaults.SOCKET_PATH
+    assert DaemonConfig().grpc.listen == defaults.LISTEN == ""  # no TCP: the local default is private
 
 
 def test_a_bare_socket_path_is_that_unix_socket(tmp_path: Path,

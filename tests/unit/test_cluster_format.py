@@ -168,13 +168,13 @@ def test_cluster_urls() -> None:
 ])
 def test_bad_cluster_settings_name_the_field(field: str, bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        DaemonConfig(**{field: bad})  # type: ignore[arg-type]
+        DaemonConfig.from_flat(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_the_default_config_has_no_cluster_and_make_serve_needs_none() -> None:
     cfg = DaemonConfig()
-    assert cfg.cluster == "" and cfg.cluster_write_policy == "commit"
-    assert cfg.cluster_fleet_key_file == ""
+    assert cfg.cluster_tier.cluster == "" and cfg.cluster_tier.cluster_write_policy == "commit"
+    assert cfg.cluster_tier.cluster_fleet_key_file == ""
 
 
 def test_the_fleet_key_file_is_hex_of_at_least_32_bytes(tmp_path: Path) -> None:

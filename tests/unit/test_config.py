@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from kvtierd.config import DaemonConfig, load_config, with_overrides
+from kvtierd.config import DaemonConfig, flat_keys, load_config, with_overrides
 
 GIB, MIB = 1 << 30, 1 << 20
 
 
 def test_the_embedded_default_is_valid() -> None:
     cfg = DaemonConfig()
-    assert cfg.host_bytes == GIB and cfg.slab_bytes == 64 * MIB
-    assert cfg.eviction_policy == "lru"
+    assert cfg.host_tier.host_bytes == GIB and cfg.host_tier.slab_bytes == 64 * MIB
+    assert cfg.host_tier.eviction_policy == "lru"
     assert cfg.shm_socket_path == "run/kvtier.sock.shm"
     assert load_config(None) == cfg
 
@@ -27,12 +27,12 @@ def test_the_local_default_is_private(tmp_path: Path) -> None:
     """``make serve``: gRPC on an owner-only Unix socket and on no TCP port (loopback TCP lets
     every local user in); the data channel needs a session's secret from that socket."""
     cfg = DaemonConfig()
-    assert cfg.socket_path == "run/kvtier.sock" and cfg.socket_mode == 0o600
-    assert cfg.listen == ""
-    assert cfg.data_listen == "127.0.0.1:0" and cfg.metrics_host == "127.0.0.1"
+    assert cfg.grpc.socket_path == "run/kvtier.sock" and cfg.grpc.socket_mode == 0o600
+    assert cfg.grpc.listen == ""
+    assert cfg.transports.data_listen == "127.0.0.1:0" and cfg.metrics.metrics_host == "127.0.0.1"
     path = tmp_path / "k.toml"
     path.write_text("socket_mode = 0o660\n")  # a DaemonSet's engines of the daemon's group
-    assert load_config(path).socket_mode == 0o660
+    assert load_config(path).grpc.socket_mode == 0o660
     from kvtierd.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--socket-mode", "660"]).socket_mode == 0o660
@@ -41,8 +41,8 @@ def test_the_local_default_is_private(tmp_path: Path) -> None:
 
 
 def test_the_shm_socket_sits_beside_the_grpc_socket() -> None:
-    assert DaemonConfig(socket_path="/x/k.sock").shm_socket_path == "/x/k.sock.shm"
-    cfg = DaemonConfig(socket_path="", listen="127.0.0.1:1", run_dir="/r")
+    assert DaemonConfig.from_flat(socket_path="/x/k.sock").shm_socket_path == "/x/k.sock.shm"
+    cfg = DaemonConfig.from_flat(socket_path="", listen="127.0.0.1:1", run_dir="/r")
     assert cfg.shm_socket_path == "/r/kvtier.sock.shm"
 
 
@@ -96,22 +96,22 @@ BAD: list[tuple[str, dict[str, Any]]] = [
 @pytest.mark.parametrize(("field", "values"), BAD, ids=[f"{f}={v}" for f, v in BAD])
 def test_each_bad_field_is_named(field: str, values: dict[str, Any]) -> None:
     with pytest.raises(ValueError) as exc:
-        DaemonConfig(**values)
+        DaemonConfig.from_flat(**values)
     assert str(exc.value).startswith(f"{field}: "), str(exc.value)
 
 
 def test_good_edge_values_are_accepted() -> None:
-    cfg = DaemonConfig(host_bytes=64 * MIB, metrics_port=-1, listen="", max_batch_blocks=65536,
+    cfg = DaemonConfig.from_flat(host_bytes=64 * MIB, metrics_port=-1, listen="", max_batch_blocks=65536,
                        lease_ttl_s=5, min_lease_ttl_s=5, max_lease_ttl_s=5, drain_timeout_s=0,
                        data_listen="", slot_align_bytes=1 << 12, slab_bytes=4096)
-    assert cfg.lease_ttl_s == 5 and cfg.slab_bytes == 4096
+    assert cfg.sessions.lease_ttl_s == 5 and cfg.host_tier.slab_bytes == 4096
 
 
 def test_with_overrides_applies_non_none_values_and_validates() -> None:
     cfg = with_overrides(DaemonConfig(), host_bytes="2GiB", slab_bytes=None, listen="",
                          eviction_policy="arc")
-    assert (cfg.host_bytes, cfg.slab_bytes, cfg.listen) == (2 * GIB, 64 * MIB, "")
-    assert cfg.eviction_policy == "arc"
+    assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes, cfg.grpc.listen) == (2 * GIB, 64 * MIB, "")
+    assert cfg.host_tier.eviction_policy == "arc"
     with pytest.raises(ValueError, match="^eviction_policy: "):
         with_overrides(cfg, eviction_policy="mru")
     with pytest.raises(ValueError, match="^slab_bytes: "):
@@ -124,16 +124,17 @@ def test_load_config_from_toml(tmp_path: Path) -> None:
                     "lease_ttl_s = 3\nprefault = false\n")
     cfg = load_config(path)
     # sizes parsed, dashes accepted, the rest from the default
-    assert (cfg.host_bytes, cfg.slab_bytes) == (GIB, 16 * MIB)
-    assert cfg.eviction_policy == "arc" and cfg.lease_ttl_s == 3 and cfg.prefault is False
-    assert cfg.max_batch_blocks == DaemonConfig().max_batch_blocks
+    assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes) == (GIB, 16 * MIB)
+    assert cfg.host_tier.eviction_policy == "arc" and cfg.sessions.lease_ttl_s == 3
+    assert cfg.host_tier.prefault is False
+    assert cfg.requests.max_batch_blocks == DaemonConfig().requests.max_batch_blocks
 
 
 def test_load_config_from_a_kvtierd_table(tmp_path: Path) -> None:
     path = tmp_path / "all.toml"
     path.write_text('[kvtierd]\nhost_bytes = "2GiB"\nslot_align_bytes = "16KiB"\n')
     cfg = load_config(path)
-    assert (cfg.host_bytes, cfg.slot_align_bytes) == (2 * GIB, 16 << 10)
+    assert (cfg.host_tier.host_bytes, cfg.host_tier.slot_align_bytes) == (2 * GIB, 16 << 10)
 
 
 def test_load_config_from_json(tmp_path: Path) -> None:
@@ -141,8 +142,9 @@ def test_load_config_from_json(tmp_path: Path) -> None:
     path.write_text(json.dumps({"host_bytes": "1GiB", "slab_bytes": 8 * MIB,
                                 "max_batch_blocks": 128, "metrics_port": -1}))
     cfg = load_config(path)
-    assert (cfg.host_bytes, cfg.slab_bytes, cfg.max_batch_blocks) == (GIB, 8 * MIB, 128)
-    assert cfg.metrics_port == -1
+    assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes) == (GIB, 8 * MIB)
+    assert cfg.requests.max_batch_blocks == 128
+    assert cfg.metrics.metrics_port == -1
 
 
 @pytest.mark.parametrize(("text", "field"), [
@@ -176,7 +178,7 @@ def test_load_config_rejects_files_that_are_not_a_table(tmp_path: Path, name: st
 
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        DaemonConfig().host_bytes = 1  # type: ignore[misc]
+        DaemonConfig().host_tier.host_bytes = 1  # type: ignore[misc]
 
 
 def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> None:
@@ -197,8 +199,9 @@ def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> Non
             load_config(cfg)
         assert "0f" * 16 not in str(e.value)
     key.write_text("a5" * 32 + "\n")
-    assert load_config(cfg).cluster_fleet_key_file == str(key)
-    assert DaemonConfig(cluster_fleet_key_file="unused").cluster == ""  # no cluster: not read
+    assert load_config(cfg).cluster_tier.cluster_fleet_key_file == str(key)
+    unused = DaemonConfig.from_flat(cluster_fleet_key_file="unused")
+    assert unused.cluster_tier.cluster == ""  # no cluster: not read
 
 
 @pytest.mark.parametrize(("hostport", "loopback"), [
@@ -222,14 +225,13 @@ def test_an_optional_client_certificate_is_refused_not_ignored(tmp_path: Path) -
     tls = dict(tls_cert=str(tmp_path / "s.crt"), tls_key=str(tmp_path / "s.key"),
                tls_client_ca=str(tmp_path / "ca.crt"))
     with pytest.raises(ValueError, match="tls_client_ca: gRPC does not ask for optional"):
-        validate(DaemonConfig(**tls))  # type: ignore[arg-type]
-    validate(DaemonConfig(**tls, tls_require_client_cert=True))  # type: ignore[arg-type]
+        validate(DaemonConfig.from_flat(**tls))  # type: ignore[arg-type]
+    validate(DaemonConfig.from_flat(**tls, tls_require_client_cert=True))  # type: ignore[arg-type]
 
 
 def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
     """`kvtierd serve --cluster URL` alone is refused (no fleet key): the key file can be given
     on the command line too, not only in a config file."""
-    import dataclasses
 
     from kvtierd.cli import build_parser
     from kvtierd.config import DaemonConfig, with_overrides
@@ -238,9 +240,9 @@ def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
     key.write_text("ab" * 32 + "\n")
     args = build_parser().parse_args(["serve", "--cluster", "redis://127.0.0.1:7000",
                                       "--cluster-fleet-key-file", str(key)])
-    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    fields = set(flat_keys())
     cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
-    assert cfg.cluster_fleet_key_file == str(key)
+    assert cfg.cluster_tier.cluster_fleet_key_file == str(key)
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -271,7 +273,7 @@ def test_serve_help_shows_every_flags_default_from_daemon_config(
                   "(default: lru)", "(default: 10.0)"):
         assert shown in text, shown
     serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    fields = set(flat_keys())
     parser = serve.choices["serve"]
     flags = [a for a in parser._actions if a.dest in fields]
     assert len(flags) >= 30
@@ -287,8 +289,9 @@ def test_the_new_flags_set_their_fields() -> None:
     assert args.disk_optional is True and args.allow_host_bytes_over_available is True
     cfg = with_overrides(DaemonConfig(), disk_optional=args.disk_optional,
                          allow_host_bytes_over_available=args.allow_host_bytes_over_available)
-    assert cfg.disk_optional and cfg.allow_host_bytes_over_available
-    assert not DaemonConfig().disk_optional and not DaemonConfig().allow_host_bytes_over_available
+    assert cfg.nvme_tier.disk_optional and cfg.host_tier.allow_host_bytes_over_available
+    assert not DaemonConfig().nvme_tier.disk_optional
+    assert not DaemonConfig().host_tier.allow_host_bytes_over_available
 
 
 def test_fsck_help_says_what_it_does_its_exit_codes_and_that_it_refuses_a_live_daemon(

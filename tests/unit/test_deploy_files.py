@@ -10,7 +10,6 @@ kvtier container's ``command``/``args`` are one-line JSON-style lists.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import importlib.util
 import json
@@ -26,7 +25,7 @@ from redis_cluster import make_test_pki
 
 from kvtierd.app import SERVICE_NAME
 from kvtierd.cli import build_parser
-from kvtierd.config import DaemonConfig, with_overrides
+from kvtierd.config import DaemonConfig, flat_keys, with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -51,7 +50,7 @@ def parse_serve(argv: list[str]) -> tuple[argparse.Namespace, DaemonConfig]:
         args = build_parser().parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"`kvtierd serve` rejects {argv[2:]}")
-    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    fields = set(flat_keys())
     cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
     return args, cfg
 
@@ -189,15 +188,15 @@ def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
 
 def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
     args, cfg = parse_serve(docker_serve_argv())
-    assert cfg.socket_path == "/run/kvtier/kvtier.sock"
-    assert cfg.listen == "127.0.0.1:50051"  # never 0.0.0.0 in plaintext (docs/security.md)
-    assert cfg.health_listen == "0.0.0.0:50052" and cfg.metrics_host == "0.0.0.0"
+    assert cfg.grpc.socket_path == "/run/kvtier/kvtier.sock"
+    assert cfg.grpc.listen == "127.0.0.1:50051"  # never 0.0.0.0 in plaintext (docs/security.md)
+    assert cfg.grpc.health_listen == "0.0.0.0:50052" and cfg.metrics.metrics_host == "0.0.0.0"
     # plaintext /metrics off loopback: the narrow explicit flag, never the broad one
-    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote
+    assert cfg.metrics.metrics_plaintext_remote and not cfg.grpc.allow_plaintext_remote
     exposed = {int(p.split("/")[0]) for w, rest in final_stage() if w == "EXPOSE" for p in rest.split()}
-    assert {port_of(cfg.health_listen), cfg.metrics_port} <= exposed, exposed
+    assert {port_of(cfg.grpc.health_listen), cfg.metrics.metrics_port} <= exposed, exposed
     volumes = [rest for w, rest in final_stage() if w == "VOLUME"]
-    assert any(str(Path(cfg.socket_path).parent) in v for v in volumes), volumes
+    assert any(str(Path(cfg.grpc.socket_path).parent) in v for v in volumes), volumes
 
 
 def test_dockerfile_healthcheck_asks_grpc_health_on_the_plaintext_health_port() -> None:
@@ -207,8 +206,8 @@ def test_dockerfile_healthcheck_asks_grpc_health_on_the_plaintext_health_port() 
     compile(argv[2], "<HEALTHCHECK>", "exec")
     assert "grpc_health.v1" in argv[2] and "insecure_channel" in argv[2]
     # The health-only listener is plaintext whatever --listen serves (TLS, per the Dockerfile).
-    assert f"127.0.0.1:{port_of(cfg.health_listen)}" in argv[2]
-    assert f":{port_of(cfg.listen)}" not in argv[2]
+    assert f"127.0.0.1:{port_of(cfg.grpc.health_listen)}" in argv[2]
+    assert f":{port_of(cfg.grpc.listen)}" not in argv[2]
     assert f"service='{SERVICE_NAME}'" in argv[2]
 
 
@@ -226,7 +225,7 @@ def test_healthcheck_passes_on_a_daemon_serving_tls_as_advised_and_fails_once_it
     code = healthcheck_argv()[2]
 
     def check(address: str) -> int:
-        probe = code.replace(f"127.0.0.1:{port_of(cfg.health_listen)}", address)
+        probe = code.replace(f"127.0.0.1:{port_of(cfg.grpc.health_listen)}", address)
         return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30).returncode
 
     assert check(daemon.info["health"]) == 0  # SERVING
@@ -286,14 +285,14 @@ def test_sidecar_is_a_deployment_with_an_engine_and_kvtier() -> None:
 
 def test_sidecar_serve_flags_exist_and_the_socket_dir_is_shared_at_the_same_path() -> None:
     _, cfg = parse_serve(kvtier_serve_argv())
-    socket_dir = str(Path(cfg.socket_path).parent)
+    socket_dir = str(Path(cfg.grpc.socket_path).parent)
     for name in ("engine", "kvtier"):
         mounts = node(container(name), r"^\s*volumeMounts:")
         assert re.search(rf"- name: kvtier-run\s*\n\s*mountPath: {re.escape(socket_dir)}\s*$",
                          "\n".join(mounts), re.M), f"{name} must mount kvtier-run at {socket_dir}"
     volume = node(manifest(), r"^\s*- name: kvtier-run\s*$")  # the first one is the pod volume
     assert any(re.match(r"^\s*emptyDir:", ln) for ln in volume), volume
-    assert any(f"unix://{cfg.socket_path}" in ln for ln in container("engine"))
+    assert any(f"unix://{cfg.grpc.socket_path}" in ln for ln in container("engine"))
 
 
 def test_sidecar_memory_limit_exceeds_the_host_tier() -> None:
@@ -301,7 +300,7 @@ def test_sidecar_memory_limit_exceeds_the_host_tier() -> None:
     resources = node(container("kvtier"), r"^\s*resources:")
     limit = quantity_bytes(value(node(resources, r"^\s*limits:"), "memory"))
     request = quantity_bytes(value(node(resources, r"^\s*requests:"), "memory"))
-    assert limit > cfg.host_bytes, (limit, cfg.host_bytes)
+    assert limit > cfg.host_tier.host_bytes, (limit, cfg.host_tier.host_bytes)
     assert request == limit  # the arena is prefaulted: all of it is used from the start
 
 
@@ -309,7 +308,7 @@ def test_sidecar_memory_limit_exceeds_the_host_tier() -> None:
 def test_sidecar_probes_use_grpc_health_on_the_health_port(probe: str) -> None:
     _, cfg = parse_serve(kvtier_serve_argv())
     grpc_node = node(node(container("kvtier"), rf"^\s*{probe}:"), r"^\s*grpc:")
-    assert int(value(grpc_node, "port")) == port_of(cfg.health_listen)
+    assert int(value(grpc_node, "port")) == port_of(cfg.grpc.health_listen)
     service = [ln for ln in grpc_node if re.match(r"^\s*service:", ln)]
     if service:
         assert value(grpc_node, "service") == SERVICE_NAME
@@ -317,15 +316,16 @@ def test_sidecar_probes_use_grpc_health_on_the_health_port(probe: str) -> None:
 
 def test_sidecar_ports_and_prometheus_annotations_agree_with_the_flags() -> None:
     _, cfg = parse_serve(kvtier_serve_argv())
-    assert cfg.health_listen.startswith("0.0.0.0:"), "kubelet probes reach the pod IP"
-    assert cfg.listen.startswith("127.0.0.1:"), "never 0.0.0.0 in plaintext"
-    assert cfg.metrics_host == "0.0.0.0"
-    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote  # the narrow flag only
+    assert cfg.grpc.health_listen.startswith("0.0.0.0:"), "kubelet probes reach the pod IP"
+    assert cfg.grpc.listen.startswith("127.0.0.1:"), "never 0.0.0.0 in plaintext"
+    assert cfg.metrics.metrics_host == "0.0.0.0"
+    # the narrow flag only
+    assert cfg.metrics.metrics_plaintext_remote and not cfg.grpc.allow_plaintext_remote
     ports = {int(p) for p in re.findall(r"containerPort:\s*(\d+)", "\n".join(container("kvtier")))}
-    assert {port_of(cfg.health_listen), cfg.metrics_port} <= ports
+    assert {port_of(cfg.grpc.health_listen), cfg.metrics.metrics_port} <= ports
     annotations = node(manifest(), r"^\s{6}annotations:")
     assert value(annotations, "prometheus.io/scrape") == "true"
-    assert int(value(annotations, "prometheus.io/port")) == cfg.metrics_port
+    assert int(value(annotations, "prometheus.io/port")) == cfg.metrics.metrics_port
 
 
 def test_sidecar_kvtier_container_runs_as_non_root() -> None:
@@ -378,9 +378,9 @@ def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host
     assert sc["capabilities"]["drop"] == ["ALL"]
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
-    assert run["hostPath"]["path"] == str(Path(cfg.socket_path).parent)
+    assert run["hostPath"]["path"] == str(Path(cfg.grpc.socket_path).parent)
     # nothing plaintext off-node but /metrics (figures, for the scrape token: see below)
-    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
+    assert cfg.grpc.listen == "" and cfg.transports.data_listen.startswith("127.0.0.1:")
 
 
 def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -> None:
@@ -389,7 +389,7 @@ def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -
     secret, pod, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     mount = next(m for m in kvtier["volumeMounts"] if m["name"] == "tenants")
-    assert cfg.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
+    assert cfg.tenancy.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
     volume = next(v for v in pod["volumes"] if v["name"] == "tenants")
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
@@ -412,9 +412,9 @@ def test_daemonset_tenants_set_every_quota_within_the_daemons_share(tmp_path: Pa
         unset = [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None]
         assert not unset, (t.name, unset)
     shared = [t.quotas.host_bytes or 0 for t in tenants if not t.maps_memory]
-    assert sum(shared) <= cfg.host_bytes, (shared, cfg.host_bytes)
-    assert sum(t.quotas.sessions or 0 for t in tenants) <= cfg.max_sessions
-    assert sum(t.quotas.namespaces or 0 for t in tenants) <= cfg.max_namespaces
+    assert sum(shared) <= cfg.host_tier.host_bytes, (shared, cfg.host_tier.host_bytes)
+    assert sum(t.quotas.sessions or 0 for t in tenants) <= cfg.sessions.max_sessions
+    assert sum(t.quotas.namespaces or 0 for t in tenants) <= cfg.sessions.max_namespaces
 
 
 def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
@@ -425,11 +425,11 @@ def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
     tenants = load_tenants(tmp_path / "tenants.toml")
-    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values()
+    arenas = sum(t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values()
                  if t.maps_memory)
     resources = kvtier["resources"]
     limit = quantity_bytes(resources["limits"]["memory"])
-    assert limit > cfg.host_bytes + arenas, (limit, cfg.host_bytes, arenas)
+    assert limit > cfg.host_tier.host_bytes + arenas, (limit, cfg.host_tier.host_bytes, arenas)
     assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
 
 
@@ -446,10 +446,10 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
-    assert cfg.metrics_host == "0.0.0.0" and not cfg.allow_plaintext_remote
-    assert cfg.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
-    assert cfg.listen == "" and cfg.data_listen.startswith("127.0.0.1:")
-    assert {"name": "metrics", "containerPort": cfg.metrics_port} in kvtier["ports"]
+    assert cfg.metrics.metrics_host == "0.0.0.0" and not cfg.grpc.allow_plaintext_remote
+    assert cfg.metrics.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
+    assert cfg.grpc.listen == "" and cfg.transports.data_listen.startswith("127.0.0.1:")
+    assert {"name": "metrics", "containerPort": cfg.metrics.metrics_port} in kvtier["ports"]
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
     tenants = load_tenants(tmp_path / "tenants.toml")
     assert len(tenants.metrics_digests) == 1 and metrics_scrape_only(cfg)

@@ -102,39 +102,39 @@ def test_kvtier_flags_exist_and_ports_agree(mode: str, values: str) -> None:
     cfg = serve_config(docs)
     kvtier = container(docs)
     ports = {p["name"]: p["containerPort"] for p in kvtier["ports"]}
-    assert ports["health"] == int(cfg.health_listen.rpartition(":")[2])
+    assert ports["health"] == int(cfg.grpc.health_listen.rpartition(":")[2])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert kvtier[probe]["grpc"]["port"] == ports["health"]
     assert kvtier["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     # /metrics on the pod IP, on the port the Service, ServiceMonitor and PodMonitor name
-    assert cfg.metrics_host == "0.0.0.0" and ports["metrics"] == cfg.metrics_port
+    assert cfg.metrics.metrics_host == "0.0.0.0" and ports["metrics"] == cfg.metrics.metrics_port
     # plaintext HTTP off loopback: the narrow explicit flag (kvtierd refuses it without one)
-    assert cfg.metrics_plaintext_remote and not cfg.allow_plaintext_remote
+    assert cfg.metrics.metrics_plaintext_remote and not cfg.grpc.allow_plaintext_remote
     (service,) = [s for s in by_kind(docs)["Service"] if s["metadata"]["name"].endswith("-metrics")]
     assert service["spec"]["clusterIP"] == "None"
     (sport,) = service["spec"]["ports"]
-    assert sport["targetPort"] == "metrics" and sport["port"] == cfg.metrics_port
+    assert sport["targetPort"] == "metrics" and sport["port"] == cfg.metrics.metrics_port
     for sm in by_kind(docs).get("ServiceMonitor", []):
         assert [e["port"] for e in sm["spec"]["endpoints"]] == [sport["name"]]
         labels = service["metadata"]["labels"]
         assert sm["spec"]["selector"]["matchLabels"].items() <= labels.items()
     for pm in by_kind(docs).get("PodMonitor", []):
         assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
-    socket_dir = str(Path(cfg.socket_path).parent)
+    socket_dir = str(Path(cfg.grpc.socket_path).parent)
     mounts = {m["name"]: m["mountPath"] for m in kvtier["volumeMounts"]}
     assert mounts["kvtier-run"] == socket_dir
-    if cfg.listen:  # TLS on a TCP listener, or the sidecar's loopback
-        assert cfg.tls_cert or cfg.listen.startswith("127.0.0.1:")
-    if cfg.tls_cert:
-        assert ports["grpc-tls"] == int(cfg.listen.rpartition(":")[2])
-        assert ports["data-tls"] == int(cfg.data_listen.rpartition(":")[2])
+    if cfg.grpc.listen:  # TLS on a TCP listener, or the sidecar's loopback
+        assert cfg.grpc.tls_cert or cfg.grpc.listen.startswith("127.0.0.1:")
+    if cfg.grpc.tls_cert:
+        assert ports["grpc-tls"] == int(cfg.grpc.listen.rpartition(":")[2])
+        assert ports["data-tls"] == int(cfg.transports.data_listen.rpartition(":")[2])
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_socket_directory_is_shared_at_the_same_path(mode: str) -> None:
     docs = rendered(mode, "defaults")
     cfg = serve_config(docs)
-    socket_dir = str(Path(cfg.socket_path).parent)
+    socket_dir = str(Path(cfg.grpc.socket_path).parent)
     run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
     if mode == "daemonset":
         assert run["hostPath"]["path"] == socket_dir
@@ -144,7 +144,7 @@ def test_the_socket_directory_is_shared_at_the_same_path(mode: str) -> None:
         engine = container(docs, "engine")
         assert {"name": "kvtier-run", "mountPath": socket_dir} in engine["volumeMounts"]
         env = {e["name"]: e["value"] for e in engine["env"]}
-        assert env["KVTIER_ADDRESS"] == f"unix://{cfg.socket_path}"
+        assert env["KVTIER_ADDRESS"] == f"unix://{cfg.grpc.socket_path}"
     sc = container(docs)["securityContext"]
     assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and not sc["allowPrivilegeEscalation"]
 
@@ -185,12 +185,13 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
     for t in tenants.by_name.values():
         assert not [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None], t.name
     mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tenants")
-    assert cfg.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
-    arenas = sum(t.arena_size(cfg.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory)
+    assert cfg.tenancy.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
+    arenas = sum(t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values()
+                 if t.maps_memory)
     resources = container(docs)["resources"]
-    assert quantity(resources["limits"]["memory"]) > cfg.host_bytes + arenas
+    assert quantity(resources["limits"]["memory"]) > cfg.host_tier.host_bytes + arenas
     shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not t.maps_memory]
-    assert sum(shared) <= cfg.host_bytes
+    assert sum(shared) <= cfg.host_tier.host_bytes
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -207,9 +208,9 @@ def test_the_scrape_token_is_scrape_only_and_the_monitors_send_it(mode: str, tmp
     assert sorted(tenants.by_name) == sorted(
         t["name"] for t in yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
     )
-    assert not cfg.allow_plaintext_remote  # so no plaintext gRPC, and no acting token on /metrics
-    assert cfg.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
-    assert cfg.metrics_host == "0.0.0.0" and metrics_scrape_only(cfg)
+    assert not cfg.grpc.allow_plaintext_remote  # so no plaintext gRPC, and no acting token on /metrics
+    assert cfg.metrics.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
+    assert cfg.metrics.metrics_host == "0.0.0.0" and metrics_scrape_only(cfg)
     check_metrics_exposure(cfg, len(tenants.metrics_digests))  # the daemon starts with it
     secrets = {s["metadata"]["name"]: s for s in by_kind(docs)["Secret"]}
     for monitor in by_kind(docs)["ServiceMonitor"] + by_kind(docs)["PodMonitor"]:
@@ -228,10 +229,10 @@ def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> Non
         s for s in by_kind(docs)["Secret"] if s["metadata"]["name"] == volume["secret"]["secretName"]
     )
     assert secret["type"] == "kubernetes.io/tls" and mount["readOnly"]
-    for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca):
+    for path in (cfg.grpc.tls_cert, cfg.grpc.tls_key, cfg.grpc.tls_client_ca):
         assert Path(path).parent == Path(mount["mountPath"])
         assert Path(path).name in secret["stringData"]
-    assert cfg.tls_require_client_cert
+    assert cfg.grpc.tls_require_client_cert
     existing = render(VALUES_ALL, sets=("tls.existingSecret=my-certs",))
     assert "tls" not in {s["metadata"]["name"].rpartition("-")[2] for s in by_kind(existing)["Secret"]}
     assert (
@@ -343,8 +344,8 @@ def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
     kinds = by_kind(docs)
     assert "DaemonSet" not in kinds and [d["metadata"]["name"] for d in kinds["Deployment"]] == ["my-engine"]
     cfg = serve_config(docs)
-    assert cfg.host_bytes == 8 << 30 and cfg.listen.startswith("127.0.0.1:")
-    socket_dir = str(Path(cfg.socket_path).parent)
+    assert cfg.host_tier.host_bytes == 8 << 30 and cfg.grpc.listen.startswith("127.0.0.1:")
+    socket_dir = str(Path(cfg.grpc.socket_path).parent)
     assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs, "engine")["volumeMounts"]
     assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs)["volumeMounts"]
     labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
@@ -371,10 +372,10 @@ def test_metrics_kept_on_loopback_or_off_render_no_scrape_token_and_no_plaintext
     docs = render(VALUES_ALL, sets=sets)
     cfg = serve_config(docs)
     if sets == ("metrics.enabled=false",):
-        assert cfg.metrics_port == -1
+        assert cfg.metrics.metrics_port == -1
     else:
-        assert cfg.metrics_host == "127.0.0.1"
-    assert not cfg.allow_plaintext_remote and not cfg.metrics_plaintext_remote
+        assert cfg.metrics.metrics_host == "127.0.0.1"
+    assert not cfg.grpc.allow_plaintext_remote and not cfg.metrics.metrics_plaintext_remote
     assert "metrics" not in {p["name"] for p in container(docs)["ports"]}
     kinds = by_kind(docs)
     assert not {"Service", "ServiceMonitor", "PodMonitor"} & set(kinds)

@@ -16,8 +16,7 @@ import pytest
 import test_tiering
 from test_tiering import BLOCK, NVME_SLOT, RESERVED, SHM, Rig, keys, payload, scenario
 
-from kvtierd import app
-from kvtierd.app import Daemon
+from kvtierd.app import Daemon, build
 from kvtierd.config import DaemonConfig
 from kvtierd.domain import Transport
 from kvtierd.testing.faults import FaultyFileSystem
@@ -152,16 +151,16 @@ async def test_a_late_open_that_fails_unforeseen_can_be_repeated(
 
 def _daemon_over(directory: Path, held: HeldOpen, monkeypatch: pytest.MonkeyPatch) -> Daemon:
     """A daemon (no server started) whose NVMe tier is the Rig's disk, opened through ``held``."""
-    build = app._nvme_tier
+    make = build._nvme_tier
 
     def tier(cfg: DaemonConfig) -> NvmeTier:
-        t = build(cfg)
+        t = make(cfg)
         t._fs_factory = held
         return t
 
-    monkeypatch.setattr(app, "_nvme_tier", tier)
+    monkeypatch.setattr(build, "_nvme_tier", tier)
     # The Rig's geometry: 4 KiB host slots, 8 KiB NVMe slots in one 128 KiB block file.
-    return Daemon(DaemonConfig(host_bytes=8 * BLOCK, slab_bytes=BLOCK, prefault=False,
+    return Daemon(DaemonConfig.from_flat(host_bytes=8 * BLOCK, slab_bytes=BLOCK, prefault=False,
                                metrics_port=-1, disk_dir=str(directory), disk_bytes=16 * NVME_SLOT,
                                disk_file_bytes=16 * NVME_SLOT, io_align_bytes=BLOCK,
                                write_policy="write-through", lease_sweep_s=0.01,

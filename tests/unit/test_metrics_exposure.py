@@ -1,4 +1,4 @@
-"""/metrics off loopback (kvtierd.config.validate, kvtierd.tenancy.exposure): plaintext HTTP,
+"""/metrics off loopback (kvtierd.config.checks, kvtierd.tenancy.exposure): plaintext HTTP,
 so a non-loopback metrics_host is an explicit choice (metrics_plaintext_remote or the broad
 allow_plaintext_remote), tenants or not. With tenants its bearer tokens travel in the clear, so
 metrics_plaintext_remote also needs scrape-only tokens in the tenants file (then only they are
@@ -16,7 +16,7 @@ from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
 def test_off_loopback_metrics_without_an_explicit_flag_is_refused(tenants_file: str, host: str) -> None:
     with pytest.raises(ValueError) as e:
-        validate(DaemonConfig(tenants_file=tenants_file, metrics_host=host))
+        validate(DaemonConfig.from_flat(tenants_file=tenants_file, metrics_host=host))
     msg = str(e.value)
     assert msg.startswith(f"metrics_host: {host} is not a loopback address"), msg
     for fix in (
@@ -41,11 +41,11 @@ def test_off_loopback_metrics_without_an_explicit_flag_is_refused(tenants_file: 
     ],
 )
 def test_off_loopback_metrics_with_a_flag_or_on_loopback_is_valid(overrides: dict[str, object]) -> None:
-    validate(DaemonConfig(**overrides))  # type: ignore[arg-type]
+    validate(DaemonConfig.from_flat(**overrides))  # type: ignore[arg-type]
 
 
 def test_off_loopback_without_a_scrape_token_is_refused_naming_the_field() -> None:
-    cfg = DaemonConfig(tenants_file="t.toml", metrics_host="0.0.0.0", metrics_plaintext_remote=True)
+    cfg = DaemonConfig.from_flat(tenants_file="t.toml", metrics_host="0.0.0.0", metrics_plaintext_remote=True)
     validate(cfg)  # reads no file: the scrape-token check comes once the tenants file is read
     with pytest.raises(ValueError) as e:
         check_metrics_exposure(cfg, 0)
@@ -69,6 +69,6 @@ def test_off_loopback_without_a_scrape_token_is_refused_naming_the_field() -> No
 def test_every_token_is_taken_where_none_travels_off_the_host_in_the_clear(
     overrides: dict[str, object],
 ) -> None:
-    cfg = DaemonConfig(**overrides)  # type: ignore[arg-type]
+    cfg = DaemonConfig.from_flat(**overrides)  # type: ignore[arg-type]
     check_metrics_exposure(cfg, 0)
     assert not metrics_scrape_only(cfg)

@@ -3,13 +3,12 @@ and real directories: each refusal is one line naming the setting, its flag and 
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 from pathlib import Path
 
 import pytest
 
-from kvtierd.config import DaemonConfig
+from kvtierd.config import DaemonConfig, with_overrides
 from kvtierd.preflight import (
     DAEMON_RESERVE_BYTES,
     MemorySource,
@@ -116,7 +115,7 @@ def test_a_cgroup_namespace_whose_path_is_not_visible_reads_the_mount_root(tmp_p
 
 def test_host_bytes_above_the_available_memory_is_refused_naming_the_flag_and_the_fix(tmp_path: Path) -> None:
     src = fake_system(tmp_path, available=4 * GiB)
-    cfg = DaemonConfig(host_bytes=8 * GiB)
+    cfg = DaemonConfig.from_flat(host_bytes=8 * GiB)
     with pytest.raises(StartupError) as e:
         check_memory(cfg, arenas_bytes(cfg), src)
     line = str(e.value)
@@ -127,16 +126,16 @@ def test_host_bytes_above_the_available_memory_is_refused_naming_the_flag_and_th
     assert f"at most {(4 * GiB - DAEMON_RESERVE_BYTES) // (64 * MiB) * 64}MiB" in line
     assert "allow_host_bytes_over_available = true (--allow-host-bytes-over-available)" in line
     # just fitting with the reserve: accepted
-    fits = DaemonConfig(host_bytes=4 * GiB - DAEMON_RESERVE_BYTES)
+    fits = DaemonConfig.from_flat(host_bytes=4 * GiB - DAEMON_RESERVE_BYTES)
     assert check_memory(fits, arenas_bytes(fits), src) == []
-    over = DaemonConfig(host_bytes=4 * GiB - DAEMON_RESERVE_BYTES + 64 * MiB)
+    over = DaemonConfig.from_flat(host_bytes=4 * GiB - DAEMON_RESERVE_BYTES + 64 * MiB)
     with pytest.raises(StartupError):
         check_memory(over, arenas_bytes(over), src)
 
 
 def test_the_override_turns_the_refusal_into_a_warning(tmp_path: Path) -> None:
     src = fake_system(tmp_path, available=4 * GiB)
-    cfg = DaemonConfig(host_bytes=8 * GiB, allow_host_bytes_over_available=True)
+    cfg = DaemonConfig.from_flat(host_bytes=8 * GiB, allow_host_bytes_over_available=True)
     warnings = check_memory(cfg, arenas_bytes(cfg), src)
     assert len(warnings) == 1 and "starting anyway (allow_host_bytes_over_available)" in warnings[0]
 
@@ -148,7 +147,7 @@ def test_tenant_arenas_count_with_the_host_tier(tmp_path: Path) -> None:
         f'[[tenant]]\nname = "b"\ntokens_sha256 = ["{token_digest("b")}"]\n'  # default arena
         f'[[tenant]]\nname = "c"\ntokens_sha256 = ["{token_digest("c")}"]\ntransports = ["tcp"]\n'
     )
-    cfg = DaemonConfig(host_bytes=GiB, tenants_file=str(tenants), tenant_arena_bytes=512 * MiB)
+    cfg = DaemonConfig.from_flat(host_bytes=GiB, tenants_file=str(tenants), tenant_arena_bytes=512 * MiB)
     assert arenas_bytes(cfg) == (GiB, GiB + 512 * MiB)  # c maps no memory: no arena
     src = fake_system(tmp_path, available=2 * GiB + 512 * MiB)  # fits the shared arena alone
     with pytest.raises(StartupError) as e:
@@ -165,7 +164,7 @@ def test_tenant_arenas_count_with_the_host_tier(tmp_path: Path) -> None:
 def test_no_figure_no_check(tmp_path: Path) -> None:
     src = MemorySource(proc=str(tmp_path / "none"), cgroup=str(tmp_path / "none"))
     assert available_memory(src) is None
-    cfg = DaemonConfig(host_bytes=1 << 50)
+    cfg = DaemonConfig.from_flat(host_bytes=1 << 50)
     assert check_memory(cfg, arenas_bytes(cfg), src) == []
 
 
@@ -174,7 +173,7 @@ def test_a_port_in_use_is_refused_naming_the_setting_and_the_flag(held: int, set
     values: dict[str, object] = {"listen": "127.0.0.1:0", "data_listen": "127.0.0.1:0", "metrics_port": 0}
     values[setting] = held if setting == "metrics_port" else f"127.0.0.1:{held}"
     with pytest.raises(StartupError) as e:
-        check_ports(DaemonConfig(**values))  # type: ignore[arg-type]
+        check_ports(DaemonConfig.from_flat(**values))  # type: ignore[arg-type]
     flag = "--" + setting.replace("_", "-")
     where = str(held) if setting == "metrics_port" else f"127.0.0.1:{held}"
     assert str(e.value).startswith(
@@ -187,30 +186,31 @@ def test_free_ports_and_port_zero_pass_and_two_settings_on_one_port_do_not(held:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", data_listen="127.0.0.1:0", metrics_port=0))
+    check_ports(DaemonConfig.from_flat(listen=f"127.0.0.1:{free}", data_listen="127.0.0.1:0", metrics_port=0))
     with pytest.raises(
         StartupError,
         match=r"^metrics_port \d+ \(--metrics-port\) names the port "
         r"of listen",
     ):
-        check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_port=free))
+        check_ports(DaemonConfig.from_flat(listen=f"127.0.0.1:{free}", metrics_port=free))
 
 
 def test_an_address_not_on_this_host_cannot_be_bound() -> None:
     with pytest.raises(StartupError, match=r"^listen 192\.0\.2\.1:5 \(--listen\): cannot bind "):
-        check_ports(DaemonConfig(listen="192.0.2.1:5", allow_plaintext_remote=True))
+        check_ports(DaemonConfig.from_flat(listen="192.0.2.1:5", allow_plaintext_remote=True))
 
 
 def test_disk_dir_that_is_a_file_is_refused_unless_optional(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(StartupError) as e:
-        check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB))
+        check_disk_dir(DaemonConfig.from_flat(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB))
     assert str(e.value).startswith(
         f"disk_dir {tmp_path}/f/nvme (--disk-dir) cannot be used: {tmp_path}/f is not a directory;"
     )
     assert "disk_optional = true (--disk-optional)" in str(e.value)
-    check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB, disk_optional=True))
-    check_disk_dir(DaemonConfig(disk_dir=str(tmp_path / "new" / "nvme"), disk_bytes=GiB))
+    check_disk_dir(DaemonConfig.from_flat(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB,
+                                          disk_optional=True))
+    check_disk_dir(DaemonConfig.from_flat(disk_dir=str(tmp_path / "new" / "nvme"), disk_bytes=GiB))
     assert not (tmp_path / "new").exists()  # checked, not made
     assert [p.name for p in tmp_path.iterdir()] == ["f"]  # the probe directory is gone again
 
@@ -219,14 +219,14 @@ def test_a_disk_dir_on_a_pseudo_filesystem_is_refused_for_what_it_is() -> None:
     """/proc says yes to access() for root and has "0 B free": the reason is that nothing can
     be made there, not its space."""
     with pytest.raises(StartupError) as e:
-        check_disk_dir(DaemonConfig(disk_dir="/proc/kvtier-nvme", disk_bytes=GiB))
+        check_disk_dir(DaemonConfig.from_flat(disk_dir="/proc/kvtier-nvme", disk_bytes=GiB))
     why = str(e.value).split("cannot be used: ", 1)[1]
     assert why.startswith(("cannot create a directory in /proc", "/proc is not writable")), why
     assert "free" not in why
 
 
 def test_a_disk_too_small_for_the_block_files_is_refused_before_any_is_made(tmp_path: Path) -> None:
-    cfg = DaemonConfig(disk_dir=str(tmp_path / "nvme"), disk_bytes=1 << 50)  # 1 PiB
+    cfg = DaemonConfig.from_flat(disk_dir=str(tmp_path / "nvme"), disk_bytes=1 << 50)  # 1 PiB
     with pytest.raises(StartupError) as e:
         check_disk_dir(cfg)
     line = str(e.value)
@@ -236,15 +236,16 @@ def test_a_disk_too_small_for_the_block_files_is_refused_before_any_is_made(tmp_
         in line
     )
     assert "lower --disk-bytes or free space" in line and not (tmp_path / "nvme").exists()
-    check_disk_dir(dataclasses.replace(cfg, disk_bytes=64 << 20))  # 64 MiB fits
+    check_disk_dir(with_overrides(cfg, disk_bytes=64 << 20))  # 64 MiB fits
 
 
 def test_one_port_on_two_loopback_addresses_is_two_listeners() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    check_ports(DaemonConfig(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2", metrics_port=free))
+    check_ports(DaemonConfig.from_flat(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2",
+                                       metrics_port=free))
     with pytest.raises(StartupError, match=r"names the port of listen"):
         listen = f"127.0.0.1:{free}"
-        check_ports(DaemonConfig(listen=listen, metrics_host="0.0.0.0", metrics_port=free,
+        check_ports(DaemonConfig.from_flat(listen=listen, metrics_host="0.0.0.0", metrics_port=free,
                                  metrics_plaintext_remote=True))  # off loopback: the flag

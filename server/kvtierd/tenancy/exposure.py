@@ -28,10 +28,10 @@ def metrics_scrape_only(cfg: DaemonConfig) -> bool:
     """Whether /metrics takes scrape-only tokens alone: a daemon with tenants serving it off
     loopback without ``allow_plaintext_remote`` (a tenant's or the operator's token: 401)."""
     return (
-        bool(cfg.tenants_file)
-        and cfg.metrics_port >= 0
-        and not cfg.allow_plaintext_remote
-        and not is_loopback(f"{cfg.metrics_host}:{cfg.metrics_port}")
+        bool(cfg.tenancy.tenants_file)
+        and cfg.metrics.metrics_port >= 0
+        and not cfg.grpc.allow_plaintext_remote
+        and not is_loopback(f"{cfg.metrics.metrics_host}:{cfg.metrics.metrics_port}")
     )
 
 
@@ -40,7 +40,7 @@ def check_metrics_exposure(cfg: DaemonConfig, metrics_tokens: int) -> None:
     scrape token in the tenants file (``metrics_tokens``: how many it lists)."""
     if metrics_tokens == 0 and metrics_scrape_only(cfg):
         raise ValueError(
-            f"metrics_host: {cfg.metrics_host} is not a loopback address: with tenants, /metrics "
+            f"metrics_host: {cfg.metrics.metrics_host} is not a loopback address: with tenants, /metrics "
             "takes bearer tokens, which plaintext HTTP carries in the clear, and "
             "metrics_plaintext_remote (--allow-plaintext-metrics) accepts only scrape tokens "
             "there: add one to the tenants file (metrics_tokens_sha256), bind it to loopback, or "

@@ -1,0 +1,243 @@
+"""Building the daemon's storage from its config, in the order of the refusals: the tenants
+file, the cluster tier's files, the KV-event publisher, the NVMe directory's lock and the tier's
+open (all before any host memory is reserved), then the host tier, the tenants' arenas and the
+storage tier's place in the cache's chain.
+
+Every function here runs in ``Daemon.__init__`` (or, for :class:`TenantArenas`, on the event
+loop at a tenants-file reload); a configuration that cannot be served is a
+:class:`~kvtierd.preflight.StartupError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtierd.app.listeners import private_umask
+from kvtierd.cache import TieredCache, TierLink
+from kvtierd.config import DaemonConfig
+from kvtierd.policies import make_write_policy
+from kvtierd.preflight import StartupError, disk_refusal, nvme_config, tenant_arena_bytes
+from kvtierd.tenancy.exposure import check_metrics_exposure
+from kvtierd.tenants import Tenants, load_tenants
+from kvtierd.tiers import Arena, HostTier, Recovered
+from kvtierd.tiers.base import TierUnavailable
+from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
+from kvtierd.tiers.nvme.format import CorruptMeta
+from kvtierd.tiers.nvme.tier import NvmeTier
+from kvtierd.transports.cuda_driver import CudaDriver
+from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
+
+log = logging.getLogger("kvtierd")
+if TYPE_CHECKING:  # pyzmq and msgpack: only when events are on
+    from kvtierd.events.publisher import EventPublisher
+
+T = TypeVar("T")
+
+
+def host_tier(cfg: DaemonConfig) -> tuple[Arena, HostTier]:
+    """The shared arena (reserved, and prefaulted, here) and the host tier over it."""
+    h = cfg.host_tier
+    slabs = h.host_bytes // h.slab_bytes
+    arena = Arena(slabs * h.slab_bytes, prefault=h.prefault)
+    # With an NVMe tier, host slots are io-aligned too: O_DIRECT reads and writes go straight
+    # between a host slot and its disk slot, padding included.
+    n = cfg.nvme_tier
+    align = max(h.slot_align_bytes, n.io_align_bytes if n.disk_dir else 0)
+    return arena, HostTier(arena, slab_bytes=h.slab_bytes, slot_align_bytes=align)
+
+
+class TenantArenas:
+    """The host arenas of their own of tenants allowed shm or cuda_ipc: tenant -> its pool in
+    the host tier. An arena lives as long as the daemon and never changes tenant, so no slot
+    ever moves to another tenant (nothing to zero). Owned by the Daemon; built in its
+    ``__init__``, grown on the event loop at a reload."""
+
+    def __init__(self, host: HostTier, cfg: DaemonConfig, tenants: Tenants | None) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.pools: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
+        if tenants is not None:  # (no cuda_ipc yet: it registers every arena when made)
+            self.add(tenants, None)
+
+    def add(self, tenants: Tenants, copier: CudaIpcCopier | None) -> None:
+        """An arena for each such tenant that has none yet (at start and on reload). A size
+        changed in the file takes effect at the next start (arenas are sealed against
+        resizing)."""
+        for name, size in tenant_arena_bytes(self.cfg, tenants).items():
+            pool = self.pools.get(name)
+            if pool is not None:
+                if self.host.pool_bytes[pool] != size:
+                    log.warning("tenant %s: arena of %d bytes kept (the file asks %d; sizes "
+                                "change at the next start)", name, self.host.pool_bytes[pool],
+                                size)
+                continue
+            try:
+                arena = Arena(size, prefault=self.cfg.host_tier.prefault,
+                              name=f"kvtier-{name}"[:200])
+            except OSError as e:  # its shm sessions are refused; never handed another arena
+                log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
+                continue
+            pool = self.host.add_arena(arena)
+            if copier is not None:
+                copier.add_arena(pool)
+            self.pools[name] = pool
+            log.info("tenant %s: arena of %d bytes", name, size)
+
+    def of(self, tenant: str | None) -> int:
+        """The arena (pool) of ``tenant``'s blocks: its own, or the shared one (0)."""
+        return self.pools.get(tenant or "", 0)
+
+
+def cuda_transport(cfg: DaemonConfig, host: HostTier, cache: TieredCache,
+                   driver: CudaDriver | None) -> CudaIpcTransport | None:
+    """cuda_ipc: CUDA (cupy) only when enabled (or a driver given: tests); the arenas are
+    page-locked when it starts."""
+    if not cfg.transports.cuda_ipc and driver is None:
+        return None
+    if driver is None:
+        from kvtierd.transports.cuda_driver import CupyDriver
+
+        driver = CupyDriver()
+    return CudaIpcTransport(CudaIpcCopier(host, driver), cache)
+
+
+def open_storage(cfg: DaemonConfig) -> tuple[NvmeTier | None, Recovered | None]:
+    """The NVMe tier (None: not configured), its directory locked and the tier opened: one
+    daemon per disk directory, its lock before anything there is read or written
+    (lockfile.InUse: another daemon holds it; run() exits with it)."""
+    if not cfg.nvme_tier.disk_dir:
+        return None, None
+    nvme = _nvme_tier(cfg)
+    _lock_disk(nvme, cfg)
+    return nvme, _open_nvme(nvme, cfg)  # its index read; a degraded tier refused
+
+
+def attach_storage(cache: TieredCache, nvme: NvmeTier, opened: Recovered | None,
+                   cfg: DaemonConfig) -> TierLink:
+    """``nvme`` added to the cache's chain with its write policy (its recovered copies put
+    into the index); a directory that is not a kvtier one refuses the start."""
+    n = cfg.nvme_tier
+    try:
+        return cache.add_storage_tier(nvme, make_write_policy(
+            n.write_policy, flush_watermark=n.flush_watermark,
+            write_after_hits=n.write_after_hits), opened)
+    except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+        nvme.close()
+        raise StartupError(f"disk_dir {n.disk_dir} (--disk-dir) cannot be used: {e}; "
+                           f"check it with kvtierd fsck, or choose another "
+                           f"directory") from None
+
+
+def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublisher:
+    """The KV-event publisher (pyzmq and msgpack imported here), its sockets bound owner-only
+    (ipc://: then set to ``socket_mode``) and its thread started; ValueError naming the
+    setting when the packages are missing or an endpoint cannot be bound."""
+    from kvtierd.events import EventQueue
+    from kvtierd.events.publisher import EventPublisher, EventSettings, check_dependencies
+
+    check_dependencies()
+    e = cfg.events
+    publisher = EventPublisher(EventSettings(
+        endpoint=e.events_endpoint, replay_endpoint=e.events_replay_endpoint,
+        tenant_endpoint=e.events_tenant_endpoint,
+        tenant_replay_endpoint=e.events_tenant_replay_endpoint, topic=e.events_topic,
+        buffer_batches=e.events_buffer_batches, socket_mode=cfg.grpc.socket_mode),
+        EventQueue(e.events_queue_blocks))
+    with private_umask():
+        publisher.start(list(tenants.by_name) if tenants is not None else [])
+    return publisher
+
+
+def _lock_disk(nvme: NvmeTier, cfg: DaemonConfig) -> None:
+    """The NVMe directory's lock, now. A directory that cannot be made or opened yet (a
+    read-only or missing mount) refuses the start (StartupError), or with ``disk_optional`` is
+    locked by the tier's later open instead."""
+    try:
+        nvme.lock()
+    except OSError as e:
+        if not cfg.nvme_tier.disk_optional:
+            raise StartupError(disk_refusal(cfg, f"cannot lock it: {e.strerror or e}")) from None
+        log.warning("nvme directory %s not locked yet (%s): the tier locks it when it opens",
+                    nvme.cfg.directory, e.strerror or e)
+
+
+def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
+    """The cluster tier's settings from ``cfg`` (the password and the fleet key read from their
+    files here)."""
+    c = cfg.cluster_tier
+    seeds, tls = parse_url(c.cluster)
+    try:
+        import hiredis  # noqa: F401  (the parser redis-py uses when it is there)
+        import redis  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"cluster: the cluster tier needs redis-py and hiredis "
+                         f"(pip install 'kvtier[cluster]'): {e}") from None
+    password = ""
+    if c.cluster_password_file:
+        try:
+            password = Path(c.cluster_password_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
+    creds = Credentials(username=c.cluster_username, password=password, tls=tls,
+                        ca_file=c.cluster_tls_ca, cert_file=c.cluster_tls_cert,
+                        key_file=c.cluster_tls_key)
+    from kvtierd.tiers.cluster.keys import read_fleet_key
+
+    return ClusterSettings(
+        seeds=seeds, fleet_key=read_fleet_key(c.cluster_fleet_key_file),
+        tenanted=bool(cfg.tenancy.tenants_file), creds=creds,
+        write_policy=c.cluster_write_policy, ttl_s=c.cluster_ttl_s,
+        lookup_timeout_s=c.cluster_lookup_timeout_ms / 1000,
+        fetch_timeout_s=c.cluster_fetch_timeout_ms / 1000,
+        write_timeout_s=c.cluster_write_timeout_ms / 1000,
+        # blocks waiting for the cluster stay pinned in the host tier: never more than a quarter
+        queue_bytes=min(c.cluster_queue_bytes, cfg.host_tier.host_bytes // 4),
+        inflight_bytes=c.cluster_inflight_bytes, breaker_s=c.cluster_breaker_s)
+
+
+def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
+    """The NVMe tier over ``cfg.nvme_tier.disk_dir`` (not opened yet: ``_open_nvme``)."""
+    return NvmeTier(nvme_config(cfg))
+
+
+def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
+    """Open the NVMe tier (its index read and its files opened; nothing put into a cache yet)
+    before any host memory is reserved. A tier that is not a kvtier directory, or opens
+    degraded (disk full, read-only, unreadable index), refuses the start (StartupError, the
+    tier closed) unless ``disk_optional``: then it serves degraded, said in the ready line, and
+    a probe resumes it. None: not opened (the cache's restore tries once more, then defers)."""
+    try:
+        opened: Recovered | None = nvme.open()
+    except TierUnavailable:
+        opened = None
+    except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+        nvme.close()
+        raise StartupError(f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: "
+                           f"{e}; check it with kvtierd fsck, or choose another directory"
+                           ) from None
+    if not nvme.admitting and not cfg.nvme_tier.disk_optional:
+        reason = nvme.degraded_reason
+        nvme.close()
+        raise StartupError(disk_refusal(cfg, f"the NVMe tier opened degraded: {reason}"))
+    return opened
+
+
+def tenants(cfg: DaemonConfig) -> Tenants | None:
+    """The tenants file, checked against the metrics exposure; StartupError when it is not
+    valid (it may have changed since the CLI read it)."""
+    if not cfg.tenancy.tenants_file:
+        return None
+    found = config_checked(load_tenants, cfg.tenancy.tenants_file)
+    config_checked(check_metrics_exposure, cfg, len(found.metrics_digests))
+    return found
+
+
+def config_checked(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, its configuration ValueError (a file read at start) a StartupError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise StartupError(f"{e}") from None
