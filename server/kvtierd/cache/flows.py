@@ -24,8 +24,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from kvtier_contract.digests import block_digests
-from kvtierd.cache.cache import TieredCache, check_digest_count
+from kvtierd.cache.cache import TieredCache
 from kvtierd.cache.jobs import LoadJob, StoreJob
+from kvtierd.cache.stores import check_digest_count
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.sessions import Session

@@ -16,9 +16,9 @@ from kvtier_contract.errors import Unavailable
 from kvtier_contract.protoutil import split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache.answer_by import AnswerBy
-from kvtierd.cache.cache import check_origin
 from kvtierd.cache.flows import complete_load_verified, complete_store_hashed, prepare_store_fitted
 from kvtierd.cache.jobs import LoadJob
+from kvtierd.cache.stores import check_origin
 from kvtierd.domain import StoreStatus
 from kvtierd.service.base import ServiceBase
 from kvtierd.service.gate import rpc

@@ -1,0 +1,319 @@
+"""The store half of the cache: quota fit, room, two-phase stores, corrupt claims.
+
+Part of :class:`~kvtierd.cache.TieredCache` (kvtierd.cache.cache), which owns every attribute
+named here: :class:`Stores` is the half of that one class that reserves, commits and aborts
+entries (kvtierd.cache.reads is the half that pins and holds them; kvtierd.cache.flows runs
+the waiting and hashing around these calls, off the event loop where it hashes).
+
+* ``fit`` / ``room_for`` / ``fit_tenant``: a namespace's and a tenant's host quota, evicting
+  what they may; ``make_room``: the chain's flushes a batch must wait for.
+* ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
+  ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
+* ``corrupt_claims`` / ``drop_corrupt``: a load's claims of bytes that failed verification,
+  checked against the slots and dropped only when they really differ.
+
+Concurrency: event-loop thread only, no locks (the cache's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence, Set
+
+from kvtier_contract.errors import InvalidArgument, ResourceExhausted
+from kvtierd.cache.chain import TierLink
+from kvtierd.cache.fleet import SharedLink
+from kvtierd.cache.jobs import JobTable, LoadJob, StoreJob, check_live
+from kvtierd.cache.residency import HostResidency
+from kvtierd.domain import StoreStatus, Transport
+from kvtierd.events import MEDIUM_CPU
+from kvtierd.events.wire import pack_tokens
+from kvtierd.index import Entry, EntryState, NamespaceState
+from kvtierd.policies import EvictionPolicy
+from kvtierd.sessions import Session
+from kvtierd.tiers import HostTier
+
+
+def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
+    """A CompleteStore's digests: none, or exactly one per reserved key."""
+    if digests and len(digests) != len(job.items):
+        raise InvalidArgument(f"has {len(digests)} digests for {len(job.items)} reserved keys",
+                              field="digests")
+
+
+# A block keeps its token ids (4 bytes each, for its KV events) only while they take at most this
+# share of its slot: a client's namespace of tiny blocks and many tokens per block cannot make
+# the daemon hold more for its blocks than the quotas it is held to count (host_bytes, nvme_bytes).
+TOKEN_SHARE_OF_SLOT = 64
+
+
+def check_origin(ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int],
+                 parent: bytes | None) -> None:
+    """A store's optional token ids (exactly ``tokens_per_block`` per key) and parent key (32
+    bytes): InvalidArgument naming the field otherwise."""
+    if token_ids and len(token_ids) != len(keys) * ns.spec.tokens_per_block:
+        raise InvalidArgument(
+            f"has {len(token_ids)} token ids for {len(keys)} keys of "
+            f"{ns.spec.tokens_per_block} tokens (expected {len(keys) * ns.spec.tokens_per_block}"
+            " or none)", field="token_ids")
+    if parent is not None and len(parent) != 32:
+        raise InvalidArgument(f"must be 32 bytes (a block key) or empty, got {len(parent)}",
+                              field="parent_key")
+
+
+def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, Entry],
+                  token_ids: Sequence[int], parent: bytes | None) -> None:
+    """Each reserved entry (``items``: batch index -> entry) keeps its parent key and packed
+    token ids for its KV events; token ids past their share of the slot are not kept."""
+    span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
+    packed = pack_tokens(token_ids) if token_ids and \
+        span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
+    for i, e in items.items():
+        e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
+
+
+_check_live = check_live  # (kvtierd.cache.jobs: jobs attach only to live sessions)
+
+
+def _split_batch(ns: NamespaceState, keys: Sequence[bytes],
+                 status: bytearray) -> tuple[dict[bytes, int], set[Entry]]:
+    """A store batch's keys not held yet (key -> its first index in the batch; the others are
+    ALREADY_PRESENT in ``status`` and counted so), and its READY entries (not evicted to make
+    room for it)."""
+    protect: set[Entry] = set()
+    for k in keys:
+        e = ns.entries.get(k)
+        if e is not None and e.state is EntryState.READY:
+            protect.add(e)
+    c = ns.counters
+    fresh: dict[bytes, int] = {}
+    entries = ns.entries
+    for i, k in enumerate(keys):
+        if k in entries or k in fresh:
+            status[i] = StoreStatus.ALREADY_PRESENT
+            c.stores_already_present += 1
+        else:
+            fresh[k] = i
+    return fresh, protect
+
+
+class Stores:
+    """The store half of :class:`~kvtierd.cache.TieredCache`; see the module docstring. The
+    attributes below are the cache's."""
+
+    host: HostTier
+    policy: EvictionPolicy[Entry]
+    residency: HostResidency
+    host_quota: Callable[[NamespaceState], int | None]
+    chain: list[TierLink]
+    fleet: SharedLink | None
+    namespaces: dict[int, NamespaceState]
+    jobs: JobTable
+    pinned_blocks: int
+    writing_blocks: int
+    verify_bytes: bool
+
+    def fit(self, ns: NamespaceState, n_blocks: int, protect: Set[Entry] = frozenset()) -> None:
+        """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
+        (``fit_tenant``; nothing to do without one)."""
+        quota = self.host_quota(ns)
+        if quota is not None and ns.spec.tenant is not None and n_blocks:
+            self.fit_tenant(ns.spec.tenant, n_blocks * ns.slot_bytes, quota, protect)
+
+    def room_for(self, ns: NamespaceState, n: int, protect: Set[Entry] = frozenset()) -> int:
+        """How many of ``n`` new host slots of ``ns`` (blocks promoted from below, imported
+        from the cluster) its tenant's quota lets in, its own coldest blocks evicted for them
+        as for a store; the rest stay where they are (misses for now)."""
+        while n:
+            try:
+                self.fit(ns, n, protect)
+                return n
+            except ResourceExhausted:
+                n //= 2
+        return 0
+
+    def fit_tenant(self, tenant: str, new_bytes: int, quota: int,
+                   protect: Set[Entry] = frozenset()) -> None:
+        """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
+        evictable blocks go first (never another tenant's, nor those in ``protect``);
+        ResourceExhausted (quota host_bytes) when they cannot."""
+        mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
+        # resident, reserved (WRITING) and limbo slots, O(namespaces): a store that never
+        # completes holds its slots against its own tenant's quota, not the shared arena
+        used = sum((ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) *
+                   ns.slot_bytes for ns in mine)
+        excess = used + new_bytes - quota
+        if excess <= 0:
+            return
+        if new_bytes > quota:
+            raise ResourceExhausted(f"quota host_bytes ({quota}) is smaller than one batch of "
+                                    f"{new_bytes} bytes", field="quota", quota="host_bytes")
+        owned = set(mine)
+        victims = []
+        for n, e in enumerate(self.policy.victims()):
+            if excess <= 0 or n > 1 << 16:
+                break
+            if e.ns in owned and e.evictable() and e.in_host and e not in protect:
+                victims.append(e)
+                excess -= e.ns.slot_bytes
+        if excess > 0:
+            raise ResourceExhausted(f"quota host_bytes ({quota}) reached by tenant {tenant} "
+                                    "(its blocks are pinned or being written)", field="quota",
+                                    quota="host_bytes")
+        for e in victims:
+            self.residency.evict(e)
+
+    # -- stores -----------------------------------------------------------------------------------
+
+    async def make_room(self, ns: NamespaceState, keys: Sequence[bytes]) -> None:
+        """Backpressure before a store: let the chain clean the host tier's cold end so the new
+        blocks can be placed by evicting only blocks held below (no-op without a chain)."""
+        if self.chain:
+            new = sum(1 for k in keys if k not in ns.entries)
+            await self.chain[0].ensure_room(ns.slot_bytes, new, pool=ns.pool)
+
+    def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
+                      transport: Transport, *, token_ids: Sequence[int] = (),
+                      parent: bytes | None = None) -> tuple[StoreJob | None, bytes, list[int]]:
+        """Reserve the keys not held yet. ``token_ids`` (all the keys' tokens, or none) and
+        ``parent`` (the key before ``keys[0]``, or None) are kept with each reserved entry
+        while KV events are on, for its ``BlockStored``; checked either way (InvalidArgument
+        naming ``token_ids`` / ``parent_key``, nothing changed)."""
+        check_origin(ns, keys, token_ids, parent)
+        _check_live(session)
+        status = bytearray(len(keys))
+        offsets = [0] * len(keys)
+        items: dict[int, Entry] = {}
+        fresh, protect = _split_batch(ns, keys, status)
+        job_id = self.jobs.next_id()
+        c, entries = ns.counters, ns.entries
+        # One walk of the victims for the batch; what cannot be placed now is rejected (nothing
+        # evictable for this class: the rest of the batch cannot fit either).
+        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
+            if fresh else []
+        for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
+            e = Entry(ns, k, off, job_id)
+            entries[k] = e
+            items[i] = e
+            status[i] = StoreStatus.RESERVED
+            offsets[i] = off
+        if self.residency.events is not None:
+            _keep_origins(ns, keys, items, token_ids, parent)
+        rejected = len(fresh) - len(placed)
+        if rejected:
+            c.stores_rejected += rejected
+            for i in list(fresh.values())[len(placed):]:
+                status[i] = StoreStatus.REJECTED
+        if not items:
+            return None, bytes(status), offsets
+        job = StoreJob(job_id, session.id, ns, transport, items)
+        self.jobs.add(job)
+        session.store_jobs.add(job_id)
+        self.writing_blocks += len(items)
+        ns.writing_blocks += len(items)
+        return job, bytes(status), offsets
+
+    def complete_store(self, session: Session, job_id: int, ok: bool,
+                       item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
+                       digests: Sequence[int] = ()) -> tuple[int, int]:
+        """``digests``: one per reserved key (their order), each committed block's digest
+        (kvtierd.cache.flows computes or checks them); empty: tcp jobs take the digests of what
+        the data channel received, other blocks get none."""
+        job = self.jobs.get(session.id, job_id, StoreJob)
+        self.jobs.not_copying(job_id)
+        if item_ok and len(item_ok) != len(job.items):
+            raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
+                                  field="item_ok")
+        check_digest_count(digests, job)
+        return self._end_store(session, job, ok, item_ok, hold_until, digests)
+
+    def _end_store(self, session: Session, job: StoreJob, ok: bool, item_ok: Sequence[bool],
+                   hold_until: float, digests: Sequence[int] = ()) -> tuple[int, int]:
+        self.jobs.remove(job)
+        session.store_jobs.discard(job.id)
+        committed: list[Entry] = []
+        aborted = 0
+        ns, c = job.ns, job.ns.counters
+        for n, (i, e) in enumerate(sorted(job.items.items())):
+            good = ok and (item_ok[n] if item_ok else True)
+            if job.transport.daemon_moved and i not in job.received:
+                good = False  # the daemon never received these bytes
+            if good:
+                e.state = EntryState.READY
+                e.job = 0
+                if self.verify_bytes:
+                    e.digest = digests[n] if digests else job.digests.get(i)
+                ns.ready[e.key] = e
+                self.policy.insert(e)
+                self.residency.count(e, +1)
+                committed.append(e)
+            else:
+                self.residency.free_reserved(e, hold_until)
+                aborted += 1
+        self.writing_blocks -= len(job.items)
+        job.ns.writing_blocks -= len(job.items)
+        if committed:
+            if self.residency.events is not None:
+                self.residency.events.stored(committed, MEDIUM_CPU)
+            for link in self.chain:
+                link.on_committed(committed)
+            if self.fleet is not None:
+                self.fleet.on_committed(committed)
+        c.stores_accepted += len(committed)
+        c.stores_dropped += aborted
+        name = f"bytes_in_{job.transport.label}"
+        setattr(c, name, getattr(c, name) + len(committed) * ns.block_bytes)
+        return len(committed), aborted
+
+    def corrupt_claims(self, session: Session, job_id: int,
+                       indexes: Sequence[int]) -> list[Entry]:
+        """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
+        not match their digest) that have a digest and a host slot: the caller rehashes them
+        (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
+        client cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ.
+        Every index is checked first (INVALID_ARGUMENT, nothing changes)."""
+        job = self.jobs.get(session.id, job_id, LoadJob)
+        self.jobs.moves_bytes(job)
+        if len(indexes) > len(job.items):
+            raise InvalidArgument(f"has {len(indexes)} indexes for a job of {len(job.items)} "
+                                  "blocks", field="corrupt")
+        for i in indexes:
+            if i not in job.items:
+                raise InvalidArgument(f"key {i} is not a block of job {job_id}", field="corrupt")
+        return [e for e in (job.items[i] for i in dict.fromkeys(indexes))
+                if e.digest is not None and e.in_host]
+
+    def drop_corrupt(self, entries: Sequence[Entry]) -> int:
+        """Take corrupt blocks (``corrupt_claims``, rehashed) out of the host tier, counted in
+        ``corrupt_blocks``: the slot is freed at once when nothing else holds it (a block with
+        a copy below stays READY, served from there after a verified read). One that another
+        job still holds stays where it is: without a copy below it is no longer served and its
+        slot goes when the host tier evicts it; with one, it stays READY (every load checks it
+        again, and a later claim drops it). Never handed to the cluster tier's evict policy.
+        How many were found corrupt."""
+        n = 0
+        for e in entries:
+            ns = e.ns
+            if ns.entries.get(e.key) is not e or not e.in_host:
+                continue  # gone or moved meanwhile
+            n += 1
+            ns.counters.corrupt_blocks += 1
+            if not e.evictable():
+                if not e.copies:  # (with a copy it would stay in the index unserved for good)
+                    ns.ready.pop(e.key, None)
+                    if self.residency.events is not None:
+                        self.residency.events.removed((e,), MEDIUM_CPU)
+                continue
+            if self.residency.events is not None:
+                self.residency.events.removed((e,), MEDIUM_CPU)
+            self.policy.remove(e, evicted=False)
+            self.residency.count(e, -1)
+            self.host.free(e.offset, ns.slot_bytes)
+            e.offset = -1
+            if not e.copies:
+                self.residency.forget(e)
+            else:
+                for link in self.chain:
+                    link.on_host_evicted(e)
+        return n
+
+    # -- sessions and transfers -------------------------------------------------------------------
