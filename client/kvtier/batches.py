@@ -51,16 +51,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.buffers import byte_view
-from kvtier.results import LookupResult, PinnedEach, PinnedLookup, PutResult, SlicesLookup
-from kvtier.session import (
+from kvtier.calls import (
     MIN_RPC_S,
     Away,
     OutOfTime,
     PendingCall,
     Registered,
-    Session,
+    SessionPort,
     Unanswered,
 )
+from kvtier.results import LookupResult, PinnedEach, PinnedLookup, PutResult, SlicesLookup
 from kvtier_contract import errors
 from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -113,18 +113,18 @@ def guarded_gather(layout: Any, block_ids: Sequence[int], staging: Any,
     return staging if source is None else source
 
 
-def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
+def lookup(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> int:
     session.counters.lookups += 1
     packed = pack_keys(keys)
     if keys:
-        local = session._local_lookup(handle, packed, len(keys))
+        local = session.local_lookup(handle, packed, len(keys))
         if local is not None:
             return local
     try:
         total = 0
-        for start in range(0, len(keys), session._max_batch):
-            chunk = packed[start * KEY_BYTES : (start + session._max_batch) * KEY_BYTES]
-            reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+        for start in range(0, len(keys), session.max_batch):
+            chunk = packed[start * KEY_BYTES : (start + session.max_batch) * KEY_BYTES]
+            reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
                                                              keys=chunk))
             total += reply.hit_blocks
             if reply.hit_blocks < len(chunk) // KEY_BYTES:
@@ -135,22 +135,22 @@ def lookup(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
         return 0
 
 
-def lookup_local(session: Session, handle: Registered, keys: Sequence[bytes], *,
+def lookup_local(session: SessionPort, handle: Registered, keys: Sequence[bytes], *,
                  count: bool = True) -> int | None:
     if not keys:
         return 0
-    hit = session._local_lookup(handle, pack_keys(keys), len(keys), count=count)
+    hit = session.local_lookup(handle, pack_keys(keys), len(keys), count=count)
     if hit is not None and count:
         session.counters.lookups += 1
     return hit
 
 
-def lookup_detail(session: Session, handle: Registered, keys: Sequence[bytes]) -> LookupResult:
-    if len(keys) > session._max_batch:
-        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per detailed lookup",
+def lookup_detail(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> LookupResult:
+    if len(keys) > session.max_batch:
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per detailed lookup",
                                        field="keys")
     try:
-        reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+        reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
                                                          keys=pack_keys(keys)))
     except Away:
         session.counters.lookups_failed += 1
@@ -159,14 +159,14 @@ def lookup_detail(session: Session, handle: Registered, keys: Sequence[bytes]) -
                         [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
 
 
-def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes], *,
+def lookup_pinned(session: SessionPort, handle: Registered, keys: Sequence[bytes], *,
                   promote: bool = True) -> PinnedLookup:
-    if len(keys) > session._max_batch:
-        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per pinned lookup",
+    if len(keys) > session.max_batch:
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup",
                                        field="keys")
     session.counters.lookups += 1
     try:
-        reply = session._call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
+        reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
                                                          keys=pack_keys(keys), pin=True,
                                                          hold_only=not promote))
     except Away:
@@ -176,15 +176,15 @@ def lookup_pinned(session: Session, handle: Registered, keys: Sequence[bytes], *
                         reply.job_id, reply.boot_epoch)
 
 
-def lookup_each_pinned(session: Session, handle: Registered, keys: Sequence[bytes]) -> PinnedEach:
+def lookup_each_pinned(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> PinnedEach:
     """One answer per key (PrepareLoad's ``found``), the found ones pinned as one load job that
     moves no bytes until released (CompleteLoad)."""
-    if len(keys) > session._max_batch:
-        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per pinned lookup",
+    if len(keys) > session.max_batch:
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup",
                                        field="keys")
     session.counters.lookups += 1
     try:
-        reply = session._call("PrepareLoad", pb.PrepareLoadRequest(
+        reply = session.call("PrepareLoad", pb.PrepareLoadRequest(
             namespace_id=handle.namespace_id, keys=pack_keys(keys),
             transport=make_transport_value(session.transport_name)))
     except Away:
@@ -193,7 +193,7 @@ def lookup_each_pinned(session: Session, handle: Registered, keys: Sequence[byte
     return PinnedEach([bool(b) for b in reply.found], reply.job_id, reply.boot_epoch)
 
 
-def lookup_slices(session: Session, handles: Sequence[Registered],
+def lookup_slices(session: SessionPort, handles: Sequence[Registered],
                   chains: Sequence[Sequence[bytes]], *, promote: bool = True) -> SlicesLookup:
     """``lookup_pinned`` in every slice's namespace, in one round trip (LookupSlices) where the
     daemon serves it, else one lookup per slice with the same rules: each slice's keys cut at
@@ -201,16 +201,16 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
     if len(handles) != len(chains) or not handles:
         raise errors.InvalidArgument(f"{len(handles)} namespaces and {len(chains)} key chains: "
                                      "one chain per namespace, at least one", field="chains")
-    if any(len(keys) > session._max_batch for keys in chains):
-        raise errors.ResourceExhausted(f"at most {session._max_batch} keys per slice",
+    if any(len(keys) > session.max_batch for keys in chains):
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per slice",
                                        field="chains")
     session.counters.lookups += 1
     try:
-        session._ensure()  # (the open tells whether the daemon serves LookupSlices)
+        session.ensure()  # (the open tells whether the daemon serves LookupSlices)
     except Away:
         session.counters.lookups_failed += 1
         return SlicesLookup(0, [])
-    if not session._lookup_slices:  # an older daemon
+    if not session.lookup_slices_served:  # an older daemon
         out: list[PinnedLookup] = []
         hit: int | None = None
         for handle, keys in zip(handles, chains, strict=True):
@@ -223,7 +223,7 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
                 break
         return SlicesLookup(hit or 0, out)
     try:
-        reply = session._call("LookupSlices", pb.LookupSlicesRequest(
+        reply = session.call("LookupSlices", pb.LookupSlicesRequest(
             namespace_ids=[h.namespace_id for h in handles],
             keys=[pack_keys(keys) for keys in chains], pin=True, hold_only=not promote))
     except Away:
@@ -234,9 +234,9 @@ def lookup_slices(session: Session, handles: Sequence[Registered],
                      reply.boot_epoch) for r in reply.slices])
 
 
-def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int:
+def prefetch(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> int:
     try:
-        reply = session._call("Prefetch", pb.PrefetchRequest(
+        reply = session.call("Prefetch", pb.PrefetchRequest(
             namespace_id=handle.namespace_id, keys=pack_keys(keys)))
     except Away:
         return 0
@@ -245,7 +245,7 @@ def prefetch(session: Session, handle: Registered, keys: Sequence[bytes]) -> int
 
 # -- stores -----------------------------------------------------------------------------------------
 
-def put(session: Session, handle: Registered, keys: Sequence[bytes],
+def put(session: SessionPort, handle: Registered, keys: Sequence[bytes],
         views: list[memoryview], *, deadline: float | None = None,
         token_ids: Sequence[int] | None = None, parent: bytes | None = None) -> PutResult:
     """``token_ids`` (every key's tokens, ``tokens_per_block`` each) and ``parent`` (the key
@@ -254,7 +254,7 @@ def put(session: Session, handle: Registered, keys: Sequence[bytes],
     origin = check_origin(handle, keys, token_ids, parent)
 
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
-        return session._data().write(job_id, [(i, off, views[p]) for i, p, off
+        return session.data().write(job_id, [(i, off, views[p]) for i, p, off
                                               in zip(idx, pos, offsets, strict=True)],
                                      digest=session.verify_bytes)
 
@@ -277,7 +277,7 @@ def check_origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[
     return token_ids or (), tpb, parent or b""
 
 
-def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
+def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], layout: Any,
                block_ids: Sequence[int], *, deadline: float | None = None,
                guard: CopyGuard | None = None, token_ids: Sequence[int] | None = None,
                parent: bytes | None = None) -> PutResult:
@@ -294,7 +294,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
         digests = None  # None: the daemon hashes the slots at CompleteStore
         try:
             if source is None:
-                data = session._data()
+                data = session.data()
                 mover = data.mover(layout.device)  # type: ignore[attr-defined]
                 ids = [block_ids[p] for p in pos]
                 if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
@@ -306,7 +306,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
                 else:  # (the daemon's cuda_ipc copies write the slots: it hashes them)
                     mover.store(layout, ids, offsets, job_id)
             else:
-                digests = session._data().write(
+                digests = session.data().write(
                     job_id, [(i, off, byte_view(source[p])) for i, p, off
                              in zip(idx, pos, offsets, strict=True)], digest=session.verify_bytes)
         finally:
@@ -319,7 +319,7 @@ def put_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
     return _store(session, handle, keys, write, tp, deadline=deadline, origin=origin)
 
 
-def _store(session: Session, handle: Registered, keys: Sequence[bytes], write: Move,
+def _store(session: SessionPort, handle: Registered, keys: Sequence[bytes], write: Move,
            tp: int = 0, *, deadline: float | None = None,
            origin: tuple[Sequence[int], int, bytes] | None = None) -> PutResult:
     tp = tp or make_transport_value(session.transport_name)
@@ -346,7 +346,7 @@ class _StorePipe:
     error from a PrepareStore) still raise, after the same aborts. The put's thread only.
     """
 
-    def __init__(self, session: Session, handle: Registered, packed: bytes, write: Move,
+    def __init__(self, session: SessionPort, handle: Registered, packed: bytes, write: Move,
                  tp: int, deadline: float, pipelined: bool) -> None:
         self.session, self.handle, self.packed = session, handle, packed
         self.write, self.tp, self.deadline = write, tp, deadline
@@ -382,7 +382,7 @@ class _StorePipe:
                 _close(self.ahead, lambda job: self._job(*job))
                 _close(self.behind, lambda job: self._collect(*job))
             if self.trip:
-                self.session._trip(self.trip)  # reattach the transport on the next call
+                self.session.trip(self.trip)  # reattach the transport on the next call
         return self.result
 
     def _prepare(self, start: int, end: int) -> None:
@@ -396,7 +396,7 @@ class _StorePipe:
                 if start else parent
         call: PendingCall | Away
         try:
-            call = self.session._start("PrepareStore", request, deadline=self.deadline,
+            call = self.session.start("PrepareStore", request, deadline=self.deadline,
                                        inline=self.inline)
         except Away as e:
             call = e
@@ -457,25 +457,25 @@ class _StorePipe:
 
 # -- loads ------------------------------------------------------------------------------------------
 
-def get_into(session: Session, handle: Registered, keys: Sequence[bytes],
+def get_into(session: SessionPort, handle: Registered, keys: Sequence[bytes],
              views: list[memoryview], *, deadline: float | None = None,
              host_only: bool = False) -> list[bool]:
     def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
              digests: list[int]) -> list[int]:
-        return session._data().read(job_id, [(i, off, views[p]) for i, p, off
+        return session.data().read(job_id, [(i, off, views[p]) for i, p, off
                                              in zip(idx, pos, offsets, strict=True)], digests)
 
     return _load(session, handle, keys, read, deadline=deadline, host_only=host_only)
 
 
-def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layout: Any,
+def get_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], layout: Any,
                block_ids: Sequence[int], *, deadline: float | None = None,
                host_only: bool = False) -> list[bool]:
     """get_blocks over a mapped arena: scatter straight from the pinned slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
     def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
              digests: list[int]) -> list[int]:
-        data = session._data()
+        data = session.data()
         mover = data.mover(layout.device)  # type: ignore[attr-defined]
 
         def copy() -> None:
@@ -493,7 +493,7 @@ def get_blocks(session: Session, handle: Registered, keys: Sequence[bytes], layo
                  deadline=deadline, host_only=host_only)
 
 
-def _load(session: Session, handle: Registered, keys: Sequence[bytes], read: LoadMove,
+def _load(session: SessionPort, handle: Registered, keys: Sequence[bytes], read: LoadMove,
           tp: int = 0, *, deadline: float | None = None, host_only: bool = False) -> list[bool]:
     """Round after round until ``deadline``: the first asks for every key, each later one
     for the keys the daemon deferred (held below, not placed in the host tier that round),
@@ -545,7 +545,7 @@ class _LoadPipe:
     failed transfer trips the breaker once the jobs are closed). The get's thread only.
     """
 
-    def __init__(self, session: Session, handle: Registered, packed: bytes, read: LoadMove,
+    def __init__(self, session: SessionPort, handle: Registered, packed: bytes, read: LoadMove,
                  tp: int,
                  deadline: float, found: list[bool]) -> None:
         self.session, self.handle, self.packed = session, handle, packed
@@ -586,7 +586,7 @@ class _LoadPipe:
                 _close(self.ahead, lambda job: self._job(*job))
                 _close(self.behind, lambda job: self._collect(*job))
             if self.trip:
-                self.session._trip(self.trip)  # reattach the transport on the next call
+                self.session.trip(self.trip)  # reattach the transport on the next call
         if self.failure is not None:
             raise self.failure
         return self.served, self.deferred
@@ -597,7 +597,7 @@ class _LoadPipe:
                                         host_only=self.host_only)
         call: PendingCall | Away
         try:
-            call = self.session._start("PrepareLoad", request, deadline=self.deadline,
+            call = self.session.start("PrepareLoad", request, deadline=self.deadline,
                                        inline=self.inline)
         except Away as e:
             call = e
@@ -691,14 +691,14 @@ def _keys_at(packed: bytes, positions: list[int]) -> bytes:
 
 # -- pipelining ------------------------------------------------------------------------------------
 
-def _job_spans(session: Session, handle: Registered, tp: int, n: int) -> list[tuple[int, int]]:
+def _job_spans(session: SessionPort, handle: Registered, tp: int, n: int) -> list[tuple[int, int]]:
     """[start, end) of each job of a call of ``n`` keys: batches of ``max_batch`` keys when
     pipelining is off (``pipeline_bytes`` 0) or the daemon copies (cuda_ipc); else jobs of
     about ``pipeline_bytes`` (``_spans``)."""
     if tp == pb.TRANSPORT_CUDA_IPC or session.pipeline_bytes <= 0:
-        step = session._max_batch
+        step = session.max_batch
         return [(start, min(start + step, n)) for start in range(0, n, step)]
-    per_job = max(1, min(session._max_batch, session.pipeline_bytes // handle.block_bytes))
+    per_job = max(1, min(session.max_batch, session.pipeline_bytes // handle.block_bytes))
     return _spans(n, per_job)
 
 
@@ -717,19 +717,19 @@ def _spans(n: int, per_job: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
-def _pipelined(session: Session, spans: list[tuple[int, int]]) -> bool:
+def _pipelined(session: SessionPort, spans: list[tuple[int, int]]) -> bool:
     """Whether a call's jobs overlap their RPCs with the copies: with more than one job, unless
     ``pipeline_bytes`` is 0. Otherwise every RPC is made on the caller's thread, in order."""
     return len(spans) > 1 and session.pipeline_bytes > 0
 
 
-def _complete(session: Session, method: str, request: Any, prepared: Any, deadline: float,
+def _complete(session: SessionPort, method: str, request: Any, prepared: Any, deadline: float,
               inline: bool) -> PendingCall | Away:
     """Start the completion of a job (CompleteStore / CompleteLoad) under the session that
-    prepared it (``prepared``: its Prepare* request): ``Session._start_completion``. Away
+    prepared it (``prepared``: its Prepare* request): ``Session.start_completion``. Away
     (a value, not raised) when it could not even start."""
     try:
-        return session._start_completion(method, request, prepared.session_id, deadline,
+        return session.start_completion(method, request, prepared.session_id, deadline,
                                          inline=inline)
     except Away as e:
         return e
@@ -743,11 +743,11 @@ def _close(jobs: deque[Any], close: Callable[[Any], None]) -> None:
             close(jobs.popleft())
 
 
-def _late(session: Session, deadline: float) -> bool:
+def _late(session: SessionPort, deadline: float) -> bool:
     """Whether a job's copy would start too late: with less than ``MIN_RPC_S`` of the deadline
     left, as an RPC would not start (its Prepare* was answered before; its copy does not
     start, its completion aborts it)."""
-    if session._clock() <= deadline - MIN_RPC_S:
+    if session.clock() <= deadline - MIN_RPC_S:
         return False
     session.counters.out_of_time += 1
     return True
@@ -762,12 +762,12 @@ def _reply(call: PendingCall | Away) -> Any:
 
 # -- the transfer of a job -------------------------------------------------------------------------
 
-def _transfer(session: Session, what: str, move: Callable[[], None]) -> tuple[str, bool]:
+def _transfer(session: SessionPort, what: str, move: Callable[[], None]) -> tuple[str, bool]:
     """Run one job's transfer holding the data channel -> (failure, trip): ``""`` when it went
     through; a transport failure trips the breaker, a failed copy (e.g. a CUDA error) fails this
     job only."""
     try:
-        with session._transfer():
+        with session.transfer():
             move()
     except errors.TransportError as e:
         return f"{what} transfer: {e}", True
@@ -781,7 +781,7 @@ def make_transport_value(name: str) -> int:
     return int(pb.TRANSPORT_TCP if name == "tcp" else pb.TRANSPORT_SHM)
 
 
-def _blocks_transport(session: Session, layout: Any) -> int:
+def _blocks_transport(session: SessionPort, layout: Any) -> int:
     """The transport value of a put_blocks/get_blocks job: cuda_ipc only for CUDA layouts
     on a cuda_ipc session (CPU layouts move over the mapped arena like shm)."""
     if session.transport_name == "cuda_ipc" and getattr(layout.device, "type", "") == "cuda":
