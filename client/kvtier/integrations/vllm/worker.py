@@ -99,6 +99,7 @@ from kvtier.integrations.vllm.config import (
     Variant,
 )
 from kvtier.integrations.vllm.planner import LoadJob, LoadReport, StepReport, StoreJob
+from kvtier.settings import ClientSettings
 from kvtier_contract.errors import KvtierError
 
 log = logging.getLogger("vllm.kvtier")
@@ -250,11 +251,12 @@ class KvtierWorker:
                          PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout))
         for role in ("load", "store"):
             self._clients[role] = Client.connect(  # lazy: away is a miss, logged once per cause
-                self.cfg.address, self.cfg.transport, lazy=True, timeout_s=self.cfg.request_timeout_ms / 1000,
-                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, breaker=self.breaker,
-                probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
-                client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
-                unix_login=self.cfg.unix_login)
+                self.cfg.address, lazy=True, breaker=self.breaker, settings=ClientSettings(
+                    transport=self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                    probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
+                    client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
+                    unix_login=self.cfg.unix_login))
             self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
