@@ -7,8 +7,10 @@ namespaces. States::
     AWAY (no session) --_open: [Unix login] OpenSession, attach the transport, open the control
     channels, register every namespace--> CONNECTED --_disconnect--> AWAY
 
-``_open`` and ``_disconnect`` run under ``_conn_lock`` (reentrant; the session decides when:
-:mod:`kvtier.session`). Why an open failed is put in words naming the fix (:mod:`kvtier.diagnose`),
+``first_open`` (``Client.connect``'s, within one deadline), ``probe`` (the breaker's probe thread:
+prove the session or reopen it) and the session's ``ensure`` open it; ``trip`` (the daemon did
+not answer) opens the breaker and drops it, never waiting. ``_open`` and ``_disconnect`` run under
+``_conn_lock`` (reentrant). Why an open failed is put in words naming the fix (:mod:`kvtier.diagnose`),
 kept in ``counters.last_error`` and logged once per cause (``_note``; the breaker's ``causes``).
 
 Thread-safety: the session's callers, heartbeat and probe threads share it; (re)opening holds
@@ -65,20 +67,7 @@ class Connection:
         self.verify_bytes = s.verify_bytes
         self.control_channel = s.control_channel
         self.pipeline_bytes = s.pipeline_bytes  # settable per client (kvtier.batches reads it)
-        self._metadata = bearer_metadata(s.token, s.token_file)
-        self._login_path = ""
-        if s.unix_login:
-            if self._metadata:
-                raise errors.InvalidArgument("give a token or log in as the Unix peer, not both",
-                                             field="unix_login")
-            self._login_path = shm_socket_of(self.address)
-        self._tls = tls_credentials(s.tls_ca, s.tls_cert, s.tls_key)
-        self._tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
-        self._peer = Peer(self.address, s.transport,
-                          tls=self._tls is not None and not self.address.startswith("unix:"),
-                          ca=bool(s.tls_ca), client_cert=bool(s.tls_cert),
-                          token=bool(self._metadata), unix_login=s.unix_login,
-                          timeout_s=s.timeout_s)
+        self._take_credentials(s)
         self.counters = ClientCounters()
         self.breaker = breaker
         self.clock = clock
@@ -97,6 +86,24 @@ class Connection:
         self._control: ControlChannels | None = None  # the session's control channels
         self.local = LocalIndexes(clock) if s.local_lookups else None
         self._figures = TierFigures(clock)  # the daemon's per-tier load figures
+
+    def _take_credentials(self, s: ClientSettings) -> None:
+        """The token (or the Unix login's socket), the TLS files read, and what the diagnoses
+        know of them (``_peer``: no secret)."""
+        self._metadata = bearer_metadata(s.token, s.token_file)
+        self._login_path = ""
+        if s.unix_login:
+            if self._metadata:
+                raise errors.InvalidArgument("give a token or log in as the Unix peer, not both",
+                                             field="unix_login")
+            self._login_path = shm_socket_of(self.address)
+        self._tls = tls_credentials(s.tls_ca, s.tls_cert, s.tls_key)
+        self._tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
+        self._peer = Peer(self.address, s.transport,
+                          tls=self._tls is not None and not self.address.startswith("unix:"),
+                          ca=bool(s.tls_ca), client_cert=bool(s.tls_cert),
+                          token=bool(self._metadata), unix_login=s.unix_login,
+                          timeout_s=s.timeout_s)
 
     @property
     def connected(self) -> bool:
