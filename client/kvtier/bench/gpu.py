@@ -38,6 +38,28 @@ TARGET_GBPS = 45.0
 TARGET_RATIO = 0.8
 
 
+class _Sampler:
+    """Times transfers of ``nbytes`` each on ``device`` (synchronized before and after): GB/s
+    figures per name, every sample kept."""
+
+    def __init__(self, device: Any, nbytes: int) -> None:
+        import torch
+
+        self.device, self.nbytes, self._cuda = device, nbytes, torch.cuda
+        self.figures: dict[str, list[float]] = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self._cuda.synchronize()
+
+    def sample(self, name: str, fn: Callable[[], object]) -> None:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        self.figures.setdefault(name, []).append(self.nbytes / (time.perf_counter() - t0) / GB)
+
+
 def bench_gpu(args: argparse.Namespace) -> int:
     import torch
 
@@ -50,19 +72,7 @@ def bench_gpu(args: argparse.Namespace) -> int:
     layout, src, dst = _paged_cache(shape, n, device)
     bb = layout.block_bytes
     nbytes = n * bb
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    figures: dict[str, list[float]] = {}
-
-    def sample(name: str, fn: Callable[[], object]) -> None:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        figures.setdefault(name, []).append(nbytes / (time.perf_counter() - t0) / GB)
-
+    s = _Sampler(device, nbytes)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     base = "pinned copy" if device.type == "cuda" else "copy_"
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -81,8 +91,8 @@ def bench_gpu(args: argparse.Namespace) -> int:
             put, get = _round_trip(_bench_handle(daemon.unix, t, shape, clients), layout, src, dst)
             ops += [(f"{t} put_blocks (device->daemon)", put),
                     (f"{t} get_blocks (daemon->device)", get)]
-        exact = _measure(ops, layout, (src, dst), sync, sample, args.repeat, figures.clear)
-    best = {k: max(v) for k, v in figures.items()}
+        exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
+    best = {k: max(v) for k, v in s.figures.items()}
     report = _report(best, device, n, bb, exact, base, notes)
     print(report["table"])
     if args.json_out:
