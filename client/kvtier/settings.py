@@ -16,7 +16,7 @@ Thread-safety: immutable; share freely.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvtier_contract import errors
@@ -41,7 +41,7 @@ class ClientSettings:
     backoff_s: tuple[float, float] = (0.05, 1.0)
     """The probe interval of the client's own breaker, doubling from the first to the second
     (unused when a shared breaker is given)."""
-    tenant_key: bytes | None = None
+    tenant_key: bytes | None = field(default=None, repr=False)
     """The tenant's key mixed into block keys (``NamespaceHandle.block_keys``)."""
     probe_timeout_s: float | None = None
     """Each probe RPC's deadline (None or 0: ``min(timeout_s, 0.5)``)."""
@@ -50,9 +50,9 @@ class ClientSettings:
     local_lookups: bool = True
     """Answer ``lookup`` from the daemon's published index when it is on this host
     (:mod:`kvtier.local_index`)."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """The bearer token of this client's tenant, sent with every RPC (docs/security.md).
-    Never logged."""
+    Never logged (left out of the repr, as ``tenant_key`` is)."""
     token_file: str | None = None
     """A file whose first line is the token (read when the session is made)."""
     tls_ca: str | None = None
