@@ -1,4 +1,4 @@
-"""Session: the connection half of :class:`kvtier.Client`: channel, session, breaker, transport.
+"""Session: what a :class:`kvtier.Client` uses to reach its daemon (``client.session``).
 
 Never hang the engine: every RPC has a deadline (``timeout_s``, shortened to what is left of a
 caller's ``deadline``: an engine step's budget). When the daemon is down, silent or restarting, a
@@ -15,11 +15,12 @@ put in words naming the fix by :mod:`kvtier.diagnose`, kept in ``counters.last_e
 logged at WARNING once per cause (the breaker's ``causes``, shared by its sessions).
 
 The parts: what a call raises and a call started ahead in :mod:`kvtier.calls`; the connection
-(channel, daemon session, transport, opening) in :mod:`kvtier.connection`, this class's base;
-credentials in :mod:`kvtier.credentials`; what it is told in :class:`kvtier.settings.ClientSettings`.
-:mod:`kvtier.batches` uses only :class:`kvtier.batches.SessionPort` (``call``, ``start``,
-``start_completion``, ``trip``, ``transfer``, ``data``...), which this class implements;
-``probe`` is the breaker's.
+(channel, daemon session, opening, probing, tripping) in :mod:`kvtier.connection`, this class's
+base; the data transport in :mod:`kvtier.data_channel`; credentials in :mod:`kvtier.credentials`;
+what it is told in :class:`kvtier.settings.ClientSettings`. Here: the calls (``call``, ``start``,
+``start_completion``), the heartbeat and the RPC threads. :mod:`kvtier.batches` uses only
+:class:`kvtier.calls.SessionPort` (``call``, ``start``, ``trip``, ``transfer``, ``data``...),
+which this class implements; ``probe`` is the breaker's.
 """
 
 from __future__ import annotations
