@@ -55,7 +55,7 @@ def main() -> None:
         into = [memoryview(dst[i * block:(i + 1) * block]) for i in range(n)]
         source = KeySource()
         batches = [source.take(n) for _ in range(BATCHES)]
-        data = c._data()
+        data = c.session.data()
         data.write = timed("write", data.write)  # type: ignore[method-assign]
         data.read = timed("read", data.read)  # type: ignore[method-assign]
         for keys in batches:

@@ -91,7 +91,8 @@ def main() -> None:
                            or not op.name.endswith("_get")]  # (kvtier's get allocates)
                     measure(plan, block, ops, results, progress)
                     for c in clients:
-                        assert bool(c._control and c._control.calls) == c.control_channel
+                        s = getattr(c, "session", c)  # (the baseline tree's Client was its Session)
+                        assert bool(s._control and s._control.calls) == s.control_channel
                         c.close()
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],

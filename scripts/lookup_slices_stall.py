@@ -32,7 +32,7 @@ def beats(address: str, seconds: float, out: Any) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             t0 = time.perf_counter()
-            c._call("Heartbeat", pb.HeartbeatRequest())
+            c.session.call("Heartbeat", pb.HeartbeatRequest())
             times.append(time.perf_counter() - t0)
     out.put(times)
 

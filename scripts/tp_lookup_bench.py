@@ -51,7 +51,7 @@ def main() -> int:
             backends = [DaemonBackend(ident, ConnectorConfig(address=d.unix)) for _ in "ab"]
             for b in backends:
                 b.warmup()
-            backends[1].client._lookup_slices = False  # one pinned lookup per slice
+            backends[1].client.session.lookup_slices_served = False  # one pinned lookup per slice
             times: list[list[float]] = [[], []]
             hits = set()
             for i in range(args.calls + 20):

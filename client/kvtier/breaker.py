@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvtier.diagnose import CauseLog
@@ -41,10 +42,14 @@ class Breaker:
     """See the module docstring. Owns the probe thread; the members own their sessions."""
 
     def __init__(self, backoff_s: tuple[float, float] = (0.05, 1.0),
-                 causes: CauseLog | None = None) -> None:
+                 causes: CauseLog | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``causes``: where the members log why calls fail (one WARNING per cause and
-        interval, shared by every member: an engine worker's clients say it once)."""
+        interval, shared by every member: an engine worker's clients say it once); ``clock``:
+        the backoff's (a test's fake one: the probe thread then waits until the clock has passed
+        the interval and the breaker is notified, by a trip, an attach or a detach)."""
         self.causes = causes if causes is not None else CauseLog()
+        self._clock = clock
         self._min_s, self._max_s = backoff_s
         self._cond = threading.Condition()
         self._members: list[Member] = []
@@ -92,8 +97,8 @@ class Breaker:
                 with self._cond:
                     # The first probe waits too (a trip means trouble now). A later trip does not
                     # cut the wait short: only a close or the last member leaving does.
-                    end = time.monotonic() + interval
-                    while self._open and self._members and (left := end - time.monotonic()) > 0:
+                    end = self._clock() + interval
+                    while self._open and self._members and (left := end - self._clock()) > 0:
                         self._cond.wait(left)
                     members = list(self._members)
                     if not self._open or not members:

@@ -31,7 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
         alias = sub.add_parser(name, help=what, add_help=False)
         alias.add_argument("daemon_args", nargs=argparse.REMAINDER)
 
-    st = sub.add_parser("stats", help="print the daemon's statistics")
+    _stats_args(sub.add_parser("stats", help="print the daemon's statistics"))
+    _bench_args(sub.add_parser("bench",
+                               help="throughput and latency benchmark (see docs/benchmarks.md)"))
+    return p
+
+
+def _stats_args(st: argparse.ArgumentParser) -> None:
+    """The flags of ``kvtier stats``."""
     st.add_argument("--address", default=None,
                     help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
                          f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)")
@@ -49,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
     st.add_argument("--tls-key", help="PEM key of --tls-cert")
 
-    b = sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)")
+
+def _bench_args(b: argparse.ArgumentParser) -> None:
+    """The flags of ``kvtier bench``."""
     b.add_argument("suite", nargs="?", default="all",
                    help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak")
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
@@ -74,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overload, soak suites: seconds of load (default 20 and 60)")
     b.add_argument("--clients", type=int, default=4,
                    help="soak suite: client processes, killed and restarted at random")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,15 +155,16 @@ def as_flags(message: str) -> str:
 
 def _stats(args: argparse.Namespace) -> int:
     from kvtier.client import Client
+    from kvtier.settings import ClientSettings
     from kvtier_contract.errors import KvtierError
 
     try:
-        client = Client(args.address or defaults.default_address(), "tcp",
-                        timeout_s=args.timeout_s, heartbeat=False,
-                        token_file=None if args.unix_login else
-                        args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
-                        unix_login=args.unix_login,
-                        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        client = Client(args.address or defaults.default_address(), settings=ClientSettings(
+            transport="tcp", timeout_s=args.timeout_s, heartbeat=False,
+            token_file=None if args.unix_login else
+            args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
+            unix_login=args.unix_login,
+            tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key))
     except KvtierError as e:
         print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
         return 2
@@ -284,13 +293,7 @@ def format_stats(stats: dict[str, Any]) -> str:
     ]
     nvme = stats.get("nvme") or {}
     if nvme.get("enabled"):
-        nused, ncap = int(nvme["used_bytes"]), int(nvme["capacity_bytes"])
-        state = "admitting" if nvme["admitting"] else f"DEGRADED ({nvme['degraded_reason']})"
-        head.append(
-            f"nvme tier {format_bytes(nused)} / {format_bytes(ncap)} used, {state}, "
-            f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
-            f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
-            f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)")
+        head.append(_nvme_line(nvme))
     cluster = stats.get("cluster") or {}
     if cluster.get("enabled"):
         head += _cluster_lines(cluster)
@@ -305,17 +308,31 @@ def format_stats(stats: dict[str, Any]) -> str:
     for label, key in rows:
         lines.append(f"{label:<24}" + "".join(f"{_fmt(key, c.get(key, 0)):>{width}}"
                                               for _, c in cols))
-    total = stats["total"]
-    req = int(total.get("blocks_requested", 0))
-    if req:
-        hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
-                                                  "blocks_hit_local", "blocks_hit_cluster"))
-        lines.append(f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested")
+    lines += _hit_lines(stats["total"])
     if stats["namespaces"]:
         lines += _identity_lines(stats["namespaces"])
     if stats.get("tenants"):
         lines += _tenant_lines(stats["tenants"])
     return "\n".join(head + lines)
+
+
+def _nvme_line(nvme: dict[str, Any]) -> str:
+    nused, ncap = int(nvme["used_bytes"]), int(nvme["capacity_bytes"])
+    state = "admitting" if nvme["admitting"] else f"DEGRADED ({nvme['degraded_reason']})"
+    return (f"nvme tier {format_bytes(nused)} / {format_bytes(ncap)} used, {state}, "
+            f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
+            f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
+            f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)")
+
+
+def _hit_lines(total: dict[str, Any]) -> list[str]:
+    """The block hit ratio over every tier (none before a block was requested)."""
+    req = int(total.get("blocks_requested", 0))
+    if not req:
+        return []
+    hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
+                                              "blocks_hit_local", "blocks_hit_cluster"))
+    return [f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested"]
 
 
 _TIERS = {1: "host", 2: "nvme", 3: "cluster"}  # kvtier.v1.Tier

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvtier_contract.v1 import kvtier_pb2 as pb
+
+_TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme", pb.TIER_CLUSTER: "cluster"}
 
 
 @dataclass
@@ -96,3 +102,33 @@ class TierFigure:
     bytes_per_s: float
     age_s: float
     reads: int = 0
+
+
+class TierFigures:
+    """The daemon's latest per-tier load figures as a session received them (tier name ->
+    ``TierFigure`` and our clock when it arrived). Owned by one session; ``take`` on the threads
+    that get replies, ``now`` on any: one new dict swapped in whole, readers see old or new."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._got: dict[str, tuple[TierFigure, float]] = {}
+
+    def take(self, reply: Any) -> None:
+        """Keep the figures a reply carries (HeartbeatReply, OpenSessionReply), stamped with our
+        clock; a tier the reply leaves out keeps its older figure."""
+        now = self._clock()
+        got = {_TIER_NAMES[f.tier]: (TierFigure(f.latency_us / 1e6, float(f.bytes_per_s),
+                                                f.age_ms / 1e3, int(f.reads)), now)
+               for f in reply.tier_figures if f.tier in _TIER_NAMES}
+        if got:
+            self._got = {**self._got, **got}
+
+    def now(self) -> dict[str, TierFigure]:
+        """Each figure, its age grown by the time since it arrived."""
+        now = self._clock()
+        return {tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
+                for tier, (fig, at) in dict(self._got).items()}
+
+    def forget(self) -> None:
+        """Drop every figure (a test waiting for fresh ones)."""
+        self._got = {}

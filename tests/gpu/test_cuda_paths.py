@@ -80,7 +80,7 @@ def test_cuda_cache_round_trips(daemon: DaemonProcess, order: str, transport: st
         keys = ns.block_keys(list(range(16 * 7)))
         src_ids, dst_ids = [20, 3, 7, 0, 5, 11, 2], [1, 9, 4, 10, 23, 8, 12]
         assert ns.put_blocks(keys, src, src_ids).stored == 7
-        mover = client._data().mover(torch.device("cuda", torch.cuda.current_device()))
+        mover = client.session.data().mover(torch.device("cuda", torch.cuda.current_device()))
         if transport == "shm":
             assert mover.registered and mover.host.is_pinned()  # DMA, not pageable copies
         else:

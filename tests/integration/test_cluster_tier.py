@@ -154,7 +154,7 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
         (fig,) = st["tier_figures"]
         assert fig["tier"] == pb.TIER_CLUSTER and fig["reads"] >= 1 and fig["bytes_per_s"] > 0
         assert 0 <= fig["latency_us"] < 10_000_000
-        c._call("Heartbeat", pb.HeartbeatRequest())
+        c.session.call("Heartbeat", pb.HeartbeatRequest())
         assert c.tier_figures()["cluster"].reads == fig["reads"]
     with kvtier.Client.connect(a.unix, transport="tcp") as c:
         assert c.stats()["cluster"]["writes"] == 24

@@ -113,8 +113,8 @@ def test_shm_transfers_lookups_and_heartbeats_use_the_control_channel(
         assert ns.put(keys, data).stored == 8
         assert ns.lookup(keys) == 8
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        c._call("Heartbeat", pb.HeartbeatRequest())
-        assert c._control is not None and c._control.calls >= 6  # put 2, get 2, lookup, beat
+        c.session.call("Heartbeat", pb.HeartbeatRequest())
+        assert c.session._control is not None and c.session._control.calls >= 6  # put 2, get 2, lookup, beat
         metrics = _metrics(daemon)
         assert 'kvtier_connections{transport="control"} 1.0' in metrics
         # the same handlers: their latency histograms count these calls
@@ -132,14 +132,14 @@ def test_without_the_control_channel_the_client_uses_grpc(daemon_factory: Any,
         data = data_for(ns, 4)
         assert ns.put(keys, data).stored == 4
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c._control is not None and c._control.calls == 0
-        assert "not served" in c._control.refused
+        assert c.session._control is not None and c.session._control.calls == 0
+        assert "not served" in c.session._control.refused
     with kvtier.Client.connect(d.grpc, "tcp") as c:
         ns = c.register(make_namespace())
         assert ns.put(keys, data).already_present == 4
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c._control is not None and c._control.calls == 0
-        assert "serves no control channel" in c._control.refused
+        assert c.session._control is not None and c.session._control.calls == 0
+        assert "serves no control channel" in c.session._control.refused
 
 
 def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProcess) -> None:
@@ -150,7 +150,7 @@ def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProc
         assert ns.put(keys, data).stored == 8
         assert ns.lookup(keys) == 8
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c._control is not None and c._control.calls >= 5
+        assert c.session._control is not None and c.session._control.calls >= 5
         metrics = _metrics(daemon)
         assert 'kvtier_connections{transport="tcp"} 2.0' in metrics  # data + control
         assert 'kvtier_rpc_duration_seconds_count{method="PrepareLoad"} 1.0' in metrics
@@ -166,12 +166,12 @@ def test_a_control_connection_the_daemon_closed_while_idle_is_replaced(
         keys = ns.block_keys(list(range(16 * 2)))
         data = data_for(ns, 2, b"i")
         assert ns.put(keys, data).stored == 2
-        assert c._control is not None
+        assert c.session._control is not None
         time.sleep(1.5)  # the daemon closes the idle data and control connections
-        calls = c._control.calls
+        calls = c.session._control.calls
         assert ns.lookup(keys) == 2
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c._control.calls >= calls + 3  # on new control connections
+        assert c.session._control.calls >= calls + 3  # on new control connections
         assert c.breaker.trips == 0 and c.counters.puts_dropped == 0
 
 
@@ -313,7 +313,7 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
     ns_b = b.register(make_namespace(tenant="team-b"))
     keys = ns_b.block_keys(list(range(16 * 2)))
     assert ns_b.put(keys, data_for(ns_b, 2)).stored == 2
-    assert b._control is not None and b._control.calls >= 2
+    assert b.session._control is not None and b.session._control.calls >= 2
     a = Raw(d, TOKENS["team-a"])
     reply = a.open()
     s, _ = connect(d, reply.session_id, bytes(reply.data_secret))
@@ -326,7 +326,7 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
         assert status == grpc.StatusCode.NOT_FOUND.value[0] and b"unknown namespace" in body
         # and team-b's session is not reachable through it either
         status, body = call(s, "Heartbeat", pb.HeartbeatRequest(
-            session_id=b._session_id).SerializeToString())
+            session_id=b.session._session_id).SerializeToString())
         assert status == grpc.StatusCode.NOT_FOUND.value[0]
     a.channel.close()
     b.close()
@@ -371,7 +371,7 @@ def test_a_stopped_daemon_is_a_miss_within_the_timeout(daemon: DaemonProcess) ->
         ns = c.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2)))
         assert ns.put(keys, data_for(ns, 2)).stored == 2
-        assert c._control is not None and c._control.calls >= 2
+        assert c.session._control is not None and c.session._control.calls >= 2
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGSTOP)
         try:

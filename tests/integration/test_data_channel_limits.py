@@ -470,17 +470,17 @@ def test_the_sdk_reconnects_quietly_after_an_idle_close(start: StartDaemon) -> N
     with kvtier.Client.connect(d.grpc, "tcp", lease_ttl_s=30) as client:
         h = client.register(ns)
         assert h.put(ks[:4], [block(7, i) for i in range(4)]).stored == 4
-        sock = client._transport._sock  # type: ignore[union-attr]
+        sock = client.session.data()._sock  # type: ignore[union-attr]
         # idle: ERROR then EOF from the daemon, on the data connection and on the control
         # channel the first put used (closed on the daemon's own idle tick: waited for too, or a
         # call sent on it as the daemon closes it would race the close, which is not this test)
-        for s in [sock, *client._control._idle]:  # type: ignore[union-attr]
+        for s in [sock, *client.session._control._idle]:  # type: ignore[union-attr]
             assert select.select([s], [], [], 5.0)[0]
         assert h.put(ks[4:], [block(7, i) for i in range(4, 8)]).stored == 4
         got = h.get(ks)
         assert [bytes(b) if b is not None else None for b in got] == \
             [block(7, i) for i in range(8)]
-        assert client.breaker.allows() and client._transport.reconnects >= 1  # type: ignore[union-attr]
+        assert client.breaker.allows() and client.session.data().reconnects >= 1  # type: ignore[union-attr]
         assert client.counters.puts_dropped == 0 and client.counters.gets_failed == 0
 
 
@@ -490,8 +490,8 @@ def test_transfers_get_the_sessions_timeout_not_the_opens(start: StartDaemon) ->
     d = start()
     with kvtier.Client.connect(d.grpc, "tcp", timeout_s=3.0, probe_timeout_s=0.25) as client:
         client.register(make_namespace())
-        assert client._transport._sock.gettimeout() == 3.0  # type: ignore[union-attr]
-        client._trip("test: reopened by the probe")
+        assert client.session.data()._sock.gettimeout() == 3.0  # type: ignore[union-attr]
+        client.session.trip("test: reopened by the probe")
         assert client.breaker.wait_closed(10.0)
-        client._ensure()
-        assert client._transport._sock.gettimeout() == 3.0  # type: ignore[union-attr]
+        client.session.ensure()
+        assert client.session.data()._sock.gettimeout() == 3.0  # type: ignore[union-attr]

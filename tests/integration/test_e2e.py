@@ -282,7 +282,7 @@ def test_failed_transfer_aborts_its_reservation_at_once(daemon: DaemonProcess, t
         def broken(job_id: int, items: Any, **kw: Any) -> None:
             raise TransportError("cable pulled")
 
-        client._transport.write = broken  # type: ignore[union-attr,method-assign]
+        client.session.data().write = broken  # type: ignore[method-assign]
         assert ns.put(keys, blocks(3, ns.block_bytes)).dropped == 3
         stats = client.stats()
         assert stats["writing_blocks"] == 0  # not left reserved until the lease ends
@@ -301,7 +301,7 @@ def test_a_load_whose_lease_lapsed_mid_copy_is_a_miss(daemon_factory: Any) -> No
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2)))
         assert ns.put(keys, blocks(2, ns.block_bytes)).stored == 2
-        transport = client._transport
+        transport = client.session.data()
         assert transport is not None
         real_read = transport.read
 
@@ -322,7 +322,7 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
     the mapping is closed when that transfer ends, not under it."""
     with kvtier.Client.connect(daemon.unix, "shm") as client:
         ns = client.register(make_namespace())
-        transport = client._data()
+        transport = client.session.data()
         entered, release = threading.Event(), threading.Event()
         real_write = transport.write
 
@@ -338,7 +338,7 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
             ns.put(keys, [bytes(ns.block_bytes)])))
         worker.start()
         assert entered.wait(10)
-        client._trip("daemon looked away")  # what the heartbeat thread does on a failure
+        client.session.trip("daemon looked away")  # what the heartbeat thread does on a failure
         assert transport._view is not None  # still mapped: the copy is running
         release.set()
         worker.join(10)

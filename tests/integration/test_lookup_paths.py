@@ -115,11 +115,11 @@ def test_writing_blocks_are_invisible_on_both_paths(daemon: DaemonProcess) -> No
     try:
         keys = p.local.block_keys(list(range(16 * 8)))
         assert p.lookup(keys) == 0
-        prep = p.local_client._call("PrepareStore", pb.PrepareStoreRequest(
+        prep = p.local_client.session.call("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=p.local.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM))
         assert len(prep.offsets) == 8
         assert p.lookup(keys) == 0  # reserved, WRITING: invisible
-        p.local_client._call("CompleteStore", pb.CompleteStoreRequest(job_id=prep.job_id, ok=False))
+        p.local_client.session.call("CompleteStore", pb.CompleteStoreRequest(job_id=prep.job_id, ok=False))
         assert p.lookup(keys) == 0
     finally:
         p.close()

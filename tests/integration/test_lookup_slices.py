@@ -44,10 +44,10 @@ def test_the_same_answer_as_one_pinned_lookup_per_slice(daemon: DaemonProcess,
                                                         control: bool) -> None:
     with kvtier.Client.connect(daemon.unix, "shm", control_channel=control) as c:
         handles, chains = slices(c, [6, 4, 5])
-        calls = c._control.calls if c._control is not None else 0
+        calls = c.session._control.calls if c.session._control is not None else 0
         got = c.lookup_slices(handles, chains)
         if control:
-            assert c._control is not None and c._control.calls == calls + 1  # one round trip
+            assert c.session._control is not None and c.session._control.calls == calls + 1  # one round trip
         # per slice, its keys cut at the hit so far: 6, then 4 of 6, then 4 of 4
         one_by_one = [handles[0].lookup_pinned(chains[0])]
         one_by_one.append(handles[1].lookup_pinned(chains[1][:6]))
@@ -79,7 +79,7 @@ def test_an_older_daemon_gets_one_lookup_per_slice_with_the_same_answer(
         daemon: DaemonProcess) -> None:
     with kvtier.Client.connect(daemon.unix, "shm") as c:
         handles, chains = slices(c, [6, 4, 5])
-        c._lookup_slices = False  # as an OpenSessionReply without lookup_slices says
+        c.session.lookup_slices_served = False  # as an OpenSessionReply without lookup_slices says
         got = c.lookup_slices(handles, chains)
         assert got.hits == 4 and [s.hits for s in got.slices] == [6, 4, 4]
         for s in got.slices:
@@ -108,7 +108,7 @@ def raw(daemon: DaemonProcess) -> Iterator[Raw]:
 def test_bad_input_names_the_field_and_pins_nothing(daemon: DaemonProcess, raw: Raw) -> None:
     with kvtier.Client.connect(daemon.unix, "tcp") as c:
         handles, chains = slices(c, [6, 6])
-        sid = c._session_id
+        sid = c.session._session_id
         ids = [h.namespace_id for h in handles]
         keys = [b"".join(k) for k in chains]
         assert raw.stub.OpenSession(pb.OpenSessionRequest(client_name="raw")).session_id

@@ -252,7 +252,7 @@ def test_a_pinned_lookup_gives_no_offset_whose_slot_may_change(big_daemon: Daemo
         ns = client.register(make_namespace(**BIG))
         keys = ns.block_keys(list(range(16 * 100)))
         seen = ns.lookup_detail(keys)
-        reply = client._call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id,
+        reply = client.session.call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id,
                                                         keys=b"".join(keys), pin=True))
         assert reply.hit_blocks == 100 and list(reply.tiers).count(1) == seen.tiers.count("host")
         assert set(reply.offsets) == {(1 << 64) - 1}  # write-through: every hit is on NVMe too

@@ -44,8 +44,8 @@ def record(client: kvtier.Client) -> list[str]:
     """The order in which the caller's thread starts RPCs and copies: ``PrepareStore``,
     ``write 3`` (a copy of 3 blocks), ``CompleteStore``, ..."""
     log: list[str] = []
-    start, complete = client._start, client._start_completion
-    transport = client._data()
+    start, complete = client.session.start, client.session.start_completion
+    transport = client.session.data()
 
     def _start(method: str, request: Any, **kwargs: Any) -> Any:
         log.append(method)
@@ -55,8 +55,8 @@ def record(client: kvtier.Client) -> list[str]:
         log.append(method)
         return complete(method, *args, **kwargs)
 
-    client._start = _start  # type: ignore[method-assign]
-    client._start_completion = _start_completion  # type: ignore[method-assign]
+    client.session.start = _start  # type: ignore[method-assign]
+    client.session.start_completion = _start_completion  # type: ignore[method-assign]
     def logged(name: str) -> Callable[..., Any]:
         real = getattr(transport, name)
 
@@ -74,7 +74,7 @@ def record(client: kvtier.Client) -> list[str]:
 def fail_copy(client: kvtier.Client, name: str, nth: int,
               error: Callable[[], Exception] = lambda: TransportError("injected")) -> None:
     """The ``nth`` copy (1-based) of the attached transport's ``name`` ("write"/"read") fails."""
-    transport = client._data()
+    transport = client.session.data()
     real, calls = getattr(transport, name), [0]
 
     def copy(job_id: int, items: Any, *args: Any, **kw: Any) -> Any:
@@ -158,7 +158,7 @@ def test_a_later_job_the_daemon_does_not_answer_loses_no_earlier_job(
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     data = blocks(10, ns.block_bytes)
-    client._stub = SilentFor(client._stub, "PrepareStore",
+    client.session._stub = SilentFor(client.session._stub, "PrepareStore",
                              lambda request: request.keys[:32] == keys[5])
     # Jobs 0 and 1 are stored; job 2 went unanswered; job 3, prepared ahead, is aborted, not
     # copied, and only then does the breaker trip: no slot stays reserved until the lease ends.
@@ -205,7 +205,7 @@ def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     data = blocks(10, ns.block_bytes)
-    transport = client._data()
+    transport = client.session.data()
     real_write, real_read = transport.write, transport.read
 
     def slow(real: Any) -> Callable[..., Any]:
@@ -242,7 +242,7 @@ def test_a_lease_lapsing_during_a_later_job_turns_the_whole_get_into_misses(
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 10)))
         assert ns.put(keys, blocks(10, ns.block_bytes)).stored == 10
-        target = client._data()
+        target = client.session.data()
         real_read, reads = target.read, [0]
 
         def stalled_read(job_id: int, items: Any, *args: Any) -> list[int]:
@@ -286,7 +286,7 @@ def test_threads_sharing_a_client_each_get_their_own_bytes(client: kvtier.Client
 def test_without_pipelining_each_batch_is_one_job_after_the_other(
         client: kvtier.Client) -> None:
     client.pipeline_bytes = 0
-    client._max_batch = 6  # what the daemon would say in OpenSession; two batches here
+    client.session._max_batch = 6  # what the daemon would say in OpenSession; two batches here
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     log = record(client)
@@ -295,7 +295,7 @@ def test_without_pipelining_each_batch_is_one_job_after_the_other(
     assert log == ["PrepareStore", "write 6", "CompleteStore", "PrepareStore", "write 4",
                    "CompleteStore", "PrepareLoad", "read 6", "CompleteLoad", "PrepareLoad",
                    "read 4", "CompleteLoad"]
-    assert client._rpc_pool is None  # every RPC made on the caller's thread, in order
+    assert client.session._rpc._pool is None  # every RPC made on the caller's thread, in order
 
 
 def test_a_call_of_one_job_makes_its_rpcs_on_the_callers_thread(client: kvtier.Client) -> None:
@@ -306,4 +306,4 @@ def test_a_call_of_one_job_makes_its_rpcs_on_the_callers_thread(client: kvtier.C
     into = np.zeros((JOB, ns.block_bytes), dtype=np.uint8)
     assert ns.get_into(keys, list(into)) == [True] * JOB
     assert all((into[i] == data[i]).all() for i in range(JOB))
-    assert client._rpc_pool is None  # nothing to overlap: no hand-off to an RPC thread
+    assert client.session._rpc._pool is None  # nothing to overlap: no hand-off to an RPC thread

@@ -64,7 +64,7 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
     d, latency = slow
     with kvtier.Client.connect(d.unix, "shm", lease_ttl_s=0.6, local_lookups=False,
                                control_channel=control_channel) as client:
-        assert (client._control is not None) == control_channel
+        assert (client.session._control is not None) == control_channel
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
         for i in range(0, len(keys), 16):
@@ -86,7 +86,7 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
             return client.tier_figures().get("nvme") or TierFigure(1.0, 1.0, 0.0)
 
         def fig_reads() -> int:
-            reply = client._call("Heartbeat", pb.HeartbeatRequest())  # as the thread does
+            reply = client.session.call("Heartbeat", pb.HeartbeatRequest())  # as the thread does
             return sum(f.reads for f in reply.tier_figures)
 
         latency.write_text(str(SLOW_MS))
@@ -97,7 +97,7 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
             load()
             took = max(took, time.monotonic() - t0)
             assert time.monotonic() - t0 >= SLOW_MS / 1000  # the disk is slow: a load waits
-        client._tier_figures = {}  # (the loads' heartbeats brought some: wait for the thread's)
+        client.session._figures.forget()  # (the loads' heartbeats brought some: wait for the thread's)
         wait_for("the slow NVMe figure", lambda: (nvme_latency(client) or 0) >= 0.9 * SLOW_MS / 1000,
                  timeout=1.0)  # a heartbeat comes every 0.2 s
         fig = client.tier_figures()["nvme"]
@@ -107,11 +107,11 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
             assert SLOW_MS / 1000 * 0.9 < fig.latency_s + n * ns.block_bytes / fig.bytes_per_s \
                 <= took + 0.02
 
-        reply = client._call("Heartbeat", pb.HeartbeatRequest())  # the same path as the loop
+        reply = client.session.call("Heartbeat", pb.HeartbeatRequest())  # the same path as the loop
         assert [f.tier for f in reply.tier_figures] == [pb.TIER_NVME]
         assert reply.tier_figures[0].latency_us >= 0.9 * SLOW_MS * 1000
         if control_channel:
-            assert client._control is not None and client._control.calls > 0
+            assert client.session._control is not None and client.session._control.calls > 0
 
         latency.write_text("0")  # the disk recovers
         time.sleep(0.15)

@@ -42,9 +42,9 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(bytes(g) for g in got if g is not None)).hexdigest()
         print(json.dumps({"lookup": ns.lookup(keys), "ok": sum(ok), "digest": digest}))
     elif role == "reserve":
-        prep = client._call("PrepareStore", pb.PrepareStoreRequest(
+        prep = client.session.call("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=ns.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM))
-        view = client._data()._arena()  # type: ignore[attr-defined]
+        view = client.session.data()._arena()  # type: ignore[attr-defined]
         off = prep.offsets[0]
         view[off : off + ns.block_bytes // 2] = block(seed, 0, ns.block_bytes)[: ns.block_bytes // 2]
         print("RESERVED", flush=True)

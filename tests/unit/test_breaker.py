@@ -4,7 +4,6 @@ raises, and repeated trips do not cut its backoff short."""
 from __future__ import annotations
 
 import threading
-import time
 
 from kvtier.breaker import Breaker
 
@@ -14,11 +13,13 @@ class Member:
         self.answers = answers  # True / False / an exception to raise, one per probe
         self.calls = 0
         self.lock = threading.Lock()
+        self.probed = threading.Event()  # set by each probe
 
     def probe(self) -> bool:
         with self.lock:
             self.calls += 1
             answer = self.answers.pop(0) if self.answers else True
+            self.probed.set()
         if isinstance(answer, BaseException):
             raise answer
         return bool(answer)
@@ -36,15 +37,29 @@ def test_a_probe_that_raises_is_a_failed_probe_and_the_thread_keeps_probing() ->
 
 
 def test_trips_while_open_do_not_cut_the_backoff_short() -> None:
-    b = Breaker(backoff_s=(0.2, 0.2))
+    now = [0.0]
+    read = threading.Event()  # the probe thread read the clock: it is timing its first wait
+
+    def clock() -> float:
+        read.set()
+        return now[0]
+
+    b = Breaker(backoff_s=(0.2, 0.2), clock=clock)
     m = Member([False] * 100)
     b.attach(m)
     b.trip("down")
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.0:  # callers keep tripping, as failing calls do
+    assert read.wait(5.0)  # its first probe is due at 0.2 s on the clock
+    for _ in range(1000):  # callers keep tripping, as failing calls do: each wakes the thread
         b.trip("still down")
-        time.sleep(0.001)
-    assert m.calls <= 6, m.calls  # ~one probe per 0.2 s, not one per trip
+    assert m.calls == 0  # no probe before the interval is over, however many trips
+    now[0] = 0.2
+    b.trip("still down")  # (wakes it) the interval is over: one probe
+    assert m.probed.wait(5.0)
+    for _ in range(1000):
+        b.trip("still down")
+    assert m.calls == 1, m.calls  # one probe per 0.2 s, not one per trip
+    thread = b._thread
+    assert thread is not None
     b.detach(m)  # the last member leaving ends the thread
-    time.sleep(0.5)
+    thread.join(5.0)
     assert b._thread is None

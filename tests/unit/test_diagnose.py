@@ -15,6 +15,7 @@ import pytest
 from kvtier.breaker import Breaker
 from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_rpc
 from kvtier.session import Session
+from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 
 TCP = Peer("kvtier.example:50051", "tcp", tls=True, ca=True, token=True, timeout_s=0.5)
@@ -93,7 +94,7 @@ def test_the_sessions_of_one_breaker_share_its_cause_log() -> None:
 def test_a_failure_known_only_by_its_words_is_explained_too(tmp_path: Path) -> None:
     """Calls started on the RPC threads report ``Method: CODE: details``; the session explains
     those as a failed connect would, and any other words keep what failed as their cause."""
-    session = Session(f"unix://{tmp_path}/k.sock", heartbeat=False)
+    session = Session(f"unix://{tmp_path}/k.sock", ClientSettings(heartbeat=False))
     try:
         session._note(
             "PrepareStore: UNAVAILABLE: failed to connect to all addresses; last error: "

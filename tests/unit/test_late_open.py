@@ -176,10 +176,19 @@ async def test_the_sweeper_keeps_expiring_leases_while_a_late_open_runs(
     held.heal()
     daemon._sweeper = asyncio.get_running_loop().create_task(daemon._sweep())
     await held.wait_entered()  # a probe is opening the tier, held
+    expired = asyncio.Event()  # set by the sweeper once it expired a lease
+    sweep = daemon.sessions.sweep
+
+    def sweep_and_tell() -> int:
+        n = sweep()
+        if n:
+            expired.set()
+        return n
+
+    monkeypatch.setattr(daemon.sessions, "sweep", sweep_and_tell)
     daemon.sessions.open("c", 0.01, Transport.SHM)
-    deadline = time.monotonic() + 3  # well before the held open would give up (10 s)
-    while daemon.sessions.expired_total == 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    # well before the held open would give up (10 s)
+    await asyncio.wait_for(expired.wait(), 3)
     assert daemon.sessions.expired_total == 1  # swept while the open is still held
     assert not daemon.cache.chain[0].tier.admitting
     held.release()
@@ -200,8 +209,7 @@ async def test_a_drain_during_a_late_open_waits_for_it_and_checkpoints_every_blo
     sweeper = daemon._sweeper = asyncio.get_running_loop().create_task(daemon._sweep())
     await held.wait_entered()  # the sweeper's probe is opening the tier, held
     drain = asyncio.create_task(daemon.drain_and_stop())
-    while not sweeper.done():
-        await asyncio.sleep(0)
+    await asyncio.wait({sweeper})  # (cancelled by the drain)
     held.release()  # the open ends while the drain runs
     await drain
     again = make_rig()

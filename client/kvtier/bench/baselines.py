@@ -77,21 +77,41 @@ def distinct_bytes(views: list[memoryview]) -> int:
 def memcpy_ops(plan: Plan, block: int) -> list[Op]:
     """memcpy as put (one batch into fresh memory) and as get_into (distinct memory into one
     batch), each over ``plan.sample_bytes(block)`` bytes per sample."""
-    n, batches = plan.blocks_per_batch(block), plan.batches(block)
-    total = plan.sample_bytes(block)
     batch = random_batch(plan, block)
+    return [_memcpy_put(plan, block, batch), _memcpy_get(plan, block, batch)]
+
+
+def _memcpy_put(plan: Plan, block: int, batch: Any) -> Op:
+    """put: the batch's blocks, batch after batch, into consecutive blocks of a sample-sized
+    area."""
+    n, batches = plan.blocks_per_batch(block), plan.batches(block)
     batch_views = block_views(batch, block, n)
     copyto = np.copyto
-
-    # put: the batch's blocks, batch after batch, into consecutive blocks of a sample-sized area
-    fresh = prefaulted(total)
+    fresh = prefaulted(plan.sample_bytes(block))
     fresh_views = block_views(fresh, block, n * batches)
     put_src = [batch_views[i % n] for i in range(n * batches)]
     put_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
                  for d, s in zip(fresh_views, put_src, strict=True)]
 
-    # get: a sample-sized area whose batches all differ, block by block into one batch buffer
-    stored = prefaulted(total)
+    def run_put() -> None:
+        for d, s in put_pairs:
+            copyto(d, s)
+
+    def check_put() -> None:
+        for j in range(batches):
+            assert np.array_equal(fresh[j * n * block : (j + 1) * n * block], batch), \
+                f"memcpy (as put) left batch {j} of the destination other than the source"
+
+    return Op("memcpy_put", f"memcpy as put {size_label(block)}", run_put, check_put,
+              Touches(src=distinct_bytes(put_src), dst=distinct_bytes(fresh_views)))
+
+
+def _memcpy_get(plan: Plan, block: int, batch: Any) -> Op:
+    """get: a sample-sized area whose batches all differ, block by block into one batch
+    buffer."""
+    n, batches = plan.blocks_per_batch(block), plan.batches(block)
+    copyto = np.copyto
+    stored = prefaulted(plan.sample_bytes(block))
     for j in range(batches):
         np.bitwise_xor(batch, j & 0xFF, out=stored[j * n * block : (j + 1) * n * block])
     stored_views = block_views(stored, block, n * batches)
@@ -101,28 +121,16 @@ def memcpy_ops(plan: Plan, block: int) -> list[Op]:
     get_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
                  for d, s in zip(get_dst, stored_views, strict=True)]
 
-    def run_put() -> None:
-        for d, s in put_pairs:
-            copyto(d, s)
-
     def run_get() -> None:
         for d, s in get_pairs:
             copyto(d, s)
-
-    def check_put() -> None:
-        for j in range(batches):
-            assert np.array_equal(fresh[j * n * block : (j + 1) * n * block], batch), \
-                f"memcpy (as put) left batch {j} of the destination other than the source"
 
     def check_get() -> None:
         assert np.array_equal(dst, stored[(batches - 1) * n * block :]), \
             "memcpy (as get) copied other bytes than the last batch"
 
-    label = size_label(block)
-    return [Op("memcpy_put", f"memcpy as put {label}", run_put, check_put,
-               Touches(src=distinct_bytes(put_src), dst=distinct_bytes(fresh_views))),
-            Op("memcpy_get", f"memcpy as get {label}", run_get, check_get,
-               Touches(src=distinct_bytes(stored_views), dst=distinct_bytes(get_dst)))]
+    return Op("memcpy_get", f"memcpy as get {size_label(block)}", run_get, check_get,
+              Touches(src=distinct_bytes(stored_views), dst=distinct_bytes(get_dst)))
 
 
 # -- raw loopback TCP stream -----------------------------------------------------------------------
@@ -258,6 +266,26 @@ def redis_client(port: int) -> Any:
     return redis.Redis(connection_pool=pool)
 
 
+def _redis_set(r: Any, batches: list[list[bytes]], views: list[Any]) -> None:
+    """SET each batch of keys to ``views``, one pipeline per batch."""
+    for batch in batches:
+        pipe = r.pipeline(transaction=False)
+        for key, v in zip(batch, views, strict=True):
+            pipe.set(key, v)
+        pipe.execute()
+
+
+def _redis_get(r: Any, batches: list[list[bytes]], got: list[bytes | None]) -> None:
+    """GET each batch of keys, one pipeline per batch; ``got``: the last batch's values."""
+    for batch in batches:
+        pipe = r.pipeline(transaction=False)
+        for key in batch:
+            pipe.get(key)
+        got[:] = pipe.execute()
+        if any(g is None for g in got):
+            raise RuntimeError("Redis GET missed keys that were just SET")
+
+
 def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
     """SET of fresh keys, then GET of those keys, through pipelines (one per batch)."""
     r = redis_client(port)
@@ -278,20 +306,10 @@ def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
 
     def put() -> None:
         current[:] = pending.pop(0) if pending else names(next(samples))
-        for batch in current:
-            pipe = r.pipeline(transaction=False)
-            for key, v in zip(batch, views, strict=True):
-                pipe.set(key, v)
-            pipe.execute()
+        _redis_set(r, current, views)
 
     def get() -> None:
-        for batch in current:
-            pipe = r.pipeline(transaction=False)
-            for key in batch:
-                pipe.get(key)
-            got[:] = pipe.execute()
-            if any(g is None for g in got):
-                raise RuntimeError("Redis GET missed keys that were just SET")
+        _redis_get(r, current, got)
 
     def check() -> None:
         assert b"".join(g or b"" for g in got) == src.tobytes(), \

@@ -38,6 +38,28 @@ TARGET_GBPS = 45.0
 TARGET_RATIO = 0.8
 
 
+class _Sampler:
+    """Times transfers of ``nbytes`` each on ``device`` (synchronized before and after): GB/s
+    figures per name, every sample kept."""
+
+    def __init__(self, device: Any, nbytes: int) -> None:
+        import torch
+
+        self.device, self.nbytes, self._cuda = device, nbytes, torch.cuda
+        self.figures: dict[str, list[float]] = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self._cuda.synchronize()
+
+    def sample(self, name: str, fn: Callable[[], object]) -> None:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        self.figures.setdefault(name, []).append(self.nbytes / (time.perf_counter() - t0) / GB)
+
+
 def bench_gpu(args: argparse.Namespace) -> int:
     import torch
 
@@ -45,41 +67,19 @@ def bench_gpu(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("kvtier bench gpu: no CUDA device (use --device cpu for a dry run)", file=sys.stderr)
         return 2
-    layers, heads, head_dim, tokens = (int(x) for x in args.gpu_shape.split(","))
+    shape = tuple(int(x) for x in args.gpu_shape.split(","))
     n = args.gpu_blocks
-    num_blocks = 2 * n + 8
-    buf = torch.empty((layers, num_blocks, tokens, heads, 2 * head_dim), dtype=torch.bfloat16,
-                      device=device)
-    buf.view(torch.uint8).random_(0, 256)
-    from kvtier.layouts import PagedKvLayout
-
-    layout = PagedKvLayout.from_layer_tensors([buf[i].permute(0, 2, 1, 3) for i in range(layers)],
-                                              name="LBNHC")
+    layout, src, dst = _paged_cache(shape, n, device)
     bb = layout.block_bytes
     nbytes = n * bb
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    src, dst = perm[:n], perm[n : 2 * n]
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    figures: dict[str, list[float]] = {}
-
-    def sample(name: str, fn: Callable[[], object]) -> None:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        figures.setdefault(name, []).append(nbytes / (time.perf_counter() - t0) / GB)
-
+    s = _Sampler(device, nbytes)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     base = "pinned copy" if device.type == "cuda" else "copy_"
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    import kvtier
     from kvtier.bench.procs import DaemonProc
 
     transports, notes = _transports(args.gpu_transports, device)
     host_bytes = max(256 << 20, (args.repeat + 2) * nbytes + (64 << 20))
-    exact = True
     extra = ["--cuda-ipc"] if "cuda_ipc" in transports else []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp, \
             DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb), extra) as daemon, \
@@ -88,35 +88,77 @@ def bench_gpu(args: argparse.Namespace) -> int:
             (f"{base} host->device", lambda: dev.copy_(host, non_blocking=True)),
             (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True))]
         for t in transports:
-            client = kvtier.Client.connect(daemon.unix, t, timeout_s=60)  # type: ignore[arg-type]
-            clients.callback(client.close)
-            if not client.connected:
-                raise RuntimeError(f"{t}: {client.counters.last_error}")
-            ns = client.register(kvtier.Namespace(
-                model_id="bench/llama3-8b-shape", model_revision="bench", tokenizer_digest="none",
-                kv_dtype="bfloat16", layout="vllm.LBNHC", tokens_per_block=tokens,
-                num_layers=layers, num_kv_heads=heads, head_dim=head_dim))
-            put, get = _round_trip(ns, layout, src, dst)
+            put, get = _round_trip(_bench_handle(daemon.unix, t, shape, clients), layout, src, dst)
             ops += [(f"{t} put_blocks (device->daemon)", put),
                     (f"{t} get_blocks (daemon->device)", get)]
-        for _name, fn in ops:  # warm-up: registration, allocator, first faults
-            fn()
-            sync()
-            if _name.endswith("(daemon->device)"):
-                exact = exact and _same_blocks(layout, src, dst)
-                layout.scatter(dst, torch.zeros((n, bb), dtype=torch.uint8, device=device))
-        figures.clear()
-        for _ in range(args.repeat):
-            for name, fn in ops:
-                sample(name, fn)
-        exact = exact and _same_blocks(layout, src, dst)
-    best = {k: max(v) for k, v in figures.items()}
+        exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
+    best = {k: max(v) for k, v in s.figures.items()}
     report = _report(best, device, n, bb, exact, base, notes)
     print(report["table"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({k: v for k, v in report.items()
                                                    if k != "table"}, indent=2) + "\n")
     return 0 if exact else 1
+
+
+def _paged_cache(shape: tuple[int, ...], n: int, device: Any) -> tuple[Any, list[int], list[int]]:
+    """A random paged KV cache of ``shape`` (layers, kv_heads, head_dim, tokens_per_block) with
+    room for ``2 n + 8`` blocks on ``device`` -> (its layout, n source and n destination blocks)."""
+    import torch
+
+    from kvtier.layouts import PagedKvLayout
+
+    layers, heads, head_dim, tokens = shape
+    num_blocks = 2 * n + 8
+    buf = torch.empty((layers, num_blocks, tokens, heads, 2 * head_dim), dtype=torch.bfloat16,
+                      device=device)
+    buf.view(torch.uint8).random_(0, 256)
+    layout = PagedKvLayout.from_layer_tensors([buf[i].permute(0, 2, 1, 3) for i in range(layers)],
+                                              name="LBNHC")
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    return layout, perm[:n], perm[n : 2 * n]
+
+
+def _bench_handle(address: str, transport: str, shape: tuple[int, ...],
+                  clients: contextlib.ExitStack) -> Any:
+    """A connected client over ``transport`` (closed with ``clients``), its namespace of the
+    cache's ``shape`` registered."""
+    import kvtier
+
+    layers, heads, head_dim, tokens = shape
+    client = kvtier.Client.connect(address, transport, timeout_s=60)  # type: ignore[arg-type]
+    clients.callback(client.close)
+    if not client.connected:
+        raise RuntimeError(f"{transport}: {client.counters.last_error}")
+    return client.register(kvtier.Namespace(
+        model_id="bench/llama3-8b-shape", model_revision="bench", tokenizer_digest="none",
+        kv_dtype="bfloat16", layout="vllm.LBNHC", tokens_per_block=tokens,
+        num_layers=layers, num_kv_heads=heads, head_dim=head_dim))
+
+
+def _measure(ops: list[tuple[str, Callable[[], object]]], layout: Any,
+             blocks: tuple[list[int], list[int]], sync: Callable[[], None],
+             sample: Callable[[str, Callable[[], object]], None], repeat: int,
+             reset: Callable[[], None]) -> bool:
+    """A warm-up round of ``ops`` (registration, allocator, first faults; each load checked and
+    its destination blocks zeroed after), ``reset``, then ``repeat`` sampled rounds; whether
+    every load brought the exact blocks."""
+    import torch
+
+    src, dst = blocks
+    exact = True
+    for name, fn in ops:
+        fn()
+        sync()
+        if name.endswith("(daemon->device)"):
+            exact = exact and _same_blocks(layout, src, dst)
+            layout.scatter(dst, torch.zeros((len(dst), layout.block_bytes), dtype=torch.uint8,
+                                            device=layout.device))
+    reset()
+    for _ in range(repeat):
+        for name, fn in ops:
+            sample(name, fn)
+    return exact and _same_blocks(layout, src, dst)
 
 
 def _transports(spec: str, device: Any) -> tuple[list[str], list[str]]:

@@ -212,6 +212,13 @@ def run_overload(address: str, *, threads: int = 64, duration_s: float = 20.0,
     elapsed = time.perf_counter() - t0
     for t in pool:
         t.join(deadline_s + 10)
+    return _report(tally, health, failures, threads, elapsed)
+
+
+def _report(tally: _Tally, health: list[float], failures: collections.Counter[str],
+            threads: int, elapsed: float) -> OverloadReport:
+    """The figures of a run of ``elapsed`` seconds: what the workers tallied, the health
+    checks' latencies and failures."""
     report = OverloadReport(threads=threads, duration_s=elapsed)
     with tally.lock:
         report.lookups_per_s = tally.ops["lookup"] / elapsed

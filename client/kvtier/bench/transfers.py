@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.bench.baselines import block_views, random_batch
 from kvtier.bench.plan import Op, Plan, Touches, size_label
-from kvtier.client import Client
+from kvtier.client import Client, NamespaceHandle
 from kvtier_contract.identity import Namespace
 
 RPC_TIMEOUT_S = 60.0  # a 64 MiB batch over a slow path must not hit the client's deadline
@@ -65,6 +65,23 @@ def _chunks(keys: list[bytes], n: int) -> Iterator[list[bytes]]:
         yield keys[i : i + n]
 
 
+def _put_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]], views: list[Any]) -> None:
+    """Put ``views`` under each batch of keys; RuntimeError unless every block was stored."""
+    for batch in batches:
+        res = ns.put(batch, views)
+        if res.stored != len(batch):
+            raise RuntimeError(f"{t} put stored {res.stored} of {len(batch)}: {res}")
+
+
+def _get_all_into(t: str, client: Client, ns: NamespaceHandle, batches: list[list[bytes]],
+                  dst_views: list[Any]) -> None:
+    """get_into ``dst_views`` each batch of keys; RuntimeError unless every block was found."""
+    for batch in batches:
+        if not all(ns.get_into(batch, dst_views)):
+            raise RuntimeError(f"{t} get_into missed keys that were just put "
+                               f"({client.counters.last_error or 'evicted?'})")
+
+
 def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
                  name: str | None = None) -> list[Op]:
     """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order
@@ -74,24 +91,17 @@ def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
     n = plan.blocks_per_batch(block)
     src, nkeys = random_batch(plan, block, seed=block), plan.batches(block) * n
     views = block_views(src, block, n)
-    dst = np.zeros_like(src)
-    dst_views = block_views(dst, block, n)
+    dst_views = block_views(dst := np.zeros_like(src), block, n)
     current: list[list[bytes]] = []
     # Keys of the warm-up and of every round, hashed now so that no timed put pays for them.
     pending = [list(_chunks(keys.take(nkeys), n)) for _ in range(plan.repeat + 1)]
 
     def put() -> None:
         current[:] = pending.pop(0) if pending else list(_chunks(keys.take(nkeys), n))
-        for batch in current:
-            res = ns.put(batch, views)
-            if res.stored != len(batch):
-                raise RuntimeError(f"{t} put stored {res.stored} of {len(batch)}: {res}")
+        _put_all(t, ns, current, views)
 
     def get_into() -> None:
-        for batch in current:
-            if not all(ns.get_into(batch, dst_views)):
-                raise RuntimeError(f"{t} get_into missed keys that were just put "
-                                   f"({client.counters.last_error or 'evicted?'})")
+        _get_all_into(t, client, ns, current, dst_views)
 
     def get() -> None:
         for batch in current:

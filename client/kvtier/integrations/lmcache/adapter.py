@@ -54,6 +54,7 @@ from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.lmcache.config import AdapterConfig, AdapterCounters
 from kvtier.integrations.lmcache.keys import KeyMapper
 from kvtier.integrations.lmcache.locks import PinTable
+from kvtier.settings import ClientSettings
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace
 
@@ -73,9 +74,10 @@ class KvtierL2Adapter(L2AdapterInterface):
         self.cfg = cfg
         self.counters = AdapterCounters()
         self._client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
-            cfg.address, cfg.transport, lazy=True, timeout_s=cfg.request_timeout_ms / 1000,
-            op_timeout_s=cfg.op_timeout_ms / 1000, lease_ttl_s=cfg.lease_ttl_ms / 1000,
-            client_name="lmcache-l2", token_file=cfg.token_file)
+            cfg.address, lazy=True, settings=ClientSettings(
+                transport=cfg.transport, timeout_s=cfg.request_timeout_ms / 1000,
+                op_timeout_s=cfg.op_timeout_ms / 1000, lease_ttl_s=cfg.lease_ttl_ms / 1000,
+                client_name="lmcache-l2", token_file=cfg.token_file))
         self._keys = KeyMapper(cfg, self._client.tenant_key)
         self._handles: dict[Namespace, NamespaceHandle] = {}
         self._handles_lock = threading.Lock()

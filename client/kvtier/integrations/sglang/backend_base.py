@@ -47,6 +47,7 @@ from kvtier.integrations.sglang.config import (
     resolve_identity,
 )
 from kvtier.integrations.sglang.pages import HostPoolPages, SidePool
+from kvtier.settings import ClientSettings
 
 log = logging.getLogger("kvtier.integrations.sglang.backend")
 _T = TypeVar("_T")
@@ -106,10 +107,12 @@ class StorageBase(HiCacheStorage):
         self._predicted: OrderedDict[tuple[str, int], float] = OrderedDict()
         rank = f"tp{storage_config.tp_rank}pp{storage_config.pp_rank}dp{storage_config.dp_rank}"
         self.client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
-            self.cfg.address, self.cfg.transport, lazy=True, timeout_s=self.cfg.request_timeout_ms / 1000,
-            op_timeout_s=self.cfg.op_timeout_ms / 1000, lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
-            probe_timeout_s=self.cfg.probe_timeout_ms / 1000, client_name=f"sglang-{rank}",
-            token_file=self.cfg.token_file)
+            self.cfg.address, lazy=True, settings=ClientSettings(
+                transport=self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+                op_timeout_s=self.cfg.op_timeout_ms / 1000,
+                lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                probe_timeout_s=self.cfg.probe_timeout_ms / 1000, client_name=f"sglang-{rank}",
+                token_file=self.cfg.token_file))
 
     # -- load or recompute (docs/sglang.md, "Load or recompute") ---------------------------------
 

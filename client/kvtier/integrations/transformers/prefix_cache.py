@@ -55,6 +55,7 @@ from kvtier.integrations.transformers.identity import (
     kv_geometry,
     model_namespace,
 )
+from kvtier.settings import ClientSettings
 from kvtier_contract.errors import InvalidArgument
 
 log = logging.getLogger("kvtier.integrations.transformers")
@@ -106,10 +107,10 @@ class KvtierPrefixCache:
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
-            client = Client.connect(client, o.transport, lazy=True,  # a daemon away: misses
-                                    timeout_s=o.request_timeout_ms / 1000,
-                                    op_timeout_s=o.op_timeout_ms / 1000, token_file=o.token_file,
-                                    client_name="kvtier-transformers")
+            client = Client.connect(client, lazy=True, settings=ClientSettings(  # away: misses
+                transport=o.transport, timeout_s=o.request_timeout_ms / 1000,
+                op_timeout_s=o.op_timeout_ms / 1000, token_file=o.token_file,
+                client_name="kvtier-transformers"))
         self.client: Client = client
         self.handle: NamespaceHandle = client.register(self.namespace)
         self.counters = PrefixCacheCounters()

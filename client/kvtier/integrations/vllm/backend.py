@@ -16,6 +16,7 @@ from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentit
 from kvtier.integrations.vllm.lookup_thread import KeyChain, LookupOutcome, Pin
 from kvtier.integrations.vllm.worker import shared_breaker
 from kvtier.results import TierFigure
+from kvtier.settings import ClientSettings
 
 
 class DaemonBackend:
@@ -36,11 +37,12 @@ class DaemonBackend:
             # A lookup answered after lookup_timeout_ms is a miss anyway: no RPC waits longer.
             timeout_ms = min(self.cfg.request_timeout_ms, self.cfg.lookup_timeout_ms)
             self._client = Client.connect(  # lazy: away is a miss, logged once per cause
-                self.cfg.address, self.cfg.transport, lazy=True, timeout_s=timeout_ms / 1000,
-                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
-                breaker=shared_breaker(self.cfg.address),
-                probe_timeout_s=self.cfg.probe_timeout_ms / 1000, token_file=self.cfg.token_file,
-                unix_login=self.cfg.unix_login)
+                self.cfg.address, lazy=True, breaker=shared_breaker(self.cfg.address),
+                settings=ClientSettings(
+                    transport=self.cfg.transport, timeout_s=timeout_ms / 1000,
+                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
+                    probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
+                    token_file=self.cfg.token_file, unix_login=self.cfg.unix_login))
         return self._client
 
     def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:

@@ -35,6 +35,7 @@ from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.tier_config import TierConfig, offload_block_key
 from kvtier.integrations.vllm.tier_decide import TierDecisions
 from kvtier.integrations.vllm.worker import shared_breaker
+from kvtier.settings import ClientSettings
 from kvtier_contract.identity import Namespace
 
 log = logging.getLogger("vllm.kvtier")
@@ -253,11 +254,12 @@ class TierJobs:
         timeout_ms = min(cfg.lookup_timeout_ms, cfg.request_timeout_ms) if role == "lookup" \
             else cfg.request_timeout_ms
         client = Client.connect(
-            cfg.address, cfg.transport, lazy=True, timeout_s=timeout_ms / 1000,
-            lease_ttl_s=cfg.lease_ttl_ms / 1000, client_name=f"{self._client_name}-{role}",
-            breaker=shared_breaker(cfg.address), probe_timeout_s=cfg.probe_timeout_ms / 1000,
-            op_timeout_s=cfg.job_timeout_ms / 1000, token_file=cfg.token_file,
-            unix_login=cfg.unix_login)
+            cfg.address, lazy=True, breaker=shared_breaker(cfg.address), settings=ClientSettings(
+                transport=cfg.transport, timeout_s=timeout_ms / 1000,
+                lease_ttl_s=cfg.lease_ttl_ms / 1000, client_name=f"{self._client_name}-{role}",
+                probe_timeout_s=cfg.probe_timeout_ms / 1000,
+                op_timeout_s=cfg.job_timeout_ms / 1000, token_file=cfg.token_file,
+                unix_login=cfg.unix_login))
         got = (client, client.register(self.namespace))
         with self._lock:
             if role in self._clients:  # (another thread of the same role won: keep one)

@@ -65,6 +65,7 @@ from kvtier.integrations.vllm.worker_load import LoadPath
 from kvtier.integrations.vllm.worker_state import WorkerStats
 from kvtier.integrations.vllm.worker_steps import StepTiming
 from kvtier.integrations.vllm.worker_store import StorePath
+from kvtier.settings import ClientSettings
 
 __all__ = ["KvtierWorker", "WorkerStats", "shared_breaker"]
 
@@ -138,11 +139,12 @@ class KvtierWorker(StepTiming, LoadPath, StorePath):
                          PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout))
         for role in ("load", "store"):
             self._clients[role] = Client.connect(  # lazy: away is a miss, logged once per cause
-                self.cfg.address, self.cfg.transport, lazy=True, timeout_s=self.cfg.request_timeout_ms / 1000,
-                lease_ttl_s=self.cfg.lease_ttl_ms / 1000, breaker=self.breaker,
-                probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
-                client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
-                unix_login=self.cfg.unix_login)
+                self.cfg.address, lazy=True, breaker=self.breaker, settings=ClientSettings(
+                    transport=self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                    probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
+                    client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
+                    unix_login=self.cfg.unix_login))
             self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
