@@ -2,7 +2,7 @@
 
 Plain enums, so that the cache, the tiers and the transports never handle protobuf values. Their
 numbers equal the wire enums' (``kvtier.v1.Tier``, ``StoreStatus``, ``Transport``), so the service
-edge converts by value, in one place; tests/unit/test_domain.py checks that the two agree.
+edge converts by value, in one place; tests/unit/kvtierd/test_domain.py checks that the two agree.
 """
 
 from __future__ import annotations

@@ -45,17 +45,7 @@ class LookupHandlers(ServiceBase):
         yields between slices, so one big call (up to 64 slices) never holds the event loop for
         more than one slice's lookup (docs/benchmarks.md §21)."""
         s = self._session(request.session_id)
-        ids = list(request.namespace_ids)
-        if not 1 <= len(ids) <= MAX_SLICES:
-            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call",
-                                  field="namespace_ids")
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("a namespace appears twice", field="namespace_ids")
-        if len(request.keys) != len(ids):
-            raise InvalidArgument(f"{len(request.keys)} key chains for {len(ids)} namespaces "
-                                  "(one per namespace)", field="keys")
-        nss = [self._namespace(i) for i in ids]
-        chains = [split_keys(k, self.max_batch) for k in request.keys]
+        nss, chains = self._slices(request)
         bases = [self._arena_base(s, ns) if request.pin else 0 for ns in nss]
         replies: list[Any] = []
         pinned: list[LoadJob] = []
@@ -86,6 +76,22 @@ class LookupHandlers(ServiceBase):
                 del reply.offsets[:]
         return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0,
                                     slices=replies)
+
+    def _slices(self, request: pb.LookupSlicesRequest
+                ) -> tuple[list[NamespaceState], list[list[bytes]]]:
+        """LookupSlices' namespaces and key chains, every argument checked (InvalidArgument
+        naming the field) before anything is looked up."""
+        ids = list(request.namespace_ids)
+        if not 1 <= len(ids) <= MAX_SLICES:
+            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call",
+                                  field="namespace_ids")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a namespace appears twice", field="namespace_ids")
+        if len(request.keys) != len(ids):
+            raise InvalidArgument(f"{len(request.keys)} key chains for {len(ids)} namespaces "
+                                  "(one per namespace)", field="keys")
+        return [self._namespace(i) for i in ids], \
+            [list(split_keys(k, self.max_batch)) for k in request.keys]
 
     async def _lookup(self, s: Session, ns: NamespaceState, keys: Sequence[bytes], pin: bool,
                       base: int, *, promote: bool = True) -> tuple[Any, LoadJob | None]:

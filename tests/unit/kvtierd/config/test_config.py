@@ -71,7 +71,7 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("listen", {"listen": "127.0.0.1:99999"}),
     ("listen", {"listen": "", "socket_path": ""}),  # no way to reach the daemon
     ("data_listen", {"data_listen": "localhost:port"}),
-    # (metrics_host with tenants: tests/unit/test_metrics_exposure.py, once the file is read)
+    # (metrics_host with tenants: tests/unit/kvtierd/tenancy/test_metrics_exposure.py, once the file is read)
     ("tenant_arena_bytes", {"tenant_arena_bytes": -1}),
     ("shm_handshakes_per_uid", {"shm_handshakes_per_uid": 0}),
     ("data_max_unauthenticated", {"data_max_unauthenticated": 0}),

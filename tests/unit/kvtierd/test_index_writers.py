@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / "server" / "kvtierd"
+ROOT = Path(__file__).resolve().parents[3] / "server" / "kvtierd"
 OWNERS = ("cache", "index")
 ENTRY_FIELDS = {"state", "offset", "pins", "job", "copies", "flushing", "promoting", "hits"}
 MAPS = {"entries", "ready"}

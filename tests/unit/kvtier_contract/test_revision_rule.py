@@ -27,7 +27,7 @@ from kvtierd.domain import TierId
 from kvtierd.tiers.base import Recovered
 from kvtierd.tiers.nvme.tier import NvmeTier
 
-GOLDEN = Path(__file__).resolve().parents[1] / "data" / "hashing_golden.json"
+GOLDEN = Path(__file__).resolve().parents[2] / "data" / "hashing_golden.json"
 BASE: dict[str, Any] = dict(
     model_id="m",
     model_revision="c1899de289a04d12100db370d81485cdf75e47ca",

@@ -24,7 +24,7 @@ import pytest
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import KV_DTYPES, Namespace, block_keys, namespace_digest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GOLDEN_PATH = REPO / "tests" / "data" / "hashing_golden.json"
 GOLDEN: dict[str, Any] = json.loads(GOLDEN_PATH.read_text(encoding="utf-8"))
 
