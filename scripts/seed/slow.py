@@ -17,8 +17,9 @@ Three phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-t
 
 In each phase, each engine (``alone``, ``always``, ``adaptive``; one request at a time,
 ``max_tokens=1``) first visits every document (stores; not measured), then the three revisit
-them for ``--slow-rounds`` rounds, interleaved request by request (the shared machine's drift
-over a phase, up to 10 %, then falls on the three alike); the engine cache (``--small-blocks``)
+them for ``--slow-rounds`` rounds, interleaved request by request in an order turned each time
+(the shared machine's drift over a phase, up to 10 %, then falls on the three alike, and each
+kvtier engine follows the other as often); the engine cache (``--small-blocks``)
 cannot keep them between rounds.
 Per engine and phase: the revisits' wall clock and TTFT p50, the ratio to the engine alone, the
 tokens loaded and recomputed, and the adaptive engine's decision counters. The outputs of the
@@ -68,7 +69,9 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
         src = {name: dict.fromkeys(SOURCES, 0) for name in ENGINES}
         for rnd in range(args.slow_rounds):
             for i, ids in enumerate(docs):
-                for name in ENGINES:  # interleaved: the machine's drift falls on all three alike
+                # interleaved (the machine's drift falls on all three alike), the order turned
+                # each time (what one engine's request leaves in the daemon, the next meets)
+                for name in ENGINES[::1 if (rnd * len(docs) + i) % 2 == 0 else -1]:
                     rec = by[name].call({"op": "generate", "ids": ids})
                     ttfts[name].append(rec["ttft_s"])
                     wall[name] += rec["wall_s"]
