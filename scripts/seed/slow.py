@@ -16,11 +16,11 @@ Three phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-t
   and must see it recover (its probes, and the daemon's figures from the other engine's loads).
 
 In each phase, each engine (``alone``, ``always``, ``adaptive``; one request at a time,
-``max_tokens=1``) first visits every document (stores; not measured), then the three revisit
-them for ``--slow-rounds`` rounds, interleaved request by request in an order turned each time
-(the shared machine's drift over a phase, up to 10 %, then falls on the three alike, and each
-kvtier engine follows the other as often); the engine cache (``--small-blocks``)
-cannot keep them between rounds.
+``max_tokens=1``) first visits every document (stores; not measured), then revisits them for
+``--slow-rounds`` rounds; the engine cache (``--small-blocks``) cannot keep them between rounds.
+One engine after the other, not interleaved request by request: three vLLM processes on two
+cores disturb each other's next request for a while after each one (tried: the ratios of one
+phase moved by up to 2x with the order of the engines).
 Per engine and phase: the revisits' wall clock and TTFT p50, the ratio to the engine alone, the
 tokens loaded and recomputed, and the adaptive engine's decision counters. The outputs of the
 three engines must be equal (check).
@@ -58,35 +58,31 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
     for p, phase in enumerate(PHASES):
         latency.write_text(str(args.slow_read_ms if phase == "slow" else 0))
         docs = make_docs(args.slow_docs, *args.fleet_doc_tokens, args.vocab, args.seed + 5000 + p)
-        outs: dict[str, list[list[int]]] = {name: [] for name in ENGINES}
-        m0: dict[str, dict[str, float]] = {}
+        outs: dict[str, list[list[int]]] = {}
         for name in ENGINES:
+            eng = by[name]
             for ids in docs:  # first visits: the kvtier engines store them
-                by[name].call({"op": "generate", "ids": ids})
-            m0[name] = by[name].call({"op": "metrics"})["kvtier"]
-        ttfts: dict[str, list[float]] = {name: [] for name in ENGINES}
-        wall = dict.fromkeys(ENGINES, 0.0)
-        src = {name: dict.fromkeys(SOURCES, 0) for name in ENGINES}
-        for rnd in range(args.slow_rounds):
-            for i, ids in enumerate(docs):
-                # interleaved (the machine's drift falls on all three alike), the order turned
-                # each time (what one engine's request leaves in the daemon, the next meets)
-                for name in ENGINES[::1 if (rnd * len(docs) + i) % 2 == 0 else -1]:
-                    rec = by[name].call({"op": "generate", "ids": ids})
-                    ttfts[name].append(rec["ttft_s"])
-                    wall[name] += rec["wall_s"]
+                eng.call({"op": "generate", "ids": ids})
+            m0 = eng.call({"op": "metrics"})["kvtier"]
+            ttfts: list[float] = []
+            wall = 0.0
+            src = dict.fromkeys(SOURCES, 0)
+            outs[name] = []
+            for rnd in range(args.slow_rounds):
+                for i, ids in enumerate(docs):
+                    rec = eng.call({"op": "generate", "ids": ids})
+                    ttfts.append(rec["ttft_s"])
+                    wall += rec["wall_s"]
                     for s in SOURCES:
-                        src[name][s] += rec["sources"][s]
+                        src[s] += rec["sources"][s]
                     outs[name].append(rec["output"])
-                    records.append({**rec, "phase": phase, "engine": name, "round": rnd + 2,
-                                    "doc": i})
-        for name in ENGINES:
-            m1 = by[name].call({"op": "metrics"})["kvtier"]
-            rows[(phase, name)] = {"wall_s": wall[name], "ttft_p50": percentile(ttfts[name], 0.5),
-                                   "sources": src[name],
-                                   "decisions": {k: m1[k] - m0[name].get(k, 0.0) for k in m1}}
-            log(f"  slow-tier {phase} {name}: revisits {wall[name]:.2f}s, TTFT p50 "
-                f"{percentile(ttfts[name], 0.5):.3f}s, sources {src[name]}")
+                    records.append({**rec, "phase": phase, "engine": name, "round": rnd + 2, "doc": i})
+            m1 = eng.call({"op": "metrics"})["kvtier"]
+            rows[(phase, name)] = {"wall_s": wall, "ttft_p50": percentile(ttfts, 0.5),
+                                   "sources": src,
+                                   "decisions": {k: m1[k] - m0.get(k, 0.0) for k in m1}}
+            log(f"  slow-tier {phase} {name}: revisits {wall:.2f}s, TTFT p50 "
+                f"{percentile(ttfts, 0.5):.3f}s, sources {src}")
         outputs_equal &= outs["always"] == outs["alone"] == outs["adaptive"]
     return report(args, rows, outputs_equal), {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()},
                                                 "records": records}, outputs_equal
