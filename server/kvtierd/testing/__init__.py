@@ -6,5 +6,6 @@
 * ``serve``: ``python -m kvtierd.testing.serve --read-latency-ms MS serve ...`` runs a real daemon
   whose NVMe reads are slowed by ``MS`` (a slow disk to hold a load in flight; vLLM async tests).
 
-Nothing under ``kvtierd`` outside this package imports it (tests/unit/kvtierd/tiers/nvme/test_nvme_device.py checks).
+Nothing under ``kvtierd`` outside this package imports it
+(tests/unit/kvtierd/tiers/nvme/test_nvme_device.py checks).
 """
