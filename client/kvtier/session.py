@@ -74,7 +74,7 @@ class Session(Connection):
     Thread-safety: shared by the caller's threads, the heartbeat thread and the breaker's probe
     thread. Control calls run concurrently; (re)opening holds ``_conn_lock`` (reentrant), which
     a caller waits for only as long as its deadline allows and ``trip`` never waits for (it
-    marks the session stale instead); transfers on the data channel hold ``_data_lock``.
+    marks the session stale instead); transfers hold the data channel's lock (``transfer``).
     """
 
     RPC_THREADS = 4  # threads that run the RPCs a put or get starts ahead (``start``)
