@@ -87,17 +87,7 @@ def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], 
         digests = None  # None: the daemon hashes the slots at CompleteStore
         try:
             if source is None:
-                data = session.data()
-                mover = data.mover(layout.device)  # type: ignore[attr-defined]
-                ids = [block_ids[p] for p in pos]
-                if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
-                    # The mover fills the slots group by group; each group is hashed on the
-                    # helper thread while the next one is gathered.
-                    digests = data.store_hashed(  # type: ignore[attr-defined]
-                        offsets, layout.block_bytes,
-                        lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id))
-                else:  # (the daemon's cuda_ipc copies write the slots: it hashes them)
-                    mover.store(layout, ids, offsets, job_id)
+                digests = _gather(session, layout, tp, block_ids, pos, offsets, job_id)
             else:
                 digests = session.data().write(
                     job_id, [(i, off, byte_view(source[p])) for i, p, off
@@ -110,6 +100,27 @@ def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], 
         return digests
 
     return _store(session, handle, keys, write, tp, deadline=deadline, origin=origin)
+
+
+def _gather(session: SessionPort, layout: Any, tp: int, block_ids: Sequence[int], pos: list[int],
+            offsets: list[int], job_id: int) -> list[int] | None:
+    """Gather the engine's blocks ``block_ids[p]`` (``p`` in ``pos``) of ``layout`` straight into
+    job ``job_id``'s reserved slots at ``offsets`` (the data transport's mover,
+    :mod:`kvtier.direct`): the slots' digests when the session verifies bytes, else None (the
+    daemon hashes the slots at CompleteStore; over cuda_ipc the daemon's copies write the
+    slots, so it hashes them)."""
+    data = session.data()
+    mover = data.mover(layout.device)  # type: ignore[attr-defined]
+    ids = [block_ids[p] for p in pos]
+    if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
+        # The mover fills the slots group by group; each group is hashed on the helper thread
+        # while the next one is gathered.
+        digests: list[int] | None = data.store_hashed(  # type: ignore[attr-defined]
+            offsets, layout.block_bytes,
+            lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id))
+        return digests
+    mover.store(layout, ids, offsets, job_id)
+    return None
 
 
 def _store(session: SessionPort, handle: Registered, keys: Sequence[bytes], write: Move,
@@ -198,18 +209,10 @@ class _StorePipe:
     def _job(self, start: int, end: int, request: Any, call: PendingCall | Away) -> None:
         """Wait for the job's PrepareStore, copy its reserved blocks (none once the put has
         failed), start its CompleteStore."""
-        try:
-            prep = reply_of(call)
-        except Away as e:
-            self._drop(end - start)
-            if isinstance(e, Unanswered):
-                self.stop, self.trip = self.stop or e.why, self.trip or e.why
+        prep = self._prepared(start, end, call)
+        if prep is None:
             return
         status = prep.status
-        self.result.already_present += status.count(pb.STORE_ALREADY_PRESENT)
-        self.result.rejected += status.count(pb.STORE_REJECTED)
-        if not prep.job_id:
-            return
         idx = [i for i in range(len(status)) if status[i] == pb.STORE_RESERVED]
         offsets = [prep.offsets[i] for i in idx]
         pos = [start + i for i in idx]
@@ -230,6 +233,22 @@ class _StorePipe:
             request, self.deadline, self.inline)))
         if failure and trip:
             self.stop, self.trip = failure, self.trip or failure
+
+    def _prepared(self, start: int, end: int, call: PendingCall | Away) -> Any:
+        """The job's PrepareStore reply, what it found present or rejected counted; None when
+        it reserved nothing, or when the call failed (its keys dropped; unanswered: no further
+        job starts, and the breaker trips once every job is closed)."""
+        try:
+            prep = reply_of(call)
+        except Away as e:
+            self._drop(end - start)
+            if isinstance(e, Unanswered):
+                self.stop, self.trip = self.stop or e.why, self.trip or e.why
+            return None
+        status = prep.status
+        self.result.already_present += status.count(pb.STORE_ALREADY_PRESENT)
+        self.result.rejected += status.count(pb.STORE_REJECTED)
+        return prep if prep.job_id else None
 
     def _collect(self, reserved: int, call: PendingCall | Away) -> None:
         try:

@@ -175,17 +175,14 @@ def lookup_slices(session: SessionPort, handles: Sequence[Registered],
         session.counters.lookups_failed += 1
         return SlicesLookup(0, [])
     if not session.lookup_slices_served:  # an older daemon
-        out: list[PinnedLookup] = []
-        hit: int | None = None
-        for handle, keys in zip(handles, chains, strict=True):
-            got = lookup_pinned(session, handle, keys if hit is None else keys[:hit],
-                                promote=promote)
-            session.counters.lookups -= 1  # (counted once, above)
-            out.append(got)
-            hit = got.hits if hit is None else min(hit, got.hits)
-            if not hit:
-                break
-        return SlicesLookup(hit or 0, out)
+        return _lookup_each(session, handles, chains, promote=promote)
+    return _lookup_at_once(session, handles, chains, promote=promote)
+
+
+def _lookup_at_once(session: SessionPort, handles: Sequence[Registered],
+                    chains: Sequence[Sequence[bytes]], *, promote: bool) -> SlicesLookup:
+    """``lookup_slices`` from a daemon that serves it: one LookupSlices (a miss when the daemon
+    is away)."""
     try:
         reply = session.call("LookupSlices", pb.LookupSlicesRequest(
             namespace_ids=[h.namespace_id for h in handles],
@@ -196,6 +193,24 @@ def lookup_slices(session: SessionPort, handles: Sequence[Registered],
     return SlicesLookup(reply.hit_blocks, [
         PinnedLookup(r.hit_blocks, [TIER_NAMES.get(t, "?") for t in r.tiers], r.job_id,
                      reply.boot_epoch) for r in reply.slices])
+
+
+def _lookup_each(session: SessionPort, handles: Sequence[Registered],
+                 chains: Sequence[Sequence[bytes]], *, promote: bool) -> SlicesLookup:
+    """``lookup_slices`` from a daemon that does not serve LookupSlices: one ``lookup_pinned``
+    per slice (not counted again), each slice's keys cut at the hit so far, stopping at a slice
+    with no hit."""
+    out: list[PinnedLookup] = []
+    hit: int | None = None
+    for handle, keys in zip(handles, chains, strict=True):
+        got = lookup_pinned(session, handle, keys if hit is None else keys[:hit],
+                            promote=promote)
+        session.counters.lookups -= 1  # (counted once, by lookup_slices)
+        out.append(got)
+        hit = got.hits if hit is None else min(hit, got.hits)
+        if not hit:
+            break
+    return SlicesLookup(hit or 0, out)
 
 
 def prefetch(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> int:

@@ -1,6 +1,7 @@
 """Connection: the daemon session of one :class:`kvtier.session.Session`, and how it is opened.
 
-Owns the gRPC channel, the session the daemon knows (id, boot epoch, the figures its replies
+Owns the gRPC channel (through its base :class:`kvtier.grpc_channel.GrpcChannel`, with the
+credentials it presents), the session the daemon knows (id, boot epoch, the figures its replies
 carry), the attached data transport, the session's control channels and the registration of its
 namespaces. States::
 
@@ -28,25 +29,23 @@ from typing import Any
 
 import grpc
 
-from kvtier.addresses import address_target, grpc_host, tcp_endpoint
+from kvtier.addresses import grpc_host, tcp_endpoint
 from kvtier.breaker import Breaker
 from kvtier.calls import DOWN_CODES, MIN_RPC_S, REGISTER_RETRY_S, Away, Overloaded, Registered
 from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
-from kvtier.credentials import WithMetadata, bearer_metadata, tls_credentials
 from kvtier.data_channel import DataChannel
-from kvtier.diagnose import Diagnosis, Peer, explain_login, explain_rpc, speaks_tls
+from kvtier.diagnose import Diagnosis, Peer, explain_rpc, speaks_tls
+from kvtier.grpc_channel import GrpcChannel
 from kvtier.local_index import LocalIndexes
-from kvtier.login import shm_socket_of, unix_login
 from kvtier.results import ClientCounters, TierFigure, TierFigures
 from kvtier.settings import ClientSettings
 from kvtier.transports import DataTransport, make_transport
 from kvtier_contract import errors
 from kvtier_contract.protoutil import namespace_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 
-class Connection:
+class Connection(GrpcChannel):
     """See the module docstring. Made by :class:`kvtier.session.Session` (its base): the
     settings are its :class:`kvtier.settings.ClientSettings`, the breaker the session's (whose
     ``causes`` log why opens fail)."""
@@ -54,9 +53,9 @@ class Connection:
     def __init__(self, address: str, settings: ClientSettings, breaker: Breaker,
                  clock: Callable[[], float]) -> None:
         """Files (token file, TLS) are read now: InvalidArgument naming the setting."""
+        super().__init__(address, settings)
         s = settings
         self.settings = settings
-        self.address = address_target(address)
         self.transport_name = s.transport
         self.timeout_s = s.timeout_s
         self.probe_timeout_s = s.probe_s
@@ -67,13 +66,10 @@ class Connection:
         self.verify_bytes = s.verify_bytes
         self.control_channel = s.control_channel
         self.pipeline_bytes = s.pipeline_bytes  # settable per client (kvtier.batches reads it)
-        self._take_credentials(s)
         self.counters = ClientCounters()
         self.breaker = breaker
         self.clock = clock
         self._conn_lock = threading.RLock()
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
         self._session_id = 0
         self._stale = False  # tripped while another thread held _conn_lock: reopen next time
         self._epoch = 0
@@ -86,24 +82,6 @@ class Connection:
         self._control: ControlChannels | None = None  # the session's control channels
         self.local = LocalIndexes(clock) if s.local_lookups else None
         self._figures = TierFigures(clock)  # the daemon's per-tier load figures
-
-    def _take_credentials(self, s: ClientSettings) -> None:
-        """The token (or the Unix login's socket), the TLS files read, and what the diagnoses
-        know of them (``_peer``: no secret)."""
-        self._metadata = bearer_metadata(s.token, s.token_file)
-        self._login_path = ""
-        if s.unix_login:
-            if self._metadata:
-                raise errors.InvalidArgument("give a token or log in as the Unix peer, not both",
-                                             field="unix_login")
-            self._login_path = shm_socket_of(self.address)
-        self._tls = tls_credentials(s.tls_ca, s.tls_cert, s.tls_key)
-        self._tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
-        self._peer = Peer(self.address, s.transport,
-                          tls=self._tls is not None and not self.address.startswith("unix:"),
-                          ca=bool(s.tls_ca), client_cert=bool(s.tls_cert),
-                          token=bool(self._metadata), unix_login=s.unix_login,
-                          timeout_s=s.timeout_s)
 
     @property
     def connected(self) -> bool:
@@ -226,6 +204,12 @@ class Connection:
             reply, self.transport_name, peer=self._peer, tls_files=self._tls_files,
             io_timeout_s=self.timeout_s, timeout=self._step_timeout(timeout, deadline, "attach"),
             rpc=self._transfer_rpc)
+        self._adopt(reply, transport, timeout)
+        self._register_all(timeout, deadline)
+
+    def _adopt(self, reply: Any, transport: DataTransport, timeout: float) -> None:
+        """Take the session ``reply`` (OpenSessionReply) opened, with its attached ``transport``:
+        its id, epoch and figures, then its control channels and the local index."""
         if self._epoch and reply.boot_epoch != self._epoch:
             self.counters.epoch_changes += 1
         if self._epoch:
@@ -240,6 +224,10 @@ class Connection:
         if self.local is not None:
             self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch,
                              bytes(reply.data_secret))
+
+    def _register_all(self, timeout: float, deadline: float | None) -> None:
+        """Register every namespace of the session; one the daemon refuses misses until
+        ``REGISTER_RETRY_S`` has passed (then its next call registers it)."""
         for handle in self._namespaces:
             try:
                 self._register(handle, self._step_timeout(timeout, deadline, "RegisterNamespace"))
@@ -294,28 +282,6 @@ class Connection:
                 self._peer, step, "DEADLINE_EXCEEDED", "Deadline Exceeded"))
         return min(timeout, left)
 
-    def _login(self, timeout: float) -> None:
-        """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away
-        when the daemon refuses or cannot be reached (the engine recomputes meanwhile)."""
-        try:
-            token = unix_login(self._login_path, timeout)
-        except errors.KvtierError as e:
-            raise Away(f"Unix login: {e}", explain_login(self._peer, e)) from None
-        self._metadata = (("authorization", f"Bearer {token}"),)
-
-    def _channel_open(self) -> None:
-        if self._channel is None:
-            options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
-            if self._tls is not None and not self.address.startswith("unix:"):
-                # (the Unix socket never serves TLS; the files still verify a TLS data channel)
-                self._channel = grpc.secure_channel(self.address, self._tls, options=options)
-            else:
-                self._channel = grpc.insecure_channel(self.address, options=options)
-            channel = self._channel
-            if self._metadata or self._login_path:
-                channel = grpc.intercept_channel(channel, WithMetadata(lambda: self._metadata))
-            self._stub = pb_grpc.KvtierStub(channel)
-
     def _register(self, handle: Registered, timeout: float) -> None:
         """RegisterNamespace; Away when the daemon does not answer (the caller trips)."""
         try:
@@ -365,10 +331,8 @@ class Connection:
         # A transfer in flight on another thread (or this one: cuda_ipc makes RPCs inside a
         # transfer) may still use the mapping: it closes the transport when it ends.
         self._data_channel.retire()
-        if not keep_channel and self._channel is not None:
-            self._channel.close()
-            self._channel = None
-            self._stub = None
+        if not keep_channel:
+            self._channel_close()
 
     # -- the data channel -------------------------------------------------------------------------
 

@@ -17,16 +17,15 @@ logged at WARNING once per cause (the breaker's ``causes``, shared by its sessio
 The parts: what a call raises and a call started ahead in :mod:`kvtier.calls`; the connection
 (channel, daemon session, opening, probing, tripping) in :mod:`kvtier.connection`, this class's
 base; the data transport in :mod:`kvtier.data_channel`; credentials in :mod:`kvtier.credentials`;
-what it is told in :class:`kvtier.settings.ClientSettings`. Here: the calls (``call``, ``start``,
-``start_completion``), the heartbeat and the RPC threads. :mod:`kvtier.batches` uses only
-:class:`kvtier.calls.SessionPort` (``call``, ``start``, ``trip``, ``transfer``, ``data``...),
-which this class implements; ``probe`` is the breaker's.
+what it is told in :class:`kvtier.settings.ClientSettings`; the heartbeat thread in
+:mod:`kvtier.heartbeat`. Here: the calls (``call``, ``start``, ``start_completion``) and the RPC
+threads. :mod:`kvtier.batches` uses only :class:`kvtier.calls.SessionPort` (``call``, ``start``,
+``trip``, ``transfer``, ``data``...), which this class implements; ``probe`` is the breaker's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +49,7 @@ from kvtier.calls import (
 from kvtier.connection import Connection
 from kvtier.credentials import bearer_metadata
 from kvtier.diagnose import explain_rpc
+from kvtier.heartbeat import Heartbeat, tally_request
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -74,7 +74,7 @@ class Session(Connection):
     Thread-safety: shared by the caller's threads, the heartbeat thread and the breaker's probe
     thread. Control calls run concurrently; (re)opening holds ``_conn_lock`` (reentrant), which
     a caller waits for only as long as its deadline allows and ``trip`` never waits for (it
-    marks the session stale instead); transfers on the data channel hold ``_data_lock``.
+    marks the session stale instead); transfers hold the data channel's lock (``transfer``).
     """
 
     RPC_THREADS = 4  # threads that run the RPCs a put or get starts ahead (``start``)
@@ -90,11 +90,10 @@ class Session(Connection):
                          breaker if breaker is not None else Breaker(settings.backoff_s), clock)
         self._rpc = RpcThreads(self.RPC_THREADS, self.timeout_s, clock)  # runs ``start``'s calls
         self.breaker.attach(self)
-        self._hb_stop = threading.Event()
-        self._hb: threading.Thread | None = None
+        self._hb: Heartbeat | None = None
         if settings.heartbeat:
-            self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                        name="kvtier-heartbeat")
+            self._hb = Heartbeat(self.call, lambda: tally_request(self.local),
+                                 lambda: max(0.05, self.lease_ttl_s / 3))
             self._hb.start()
 
     def deadline(self, timeout_s: float | None = None) -> float:
@@ -103,12 +102,13 @@ class Session(Connection):
 
     def close(self) -> None:
         self._closed = True
-        self._hb_stop.set()
+        if self._hb is not None:
+            self._hb.stop()
         self._rpc.close()
         self.breaker.detach(self)
         with self._conn_lock:
             if self._session_id and self._stub is not None and self.breaker.allows():
-                tallies = self._tally_request()  # local lookups not yet counted
+                tallies = tally_request(self.local)  # local lookups not yet counted
                 if tallies.local_lookups:
                     tallies.session_id = self._session_id
                     with contextlib.suppress(grpc.RpcError):
@@ -357,25 +357,3 @@ class Session(Connection):
         if hit is not None and count:
             self.counters.lookups_local += 1
         return hit
-
-    def _tally_request(self, tallies: dict[int, Any] | None = None) -> Any:
-        """A HeartbeatRequest carrying ``tallies`` (default: take the pending ones)."""
-        if tallies is None:
-            tallies = self.local.take_tallies() if self.local is not None else {}
-        return pb.HeartbeatRequest(local_lookups=[
-            pb.LookupTally(namespace_id=ns, lookups=t.lookups,
-                           blocks_requested=t.blocks_requested, blocks_hit=t.blocks_hit)
-            for ns, t in tallies.items()])
-
-    def _heartbeat_loop(self) -> None:
-        # Every period, even while other calls keep the lease alive: the replies bring the
-        # daemon's tier figures (``tier_figures``), which a busy engine needs most.
-        while not self._hb_stop.wait(max(0.05, self.lease_ttl_s / 3)):
-            tallies = self.local.take_tallies() if self.local is not None else {}
-            request = self._tally_request(tallies)
-            try:
-                self.call("Heartbeat", request)
-            except (Away, errors.KvtierError):
-                # Dropped, not sent again: an unanswered heartbeat may have been applied, and
-                # a lookup left uncounted is better than one counted twice.
-                pass

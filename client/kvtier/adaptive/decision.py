@@ -173,18 +173,7 @@ class Decider:
         spt = self.prefill.seconds_per_token()
         if spt is None:
             return Decision(n, n, "no-figures", self._load_cost(tiers, n, block_bytes))
-        best_k, best_gain, best_cost = 0, 0.0, 0.0
-        by_tier: dict[str, int] = {}
-        for k in range(1, n + 1):  # one pass: the prefix's bytes by tier grow a block at a time
-            by_tier[tiers[k - 1]] = by_tier.get(tiers[k - 1], 0) + block_bytes
-            if k < n and tiers[k] == tiers[k - 1]:
-                continue  # within a run of one tier cost and gain are linear: check its ends
-            # a tier with no figure yet costs nothing here: loading it is what measures it
-            cost = self.figures.predict(by_tier, unknown=0.0)
-            assert cost is not None
-            gain = spt * k * block_tokens - cost
-            if gain >= best_gain:
-                best_k, best_gain, best_cost = k, gain, cost
+        best_k, best_cost = self._best_prefix(tiers, spt, block_tokens, block_bytes)
         unknown = any(not self.figures.known(t) for t in set(tiers[:best_k]))
         if best_k == n and unknown:
             return Decision(n, n, "no-figures", None, spt * n * block_tokens)
@@ -204,6 +193,26 @@ class Decider:
                             spt * probe * block_tokens)
         return Decision(best_k, n, "slower", best_cost if best_k and not unknown else None,
                         spt * best_k * block_tokens if best_k else None)
+
+    def _best_prefix(self, tiers: Sequence[str], spt: float, block_tokens: int,
+                     block_bytes: int) -> tuple[int, float]:
+        """(k, predicted load time) of the prefix of ``k`` blocks that maximizes
+        ``recompute(k) - load(k)`` (``spt``: the recompute time of one token), the longest on a
+        tie; (0, 0.0) when loading any prefix would take longer than recomputing it."""
+        n = len(tiers)
+        best_k, best_gain, best_cost = 0, 0.0, 0.0
+        by_tier: dict[str, int] = {}
+        for k in range(1, n + 1):  # one pass: the prefix's bytes by tier grow a block at a time
+            by_tier[tiers[k - 1]] = by_tier.get(tiers[k - 1], 0) + block_bytes
+            if k < n and tiers[k] == tiers[k - 1]:
+                continue  # within a run of one tier cost and gain are linear: check its ends
+            # a tier with no figure yet costs nothing here: loading it is what measures it
+            cost = self.figures.predict(by_tier, unknown=0.0)
+            assert cost is not None
+            gain = spt * k * block_tokens - cost
+            if gain >= best_gain:
+                best_k, best_gain, best_cost = k, gain, cost
+        return best_k, best_cost
 
     def _load_cost(self, tiers: Sequence[str], k: int, block_bytes: int) -> float | None:
         by_tier: dict[str, int] = {}
