@@ -32,6 +32,7 @@ from kvtier.bench.progress import Progress
 
 if TYPE_CHECKING:
     from kvtier.bench.baselines import SocketStream
+    from kvtier.bench.transfers import KeySource
 
 __all__ = ["run_bench"]
 _BENCH_EXTRA = "the kvtier wheel's bench extra; in a checkout: pip install -e '.[bench]'"
@@ -158,16 +159,24 @@ def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
             tcp = clients.enter_context(contextlib.closing(connect(daemon.grpc, "tcp")))
             ops += transfer_ops(plan, tcp, block, keys)
         if plan.wants("tls"):
-            from kvtier.bench.procs import self_signed
-
-            cert, key = self_signed(tmp / f"tls-{block}")
-            tls_daemon = clients.enter_context(DaemonProc(
-                tmp / f"kvtierd-tls-{block}", plan.host_bytes, plan.slab_bytes,
-                ["--tls-cert", str(cert), "--tls-key", str(key)]))
-            tls = clients.enter_context(contextlib.closing(
-                connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
-            ops += transfer_ops(plan, tls, block, keys, name="tcp_tls")
+            ops += _tls_ops(plan, tmp, block, keys, clients)
         measure(plan, block, ops, results, progress)
+
+
+def _tls_ops(plan: Plan, tmp: Path, block: int, keys: KeySource,
+             stack: contextlib.ExitStack) -> list[Op]:
+    """The ``tcp_tls`` figures: a second daemon with a self-signed certificate, and a tcp client
+    that trusts it; both are entered on ``stack`` (closed with the size's other clients)."""
+    from kvtier.bench.procs import DaemonProc, self_signed
+    from kvtier.bench.transfers import connect, transfer_ops
+
+    cert, key = self_signed(tmp / f"tls-{block}")
+    tls_daemon = stack.enter_context(DaemonProc(
+        tmp / f"kvtierd-tls-{block}", plan.host_bytes, plan.slab_bytes,
+        ["--tls-cert", str(cert), "--tls-key", str(key)]))
+    tls = stack.enter_context(contextlib.closing(
+        connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
+    return transfer_ops(plan, tls, block, keys, name="tcp_tls")
 
 
 def _verify_size(plan: Plan, tmp: Path, block: int, results: Results,

@@ -27,6 +27,7 @@ Each returns ``Op``s (``plan.Op``) that the driver runs interleaved with kvtier'
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing as mp
 import socket
@@ -220,32 +221,41 @@ class SocketStream:
         dst_views = block_views(prefaulted(n * block, 0), block, n)
         recv_views = [dst_views[i % n] for i in range(n * batches)]
         count = bytearray(_COUNT.size)
-
-        def sink_count() -> None:
-            if not recv_exact(s, memoryview(count)):
-                raise RuntimeError("socket sink went away")
-            touched = _COUNT.unpack(count)[0]
-            if touched != total:
-                raise RuntimeError(f"socket sink touched {touched} distinct bytes, not {total}")
-
-        def put() -> None:
-            s.sendall(_CMD.pack(_RECV, block, total))
-            for v in send_views:
-                s.sendall(v)
-            sink_count()
-
-        def get() -> None:
-            s.sendall(_CMD.pack(_SEND, block, total))
-            for v in recv_views:
-                if not recv_exact(s, v):
-                    raise RuntimeError("socket sink went away")
-            sink_count()
-
+        put = functools.partial(_stream_put, s, block, total, send_views, count)
+        get = functools.partial(_stream_get, s, block, total, recv_views, count)
         label = size_label(block)
         return [Op("socket_put", f"socket as put {label}", put,
                    touches=Touches(src=distinct_bytes(send_views), dst=total)),
                 Op("socket_get", f"socket as get {label}", get,
                    touches=Touches(src=total, dst=distinct_bytes(recv_views)))]
+
+
+def _stream_put(s: socket.socket, block: int, total: int, views: list[memoryview],
+                count: bytearray) -> None:
+    """One ``socket_put`` sample: the sink receives ``total`` bytes, sent from ``views``."""
+    s.sendall(_CMD.pack(_RECV, block, total))
+    for v in views:
+        s.sendall(v)
+    _sink_count(s, total, count)
+
+
+def _stream_get(s: socket.socket, block: int, total: int, views: list[memoryview],
+                count: bytearray) -> None:
+    """One ``socket_get`` sample: the sink sends ``total`` bytes, received into ``views``."""
+    s.sendall(_CMD.pack(_SEND, block, total))
+    for v in views:
+        if not recv_exact(s, v):
+            raise RuntimeError("socket sink went away")
+    _sink_count(s, total, count)
+
+
+def _sink_count(s: socket.socket, total: int, count: bytearray) -> None:
+    """Read the sink's report into ``count``; RuntimeError unless it touched ``total`` distinct bytes."""
+    if not recv_exact(s, memoryview(count)):
+        raise RuntimeError("socket sink went away")
+    touched = _COUNT.unpack(count)[0]
+    if touched != total:
+        raise RuntimeError(f"socket sink touched {touched} distinct bytes, not {total}")
 
 
 # -- Redis -----------------------------------------------------------------------------------------

@@ -93,12 +93,16 @@ def bench_gpu(args: argparse.Namespace) -> int:
                     (f"{t} get_blocks (daemon->device)", get)]
         exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
     best = {k: max(v) for k, v in s.figures.items()}
-    report = _report(best, device, n, bb, exact, base, notes)
-    print(report["table"])
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({k: v for k, v in report.items()
-                                                   if k != "table"}, indent=2) + "\n")
+    _publish(_report(best, device, n, bb, exact, base, notes), args.json_out)
     return 0 if exact else 1
+
+
+def _publish(report: dict[str, Any], json_out: str | None) -> None:
+    """Print the report's table; write the rest of it as JSON to ``json_out`` if given."""
+    print(report["table"])
+    if json_out:
+        Path(json_out).write_text(json.dumps({k: v for k, v in report.items()
+                                              if k != "table"}, indent=2) + "\n")
 
 
 def _paged_cache(shape: tuple[int, ...], n: int, device: Any) -> tuple[Any, list[int], list[int]]:

@@ -42,6 +42,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -141,8 +142,9 @@ def _one_size(plan: Plan, runs: Path, root: Path, block: int, keys: KeySource, r
             results.facts["tier_direct_io"] = bool(nvme_stats(client)["direct_io"])
             results.facts["raw_direct_io"] = raw.direct_io
             results.facts["raw_direct_io_note"] = raw.direct_io_note
+            size = _Size(g, client, ns, daemon, raw, data, results, progress)
             for _ in range(plan.repeat):
-                _round(g, client, ns, daemon, raw, keys, data, results, progress)
+                _round(size, keys)
                 results.add_gbps("xxh3", block, _xxh3_gbps(data.src))
     finally:
         pool.shutdown(wait=True)
@@ -150,21 +152,37 @@ def _one_size(plan: Plan, runs: Path, root: Path, block: int, keys: KeySource, r
         shutil.rmtree(raw_dir, ignore_errors=True)
 
 
-def _round(g: Geometry, client: Client, ns: NamespaceHandle, daemon: NvmeDaemon, raw: RawDisk,
-           keys: KeySource, data: _Data, results: Results, progress: Progress) -> None:
-    block, label = g.block, size_label(g.block)
-    nbytes = g.n * block
+@dataclass(frozen=True)
+class _Size:
+    """What every round of one block size uses: its geometry, the throughput daemon and an shm
+    client of it (``ns`` registered), the raw baseline's disk, the bytes, where figures go.
+    Made and owned by ``_one_size``, which closes what it holds; the bench's thread only."""
 
-    def record(op: str, seconds: float, what: str) -> None:
-        results.add_gbps(op, block, nbytes / seconds / GB)
-        progress.step(what)
+    g: Geometry
+    client: Client
+    ns: NamespaceHandle
+    daemon: NvmeDaemon
+    raw: RawDisk
+    data: _Data
+    results: Results
+    progress: Progress
 
+    def record(self, op: str, seconds: float, what: str) -> None:
+        """A set's bytes moved in ``seconds``, as figure ``op``; one progress step."""
+        self.results.add_gbps(op, self.g.block, self.g.n * self.g.block / seconds / GB)
+        self.progress.step(what)
+
+
+def _round(s: _Size, keys: KeySource) -> None:
+    """One round of the module docstring's steps 1-9 (three fresh sets from ``keys``)."""
+    g, raw, progress, record = s.g, s.raw, s.progress, s.record
+    label = size_label(g.block)
     sets = [keys.take(g.n) for _ in range(3)]
     raw_files: list[RawFile] = []
     try:
         for i, threads in enumerate((IO_THREADS, 1, 0)):
             progress.show(f"nvme demote {label} (set {'ABC'[i]})")
-            record("nvme_demote", put_durable(client, ns, sets[i], data.views, g.per_batch,
+            record("nvme_demote", put_durable(s.client, s.ns, sets[i], s.data.views, g.per_batch,
                                               f"demote {label}"), f"nvme demote {label}")
             if threads:
                 many = "s" if threads > 1 else ""
@@ -174,21 +192,21 @@ def _round(g: Geometry, client: Client, ns: NamespaceHandle, daemon: NvmeDaemon,
                 record(op, raw.write(raw_files[-1], threads), f"raw write {label}")
         progress.show(f"raw O_DIRECT read {label}, {IO_THREADS} threads")
         record("nvme_raw_read", raw.read(raw_files[0], IO_THREADS), f"raw read {label}")
-        _promote_get_into(g, client, ns, daemon, sets[0], data, results)
+        _promote_get_into(s, sets[0])
         progress.step(f"nvme promote {label}")
         progress.show(f"raw O_DIRECT read {label}, 1 thread")
         record("nvme_raw_read_1t", raw.read(raw_files[1], 1), f"raw read {label}")
         progress.show(f"nvme promote {label} (prefetch)")
-        _promote_prefetch(g, client, ns, sets[1], results)
+        _promote_prefetch(s, sets[1])
         progress.step(f"nvme promote {label}")
     finally:
         for f in raw_files:
             raw.drop(f)
 
 
-def _promote_get_into(g: Geometry, client: Client, ns: NamespaceHandle, daemon: NvmeDaemon,
-                      keys: list[bytes], data: _Data, results: Results) -> None:
+def _promote_get_into(s: _Size, keys: list[bytes]) -> None:
     """get_into of a set that is on NVMe only: end to end, and PrepareLoad's share."""
+    g, client, ns, daemon, data, results = s.g, s.client, s.ns, s.daemon, s.data, s.results
     block, label = g.block, size_label(g.block)
     if on_host := tiers_of(ns, keys).count("host"):
         raise RuntimeError(f"promote {label}: {on_host} blocks of the set are still in the host "
@@ -210,9 +228,9 @@ def _promote_get_into(g: Geometry, client: Client, ns: NamespaceHandle, daemon: 
         results.add_gbps("nvme_promote_prepare", block, len(keys) * block / prep / GB)
 
 
-def _promote_prefetch(g: Geometry, client: Client, ns: NamespaceHandle, keys: list[bytes],
-                      results: Results) -> None:
+def _promote_prefetch(s: _Size, keys: list[bytes]) -> None:
     """prefetch of a set, then wait until every NVMe-only block of it has been read back."""
+    g, client, ns, results = s.g, s.client, s.ns, s.results
     block, label = g.block, size_label(g.block)
     nvme_only = tiers_of(ns, keys).count("nvme")
     r0 = int(nvme_stats(client)["bytes_read"])

@@ -228,7 +228,7 @@ class Op:
     """
 
     name: str
-    """Figure name, e.g. ``"tcp_put"`` (every name: ``report.OP_ORDER``)."""
+    """Figure name, e.g. ``"tcp_put"`` (every name: ``targets.OP_ORDER``)."""
     label: str
     """What the progress bar shows, e.g. ``"tcp put 1MiB"``."""
     run: Callable[[], object]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvtier_contract.identity import Namespace
     from kvtier_contract.protoutil import TransportName
 
 SAMPLE_FIELDS = ("rss_mib", "anon_mib", "fds", "threads", "sessions", "used_mib", "pinned",
@@ -344,12 +345,9 @@ def worker_main(address: str, transport: TransportName, params: dict[str, Any]) 
 
     Exit 3 when a get returned other bytes than were put (never expected)."""
     from kvtier.client import Client
-    from kvtier_contract.identity import Namespace
 
     rng = random.Random(params["seed"])
-    ns_spec = Namespace(model_id=f"soak/{params['namespace']}", model_revision="r",
-                        tokenizer_digest="none", kv_dtype="bfloat16", layout="contiguous",
-                        tokens_per_block=16, num_layers=2, num_kv_heads=2, head_dim=64)
+    ns_spec = _worker_namespace(params["namespace"])
     n, batch = int(params["keys_per_namespace"]), int(params["batch"])
     keys = [hashlib.sha256(b"soak %d %d" % (params["namespace"], k)).digest() for k in range(n)]
     period = 1.0 / float(params["rounds_per_s"])
@@ -370,6 +368,15 @@ def worker_main(address: str, transport: TransportName, params: dict[str, Any]) 
                     print(f"BAD bytes for key {k!r}", file=sys.stderr, flush=True)
                     return 3
             time.sleep(max(0.0, period - (time.monotonic() - t)))
+
+
+def _worker_namespace(index: int) -> Namespace:
+    """The soak's namespace number ``index``: every worker given that number registers it."""
+    from kvtier_contract.identity import Namespace
+
+    return Namespace(model_id=f"soak/{index}", model_revision="r", tokenizer_digest="none",
+                     kv_dtype="bfloat16", layout="contiguous", tokens_per_block=16, num_layers=2,
+                     num_kv_heads=2, head_dim=64)
 
 
 # ---- the command -------------------------------------------------------------------------------

@@ -82,6 +82,20 @@ def _get_all_into(t: str, client: Client, ns: NamespaceHandle, batches: list[lis
                                f"({client.counters.last_error or 'evicted?'})")
 
 
+def _get_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]]) -> None:
+    """get each batch of keys (new bytes per block); RuntimeError unless every block was found."""
+    for batch in batches:
+        if any(b is None for b in ns.get(batch)):
+            raise RuntimeError(f"{t} get missed keys that were just put")
+
+
+def _check_get(t: str, ns: NamespaceHandle, batch: list[bytes], views: list[Any]) -> None:
+    """get ``batch`` once more and assert that its blocks are the bytes of ``views``."""
+    got = ns.get(batch)
+    assert all(g is not None and g == v for g, v in zip(got, views, strict=True)), \
+        f"{t} get returned other bytes than were put"
+
+
 def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
                  name: str | None = None) -> list[Op]:
     """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order
@@ -104,17 +118,13 @@ def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
         _get_all_into(t, client, ns, current, dst_views)
 
     def get() -> None:
-        for batch in current:
-            if any(b is None for b in ns.get(batch)):
-                raise RuntimeError(f"{t} get missed keys that were just put")
+        _get_all(t, ns, current)
 
     def check_get_into() -> None:
         assert np.array_equal(src, dst), f"{t} get_into returned other bytes than were put"
 
     def check_get() -> None:
-        got = ns.get(current[-1])
-        assert all(g is not None and g == v for g, v in zip(got, views, strict=True)), \
-            f"{t} get returned other bytes than were put"
+        _check_get(t, ns, current[-1], views)
 
     label = f"{t} %s {size_label(block)}"
     total, batch = plan.sample_bytes(block), n * block
