@@ -1,12 +1,13 @@
 """One published index segment: a sealed memfd holding one generation of a namespace's READY
 keys as an open-addressing table (layout and reader rules: :mod:`kvtier_contract.published_index`).
 
-Role: the "bytes" half of :mod:`kvtierd.index.published` (which re-exports :class:`Segment`):
-creating and sealing the memfd, inserting and removing keys one by one or vectorized, filling a
-new generation in bulk, stamping liveness and retiring. Ownership: a Segment owns its memfd and
-the daemon's writable mapping; its Publisher owns the Segment. Concurrency: the event-loop thread
-writes a live segment; a build thread fills a new one that no one sees until the loop installs
-it; readers are other processes, lock-free (8-byte slot stores).
+Role: the "bytes" half of :mod:`kvtierd.index.publisher` (:mod:`kvtierd.index.published`
+re-exports :class:`Segment`): creating and sealing the memfd, inserting and removing keys one by
+one or vectorized, filling a new generation in bulk, stamping liveness and retiring. Ownership:
+a Segment owns its memfd and the daemon's writable mapping; its Publisher owns the Segment.
+Concurrency: the event-loop thread writes a live segment; a build thread fills a new one that
+no one sees until the loop installs it; readers are other processes, lock-free (8-byte slot
+stores).
 """
 
 from __future__ import annotations

@@ -69,7 +69,20 @@ class Channel(Protocol):
 
 
 class ShmFdServer(ServerTransport):
-    """Owns the listening socket and its file. Event-loop thread only."""
+    """Owns the listening socket and its file. Event-loop thread only.
+
+    What the daemon hands it: ``arena(session)``: the fd and size of the arena that session
+    maps, or None (refused). ``index(session_id, namespace_id)``: a read-only descriptor of that
+    namespace's published index (the caller here closes it), its size and generation; raises a
+    KvtierError or OSError to refuse. None: index requests are refused.
+    ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
+    index (the daemon stops publishing one that no channel reads). ``login(uid, gid)``: a
+    bearer token for that Unix peer (kvtierd.tenants.UnixLogins), or a KvtierError; None:
+    logins are refused. ``control(session, on_close)``: the protocol serving a control
+    channel of that session (it calls ``on_close(itself)`` when its connection ends); None:
+    control channels are refused. ``per_uid``: handshakes in progress at once from one peer
+    uid (SO_PEERCRED at accept), within ``max_connections``.
+    """
 
     name = "shm"
     socket_mode = 0o600  # of the socket file (DaemonConfig.socket_mode); set before start()
@@ -82,17 +95,7 @@ class ShmFdServer(ServerTransport):
                  peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
                  login: Callable[[int, int], str] | None = None,
                  control: ChannelFactory | None = None) -> None:
-        """``arena(session)``: the fd and size of the arena that session maps, or None (refused).
-        ``index(session_id, namespace_id)``: a read-only descriptor of that namespace's
-        published index (the caller here closes it), its size and generation; raises a
-        KvtierError or OSError to refuse. None: index requests are refused.
-        ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
-        index (the daemon stops publishing one that no channel reads). ``login(uid, gid)``: a
-        bearer token for that Unix peer (kvtierd.tenants.UnixLogins), or a KvtierError; None:
-        logins are refused. ``control(session, on_close)``: the protocol serving a control
-        channel of that session (it calls ``on_close(itself)`` when its connection ends); None:
-        control channels are refused. ``per_uid``: handshakes in progress at once from one peer
-        uid (SO_PEERCRED at accept), within ``max_connections``."""
+        """The arguments: see the class docstring."""
         self.path = os.path.abspath(path)
         self._arena = arena
         self._epoch = boot_epoch

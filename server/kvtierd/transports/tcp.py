@@ -18,7 +18,8 @@ own (the oldest waiting one makes room for a new one), and those past HELLO coun
 tenant's share of the cap.
 
 Modules: this one holds the server (listening, arena mapping, session release, shutdown);
-:mod:`~kvtierd.transports.tcp_protocol` the per-connection protocol and
+:mod:`~kvtierd.transports.tcp_protocol` the per-connection protocol (with
+:mod:`~kvtierd.transports.tcp_segments`, where payload bytes go) and
 :mod:`~kvtierd.transports.tcp_admission` the connection table and its limits (both re-exported).
 
 A HELLO offering ``FEATURE_CONTROL`` (when the server has a ``control`` factory) makes the

@@ -3,51 +3,32 @@ frames out (framing: kvtier_contract.wire; protocol: docs/tcp_data_channel.md).
 
 Role: one :class:`DataChannelProtocol` per connection, built by
 :class:`kvtierd.transports.tcp.DataChannelServer` (which re-exports it); admission and limits are
-asked of the server's :class:`~kvtierd.transports.tcp_admission.ConnectionTable`. Ownership: a
-protocol owns only its buffers and parser state; the arena, the jobs and the sessions are the
-cache's. Concurrency: event-loop thread only.
+asked of the server's :class:`~kvtierd.transports.tcp_admission.ConnectionTable`; where a
+payload's bytes go (arena segments of a store job, or the scratch buffer for discarded bytes),
+of :mod:`~kvtierd.transports.tcp_segments`. Ownership: a protocol owns only its buffers and
+parser state; the arena, the jobs and the sessions are the cache's. Concurrency: event-loop
+thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from kvtier_contract import wire
-from kvtier_contract.digests import block_digest
 from kvtier_contract.errors import KvtierError
 from kvtier_contract.wire import Op, Status
-from kvtierd.cache import LoadJob, StoreJob, TieredCache
+from kvtierd.cache import LoadJob, TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION
 from kvtierd.transports.tcp_admission import Cancellable, ConnectionTable
+from kvtierd.transports.tcp_segments import SCRATCH_BYTES, PayloadSegment, plan_segments, scratch
 
-_SCRATCH = 1 << 20
 _FEATURES = wire.FEATURE_RUNS  # what this daemon accepts of a client's HELLO offer
 _MAX_FRAME = 1 << 32  # a frame longer than any job could be is a protocol error
 # Most bytes handed to one read of a segment (a read holds the socket while it copies; like the
 # client's calls, kept small; 1 and 4 MiB measured alike).
 _READ_CHUNK = 1 << 20
-_discard: memoryview | None = None
 _CONTROL_READ = 64 << 10  # bytes per read of a control connection
-
-
-def _scratch() -> memoryview:
-    """Where discarded payload bytes go: one buffer for every connection, made on first use.
-    Nothing ever reads it, so sharing it (even between threads) is harmless."""
-    global _discard
-    if _discard is None:
-        _discard = memoryview(bytearray(_SCRATCH))
-    return _discard
-
-
-@dataclass(eq=False)
-class _Segment:
-    """Arena bytes of one or more adjacent slots of one store job, filled in order."""
-
-    view: memoryview
-    job: StoreJob
-    indexes: range  # key indexes whose blocks the segment holds
 
 
 class DataChannelProtocol(asyncio.BufferedProtocol):
@@ -82,7 +63,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._hello: bytearray | None = None  # HELLO's payload (the data secret) being read
         self._hello_got = 0
         self._hello_args = (0, 0)  # its session id and offered features
-        self._segments: list[_Segment] = []  # payload destinations; empty = discard
+        self._segments: list[PayloadSegment] = []  # payload destinations; empty = discard
         self._seg = 0  # current segment
         self._job = 0
         self._pos = 0  # bytes of the current segment received
@@ -161,7 +142,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             # The job was aborted (lease expiry) while its bytes were arriving: discard the rest.
             self._segments = []
             self._errors.setdefault(self._job, Status.UNKNOWN_JOB)
-        return _scratch()[: min(self._left, _SCRATCH)]
+        return scratch()[: min(self._left, SCRATCH_BYTES)]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._control is not None and self._control_buf is not None:
@@ -187,8 +168,8 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return
         self._pos += nbytes
         seg = self._segments[self._seg]
-        if self.cache.verify_bytes:
-            self._hash_arrived(seg)
+        if self.cache.verify_bytes:  # (a read takes at most _READ_CHUNK: bytes still cached)
+            self._hashed = seg.hash_arrived(self._hashed, self._pos)
         if self._pos == len(seg.view):
             seg.job.arrived(seg.indexes)
             self._seg += 1
@@ -196,16 +177,6 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             self._hashed = 0
             if self._seg == len(self._segments):
                 self._segments = []
-
-    def _hash_arrived(self, seg: _Segment) -> None:
-        """Hash the blocks of ``seg`` that arrived in full since the last call, while their bytes
-        are still in the CPU's cache (a read takes at most ``_READ_CHUNK``): their digests,
-        fixed at the commit (docs/security.md "Bytes verified end to end")."""
-        block = len(seg.view) // len(seg.indexes)
-        done = self._pos // block
-        for b in range(self._hashed, done):
-            seg.job.digests[seg.indexes[b]] = block_digest(seg.view[b * block : (b + 1) * block])
-        self._hashed = done
 
     # -- limits -----------------------------------------------------------------------------------
 
@@ -348,31 +319,12 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         if length > _MAX_FRAME:
             return self._bad_frame(f"frame length {length} too large")
         try:
-            self._segments = self._plan_segments(job, first, count, length)
+            self._segments = plan_segments(self.cache, self.session_id, job, first, count, length)
         except KvtierError as e:
             status = Status.BAD_LENGTH if e.field == "length" else (
                 Status.BAD_INDEX if e.field == "index" else Status.UNKNOWN_JOB)
             self._errors.setdefault(job, status)
         return None
-
-    def _plan_segments(self, job_id: int, first: int, count: int, length: int) -> list[_Segment]:
-        """Where the run's bytes go: adjacent slots merged into one segment each (one call to
-        the job table validates the whole run)."""
-        job, entries = self.cache.jobs.store_run(self.session_id, job_id, first, count, length)
-        block = length // count
-        host = self.cache.host
-        segments: list[_Segment] = []
-        end = -1  # arena offset just past the last segment
-        for index, e in enumerate(entries, first):
-            if e.offset == end:  # adjacent to the previous slot: grow that segment
-                last = segments[-1]
-                start = e.offset - len(last.view)
-                last.view = host.view(start, len(last.view) + block)
-                last.indexes = range(last.indexes.start, index + 1)
-            else:
-                segments.append(_Segment(host.view(e.offset, block), job, range(index, index + 1)))
-            end = e.offset + block
-        return segments
 
     def _on_read(self, job_id: int) -> None:
         t = self.transport

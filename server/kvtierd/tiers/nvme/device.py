@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvtier_contract.directio import probe_direct
+from kvtierd.tiers.nvme.buffers import Buffer as Buffer
+from kvtierd.tiers.nvme.buffers import WBuffer as WBuffer
+from kvtierd.tiers.nvme.buffers import advance, nbytes
 from kvtierd.tiers.nvme.errors import DiskError as DiskError
 from kvtierd.tiers.nvme.errors import DiskFull as DiskFull
 from kvtierd.tiers.nvme.errors import DiskIOError as DiskIOError
@@ -52,28 +55,9 @@ from kvtierd.tiers.nvme.errors import UnsafeFile as UnsafeFile
 from kvtierd.tiers.nvme.errors import _typed
 from kvtierd.tiers.nvme.errors import disk_error as disk_error
 
-Buffer = memoryview | bytes | bytearray
-WBuffer = memoryview | bytearray
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO must not hang open()
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-
-
-def _nbytes(views: Sequence[Buffer]) -> int:
-    return sum(memoryview(v).nbytes for v in views)
-
-
-def _advance(views: Sequence[Buffer], n: int) -> list[memoryview]:
-    """The part of ``views`` after its first ``n`` bytes."""
-    out: list[memoryview] = []
-    for v in views:
-        m = memoryview(v).cast("B")
-        if n >= m.nbytes:
-            n -= m.nbytes
-            continue
-        out.append(m[n:])
-        n = 0
-    return out
 
 
 class Device(ABC):
@@ -161,7 +145,7 @@ class FileDevice(Device):
             return self._pread(fd, offset, views)
 
     def _pread(self, fd: int, offset: int, views: Sequence[WBuffer]) -> int:
-        done, pending = 0, _advance(views, 0)
+        done, pending = 0, advance(views, 0)
         while pending:
             try:
                 n = os.preadv(fd, pending[:_IOV_MAX], offset + done)
@@ -170,18 +154,18 @@ class FileDevice(Device):
             if n == 0:
                 break  # end of file
             done += n
-            pending = _advance(pending, n)
+            pending = advance(pending, n)
         return done
 
     def pwrite(self, offset: int, views: Sequence[Buffer]) -> int:
-        nbytes = _nbytes(views)
+        count = nbytes(views)
         self._check(offset, views)
-        assert 0 <= offset and offset + nbytes <= self.size, (self.path, offset, nbytes, self.size)
+        assert 0 <= offset and offset + count <= self.size, (self.path, offset, count, self.size)
         with self._use(f"write at {offset}") as fd:
             return self._pwrite(fd, offset, views)
 
     def _pwrite(self, fd: int, offset: int, views: Sequence[Buffer]) -> int:
-        done, pending = 0, _advance(views, 0)
+        done, pending = 0, advance(views, 0)
         while pending:
             try:
                 n = os.pwritev(fd, pending[:_IOV_MAX], offset + done)
@@ -190,7 +174,7 @@ class FileDevice(Device):
             if n == 0:
                 raise DiskIOError(f"write {self.path} at {offset + done}: wrote nothing", err=errno.EIO)
             done += n
-            pending = _advance(pending, n)
+            pending = advance(pending, n)
         return done
 
     def sync(self) -> None:

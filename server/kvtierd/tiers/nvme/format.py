@@ -156,7 +156,23 @@ def decode_header(region: memoryview | bytes | bytearray, *, expect_digest: byte
     ``available_bytes``: bytes from the slot's start to the end of its file (the slot must fit).
     Raises :class:`CorruptSlot` unless every check passes; never returns unvalidated data.
     """
-    region = memoryview(region).cast("B")
+    h = _decode_region(memoryview(region).cast("B"))
+    payload_len = h.payload_len
+    if payload_len == 0 or (expect_payload_len is not None and payload_len != expect_payload_len):
+        raise CorruptSlot("bad_length", f"payload_len {payload_len}")
+    if available_bytes is not None and h.slot_bytes > available_bytes:
+        raise CorruptSlot("bad_length", f"a {payload_len}-byte payload runs past the end of file")
+    if expect_digest is not None and h.namespace_digest != expect_digest:
+        raise CorruptSlot("wrong_namespace")
+    if expect_key is not None and h.key != expect_key:
+        raise CorruptSlot("wrong_key")
+    return h
+
+
+def _decode_region(region: memoryview) -> SlotHeader:
+    """The first half of :func:`decode_header`: the region's own integrity, checked in this order
+    (magic, version, header checksum, layout, zero padding); the payload length and what the
+    caller expects are checked by ``decode_header`` after it."""
     io_align = len(region)
     assert valid_io_align(io_align), io_align
     (magic, version, flags, header_len, disk_align, reserved, digest, key, payload_len, p_sum,
@@ -172,14 +188,6 @@ def decode_header(region: memoryview | bytes | bytearray, *, expect_digest: byte
                           f"{reserved} io_align {disk_align} (region {io_align})")
     if not _is_zero(region[HEADER.size :]):
         raise CorruptSlot("bad_padding", "non-zero bytes after the header")
-    if payload_len == 0 or (expect_payload_len is not None and payload_len != expect_payload_len):
-        raise CorruptSlot("bad_length", f"payload_len {payload_len}")
-    if available_bytes is not None and slot_bytes(payload_len, io_align) > available_bytes:
-        raise CorruptSlot("bad_length", f"a {payload_len}-byte payload runs past the end of file")
-    if expect_digest is not None and digest != expect_digest:
-        raise CorruptSlot("wrong_namespace")
-    if expect_key is not None and key != expect_key:
-        raise CorruptSlot("wrong_key")
     return SlotHeader(digest, key, payload_len, p_sum, sequence, written_at_ns, io_align, flags)
 
 

@@ -41,6 +41,7 @@ from kvtierd.tiers.nvme.format import (
     META_NAME,
     CorruptMeta,
     CorruptSlot,
+    SlotHeader,
     StoreMeta,
     data_file_name,
     decode_header,
@@ -219,16 +220,9 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
             _count_bad_header(c, offset, summary, problems)
             offset += a
             continue
-        need = round_up(h.payload_len, a)
-        if len(payload) < need:
-            payload = bytearray(need)
-        view = memoryview(payload)[:need]
-        try:
-            if dev.pread_into(offset + a, [view]) < need:
-                raise CorruptSlot("bad_length", "payload runs past the end of file")
-            verify_payload(h, view)
-        except CorruptSlot as c:
-            suspects.append((offset, offset + h.slot_bytes, h.sequence, str(c)))
+        payload, problem = _check_payload(dev, offset, h, payload)
+        if problem is not None:
+            suspects.append((offset, offset + h.slot_bytes, h.sequence, problem))
             offset += a  # the bytes inside may hold newer slots
             continue
         valid_offsets.append(offset)
@@ -237,6 +231,25 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
         summary.payload_bytes += h.payload_len
         offset += h.slot_bytes
     _judge_suspects(suspects, valid_offsets, valid_sequences, summary, problems)
+
+
+def _check_payload(dev: Device, offset: int, h: SlotHeader, buf: bytearray
+                   ) -> tuple[bytearray, str | None]:
+    """Read and verify the payload of the slot at ``offset`` whose header ``h`` decoded:
+    (``buf``, or a bigger buffer when it was too small, for the next slot; why the payload is
+    corrupt, or None)."""
+    a = h.io_align
+    need = round_up(h.payload_len, a)
+    if len(buf) < need:
+        buf = bytearray(need)
+    view = memoryview(buf)[:need]
+    try:
+        if dev.pread_into(offset + a, [view]) < need:
+            raise CorruptSlot("bad_length", "payload runs past the end of file")
+        verify_payload(h, view)
+    except CorruptSlot as c:
+        return buf, str(c)
+    return buf, None
 
 
 def _count_bad_header(c: CorruptSlot, offset: int, summary: FileSummary,

@@ -147,6 +147,15 @@ class _Scan:
     problem: str | None = None  # why the scan stopped before a clean (all-zero) end
     end_record: tuple[int, int] | None = None  # checkpoints: (record_count, journal_gen)
 
+    def ended(self, data: bytes, records: list[Record], end: int) -> _Scan:
+        """The scan of ``data`` stopped at ``end`` with ``records``: what follows is measured,
+        and all zeros there is no problem (the clean end of a preallocated file)."""
+        self.records, self.end = records, end
+        self.torn_bytes = len(data[end:].rstrip(b"\0"))
+        if not self.torn_bytes:
+            self.problem = None
+        return self
+
 
 def _frame_problem(data: bytes, pos: int, allowed: tuple[int, ...]) -> str | None:
     """Why the frame at ``pos`` is not a valid frame of an allowed type, or None."""
@@ -176,8 +185,8 @@ def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None =
     out, pos, view = _Scan(), 0, memoryview(data)
     records: list[Record] = []
     next_tick = tick_every if tick is not None else 1 << 62
-    xxh3, unpack_add, size, checked = xxhash.xxh3_64_intdigest, _ADD_FRAME.unpack_from, \
-        ADD_FRAME_BYTES, ADD_FRAME_BYTES - FRAME_CRC.size
+    xxh3, unpack_add = xxhash.xxh3_64_intdigest, _ADD_FRAME.unpack_from  # (locals: the hot loop)
+    size, checked = ADD_FRAME_BYTES, ADD_FRAME_BYTES - FRAME_CRC.size
     while pos < len(data):
         if data[pos + 4 : pos + 5] == b"\x02" and len(data) - pos >= size:  # fast path: ADD
             magic, _, body_len, seq, *fields, crc = unpack_add(data, pos)
@@ -198,11 +207,7 @@ def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None =
             out.end_record = rec
             break
         records.append(rec)
-    out.records, out.end = records, pos
-    out.torn_bytes = len(data[pos:].rstrip(b"\0"))
-    if not out.torn_bytes:
-        out.problem = None  # all zeros after the last record: the clean end of a preallocated file
-    return out
+    return out.ended(data, records, pos)
 
 
 def _slow_frame(data: bytes, pos: int, allowed: tuple[int, ...], last_seq: int

@@ -98,6 +98,13 @@ class NvmeStartup:
             if isinstance(e, DiskError):
                 self.degraded_reason = f"{type(e).__name__}: {e}"
             raise
+        self._opened(rec, recovered, t0)
+        return recovered
+
+    def _opened(self, rec: jnl.Recovery, recovered: Recovered, t0: float) -> None:
+        """The end of a successful ``open()`` (started at monotonic ``t0``): the recovery's
+        figures and log line; admission resumes unless a block file is missing or read-only or
+        no journal is open (then the tier stays degraded until a probe)."""
         writable = all(d is not None for d in self.files) and not self._readonly
         self._known_ns = set(recovered.namespaces)
         f = self.figures
@@ -109,7 +116,6 @@ class NvmeStartup:
         log.info("nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
                  self.cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
                  f.recovery_seconds, f.direct_io)
-        return recovered
 
     def _start_journal(self, rec: jnl.Recovery, recovered: Recovered) -> None:
         """Compact a replayed journal into a checkpoint and open the next journal; a DiskError
