@@ -150,3 +150,15 @@ def serve_ready(run: Path, *args: str, level: str = "INFO") -> tuple[dict[str, A
             proc.terminate()
             proc.wait(15)
     return json.loads(line.split(" ", 1)[1]), (run / "log").read_text()
+
+
+def feed(channel: Any, data: bytes) -> None:
+    """Hand ``data`` to a data-channel protocol (``kvtierd.transports.tcp.DataChannelProtocol``)
+    as its event loop would, through ``get_buffer`` / ``buffer_updated`` (unit tests of the
+    channel without a socket)."""
+    while data:
+        buf = channel.get_buffer(len(data))
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        channel.buffer_updated(n)
+        data = data[n:]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from tests_helpers import feed
 
 from kvtier_contract import wire
 from kvtier_contract.errors import InvalidArgument
@@ -1006,15 +1007,6 @@ def data_channel(rig: Rig) -> tuple[DataChannelProtocol, FakeTransport]:
     feed(channel, wire.hello(rig.session.id, rig.session.data_secret, wire.FEATURE_RUNS))
     transport.out.clear()
     return channel, transport
-
-
-def feed(channel: DataChannelProtocol, data: bytes) -> None:
-    while data:
-        buf = channel.get_buffer(len(data))
-        n = min(len(buf), len(data))
-        buf[:n] = data[:n]
-        channel.buffer_updated(n)
-        data = data[n:]
 
 
 @scenario

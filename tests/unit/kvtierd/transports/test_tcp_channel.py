@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_tiering import feed
+from tests_helpers import feed
 
 from kvtier_contract import wire
 from kvtier_contract.identity import Namespace
