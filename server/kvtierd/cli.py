@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "in one line and with exit status 2, a host tier larger than the memory "
                        "available, a port in use and an unusable --disk-dir.")
     _host_and_listener_flags(s)
-    _storage_and_tenant_flags(s)
+    _storage_flags(s)
+    _tenant_and_event_flags(s)
     _security_flags(s)
 
     from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
@@ -127,8 +128,8 @@ def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
                    help="offer the cuda_ipc transport (needs cupy and a GPU)")
 
 
-def _storage_and_tenant_flags(s: argparse.ArgumentParser) -> None:
-    """``serve``: the NVMe and cluster tiers, the tenants file, KV events."""
+def _storage_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the NVMe and cluster tiers."""
     s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
     s.add_argument("--disk-optional", dest="disk_optional", action="store_const", const=True,
                    help="start with the host tier alone when --disk-dir cannot be used (the "
@@ -145,6 +146,10 @@ def _storage_and_tenant_flags(s: argparse.ArgumentParser) -> None:
                    help="which blocks are written to the cluster")
     s.add_argument("--cluster-fleet-key-file", help="the fleet key (hex, >= 32 bytes) that "
                    "authenticates cluster values; required with --cluster (docs/cluster.md)")
+
+
+def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the tenants file, KV events."""
     s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
                    "docs/security.md); re-read on SIGHUP")
     s.add_argument("--events-endpoint", help="publish KV events (vLLM's wire format) on this "
@@ -219,34 +224,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# The DaemonConfig fields the ``serve`` flags set (each flag's ``dest``), in the order they are
+# handed to ``with_overrides``; a flag not given is None: the file's value or the default stays.
+_FLAG_FIELDS = (
+    "host_bytes", "slab_bytes", "socket_path", "socket_mode", "listen", "data_listen",
+    "metrics_port", "metrics_host", "eviction_policy", "lease_ttl_s", "prefault", "disk_dir",
+    "disk_bytes", "disk_optional", "allow_host_bytes_over_available", "io_align_bytes",
+    "write_policy", "cuda_ipc", "cluster", "cluster_write_policy", "tenants_file",
+    "cluster_fleet_key_file", "tls_cert", "tls_key", "tls_client_ca", "tls_require_client_cert",
+    "allow_plaintext_remote", "metrics_plaintext_remote", "health_listen", "reflection",
+    "verify_bytes", "verify_store", "events_endpoint", "events_replay_endpoint",
+    "events_tenant_endpoint", "events_tenant_replay_endpoint", "events_buffer_batches",
+)
+
+
 def _config(args: argparse.Namespace) -> DaemonConfig:
     """The embedded defaults, the --config file over them, the flags given over both."""
     from kvtierd.config import load_config, with_overrides
 
     cfg = load_config(args.config)
-    return with_overrides(
-        cfg, host_bytes=args.host_bytes, slab_bytes=args.slab_bytes,
-        socket_path=args.socket_path, socket_mode=args.socket_mode, listen=args.listen,
-        data_listen=args.data_listen,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        eviction_policy=args.eviction_policy, lease_ttl_s=args.lease_ttl_s,
-        prefault=args.prefault, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-        disk_optional=args.disk_optional,
-        allow_host_bytes_over_available=args.allow_host_bytes_over_available,
-        io_align_bytes=args.io_align_bytes, write_policy=args.write_policy,
-        cuda_ipc=args.cuda_ipc, cluster=args.cluster,
-        cluster_write_policy=args.cluster_write_policy, tenants_file=args.tenants_file,
-        cluster_fleet_key_file=args.cluster_fleet_key_file,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-        tls_require_client_cert=args.tls_require_client_cert,
-        allow_plaintext_remote=args.allow_plaintext_remote,
-        metrics_plaintext_remote=args.metrics_plaintext_remote, health_listen=args.health_listen,
-        reflection=args.reflection, verify_bytes=args.verify_bytes,
-        verify_store=args.verify_store, events_endpoint=args.events_endpoint,
-        events_replay_endpoint=args.events_replay_endpoint,
-        events_tenant_endpoint=args.events_tenant_endpoint,
-        events_tenant_replay_endpoint=args.events_tenant_replay_endpoint,
-        events_buffer_batches=args.events_buffer_batches)
+    return with_overrides(cfg, **{name: getattr(args, name) for name in _FLAG_FIELDS})
 
 
 def _check_files(cfg: DaemonConfig) -> None:

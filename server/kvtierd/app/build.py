@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtierd.app.listeners import private_umask
 from kvtierd.cache import TieredCache, TierLink
-from kvtierd.config import DaemonConfig
+from kvtierd.config import ClusterTierConfig, DaemonConfig
 from kvtierd.policies import make_write_policy
 from kvtierd.preflight import StartupError, disk_refusal, nvme_config, tenant_arena_bytes
 from kvtierd.tenancy.exposure import check_metrics_exposure
@@ -175,15 +175,7 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
     except ImportError as e:
         raise ValueError(f"cluster: the cluster tier needs redis-py and hiredis "
                          f"(pip install 'kvtier[cluster]'): {e}") from None
-    password = ""
-    if c.cluster_password_file:
-        try:
-            password = Path(c.cluster_password_file).read_text().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
-            raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
-    creds = Credentials(username=c.cluster_username, password=password, tls=tls,
-                        ca_file=c.cluster_tls_ca, cert_file=c.cluster_tls_cert,
-                        key_file=c.cluster_tls_key)
+    creds = _cluster_credentials(c, tls)
     from kvtierd.tiers.cluster.keys import read_fleet_key
 
     return ClusterSettings(
@@ -196,6 +188,20 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         # blocks waiting for the cluster stay pinned in the host tier: never more than a quarter
         queue_bytes=min(c.cluster_queue_bytes, cfg.host_tier.host_bytes // 4),
         inflight_bytes=c.cluster_inflight_bytes, breaker_s=c.cluster_breaker_s)
+
+
+def _cluster_credentials(c: ClusterTierConfig, tls: bool) -> Credentials:
+    """How the daemon signs in to the cluster: its user, the password read from
+    ``cluster_password_file`` here (its first line), its TLS files."""
+    password = ""
+    if c.cluster_password_file:
+        try:
+            password = Path(c.cluster_password_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
+    return Credentials(username=c.cluster_username, password=password, tls=tls,
+                       ca_file=c.cluster_tls_ca, cert_file=c.cluster_tls_cert,
+                       key_file=c.cluster_tls_key)
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:

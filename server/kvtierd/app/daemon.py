@@ -4,7 +4,9 @@ cache, sessions, service, transports, metrics) and wires them; ``start`` binds a
 
 The parts are built by :mod:`~kvtierd.app.build` (the storage, in the order of the refusals),
 bound by :mod:`~kvtierd.app.listeners` (the gRPC servers, /metrics) and drained by
-:mod:`~kvtierd.app.drain`; the Daemon holds them and the callbacks that tie them together.
+:mod:`~kvtierd.app.drain`; :mod:`~kvtierd.app.figures` reads them as plain data (the ready line's
+tiers, /metrics' snapshot) and :mod:`~kvtierd.app.reload` applies a tenants file read again on
+SIGHUP. The Daemon holds the parts and the callbacks that tie them together.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier_contract import published_index as pi
 from kvtier_contract.errors import NotFound
-from kvtier_contract.protoutil import to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.app import build, drain, listeners
+from kvtierd.app import build, drain, figures, listeners, reload
 from kvtierd.app.housekeeping import Housekeeper
 from kvtierd.cache import TieredCache
 from kvtierd.config import DaemonConfig
@@ -32,13 +33,13 @@ from kvtierd.index.published import Publishers
 from kvtierd.lockfile import OwnerLock
 from kvtierd.metrics import MetricsServer
 from kvtierd.policies import EvictionPolicy, make_policy
-from kvtierd.service import CALLER, ChannelDispatch, KvtierService, add_to_server
+from kvtierd.service import ChannelDispatch, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenancy.exposure import metrics_scrape_only
-from kvtierd.tenants import Tenant, Tenants, load_tenants
+from kvtierd.tenants import Tenant, Tenants
 from kvtierd.tiers import Recovered
-from kvtierd.tiers.cluster.settings import ClusterSettings, parse_url
+from kvtierd.tiers.cluster.settings import ClusterSettings
 from kvtierd.tiers.nvme.tier import NvmeTier
 from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.control import ControlChannel
@@ -216,24 +217,8 @@ class Daemon:
         return self.tenancy.allows_peer(session.tenant, uid, gid)
 
     def tiers(self) -> dict[str, Any]:
-        """Every tier and its state (the ready line's ``tiers``); None: a tier not configured."""
-        cfg = self.cfg
-        host = {"bytes": self.host.capacity_bytes, "shared_arena_bytes": self.arena.size,
-                "tenant_arenas": len(self.tenant_arenas.pools),
-                "eviction_policy": cfg.host_tier.eviction_policy}
-        nvme: dict[str, Any] | None = None
-        for link in self.cache.chain:
-            nvme = {"directory": cfg.nvme_tier.disk_dir, "bytes": cfg.nvme_tier.disk_bytes,
-                    "state": "serving" if link.tier.admitting else "degraded",
-                    "reason": link.tier.degraded_reason, "recovered_blocks": link.restored,
-                    "write_policy": cfg.nvme_tier.write_policy}
-        cluster: dict[str, Any] | None = None
-        if self.cache.fleet is not None:
-            seeds, tls = parse_url(cfg.cluster_tier.cluster)
-            cluster = {"seeds": list(seeds), "tls": tls,
-                       "state": "connected" if self.cache.fleet.tier.connected else "connecting",
-                       "write_policy": cfg.cluster_tier.cluster_write_policy}
-        return {"host": host, "nvme": nvme, "cluster": cluster}
+        """Every tier and its state (the ready line's ``tiers``; kvtierd.app.figures)."""
+        return figures.tiers(self.cfg, self.host, self.arena, self.tenant_arenas, self.cache)
 
     async def abort_start(self) -> None:
         """A start that failed half-way (a port taken since the startup checks): the servers
@@ -250,32 +235,9 @@ class Daemon:
             self.listeners.unlink_sockets("unix", "shm")
 
     def reload_tenants(self) -> None:
-        """SIGHUP: read the tenants file again; a bad file keeps the current tenants."""
-        if not self.cfg.tenancy.tenants_file:
-            return
-        try:
-            tenants = load_tenants(self.cfg.tenancy.tenants_file)
-        except ValueError as e:
-            log.error("tenants file not reloaded (the current one stays): %s", e)
-            return
-        self.tenant_arenas.add(tenants, self.cuda.copier if self.cuda is not None else None)
-        self.tenancy.reload(tenants)
-        if metrics_scrape_only(self.cfg) and not tenants.metrics_digests:
-            log.warning("the tenants file has no metrics_tokens_sha256 now: every scrape of "
-                        "/metrics (plaintext, off loopback) is refused until it has one again")
-        revoked = self.tenancy.revoked(self.sessions.all())
-        for s in revoked:  # (their channels and data connections close with them)
-            try:
-                self.sessions.close(s.id)
-            except Exception:  # (a bug; the other revocations still happen)
-                log.exception("closing revoked session %d failed", s.id)
-        for s in self.sessions.all():
-            who = self.tenancy.tenant(s.tenant)
-            if who is not None and who.max_lease_s is not None:
-                self.sessions.clamp(s, who.max_lease_s)
-        (log.warning if revoked else log.info)(
-            "tenants file reloaded: %d tenants; %d sessions closed (their tenant or credential "
-            "is no longer in the file)", len(tenants), len(revoked))
+        """SIGHUP: read the tenants file again; a bad file keeps the current tenants
+        (kvtierd.app.reload)."""
+        reload.reload_tenants(self.cfg, self.tenancy, self.tenant_arenas, self.sessions, self.cuda)
 
     def _grpc_server(self, reflect: bool) -> grpc.aio.Server:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -334,29 +296,9 @@ class Daemon:
         await self.housekeeper.sweep()
 
     def snapshot(self, caller: Tenant | None = None) -> dict[str, Any]:
-        """Stats as plain data (event-loop thread): the Stats reply plus RPC figures; for a
-        tenant's credential (not the operator's), the Stats reply it would get and nothing
-        daemon-wide (RPC errors and latency, connections, published indexes)."""
-        scope = CALLER.set(caller)
-        try:
-            snap = to_dict(self.service.stats_reply())
-        finally:
-            CALLER.reset(scope)
-        snap["draining"] = self.service.draining  # kvtier_draining: not ready, shutting down
-        if caller is not None and not caller.operator:
-            snap.update(rpc_errors={}, rpc_latency={}, connections={}, published={})
-            return snap
-        errors: dict[str, dict[str, int]] = {}
-        for (method, code), n in self.service.errors.items():
-            errors.setdefault(method, {})[code] = n
-        snap["rpc_errors"] = errors  # method -> status code name -> count
-        snap["rpc_latency"] = {m: (h.cumulative(), h.sum) for m, h in self.service.latency.items()}
-        snap["connections"] = {k: v for t in self.transports for k, v in t.figures().items()}
-        snap["connections"]["control_bad_frames"] = self.service.bad_frames
-        snap["published"] = self.published.figures()
-        if self.events is not None:
-            snap["events"] = self.events.figures()
-        return snap
+        """Stats as plain data (event-loop thread): the Stats reply plus RPC figures, a tenant's
+        own only for its credential (kvtierd.app.figures)."""
+        return figures.snapshot(self.service, self.transports, self.published, self.events, caller)
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -140,22 +140,28 @@ class Promotion:
                 self._bump(ns, self.columns.bytes_read, ns.block_bytes)
                 promoted.append(e)
             else:
-                corrupt = isinstance(err, CorruptCopy)
-                if corrupt:
-                    log.warning("%s block %s… of %s failed verification (%s): quarantined",
-                                self.tier.name, e.key[:4].hex(), ns.spec.model_id, err)
-                    ns.counters.checksum_failures += 1
-                else:  # the copy may be fine (a transient error): kept, a miss this time
-                    log.warning("%s read failed: %s", self.tier.name, err)
-                host.free(e.offset, ns.slot_bytes)
-                e.offset = -1
-                if corrupt and e.copy_in(self.level) is not None:
-                    self._drop_copy(e, corrupt=True)
+                self._read_failed(e, err)
             if fut is not None:
                 fut.set_result(None)
         if promoted and self.residency.events is not None:
             self.residency.events.stored(promoted, MEDIUM_CPU)
         return sum(e.ns.block_bytes for e in promoted)
+
+    def _read_failed(self, e: Entry, err: Exception) -> None:
+        """``e``'s read into its reserved host slot failed: the slot is freed (a miss this
+        time); a corrupt copy is quarantined (counted in ``checksum_failures``)."""
+        ns = e.ns
+        corrupt = isinstance(err, CorruptCopy)
+        if corrupt:
+            log.warning("%s block %s… of %s failed verification (%s): quarantined",
+                        self.tier.name, e.key[:4].hex(), ns.spec.model_id, err)
+            ns.counters.checksum_failures += 1
+        else:  # the copy may be fine (a transient error): kept, a miss this time
+            log.warning("%s read failed: %s", self.tier.name, err)
+        self.residency.host.free(e.offset, ns.slot_bytes)
+        e.offset = -1
+        if corrupt and e.copy_in(self.level) is not None:
+            self._drop_copy(e, corrupt=True)
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""

@@ -132,23 +132,30 @@ class Reads:
             e = ns.ready.get(k)
             if e is not None:
                 items[i] = e
-        deferred: dict[int, int] = {}
-        if host_only and self.chain and items:
-            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
-                        if not e.in_host and e.copies}
-            items = {i: e for i, e in items.items() if e.in_host}
-        elif self.chain and items:
-            kept = await self._promoted(session, items, answer_by)
-            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
-                        if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
-            items = kept
-            for e in items.values():
-                e.pins -= 1  # _new_load_job takes the job's own pins
+        items, deferred = await self._in_host(session, items, host_only, answer_by)
         for e in items.values():
             self.policy.touch(e)
         if not items:
             return None, deferred
         return self._new_load_job(session, ns, items, transport), deferred
+
+    async def _in_host(self, session: Session, items: dict[int, Entry], host_only: bool,
+                       answer_by: AnswerBy | None) -> tuple[dict[int, Entry], dict[int, int]]:
+        """``items`` (index -> READY entry) split into those with a host slot now (promoted
+        first, as many as fit, unless ``host_only``) and the deferred ones still present
+        below (index -> the storage tier holding them); without a chain, all of ``items``."""
+        if not (self.chain and items):
+            return items, {}
+        if host_only:
+            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
+                        if not e.in_host and e.copies}
+            return {i: e for i, e in items.items() if e.in_host}, deferred
+        kept = await self._promoted(session, items, answer_by)
+        deferred = {i: tier_below(self.chain, e) for i, e in items.items()
+                    if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
+        for e in kept.values():
+            e.pins -= 1  # _new_load_job takes the job's own pins
+        return kept, deferred
 
     async def _promoted(self, session: Session, items: dict[int, Entry],
                         answer_by: AnswerBy | None = None) -> dict[int, Entry]:

@@ -143,11 +143,8 @@ class Recovery:
             restored += 1
         if announced and self.residency.events is not None:  # (at start: after the
             self.residency.events.stored(announced, MEDIUM_STORAGE)  # AllBlocksCleared)
-        if skipped:  # one line, not one per namespace (a rule change can refuse many)
-            why = sorted(set(skipped.values()))
-            more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
-            log.warning("%s: %d recovered namespaces not restored, their %d blocks freed: %s%s",
-                        self.tier.name, len(skipped), dropped, "; ".join(why[:3]), more)
+        if skipped:
+            _log_skipped(self.tier.name, skipped, dropped)
         return restored
 
     def checkpoint(self) -> bool:
@@ -175,6 +172,16 @@ def _register_recovered(rec: Recovered, register: Callable[[Namespace], Namespac
     for digest, spec in rec.namespaces.items():
         try:
             namespaces[digest] = register(Namespace.from_dict(spec))
-        except Exception as err:  # noqa: BLE001  (skip it; one summary line in _put_back)
+        except Exception as err:  # noqa: BLE001  (skip it; one summary line: _log_skipped)
             skipped[digest] = str(err)
     return namespaces, skipped
+
+
+def _log_skipped(tier_name: str, skipped: dict[bytes, str], dropped: int) -> None:
+    """The recovered namespaces not restored (digest -> why) and their ``dropped`` blocks
+    freed: one line, not one per namespace (a rule change can refuse many), three reasons
+    at most."""
+    why = sorted(set(skipped.values()))
+    more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
+    log.warning("%s: %d recovered namespaces not restored, their %d blocks freed: %s%s",
+                tier_name, len(skipped), dropped, "; ".join(why[:3]), more)

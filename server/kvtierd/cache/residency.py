@@ -84,12 +84,7 @@ class HostResidency:
         whole batch instead of one per slot (a full cache evicts as it stores: a fresh walk
         per slot cost a 256-key PrepareStore ~8 µs per key here; docs/benchmarks.md §19)."""
         out: list[int] = []
-        alloc = self.host.alloc
-        while len(out) < count:
-            off = alloc(slot_bytes, pool)
-            if off is None:
-                break
-            out.append(off)
+        self._take(slot_bytes, pool, out, count)
         if len(out) < count and any(link.admitting for link in self.links):
             self._make_room(slot_bytes, protect, pool, out, count, clean_only=True, max_scan=1024)
         if len(out) < count:
@@ -101,7 +96,6 @@ class HostResidency:
         """Evict in policy order, taking each slot that frees up, until ``taken`` holds
         ``count`` slots (or nothing more can be evicted, or ``max_scan`` victims were seen)."""
         groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
-        alloc = self.host.alloc
         for n, e in enumerate(self.policy.victims()):
             if n >= max_scan or len(taken) >= count:
                 break
@@ -120,11 +114,17 @@ class HostResidency:
                 del groups[slab]
                 for victim in group:
                     self.evict(victim)  # the emptied slab is back in the pool
-            while len(taken) < count:
-                off = alloc(slot_bytes, pool)
-                if off is None:
-                    break
-                taken.append(off)
+            self._take(slot_bytes, pool, taken, count)
+
+    def _take(self, slot_bytes: int, pool: int, taken: list[int], count: int) -> None:
+        """Free slots of ``slot_bytes`` in arena ``pool`` appended to ``taken`` until it holds
+        ``count`` (or none is free)."""
+        alloc = self.host.alloc
+        while len(taken) < count:
+            off = alloc(slot_bytes, pool)
+            if off is None:
+                break
+            taken.append(off)
 
     def evict(self, e: Entry) -> None:
         """Give up ``e``'s host slot (READY, evictable); it stays READY if a copy remains."""

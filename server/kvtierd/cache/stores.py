@@ -182,26 +182,15 @@ class Stores:
         _check_live(session)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
-        items: dict[int, Entry] = {}
         fresh, protect = _split_batch(ns, keys, status)
         job_id = self.jobs.next_id()
-        c, entries = ns.counters, ns.entries
-        # One walk of the victims for the batch; what cannot be placed now is rejected (nothing
-        # evictable for this class: the rest of the batch cannot fit either).
-        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
-            if fresh else []
-        for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
-            e = Entry(ns, k, off, job_id)
-            entries[k] = e
-            items[i] = e
-            status[i] = StoreStatus.RESERVED
-            offsets[i] = off
+        items = self._reserve(ns, fresh, protect, job_id, status, offsets)
         if self.residency.events is not None:
             _keep_origins(ns, keys, items, token_ids, parent)
-        rejected = len(fresh) - len(placed)
+        rejected = len(fresh) - len(items)  # (each placed key has its entry)
         if rejected:
-            c.stores_rejected += rejected
-            for i in list(fresh.values())[len(placed):]:
+            ns.counters.stores_rejected += rejected
+            for i in list(fresh.values())[len(items):]:
                 status[i] = StoreStatus.REJECTED
         if not items:
             return None, bytes(status), offsets
@@ -211,6 +200,24 @@ class Stores:
         self.writing_blocks += len(items)
         ns.writing_blocks += len(items)
         return job, bytes(status), offsets
+
+    def _reserve(self, ns: NamespaceState, fresh: dict[bytes, int], protect: set[Entry],
+                 job_id: int, status: bytearray, offsets: list[int]) -> dict[int, Entry]:
+        """Host slots for a prefix of the ``fresh`` keys (key -> batch index), each taken by a
+        WRITING entry of job ``job_id`` put into the index, RESERVED in ``status`` with its
+        offset in ``offsets``: batch index -> entry. One walk of the victims for the batch;
+        the keys past that prefix cannot be placed now (nothing evictable for this class: the
+        rest of the batch cannot fit either)."""
+        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
+            if fresh else []
+        items: dict[int, Entry] = {}
+        for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
+            e = Entry(ns, k, off, job_id)
+            ns.entries[k] = e
+            items[i] = e
+            status[i] = StoreStatus.RESERVED
+            offsets[i] = off
+        return items
 
     def complete_store(self, session: Session, job_id: int, ok: bool,
                        item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
@@ -252,17 +259,22 @@ class Stores:
         self.writing_blocks -= len(job.items)
         job.ns.writing_blocks -= len(job.items)
         if committed:
-            if self.residency.events is not None:
-                self.residency.events.stored(committed, MEDIUM_CPU)
-            for link in self.chain:
-                link.on_committed(committed)
-            if self.fleet is not None:
-                self.fleet.on_committed(committed)
+            self._announce_committed(committed)
         c.stores_accepted += len(committed)
         c.stores_dropped += aborted
         name = f"bytes_in_{job.transport.label}"
         setattr(c, name, getattr(c, name) + len(committed) * ns.block_bytes)
         return len(committed), aborted
+
+    def _announce_committed(self, committed: list[Entry]) -> None:
+        """Blocks just committed (READY in the host tier) told to the KV events, to each
+        storage tier's link (its write policy) and to the cluster tier's."""
+        if self.residency.events is not None:
+            self.residency.events.stored(committed, MEDIUM_CPU)
+        for link in self.chain:
+            link.on_committed(committed)
+        if self.fleet is not None:
+            self.fleet.on_committed(committed)
 
     def corrupt_claims(self, session: Session, job_id: int,
                        indexes: Sequence[int]) -> list[Entry]:

@@ -182,16 +182,7 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
     need(c.events_buffer_batches >= 1, "events_buffer_batches", "must be >= 1")
     need(c.events_queue_blocks >= 1, "events_queue_blocks", "must be >= 1")
     for name in ("events_endpoint", "events_replay_endpoint"):
-        value = getattr(c, name)
-        if not value:
-            continue
-        need(value.startswith(("tcp://", "ipc://")), name,
-             f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
-        if value.startswith("tcp://") and not g.allow_plaintext_remote:
-            need(is_loopback(value.removeprefix("tcp://")), name,
-                 f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
-                 " and carry every tenant's block keys: use ipc:// or loopback, or set "
-                 "allow_plaintext_remote = true (docs/security.md)")
+        _node_events_endpoint(name, getattr(c, name), g)
     need(not c.events_replay_endpoint or bool(c.events_endpoint), "events_replay_endpoint",
          "needs events_endpoint")
     for name in ("events_tenant_endpoint", "events_tenant_replay_endpoint"):
@@ -202,6 +193,20 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
          "needs a tenants_file")
     need(not c.events_tenant_replay_endpoint or bool(c.events_tenant_endpoint),
          "events_tenant_replay_endpoint", "needs events_tenant_endpoint")
+
+
+def _node_events_endpoint(name: str, value: str, g: GrpcConfig) -> None:
+    """A node-wide event stream's endpoint ``name`` ("" = off): tcp:// or ipc://, and tcp://
+    only on loopback unless ``allow_plaintext_remote``."""
+    if not value:
+        return
+    need(value.startswith(("tcp://", "ipc://")), name,
+         f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    if value.startswith("tcp://") and not g.allow_plaintext_remote:
+        need(is_loopback(value.removeprefix("tcp://")), name,
+             f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
+             " and carry every tenant's block keys: use ipc:// or loopback, or set "
+             "allow_plaintext_remote = true (docs/security.md)")
 
 
 def host_port(name: str, value: str) -> None:

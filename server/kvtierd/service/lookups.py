@@ -69,13 +69,18 @@ class LookupHandlers(ServiceBase):
                 self.cache.abort_job(s, job)
             raise
         if pinned and not hit:  # a slice holds none of it: nothing is loadable, nothing pinned
-            for job in pinned:
-                self.cache.abort_job(s, job)
-            for reply in replies:
-                reply.job_id = 0
-                del reply.offsets[:]
+            self._unpin_slices(s, pinned, replies)
         return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0,
                                     slices=replies)
+
+    def _unpin_slices(self, s: Session, pinned: list[LoadJob], replies: list[Any]) -> None:
+        """The common prefix is empty: the slices' pins released, and every reply says so
+        (job_id 0, no offsets)."""
+        for job in pinned:
+            self.cache.abort_job(s, job)
+        for reply in replies:
+            reply.job_id = 0
+            del reply.offsets[:]
 
     def _slices(self, request: pb.LookupSlicesRequest
                 ) -> tuple[list[NamespaceState], list[list[bytes]]]:

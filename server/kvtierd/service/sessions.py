@@ -13,6 +13,7 @@ from kvtier_contract.errors import InvalidArgument, PermissionDenied, Unavailabl
 from kvtier_contract.protoutil import namespace_from_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.domain import Transport
+from kvtierd.index import NamespaceState
 from kvtierd.service.base import ServiceBase
 from kvtierd.service.gate import CALLER, CREDENTIAL, rpc
 from kvtierd.tenants import Tenant
@@ -113,16 +114,22 @@ class SessionHandlers(ServiceBase):
                                       field=f"{name}.namespace_id")
             checked[ns.id] = (ns, t)
         for ns, t in checked.values():
-            c, tpb = ns.counters, ns.spec.tokens_per_block
-            miss = t.blocks_requested - t.blocks_hit
-            for field, n in (("lookups", t.lookups), ("local_lookups", t.lookups),
-                             ("blocks_requested", t.blocks_requested),
-                             ("blocks_hit_local", t.blocks_hit), ("blocks_missed", miss),
-                             ("tokens_requested", t.blocks_requested * tpb),
-                             ("tokens_hit", t.blocks_hit * tpb), ("tokens_missed", miss * tpb)):
-                setattr(c, field, min(_COUNTER_CAP, getattr(c, field) + n))
+            _add_tally(ns, t)
 
     @rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> Any:
         self.sessions.close(request.session_id, self._scope())
         return pb.CloseSessionReply(boot_epoch=self.boot_epoch)
+
+
+def _add_tally(ns: NamespaceState, t: pb.LookupTally) -> None:
+    """One checked tally added to namespace ``ns``'s counters, each saturating at
+    ``_COUNTER_CAP``."""
+    c, tpb = ns.counters, ns.spec.tokens_per_block
+    miss = t.blocks_requested - t.blocks_hit
+    for field, n in (("lookups", t.lookups), ("local_lookups", t.lookups),
+                     ("blocks_requested", t.blocks_requested),
+                     ("blocks_hit_local", t.blocks_hit), ("blocks_missed", miss),
+                     ("tokens_requested", t.blocks_requested * tpb),
+                     ("tokens_hit", t.blocks_hit * tpb), ("tokens_missed", miss * tpb)):
+        setattr(c, field, min(_COUNTER_CAP, getattr(c, field) + n))

@@ -42,6 +42,16 @@ class StatsHandlers(ServiceBase):
             host_used_bytes=host["used_bytes"], sessions=len(self.sessions),
             leases_expired=self.sessions.expired_total, tier_figures=self._tier_figures(),
             **c.figures())
+        self._add_tiers(reply)
+        tenants = self.tenancy.tenants
+        self._add_identities(reply, list(c.namespaces.values()),
+                             sorted(tenants.by_name) if tenants is not None else [])
+        return reply
+
+    def _add_tiers(self, reply: pb.StatsReply) -> None:
+        """The per-tier detail (the operator's): the storage tier, the cluster tier and its
+        nodes, cuda_ipc; each left unset when not configured."""
+        c = self.cache
         for link in c.chain:  # one storage tier today: NVMe
             reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
                                              flushes_in_flight=link.flushes_in_flight,
@@ -54,10 +64,6 @@ class StatsHandlers(ServiceBase):
                 reply.cluster.nodes.add(**n)
         if self.cuda is not None:
             reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
-        tenants = self.tenancy.tenants
-        self._add_identities(reply, list(c.namespaces.values()),
-                             sorted(tenants.by_name) if tenants is not None else [])
-        return reply
 
     def _tenant_stats(self, scope: str) -> pb.StatsReply:
         """What tenant ``scope`` sees: its namespaces, totals over them, its sessions."""
@@ -81,6 +87,13 @@ class StatsHandlers(ServiceBase):
         """Each namespace (every identity field, the cache salt as ``salt_tag``'s tag, never
         itself, and the tenant holding it: a tenant of the tenants file, else "") and each
         tenant (sessions, namespaces, quotas and refusals)."""
+        held = self._add_namespaces(reply, namespaces)
+        self._add_tenants(reply, tenant_names, held)
+
+    def _add_namespaces(self, reply: pb.StatsReply,
+                        namespaces: list[NamespaceState]) -> dict[str, int]:
+        """Each namespace's identity and counters (see ``_add_identities``); how many each
+        tenant holds (tenant name, "" for none of the tenants file -> count)."""
         held: dict[str, int] = {}
         for ns in namespaces:
             tenant = ns.spec.tenant or ""
@@ -93,6 +106,12 @@ class StatsHandlers(ServiceBase):
                                  model_revision=ns.spec.model_revision,
                                  block_bytes=ns.block_bytes, counters=_counters(ns.counters),
                                  spec=spec, tenant=tenant)
+        return held
+
+    def _add_tenants(self, reply: pb.StatsReply, tenant_names: list[str],
+                     held: dict[str, int]) -> None:
+        """Each tenant of ``tenant_names`` in the tenants file: its sessions, the namespaces
+        it holds (``held``), its quotas and refusals."""
         for name in tenant_names:
             t = self.tenancy.tenant(name)
             if t is None:

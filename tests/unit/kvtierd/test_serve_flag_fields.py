@@ -1,0 +1,23 @@
+"""``kvtierd serve``: every flag (but ``--config``) reaches the DaemonConfig field of its
+``dest``, and one not given leaves the file's value (kvtierd.cli._config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtierd.cli import _FLAG_FIELDS, _config, build_parser
+
+
+def test_every_serve_flag_is_handed_to_the_config() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,index]
+    dests = {a.dest for a in serve._actions if a.option_strings} - {"help", "config"}
+    assert dests == set(_FLAG_FIELDS) and len(_FLAG_FIELDS) == len(dests)  # each once
+
+
+def test_a_flag_given_overrides_the_file_and_one_not_given_does_not(tmp_path: Path) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text('listen = "127.0.0.1:7001"\nlease_ttl_s = 9.0\n')
+    args = build_parser().parse_args(["serve", "--config", str(path), "--lease-ttl-s", "7"])
+    cfg = _config(args)
+    assert cfg.grpc.listen == "127.0.0.1:7001"  # the file's
+    assert cfg.sessions.lease_ttl_s == 7.0  # the flag's
