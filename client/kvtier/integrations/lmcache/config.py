@@ -151,37 +151,49 @@ class AdapterConfig:
         return cfg
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, message: str) -> None:
-            if not ok:
-                raise ConfigError(f"adapter_params.{key}", message)
+        """``ConfigError`` naming the first key refused: the models and chunk settings, then
+        the client's."""
+        self._check_chunks()
+        self._check_client()
 
+    def _check_chunks(self) -> None:
+        """Model names, the positive integers, the chunk hash's length and algorithm."""
         for name in self.models:
-            need(bool(name.strip()) and "@" not in name, f"models.{name}",
-                 "model names are non-empty and have no '@' (LMCache's rule)")
+            _need(bool(name.strip()) and "@" not in name, f"models.{name}",
+                  "model names are non-empty and have no '@' (LMCache's rule)")
         for key in ("chunk_tokens", "request_timeout_ms", "op_timeout_ms", "lease_ttl_ms",
                     "workers", "min_chunk_hash_bytes"):
             value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                 "must be a positive integer")
-        need(self.min_chunk_hash_bytes <= 32, "min_chunk_hash_bytes",
-             "at most 32 (LMCache's hashes are 32 bytes)")
-        need(self.hash_algorithm in HASH_ALGORITHMS, "hash_algorithm",
-             f"must be one of {', '.join(HASH_ALGORITHMS)} (a 64-bit builtin hash could name "
-             "two prefixes alike)")
-        need(isinstance(self.address, str) and bool(self.address), "address",
-             "must be a non-empty string")
-        need(self.transport in TRANSPORT_NAMES.values() and self.transport != "cuda_ipc",
-             "transport", "must be 'shm' or 'tcp'")
+            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+                  "must be a positive integer")
+        _need(self.min_chunk_hash_bytes <= 32, "min_chunk_hash_bytes",
+              "at most 32 (LMCache's hashes are 32 bytes)")
+        _need(self.hash_algorithm in HASH_ALGORITHMS, "hash_algorithm",
+              f"must be one of {', '.join(HASH_ALGORITHMS)} (a 64-bit builtin hash could name "
+              "two prefixes alike)")
+
+    def _check_client(self) -> None:
+        """The daemon's address, the transport, the tenant and its token file."""
+        _need(isinstance(self.address, str) and bool(self.address), "address",
+              "must be a non-empty string")
+        _need(self.transport in TRANSPORT_NAMES.values() and self.transport != "cuda_ipc",
+              "transport", "must be 'shm' or 'tcp'")
         for key in ("tenant", "token_file"):
             value = getattr(self, key)
-            need(value is None or (isinstance(value, str) and bool(value)), key,
-                 "must be a non-empty string")
+            _need(value is None or (isinstance(value, str) and bool(value)), key,
+                  "must be a non-empty string")
 
     def block_bytes(self, model: str) -> int:
         """Bytes of one chunk of ``model`` (one kvtier block)."""
         ident = self.models[model]
         return (2 * ident.num_layers * ident.num_kv_heads * ident.head_dim
                 * KV_DTYPES[ident.kv_dtype] * self.chunk_tokens)
+
+
+def _need(ok: bool, key: str, message: str) -> None:
+    """``ConfigError`` naming ``adapter_params.<key>`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"adapter_params.{key}", message)
 
 
 @dataclass

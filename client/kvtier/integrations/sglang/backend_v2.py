@@ -51,25 +51,35 @@ class PoolsV2(StorageBase):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = _pool_name(host_pool_name)
         if name == "kv":
-            if host_pool is not getattr(self, "mem_pool_host", None):
-                raise ConfigError("mem_pool_host", f"HiCache KV pool {type(host_pool).__name__} "
-                                  "is not the pool registered by register_mem_pool_host (a "
-                                  "logical anchor): not supported by the kvtier backend")
+            self._check_kv_pool(host_pool)
             return
+        side, namespace = self._probe_side(host_pool, name)
+        side.handle = self.client.register(namespace)
+        self.side_pools[name] = side
+        log.info("kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)", name,
+                 namespace.to_dict(), side.block_bytes,
+                 "zero-copy" if side.pages is not None else "flat pages")
+
+    def _check_kv_pool(self, host_pool: Any) -> None:
+        """The v2 KV pool must be the pool ``register_mem_pool_host`` registered (else
+        ``ConfigError``: a logical anchor is not supported)."""
+        if host_pool is not getattr(self, "mem_pool_host", None):
+            raise ConfigError("mem_pool_host", f"HiCache KV pool {type(host_pool).__name__} "
+                              "is not the pool registered by register_mem_pool_host (a "
+                              "logical anchor): not supported by the kvtier backend")
+
+    def _probe_side(self, host_pool: Any, name: str) -> tuple[SidePool, Namespace]:
+        """Side pool ``name``'s pages and namespace; ``ConfigError`` naming
+        ``host_pool.<name>`` when its pages cannot be stored exactly."""
         try:
             side = SidePool.probe(host_pool, name)
-            namespace = self._side_namespace(host_pool, name, side)
+            return side, self._side_namespace(host_pool, name, side)
         except ConfigError:
             raise
         except (PoolShapeError, ValueError, NotImplementedError, AttributeError, TypeError,
                 InvalidArgument) as e:
             raise ConfigError(f"host_pool.{name}", f"{type(host_pool).__name__}: cannot store "
                               f"its pages: {type(e).__name__}: {e}") from e
-        side.handle = self.client.register(namespace)
-        self.side_pools[name] = side
-        log.info("kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)", name,
-                 namespace.to_dict(), side.block_bytes,
-                 "zero-copy" if side.pages is not None else "flat pages")
 
     def _side_namespace(self, pool: Any, name: str, side: SidePool) -> Namespace:
         """A side pool's namespace: the model's identity, and the pool's own geometry. Its pages

@@ -111,38 +111,51 @@ class PrefixCacheOptions:
     news of it, so a tier that recovered is seen."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, key: str, message: str) -> None:
-            if not ok:
-                raise ConfigError(key, message)
+        """``ConfigError`` naming the first option refused: identity fields first, then the
+        cache's settings."""
+        self._check_identity()
+        self._check_settings()
 
+    def _check_identity(self) -> None:
+        """The namespace's fields: the required revision and tokenizer digest (and the one
+        identity rule on them), the optional strings, the salt's length."""
         for key in ("model_revision", "tokenizer_digest"):
             value = getattr(self, key)
-            need(isinstance(value, str) and bool(value.strip()), key,
-                 "required: a non-empty string (fail-closed, no default)")
+            _need(isinstance(value, str) and bool(value.strip()), key,
+                  "required: a non-empty string (fail-closed, no default)")
         # The one identity rule (kvtier_contract.identity): no moving ref, no placeholder.
-        need(revision_problem(self.model_revision) is None, "model_revision",
-             str(revision_problem(self.model_revision)))
-        need(tokenizer_digest_problem(self.tokenizer_digest) is None, "tokenizer_digest",
-             str(tokenizer_digest_problem(self.tokenizer_digest)))
+        _need(revision_problem(self.model_revision) is None, "model_revision",
+              str(revision_problem(self.model_revision)))
+        _need(tokenizer_digest_problem(self.tokenizer_digest) is None, "tokenizer_digest",
+              str(tokenizer_digest_problem(self.tokenizer_digest)))
         for key in ("model_id", "cache_salt", "tenant", "token_file"):
             value = getattr(self, key)
-            need(value is None or (isinstance(value, str) and bool(value.strip())), key,
-                 "must be None or a non-empty string")
-        need(self.cache_salt is None or len(self.cache_salt) <= 160, "cache_salt",
-             "at most 160 characters")
+            _need(value is None or (isinstance(value, str) and bool(value.strip())), key,
+                  "must be None or a non-empty string")
+        _need(self.cache_salt is None or len(self.cache_salt) <= 160, "cache_salt",
+              "at most 160 characters")
+
+    def _check_settings(self) -> None:
+        """The cache's settings: positive integers, transport, flags, load policy."""
         for key in ("tokens_per_block", "request_timeout_ms", "op_timeout_ms"):
             value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                 "must be a positive integer")
-        need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
+            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+                  "must be a positive integer")
+        _need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
         for key in ("load", "store", "store_generated"):
-            need(isinstance(getattr(self, key), bool), key, "must be True or False")
-        need(self.load_policy in LOAD_POLICIES, "load_policy",
-             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
-        need(isinstance(self.probe_after_s, (int, float)) and not isinstance(
+            _need(isinstance(getattr(self, key), bool), key, "must be True or False")
+        _need(self.load_policy in LOAD_POLICIES, "load_policy",
+              f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        _need(isinstance(self.probe_after_s, (int, float)) and not isinstance(
             self.probe_after_s, bool) and math.isfinite(self.probe_after_s)
-             and self.probe_after_s > 0, "probe_after_s",
-             f"must be a positive number of seconds, got {self.probe_after_s!r}")
+              and self.probe_after_s > 0, "probe_after_s",
+              f"must be a positive number of seconds, got {self.probe_after_s!r}")
+
+
+def _need(ok: bool, key: str, message: str) -> None:
+    """``ConfigError`` naming ``key`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(key, message)
 
 
 def tokenizer_files_digest(directory: str) -> str:

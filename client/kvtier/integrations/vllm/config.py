@@ -148,6 +148,8 @@ class ConnectorConfig:
         return settings_from(cls, extra, "kv_connector_extra_config")
 
     def validate(self) -> None:
+        """``ConfigError`` naming the first key whose value is refused (checked in this order:
+        the shared client fields, transport, revisions, then the load settings)."""
         need = needs("kv_connector_extra_config")
         check_client_fields(
             self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms",
@@ -157,16 +159,24 @@ class ConnectorConfig:
             flags=("load", "store", "store_generated", "event_token_ids", "unix_login"))
         need(self.transport in TRANSPORT_NAMES.values(), "transport",
              "must be 'shm', 'tcp' or 'cuda_ipc'")
+        self._check_revisions(need)
+        self._check_loading(need)
+
+    def _check_revisions(self, need: Need) -> None:
+        """``adapter_revisions``' shape, then the one identity rule (kvtier_contract.identity)
+        on every configured revision, refused by its key's name."""
         need(isinstance(self.adapter_revisions, Mapping)
              and all(isinstance(k, str) and isinstance(v, str) and v
                      for k, v in self.adapter_revisions.items()),
              "adapter_revisions", "must map adapter names to revision strings")
-        # The one identity rule (kvtier_contract.identity), refused here by its key's name.
         revisions = {"model_revision": self.model_revision, **{
             f"adapter_revisions.{k}": v for k, v in self.adapter_revisions.items()}}
         for key, value in revisions.items():
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
+
+    def _check_loading(self, need: Need) -> None:
+        """The load settings: mode, policy, interference budget, probe delay, lookup wait."""
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
         need(self.load_policy in LOAD_POLICIES, "load_policy",
              f"must be one of {', '.join(repr(p) for p in LOAD_POLICIES)}")
@@ -178,7 +188,6 @@ class ConnectorConfig:
         need(isinstance(self.lookup_wait_ms, int) and not isinstance(self.lookup_wait_ms, bool)
              and 0 <= self.lookup_wait_ms <= 1000, "lookup_wait_ms",
              "must be an integer from 0 (never wait: answers come a step later) to 1000")
-
 
 def _real(value: object) -> bool:
     """A finite int or float (not a bool)."""

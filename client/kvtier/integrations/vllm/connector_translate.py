@@ -60,6 +60,18 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         vllm_config.cache_config.kv_cache_layout
     if not layout:
         raise ConfigError("cache_config.kv_cache_layout", "not resolved by vLLM")
+    model_id, revision, tokenizer_digest = _model_fields(vllm_config, cfg)
+    return EngineIdentity(
+        model_id=model_id, model_revision=revision, tokenizer_digest=tokenizer_digest,
+        kv_dtype=dtype, layout=f"vllm.{layout}", tokens_per_block=spec.block_size,
+        num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads, head_dim=head,
+        tp_size=par.tensor_parallel_size, tenant=cfg.tenant)
+
+
+def _model_fields(vllm_config: VllmConfig, cfg: ConnectorConfig) -> tuple[str, str, str]:
+    """The model's namespace fields (model id, revision, tokenizer digest) from vLLM's model
+    config and the extra config; ``ConfigError`` when the revision or tokenizer digest cannot
+    be resolved."""
     mc = vllm_config.model_config
     served = mc.served_model_name
     served = served[0] if isinstance(served, (list, tuple)) and served else served
@@ -68,15 +80,9 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     tok_revision = getattr(mc, "tokenizer_revision", None)
     tok_revision = getattr(tok_revision, "resolved", None) or tok_revision or \
         (revision if tokenizer == str(mc.model) else None)
-    return EngineIdentity(
-        model_id=cfg.model_id or str(served or mc.model),
-        model_revision=revision,
-        tokenizer_digest=resolve_tokenizer_digest(cfg.tokenizer_digest, mc.skip_tokenizer_init,
-                                                  tokenizer, str(tok_revision or "") or None),
-        kv_dtype=dtype, layout=f"vllm.{layout}", tokens_per_block=spec.block_size,
-        num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads, head_dim=head,
-        tp_size=par.tensor_parallel_size, tenant=cfg.tenant)
-
+    tokenizer_digest = resolve_tokenizer_digest(cfg.tokenizer_digest, mc.skip_tokenizer_init,
+                                                tokenizer, str(tok_revision or "") or None)
+    return cfg.model_id or str(served or mc.model), revision, tokenizer_digest
 
 def _kv_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, int, str]:
     """The one KV cache group's spec, head size and dtype name; ``ConfigError`` unless it is

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvtier.adaptive import Decider
@@ -91,21 +90,10 @@ class Planner(LoadDecisions, StorePlanning):
                  sync_load_budget_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
-        # The load-or-recompute decision (adaptive by default: without figures it loads every
-        # hit, which is what measures the tiers). ``block_bytes``: the bytes one worker loads
-        # per block (one tp slice, every layer), what a tier's load time is predicted from.
-        self.decider = decider if decider is not None else Decider(clock=clock)
-        self.block_bytes = block_bytes
-        self.interference_budget = interference_budget
-        # a synchronous load runs within the step's budget (``step_budget_ms``) or fails there,
-        # its time wasted: the decision cuts a sync load to what is predicted to fit
-        self.sync_load_budget_s = None if load_async else sync_load_budget_s
-        self._step_s = None  # recent forward seconds per step (moving average)
-        self._decoding = set()  # requests that decoded in the last planned step
-        self._daemon_figures = {}
+        self._init_decisions(decider, block_bytes, interference_budget,
+                             None if load_async else sync_load_budget_s, clock)
         self.lookup_timeout_s = lookup_timeout_s
         self.lookup_wait_s = lookup_wait_s
-        self._wait_left = lookup_wait_s  # of this step's budget for waiting on lookups
         self.pin_release_steps = pin_release_steps
         self.load_enabled = load
         self.store_enabled = store
@@ -114,12 +102,7 @@ class Planner(LoadDecisions, StorePlanning):
         self.event_token_ids = event_token_ids
         self.stats = PlannerStats()
         self._clock = clock
-        self._reqs = {}
-        self._fence = {}  # engine block id -> last store job reading it
-        self._releases = deque()  # (due step, pins)
-        self._pending = {}  # requests with a load planned, not yet handed out
-        self._step = 0
-        self._next_job = 1
+        self._init_tables()
         self._thread = LookupThread(backend)
 
     # -- admission ------------------------------------------------------------------------------

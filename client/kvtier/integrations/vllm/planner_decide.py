@@ -17,8 +17,9 @@ Ownership and concurrency: a mixin of ``planner.Planner`` over its shared state
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from kvtier.adaptive import Decider, Decision
 from kvtier.integrations.vllm.lookup_thread import LookupOutcome
 from kvtier.integrations.vllm.planner_state import PlannerState, _Req
 from kvtier.integrations.vllm.plans import LoadReport, StepReport
@@ -29,6 +30,24 @@ BELOW_HOST = frozenset({"nvme", "cluster"})  # tiers a pinned lookup promotes or
 
 class LoadDecisions(PlannerState):
     """The planner's load decisions; see the module docstring."""
+
+    def _init_decisions(self, decider: Decider | None, block_bytes: int,
+                        interference_budget: float | None, sync_load_budget_s: float | None,
+                        clock: Callable[[], float]) -> None:
+        """The decision's settings and figures, set by ``Planner.__init__`` (its parameters of
+        the same names; ``sync_load_budget_s`` None for an async engine)."""
+        # The load-or-recompute decision (adaptive by default: without figures it loads every
+        # hit, which is what measures the tiers). ``block_bytes``: the bytes one worker loads
+        # per block (one tp slice, every layer), what a tier's load time is predicted from.
+        self.decider = decider if decider is not None else Decider(clock=clock)
+        self.block_bytes = block_bytes
+        self.interference_budget = interference_budget
+        # a synchronous load runs within the step's budget (``step_budget_ms``) or fails there,
+        # its time wasted: the decision cuts a sync load to what is predicted to fit
+        self.sync_load_budget_s = sync_load_budget_s
+        self._step_s = None  # recent forward seconds per step (moving average)
+        self._decoding = set()  # requests that decoded in the last planned step
+        self._daemon_figures = {}
 
     def _tiers(self, outcome: LookupOutcome, first: int, usable: int) -> list[str]:
         """The tier of each hit block vLLM may load (``"unknown"`` where the lookup gave none)."""
@@ -43,11 +62,7 @@ class LoadDecisions(PlannerState):
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
         self._daemon_report()  # (an idle engine's first decision: the figures of meanwhile)
-        max_load_s = self.sync_load_budget_s
-        if self.interference_budget is not None and self._step_s is not None \
-                and self._decoding - {st.info.req_id}:
-            share = self.interference_budget * self._step_s  # the loads' share of a step
-            max_load_s = share if max_load_s is None else min(max_load_s, share)
+        max_load_s = self._max_load_s(st)
         # A sync load that fails costs vLLM the step's whole forward (the request is rescheduled
         # and recomputed from the failed block): a sync engine probes a cut tier by a read
         # instead (its next pinned lookups promote; the daemon's figure tells).
@@ -56,10 +71,7 @@ class LoadDecisions(PlannerState):
                                 read_probes=not self.load_async)
         st.decision, st.decided_at = d, (first, len(tiers))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
-                      "recompute %s s, budget %s s", st.info.req_id, d.load_blocks, d.hit_blocks,
-                      ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)), d.reason,
-                      d.predicted_s, d.recompute_s, max_load_s)
+            _log_decision(st.info.req_id, d, tiers, max_load_s)
         # no promotions ahead of decisions that cut the tiers below the host tier, but for a
         # read probe's: the lookups until the next decision promote
         self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST) or \
@@ -67,6 +79,17 @@ class LoadDecisions(PlannerState):
         self.decider.probe_reads.clear()
         self._sync_decision_stats()
         return d.load_blocks
+
+    def _max_load_s(self, st: _Req) -> float | None:
+        """The seconds a load for ``st`` may take: the sync load budget, cut to the loads'
+        share of a step (``interference_budget`` x the recent step time) while another request
+        decodes; None: no limit."""
+        max_load_s = self.sync_load_budget_s
+        if self.interference_budget is not None and self._step_s is not None \
+                and self._decoding - {st.info.req_id}:
+            share = self.interference_budget * self._step_s  # the loads' share of a step
+            max_load_s = share if max_load_s is None else min(max_load_s, share)
+        return max_load_s
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the external hit by tier ("host", "nvme")."""
@@ -123,3 +146,10 @@ class LoadDecisions(PlannerState):
         s.load_seconds_predicted = ds.predicted_load_s
         s.load_seconds_actual = ds.actual_load_s
 
+
+def _log_decision(req_id: str, d: Decision, tiers: list[str], max_load_s: float | None) -> None:
+    """The debug line of request ``req_id``'s decision ``d`` for the hit ``tiers``."""
+    log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
+              "recompute %s s, budget %s s", req_id, d.load_blocks, d.hit_blocks,
+              ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)), d.reason,
+              d.predicted_s, d.recompute_s, max_load_s)

@@ -71,6 +71,16 @@ class PlannerState:
     _next_job: int
     _thread: LookupThread
 
+    def _init_tables(self) -> None:
+        """The per-request and per-step records, empty (``Planner.__init__``)."""
+        self._wait_left = self.lookup_wait_s  # of this step's budget for waiting on lookups
+        self._reqs = {}
+        self._fence = {}  # engine block id -> last store job reading it
+        self._releases = deque()  # (due step, pins)
+        self._pending = {}  # requests with a load planned, not yet handed out
+        self._step = 0
+        self._next_job = 1
+
     def _outcome(self, st: _Req) -> LookupOutcome | None:
         raise NotImplementedError  # Planner's
 

@@ -33,6 +33,7 @@ from kvtier.adaptive.decision import LOAD_POLICIES, LoadPolicy
 from kvtier.integrations.vllm.config import (
     DEFAULT_ADDRESS,
     ConfigError,
+    Need,
     check_client_fields,
     needs,
     resolve_model_revision,
@@ -108,6 +109,8 @@ class TierConfig:
         return settings_from(cls, kwargs, PREFIX)
 
     def validate(self) -> None:
+        """``ConfigError`` naming the first key whose value is refused (checked in this order:
+        the shared client fields, the load policy's numbers, transport, then revisions)."""
         need = needs(PREFIX)
         check_client_fields(
             self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "job_timeout_ms",
@@ -115,6 +118,23 @@ class TierConfig:
             strings=("model_id", "model_revision", "tokenizer_digest", "adapter_id",
                      "adapter_revision", "cache_salt", "tenant", "token_file", "locality"),
             flags=("load", "store", "unix_login"))
+        self._check_policy(need)
+        need(self.transport in ("shm", "tcp"), "transport",
+             "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)")
+        self._check_revisions(need)
+
+    def _check_revisions(self, need: Need) -> None:
+        """An adapter's id and revision together, then the one identity rule on each
+        revision (kvtier_contract.identity)."""
+        need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
+             "adapter_id and adapter_revision go together")
+        for key in ("model_revision", "adapter_revision"):  # the one identity rule
+            value = getattr(self, key)
+            problem = revision_problem(value) if value else None
+            need(problem is None, key, str(problem))
+
+    def _check_policy(self, need: Need) -> None:
+        """The load policy and its numbers: probe delay, interference budget, prefill cost."""
         need(self.load_policy in LOAD_POLICIES, "load_policy",
              f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
         need(_positive(self.probe_after_s), "probe_after_s",
@@ -126,14 +146,6 @@ class TierConfig:
         need(self.prefill_seconds_per_token is None or _positive(self.prefill_seconds_per_token),
              "prefill_seconds_per_token",
              f"must be a positive number or null, got {self.prefill_seconds_per_token!r}")
-        need(self.transport in ("shm", "tcp"), "transport",
-             "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)")
-        need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
-             "adapter_id and adapter_revision go together")
-        for key in ("model_revision", "adapter_revision"):  # the one identity rule
-            value = getattr(self, key)
-            problem = revision_problem(value) if value else None
-            need(problem is None, key, str(problem))
 
 
 def _positive(value: Any) -> bool:
@@ -183,13 +195,8 @@ def tier_namespace(cfg: TierConfig, geometry: PoolGeometry, *, model: str,
     if geometry.row_bytes % (2 * geometry.chunk_tokens):
         raise ConfigError(f"{PREFIX}.row_bytes", f"pool rows of {geometry.row_bytes} B do not "
                           f"split into {geometry.chunk_tokens} tokens x K,V")
-    try:
-        revision = resolve_model_revision(cfg.model_revision, engine_revision, model)
-        tokenizer_digest = resolve_tokenizer_digest(cfg.tokenizer_digest, skip_tokenizer,
-                                                    tokenizer or model, revision)
-    except ConfigError as e:  # the same rule as the connector's, named by this tier's key
-        key = e.field.rsplit(".", 1)[-1]
-        raise ConfigError(f"{PREFIX}.{key}", str(e).split(": ", 1)[1]) from None
+    revision, tokenizer_digest = _resolve_identity(cfg, model, engine_revision, skip_tokenizer,
+                                                   tokenizer or model)
     shared = geometry.canonical and geometry.portable  # canonical rows fit every topology
     return Namespace(
         model_id=cfg.model_id or model, model_revision=revision,
@@ -199,6 +206,20 @@ def tier_namespace(cfg: TierConfig, geometry: PoolGeometry, *, model: str,
         tp_size=1 if shared else geometry.tp_size, pp_size=1 if shared else geometry.pp_size,
         adapter_id=cfg.adapter_id, adapter_revision=cfg.adapter_revision,
         cache_salt=cfg.cache_salt, tenant=cfg.tenant)
+
+
+def _resolve_identity(cfg: TierConfig, model: str, engine_revision: Any, skip_tokenizer: bool,
+                      tokenizer: str) -> tuple[str, str]:
+    """The model revision and tokenizer digest by the connector's rules, a ``ConfigError``
+    naming this tier's key instead of the connector's."""
+    try:
+        revision = resolve_model_revision(cfg.model_revision, engine_revision, model)
+        tokenizer_digest = resolve_tokenizer_digest(cfg.tokenizer_digest, skip_tokenizer,
+                                                    tokenizer, revision)
+    except ConfigError as e:  # the same rule as the connector's, named by this tier's key
+        key = e.field.rsplit(".", 1)[-1]
+        raise ConfigError(f"{PREFIX}.{key}", str(e).split(": ", 1)[1]) from None
+    return revision, tokenizer_digest
 
 
 def offload_block_key(namespace_digest: bytes, offload_key: bytes,

@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from kvtier.adaptive import InterferenceBudget
 from kvtier.breaker import Breaker
 from kvtier.client import Client
 from kvtier.integrations.vllm.config import (
@@ -105,23 +104,8 @@ class KvtierWorker(StepTiming, LoadPath, StorePath):
         self._closed = False
         self._busy_job = False
         self._thread = None
-        # async loads (under _cond): queued (req_id, jobs), finished (req_id, failed block ids),
-        # engine blocks being written (block id -> loads writing it)
-        self._load_queue = deque()
-        self._loads_done = []
-        self._loading_blocks = {}
-        self._load_busy = False
-        self._load_thread = None
-        # The interference budget and the figures the scheduler's decision needs (under _cond):
-        # each step's forward seconds, each load's bytes by tier and seconds.
-        self.budget = InterferenceBudget(cfg.interference_budget)
-        self._store_s_per_byte = None  # measured stores (moving average)
-        self._engine_s_total = 0.0  # engine-thread seconds in kvtier, never reset
-        self._forward = None  # (wall start, engine_s, event)
-        self._pending_steps = []  # CUDA: events to read
-        self._step_reports = []
-        self._load_reports = []
-        self._warm_loads = set()  # load paths (engine thread or not) used once
+        self._init_async_loads()
+        self._init_step_timing(cfg.interference_budget)
 
     # -- engine thread ----------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,16 @@ log = logging.getLogger("vllm.kvtier")
 
 class LoadPath(WorkerState):
     """The worker's loads; see the module docstring."""
+
+    def _init_async_loads(self) -> None:
+        """The async loads' state, empty (``KvtierWorker.__init__``)."""
+        # async loads (under _cond): queued (req_id, jobs), finished (req_id, failed block ids),
+        # engine blocks being written (block id -> loads writing it)
+        self._load_queue = deque()
+        self._loads_done = []
+        self._loading_blocks = {}
+        self._load_busy = False
+        self._load_thread = None
 
     def load(self, jobs: Sequence[LoadJob], deadline: float | None = None, *,
              decoding: bool = False) -> set[int]:

@@ -19,12 +19,26 @@ from __future__ import annotations
 
 import time
 
+from kvtier.adaptive import InterferenceBudget
 from kvtier.integrations.vllm.plans import LoadReport, StepReport
 from kvtier.integrations.vllm.worker_state import WorkerState
 
 
 class StepTiming(WorkerState):
     """The worker's step timing and reports; see the module docstring."""
+
+    def _init_step_timing(self, interference_budget: float | None) -> None:
+        """The budget and the step figures, empty (``KvtierWorker.__init__``)."""
+        # The interference budget and the figures the scheduler's decision needs (under _cond):
+        # each step's forward seconds, each load's bytes by tier and seconds.
+        self.budget = InterferenceBudget(interference_budget)
+        self._store_s_per_byte = None  # measured stores (moving average)
+        self._engine_s_total = 0.0  # engine-thread seconds in kvtier, never reset
+        self._forward = None  # (wall start, engine_s, event)
+        self._pending_steps = []  # CUDA: events to read
+        self._step_reports = []
+        self._load_reports = []
+        self._warm_loads = set()  # load paths (engine thread or not) used once
 
     def forward_start(self) -> None:
         """The step's forward starts now (engine thread; again after sync loads: the later
