@@ -32,7 +32,7 @@ LMCACHE_VENV := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_VERSION := 0.5.6
 
-# `make test` runs ruff, then mypy (strict), then pytest: CI enforces all three.
+# `make test` runs ruff (check, format --check), then mypy (strict), then pytest: CI enforces all three.
 .PHONY: serve serve-env wheels helm test check lint types bench seed proto env vllm-env sglang-env \
 	lmcache-env clean
 
@@ -140,6 +140,7 @@ wheels: $(SERVE_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP) $(HELM)
 	$(BIN)/ruff check client server tests scripts
+	$(BIN)/ruff format --check client server tests scripts
 	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
 	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 	  KVTIER_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python \
@@ -150,6 +151,7 @@ check: test
 
 lint: $(STAMP)
 	$(BIN)/ruff check client server tests scripts
+	$(BIN)/ruff format --check client server tests scripts
 
 types: $(STAMP)
 	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd

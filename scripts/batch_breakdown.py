@@ -40,19 +40,20 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 times.setdefault(name, []).append(time.perf_counter() - t0)
+
         return call
 
     invoke = Session._invoke
     Session._invoke = lambda self, stub, method, request, timeout: timed(  # type: ignore[method-assign]
-        method, invoke)(self, stub, method, request, timeout)
+        method, invoke
+    )(self, stub, method, request, timeout)
     with tempfile.TemporaryDirectory() as d, DaemonProc(Path(d), 2 << 30, 64 << 20) as daemon:
-        c = connect(daemon.address(transport), transport,
-                    control_channel="--grpc" not in sys.argv)
+        c = connect(daemon.address(transport), transport, control_channel="--grpc" not in sys.argv)
         ns = c.register(bench_namespace(block))
         src = np.random.default_rng(0).integers(0, 255, BATCH, dtype=np.uint8)
-        views = [memoryview(src[i * block:(i + 1) * block]) for i in range(n)]
+        views = [memoryview(src[i * block : (i + 1) * block]) for i in range(n)]
         dst = np.zeros_like(src)
-        into = [memoryview(dst[i * block:(i + 1) * block]) for i in range(n)]
+        into = [memoryview(dst[i * block : (i + 1) * block]) for i in range(n)]
         source = KeySource()
         batches = [source.take(n) for _ in range(BATCHES)]
         data = c.session.data()

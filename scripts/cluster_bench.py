@@ -85,8 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lookups", type=int, default=200, help="lookup samples of each kind")
     p.add_argument("--json", type=Path, help="write every sample and the summary here")
-    p.add_argument("--profile-b", type=Path, help="py-spy node B during the rounds (collapsed "
-                   "stacks to this file)")
+    p.add_argument(
+        "--profile-b", type=Path, help="py-spy node B during the rounds (collapsed stacks to this file)"
+    )
     args = p.parse_args(argv)
     if args.block_kib <= 0 or (args.block_kib * 1024) % LAYER_BYTES:
         p.error(f"--block-kib must be a positive multiple of {LAYER_BYTES // 1024}")
@@ -97,24 +98,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -- processes ------------------------------------------------------------------------------------
 
+
 def _raise_exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def start_node(run_dir: Path, name: str, url: str, host_bytes: int, slab_bytes: int,
-               queue_bytes: int) -> DaemonProcess:
+def start_node(
+    run_dir: Path, name: str, url: str, host_bytes: int, slab_bytes: int, queue_bytes: int
+) -> DaemonProcess:
     cfg = run_dir / f"{name}.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     fleet = run_dir / "fleet.key"
     fleet.write_text(FLEET_KEY.hex() + "\n")
-    cfg.write_text(f'cluster = "{url}"\n'
-                   f'cluster_fleet_key_file = "{fleet}"\n'
-                   "cluster_lookup_timeout_ms = 1000\n"
-                   "cluster_fetch_timeout_ms = 5000\n"
-                   "cluster_write_timeout_ms = 10000\n"
-                   f"cluster_queue_bytes = {queue_bytes}\n")
-    return DaemonProcess(run_dir / name, "--config", str(cfg), "--host-bytes", str(host_bytes),
-                         "--slab-bytes", str(slab_bytes), "--lease-ttl-s", "60").start(60)
+    cfg.write_text(
+        f'cluster = "{url}"\n'
+        f'cluster_fleet_key_file = "{fleet}"\n'
+        "cluster_lookup_timeout_ms = 1000\n"
+        "cluster_fetch_timeout_ms = 5000\n"
+        "cluster_write_timeout_ms = 10000\n"
+        f"cluster_queue_bytes = {queue_bytes}\n"
+    )
+    return DaemonProcess(
+        run_dir / name,
+        "--config",
+        str(cfg),
+        "--host-bytes",
+        str(host_bytes),
+        "--slab-bytes",
+        str(slab_bytes),
+        "--lease-ttl-s",
+        "60",
+    ).start(60)
 
 
 @contextlib.contextmanager
@@ -134,9 +148,24 @@ def profile(out: Path | None, d: DaemonProcess) -> Iterator[Callable[[], None]]:
     if not exe:
         raise RuntimeError("--profile-b: py-spy not found (set PY_SPY or put it on PATH)")
     assert d.proc is not None
-    proc = subprocess.Popen([exe, "record", "--pid", str(d.proc.pid), "--rate", "250",
-                             "--format", "raw", "--threads", "--nonblocking", "--output",
-                             str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "record",
+            "--pid",
+            str(d.proc.pid),
+            "--rate",
+            "250",
+            "--format",
+            "raw",
+            "--threads",
+            "--nonblocking",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
 
     def stop() -> None:
         if proc.poll() is None:
@@ -164,6 +193,7 @@ def kill_all(daemons: list[DaemonProcess]) -> None:
 
 # -- measuring ------------------------------------------------------------------------------------
 
+
 def main_thread_cpu(pid: int) -> float:
     """CPU seconds of the main thread of ``pid`` (Python names no OS thread: the main one is
     the task whose id is the pid)."""
@@ -186,9 +216,16 @@ class Cpu:
     def read(self) -> dict[str, float]:
         b, b_loop = cpu_seconds(self.b), main_thread_cpu(self.b)
         a, a_loop = cpu_seconds(self.a), main_thread_cpu(self.a)
-        return {"B": b, "B loop": b_loop, "B other": b - b_loop, "A": a, "A loop": a_loop,
-                "A other": a - a_loop, "redis": sum(cpu_seconds(p) for p in self.redis),
-                "client": time.process_time()}
+        return {
+            "B": b,
+            "B loop": b_loop,
+            "B other": b - b_loop,
+            "A": a,
+            "A loop": a_loop,
+            "A other": a - a_loop,
+            "redis": sum(cpu_seconds(p) for p in self.redis),
+            "client": time.process_time(),
+        }
 
     @staticmethod
     def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -229,8 +266,10 @@ def wait_writes(client: kvtier.Client, target: int, t0: float, drops: int) -> fl
         if fig.get("write_drops", 0) > drops:
             raise RuntimeError(f"cluster writes dropped: {fig.get('write_drops', 0) - drops}")
         if time.perf_counter() - t0 > WAIT_S:
-            raise RuntimeError(f"cluster writes stuck at {fig.get('writes', 0)} of {target} "
-                               f"(drops {fig.get('write_drops', 0)})")
+            raise RuntimeError(
+                f"cluster writes stuck at {fig.get('writes', 0)} of {target} "
+                f"(drops {fig.get('write_drops', 0)})"
+            )
         time.sleep(POLL_S)
 
 
@@ -262,6 +301,7 @@ def node_time(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, int
 
 # -- the run --------------------------------------------------------------------------------------
 
+
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     block = args.block_kib * 1024
     n = args.blocks
@@ -279,9 +319,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         signal.signal(sig, _raise_exit)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with it ignored
     daemons: list[DaemonProcess] = []
-    print(f"redis-py {redis.__version__}, hiredis parser: {redis.utils.HIREDIS_AVAILABLE}; "
-          f"block {args.block_kib} KiB x {n} blocks = {op_bytes / 2**20:.0f} MiB per operation, "
-          f"{args.rounds} rounds", flush=True)
+    print(
+        f"redis-py {redis.__version__}, hiredis parser: {redis.utils.HIREDIS_AVAILABLE}; "
+        f"block {args.block_kib} KiB x {n} blocks = {op_bytes / 2**20:.0f} MiB per operation, "
+        f"{args.rounds} rounds",
+        flush=True,
+    )
     with RedisCluster(tmp / "redis") as rc, contextlib.ExitStack() as stack:
         stack.callback(kill_all, daemons)
         print(f"redis cluster up in {rc.startup_s:.1f} s: {rc.url}", flush=True)
@@ -294,14 +337,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ttl_ms = 86_400_000
 
         ca = stack.enter_context(kvtier.Client.connect(a.unix, "shm", timeout_s=60))
-        cb = {t: stack.enter_context(kvtier.Client.connect(b.unix, t, timeout_s=60))
-              for t in ("shm", "tcp")}
+        cb = {t: stack.enter_context(kvtier.Client.connect(b.unix, t, timeout_s=60)) for t in ("shm", "tcp")}
         na = ca.register(spec)
         nb = {t: c.register(spec) for t, c in cb.items()}
 
         dest = bytearray(op_bytes)  # the engine's side of a get, reused (prefaulted)
         dest[:] = b"\x5a" * op_bytes
-        dviews = [memoryview(dest)[i * block:(i + 1) * block] for i in range(n)]
+        dviews = [memoryview(dest)[i * block : (i + 1) * block] for i in range(n)]
         rng = os.urandom
 
         def fresh() -> tuple[list[bytes], list[bytes]]:
@@ -319,9 +361,16 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             dt = wait_writes(ca, before["writes"] + n, t0, before["write_drops"])
             after = cluster_figures(ca)
             longest, reqs = node_time(before, after)
-            samples.add("cluster write", dt, Cpu.delta(c0, cpu.read()), round=r, put_s=put_s,
-                        redis_s=longest, pipelines=reqs,
-                        drops=after["write_drops"] - before["write_drops"])
+            samples.add(
+                "cluster write",
+                dt,
+                Cpu.delta(c0, cpu.read()),
+                round=r,
+                put_s=put_s,
+                redis_s=longest,
+                pipelines=reqs,
+                drops=after["write_drops"] - before["write_drops"],
+            )
             settle(rc)
 
         def kvtier_get(op: str, t: str, keys: list[bytes], data: list[bytes], r: int) -> None:
@@ -331,9 +380,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             longest, reqs = node_time(before, after)
             s = samples.ops[op][-1]
             settle(rc)
-            s.update(redis_s=longest, pipelines=reqs, hits=sum(found),
-                     wrong=sum(1 for f, v, d in zip(found, dviews, data, strict=True)
-                               if f and v != d))
+            s.update(
+                redis_s=longest,
+                pipelines=reqs,
+                hits=sum(found),
+                wrong=sum(1 for f, v, d in zip(found, dviews, data, strict=True) if f and v != d),
+            )
             if s["wrong"]:
                 raise RuntimeError(f"{op}: {s['wrong']} blocks came back with wrong bytes")
 
@@ -407,8 +459,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return summarize(args, samples, lookups)
 
 
-def measure_lookups(args: argparse.Namespace, ca: kvtier.Client, cbs: kvtier.Client,
-                    small: kvtier.Namespace, base: Any) -> dict[str, Any]:
+def measure_lookups(
+    args: argparse.Namespace, ca: kvtier.Client, cbs: kvtier.Client, small: kvtier.Namespace, base: Any
+) -> dict[str, Any]:
     """B's lookup_detail of a cluster-only chain vs an all-local one, and redis-py's pipelined
     EXISTS of the cluster-only chain's keys, in turn."""
     na, nb = ca.register(small), cbs.register(small)
@@ -446,34 +499,54 @@ def measure_lookups(args: argparse.Namespace, ca: kvtier.Client, cbs: kvtier.Cli
             short[kind] += 1
     for kind, ts in times.items():
         q = statistics.quantiles(ts, n=10)
-        out[kind] = {"p50_ms": statistics.median(ts) * 1e3, "p90_ms": q[-1] * 1e3,
-                     "samples": len(ts), "short_or_wrong_tier": short[kind], "all_s": ts}
+        out[kind] = {
+            "p50_ms": statistics.median(ts) * 1e3,
+            "p90_ms": q[-1] * 1e3,
+            "samples": len(ts),
+            "short_or_wrong_tier": short[kind],
+            "all_s": ts,
+        }
     return out
 
 
 # -- the report -----------------------------------------------------------------------------------
 
+
 def median_of(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(args: argparse.Namespace, samples: Samples, lookups: dict[str, Any]
-              ) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, samples: Samples, lookups: dict[str, Any]) -> dict[str, Any]:
     block = args.block_kib * 1024
     op_bytes = args.blocks * block
-    baseline_of = {"cluster write": "redis-py SET", "import shm": "redis-py GET",
-                   "import tcp": "redis-py GET", "local shm": "redis-py GET",
-                   "local tcp": "redis-py GET"}
-    order = ["cluster write", "redis-py SET", "import shm", "import tcp", "redis-py GET",
-             "local shm", "local tcp"]
+    baseline_of = {
+        "cluster write": "redis-py SET",
+        "import shm": "redis-py GET",
+        "import tcp": "redis-py GET",
+        "local shm": "redis-py GET",
+        "local tcp": "redis-py GET",
+    }
+    order = [
+        "cluster write",
+        "redis-py SET",
+        "import shm",
+        "import tcp",
+        "redis-py GET",
+        "local shm",
+        "local tcp",
+    ]
     rows: list[dict[str, Any]] = []
     for op in order:
         ss = samples.ops.get(op, [])
         if not ss:
             continue
         gbps = [op_bytes / s["s"] / 1e9 for s in ss]
-        row: dict[str, Any] = {"op": op, "gbps": median_of(gbps), "ms": median_of(
-            [s["s"] * 1e3 for s in ss]), "samples": len(ss)}
+        row: dict[str, Any] = {
+            "op": op,
+            "gbps": median_of(gbps),
+            "ms": median_of([s["s"] * 1e3 for s in ss]),
+            "samples": len(ss),
+        }
         ref = baseline_of.get(op)
         if ref:
             by_round = {s["round"]: s["s"] for s in samples.ops.get(ref, [])}
@@ -490,10 +563,15 @@ def summarize(args: argparse.Namespace, samples: Samples, lookups: dict[str, Any
         if "hits" in ss[0]:
             row["min_hits"] = min(s["hits"] for s in ss)
         rows.append(row)
-    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "block_bytes": block,
-            "op_bytes": op_bytes, "rows": rows, "lookups": lookups,
-            "samples": samples.ops}
+    return {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "hiredis": bool(redis.utils.HIREDIS_AVAILABLE),
+        "block_bytes": block,
+        "op_bytes": op_bytes,
+        "rows": rows,
+        "lookups": lookups,
+        "samples": samples.ops,
+    }
 
 
 def fmt(x: Any, spec: str = ".2f") -> str:
@@ -510,11 +588,15 @@ def cpu_ms(x: float) -> str:
 
 def print_report(summary: dict[str, Any]) -> None:
     a = summary["args"]
-    print(f"\n### cluster tier: {a['blocks']} x {a['block_kib']} KiB blocks "
-          f"({summary['op_bytes'] / 2**20:.0f} MiB) per operation, median of {a['rounds']} rounds\n")
-    print("| operation | GB/s | ms | x baseline | B cpu ms (loop / other threads) "
-          "| A cpu ms (loop / other threads) | redis cpu ms | client cpu ms | redis pipeline ms "
-          "| notes |")
+    print(
+        f"\n### cluster tier: {a['blocks']} x {a['block_kib']} KiB blocks "
+        f"({summary['op_bytes'] / 2**20:.0f} MiB) per operation, median of {a['rounds']} rounds\n"
+    )
+    print(
+        "| operation | GB/s | ms | x baseline | B cpu ms (loop / other threads) "
+        "| A cpu ms (loop / other threads) | redis cpu ms | client cpu ms | redis pipeline ms "
+        "| notes |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in summary["rows"]:
         notes = []
@@ -526,29 +608,37 @@ def print_report(summary: dict[str, Any]) -> None:
             notes.append(f"MISSES: min hits {r['min_hits']}")
         if "pipelines" in r:
             notes.append(f"{r['pipelines']:.0f} pipelines")
-        b_cpu = (f"{cpu_ms(r['cpu_B_ms'])} ({cpu_ms(r['cpu_B loop_ms'])} / "
-                 f"{cpu_ms(r['cpu_B other_ms'])})")
-        a_cpu = (f"{cpu_ms(r['cpu_A_ms'])} ({cpu_ms(r['cpu_A loop_ms'])} / "
-                 f"{cpu_ms(r['cpu_A other_ms'])})")
-        print(f"| {r['op']} | {fmt(r['gbps'])} | {fmt(r['ms'], '.1f')} "
-              f"| {fmt(r.get('x_baseline'))} | {b_cpu} "
-              f"| {a_cpu} | {cpu_ms(r['cpu_redis_ms'])} "
-              f"| {cpu_ms(r['cpu_client_ms'])} | {fmt(r.get('redis_pipeline_ms'), '.1f')} "
-              f"| {'; '.join(notes)} |")
+        b_cpu = f"{cpu_ms(r['cpu_B_ms'])} ({cpu_ms(r['cpu_B loop_ms'])} / {cpu_ms(r['cpu_B other_ms'])})"
+        a_cpu = f"{cpu_ms(r['cpu_A_ms'])} ({cpu_ms(r['cpu_A loop_ms'])} / {cpu_ms(r['cpu_A other_ms'])})"
+        print(
+            f"| {r['op']} | {fmt(r['gbps'])} | {fmt(r['ms'], '.1f')} "
+            f"| {fmt(r.get('x_baseline'))} | {b_cpu} "
+            f"| {a_cpu} | {cpu_ms(r['cpu_redis_ms'])} "
+            f"| {cpu_ms(r['cpu_client_ms'])} | {fmt(r.get('redis_pipeline_ms'), '.1f')} "
+            f"| {'; '.join(notes)} |"
+        )
     lk = summary["lookups"]
-    print(f"\n| lookup of a {CHAIN}-key chain (lookup_detail on node B) | p50 ms | p90 ms "
-          "| samples | x local p50 |")
+    print(
+        f"\n| lookup of a {CHAIN}-key chain (lookup_detail on node B) | p50 ms | p90 ms "
+        "| samples | x local p50 |"
+    )
     print("|---|---:|---:|---:|---:|")
-    label = {"local": "kvtier, all in B's host tier", "cluster": "kvtier, cluster only",
-             "redis-py": "redis-py pipeline EXISTS of the cluster-only chain"}
+    label = {
+        "local": "kvtier, all in B's host tier",
+        "cluster": "kvtier, cluster only",
+        "redis-py": "redis-py pipeline EXISTS of the cluster-only chain",
+    }
     for kind in ("local", "cluster", "redis-py"):
         x = lk[kind]
         ratio = x["p50_ms"] / lk["local"]["p50_ms"]
         bad = f" ({x['short_or_wrong_tier']} short)" if x["short_or_wrong_tier"] else ""
-        print(f"| {label[kind]} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | {x['samples']}{bad} "
-              f"| {ratio:.1f} |")
-    print(f"\ncluster part of a lookup: {lk['cluster']['p50_ms'] - lk['local']['p50_ms']:.2f} ms "
-          f"(p50 difference) vs redis-py's EXISTS pipeline {lk['redis-py']['p50_ms']:.2f} ms")
+        print(
+            f"| {label[kind]} | {x['p50_ms']:.2f} | {x['p90_ms']:.2f} | {x['samples']}{bad} | {ratio:.1f} |"
+        )
+    print(
+        f"\ncluster part of a lookup: {lk['cluster']['p50_ms'] - lk['local']['p50_ms']:.2f} ms "
+        f"(p50 difference) vs redis-py's EXISTS pipeline {lk['redis-py']['p50_ms']:.2f} ms"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,44 +63,65 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,tcp")
     args = ap.parse_args()
     transports = args.transports.split(",")
-    plan = Plan(suite="shm", block_sizes=SIZES, batch_bytes=64 << 20, total_bytes=512 << 20,
-                repeat=args.repeat, redis=False, progress=False)
+    plan = Plan(
+        suite="shm",
+        block_sizes=SIZES,
+        batch_bytes=64 << 20,
+        total_bytes=512 << 20,
+        repeat=args.repeat,
+        redis=False,
+        progress=False,
+    )
     results = Results()
     progress = Progress(enabled=False, total=1)
     with tempfile.TemporaryDirectory() as tmp, SocketStream() as stream:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
-                        args.base], check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base],
+            check=True,
+            capture_output=True,
+        )
         try:
             for block in SIZES:
-                with daemon(Path(tmp) / f"old{block}", str(base / "server")) as old, \
-                        daemon(Path(tmp) / f"new{block}", None) as new:
+                with (
+                    daemon(Path(tmp) / f"old{block}", str(base / "server")) as old,
+                    daemon(Path(tmp) / f"new{block}", None) as new,
+                ):
                     keys = KeySource()
                     ops = memcpy_ops(plan, block) if "shm" in transports else []
                     if "tcp" in transports:
                         ops += stream.ops(plan, block)
                     clients = []
                     for t in transports:
-                        clients += [connect(old.address(t), t, control_channel=False),
-                                    connect(new.address(t), t, control_channel=False),
-                                    connect(new.address(t), t)]
-                        for name, c in zip(("before", "grpc", "after"), clients[-3:],
-                                           strict=True):
+                        clients += [
+                            connect(old.address(t), t, control_channel=False),
+                            connect(new.address(t), t, control_channel=False),
+                            connect(new.address(t), t),
+                        ]
+                        for name, c in zip(("before", "grpc", "after"), clients[-3:], strict=True):
                             ops += transfer_ops(plan, c, block, keys, name=f"{t}_{name}")
-                    ops = [op for op in ops if op.name.startswith(("memcpy", "socket"))
-                           or not op.name.endswith("_get")]  # (kvtier's get allocates)
+                    ops = [
+                        op
+                        for op in ops
+                        if op.name.startswith(("memcpy", "socket")) or not op.name.endswith("_get")
+                    ]  # (kvtier's get allocates)
                     measure(plan, block, ops, results, progress)
                     for c in clients:
                         s = getattr(c, "session", c)  # (the baseline tree's Client was its Session)
                         assert bool(s._control and s._control.calls) == s.control_channel
                         c.close()
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                           check=False, capture_output=True)
-    rows = [("memcpy_put", "memcpy into fresh memory (as put)"),
-            ("memcpy_get", "memcpy from distinct memory (as get)"),
-            ("socket_put", "loopback stream into fresh memory (as put)"),
-            ("socket_get", "loopback stream from distinct memory (as get)")]
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                check=False,
+                capture_output=True,
+            )
+    rows = [
+        ("memcpy_put", "memcpy into fresh memory (as put)"),
+        ("memcpy_get", "memcpy from distinct memory (as get)"),
+        ("socket_put", "loopback stream into fresh memory (as put)"),
+        ("socket_get", "loopback stream from distinct memory (as get)"),
+    ]
     for t in transports:
         for what in ("put", "get_into"):
             rows += [(f"{t}_{v}_{what}", f"{t} {what}, {v}") for v in ("before", "grpc", "after")]
@@ -116,10 +137,12 @@ def main() -> None:
         base = "memcpy" if t == "shm" else "socket"
         for what, base_name in (("put", f"{base}_put"), ("get_into", f"{base}_get")):
             for v in ("before", "grpc", "after"):
-                cells = [results.gbps(f"{t}_{v}_{what}", b)  # type: ignore[operator]
-                         / results.gbps(base_name, b) for b in SIZES]
-                print(f"| {t} {what}, {v} / {base} | "
-                      + " | ".join(f"{x:.2f}x" for x in cells) + " |")
+                cells = [
+                    results.gbps(f"{t}_{v}_{what}", b)  # type: ignore[operator]
+                    / results.gbps(base_name, b)
+                    for b in SIZES
+                ]
+                print(f"| {t} {what}, {v} / {base} | " + " | ".join(f"{x:.2f}x" for x in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,10 @@ def beats(address: str, seconds: float, out: Any) -> None:
 def figures(xs: list[float]) -> str:
     xs = sorted(xs)
     p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
-    return (f"n={len(xs)} p50 {statistics.median(xs) * 1e3:.2f} ms, p99 {p99 * 1e3:.1f} ms, "
-            f"max {xs[-1] * 1e3:.1f} ms")
+    return (
+        f"n={len(xs)} p50 {statistics.median(xs) * 1e3:.2f} ms, p99 {p99 * 1e3:.1f} ms, "
+        f"max {xs[-1] * 1e3:.1f} ms"
+    )
 
 
 def main() -> int:
@@ -53,17 +55,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "kvtierd.toml"
         cfg.write_text("slot_align_bytes = 64\n")  # tiny blocks: 64 x 4096 hits in 16 MiB
-        with DaemonProc(Path(tmp) / "d", 256 << 20, 1 << 20, ["--config", str(cfg)]) as d, \
-                kvtier.Client.connect(d.grpc, "tcp", control_channel=False) as big:
+        with (
+            DaemonProc(Path(tmp) / "d", 256 << 20, 1 << 20, ["--config", str(cfg)]) as d,
+            kvtier.Client.connect(d.grpc, "tcp", control_channel=False) as big,
+        ):
             handles, chains = [], []
             for r in range(args.slices):
-                h = big.register(kvtier.Namespace(
-                    model_id="bench/stall", model_revision="r1", tokenizer_digest="none",
-                    kv_dtype="bfloat16", layout="contiguous", tokens_per_block=1, num_layers=1,
-                    num_kv_heads=1, head_dim=16, tp_size=args.slices, tp_rank=r))
+                h = big.register(
+                    kvtier.Namespace(
+                        model_id="bench/stall",
+                        model_revision="r1",
+                        tokenizer_digest="none",
+                        kv_dtype="bfloat16",
+                        layout="contiguous",
+                        tokens_per_block=1,
+                        num_layers=1,
+                        num_kv_heads=1,
+                        head_dim=16,
+                        tp_size=args.slices,
+                        tp_rank=r,
+                    )
+                )
                 keys = h.block_keys(list(range(args.blocks)))
                 for i in range(0, len(keys), 1024):
-                    assert h.put(keys[i:i + 1024], [b"x" * h.block_bytes] * 1024).stored == 1024
+                    assert h.put(keys[i : i + 1024], [b"x" * h.block_bytes] * 1024).stored == 1024
                 handles.append(h)
                 chains.append(keys)
             for label, load in (("idle", False), ("during LookupSlices", True)):

@@ -55,37 +55,43 @@ def main() -> int:
             stored: list[list[int]] = []
             for e in range(args.engines):
                 for wait in waits:
-                    eng = Engine(model, connector(d, lookup_wait_ms=wait),
-                                 work / f"engine_{wait}_{e}.log")
+                    eng = Engine(model, connector(d, lookup_wait_ms=wait), work / f"engine_{wait}_{e}.log")
                     try:
                         eng.generate([tokens(BLOCK + 5, 10_000 + seq)], max_tokens=2)  # warm
                         for r in range(args.rounds):
                             seq += 1
                             hit = r % 2 == 1 and bool(stored)
-                            second = stored.pop() if hit else tokens(
-                                args.prompt_blocks * BLOCK + 9, 20_000 + seq)
-                            out = eng.interleave(tokens(BLOCK + 10, 30_000 + seq), second,
-                                                 first_max_tokens=args.decode_tokens,
-                                                 second_max_tokens=2, second_after_tokens=8)
+                            second = (
+                                stored.pop() if hit else tokens(args.prompt_blocks * BLOCK + 9, 20_000 + seq)
+                            )
+                            out = eng.interleave(
+                                tokens(BLOCK + 10, 30_000 + seq),
+                                second,
+                                first_max_tokens=args.decode_tokens,
+                                second_max_tokens=2,
+                                second_after_tokens=8,
+                            )
                             if not hit:
                                 stored.append(second)
                             kind = "hit" if hit else "miss"
                             if hit and out["cached"][1] == 0:
                                 kind = "hit (not loaded)"
                             rows.setdefault((wait, kind), []).append(
-                                (out["ttft_s"], out["first_tokens_before_ttft"]))
+                                (out["ttft_s"], out["first_tokens_before_ttft"])
+                            )
                     finally:
                         eng.close()
         finally:
             d.kill()
-    print("| lookup_wait_ms | second request | n | TTFT p50 | TTFT p90 | "
-          "decode tokens meanwhile (p50) |")
+    print("| lookup_wait_ms | second request | n | TTFT p50 | TTFT p90 | decode tokens meanwhile (p50) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for (wait, kind), xs in sorted(rows.items()):
         ttft = [x[0] * 1000 for x in xs]
         steps = [float(x[1]) for x in xs]
-        print(f"| {wait} | {kind} | {len(xs)} | {pct(ttft, 0.5):.1f} ms | "
-              f"{pct(ttft, 0.9):.1f} ms | {statistics.median(steps):.1f} |")
+        print(
+            f"| {wait} | {kind} | {len(xs)} | {pct(ttft, 0.5):.1f} ms | "
+            f"{pct(ttft, 0.9):.1f} ms | {statistics.median(steps):.1f} |"
+        )
     return 0
 
 

@@ -30,8 +30,9 @@ ROUNDS = 22  # the first two are warm-up
 
 
 def main() -> None:
-    d = DaemonProcess(Path(tempfile.mkdtemp()) / "d", "--host-bytes", "512MiB",
-                      "--slab-bytes", "64MiB").start()
+    d = DaemonProcess(
+        Path(tempfile.mkdtemp()) / "d", "--host-bytes", "512MiB", "--slab-bytes", "64MiB"
+    ).start()
     try:
         putter = kvtier.Client.connect(d.unix, "shm", local_lookups=False)
         looker = kvtier.Client.connect(d.unix, "tcp")
@@ -40,7 +41,8 @@ def main() -> None:
             pub = putter.register(make_namespace(model_revision="pub", **shape))
             plain = putter.register(make_namespace(model_revision="plain", **shape))
             looker.register(make_namespace(model_revision="pub", **shape)).lookup(
-                pub.block_keys(list(range(16))))
+                pub.block_keys(list(range(16)))
+            )
             if looker.counters.lookups_local != looker.counters.lookups:
                 raise SystemExit("the looking-up client did not map the published index")
             n = BATCH // pub.block_bytes
@@ -63,12 +65,16 @@ def main() -> None:
                         cpu[name].append(dc)
             a, b = statistics.median(times["pub"]), statistics.median(times["plain"])
             ca, cb = sum(cpu["pub"]), sum(cpu["plain"])
-            print(f"{label}: {n} blocks per put; put time published / unpublished = {a / b:.3f} "
-                  f"({BATCH / a / 1e9:.2f} vs {BATCH / b / 1e9:.2f} GB/s); daemon CPU per put "
-                  f"{ca / len(cpu['pub']) * 1e3:.1f} vs {cb / len(cpu['plain']) * 1e3:.1f} ms")
+            print(
+                f"{label}: {n} blocks per put; put time published / unpublished = {a / b:.3f} "
+                f"({BATCH / a / 1e9:.2f} vs {BATCH / b / 1e9:.2f} GB/s); daemon CPU per put "
+                f"{ca / len(cpu['pub']) * 1e3:.1f} vs {cb / len(cpu['plain']) * 1e3:.1f} ms"
+            )
         stats = looker.stats()
-        print(f"evictions: {stats['total']['evictions']:,}; published index figures: "
-              f"{ {k: v for k, v in stats.items() if k.startswith('published')} }")
+        print(
+            f"evictions: {stats['total']['evictions']:,}; published index figures: "
+            f"{ {k: v for k, v in stats.items() if k.startswith('published')} }"
+        )
         log = (d.run_dir / "kvtierd.log").read_text()
         if "published index" in log:
             print([line for line in log.splitlines() if "published index" in line][:3])

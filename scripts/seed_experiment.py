@@ -78,8 +78,13 @@ from seed.common import (
 )
 
 SCENARIOS = ("revisit", "chats", "fleet", "mix", "slow", "interference")
-NEEDS = {"chats": ("alone", "sync"), "fleet": ("sync", "sync-b"), "mix": ("alone", "sync", "async"),
-         "slow": ("alone",), "interference": ("alone", "budget", "tight", "nobudget")}
+NEEDS = {
+    "chats": ("alone", "sync"),
+    "fleet": ("sync", "sync-b"),
+    "mix": ("alone", "sync", "async"),
+    "slow": ("alone",),
+    "interference": ("alone", "budget", "tight", "nobudget"),
+}
 
 
 def parse_order(text: str) -> list[str]:
@@ -90,25 +95,38 @@ def parse_order(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name in SCENARIOS:
         p.add_argument(f"--{name}", action="store_true", help=f"run the {name} scenario (none: all)")
     g = p.add_argument_group("revisit")
     g.add_argument("--docs", type=int, default=4, help="documents in the working set")
     g.add_argument("--doc-tokens", default="1500-1900", help="document length range LO-HI")
     g.add_argument("--rounds", type=int, default=3, help="round 1 visits, later rounds revisit")
-    g.add_argument("--order", type=parse_order, default="alone,kvtier,kvtier,alone",
-                   help="arms in run order, each in fresh processes")
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="override the engine's KV blocks (num_gpu_blocks_override), for quick checks")
+    g.add_argument(
+        "--order",
+        type=parse_order,
+        default="alone,kvtier,kvtier,alone",
+        help="arms in run order, each in fresh processes",
+    )
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="override the engine's KV blocks (num_gpu_blocks_override), for quick checks",
+    )
     g.add_argument("--layers", type=int, default=QWEN3_06B["num_hidden_layers"])
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "seed_ttft.png")
     g = p.add_argument_group("chats, fleet and mix (a smaller model; engine caches in blocks of 128)")
     g.add_argument("--small-layers", type=int, default=4, help="layers of their model")
-    g.add_argument("--small-blocks", type=int, default=20,
-                   help="each small engine's KV cache in blocks (max_model_len: one block less)")
+    g.add_argument(
+        "--small-blocks",
+        type=int,
+        default=20,
+        help="each small engine's KV cache in blocks (max_model_len: one block less)",
+    )
     g.add_argument("--chat-count", type=int, default=3, help="conversations, interleaved")
     g.add_argument("--chat-turns", type=int, default=3)
     g.add_argument("--chat-first", type=parse_range, default="800-1000", help="first message tokens")
@@ -116,34 +134,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--chat-answer", type=int, default=96, help="tokens per answer")
     g.add_argument("--fleet-docs", type=int, default=6)
     g.add_argument("--fleet-doc-tokens", type=parse_range, default="600-1000")
-    g.add_argument("--fleet-rounds", type=int, default=3,
-                   help="round 1 on engine i%%2, round 2 on the other engine, then alternating")
+    g.add_argument(
+        "--fleet-rounds",
+        type=int,
+        default=3,
+        help="round 1 on engine i%%2, round 2 on the other engine, then alternating",
+    )
     g.add_argument("--mix-clients", type=int, default=3, help="closed-loop clients in one engine")
     g.add_argument("--mix-requests", type=int, default=4, help="requests per client per phase")
-    g.add_argument("--mix-phases", type=int, default=3,
-                   help="phases; each runs on every configuration, in rotated order")
+    g.add_argument(
+        "--mix-phases", type=int, default=3, help="phases; each runs on every configuration, in rotated order"
+    )
     g.add_argument("--mix-pool", type=int, default=4, help="documents that requests revisit")
     g.add_argument("--mix-doc-tokens", type=parse_range, default="600-1000")
     g.add_argument("--mix-revisit", type=float, default=0.5, help="share of requests that revisit")
     g.add_argument("--mix-answer", type=int, default=24, help="tokens per answer")
     g.add_argument("--slow-docs", type=int, default=4, help="documents per phase of --slow")
     g.add_argument("--slow-rounds", type=int, default=2, help="revisit rounds per phase of --slow")
-    g.add_argument("--slow-read-ms", type=int, default=150,
-                   help="each NVMe read's sleep in the slow phase of --slow")
+    g.add_argument(
+        "--slow-read-ms", type=int, default=150, help="each NVMe read's sleep in the slow phase of --slow"
+    )
     g.add_argument("--slow-host-bytes", default="16MiB", help="the --slow daemon's host tier")
     g.add_argument("--slow-slab-bytes", default="4MiB", help="the --slow daemon's slab size")
-    g.add_argument("--interference-decode", type=int, default=160,
-                   help="tokens the decoding request of --interference generates")
+    g.add_argument(
+        "--interference-decode",
+        type=int,
+        default=160,
+        help="tokens the decoding request of --interference generates",
+    )
     g = p.add_argument_group("all scenarios")
-    g.add_argument("--kv-cache-gib", type=int, default=1,
-                   help="VLLM_CPU_KVCACHE_SPACE (the revisit engine's cache when --num-blocks is unset)")
+    g.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=1,
+        help="VLLM_CPU_KVCACHE_SPACE (the revisit engine's cache when --num-blocks is unset)",
+    )
     g.add_argument("--host-bytes", default="4GiB", help="kvtierd host tier")
-    g.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
-                   help="model and KV dtype (bfloat16 is ~60x slower than float32 on AVX2 CPUs)")
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPE_BYTES),
+        help="model and KV dtype (bfloat16 is ~60x slower than float32 on AVX2 CPUs)",
+    )
     g.add_argument("--vocab", type=int, default=32000, help="vocabulary (Qwen3-0.6B has 151,936)")
     g.add_argument("--warmup-tokens", type=int, default=200, help="one warm-up prompt per engine")
-    g.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
-                   help="the engine worker's cores (VLLM_CPU_OMP_THREADS_BIND), same for every arm")
+    g.add_argument(
+        "--cpus",
+        default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        help="the engine worker's cores (VLLM_CPU_OMP_THREADS_BIND), same for every arm",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--revision", default="seed-r1", help="model_revision for the connector")
     g.add_argument("--json", type=Path, default=None, help="write every record here")
@@ -195,29 +234,46 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "revisit":
                     sub = workdir / name
                     sub.mkdir()
-                    report, rec, good = revisit.run(args, sub, kv_bytes_per_token(args.layers, args.dtype),
-                                                    plots)
+                    report, rec, good = revisit.run(
+                        args, sub, kv_bytes_per_token(args.layers, args.dtype), plots
+                    )
                 else:
                     # every small engine the remaining scenarios need, started side by side
                     small.start(sorted({e for s in args.scenarios for e in NEEDS.get(s, ())}))
-                    module = {"chats": chats, "fleet": fleet, "mix": mix, "slow": slow,
-                              "interference": interference}[name]
+                    module = {
+                        "chats": chats,
+                        "fleet": fleet,
+                        "mix": mix,
+                        "slow": slow,
+                        "interference": interference,
+                    }[name]
                     report, rec, good = module.run(args, small)
                 took = time.perf_counter() - t1
                 ok &= good
                 records[name] = {**rec, "scenario_s": took}
                 print(f"## {name} ({took:.0f} s)\n\n{report}\n", flush=True)
             if small.engines:
-                print(f"Small engines: {small.model_desc()}; start "
-                      f"{', '.join(f'{n} {s:.0f}' for n, s in small.startup_s.items())} s (side by side).")
+                print(
+                    f"Small engines: {small.model_desc()}; start "
+                    f"{', '.join(f'{n} {s:.0f}' for n, s in small.startup_s.items())} s (side by side)."
+                )
         wall = time.perf_counter() - t0
         if code_state() != code:
             print(f"WARNING: client/ or server/ changed during the run (was {code})")
             log("WARNING: client/ or server/ changed during the run; the arms may differ in code")
         print(f"Wall time {wall:.0f} s; code: {code}; checks {'ok' if ok else 'FAILED'}.")
         if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                             "wall_s": wall, "code": code, **records}, indent=1))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "args": {k: str(v) for k, v in vars(args).items()},
+                        "wall_s": wall,
+                        "code": code,
+                        **records,
+                    },
+                    indent=1,
+                )
+            )
         return 0 if ok else 1
     finally:
         if args.keep:

@@ -38,46 +38,80 @@ PROMPTS, PROMPT_TOKENS, MAX_NEW_TOKENS = 4, 2048, 16
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(100, vocab - 100) for _ in range(PROMPT_TOKENS // 2)]
-    return [shared + [rng.randrange(100, vocab - 100) for _ in range(PROMPT_TOKENS // 2)]
-            for _ in range(PROMPTS)]
+    return [
+        shared + [rng.randrange(100, vocab - 100) for _ in range(PROMPT_TOKENS // 2)] for _ in range(PROMPTS)
+    ]
 
 
 def extra_config(args: argparse.Namespace, socket: str) -> dict[str, Any]:
-    return {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-            "class_name": "KvtierHiCacheStorage", "interface_v1": 1,
-            "address": f"unix:{socket}", "model_revision": args.revision,
-            "tokenizer_digest": "none"}  # the prompts are token ids: no tokenizer in the identity
+    return {
+        "backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang",
+        "class_name": "KvtierHiCacheStorage",
+        "interface_v1": 1,
+        "address": f"unix:{socket}",
+        "model_revision": args.revision,
+        "tokenizer_digest": "none",
+    }  # the prompts are token ids: no tokenizer in the identity
 
 
 def run_phase(args: argparse.Namespace) -> None:
     """One engine: answer the prompts, print ``PHASE {json}``."""
     import sglang  # noqa: PLC0415 - only the phase processes import SGLang
 
-    kw: dict[str, Any] = dict(model_path=args.model, page_size=args.page_size, tp_size=args.tp,
-                              mem_fraction_static=0.6, skip_tokenizer_init=True)
+    kw: dict[str, Any] = dict(
+        model_path=args.model,
+        page_size=args.page_size,
+        tp_size=args.tp,
+        mem_fraction_static=0.6,
+        skip_tokenizer_init=True,
+    )
     if args.phase != "reference":
-        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
-                  hicache_mem_layout=args.layout, hicache_write_policy="write_through",
-                  hicache_storage_backend="dynamic",
-                  hicache_storage_prefetch_policy="wait_complete",
-                  hicache_storage_backend_extra_config=json.dumps(
-                      extra_config(args, args.socket)))
+        kw.update(
+            enable_hierarchical_cache=True,
+            hicache_ratio=2.0,
+            hicache_mem_layout=args.layout,
+            hicache_write_policy="write_through",
+            hicache_storage_backend="dynamic",
+            hicache_storage_prefetch_policy="wait_complete",
+            hicache_storage_backend_extra_config=json.dumps(extra_config(args, args.socket)),
+        )
     engine = sglang.Engine(**kw)
     try:
-        outs = engine.generate(input_ids=prompts(args.vocab),
-                               sampling_params={"temperature": 0.0,
-                                                "max_new_tokens": MAX_NEW_TOKENS})
-        result = {"outputs": [o["output_ids"] for o in outs],
-                  "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in outs]}
+        outs = engine.generate(
+            input_ids=prompts(args.vocab),
+            sampling_params={"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
+        )
+        result = {
+            "outputs": [o["output_ids"] for o in outs],
+            "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in outs],
+        }
     finally:
         engine.shutdown()
     print("PHASE " + json.dumps(result), flush=True)
 
 
 def phase(args: argparse.Namespace, name: str, socket: str, log: Path) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--phase", name, "--socket", socket, "--model", args.model,
-           "--revision", args.revision, "--page-size", str(args.page_size), "--layout",
-           args.layout, "--tp", str(args.tp), "--vocab", str(args.vocab)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        name,
+        "--socket",
+        socket,
+        "--model",
+        args.model,
+        "--revision",
+        args.revision,
+        "--page-size",
+        str(args.page_size),
+        "--layout",
+        args.layout,
+        "--tp",
+        str(args.tp),
+        "--vocab",
+        str(args.vocab),
+    ]
     with open(log, "w") as f:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=1200)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PHASE ")]
@@ -102,8 +136,9 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--revision", required=True, help="the model's immutable revision (commit)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--layout", default="page_first",
-                   choices=["page_first", "page_first_direct", "layer_first"])
+    p.add_argument(
+        "--layout", default="page_first", choices=["page_first", "page_first_direct", "layer_first"]
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
     p.add_argument("--out", default="")
@@ -118,9 +153,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     socket = str(out / "kvtier.sock")
     daemon_log = open(out / "kvtierd.log", "w")  # noqa: SIM115
-    daemon = subprocess.Popen([sys.executable, "-m", "kvtierd", "serve", "--socket", socket,
-                               "--listen", "", "--metrics-port", "-1", "--host-bytes", "8GiB"],
-                              stdout=daemon_log, stderr=subprocess.STDOUT, cwd=out)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "serve",
+            "--socket",
+            socket,
+            "--listen",
+            "",
+            "--metrics-port",
+            "-1",
+            "--host-bytes",
+            "8GiB",
+        ],
+        stdout=daemon_log,
+        stderr=subprocess.STDOUT,
+        cwd=out,
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(socket):
@@ -142,8 +193,9 @@ def main() -> int:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    load_bytes = sum(after.get(k, 0) - before.get(k, 0)
-                     for k in ("bytes_out_shm", "bytes_out_tcp", "bytes_out_cuda_ipc"))
+    load_bytes = sum(
+        after.get(k, 0) - before.get(k, 0) for k in ("bytes_out_shm", "bytes_out_tcp", "bytes_out_cuda_ipc")
+    )
     summary = {
         "same_outputs_store": stored["outputs"] == ref["outputs"],
         "same_outputs_load": loaded["outputs"] == ref["outputs"],
@@ -151,8 +203,12 @@ def main() -> int:
         "loaded_bytes": load_bytes,
         "cached_tokens_load": loaded["cached_tokens"],
     }
-    ok = (summary["same_outputs_store"] and summary["same_outputs_load"] and load_bytes > 0
-          and all(t > 0 for t in loaded["cached_tokens"]))
+    ok = (
+        summary["same_outputs_store"]
+        and summary["same_outputs_load"]
+        and load_bytes > 0
+        and all(t > 0 for t in loaded["cached_tokens"])
+    )
     summary["ok"] = ok
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -36,13 +36,20 @@ def main() -> int:
     tokens = [(i * 31) % 30000 + 3 for i in range(args.blocks * BS + 1)]
     print("| TP | LookupSlices p50 | p90 | per slice p50 | p90 | hit blocks |")
     print("| --- | --- | --- | --- | --- | --- |")
-    with tempfile.TemporaryDirectory() as tmp, \
-            DaemonProc(Path(tmp) / "d", 256 << 20, 4 << 20) as d:
+    with tempfile.TemporaryDirectory() as tmp, DaemonProc(Path(tmp) / "d", 256 << 20, 4 << 20) as d:
         for tp in [int(t) for t in args.tp.split(",")]:
-            ident = EngineIdentity(model_id="bench/tp", model_revision="r1",
-                                   tokenizer_digest="none", kv_dtype="bfloat16",
-                                   layout="vllm.LBHNC", tokens_per_block=BS, num_layers=2,
-                                   num_kv_heads=2, head_dim=64, tp_size=tp)
+            ident = EngineIdentity(
+                model_id="bench/tp",
+                model_revision="r1",
+                tokenizer_digest="none",
+                kv_dtype="bfloat16",
+                layout="vllm.LBHNC",
+                tokens_per_block=BS,
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=64,
+                tp_size=tp,
+            )
             with kvtier.Client.connect(d.unix) as c:
                 for r in range(tp):
                     h = c.register(ident.namespace(BASE, r))

@@ -32,9 +32,9 @@ class DaemonProcess(DaemonAddresses):
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stderr = open(self.run_dir / "kvtierd.log", "a")  # noqa: SIM115
-        self.proc, self.info = launch_daemon(self.run_dir, self.args, self.stderr,
-                                             metrics_port=0, timeout_s=timeout_s,
-                                             module=self.module)
+        self.proc, self.info = launch_daemon(
+            self.run_dir, self.args, self.stderr, metrics_port=0, timeout_s=timeout_s, module=self.module
+        )
         return self
 
     def kill(self) -> None:
@@ -71,9 +71,17 @@ def daemon(daemon_factory: Any) -> DaemonProcess:
 
 def make_namespace(**overrides: Any) -> kvtier.Namespace:
     """A small namespace: 16 tokens x 2 layers x 2 heads x 64 dim x bf16 = 16 KiB blocks."""
-    fields: dict[str, Any] = dict(model_id="test/model", model_revision="rev1",
-                                  tokenizer_digest="none", kv_dtype="bfloat16", layout="contiguous",
-                                  tokens_per_block=16, num_layers=2, num_kv_heads=2, head_dim=64)
+    fields: dict[str, Any] = dict(
+        model_id="test/model",
+        model_revision="rev1",
+        tokenizer_digest="none",
+        kv_dtype="bfloat16",
+        layout="contiguous",
+        tokens_per_block=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
     fields.update(overrides)
     return kvtier.Namespace(**fields)
 
@@ -92,8 +100,7 @@ def held() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def shm_handshake(daemon: DaemonProcess, session_id: int,
-                  secret: bytes) -> tuple[bytes, list[int]]:
+def shm_handshake(daemon: DaemonProcess, session_id: int, secret: bytes) -> tuple[bytes, list[int]]:
     """The raw shm fd handshake (what a local process that opened the session can send, with
     its data secret from OpenSessionReply): the reply and the fds."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

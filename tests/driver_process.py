@@ -35,21 +35,38 @@ def require_env(python: str, engine: str, make_target: str, skip_var: str) -> st
     if os.environ.get(skip_var) == "1":
         pytest.skip(f"{skip_var}=1")
     if not os.access(python, os.X_OK):
-        pytest.fail(f"no {engine} environment at {python}: run `make {make_target}` (or set "
-                    f"{skip_var}=1 to skip these tests)", pytrace=False)
+        pytest.fail(
+            f"no {engine} environment at {python}: run `make {make_target}` (or set "
+            f"{skip_var}=1 to skip these tests)",
+            pytrace=False,
+        )
     return python
 
 
 class DriverProcess:
     """See the module docstring."""
 
-    def __init__(self, argv: Sequence[str], log: Path, *, env: dict[str, str] | None = None,
-                 cwd: Path | None = None, ready_timeout_s: float = 300,
-                 what: str = "driver") -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        ready_timeout_s: float = 300,
+        what: str = "driver",
+    ) -> None:
         self.what = what
         self.log = open(log, "w")  # noqa: SIM115  (closed in close)
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         assert self.answer(ready_timeout_s).get("ready"), f"{what} did not start; see {log}"
@@ -68,8 +85,9 @@ class DriverProcess:
         try:
             line = self.lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"{self.what} gave no answer in {timeout_s} s; see "
-                                 f"{self.log.name}") from None
+            raise AssertionError(
+                f"{self.what} gave no answer in {timeout_s} s; see {self.log.name}"
+            ) from None
         assert line is not None, f"{self.what} exited (rc={self.proc.poll()}); see {self.log.name}"
         return dict(json.loads(line))
 

@@ -21,8 +21,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class Follower:
-    def __init__(self, endpoint: str, replay_endpoint: str | None,
-                 lose: Callable[[int], bool] = lambda n: False) -> None:
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None, lose: Callable[[int], bool] = lambda n: False
+    ) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -60,10 +61,11 @@ class Follower:
                     if ev["medium"] == "CPU":
                         bs = ev["block_size"]
                         self.stored[k] = {
-                            **ev, "index": i,
-                            "tokens": ev["token_ids"][i * bs:(i + 1) * bs],
-                            "parent": ev["parent_block_hash"] if i == 0 else
-                            ev["block_hashes"][i - 1]}
+                            **ev,
+                            "index": i,
+                            "tokens": ev["token_ids"][i * bs : (i + 1) * bs],
+                            "parent": ev["parent_block_hash"] if i == 0 else ev["block_hashes"][i - 1],
+                        }
             elif kind == "BlockRemoved":
                 for k in ev["block_hashes"]:
                     media = self.held.get(k)

@@ -127,13 +127,15 @@ def _die_with_parent() -> None:
 
 def _openssl(*args: str, cwd: Path) -> None:
     try:
-        res = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, text=True, timeout=60,
-                             stdin=subprocess.DEVNULL)
+        res = subprocess.run(
+            [OPENSSL, *args], cwd=cwd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError as e:
         raise RuntimeError("tls=True needs the openssl CLI on PATH") from e
     if res.returncode != 0:
-        raise RuntimeError(f"openssl {' '.join(args)} failed (rc {res.returncode}):\n"
-                           f"{res.stdout}\n{res.stderr}")
+        raise RuntimeError(
+            f"openssl {' '.join(args)} failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}"
+        )
 
 
 def make_test_pki(tls_dir: Path, days: int = 7) -> None:
@@ -143,16 +145,62 @@ def make_test_pki(tls_dir: Path, days: int = 7) -> None:
     tls_dir.mkdir(parents=True, exist_ok=True)
     (tls_dir / "openssl.cnf").write_text(_OPENSSL_CNF)
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-config", "openssl.cnf", "-x509", "-new", *key, "-keyout", "ca.key",
-             "-out", "ca.crt", "-days", str(days), "-subj", "/CN=kvtier test CA",
-             "-extensions", "v3_ca", cwd=tls_dir)
+    _openssl(
+        "req",
+        "-config",
+        "openssl.cnf",
+        "-x509",
+        "-new",
+        *key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        str(days),
+        "-subj",
+        "/CN=kvtier test CA",
+        "-extensions",
+        "v3_ca",
+        cwd=tls_dir,
+    )
     for name, cn in (("server", "localhost"), ("client", "kvtier test client")):
-        _openssl("req", "-config", "openssl.cnf", "-new", *key, "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=tls_dir)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-set_serial", str(random.getrandbits(63)), "-days", str(days), "-sha256",
-                 "-extfile", "openssl.cnf", "-extensions", f"v3_{name}", "-out", f"{name}.crt",
-                 cwd=tls_dir)
+        _openssl(
+            "req",
+            "-config",
+            "openssl.cnf",
+            "-new",
+            *key,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={cn}",
+            cwd=tls_dir,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            str(random.getrandbits(63)),
+            "-days",
+            str(days),
+            "-sha256",
+            "-extfile",
+            "openssl.cnf",
+            "-extensions",
+            f"v3_{name}",
+            "-out",
+            f"{name}.crt",
+            cwd=tls_dir,
+        )
         (tls_dir / f"{name}.csr").unlink(missing_ok=True)
 
 
@@ -238,10 +286,16 @@ def parse_cluster_nodes(text: str) -> list[NodeView]:
                 continue
             lo, _, hi = s.partition("-")
             slots.append((int(lo), int(hi or lo)))
-        nodes.append(NodeView(node_id=parts[0], port=int(addr.rpartition(":")[2]),
-                                 flags=frozenset(parts[2].split(",")),
-                                 master_id=None if parts[3] == "-" else parts[3],
-                                 link_state=parts[7], slots=slots))
+        nodes.append(
+            NodeView(
+                node_id=parts[0],
+                port=int(addr.rpartition(":")[2]),
+                flags=frozenset(parts[2].split(",")),
+                master_id=None if parts[3] == "-" else parts[3],
+                link_state=parts[7],
+                slots=slots,
+            )
+        )
     return nodes
 
 
@@ -258,16 +312,23 @@ def _info_fields(raw: bytes | str) -> dict[str, str]:
 class RedisCluster:
     """Six ``redis-server`` processes forming a 3-master, 3-replica cluster; a context manager."""
 
-    def __init__(self, run_dir: Path, *, maxmemory: str | None = None, node_timeout_ms: int = 1000,
-                 ready_timeout_s: float = 30.0, password: str | None = None, tls: bool = False,
-                 tls_auth_clients: str = "optional") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        maxmemory: str | None = None,
+        node_timeout_ms: int = 1000,
+        ready_timeout_s: float = 30.0,
+        password: str | None = None,
+        tls: bool = False,
+        tls_auth_clients: str = "optional",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.maxmemory = maxmemory
         self.node_timeout_ms = node_timeout_ms
         self.ready_timeout_s = ready_timeout_s
         if tls_auth_clients not in TLS_AUTH_CLIENTS:
-            raise ValueError(f"tls_auth_clients must be one of {TLS_AUTH_CLIENTS}, "
-                             f"not {tls_auth_clients!r}")
+            raise ValueError(f"tls_auth_clients must be one of {TLS_AUTH_CLIENTS}, not {tls_auth_clients!r}")
         self.password = password  # requirepass and masterauth of every node; None: no auth
         self.tls = tls
         self.tls_auth_clients = tls_auth_clients  # redis' tls-auth-clients (no, optional, yes)
@@ -299,8 +360,9 @@ class RedisCluster:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def start(self) -> None:
@@ -331,17 +393,27 @@ class RedisCluster:
                     (d / "nodes.conf").unlink(missing_ok=True)
                     ports[i] = pick_ports(1, avoid=ports)[0]
         self.ports = ports
-        cmd = [REDIS_CLI, "--cluster", "create", *(f"{HOST}:{p}" for p in ports),
-               "--cluster-replicas", "1", "--cluster-yes", *self._cli_args()]
+        cmd = [
+            REDIS_CLI,
+            "--cluster",
+            "create",
+            *(f"{HOST}:{p}" for p in ports),
+            "--cluster-replicas",
+            "1",
+            "--cluster-yes",
+            *self._cli_args(),
+        ]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                                 stdin=subprocess.DEVNULL)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"redis-cli --cluster create timed out: {e.stdout!r}"
-                               f"{self._log_note(ports[0])}") from e
+            raise RuntimeError(
+                f"redis-cli --cluster create timed out: {e.stdout!r}{self._log_note(ports[0])}"
+            ) from e
         if res.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed (rc {res.returncode}):\n"
-                               f"{res.stdout}\n{res.stderr}{self._log_note(ports[0])}")
+            raise RuntimeError(
+                f"redis-cli --cluster create failed (rc {res.returncode}):\n"
+                f"{res.stdout}\n{res.stderr}{self._log_note(ports[0])}"
+            )
         self.wait_ready()
         self.initial_masters = self.masters()
         self.startup_s = time.monotonic() - t0
@@ -363,34 +435,78 @@ class RedisCluster:
         if self.password is not None:
             args += ["-a", self.password, "--no-auth-warning"]
         if self.tls:
-            args += ["--tls", "--cacert", str(self.ca_file),
-                     "--cert", str(self.client_cert_file), "--key", str(self.client_key_file)]
+            args += [
+                "--tls",
+                "--cacert",
+                str(self.ca_file),
+                "--cert",
+                str(self.client_cert_file),
+                "--key",
+                str(self.client_key_file),
+            ]
         return args
 
     def _listen_args(self, port: int) -> list[str]:
         if not self.tls:
             return ["--port", str(port)]
-        return ["--port", "0", "--tls-port", str(port), "--cluster-port", str(port + BUS_OFFSET),
-                "--tls-cluster", "yes", "--tls-replication", "yes",
-                "--tls-cert-file", str(self.server_cert_file),
-                "--tls-key-file", str(self.server_key_file),
-                "--tls-ca-cert-file", str(self.ca_file),
-                "--tls-auth-clients", self.tls_auth_clients]
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--cluster-port",
+            str(port + BUS_OFFSET),
+            "--tls-cluster",
+            "yes",
+            "--tls-replication",
+            "yes",
+            "--tls-cert-file",
+            str(self.server_cert_file),
+            "--tls-key-file",
+            str(self.server_key_file),
+            "--tls-ca-cert-file",
+            str(self.ca_file),
+            "--tls-auth-clients",
+            self.tls_auth_clients,
+        ]
 
     def _argv(self, port: int) -> list[str]:
         d = self._dirs[port]
-        argv = [REDIS_SERVER, *self._listen_args(port), "--bind", HOST,
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--save", "", "--appendonly", "no",
-                # No persistence means none: a replica would otherwise keep the RDB of its last full
-                # sync as dump.rdb and reload it on restart (stale data, a partial resync).
-                "--rdb-del-sync-files", "yes",
-                # Full syncs start at once instead of waiting 5 s for more replicas to join.
-                "--repl-diskless-sync-delay", "0",
-                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
-                "--protected-mode", "no", "--daemonize", "no",
-                "--logfile", str(d / "redis.log"), "--dir", str(d)]
+        argv = [
+            REDIS_SERVER,
+            *self._listen_args(port),
+            "--bind",
+            HOST,
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            # No persistence means none: a replica would otherwise keep the RDB of its last full
+            # sync as dump.rdb and reload it on restart (stale data, a partial resync).
+            "--rdb-del-sync-files",
+            "yes",
+            # Full syncs start at once instead of waiting 5 s for more replicas to join.
+            "--repl-diskless-sync-delay",
+            "0",
+            "--cluster-require-full-coverage",
+            "no",
+            "--cluster-allow-reads-when-down",
+            "yes",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(d / "redis.log"),
+            "--dir",
+            str(d),
+        ]
         if self.maxmemory is not None:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         if self.password is not None:
@@ -403,8 +519,14 @@ class RedisCluster:
         if threading.current_thread() is threading.main_thread() and os.uname().sysname == "Linux":
             preexec = _die_with_parent
         with open(d / "stdio.log", "ab") as stdio:
-            proc = subprocess.Popen(self._argv(port), cwd=d, stdin=subprocess.DEVNULL, stdout=stdio,
-                                    stderr=subprocess.STDOUT, preexec_fn=preexec)
+            proc = subprocess.Popen(
+                self._argv(port),
+                cwd=d,
+                stdin=subprocess.DEVNULL,
+                stdout=stdio,
+                stderr=subprocess.STDOUT,
+                preexec_fn=preexec,
+            )
         with _LIVE_LOCK:
             _LIVE.add(proc)
         self._procs[port] = proc
@@ -448,14 +570,18 @@ class RedisCluster:
             while True:
                 proc = self._procs[port]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode} "
-                                       f"before answering PING{self._log_note(port)}")
+                    raise RuntimeError(
+                        f"redis-server on port {port} exited with {proc.returncode} "
+                        f"before answering PING{self._log_note(port)}"
+                    )
                 with contextlib.suppress(redis.RedisError, OSError):
                     if c.ping():
                         return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not answer PING within "
-                                       f"{timeout:.0f} s{self._log_note(port)}")
+                    raise RuntimeError(
+                        f"redis-server on port {port} did not answer PING within "
+                        f"{timeout:.0f} s{self._log_note(port)}"
+                    )
                 time.sleep(POLL_S)
         finally:
             c.close()
@@ -510,13 +636,18 @@ class RedisCluster:
         if self.tls:
             kw.update(ssl=True, ssl_ca_certs=str(self.ca_file))
             if client_cert:
-                kw.update(ssl_certfile=str(self.client_cert_file),
-                          ssl_keyfile=str(self.client_key_file))
+                kw.update(ssl_certfile=str(self.client_cert_file), ssl_keyfile=str(self.client_key_file))
         return kw
 
     def _raw(self, port: int, timeout: float = 5.0) -> redis.Redis:
-        return redis.Redis(host=HOST, port=port, decode_responses=False, socket_timeout=timeout,
-                           socket_connect_timeout=timeout, **self.connection_kwargs())
+        return redis.Redis(
+            host=HOST,
+            port=port,
+            decode_responses=False,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            **self.connection_kwargs(),
+        )
 
     def _command(self, port: int, *args: str) -> Any:
         c: Any = self._raw(port)  # redis-py's execute_command is untyped
@@ -600,9 +731,13 @@ class RedisCluster:
         """A redis-py cluster client over the running nodes; closed when the cluster exits."""
         node_cls: Any = redis.cluster.ClusterNode  # untyped in redis-py
         nodes = [node_cls(HOST, p) for p in (self.live_ports() or self.ports)]
-        c = redis.cluster.RedisCluster(startup_nodes=nodes, decode_responses=False,
-                                       socket_timeout=10.0, socket_connect_timeout=5.0,
-                                       **self.connection_kwargs())
+        c = redis.cluster.RedisCluster(
+            startup_nodes=nodes,
+            decode_responses=False,
+            socket_timeout=10.0,
+            socket_connect_timeout=5.0,
+            **self.connection_kwargs(),
+        )
         self._clients.append(c)
         return c
 
@@ -662,8 +797,7 @@ class RedisCluster:
             c.close()
         return info
 
-    def _wait(self, what: str, check: Callable[[], tuple[int | None, str] | None],
-              timeout: float) -> None:
+    def _wait(self, what: str, check: Callable[[], tuple[int | None, str] | None], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             problem = check()
@@ -672,8 +806,9 @@ class RedisCluster:
             if time.monotonic() > deadline:
                 port, words = problem
                 where = f"node {port}: " if port is not None else ""
-                raise RuntimeError(f"{what} not reached within {timeout:.0f} s; last: {where}{words}"
-                                   f"{self._log_note(port)}")
+                raise RuntimeError(
+                    f"{what} not reached within {timeout:.0f} s; last: {where}{words}{self._log_note(port)}"
+                )
             time.sleep(POLL_S)
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -700,13 +835,16 @@ class RedisCluster:
                     view = self.nodes(p)
                 except RuntimeError as e:
                     return p, str(e)
-                owner = next((n for n in view if n.is_master
-                              and any(lo <= probe <= hi for lo, hi in n.slots)), None)
+                owner = next(
+                    (n for n in view if n.is_master and any(lo <= probe <= hi for lo, hi in n.slots)), None
+                )
                 if owner is None or owner.port == dead_port or not self.alive(owner.port):
                     heirs = [h for h in self._heirs.get(dead_port, []) if self.alive(h)]
-                    return (heirs[0] if heirs else p), \
-                        f"slot {probe} still served by {owner.port if owner else 'nobody'} per node {p}" \
-                        f" (running replicas of {dead_port}: {heirs})"
+                    return (
+                        (heirs[0] if heirs else p),
+                        f"slot {probe} still served by {owner.port if owner else 'nobody'} per node {p}"
+                        f" (running replicas of {dead_port}: {heirs})",
+                    )
                 owners.add(owner.port)
             if len(owners) != 1:
                 return None, f"nodes disagree on who serves slot {probe}: {sorted(owners)}"

@@ -24,5 +24,15 @@ from kvtier_contract.errors import KvtierError
 from kvtier_contract.identity import Namespace, block_keys, namespace_digest
 from kvtier_contract.version import __version__ as __version__
 
-__all__ = ["aio", "errors", "Client", "ClientSettings", "KvtierError", "Namespace",
-           "NamespaceHandle", "PutResult", "block_keys", "namespace_digest"]
+__all__ = [
+    "aio",
+    "errors",
+    "Client",
+    "ClientSettings",
+    "KvtierError",
+    "Namespace",
+    "NamespaceHandle",
+    "PutResult",
+    "block_keys",
+    "namespace_digest",
+]

@@ -37,8 +37,11 @@ def address_target(address: str) -> str:
         _bad(repr(address), "contains white space; write it without spaces")
     if address.startswith("unix://"):
         if not address.startswith("unix:///") or len(address) == len("unix:///"):
-            _bad(repr(address), "a Unix socket address is unix:///absolute/path or "
-                 f"unix:relative/path (did you mean unix:///{address[7:].lstrip('/')}?)")
+            _bad(
+                repr(address),
+                "a Unix socket address is unix:///absolute/path or "
+                f"unix:relative/path (did you mean unix:///{address[7:].lstrip('/')}?)",
+            )
         return address
     if address.startswith("unix:"):
         if not address[5:]:
@@ -48,8 +51,11 @@ def address_target(address: str) -> str:
         return address
     m = _URL.match(address)
     if m:
-        _bad(repr(address), f"{m.group(1)}:// is not an address scheme here; write host:port "
-             "(TLS is chosen with tls_ca=, not https://) or unix:///path")
+        _bad(
+            repr(address),
+            f"{m.group(1)}:// is not an address scheme here; write host:port "
+            "(TLS is chosen with tls_ca=, not https://) or unix:///path",
+        )
     if "/" in address:  # no host name or IP address holds a slash: the socket file it names
         return "unix://" + os.path.abspath(address)
     return _host_port(address)
@@ -67,13 +73,15 @@ def _host_port(address: str) -> str:
         if not sep and address.endswith(".sock"):
             _bad(repr(address), f"a socket file? write unix:{address} (host:port for TCP)")
         if not sep:
-            _bad(repr(address), f"no port: write {address}:PORT (the port of kvtierd's --listen), "
-                 f"or unix:///path for its Unix socket (gRPC would dial port 443)")
+            _bad(
+                repr(address),
+                f"no port: write {address}:PORT (the port of kvtierd's --listen), "
+                f"or unix:///path for its Unix socket (gRPC would dial port 443)",
+            )
         if ":" in host:
             _bad(repr(address), f"write an IPv6 address in brackets: [{host}]:{port}")
     if not host:
-        _bad(repr(address), f"no host before the port: write 127.0.0.1:{port} or the daemon's "
-             "host name")
+        _bad(repr(address), f"no host before the port: write 127.0.0.1:{port} or the daemon's host name")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         _bad(repr(address), f"port {port!r} is not a number in 1..65535")
     return address
@@ -102,4 +110,4 @@ def tcp_endpoint(target: str) -> tuple[str, int] | None:
 
 def socket_path(target: str) -> str | None:
     """The socket file of a ``unix:///path`` target (None for a TCP one)."""
-    return target[len("unix://"):] if target.startswith("unix:///") else None
+    return target[len("unix://") :] if target.startswith("unix:///") else None

@@ -35,11 +35,11 @@ class AsyncClient:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-aio")
 
     @classmethod
-    async def connect(cls, address: str, transport: TransportName = "shm",
-                      **kwargs: Any) -> AsyncClient:
+    async def connect(cls, address: str, transport: TransportName = "shm", **kwargs: Any) -> AsyncClient:
         loop = asyncio.get_running_loop()
         client = await loop.run_in_executor(
-            None, functools.partial(Client.connect, address, transport, **kwargs))
+            None, functools.partial(Client.connect, address, transport, **kwargs)
+        )
         return cls(client)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

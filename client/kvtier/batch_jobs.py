@@ -48,8 +48,7 @@ class CopyGuard(Protocol):
     def end(self, more: bool) -> bool: ...
 
 
-def guarded_gather(layout: Any, block_ids: Sequence[int], staging: Any,
-                   guard: CopyGuard | None) -> Any:
+def guarded_gather(layout: Any, block_ids: Sequence[int], staging: Any, guard: CopyGuard | None) -> Any:
     """``layout.gather`` into ``staging`` under ``guard`` (the staging path: the copy out of the
     engine blocks comes before any RPC); returns the rows to put (the guard's snapshot, if any)."""
     source = guard.begin() if guard is not None else None
@@ -65,8 +64,8 @@ def guarded_gather(layout: Any, block_ids: Sequence[int], staging: Any,
     return staging if source is None else source
 
 
-
 # -- pipelining ------------------------------------------------------------------------------------
+
 
 def job_spans(session: SessionPort, handle: Registered, tp: int, n: int) -> list[tuple[int, int]]:
     """[start, end) of each job of a call of ``n`` keys: batches of ``max_batch`` keys when
@@ -100,14 +99,14 @@ def pipelined(session: SessionPort, spans: list[tuple[int, int]]) -> bool:
     return len(spans) > 1 and session.pipeline_bytes > 0
 
 
-def complete(session: SessionPort, method: str, request: Any, prepared: Any, deadline: float,
-              inline: bool) -> PendingCall | Away:
+def complete(
+    session: SessionPort, method: str, request: Any, prepared: Any, deadline: float, inline: bool
+) -> PendingCall | Away:
     """Start the completion of a job (CompleteStore / CompleteLoad) under the session that
     prepared it (``prepared``: its Prepare* request): ``Session.start_completion``. Away
     (a value, not raised) when it could not even start."""
     try:
-        return session.start_completion(method, request, prepared.session_id, deadline,
-                                         inline=inline)
+        return session.start_completion(method, request, prepared.session_id, deadline, inline=inline)
     except Away as e:
         return e
 
@@ -138,6 +137,7 @@ def reply_of(call: PendingCall | Away) -> Any:
 
 
 # -- the transfer of a job -------------------------------------------------------------------------
+
 
 def transfer(session: SessionPort, what: str, move: Callable[[], None]) -> tuple[str, bool]:
     """Run one job's transfer holding the data channel -> (failure, trip): ``""`` when it went

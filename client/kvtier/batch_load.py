@@ -36,24 +36,41 @@ from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
 
-def get_into(session: SessionPort, handle: Registered, keys: Sequence[bytes],
-             views: list[memoryview], *, deadline: float | None = None,
-             host_only: bool = False) -> list[bool]:
-    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
-             digests: list[int]) -> list[int]:
-        return session.data().read(job_id, [(i, off, views[p]) for i, p, off
-                                             in zip(idx, pos, offsets, strict=True)], digests)
+def get_into(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    views: list[memoryview],
+    *,
+    deadline: float | None = None,
+    host_only: bool = False,
+) -> list[bool]:
+    def read(
+        job_id: int, idx: list[int], pos: list[int], offsets: list[int], digests: list[int]
+    ) -> list[int]:
+        return session.data().read(
+            job_id, [(i, off, views[p]) for i, p, off in zip(idx, pos, offsets, strict=True)], digests
+        )
 
     return _load(session, handle, keys, read, deadline=deadline, host_only=host_only)
 
 
-def get_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], layout: Any,
-               block_ids: Sequence[int], *, deadline: float | None = None,
-               host_only: bool = False) -> list[bool]:
+def get_blocks(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    layout: Any,
+    block_ids: Sequence[int],
+    *,
+    deadline: float | None = None,
+    host_only: bool = False,
+) -> list[bool]:
     """get_blocks over a mapped arena: scatter straight from the pinned slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies."""
-    def read(job_id: int, idx: list[int], pos: list[int], offsets: list[int],
-             digests: list[int]) -> list[int]:
+
+    def read(
+        job_id: int, idx: list[int], pos: list[int], offsets: list[int], digests: list[int]
+    ) -> list[int]:
         data = session.data()
         mover = data.mover(layout.device)  # type: ignore[attr-defined]
 
@@ -65,15 +82,25 @@ def get_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], 
             return []
         # The pinned slots are hashed while the mover (or the daemon's CUDA copy) reads them.
         bad: list[int] = data.check_slots(  # type: ignore[attr-defined]
-            offsets, layout.block_bytes, digests, copy)
+            offsets, layout.block_bytes, digests, copy
+        )
         return bad
 
-    return _load(session, handle, keys, read, blocks_transport(session, layout),
-                 deadline=deadline, host_only=host_only)
+    return _load(
+        session, handle, keys, read, blocks_transport(session, layout), deadline=deadline, host_only=host_only
+    )
 
 
-def _load(session: SessionPort, handle: Registered, keys: Sequence[bytes], read: LoadMove,
-          tp: int = 0, *, deadline: float | None = None, host_only: bool = False) -> list[bool]:
+def _load(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    read: LoadMove,
+    tp: int = 0,
+    *,
+    deadline: float | None = None,
+    host_only: bool = False,
+) -> list[bool]:
     """Round after round until ``deadline``: the first asks for every key, each later one
     for the keys the daemon deferred (held below, not placed in the host tier that round),
     while each round serves something and the daemon did not answer that its reads outlast
@@ -124,9 +151,16 @@ class _LoadPipe:
     failed transfer trips the breaker once the jobs are closed). The get's thread only.
     """
 
-    def __init__(self, session: SessionPort, handle: Registered, packed: bytes, read: LoadMove,
-                 tp: int,
-                 deadline: float, found: list[bool]) -> None:
+    def __init__(
+        self,
+        session: SessionPort,
+        handle: Registered,
+        packed: bytes,
+        read: LoadMove,
+        tp: int,
+        deadline: float,
+        found: list[bool],
+    ) -> None:
         self.session, self.handle, self.packed = session, handle, packed
         self.read, self.tp, self.deadline, self.found = read, tp, deadline, found
         self.ahead: deque[tuple[list[int], Any, PendingCall | Away]] = deque()  # positions,
@@ -171,13 +205,15 @@ class _LoadPipe:
         return self.served, self.deferred
 
     def _prepare(self, positions: list[int]) -> None:
-        request = pb.PrepareLoadRequest(namespace_id=self.handle.namespace_id,
-                                        keys=keys_at(self.packed, positions), transport=self.tp,
-                                        host_only=self.host_only)
+        request = pb.PrepareLoadRequest(
+            namespace_id=self.handle.namespace_id,
+            keys=keys_at(self.packed, positions),
+            transport=self.tp,
+            host_only=self.host_only,
+        )
         call: PendingCall | Away
         try:
-            call = self.session.start("PrepareLoad", request, deadline=self.deadline,
-                                       inline=self.inline)
+            call = self.session.start("PrepareLoad", request, deadline=self.deadline, inline=self.inline)
         except Away as e:
             call = e
         self.ahead.append((positions, request, call))
@@ -201,10 +237,14 @@ class _LoadPipe:
         idx = [i for i in range(len(todo)) if prep.found[i]]
         pos = [todo[i] for i in idx]
         failure, trip, bad = self._copy(prep, todo, idx, pos)
-        done = complete(self.session, "CompleteLoad",
-                         pb.CompleteLoadRequest(job_id=prep.job_id,
-                                                corrupt=[idx[k] for k in bad]),
-                         request, self.deadline, self.inline)
+        done = complete(
+            self.session,
+            "CompleteLoad",
+            pb.CompleteLoadRequest(job_id=prep.job_id, corrupt=[idx[k] for k in bad]),
+            request,
+            self.deadline,
+            self.inline,
+        )
         if not failure:
             if bad:  # a miss, as is every later block of the get (the engine recomputes)
                 self.session.counters.corrupt_blocks += len(bad)
@@ -219,14 +259,18 @@ class _LoadPipe:
             self.failure = Away(failure)
             self.trip = failure if trip else ""
 
-    def _copy(self, prep: Any, todo: list[int], idx: list[int],
-              pos: list[int]) -> tuple[str, bool, list[int]]:
+    def _copy(
+        self, prep: Any, todo: list[int], idx: list[int], pos: list[int]
+    ) -> tuple[str, bool, list[int]]:
         """Copy a prepared job's pinned blocks (``idx`` of ``todo``, at ``pos``) unless the get
         has failed or is out of time -> (failure, trip, indexes into ``idx`` whose bytes did not
         match their digest), as ``transfer`` answers."""
         offsets = [prep.offsets[i] for i in idx]
-        digests = [prep.digests[i] for i in idx] \
-            if self.session.verify_bytes and len(prep.digests) == len(todo) else []
+        digests = (
+            [prep.digests[i] for i in idx]
+            if self.session.verify_bytes and len(prep.digests) == len(todo)
+            else []
+        )
         if self.failure is None and late(self.session, self.deadline):
             self.failure = OutOfTime("deadline spent")
         bad: list[int] = []
@@ -264,8 +308,11 @@ class _LoadPipe:
 
 def deferred(prep: Any, todo: list[int]) -> list[int]:
     """The positions of ``todo`` that PrepareLoad found below but did not place this round."""
-    return [todo[i] for i in range(len(todo))
-            if not prep.found[i] and i < len(prep.tiers) and prep.tiers[i] != pb.TIER_NONE]
+    return [
+        todo[i]
+        for i in range(len(todo))
+        if not prep.found[i] and i < len(prep.tiers) and prep.tiers[i] != pb.TIER_NONE
+    ]
 
 
 def keys_at(packed: bytes, positions: list[int]) -> bytes:

@@ -38,42 +38,59 @@ from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
 
-def put(session: SessionPort, handle: Registered, keys: Sequence[bytes],
-        views: list[memoryview], *, deadline: float | None = None,
-        token_ids: Sequence[int] | None = None, parent: bytes | None = None) -> PutResult:
+def put(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    views: list[memoryview],
+    *,
+    deadline: float | None = None,
+    token_ids: Sequence[int] | None = None,
+    parent: bytes | None = None,
+) -> PutResult:
     """``token_ids`` (every key's tokens, ``tokens_per_block`` each) and ``parent`` (the key
     before ``keys[0]``): optional, sent with the store for the daemon's KV events
     (docs/events.md); InvalidArgument naming ``token_ids`` when the count is wrong."""
     origin = check_origin(handle, keys, token_ids, parent)
 
     def write(job_id: int, idx: list[int], pos: list[int], offsets: list[int]) -> list[int] | None:
-        return session.data().write(job_id, [(i, off, views[p]) for i, p, off
-                                              in zip(idx, pos, offsets, strict=True)],
-                                     digest=session.verify_bytes)
+        return session.data().write(
+            job_id,
+            [(i, off, views[p]) for i, p, off in zip(idx, pos, offsets, strict=True)],
+            digest=session.verify_bytes,
+        )
 
     return _store(session, handle, keys, write, deadline=deadline, origin=origin)
 
 
-def check_origin(handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] | None,
-                 parent: bytes | None) -> tuple[Sequence[int], int, bytes] | None:
+def check_origin(
+    handle: Registered, keys: Sequence[bytes], token_ids: Sequence[int] | None, parent: bytes | None
+) -> tuple[Sequence[int], int, bytes] | None:
     """(token ids, tokens per block, parent key or b"") of a put, checked; None: neither."""
     if not token_ids and parent is None:
         return None
     tpb = handle.namespace.tokens_per_block
     if token_ids and len(token_ids) != len(keys) * tpb:
         raise errors.InvalidArgument(
-            f"has {len(token_ids)} token ids for {len(keys)} keys of {tpb} tokens",
-            field="token_ids")
+            f"has {len(token_ids)} token ids for {len(keys)} keys of {tpb} tokens", field="token_ids"
+        )
     if parent is not None and len(parent) != KEY_BYTES:
-        raise errors.InvalidArgument(f"must be {KEY_BYTES} bytes, got {len(parent)}",
-                                     field="parent_key")
+        raise errors.InvalidArgument(f"must be {KEY_BYTES} bytes, got {len(parent)}", field="parent_key")
     return token_ids or (), tpb, parent or b""
 
 
-def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], layout: Any,
-               block_ids: Sequence[int], *, deadline: float | None = None,
-               guard: CopyGuard | None = None, token_ids: Sequence[int] | None = None,
-               parent: bytes | None = None) -> PutResult:
+def put_blocks(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    layout: Any,
+    block_ids: Sequence[int],
+    *,
+    deadline: float | None = None,
+    guard: CopyGuard | None = None,
+    token_ids: Sequence[int] | None = None,
+    parent: bytes | None = None,
+) -> PutResult:
     """put_blocks over a mapped arena: gather straight into the reserved slots
     (kvtier.direct), or, for CUDA layouts over cuda_ipc, through the daemon's copies; under
     ``guard``, from the engine's snapshot when it took one (then a plain write into the slots).
@@ -90,8 +107,10 @@ def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], 
                 digests = _gather(session, layout, tp, block_ids, pos, offsets, job_id)
             else:
                 digests = session.data().write(
-                    job_id, [(i, off, byte_view(source[p])) for i, p, off
-                             in zip(idx, pos, offsets, strict=True)], digest=session.verify_bytes)
+                    job_id,
+                    [(i, off, byte_view(source[p])) for i, p, off in zip(idx, pos, offsets, strict=True)],
+                    digest=session.verify_bytes,
+                )
         finally:
             if guard is not None:
                 intact = guard.end(pos[-1] + 1 < len(keys)) if pos else guard.end(True)
@@ -102,8 +121,15 @@ def put_blocks(session: SessionPort, handle: Registered, keys: Sequence[bytes], 
     return _store(session, handle, keys, write, tp, deadline=deadline, origin=origin)
 
 
-def _gather(session: SessionPort, layout: Any, tp: int, block_ids: Sequence[int], pos: list[int],
-            offsets: list[int], job_id: int) -> list[int] | None:
+def _gather(
+    session: SessionPort,
+    layout: Any,
+    tp: int,
+    block_ids: Sequence[int],
+    pos: list[int],
+    offsets: list[int],
+    job_id: int,
+) -> list[int] | None:
     """Gather the engine's blocks ``block_ids[p]`` (``p`` in ``pos``) of ``layout`` straight into
     job ``job_id``'s reserved slots at ``offsets`` (the data transport's mover,
     :mod:`kvtier.direct`): the slots' digests when the session verifies bytes, else None (the
@@ -116,21 +142,29 @@ def _gather(session: SessionPort, layout: Any, tp: int, block_ids: Sequence[int]
         # The mover fills the slots group by group; each group is hashed on the helper thread
         # while the next one is gathered.
         digests: list[int] | None = data.store_hashed(  # type: ignore[attr-defined]
-            offsets, layout.block_bytes,
-            lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id))
+            offsets,
+            layout.block_bytes,
+            lambda lo, hi: mover.store(layout, ids[lo:hi], offsets[lo:hi], job_id),
+        )
         return digests
     mover.store(layout, ids, offsets, job_id)
     return None
 
 
-def _store(session: SessionPort, handle: Registered, keys: Sequence[bytes], write: Move,
-           tp: int = 0, *, deadline: float | None = None,
-           origin: tuple[Sequence[int], int, bytes] | None = None) -> PutResult:
+def _store(
+    session: SessionPort,
+    handle: Registered,
+    keys: Sequence[bytes],
+    write: Move,
+    tp: int = 0,
+    *,
+    deadline: float | None = None,
+    origin: tuple[Sequence[int], int, bytes] | None = None,
+) -> PutResult:
     tp = tp or make_transport_value(session.transport_name)
     deadline = session.deadline() if deadline is None else deadline
     spans = job_spans(session, handle, tp, len(keys))
-    pipe = _StorePipe(session, handle, pack_keys(keys), write, tp, deadline,
-                      pipelined(session, spans))
+    pipe = _StorePipe(session, handle, pack_keys(keys), write, tp, deadline, pipelined(session, spans))
     pipe.origin = origin
     return pipe.run(spans)
 
@@ -150,8 +184,16 @@ class _StorePipe:
     error from a PrepareStore) still raise, after the same aborts. The put's thread only.
     """
 
-    def __init__(self, session: SessionPort, handle: Registered, packed: bytes, write: Move,
-                 tp: int, deadline: float, pipelined: bool) -> None:
+    def __init__(
+        self,
+        session: SessionPort,
+        handle: Registered,
+        packed: bytes,
+        write: Move,
+        tp: int,
+        deadline: float,
+        pipelined: bool,
+    ) -> None:
         self.session, self.handle, self.packed = session, handle, packed
         self.write, self.tp, self.deadline = write, tp, deadline
         self.inline = not pipelined  # one RPC after the other, on the put's thread
@@ -190,18 +232,18 @@ class _StorePipe:
         return self.result
 
     def _prepare(self, start: int, end: int) -> None:
-        request = pb.PrepareStoreRequest(namespace_id=self.handle.namespace_id,
-                                         keys=self.packed[start * KEY_BYTES : end * KEY_BYTES],
-                                         transport=self.tp)
+        request = pb.PrepareStoreRequest(
+            namespace_id=self.handle.namespace_id,
+            keys=self.packed[start * KEY_BYTES : end * KEY_BYTES],
+            transport=self.tp,
+        )
         if self.origin is not None:
             tokens, tpb, parent = self.origin
             request.token_ids.extend(tokens[start * tpb : end * tpb])
-            request.parent_key = self.packed[(start - 1) * KEY_BYTES : start * KEY_BYTES] \
-                if start else parent
+            request.parent_key = self.packed[(start - 1) * KEY_BYTES : start * KEY_BYTES] if start else parent
         call: PendingCall | Away
         try:
-            call = self.session.start("PrepareStore", request, deadline=self.deadline,
-                                       inline=self.inline)
+            call = self.session.start("PrepareStore", request, deadline=self.deadline, inline=self.inline)
         except Away as e:
             call = e
         self.ahead.append((start, end, request, call))
@@ -221,16 +263,27 @@ class _StorePipe:
         failure, trip = self.stop, False
         digests: list[list[int] | None] = [None]  # the job's digests, as the copy made them
         if not self.stop:
+
             def move() -> None:
                 digests[0] = self.write(prep.job_id, idx, pos, offsets)
 
             failure, trip = transfer(self.session, "store", move)
         # Also on failure: abort at once, so the keys do not stay reserved until the lease ends.
-        self.behind.append((len(idx), complete(
-            self.session, "CompleteStore",
-            pb.CompleteStoreRequest(job_id=prep.job_id, ok=not failure,
-                                    digests=(digests[0] or []) if not failure else []),
-            request, self.deadline, self.inline)))
+        self.behind.append(
+            (
+                len(idx),
+                complete(
+                    self.session,
+                    "CompleteStore",
+                    pb.CompleteStoreRequest(
+                        job_id=prep.job_id, ok=not failure, digests=(digests[0] or []) if not failure else []
+                    ),
+                    request,
+                    self.deadline,
+                    self.inline,
+                ),
+            )
+        )
         if failure and trip:
             self.stop, self.trip = failure, self.trip or failure
 

@@ -53,28 +53,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.batch_jobs import (
-    TIER_NAMES,
-    CopyGuard,
-    CopyRevoked,
-    guarded_gather,
-    make_transport_value,
-)
+from kvtier.batch_jobs import TIER_NAMES, CopyGuard, CopyRevoked, guarded_gather, make_transport_value
 from kvtier.batch_load import get_blocks, get_into
 from kvtier.batch_store import check_origin, put, put_blocks
-from kvtier.calls import (
-    Away,
-    Registered,
-    SessionPort,
-)
+from kvtier.calls import Away, Registered, SessionPort
 from kvtier.results import LookupResult, PinnedEach, PinnedLookup, SlicesLookup
 from kvtier_contract import errors
 from kvtier_contract.protoutil import KEY_BYTES, pack_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-__all__ = ["CopyGuard", "CopyRevoked", "SessionPort", "check_origin", "get_blocks", "get_into",
-           "guarded_gather", "lookup", "lookup_detail", "lookup_each_pinned", "lookup_local",
-           "lookup_pinned", "lookup_slices", "prefetch", "put", "put_blocks"]
+__all__ = [
+    "CopyGuard",
+    "CopyRevoked",
+    "SessionPort",
+    "check_origin",
+    "get_blocks",
+    "get_into",
+    "guarded_gather",
+    "lookup",
+    "lookup_detail",
+    "lookup_each_pinned",
+    "lookup_local",
+    "lookup_pinned",
+    "lookup_slices",
+    "prefetch",
+    "put",
+    "put_blocks",
+]
 
 
 def lookup(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> int:
@@ -88,8 +93,7 @@ def lookup(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> i
         total = 0
         for start in range(0, len(keys), session.max_batch):
             chunk = packed[start * KEY_BYTES : (start + session.max_batch) * KEY_BYTES]
-            reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
-                                                             keys=chunk))
+            reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id, keys=chunk))
             total += reply.hit_blocks
             if reply.hit_blocks < len(chunk) // KEY_BYTES:
                 break
@@ -99,8 +103,9 @@ def lookup(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> i
         return 0
 
 
-def lookup_local(session: SessionPort, handle: Registered, keys: Sequence[bytes], *,
-                 count: bool = True) -> int | None:
+def lookup_local(
+    session: SessionPort, handle: Registered, keys: Sequence[bytes], *, count: bool = True
+) -> int | None:
     if not keys:
         return 0
     hit = session.local_lookup(handle, pack_keys(keys), len(keys), count=count)
@@ -111,63 +116,80 @@ def lookup_local(session: SessionPort, handle: Registered, keys: Sequence[bytes]
 
 def lookup_detail(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> LookupResult:
     if len(keys) > session.max_batch:
-        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per detailed lookup",
-                                       field="keys")
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per detailed lookup", field="keys")
     try:
-        reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
-                                                         keys=pack_keys(keys)))
+        reply = session.call(
+            "Lookup", pb.LookupRequest(namespace_id=handle.namespace_id, keys=pack_keys(keys))
+        )
     except Away:
         session.counters.lookups_failed += 1
         return LookupResult(0, [], [])
-    return LookupResult(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
-                        [bool(d) for d in reply.durable] or [False] * reply.hit_blocks)
+    return LookupResult(
+        reply.hit_blocks,
+        [TIER_NAMES.get(t, "?") for t in reply.tiers],
+        [bool(d) for d in reply.durable] or [False] * reply.hit_blocks,
+    )
 
 
-def lookup_pinned(session: SessionPort, handle: Registered, keys: Sequence[bytes], *,
-                  promote: bool = True) -> PinnedLookup:
+def lookup_pinned(
+    session: SessionPort, handle: Registered, keys: Sequence[bytes], *, promote: bool = True
+) -> PinnedLookup:
     if len(keys) > session.max_batch:
-        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup",
-                                       field="keys")
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup", field="keys")
     session.counters.lookups += 1
     try:
-        reply = session.call("Lookup", pb.LookupRequest(namespace_id=handle.namespace_id,
-                                                         keys=pack_keys(keys), pin=True,
-                                                         hold_only=not promote))
+        reply = session.call(
+            "Lookup",
+            pb.LookupRequest(
+                namespace_id=handle.namespace_id, keys=pack_keys(keys), pin=True, hold_only=not promote
+            ),
+        )
     except Away:
         session.counters.lookups_failed += 1
         return PinnedLookup(0, [], 0, 0)
-    return PinnedLookup(reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers],
-                        reply.job_id, reply.boot_epoch)
+    return PinnedLookup(
+        reply.hit_blocks, [TIER_NAMES.get(t, "?") for t in reply.tiers], reply.job_id, reply.boot_epoch
+    )
 
 
 def lookup_each_pinned(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> PinnedEach:
     """One answer per key (PrepareLoad's ``found``), the found ones pinned as one load job that
     moves no bytes until released (CompleteLoad)."""
     if len(keys) > session.max_batch:
-        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup",
-                                       field="keys")
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per pinned lookup", field="keys")
     session.counters.lookups += 1
     try:
-        reply = session.call("PrepareLoad", pb.PrepareLoadRequest(
-            namespace_id=handle.namespace_id, keys=pack_keys(keys),
-            transport=make_transport_value(session.transport_name)))
+        reply = session.call(
+            "PrepareLoad",
+            pb.PrepareLoadRequest(
+                namespace_id=handle.namespace_id,
+                keys=pack_keys(keys),
+                transport=make_transport_value(session.transport_name),
+            ),
+        )
     except Away:
         session.counters.lookups_failed += 1
         return PinnedEach([False] * len(keys), 0, 0)
     return PinnedEach([bool(b) for b in reply.found], reply.job_id, reply.boot_epoch)
 
 
-def lookup_slices(session: SessionPort, handles: Sequence[Registered],
-                  chains: Sequence[Sequence[bytes]], *, promote: bool = True) -> SlicesLookup:
+def lookup_slices(
+    session: SessionPort,
+    handles: Sequence[Registered],
+    chains: Sequence[Sequence[bytes]],
+    *,
+    promote: bool = True,
+) -> SlicesLookup:
     """``lookup_pinned`` in every slice's namespace, in one round trip (LookupSlices) where the
     daemon serves it, else one lookup per slice with the same rules: each slice's keys cut at
     the hit so far, stopping at a slice with no hit."""
     if len(handles) != len(chains) or not handles:
-        raise errors.InvalidArgument(f"{len(handles)} namespaces and {len(chains)} key chains: "
-                                     "one chain per namespace, at least one", field="chains")
+        raise errors.InvalidArgument(
+            f"{len(handles)} namespaces and {len(chains)} key chains: one chain per namespace, at least one",
+            field="chains",
+        )
     if any(len(keys) > session.max_batch for keys in chains):
-        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per slice",
-                                       field="chains")
+        raise errors.ResourceExhausted(f"at most {session.max_batch} keys per slice", field="chains")
     session.counters.lookups += 1
     try:
         session.ensure()  # (the open tells whether the daemon serves LookupSlices)
@@ -179,32 +201,43 @@ def lookup_slices(session: SessionPort, handles: Sequence[Registered],
     return _lookup_at_once(session, handles, chains, promote=promote)
 
 
-def _lookup_at_once(session: SessionPort, handles: Sequence[Registered],
-                    chains: Sequence[Sequence[bytes]], *, promote: bool) -> SlicesLookup:
+def _lookup_at_once(
+    session: SessionPort, handles: Sequence[Registered], chains: Sequence[Sequence[bytes]], *, promote: bool
+) -> SlicesLookup:
     """``lookup_slices`` from a daemon that serves it: one LookupSlices (a miss when the daemon
     is away)."""
     try:
-        reply = session.call("LookupSlices", pb.LookupSlicesRequest(
-            namespace_ids=[h.namespace_id for h in handles],
-            keys=[pack_keys(keys) for keys in chains], pin=True, hold_only=not promote))
+        reply = session.call(
+            "LookupSlices",
+            pb.LookupSlicesRequest(
+                namespace_ids=[h.namespace_id for h in handles],
+                keys=[pack_keys(keys) for keys in chains],
+                pin=True,
+                hold_only=not promote,
+            ),
+        )
     except Away:
         session.counters.lookups_failed += 1
         return SlicesLookup(0, [])
-    return SlicesLookup(reply.hit_blocks, [
-        PinnedLookup(r.hit_blocks, [TIER_NAMES.get(t, "?") for t in r.tiers], r.job_id,
-                     reply.boot_epoch) for r in reply.slices])
+    return SlicesLookup(
+        reply.hit_blocks,
+        [
+            PinnedLookup(r.hit_blocks, [TIER_NAMES.get(t, "?") for t in r.tiers], r.job_id, reply.boot_epoch)
+            for r in reply.slices
+        ],
+    )
 
 
-def _lookup_each(session: SessionPort, handles: Sequence[Registered],
-                 chains: Sequence[Sequence[bytes]], *, promote: bool) -> SlicesLookup:
+def _lookup_each(
+    session: SessionPort, handles: Sequence[Registered], chains: Sequence[Sequence[bytes]], *, promote: bool
+) -> SlicesLookup:
     """``lookup_slices`` from a daemon that does not serve LookupSlices: one ``lookup_pinned``
     per slice (not counted again), each slice's keys cut at the hit so far, stopping at a slice
     with no hit."""
     out: list[PinnedLookup] = []
     hit: int | None = None
     for handle, keys in zip(handles, chains, strict=True):
-        got = lookup_pinned(session, handle, keys if hit is None else keys[:hit],
-                            promote=promote)
+        got = lookup_pinned(session, handle, keys if hit is None else keys[:hit], promote=promote)
         session.counters.lookups -= 1  # (counted once, by lookup_slices)
         out.append(got)
         hit = got.hits if hit is None else min(hit, got.hits)
@@ -215,8 +248,9 @@ def _lookup_each(session: SessionPort, handles: Sequence[Registered],
 
 def prefetch(session: SessionPort, handle: Registered, keys: Sequence[bytes]) -> int:
     try:
-        reply = session.call("Prefetch", pb.PrefetchRequest(
-            namespace_id=handle.namespace_id, keys=pack_keys(keys)))
+        reply = session.call(
+            "Prefetch", pb.PrefetchRequest(namespace_id=handle.namespace_id, keys=pack_keys(keys))
+        )
     except Away:
         return 0
     return int(reply.promoting)

@@ -41,9 +41,13 @@ class Member(Protocol):
 class Breaker:
     """See the module docstring. Owns the probe thread; the members own their sessions."""
 
-    def __init__(self, backoff_s: tuple[float, float] = (0.05, 1.0),
-                 causes: CauseLog | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backoff_s: tuple[float, float] = (0.05, 1.0),
+        causes: CauseLog | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``causes``: where the members log why calls fail (one WARNING per cause and
         interval, shared by every member: an engine worker's clients say it once); ``clock``:
         the backoff's (a test's fake one: the probe thread then waits until the clock has passed
@@ -85,8 +89,7 @@ class Breaker:
                 self._open = True
                 self.trips += 1
             if self._thread is None and self._members:
-                self._thread = threading.Thread(target=self._probe_loop, daemon=True,
-                                                name="kvtier-probe")
+                self._thread = threading.Thread(target=self._probe_loop, daemon=True, name="kvtier-probe")
                 self._thread.start()
             self._cond.notify_all()
 
@@ -111,8 +114,7 @@ class Breaker:
                         self._open = False
                         self._thread = None
                         self._cond.notify_all()
-                        log.info("kvtier: the daemon answers again (%s had opened the breaker)",
-                                 self.why)
+                        log.info("kvtier: the daemon answers again (%s had opened the breaker)", self.why)
                         return
                 interval = min(interval * 2, self._max_s)
         finally:  # only an unexpected error gets here with the thread still registered

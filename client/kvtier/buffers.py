@@ -15,8 +15,7 @@ def byte_view(obj: Any, *, writable: bool = False, field: str = "blocks") -> mem
     """A 1-D unsigned-byte memoryview over ``obj``'s memory (C-contiguous required)."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # torch.Tensor, duck-typed
         if obj.is_cuda:
-            raise InvalidArgument("CUDA tensors are not accepted by put/get: copy to CPU first",
-                                  field=field)
+            raise InvalidArgument("CUDA tensors are not accepted by put/get: copy to CPU first", field=field)
         if not obj.is_contiguous():
             raise InvalidArgument("tensor must be contiguous", field=field)
         import torch  # already imported by whoever made the tensor
@@ -25,8 +24,9 @@ def byte_view(obj: Any, *, writable: bool = False, field: str = "blocks") -> mem
     try:
         view = memoryview(obj)
     except TypeError:
-        raise InvalidArgument(f"expected a bytes-like object, numpy array or CPU tensor, got "
-                              f"{type(obj).__name__}", field=field) from None
+        raise InvalidArgument(
+            f"expected a bytes-like object, numpy array or CPU tensor, got {type(obj).__name__}", field=field
+        ) from None
     if not view.c_contiguous:
         raise InvalidArgument("buffer must be C-contiguous", field=field)
     if writable and view.readonly:

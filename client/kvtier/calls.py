@@ -30,8 +30,12 @@ from kvtier_contract.identity import Namespace
 if TYPE_CHECKING:
     from kvtier.transports import DataTransport
 
-DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+DOWN_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
 MIN_RPC_S = 0.02  # an RPC never starts with less of its caller's deadline left than this
 
 
@@ -71,7 +75,6 @@ class Unanswered(Away):
         self.why = why
 
 
-
 class PendingCall:
     """A control RPC in flight, started by ``Session.start`` (the next job's PrepareStore while
     this job's bytes are copied, a CompleteStore collected before the put returns): a
@@ -89,8 +92,14 @@ class PendingCall:
 
     GRACE_S = 0.5
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float], method: str,
-                 future: Future[Any], deadline: float | None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        clock: Callable[[], float],
+        method: str,
+        future: Future[Any],
+        deadline: float | None,
+    ) -> None:
         self._timeout_s = timeout_s
         self._clock = clock
         self._method = method
@@ -104,9 +113,7 @@ class PendingCall:
         try:
             return self._future.result(timeout=wait_s)
         except FutureTimeout:
-            raise Unanswered(f"{self._method}: no answer within {wait_s:.2f} s",
-                             "no answer") from None
-
+            raise Unanswered(f"{self._method}: no answer within {wait_s:.2f} s", "no answer") from None
 
 
 class RpcThreads:
@@ -121,8 +128,7 @@ class RpcThreads:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def submit(self, method: str, deadline: float | None, fn: Callable[[], Any],
-               inline: bool) -> PendingCall:
+    def submit(self, method: str, deadline: float | None, fn: Callable[[], Any], inline: bool) -> PendingCall:
         """``fn()`` on one of the threads, or now on the caller's (``inline``); Away when the
         threads were closed meanwhile."""
         if inline:
@@ -180,8 +186,7 @@ class SessionPort(Protocol):
         ...
 
     @property
-    def transport_name(self) -> str:
-        ...
+    def transport_name(self) -> str: ...
 
     @property
     def verify_bytes(self) -> bool:
@@ -220,19 +225,29 @@ class SessionPort(Protocol):
         """Connected (opened now if needed), or Away at once while the breaker is open."""
         ...
 
-    def call(self, method: str, request: Any, *, reconnect: bool = True,
-             deadline: float | None = None, floor: bool = False, trip: bool = True) -> Any:
+    def call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        reconnect: bool = True,
+        deadline: float | None = None,
+        floor: bool = False,
+        trip: bool = True,
+    ) -> Any:
         """One RPC within ``timeout_s`` and ``deadline``; Away (breaker opened), Unanswered
         (``trip=False``), Overloaded, OutOfTime, or the daemon's error."""
         ...
 
-    def start(self, method: str, request: Any, *, deadline: float | None = None,
-              inline: bool = False) -> PendingCall:
+    def start(
+        self, method: str, request: Any, *, deadline: float | None = None, inline: bool = False
+    ) -> PendingCall:
         """``call(..., trip=False)`` started on an RPC thread (``inline``: now)."""
         ...
 
-    def start_completion(self, method: str, request: Any, session_id: int,
-                         deadline: float | None, *, inline: bool = False) -> PendingCall:
+    def start_completion(
+        self, method: str, request: Any, session_id: int, deadline: float | None, *, inline: bool = False
+    ) -> PendingCall:
         """The completion of a job session ``session_id`` prepared, under that session."""
         ...
 
@@ -240,8 +255,7 @@ class SessionPort(Protocol):
         """Open the breaker and forget the session; never waits."""
         ...
 
-    def local_lookup(self, handle: Registered, packed: bytes, n: int, *,
-                     count: bool = True) -> int | None:
+    def local_lookup(self, handle: Registered, packed: bytes, n: int, *, count: bool = True) -> int | None:
         """The hit prefix from the daemon's published index, or None (ask the daemon)."""
         ...
 

@@ -28,32 +28,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     # Aliases of the daemon's own command, run as a new process (no import arrow into kvtierd).
-    for name, what in (("serve", "run the kvtierd daemon: alias of `kvtierd serve`"),
-                       ("fsck", "verify an NVMe tier directory offline: alias of `kvtierd fsck`")):
+    for name, what in (
+        ("serve", "run the kvtierd daemon: alias of `kvtierd serve`"),
+        ("fsck", "verify an NVMe tier directory offline: alias of `kvtierd fsck`"),
+    ):
         alias = sub.add_parser(name, help=what, add_help=False)
         alias.add_argument("daemon_args", nargs=argparse.REMAINDER)
 
     _stats_args(sub.add_parser("stats", help="print the daemon's statistics"))
-    _bench_args(sub.add_parser("bench",
-                               help="throughput and latency benchmark (see docs/benchmarks.md)"))
+    _bench_args(sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)"))
     return p
 
 
 def _stats_args(st: argparse.ArgumentParser) -> None:
     """The flags of ``kvtier stats``."""
-    st.add_argument("--address", default=None,
-                    help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
-                         f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)")
-    st.add_argument("--json", action="store_true",
-                    help="machine-readable output (keys: docs/metrics.md, `kvtier stats --json`)")
-    st.add_argument("--timeout-s", type=float, default=2.0,
-                    help="deadline of the connect and of the Stats call, seconds (default 2)")
-    st.add_argument("--token-file", default=None,
-                    help="file holding this tenant's bearer token (a daemon with tenants; an "
-                         "operator's token sees every namespace); or KVTIER_TOKEN_FILE")
-    st.add_argument("--unix-login", action="store_true",
-                    help="no token: log in as this Unix user (a tenant with unix_login; a Unix "
-                         "socket address)")
+    st.add_argument(
+        "--address",
+        default=None,
+        help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
+        f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)",
+    )
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output (keys: docs/metrics.md, `kvtier stats --json`)",
+    )
+    st.add_argument(
+        "--timeout-s",
+        type=float,
+        default=2.0,
+        help="deadline of the connect and of the Stats call, seconds (default 2)",
+    )
+    st.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding this tenant's bearer token (a daemon with tenants; an "
+        "operator's token sees every namespace); or KVTIER_TOKEN_FILE",
+    )
+    st.add_argument(
+        "--unix-login",
+        action="store_true",
+        help="no token: log in as this Unix user (a tenant with unix_login; a Unix socket address)",
+    )
     st.add_argument("--tls-ca", help="PEM CA of a daemon whose TCP listener serves TLS")
     st.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
     st.add_argument("--tls-key", help="PEM key of --tls-cert")
@@ -61,8 +77,12 @@ def _stats_args(st: argparse.ArgumentParser) -> None:
 
 def _bench_args(b: argparse.ArgumentParser) -> None:
     """The flags of ``kvtier bench``."""
-    b.add_argument("suite", nargs="?", default="all",
-                   help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak")
+    b.add_argument(
+        "suite",
+        nargs="?",
+        default="all",
+        help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak",
+    )
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     b.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement, MiB")
@@ -76,20 +96,35 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
 
 def _suite_args(b: argparse.ArgumentParser) -> None:
     """The flags of ``kvtier bench`` that only some suites read (nvme, gpu, overload, soak)."""
-    b.add_argument("--disk-dir", help="nvme suite: where its tier and raw files go (a private "
-                                      "subdirectory, removed after; default: the temp dir)")
+    b.add_argument(
+        "--disk-dir",
+        help="nvme suite: where its tier and raw files go (a private "
+        "subdirectory, removed after; default: the temp dir)",
+    )
     b.add_argument("--device", default="cuda", help="gpu suite: cuda[:N], or cpu for a dry run")
     b.add_argument("--gpu-blocks", type=int, default=256, help="gpu suite: blocks per transfer")
-    b.add_argument("--gpu-transports", default="shm,cuda_ipc",
-                   help="gpu suite: transports to measure (cuda_ipc needs cupy and CUDA)")
-    b.add_argument("--gpu-shape", default="32,8,128,16",
-                   help="gpu suite: layers,kv_heads,head_dim,tokens_per_block (Llama-3-8B)")
-    b.add_argument("--overload-threads", type=int, default=64,
-                   help="overload suite: concurrent client threads")
-    b.add_argument("--duration", type=float, default=None,
-                   help="overload, soak suites: seconds of load (default 20 and 60)")
-    b.add_argument("--clients", type=int, default=4,
-                   help="soak suite: client processes, killed and restarted at random")
+    b.add_argument(
+        "--gpu-transports",
+        default="shm,cuda_ipc",
+        help="gpu suite: transports to measure (cuda_ipc needs cupy and CUDA)",
+    )
+    b.add_argument(
+        "--gpu-shape",
+        default="32,8,128,16",
+        help="gpu suite: layers,kv_heads,head_dim,tokens_per_block (Llama-3-8B)",
+    )
+    b.add_argument(
+        "--overload-threads", type=int, default=64, help="overload suite: concurrent client threads"
+    )
+    b.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="overload, soak suites: seconds of load (default 20 and 60)",
+    )
+    b.add_argument(
+        "--clients", type=int, default=4, help="soak suite: client processes, killed and restarted at random"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +171,12 @@ def _daemon(command: str, daemon_args: list[str]) -> int:
     import importlib.util
 
     if importlib.util.find_spec("kvtierd") is None:  # an SDK-only install (the kvtier wheel)
-        print(f"kvtier {command}: the daemon is not installed here (the kvtier wheel is the SDK "
-              f"only): install the kvtierd wheel of the same version, or run kvtierd where it "
-              f"is (README.md, Install)", file=sys.stderr)
+        print(
+            f"kvtier {command}: the daemon is not installed here (the kvtier wheel is the SDK "
+            f"only): install the kvtierd wheel of the same version, or run kvtierd where it "
+            f"is (README.md, Install)",
+            file=sys.stderr,
+        )
         return 2
     argv = [sys.executable, "-m", "kvtierd", command, *daemon_args]
     sys.stdout.flush()
@@ -148,15 +186,25 @@ def _daemon(command: str, daemon_args: list[str]) -> int:
 
 
 # The SDK's errors name its keyword arguments (token=, tls_ca=, ...); `kvtier stats` says its flags.
-_SDK_ARGS = {"token_file": "--token-file", "token": "--token-file", "tls_ca": "--tls-ca",
-             "tls_cert": "--tls-cert", "tls_key": "--tls-key", "unix_login": "--unix-login",
-             "timeout_s": "--timeout-s", "address": "--address"}
+_SDK_ARGS = {
+    "token_file": "--token-file",
+    "token": "--token-file",
+    "tls_ca": "--tls-ca",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
+    "unix_login": "--unix-login",
+    "timeout_s": "--timeout-s",
+    "address": "--address",
+}
 
 
 def as_flags(message: str) -> str:
     """``message`` with the SDK's ``name=`` spellings replaced by this command's flags."""
-    flags = re.sub(r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=",
-                   lambda m: _SDK_ARGS[m.group(1)], message)
+    flags = re.sub(
+        r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=",
+        lambda m: _SDK_ARGS[m.group(1)],
+        message,
+    )
     return re.sub(r"(--[a-z-]+)(?:\s*(?:or|/)\s*\1)+", r"\1", flags)  # token= or token_file=
 
 
@@ -166,12 +214,21 @@ def _stats(args: argparse.Namespace) -> int:
     from kvtier_contract.errors import KvtierError
 
     try:
-        client = Client(args.address or defaults.default_address(), settings=ClientSettings(
-            transport="tcp", timeout_s=args.timeout_s, heartbeat=False,
-            token_file=None if args.unix_login else
-            args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
-            unix_login=args.unix_login,
-            tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key))
+        client = Client(
+            args.address or defaults.default_address(),
+            settings=ClientSettings(
+                transport="tcp",
+                timeout_s=args.timeout_s,
+                heartbeat=False,
+                token_file=None
+                if args.unix_login
+                else args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
+                unix_login=args.unix_login,
+                tls_ca=args.tls_ca,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+            ),
+        )
     except KvtierError as e:
         print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
         return 2

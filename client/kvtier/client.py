@@ -43,14 +43,7 @@ from kvtier.addresses import address_target
 from kvtier.breaker import Breaker
 from kvtier.handle import NamespaceHandle
 from kvtier.local_index import LocalIndexes
-from kvtier.results import (
-    ClientCounters,
-    LookupResult,
-    PinnedLookup,
-    PutResult,
-    SlicesLookup,
-    TierFigure,
-)
+from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup, TierFigure
 from kvtier.session import Away, Session
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
@@ -58,17 +51,35 @@ from kvtier_contract.identity import Namespace
 from kvtier_contract.protoutil import TransportName, to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-__all__ = ["Client", "ClientCounters", "ClientSettings", "LookupResult", "NamespaceHandle", "PinnedLookup",
-           "PutResult", "SlicesLookup", "TransportName", "address_target"]
+__all__ = [
+    "Client",
+    "ClientCounters",
+    "ClientSettings",
+    "LookupResult",
+    "NamespaceHandle",
+    "PinnedLookup",
+    "PutResult",
+    "SlicesLookup",
+    "TransportName",
+    "address_target",
+]
+
 
 class Client:
     """See the module docstring. Owns its :class:`kvtier.session.Session` (``session``: the gRPC
     channel, the daemon session, the data transport; its docstring states the states and the
     locking) and the handles it made; the public verbs and their argument checks are here."""
 
-    def __init__(self, address: str, transport: TransportName | None = None, *,
-                 settings: ClientSettings | None = None, breaker: Breaker | None = None,
-                 clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        address: str,
+        transport: TransportName | None = None,
+        *,
+        settings: ClientSettings | None = None,
+        breaker: Breaker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **kwargs: Any,
+    ) -> None:
         """A client for ``address``, its session not opened yet (``connect`` opens it).
         ``settings`` (a :class:`kvtier.settings.ClientSettings`), or ``transport`` and
         ``kwargs`` (its fields: ``timeout_s``, ``lease_ttl_s``, ``token_file``...; TypeError for
@@ -81,8 +92,9 @@ class Client:
         self.session = Session(address, settings, breaker=breaker, clock=clock)
 
     @classmethod
-    def connect(cls, address: str, transport: TransportName | None = None, *, lazy: bool = False,
-                **kwargs: Any) -> Client:
+    def connect(
+        cls, address: str, transport: TransportName | None = None, *, lazy: bool = False, **kwargs: Any
+    ) -> Client:
         """A client for ``address`` (``kwargs``: ``__init__``'s: ``settings``, ``breaker``,
         ``clock``, or :class:`kvtier.settings.ClientSettings`' fields), its session opened now,
         every step within one deadline ``timeout_s`` from now: the daemon answered and took
@@ -212,8 +224,9 @@ class Client:
         when the daemon cannot be reached or refuses (as ``connect`` does)."""
         return to_dict(self.session.stats())
 
-    def lookup_slices(self, handles: Sequence[NamespaceHandle],
-                      chains: Sequence[Sequence[bytes]], *, promote: bool = True) -> SlicesLookup:
+    def lookup_slices(
+        self, handles: Sequence[NamespaceHandle], chains: Sequence[Sequence[bytes]], *, promote: bool = True
+    ) -> SlicesLookup:
         """A pinned lookup of ``chains[i]`` in ``handles[i]``'s namespace for each parallel slice
         of an engine (one namespace per TP rank), in one round trip: the hit is the prefix every
         slice holds (each slice's keys are cut at the hit so far; it stops at a slice with no
@@ -228,8 +241,7 @@ class Client:
         if not pin or (epoch and epoch != self.session.boot_epoch):
             return False
         try:
-            self.session.call("CompleteLoad", pb.CompleteLoadRequest(job_id=pin),
-                              reconnect=False)
+            self.session.call("CompleteLoad", pb.CompleteLoadRequest(job_id=pin), reconnect=False)
         except (Away, errors.KvtierError):
             return False
         return True

@@ -50,8 +50,9 @@ class Connection(GrpcChannel):
     settings are its :class:`kvtier.settings.ClientSettings`, the breaker the session's (whose
     ``causes`` log why opens fail)."""
 
-    def __init__(self, address: str, settings: ClientSettings, breaker: Breaker,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, address: str, settings: ClientSettings, breaker: Breaker, clock: Callable[[], float]
+    ) -> None:
         """Files (token file, TLS) are read now: InvalidArgument naming the setting."""
         super().__init__(address, settings)
         s = settings
@@ -138,7 +139,8 @@ class Connection(GrpcChannel):
             if self._session_id and not self._stale and self._stub is not None:
                 try:
                     reply = self._stub.Heartbeat(
-                        pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout)
+                        pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout
+                    )
                     self._take_figures(reply)
                     if reply.boot_epoch == self._epoch:
                         return True
@@ -192,18 +194,28 @@ class Connection(GrpcChannel):
         if self._login_path:  # a fresh token per session: a restarted daemon knows none
             self._login(self._step_timeout(timeout, deadline, "Unix login"))
         try:
-            reply = self._stub.OpenSession(pb.OpenSessionRequest(
-                client_name=self.client_name, lease_ttl_ms=int(self.lease_ttl_s * 1000),
-                transport=make_transport(self.transport_name).proto_value),
-                timeout=self._step_timeout(timeout, deadline, "OpenSession"))
+            reply = self._stub.OpenSession(
+                pb.OpenSessionRequest(
+                    client_name=self.client_name,
+                    lease_ttl_ms=int(self.lease_ttl_s * 1000),
+                    transport=make_transport(self.transport_name).proto_value,
+                ),
+                timeout=self._step_timeout(timeout, deadline, "OpenSession"),
+            )
         except grpc.RpcError as e:
-            raise Away(f"OpenSession: {e.code().name}: {e.details()}",
-                       explain_rpc(self._peer, "OpenSession", e.code().name, e.details() or "")
-                       ) from None
+            raise Away(
+                f"OpenSession: {e.code().name}: {e.details()}",
+                explain_rpc(self._peer, "OpenSession", e.code().name, e.details() or ""),
+            ) from None
         transport = self._data_channel.attach(
-            reply, self.transport_name, peer=self._peer, tls_files=self._tls_files,
-            io_timeout_s=self.timeout_s, timeout=self._step_timeout(timeout, deadline, "attach"),
-            rpc=self._transfer_rpc)
+            reply,
+            self.transport_name,
+            peer=self._peer,
+            tls_files=self._tls_files,
+            io_timeout_s=self.timeout_s,
+            timeout=self._step_timeout(timeout, deadline, "attach"),
+            rpc=self._transfer_rpc,
+        )
         self._adopt(reply, transport, timeout)
         self._register_all(timeout, deadline)
 
@@ -222,8 +234,7 @@ class Connection(GrpcChannel):
         if self.control_channel:
             self._control = self._control_channels(reply, transport, timeout)
         if self.local is not None:
-            self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch,
-                             bytes(reply.data_secret))
+            self.local.reset(reply.shm_socket, reply.session_id, reply.boot_epoch, bytes(reply.data_secret))
 
     def _register_all(self, timeout: float, deadline: float | None) -> None:
         """Register every namespace of the session; one the daemon refuses misses until
@@ -250,21 +261,26 @@ class Connection(GrpcChannel):
         try:
             return self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            diagnosis = self._sharpen(explain_rpc(self._peer, "Stats", e.code().name,
-                                                  e.details() or ""))
+            diagnosis = self._sharpen(explain_rpc(self._peer, "Stats", e.code().name, e.details() or ""))
             raise diagnosis.error from None
 
-    def _control_channels(self, reply: Any, transport: DataTransport,
-                          timeout: float) -> ControlChannels | None:
+    def _control_channels(
+        self, reply: Any, transport: DataTransport, timeout: float
+    ) -> ControlChannels | None:
         """The session's control channels: on the daemon's shm socket (same host), on its data
         port (tcp, TLS if it is), or None (gRPC only)."""
         secret, dial = bytes(reply.data_secret), None
         if transport.name != "tcp" and reply.shm_socket:  # same host: the shm socket
             dial = unix_dialer(reply.shm_socket, reply.session_id, secret)
         elif transport.name == "tcp" and reply.data_port:  # the data port (TLS if it is)
-            dial = tcp_dialer(reply.data_host, reply.data_port, reply.session_id, secret,
-                              tls=transport.tls_context if reply.data_tls else None,
-                              server_name=grpc_host(self.address))
+            dial = tcp_dialer(
+                reply.data_host,
+                reply.data_port,
+                reply.session_id,
+                secret,
+                tls=transport.tls_context if reply.data_tls else None,
+                server_name=grpc_host(self.address),
+            )
         return ControlChannels(dial, reply.session_id, timeout) if dial is not None else None
 
     def _transfer_rpc(self, method: str, request: Any) -> Any:
@@ -278,24 +294,30 @@ class Connection(GrpcChannel):
             return timeout
         left = deadline - self.clock()
         if left < MIN_RPC_S:
-            raise Away(f"{step}: DEADLINE_EXCEEDED: Deadline Exceeded", explain_rpc(
-                self._peer, step, "DEADLINE_EXCEEDED", "Deadline Exceeded"))
+            raise Away(
+                f"{step}: DEADLINE_EXCEEDED: Deadline Exceeded",
+                explain_rpc(self._peer, step, "DEADLINE_EXCEEDED", "Deadline Exceeded"),
+            )
         return min(timeout, left)
 
     def _register(self, handle: Registered, timeout: float) -> None:
         """RegisterNamespace; Away when the daemon does not answer (the caller trips)."""
         try:
             reply = self._stub.RegisterNamespace(
-                pb.RegisterNamespaceRequest(spec=namespace_spec(handle.namespace),
-                                            digest=handle.namespace.digest),
-                timeout=timeout)
+                pb.RegisterNamespaceRequest(
+                    spec=namespace_spec(handle.namespace), digest=handle.namespace.digest
+                ),
+                timeout=timeout,
+            )
         except grpc.RpcError as e:
             if e.code() in DOWN_CODES:
-                raise Away(f"RegisterNamespace: {e.code().name}: {e.details()}",
-                           explain_rpc(self._peer, "RegisterNamespace", e.code().name,
-                                       e.details() or "")) from None
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
-                    (e.details() or "").startswith(errors.OVERLOADED):
+                raise Away(
+                    f"RegisterNamespace: {e.code().name}: {e.details()}",
+                    explain_rpc(self._peer, "RegisterNamespace", e.code().name, e.details() or ""),
+                ) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(
+                errors.OVERLOADED
+            ):
                 self.counters.overloaded += 1
                 raise Overloaded(e.details()) from None
             raise errors.from_grpc_code(e.code().name, e.details() or "") from None
@@ -310,16 +332,23 @@ class Connection(GrpcChannel):
             diagnosis = _away_diagnosis(self._peer, why)
         message = str(diagnosis.error)
         self.counters.last_error = message
-        self.breaker.causes.report(diagnosis.cause, f"{message}; meanwhile lookups miss and "
-                                   "puts are dropped (the engine recomputes)")
+        self.breaker.causes.report(
+            diagnosis.cause, f"{message}; meanwhile lookups miss and puts are dropped (the engine recomputes)"
+        )
 
     def _refused(self, handle: Registered, error: errors.KvtierError) -> None:
         """The daemon refused to register ``handle``'s namespace: its calls miss."""
         ns = handle.namespace
-        self._note(f"RegisterNamespace: {error}", Diagnosis(
-            f"register-{type(error).__name__}", type(error)(
-                f"daemon at {self.address} refused namespace {ns.model_id}@{ns.model_revision} "
-                f"(id {handle.namespace_id}): {error}")))
+        self._note(
+            f"RegisterNamespace: {error}",
+            Diagnosis(
+                f"register-{type(error).__name__}",
+                type(error)(
+                    f"daemon at {self.address} refused namespace {ns.model_id}@{ns.model_revision} "
+                    f"(id {handle.namespace_id}): {error}"
+                ),
+            ),
+        )
 
     def _disconnect(self, keep_channel: bool = False) -> None:
         self._session_id = 0
@@ -355,5 +384,3 @@ def _away_diagnosis(peer: Peer, why: str) -> Diagnosis:
         return explain_rpc(peer, method, code, details)
     what = method.strip() or "call"
     return Diagnosis(f"away-{what}", errors.Unavailable(f"daemon at {peer.address}: {why}"))
-
-

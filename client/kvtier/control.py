@@ -39,8 +39,7 @@ MAX_CHANNELS = 4  # connections of one session (threads calling at once: the SDK
 RETRY_S = 1.0  # after a connection could not be made, the session's calls use gRPC this long
 METHODS = {name: n + 1 for n, name in enumerate(wire.CONTROL_METHODS)}
 _SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
-_REPLY = {name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name)
-          for name in wire.CONTROL_METHODS}
+_REPLY = {name: getattr(pb, _SERVICE.methods_by_name[name].output_type.name) for name in wire.CONTROL_METHODS}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -63,8 +62,7 @@ class ControlChannels:
     connection is used by one thread at a time (taken from, and given back to, the idle list
     under the lock)."""
 
-    def __init__(self, dial: Callable[[float], socket.socket], session_id: int,
-                 timeout_s: float) -> None:
+    def __init__(self, dial: Callable[[float], socket.socket], session_id: int, timeout_s: float) -> None:
         """``dial(timeout_s)``: a new connection that passed the handshake (OSError or
         ValueError when it cannot be made or was refused)."""
         self.session_id = session_id
@@ -99,17 +97,16 @@ class ControlChannels:
             data = _recv(sock, length, deadline)
         except TimeoutError:
             self._drop(sock)
-            raise ControlError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"{method}: no answer on the control channel within "
-                               f"{timeout:.3f} s") from None
+            raise ControlError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{method}: no answer on the control channel within {timeout:.3f} s",
+            ) from None
         except (OSError, ValueError) as e:
             self._drop(sock)
-            raise ControlError(grpc.StatusCode.UNAVAILABLE,
-                               f"{method}: control channel: {e}") from None
+            raise ControlError(grpc.StatusCode.UNAVAILABLE, f"{method}: control channel: {e}") from None
         self._give_back(sock)
         if status:
-            raise ControlError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
-                               data.decode(errors="replace"))
+            raise ControlError(_CODES.get(status, grpc.StatusCode.UNKNOWN), data.decode(errors="replace"))
         return _REPLY[method].FromString(data)
 
     def _take(self) -> socket.socket | None:
@@ -164,8 +161,7 @@ class ControlChannels:
                 sock.close()
 
 
-def unix_dialer(path: str, session_id: int, data_secret: bytes
-                ) -> Callable[[float], socket.socket]:
+def unix_dialer(path: str, session_id: int, data_secret: bytes) -> Callable[[float], socket.socket]:
     """Control connections on the daemon's shm socket ``path`` (``CONTROL_MAGIC``)."""
     hello = wire.SHM_REQUEST.pack(wire.CONTROL_MAGIC, session_id) + data_secret
 
@@ -190,9 +186,15 @@ def unix_dialer(path: str, session_id: int, data_secret: bytes
     return dial
 
 
-def tcp_dialer(host: str, port: int, session_id: int, data_secret: bytes, *,
-               tls: ssl.SSLContext | None = None, server_name: str | None = None
-               ) -> Callable[[float], socket.socket]:
+def tcp_dialer(
+    host: str,
+    port: int,
+    session_id: int,
+    data_secret: bytes,
+    *,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> Callable[[float], socket.socket]:
     """Control connections on the daemon's TCP data port (HELLO offering FEATURE_CONTROL;
     ``tls``: the data channel serves TLS, verified against ``server_name``)."""
     hello = wire.hello(session_id, data_secret, wire.FEATURE_CONTROL)

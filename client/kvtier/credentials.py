@@ -18,8 +18,7 @@ import grpc
 from kvtier_contract import errors
 
 
-def tls_credentials(ca: str | None, cert: str | None,
-                     key: str | None) -> grpc.ChannelCredentials | None:
+def tls_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
     """TLS for the gRPC channel (files read now), or None for a plaintext one."""
     if not ca and not cert:
         return None
@@ -35,8 +34,7 @@ def tls_credentials(ca: str | None, cert: str | None,
         except OSError as e:
             raise errors.InvalidArgument(f"cannot read {path}: {e.strerror}", field=name) from None
 
-    return grpc.ssl_channel_credentials(read("tls_ca", ca), read("tls_key", key),
-                                        read("tls_cert", cert))
+    return grpc.ssl_channel_credentials(read("tls_ca", ca), read("tls_key", key), read("tls_cert", cert))
 
 
 def data_tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
@@ -59,8 +57,9 @@ def bearer_metadata(token: str | None, token_file: str | None) -> tuple[tuple[st
             with open(token_file) as f:
                 token = f.readline().strip()
         except OSError as e:
-            raise errors.InvalidArgument(f"cannot read the token file: {e.strerror}",
-                                         field="token_file") from None
+            raise errors.InvalidArgument(
+                f"cannot read the token file: {e.strerror}", field="token_file"
+            ) from None
         if not token:
             raise errors.InvalidArgument("the token file is empty", field="token_file")
     return (("authorization", f"Bearer {token}"),) if token else ()
@@ -74,13 +73,28 @@ class WithMetadata(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         md = tuple(details.metadata or ()) + self._metadata()
-        return continuation(_Details(details.method, details.timeout, md, details.credentials,
-                                     details.wait_for_ready, details.compression), request)
+        return continuation(
+            _Details(
+                details.method,
+                details.timeout,
+                md,
+                details.credentials,
+                details.wait_for_ready,
+                details.compression,
+            ),
+            request,
+        )
 
 
 class _Details(grpc.ClientCallDetails):  # type: ignore[misc]
-    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
-                 wait_for_ready: Any, compression: Any) -> None:
+    def __init__(
+        self,
+        method: str,
+        timeout: float | None,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: Any,
+        compression: Any,
+    ) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
-        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
-                                                                   compression)
+        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready, compression)

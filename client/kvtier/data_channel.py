@@ -34,9 +34,17 @@ class DataChannel:
         self._transport: DataTransport | None = None
         self._retired: list[DataTransport] = []  # detached during a transfer, closed after it
 
-    def attach(self, reply: Any, kind: str, *, peer: Peer, tls_files: tuple[str | None, ...],
-               io_timeout_s: float, timeout: float,
-               rpc: Callable[[str, Any], Any]) -> DataTransport:
+    def attach(
+        self,
+        reply: Any,
+        kind: str,
+        *,
+        peer: Peer,
+        tls_files: tuple[str | None, ...],
+        io_timeout_s: float,
+        timeout: float,
+        rpc: Callable[[str, Any], Any],
+    ) -> DataTransport:
         """A ``kind`` transport attached to the session ``reply`` (OpenSessionReply) opened,
         within ``timeout``, making its RPCs through ``rpc``; Away (explained) when it cannot be.
         It becomes the channel's transport once the caller calls ``use``."""

@@ -43,8 +43,7 @@ def runs(offsets: Sequence[int], block_bytes: int, chunk: int = REGISTER_CHUNK) 
     for i, off in enumerate(offsets):
         if out:
             first, count, start = out[-1]
-            if off == start + count * block_bytes and \
-                    (off + block_bytes - 1) // chunk == start // chunk:
+            if off == start + count * block_bytes and (off + block_bytes - 1) // chunk == start // chunk:
                 out[-1] = (first, count + 1, start)
                 continue
         out.append((i, 1, off))
@@ -90,8 +89,7 @@ class ArenaMover:
 
     # -- moves --------------------------------------------------------------------------------
 
-    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
-              job_id: int = 0) -> None:
+    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int], job_id: int = 0) -> None:
         """Engine blocks ``block_ids[i]`` -> the slot at ``offsets[i]``; returns once the arena
         holds the bytes (the daemon may then publish them). ``job_id`` is unused here (the
         cuda_ipc mover names the job to the daemon)."""
@@ -113,8 +111,7 @@ class ArenaMover:
         staging.record_stream(self.stream)
         done.synchronize()
 
-    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
-             job_id: int = 0) -> None:
+    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int], job_id: int = 0) -> None:
         """The slot at ``offsets[i]`` -> engine block ``block_ids[i]``; the arena has been read
         when this returns (the caller may then unpin)."""
         bb = layout.block_bytes

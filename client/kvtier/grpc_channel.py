@@ -46,16 +46,22 @@ class GrpcChannel:
         self._login_path = ""
         if s.unix_login:
             if self._metadata:
-                raise errors.InvalidArgument("give a token or log in as the Unix peer, not both",
-                                             field="unix_login")
+                raise errors.InvalidArgument(
+                    "give a token or log in as the Unix peer, not both", field="unix_login"
+                )
             self._login_path = shm_socket_of(self.address)
         self._tls = tls_credentials(s.tls_ca, s.tls_cert, s.tls_key)
         self._tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
-        self._peer = Peer(self.address, s.transport,
-                          tls=self._tls is not None and not self.address.startswith("unix:"),
-                          ca=bool(s.tls_ca), client_cert=bool(s.tls_cert),
-                          token=bool(self._metadata), unix_login=s.unix_login,
-                          timeout_s=s.timeout_s)
+        self._peer = Peer(
+            self.address,
+            s.transport,
+            tls=self._tls is not None and not self.address.startswith("unix:"),
+            ca=bool(s.tls_ca),
+            client_cert=bool(s.tls_cert),
+            token=bool(self._metadata),
+            unix_login=s.unix_login,
+            timeout_s=s.timeout_s,
+        )
 
     def _login(self, timeout: float) -> None:
         """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away

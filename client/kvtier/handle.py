@@ -51,10 +51,12 @@ class NamespaceHandle:
         self.registered_epoch = 0
         self.register_retry_at = 0.0
 
-    def block_keys(self, token_ids: Sequence[int], *, parent: bytes | None = None,
-                   extras: Sequence[bytes] | None = None) -> list[bytes]:
-        return self.namespace.block_keys(token_ids, parent=parent, extras=extras,
-                                         tenant_key=self.client.tenant_key)
+    def block_keys(
+        self, token_ids: Sequence[int], *, parent: bytes | None = None, extras: Sequence[bytes] | None = None
+    ) -> list[bytes]:
+        return self.namespace.block_keys(
+            token_ids, parent=parent, extras=extras, tenant_key=self.client.tenant_key
+        )
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return batches.lookup(self.client.session, self, keys)
@@ -100,28 +102,56 @@ class NamespaceHandle:
         get; returns how many promotions it started (0 when the daemon is away)."""
         return batches.prefetch(self.client.session, self, keys)
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[Any], *,
-            deadline: float | None = None, token_ids: Sequence[int] | None = None,
-            parent: bytes | None = None) -> PutResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[Any],
+        *,
+        deadline: float | None = None,
+        token_ids: Sequence[int] | None = None,
+        parent: bytes | None = None,
+    ) -> PutResult:
         """Store ``blocks`` under ``keys``. ``token_ids`` (every key's tokens, in order) and
         ``parent`` (the key before ``keys[0]``) are optional: the daemon publishes them in its
         KV events for cache-aware routers (docs/events.md)."""
-        return batches.put(self.client.session, self, keys, self._views(keys, blocks, "block"),
-                           deadline=deadline, token_ids=token_ids, parent=parent)
+        return batches.put(
+            self.client.session,
+            self,
+            keys,
+            self._views(keys, blocks, "block"),
+            deadline=deadline,
+            token_ids=token_ids,
+            parent=parent,
+        )
 
-    def put_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
-                   deadline: float | None = None, guard: batches.CopyGuard | None = None,
-                   token_ids: Sequence[int] | None = None, parent: bytes | None = None
-                   ) -> PutResult:
+    def put_blocks(
+        self,
+        keys: Sequence[bytes],
+        layout: Any,
+        block_ids: Sequence[int],
+        *,
+        deadline: float | None = None,
+        guard: batches.CopyGuard | None = None,
+        token_ids: Sequence[int] | None = None,
+        parent: bytes | None = None,
+    ) -> PutResult:
         """Store engine blocks ``block_ids`` of a paged cache (a ``kvtier.layouts`` layout) under
         ``keys``: one gather kernel into a staging tensor, then one batched put. ``guard``: the
         engine's say over when the engine blocks may be read (``batches.CopyGuard``).
         ``token_ids`` and ``parent``: optional, as for :meth:`put` (the daemon's KV events)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
-            return batches.put_blocks(self.client.session, self, keys, layout, block_ids,
-                                      deadline=deadline, guard=guard, token_ids=token_ids,
-                                      parent=parent)
+            return batches.put_blocks(
+                self.client.session,
+                self,
+                keys,
+                layout,
+                block_ids,
+                deadline=deadline,
+                guard=guard,
+                token_ids=token_ids,
+                parent=parent,
+            )
         batches.check_origin(self, keys, token_ids, parent)  # before the copy out
         staging = self._staging(layout, keys, block_ids)
         try:  # the copy out of the engine blocks, before any RPC
@@ -129,11 +159,17 @@ class NamespaceHandle:
         except batches.CopyRevoked:
             self.client.counters.puts_dropped += len(keys)
             return PutResult(dropped=len(keys))
-        return self.put(keys, list(staging), deadline=deadline, token_ids=token_ids,
-                        parent=parent)
+        return self.put(keys, list(staging), deadline=deadline, token_ids=token_ids, parent=parent)
 
-    def get_blocks(self, keys: Sequence[bytes], layout: Any, block_ids: Sequence[int], *,
-                   deadline: float | None = None, host_only: bool = False) -> list[bool]:
+    def get_blocks(
+        self,
+        keys: Sequence[bytes],
+        layout: Any,
+        block_ids: Sequence[int],
+        *,
+        deadline: float | None = None,
+        host_only: bool = False,
+    ) -> list[bool]:
         """Load ``keys`` into engine blocks ``block_ids`` (one batched get, then one scatter
         kernel); blocks not found are left untouched. Returns which were loaded. ``deadline``:
         no RPC starts after it (the blocks not loaded by then are misses). ``host_only``: load
@@ -141,8 +177,9 @@ class NamespaceHandle:
         left the host tier is a miss at once; ``PrepareLoadRequest.host_only``)."""
         if self.client.transport_name in _MAPPED:
             self._check_layout(layout, keys, block_ids)
-            return batches.get_blocks(self.client.session, self, keys, layout, block_ids,
-                                      deadline=deadline, host_only=host_only)
+            return batches.get_blocks(
+                self.client.session, self, keys, layout, block_ids, deadline=deadline, host_only=host_only
+            )
         staging = self._staging(layout, keys, block_ids)
         found = self.get_into(keys, list(staging), deadline=deadline, host_only=host_only)
         hit = [i for i, f in enumerate(found) if f]
@@ -157,29 +194,39 @@ class NamespaceHandle:
 
     def _check_layout(self, layout: Any, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         if layout.block_bytes != self.block_bytes:
-            raise errors.InvalidArgument(f"layout blocks have {layout.block_bytes} bytes, namespace "
-                                         f"blocks {self.block_bytes}", field="layout")
+            raise errors.InvalidArgument(
+                f"layout blocks have {layout.block_bytes} bytes, namespace blocks {self.block_bytes}",
+                field="layout",
+            )
         if len(block_ids) != len(keys):
-            raise errors.InvalidArgument(f"{len(block_ids)} block ids for {len(keys)} keys",
-                                         field="block_ids")
+            raise errors.InvalidArgument(
+                f"{len(block_ids)} block ids for {len(keys)} keys", field="block_ids"
+            )
         layout.check_ids(block_ids)
 
-    def get(self, keys: Sequence[bytes], *, deadline: float | None = None
-            ) -> list[bytearray | None]:
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytearray | None]:
         bufs = [bytearray(self.block_bytes) for _ in keys]
         found = self.get_into(keys, bufs, deadline=deadline)
         return [b if f else None for b, f in zip(bufs, found, strict=True)]
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
-                 deadline: float | None = None, host_only: bool = False) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any],
+        *,
+        deadline: float | None = None,
+        host_only: bool = False,
+    ) -> list[bool]:
         """Load ``keys`` into ``buffers`` (one block each); which were loaded. ``host_only``:
         as ``get_blocks``."""
         views = self._views(keys, buffers, "buffer", writable=True)
-        return batches.get_into(self.client.session, self, keys, views, deadline=deadline,
-                                host_only=host_only)
+        return batches.get_into(
+            self.client.session, self, keys, views, deadline=deadline, host_only=host_only
+        )
 
-    def _views(self, keys: Sequence[bytes], objs: Sequence[Any], what: str, *,
-               writable: bool = False) -> list[memoryview]:
+    def _views(
+        self, keys: Sequence[bytes], objs: Sequence[Any], what: str, *, writable: bool = False
+    ) -> list[memoryview]:
         """Byte views of the blocks to put (``what`` = "block") or the buffers to fill
         ("buffer"): one per key, each exactly one block long."""
         name = f"{what}s"
@@ -189,6 +236,6 @@ class NamespaceHandle:
         for i, v in enumerate(views):
             if len(v) != self.block_bytes:
                 raise errors.InvalidArgument(
-                    f"{what} {i} has {len(v)} bytes, namespace blocks have {self.block_bytes}",
-                    field=name)
+                    f"{what} {i} has {len(v)} bytes, namespace blocks have {self.block_bytes}", field=name
+                )
         return views

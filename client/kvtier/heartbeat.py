@@ -28,18 +28,26 @@ def tally_request(local: LocalIndexes | None, tallies: dict[int, Tally] | None =
     """A HeartbeatRequest carrying ``tallies`` (default: take ``local``'s pending ones)."""
     if tallies is None:
         tallies = local.take_tallies() if local is not None else {}
-    return pb.HeartbeatRequest(local_lookups=[
-        pb.LookupTally(namespace_id=ns, lookups=t.lookups,
-                       blocks_requested=t.blocks_requested, blocks_hit=t.blocks_hit)
-        for ns, t in tallies.items()])
+    return pb.HeartbeatRequest(
+        local_lookups=[
+            pb.LookupTally(
+                namespace_id=ns,
+                lookups=t.lookups,
+                blocks_requested=t.blocks_requested,
+                blocks_hit=t.blocks_hit,
+            )
+            for ns, t in tallies.items()
+        ]
+    )
 
 
 class Heartbeat:
     """See the module docstring. ``call``: the session's ``call``; ``request``: the next
     request (its tallies taken); ``period_s``: the wait before each beat (read each time)."""
 
-    def __init__(self, call: Callable[[str, Any], Any], request: Callable[[], Any],
-                 period_s: Callable[[], float]) -> None:
+    def __init__(
+        self, call: Callable[[str, Any], Any], request: Callable[[], Any], period_s: Callable[[], float]
+    ) -> None:
         self._call, self._request, self._period_s = call, request, period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kvtier-heartbeat")

@@ -48,8 +48,9 @@ class PagedKvLayout:
     thread-safe: use it from the engine thread, or one instance per thread.
     """
 
-    def __init__(self, groups: list[_Group], num_layers: int, num_blocks: int, page_bytes: int,
-                 name: str) -> None:
+    def __init__(
+        self, groups: list[_Group], num_layers: int, num_blocks: int, page_bytes: int, name: str
+    ) -> None:
         self.groups = groups
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -72,15 +73,15 @@ class PagedKvLayout:
         num_blocks = cache.shape[0]
         block = cache[0].numel() * cache.element_size() if num_blocks else 0
         if num_blocks == 0 or block % num_layers:
-            raise InvalidArgument(f"{num_blocks} blocks of {block} bytes for {num_layers} layers",
-                                  field="cache")
+            raise InvalidArgument(
+                f"{num_blocks} blocks of {block} bytes for {num_layers} layers", field="cache"
+            )
         page = block // num_layers
         view = _byte_view(cache, (num_blocks, num_layers, page), (block, page, 1), 0)
         return cls([_Group(0, num_layers, view)], num_layers, num_blocks, page, "contiguous")
 
     @classmethod
-    def from_layer_tensors(cls, layers: Sequence[torch.Tensor], *, name: str = "paged"
-                           ) -> PagedKvLayout:
+    def from_layer_tensors(cls, layers: Sequence[torch.Tensor], *, name: str = "paged") -> PagedKvLayout:
         """Per-layer tensors whose dim 0 is the engine block and whose per-block page is one
         contiguous run of bytes (vLLM's ``[B, H, N, C]`` views in LBNHC, LBHNC or BLHNC order).
         Layers that share one storage at a constant layer stride become one view (one kernel)."""
@@ -91,11 +92,11 @@ class PagedKvLayout:
         page = first[0].numel() * first.element_size() if num_blocks else 0
         for i, t in enumerate(layers):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise InvalidArgument(f"layer {i} differs from layer 0 in shape, dtype or device",
-                                      field="layers")
+                raise InvalidArgument(
+                    f"layer {i} differs from layer 0 in shape, dtype or device", field="layers"
+                )
             if not _page_contiguous(t):
-                raise InvalidArgument(f"layer {i}: a block's page is not one contiguous run",
-                                      field="layers")
+                raise InvalidArgument(f"layer {i}: a block's page is not one contiguous run", field="layers")
         groups: list[_Group] = []
         start = 0
         while start < len(layers):
@@ -110,8 +111,9 @@ class PagedKvLayout:
                 end += 1
             t = layers[start]
             block_stride = t.stride(0) * t.element_size()
-            view = _byte_view(t, (num_blocks, end - start, page),
-                              (block_stride, stride or page, 1), _byte_offset(t))
+            view = _byte_view(
+                t, (num_blocks, end - start, page), (block_stride, stride or page, 1), _byte_offset(t)
+            )
             groups.append(_Group(start, end - start, view))
             start = end
         return cls(groups, len(layers), num_blocks, page, name)
@@ -120,8 +122,9 @@ class PagedKvLayout:
 
     def staging(self, n: int, *, pin_memory: bool = False) -> torch.Tensor:
         """A ``[n, block_bytes]`` uint8 host tensor to gather into / scatter from."""
-        return torch.empty((n, self.block_bytes), dtype=torch.uint8,
-                           pin_memory=pin_memory and torch.cuda.is_available())
+        return torch.empty(
+            (n, self.block_bytes), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available()
+        )
 
     def gather(self, block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Engine blocks ``block_ids`` -> ``out[i]`` = kvtier block i (one kernel per group)."""
@@ -176,8 +179,9 @@ class PagedKvLayout:
 
     def _out_view(self, t: torch.Tensor, n: int) -> torch.Tensor:
         if t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() != n * self.block_bytes:
-            raise InvalidArgument(f"needs a contiguous uint8 tensor of {n} x {self.block_bytes} "
-                                  f"bytes", field="out")
+            raise InvalidArgument(
+                f"needs a contiguous uint8 tensor of {n} x {self.block_bytes} bytes", field="out"
+            )
         return t.view(n, self.num_layers, self.page_bytes)
 
 
@@ -189,8 +193,8 @@ def _widest(page_bytes: int, views: list[torch.Tensor]) -> torch.dtype:
     offsets, and the staging rows (``[n, layers, page]`` uint8, rows a multiple of the page)."""
     for width, dtype in _WIDTHS:
         if page_bytes % width == 0 and all(
-                v.storage_offset() % width == 0 and all(st % width == 0 for st in v.stride()[:-1])
-                for v in views):
+            v.storage_offset() % width == 0 and all(st % width == 0 for st in v.stride()[:-1]) for v in views
+        ):
             return dtype
     return torch.uint8
 
@@ -219,8 +223,7 @@ def _page_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-def _byte_view(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...],
-               offset: int) -> Any:
+def _byte_view(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
     """A uint8 view of ``t``'s storage with byte strides (no copy)."""
     raw = torch.empty(0, dtype=torch.uint8, device=t.device)
     raw.set_(t.untyped_storage(), offset, shape, strides)

@@ -58,14 +58,19 @@ class Segment:
     __slots__ = ("map", "buckets", "bucket_mask", "epoch", "generation", "flags", "_offset")
 
     def __init__(self, m: mmap.mmap, clock: Callable[[], float]) -> None:
-        magic, version, epoch, _ns, generation, capacity, _probe, flags, _, _ = \
-            pi.HEADER.unpack_from(m, 0)
-        if magic != pi.MAGIC or version != pi.VERSION or capacity & (capacity - 1) or \
-                capacity < pi.BUCKET or pi.segment_bytes(capacity) > len(m):
+        magic, version, epoch, _ns, generation, capacity, _probe, flags, _, _ = pi.HEADER.unpack_from(m, 0)
+        if (
+            magic != pi.MAGIC
+            or version != pi.VERSION
+            or capacity & (capacity - 1)
+            or capacity < pi.BUCKET
+            or pi.segment_bytes(capacity) > len(m)
+        ):
             raise ValueError("not a published index segment of this version")
         self.map = m
-        self.buckets = np.frombuffer(m, dtype="<i8", count=capacity,
-                                     offset=pi.HEADER_BYTES).reshape(-1, pi.BUCKET)
+        self.buckets = np.frombuffer(m, dtype="<i8", count=capacity, offset=pi.HEADER_BYTES).reshape(
+            -1, pi.BUCKET
+        )
         self.bucket_mask = capacity // pi.BUCKET - 1
         self.epoch = epoch
         self.generation = generation
@@ -74,7 +79,7 @@ class Segment:
         self._offset = clock() - stamp / 1e9  # our clock minus the daemon's, give or take a tick
 
     def state(self, now: float) -> str:
-        """"ok", "stale" (the daemon's stamp is older than ``STALE_AFTER_S``) or "retired".
+        """ "ok", "stale" (the daemon's stamp is older than ``STALE_AFTER_S``) or "retired".
 
         The stamp is the daemon's monotonic clock; ours is compared through the offset seen at
         mapping time (the daemon answered then, so its stamp was fresh), so a clock namespace
@@ -140,8 +145,9 @@ class LocalIndexes:
     short-lived ``kvtier-index`` thread at a time, never on the caller's: a lookup that finds no
     segment starts one and goes over gRPC this time."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 fetch_timeout_s: float = _FETCH_TIMEOUT_S) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, fetch_timeout_s: float = _FETCH_TIMEOUT_S
+    ) -> None:
         self._clock = clock
         self._fetch_timeout_s = fetch_timeout_s
         self._lock = threading.Lock()
@@ -152,8 +158,7 @@ class LocalIndexes:
         self._tally_lock = threading.Lock()
         self.fetched = 0
 
-    def reset(self, shm_socket: str, session_id: int, boot_epoch: int,
-              data_secret: bytes) -> None:
+    def reset(self, shm_socket: str, session_id: int, boot_epoch: int, data_secret: bytes) -> None:
         """A session opened: forget every segment of an older one (another boot, maybe).
         ``data_secret``: the session's (OpenSessionReply), sent with every index request."""
         with self._lock:
@@ -170,8 +175,7 @@ class LocalIndexes:
             old, self._view = self._view, _View(epoch=self._view.epoch)
         old.close()
 
-    def lookup(self, namespace_id: int, packed: bytes, n: int, *,
-               tally: bool = True) -> int | None:
+    def lookup(self, namespace_id: int, packed: bytes, n: int, *, tally: bool = True) -> int | None:
         """Hit prefix of ``n`` packed keys, or None (no usable segment: ask over gRPC).
         ``tally`` False: not counted in the daemon's Stats (a probe that a counted lookup
         follows)."""
@@ -229,8 +233,7 @@ class LocalIndexes:
             if self._fetching:
                 return
             self._fetching = True
-        threading.Thread(target=self._fetch, args=(namespace_id,), daemon=True,
-                         name="kvtier-index").start()
+        threading.Thread(target=self._fetch, args=(namespace_id,), daemon=True, name="kvtier-index").start()
 
     def _fetch(self, namespace_id: int) -> None:
         """On the fetcher thread: the namespace's segment, on the view's channel."""
@@ -240,8 +243,7 @@ class LocalIndexes:
             try:
                 if ch is None:
                     ch = _connect(view.path, self._fetch_timeout_s)
-                seg = _ask(ch, view.session, view.secret, namespace_id, self._fetch_timeout_s,
-                           self._clock)
+                seg = _ask(ch, view.session, view.secret, namespace_id, self._fetch_timeout_s, self._clock)
             except FileNotFoundError:  # no such socket here: the daemon is on another host
                 self._next_try[-1] = self._clock() + _RETRY_REMOTE_S
                 return
@@ -281,8 +283,9 @@ class _View:
     secret: bytes = b""  # the session's data secret, in every index request
 
     def with_segment(self, ch: socket.socket, namespace_id: int, seg: Segment) -> _View:
-        return _View(self.session, self.epoch, self.path, ch,
-                     {**self.segments, namespace_id: seg}, self.secret)
+        return _View(
+            self.session, self.epoch, self.path, ch, {**self.segments, namespace_id: seg}, self.secret
+        )
 
     def close(self) -> None:
         if self.channel is not None:
@@ -312,8 +315,14 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
     return ch
 
 
-def _ask(ch: socket.socket, session_id: int, secret: bytes, namespace_id: int,
-         timeout_s: float, clock: Callable[[], float]) -> Segment:
+def _ask(
+    ch: socket.socket,
+    session_id: int,
+    secret: bytes,
+    namespace_id: int,
+    timeout_s: float,
+    clock: Callable[[], float],
+) -> Segment:
     """One index request on an index channel; _Refused when the daemon said no."""
     ch.send(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id, secret))
     if not select.select([ch], [], [], timeout_s)[0]:

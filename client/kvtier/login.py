@@ -17,9 +17,10 @@ from kvtier_contract import errors, wire
 def shm_socket_of(address: str) -> str:
     """The shm socket beside the gRPC Unix socket at ``address`` (``unix:///path``)."""
     if not address.startswith("unix://"):
-        raise errors.InvalidArgument(f"{address!r}: a Unix peer logs in on the daemon's Unix "
-                                     "socket (unix:///path)", field="unix_login")
-    return address[len("unix://"):] + ".shm"
+        raise errors.InvalidArgument(
+            f"{address!r}: a Unix peer logs in on the daemon's Unix socket (unix:///path)", field="unix_login"
+        )
+    return address[len("unix://") :] + ".shm"
 
 
 def unix_login(path: str, timeout_s: float) -> str:
@@ -46,8 +47,7 @@ def unix_login(path: str, timeout_s: float) -> str:
     if len(data) < wire.LOGIN_REPLY.size or data[:4] != wire.LOGIN_MAGIC:
         raise errors.TransportError(f"Unix login on {path}: not a kvtier login reply")
     _, n = wire.LOGIN_REPLY.unpack_from(data)
-    token = data[wire.LOGIN_REPLY.size:]
+    token = data[wire.LOGIN_REPLY.size :]
     if n > wire.LOGIN_MAX_TOKEN_BYTES or len(token) != n:
-        raise errors.TransportError(f"Unix login on {path}: a token of {len(token)} bytes, "
-                                    f"announced {n}")
+        raise errors.TransportError(f"Unix login on {path}: a token of {len(token)} bytes, announced {n}")
     return token.decode("ascii")

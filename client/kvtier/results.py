@@ -117,17 +117,24 @@ class TierFigures:
         """Keep the figures a reply carries (HeartbeatReply, OpenSessionReply), stamped with our
         clock; a tier the reply leaves out keeps its older figure."""
         now = self._clock()
-        got = {_TIER_NAMES[f.tier]: (TierFigure(f.latency_us / 1e6, float(f.bytes_per_s),
-                                                f.age_ms / 1e3, int(f.reads)), now)
-               for f in reply.tier_figures if f.tier in _TIER_NAMES}
+        got = {
+            _TIER_NAMES[f.tier]: (
+                TierFigure(f.latency_us / 1e6, float(f.bytes_per_s), f.age_ms / 1e3, int(f.reads)),
+                now,
+            )
+            for f in reply.tier_figures
+            if f.tier in _TIER_NAMES
+        }
         if got:
             self._got = {**self._got, **got}
 
     def now(self) -> dict[str, TierFigure]:
         """Each figure, its age grown by the time since it arrived."""
         now = self._clock()
-        return {tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
-                for tier, (fig, at) in dict(self._got).items()}
+        return {
+            tier: replace(fig, age_s=fig.age_s + max(0.0, now - at))
+            for tier, (fig, at) in dict(self._got).items()
+        }
 
     def forget(self) -> None:
         """Drop every figure (a test waiting for fresh ones)."""

@@ -54,9 +54,21 @@ from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-__all__ = ["DOWN_CODES", "MIN_RPC_S", "REGISTER_RETRY_S", "Away", "ClientSettings", "OutOfTime",
-           "Overloaded", "PendingCall", "Registered", "Session", "Unanswered", "Unregistered",
-           "bearer_metadata"]
+__all__ = [
+    "DOWN_CODES",
+    "MIN_RPC_S",
+    "REGISTER_RETRY_S",
+    "Away",
+    "ClientSettings",
+    "OutOfTime",
+    "Overloaded",
+    "PendingCall",
+    "Registered",
+    "Session",
+    "Unanswered",
+    "Unregistered",
+    "bearer_metadata",
+]
 
 
 class Session(Connection):
@@ -79,21 +91,28 @@ class Session(Connection):
 
     RPC_THREADS = 4  # threads that run the RPCs a put or get starts ahead (``start``)
 
-    def __init__(self, address: str, settings: ClientSettings | None = None, *,
-                 breaker: Breaker | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        address: str,
+        settings: ClientSettings | None = None,
+        *,
+        breaker: Breaker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``settings``: default ``ClientSettings()``; ``breaker``: one shared with other
         sessions (else its own, probing at ``settings.backoff_s``); ``clock``: the deadlines'
         (``time.monotonic``)."""
         settings = settings if settings is not None else ClientSettings()
-        super().__init__(address, settings,
-                         breaker if breaker is not None else Breaker(settings.backoff_s), clock)
+        super().__init__(
+            address, settings, breaker if breaker is not None else Breaker(settings.backoff_s), clock
+        )
         self._rpc = RpcThreads(self.RPC_THREADS, self.timeout_s, clock)  # runs ``start``'s calls
         self.breaker.attach(self)
         self._hb: Heartbeat | None = None
         if settings.heartbeat:
-            self._hb = Heartbeat(self.call, lambda: tally_request(self.local),
-                                 lambda: max(0.05, self.lease_ttl_s / 3))
+            self._hb = Heartbeat(
+                self.call, lambda: tally_request(self.local), lambda: max(0.05, self.lease_ttl_s / 3)
+            )
             self._hb.start()
 
     def deadline(self, timeout_s: float | None = None) -> float:
@@ -114,8 +133,9 @@ class Session(Connection):
                     with contextlib.suppress(grpc.RpcError):
                         self._stub.Heartbeat(tallies, timeout=self.probe_timeout_s)
                 with contextlib.suppress(grpc.RpcError):
-                    self._stub.CloseSession(pb.CloseSessionRequest(session_id=self._session_id),
-                                            timeout=self.probe_timeout_s)
+                    self._stub.CloseSession(
+                        pb.CloseSessionRequest(session_id=self._session_id), timeout=self.probe_timeout_s
+                    )
             self._disconnect()
 
     # -- connection management --------------------------------------------------------------------
@@ -184,8 +204,16 @@ class Session(Connection):
             # draining): the handle stays unregistered, its calls miss until a reopen does.
             self._refused(handle, e)
 
-    def call(self, method: str, request: Any, *, reconnect: bool = True,
-             deadline: float | None = None, floor: bool = False, trip: bool = True) -> Any:
+    def call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        reconnect: bool = True,
+        deadline: float | None = None,
+        floor: bool = False,
+        trip: bool = True,
+    ) -> Any:
         """One RPC within ``timeout_s`` and ``deadline`` (see ``_rpc_timeout``); Away when the
         daemon is away (the breaker is then open; ``trip=False``: Unanswered, the breaker left
         to the caller). Retries once after a reconnect when the daemon forgot our session or
@@ -199,8 +227,7 @@ class Session(Connection):
             try:
                 reply = self._invoke(self._stub, method, request, timeout)
             except grpc.RpcError as e:
-                self._failed(method, e, trip=trip, retry=attempt == 0 and reconnect,
-                             handles=handles)
+                self._failed(method, e, trip=trip, retry=attempt == 0 and reconnect, handles=handles)
                 continue
             self._last_call = self.clock()
             if method == "Heartbeat":  # (over gRPC or a control channel alike)
@@ -210,8 +237,9 @@ class Session(Connection):
             return reply
         raise AssertionError("unreachable")
 
-    def _failed(self, method: str, e: grpc.RpcError, *, trip: bool, retry: bool,
-                handles: list[Registered]) -> None:
+    def _failed(
+        self, method: str, e: grpc.RpcError, *, trip: bool, retry: bool, handles: list[Registered]
+    ) -> None:
         """What ``call`` makes of a failed RPC: returns when it is worth one retry (the daemon
         forgot our session or a namespace), else raises (Away, Unanswered, Overloaded, or the
         error the daemon named)."""
@@ -229,8 +257,7 @@ class Session(Connection):
             for handle in handles:  # the daemon forgot one (expired): register again
                 handle.registered_epoch = 0
             return
-        if code == grpc.StatusCode.NOT_FOUND and retry and \
-                ("session" in details or "namespace" in details):
+        if code == grpc.StatusCode.NOT_FOUND and retry and ("session" in details or "namespace" in details):
             self._reset_session()
             return
         raise errors.from_grpc_code(code.name, details) from None
@@ -269,8 +296,9 @@ class Session(Connection):
             raise Unregistered(f"namespace {ns_id}: {e}") from None
         return handle
 
-    def start(self, method: str, request: Any, *, deadline: float | None = None,
-               inline: bool = False) -> PendingCall:
+    def start(
+        self, method: str, request: Any, *, deadline: float | None = None, inline: bool = False
+    ) -> PendingCall:
         """Start ``call(method, request, deadline=deadline, trip=False)`` on one of the
         session's RPC threads and return at once (a few microseconds; starting a gRPC future
         costs the caller's thread ~0.5 ms here), or, ``inline``, make it now on the caller's
@@ -280,12 +308,13 @@ class Session(Connection):
             raise Away("client closed")
         if not self.breaker.allows():
             raise Away(self.breaker.why or "daemon away (breaker open)")
-        return self._rpc.submit(method, deadline,
-                            lambda: self.call(method, request, deadline=deadline, trip=False),
-                            inline)
+        return self._rpc.submit(
+            method, deadline, lambda: self.call(method, request, deadline=deadline, trip=False), inline
+        )
 
-    def start_completion(self, method: str, request: Any, session_id: int,
-                          deadline: float | None, *, inline: bool = False) -> PendingCall:
+    def start_completion(
+        self, method: str, request: Any, session_id: int, deadline: float | None, *, inline: bool = False
+    ) -> PendingCall:
         """Start the completion (CompleteStore / CompleteLoad) of a job that session
         ``session_id`` prepared, as ``start`` does: Away at once unless the breaker is closed
         and that session is still ours, as ``call(reconnect=False)`` would have refused it
@@ -299,24 +328,25 @@ class Session(Connection):
             raise Away(self.breaker.why or "daemon away (breaker open)")
         if self._stale or session_id != self._session_id:
             raise Away("the session of the job is gone")
-        return self._rpc.submit(method, deadline,
-                            lambda: self._complete(method, request, session_id, deadline), inline)
+        return self._rpc.submit(
+            method, deadline, lambda: self._complete(method, request, session_id, deadline), inline
+        )
 
-    def _complete(self, method: str, request: Any, session_id: int,
-                  deadline: float | None) -> Any:
+    def _complete(self, method: str, request: Any, session_id: int, deadline: float | None) -> Any:
         """The RPC of ``start_completion`` (on an RPC thread)."""
         stub = self._stub
         if stub is None or self._closed:
             raise Away("client closed")
         request.session_id = session_id
         try:
-            reply = self._invoke(stub, method, request,
-                                 self._rpc_timeout(deadline, floor=True))
+            reply = self._invoke(stub, method, request, self._rpc_timeout(deadline, floor=True))
         except grpc.RpcError as e:
             code = e.code()
             if code in DOWN_CODES:
-                self.trip(f"{method}: {code.name}: {e.details()}",
-                           explain_rpc(self._peer, method, code.name, e.details() or ""))
+                self.trip(
+                    f"{method}: {code.name}: {e.details()}",
+                    explain_rpc(self._peer, method, code.name, e.details() or ""),
+                )
                 raise Away(e.details()) from None
             raise errors.from_grpc_code(code.name, e.details() or "") from None
         self._last_call = self.clock()
@@ -344,14 +374,18 @@ class Session(Connection):
         except Away as e:
             raise errors.TransportError(f"{method}: {e}") from None
 
-    def local_lookup(self, handle: Registered, packed: bytes, n: int, *,
-                      count: bool = True) -> int | None:
+    def local_lookup(self, handle: Registered, packed: bytes, n: int, *, count: bool = True) -> int | None:
         """Hit prefix from the published index, or None (ask over gRPC): only for a live,
         open session whose namespace is registered in this boot. ``count`` False: in neither
         the counters nor the daemon's Stats."""
         local = self.local
-        if local is None or self._stale or not self._session_id or \
-                handle.registered_epoch != self._epoch or not self.breaker.allows():
+        if (
+            local is None
+            or self._stale
+            or not self._session_id
+            or handle.registered_epoch != self._epoch
+            or not self.breaker.allows()
+        ):
             return None
         hit = local.lookup(handle.namespace_id, packed, n, tally=count)
         if hit is not None and count:

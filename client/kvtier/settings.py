@@ -79,21 +79,22 @@ class ClientSettings:
     def __post_init__(self) -> None:
         names = tuple(TRANSPORT_NAMES.values())
         if self.transport not in names:
-            raise errors.InvalidArgument(f"unknown transport {self.transport!r} (expected one "
-                                         f"of {', '.join(names)})", field="transport")
+            raise errors.InvalidArgument(
+                f"unknown transport {self.transport!r} (expected one of {', '.join(names)})",
+                field="transport",
+            )
         for name in ("timeout_s", "lease_ttl_s", "op_timeout_s"):
             if not getattr(self, name) > 0:
                 raise errors.InvalidArgument(f"{name} must be positive", field=name)
         if self.probe_timeout_s is not None and self.probe_timeout_s < 0:
-            raise errors.InvalidArgument("probe_timeout_s must not be negative",
-                                         field="probe_timeout_s")
+            raise errors.InvalidArgument("probe_timeout_s must not be negative", field="probe_timeout_s")
         low, high = self.backoff_s
         if not 0 < low <= high:
-            raise errors.InvalidArgument("backoff_s is (first, most) seconds, 0 < first <= most",
-                                         field="backoff_s")
+            raise errors.InvalidArgument(
+                "backoff_s is (first, most) seconds, 0 < first <= most", field="backoff_s"
+            )
         if self.pipeline_bytes < 0:
-            raise errors.InvalidArgument("pipeline_bytes must not be negative",
-                                         field="pipeline_bytes")
+            raise errors.InvalidArgument("pipeline_bytes must not be negative", field="pipeline_bytes")
 
     @property
     def probe_s(self) -> float:

@@ -13,26 +13,42 @@ from typing import Any
 from kvtier_contract.units import format_bytes
 
 _ROWS = [
-    ("lookups", "lookups"), ("blocks requested", "blocks_requested"),
-    ("blocks hit (host)", "blocks_hit_host"), ("blocks hit (nvme)", "blocks_hit_nvme"),
-    ("lookups (local index)", "local_lookups"), ("blocks hit (local index)", "blocks_hit_local"),
-    ("blocks missed", "blocks_missed"), ("tokens hit", "tokens_hit"),
-    ("tokens missed", "tokens_missed"), ("stores accepted", "stores_accepted"),
-    ("stores already present", "stores_already_present"), ("stores rejected", "stores_rejected"),
-    ("stores dropped", "stores_dropped"), ("blocks loaded", "loads"), ("evictions", "evictions"),
-    ("bytes in  shm", "bytes_in_shm"), ("bytes out shm", "bytes_out_shm"),
-    ("bytes in  tcp", "bytes_in_tcp"), ("bytes out tcp", "bytes_out_tcp"),
-    ("resident blocks", "resident_blocks"), ("resident bytes", "resident_bytes"),
+    ("lookups", "lookups"),
+    ("blocks requested", "blocks_requested"),
+    ("blocks hit (host)", "blocks_hit_host"),
+    ("blocks hit (nvme)", "blocks_hit_nvme"),
+    ("lookups (local index)", "local_lookups"),
+    ("blocks hit (local index)", "blocks_hit_local"),
+    ("blocks missed", "blocks_missed"),
+    ("tokens hit", "tokens_hit"),
+    ("tokens missed", "tokens_missed"),
+    ("stores accepted", "stores_accepted"),
+    ("stores already present", "stores_already_present"),
+    ("stores rejected", "stores_rejected"),
+    ("stores dropped", "stores_dropped"),
+    ("blocks loaded", "loads"),
+    ("evictions", "evictions"),
+    ("bytes in  shm", "bytes_in_shm"),
+    ("bytes out shm", "bytes_out_shm"),
+    ("bytes in  tcp", "bytes_in_tcp"),
+    ("bytes out tcp", "bytes_out_tcp"),
+    ("resident blocks", "resident_blocks"),
+    ("resident bytes", "resident_bytes"),
     ("corrupt blocks", "corrupt_blocks"),
 ]
 _CLUSTER_ROWS = [
-    ("blocks hit (cluster)", "blocks_hit_cluster"), ("cluster imports", "cluster_imports"),
+    ("blocks hit (cluster)", "blocks_hit_cluster"),
+    ("cluster imports", "cluster_imports"),
     ("cluster corrupt values", "cluster_corrupt"),
 ]
 _NVME_ROWS = [
-    ("nvme resident blocks", "nvme_resident_blocks"), ("nvme resident bytes", "nvme_resident_bytes"),
-    ("promotions", "promotions"), ("demotions", "demotions"), ("nvme evictions", "nvme_evictions"),
-    ("checksum failures", "checksum_failures"), ("nvme bytes read", "nvme_bytes_read"),
+    ("nvme resident blocks", "nvme_resident_blocks"),
+    ("nvme resident bytes", "nvme_resident_bytes"),
+    ("promotions", "promotions"),
+    ("demotions", "demotions"),
+    ("nvme evictions", "nvme_evictions"),
+    ("checksum failures", "checksum_failures"),
+    ("nvme bytes read", "nvme_bytes_read"),
     ("nvme bytes written", "nvme_bytes_written"),
 ]
 
@@ -96,13 +112,18 @@ def _tenant_lines(tenants: list[dict[str, Any]]) -> list[str]:
     for t in tenants:
         quotas = []
         for q in t.get("quotas", []):
-            limit = (format_bytes(int(q["limit"])) if q["name"].endswith("_bytes")
-                     else f"{int(q['limit']):,}") if q["limited"] else "unlimited"
+            limit = (
+                (format_bytes(int(q["limit"])) if q["name"].endswith("_bytes") else f"{int(q['limit']):,}")
+                if q["limited"]
+                else "unlimited"
+            )
             refused = f" ({int(q['refusals']):,} refused)" if q["refusals"] else ""
             quotas.append(f"{q['name']} {limit}{refused}")
-        lines += [f"  {t['name']}{' (operator)' if t.get('operator') else ''}  sessions "
-                  f"{t['sessions']}  namespaces {t['namespaces']}",
-                  "    " + ", ".join(quotas)]
+        lines += [
+            f"  {t['name']}{' (operator)' if t.get('operator') else ''}  sessions "
+            f"{t['sessions']}  namespaces {t['namespaces']}",
+            "    " + ", ".join(quotas),
+        ]
     return lines
 
 
@@ -129,15 +150,16 @@ def format_stats(stats: dict[str, Any]) -> str:
         head += _cluster_lines(cluster)
     if stats.get("tier_figures"):
         head.append(_read_line(stats["tier_figures"]))
-    rows = _ROWS + (_NVME_ROWS if nvme.get("enabled") else []) + \
-        (_CLUSTER_ROWS if cluster.get("enabled") else [])
-    cols = [("total", stats["total"])] + [(_column(ns), ns["counters"])
-                                          for ns in stats["namespaces"]]
+    rows = (
+        _ROWS
+        + (_NVME_ROWS if nvme.get("enabled") else [])
+        + (_CLUSTER_ROWS if cluster.get("enabled") else [])
+    )
+    cols = [("total", stats["total"])] + [(_column(ns), ns["counters"]) for ns in stats["namespaces"]]
     width = max(14, *(len(name) + 2 for name, _ in cols))
     lines = ["", f"{'':<24}" + "".join(f"{name:>{width}}" for name, _ in cols)]
     for label, key in rows:
-        lines.append(f"{label:<24}" + "".join(f"{_fmt(key, c.get(key, 0)):>{width}}"
-                                              for _, c in cols))
+        lines.append(f"{label:<24}" + "".join(f"{_fmt(key, c.get(key, 0)):>{width}}" for _, c in cols))
     lines += _hit_lines(stats["total"])
     if stats["namespaces"]:
         lines += _identity_lines(stats["namespaces"])
@@ -149,10 +171,12 @@ def format_stats(stats: dict[str, Any]) -> str:
 def _nvme_line(nvme: dict[str, Any]) -> str:
     nused, ncap = int(nvme["used_bytes"]), int(nvme["capacity_bytes"])
     state = "admitting" if nvme["admitting"] else f"DEGRADED ({nvme['degraded_reason']})"
-    return (f"nvme tier {format_bytes(nused)} / {format_bytes(ncap)} used, {state}, "
-            f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
-            f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
-            f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)")
+    return (
+        f"nvme tier {format_bytes(nused)} / {format_bytes(ncap)} used, {state}, "
+        f"{nvme['write_policy']}, direct I/O {'on' if nvme['direct_io'] else 'off'}, "
+        f"{nvme['quarantined_slots']} quarantined; recovered {nvme['recovered_blocks']} "
+        f"blocks ({nvme['recovery_mode']}, {float(nvme['recovery_seconds']):.2f}s)"
+    )
 
 
 def _hit_lines(total: dict[str, Any]) -> list[str]:
@@ -160,8 +184,10 @@ def _hit_lines(total: dict[str, Any]) -> list[str]:
     req = int(total.get("blocks_requested", 0))
     if not req:
         return []
-    hit = sum(int(total.get(k, 0)) for k in ("blocks_hit_host", "blocks_hit_nvme",
-                                              "blocks_hit_local", "blocks_hit_cluster"))
+    hit = sum(
+        int(total.get(k, 0))
+        for k in ("blocks_hit_host", "blocks_hit_nvme", "blocks_hit_local", "blocks_hit_cluster")
+    )
     return [f"\nblock hit ratio {100 * hit / req:.1f}% of {req:,} requested"]
 
 
@@ -170,23 +196,28 @@ _TIERS = {1: "host", 2: "nvme", 3: "cluster"}  # kvtier.v1.Tier
 
 def _read_line(figures: list[dict[str, Any]]) -> str:
     """The daemon's recent reads into the host tier, per tier (issue 30: load or recompute)."""
-    parts = [f"{_TIERS.get(int(f['tier']), '?')} {int(f['latency_us']) / 1000:.1f} ms, "
-             f"{format_bytes(int(f['bytes_per_s']))}/s ({int(f['reads']):,} reads, last "
-             f"{int(f['age_ms']) / 1000:.1f}s ago)" for f in figures]
+    parts = [
+        f"{_TIERS.get(int(f['tier']), '?')} {int(f['latency_us']) / 1000:.1f} ms, "
+        f"{format_bytes(int(f['bytes_per_s']))}/s ({int(f['reads']):,} reads, last "
+        f"{int(f['age_ms']) / 1000:.1f}s ago)"
+        for f in figures
+    ]
     return "reads into the host tier: " + "; ".join(parts)
 
 
 def _cluster_lines(cl: dict[str, Any]) -> list[str]:
     """The cluster tier: state, write queue, then one line per master."""
     state = "connected" if cl.get("connected") else "UNREACHABLE (lookups miss, stores dropped)"
-    lines = [f"cluster tier {state}, write policy {cl.get('write_policy')}, "
-             f"{int(cl.get('writes', 0)):,} written, {int(cl.get('write_drops', 0)):,} dropped, "
-             f"{int(cl.get('queued_blocks', 0)):,} queued "
-             f"({format_bytes(int(cl.get('queued_bytes', 0)))}), "
-             f"{int(cl.get('corrupt_values', 0)):,} corrupt values, "
-             f"{int(cl.get('lookup_timeouts', 0)):,} late lookups",
-             f"  {'node':<22}{'state':>8}{'slots':>7}{'hits':>10}{'misses':>10}{'read':>11}"
-             f"{'written':>11}{'errors':>8}{'ms/req':>8}"]
+    lines = [
+        f"cluster tier {state}, write policy {cl.get('write_policy')}, "
+        f"{int(cl.get('writes', 0)):,} written, {int(cl.get('write_drops', 0)):,} dropped, "
+        f"{int(cl.get('queued_blocks', 0)):,} queued "
+        f"({format_bytes(int(cl.get('queued_bytes', 0)))}), "
+        f"{int(cl.get('corrupt_values', 0)):,} corrupt values, "
+        f"{int(cl.get('lookup_timeouts', 0)):,} late lookups",
+        f"  {'node':<22}{'state':>8}{'slots':>7}{'hits':>10}{'misses':>10}{'read':>11}"
+        f"{'written':>11}{'errors':>8}{'ms/req':>8}",
+    ]
     for n in cl.get("nodes", []):
         answered = max(1, int(n.get("requests", 0)) - int(n.get("errors", 0)))
         ms = 1000 * float(n.get("latency_seconds_sum", 0.0)) / answered
@@ -195,5 +226,6 @@ def _cluster_lines(cl: dict[str, Any]) -> list[str]:
             f"{int(n.get('slots', 0)):>7}{int(n.get('hits', 0)):>10,}"
             f"{int(n.get('misses', 0)):>10,}{format_bytes(int(n.get('bytes_read', 0))):>11}"
             f"{format_bytes(int(n.get('bytes_written', 0))):>11}{int(n.get('errors', 0)):>8}"
-            f"{ms:>8.2f}")
+            f"{ms:>8.2f}"
+        )
     return lines

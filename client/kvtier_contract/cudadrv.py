@@ -48,16 +48,17 @@ def _check(err: int, what: str) -> None:
 def address_range(address: int) -> tuple[int, int]:
     """(base, size) of the device allocation holding ``address``."""
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    _check(_libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                              ctypes.c_uint64(address)), "cuMemGetAddressRange")
+    _check(
+        _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)),
+        "cuMemGetAddressRange",
+    )
     return int(base.value), int(size.value)
 
 
 def ipc_handle(base: int) -> bytes:
     """The 64-byte IPC handle of the allocation starting at ``base``."""
     handle = (ctypes.c_char * 64)()
-    _check(_libcuda().cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)),
-           "cuIpcGetMemHandle")
+    _check(_libcuda().cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
     return bytes(handle)
 
 

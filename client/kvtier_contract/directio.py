@@ -36,8 +36,7 @@ def probe_direct(dir_fd: int, name: str, align: int, flags: int = 0) -> tuple[bo
     saying what was found. ``flags`` are added to the open (e.g. O_NOFOLLOW | O_CLOEXEC)."""
     step = "open with O_DIRECT"
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | flags, 0o600,
-                     dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | flags, 0o600, dir_fd=dir_fd)
     except OSError as e:
         return False, f"buffered: {step} failed ({errno.errorcode.get(e.errno or 0, e)})"
     try:

@@ -209,16 +209,12 @@ class Namespace:
     ) -> list[bytes]:
         """``block_keys`` with this namespace's digest and tokens_per_block."""
         return block_keys(
-            self.digest,
-            token_ids,
-            self.tokens_per_block,
-            parent=parent,
-            extras=extras,
-            tenant_key=tenant_key,
+            self.digest, token_ids, self.tokens_per_block, parent=parent, extras=extras, tenant_key=tenant_key
         )
 
 
 _NO_DEFAULT = (*_REQUIRED_STR, "tokens_per_block", "num_layers", "num_kv_heads", "head_dim")
+
 
 def _fail(name: str, message: str) -> NoReturn:
     raise InvalidArgument(message, field=f"namespace.{name}")

@@ -27,7 +27,10 @@ KEY_BYTES = DIGEST_BYTES  # a block key is a SHA-256 digest (identity.block_keys
 
 TransportName = Literal["shm", "tcp", "cuda_ipc"]
 TRANSPORT_NAMES: dict[int, TransportName] = {
-    pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "cuda_ipc"}
+    pb.TRANSPORT_SHM: "shm",
+    pb.TRANSPORT_TCP: "tcp",
+    pb.TRANSPORT_CUDA_IPC: "cuda_ipc",
+}
 
 _OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
 _SPEC_FIELDS = tuple(f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields)

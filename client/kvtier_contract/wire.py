@@ -110,8 +110,17 @@ CONTROL_REPLY = struct.Struct("<4sQ")  # magic, boot_epoch
 CALL = struct.Struct("<IBI")  # request length, method (CONTROL_METHODS index + 1), timeout ms
 RESULT = struct.Struct("<IB")  # reply length, status (0: OK, else a gRPC status code)
 CONTROL_MAX_BYTES = 4 << 20  # one request or reply at most (gRPC's default receive limit)
-CONTROL_METHODS = ("PrepareStore", "CompleteStore", "PrepareLoad", "CompleteLoad", "Lookup",
-                   "Prefetch", "Heartbeat", "CudaCopy", "LookupSlices")
+CONTROL_METHODS = (
+    "PrepareStore",
+    "CompleteStore",
+    "PrepareLoad",
+    "CompleteLoad",
+    "Lookup",
+    "Prefetch",
+    "Heartbeat",
+    "CudaCopy",
+    "LookupSlices",
+)
 """Kvtier RPCs a control channel carries: the session-scoped ones a transfer or lookup makes."""
 
 
@@ -155,8 +164,11 @@ def run_frames(op: Op, job_id: int, blocks: Iterable[tuple[int, Buffer]]) -> lis
     run: list[Buffer] = []
     first = 0
     for index, view in blocks:
-        if run and (index != first + len(run) or len(view) != len(run[0])
-                    or (len(run) + 1) * len(view) > MAX_RUN_BYTES):
+        if run and (
+            index != first + len(run)
+            or len(view) != len(run[0])
+            or (len(run) + 1) * len(view) > MAX_RUN_BYTES
+        ):
             frames.append(pack(op, job_id, first, len(run), len(run) * len(run[0])))
             frames += run
             run = []

@@ -33,8 +33,9 @@ def conversations(args: argparse.Namespace) -> list[list[list[int]]]:
     out = []
     for first in firsts:
         msgs = [random_ids(rng, rng.randint(*args.chat_first), args.vocab, first)]
-        msgs += [random_ids(rng, rng.randint(*args.chat_message), args.vocab)
-                 for _ in range(args.chat_turns - 1)]
+        msgs += [
+            random_ids(rng, rng.randint(*args.chat_message), args.vocab) for _ in range(args.chat_turns - 1)
+        ]
         out.append(msgs)
     return out
 
@@ -57,11 +58,10 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
     k = 0
     for turn in range(args.chat_turns):
         for c, msgs in enumerate(chats):
-            for arm in (ARMS if k % 2 == 0 else ARMS[::-1]):
+            for arm in ARMS if k % 2 == 0 else ARMS[::-1]:
                 prompt = hist[arm][c] + msgs[turn]
                 org = origin[arm][c] + "u" * len(msgs[turn])
-                rec = engines[arm].call({"op": "generate", "ids": prompt,
-                                         "max_tokens": args.chat_answer})
+                rec = engines[arm].call({"op": "generate", "ids": prompt, "max_tokens": args.chat_answer})
                 src = rec["sources"]
                 h, n = src["local_cache_hit"], src["external_kv_transfer"]
                 rec.update(arm=arm, turn=turn + 1, chat=c, earlier_answers=org.count("g"))
@@ -70,9 +70,11 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
                 records.append(rec)
                 hist[arm][c] = prompt + rec["output"]
                 origin[arm][c] = org + "g" * len(rec["output"])
-                log(f"  chats {arm} turn {turn + 1} chat {c}: {len(prompt)} tokens, TTFT "
+                log(
+                    f"  chats {arm} turn {turn + 1} chat {c}: {len(prompt)} tokens, TTFT "
                     f"{rec['ttft_s']:.2f}s, computed {src['local_compute']}, cache {h}, "
-                    f"kvtier {n} ({rec['loaded_generated']} generated)")
+                    f"kvtier {n} ({rec['loaded_generated']} generated)"
+                )
             k += 1
     d1 = es.counters("sync")
     out_bytes = d1["bytes_out_shm"] - d0["bytes_out_shm"]
@@ -81,24 +83,28 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
     check2 = out_bytes % bpt == 0 and out_bytes // bpt == loaded
     same = sum(1 for a, b in zip(records[0::2], records[1::2], strict=True) if a["output"] == b["output"])
     table = markdown(records, args)
-    report = (f"{args.chat_count} chats × {args.chat_turns} turns; first message "
-              f"{'-'.join(map(str, args.chat_first))} tokens, later messages "
-              f"{'-'.join(map(str, args.chat_message))}, answers {args.chat_answer} tokens "
-              f"(ignore_eos); engines 'alone' and 'sync' of the small set.\n\n"
-              f"{table}\n\nCheck 1 (computed + engine cache hit + loaded = prompt, every request): "
-              f"{'ok' if check1 else 'FAIL'}. Check 2 (daemon bytes out {out_bytes:,} ÷ {bpt:,} = "
-              f"{out_bytes / bpt:,.2f} = loaded tokens {loaded:,}): "
-              f"{'ok' if check2 else 'FAIL' + CHECK2_HINT}. "
-              f"Answers identical in both engines: {same} of {len(records) // 2} turns. Daemon stores "
-              f"accepted: {d1['stores_accepted'] - d0['stores_accepted']:,} blocks.")
+    report = (
+        f"{args.chat_count} chats × {args.chat_turns} turns; first message "
+        f"{'-'.join(map(str, args.chat_first))} tokens, later messages "
+        f"{'-'.join(map(str, args.chat_message))}, answers {args.chat_answer} tokens "
+        f"(ignore_eos); engines 'alone' and 'sync' of the small set.\n\n"
+        f"{table}\n\nCheck 1 (computed + engine cache hit + loaded = prompt, every request): "
+        f"{'ok' if check1 else 'FAIL'}. Check 2 (daemon bytes out {out_bytes:,} ÷ {bpt:,} = "
+        f"{out_bytes / bpt:,.2f} = loaded tokens {loaded:,}): "
+        f"{'ok' if check2 else 'FAIL' + CHECK2_HINT}. "
+        f"Answers identical in both engines: {same} of {len(records) // 2} turns. Daemon stores "
+        f"accepted: {d1['stores_accepted'] - d0['stores_accepted']:,} blocks."
+    )
     return report, {"records": records, "bytes_out": out_bytes}, check1 and check2
 
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    head = ("| turn | chats | prompt tokens | of them earlier answers | kvtier: engine cache hit "
-            "| kvtier: loaded history | kvtier: loaded generated | kvtier: computed "
-            "| alone: engine cache hit | alone: computed | median TTFT kvtier s | median TTFT alone s "
-            "| kvtier / alone |")
+    head = (
+        "| turn | chats | prompt tokens | of them earlier answers | kvtier: engine cache hit "
+        "| kvtier: loaded history | kvtier: loaded generated | kvtier: computed "
+        "| alone: engine cache hit | alone: computed | median TTFT kvtier s | median TTFT alone s "
+        "| kvtier / alone |"
+    )
     lines = [head, "|" + " --- |" * 13]
     for turn in range(1, args.chat_turns + 1):
         by = {arm: [r for r in records if r["turn"] == turn and r["arm"] == arm] for arm in ARMS}
@@ -114,5 +120,6 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {tot(kv, 'local_cache_hit'):,} | {tot(kv, 'loaded_history'):,} "
             f"| {tot(kv, 'loaded_generated'):,} | {tot(kv, 'local_compute'):,} "
             f"| {tot(al, 'local_cache_hit'):,} | {tot(al, 'local_compute'):,} "
-            f"| {t_kv:.3f} | {t_al:.3f} | {t_kv / t_al:.2f}× |")
+            f"| {t_kv:.3f} | {t_al:.3f} | {t_kv / t_al:.2f}× |"
+        )
     return "\n".join(lines)

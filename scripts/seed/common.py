@@ -24,8 +24,14 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCK_TOKENS = 128  # vLLM's CPU block size
 # The Qwen3-0.6B shape (Qwen/Qwen3-0.6B config.json) except the vocabulary (see --vocab).
-QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
+QWEN3_06B = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
 
 
 def log(msg: str) -> None:
@@ -34,13 +40,27 @@ def log(msg: str) -> None:
 
 def model_config(layers: int, vocab: int, dtype: str) -> dict[str, Any]:
     """config.json of a Qwen3-0.6B-shaped model with ``layers`` layers (weights are dummy)."""
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3_06B,
-            "num_hidden_layers": layers, "vocab_size": vocab,
-            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
-            "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2,
-            "tie_word_embeddings": True, "hidden_act": "silu"}
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **QWEN3_06B,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    }
 
 
 def write_model(directory: Path, layers: int, vocab: int, dtype: str) -> Path:
@@ -51,8 +71,7 @@ def write_model(directory: Path, layers: int, vocab: int, dtype: str) -> Path:
 
 def kv_bytes_per_token(layers: int, dtype: str) -> int:
     """K and V of every layer for one token."""
-    return int(layers * 2 * QWEN3_06B["num_key_value_heads"] * QWEN3_06B["head_dim"]
-               * DTYPE_BYTES[dtype])
+    return int(layers * 2 * QWEN3_06B["num_key_value_heads"] * QWEN3_06B["head_dim"] * DTYPE_BYTES[dtype])
 
 
 def random_ids(rng: random.Random, n: int, vocab: int, first: int | None = None) -> list[int]:
@@ -101,10 +120,18 @@ def code_state() -> str:
     for path in sorted([*ROOT.glob("client/kvtier/**/*.py"), *ROOT.glob("server/**/*.py")]):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "client", "server"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "client", "server"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         head, dirty = "unknown", ""
     return f"commit {head}{' + local changes' if dirty else ''}, client+server digest {h.hexdigest()[:12]}"
@@ -128,8 +155,9 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
 
 
 @contextmanager
-def daemon(workdir: Path, host_bytes: str, *extra: str,
-           launcher: tuple[str, ...] = ("kvtier.cli",)) -> Iterator[dict[str, Any]]:
+def daemon(
+    workdir: Path, host_bytes: str, *extra: str, launcher: tuple[str, ...] = ("kvtier.cli",)
+) -> Iterator[dict[str, Any]]:
     """A fresh ``kvtierd`` on a Unix socket in ``workdir``; yields its KVTIERD_READY record.
     ``extra``: more ``serve`` flags; ``launcher``: the module and its own flags before ``serve``
     (``("kvtierd.testing.serve", "--read-latency-file", PATH)``: a slow NVMe tier, test-only)."""
@@ -138,9 +166,25 @@ def daemon(workdir: Path, host_bytes: str, *extra: str,
     log_path = workdir / "kvtierd.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", *launcher, "serve", "--socket", str(sock), "--listen", "",
-             "--metrics-port", "-1", "--host-bytes", host_bytes, *extra],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(VLLM_PYTHON),
+                "-m",
+                *launcher,
+                "serve",
+                "--socket",
+                str(sock),
+                "--listen",
+                "",
+                "--metrics-port",
+                "-1",
+                "--host-bytes",
+                host_bytes,
+                *extra,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -159,9 +203,11 @@ def daemon(workdir: Path, host_bytes: str, *extra: str,
 
 COUNTERS = ("bytes_out_shm", "loads", "stores_accepted")
 # Why check 2 (daemon bytes out = vLLM's loaded tokens) can fail while kvtier did nothing wrong.
-CHECK2_HINT = (" (vLLM counts a hit in external_kv_transfer when it schedules the request; blocks whose "
-               "load then fails, e.g. past step_budget_ms, are recomputed but stay counted: see "
-               "load_failed_blocks and budget_exhausted in the engine log's 'KV Transfer metrics' lines)")
+CHECK2_HINT = (
+    " (vLLM counts a hit in external_kv_transfer when it schedules the request; blocks whose "
+    "load then fails, e.g. past step_budget_ms, are recomputed but stay counted: see "
+    "load_failed_blocks and budget_exhausted in the engine log's 'KV Transfer metrics' lines)"
+)
 
 
 def daemon_counters(address: str, revision: str) -> dict[str, Any]:
@@ -197,16 +243,26 @@ class Engine:
     def __init__(self, spec: dict[str, Any], log_path: Path, kv_cache_gib: int, cpus: str) -> None:
         # The same OpenMP binding for every arm: vLLM's automatic one reserves one core fewer for
         # the worker when a kv_transfer_config is set, which on 2 cores means 2 cores vs 1.
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=cpus,
-                   OMP_NUM_THREADS=str(len(cr_ids(cpus))), PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=cpus,
+            OMP_NUM_THREADS=str(len(cr_ids(cpus))),
+            PYTHONUNBUFFERED="1",
+        )
         self.log_path = log_path
         self.log: TextIO = open(log_path, "w")
         self.t_start = time.perf_counter()
         self.startup_s = 0.0
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), str(SCRIPT), "--engine", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            env=env, start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
 
     def wait_ready(self) -> float:
         """Wait for the engine's ready line; returns seconds since the process started."""
@@ -218,7 +274,7 @@ class Engine:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(PROTO):
-                reply: dict[str, Any] = json.loads(line[len(PROTO):])
+                reply: dict[str, Any] = json.loads(line[len(PROTO) :])
                 return reply
             self.log.write(line)
             self.log.flush()
@@ -251,10 +307,20 @@ class Engine:
         self.log.close()
 
 
-def engine_spec(model: Path, dtype: str, max_model_len: int, num_blocks: int | None,
-                connector: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
-            "connector": connector, "num_blocks": num_blocks}
+def engine_spec(
+    model: Path,
+    dtype: str,
+    max_model_len: int,
+    num_blocks: int | None,
+    connector: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "connector": connector,
+        "num_blocks": num_blocks,
+    }
 
 
 def fmt_s(x: float) -> str:
@@ -296,26 +362,29 @@ class EngineSet:
 
     def start(self, names: list[str]) -> dict[str, Engine]:
         if self.address is None:
-            self.address = self.stack.enter_context(daemon(self.workdir / "daemon",
-                                                           self.args.host_bytes))["address"]
+            self.address = self.stack.enter_context(daemon(self.workdir / "daemon", self.args.host_bytes))[
+                "address"
+            ]
         new = {}
         for name in names:
             if name not in self.engines:
                 kvtier, mode, _, more = SMALL_ENGINES[name]
-                new[name] = (connector_config(self.address, self.revision(name), load_mode=mode, **more)
-                             if kvtier else None)
+                new[name] = (
+                    connector_config(self.address, self.revision(name), load_mode=mode, **more)
+                    if kvtier
+                    else None
+                )
         return self.start_with(names, new)
 
-    def start_with(self, names: list[str], connectors: dict[str, dict[str, Any] | None]
-                   ) -> dict[str, Engine]:
+    def start_with(self, names: list[str], connectors: dict[str, dict[str, Any] | None]) -> dict[str, Engine]:
         """Start an engine per entry of ``connectors`` (name -> its ``kv_connector_extra_config``,
         None: no connector) not yet running, side by side; returns those of ``names``."""
         new = [n for n in connectors if n not in self.engines]
         for name in new:
-            spec = engine_spec(self.model, self.args.dtype, self.max_model_len, self.args.small_blocks,
-                               connectors[name])
-            engine = Engine(spec, self.workdir / f"engine-{name}.log", self.args.kv_cache_gib,
-                            self.args.cpus)
+            spec = engine_spec(
+                self.model, self.args.dtype, self.max_model_len, self.args.small_blocks, connectors[name]
+            )
+            engine = Engine(spec, self.workdir / f"engine-{name}.log", self.args.kv_cache_gib, self.args.cpus)
             self.stack.callback(engine.close)
             self.engines[name] = engine
         if new:
@@ -332,7 +401,9 @@ class EngineSet:
         return daemon_counters(self.address, self.revision(name))
 
     def model_desc(self) -> str:
-        return (f"Qwen3-0.6B shape with {self.args.small_layers} layers ({self.args.dtype}), "
-                f"{self.bpt:,} KV bytes/token ({self.bpt * BLOCK_TOKENS / 2**20:g} MiB per block), "
-                f"engine KV cache {self.args.small_blocks} blocks "
-                f"({self.args.small_blocks * BLOCK_TOKENS:,} tokens), max_model_len {self.max_model_len:,}")
+        return (
+            f"Qwen3-0.6B shape with {self.args.small_layers} layers ({self.args.dtype}), "
+            f"{self.bpt:,} KV bytes/token ({self.bpt * BLOCK_TOKENS / 2**20:g} MiB per block), "
+            f"engine KV cache {self.args.small_blocks} blocks "
+            f"({self.args.small_blocks * BLOCK_TOKENS:,} tokens), max_model_len {self.max_model_len:,}"
+        )

@@ -33,16 +33,26 @@ def engine_main(spec: dict[str, Any]) -> None:
     from vllm.v1.metrics.reader import Counter
 
     kwargs: dict[str, Any] = dict(
-        model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-        dtype=spec["dtype"], seed=0, max_model_len=spec["max_model_len"],
-        enable_prefix_caching=True, disable_log_stats=False)
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=spec["dtype"],
+        seed=0,
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
     if spec.get("num_blocks"):  # a KV cache of exactly this many blocks
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": spec["connector"]}
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"],
+        }
     llm = LLM(**kwargs)
 
     def params(n: int) -> Any:
@@ -80,22 +90,35 @@ def engine_main(spec: dict[str, Any]) -> None:
         before = by_source()
         t0 = time.perf_counter()
         if cmd["op"] == "generate":
-            (out,) = llm.generate([{"prompt_token_ids": cmd["ids"]}], params(cmd.get("max_tokens", 1)),
-                                  use_tqdm=False)
+            (out,) = llm.generate(
+                [{"prompt_token_ids": cmd["ids"]}], params(cmd.get("max_tokens", 1)), use_tqdm=False
+            )
             wall = time.perf_counter() - t0
             after = by_source()
             ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
-            answer({"ttft_s": ttft, "wall_s": wall, "num_cached_tokens": out.num_cached_tokens or 0,
-                    "prompt_tokens": len(cmd["ids"]), "output": list(out.outputs[0].token_ids),
-                    "sources": {s: after[s] - before[s] for s in SOURCES}})
+            answer(
+                {
+                    "ttft_s": ttft,
+                    "wall_s": wall,
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                    "prompt_tokens": len(cmd["ids"]),
+                    "output": list(out.outputs[0].token_ids),
+                    "sources": {s: after[s] - before[s] for s in SOURCES},
+                }
+            )
         elif cmd["op"] == "metrics":
             answer({"kvtier": kvtier_counters()})
         elif cmd["op"] == "clients":
             each = cmd.get("max_tokens_each") or [cmd["max_tokens"]] * len(cmd["clients"])
             reqs = run_clients(llm.llm_engine, cmd["clients"], [params(n) for n in each])
             after = by_source()
-            answer({"requests": reqs, "wall_s": time.perf_counter() - t0,
-                    "sources": {s: after[s] - before[s] for s in SOURCES}})
+            answer(
+                {
+                    "requests": reqs,
+                    "wall_s": time.perf_counter() - t0,
+                    "sources": {s: after[s] - before[s] for s in SOURCES},
+                }
+            )
     answer({"bye": True})
 
 
@@ -111,8 +134,14 @@ def run_clients(engine: Any, clients: list[list[list[int]]], params: list[Any]) 
             return
         rid = f"c{c}-{nxt[c]}"
         ids = clients[c][nxt[c]]
-        recs[rid] = {"client": c, "index": nxt[c], "prompt_tokens": len(ids), "ttft_s": None,
-                     "itl_s": [], "t_add": time.perf_counter()}
+        recs[rid] = {
+            "client": c,
+            "index": nxt[c],
+            "prompt_tokens": len(ids),
+            "ttft_s": None,
+            "itl_s": [],
+            "t_add": time.perf_counter(),
+        }
         nxt[c] += 1
         got[rid] = 0
         engine.add_request(rid, {"prompt_token_ids": ids}, params[c])

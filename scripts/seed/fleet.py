@@ -37,25 +37,34 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
             src = rec["sources"]
             h, n = src["local_cache_hit"], src["external_kv_transfer"]
             loaded = [owner.get((i, b)) for b in range(h // BLOCK_TOKENS, (h + n) // BLOCK_TOKENS)]
-            rec.update(round=rnd, doc=i, engine=NAMES[name],
-                       loaded_self=BLOCK_TOKENS * sum(1 for o in loaded if o == name),
-                       loaded_other=BLOCK_TOKENS * sum(1 for o in loaded if o is not None and o != name),
-                       loaded_unknown=BLOCK_TOKENS * sum(1 for o in loaded if o is None))
+            rec.update(
+                round=rnd,
+                doc=i,
+                engine=NAMES[name],
+                loaded_self=BLOCK_TOKENS * sum(1 for o in loaded if o == name),
+                loaded_other=BLOCK_TOKENS * sum(1 for o in loaded if o is not None and o != name),
+                loaded_unknown=BLOCK_TOKENS * sum(1 for o in loaded if o is None),
+            )
             for b in range((h + n) // BLOCK_TOKENS, len(ids) // BLOCK_TOKENS):  # computed full blocks
                 owner.setdefault((i, b), name)
             records.append(rec)
-            log(f"  fleet round {rnd} doc {i} on {NAMES[name]}: {len(ids)} tokens, TTFT "
+            log(
+                f"  fleet round {rnd} doc {i} on {NAMES[name]}: {len(ids)} tokens, TTFT "
                 f"{rec['ttft_s']:.2f}s, computed {src['local_compute']}, cache {h}, kvtier {n} "
-                f"(other engine's {rec['loaded_other']})")
+                f"(other engine's {rec['loaded_other']})"
+            )
         d1 = es.counters("sync")
-        rounds.append({"round": rnd, **{k: d1[k] - d0[k] for k in ("bytes_out_shm", "loads",
-                                                                    "stores_accepted")}})
+        rounds.append(
+            {"round": rnd, **{k: d1[k] - d0[k] for k in ("bytes_out_shm", "loads", "stores_accepted")}}
+        )
     check1 = all(sum(r["sources"].values()) == r["prompt_tokens"] for r in records)
     check2 = True
-    lines = ["| round | engine | requests | prompt tokens | computed | engine cache hit | loaded from kvtier "
-             "| of which stored by the other engine | stored by itself | median TTFT s | daemon blocks "
-             "stored in the round | daemon bytes out ÷ B/token |",
-             "|" + " --- |" * 12]
+    lines = [
+        "| round | engine | requests | prompt tokens | computed | engine cache hit | loaded from kvtier "
+        "| of which stored by the other engine | stored by itself | median TTFT s | daemon blocks "
+        "stored in the round | daemon bytes out ÷ B/token |",
+        "|" + " --- |" * 12,
+    ]
     for rinfo in rounds:
         rnd = rinfo["round"]
         rs_round = [r for r in records if r["round"] == rnd]
@@ -75,14 +84,18 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
                 f"| {tot('local_cache_hit'):,} | {tot('external_kv_transfer'):,} | {tot('loaded_other'):,} "
                 f"| {tot('loaded_self'):,} | {statistics.median(r['ttft_s'] for r in rs):.3f} "
                 f"| {rinfo['stores_accepted']:,} (both) "
-                f"| {rinfo['bytes_out_shm'] / es.bpt:,.0f} (both; {'ok' if ok else 'FAIL'}) |")
+                f"| {rinfo['bytes_out_shm'] / es.bpt:,.0f} (both; {'ok' if ok else 'FAIL'}) |"
+            )
     cross = sum(r["loaded_other"] for r in records)
-    report = (f"{args.fleet_docs} documents of {'-'.join(map(str, args.fleet_doc_tokens))} tokens "
-              f"({', '.join(str(len(d)) for d in docs)}), {args.fleet_rounds} rounds; engines 'sync' (A) "
-              f"and 'sync-b' (B) of the small set, both running, one daemon.\n\n" + "\n".join(lines)
-              + f"\n\nCross-replica: {cross:,} tokens ({cross // BLOCK_TOKENS} blocks) loaded by one "
-              f"engine from blocks the other stored. Unattributed loaded tokens: "
-              f"{sum(r['loaded_unknown'] for r in records):,}. Check 1 (computed + cache hit + loaded "
-              f"= prompt, every request): {'ok' if check1 else 'FAIL'}; check 2 (daemon bytes out ÷ "
-              f"{es.bpt:,} = loaded tokens, every round): {'ok' if check2 else 'FAIL' + CHECK2_HINT}.")
+    report = (
+        f"{args.fleet_docs} documents of {'-'.join(map(str, args.fleet_doc_tokens))} tokens "
+        f"({', '.join(str(len(d)) for d in docs)}), {args.fleet_rounds} rounds; engines 'sync' (A) "
+        f"and 'sync-b' (B) of the small set, both running, one daemon.\n\n"
+        + "\n".join(lines)
+        + f"\n\nCross-replica: {cross:,} tokens ({cross // BLOCK_TOKENS} blocks) loaded by one "
+        f"engine from blocks the other stored. Unattributed loaded tokens: "
+        f"{sum(r['loaded_unknown'] for r in records):,}. Check 1 (computed + cache hit + loaded "
+        f"= prompt, every request): {'ok' if check1 else 'FAIL'}; check 2 (daemon bytes out ÷ "
+        f"{es.bpt:,} = loaded tokens, every round): {'ok' if check2 else 'FAIL' + CHECK2_HINT}."
+    )
     return report, {"records": records, "rounds": rounds}, check1 and check2

@@ -53,22 +53,30 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
             clients = [[decoder]] + (traffic if mode == "busy" else [])
             each = [args.interference_decode] + [1] * (len(clients) - 1)
             m0 = eng.call({"op": "metrics"})["kvtier"]
-            res = eng.call({"op": "clients", "clients": clients, "max_tokens": 1,
-                            "max_tokens_each": each})
+            res = eng.call({"op": "clients", "clients": clients, "max_tokens": 1, "max_tokens_each": each})
             m1 = eng.call({"op": "metrics"})["kvtier"]
             itl = next(r["itl_s"] for r in res["requests"] if r["client"] == 0)
-            rows[(name, mode)] = {"itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
-                                  "wall_s": res["wall_s"], "sources": res["sources"],
-                                  "kvtier": {k: m1[k] - m0.get(k, 0.0) for k in m1}}
-            log(f"  interference {name} {mode}: ITL p50 {percentile(itl, 0.5) * 1e3:.1f} ms, "
-                f"p99 {percentile(itl, 0.99) * 1e3:.1f} ms, sources {res['sources']}")
+            rows[(name, mode)] = {
+                "itl_p50": percentile(itl, 0.5),
+                "itl_p99": percentile(itl, 0.99),
+                "wall_s": res["wall_s"],
+                "sources": res["sources"],
+                "kvtier": {k: m1[k] - m0.get(k, 0.0) for k in m1},
+            }
+            log(
+                f"  interference {name} {mode}: ITL p50 {percentile(itl, 0.5) * 1e3:.1f} ms, "
+                f"p99 {percentile(itl, 0.99) * 1e3:.1f} ms, sources {res['sources']}"
+            )
     return report(args, rows), {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()}}, True
 
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]]) -> str:
-    lines = ["| engine | run | decode ITL p50 ms | p99 ms | p50 vs quiet | p99 vs quiet "
-             "| loaded from kvtier | kvtier transfers / decoding steps' time | stores dropped (budget) "
-             "| wall s |", "|" + " --- |" * 10]
+    lines = [
+        "| engine | run | decode ITL p50 ms | p99 ms | p50 vs quiet | p99 vs quiet "
+        "| loaded from kvtier | kvtier transfers / decoding steps' time | stores dropped (budget) "
+        "| wall s |",
+        "|" + " --- |" * 10,
+    ]
     for name in ENGINES:
         q = rows[(name, "quiet")]
         for mode in ("quiet", "busy"):
@@ -76,14 +84,18 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]]
             k = r["kvtier"]
             dropped = [v for n, v in k.items() if "dropped_budget_blocks" in n]
             step_s = k.get("vllm:kvtier_budget_step_seconds", 0.0)
-            moved = k.get("vllm:kvtier_budget_load_seconds", 0.0) + \
-                k.get("vllm:kvtier_budget_store_seconds", 0.0)
+            moved = k.get("vllm:kvtier_budget_load_seconds", 0.0) + k.get(
+                "vllm:kvtier_budget_store_seconds", 0.0
+            )
             share = f"{moved / step_s:.1%}" if step_s else "-"
             lines.append(
                 f"| {name} | {mode} | {r['itl_p50'] * 1e3:.1f} | {r['itl_p99'] * 1e3:.1f} "
                 f"| {r['itl_p50'] / q['itl_p50']:.2f}× | {r['itl_p99'] / q['itl_p99']:.2f}× "
                 f"| {r['sources']['external_kv_transfer']:,} | {share} "
-                f"| {int(sum(dropped)) if dropped else '-'} | {r['wall_s']:.1f} |")
-    return (f"One request decodes {args.interference_decode} tokens; busy: {args.mix_clients} clients × "
-            f"{args.mix_requests} requests beside it (revisits of {args.mix_pool} pool documents and "
-            f"new documents, {'-'.join(map(str, args.mix_doc_tokens))} tokens).\n\n" + "\n".join(lines))
+                f"| {int(sum(dropped)) if dropped else '-'} | {r['wall_s']:.1f} |"
+            )
+    return (
+        f"One request decodes {args.interference_decode} tokens; busy: {args.mix_clients} clients × "
+        f"{args.mix_requests} requests beside it (revisits of {args.mix_pool} pool documents and "
+        f"new documents, {'-'.join(map(str, args.mix_doc_tokens))} tokens).\n\n" + "\n".join(lines)
+    )

@@ -59,8 +59,13 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
         for j in range(len(CONFIGS)):
             name = CONFIGS[(p + j) % len(CONFIGS)]
             d0 = es.counters(name) if name != "alone" else None
-            res = engines[name].call({"op": "clients", "clients": [[ids for _, ids in c] for c in clients],
-                                      "max_tokens": args.mix_answer})
+            res = engines[name].call(
+                {
+                    "op": "clients",
+                    "clients": [[ids for _, ids in c] for c in clients],
+                    "max_tokens": args.mix_answer,
+                }
+            )
             if d0 is not None:
                 sums[name]["bytes_out"] += es.counters(name)["bytes_out_shm"] - d0["bytes_out_shm"]
             for s in SOURCES:
@@ -70,15 +75,23 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
                 r.update(config=name, phase=p + 1, kind=clients[r["client"]][r["index"]][0])
                 records.append(r)
             ttfts = sorted(r["ttft_s"] for r in res["requests"])
-            log(f"  mix phase {p + 1} {name}: {len(res['requests'])} requests in {res['wall_s']:.1f}s, "
-                f"TTFT p50 {percentile(ttfts, 0.5):.2f}s, sources {res['sources']}")
-    check2 = all(sums[c]["bytes_out"] % es.bpt == 0 and sums[c]["bytes_out"] // es.bpt
-                 == sums[c]["external_kv_transfer"] for c in ("sync", "async"))
+            log(
+                f"  mix phase {p + 1} {name}: {len(res['requests'])} requests in {res['wall_s']:.1f}s, "
+                f"TTFT p50 {percentile(ttfts, 0.5):.2f}s, sources {res['sources']}"
+            )
+    check2 = all(
+        sums[c]["bytes_out"] % es.bpt == 0
+        and sums[c]["bytes_out"] // es.bpt == sums[c]["external_kv_transfer"]
+        for c in ("sync", "async")
+    )
     prompt = {c: sum(r["prompt_tokens"] for r in records if r["config"] == c) for c in CONFIGS}
     check1 = all(sum(sums[c][s] for s in SOURCES) == prompt[c] for c in CONFIGS)
-    lines = ["| engine | requests | TTFT p50 s | TTFT p90 s | TTFT p50 revisits | TTFT p50 new "
-             "| inter-token p50 ms | inter-token p90 ms | TTFT p50 vs alone | prompt tokens | computed "
-             "| engine cache hit | loaded from kvtier | wall s (all phases) |", "|" + " --- |" * 14]
+    lines = [
+        "| engine | requests | TTFT p50 s | TTFT p90 s | TTFT p50 revisits | TTFT p50 new "
+        "| inter-token p50 ms | inter-token p90 ms | TTFT p50 vs alone | prompt tokens | computed "
+        "| engine cache hit | loaded from kvtier | wall s (all phases) |",
+        "|" + " --- |" * 14,
+    ]
     base = percentile([r["ttft_s"] for r in records if r["config"] == "alone"], 0.5)
     for c in CONFIGS:
         rs = [r for r in records if r["config"] == c]
@@ -91,14 +104,18 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
             f"| {percentile(rev, 0.5):.3f} | {percentile(new, 0.5):.3f} | {percentile(itl, 0.5) * 1e3:.0f} "
             f"| {percentile(itl, 0.9) * 1e3:.0f} | {percentile(tt, 0.5) / base:.2f}× | {prompt[c]:,} "
             f"| {int(sums[c]['local_compute']):,} | {int(sums[c]['local_cache_hit']):,} "
-            f"| {int(sums[c]['external_kv_transfer']):,} | {sums[c]['wall_s']:.1f} |")
+            f"| {int(sums[c]['external_kv_transfer']):,} | {sums[c]['wall_s']:.1f} |"
+        )
     kinds = [k for clients in phases for c in clients for k, _ in c]
-    report = (f"{args.mix_clients} clients × {args.mix_requests} requests × {args.mix_phases} phases per "
-              f"engine ({kinds.count('revisit')} revisits of {args.mix_pool} pool documents, "
-              f"{kinds.count('new')} new documents; {'-'.join(map(str, args.mix_doc_tokens))} tokens each; "
-              f"pool {', '.join(str(len(d)) for d in pool)}), {args.mix_answer} tokens per answer; "
-              f"engines 'alone', 'sync', 'async' of the small set.\n\n" + "\n".join(lines)
-              + f"\n\nCheck 1 (computed + cache hit + loaded = prompt tokens, per engine): "
-              f"{'ok' if check1 else 'FAIL'}; check 2 (daemon bytes out ÷ {es.bpt:,} = loaded tokens, "
-              f"sync and async): {'ok' if check2 else 'FAIL' + CHECK2_HINT}.")
+    report = (
+        f"{args.mix_clients} clients × {args.mix_requests} requests × {args.mix_phases} phases per "
+        f"engine ({kinds.count('revisit')} revisits of {args.mix_pool} pool documents, "
+        f"{kinds.count('new')} new documents; {'-'.join(map(str, args.mix_doc_tokens))} tokens each; "
+        f"pool {', '.join(str(len(d)) for d in pool)}), {args.mix_answer} tokens per answer; "
+        f"engines 'alone', 'sync', 'async' of the small set.\n\n"
+        + "\n".join(lines)
+        + f"\n\nCheck 1 (computed + cache hit + loaded = prompt tokens, per engine): "
+        f"{'ok' if check1 else 'FAIL'}; check 2 (daemon bytes out ÷ {es.bpt:,} = loaded tokens, "
+        f"sync and async): {'ok' if check2 else 'FAIL' + CHECK2_HINT}."
+    )
     return report, {"records": records, "sums": sums}, check1 and check2

@@ -40,18 +40,31 @@ PHASES = ("fast", "slow", "recovered")
 def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], bool]:
     latency = es.workdir / "read-latency-ms"
     latency.write_text(str(args.slow_read_ms))
-    ready = es.stack.enter_context(daemon(
-        es.workdir / "slow-daemon", args.slow_host_bytes, "--slab-bytes", args.slow_slab_bytes,
-        "--disk-dir", str(es.workdir / "slow-nvme"), "--disk-bytes", "4GiB",
-        "--write-policy", "write-through",
-        launcher=("kvtierd.testing.serve", "--read-latency-file", str(latency))))
+    ready = es.stack.enter_context(
+        daemon(
+            es.workdir / "slow-daemon",
+            args.slow_host_bytes,
+            "--slab-bytes",
+            args.slow_slab_bytes,
+            "--disk-dir",
+            str(es.workdir / "slow-nvme"),
+            "--disk-bytes",
+            "4GiB",
+            "--write-policy",
+            "write-through",
+            launcher=("kvtierd.testing.serve", "--read-latency-file", str(latency)),
+        )
+    )
     rev = f"{args.revision}-slow"
-    engines = es.start_with(["alone", "slow-always", "slow-adaptive"], {
-        "alone": None,
-        "slow-always": connector_config(ready["address"], rev + "-always", load_policy="always"),
-        "slow-adaptive": connector_config(ready["address"], rev + "-adaptive", load_policy="adaptive")})
-    by = {"alone": engines["alone"], "always": engines["slow-always"],
-          "adaptive": engines["slow-adaptive"]}
+    engines = es.start_with(
+        ["alone", "slow-always", "slow-adaptive"],
+        {
+            "alone": None,
+            "slow-always": connector_config(ready["address"], rev + "-always", load_policy="always"),
+            "slow-adaptive": connector_config(ready["address"], rev + "-adaptive", load_policy="adaptive"),
+        },
+    )
+    by = {"alone": engines["alone"], "always": engines["slow-always"], "adaptive": engines["slow-adaptive"]}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     outputs_equal = True
     records: list[dict[str, Any]] = []
@@ -78,20 +91,30 @@ def run(args: argparse.Namespace, es: EngineSet) -> tuple[str, dict[str, Any], b
                     outs[name].append(rec["output"])
                     records.append({**rec, "phase": phase, "engine": name, "round": rnd + 2, "doc": i})
             m1 = eng.call({"op": "metrics"})["kvtier"]
-            rows[(phase, name)] = {"wall_s": wall, "ttft_p50": percentile(ttfts, 0.5),
-                                   "sources": src,
-                                   "decisions": {k: m1[k] - m0.get(k, 0.0) for k in m1}}
-            log(f"  slow-tier {phase} {name}: revisits {wall:.2f}s, TTFT p50 "
-                f"{percentile(ttfts, 0.5):.3f}s, sources {src}")
+            rows[(phase, name)] = {
+                "wall_s": wall,
+                "ttft_p50": percentile(ttfts, 0.5),
+                "sources": src,
+                "decisions": {k: m1[k] - m0.get(k, 0.0) for k in m1},
+            }
+            log(
+                f"  slow-tier {phase} {name}: revisits {wall:.2f}s, TTFT p50 "
+                f"{percentile(ttfts, 0.5):.3f}s, sources {src}"
+            )
         outputs_equal &= outs["always"] == outs["alone"] == outs["adaptive"]
-    return report(args, rows, outputs_equal), {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()},
-                                                "records": records}, outputs_equal
+    return (
+        report(args, rows, outputs_equal),
+        {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()}, "records": records},
+        outputs_equal,
+    )
 
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]], equal: bool) -> str:
-    lines = ["| phase | engine | revisits wall s | vs alone | TTFT p50 s | vs alone | computed "
-             "| engine cache hit | loaded from kvtier | recomputed: slower, budget | probes |",
-             "|" + " --- |" * 11]
+    lines = [
+        "| phase | engine | revisits wall s | vs alone | TTFT p50 s | vs alone | computed "
+        "| engine cache hit | loaded from kvtier | recomputed: slower, budget | probes |",
+        "|" + " --- |" * 11,
+    ]
     for phase in PHASES:
         base = rows[(phase, "alone")]
         for name in ENGINES:
@@ -108,8 +131,12 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], dict[str, Any]]
                 f"| {r['sources']['local_compute']:,} | {r['sources']['local_cache_hit']:,} "
                 f"| {r['sources']['external_kv_transfer']:,} | {pick('recomputed_slower')}, "
                 f"{pick('recomputed_budget')} "
-                f"| {pick('probe')} |")
-    return (f"{args.slow_docs} documents per phase, {args.slow_rounds} revisit rounds, one request at a "
-            f"time; NVMe reads sleep {args.slow_read_ms} ms in the slow phase, 0 in the others; host "
-            f"tier {args.slow_host_bytes}.\n\n" + "\n".join(lines)
-            + f"\n\nCheck (the three engines' outputs are equal): {'ok' if equal else 'FAIL'}.")
+                f"| {pick('probe')} |"
+            )
+    return (
+        f"{args.slow_docs} documents per phase, {args.slow_rounds} revisit rounds, one request at a "
+        f"time; NVMe reads sleep {args.slow_read_ms} ms in the slow phase, 0 in the others; host "
+        f"tier {args.slow_host_bytes}.\n\n"
+        + "\n".join(lines)
+        + f"\n\nCheck (the three engines' outputs are equal): {'ok' if equal else 'FAIL'}."
+    )

@@ -30,8 +30,9 @@ def _mode(text: str) -> int:
     try:
         return int(text, 8)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an octal mode such as 600 or 0660, got "
-                                         f"{text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected an octal mode such as 600 or 0660, got {text!r}"
+        ) from None
 
 
 class _ConfigDefaults(argparse.HelpFormatter):
@@ -75,18 +76,22 @@ def _exact_size(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtierd", description="kvtier daemon: host and NVMe tiers of "
-                                                            "KV-cache blocks")
+    p = argparse.ArgumentParser(
+        prog="kvtierd", description="kvtier daemon: host and NVMe tiers of KV-cache blocks"
+    )
     p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the kvtierd daemon (embedded defaults, overridable)",
-                       formatter_class=_ConfigDefaults,
-                       description="Run the kvtierd daemon. Every flag overrides the DaemonConfig "
-                       "field of its name (docs/configuration.md); the defaults shown are the "
-                       "embedded ones, which --config FILE may change. Startup checks refuse, "
-                       "in one line and with exit status 2, a host tier larger than the memory "
-                       "available, a port in use and an unusable --disk-dir.")
+    s = sub.add_parser(
+        "serve",
+        help="run the kvtierd daemon (embedded defaults, overridable)",
+        formatter_class=_ConfigDefaults,
+        description="Run the kvtierd daemon. Every flag overrides the DaemonConfig "
+        "field of its name (docs/configuration.md); the defaults shown are the "
+        "embedded ones, which --config FILE may change. Startup checks refuse, "
+        "in one line and with exit status 2, a host tier larger than the memory "
+        "available, a port in use and an unusable --disk-dir.",
+    )
     _host_and_listener_flags(s)
     _storage_flags(s)
     _tenant_and_event_flags(s)
@@ -94,13 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
 
-    f = sub.add_parser("fsck", help="verify an NVMe tier directory offline (every slot; refused "
-                       "while a daemon uses it)", description=FSCK_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    f = sub.add_parser(
+        "fsck",
+        help="verify an NVMe tier directory offline (every slot; refused while a daemon uses it)",
+        description=FSCK_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_fsck_arguments(f)
 
-    sub.add_parser("hash-token", help="print the tokens_sha256 entry of a bearer token read "
-                                      "from stdin (first line), for a tenants file")
+    sub.add_parser(
+        "hash-token",
+        help="print the tokens_sha256 entry of a bearer token read "
+        "from stdin (first line), for a tenants file",
+    )
 
     return p
 
@@ -109,59 +120,99 @@ def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
     """``serve``: the config file, the host tier, the listeners, leases, cuda_ipc."""
     s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
     s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
-    s.add_argument("--allow-host-bytes-over-available", dest="allow_host_bytes_over_available",
-                   action="store_const", const=True, help="start even when the host tier (and "
-                   "tenant arenas) exceed the memory available (warned at start)")
+    s.add_argument(
+        "--allow-host-bytes-over-available",
+        dest="allow_host_bytes_over_available",
+        action="store_const",
+        const=True,
+        help="start even when the host tier (and "
+        "tenant arenas) exceed the memory available (warned at start)",
+    )
     s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
     s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
-    s.add_argument("--socket-mode", type=_mode, help="mode of the Unix sockets, octal (600: the "
-                   "daemon's user only; 660: its group too)")
+    s.add_argument(
+        "--socket-mode",
+        type=_mode,
+        help="mode of the Unix sockets, octal (600: the daemon's user only; 660: its group too)",
+    )
     s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
     s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
     s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables, 0 picks one)")
     s.add_argument("--metrics-host", help="Prometheus bind address")
     s.add_argument("--eviction-policy", choices=["lru", "arc"], help="host tier eviction order")
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
-    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
-                   help="do not allocate the arena's pages at start")
-    s.add_argument("--cuda-ipc", dest="cuda_ipc", action="store_const", const=True,
-                   help="offer the cuda_ipc transport (needs cupy and a GPU)")
+    s.add_argument(
+        "--no-prefault",
+        dest="prefault",
+        action="store_const",
+        const=False,
+        help="do not allocate the arena's pages at start",
+    )
+    s.add_argument(
+        "--cuda-ipc",
+        dest="cuda_ipc",
+        action="store_const",
+        const=True,
+        help="offer the cuda_ipc transport (needs cupy and a GPU)",
+    )
 
 
 def _storage_flags(s: argparse.ArgumentParser) -> None:
     """``serve``: the NVMe and cluster tiers."""
     s.add_argument("--disk-dir", help="NVMe tier directory (enables the tier)")
-    s.add_argument("--disk-optional", dest="disk_optional", action="store_const", const=True,
-                   help="start with the host tier alone when --disk-dir cannot be used (the "
-                   "tier opens once it can); without it such a start is refused")
-    s.add_argument("--disk-bytes", type=_size,
-                   help="NVMe tier size, e.g. 100GiB; required with --disk-dir")
-    s.add_argument("--io-align", dest="io_align_bytes", type=_size,
-                   help="NVMe slot alignment (16KiB works too)")
-    s.add_argument("--write-policy", choices=["write-back", "write-through", "selective"],
-                   help="when blocks are written to NVMe")
-    s.add_argument("--cluster", help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
-                   "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)")
-    s.add_argument("--cluster-write-policy", choices=["commit", "evict"],
-                   help="which blocks are written to the cluster")
-    s.add_argument("--cluster-fleet-key-file", help="the fleet key (hex, >= 32 bytes) that "
-                   "authenticates cluster values; required with --cluster (docs/cluster.md)")
+    s.add_argument(
+        "--disk-optional",
+        dest="disk_optional",
+        action="store_const",
+        const=True,
+        help="start with the host tier alone when --disk-dir cannot be used (the "
+        "tier opens once it can); without it such a start is refused",
+    )
+    s.add_argument("--disk-bytes", type=_size, help="NVMe tier size, e.g. 100GiB; required with --disk-dir")
+    s.add_argument(
+        "--io-align", dest="io_align_bytes", type=_size, help="NVMe slot alignment (16KiB works too)"
+    )
+    s.add_argument(
+        "--write-policy",
+        choices=["write-back", "write-through", "selective"],
+        help="when blocks are written to NVMe",
+    )
+    s.add_argument(
+        "--cluster",
+        help="cluster tier: redis://HOST:PORT[,HOST:PORT...] of a Redis "
+        "or Valkey Cluster shared by the daemons of many nodes (rediss:// for TLS)",
+    )
+    s.add_argument(
+        "--cluster-write-policy", choices=["commit", "evict"], help="which blocks are written to the cluster"
+    )
+    s.add_argument(
+        "--cluster-fleet-key-file",
+        help="the fleet key (hex, >= 32 bytes) that "
+        "authenticates cluster values; required with --cluster (docs/cluster.md)",
+    )
 
 
 def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
     """``serve``: the tenants file, KV events."""
-    s.add_argument("--tenants-file", help="tenants, their token digests and quotas (TOML; "
-                   "docs/security.md); re-read on SIGHUP")
-    s.add_argument("--events-endpoint", help="publish KV events (vLLM's wire format) on this "
-                   "ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (docs/events.md); off by default")
-    s.add_argument("--events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay "
-                   "requests of --events-endpoint")
-    s.add_argument("--events-tenant-endpoint", help="per-tenant event streams: ipc://PATH "
-                   "with {tenant} in it")
-    s.add_argument("--events-tenant-replay-endpoint", help="per-tenant replay endpoints: "
-                   "ipc://PATH with {tenant} in it")
-    s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per "
-                   "stream")
+    s.add_argument(
+        "--tenants-file",
+        help="tenants, their token digests and quotas (TOML; docs/security.md); re-read on SIGHUP",
+    )
+    s.add_argument(
+        "--events-endpoint",
+        help="publish KV events (vLLM's wire format) on this "
+        "ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (docs/events.md); off by default",
+    )
+    s.add_argument(
+        "--events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay requests of --events-endpoint"
+    )
+    s.add_argument(
+        "--events-tenant-endpoint", help="per-tenant event streams: ipc://PATH with {tenant} in it"
+    )
+    s.add_argument(
+        "--events-tenant-replay-endpoint", help="per-tenant replay endpoints: ipc://PATH with {tenant} in it"
+    )
+    s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per stream")
 
 
 def _security_flags(s: argparse.ArgumentParser) -> None:
@@ -169,22 +220,41 @@ def _security_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
     s.add_argument("--tls-key", help="PEM key of --tls-cert")
     s.add_argument("--tls-client-ca", help="PEM CA verifying client certificates (mTLS)")
-    s.add_argument("--tls-require-client-cert", dest="tls_require_client_cert",
-                   action="store_const", const=True, help="refuse TLS clients without one")
-    s.add_argument("--allow-plaintext-remote", dest="allow_plaintext_remote",
-                   action="store_const", const=True,
-                   help="allow a non-loopback listen/data-listen without TLS (warned at start)")
-    s.add_argument("--allow-plaintext-metrics", dest="metrics_plaintext_remote",
-                   action="store_const", const=True, help="serve /metrics in plaintext off "
-                   "loopback; with tenants, only scrape tokens are accepted there")
-    s.add_argument("--health-listen", help="HOST:PORT serving only gRPC health, plaintext "
-                   "(kubelet grpc probes)")
-    s.add_argument("--reflection", choices=["unix", "all", "off"],
-                   help="where gRPC server reflection is served")
-    s.add_argument("--no-verify-bytes", dest="verify_bytes", action="store_const", const=False,
-                   help="give blocks no digest (loads unverified; for measuring its cost)")
-    s.add_argument("--verify-store", choices=["client", "daemon"],
-                   help="who hashes an shm store")
+    s.add_argument(
+        "--tls-require-client-cert",
+        dest="tls_require_client_cert",
+        action="store_const",
+        const=True,
+        help="refuse TLS clients without one",
+    )
+    s.add_argument(
+        "--allow-plaintext-remote",
+        dest="allow_plaintext_remote",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback listen/data-listen without TLS (warned at start)",
+    )
+    s.add_argument(
+        "--allow-plaintext-metrics",
+        dest="metrics_plaintext_remote",
+        action="store_const",
+        const=True,
+        help="serve /metrics in plaintext off loopback; with tenants, only scrape tokens are accepted there",
+    )
+    s.add_argument(
+        "--health-listen", help="HOST:PORT serving only gRPC health, plaintext (kubelet grpc probes)"
+    )
+    s.add_argument(
+        "--reflection", choices=["unix", "all", "off"], help="where gRPC server reflection is served"
+    )
+    s.add_argument(
+        "--no-verify-bytes",
+        dest="verify_bytes",
+        action="store_const",
+        const=False,
+        help="give blocks no digest (loads unverified; for measuring its cost)",
+    )
+    s.add_argument("--verify-store", choices=["client", "daemon"], help="who hashes an shm store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,8 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fsck":
         from kvtierd.tiers.nvme.fsck import main as fsck_main
 
-        return fsck_main([args.directory, "--max-problems", str(args.max_problems),
-                          "--progress-interval", str(args.progress_interval)])
+        return fsck_main(
+            [
+                args.directory,
+                "--max-problems",
+                str(args.max_problems),
+                "--progress-interval",
+                str(args.progress_interval),
+            ]
+        )
     return _serve(args)
 
 
@@ -227,14 +304,43 @@ def _serve(args: argparse.Namespace) -> int:
 # The DaemonConfig fields the ``serve`` flags set (each flag's ``dest``), in the order they are
 # handed to ``with_overrides``; a flag not given is None: the file's value or the default stays.
 _FLAG_FIELDS = (
-    "host_bytes", "slab_bytes", "socket_path", "socket_mode", "listen", "data_listen",
-    "metrics_port", "metrics_host", "eviction_policy", "lease_ttl_s", "prefault", "disk_dir",
-    "disk_bytes", "disk_optional", "allow_host_bytes_over_available", "io_align_bytes",
-    "write_policy", "cuda_ipc", "cluster", "cluster_write_policy", "tenants_file",
-    "cluster_fleet_key_file", "tls_cert", "tls_key", "tls_client_ca", "tls_require_client_cert",
-    "allow_plaintext_remote", "metrics_plaintext_remote", "health_listen", "reflection",
-    "verify_bytes", "verify_store", "events_endpoint", "events_replay_endpoint",
-    "events_tenant_endpoint", "events_tenant_replay_endpoint", "events_buffer_batches",
+    "host_bytes",
+    "slab_bytes",
+    "socket_path",
+    "socket_mode",
+    "listen",
+    "data_listen",
+    "metrics_port",
+    "metrics_host",
+    "eviction_policy",
+    "lease_ttl_s",
+    "prefault",
+    "disk_dir",
+    "disk_bytes",
+    "disk_optional",
+    "allow_host_bytes_over_available",
+    "io_align_bytes",
+    "write_policy",
+    "cuda_ipc",
+    "cluster",
+    "cluster_write_policy",
+    "tenants_file",
+    "cluster_fleet_key_file",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "tls_require_client_cert",
+    "allow_plaintext_remote",
+    "metrics_plaintext_remote",
+    "health_listen",
+    "reflection",
+    "verify_bytes",
+    "verify_store",
+    "events_endpoint",
+    "events_replay_endpoint",
+    "events_tenant_endpoint",
+    "events_tenant_replay_endpoint",
+    "events_buffer_batches",
 )
 
 

@@ -25,8 +25,10 @@ class InUse(Exception):
     def __init__(self, path: str, pid: int | None) -> None:
         self.path, self.pid = path, pid
         holder = f"pid {pid}" if pid is not None else "another process"
-        super().__init__(f"{path} is held by {holder} (another kvtierd is using it): stop it, "
-                         "or give this daemon a --socket and --disk-dir of its own")
+        super().__init__(
+            f"{path} is held by {holder} (another kvtierd is using it): stop it, "
+            "or give this daemon a --socket and --disk-dir of its own"
+        )
 
 
 class OwnerLock:

@@ -25,12 +25,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
-from kvtierd.metric_families_tiers import (
-    cluster_families,
-    cuda_families,
-    nvme_families,
-    tier_read_families,
-)
+from kvtierd.metric_families_tiers import cluster_families, cuda_families, nvme_families, tier_read_families
 from kvtierd.stats import COUNTER_FIELDS, GAUGE_FIELDS
 
 log = logging.getLogger("kvtierd.metrics")
@@ -194,19 +189,26 @@ def _event_families(ev: dict[str, Any]) -> Iterator[Any]:
     if not ev:
         return
     c = CounterMetricFamily
-    yield c("kvtier_events_published_total", "KV events sent (all streams)",
-            value=ev["events_published"])
-    yield c("kvtier_event_batches_published_total", "KV event messages (batches) sent",
-            value=ev["event_batches_published"])
-    yield c("kvtier_event_blocks_dropped_total",
-            "Blocks whose events were dropped because the publisher's queue was full",
-            value=ev["event_blocks_dropped"])
-    yield c("kvtier_event_replay_requests_total", "Replay requests answered",
-            value=ev["event_replay_requests"])
-    yield GaugeMetricFamily("kvtier_event_blocks_queued", "Blocks waiting to be published",
-                            value=ev["event_blocks_queued"])
-    yield GaugeMetricFamily("kvtier_event_streams", "Event streams bound (operator and tenants)",
-                            value=ev["event_streams"])
+    yield c("kvtier_events_published_total", "KV events sent (all streams)", value=ev["events_published"])
+    yield c(
+        "kvtier_event_batches_published_total",
+        "KV event messages (batches) sent",
+        value=ev["event_batches_published"],
+    )
+    yield c(
+        "kvtier_event_blocks_dropped_total",
+        "Blocks whose events were dropped because the publisher's queue was full",
+        value=ev["event_blocks_dropped"],
+    )
+    yield c(
+        "kvtier_event_replay_requests_total", "Replay requests answered", value=ev["event_replay_requests"]
+    )
+    yield GaugeMetricFamily(
+        "kvtier_event_blocks_queued", "Blocks waiting to be published", value=ev["event_blocks_queued"]
+    )
+    yield GaugeMetricFamily(
+        "kvtier_event_streams", "Event streams bound (operator and tenants)", value=ev["event_streams"]
+    )
 
 
 def _boot_families(snap: Snapshot) -> Iterator[Any]:

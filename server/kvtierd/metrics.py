@@ -41,6 +41,7 @@ _MAX_HEAD_BYTES = 8192  # a request head longer than this is closed unanswered
 ACCEPT_BACKOFF_S = 0.1  # accept() failed (out of descriptors): stop selecting the listener this long
 LOG_INTERVAL_S = 10.0  # at most one line per this many seconds for a failure that repeats
 
+
 class MetricsServer:
     """Owns the /metrics HTTP server: one listener thread and a pool of ``workers`` threads.
 
@@ -59,12 +60,19 @@ class MetricsServer:
     connection they are handed; ``close()`` may be called from any thread, once.
     """
 
-    def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
-                 snapshot: Callable[[Any], Snapshot], *, workers: int = 4,
-                 read_timeout_s: float = 5.0, write_timeout_s: float = 5.0,
-                 max_connections: int = 64,
-                 authorize: Callable[[str | None], tuple[bool, Any]] = lambda _t: (True, None)
-                 ) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        loop: asyncio.AbstractEventLoop,
+        snapshot: Callable[[Any], Snapshot],
+        *,
+        workers: int = 4,
+        read_timeout_s: float = 5.0,
+        write_timeout_s: float = 5.0,
+        max_connections: int = 64,
+        authorize: Callable[[str | None], tuple[bool, Any]] = lambda _t: (True, None),
+    ) -> None:
         """``snapshot(caller)`` (on the loop): the figures ``caller`` may see.
         ``authorize(bearer token or None)`` -> (allowed, caller): a request that is not
         allowed is answered 401 (a daemon with tenants: kvtierd.app)."""
@@ -115,8 +123,7 @@ class MetricsServer:
         self.port = sock.getsockname()[1]
         self._selector.register(sock, selectors.EVENT_READ, "accept")
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._serve, name="kvtier-metrics-listener",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="kvtier-metrics-listener", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
@@ -158,8 +165,9 @@ class MetricsServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # EMFILE and the like: stop accepting for a while, then retry
-                self._accept_log.warning("metrics: accept failed (%s); retrying in %.1fs", e,
-                                         ACCEPT_BACKOFF_S)
+                self._accept_log.warning(
+                    "metrics: accept failed (%s); retrying in %.1fs", e, ACCEPT_BACKOFF_S
+                )
                 self._selector.unregister(self._sock)
                 self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
                 return
@@ -234,13 +242,14 @@ class MetricsServer:
                 if caller is not None:  # this caller's own figures (a registry per request)
                     registry = self._registry(caller, daemon_wide=bool(caller.operator))
                 try:
-                    status, body, ctype = "200 OK", generate_latest(registry), \
-                        CONTENT_TYPE_LATEST
+                    status, body, ctype = "200 OK", generate_latest(registry), CONTENT_TYPE_LATEST
                 except Exception as e:  # noqa: BLE001  (a scrape must never kill a worker)
                     log.warning("metrics: rendering failed: %s", e)
                     status, body, ctype = "500 Internal Server Error", b"error\n", "text/plain"
-            reply = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n{extra}"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            reply = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n{extra}"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode()
             try:
                 conn.sendall(reply + (body if method != "HEAD" else b""))
             except OSError:

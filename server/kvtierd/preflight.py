@@ -215,8 +215,11 @@ def _stat(path: Path, key: str) -> int:
 def bound_ports(cfg: DaemonConfig) -> list[tuple[str, str, int]]:
     """(setting, host, port) of every TCP listener the daemon makes."""
     out = []
-    for name, value in (("listen", cfg.grpc.listen), ("data_listen", cfg.transports.data_listen),
-                        ("health_listen", cfg.grpc.health_listen)):
+    for name, value in (
+        ("listen", cfg.grpc.listen),
+        ("data_listen", cfg.transports.data_listen),
+        ("health_listen", cfg.grpc.health_listen),
+    ):
         if value:
             host, _, port = value.rpartition(":")
             out.append((name, host, int(port)))

@@ -14,8 +14,9 @@ class RateLimitedLog:
 
     Owned by one thread (each user keeps its own instance); no locks."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._log, self._interval, self._clock = logger, interval_s, clock
         self._next = 0.0
         self.suppressed = 0

@@ -31,8 +31,7 @@ class Session:
     load_jobs: set[int] = field(default_factory=set)
     expired: bool = False  # set when the lease lapsed (not closed): its writers may still be alive
     released: bool = False  # closed or expired: no new jobs may be attached to it
-    data_secret: bytes = field(default_factory=lambda: secrets.token_bytes(DATA_SECRET_BYTES),
-                               repr=False)
+    data_secret: bytes = field(default_factory=lambda: secrets.token_bytes(DATA_SECRET_BYTES), repr=False)
     """Credential of its TCP data connections (HELLO), handed out only in OpenSessionReply."""
     credential: Credential = NO_CREDENTIAL
     """What proved its tenant at OpenSession: a reload that no longer honours it closes the
@@ -42,9 +41,16 @@ class Session:
 class SessionTable:
     """Owns every Session. Event-loop thread only; no locks."""
 
-    def __init__(self, *, max_sessions: int, default_ttl_s: float, min_ttl_s: float,
-                 max_ttl_s: float, on_release: Callable[[Session], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        default_ttl_s: float,
+        min_ttl_s: float,
+        max_ttl_s: float,
+        on_release: Callable[[Session], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._sessions: dict[int, Session] = {}
         self._max = max_sessions
         self._default_ttl = default_ttl_s
@@ -57,10 +63,15 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, client_name: str, ttl_s: float | None,
-             transport: Transport = Transport.SHM, tenant: str | None = None,
-             ceiling_s: float | None = None,
-             credential: Credential = NO_CREDENTIAL) -> Session:
+    def open(
+        self,
+        client_name: str,
+        ttl_s: float | None,
+        transport: Transport = Transport.SHM,
+        tenant: str | None = None,
+        ceiling_s: float | None = None,
+        credential: Credential = NO_CREDENTIAL,
+    ) -> Session:
         """A new session; its lease is the asked ``ttl_s`` (or the default) within the daemon's
         bounds and at most ``ceiling_s`` (the tenant's ``max_lease_s``; never below the
         daemon's minimum)."""
@@ -72,8 +83,9 @@ class SessionTable:
         if ceiling_s is not None:
             ttl = min(ttl, max(ceiling_s, self._min_ttl))
         sid = secrets.randbits(63) or 1
-        s = Session(sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant,
-                    credential=credential)
+        s = Session(
+            sid, client_name[:128], ttl, self._clock() + ttl, transport, tenant, credential=credential
+        )
         self._sessions[sid] = s
         return s
 
@@ -104,8 +116,7 @@ class SessionTable:
         unknown or expired session and a wrong secret alike). A wrong secret renews nothing:
         a stranger holding only a session id cannot keep a dead engine's pins alive."""
         s = self._sessions.get(session_id)
-        if s is None or s.deadline < self._clock() or \
-                not hmac.compare_digest(secret, s.data_secret):
+        if s is None or s.deadline < self._clock() or not hmac.compare_digest(secret, s.data_secret):
             return None
         return self.get(session_id)
 

@@ -60,13 +60,24 @@ class Counters:
 
 
 COUNTER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Counters))
-GAUGE_FIELDS = frozenset({"resident_blocks", "resident_bytes", "nvme_resident_blocks",
-                          "nvme_resident_bytes"})
+GAUGE_FIELDS = frozenset({"resident_blocks", "resident_bytes", "nvme_resident_blocks", "nvme_resident_bytes"})
 
 
 # Latency bucket upper bounds in seconds (the Prometheus histogram's `le` labels).
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    1.0,
 )
 
 

@@ -67,14 +67,33 @@ from kvtier_contract import wire
 from kvtier_contract.units import parse_bytes
 from kvtierd.unix_logins import UnixLogins
 
-__all__ = ["MAPPING_TRANSPORTS", "Quotas", "Tenant", "Tenants", "UnixLogins", "load_tenants",
-           "token_digest"]
+__all__ = ["MAPPING_TRANSPORTS", "Quotas", "Tenant", "Tenants", "UnixLogins", "load_tenants", "token_digest"]
 
-_QUOTAS = ("sessions", "namespaces", "open_jobs", "session_open_jobs", "host_bytes",
-           "pinned_bytes", "nvme_bytes", "buffered_bytes", "control_channels")
+_QUOTAS = (
+    "sessions",
+    "namespaces",
+    "open_jobs",
+    "session_open_jobs",
+    "host_bytes",
+    "pinned_bytes",
+    "nvme_bytes",
+    "buffered_bytes",
+    "control_channels",
+)
 _BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes", "buffered_bytes")
-_TENANT_KEYS = {"name", "tokens_sha256", "unix_uids", "unix_gids", "operator", "quotas",
-                "transports", "mtls_names", "max_lease_s", "arena_bytes", "unix_login"}
+_TENANT_KEYS = {
+    "name",
+    "tokens_sha256",
+    "unix_uids",
+    "unix_gids",
+    "operator",
+    "quotas",
+    "transports",
+    "mtls_names",
+    "max_lease_s",
+    "arena_bytes",
+    "unix_login",
+}
 MIN_BUFFERED_BYTES = wire.CONTROL_MAX_BYTES + wire.CALL.size
 """The least ``buffered_bytes`` quota: one whole control frame."""
 MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
@@ -135,8 +154,9 @@ class Tenant:
 class Tenants:
     """The tenants of one file; see the module docstring."""
 
-    def __init__(self, tenants: list[Tenant], source: str = "",
-                 metrics_tokens: tuple[bytes, ...] = ()) -> None:
+    def __init__(
+        self, tenants: list[Tenant], source: str = "", metrics_tokens: tuple[bytes, ...] = ()
+    ) -> None:
         self.source = source
         self.metrics_digests = metrics_tokens
         """SHA-256 digests of the scrape-only tokens (``metrics_tokens_sha256``)."""
@@ -223,8 +243,7 @@ def load_tenants(path: str | Path) -> Tenants:
     for i, t in enumerate(tenants):
         for u in t.unix_uids if t.unix_login else ():
             if u in login_uids:
-                raise ValueError(f"tenant[{i}].unix_uids: uid {u} already logs in as tenant "
-                                 f"{login_uids[u]}")
+                raise ValueError(f"tenant[{i}].unix_uids: uid {u} already logs in as tenant {login_uids[u]}")
             login_uids[u] = t.name
     return Tenants(tenants, str(p), tuple(scrape))
 
@@ -232,8 +251,7 @@ def load_tenants(path: str | Path) -> Tenants:
 def _digests(raw: Any, where: str, seen: set[bytes]) -> list[bytes]:
     """A list of token digests (64 hex digits each), none seen before (``seen`` grows)."""
     if not isinstance(raw, list):
-        raise ValueError(f"{where}: expected a list of 64-hex-digit digests (`kvtierd "
-                         "hash-token`)")
+        raise ValueError(f"{where}: expected a list of 64-hex-digit digests (`kvtierd hash-token`)")
     digests: list[bytes] = []
     for j, h in enumerate(raw):
         try:
@@ -241,11 +259,14 @@ def _digests(raw: Any, where: str, seen: set[bytes]) -> list[bytes]:
         except ValueError:
             d = b""
         if len(d) != 32:
-            raise ValueError(f"{where}[{j}]: expected 64 hex digits (sha256 of the "
-                             "token: `kvtierd hash-token`)")
+            raise ValueError(
+                f"{where}[{j}]: expected 64 hex digits (sha256 of the token: `kvtierd hash-token`)"
+            )
         if d in seen:
-            raise ValueError(f"{where}[{j}]: the same token twice (a token is one tenant's, or "
-                             "a scrape token: metrics_tokens_sha256, never both)")
+            raise ValueError(
+                f"{where}[{j}]: the same token twice (a token is one tenant's, or "
+                "a scrape token: metrics_tokens_sha256, never both)"
+            )
         seen.add(d)
         digests.append(d)
     return digests
@@ -256,8 +277,10 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
         raise ValueError(f"{where}: expected a table")
     unknown = set(entry) - _TENANT_KEYS
     if "metrics_tokens_sha256" in unknown:
-        raise ValueError(f"{where}.metrics_tokens_sha256: scrape tokens are no tenant's: write "
-                         "the list at the top of the file, before the first [[tenant]]")
+        raise ValueError(
+            f"{where}.metrics_tokens_sha256: scrape tokens are no tenant's: write "
+            "the list at the top of the file, before the first [[tenant]]"
+        )
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     name = entry.get("name")
@@ -266,21 +289,32 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     digests = _digests(entry.get("tokens_sha256", []), f"{where}.tokens_sha256", seen_tokens)
     ids, operator, names, unix_login = _credentials(entry, where, digests)
     transports, max_lease, arena = _allowances(entry, where)
-    return Tenant(name, tuple(digests), ids["unix_uids"], ids["unix_gids"], operator,
-                  _quotas(entry.get("quotas", {}), f"{where}.quotas"), frozenset(transports),
-                  frozenset(names), None if max_lease is None else float(max_lease), arena,
-                  unix_login)
+    return Tenant(
+        name,
+        tuple(digests),
+        ids["unix_uids"],
+        ids["unix_gids"],
+        operator,
+        _quotas(entry.get("quotas", {}), f"{where}.quotas"),
+        frozenset(transports),
+        frozenset(names),
+        None if max_lease is None else float(max_lease),
+        arena,
+        unix_login,
+    )
 
 
-def _credentials(entry: dict[str, Any], where: str, digests: list[bytes]
-                 ) -> tuple[dict[str, frozenset[int]], bool, list[str], bool]:
+def _credentials(
+    entry: dict[str, Any], where: str, digests: list[bytes]
+) -> tuple[dict[str, frozenset[int]], bool, list[str], bool]:
     """How a tenant is known besides its token digests: its Unix peers, whether it is the
     operator, its mTLS names, whether its Unix peers log in without a token; at least one."""
     ids: dict[str, frozenset[int]] = {}
     for key in ("unix_uids", "unix_gids"):
         values = entry.get(key, [])
         if not isinstance(values, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        ):
             raise ValueError(f"{where}.{key}: expected a list of non-negative integers")
         ids[key] = frozenset(values)
     operator = entry.get("operator", False)
@@ -293,11 +327,14 @@ def _credentials(entry: dict[str, Any], where: str, digests: list[bytes]
     if not isinstance(unix_login, bool):
         raise ValueError(f"{where}.unix_login: expected true or false")
     if unix_login and not ids["unix_uids"] and not ids["unix_gids"]:
-        raise ValueError(f"{where}.unix_login: needs unix_uids or unix_gids (the peers that "
-                         "log in as this tenant)")
+        raise ValueError(
+            f"{where}.unix_login: needs unix_uids or unix_gids (the peers that log in as this tenant)"
+        )
     if not digests and not names and not unix_login:
-        raise ValueError(f"{where}.tokens_sha256: at least one token, mtls_names entry or "
-                         "unix_login (a tenant is known only by its credential)")
+        raise ValueError(
+            f"{where}.tokens_sha256: at least one token, mtls_names entry or "
+            "unix_login (a tenant is known only by its credential)"
+        )
     return ids, operator, names, unix_login
 
 
@@ -305,13 +342,12 @@ def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int 
     """What a tenant may use besides its quotas: its transports, its longest lease, the size
     of its own arena (only for a tenant allowed shm or cuda_ipc)."""
     transports = entry.get("transports", list(_TRANSPORTS))
-    if not isinstance(transports, list) or not transports or \
-            not all(t in _TRANSPORTS for t in transports):
-        raise ValueError(f"{where}.transports: expected a non-empty list of "
-                         f"{', '.join(_TRANSPORTS)}")
+    if not isinstance(transports, list) or not transports or not all(t in _TRANSPORTS for t in transports):
+        raise ValueError(f"{where}.transports: expected a non-empty list of {', '.join(_TRANSPORTS)}")
     max_lease = entry.get("max_lease_s")
-    if max_lease is not None and (not isinstance(max_lease, (int, float)) or
-                                  isinstance(max_lease, bool) or not 0 < max_lease <= 86400):
+    if max_lease is not None and (
+        not isinstance(max_lease, (int, float)) or isinstance(max_lease, bool) or not 0 < max_lease <= 86400
+    ):
         raise ValueError(f"{where}.max_lease_s: expected seconds in (0, 86400]")
     arena = entry.get("arena_bytes")
     if arena is not None:
@@ -319,8 +355,10 @@ def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int 
         if arena <= 0:
             raise ValueError(f"{where}.arena_bytes: expected a positive size")
         if not MAPPING_TRANSPORTS & set(transports):
-            raise ValueError(f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
-                             "(a tcp-only tenant's blocks live in the shared arena)")
+            raise ValueError(
+                f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
+                "(a tcp-only tenant's blocks live in the shared arena)"
+            )
     return transports, max_lease, arena
 
 
@@ -337,8 +375,10 @@ def _quotas(raw: Any, where: str) -> Quotas:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{where}.{key}: expected a non-negative integer")
         if key == "buffered_bytes" and v < MIN_BUFFERED_BYTES:
-            raise ValueError(f"{where}.{key}: at least one whole control frame "
-                             f"({MIN_BUFFERED_BYTES} bytes: 4 MiB and its 9-byte head), or every "
-                             "large call would close its channel")
+            raise ValueError(
+                f"{where}.{key}: at least one whole control frame "
+                f"({MIN_BUFFERED_BYTES} bytes: 4 MiB and its 9-byte head), or every "
+                "large call would close its channel"
+            )
         values[key] = v
     return Quotas(**values)

@@ -32,8 +32,9 @@ class UnixLogins:
 
     PREFIX = "unix."
 
-    def __init__(self, *, idle_s: float = 900.0, per_tenant: int = 256,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, idle_s: float = 900.0, per_tenant: int = 256, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.idle_s, self.per_tenant = idle_s, per_tenant
         self._clock = clock
         self._lock = threading.Lock()

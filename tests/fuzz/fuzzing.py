@@ -50,9 +50,13 @@ def profile() -> FuzzProfile:
     name = os.environ.get("KVTIER_FUZZ", "ci")
     if name == "long":
         fixed = os.environ.get("KVTIER_FUZZ_EXAMPLES")
-        return FuzzProfile("long", scale=float(os.environ.get("KVTIER_FUZZ_SCALE", "50")),
-                           examples=int(fixed) if fixed else None, derandomize=False,
-                           database=True)
+        return FuzzProfile(
+            "long",
+            scale=float(os.environ.get("KVTIER_FUZZ_SCALE", "50")),
+            examples=int(fixed) if fixed else None,
+            derandomize=False,
+            database=True,
+        )
     if name != "ci":
         raise ValueError(f"KVTIER_FUZZ={name!r}: expected ci or long")
     return FuzzProfile("ci")
@@ -63,10 +67,18 @@ def fuzz_settings(short_examples: int) -> settings:
     p = profile()
     n = p.examples or max(1, round(short_examples * p.scale))
     return settings(
-        max_examples=n, deadline=None, derandomize=p.derandomize, print_blob=True,
+        max_examples=n,
+        deadline=None,
+        derandomize=p.derandomize,
+        print_blob=True,
         database=DirectoryBasedExampleDatabase(str(HERE / ".hypothesis")) if p.database else None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                               HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.filter_too_much,
+        ],
+    )
 
 
 def corpus_files(target: str, suffix: str) -> list[Path]:

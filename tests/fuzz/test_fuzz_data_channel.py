@@ -82,9 +82,17 @@ def payload(i: int) -> bytes:
 
 def spec(model: str) -> Namespace:
     """4 KiB blocks: 4 tokens x 1 layer x 1 head x 256 dim x float16 x (k, v)."""
-    return Namespace(model_id=model, model_revision="r", tokenizer_digest="none",
-                     kv_dtype="float16", layout="contiguous", tokens_per_block=4, num_layers=1,
-                     num_kv_heads=1, head_dim=256)
+    return Namespace(
+        model_id=model,
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="float16",
+        layout="contiguous",
+        tokens_per_block=4,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=256,
+    )
 
 
 class FakeTransport:
@@ -156,10 +164,16 @@ class Rig:
     def __init__(self) -> None:
         self.arena = Arena(SLOTS * BLOCK, prefault=False)
         host = HostTier(self.arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK)
-        self.cache = TieredCache(host, make_policy("lru", ghost_capacity=16), max_namespaces=4,
-                                 policy_name="lru")
-        self.sessions = SessionTable(max_sessions=8, default_ttl_s=10, min_ttl_s=1, max_ttl_s=100,
-                                     on_release=self.cache.release_session)
+        self.cache = TieredCache(
+            host, make_policy("lru", ghost_capacity=16), max_namespaces=4, policy_name="lru"
+        )
+        self.sessions = SessionTable(
+            max_sessions=8,
+            default_ttl_s=10,
+            min_ttl_s=1,
+            max_ttl_s=100,
+            on_release=self.cache.release_session,
+        )
         self.ns = self.cache.register_namespace(spec("fuzz"))
         self.canary_ns = self.cache.register_namespace(spec("canary"))
         self.me = self.sessions.open("fuzzer", 10, Transport.TCP)
@@ -169,16 +183,20 @@ class Rig:
         self.sessions.close(gone.id)
         self.canary = self.commit(self.canary_ns, 101, 102, 103, 104)
         self.loaded = self.commit(self.ns, 1, 2, 3)
-        load, deferred = _done(self.cache.prepare_load(self.me, self.ns, keys(1, 2, 3),
-                                                       Transport.TCP))
+        load, deferred = _done(self.cache.prepare_load(self.me, self.ns, keys(1, 2, 3), Transport.TCP))
         assert load is not None and not deferred
         pinned = _done(self.cache.lookup(self.ns, keys(1), LookupOptions(pin=self.me))).job
         assert pinned is not None
         store, status, self.store_slots = self.cache.prepare_store(
-            self.me, self.ns, keys(11, 12, 13, 14), Transport.TCP)
+            self.me, self.ns, keys(11, 12, 13, 14), Transport.TCP
+        )
         assert store is not None and set(status) == {StoreStatus.RESERVED}
-        self.jobs = {"store": store.id, "load": load.id, "pinned": pinned.id,
-                     "foreign": self.reserve_foreign(21, 22)}
+        self.jobs = {
+            "store": store.id,
+            "load": load.id,
+            "pinned": pinned.id,
+            "foreign": self.reserve_foreign(21, 22),
+        }
         self.store_job = store
         self.snapshot = bytes(self.arena.mm)
         self.foreign: dict[int, bytes] = {}  # slot offset -> marker bytes other wrote there
@@ -244,8 +262,7 @@ class Rig:
         loaded ones once unpinned) and other writes its bytes into their slots."""
         self.evicted = True
         base = 1000 + 8 * len(self.foreign)
-        job, _, _ = self.cache.prepare_store(self.other, self.ns, keys(*range(base, base + 8)),
-                                             Transport.SHM)
+        job, _, _ = self.cache.prepare_store(self.other, self.ns, keys(*range(base, base + 8)), Transport.SHM)
         if job is None:
             return
         self._pending = [e.offset for e in job.items.values()]
@@ -294,8 +311,7 @@ class Case:
             if op == Op.HELLO and f.get("secret", True) and f["job"] in ("me", "other"):
                 secret = (rig.me if f["job"] == "me" else rig.other).data_secret
                 rig.as_other |= f["job"] == "other"
-                out += wire.HEADER.pack(wire.MAGIC, op, ident, f["index"], f["status"],
-                                        len(secret)) + secret
+                out += wire.HEADER.pack(wire.MAGIC, op, ident, f["index"], f["status"], len(secret)) + secret
                 continue
             out += wire.HEADER.pack(wire.MAGIC, op, ident & U64, f["index"], f["status"], length)
             sent = f.get("sent")
@@ -306,12 +322,21 @@ class Case:
         return bytes(out)
 
 
-def frame(op: int, job: str | int, index: int = 0, status: int = 0, length: int = 0,
-          sent: int | None = None, fill: int = 0x5A, secret: bool = True) -> dict[str, Any]:
+def frame(
+    op: int,
+    job: str | int,
+    index: int = 0,
+    status: int = 0,
+    length: int = 0,
+    sent: int | None = None,
+    fill: int = 0x5A,
+    secret: bool = True,
+) -> dict[str, Any]:
     """``secret``: a HELLO for a live named session carries that session's data secret (else
     ``length`` fill bytes)."""
-    return dict(op=int(op), job=job, index=index, status=status, length=length, sent=sent,
-                fill=fill, secret=secret)
+    return dict(
+        op=int(op), job=job, index=index, status=status, length=length, sent=sent, fill=fill, secret=secret
+    )
 
 
 HELLO = frame(Op.HELLO, "me", status=wire.FEATURE_RUNS)
@@ -319,14 +344,21 @@ HELLO = frame(Op.HELLO, "me", status=wire.FEATURE_RUNS)
 # ---- strategies --------------------------------------------------------------------------------
 
 jobs = st.one_of(st.sampled_from(JOB_NAMES), st.integers(0, 8), st.integers(0, U64))
-lengths = st.one_of(st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK,
-                                     4 * BLOCK, 5 * BLOCK]),
-                    st.integers(0, 3 * BLOCK), st.integers(0, U64))
+lengths = st.one_of(
+    st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK]),
+    st.integers(0, 3 * BLOCK),
+    st.integers(0, U64),
+)
 random_frame = st.builds(
-    frame, op=st.one_of(st.sampled_from([int(o) for o in Op]), st.integers(0, 255)),
-    job=jobs, index=st.one_of(st.integers(0, 5), st.integers(0, U32)),
-    status=st.one_of(st.integers(0, 5), st.integers(0, U32)), length=lengths,
-    sent=st.one_of(st.none(), st.integers(0, MAX_SENT)), fill=st.integers(0, 255))
+    frame,
+    op=st.one_of(st.sampled_from([int(o) for o in Op]), st.integers(0, 255)),
+    job=jobs,
+    index=st.one_of(st.integers(0, 5), st.integers(0, U32)),
+    status=st.one_of(st.integers(0, 5), st.integers(0, U32)),
+    length=lengths,
+    sent=st.one_of(st.none(), st.integers(0, MAX_SENT)),
+    fill=st.integers(0, 255),
+)
 
 
 @st.composite
@@ -346,27 +378,42 @@ def store_frames(draw: st.DrawFn) -> list[dict[str, Any]]:
     return out + [frame(Op.FLUSH, job)]
 
 
-random_hello = st.builds(frame, op=st.just(int(Op.HELLO)),
-                        job=st.one_of(st.sampled_from(SESSION_NAMES), st.integers(0, U64)),
-                        status=st.integers(0, U32),
-                        length=st.one_of(st.just(wire.DATA_SECRET_BYTES), lengths),
-                        secret=st.booleans())
+random_hello = st.builds(
+    frame,
+    op=st.just(int(Op.HELLO)),
+    job=st.one_of(st.sampled_from(SESSION_NAMES), st.integers(0, U64)),
+    status=st.integers(0, U32),
+    length=st.one_of(st.just(wire.DATA_SECRET_BYTES), lengths),
+    secret=st.booleans(),
+)
 hello = st.one_of(st.just(HELLO), st.just(HELLO), st.just(HELLO), random_hello)
 read = st.sampled_from([[frame(Op.READ, "load")], [frame(Op.READ, "pinned")]])
 structured = st.builds(  # most steps well formed, so that inputs get past the first frame
-    lambda first, rest: [first, *(f for group in rest for f in group)], hello,
-    st.lists(st.one_of(store_frames(), store_frames(), store_frames(), read,
-                       random_frame.map(lambda f: [f])), max_size=8))
-raw = st.builds(lambda first, data: first + [{"raw": data.hex()}],
-                st.sampled_from([[], [HELLO]]), st.binary(max_size=200))
+    lambda first, rest: [first, *(f for group in rest for f in group)],
+    hello,
+    st.lists(
+        st.one_of(store_frames(), store_frames(), store_frames(), read, random_frame.map(lambda f: [f])),
+        max_size=8,
+    ),
+)
+raw = st.builds(
+    lambda first, data: first + [{"raw": data.hex()}], st.sampled_from([[], [HELLO]]), st.binary(max_size=200)
+)
 cases = st.builds(
-    Case, frames=st.one_of(structured, structured, raw),
-    flips=st.one_of(st.just([]), st.just([]), st.just([]), st.lists(st.tuples(st.integers(0, 1 << 16),
-                                                    st.integers(1, 255)), max_size=3)),
+    Case,
+    frames=st.one_of(structured, structured, raw),
+    flips=st.one_of(
+        st.just([]),
+        st.just([]),
+        st.just([]),
+        st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)), max_size=3),
+    ),
     chunks=st.lists(st.one_of(st.integers(1, 40), st.integers(1, 2 * BLOCK)), max_size=12),
-    actions=st.one_of(st.just([]), st.lists(st.tuples(st.integers(0, 12),
-                                                      st.sampled_from(ACTIONS)), max_size=4)),
-    slow=st.booleans())
+    actions=st.one_of(
+        st.just([]), st.lists(st.tuples(st.integers(0, 12), st.sampled_from(ACTIONS)), max_size=4)
+    ),
+    slow=st.booleans(),
+)
 
 
 # ---- the target --------------------------------------------------------------------------------
@@ -437,7 +484,7 @@ def check_replies(rig: Rig, out: bytes, closed: bool) -> None:
             errored = True
             assert length <= wire.MAX_ERROR_BYTES
             body.decode()
-    assert closed == errored, ("closed without an ERROR" if closed else "ERROR but left open")
+    assert closed == errored, "closed without an ERROR" if closed else "ERROR but left open"
 
 
 def check_arena(rig: Rig) -> None:
@@ -446,11 +493,11 @@ def check_arena(rig: Rig) -> None:
     after = rig.arena.mm
     for off in range(0, SLOTS * BLOCK, BLOCK):
         if off in rig.foreign:  # also a slot of me's aborted job, handed to other since
-            assert rig.as_other or after[off : off + BLOCK] == rig.foreign[off], (
-                f"foreign slot {off} written")
+            assert rig.as_other or after[off : off + BLOCK] == rig.foreign[off], f"foreign slot {off} written"
         elif off not in rig.store_slots:
             assert after[off : off + BLOCK] == rig.snapshot[off : off + BLOCK], (
-                f"slot {off} (not me's) written")
+                f"slot {off} (not me's) written"
+            )
     for off, data in {**rig.canary, **rig.loaded}.items():
         assert off in rig.foreign or after[off : off + BLOCK] == data
 
@@ -476,10 +523,15 @@ def check_index(rig: Rig) -> None:
 @pytest.mark.parametrize("entry", corpus_json("data_channel"), ids=lambda e: e["name"])
 def test_corpus(entry: dict[str, Any]) -> None:
     """Every kept input still holds every property."""
-    run_case(Case(frames=entry["frames"], flips=[tuple(f) for f in entry.get("flips", [])],
-                  chunks=entry.get("chunks", []),
-                  actions=[tuple(a) for a in entry.get("actions", [])],
-                  slow=entry.get("slow", False)))
+    run_case(
+        Case(
+            frames=entry["frames"],
+            flips=[tuple(f) for f in entry.get("flips", [])],
+            chunks=entry.get("chunks", []),
+            actions=[tuple(a) for a in entry.get("actions", [])],
+            slow=entry.get("slow", False),
+        )
+    )
 
 
 @fuzz_settings(400)

@@ -55,9 +55,18 @@ MAX_BATCH = 4096  # DaemonConfig.max_batch_blocks default
 CANARY_BLOCKS = 8
 U32, U64, I64 = (1 << 32) - 1, (1 << 64) - 1, 1 << 63
 # Short-run examples per RPC (default 30): more where a request reaches the index.
-EXAMPLES = {"Lookup": 60, "LookupSlices": 60, "PrepareStore": 90, "PrepareLoad": 80, "CompleteStore": 60,
-            "CompleteLoad": 50, "Prefetch": 50, "RegisterNamespace": 60, "OpenSession": 50,
-            "Stats": 5}
+EXAMPLES = {
+    "Lookup": 60,
+    "LookupSlices": 60,
+    "PrepareStore": 90,
+    "PrepareLoad": 80,
+    "CompleteStore": 60,
+    "CompleteLoad": 50,
+    "Prefetch": 50,
+    "RegisterNamespace": 60,
+    "OpenSession": 50,
+    "Stats": 5,
+}
 SERVE = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "2")
 F = FieldDescriptor
 
@@ -78,23 +87,35 @@ def distinct_keys(n: int, salt: int = 0) -> bytes:
 ids = st.integers(0, U64)
 MINE = Sym("mine")
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "session_id": st.one_of(st.just(MINE), st.just(MINE), st.just(MINE), st.just(MINE),
-                            st.sampled_from([Sym("closed"), 0, U64]), ids),
-    "namespace_id": st.one_of(st.sampled_from([Sym("fuzz_ns"), Sym("fuzz_ns"), Sym("canary_ns"),
-                                               0, U64]), ids),
-    "job_id": st.one_of(st.sampled_from([Sym("store"), Sym("store"), Sym("load"), Sym("pinned"),
-                                         0, U64]), st.integers(0, 300), ids),
+    "session_id": st.one_of(
+        st.just(MINE),
+        st.just(MINE),
+        st.just(MINE),
+        st.just(MINE),
+        st.sampled_from([Sym("closed"), 0, U64]),
+        ids,
+    ),
+    "namespace_id": st.one_of(
+        st.sampled_from([Sym("fuzz_ns"), Sym("fuzz_ns"), Sym("canary_ns"), 0, U64]), ids
+    ),
+    "job_id": st.one_of(
+        st.sampled_from([Sym("store"), Sym("store"), Sym("load"), Sym("pinned"), 0, U64]),
+        st.integers(0, 300),
+        ids,
+    ),
     "buffer_id": st.one_of(st.integers(0, 4), ids),
     "keys": st.one_of(
         st.lists(st.binary(min_size=32, max_size=32), max_size=8).map(b"".join),
         st.sampled_from([Sym("canary_keys"), Sym("fuzz_keys")]),
-        st.builds(distinct_keys, st.sampled_from([1, 64, MAX_BATCH - 1, MAX_BATCH, MAX_BATCH + 1]),
-                  st.integers(0, 3)),
-        st.binary(max_size=100)),
-    "transport": st.one_of(st.sampled_from([0, 1, 1, 2, 2, 3]),
-                           st.integers(-(1 << 31), (1 << 31) - 1)),
-    "lease_ttl_ms": st.one_of(st.sampled_from([0, 1, 200, 2000, 300_000, 300_001, U32]),
-                              st.integers(0, U32)),
+        st.builds(
+            distinct_keys,
+            st.sampled_from([1, 64, MAX_BATCH - 1, MAX_BATCH, MAX_BATCH + 1]),
+            st.integers(0, 3),
+        ),
+        st.binary(max_size=100),
+    ),
+    "transport": st.one_of(st.sampled_from([0, 1, 1, 2, 2, 3]), st.integers(-(1 << 31), (1 << 31) - 1)),
+    "lease_ttl_ms": st.one_of(st.sampled_from([0, 1, 200, 2000, 300_000, 300_001, U32]), st.integers(0, U32)),
     "client_name": st.one_of(st.text(max_size=40), st.builds(str.__mul__, st.just("n"), st.just(100_000))),
     "digest": st.one_of(st.just(b""), st.just(Sym("digest")), st.binary(max_size=40)),
     "buffer_bytes": st.one_of(st.sampled_from([0, 1, U64]), ids),
@@ -109,8 +130,7 @@ BY_TYPE: dict[int, st.SearchStrategy[Any]] = {
     F.TYPE_UINT32: st.one_of(st.sampled_from([0, 1, U32]), st.integers(0, U32)),
     F.TYPE_UINT64: st.one_of(st.sampled_from([0, 1, U64]), ids),
     F.TYPE_FIXED64: st.one_of(st.sampled_from([0, 1, U64]), st.integers(0, U64)),
-    F.TYPE_INT64: st.one_of(st.sampled_from([0, 1, -1, 3, I64 - 1, -I64]),
-                            st.integers(-I64, I64 - 1)),
+    F.TYPE_INT64: st.one_of(st.sampled_from([0, 1, -1, 3, I64 - 1, -I64]), st.integers(-I64, I64 - 1)),
     F.TYPE_STRING: st.one_of(st.text(max_size=30), st.builds(str.__mul__, st.just("s"), st.just(70_000))),
     F.TYPE_BYTES: st.binary(max_size=80),
 }
@@ -133,8 +153,9 @@ def field_strategy(f: FieldDescriptor) -> st.SearchStrategy[Any]:
 
 def spec_strategy() -> st.SearchStrategy[dict[str, Any]]:
     """Valid namespace specs with a few fields changed, or every field drawn freely."""
-    return st.one_of(mutated(pb.NamespaceSpec.DESCRIPTOR, _VALID_SPEC),
-                     message_strategy(pb.NamespaceSpec.DESCRIPTOR))
+    return st.one_of(
+        mutated(pb.NamespaceSpec.DESCRIPTOR, _VALID_SPEC), message_strategy(pb.NamespaceSpec.DESCRIPTOR)
+    )
 
 
 def mutated(desc: Descriptor, valid: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -143,7 +164,8 @@ def mutated(desc: Descriptor, valid: dict[str, Any]) -> st.SearchStrategy[dict[s
     if not desc.fields:
         return st.just(dict(valid))
     change = st.sampled_from(list(desc.fields)).flatmap(
-        lambda f: st.tuples(st.just(f.name), st.one_of(st.none(), field_strategy(f))))
+        lambda f: st.tuples(st.just(f.name), st.one_of(st.none(), field_strategy(f)))
+    )
 
     def apply(changes: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(valid)
@@ -161,21 +183,32 @@ def message_strategy(desc: Descriptor) -> st.SearchStrategy[dict[str, Any]]:
     """A dict of field values for ``desc``; fields outside REQUIRED may be absent."""
     return st.fixed_dictionaries(
         {f.name: field_strategy(f) for f in desc.fields if f.name in REQUIRED},
-        optional={f.name: field_strategy(f) for f in desc.fields if f.name not in REQUIRED})
+        optional={f.name: field_strategy(f) for f in desc.fields if f.name not in REQUIRED},
+    )
 
 
 # A request every RPC accepts (symbols are this example's session, jobs and namespace).
 VALID: dict[str, Any] = {
-    "session_id": MINE, "namespace_id": Sym("fuzz_ns"), "keys": Sym("fuzz_keys"),
-    "transport": pb.TRANSPORT_TCP, "job_id": Sym("store"), "ok": True, "spec": _VALID_SPEC,
-    "digest": Sym("digest"), "client_name": "fuzz", "lease_ttl_ms": 1000, "pin": True}
+    "session_id": MINE,
+    "namespace_id": Sym("fuzz_ns"),
+    "keys": Sym("fuzz_keys"),
+    "transport": pb.TRANSPORT_TCP,
+    "job_id": Sym("store"),
+    "ok": True,
+    "spec": _VALID_SPEC,
+    "digest": Sym("digest"),
+    "client_name": "fuzz",
+    "lease_ttl_ms": 1000,
+    "pin": True,
+}
 
 
 def request_strategy(method: str) -> st.SearchStrategy[dict[str, Any]]:
     """Requests of ``method``: mostly a valid one with a few fields broken, else free."""
     desc = SERVICE.methods_by_name[method].input_type
-    valid = {f.name: [VALID[f.name]] if f.is_repeated else VALID[f.name]
-             for f in desc.fields if f.name in VALID}
+    valid = {
+        f.name: [VALID[f.name]] if f.is_repeated else VALID[f.name] for f in desc.fields if f.name in VALID
+    }
     if "namespace_ids" in desc.fields_by_name:  # LookupSlices: the fuzz namespace, one slice
         valid["namespace_ids"] = [VALID["namespace_id"]]
     if method == "CompleteLoad":
@@ -191,36 +224,49 @@ class Target:
 
     def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon = daemon
-        self.channel = grpc.insecure_channel(daemon.grpc, options=[
-            ("grpc.max_send_message_length", 64 << 20)])
+        self.channel = grpc.insecure_channel(
+            daemon.grpc, options=[("grpc.max_send_message_length", 64 << 20)]
+        )
         self.stub = pb_grpc.KvtierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.canary = kvtier.Client.connect(daemon.unix, "shm", timeout_s=TIMEOUT_S,
-                                            client_name="canary")
+        self.canary = kvtier.Client.connect(daemon.unix, "shm", timeout_s=TIMEOUT_S, client_name="canary")
         canary_ns = self.canary.register(make_namespace(model_id="canary"))
         self.canary_keys = [hashlib.sha256(b"canary %d" % i).digest() for i in range(CANARY_BLOCKS)]
-        self.canary_data = [hashlib.shake_256(k).digest(canary_ns.block_bytes)
-                            for k in self.canary_keys]
+        self.canary_data = [hashlib.shake_256(k).digest(canary_ns.block_bytes) for k in self.canary_keys]
         assert canary_ns.put(self.canary_keys, self.canary_data).stored == CANARY_BLOCKS
         self.canary_pin = canary_ns.lookup_pinned(self.canary_keys)  # never evicted meanwhile
         assert self.canary_pin.hits == CANARY_BLOCKS
         self.canary_ns = canary_ns
         fuzz = make_namespace(model_id="fuzz")
-        reg = self.call("RegisterNamespace", pb.RegisterNamespaceRequest(
-            spec=pb.NamespaceSpec(**_VALID_SPEC), digest=fuzz.digest))
+        reg = self.call(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**_VALID_SPEC), digest=fuzz.digest),
+        )
         closed = self.call("OpenSession", pb.OpenSessionRequest(client_name="closed"))
         self.call("CloseSession", pb.CloseSessionRequest(session_id=closed.session_id))
         self.symbols: dict[str, Any] = {
-            "fuzz_ns": reg.namespace_id, "canary_ns": canary_ns.namespace_id,
-            "closed": closed.session_id, "digest": fuzz.digest,
-            "canary_keys": b"".join(self.canary_keys), "fuzz_keys": distinct_keys(4, 99)}
+            "fuzz_ns": reg.namespace_id,
+            "canary_ns": canary_ns.namespace_id,
+            "closed": closed.session_id,
+            "digest": fuzz.digest,
+            "canary_keys": b"".join(self.canary_keys),
+            "fuzz_keys": distinct_keys(4, 99),
+        }
         self._fresh = itertools.count()
         with self.session(jobs=False) as symbols:  # commit the fuzz keys: loads find them
-            store = self.call("PrepareStore", pb.PrepareStoreRequest(
-                session_id=symbols["mine"], namespace_id=reg.namespace_id,
-                keys=self.symbols["fuzz_keys"], transport=pb.TRANSPORT_SHM))
-            self.call("CompleteStore", pb.CompleteStoreRequest(
-                session_id=symbols["mine"], job_id=store.job_id, ok=True))
+            store = self.call(
+                "PrepareStore",
+                pb.PrepareStoreRequest(
+                    session_id=symbols["mine"],
+                    namespace_id=reg.namespace_id,
+                    keys=self.symbols["fuzz_keys"],
+                    transport=pb.TRANSPORT_SHM,
+                ),
+            )
+            self.call(
+                "CompleteStore",
+                pb.CompleteStoreRequest(session_id=symbols["mine"], job_id=store.job_id, ok=True),
+            )
         self.seen: Counter[str] = Counter()  # "<RPC> raw|typed: <status>" -> calls
 
     def call(self, method: str, request: Any) -> Any:
@@ -234,20 +280,32 @@ class Target:
     def session(self, jobs: bool) -> Iterator[dict[str, Any]]:
         """This example's session (and, with ``jobs``, a store job, a load job and a pinned
         lookup in it): the symbols' values. Closed after the example."""
-        opened = self.call("OpenSession", pb.OpenSessionRequest(
-            client_name="fuzz", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM))
+        opened = self.call(
+            "OpenSession",
+            pb.OpenSessionRequest(client_name="fuzz", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
+        )
         sid, ns = opened.session_id, self.symbols["fuzz_ns"]
         values = dict(self.symbols, mine=sid, store=0, load=0, pinned=0)
         if jobs:
-            values["store"] = self.call("PrepareStore", pb.PrepareStoreRequest(
-                session_id=sid, namespace_id=ns, keys=distinct_keys(2, 1000 + next(self._fresh)),
-                transport=pb.TRANSPORT_SHM)).job_id
+            values["store"] = self.call(
+                "PrepareStore",
+                pb.PrepareStoreRequest(
+                    session_id=sid,
+                    namespace_id=ns,
+                    keys=distinct_keys(2, 1000 + next(self._fresh)),
+                    transport=pb.TRANSPORT_SHM,
+                ),
+            ).job_id
             canary = self.symbols["canary_ns"], self.symbols["canary_keys"]
-            values["load"] = self.call("PrepareLoad", pb.PrepareLoadRequest(
-                session_id=sid, namespace_id=canary[0], keys=canary[1],
-                transport=pb.TRANSPORT_SHM)).job_id
-            values["pinned"] = self.call("Lookup", pb.LookupRequest(
-                session_id=sid, namespace_id=canary[0], keys=canary[1], pin=True)).job_id
+            values["load"] = self.call(
+                "PrepareLoad",
+                pb.PrepareLoadRequest(
+                    session_id=sid, namespace_id=canary[0], keys=canary[1], transport=pb.TRANSPORT_SHM
+                ),
+            ).job_id
+            values["pinned"] = self.call(
+                "Lookup", pb.LookupRequest(session_id=sid, namespace_id=canary[0], keys=canary[1], pin=True)
+            ).job_id
         try:
             yield values
         finally:

@@ -31,16 +31,15 @@ from conftest import ROOT, DaemonProcess, make_namespace
 import kvtier
 from kvtier.layouts import PagedKvLayout
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TRANSPORTS = ["shm", "cuda_ipc"]
 
 
 @pytest.fixture
 def daemon(daemon_factory: Any) -> DaemonProcess:
     """The conftest daemon (64 MiB, 1 MiB slabs, 2 s leases) with cuda_ipc on."""
-    return daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "2",
-                          "--cuda-ipc")
+    return daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "2", "--cuda-ipc")
+
 
 L, H, N, D = 2, 2, 16, 64  # make_namespace(): 16 KiB blocks
 C = 2 * D
@@ -50,10 +49,14 @@ NUM_BLOCKS = 24
 def cache(order: str, fill: bool) -> tuple[torch.Tensor, PagedKvLayout]:
     """A vLLM-style shared CUDA buffer and its per-layer [B, H, N, C] views."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    shape = {"LBNHC": (L, NUM_BLOCKS, N, H, C), "LBHNC": (L, NUM_BLOCKS, H, N, C),
-             "BLHNC": (NUM_BLOCKS, L, H, N, C)}[order]
-    buf = (torch.randn(shape, generator=g, device="cuda") if fill
-           else torch.zeros(shape, device="cuda")).to(torch.bfloat16)
+    shape = {
+        "LBNHC": (L, NUM_BLOCKS, N, H, C),
+        "LBHNC": (L, NUM_BLOCKS, H, N, C),
+        "BLHNC": (NUM_BLOCKS, L, H, N, C),
+    }[order]
+    buf = (torch.randn(shape, generator=g, device="cuda") if fill else torch.zeros(shape, device="cuda")).to(
+        torch.bfloat16
+    )
     if order == "LBNHC":
         layers = [buf[i].permute(0, 2, 1, 3) for i in range(L)]
     elif order == "LBHNC":
@@ -160,17 +163,21 @@ CHILD = textwrap.dedent("""
 
 def child(role: str, address: str, transport: str) -> subprocess.Popen[str]:
     code = CHILD.format(tests=str(Path(__file__).parent))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"),
-                                                       str(Path(__file__).parent),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-c", code, role, address, transport],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "tests"), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, role, address, transport], stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
-@pytest.mark.parametrize(("put_via", "get_via"), [("shm", "shm"), ("cuda_ipc", "cuda_ipc"),
-                                                  ("cuda_ipc", "shm")])
-def test_two_engine_processes_share_blocks(daemon: DaemonProcess, put_via: str,
-                                           get_via: str) -> None:
+@pytest.mark.parametrize(
+    ("put_via", "get_via"), [("shm", "shm"), ("cuda_ipc", "cuda_ipc"), ("cuda_ipc", "shm")]
+)
+def test_two_engine_processes_share_blocks(daemon: DaemonProcess, put_via: str, get_via: str) -> None:
     put = child("put", daemon.unix, put_via)
     put_out, _ = put.communicate(timeout=120)
     get = child("get", daemon.unix, get_via)
@@ -180,8 +187,7 @@ def test_two_engine_processes_share_blocks(daemon: DaemonProcess, put_via: str,
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_killed_client_leaves_nothing_behind_its_lease(daemon: DaemonProcess,
-                                                       transport: str) -> None:
+def test_killed_client_leaves_nothing_behind_its_lease(daemon: DaemonProcess, transport: str) -> None:
     proc = child("hang", daemon.unix, transport)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "STORED"
@@ -191,8 +197,7 @@ def test_killed_client_leaves_nothing_behind_its_lease(daemon: DaemonProcess,
     with kvtier.Client.connect(daemon.unix) as c:
         while time.monotonic() < deadline:
             stats = c.stats()
-            if stats["sessions"] <= 1 and stats["pinned_blocks"] == 0 and \
-                    stats["writing_blocks"] == 0:
+            if stats["sessions"] <= 1 and stats["pinned_blocks"] == 0 and stats["writing_blocks"] == 0:
                 break
             time.sleep(0.2)
         assert stats["pinned_blocks"] == 0 and stats["writing_blocks"] == 0
@@ -215,32 +220,52 @@ def test_cuda_ipc_bad_buffers_are_refused_before_any_copy(daemon: DaemonProcess)
     handle, offset = _export(mem.data_ptr())
     with grpc.insecure_channel(daemon.unix) as ch:
         stub = pb_grpc.KvtierStub(ch)
-        sid = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="gpu-errors", transport=pb.TRANSPORT_CUDA_IPC)).session_id
+        sid = stub.OpenSession(
+            pb.OpenSessionRequest(client_name="gpu-errors", transport=pb.TRANSPORT_CUDA_IPC)
+        ).session_id
         ns = make_namespace()
         spec = pb.NamespaceSpec(**{k: v for k, v in ns.to_dict().items() if v is not None})
         ns_id = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec)).namespace_id
         uuid = device_uuid(dev)
         for fields, code, field in [
-                (dict(ipc_handle=os.urandom(64), buffer_bytes=1 << 20),
-                 grpc.StatusCode.FAILED_PRECONDITION, "ipc_handle"),
-                (dict(ipc_handle=handle, handle_offset=offset, buffer_bytes=1 << 36),
-                 grpc.StatusCode.INVALID_ARGUMENT, "buffer_bytes")]:
+            (
+                dict(ipc_handle=os.urandom(64), buffer_bytes=1 << 20),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ipc_handle",
+            ),
+            (
+                dict(ipc_handle=handle, handle_offset=offset, buffer_bytes=1 << 36),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "buffer_bytes",
+            ),
+        ]:
             with pytest.raises(grpc.RpcError) as exc:
-                stub.RegisterCudaBuffer(pb.RegisterCudaBufferRequest(
-                    session_id=sid, device_uuid=uuid, **fields))
+                stub.RegisterCudaBuffer(
+                    pb.RegisterCudaBufferRequest(session_id=sid, device_uuid=uuid, **fields)
+                )
             assert exc.value.code() == code, exc.value.details()
             assert (exc.value.details() or "").startswith(f"{field}: "), exc.value.details()
-        buf = stub.RegisterCudaBuffer(pb.RegisterCudaBufferRequest(
-            session_id=sid, device_uuid=uuid, ipc_handle=handle, handle_offset=offset,
-            buffer_bytes=1 << 21)).buffer_id
-        prep = stub.PrepareStore(pb.PrepareStoreRequest(
-            session_id=sid, namespace_id=ns_id, keys=(1).to_bytes(32, "big"),
-            transport=pb.TRANSPORT_CUDA_IPC))
-        stub.CudaCopy(pb.CudaCopyRequest(session_id=sid, job_id=prep.job_id, buffer_id=buf,
-                                         buffer_offsets=[4096]))
-        done = stub.CompleteStore(pb.CompleteStoreRequest(session_id=sid, job_id=prep.job_id,
-                                                          ok=True))
+        buf = stub.RegisterCudaBuffer(
+            pb.RegisterCudaBufferRequest(
+                session_id=sid,
+                device_uuid=uuid,
+                ipc_handle=handle,
+                handle_offset=offset,
+                buffer_bytes=1 << 21,
+            )
+        ).buffer_id
+        prep = stub.PrepareStore(
+            pb.PrepareStoreRequest(
+                session_id=sid,
+                namespace_id=ns_id,
+                keys=(1).to_bytes(32, "big"),
+                transport=pb.TRANSPORT_CUDA_IPC,
+            )
+        )
+        stub.CudaCopy(
+            pb.CudaCopyRequest(session_id=sid, job_id=prep.job_id, buffer_id=buf, buffer_offsets=[4096])
+        )
+        done = stub.CompleteStore(pb.CompleteStoreRequest(session_id=sid, job_id=prep.job_id, ok=True))
         assert done.committed == 1
         stats = stub.Stats(pb.StatsRequest())
         assert stats.cuda_ipc.copy_errors == 0 and stats.cuda_ipc.buffers == 1

@@ -44,10 +44,14 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
 
 
 def shape(answer: list[list[bytes]]) -> dict[str, object]:
-    return {"frames": sorted({len(f) for f in answer}),
-            "empty_delimiter": all(f[0] == b"" for f in answer),
-            "ends_with_marker": bool(answer) and answer[-1][2:] == [ZmqEventPublisher.END_SEQ, b""]
-            and answer[-1][1] == b"", "messages": len(answer) - 1}
+    return {
+        "frames": sorted({len(f) for f in answer}),
+        "empty_delimiter": all(f[0] == b"" for f in answer),
+        "ends_with_marker": bool(answer)
+        and answer[-1][2:] == [ZmqEventPublisher.END_SEQ, b""]
+        and answer[-1][1] == b"",
+        "messages": len(answer) - 1,
+    }
 
 
 def main() -> None:
@@ -59,10 +63,19 @@ def main() -> None:
         evs = []
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                evs.append(["BlockStored", ev.medium, len(ev.block_hashes), ev.lora_name,
-                            ev.extra_keys, len(ev.token_ids), isinstance(ev.parent_block_hash,
-                                                                         bytes), ev.block_size,
-                            all(isinstance(h, bytes) and len(h) == 32 for h in ev.block_hashes)])
+                evs.append(
+                    [
+                        "BlockStored",
+                        ev.medium,
+                        len(ev.block_hashes),
+                        ev.lora_name,
+                        ev.extra_keys,
+                        len(ev.token_ids),
+                        isinstance(ev.parent_block_hash, bytes),
+                        ev.block_size,
+                        all(isinstance(h, bytes) and len(h) == 32 for h in ev.block_hashes),
+                    ]
+                )
             elif isinstance(ev, BlockRemoved):
                 evs.append(["BlockRemoved", ev.medium, len(ev.block_hashes)])
             else:
@@ -81,8 +94,11 @@ def main() -> None:
         vllms = replay(ctx, f"ipc://{tmp}/r", 0)
         pub.shutdown()
     ours_payloads_ok = all(len(dec.decode(f[3]).events) >= 0 for f in ours[:-1])
-    print(json.dumps({"decoded": decoded, "ours": shape(ours), "vllms": shape(vllms),
-                      "ours_decoded": ours_payloads_ok}))
+    print(
+        json.dumps(
+            {"decoded": decoded, "ours": shape(ours), "vllms": shape(vllms), "ours_decoded": ours_payloads_ok}
+        )
+    )
 
 
 if __name__ == "__main__":

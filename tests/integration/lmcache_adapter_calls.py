@@ -33,14 +33,23 @@ def obj(fill: int | None) -> TensorMemoryObj:
     if fill is not None:
         t.view(torch.int16).copy_(torch.arange(SHAPE.numel()).view(SHAPE) * 7 + fill)
     raw = t.reshape(-1).view(torch.uint8)
-    meta = MemoryObjMetadata(shape=SHAPE, dtype=torch.bfloat16, address=0,
-                             phy_size=raw.numel(), ref_count=1, fmt=MemoryFormat.KV_2LTD)
+    meta = MemoryObjMetadata(
+        shape=SHAPE,
+        dtype=torch.bfloat16,
+        address=0,
+        phy_size=raw.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
     return TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
 
 
 def key(i: int) -> ObjectKey:
-    return ObjectKey(chunk_hash=i.to_bytes(4, "big") * 8, model_name="test/model",
-                     kv_rank=ObjectKey.ComputeKVRank(1, 0, 1, 0))
+    return ObjectKey(
+        chunk_hash=i.to_bytes(4, "big") * 8,
+        model_name="test/model",
+        kv_rank=ObjectKey.ComputeKVRank(1, 0, 1, 0),
+    )
 
 
 def wait(fd: int, timeout_s: float = 10.0) -> None:
@@ -60,8 +69,7 @@ def main() -> None:
         deadline = time.monotonic() + 30
         while len(results) < N and time.monotonic() < deadline:
             wait(adapter.get_store_event_fd(), 0.1)
-            results.update({t: r.is_successful()
-                            for t, r in adapter.pop_completed_store_tasks().items()})
+            results.update({t: r.is_successful() for t, r in adapter.pop_completed_store_tasks().items()})
 
     collector = threading.Thread(target=collect)
     collector.start()
@@ -84,16 +92,24 @@ def main() -> None:
     while loaded is None:
         wait(adapter.get_load_event_fd())
         loaded = adapter.query_load_result(task)
-    exact = all(torch.equal(a.raw_tensor, b.raw_tensor) for a, b in zip(stores, loads,
-                                                                          strict=True))
+    exact = all(torch.equal(a.raw_tensor, b.raw_tensor) for a, b in zip(stores, loads, strict=True))
     adapter.submit_unlock(keys[: N // 2])
-    adapter.submit_unlock(keys[N // 2:])
-    print(json.dumps({
-        "submitted": len(set(submitted)), "results": len(results),
-        "all_succeeded": all(results.values()), "hits": hits,
-        "locked_after_lookup": locked_after_lookup, "loaded": len(loaded.get_indices_list()),
-        "exact": exact, "locked_after_unlock": adapter.report_status()["locked_keys"]}),
-        flush=True)
+    adapter.submit_unlock(keys[N // 2 :])
+    print(
+        json.dumps(
+            {
+                "submitted": len(set(submitted)),
+                "results": len(results),
+                "all_succeeded": all(results.values()),
+                "hits": hits,
+                "locked_after_lookup": locked_after_lookup,
+                "loaded": len(loaded.get_indices_list()),
+                "exact": exact,
+                "locked_after_unlock": adapter.report_status()["locked_keys"],
+            }
+        ),
+        flush=True,
+    )
     adapter.close()
 
 

@@ -56,8 +56,13 @@ class Context(LMCacheSDKContext):
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        super().__init__(url=spec["url"], http_url=spec["http_url"], model_name=spec["model"],
-                         kind=LMCacheSDKCacheKind.KV, timeout=60.0)
+        super().__init__(
+            url=spec["url"],
+            http_url=spec["http_url"],
+            model_name=spec["model"],
+            kind=LMCacheSDKCacheKind.KV,
+            timeout=60.0,
+        )
         self.register_caches()
 
     def register_caches(self) -> None:
@@ -65,18 +70,29 @@ class Context(LMCacheSDKContext):
         self._world_size = 1
         self._num_kv_readers = 1
         shape = (1, 2, spec["heads"], spec["block"], spec["head_dim"])  # one HND block a layer
-        self._kv_caches = {f"layer.{i}": torch.zeros(shape, dtype=getattr(torch, spec["dtype"]))
-                           for i in range(spec["layers"])}
-        ctx = create_transfer_context(self._kv_caches, instance_id=self.instance_id,
-                                      req_client=self._req_client)
+        self._kv_caches = {
+            f"layer.{i}": torch.zeros(shape, dtype=getattr(torch, spec["dtype"]))
+            for i in range(spec["layers"])
+        }
+        ctx = create_transfer_context(
+            self._kv_caches, instance_id=self.instance_id, req_client=self._req_client
+        )
         self.blocks_in_chunk = self._chunk_size // spec["block"]
-        ctx.register(self._kv_caches, self._model_name, 1, self.blocks_in_chunk, 60.0,
-                     layout_hints=LayoutHints(kv_layout="HND", num_kv_heads=spec["heads"],
-                                              tokens_per_block=spec["block"],
-                                              head_dim=spec["head_dim"]))
+        ctx.register(
+            self._kv_caches,
+            self._model_name,
+            1,
+            self.blocks_in_chunk,
+            60.0,
+            layout_hints=LayoutHints(
+                kv_layout="HND",
+                num_kv_heads=spec["heads"],
+                tokens_per_block=spec["block"],
+                head_dim=spec["head_dim"],
+            ),
+        )
         assert isinstance(ctx, EngineDrivenTransferContext), type(ctx)
-        self._transfer_ctx = ContiguousTransferWrapper(ctx.engine_driven_context,
-                                                       self._chunk_size)
+        self._transfer_ctx = ContiguousTransferWrapper(ctx.engine_driven_context, self._chunk_size)
 
 
 def main() -> None:
@@ -98,18 +114,23 @@ def main() -> None:
                 continue
             k = int(got.shape[2])
             want = kv_of(spec, cmd["seed"], n)[:, :, :k]
-            exact = got.dtype == want.dtype and got.shape == want.shape and \
-                bytes(got.contiguous().view(torch.uint8).numpy()) == \
-                bytes(want.contiguous().view(torch.uint8).numpy())
+            exact = (
+                got.dtype == want.dtype
+                and got.shape == want.shape
+                and bytes(got.contiguous().view(torch.uint8).numpy())
+                == bytes(want.contiguous().view(torch.uint8).numpy())
+            )
             say({"tokens": k, "exact": bool(exact)})
         elif cmd["op"] == "keys":
             n = cmd["chunks"] * chunk
-            hashes = TokenHasher(chunk, spec["hash_algorithm"]).compute_chunk_hashes(
-                tokens(cmd["seed"], n))
+            hashes = TokenHasher(chunk, spec["hash_algorithm"]).compute_chunk_hashes(tokens(cmd["seed"], n))
             kv = kv_of(spec, cmd["seed"], n)
-            digests = [hashlib.sha256(bytes(kv[:, :, i * chunk:(i + 1) * chunk].contiguous()
-                                            .view(torch.uint8).numpy())).hexdigest()
-                       for i in range(cmd["chunks"])]
+            digests = [
+                hashlib.sha256(
+                    bytes(kv[:, :, i * chunk : (i + 1) * chunk].contiguous().view(torch.uint8).numpy())
+                ).hexdigest()
+                for i in range(cmd["chunks"])
+            ]
             say({"hashes": [h.hex() for h in hashes], "sha256": digests})
         elif cmd["op"] == "clear":
             sdk._req_client.clear(True).result(timeout=60.0)

@@ -33,14 +33,21 @@ STORED = (1, 2, 4)
 def obj(buf: torch.Tensor, fill: int) -> TensorMemoryObj:
     buf.view(torch.int16).copy_(torch.arange(SHAPE.numel()).view(SHAPE) * 7 + fill)
     raw = buf.reshape(-1).view(torch.uint8)
-    meta = MemoryObjMetadata(shape=SHAPE, dtype=torch.bfloat16, address=raw.data_ptr(),
-                             phy_size=raw.numel(), ref_count=1, fmt=MemoryFormat.KV_2LTD)
+    meta = MemoryObjMetadata(
+        shape=SHAPE,
+        dtype=torch.bfloat16,
+        address=raw.data_ptr(),
+        phy_size=raw.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
     return TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
 
 
 def key(i: int) -> ObjectKey:
-    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name="test/model",
-                     kv_rank=ObjectKey.ComputeKVRank(1, 0, 1, 0))
+    return ObjectKey(
+        chunk_hash=bytes([i]) * 32, model_name="test/model", kv_rank=ObjectKey.ComputeKVRank(1, 0, 1, 0)
+    )
 
 
 def wait(fd: int, timeout_s: float = 10.0) -> None:
@@ -69,11 +76,14 @@ def main() -> None:
     spec, address = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec])).adapters[0]
     l1 = torch.zeros((len(STORED), *SHAPE), dtype=torch.bfloat16)
-    adapter = create_l2_adapter(cfg, l1_memory_desc=L1MemoryDesc(
-        ptr=l1.data_ptr(), size=l1.numel() * l1.element_size(), align_bytes=2))
+    adapter = create_l2_adapter(
+        cfg,
+        l1_memory_desc=L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel() * l1.element_size(), align_bytes=2),
+    )
     try:
-        task = adapter.submit_store_task([key(i) for i in STORED],
-                                         [obj(l1[n], i) for n, i in enumerate(STORED)])
+        task = adapter.submit_store_task(
+            [key(i) for i in STORED], [obj(l1[n], i) for n, i in enumerate(STORED)]
+        )
         stored = None
         while stored is None:
             wait(adapter.get_store_event_fd())
@@ -87,9 +97,17 @@ def main() -> None:
         hits = found.get_indices_list()
         pinned_locked = pinned(address, len(hits))
         adapter.submit_unlock([keys[i] for i in hits])
-        print(json.dumps({"stored": stored.is_successful(), "found": hits,
-                          "pinned_while_locked": pinned_locked,
-                          "pinned_after_unlock": pinned(address, 0)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "stored": stored.is_successful(),
+                    "found": hits,
+                    "pinned_while_locked": pinned_locked,
+                    "pinned_after_unlock": pinned(address, 0),
+                }
+            ),
+            flush=True,
+        )
     finally:
         adapter.close()
 

@@ -52,17 +52,19 @@ import traceback
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorageConfig,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-LIFTED = ("get_page_buffer_meta", "get_data_page", "set_from_flat_data_page",
-          "get_dummy_flat_data_page", "_storage_page_index", "_iter_page_tensors",
-          "_flatten_tensor_bytes", "get_size_per_token")
+LIFTED = (
+    "get_page_buffer_meta",
+    "get_data_page",
+    "set_from_flat_data_page",
+    "get_dummy_flat_data_page",
+    "_storage_page_index",
+    "_iter_page_tensors",
+    "_flatten_tensor_bytes",
+    "get_size_per_token",
+)
 
 
 def sglang_methods(module: str, cls: str) -> dict[str, Any]:
@@ -90,8 +92,9 @@ DSA = sglang_methods("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost")
 CpuDSAIndexerPool = type("CpuDSAIndexerPool", (), dict(DSA))
 
 
-def make_dsa_indexer_pool(layout: str, pages: int, page_size: int, layers: int,
-                          page_stride: int, seed: int | None) -> Any:
+def make_dsa_indexer_pool(
+    layout: str, pages: int, page_size: int, layers: int, page_stride: int, seed: int | None
+) -> Any:
     """SGLang's DSAIndexerPoolHost (its page methods) over a CPU ``index_k_with_scale_buffer``
     with the dims of its ``init_kv_buffer`` (uint8: a page's index keys and scales, per layer)."""
     pool = CpuDSAIndexerPool()
@@ -101,17 +104,30 @@ def make_dsa_indexer_pool(layout: str, pages: int, page_size: int, layers: int,
     pool.indexer_dtype = pool.dtype = torch.uint8
     pool.device, pool.pin_memory = "cpu", False
     pool.indexer_page_num = (size + page_size + 1) // page_size
-    dims = ((layers, pool.indexer_page_num, page_stride) if layout == "layer_first"
-            else (pool.indexer_page_num, layers, 1, page_stride))
+    dims = (
+        (layers, pool.indexer_page_num, page_stride)
+        if layout == "layer_first"
+        else (pool.indexer_page_num, layers, 1, page_stride)
+    )
     g = torch.Generator().manual_seed(seed or 0)
-    pool.index_k_with_scale_buffer = (torch.zeros(dims, dtype=torch.uint8) if seed is None else
-                                      torch.randint(0, 256, dims, generator=g, dtype=torch.uint8))
+    pool.index_k_with_scale_buffer = (
+        torch.zeros(dims, dtype=torch.uint8)
+        if seed is None
+        else torch.randint(0, 256, dims, generator=g, dtype=torch.uint8)
+    )
     return pool
 
 
-def make_mamba_pool(layout: str, slots: int, layers: int, temporal: list[int],
-                    convs: list[list[int]], temporal_dtype: str, conv_dtype: str,
-                    seed: int | None) -> Any:
+def make_mamba_pool(
+    layout: str,
+    slots: int,
+    layers: int,
+    temporal: list[int],
+    convs: list[list[int]],
+    temporal_dtype: str,
+    conv_dtype: str,
+    seed: int | None,
+) -> Any:
     """SGLang's MambaPoolHost (its page methods) over CPU buffers with the dims of its
     ``init_kv_buffer``: one slot per page (page_size 1), the temporal (SSM) state and each conv
     state in its own buffer."""
@@ -143,24 +159,43 @@ def make_mamba_pool(layout: str, slots: int, layers: int, temporal: list[int],
     return pool
 
 
-def make_pool(kind: str, layout: str, pages: int, page_size: int, layers: int, heads: int,
-              head_dim: int, kv_cache_dim: int, dtype: str, seed: int | None) -> Any:
+def make_pool(
+    kind: str,
+    layout: str,
+    pages: int,
+    page_size: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    kv_cache_dim: int,
+    dtype: str,
+    seed: int | None,
+) -> Any:
     pool = (CpuMHAPool if kind == "mha" else CpuMLAPool)()
     size = pages * page_size
     pool.layout, pool.page_size, pool.layer_num, pool.size, pool.page_num = (
-        layout, page_size, layers, size, pages)
+        layout,
+        page_size,
+        layers,
+        size,
+        pages,
+    )
     pool.dtype, pool.device, pool.pin_memory = getattr(torch, dtype), "cpu", False
     if kind == "mha":
         pool.head_num, pool.head_dim = heads, head_dim
-        dims = {"layer_first": (2, layers, size, heads, head_dim),
-                "page_first": (2, size, layers, heads, head_dim),
-                "page_first_direct": (2, pages, layers, page_size, heads, head_dim),
-                "page_head": (2, pages, heads, page_size, layers, head_dim)}[layout]
+        dims = {
+            "layer_first": (2, layers, size, heads, head_dim),
+            "page_first": (2, size, layers, heads, head_dim),
+            "page_first_direct": (2, pages, layers, page_size, heads, head_dim),
+            "page_head": (2, pages, heads, page_size, layers, head_dim),
+        }[layout]
     else:
         pool.kv_cache_dim, pool.dcp_size, pool.logical_page_size = kv_cache_dim, 1, page_size
-        dims = {"layer_first": (layers, size, 1, kv_cache_dim),
-                "page_first": (size, layers, 1, kv_cache_dim),
-                "page_first_direct": (pages, layers, page_size, 1, kv_cache_dim)}[layout]
+        dims = {
+            "layer_first": (layers, size, 1, kv_cache_dim),
+            "page_first": (size, layers, 1, kv_cache_dim),
+            "page_first_direct": (pages, layers, page_size, 1, kv_cache_dim),
+        }[layout]
     if seed is None:
         pool.kv_buffer = torch.zeros(dims, dtype=pool.dtype)
     else:
@@ -169,25 +204,48 @@ def make_pool(kind: str, layout: str, pages: int, page_size: int, layers: int, h
     return pool
 
 
-def storage_config(pool: Any, tp_rank: int, tp_size: int, model_name: str | None,
-                   extra: dict[str, Any], metrics: bool = False) -> HiCacheStorageConfig:
+def storage_config(
+    pool: Any,
+    tp_rank: int,
+    tp_size: int,
+    model_name: str | None,
+    extra: dict[str, Any],
+    metrics: bool = False,
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=isinstance(pool, CpuMLAPool), enable_storage_metrics=metrics,
-        is_page_first_layout=pool.layout == "page_first", model_name=model_name,
-        extra_config={"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-                      "class_name": "KvtierHiCacheStorage", "interface_v1": 1, **extra})
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=isinstance(pool, CpuMLAPool),
+        enable_storage_metrics=metrics,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name=model_name,
+        extra_config={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierHiCacheStorage",
+            "interface_v1": 1,
+            **extra,
+        },
+    )
 
 
 def host_indices(pool: Any, pages: list[int]) -> torch.Tensor:
     ps = pool.page_size
-    return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages]) if pages else \
-        torch.empty(0, dtype=torch.int64)
+    return (
+        torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages])
+        if pages
+        else torch.empty(0, dtype=torch.int64)
+    )
 
 
 def page_bytes(pool: Any, page: int) -> bytes:
-    return bytes(pool.get_data_page(page * pool.page_size, flat=True)
-                 .contiguous().view(torch.uint8).numpy().tobytes())
+    return bytes(
+        pool.get_data_page(page * pool.page_size, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+    )
 
 
 class Driver:
@@ -198,25 +256,45 @@ class Driver:
     def pool(self, c: dict[str, Any]) -> dict[str, Any]:
         if c["kind"] == "dsa_indexer":
             self.pools[c["name"]] = make_dsa_indexer_pool(
-                c["layout"], c["pages"], c["page_size"], c["layers"], c["page_stride"],
-                c.get("seed"))
+                c["layout"], c["pages"], c["page_size"], c["layers"], c["page_stride"], c.get("seed")
+            )
             return {"ok": True}
         if c["kind"] == "mamba":
             self.pools[c["name"]] = make_mamba_pool(
-                c["layout"], c["pages"], c["layers"], c["temporal"], c["convs"],
-                c.get("temporal_dtype", "float32"), c.get("dtype", "bfloat16"), c.get("seed"))
+                c["layout"],
+                c["pages"],
+                c["layers"],
+                c["temporal"],
+                c["convs"],
+                c.get("temporal_dtype", "float32"),
+                c.get("dtype", "bfloat16"),
+                c.get("seed"),
+            )
             return {"ok": True}
         self.pools[c["name"]] = make_pool(
-            c["kind"], c["layout"], c["pages"], c["page_size"], c["layers"], c.get("heads", 1),
-            c.get("head_dim", 1), c.get("kv_cache_dim", 0), c.get("dtype", "bfloat16"),
-            c.get("seed"))
+            c["kind"],
+            c["layout"],
+            c["pages"],
+            c["page_size"],
+            c["layers"],
+            c.get("heads", 1),
+            c.get("head_dim", 1),
+            c.get("kv_cache_dim", 0),
+            c.get("dtype", "bfloat16"),
+            c.get("seed"),
+        )
         return {"ok": True}
 
     def backend(self, c: dict[str, Any]) -> dict[str, Any]:
         pool = self.pools[c["pool"]]
-        cfg = storage_config(pool, c.get("tp_rank", 0), c.get("tp_size", 1),
-                             c.get("model_name", "test/model"), c.get("extra", {}),
-                             c.get("metrics", False))
+        cfg = storage_config(
+            pool,
+            c.get("tp_rank", 0),
+            c.get("tp_size", 1),
+            c.get("model_name", "test/model"),
+            c.get("extra", {}),
+            c.get("metrics", False),
+        )
         kind = "dynamic"
         if c.get("file"):  # SGLang's own reference backend (HiCacheFile) over a directory
             kind, cfg.extra_config = "file", {"file_storage_path": c["file"]}
@@ -259,12 +337,13 @@ class Driver:
                 result = {str(name): list(ok) for name, ok in got.items()}
             elif m == "batch_exists_v2":
                 r = b.batch_exists_v2(keys, self.transfers(b, c.get("transfers", [])), None)
-                result = {"kv": r.kv_hit_pages,
-                          "pools": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
-                          "restorable": r.restorable_prefix_pages}
+                result = {
+                    "kv": r.kv_hit_pages,
+                    "pools": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
+                    "restorable": r.restorable_prefix_pages,
+                }
             elif m == "batch_set":  # the plain call with flat data pages
-                result = b.batch_set(keys, [pool.get_data_page(p * pool.page_size, flat=True)
-                                            for p in pages])
+                result = b.batch_set(keys, [pool.get_data_page(p * pool.page_size, flat=True) for p in pages])
             elif m == "clear":
                 result = b.clear()
             elif m == "get_page":  # the plain path, as SGLang's _generic_page_get
@@ -275,13 +354,23 @@ class Driver:
             elif m == "set_page":  # the plain path, as SGLang's _generic_page_set
                 result = b.set(keys[0], pool.get_data_page(pages[0] * pool.page_size, flat=True))
             elif m == "garbage":  # malformed arguments: every verb must still answer
-                result = [repr(x) for x in (
-                    b.batch_exists(None, None), b.batch_get_v1(None, None, None),
-                    b.batch_set_v1(keys, None, None), b.batch_get_v1(keys, "x", None),
-                    b.batch_set_v1([1, 2], host_indices(pool, [0, 1]), None),
-                    b.get(keys[0], torch.empty(3)), b.set(keys[0], torch.empty(3)),
-                    b.batch_set(keys, None), b.batch_exists_v2(keys, None),
-                    b.batch_get_v2(None), b.batch_set_v2([object()]), b.get_stats())]
+                result = [
+                    repr(x)
+                    for x in (
+                        b.batch_exists(None, None),
+                        b.batch_get_v1(None, None, None),
+                        b.batch_set_v1(keys, None, None),
+                        b.batch_get_v1(keys, "x", None),
+                        b.batch_set_v1([1, 2], host_indices(pool, [0, 1]), None),
+                        b.get(keys[0], torch.empty(3)),
+                        b.set(keys[0], torch.empty(3)),
+                        b.batch_set(keys, None),
+                        b.batch_exists_v2(keys, None),
+                        b.batch_get_v2(None),
+                        b.batch_set_v2([object()]),
+                        b.get_stats(),
+                    )
+                ]
             else:
                 raise ValueError(f"unknown method {m}")
         except BaseException as e:  # noqa: BLE001 - the backend must never raise: report it
@@ -294,16 +383,19 @@ class Driver:
         for t in specs:
             name = PoolName(t["name"])
             pool = b.registered_pools.get(name, b.mem_pool_host)  # unregistered: KV indices
-            out.append(PoolTransfer(
-                name=name, keys=t.get("keys"),
-                host_indices=host_indices(pool, t["pages"]) if "pages" in t else None,
-                hit_policy=PoolHitPolicy(t.get("policy", "all_pages"))))
+            out.append(
+                PoolTransfer(
+                    name=name,
+                    keys=t.get("keys"),
+                    host_indices=host_indices(pool, t["pages"]) if "pages" in t else None,
+                    hit_policy=PoolHitPolicy(t.get("policy", "all_pages")),
+                )
+            )
         return out
 
     def digests(self, c: dict[str, Any]) -> dict[str, Any]:
         pool = self.pools[c["pool"]]
-        return {"digests": [hashlib.sha256(page_bytes(pool, p)).hexdigest()[:16]
-                            for p in c["pages"]]}
+        return {"digests": [hashlib.sha256(page_bytes(pool, p)).hexdigest()[:16] for p in c["pages"]]}
 
     def flat(self, c: dict[str, Any]) -> dict[str, Any]:
         """Bytes of each of a pool's flat data pages (any pool kind)."""
@@ -321,8 +413,10 @@ class Driver:
         (fresh keys each round); the best round of each."""
         w, r = self.backends[c["backend"]], self.backends[c["reader"]]
         n, rounds = c.get("pages", 128), c.get("rounds", 3)
-        idx_w, idx_r = host_indices(w.mem_pool_host, list(range(n))), \
-            host_indices(r.mem_pool_host, list(range(n)))
+        idx_w, idx_r = (
+            host_indices(w.mem_pool_host, list(range(n))),
+            host_indices(r.mem_pool_host, list(range(n))),
+        )
         put_s, get_s = [], []
         for k in range(rounds):
             keys = [f"bench-{c.get('tag', '')}-{k}-{i}" for i in range(n)]
@@ -334,10 +428,8 @@ class Driver:
             get_s.append(time.perf_counter() - t)
             if not (ok_w and ok_r):
                 return {"error": f"round {k}: put {ok_w} get {ok_r}"}
-        same = all(page_bytes(w.mem_pool_host, p) == page_bytes(r.mem_pool_host, p)
-                   for p in range(n))
-        return {"bytes": n * w.pages.block_bytes, "put_s": min(put_s), "get_s": min(get_s),
-                "same": same}
+        same = all(page_bytes(w.mem_pool_host, p) == page_bytes(r.mem_pool_host, p) for p in range(n))
+        return {"bytes": n * w.pages.block_bytes, "put_s": min(put_s), "get_s": min(get_s), "same": same}
 
 
 def main() -> None:

@@ -57,27 +57,41 @@ class Ctx:
         return getattr(self.stub, method)(request, timeout=TIMEOUT_S)
 
     def open_session(self, transport: int = pb.TRANSPORT_SHM) -> int:
-        reply = self.call("OpenSession", pb.OpenSessionRequest(
-            client_name="bad-input", lease_ttl_ms=60_000, transport=transport))
+        reply = self.call(
+            "OpenSession",
+            pb.OpenSessionRequest(client_name="bad-input", lease_ttl_ms=60_000, transport=transport),
+        )
         DATA_SECRETS[reply.session_id] = reply.data_secret
         return int(reply.session_id)
 
-    def prepare_store(self, *ids: int, session_id: int | None = None,
-                      transport: int = pb.TRANSPORT_SHM) -> Any:
+    def prepare_store(
+        self, *ids: int, session_id: int | None = None, transport: int = pb.TRANSPORT_SHM
+    ) -> Any:
         default = self.tcp_session_id if transport == pb.TRANSPORT_TCP else self.session_id
-        return self.call("PrepareStore", pb.PrepareStoreRequest(
-            session_id=session_id or default, namespace_id=self.ns_id, keys=keys(*ids),
-            transport=transport))
+        return self.call(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                session_id=session_id or default,
+                namespace_id=self.ns_id,
+                keys=keys(*ids),
+                transport=transport,
+            ),
+        )
 
     def store(self, *ids: int) -> None:
         """A whole shm store (the bytes are whatever the slots held)."""
         prep = self.prepare_store(*ids)
-        self.call("CompleteStore", pb.CompleteStoreRequest(
-            session_id=self.session_id, job_id=prep.job_id, ok=True))
+        self.call(
+            "CompleteStore", pb.CompleteStoreRequest(session_id=self.session_id, job_id=prep.job_id, ok=True)
+        )
 
     def lookup(self, *ids: int) -> int:
-        return int(self.call("Lookup", pb.LookupRequest(
-            session_id=self.session_id, namespace_id=self.ns_id, keys=keys(*ids))).hit_blocks)
+        return int(
+            self.call(
+                "Lookup",
+                pb.LookupRequest(session_id=self.session_id, namespace_id=self.ns_id, keys=keys(*ids)),
+            ).hit_blocks
+        )
 
     def state(self) -> dict[str, Any]:
         """Everything Stats reports, less the uptime."""
@@ -92,18 +106,21 @@ def ctx(daemon: DaemonProcess) -> Iterator[Ctx]:
         stub = pb_grpc.KvtierStub(channel)
         ns = make_namespace()
         spec = pb.NamespaceSpec(**{k: v for k, v in ns.to_dict().items() if v is not None})
-        reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest),
-                                     timeout=TIMEOUT_S)
-        opened = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="bad-input", lease_ttl_ms=60_000, transport=pb.TRANSPORT_SHM),
-            timeout=TIMEOUT_S)
-        tcp = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="bad-input-tcp", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP),
-            timeout=TIMEOUT_S)
-        DATA_SECRETS.update({opened.session_id: opened.data_secret,
-                             tcp.session_id: tcp.data_secret})
-        yield Ctx(stub, opened.session_id, reg.namespace_id, reg.block_bytes, opened,
-                  tcp.session_id)
+        reg = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest), timeout=TIMEOUT_S
+        )
+        opened = stub.OpenSession(
+            pb.OpenSessionRequest(client_name="bad-input", lease_ttl_ms=60_000, transport=pb.TRANSPORT_SHM),
+            timeout=TIMEOUT_S,
+        )
+        tcp = stub.OpenSession(
+            pb.OpenSessionRequest(
+                client_name="bad-input-tcp", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP
+            ),
+            timeout=TIMEOUT_S,
+        )
+        DATA_SECRETS.update({opened.session_id: opened.data_secret, tcp.session_id: tcp.data_secret})
+        yield Ctx(stub, opened.session_id, reg.namespace_id, reg.block_bytes, opened, tcp.session_id)
 
 
 def rejected(ctx: Ctx, method: str, request: Any, code: grpc.StatusCode, field: str) -> str:
@@ -131,8 +148,13 @@ def case(name: str, method: str, build: Build, code: grpc.StatusCode, field: str
     CASES.append((name, method, build, code, field))
 
 
-for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareStoreRequest),
-                      ("PrepareLoad", pb.PrepareLoadRequest), ("Prefetch", pb.PrefetchRequest)]:
+for _method, _req in [
+    ("Lookup", pb.LookupRequest),
+    ("PrepareStore", pb.PrepareStoreRequest),
+    ("PrepareLoad", pb.PrepareLoadRequest),
+    ("Prefetch", pb.PrefetchRequest),
+]:
+
     def _with(r: type = _req, **kw: Any) -> Build:
         def build(c: Ctx) -> Any:
             fields = dict(session_id=c.session_id, namespace_id=c.ns_id, keys=keys(1, 2))
@@ -140,94 +162,207 @@ for _method, _req in [("Lookup", pb.LookupRequest), ("PrepareStore", pb.PrepareS
                 fields["transport"] = pb.TRANSPORT_SHM
             fields.update({k: (v(c) if callable(v) else v) for k, v in kw.items()})
             return r(**fields)
+
         return build
 
-    case(f"{_method}-keys-not-a-multiple-of-32", _method, _with(keys=keys(1) + b"\0" * 31),
-         StatusCode.INVALID_ARGUMENT, "keys")
-    case(f"{_method}-keys-one-byte", _method, _with(keys=b"\1"), StatusCode.INVALID_ARGUMENT,
-         "keys")
-    case(f"{_method}-more-keys-than-a-batch", _method, _with(keys=bytes(32 * (MAX_BATCH + 1))),
-         StatusCode.RESOURCE_EXHAUSTED, "keys")
-    case(f"{_method}-unknown-namespace", _method, _with(namespace_id=UNKNOWN_NS),
-         StatusCode.NOT_FOUND, "namespace_id")
-    case(f"{_method}-unknown-session", _method, _with(session_id=UNKNOWN_SESSION),
-         StatusCode.NOT_FOUND, "session_id")
+    case(
+        f"{_method}-keys-not-a-multiple-of-32",
+        _method,
+        _with(keys=keys(1) + b"\0" * 31),
+        StatusCode.INVALID_ARGUMENT,
+        "keys",
+    )
+    case(f"{_method}-keys-one-byte", _method, _with(keys=b"\1"), StatusCode.INVALID_ARGUMENT, "keys")
+    case(
+        f"{_method}-more-keys-than-a-batch",
+        _method,
+        _with(keys=bytes(32 * (MAX_BATCH + 1))),
+        StatusCode.RESOURCE_EXHAUSTED,
+        "keys",
+    )
+    case(
+        f"{_method}-unknown-namespace",
+        _method,
+        _with(namespace_id=UNKNOWN_NS),
+        StatusCode.NOT_FOUND,
+        "namespace_id",
+    )
+    case(
+        f"{_method}-unknown-session",
+        _method,
+        _with(session_id=UNKNOWN_SESSION),
+        StatusCode.NOT_FOUND,
+        "session_id",
+    )
     if _req not in (pb.LookupRequest, pb.PrefetchRequest):
         for _tp in (pb.TRANSPORT_UNSPECIFIED, 77):
-            case(f"{_method}-transport-{_tp}", _method, _with(transport=_tp),
-                 StatusCode.INVALID_ARGUMENT, "transport")
+            case(
+                f"{_method}-transport-{_tp}",
+                _method,
+                _with(transport=_tp),
+                StatusCode.INVALID_ARGUMENT,
+                "transport",
+            )
         # Known, but this daemon runs without cuda_ipc = true.
-        case(f"{_method}-transport-cuda-ipc-disabled", _method,
-             _with(transport=pb.TRANSPORT_CUDA_IPC), StatusCode.FAILED_PRECONDITION, "transport")
+        case(
+            f"{_method}-transport-cuda-ipc-disabled",
+            _method,
+            _with(transport=pb.TRANSPORT_CUDA_IPC),
+            StatusCode.FAILED_PRECONDITION,
+            "transport",
+        )
+
 
 def _slices(**kw: Any) -> Build:
     def build(c: Ctx) -> Any:
-        fields: dict[str, Any] = dict(session_id=c.session_id, namespace_ids=[c.ns_id],
-                                      keys=[keys(1, 2)], pin=True)
+        fields: dict[str, Any] = dict(
+            session_id=c.session_id, namespace_ids=[c.ns_id], keys=[keys(1, 2)], pin=True
+        )
         fields.update({k: (v(c) if callable(v) else v) for k, v in kw.items()})
         return pb.LookupSlicesRequest(**fields)
+
     return build
 
 
-case("LookupSlices-no-namespace", "LookupSlices", _slices(namespace_ids=[], keys=[]),
-     StatusCode.INVALID_ARGUMENT, "namespace_ids")
-case("LookupSlices-65-namespaces", "LookupSlices",
-     _slices(namespace_ids=list(range(1, 66)), keys=[b""] * 65),
-     StatusCode.INVALID_ARGUMENT, "namespace_ids")
-case("LookupSlices-a-namespace-twice", "LookupSlices",
-     _slices(namespace_ids=lambda c: [c.ns_id, c.ns_id], keys=[keys(1), keys(1)]),
-     StatusCode.INVALID_ARGUMENT, "namespace_ids")
-case("LookupSlices-fewer-chains-than-namespaces", "LookupSlices",
-     _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS]), StatusCode.INVALID_ARGUMENT, "keys")
-case("LookupSlices-keys-not-a-multiple-of-32", "LookupSlices", _slices(keys=[keys(1) + b"\0"]),
-     StatusCode.INVALID_ARGUMENT, "keys")
-case("LookupSlices-more-keys-than-a-batch", "LookupSlices",
-     _slices(keys=[bytes(32 * (MAX_BATCH + 1))]), StatusCode.RESOURCE_EXHAUSTED, "keys")
-case("LookupSlices-unknown-namespace", "LookupSlices",
-     _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS], keys=[keys(1, 2), keys(1, 2)]),
-     StatusCode.NOT_FOUND, "namespace_id")
-case("LookupSlices-unknown-session", "LookupSlices", _slices(session_id=UNKNOWN_SESSION),
-     StatusCode.NOT_FOUND, "session_id")
+case(
+    "LookupSlices-no-namespace",
+    "LookupSlices",
+    _slices(namespace_ids=[], keys=[]),
+    StatusCode.INVALID_ARGUMENT,
+    "namespace_ids",
+)
+case(
+    "LookupSlices-65-namespaces",
+    "LookupSlices",
+    _slices(namespace_ids=list(range(1, 66)), keys=[b""] * 65),
+    StatusCode.INVALID_ARGUMENT,
+    "namespace_ids",
+)
+case(
+    "LookupSlices-a-namespace-twice",
+    "LookupSlices",
+    _slices(namespace_ids=lambda c: [c.ns_id, c.ns_id], keys=[keys(1), keys(1)]),
+    StatusCode.INVALID_ARGUMENT,
+    "namespace_ids",
+)
+case(
+    "LookupSlices-fewer-chains-than-namespaces",
+    "LookupSlices",
+    _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS]),
+    StatusCode.INVALID_ARGUMENT,
+    "keys",
+)
+case(
+    "LookupSlices-keys-not-a-multiple-of-32",
+    "LookupSlices",
+    _slices(keys=[keys(1) + b"\0"]),
+    StatusCode.INVALID_ARGUMENT,
+    "keys",
+)
+case(
+    "LookupSlices-more-keys-than-a-batch",
+    "LookupSlices",
+    _slices(keys=[bytes(32 * (MAX_BATCH + 1))]),
+    StatusCode.RESOURCE_EXHAUSTED,
+    "keys",
+)
+case(
+    "LookupSlices-unknown-namespace",
+    "LookupSlices",
+    _slices(namespace_ids=lambda c: [c.ns_id, UNKNOWN_NS], keys=[keys(1, 2), keys(1, 2)]),
+    StatusCode.NOT_FOUND,
+    "namespace_id",
+)
+case(
+    "LookupSlices-unknown-session",
+    "LookupSlices",
+    _slices(session_id=UNKNOWN_SESSION),
+    StatusCode.NOT_FOUND,
+    "session_id",
+)
 
-for _method, _req in [("Heartbeat", pb.HeartbeatRequest),
-                      ("CloseSession", pb.CloseSessionRequest)]:
-    case(f"{_method}-unknown-session", _method,
-         lambda c, r=_req: r(session_id=UNKNOWN_SESSION), StatusCode.NOT_FOUND, "session_id")
-case("CompleteStore-unknown-session", "CompleteStore",
-     lambda c: pb.CompleteStoreRequest(session_id=UNKNOWN_SESSION, job_id=1, ok=True),
-     StatusCode.NOT_FOUND, "session_id")
-case("CompleteLoad-unknown-session", "CompleteLoad",
-     lambda c: pb.CompleteLoadRequest(session_id=UNKNOWN_SESSION, job_id=1),
-     StatusCode.NOT_FOUND, "session_id")
-case("CompleteStore-unknown-job", "CompleteStore",
-     lambda c: pb.CompleteStoreRequest(session_id=c.session_id, job_id=999_999, ok=True),
-     StatusCode.NOT_FOUND, "job_id")
-case("CompleteLoad-unknown-job", "CompleteLoad",
-     lambda c: pb.CompleteLoadRequest(session_id=c.session_id, job_id=999_999),
-     StatusCode.NOT_FOUND, "job_id")
-case("OpenSession-transport-9", "OpenSession",
-     lambda c: pb.OpenSessionRequest(client_name="x", transport=9),
-     StatusCode.INVALID_ARGUMENT, "transport")
-case("OpenSession-transport-cuda-ipc-disabled", "OpenSession",
-     lambda c: pb.OpenSessionRequest(client_name="x", transport=pb.TRANSPORT_CUDA_IPC),
-     StatusCode.FAILED_PRECONDITION, "transport")
+for _method, _req in [("Heartbeat", pb.HeartbeatRequest), ("CloseSession", pb.CloseSessionRequest)]:
+    case(
+        f"{_method}-unknown-session",
+        _method,
+        lambda c, r=_req: r(session_id=UNKNOWN_SESSION),
+        StatusCode.NOT_FOUND,
+        "session_id",
+    )
+case(
+    "CompleteStore-unknown-session",
+    "CompleteStore",
+    lambda c: pb.CompleteStoreRequest(session_id=UNKNOWN_SESSION, job_id=1, ok=True),
+    StatusCode.NOT_FOUND,
+    "session_id",
+)
+case(
+    "CompleteLoad-unknown-session",
+    "CompleteLoad",
+    lambda c: pb.CompleteLoadRequest(session_id=UNKNOWN_SESSION, job_id=1),
+    StatusCode.NOT_FOUND,
+    "session_id",
+)
+case(
+    "CompleteStore-unknown-job",
+    "CompleteStore",
+    lambda c: pb.CompleteStoreRequest(session_id=c.session_id, job_id=999_999, ok=True),
+    StatusCode.NOT_FOUND,
+    "job_id",
+)
+case(
+    "CompleteLoad-unknown-job",
+    "CompleteLoad",
+    lambda c: pb.CompleteLoadRequest(session_id=c.session_id, job_id=999_999),
+    StatusCode.NOT_FOUND,
+    "job_id",
+)
+case(
+    "OpenSession-transport-9",
+    "OpenSession",
+    lambda c: pb.OpenSessionRequest(client_name="x", transport=9),
+    StatusCode.INVALID_ARGUMENT,
+    "transport",
+)
+case(
+    "OpenSession-transport-cuda-ipc-disabled",
+    "OpenSession",
+    lambda c: pb.OpenSessionRequest(client_name="x", transport=pb.TRANSPORT_CUDA_IPC),
+    StatusCode.FAILED_PRECONDITION,
+    "transport",
+)
 # The cuda_ipc RPCs on a daemon without cuda_ipc = true: refused before anything is read.
-case("RegisterCudaBuffer-disabled", "RegisterCudaBuffer",
-     lambda c: pb.RegisterCudaBufferRequest(session_id=c.session_id, device_uuid=bytes(16),
-                                            ipc_handle=bytes(64), buffer_bytes=1 << 20),
-     StatusCode.FAILED_PRECONDITION, "transport")
-case("CudaCopy-disabled", "CudaCopy",
-     lambda c: pb.CudaCopyRequest(session_id=c.session_id, job_id=1, buffer_id=1),
-     StatusCode.FAILED_PRECONDITION, "transport")
-case("ReleaseCudaBuffer-disabled", "ReleaseCudaBuffer",
-     lambda c: pb.ReleaseCudaBufferRequest(session_id=c.session_id, buffer_id=1),
-     StatusCode.FAILED_PRECONDITION, "transport")
+case(
+    "RegisterCudaBuffer-disabled",
+    "RegisterCudaBuffer",
+    lambda c: pb.RegisterCudaBufferRequest(
+        session_id=c.session_id, device_uuid=bytes(16), ipc_handle=bytes(64), buffer_bytes=1 << 20
+    ),
+    StatusCode.FAILED_PRECONDITION,
+    "transport",
+)
+case(
+    "CudaCopy-disabled",
+    "CudaCopy",
+    lambda c: pb.CudaCopyRequest(session_id=c.session_id, job_id=1, buffer_id=1),
+    StatusCode.FAILED_PRECONDITION,
+    "transport",
+)
+case(
+    "ReleaseCudaBuffer-disabled",
+    "ReleaseCudaBuffer",
+    lambda c: pb.ReleaseCudaBufferRequest(session_id=c.session_id, buffer_id=1),
+    StatusCode.FAILED_PRECONDITION,
+    "transport",
+)
 
 
-@pytest.mark.parametrize(("method", "build", "code", "field"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_bad_request_is_refused_naming_the_field(ctx: Ctx, method: str, build: Build,
-                                                 code: grpc.StatusCode, field: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "build", "code", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_request_is_refused_naming_the_field(
+    ctx: Ctx, method: str, build: Build, code: grpc.StatusCode, field: str
+) -> None:
     ctx.store(1)  # something in the cache that a bad request must not touch
     rejected(ctx, method, build(ctx), code, field)
 
@@ -247,57 +382,95 @@ def spec_of(**overrides: Any) -> pb.NamespaceSpec:
     return pb.NamespaceSpec(**{k: v for k, v in fields.items() if v is not None})
 
 
-MISSING = ["model_id", "model_revision", "tokenizer_digest", "kv_dtype", "layout",
-           "tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "tp_size", "pp_size"]
+MISSING = [
+    "model_id",
+    "model_revision",
+    "tokenizer_digest",
+    "kv_dtype",
+    "layout",
+    "tokens_per_block",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "tp_size",
+    "pp_size",
+]
 
 
 @pytest.mark.parametrize("name", MISSING)
 def test_register_namespace_with_a_missing_identity_field(ctx: Ctx, name: str) -> None:
     # proto3 cannot tell "unset" from "" or 0: both mean missing, and missing is an error
     spec = spec_of(**{name: None})
-    details = rejected(ctx, "RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec),
-                       StatusCode.INVALID_ARGUMENT, f"namespace.{name}")
+    details = rejected(
+        ctx,
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(spec=spec),
+        StatusCode.INVALID_ARGUMENT,
+        f"namespace.{name}",
+    )
     assert "required" in details or "must be" in details
 
 
-@pytest.mark.parametrize(("overrides", "field"), [
-    ({"kv_dtype": "float12"}, "namespace.kv_dtype"),
-    ({"num_layers": 2**40}, "namespace.num_layers"),
-    ({"tp_rank": 2, "tp_size": 2}, "namespace.tp_rank"),
-    ({"adapter_id": "lora-x"}, "namespace.adapter_revision"),
-    ({"cache_salt": ""}, "namespace.cache_salt"),  # present but empty: not a silent "no salt"
-    ({"model_id": " "}, "namespace.model_id"),
-    ({"model_revision": "main"}, "namespace.model_revision"),  # the SDK's rule, on the daemon
-    ({"tokenizer_digest": "sha256:" + "0" * 64}, "namespace.tokenizer_digest"),
-])
-def test_register_namespace_with_a_malformed_field(ctx: Ctx, overrides: dict[str, Any],
-                                                   field: str) -> None:
-    rejected(ctx, "RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec_of(**overrides)),
-             StatusCode.INVALID_ARGUMENT, field)
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"kv_dtype": "float12"}, "namespace.kv_dtype"),
+        ({"num_layers": 2**40}, "namespace.num_layers"),
+        ({"tp_rank": 2, "tp_size": 2}, "namespace.tp_rank"),
+        ({"adapter_id": "lora-x"}, "namespace.adapter_revision"),
+        ({"cache_salt": ""}, "namespace.cache_salt"),  # present but empty: not a silent "no salt"
+        ({"model_id": " "}, "namespace.model_id"),
+        ({"model_revision": "main"}, "namespace.model_revision"),  # the SDK's rule, on the daemon
+        ({"tokenizer_digest": "sha256:" + "0" * 64}, "namespace.tokenizer_digest"),
+    ],
+)
+def test_register_namespace_with_a_malformed_field(ctx: Ctx, overrides: dict[str, Any], field: str) -> None:
+    rejected(
+        ctx,
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(spec=spec_of(**overrides)),
+        StatusCode.INVALID_ARGUMENT,
+        field,
+    )
 
 
 def test_register_namespace_without_a_spec(ctx: Ctx) -> None:
-    rejected(ctx, "RegisterNamespace", pb.RegisterNamespaceRequest(),
-             StatusCode.INVALID_ARGUMENT, "namespace.model_id")
+    rejected(
+        ctx,
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(),
+        StatusCode.INVALID_ARGUMENT,
+        "namespace.model_id",
+    )
 
 
 def test_register_namespace_with_a_digest_mismatch(ctx: Ctx) -> None:
     other = make_namespace(model_revision="rev2")
     for digest in (other.digest, b"\0" * 32, b"short"):
-        rejected(ctx, "RegisterNamespace",
-                 pb.RegisterNamespaceRequest(spec=spec_of(), digest=digest),
-                 StatusCode.INVALID_ARGUMENT, "digest")
+        rejected(
+            ctx,
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=spec_of(), digest=digest),
+            StatusCode.INVALID_ARGUMENT,
+            "digest",
+        )
 
 
 def test_register_namespace_whose_block_does_not_fit_a_slab(ctx: Ctx) -> None:
     # 2048 tokens x 1 KiB per token = 2 MiB > 1 MiB slabs
     spec = spec_of(model_id="big", tokens_per_block=2048)
-    details = rejected(ctx, "RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec),
-                       StatusCode.INVALID_ARGUMENT, "namespace.block_bytes")
+    details = rejected(
+        ctx,
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(spec=spec),
+        StatusCode.INVALID_ARGUMENT,
+        "namespace.block_bytes",
+    )
     assert "slab" in details
     # exactly one slab is fine
-    reply = ctx.call("RegisterNamespace", pb.RegisterNamespaceRequest(
-        spec=spec_of(model_id="big", tokens_per_block=1024)))
+    reply = ctx.call(
+        "RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec_of(model_id="big", tokens_per_block=1024))
+    )
     assert reply.block_bytes == 1 << 20
 
 
@@ -309,15 +482,22 @@ def test_complete_store_of_another_sessions_job(ctx: Ctx) -> None:
     prep = ctx.prepare_store(1, 2, session_id=other)
     assert prep.job_id
     # [1w 2w] belong to `other`
-    rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=True),
-        StatusCode.NOT_FOUND, "job_id")  # as an absent job: an id tells nothing
-    rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=False),
-        StatusCode.NOT_FOUND, "job_id")
+    rejected(
+        ctx,
+        "CompleteStore",
+        pb.CompleteStoreRequest(session_id=ctx.session_id, job_id=prep.job_id, ok=True),
+        StatusCode.NOT_FOUND,
+        "job_id",
+    )  # as an absent job: an id tells nothing
+    rejected(
+        ctx,
+        "CompleteStore",
+        pb.CompleteStoreRequest(session_id=ctx.session_id, job_id=prep.job_id, ok=False),
+        StatusCode.NOT_FOUND,
+        "job_id",
+    )
     # the owner still completes it
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=other, job_id=prep.job_id, ok=True))
+    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(session_id=other, job_id=prep.job_id, ok=True))
     assert (done.committed, done.aborted) == (2, 0)
     assert ctx.lookup(1, 2) == 2
 
@@ -325,11 +505,20 @@ def test_complete_store_of_another_sessions_job(ctx: Ctx) -> None:
 def test_complete_load_of_another_sessions_job(ctx: Ctx) -> None:
     ctx.store(1)
     other = ctx.open_session()
-    load = ctx.call("PrepareLoad", pb.PrepareLoadRequest(
-        session_id=other, namespace_id=ctx.ns_id, keys=keys(1), transport=pb.TRANSPORT_SHM))
+    load = ctx.call(
+        "PrepareLoad",
+        pb.PrepareLoadRequest(
+            session_id=other, namespace_id=ctx.ns_id, keys=keys(1), transport=pb.TRANSPORT_SHM
+        ),
+    )
     assert load.job_id and ctx.state()["pinned_blocks"] == 1
-    rejected(ctx, "CompleteLoad", pb.CompleteLoadRequest(
-        session_id=ctx.session_id, job_id=load.job_id), StatusCode.NOT_FOUND, "job_id")
+    rejected(
+        ctx,
+        "CompleteLoad",
+        pb.CompleteLoadRequest(session_id=ctx.session_id, job_id=load.job_id),
+        StatusCode.NOT_FOUND,
+        "job_id",
+    )
     ctx.call("CompleteLoad", pb.CompleteLoadRequest(session_id=other, job_id=load.job_id))
     assert ctx.state()["pinned_blocks"] == 0
 
@@ -351,11 +540,19 @@ def test_complete_store_with_item_ok_of_the_wrong_length(ctx: Ctx) -> None:
     # reserved: 1 and 3 (2 is present), so item_ok needs two values
     assert list(prep.status) == [pb.STORE_RESERVED, pb.STORE_ALREADY_PRESENT, pb.STORE_RESERVED]
     for item_ok in ([True], [True, True, True]):
-        rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-            session_id=ctx.session_id, job_id=prep.job_id, ok=True, item_ok=item_ok),
-            StatusCode.INVALID_ARGUMENT, "item_ok")
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=prep.job_id, ok=True, item_ok=[False, True]))
+        rejected(
+            ctx,
+            "CompleteStore",
+            pb.CompleteStoreRequest(session_id=ctx.session_id, job_id=prep.job_id, ok=True, item_ok=item_ok),
+            StatusCode.INVALID_ARGUMENT,
+            "item_ok",
+        )
+    done = ctx.call(
+        "CompleteStore",
+        pb.CompleteStoreRequest(
+            session_id=ctx.session_id, job_id=prep.job_id, ok=True, item_ok=[False, True]
+        ),
+    )
     assert (done.committed, done.aborted) == (1, 1)
     assert ctx.lookup(2, 3) == 2 and ctx.lookup(1) == 0
 
@@ -363,18 +560,26 @@ def test_complete_store_with_item_ok_of_the_wrong_length(ctx: Ctx) -> None:
 def test_complete_load_on_a_store_job_and_store_on_a_load_job(ctx: Ctx) -> None:
     ctx.store(1)
     prep = ctx.prepare_store(2)
-    rejected(ctx, "CompleteLoad", pb.CompleteLoadRequest(
-        session_id=ctx.session_id, job_id=prep.job_id), StatusCode.FAILED_PRECONDITION, "job_id")
-    load = ctx.call("Lookup", pb.LookupRequest(
-        session_id=ctx.session_id, namespace_id=ctx.ns_id, keys=keys(1), pin=True))
+    rejected(
+        ctx,
+        "CompleteLoad",
+        pb.CompleteLoadRequest(session_id=ctx.session_id, job_id=prep.job_id),
+        StatusCode.FAILED_PRECONDITION,
+        "job_id",
+    )
+    load = ctx.call(
+        "Lookup", pb.LookupRequest(session_id=ctx.session_id, namespace_id=ctx.ns_id, keys=keys(1), pin=True)
+    )
     assert load.hit_blocks == 1 and load.job_id
-    rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.session_id, job_id=load.job_id, ok=True),
-        StatusCode.FAILED_PRECONDITION, "job_id")
-    ctx.call("CompleteLoad", pb.CompleteLoadRequest(session_id=ctx.session_id,
-                                                    job_id=load.job_id))
-    ctx.call("CompleteStore", pb.CompleteStoreRequest(session_id=ctx.session_id,
-                                                      job_id=prep.job_id, ok=True))
+    rejected(
+        ctx,
+        "CompleteStore",
+        pb.CompleteStoreRequest(session_id=ctx.session_id, job_id=load.job_id, ok=True),
+        StatusCode.FAILED_PRECONDITION,
+        "job_id",
+    )
+    ctx.call("CompleteLoad", pb.CompleteLoadRequest(session_id=ctx.session_id, job_id=load.job_id))
+    ctx.call("CompleteStore", pb.CompleteStoreRequest(session_id=ctx.session_id, job_id=prep.job_id, ok=True))
     state = ctx.state()
     assert state["pinned_blocks"] == 0 and state["writing_blocks"] == 0
 
@@ -384,10 +589,16 @@ def test_a_closed_session_is_unknown_and_its_jobs_are_gone(ctx: Ctx) -> None:
     prep = ctx.prepare_store(1, session_id=other)
     ctx.call("CloseSession", pb.CloseSessionRequest(session_id=other))
     assert ctx.state()["writing_blocks"] == 0
-    rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-        session_id=other, job_id=prep.job_id, ok=True), StatusCode.NOT_FOUND, "session_id")
-    rejected(ctx, "CloseSession", pb.CloseSessionRequest(session_id=other),
-             StatusCode.NOT_FOUND, "session_id")
+    rejected(
+        ctx,
+        "CompleteStore",
+        pb.CompleteStoreRequest(session_id=other, job_id=prep.job_id, ok=True),
+        StatusCode.NOT_FOUND,
+        "session_id",
+    )
+    rejected(
+        ctx, "CloseSession", pb.CloseSessionRequest(session_id=other), StatusCode.NOT_FOUND, "session_id"
+    )
     assert ctx.lookup(1) == 0
 
 
@@ -403,11 +614,16 @@ def test_an_expired_session_is_unknown(ctx: Ctx) -> None:
         assert time.monotonic() < deadline, "lease never expired"
         time.sleep(0.05)
     assert ctx.state()["writing_blocks"] == 0
-    rejected(ctx, "Heartbeat", pb.HeartbeatRequest(session_id=reply.session_id),
-             StatusCode.NOT_FOUND, "session_id")
-    rejected(ctx, "CompleteStore", pb.CompleteStoreRequest(
-        session_id=reply.session_id, job_id=prep.job_id, ok=True),
-        StatusCode.NOT_FOUND, "session_id")
+    rejected(
+        ctx, "Heartbeat", pb.HeartbeatRequest(session_id=reply.session_id), StatusCode.NOT_FOUND, "session_id"
+    )
+    rejected(
+        ctx,
+        "CompleteStore",
+        pb.CompleteStoreRequest(session_id=reply.session_id, job_id=prep.job_id, ok=True),
+        StatusCode.NOT_FOUND,
+        "session_id",
+    )
     assert ctx.state()["total"]["stores_dropped"] == 1
 
 
@@ -416,16 +632,21 @@ def test_an_expired_session_is_unknown(ctx: Ctx) -> None:
 
 @pytest.fixture
 def client(daemon: DaemonProcess, transport: str) -> Iterator[kvtier.Client]:
-    with kvtier.Client.connect(daemon.address(transport), transport=transport,
-                               timeout_s=TIMEOUT_S, heartbeat=False) as c:
+    with kvtier.Client.connect(
+        daemon.address(transport), transport=transport, timeout_s=TIMEOUT_S, heartbeat=False
+    ) as c:
         assert c.connected
         yield c
 
 
 def figures(client: kvtier.Client) -> dict[str, Any]:
     s = client.stats()
-    return {"total": s["total"], "writing": s["writing_blocks"], "pinned": s["pinned_blocks"],
-            "used": s["host_used_bytes"]}
+    return {
+        "total": s["total"],
+        "writing": s["writing_blocks"],
+        "pinned": s["pinned_blocks"],
+        "used": s["host_used_bytes"],
+    }
 
 
 def test_put_with_a_wrong_sized_block_stores_nothing(client: kvtier.Client) -> None:
@@ -433,10 +654,12 @@ def test_put_with_a_wrong_sized_block_stores_nothing(client: kvtier.Client) -> N
     ks = ns.block_keys(list(range(48)))  # 3 blocks
     good = bytes(ns.block_bytes)
     before = figures(client)
-    for blocks, what in [([good, bytes(ns.block_bytes - 1), good], "block 1 has"),
-                         ([good, good, bytes(ns.block_bytes + 1)], "block 2 has"),
-                         ([good, good], "2 blocks for 3 keys"),
-                         ([good, good, "not bytes"], "bytes-like")]:
+    for blocks, what in [
+        ([good, bytes(ns.block_bytes - 1), good], "block 1 has"),
+        ([good, good, bytes(ns.block_bytes + 1)], "block 2 has"),
+        ([good, good], "2 blocks for 3 keys"),
+        ([good, good, "not bytes"], "bytes-like"),
+    ]:
         with pytest.raises(errors.InvalidArgument) as exc:
             ns.put(ks, blocks)
         assert exc.value.field == "blocks" and what in str(exc.value)
@@ -449,7 +672,10 @@ def test_keys_that_are_not_32_bytes_are_refused(client: kvtier.Client) -> None:
     ks = ns.block_keys(list(range(32)))
     before = figures(client)
     calls: list[Callable[[list[bytes]], object]] = [
-        ns.lookup, lambda bad: ns.put(bad, [bytes(ns.block_bytes)] * len(bad)), ns.get]
+        ns.lookup,
+        lambda bad: ns.put(bad, [bytes(ns.block_bytes)] * len(bad)),
+        ns.get,
+    ]
     for bad in (ks[:1] + [ks[1][:31]], [ks[0] + b"\0"], [b""]):
         for call in calls:
             with pytest.raises(errors.InvalidArgument) as exc:
@@ -476,8 +702,7 @@ def test_get_into_checks_the_buffers(client: kvtier.Client) -> None:
         ([bytearray(ns.block_bytes), bytearray(ns.block_bytes - 2)], "buffer 1 has"),
         ([bytearray(ns.block_bytes)], "1 buffers for 2 keys"),
         ([bytes(ns.block_bytes), bytearray(ns.block_bytes)], "read-only"),
-        ([bytearray(ns.block_bytes), np.zeros((2, ns.block_bytes), np.uint8)[:, 0]],
-         "contiguous"),
+        ([bytearray(ns.block_bytes), np.zeros((2, ns.block_bytes), np.uint8)[:, 0]], "contiguous"),
         ([bytearray(ns.block_bytes), None], "bytes-like"),
     ]
     for buffers, what in bad_buffers:
@@ -537,17 +762,20 @@ def hello(s: socket.socket, session_id: int) -> None:
     assert recv_frame(s)[:2] == (Op.HELLO_OK, session_id)
 
 
-@pytest.mark.parametrize(("frames", "message"), [
-    (b"GARBAGE!" * 4, "bad frame magic"),
-    (b"KVD0" + bytes(28), "bad frame magic"),
-    (wire.HEADER.pack(wire.MAGIC, 99, 0, 0, 0, 0), "unknown frame op"),
-    (wire.pack(Op.WRITE, 1, 0, length=0), "HELLO first"),
-    (wire.hello(UNKNOWN_SESSION, bytes(32)), "unknown session or wrong data secret"),
-    (wire.pack(Op.HELLO, UNKNOWN_SESSION), "data secret"),
-])
-def test_data_channel_garbage_gets_an_error_frame_and_a_close(daemon: DaemonProcess, ctx: Ctx,
-                                                              frames: bytes,
-                                                              message: str) -> None:
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        (b"GARBAGE!" * 4, "bad frame magic"),
+        (b"KVD0" + bytes(28), "bad frame magic"),
+        (wire.HEADER.pack(wire.MAGIC, 99, 0, 0, 0, 0), "unknown frame op"),
+        (wire.pack(Op.WRITE, 1, 0, length=0), "HELLO first"),
+        (wire.hello(UNKNOWN_SESSION, bytes(32)), "unknown session or wrong data secret"),
+        (wire.pack(Op.HELLO, UNKNOWN_SESSION), "data secret"),
+    ],
+)
+def test_data_channel_garbage_gets_an_error_frame_and_a_close(
+    daemon: DaemonProcess, ctx: Ctx, frames: bytes, message: str
+) -> None:
     ctx.store(1)
     before = ctx.state()
     with data_socket(daemon) as s:
@@ -560,8 +788,9 @@ def test_data_channel_garbage_gets_an_error_frame_and_a_close(daemon: DaemonProc
     assert ctx.lookup(1) == 1
 
 
-def test_a_session_id_without_its_data_secret_binds_no_data_connection(daemon: DaemonProcess,
-                                                                      ctx: Ctx) -> None:
+def test_a_session_id_without_its_data_secret_binds_no_data_connection(
+    daemon: DaemonProcess, ctx: Ctx
+) -> None:
     """The session id is in every control request; the data channel takes only the secret
     handed out with the session: a live id with another secret is answered as an unknown one,
     and a bound connection cannot move to another session."""
@@ -586,7 +815,8 @@ def test_data_channel_refuses_a_reply_op_from_the_client(daemon: DaemonProcess, 
 
 
 def test_data_channel_write_of_the_wrong_length_is_reported_and_not_committed(
-        daemon: DaemonProcess, ctx: Ctx) -> None:
+    daemon: DaemonProcess, ctx: Ctx
+) -> None:
     bb = ctx.block_bytes
     prep = ctx.prepare_store(1, 2, transport=pb.TRANSPORT_TCP)
     job = prep.job_id
@@ -600,8 +830,9 @@ def test_data_channel_write_of_the_wrong_length_is_reported_and_not_committed(
         # the error was reported once; the connection stays usable
         s.sendall(wire.pack(Op.FLUSH, job))
         assert recv_frame(s)[:4] == (Op.ACK, job, 0, Status.OK)
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.tcp_session_id, job_id=job, ok=True))
+    done = ctx.call(
+        "CompleteStore", pb.CompleteStoreRequest(session_id=ctx.tcp_session_id, job_id=job, ok=True)
+    )
     # key 2's bytes never arrived whole: aborted although the client said ok
     assert (done.committed, done.aborted) == (1, 1)
     assert ctx.lookup(1) == 1 and ctx.lookup(2) == 0
@@ -610,13 +841,16 @@ def test_data_channel_write_of_the_wrong_length_is_reported_and_not_committed(
     assert total["bytes_in_tcp"] == bb
 
 
-@pytest.mark.parametrize(("index_of", "status"), [
-    (lambda job: (job, 5), Status.BAD_INDEX),  # not a key of the job
-    (lambda job: (job + 1000, 0), Status.UNKNOWN_JOB),
-])
-def test_data_channel_write_outside_a_job_is_reported(daemon: DaemonProcess, ctx: Ctx,
-                                                      index_of: Callable[[int], tuple[int, int]],
-                                                      status: Status) -> None:
+@pytest.mark.parametrize(
+    ("index_of", "status"),
+    [
+        (lambda job: (job, 5), Status.BAD_INDEX),  # not a key of the job
+        (lambda job: (job + 1000, 0), Status.UNKNOWN_JOB),
+    ],
+)
+def test_data_channel_write_outside_a_job_is_reported(
+    daemon: DaemonProcess, ctx: Ctx, index_of: Callable[[int], tuple[int, int]], status: Status
+) -> None:
     bb = ctx.block_bytes
     prep = ctx.prepare_store(1, transport=pb.TRANSPORT_TCP)
     job, index = index_of(prep.job_id)
@@ -625,8 +859,9 @@ def test_data_channel_write_outside_a_job_is_reported(daemon: DaemonProcess, ctx
         s.sendall(wire.pack(Op.WRITE, job, index, length=bb) + b"\3" * bb)
         s.sendall(wire.pack(Op.FLUSH, job))
         assert recv_frame(s)[:4] == (Op.ACK, job, 0, status)
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
+    done = ctx.call(
+        "CompleteStore", pb.CompleteStoreRequest(session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True)
+    )
     assert (done.committed, done.aborted) == (0, 1)  # its own key never got bytes
     assert ctx.lookup(1) == 0
 
@@ -640,13 +875,11 @@ def test_data_channel_write_into_another_sessions_job(daemon: DaemonProcess, ctx
         s.sendall(wire.pack(Op.WRITE, prep.job_id, 0, length=bb) + b"\4" * bb)
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, Status.UNKNOWN_JOB)
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=other, job_id=prep.job_id, ok=True))
+    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(session_id=other, job_id=prep.job_id, ok=True))
     assert (done.committed, done.aborted) == (0, 1)
 
 
-def test_data_channel_empty_write_of_a_reserved_key_is_reported(daemon: DaemonProcess,
-                                                                ctx: Ctx) -> None:
+def test_data_channel_empty_write_of_a_reserved_key_is_reported(daemon: DaemonProcess, ctx: Ctx) -> None:
     prep = ctx.prepare_store(1, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
         hello(s, ctx.tcp_session_id)
@@ -679,12 +912,17 @@ def test_a_run_round_trips_and_a_daemon_accepts_the_feature(daemon: DaemonProces
     prep = ctx.prepare_store(1, 2, 3, transport=pb.TRANSPORT_TCP)
     with data_socket(daemon) as s:
         assert hello_runs(s, ctx.tcp_session_id) & wire.FEATURE_RUNS
-        s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=3, length=3 * bb)
-                  + b"\1" * bb + b"\2" * bb + b"\3" * bb)
+        s.sendall(
+            wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=3, length=3 * bb)
+            + b"\1" * bb
+            + b"\2" * bb
+            + b"\3" * bb
+        )
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, Status.OK)
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
+    done = ctx.call(
+        "CompleteStore", pb.CompleteStoreRequest(session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True)
+    )
     assert done.committed == 3 and ctx.lookup(1, 2, 3) == 3
 
 
@@ -703,24 +941,27 @@ def test_a_run_is_refused_unless_the_feature_was_agreed(daemon: DaemonProcess, c
     assert ctx.lookup(1) == 0
 
 
-@pytest.mark.parametrize(("count", "length_of", "status"), [
-    (0, lambda bb: bb, Status.BAD_LENGTH),            # a run of no blocks
-    (2, lambda bb: 2 * bb - 1, Status.BAD_LENGTH),    # not a whole number of blocks
-    (2, lambda bb: 2 * bb + 2, Status.BAD_LENGTH),    # parts of the wrong size
-    (3, lambda bb: 3 * bb, Status.BAD_INDEX),         # reaches past the job's reserved keys
-])
+@pytest.mark.parametrize(
+    ("count", "length_of", "status"),
+    [
+        (0, lambda bb: bb, Status.BAD_LENGTH),  # a run of no blocks
+        (2, lambda bb: 2 * bb - 1, Status.BAD_LENGTH),  # not a whole number of blocks
+        (2, lambda bb: 2 * bb + 2, Status.BAD_LENGTH),  # parts of the wrong size
+        (3, lambda bb: 3 * bb, Status.BAD_INDEX),  # reaches past the job's reserved keys
+    ],
+)
 def test_a_bad_run_is_reported_and_nothing_of_it_committed(
-        daemon: DaemonProcess, ctx: Ctx, count: int, length_of: Callable[[int], int],
-        status: Status) -> None:
+    daemon: DaemonProcess, ctx: Ctx, count: int, length_of: Callable[[int], int], status: Status
+) -> None:
     bb = ctx.block_bytes
     prep = ctx.prepare_store(1, 2, transport=pb.TRANSPORT_TCP)
     length = length_of(bb)
     with data_socket(daemon) as s:
         hello_runs(s, ctx.tcp_session_id)
-        s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=count, length=length)
-                  + b"\7" * length)
+        s.sendall(wire.pack(Op.WRITE_RUN, prep.job_id, 0, status=count, length=length) + b"\7" * length)
         s.sendall(wire.pack(Op.FLUSH, prep.job_id))
         assert recv_frame(s)[:4] == (Op.ACK, prep.job_id, 0, status)
-    done = ctx.call("CompleteStore", pb.CompleteStoreRequest(
-        session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True))
+    done = ctx.call(
+        "CompleteStore", pb.CompleteStoreRequest(session_id=ctx.tcp_session_id, job_id=prep.job_id, ok=True)
+    )
     assert done.committed == 0 and ctx.lookup(1) == 0

@@ -55,9 +55,18 @@ def block(tag: str, i: int, nbytes: int) -> bytes:
     return hashlib.shake_256(b"cluster %s %d" % (tag.encode(), i)).digest(nbytes)
 
 
-def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
-         host: tuple[str, ...] = HOST, defaults: bool = False, connect: bool = True,
-         fleet_key: bytes = FLEET_KEY, token: str | None = None) -> DaemonProcess:
+def node(
+    daemon_factory: Any,
+    tmp_path: Path,
+    name: str,
+    url: str,
+    *extra: str,
+    host: tuple[str, ...] = HOST,
+    defaults: bool = False,
+    connect: bool = True,
+    fleet_key: bytes = FLEET_KEY,
+    token: str | None = None,
+) -> DaemonProcess:
     """A daemon using the cluster at ``url`` with ``fleet_key`` (deadlines generous for a loaded
     2-core CI, unless ``defaults``: the shipped ones), returned once its cluster tier is
     connected unless not ``connect`` (asked with ``token`` when it has tenants). (The daemon
@@ -65,10 +74,17 @@ def node(daemon_factory: Any, tmp_path: Path, name: str, url: str, *extra: str,
     and a lookup does not ask it, by design, and a loaded CI machine made that the first store
     of a test.)"""
     cfg = tmp_path / f"{name}.toml"
-    generous = "" if defaults else ('cluster_lookup_timeout_ms = 1000\n'
-                                    'cluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n')
-    cfg.write_text(f'cluster = "{url}"\n' + fleet_line(tmp_path, fleet_key) + generous
-                   + "".join(f"{line}\n" for line in extra))
+    generous = (
+        ""
+        if defaults
+        else ("cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n")
+    )
+    cfg.write_text(
+        f'cluster = "{url}"\n'
+        + fleet_line(tmp_path, fleet_key)
+        + generous
+        + "".join(f"{line}\n" for line in extra)
+    )
     d: DaemonProcess = daemon_factory("--config", str(cfg), *host, run_dir=tmp_path / name)
     if connect:
         wait_for(f"{name}'s cluster tier connected", lambda: cluster_stats(d, token)["connected"])
@@ -81,9 +97,16 @@ def cluster_stats(d: DaemonProcess, token: str | None = None) -> dict[str, Any]:
         return out
 
 
-def store(d: DaemonProcess, tag: str, n: int, *, token: str | None = None,
-          admin: str | None = None, fill: bytes | None = None,
-          **ns_fields: Any) -> tuple[list[bytes], list[bytes]]:
+def store(
+    d: DaemonProcess,
+    tag: str,
+    n: int,
+    *,
+    token: str | None = None,
+    admin: str | None = None,
+    fill: bytes | None = None,
+    **ns_fields: Any,
+) -> tuple[list[bytes], list[bytes]]:
     """Put ``n`` blocks through ``d`` (8 MiB at a time: the write queue is a quarter of the
     host tier) and wait until the cluster has each part. With tenants: as ``token``'s tenant
     (over tcp), the daemon's figures read with ``admin``'s token. ``fill``: the byte every block
@@ -91,15 +114,15 @@ def store(d: DaemonProcess, tag: str, n: int, *, token: str | None = None,
     with kvtier.Client.connect(d.unix, transport="tcp" if token else "shm", token=token) as c:
         ns = c.register(make_namespace(**ns_fields))
         keys = ns.block_keys([hash_token(tag, i) for i in range(16 * n)])
-        data = [fill * ns.block_bytes if fill else block(tag, i, ns.block_bytes)
-                for i in range(n)]
+        data = [fill * ns.block_bytes if fill else block(tag, i, ns.block_bytes) for i in range(n)]
         step = max(1, (8 << 20) // ns.block_bytes)
         for i in range(0, n, step):
             before = cluster_stats(d, admin)["writes"]
             part = min(step, n - i)
-            assert ns.put(keys[i:i + part], data[i:i + part]).stored == part
-            wait_for("the cluster writes", lambda b=before, p=part: cluster_stats(d, admin)[
-                "writes"] >= b + p)
+            assert ns.put(keys[i : i + part], data[i : i + part]).stored == part
+            wait_for(
+                "the cluster writes", lambda b=before, p=part: cluster_stats(d, admin)["writes"] >= b + p
+            )
     return keys, data
 
 
@@ -116,7 +139,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path, transport: str) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path, transport: str
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     keys, data = store(a, f"ab-{transport}", 24)
@@ -136,14 +160,18 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
         assert total["corrupt_blocks"] == 0  # every import got its digest, and every load matched
         with grpc.insecure_channel(b.grpc) as ch:  # each imported block's digest: its xxh3_64
             stub = pb_grpc.KvtierStub(ch)
-            sid = stub.OpenSession(pb.OpenSessionRequest(transport=pb.TRANSPORT_TCP),
-                                   timeout=5).session_id
-            rep = stub.PrepareLoad(pb.PrepareLoadRequest(
-                session_id=sid, namespace_id=ns.namespace_id, keys=b"".join(keys),
-                transport=pb.TRANSPORT_TCP), timeout=5)
+            sid = stub.OpenSession(pb.OpenSessionRequest(transport=pb.TRANSPORT_TCP), timeout=5).session_id
+            rep = stub.PrepareLoad(
+                pb.PrepareLoadRequest(
+                    session_id=sid,
+                    namespace_id=ns.namespace_id,
+                    keys=b"".join(keys),
+                    transport=pb.TRANSPORT_TCP,
+                ),
+                timeout=5,
+            )
             assert list(rep.digests) == [xxhash.xxh3_64_intdigest(d) for d in data]
-            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=rep.job_id),
-                              timeout=5)
+            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=rep.job_id), timeout=5)
         assert total["blocks_hit_cluster"] >= 24
         cl = st["cluster"]
         assert cl["enabled"] and cl["connected"] and len(cl["nodes"]) == 3
@@ -160,15 +188,20 @@ def test_blocks_put_on_node_a_are_served_byte_exact_by_node_b(
         assert c.stats()["cluster"]["writes"] == 24
     with urllib.request.urlopen(b.info["metrics"], timeout=10) as r:
         metrics = r.read().decode()
-    assert any(line.startswith("kvtier_lookup_blocks_hit_total{") and 'tier="cluster"' in line
-               and not line.endswith(" 0.0") for line in metrics.splitlines())
+    assert any(
+        line.startswith("kvtier_lookup_blocks_hit_total{")
+        and 'tier="cluster"' in line
+        and not line.endswith(" 0.0")
+        for line in metrics.splitlines()
+    )
     assert "kvtier_cluster_node_keys_total{node=" in metrics
     assert "kvtier_cluster_connected 1.0" in metrics
     assert 'kvtier_tier_read_latency_seconds{tier="cluster"}' in metrics
 
 
 def test_a_flipped_byte_and_a_value_under_another_namespace_are_misses_counted_and_deleted(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     keys, data = store(a, "corrupt", 8)
@@ -190,29 +223,34 @@ def test_a_flipped_byte_and_a_value_under_another_namespace_are_misses_counted_a
         ns = c.register(spec)
         got = ns.get(keys)
         assert got[3] is None  # a miss, never the altered bytes
-        assert [bytes(g) for i, g in enumerate(got) if i != 3 and g is not None] == \
-            data[:3] + data[4:]
+        assert [bytes(g) for i, g in enumerate(got) if i != 3 and g is not None] == data[:3] + data[4:]
         ns2 = c.register(other)
         assert ns2.get(keys2[:1]) == [None]
         st = c.stats()
         assert st["cluster"]["corrupt_values"] == 2
         assert st["total"]["cluster_corrupt"] == 2
-    wait_for("the bad values deleted", lambda: rc.exists(victim) == 0
-             and rc.exists(redis_key(other.digest, keys2[0])) == 0)
+    wait_for(
+        "the bad values deleted",
+        lambda: rc.exists(victim) == 0 and rc.exists(redis_key(other.digest, keys2[0])) == 0,
+    )
     assert rc.exists(redis_key(spec.digest, keys[0])) == 1  # the good one stays
 
 
-def test_kill_9_of_a_master_costs_misses_then_its_replica_serves(
-        daemon_factory: Any, tmp_path: Path) -> None:
+def test_kill_9_of_a_master_costs_misses_then_its_replica_serves(daemon_factory: Any, tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "redis") as rc:
         a = node(daemon_factory, tmp_path, "a", rc.url)
         keys, data = store(a, "failover", 48)
         spec = make_namespace()
         owner = {k: rc.master_for_key(redis_key(spec.digest, k)) for k in keys}
         dead = owner[keys[0]]
-        wait_for("replication", lambda: all(
-            rc.client(r).dbsize() == rc.client(m).dbsize() for m in rc.masters()
-            for r in rc.replicas_of(m)))
+        wait_for(
+            "replication",
+            lambda: all(
+                rc.client(r).dbsize() == rc.client(m).dbsize()
+                for m in rc.masters()
+                for r in rc.replicas_of(m)
+            ),
+        )
         b = node(daemon_factory, tmp_path, "b", rc.url)
         with kvtier.Client.connect(b.unix, transport="tcp") as c:
             ns = c.register(spec)
@@ -232,16 +270,16 @@ def test_kill_9_of_a_master_costs_misses_then_its_replica_serves(
 
             def all_served() -> bool:
                 got = ns.get(keys)
-                assert [bytes(g) for g in got if g is not None] == \
-                    [d for g, d in zip(got, data, strict=True) if g is not None]
+                assert [bytes(g) for g in got if g is not None] == [
+                    d for g, d in zip(got, data, strict=True) if g is not None
+                ]
                 return all(g is not None for g in got)
 
             wait_for("the promoted replica serving", all_served, timeout=30)
             assert c.stats()["total"]["cluster_corrupt"] == 0
 
 
-def test_a_cluster_past_maxmemory_makes_misses_not_errors(daemon_factory: Any,
-                                                          tmp_path: Path) -> None:
+def test_a_cluster_past_maxmemory_makes_misses_not_errors(daemon_factory: Any, tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "redis", maxmemory="8mb") as rc:
         a = node(daemon_factory, tmp_path, "a", rc.url)
         big = dict(num_layers=16)  # 128 KiB blocks; 320 of them: 40 MiB into 3 x 8 MB
@@ -251,7 +289,7 @@ def test_a_cluster_past_maxmemory_makes_misses_not_errors(daemon_factory: Any,
             ns = c.register(make_namespace(**big))
             got = []
             for i in range(0, len(keys), 32):
-                got += ns.get(keys[i:i + 32])
+                got += ns.get(keys[i : i + 32])
             served = [i for i, g in enumerate(got) if g is not None]
             assert 0 < len(served) < len(keys)  # the cluster evicted some, kept some
             assert all(bytes(got[i]) == data[i] for i in served)
@@ -262,7 +300,8 @@ def test_a_cluster_past_maxmemory_makes_misses_not_errors(daemon_factory: Any,
 
 
 def test_a_cluster_unreachable_at_start_and_lost_at_run_time_leaves_the_local_tiers_serving(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     with RedisCluster(tmp_path / "redis") as rc:
         url = rc.url
         rc.stop_all()
@@ -299,7 +338,8 @@ def test_a_cluster_unreachable_at_start_and_lost_at_run_time_leaves_the_local_ti
 
 
 def test_a_pinned_lookup_imports_the_cluster_blocks_and_holds_them(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     keys, data = store(a, "pinned", 12)
@@ -323,13 +363,16 @@ def store_local(ns: Any, keys: list[bytes], data: list[bytes]) -> int:
 
 
 def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'cluster = "{cluster.url}"\ncluster_write_policy = "evict"\n'
-                   'cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n'
-                   + fleet_line(tmp_path))
-    a = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       run_dir=tmp_path / "a")  # 128 blocks of 16 KiB
+    cfg.write_text(
+        f'cluster = "{cluster.url}"\ncluster_write_policy = "evict"\n'
+        "cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\n" + fleet_line(tmp_path)
+    )
+    a = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "a"
+    )  # 128 blocks of 16 KiB
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     # A's tier connects in the background: a block evicted before it knows the slot map is a
     # drop (a loaded machine made that the first few puts' blocks)
@@ -344,9 +387,11 @@ def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
             # between puts, as the test is about which blocks are written, not about overload
             # (a loaded machine dropped a few; the next test is the one about drops)
             wait_for("the write queue empty", lambda: cluster_stats(a)["queued_blocks"] == 0)
-            assert ns.put(keys[i:i + 16], data[i:i + 16]).stored == 16
-        wait_for("the evicted blocks written",
-                 lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 128)
+            assert ns.put(keys[i : i + 16], data[i : i + 16]).stored == 16
+        wait_for(
+            "the evicted blocks written",
+            lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 128,
+        )
         assert cluster_stats(a)["write_drops"] == 0, repr(cluster_stats(a))
         resident = ns.lookup_detail(keys[-64:])
         assert resident.hits == 64  # the newest are still in A's host tier...
@@ -359,12 +404,19 @@ def test_the_evict_policy_writes_only_blocks_leaving_the_host_tier(
 
 
 def test_a_block_altered_in_the_host_tier_is_never_exported(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     """A committed block's slot overwritten (through an shm mapping) before the evict policy
     writes it out: its bytes no longer match its digest, so it is not written (counted), and
     the cluster never serves them; its neighbours are written as usual."""
-    a = node(daemon_factory, tmp_path, "a", cluster.url, 'cluster_write_policy = "evict"',
-             host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"))  # 128 blocks of 16 KiB
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        cluster.url,
+        'cluster_write_policy = "evict"',
+        host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"),
+    )  # 128 blocks of 16 KiB
     spec = make_namespace()
     with kvtier.Client.connect(a.unix, transport="shm") as c:
         ns = c.register(spec)
@@ -373,13 +425,17 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
         assert ns.put(keys[:16], data[:16]).stored == 16
         with grpc.insecure_channel(a.grpc) as ch:  # overwrite block 3's committed slot
             stub = pb_grpc.KvtierStub(ch)
-            opened = stub.OpenSession(pb.OpenSessionRequest(
-                client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
-                timeout=5)
+            opened = stub.OpenSession(
+                pb.OpenSessionRequest(client_name="poison", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
+                timeout=5,
+            )
             sid = opened.session_id
-            load = stub.PrepareLoad(pb.PrepareLoadRequest(
-                session_id=sid, namespace_id=ns.namespace_id, keys=keys[3],
-                transport=pb.TRANSPORT_SHM), timeout=5)
+            load = stub.PrepareLoad(
+                pb.PrepareLoadRequest(
+                    session_id=sid, namespace_id=ns.namespace_id, keys=keys[3], transport=pb.TRANSPORT_SHM
+                ),
+                timeout=5,
+            )
             msg, fds = shm_handshake(a, sid, opened.data_secret)
             assert fds, msg
             try:
@@ -388,13 +444,14 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
                     mm[off : off + ns.block_bytes] = b"\xee" * ns.block_bytes
             finally:
                 os.close(fds[0])
-            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=load.job_id),
-                              timeout=5)
+            stub.CompleteLoad(pb.CompleteLoadRequest(session_id=sid, job_id=load.job_id), timeout=5)
         for i in range(16, 144, 16):  # the first 16 leave the host tier
             wait_for("the write queue empty", lambda: cluster_stats(a)["queued_blocks"] == 0)
-            assert ns.put(keys[i:i + 16], data[i:i + 16]).stored == 16
-        wait_for("the evicted blocks written",
-                 lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 16)
+            assert ns.put(keys[i : i + 16], data[i : i + 16]).stored == 16
+        wait_for(
+            "the evicted blocks written",
+            lambda: cluster_stats(a)["writes"] + cluster_stats(a)["write_drops"] >= 16,
+        )
         assert cluster_stats(a)["corrupt_exports"] == 1
     rc = cluster.cluster_client()
     assert not rc.exists(redis_key(spec.digest, keys[3]))
@@ -402,13 +459,21 @@ def test_a_block_altered_in_the_host_tier_is_never_exported(
 
 
 def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted_dropped(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     """One master hung and a 16-block write queue: the queue fills with that master's blocks, and
     the blocks evicted meanwhile leave unwritten; each is counted a drop (it was counted nowhere,
     so `writes + write_drops` never reached the evictions: a CI flake of the test above)."""
-    a = node(daemon_factory, tmp_path, "a", cluster.url, 'cluster_write_policy = "evict"',
-             "cluster_queue_bytes = 262144", "cluster_write_timeout_ms = 30000",
-             host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"))  # 128 blocks of 16 KiB
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        cluster.url,
+        'cluster_write_policy = "evict"',
+        "cluster_queue_bytes = 262144",
+        "cluster_write_timeout_ms = 30000",
+        host=("--host-bytes", "2MiB", "--slab-bytes", "1MiB"),
+    )  # 128 blocks of 16 KiB
     hung = cluster.masters()[0]
     cluster.pause(hung)
     try:
@@ -416,7 +481,7 @@ def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted
             ns = c.register(make_namespace())
             keys = ns.block_keys([hash_token("leave", i) for i in range(16 * 256)])
             for i in range(0, 256, 16):
-                assert ns.put(keys[i:i + 16], [b"\x07" * ns.block_bytes] * 16).stored == 16
+                assert ns.put(keys[i : i + 16], [b"\x07" * ns.block_bytes] * 16).stored == 16
 
         def accounted() -> int:
             s = cluster_stats(a)
@@ -431,8 +496,7 @@ def test_every_block_leaving_under_the_evict_policy_is_written_queued_or_counted
         cluster.wait_ready()
 
 
-def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: Any,
-                                                              tmp_path: Path) -> None:
+def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: Any, tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "redis", password="s3cret-pw") as rc:
         secret = tmp_path / "redis-password"
         secret.write_text("s3cret-pw\n")
@@ -454,16 +518,20 @@ def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: An
 def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "redis", tls=True, tls_auth_clients="yes") as rc:
         assert rc.url.startswith("rediss://")
-        tls = (f'cluster_tls_ca = "{rc.ca_file}"', f'cluster_tls_cert = "{rc.client_cert_file}"',
-               f'cluster_tls_key = "{rc.client_key_file}"')
+        tls = (
+            f'cluster_tls_ca = "{rc.ca_file}"',
+            f'cluster_tls_cert = "{rc.client_cert_file}"',
+            f'cluster_tls_key = "{rc.client_key_file}"',
+        )
         a = node(daemon_factory, tmp_path, "a", rc.url, *tls)
         b = node(daemon_factory, tmp_path, "b", rc.url, *tls)
         keys, data = store(a, "tls", 6)
         with kvtier.Client.connect(b.unix, transport="shm") as c:
             ns = c.register(make_namespace())
             assert [bytes(g) if g else None for g in ns.get(keys)] == data
-        plain = node(daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"),
-                     connect=False)
+        plain = node(
+            daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"), connect=False
+        )
         nocert = node(daemon_factory, tmp_path, "nocert", rc.url, tls[0], connect=False)
         time.sleep(1.0)
         for d in (plain, nocert):  # plaintext to a TLS port; TLS without a client certificate
@@ -473,13 +541,17 @@ def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: P
 
 
 def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     cfg = tmp_path / "b.toml"
-    cfg.write_text(f'cluster = "{cluster.url}"\ncluster_lookup_timeout_ms = 1000\n'
-                   'cluster_fetch_timeout_ms = 3000\n' + fleet_line(tmp_path))
-    b = daemon_factory("--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       run_dir=tmp_path / "b")  # 128 blocks of 16 KiB
+    cfg.write_text(
+        f'cluster = "{cluster.url}"\ncluster_lookup_timeout_ms = 1000\n'
+        "cluster_fetch_timeout_ms = 3000\n" + fleet_line(tmp_path)
+    )
+    b = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "2MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "b"
+    )  # 128 blocks of 16 KiB
     wait_for("B's cluster tier connected", lambda: cluster_stats(b)["connected"])
     keys, data = store(a, "guard", 12)
     with kvtier.Client.connect(b.unix, transport="shm") as c:
@@ -487,11 +559,14 @@ def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
         assert ns.put(keys[:4], data[:4]).stored == 4  # B's own prefix: the coldest blocks
         filler = ns.block_keys([hash_token("filler", i) for i in range(16 * 124)])
         for i in range(0, 124, 31):
-            part = filler[i:i + 31]
-            assert ns.put(part, [block("filler", j, ns.block_bytes)
-                                 for j in range(i, i + len(part))]).stored == len(part)
-        wait_for("B's writes (or drops: its queue is a quarter of its host tier)",
-                 lambda: cluster_stats(b)["writes"] + cluster_stats(b)["write_drops"] >= 128)
+            part = filler[i : i + 31]
+            assert ns.put(
+                part, [block("filler", j, ns.block_bytes) for j in range(i, i + len(part))]
+            ).stored == len(part)
+        wait_for(
+            "B's writes (or drops: its queue is a quarter of its host tier)",
+            lambda: cluster_stats(b)["writes"] + cluster_stats(b)["write_drops"] >= 128,
+        )
         res = ns.lookup_pinned(keys)  # imports 8 blocks into a full host tier
         assert res.hits == 12
         assert c.release(res.pin, res.epoch)
@@ -499,10 +574,17 @@ def test_an_import_into_a_full_host_tier_never_evicts_the_prefix_it_extends(
 
 
 def test_a_large_import_with_the_shipped_deadlines_opens_no_breaker(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
-    b = node(daemon_factory, tmp_path, "b", cluster.url, defaults=True,
-             host=("--host-bytes", "320MiB", "--slab-bytes", "1MiB"))
+    b = node(
+        daemon_factory,
+        tmp_path,
+        "b",
+        cluster.url,
+        defaults=True,
+        host=("--host-bytes", "320MiB", "--slab-bytes", "1MiB"),
+    )
     big = dict(num_layers=128)  # 1 MiB blocks: 192 of them in one get, 3x inflight_bytes
     keys, data = store(a, "large", 192, **big)
     with kvtier.Client.connect(b.unix, transport="shm") as c:
@@ -514,7 +596,8 @@ def test_a_large_import_with_the_shipped_deadlines_opens_no_breaker(
 
 
 def test_a_hung_master_never_stalls_local_stores_or_lookups(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url, defaults=True)  # 64 MiB host
     spec = make_namespace(num_layers=16)  # 128 KiB blocks
     hung = cluster.masters()[0]
@@ -527,8 +610,8 @@ def test_a_hung_master_never_stalls_local_stores_or_lookups(
             slowest = 0.0
             for i in range(0, 1024, 32):
                 t0 = time.monotonic()
-                assert ns.put(keys[i:i + 32], data[i:i + 32]).stored == 32  # never rejected
-                assert ns.lookup(keys[i:i + 32]) == 32
+                assert ns.put(keys[i : i + 32], data[i : i + 32]).stored == 32  # never rejected
+                assert ns.lookup(keys[i : i + 32]) == 32
                 slowest = max(slowest, time.monotonic() - t0)
             assert slowest < 2.0, slowest
             got = ns.get(keys[-64:])  # the newest are in the host tier (a quarter may be
@@ -552,7 +635,8 @@ def test_a_hung_master_never_stalls_local_stores_or_lookups(
 
 
 def test_a_store_job_larger_than_the_write_queue_is_written_in_part(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)  # queue: a quarter of 64 MiB
     with kvtier.Client.connect(a.unix, transport="shm") as c:
         ns = c.register(make_namespace(num_layers=16))  # 128 KiB blocks
@@ -564,7 +648,8 @@ def test_a_store_job_larger_than_the_write_queue_is_written_in_part(
 
 
 def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url, defaults=True)
     hung = cluster.masters()[1]
     cluster.pause(hung)
@@ -572,8 +657,7 @@ def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
         with kvtier.Client.connect(a.unix, transport="shm") as c:
             ns = c.register(make_namespace())
             keys = ns.block_keys([hash_token("drain", i) for i in range(16 * 64)])
-            assert ns.put(keys, [block("drain", i, ns.block_bytes) for i in range(64)]).stored \
-                == 64
+            assert ns.put(keys, [block("drain", i, ns.block_bytes) for i in range(64)]).stored == 64
         t0 = time.monotonic()
         assert a.stop(signal.SIGTERM) == 0
         assert time.monotonic() - t0 < 12  # drain_timeout_s (5) + the tier's close
@@ -586,19 +670,22 @@ def test_a_drain_with_writes_stuck_on_a_hung_master_ends_in_time(
 
 # -- who may write what the fleet serves (docs/cluster.md "Trust"; issue 26, finding 1) ----------
 
+
 def forged(authentic: bytes, payload: bytes) -> bytes:
     """``authentic``'s header over ``payload`` instead: length and digest recomputed, as anyone
     with write access to the cluster can; its MAC kept (no one can make one without the key)."""
     fields = HEADER.unpack_from(authentic)
     signed = SIGNED.pack(*fields[:3], len(payload), *fields[4:6], xxhash.xxh3_128_digest(payload))
-    return signed + authentic[SIGNED.size:HEADER_BYTES] + payload
+    return signed + authentic[SIGNED.size : HEADER_BYTES] + payload
 
 
 def planted(digest: bytes, key: bytes, payload: bytes) -> bytes:
     """A value made from scratch for block ``key``: every header field right but the MAC."""
-    return SIGNED.pack(b"KVC1", 2, 0, len(payload), digest, key,
-                       xxhash.xxh3_128_digest(payload)) + bytes(HEADER_BYTES - SIGNED.size) \
+    return (
+        SIGNED.pack(b"KVC1", 2, 0, len(payload), digest, key, xxhash.xxh3_128_digest(payload))
+        + bytes(HEADER_BYTES - SIGNED.size)
         + payload
+    )
 
 
 def log_of(d: DaemonProcess) -> str:
@@ -606,7 +693,8 @@ def log_of(d: DaemonProcess) -> str:
 
 
 def test_a_forged_value_is_a_miss_counted_logged_once_and_never_served(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     keys, data = store(a, "forged", 8)
@@ -623,15 +711,18 @@ def test_a_forged_value_is_a_miss_counted_logged_once_and_never_served(
             rc.set(redis_key(spec.digest, k), planted(spec.digest, k, evil))
         got = ns.get(keys + extra)
         assert [i for i, g in enumerate(got) if g is None] == [2, 5, 8, 9]
-        assert [bytes(g) for g in got if g is not None] == \
-            [d for i, d in enumerate(data) if i not in (2, 5)]  # 0 wrong bytes
+        assert [bytes(g) for g in got if g is not None] == [
+            d for i, d in enumerate(data) if i not in (2, 5)
+        ]  # 0 wrong bytes
         st = c.stats()
         assert st["cluster"]["mac_failures"] == 4 and st["cluster"]["corrupt_values"] == 4
         assert st["total"]["cluster_corrupt"] == 4
     with urllib.request.urlopen(b.info["metrics"], timeout=10) as r:
         assert "kvtier_cluster_mac_failures_total 4.0" in r.read().decode().splitlines()
-    wait_for("the forged values deleted", lambda: not any(
-        rc.exists(redis_key(spec.digest, k)) for k in (keys[2], keys[5], *extra)))
+    wait_for(
+        "the forged values deleted",
+        lambda: not any(rc.exists(redis_key(spec.digest, k)) for k in (keys[2], keys[5], *extra)),
+    )
     refused = [line for line in log_of(b).splitlines() if "cluster value" in line]
     assert len(refused) == 1 and "bad MAC" in refused[0], refused  # once, not per value
     for d in (a, b):
@@ -639,7 +730,8 @@ def test_a_forged_value_is_a_miss_counted_logged_once_and_never_served(
 
 
 def test_a_value_planted_before_the_real_store_does_not_outlive_it(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     b = node(daemon_factory, tmp_path, "b", cluster.url)
     spec, rc = make_namespace(), cluster.cluster_client()
@@ -661,15 +753,20 @@ TENANT_TOKENS = {"team-a": "tok-cl-a", "team-b": "tok-cl-b", "ops": "tok-cl-ops"
 
 def tenants_line(tmp_path: Path) -> str:
     path = tmp_path / "tenants.toml"
-    path.write_text("".join(
-        f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]\n'
-        + ("operator = true\n" if name == "ops" else "") + "\n"
-        for name, t in TENANT_TOKENS.items()))
+    path.write_text(
+        "".join(
+            f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]\n'
+            + ("operator = true\n" if name == "ops" else "")
+            + "\n"
+            for name, t in TENANT_TOKENS.items()
+        )
+    )
     return f'tenants_file = "{path}"'
 
 
 def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     """Two daemons with tenants and one without, one fleet key. A client of the untenanted
     daemon naming team-a's tenant (as any may there) makes team-a's namespace digest and block
     keys, but its values are in the untenanted realm: under other Redis keys, and their MAC
@@ -688,8 +785,7 @@ def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
 
     def team_a_gets() -> list[bytes | None]:
         with kvtier.Client.connect(t2.unix, transport="tcp", token=TENANT_TOKENS["team-a"]) as c:
-            return [bytes(g) if g is not None else None
-                    for g in c.register(spec_a).get(keys)]
+            return [bytes(g) if g is not None else None for g in c.register(spec_a).get(keys)]
 
     assert team_a_gets() == [None] * 4  # never even asked for: another realm's keys
     for k in keys:
@@ -698,12 +794,17 @@ def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
     assert cluster_stats(t2, ops)["mac_failures"] == 4
     keys_b, _ = store(t1, "realm", 4, token=TENANT_TOKENS["team-b"], admin=ops, tenant="team-b")
     for kb, ka in zip(keys_b, keys, strict=True):  # team-b's authentic values, team-a's keys
-        rc.set(redis_key(spec_a.digest, ka, ra), rc.get(redis_key(spec_b.digest, kb,
-                                                                   fleet.realm("team-b"))))
+        rc.set(redis_key(spec_a.digest, ka, ra), rc.get(redis_key(spec_b.digest, kb, fleet.realm("team-b"))))
     assert team_a_gets() == [None] * 4
     assert cluster_stats(t2, ops)["corrupt_values"] == 8
-    wait_for("the refused values deleted", lambda: not any(  # (before team-a's own store)
-        rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys))
+    wait_for(
+        "the refused values deleted",
+        lambda: (
+            not any(  # (before team-a's own store)
+                rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys
+            )
+        ),
+    )
     _, data = store(t1, "realm", 4, token=TENANT_TOKENS["team-a"], admin=ops, tenant="team-a")
     assert team_a_gets() == data
     assert all(rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys)
@@ -711,7 +812,8 @@ def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
 
 
 def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     other_key = hashlib.sha256(b"another fleet").digest()
     a = node(daemon_factory, tmp_path, "a", cluster.url)
     x = node(daemon_factory, tmp_path, "x", cluster.url, fleet_key=other_key)
@@ -730,10 +832,25 @@ def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(
 
 
 def test_a_redis_acl_user_held_to_its_realms_key_pattern_is_all_a_daemon_needs(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     """docs/cluster.md "Redis ACL users per tenant": the user the docs show, on every node."""
-    acl = ["on", ">node-pw", "resetkeys", REALM.acl_pattern, "resetchannels", "-@all", "+get",
-           "+set", "+exists", "+del", "+cluster|slots", "+ping", "+auth", "+hello"]
+    acl = [
+        "on",
+        ">node-pw",
+        "resetkeys",
+        REALM.acl_pattern,
+        "resetchannels",
+        "-@all",
+        "+get",
+        "+set",
+        "+exists",
+        "+del",
+        "+cluster|slots",
+        "+ping",
+        "+auth",
+        "+hello",
+    ]
     for port in cluster.live_ports():
         cluster.client(port).execute_command("ACL", "SETUSER", "kvt-node", *acl)
     pw = tmp_path / "node-pw"
@@ -743,11 +860,11 @@ def test_a_redis_acl_user_held_to_its_realms_key_pattern_is_all_a_daemon_needs(
     b = node(daemon_factory, tmp_path, "b", cluster.url, *creds)
     keys, data = store(a, "acl", 6)
     with kvtier.Client.connect(b.unix, transport="shm") as c:
-        assert [bytes(g) if g is not None else None
-                for g in c.register(make_namespace()).get(keys)] == data
+        assert [bytes(g) if g is not None else None for g in c.register(make_namespace()).get(keys)] == data
     other = redis_key(make_namespace().digest, keys[0], FleetKeys(FLEET_KEY).realm("team-a"))
-    user = redis.Redis(host="127.0.0.1", port=cluster.master_for_key(other),
-                       username="kvt-node", password="node-pw")
+    user = redis.Redis(
+        host="127.0.0.1", port=cluster.master_for_key(other), username="kvt-node", password="node-pw"
+    )
     try:
         with pytest.raises(redis.exceptions.NoPermissionError):
             user.set(other, b"x")  # another realm's keys: refused by Redis itself

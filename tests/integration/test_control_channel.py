@@ -36,8 +36,7 @@ METHOD = {name: n + 1 for n, name in enumerate(wire.CONTROL_METHODS)}
 TOKENS = {"team-a": "ctl-a-1", "team-b": "ctl-b-2"}
 
 
-def connect(d: DaemonProcess, session_id: int, secret: bytes) -> tuple[socket.socket | None,
-                                                                        bytes]:
+def connect(d: DaemonProcess, session_id: int, secret: bytes) -> tuple[socket.socket | None, bytes]:
     """A raw control handshake: (the connection, the reply), or (None, the refusal)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
@@ -50,8 +49,7 @@ def connect(d: DaemonProcess, session_id: int, secret: bytes) -> tuple[socket.so
     return s, reply
 
 
-def call(s: socket.socket, method: str | int, body: bytes, timeout_ms: int = 2000
-         ) -> tuple[int, bytes]:
+def call(s: socket.socket, method: str | int, body: bytes, timeout_ms: int = 2000) -> tuple[int, bytes]:
     number = METHOD[method] if isinstance(method, str) else method
     s.sendall(wire.CALL.pack(len(body), number, timeout_ms) + body)
     head = _exactly(s, wire.RESULT.size)
@@ -89,8 +87,10 @@ class Raw:
         return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
 
     def open(self) -> Any:
-        return self("OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000,
-                                                          transport=pb.TRANSPORT_SHM))
+        return self(
+            "OpenSession",
+            pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000, transport=pb.TRANSPORT_SHM),
+        )
 
 
 @pytest.fixture
@@ -104,8 +104,7 @@ def data_for(ns: Any, n: int, tag: bytes = b"c") -> list[bytes]:
     return [hashlib.shake_256(tag + b"%d" % i).digest(ns.block_bytes) for i in range(n)]
 
 
-def test_shm_transfers_lookups_and_heartbeats_use_the_control_channel(
-        daemon: DaemonProcess) -> None:
+def test_shm_transfers_lookups_and_heartbeats_use_the_control_channel(daemon: DaemonProcess) -> None:
     with kvtier.Client.connect(daemon.unix, "shm", local_lookups=False) as c:
         ns = c.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 8)))
@@ -121,8 +120,7 @@ def test_shm_transfers_lookups_and_heartbeats_use_the_control_channel(
         assert 'kvtier_rpc_duration_seconds_count{method="PrepareStore"} 1.0' in metrics
 
 
-def test_without_the_control_channel_the_client_uses_grpc(daemon_factory: Any,
-                                                          tmp_path: Path) -> None:
+def test_without_the_control_channel_the_client_uses_grpc(daemon_factory: Any, tmp_path: Path) -> None:
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text("control_channel = false\n")
     d = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB", "--slab-bytes", "1MiB")
@@ -157,7 +155,8 @@ def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProc
 
 
 def test_a_control_connection_the_daemon_closed_while_idle_is_replaced(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text("data_idle_timeout_s = 0.5\n")
     d = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB", "--slab-bytes", "1MiB")
@@ -186,15 +185,15 @@ def test_a_tcp_control_hello_needs_the_data_secret(daemon: DaemonProcess, raw: R
                 assert op is wire.Op.ERROR and b"wrong data secret" in _exactly(s, length)
                 continue
             assert op is wire.Op.HELLO_OK and features & wire.FEATURE_CONTROL
-            status, body = call(s, "Heartbeat", pb.HeartbeatRequest(
-                session_id=reply.session_id).SerializeToString())
+            status, body = call(
+                s, "Heartbeat", pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString()
+            )
             assert status == 0 and pb.HeartbeatReply.FromString(body).boot_epoch
             raw("CloseSession", pb.CloseSessionRequest(session_id=reply.session_id))
             assert closed(s)  # the session's end closes it, without a KVD1 frame
 
 
-def test_eight_control_connections_per_session_on_the_data_port(daemon: DaemonProcess,
-                                                                 raw: Raw) -> None:
+def test_eight_control_connections_per_session_on_the_data_port(daemon: DaemonProcess, raw: Raw) -> None:
     reply = raw.open()
     host, port = daemon.info["data"].rsplit(":", 1)
     socks = []
@@ -202,8 +201,7 @@ def test_eight_control_connections_per_session_on_the_data_port(daemon: DaemonPr
         for n in range(9):
             s = socket.create_connection((host, int(port)), timeout=5)
             socks.append(s)
-            s.sendall(wire.hello(reply.session_id, bytes(reply.data_secret),
-                                 wire.FEATURE_CONTROL))
+            s.sendall(wire.hello(reply.session_id, bytes(reply.data_secret), wire.FEATURE_CONTROL))
             op, _job, _index, _features, length = wire.unpack(_exactly(s, wire.HEADER.size))
             if n < 8:
                 assert op is wire.Op.HELLO_OK
@@ -220,8 +218,7 @@ def test_eight_control_connections_per_session_on_the_data_port(daemon: DaemonPr
             s.close()
 
 
-def test_the_handshake_needs_a_live_session_and_its_data_secret(daemon: DaemonProcess,
-                                                                raw: Raw) -> None:
+def test_the_handshake_needs_a_live_session_and_its_data_secret(daemon: DaemonProcess, raw: Raw) -> None:
     reply = raw.open()
     s, msg = connect(daemon, reply.session_id, b"\0" * wire.DATA_SECRET_BYTES)
     assert s is None and msg.startswith(wire.SHM_REFUSED) and b"unknown or expired" in msg
@@ -232,8 +229,9 @@ def test_the_handshake_needs_a_live_session_and_its_data_secret(daemon: DaemonPr
     with s:
         magic, epoch = wire.CONTROL_REPLY.unpack(msg)
         assert epoch == reply.boot_epoch
-        status, body = call(s, "Heartbeat",
-                            pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString())
+        status, body = call(
+            s, "Heartbeat", pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString()
+        )
         assert status == 0 and pb.HeartbeatReply.FromString(body).boot_epoch == reply.boot_epoch
 
 
@@ -242,20 +240,31 @@ def test_a_channel_speaks_only_for_its_own_session(daemon: DaemonProcess, raw: R
     s, _ = connect(daemon, mine.session_id, bytes(mine.data_secret))
     assert s is not None
     with s:
-        status, body = call(s, "Heartbeat",
-                            pb.HeartbeatRequest(session_id=other.session_id).SerializeToString())
+        status, body = call(
+            s, "Heartbeat", pb.HeartbeatRequest(session_id=other.session_id).SerializeToString()
+        )
         assert status == grpc.StatusCode.NOT_FOUND.value[0]
         assert b"unknown or expired session" in body
         # the channel stays usable, and errors are the handlers' own
-        ns = raw("RegisterNamespace", pb.RegisterNamespaceRequest(
-            spec=kvtier_spec(make_namespace())))
-        status, body = call(s, "PrepareStore", pb.PrepareStoreRequest(
-            session_id=mine.session_id, namespace_id=ns.namespace_id, keys=b"x" * 31,
-            transport=pb.TRANSPORT_SHM).SerializeToString())
+        ns = raw("RegisterNamespace", pb.RegisterNamespaceRequest(spec=kvtier_spec(make_namespace())))
+        status, body = call(
+            s,
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                session_id=mine.session_id,
+                namespace_id=ns.namespace_id,
+                keys=b"x" * 31,
+                transport=pb.TRANSPORT_SHM,
+            ).SerializeToString(),
+        )
         assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"keys" in body
-        status, body = call(s, "Lookup", pb.LookupRequest(
-            session_id=mine.session_id, namespace_id=ns.namespace_id + 99,
-            keys=b"k" * 32).SerializeToString())
+        status, body = call(
+            s,
+            "Lookup",
+            pb.LookupRequest(
+                session_id=mine.session_id, namespace_id=ns.namespace_id + 99, keys=b"k" * 32
+            ).SerializeToString(),
+        )
         assert status == grpc.StatusCode.NOT_FOUND.value[0] and b"namespace" in body
 
 
@@ -267,8 +276,9 @@ def test_bad_frames(daemon: DaemonProcess, raw: Raw) -> None:
         status, body = call(s, "PrepareLoad", b"\xff\xff\xff")  # undecodable: answered
         assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert b"could not be decoded as kvtier.v1.PrepareLoadRequest" in body
-        assert call(s, "Heartbeat", pb.HeartbeatRequest(
-            session_id=reply.session_id).SerializeToString())[0] == 0
+        assert (
+            call(s, "Heartbeat", pb.HeartbeatRequest(session_id=reply.session_id).SerializeToString())[0] == 0
+        )
         s.sendall(wire.CALL.pack(0, len(wire.CONTROL_METHODS) + 1, 1000))  # unknown method
         assert closed(s)
     s, _ = connect(daemon, reply.session_id, bytes(reply.data_secret))
@@ -285,8 +295,7 @@ def test_bad_frames(daemon: DaemonProcess, raw: Raw) -> None:
     assert str(reply.session_id) not in log
 
 
-def test_a_sessions_end_closes_its_channels_and_eight_is_the_most(daemon: DaemonProcess,
-                                                                  raw: Raw) -> None:
+def test_a_sessions_end_closes_its_channels_and_eight_is_the_most(daemon: DaemonProcess, raw: Raw) -> None:
     reply = raw.open()
     socks = []
     for _ in range(8):
@@ -303,9 +312,13 @@ def test_a_sessions_end_closes_its_channels_and_eight_is_the_most(daemon: Daemon
 
 def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text("".join(
-        f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]'
-        '\ntransports = ["shm", "tcp"]\n\n' for n, t in TOKENS.items()))
+    tenants.write_text(
+        "".join(
+            f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]'
+            '\ntransports = ["shm", "tcp"]\n\n'
+            for n, t in TOKENS.items()
+        )
+    )
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'tenants_file = "{tenants}"\ntenant_arena_bytes = "4MiB"\n')
     d = daemon_factory("--config", str(cfg), "--host-bytes", "8MiB", "--slab-bytes", "1MiB")
@@ -320,30 +333,41 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
     assert s is not None
     with s:
         # team-b's namespace is unknown to team-a's channel, as over gRPC
-        status, body = call(s, "PrepareLoad", pb.PrepareLoadRequest(
-            session_id=reply.session_id, namespace_id=ns_b.namespace_id, keys=b"".join(keys),
-            transport=pb.TRANSPORT_SHM).SerializeToString())
+        status, body = call(
+            s,
+            "PrepareLoad",
+            pb.PrepareLoadRequest(
+                session_id=reply.session_id,
+                namespace_id=ns_b.namespace_id,
+                keys=b"".join(keys),
+                transport=pb.TRANSPORT_SHM,
+            ).SerializeToString(),
+        )
         assert status == grpc.StatusCode.NOT_FOUND.value[0] and b"unknown namespace" in body
         # and team-b's session is not reachable through it either
-        status, body = call(s, "Heartbeat", pb.HeartbeatRequest(
-            session_id=b.session._session_id).SerializeToString())
+        status, body = call(
+            s, "Heartbeat", pb.HeartbeatRequest(session_id=b.session._session_id).SerializeToString()
+        )
         assert status == grpc.StatusCode.NOT_FOUND.value[0]
     a.channel.close()
     b.close()
 
 
-def test_a_tenant_removed_by_a_reload_loses_its_open_channel(
-        daemon_factory: Any, tmp_path: Path) -> None:
+def test_a_tenant_removed_by_a_reload_loses_its_open_channel(daemon_factory: Any, tmp_path: Path) -> None:
     """The caller is the tenant the *current* tenants file names: the reload that removes a
     tenant closes its sessions, and with them a channel opened before it (issue 26: it used to
     answer UNAUTHENTICATED call by call, and its session lived on)."""
     tenants = tmp_path / "tenants.toml"
 
     def write(names: tuple[str, ...]) -> None:
-        tenants.write_text("".join(
-            f'[[tenant]]\nname = "{n}"\n'
-            f'tokens_sha256 = ["{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"]'
-            '\ntransports = ["shm", "tcp"]\n\n' for n in names))
+        tenants.write_text(
+            "".join(
+                f'[[tenant]]\nname = "{n}"\n'
+                f'tokens_sha256 = ["{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"]'
+                '\ntransports = ["shm", "tcp"]\n\n'
+                for n in names
+            )
+        )
 
     write(("team-a", "team-b"))
     cfg = tmp_path / "kvtierd.toml"

@@ -93,11 +93,20 @@ class InProcessDaemon:
 
     def __init__(self, tmp: Path, driver: HostMemoryDriver, lease_ttl_s: float = 5.0) -> None:
         self.driver = driver
-        self.cfg = DaemonConfig.from_flat(host_bytes=16 << 20, slab_bytes=1 << 20, prefault=False,
-                                socket_path=str(tmp / "kvtier.sock"), listen="",
-                                data_listen="127.0.0.1:0", metrics_port=-1,
-                                lease_ttl_s=lease_ttl_s, min_lease_ttl_s=0.2,
-                                drain_timeout_s=0.5, lease_sweep_s=0.05, run_dir=str(tmp))
+        self.cfg = DaemonConfig.from_flat(
+            host_bytes=16 << 20,
+            slab_bytes=1 << 20,
+            prefault=False,
+            socket_path=str(tmp / "kvtier.sock"),
+            listen="",
+            data_listen="127.0.0.1:0",
+            metrics_port=-1,
+            lease_ttl_s=lease_ttl_s,
+            min_lease_ttl_s=0.2,
+            drain_timeout_s=0.5,
+            lease_sweep_s=0.05,
+            run_dir=str(tmp),
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -138,8 +147,7 @@ class Session:
 
     def __init__(self, d: InProcessDaemon) -> None:
         self.d = d
-        reply = d.call("OpenSession", client_name="t", transport=pb.TRANSPORT_CUDA_IPC,
-                       lease_ttl_ms=5000)
+        reply = d.call("OpenSession", client_name="t", transport=pb.TRANSPORT_CUDA_IPC, lease_ttl_ms=5000)
         self.id = reply.session_id
         ns = make_namespace()
         self.bb = ns.block_bytes
@@ -149,12 +157,18 @@ class Session:
     def call(self, method: str, **fields: Any) -> Any:
         return self.d.call(method, session_id=self.id, **fields)
 
-    def buffer(self, array: np.ndarray, offset: int = 0, nbytes: int | None = None,
-               uuid: bytes = UUID_A) -> int:
-        return int(self.call("RegisterCudaBuffer", device_uuid=uuid, ipc_handle=handle_of(array),
-                             handle_offset=offset,
-                             buffer_bytes=array.nbytes - offset if nbytes is None else nbytes
-                             ).buffer_id)
+    def buffer(
+        self, array: np.ndarray, offset: int = 0, nbytes: int | None = None, uuid: bytes = UUID_A
+    ) -> int:
+        return int(
+            self.call(
+                "RegisterCudaBuffer",
+                device_uuid=uuid,
+                ipc_handle=handle_of(array),
+                handle_offset=offset,
+                buffer_bytes=array.nbytes - offset if nbytes is None else nbytes,
+            ).buffer_id
+        )
 
     def prepare_store(self, ids: Sequence[int], tp: int = pb.TRANSPORT_CUDA_IPC) -> Any:
         return self.call("PrepareStore", namespace_id=self.ns_id, keys=keys(*ids), transport=tp)
@@ -188,6 +202,7 @@ def figures(d: InProcessDaemon) -> dict[str, Any]:
 
 # ---- the protocol ----------------------------------------------------------------------------
 
+
 def test_store_then_load_moves_bytes_through_the_daemons_copies(daemon: InProcessDaemon) -> None:
     s = Session(daemon)
     bb, n = s.bb, 5
@@ -197,8 +212,7 @@ def test_store_then_load_moves_bytes_through_the_daemons_copies(daemon: InProces
     prep = s.prepare_store(range(1, n + 1))
     assert list(prep.status) == [pb.STORE_RESERVED] * n
     # Blocks 0..4 of the buffer; fresh slots are consecutive: one copy for the whole batch.
-    done = s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf,
-                  buffer_offsets=[i * bb for i in range(n)])
+    done = s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf, buffer_offsets=[i * bb for i in range(n)])
     assert (done.copies, done.bytes) == (1, n * bb)
     assert s.call("CompleteStore", job_id=prep.job_id, ok=True).committed == n
 
@@ -212,13 +226,15 @@ def test_store_then_load_moves_bytes_through_the_daemons_copies(daemon: InProces
     dst = np.zeros(8 * bb, np.uint8)
     buf2 = s.buffer(dst, offset=bb, nbytes=6 * bb)
     load = s.prepare_load(range(1, n + 1))
-    reply = s.call("CudaCopy", job_id=load.job_id, buffer_id=buf2,
-                   buffer_offsets=[(n - 1 - i) * bb for i in range(n)])
+    reply = s.call(
+        "CudaCopy", job_id=load.job_id, buffer_id=buf2, buffer_offsets=[(n - 1 - i) * bb for i in range(n)]
+    )
     assert reply.copies == n  # no two neighbours in both the arena and the buffer
     s.call("CompleteLoad", job_id=load.job_id)
     for i in range(n):
-        assert dst[bb + (n - 1 - i) * bb : bb + (n - i) * bb].tobytes() == \
-            src[i * bb : (i + 1) * bb].tobytes()
+        assert (
+            dst[bb + (n - 1 - i) * bb : bb + (n - i) * bb].tobytes() == src[i * bb : (i + 1) * bb].tobytes()
+        )
     assert not dst[:bb].any() and not dst[6 * bb :].any()
     f = figures(daemon)
     assert f["total"]["bytes_in_cuda_ipc"] == n * bb and f["total"]["bytes_out_cuda_ipc"] == n * bb
@@ -244,12 +260,14 @@ def test_runs_merge_only_blocks_adjacent_in_both_places() -> None:
     assert runs([(500, 0), (0, 100)], bb) == [(500, 0, 100), (0, 100, 100)]
     assert runs([], bb) == []
     # Never across a registration chunk of the arena (chunk of 250 here).
-    assert runs([(0, 0), (100, 100), (200, 200), (300, 300)], bb, chunk=250) == \
-        [(0, 0, 200), (200, 200, 100), (300, 300, 100)]
+    assert runs([(0, 0), (100, 100), (200, 200), (300, 300)], bb, chunk=250) == [
+        (0, 0, 200),
+        (200, 200, 100),
+        (300, 300, 100),
+    ]
 
 
-def test_bad_copies_are_refused_naming_the_field_and_change_nothing(
-        daemon: InProcessDaemon) -> None:
+def test_bad_copies_are_refused_naming_the_field_and_change_nothing(daemon: InProcessDaemon) -> None:
     s, other = Session(daemon), Session(daemon)
     bb = s.bb
     src = pattern(4, bb, 2)
@@ -259,24 +277,41 @@ def test_bad_copies_are_refused_naming_the_field_and_change_nothing(
     shm_job = s.prepare_store([3], tp=pb.TRANSPORT_SHM)
     ok = [0, bb]
     cases = [
-        (dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0]),
-         StatusCode.INVALID_ARGUMENT, "buffer_offsets"),
-        (dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, 3 * bb + 1]),
-         StatusCode.INVALID_ARGUMENT, "buffer_offsets"),
-        (dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, 2**63]),
-         StatusCode.INVALID_ARGUMENT, "buffer_offsets"),
-        (dict(job_id=prep.job_id, buffer_id=theirs, buffer_offsets=ok),
-         StatusCode.NOT_FOUND, "buffer_id"),  # another session's: as an absent one
-        (dict(job_id=prep.job_id, buffer_id=999, buffer_offsets=ok),
-         StatusCode.NOT_FOUND, "buffer_id"),
-        (dict(job_id=shm_job.job_id, buffer_id=buf, buffer_offsets=[0]),
-         StatusCode.FAILED_PRECONDITION, "job_id"),
+        (
+            dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0]),
+            StatusCode.INVALID_ARGUMENT,
+            "buffer_offsets",
+        ),
+        (
+            dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, 3 * bb + 1]),
+            StatusCode.INVALID_ARGUMENT,
+            "buffer_offsets",
+        ),
+        (
+            dict(job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, 2**63]),
+            StatusCode.INVALID_ARGUMENT,
+            "buffer_offsets",
+        ),
+        (
+            dict(job_id=prep.job_id, buffer_id=theirs, buffer_offsets=ok),
+            StatusCode.NOT_FOUND,
+            "buffer_id",
+        ),  # another session's: as an absent one
+        (dict(job_id=prep.job_id, buffer_id=999, buffer_offsets=ok), StatusCode.NOT_FOUND, "buffer_id"),
+        (
+            dict(job_id=shm_job.job_id, buffer_id=buf, buffer_offsets=[0]),
+            StatusCode.FAILED_PRECONDITION,
+            "job_id",
+        ),
         (dict(job_id=987_654, buffer_id=buf, buffer_offsets=ok), StatusCode.NOT_FOUND, "job_id"),
     ]
     for fields, code, field in cases:
         refused(lambda f=fields: s.call("CudaCopy", **f), code, field)
-    refused(lambda: other.call("CudaCopy", job_id=prep.job_id, buffer_id=theirs,
-                               buffer_offsets=ok), StatusCode.NOT_FOUND, "job_id")
+    refused(
+        lambda: other.call("CudaCopy", job_id=prep.job_id, buffer_id=theirs, buffer_offsets=ok),
+        StatusCode.NOT_FOUND,
+        "job_id",
+    )
     assert daemon.driver.copies == []  # nothing was copied
     # The job is intact: a good copy after all those commits both blocks.
     s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf, buffer_offsets=ok)
@@ -300,8 +335,11 @@ def test_bad_buffers_are_refused_naming_the_field(daemon: InProcessDaemon) -> No
         detail = refused(lambda o=over: s.call("RegisterCudaBuffer", **{**base, **o}), code, field)
         if field == "device_uuid" and code == StatusCode.FAILED_PRECONDITION:
             assert "ffffffff" in detail and "CUDA_VISIBLE_DEVICES" in detail
-    refused(lambda: daemon.call("RegisterCudaBuffer", session_id=12345, **base),
-            StatusCode.NOT_FOUND, "session_id")
+    refused(
+        lambda: daemon.call("RegisterCudaBuffer", session_id=12345, **base),
+        StatusCode.NOT_FOUND,
+        "session_id",
+    )
     refused(lambda: s.call("ReleaseCudaBuffer", buffer_id=77), StatusCode.NOT_FOUND, "buffer_id")
     assert figures(daemon)["cuda_ipc"]["buffers"] == 0
     deadline = time.monotonic() + 5  # what was opened to learn its size is closed again
@@ -324,17 +362,22 @@ def test_a_cuda_error_fails_that_job_only(daemon: InProcessDaemon) -> None:
 
     daemon.driver.fail_copy = True
     store = s.prepare_store([3, 4])
-    detail = refused(lambda: s.call("CudaCopy", job_id=store.job_id, buffer_id=buf,
-                                    buffer_offsets=[0, bb]), StatusCode.ABORTED, "")
+    detail = refused(
+        lambda: s.call("CudaCopy", job_id=store.job_id, buffer_id=buf, buffer_offsets=[0, bb]),
+        StatusCode.ABORTED,
+        "",
+    )
     assert "injected" in detail
     load = s.prepare_load([1, 2])
-    refused(lambda: s.call("CudaCopy", job_id=load.job_id, buffer_id=buf,
-                           buffer_offsets=[0, bb]), StatusCode.ABORTED, "")
+    refused(
+        lambda: s.call("CudaCopy", job_id=load.job_id, buffer_id=buf, buffer_offsets=[0, bb]),
+        StatusCode.ABORTED,
+        "",
+    )
     f = figures(daemon)
     assert (f["writing_blocks"], f["pinned_blocks"]) == (0, 0)  # entries freed, pins released
     assert f["cuda_ipc"]["copy_errors"] == 2
-    refused(lambda: s.call("CompleteStore", job_id=store.job_id, ok=True), StatusCode.NOT_FOUND,
-            "job_id")
+    refused(lambda: s.call("CompleteStore", job_id=store.job_id, ok=True), StatusCode.NOT_FOUND, "job_id")
     assert s.call("Lookup", namespace_id=s.ns_id, keys=keys(3)).hit_blocks == 0
 
     daemon.driver.fail_copy = False  # the daemon and the session go on
@@ -352,12 +395,14 @@ def test_slots_under_a_copy_are_never_handed_out_again(daemon: InProcessDaemon) 
     buf = s.buffer(pattern(2, bb, 5))
     prep = s.prepare_store([1, 2])
     daemon.driver.gate = threading.Event()
-    copy = threading.Thread(target=lambda: s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf,
-                                                  buffer_offsets=[0, bb]))
+    copy = threading.Thread(
+        target=lambda: s.call("CudaCopy", job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0, bb])
+    )
     copy.start()
     assert daemon.driver.copy_entered.wait(5)
-    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True),
-            StatusCode.FAILED_PRECONDITION, "job_id")
+    refused(
+        lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True), StatusCode.FAILED_PRECONDITION, "job_id"
+    )
     s.call("CloseSession")
     f = figures(daemon)
     assert (f["limbo_blocks"], f["writing_blocks"]) == (2, 0)  # held back, not free
@@ -375,9 +420,17 @@ def test_handles_are_shared_and_closed_with_the_session(daemon: InProcessDaemon)
     s.call("ReleaseCudaBuffer", buffer_id=a)
     time.sleep(0.1)
     assert drv.closed == []  # b still uses the mapping
-    refused(lambda: s.call("RegisterCudaBuffer", device_uuid=UUID_A, ipc_handle=handle_of(mem),
-                           handle_offset=0, buffer_bytes=0), StatusCode.INVALID_ARGUMENT,
-            "buffer_bytes")
+    refused(
+        lambda: s.call(
+            "RegisterCudaBuffer",
+            device_uuid=UUID_A,
+            ipc_handle=handle_of(mem),
+            handle_offset=0,
+            buffer_bytes=0,
+        ),
+        StatusCode.INVALID_ARGUMENT,
+        "buffer_bytes",
+    )
     s.call("CloseSession")
     deadline = time.monotonic() + 5
     while not drv.closed and time.monotonic() < deadline:
@@ -386,11 +439,15 @@ def test_handles_are_shared_and_closed_with_the_session(daemon: InProcessDaemon)
     del b
 
     # A client that dies with a buffer open: the lease's end closes the handle.
-    r = daemon.call("OpenSession", client_name="dies", transport=pb.TRANSPORT_CUDA_IPC,
-                    lease_ttl_ms=300)
+    r = daemon.call("OpenSession", client_name="dies", transport=pb.TRANSPORT_CUDA_IPC, lease_ttl_ms=300)
     mem2 = np.zeros(1 << 10, np.uint8)
-    daemon.call("RegisterCudaBuffer", session_id=r.session_id, device_uuid=UUID_A,
-                ipc_handle=handle_of(mem2), buffer_bytes=mem2.nbytes)
+    daemon.call(
+        "RegisterCudaBuffer",
+        session_id=r.session_id,
+        device_uuid=UUID_A,
+        ipc_handle=handle_of(mem2),
+        buffer_bytes=mem2.nbytes,
+    )
     deadline = time.monotonic() + 5
     while len(drv.closed) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -410,8 +467,10 @@ def test_shutdown_unregisters_the_arena(tmp_path: Path) -> None:
 
 # ---- the client over a cuda_ipc session -----------------------------------------------------
 
+
 def test_a_cuda_ipc_client_moves_host_buffers_and_cpu_layouts_over_the_mapping(
-        daemon: InProcessDaemon) -> None:
+    daemon: InProcessDaemon,
+) -> None:
     """CPU layouts have no CUDA memory to export: they move through the mapped arena as with
     shm (jobs of transport SHM), and host buffers too."""
     with kvtier.Client.connect(daemon.address, "cuda_ipc") as client:
@@ -433,8 +492,9 @@ def test_a_cuda_ipc_client_moves_host_buffers_and_cpu_layouts_over_the_mapping(
     assert f["bytes_in_shm"] == 4 * ns.block_bytes and f["bytes_in_cuda_ipc"] == 0
 
 
-def test_a_cuda_ipc_client_of_a_daemon_without_it_misses_and_says_why(tmp_path: Path,
-                                                                       daemon_factory: Any) -> None:
+def test_a_cuda_ipc_client_of_a_daemon_without_it_misses_and_says_why(
+    tmp_path: Path, daemon_factory: Any
+) -> None:
     d = daemon_factory("--host-bytes", "16MiB", "--slab-bytes", "1MiB")
     with pytest.raises(kvtier.errors.FailedPrecondition, match="cuda_ipc is disabled"):
         kvtier.Client.connect(d.unix, "cuda_ipc", timeout_s=2)  # a caller that may fail: told
@@ -450,13 +510,32 @@ def test_a_cuda_ipc_client_of_a_daemon_without_it_misses_and_says_why(tmp_path: 
 def test_the_daemon_refuses_to_start_with_cuda_ipc_and_no_cuda(tmp_path: Path) -> None:
     try:
         import cupy  # noqa: F401
+
         pytest.skip("cupy is installed here: the refusal path is for machines without it")
     except ImportError:
         pass
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtierd", "serve", "--cuda-ipc", "--host-bytes", "8MiB",
-         "--slab-bytes", "1MiB", "--socket", str(tmp_path / "k.sock"), "--listen", "",
-         "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "serve",
+            "--cuda-ipc",
+            "--host-bytes",
+            "8MiB",
+            "--slab-bytes",
+            "1MiB",
+            "--socket",
+            str(tmp_path / "k.sock"),
+            "--listen",
+            "",
+            "--metrics-port",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cuda_ipc = true needs cupy" in proc.stderr and "kvtierd[cuda]" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -470,13 +549,15 @@ def test_a_copy_outliving_its_rpc_keeps_its_slots_until_it_ends(daemon: InProces
     buf = s.buffer(pattern(1, s.bb, 7))
     prep = s.prepare_store([1])
     daemon.driver.gate = threading.Event()
-    request = pb.CudaCopyRequest(session_id=s.id, job_id=prep.job_id, buffer_id=buf,
-                                 buffer_offsets=[0])
+    request = pb.CudaCopyRequest(session_id=s.id, job_id=prep.job_id, buffer_id=buf, buffer_offsets=[0])
     with pytest.raises(grpc.RpcError) as exc:
         daemon.stub.CudaCopy(request, timeout=0.3)
     assert exc.value.code() == StatusCode.DEADLINE_EXCEEDED and daemon.driver.copy_entered.is_set()
-    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=False),
-            StatusCode.FAILED_PRECONDITION, "job_id")  # the copy still writes into the slot
+    refused(
+        lambda: s.call("CompleteStore", job_id=prep.job_id, ok=False),
+        StatusCode.FAILED_PRECONDITION,
+        "job_id",
+    )  # the copy still writes into the slot
     again = s.prepare_store([2], tp=pb.TRANSPORT_SHM)
     assert again.offsets[0] != prep.offsets[0]  # that slot is not handed out meanwhile
     daemon.driver.gate.set()
@@ -484,8 +565,7 @@ def test_a_copy_outliving_its_rpc_keeps_its_slots_until_it_ends(daemon: InProces
     while figures(daemon)["writing_blocks"] != 1 and time.monotonic() < deadline:
         time.sleep(0.01)  # the copy ends; its job is aborted
     assert figures(daemon)["writing_blocks"] == 1  # only the shm store of key 2 is left
-    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True), StatusCode.NOT_FOUND,
-            "job_id")
+    refused(lambda: s.call("CompleteStore", job_id=prep.job_id, ok=True), StatusCode.NOT_FOUND, "job_id")
 
 
 def test_a_pinned_lookup_job_is_not_copied(daemon: InProcessDaemon) -> None:
@@ -498,7 +578,10 @@ def test_a_pinned_lookup_job_is_not_copied(daemon: InProcessDaemon) -> None:
     pinned = s.call("Lookup", namespace_id=s.ns_id, keys=keys(1), pin=True)
     assert pinned.hit_blocks == 1 and pinned.job_id
     assert list(pinned.offsets) == list(prep.offsets)  # host only: the hold keeps its slot
-    detail = refused(lambda: s.call("CudaCopy", job_id=pinned.job_id, buffer_id=buf,
-                                    buffer_offsets=[0]), StatusCode.FAILED_PRECONDITION, "job_id")
+    detail = refused(
+        lambda: s.call("CudaCopy", job_id=pinned.job_id, buffer_id=buf, buffer_offsets=[0]),
+        StatusCode.FAILED_PRECONDITION,
+        "job_id",
+    )
     assert "PrepareLoad" in detail
     s.call("CompleteLoad", job_id=pinned.job_id)

@@ -61,8 +61,9 @@ def start(daemon_factory: Any, tmp_path: Path) -> StartDaemon:
     def make(host_mib: int = 64, **fields: Any) -> DaemonProcess:
         cfg = tmp_path / f"kvtierd{len(list(tmp_path.glob('*.toml')))}.toml"
         cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in fields.items()))
-        d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", f"{host_mib}MiB",
-                                          "--slab-bytes", "1MiB")
+        d: DaemonProcess = daemon_factory(
+            "--config", str(cfg), "--host-bytes", f"{host_mib}MiB", "--slab-bytes", "1MiB"
+        )
         return d
 
     return make
@@ -75,15 +76,20 @@ class Peer:
         self.d = d
         self.channel = grpc.insecure_channel(d.grpc)
         self.stub = pb_grpc.KvtierStub(self.channel)
-        opened = self.stub.OpenSession(pb.OpenSessionRequest(
-            client_name="limits", lease_ttl_ms=lease_ms, transport=pb.TRANSPORT_TCP), timeout=T)
+        opened = self.stub.OpenSession(
+            pb.OpenSessionRequest(client_name="limits", lease_ttl_ms=lease_ms, transport=pb.TRANSPORT_TCP),
+            timeout=T,
+        )
         self.sid, self.secret = opened.session_id, opened.data_secret
 
     def register(self, **overrides: Any) -> int:
         ns = make_namespace(**overrides)
         spec = pb.NamespaceSpec(**{k: v for k, v in ns.to_dict().items() if v is not None})
-        return int(self.stub.RegisterNamespace(
-            pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest), timeout=T).namespace_id)
+        return int(
+            self.stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest), timeout=T
+            ).namespace_id
+        )
 
     def connect(self, rcvbuf: int = 0) -> socket.socket:
         """A data connection, HELLO done (no runs: one DATA frame per block)."""
@@ -95,24 +101,40 @@ class Peer:
 
     def store(self, ns_id: int, tag: int, n: int) -> int:
         """Store blocks 0..n-1 of ``tag`` over the data channel: how many were committed."""
-        prep = self.stub.PrepareStore(pb.PrepareStoreRequest(
-            session_id=self.sid, namespace_id=ns_id, keys=b"".join(keys(tag, n)),
-            transport=pb.TRANSPORT_TCP), timeout=T)
+        prep = self.stub.PrepareStore(
+            pb.PrepareStoreRequest(
+                session_id=self.sid,
+                namespace_id=ns_id,
+                keys=b"".join(keys(tag, n)),
+                transport=pb.TRANSPORT_TCP,
+            ),
+            timeout=T,
+        )
         if not prep.job_id:
             return 0
         reserved = [i for i, st in enumerate(prep.status) if st == pb.STORE_RESERVED]
         with self.connect() as s:
-            s.sendall(b"".join(wire.pack(Op.WRITE, prep.job_id, i, length=BB) + block(tag, i)
-                               for i in reserved) + wire.pack(Op.FLUSH, prep.job_id))
-            assert wire.unpack(recv_exact(s, wire.HEADER.size))[:4] == \
-                (Op.ACK, prep.job_id, 0, Status.OK)
-        return int(self.stub.CompleteStore(pb.CompleteStoreRequest(
-            session_id=self.sid, job_id=prep.job_id, ok=True), timeout=T).committed)
+            s.sendall(
+                b"".join(wire.pack(Op.WRITE, prep.job_id, i, length=BB) + block(tag, i) for i in reserved)
+                + wire.pack(Op.FLUSH, prep.job_id)
+            )
+            assert wire.unpack(recv_exact(s, wire.HEADER.size))[:4] == (Op.ACK, prep.job_id, 0, Status.OK)
+        return int(
+            self.stub.CompleteStore(
+                pb.CompleteStoreRequest(session_id=self.sid, job_id=prep.job_id, ok=True), timeout=T
+            ).committed
+        )
 
     def prepare_load(self, ns_id: int, tag: int, n: int) -> int:
-        prep = self.stub.PrepareLoad(pb.PrepareLoadRequest(
-            session_id=self.sid, namespace_id=ns_id, keys=b"".join(keys(tag, n)),
-            transport=pb.TRANSPORT_TCP), timeout=T)
+        prep = self.stub.PrepareLoad(
+            pb.PrepareLoadRequest(
+                session_id=self.sid,
+                namespace_id=ns_id,
+                keys=b"".join(keys(tag, n)),
+                transport=pb.TRANSPORT_TCP,
+            ),
+            timeout=T,
+        )
         assert prep.found == b"\1" * n
         return int(prep.job_id)
 
@@ -229,7 +251,8 @@ HOST_MIB = 40  # 2560 slots of 16 KiB: A's blocks and 512 free slots
 
 
 def test_complete_load_while_data_is_queued_sends_no_foreign_byte(
-        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     d = start(HOST_MIB)
     reader, writer = peers(d), peers(d)
     ns_a, ns_b = reader.register(), writer.register(model_revision="b")
@@ -255,7 +278,8 @@ def test_complete_load_while_data_is_queued_sends_no_foreign_byte(
 
 
 def test_a_lease_lapsing_while_data_is_queued_drops_the_connection_then_the_pins(
-        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     d = start(HOST_MIB)
     writer = peers(d)
     ns_a, ns_b = writer.register(), writer.register(model_revision="b")
@@ -292,7 +316,8 @@ def send_within(s: socket.socket, data: bytes, within_s: float) -> int:
 
 
 def test_unread_replies_and_idle_sockets_keep_the_daemon_small(
-        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     raise_fd_limit(N_IDLE + 200)
     d = start(handshake_timeout_s=4.0)
     pid = d.info["pid"]
@@ -315,12 +340,13 @@ def test_unread_replies_and_idle_sockets_keep_the_daemon_small(
         # clock starts at its accept: the bound counts from the last connect, not the first
         opened = time.monotonic()
         after_idle = rss_mib(pid)
-        print(f"daemon RSS: {base:.0f} MiB at rest, {after_reads:.0f} MiB after {sent // 32} "
-              f"unread READs, {after_idle:.0f} MiB with {N_IDLE} idle sockets too")
+        print(
+            f"daemon RSS: {base:.0f} MiB at rest, {after_reads:.0f} MiB after {sent // 32} "
+            f"unread READs, {after_idle:.0f} MiB with {N_IDLE} idle sockets too"
+        )
         assert after_idle - base < 64, (base, after_reads, after_idle)
         # never HELLOed: each is closed at the handshake timeout (4 s), all of them
-        assert eventually(lambda: all(is_closed(s) for s in idle),
-                          4.0 + 6.0 - (time.monotonic() - opened))
+        assert eventually(lambda: all(is_closed(s) for s in idle), 4.0 + 6.0 - (time.monotonic() - opened))
     finally:
         for s in idle:
             s.close()
@@ -343,8 +369,9 @@ def test_a_half_sent_header_is_closed(start: StartDaemon, peers: Callable[..., P
     after_hello.close()
 
 
-def test_connections_beyond_the_cap_are_closed_at_once(start: StartDaemon,
-                                                      peers: Callable[..., Peer]) -> None:
+def test_connections_beyond_the_cap_are_closed_at_once(
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     d = start(data_max_connections=8, handshake_timeout_s=20.0)
     peer = peers(d)
     held = [peer.connect() for _ in range(8)]  # past HELLO: none of them makes room
@@ -364,7 +391,8 @@ def test_connections_beyond_the_cap_are_closed_at_once(start: StartDaemon,
 
 
 def test_connections_that_never_send_hello_do_not_keep_a_client_out(
-        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     d = start(data_max_connections=16, handshake_timeout_s=30.0)  # no timeout helps here
     peer = peers(d)
     flood = [raw_socket(d) for _ in range(48)]  # three times the cap, none proves a session
@@ -379,7 +407,8 @@ def test_connections_that_never_send_hello_do_not_keep_a_client_out(
 
 
 def test_at_most_data_max_unauthenticated_connections_wait_for_hello(
-        start: StartDaemon, peers: Callable[..., Peer]) -> None:
+    start: StartDaemon, peers: Callable[..., Peer]
+) -> None:
     d = start(data_max_unauthenticated=4, handshake_timeout_s=30.0)
     peer = peers(d)
     bound = [peer.connect() for _ in range(6)]  # past HELLO: not waiting, never closed for room
@@ -395,13 +424,15 @@ def test_at_most_data_max_unauthenticated_connections_wait_for_hello(
 TENANT_TOKENS = {"team-a": "limits-a-1", "team-b": "limits-b-2"}
 
 
-def test_one_tenant_cannot_take_every_data_connection(start: StartDaemon,
-                                                      tmp_path: Path) -> None:
+def test_one_tenant_cannot_take_every_data_connection(start: StartDaemon, tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text("".join(
-        f'[[tenant]]\nname = "{name}"\ntransports = ["tcp"]\n'
-        f'tokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n\n'
-        for name, token in TENANT_TOKENS.items()))
+    tenants.write_text(
+        "".join(
+            f'[[tenant]]\nname = "{name}"\ntransports = ["tcp"]\n'
+            f'tokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n\n'
+            for name, token in TENANT_TOKENS.items()
+        )
+    )
     d = start(data_max_connections=8, tenants_file=str(tenants))  # a tenant's share: 8 / 2
     a, b = tenant_session(d, "team-a"), tenant_session(d, "team-b")
     held = [hello(d, *a) for _ in range(4)]
@@ -421,9 +452,11 @@ def test_one_tenant_cannot_take_every_data_connection(start: StartDaemon,
 def tenant_session(d: DaemonProcess, tenant: str) -> tuple[int, bytes]:
     """A tcp session of ``tenant`` (its id and data secret)."""
     with grpc.insecure_channel(d.grpc) as ch:
-        opened = pb_grpc.KvtierStub(ch).OpenSession(pb.OpenSessionRequest(
-            client_name="limits", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP), timeout=T,
-            metadata=(("authorization", f"Bearer {TENANT_TOKENS[tenant]}"),))
+        opened = pb_grpc.KvtierStub(ch).OpenSession(
+            pb.OpenSessionRequest(client_name="limits", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP),
+            timeout=T,
+            metadata=(("authorization", f"Bearer {TENANT_TOKENS[tenant]}"),),
+        )
     return opened.session_id, opened.data_secret
 
 
@@ -478,8 +511,7 @@ def test_the_sdk_reconnects_quietly_after_an_idle_close(start: StartDaemon) -> N
             assert select.select([s], [], [], 5.0)[0]
         assert h.put(ks[4:], [block(7, i) for i in range(4, 8)]).stored == 4
         got = h.get(ks)
-        assert [bytes(b) if b is not None else None for b in got] == \
-            [block(7, i) for i in range(8)]
+        assert [bytes(b) if b is not None else None for b in got] == [block(7, i) for i in range(8)]
         assert client.breaker.allows() and client.session.data().reconnects >= 1  # type: ignore[union-attr]
         assert client.counters.puts_dropped == 0 and client.counters.gets_failed == 0
 

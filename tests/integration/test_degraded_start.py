@@ -28,8 +28,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvtier
 
-SERVE = ("--host-bytes", "2MiB", "--slab-bytes", "1MiB", "--disk-bytes", "16MiB",
-         "--write-policy", "write-through")
+SERVE = (
+    "--host-bytes",
+    "2MiB",
+    "--slab-bytes",
+    "1MiB",
+    "--disk-bytes",
+    "16MiB",
+    "--write-policy",
+    "write-through",
+)
 DEGRADE = (*SERVE, "--disk-optional")  # a restart that may serve without its NVMe tier
 BLOCKS = 40
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -44,8 +52,12 @@ def mnt(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB tmpfs, unmounted after the test."""
     point = tmp_path / "mnt"
     point.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs",
-                                            str(point)], capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(point)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield point
@@ -72,7 +84,8 @@ def fill(directory: Path) -> Path:
 def nvme_health(d: DaemonProcess) -> int:
     with grpc.insecure_channel(d.unix) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="kvtier.nvme"), timeout=5)
+            health_pb2.HealthCheckRequest(service="kvtier.nvme"), timeout=5
+        )
         return int(reply.status)
 
 
@@ -117,16 +130,24 @@ def refused(disk: Path, run: Path, why: str, *, opened: bool = False) -> None:
 
 def start_expecting_exit(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "kvtierd", "serve", "--socket", str(run / "kvtier.sock"),
-           "--metrics-port", "-1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtierd",
+        "serve",
+        "--socket",
+        str(run / "kvtier.sock"),
+        "--metrics-port",
+        "-1",
+        *args,
+    ]
     try:
         return subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the daemon started instead of refusing: {e.stderr!r}") from None
 
 
-def check_degraded_then_resumed(d: DaemonProcess, keys: list[bytes], data: list[bytes],
-                                heal: Any) -> None:
+def check_degraded_then_resumed(d: DaemonProcess, keys: list[bytes], data: list[bytes], heal: Any) -> None:
     nvme_tier = d.info["tiers"]["nvme"]  # the ready line says the tier is not there yet
     assert nvme_tier["state"] == "degraded" and nvme_tier["reason"], d.info
     with kvtier.Client.connect(d.unix, transport="shm") as client:
@@ -150,7 +171,8 @@ def check_degraded_then_resumed(d: DaemonProcess, keys: list[bytes], data: list[
 
 @pytest.mark.parametrize("stop", ["graceful", "crash"])
 def test_a_restart_on_a_full_disk_serves_the_host_tier_and_resumes(
-        daemon_factory: Any, tmp_path: Path, mnt: Path, stop: str) -> None:
+    daemon_factory: Any, tmp_path: Path, mnt: Path, stop: str
+) -> None:
     disk, run = mnt / "nvme", tmp_path / "run"
     d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
     keys, data = store_durably(d1)
@@ -165,7 +187,8 @@ def test_a_restart_on_a_full_disk_serves_the_host_tier_and_resumes(
 
 
 def test_a_restart_on_a_read_only_filesystem_serves_and_resumes(
-        daemon_factory: Any, tmp_path: Path, mnt: Path) -> None:
+    daemon_factory: Any, tmp_path: Path, mnt: Path
+) -> None:
     disk, run = mnt / "nvme", tmp_path / "run"
     d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
     keys, data = store_durably(d1)
@@ -173,12 +196,14 @@ def test_a_restart_on_a_read_only_filesystem_serves_and_resumes(
     subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
     refused(disk, tmp_path / "refused", "read-only filesystem")
     d2 = daemon_factory(*DEGRADE, "--disk-dir", str(disk), run_dir=run)
-    check_degraded_then_resumed(d2, keys, data, heal=lambda: subprocess.run(
-        ["mount", "-o", "remount,rw", str(mnt)], check=True))
+    check_degraded_then_resumed(
+        d2, keys, data, heal=lambda: subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+    )
 
 
 def test_a_start_whose_directory_cannot_be_created_opens_the_tier_later(
-        daemon_factory: Any, tmp_path: Path, mnt: Path) -> None:
+    daemon_factory: Any, tmp_path: Path, mnt: Path
+) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
     refused(mnt / "nvme", tmp_path / "refused", "read-only filesystem")
     d = daemon_factory(*DEGRADE, "--disk-dir", str(mnt / "nvme"), run_dir=tmp_path / "run")
@@ -198,7 +223,8 @@ def test_a_start_whose_directory_cannot_be_created_opens_the_tier_later(
 
 
 def test_a_disk_dir_that_is_a_file_refuses_the_start_and_degrades_with_disk_optional(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     """No root needed: --disk-dir names a regular file."""
     disk = tmp_path / "not-a-dir"
     disk.write_bytes(b"x")
@@ -210,7 +236,8 @@ def test_a_disk_dir_that_is_a_file_refuses_the_start_and_degrades_with_disk_opti
 
 
 def test_a_tier_that_opens_degraded_refuses_the_start_and_serves_with_disk_optional(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     """The checks before the open pass (the directory is there, writable, its files too), the
     open finds a truncated block file: refused after the tier's own log lines, or degraded."""
     disk, run = tmp_path / "nvme", tmp_path / "run"
@@ -232,6 +259,7 @@ def test_a_directory_of_another_kind_is_one_line_even_with_disk_optional(tmp_pat
         done = start_expecting_exit(tmp_path / "run", *SERVE, *optional, "--disk-dir", str(disk))
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done
-        assert lines[0].startswith(f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: "
-                                   "kvtier.meta: not JSON"), lines[0]
+        assert lines[0].startswith(
+            f"kvtierd serve: disk_dir {disk} (--disk-dir) cannot be used: kvtier.meta: not JSON"
+        ), lines[0]
         assert lines[0].endswith("check it with kvtierd fsck, or choose another directory")

@@ -22,8 +22,9 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 
 
 def worker(*args: Any, timeout: float = 60) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                         text=True, timeout=timeout, check=True)
+    out = subprocess.run(
+        [sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=True
+    )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -40,8 +41,14 @@ def test_round_trip_is_byte_exact(daemon: DaemonProcess, transport: str) -> None
         keys = ns.block_keys(list(range(16 * 6 + 5)))  # 6 full blocks; the 5 extra tokens: no key
         assert len(keys) == 6
         data = blocks(6, ns.block_bytes)
-        mixed: list[Any] = [data[0], data[1].tobytes(), bytearray(data[2].tobytes()),
-                            torch.from_numpy(data[3].copy()), data[4].view(np.uint16), data[5]]
+        mixed: list[Any] = [
+            data[0],
+            data[1].tobytes(),
+            bytearray(data[2].tobytes()),
+            torch.from_numpy(data[3].copy()),
+            data[4].view(np.uint16),
+            data[5],
+        ]
         assert ns.lookup(keys) == 0
         assert ns.put(keys, mixed) == kvtier.PutResult(stored=6)
         assert ns.lookup(keys) == 6
@@ -59,8 +66,7 @@ def test_round_trip_is_byte_exact(daemon: DaemonProcess, transport: str) -> None
         assert stats["total"][f"bytes_out_{transport}"] == 2 * 6 * ns.block_bytes
 
 
-def test_blocks_put_over_shm_by_one_process_are_read_over_tcp_by_another(
-        daemon: DaemonProcess) -> None:
+def test_blocks_put_over_shm_by_one_process_are_read_over_tcp_by_another(daemon: DaemonProcess) -> None:
     put = worker("put", "shm", daemon.unix, 7, 20)
     assert put == {"stored": 20, "present": 0, "dropped": 0}
     via_tcp = worker("get", "tcp", daemon.grpc, 7, 20)
@@ -70,9 +76,14 @@ def test_blocks_put_over_shm_by_one_process_are_read_over_tcp_by_another(
 
 
 def test_several_client_processes_at_once(daemon: DaemonProcess) -> None:
-    procs = [subprocess.Popen([sys.executable, WORKER, "put", tr, daemon.address(tr), str(seed), "10"],
-                              stdout=subprocess.PIPE, text=True)
-             for seed, tr in ((1, "shm"), (2, "tcp"), (3, "shm"), (4, "tcp"))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "put", tr, daemon.address(tr), str(seed), "10"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed, tr in ((1, "shm"), (2, "tcp"), (3, "shm"), (4, "tcp"))
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=60)
         assert json.loads(out.splitlines()[-1])["stored"] == 10
@@ -80,12 +91,15 @@ def test_several_client_processes_at_once(daemon: DaemonProcess) -> None:
         assert worker("get", tr, daemon.address(tr), seed, 10)["ok"] == 10
 
 
-@pytest.mark.parametrize("other", [
-    {"model_revision": "rev2"},
-    {"adapter_id": "x", "adapter_revision": "1"},
-    {"cache_salt": "x"},
-    {"tp_size": 2, "tp_rank": 1},
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"model_revision": "rev2"},
+        {"adapter_id": "x", "adapter_revision": "1"},
+        {"cache_salt": "x"},
+        {"tp_size": 2, "tp_rank": 1},
+    ],
+)
 def test_namespaces_never_see_each_others_blocks(daemon: DaemonProcess, other: dict[str, Any]) -> None:
     with kvtier.Client.connect(daemon.unix, transport="shm") as client:
         a = client.register(make_namespace())
@@ -113,8 +127,11 @@ def test_client_killed_mid_store_leaves_nothing_and_slots_come_back(daemon: Daem
     with kvtier.Client.connect(daemon.unix, transport="shm") as client:
         ns = client.register(make_namespace())
         before = client.stats()
-        p = subprocess.Popen([sys.executable, WORKER, "reserve", "shm", daemon.unix, "5", "8"],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, WORKER, "reserve", "shm", daemon.unix, "5", "8"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert p.stdout is not None and p.stdout.readline().strip() == "RESERVED"
             mid = client.stats()
@@ -147,12 +164,12 @@ def test_client_killed_mid_store_leaves_nothing_and_slots_come_back(daemon: Daem
 
 
 @pytest.mark.parametrize("transport_name", ["shm", "tcp"])
-def test_daemon_restart_is_survived_without_user_action(daemon_factory: Any, tmp_path: Path,
-                                                        transport_name: str) -> None:
+def test_daemon_restart_is_survived_without_user_action(
+    daemon_factory: Any, tmp_path: Path, transport_name: str
+) -> None:
     run_dir = tmp_path / "restart"
     d1 = daemon_factory("--host-bytes", "32MiB", "--slab-bytes", "1MiB", run_dir=run_dir)
-    client = kvtier.Client.connect(d1.unix, transport=transport_name, timeout_s=0.5,
-                                   backoff_s=(0.05, 0.2))
+    client = kvtier.Client.connect(d1.unix, transport=transport_name, timeout_s=0.5, backoff_s=(0.05, 0.2))
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 4)))
     data = blocks(4, ns.block_bytes)
@@ -182,8 +199,9 @@ def test_daemon_restart_is_survived_without_user_action(daemon_factory: Any, tmp
 
 
 def test_daemon_never_there_means_misses_and_drops_fast(tmp_path: Path) -> None:
-    client = kvtier.Client.connect(f"unix://{tmp_path}/nothing.sock", transport="shm",
-                                   timeout_s=0.3, lazy=True)  # (without lazy: an error)
+    client = kvtier.Client.connect(
+        f"unix://{tmp_path}/nothing.sock", transport="shm", timeout_s=0.3, lazy=True
+    )  # (without lazy: an error)
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(32)))
     t0 = time.monotonic()
@@ -225,42 +243,71 @@ def test_metrics_and_stats_cli_show_the_same_figures(daemon: DaemonProcess) -> N
         ns.lookup(keys + [b"\0" * 32])
     text = urllib.request.urlopen(daemon.info["metrics"], timeout=5).read().decode()
     assert 'kvtier_lookup_blocks_hit_total{model="test/model"' in text
-    assert any(line.startswith("kvtier_lookup_blocks_hit_total") and 'tier="host"' in line
-               and line.endswith(" 3.0") for line in text.splitlines())
-    assert 'kvtier_store_blocks_total{' in text and 'outcome="accepted"' in text
+    assert any(
+        line.startswith("kvtier_lookup_blocks_hit_total") and 'tier="host"' in line and line.endswith(" 3.0")
+        for line in text.splitlines()
+    )
+    assert "kvtier_store_blocks_total{" in text and 'outcome="accepted"' in text
     assert 'kvtier_rpc_duration_seconds_bucket{le="+Inf",method="Lookup"}' in text
     assert "kvtier_host_capacity_bytes 6.7108864e+07" in text
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", daemon.unix,
-                          "--json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", daemon.unix, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     stats = json.loads(out)
     assert stats["total"]["blocks_hit_host"] == 3 and stats["total"]["blocks_missed"] == 1
-    table = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", daemon.grpc],
-                           capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", daemon.grpc],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "blocks hit (host)" in table and "test/model" in table and "75.0%" in table
 
 
 def test_stats_cli_reports_an_absent_daemon(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address",
-                        f"unix://{tmp_path}/none.sock", "--timeout-s", "0.5"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "stats",
+            "--address",
+            f"unix://{tmp_path}/none.sock",
+            "--timeout-s",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "no socket file" in r.stderr and "kvtierd running" in r.stderr
 
 
-def test_stats_cli_with_no_flags_reaches_the_default_daemon(daemon_factory: Any,
-                                                            tmp_path: Path) -> None:
+def test_stats_cli_with_no_flags_reaches_the_default_daemon(daemon_factory: Any, tmp_path: Path) -> None:
     """``make serve`` starts the daemon on run/kvtier.sock under the repository; ``kvtier
     stats`` run there with no flags must reach it (its old default was not a valid target)."""
     d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "run")
     assert d.unix == f"unix://{tmp_path}/run/kvtier.sock"
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["boot_epoch"] == d.info["boot_epoch"]
 
 
 def test_stats_cli_refuses_a_relative_unix_address_with_two_slashes(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address",
-                        "unix://run/kvtier.sock"], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", "unix://run/kvtier.sock"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "address" in r.stderr and "unix:///absolute" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -292,7 +339,6 @@ def test_failed_transfer_aborts_its_reservation_at_once(daemon: DaemonProcess, t
         while (r := ns.put(keys, blocks(3, ns.block_bytes))).stored == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert r.stored == 3
-
 
 
 def test_a_load_whose_lease_lapsed_mid_copy_is_a_miss(daemon_factory: Any) -> None:
@@ -334,8 +380,7 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
         transport.write = slow_write  # type: ignore[method-assign]
         results: list[Any] = []
         keys = ns.block_keys(list(range(16)))
-        worker = threading.Thread(target=lambda: results.append(
-            ns.put(keys, [bytes(ns.block_bytes)])))
+        worker = threading.Thread(target=lambda: results.append(ns.put(keys, [bytes(ns.block_bytes)])))
         worker.start()
         assert entered.wait(10)
         client.session.trip("daemon looked away")  # what the heartbeat thread does on a failure
@@ -349,9 +394,14 @@ def test_a_disconnect_never_unmaps_under_a_transfer_in_flight(daemon: DaemonProc
 def test_kvtier_serve_and_fsck_are_aliases_of_the_daemons_command(tmp_path: Path) -> None:
     """``kvtier serve|fsck`` start ``python -m kvtierd`` (no import arrow from the SDK into the
     daemon): every argument, --help included, reaches the daemon's own command."""
-    helped = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--help"],
-                            capture_output=True, text=True, timeout=30)
+    helped = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--help"], capture_output=True, text=True, timeout=30
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("usage: kvtierd serve")
-    checked = subprocess.run([sys.executable, "-m", "kvtier.cli", "fsck", str(tmp_path / "none")],
-                             capture_output=True, text=True, timeout=30)
+    checked = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "fsck", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert checked.returncode == 2 and "kvtierd fsck" in checked.stdout + checked.stderr

@@ -29,9 +29,17 @@ BS, L, H, D = 16, 2, 2, 64  # 16 KiB blocks
 NUM_BLOCKS = 16
 STEP_S = 0.02
 STOP_S = 8.0
-IDENTITY = EngineIdentity(model_id="test/stall", model_revision="r1", tokenizer_digest="none",
-                          kv_dtype="bfloat16", layout="vllm.LBHNC", tokens_per_block=BS,
-                          num_layers=L, num_kv_heads=H, head_dim=D)
+IDENTITY = EngineIdentity(
+    model_id="test/stall",
+    model_revision="r1",
+    tokenizer_digest="none",
+    kv_dtype="bfloat16",
+    layout="vllm.LBHNC",
+    tokens_per_block=BS,
+    num_layers=L,
+    num_kv_heads=H,
+    head_dim=D,
+)
 HOT = [0, 1, 2, 3]  # engine blocks loads go into
 FRESH = [8, 9, 10, 11]  # engine blocks this step's forward writes and its store reads
 
@@ -111,11 +119,13 @@ def seed_hot(d: DaemonProcess) -> list[bytes]:
 
 
 def report(name: str, p: Phase) -> str:
-    return (f"{name}: {p.steps} steps in {p.seconds:.2f} s ({p.rate():.1f}/s), kvtier "
-            f"{p.kvtier_s:.3f} s ({100 * p.share():.1f} %), slowest {p.slowest_s * 1000:.0f} ms, "
-            f"{p.hits} all-hit steps, fence {p.stats.get('fence_seconds', 0):.3f} s, "
-            f"load {p.stats.get('load_seconds', 0):.3f} s, stored {p.stats.get('stored_blocks')}, "
-            f"dropped {p.stats.get('store_dropped_blocks')}")
+    return (
+        f"{name}: {p.steps} steps in {p.seconds:.2f} s ({p.rate():.1f}/s), kvtier "
+        f"{p.kvtier_s:.3f} s ({100 * p.share():.1f} %), slowest {p.slowest_s * 1000:.0f} ms, "
+        f"{p.hits} all-hit steps, fence {p.stats.get('fence_seconds', 0):.3f} s, "
+        f"load {p.stats.get('load_seconds', 0):.3f} s, stored {p.stats.get('stored_blocks')}, "
+        f"dropped {p.stats.get('store_dropped_blocks')}"
+    )
 
 
 def test_a_stopped_daemon_costs_the_engine_almost_nothing(daemon_factory: Any) -> None:
@@ -134,8 +144,10 @@ def test_a_stopped_daemon_costs_the_engine_almost_nothing(daemon_factory: Any) -
         finally:
             d.proc.send_signal(signal.SIGCONT)
         after = eng.run(6.0)
-        print("\n" + "\n".join(report(n, p) for n, p in
-                               (("before", before), ("during", during), ("after", after))))
+        print(
+            "\n"
+            + "\n".join(report(n, p) for n, p in (("before", before), ("during", during), ("after", after)))
+        )
         # the engine thread barely notices the stop (one step pays at most the step budget)
         assert during.share() < 0.10, report("during", during)
         assert during.rate() >= 0.9 * before.rate(), report("during", during)
@@ -153,8 +165,9 @@ def test_the_fence_takes_over_a_store_stuck_in_an_rpc(daemon_factory: Any) -> No
     blocks, and once the daemon answers the store commits the copy, not the new bytes."""
     d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB")
     cache = torch.zeros(L, NUM_BLOCKS, H, BS, 2 * D, dtype=torch.bfloat16)
-    w = KvtierWorker(IDENTITY, ConnectorConfig(address=d.unix, model_revision="r1",
-                                               request_timeout_ms=10_000))
+    w = KvtierWorker(
+        IDENTITY, ConnectorConfig(address=d.unix, model_revision="r1", request_timeout_ms=10_000)
+    )
     w.register([cache[i] for i in range(L)])
     try:
         keys = IDENTITY.namespace().block_keys(list(range(100, 100 + len(FRESH) * BS)))

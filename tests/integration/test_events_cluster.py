@@ -31,10 +31,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
 
 
 def test_blocks_written_to_the_cluster_are_remote_and_imports_are_cpu(
-        cluster: RedisCluster, daemon_factory: Any, tmp_path: Path) -> None:
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
     ev = {n: (f"ipc://{tmp_path}/ev-{n}.sock", f"ipc://{tmp_path}/r-{n}.sock") for n in "ab"}
-    a, b = (node(daemon_factory, tmp_path, n, cluster.url, f'events_endpoint = "{ev[n][0]}"',
-                 f'events_replay_endpoint = "{ev[n][1]}"') for n in "ab")
+    a, b = (
+        node(
+            daemon_factory,
+            tmp_path,
+            n,
+            cluster.url,
+            f'events_endpoint = "{ev[n][0]}"',
+            f'events_replay_endpoint = "{ev[n][1]}"',
+        )
+        for n in "ab"
+    )
     fa, fb = Follower(*ev["a"]), Follower(*ev["b"])
     try:
         keys, _ = store(a, "events-remote", 24)

@@ -29,13 +29,21 @@ HOST = ("--host-bytes", "2MiB", "--slab-bytes", "1MiB")  # 128 blocks of 16 KiB
 
 def tokens(seed: int, n_blocks: int) -> list[int]:
     h = hashlib.shake_256(b"tokens %d" % seed).digest(4 * TPB * n_blocks)
-    return [int.from_bytes(h[i:i + 4], "little") % 150_000 for i in range(0, len(h), 4)]
+    return [int.from_bytes(h[i : i + 4], "little") % 150_000 for i in range(0, len(h), 4)]
 
 
 def serve(tmp: Path) -> tuple[str, ...]:
-    return (*HOST, "--disk-dir", str(tmp / "nvme"), "--disk-bytes", "16MiB",
-            "--events-endpoint", f"ipc://{tmp}/ev.sock",
-            "--events-replay-endpoint", f"ipc://{tmp}/replay.sock")
+    return (
+        *HOST,
+        "--disk-dir",
+        str(tmp / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--events-endpoint",
+        f"ipc://{tmp}/ev.sock",
+        "--events-replay-endpoint",
+        f"ipc://{tmp}/replay.sock",
+    )
 
 
 def agrees(f: Follower, handles: list[tuple[Any, list[bytes]]], why: list[str]) -> bool:
@@ -51,12 +59,10 @@ def agrees(f: Follower, handles: list[tuple[Any, list[bytes]]], why: list[str]) 
     return not why
 
 
-def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any,
-                                                        tmp_path: Path) -> None:
+def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any, tmp_path: Path) -> None:
     d1 = daemon_factory(*serve(tmp_path), run_dir=tmp_path / "run")
     lost = {3, 7, 8}  # messages the subscriber loses on arrival (gaps to fill by replay)
-    f = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock",
-                 lose=lambda n: n in lost)
+    f = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock", lose=lambda n: n in lost)
     why: list[str] = []
     try:
         with kvtier.Client.connect(d1.unix, transport="shm") as client:
@@ -66,17 +72,18 @@ def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any,
             # before the subscriber has seen anything: it joins late (replay from 0)
             early = tokens(0, 40)
             early_keys = plain.block_keys(early)
-            assert plain.put(early_keys, [bytes(plain.block_bytes)] * 40,
-                             token_ids=early).stored == 40
+            assert plain.put(early_keys, [bytes(plain.block_bytes)] * 40, token_ids=early).stored == 40
             handles: list[tuple[Any, list[bytes]]] = [(plain, list(early_keys))]
-            for seed, ns, n in ((1, plain, 160), (2, salted, 48), (3, adapted, 48),
-                                (4, plain, 64)):
+            for seed, ns, n in ((1, plain, 160), (2, salted, 48), (3, adapted, 48), (4, plain, 64)):
                 toks = tokens(seed, n)
                 keys = ns.block_keys(toks)
                 for i in range(0, n, 16):  # twice the host tier in all: evictions, demotions
-                    put = ns.put(keys[i:i + 16], [bytes(ns.block_bytes)] * 16,
-                                 token_ids=toks[i * TPB:(i + 16) * TPB],
-                                 parent=keys[i - 1] if i else None)
+                    put = ns.put(
+                        keys[i : i + 16],
+                        [bytes(ns.block_bytes)] * 16,
+                        token_ids=toks[i * TPB : (i + 16) * TPB],
+                        parent=keys[i - 1] if i else None,
+                    )
                     assert put.stored == 16
                     f.pump(0.0)
                 handles.append((ns, list(keys)))
@@ -90,7 +97,7 @@ def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any,
             # what a router needs to place a block: its tokens, parent, adapter and salt
             k = handles[2][1][5]  # salted, 6th block
             ev = f.stored[k]
-            assert ev["tokens"] == tokens(2, 48)[5 * TPB:6 * TPB]
+            assert ev["tokens"] == tokens(2, 48)[5 * TPB : 6 * TPB]
             assert ev["parent"] == handles[2][1][4]
             assert ev["extra_keys"][ev["index"]] == ["s3cret"]
             a = f.stored[handles[3][1][0]]
@@ -101,8 +108,7 @@ def test_holdings_rebuilt_from_events_agree_with_lookup(daemon_factory: Any,
         with kvtier.Client.connect(d2.unix, transport="shm") as client:
             handles = [(client.register(ns.namespace), keys) for ns, keys in handles]
             replays = f.replays
-            f.settle(lambda: f.next_seq is not None and f.replays > replays and
-                     agrees(f, handles, why))
+            f.settle(lambda: f.next_seq is not None and f.replays > replays and agrees(f, handles, why))
             assert all(f.held.get(k) == {"STORAGE"} for _, keys in handles for k in keys)
     finally:
         f.close()

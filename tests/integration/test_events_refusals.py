@@ -25,17 +25,16 @@ def keys(*ids: int) -> bytes:
     return b"".join(i.to_bytes(32, "big") for i in ids)
 
 
-def test_token_ids_and_parent_key_are_checked_and_a_refusal_changes_nothing(
-        daemon: DaemonProcess) -> None:
+def test_token_ids_and_parent_key_are_checked_and_a_refusal_changes_nothing(daemon: DaemonProcess) -> None:
     with grpc.insecure_channel(daemon.grpc) as channel:
         stub = pb_grpc.KvtierStub(channel)
         ns = make_namespace()  # 16 tokens a block
         spec = pb.NamespaceSpec(**{k: v for k, v in ns.to_dict().items() if v is not None})
-        reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest),
-                                     timeout=5)
-        sid = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="origin", lease_ttl_ms=60_000, transport=pb.TRANSPORT_SHM),
-            timeout=5).session_id
+        reg = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec, digest=ns.digest), timeout=5)
+        sid = stub.OpenSession(
+            pb.OpenSessionRequest(client_name="origin", lease_ttl_ms=60_000, transport=pb.TRANSPORT_SHM),
+            timeout=5,
+        ).session_id
 
         def state() -> dict[str, Any]:
             d = to_dict(stub.Stats(pb.StatsRequest(), timeout=5))
@@ -43,13 +42,22 @@ def test_token_ids_and_parent_key_are_checked_and_a_refusal_changes_nothing(
             return d
 
         def prepare(**kw: Any) -> Any:
-            return stub.PrepareStore(pb.PrepareStoreRequest(
-                session_id=sid, namespace_id=reg.namespace_id, keys=keys(1, 2),
-                transport=pb.TRANSPORT_SHM, **kw), timeout=5)
+            return stub.PrepareStore(
+                pb.PrepareStoreRequest(
+                    session_id=sid,
+                    namespace_id=reg.namespace_id,
+                    keys=keys(1, 2),
+                    transport=pb.TRANSPORT_SHM,
+                    **kw,
+                ),
+                timeout=5,
+            )
 
-        for bad, field in (({"token_ids": list(range(31))}, "token_ids"),
-                           ({"token_ids": list(range(48))}, "token_ids"),
-                           ({"parent_key": b"\x01" * 31}, "parent_key")):
+        for bad, field in (
+            ({"token_ids": list(range(31))}, "token_ids"),
+            ({"token_ids": list(range(48))}, "token_ids"),
+            ({"parent_key": b"\x01" * 31}, "parent_key"),
+        ):
             before = state()
             with pytest.raises(grpc.RpcError) as err:
                 prepare(**bad)
@@ -65,30 +73,40 @@ def serve(run: Path, *args: str, pythonpath: str = "") -> subprocess.CompletedPr
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     run.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(serve_cmd(run, "--host-bytes", "64MiB", "--slab-bytes", "1MiB", *args),
-                          cwd=run, capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        serve_cmd(run, "--host-bytes", "64MiB", "--slab-bytes", "1MiB", *args),
+        cwd=run,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_events_without_pyzmq_are_refused_at_start_naming_the_setting(tmp_path: Path) -> None:
     fake = tmp_path / "nozmq" / "zmq"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named zmq (test)')\n")
-    out = serve(tmp_path / "run", "--events-endpoint", f"ipc://{tmp_path}/ev.sock",
-                pythonpath=str(fake.parent))
+    out = serve(
+        tmp_path / "run", "--events-endpoint", f"ipc://{tmp_path}/ev.sock", pythonpath=str(fake.parent)
+    )
     assert out.returncode == 2, out.stderr
     assert "events_endpoint: KV events need pyzmq and msgpack" in out.stderr, out.stderr
     assert "kvtierd[events]" in out.stderr and "(--events-endpoint)" in out.stderr
 
 
-@pytest.mark.parametrize(("args", "field"), [
-    (("--events-endpoint", "tcp://0.0.0.0:5557"), "events_endpoint"),
-    (("--events-endpoint", "udp://x"), "events_endpoint"),
-    (("--events-tenant-endpoint", "ipc:///tmp/ev.sock"), "events_tenant_endpoint"),
-    (("--events-endpoint", "ipc:///tmp/e.sock", "--events-buffer-batches", "0"),
-     "events_buffer_batches"),
-])
-def test_bad_event_settings_are_refused_naming_the_field(tmp_path: Path, args: tuple[str, ...],
-                                                         field: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (("--events-endpoint", "tcp://0.0.0.0:5557"), "events_endpoint"),
+        (("--events-endpoint", "udp://x"), "events_endpoint"),
+        (("--events-tenant-endpoint", "ipc:///tmp/ev.sock"), "events_tenant_endpoint"),
+        (("--events-endpoint", "ipc:///tmp/e.sock", "--events-buffer-batches", "0"), "events_buffer_batches"),
+    ],
+)
+def test_bad_event_settings_are_refused_naming_the_field(
+    tmp_path: Path, args: tuple[str, ...], field: str
+) -> None:
     out = serve(tmp_path / "run", *args)
     assert out.returncode == 2, out.stderr
     assert f"configuration error: {field}: " in out.stderr, out.stderr

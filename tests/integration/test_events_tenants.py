@@ -26,25 +26,39 @@ TOKENS = {"team-a": "tok-a-e1", "team-b": "tok-b-e2"}
 
 
 def tenants_toml(path: Path) -> Path:
-    path.write_text("".join(
-        f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]'
-        '\ntransports = ["tcp"]\n\n' for n, t in TOKENS.items()))
+    path.write_text(
+        "".join(
+            f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]'
+            '\ntransports = ["tcp"]\n\n'
+            for n, t in TOKENS.items()
+        )
+    )
     return path
 
 
-def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: Any,
-                                                             tmp_path: Path) -> None:
-    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB",
-                       "--tenants-file", str(tenants_toml(tmp_path / "tenants.toml")),
-                       "--events-endpoint", f"ipc://{tmp_path}/ev.sock",
-                       "--events-replay-endpoint", f"ipc://{tmp_path}/replay.sock",
-                       "--events-tenant-endpoint", f"ipc://{tmp_path}/ev-{{tenant}}.sock",
-                       "--events-tenant-replay-endpoint",
-                       f"ipc://{tmp_path}/replay-{{tenant}}.sock", run_dir=tmp_path / "run")
+def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: Any, tmp_path: Path) -> None:
+    d = daemon_factory(
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--tenants-file",
+        str(tenants_toml(tmp_path / "tenants.toml")),
+        "--events-endpoint",
+        f"ipc://{tmp_path}/ev.sock",
+        "--events-replay-endpoint",
+        f"ipc://{tmp_path}/replay.sock",
+        "--events-tenant-endpoint",
+        f"ipc://{tmp_path}/ev-{{tenant}}.sock",
+        "--events-tenant-replay-endpoint",
+        f"ipc://{tmp_path}/replay-{{tenant}}.sock",
+        run_dir=tmp_path / "run",
+    )
     for name in ("ev-team-a.sock", "ev-team-b.sock", "replay-team-a.sock"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
-    follow = {t: Follower(f"ipc://{tmp_path}/ev-{t}.sock", f"ipc://{tmp_path}/replay-{t}.sock")
-              for t in TOKENS}
+    follow = {
+        t: Follower(f"ipc://{tmp_path}/ev-{t}.sock", f"ipc://{tmp_path}/replay-{t}.sock") for t in TOKENS
+    }
     operator = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock")
     keys: dict[str, list[bytes]] = {}
     try:
@@ -67,8 +81,7 @@ def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: An
         assert follow["team-b"].tenants == {"team-b"}
         assert operator.tenants == {"team-a", "team-b"}
         # a late joiner of A's stream replays A's history only
-        late = Follower(f"ipc://{tmp_path}/ev-team-a.sock",
-                        f"ipc://{tmp_path}/replay-team-a.sock")
+        late = Follower(f"ipc://{tmp_path}/ev-team-a.sock", f"ipc://{tmp_path}/replay-team-a.sock")
         try:
             with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-b"]) as c:
                 ns = c.register(make_namespace(tenant="team-b"))

@@ -30,20 +30,33 @@ VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / 
 TOKEN = "tok-wire-1"
 
 
-def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: Any,
-                                                               tmp_path: Path) -> None:
+def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: Any, tmp_path: Path) -> None:
     if not os.access(VLLM_PYTHON, os.X_OK):
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-env, or set "
-                    "KVTIER_VLLM_PYTHON)")
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-env, or set KVTIER_VLLM_PYTHON)")
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[[tenant]]\nname = "team-w"\ntokens_sha256 = '
-                       f'["{hashlib.sha256(TOKEN.encode()).hexdigest()}"]\n'
-                       'transports = ["tcp"]\n')
+    tenants.write_text(
+        f'[[tenant]]\nname = "team-w"\ntokens_sha256 = '
+        f'["{hashlib.sha256(TOKEN.encode()).hexdigest()}"]\n'
+        'transports = ["tcp"]\n'
+    )
     ev, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
-    d = daemon_factory("--host-bytes", "2MiB", "--slab-bytes", "1MiB", "--tenants-file",
-                       str(tenants), "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes",
-                       "16MiB", "--events-endpoint", ev,
-                       "--events-replay-endpoint", replay, run_dir=tmp_path / "run")
+    d = daemon_factory(
+        "--host-bytes",
+        "2MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--tenants-file",
+        str(tenants),
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--events-endpoint",
+        ev,
+        "--events-replay-endpoint",
+        replay,
+        run_dir=tmp_path / "run",
+    )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -51,29 +64,44 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
     messages: list[list[bytes]] = []
     try:
         with kvtier.Client.connect(d.unix, transport="tcp", token=TOKEN) as c:
-            for ns in (c.register(make_namespace(tenant="team-w", cache_salt="pepper")),
-                       c.register(make_namespace(tenant="team-w", adapter_id="lora-x",
-                                                 adapter_revision="2"))):
+            for ns in (
+                c.register(make_namespace(tenant="team-w", cache_salt="pepper")),
+                c.register(make_namespace(tenant="team-w", adapter_id="lora-x", adapter_revision="2")),
+            ):
                 toks = list(range(16 * 96))
                 keys = ns.block_keys(toks)  # 2 x 96 blocks: more than the 128 of the host tier
                 for i in range(0, 96, 16):
-                    assert ns.put(keys[i:i + 16], [bytes(ns.block_bytes)] * 16,
-                                  token_ids=toks[i * 16:(i + 16) * 16],
-                                  parent=keys[i - 1] if i else None).stored == 16
+                    assert (
+                        ns.put(
+                            keys[i : i + 16],
+                            [bytes(ns.block_bytes)] * 16,
+                            token_ids=toks[i * 16 : (i + 16) * 16],
+                            parent=keys[i - 1] if i else None,
+                        ).stored
+                        == 16
+                    )
         while sub.poll(1000):
             messages.append(sub.recv_multipart())
     finally:
         sub.close(0)
         ctx.term()
     assert messages
-    tenants = {e.get("tenant_id") for m in messages
-               for e in msgpack.unpackb(m[2], raw=False)[1] if e["type"] != "AllBlocksCleared"}
+    tenants = {
+        e.get("tenant_id")
+        for m in messages
+        for e in msgpack.unpackb(m[2], raw=False)[1]
+        if e["type"] != "AllBlocksCleared"
+    }
     assert tenants == {"team-w"}  # what vLLM's decoder must tolerate is really there
     capture = tmp_path / "capture.msgpack"
     capture.write_bytes(msgpack.packb(messages, use_bin_type=True))
-    out = subprocess.run([VLLM_PYTHON, str(HERE / "events_vllm_driver.py"), str(capture), replay],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run(
+        [VLLM_PYTHON, str(HERE / "events_vllm_driver.py"), str(capture), replay],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     events = [e for _seq, evs, _rank in got["decoded"] for e in evs]
@@ -84,8 +112,8 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
     assert all(e[7] == 16 and e[8] for e in stored)  # block_size, 32-byte hashes
     assert {e[3] for e in stored} == {None, "lora-x"}
     assert {json.dumps(e[4]) for e in stored if e[1] == "CPU"} == {
-        json.dumps([["pepper"]] * e[2]) for e in stored if e[3] is None and e[1] == "CPU"} | {
-        json.dumps([["lora-x"]] * e[2]) for e in stored if e[3] == "lora-x" and e[1] == "CPU"}
+        json.dumps([["pepper"]] * e[2]) for e in stored if e[3] is None and e[1] == "CPU"
+    } | {json.dumps([["lora-x"]] * e[2]) for e in stored if e[3] == "lora-x" and e[1] == "CPU"}
     assert all(e[5] == 16 * e[2] for e in stored if e[1] == "CPU")  # the tokens came along
     assert sum(e[2] for e in stored if e[1] == "CPU") == 192
     assert all(rank == 0 for _s, _e, rank in got["decoded"])

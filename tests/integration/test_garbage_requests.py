@@ -26,14 +26,12 @@ def rpc_errors(url: str) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     out = {}
-    for m in re.finditer(r'^kvtier_rpc_errors_total\{code="(\w+)",method="(\w+)"\} (\S+)$', text,
-                         re.M):
+    for m in re.finditer(r'^kvtier_rpc_errors_total\{code="(\w+)",method="(\w+)"\} (\S+)$', text, re.M):
         out[(m.group(2), m.group(1))] = float(m.group(3))
     return out
 
 
-def test_garbage_requests_get_invalid_argument_counted_and_few_log_lines(
-        daemon: DaemonProcess) -> None:
+def test_garbage_requests_get_invalid_argument_counted_and_few_log_lines(daemon: DaemonProcess) -> None:
     log = daemon.run_dir / "kvtierd.log"
     lines_before = len(log.read_text().splitlines())
     rng = random.Random(12)
@@ -51,8 +49,9 @@ def test_garbage_requests_get_invalid_argument_counted_and_few_log_lines(
     assert codes == {"INVALID_ARGUMENT": N}
     assert "could not be decoded" in details
     counted = rpc_errors(daemon.info["metrics"])
-    assert {m: counted.get((m, "INVALID_ARGUMENT")) for m in METHODS} == \
-        {m: N / len(METHODS) for m in METHODS}
+    assert {m: counted.get((m, "INVALID_ARGUMENT")) for m in METHODS} == {
+        m: N / len(METHODS) for m in METHODS
+    }
     time.sleep(0.2)
     added = log.read_text().splitlines()[lines_before:]
     assert len(added) < 10, "\n".join(added[:20])

@@ -39,18 +39,22 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 T = 5.0
 
 
-def open_session(d: DaemonProcess, transport: int = pb.TRANSPORT_SHM,
-                 token: str | None = None, tenant: str | None = None) -> tuple[Any, int]:
+def open_session(
+    d: DaemonProcess, transport: int = pb.TRANSPORT_SHM, token: str | None = None, tenant: str | None = None
+) -> tuple[Any, int]:
     """An OpenSessionReply (id and data secret) and a namespace registered for it."""
     md = (("authorization", f"Bearer {token}"),) if token else ()
     with grpc.insecure_channel(d.grpc) as ch:
         stub = pb_grpc.KvtierStub(ch)
-        opened = stub.OpenSession(pb.OpenSessionRequest(
-            client_name="handshakes", lease_ttl_ms=60_000, transport=transport),
-            timeout=T, metadata=md)
+        opened = stub.OpenSession(
+            pb.OpenSessionRequest(client_name="handshakes", lease_ttl_ms=60_000, transport=transport),
+            timeout=T,
+            metadata=md,
+        )
         ns = make_namespace(tenant=tenant) if tenant else make_namespace()
-        ns_id = stub.RegisterNamespace(pb.RegisterNamespaceRequest(
-            spec=namespace_spec(ns), digest=ns.digest), timeout=T, metadata=md).namespace_id
+        ns_id = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(spec=namespace_spec(ns), digest=ns.digest), timeout=T, metadata=md
+        ).namespace_id
     return opened, int(ns_id)
 
 
@@ -78,12 +82,16 @@ def test_the_arena_handshake_needs_the_sessions_data_secret(daemon: DaemonProces
     sid, path = opened.session_id, daemon.info["shm"]
     msg, fds = exchange(path, wire.SHM_REQUEST.pack(b"KVS1", sid))  # the id alone, as before
     assert (fds, msg[:4]) == (0, wire.SHM_REFUSED) and b"data secret" in msg, msg
-    refusals = {exchange(path, wire.shm_request(wire.SHM_MAGIC, s, secret))
-                for s, secret in ((sid, bytes(32)), (sid, other.data_secret),
-                                  (sid, opened.data_secret[:31] + b"\0"),
-                                  (999_999, opened.data_secret))}
-    assert {(m.replace(b"999999", str(sid).encode()), n) for m, n in refusals} == \
-        {(unknown(sid), 0)}
+    refusals = {
+        exchange(path, wire.shm_request(wire.SHM_MAGIC, s, secret))
+        for s, secret in (
+            (sid, bytes(32)),
+            (sid, other.data_secret),
+            (sid, opened.data_secret[:31] + b"\0"),
+            (999_999, opened.data_secret),
+        )
+    }
+    assert {(m.replace(b"999999", str(sid).encode()), n) for m, n in refusals} == {(unknown(sid), 0)}
     msg, fds = exchange(path, wire.shm_request(wire.SHM_MAGIC, sid, opened.data_secret))
     assert (fds, msg[:4]) == (1, wire.SHM_MAGIC)
 
@@ -97,8 +105,7 @@ def test_the_index_handshake_needs_the_sessions_data_secret(daemon: DaemonProces
     for secret in (bytes(32), other.data_secret):
         msg, fds = exchange(path, pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns_id, secret))
         assert (fds, msg) == (0, unknown(sid))
-    msg, fds = exchange(path, pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns_id,
-                                                    opened.data_secret))
+    msg, fds = exchange(path, pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, sid, ns_id, opened.data_secret))
     assert (fds, msg[:4]) == (1, pi.INDEX_MAGIC)
 
 
@@ -111,13 +118,16 @@ def tenants(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
     uid."""
     body = ""
     for name, token in TOKENS.items():
-        body += (f'[[tenant]]\nname = "{name}"\ntransports = ["tcp"]\n'
-                 f'tokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n')
+        body += (
+            f'[[tenant]]\nname = "{name}"\ntransports = ["tcp"]\n'
+            f'tokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n'
+        )
         body += "unix_uids = [12345]\n\n" if name == "pinned" else "\n"
     (tmp_path / "tenants.toml").write_text(body)
     (tmp_path / "kvtierd.toml").write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\n')
-    d: DaemonProcess = daemon_factory("--config", str(tmp_path / "kvtierd.toml"),
-                                      "--host-bytes", "16MiB", "--slab-bytes", "1MiB")
+    d: DaemonProcess = daemon_factory(
+        "--config", str(tmp_path / "kvtierd.toml"), "--host-bytes", "16MiB", "--slab-bytes", "1MiB"
+    )
     return d
 
 
@@ -125,8 +135,10 @@ def test_the_index_handshake_checks_the_peers_uid(tenants: DaemonProcess) -> Non
     assert os.getuid() != 12345
     for tenant, handed in (("pinned", 0), ("anyone", 1)):
         opened, ns_id = open_session(tenants, pb.TRANSPORT_TCP, TOKENS[tenant], tenant)
-        msg, fds = exchange(tenants.info["shm"], pi.INDEX_REQUEST.pack(
-            pi.INDEX_MAGIC, opened.session_id, ns_id, opened.data_secret))
+        msg, fds = exchange(
+            tenants.info["shm"],
+            pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, opened.session_id, ns_id, opened.data_secret),
+        )
         assert fds == handed, (tenant, msg)
         if not handed:  # as an unknown session: the peer learns nothing
             assert msg == unknown(opened.session_id)
@@ -153,8 +165,11 @@ def other_uid() -> Iterator[tuple[int, int]]:
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("needs root and useradd to make a second local user")
     name = f"kvtier-hs-{os.getpid()}"
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                    name], check=True, capture_output=True)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+    )
     try:
         out = subprocess.run(["id", "-u", name], check=True, capture_output=True, text=True)
         gid = subprocess.run(["id", "-g", name], check=True, capture_output=True, text=True)
@@ -173,11 +188,18 @@ def open_dir() -> Iterator[Path]:
 
 
 def test_one_uids_half_open_handshakes_do_not_lock_another_uid_out(
-        daemon_factory: Any, other_uid: tuple[int, int], open_dir: Path) -> None:
+    daemon_factory: Any, other_uid: tuple[int, int], open_dir: Path
+) -> None:
     (open_dir / "kvtierd.toml").write_text("handshake_timeout_s = 30.0\n")  # held throughout
-    d: DaemonProcess = daemon_factory("--config", str(open_dir / "kvtierd.toml"),
-                                      "--host-bytes", "16MiB", "--slab-bytes", "1MiB",
-                                      run_dir=open_dir / "d")
+    d: DaemonProcess = daemon_factory(
+        "--config",
+        str(open_dir / "kvtierd.toml"),
+        "--host-bytes",
+        "16MiB",
+        "--slab-bytes",
+        "1MiB",
+        run_dir=open_dir / "d",
+    )
     path = d.info["shm"]
     os.chmod(open_dir / "d", 0o755)
     os.chmod(path, 0o666)  # both users may connect: the slots per uid are what is tested
@@ -191,10 +213,24 @@ def test_one_uids_half_open_handshakes_do_not_lock_another_uid_out(
         opened, _ = open_session(d)
         uid, gid = other_uid
         t0 = time.monotonic()
-        out = subprocess.run(["/usr/bin/python3", "-I", "-c", _AS_OTHER_UID, path,
-                              str(opened.session_id), opened.data_secret.hex()],
-                             user=uid, group=gid, extra_groups=[], capture_output=True,
-                             text=True, timeout=20, cwd="/")
+        out = subprocess.run(
+            [
+                "/usr/bin/python3",
+                "-I",
+                "-c",
+                _AS_OTHER_UID,
+                path,
+                str(opened.session_id),
+                opened.data_secret.hex(),
+            ],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            cwd="/",
+        )
         assert out.returncode == 0, out.stderr
         fds, took, magic = out.stdout.split()
         assert (fds, magic) == ("1", "KVS2"), out.stdout  # its arena, handed at once

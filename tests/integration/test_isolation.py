@@ -29,19 +29,20 @@ def open_session(stub: Any, transport: int) -> int:
 
 
 def open_reply(stub: Any, transport: int) -> Any:
-    return stub.OpenSession(pb.OpenSessionRequest(client_name="isolation", lease_ttl_ms=30_000,
-                                                  transport=transport), timeout=5)
+    return stub.OpenSession(
+        pb.OpenSessionRequest(client_name="isolation", lease_ttl_ms=30_000, transport=transport), timeout=5
+    )
 
 
 def serving(daemon: DaemonProcess) -> bool:
     with grpc.insecure_channel(daemon.grpc) as ch:
-        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                  timeout=5)
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_a_clients_ftruncate_of_the_arena_fails_and_an_attached_engine_keeps_loading(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     with kvtier.Client.connect(daemon.unix, transport="shm") as engine:
         ns = engine.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 8)))
@@ -79,8 +80,7 @@ def test_the_arena_fd_is_never_handed_to_a_tcp_session(daemon: DaemonProcess) ->
 
 
 @pytest.mark.parametrize("rpc", ["PrepareStore", "PrepareLoad"])
-def test_an_shm_job_in_a_tcp_session_is_refused_and_changes_nothing(daemon: DaemonProcess,
-                                                                    rpc: str) -> None:
+def test_an_shm_job_in_a_tcp_session_is_refused_and_changes_nothing(daemon: DaemonProcess, rpc: str) -> None:
     with kvtier.Client.connect(daemon.unix, transport="shm") as victim:
         ns = victim.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 4)))
@@ -89,9 +89,15 @@ def test_an_shm_job_in_a_tcp_session_is_refused_and_changes_nothing(daemon: Daem
             sid = open_session(stub, pb.TRANSPORT_TCP)
             request_type = getattr(pb, f"{rpc}Request")
             with pytest.raises(grpc.RpcError) as e:
-                getattr(stub, rpc)(request_type(
-                    session_id=sid, namespace_id=ns.namespace_id, keys=b"".join(keys),
-                    transport=pb.TRANSPORT_SHM), timeout=5)
+                getattr(stub, rpc)(
+                    request_type(
+                        session_id=sid,
+                        namespace_id=ns.namespace_id,
+                        keys=b"".join(keys),
+                        transport=pb.TRANSPORT_SHM,
+                    ),
+                    timeout=5,
+                )
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert (e.value.details() or "").startswith("transport: ")
         # the victim's real put stores its bytes (nothing was reserved or committed)

@@ -38,15 +38,15 @@ def blhnc(buf: torch.Tensor) -> PagedKvLayout:  # one buffer, block-outer: layer
 def separate(buf: torch.Tensor) -> PagedKvLayout:  # one tensor per layer (no shared buffer)
     parts = buf.view(L, NUM_BLOCKS * PAGE)
     return PagedKvLayout.from_layer_tensors(
-        [parts[i].clone().view(torch.bfloat16).view(NUM_BLOCKS, H, N, C) for i in range(L)])
+        [parts[i].clone().view(torch.bfloat16).view(NUM_BLOCKS, H, N, C) for i in range(L)]
+    )
 
 
 def contiguous(buf: torch.Tensor) -> PagedKvLayout:
     return PagedKvLayout.contiguous(buf.view(NUM_BLOCKS, L * PAGE), num_layers=L)
 
 
-LAYOUTS = {"LBNHC": lbnhc, "LBHNC": lbhnc, "BLHNC": blhnc, "separate": separate,
-           "contiguous": contiguous}
+LAYOUTS = {"LBNHC": lbnhc, "LBHNC": lbhnc, "BLHNC": blhnc, "separate": separate, "contiguous": contiguous}
 
 
 def pages(layout: PagedKvLayout, block: int) -> bytes:
@@ -72,8 +72,7 @@ def test_gather_is_the_pages_in_layer_order(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_round_trips_through_the_daemon(daemon: DaemonProcess, transport: str,
-                                               name: str) -> None:
+def test_layout_round_trips_through_the_daemon(daemon: DaemonProcess, transport: str, name: str) -> None:
     src = LAYOUTS[name](torch.randint(0, 256, (L * NUM_BLOCKS * PAGE,), dtype=torch.uint8))
     dst = LAYOUTS[name](torch.zeros(L * NUM_BLOCKS * PAGE, dtype=torch.uint8))
     with kvtier.Client.connect(daemon.address(transport), transport=transport) as client:

@@ -41,20 +41,34 @@ from kvtier.integrations.lmcache.keys import KeyMapper, block_key, decode_kv_ran
 from kvtier.integrations.lmcache.locks import PinTable
 
 HERE = Path(__file__).resolve().parent
-LMCACHE_PYTHON = os.environ.get("KVTIER_LMCACHE_PYTHON") or \
-    str(ROOT / ".venv-lmcache" / "bin" / "python")
+LMCACHE_PYTHON = os.environ.get("KVTIER_LMCACHE_PYTHON") or str(ROOT / ".venv-lmcache" / "bin" / "python")
 MODEL = "test/model"
 CHUNK = 16  # tokens per LMCache chunk: 16 x 2 layers x 2 heads x 64 x bf16 x K,V = 16 KiB
-IDENTITY = {"model_revision": "rev1", "tokenizer_digest": "none", "kv_dtype": "bfloat16",
-            "num_layers": 2, "num_kv_heads": 2, "head_dim": 64}
-ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
-       "OMP_NUM_THREADS": "1"}
+IDENTITY = {
+    "model_revision": "rev1",
+    "tokenizer_digest": "none",
+    "kv_dtype": "bfloat16",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+}
+ENV = {
+    "LMCACHE_DISABLE_BANNER": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def params(daemon: DaemonProcess, **over: Any) -> dict[str, Any]:
-    p: dict[str, Any] = {"address": daemon.unix, "chunk_tokens": CHUNK,
-                         "hash_algorithm": "blake3", "models": {MODEL: dict(IDENTITY)},
-                         "request_timeout_ms": 500, "op_timeout_ms": 5000}
+    p: dict[str, Any] = {
+        "address": daemon.unix,
+        "chunk_tokens": CHUNK,
+        "hash_algorithm": "blake3",
+        "models": {MODEL: dict(IDENTITY)},
+        "request_timeout_ms": 500,
+        "op_timeout_ms": 5000,
+    }
     p.update(over)
     return p
 
@@ -87,23 +101,45 @@ class LMCacheServer:
 
     def __init__(self, python: str, adapter_params: dict[str, Any], log: Path) -> None:
         self.port, self.http_port = free_port(), free_port()
-        spec = {"type": "plugin", "module_path": "kvtier.integrations.lmcache",
-                "class_name": "KvtierL2Adapter", "adapter_params": adapter_params}
-        cmd = [str(Path(python).parent / "lmcache"), "server", "--host", "127.0.0.1",
-               "--port", str(self.port), "--http-host", "127.0.0.1",
-               "--http-port", str(self.http_port), "--chunk-size", str(CHUNK),
-               "--l1-size-gb", "0.05", "--no-l1-use-lazy", "--eviction-policy", "LRU",
-               "--supported-transfer-mode", "auto", "--l2-adapter", json.dumps(spec)]
+        spec = {
+            "type": "plugin",
+            "module_path": "kvtier.integrations.lmcache",
+            "class_name": "KvtierL2Adapter",
+            "adapter_params": adapter_params,
+        }
+        cmd = [
+            str(Path(python).parent / "lmcache"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--chunk-size",
+            str(CHUNK),
+            "--l1-size-gb",
+            "0.05",
+            "--no-l1-use-lazy",
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "auto",
+            "--l2-adapter",
+            json.dumps(spec),
+        ]
         self.log = log
         self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **ENV), cwd=log.parent)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV), cwd=log.parent
+        )
 
     def wait_ready(self, timeout_s: float = 150.0) -> LMCacheServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, \
-                f"LMCache server exited ({self.proc.returncode}):\n{self.tail()}"
+            assert self.proc.poll() is None, f"LMCache server exited ({self.proc.returncode}):\n{self.tail()}"
             try:
                 self.status()
                 return self
@@ -120,8 +156,7 @@ class LMCacheServer:
         return dict(self.status()["storage_manager"]["l2_adapters"][0])
 
     def l1_objects(self) -> int:
-        return int(self.status()["storage_manager"]["l1_managers"]["_default"]
-                   ["total_object_count"])
+        return int(self.status()["storage_manager"]["l1_managers"]["_default"]["total_object_count"])
 
     def tail(self) -> str:
         self._log.flush()
@@ -142,12 +177,24 @@ class Driver(DriverProcess):
     """LMCache's SDK in the LMCache environment, driven over stdin/stdout (lmcache_driver.py)."""
 
     def __init__(self, python: str, server: LMCacheServer, log: Path) -> None:
-        spec = {"url": f"tcp://127.0.0.1:{server.port}",
-                "http_url": f"http://127.0.0.1:{server.http_port}", "model": MODEL,
-                "layers": 2, "heads": 2, "head_dim": 64, "dtype": "bfloat16", "block": CHUNK,
-                "chunk": CHUNK, "hash_algorithm": "blake3"}
-        super().__init__([python, str(HERE / "lmcache_driver.py"), json.dumps(spec)], log,
-                         env=dict(os.environ, **ENV), ready_timeout_s=120)
+        spec = {
+            "url": f"tcp://127.0.0.1:{server.port}",
+            "http_url": f"http://127.0.0.1:{server.http_port}",
+            "model": MODEL,
+            "layers": 2,
+            "heads": 2,
+            "head_dim": 64,
+            "dtype": "bfloat16",
+            "block": CHUNK,
+            "chunk": CHUNK,
+            "hash_algorithm": "blake3",
+        }
+        super().__init__(
+            [python, str(HERE / "lmcache_driver.py"), json.dumps(spec)],
+            log,
+            env=dict(os.environ, **ENV),
+            ready_timeout_s=120,
+        )
 
     def __call__(self, op: str, timeout_s: float = 60, **args: Any) -> dict[str, Any]:
         return self.request({"op": op, **args}, timeout_s)
@@ -170,8 +217,9 @@ class Stack:
             raise
 
     def start_daemon(self) -> DaemonProcess:
-        return DaemonProcess(self.run_dir / "daemon", "--host-bytes", "64MiB", "--slab-bytes",
-                             "1MiB", "--lease-ttl-s", "5").start()
+        return DaemonProcess(
+            self.run_dir / "daemon", "--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "5"
+        ).start()
 
     def close(self) -> None:
         self.driver.close()
@@ -188,9 +236,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def kvtier_namespace(p: dict[str, Any]) -> kvtier.Namespace:
     """The namespace docs/lmcache.md states for world size 1, rank 0, group 0, no salt."""
-    return AdapterConfig.from_params(p).models[MODEL].namespace(
-        model_id=MODEL, chunk_tokens=CHUNK, world_size=1, rank=0, group=0, cache_salt=None,
-        tenant=None)
+    return (
+        AdapterConfig.from_params(p)
+        .models[MODEL]
+        .namespace(
+            model_id=MODEL, chunk_tokens=CHUNK, world_size=1, rank=0, group=0, cache_salt=None, tenant=None
+        )
+    )
 
 
 # -- with a real LMCache server --------------------------------------------------------------------
@@ -208,8 +260,7 @@ def test_chunks_land_in_kvtier_and_come_back_after_l1_drops_them(stack: Stack) -
     keys = [block_key(ns.digest, "blake3", bytes.fromhex(h)) for h in want["hashes"]]
     with kvtier.Client.connect(stack.daemon.unix) as client:
         blocks = client.register(ns).get(keys)
-        assert [hashlib.sha256(b).hexdigest() if b is not None else None
-                for b in blocks] == want["sha256"]
+        assert [hashlib.sha256(b).hexdigest() if b is not None else None for b in blocks] == want["sha256"]
         stores_before = client.stats()["total"]["stores_accepted"]
 
     # LMCache's L1 drops everything; the retrieve can only be served from kvtier.
@@ -226,8 +277,12 @@ def test_chunks_land_in_kvtier_and_come_back_after_l1_drops_them(stack: Stack) -
     # Stores back to back: every L2 store task's result reaches LMCache, none stays in flight.
     for seed in range(10, 18):
         assert d("store", seed=seed, chunks=1) == {"ok": True}
-    until("every store task to complete", lambda: server.status()["storage_manager"]
-          ["store_controllers"]["_default"]["in_flight_task_count"] == 0)
+    until(
+        "every store task to complete",
+        lambda: (
+            server.status()["storage_manager"]["store_controllers"]["_default"]["in_flight_task_count"] == 0
+        ),
+    )
     assert server.adapter()["stored"] == 4 + 8
 
     # A prefix never stored is a miss in both tiers.
@@ -268,39 +323,57 @@ def test_daemon_down_is_a_miss_and_a_new_daemon_is_used_again(stack: Stack) -> N
 
 
 @pytest.mark.timeout(120)
-def test_many_tasks_in_flight_as_lmcache_calls_them(lmcache_env: str,
-                                                    daemon: DaemonProcess) -> None:
+def test_many_tasks_in_flight_as_lmcache_calls_them(lmcache_env: str, daemon: DaemonProcess) -> None:
     """LMCache's classes and call pattern, without the server: 32 store tasks in flight while
     another thread pops finished ones, then lookup-and-lock, load, unlock in two parts."""
-    out = subprocess.run([lmcache_env, str(HERE / "lmcache_adapter_calls.py"),
-                          json.dumps(params(daemon))], capture_output=True, text=True,
-                         timeout=100, env=dict(os.environ, **ENV))
+    out = subprocess.run(
+        [lmcache_env, str(HERE / "lmcache_adapter_calls.py"), json.dumps(params(daemon))],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, **ENV),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"submitted": 32, "results": 32, "all_succeeded": True,
-                   "hits": list(range(32)),  # not the 33rd key, never stored
-                   "locked_after_lookup": 32, "loaded": 32, "exact": True,
-                   "locked_after_unlock": 0}
+    assert got == {
+        "submitted": 32,
+        "results": 32,
+        "all_succeeded": True,
+        "hits": list(range(32)),  # not the 33rd key, never stored
+        "locked_after_lookup": 32,
+        "loaded": 32,
+        "exact": True,
+        "locked_after_unlock": 0,
+    }
     with kvtier.Client.connect(daemon.unix) as client:
         until("the daemon to unpin", lambda: client.stats()["pinned_blocks"] == 0)
 
 
 @pytest.mark.timeout(120)
-def test_an_adapter_built_without_its_daemon_starts_and_says_why_once(lmcache_env: str,
-                                                                       tmp_path: Path) -> None:
+def test_an_adapter_built_without_its_daemon_starts_and_says_why_once(
+    lmcache_env: str, tmp_path: Path
+) -> None:
     """The server must not fail: an adapter whose daemon is not there (yet) is built, reports
     itself healthy with its daemon away, and its client says why once at WARNING."""
     address = f"unix:{tmp_path}/none.sock"
-    code = ("import json, sys\nfrom kvtier.integrations.lmcache import KvtierL2Adapter\n"
-            "a = KvtierL2Adapter(json.loads(sys.argv[1]))\n"
-            "print(json.dumps(a.report_status()))\na.close()\n")
-    out = subprocess.run([lmcache_env, "-c", code, json.dumps(params_at(address))],
-                         capture_output=True, text=True, timeout=100, env=dict(os.environ, **ENV))
+    code = (
+        "import json, sys\nfrom kvtier.integrations.lmcache import KvtierL2Adapter\n"
+        "a = KvtierL2Adapter(json.loads(sys.argv[1]))\n"
+        "print(json.dumps(a.report_status()))\na.close()\n"
+    )
+    out = subprocess.run(
+        [lmcache_env, "-c", code, json.dumps(params_at(address))],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, **ENV),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     status = json.loads(out.stdout.strip().splitlines()[-1])
     assert status["is_healthy"] and not status["daemon_connected"], status
-    assert out.stderr.count(f"no socket file {tmp_path}/none.sock: is kvtierd running?") == 1, \
-        out.stderr[-3000:]
+    assert out.stderr.count(f"no socket file {tmp_path}/none.sock: is kvtierd running?") == 1, out.stderr[
+        -3000:
+    ]
 
 
 # -- LMCache's own conformance tool and contract (issue 28's peer findings) -------------------------
@@ -308,37 +381,64 @@ def test_an_adapter_built_without_its_daemon_starts_and_says_why_once(lmcache_en
 CONFORMANCE_MODEL = "test/conformance"
 # basic_check's objects: 1,024 bfloat16 values = one 16-token chunk of 1 layer, 1 head of 32.
 CONFORMANCE_IDENTITY = dict(IDENTITY, num_layers=1, num_kv_heads=1, head_dim=32)
-SHORT_HASH_REFUSED = ("chunk refused (a miss or a failed store; said once per reason, counted "
-                      "in 'refused'): chunk_hash of 4 bytes, shorter than "
-                      "adapter_params.min_chunk_hash_bytes 16")
+SHORT_HASH_REFUSED = (
+    "chunk refused (a miss or a failed store; said once per reason, counted "
+    "in 'refused'): chunk_hash of 4 bytes, shorter than "
+    "adapter_params.min_chunk_hash_bytes 16"
+)
 
 
 def conformance_run(python: str, daemon: DaemonProcess, **over: Any) -> str:
     """``python -m lmcache.v1.basic_check --mode test_l2_adapter`` (LMCache's conformance tool
     for L2 adapters) against kvtier's adapter: stdout and stderr together."""
-    spec = {"type": "plugin", "module_path": "kvtier.integrations.lmcache",
-            "class_name": "KvtierL2Adapter",
-            "adapter_params": params(daemon, models={CONFORMANCE_MODEL: CONFORMANCE_IDENTITY},
-                                     **over)}
-    out = subprocess.run([python, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter",
-                          "--model", CONFORMANCE_MODEL, "--num-keys", "5", "--obj-size", "1024",
-                          "--kv-dtype", "bfloat16", "--l2-adapter", json.dumps(spec)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200,
-                         env=dict(os.environ, **ENV))
+    spec = {
+        "type": "plugin",
+        "module_path": "kvtier.integrations.lmcache",
+        "class_name": "KvtierL2Adapter",
+        "adapter_params": params(daemon, models={CONFORMANCE_MODEL: CONFORMANCE_IDENTITY}, **over),
+    }
+    out = subprocess.run(
+        [
+            python,
+            "-m",
+            "lmcache.v1.basic_check",
+            "--mode",
+            "test_l2_adapter",
+            "--model",
+            CONFORMANCE_MODEL,
+            "--num-keys",
+            "5",
+            "--obj-size",
+            "1024",
+            "--kv-dtype",
+            "bfloat16",
+            "--l2-adapter",
+            json.dumps(spec),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=200,
+        env=dict(os.environ, **ENV),
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     assert "Test Failed" not in out.stdout, out.stdout[-3000:]
     return out.stdout
 
 
 @pytest.mark.timeout(300)
-def test_lmcache_conformance_tool_passes_against_kvtier(lmcache_env: str,
-                                                        daemon: DaemonProcess) -> None:
+def test_lmcache_conformance_tool_passes_against_kvtier(lmcache_env: str, daemon: DaemonProcess) -> None:
     """The tool's keys: 4-byte test hashes (``ObjectKey.IntHash2Bytes``) and ``kv_rank=0``.
     Rank 0 is the unsharded slice; a 4-byte hash is accepted only when the operator says so
     (``min_chunk_hash_bytes``: 4 is for this tool, never for serving)."""
     out = conformance_run(lmcache_env, daemon, min_chunk_hash_bytes=4)
-    for line in ("Validation: 5/5 correctly absent", "Batch store OK", "Validation: 5/5 found",
-                 "Validation (loaded): 5/5", "Validation (content): 5/5"):
+    for line in (
+        "Validation: 5/5 correctly absent",
+        "Batch store OK",
+        "Validation: 5/5 found",
+        "Validation (loaded): 5/5",
+        "Validation (content): 5/5",
+    ):
         assert line in out, out[-3000:]
     assert SHORT_HASH_REFUSED not in out
     with kvtier.Client.connect(daemon.unix) as client:
@@ -347,7 +447,8 @@ def test_lmcache_conformance_tool_passes_against_kvtier(lmcache_env: str,
 
 @pytest.mark.timeout(300)
 def test_lmcache_conformance_tool_keys_are_refused_by_default_and_said_once(
-        lmcache_env: str, daemon: DaemonProcess) -> None:
+    lmcache_env: str, daemon: DaemonProcess
+) -> None:
     """By default a 4-byte hash is refused (two prompts could share it): every phase's 20
     refusals are one WARNING naming the reason and the setting, and nothing is stored."""
     out = conformance_run(lmcache_env, daemon)
@@ -359,29 +460,42 @@ def test_lmcache_conformance_tool_keys_are_refused_by_default_and_said_once(
 
 @pytest.mark.timeout(200)
 def test_lookup_and_lock_answers_each_key_as_lmcaches_own_adapter_does(
-        lmcache_env: str, daemon: DaemonProcess) -> None:
+    lmcache_env: str, daemon: DaemonProcess
+) -> None:
     """LMCache's contract: one answer per key. Chunks 1, 2 and 4 of six are stored (chunk 0 is
     held by LMCache's L1 or another L2): LMCache's own mock adapter answers 1, 2, 4, and so must
     kvtier's, locking (pinning) exactly those three until they are unlocked."""
     script = str(HERE / "lmcache_per_key_lookup.py")
     mock = {"type": "mock", "max_size_gb": 0.1, "mock_bandwidth_gb": 100}
-    kv = {"type": "plugin", "module_path": "kvtier.integrations.lmcache",
-          "class_name": "KvtierL2Adapter", "adapter_params": params(daemon)}
+    kv = {
+        "type": "plugin",
+        "module_path": "kvtier.integrations.lmcache",
+        "class_name": "KvtierL2Adapter",
+        "adapter_params": params(daemon),
+    }
     got = []
     for spec, address in ((mock, []), (kv, [daemon.unix])):
-        out = subprocess.run([lmcache_env, script, json.dumps(spec), *address],
-                             capture_output=True, text=True, timeout=150,
-                             env=dict(os.environ, **ENV))
+        out = subprocess.run(
+            [lmcache_env, script, json.dumps(spec), *address],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env=dict(os.environ, **ENV),
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         got.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert got[0] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": None,
-                      "pinned_after_unlock": None}  # LMCache's reference answer
-    assert got[1] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": 3,
-                      "pinned_after_unlock": 0}
+    assert got[0] == {
+        "stored": True,
+        "found": [1, 2, 4],
+        "pinned_while_locked": None,
+        "pinned_after_unlock": None,
+    }  # LMCache's reference answer
+    assert got[1] == {"stored": True, "found": [1, 2, 4], "pinned_while_locked": 3, "pinned_after_unlock": 0}
 
 
 def test_the_per_key_pinned_lookup_answers_past_a_gap_and_pins_only_what_it_found(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     """``NamespaceHandle.lookup_each_pinned`` (the daemon's PrepareLoad, no bytes moved): what
     the adapter asks about the keys after a missing one. Releasing it counts as a load in the
     daemon's figures (docs/lmcache.md section 7 says so)."""
@@ -403,16 +517,21 @@ def test_the_per_key_pinned_lookup_answers_past_a_gap_and_pins_only_what_it_foun
 
 
 def params_at(address: str) -> dict[str, Any]:
-    return {"address": address, "chunk_tokens": CHUNK, "hash_algorithm": "blake3",
-            "models": {MODEL: dict(IDENTITY)}, "request_timeout_ms": 500}
+    return {
+        "address": address,
+        "chunk_tokens": CHUNK,
+        "hash_algorithm": "blake3",
+        "models": {MODEL: dict(IDENTITY)},
+        "request_timeout_ms": 500,
+    }
 
 
 @pytest.mark.timeout(300)
-def test_missing_identity_field_stops_the_server(lmcache_env: str, daemon: DaemonProcess,
-                                                 tmp_path: Path) -> None:
+def test_missing_identity_field_stops_the_server(
+    lmcache_env: str, daemon: DaemonProcess, tmp_path: Path
+) -> None:
     identity = {k: v for k, v in IDENTITY.items() if k != "model_revision"}
-    server = LMCacheServer(lmcache_env, params(daemon, models={MODEL: identity}),
-                           tmp_path / "lmcache.log")
+    server = LMCacheServer(lmcache_env, params(daemon, models={MODEL: identity}), tmp_path / "lmcache.log")
     try:
         assert server.proc.wait(150) != 0
     finally:
@@ -426,15 +545,25 @@ def test_missing_identity_field_stops_the_server(lmcache_env: str, daemon: Daemo
 class Key:
     """Stands in for lmcache's ObjectKey: the same five fields (a frozen, hashable record)."""
 
-    def __init__(self, chunk_hash: bytes, model_name: str = MODEL, kv_rank: int = 1 << 24,
-                 object_group_id: int = 0, cache_salt: str = "") -> None:
+    def __init__(
+        self,
+        chunk_hash: bytes,
+        model_name: str = MODEL,
+        kv_rank: int = 1 << 24,
+        object_group_id: int = 0,
+        cache_salt: str = "",
+    ) -> None:
         self.chunk_hash, self.model_name, self.kv_rank = chunk_hash, model_name, kv_rank
         self.object_group_id, self.cache_salt = object_group_id, cache_salt
 
 
 def base_params(**over: Any) -> dict[str, Any]:
-    p: dict[str, Any] = {"socket": "/run/kvtier.sock", "chunk_tokens": CHUNK,
-                         "hash_algorithm": "blake3", "models": {MODEL: dict(IDENTITY)}}
+    p: dict[str, Any] = {
+        "socket": "/run/kvtier.sock",
+        "chunk_tokens": CHUNK,
+        "hash_algorithm": "blake3",
+        "models": {MODEL: dict(IDENTITY)},
+    }
     p.update(over)
     return p
 
@@ -447,17 +576,19 @@ def test_every_identity_field_is_required(field: str) -> None:
     assert e.value.field == f"adapter_params.models.{MODEL}.{field}"
 
 
-@pytest.mark.parametrize(("over", "field"), [
-    ({"models": {}}, "adapter_params.models"),
-    ({"hash_algorithm": "builtin"}, "adapter_params.hash_algorithm"),
-    ({"chunk_tokens": 0}, "adapter_params.chunk_tokens"),
-    ({"transport": "cuda_ipc"}, "adapter_params.transport"),
-    ({"min_chunk_hash_bytes": 0}, "adapter_params.min_chunk_hash_bytes"),
-    ({"min_chunk_hash_bytes": 33}, "adapter_params.min_chunk_hash_bytes"),
-    ({"colour": "blue"}, "adapter_params.colour"),
-    ({"models": {MODEL: dict(IDENTITY, kv_dtype="float64")}},
-     f"adapter_params.models.{MODEL}.kv_dtype"),
-])
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"models": {}}, "adapter_params.models"),
+        ({"hash_algorithm": "builtin"}, "adapter_params.hash_algorithm"),
+        ({"chunk_tokens": 0}, "adapter_params.chunk_tokens"),
+        ({"transport": "cuda_ipc"}, "adapter_params.transport"),
+        ({"min_chunk_hash_bytes": 0}, "adapter_params.min_chunk_hash_bytes"),
+        ({"min_chunk_hash_bytes": 33}, "adapter_params.min_chunk_hash_bytes"),
+        ({"colour": "blue"}, "adapter_params.colour"),
+        ({"models": {MODEL: dict(IDENTITY, kv_dtype="float64")}}, f"adapter_params.models.{MODEL}.kv_dtype"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(over: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError) as e:
         AdapterConfig.from_params(base_params(**over))
@@ -465,12 +596,19 @@ def test_bad_settings_are_refused_by_name(over: dict[str, Any], field: str) -> N
 
 
 def test_keys_separate_every_identity_field_and_refuse_what_fits_none() -> None:
-    mapper = KeyMapper(AdapterConfig.from_params(base_params(
-        models={MODEL: dict(IDENTITY), "other/model": dict(IDENTITY)})))
+    mapper = KeyMapper(
+        AdapterConfig.from_params(base_params(models={MODEL: dict(IDENTITY), "other/model": dict(IDENTITY)}))
+    )
     h = bytes(range(32))
-    variants = [Key(h), Key(h, model_name="other/model"), Key(h, kv_rank=2 << 24),
-                Key(h, kv_rank=2 << 24 | 1 << 16), Key(h, object_group_id=1),
-                Key(h, cache_salt="alice"), Key(bytes(reversed(h)))]
+    variants = [
+        Key(h),
+        Key(h, model_name="other/model"),
+        Key(h, kv_rank=2 << 24),
+        Key(h, kv_rank=2 << 24 | 1 << 16),
+        Key(h, object_group_id=1),
+        Key(h, cache_salt="alice"),
+        Key(bytes(reversed(h))),
+    ]
     resolved = [mapper.resolve(k) for k in variants]
     assert all(r is not None for r in resolved)
     assert len({r[1] for r in resolved if r is not None}) == len(variants)  # all distinct
@@ -478,10 +616,11 @@ def test_keys_separate_every_identity_field_and_refuse_what_fits_none() -> None:
     assert again is not None and resolved[0] is not None and again[1] == resolved[0][1]
     # Unknown model, a 64-bit (builtin) hash, a rank outside its world size: refused, and
     # each says why (the adapter logs each reason once).
-    for bad, why in ((Key(h, model_name="x"), "model_name 'x' is not in adapter_params.models"),
-                     (Key(h[:8]), "chunk_hash of 8 bytes, shorter than "
-                                  "adapter_params.min_chunk_hash_bytes 16"),
-                     (Key(h, kv_rank=1 << 24 | 1 << 16), "kv_rank: rank 1 of world size 1")):
+    for bad, why in (
+        (Key(h, model_name="x"), "model_name 'x' is not in adapter_params.models"),
+        (Key(h[:8]), "chunk_hash of 8 bytes, shorter than adapter_params.min_chunk_hash_bytes 16"),
+        (Key(h, kv_rank=1 << 24 | 1 << 16), "kv_rank: rank 1 of world size 1"),
+    ):
         assert mapper.resolve(bad) is None
         assert str(mapper.resolve_or_why(bad)).startswith(why), mapper.resolve_or_why(bad)
     assert decode_kv_rank(4 << 24 | 3 << 16 | 4 << 8 | 3) == (4, 3)
@@ -506,8 +645,9 @@ def test_a_pin_is_released_when_the_last_of_its_keys_is_unlocked() -> None:
     assert pins.drain() == [(9, 2)] and len(pins) == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lmcache") is not None,
-                    reason="LMCache is installed in this environment")
+@pytest.mark.skipif(
+    importlib.util.find_spec("lmcache") is not None, reason="LMCache is installed in this environment"
+)
 def test_without_lmcache_the_package_imports_and_the_adapter_says_what_is_missing() -> None:
     import kvtier.integrations.lmcache as integration  # no LMCache import at all
 

@@ -49,10 +49,10 @@ class Pair:
     """One namespace seen by a local-lookup client and a gRPC-only client."""
 
     def __init__(self, address: str, transport: str = "tcp", **ns: Any) -> None:
-        self.local_client = kvtier.Client.connect(address, transport, timeout_s=0.5,
-                                                  backoff_s=(0.05, 0.2))
-        self.grpc_client = kvtier.Client.connect(address, "tcp", local_lookups=False,
-                                                 timeout_s=0.5, backoff_s=(0.05, 0.2))
+        self.local_client = kvtier.Client.connect(address, transport, timeout_s=0.5, backoff_s=(0.05, 0.2))
+        self.grpc_client = kvtier.Client.connect(
+            address, "tcp", local_lookups=False, timeout_s=0.5, backoff_s=(0.05, 0.2)
+        )
         self.local = self.local_client.register(make_namespace(**ns))
         self.grpc = self.grpc_client.register(make_namespace(**ns))
         warm(self.local)
@@ -68,8 +68,9 @@ class Pair:
         b = self.grpc.lookup(keys)
         assert a == b, f"published index says {a}, gRPC says {b}"
         if keys:
-            assert self.local_client.counters.lookups_local == before + 1, \
+            assert self.local_client.counters.lookups_local == before + 1, (
                 "the published index did not answer"
+            )
         return a
 
     def close(self) -> None:
@@ -97,8 +98,12 @@ def test_the_same_hits_as_grpc_in_every_lookup_case(pair: Pair, daemon: DaemonPr
     assert pair.lookup([b"\0" * 32] + keys) == 0
     assert pair.lookup(ns.block_keys(list(range(1, 16 * 6 + 1)))) == 0  # other tokens
     # Another namespace, even asked for this namespace's keys, finds nothing.
-    for other in ({"model_revision": "rev2"}, {"adapter_id": "x", "adapter_revision": "r"},
-                  {"cache_salt": "x"}, {"tp_size": 2, "tp_rank": 1}):
+    for other in (
+        {"model_revision": "rev2"},
+        {"adapter_id": "x", "adapter_revision": "r"},
+        {"cache_salt": "x"},
+        {"tp_size": 2, "tp_rank": 1},
+    ):
         o = Pair(daemon.unix, **other)
         try:
             assert o.lookup(keys) == 0
@@ -115,8 +120,12 @@ def test_writing_blocks_are_invisible_on_both_paths(daemon: DaemonProcess) -> No
     try:
         keys = p.local.block_keys(list(range(16 * 8)))
         assert p.lookup(keys) == 0
-        prep = p.local_client.session.call("PrepareStore", pb.PrepareStoreRequest(
-            namespace_id=p.local.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM))
+        prep = p.local_client.session.call(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                namespace_id=p.local.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM
+            ),
+        )
         assert len(prep.offsets) == 8
         assert p.lookup(keys) == 0  # reserved, WRITING: invisible
         p.local_client.session.call("CompleteStore", pb.CompleteStoreRequest(job_id=prep.job_id, ok=False))
@@ -125,8 +134,7 @@ def test_writing_blocks_are_invisible_on_both_paths(daemon: DaemonProcess) -> No
         p.close()
 
 
-def test_more_keys_than_one_rpc_batch_and_a_table_that_grows_under_the_reader(
-        daemon_factory: Any) -> None:
+def test_more_keys_than_one_rpc_batch_and_a_table_that_grows_under_the_reader(daemon_factory: Any) -> None:
     d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB")
     p = Pair(d.unix, **SMALL)
     try:
@@ -136,7 +144,7 @@ def test_more_keys_than_one_rpc_batch_and_a_table_that_grows_under_the_reader(
         first = p.local_client.local.fetched  # type: ignore[union-attr]
         data = blocks(1, ns.block_bytes)[0]
         for start in range(0, 5000, 1000):  # > max_batch_blocks (4,096) and the table grows
-            assert ns.put(keys[start:start + 1000], [data] * 1000).stored == 1000
+            assert ns.put(keys[start : start + 1000], [data] * 1000).stored == 1000
             assert p.lookup(keys, settle=True) == start + 1000
         assert p.lookup(keys[2500:]) == 2500
         # The daemon built bigger tables as it went; the client followed each retirement.
@@ -146,7 +154,8 @@ def test_more_keys_than_one_rpc_batch_and_a_table_that_grows_under_the_reader(
 
 
 def test_evicted_blocks_are_misses_on_both_paths_and_a_load_after_eviction_never_gives_wrong_bytes(
-        daemon_factory: Any) -> None:
+    daemon_factory: Any,
+) -> None:
     d = daemon_factory("--host-bytes", "4MiB", "--slab-bytes", "1MiB")  # 256 blocks of 16 KiB
     p = Pair(d.unix, "shm")
     try:
@@ -158,7 +167,7 @@ def test_evicted_blocks_are_misses_on_both_paths_and_a_load_after_eviction_never
         # Between this lookup and the load, other blocks push these out of the host tier.
         flood = ns.block_keys(list(range(10**6, 10**6 + 16 * 600)))
         for start in range(0, 600, 100):
-            ns.put(flood[start:start + 100], blocks(100, ns.block_bytes, seed=2 + start))
+            ns.put(flood[start : start + 100], blocks(100, ns.block_bytes, seed=2 + start))
         hit = p.lookup(keys)
         assert hit < 100  # (evicted, and the index says so on both paths)
         got = ns.get(keys)
@@ -174,7 +183,8 @@ def test_evicted_blocks_are_misses_on_both_paths_and_a_load_after_eviction_never
 
 
 def test_a_daemon_restart_invalidates_what_the_client_mapped_of_its_index(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "restart"
     d1 = daemon_factory("--host-bytes", "32MiB", "--slab-bytes", "1MiB", run_dir=run_dir)
     client = kvtier.Client.connect(d1.unix, "tcp", timeout_s=0.5, backoff_s=(0.05, 0.2))
@@ -208,8 +218,7 @@ def test_a_daemon_restart_invalidates_what_the_client_mapped_of_its_index(
         client.close()
 
 
-def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(
-        daemon: DaemonProcess) -> None:
+def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(daemon: DaemonProcess) -> None:
     client = kvtier.Client.connect(daemon.unix, "tcp", timeout_s=0.3, backoff_s=(0.05, 0.2))
     try:
         ns = client.register(make_namespace())
@@ -241,8 +250,7 @@ def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(
         client.close()
 
 
-def test_local_lookups_are_counted_in_the_namespaces_stats(daemon_factory: Any,
-                                                           tmp_path: Path) -> None:
+def test_local_lookups_are_counted_in_the_namespaces_stats(daemon_factory: Any, tmp_path: Path) -> None:
     conf = tmp_path / "kvtierd.json"
     conf.write_text('{"publish_index_idle_s": 0.5}')
     daemon = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--config", str(conf))
@@ -277,11 +285,16 @@ def test_local_lookups_are_counted_in_the_namespaces_stats(daemon_factory: Any,
         assert d["blocks_missed"] == 20
         assert d["tokens_hit"] == 40 * 16 and d["tokens_missed"] == 20 * 16
         text = urllib.request.urlopen(daemon.info["metrics"], timeout=5).read().decode()
-        assert any(line.startswith("kvtier_local_lookup_blocks_hit_total")
-                   and line.endswith(f" {c['blocks_hit_local']:.1f}") for line in text.splitlines())
+        assert any(
+            line.startswith("kvtier_local_lookup_blocks_hit_total")
+            and line.endswith(f" {c['blocks_hit_local']:.1f}")
+            for line in text.splitlines()
+        )
         assert 'tier="unknown"' not in text  # a local hit is in the host or NVMe tier
-        assert any(line.startswith("kvtier_local_lookups_total")
-                   and line.endswith(f" {c['local_lookups']:.1f}") for line in text.splitlines())
+        assert any(
+            line.startswith("kvtier_local_lookups_total") and line.endswith(f" {c['local_lookups']:.1f}")
+            for line in text.splitlines()
+        )
         assert "kvtier_published_indexes 1.0" in text
         assert 'kvtier_connections{transport="index"} 1.0' in text
         # Tallies still pending when the client closes are sent before the session ends.
@@ -305,14 +318,16 @@ def _stub(daemon: DaemonProcess) -> tuple[grpc.Channel, Any, int, list[int]]:
     """A raw session and two registered namespaces."""
     channel = grpc.insecure_channel(daemon.unix)
     stub = pb_grpc.KvtierStub(channel)
-    s = stub.OpenSession(pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=5000,
-                                               transport=pb.TRANSPORT_TCP), timeout=5)
+    s = stub.OpenSession(
+        pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=5000, transport=pb.TRANSPORT_TCP), timeout=5
+    )
     from kvtier_contract.protoutil import namespace_spec
 
     ids = []
     for ns in (make_namespace(), make_namespace(model_revision="rev2")):
-        r = stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=namespace_spec(ns),
-                                                               digest=ns.digest), timeout=5)
+        r = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(spec=namespace_spec(ns), digest=ns.digest), timeout=5
+        )
         ids.append(r.namespace_id)
     _SECRETS[s.session_id] = s.data_secret
     return channel, stub, s.session_id, ids
@@ -323,24 +338,41 @@ _SECRETS: dict[int, bytes] = {}  # session id -> data secret, of the sessions _s
 
 def _index_request(session_id: int, namespace_id: int) -> bytes:
     """A KVI2 request with the session's data secret (32 zero bytes for one _stub did not open)."""
-    return pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, session_id, namespace_id,
-                                 _SECRETS.get(session_id, bytes(32)))
+    return pi.INDEX_REQUEST.pack(
+        pi.INDEX_MAGIC, session_id, namespace_id, _SECRETS.get(session_id, bytes(32))
+    )
 
 
-@pytest.mark.parametrize("tally, code, field", [
-    ({"blocks_requested": 4, "blocks_hit": 5, "lookups": 1}, grpc.StatusCode.INVALID_ARGUMENT,
-     "local_lookups[0]"),
-    ({"blocks_requested": 4, "blocks_hit": 1, "lookups": 5}, grpc.StatusCode.INVALID_ARGUMENT,
-     "local_lookups[0]"),
-    ({"blocks_requested": (1 << 32) + 1, "blocks_hit": 1, "lookups": 1},
-     grpc.StatusCode.INVALID_ARGUMENT, "local_lookups[0]"),
-    # (INVALID_ARGUMENT, not NOT_FOUND: the SDK reads a NOT_FOUND naming a namespace as a
-    # daemon that forgot it and reopens its session)
-    ({"namespace_id": 12345, "blocks_requested": 4, "blocks_hit": 1, "lookups": 1},
-     grpc.StatusCode.INVALID_ARGUMENT, "local_lookups[0].namespace_id"),
-])
-def test_a_bad_lookup_tally_is_refused_and_counts_nothing(daemon: DaemonProcess, tally: dict[str, int],
-                                                           code: grpc.StatusCode, field: str) -> None:
+@pytest.mark.parametrize(
+    "tally, code, field",
+    [
+        (
+            {"blocks_requested": 4, "blocks_hit": 5, "lookups": 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "local_lookups[0]",
+        ),
+        (
+            {"blocks_requested": 4, "blocks_hit": 1, "lookups": 5},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "local_lookups[0]",
+        ),
+        (
+            {"blocks_requested": (1 << 32) + 1, "blocks_hit": 1, "lookups": 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "local_lookups[0]",
+        ),
+        # (INVALID_ARGUMENT, not NOT_FOUND: the SDK reads a NOT_FOUND naming a namespace as a
+        # daemon that forgot it and reopens its session)
+        (
+            {"namespace_id": 12345, "blocks_requested": 4, "blocks_hit": 1, "lookups": 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "local_lookups[0].namespace_id",
+        ),
+    ],
+)
+def test_a_bad_lookup_tally_is_refused_and_counts_nothing(
+    daemon: DaemonProcess, tally: dict[str, int], code: grpc.StatusCode, field: str
+) -> None:
     channel, stub, sid, (ns_id, ns2) = _stub(daemon)
     try:
         good = pb.LookupTally(namespace_id=ns2, lookups=1, blocks_requested=2, blocks_hit=1)
@@ -368,8 +400,7 @@ def _ask_index(path: str, session_id: int, namespace_id: int) -> tuple[bytes, li
     return msg, fds
 
 
-def test_the_index_is_handed_only_to_a_live_session_for_a_registered_namespace(
-        daemon: DaemonProcess) -> None:
+def test_the_index_is_handed_only_to_a_live_session_for_a_registered_namespace(daemon: DaemonProcess) -> None:
     import os
 
     channel, _stub_, sid, (ns_id, _) = _stub(daemon)
@@ -403,15 +434,15 @@ def test_a_lookup_for_an_unregistered_handle_goes_over_grpc(daemon: DaemonProces
 
 
 def test_garbage_or_another_sessions_id_on_an_index_channel_closes_only_that_channel(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     import os
     import socket
 
     channel, _s, sid, (ns_id, _) = _stub(daemon)
     channel2, _s2, sid2, _ = _stub(daemon)
     try:
-        for follow_up in (b"\xff" * pi.INDEX_REQUEST.size,
-                          _index_request(sid2, ns_id)):
+        for follow_up in (b"\xff" * pi.INDEX_REQUEST.size, _index_request(sid2, ns_id)):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(5)
                 s.connect(daemon.info["shm"])
@@ -433,8 +464,7 @@ def test_garbage_or_another_sessions_id_on_an_index_channel_closes_only_that_cha
         channel2.close()
 
 
-def test_a_namespace_twice_in_one_heartbeat_is_refused(
-        daemon: DaemonProcess) -> None:
+def test_a_namespace_twice_in_one_heartbeat_is_refused(daemon: DaemonProcess) -> None:
     channel, stub, sid, (ns_id, _) = _stub(daemon)
     try:
         t = pb.LookupTally(namespace_id=ns_id, lookups=1, blocks_requested=4, blocks_hit=1)

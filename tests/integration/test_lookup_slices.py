@@ -40,8 +40,7 @@ def pinned(d: DaemonProcess) -> int:
 
 
 @pytest.mark.parametrize("control", [True, False], ids=["control", "grpc"])
-def test_the_same_answer_as_one_pinned_lookup_per_slice(daemon: DaemonProcess,
-                                                        control: bool) -> None:
+def test_the_same_answer_as_one_pinned_lookup_per_slice(daemon: DaemonProcess, control: bool) -> None:
     with kvtier.Client.connect(daemon.unix, "shm", control_channel=control) as c:
         handles, chains = slices(c, [6, 4, 5])
         calls = c.session._control.calls if c.session._control is not None else 0
@@ -62,8 +61,7 @@ def test_the_same_answer_as_one_pinned_lookup_per_slice(daemon: DaemonProcess,
         assert pinned(daemon) == 0
 
 
-def test_a_slice_without_a_hit_ends_the_call_and_nothing_stays_pinned(
-        daemon: DaemonProcess) -> None:
+def test_a_slice_without_a_hit_ends_the_call_and_nothing_stays_pinned(daemon: DaemonProcess) -> None:
     with kvtier.Client.connect(daemon.unix, "tcp") as c:
         handles, chains = slices(c, [5, 0, 5])
         got = c.lookup_slices(handles, chains)
@@ -75,8 +73,7 @@ def test_a_slice_without_a_hit_ends_the_call_and_nothing_stays_pinned(
         assert got.hits == 0 and pinned(daemon) == 0
 
 
-def test_an_older_daemon_gets_one_lookup_per_slice_with_the_same_answer(
-        daemon: DaemonProcess) -> None:
+def test_an_older_daemon_gets_one_lookup_per_slice_with_the_same_answer(daemon: DaemonProcess) -> None:
     with kvtier.Client.connect(daemon.unix, "shm") as c:
         handles, chains = slices(c, [6, 4, 5])
         c.session.lookup_slices_served = False  # as an OpenSessionReply without lookup_slices says
@@ -113,28 +110,55 @@ def test_bad_input_names_the_field_and_pins_nothing(daemon: DaemonProcess, raw: 
         keys = [b"".join(k) for k in chains]
         assert raw.stub.OpenSession(pb.OpenSessionRequest(client_name="raw")).session_id
         cases: list[tuple[pb.LookupSlicesRequest, grpc.StatusCode, str]] = [
-            (pb.LookupSlicesRequest(session_id=sid, pin=True), grpc.StatusCode.INVALID_ARGUMENT,
-             "namespace_ids"),
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=list(range(1, 66)),
-                                    keys=[b""] * 65, pin=True),
-             grpc.StatusCode.INVALID_ARGUMENT, "namespace_ids"),
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=[ids[0], ids[0]],
-                                    keys=keys[:1] * 2, pin=True),
-             grpc.StatusCode.INVALID_ARGUMENT, "namespace_ids"),
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=ids, keys=keys[:1], pin=True),
-             grpc.StatusCode.INVALID_ARGUMENT, "keys"),
+            (
+                pb.LookupSlicesRequest(session_id=sid, pin=True),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "namespace_ids",
+            ),
+            (
+                pb.LookupSlicesRequest(
+                    session_id=sid, namespace_ids=list(range(1, 66)), keys=[b""] * 65, pin=True
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "namespace_ids",
+            ),
+            (
+                pb.LookupSlicesRequest(
+                    session_id=sid, namespace_ids=[ids[0], ids[0]], keys=keys[:1] * 2, pin=True
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "namespace_ids",
+            ),
+            (
+                pb.LookupSlicesRequest(session_id=sid, namespace_ids=ids, keys=keys[:1], pin=True),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "keys",
+            ),
             # the second slice's chain is bad: the first is not pinned either
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=ids,
-                                    keys=[keys[0], keys[1][:-1]], pin=True),
-             grpc.StatusCode.INVALID_ARGUMENT, "keys"),
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=ids,
-                                    keys=[keys[0], bytes(32 * 5000)], pin=True),
-             grpc.StatusCode.RESOURCE_EXHAUSTED, "keys"),
-            (pb.LookupSlicesRequest(session_id=sid, namespace_ids=[ids[0], 999_999],
-                                    keys=keys, pin=True),
-             grpc.StatusCode.NOT_FOUND, "namespace"),
-            (pb.LookupSlicesRequest(session_id=987_654, namespace_ids=ids, keys=keys, pin=True),
-             grpc.StatusCode.NOT_FOUND, "session"),
+            (
+                pb.LookupSlicesRequest(
+                    session_id=sid, namespace_ids=ids, keys=[keys[0], keys[1][:-1]], pin=True
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "keys",
+            ),
+            (
+                pb.LookupSlicesRequest(
+                    session_id=sid, namespace_ids=ids, keys=[keys[0], bytes(32 * 5000)], pin=True
+                ),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "keys",
+            ),
+            (
+                pb.LookupSlicesRequest(session_id=sid, namespace_ids=[ids[0], 999_999], keys=keys, pin=True),
+                grpc.StatusCode.NOT_FOUND,
+                "namespace",
+            ),
+            (
+                pb.LookupSlicesRequest(session_id=987_654, namespace_ids=ids, keys=keys, pin=True),
+                grpc.StatusCode.NOT_FOUND,
+                "session",
+            ),
         ]
         for request, code, word in cases:
             got, details = raw.code(request)

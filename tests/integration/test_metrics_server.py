@@ -24,8 +24,7 @@ def scrape(url: str) -> tuple[float, str]:
     return time.monotonic() - t0, body
 
 
-def test_half_open_connections_add_no_threads_and_a_scrape_still_answers(
-        daemon: DaemonProcess) -> None:
+def test_half_open_connections_add_no_threads_and_a_scrape_still_answers(daemon: DaemonProcess) -> None:
     assert daemon.proc is not None
     url = daemon.info["metrics"]
     scrape(url)  # the pool's first worker exists from here on
@@ -61,12 +60,9 @@ def test_unknown_paths_and_methods(daemon: DaemonProcess) -> None:
     url: str = daemon.info["metrics"]
     base = url.rsplit("/", 1)[0]
     for path, method, code in (("/nope", "GET", 404), ("/metrics", "POST", 405)):
-        req = urllib.request.Request(base + path, method=method, data=b"" if method == "POST"
-                                     else None)
+        req = urllib.request.Request(base + path, method=method, data=b"" if method == "POST" else None)
         try:
             urllib.request.urlopen(req, timeout=5)
             raise AssertionError("expected an HTTP error")
         except urllib.error.HTTPError as e:
             assert e.code == code
-
-

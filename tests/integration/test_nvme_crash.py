@@ -31,8 +31,16 @@ DRIVER = str(Path(__file__).with_name("nvme_driver.py"))
 ROUNDS = int(os.environ.get("KVTIER_CRASH_ROUNDS", "20"))
 KILL_WINDOW_S = 0.25  # the driver stores about 1,000 blocks/s on a 2-core machine
 MAX_BLOCKS = 256  # per round (then it only reads), so that the disk (16,384 slots) never fills
-SERVE = ("--host-bytes", "32MiB", "--slab-bytes", "1MiB", "--disk-bytes", "128MiB",
-         "--write-policy", "write-through")
+SERVE = (
+    "--host-bytes",
+    "32MiB",
+    "--slab-bytes",
+    "1MiB",
+    "--disk-bytes",
+    "128MiB",
+    "--write-policy",
+    "write-through",
+)
 Block = tuple[int, int]  # (round, j)
 T = TypeVar("T")
 
@@ -45,8 +53,12 @@ def chunks(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
 def run_round(d: DaemonProcess, rnd: int, delay_s: float) -> tuple[set[Block], int, list[str]]:
     """Drive round ``rnd``, SIGKILL the daemon after ``delay_s``: (blocks reported durable,
     blocks put or in flight, BAD lines)."""
-    driver = subprocess.Popen([sys.executable, DRIVER, d.unix, str(rnd), str(MAX_BLOCKS)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, DRIVER, d.unix, str(rnd), str(MAX_BLOCKS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert driver.stdout is not None and driver.stdout.readline().strip() == "READY"
         time.sleep(delay_s)  # the random kill moment is what this test draws, not an ordering
@@ -67,8 +79,9 @@ def run_round(d: DaemonProcess, rnd: int, delay_s: float) -> tuple[set[Block], i
     return durable, attempted, [line for line in out.splitlines() if line.startswith("BAD")]
 
 
-def verify(d: DaemonProcess, rnd: int, durable: set[Block], attempted: int,
-           rng: random.Random) -> dict[str, Any]:
+def verify(
+    d: DaemonProcess, rnd: int, durable: set[Block], attempted: int, rng: random.Random
+) -> dict[str, Any]:
     """After the restart: every durable block is there; the round's blocks and a sample of
     older ones read back identical (durable) or absent/identical (in flight). Returns nvme stats."""
     with kvtier.Client.connect(d.unix, transport="shm", timeout_s=5.0, heartbeat=False) as client:
@@ -78,7 +91,8 @@ def verify(d: DaemonProcess, rnd: int, durable: set[Block], attempted: int,
         for part in chunks(everything, 1024):
             found = ns.lookup_detail([key(r, j) for r, j in part])
             assert found.hits == len(part), (
-                f"round {rnd}: block {part[found.hits]} was reported durable, now it is missing")
+                f"round {rnd}: block {part[found.hits]} was reported durable, now it is missing"
+            )
             assert all(found.durable) and set(found.tiers) == {"nvme"}
         older = [b for b in everything if b[0] < rnd]
         sample = [(rnd, j) for j in range(attempted)] + rng.sample(older, min(64, len(older)))
@@ -91,8 +105,7 @@ def verify(d: DaemonProcess, rnd: int, durable: set[Block], attempted: int,
         return dict(nvme)
 
 
-def test_sigkill_at_random_moments_loses_no_durable_block(daemon_factory: Any,
-                                                          tmp_path: Path) -> None:
+def test_sigkill_at_random_moments_loses_no_durable_block(daemon_factory: Any, tmp_path: Path) -> None:
     seed = int(os.environ.get("KVTIER_CRASH_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"crash loop: KVTIER_CRASH_SEED={seed}, {ROUNDS} rounds")
     rng = random.Random(seed)
@@ -104,22 +117,27 @@ def test_sigkill_at_random_moments_loses_no_durable_block(daemon_factory: Any,
     for rnd in range(ROUNDS):
         delay_s = rng.uniform(0.0, KILL_WINDOW_S)
         new, attempted, bad = run_round(d, rnd, delay_s)
-        print(f"round {rnd}: killed after {delay_s:.3f}s, {attempted} blocks put or in flight, "
-              f"{len(new)} reported durable")
+        print(
+            f"round {rnd}: killed after {delay_s:.3f}s, {attempted} blocks put or in flight, "
+            f"{len(new)} reported durable"
+        )
         assert bad == [], f"round {rnd} (seed {seed}): the driver read wrong bytes: {bad}"
         kills_mid_flush += attempted > len(new)
         durable |= new
         d = daemon_factory(*serve, run_dir=run_dir)
         nvme = verify(d, rnd, durable, attempted, rng)
-        print(f"  restarted: {nvme['recovered_blocks']} blocks recovered "
-              f"({nvme['recovery_mode']}) in {nvme['recovery_seconds']:.3f}s")
+        print(
+            f"  restarted: {nvme['recovered_blocks']} blocks recovered "
+            f"({nvme['recovery_mode']}) in {nvme['recovery_seconds']:.3f}s"
+        )
         assert nvme["recovery_quarantined"] == 0, f"round {rnd} (seed {seed}): {nvme}"
         assert nvme["recovered_blocks"] >= len(durable)
         if new:
             assert nvme["recovery_mode"] == "replay"  # killed: the journal was replayed
     assert durable, "the workload never made a block durable"
-    print(f"{len(durable)} blocks reported durable; {kills_mid_flush} of {ROUNDS} kills left "
-          "blocks in flight")
+    print(
+        f"{len(durable)} blocks reported durable; {kills_mid_flush} of {ROUNDS} kills left blocks in flight"
+    )
     # At the end, every block ever reported durable, byte for byte.
     with kvtier.Client.connect(d.unix, transport="shm", timeout_s=5.0, heartbeat=False) as client:
         ns = client.register(NAMESPACE)

@@ -39,8 +39,7 @@ def read_all(ns: kvtier.client.NamespaceHandle, keys: Sequence[bytes]) -> list[b
     return ns.get(keys)
 
 
-def digest(ns: kvtier.client.NamespaceHandle, keys: Sequence[bytes],
-           got: Sequence[bytearray | None]) -> str:
+def digest(ns: kvtier.client.NamespaceHandle, keys: Sequence[bytes], got: Sequence[bytearray | None]) -> str:
     """sha256 over (namespace digest, key, bytes) of every block; a miss counts as b"-"."""
     h = hashlib.sha256()
     for k, g in zip(keys, got, strict=True):
@@ -49,8 +48,9 @@ def digest(ns: kvtier.client.NamespaceHandle, keys: Sequence[bytes],
 
 
 def fsck(directory: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtierd", "fsck", str(directory)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtierd", "fsck", str(directory)], capture_output=True, text=True, timeout=60
+    )
 
 
 def slot_of(directory: Path, ns: kvtier.client.NamespaceHandle, key: bytes) -> int:
@@ -65,8 +65,7 @@ def slot_of(directory: Path, ns: kvtier.client.NamespaceHandle, key: bytes) -> i
     raise AssertionError("no slot holds the key")
 
 
-def test_graceful_restart_serves_the_demoted_blocks_from_nvme(daemon_factory: Any,
-                                                              tmp_path: Path) -> None:
+def test_graceful_restart_serves_the_demoted_blocks_from_nvme(daemon_factory: Any, tmp_path: Path) -> None:
     disk, run_dir = tmp_path / "nvme", tmp_path / "run"
     d1 = daemon_factory(*serve(disk, "write-back"), run_dir=run_dir)
     with kvtier.Client.connect(d1.unix, transport="shm") as client:
@@ -99,15 +98,17 @@ def test_graceful_restart_serves_the_demoted_blocks_from_nvme(daemon_factory: An
         assert after.hits == len(keys) + 8
         assert set(after.tiers) == {"nvme"} and all(after.durable)
         assert digest(ns, keys, read_all(ns, keys)) == before
-        assert [bytes(g) if g else None for g in ns.get(extra)] == \
-            [block(-i, ns.block_bytes) for i in range(8)]
+        assert [bytes(g) if g else None for g in ns.get(extra)] == [
+            block(-i, ns.block_bytes) for i in range(8)
+        ]
         total = client.stats()["total"]
         assert total["blocks_hit_nvme"] == len(keys) + 8
         assert total["promotions"] == len(keys) + 8
 
 
 def test_fsck_finds_a_flipped_payload_byte_and_the_daemon_serves_a_miss(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     disk, run_dir = tmp_path / "nvme", tmp_path / "run"
     d1: DaemonProcess = daemon_factory(*serve(disk, "write-through"), run_dir=run_dir)
     with kvtier.Client.connect(d1.unix, transport="shm") as client:
@@ -133,15 +134,13 @@ def test_fsck_finds_a_flipped_payload_byte_and_the_daemon_serves_a_miss(
         assert ns.lookup(keys) == 8  # a warm start trusts the checkpoint; reads verify
         got = ns.get(keys)
         assert got[3] is None  # a miss, never the damaged bytes
-        assert [bytes(g) for i, g in enumerate(got) if i != 3 and g is not None] == \
-            data[:3] + data[4:]
+        assert [bytes(g) for i, g in enumerate(got) if i != 3 and g is not None] == data[:3] + data[4:]
         nvme = client.stats()["nvme"]
         assert (nvme["checksum_failures"], nvme["quarantined_slots"]) == (1, 1)
         assert ns.lookup(keys) == 3  # the block left the index: the prefix ends before it
 
 
-def test_a_16_kib_io_alignment_round_trips_through_a_restart(daemon_factory: Any,
-                                                           tmp_path: Path) -> None:
+def test_a_16_kib_io_alignment_round_trips_through_a_restart(daemon_factory: Any, tmp_path: Path) -> None:
     disk, run = tmp_path / "disk16", tmp_path / "run16"
     args = (*serve(disk, "write-through"), "--io-align", "16KiB")
     d = daemon_factory(*args, run_dir=run)
@@ -168,8 +167,12 @@ def test_stats_cli_shows_the_nvme_tier(daemon_factory: Any, tmp_path: Path) -> N
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 4)))
         ns.put(keys, [block(i, ns.block_bytes) for i in range(4)])
-    table = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", d.unix],
-                           capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", d.unix],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "nvme tier" in table and "write-through" in table and "direct I/O" in table
     assert "promotions" in table and "nvme resident blocks" in table
 
@@ -184,15 +187,24 @@ BIG_HOST = ("--host-bytes", "64MiB", "--slab-bytes", "4MiB")  # 32 slots of 2 Mi
 def big_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """64 MiB host tier over a 1 GiB NVMe tier, holding 100 blocks of 2 MiB (68 on NVMe only)."""
     tmp = tmp_path_factory.mktemp("big")
-    d = DaemonProcess(tmp / "run", *BIG_HOST, "--disk-dir", str(tmp / "nvme"), "--disk-bytes",
-                      "1GiB", "--write-policy", "write-through").start()
+    d = DaemonProcess(
+        tmp / "run",
+        *BIG_HOST,
+        "--disk-dir",
+        str(tmp / "nvme"),
+        "--disk-bytes",
+        "1GiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     try:
         with kvtier.Client.connect(d.unix, transport="shm") as client:
             ns = client.register(make_namespace(**BIG))
             keys = ns.block_keys(list(range(16 * 100)))
             for i in range(0, 100, 4):
-                assert ns.put(keys[i : i + 4], [block(j, ns.block_bytes)
-                                                for j in range(i, i + 4)]).stored == 4
+                assert (
+                    ns.put(keys[i : i + 4], [block(j, ns.block_bytes) for j in range(i, i + 4)]).stored == 4
+                )
             seen = ns.lookup_detail(keys)
             assert seen.hits == 100 and seen.tiers.count("nvme") >= 68
         yield d
@@ -202,8 +214,9 @@ def big_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProce
 
 @pytest.mark.parametrize("count", [20, 40, 100])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_get_bigger_than_the_host_tier_serves_every_block(big_daemon: DaemonProcess,
-                                                             transport: str, count: int) -> None:
+def test_a_get_bigger_than_the_host_tier_serves_every_block(
+    big_daemon: DaemonProcess, transport: str, count: int
+) -> None:
     with kvtier.Client.connect(big_daemon.address(transport), transport=transport) as client:
         ns = client.register(make_namespace(**BIG))
         keys = ns.block_keys(list(range(16 * 100)))[:count]
@@ -214,8 +227,7 @@ def test_a_get_bigger_than_the_host_tier_serves_every_block(big_daemon: DaemonPr
         assert client.counters.gets_failed == 0
 
 
-def test_get_blocks_bigger_than_the_host_tier_serves_every_block(
-        big_daemon: DaemonProcess) -> None:
+def test_get_blocks_bigger_than_the_host_tier_serves_every_block(big_daemon: DaemonProcess) -> None:
     import torch
 
     from kvtier.layouts import PagedKvLayout
@@ -239,8 +251,7 @@ def test_a_pinned_lookup_reports_disk_hits_as_disk_hits(big_daemon: DaemonProces
         pinned = ns.lookup_pinned(keys)  # answered at once, promoted in the background
         assert (pinned.hits, pinned.tiers) == (20, plain.tiers) and pinned.pin
         got = ns.get(keys)  # every pinned hit loads
-        assert all(g is not None and bytes(g) == block(i, ns.block_bytes)
-                   for i, g in enumerate(got))
+        assert all(g is not None and bytes(g) == block(i, ns.block_bytes) for i, g in enumerate(got))
         assert client.release(pinned.pin, pinned.epoch)
         assert client.stats()["pinned_blocks"] == 0
 
@@ -252,8 +263,9 @@ def test_a_pinned_lookup_gives_no_offset_whose_slot_may_change(big_daemon: Daemo
         ns = client.register(make_namespace(**BIG))
         keys = ns.block_keys(list(range(16 * 100)))
         seen = ns.lookup_detail(keys)
-        reply = client.session.call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id,
-                                                        keys=b"".join(keys), pin=True))
+        reply = client.session.call(
+            "Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=b"".join(keys), pin=True)
+        )
         assert reply.hit_blocks == 100 and list(reply.tiers).count(1) == seen.tiers.count("host")
         assert set(reply.offsets) == {(1 << 64) - 1}  # write-through: every hit is on NVMe too
         assert client.release(reply.job_id, reply.boot_epoch)

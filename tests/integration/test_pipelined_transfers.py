@@ -34,8 +34,7 @@ def blocks(n: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
 @pytest.fixture
 def client(daemon: DaemonProcess, transport: str) -> Iterator[kvtier.Client]:
     # (control calls over gRPC: faults are injected into the client's gRPC stub)
-    with kvtier.Client.connect(daemon.address(transport), transport=transport,
-                               control_channel=False) as c:
+    with kvtier.Client.connect(daemon.address(transport), transport=transport, control_channel=False) as c:
         c.pipeline_bytes = JOB * make_namespace().block_bytes
         yield c
 
@@ -57,6 +56,7 @@ def record(client: kvtier.Client) -> list[str]:
 
     client.session.start = _start  # type: ignore[method-assign]
     client.session.start_completion = _start_completion  # type: ignore[method-assign]
+
     def logged(name: str) -> Callable[..., Any]:
         real = getattr(transport, name)
 
@@ -71,8 +71,12 @@ def record(client: kvtier.Client) -> list[str]:
     return log
 
 
-def fail_copy(client: kvtier.Client, name: str, nth: int,
-              error: Callable[[], Exception] = lambda: TransportError("injected")) -> None:
+def fail_copy(
+    client: kvtier.Client,
+    name: str,
+    nth: int,
+    error: Callable[[], Exception] = lambda: TransportError("injected"),
+) -> None:
     """The ``nth`` copy (1-based) of the attached transport's ``name`` ("write"/"read") fails."""
     transport = client.session.data()
     real, calls = getattr(transport, name), [0]
@@ -121,8 +125,7 @@ def daemon_state(client: kvtier.Client) -> tuple[int, int]:
     return stats["writing_blocks"], stats["pinned_blocks"]
 
 
-def test_jobs_are_prepared_ahead_of_the_copies_and_keep_every_position(
-        client: kvtier.Client) -> None:
+def test_jobs_are_prepared_ahead_of_the_copies_and_keep_every_position(client: kvtier.Client) -> None:
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 22)))  # 22 keys: jobs of 1, 4, 4, 4, 4, 4, 1 keys
     data = blocks(22, ns.block_bytes)
@@ -132,9 +135,25 @@ def test_jobs_are_prepared_ahead_of_the_copies_and_keep_every_position(
     # Three PrepareStore before the first copy; each later one goes out before the copy that
     # follows it; every CompleteStore right after its copy, none waited for in between.
     assert log == ["PrepareStore"] * 3 + [
-        "write 1", "CompleteStore", "PrepareStore", "write 3", "CompleteStore", "PrepareStore",
-        "write 4", "CompleteStore", "PrepareStore", "write 3", "CompleteStore", "PrepareStore",
-        "write 4", "CompleteStore", "write 3", "CompleteStore", "write 1", "CompleteStore"]
+        "write 1",
+        "CompleteStore",
+        "PrepareStore",
+        "write 3",
+        "CompleteStore",
+        "PrepareStore",
+        "write 4",
+        "CompleteStore",
+        "PrepareStore",
+        "write 3",
+        "CompleteStore",
+        "PrepareStore",
+        "write 4",
+        "CompleteStore",
+        "write 3",
+        "CompleteStore",
+        "write 1",
+        "CompleteStore",
+    ]
     assert daemon_state(client) == (0, 0)
 
     log.clear()
@@ -146,20 +165,36 @@ def test_jobs_are_prepared_ahead_of_the_copies_and_keep_every_position(
     for i in range(22):
         assert (into[i] == (0 if i in (5, 17) else data[i])).all(), i
     assert log == ["PrepareLoad"] * 3 + [
-        "read 1", "CompleteLoad", "PrepareLoad", "read 4", "CompleteLoad", "PrepareLoad",
-        "read 3", "CompleteLoad", "PrepareLoad", "read 4", "CompleteLoad", "PrepareLoad",
-        "read 4", "CompleteLoad", "read 3", "CompleteLoad", "read 1", "CompleteLoad"]
+        "read 1",
+        "CompleteLoad",
+        "PrepareLoad",
+        "read 4",
+        "CompleteLoad",
+        "PrepareLoad",
+        "read 3",
+        "CompleteLoad",
+        "PrepareLoad",
+        "read 4",
+        "CompleteLoad",
+        "PrepareLoad",
+        "read 4",
+        "CompleteLoad",
+        "read 3",
+        "CompleteLoad",
+        "read 1",
+        "CompleteLoad",
+    ]
     assert daemon_state(client) == (0, 0)
     assert client.counters.bytes_got == 20 * ns.block_bytes
 
 
-def test_a_later_job_the_daemon_does_not_answer_loses_no_earlier_job(
-        client: kvtier.Client) -> None:
+def test_a_later_job_the_daemon_does_not_answer_loses_no_earlier_job(client: kvtier.Client) -> None:
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     data = blocks(10, ns.block_bytes)
-    client.session._stub = SilentFor(client.session._stub, "PrepareStore",
-                             lambda request: request.keys[:32] == keys[5])
+    client.session._stub = SilentFor(
+        client.session._stub, "PrepareStore", lambda request: request.keys[:32] == keys[5]
+    )
     # Jobs 0 and 1 are stored; job 2 went unanswered; job 3, prepared ahead, is aborted, not
     # copied, and only then does the breaker trip: no slot stays reserved until the lease ends.
     assert ns.put(keys, data) == kvtier.PutResult(stored=5, dropped=5)
@@ -200,8 +235,7 @@ def test_a_failed_copy_fails_its_job_only(client: kvtier.Client) -> None:
     assert client.breaker.trips == 0
 
 
-def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(
-        client: kvtier.Client) -> None:
+def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(client: kvtier.Client) -> None:
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     data = blocks(10, ns.block_bytes)
@@ -234,10 +268,12 @@ def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(
 
 
 def test_a_lease_lapsing_during_a_later_job_turns_the_whole_get_into_misses(
-        daemon_factory: Any, transport: str) -> None:
+    daemon_factory: Any, transport: str
+) -> None:
     d = daemon_factory("--host-bytes", "16MiB", "--slab-bytes", "1MiB")
-    with kvtier.Client.connect(d.address(transport), transport=transport, lease_ttl_s=1.0,
-                               heartbeat=False) as client:
+    with kvtier.Client.connect(
+        d.address(transport), transport=transport, lease_ttl_s=1.0, heartbeat=False
+    ) as client:
         client.pipeline_bytes = JOB * make_namespace().block_bytes
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 10)))
@@ -283,8 +319,7 @@ def test_threads_sharing_a_client_each_get_their_own_bytes(client: kvtier.Client
     assert daemon_state(client) == (0, 0)
 
 
-def test_without_pipelining_each_batch_is_one_job_after_the_other(
-        client: kvtier.Client) -> None:
+def test_without_pipelining_each_batch_is_one_job_after_the_other(client: kvtier.Client) -> None:
     client.pipeline_bytes = 0
     client.session._max_batch = 6  # what the daemon would say in OpenSession; two batches here
     ns = client.register(make_namespace())
@@ -292,9 +327,20 @@ def test_without_pipelining_each_batch_is_one_job_after_the_other(
     log = record(client)
     assert ns.put(keys, blocks(10, ns.block_bytes)).stored == 10
     assert ns.get_into(keys, list(np.zeros((10, ns.block_bytes), dtype=np.uint8))) == [True] * 10
-    assert log == ["PrepareStore", "write 6", "CompleteStore", "PrepareStore", "write 4",
-                   "CompleteStore", "PrepareLoad", "read 6", "CompleteLoad", "PrepareLoad",
-                   "read 4", "CompleteLoad"]
+    assert log == [
+        "PrepareStore",
+        "write 6",
+        "CompleteStore",
+        "PrepareStore",
+        "write 4",
+        "CompleteStore",
+        "PrepareLoad",
+        "read 6",
+        "CompleteLoad",
+        "PrepareLoad",
+        "read 4",
+        "CompleteLoad",
+    ]
     assert client.session._rpc._pool is None  # every RPC made on the caller's thread, in order
 
 

@@ -41,8 +41,12 @@ def other_user() -> Iterator[tuple[int, int]]:
     if not useradd or not userdel:
         pytest.skip("useradd/userdel not installed: cannot create a second local user")
     name = f"kvt-{secrets.token_hex(4)}"
-    made = subprocess.run([useradd, "--system", "--no-create-home", "--user-group", "--shell",
-                           "/usr/sbin/nologin", name], capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [useradd, "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if made.returncode != 0:
         pytest.skip(f"useradd could not create a second local user: {made.stderr.strip()}")
     try:
@@ -61,9 +65,24 @@ def make_serve() -> Iterator[tuple[Path, dict[str, Any]]]:
     base.chmod(0o755)
     (base / "run").mkdir(mode=0o755)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtierd", "serve", "--host-bytes", "64MiB", "--slab-bytes",
-         "1MiB", "--metrics-port", "0"], cwd=base, stdout=subprocess.PIPE, text=True,
-        stderr=subprocess.DEVNULL, env=dict(os.environ, KVTIER_LOG_LEVEL="WARNING"))
+        [
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "serve",
+            "--host-bytes",
+            "64MiB",
+            "--slab-bytes",
+            "1MiB",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=base,
+        stdout=subprocess.PIPE,
+        text=True,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, KVTIER_LOG_LEVEL="WARNING"),
+    )
     try:
         yield base, ready_line(proc)
     finally:
@@ -114,7 +133,7 @@ def as_user(uid: int, gid: int, attempt: Callable[[], dict[str, str]]) -> dict[s
 
 
 def connect(family: socket.AddressFamily, address: Any) -> str:
-    """"connected", or the errno name of the refusal."""
+    """ "connected", or the errno name of the refusal."""
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         try:
@@ -125,18 +144,25 @@ def connect(family: socket.AddressFamily, address: Any) -> str:
 
 
 def test_another_local_user_cannot_reach_the_default_daemon(
-        other_user: tuple[int, int], make_serve: tuple[Path, dict[str, Any]]) -> None:
+    other_user: tuple[int, int], make_serve: tuple[Path, dict[str, Any]]
+) -> None:
     base, info = make_serve
     grpc_sock, shm_sock = base / "run" / "kvtier.sock", Path(info["shm"])
 
     def attempt() -> dict[str, str]:
-        return {"sees_socket": str(os.path.exists(grpc_sock)),  # the directory is not the bar
-                "grpc_unix": connect(socket.AF_UNIX, str(grpc_sock)),
-                "shm_unix": connect(socket.AF_UNIX, str(shm_sock)),
-                "tcp_50051": connect(socket.AF_INET, ("127.0.0.1", 50051))}
+        return {
+            "sees_socket": str(os.path.exists(grpc_sock)),  # the directory is not the bar
+            "grpc_unix": connect(socket.AF_UNIX, str(grpc_sock)),
+            "shm_unix": connect(socket.AF_UNIX, str(shm_sock)),
+            "tcp_50051": connect(socket.AF_INET, ("127.0.0.1", 50051)),
+        }
 
-    assert as_user(*other_user, attempt) == {"sees_socket": "True", "grpc_unix": "EACCES",
-                                             "shm_unix": "EACCES", "tcp_50051": "ECONNREFUSED"}
+    assert as_user(*other_user, attempt) == {
+        "sees_socket": "True",
+        "grpc_unix": "EACCES",
+        "shm_unix": "EACCES",
+        "tcp_50051": "ECONNREFUSED",
+    }
     assert info["unix"] == f"unix://{grpc_sock}" and "grpc" not in info  # no TCP gRPC at all
     for path in (grpc_sock, shm_sock):
         assert oct(path.stat().st_mode & 0o777) == oct(0o600), path

@@ -64,22 +64,22 @@ def store(drv: Driver, d: DaemonProcess, tag: str, n: int) -> list[list[str]]:
     drv.backend(f"{tag}/W", "src", d.unix, extra={"load_policy": "never"})
     ps = prefixes(tag, n)
     for i, p in enumerate(ps):
-        assert drv.call(f"{tag}/W", "batch_set_v1", p, list(range(PAGES * i, PAGES * i + PAGES))
-                        ) == [True] * PAGES
+        assert (
+            drv.call(f"{tag}/W", "batch_set_v1", p, list(range(PAGES * i, PAGES * i + PAGES)))
+            == [True] * PAGES
+        )
     return ps
 
 
 def prefetch(drv: Driver, backend: str, prefix: list[str], src_first: int) -> tuple[int, float]:
     """SGLang's prefetch of ``prefix`` into dst pages 0..7; the pages it answered (checked
     byte-exact against the source pages) and the seconds it took."""
-    r = drv.ask("call", backend=backend, method="prefetch", keys=prefix,
-                pages=list(range(PAGES)))
+    r = drv.ask("call", backend=backend, method="prefetch", keys=prefix, pages=list(range(PAGES)))
     assert r["raised"] is None, r["raised"]
     n = r["result"]["reported"]
     assert r["result"]["found"] == [True] * n
     if n:
-        assert drv.digests("dst", list(range(n))) == drv.digests(
-            "src", list(range(src_first, src_first + n)))
+        assert drv.digests("dst", list(range(n))) == drv.digests("src", list(range(src_first, src_first + n)))
     return n, r["seconds"]
 
 
@@ -88,15 +88,24 @@ def counters(drv: Driver, backend: str) -> dict[str, Any]:
 
 
 def test_slow_tier_adaptive_answers_less_than_always(drv: Driver, work: Path) -> None:
-    d = SlowReadDaemon(work / "slow", "--host-bytes", "1MiB", "--slab-bytes", "256KiB",
-                       "--disk-dir", str(work / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        work / "slow",
+        "--host-bytes",
+        "1MiB",
+        "--slab-bytes",
+        "256KiB",
+        "--disk-dir",
+        str(work / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     try:
         ps = store(drv, d, "slow", 6)
         with kvtier.Client.connect(d.unix) as c:  # push them out of the 1 MiB host tier
             h = c.register(make_namespace(model_id="test/filler"))
-            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10)
-                                                          for i in range(160)])
+            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10) for i in range(160)])
         deadline = time.monotonic() + 20
         while True:
             tiers = [t for p in ps for t in drv.call("slow/W", "tiers", p)]
@@ -119,8 +128,10 @@ def test_slow_tier_adaptive_answers_less_than_always(drv: Driver, work: Path) ->
         assert c["tokens_reported"] == 0
         assert c["tokens_recomputed_slower"] == 3 * PAGES * 4
         assert c["pages_loaded"] == 0 and c["errors"] == 0
-        print(f"\nslow NVMe tier, per prefetch of 8 pages: always "
-              f"{[round(s, 3) for _, s in always]} s, adaptive {[round(s, 3) for _, s in adaptive]} s")
+        print(
+            f"\nslow NVMe tier, per prefetch of 8 pages: always "
+            f"{[round(s, 3) for _, s in always]} s, adaptive {[round(s, 3) for _, s in adaptive]} s"
+        )
         assert sum(s for _, s in adaptive) / 3 < sum(s for _, s in always) / 2
 
         drv.backend("slow/N", "dst", d.unix, extra={"load_policy": "never"})
@@ -136,12 +147,13 @@ def test_fast_tier_adaptive_answers_what_always_answers(drv: Driver, work: Path)
     try:
         ps = store(drv, d, "fast", 3)
         answered = {}
-        for name, extra in (("always", {"load_policy": "always", "prefill_seconds_per_token": SPT}),
-                            ("adaptive", {"prefill_seconds_per_token": SPT}),
-                            ("no-rate", {})):
+        for name, extra in (
+            ("always", {"load_policy": "always", "prefill_seconds_per_token": SPT}),
+            ("adaptive", {"prefill_seconds_per_token": SPT}),
+            ("no-rate", {}),
+        ):
             drv.backend(f"fast/{name}", "dst", d.unix, extra=extra)
-            answered[name] = [prefetch(drv, f"fast/{name}", p, PAGES * i)[0]
-                              for i, p in enumerate(ps)]
+            answered[name] = [prefetch(drv, f"fast/{name}", p, PAGES * i)[0] for i, p in enumerate(ps)]
             assert counters(drv, f"fast/{name}")["tokens_recomputed_slower"] == 0
         assert answered == {name: [PAGES] * 3 for name in ("always", "adaptive", "no-rate")}
     finally:

@@ -21,26 +21,52 @@ from tests_helpers import wait_for
 
 import kvtier
 
-SERVE = ("--host-bytes", "8MiB", "--slab-bytes", "1MiB", "--disk-bytes", "16MiB",
-         "--write-policy", "write-through")
+SERVE = (
+    "--host-bytes",
+    "8MiB",
+    "--slab-bytes",
+    "1MiB",
+    "--disk-bytes",
+    "16MiB",
+    "--write-policy",
+    "write-through",
+)
 
 
 def second_daemon(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``kvtierd serve`` with ``args`` that is expected to exit by itself, at once (30 s: a
     daemon that starts instead is killed and the caller's assertions fail)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "kvtierd", "serve", "--listen", "", "--data-listen",
-           "127.0.0.1:0", "--metrics-port", "-1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtierd",
+        "serve",
+        "--listen",
+        "",
+        "--data-listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "-1",
+        *args,
+    ]
     try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30,
-                              env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"))  # still one line
+        return subprocess.run(
+            cmd,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(os.environ, KVTIER_LOG_LEVEL="INFO"),
+        )  # still one line
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the second daemon did not exit: {e.stderr!r}") from None
 
 
 def fsck(directory: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtierd", "fsck", str(directory)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtierd", "fsck", str(directory)], capture_output=True, text=True, timeout=60
+    )
 
 
 def refused_naming(done: subprocess.CompletedProcess[str], pid: int, path: Path) -> None:
@@ -72,7 +98,8 @@ def read(d: DaemonProcess, keys: list[bytes]) -> list[bytes | None]:
 
 
 def test_a_second_daemon_on_the_same_disk_directory_exits_and_fsck_refuses(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     disk = tmp_path / "nvme"
     first = daemon_factory(*SERVE, "--disk-dir", str(disk))
     keys, data = put_durably(first)
@@ -90,12 +117,14 @@ def test_a_second_daemon_on_the_same_disk_directory_exits_and_fsck_refuses(
 
 
 def test_a_second_daemon_on_the_same_socket_exits_and_leaves_the_first_ones_socket(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     first = daemon_factory("--host-bytes", "8MiB", "--slab-bytes", "1MiB")
     sock = first.run_dir / "kvtier.sock"
 
-    other = second_daemon(tmp_path / "other", "--host-bytes", "8MiB", "--slab-bytes", "1MiB",
-                          "--socket", str(sock))
+    other = second_daemon(
+        tmp_path / "other", "--host-bytes", "8MiB", "--slab-bytes", "1MiB", "--socket", str(sock)
+    )
     refused_naming(other, first.info["pid"], sock)
     assert sock.exists() and Path(first.info["shm"]).exists()  # not unlinked by the second
     with kvtier.Client.connect(first.unix, transport="shm") as client:  # and still the first's

@@ -39,11 +39,26 @@ def test_the_command_prints_the_table_and_json(tmp_path: Path) -> None:
     """``kvtier bench soak`` end to end, briefly: a table with a verdict, and every sample in
     the JSON file."""
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "soak", "--duration", "4",
-                          "--clients", "2", "--no-progress", "--json", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "soak",
+            "--duration",
+            "4",
+            "--clients",
+            "2",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "verdict:" in run.stdout, run.stdout + run.stderr
     data = json.loads(out.read_text())
-    assert len(data["samples"]) >= 3 and set(data["growth"]) == {"rss_mib", "anon_mib", "fds",
-                                                                 "threads"}
+    assert len(data["samples"]) >= 3 and set(data["growth"]) == {"rss_mib", "anon_mib", "fds", "threads"}
     assert run.returncode == (1 if data["problems"] else 0)

@@ -32,8 +32,13 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 MiB = 1 << 20
-TOKENS = {"team-a": "arena-a-1", "team-b": "arena-b-2", "team-t": "arena-t-3",
-          "ops": "arena-ops-4", "team-e": "arena-e-5"}
+TOKENS = {
+    "team-a": "arena-a-1",
+    "team-b": "arena-b-2",
+    "team-t": "arena-t-3",
+    "ops": "arena-ops-4",
+    "team-e": "arena-e-5",
+}
 BLOCKS = 16  # per put; make_namespace's blocks are 16 KiB
 
 
@@ -47,11 +52,13 @@ def _tenants_file(path: Path, *, with_e: bool = False) -> Path:
         if name == "team-e" and not with_e:
             continue
         body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{_digest(token)}"]\n'
-        body += {"team-a": 'transports = ["shm", "tcp"]\narena_bytes = "8MiB"\n',
-                 "team-b": 'transports = ["shm", "tcp"]\n',  # tenant_arena_bytes: 4 MiB
-                 "team-t": 'transports = ["tcp"]\n',          # the shared arena
-                 "ops": "operator = true\n",
-                 "team-e": 'transports = ["shm"]\n'}[name] + "\n"
+        body += {
+            "team-a": 'transports = ["shm", "tcp"]\narena_bytes = "8MiB"\n',
+            "team-b": 'transports = ["shm", "tcp"]\n',  # tenant_arena_bytes: 4 MiB
+            "team-t": 'transports = ["tcp"]\n',  # the shared arena
+            "ops": "operator = true\n",
+            "team-e": 'transports = ["shm"]\n',
+        }[name] + "\n"
     path.write_text(body)
     return path
 
@@ -59,10 +66,12 @@ def _tenants_file(path: Path, *, with_e: bool = False) -> Path:
 @pytest.fixture
 def arenas(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
     cfg = tmp_path / "kvtierd.toml"
-    cfg.write_text(f'tenants_file = "{_tenants_file(tmp_path / "tenants.toml")}"\n'
-                   'tenant_arena_bytes = "4MiB"\n')
-    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB",
-                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    cfg.write_text(
+        f'tenants_file = "{_tenants_file(tmp_path / "tenants.toml")}"\ntenant_arena_bytes = "4MiB"\n'
+    )
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "16MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
     return d
 
 
@@ -79,8 +88,9 @@ class Raw:
         return getattr(self.stub, method)(request, timeout=5, metadata=self.md)
 
     def open(self, transport: int) -> Any:
-        return self("OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000,
-                                                          transport=transport))
+        return self(
+            "OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000, transport=transport)
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -100,16 +110,20 @@ def raw(arenas: DaemonProcess) -> Iterator[Any]:
 
 
 def client(d: DaemonProcess, tenant: str, transport: str) -> kvtier.Client:
-    return kvtier.Client.connect(d.unix, transport=transport,  # type: ignore[arg-type]
-                                 token=TOKENS[tenant])
+    return kvtier.Client.connect(
+        d.unix,
+        transport=transport,  # type: ignore[arg-type]
+        token=TOKENS[tenant],
+    )
 
 
 def blocks(tag: bytes, ns: Any, n: int = BLOCKS) -> list[bytes]:
     return [hashlib.shake_256(tag + b"%d" % i).digest(ns.block_bytes) for i in range(n)]
 
 
-def put_some(d: DaemonProcess, tenant: str, transport: str, tag: bytes,
-             first: int = 0) -> tuple[kvtier.Client, Any, list[bytes], list[bytes]]:
+def put_some(
+    d: DaemonProcess, tenant: str, transport: str, tag: bytes, first: int = 0
+) -> tuple[kvtier.Client, Any, list[bytes], list[bytes]]:
     c = client(d, tenant, transport)
     ns = c.register(make_namespace(tenant=tenant))
     keys = ns.block_keys(list(range(first, first + 16 * BLOCKS)))
@@ -135,14 +149,19 @@ def test_a_tenants_mapping_holds_only_its_own_blocks(arenas: DaemonProcess, raw:
         assert os.fstat(fds[0]).st_size == 8 * MiB
         with mmap.mmap(fds[0], 8 * MiB, flags=mmap.MAP_SHARED) as mm:
             # the offsets it is told are offsets in its mapping: its own blocks are there
-            load = a("PrepareLoad", pb.PrepareLoadRequest(
-                session_id=reply.session_id, namespace_id=ns_a.namespace_id,
-                keys=b"".join(keys_a), transport=pb.TRANSPORT_SHM))
+            load = a(
+                "PrepareLoad",
+                pb.PrepareLoadRequest(
+                    session_id=reply.session_id,
+                    namespace_id=ns_a.namespace_id,
+                    keys=b"".join(keys_a),
+                    transport=pb.TRANSPORT_SHM,
+                ),
+            )
             assert bytes(load.found) == b"\x01" * BLOCKS
             for off, want in zip(load.offsets, data_a, strict=True):
                 assert mm[off : off + len(want)] == want
-            a("CompleteLoad", pb.CompleteLoadRequest(session_id=reply.session_id,
-                                                     job_id=load.job_id))
+            a("CompleteLoad", pb.CompleteLoadRequest(session_id=reply.session_id, job_id=load.job_id))
             # nothing of another tenant's is in it, however it is scanned...
             for victim in data_b + data_t:
                 assert mm.find(victim[:64]) == -1
@@ -171,20 +190,29 @@ def test_a_tenant_filling_its_arena_evicts_only_its_own_blocks(arenas: DaemonPro
 
 
 def test_the_operator_moves_a_tenants_blocks_over_tcp_not_through_its_mapping(
-        arenas: DaemonProcess, raw: Any) -> None:
+    arenas: DaemonProcess, raw: Any
+) -> None:
     b, ns_b, keys_b, data_b = put_some(arenas, "team-b", "shm", b"operated")
     ops = raw("ops")
     sid = ops.open(pb.TRANSPORT_SHM).session_id
     for rpc in ("PrepareLoad", "PrepareStore"):
         with pytest.raises(grpc.RpcError) as e:
-            ops(rpc, getattr(pb, f"{rpc}Request")(
-                session_id=sid, namespace_id=ns_b.namespace_id, keys=b"".join(keys_b),
-                transport=pb.TRANSPORT_SHM))
+            ops(
+                rpc,
+                getattr(pb, f"{rpc}Request")(
+                    session_id=sid,
+                    namespace_id=ns_b.namespace_id,
+                    keys=b"".join(keys_b),
+                    transport=pb.TRANSPORT_SHM,
+                ),
+            )
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (e.value.details() or "").startswith("transport: ")
     with pytest.raises(grpc.RpcError) as e:
-        ops("Lookup", pb.LookupRequest(session_id=sid, namespace_id=ns_b.namespace_id,
-                                       keys=b"".join(keys_b), pin=True))
+        ops(
+            "Lookup",
+            pb.LookupRequest(session_id=sid, namespace_id=ns_b.namespace_id, keys=b"".join(keys_b), pin=True),
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with client(arenas, "ops", "tcp") as o:
         assert got(o.register(make_namespace(tenant="team-b")), keys_b) == data_b
@@ -195,8 +223,7 @@ def test_the_operator_moves_a_tenants_blocks_over_tcp_not_through_its_mapping(
     b.close()
 
 
-def test_a_tenant_added_by_a_reload_gets_its_arena(arenas: DaemonProcess, tmp_path: Path,
-                                                   raw: Any) -> None:
+def test_a_tenant_added_by_a_reload_gets_its_arena(arenas: DaemonProcess, tmp_path: Path, raw: Any) -> None:
     _tenants_file(tmp_path / "tenants.toml", with_e=True)
     assert arenas.proc is not None
     arenas.proc.send_signal(signal.SIGHUP)

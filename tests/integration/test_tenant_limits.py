@@ -38,11 +38,12 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def tenant(name: str, tokens: tuple[str, ...], quotas: str = "",
-           transports: str = '["tcp"]') -> str:
-    body = (f'[[tenant]]\nname = "{name}"\ntokens_sha256 = '
-            f'[{", ".join(repr(digest(TOKENS[t])) for t in tokens)}]\n'
-            f"transports = {transports}\n").replace("'", '"')
+def tenant(name: str, tokens: tuple[str, ...], quotas: str = "", transports: str = '["tcp"]') -> str:
+    body = (
+        f'[[tenant]]\nname = "{name}"\ntokens_sha256 = '
+        f"[{', '.join(repr(digest(TOKENS[t])) for t in tokens)}]\n"
+        f"transports = {transports}\n"
+    ).replace("'", '"')
     return body + (f"[tenant.quotas]\n{quotas}\n" if quotas else "") + "\n"
 
 
@@ -53,13 +54,18 @@ class Raw(TokenStub):
         super().__init__(d.grpc, token)
 
     def open(self, transport: int = pb.TRANSPORT_TCP) -> Any:
-        return self("OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000,
-                                                          transport=transport))
+        return self(
+            "OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000, transport=transport)
+        )
 
     def register(self, ns: kvtier.Namespace) -> int:
         fields = {k: v for k, v in ns.to_dict().items() if v is not None}
-        return int(self("RegisterNamespace", pb.RegisterNamespaceRequest(
-            spec=pb.NamespaceSpec(**fields), digest=ns.digest)).namespace_id)
+        return int(
+            self(
+                "RegisterNamespace",
+                pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=ns.digest),
+            ).namespace_id
+        )
 
 
 @pytest.fixture
@@ -92,8 +98,12 @@ def hog_reserves(hog: Raw, ns: kvtier.Namespace, batches: int, blocks: int) -> t
     for b in range(batches):
         keys = b"".join(hashlib.sha256(b"hog%d.%d" % (b, i)).digest() for i in range(blocks))
         try:
-            reply = hog("PrepareStore", pb.PrepareStoreRequest(
-                session_id=sid, namespace_id=ns_id, keys=keys, transport=pb.TRANSPORT_TCP))
+            reply = hog(
+                "PrepareStore",
+                pb.PrepareStoreRequest(
+                    session_id=sid, namespace_id=ns_id, keys=keys, transport=pb.TRANSPORT_TCP
+                ),
+            )
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
             return reserved, e.details() or ""
@@ -107,21 +117,26 @@ def other_puts(d: DaemonProcess, blocks: int) -> int:
         keys = ns.block_keys(list(range(16 * blocks)))
         data = [hashlib.shake_256(b"o%d" % i).digest(ns.block_bytes) for i in range(blocks)]
         stored = ns.put(keys, data).stored
-        assert [bytes(g) if g else None for g in ns.get(keys)] == data[:stored] + \
-            [None] * (blocks - stored)  # type: ignore[operator]
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data[:stored] + [None] * (blocks - stored)  # type: ignore[operator]
         return stored
 
 
-def test_reservations_count_against_the_host_quota(daemon_factory: Any, tmp_path: Path,
-                                                   raws: Any) -> None:
+def test_reservations_count_against_the_host_quota(daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
     """The finding: a tcp-only tenant with every quota set reserved the whole shared arena in 8
     PrepareStore calls it never completed; the others' puts were refused until the leases ran
     out. Now its reservations are its resident bytes as far as its quota goes."""
-    quotas = ('sessions = 4\nnamespaces = 2\nopen_jobs = 16\nsession_open_jobs = 16\n'
-              'host_bytes = "4MiB"\npinned_bytes = "4MiB"\nnvme_bytes = "0"\n'
-              'buffered_bytes = "8MiB"\n')
-    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), quotas) +
-              tenant("other", ("other",)), "--host-bytes", "16MiB")
+    quotas = (
+        "sessions = 4\nnamespaces = 2\nopen_jobs = 16\nsession_open_jobs = 16\n"
+        'host_bytes = "4MiB"\npinned_bytes = "4MiB"\nnvme_bytes = "0"\n'
+        'buffered_bytes = "8MiB"\n'
+    )
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",), quotas) + tenant("other", ("other",)),
+        "--host-bytes",
+        "16MiB",
+    )
     hog = raws(d, TOKENS["hog"])
     ns = make_namespace(tenant="hog")  # 16 KiB blocks: 128 a batch is 2 MiB
     reserved, refusal = hog_reserves(hog, ns, 8, 128)
@@ -130,11 +145,17 @@ def test_reservations_count_against_the_host_quota(daemon_factory: Any, tmp_path
     assert other_puts(d, 256) == 256  # 4 MiB of the 12 the hog left
 
 
-def test_by_default_a_shared_arena_tenant_gets_its_share(daemon_factory: Any, tmp_path: Path,
-                                                         raws: Any) -> None:
+def test_by_default_a_shared_arena_tenant_gets_its_share(
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """No quota in the file: two tcp-only tenants share the 16 MiB shared arena, 8 MiB each."""
-    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",)) + tenant("other", ("other",)),
-              "--host-bytes", "16MiB")
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",)) + tenant("other", ("other",)),
+        "--host-bytes",
+        "16MiB",
+    )
     hog = raws(d, TOKENS["hog"])
     ns = make_namespace(tenant="hog")
     reserved, refusal = hog_reserves(hog, ns, 8, 128)
@@ -142,19 +163,31 @@ def test_by_default_a_shared_arena_tenant_gets_its_share(daemon_factory: Any, tm
     assert other_puts(d, 256) == 256
 
 
-def test_blocks_promoted_from_nvme_keep_to_the_host_quota(daemon_factory: Any, tmp_path: Path,
-                                                          raws: Any) -> None:
+def test_blocks_promoted_from_nvme_keep_to_the_host_quota(
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """The review's finding: loads promoting a tenant's NVMe blocks took shared-arena slots
     without its ``host_bytes``, evicting the other tenants' blocks. Now a promotion evicts the
     tenant's own coldest blocks first, as a store does: the hog reads its 6 MiB back, and never
     holds more than its 2 MiB of host memory; the other's blocks stay resident."""
-    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), 'host_bytes = "2MiB"') +
-              tenant("other", ("other",)), "--host-bytes", "8MiB", "--disk-dir",
-              str(tmp_path / "nvme"), "--disk-bytes", "32MiB", "--write-policy", "write-through")
-    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["hog"]) as hog, \
-            kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["other"]) as other:
-        nh, no = hog.register(make_namespace(tenant="hog")), \
-            other.register(make_namespace(tenant="other"))
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",), 'host_bytes = "2MiB"') + tenant("other", ("other",)),
+        "--host-bytes",
+        "8MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "32MiB",
+        "--write-policy",
+        "write-through",
+    )
+    with (
+        kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["hog"]) as hog,
+        kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["other"]) as other,
+    ):
+        nh, no = hog.register(make_namespace(tenant="hog")), other.register(make_namespace(tenant="other"))
 
         def on_disk(c: kvtier.Client) -> int:
             return sum(n["counters"]["nvme_resident_blocks"] for n in c.stats()["namespaces"])
@@ -162,7 +195,7 @@ def test_blocks_promoted_from_nvme_keep_to_the_host_quota(daemon_factory: Any, t
         hkeys = nh.block_keys(list(range(16 * 384)))  # 6 MiB of 16 KiB blocks
         hdata = [hashlib.shake_256(b"h%d" % i).digest(nh.block_bytes) for i in range(384)]
         for i in range(0, 384, 64):  # (a block being written down is not evicted for the next)
-            assert nh.put(hkeys[i:i + 64], hdata[i:i + 64]).stored == 64
+            assert nh.put(hkeys[i : i + 64], hdata[i : i + 64]).stored == 64
             wait_for("the batch written down", lambda i=i: on_disk(hog) == i + 64, 20)
         okeys = no.block_keys(list(range(16 * 192)))  # 3 MiB
         odata = [hashlib.shake_256(b"o%d" % i).digest(no.block_bytes) for i in range(192)]
@@ -173,8 +206,8 @@ def test_blocks_promoted_from_nvme_keep_to_the_host_quota(daemon_factory: Any, t
             return sum(n["counters"]["resident_bytes"] for n in c.stats()["namespaces"])
 
         for i in range(0, 384, 64):  # its oldest first: promoted from the NVMe tier
-            got = nh.get(hkeys[i:i + 64])
-            assert [bytes(g) for g in got] == hdata[i:i + 64]  # type: ignore[arg-type]
+            got = nh.get(hkeys[i : i + 64])
+            assert [bytes(g) for g in got] == hdata[i : i + 64]  # type: ignore[arg-type]
             assert in_host(hog) <= 2 * MiB, in_host(hog)
         assert no.lookup_detail(okeys).tiers[-1] == "host"  # the other's, still all in host
         assert in_host(other) == 192 * no.block_bytes
@@ -206,14 +239,19 @@ def closed_by_daemon(s: socket.socket, timeout_s: float = 5.0) -> bool:
 
 
 def test_half_sent_control_frames_park_at_most_the_tenants_buffered_bytes(
-        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """The finding: each control channel could park a half-sent 4 MiB frame (+4 MiB of daemon
     memory each). Now all of a tenant's channels share its ``buffered_bytes`` (here 7 MiB): the
     channel whose bytes would pass it is closed; another tenant's channels are untouched."""
     shm = '["shm", "tcp"]'
-    d = start(daemon_factory, tmp_path,
-              tenant("hog", ("hog",), 'buffered_bytes = "7MiB"', shm) +
-              tenant("other", ("other",), "", shm), "--host-bytes", "8MiB")
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",), 'buffered_bytes = "7MiB"', shm) + tenant("other", ("other",), "", shm),
+        "--host-bytes",
+        "8MiB",
+    )
     hog, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["other"])
     socks = []
     half = b"\x00" * (2 * MiB)  # half of a 4 MiB frame
@@ -248,12 +286,18 @@ def test_half_sent_control_frames_park_at_most_the_tenants_buffered_bytes(
 
 
 def test_a_tenants_control_channels_are_counted_across_its_sessions(
-        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """8 per session is not a bound on a tenant with many sessions: ``control_channels`` is.
     One more is closed once made (its client goes on over gRPC); the other tenant's are not."""
     shm = '["shm", "tcp"]'
-    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), "control_channels = 3", shm) +
-              tenant("other", ("other",), "", shm), "--host-bytes", "8MiB")
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",), "control_channels = 3", shm) + tenant("other", ("other",), "", shm),
+        "--host-bytes",
+        "8MiB",
+    )
     hog, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["other"])
     socks = []
     for _ in range(4):  # four sessions, one channel each
@@ -283,7 +327,8 @@ def test_a_tenants_control_channels_are_counted_across_its_sessions(
 
 
 def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
-        daemon_factory: Any, tmp_path: Path, raws: Any) -> None:
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """The finding: a revoked token or a removed tenant kept working through its open control
     channels, and data frames kept a removed tenant's session alive. Now the reload closes
     every session whose credential the new file does not honour, with its channels."""
@@ -291,20 +336,18 @@ def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
 
     def write(hog_tokens: tuple[str, ...], with_other: bool = True) -> None:
         (tmp_path / "tenants.toml").write_text(
-            tenant("hog", hog_tokens, "", shm) +
-            (tenant("other", ("other",), "", shm) if with_other else ""))
+            tenant("hog", hog_tokens, "", shm) + (tenant("other", ("other",), "", shm) if with_other else "")
+        )
 
     write(("hog", "hog-next"))
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\ntenant_arena_bytes = "4MiB"\n')
     d = daemon_factory("--config", str(cfg), "--slab-bytes", "1MiB", "--host-bytes", "8MiB")
-    old, nxt, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["hog-next"]), \
-        raws(d, TOKENS["other"])
+    old, nxt, other = raws(d, TOKENS["hog"]), raws(d, TOKENS["hog-next"]), raws(d, TOKENS["other"])
     channels = {}
     for who, r in (("old", old), ("next", nxt), ("other", other)):
         reply = r.open(pb.TRANSPORT_SHM)
-        channels[who] = (reply.session_id, control(d, reply.session_id,
-                                                   bytes(reply.data_secret)))
+        channels[who] = (reply.session_id, control(d, reply.session_id, bytes(reply.data_secret)))
     # and a tcp session of the tenant to be removed, with a data connection (its frames used to
     # keep the session alive after the reload)
     reply = other.open(pb.TRANSPORT_TCP)
@@ -335,8 +378,7 @@ def test_a_reload_closes_revoked_sessions_and_their_channels_at_once(
     data.close()
 
 
-def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
-                                                         tmp_path: Path) -> None:
+def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any, tmp_path: Path) -> None:
     """A reload race under load: one tenant puts and gets without pause while the file is
     reloaded ten times, each removing or restoring another tenant that is busy too. The tenant
     that stays never sees an error, a refusal or a wrong byte; the other's calls never hang (its
@@ -345,8 +387,9 @@ def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
     path = tmp_path / "tenants.toml"
 
     def write(with_other: bool) -> None:
-        path.write_text(tenant("hog", ("hog",), "", shm) +
-                        (tenant("other", ("other",), "", shm) if with_other else ""))
+        path.write_text(
+            tenant("hog", ("hog",), "", shm) + (tenant("other", ("other",), "", shm) if with_other else "")
+        )
 
     write(True)
     cfg = tmp_path / "kvtierd.toml"
@@ -356,21 +399,27 @@ def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
     results: dict[str, list[Any]] = {"hog": [], "other": []}
 
     def busy(name: str) -> None:
-        with kvtier.Client.connect(d.unix, transport="shm", token=TOKENS[name],
-                                   timeout_s=2) as c:
+        with kvtier.Client.connect(d.unix, transport="shm", token=TOKENS[name], timeout_s=2) as c:
             ns = c.register(make_namespace(tenant=name))
             i = 0
             while not stop.is_set():
                 keys = ns.block_keys(list(range(i * 64, (i + 1) * 64)))
-                data = [hashlib.shake_256(b"%s%d.%d" % (name.encode(), i, j)).digest(
-                    ns.block_bytes) for j in range(4)]
+                data = [
+                    hashlib.shake_256(b"%s%d.%d" % (name.encode(), i, j)).digest(ns.block_bytes)
+                    for j in range(4)
+                ]
                 t0 = time.monotonic()
                 try:
                     stored = ns.put(keys, data).stored
                     got = [bytes(g) if g else None for g in ns.get(keys)]
-                    results[name].append((stored, got == data, all(
-                        g is None or g == x for g, x in zip(got, data, strict=True)),
-                        time.monotonic() - t0))
+                    results[name].append(
+                        (
+                            stored,
+                            got == data,
+                            all(g is None or g == x for g, x in zip(got, data, strict=True)),
+                            time.monotonic() - t0,
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001  (counted: the tenant that stays has none)
                     results[name].append(e)
                 i += 1
@@ -391,11 +440,15 @@ def test_reloads_under_load_revoke_only_what_they_remove(daemon_factory: Any,
                 # then has a session to close)
                 wait_for("the other tenant restored", lambda: _answers(other), 10)
                 mark = len(results["other"])
-                wait_for("the other tenant storing again", lambda mark=mark: any(  # type: ignore[misc]
-                    isinstance(r, tuple) and r[0] == 4 for r in results["other"][mark:]), 20)
+                wait_for(
+                    "the other tenant storing again",
+                    lambda mark=mark: any(  # type: ignore[misc]
+                        isinstance(r, tuple) and r[0] == 4 for r in results["other"][mark:]
+                    ),
+                    20,
+                )
             seen = len(results["hog"])
-            wait_for("the hog busy after the reload",
-                     lambda seen=seen: len(results["hog"]) > seen + 2, 10)  # type: ignore[misc]
+            wait_for("the hog busy after the reload", lambda seen=seen: len(results["hog"]) > seen + 2, 10)  # type: ignore[misc]
     finally:
         stop.set()
         for t in threads:
@@ -424,18 +477,31 @@ def _answers(r: Raw) -> bool:
 # -- refusals counted by quota -------------------------------------------------------------------
 
 
-def test_every_quota_refusal_is_counted_under_its_name(daemon_factory: Any, tmp_path: Path,
-                                                        raws: Any) -> None:
+def test_every_quota_refusal_is_counted_under_its_name(
+    daemon_factory: Any, tmp_path: Path, raws: Any
+) -> None:
     """The review's finding: only refusals that came back through a gRPC handler were counted,
     by parsing their text, so ``control_channels`` and ``buffered_bytes`` (a control channel
     closed) and ``nvme_bytes`` (a block not written to disk) stayed 0 in stats and metrics.
     Now each of the nine quotas, provoked once, is counted under its own name."""
-    quotas = ('sessions = 3\nnamespaces = 1\nopen_jobs = 3\nsession_open_jobs = 2\n'
-              'host_bytes = "1MiB"\npinned_bytes = "64KiB"\nnvme_bytes = 0\n'
-              f'control_channels = 2\nbuffered_bytes = {4 * MiB + wire.CALL.size}\n')
-    d = start(daemon_factory, tmp_path, tenant("hog", ("hog",), quotas, '["shm", "tcp"]'),
-              "--host-bytes", "8MiB", "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes",
-              "16MiB", "--write-policy", "write-through")
+    quotas = (
+        "sessions = 3\nnamespaces = 1\nopen_jobs = 3\nsession_open_jobs = 2\n"
+        'host_bytes = "1MiB"\npinned_bytes = "64KiB"\nnvme_bytes = 0\n'
+        f"control_channels = 2\nbuffered_bytes = {4 * MiB + wire.CALL.size}\n"
+    )
+    d = start(
+        daemon_factory,
+        tmp_path,
+        tenant("hog", ("hog",), quotas, '["shm", "tcp"]'),
+        "--host-bytes",
+        "8MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--write-policy",
+        "write-through",
+    )
     spec = make_namespace(tenant="hog")
     with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["hog"]) as c:
         ns = c.register(spec)
@@ -447,17 +513,29 @@ def test_every_quota_refusal_is_counted_under_its_name(daemon_factory: Any, tmp_
     nid = hog.register(spec)
     other_spec = make_namespace(tenant="hog", model_revision="r2")
     fields = {k: v for k, v in other_spec.to_dict().items() if v is not None}
-    assert hog.code("RegisterNamespace", pb.RegisterNamespaceRequest(
-        spec=pb.NamespaceSpec(**fields), digest=other_spec.digest))[0] == EXHAUSTED
+    assert (
+        hog.code(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=other_spec.digest),
+        )[0]
+        == EXHAUSTED
+    )
 
     def store(sid: int, n: int, tag: bytes) -> Any:
-        return pb.PrepareStoreRequest(session_id=sid, namespace_id=nid, transport=pb.TRANSPORT_TCP,
-                                      keys=b"".join(hashlib.sha256(tag + b"%d" % i).digest()
-                                                    for i in range(n)))
+        return pb.PrepareStoreRequest(
+            session_id=sid,
+            namespace_id=nid,
+            transport=pb.TRANSPORT_TCP,
+            keys=b"".join(hashlib.sha256(tag + b"%d" % i).digest() for i in range(n)),
+        )
 
     assert hog.code("PrepareStore", store(s1, 80, b"big"))[0] == EXHAUSTED  # 1.25 MiB: host_bytes
-    assert hog.code("Lookup", pb.LookupRequest(session_id=s1, namespace_id=nid, pin=True,
-                                               keys=b"".join(keys)))[0] == EXHAUSTED  # 128 KiB
+    assert (
+        hog.code("Lookup", pb.LookupRequest(session_id=s1, namespace_id=nid, pin=True, keys=b"".join(keys)))[
+            0
+        ]
+        == EXHAUSTED
+    )  # 128 KiB
     hog("PrepareStore", store(s1, 1, b"a"))
     hog("PrepareStore", store(s1, 1, b"b"))
     assert hog.code("PrepareStore", store(s1, 1, b"c"))[0] == EXHAUSTED  # session_open_jobs

@@ -33,8 +33,13 @@ from kvtier_contract import errors, wire
 from kvtier_contract import published_index as pi
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-TOKENS = {"team-a": "tok-a-7f3e", "team-b": "tok-b-91c2", "ops": "tok-ops-55aa",
-          "team-c": "tok-c-0b0b", "team-d": "tok-d-3c3c"}
+TOKENS = {
+    "team-a": "tok-a-7f3e",
+    "team-b": "tok-b-91c2",
+    "ops": "tok-ops-55aa",
+    "team-c": "tok-c-0b0b",
+    "team-d": "tok-d-3c3c",
+}
 
 
 def digest(token: str) -> str:
@@ -43,8 +48,10 @@ def digest(token: str) -> str:
 
 def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> Path:
     body = ""
-    quotas = {"team-a": 'sessions = 3\nnamespaces = 2\nsession_open_jobs = 4\n'
-                        'host_bytes = "2MiB"\npinned_bytes = "256KiB"\nnvme_bytes = "1MiB"\n'}
+    quotas = {
+        "team-a": "sessions = 3\nnamespaces = 2\nsession_open_jobs = 4\n"
+        'host_bytes = "2MiB"\npinned_bytes = "256KiB"\nnvme_bytes = "1MiB"\n'
+    }
     for name, token in TOKENS.items():
         if name in drop:
             continue
@@ -68,8 +75,9 @@ def tenants_file(path: Path, *, extra: str = "", drop: tuple[str, ...] = ()) -> 
 def tenants(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n')
-    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "64MiB",
-                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
     return d
 
 
@@ -92,8 +100,9 @@ class Raw(TokenStub):
 
     def open(self, transport: int = pb.TRANSPORT_TCP) -> Any:
         """An OpenSessionReply (its session_id and data_secret)."""
-        return self("OpenSession", pb.OpenSessionRequest(
-            client_name="raw", lease_ttl_ms=30_000, transport=transport))
+        return self(
+            "OpenSession", pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=30_000, transport=transport)
+        )
 
 
 @pytest.fixture
@@ -110,20 +119,21 @@ def raw(tenants: DaemonProcess) -> Iterator[Any]:
         r.channel.close()
 
 
-def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProcess,
-                                                            raw: Any) -> None:
+def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProcess, raw: Any) -> None:
     for who in (raw(None), Raw(tenants, "not-a-token")):
-        for method, request in (("OpenSession", pb.OpenSessionRequest(client_name="x")),
-                                ("Stats", pb.StatsRequest()),
-                                ("RegisterNamespace", pb.RegisterNamespaceRequest()),
-                                ("LookupSlices", pb.LookupSlicesRequest(
-                                    session_id=1, namespace_ids=[1], keys=[bytes(32)],
-                                    pin=True))):
+        for method, request in (
+            ("OpenSession", pb.OpenSessionRequest(client_name="x")),
+            ("Stats", pb.StatsRequest()),
+            ("RegisterNamespace", pb.RegisterNamespaceRequest()),
+            (
+                "LookupSlices",
+                pb.LookupSlicesRequest(session_id=1, namespace_ids=[1], keys=[bytes(32)], pin=True),
+            ),
+        ):
             code, details = who.code(method, request)
             assert code == grpc.StatusCode.UNAUTHENTICATED, (method, details)
     with grpc.insecure_channel(tenants.grpc) as ch:
-        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                  timeout=5)
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(errors.Unauthenticated, match="gave no credential") as e:
         kvtier.Client.connect(tenants.unix, transport="tcp", timeout_s=2)
@@ -134,7 +144,8 @@ def test_every_rpc_needs_a_credential_and_health_stays_open(tenants: DaemonProce
 
 
 def test_another_tenants_namespace_and_session_answer_like_absent_ones(
-        tenants: DaemonProcess, raw: Any) -> None:
+    tenants: DaemonProcess, raw: Any
+) -> None:
     with client(tenants, "team-a", "shm") as a:
         ns = a.register(ns_of("team-a"))
         keys = ns.block_keys(list(range(16 * 4)))
@@ -143,23 +154,29 @@ def test_another_tenants_namespace_and_session_answer_like_absent_ones(
         sid = b.session()
         absent = 4242424242
         for method, build in (
-                ("Lookup", lambda n: pb.LookupRequest(session_id=sid, namespace_id=n,
-                                                       keys=b"".join(keys))),
-                ("Lookup", lambda n: pb.LookupRequest(session_id=sid, namespace_id=n,
-                                                       keys=b"".join(keys), pin=True)),
-                ("Prefetch", lambda n: pb.PrefetchRequest(session_id=sid, namespace_id=n,
-                                                           keys=b"".join(keys))),
-                ("PrepareLoad", lambda n: pb.PrepareLoadRequest(
-                    session_id=sid, namespace_id=n, keys=b"".join(keys),
-                    transport=pb.TRANSPORT_TCP)),
-                ("PrepareStore", lambda n: pb.PrepareStoreRequest(
-                    session_id=sid, namespace_id=n, keys=b"".join(keys),
-                    transport=pb.TRANSPORT_TCP))):
+            ("Lookup", lambda n: pb.LookupRequest(session_id=sid, namespace_id=n, keys=b"".join(keys))),
+            (
+                "Lookup",
+                lambda n: pb.LookupRequest(session_id=sid, namespace_id=n, keys=b"".join(keys), pin=True),
+            ),
+            ("Prefetch", lambda n: pb.PrefetchRequest(session_id=sid, namespace_id=n, keys=b"".join(keys))),
+            (
+                "PrepareLoad",
+                lambda n: pb.PrepareLoadRequest(
+                    session_id=sid, namespace_id=n, keys=b"".join(keys), transport=pb.TRANSPORT_TCP
+                ),
+            ),
+            (
+                "PrepareStore",
+                lambda n: pb.PrepareStoreRequest(
+                    session_id=sid, namespace_id=n, keys=b"".join(keys), transport=pb.TRANSPORT_TCP
+                ),
+            ),
+        ):
             theirs = b.code(method, build(ns.namespace_id))
             nothing = b.code(method, build(absent))
             assert theirs[0] == nothing[0] == grpc.StatusCode.NOT_FOUND
-            assert theirs[1].replace(str(ns.namespace_id), "N") == \
-                nothing[1].replace(str(absent), "N")
+            assert theirs[1].replace(str(ns.namespace_id), "N") == nothing[1].replace(str(absent), "N")
         # a's session, used with b's credential: unknown
         a_sid = a.session._session_id
         theirs = b.code("Heartbeat", pb.HeartbeatRequest(session_id=a_sid))
@@ -182,18 +199,21 @@ def test_another_tenants_namespace_and_session_answer_like_absent_ones(
 
 def test_a_tenant_registers_only_namespaces_naming_it(tenants: DaemonProcess, raw: Any) -> None:
     b = raw("team-b")
-    for spec, code, field in ((ns_of("team-a"), grpc.StatusCode.PERMISSION_DENIED, "spec.tenant"),
-                              (make_namespace(), grpc.StatusCode.INVALID_ARGUMENT, "spec.tenant")):
+    for spec, code, field in (
+        (ns_of("team-a"), grpc.StatusCode.PERMISSION_DENIED, "spec.tenant"),
+        (make_namespace(), grpc.StatusCode.INVALID_ARGUMENT, "spec.tenant"),
+    ):
         fields = {k: v for k, v in spec.to_dict().items() if v is not None}
-        got, details = b.code("RegisterNamespace", pb.RegisterNamespaceRequest(
-            spec=pb.NamespaceSpec(**fields), digest=spec.digest))
+        got, details = b.code(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=spec.digest),
+        )
         assert got == code and details.startswith(f"{field}: "), details
     with client(tenants, "ops") as ops:  # the operator may register any tenant's
         assert ops.register(ns_of("team-a")).namespace_id
 
 
-def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
-                                                         raw: Any) -> None:
+def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess, raw: Any) -> None:
     a = raw("team-a")
     sessions = [a.session(pb.TRANSPORT_SHM) for _ in range(3)]
     code, details = a.code("OpenSession", pb.OpenSessionRequest(client_name="4th"))
@@ -210,11 +230,18 @@ def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota namespaces" in details
     sid = sessions[0]
     for i in range(4):  # session_open_jobs = 4: the fifth store job of one session is refused
-        a("PrepareStore", pb.PrepareStoreRequest(session_id=sid, namespace_id=ids[0],
-                                                 keys=bytes([i + 1]) * 32,
-                                                 transport=pb.TRANSPORT_SHM))
-    code, details = a.code("PrepareStore", pb.PrepareStoreRequest(
-        session_id=sid, namespace_id=ids[0], keys=b"\x09" * 32, transport=pb.TRANSPORT_SHM))
+        a(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                session_id=sid, namespace_id=ids[0], keys=bytes([i + 1]) * 32, transport=pb.TRANSPORT_SHM
+            ),
+        )
+    code, details = a.code(
+        "PrepareStore",
+        pb.PrepareStoreRequest(
+            session_id=sid, namespace_id=ids[0], keys=b"\x09" * 32, transport=pb.TRANSPORT_SHM
+        ),
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota session_open_jobs" in details
     for sid in sessions:  # (room for the SDK clients below under the sessions quota)
         a("CloseSession", pb.CloseSessionRequest(session_id=sid))
@@ -227,7 +254,7 @@ def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
         na = a2.register(specs[1])
         akeys = na.block_keys(list(range(16 * 256)))  # 4 MiB: twice team-a's quota
         for i in range(0, 256, 32):
-            assert na.put(akeys[i:i + 32], [b"\x01" * na.block_bytes] * 32).stored == 32
+            assert na.put(akeys[i : i + 32], [b"\x01" * na.block_bytes] * 32).stored == 32
         assert na.lookup(akeys[-64:]) == 64 and na.lookup(akeys) < 256
         mine = a2.stats()
         assert sum(n["counters"]["resident_bytes"] for n in mine["namespaces"]) <= 2 << 20
@@ -240,7 +267,8 @@ def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess,
 
 
 def test_lookup_slices_is_all_or_nothing_under_quota_and_tenant_scoping(
-        tenants: DaemonProcess, raw: Any) -> None:
+    tenants: DaemonProcess, raw: Any
+) -> None:
     """team-a's pinned_bytes quota (256 KiB = 16 blocks) passed at its second slice: the first
     slice's pins are released too; a slice naming team-b's namespace is NOT_FOUND, as for
     Lookup, and pins nothing of team-a's either."""
@@ -261,23 +289,38 @@ def test_lookup_slices_is_all_or_nothing_under_quota_and_tenant_scoping(
     def pinned() -> int:
         return int(raw("ops")("Stats", pb.StatsRequest()).pinned_blocks)
 
-    code, details = a.code("LookupSlices", pb.LookupSlicesRequest(
-        session_id=sid, namespace_ids=ids, keys=[b"".join(k) for k in chains], pin=True))
+    code, details = a.code(
+        "LookupSlices",
+        pb.LookupSlicesRequest(
+            session_id=sid, namespace_ids=ids, keys=[b"".join(k) for k in chains], pin=True
+        ),
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
     assert pinned() == 0
-    code, details = a.code("LookupSlices", pb.LookupSlicesRequest(
-        session_id=sid, namespace_ids=[ids[0], b_id], keys=[b"".join(chains[0][:4]),
-                                                            b"".join(kb)], pin=True))
+    code, details = a.code(
+        "LookupSlices",
+        pb.LookupSlicesRequest(
+            session_id=sid,
+            namespace_ids=[ids[0], b_id],
+            keys=[b"".join(chains[0][:4]), b"".join(kb)],
+            pin=True,
+        ),
+    )
     assert code == grpc.StatusCode.NOT_FOUND and "namespace" in details
     assert pinned() == 0
-    got = a("LookupSlices", pb.LookupSlicesRequest(
-        session_id=sid, namespace_ids=ids, keys=[b"".join(k[:8]) for k in chains], pin=True))
+    got = a(
+        "LookupSlices",
+        pb.LookupSlicesRequest(
+            session_id=sid, namespace_ids=ids, keys=[b"".join(k[:8]) for k in chains], pin=True
+        ),
+    )
     assert got.hit_blocks == 8 and [r.hit_blocks for r in got.slices] == [8, 8]
     assert pinned() == 16
 
 
-def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: DaemonProcess,
-                                                                       raw: Any) -> None:
+def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(
+    tenants: DaemonProcess, raw: Any
+) -> None:
     """pinned_bytes = 256 KiB (16 blocks of 16 KiB) for team-a: a pinned lookup or a load that
     would hold more is RESOURCE_EXHAUSTED naming the quota and leaves nothing pinned; team-b is
     not limited by it."""
@@ -289,29 +332,35 @@ def test_pinned_bytes_quota_refuses_the_pin_and_keeps_nothing_pinned(tenants: Da
     a = raw("team-a")
     sid = a.session(pb.TRANSPORT_SHM)
     fields = {k: v for k, v in spec.to_dict().items() if v is not None}
-    nid = a("RegisterNamespace", pb.RegisterNamespaceRequest(
-        spec=pb.NamespaceSpec(**fields), digest=spec.digest)).namespace_id
+    nid = a(
+        "RegisterNamespace", pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(**fields), digest=spec.digest)
+    ).namespace_id
 
     def pinned() -> int:
         return int(raw("ops")("Stats", pb.StatsRequest()).pinned_blocks)
 
-    code, details = a.code("Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid,
-                                                      keys=b"".join(keys), pin=True))
+    code, details = a.code(
+        "Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid, keys=b"".join(keys), pin=True)
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
     assert pinned() == 0
-    held = a("Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid,
-                                        keys=b"".join(keys[:16]), pin=True))
+    held = a("Lookup", pb.LookupRequest(session_id=sid, namespace_id=nid, keys=b"".join(keys[:16]), pin=True))
     assert held.hit_blocks == 16 and held.job_id and pinned() == 16
-    code, details = a.code("PrepareLoad", pb.PrepareLoadRequest(
-        session_id=sid, namespace_id=nid, keys=keys[16], transport=pb.TRANSPORT_SHM))
+    code, details = a.code(
+        "PrepareLoad",
+        pb.PrepareLoadRequest(session_id=sid, namespace_id=nid, keys=keys[16], transport=pb.TRANSPORT_SHM),
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota pinned_bytes" in details
     assert pinned() == 16
     assert raw("ops")("Stats", pb.StatsRequest()).total.loads == 0  # a refusal moved nothing
     a("CompleteLoad", pb.CompleteLoadRequest(session_id=sid, job_id=held.job_id))
     assert pinned() == 0
-    load = a("PrepareLoad", pb.PrepareLoadRequest(session_id=sid, namespace_id=nid,
-                                                  keys=b"".join(keys[16:32]),
-                                                  transport=pb.TRANSPORT_SHM))
+    load = a(
+        "PrepareLoad",
+        pb.PrepareLoadRequest(
+            session_id=sid, namespace_id=nid, keys=b"".join(keys[16:32]), transport=pb.TRANSPORT_SHM
+        ),
+    )
     assert load.job_id and load.found == b"\x01" * 16
     # team-b has no such quota: it pins 32 blocks of its own meanwhile
     with client(tenants, "team-b", "shm") as b:
@@ -329,20 +378,33 @@ def test_nvme_bytes_quota_keeps_a_tenants_disk_share(daemon_factory: Any, tmp_pa
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n')
     d: DaemonProcess = daemon_factory(
-        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--disk-dir",
-        str(tmp_path / "nvme"), "--disk-bytes", "16MiB", "--write-policy", "write-through",
-        run_dir=tmp_path / "d")
+        "--config",
+        str(cfg),
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--write-policy",
+        "write-through",
+        run_dir=tmp_path / "d",
+    )
 
     def on_disk(c: kvtier.Client) -> tuple[int, int]:
         n = c.stats()["namespaces"]
-        return (sum(x["counters"]["nvme_resident_blocks"] for x in n),
-                sum(x["counters"]["nvme_resident_bytes"] for x in n))
+        return (
+            sum(x["counters"]["nvme_resident_blocks"] for x in n),
+            sum(x["counters"]["nvme_resident_bytes"] for x in n),
+        )
 
     with client(d, "team-a", "shm") as a, client(d, "team-b", "shm") as b:
         na, nb = a.register(ns_of("team-a")), b.register(ns_of("team-b"))
         akeys = na.block_keys(list(range(16 * 96)))
         for i in range(0, 96, 32):
-            assert na.put(akeys[i:i + 32], [bytes([i]) * na.block_bytes] * 32).stored == 32
+            assert na.put(akeys[i : i + 32], [bytes([i]) * na.block_bytes] * 32).stored == 32
         bkeys = nb.block_keys(list(range(16 * 80)))
         assert nb.put(bkeys, [b"\x05" * nb.block_bytes] * 80).stored == 80
         deadline = time.monotonic() + 20
@@ -356,16 +418,17 @@ def test_nvme_bytes_quota_keeps_a_tenants_disk_share(daemon_factory: Any, tmp_pa
         assert detail.hits == 96 and detail.tiers[-1] == "host"
 
 
-def test_an_idle_empty_namespace_expires_and_frees_the_tenants_quota(daemon_factory: Any,
-                                                                     tmp_path: Path) -> None:
+def test_an_idle_empty_namespace_expires_and_frees_the_tenants_quota(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     """namespace_idle_s = 1: team-a (namespaces = 2) registers two, the third is refused; once
     the two are idle and empty they are forgotten and the third fits; a namespace holding blocks
     never expires; an SDK handle whose namespace expired registers it again by itself."""
     cfg = tmp_path / "kvtierd.toml"
-    cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\n'
-                   "namespace_idle_s = 1.0\n")
-    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "64MiB",
-                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    cfg.write_text(f'tenants_file = "{tenants_file(tmp_path / "tenants.toml")}"\nnamespace_idle_s = 1.0\n')
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
     # (no published index: a client reading a namespace's index keeps it from expiring)
     a = kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-a"], local_lookups=False)
     with a, client(d, "team-b", "tcp") as b:
@@ -390,8 +453,10 @@ def test_an_idle_empty_namespace_expires_and_frees_the_tenants_quota(daemon_fact
         # namespace the daemon forgot registers again (or misses, never raises, when refused).
         # (The refused one tries again at most once per REGISTER_RETRY_S (1 s) after its
         # refusal, which can be later than "idle" expired: until then its store is a drop.)
-        wait_for("the refused namespace's store",
-                 lambda: third.put(keys, [b"\x04" * third.block_bytes] * 2).stored == 2)
+        wait_for(
+            "the refused namespace's store",
+            lambda: third.put(keys, [b"\x04" * third.block_bytes] * 2).stored == 2,
+        )
         assert idle.lookup(idle.block_keys(list(range(16)))) == 0
         assert "quota namespaces" in a.counters.last_error
         assert registered() == {"kept", "third"}
@@ -404,16 +469,18 @@ def test_the_tenants_lease_ceiling_bounds_its_sessions(raw: Any) -> None:
     """team-d's max_lease_s = 2.5: its sessions never get a longer lease, whatever they ask;
     team-b's get what they ask within the daemon's bounds."""
     for ask_ms in (0, 1_000, 60_000):
-        d = raw("team-d")("OpenSession", pb.OpenSessionRequest(
-            client_name="d", lease_ttl_ms=ask_ms, transport=pb.TRANSPORT_TCP))
+        d = raw("team-d")(
+            "OpenSession",
+            pb.OpenSessionRequest(client_name="d", lease_ttl_ms=ask_ms, transport=pb.TRANSPORT_TCP),
+        )
         assert d.lease_ttl_ms == min(ask_ms or 2_500, 2_500)
-    b = raw("team-b")("OpenSession", pb.OpenSessionRequest(
-        client_name="b", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP))
+    b = raw("team-b")(
+        "OpenSession", pb.OpenSessionRequest(client_name="b", lease_ttl_ms=60_000, transport=pb.TRANSPORT_TCP)
+    )
     assert b.lease_ttl_ms == 60_000
 
 
-def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess,
-                                                         raw: Any) -> None:
+def test_shm_handshakes_only_from_the_tenants_unix_peers(tenants: DaemonProcess, raw: Any) -> None:
     c = raw("team-c")  # unix_uids = [12345]; this test runs as another uid
     assert os.getuid() != 12345
     opened = c.open(pb.TRANSPORT_SHM)
@@ -441,33 +508,34 @@ def test_a_tenant_limited_to_tcp_cannot_open_an_shm_session(raw: Any) -> None:
     d = raw("team-d")  # transports = ["tcp"]: never maps the shared arena
     assert d.session(pb.TRANSPORT_TCP)
     for transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_UNSPECIFIED):
-        code, details = d.code("OpenSession", pb.OpenSessionRequest(client_name="x",
-                                                                    transport=transport))
+        code, details = d.code("OpenSession", pb.OpenSessionRequest(client_name="x", transport=transport))
         assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith("transport: ")
 
 
-def test_another_tenants_published_index_is_not_handed_out(tenants: DaemonProcess,
-                                                           raw: Any) -> None:
+def test_another_tenants_published_index_is_not_handed_out(tenants: DaemonProcess, raw: Any) -> None:
     with client(tenants, "team-a", "shm") as a:
         ns = a.register(ns_of("team-a"))
         opened = raw("team-b").open(pb.TRANSPORT_SHM)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect(tenants.info["shm"])
-            s.sendall(pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, opened.session_id, ns.namespace_id,
-                                            opened.data_secret))
+            s.sendall(
+                pi.INDEX_REQUEST.pack(pi.INDEX_MAGIC, opened.session_id, ns.namespace_id, opened.data_secret)
+            )
             msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
         for fd in fds:
             os.close(fd)
         assert not fds and b"unknown namespace" in msg
 
 
-def test_the_tenants_file_is_reread_on_sighup(tenants: DaemonProcess, tmp_path: Path,
-                                              raw: Any) -> None:
+def test_the_tenants_file_is_reread_on_sighup(tenants: DaemonProcess, tmp_path: Path, raw: Any) -> None:
     b = raw("team-b")
     assert b("Stats", pb.StatsRequest())
-    tenants_file(tmp_path / "tenants.toml", drop=("team-b",),
-                 extra=f'[[tenant]]\nname = "team-e"\ntokens_sha256 = ["{digest("tok-e")}"]\n')
+    tenants_file(
+        tmp_path / "tenants.toml",
+        drop=("team-b",),
+        extra=f'[[tenant]]\nname = "team-e"\ntokens_sha256 = ["{digest("tok-e")}"]\n',
+    )
     assert tenants.proc is not None
     tenants.proc.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
@@ -492,13 +560,30 @@ def test_kvtier_stats_takes_a_token_file(tenants: DaemonProcess, tmp_path: Path)
     token.write_text(TOKENS["team-a"] + "\n")
     with client(tenants, "team-a") as a:
         a.register(ns_of("team-a"))
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", tenants.unix,
-                          "--token-file", str(token), "--json"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "stats",
+            "--address",
+            tenants.unix,
+            "--token-file",
+            str(token),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert re.search(r'"model_id": "test/model"', out.stdout)
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", tenants.unix],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", tenants.unix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "credential" in out.stderr
 
 
@@ -522,8 +607,10 @@ def test_metrics_show_a_tenant_only_its_own_namespaces(tenants: DaemonProcess) -
 
 
 def _login_file(path: Path, uid: int) -> Path:
-    path.write_text(f'[[tenant]]\nname = "team-u"\nunix_login = true\nunix_uids = [{uid}]\n\n'
-                    f'[[tenant]]\nname = "team-a"\ntokens_sha256 = ["{digest(TOKENS["team-a"])}"]\n')
+    path.write_text(
+        f'[[tenant]]\nname = "team-u"\nunix_login = true\nunix_uids = [{uid}]\n\n'
+        f'[[tenant]]\nname = "team-a"\ntokens_sha256 = ["{digest(TOKENS["team-a"])}"]\n'
+    )
     return path
 
 
@@ -531,8 +618,9 @@ def _login_file(path: Path, uid: int) -> Path:
 def logins(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
     cfg = tmp_path / "kvtierd.toml"
     cfg.write_text(f'tenants_file = "{_login_file(tmp_path / "tenants.toml", os.getuid())}"\n')
-    d: DaemonProcess = daemon_factory("--config", str(cfg), "--host-bytes", "16MiB",
-                                      "--slab-bytes", "1MiB", run_dir=tmp_path / "d")
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "16MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
     return d
 
 
@@ -548,10 +636,12 @@ def _raw_login(d: DaemonProcess) -> bytes:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_unix_peer_logs_in_as_its_tenant_without_a_token(logins: DaemonProcess,
-                                                          transport: str) -> None:
-    with kvtier.Client.connect(logins.unix, transport=transport,  # type: ignore[arg-type]
-                               unix_login=True) as u:
+def test_a_unix_peer_logs_in_as_its_tenant_without_a_token(logins: DaemonProcess, transport: str) -> None:
+    with kvtier.Client.connect(
+        logins.unix,
+        transport=transport,  # type: ignore[arg-type]
+        unix_login=True,
+    ) as u:
         ns = u.register(ns_of("team-u"))
         keys = ns.block_keys(list(range(16 * 4)))
         data = [bytes([i]) * ns.block_bytes for i in range(4)]
@@ -561,17 +651,22 @@ def test_a_unix_peer_logs_in_as_its_tenant_without_a_token(logins: DaemonProcess
     with client(logins, "team-a") as a:  # another tenant sees none of team-u's
         a.register(ns_of("team-a"))
         assert len(a.stats()["namespaces"]) == 1
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", logins.unix,
-                          "--unix-login", "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", logins.unix, "--unix-login", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert '"namespaces"' in out.stdout
 
 
 def test_a_minted_token_is_a_credential_only_while_its_tenant_logs_in_so(
-        logins: DaemonProcess, tmp_path: Path) -> None:
+    logins: DaemonProcess, tmp_path: Path
+) -> None:
     reply = _raw_login(logins)
     magic, n = wire.LOGIN_REPLY.unpack_from(reply)
-    token = reply[wire.LOGIN_REPLY.size:].decode()
+    token = reply[wire.LOGIN_REPLY.size :].decode()
     assert magic == wire.LOGIN_MAGIC and n == len(token) and token.startswith("unix.")
     ok = Raw(logins, None)
     ok.md = (("authorization", f"Bearer {token}"),)

@@ -44,9 +44,20 @@ class SlowDiskDaemon(DaemonProcess):
 @pytest.fixture
 def slow(tmp_path: Path) -> Iterator[tuple[SlowDiskDaemon, Path]]:
     latency = tmp_path / "read-latency-ms"  # absent: no latency (the start reads the disk)
-    d = SlowDiskDaemon(tmp_path / "run", latency, "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "16MiB",
-                       "--write-policy", "write-back").start()
+    d = SlowDiskDaemon(
+        tmp_path / "run",
+        latency,
+        "--host-bytes",
+        "2MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--write-policy",
+        "write-back",
+    ).start()
     try:
         yield d, latency
     finally:
@@ -60,10 +71,12 @@ def nvme_latency(client: kvtier.Client) -> float | None:
 
 @pytest.mark.parametrize("control_channel", [True, False], ids=["control", "grpc"])
 def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
-        slow: tuple[SlowDiskDaemon, Path], control_channel: bool) -> None:
+    slow: tuple[SlowDiskDaemon, Path], control_channel: bool
+) -> None:
     d, latency = slow
-    with kvtier.Client.connect(d.unix, "shm", lease_ttl_s=0.6, local_lookups=False,
-                               control_channel=control_channel) as client:
+    with kvtier.Client.connect(
+        d.unix, "shm", lease_ttl_s=0.6, local_lookups=False, control_channel=control_channel
+    ) as client:
         assert (client.session._control is not None) == control_channel
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
@@ -98,14 +111,14 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
             took = max(took, time.monotonic() - t0)
             assert time.monotonic() - t0 >= SLOW_MS / 1000  # the disk is slow: a load waits
         client.session._figures.forget()  # (the loads' heartbeats brought some: wait for the thread's)
-        wait_for("the slow NVMe figure", lambda: (nvme_latency(client) or 0) >= 0.9 * SLOW_MS / 1000,
-                 timeout=1.0)  # a heartbeat comes every 0.2 s
+        wait_for(
+            "the slow NVMe figure", lambda: (nvme_latency(client) or 0) >= 0.9 * SLOW_MS / 1000, timeout=1.0
+        )  # a heartbeat comes every 0.2 s
         fig = client.tier_figures()["nvme"]
         assert fig.reads == 4 and fig.bytes_per_s > 0 and fig.age_s < 1.0
         assert fig.latency_s <= took  # measured inside the daemon: less than end to end
         for n in SIZES:  # what the figures predict for a load is what one took
-            assert SLOW_MS / 1000 * 0.9 < fig.latency_s + n * ns.block_bytes / fig.bytes_per_s \
-                <= took + 0.02
+            assert SLOW_MS / 1000 * 0.9 < fig.latency_s + n * ns.block_bytes / fig.bytes_per_s <= took + 0.02
 
         reply = client.session.call("Heartbeat", pb.HeartbeatRequest())  # the same path as the loop
         assert [f.tier for f in reply.tier_figures] == [pb.TIER_NVME]
@@ -127,14 +140,14 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
 
         status, text = scrape_metrics(d, None)
         assert status == 200
-        line = next(ln for ln in text.splitlines()
-                    if ln.startswith('kvtier_tier_read_latency_seconds{tier="nvme"}'))
+        line = next(
+            ln for ln in text.splitlines() if ln.startswith('kvtier_tier_read_latency_seconds{tier="nvme"}')
+        )
         assert 0 < float(line.split()[-1]) < 0.025
         assert 'kvtier_tier_read_bytes_per_second{tier="nvme"}' in text
 
 
-def test_a_host_only_load_never_waits_on_the_slow_disk(
-        slow: tuple[SlowDiskDaemon, Path]) -> None:
+def test_a_host_only_load_never_waits_on_the_slow_disk(slow: tuple[SlowDiskDaemon, Path]) -> None:
     """``host_only`` (a sync load planned from host hits, issue 30): blocks held only on a slow
     NVMe tier are misses at once, the breaker stays closed and nothing is promoted; the same
     load without it waits for the disk and gets them."""
@@ -146,8 +159,11 @@ def test_a_host_only_load_never_waits_on_the_slow_disk(
             data = [hashlib.shake_256(b"h%d" % j).digest(ns.block_bytes) for j in range(i, i + 16)]
             assert ns.put(keys[i : i + 16], data).stored == 16
         last = keys[-4:]  # still in the host tier
-        wait_for("the first blocks on NVMe only",
-                 lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4, timeout=10.0)
+        wait_for(
+            "the first blocks on NVMe only",
+            lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4,
+            timeout=10.0,
+        )
         latency.write_text("500")
         time.sleep(0.15)
         bufs = [bytearray(ns.block_bytes) for _ in range(4)]
@@ -164,22 +180,25 @@ def test_a_host_only_load_never_waits_on_the_slow_disk(
 
 @pytest.mark.parametrize("control_channel", [True, False], ids=["control", "grpc"])
 def test_a_load_that_outlasts_its_deadline_on_a_slow_disk_is_answered_by_it(
-        slow: tuple[SlowDiskDaemon, Path], control_channel: bool) -> None:
+    slow: tuple[SlowDiskDaemon, Path], control_channel: bool
+) -> None:
     """A load whose blocks need NVMe reads longer than its deadline (a sync load in an engine
     step, issue 30): the daemon answers by the deadline (``deadline_cut``) with what the host
     tier holds, pins nothing it did not answer, lets the reads go on, and the client counts the
     load out of time and keeps its breaker closed (a slow tier is not a daemon away: lookups
     and stores go on). Before this, the deadline passed in silence and the breaker opened."""
     d, latency = slow
-    with kvtier.Client.connect(d.unix, "shm", local_lookups=False,
-                               control_channel=control_channel) as client:
+    with kvtier.Client.connect(d.unix, "shm", local_lookups=False, control_channel=control_channel) as client:
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
         for i in range(0, len(keys), 16):
             data = [hashlib.shake_256(b"d%d" % j).digest(ns.block_bytes) for j in range(i, i + 16)]
             assert ns.put(keys[i : i + 16], data).stored == 16
-        wait_for("the first blocks on NVMe only",
-                 lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4, timeout=10.0)
+        wait_for(
+            "the first blocks on NVMe only",
+            lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4,
+            timeout=10.0,
+        )
         latency.write_text("400")
         time.sleep(0.15)
         bufs = [bytearray(ns.block_bytes) for _ in range(4)]
@@ -191,7 +210,6 @@ def test_a_load_that_outlasts_its_deadline_on_a_slow_disk_is_answered_by_it(
         assert client.counters.out_of_time == late + 1
         assert client.stats()["pinned_blocks"] == 0  # nothing left pinned
         # the reads went on: the blocks reach the host tier, and a host-only load gets them
-        wait_for("the promoted blocks", lambda: ns.lookup_detail(keys[:4]).tiers == ["host"] * 4,
-                 timeout=3.0)
+        wait_for("the promoted blocks", lambda: ns.lookup_detail(keys[:4]).tiers == ["host"] * 4, timeout=3.0)
         assert ns.get_into(keys[:4], bufs, host_only=True) == [True] * 4
         assert bufs[0] == hashlib.shake_256(b"d0").digest(ns.block_bytes)

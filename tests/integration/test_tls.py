@@ -36,21 +36,25 @@ def tls_daemon(daemon_factory: Any, tmp_path: Path, pki: Path, *, require: bool)
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(
         '[[tenant]]\nname = "team-a"\nmtls_names = ["kvtier test client"]\n'
-        f'tokens_sha256 = ["{hashlib.sha256(b"tok-a").hexdigest()}"]\n')
+        f'tokens_sha256 = ["{hashlib.sha256(b"tok-a").hexdigest()}"]\n'
+    )
     cfg = tmp_path / "kvtierd.toml"
     mtls = f'tls_client_ca = "{pki / "ca.crt"}"\ntls_require_client_cert = true\n'
-    cfg.write_text(f'tls_cert = "{pki / "server.crt"}"\ntls_key = "{pki / "server.key"}"\n'
-                   f'{mtls if require else ""}tenants_file = "{tenants}"\n'
-                   'listen = "127.0.0.1:0"\n')
-    return daemon_factory("--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB",
-                          run_dir=tmp_path / "d")
+    cfg.write_text(
+        f'tls_cert = "{pki / "server.crt"}"\ntls_key = "{pki / "server.key"}"\n'
+        f'{mtls if require else ""}tenants_file = "{tenants}"\n'
+        'listen = "127.0.0.1:0"\n'
+    )
+    return daemon_factory(
+        "--config", str(cfg), "--host-bytes", "64MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
 
 
 def test_mtls_identifies_the_tenant_and_plaintext_or_no_certificate_fails(
-        daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
+    daemon_factory: Any, tmp_path: Path, pki: Path
+) -> None:
     d = tls_daemon(daemon_factory, tmp_path, pki, require=True)
-    tls = dict(tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "client.crt"),
-               tls_key=str(pki / "client.key"))
+    tls = dict(tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "client.crt"), tls_key=str(pki / "client.key"))
     with kvtier.Client.connect(d.grpc, transport="tcp", **tls) as c:  # no token: the cert
         ns = c.register(make_namespace(tenant="team-a"))
         keys = ns.block_keys(list(range(16 * 4)))
@@ -58,25 +62,35 @@ def test_mtls_identifies_the_tenant_and_plaintext_or_no_certificate_fails(
         assert [bytes(g) if g else None for g in ns.get(keys)] == [b"\x03" * ns.block_bytes] * 4
         assert [n["namespace_id"] for n in c.stats()["namespaces"]] == [ns.namespace_id]
     for kwargs in ({}, {"tls_ca": str(pki / "ca.crt")}):  # plaintext; TLS without a cert
-        with kvtier.Client.connect(d.grpc, transport="tcp", timeout_s=2, lazy=True,
-                                   **kwargs) as c:
+        with kvtier.Client.connect(d.grpc, transport="tcp", timeout_s=2, lazy=True, **kwargs) as c:
             with pytest.raises((errors.Unavailable, errors.Unauthenticated)):
                 c.stats()
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--address", d.grpc,
-                          "--json", *[f"--{k.replace('_', '-')}={v}" for k, v in tls.items()]],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "stats",
+            "--address",
+            d.grpc,
+            "--json",
+            *[f"--{k.replace('_', '-')}={v}" for k, v in tls.items()],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
 
 
-def test_tls_without_client_certificates_takes_tokens(daemon_factory: Any, tmp_path: Path,
-                                                       pki: Path) -> None:
+def test_tls_without_client_certificates_takes_tokens(daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
     d = tls_daemon(daemon_factory, tmp_path, pki, require=False)
-    with kvtier.Client.connect(d.grpc, transport="tcp", tls_ca=str(pki / "ca.crt"),
-                               token="tok-a") as c:
+    with kvtier.Client.connect(d.grpc, transport="tcp", tls_ca=str(pki / "ca.crt"), token="tok-a") as c:
         assert c.register(make_namespace(tenant="team-a")).namespace_id
         assert c.stats()["namespaces"]
-    with kvtier.Client.connect(d.grpc, transport="tcp", tls_ca=str(pki / "ca.crt"),
-                               timeout_s=2, lazy=True) as c:
+    with kvtier.Client.connect(
+        d.grpc, transport="tcp", tls_ca=str(pki / "ca.crt"), timeout_s=2, lazy=True
+    ) as c:
         with pytest.raises(errors.Unauthenticated):
             c.stats()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -88,7 +102,8 @@ def test_tls_without_client_certificates_takes_tokens(daemon_factory: Any, tmp_p
 
 
 def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
-        daemon_factory: Any, tmp_path: Path, pki: Path) -> None:
+    daemon_factory: Any, tmp_path: Path, pki: Path
+) -> None:
     """Stores and loads over tcp cross TLS (verified against the client's CA), from a client on
     the TLS listener or on the Unix socket; plaintext to the data port gets no frame back, and a
     client that cannot verify the daemon's certificate gets misses, never an exception."""
@@ -99,8 +114,7 @@ def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
 
     d = tls_daemon(daemon_factory, tmp_path, pki, require=False)
     for address in (d.grpc, d.unix):
-        with kvtier.Client.connect(address, transport="tcp", tls_ca=str(pki / "ca.crt"),
-                                   token="tok-a") as c:
+        with kvtier.Client.connect(address, transport="tcp", tls_ca=str(pki / "ca.crt"), token="tok-a") as c:
             ns = c.register(make_namespace(tenant="team-a", model_revision=address[-6:]))
             keys = ns.block_keys(list(range(16 * 8)))
             data = [hashlib.shake_256(b"%d" % i).digest(ns.block_bytes) for i in range(8)]
@@ -116,13 +130,16 @@ def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
             reply = b""
         assert not reply.startswith(wire.MAGIC)  # a TLS alert or nothing, never a frame
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-    with socket.create_connection((host, int(port)), timeout=5) as raw, \
-            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:  # TLS, a guessed secret
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s,
+    ):  # TLS, a guessed secret
         s.sendall(wire.hello(1, bytes(32)))
         op, *_ = wire.unpack(s.recv(wire.HEADER.size))
         assert op is wire.Op.ERROR
-    with kvtier.Client.connect(d.unix, transport="tcp", token="tok-a", timeout_s=2,
-                               lazy=True) as c:  # (without lazy: an error naming tls_ca)
+    with kvtier.Client.connect(
+        d.unix, transport="tcp", token="tok-a", timeout_s=2, lazy=True
+    ) as c:  # (without lazy: an error naming tls_ca)
         ns = c.register(make_namespace(tenant="team-a"))  # no CA: the system's cannot verify
         keys = ns.block_keys(list(range(16)))
         assert ns.put(keys, [b"\x01" * ns.block_bytes]).stored == 0
@@ -131,16 +148,38 @@ def test_the_data_channel_serves_tls_whenever_the_grpc_listener_does(
 
 
 def test_a_plaintext_non_loopback_listener_is_refused_unless_allowed(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "kvtierd", "serve", "--socket", str(tmp_path / "k.sock"),
-            "--metrics-port", "-1", "--host-bytes", "64MiB", "--slab-bytes", "1MiB"]
-    for flags, field in ((["--listen", "0.0.0.0:0"], "listen"),
-                         (["--listen", "", "--data-listen", "0.0.0.0:0"], "data_listen")):
+    base = [
+        sys.executable,
+        "-m",
+        "kvtierd",
+        "serve",
+        "--socket",
+        str(tmp_path / "k.sock"),
+        "--metrics-port",
+        "-1",
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+    ]
+    for flags, field in (
+        (["--listen", "0.0.0.0:0"], "listen"),
+        (["--listen", "", "--data-listen", "0.0.0.0:0"], "data_listen"),
+    ):
         out = subprocess.run(base + flags, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and f"configuration error: {field}:" in out.stderr, out.stderr
     from conftest import DaemonProcess
 
-    d = DaemonProcess(tmp_path / "d", "--listen", "0.0.0.0:0", "--allow-plaintext-remote",
-                      "--host-bytes", "64MiB", "--slab-bytes", "1MiB").start()
+    d = DaemonProcess(
+        tmp_path / "d",
+        "--listen",
+        "0.0.0.0:0",
+        "--allow-plaintext-remote",
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+    ).start()
     try:
         log = (tmp_path / "d" / "kvtierd.log").read_text()
         assert "in plaintext (allow_plaintext_remote)" in log
@@ -155,7 +194,8 @@ def test_reflection_is_on_the_unix_socket_only(daemon: Any) -> None:
         with grpc.insecure_channel(target) as ch:
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
             replies = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             return [s.name for r in replies for s in r.list_services_response.service]
 
     assert "kvtier.v1.Kvtier" in services(daemon.unix)

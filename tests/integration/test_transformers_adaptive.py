@@ -44,10 +44,20 @@ def mlp_heavy_llama() -> Any:
     """Compute-heavy, KV-light: 2 layers, 1 KV head of 64 (16 KiB fp32 blocks of 16 tokens), a
     2048-wide MLP, so a host-tier restore is clearly faster than recomputing."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    ).eval()
 
 
 def prompt(seed: int, n: int = 70) -> Any:  # 4 full blocks + 6 tokens
@@ -56,9 +66,16 @@ def prompt(seed: int, n: int = 70) -> Any:  # 4 full blocks + 6 tokens
 
 
 def cache(address: str, model: Any, policy: str) -> KvtierPrefixCache:
-    return KvtierPrefixCache(address, model, model_revision=REV, tokenizer_digest="none",
-                             model_id="test/mlp-heavy", tokens_per_block=T, load_policy=policy,
-                             probe_after_s=60.0)
+    return KvtierPrefixCache(
+        address,
+        model,
+        model_revision=REV,
+        tokenizer_digest="none",
+        model_id="test/mlp-heavy",
+        tokens_per_block=T,
+        load_policy=policy,
+        probe_after_s=60.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +89,24 @@ def model() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def slow(tmp_path_factory: pytest.TempPathFactory, model: Any
-         ) -> Iterator[tuple[SlowReadDaemon, dict[int, Any]]]:
+def slow(
+    tmp_path_factory: pytest.TempPathFactory, model: Any
+) -> Iterator[tuple[SlowReadDaemon, dict[int, Any]]]:
     """The slow daemon holding prompts 10..15 on its NVMe tier only; their plain outputs."""
     work: Path = tmp_path_factory.mktemp("tf_adaptive")
-    d = SlowReadDaemon(work / "daemon", "--host-bytes", "1MiB", "--slab-bytes", "256KiB",
-                       "--disk-dir", str(work / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        work / "daemon",
+        "--host-bytes",
+        "1MiB",
+        "--slab-bytes",
+        "256KiB",
+        "--disk-dir",
+        str(work / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     try:
         expected = {}
         with cache(d.unix, model, "never") as pc:
@@ -91,8 +119,13 @@ def slow(tmp_path_factory: pytest.TempPathFactory, model: Any
                 h.put(h.block_keys(list(range(160 * 16))), filler)
             deadline = time.monotonic() + 20
             while True:
-                tiers = [t for seed in range(10, 16) for t in pc.handle.lookup_detail(
-                    pc.handle.block_keys(prompt(seed)[0, :64].tolist())).tiers]
+                tiers = [
+                    t
+                    for seed in range(10, 16)
+                    for t in pc.handle.lookup_detail(
+                        pc.handle.block_keys(prompt(seed)[0, :64].tolist())
+                    ).tiers
+                ]
                 if tiers == ["nvme"] * 24 or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -116,7 +149,8 @@ def timed_generate(pc: KvtierPrefixCache, seed: int) -> tuple[Any, float]:
 
 
 def test_slow_tier_adaptive_recomputes_where_always_loads_slowly(
-        slow: tuple[SlowReadDaemon, dict[int, Any]], model: Any) -> None:
+    slow: tuple[SlowReadDaemon, dict[int, Any]], model: Any
+) -> None:
     d, expected = slow
     with cache(d.unix, model, "always") as always:
         outs = [timed_generate(always, seed) for seed in (10, 11)]
@@ -141,8 +175,10 @@ def test_slow_tier_adaptive_recomputes_where_always_loads_slowly(
         assert c.tokens_recomputed_slower == 3 * 64
         assert adaptive.decider.stats.by_reason.get("slower") == 3
         adaptive_s = [s for _, s in outs]
-    print(f"\nslow NVMe tier: always {[round(s, 3) for s in always_s]} s per generate, "
-          f"adaptive {[round(s, 3) for s in adaptive_s]} s")
+    print(
+        f"\nslow NVMe tier: always {[round(s, 3) for s in always_s]} s per generate, "
+        f"adaptive {[round(s, 3) for s in adaptive_s]} s"
+    )
     assert sum(adaptive_s) / 3 < sum(always_s) / 2
 
     with cache(d.unix, model, "never") as never:

@@ -20,11 +20,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import DaemonProcess  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from kvtier.integrations.transformers import (  # noqa: E402
-    LAYOUT_MLA,
-    ConfigError,
-    KvtierPrefixCache,
-)
+from kvtier.integrations.transformers import LAYOUT_MLA, ConfigError, KvtierPrefixCache  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,23 +28,48 @@ T = 16
 REV = "0123456789abcdef0123456789abcdef01234567"
 GEN = dict(max_new_tokens=8, do_sample=False)
 # Small MLA shapes: 4 heads, a 32-wide latent and an 8-wide rope key per token and layer.
-MLA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=2048,
-           bos_token_id=None, eos_token_id=None, pad_token_id=0)
+MLA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=2048,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
 
 
 def deepseek_v3() -> Any:
-    cfg = transformers.DeepseekV3Config(**MLA, n_routed_experts=4, num_experts_per_tok=2,
-                                        n_group=1, topk_group=1, moe_intermediate_size=32,
-                                        first_k_dense_replace=1)
+    cfg = transformers.DeepseekV3Config(
+        **MLA,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    )
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
 def deepseek_v2() -> Any:
-    cfg = transformers.DeepseekV2Config(**MLA, n_routed_experts=4, num_experts_per_tok=2,
-                                        n_group=1, topk_group=1, moe_intermediate_size=32,
-                                        first_k_dense_replace=1)
+    cfg = transformers.DeepseekV2Config(
+        **MLA,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    )
     return transformers.DeepseekV2ForCausalLM(cfg)
 
 
@@ -71,14 +92,18 @@ def prompt(n: int, seed: int = 1) -> Any:
 
 
 def prefix_cache(address: str, model: Any, **options: Any) -> KvtierPrefixCache:
-    options = {"model_revision": REV, "tokenizer_digest": "none", "model_id": "test/tiny-mla",
-               "tokens_per_block": T, **options}
+    options = {
+        "model_revision": REV,
+        "tokenizer_digest": "none",
+        "model_id": "test/tiny-mla",
+        "tokens_per_block": T,
+        **options,
+    }
     return KvtierPrefixCache(address, model, **options)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_mla_models_store_and_restore_the_latent_the_cache_holds(daemon: DaemonProcess,
-                                                                 name: str) -> None:
+def test_mla_models_store_and_restore_the_latent_the_cache_holds(daemon: DaemonProcess, name: str) -> None:
     model = build(name)
     ids = prompt(70)
     with torch.no_grad():
@@ -117,7 +142,8 @@ def test_an_odd_latent_row_is_refused_at_construction() -> None:
 
 
 def test_a_store_failing_after_generate_logs_and_returns_the_output(
-        daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     """Whatever goes wrong storing after generate (here: a cache of another geometry than the
     one derived at construction, as an architecture kvtier does not know could produce), the
     generated output is returned and the failure is logged with its reason."""

@@ -21,11 +21,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import DaemonProcess  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig  # noqa: E402
 
-from kvtier.integrations.transformers import (  # noqa: E402
-    LAYOUT,
-    ConfigError,
-    KvtierPrefixCache,
-)
+from kvtier.integrations.transformers import LAYOUT, ConfigError, KvtierPrefixCache  # noqa: E402
 from kvtier_contract.errors import InvalidArgument  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,10 +33,18 @@ GEN = dict(max_new_tokens=8, do_sample=False)
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
     """2 layers, 2 KV heads of 16: 256 B of fp32 KV per token per layer."""
-    fields: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, max_position_embeddings=2048,
-                                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    fields: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     fields.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**fields)).eval()
@@ -68,8 +72,13 @@ def prompt(n: int, seed: int = 1) -> Any:
 
 
 def prefix_cache(address: str, model: Any, **options: Any) -> KvtierPrefixCache:
-    options = {"model_revision": REV, "tokenizer_digest": "none", "model_id": "test/tiny-llama",
-               "tokens_per_block": T, **options}
+    options = {
+        "model_revision": REV,
+        "tokenizer_digest": "none",
+        "model_id": "test/tiny-llama",
+        "tokens_per_block": T,
+        **options,
+    }
     return KvtierPrefixCache(address, model, **options)
 
 
@@ -85,7 +94,8 @@ def pc(daemon: DaemonProcess, model: Any) -> Iterator[KvtierPrefixCache]:
 
 
 def test_restored_prefix_gives_identical_output_and_computes_fewer_tokens(
-        daemon: DaemonProcess, model: Any, transport: str) -> None:
+    daemon: DaemonProcess, model: Any, transport: str
+) -> None:
     with prefix_cache(daemon.address(transport), model, transport=transport) as pc:
         check_generate_twice(pc, model)
 
@@ -111,7 +121,8 @@ def check_generate_twice(pc: KvtierPrefixCache, model: Any) -> None:
 
 
 def test_a_shared_prefix_is_restored_up_to_where_the_prompts_diverge(
-        pc: KvtierPrefixCache, model: Any) -> None:
+    pc: KvtierPrefixCache, model: Any
+) -> None:
     first = prompt(70)
     pc.generate(first, **GEN)
     other = torch.cat([first[:, :40], prompt(30, seed=2)], dim=1)  # same first 40 tokens
@@ -134,8 +145,7 @@ def test_the_last_prompt_token_is_always_computed(pc: KvtierPrefixCache, model: 
     assert computed.take()[0] == 16
 
 
-def test_restored_kv_is_bit_identical_to_the_computed_kv(pc: KvtierPrefixCache,
-                                                         model: Any) -> None:
+def test_restored_kv_is_bit_identical_to_the_computed_kv(pc: KvtierPrefixCache, model: Any) -> None:
     ids = prompt(50)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -148,9 +158,9 @@ def test_restored_kv_is_bit_identical_to_the_computed_kv(pc: KvtierPrefixCache,
         assert torch.equal(mine.values, theirs.values[:, :, :48])
 
 
-def test_another_revision_config_or_tokenizer_gets_no_hits(daemon: DaemonProcess,
-                                                           pc: KvtierPrefixCache,
-                                                           model: Any) -> None:
+def test_another_revision_config_or_tokenizer_gets_no_hits(
+    daemon: DaemonProcess, pc: KvtierPrefixCache, model: Any
+) -> None:
     ids = prompt(70)
     pc.generate(ids, **GEN)
     assert pc.restore(ids)[1] == 64  # the positive control: the same identity hits
@@ -185,9 +195,17 @@ def test_identity_fails_closed(model: Any) -> None:
     with pytest.raises(ConfigError, match="options.*known options"):
         prefix_cache(address, model, block_size=16)
     torch.manual_seed(0)
-    sliding = transformers.MistralForCausalLM(MistralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=32))
+    sliding = transformers.MistralForCausalLM(
+        MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=32,
+        )
+    )
     with pytest.raises(ConfigError, match="full-attention"):
         prefix_cache(address, sliding)
 
@@ -209,7 +227,8 @@ def test_daemon_away_is_a_miss_and_a_dropped_store(daemon: DaemonProcess, model:
 
 
 def test_a_wrong_address_is_said_once_and_generate_recomputes(
-        tmp_path: Any, model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Any, model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """The engine must not fail: a cache built on an address with no daemon is built, says why
     once at WARNING (not per call), and every generate computes in full."""
     caplog.set_level(logging.WARNING, logger="kvtier.client")
@@ -220,8 +239,9 @@ def test_a_wrong_address_is_said_once_and_generate_recomputes(
         for _ in range(3):
             assert torch.equal(pc.generate(ids, **GEN), expected)
         assert pc.counters.restored_tokens == 0
-    said = [r.getMessage() for r in caplog.records
-            if r.name == "kvtier.client" and r.levelno == logging.WARNING]
+    said = [
+        r.getMessage() for r in caplog.records if r.name == "kvtier.client" and r.levelno == logging.WARNING
+    ]
     assert len(said) == 1 and "no socket file" in said[0] and "kvtierd running" in said[0], said
 
 
@@ -243,8 +263,9 @@ def test_calls_it_cannot_cache_run_uncached(pc: KvtierPrefixCache, model: Any) -
         pc.generate(ids, past_key_values=DynamicCache(), **GEN)
 
 
-def test_store_and_restore_a_thousand_token_prompt(pc: KvtierPrefixCache, model: Any,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_store_and_restore_a_thousand_token_prompt(
+    pc: KvtierPrefixCache, model: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     ids = prompt(1025)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -259,18 +280,21 @@ def test_store_and_restore_a_thousand_token_prompt(pc: KvtierPrefixCache, model:
     assert torch.equal(restored.layers[1].values, cache.layers[1].values[:, :, :1024])
     with capsys.disabled():
         mib = 1024 * pc.namespace.bytes_per_token / 2**20
-        print(f"\n1,024 tokens ({mib:.1f} MiB): store {put_s * 1000:.1f} ms, "
-              f"restore {get_s * 1000:.1f} ms")
+        print(f"\n1,024 tokens ({mib:.1f} MiB): store {put_s * 1000:.1f} ms, restore {get_s * 1000:.1f} ms")
 
 
-@pytest.mark.parametrize(("options", "stored", "restored"), [
-    ({}, 4, 48),  # 60 prompt + 7 generated tokens in the cache: 4 blocks; 3 restorable
-    ({"store_generated": False}, 3, 48),  # the prompt's 3 blocks only
-    ({"load": False}, 4, 0),  # write-only: stores, never restores
-    ({"store": False}, 0, 0),  # read-only: nothing stored, so nothing to restore
-])
-def test_load_and_store_options(daemon: DaemonProcess, model: Any, options: dict[str, Any],
-                                stored: int, restored: int) -> None:
+@pytest.mark.parametrize(
+    ("options", "stored", "restored"),
+    [
+        ({}, 4, 48),  # 60 prompt + 7 generated tokens in the cache: 4 blocks; 3 restorable
+        ({"store_generated": False}, 3, 48),  # the prompt's 3 blocks only
+        ({"load": False}, 4, 0),  # write-only: stores, never restores
+        ({"store": False}, 0, 0),  # read-only: nothing stored, so nothing to restore
+    ],
+)
+def test_load_and_store_options(
+    daemon: DaemonProcess, model: Any, options: dict[str, Any], stored: int, restored: int
+) -> None:
     ids = prompt(60)
     with prefix_cache(daemon.unix, model, **options) as pc:
         pc.generate(ids, **GEN)
@@ -279,14 +303,18 @@ def test_load_and_store_options(daemon: DaemonProcess, model: Any, options: dict
 
 
 def test_importing_without_transformers_says_what_to_install() -> None:
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import kvtier.integrations.transformers as m\n"
-            "print(m.LAYOUT, 'torch' in sys.modules)\n"
-            "try:\n    m.KvtierPrefixCache\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=60).stdout
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import kvtier.integrations.transformers as m\n"
+        "print(m.LAYOUT, 'torch' in sys.modules)\n"
+        "try:\n    m.KvtierPrefixCache\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert out.splitlines() == [
         f"{LAYOUT} False",  # the plain-Python part imports without torch or transformers
         "kvtier.integrations.transformers.KvtierPrefixCache needs transformers: "
-        "pip install 'kvtier[transformers]'"]
+        "pip install 'kvtier[transformers]'",
+    ]

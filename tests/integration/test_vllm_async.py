@@ -52,9 +52,19 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stored(workdir: Path) -> Iterator[tuple[SlowReadDaemon, list[list[int]]]]:
     """The slow daemon holding LONG (on the NVMe tier only) and FILLERS; LONG's recomputed
     outputs."""
-    d = SlowReadDaemon(workdir / "daemon", "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       "--disk-dir", str(workdir / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        workdir / "daemon",
+        "--host-bytes",
+        "2MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(workdir / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     try:
         eng = Engine(workdir / "model", connector(d), workdir / "engine_store.log")
         try:
@@ -70,27 +80,39 @@ def stored(workdir: Path) -> Iterator[tuple[SlowReadDaemon, list[list[int]]]]:
 
 
 def test_async_load_keeps_other_requests_decoding(
-        workdir: Path, stored: tuple[SlowReadDaemon, list[list[int]]]) -> None:
+    workdir: Path, stored: tuple[SlowReadDaemon, list[list[int]]]
+) -> None:
     d, recomputed = stored
     results: dict[str, dict[str, Any]] = {}
     for mode, i in (("async", 0), ("sync", 1)):
         # sync: a step budget that lets the whole slow load run on the engine thread (the
         # default 100 ms would give it up and recompute)
         # load_policy always: what is tested is a load held in flight, not whether to load
-        extra = {"load_mode": mode, "step_budget_ms": 60000, "request_timeout_ms": 60000,
-                 "load_policy": "always"}
+        extra = {
+            "load_mode": mode,
+            "step_budget_ms": 60000,
+            "request_timeout_ms": 60000,
+            "load_policy": "always",
+        }
         eng = Engine(workdir / "model", connector(d, **extra), workdir / f"engine_{mode}.log")
         try:
             # (1,500 tokens: the decode outlasts the >= 2 s load even at ~1.5 ms per token)
-            out = eng.interleave(tokens(BLOCK + 10, 500 + i), LONG[i], first_max_tokens=1500,
-                                 second_max_tokens=4, second_after_tokens=8)
+            out = eng.interleave(
+                tokens(BLOCK + 10, 500 + i),
+                LONG[i],
+                first_max_tokens=1500,
+                second_max_tokens=4,
+                second_after_tokens=8,
+            )
             metrics = eng.metrics()
         finally:
             eng.close()
         results[mode] = out
-        print(f"\n{mode}: long prompt TTFT {out['ttft_s']:.2f} s, the decoding request made "
-              f"{out['first_tokens_before_ttft']} tokens meanwhile (longest gap "
-              f"{out['first_gap_s'] * 1000:.0f} ms)")
+        print(
+            f"\n{mode}: long prompt TTFT {out['ttft_s']:.2f} s, the decoding request made "
+            f"{out['first_tokens_before_ttft']} tokens meanwhile (longest gap "
+            f"{out['first_gap_s'] * 1000:.0f} ms)"
+        )
         assert out["cached"][1] == 12 * BLOCK, mode  # all 12 blocks loaded from kvtier
         assert out["outputs"][1] == recomputed[i], mode  # identical to the recompute
         assert metrics["vllm:kvtier_loaded_tokens"] >= 12 * BLOCK
@@ -106,23 +128,30 @@ def test_async_load_keeps_other_requests_decoding(
 
 
 def test_failed_async_load_falls_back_to_recompute(
-        workdir: Path, stored: tuple[SlowReadDaemon, list[list[int]]]) -> None:
+    workdir: Path, stored: tuple[SlowReadDaemon, list[list[int]]]
+) -> None:
     """The daemon is killed while the long prompt's async load waits on the slow disk: the
     load fails, vLLM recomputes those blocks, and the output equals the recompute."""
     d, recomputed = stored
-    eng = Engine(workdir / "model", connector(d, load_mode="async", load_policy="always"),
-                 workdir / "engine_async_fail.log")
+    eng = Engine(
+        workdir / "model",
+        connector(d, load_mode="async", load_policy="always"),
+        workdir / "engine_async_fail.log",
+    )
     try:
         killer = threading.Timer(1.2, d.kill)  # LONG[2] loads for >= 2 s from ~0.4 s on
         killer.start()
-        out = eng.interleave(tokens(BLOCK + 10, 600), LONG[2], first_max_tokens=300,
-                             second_max_tokens=4, second_after_tokens=8)
+        out = eng.interleave(
+            tokens(BLOCK + 10, 600), LONG[2], first_max_tokens=300, second_max_tokens=4, second_after_tokens=8
+        )
         killer.join()
         metrics = eng.metrics()
     finally:
         eng.close()
-    print(f"\nfailed load: long prompt TTFT {out['ttft_s']:.2f} s, "
-          f"{metrics.get('vllm:kvtier_load_failed_blocks')} blocks failed")
+    print(
+        f"\nfailed load: long prompt TTFT {out['ttft_s']:.2f} s, "
+        f"{metrics.get('vllm:kvtier_load_failed_blocks')} blocks failed"
+    )
     assert out["outputs"][1] == recomputed[2]
     assert len(out["outputs"][0]) == 300
     assert metrics["vllm:kvtier_load_failed_blocks"] > 0

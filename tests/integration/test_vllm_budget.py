@@ -41,20 +41,25 @@ def within_budget(m: dict[str, float]) -> bool:
     return store_s <= max(0.0, FRACTION * step_s + banked - load_s) + one_job
 
 
-def serve(workdir: Path, d: DaemonProcess, name: str, budget: float | None, seed: int
-          ) -> dict[str, float]:
+def serve(workdir: Path, d: DaemonProcess, name: str, budget: float | None, seed: int) -> dict[str, float]:
     held = [tokens(4 * BLOCK, seed + i) for i in range(3)]
-    eng = Engine(workdir / "model", connector(d, load_policy="always",
-                                              interference_budget=budget),
-                 workdir / f"engine_budget_{name}.log", prefix_caching=False)
+    eng = Engine(
+        workdir / "model",
+        connector(d, load_policy="always", interference_budget=budget),
+        workdir / f"engine_budget_{name}.log",
+        prefix_caching=False,
+    )
     try:
         eng.generate(held, max_tokens=1)  # stored (a step where nobody decodes: not budgeted)
         assert wait_resident(d, 12) >= 12
         for i in range(3):
-            out = eng.interleave(tokens(BLOCK + 10, seed + 10 + i),
-                                 held[i] + tokens(4 * BLOCK + 10, seed + 20 + i),
-                                 first_max_tokens=300, second_max_tokens=2,
-                                 second_after_tokens=8)
+            out = eng.interleave(
+                tokens(BLOCK + 10, seed + 10 + i),
+                held[i] + tokens(4 * BLOCK + 10, seed + 20 + i),
+                first_max_tokens=300,
+                second_max_tokens=2,
+                second_after_tokens=8,
+            )
             assert out["cached"][1] == 4 * BLOCK  # the held blocks were loaded
         return eng.metrics()
     finally:
@@ -75,9 +80,11 @@ def test_stores_beyond_the_budget_are_dropped_while_a_request_decodes(tmp_path: 
         d.kill()
     keys = ("steps", "step_seconds", "load_seconds", "store_seconds", "store_jobs")
     for name, m in (("budget", with_budget), ("none", without)):
-        print(f"\n{name}: " + ", ".join(f"{k} {m.get(f'vllm:kvtier_budget_{k}', 0):.4g}"
-                                        for k in keys)
-              + f", dropped {m.get('vllm:kvtier_store_dropped_budget_blocks', 0)} blocks")
+        print(
+            f"\n{name}: "
+            + ", ".join(f"{k} {m.get(f'vllm:kvtier_budget_{k}', 0):.4g}" for k in keys)
+            + f", dropped {m.get('vllm:kvtier_store_dropped_budget_blocks', 0)} blocks"
+        )
     for m in (with_budget, without):
         assert m["vllm:kvtier_budget_steps"] >= 3 * 250  # the decoding requests' steps
         assert m["vllm:kvtier_budget_load_seconds"] > 0  # loads ran in them

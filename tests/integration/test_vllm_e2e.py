@@ -48,8 +48,11 @@ PATH = os.pathsep.join([str(HERE), str(ROOT / "client"), str(ROOT / "server")])
 if os.environ.get("KVTIER_SKIP_VLLM") == "1":
     pytest.skip("KVTIER_SKIP_VLLM=1", allow_module_level=True)
 if not os.access(VLLM_PYTHON, os.X_OK):
-    pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-env` "
-                "(or set KVTIER_SKIP_VLLM=1 to skip these tests)", pytrace=False)
+    pytest.fail(
+        f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-env` "
+        "(or set KVTIER_SKIP_VLLM=1 to skip these tests)",
+        pytrace=False,
+    )
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -66,32 +69,70 @@ R = tokens(2 * BLOCK + 7, 3)
 class Engine(DriverProcess):
     """One vLLM engine process driven over stdin/stdout (see vllm_driver.py)."""
 
-    def __init__(self, model: Path, connector: dict[str, Any] | None, log: Path, *,
-                 enable_lora: bool = False, num_blocks: int | None = None,
-                 prefix_caching: bool = True) -> None:
-        spec = {"model": str(model), "connector": connector, "max_model_len": 2048,
-                "enable_lora": enable_lora, "num_blocks": num_blocks,
-                "prefix_caching": prefix_caching}
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2",
-                   PYTHONPATH=PATH)
-        super().__init__([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)], log,
-                         env=env, cwd=log.parent, what="engine")
+    def __init__(
+        self,
+        model: Path,
+        connector: dict[str, Any] | None,
+        log: Path,
+        *,
+        enable_lora: bool = False,
+        num_blocks: int | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
+        spec = {
+            "model": str(model),
+            "connector": connector,
+            "max_model_len": 2048,
+            "enable_lora": enable_lora,
+            "num_blocks": num_blocks,
+            "prefix_caching": prefix_caching,
+        }
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", PYTHONPATH=PATH)
+        super().__init__(
+            [VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)],
+            log,
+            env=env,
+            cwd=log.parent,
+            what="engine",
+        )
 
-    def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
-                 lora: tuple[str, str] | None = None, max_tokens: int = 4,
-                 timeout_s: float = 120) -> dict[str, Any]:
-        return self.request({"op": "generate", "prompts": prompts, "salts": salts,
-                          "max_tokens": max_tokens, "lora": lora}, timeout_s)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        salts: list[str | None] | None = None,
+        lora: tuple[str, str] | None = None,
+        max_tokens: int = 4,
+        timeout_s: float = 120,
+    ) -> dict[str, Any]:
+        return self.request(
+            {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens, "lora": lora},
+            timeout_s,
+        )
 
-    def interleave(self, first: list[int], second: list[int], *, first_max_tokens: int,
-                   second_max_tokens: int = 4, second_after_tokens: int = 4,
-                   timeout_s: float = 180) -> dict[str, Any]:
+    def interleave(
+        self,
+        first: list[int],
+        second: list[int],
+        *,
+        first_max_tokens: int,
+        second_max_tokens: int = 4,
+        second_after_tokens: int = 4,
+        timeout_s: float = 180,
+    ) -> dict[str, Any]:
         """``first`` decodes; once it has ``second_after_tokens`` tokens ``second`` arrives (see
         vllm_driver.py ``interleave`` for what comes back)."""
-        return self.request({"op": "interleave", "first": first, "second": second,
-                          "first_max_tokens": first_max_tokens,
-                          "second_max_tokens": second_max_tokens,
-                          "second_after_tokens": second_after_tokens}, timeout_s)
+        return self.request(
+            {
+                "op": "interleave",
+                "first": first,
+                "second": second,
+                "first_max_tokens": first_max_tokens,
+                "second_max_tokens": second_max_tokens,
+                "second_after_tokens": second_after_tokens,
+            },
+            timeout_s,
+        )
 
     def metrics(self) -> dict[str, float]:
         return dict(self.request({"op": "metrics"})["metrics"])
@@ -123,9 +164,14 @@ def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
     # every store admitted: whether a hit is worth loading (this tiny model recomputes a block
     # in ~3 ms) and the interference budget (which drops stores made while a request decodes)
     # are test_vllm_slow_tier.py's and test_vllm_budget.py's subjects, which set both.
-    return {"address": address, "model_revision": "rev-a",
-            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "load_policy": "always",
-            "interference_budget": None, **kw}
+    return {
+        "address": address,
+        "model_revision": "rev-a",
+        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+        "load_policy": "always",
+        "interference_budget": None,
+        **kw,
+    }
 
 
 def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:
@@ -166,14 +212,14 @@ def stored_again(eng: Any, d: DaemonProcess, prompts: list[list[int]], blocks: i
     return got
 
 
-def test_engine_a_stores_its_prompt_blocks(engine_a: dict[str, Any],
-                                           shared_daemon: DaemonProcess) -> None:
+def test_engine_a_stores_its_prompt_blocks(engine_a: dict[str, Any], shared_daemon: DaemonProcess) -> None:
     assert engine_a["cached"] == [0, 0]  # nothing in the daemon yet
     assert wait_resident(shared_daemon, 5) == 5  # P: 3 full blocks, Q: 2
 
 
 def test_engine_b_loads_from_kvtier_with_identical_outputs(
-        workdir: Path, shared_daemon: DaemonProcess, engine_a: dict[str, Any]) -> None:
+    workdir: Path, shared_daemon: DaemonProcess, engine_a: dict[str, Any]
+) -> None:
     before = namespace_stats(shared_daemon)
     eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_b.log")
     try:
@@ -187,8 +233,7 @@ def test_engine_b_loads_from_kvtier_with_identical_outputs(
     assert out["cached"] == [3 * BLOCK, BLOCK]  # Q: the last block holds the token to compute
     assert out["outputs"] == engine_a["outputs"]
     after = namespace_stats(shared_daemon)
-    loaded = sum(after[k]["bytes_out_shm"] - before.get(k, {}).get("bytes_out_shm", 0)
-                 for k in after)
+    loaded = sum(after[k]["bytes_out_shm"] - before.get(k, {}).get("bytes_out_shm", 0) for k in after)
     assert loaded == 4 * BLOCK * BYTES_PER_TOKEN  # kvtier's Stats count the same traffic
     # vLLM's own figures: prompt tokens by source and the connector's KVConnectorStats counters
     assert vllm_metrics["vllm:prompt_tokens_by_source:external_kv_transfer"] == 4 * BLOCK
@@ -201,10 +246,12 @@ def test_engine_b_loads_from_kvtier_with_identical_outputs(
     assert salt_ns["blocks_hit_host"] == 0 and salt_ns["lookups"] >= 1
 
 
-def test_other_model_revision_gets_no_hits(workdir: Path, shared_daemon: DaemonProcess,
-                                           engine_a: dict[str, Any]) -> None:
-    eng = Engine(workdir / "model", connector(shared_daemon, model_revision="rev-b"),
-                 workdir / "engine_rev_b.log")
+def test_other_model_revision_gets_no_hits(
+    workdir: Path, shared_daemon: DaemonProcess, engine_a: dict[str, Any]
+) -> None:
+    eng = Engine(
+        workdir / "model", connector(shared_daemon, model_revision="rev-b"), workdir / "engine_rev_b.log"
+    )
     try:
         out = eng.generate([P, Q])
     finally:
@@ -213,14 +260,18 @@ def test_other_model_revision_gets_no_hits(workdir: Path, shared_daemon: DaemonP
     assert out["outputs"] == engine_a["outputs"]
 
 
-def test_lora_adapter_gets_no_base_hits(workdir: Path, shared_daemon: DaemonProcess,
-                                       engine_a: dict[str, Any]) -> None:
+def test_lora_adapter_gets_no_base_hits(
+    workdir: Path, shared_daemon: DaemonProcess, engine_a: dict[str, Any]
+) -> None:
     lora = str(workdir / "lora-sql")  # written by the vLLM environment (safetensors)
-    subprocess.run([VLLM_PYTHON, "-c", f"import vllm_driver; vllm_driver.write_lora_dir({lora!r})"],
-                   check=True, env=dict(os.environ, PYTHONPATH=str(HERE)), timeout=120)
+    subprocess.run(
+        [VLLM_PYTHON, "-c", f"import vllm_driver; vllm_driver.write_lora_dir({lora!r})"],
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        timeout=120,
+    )
     before = namespace_stats(shared_daemon)
-    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_lora.log",
-                 enable_lora=True)
+    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_lora.log", enable_lora=True)
     try:
         with_adapter = eng.generate([P], lora=("sql", lora))
         base = eng.generate([P])
@@ -262,7 +313,8 @@ def test_blocks_reused_under_pressure_are_stored_intact(workdir: Path) -> None:
 
 
 def test_daemon_down_and_killed_mid_run_never_fails_a_request(
-        workdir: Path, engine_a: dict[str, Any]) -> None:
+    workdir: Path, engine_a: dict[str, Any]
+) -> None:
     d = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
     address = d.unix
     d.kill()  # killed before the engine starts
@@ -314,8 +366,7 @@ def test_a_stopped_daemon_never_slows_the_engine(workdir: Path, engine_a: dict[s
     waiting on RPC deadlines. vLLM's own prefix cache is off, so P asks kvtier every time: it
     loads from kvtier before the stop, and again soon after SIGCONT."""
     d = DaemonProcess(workdir / "stall", "--host-bytes", "64MiB").start()
-    eng = Engine(workdir / "model", connector(d), workdir / "engine_stall.log",
-                 prefix_caching=False)
+    eng = Engine(workdir / "model", connector(d), workdir / "engine_stall.log", prefix_caching=False)
     try:
         assert eng.generate([P])["cached"] == [0]
         assert wait_resident(d, 3) == 3
@@ -340,8 +391,10 @@ def test_a_stopped_daemon_never_slows_the_engine(workdir: Path, engine_a: dict[s
             during, during_slowest = serve(8.0, 2000)
         finally:
             d.proc.send_signal(signal.SIGCONT)
-        print(f"\nprompts/s before {before:.1f} (slowest call {before_slowest:.2f} s), during "
-              f"the stop {during:.1f} (slowest call {during_slowest:.2f} s)")
+        print(
+            f"\nprompts/s before {before:.1f} (slowest call {before_slowest:.2f} s), during "
+            f"the stop {during:.1f} (slowest call {during_slowest:.2f} s)"
+        )
         assert during >= 0.6 * before, (before, during)
         deadline = time.monotonic() + 15
         while eng.generate([P])["cached"] != [3 * BLOCK]:  # hits come back
@@ -384,15 +437,16 @@ def test_second_turn_loads_the_first_turns_prompt_and_answer(workdir: Path) -> N
             m2 = eng.metrics()
         finally:
             eng.close()
-        print(f"\nturn 2: {second['cached'][0]} of {len(turn2)} prompt tokens from kvtier "
-              f"(turn 1: {len(turn1)} prompt + {n_gen} generated)")
+        print(
+            f"\nturn 2: {second['cached'][0]} of {len(turn2)} prompt tokens from kvtier "
+            f"(turn 1: {len(turn1)} prompt + {n_gen} generated)"
+        )
         assert second["cached"] == [full * BLOCK]  # prompt only would be 3 blocks
         assert second["cached"][0] >= (len(turn1) // BLOCK + n_gen // BLOCK) * BLOCK
         assert m2["vllm:prompt_tokens_by_source:external_kv_transfer"] == full * BLOCK
         assert m2["vllm:kvtier_loaded_tokens"] == full * BLOCK
         assert m2["vllm:kvtier_load_failed_blocks"] == 0
-        fresh = Engine(workdir / "model", None, workdir / "engine_chat_fresh.log",
-                       prefix_caching=False)
+        fresh = Engine(workdir / "model", None, workdir / "engine_chat_fresh.log", prefix_caching=False)
         try:
             recomputed = fresh.generate([turn2], max_tokens=16)
             again = fresh.generate([turn1], max_tokens=n_gen)

@@ -19,12 +19,7 @@ from conftest import DaemonProcess
 
 import kvtier
 from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import (
-    BASE,
-    ConnectorConfig,
-    EngineIdentity,
-    Variant,
-)
+from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
 from kvtier.integrations.vllm.planner import (
     Planner,
@@ -39,9 +34,17 @@ from kvtier.integrations.vllm.worker import KvtierWorker
 BS = 16  # tokens per block
 L, H, D = 2, 2, 64
 NUM_BLOCKS = 16
-IDENTITY = EngineIdentity(model_id="test/vllm", model_revision="r1", tokenizer_digest="none",
-                          kv_dtype="bfloat16", layout="vllm.LBHNC", tokens_per_block=BS,
-                          num_layers=L, num_kv_heads=H, head_dim=D)
+IDENTITY = EngineIdentity(
+    model_id="test/vllm",
+    model_revision="r1",
+    tokenizer_digest="none",
+    kv_dtype="bfloat16",
+    layout="vllm.LBHNC",
+    tokens_per_block=BS,
+    num_layers=L,
+    num_kv_heads=H,
+    head_dim=D,
+)
 
 
 def prompt(n_tokens: int, seed: int = 0) -> list[int]:
@@ -71,16 +74,18 @@ class SlowBackend:
         self.inner.close()
 
 
-def make_planner(d: DaemonProcess, *, timeout_s: float = 5.0, slow: bool = False,
-                 **kw: Any) -> tuple[Planner, Any]:
+def make_planner(
+    d: DaemonProcess, *, timeout_s: float = 5.0, slow: bool = False, **kw: Any
+) -> tuple[Planner, Any]:
     backend: Any = DaemonBackend(IDENTITY, cfg_for(d))
     if slow:
         backend = SlowBackend(backend)
     return Planner(block_size=BS, backend=backend, lookup_timeout_s=timeout_s, **kw), backend
 
 
-def matched(p: Planner, req_id: str, local: int, n_tokens: int, wait_s: float = 5.0
-            ) -> tuple[int | None, bool]:
+def matched(
+    p: Planner, req_id: str, local: int, n_tokens: int, wait_s: float = 5.0
+) -> tuple[int | None, bool]:
     deadline = time.monotonic() + wait_s
     while True:
         got = p.num_new_matched(req_id, local, n_tokens)
@@ -89,8 +94,9 @@ def matched(p: Planner, req_id: str, local: int, n_tokens: int, wait_s: float = 
         time.sleep(0.005)
 
 
-def seed_blocks(d: DaemonProcess, tokens: list[int], n_blocks: int, variant: Variant = BASE,
-                fill: int = 7) -> list[bytes]:
+def seed_blocks(
+    d: DaemonProcess, tokens: list[int], n_blocks: int, variant: Variant = BASE, fill: int = 7
+) -> list[bytes]:
     """Store the first n_blocks of ``tokens`` as the engine would (same namespace and keys)."""
     with kvtier.Client.connect(d.unix) as c:
         h = c.register(IDENTITY.namespace(variant))
@@ -114,10 +120,12 @@ def wait_pinned(d: DaemonProcess, want: int, timeout_s: float = 5.0) -> int:
         time.sleep(0.02)
 
 
-def schedule(req_id: str, block_ids: Sequence[int] | None, computed: int, scheduled: int, *,
-             replace: bool = True) -> ScheduledRequest:
-    return ScheduledRequest(req_id, list(block_ids) if block_ids is not None else None, replace,
-                            computed, scheduled)
+def schedule(
+    req_id: str, block_ids: Sequence[int] | None, computed: int, scheduled: int, *, replace: bool = True
+) -> ScheduledRequest:
+    return ScheduledRequest(
+        req_id, list(block_ids) if block_ids is not None else None, replace, computed, scheduled
+    )
 
 
 @pytest.fixture
@@ -288,8 +296,7 @@ def test_no_lookup_wait_answers_on_a_later_step(daemon: DaemonProcess) -> None:
     p.close()
 
 
-def test_lookup_timeout_is_a_miss_for_good_and_late_pins_are_released(
-        daemon: DaemonProcess) -> None:
+def test_lookup_timeout_is_a_miss_for_good_and_late_pins_are_released(daemon: DaemonProcess) -> None:
     toks = prompt(3 * BS + 1)
     seed_blocks(daemon, toks, 3)
     p, backend = make_planner(daemon, timeout_s=0.05, slow=True)
@@ -394,9 +401,11 @@ def test_salt_and_adapter_separate_blocks(daemon: DaemonProcess) -> None:
     toks = prompt(3 * BS + 1)
     seed_blocks(daemon, toks, 3)
     p, _ = make_planner(daemon)
-    variants = {"salt": Variant(cache_salt="tenant-b"),
-                "lora": Variant(adapter_id="sql", adapter_revision="v1"),
-                "base": BASE}
+    variants = {
+        "salt": Variant(cache_salt="tenant-b"),
+        "lora": Variant(adapter_id="sql", adapter_revision="v1"),
+        "base": BASE,
+    }
     for rid, v in variants.items():
         p.on_new_request(RequestInfo(rid, toks, v))
     assert matched(p, "salt", 0, len(toks)) == (0, False)
@@ -416,8 +425,7 @@ def decode(p: Planner, req_id: str, toks: list[int], out: list[int], n: int) -> 
     for _ in range(n):
         computed = len(toks) - 1  # every token but the last sampled one has its KV
         new_block = [100 + len(toks) // BS] if len(toks) % BS == 0 else None  # vLLM allocates
-        stores.append(p.build(StepInput([schedule(req_id, new_block, computed, 1,
-                                                  replace=False)])).stores)
+        stores.append(p.build(StepInput([schedule(req_id, new_block, computed, 1, replace=False)])).stores)
         toks.append(out.pop(0))
     return stores
 
@@ -469,8 +477,7 @@ def test_store_generated_off_stores_prompt_blocks_only(daemon: DaemonProcess) ->
     p.on_new_request(RequestInfo("g", prompt_toks, BASE, toks))
     assert matched(p, "g", 0, len(toks)) == (0, False)
     p.after_alloc("g", [0, 1], 0)
-    assert [s.block_ids for s in p.build(StepInput([schedule("g", [0, 1], 0, len(toks))])).stores
-            ] == [[0]]
+    assert [s.block_ids for s in p.build(StepInput([schedule("g", [0, 1], 0, len(toks))])).stores] == [[0]]
     toks.append(1)
     stores = decode(p, "g", toks, prompt(2 * BS), 2 * BS)
     assert not any(stores) and p.stats.store_generated_blocks == 0
@@ -563,6 +570,7 @@ def test_worker_reports_failed_loads_and_never_raises(daemon: DaemonProcess) -> 
     w = KvtierWorker(IDENTITY, cfg_for(daemon))
     w.register(layers)
     from kvtier.integrations.vllm.planner import LoadJob
+
     missing = IDENTITY.namespace().block_keys(toks)[2]
     assert w.load([LoadJob("r", BASE, [[keys[0], missing]], [5, 6])]) == {6}
     daemon.kill()
@@ -577,6 +585,7 @@ def test_worker_drops_stores_when_the_daemon_is_away(tmp_path: Any) -> None:
     w = KvtierWorker(IDENTITY, ConnectorConfig(address=f"unix:{tmp_path}/none.sock"))
     w.register(layers)
     from kvtier.integrations.vllm.planner import StoreJob
+
     keys = IDENTITY.namespace().block_keys(prompt(2 * BS))
     w.submit_stores([StoreJob(1, "r", BASE, [keys], [0, 1])])
     w.wait([1])
@@ -605,9 +614,18 @@ def test_disk_hits_are_reported_as_disk_hits(daemon_factory: Any, tmp_path: Any)
     """A daemon whose host tier holds 4 blocks over an NVMe tier: of 8 stored blocks, the 4
     oldest live on NVMe only, and the pinned lookup says so (it used to promote inside the RPC
     and call every hit a host hit, so the connector's disk-hit figures were always 0)."""
-    d = daemon_factory("--host-bytes", "64KiB", "--slab-bytes", "16KiB", "--disk-dir",
-                       str(tmp_path / "nvme"), "--disk-bytes", "16MiB",
-                       "--write-policy", "write-through")
+    d = daemon_factory(
+        "--host-bytes",
+        "64KiB",
+        "--slab-bytes",
+        "16KiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "16MiB",
+        "--write-policy",
+        "write-through",
+    )
     toks = prompt(8 * BS + 3)
     seed_blocks(d, toks[: 4 * BS], 4)
     with kvtier.Client.connect(d.unix) as c:
@@ -626,8 +644,7 @@ def test_disk_hits_are_reported_as_disk_hits(daemon_factory: Any, tmp_path: Any)
     p.close()
 
 
-def test_async_load_is_planned_unscheduled_and_pinned_until_reported(
-        daemon: DaemonProcess) -> None:
+def test_async_load_is_planned_unscheduled_and_pinned_until_reported(daemon: DaemonProcess) -> None:
     """load_async: the hit is an async load; vLLM does not schedule the request while it loads
     (WAITING_FOR_REMOTE_KVS), so the load is planned without it being scheduled, the store job
     still reading one of its new blocks is fenced first, and the pins are held until the
@@ -735,17 +752,23 @@ def test_a_miss_in_the_published_index_costs_no_lookup_rpc(daemon: DaemonProcess
         backend.close()
 
 
-def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory: Any,
-                                                                 tmp_path: Any) -> None:
+def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory: Any, tmp_path: Any) -> None:
     """``event_token_ids``: the connector's stores (chunked prefill: two jobs, the second
     chaining on from the first) reach the daemon's KV events with their token ids and parent
     key, so a router hashing tokens matches them; off (the default), none are sent."""
     pytest.importorskip("zmq")
     from events_follower import Follower
 
-    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB",
-                       "--events-endpoint", f"ipc://{tmp_path}/ev.sock",
-                       "--events-replay-endpoint", f"ipc://{tmp_path}/replay.sock")
+    d = daemon_factory(
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--events-endpoint",
+        f"ipc://{tmp_path}/ev.sock",
+        "--events-replay-endpoint",
+        f"ipc://{tmp_path}/replay.sock",
+    )
     follow = Follower(f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock")
     w = KvtierWorker(IDENTITY, cfg_for(d))
     w.register(lbhnc_cache(True)[1])
@@ -758,15 +781,14 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
             assert matched(p, "e", 0, len(toks)) == (0, False)
             p.after_alloc("e", [1, 2], 0)
             jobs = p.build(StepInput([schedule("e", [1, 2], 0, BS + 3)])).stores
-            jobs += p.build(StepInput([schedule("e", [3, 4], BS + 3, 3 * BS - 3,
-                                                replace=False)])).stores
+            jobs += p.build(StepInput([schedule("e", [3, 4], BS + 3, 3 * BS - 3, replace=False)])).stores
             assert [j.block_ids for j in jobs] == [[1], [2, 3, 4]]
             w.submit_stores(jobs)
             assert w.drain()
             want = set(keys)
             follow.settle(lambda: set(follow.stored) >= want)  # noqa: B023 (settled here)
             for i, k in enumerate(keys):
-                assert follow.stored[k]["tokens"] == (toks[i * BS:(i + 1) * BS] if on else []), i
+                assert follow.stored[k]["tokens"] == (toks[i * BS : (i + 1) * BS] if on else []), i
                 # without: only a job's own chain is known (its first block has no parent)
                 linked = i and (on or i not in (0, 1))
                 assert follow.stored[k]["parent"] == (keys[i - 1] if linked else None), i
@@ -777,8 +799,7 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
         follow.close()
 
 
-def warm_worker_and_plan(daemon: DaemonProcess, p: Planner, w: KvtierWorker,
-                         req_id: str) -> StepPlan:
+def warm_worker_and_plan(daemon: DaemonProcess, p: Planner, w: KvtierWorker, req_id: str) -> StepPlan:
     """A worker past its first load (which pays one-time setup and is no tier figure), and the
     plan of a second request's load of 4 host blocks, ``req_id``, decoding one token."""
     for rid, seed in (("warm", 1), (req_id, 2)):
@@ -797,8 +818,7 @@ def warm_worker_and_plan(daemon: DaemonProcess, p: Planner, w: KvtierWorker,
     return plan
 
 
-def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(
-        daemon: DaemonProcess) -> None:
+def test_worker_reports_steps_and_loads_and_keeps_the_interference_budget(daemon: DaemonProcess) -> None:
     """The figures the scheduler's decision needs (step seconds, loads by tier) and the budget:
     a decoding step's load is charged first, its stores admitted while the balance lasts and
     dropped (counted) once it is spent; a step where nobody decodes is not budgeted."""

@@ -51,19 +51,27 @@ class SlowReadDaemon(DaemonProcess):
 
 def evict_host(d: DaemonProcess, seed: int) -> None:
     """Push every engine block out of the 16-block host tier (they stay on NVMe)."""
-    ns = Namespace(model_id="junk", model_revision="r", tokenizer_digest="none",
-                   kv_dtype="bfloat16", layout="vllm.NHD", tokens_per_block=BLOCK,
-                   num_layers=2, num_kv_heads=2, head_dim=64)
+    ns = Namespace(
+        model_id="junk",
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="bfloat16",
+        layout="vllm.NHD",
+        tokens_per_block=BLOCK,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
     with kvtier.Client.connect(d.unix) as c:
         h = c.register(ns)
         keys = h.block_keys(tokens(24 * BLOCK, 9000 + seed))
         for i in range(0, 24, 8):  # (one put holds at most what the host tier does)
-            assert h.put(keys[i : i + 8], [bytes([j]) * h.block_bytes
-                                           for j in range(i, i + 8)]).stored == 8
+            assert h.put(keys[i : i + 8], [bytes([j]) * h.block_bytes for j in range(i, i + 8)]).stored == 8
 
 
-def run_arm(workdir: Path, name: str, conn: dict[str, Any] | None,
-            prepare: Callable[[Engine], None] | None = None) -> dict[str, Any]:
+def run_arm(
+    workdir: Path, name: str, conn: dict[str, Any] | None, prepare: Callable[[Engine], None] | None = None
+) -> dict[str, Any]:
     eng = Engine(workdir / "model", conn, workdir / f"engine_{name}.log", prefix_caching=False)
     try:
         if prepare is not None:
@@ -74,23 +82,34 @@ def run_arm(workdir: Path, name: str, conn: dict[str, Any] | None,
         metrics = eng.metrics() if conn is not None else {}
     finally:
         eng.close()
-    return {"seconds": sum(t["seconds"] for t in timed),
-            "each": [round(t["seconds"], 3) for t in timed],
-            "phases": [[round(x, 3) for x in t["phases"][0] or []] for t in timed],
-            "outputs": [warm["outputs"][0]] + [t["outputs"][0] for t in timed],
-            "cached": [warm["cached"][0]] + [t["cached"][0] for t in timed],
-            "metrics": metrics}
+    return {
+        "seconds": sum(t["seconds"] for t in timed),
+        "each": [round(t["seconds"], 3) for t in timed],
+        "phases": [[round(x, 3) for x in t["phases"][0] or []] for t in timed],
+        "outputs": [warm["outputs"][0]] + [t["outputs"][0] for t in timed],
+        "cached": [warm["cached"][0]] + [t["cached"][0] for t in timed],
+        "metrics": metrics,
+    }
 
 
-def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(
-        tmp_path: Path) -> None:
+def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(tmp_path: Path) -> None:
     sys.path.insert(0, str(HERE))
     from vllm_driver import write_model_dir
 
     write_model_dir(str(tmp_path / "model"))
-    d = SlowReadDaemon(tmp_path / "daemon", "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        tmp_path / "daemon",
+        "--host-bytes",
+        "2MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
 
     def store_then_evict(eng: Engine) -> None:  # W and V computed and stored, then NVMe only
         eng.generate([W, *V], max_tokens=4)
@@ -100,22 +119,26 @@ def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(
     try:
         # the same settings in both kvtier arms but the policy (a step budget that lets a slow
         # synchronous load finish instead of giving it up at 100 ms)
-        common = {"step_budget_ms": 10000, "request_timeout_ms": 10000,
-                  "interference_budget": 0.25}
-        arms = {"always": run_arm(tmp_path, "always", connector(d, load_policy="always", **common),
-                                  store_then_evict)}
+        common = {"step_budget_ms": 10000, "request_timeout_ms": 10000, "interference_budget": 0.25}
+        arms = {
+            "always": run_arm(
+                tmp_path, "always", connector(d, load_policy="always", **common), store_then_evict
+            )
+        }
         for i, policy in enumerate(("never", "adaptive"), start=1):
             evict_host(d, i)
             arms[policy] = run_arm(tmp_path, policy, connector(d, load_policy=policy, **common))
     finally:
         d.kill()
     never, always, adaptive = arms["never"], arms["always"], arms["adaptive"]
-    print(f"\ntimed revisits (4 x 6 NVMe blocks, reads slowed {READ_LATENCY_MS} ms): never load "
-          f"{never['seconds']:.2f} s, always load {always['seconds']:.2f} s, adaptive "
-          f"{adaptive['seconds']:.2f} s; each: { {k: v['each'] for k, v in arms.items()} }; "
-          f"phases (queued->scheduled, ->first token): "
-          f"{ {k: v['phases'] for k, v in arms.items()} }; "
-          f"adaptive: { {k: v for k, v in adaptive['metrics'].items() if 'decision' in k} }")
+    print(
+        f"\ntimed revisits (4 x 6 NVMe blocks, reads slowed {READ_LATENCY_MS} ms): never load "
+        f"{never['seconds']:.2f} s, always load {always['seconds']:.2f} s, adaptive "
+        f"{adaptive['seconds']:.2f} s; each: { {k: v['each'] for k, v in arms.items()} }; "
+        f"phases (queued->scheduled, ->first token): "
+        f"{ {k: v['phases'] for k, v in arms.items()} }; "
+        f"adaptive: { {k: v for k, v in adaptive['metrics'].items() if 'decision' in k} }"
+    )
     assert always["outputs"] == never["outputs"] == adaptive["outputs"]
     # always loaded the revisits from the slow disk (a lookup the busy daemon answers past
     # lookup_timeout_ms is a miss: at least 3 of the 4)...

@@ -54,32 +54,64 @@ R = tokens(2 * BLOCK + 7, 13)
 
 
 def tier_config(address: str, **kw: Any) -> dict[str, Any]:
-    tier = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm",
-            "address": address, "model_revision": "rev-a", "tokenizer_digest": "none",
-            "lookup_timeout_ms": 300, "request_timeout_ms": 1000, "job_timeout_ms": 3000, **kw}
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "vllm_tier_cpu",
-                "cpu_bytes_to_use": 64 << 20, "secondary_tiers": [tier]}}
+    tier = {
+        "type": "KvtierSecondaryTier",
+        "module_path": "kvtier.integrations.vllm",
+        "address": address,
+        "model_revision": "rev-a",
+        "tokenizer_digest": "none",
+        "lookup_timeout_ms": 300,
+        "request_timeout_ms": 1000,
+        "job_timeout_ms": 3000,
+        **kw,
+    }
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "CpuTieringOffloadingSpec",
+            "spec_module_path": "vllm_tier_cpu",
+            "cpu_bytes_to_use": 64 << 20,
+            "secondary_tiers": [tier],
+        },
+    }
 
 
 class Engine(DriverProcess):
     """One vLLM engine process (vllm_driver.py) with kvtier's secondary tier, or none."""
 
-    def __init__(self, model: Path, ktc: dict[str, Any] | None, log: Path, *,
-                 enable_lora: bool = False) -> None:
+    def __init__(
+        self, model: Path, ktc: dict[str, Any] | None, log: Path, *, enable_lora: bool = False
+    ) -> None:
         require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
-        spec = {"model": str(model), "kv_transfer_config": ktc, "connector": None,
-                "max_model_len": 2048, "enable_lora": enable_lora}
+        spec = {
+            "model": str(model),
+            "kv_transfer_config": ktc,
+            "connector": None,
+            "max_model_len": 2048,
+            "enable_lora": enable_lora,
+        }
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", PYTHONPATH=PATH)
-        super().__init__([VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)], log,
-                         env=env, cwd=log.parent, what="engine")
+        super().__init__(
+            [VLLM_PYTHON, str(HERE / "vllm_driver.py"), json.dumps(spec)],
+            log,
+            env=env,
+            cwd=log.parent,
+            what="engine",
+        )
 
-    def generate(self, prompts: list[list[int]], *, salts: list[str | None] | None = None,
-                 lora: tuple[str, str] | None = None, timeout_s: float = 120) -> dict[str, Any]:
-        return self.request({"op": "generate", "prompts": prompts, "salts": salts,
-                             "max_tokens": 4, "lora": lora}, timeout_s)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        salts: list[str | None] | None = None,
+        lora: tuple[str, str] | None = None,
+        timeout_s: float = 120,
+    ) -> dict[str, Any]:
+        return self.request(
+            {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": 4, "lora": lora}, timeout_s
+        )
 
     def metrics(self) -> dict[str, float]:
         return dict(self.request({"op": "metrics"})["metrics"])
@@ -88,8 +120,9 @@ class Engine(DriverProcess):
         super().close(quit_cmd=quit_cmd or {"op": "quit"}, wait_s=wait_s)
 
 
-def run(model: Path, ktc: dict[str, Any] | None, log: Path, *calls: dict[str, Any],
-        enable_lora: bool = False) -> list[dict[str, Any]]:
+def run(
+    model: Path, ktc: dict[str, Any] | None, log: Path, *calls: dict[str, Any], enable_lora: bool = False
+) -> list[dict[str, Any]]:
     eng = Engine(model, ktc, log, enable_lora=enable_lora)
     try:
         return [eng.generate(**c) if c.get("prompts") else eng.metrics() for c in calls]
@@ -123,8 +156,7 @@ def baseline(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine_a(workdir: Path, daemon: DaemonProcess) -> dict[str, Any]:
-    return run(workdir / "model", tier_config(daemon.unix), workdir / "engine_a.log",
-               {"prompts": [P, Q]})[0]
+    return run(workdir / "model", tier_config(daemon.unix), workdir / "engine_a.log", {"prompts": [P, Q]})[0]
 
 
 def daemon_total(d: DaemonProcess) -> dict[str, Any]:
@@ -141,25 +173,31 @@ def wait_resident(d: DaemonProcess, blocks: int, timeout_s: float = 10) -> int:
         time.sleep(0.1)
 
 
-def test_engine_a_stores_prompt_chunks_through_the_tier(engine_a: dict[str, Any],
-                                                        daemon: DaemonProcess,
-                                                        baseline: dict[str, Any]) -> None:
+def test_engine_a_stores_prompt_chunks_through_the_tier(
+    engine_a: dict[str, Any], daemon: DaemonProcess, baseline: dict[str, Any]
+) -> None:
     assert engine_a["cached"] == [0, 0]
     assert engine_a["outputs"] == baseline["outputs"][:2]
     assert wait_resident(daemon, 5) == 5  # P: 3 full blocks, Q: 2
     assert daemon_total(daemon)["resident_bytes"] == 5 * ROW_BYTES
 
 
-def test_engine_b_revisits_load_from_kvtier(workdir: Path, daemon: DaemonProcess,
-                                            engine_a: dict[str, Any],
-                                            baseline: dict[str, Any]) -> None:
+def test_engine_b_revisits_load_from_kvtier(
+    workdir: Path, daemon: DaemonProcess, engine_a: dict[str, Any], baseline: dict[str, Any]
+) -> None:
     assert wait_resident(daemon, 5) >= 5  # (engine B adds its salted and LoRA chunks)
     before = daemon_total(daemon)
     lora = ("tiny-lora", str(workdir / "lora"))
     salted, adapted, out, metrics = run(
-        workdir / "model", tier_config(daemon.unix), workdir / "engine_b.log",
-        {"prompts": [P], "salts": ["tenant-b"]}, {"prompts": [P], "lora": lora},
-        {"prompts": [P, Q]}, {}, enable_lora=True)
+        workdir / "model",
+        tier_config(daemon.unix),
+        workdir / "engine_b.log",
+        {"prompts": [P], "salts": ["tenant-b"]},
+        {"prompts": [P], "lora": lora},
+        {"prompts": [P, Q]},
+        {},
+        enable_lora=True,
+    )
     assert salted["cached"] == [0]  # another cache salt: another hash chain, no hit
     assert adapted["cached"] == [0]  # a LoRA adapter: no base-model hit
     # Q's whole prompt too: vLLM's offloading loads are asynchronous, and after one the
@@ -175,13 +213,18 @@ def test_engine_b_revisits_load_from_kvtier(workdir: Path, daemon: DaemonProcess
     assert metrics.get("vllm:kv_offload_kvtier_load_failed_blocks", 0) == 0
 
 
-def test_other_model_revision_gets_no_hits(workdir: Path, daemon: DaemonProcess,
-                                           engine_a: dict[str, Any],
-                                           baseline: dict[str, Any]) -> None:
+def test_other_model_revision_gets_no_hits(
+    workdir: Path, daemon: DaemonProcess, engine_a: dict[str, Any], baseline: dict[str, Any]
+) -> None:
     assert wait_resident(daemon, 5) >= 5  # (engine B adds its salted and LoRA chunks)
     before = daemon_total(daemon)
-    out, metrics = run(workdir / "model", tier_config(daemon.unix, model_revision="rev-b"),
-                       workdir / "engine_rev_b.log", {"prompts": [P, Q]}, {})
+    out, metrics = run(
+        workdir / "model",
+        tier_config(daemon.unix, model_revision="rev-b"),
+        workdir / "engine_rev_b.log",
+        {"prompts": [P, Q]},
+        {},
+    )
     assert out["cached"] == [0, 0] and out["outputs"] == baseline["outputs"][:2]
     after = daemon_total(daemon)
     assert after["bytes_out_shm"] == before["bytes_out_shm"]  # nothing loaded
@@ -189,8 +232,7 @@ def test_other_model_revision_gets_no_hits(workdir: Path, daemon: DaemonProcess,
     assert metrics.get("vllm:kv_offload_kvtier_lookup_hits", 0) == 0
 
 
-def test_daemon_killed_or_hung_never_stalls_the_engine(workdir: Path,
-                                                        baseline: dict[str, Any]) -> None:
+def test_daemon_killed_or_hung_never_stalls_the_engine(workdir: Path, baseline: dict[str, Any]) -> None:
     d = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
     address = d.unix
     d.kill()  # killed before the engine starts
@@ -222,13 +264,22 @@ def test_tier_calls_return_at_once_against_a_hung_daemon(workdir: Path) -> None:
     require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
     d = DaemonProcess(workdir / "hung", "--host-bytes", "64MiB").start()
     args = {"address": d.unix, "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}"}
-    drv = DriverProcess([VLLM_PYTHON, str(HERE / "vllm_tier_jobs_driver.py"), json.dumps(args)],
-                        workdir / "tier_jobs.log", env=dict(os.environ, PYTHONPATH=PATH),
-                        cwd=workdir, what="tier driver")
+    drv = DriverProcess(
+        [VLLM_PYTHON, str(HERE / "vllm_tier_jobs_driver.py"), json.dumps(args)],
+        workdir / "tier_jobs.log",
+        env=dict(os.environ, PYTHONPATH=PATH),
+        cwd=workdir,
+        what="tier driver",
+    )
     try:
         rt = drv.request({"op": "roundtrip"}, 60)
-        assert rt == {"stored": True, "lookup": ["HIT"] * 4, "loaded": True, "same_bytes": True,
-                      "steps_to_hit": rt["steps_to_hit"]}
+        assert rt == {
+            "stored": True,
+            "lookup": ["HIT"] * 4,
+            "loaded": True,
+            "same_bytes": True,
+            "steps_to_hit": rt["steps_to_hit"],
+        }
         assert d.proc is not None
         d.proc.send_signal(signal.SIGSTOP)
         try:

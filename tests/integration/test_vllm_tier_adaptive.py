@@ -48,11 +48,16 @@ class SlowReadDaemon(DaemonProcess):
 
 
 def make_jobs(d: DaemonProcess, rows: bytearray, **settings: object) -> TierJobs:
-    cfg = TierConfig(address=d.unix, model_revision="rev-a", tokenizer_digest="none",
-                     request_timeout_ms=2000, lookup_timeout_ms=2000, job_timeout_ms=5000,
-                     **settings)  # type: ignore[arg-type]
-    return TierJobs(cfg, tier_namespace(cfg, GEOMETRY, model="/models/tiny"), memoryview(rows),
-                    ROW)
+    cfg = TierConfig(
+        address=d.unix,
+        model_revision="rev-a",
+        tokenizer_digest="none",
+        request_timeout_ms=2000,
+        lookup_timeout_ms=2000,
+        job_timeout_ms=5000,
+        **settings,
+    )  # type: ignore[arg-type]
+    return TierJobs(cfg, tier_namespace(cfg, GEOMETRY, model="/models/tiny"), memoryview(rows), ROW)
 
 
 def play_steps(jobs: TierJobs, n: int, seed: int) -> None:
@@ -82,7 +87,7 @@ def fetch(jobs: TierJobs, seed: int, src: bytearray, rows: bytearray) -> tuple[i
         (done,) = wait(jobs, 1, 10)
         assert done.ok
         first = (seed % 8) * CHUNKS
-        assert rows[16 * ROW:(16 + hits) * ROW] == src[first * ROW:(first + hits) * ROW]
+        assert rows[16 * ROW : (16 + hits) * ROW] == src[first * ROW : (first + hits) * ROW]
     return hits, time.perf_counter() - t0
 
 
@@ -98,24 +103,34 @@ def store_requests(d: DaemonProcess, seeds: list[int], src: bytearray) -> None:
 
 
 def test_slow_tier_adaptive_answers_miss_where_always_loads_slowly(tmp_path: Path) -> None:
-    d = SlowReadDaemon(tmp_path / "d", "--host-bytes", "1MiB", "--slab-bytes", "256KiB",
-                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        tmp_path / "d",
+        "--host-bytes",
+        "1MiB",
+        "--slab-bytes",
+        "256KiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     try:
         src = bytearray(os.urandom(64 * ROW))
         seeds = [11, 12, 13, 14, 15, 16]
         store_requests(d, seeds, src)
         with kvtier.Client.connect(d.unix) as c:  # push them out of the 1 MiB host tier
             h = c.register(make_namespace(model_id="test/filler"))
-            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10)
-                                                          for i in range(160)])
+            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10) for i in range(160)])
         probe = make_jobs(d, bytearray(ROW), load_policy="never")
         try:
             _, handle = probe._handle("lookup")
             deadline = time.monotonic() + 20
             while True:
-                tiers = [t for s in seeds for t in handle.lookup_detail(
-                    probe._keys(handle, keys(s, CHUNKS))).tiers]
+                tiers = [
+                    t for s in seeds for t in handle.lookup_detail(probe._keys(handle, keys(s, CHUNKS))).tiers
+                ]
                 if tiers == ["nvme"] * (len(seeds) * CHUNKS) or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -147,9 +162,11 @@ def test_slow_tier_adaptive_answers_miss_where_always_loads_slowly(tmp_path: Pat
         assert stats["loaded_tokens"] == 0
         assert stats["recomputed_slower_tokens"] == 3 * CHUNKS * 16
         assert stats["lookup_hits"] == 3 * CHUNKS  # the daemon held them all
-        print(f"\nslow NVMe tier, per request of 4 chunks: always "
-              f"{[round(s, 3) for _, s in always]} s, adaptive {[round(s, 3) for _, s in adaptive]}"
-              f" s; prefill {spt * 1e3:.2f} ms/token")
+        print(
+            f"\nslow NVMe tier, per request of 4 chunks: always "
+            f"{[round(s, 3) for _, s in always]} s, adaptive {[round(s, 3) for _, s in adaptive]}"
+            f" s; prefill {spt * 1e3:.2f} ms/token"
+        )
         assert sum(s for _, s in adaptive) / 3 < sum(s for _, s in always) / 2
 
         jobs = make_jobs(d, rows, load_policy="never")
@@ -181,7 +198,8 @@ def test_fast_tier_adaptive_answers_what_always_answers(daemon: DaemonProcess) -
 
 @pytest.mark.parametrize("budget", [0.01, None])
 def test_stores_beyond_the_interference_budget_are_dropped_and_counted(
-        daemon: DaemonProcess, budget: float | None) -> None:
+    daemon: DaemonProcess, budget: float | None
+) -> None:
     rows = bytearray(os.urandom(64 * ROW))
     jobs = make_jobs(daemon, rows, interference_budget=budget)
     try:
@@ -197,44 +215,65 @@ def test_stores_beyond_the_interference_budget_are_dropped_and_counted(
         assert stats["stored_blocks"] + stats["store_dropped_blocks"] == 15
 
 
-def test_inside_vllms_tiering_manager_the_lookup_answers_the_decided_prefix(
-        tmp_path: Path) -> None:
+def test_inside_vllms_tiering_manager_the_lookup_answers_the_decided_prefix(tmp_path: Path) -> None:
     """The same through vLLM's own classes (vllm_tier_jobs_driver.py: vLLM's
     ``TieringOffloadingSpec`` builds the tier; its ``AsyncLookupManager`` answers the lookups;
     the steps are played through ``on_new_request`` / ``submit_store`` / ``on_schedule_end``):
     on the slow tier ``adaptive`` answers MISS (the daemon's figure of ``always``'s slow reads
     reached its session), where ``always`` answers HIT; the loaded rows are byte-exact."""
     require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
-    d = SlowReadDaemon(tmp_path / "d", "--host-bytes", "1MiB", "--slab-bytes", "256KiB",
-                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        tmp_path / "d",
+        "--host-bytes",
+        "1MiB",
+        "--slab-bytes",
+        "256KiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     args = {"address": d.unix, "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}"}
-    drv = DriverProcess([VLLM_PYTHON, str(HERE / "vllm_tier_jobs_driver.py"), json.dumps(args)],
-                        tmp_path / "tier_jobs.log", env=dict(os.environ, PYTHONPATH=PATH),
-                        cwd=tmp_path, what="tier driver")
+    drv = DriverProcess(
+        [VLLM_PYTHON, str(HERE / "vllm_tier_jobs_driver.py"), json.dumps(args)],
+        tmp_path / "tier_jobs.log",
+        env=dict(os.environ, PYTHONPATH=PATH),
+        cwd=tmp_path,
+        what="tier driver",
+    )
     try:
         for name, policy in (("W", "never"), ("A", "always"), ("B", "adaptive")):
-            assert drv.request({"op": "build", "name": name,
-                                "extra": {"load_policy": policy, "job_timeout_ms": 5000,
-                                          "lookup_timeout_ms": 2000,
-                                          "request_timeout_ms": 2000}}, 60)["ok"]
+            assert drv.request(
+                {
+                    "op": "build",
+                    "name": name,
+                    "extra": {
+                        "load_policy": policy,
+                        "job_timeout_ms": 5000,
+                        "lookup_timeout_ms": 2000,
+                        "request_timeout_ms": 2000,
+                    },
+                },
+                60,
+            )["ok"]
         for seed in (31, 32, 33, 34):
             assert drv.request({"op": "store", "name": "W", "seed": seed, "n": CHUNKS}, 30)["ok"]
         with kvtier.Client.connect(d.unix) as c:  # push them out of the 1 MiB host tier
             h = c.register(make_namespace(model_id="test/filler"))
-            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10)
-                                                          for i in range(160)])
+            h.put(h.block_keys(list(range(160 * 16))), [bytes([i % 251]) * (16 << 10) for i in range(160)])
         always = drv.request({"op": "fetch", "name": "A", "seed": 31, "n": CHUNKS}, 60)
-        spt = drv.request({"op": "play", "name": "B", "seed": 91, "steps": 12,
-                           "step_s": STEP_S}, 60)["spt"]
-        then = [drv.request({"op": "fetch", "name": "B", "seed": s, "n": CHUNKS}, 60)
-                for s in (32, 33, 34)]
+        spt = drv.request({"op": "play", "name": "B", "seed": 91, "steps": 12, "step_s": STEP_S}, 60)["spt"]
+        then = [drv.request({"op": "fetch", "name": "B", "seed": s, "n": CHUNKS}, 60) for s in (32, 33, 34)]
         stats = drv.request({"op": "stats", "name": "B"}, 30)["stats"]
     finally:
         drv.close(quit_cmd={"op": "quit"})
         d.kill()
-    print(f"\ninside vLLM's manager: always {always['seconds']:.3f} s, adaptive "
-          f"{[round(t['seconds'], 3) for t in then]} s; prefill {spt * 1e3:.2f} ms/token")
+    print(
+        f"\ninside vLLM's manager: always {always['seconds']:.3f} s, adaptive "
+        f"{[round(t['seconds'], 3) for t in then]} s; prefill {spt * 1e3:.2f} ms/token"
+    )
     assert always["hits"] == CHUNKS and always["same"]
     assert always["seconds"] > READ_LATENCY_MS / 1000  # the chunks were on the slow tier
     assert spt is not None and STEP_S / 16 * 0.7 < spt < STEP_S / 16 * 3
@@ -258,24 +297,36 @@ def test_a_vllm_engine_recomputes_what_the_slow_tier_would_load_slower(tmp_path:
     from vllm_driver import write_model_dir
 
     write_model_dir(str(tmp_path / "model"))
-    d = SlowReadDaemon(tmp_path / "d", "--host-bytes", "2MiB", "--slab-bytes", "1MiB",
-                       "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "64MiB",
-                       "--write-policy", "write-through").start()
+    d = SlowReadDaemon(
+        tmp_path / "d",
+        "--host-bytes",
+        "2MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(tmp_path / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ).start()
     long = [tokens(8 * BLOCK + 40, 700 + i) for i in range(2)]  # 8 chunks each: 16 rows
     fillers = [tokens(6 * BLOCK + 9, 720 + i) for i in range(3)]  # 18 rows: long leaves the host
     warm = [tokens(4 * BLOCK + 3, 740 + i) for i in range(4)]
     settings = {"job_timeout_ms": 10000, "lookup_timeout_ms": 3000, "request_timeout_ms": 3000}
     try:
-        eng = Engine(tmp_path / "model", tier_config(d.unix, load_policy="never", **settings),
-                     tmp_path / "engine_a.log")
+        eng = Engine(
+            tmp_path / "model",
+            tier_config(d.unix, load_policy="never", **settings),
+            tmp_path / "engine_a.log",
+        )
         try:
             recomputed = [eng.generate([p])["outputs"][0] for p in long]
             for p in fillers:
                 eng.generate([p])
         finally:
             eng.close()
-        eng = Engine(tmp_path / "model", tier_config(d.unix, **settings),
-                     tmp_path / "engine_b.log")
+        eng = Engine(tmp_path / "model", tier_config(d.unix, **settings), tmp_path / "engine_b.log")
         try:
             for p in warm:  # misses: the engine's steps and the chunks it computes
                 eng.generate([p])
@@ -286,9 +337,11 @@ def test_a_vllm_engine_recomputes_what_the_slow_tier_would_load_slower(tmp_path:
             eng.close()
     finally:
         d.kill()
-    print(f"\nvllm-cpu, 8-chunk prompts on slow NVMe: loaded {first['seconds']:.2f} s "
-          f"(cached {first['cached']}), then recomputed {second['seconds']:.2f} s "
-          f"(cached {second['cached']})")
+    print(
+        f"\nvllm-cpu, 8-chunk prompts on slow NVMe: loaded {first['seconds']:.2f} s "
+        f"(cached {first['cached']}), then recomputed {second['seconds']:.2f} s "
+        f"(cached {second['cached']})"
+    )
     assert first["cached"] == [8 * BLOCK] and first["outputs"] == [recomputed[0]]
     assert second["cached"] == [0] and second["outputs"] == [recomputed[1]]
     assert second["seconds"] < first["seconds"]

@@ -14,16 +14,31 @@ from kvtier.integrations.vllm.tier_config import PoolGeometry, TierConfig, tier_
 from kvtier.integrations.vllm.tier_jobs import MAX_QUEUED_JOBS, JobDone, TierJobs
 
 ROW = 16 * 2 * 2 * 64 * 2  # 8 KiB rows
-GEOMETRY = PoolGeometry(row_bytes=ROW, chunk_tokens=16, kv_dtype="bfloat16", kv_layout="LBHNC",
-                        canonical=False, portable=False, tp_size=1, pp_size=1, world_size=1,
-                        groups="g", hash_algo="sha256")
+GEOMETRY = PoolGeometry(
+    row_bytes=ROW,
+    chunk_tokens=16,
+    kv_dtype="bfloat16",
+    kv_layout="LBHNC",
+    canonical=False,
+    portable=False,
+    tp_size=1,
+    pp_size=1,
+    world_size=1,
+    groups="g",
+    hash_algo="sha256",
+)
 
 
 def make_jobs(d: DaemonProcess, rows: bytearray) -> TierJobs:
-    cfg = TierConfig(address=d.unix, model_revision="rev-a", tokenizer_digest="none",
-                     request_timeout_ms=500, lookup_timeout_ms=300, job_timeout_ms=2000)
-    return TierJobs(cfg, tier_namespace(cfg, GEOMETRY, model="/models/tiny"), memoryview(rows),
-                    ROW)
+    cfg = TierConfig(
+        address=d.unix,
+        model_revision="rev-a",
+        tokenizer_digest="none",
+        request_timeout_ms=500,
+        lookup_timeout_ms=300,
+        job_timeout_ms=2000,
+    )
+    return TierJobs(cfg, tier_namespace(cfg, GEOMETRY, model="/models/tiny"), memoryview(rows), ROW)
 
 
 def keys(seed: int, n: int) -> list[bytes]:
@@ -50,7 +65,7 @@ def test_rows_round_trip_and_lookups_answer_the_stored_prefix(daemon: DaemonProc
         jobs.submit_load(2, keys(1, 3), [5, 6, 7])
         (done,) = wait(jobs, 1, 10)
         assert done.ok and done.nbytes == 3 * ROW
-        assert rows[5 * ROW:8 * ROW] == rows[0:3 * ROW]
+        assert rows[5 * ROW : 8 * ROW] == rows[0 : 3 * ROW]
         stats = jobs.take_stats()
         assert (stats["stored_blocks"], stats["loaded_blocks"], stats["lookup_hits"]) == (3, 3, 3)
     finally:

@@ -87,8 +87,14 @@ def venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     sdk_only = {
         "probe": json.loads(run([env / "bin" / "python", "-c", PROBE], cwd=work)),
         "version": run([env / "bin" / "kvtier", "--version"], cwd=work),
-        "serve": subprocess.run([env / "bin" / "kvtier", "serve", "--help"], cwd=work, env=clean_env(),
-                                capture_output=True, text=True, timeout=60),
+        "serve": subprocess.run(
+            [env / "bin" / "kvtier", "serve", "--help"],
+            cwd=work,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ),
     }
     run([env / "bin" / "python", "-m", "pip", "install", "-q", wheels["kvtierd"]], cwd=work, timeout=300)
     return {"env": env, "work": work, "sdk_only": sdk_only}

@@ -32,25 +32,54 @@ import sys
 import time
 
 
-def write_model_dir(path: str, *, layers: int = 2, hidden: int = 256, heads: int = 4,
-                    kv_heads: int = 2, head_dim: int = 64, intermediate: int = 512,
-                    vocab: int = 1024, max_pos: int = 8192) -> str:
+def write_model_dir(
+    path: str,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int = 512,
+    vocab: int = 1024,
+    max_pos: int = 8192,
+) -> str:
     """A Llama-shaped model directory holding only config.json (weights are dummy)."""
     os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "hidden_size": hidden, "intermediate_size": intermediate,
-           "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-           "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-           "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-           "tie_word_embeddings": False, "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
 
 
-def write_lora_dir(path: str, *, layers: int = 2, hidden: int = 256, q_dim: int = 256,
-                   kv_dim: int = 128, rank: int = 8, seed: int = 0) -> str:
+def write_lora_dir(
+    path: str,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    q_dim: int = 256,
+    kv_dim: int = 128,
+    rank: int = 8,
+    seed: int = 0,
+) -> str:
     """A PEFT LoRA adapter (q_proj, v_proj) for the model of ``write_model_dir``."""
     import torch
     from safetensors.torch import save_file
@@ -65,10 +94,20 @@ def write_lora_dir(path: str, *, layers: int = 2, hidden: int = 256, q_dim: int 
             tensors[f"{base}.lora_B.weight"] = torch.randn(out_dim, rank, generator=g) * 0.05
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-                   "target_modules": ["q_proj", "v_proj"], "bias": "none",
-                   "task_type": "CAUSAL_LM", "fan_in_fan_out": False,
-                   "base_model_name_or_path": "tiny"}, f)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+                "fan_in_fan_out": False,
+                "base_model_name_or_path": "tiny",
+            },
+            f,
+        )
     return path
 
 
@@ -82,8 +121,7 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
     def params(n: int) -> object:
         return sampling_params(temperature=0, max_tokens=n, detokenize=False, ignore_eos=True)
 
-    engine.add_request(ids["first"], {"prompt_token_ids": cmd["first"]},
-                       params(cmd["first_max_tokens"]))
+    engine.add_request(ids["first"], {"prompt_token_ids": cmd["first"]}, params(cmd["first_max_tokens"]))
     got: dict[str, list[int]] = {"first": [], "second": []}
     cached = {"first": 0, "second": 0}
     t_add: float | None = None
@@ -110,17 +148,22 @@ def interleave(llm: object, sampling_params: type, cmd: dict) -> dict:
             if which == "first" and out.finished:
                 first_done = now
         if t_add is None and len(got["first"]) >= cmd["second_after_tokens"]:
-            engine.add_request(ids["second"], {"prompt_token_ids": cmd["second"]},
-                               params(cmd["second_max_tokens"]))
+            engine.add_request(
+                ids["second"], {"prompt_token_ids": cmd["second"]}, params(cmd["second_max_tokens"])
+            )
             t_add = last_tok = time.perf_counter()
-    if ttft is not None and t_add is not None and (
-            first_done is None or first_done > t_add + ttft):
+    if ttft is not None and t_add is not None and (first_done is None or first_done > t_add + ttft):
         # the wait since the first's last token, if it still had tokens to make (a first
         # request that finished before the second's first token was not kept waiting)
         gap = max(gap, t_add + ttft - last_tok)
-    return {"outputs": [got["first"], got["second"]], "cached": [cached["first"],
-            cached["second"]], "ttft_s": ttft, "first_tokens_before_ttft": before_ttft,
-            "first_gap_s": gap, "second_done_s": done}
+    return {
+        "outputs": [got["first"], got["second"]],
+        "cached": [cached["first"], cached["second"]],
+        "ttft_s": ttft,
+        "first_tokens_before_ttft": before_ttft,
+        "first_gap_s": gap,
+        "second_done_s": done,
+    }
 
 
 _SEQ = 0
@@ -141,11 +184,17 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     from vllm import LLM, SamplingParams
 
-    kwargs: dict = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
-                        enforce_eager=True, dtype="bfloat16", seed=0,
-                        max_model_len=spec.get("max_model_len", 4096),
-                        enable_prefix_caching=spec.get("prefix_caching", True),
-                        disable_log_stats=False)
+    kwargs: dict = dict(
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=spec.get("max_model_len", 4096),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        disable_log_stats=False,
+    )
     if spec.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if spec.get("num_blocks"):  # a small KV cache: blocks are freed and reused within a run
@@ -158,8 +207,10 @@ def main() -> None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": spec["connector"]}
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"],
+        }
     llm = LLM(**kwargs)
     print("DRIVER " + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -179,16 +230,24 @@ def main() -> None:
                 from vllm.lora.request import LoRARequest
 
                 lora = LoRARequest(cmd["lora"][0], 1, cmd["lora"][1])
-            params = SamplingParams(temperature=0, max_tokens=cmd.get("max_tokens", 4),
-                                    detokenize=False, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0, max_tokens=cmd.get("max_tokens", 4), detokenize=False, ignore_eos=True
+            )
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
             dt = time.perf_counter() - t0
-            print("DRIVER " + json.dumps({
-                "outputs": [list(o.outputs[0].token_ids) for o in outs],
-                "cached": [o.num_cached_tokens or 0 for o in outs],
-                "phases": [_phases(o) for o in outs],
-                "seconds": dt}), flush=True)
+            print(
+                "DRIVER "
+                + json.dumps(
+                    {
+                        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                        "cached": [o.num_cached_tokens or 0 for o in outs],
+                        "phases": [_phases(o) for o in outs],
+                        "seconds": dt,
+                    }
+                ),
+                flush=True,
+            )
         if cmd["op"] == "interleave":
             print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
         if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
@@ -202,8 +261,7 @@ def main() -> None:
             from prometheus_client import REGISTRY
 
             for fam in REGISTRY.collect():
-                if fam.type == "counter" and fam.name.startswith("vllm:kvtier_") and \
-                        "seconds" in fam.name:
+                if fam.type == "counter" and fam.name.startswith("vllm:kvtier_") and "seconds" in fam.name:
                     for sample in fam.samples:
                         if sample.name.endswith("_total"):
                             seconds[fam.name] = seconds.get(fam.name, 0.0) + sample.value

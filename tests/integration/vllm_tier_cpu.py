@@ -38,17 +38,19 @@ class HostCopyWorker(OffloadingWorker):
         if spec.blocks_per_chunk != 1 or spec.config.canonical_layout:
             raise ValueError("HostCopyWorker copies one engine block per chunk, direct layout")
         self._region = SharedOffloadRegion(
-            engine_id=spec.config.engine_id, num_chunks=spec.num_chunks,
-            rank=spec.config.parallel.rank, kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-            cpu_page_size=spec.cpu_page_size_per_worker)
+            engine_id=spec.config.engine_id,
+            num_chunks=spec.num_chunks,
+            rank=spec.config.parallel.rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t in kv_caches.tensors:
             engine = t.tensor.view(torch.int8).view(-1, t.page_size_bytes)
             self._pairs.append((engine, self._region.create_next_worker_view(t.page_size_bytes)))
         self._done: list[TransferResult] = []
 
-    def _copy(self, job_id: int, to_pool: bool, engine_ids: np.ndarray,
-              pool_ids: np.ndarray) -> bool:
+    def _copy(self, job_id: int, to_pool: bool, engine_ids: np.ndarray, pool_ids: np.ndarray) -> bool:
         t0 = time.perf_counter()
         e_idx = torch.from_numpy(engine_ids.astype(np.int64))
         p_idx = torch.from_numpy(pool_ids.astype(np.int64))
@@ -62,12 +64,10 @@ class HostCopyWorker(OffloadingWorker):
         self._done.append(TransferResult(job_id, True, nbytes, time.perf_counter() - t0))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._copy(job_id, True, src_spec.block_ids, dst_spec.block_ids)  # type: ignore
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         return self._copy(job_id, False, dst_spec.block_ids, src_spec.block_ids)  # type: ignore
 
     def get_finished(self) -> list[TransferResult]:

@@ -47,34 +47,57 @@ ROW_BYTES = TOKENS * 2 * 2 * 64 * 2  # 16 tokens x K,V x 2 layers x 64 x bf16 = 
 
 
 def build(address: str, engine_id: str, **extra: object) -> tuple[object, object]:
-    tier = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm",
-            "address": address, "model_revision": "rev-a", "tokenizer_digest": "none",
-            "request_timeout_ms": 500, "lookup_timeout_ms": 300, "job_timeout_ms": 2000,
-            **extra}
-    par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
-                                   dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                   data_parallel_rank_local=None, is_parallelism_agnostic=False)
+    tier = {
+        "type": "KvtierSecondaryTier",
+        "module_path": "kvtier.integrations.vllm",
+        "address": address,
+        "model_revision": "rev-a",
+        "tokenizer_digest": "none",
+        "request_timeout_ms": 500,
+        "lookup_timeout_ms": 300,
+        "job_timeout_ms": 2000,
+        **extra,
+    }
+    par = OffloadingParallelConfig(
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=False,
+    )
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=ROW_BYTES, enable_kv_cache_events=False,
+        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=ROW_BYTES,
+        enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": 32 * ROW_BYTES, "secondary_tiers": [tier]},
-        engine_id=engine_id, model=OffloadingModelConfig(name="/models/tiny", dtype="bfloat16"),
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="/models/tiny", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
-        parallel=par, kv_cache_layout="LBHNC")
+        parallel=par,
+        kv_cache_layout="LBHNC",
+    )
     spec = TieringOffloadingSpec(config)
     manager = spec.get_manager()
     return spec, manager.secondary_tiers[0]  # type: ignore[attr-defined]
 
 
 def keys(seed: int, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{seed}:{i}".encode()).digest() + (0).to_bytes(4, "big")
-            for i in range(n)]
+    return [hashlib.sha256(f"{seed}:{i}".encode()).digest() + (0).to_bytes(4, "big") for i in range(n)]
 
 
 def job(job_id: int, ks: list[bytes], rows: list[int], load: bool, req: str) -> TransferJob:
-    return TransferJob(job_id=job_id, keys=ks, chunk_ids=np.array(rows, dtype=np.int64),
-                       is_promotion=load, req_context=ReqContext(req_id=req))
+    return TransferJob(
+        job_id=job_id,
+        keys=ks,
+        chunk_ids=np.array(rows, dtype=np.int64),
+        is_promotion=load,
+        req_context=ReqContext(req_id=req),
+    )
 
 
 def wait_jobs(tier: object, ids: set[int], timeout_s: float) -> dict[int, bool]:
@@ -87,8 +110,9 @@ def wait_jobs(tier: object, ids: set[int], timeout_s: float) -> dict[int, bool]:
     return got
 
 
-def lookup_until_resolved(tier: object, ks: list[bytes], req: str, timeout_s: float
-                          ) -> tuple[list[str], int, float, float]:
+def lookup_until_resolved(
+    tier: object, ks: list[bytes], req: str, timeout_s: float
+) -> tuple[list[str], int, float, float]:
     """Look ``ks`` up step after step (on_schedule_end between steps) until none is RETRY:
     (answers, steps, the longest single call, seconds)."""
     ctx = ReqContext(req_id=req)
@@ -112,16 +136,14 @@ def lookup_until_resolved(tier: object, ks: list[bytes], req: str, timeout_s: fl
 def roundtrip(tier: object, view: np.ndarray) -> dict[str, object]:
     ks = keys(1, 4)
     for i in range(4):
-        view[i, :] = np.frombuffer(hashlib.sha256(bytes([i])).digest() * (ROW_BYTES // 32),
-                                   dtype=view.dtype)
+        view[i, :] = np.frombuffer(hashlib.sha256(bytes([i])).digest() * (ROW_BYTES // 32), dtype=view.dtype)
     tier.submit_store(job(1, ks, [0, 1, 2, 3], False, "r1"))  # type: ignore[attr-defined]
     stored = wait_jobs(tier, {1}, 10).get(1, False)
     answers, steps, _, _ = lookup_until_resolved(tier, ks, "r2", 10)
     tier.submit_load(job(2, ks, [8, 9, 10, 11], True, "r2"))  # type: ignore[attr-defined]
     loaded = wait_jobs(tier, {2}, 10).get(2, False)
     same = bool((view[8:12] == view[0:4]).all())
-    return {"stored": stored, "lookup": answers, "loaded": loaded, "same_bytes": same,
-            "steps_to_hit": steps}
+    return {"stored": stored, "lookup": answers, "loaded": loaded, "same_bytes": same, "steps_to_hit": steps}
 
 
 def timed(tier: object, seed: int) -> dict[str, object]:
@@ -136,15 +158,21 @@ def timed(tier: object, seed: int) -> dict[str, object]:
     done = wait_jobs(tier, {10 + seed, 20 + seed}, 30)
     finished_s = time.monotonic() - t0
     answers, steps, worst, resolved_s = lookup_until_resolved(tier, keys(1, 4), "t3", 30)
-    return {"submit_store_s": store_s, "submit_load_s": load_s, "lookup_s": worst,
-            "finished_s": finished_s, "store_ok": done.get(10 + seed),
-            "load_ok": done.get(20 + seed), "lookup_results": answers,
-            "lookup_steps": steps, "resolved_s": resolved_s}
+    return {
+        "submit_store_s": store_s,
+        "submit_load_s": load_s,
+        "lookup_s": worst,
+        "finished_s": finished_s,
+        "store_ok": done.get(10 + seed),
+        "load_ok": done.get(20 + seed),
+        "lookup_results": answers,
+        "lookup_steps": steps,
+        "resolved_s": resolved_s,
+    }
 
 
 def pattern(seed: int, i: int) -> np.ndarray:
-    return np.frombuffer(hashlib.sha256(f"p{seed}:{i}".encode()).digest() * (ROW_BYTES // 32),
-                         dtype=np.uint8)
+    return np.frombuffer(hashlib.sha256(f"p{seed}:{i}".encode()).digest() * (ROW_BYTES // 32), dtype=np.uint8)
 
 
 class Tiers:
@@ -162,7 +190,8 @@ class Tiers:
     def build(self, c: dict[str, object]) -> dict[str, object]:
         _, tier = build(self.address, f"engine-{c['name']}", **c.get("extra", {}))  # type: ignore
         view = np.frombuffer(tier._primary_kv_view, dtype=np.uint8).reshape(  # type: ignore
-            -1, tier.block_size_bytes)  # type: ignore[attr-defined]
+            -1, tier.block_size_bytes
+        )  # type: ignore[attr-defined]
         self.tiers[str(c["name"])] = (tier, view)
         return {"ok": True}
 
@@ -202,12 +231,18 @@ class Tiers:
         same = True
         if hits:
             jid = self.next_id()
-            tier.submit_load(job(jid, ks[:hits], list(range(16, 16 + hits)), True,  # type: ignore
-                                 f"fetch{seed}"))
+            tier.submit_load(
+                job(
+                    jid,
+                    ks[:hits],
+                    list(range(16, 16 + hits)),
+                    True,  # type: ignore
+                    f"fetch{seed}",
+                )
+            )
             ok = wait_jobs(tier, {jid}, 10).get(jid, False)
             same = ok and all((view[16 + i] == pattern(seed, i)).all() for i in range(hits))
-        return {"answers": answers, "hits": hits, "same": bool(same),
-                "seconds": time.monotonic() - t0}
+        return {"answers": answers, "hits": hits, "same": bool(same), "seconds": time.monotonic() - t0}
 
     def stats(self, c: dict[str, object]) -> dict[str, object]:
         tier, _ = self.tiers[str(c["name"])]
@@ -218,9 +253,12 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     spec, tier = build(args["address"], args["engine_id"])
     view = np.frombuffer(tier._primary_kv_view, dtype=np.uint8).reshape(  # type: ignore
-        -1, tier.block_size_bytes)  # type: ignore[attr-defined]
-    print("DRIVER " + json.dumps({"ready": True, "row_bytes": tier.block_size_bytes}),  # type: ignore
-          flush=True)
+        -1, tier.block_size_bytes
+    )  # type: ignore[attr-defined]
+    print(
+        "DRIVER " + json.dumps({"ready": True, "row_bytes": tier.block_size_bytes}),  # type: ignore
+        flush=True,
+    )
     named = Tiers(args["address"])
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -37,13 +37,18 @@ def main() -> None:
         print(json.dumps({"stored": r.stored, "present": r.already_present, "dropped": r.dropped}))
     elif role == "get":
         got = ns.get(keys)
-        ok = [g is not None and bytes(g) == block(seed, i, ns.block_bytes).tobytes()
-              for i, g in enumerate(got)]
+        ok = [
+            g is not None and bytes(g) == block(seed, i, ns.block_bytes).tobytes() for i, g in enumerate(got)
+        ]
         digest = hashlib.sha256(b"".join(bytes(g) for g in got if g is not None)).hexdigest()
         print(json.dumps({"lookup": ns.lookup(keys), "ok": sum(ok), "digest": digest}))
     elif role == "reserve":
-        prep = client.session.call("PrepareStore", pb.PrepareStoreRequest(
-            namespace_id=ns.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM))
+        prep = client.session.call(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                namespace_id=ns.namespace_id, keys=b"".join(keys), transport=pb.TRANSPORT_SHM
+            ),
+        )
         view = client.session.data()._arena()  # type: ignore[attr-defined]
         off = prep.offsets[0]
         view[off : off + ns.block_bytes // 2] = block(seed, 0, ns.block_bytes)[: ns.block_bytes // 2]

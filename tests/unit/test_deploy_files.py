@@ -117,8 +117,11 @@ def node(lines: list[str], pattern: str) -> list[str]:
             indent = len(line) - len(line.lstrip(" "))
             block = [line]
             for nxt in lines[i + 1 :]:
-                if nxt.strip() and not nxt.lstrip().startswith("#") and \
-                        len(nxt) - len(nxt.lstrip(" ")) <= indent:
+                if (
+                    nxt.strip()
+                    and not nxt.lstrip().startswith("#")
+                    and len(nxt) - len(nxt.lstrip(" ")) <= indent
+                ):
                     break
                 block.append(nxt)
             return block
@@ -153,8 +156,17 @@ def kvtier_serve_argv() -> list[str]:
     return flow_list(c, "command") + flow_list(c, "args")
 
 
-_QUANTITY = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
-             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_QUANTITY = {
+    "": 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
 
 
 def quantity_bytes(q: str) -> int:
@@ -183,7 +195,7 @@ def test_dockerfile_runs_as_a_numeric_non_root_user() -> None:
     assert all(g.isdigit() and int(g) != 0 for g in user[1:])
     entry = next(i for i, (w, _) in enumerate(stage) if w == "ENTRYPOINT")
     assert users[-1] < entry
-    assert not [w for w, _ in stage[users[-1]:] if w == "RUN"], "RUN after USER runs as the user"
+    assert not [w for w, _ in stage[users[-1] :] if w == "RUN"], "RUN after USER runs as the user"
 
 
 def test_dockerfile_serve_flags_exist_and_agree_with_exposed_ports() -> None:
@@ -212,16 +224,27 @@ def test_dockerfile_healthcheck_asks_grpc_health_on_the_plaintext_health_port() 
 
 
 def test_healthcheck_passes_on_a_daemon_serving_tls_as_advised_and_fails_once_it_stops(
-        daemon_factory: Any, tmp_path: Path) -> None:
+    daemon_factory: Any, tmp_path: Path
+) -> None:
     """The HEALTHCHECK's own code, pointed at a test daemon's health listener, the daemon started
     with the Dockerfile's TLS advice (--listen with --tls-cert/--tls-key). The control port itself
     refuses the plaintext probe: what the HEALTHCHECK asked before (issue 29, item 8)."""
     make_test_pki(tmp_path / "pki")
     _, cfg = parse_serve(docker_serve_argv())
-    daemon = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--listen", "127.0.0.1:0",
-                            "--tls-cert", str(tmp_path / "pki" / "server.crt"),
-                            "--tls-key", str(tmp_path / "pki" / "server.key"),
-                            "--health-listen", "127.0.0.1:0")
+    daemon = daemon_factory(
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        str(tmp_path / "pki" / "server.crt"),
+        "--tls-key",
+        str(tmp_path / "pki" / "server.key"),
+        "--health-listen",
+        "127.0.0.1:0",
+    )
     code = healthcheck_argv()[2]
 
     def check(address: str) -> int:
@@ -238,7 +261,7 @@ def test_dockerfile_installs_the_two_wheels_its_build_stage_builds() -> None:
     ins = instructions()
     stages = [i for i, (w, _) in enumerate(ins) if w == "FROM"]
     assert len(stages) == 2, "a build stage and the runtime stage"
-    build, final = ins[stages[0]:stages[1]], final_stage()
+    build, final = ins[stages[0] : stages[1]], final_stage()
     assert any(w == "RUN" and "scripts/build_wheels.py --out /wheels" in r for w, r in build)
     copied = {src.rstrip("/") for w, r in build if w == "COPY" for src in shlex.split(r)[:-1]}
     spec = importlib.util.spec_from_file_location("build_wheels", ROOT / "scripts" / "build_wheels.py")
@@ -246,17 +269,24 @@ def test_dockerfile_installs_the_two_wheels_its_build_stage_builds() -> None:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     inputs = [p for ps in script.PACKAGES.values() for p in ps] + [
-        ROOT / "packaging", ROOT / "README.md", ROOT / "scripts" / "build_wheels.py"]
-    missing = [str(p.relative_to(ROOT)) for p in inputs
-               if not any(p.relative_to(ROOT).is_relative_to(c) for c in copied)]
+        ROOT / "packaging",
+        ROOT / "README.md",
+        ROOT / "scripts" / "build_wheels.py",
+    ]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in inputs
+        if not any(p.relative_to(ROOT).is_relative_to(c) for c in copied)
+    ]
     assert not missing, f"the build stage does not COPY what scripts/build_wheels.py reads: {missing}"
     installs = " ".join(r for w, r in final if w == "RUN" and "pip install" in r)
     assert "/wheels/kvtier-*.whl" in installs and "/wheels/kvtierd-*.whl)[cluster,events]" in installs
 
 
 def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored() -> None:
-    ignored = [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")]
+    ignored = [
+        ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
     for must in (".venv", "run", ".git"):
         assert must in ignored, f".dockerignore must exclude {must}"
     for word, rest in instructions():
@@ -288,8 +318,9 @@ def test_sidecar_serve_flags_exist_and_the_socket_dir_is_shared_at_the_same_path
     socket_dir = str(Path(cfg.grpc.socket_path).parent)
     for name in ("engine", "kvtier"):
         mounts = node(container(name), r"^\s*volumeMounts:")
-        assert re.search(rf"- name: kvtier-run\s*\n\s*mountPath: {re.escape(socket_dir)}\s*$",
-                         "\n".join(mounts), re.M), f"{name} must mount kvtier-run at {socket_dir}"
+        assert re.search(
+            rf"- name: kvtier-run\s*\n\s*mountPath: {re.escape(socket_dir)}\s*$", "\n".join(mounts), re.M
+        ), f"{name} must mount kvtier-run at {socket_dir}"
     volume = node(manifest(), r"^\s*- name: kvtier-run\s*$")  # the first one is the pod volume
     assert any(re.match(r"^\s*emptyDir:", ln) for ln in volume), volume
     assert any(f"unix://{cfg.grpc.socket_path}" in ln for ln in container("engine"))
@@ -337,6 +368,7 @@ def test_sidecar_kvtier_container_runs_as_non_root() -> None:
 
 def test_sidecar_parses_as_yaml() -> None:
     import yaml  # PyYAML is a dev dependency: this test is never skipped
+
     docs = [d for d in yaml.safe_load_all(SIDECAR.read_text()) if d]
     assert [d["kind"] for d in docs] == ["Deployment"]
     containers = {c["name"]: c for c in docs[0]["spec"]["template"]["spec"]["containers"]}
@@ -417,24 +449,23 @@ def test_daemonset_tenants_set_every_quota_within_the_daemons_share(tmp_path: Pa
     assert sum(t.quotas.namespaces or 0 for t in tenants) <= cfg.sessions.max_namespaces
 
 
-def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(
-        tmp_path: Path) -> None:
+def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(tmp_path: Path) -> None:
     from kvtierd.tenants import load_tenants
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
     (tmp_path / "tenants.toml").write_text(secret["stringData"]["tenants.toml"])
     tenants = load_tenants(tmp_path / "tenants.toml")
-    arenas = sum(t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values()
-                 if t.maps_memory)
+    arenas = sum(
+        t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory
+    )
     resources = kvtier["resources"]
     limit = quantity_bytes(resources["limits"]["memory"])
     assert limit > cfg.host_tier.host_bytes + arenas, (limit, cfg.host_tier.host_bytes, arenas)
     assert quantity_bytes(resources["requests"]["memory"]) == limit  # prefaulted arenas
 
 
-def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token(
-        tmp_path: Path) -> None:
+def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token(tmp_path: Path) -> None:
     """Issue 29: /metrics was bound to the pod's loopback, out of Prometheus' reach. It is on the
     pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the
     file has a scrape-only token (metrics_tokens_sha256: no tenant's, refused by every RPC) and

@@ -186,8 +186,9 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
         assert not [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None], t.name
     mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tenants")
     assert cfg.tenancy.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
-    arenas = sum(t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values()
-                 if t.maps_memory)
+    arenas = sum(
+        t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory
+    )
     resources = container(docs)["resources"]
     assert quantity(resources["limits"]["memory"]) > cfg.host_tier.host_bytes + arenas
     shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not t.maps_memory]

@@ -28,7 +28,7 @@ MAX_FUNCTION_LINES = 40
 
 EXCEPTIONS: dict[str, str] = {
     "client/kvtier/bench/soak.py": "the soak's worker program is this module run as a script "
-    "(python -m kvtier.bench.soak): worker, sampler and command stay one file, one process image",
+    "(python -m kvtier.bench.soak): worker, sampler and command stay one file, one process image"
 }
 
 REPOSITORY_TESTS: dict[str, str] = {
@@ -43,9 +43,12 @@ REPOSITORY_TESTS: dict[str, str] = {
 
 
 def our_modules() -> list[Path]:
-    return sorted(p for base in SOURCES for p in base.rglob("*.py")
-                  if p.relative_to(base).parts[0] in ("kvtier", "kvtier_contract", "kvtierd")
-                  and "_pb2" not in p.name)
+    return sorted(
+        p
+        for base in SOURCES
+        for p in base.rglob("*.py")
+        if p.relative_to(base).parts[0] in ("kvtier", "kvtier_contract", "kvtierd") and "_pb2" not in p.name
+    )
 
 
 def _name(path: Path) -> str:
@@ -84,7 +87,8 @@ def test_modules_and_functions_keep_to_the_size_budget() -> None:
     unlisted = {k: n for k, n in over.items() if k not in EXCEPTIONS}
     assert not unlisted, (
         f"over the size budget ({MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a "
-        f"function): split along a real seam, or list it in EXCEPTIONS with the reason: {unlisted}")
+        f"function): split along a real seam, or list it in EXCEPTIONS with the reason: {unlisted}"
+    )
 
 
 def test_every_size_exception_is_still_needed_and_says_why() -> None:
@@ -100,8 +104,9 @@ def _sleeps(path: Path) -> list[int]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call):
             f = node.func
-            if (isinstance(f, ast.Attribute) and f.attr == "sleep") or \
-                    (isinstance(f, ast.Name) and f.id == "sleep"):
+            if (isinstance(f, ast.Attribute) and f.attr == "sleep") or (
+                isinstance(f, ast.Name) and f.id == "sleep"
+            ):
                 lines.append(node.lineno)
     return lines
 

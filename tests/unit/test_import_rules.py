@@ -82,14 +82,18 @@ def test_the_walk_sees_the_whole_tree() -> None:
     assert "kvtier_contract.errors" in g["kvtierd.service.gate"]  # the walker does see arrows
 
 
-@pytest.mark.parametrize(("importer", "forbidden"), [
-    ("kvtier_contract", ("kvtier", "kvtierd")),
-    ("kvtierd", ("kvtier",)),
-    ("kvtier", ("kvtierd",)),
-])
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [("kvtier_contract", ("kvtier", "kvtierd")), ("kvtierd", ("kvtier",)), ("kvtier", ("kvtierd",))],
+)
 def test_halves_import_only_the_contract(importer: str, forbidden: tuple[str, ...]) -> None:
-    bad = sorted(f"{m} -> {t} (line {line})" for m, targets in graph().items() if top(m) == importer
-                 for t, line in targets.items() if top(t) in forbidden)
+    bad = sorted(
+        f"{m} -> {t} (line {line})"
+        for m, targets in graph().items()
+        if top(m) == importer
+        for t, line in targets.items()
+        if top(t) in forbidden
+    )
     assert not bad, f"{importer} must not import {forbidden}:\n" + "\n".join(bad)
 
 
@@ -104,7 +108,7 @@ def test_no_import_cycles() -> None:
         path.append(m)
         for t in sorted(g[m]):
             if state.get(t) == 1:
-                cycles.append([*path[path.index(t):], t])
+                cycles.append([*path[path.index(t) :], t])
             elif t not in state:
                 visit(t)
         path.pop()

@@ -135,8 +135,14 @@ def test_make_serve_installs_only_runtime_requirements_and_takes_its_ports_from_
 
 def make_n(*argv: str) -> str:
     """What ``make -n -B ARGV...`` would run here."""
-    return subprocess.run(["make", "-n", "-B", "--no-print-directory", *argv], cwd=ROOT,
-                          capture_output=True, text=True, check=True, timeout=30).stdout
+    return subprocess.run(
+        ["make", "-n", "-B", "--no-print-directory", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -18,14 +18,19 @@ Transformers) uses to decide, all plain Python with no engine import and no I/O:
 from __future__ import annotations
 
 from kvtier.adaptive.budget import BudgetStats, InterferenceBudget
-from kvtier.adaptive.decision import (
-    LOAD_POLICIES,
-    Decider,
-    Decision,
-    DecisionStats,
-    LoadPolicy,
-)
+from kvtier.adaptive.decision import LOAD_POLICIES, Decider, Decision, DecisionStats, LoadPolicy
 from kvtier.adaptive.figures import FixedPrefillRate, LinearFit, LoadFigures, PrefillRate
 
-__all__ = ["LOAD_POLICIES", "BudgetStats", "Decider", "Decision", "DecisionStats",
-           "FixedPrefillRate", "InterferenceBudget", "LinearFit", "LoadFigures", "LoadPolicy", "PrefillRate"]
+__all__ = [
+    "LOAD_POLICIES",
+    "BudgetStats",
+    "Decider",
+    "Decision",
+    "DecisionStats",
+    "FixedPrefillRate",
+    "InterferenceBudget",
+    "LinearFit",
+    "LoadFigures",
+    "LoadPolicy",
+    "PrefillRate",
+]

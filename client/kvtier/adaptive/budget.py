@@ -28,10 +28,10 @@ from dataclasses import dataclass
 class BudgetStats:
     steps: int = 0
     step_s: float = 0.0
-    load_s: float = 0.0          # transfer seconds charged to loads
-    store_s: float = 0.0         # ... to admitted stores
+    load_s: float = 0.0  # transfer seconds charged to loads
+    store_s: float = 0.0  # ... to admitted stores
     stores_admitted: int = 0
-    stores_dropped: int = 0      # refused because the budget was spent
+    stores_dropped: int = 0  # refused because the budget was spent
     bytes_dropped: int = 0
 
 

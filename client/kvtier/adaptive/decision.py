@@ -72,7 +72,7 @@ class DecisionStats:
     tokens_recomputed_budget: int = 0  # hits recomputed to keep the interference budget
     probes: int = 0
     predicted_load_s: float = 0.0  # over loads with a prediction that reported back
-    actual_load_s: float = 0.0     # the same loads, measured
+    actual_load_s: float = 0.0  # the same loads, measured
     loads_timed: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -80,9 +80,16 @@ class DecisionStats:
 class Decider:
     """See the module docstring. One owning thread; ``stats`` read by the owner's exporter."""
 
-    def __init__(self, policy: LoadPolicy = "adaptive", *, figures: LoadFigures | None = None,
-                 prefill: PrefillRate | None = None, probe_after_s: float = 5.0,
-                 probe_max_s: float = 60.0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: LoadPolicy = "adaptive",
+        *,
+        figures: LoadFigures | None = None,
+        prefill: PrefillRate | None = None,
+        probe_after_s: float = 5.0,
+        probe_max_s: float = 60.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
         if policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy: {policy!r} is not one of {', '.join(LOAD_POLICIES)}")
         if probe_after_s <= 0:
@@ -111,14 +118,14 @@ class Decider:
         """An engine step that computed ``tokens`` tokens in ``seconds``."""
         self.prefill.observe_step(tokens, seconds)
 
-    def report(self, tier: str, latency_s: float, bytes_per_s: float, *,
-               age_s: float = 0.0) -> None:
+    def report(self, tier: str, latency_s: float, bytes_per_s: float, *, age_s: float = 0.0) -> None:
         """The daemon's figures for ``tier``, measured ``age_s`` ago (a figure the daemon has not
         refreshed is not news: it counts as arriving when it was measured)."""
         self.figures.report(tier, latency_s, bytes_per_s, age_s=age_s)
 
-    def loaded(self, bytes_by_tier: Mapping[str, int], seconds: float, *,
-               predicted_s: float | None = None) -> None:
+    def loaded(
+        self, bytes_by_tier: Mapping[str, int], seconds: float, *, predicted_s: float | None = None
+    ) -> None:
         """A load is over: ``seconds`` end to end for these bytes."""
         self.figures.observe(bytes_by_tier, seconds)
         if predicted_s is not None:
@@ -128,8 +135,15 @@ class Decider:
 
     # -- the decision ---------------------------------------------------------------------------
 
-    def decide(self, tiers: Sequence[str], *, block_tokens: int, block_bytes: int,
-               max_load_s: float | None = None, read_probes: bool = False) -> Decision:
+    def decide(
+        self,
+        tiers: Sequence[str],
+        *,
+        block_tokens: int,
+        block_bytes: int,
+        max_load_s: float | None = None,
+        read_probes: bool = False,
+    ) -> Decision:
         """How many of the hit blocks (``tiers``: where each is, in prefix order) to load.
         ``max_load_s``: the budget left for loads (adaptive only): a longer prefix is cut back
         to one predicted to fit (reason ``budget``), the rest recomputed. ``read_probes``: a
@@ -145,14 +159,19 @@ class Decider:
             d = Decision(n, n, "always", self._load_cost(tiers, n, block_bytes))
         else:
             d = self._adaptive(tiers, block_tokens, block_bytes, read_probes)
-            if max_load_s is not None and d.load_blocks and d.predicted_s is not None \
-                    and d.predicted_s > max_load_s:
+            if (
+                max_load_s is not None
+                and d.load_blocks
+                and d.predicted_s is not None
+                and d.predicted_s > max_load_s
+            ):
                 d = self._fit_budget(d, tiers, block_tokens, block_bytes, max_load_s)
         self._count(d, block_tokens)
         return d
 
-    def _fit_budget(self, d: Decision, tiers: Sequence[str], block_tokens: int,
-                    block_bytes: int, max_load_s: float) -> Decision:
+    def _fit_budget(
+        self, d: Decision, tiers: Sequence[str], block_tokens: int, block_bytes: int, max_load_s: float
+    ) -> Decision:
         lo, hi = 0, d.load_blocks  # the load's cost grows with k: the longest prefix that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -164,11 +183,11 @@ class Decider:
         k = lo
         cost = self._load_cost(tiers, k, block_bytes) if k else None
         spt = self.prefill.seconds_per_token() or 0.0
-        return Decision(k, d.hit_blocks, "budget", cost,
-                        spt * k * block_tokens if k else None)
+        return Decision(k, d.hit_blocks, "budget", cost, spt * k * block_tokens if k else None)
 
-    def _adaptive(self, tiers: Sequence[str], block_tokens: int, block_bytes: int,
-                  read_probes: bool = False) -> Decision:
+    def _adaptive(
+        self, tiers: Sequence[str], block_tokens: int, block_bytes: int, read_probes: bool = False
+    ) -> Decision:
         n = len(tiers)
         spt = self.prefill.seconds_per_token()
         if spt is None:
@@ -189,13 +208,20 @@ class Decider:
             self.probe_reads.add(tiers[probe - 1])
             self.stats.probes += 1
         elif probe is not None:
-            return Decision(probe, n, "probe", self._load_cost(tiers, probe, block_bytes),
-                            spt * probe * block_tokens)
-        return Decision(best_k, n, "slower", best_cost if best_k and not unknown else None,
-                        spt * best_k * block_tokens if best_k else None)
+            return Decision(
+                probe, n, "probe", self._load_cost(tiers, probe, block_bytes), spt * probe * block_tokens
+            )
+        return Decision(
+            best_k,
+            n,
+            "slower",
+            best_cost if best_k and not unknown else None,
+            spt * best_k * block_tokens if best_k else None,
+        )
 
-    def _best_prefix(self, tiers: Sequence[str], spt: float, block_tokens: int,
-                     block_bytes: int) -> tuple[int, float]:
+    def _best_prefix(
+        self, tiers: Sequence[str], spt: float, block_tokens: int, block_bytes: int
+    ) -> tuple[int, float]:
         """(k, predicted load time) of the prefix of ``k`` blocks that maximizes
         ``recompute(k) - load(k)`` (``spt``: the recompute time of one token), the longest on a
         tie; (0, 0.0) when loading any prefix would take longer than recomputing it."""
@@ -229,8 +255,7 @@ class Decider:
             if tier in seen:
                 continue
             seen.add(tier)
-            last = max(self.figures.updated_at(tier) or float("-inf"),
-                       self._probed.get(tier, float("-inf")))
+            last = max(self.figures.updated_at(tier) or float("-inf"), self._probed.get(tier, float("-inf")))
             wait = self._probe_wait.get(tier, self.probe_after_s)
             if now - last >= wait:
                 self._probed[tier] = now

@@ -45,8 +45,9 @@ class LinearFit:
     SHIFT = 4.0
     SHIFT_FLOOR_S = 0.001
 
-    def __init__(self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic,
-                 restart_on_shift: bool = True) -> None:
+    def __init__(
+        self, *, half_life_s: float = 30.0, clock: Clock = time.monotonic, restart_on_shift: bool = True
+    ) -> None:
         if half_life_s <= 0:
             raise ValueError(f"half_life_s: must be > 0, got {half_life_s}")
         self.half_life_s = half_life_s
@@ -72,8 +73,12 @@ class LinearFit:
         now = self._clock()
         self._decay(now)
         pred = self.predict(x)
-        if self.restart_on_shift and pred is not None and abs(y - pred) > self.SHIFT_FLOOR_S \
-                and (y > self.SHIFT * pred or y * self.SHIFT < pred):
+        if (
+            self.restart_on_shift
+            and pred is not None
+            and abs(y - pred) > self.SHIFT_FLOOR_S
+            and (y > self.SHIFT * pred or y * self.SHIFT < pred)
+        ):
             self._s = [0.0, 0.0, 0.0, 0.0, 0.0]
         s = self._s
         s[0] += 1.0
@@ -139,7 +144,7 @@ class LoadFigures:
         for tier in parts:
             self._reported_then[tier] = self._reported.get(tier)
         if len(parts) == 1:
-            (tier, nbytes), = parts.items()
+            ((tier, nbytes),) = parts.items()
             self._fit(tier).observe(nbytes, seconds)
             return
         rest = seconds
@@ -152,34 +157,47 @@ class LoadFigures:
         for tier, nbytes in others.items():
             self._fit(tier).observe(nbytes, max(0.0, rest) * nbytes / total)
 
-    def report(self, tier: str, latency_s: float, bytes_per_s: float, *,
-               age_s: float = 0.0) -> None:
+    def report(self, tier: str, latency_s: float, bytes_per_s: float, *, age_s: float = 0.0) -> None:
         """The daemon's figures for ``tier``, measured ``age_s`` before now (ignored when not
         finite or the bandwidth is not positive)."""
-        if math.isfinite(latency_s) and latency_s >= 0 and math.isfinite(bytes_per_s) \
-                and bytes_per_s > 0 and math.isfinite(age_s):
+        if (
+            math.isfinite(latency_s)
+            and latency_s >= 0
+            and math.isfinite(bytes_per_s)
+            and bytes_per_s > 0
+            and math.isfinite(age_s)
+        ):
             at = self._clock() - max(0.0, age_s)
             old = self._reported.get(tier)
             if old is None or at >= old.at:
                 rep = self._reported[tier] = Report(latency_s, bytes_per_s, at)
                 then = self._reported_then.get(tier)
                 if tier in self._reported_then:  # (the reads of our cut load may land now)
-                    self._reported_then[tier] = rep if then is None else Report(
-                        max(then.latency_s, latency_s), min(then.bytes_per_s, bytes_per_s),
-                        then.at)
+                    self._reported_then[tier] = (
+                        rep
+                        if then is None
+                        else Report(
+                            max(then.latency_s, latency_s), min(then.bytes_per_s, bytes_per_s), then.at
+                        )
+                    )
 
     def updated_at(self, tier: str) -> float | None:
         """When the latest figure for ``tier`` (either source) arrived; None: never."""
-        times = [self._own[tier].updated_at if tier in self._own else None,
-                 self._reported[tier].at if tier in self._reported else None]
+        times = [
+            self._own[tier].updated_at if tier in self._own else None,
+            self._reported[tier].at if tier in self._reported else None,
+        ]
         known = [t for t in times if t is not None]
         return max(known) if known else None
 
     def cost(self, tier: str, nbytes: int) -> float | None:
         """Seconds to load ``nbytes`` from ``tier`` into the engine; None when not known."""
         fit, rep = self._own.get(tier), self._reported.get(tier)
-        own_fresher = fit is not None and fit.known and (
-            rep is None or (fit.updated_at is not None and fit.updated_at >= rep.at))
+        own_fresher = (
+            fit is not None
+            and fit.known
+            and (rep is None or (fit.updated_at is not None and fit.updated_at >= rep.at))
+        )
         if own_fresher:
             assert fit is not None
             return fit.predict(nbytes)
@@ -191,9 +209,13 @@ class LoadFigures:
             ab = host.coefficients() if host is not None else None
             copy = ab[1] * nbytes if ab is not None else 0.0
         reported = rep.latency_s + nbytes / rep.bytes_per_s + copy
-        if fit is not None and fit.known and fit.updated_at is not None \
-                and self._clock() - fit.updated_at < self._half_life_s \
-                and not self._recovered_since(tier, rep, nbytes):
+        if (
+            fit is not None
+            and fit.known
+            and fit.updated_at is not None
+            and self._clock() - fit.updated_at < self._half_life_s
+            and not self._recovered_since(tier, rep, nbytes)
+        ):
             # Our own recent loads were slower than the daemon's figure says: its figure misses
             # part of what this engine pays (reads in parallel that a line of cost over bytes
             # cannot tell from bandwidth, the transport, our own queueing). The slower one,
@@ -209,11 +231,11 @@ class LoadFigures:
         then = self._reported_then.get(tier)
         if then is None:
             return False
-        return (rep.latency_s + nbytes / rep.bytes_per_s) * LinearFit.SHIFT < \
-            then.latency_s + nbytes / then.bytes_per_s
+        return (
+            rep.latency_s + nbytes / rep.bytes_per_s
+        ) * LinearFit.SHIFT < then.latency_s + nbytes / then.bytes_per_s
 
-    def predict(self, bytes_by_tier: Mapping[str, int], *,
-                unknown: float | None = None) -> float | None:
+    def predict(self, bytes_by_tier: Mapping[str, int], *, unknown: float | None = None) -> float | None:
         """Seconds to load these bytes. A tier with bytes and no figure yet makes it None, or
         costs ``unknown`` seconds when that is given (0.0: an optimistic guess, so that a load
         measures the tier)."""

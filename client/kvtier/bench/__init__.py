@@ -60,8 +60,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     print(format_table(plan, results))
     if plan.suite == "all" and not plan.wants("nvme"):
-        print("hint: the NVMe tier has a suite of its own (~2 min, several GiB of disk I/O): "
-              "kvtier bench nvme [--disk-dir DIR]")
+        print(
+            "hint: the NVMe tier has a suite of its own (~2 min, several GiB of disk I/O): "
+            "kvtier bench nvme [--disk-dir DIR]"
+        )
     if plan.json_out:
         write_json(plan.json_out, plan, results)
     return 0
@@ -135,8 +137,15 @@ def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
         bench_nvme(plan, tmp, results, progress)
 
 
-def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
-              redis_port: int | None, results: Results, progress: Progress) -> None:
+def _one_size(
+    plan: Plan,
+    tmp: Path,
+    block: int,
+    stream: SocketStream | None,
+    redis_port: int | None,
+    results: Results,
+    progress: Progress,
+) -> None:
     """All throughput figures of one block size, against a fresh daemon: each size starts
     from an empty arena of its own, whatever the sizes before it left behind."""
     from kvtier.bench.baselines import memcpy_ops, redis_ops
@@ -145,8 +154,10 @@ def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
 
     progress.show(f"starting kvtierd for {size_label(block)} blocks")
     keys = KeySource()
-    with DaemonProc(tmp / f"kvtierd-{block}", plan.host_bytes, plan.slab_bytes) as daemon, \
-            contextlib.ExitStack() as clients:
+    with (
+        DaemonProc(tmp / f"kvtierd-{block}", plan.host_bytes, plan.slab_bytes) as daemon,
+        contextlib.ExitStack() as clients,
+    ):
         ops: list[Op] = []
         if plan.wants("shm"):
             shm = clients.enter_context(contextlib.closing(connect(daemon.unix, "shm")))
@@ -163,24 +174,26 @@ def _one_size(plan: Plan, tmp: Path, block: int, stream: SocketStream | None,
         measure(plan, block, ops, results, progress)
 
 
-def _tls_ops(plan: Plan, tmp: Path, block: int, keys: KeySource,
-             stack: contextlib.ExitStack) -> list[Op]:
+def _tls_ops(plan: Plan, tmp: Path, block: int, keys: KeySource, stack: contextlib.ExitStack) -> list[Op]:
     """The ``tcp_tls`` figures: a second daemon with a self-signed certificate, and a tcp client
     that trusts it; both are entered on ``stack`` (closed with the size's other clients)."""
     from kvtier.bench.procs import DaemonProc, self_signed
     from kvtier.bench.transfers import connect, transfer_ops
 
     cert, key = self_signed(tmp / f"tls-{block}")
-    tls_daemon = stack.enter_context(DaemonProc(
-        tmp / f"kvtierd-tls-{block}", plan.host_bytes, plan.slab_bytes,
-        ["--tls-cert", str(cert), "--tls-key", str(key)]))
-    tls = stack.enter_context(contextlib.closing(
-        connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
+    tls_daemon = stack.enter_context(
+        DaemonProc(
+            tmp / f"kvtierd-tls-{block}",
+            plan.host_bytes,
+            plan.slab_bytes,
+            ["--tls-cert", str(cert), "--tls-key", str(key)],
+        )
+    )
+    tls = stack.enter_context(contextlib.closing(connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
     return transfer_ops(plan, tls, block, keys, name="tcp_tls")
 
 
-def _verify_size(plan: Plan, tmp: Path, block: int, results: Results,
-                 progress: Progress) -> None:
+def _verify_size(plan: Plan, tmp: Path, block: int, results: Results, progress: Progress) -> None:
     """Bytes verified end to end against the unverified path (docs/security.md), interleaved:
     a daemon as configured by default (shm clients hash their puts, every get_into checks),
     one with ``--no-verify-bytes`` and clients with ``verify_bytes=False``, and one with
@@ -191,23 +204,28 @@ def _verify_size(plan: Plan, tmp: Path, block: int, results: Results,
 
     progress.show(f"starting three kvtierd for {size_label(block)} blocks")
     keys = KeySource()
-    daemons: dict[str, list[str]] = {"": [], "_unverified": ["--no-verify-bytes"],
-                                     "_daemon": ["--verify-store", "daemon"]}
+    daemons: dict[str, list[str]] = {
+        "": [],
+        "_unverified": ["--no-verify-bytes"],
+        "_daemon": ["--verify-store", "daemon"],
+    }
     with contextlib.ExitStack() as stack:
         ops: list[Op] = []
         for suffix, extra in daemons.items():
-            d = stack.enter_context(DaemonProc(tmp / f"kvtierd-verify{suffix}-{block}",
-                                               plan.host_bytes, plan.slab_bytes, extra))
+            d = stack.enter_context(
+                DaemonProc(tmp / f"kvtierd-verify{suffix}-{block}", plan.host_bytes, plan.slab_bytes, extra)
+            )
             for transport, address in (("shm", d.unix), ("tcp", d.grpc)):
                 if suffix == "_daemon" and transport == "tcp":
                     continue  # tcp stores are hashed as they arrive, whatever verify_store
-                client = stack.enter_context(contextlib.closing(connect(
-                    address, transport, verify_bytes=suffix != "_unverified")))
+                client = stack.enter_context(
+                    contextlib.closing(connect(address, transport, verify_bytes=suffix != "_unverified"))
+                )
                 name = transport + suffix
-                keep = {f"{name}_put"} if suffix == "_daemon" else \
-                    {f"{name}_put", f"{name}_get_into"}  # (a get's cost is get_into's and more)
-                ops += [op for op in transfer_ops(plan, client, block, keys, name=name)
-                        if op.name in keep]
+                keep = (
+                    {f"{name}_put"} if suffix == "_daemon" else {f"{name}_put", f"{name}_get_into"}
+                )  # (a get's cost is get_into's and more)
+                ops += [op for op in transfer_ops(plan, client, block, keys, name=name) if op.name in keep]
         measure(plan, block, ops, results, progress)
 
 
@@ -225,11 +243,9 @@ def _redis(plan: Plan, tmp: Path, results: Results, stack: contextlib.ExitStack)
         import redis  # noqa: F401
         from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
-        results.notes.append(f"Redis comparison skipped: redis-py is not installed "
-                             f"({_BENCH_EXTRA})")
+        results.notes.append(f"Redis comparison skipped: redis-py is not installed ({_BENCH_EXTRA})")
         return None
     if not HIREDIS_AVAILABLE:  # redis-py's own parser would make GET a poor baseline
-        results.notes.append(f"Redis comparison skipped: hiredis is not installed "
-                             f"({_BENCH_EXTRA})")
+        results.notes.append(f"Redis comparison skipped: hiredis is not installed ({_BENCH_EXTRA})")
         return None
     return stack.enter_context(RedisProc(tmp / "redis")).port

@@ -75,6 +75,7 @@ def distinct_bytes(views: list[memoryview]) -> int:
 
 # -- memcpy ----------------------------------------------------------------------------------------
 
+
 def memcpy_ops(plan: Plan, block: int) -> list[Op]:
     """memcpy as put (one batch into fresh memory) and as get_into (distinct memory into one
     batch), each over ``plan.sample_bytes(block)`` bytes per sample."""
@@ -91,8 +92,10 @@ def _memcpy_put(plan: Plan, block: int, batch: Any) -> Op:
     fresh = prefaulted(plan.sample_bytes(block))
     fresh_views = block_views(fresh, block, n * batches)
     put_src = [batch_views[i % n] for i in range(n * batches)]
-    put_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
-                 for d, s in zip(fresh_views, put_src, strict=True)]
+    put_pairs = [
+        (np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
+        for d, s in zip(fresh_views, put_src, strict=True)
+    ]
 
     def run_put() -> None:
         for d, s in put_pairs:
@@ -100,11 +103,17 @@ def _memcpy_put(plan: Plan, block: int, batch: Any) -> Op:
 
     def check_put() -> None:
         for j in range(batches):
-            assert np.array_equal(fresh[j * n * block : (j + 1) * n * block], batch), \
+            assert np.array_equal(fresh[j * n * block : (j + 1) * n * block], batch), (
                 f"memcpy (as put) left batch {j} of the destination other than the source"
+            )
 
-    return Op("memcpy_put", f"memcpy as put {size_label(block)}", run_put, check_put,
-              Touches(src=distinct_bytes(put_src), dst=distinct_bytes(fresh_views)))
+    return Op(
+        "memcpy_put",
+        f"memcpy as put {size_label(block)}",
+        run_put,
+        check_put,
+        Touches(src=distinct_bytes(put_src), dst=distinct_bytes(fresh_views)),
+    )
 
 
 def _memcpy_get(plan: Plan, block: int, batch: Any) -> Op:
@@ -119,22 +128,31 @@ def _memcpy_get(plan: Plan, block: int, batch: Any) -> Op:
     dst = prefaulted(n * block, 0)
     dst_views = block_views(dst, block, n)
     get_dst = [dst_views[i % n] for i in range(n * batches)]
-    get_pairs = [(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
-                 for d, s in zip(get_dst, stored_views, strict=True)]
+    get_pairs = [
+        (np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
+        for d, s in zip(get_dst, stored_views, strict=True)
+    ]
 
     def run_get() -> None:
         for d, s in get_pairs:
             copyto(d, s)
 
     def check_get() -> None:
-        assert np.array_equal(dst, stored[(batches - 1) * n * block :]), \
+        assert np.array_equal(dst, stored[(batches - 1) * n * block :]), (
             "memcpy (as get) copied other bytes than the last batch"
+        )
 
-    return Op("memcpy_get", f"memcpy as get {size_label(block)}", run_get, check_get,
-              Touches(src=distinct_bytes(stored_views), dst=distinct_bytes(get_dst)))
+    return Op(
+        "memcpy_get",
+        f"memcpy as get {size_label(block)}",
+        run_get,
+        check_get,
+        Touches(src=distinct_bytes(stored_views), dst=distinct_bytes(get_dst)),
+    )
 
 
 # -- raw loopback TCP stream -----------------------------------------------------------------------
+
 
 def _sink(conn: Connection) -> None:
     """Child process: accept one stream, then per command receive ``total`` bytes into (or send
@@ -186,8 +204,7 @@ class SocketStream:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_sink, args=(child,), daemon=True,
-                                 name="kvtier-bench-sink")
+        self._proc = ctx.Process(target=_sink, args=(child,), daemon=True, name="kvtier-bench-sink")
         self._sock: socket.socket | None = None
 
     def __enter__(self) -> SocketStream:
@@ -197,8 +214,9 @@ class SocketStream:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._sock is not None:
             try:
                 self._sock.sendall(_CMD.pack(0, 0, 0))
@@ -224,14 +242,23 @@ class SocketStream:
         put = functools.partial(_stream_put, s, block, total, send_views, count)
         get = functools.partial(_stream_get, s, block, total, recv_views, count)
         label = size_label(block)
-        return [Op("socket_put", f"socket as put {label}", put,
-                   touches=Touches(src=distinct_bytes(send_views), dst=total)),
-                Op("socket_get", f"socket as get {label}", get,
-                   touches=Touches(src=total, dst=distinct_bytes(recv_views)))]
+        return [
+            Op(
+                "socket_put",
+                f"socket as put {label}",
+                put,
+                touches=Touches(src=distinct_bytes(send_views), dst=total),
+            ),
+            Op(
+                "socket_get",
+                f"socket as get {label}",
+                get,
+                touches=Touches(src=total, dst=distinct_bytes(recv_views)),
+            ),
+        ]
 
 
-def _stream_put(s: socket.socket, block: int, total: int, views: list[memoryview],
-                count: bytearray) -> None:
+def _stream_put(s: socket.socket, block: int, total: int, views: list[memoryview], count: bytearray) -> None:
     """One ``socket_put`` sample: the sink receives ``total`` bytes, sent from ``views``."""
     s.sendall(_CMD.pack(_RECV, block, total))
     for v in views:
@@ -239,8 +266,7 @@ def _stream_put(s: socket.socket, block: int, total: int, views: list[memoryview
     _sink_count(s, total, count)
 
 
-def _stream_get(s: socket.socket, block: int, total: int, views: list[memoryview],
-                count: bytearray) -> None:
+def _stream_get(s: socket.socket, block: int, total: int, views: list[memoryview], count: bytearray) -> None:
     """One ``socket_get`` sample: the sink sends ``total`` bytes, received into ``views``."""
     s.sendall(_CMD.pack(_SEND, block, total))
     for v in views:
@@ -260,6 +286,7 @@ def _sink_count(s: socket.socket, total: int, count: bytearray) -> None:
 
 # -- Redis -----------------------------------------------------------------------------------------
 
+
 def redis_client(port: int) -> Any:
     """A redis-py client that parses replies with hiredis (RuntimeError without it: redis-py's
     own parser halves GET throughput and would make a poor baseline)."""
@@ -267,12 +294,13 @@ def redis_client(port: int) -> Any:
     from redis.utils import HIREDIS_AVAILABLE
 
     if not HIREDIS_AVAILABLE:
-        raise RuntimeError("hiredis is not installed (the kvtier wheel's bench extra; in a checkout: "
-                           "pip install -e '.[bench]')")
+        raise RuntimeError(
+            "hiredis is not installed (the kvtier wheel's bench extra; in a checkout: "
+            "pip install -e '.[bench]')"
+        )
     from redis._parsers import _HiredisParser
 
-    pool = redis.ConnectionPool(host="127.0.0.1", port=port, socket_timeout=120,
-                                parser_class=_HiredisParser)
+    pool = redis.ConnectionPool(host="127.0.0.1", port=port, socket_timeout=120, parser_class=_HiredisParser)
     return redis.Redis(connection_pool=pool)
 
 
@@ -306,8 +334,7 @@ def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
     samples = itertools.count()
 
     def names(sample: int) -> list[list[bytes]]:
-        return [[f"kvb:{block}:{sample}:{j}:{i}".encode() for i in range(n)]
-                for j in range(batches)]
+        return [[f"kvb:{block}:{sample}:{j}:{i}".encode() for i in range(n)] for j in range(batches)]
 
     # Keys of the warm-up and of every round, made now so that no timed SET pays for them.
     pending = [names(next(samples)) for _ in range(plan.repeat + 1)]
@@ -322,12 +349,13 @@ def redis_ops(plan: Plan, port: int, block: int) -> list[Op]:
         _redis_get(r, current, got)
 
     def check() -> None:
-        assert b"".join(g or b"" for g in got) == src.tobytes(), \
+        assert b"".join(g or b"" for g in got) == src.tobytes(), (
             "Redis GET returned other bytes than were SET"
+        )
 
     label = size_label(block)
     total = plan.sample_bytes(block)
-    return [Op("redis_set", f"redis SET {label}", put,
-               touches=Touches(src=distinct_bytes(views), dst=total)),
-            Op("redis_get", f"redis GET {label}", get, check,
-               touches=Touches(src=total, dst=total))]
+    return [
+        Op("redis_set", f"redis SET {label}", put, touches=Touches(src=distinct_bytes(views), dst=total)),
+        Op("redis_get", f"redis GET {label}", get, check, touches=Touches(src=total, dst=total)),
+    ]

@@ -81,16 +81,18 @@ def bench_gpu(args: argparse.Namespace) -> int:
     transports, notes = _transports(args.gpu_transports, device)
     host_bytes = max(256 << 20, (args.repeat + 2) * nbytes + (64 << 20))
     extra = ["--cuda-ipc"] if "cuda_ipc" in transports else []
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp, \
-            DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb), extra) as daemon, \
-            contextlib.ExitStack() as clients:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp,
+        DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb), extra) as daemon,
+        contextlib.ExitStack() as clients,
+    ):
         ops: list[tuple[str, Callable[[], object]]] = [
             (f"{base} host->device", lambda: dev.copy_(host, non_blocking=True)),
-            (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True))]
+            (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True)),
+        ]
         for t in transports:
             put, get = _round_trip(_bench_handle(daemon.unix, t, shape, clients), layout, src, dst)
-            ops += [(f"{t} put_blocks (device->daemon)", put),
-                    (f"{t} get_blocks (daemon->device)", get)]
+            ops += [(f"{t} put_blocks (device->daemon)", put), (f"{t} get_blocks (daemon->device)", get)]
         exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
     best = {k: max(v) for k, v in s.figures.items()}
     _publish(_report(best, device, n, bb, exact, base, notes), args.json_out)
@@ -101,8 +103,9 @@ def _publish(report: dict[str, Any], json_out: str | None) -> None:
     """Print the report's table; write the rest of it as JSON to ``json_out`` if given."""
     print(report["table"])
     if json_out:
-        Path(json_out).write_text(json.dumps({k: v for k, v in report.items()
-                                              if k != "table"}, indent=2) + "\n")
+        Path(json_out).write_text(
+            json.dumps({k: v for k, v in report.items() if k != "table"}, indent=2) + "\n"
+        )
 
 
 def _paged_cache(shape: tuple[int, ...], n: int, device: Any) -> tuple[Any, list[int], list[int]]:
@@ -114,17 +117,16 @@ def _paged_cache(shape: tuple[int, ...], n: int, device: Any) -> tuple[Any, list
 
     layers, heads, head_dim, tokens = shape
     num_blocks = 2 * n + 8
-    buf = torch.empty((layers, num_blocks, tokens, heads, 2 * head_dim), dtype=torch.bfloat16,
-                      device=device)
+    buf = torch.empty((layers, num_blocks, tokens, heads, 2 * head_dim), dtype=torch.bfloat16, device=device)
     buf.view(torch.uint8).random_(0, 256)
-    layout = PagedKvLayout.from_layer_tensors([buf[i].permute(0, 2, 1, 3) for i in range(layers)],
-                                              name="LBNHC")
+    layout = PagedKvLayout.from_layer_tensors(
+        [buf[i].permute(0, 2, 1, 3) for i in range(layers)], name="LBNHC"
+    )
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     return layout, perm[:n], perm[n : 2 * n]
 
 
-def _bench_handle(address: str, transport: str, shape: tuple[int, ...],
-                  clients: contextlib.ExitStack) -> Any:
+def _bench_handle(address: str, transport: str, shape: tuple[int, ...], clients: contextlib.ExitStack) -> Any:
     """A connected client over ``transport`` (closed with ``clients``), its namespace of the
     cache's ``shape`` registered."""
     import kvtier
@@ -134,16 +136,30 @@ def _bench_handle(address: str, transport: str, shape: tuple[int, ...],
     clients.callback(client.close)
     if not client.connected:
         raise RuntimeError(f"{transport}: {client.counters.last_error}")
-    return client.register(kvtier.Namespace(
-        model_id="bench/llama3-8b-shape", model_revision="bench", tokenizer_digest="none",
-        kv_dtype="bfloat16", layout="vllm.LBNHC", tokens_per_block=tokens,
-        num_layers=layers, num_kv_heads=heads, head_dim=head_dim))
+    return client.register(
+        kvtier.Namespace(
+            model_id="bench/llama3-8b-shape",
+            model_revision="bench",
+            tokenizer_digest="none",
+            kv_dtype="bfloat16",
+            layout="vllm.LBNHC",
+            tokens_per_block=tokens,
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+        )
+    )
 
 
-def _measure(ops: list[tuple[str, Callable[[], object]]], layout: Any,
-             blocks: tuple[list[int], list[int]], sync: Callable[[], None],
-             sample: Callable[[str, Callable[[], object]], None], repeat: int,
-             reset: Callable[[], None]) -> bool:
+def _measure(
+    ops: list[tuple[str, Callable[[], object]]],
+    layout: Any,
+    blocks: tuple[list[int], list[int]],
+    sync: Callable[[], None],
+    sample: Callable[[str, Callable[[], object]], None],
+    repeat: int,
+    reset: Callable[[], None],
+) -> bool:
     """A warm-up round of ``ops`` (registration, allocator, first faults; each load checked and
     its destination blocks zeroed after), ``reset``, then ``repeat`` sampled rounds; whether
     every load brought the exact blocks."""
@@ -156,8 +172,9 @@ def _measure(ops: list[tuple[str, Callable[[], object]]], layout: Any,
         sync()
         if name.endswith("(daemon->device)"):
             exact = exact and _same_blocks(layout, src, dst)
-            layout.scatter(dst, torch.zeros((len(dst), layout.block_bytes), dtype=torch.uint8,
-                                            device=layout.device))
+            layout.scatter(
+                dst, torch.zeros((len(dst), layout.block_bytes), dtype=torch.uint8, device=layout.device)
+            )
     reset()
     for _ in range(repeat):
         for name, fn in ops:
@@ -187,8 +204,9 @@ def _transports(spec: str, device: Any) -> tuple[list[str], list[str]]:
     return wanted, notes
 
 
-def _round_trip(ns: Any, layout: Any, src: list[int],
-                dst: list[int]) -> tuple[Callable[[], None], Callable[[], None]]:
+def _round_trip(
+    ns: Any, layout: Any, src: list[int], dst: list[int]
+) -> tuple[Callable[[], None], Callable[[], None]]:
     keys: list[bytes] = []
 
     def put() -> None:
@@ -214,13 +232,19 @@ def _same_blocks(layout: Any, src: list[int], dst: list[int]) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
-            base: str, notes: list[str]) -> dict[str, Any]:
-    pairs = {name: f"{base} device->host" if "(device->daemon)" in name else f"{base} host->device"
-             for name in best if "_blocks (" in name}
-    lines = [f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
-             f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
-             f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target"]
+def _report(
+    best: dict[str, float], device: Any, n: int, bb: int, exact: bool, base: str, notes: list[str]
+) -> dict[str, Any]:
+    pairs = {
+        name: f"{base} device->host" if "(device->daemon)" in name else f"{base} host->device"
+        for name in best
+        if "_blocks (" in name
+    }
+    lines = [
+        f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
+        f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
+        f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target",
+    ]
     ratios: dict[str, float] = {}
     for name, value in best.items():
         pair = pairs.get(name)
@@ -230,8 +254,18 @@ def _report(best: dict[str, float], device: Any, n: int, bb: int, exact: bool,
         ratio = value / best[pair]
         ratios[name] = ratio
         ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
-        lines.append(f"{name:34} {value:7.2f} {ratio:12.2f}  "
-                     f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)")
+        lines.append(
+            f"{name:34} {value:7.2f} {ratio:12.2f}  "
+            f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)"
+        )
     lines += notes
-    return {"device": str(device), "blocks": n, "block_bytes": bb, "byte_exact": exact,
-            "gbps": best, "ratio_to_pinned": ratios, "notes": notes, "table": "\n".join(lines)}
+    return {
+        "device": str(device),
+        "blocks": n,
+        "block_bytes": bb,
+        "byte_exact": exact,
+        "gbps": best,
+        "ratio_to_pinned": ratios,
+        "notes": notes,
+        "table": "\n".join(lines),
+    }

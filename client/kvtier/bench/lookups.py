@@ -34,11 +34,18 @@ _TIMEOUT_S = 10.0
 PATHS = (("local", ""), ("control", "_control"), ("grpc", "_grpc"))
 
 
-def _connect(address: str, keys_n: int, name: str, path: str = "local"
-             ) -> tuple[Client, NamespaceHandle, list[bytes]]:
+def _connect(
+    address: str, keys_n: int, name: str, path: str = "local"
+) -> tuple[Client, NamespaceHandle, list[bytes]]:
     # transport "tcp": lookups never move bytes, and it spares each client mapping the arena.
-    client = Client.connect(address, "tcp", timeout_s=_TIMEOUT_S, client_name=name,
-                            local_lookups=path == "local", control_channel=path != "grpc")
+    client = Client.connect(
+        address,
+        "tcp",
+        timeout_s=_TIMEOUT_S,
+        client_name=name,
+        local_lookups=path == "local",
+        control_channel=path != "grpc",
+    )
     if not client.connected:
         raise RuntimeError(f"cannot connect to kvtierd at {address}: {client.counters.last_error}")
     ns = client.register(bench_namespace(LOOKUP_BLOCK, name="kvtier-bench-lookup"))
@@ -62,10 +69,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results,
-                 progress: Progress) -> None:
-    opened = {path: _connect(address, plan.lookup_keys, f"bench-lookup-{path}", path)
-              for path, _suffix in PATHS}
+def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results, progress: Progress) -> None:
+    opened = {
+        path: _connect(address, plan.lookup_keys, f"bench-lookup-{path}", path) for path, _suffix in PATHS
+    }
     client, ns, keys = opened["local"]
     try:
         zero = bytes(LOOKUP_BLOCK)
@@ -82,8 +89,7 @@ def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results,
                 lat = sorted(_timed_lookups(opened[path][1], keys, plan.lookup_samples))
                 results.add_lookup(f"lookup{suffix}_p50_ms", statistics.median(lat) * 1e3)
                 results.add_lookup(f"lookup{suffix}_p99_ms", percentile(lat, 99) * 1e3)
-            for path, name in (("grpc", "lookup_1key_p50_ms"),
-                               ("control", "lookup_1key_control_p50_ms")):
+            for path, name in (("grpc", "lookup_1key_p50_ms"), ("control", "lookup_1key_control_p50_ms")):
                 one = _timed_lookups(opened[path][1], keys[:1], plan.lookup_samples)
                 results.add_lookup(name, statistics.median(one) * 1e3)
             progress.step("lookup latency")
@@ -108,8 +114,10 @@ def _until_local(ns: NamespaceHandle, keys: list[bytes]) -> tuple[int, int]:
         if c.lookups_local > before:
             return c.lookups, c.lookups_local
         if time.monotonic() > deadline:
-            raise RuntimeError("the published index never answered (is the daemon's "
-                               "publish_index off, or the daemon on another host?)")
+            raise RuntimeError(
+                "the published index never answered (is the daemon's "
+                "publish_index off, or the daemon on another host?)"
+            )
         time.sleep(0.001)
 
 
@@ -120,8 +128,7 @@ def _check_local(client: Client, base: tuple[int, int]) -> None:
     c = client.counters
     total, local = c.lookups - base[0], c.lookups_local - base[1]
     if local < 0.99 * total:
-        raise RuntimeError(f"{total - local} of {total} lookups were not answered from the "
-                           "published index")
+        raise RuntimeError(f"{total - local} of {total} lookups were not answered from the published index")
 
 
 def _timed_lookups(ns: NamespaceHandle, keys: list[bytes], n: int) -> list[float]:
@@ -136,8 +143,9 @@ def _timed_lookups(ns: NamespaceHandle, keys: list[bytes], n: int) -> list[float
     return out
 
 
-def _lookup_worker(address: str, keys_n: int, rounds: int, seconds: float, barrier: Barrier,
-                   out: Any, wid: int) -> None:
+def _lookup_worker(
+    address: str, keys_n: int, rounds: int, seconds: float, barrier: Barrier, out: Any, wid: int
+) -> None:
     """Child process: ``rounds`` times, for each path, wait for the others, then look up for
     ``seconds``."""
     handles = {}
@@ -176,19 +184,23 @@ def _result(out: Any, procs: list[Any], timeout_s: float) -> tuple[int, str, int
         except queue.Empty:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"lookup client {dead[0].name} exited with "
-                                   f"{dead[0].exitcode}") from None
+                raise RuntimeError(f"lookup client {dead[0].name} exited with {dead[0].exitcode}") from None
     raise RuntimeError("lookup clients did not report in time")
 
 
-def _concurrent(plan: Plan, address: str, daemon_pid: int, results: Results,
-                progress: Progress) -> None:
+def _concurrent(plan: Plan, address: str, daemon_pid: int, results: Results, progress: Progress) -> None:
     ctx = mp.get_context("spawn")
     n = plan.lookup_clients
     barrier, out = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, daemon=True, name=f"kvtier-bench-lookup-{i}",
-                         args=(address, plan.lookup_keys, plan.repeat, plan.lookup_seconds,
-                               barrier, out, i)) for i in range(n)]
+    procs = [
+        ctx.Process(
+            target=_lookup_worker,
+            daemon=True,
+            name=f"kvtier-bench-lookup-{i}",
+            args=(address, plan.lookup_keys, plan.repeat, plan.lookup_seconds, barrier, out, i),
+        )
+        for i in range(n)
+    ]
     progress.show(f"lookups/s, {n} client processes (starting)")
     for p in procs:
         p.start()

@@ -125,19 +125,33 @@ class _Data:
         self.dst_views = block_views(self.dst, block, plan.blocks_per_batch(block))
 
 
-def _one_size(plan: Plan, runs: Path, root: Path, block: int, keys: KeySource, results: Results,
-              progress: Progress) -> None:
+def _one_size(
+    plan: Plan, runs: Path, root: Path, block: int, keys: KeySource, results: Results, progress: Progress
+) -> None:
     g = Geometry(plan, block)
     progress.show(f"starting kvtierd with an NVMe tier ({size_label(block)})")
     disk_dir, raw_dir = root / f"tier-{block}", root / f"raw-{block}"
     data = _Data(plan, block)
     pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="bench-raw-io")
-    raw = RawDisk(raw_dir, slot_bytes=nvme_slot_bytes(block), per_batch=g.per_batch, slots=g.n,
-                  pool=pool, align=IO_ALIGN)
+    raw = RawDisk(
+        raw_dir,
+        slot_bytes=nvme_slot_bytes(block),
+        per_batch=g.per_batch,
+        slots=g.n,
+        pool=pool,
+        align=IO_ALIGN,
+    )
     try:
-        with NvmeDaemon(runs / f"kvtierd-nvme-{block}", disk_dir, host_bytes=g.host_bytes,
-                        slab_bytes=g.slab, disk_bytes=g.disk_bytes) as daemon, \
-                contextlib.closing(connect(daemon.unix, "shm")) as client:
+        with (
+            NvmeDaemon(
+                runs / f"kvtierd-nvme-{block}",
+                disk_dir,
+                host_bytes=g.host_bytes,
+                slab_bytes=g.slab,
+                disk_bytes=g.disk_bytes,
+            ) as daemon,
+            contextlib.closing(connect(daemon.unix, "shm")) as client,
+        ):
             ns = client.register(bench_namespace(block, name="kvtier-bench-nvme"))
             results.facts["tier_direct_io"] = bool(nvme_stats(client)["direct_io"])
             results.facts["raw_direct_io"] = raw.direct_io
@@ -182,8 +196,11 @@ def _round(s: _Size, keys: KeySource) -> None:
     try:
         for i, threads in enumerate((IO_THREADS, 1, 0)):
             progress.show(f"nvme demote {label} (set {'ABC'[i]})")
-            record("nvme_demote", put_durable(s.client, s.ns, sets[i], s.data.views, g.per_batch,
-                                              f"demote {label}"), f"nvme demote {label}")
+            record(
+                "nvme_demote",
+                put_durable(s.client, s.ns, sets[i], s.data.views, g.per_batch, f"demote {label}"),
+                f"nvme demote {label}",
+            )
             if threads:
                 many = "s" if threads > 1 else ""
                 progress.show(f"raw O_DIRECT write {label}, {threads} thread{many}")
@@ -209,16 +226,20 @@ def _promote_get_into(s: _Size, keys: list[bytes]) -> None:
     g, client, ns, daemon, data, results = s.g, s.client, s.ns, s.daemon, s.data, s.results
     block, label = g.block, size_label(g.block)
     if on_host := tiers_of(ns, keys).count("host"):
-        raise RuntimeError(f"promote {label}: {on_host} blocks of the set are still in the host "
-                           "tier (it should hold one set only)")
+        raise RuntimeError(
+            f"promote {label}: {on_host} blocks of the set are still in the host "
+            "tier (it should hold one set only)"
+        )
     took, prep0 = 0.0, daemon.rpc_seconds("PrepareLoad")
     for batch in chunks(keys, g.per_batch):
         t0 = time.perf_counter()
         found = ns.get_into(batch, data.dst_views[: len(batch)])
         took += time.perf_counter() - t0
         if not all(found):
-            raise RuntimeError(f"promote {label}: get_into missed {found.count(False)} blocks "
-                               f"({client.counters.last_error or 'evicted?'})")
+            raise RuntimeError(
+                f"promote {label}: get_into missed {found.count(False)} blocks "
+                f"({client.counters.last_error or 'evicted?'})"
+            )
         n = len(batch) * block
         if not np.array_equal(data.dst[:n], data.src[:n]):
             raise AssertionError(f"promote {label}: get_into returned other bytes than were put")
@@ -276,17 +297,22 @@ def bench_nvme(plan: Plan, tmp: Path, results: Results, progress: Progress) -> N
     parent.mkdir(parents=True, exist_ok=True)
     need, free = disk_need(plan), shutil.disk_usage(parent).free
     fstype, mnt = mount_of(parent)
-    results.facts.update(disk_dir=str(parent), filesystem=fstype, mount=mnt, disk_free_bytes=free,
-                         disk_need_bytes=need)
+    results.facts.update(
+        disk_dir=str(parent), filesystem=fstype, mount=mnt, disk_free_bytes=free, disk_need_bytes=need
+    )
     if need + (1 << 30) > free:
         if plan.suite == "all":  # the other suites' figures still count
-            results.notes.append(f"NVMe figures skipped: {need / 2**30:.1f} GiB free needed in "
-                                 f"{parent}, {free / 2**30:.1f} GiB are (kvtier bench nvme "
-                                 "--disk-dir DIR)")
+            results.notes.append(
+                f"NVMe figures skipped: {need / 2**30:.1f} GiB free needed in "
+                f"{parent}, {free / 2**30:.1f} GiB are (kvtier bench nvme "
+                "--disk-dir DIR)"
+            )
             return
-        raise RuntimeError(f"nvme suite: needs about {need / 2**30:.1f} GiB free in {parent} "
-                           f"(and 1 GiB to spare), {free / 2**30:.1f} GiB are: lower --total-mib "
-                           f"or pass --disk-dir")
+        raise RuntimeError(
+            f"nvme suite: needs about {need / 2**30:.1f} GiB free in {parent} "
+            f"(and 1 GiB to spare), {free / 2**30:.1f} GiB are: lower --total-mib "
+            f"or pass --disk-dir"
+        )
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-nvme-", dir=parent))
     keys = KeySource()
     try:
@@ -298,4 +324,5 @@ def bench_nvme(plan: Plan, tmp: Path, results: Results, progress: Progress) -> N
     if not (results.facts.get("tier_direct_io") and results.facts.get("raw_direct_io")):
         results.notes.append(
             f"O_DIRECT unavailable in {parent} ({results.facts.get('raw_direct_io_note')}): "
-            "tier and raw figures went through the page cache; reads may come from memory")
+            "tier and raw figures went through the page cache; reads may come from memory"
+        )

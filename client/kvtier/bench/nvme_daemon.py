@@ -38,12 +38,24 @@ class NvmeDaemon(DaemonProc):
     """A kvtierd with an NVMe tier over ``disk_dir`` (write-through) and /metrics on a free port;
     ``ready_s``: seconds from starting the process to its KVTIERD_READY line."""
 
-    def __init__(self, run_dir: Path, disk_dir: Path, *, host_bytes: int, slab_bytes: int,
-                 disk_bytes: int) -> None:
+    def __init__(
+        self, run_dir: Path, disk_dir: Path, *, host_bytes: int, slab_bytes: int, disk_bytes: int
+    ) -> None:
         super().__init__(run_dir, host_bytes, slab_bytes)
-        self.args += ["--disk-dir", str(disk_dir), "--disk-bytes", str(disk_bytes),
-                      "--io-align", str(IO_ALIGN), "--write-policy", "write-through",
-                      "--metrics-port", "0", "--metrics-host", "127.0.0.1"]
+        self.args += [
+            "--disk-dir",
+            str(disk_dir),
+            "--disk-bytes",
+            str(disk_bytes),
+            "--io-align",
+            str(IO_ALIGN),
+            "--write-policy",
+            "write-through",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+        ]
         self.ready_s = 0.0
 
     def __enter__(self) -> NvmeDaemon:
@@ -65,7 +77,7 @@ class NvmeDaemon(DaemonProc):
         key = f'kvtier_rpc_duration_seconds_sum{{method="{method}"}} '
         for line in text.splitlines():
             if line.startswith(key):
-                return float(line[len(key):])
+                return float(line[len(key) :])
         return 0.0
 
 
@@ -73,8 +85,7 @@ def nvme_stats(client: Client) -> dict[str, Any]:
     return client.stats()["nvme"]  # type: ignore[no-any-return]
 
 
-def wait_nvme(client: Client, field: str, target: int, *, what: str,
-              timeout_s: float = 300.0) -> None:
+def wait_nvme(client: Client, field: str, target: int, *, what: str, timeout_s: float = 300.0) -> None:
     """Poll Stats until ``nvme[field] >= target``. Sleeps follow the rate seen so far (each Stats
     call costs the daemon's event loop ~0.5 ms), so that the end is seen within ~2% of the
     elapsed time or 2 ms, without many calls."""
@@ -112,8 +123,9 @@ def tiers_of(ns: NamespaceHandle, keys: list[bytes]) -> list[str]:
     return out
 
 
-def put_durable(client: Client, ns: NamespaceHandle, keys: list[bytes], views: list[memoryview],
-                per_batch: int, what: str) -> float:
+def put_durable(
+    client: Client, ns: NamespaceHandle, keys: list[bytes], views: list[memoryview], per_batch: int, what: str
+) -> float:
     """Put ``keys`` (``views`` again for every batch); seconds until all are durable on NVMe."""
     w0 = int(nvme_stats(client)["bytes_written"])
     t0 = time.perf_counter()

@@ -72,8 +72,7 @@ class _Tally:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.statuses: dict[str, collections.Counter[str]] = collections.defaultdict(
-            collections.Counter)
+        self.statuses: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.ops: collections.Counter[str] = collections.Counter()
         self.latencies: list[float] = []
 
@@ -109,11 +108,15 @@ class _Worker:
     def setup(self) -> bool:
         ns = bench_namespace(BLOCK, name="kvtier-bench-overload")
         for _ in range(50):  # the daemon may refuse while the others set up too
-            s = self.call("OpenSession", pb.OpenSessionRequest(
-                client_name=f"overload-{self.wid}", lease_ttl_ms=120_000,
-                transport=pb.TRANSPORT_SHM))
-            r = s and self.call("RegisterNamespace", pb.RegisterNamespaceRequest(
-                spec=namespace_spec(ns), digest=ns.digest))
+            s = self.call(
+                "OpenSession",
+                pb.OpenSessionRequest(
+                    client_name=f"overload-{self.wid}", lease_ttl_ms=120_000, transport=pb.TRANSPORT_SHM
+                ),
+            )
+            r = s and self.call(
+                "RegisterNamespace", pb.RegisterNamespaceRequest(spec=namespace_spec(ns), digest=ns.digest)
+            )
             if s and r:
                 self.session_id, self.ns_id = s.session_id, r.namespace_id
                 return True
@@ -121,20 +124,38 @@ class _Worker:
         return False
 
     def lookup(self) -> None:
-        if self.call("Lookup", pb.LookupRequest(session_id=self.session_id,
-                                                namespace_id=self.ns_id,
-                                                keys=b"".join(self.chain))) is not None:
+        if (
+            self.call(
+                "Lookup",
+                pb.LookupRequest(
+                    session_id=self.session_id, namespace_id=self.ns_id, keys=b"".join(self.chain)
+                ),
+            )
+            is not None
+        ):
             self.tally.ops["lookup"] += 1
 
     def put(self) -> None:
         keys = self.keys.take(BATCH)
-        prep = self.call("PrepareStore", pb.PrepareStoreRequest(
-            session_id=self.session_id, namespace_id=self.ns_id, keys=b"".join(keys),
-            transport=pb.TRANSPORT_SHM))
+        prep = self.call(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                session_id=self.session_id,
+                namespace_id=self.ns_id,
+                keys=b"".join(keys),
+                transport=pb.TRANSPORT_SHM,
+            ),
+        )
         if prep is None:
             return
-        if prep.job_id and self.call("CompleteStore", pb.CompleteStoreRequest(
-                session_id=self.session_id, job_id=prep.job_id, ok=True)) is None:
+        if (
+            prep.job_id
+            and self.call(
+                "CompleteStore",
+                pb.CompleteStoreRequest(session_id=self.session_id, job_id=prep.job_id, ok=True),
+            )
+            is None
+        ):
             return
         self.stored.append(keys)
         self.tally.ops["put"] += 1
@@ -143,13 +164,24 @@ class _Worker:
         if not self.stored:
             return
         keys = self.stored[len(self.stored) // 2]
-        prep = self.call("PrepareLoad", pb.PrepareLoadRequest(
-            session_id=self.session_id, namespace_id=self.ns_id, keys=b"".join(keys),
-            transport=pb.TRANSPORT_SHM))
+        prep = self.call(
+            "PrepareLoad",
+            pb.PrepareLoadRequest(
+                session_id=self.session_id,
+                namespace_id=self.ns_id,
+                keys=b"".join(keys),
+                transport=pb.TRANSPORT_SHM,
+            ),
+        )
         if prep is None:
             return
-        if prep.job_id and self.call("CompleteLoad", pb.CompleteLoadRequest(
-                session_id=self.session_id, job_id=prep.job_id)) is None:
+        if (
+            prep.job_id
+            and self.call(
+                "CompleteLoad", pb.CompleteLoadRequest(session_id=self.session_id, job_id=prep.job_id)
+            )
+            is None
+        ):
             return
         self.tally.ops["get"] += 1
 
@@ -166,8 +198,14 @@ class _Worker:
             self.channel.close()
 
 
-def _health(address: str, start: threading.Event, stop: threading.Event,
-            out: list[float], failures: collections.Counter[str], deadline_s: float) -> None:
+def _health(
+    address: str,
+    start: threading.Event,
+    stop: threading.Event,
+    out: list[float],
+    failures: collections.Counter[str],
+    deadline_s: float,
+) -> None:
     """Health.Check every HEALTH_EVERY_S from its own channel; latencies into ``out``."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -183,8 +221,9 @@ def _health(address: str, start: threading.Event, stop: threading.Event,
             stop.wait(HEALTH_EVERY_S)
 
 
-def run_overload(address: str, *, threads: int = 64, duration_s: float = 20.0,
-                 deadline_s: float = 5.0) -> OverloadReport:
+def run_overload(
+    address: str, *, threads: int = 64, duration_s: float = 20.0, deadline_s: float = 5.0
+) -> OverloadReport:
     """Drive the daemon at ``address`` with ``threads`` client threads for ``duration_s`` (after
     every thread has its session) while a health thread times Health.Check."""
     tally = _Tally()
@@ -192,10 +231,18 @@ def run_overload(address: str, *, threads: int = 64, duration_s: float = 20.0,
     workers = [_Worker(address, i, tally, deadline_s) for i in range(threads)]
     health: list[float] = []
     failures: collections.Counter[str] = collections.Counter()
-    pool = [threading.Thread(target=w.run, args=(start, stop), name=f"overload-{w.wid}",
-                             daemon=True) for w in workers]
-    pool.append(threading.Thread(target=_health, name="overload-health", daemon=True,
-                                 args=(address, start, stop, health, failures, deadline_s)))
+    pool = [
+        threading.Thread(target=w.run, args=(start, stop), name=f"overload-{w.wid}", daemon=True)
+        for w in workers
+    ]
+    pool.append(
+        threading.Thread(
+            target=_health,
+            name="overload-health",
+            daemon=True,
+            args=(address, start, stop, health, failures, deadline_s),
+        )
+    )
     for t in pool:
         t.start()
     deadline = time.monotonic() + 60
@@ -215,8 +262,9 @@ def run_overload(address: str, *, threads: int = 64, duration_s: float = 20.0,
     return _report(tally, health, failures, threads, elapsed)
 
 
-def _report(tally: _Tally, health: list[float], failures: collections.Counter[str],
-            threads: int, elapsed: float) -> OverloadReport:
+def _report(
+    tally: _Tally, health: list[float], failures: collections.Counter[str], threads: int, elapsed: float
+) -> OverloadReport:
     """The figures of a run of ``elapsed`` seconds: what the workers tallied, the health
     checks' latencies and failures."""
     report = OverloadReport(threads=threads, duration_s=elapsed)
@@ -239,15 +287,17 @@ def _report(tally: _Tally, health: list[float], failures: collections.Counter[st
 
 
 def format_report(r: OverloadReport) -> str:
-    lines = [f"overload: {r.threads} client threads for {r.duration_s:.1f} s",
-             f"  lookups/s {r.lookups_per_s:10,.0f}   puts/s {r.puts_per_s:10,.0f}   "
-             f"gets/s {r.gets_per_s:10,.0f}   (puts and gets of {BATCH} blocks; "
-             f"lookups of {LOOKUP_KEYS} keys)",
-             f"  RPC latency p99 {r.rpc_p99_ms:.1f} ms",
-             f"  health: {r.health_checks} checks, p50 {r.health_p50_ms:.1f} ms, "
-             f"p99 {r.health_p99_ms:.1f} ms, max {r.health_max_ms:.1f} ms, "
-             f"failures {r.health_failures or 'none'}",
-             "  statuses:"]
+    lines = [
+        f"overload: {r.threads} client threads for {r.duration_s:.1f} s",
+        f"  lookups/s {r.lookups_per_s:10,.0f}   puts/s {r.puts_per_s:10,.0f}   "
+        f"gets/s {r.gets_per_s:10,.0f}   (puts and gets of {BATCH} blocks; "
+        f"lookups of {LOOKUP_KEYS} keys)",
+        f"  RPC latency p99 {r.rpc_p99_ms:.1f} ms",
+        f"  health: {r.health_checks} checks, p50 {r.health_p50_ms:.1f} ms, "
+        f"p99 {r.health_p99_ms:.1f} ms, max {r.health_max_ms:.1f} ms, "
+        f"failures {r.health_failures or 'none'}",
+        "  statuses:",
+    ]
     for method, by in r.statuses.items():
         lines.append(f"    {method:<16}" + "  ".join(f"{k} {v:,}" for k, v in sorted(by.items())))
     return "\n".join(lines)
@@ -262,8 +312,7 @@ def bench_overload(args: argparse.Namespace) -> int:
     duration = 20.0 if args.duration is None else float(args.duration)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         try:
-            with DaemonProc(Path(tmp) / "kvtierd-overload", DAEMON_HOST_BYTES,
-                            DAEMON_SLAB_BYTES) as daemon:
+            with DaemonProc(Path(tmp) / "kvtierd-overload", DAEMON_HOST_BYTES, DAEMON_SLAB_BYTES) as daemon:
                 report = run_overload(daemon.unix, threads=threads, duration_s=duration)
         except (RuntimeError, OSError) as e:
             print(f"kvtier bench overload: failed: {e}", file=sys.stderr)

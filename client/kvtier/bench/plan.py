@@ -23,9 +23,14 @@ SUITES: tuple[Suite, ...] = ("all", "shm", "tcp", "lookup", "nvme", "quick", "tl
 MiB = 1 << 20
 GB = 1e9
 
-_LOOKUP_UNITS = {"lookups_per_s": "lookups/s", "lookups_grpc_per_s": "lookups/s",
-                 "lookups_control_per_s": "lookups/s", "daemon_cpu_us_per_lookup": "us",
-                 "daemon_cpu_us_per_lookup_grpc": "us", "daemon_cpu_us_per_lookup_control": "us"}
+_LOOKUP_UNITS = {
+    "lookups_per_s": "lookups/s",
+    "lookups_grpc_per_s": "lookups/s",
+    "lookups_control_per_s": "lookups/s",
+    "daemon_cpu_us_per_lookup": "us",
+    "daemon_cpu_us_per_lookup_grpc": "us",
+    "daemon_cpu_us_per_lookup_control": "us",
+}
 NVME_IN_ALL = True
 """Whether ``all`` runs the nvme suite too (it does: all stays under 3 minutes; docs/benchmarks.md)."""
 
@@ -73,21 +78,36 @@ class Plan:
         if suite not in SUITES:
             raise ValueError(f"unknown suite {suite!r} (expected one of {', '.join(SUITES)})")
         common: dict[str, Any] = dict(
-            suite=suite, redis=not args.no_redis, progress=not args.no_progress,
-            json_out=args.json_out, lookup_clients=max(1, args.lookup_clients),
-            disk_dir=getattr(args, "disk_dir", None))
+            suite=suite,
+            redis=not args.no_redis,
+            progress=not args.no_progress,
+            json_out=args.json_out,
+            lookup_clients=max(1, args.lookup_clients),
+            disk_dir=getattr(args, "disk_dir", None),
+        )
         if suite == "quick":
-            return cls(block_sizes=(16 << 10, 64 << 10), batch_bytes=1 * MiB, total_bytes=4 * MiB,
-                       repeat=1, lookup_samples=100, lookup_seconds=0.5,
-                       min_host_bytes=64 * MiB,
-                       **{**common, "lookup_clients": min(2, common["lookup_clients"])})
+            return cls(
+                block_sizes=(16 << 10, 64 << 10),
+                batch_bytes=1 * MiB,
+                total_bytes=4 * MiB,
+                repeat=1,
+                lookup_samples=100,
+                lookup_seconds=0.5,
+                min_host_bytes=64 * MiB,
+                **{**common, "lookup_clients": min(2, common["lookup_clients"])},
+            )
         sizes = tuple(parse_bytes(s.strip(), field="--sizes") for s in args.sizes.split(",") if s)
         if not sizes or min(sizes) <= 0 or any(b % 32 for b in sizes):
             raise ValueError("--sizes: need positive block sizes, each a multiple of 32 bytes")
         if args.batch_mib <= 0 or args.total_mib <= 0 or args.repeat <= 0:
             raise ValueError("--batch-mib, --total-mib and --repeat must be positive")
-        plan = cls(block_sizes=sizes, batch_bytes=args.batch_mib * MiB,
-                   total_bytes=args.total_mib * MiB, repeat=args.repeat, **common)
+        plan = cls(
+            block_sizes=sizes,
+            batch_bytes=args.batch_mib * MiB,
+            total_bytes=args.total_mib * MiB,
+            repeat=args.repeat,
+            **common,
+        )
         plan.check_memory()
         return plan
 
@@ -100,8 +120,10 @@ class Plan:
         if self.redis:  # Redis keeps every sample's fresh keys of one block size, +25% per value
             need += (self.repeat + 1) * sample * 5 // 4
         if need > ram * 3 // 4:
-            raise ValueError(f"this plan needs about {format_bytes(need)} of memory, the machine "
-                             f"has {format_bytes(ram)}: lower --total-mib or --batch-mib")
+            raise ValueError(
+                f"this plan needs about {format_bytes(need)} of memory, the machine "
+                f"has {format_bytes(ram)}: lower --total-mib or --batch-mib"
+            )
 
     def blocks_per_batch(self, block: int) -> int:
         return max(1, self.batch_bytes // block)
@@ -136,13 +158,22 @@ class Plan:
         return self.suite in ("all", "quick", part)
 
     def describe(self) -> dict[str, Any]:
-        return {"suite": self.suite, "block_sizes": list(self.block_sizes),
-                "batch_bytes": self.batch_bytes, "total_bytes": self.total_bytes,
-                "repeat": self.repeat, "lookup_keys": self.lookup_keys,
-                "lookup_samples": self.lookup_samples, "lookup_clients": self.lookup_clients,
-                "lookup_seconds": self.lookup_seconds, "redis": self.redis,
-                "host_bytes": self.host_bytes, "slab_bytes": self.slab_bytes,
-                "disk_dir": self.disk_dir, "recovery_blocks": self.recovery_blocks}
+        return {
+            "suite": self.suite,
+            "block_sizes": list(self.block_sizes),
+            "batch_bytes": self.batch_bytes,
+            "total_bytes": self.total_bytes,
+            "repeat": self.repeat,
+            "lookup_keys": self.lookup_keys,
+            "lookup_samples": self.lookup_samples,
+            "lookup_clients": self.lookup_clients,
+            "lookup_seconds": self.lookup_seconds,
+            "redis": self.redis,
+            "host_bytes": self.host_bytes,
+            "slab_bytes": self.slab_bytes,
+            "disk_dir": self.disk_dir,
+            "recovery_blocks": self.recovery_blocks,
+        }
 
 
 def _round_up(n: int, align: int) -> int:

@@ -20,18 +20,35 @@ from types import TracebackType
 from typing import Any
 
 
-def launch_daemon(run_dir: Path, args: list[str], log: Any, *, metrics_port: int = -1,
-                  timeout_s: float = 60.0, module: Sequence[str] = ("kvtierd",)
-                  ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def launch_daemon(
+    run_dir: Path,
+    args: list[str],
+    log: Any,
+    *,
+    metrics_port: int = -1,
+    timeout_s: float = 60.0,
+    module: Sequence[str] = ("kvtierd",),
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Start ``kvtier serve`` in ``run_dir`` (its Unix socket there, TCP ports chosen by the OS,
     stderr to ``log``) and wait for its KVTIERD_READY line; (process, the line's JSON).
     ``module``: ``python -m`` what (and its own arguments) runs ``serve`` (a test launcher)."""
-    cmd = [sys.executable, "-m", *module, "serve", "--socket", str(run_dir / "kvtier.sock"),
-           "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-           "--metrics-port", str(metrics_port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        *module,
+        "serve",
+        "--socket",
+        str(run_dir / "kvtier.sock"),
+        "--listen",
+        "127.0.0.1:0",
+        "--data-listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        str(metrics_port),
+        *args,
+    ]
     env = dict(os.environ, KVTIER_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=run_dir,
-                            env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=run_dir, env=env)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -66,11 +83,19 @@ class DaemonAddresses:
 class DaemonProc(DaemonAddresses):
     """A ``kvtier serve`` subprocess; ``info`` is its KVTIERD_READY line."""
 
-    def __init__(self, run_dir: Path, host_bytes: int, slab_bytes: int,
-                 extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, host_bytes: int, slab_bytes: int, extra_args: list[str] | None = None
+    ) -> None:
         self.run_dir = run_dir
-        self.args = ["--host-bytes", str(host_bytes), "--slab-bytes", str(slab_bytes),
-                     "--lease-ttl-s", "60", *(extra_args or [])]
+        self.args = [
+            "--host-bytes",
+            str(host_bytes),
+            "--slab-bytes",
+            str(slab_bytes),
+            "--lease-ttl-s",
+            "60",
+            *(extra_args or []),
+        ]
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
 
@@ -78,15 +103,15 @@ class DaemonProc(DaemonAddresses):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.run_dir / "kvtierd.log", "w")  # noqa: SIM115  # closed in __exit__
         try:
-            self.proc, self.info = launch_daemon(self.run_dir, self.args, self._log,
-                                                 metrics_port=-1)
+            self.proc, self.info = launch_daemon(self.run_dir, self.args, self._log, metrics_port=-1)
         except RuntimeError:
             self._log.close()
             raise
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _stop(self.proc)
         self._log.close()
 
@@ -109,9 +134,23 @@ class RedisProc:
             raise FileNotFoundError("redis-server not found on PATH")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.run_dir),
-               "--logfile", str(self.run_dir / "redis.log")]
+        cmd = [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            str(self.run_dir),
+            "--logfile",
+            str(self.run_dir / "redis.log"),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -127,8 +166,9 @@ class RedisProc:
         _stop(self.proc)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _stop(self.proc)
 
 
@@ -137,11 +177,31 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     suite: the client trusts that certificate itself as its CA."""
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-keyout", str(key),
-                    "-out", str(cert), "-subj", "/CN=kvtier-bench",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=kvtier-bench",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 

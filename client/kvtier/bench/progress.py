@@ -10,8 +10,9 @@ from typing import TextIO
 class Progress:
     """Counts steps toward ``total``; redraws one line. Single-threaded; disabled = silent."""
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None,
-                 width: int = 30) -> None:
+    def __init__(
+        self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 30
+    ) -> None:
         self.total = max(1, total)
         self.done = 0
         self.enabled = enabled
@@ -30,8 +31,7 @@ class Progress:
             return
         filled = self.width * self.done // self.total
         bar = "#" * filled + "." * (self.width - filled)
-        line = (f"\r[{bar}] {self.done:>3}/{self.total} {time.monotonic() - self._t0:5.0f}s "
-                f"{label[:40]:<40}")
+        line = f"\r[{bar}] {self.done:>3}/{self.total} {time.monotonic() - self._t0:5.0f}s {label[:40]:<40}"
         if line != self._last:
             self.stream.write(line)
             self.stream.flush()

@@ -81,8 +81,16 @@ class RawDisk:
     """Fresh files of ``slots`` slots of ``slot_bytes`` in ``directory``, written and read batch by
     batch (``per_batch`` slots), with O_DIRECT when the filesystem has it (module docstring)."""
 
-    def __init__(self, directory: Path, *, slot_bytes: int, per_batch: int, slots: int,
-                 pool: ThreadPoolExecutor, align: int = 4096) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        slot_bytes: int,
+        per_batch: int,
+        slots: int,
+        pool: ThreadPoolExecutor,
+        align: int = 4096,
+    ) -> None:
         assert slot_bytes % align == 0 and mmap.PAGESIZE % align == 0, (slot_bytes, align)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory, self.pool = directory, pool
@@ -90,13 +98,15 @@ class RawDisk:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:  # the daemon's own probe (kvtier_contract.directio), so both do the same I/O
             self.direct_io, self.direct_io_note = probe_direct(
-                dir_fd, f".raw-probe-{os.getpid()}", align, _OPEN_FLAGS)
+                dir_fd, f".raw-probe-{os.getpid()}", align, _OPEN_FLAGS
+            )
         finally:
             os.close(dir_fd)
         span = per_batch * slot_bytes
         self._src, self._dst = aligned_buffer(span), aligned_buffer(span)
         np.frombuffer(self._src, np.uint8)[:] = np.random.default_rng(7).integers(
-            0, 256, span, dtype=np.uint8)  # random bytes: nothing below may skip zeros
+            0, 256, span, dtype=np.uint8
+        )  # random bytes: nothing below may skip zeros
         self.src = [self._src[i * slot_bytes : (i + 1) * slot_bytes] for i in range(per_batch)]
         self.dst = [self._dst[i * slot_bytes : (i + 1) * slot_bytes] for i in range(per_batch)]
         self._count = 0
@@ -130,8 +140,7 @@ class RawDisk:
         f.path.unlink()
         _fsync_path(self.directory, os.O_RDONLY | os.O_DIRECTORY)
 
-    def _each_batch(self, fn: Callable[[int], object], threads: int,
-                    after: Callable[[], object]) -> float:
+    def _each_batch(self, fn: Callable[[int], object], threads: int, after: Callable[[], object]) -> float:
         t0 = time.perf_counter()
         for b0 in range(0, self.slots, self.per_batch):
             idx = range(b0, min(self.slots, b0 + self.per_batch))
@@ -157,7 +166,9 @@ class RawDisk:
                 raise RuntimeError(f"raw read: short read at slot {i}")
 
         took = self._each_batch(one, threads, lambda: None)
-        if not np.array_equal(np.frombuffer(self._dst, np.uint8),  # the last batch (every
-                              np.frombuffer(self._src, np.uint8)):  # batch wrote these bytes)
+        if not np.array_equal(
+            np.frombuffer(self._dst, np.uint8),  # the last batch (every
+            np.frombuffer(self._src, np.uint8),
+        ):  # batch wrote these bytes)
             raise AssertionError("raw read returned other bytes than were written")
         return took

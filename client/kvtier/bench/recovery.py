@@ -44,8 +44,7 @@ from kvtier.bench.transfers import KeySource, bench_namespace, connect
 from kvtier.client import Client
 
 RECOVERY_BLOCK = 16 << 10
-RECOVERY_FIGURES = ("ready_empty_s", "ready_warm_s", "recovery_warm_s", "ready_replay_s",
-                    "recovery_replay_s")
+RECOVERY_FIGURES = ("ready_empty_s", "ready_warm_s", "recovery_warm_s", "ready_replay_s", "recovery_replay_s")
 CYCLE_STEPS = 4  # progress steps per cycle: fill, warm restart, fill, replay restart
 
 
@@ -57,8 +56,7 @@ def disk_need(plan: Plan) -> int:
 class _RecoveryRig:
     """The flags, data and checks shared by every cycle; each cycle brings its own directory."""
 
-    def __init__(self, plan: Plan, runs: Path, keys: KeySource, results: Results,
-                 progress: Progress) -> None:
+    def __init__(self, plan: Plan, runs: Path, keys: KeySource, results: Results, progress: Progress) -> None:
         self.n, self.block = plan.recovery_blocks, RECOVERY_BLOCK
         self.keys, self.results, self.progress = keys, results, progress
         self.slab = 64 * MiB
@@ -72,26 +70,31 @@ class _RecoveryRig:
         self.views = block_views(data, self.block, self.per_batch)
 
     def start(self, disk_dir: Path) -> NvmeDaemon:
-        return NvmeDaemon(self.run_dir, disk_dir, host_bytes=self.host, slab_bytes=self.slab,
-                          disk_bytes=self.disk)
+        return NvmeDaemon(
+            self.run_dir, disk_dir, host_bytes=self.host, slab_bytes=self.slab, disk_bytes=self.disk
+        )
 
     def fill(self, d: NvmeDaemon) -> None:
         """Store ``n`` fresh blocks and wait until all are durable."""
         self.progress.show(f"recovery: storing {self.n:,} blocks of {size_label(self.block)}")
         with contextlib.closing(connect(d.unix, "shm")) as client:
             ns = client.register(bench_namespace(self.block, name="kvtier-bench-recovery"))
-            took = put_durable(client, ns, self.keys.take(self.n), self.views, self.per_batch,
-                               "recovery fill")
+            took = put_durable(
+                client, ns, self.keys.take(self.n), self.views, self.per_batch, "recovery fill"
+            )
         self.results.facts.setdefault("recovery_fill_blocks_per_s", []).append(round(self.n / took))
 
     def check(self, d: NvmeDaemon, mode: str, blocks: int) -> float:
         """The daemon's recovery seconds, after checking what it recovered."""
-        with contextlib.closing(Client.connect(d.unix, "tcp", timeout_s=30,
-                                               client_name="bench-recovery")) as c:
+        with contextlib.closing(
+            Client.connect(d.unix, "tcp", timeout_s=30, client_name="bench-recovery")
+        ) as c:
             nv = nvme_stats(c)
         if nv["recovery_mode"] != mode or int(nv["recovered_blocks"]) != blocks:
-            raise RuntimeError(f"recovery: expected {blocks:,} blocks ({mode}), the daemon "
-                               f"recovered {nv['recovered_blocks']:,} ({nv['recovery_mode']})")
+            raise RuntimeError(
+                f"recovery: expected {blocks:,} blocks ({mode}), the daemon "
+                f"recovered {nv['recovered_blocks']:,} ({nv['recovery_mode']})"
+            )
         return float(nv["recovery_seconds"])
 
     def cycle(self, disk_dir: Path) -> None:
@@ -118,8 +121,9 @@ class _RecoveryRig:
         progress.step("recovery")
 
 
-def bench_recovery(plan: Plan, runs: Path, root: Path, keys: KeySource, results: Results,
-                   progress: Progress) -> None:
+def bench_recovery(
+    plan: Plan, runs: Path, root: Path, keys: KeySource, results: Results, progress: Progress
+) -> None:
     """``plan.repeat`` cycles, each on a fresh directory under ``root`` (daemon logs and sockets
     under ``runs``); every recovery figure and the facts the report scales them by."""
     rig = _RecoveryRig(plan, runs, keys, results, progress)
@@ -129,5 +133,9 @@ def bench_recovery(plan: Plan, runs: Path, root: Path, keys: KeySource, results:
             rig.cycle(disk_dir)
         finally:
             shutil.rmtree(disk_dir, ignore_errors=True)
-    results.facts.update(recovery_block_bytes=rig.block, recovered_warm_blocks=rig.n,
-                         recovered_replay_blocks=2 * rig.n, replayed_journal_records=rig.n)
+    results.facts.update(
+        recovery_block_bytes=rig.block,
+        recovered_warm_blocks=rig.n,
+        recovered_replay_blocks=2 * rig.n,
+        replayed_journal_records=rig.n,
+    )

@@ -28,8 +28,13 @@ IO_THREADS = 4  # the daemon's default io_threads (bench.nvme uses as many for t
 
 def machine() -> dict[str, Any]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"nproc": os.cpu_count(), "memory_bytes": mem, "cpu": _cpu_model(),
-            "platform": platform.platform(), "python": platform.python_version()}
+    return {
+        "nproc": os.cpu_count(),
+        "memory_bytes": mem,
+        "cpu": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def _cpu_model() -> str:
@@ -47,18 +52,38 @@ INDICATIVE = "indicative"
 
 
 def to_json(plan: Plan, results: Results) -> dict[str, Any]:
-    throughput = [{"op": op, "block_bytes": block, "gbps": fig.best, "samples": fig.samples,
-                   **_touches(results, op, block)}
-                  for (op, block), fig in sorted(results.throughput.items(),
-                                                 key=lambda kv: (kv[0][1], kv[0][0]))]
-    lookup = {name: {"value": fig.best, "unit": fig.unit, "samples": fig.samples}
-              for name, fig in results.lookup.items()}
-    out = {"machine": machine(), "plan": plan.describe(), "throughput": throughput,
-           "lookup": lookup, "targets": target_rows(plan, results), "notes": results.notes}
+    throughput = [
+        {
+            "op": op,
+            "block_bytes": block,
+            "gbps": fig.best,
+            "samples": fig.samples,
+            **_touches(results, op, block),
+        }
+        for (op, block), fig in sorted(results.throughput.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+    ]
+    lookup = {
+        name: {"value": fig.best, "unit": fig.unit, "samples": fig.samples}
+        for name, fig in results.lookup.items()
+    }
+    out = {
+        "machine": machine(),
+        "plan": plan.describe(),
+        "throughput": throughput,
+        "lookup": lookup,
+        "targets": target_rows(plan, results),
+        "notes": results.notes,
+    }
     if results.recovery or results.facts:
-        out["recovery"] = {name: {"value": fig.best, "unit": fig.unit, "samples": fig.samples,
-                                  "per_10k_blocks": per_10k(results, name)}
-                           for name, fig in results.recovery.items()}
+        out["recovery"] = {
+            name: {
+                "value": fig.best,
+                "unit": fig.unit,
+                "samples": fig.samples,
+                "per_10k_blocks": per_10k(results, name),
+            }
+            for name, fig in results.recovery.items()
+        }
         out["facts"] = results.facts
     return out
 
@@ -70,8 +95,11 @@ def _touches(results: Results, op: str, block: int) -> dict[str, int]:
 
 def per_10k(results: Results, name: str) -> float | None:
     """A recovery figure scaled to 10,000 blocks (None for the start-up figures)."""
-    blocks = results.facts.get({"recovery_warm_s": "recovered_warm_blocks",
-                                "recovery_replay_s": "recovered_replay_blocks"}.get(name, ""))
+    blocks = results.facts.get(
+        {"recovery_warm_s": "recovered_warm_blocks", "recovery_replay_s": "recovered_replay_blocks"}.get(
+            name, ""
+        )
+    )
     value = results.seconds(name)
     return value * 10_000 / blocks if value is not None and blocks else None
 
@@ -94,24 +122,32 @@ def format_table(plan: Plan, results: Results) -> str:
     m = machine()
     warm = "" if plan.suite == "nvme" else " after a warm-up"
     label = f" (ratios {INDICATIVE} only)" if plan.indicative else ""
-    head = [f"kvtier bench: suite {plan.suite}{label}, best of {plan.repeat} interleaved rounds{warm}, "
-            f"{format_bytes(plan.total_bytes)} per sample in "
-            f"{format_bytes(plan.batch_bytes)} batches",
-            f"machine: {m['nproc']} CPUs ({m['cpu']}), {format_bytes(m['memory_bytes'])} RAM, "
-            f"{m['platform']}, Python {m['python']}"]
+    head = [
+        f"kvtier bench: suite {plan.suite}{label}, best of {plan.repeat} interleaved rounds{warm}, "
+        f"{format_bytes(plan.total_bytes)} per sample in "
+        f"{format_bytes(plan.batch_bytes)} batches",
+        f"machine: {m['nproc']} CPUs ({m['cpu']}), {format_bytes(m['memory_bytes'])} RAM, "
+        f"{m['platform']}, Python {m['python']}",
+    ]
     if results.touches:
-        head.append(f"baselines touch as much distinct memory as kvtier: one "
-                    f"{format_bytes(plan.batch_bytes)} batch on the engine's side, the whole sample "
-                    "on the other (docs/benchmarks.md §13)")
+        head.append(
+            f"baselines touch as much distinct memory as kvtier: one "
+            f"{format_bytes(plan.batch_bytes)} batch on the engine's side, the whole sample "
+            "on the other (docs/benchmarks.md §13)"
+        )
     if "filesystem" in results.facts:
         f = results.facts
         direct = "O_DIRECT" if f.get("tier_direct_io") and f.get("raw_direct_io") else "NO O_DIRECT"
-        head.append(f"nvme: {f['filesystem']} at {f['mount']} ({direct}), write-through, "
-                    f"{IO_THREADS} I/O threads; no warm-up (every round writes fresh slots)")
+        head.append(
+            f"nvme: {f['filesystem']} at {f['mount']} ({direct}), write-through, "
+            f"{IO_THREADS} I/O threads; no warm-up (every round writes fresh slots)"
+        )
     if plan.indicative:
-        head.append(f"{INDICATIVE}: the quick suite moves {format_bytes(plan.total_bytes)} per "
-                    "sample in one round, too little for a verdict; run `kvtier bench` (suite "
-                    "all) for verdicts against the targets (docs/benchmarks.md)")
+        head.append(
+            f"{INDICATIVE}: the quick suite moves {format_bytes(plan.total_bytes)} per "
+            "sample in one round, too little for a verdict; run `kvtier bench` (suite "
+            "all) for verdicts against the targets (docs/benchmarks.md)"
+        )
     rows = target_rows(plan, results)
     body = _throughput_lines(plan, results) + _target_lines(plan, rows)
     body += _lookup_lines(plan, results, rows) + _recovery_lines(results)
@@ -137,34 +173,38 @@ def _target_lines(plan: Plan, rows: list[dict[str, Any]]) -> list[str]:
     w = max([_W] + [len(t.name) + 1 for t in shown])
     for t in shown:
         cells = {r["block_bytes"]: r for r in rows if r["target"] == t.name}
-        lines.append(f"{t.name:<{w}}" + "".join(
-            f"{_ratio_cell(cells.get(s), plan.indicative):>{cw}}" for s in plan.block_sizes))
+        lines.append(
+            f"{t.name:<{w}}"
+            + "".join(f"{_ratio_cell(cells.get(s), plan.indicative):>{cw}}" for s in plan.block_sizes)
+        )
     if not lines:
         return []
     title = f"target: ratio, {INDICATIVE} only" if plan.indicative else "target: ratio, ok?"
-    return ["", f"{title:<{w}}" + "".join(f"{size_label(s):>{cw}}"
-                                          for s in plan.block_sizes)] + lines
+    return ["", f"{title:<{w}}" + "".join(f"{size_label(s):>{cw}}" for s in plan.block_sizes)] + lines
 
 
 def _lookup_lines(plan: Plan, results: Results, rows: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{r['target']:<{_W}}{_num(r['value']):>12} {_unit(r['op'])} "
-             f"{INDICATIVE if plan.indicative else 'ok' if r['met'] else 'MISSED'}"
-             for r in rows if "value" in r]
+    lines = [
+        f"{r['target']:<{_W}}{_num(r['value']):>12} {_unit(r['op'])} "
+        f"{INDICATIVE if plan.indicative else 'ok' if r['met'] else 'MISSED'}"
+        for r in rows
+        if "value" in r
+    ]
     k = plan.lookup_keys
-    for name, text in (("lookup_p99_ms", f"{k}-key lookup p99"),
-                       ("daemon_cpu_us_per_lookup", "daemon CPU time per lookup"),
-                       ("lookup_control_p50_ms", f"{k}-key lookup p50, control channel"),
-                       ("lookup_control_p99_ms", f"{k}-key lookup p99, control channel"),
-                       ("lookups_control_per_s",
-                        f"lookups/s, control channel, {plan.lookup_clients} clients"),
-                       ("daemon_cpu_us_per_lookup_control",
-                        "daemon CPU time per control-channel lookup"),
-                       ("lookup_1key_control_p50_ms", "1-key control-channel lookup p50"),
-                       ("lookup_grpc_p50_ms", f"{k}-key lookup p50 over gRPC"),
-                       ("lookup_grpc_p99_ms", f"{k}-key lookup p99 over gRPC"),
-                       ("lookups_grpc_per_s", f"lookups/s over gRPC, {plan.lookup_clients} clients"),
-                       ("daemon_cpu_us_per_lookup_grpc", "daemon CPU time per gRPC lookup"),
-                       ("lookup_1key_p50_ms", "1-key gRPC lookup p50 (the round-trip floor)")):
+    for name, text in (
+        ("lookup_p99_ms", f"{k}-key lookup p99"),
+        ("daemon_cpu_us_per_lookup", "daemon CPU time per lookup"),
+        ("lookup_control_p50_ms", f"{k}-key lookup p50, control channel"),
+        ("lookup_control_p99_ms", f"{k}-key lookup p99, control channel"),
+        ("lookups_control_per_s", f"lookups/s, control channel, {plan.lookup_clients} clients"),
+        ("daemon_cpu_us_per_lookup_control", "daemon CPU time per control-channel lookup"),
+        ("lookup_1key_control_p50_ms", "1-key control-channel lookup p50"),
+        ("lookup_grpc_p50_ms", f"{k}-key lookup p50 over gRPC"),
+        ("lookup_grpc_p99_ms", f"{k}-key lookup p99 over gRPC"),
+        ("lookups_grpc_per_s", f"lookups/s over gRPC, {plan.lookup_clients} clients"),
+        ("daemon_cpu_us_per_lookup_grpc", "daemon CPU time per gRPC lookup"),
+        ("lookup_1key_p50_ms", "1-key gRPC lookup p50 (the round-trip floor)"),
+    ):
         v = results.lookup_best(name)
         if v is not None:
             lines.append(f"{text:<{_W}}{_num(v):>12} {_unit(name)}")
@@ -175,17 +215,21 @@ def _recovery_lines(results: Results) -> list[str]:
     if not results.recovery:
         return []
     f = results.facts
-    title = (f"recovery, {f.get('recovered_warm_blocks', 0):,} blocks of "
-             f"{size_label(f.get('recovery_block_bytes', 1))} (best)")
+    title = (
+        f"recovery, {f.get('recovered_warm_blocks', 0):,} blocks of "
+        f"{size_label(f.get('recovery_block_bytes', 1))} (best)"
+    )
     lines = ["", f"{title:<{_W}}{'seconds':>12}{'per 10,000':>12}"]
     for name, text in RECOVERY_LABELS.items():
         v = results.seconds(name)
         if v is not None:
             lines.append(f"{text:<{_W}}{v:>12.3f}{_cell(per_10k(results, name), '{:.3f}'):>12}")
     if "recovered_replay_blocks" in f:
-        lines.append(f"(after kill -9: {f['recovered_replay_blocks']:,} blocks recovered, "
-                     f"{f['replayed_journal_records']:,} of them from the journal; every slot "
-                     "header is read back)")
+        lines.append(
+            f"(after kill -9: {f['recovered_replay_blocks']:,} blocks recovered, "
+            f"{f['replayed_journal_records']:,} of them from the journal; every slot "
+            "header is read back)"
+        )
     return lines
 
 
@@ -194,9 +238,14 @@ def _num(v: float) -> str:
 
 
 def _unit(name: str) -> str:
-    return {"lookups_per_s": "/s", "lookups_grpc_per_s": "/s", "lookups_control_per_s": "/s",
-            "daemon_cpu_us_per_lookup": "us", "daemon_cpu_us_per_lookup_grpc": "us",
-            "daemon_cpu_us_per_lookup_control": "us"}.get(name, "ms")
+    return {
+        "lookups_per_s": "/s",
+        "lookups_grpc_per_s": "/s",
+        "lookups_control_per_s": "/s",
+        "daemon_cpu_us_per_lookup": "us",
+        "daemon_cpu_us_per_lookup_grpc": "us",
+        "daemon_cpu_us_per_lookup_control": "us",
+    }.get(name, "ms")
 
 
 def _ratio_cell(row: dict[str, Any] | None, indicative: bool = False) -> str:

@@ -44,8 +44,17 @@ if TYPE_CHECKING:
     from kvtier_contract.identity import Namespace
     from kvtier_contract.protoutil import TransportName
 
-SAMPLE_FIELDS = ("rss_mib", "anon_mib", "fds", "threads", "sessions", "used_mib", "pinned",
-                 "writing", "limbo")
+SAMPLE_FIELDS = (
+    "rss_mib",
+    "anon_mib",
+    "fds",
+    "threads",
+    "sessions",
+    "used_mib",
+    "pinned",
+    "writing",
+    "limbo",
+)
 GROWTH_FIELDS = ("rss_mib", "anon_mib", "fds", "threads")
 MiB = 1 << 20
 
@@ -118,8 +127,12 @@ class SoakReport:
         """What went wrong; empty when the daemon stayed flat and cleaned up after the kills."""
         out: list[str] = [f"worker failed: {w}" for w in self.worker_failures]
         g = self.growth()
-        for name, bound in (("anon_mib", limits.anon_growth_mib), ("rss_mib", limits.rss_growth_mib),
-                            ("fds", limits.fd_growth), ("threads", limits.thread_growth)):
+        for name, bound in (
+            ("anon_mib", limits.anon_growth_mib),
+            ("rss_mib", limits.rss_growth_mib),
+            ("fds", limits.fd_growth),
+            ("threads", limits.thread_growth),
+        ):
             if g[name] > bound:
                 out.append(f"{name} grew by {g[name]} (bound {bound})")
         s, b = self.settled, self.baseline
@@ -127,20 +140,32 @@ class SoakReport:
             if s.get(name, 1):
                 out.append(f"settled {name} = {s.get(name)} (expected 0)")
         if s.get("fds", 1e9) > b["fds"] + limits.settled_fds_over_baseline:
-            out.append(f"settled fds {s.get('fds')} > baseline {b['fds']} "
-                       f"+ {limits.settled_fds_over_baseline}")
+            out.append(
+                f"settled fds {s.get('fds')} > baseline {b['fds']} + {limits.settled_fds_over_baseline}"
+            )
         if s.get("threads", 1e9) > b["threads"] + limits.settled_threads_over_baseline:
-            out.append(f"settled threads {s.get('threads')} > baseline {b['threads']} "
-                       f"+ {limits.settled_threads_over_baseline}")
+            out.append(
+                f"settled threads {s.get('threads')} > baseline {b['threads']} "
+                f"+ {limits.settled_threads_over_baseline}"
+            )
         return out
 
     def to_json(self, limits: SoakLimits) -> dict[str, Any]:
         first, last = self.thirds()
-        return {"config": asdict(self.config), "limits": asdict(limits), "baseline": self.baseline,
-                "samples": self.samples, "settled": self.settled, "kills": self.kills,
-                "work": self.work, "worker_failures": self.worker_failures,
-                "first_third": first, "last_third": last, "growth": self.growth(),
-                "problems": self.problems(limits)}
+        return {
+            "config": asdict(self.config),
+            "limits": asdict(limits),
+            "baseline": self.baseline,
+            "samples": self.samples,
+            "settled": self.settled,
+            "kills": self.kills,
+            "work": self.work,
+            "worker_failures": self.worker_failures,
+            "first_third": first,
+            "last_third": last,
+            "growth": self.growth(),
+            "problems": self.problems(limits),
+        }
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -157,9 +182,12 @@ def proc_figures(pid: int) -> dict[str, float]:
         name, _, value = line.partition(":")
         status[name] = value.split()
     kib = {k: int(status.get(k, ["0"])[0]) for k in ("VmRSS", "RssAnon")}
-    return {"rss_mib": round(kib["VmRSS"] / 1024, 1), "anon_mib": round(kib["RssAnon"] / 1024, 1),
-            "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": len(os.listdir(f"/proc/{pid}/task"))}
+    return {
+        "rss_mib": round(kib["VmRSS"] / 1024, 1),
+        "anon_mib": round(kib["RssAnon"] / 1024, 1),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+    }
 
 
 class _Stats:
@@ -181,12 +209,18 @@ class _Stats:
         from kvtier_contract.protoutil import to_dict
 
         s = to_dict(self.stub.Stats(self._pb.StatsRequest(), timeout=5.0))
-        gauges = {"sessions": int(s["sessions"]), "used_mib": round(int(s["host_used_bytes"]) / MiB, 1),
-                  "pinned": int(s["pinned_blocks"]), "writing": int(s["writing_blocks"]),
-                  "limbo": int(s["limbo_blocks"])}
+        gauges = {
+            "sessions": int(s["sessions"]),
+            "used_mib": round(int(s["host_used_bytes"]) / MiB, 1),
+            "pinned": int(s["pinned_blocks"]),
+            "writing": int(s["writing_blocks"]),
+            "limbo": int(s["limbo_blocks"]),
+        }
         t = s["total"]
-        work = {k: int(t.get(k, 0)) for k in ("lookups", "stores_accepted", "stores_dropped",
-                                                "loads", "evictions")}
+        work = {
+            k: int(t.get(k, 0))
+            for k in ("lookups", "stores_accepted", "stores_dropped", "loads", "evictions")
+        }
         return gauges, work
 
 
@@ -211,10 +245,24 @@ class _Workers:
         self.log_of[i] = log
         with open(log, "wb") as err:
             self.procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.bench.soak", "worker", address, transport,
-                 json.dumps({**asdict(self.cfg), "seed": self.cfg.seed * 1000 + self.started,
-                             "namespace": i % self.cfg.namespaces})],
-                stdout=subprocess.PIPE, stderr=err)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.bench.soak",
+                    "worker",
+                    address,
+                    transport,
+                    json.dumps(
+                        {
+                            **asdict(self.cfg),
+                            "seed": self.cfg.seed * 1000 + self.started,
+                            "namespace": i % self.cfg.namespaces,
+                        }
+                    ),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker has connected and registered (its READY line): on a busy machine
@@ -273,10 +321,20 @@ def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
 
     report = SoakReport(cfg)
     rng = random.Random(cfg.seed)
-    with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp, \
-            DaemonProc(Path(tmp), cfg.host_bytes, MiB,
-                       ["--lease-ttl-s", str(cfg.lease_ttl_s),  # (the last flag wins)
-                        "--config", _config(Path(tmp), cfg)]) as daemon:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp,
+        DaemonProc(
+            Path(tmp),
+            cfg.host_bytes,
+            MiB,
+            [
+                "--lease-ttl-s",
+                str(cfg.lease_ttl_s),  # (the last flag wins)
+                "--config",
+                _config(Path(tmp), cfg),
+            ],
+        ) as daemon,
+    ):
         assert daemon.proc is not None
         pid = daemon.proc.pid
         stats = _Stats(daemon.grpc)
@@ -296,8 +354,15 @@ def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
     return report
 
 
-def _workload(cfg: SoakConfig, pid: int, stats: _Stats, workers: _Workers, rng: random.Random,
-              report: SoakReport, progress: bool) -> None:
+def _workload(
+    cfg: SoakConfig,
+    pid: int,
+    stats: _Stats,
+    workers: _Workers,
+    rng: random.Random,
+    report: SoakReport,
+    progress: bool,
+) -> None:
     """Run the workers for ``duration_s``, one sample and one round of kills per second."""
     for i in range(cfg.clients):
         workers.start(i)
@@ -312,13 +377,21 @@ def _workload(cfg: SoakConfig, pid: int, stats: _Stats, workers: _Workers, rng: 
             if rng.random() < cfg.kill_per_s:
                 workers.kill(i)
                 report.kills += 1
-        sample = {"t": round(time.monotonic() - t0, 1), **proc_figures(pid), **stats.figures()[0],
-                  "kills": report.kills}
+        sample = {
+            "t": round(time.monotonic() - t0, 1),
+            **proc_figures(pid),
+            **stats.figures()[0],
+            "kills": report.kills,
+        }
         report.samples.append(sample)
         if progress:
-            print(f"\rsoak {sample['t']:5.0f}s  rss {sample['rss_mib']:7.1f} MiB  fds "
-                  f"{sample['fds']:4.0f}  threads {sample['threads']:3.0f}  kills {report.kills}",
-                  end="", file=sys.stderr, flush=True)
+            print(
+                f"\rsoak {sample['t']:5.0f}s  rss {sample['rss_mib']:7.1f} MiB  fds "
+                f"{sample['fds']:4.0f}  threads {sample['threads']:3.0f}  kills {report.kills}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress:
         print(file=sys.stderr)
 
@@ -351,8 +424,13 @@ def worker_main(address: str, transport: TransportName, params: dict[str, Any]) 
     n, batch = int(params["keys_per_namespace"]), int(params["batch"])
     keys = [hashlib.sha256(b"soak %d %d" % (params["namespace"], k)).digest() for k in range(n)]
     period = 1.0 / float(params["rounds_per_s"])
-    with Client.connect(address, transport, lease_ttl_s=float(params["lease_ttl_s"]),
-                        timeout_s=2.0, client_name=f"soak-{transport}") as client:
+    with Client.connect(
+        address,
+        transport,
+        lease_ttl_s=float(params["lease_ttl_s"]),
+        timeout_s=2.0,
+        client_name=f"soak-{transport}",
+    ) as client:
         ns = client.register(ns_spec)
         reps = ns.block_bytes // 32
         print("READY", flush=True)
@@ -374,9 +452,17 @@ def _worker_namespace(index: int) -> Namespace:
     """The soak's namespace number ``index``: every worker given that number registers it."""
     from kvtier_contract.identity import Namespace
 
-    return Namespace(model_id=f"soak/{index}", model_revision="r", tokenizer_digest="none",
-                     kv_dtype="bfloat16", layout="contiguous", tokens_per_block=16, num_layers=2,
-                     num_kv_heads=2, head_dim=64)
+    return Namespace(
+        model_id=f"soak/{index}",
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="bfloat16",
+        layout="contiguous",
+        tokens_per_block=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -394,26 +480,33 @@ def format_report(report: SoakReport, limits: SoakLimits, rows: int = 12) -> str
         lines.append("  ".join(f"{s.get(c, 0):>9g}" for c in cols))
     first, last = report.thirds()
     growth = report.growth()
-    lines += ["", "steady state (after the warm-up): first third -> last third",
-              *(f"  {k:<9} {first[k]:>9g} -> {last[k]:<9g} ({growth[k]:+g})" for k in GROWTH_FIELDS),
-              "after the workload, once the leases lapsed (baseline before the first client):",
-              "  " + "  ".join(f"{k} {report.settled.get(k, '?')} (was {report.baseline.get(k, '?')})"
-                               for k in ("sessions", "pinned", "writing", "limbo", "fds",
-                                         "threads")),
-              f"  settled after {report.settled.get('settle_s', '?')} s",
-              f"workload: {report.kills} clients SIGKILLed and restarted; "
-              + ", ".join(f"{k} {v:,}" for k, v in report.work.items())]
+    lines += [
+        "",
+        "steady state (after the warm-up): first third -> last third",
+        *(f"  {k:<9} {first[k]:>9g} -> {last[k]:<9g} ({growth[k]:+g})" for k in GROWTH_FIELDS),
+        "after the workload, once the leases lapsed (baseline before the first client):",
+        "  "
+        + "  ".join(
+            f"{k} {report.settled.get(k, '?')} (was {report.baseline.get(k, '?')})"
+            for k in ("sessions", "pinned", "writing", "limbo", "fds", "threads")
+        ),
+        f"  settled after {report.settled.get('settle_s', '?')} s",
+        f"workload: {report.kills} clients SIGKILLed and restarted; "
+        + ", ".join(f"{k} {v:,}" for k, v in report.work.items()),
+    ]
     problems = report.problems(limits)
-    lines.append("verdict: FLAT (healthy)" if not problems else
-                 "verdict: GROWTH / LEAK\n  " + "\n  ".join(problems))
+    lines.append(
+        "verdict: FLAT (healthy)" if not problems else "verdict: GROWTH / LEAK\n  " + "\n  ".join(problems)
+    )
     return "\n".join(lines)
 
 
 def bench_soak(args: argparse.Namespace) -> int:
     """``kvtier bench soak [--duration S] [--clients N] [--json FILE]``: 0 when healthy."""
     duration = args.duration if args.duration is not None else SoakConfig.duration_s
-    cfg = SoakConfig(duration_s=duration, clients=args.clients,
-                     warmup_s=min(SoakConfig.warmup_s, duration / 4))
+    cfg = SoakConfig(
+        duration_s=duration, clients=args.clients, warmup_s=min(SoakConfig.warmup_s, duration / 4)
+    )
     if cfg.duration_s < 3 or cfg.clients < 1:
         print("kvtier bench soak: --duration must be >= 3 s and --clients >= 1", file=sys.stderr)
         return 2

@@ -33,9 +33,17 @@ def bench_namespace(block: int, name: str = "kvtier-bench") -> Namespace:
     """A namespace whose blocks have exactly ``block`` bytes (uint8, 16 tokens, 1 layer)."""
     if block % 32:
         raise ValueError(f"block size {block} is not a multiple of 32 bytes")
-    return Namespace(model_id=name, model_revision="bench", tokenizer_digest="none",
-                     kv_dtype="uint8", layout="contiguous", tokens_per_block=16, num_layers=1,
-                     num_kv_heads=1, head_dim=block // 32)
+    return Namespace(
+        model_id=name,
+        model_revision="bench",
+        tokenizer_digest="none",
+        kv_dtype="uint8",
+        layout="contiguous",
+        tokens_per_block=16,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=block // 32,
+    )
 
 
 class KeySource:
@@ -46,17 +54,22 @@ class KeySource:
         self._count = itertools.count()
 
     def take(self, n: int) -> list[bytes]:
-        return [hashlib.sha256(self._nonce + next(self._count).to_bytes(8, "little")).digest()
-                for _ in range(n)]
+        return [
+            hashlib.sha256(self._nonce + next(self._count).to_bytes(8, "little")).digest() for _ in range(n)
+        ]
 
 
 def connect(address: str, transport: str, **kwargs: Any) -> Client:
-    client = Client.connect(address, transport,  # type: ignore[arg-type]
-                            timeout_s=RPC_TIMEOUT_S, client_name=f"bench-{transport}", **kwargs)
+    client = Client.connect(
+        address,
+        transport,  # type: ignore[arg-type]
+        timeout_s=RPC_TIMEOUT_S,
+        client_name=f"bench-{transport}",
+        **kwargs,
+    )
     if not client.connected:
         client.close()
-        raise RuntimeError(f"cannot connect to kvtierd at {address}: "
-                           f"{client.counters.last_error}")
+        raise RuntimeError(f"cannot connect to kvtierd at {address}: {client.counters.last_error}")
     return client
 
 
@@ -73,13 +86,15 @@ def _put_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]], views: lis
             raise RuntimeError(f"{t} put stored {res.stored} of {len(batch)}: {res}")
 
 
-def _get_all_into(t: str, client: Client, ns: NamespaceHandle, batches: list[list[bytes]],
-                  dst_views: list[Any]) -> None:
+def _get_all_into(
+    t: str, client: Client, ns: NamespaceHandle, batches: list[list[bytes]], dst_views: list[Any]
+) -> None:
     """get_into ``dst_views`` each batch of keys; RuntimeError unless every block was found."""
     for batch in batches:
         if not all(ns.get_into(batch, dst_views)):
-            raise RuntimeError(f"{t} get_into missed keys that were just put "
-                               f"({client.counters.last_error or 'evicted?'})")
+            raise RuntimeError(
+                f"{t} get_into missed keys that were just put ({client.counters.last_error or 'evicted?'})"
+            )
 
 
 def _get_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]]) -> None:
@@ -92,12 +107,14 @@ def _get_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]]) -> None:
 def _check_get(t: str, ns: NamespaceHandle, batch: list[bytes], views: list[Any]) -> None:
     """get ``batch`` once more and assert that its blocks are the bytes of ``views``."""
     got = ns.get(batch)
-    assert all(g is not None and g == v for g, v in zip(got, views, strict=True)), \
+    assert all(g is not None and g == v for g, v in zip(got, views, strict=True)), (
         f"{t} get returned other bytes than were put"
+    )
 
 
-def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
-                 name: str | None = None) -> list[Op]:
+def transfer_ops(
+    plan: Plan, client: Client, block: int, keys: KeySource, name: str | None = None
+) -> list[Op]:
     """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order
     (figures named ``<name>_put`` ..., by default the transport's name)."""
     t = name or client.transport_name
@@ -128,7 +145,8 @@ def transfer_ops(plan: Plan, client: Client, block: int, keys: KeySource,
 
     label = f"{t} %s {size_label(block)}"
     total, batch = plan.sample_bytes(block), n * block
-    return [Op(f"{t}_put", label % "put", put, touches=Touches(src=batch, dst=total)),
-            Op(f"{t}_get_into", label % "get_into", get_into, check_get_into,
-               Touches(src=total, dst=batch)),
-            Op(f"{t}_get", label % "get", get, check_get, Touches(src=total, dst=total))]
+    return [
+        Op(f"{t}_put", label % "put", put, touches=Touches(src=batch, dst=total)),
+        Op(f"{t}_get_into", label % "get_into", get_into, check_get_into, Touches(src=total, dst=batch)),
+        Op(f"{t}_get", label % "get", get, check_get, Touches(src=total, dst=total)),
+    ]

@@ -23,8 +23,9 @@ def make_transport(name: str) -> DataTransport:
         return TcpTransport()
     from kvtier_contract.errors import InvalidArgument
 
-    raise InvalidArgument(f"unknown transport {name!r} (expected 'shm', 'tcp' or 'cuda_ipc')",
-                          field="transport")
+    raise InvalidArgument(
+        f"unknown transport {name!r} (expected 'shm', 'tcp' or 'cuda_ipc')", field="transport"
+    )
 
 
 __all__ = ["DataTransport", "make_transport"]

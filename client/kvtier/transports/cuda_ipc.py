@@ -82,7 +82,9 @@ def _export(address: int) -> tuple[bytes, int]:
         raise FailedPrecondition(
             f"cuda_ipc: {e}; memory from torch's expandable segments "
             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be exported this way: "
-            "use transport 'shm'", field="transport") from None
+            "use transport 'shm'",
+            field="transport",
+        ) from None
 
 
 class IpcMover:
@@ -99,8 +101,7 @@ class IpcMover:
         self._last_use: Any = None  # event after the last kernel reading the staging buffer
         self._unexportable: FailedPrecondition | None = None  # set once export has failed
 
-    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
-              job_id: int) -> None:
+    def store(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int], job_id: int) -> None:
         """Engine blocks -> the job's slots; returns once the daemon holds the bytes."""
         import torch
 
@@ -111,8 +112,7 @@ class IpcMover:
         done.synchronize()
         self._copy(job_id, len(block_ids), layout.block_bytes)
 
-    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int],
-             job_id: int) -> None:
+    def load(self, layout: Any, block_ids: Sequence[int], offsets: Sequence[int], job_id: int) -> None:
         """The job's slots -> engine blocks; the daemon has read the slots when this returns
         (the caller may then unpin); the scatter is queued on the engine's stream."""
         import torch
@@ -131,9 +131,12 @@ class IpcMover:
     # -- internals ----------------------------------------------------------------------------
 
     def _copy(self, job_id: int, n: int, block_bytes: int) -> None:
-        self._rpc("CudaCopy", pb.CudaCopyRequest(
-            job_id=job_id, buffer_id=self.buffer_id,
-            buffer_offsets=[i * block_bytes for i in range(n)]))
+        self._rpc(
+            "CudaCopy",
+            pb.CudaCopyRequest(
+                job_id=job_id, buffer_id=self.buffer_id, buffer_offsets=[i * block_bytes for i in range(n)]
+            ),
+        )
 
     def _rows(self, n: int, block_bytes: int) -> Any:
         """The staging buffer as ``n`` rows, free of earlier kernels, registered."""
@@ -144,8 +147,7 @@ class IpcMover:
             self._last_use.synchronize()  # the previous scatter has read the buffer
             self._last_use = None
         if self.staging is None or self.staging.numel() < need:
-            size = max(need, _MIN_BUFFER, 2 * (self.staging.numel() if self.staging is not None
-                                                 else 0))
+            size = max(need, _MIN_BUFFER, 2 * (self.staging.numel() if self.staging is not None else 0))
             self._replace(torch.empty(size, dtype=torch.uint8, device=self.device))
         assert self.staging is not None
         return self.staging[:need].view(n, block_bytes)
@@ -167,9 +169,12 @@ class IpcMover:
             except FailedPrecondition as e:
                 self._unexportable = e  # every later batch fails at once, without a retry
                 raise
-        reply = self._rpc("RegisterCudaBuffer", pb.RegisterCudaBufferRequest(
-            device_uuid=self._uuid, ipc_handle=handle, handle_offset=offset,
-            buffer_bytes=staging.numel()))
+        reply = self._rpc(
+            "RegisterCudaBuffer",
+            pb.RegisterCudaBufferRequest(
+                device_uuid=self._uuid, ipc_handle=handle, handle_offset=offset, buffer_bytes=staging.numel()
+            ),
+        )
         self.staging, self.buffer_id = staging, reply.buffer_id
         if old:
             try:

@@ -189,18 +189,21 @@ class ShmTransport(DataTransport):
             return []
         if _small(items):  # not worth a hand-off: the copies hashed in line
             self._copy_out(items)
-            return [k for k, (d, (_i, _o, view)) in enumerate(zip(digests, items, strict=True))
-                    if d and d != block_digest(view)]
+            return [
+                k
+                for k, (d, (_i, _o, view)) in enumerate(zip(digests, items, strict=True))
+                if d and d != block_digest(view)
+            ]
         arena = self._arena()
         with _Digests(self._pool) as got:
             for group in _groups(items):
                 got.start([arena[off : off + len(view)] for _i, off, view in group])
                 self._copy_out(group)
-        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
-                if d and d != g]
+        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True)) if d and d != g]
 
-    def store_hashed(self, offsets: Sequence[int], nbytes: int,
-                     copy: Callable[[int, int], None]) -> list[int]:
+    def store_hashed(
+        self, offsets: Sequence[int], nbytes: int, copy: Callable[[int, int], None]
+    ) -> list[int]:
         """The digests of the slots at ``offsets`` as ``copy(lo, hi)`` (a mover gathering an
         engine's blocks into slots ``offsets[lo:hi]``) fills them, one group of about
         ``HASH_GROUP_BYTES`` at a time: each group is hashed on the helper thread while the
@@ -214,8 +217,9 @@ class ShmTransport(DataTransport):
                 digests.start([arena[off : off + nbytes] for off in offsets[lo:hi]])
         return digests.result()
 
-    def check_slots(self, offsets: Sequence[int], nbytes: int, digests: Sequence[int],
-                    copy: Callable[[], None]) -> list[int]:
+    def check_slots(
+        self, offsets: Sequence[int], nbytes: int, digests: Sequence[int], copy: Callable[[], None]
+    ) -> list[int]:
         """Run ``copy`` (a mover reading the slots at ``offsets`` into an engine's layout, or
         the daemon's CUDA copy of them) while the helper thread hashes the same slots; the
         positions whose slot did not match its digest (0: not checked)."""
@@ -226,8 +230,7 @@ class ShmTransport(DataTransport):
             for i in range(0, len(views), per):
                 got.start(views[i : i + per])
             copy()
-        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True))
-                if d and d != g]
+        return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True)) if d and d != g]
 
     def _copy_out(self, items: list[Item]) -> None:
         arena, base = self._arena(), self._base

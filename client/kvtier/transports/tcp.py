@@ -107,8 +107,7 @@ class TcpTransport(DataTransport):
         """Each frame's blocks are checked against ``digests`` once the frame is in."""
         s = self._live_socket()
         dest = {index: view for index, _offset, view in items}
-        expect = {index: (k, digests[k]) for k, (index, _o, _v) in enumerate(items)
-                  if digests and digests[k]}
+        expect = {index: (k, digests[k]) for k, (index, _o, _v) in enumerate(items) if digests and digests[k]}
         bad: list[int] = []
         try:
             s.sendall(wire.pack(Op.READ, job_id))
@@ -125,18 +124,23 @@ class TcpTransport(DataTransport):
             raise TransportError(f"data channel read failed: {e}") from e
         return sorted(bad)
 
-    def _frame_views(self, dest: dict[int, memoryview], op: Op, index: int, count: int,
-                     length: int) -> list[memoryview]:
+    def _frame_views(
+        self, dest: dict[int, memoryview], op: Op, index: int, count: int, length: int
+    ) -> list[memoryview]:
         """The caller views a DATA (one key) or DATA_RUN (``count`` keys) frame fills."""
         if op is Op.DATA:
             count = 1
         elif op is not Op.DATA_RUN or not self._runs:
             raise TransportError(f"unexpected {op.name} frame for key {index}")
         views = [dest.pop(i, None) for i in range(index, index + min(count, len(dest)))]
-        if not 0 < count <= len(views) or any(v is None for v in views) or \
-                sum(len(v) for v in views if v is not None) != length:
-            raise TransportError(f"unexpected {op.name} frame for keys {index}.."
-                                 f"{index + count - 1} ({length} B)")
+        if (
+            not 0 < count <= len(views)
+            or any(v is None for v in views)
+            or sum(len(v) for v in views if v is not None) != length
+        ):
+            raise TransportError(
+                f"unexpected {op.name} frame for keys {index}..{index + count - 1} ({length} B)"
+            )
         return [v for v in views if v is not None]
 
     def _recv_header(self) -> tuple[Op, int, int, int, int]:

@@ -27,5 +27,4 @@ from kvtierd.app.daemon import SERVICE_NAME, Daemon
 from kvtierd.app.housekeeping import NVME_HEALTH_NAME
 from kvtierd.app.process import _main, describe_tiers, run
 
-__all__ = ["NVME_HEALTH_NAME", "SERVICE_NAME", "Daemon", "_main", "cluster_settings",
-           "describe_tiers", "run"]
+__all__ = ["NVME_HEALTH_NAME", "SERVICE_NAME", "Daemon", "_main", "cluster_settings", "describe_tiers", "run"]

@@ -70,13 +70,16 @@ class TenantArenas:
             pool = self.pools.get(name)
             if pool is not None:
                 if self.host.pool_bytes[pool] != size:
-                    log.warning("tenant %s: arena of %d bytes kept (the file asks %d; sizes "
-                                "change at the next start)", name, self.host.pool_bytes[pool],
-                                size)
+                    log.warning(
+                        "tenant %s: arena of %d bytes kept (the file asks %d; sizes "
+                        "change at the next start)",
+                        name,
+                        self.host.pool_bytes[pool],
+                        size,
+                    )
                 continue
             try:
-                arena = Arena(size, prefault=self.cfg.host_tier.prefault,
-                              name=f"kvtier-{name}"[:200])
+                arena = Arena(size, prefault=self.cfg.host_tier.prefault, name=f"kvtier-{name}"[:200])
             except OSError as e:  # its shm sessions are refused; never handed another arena
                 log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
                 continue
@@ -91,8 +94,9 @@ class TenantArenas:
         return self.pools.get(tenant or "", 0)
 
 
-def cuda_transport(cfg: DaemonConfig, host: HostTier, cache: TieredCache,
-                   driver: CudaDriver | None) -> CudaIpcTransport | None:
+def cuda_transport(
+    cfg: DaemonConfig, host: HostTier, cache: TieredCache, driver: CudaDriver | None
+) -> CudaIpcTransport | None:
     """cuda_ipc: CUDA (cupy) only when enabled (or a driver given: tests); the arenas are
     page-locked when it starts."""
     if not cfg.transports.cuda_ipc and driver is None:
@@ -115,20 +119,27 @@ def open_storage(cfg: DaemonConfig) -> tuple[NvmeTier | None, Recovered | None]:
     return nvme, _open_nvme(nvme, cfg)  # its index read; a degraded tier refused
 
 
-def attach_storage(cache: TieredCache, nvme: NvmeTier, opened: Recovered | None,
-                   cfg: DaemonConfig) -> TierLink:
+def attach_storage(
+    cache: TieredCache, nvme: NvmeTier, opened: Recovered | None, cfg: DaemonConfig
+) -> TierLink:
     """``nvme`` added to the cache's chain with its write policy (its recovered copies put
     into the index); a directory that is not a kvtier one refuses the start."""
     n = cfg.nvme_tier
     try:
-        return cache.add_storage_tier(nvme, make_write_policy(
-            n.write_policy, flush_watermark=n.flush_watermark,
-            write_after_hits=n.write_after_hits), opened)
+        return cache.add_storage_tier(
+            nvme,
+            make_write_policy(
+                n.write_policy, flush_watermark=n.flush_watermark, write_after_hits=n.write_after_hits
+            ),
+            opened,
+        )
     except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
         nvme.close()
-        raise StartupError(f"disk_dir {n.disk_dir} (--disk-dir) cannot be used: {e}; "
-                           f"check it with kvtierd fsck, or choose another "
-                           f"directory") from None
+        raise StartupError(
+            f"disk_dir {n.disk_dir} (--disk-dir) cannot be used: {e}; "
+            f"check it with kvtierd fsck, or choose another "
+            f"directory"
+        ) from None
 
 
 def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublisher:
@@ -140,12 +151,18 @@ def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublishe
 
     check_dependencies()
     e = cfg.events
-    publisher = EventPublisher(EventSettings(
-        endpoint=e.events_endpoint, replay_endpoint=e.events_replay_endpoint,
-        tenant_endpoint=e.events_tenant_endpoint,
-        tenant_replay_endpoint=e.events_tenant_replay_endpoint, topic=e.events_topic,
-        buffer_batches=e.events_buffer_batches, socket_mode=cfg.grpc.socket_mode),
-        EventQueue(e.events_queue_blocks))
+    publisher = EventPublisher(
+        EventSettings(
+            endpoint=e.events_endpoint,
+            replay_endpoint=e.events_replay_endpoint,
+            tenant_endpoint=e.events_tenant_endpoint,
+            tenant_replay_endpoint=e.events_tenant_replay_endpoint,
+            topic=e.events_topic,
+            buffer_batches=e.events_buffer_batches,
+            socket_mode=cfg.grpc.socket_mode,
+        ),
+        EventQueue(e.events_queue_blocks),
+    )
     with private_umask():
         publisher.start(list(tenants.by_name) if tenants is not None else [])
     return publisher
@@ -160,8 +177,11 @@ def _lock_disk(nvme: NvmeTier, cfg: DaemonConfig) -> None:
     except OSError as e:
         if not cfg.nvme_tier.disk_optional:
             raise StartupError(disk_refusal(cfg, f"cannot lock it: {e.strerror or e}")) from None
-        log.warning("nvme directory %s not locked yet (%s): the tier locks it when it opens",
-                    nvme.cfg.directory, e.strerror or e)
+        log.warning(
+            "nvme directory %s not locked yet (%s): the tier locks it when it opens",
+            nvme.cfg.directory,
+            e.strerror or e,
+        )
 
 
 def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
@@ -173,21 +193,27 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         import hiredis  # noqa: F401  (the parser redis-py uses when it is there)
         import redis  # noqa: F401
     except ImportError as e:
-        raise ValueError(f"cluster: the cluster tier needs redis-py and hiredis "
-                         f"(pip install 'kvtier[cluster]'): {e}") from None
+        raise ValueError(
+            f"cluster: the cluster tier needs redis-py and hiredis (pip install 'kvtier[cluster]'): {e}"
+        ) from None
     creds = _cluster_credentials(c, tls)
     from kvtierd.tiers.cluster.keys import read_fleet_key
 
     return ClusterSettings(
-        seeds=seeds, fleet_key=read_fleet_key(c.cluster_fleet_key_file),
-        tenanted=bool(cfg.tenancy.tenants_file), creds=creds,
-        write_policy=c.cluster_write_policy, ttl_s=c.cluster_ttl_s,
+        seeds=seeds,
+        fleet_key=read_fleet_key(c.cluster_fleet_key_file),
+        tenanted=bool(cfg.tenancy.tenants_file),
+        creds=creds,
+        write_policy=c.cluster_write_policy,
+        ttl_s=c.cluster_ttl_s,
         lookup_timeout_s=c.cluster_lookup_timeout_ms / 1000,
         fetch_timeout_s=c.cluster_fetch_timeout_ms / 1000,
         write_timeout_s=c.cluster_write_timeout_ms / 1000,
         # blocks waiting for the cluster stay pinned in the host tier: never more than a quarter
         queue_bytes=min(c.cluster_queue_bytes, cfg.host_tier.host_bytes // 4),
-        inflight_bytes=c.cluster_inflight_bytes, breaker_s=c.cluster_breaker_s)
+        inflight_bytes=c.cluster_inflight_bytes,
+        breaker_s=c.cluster_breaker_s,
+    )
 
 
 def _cluster_credentials(c: ClusterTierConfig, tls: bool) -> Credentials:
@@ -199,9 +225,14 @@ def _cluster_credentials(c: ClusterTierConfig, tls: bool) -> Credentials:
             password = Path(c.cluster_password_file).read_text().splitlines()[0].strip()
         except (OSError, IndexError) as e:
             raise ValueError(f"cluster_password_file: cannot read a password: {e}") from None
-    return Credentials(username=c.cluster_username, password=password, tls=tls,
-                       ca_file=c.cluster_tls_ca, cert_file=c.cluster_tls_cert,
-                       key_file=c.cluster_tls_key)
+    return Credentials(
+        username=c.cluster_username,
+        password=password,
+        tls=tls,
+        ca_file=c.cluster_tls_ca,
+        cert_file=c.cluster_tls_cert,
+        key_file=c.cluster_tls_key,
+    )
 
 
 def _nvme_tier(cfg: DaemonConfig) -> NvmeTier:
@@ -221,9 +252,10 @@ def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
         opened = None
     except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
         nvme.close()
-        raise StartupError(f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: "
-                           f"{e}; check it with kvtierd fsck, or choose another directory"
-                           ) from None
+        raise StartupError(
+            f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: "
+            f"{e}; check it with kvtierd fsck, or choose another directory"
+        ) from None
     if not nvme.admitting and not cfg.nvme_tier.disk_optional:
         reason = nvme.degraded_reason
         nvme.close()

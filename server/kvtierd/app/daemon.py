@@ -61,12 +61,15 @@ class Daemon:
         # Every refusal of the configuration comes before any memory is reserved: the tenants
         # file (read again: it may have changed since the CLI's check), then the NVMe tier.
         tenants = build.tenants(cfg)
-        cluster = build.config_checked(build.cluster_settings, cfg) \
-            if cfg.cluster_tier.cluster else None  # files read
+        cluster = (
+            build.config_checked(build.cluster_settings, cfg) if cfg.cluster_tier.cluster else None
+        )  # files read
         # KV events: bound and publishing before the NVMe recovery, which they announce
-        self.events: EventPublisher | None = build.config_checked(
-            build.event_publisher, cfg, tenants) \
-            if cfg.events.events_endpoint or cfg.events.events_tenant_endpoint else None
+        self.events: EventPublisher | None = (
+            build.config_checked(build.event_publisher, cfg, tenants)
+            if cfg.events.events_endpoint or cfg.events.events_tenant_endpoint
+            else None
+        )
         # One daemon per disk directory: its lock before anything there is read or written
         # (lockfile.InUse: another daemon holds it; run() exits with it). Sockets: start().
         nvme, opened = build.open_storage(cfg)  # its index read; a degraded tier refused
@@ -78,22 +81,27 @@ class Daemon:
         self.tenant_arenas = build.TenantArenas(self.host, cfg, tenants)
         self.cache = self._build_cache(nvme, opened, cluster)
         # cuda_ipc (registers every arena made so far; later ones as they come)
-        self.cuda: CudaIpcTransport | None = build.cuda_transport(cfg, self.host, self.cache,
-                                                                  cuda_driver)
+        self.cuda: CudaIpcTransport | None = build.cuda_transport(cfg, self.host, self.cache, cuda_driver)
         self._build_sessions(tenants)
         self._build_service()
         self._build_serving()
 
-    def _build_cache(self, nvme: NvmeTier | None, opened: Recovered | None,
-                     cluster: ClusterSettings | None) -> TieredCache:
+    def _build_cache(
+        self, nvme: NvmeTier | None, opened: Recovered | None, cluster: ClusterSettings | None
+    ) -> TieredCache:
         """The cache over the host tier, the NVMe tier in its chain, the cluster tier beside."""
         cfg = self.cfg
         # Ghost history for ARC: as many entries as the arena holds of its smallest slots.
         policy: EvictionPolicy[Entry] = make_policy(
-            cfg.host_tier.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64))
-        cache = TieredCache(self.host, policy, max_namespaces=cfg.sessions.max_namespaces,
-                            policy_name=cfg.host_tier.eviction_policy,
-                            arena_of=self.tenant_arenas.of)
+            cfg.host_tier.eviction_policy, ghost_capacity=min(1 << 20, self.host.num_slabs * 64)
+        )
+        cache = TieredCache(
+            self.host,
+            policy,
+            max_namespaces=cfg.sessions.max_namespaces,
+            policy_name=cfg.host_tier.eviction_policy,
+            arena_of=self.tenant_arenas.of,
+        )
         cache.verify_bytes = cfg.transports.verify_bytes
         cache.host_quota = self._host_quota
         if self.events is not None:
@@ -115,25 +123,42 @@ class Daemon:
         cfg = self.cfg
         s = cfg.sessions
         self.sessions = SessionTable(
-            max_sessions=s.max_sessions, default_ttl_s=s.lease_ttl_s,
-            min_ttl_s=s.min_lease_ttl_s, max_ttl_s=s.max_lease_ttl_s,
-            on_release=self._release_session)
-        self.published = Publishers(self.boot_epoch, enabled=cfg.transports.publish_index,
-                                    idle_retire_s=cfg.transports.publish_index_idle_s,
-                                    flags=pi.FLAG_SHARED_TIER if cfg.cluster_tier.cluster else 0)
-        self.tenancy = Tenancy(tenants, Shares(
-            max_sessions=s.max_sessions, max_namespaces=s.max_namespaces,
-            shared_arena_bytes=self.arena.size, disk_bytes=cfg.nvme_tier.disk_bytes,
-            tenant_arena_bytes=cfg.tenancy.tenant_arena_bytes))
+            max_sessions=s.max_sessions,
+            default_ttl_s=s.lease_ttl_s,
+            min_ttl_s=s.min_lease_ttl_s,
+            max_ttl_s=s.max_lease_ttl_s,
+            on_release=self._release_session,
+        )
+        self.published = Publishers(
+            self.boot_epoch,
+            enabled=cfg.transports.publish_index,
+            idle_retire_s=cfg.transports.publish_index_idle_s,
+            flags=pi.FLAG_SHARED_TIER if cfg.cluster_tier.cluster else 0,
+        )
+        self.tenancy = Tenancy(
+            tenants,
+            Shares(
+                max_sessions=s.max_sessions,
+                max_namespaces=s.max_namespaces,
+                shared_arena_bytes=self.arena.size,
+                disk_bytes=cfg.nvme_tier.disk_bytes,
+                tenant_arena_bytes=cfg.tenancy.tenant_arena_bytes,
+            ),
+        )
 
     def _build_service(self) -> None:
         """The Kvtier service over the cache, the sessions and the tenancy."""
         cfg = self.cfg
-        self.service = KvtierService(self.cache, self.sessions, boot_epoch=self.boot_epoch,
-                                     max_batch_blocks=cfg.requests.max_batch_blocks,
-                                     advertise=self._advertise, cuda=self.cuda,
-                                     max_inflight=cfg.requests.max_inflight_rpcs,
-                                     tenancy=self.tenancy)
+        self.service = KvtierService(
+            self.cache,
+            self.sessions,
+            boot_epoch=self.boot_epoch,
+            max_batch_blocks=cfg.requests.max_batch_blocks,
+            advertise=self._advertise,
+            cuda=self.cuda,
+            max_inflight=cfg.requests.max_inflight_rpcs,
+            tenancy=self.tenancy,
+        )
         self.service.after_rpc = self.published.flush
         self.service.verify_store = cfg.transports.verify_store
 
@@ -144,8 +169,9 @@ class Daemon:
         self.addresses: dict[str, Any] = self.listeners.addresses
         self.transports: list[ServerTransport] = [t for t in (self.cuda,) if t is not None]
         self.metrics: MetricsServer | None = None
-        self.housekeeper = Housekeeper(self.cfg, self.sessions, self.cache, self.host,
-                                       self.published, self.health, SERVICE_NAME)
+        self.housekeeper = Housekeeper(
+            self.cfg, self.sessions, self.cache, self.host, self.published, self.health, SERVICE_NAME
+        )
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._stamper: asyncio.Task[None] | None = None
@@ -190,8 +216,12 @@ class Daemon:
             t.release_session(session.id)
 
     def _advertise(self) -> dict[str, Any]:
-        adv: dict[str, Any] = {"shm_socket": "", "data_host": "", "data_port": 0,
-                               "arena_bytes": self.arena.size}
+        adv: dict[str, Any] = {
+            "shm_socket": "",
+            "data_host": "",
+            "data_port": 0,
+            "arena_bytes": self.arena.size,
+        }
         for t in self.transports:
             adv.update(t.advertise())
         return adv
@@ -202,12 +232,12 @@ class Daemon:
         s = self.sessions.get(session_id)
         ns = self.cache.namespace(namespace_id)
         if not self.tenancy.may_see(s.tenant, ns.spec.tenant):  # (the operator's may)
-            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
-                           field="namespace_id")
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)", field="namespace_id")
         return self.published.handout(ns)
 
-    def _control_channel(self, session: Session,
-                         on_close: Callable[[ControlChannel], None]) -> ControlChannel:
+    def _control_channel(
+        self, session: Session, on_close: Callable[[ControlChannel], None]
+    ) -> ControlChannel:
         """The protocol of a control channel of ``session`` (shm socket handshake)."""
         return ControlChannel(ChannelDispatch(self.service), session.id, session.tenant, on_close)
 
@@ -244,8 +274,9 @@ class Daemon:
         add_to_server(self.service, server)  # lenient request decoding (service/registration.py)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if reflect:
-            reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME,
-                                                 health.SERVICE_NAME), server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server
+            )
         return server
 
     async def start(self) -> None:
@@ -261,14 +292,16 @@ class Daemon:
             self.cache.fleet.tier.start()
         self.listeners.bind()
         if cfg.transports.data_listen:
-            self.transports.append(await listeners.start_data_channel(
-                cfg, self.cache, self.sessions, self._control_channel, self.addresses))
+            self.transports.append(
+                await listeners.start_data_channel(
+                    cfg, self.cache, self.sessions, self._control_channel, self.addresses
+                )
+            )
         if cfg.transports.shm_enabled:
             await self._start_shm()
         await self.listeners.start()
         if cfg.metrics.metrics_port >= 0:
-            self.metrics = listeners.start_metrics(cfg, self.addresses, self.snapshot,
-                                                   self._metrics_caller)
+            self.metrics = listeners.start_metrics(cfg, self.addresses, self.snapshot, self._metrics_caller)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._stamper = asyncio.get_running_loop().create_task(self.housekeeper.stamp())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -279,14 +312,20 @@ class Daemon:
     async def _start_shm(self) -> None:
         cfg = self.cfg
         t = cfg.transports
-        shm = ShmFdServer(cfg.shm_socket_path, self._session_arena,
-                          self.boot_epoch, self.sessions,
-                          handshake_timeout_s=t.handshake_timeout_s,
-                          max_connections=t.shm_max_connections,
-                          per_uid=t.shm_handshakes_per_uid,
-                          index=self._index_handout, index_hold=self.published.hold,
-                          peer_ok=self._peer_ok, login=self.tenancy.unix_login,
-                          control=self._control_channel if t.control_channel else None)
+        shm = ShmFdServer(
+            cfg.shm_socket_path,
+            self._session_arena,
+            self.boot_epoch,
+            self.sessions,
+            handshake_timeout_s=t.handshake_timeout_s,
+            max_connections=t.shm_max_connections,
+            per_uid=t.shm_handshakes_per_uid,
+            index=self._index_handout,
+            index_hold=self.published.hold,
+            peer_ok=self._peer_ok,
+            login=self.tenancy.unix_login,
+            control=self._control_channel if t.control_channel else None,
+        )
         shm.socket_mode = cfg.grpc.socket_mode
         await shm.start()
         self.transports.append(shm)
@@ -310,8 +349,7 @@ class Daemon:
         """Health NOT_SERVING, stores refused, in-flight jobs given ``drain_timeout_s``; then
         every tier, server, transport and the host arenas closed (kvtierd.app.drain)."""
         timeout_s = self.cfg.requests.drain_timeout_s
-        log.info("draining: refusing new stores, waiting up to %.1fs for in-flight jobs",
-                 timeout_s)
+        log.info("draining: refusing new stores, waiting up to %.1fs for in-flight jobs", timeout_s)
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         deadline = time.monotonic() + timeout_s

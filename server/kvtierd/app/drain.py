@@ -39,13 +39,14 @@ async def close_storage(link: TierLink, deadline: float) -> None:
     flushed = await link.flush_all(deadline)
     settled = await settle(link, deadline) and settled
     if not settled:  # still opening or reading: no checkpoint, the journals stay
-        log.warning("%s: still busy at the drain deadline; no checkpoint (the next "
-                    "start replays the journals)", link.tier.name)
+        log.warning(
+            "%s: still busy at the drain deadline; no checkpoint (the next start replays the journals)",
+            link.tier.name,
+        )
         return
     try:
         if await loop.run_in_executor(None, link.checkpoint):  # (or it said why not)
-            log.info("%s checkpoint written (%d blocks flushed while draining)",
-                     link.tier.name, flushed)
+            log.info("%s checkpoint written (%d blocks flushed while draining)", link.tier.name, flushed)
     except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
         log.error("%s checkpoint failed: %s", link.tier.name, e)
     await loop.run_in_executor(None, link.tier.close)

@@ -26,30 +26,45 @@ if TYPE_CHECKING:
     from kvtierd.transports.base import ServerTransport
 
 
-def tiers(cfg: DaemonConfig, host: HostTier, arena: Arena, tenant_arenas: TenantArenas,
-          cache: TieredCache) -> dict[str, Any]:
+def tiers(
+    cfg: DaemonConfig, host: HostTier, arena: Arena, tenant_arenas: TenantArenas, cache: TieredCache
+) -> dict[str, Any]:
     """Every tier and its state (the ready line's ``tiers``); None: a tier not configured."""
-    host_tier = {"bytes": host.capacity_bytes, "shared_arena_bytes": arena.size,
-                 "tenant_arenas": len(tenant_arenas.pools),
-                 "eviction_policy": cfg.host_tier.eviction_policy}
+    host_tier = {
+        "bytes": host.capacity_bytes,
+        "shared_arena_bytes": arena.size,
+        "tenant_arenas": len(tenant_arenas.pools),
+        "eviction_policy": cfg.host_tier.eviction_policy,
+    }
     nvme: dict[str, Any] | None = None
     for link in cache.chain:
-        nvme = {"directory": cfg.nvme_tier.disk_dir, "bytes": cfg.nvme_tier.disk_bytes,
-                "state": "serving" if link.tier.admitting else "degraded",
-                "reason": link.tier.degraded_reason, "recovered_blocks": link.restored,
-                "write_policy": cfg.nvme_tier.write_policy}
+        nvme = {
+            "directory": cfg.nvme_tier.disk_dir,
+            "bytes": cfg.nvme_tier.disk_bytes,
+            "state": "serving" if link.tier.admitting else "degraded",
+            "reason": link.tier.degraded_reason,
+            "recovered_blocks": link.restored,
+            "write_policy": cfg.nvme_tier.write_policy,
+        }
     cluster: dict[str, Any] | None = None
     if cache.fleet is not None:
         seeds, tls = parse_url(cfg.cluster_tier.cluster)
-        cluster = {"seeds": list(seeds), "tls": tls,
-                   "state": "connected" if cache.fleet.tier.connected else "connecting",
-                   "write_policy": cfg.cluster_tier.cluster_write_policy}
+        cluster = {
+            "seeds": list(seeds),
+            "tls": tls,
+            "state": "connected" if cache.fleet.tier.connected else "connecting",
+            "write_policy": cfg.cluster_tier.cluster_write_policy,
+        }
     return {"host": host_tier, "nvme": nvme, "cluster": cluster}
 
 
-def snapshot(service: KvtierService, transports: Sequence[ServerTransport],
-             published: Publishers, events: EventPublisher | None,
-             caller: Tenant | None = None) -> dict[str, Any]:
+def snapshot(
+    service: KvtierService,
+    transports: Sequence[ServerTransport],
+    published: Publishers,
+    events: EventPublisher | None,
+    caller: Tenant | None = None,
+) -> dict[str, Any]:
     """Stats as plain data: the Stats reply plus RPC figures; for a tenant's credential (not
     the operator's), the Stats reply it would get and nothing daemon-wide (RPC errors and
     latency, connections, published indexes)."""

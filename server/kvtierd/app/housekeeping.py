@@ -29,9 +29,16 @@ class Housekeeper:
     """Runs the sweep (every ``lease_sweep_s``) and the published indexes' stamp; holds what
     the health service was last told about the storage tier and the arenas."""
 
-    def __init__(self, cfg: DaemonConfig, sessions: SessionTable, cache: TieredCache,
-                 host: HostTier, published: Publishers, health_servicer: health.aio.HealthServicer,
-                 service_name: str) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        sessions: SessionTable,
+        cache: TieredCache,
+        host: HostTier,
+        published: Publishers,
+        health_servicer: health.aio.HealthServicer,
+        service_name: str,
+    ) -> None:
         self.cfg = cfg
         self.sessions = sessions
         self.cache = cache
@@ -73,8 +80,10 @@ class Housekeeper:
     async def _check_arenas(self) -> None:
         if self._arena_ok and not self.host.intact():
             self._arena_ok = False  # cannot happen while sealed; if it does, say so loudly
-            log.critical("a host arena changed size or lost its seals: every mapping may "
-                         "fault; health is NOT_SERVING until restart")
+            log.critical(
+                "a host arena changed size or lost its seals: every mapping may "
+                "fault; health is NOT_SERVING until restart"
+            )
             for name in ("", self.service_name):
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -83,12 +92,14 @@ class Housekeeper:
         idle_s = self.cfg.sessions.namespace_idle_s
         for ns in self.cache.expire_idle(idle_s, self.published.reading):
             self.published.forget(ns)
-            log.info("namespace %d (%s) expired: empty and idle for %.0f s", ns.id,
-                     ns.spec.model_id, idle_s)
+            log.info("namespace %d (%s) expired: empty and idle for %.0f s", ns.id, ns.spec.model_id, idle_s)
 
     async def set_nvme_health(self, admitting: bool) -> None:
         if admitting != self._nvme_serving:
             self._nvme_serving = admitting
-            status = health_pb2.HealthCheckResponse.SERVING if admitting else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if admitting
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             await self.health.set(NVME_HEALTH_NAME, status)

@@ -42,8 +42,12 @@ class Listeners:
     """The gRPC servers of one daemon and the addresses they (and the transports and /metrics,
     which add theirs) bound. Event-loop thread only."""
 
-    def __init__(self, cfg: DaemonConfig, health_servicer: health.aio.HealthServicer,
-                 grpc_server: Callable[[bool], grpc.aio.Server]) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        health_servicer: health.aio.HealthServicer,
+        grpc_server: Callable[[bool], grpc.aio.Server],
+    ) -> None:
         self.cfg = cfg
         self.health = health_servicer
         self._grpc_server = grpc_server  # (reflect) -> a server with the Kvtier service on it
@@ -73,8 +77,11 @@ class Listeners:
             creds = _tls_credentials(self.cfg) if g.tls_cert else None
             port = _add_port(self.tcp_server, "listen", g.listen, creds)
             if creds is None and not is_loopback(g.listen):
-                log.warning("gRPC listens on %s in plaintext (allow_plaintext_remote): "
-                            "tokens and figures cross the network unencrypted", g.listen)
+                log.warning(
+                    "gRPC listens on %s in plaintext (allow_plaintext_remote): "
+                    "tokens and figures cross the network unencrypted",
+                    g.listen,
+                )
             self.addresses["grpc"] = f"{g.listen.rpartition(':')[0]}:{port}"
         if g.health_listen:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -103,43 +110,56 @@ class Listeners:
                     os.unlink(path)
 
 
-def start_metrics(cfg: DaemonConfig, addresses: dict[str, Any],
-                  snapshot: Callable[[Tenant | None], dict[str, Any]],
-                  authorize: Callable[[str | None], tuple[bool, Tenant | None]]) -> MetricsServer:
+def start_metrics(
+    cfg: DaemonConfig,
+    addresses: dict[str, Any],
+    snapshot: Callable[[Tenant | None], dict[str, Any]],
+    authorize: Callable[[str | None], tuple[bool, Tenant | None]],
+) -> MetricsServer:
     """The /metrics server, started (its address in ``addresses``)."""
     m = cfg.metrics
-    metrics = MetricsServer(m.metrics_host, m.metrics_port, asyncio.get_running_loop(), snapshot,
-                            authorize=authorize)
+    metrics = MetricsServer(
+        m.metrics_host, m.metrics_port, asyncio.get_running_loop(), snapshot, authorize=authorize
+    )
     try:
         metrics.start()
     except OSError as e:
-        raise StartupError(bind_refusal("metrics_port", m.metrics_host,
-                                        m.metrics_port, e)) from None
+        raise StartupError(bind_refusal("metrics_port", m.metrics_host, m.metrics_port, e)) from None
     addresses["metrics"] = f"http://{m.metrics_host}:{metrics.port}/metrics"
     if cfg.tenancy.tenants_file and not is_loopback(f"{m.metrics_host}:{metrics.port}"):
-        log.warning("/metrics listens on %s in plaintext HTTP: the bearer tokens of its "
-                    "scrapes travel in the clear (%s)", addresses["metrics"],
-                    "scrape tokens only: figures, no keys or bytes"
-                    if metrics_scrape_only(cfg) else "every token is accepted there, "
-                    "tenants' and the operator's too: allow_plaintext_remote")
+        log.warning(
+            "/metrics listens on %s in plaintext HTTP: the bearer tokens of its "
+            "scrapes travel in the clear (%s)",
+            addresses["metrics"],
+            "scrape tokens only: figures, no keys or bytes"
+            if metrics_scrape_only(cfg)
+            else "every token is accepted there, tenants' and the operator's too: allow_plaintext_remote",
+        )
     return metrics
 
 
 async def start_data_channel(
-    cfg: DaemonConfig, cache: TieredCache, sessions: SessionTable, control: ControlFactory,
+    cfg: DaemonConfig,
+    cache: TieredCache,
+    sessions: SessionTable,
+    control: ControlFactory,
     addresses: dict[str, Any],
 ) -> DataChannelServer:
     """The tcp data channel, started (its address in ``addresses``); control connections get
     ``control``'s channels when ``control_channel`` is on."""
     data_listen = cfg.transports.data_listen
     if not cfg.grpc.tls_cert and not is_loopback(data_listen):
-        log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)",
-                    data_listen)
+        log.warning("the data channel listens on %s in plaintext (allow_plaintext_remote)", data_listen)
     host, _, port_s = data_listen.rpartition(":")
     data = DataChannelServer(
-        host, int(port_s), cache, sessions, data_channel_limits(cfg),
+        host,
+        int(port_s),
+        cache,
+        sessions,
+        data_channel_limits(cfg),
         ssl_context=data_tls(cfg) if cfg.grpc.tls_cert else None,
-        control=control if cfg.transports.control_channel else None)
+        control=control if cfg.transports.control_channel else None,
+    )
     try:
         await data.start()
     except OSError as e:
@@ -152,10 +172,13 @@ def data_channel_limits(cfg: DaemonConfig) -> DataChannelLimits:
     """What the data channel allows its connections."""
     t = cfg.transports
     return DataChannelLimits(
-        hello_timeout_s=t.handshake_timeout_s, idle_timeout_s=t.data_idle_timeout_s,
-        max_connections=t.data_max_connections, max_queued_bytes=t.data_max_queued_bytes,
+        hello_timeout_s=t.handshake_timeout_s,
+        idle_timeout_s=t.data_idle_timeout_s,
+        max_connections=t.data_max_connections,
+        max_queued_bytes=t.data_max_queued_bytes,
         max_unauthenticated=t.data_max_unauthenticated,
-        per_tenant=t.data_max_connections_per_tenant or max(1, t.data_max_connections // 2))
+        per_tenant=t.data_max_connections_per_tenant or max(1, t.data_max_connections // 2),
+    )
 
 
 def lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
@@ -179,19 +202,18 @@ def private_umask() -> Iterator[None]:
         os.umask(old)
 
 
-def _add_port(server: grpc.aio.Server, name: str, address: str,
-              creds: grpc.ServerCredentials | None) -> int:
+def _add_port(server: grpc.aio.Server, name: str, address: str, creds: grpc.ServerCredentials | None) -> int:
     """Bind ``address`` (setting ``name``) on ``server``; the port bound. StartupError (one
     line) when it cannot be bound: the preflight found it free, someone took it since."""
     try:
-        port = int(server.add_secure_port(address, creds) if creds is not None else
-                   server.add_insecure_port(address))
+        port = int(
+            server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        )
     except RuntimeError:  # grpcio >= 1.50 raises where older ones returned 0
         port = 0
     if port == 0:
         host, _, port_s = address.rpartition(":")
-        raise StartupError(bind_refusal(name, host, int(port_s), preflight.try_bind(
-            host, int(port_s))))
+        raise StartupError(bind_refusal(name, host, int(port_s), preflight.try_bind(host, int(port_s))))
     return port
 
 
@@ -211,6 +233,7 @@ def raise_fd_limit() -> None:
 
 def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
     """The TCP listener's TLS (mTLS with ``tls_client_ca``); files read here, at start."""
+
     def read(name: str, path: str) -> bytes:
         try:
             return Path(path).read_bytes()
@@ -221,7 +244,9 @@ def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
     ca = read("tls_client_ca", g.tls_client_ca) if g.tls_client_ca else None
     return grpc.ssl_server_credentials(
         [(read("tls_key", g.tls_key), read("tls_cert", g.tls_cert))],
-        root_certificates=ca, require_client_auth=g.tls_require_client_cert)
+        root_certificates=ca,
+        require_client_auth=g.tls_require_client_cert,
+    )
 
 
 def data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
@@ -237,6 +262,11 @@ def data_tls(cfg: DaemonConfig) -> ssl.SSLContext:
             ctx.load_verify_locations(g.tls_client_ca)
     except OSError as e:
         raise ValueError(f"tls_cert/tls_key/tls_client_ca: cannot read: {e.strerror}") from None
-    ctx.verify_mode = ssl.CERT_REQUIRED if g.tls_require_client_cert else \
-        ssl.CERT_OPTIONAL if g.tls_client_ca else ssl.CERT_NONE
+    ctx.verify_mode = (
+        ssl.CERT_REQUIRED
+        if g.tls_require_client_cert
+        else ssl.CERT_OPTIONAL
+        if g.tls_client_ca
+        else ssl.CERT_NONE
+    )
     return ctx

@@ -36,15 +36,22 @@ async def _main(cfg: DaemonConfig) -> None:
         await daemon.abort_start()  # no socket left behind, the NVMe tier closed
         raise e if isinstance(e, StartupError) else StartupError(f"{e}") from None
     tiers = daemon.tiers()
-    ready = {"boot_epoch": daemon.boot_epoch, "pid": os.getpid(), **daemon.addresses,
-             "host_bytes": daemon.host.capacity_bytes,
-             "eviction_policy": cfg.host_tier.eviction_policy,
-             "cuda_ipc": daemon.cuda is not None,
-             "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0,
-             "tiers": tiers}
+    ready = {
+        "boot_epoch": daemon.boot_epoch,
+        "pid": os.getpid(),
+        **daemon.addresses,
+        "host_bytes": daemon.host.capacity_bytes,
+        "eviction_policy": cfg.host_tier.eviction_policy,
+        "cuda_ipc": daemon.cuda is not None,
+        "tenants": len(daemon.tenancy.tenants) if daemon.tenancy.tenants else 0,
+        "tiers": tiers,
+    }
     print("KVTIERD_READY " + json.dumps(ready), flush=True)
-    log.info("kvtierd ready: %s; %s", describe_tiers(tiers),
-             ", ".join(f"{k} {v}" for k, v in daemon.addresses.items()))
+    log.info(
+        "kvtierd ready: %s; %s",
+        describe_tiers(tiers),
+        ", ".join(f"{k} {v}" for k, v in daemon.addresses.items()),
+    )
     await daemon.wait_stopped()
     await daemon.drain_and_stop()
     log.info("kvtierd stopped")
@@ -84,8 +91,11 @@ def _handle_signals(daemon: Daemon) -> None:
 
 def run(cfg: DaemonConfig) -> None:
     """Run the daemon until SIGTERM/SIGINT (blocking). Uses uvloop when available."""
-    logging.basicConfig(level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("KVTIER_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         try:
             import uvloop
@@ -107,18 +117,25 @@ def run(cfg: DaemonConfig) -> None:
 def describe_tiers(tiers: dict[str, Any]) -> str:
     """The ready log line's tiers: ``host 1.0 GiB (lru); nvme /d serving, 12 blocks; ...``."""
     host = tiers["host"]
-    parts = [f"host {format_bytes(host['bytes'])} ({host['eviction_policy']}"
-             + (f", {host['tenant_arenas']} tenant arena(s))" if host["tenant_arenas"] else ")")]
+    parts = [
+        f"host {format_bytes(host['bytes'])} ({host['eviction_policy']}"
+        + (f", {host['tenant_arenas']} tenant arena(s))" if host["tenant_arenas"] else ")")
+    ]
     nvme = tiers["nvme"]
     if nvme is None:
         parts.append("nvme off")
     elif nvme["state"] == "serving":
-        parts.append(f"nvme {nvme['directory']} serving ({format_bytes(nvme['bytes'])}, "
-                     f"{nvme['recovered_blocks']} blocks recovered)")
+        parts.append(
+            f"nvme {nvme['directory']} serving ({format_bytes(nvme['bytes'])}, "
+            f"{nvme['recovered_blocks']} blocks recovered)"
+        )
     else:
-        parts.append(f"nvme {nvme['directory']} DEGRADED, not admitting ({nvme['reason']}): "
-                     "the host tier serves alone until it opens")
+        parts.append(
+            f"nvme {nvme['directory']} DEGRADED, not admitting ({nvme['reason']}): "
+            "the host tier serves alone until it opens"
+        )
     cluster = tiers["cluster"]
-    parts.append("cluster off" if cluster is None else
-                 f"cluster {','.join(cluster['seeds'])} ({cluster['state']})")
+    parts.append(
+        "cluster off" if cluster is None else f"cluster {','.join(cluster['seeds'])} ({cluster['state']})"
+    )
     return "; ".join(parts)

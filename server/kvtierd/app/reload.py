@@ -24,8 +24,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtierd")
 
 
-def reload_tenants(cfg: DaemonConfig, tenancy: Tenancy, tenant_arenas: TenantArenas,
-                   sessions: SessionTable, cuda: CudaIpcTransport | None) -> None:
+def reload_tenants(
+    cfg: DaemonConfig,
+    tenancy: Tenancy,
+    tenant_arenas: TenantArenas,
+    sessions: SessionTable,
+    cuda: CudaIpcTransport | None,
+) -> None:
     """Read the tenants file again (none configured: nothing) and apply it; a bad file keeps
     the current tenants (logged)."""
     if not cfg.tenancy.tenants_file:
@@ -38,8 +43,10 @@ def reload_tenants(cfg: DaemonConfig, tenancy: Tenancy, tenant_arenas: TenantAre
     tenant_arenas.add(tenants, cuda.copier if cuda is not None else None)
     tenancy.reload(tenants)
     if metrics_scrape_only(cfg) and not tenants.metrics_digests:
-        log.warning("the tenants file has no metrics_tokens_sha256 now: every scrape of "
-                    "/metrics (plaintext, off loopback) is refused until it has one again")
+        log.warning(
+            "the tenants file has no metrics_tokens_sha256 now: every scrape of "
+            "/metrics (plaintext, off loopback) is refused until it has one again"
+        )
     revoked = tenancy.revoked(sessions.all())
     for s in revoked:  # (their channels and data connections close with them)
         try:
@@ -52,4 +59,7 @@ def reload_tenants(cfg: DaemonConfig, tenancy: Tenancy, tenant_arenas: TenantAre
             sessions.clamp(s, who.max_lease_s)
     (log.warning if revoked else log.info)(
         "tenants file reloaded: %d tenants; %d sessions closed (their tenant or credential "
-        "is no longer in the file)", len(tenants), len(revoked))
+        "is no longer in the file)",
+        len(tenants),
+        len(revoked),
+    )

@@ -57,9 +57,16 @@ class TieredCache(Reads, Stores):
     jobs through ``jobs`` (where bytes go); they never change the index.
     """
 
-    def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *, max_namespaces: int,
-                 policy_name: str = "lru", clock: Callable[[], float] = time.monotonic,
-                 arena_of: Callable[[str | None], int] = lambda _tenant: 0) -> None:
+    def __init__(
+        self,
+        host: HostTier,
+        policy: EvictionPolicy[Entry],
+        *,
+        max_namespaces: int,
+        policy_name: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+        arena_of: Callable[[str | None], int] = lambda _tenant: 0,
+    ) -> None:
         self.host = host
         # the host arena (pool) of a tenant's blocks, fixed for a namespace when registered
         self.arena_of = arena_of
@@ -82,12 +89,12 @@ class TieredCache(Reads, Stores):
         self.verify_bytes = True
         """Give every committed block a digest (config ``verify_bytes``; set by the daemon)."""
 
-    def add_storage_tier(self, tier: StorageTier, write_policy: WritePolicy,
-                         opened: Recovered | None = None) -> TierLink:
+    def add_storage_tier(
+        self, tier: StorageTier, write_policy: WritePolicy, opened: Recovered | None = None
+    ) -> TierLink:
         """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start);
         ``opened``: what ``tier.open()`` already returned (TierLink.restore), else opened here."""
-        link = TierLink(self.residency, tier, write_policy, self.namespaces.values,
-                        level=len(self.chain))
+        link = TierLink(self.residency, tier, write_policy, self.namespaces.values, level=len(self.chain))
         self.chain.append(link)
         self.residency.links = self.chain
         link.restored = link.restore(self.register_namespace, opened)
@@ -108,16 +115,22 @@ class TieredCache(Reads, Stores):
             ns.last_used = self._clock()
             return ns
         if len(self.namespaces) >= self._max_namespaces:
-            raise ResourceExhausted(f"too many namespaces (max {self._max_namespaces})",
-                                    field="namespace")
+            raise ResourceExhausted(f"too many namespaces (max {self._max_namespaces})", field="namespace")
         block_bytes = spec.block_bytes
         if not self.host.fits(block_bytes):
             raise InvalidArgument(
                 f"block of {block_bytes} bytes does not fit a slab of {self.host.slab_bytes} bytes"
-                " (raise slab_bytes)", field="namespace.block_bytes")
-        ns = NamespaceState(spec.namespace_id, spec, block_bytes,
-                            self.host.slot_bytes_for(block_bytes), last_used=self._clock(),
-                            pool=self.arena_of(spec.tenant))
+                " (raise slab_bytes)",
+                field="namespace.block_bytes",
+            )
+        ns = NamespaceState(
+            spec.namespace_id,
+            spec,
+            block_bytes,
+            self.host.slot_bytes_for(block_bytes),
+            last_used=self._clock(),
+            pool=self.arena_of(spec.tenant),
+        )
         self.namespaces[ns.id] = ns
         return ns
 
@@ -131,9 +144,11 @@ class TieredCache(Reads, Stores):
         ``busy(id)`` (a published-index reader); their counters stay in the totals. Returns
         them."""
         cutoff = self._clock() - idle_s
-        gone = [ns for ns in self.namespaces.values()  # (limbo slots: still its tenant's)
-                if not ns.entries and not ns.limbo_blocks and ns.last_used <= cutoff and
-                not busy(ns.id)]
+        gone = [
+            ns
+            for ns in self.namespaces.values()  # (limbo slots: still its tenant's)
+            if not ns.entries and not ns.limbo_blocks and ns.last_used <= cutoff and not busy(ns.id)
+        ]
         for ns in gone:
             del self.namespaces[ns.id]
             self.expired_counters.add(ns.counters)
@@ -142,8 +157,7 @@ class TieredCache(Reads, Stores):
     def namespace(self, namespace_id: int) -> NamespaceState:
         ns = self.namespaces.get(namespace_id)
         if ns is None:
-            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
-                           field="namespace_id")
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)", field="namespace_id")
         return ns
 
     def release_session(self, session: Session) -> None:
@@ -159,8 +173,7 @@ class TieredCache(Reads, Stores):
             job = self.jobs.get(session.id, job_id, StoreJob)
             # A daemon-side copy still writing into the slots holds them back as well.
             copying = job_id in self.jobs.copying
-            self._end_store(session, job, False, (),
-                            self._clock() + session.ttl_s if copying else hold_until)
+            self._end_store(session, job, False, (), self._clock() + session.ttl_s if copying else hold_until)
         for job_id in list(session.load_jobs):
             self._finish_load(session, self.jobs.get(session.id, job_id, LoadJob))
 
@@ -191,8 +204,12 @@ class TieredCache(Reads, Stores):
 
     def figures(self) -> dict[str, int | str]:
         """The cache's own gauges, for Stats and /metrics."""
-        return {"pinned_blocks": self.pinned_blocks, "writing_blocks": self.writing_blocks,
-                "limbo_blocks": self.limbo_blocks, "eviction_policy": self.policy_name}
+        return {
+            "pinned_blocks": self.pinned_blocks,
+            "writing_blocks": self.writing_blocks,
+            "limbo_blocks": self.limbo_blocks,
+            "eviction_policy": self.policy_name,
+        }
 
     def read_figures(self) -> dict[TierId, ReadFigure]:
         """What reading each tier below the host tier into it costs now (kvtierd.cache.read_figures);

@@ -58,8 +58,15 @@ class TierLink(Promotion, Recovery):
     """Owns the copy-eviction order of one storage tier, its write policy, the flush queue and
     workers, and the promotions in flight from it. See the module docstring."""
 
-    def __init__(self, residency: HostResidency, tier: StorageTier, write_policy: WritePolicy,
-                 namespaces: Callable[[], Iterable[NamespaceState]], *, level: int = 0) -> None:
+    def __init__(
+        self,
+        residency: HostResidency,
+        tier: StorageTier,
+        write_policy: WritePolicy,
+        namespaces: Callable[[], Iterable[NamespaceState]],
+        *,
+        level: int = 0,
+    ) -> None:
         self.residency = residency
         self.tier = tier
         self.id = tier.id
@@ -125,13 +132,17 @@ class TierLink(Promotion, Recovery):
 
     def schedule_flush(self, e: Entry) -> None:
         """Queue ``e`` for writing to the tier; flush workers write the queue in batches."""
-        if e.copy_in(self.level) is not None or e.flushing or not e.in_host \
-                or not self.tier.admitting or not self._tenant_fits(e.ns):
+        if (
+            e.copy_in(self.level) is not None
+            or e.flushing
+            or not e.in_host
+            or not self.tier.admitting
+            or not self._tenant_fits(e.ns)
+        ):
             return
         e.flushing += 1  # claimed now: the host slot stays until the write is done
         if e.ns.spec.tenant is not None:
-            self._claimed[e.ns.spec.tenant] = self._claimed.get(e.ns.spec.tenant, 0) + \
-                e.ns.block_bytes
+            self._claimed[e.ns.spec.tenant] = self._claimed.get(e.ns.spec.tenant, 0) + e.ns.block_bytes
         self.flushes_in_flight += 1
         self._flush_queue.append(e)
         if self._flush_workers < FLUSH_WORKERS:
@@ -169,9 +180,19 @@ class TierLink(Promotion, Recovery):
                 elif off is not None:
                     tier.free(off, tier.slot_bytes_for(ns.block_bytes))
             if targets:
-                locs = await tier.write_many([
-                    (off, e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes),
-                     e.ns.block_bytes, e.digest) for e, off in targets])
+                locs = await tier.write_many(
+                    [
+                        (
+                            off,
+                            e.ns.spec.digest,
+                            e.key,
+                            host.view(e.offset, e.ns.slot_bytes),
+                            e.ns.block_bytes,
+                            e.digest,
+                        )
+                        for e, off in targets
+                    ]
+                )
         except TierUnavailable as err:
             for e, off in targets:
                 tier.free(off, tier.slot_bytes_for(e.ns.block_bytes))
@@ -202,8 +223,7 @@ class TierLink(Promotion, Recovery):
         demoted: list[Entry] = []
         for (e, _off), loc in zip(targets, locs, strict=True):
             ns = e.ns
-            if ns.entries.get(e.key) is e and e.state is EntryState.READY \
-                    and e.copy_in(self.level) is None:
+            if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.copy_in(self.level) is None:
                 self._add_copy(e, loc, announce=False)
                 demoted.append(e)
                 ns.counters.demotions += 1
@@ -213,8 +233,9 @@ class TierLink(Promotion, Recovery):
         if demoted and self.residency.events is not None:
             self.residency.events.stored(demoted, MEDIUM_STORAGE)
 
-    async def ensure_room(self, slot_bytes: int, count: int, timeout_s: float = 0.5, *,
-                          pool: int = 0) -> None:
+    async def ensure_room(
+        self, slot_bytes: int, count: int, timeout_s: float = 0.5, *, pool: int = 0
+    ) -> None:
         """Backpressure before ``count`` new host blocks in arena ``pool``: flush the coldest
         host blocks of that arena and wait (up to ``timeout_s``) until they can be placed by
         evicting only blocks this tier holds, so that nothing is lost while the tier keeps up."""
@@ -284,11 +305,15 @@ class TierLink(Promotion, Recovery):
             return False
         resident = self.columns.resident_bytes
         used = self._claimed.get(tenant, 0) + sum(
-            getattr(n.counters, resident) for n in self._namespaces() if n.spec.tenant == tenant)
+            getattr(n.counters, resident) for n in self._namespaces() if n.spec.tenant == tenant
+        )
         if used + ns.block_bytes <= quota:
             return True
-        mine = [e for n, e in zip(range(MAX_VICTIM_SCAN), self.policy.victims(), strict=False)
-                if e.ns.spec.tenant == tenant]
+        mine = [
+            e
+            for n, e in zip(range(MAX_VICTIM_SCAN), self.policy.victims(), strict=False)
+            if e.ns.spec.tenant == tenant
+        ]
         for e in mine:
             if e.pins or e.holds or e.promoting is not None or e.copy_in(self.level) is None:
                 continue

@@ -79,8 +79,9 @@ class SharedLink:
 
     # -- imports ----------------------------------------------------------------------------------
 
-    async def import_(self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry], *,
-                      prefix_only: bool = False) -> list[Entry]:
+    async def import_(
+        self, ns: NamespaceState, keys: Sequence[bytes], protect: set[Entry], *, prefix_only: bool = False
+    ) -> list[Entry]:
         """Import the keys the index lacks (see the module docstring); the entries entered.
         ``prefix_only``: only those up to the first key the tier lacks (a lookup's prefix:
         nothing is evicted for blocks after a gap)."""
@@ -89,19 +90,18 @@ class SharedLink:
             return []
         asked = self.read_figures.clock()
         # Slots are taken (evicting) only for blocks the tier holds.
-        present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
-                                         todo)
+        present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest, todo)
         if prefix_only and False in present:
-            present = present[:present.index(False)]
+            present = present[: present.index(False)]
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
-        todo = todo[:self.residency.room_for(ns, len(todo), protect)]  # its tenant's quota
+        todo = todo[: self.residency.room_for(ns, len(todo), protect)]  # its tenant's quota
         offsets: list[int] = []
         for _ in todo:
             off = self.residency.allocate(ns.slot_bytes, protect, ns.pool)
             if off is None:
                 break
             offsets.append(off)
-        todo = todo[:len(offsets)]
+        todo = todo[: len(offsets)]
         if not todo:
             return []
         task = self._spawn(self._import(ns, todo, offsets, asked))
@@ -114,17 +114,22 @@ class SharedLink:
         prefix = ready_prefix(ns, keys)
         if len(prefix) == len(keys):
             return []
-        return await self.import_(ns, keys[len(prefix):], set(prefix), prefix_only=True)
+        return await self.import_(ns, keys[len(prefix) :], set(prefix), prefix_only=True)
 
-    async def _import(self, ns: NamespaceState, keys: list[bytes],
-                      offsets: list[int], asked: float) -> list[Entry]:
+    async def _import(
+        self, ns: NamespaceState, keys: list[bytes], offsets: list[int], asked: float
+    ) -> list[Entry]:
         host = self.residency.host
         self.imports_in_flight += len(keys)
         began = self.read_figures.clock()
         try:
-            results = await self.tier.fetch(self.tier.realm_of(ns.spec.tenant), ns.spec.digest,
-                                            keys, ns.block_bytes,
-                                            [host.view(off, ns.slot_bytes) for off in offsets])
+            results = await self.tier.fetch(
+                self.tier.realm_of(ns.spec.tenant),
+                ns.spec.digest,
+                keys,
+                ns.block_bytes,
+                [host.view(off, ns.slot_bytes) for off in offsets],
+            )
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -135,12 +140,14 @@ class SharedLink:
             results = [FETCH_MISS] * len(keys)
         finally:
             self.imports_in_flight -= len(keys)
-        self.read_figures.observe(sum(r == FETCH_OK for r in results) * ns.block_bytes, asked, began,
-                             self.read_figures.clock())
+        self.read_figures.observe(
+            sum(r == FETCH_OK for r in results) * ns.block_bytes, asked, began, self.read_figures.clock()
+        )
         return self._enter(ns, keys, offsets, results)
 
-    def _enter(self, ns: NamespaceState, keys: list[bytes], offsets: list[int],
-               results: list[int]) -> list[Entry]:
+    def _enter(
+        self, ns: NamespaceState, keys: list[bytes], offsets: list[int], results: list[int]
+    ) -> list[Entry]:
         """Index the blocks fetched into their host slots (READY, as if stored here); the
         others' slots are freed. The entries entered."""
         host = self.residency.host
@@ -197,9 +204,17 @@ class SharedLink:
             return
         host = self.residency.host
         realm = self.tier.realm_of
-        items = [(realm(e.ns.spec.tenant), e.ns.spec.digest, e.key,
-                  host.view(e.offset, e.ns.block_bytes), e.digest) for e in todo]
-        admitted = todo[:self.tier.offer(items, lambda oks: self._written(admitted, oks))]
+        items = [
+            (
+                realm(e.ns.spec.tenant),
+                e.ns.spec.digest,
+                e.key,
+                host.view(e.offset, e.ns.block_bytes),
+                e.digest,
+            )
+            for e in todo
+        ]
+        admitted = todo[: self.tier.offer(items, lambda oks: self._written(admitted, oks))]
         for e in admitted:
             e.pins += 1  # the writer reads the slot: it stays until done (before any await)
 
@@ -218,8 +233,10 @@ class SharedLink:
                 if self.residency.events is not None:
                     self.residency.events.stored((e,), MEDIUM_REMOTE)
 
-        self.tier.offer([(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key,
-                          memoryview(data), e.digest)], done)
+        self.tier.offer(
+            [(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key, memoryview(data), e.digest)],
+            done,
+        )
 
     def _written(self, entries: list[Entry], oks: list[bool]) -> None:
         """``done`` of a commit-policy offer: the slots may go; written blocks are not resent

@@ -33,9 +33,16 @@ from kvtierd.sessions import Session
 
 
 async def prepare_store_fitted(
-        cache: TieredCache, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-        transport: Transport, *, token_ids: Sequence[int], parent: bytes | None,
-        again: Callable[[], Session]) -> tuple[StoreJob | None, bytes, list[int]]:
+    cache: TieredCache,
+    session: Session,
+    ns: NamespaceState,
+    keys: Sequence[bytes],
+    transport: Transport,
+    *,
+    token_ids: Sequence[int],
+    parent: bytes | None,
+    again: Callable[[], Session],
+) -> tuple[StoreJob | None, bytes, list[int]]:
     """``prepare_store`` after the quota fit and, with a chain, the room it makes. ``again``
     runs after that wait: the session, checked again (the wait may have outlived the lease:
     never attach a job to a released session; and other stores of the tenant may have reserved
@@ -49,9 +56,16 @@ async def prepare_store_fitted(
     return cache.prepare_store(session, ns, keys, transport, token_ids=token_ids, parent=parent)
 
 
-async def complete_store_hashed(cache: TieredCache, session: Session, job_id: int, ok: bool,
-                                item_ok: Sequence[bool], given: Sequence[int], *,
-                                trust_client: bool) -> tuple[int, int]:
+async def complete_store_hashed(
+    cache: TieredCache,
+    session: Session,
+    job_id: int,
+    ok: bool,
+    item_ok: Sequence[bool],
+    given: Sequence[int],
+    *,
+    trust_client: bool,
+) -> tuple[int, int]:
     """``complete_store`` with each committed block's digest (see the module docstring);
     ``given``: the client's digests (their count is checked first: INVALID_ARGUMENT, nothing
     changes); ``trust_client``: an shm client's own are taken. (committed, aborted)."""
@@ -59,8 +73,9 @@ async def complete_store_hashed(cache: TieredCache, session: Session, job_id: in
     return cache.complete_store(session, job_id, ok, item_ok, digests=digests)
 
 
-async def _store_digests(cache: TieredCache, session: Session, job_id: int, ok: bool,
-                         given: Sequence[int], trust_client: bool) -> list[int]:
+async def _store_digests(
+    cache: TieredCache, session: Session, job_id: int, ok: bool, given: Sequence[int], trust_client: bool
+) -> list[int]:
     job = cache.jobs.get(session.id, job_id, StoreJob)
     cache.jobs.not_copying(job.id)
     given = list(given)
@@ -71,8 +86,11 @@ async def _store_digests(cache: TieredCache, session: Session, job_id: int, ok: 
         return given
     items = sorted(job.items.items())
     out = [job.digests.get(i, 0) for i, _e in items]
-    todo = [(n, e) for n, (i, e) in enumerate(items) if i not in job.digests and
-            (not job.transport.daemon_moved or i in job.received)]
+    todo = [
+        (n, e)
+        for n, (i, e) in enumerate(items)
+        if i not in job.digests and (not job.transport.daemon_moved or i in job.received)
+    ]
     if todo:
         nb, host = job.ns.block_bytes, cache.host
         views = [host.view(e.offset, nb) for _n, e in todo]
@@ -82,8 +100,9 @@ async def _store_digests(cache: TieredCache, session: Session, job_id: int, ok: 
     return out
 
 
-async def complete_load_verified(cache: TieredCache, session: Session, job_id: int,
-                                 corrupt: Sequence[int]) -> tuple[int, int]:
+async def complete_load_verified(
+    cache: TieredCache, session: Session, job_id: int, corrupt: Sequence[int]
+) -> tuple[int, int]:
     """``complete_load``, the blocks at key indexes ``corrupt`` rehashed first (while the
     job's pins hold their slots) and those that differ from their digest dropped. (dropped,
     their namespace's id; 0 when none was)."""

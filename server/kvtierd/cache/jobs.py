@@ -108,8 +108,9 @@ class JobTable:
 
     # -- data plane -------------------------------------------------------------------------------
 
-    def store_run(self, session_id: int, job_id: int, first: int, count: int,
-                  nbytes: int) -> tuple[StoreJob, list[Entry]]:
+    def store_run(
+        self, session_id: int, job_id: int, first: int, count: int, nbytes: int
+    ) -> tuple[StoreJob, list[Entry]]:
         """A run of ``count`` consecutive keys of a store job from ``first``, ``nbytes`` in all:
         the job and the reserved entry of each key, all validated before anything is written.
         One call per WRITE or WRITE_RUN frame (tcp data channel)."""
@@ -119,13 +120,13 @@ class JobTable:
         if not isinstance(job, StoreJob) or job.session_id != session_id:
             raise NotFound(f"no store job {job_id} for this session", field="job_id")
         if count > len(job.items):  # count comes off the wire: bounded before any walk
-            raise InvalidArgument(f"run of {count} keys in a job of {len(job.items)}",
-                                  field="index")
+            raise InvalidArgument(f"run of {count} keys in a job of {len(job.items)}", field="index")
         if first not in job.items:
             raise InvalidArgument(f"key {first} is not reserved in job {job_id}", field="index")
         if nbytes // count != job.ns.block_bytes:
-            raise InvalidArgument(f"payload of {nbytes // count} bytes, block is "
-                                  f"{job.ns.block_bytes}", field="length")
+            raise InvalidArgument(
+                f"payload of {nbytes // count} bytes, block is {job.ns.block_bytes}", field="length"
+            )
         entries = [job.items.get(i) for i in range(first, first + count)]
         if None in entries:
             missing = first + entries.index(None)
@@ -145,8 +146,9 @@ class JobTable:
         """Refuse to move the bytes of a pinned lookup's job: it only holds blocks against
         eviction (some may still be on their way into the host tier); loads use PrepareLoad."""
         if isinstance(job, LoadJob) and not job.moves_bytes:
-            raise FailedPrecondition(f"job {job.id} is a pinned lookup: load its blocks with "
-                                     "PrepareLoad", field="job_id")
+            raise FailedPrecondition(
+                f"job {job.id} is a pinned lookup: load its blocks with PrepareLoad", field="job_id"
+            )
 
 
 def check_live(session: Session) -> None:

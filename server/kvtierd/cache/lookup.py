@@ -83,8 +83,9 @@ def tier_below(chain: Sequence[TierLink], e: Entry) -> int:
     return next(link.id for link in chain if e.copy_in(link.level) is not None)
 
 
-def count_hits(ns: NamespaceState, keys: Sequence[bytes], policy: EvictionPolicy[Entry],
-               chain: Sequence[TierLink]) -> tuple[int, bytes, bytes]:
+def count_hits(
+    ns: NamespaceState, keys: Sequence[bytes], policy: EvictionPolicy[Entry], chain: Sequence[TierLink]
+) -> tuple[int, bytes, bytes]:
     """Longest READY prefix, the tier of each hit (one TierId byte each), and whether each has
     a durable copy in a storage tier; hits are touched in the policies and counted."""
     found = list(map(ns.ready.get, keys))  # C-speed: ~40 µs for a 1,000-key chain
@@ -100,8 +101,7 @@ def count_hits(ns: NamespaceState, keys: Sequence[bytes], policy: EvictionPolicy
         durable = bytes(hit)
     else:
         in_host = [e.in_host for e in hits]
-        tiers = bytes(TierId.HOST if h else tier_below(chain, e)
-                      for e, h in zip(hits, in_host, strict=True))
+        tiers = bytes(TierId.HOST if h else tier_below(chain, e) for e, h in zip(hits, in_host, strict=True))
         below = hit - sum(in_host)
         durable = bytes(bool(e.copies) for e in hits)
         policy.touch_many([e for e, h in zip(hits, in_host, strict=True) if h])

@@ -42,8 +42,9 @@ class Promotion:
     _bump: Callable[[NamespaceState, str, int], None]
     ensure_room: Callable[..., Coroutine[Any, Any, None]]  # (the link's demotion side)
 
-    async def promote_many(self, entries: list[Entry], protect: set[Entry], *,
-                           asked: float | None = None) -> set[Entry]:
+    async def promote_many(
+        self, entries: list[Entry], protect: set[Entry], *, asked: float | None = None
+    ) -> set[Entry]:
         """Make the host copies of ``entries`` valid, as many as the host tier can place now;
         returns those that now are. ``asked``: when the promotion was asked for (on
         ``read_figures.clock``; default: now), the start of the latency ``read_figures``
@@ -62,8 +63,7 @@ class Promotion:
             await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
         pending = self._todo(entries)
         if pending:
-            await self.ensure_room(pending[0].ns.slot_bytes, len(pending),
-                                   pool=pending[0].ns.pool)
+            await self.ensure_room(pending[0].ns.slot_bytes, len(pending), pool=pending[0].ns.pool)
             pending = self._todo(entries)
         started = self._reserve(pending, protect)
         if started:
@@ -72,8 +72,14 @@ class Promotion:
 
     def _todo(self, entries: Iterable[Entry]) -> list[Entry]:
         """Entries still in the index, held here, with no host slot and no promotion."""
-        return [e for e in dict.fromkeys(entries) if not e.in_host and e.promoting is None
-                and e.copy_in(self.level) is not None and e.ns.entries.get(e.key) is e]
+        return [
+            e
+            for e in dict.fromkeys(entries)
+            if not e.in_host
+            and e.promoting is None
+            and e.copy_in(self.level) is not None
+            and e.ns.entries.get(e.key) is e
+        ]
 
     def _reserve(self, pending: list[Entry], protect: set[Entry]) -> list[Entry]:
         """Host slots for ``pending`` in order, until one cannot be placed (the host tier, or
@@ -84,8 +90,7 @@ class Promotion:
         room: dict[NamespaceState, int] = {}
         for e in pending:
             if e.ns not in room:
-                room[e.ns] = self.residency.room_for(
-                    e.ns, sum(1 for p in pending if p.ns is e.ns), protect)
+                room[e.ns] = self.residency.room_for(e.ns, sum(1 for p in pending if p.ns is e.ns), protect)
             if not room[e.ns]:
                 break
             room[e.ns] -= 1
@@ -124,9 +129,12 @@ class Promotion:
         """Read one batch; the payload bytes promoted."""
         host = self.residency.host
         try:
-            results = await self.tier.read_many([
-                (e.copy_in(self.level), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes))
-                for e in job])
+            results = await self.tier.read_many(
+                [
+                    (e.copy_in(self.level), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.slot_bytes))
+                    for e in job
+                ]
+            )
         except Exception as failure:  # noqa: BLE001  (every waiter must be released)
             results = [failure] * len(job)
         promoted: list[Entry] = []
@@ -153,8 +161,13 @@ class Promotion:
         ns = e.ns
         corrupt = isinstance(err, CorruptCopy)
         if corrupt:
-            log.warning("%s block %s… of %s failed verification (%s): quarantined",
-                        self.tier.name, e.key[:4].hex(), ns.spec.model_id, err)
+            log.warning(
+                "%s block %s… of %s failed verification (%s): quarantined",
+                self.tier.name,
+                e.key[:4].hex(),
+                ns.spec.model_id,
+                err,
+            )
             ns.counters.checksum_failures += 1
         else:  # the copy may be fine (a transient error): kept, a miss this time
             log.warning("%s read failed: %s", self.tier.name, err)
@@ -165,8 +178,9 @@ class Promotion:
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""
-        todo = [e for e in entries if not e.in_host and e.promoting is None
-                and e.copy_in(self.level) is not None]
+        todo = [
+            e for e in entries if not e.in_host and e.promoting is None and e.copy_in(self.level) is not None
+        ]
         if todo:
             self._spawn(self._promote_quietly(todo, self.read_figures.clock()))
         return len(todo)

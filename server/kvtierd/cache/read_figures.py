@@ -77,9 +77,13 @@ class ReadFigure:
 class ReadFigures:
     """Owns one tier's weighted read sums. Event-loop thread only; no locks."""
 
-    def __init__(self, *, weight: float = DEFAULT_WEIGHT,
-                 half_life_s: float = DEFAULT_HALF_LIFE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        weight: float = DEFAULT_WEIGHT,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         assert 0.0 < weight <= 1.0 and half_life_s > 0, (weight, half_life_s)
         self.clock = clock
         self._keep = 1.0 - weight  # the past's weight at a new batch (before fading)
@@ -91,8 +95,9 @@ class ReadFigures:
         self._at: float | None = None  # clock of the latest batch
         self.reads = 0
 
-    def observe(self, nbytes: int, asked: float, started: float, done: float,
-                parts: Sequence[tuple[int, float]] = ()) -> None:
+    def observe(
+        self, nbytes: int, asked: float, started: float, done: float, parts: Sequence[tuple[int, float]] = ()
+    ) -> None:
         """One read batch of ``nbytes`` payload bytes (times on ``clock``; see above);
         ``parts``: (payload bytes, seconds) of each part read in parallel, when it was."""
         if nbytes <= 0:

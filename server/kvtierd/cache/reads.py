@@ -26,14 +26,7 @@ from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.chain import TierLink
 from kvtierd.cache.fleet import SharedLink
 from kvtierd.cache.jobs import JobTable, LoadJob, check_live
-from kvtierd.cache.lookup import (
-    LOCAL,
-    LookupOptions,
-    LookupResult,
-    count_hits,
-    ready_prefix,
-    tier_below,
-)
+from kvtierd.cache.lookup import LOCAL, LookupOptions, LookupResult, count_hits, ready_prefix, tier_below
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import EvictionPolicy
@@ -52,8 +45,9 @@ class Reads:
 
     # -- lookups ----------------------------------------------------------------------------------
 
-    async def lookup(self, ns: NamespaceState, keys: Sequence[bytes],
-                     options: LookupOptions = LOCAL) -> LookupResult:
+    async def lookup(
+        self, ns: NamespaceState, keys: Sequence[bytes], options: LookupOptions = LOCAL
+    ) -> LookupResult:
         """The longest prefix of READY blocks of ``keys`` (hits touched in the policies and
         counted), and what ``options`` add (kvtierd.cache.lookup.LookupOptions): the shared
         tier after the local prefix, a hold of the hit prefix, promotions. Awaits only the
@@ -70,11 +64,11 @@ class Reads:
                 more = await fleet.extend(ns, keys[hit:])
                 if more:
                     fleet.count_hits(ns, more, moved_from_host=False)
-                    return LookupResult(hit + more, tiers + bytes([fleet.tier.id]) * more,
-                                        durable + bytes(more))
+                    return LookupResult(
+                        hit + more, tiers + bytes([fleet.tier.id]) * more, durable + bytes(more)
+                    )
             return LookupResult(hit, tiers, durable)
-        imported = await fleet.import_prefix(ns, keys) \
-            if fleet is not None and options.promote else []
+        imported = await fleet.import_prefix(ns, keys) if fleet is not None and options.promote else []
         found = self._hold(options.pin, ns, keys, promote=options.promote)
         if imported and found.job is not None and fleet is not None:
             held = set(found.job.items.values())  # those counted as host hits just now
@@ -83,8 +77,9 @@ class Reads:
                 fleet.count_hits(ns, n, moved_from_host=True)
         return found
 
-    def _hold(self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *,
-              promote: bool) -> LookupResult:
+    def _hold(
+        self, session: Session, ns: NamespaceState, keys: Sequence[bytes], *, promote: bool
+    ) -> LookupResult:
         """Lookup, then hold the hit prefix (released by complete_load or expiry).
 
         Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
@@ -101,8 +96,7 @@ class Reads:
         for e in items.values():
             e.holds += 1
         self.pinned_blocks += hit
-        job = LoadJob(self.jobs.next_id(), session.id, ns, session.transport, items,
-                      moves_bytes=False)
+        job = LoadJob(self.jobs.next_id(), session.id, ns, session.transport, items, moves_bytes=False)
         self.jobs.add(job)
         session.load_jobs.add(job.id)
         below = [e for e in items.values() if not e.in_host] if promote else []
@@ -113,10 +107,16 @@ class Reads:
 
     # -- loads ------------------------------------------------------------------------------------
 
-    async def prepare_load(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                           transport: Transport, *, host_only: bool = False,
-                           answer_by: AnswerBy | None = None
-                           ) -> tuple[LoadJob | None, dict[int, int]]:
+    async def prepare_load(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        keys: Sequence[bytes],
+        transport: Transport,
+        *,
+        host_only: bool = False,
+        answer_by: AnswerBy | None = None,
+    ) -> tuple[LoadJob | None, dict[int, int]]:
         """Pin the READY entries among ``keys`` that have (or now get) a host slot: the job, and
         the keys still present below but not placed this round (deferred: index -> the storage
         tier holding them). ``host_only``: only those in the host tier now; nothing is
@@ -139,26 +139,30 @@ class Reads:
             return None, deferred
         return self._new_load_job(session, ns, items, transport), deferred
 
-    async def _in_host(self, session: Session, items: dict[int, Entry], host_only: bool,
-                       answer_by: AnswerBy | None) -> tuple[dict[int, Entry], dict[int, int]]:
+    async def _in_host(
+        self, session: Session, items: dict[int, Entry], host_only: bool, answer_by: AnswerBy | None
+    ) -> tuple[dict[int, Entry], dict[int, int]]:
         """``items`` (index -> READY entry) split into those with a host slot now (promoted
         first, as many as fit, unless ``host_only``) and the deferred ones still present
         below (index -> the storage tier holding them); without a chain, all of ``items``."""
         if not (self.chain and items):
             return items, {}
         if host_only:
-            deferred = {i: tier_below(self.chain, e) for i, e in items.items()
-                        if not e.in_host and e.copies}
+            deferred = {i: tier_below(self.chain, e) for i, e in items.items() if not e.in_host and e.copies}
             return {i: e for i, e in items.items() if e.in_host}, deferred
         kept = await self._promoted(session, items, answer_by)
-        deferred = {i: tier_below(self.chain, e) for i, e in items.items()
-                    if i not in kept and e.copies and e.ns.ready.get(e.key) is e}
+        deferred = {
+            i: tier_below(self.chain, e)
+            for i, e in items.items()
+            if i not in kept and e.copies and e.ns.ready.get(e.key) is e
+        }
         for e in kept.values():
             e.pins -= 1  # _new_load_job takes the job's own pins
         return kept, deferred
 
-    async def _promoted(self, session: Session, items: dict[int, Entry],
-                        answer_by: AnswerBy | None = None) -> dict[int, Entry]:
+    async def _promoted(
+        self, session: Session, items: dict[int, Entry], answer_by: AnswerBy | None = None
+    ) -> dict[int, Entry]:
         """Pin ``items``, promote those held only below (as many as fit, waiting until
         ``answer_by`` at most), unpin and drop those that are not in the host tier now.
         Returned entries stay pinned (once more)."""
@@ -167,8 +171,7 @@ class Reads:
         protect = set(items.values())
         try:
             for link in self.chain:
-                need = [e for e in items.values()
-                        if not e.in_host and e.copy_in(link.level) is not None]
+                need = [e for e in items.values() if not e.in_host and e.copy_in(link.level) is not None]
                 if not need:
                     continue
                 promoting = link.promote_many(need, protect)
@@ -201,8 +204,9 @@ class Reads:
         setattr(c, name, getattr(c, name) + len(job.items) * job.ns.block_bytes)
         return len(job.items)
 
-    def _new_load_job(self, session: Session, ns: NamespaceState, items: dict[int, Entry],
-                      transport: Transport) -> LoadJob:
+    def _new_load_job(
+        self, session: Session, ns: NamespaceState, items: dict[int, Entry], transport: Transport
+    ) -> LoadJob:
         check_live(session)
         for e in items.values():
             e.pins += 1

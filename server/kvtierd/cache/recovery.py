@@ -47,8 +47,9 @@ class Recovery:
     _spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
     _add_copy: Callable[..., None]
 
-    def restore(self, register: Callable[[Namespace], NamespaceState],
-                opened: Recovered | None = None) -> int:
+    def restore(
+        self, register: Callable[[Namespace], NamespaceState], opened: Recovered | None = None
+    ) -> int:
         """Open the tier and put the copies it holds back into the index (at startup);
         ``opened``: what the caller's own ``tier.open()`` returned (the daemon opens the tier
         before it reserves host memory, to refuse a degraded one first), not opened again.
@@ -59,8 +60,11 @@ class Recovery:
         try:
             rec = opened if opened is not None else self.tier.open()
         except TierUnavailable as err:
-            log.error("%s tier not opened, the host tier serves alone until a probe opens it: "
-                      "%s", self.tier.name, err)
+            log.error(
+                "%s tier not opened, the host tier serves alone until a probe opens it: %s",
+                self.tier.name,
+                err,
+            )
             self._deferred = register
             return 0
         return self._put_back(rec, register)
@@ -109,8 +113,12 @@ class Recovery:
             if self._probe_failures == 1:
                 log.exception("%s probe failed", self.tier.name)
             else:
-                self._probe_log.error("%s probe failed again (%d times in a row)",
-                                      self.tier.name, self._probe_failures, exc_info=False)
+                self._probe_log.error(
+                    "%s probe failed again (%d times in a row)",
+                    self.tier.name,
+                    self._probe_failures,
+                    exc_info=False,
+                )
         finally:
             self._probing = None
 
@@ -152,19 +160,27 @@ class Recovery:
         written. Nothing (False) while a probe or late open is in progress or the tier's copies
         are not in the index yet: the journals then stay, and the next start replays them."""
         if self._probing is not None or not self.indexed:
-            log.warning("%s checkpoint skipped: the tier is still being opened or probed (the "
-                        "next start replays its journals)", self.tier.name)
+            log.warning(
+                "%s checkpoint skipped: the tier is still being opened or probed (the "
+                "next start replays its journals)",
+                self.tier.name,
+            )
             return False
         nss = list(self._namespaces())
         namespaces = {ns.spec.digest: ns.spec.to_dict() for ns in nss}
-        blocks = [(ns.spec.digest, e.key, e.copy_in(self.level)) for ns in nss
-                  for e in ns.entries.values() if e.copy_in(self.level) is not None]
+        blocks = [
+            (ns.spec.digest, e.key, e.copy_in(self.level))
+            for ns in nss
+            for e in ns.entries.values()
+            if e.copy_in(self.level) is not None
+        ]
         self.tier.checkpoint(namespaces, blocks)
         return True
 
 
-def _register_recovered(rec: Recovered, register: Callable[[Namespace], NamespaceState]
-                        ) -> tuple[dict[bytes, NamespaceState], dict[bytes, str]]:
+def _register_recovered(
+    rec: Recovered, register: Callable[[Namespace], NamespaceState]
+) -> tuple[dict[bytes, NamespaceState], dict[bytes, str]]:
     """The recovered namespaces registered (by digest), and those this daemon cannot host (a
     moving ref...) with why."""
     namespaces: dict[bytes, NamespaceState] = {}
@@ -183,5 +199,11 @@ def _log_skipped(tier_name: str, skipped: dict[bytes, str], dropped: int) -> Non
     at most."""
     why = sorted(set(skipped.values()))
     more = f" (and {len(why) - 3} more reasons)" if len(why) > 3 else ""
-    log.warning("%s: %d recovered namespaces not restored, their %d blocks freed: %s%s",
-                tier_name, len(skipped), dropped, "; ".join(why[:3]), more)
+    log.warning(
+        "%s: %d recovered namespaces not restored, their %d blocks freed: %s%s",
+        tier_name,
+        len(skipped),
+        dropped,
+        "; ".join(why[:3]),
+        more,
+    )

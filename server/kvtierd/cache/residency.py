@@ -36,8 +36,9 @@ class CopyHolder(Protocol):
 class HostResidency:
     """See the module docstring."""
 
-    def __init__(self, host: HostTier, policy: EvictionPolicy[Entry], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, host: HostTier, policy: EvictionPolicy[Entry], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.host = host
         self.policy = policy
         self.links: Sequence[CopyHolder] = ()  # the storage tiers below, set by the cache
@@ -47,8 +48,7 @@ class HostResidency:
         # How many of n new slots of a namespace its tenant's host quota lets in (its own
         # coldest blocks evicted for them): promotions and imports ask before they allocate.
         # Set by the cache (TieredCache.room_for); by default, all of them.
-        self.room_for: Callable[[NamespaceState, int, set[Entry]], int] = \
-            lambda _ns, n, _protect: n
+        self.room_for: Callable[[NamespaceState, int, set[Entry]], int] = lambda _ns, n, _protect: n
         self.events: BlockEvents | None = None
         """Where blocks entering and leaving the tiers are told (KV events; None: off). Set
         by the daemon; the cache and the links call it where a block becomes visible in a tier
@@ -76,8 +76,7 @@ class HostResidency:
         placed = self.allocate_many(slot_bytes, 1, protect, pool)
         return placed[0] if placed else None
 
-    def allocate_many(self, slot_bytes: int, count: int, protect: set[Entry],
-                      pool: int = 0) -> list[int]:
+    def allocate_many(self, slot_bytes: int, count: int, protect: set[Entry], pool: int = 0) -> list[int]:
         """``allocate`` for ``count`` slots at once: as many as can be placed (the first
         ``len(result)`` of the caller's blocks get them, the rest cannot be placed now), by
         the same rules and in the same victim order, with one walk of the victims for the
@@ -91,17 +90,31 @@ class HostResidency:
             self._make_room(slot_bytes, protect, pool, out, count, clean_only=False)
         return out
 
-    def _make_room(self, slot_bytes: int, protect: set[Entry], pool: int, taken: list[int],
-                   count: int, *, clean_only: bool, max_scan: int = 1 << 62) -> None:
+    def _make_room(
+        self,
+        slot_bytes: int,
+        protect: set[Entry],
+        pool: int,
+        taken: list[int],
+        count: int,
+        *,
+        clean_only: bool,
+        max_scan: int = 1 << 62,
+    ) -> None:
         """Evict in policy order, taking each slot that frees up, until ``taken`` holds
         ``count`` slots (or nothing more can be evicted, or ``max_scan`` victims were seen)."""
         groups: dict[int, list[Entry]] = {}  # slab -> its evictable entries seen so far
         for n, e in enumerate(self.policy.victims()):
             if n >= max_scan or len(taken) >= count:
                 break
-            if e.ns.pool != pool or e.pins or e.flushing or e in protect or \
-                    (clean_only and not e.copies) \
-                    or (e.holds and not e.copies):  # a held block keeps its last copy
+            if (
+                e.ns.pool != pool
+                or e.pins
+                or e.flushing
+                or e in protect
+                or (clean_only and not e.copies)
+                or (e.holds and not e.copies)
+            ):  # a held block keeps its last copy
                 continue
             if e.ns.slot_bytes == slot_bytes:
                 self.evict(e)

@@ -36,8 +36,9 @@ from kvtierd.tiers import HostTier
 def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
     """A CompleteStore's digests: none, or exactly one per reserved key."""
     if digests and len(digests) != len(job.items):
-        raise InvalidArgument(f"has {len(digests)} digests for {len(job.items)} reserved keys",
-                              field="digests")
+        raise InvalidArgument(
+            f"has {len(digests)} digests for {len(job.items)} reserved keys", field="digests"
+        )
 
 
 # A block keeps its token ids (4 bytes each, for its KV events) only while they take at most this
@@ -46,36 +47,45 @@ def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
 TOKEN_SHARE_OF_SLOT = 64
 
 
-def check_origin(ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int],
-                 parent: bytes | None) -> None:
+def check_origin(
+    ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None
+) -> None:
     """A store's optional token ids (exactly ``tokens_per_block`` per key) and parent key (32
     bytes): InvalidArgument naming the field otherwise."""
     if token_ids and len(token_ids) != len(keys) * ns.spec.tokens_per_block:
         raise InvalidArgument(
             f"has {len(token_ids)} token ids for {len(keys)} keys of "
             f"{ns.spec.tokens_per_block} tokens (expected {len(keys) * ns.spec.tokens_per_block}"
-            " or none)", field="token_ids")
+            " or none)",
+            field="token_ids",
+        )
     if parent is not None and len(parent) != 32:
-        raise InvalidArgument(f"must be 32 bytes (a block key) or empty, got {len(parent)}",
-                              field="parent_key")
+        raise InvalidArgument(
+            f"must be 32 bytes (a block key) or empty, got {len(parent)}", field="parent_key"
+        )
 
 
-def _keep_origins(ns: NamespaceState, keys: Sequence[bytes], items: dict[int, Entry],
-                  token_ids: Sequence[int], parent: bytes | None) -> None:
+def _keep_origins(
+    ns: NamespaceState,
+    keys: Sequence[bytes],
+    items: dict[int, Entry],
+    token_ids: Sequence[int],
+    parent: bytes | None,
+) -> None:
     """Each reserved entry (``items``: batch index -> entry) keeps its parent key and packed
     token ids for its KV events; token ids past their share of the slot are not kept."""
     span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
-    packed = pack_tokens(token_ids) if token_ids and \
-        span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
+    packed = pack_tokens(token_ids) if token_ids and span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
     for i, e in items.items():
-        e.origin = (keys[i - 1] if i else parent, packed[i * span:(i + 1) * span])
+        e.origin = (keys[i - 1] if i else parent, packed[i * span : (i + 1) * span])
 
 
 _check_live = check_live  # (kvtierd.cache.jobs: jobs attach only to live sessions)
 
 
-def _split_batch(ns: NamespaceState, keys: Sequence[bytes],
-                 status: bytearray) -> tuple[dict[bytes, int], set[Entry]]:
+def _split_batch(
+    ns: NamespaceState, keys: Sequence[bytes], status: bytearray
+) -> tuple[dict[bytes, int], set[Entry]]:
     """A store batch's keys not held yet (key -> its first index in the batch; the others are
     ALREADY_PRESENT in ``status`` and counted so), and its READY entries (not evicted to make
     room for it)."""
@@ -131,22 +141,25 @@ class Stores:
                 n //= 2
         return 0
 
-    def fit_tenant(self, tenant: str, new_bytes: int, quota: int,
-                   protect: Set[Entry] = frozenset()) -> None:
+    def fit_tenant(self, tenant: str, new_bytes: int, quota: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
         evictable blocks go first (never another tenant's, nor those in ``protect``);
         ResourceExhausted (quota host_bytes) when they cannot."""
         mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
         # resident, reserved (WRITING) and limbo slots, O(namespaces): a store that never
         # completes holds its slots against its own tenant's quota, not the shared arena
-        used = sum((ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) *
-                   ns.slot_bytes for ns in mine)
+        used = sum(
+            (ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) * ns.slot_bytes for ns in mine
+        )
         excess = used + new_bytes - quota
         if excess <= 0:
             return
         if new_bytes > quota:
-            raise ResourceExhausted(f"quota host_bytes ({quota}) is smaller than one batch of "
-                                    f"{new_bytes} bytes", field="quota", quota="host_bytes")
+            raise ResourceExhausted(
+                f"quota host_bytes ({quota}) is smaller than one batch of {new_bytes} bytes",
+                field="quota",
+                quota="host_bytes",
+            )
         owned = set(mine)
         victims = []
         for n, e in enumerate(self.policy.victims()):
@@ -156,9 +169,12 @@ class Stores:
                 victims.append(e)
                 excess -= e.ns.slot_bytes
         if excess > 0:
-            raise ResourceExhausted(f"quota host_bytes ({quota}) reached by tenant {tenant} "
-                                    "(its blocks are pinned or being written)", field="quota",
-                                    quota="host_bytes")
+            raise ResourceExhausted(
+                f"quota host_bytes ({quota}) reached by tenant {tenant} "
+                "(its blocks are pinned or being written)",
+                field="quota",
+                quota="host_bytes",
+            )
         for e in victims:
             self.residency.evict(e)
 
@@ -171,9 +187,16 @@ class Stores:
             new = sum(1 for k in keys if k not in ns.entries)
             await self.chain[0].ensure_room(ns.slot_bytes, new, pool=ns.pool)
 
-    def prepare_store(self, session: Session, ns: NamespaceState, keys: Sequence[bytes],
-                      transport: Transport, *, token_ids: Sequence[int] = (),
-                      parent: bytes | None = None) -> tuple[StoreJob | None, bytes, list[int]]:
+    def prepare_store(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        keys: Sequence[bytes],
+        transport: Transport,
+        *,
+        token_ids: Sequence[int] = (),
+        parent: bytes | None = None,
+    ) -> tuple[StoreJob | None, bytes, list[int]]:
         """Reserve the keys not held yet. ``token_ids`` (all the keys' tokens, or none) and
         ``parent`` (the key before ``keys[0]``, or None) are kept with each reserved entry
         while KV events are on, for its ``BlockStored``; checked either way (InvalidArgument
@@ -190,7 +213,7 @@ class Stores:
         rejected = len(fresh) - len(items)  # (each placed key has its entry)
         if rejected:
             ns.counters.stores_rejected += rejected
-            for i in list(fresh.values())[len(items):]:
+            for i in list(fresh.values())[len(items) :]:
                 status[i] = StoreStatus.REJECTED
         if not items:
             return None, bytes(status), offsets
@@ -201,15 +224,21 @@ class Stores:
         ns.writing_blocks += len(items)
         return job, bytes(status), offsets
 
-    def _reserve(self, ns: NamespaceState, fresh: dict[bytes, int], protect: set[Entry],
-                 job_id: int, status: bytearray, offsets: list[int]) -> dict[int, Entry]:
+    def _reserve(
+        self,
+        ns: NamespaceState,
+        fresh: dict[bytes, int],
+        protect: set[Entry],
+        job_id: int,
+        status: bytearray,
+        offsets: list[int],
+    ) -> dict[int, Entry]:
         """Host slots for a prefix of the ``fresh`` keys (key -> batch index), each taken by a
         WRITING entry of job ``job_id`` put into the index, RESERVED in ``status`` with its
         offset in ``offsets``: batch index -> entry. One walk of the victims for the batch;
         the keys past that prefix cannot be placed now (nothing evictable for this class: the
         rest of the batch cannot fit either)."""
-        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) \
-            if fresh else []
+        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) if fresh else []
         items: dict[int, Entry] = {}
         for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
@@ -219,22 +248,37 @@ class Stores:
             offsets[i] = off
         return items
 
-    def complete_store(self, session: Session, job_id: int, ok: bool,
-                       item_ok: Sequence[bool] = (), *, hold_until: float = 0.0,
-                       digests: Sequence[int] = ()) -> tuple[int, int]:
+    def complete_store(
+        self,
+        session: Session,
+        job_id: int,
+        ok: bool,
+        item_ok: Sequence[bool] = (),
+        *,
+        hold_until: float = 0.0,
+        digests: Sequence[int] = (),
+    ) -> tuple[int, int]:
         """``digests``: one per reserved key (their order), each committed block's digest
         (kvtierd.cache.flows computes or checks them); empty: tcp jobs take the digests of what
         the data channel received, other blocks get none."""
         job = self.jobs.get(session.id, job_id, StoreJob)
         self.jobs.not_copying(job_id)
         if item_ok and len(item_ok) != len(job.items):
-            raise InvalidArgument(f"has {len(item_ok)} values for {len(job.items)} reserved keys",
-                                  field="item_ok")
+            raise InvalidArgument(
+                f"has {len(item_ok)} values for {len(job.items)} reserved keys", field="item_ok"
+            )
         check_digest_count(digests, job)
         return self._end_store(session, job, ok, item_ok, hold_until, digests)
 
-    def _end_store(self, session: Session, job: StoreJob, ok: bool, item_ok: Sequence[bool],
-                   hold_until: float, digests: Sequence[int] = ()) -> tuple[int, int]:
+    def _end_store(
+        self,
+        session: Session,
+        job: StoreJob,
+        ok: bool,
+        item_ok: Sequence[bool],
+        hold_until: float,
+        digests: Sequence[int] = (),
+    ) -> tuple[int, int]:
         self.jobs.remove(job)
         session.store_jobs.discard(job.id)
         committed: list[Entry] = []
@@ -276,8 +320,7 @@ class Stores:
         if self.fleet is not None:
             self.fleet.on_committed(committed)
 
-    def corrupt_claims(self, session: Session, job_id: int,
-                       indexes: Sequence[int]) -> list[Entry]:
+    def corrupt_claims(self, session: Session, job_id: int, indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
         not match their digest) that have a digest and a host slot: the caller rehashes them
         (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
@@ -286,13 +329,15 @@ class Stores:
         job = self.jobs.get(session.id, job_id, LoadJob)
         self.jobs.moves_bytes(job)
         if len(indexes) > len(job.items):
-            raise InvalidArgument(f"has {len(indexes)} indexes for a job of {len(job.items)} "
-                                  "blocks", field="corrupt")
+            raise InvalidArgument(
+                f"has {len(indexes)} indexes for a job of {len(job.items)} blocks", field="corrupt"
+            )
         for i in indexes:
             if i not in job.items:
                 raise InvalidArgument(f"key {i} is not a block of job {job_id}", field="corrupt")
-        return [e for e in (job.items[i] for i in dict.fromkeys(indexes))
-                if e.digest is not None and e.in_host]
+        return [
+            e for e in (job.items[i] for i in dict.fromkeys(indexes)) if e.digest is not None and e.in_host
+        ]
 
     def drop_corrupt(self, entries: Sequence[Entry]) -> int:
         """Take corrupt blocks (``corrupt_claims``, rehashed) out of the host tier, counted in

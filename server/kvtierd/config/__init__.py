@@ -5,14 +5,7 @@ sectioned) and flat overrides into one. Immutable; any thread.
 """
 
 from kvtierd.config.checks import is_loopback
-from kvtierd.config.daemon import (
-    DaemonConfig,
-    flat_field,
-    flat_keys,
-    load_config,
-    validate,
-    with_overrides,
-)
+from kvtierd.config.daemon import DaemonConfig, flat_field, flat_keys, load_config, validate, with_overrides
 from kvtierd.config.groups import (
     GROUP_OF,
     GROUPS,
@@ -32,9 +25,26 @@ from kvtierd.config.groups import (
 )
 
 __all__ = [
-    "GROUPS", "GROUP_OF", "SIZE_FIELDS", "ClusterTierConfig", "ClusterWritePolicy",
-    "DaemonConfig", "EventsConfig", "GrpcConfig", "HostTierConfig", "MetricsConfig",
-    "NvmeTierConfig", "RequestsConfig", "SessionsConfig", "TenancyConfig", "TransportsConfig",
-    "VerifyStore", "flat_field", "flat_keys", "is_loopback", "load_config", "validate",
+    "GROUPS",
+    "GROUP_OF",
+    "SIZE_FIELDS",
+    "ClusterTierConfig",
+    "ClusterWritePolicy",
+    "DaemonConfig",
+    "EventsConfig",
+    "GrpcConfig",
+    "HostTierConfig",
+    "MetricsConfig",
+    "NvmeTierConfig",
+    "RequestsConfig",
+    "SessionsConfig",
+    "TenancyConfig",
+    "TransportsConfig",
+    "VerifyStore",
+    "flat_field",
+    "flat_keys",
+    "is_loopback",
+    "load_config",
+    "validate",
     "with_overrides",
 ]

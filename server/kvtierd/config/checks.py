@@ -29,7 +29,10 @@ from kvtierd.policies import PolicyName, WritePolicyName
 
 # Annotation (a string, see the __future__ import) -> accepted runtime types; bool is never an int.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
 }
 
 
@@ -46,25 +49,36 @@ def types(group: Any) -> None:
         kinds = _FIELD_TYPES.get(str(f.type))
         value = getattr(group, f.name)
         if kinds is not None:
-            need(isinstance(value, kinds) and (f.type == "bool" or not isinstance(value, bool)),
-                 f.name, f"expected {f.type}, got {type(value).__name__} {value!r}")
+            need(
+                isinstance(value, kinds) and (f.type == "bool" or not isinstance(value, bool)),
+                f.name,
+                f"expected {f.type}, got {type(value).__name__} {value!r}",
+            )
 
 
 def host_tier(c: HostTierConfig) -> None:
-    need(c.slot_align_bytes > 0 and c.slot_align_bytes & (c.slot_align_bytes - 1) == 0,
-         "slot_align_bytes", "must be a power of two")
-    need(c.slab_bytes >= c.slot_align_bytes and c.slab_bytes % c.slot_align_bytes == 0,
-         "slab_bytes", "must be a positive multiple of slot_align_bytes")
+    need(
+        c.slot_align_bytes > 0 and c.slot_align_bytes & (c.slot_align_bytes - 1) == 0,
+        "slot_align_bytes",
+        "must be a power of two",
+    )
+    need(
+        c.slab_bytes >= c.slot_align_bytes and c.slab_bytes % c.slot_align_bytes == 0,
+        "slab_bytes",
+        "must be a positive multiple of slot_align_bytes",
+    )
     need(c.host_bytes >= c.slab_bytes, "host_bytes", "must hold at least one slab")
     need(c.eviction_policy in get_args(PolicyName), "eviction_policy", "must be 'lru' or 'arc'")
 
 
 def sessions(c: SessionsConfig) -> None:
     need(c.min_lease_ttl_s > 0, "min_lease_ttl_s", "must be > 0")
-    need(c.max_lease_ttl_s >= c.min_lease_ttl_s, "max_lease_ttl_s",
-         "must be >= min_lease_ttl_s")
-    need(c.min_lease_ttl_s <= c.lease_ttl_s <= c.max_lease_ttl_s,
-         "lease_ttl_s", "must satisfy min_lease_ttl_s <= lease_ttl_s <= max_lease_ttl_s")
+    need(c.max_lease_ttl_s >= c.min_lease_ttl_s, "max_lease_ttl_s", "must be >= min_lease_ttl_s")
+    need(
+        c.min_lease_ttl_s <= c.lease_ttl_s <= c.max_lease_ttl_s,
+        "lease_ttl_s",
+        "must satisfy min_lease_ttl_s <= lease_ttl_s <= max_lease_ttl_s",
+    )
     need(c.lease_sweep_s > 0, "lease_sweep_s", "must be > 0")
     need(c.max_sessions >= 1, "max_sessions", "must be >= 1")
     need(c.max_namespaces >= 1, "max_namespaces", "must be >= 1")
@@ -86,61 +100,85 @@ def transports(c: TransportsConfig, g: GrpcConfig) -> None:
     need(c.shm_max_connections >= 1, "shm_max_connections", "must be >= 1")
     need(c.shm_handshakes_per_uid >= 1, "shm_handshakes_per_uid", "must be >= 1")
     need(c.data_max_unauthenticated >= 1, "data_max_unauthenticated", "must be >= 1")
-    need(0 <= c.data_max_connections_per_tenant <= c.data_max_connections,
-         "data_max_connections_per_tenant", "must be in [0, data_max_connections] (0: half)")
+    need(
+        0 <= c.data_max_connections_per_tenant <= c.data_max_connections,
+        "data_max_connections_per_tenant",
+        "must be in [0, data_max_connections] (0: half)",
+    )
     need(c.publish_index_idle_s >= 0, "publish_index_idle_s", "must be >= 0")
-    need(c.verify_store in get_args(VerifyStore), "verify_store",
-         "must be 'client' or 'daemon'")
+    need(c.verify_store in get_args(VerifyStore), "verify_store", "must be 'client' or 'daemon'")
     host_port("data_listen", c.data_listen)
     if not g.allow_plaintext_remote:
-        need(not c.data_listen or bool(g.tls_cert) or is_loopback(c.data_listen),
-             "data_listen", f"{c.data_listen} is not a loopback address: serve TLS there "
-             "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
-             "allow_plaintext_remote = true (--allow-plaintext-remote)")
+        need(
+            not c.data_listen or bool(g.tls_cert) or is_loopback(c.data_listen),
+            "data_listen",
+            f"{c.data_listen} is not a loopback address: serve TLS there "
+            "(tls_cert, tls_key: the data channel uses the gRPC listener's) or set "
+            "allow_plaintext_remote = true (--allow-plaintext-remote)",
+        )
 
 
 def grpc(c: GrpcConfig) -> None:
     """The listeners (a Unix socket or TCP), their addresses, TLS and reflection."""
     need(bool(c.socket_path or c.listen), "listen", "need a Unix socket or a TCP listener")
-    need(0o600 <= c.socket_mode <= 0o777 and c.socket_mode & 0o600 == 0o600, "socket_mode",
-         f"expected a file mode with the owner's read and write, 0o600..0o777 (e.g. 0o600, "
-         f"0o660), got {c.socket_mode!r}")
+    need(
+        0o600 <= c.socket_mode <= 0o777 and c.socket_mode & 0o600 == 0o600,
+        "socket_mode",
+        f"expected a file mode with the owner's read and write, 0o600..0o777 (e.g. 0o600, "
+        f"0o660), got {c.socket_mode!r}",
+    )
     host_port("listen", c.listen)
     host_port("health_listen", c.health_listen)
     need(bool(c.tls_cert) == bool(c.tls_key), "tls_key", "tls_cert and tls_key go together")
     need(not c.tls_client_ca or bool(c.tls_cert), "tls_client_ca", "needs tls_cert/tls_key")
-    need(not c.tls_require_client_cert or bool(c.tls_client_ca), "tls_require_client_cert",
-         "needs tls_client_ca")
+    need(
+        not c.tls_require_client_cert or bool(c.tls_client_ca),
+        "tls_require_client_cert",
+        "needs tls_client_ca",
+    )
     # gRPC asks a client for a certificate only when it requires one: with an optional one, a
     # client's certificate would never reach the daemon and its mtls_names tenant never match
-    need(not c.tls_client_ca or c.tls_require_client_cert, "tls_client_ca",
-         "gRPC does not ask for optional client certificates (they would be ignored): set "
-         "tls_require_client_cert = true for mTLS, or leave tls_client_ca out and use tokens")
+    need(
+        not c.tls_client_ca or c.tls_require_client_cert,
+        "tls_client_ca",
+        "gRPC does not ask for optional client certificates (they would be ignored): set "
+        "tls_require_client_cert = true for mTLS, or leave tls_client_ca out and use tokens",
+    )
     need(c.reflection in ("unix", "all", "off"), "reflection", "must be 'unix', 'all' or 'off'")
     if not c.allow_plaintext_remote:
-        need(not c.listen or bool(c.tls_cert) or is_loopback(c.listen), "listen",
-             f"{c.listen} is not a loopback address: serve TLS there (tls_cert, tls_key) or "
-             "set allow_plaintext_remote = true (--allow-plaintext-remote)")
+        need(
+            not c.listen or bool(c.tls_cert) or is_loopback(c.listen),
+            "listen",
+            f"{c.listen} is not a loopback address: serve TLS there (tls_cert, tls_key) or "
+            "set allow_plaintext_remote = true (--allow-plaintext-remote)",
+        )
 
 
 def metrics(c: MetricsConfig, g: GrpcConfig) -> None:
     """/metrics: a port or -1; plaintext HTTP off loopback only when allowed. (The scrape
     token it then needs with tenants: kvtierd.tenancy.exposure, once the tenants file is read.)"""
     need(-1 <= c.metrics_port <= 65535, "metrics_port", "must be -1 (off) or a port")
-    need(c.metrics_port < 0 or c.metrics_plaintext_remote or g.allow_plaintext_remote
-         or is_loopback(f"{c.metrics_host}:{c.metrics_port}"), "metrics_host",
-         f"{c.metrics_host} is not a loopback address and /metrics is plaintext HTTP: set "
-         "metrics_plaintext_remote = true (--allow-plaintext-metrics; with tenants, scrape tokens "
-         "only), or allow_plaintext_remote = true (--allow-plaintext-remote: every token, and "
-         "plaintext gRPC), or bind it to loopback (metrics_host = \"127.0.0.1\")")
+    need(
+        c.metrics_port < 0
+        or c.metrics_plaintext_remote
+        or g.allow_plaintext_remote
+        or is_loopback(f"{c.metrics_host}:{c.metrics_port}"),
+        "metrics_host",
+        f"{c.metrics_host} is not a loopback address and /metrics is plaintext HTTP: set "
+        "metrics_plaintext_remote = true (--allow-plaintext-metrics; with tenants, scrape tokens "
+        "only), or allow_plaintext_remote = true (--allow-plaintext-remote: every token, and "
+        'plaintext gRPC), or bind it to loopback (metrics_host = "127.0.0.1")',
+    )
 
 
 def nvme_tier(c: NvmeTierConfig, h: HostTierConfig) -> None:
     a = c.io_align_bytes
-    need(512 <= a <= 65536 and a & (a - 1) == 0, "io_align_bytes",
-         "must be a power of two in [512, 65536]")
-    need(c.write_policy in get_args(WritePolicyName), "write_policy",
-         "must be 'write-back', 'write-through' or 'selective'")
+    need(512 <= a <= 65536 and a & (a - 1) == 0, "io_align_bytes", "must be a power of two in [512, 65536]")
+    need(
+        c.write_policy in get_args(WritePolicyName),
+        "write_policy",
+        "must be 'write-back', 'write-through' or 'selective'",
+    )
     need(c.write_after_hits >= 1, "write_after_hits", "must be >= 1")
     need(0.0 < c.flush_watermark <= 1.0, "flush_watermark", "must be in (0, 1]")
     need(1 <= c.io_threads <= 64, "io_threads", "must be in [1, 64]")
@@ -162,11 +200,13 @@ def cluster_tier(c: ClusterTierConfig) -> None:
         from kvtierd.tiers.cluster.keys import read_fleet_key
 
         read_fleet_key(c.cluster_fleet_key_file)  # ValueError naming cluster_fleet_key_file
-    need(c.cluster_write_policy in get_args(ClusterWritePolicy), "cluster_write_policy",
-         "must be 'commit' or 'evict'")
+    need(
+        c.cluster_write_policy in get_args(ClusterWritePolicy),
+        "cluster_write_policy",
+        "must be 'commit' or 'evict'",
+    )
     need(c.cluster_ttl_s >= 0.001, "cluster_ttl_s", "must be >= 0.001")
-    for name in ("cluster_lookup_timeout_ms", "cluster_fetch_timeout_ms",
-                 "cluster_write_timeout_ms"):
+    for name in ("cluster_lookup_timeout_ms", "cluster_fetch_timeout_ms", "cluster_write_timeout_ms"):
         need(getattr(c, name) > 0, name, "must be > 0")
     need(c.cluster_queue_bytes >= 0, "cluster_queue_bytes", "must be >= 0")
     need(c.cluster_inflight_bytes >= 1 << 20, "cluster_inflight_bytes", "must be >= 1MiB")
@@ -183,16 +223,26 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
     need(c.events_queue_blocks >= 1, "events_queue_blocks", "must be >= 1")
     for name in ("events_endpoint", "events_replay_endpoint"):
         _node_events_endpoint(name, getattr(c, name), g)
-    need(not c.events_replay_endpoint or bool(c.events_endpoint), "events_replay_endpoint",
-         "needs events_endpoint")
+    need(
+        not c.events_replay_endpoint or bool(c.events_endpoint),
+        "events_replay_endpoint",
+        "needs events_endpoint",
+    )
     for name in ("events_tenant_endpoint", "events_tenant_replay_endpoint"):
         value = getattr(c, name)
-        need(not value or value.startswith("ipc://") and "{tenant}" in value, name,
-             f"expected ipc://PATH with {{tenant}} in it, got {value!r}")
-    need(not c.events_tenant_endpoint or bool(t.tenants_file), "events_tenant_endpoint",
-         "needs a tenants_file")
-    need(not c.events_tenant_replay_endpoint or bool(c.events_tenant_endpoint),
-         "events_tenant_replay_endpoint", "needs events_tenant_endpoint")
+        need(
+            not value or value.startswith("ipc://") and "{tenant}" in value,
+            name,
+            f"expected ipc://PATH with {{tenant}} in it, got {value!r}",
+        )
+    need(
+        not c.events_tenant_endpoint or bool(t.tenants_file), "events_tenant_endpoint", "needs a tenants_file"
+    )
+    need(
+        not c.events_tenant_replay_endpoint or bool(c.events_tenant_endpoint),
+        "events_tenant_replay_endpoint",
+        "needs events_tenant_endpoint",
+    )
 
 
 def _node_events_endpoint(name: str, value: str, g: GrpcConfig) -> None:
@@ -200,21 +250,28 @@ def _node_events_endpoint(name: str, value: str, g: GrpcConfig) -> None:
     only on loopback unless ``allow_plaintext_remote``."""
     if not value:
         return
-    need(value.startswith(("tcp://", "ipc://")), name,
-         f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    need(
+        value.startswith(("tcp://", "ipc://")), name, f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}"
+    )
     if value.startswith("tcp://") and not g.allow_plaintext_remote:
-        need(is_loopback(value.removeprefix("tcp://")), name,
-             f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
-             " and carry every tenant's block keys: use ipc:// or loopback, or set "
-             "allow_plaintext_remote = true (docs/security.md)")
+        need(
+            is_loopback(value.removeprefix("tcp://")),
+            name,
+            f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
+            " and carry every tenant's block keys: use ipc:// or loopback, or set "
+            "allow_plaintext_remote = true (docs/security.md)",
+        )
 
 
 def host_port(name: str, value: str) -> None:
     """``value`` ("" = off) is HOST:PORT with a port in 0..65535."""
     if value:
         host, sep, port = value.rpartition(":")
-        need(bool(sep and host) and port.isdigit() and int(port) <= 65535, name,
-             f"expected HOST:PORT with a port in 0..65535 (0: the OS picks one), got {value!r}")
+        need(
+            bool(sep and host) and port.isdigit() and int(port) <= 65535,
+            name,
+            f"expected HOST:PORT with a port in 0..65535 (0: the OS picks one), got {value!r}",
+        )
 
 
 def is_loopback(hostport: str) -> bool:

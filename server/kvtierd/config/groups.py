@@ -17,9 +17,18 @@ from kvtierd.policies import PolicyName, WritePolicyName
 ClusterWritePolicy = Literal["commit", "evict"]
 VerifyStore = Literal["client", "daemon"]
 
-SIZE_FIELDS = ("host_bytes", "slab_bytes", "slot_align_bytes", "disk_bytes", "io_align_bytes",
-               "disk_file_bytes", "data_max_queued_bytes", "cluster_queue_bytes",
-               "cluster_inflight_bytes", "tenant_arena_bytes")
+SIZE_FIELDS = (
+    "host_bytes",
+    "slab_bytes",
+    "slot_align_bytes",
+    "disk_bytes",
+    "io_align_bytes",
+    "disk_file_bytes",
+    "data_max_queued_bytes",
+    "cluster_queue_bytes",
+    "cluster_inflight_bytes",
+    "tenant_arena_bytes",
+)
 """Keys whose values may be written as sizes ("1GiB") in files and overrides."""
 
 

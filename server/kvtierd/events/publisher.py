@@ -33,16 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtierd.events.sink import EventQueue, Record
-from kvtierd.events.wire import (
-    END_SEQ,
-    SEQ,
-    Cleared,
-    Event,
-    Removed,
-    Stored,
-    encode_batch,
-    unpack_tokens,
-)
+from kvtierd.events.wire import END_SEQ, SEQ, Cleared, Event, Removed, Stored, encode_batch, unpack_tokens
 
 if TYPE_CHECKING:
     from kvtierd.index import Entry
@@ -84,8 +75,9 @@ def check_dependencies() -> None:
         import msgpack  # noqa: F401
         import zmq  # noqa: F401
     except ImportError as e:
-        raise ValueError(f"events_endpoint: KV events need pyzmq and msgpack (pip install "
-                         f"'kvtierd[events]'): {e}") from None
+        raise ValueError(
+            f"events_endpoint: KV events need pyzmq and msgpack (pip install 'kvtierd[events]'): {e}"
+        ) from None
 
 
 def tenant_endpoint(template: str, tenant: str) -> str | None:
@@ -142,12 +134,14 @@ class EventPublisher:
             self._ctx.term()
 
     def figures(self) -> dict[str, int]:
-        return {"events_published": self.events_published,
-                "event_batches_published": self.batches_published,
-                "event_blocks_dropped": self.queue.dropped_blocks,
-                "event_replay_requests": self.replay_requests,
-                "event_blocks_queued": self.queue.queued_blocks,
-                "event_streams": len(self._streams)}
+        return {
+            "events_published": self.events_published,
+            "event_batches_published": self.batches_published,
+            "event_blocks_dropped": self.queue.dropped_blocks,
+            "event_replay_requests": self.replay_requests,
+            "event_blocks_queued": self.queue.queued_blocks,
+            "event_streams": len(self._streams),
+        }
 
     # -- sockets ----------------------------------------------------------------------------------
 
@@ -165,10 +159,12 @@ class EventPublisher:
             pub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
-            raise ValueError(f"{setting}: cannot bind {endpoint}"
-                             f"{' / ' + replay_endpoint if replay_endpoint else ''}: {e}") from None
-        st = _Stream(name, pub, replay, deque(maxlen=self.settings.buffer_batches),
-                     seq=time.time_ns() // 1000)
+            raise ValueError(
+                f"{setting}: cannot bind {endpoint}{' / ' + replay_endpoint if replay_endpoint else ''}: {e}"
+            ) from None
+        st = _Stream(
+            name, pub, replay, deque(maxlen=self.settings.buffer_batches), seq=time.time_ns() // 1000
+        )
         st.events.append(Cleared())  # every stream starts by saying "forget what you knew"
         return st
 
@@ -183,12 +179,13 @@ class EventPublisher:
             return st
         s = self.settings
         pub = tenant_endpoint(s.tenant_endpoint, tenant)
-        replay = tenant_endpoint(s.tenant_replay_endpoint, tenant) \
-            if s.tenant_replay_endpoint else ""
+        replay = tenant_endpoint(s.tenant_replay_endpoint, tenant) if s.tenant_replay_endpoint else ""
         try:
             if pub is None or replay is None:
-                raise ValueError(f"events_tenant_endpoint: tenant name {tenant!r} cannot be put "
-                                 "in an endpoint (letters, digits, '.', '_', '-' only)")
+                raise ValueError(
+                    f"events_tenant_endpoint: tenant name {tenant!r} cannot be put "
+                    "in an endpoint (letters, digits, '.', '_', '-' only)"
+                )
             st = self._open(tenant, pub, replay, "events_tenant_endpoint")
         except ValueError as e:
             if strict:
@@ -272,15 +269,18 @@ def _append(out: list[Event], evs: list[Event]) -> None:
     eviction is one record, and a burst of them one event."""
     for ev in evs:
         last = out[-1] if out else None
-        if isinstance(ev, Removed) and isinstance(last, Removed) and \
-                last.medium == ev.medium and last.tenant == ev.tenant:
+        if (
+            isinstance(ev, Removed)
+            and isinstance(last, Removed)
+            and last.medium == ev.medium
+            and last.tenant == ev.tenant
+        ):
             out[-1] = Removed([*last.keys, *ev.keys], ev.medium, ev.tenant)
         else:
             out.append(ev)
 
 
-def _events(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[str | None,
-                                                                            list[Event]]]:
+def _events(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[str | None, list[Event]]]:
     """The events of one record, per tenant: removals as one list per tenant; stores as one
     ``BlockStored`` per chain (a block whose parent is the block before it joins it)."""
     if kind == "removed":
@@ -293,8 +293,7 @@ def _events(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[str 
     run: list[Entry] = []
     for e in entries:
         origin = e.origin
-        if run and not (origin is not None and origin[0] == run[-1].key and
-                        e.ns is run[-1].ns):
+        if run and not (origin is not None and origin[0] == run[-1].key and e.ns is run[-1].ns):
             yield run[0].ns.spec.tenant, [_stored(run, medium)]
             run = []
         run.append(e)
@@ -311,6 +310,13 @@ def _stored(run: list[Entry], medium: Any) -> Stored:
         for e in run:
             tokens.extend(unpack_tokens(e.origin[1]))  # type: ignore[index]  # (checked above)
     extra: tuple[str, ...] = tuple(v for v in (spec.adapter_id, spec.cache_salt) if v)
-    return Stored(keys=[e.key for e in run], parent=origin[0] if origin is not None else None,
-                  token_ids=tokens, block_size=tpb, medium=medium, lora_name=spec.adapter_id,
-                  extra_keys=[extra] * len(run) if extra else None, tenant=spec.tenant)
+    return Stored(
+        keys=[e.key for e in run],
+        parent=origin[0] if origin is not None else None,
+        token_ids=tokens,
+        block_size=tpb,
+        medium=medium,
+        lora_name=spec.adapter_id,
+        extra_keys=[extra] * len(run) if extra else None,
+        tenant=spec.tenant,
+    )

@@ -75,10 +75,15 @@ def event_map(ev: Event) -> dict[str, Any]:
     """The msgpack map of one event, keys in vLLM's field order."""
     if isinstance(ev, Stored):
         m: dict[str, Any] = {
-            "type": "BlockStored", "block_hashes": list(ev.keys),
-            "parent_block_hash": ev.parent, "token_ids": list(ev.token_ids),
-            "block_size": ev.block_size, "lora_id": None, "medium": ev.medium,
-            "lora_name": ev.lora_name}
+            "type": "BlockStored",
+            "block_hashes": list(ev.keys),
+            "parent_block_hash": ev.parent,
+            "token_ids": list(ev.token_ids),
+            "block_size": ev.block_size,
+            "lora_id": None,
+            "medium": ev.medium,
+            "lora_name": ev.lora_name,
+        }
         if ev.extra_keys is not None:
             m["extra_keys"] = [None if k is None else list(k) for k in ev.extra_keys]
     elif isinstance(ev, Removed):
@@ -94,8 +99,7 @@ def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0
     """One payload: ``[ts, [event map...], data_parallel_rank]`` (needs msgpack)."""
     import msgpack
 
-    return bytes(msgpack.packb([ts, [event_map(e) for e in events], data_parallel_rank],
-                               use_bin_type=True))
+    return bytes(msgpack.packb([ts, [event_map(e) for e in events], data_parallel_rank], use_bin_type=True))
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:

@@ -47,8 +47,22 @@ class Entry:
     Written only by the cache (kvtierd.cache); tiers and transports only read it.
     """
 
-    __slots__ = ("ns", "key", "state", "offset", "pins", "holds", "job", "copies", "flushing",
-                 "promoting", "hits", "in_cluster", "digest", "origin")
+    __slots__ = (
+        "ns",
+        "key",
+        "state",
+        "offset",
+        "pins",
+        "holds",
+        "job",
+        "copies",
+        "flushing",
+        "promoting",
+        "hits",
+        "in_cluster",
+        "digest",
+        "origin",
+    )
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
         self.ns = ns
@@ -87,12 +101,19 @@ class Entry:
 
     def evictable(self) -> bool:
         """Its host copy may go (a held entry only while a copy below remains)."""
-        return self.state is EntryState.READY and self.pins == 0 and not self.flushing \
-            and self.promoting is None and (not self.holds or self.copies is not None)
+        return (
+            self.state is EntryState.READY
+            and self.pins == 0
+            and not self.flushing
+            and self.promoting is None
+            and (not self.holds or self.copies is not None)
+        )
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, "
-                f"pins={self.pins}, holds={self.holds}, copies={self.copies})")
+        return (
+            f"Entry({self.key[:4].hex()}…, {self.state.name}, off={self.offset}, "
+            f"pins={self.pins}, holds={self.holds}, copies={self.copies})"
+        )
 
 
 @dataclass(eq=False)

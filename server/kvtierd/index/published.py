@@ -61,10 +61,17 @@ class Publishers:
     retired at the next tick (the grace keeps a client that reconnects from costing a build
     each time)."""
 
-    def __init__(self, boot_epoch: int, enabled: bool = True, *,
-                 idle_retire_s: float = 30.0, clock: Any = time.monotonic,
-                 flags: int = 0, background_from: int = BACKGROUND_FROM,
-                 stamp_clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(
+        self,
+        boot_epoch: int,
+        enabled: bool = True,
+        *,
+        idle_retire_s: float = 30.0,
+        clock: Any = time.monotonic,
+        flags: int = 0,
+        background_from: int = BACKGROUND_FROM,
+        stamp_clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         """``clock``: idle time (s); ``stamp_clock``: the segments' liveness stamps (ns)."""
         self.boot_epoch = boot_epoch
         self.flags = flags  # pi.FLAG_* written into every segment (a cluster tier behind)
@@ -81,13 +88,21 @@ class Publishers:
 
     def handout(self, ns: NamespaceState) -> tuple[int, int, int]:
         if not self.enabled:
-            raise OSError("published indexes are disabled on this daemon (publish_index, or "
-                          "the kernel cannot seal a segment against writes)")
+            raise OSError(
+                "published indexes are disabled on this daemon (publish_index, or "
+                "the kernel cannot seal a segment against writes)"
+            )
         self.flush()  # (a failure drops that publisher here, and a new one is built below)
         pub = ns.ready.publisher
         if pub is None:
-            pub = Publisher(ns, self.boot_epoch, self._dirty, self.flags,
-                            background_from=self.background_from, stamp_clock=self._stamp_clock)
+            pub = Publisher(
+                ns,
+                self.boot_epoch,
+                self._dirty,
+                self.flags,
+                background_from=self.background_from,
+                stamp_clock=self._stamp_clock,
+            )
             self.builds += 1
             ns.ready.publisher = pub
             self._all[ns.id] = pub
@@ -142,8 +157,11 @@ class Publishers:
         now, mono = self._stamp_clock(), self._clock()
         for ns_id, pub in list(self._all.items()):
             idle = self._idle_since.get(ns_id)
-            if (pub.segment is None and pub.building is None) or pub.ns.ready.publisher \
-                    is not pub or (idle is not None and mono - idle >= self.idle_retire_s):
+            if (
+                (pub.segment is None and pub.building is None)
+                or pub.ns.ready.publisher is not pub
+                or (idle is not None and mono - idle >= self.idle_retire_s)
+            ):
                 self._drop(pub)
                 continue
             if pub.segment is not None:
@@ -151,12 +169,13 @@ class Publishers:
 
     def figures(self) -> dict[str, int]:
         segs = [p.segment for p in self._all.values() if p.segment is not None]
-        return {"published_indexes": len(segs),
-                "published_index_building": sum(p.building is not None
-                                                for p in self._all.values()),
-                "published_index_bytes": sum(s.size for s in segs),
-                "published_index_left_out": sum(s.left_out for s in segs),
-                "published_index_builds": self.builds}
+        return {
+            "published_indexes": len(segs),
+            "published_index_building": sum(p.building is not None for p in self._all.values()),
+            "published_index_bytes": sum(s.size for s in segs),
+            "published_index_left_out": sum(s.left_out for s in segs),
+            "published_index_builds": self.builds,
+        }
 
     def close(self) -> None:
         for pub in list(self._all.values()):

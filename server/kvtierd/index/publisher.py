@@ -55,9 +55,16 @@ class Publisher:
     """The published index of one namespace (``ns.ready.publisher``). Event-loop thread only,
     but for ``building``, which a build thread fills (see the module docstring)."""
 
-    def __init__(self, ns: NamespaceState, boot_epoch: int, dirty: set[Publisher],
-                 flags: int = 0, *, background_from: int = BACKGROUND_FROM,
-                 stamp_clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(
+        self,
+        ns: NamespaceState,
+        boot_epoch: int,
+        dirty: set[Publisher],
+        flags: int = 0,
+        *,
+        background_from: int = BACKGROUND_FROM,
+        stamp_clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         """``stamp_clock``: the liveness stamp's clock (monotonic ns; readers compare it with
         theirs through the offset they saw at mapping time)."""
         self.ns = ns
@@ -81,8 +88,9 @@ class Publisher:
         if loop is None or len(self.ns.ready) < self.background_from:
             return False
         keys = list(self.ns.ready)  # a copy of the key pointers: the thread never reads the dict
-        seg = Segment(self.ns.id, self.boot_epoch, self.generation + 1,
-                      pi.capacity_for(len(keys)), self.flags)
+        seg = Segment(
+            self.ns.id, self.boot_epoch, self.generation + 1, pi.capacity_for(len(keys)), self.flags
+        )
         self.building, self.replay = seg, {}
 
         def fill() -> None:
@@ -96,8 +104,7 @@ class Publisher:
             except RuntimeError:  # the loop is closed (shutdown): nobody will install it
                 seg.retire()
 
-        threading.Thread(target=fill, name=f"kvtier-index-build-{self.ns.id:x}",
-                         daemon=True).start()
+        threading.Thread(target=fill, name=f"kvtier-index-build-{self.ns.id:x}", daemon=True).start()
         return True
 
     def _built(self, seg: Segment, error: BaseException | None) -> None:
@@ -109,8 +116,11 @@ class Publisher:
         replay, self.replay = self.replay, {}
         if error is not None:
             seg.retire()
-            log.warning("namespace %d: published index not built (%s); its clients look up "
-                        "over gRPC", self.ns.id, error)
+            log.warning(
+                "namespace %d: published index not built (%s); its clients look up over gRPC",
+                self.ns.id,
+                error,
+            )
             if self.segment is None:
                 self.ns.ready.publisher = None  # the registry drops it at its next tick
             return
@@ -134,8 +144,7 @@ class Publisher:
         """A new segment holding ``ns.ready`` as it is now (pending changes included), built
         here."""
         n = len(self.ns.ready)
-        seg = Segment(self.ns.id, self.boot_epoch, self.generation + 1, pi.capacity_for(n),
-                      self.flags)
+        seg = Segment(self.ns.id, self.boot_epoch, self.generation + 1, pi.capacity_for(n), self.flags)
         try:
             seg.fill(self.ns.ready.keys(), n)
         except BaseException:
@@ -166,8 +175,7 @@ class Publisher:
         if not pending or seg is None:
             return
         self._publish(pending)
-        if self.building is None and \
-                (seg.keys + seg.tombstones) * pi.LOAD_DIVISOR > seg.capacity:
+        if self.building is None and (seg.keys + seg.tombstones) * pi.LOAD_DIVISOR > seg.capacity:
             self._rebuild()
 
     def _publish(self, pending: dict[bytes, bool]) -> None:
@@ -199,8 +207,9 @@ class Publisher:
                 return
             self.segment = self._build()
         except OSError as e:
-            log.warning("namespace %d: published index not rebuilt (%s); its clients look up "
-                        "over gRPC", self.ns.id, e)
+            log.warning(
+                "namespace %d: published index not rebuilt (%s); its clients look up over gRPC", self.ns.id, e
+            )
             self.segment = None
             self.ns.ready.publisher = None
         if old is not None:
@@ -211,9 +220,11 @@ class Publisher:
         and generation (flushed first by ``Publishers.handout``)."""
         seg = self.segment
         if seg is None:
-            raise OSError("no published index yet (being built: ask again)"
-                          if self.building is not None else
-                          "no published index (it could not be rebuilt)")
+            raise OSError(
+                "no published index yet (being built: ask again)"
+                if self.building is not None
+                else "no published index (it could not be rebuilt)"
+            )
         fd = os.open(f"/proc/self/fd/{seg.fd}", os.O_RDONLY | os.O_CLOEXEC)
         return fd, seg.size, self.generation
 
@@ -256,7 +267,8 @@ class ReadyMap(dict[bytes, Any]):
         return value
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
-        raise TypeError("ReadyMap changes only through [k] = v, pop and del (the published "
-                        "index follows those)")
+        raise TypeError(
+            "ReadyMap changes only through [k] = v, pop and del (the published index follows those)"
+        )
 
     clear = update = setdefault = popitem = __ior__ = _refuse

@@ -39,27 +39,40 @@ class Segment:
     """One generation of one namespace's table: the memfd, the daemon's writable mapping and
     its slot view. Owner: its Publisher (event-loop thread)."""
 
-    def __init__(self, namespace_id: int, boot_epoch: int, generation: int, capacity: int,
-                 flags: int = 0) -> None:
+    def __init__(
+        self, namespace_id: int, boot_epoch: int, generation: int, capacity: int, flags: int = 0
+    ) -> None:
         self.capacity = capacity
         self.generation = generation
         self.bucket_mask = capacity // pi.BUCKET - 1
         self.size = pi.segment_bytes(capacity)
-        self.fd = os.memfd_create(f"kvtier-index-{namespace_id:x}-{generation}",
-                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = os.memfd_create(
+            f"kvtier-index-{namespace_id:x}-{generation}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        )
         try:
             os.ftruncate(self.fd, self.size)
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # no new writable mapping or write() from anyone, ours included; ours stays
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | _F_SEAL_FUTURE_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
-        self.slots = memoryview(self.map)[pi.HEADER_BYTES:].cast("Q")
+        self.slots = memoryview(self.map)[pi.HEADER_BYTES :].cast("Q")
         self.array = np.frombuffer(self.map, dtype="<u8", count=capacity, offset=pi.HEADER_BYTES)
-        pi.HEADER.pack_into(self.map, 0, pi.MAGIC, pi.VERSION, boot_epoch, namespace_id,
-                            generation, capacity, pi.MAX_PROBE, flags, 0, 0)
+        pi.HEADER.pack_into(
+            self.map,
+            0,
+            pi.MAGIC,
+            pi.VERSION,
+            boot_epoch,
+            namespace_id,
+            generation,
+            capacity,
+            pi.MAX_PROBE,
+            flags,
+            0,
+            0,
+        )
         self.keys = 0
         self.tombstones = 0
         self.left_out = 0
@@ -77,7 +90,7 @@ class Segment:
         fp, bases = self._walk(key)
         s = self.slots
         for base in bases:
-            for j, v in enumerate(s[base:base + pi.BUCKET].tolist()):
+            for j, v in enumerate(s[base : base + pi.BUCKET].tolist()):
                 if v <= pi.TOMBSTONE:
                     s[base + j] = fp
                     self.keys += 1
@@ -90,7 +103,7 @@ class Segment:
         fp, bases = self._walk(key)
         s = self.slots
         for base in bases:
-            row: list[int] = s[base:base + pi.BUCKET].tolist()
+            row: list[int] = s[base : base + pi.BUCKET].tolist()
             if fp in row:
                 return int(base + row.index(fp))
             if pi.EMPTY in row:
@@ -160,8 +173,9 @@ class Segment:
         it = iter(keys)
         for start in range(0, count, _JOIN_CHUNK):  # (a build thread holds the GIL per chunk)
             n = min(_JOIN_CHUNK, count - start)
-            raw[start:start + n] = np.frombuffer(b"".join(itertools.islice(it, n)),
-                                                 dtype="<u8").reshape(n, 4)
+            raw[start : start + n] = np.frombuffer(b"".join(itertools.islice(it, n)), dtype="<u8").reshape(
+                n, 4
+            )
         fps = raw[:, 0] | np.uint64(pi.FP_BIT)
         bucket = (raw[:, 1] & np.uint64(self.bucket_mask)).astype(np.int64)
         used = np.zeros(self.bucket_mask + 1, dtype=np.int64)  # filled slots per bucket

@@ -23,8 +23,19 @@ from kvtierd.policies.write import (
     make_write_policy,
 )
 
-__all__ = ["ArcPolicy", "EvictionPolicy", "LruPolicy", "PolicyName", "Selective", "WriteBack",
-           "WritePolicy", "WritePolicyName", "WriteThrough", "make_policy", "make_write_policy"]
+__all__ = [
+    "ArcPolicy",
+    "EvictionPolicy",
+    "LruPolicy",
+    "PolicyName",
+    "Selective",
+    "WriteBack",
+    "WritePolicy",
+    "WritePolicyName",
+    "WriteThrough",
+    "make_policy",
+    "make_write_policy",
+]
 
 PolicyName = Literal["lru", "arc"]
 

@@ -90,8 +90,7 @@ class Selective(WritePolicy):
         return f"Selective(write_after_hits={self.write_after_hits})"
 
 
-def make_write_policy(name: WritePolicyName, *, flush_watermark: float,
-                      write_after_hits: int) -> WritePolicy:
+def make_write_policy(name: WritePolicyName, *, flush_watermark: float, write_after_hits: int) -> WritePolicy:
     """The policy called ``name`` (ValueError naming ``write_policy`` for another name)."""
     if name == "write-back":
         return WriteBack(flush_watermark)
@@ -99,5 +98,6 @@ def make_write_policy(name: WritePolicyName, *, flush_watermark: float,
         return WriteThrough()
     if name == "selective":
         return Selective(write_after_hits)
-    raise ValueError(f"write_policy: unknown policy {name!r}; expected 'write-back', "
-                     "'write-through' or 'selective'")
+    raise ValueError(
+        f"write_policy: unknown policy {name!r}; expected 'write-back', 'write-through' or 'selective'"
+    )

@@ -22,14 +22,7 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.service.base import BAD_INPUT_LOG_INTERVAL_S, ServiceBase
 from kvtierd.service.channel import ChannelDispatch
 from kvtierd.service.cuda import CudaHandlers
-from kvtierd.service.gate import (
-    CALLER,
-    CREDENTIAL,
-    NEVER_SHED,
-    ChannelAbort,
-    ChannelContext,
-    Undecodable,
-)
+from kvtierd.service.gate import CALLER, CREDENTIAL, NEVER_SHED, ChannelAbort, ChannelContext, Undecodable
 from kvtierd.service.lookups import MAX_SLICES, NO_OFFSET, LookupHandlers
 from kvtierd.service.registration import add_to_server
 from kvtierd.service.sessions import SessionHandlers
@@ -37,14 +30,31 @@ from kvtierd.service.stats import StatsHandlers, salt_tag
 from kvtierd.service.transfers import TransferHandlers
 
 
-class KvtierService(SessionHandlers, LookupHandlers, TransferHandlers, CudaHandlers,
-                    StatsHandlers, pb_grpc.KvtierServicer):  # type: ignore[misc]
+class KvtierService(
+    SessionHandlers,
+    LookupHandlers,
+    TransferHandlers,
+    CudaHandlers,
+    StatsHandlers,
+    pb_grpc.KvtierServicer,  # type: ignore[misc]
+):
     """The control plane: every Kvtier handler, one family per base class. Owns nothing but its
     latency histograms and error counts (per method and status); event-loop thread only."""
 
 
 __all__ = [
-    "BAD_INPUT_LOG_INTERVAL_S", "CALLER", "CREDENTIAL", "MAX_SLICES", "NEVER_SHED", "NO_OFFSET",
-    "ChannelAbort", "ChannelContext", "ChannelDispatch", "KvtierService", "ServiceBase",
-    "Undecodable", "add_to_server", "salt_tag",
+    "BAD_INPUT_LOG_INTERVAL_S",
+    "CALLER",
+    "CREDENTIAL",
+    "MAX_SLICES",
+    "NEVER_SHED",
+    "NO_OFFSET",
+    "ChannelAbort",
+    "ChannelContext",
+    "ChannelDispatch",
+    "KvtierService",
+    "ServiceBase",
+    "Undecodable",
+    "add_to_server",
+    "salt_tag",
 ]

@@ -36,10 +36,18 @@ class ServiceBase:
     """The control plane's state. Owns nothing but its latency histograms and error counts (per
     method and status); event-loop thread only."""
 
-    def __init__(self, cache: TieredCache, sessions: SessionTable, *, boot_epoch: int,
-                 max_batch_blocks: int, advertise: Callable[[], dict[str, Any]],
-                 cuda: CudaIpcTransport | None = None, max_inflight: int = 1 << 30,
-                 tenancy: Tenancy | None = None) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        sessions: SessionTable,
+        *,
+        boot_epoch: int,
+        max_batch_blocks: int,
+        advertise: Callable[[], dict[str, Any]],
+        cuda: CudaIpcTransport | None = None,
+        max_inflight: int = 1 << 30,
+        tenancy: Tenancy | None = None,
+    ) -> None:
         self.cache = cache
         self.cuda = cuda  # the cuda_ipc transport; None when cuda_ipc = false
         self.sessions = sessions
@@ -78,15 +86,13 @@ class ServiceBase:
         scope = self._scope()
         ns = self.cache.namespaces.get(namespace_id)
         if ns is None or (scope is not None and ns.spec.tenant != scope):
-            raise NotFound(f"unknown namespace {namespace_id} (register it first)",
-                           field="namespace_id")
+            raise NotFound(f"unknown namespace {namespace_id} (register it first)", field="namespace_id")
         self.cache.used(ns)
         return ns
 
     def _visible(self) -> list[NamespaceState]:
         scope = self._scope()
-        return [ns for ns in self.cache.namespaces.values()
-                if scope is None or ns.spec.tenant == scope]
+        return [ns for ns in self.cache.namespaces.values() if scope is None or ns.spec.tenant == scope]
 
     def _quota(self, name: str) -> int | None:
         """The caller's tenant's quota ``name`` (kvtierd.tenancy: the file's, else the default)."""
@@ -97,12 +103,16 @@ class ServiceBase:
         caller = CALLER.get()
         if caller is None:
             return
-        self.tenancy.check(caller, "session_open_jobs", len(s.store_jobs) + len(s.load_jobs) + 1,
-                           f"session {s.id}")
+        self.tenancy.check(
+            caller, "session_open_jobs", len(s.store_jobs) + len(s.load_jobs) + 1, f"session {s.id}"
+        )
         if s.tenant is not None:
-            self.tenancy.check(caller, "open_jobs", 1 + sum(
-                len(o.store_jobs) + len(o.load_jobs) for o in self.sessions.of_tenant(s.tenant)),
-                f"tenant {s.tenant}")
+            self.tenancy.check(
+                caller,
+                "open_jobs",
+                1 + sum(len(o.store_jobs) + len(o.load_jobs) for o in self.sessions.of_tenant(s.tenant)),
+                f"tenant {s.tenant}",
+            )
 
     def _check_pins(self, s: Session, job: LoadJob) -> None:
         """The ``pinned_bytes`` quota of the caller's tenant, counted after ``job`` pinned its
@@ -128,11 +138,16 @@ class ServiceBase:
 
     def _tier_figures(self) -> list[pb.TierFigures]:
         """The cache's read figures per tier below the host tier, on the wire."""
-        return [pb.TierFigures(tier=int(tier), latency_us=round(f.latency_s * 1e6),
-                               bytes_per_s=round(f.bytes_per_s), age_ms=round(f.age_s * 1e3),
-                               reads=f.reads)
-                for tier, f in sorted(self.cache.read_figures().items())]
-
+        return [
+            pb.TierFigures(
+                tier=int(tier),
+                latency_us=round(f.latency_s * 1e6),
+                bytes_per_s=round(f.bytes_per_s),
+                age_ms=round(f.age_s * 1e3),
+                reads=f.reads,
+            )
+            for tier, f in sorted(self.cache.read_figures().items())
+        ]
 
     def mapped_arena(self, session: Session) -> int | None:
         """The arena (pool) a session's client maps: the shared one on a single-tenant daemon,
@@ -153,7 +168,9 @@ class ServiceBase:
         if pool is None or ns.pool != pool:
             raise FailedPrecondition(
                 f"namespace {ns.id} lives in a host arena this session does not map (open a "
-                "tcp session for it)", field="transport")
+                "tcp session for it)",
+                field="transport",
+            )
         return self.cache.host.pool_bases[pool]
 
     def _job_transport(self, session: Session, value: int) -> Transport:
@@ -163,23 +180,29 @@ class ServiceBase:
         transport = self._transport(value)
         # a cuda_ipc session maps the arena too (host buffers and CPU layouts move over it)
         if transport is not session.transport and not (
-                transport is Transport.SHM and session.transport is Transport.CUDA_IPC):
+            transport is Transport.SHM and session.transport is Transport.CUDA_IPC
+        ):
             raise FailedPrecondition(
                 f"{transport.label} job in a session opened for {session.transport.label} "
-                "(open a session per transport)", field="transport")
+                "(open a session per transport)",
+                field="transport",
+            )
         return transport
 
     def _transport(self, value: int) -> Transport:
         if value not in set(Transport):
-            raise InvalidArgument(f"must be TRANSPORT_SHM, TRANSPORT_TCP or TRANSPORT_CUDA_IPC, "
-                                  f"got {value}", field="transport")
+            raise InvalidArgument(
+                f"must be TRANSPORT_SHM, TRANSPORT_TCP or TRANSPORT_CUDA_IPC, got {value}", field="transport"
+            )
         if value == Transport.CUDA_IPC and self.cuda is None:
-            raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
-                                     "cuda_ipc = true)", field="transport")
+            raise FailedPrecondition(
+                "cuda_ipc is disabled on this daemon (start it with cuda_ipc = true)", field="transport"
+            )
         return Transport(value)
 
     def _cuda(self) -> CudaIpcTransport:
         if self.cuda is None:
-            raise FailedPrecondition("cuda_ipc is disabled on this daemon (start it with "
-                                     "cuda_ipc = true)", field="transport")
+            raise FailedPrecondition(
+                "cuda_ipc is disabled on this daemon (start it with cuda_ipc = true)", field="transport"
+            )
         return self.cuda

@@ -23,8 +23,10 @@ from kvtierd.service.gate import SERVICE, ChannelAbort, ChannelContext, Undecoda
 from kvtierd.tenancy import Tenancy
 
 MAX_ERROR_BYTES = 4096
-_PARSE = {name: getattr(pb, SERVICE.methods_by_name[name].input_type.name).FromString
-          for name in wire.CONTROL_METHODS}
+_PARSE = {
+    name: getattr(pb, SERVICE.methods_by_name[name].input_type.name).FromString
+    for name in wire.CONTROL_METHODS
+}
 
 
 class Served(Protocol):
@@ -52,8 +54,9 @@ class ChannelDispatch:
         """A frame broke the protocol (the channel closes): counted for /metrics."""
         self._service.bad_frames += 1
 
-    async def call(self, session_id: int, tenant: str | None, name: str, body: bytes,
-                   timeout_ms: int) -> tuple[int, bytes]:
+    async def call(
+        self, session_id: int, tenant: str | None, name: str, body: bytes, timeout_ms: int
+    ) -> tuple[int, bytes]:
         """Serve one call of method ``name`` (one of ``wire.CONTROL_METHODS``) on a channel of
         session ``session_id`` (its tenant: ``tenant``): (status code, reply or error bytes)."""
         service = self._service
@@ -63,13 +66,14 @@ class ChannelDispatch:
         except DecodeError as e:
             request = Undecodable(str(e) or "malformed protobuf")
         context = ChannelContext(tenant, timeout_ms / 1000 if timeout_ms else None)
-        if type(request) is not Undecodable and getattr(request, "session_id", session_id) \
-                != session_id:
+        if type(request) is not Undecodable and getattr(request, "session_id", session_id) != session_id:
             # (as the handler says of another tenant's session: an id tells nothing)
             service.count_error(name, "NOT_FOUND")
-            return (grpc.StatusCode.NOT_FOUND.value[0],
-                    f"unknown or expired session {request.session_id} (a control channel "
-                    "serves only its own session)".encode())
+            return (
+                grpc.StatusCode.NOT_FOUND.value[0],
+                f"unknown or expired session {request.session_id} (a control channel "
+                "serves only its own session)".encode(),
+            )
         try:
             reply = await getattr(service, name)(request, context)
         except ChannelAbort as e:

@@ -19,8 +19,9 @@ class CudaHandlers(ServiceBase):
     async def RegisterCudaBuffer(self, request: pb.RegisterCudaBufferRequest, context: Any) -> Any:
         cuda = self._cuda()
         s = self._session(request.session_id)
-        buffer_id = await cuda.register(s, request.device_uuid, request.ipc_handle,
-                                        request.handle_offset, request.buffer_bytes)
+        buffer_id = await cuda.register(
+            s, request.device_uuid, request.ipc_handle, request.handle_offset, request.buffer_bytes
+        )
         return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buffer_id)
 
     @rpc
@@ -33,6 +34,5 @@ class CudaHandlers(ServiceBase):
     async def CudaCopy(self, request: pb.CudaCopyRequest, context: Any) -> Any:
         cuda = self._cuda()
         s = self._session(request.session_id)
-        copies, nbytes = await cuda.copy(s, request.job_id, request.buffer_id,
-                                         list(request.buffer_offsets))
+        copies, nbytes = await cuda.copy(s, request.job_id, request.buffer_id, list(request.buffer_offsets))
         return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies, bytes=nbytes)

@@ -38,14 +38,13 @@ from kvtierd.tenants import Tenant
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Kvtier"]
 # Handlers that free pins, reservations or leases and never wait: admitted even at max_inflight.
-NEVER_SHED = frozenset({"CompleteStore", "CompleteLoad", "Heartbeat", "CloseSession",
-                        "ReleaseCudaBuffer"})
+NEVER_SHED = frozenset({"CompleteStore", "CompleteLoad", "Heartbeat", "CloseSession", "ReleaseCudaBuffer"})
 
-CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvtier_caller",
-                                                                       default=None)
+CALLER: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvtier_caller", default=None)
 """The authenticated tenant of the RPC being served (None: single-tenant, or not an RPC)."""
-CREDENTIAL: contextvars.ContextVar[Credential] = contextvars.ContextVar("kvtier_credential",
-                                                                       default=NO_CREDENTIAL)
+CREDENTIAL: contextvars.ContextVar[Credential] = contextvars.ContextVar(
+    "kvtier_credential", default=NO_CREDENTIAL
+)
 """What proved that tenant (OpenSession records it on the session; a reload checks it again)."""
 
 
@@ -119,11 +118,13 @@ def rpc(fn: Callable[[Any, Any, Any], Awaitable[Any]]) -> Callable[..., Awaitabl
         try:
             if type(request) is Undecodable:
                 self.count_error(name, "INVALID_ARGUMENT")
-                self.bad_input_log.warning("%s: undecodable request body from %s: %s", name,
-                                           context.peer(), request.error)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the request could not be decoded as {request_type}: "
-                                    f"{request.error}")
+                self.bad_input_log.warning(
+                    "%s: undecodable request body from %s: %s", name, context.peer(), request.error
+                )
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request could not be decoded as {request_type}: {request.error}",
+                )
             return await fn(self, request, context)
         except KvtierError as e:
             code = getattr(grpc.StatusCode, GRPC_STATUS.get(type(e), "UNKNOWN"))
@@ -148,20 +149,23 @@ async def _authenticate(state: GateState, name: str, context: Any) -> Tenant | N
         if type(context) is ChannelContext:
             caller = tenancy.tenant(context.tenant)
         else:
-            found = tenancy.authenticate(_bearer(context)) or \
-                tenancy.authenticate(None, _cert_names(context))
+            found = tenancy.authenticate(_bearer(context)) or tenancy.authenticate(None, _cert_names(context))
             if found is not None:
                 caller, cred = found
         if caller is None:
             state.count_error(name, "UNAUTHENTICATED")
             if type(context) is ChannelContext:  # its tenant was removed by a reload
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    f"tenant {context.tenant!r} of this channel's session is "
-                                    "no longer in the daemon's tenants file")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a credential is required: metadata 'authorization: Bearer "
-                                "<token>' with a token of the daemon's tenants file or of a "
-                                "Unix peer login, or a client certificate of a tenant (mTLS)")
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"tenant {context.tenant!r} of this channel's session is "
+                    "no longer in the daemon's tenants file",
+                )
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a credential is required: metadata 'authorization: Bearer "
+                "<token>' with a token of the daemon's tenants file or of a "
+                "Unix peer login, or a client certificate of a tenant (mTLS)",
+            )
     CALLER.set(caller)
     CREDENTIAL.set(cred)
     return caller
@@ -172,14 +176,17 @@ async def _admit(state: GateState, name: str, context: Any, admitted: int) -> No
     call whose deadline passed while it waited to be served."""
     if admitted and state.inflight >= state.max_inflight:
         state.count_error(name, "RESOURCE_EXHAUSTED")
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{OVERLOADED}: {state.inflight} requests in progress "
-                            f"(max_inflight_rpcs = {state.max_inflight}); retry later")
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{OVERLOADED}: {state.inflight} requests in progress "
+            f"(max_inflight_rpcs = {state.max_inflight}); retry later",
+        )
     left = context.time_remaining()
     if left is not None and left <= 0:
         state.count_error(name, "DEADLINE_EXCEEDED")
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "the deadline passed before the request could be served")
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request could be served"
+        )
 
 
 def _bearer(context: Any) -> str | None:
@@ -197,6 +204,5 @@ def _cert_names(context: Any) -> list[str]:
         return []
     names = []
     for key in ("x509_common_name", "x509_subject_alternative_name"):
-        names += [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-                  for v in auth.get(key, ())]
+        names += [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in auth.get(key, ())]
     return names

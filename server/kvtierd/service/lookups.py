@@ -34,8 +34,7 @@ class LookupHandlers(ServiceBase):
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         base = self._arena_base(s, ns) if request.pin else 0
-        return (await self._lookup(s, ns, keys, request.pin, base,
-                                   promote=not request.hold_only))[0]
+        return (await self._lookup(s, ns, keys, request.pin, base, promote=not request.hold_only))[0]
 
     @rpc
     async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
@@ -55,9 +54,14 @@ class LookupHandlers(ServiceBase):
                 if n:  # other callers' RPCs run between slices: one slice at most delays them
                     await asyncio.sleep(0)
                     s = self._session(request.session_id)  # (closed meanwhile: NOT_FOUND)
-                reply, job = await self._lookup(s, ns, keys if hit is None else keys[:hit],
-                                                request.pin, base,
-                                                promote=not request.hold_only)
+                reply, job = await self._lookup(
+                    s,
+                    ns,
+                    keys if hit is None else keys[:hit],
+                    request.pin,
+                    base,
+                    promote=not request.hold_only,
+                )
                 replies.append(reply)
                 if job is not None:
                     pinned.append(job)
@@ -70,8 +74,7 @@ class LookupHandlers(ServiceBase):
             raise
         if pinned and not hit:  # a slice holds none of it: nothing is loadable, nothing pinned
             self._unpin_slices(s, pinned, replies)
-        return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0,
-                                    slices=replies)
+        return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0, slices=replies)
 
     def _unpin_slices(self, s: Session, pinned: list[LoadJob], replies: list[Any]) -> None:
         """The common prefix is empty: the slices' pins released, and every reply says so
@@ -82,43 +85,52 @@ class LookupHandlers(ServiceBase):
             reply.job_id = 0
             del reply.offsets[:]
 
-    def _slices(self, request: pb.LookupSlicesRequest
-                ) -> tuple[list[NamespaceState], list[list[bytes]]]:
+    def _slices(self, request: pb.LookupSlicesRequest) -> tuple[list[NamespaceState], list[list[bytes]]]:
         """LookupSlices' namespaces and key chains, every argument checked (InvalidArgument
         naming the field) before anything is looked up."""
         ids = list(request.namespace_ids)
         if not 1 <= len(ids) <= MAX_SLICES:
-            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call",
-                                  field="namespace_ids")
+            raise InvalidArgument(f"{len(ids)} namespaces: 1 to {MAX_SLICES} per call", field="namespace_ids")
         if len(set(ids)) != len(ids):
             raise InvalidArgument("a namespace appears twice", field="namespace_ids")
         if len(request.keys) != len(ids):
-            raise InvalidArgument(f"{len(request.keys)} key chains for {len(ids)} namespaces "
-                                  "(one per namespace)", field="keys")
-        return [self._namespace(i) for i in ids], \
-            [list(split_keys(k, self.max_batch)) for k in request.keys]
+            raise InvalidArgument(
+                f"{len(request.keys)} key chains for {len(ids)} namespaces (one per namespace)", field="keys"
+            )
+        return [self._namespace(i) for i in ids], [list(split_keys(k, self.max_batch)) for k in request.keys]
 
-    async def _lookup(self, s: Session, ns: NamespaceState, keys: Sequence[bytes], pin: bool,
-                      base: int, *, promote: bool = True) -> tuple[Any, LoadJob | None]:
+    async def _lookup(
+        self,
+        s: Session,
+        ns: NamespaceState,
+        keys: Sequence[bytes],
+        pin: bool,
+        base: int,
+        *,
+        promote: bool = True,
+    ) -> tuple[Any, LoadJob | None]:
         """One namespace's lookup (``base``: the session's arena start, for a pin's offsets):
         its reply, and the job holding its pins (``promote`` False: ``hold_only``)."""
         if pin:
             self._check_jobs(s)
-            held = await self.cache.lookup(ns, keys, LookupOptions(pin=s, promote=promote,
-                                                                   shared=True))
+            held = await self.cache.lookup(ns, keys, LookupOptions(pin=s, promote=promote, shared=True))
             job, tiers = held.job, held.tiers
             if job is None:
                 return pb.LookupReply(boot_epoch=self.boot_epoch), None
             self._check_pins(s, job)
             n = len(job.items)
             # A hold keeps a block's last copy: its host slot only while it has no copy below.
-            offsets = [e.offset - base if t == TierId.HOST and e.copies is None else NO_OFFSET
-                       for e, t in zip(job.items.values(), tiers, strict=True)]
-            return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id,
-                                  tiers=tiers, offsets=offsets), job
+            offsets = [
+                e.offset - base if t == TierId.HOST and e.copies is None else NO_OFFSET
+                for e, t in zip(job.items.values(), tiers, strict=True)
+            ]
+            return pb.LookupReply(
+                boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id, tiers=tiers, offsets=offsets
+            ), job
         found = await self.cache.lookup(ns, keys, SHARED)
-        return pb.LookupReply(boot_epoch=self.boot_epoch, hit_blocks=found.hit,
-                              tiers=found.tiers, durable=found.durable), None
+        return pb.LookupReply(
+            boot_epoch=self.boot_epoch, hit_blocks=found.hit, tiers=found.tiers, durable=found.durable
+        ), None
 
     @rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
@@ -126,5 +138,4 @@ class LookupHandlers(ServiceBase):
         ns = self._namespace(request.namespace_id)
         keys = split_keys(request.keys, self.max_batch)
         found = await self.cache.lookup(ns, keys, PREFETCH)
-        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=found.hit,
-                                promoting=found.promoting)
+        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=found.hit, promoting=found.promoting)

@@ -22,6 +22,7 @@ from kvtierd.service.gate import SERVICE, Undecodable
 
 def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     """``parse``, answering :class:`Undecodable` instead of raising for a malformed body."""
+
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
@@ -38,8 +39,9 @@ def add_to_server(service: Any, server: grpc.aio.Server) -> None:
         assert not (m.client_streaming or m.server_streaming), m.full_name
         request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
         handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(service, m.name), request_deserializer=lenient(request.FromString),
-            response_serializer=reply.SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+            getattr(service, m.name),
+            request_deserializer=lenient(request.FromString),
+            response_serializer=reply.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)

@@ -29,28 +29,37 @@ class SessionHandlers(ServiceBase):
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context: Any) -> Any:
         spec = namespace_from_spec(request.spec)
         if request.digest and request.digest != spec.digest:
-            raise InvalidArgument("differs from the daemon's digest of the same fields "
-                                  "(client and daemon disagree on the hashing spec)", field="digest")
+            raise InvalidArgument(
+                "differs from the daemon's digest of the same fields "
+                "(client and daemon disagree on the hashing spec)",
+                field="digest",
+            )
         caller = CALLER.get()
         if caller is not None:
             self._tenant_may_register(caller, spec)
         ns = self.cache.register_namespace(spec)
-        return pb.RegisterNamespaceReply(boot_epoch=self.boot_epoch, namespace_id=ns.id,
-                                         block_bytes=ns.block_bytes, digest=spec.digest)
+        return pb.RegisterNamespaceReply(
+            boot_epoch=self.boot_epoch, namespace_id=ns.id, block_bytes=ns.block_bytes, digest=spec.digest
+        )
 
     def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
         """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
         two tenants never share a namespace, nor its blocks), within its quota."""
         if spec.tenant is None:
-            raise InvalidArgument("required: this daemon has tenants (set it to your tenant's "
-                                  "name)", field="spec.tenant")
+            raise InvalidArgument(
+                "required: this daemon has tenants (set it to your tenant's name)", field="spec.tenant"
+            )
         if spec.tenant != caller.name and not caller.operator:
-            raise PermissionDenied(f"{spec.tenant!r} is not the tenant of this credential",
-                                   field="spec.tenant")
+            raise PermissionDenied(
+                f"{spec.tenant!r} is not the tenant of this credential", field="spec.tenant"
+            )
         if spec.namespace_id not in self.cache.namespaces:
-            self.tenancy.check(caller, "namespaces", 1 + sum(
-                1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant),
-                f"tenant {spec.tenant}")
+            self.tenancy.check(
+                caller,
+                "namespaces",
+                1 + sum(1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant),
+                f"tenant {spec.tenant}",
+            )
 
     @rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
@@ -62,56 +71,76 @@ class SessionHandlers(ServiceBase):
         caller = CALLER.get()
         tenant = caller.name if caller is not None else None
         if caller is not None and transport.label not in caller.transports:
-            raise PermissionDenied(f"tenant {caller.name} may not use {transport.label} "
-                                   f"(allowed: {', '.join(sorted(caller.transports))})",
-                                   field="transport")
+            raise PermissionDenied(
+                f"tenant {caller.name} may not use {transport.label} "
+                f"(allowed: {', '.join(sorted(caller.transports))})",
+                field="transport",
+            )
         if caller is not None:
             self.tenancy.check(caller, "sessions", len(self.sessions.of_tenant(caller.name)) + 1)
-        s = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, transport,
-                               tenant, caller.max_lease_s if caller is not None else None,
-                               CREDENTIAL.get())
+        s = self.sessions.open(
+            request.client_name,
+            request.lease_ttl_ms / 1000.0,
+            transport,
+            tenant,
+            caller.max_lease_s if caller is not None else None,
+            CREDENTIAL.get(),
+        )
         adv = self.advertise()
         pool = self.mapped_arena(s)
         return pb.OpenSessionReply(
-            boot_epoch=self.boot_epoch, session_id=s.id, lease_ttl_ms=int(s.ttl_s * 1000),
-            shm_socket=adv["shm_socket"], data_host=adv["data_host"], data_port=adv["data_port"],
+            boot_epoch=self.boot_epoch,
+            session_id=s.id,
+            lease_ttl_ms=int(s.ttl_s * 1000),
+            shm_socket=adv["shm_socket"],
+            data_host=adv["data_host"],
+            data_port=adv["data_port"],
             arena_bytes=self.cache.host.pool_bytes[pool] if pool is not None else 0,
             max_batch_blocks=self.max_batch,
-            data_secret=s.data_secret, data_tls=adv.get("data_tls", False), lookup_slices=True,
-            tier_figures=self._tier_figures())
+            data_secret=s.data_secret,
+            data_tls=adv.get("data_tls", False),
+            lookup_slices=True,
+            tier_figures=self._tier_figures(),
+        )
 
     @rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         s = self._session(request.session_id)
         if request.local_lookups:
             self._count_local_lookups(request.local_lookups)
-        return pb.HeartbeatReply(boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000),
-                                 tier_figures=self._tier_figures())
-
+        return pb.HeartbeatReply(
+            boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000), tier_figures=self._tier_figures()
+        )
 
     def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
         """Add clients' published-index lookups to their namespaces' counters: all checked
         first, so a bad tally changes nothing. Counters saturate (a client cannot wrap them)."""
         if len(tallies) > len(self._visible()):
-            raise InvalidArgument(f"has {len(tallies)} entries for {len(self._visible())} "
-                                  "namespaces", field="local_lookups")
+            raise InvalidArgument(
+                f"has {len(tallies)} entries for {len(self._visible())} namespaces", field="local_lookups"
+            )
         checked: dict[int, tuple[Any, Any]] = {}
         for i, t in enumerate(tallies):
             name = f"local_lookups[{i}]"
-            if t.blocks_hit > t.blocks_requested or t.lookups > t.blocks_requested or \
-                    t.blocks_requested > _MAX_TALLY:
-                raise InvalidArgument("needs blocks_hit <= blocks_requested, lookups <= "
-                                      f"blocks_requested <= {_MAX_TALLY}", field=name)
+            if (
+                t.blocks_hit > t.blocks_requested
+                or t.lookups > t.blocks_requested
+                or t.blocks_requested > _MAX_TALLY
+            ):
+                raise InvalidArgument(
+                    f"needs blocks_hit <= blocks_requested, lookups <= blocks_requested <= {_MAX_TALLY}",
+                    field=name,
+                )
             ns = self.cache.namespaces.get(t.namespace_id)
             scope = self._scope()
             if ns is not None and scope is not None and ns.spec.tenant != scope:
                 ns = None  # another tenant's: answered as an absent one
             if ns is None:  # (INVALID_ARGUMENT: NOT_FOUND would read as a forgotten session)
-                raise InvalidArgument(f"no namespace {t.namespace_id} on this daemon",
-                                      field=f"{name}.namespace_id")
+                raise InvalidArgument(
+                    f"no namespace {t.namespace_id} on this daemon", field=f"{name}.namespace_id"
+                )
             if ns.id in checked:
-                raise InvalidArgument(f"namespace {ns.id} appears twice",
-                                      field=f"{name}.namespace_id")
+                raise InvalidArgument(f"namespace {ns.id} appears twice", field=f"{name}.namespace_id")
             checked[ns.id] = (ns, t)
         for ns, t in checked.values():
             _add_tally(ns, t)
@@ -127,9 +156,14 @@ def _add_tally(ns: NamespaceState, t: pb.LookupTally) -> None:
     ``_COUNTER_CAP``."""
     c, tpb = ns.counters, ns.spec.tokens_per_block
     miss = t.blocks_requested - t.blocks_hit
-    for field, n in (("lookups", t.lookups), ("local_lookups", t.lookups),
-                     ("blocks_requested", t.blocks_requested),
-                     ("blocks_hit_local", t.blocks_hit), ("blocks_missed", miss),
-                     ("tokens_requested", t.blocks_requested * tpb),
-                     ("tokens_hit", t.blocks_hit * tpb), ("tokens_missed", miss * tpb)):
+    for field, n in (
+        ("lookups", t.lookups),
+        ("local_lookups", t.lookups),
+        ("blocks_requested", t.blocks_requested),
+        ("blocks_hit_local", t.blocks_hit),
+        ("blocks_missed", miss),
+        ("tokens_requested", t.blocks_requested * tpb),
+        ("tokens_hit", t.blocks_hit * tpb),
+        ("tokens_missed", miss * tpb),
+    ):
         setattr(c, field, min(_COUNTER_CAP, getattr(c, field) + n))

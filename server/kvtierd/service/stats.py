@@ -37,15 +37,21 @@ class StatsHandlers(ServiceBase):
         c = self.cache
         host = c.host.stats()
         reply = pb.StatsReply(
-            boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
-            total=_counters(c.totals()), host_capacity_bytes=host["capacity_bytes"],
-            host_used_bytes=host["used_bytes"], sessions=len(self.sessions),
-            leases_expired=self.sessions.expired_total, tier_figures=self._tier_figures(),
-            **c.figures())
+            boot_epoch=self.boot_epoch,
+            uptime_s=time.monotonic() - self.started,
+            total=_counters(c.totals()),
+            host_capacity_bytes=host["capacity_bytes"],
+            host_used_bytes=host["used_bytes"],
+            sessions=len(self.sessions),
+            leases_expired=self.sessions.expired_total,
+            tier_figures=self._tier_figures(),
+            **c.figures(),
+        )
         self._add_tiers(reply)
         tenants = self.tenancy.tenants
-        self._add_identities(reply, list(c.namespaces.values()),
-                             sorted(tenants.by_name) if tenants is not None else [])
+        self._add_identities(
+            reply, list(c.namespaces.values()), sorted(tenants.by_name) if tenants is not None else []
+        )
         return reply
 
     def _add_tiers(self, reply: pb.StatsReply) -> None:
@@ -53,9 +59,14 @@ class StatsHandlers(ServiceBase):
         nodes, cuda_ipc; each left unset when not configured."""
         c = self.cache
         for link in c.chain:  # one storage tier today: NVMe
-            reply.nvme.CopyFrom(pb.NvmeStats(enabled=True, write_policy=link.write_policy.name,
-                                             flushes_in_flight=link.flushes_in_flight,
-                                             **link.tier.stats()))
+            reply.nvme.CopyFrom(
+                pb.NvmeStats(
+                    enabled=True,
+                    write_policy=link.write_policy.name,
+                    flushes_in_flight=link.flushes_in_flight,
+                    **link.tier.stats(),
+                )
+            )
         if c.fleet is not None:
             fig = c.fleet.tier.stats()
             nodes = fig.pop("nodes")
@@ -73,25 +84,26 @@ class StatsHandlers(ServiceBase):
         for ns in visible:
             total.add(ns.counters)
         reply = pb.StatsReply(  # the capacity of the arena its blocks live in
-            boot_epoch=self.boot_epoch, uptime_s=time.monotonic() - self.started,
+            boot_epoch=self.boot_epoch,
+            uptime_s=time.monotonic() - self.started,
             total=_counters(total),
             host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope)],
-            host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes
-                                for ns in visible),
-            sessions=len(self.sessions.of_tenant(scope)))
+            host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes for ns in visible),
+            sessions=len(self.sessions.of_tenant(scope)),
+        )
         self._add_identities(reply, visible, [scope])
         return reply
 
-    def _add_identities(self, reply: pb.StatsReply, namespaces: list[NamespaceState],
-                        tenant_names: list[str]) -> None:
+    def _add_identities(
+        self, reply: pb.StatsReply, namespaces: list[NamespaceState], tenant_names: list[str]
+    ) -> None:
         """Each namespace (every identity field, the cache salt as ``salt_tag``'s tag, never
         itself, and the tenant holding it: a tenant of the tenants file, else "") and each
         tenant (sessions, namespaces, quotas and refusals)."""
         held = self._add_namespaces(reply, namespaces)
         self._add_tenants(reply, tenant_names, held)
 
-    def _add_namespaces(self, reply: pb.StatsReply,
-                        namespaces: list[NamespaceState]) -> dict[str, int]:
+    def _add_namespaces(self, reply: pb.StatsReply, namespaces: list[NamespaceState]) -> dict[str, int]:
         """Each namespace's identity and counters (see ``_add_identities``); how many each
         tenant holds (tenant name, "" for none of the tenants file -> count)."""
         held: dict[str, int] = {}
@@ -102,26 +114,38 @@ class StatsHandlers(ServiceBase):
             spec = namespace_spec(ns.spec)
             if ns.spec.cache_salt is not None:  # an isolation secret (vLLM: per user)
                 spec.cache_salt = salt_tag(ns.spec.cache_salt)
-            reply.namespaces.add(namespace_id=ns.id, model_id=ns.spec.model_id,
-                                 model_revision=ns.spec.model_revision,
-                                 block_bytes=ns.block_bytes, counters=_counters(ns.counters),
-                                 spec=spec, tenant=tenant)
+            reply.namespaces.add(
+                namespace_id=ns.id,
+                model_id=ns.spec.model_id,
+                model_revision=ns.spec.model_revision,
+                block_bytes=ns.block_bytes,
+                counters=_counters(ns.counters),
+                spec=spec,
+                tenant=tenant,
+            )
         return held
 
-    def _add_tenants(self, reply: pb.StatsReply, tenant_names: list[str],
-                     held: dict[str, int]) -> None:
+    def _add_tenants(self, reply: pb.StatsReply, tenant_names: list[str], held: dict[str, int]) -> None:
         """Each tenant of ``tenant_names`` in the tenants file: its sessions, the namespaces
         it holds (``held``), its quotas and refusals."""
         for name in tenant_names:
             t = self.tenancy.tenant(name)
             if t is None:
                 continue
-            ts = reply.tenants.add(name=name, operator=t.operator, namespaces=held.get(name, 0),
-                                   sessions=len(self.sessions.of_tenant(name)))
+            ts = reply.tenants.add(
+                name=name,
+                operator=t.operator,
+                namespaces=held.get(name, 0),
+                sessions=len(self.sessions.of_tenant(name)),
+            )
             for quota in QUOTA_NAMES:
                 limit = self.tenancy.quota(t, quota)
-                ts.quotas.add(name=quota, limited=limit is not None, limit=limit or 0,
-                              refusals=self.tenancy.refusals(name, quota))
+                ts.quotas.add(
+                    name=quota,
+                    limited=limit is not None,
+                    limit=limit or 0,
+                    refusals=self.tenancy.refusals(name, quota),
+                )
 
 
 def _counters(c: Counters) -> pb.Counters:

@@ -43,13 +43,22 @@ class TransferHandlers(ServiceBase):
         if self.draining:
             raise Unavailable("daemon is draining: stores are not admitted")
         job, status, offsets = await prepare_store_fitted(
-            self.cache, s, ns, keys, transport, token_ids=token_ids, parent=parent,
-            again=lambda: self._jobs_session(request.session_id))
+            self.cache,
+            s,
+            ns,
+            keys,
+            transport,
+            token_ids=token_ids,
+            parent=parent,
+            again=lambda: self._jobs_session(request.session_id),
+        )
         if base and job is not None:
-            offsets = [o - base if st == StoreStatus.RESERVED else 0
-                       for o, st in zip(offsets, status, strict=True)]
-        return pb.PrepareStoreReply(boot_epoch=self.boot_epoch, job_id=job.id if job else 0,
-                                    status=status, offsets=offsets)
+            offsets = [
+                o - base if st == StoreStatus.RESERVED else 0 for o, st in zip(offsets, status, strict=True)
+            ]
+        return pb.PrepareStoreReply(
+            boot_epoch=self.boot_epoch, job_id=job.id if job else 0, status=status, offsets=offsets
+        )
 
     def _jobs_session(self, session_id: int) -> Session:
         """The session, still open and the caller's, within its tenant's job quotas."""
@@ -61,10 +70,15 @@ class TransferHandlers(ServiceBase):
     async def CompleteStore(self, request: pb.CompleteStoreRequest, context: Any) -> Any:
         s = self._session(request.session_id)
         committed, aborted = await complete_store_hashed(
-            self.cache, s, request.job_id, request.ok, list(request.item_ok),
-            list(request.digests), trust_client=self.verify_store == "client")
-        return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed,
-                                     aborted=aborted)
+            self.cache,
+            s,
+            request.job_id,
+            request.ok,
+            list(request.item_ok),
+            list(request.digests),
+            trust_client=self.verify_store == "client",
+        )
+        return pb.CompleteStoreReply(boot_epoch=self.boot_epoch, committed=committed, aborted=aborted)
 
     @rpc
     async def PrepareLoad(self, request: pb.PrepareLoadRequest, context: Any) -> Any:
@@ -80,31 +94,37 @@ class TransferHandlers(ServiceBase):
         # never let the caller's deadline pass waiting on a slow tier (the caller would take
         # a live daemon for one that is away): answer by then with what the host tier holds
         answer_by = AnswerBy.for_deadline(context.time_remaining())
-        job, deferred = await self.cache.prepare_load(s, ns, keys, transport,
-                                                      host_only=request.host_only,
-                                                      answer_by=answer_by)
+        job, deferred = await self.cache.prepare_load(
+            s, ns, keys, transport, host_only=request.host_only, answer_by=answer_by
+        )
         if job is not None:
             left = context.time_remaining()
             if left is not None and left <= 0:  # (the loop itself was late): pin nothing
                 self.cache.abort_job(s, job)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "the deadline passed before the load could be answered")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the load could be answered"
+                )
             self._check_pins(s, job)
         tiers = bytearray(len(keys))
         for i, tier in deferred.items():
             tiers[i] = tier
-        return self._load_reply(job, len(keys), tiers, base,
-                                answer_by is not None and answer_by.cut)
+        return self._load_reply(job, len(keys), tiers, base, answer_by is not None and answer_by.cut)
 
-    def _load_reply(self, job: LoadJob | None, n: int, tiers: bytearray, base: int,
-                    cut: bool) -> pb.PrepareLoadReply:
+    def _load_reply(
+        self, job: LoadJob | None, n: int, tiers: bytearray, base: int, cut: bool
+    ) -> pb.PrepareLoadReply:
         """PrepareLoad's reply: ``job``'s pinned blocks (found, offsets in the session's
         mapping, their digests when bytes are verified; 0: none known, the client checks
         nothing), the deferred ones' tiers, and whether the deadline cut the answer short."""
         found, offsets = bytearray(n), [0] * n
         if job is None:
-            return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, found=bytes(found),
-                                       offsets=offsets, tiers=bytes(tiers), deadline_cut=cut)
+            return pb.PrepareLoadReply(
+                boot_epoch=self.boot_epoch,
+                found=bytes(found),
+                offsets=offsets,
+                tiers=bytes(tiers),
+                deadline_cut=cut,
+            )
         for i, e in job.items.items():
             found[i], offsets[i], tiers[i] = 1, e.offset - base, pb.TIER_HOST
         digests: list[int] = []
@@ -112,16 +132,20 @@ class TransferHandlers(ServiceBase):
             digests = [0] * n
             for i, e in job.items.items():
                 digests[i] = e.digest or 0
-        return pb.PrepareLoadReply(boot_epoch=self.boot_epoch, job_id=job.id, found=bytes(found),
-                                   offsets=offsets, tiers=bytes(tiers), digests=digests,
-                                   deadline_cut=cut)
+        return pb.PrepareLoadReply(
+            boot_epoch=self.boot_epoch,
+            job_id=job.id,
+            found=bytes(found),
+            offsets=offsets,
+            tiers=bytes(tiers),
+            digests=digests,
+            deadline_cut=cut,
+        )
 
     @rpc
     async def CompleteLoad(self, request: pb.CompleteLoadRequest, context: Any) -> Any:
         s = self._session(request.session_id)
-        dropped, ns_id = await complete_load_verified(self.cache, s, request.job_id,
-                                                      list(request.corrupt))
+        dropped, ns_id = await complete_load_verified(self.cache, s, request.job_id, list(request.corrupt))
         if dropped:
-            log.warning("%d block(s) of namespace %d failed verification at a load: dropped",
-                        dropped, ns_id)
+            log.warning("%d block(s) of namespace %d failed verification at a load: dropped", dropped, ns_id)
         return pb.CompleteLoadReply(boot_epoch=self.boot_epoch, dropped=dropped)

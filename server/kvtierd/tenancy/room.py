@@ -73,8 +73,6 @@ DEFAULT_BUFFERED_BYTES = 64 << 20
 at most 4 MiB: 16 channels mid-frame at once)."""
 
 
-
-
 @dataclass(frozen=True)
 class Shares:
     """What the daemon shares among its tenants (from DaemonConfig), for the default quotas."""
@@ -107,8 +105,9 @@ class Tenancy:
 
     # -- who -------------------------------------------------------------------------------------
 
-    def authenticate(self, token: str | None,
-                     cert_names: Sequence[str] = ()) -> tuple[Tenant, Credential] | None:
+    def authenticate(
+        self, token: str | None, cert_names: Sequence[str] = ()
+    ) -> tuple[Tenant, Credential] | None:
         """The tenant a bearer token (a token wins) or a verified client certificate is."""
         tenants = self._tenants
         assert tenants is not None
@@ -146,12 +145,10 @@ class Tenancy:
     def unix_login(self, uid: int, gid: int) -> str:
         """A token for the tenant that Unix peer ``uid``/``gid`` logs in as (shm socket)."""
         if self._tenants is None:
-            raise FailedPrecondition("this daemon has no tenants: no credential is needed",
-                                     field="login")
+            raise FailedPrecondition("this daemon has no tenants: no credential is needed", field="login")
         who = self._tenants.by_unix_peer(uid, gid)
         if who is None:
-            raise PermissionDenied(f"no tenant logs in Unix peer uid {uid} gid {gid}",
-                                   field="login")
+            raise PermissionDenied(f"no tenant logs in Unix peer uid {uid} gid {gid}", field="login")
         return self.logins.login(who.name, uid, gid)
 
     def tenant(self, name: str | None) -> Tenant | None:
@@ -187,8 +184,11 @@ class Tenancy:
         or whose transport it no longer allows that tenant."""
         if self._tenants is None:
             return []
-        return [s for s in sessions if not self.honours(s.tenant, s.credential) or
-                not self._allows_transport(s.tenant, s.transport)]
+        return [
+            s
+            for s in sessions
+            if not self.honours(s.tenant, s.credential) or not self._allows_transport(s.tenant, s.transport)
+        ]
 
     def _allows_transport(self, tenant: str | None, transport: Transport) -> bool:
         who = self.tenant(tenant)
@@ -236,8 +236,7 @@ class Tenancy:
         quota = self.quota(tenant, name)
         if quota is not None and after > quota:
             who = holder or f"tenant {tenant.name if tenant is not None else '(owner)'}"
-            raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota",
-                                    quota=name)
+            raise ResourceExhausted(f"quota {name} ({quota}) reached by {who}", field="quota", quota=name)
 
     def count_refusal(self, tenant: Tenant | str | None, quota: str) -> None:
         """Count one refusal by quota ``quota`` against ``tenant`` (a tenant of the file; the

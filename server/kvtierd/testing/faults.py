@@ -22,15 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtier_contract.directio import aligned_buffer
-from kvtierd.tiers.nvme.device import (
-    Buffer,
-    Device,
-    DiskIOError,
-    FileSystem,
-    SyncFailed,
-    WBuffer,
-    disk_error,
-)
+from kvtierd.tiers.nvme.device import Buffer, Device, DiskIOError, FileSystem, SyncFailed, WBuffer, disk_error
 
 
 def _nbytes(views: Sequence[Buffer]) -> int:
@@ -101,8 +93,9 @@ class FaultyDevice(Device):
         where = f" at {offset}" if offset is not None else ""
         if op == "sync":
             self._sync_failed = True
-        raise disk_error(OSError(err, os.strerror(err)), f"{op} {self.path}{where} (injected)",
-                         sync=op == "sync")
+        raise disk_error(
+            OSError(err, os.strerror(err)), f"{op} {self.path}{where} (injected)", sync=op == "sync"
+        )
 
     def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
         self._enter("read", offset)
@@ -121,8 +114,9 @@ class FaultyDevice(Device):
             if data:
                 self.poke(offset, data)
             if not succeed:
-                raise DiskIOError(f"write {self.path} at {offset}: torn after {keep} bytes (injected)",
-                                  err=errno.EIO)
+                raise DiskIOError(
+                    f"write {self.path} at {offset}: torn after {keep} bytes (injected)", err=errno.EIO
+                )
         else:
             self.inner.pwrite(offset, views)
         for flip in sorted(self._flip_offsets):
@@ -172,8 +166,9 @@ class LatencyFile:
     ``refresh_s`` seconds: another process slows the disk and un-slows it by writing the file.
     Call it (any thread) for the latency in seconds now."""
 
-    def __init__(self, path: str, *, refresh_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, path: str, *, refresh_s: float = 0.1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.path, self.refresh_s, self._clock = path, refresh_s, clock
         self._lock = threading.Lock()
         self._value_s = 0.0

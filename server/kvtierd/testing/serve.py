@@ -24,8 +24,7 @@ from typing import Any
 
 from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem, LatencyFile
 
-USAGE = ("usage: python -m kvtierd.testing.serve [--read-latency-ms MS | --read-latency-file "
-         "PATH] serve ...")
+USAGE = "usage: python -m kvtierd.testing.serve [--read-latency-ms MS | --read-latency-file PATH] serve ..."
 
 
 def _fault(argv: list[str]) -> tuple[Callable[[], float] | None, float, list[str]]:
@@ -43,8 +42,7 @@ def main(argv: list[str]) -> int:
     source, read_latency_s, argv = _fault(argv)
 
     class SlowReads(FaultyFileSystem):
-        def open_file(self, name: str, *, direct: bool | None = None,
-                      readonly: bool = False) -> Any:
+        def open_file(self, name: str, *, direct: bool | None = None, readonly: bool = False) -> Any:
             dev = super().open_file(name, direct=direct, readonly=readonly)
             assert isinstance(dev, FaultyDevice)
             dev.read_latency_s = read_latency_s

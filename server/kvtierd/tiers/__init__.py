@@ -18,5 +18,15 @@ from kvtierd.tiers.base import (
 from kvtierd.tiers.host import Arena, HostTier
 from kvtierd.tiers.slabs import SlabAllocator
 
-__all__ = ["Arena", "HostTier", "MemoryTier", "Recovered", "SharedColumns", "SharedTier",
-           "SlabAllocator", "StorageColumns", "StorageTier", "Tier"]
+__all__ = [
+    "Arena",
+    "HostTier",
+    "MemoryTier",
+    "Recovered",
+    "SharedColumns",
+    "SharedTier",
+    "SlabAllocator",
+    "StorageColumns",
+    "StorageTier",
+    "Tier",
+]

@@ -157,8 +157,9 @@ class StorageTier(Tier):
         """Blocking: try to resume admission; whether the tier admits now."""
 
     @abstractmethod
-    def checkpoint(self, namespaces: dict[bytes, dict[str, Any]],
-                   blocks: Iterable[tuple[bytes, bytes, Any]]) -> None:
+    def checkpoint(
+        self, namespaces: dict[bytes, dict[str, Any]], blocks: Iterable[tuple[bytes, bytes, Any]]
+    ) -> None:
         """Blocking, on drain: record the whole index of this tier for a warm next start."""
 
     @abstractmethod
@@ -215,8 +216,9 @@ class SharedTier(Protocol):
     async def exists(self, realm: Any, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held, as far as the tier answers within the lookup deadline."""
 
-    async def fetch(self, realm: Any, digest: bytes, keys: Sequence[bytes], payload_len: int,
-                    dests: Sequence[memoryview]) -> list[int]:
+    async def fetch(
+        self, realm: Any, digest: bytes, keys: Sequence[bytes], payload_len: int, dests: Sequence[memoryview]
+    ) -> list[int]:
         """Read and verify each key's block into its ``dests`` view: one ``FETCH_*`` each;
         returns only once no copy into ``dests`` can happen any more."""
 

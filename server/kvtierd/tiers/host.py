@@ -45,8 +45,7 @@ class Arena:
                 # Allocate the pages now: the first copy into a slot must not pay the faults.
                 os.posix_fallocate(self.fd, 0, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.SEALS)
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
@@ -56,8 +55,10 @@ class Arena:
         """Whether the memfd still has its size and its seals (it cannot lose them; checked
         anyway: a size change would make every mapping fault)."""
         try:
-            return os.fstat(self.fd).st_size == self.size and \
-                fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & self.SEALS == self.SEALS
+            return (
+                os.fstat(self.fd).st_size == self.size
+                and fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & self.SEALS == self.SEALS
+            )
         except OSError:
             return False
 
@@ -109,6 +110,11 @@ class HostTier(SlabAllocator, MemoryTier):
             a.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
-                "arenas": [{"capacity_bytes": n, "used_bytes": u}
-                           for n, u in zip(self.pool_bytes, self.pool_used, strict=True)]}
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "arenas": [
+                {"capacity_bytes": n, "used_bytes": u}
+                for n, u in zip(self.pool_bytes, self.pool_used, strict=True)
+            ],
+        }

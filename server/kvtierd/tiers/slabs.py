@@ -106,8 +106,11 @@ class SlabAllocator:
     def claim(self, offset: int, slot_bytes: int) -> bool:
         """Allocate exactly the slot at ``offset``; False if it cannot be (other class, taken)."""
         index = offset // self.slab_bytes
-        if not 0 <= index < len(self._slabs) or (offset - index * self.slab_bytes) % slot_bytes \
-                or self._slabs[index].pool < 0:
+        if (
+            not 0 <= index < len(self._slabs)
+            or (offset - index * self.slab_bytes) % slot_bytes
+            or self._slabs[index].pool < 0
+        ):
             return False
         slab = self._slabs[index]
         if slab.slot_bytes == 0:

@@ -63,8 +63,9 @@ class ControlDispatcher(Protocol):
     def bad_frame(self) -> None:
         """A frame broke the protocol (the channel closes)."""
 
-    async def call(self, session_id: int, tenant: str | None, name: str, body: bytes,
-                   timeout_ms: int) -> tuple[int, bytes]:
+    async def call(
+        self, session_id: int, tenant: str | None, name: str, body: bytes, timeout_ms: int
+    ) -> tuple[int, bytes]:
         """Serve one call of method ``name`` of session ``session_id`` (its tenant ``tenant``):
         (status code, reply or error bytes). Raises only on a bug."""
         ...
@@ -74,8 +75,13 @@ class ControlChannel(asyncio.Protocol):
     """One control connection of one session. Owns its receive buffer; event-loop thread only.
     States: serving one call (reading paused) or idle; closed for good."""
 
-    def __init__(self, dispatch: ControlDispatcher, session_id: int, tenant: str | None,
-                 on_close: Callable[[ControlChannel], None]) -> None:
+    def __init__(
+        self,
+        dispatch: ControlDispatcher,
+        session_id: int,
+        tenant: str | None,
+        on_close: Callable[[ControlChannel], None],
+    ) -> None:
         self.session_id = session_id
         self._dispatch = dispatch
         self._tenant = tenant
@@ -98,8 +104,11 @@ class ControlChannel(asyncio.Protocol):
         self._counted = tenancy.ledger.take(self._tenant, CHANNELS, 1, quota)
         if not self._counted:  # (its client goes on over gRPC)
             tenancy.count_refusal(self._tenant, CHANNELS)
-            _BAD_LOG.warning("control channel of tenant %s: quota control_channels (%s) "
-                             "reached: closed", self._tenant, quota)
+            _BAD_LOG.warning(
+                "control channel of tenant %s: quota control_channels (%s) reached: closed",
+                self._tenant,
+                quota,
+            )
             self.close()
 
     def data_received(self, data: bytes) -> None:
@@ -109,12 +118,14 @@ class ControlChannel(asyncio.Protocol):
         if self._reply_held and t is not None and not t.get_write_buffer_size():
             self._replies_read()  # (drained below the pause mark: no callback said so)
         tenancy = self._dispatch.tenancy
-        if not tenancy.ledger.take(self._tenant, BUFFERED, len(data),
-                                   tenancy.quota(self._tenant, BUFFERED)):
+        if not tenancy.ledger.take(self._tenant, BUFFERED, len(data), tenancy.quota(self._tenant, BUFFERED)):
             tenancy.count_refusal(self._tenant, BUFFERED)
-            _BAD_LOG.warning("control channel of tenant %s: quota buffered_bytes (%s) reached "
-                             "by frames not yet whole: closed", self._tenant,
-                             tenancy.quota(self._tenant, BUFFERED))
+            _BAD_LOG.warning(
+                "control channel of tenant %s: quota buffered_bytes (%s) reached "
+                "by frames not yet whole: closed",
+                self._tenant,
+                tenancy.quota(self._tenant, BUFFERED),
+            )
             self.close()
             return
         self._buf += data  # (every byte of _buf is counted in the ledger)
@@ -168,8 +179,12 @@ class ControlChannel(asyncio.Protocol):
             return
         length, method, timeout_ms = wire.CALL.unpack_from(buf)
         if length > wire.CONTROL_MAX_BYTES or not 1 <= method <= len(wire.CONTROL_METHODS):
-            _BAD_LOG.warning("control channel of tenant %s: bad frame (method %d, %d bytes): "
-                             "closed", self._tenant, method, length)
+            _BAD_LOG.warning(
+                "control channel of tenant %s: bad frame (method %d, %d bytes): closed",
+                self._tenant,
+                method,
+                length,
+            )
             self._dispatch.bad_frame()
             self.close()
             return
@@ -182,13 +197,13 @@ class ControlChannel(asyncio.Protocol):
         self._busy = True
         t.pause_reading()
         asyncio.get_running_loop().create_task(
-            self._serve(wire.CONTROL_METHODS[method - 1], body, timeout_ms))
+            self._serve(wire.CONTROL_METHODS[method - 1], body, timeout_ms)
+        )
 
     async def _serve(self, name: str, body: bytes, timeout_ms: int) -> None:
         ledger = self._dispatch.tenancy.ledger
         try:
-            status, out = await self._dispatch.call(self.session_id, self._tenant, name, body,
-                                                    timeout_ms)
+            status, out = await self._dispatch.call(self.session_id, self._tenant, name, body, timeout_ms)
         except Exception:  # noqa: BLE001  (a bug: answered, logged; the channel stays)
             log.exception("control channel: %s failed", name)
             status, out = grpc.StatusCode.INTERNAL.value[0], b"internal error"

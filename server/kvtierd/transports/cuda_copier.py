@@ -19,13 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier_contract.cudadrv import REGISTER_CHUNK
-from kvtier_contract.errors import (
-    Aborted,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from kvtier_contract.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.transports.cuda_driver import CudaDriver, CudaFailure, CudaUnavailable
 
 log = logging.getLogger("kvtierd.cuda_ipc")
@@ -60,9 +54,12 @@ class CopyFigures:
     bytes_copied: int = 0
 
 
-def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
-         chunk: int = REGISTER_CHUNK, base: Callable[[int], int] = lambda _slot: 0
-         ) -> list[tuple[int, int, int]]:
+def runs(
+    pairs: Sequence[tuple[int, int]],
+    block_bytes: int,
+    chunk: int = REGISTER_CHUNK,
+    base: Callable[[int], int] = lambda _slot: 0,
+) -> list[tuple[int, int, int]]:
     """``(slot offset, buffer offset)`` per block -> ``(slot offset, buffer offset, bytes)``,
     merging blocks whose slots and buffer offsets both follow the previous block's, within one
     ``chunk`` of an arena (one cudaHostRegister range: a copy spanning two may be staged);
@@ -72,8 +69,11 @@ def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
         if out:
             s, b, n = out[-1]
             start = base(s)
-            if slot == s + n and buf == b + n and \
-                    (slot + block_bytes - 1 - start) // chunk == (s - start) // chunk:
+            if (
+                slot == s + n
+                and buf == b + n
+                and (slot + block_bytes - 1 - start) // chunk == (s - start) // chunk
+            ):
                 out[-1] = (s, b, n + block_bytes)
                 continue
         out.append((slot, buf, block_bytes))
@@ -83,8 +83,14 @@ def runs(pairs: Sequence[tuple[int, int]], block_bytes: int,
 class CudaIpcCopier:
     """See the module docstring. Event-loop thread for every public method."""
 
-    def __init__(self, host: Any, driver: CudaDriver, *, max_buffers_per_session: int = 16,
-                 max_buffer_bytes: int = 1 << 40) -> None:
+    def __init__(
+        self,
+        host: Any,
+        driver: CudaDriver,
+        *,
+        max_buffers_per_session: int = 16,
+        max_buffer_bytes: int = 1 << 40,
+    ) -> None:
         self.host = host  # kvtierd.tiers.HostTier: its arenas, one pool each
         self.driver = driver
         self.max_buffers = max_buffers_per_session
@@ -125,12 +131,10 @@ class CudaIpcCopier:
                 self._registered.append(base + start)
         except CudaFailure as e:
             self.close()
-            raise CudaUnavailable(f"cuda_ipc: cudaHostRegister of a host arena failed: {e}"
-                                  ) from None
+            raise CudaUnavailable(f"cuda_ipc: cudaHostRegister of a host arena failed: {e}") from None
         self._bases.extend([0] * (pool + 1 - len(self._bases)))
         self._bases[pool] = base
-        log.info("cuda_ipc: %d device(s), arena %d of %d bytes page-locked", len(self.uuids),
-                 pool, size)
+        log.info("cuda_ipc: %d device(s), arena %d of %d bytes page-locked", len(self.uuids), pool, size)
 
     def _address(self, slot: int) -> int:
         pool: int = self.host.pool_of(slot)
@@ -162,8 +166,9 @@ class CudaIpcCopier:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def register(self, session_id: int, device_uuid: bytes, handle: bytes,
-                       handle_offset: int, nbytes: int) -> CudaBuffer:
+    async def register(
+        self, session_id: int, device_uuid: bytes, handle: bytes, handle_offset: int, nbytes: int
+    ) -> CudaBuffer:
         device = self._check_request(session_id, device_uuid, handle, nbytes)
         key = (device, handle)
         m = self._mappings.get(key)
@@ -175,35 +180,39 @@ class CudaIpcCopier:
             if m.refs == 0:
                 del self._mappings[key]
                 self._on_nowait(device, self.driver.close_handle, device, m.address)
-            raise InvalidArgument(f"{handle_offset} + {nbytes} bytes reach past the "
-                                  f"{m.nbytes}-byte allocation the handle names",
-                                  field="buffer_bytes")
+            raise InvalidArgument(
+                f"{handle_offset} + {nbytes} bytes reach past the "
+                f"{m.nbytes}-byte allocation the handle names",
+                field="buffer_bytes",
+            )
         m.refs += 1
         buf = CudaBuffer(next(self._ids), session_id, device, m.address + handle_offset, nbytes, m)
         self._buffers[buf.id] = buf
         return buf
 
-    def _check_request(self, session_id: int, device_uuid: bytes, handle: bytes,
-                       nbytes: int) -> int:
+    def _check_request(self, session_id: int, device_uuid: bytes, handle: bytes, nbytes: int) -> int:
         """The device a registration names, or the InvalidArgument / FailedPrecondition /
         ResourceExhausted that refuses it."""
         if len(device_uuid) != UUID_BYTES:
-            raise InvalidArgument(f"must be {UUID_BYTES} bytes, got {len(device_uuid)}",
-                                  field="device_uuid")
+            raise InvalidArgument(f"must be {UUID_BYTES} bytes, got {len(device_uuid)}", field="device_uuid")
         if len(handle) != HANDLE_BYTES:
-            raise InvalidArgument(f"must be {HANDLE_BYTES} bytes, got {len(handle)}",
-                                  field="ipc_handle")
+            raise InvalidArgument(f"must be {HANDLE_BYTES} bytes, got {len(handle)}", field="ipc_handle")
         if not 0 < nbytes <= self.max_buffer_bytes:
-            raise InvalidArgument(f"must be in 1..{self.max_buffer_bytes}, got {nbytes}",
-                                  field="buffer_bytes")
+            raise InvalidArgument(
+                f"must be in 1..{self.max_buffer_bytes}, got {nbytes}", field="buffer_bytes"
+            )
         if device_uuid not in self.uuids:
-            raise FailedPrecondition(f"no device with UUID {device_uuid.hex()} is visible to the "
-                                     f"daemon ({len(self.uuids)} device(s); check "
-                                     "CUDA_VISIBLE_DEVICES of the daemon)", field="device_uuid")
+            raise FailedPrecondition(
+                f"no device with UUID {device_uuid.hex()} is visible to the "
+                f"daemon ({len(self.uuids)} device(s); check "
+                "CUDA_VISIBLE_DEVICES of the daemon)",
+                field="device_uuid",
+            )
         owned = sum(1 for b in self._buffers.values() if b.session_id == session_id)
         if owned >= self.max_buffers:
-            raise ResourceExhausted(f"session holds {owned} buffers (max {self.max_buffers})",
-                                    field="buffer_id")
+            raise ResourceExhausted(
+                f"session holds {owned} buffers (max {self.max_buffers})", field="buffer_id"
+            )
         return self.uuids.index(device_uuid)
 
     async def _open_mapping(self, device: int, handle: bytes) -> _Mapping:
@@ -212,8 +221,7 @@ class CudaIpcCopier:
         try:
             address, size = await self._on(device, self.driver.open_handle, device, handle)
         except CudaFailure as e:
-            raise FailedPrecondition(f"cudaIpcOpenMemHandle failed: {e}",
-                                     field="ipc_handle") from None
+            raise FailedPrecondition(f"cudaIpcOpenMemHandle failed: {e}", field="ipc_handle") from None
         m = self._mappings.get((device, handle))
         if m is None:
             m = self._mappings[device, handle] = _Mapping(device, handle, address, size, 0)
@@ -234,27 +242,35 @@ class CudaIpcCopier:
             raise NotFound(f"unknown or released buffer {buffer_id}", field="buffer_id")
         return buf
 
-    def plan(self, buf: CudaBuffer, slots: Sequence[int], block_bytes: int,
-             buffer_offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+    def plan(
+        self, buf: CudaBuffer, slots: Sequence[int], block_bytes: int, buffer_offsets: Sequence[int]
+    ) -> list[tuple[int, int, int]]:
         """Validate one copy (nothing is touched) -> runs of (slot, buffer offset, bytes)."""
         if len(buffer_offsets) != len(slots):
-            raise InvalidArgument(f"has {len(buffer_offsets)} offsets for the job's "
-                                  f"{len(slots)} blocks", field="buffer_offsets")
+            raise InvalidArgument(
+                f"has {len(buffer_offsets)} offsets for the job's {len(slots)} blocks", field="buffer_offsets"
+            )
         for off in buffer_offsets:
             if off + block_bytes > buf.nbytes:
-                raise InvalidArgument(f"block at {off} ends past the {buf.nbytes}-byte buffer",
-                                      field="buffer_offsets")
+                raise InvalidArgument(
+                    f"block at {off} ends past the {buf.nbytes}-byte buffer", field="buffer_offsets"
+                )
         host = self.host
         for slot in slots:
             pool = host.pool_of(slot)
-            if pool < 0 or pool >= len(self._bases) or \
-                    slot + block_bytes > host.pool_bases[pool] + host.pool_bytes[pool]:
+            if (
+                pool < 0
+                or pool >= len(self._bases)
+                or slot + block_bytes > host.pool_bases[pool] + host.pool_bytes[pool]
+            ):
                 raise FailedPrecondition(f"slot {slot} outside the arenas", field="job_id")
-        return runs(list(zip(slots, buffer_offsets, strict=True)), block_bytes,
-                    base=lambda s: host.pool_bases[host.pool_of(s)])
+        return runs(
+            list(zip(slots, buffer_offsets, strict=True)),
+            block_bytes,
+            base=lambda s: host.pool_bases[host.pool_of(s)],
+        )
 
-    async def copy(self, buf: CudaBuffer, plan: Sequence[tuple[int, int, int]],
-                   to_device: bool) -> int:
+    async def copy(self, buf: CudaBuffer, plan: Sequence[tuple[int, int, int]], to_device: bool) -> int:
         """Run a validated plan; returns the number of copies. Aborted on a CUDA error."""
         at = self._address
         if to_device:
@@ -287,8 +303,7 @@ class CudaIpcCopier:
     def _worker(self, device: int) -> ThreadPoolExecutor:
         pool = self._workers.get(device)
         if pool is None:
-            pool = self._workers[device] = ThreadPoolExecutor(
-                1, thread_name_prefix=f"kvtier-cuda{device}")
+            pool = self._workers[device] = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-cuda{device}")
         return pool
 
     async def _on(self, device: int, fn: Any, *args: Any) -> Any:

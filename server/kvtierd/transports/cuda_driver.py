@@ -50,8 +50,7 @@ class CupyDriver:
         try:
             from cupy.cuda import runtime
         except ImportError as e:
-            raise CudaUnavailable("cuda_ipc = true needs cupy: pip install 'kvtierd[cuda]' "
-                                  f"({e})") from None
+            raise CudaUnavailable(f"cuda_ipc = true needs cupy: pip install 'kvtierd[cuda]' ({e})") from None
         self.rt = runtime
         self._streams: dict[int, int] = {}
         try:

@@ -65,8 +65,9 @@ class CudaIpcTransport(ServerTransport):
     def close(self) -> None:
         self.copier.close()
 
-    async def register(self, session: Session, device_uuid: bytes, handle: bytes,
-                       handle_offset: int, nbytes: int) -> int:
+    async def register(
+        self, session: Session, device_uuid: bytes, handle: bytes, handle_offset: int, nbytes: int
+    ) -> int:
         buf = await self.copier.register(session.id, device_uuid, handle, handle_offset, nbytes)
         if session.released:  # the lease lapsed while the handle was being opened
             self.copier.release(session.id, buf.id)
@@ -79,14 +80,16 @@ class CudaIpcTransport(ServerTransport):
     def release_session(self, session_id: int) -> None:
         self.copier.release_session(session_id)
 
-    async def copy(self, session: Session, job_id: int, buffer_id: int,
-                   buffer_offsets: Sequence[int]) -> tuple[int, int]:
+    async def copy(
+        self, session: Session, job_id: int, buffer_id: int, buffer_offsets: Sequence[int]
+    ) -> tuple[int, int]:
         """Move a cuda_ipc job's blocks between the buffer and their slots: (copies, bytes)."""
         jobs = self._cache.jobs
         job = jobs.any(session.id, job_id)
         if job.transport is not Transport.CUDA_IPC:
-            raise FailedPrecondition(f"job {job_id} was prepared for transport "
-                                     f"{job.transport.label}, not cuda_ipc", field="job_id")
+            raise FailedPrecondition(
+                f"job {job_id} was prepared for transport {job.transport.label}, not cuda_ipc", field="job_id"
+            )
         jobs.moves_bytes(job)
         buf = self.copier.buffer(session.id, buffer_id)
         jobs.not_copying(job.id)
@@ -120,6 +123,11 @@ class CudaIpcTransport(ServerTransport):
 
     def stats(self) -> dict[str, int | bool]:
         f = self.copier.figures
-        return {"enabled": True, "devices": len(self.copier.uuids),
-                "buffers": self.copier.buffers, "copies": f.copies,
-                "copy_errors": f.copy_errors, "bytes_copied": f.bytes_copied}
+        return {
+            "enabled": True,
+            "devices": len(self.copier.uuids),
+            "buffers": self.copier.buffers,
+            "copies": f.copies,
+            "copy_errors": f.copy_errors,
+            "bytes_copied": f.bytes_copied,
+        }

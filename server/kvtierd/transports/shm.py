@@ -87,14 +87,22 @@ class ShmFdServer(ServerTransport):
     name = "shm"
     socket_mode = 0o600  # of the socket file (DaemonConfig.socket_mode); set before start()
 
-    def __init__(self, path: str, arena: Callable[[Session], tuple[int, int] | None],
-                 boot_epoch: int, sessions: SessionTable, *, handshake_timeout_s: float = 5.0,
-                 max_connections: int = 128, per_uid: int = 16,
-                 index: Callable[[int, int], tuple[int, int, int]] | None = None,
-                 index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
-                 peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
-                 login: Callable[[int, int], str] | None = None,
-                 control: ChannelFactory | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        arena: Callable[[Session], tuple[int, int] | None],
+        boot_epoch: int,
+        sessions: SessionTable,
+        *,
+        handshake_timeout_s: float = 5.0,
+        max_connections: int = 128,
+        per_uid: int = 16,
+        index: Callable[[int, int], tuple[int, int, int]] | None = None,
+        index_hold: Callable[[int, int], None] = lambda _ns, _delta: None,
+        peer_ok: Callable[[Session, int, int], bool] = lambda _s, _u, _g: True,
+        login: Callable[[int, int], str] | None = None,
+        control: ChannelFactory | None = None,
+    ) -> None:
         """The arguments: see the class docstring."""
         self.path = os.path.abspath(path)
         self._arena = arena
@@ -104,8 +112,7 @@ class ShmFdServer(ServerTransport):
         self._task: asyncio.Task[None] | None = None
         self._timeout_s = handshake_timeout_s
         self._max = max_connections
-        self._indexes = None if index is None else IndexChannels(index, index_hold, boot_epoch,
-                                                                  self._session)
+        self._indexes = None if index is None else IndexChannels(index, index_hold, boot_epoch, self._session)
         self._peer_ok = peer_ok  # (session, uid, gid): SO_PEERCRED against the session's tenant
         self._login = login
         self._control = control
@@ -151,9 +158,13 @@ class ShmFdServer(ServerTransport):
                 continue
             if not await self._admit(uid):
                 self.refused += 1
-                refuse(conn, ResourceExhausted(
-                    "too many shm handshakes in progress (from this uid, or in all)",
-                    field="shm_handshakes_per_uid"))
+                refuse(
+                    conn,
+                    ResourceExhausted(
+                        "too many shm handshakes in progress (from this uid, or in all)",
+                        field="shm_handshakes_per_uid",
+                    ),
+                )
                 conn.close()
                 continue
             self._open += 1
@@ -167,7 +178,8 @@ class ShmFdServer(ServerTransport):
         holds its slots until the handshake timeout, its next connections are refused."""
         for _ in range(_SETTLE_TURNS):
             if self._open < self._max and not (
-                    self._per_uid and self._uids.held(uid, HANDSHAKES) >= self._per_uid):
+                self._per_uid and self._uids.held(uid, HANDSHAKES) >= self._per_uid
+            ):
                 return True
             await asyncio.sleep(0)
         return False
@@ -213,9 +225,11 @@ class ShmFdServer(ServerTransport):
             data = await recv_exactly(conn, wire.SHM_REQUEST.size)
             magic = data[:4]
             if magic in (wire.SHM_MAGIC_V1, pi.INDEX_MAGIC_V1):
-                raise ValueError(f"the {magic.decode()} handshake (a session id alone) is no "
-                                 "longer served: this daemon asks for the session's data "
-                                 "secret (KVS2 / KVI2; upgrade the kvtier client)")
+                raise ValueError(
+                    f"the {magic.decode()} handshake (a session id alone) is no "
+                    "longer served: this daemon asks for the session's data "
+                    "secret (KVS2 / KVI2; upgrade the kvtier client)"
+                )
             if magic == pi.INDEX_MAGIC:
                 return data + await recv_exactly(conn, pi.INDEX_REQUEST.size - len(data))
             if magic in (wire.SHM_MAGIC, wire.CONTROL_MAGIC):
@@ -240,13 +254,15 @@ class ShmFdServer(ServerTransport):
         if session.transport is Transport.TCP:
             # a tcp session moves bytes over the data channel only: the arena is never
             # mapped by it (it may come from another host, or be a shm-less tenant)
-            raise FailedPrecondition(f"session {session_id} was opened for the tcp "
-                                     "transport: the arena is not handed to it",
-                                     field="transport")
+            raise FailedPrecondition(
+                f"session {session_id} was opened for the tcp transport: the arena is not handed to it",
+                field="transport",
+            )
         mapped = self._arena(session)
         if mapped is None:  # a tenant whose own arena could not be made: never another
-            raise FailedPrecondition(f"tenant {session.tenant} has no arena of its own "
-                                     "(see the daemon's log)", field="transport")
+            raise FailedPrecondition(
+                f"tenant {session.tenant} has no arena of its own (see the daemon's log)", field="transport"
+            )
         fd, size = mapped
         conn.setblocking(True)
         reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, size, self._epoch)
@@ -257,22 +273,21 @@ class ShmFdServer(ServerTransport):
         """Make ``conn`` a control channel of the session it names, if ``data`` carries that
         session's data secret and the peer may act for its tenant (KvtierError: refused)."""
         if self._control is None:
-            raise FailedPrecondition("control channels are not served here",
-                                     field="control_channel")
+            raise FailedPrecondition("control channels are not served here", field="control_channel")
         _, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
         session = self._session(conn, session_id, data[wire.SHM_REQUEST.size :])
         if len(self._controls.get(session_id, ())) >= CONTROL_CHANNELS_PER_SESSION:
-            raise ResourceExhausted(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} "
-                                    "control "
-                                    "channels open already", field="control_channel")
+            raise ResourceExhausted(
+                f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} control channels open already",
+                field="control_channel",
+            )
         conn.setblocking(False)  # a few bytes: they fit the socket buffer of any peer
         conn.send(wire.CONTROL_REPLY.pack(wire.CONTROL_MAGIC, self._epoch))
         channel: Any = self._control(session, self._control_closed)
         self._controls.setdefault(session_id, set()).add(channel)  # (its loss removes it)
         try:
             # The transport gets its own descriptor: ``conn`` is closed when the handshake ends.
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: channel,
-                                                                     sock=conn.dup())
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: channel, sock=conn.dup())
         except BaseException:
             self._control_closed(channel)
             raise
@@ -304,9 +319,12 @@ class ShmFdServer(ServerTransport):
             channel.close()
 
     def figures(self) -> dict[str, int]:
-        return {"shm_connections": self._open, "shm_connections_refused": self.refused,
-                "index_connections": len(self._indexes or ()),
-                "control_connections": sum(len(c) for c in self._controls.values())}
+        return {
+            "shm_connections": self._open,
+            "shm_connections_refused": self.refused,
+            "index_connections": len(self._indexes or ()),
+            "control_connections": sum(len(c) for c in self._controls.values()),
+        }
 
     def advertise(self) -> dict[str, Any]:
         return {"shm_socket": self.path}

@@ -31,9 +31,13 @@ class IndexChannels:
     index, its size and generation (KvtierError or OSError: refused). ``session(conn, id,
     secret)``: the live session, or a KvtierError (the server's check of peer and secret)."""
 
-    def __init__(self, index: Callable[[int, int], tuple[int, int, int]],
-                 hold: Callable[[int, int], None], epoch: int,
-                 session: Callable[[socket.socket, int, bytes], Session]) -> None:
+    def __init__(
+        self,
+        index: Callable[[int, int], tuple[int, int, int]],
+        hold: Callable[[int, int], None],
+        epoch: int,
+        session: Callable[[socket.socket, int, bytes], Session],
+    ) -> None:
         self._index, self._hold, self._epoch, self._session = index, hold, epoch, session
         self._channels: dict[int, asyncio.Task[None]] = {}  # session id -> its index channel
 
@@ -84,8 +88,10 @@ class IndexChannels:
             raise ValueError(f"no published index: {e}") from None
         try:  # non-blocking: a few bytes fit the socket buffer unless the peer never reads
             if held.get(namespace_id) == generation:
-                raise ValueError(f"generation {generation} of namespace {namespace_id} was "
-                                 "handed out on this channel already")
+                raise ValueError(
+                    f"generation {generation} of namespace {namespace_id} was "
+                    "handed out on this channel already"
+                )
             if namespace_id not in held:
                 self._hold(namespace_id, +1)
             held[namespace_id] = generation

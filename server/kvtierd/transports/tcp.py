@@ -40,16 +40,17 @@ from typing import Any
 from kvtierd.cache import TieredCache
 from kvtierd.sessions import SessionTable
 from kvtierd.transports.base import ChannelFactory, ServerTransport
-from kvtierd.transports.tcp_admission import (
-    CONNECTIONS,
-    ConnectionTable,
-    DataChannelLimits,
-    Timers,
-)
+from kvtierd.transports.tcp_admission import CONNECTIONS, ConnectionTable, DataChannelLimits, Timers
 from kvtierd.transports.tcp_protocol import DataChannelProtocol
 
-__all__ = ["CONNECTIONS", "DataChannelLimits", "DataChannelProtocol", "DataChannelServer",
-           "Timers", "populate_arena"]
+__all__ = [
+    "CONNECTIONS",
+    "DataChannelLimits",
+    "DataChannelProtocol",
+    "DataChannelServer",
+    "Timers",
+    "populate_arena",
+]
 log = logging.getLogger("kvtierd.tcp")
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 
@@ -61,10 +62,18 @@ class DataChannelServer(ConnectionTable, ServerTransport):
 
     name = "tcp"
 
-    def __init__(self, host: str, port: int, cache: TieredCache, sessions: SessionTable,
-                 limits: DataChannelLimits | None = None, *,
-                 ssl_context: ssl.SSLContext | None = None,
-                 control: ChannelFactory | None = None, timers: Timers | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        cache: TieredCache,
+        sessions: SessionTable,
+        limits: DataChannelLimits | None = None,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        control: ChannelFactory | None = None,
+        timers: Timers | None = None,
+    ) -> None:
         """``ssl_context``: serve TLS (every connection; advertised as ``data_tls``).
         ``control(session, on_close)``: the protocol of a control channel of that session, for
         a HELLO offering FEATURE_CONTROL (None: not offered back). ``timers``: the connections'
@@ -80,9 +89,12 @@ class DataChannelServer(ConnectionTable, ServerTransport):
             populate_arena(arena.mm, arena.fd)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataChannelProtocol(self._cache, self._sessions, self), self.host, self.port,
-            ssl=self.ssl_context, ssl_handshake_timeout=self.limits.hello_timeout_s
-            if self.ssl_context else None)
+            lambda: DataChannelProtocol(self._cache, self._sessions, self),
+            self.host,
+            self.port,
+            ssl=self.ssl_context,
+            ssl_handshake_timeout=self.limits.hello_timeout_s if self.ssl_context else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     def release_session(self, session_id: int) -> None:
@@ -90,8 +102,7 @@ class DataChannelServer(ConnectionTable, ServerTransport):
             conn.end_session(session_id)
 
     def advertise(self) -> dict[str, Any]:
-        return {"data_host": self.host, "data_port": self.port,
-                "data_tls": self.ssl_context is not None}
+        return {"data_host": self.host, "data_port": self.port, "data_tls": self.ssl_context is not None}
 
     def close(self) -> None:
         """Stop listening and drop every connection (queued replies included: the arena is

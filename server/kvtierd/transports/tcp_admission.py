@@ -81,8 +81,12 @@ class ConnectionTable:
     Counts connections accepted, refused at the cap, closed by a timeout and closed for a bad
     frame (the protocol counts the last two). Event-loop thread only."""
 
-    def __init__(self, limits: DataChannelLimits | None = None,
-                 control: ChannelFactory | None = None, timers: Timers | None = None) -> None:
+    def __init__(
+        self,
+        limits: DataChannelLimits | None = None,
+        control: ChannelFactory | None = None,
+        timers: Timers | None = None,
+    ) -> None:
         """``timers``: None (the running event loop's clock and timers) or a stand-in."""
         self.limits = limits or DataChannelLimits()
         self.control = control
@@ -114,12 +118,17 @@ class ConnectionTable:
             oldest = next(iter(self._waiting))
             self.forget(oldest)
             self.refused += 1
-            oldest._fail(f"too many data connections waiting for HELLO (max "
-                         f"{self.limits.max_unauthenticated}): the oldest is closed")
+            oldest._fail(
+                f"too many data connections waiting for HELLO (max "
+                f"{self.limits.max_unauthenticated}): the oldest is closed"
+            )
         if len(self._conns) >= self.limits.max_connections:
             self.refused += 1
-            self._cap_log.warning("data channel at its cap of %d connections: refusing more "
-                                  "(%d so far)", self.limits.max_connections, self.refused)
+            self._cap_log.warning(
+                "data channel at its cap of %d connections: refusing more (%d so far)",
+                self.limits.max_connections,
+                self.refused,
+            )
             return False
         self._conns.add(conn)
         self._waiting[conn] = None
@@ -153,6 +162,10 @@ class ConnectionTable:
 
     def figures(self) -> dict[str, int]:
         """Gauges and counters of the data channel (for Stats and /metrics)."""
-        return {"tcp_connections": len(self._conns), "tcp_connections_accepted": self.accepted,
-                "tcp_connections_refused": self.refused,
-                "tcp_connections_timed_out": self.timed_out, "tcp_bad_frames": self.bad_frames}
+        return {
+            "tcp_connections": len(self._conns),
+            "tcp_connections_accepted": self.accepted,
+            "tcp_connections_refused": self.refused,
+            "tcp_connections_timed_out": self.timed_out,
+            "tcp_bad_frames": self.bad_frames,
+        }

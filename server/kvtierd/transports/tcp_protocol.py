@@ -49,8 +49,9 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     connection closes 1 to 1.5 idle periods after its last frame). Event-loop thread only.
     """
 
-    def __init__(self, cache: TieredCache, sessions: SessionTable,
-                 server: ConnectionTable | None = None) -> None:
+    def __init__(
+        self, cache: TieredCache, sessions: SessionTable, server: ConnectionTable | None = None
+    ) -> None:
         self.cache = cache
         self.sessions = sessions
         self.transport: asyncio.Transport | None = None
@@ -256,8 +257,10 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         if op is Op.HELLO:
             if length != wire.DATA_SECRET_BYTES:
-                return self._bad_frame("HELLO carries the session's data secret "
-                                  f"({wire.DATA_SECRET_BYTES} bytes, OpenSessionReply.data_secret)")
+                return self._bad_frame(
+                    "HELLO carries the session's data secret "
+                    f"({wire.DATA_SECRET_BYTES} bytes, OpenSessionReply.data_secret)"
+                )
             self._hello, self._hello_got = bytearray(length), 0
             self._hello_args, self._left = (job, status), length
             return None
@@ -289,14 +292,21 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             return self._fail("unknown session or wrong data secret")
         server = self._server
         control = server.control if server is not None else None
-        if control is not None and offered & wire.FEATURE_CONTROL and \
-                server is not None and server.controls_of(session_id) >= CONTROL_CHANNELS_PER_SESSION:
-            return self._fail(f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} control "
-                              "connections open already")
+        if (
+            control is not None
+            and offered & wire.FEATURE_CONTROL
+            and server is not None
+            and server.controls_of(session_id) >= CONTROL_CHANNELS_PER_SESSION
+        ):
+            return self._fail(
+                f"session {session_id} has {CONTROL_CHANNELS_PER_SESSION} control connections open already"
+            )
         if not self.session_id and server is not None:
             if not server.bind(self, s.tenant):
-                return self._fail(f"tenant {s.tenant} has {server.limits.per_tenant} data "
-                                  "connections open (data_max_connections_per_tenant)")
+                return self._fail(
+                    f"tenant {s.tenant} has {server.limits.per_tenant} data "
+                    "connections open (data_max_connections_per_tenant)"
+                )
             self._arm(server.limits.idle_timeout_s / 2)  # from now on: idle ticks
         self.session_id = session_id
         self.features = offered & (_FEATURES | (wire.FEATURE_CONTROL if control else 0))
@@ -321,8 +331,11 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         try:
             self._segments = plan_segments(self.cache, self.session_id, job, first, count, length)
         except KvtierError as e:
-            status = Status.BAD_LENGTH if e.field == "length" else (
-                Status.BAD_INDEX if e.field == "index" else Status.UNKNOWN_JOB)
+            status = (
+                Status.BAD_LENGTH
+                if e.field == "length"
+                else (Status.BAD_INDEX if e.field == "index" else Status.UNKNOWN_JOB)
+            )
             self._errors.setdefault(job, status)
         return None
 
@@ -344,8 +357,7 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
             self.cache.load_queued(job)
             self._sending.append(job)
             server = self._server
-            if server is not None and queued > server.limits.max_queued_bytes and \
-                    not self._reading_paused:
+            if server is not None and queued > server.limits.max_queued_bytes and not self._reading_paused:
                 self._reading_paused = True  # resumed when the buffer empties
                 t.pause_reading()
         return None

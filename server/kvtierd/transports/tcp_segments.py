@@ -50,8 +50,9 @@ class PayloadSegment:
         return done
 
 
-def plan_segments(cache: TieredCache, session_id: int, job_id: int, first: int, count: int,
-                  length: int) -> list[PayloadSegment]:
+def plan_segments(
+    cache: TieredCache, session_id: int, job_id: int, first: int, count: int, length: int
+) -> list[PayloadSegment]:
     """Where the run's bytes go: adjacent slots merged into one segment each (one call to
     the job table validates the whole run; KvtierError: refused)."""
     job, entries = cache.jobs.store_run(session_id, job_id, first, count, length)
@@ -66,7 +67,6 @@ def plan_segments(cache: TieredCache, session_id: int, job_id: int, first: int, 
             last.view = host.view(start, len(last.view) + block)
             last.indexes = range(last.indexes.start, index + 1)
         else:
-            segments.append(PayloadSegment(host.view(e.offset, block), job,
-                                           range(index, index + 1)))
+            segments.append(PayloadSegment(host.view(e.offset, block), job, range(index, index + 1)))
         end = e.offset + block
     return segments

@@ -29,8 +29,7 @@ def failing(error: Exception, counter: list[int]) -> Callable[[float], socket.so
     return dial
 
 
-def test_a_refusal_is_for_good_an_unreachable_daemon_for_a_while(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refusal_is_for_good_an_unreachable_daemon_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
     dials = [0]
     refused = control.ControlChannels(failing(ValueError("refused: no"), dials), 7, 1.0)
     assert refused.call("Heartbeat", pb.HeartbeatRequest(session_id=7), 1.0) is None
@@ -51,6 +50,7 @@ def test_a_refusal_is_for_good_an_unreachable_daemon_for_a_while(
 
 def serve_one(daemon_end: socket.socket, status: int, body: bytes) -> threading.Thread:
     """Read one call on ``daemon_end`` and answer ``status`` / ``body``."""
+
     def run() -> None:
         head = daemon_end.recv(wire.CALL.size)
         length, _method, _timeout = wire.CALL.unpack(head)

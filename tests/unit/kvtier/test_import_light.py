@@ -22,16 +22,25 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r}))
 """
 
 
-@pytest.mark.parametrize("module", ["kvtier", "kvtier.cli", "kvtier.transports.shm",
-                                    "kvtier.transports.tcp", "kvtierd.app",
-                                    "kvtier.integrations.vllm",
-                                    "kvtier.integrations.vllm.planner",
-                                    "kvtier.integrations.vllm.backend",
-                                    "kvtier.integrations.vllm.worker"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "kvtier",
+        "kvtier.cli",
+        "kvtier.transports.shm",
+        "kvtier.transports.tcp",
+        "kvtierd.app",
+        "kvtier.integrations.vllm",
+        "kvtier.integrations.vllm.planner",
+        "kvtier.integrations.vllm.backend",
+        "kvtier.integrations.vllm.worker",
+    ],
+)
 def test_import_does_not_load_heavy_modules(module: str, tmp_path: Path) -> None:
     code = PROBE.format(heavy=set(HEAVY))
-    out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, module], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == [], f"`import {module}` loaded {loaded}"

@@ -229,9 +229,7 @@ print(json.dumps({"out": out, "heavy": sorted({"numpy", "torch"} & set(sys.modul
 @pytest.mark.parametrize("seed", ["0", "1", "12345", "random"])
 def test_fresh_interpreters_agree(seed: str) -> None:
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO / "client"), env.get("PYTHONPATH")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "client"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", _RECOMPUTE, str(GOLDEN_PATH)],
         env=env,
@@ -242,8 +240,7 @@ def test_fresh_interpreters_agree(seed: str) -> None:
     )
     result = json.loads(proc.stdout)
     expected = [
-        [n["digest"], n["namespace_id"], [s["keys"] for s in n["sequences"]]]
-        for n in GOLDEN["namespaces"]
+        [n["digest"], n["namespace_id"], [s["keys"] for s in n["sequences"]]] for n in GOLDEN["namespaces"]
     ]
     assert result["out"] == expected
     assert result["heavy"] == []  # importing kvtier_contract.identity pulls in neither numpy nor torch

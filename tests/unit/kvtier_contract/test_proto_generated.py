@@ -37,8 +37,8 @@ def test_committed_modules_equal_a_fresh_generation(tmp_path: Path) -> None:
     # The messages and the service stubs, at least; whatever else protoc is asked for is compared too.
     assert {"kvtier_pb2.py", "kvtier_pb2_grpc.py"} <= generated
     # Nothing committed that the script no longer generates (a stale .pyi), nothing missing.
-    assert committed_files() == generated, \
+    assert committed_files() == generated, (
         "client/kvtier_contract/v1 and a fresh generation differ: run `make proto`"
-    stale = sorted(name for name in generated
-                   if (out / name).read_bytes() != (COMMITTED / name).read_bytes())
+    )
+    stale = sorted(name for name in generated if (out / name).read_bytes() != (COMMITTED / name).read_bytes())
     assert not stale, f"client/kvtier_contract/v1/{stale} differ from a fresh generation: run `make proto`"

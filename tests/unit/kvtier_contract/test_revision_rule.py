@@ -41,13 +41,40 @@ BASE: dict[str, Any] = dict(
 )
 
 MOVING = [
-    "main", "master", "HEAD", "head", "Latest", "trunk", "develop", "dev", "refs/heads/v2", "origin/main",
+    "main",
+    "master",
+    "HEAD",
+    "head",
+    "Latest",
+    "trunk",
+    "develop",
+    "dev",
+    "refs/heads/v2",
+    "origin/main",
     # git's symbolic refs and expressions relative to a ref (no ref name holds ~, ^ or @{)
-    "HEAD~1", "HEAD^", "main~3", "v1.0^2", "FETCH_HEAD", "ORIG_HEAD", "@", "@{u}", "main@{1}",
-    "refs/remotes/origin/main", "upstream/main",
+    "HEAD~1",
+    "HEAD^",
+    "main~3",
+    "v1.0^2",
+    "FETCH_HEAD",
+    "ORIG_HEAD",
+    "@",
+    "@{u}",
+    "main@{1}",
+    "refs/remotes/origin/main",
+    "upstream/main",
 ]
 PLACEHOLDERS = [
-    "<commit>", "<commit sha>", "...", "\u2026", "0" * 40, "0000000", "sha1:0000000", "TODO", "None", "null",
+    "<commit>",
+    "<commit sha>",
+    "...",
+    "\u2026",
+    "0" * 40,
+    "0000000",
+    "sha1:0000000",
+    "TODO",
+    "None",
+    "null",
 ]
 GOOD_REVISIONS = [
     "c1899de289a04d12100db370d81485cdf75e47ca",

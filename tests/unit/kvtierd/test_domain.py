@@ -10,12 +10,17 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.domain import StoreStatus, TierId, Transport
 
 
-@pytest.mark.parametrize(("domain", "wire", "prefix"), [
-    (TierId, pb.Tier, "TIER_"), (StoreStatus, pb.StoreStatus, "STORE_"),
-    (Transport, pb.Transport, "TRANSPORT_"),
-])
+@pytest.mark.parametrize(
+    ("domain", "wire", "prefix"),
+    [
+        (TierId, pb.Tier, "TIER_"),
+        (StoreStatus, pb.StoreStatus, "STORE_"),
+        (Transport, pb.Transport, "TRANSPORT_"),
+    ],
+)
 def test_every_domain_value_is_the_wire_value_of_the_same_name(
-        domain: type[enum.IntEnum], wire: object, prefix: str) -> None:
+    domain: type[enum.IntEnum], wire: object, prefix: str
+) -> None:
     for member in domain:
         assert wire.Value(prefix + member.name) == member.value  # type: ignore[attr-defined]
 

@@ -36,15 +36,23 @@ def writes(tree: ast.AST) -> list[tuple[int, str]]:
             targets = list(node.targets)
         for t in targets:
             for sub in t.elts if isinstance(t, ast.Tuple) else [t]:
-                if isinstance(sub, ast.Attribute) and sub.attr in ENTRY_FIELDS \
-                        and _root(sub) != "self":  # an object's own figures are its own
+                if (
+                    isinstance(sub, ast.Attribute) and sub.attr in ENTRY_FIELDS and _root(sub) != "self"
+                ):  # an object's own figures are its own
                     found.append((node.lineno, f"assigns .{sub.attr}"))
-                if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute) \
-                        and sub.value.attr in MAPS:
+                if (
+                    isinstance(sub, ast.Subscript)
+                    and isinstance(sub.value, ast.Attribute)
+                    and sub.value.attr in MAPS
+                ):
                     found.append((node.lineno, f"writes .{sub.value.attr}[...]"))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Attribute) \
-                and node.func.value.attr in MAPS:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr in MAPS
+        ):
             found.append((node.lineno, f"calls .{node.func.value.attr}.{node.func.attr}()"))
     return found
 

@@ -12,8 +12,7 @@ import pytest
 from kvtierd.lockfile import InUse, OwnerLock, shared
 
 
-def test_a_second_owner_is_refused_naming_the_first_and_may_take_it_once_released(
-        tmp_path: Path) -> None:
+def test_a_second_owner_is_refused_naming_the_first_and_may_take_it_once_released(tmp_path: Path) -> None:
     path = str(tmp_path / "kvtier.lock")
     first = OwnerLock.take(path)
     assert Path(path).read_text() == f"{os.getpid()}\n"
@@ -31,8 +30,10 @@ def test_a_second_owner_is_refused_naming_the_first_and_may_take_it_once_release
 
 def test_a_dead_holders_lock_is_free_and_its_stale_pid_replaced(tmp_path: Path) -> None:
     path = tmp_path / "kvtier.lock"
-    code = ("import sys; from kvtierd.lockfile import OwnerLock; OwnerLock.take(sys.argv[1]); "
-            "import os; os._exit(0)")  # dies holding it: the kernel drops the lock
+    code = (
+        "import sys; from kvtierd.lockfile import OwnerLock; OwnerLock.take(sys.argv[1]); "
+        "import os; os._exit(0)"
+    )  # dies holding it: the kernel drops the lock
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)
     dead = int(path.read_text())
     assert dead != os.getpid()

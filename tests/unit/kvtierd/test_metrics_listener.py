@@ -86,8 +86,7 @@ def answers(port: int) -> bytes:
             return b""
 
 
-def test_a_read_event_of_a_connection_closed_to_make_room_is_skipped(
-        server: MetricsServer) -> None:
+def test_a_read_event_of_a_connection_closed_to_make_room_is_skipped(server: MetricsServer) -> None:
     # The round after the listener accepted A (max_connections = 1) waits.
     sel = SteppedSelector(server._selector, lambda: len(server._pending) >= 1)
     server._selector = sel  # type: ignore[assignment]
@@ -107,13 +106,16 @@ def test_a_read_event_of_a_connection_closed_to_make_room_is_skipped(
 
 
 def test_accept_failing_for_want_of_descriptors_backs_off(
-        server: MetricsServer, caplog: pytest.LogCaptureFixture) -> None:
+    server: MetricsServer, caplog: pytest.LogCaptureFixture
+) -> None:
     server.start()
     assert server._sock is not None
     listener = NoDescriptors(server._sock, tries=4)
     server._sock = listener  # type: ignore[assignment]
-    with caplog.at_level(logging.WARNING, logger="kvtierd.metrics"), \
-            socket.create_connection(("127.0.0.1", server.port)):  # never accepted
+    with (
+        caplog.at_level(logging.WARNING, logger="kvtierd.metrics"),
+        socket.create_connection(("127.0.0.1", server.port)),
+    ):  # never accepted
         assert listener.tried.wait(10)
     lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
     # One try per ACCEPT_BACKOFF_S, one line; without the backoff: a busy loop, a line per try.

@@ -208,8 +208,9 @@ def test_disk_dir_that_is_a_file_is_refused_unless_optional(tmp_path: Path) -> N
         f"disk_dir {tmp_path}/f/nvme (--disk-dir) cannot be used: {tmp_path}/f is not a directory;"
     )
     assert "disk_optional = true (--disk-optional)" in str(e.value)
-    check_disk_dir(DaemonConfig.from_flat(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB,
-                                          disk_optional=True))
+    check_disk_dir(
+        DaemonConfig.from_flat(disk_dir=str(tmp_path / "f" / "nvme"), disk_bytes=GiB, disk_optional=True)
+    )
     check_disk_dir(DaemonConfig.from_flat(disk_dir=str(tmp_path / "new" / "nvme"), disk_bytes=GiB))
     assert not (tmp_path / "new").exists()  # checked, not made
     assert [p.name for p in tmp_path.iterdir()] == ["f"]  # the probe directory is gone again
@@ -243,9 +244,13 @@ def test_one_port_on_two_loopback_addresses_is_two_listeners() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    check_ports(DaemonConfig.from_flat(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2",
-                                       metrics_port=free))
+    check_ports(
+        DaemonConfig.from_flat(listen=f"127.0.0.1:{free}", metrics_host="127.0.0.2", metrics_port=free)
+    )
     with pytest.raises(StartupError, match=r"names the port of listen"):
         listen = f"127.0.0.1:{free}"
-        check_ports(DaemonConfig.from_flat(listen=listen, metrics_host="0.0.0.0", metrics_port=free,
-                                 metrics_plaintext_remote=True))  # off loopback: the flag
+        check_ports(
+            DaemonConfig.from_flat(
+                listen=listen, metrics_host="0.0.0.0", metrics_port=free, metrics_plaintext_remote=True
+            )
+        )  # off loopback: the flag

@@ -41,8 +41,9 @@ def released() -> Released:
 
 @pytest.fixture
 def table(clock: FakeClock, released: Released) -> SessionTable:
-    return SessionTable(max_sessions=3, default_ttl_s=1.0, min_ttl_s=0.5, max_ttl_s=4.0,
-                        on_release=released, clock=clock)
+    return SessionTable(
+        max_sessions=3, default_ttl_s=1.0, min_ttl_s=0.5, max_ttl_s=4.0, on_release=released, clock=clock
+    )
 
 
 def test_open_clamps_the_lease_to_the_daemon_range(table: SessionTable, clock: FakeClock) -> None:
@@ -62,8 +63,7 @@ def test_sessions_have_distinct_nonzero_ids_and_bounded_names(table: SessionTabl
     assert table.get(a.id) is a and len(table) == 2
 
 
-def test_a_lease_expires_without_renewal(table: SessionTable, clock: FakeClock,
-                                         released: Released) -> None:
+def test_a_lease_expires_without_renewal(table: SessionTable, clock: FakeClock, released: Released) -> None:
     s = table.open("a", 1.0)
     clock.advance(1.0)
     assert table.get(s.id) is s  # exactly at the deadline: still alive, and renewed
@@ -78,8 +78,7 @@ def test_a_lease_expires_without_renewal(table: SessionTable, clock: FakeClock,
     assert released == [(s.id, False)] and table.expired_total == 1
 
 
-def test_every_get_renews_the_lease(table: SessionTable, clock: FakeClock,
-                                    released: Released) -> None:
+def test_every_get_renews_the_lease(table: SessionTable, clock: FakeClock, released: Released) -> None:
     s = table.open("a", 1.0)
     for _ in range(5):
         clock.advance(0.9)
@@ -89,9 +88,9 @@ def test_every_get_renews_the_lease(table: SessionTable, clock: FakeClock,
     assert table.sweep() == 0 and released == []
 
 
-def test_sweep_expires_only_the_sessions_past_their_deadline(table: SessionTable,
-                                                             clock: FakeClock,
-                                                             released: Released) -> None:
+def test_sweep_expires_only_the_sessions_past_their_deadline(
+    table: SessionTable, clock: FakeClock, released: Released
+) -> None:
     short, long = table.open("short", 0.5), table.open("long", 4.0)
     short.store_jobs.add(7)
     clock.advance(0.6)
@@ -103,8 +102,7 @@ def test_sweep_expires_only_the_sessions_past_their_deadline(table: SessionTable
     assert table.sweep() == 0
 
 
-def test_close_releases_without_counting_an_expiry(table: SessionTable,
-                                                   released: Released) -> None:
+def test_close_releases_without_counting_an_expiry(table: SessionTable, released: Released) -> None:
     s = table.open("a", None)
     s.load_jobs.add(3)
     table.close(s.id)
@@ -137,8 +135,9 @@ def test_max_sessions(table: SessionTable, released: Released) -> None:
     assert table.open("d", None).client_name == "d"
 
 
-def test_expired_sessions_do_not_count_against_the_limit(table: SessionTable, clock: FakeClock,
-                                                         released: Released) -> None:
+def test_expired_sessions_do_not_count_against_the_limit(
+    table: SessionTable, clock: FakeClock, released: Released
+) -> None:
     dead = [table.open(name, 0.5) for name in "abc"]
     clock.advance(1.0)
     # all three leases lapsed; the sweeper has not run yet
@@ -156,7 +155,8 @@ def test_close_all_releases_every_session(table: SessionTable, released: Release
 
 
 def test_only_the_data_secret_renews_a_lease_through_a_handshake(
-        table: SessionTable, clock: FakeClock) -> None:
+    table: SessionTable, clock: FakeClock
+) -> None:
     """Issue 26: a handshake naming a live session with a wrong secret renewed its lease (a
     stranger holding only the id could keep a dead engine's pins alive)."""
     s = table.open("e", 1.0)
@@ -172,8 +172,7 @@ def test_only_the_data_secret_renews_a_lease_through_a_handshake(
     assert table.get(t.id) is t
 
 
-def test_a_lowered_lease_ceiling_cuts_live_leases_short(table: SessionTable,
-                                                        clock: FakeClock) -> None:
+def test_a_lowered_lease_ceiling_cuts_live_leases_short(table: SessionTable, clock: FakeClock) -> None:
     """Issue 26: a reload that shortened a tenant's max_lease_s left its sessions' leases."""
     s = table.open("e", 4.0)
     table.clamp(s, 0.6)

@@ -22,7 +22,10 @@ def write(tmp_path: Path, body: str) -> Path:
 
 
 def test_a_good_file(tmp_path: Path) -> None:
-    t = load_tenants(write(tmp_path, f'''
+    t = load_tenants(
+        write(
+            tmp_path,
+            f'''
 [[tenant]]
 name = "a"
 tokens_sha256 = ["{GOOD}", "{token_digest("next")}"]
@@ -36,7 +39,9 @@ pinned_bytes = "64MiB"
 name = "ops"
 tokens_sha256 = ["{token_digest("ops")}"]
 operator = true
-'''))
+''',
+        )
+    )
     a = t.authenticate("tok")
     assert a is not None and a.name == "a" and a.quotas.host_bytes == 1 << 30
     assert a.quotas.pinned_bytes == 64 << 20
@@ -47,44 +52,68 @@ operator = true
     assert a.allows_peer(1000, 5) and not a.allows_peer(1001, 5) and ops.allows_peer(7, 7)
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ("", "tenant"),
-    ('[[tenant]]\nname = ""\n', "tenant[0].name"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD[:-2]}"]\n', "tenant[0].tokens_sha256[0]"),
-    ('[[tenant]]\nname = "a"\n', "tenant[0].tokens_sha256"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nunix_uids = [-1]\n',
-     "tenant[0].unix_uids"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\noperator = "yes"\n',
-     "tenant[0].operator"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ncolour = 1\n', "tenant[0]"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nsessions = -1\n',
-     "tenant[0].quotas.sessions"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nhost_bytes = "x"\n',
-     "tenant[0].quotas.host_bytes"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nram = 1\n',
-     "tenant[0].quotas"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
-     f'[[tenant]]\nname = "b"\ntokens_sha256 = ["{GOOD}"]\n', "tenant[1].tokens_sha256[0]"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
-     f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{token_digest("x")}"]\n', "tenant"),
-    ("not toml [", "tenants_file"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["udp"]\n',
-     "tenant[0].transports"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = 0\n',
-     "tenant[0].max_lease_s"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = "1h"\n',
-     "tenant[0].max_lease_s"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\npinned_bytes = -1\n',
-     "tenant[0].quotas.pinned_bytes"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = "lots"\n',
-     "tenant[0].arena_bytes"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\n'
-     'buffered_bytes = "1MiB"\n', "tenant[0].quotas.buffered_bytes"),  # under one frame
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = 0\n',
-     "tenant[0].arena_bytes"),
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["tcp"]\n'
-     'arena_bytes = "1GiB"\n', "tenant[0].arena_bytes"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ("", "tenant"),
+        ('[[tenant]]\nname = ""\n', "tenant[0].name"),
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD[:-2]}"]\n', "tenant[0].tokens_sha256[0]"),
+        ('[[tenant]]\nname = "a"\n', "tenant[0].tokens_sha256"),
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nunix_uids = [-1]\n', "tenant[0].unix_uids"),
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\noperator = "yes"\n', "tenant[0].operator"),
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ncolour = 1\n', "tenant[0]"),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nsessions = -1\n',
+            "tenant[0].quotas.sessions",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nhost_bytes = "x"\n',
+            "tenant[0].quotas.host_bytes",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nram = 1\n',
+            "tenant[0].quotas",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+            f'[[tenant]]\nname = "b"\ntokens_sha256 = ["{GOOD}"]\n',
+            "tenant[1].tokens_sha256[0]",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{token_digest("x")}"]\n',
+            "tenant",
+        ),
+        ("not toml [", "tenants_file"),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["udp"]\n',
+            "tenant[0].transports",
+        ),
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = 0\n', "tenant[0].max_lease_s"),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\nmax_lease_s = "1h"\n',
+            "tenant[0].max_lease_s",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\npinned_bytes = -1\n',
+            "tenant[0].quotas.pinned_bytes",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = "lots"\n',
+            "tenant[0].arena_bytes",
+        ),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nbuffered_bytes = "1MiB"\n',
+            "tenant[0].quotas.buffered_bytes",
+        ),  # under one frame
+        (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\narena_bytes = 0\n', "tenant[0].arena_bytes"),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["tcp"]\n'
+            'arena_bytes = "1GiB"\n',
+            "tenant[0].arena_bytes",
+        ),
+    ],
+)
 def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
         load_tenants(write(tmp_path, body))
@@ -92,14 +121,22 @@ def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> No
 
 
 def test_hash_token_prints_the_digest_a_file_holds() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvtierd", "hash-token"], input="s3cret\n",
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "hash-token"],
+        input="s3cret\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and out.stdout.strip() == token_digest("s3cret")
     assert "s3cret" not in out.stdout
 
 
 def test_a_tenant_that_maps_memory_has_an_arena_of_its_own(tmp_path: Path) -> None:
-    t = load_tenants(write(tmp_path, f'''
+    t = load_tenants(
+        write(
+            tmp_path,
+            f'''
 [[tenant]]
 name = "sized"
 tokens_sha256 = ["{token_digest("1")}"]
@@ -123,21 +160,28 @@ transports = ["cuda_ipc", "tcp"]
 name = "remote"
 tokens_sha256 = ["{token_digest("4")}"]
 transports = ["tcp"]
-'''))
+''',
+        )
+    )
     by = t.by_name
-    assert [by[n].maps_memory for n in ("sized", "quota", "default", "remote")] == \
-        [True, True, True, False]
+    assert [by[n].maps_memory for n in ("sized", "quota", "default", "remote")] == [True, True, True, False]
     assert by["sized"].arena_size(7) == 3 << 30
     assert by["quota"].arena_size(7) == 1 << 30
     assert by["default"].arena_size(7) == 7
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ('[[tenant]]\nname = "u"\nunix_login = true\n', "tenant[0].unix_login"),
-    ('[[tenant]]\nname = "u"\nunix_login = "yes"\nunix_uids = [5]\n', "tenant[0].unix_login"),
-    ('[[tenant]]\nname = "u"\nunix_login = true\nunix_uids = [5]\n'
-     '[[tenant]]\nname = "v"\nunix_login = true\nunix_uids = [5]\n', "tenant[1].unix_uids"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ('[[tenant]]\nname = "u"\nunix_login = true\n', "tenant[0].unix_login"),
+        ('[[tenant]]\nname = "u"\nunix_login = "yes"\nunix_uids = [5]\n', "tenant[0].unix_login"),
+        (
+            '[[tenant]]\nname = "u"\nunix_login = true\nunix_uids = [5]\n'
+            '[[tenant]]\nname = "v"\nunix_login = true\nunix_uids = [5]\n',
+            "tenant[1].unix_uids",
+        ),
+    ],
+)
 def test_a_bad_unix_login_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
         load_tenants(write(tmp_path, body))
@@ -145,7 +189,10 @@ def test_a_bad_unix_login_names_the_field(tmp_path: Path, body: str, field: str)
 
 
 def test_unix_peers_log_in_by_uid_then_gid(tmp_path: Path) -> None:
-    t = load_tenants(write(tmp_path, f'''
+    t = load_tenants(
+        write(
+            tmp_path,
+            f'''
 [[tenant]]
 name = "by-uid"
 unix_login = true
@@ -166,7 +213,9 @@ unix_gids = [70]
 name = "tokens-only"
 tokens_sha256 = ["{GOOD}"]
 unix_uids = [2000]
-'''))
+''',
+        )
+    )
     assert t.by_unix_peer(1000, 60).name == "by-uid"  # type: ignore[union-attr]
     assert t.by_unix_peer(1, 60).name == "by-gid"  # type: ignore[union-attr]
     assert t.by_unix_peer(1, 70) is None  # two tenants log in by gid 70: neither
@@ -191,41 +240,68 @@ def test_minted_tokens_are_bounded_per_tenant_and_expire_when_idle() -> None:
 
 
 def test_scrape_tokens_are_no_tenants_credential(tmp_path: Path) -> None:
-    t = load_tenants(write(tmp_path, f'''
+    t = load_tenants(
+        write(
+            tmp_path,
+            f'''
 metrics_tokens_sha256 = ["{token_digest("scrape-1")}", "{token_digest("scrape-2")}"]
 
 [[tenant]]
 name = "a"
 tokens_sha256 = ["{GOOD}"]
 operator = true
-'''))
+''',
+        )
+    )
     assert t.is_metrics_token("scrape-1") and t.is_metrics_token("scrape-2")  # rotation
     assert t.authenticate("scrape-1") is None  # no tenant, not even the operator
     assert not t.is_metrics_token("tok") and not t.is_metrics_token(None)
     assert not t.is_metrics_token("") and not t.is_metrics_token("nope")
-    assert len(t) == 1 and t.metrics_digests == (hashlib.sha256(b"scrape-1").digest(),
-                                                 hashlib.sha256(b"scrape-2").digest())
+    assert len(t) == 1 and t.metrics_digests == (
+        hashlib.sha256(b"scrape-1").digest(),
+        hashlib.sha256(b"scrape-2").digest(),
+    )
     without = load_tenants(write(tmp_path, f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'))
     assert without.metrics_digests == () and not without.is_metrics_token("scrape-1")
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    (f'metrics_tokens_sha256 = ["{GOOD[:-2]}"]\n[[tenant]]\nname = "a"\n'
-     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[0]"),
-    (f'metrics_tokens_sha256 = "{GOOD}"\n[[tenant]]\nname = "a"\n'
-     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256"),
-    (f'metrics_tokens_sha256 = ["{GOOD}", 7]\n[[tenant]]\nname = "a"\n'
-     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[1]"),
-    (f'metrics_tokens_sha256 = ["{GOOD}", "{GOOD}"]\n[[tenant]]\nname = "a"\n'
-     f'tokens_sha256 = ["{token_digest("x")}"]\n', "metrics_tokens_sha256[1]"),
-    # a digest that is also a tenant's token: which would it be?
-    (f'metrics_tokens_sha256 = ["{GOOD}"]\n[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n',
-     "tenant[0].tokens_sha256[0]"),
-    # written after a [[tenant]] header, TOML makes it that tenant's key
-    (f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
-     f'metrics_tokens_sha256 = ["{token_digest("x")}"]\n', "tenant[0].metrics_tokens_sha256"),
-    (f'metrics_tokens_sha256 = ["{GOOD}"]\n', "tenant"),  # scrape tokens alone: no tenant
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (
+            f'metrics_tokens_sha256 = ["{GOOD[:-2]}"]\n[[tenant]]\nname = "a"\n'
+            f'tokens_sha256 = ["{token_digest("x")}"]\n',
+            "metrics_tokens_sha256[0]",
+        ),
+        (
+            f'metrics_tokens_sha256 = "{GOOD}"\n[[tenant]]\nname = "a"\n'
+            f'tokens_sha256 = ["{token_digest("x")}"]\n',
+            "metrics_tokens_sha256",
+        ),
+        (
+            f'metrics_tokens_sha256 = ["{GOOD}", 7]\n[[tenant]]\nname = "a"\n'
+            f'tokens_sha256 = ["{token_digest("x")}"]\n',
+            "metrics_tokens_sha256[1]",
+        ),
+        (
+            f'metrics_tokens_sha256 = ["{GOOD}", "{GOOD}"]\n[[tenant]]\nname = "a"\n'
+            f'tokens_sha256 = ["{token_digest("x")}"]\n',
+            "metrics_tokens_sha256[1]",
+        ),
+        # a digest that is also a tenant's token: which would it be?
+        (
+            f'metrics_tokens_sha256 = ["{GOOD}"]\n[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n',
+            "tenant[0].tokens_sha256[0]",
+        ),
+        # written after a [[tenant]] header, TOML makes it that tenant's key
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n'
+            f'metrics_tokens_sha256 = ["{token_digest("x")}"]\n',
+            "tenant[0].metrics_tokens_sha256",
+        ),
+        (f'metrics_tokens_sha256 = ["{GOOD}"]\n', "tenant"),  # scrape tokens alone: no tenant
+    ],
+)
 def test_a_bad_scrape_token_list_names_the_field(tmp_path: Path, body: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
         load_tenants(write(tmp_path, body))

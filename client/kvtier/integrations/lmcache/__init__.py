@@ -22,8 +22,10 @@ def __getattr__(name: str) -> Any:
             from kvtier.integrations.lmcache import adapter
         except ImportError as e:
             if e.name is not None and e.name.split(".")[0] in ("lmcache", "torch"):
-                raise ImportError(f"kvtier.integrations.lmcache.{name} needs LMCache "
-                                  f"(pip install lmcache==0.5.6): {e}", name=e.name) from e
+                raise ImportError(
+                    f"kvtier.integrations.lmcache.{name} needs LMCache (pip install lmcache==0.5.6): {e}",
+                    name=e.name,
+                ) from e
             raise
         return getattr(adapter, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

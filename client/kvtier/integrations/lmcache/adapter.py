@@ -74,10 +74,17 @@ class KvtierL2Adapter(L2AdapterInterface):
         self.cfg = cfg
         self.counters = AdapterCounters()
         self._client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
-            cfg.address, lazy=True, settings=ClientSettings(
-                transport=cfg.transport, timeout_s=cfg.request_timeout_ms / 1000,
-                op_timeout_s=cfg.op_timeout_ms / 1000, lease_ttl_s=cfg.lease_ttl_ms / 1000,
-                client_name="lmcache-l2", token_file=cfg.token_file))
+            cfg.address,
+            lazy=True,
+            settings=ClientSettings(
+                transport=cfg.transport,
+                timeout_s=cfg.request_timeout_ms / 1000,
+                op_timeout_s=cfg.op_timeout_ms / 1000,
+                lease_ttl_s=cfg.lease_ttl_ms / 1000,
+                client_name="lmcache-l2",
+                token_file=cfg.token_file,
+            ),
+        )
         self._keys = KeyMapper(cfg, self._client.tenant_key)
         self._handles: dict[Namespace, NamespaceHandle] = {}
         self._handles_lock = threading.Lock()
@@ -108,8 +115,9 @@ class KvtierL2Adapter(L2AdapterInterface):
     # -- the interface ----------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
-        return self._submit(lambda: self._store(keys, objects), L2StoreResult(False, 0),
-                            self._stores, self._store_efd)
+        return self._submit(
+            lambda: self._store(keys, objects), L2StoreResult(False, 0), self._stores, self._store_efd
+        )
 
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
         with self._lock:  # emptied in place: tasks in flight hold this very dict
@@ -117,10 +125,8 @@ class KvtierL2Adapter(L2AdapterInterface):
             self._stores.clear()
         return done
 
-    def submit_lookup_and_lock_task(self, keys: list[Any],
-                                    group_layout_descs: Any = None) -> int:
-        return self._submit(lambda: self._lookup(keys), Bitmap(len(keys)), self._lookups,
-                            self._lookup_efd)
+    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> int:
+        return self._submit(lambda: self._lookup(keys), Bitmap(len(keys)), self._lookups, self._lookup_efd)
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
@@ -133,8 +139,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             self._background(lambda: self._release(done))
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
-        return self._submit(lambda: self._load(keys, objects), Bitmap(len(keys)), self._loads,
-                            self._load_efd)
+        return self._submit(lambda: self._load(keys, objects), Bitmap(len(keys)), self._loads, self._load_efd)
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
@@ -158,19 +163,29 @@ class KvtierL2Adapter(L2AdapterInterface):
         server's own health, and a daemon away only makes misses); ``daemon_connected`` says
         whether it answers."""
         c = self.counters
-        return {"is_healthy": not self._closed, "type": "KvtierL2Adapter",
-                "daemon_connected": self._client.connected and self._client.breaker.allows(),
-                "address": self.cfg.address,
-                "stored": c.stored, "store_dropped": c.store_dropped, "refused": c.refused,
-                "lookups": c.lookups, "locked": c.locked, "locked_past_gap": c.locked_past_gap,
-                "loaded": c.loaded,
-                "load_missed": c.load_missed, "unlocks": c.unlocks, "locked_keys": len(self._pins),
-                "last_refusal": c.last_refusal, "errors": c.errors, "last_error": c.last_error}
+        return {
+            "is_healthy": not self._closed,
+            "type": "KvtierL2Adapter",
+            "daemon_connected": self._client.connected and self._client.breaker.allows(),
+            "address": self.cfg.address,
+            "stored": c.stored,
+            "store_dropped": c.store_dropped,
+            "refused": c.refused,
+            "lookups": c.lookups,
+            "locked": c.locked,
+            "locked_past_gap": c.locked_past_gap,
+            "loaded": c.loaded,
+            "load_missed": c.load_missed,
+            "unlocks": c.unlocks,
+            "locked_keys": len(self._pins),
+            "last_refusal": c.last_refusal,
+            "errors": c.errors,
+            "last_error": c.last_error,
+        }
 
     # -- task plumbing ----------------------------------------------------------------------------
 
-    def _submit(self, work: Callable[[], R], failed: R, results: dict[int, R],
-                efd: Any) -> int:
+    def _submit(self, work: Callable[[], R], failed: R, results: dict[int, R], efd: Any) -> int:
         """Run ``work`` on a worker thread; its result (``failed`` if it raised, or if the
         adapter is closed) goes to ``results`` under the task id, then ``efd`` is signalled."""
         with self._lock:
@@ -205,8 +220,11 @@ class KvtierL2Adapter(L2AdapterInterface):
         self.counters.last_refusal = why
         if not self._first_time(why):
             return
-        log.warning("kvtier L2 adapter: chunk refused (a miss or a failed store; said once per "
-                    "reason, counted in 'refused'): %s", why)
+        log.warning(
+            "kvtier L2 adapter: chunk refused (a miss or a failed store; said once per "
+            "reason, counted in 'refused'): %s",
+            why,
+        )
 
     def _first_time(self, why: str) -> bool:
         with self._lock:
@@ -233,12 +251,17 @@ class KvtierL2Adapter(L2AdapterInterface):
         groups: Groups = {}
         for i, key in enumerate(keys):
             resolved = self._keys.resolve_or_why(key)
-            if not isinstance(resolved, str) and objects is not None and \
-                    objects[i].get_size() != resolved[0].block_bytes:
-                resolved = (f"object of {objects[i].get_size()} bytes; a chunk of model "
-                            f"{key.model_name!r} is {resolved[0].block_bytes} bytes "
-                            f"(2 x num_layers x num_kv_heads x head_dim x itemsize x "
-                            f"chunk_tokens)")
+            if (
+                not isinstance(resolved, str)
+                and objects is not None
+                and objects[i].get_size() != resolved[0].block_bytes
+            ):
+                resolved = (
+                    f"object of {objects[i].get_size()} bytes; a chunk of model "
+                    f"{key.model_name!r} is {resolved[0].block_bytes} bytes "
+                    f"(2 x num_layers x num_kv_heads x head_dim x itemsize x "
+                    f"chunk_tokens)"
+                )
             if isinstance(resolved, str):
                 self._refused(resolved)
                 continue
@@ -272,12 +295,13 @@ class KvtierL2Adapter(L2AdapterInterface):
             handle = self._handle(ns)
             step = max(1, self._client.max_batch)
             for start in range(0, len(kvkeys), step):
-                part = kvkeys[start:start + step]
+                part = kvkeys[start : start + step]
                 try:  # a refusal (a tenant's pin quota) is a miss for these keys, not the task:
                     # the locks already taken stay reported, so LMCache unlocks them
                     prefix = handle.lookup_pinned(part)
-                    self._lock_found(bitmap, keys, [idx[start + j] for j in range(prefix.hits)],
-                                     prefix.pin, prefix.epoch)
+                    self._lock_found(
+                        bitmap, keys, [idx[start + j] for j in range(prefix.hits)], prefix.pin, prefix.epoch
+                    )
                     rest = prefix.hits + 1  # key `hits` is missing (or the daemon is away)
                     if rest >= len(part):
                         continue
@@ -289,12 +313,14 @@ class KvtierL2Adapter(L2AdapterInterface):
                     self.counters.errors += 1
                     self.counters.last_error = why = f"{type(e).__name__}: {e}"
                     if self._first_time(why):
-                        log.warning("kvtier L2 adapter: lookup refused by the daemon (misses; "
-                                    "said once per reason, counted in 'errors'): %s", why)
+                        log.warning(
+                            "kvtier L2 adapter: lookup refused by the daemon (misses; "
+                            "said once per reason, counted in 'errors'): %s",
+                            why,
+                        )
         return bitmap
 
-    def _lock_found(self, bitmap: Bitmap, keys: list[Any], found: list[int], pin: int,
-                    epoch: int) -> None:
+    def _lock_found(self, bitmap: Bitmap, keys: list[Any], found: list[int], pin: int, epoch: int) -> None:
         """Report ``found`` (indexes into ``keys``) and record their pin as their locks."""
         if pin and found:
             self._pins.add(pin, epoch, [keys[i] for i in found])
@@ -309,8 +335,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         deadline = self._client.deadline()
         loaded = 0
         for ns, (idx, kvkeys) in self._group(keys, objects).items():
-            found = self._handle(ns).get_into(kvkeys, [objects[i].byte_array for i in idx],
-                                              deadline=deadline)
+            found = self._handle(ns).get_into(kvkeys, [objects[i].byte_array for i in idx], deadline=deadline)
             for i, ok in zip(idx, found, strict=True):
                 if ok:
                     bitmap.set(i)

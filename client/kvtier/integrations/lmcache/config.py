@@ -72,22 +72,41 @@ class ModelIdentity:
                 raise ConfigError(f"{where}.{key}", "required (identity is never defaulted)")
         ident = cls(**dict(d))
         try:
-            ident.namespace(model_id=model, chunk_tokens=1, world_size=1, rank=0, group=0,
-                            cache_salt=None, tenant=None)
+            ident.namespace(
+                model_id=model, chunk_tokens=1, world_size=1, rank=0, group=0, cache_salt=None, tenant=None
+            )
         except InvalidArgument as e:  # the Namespace's own checks, named by our key
             name = (e.field or "").removeprefix("namespace.")
             raise ConfigError(f"{where}.{name}", str(e).split(": ", 1)[-1]) from None
         return ident
 
-    def namespace(self, *, model_id: str, chunk_tokens: int, world_size: int, rank: int,
-                  group: int, cache_salt: str | None, tenant: str | None) -> Namespace:
+    def namespace(
+        self,
+        *,
+        model_id: str,
+        chunk_tokens: int,
+        world_size: int,
+        rank: int,
+        group: int,
+        cache_salt: str | None,
+        tenant: str | None,
+    ) -> Namespace:
         """The kvtier namespace of one (kv rank, object group, cache salt) of this model."""
         return Namespace(
-            model_id=model_id, model_revision=self.model_revision,
-            tokenizer_digest=self.tokenizer_digest, kv_dtype=self.kv_dtype,
-            layout=f"lmcache.mp.2LTD/group{group}", tokens_per_block=chunk_tokens,
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            tp_size=world_size, tp_rank=rank, cache_salt=cache_salt, tenant=tenant)
+            model_id=model_id,
+            model_revision=self.model_revision,
+            tokenizer_digest=self.tokenizer_digest,
+            kv_dtype=self.kv_dtype,
+            layout=f"lmcache.mp.2LTD/group{group}",
+            tokens_per_block=chunk_tokens,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            tp_size=world_size,
+            tp_rank=rank,
+            cache_salt=cache_salt,
+            tenant=tenant,
+        )
 
 
 @dataclass(frozen=True)
@@ -135,17 +154,18 @@ class AdapterConfig:
         known = set(cls.__dataclass_fields__)
         for key in d:
             if key not in known:
-                raise ConfigError(f"adapter_params.{key}",
-                                  f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
+                raise ConfigError(
+                    f"adapter_params.{key}", f"unknown key; known: {', '.join(sorted(known | {'socket'}))}"
+                )
         for key in ("models", "chunk_tokens", "hash_algorithm"):
             if key not in d:
                 raise ConfigError(f"adapter_params.{key}", "required")
         models = d["models"]
         if not isinstance(models, Mapping) or not models:
-            raise ConfigError("adapter_params.models",
-                              "must map each LMCache model_name to its identity")
-        d["models"] = {str(name): ModelIdentity.from_params(str(name), ident)
-                       for name, ident in models.items()}
+            raise ConfigError("adapter_params.models", "must map each LMCache model_name to its identity")
+        d["models"] = {
+            str(name): ModelIdentity.from_params(str(name), ident) for name, ident in models.items()
+        }
         cfg = cls(**d)
         cfg.validate()
         return cfg
@@ -159,35 +179,62 @@ class AdapterConfig:
     def _check_chunks(self) -> None:
         """Model names, the positive integers, the chunk hash's length and algorithm."""
         for name in self.models:
-            _need(bool(name.strip()) and "@" not in name, f"models.{name}",
-                  "model names are non-empty and have no '@' (LMCache's rule)")
-        for key in ("chunk_tokens", "request_timeout_ms", "op_timeout_ms", "lease_ttl_ms",
-                    "workers", "min_chunk_hash_bytes"):
+            _need(
+                bool(name.strip()) and "@" not in name,
+                f"models.{name}",
+                "model names are non-empty and have no '@' (LMCache's rule)",
+            )
+        for key in (
+            "chunk_tokens",
+            "request_timeout_ms",
+            "op_timeout_ms",
+            "lease_ttl_ms",
+            "workers",
+            "min_chunk_hash_bytes",
+        ):
             value = getattr(self, key)
-            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                  "must be a positive integer")
-        _need(self.min_chunk_hash_bytes <= 32, "min_chunk_hash_bytes",
-              "at most 32 (LMCache's hashes are 32 bytes)")
-        _need(self.hash_algorithm in HASH_ALGORITHMS, "hash_algorithm",
-              f"must be one of {', '.join(HASH_ALGORITHMS)} (a 64-bit builtin hash could name "
-              "two prefixes alike)")
+            _need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                key,
+                "must be a positive integer",
+            )
+        _need(
+            self.min_chunk_hash_bytes <= 32,
+            "min_chunk_hash_bytes",
+            "at most 32 (LMCache's hashes are 32 bytes)",
+        )
+        _need(
+            self.hash_algorithm in HASH_ALGORITHMS,
+            "hash_algorithm",
+            f"must be one of {', '.join(HASH_ALGORITHMS)} (a 64-bit builtin hash could name "
+            "two prefixes alike)",
+        )
 
     def _check_client(self) -> None:
         """The daemon's address, the transport, the tenant and its token file."""
-        _need(isinstance(self.address, str) and bool(self.address), "address",
-              "must be a non-empty string")
-        _need(self.transport in TRANSPORT_NAMES.values() and self.transport != "cuda_ipc",
-              "transport", "must be 'shm' or 'tcp'")
+        _need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
+        _need(
+            self.transport in TRANSPORT_NAMES.values() and self.transport != "cuda_ipc",
+            "transport",
+            "must be 'shm' or 'tcp'",
+        )
         for key in ("tenant", "token_file"):
             value = getattr(self, key)
-            _need(value is None or (isinstance(value, str) and bool(value)), key,
-                  "must be a non-empty string")
+            _need(
+                value is None or (isinstance(value, str) and bool(value)), key, "must be a non-empty string"
+            )
 
     def block_bytes(self, model: str) -> int:
         """Bytes of one chunk of ``model`` (one kvtier block)."""
         ident = self.models[model]
-        return (2 * ident.num_layers * ident.num_kv_heads * ident.head_dim
-                * KV_DTYPES[ident.kv_dtype] * self.chunk_tokens)
+        return (
+            2
+            * ident.num_layers
+            * ident.num_kv_heads
+            * ident.head_dim
+            * KV_DTYPES[ident.kv_dtype]
+            * self.chunk_tokens
+        )
 
 
 def _need(ok: bool, key: str, message: str) -> None:

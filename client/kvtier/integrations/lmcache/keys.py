@@ -70,12 +70,14 @@ def decode_kv_rank(kv_rank: int) -> tuple[int, int]:
     return world_size, rank
 
 
-def block_key(namespace_digest: bytes, hash_algorithm: str, chunk_hash: bytes,
-              tenant_key: bytes | None = None) -> bytes:
+def block_key(
+    namespace_digest: bytes, hash_algorithm: str, chunk_hash: bytes, tenant_key: bytes | None = None
+) -> bytes:
     """The 32-byte kvtier key of one LMCache chunk (module docstring)."""
     algo = hash_algorithm.encode()
-    data = b"".join((KEY_DOMAIN, namespace_digest, bytes((len(algo),)), algo,
-                     _U32.pack(len(chunk_hash)), chunk_hash))
+    data = b"".join(
+        (KEY_DOMAIN, namespace_digest, bytes((len(algo),)), algo, _U32.pack(len(chunk_hash)), chunk_hash)
+    )
     if tenant_key:
         return hmac.digest(tenant_key, data, "sha256")
     return hashlib.sha256(data).digest()
@@ -100,18 +102,21 @@ class KeyMapper:
         except AttributeError as e:
             return f"not an LMCache ObjectKey ({e})"
         if model not in self._cfg.models:
-            return (f"model_name {model!r} is not in adapter_params.models "
-                    f"({', '.join(sorted(self._cfg.models))})")
+            return (
+                f"model_name {model!r} is not in adapter_params.models "
+                f"({', '.join(sorted(self._cfg.models))})"
+            )
         try:
             world_size, rank = decode_kv_rank(key.kv_rank)
         except InvalidArgument as e:
             return str(e)
         least = self._cfg.min_chunk_hash_bytes
         if not isinstance(chunk_hash, bytes) or len(chunk_hash) < least:
-            got = f"{len(chunk_hash)} bytes" if isinstance(chunk_hash, bytes) else \
-                type(chunk_hash).__name__
-            return (f"chunk_hash of {got}, shorter than adapter_params.min_chunk_hash_bytes "
-                    f"{least}: a short hash could name two prefixes alike")
+            got = f"{len(chunk_hash)} bytes" if isinstance(chunk_hash, bytes) else type(chunk_hash).__name__
+            return (
+                f"chunk_hash of {got}, shorter than adapter_params.min_chunk_hash_bytes "
+                f"{least}: a short hash could name two prefixes alike"
+            )
         if not isinstance(group, int) or isinstance(group, bool) or group < 0:
             return f"object_group_id {group!r} is not a group index"
         if not isinstance(salt, str):
@@ -125,9 +130,14 @@ class KeyMapper:
             return ns
         try:
             ns = self._cfg.models[s.model].namespace(
-                model_id=s.model, chunk_tokens=self._cfg.chunk_tokens, world_size=s.world_size,
-                rank=s.rank, group=s.group, cache_salt=s.cache_salt or None,
-                tenant=self._cfg.tenant)
+                model_id=s.model,
+                chunk_tokens=self._cfg.chunk_tokens,
+                world_size=s.world_size,
+                rank=s.rank,
+                group=s.group,
+                cache_salt=s.cache_salt or None,
+                tenant=self._cfg.tenant,
+            )
         except InvalidArgument as e:
             return str(e)
         with self._lock:
@@ -139,8 +149,7 @@ class KeyMapper:
         ns = s if isinstance(s, str) else self.namespace(s)
         if isinstance(ns, str):
             return ns
-        return ns, block_key(ns.digest, self._cfg.hash_algorithm, key.chunk_hash,
-                             self._tenant_key)
+        return ns, block_key(ns.digest, self._cfg.hash_algorithm, key.chunk_hash, self._tenant_key)
 
     def resolve(self, key: Any) -> tuple[Namespace, bytes] | None:
         """(namespace, kvtier key) of an ``ObjectKey``, or None when it is refused."""

@@ -25,9 +25,10 @@ def __getattr__(name: str) -> Any:
             from kvtier.integrations.sglang import backend
         except ModuleNotFoundError as e:
             if e.name is not None and e.name.split(".")[0] == "sglang":
-                raise ImportError("kvtier.integrations.sglang needs SGLang "
-                                  "(sglang.srt.mem_cache.hicache_storage); see docs/sglang.md"
-                                  ) from e
+                raise ImportError(
+                    "kvtier.integrations.sglang needs SGLang "
+                    "(sglang.srt.mem_cache.hicache_storage); see docs/sglang.md"
+                ) from e
             raise
         return getattr(backend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

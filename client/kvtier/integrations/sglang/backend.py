@@ -64,18 +64,33 @@ class KvtierHiCacheStorage(PoolsV2):
             namespace = self._namespace(mem_pool_host, name)
         except ConfigError:
             raise
-        except (PoolShapeError, ValueError, NotImplementedError, AttributeError, TypeError,
-                InvalidArgument) as e:
-            raise ConfigError("mem_pool_host", f"{type(mem_pool_host).__name__} ({layout}): "
-                              f"cannot store its pages: {type(e).__name__}: {e}") from e
+        except (
+            PoolShapeError,
+            ValueError,
+            NotImplementedError,
+            AttributeError,
+            TypeError,
+            InvalidArgument,
+        ) as e:
+            raise ConfigError(
+                "mem_pool_host",
+                f"{type(mem_pool_host).__name__} ({layout}): cannot store its pages: {type(e).__name__}: {e}",
+            ) from e
         if namespace.block_bytes != pages.block_bytes:
-            raise ConfigError("mem_pool_host", f"a page holds {pages.block_bytes} bytes in "
-                              f"{pages.segments} segments; its geometry says "
-                              f"{namespace.block_bytes}")
+            raise ConfigError(
+                "mem_pool_host",
+                f"a page holds {pages.block_bytes} bytes in "
+                f"{pages.segments} segments; its geometry says "
+                f"{namespace.block_bytes}",
+            )
         self.pages = pages
         self.handle = self.client.register(namespace)
-        log.info("kvtier HiCache storage: namespace %s (%d-byte pages) at %s",
-                 namespace.to_dict(), pages.block_bytes, self.cfg.address)
+        log.info(
+            "kvtier HiCache storage: namespace %s (%d-byte pages) at %s",
+            namespace.to_dict(),
+            pages.block_bytes,
+            self.cfg.address,
+        )
 
     def _namespace(self, pool: Any, layout: str) -> Namespace:
         dtype = str(pool.dtype).removeprefix("torch.")
@@ -95,17 +110,29 @@ class KvtierHiCacheStorage(PoolsV2):
             heads, head_dim = int(pool.head_num), int(pool.head_dim)
             tp_size, tp_rank = cfg.tp_size, cfg.tp_rank
         return Namespace(
-            model_id=self.identity.model_id, model_revision=self.identity.model_revision,
-            tokenizer_digest=self.identity.tokenizer_digest, kv_dtype=dtype, layout=layout,
-            tokens_per_block=int(pool.page_size), num_layers=int(pool.layer_num),
-            num_kv_heads=heads, head_dim=head_dim, tp_size=tp_size, tp_rank=tp_rank,
-            pp_size=cfg.pp_size, pp_rank=cfg.pp_rank, cache_salt=self.cfg.cache_salt,
-            tenant=self.cfg.tenant)
+            model_id=self.identity.model_id,
+            model_revision=self.identity.model_revision,
+            tokenizer_digest=self.identity.tokenizer_digest,
+            kv_dtype=dtype,
+            layout=layout,
+            tokens_per_block=int(pool.page_size),
+            num_layers=int(pool.layer_num),
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=cfg.pp_size,
+            pp_rank=cfg.pp_rank,
+            cache_salt=self.cfg.cache_salt,
+            tenant=self.cfg.tenant,
+        )
+
     # -- the zero-copy interface (interface_v1) --------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of ``keys``, from the first, the daemon holds, cut by ``load_policy`` to
         the prefix worth loading (SGLang prefetches what this answers, recomputes the rest)."""
+
         def run() -> int:
             handle = self._ready()
             if handle is None or not keys:
@@ -115,10 +142,10 @@ class KvtierHiCacheStorage(PoolsV2):
         self.counters.pages_queried += _length(keys)
         return self._guard("batch_exists", run, 0)
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Load ``keys`` into the host pool pages named by ``host_indices``; a page not loaded
         is left untouched and answers False."""
+
         def run() -> list[bool]:
             handle, ids = self._ready(), self._page_ids(host_indices, len(keys))
             if handle is None or ids is None or self.pages is None:
@@ -133,11 +160,11 @@ class KvtierHiCacheStorage(PoolsV2):
         self._sample(self._loads, sum(map(bool, found)), start)
         return found
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Store the host pool pages named by ``host_indices`` under ``keys``. All True when
         every page is stored or already there; otherwise all False (the SDK counts a put's
         outcomes, not which keys had which)."""
+
         def run() -> bool:
             handle, ids = self._ready(), self._page_ids(host_indices, len(keys))
             if handle is None or ids is None or self.pages is None:
@@ -156,14 +183,15 @@ class KvtierHiCacheStorage(PoolsV2):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None
-            ) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Fill each target (a flat data page tensor) or, when none is given, a new one of the
         pool's dtype; None for a page not found."""
+
         def run() -> list[torch.Tensor | None]:
             handle = self._ready()
             if handle is None or not keys:
@@ -181,13 +209,14 @@ class KvtierHiCacheStorage(PoolsV2):
         self._count_loaded(n, sum(t is not None for t in out))
         return out
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Store flat data pages ``values`` under ``keys``; True when all are stored."""
+
         def run() -> bool:
             handle = self._ready()
             if handle is None or values is None:
@@ -213,10 +242,12 @@ class KvtierHiCacheStorage(PoolsV2):
 
             loads, stores = self._loads, self._stores
             self._loads, self._stores = [], []
-            return StorageMetrics(prefetch_pgs=[n for n, _ in loads],
-                                  backup_pgs=[n for n, _ in stores],
-                                  prefetch_bandwidth=[g for _, g in loads],
-                                  backup_bandwidth=[g for _, g in stores])
+            return StorageMetrics(
+                prefetch_pgs=[n for n, _ in loads],
+                backup_pgs=[n for n, _ in stores],
+                prefetch_bandwidth=[g for _, g in loads],
+                backup_bandwidth=[g for _, g in stores],
+            )
 
         return self._guard("get_stats", run, None)
 
@@ -227,9 +258,11 @@ class KvtierHiCacheStorage(PoolsV2):
         ``cache_salt`` (or restart the daemon) to start from an empty cache."""
         if not self._cleared_logged:
             self._cleared_logged = True
-            log.warning("kvtier HiCache clear: nothing cleared: the kvtier daemon has no call "
-                        "that drops a namespace's pages (it evicts by itself, and they are "
-                        "shared with other engines); set a new cache_salt to start empty")
+            log.warning(
+                "kvtier HiCache clear: nothing cleared: the kvtier daemon has no call "
+                "that drops a namespace's pages (it evicts by itself, and they are "
+                "shared with other engines); set a new cache_salt to start empty"
+            )
         return False
 
     def close(self) -> None:

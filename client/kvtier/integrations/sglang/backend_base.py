@@ -100,19 +100,28 @@ class StorageBase(HiCacheStorage):
         self._loads: list[tuple[int, float]] = []
         self._stores: list[tuple[int, float]] = []
         spt = self.cfg.prefill_seconds_per_token
-        self.decider = Decider(self.cfg.load_policy, probe_after_s=self.cfg.probe_after_s,
-                               prefill=FixedPrefillRate(spt) if spt else PrefillRate())
+        self.decider = Decider(
+            self.cfg.load_policy,
+            probe_after_s=self.cfg.probe_after_s,
+            prefill=FixedPrefillRate(spt) if spt else PrefillRate(),
+        )
         self._decider_lock = threading.Lock()  # the prefetch and the I/O threads share it
         self._tier_of: OrderedDict[str, str] = OrderedDict()  # reported page -> its tier
         self._predicted: OrderedDict[tuple[str, int], float] = OrderedDict()
         rank = f"tp{storage_config.tp_rank}pp{storage_config.pp_rank}dp{storage_config.dp_rank}"
         self.client = Client.connect(  # lazy: a daemon away is a miss, logged once per cause
-            self.cfg.address, lazy=True, settings=ClientSettings(
-                transport=self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+            self.cfg.address,
+            lazy=True,
+            settings=ClientSettings(
+                transport=self.cfg.transport,
+                timeout_s=self.cfg.request_timeout_ms / 1000,
                 op_timeout_s=self.cfg.op_timeout_ms / 1000,
                 lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
-                probe_timeout_s=self.cfg.probe_timeout_ms / 1000, client_name=f"sglang-{rank}",
-                token_file=self.cfg.token_file))
+                probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
+                client_name=f"sglang-{rank}",
+                token_file=self.cfg.token_file,
+            ),
+        )
 
     # -- load or recompute (docs/sglang.md, "Load or recompute") ---------------------------------
 

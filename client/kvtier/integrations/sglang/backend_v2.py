@@ -23,14 +23,7 @@ from typing import Any
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
 from kvtier.client import NamespaceHandle
-from kvtier.integrations.sglang.backend_base import (
-    StorageBase,
-    _iterate,
-    _length,
-    _policy,
-    _pool_name,
-    log,
-)
+from kvtier.integrations.sglang.backend_base import StorageBase, _iterate, _length, _policy, _pool_name, log
 from kvtier.integrations.sglang.config import ConfigError
 from kvtier.integrations.sglang.pages import SIDE_GEOMETRY_ATTRS, PoolShapeError, SidePool
 from kvtier_contract.errors import InvalidArgument
@@ -56,17 +49,24 @@ class PoolsV2(StorageBase):
         side, namespace = self._probe_side(host_pool, name)
         side.handle = self.client.register(namespace)
         self.side_pools[name] = side
-        log.info("kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)", name,
-                 namespace.to_dict(), side.block_bytes,
-                 "zero-copy" if side.pages is not None else "flat pages")
+        log.info(
+            "kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)",
+            name,
+            namespace.to_dict(),
+            side.block_bytes,
+            "zero-copy" if side.pages is not None else "flat pages",
+        )
 
     def _check_kv_pool(self, host_pool: Any) -> None:
         """The v2 KV pool must be the pool ``register_mem_pool_host`` registered (else
         ``ConfigError``: a logical anchor is not supported)."""
         if host_pool is not getattr(self, "mem_pool_host", None):
-            raise ConfigError("mem_pool_host", f"HiCache KV pool {type(host_pool).__name__} "
-                              "is not the pool registered by register_mem_pool_host (a "
-                              "logical anchor): not supported by the kvtier backend")
+            raise ConfigError(
+                "mem_pool_host",
+                f"HiCache KV pool {type(host_pool).__name__} "
+                "is not the pool registered by register_mem_pool_host (a "
+                "logical anchor): not supported by the kvtier backend",
+            )
 
     def _probe_side(self, host_pool: Any, name: str) -> tuple[SidePool, Namespace]:
         """Side pool ``name``'s pages and namespace; ``ConfigError`` naming
@@ -76,10 +76,18 @@ class PoolsV2(StorageBase):
             return side, self._side_namespace(host_pool, name, side)
         except ConfigError:
             raise
-        except (PoolShapeError, ValueError, NotImplementedError, AttributeError, TypeError,
-                InvalidArgument) as e:
-            raise ConfigError(f"host_pool.{name}", f"{type(host_pool).__name__}: cannot store "
-                              f"its pages: {type(e).__name__}: {e}") from e
+        except (
+            PoolShapeError,
+            ValueError,
+            NotImplementedError,
+            AttributeError,
+            TypeError,
+            InvalidArgument,
+        ) as e:
+            raise ConfigError(
+                f"host_pool.{name}",
+                f"{type(host_pool).__name__}: cannot store its pages: {type(e).__name__}: {e}",
+            ) from e
 
     def _side_namespace(self, pool: Any, name: str, side: SidePool) -> Namespace:
         """A side pool's namespace: the model's identity, and the pool's own geometry. Its pages
@@ -90,10 +98,11 @@ class PoolsV2(StorageBase):
         ``HybridCacheController.should_backup``); every other pool is per TP rank."""
         page_size = side.page_size
         if side.block_bytes % (2 * page_size):
-            raise ConfigError(f"host_pool.{name}", f"a page of {side.block_bytes} bytes is not "
-                              f"a whole number of 2 x {page_size} bytes")
-        geometry = {attr: str(getattr(pool, attr)) for attr in SIDE_GEOMETRY_ATTRS
-                    if hasattr(pool, attr)}
+            raise ConfigError(
+                f"host_pool.{name}",
+                f"a page of {side.block_bytes} bytes is not a whole number of 2 x {page_size} bytes",
+            )
+        geometry = {attr: str(getattr(pool, attr)) for attr in SIDE_GEOMETRY_ATTRS if hasattr(pool, attr)}
         geometry.update(page_bytes=str(side.block_bytes), page_size=str(page_size))
         digest = hashlib.sha256(repr(sorted(geometry.items())).encode()).hexdigest()[:16]
         layout = f"sglang.v2.{name}.{type(pool).__name__}.{getattr(pool, 'layout', None)}.{digest}"
@@ -101,23 +110,33 @@ class PoolsV2(StorageBase):
         shared = self.is_mla and name != "mamba" and not hasattr(pool, "head_num")
         tp_size, tp_rank = (1, 0) if shared else (cfg.tp_size, cfg.tp_rank)
         return Namespace(
-            model_id=self.identity.model_id, model_revision=self.identity.model_revision,
-            tokenizer_digest=self.identity.tokenizer_digest, kv_dtype="uint8", layout=layout,
-            tokens_per_block=page_size, num_layers=1, num_kv_heads=1,
-            head_dim=side.block_bytes // (2 * page_size), tp_size=tp_size, tp_rank=tp_rank,
-            pp_size=cfg.pp_size, pp_rank=cfg.pp_rank, cache_salt=self.cfg.cache_salt,
-            tenant=self.cfg.tenant)
+            model_id=self.identity.model_id,
+            model_revision=self.identity.model_revision,
+            tokenizer_digest=self.identity.tokenizer_digest,
+            kv_dtype="uint8",
+            layout=layout,
+            tokens_per_block=page_size,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=side.block_bytes // (2 * page_size),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=cfg.pp_size,
+            pp_rank=cfg.pp_rank,
+            cache_salt=self.cfg.cache_salt,
+            tenant=self.cfg.tenant,
+        )
 
     # -- storage interface v2 (hybrid models: the KV pool with side pools) ------------------------
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: Any = None) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """SGLang's hybrid hit query (``HiCacheFile.batch_exists_v2`` semantics): the leading KV
         pages the daemon holds, then each transfer's pool cuts the usable prefix: ``ALL_PAGES``
         needs the pool's page for every KV page of the prefix, ``TRAILING_PAGES`` only for the
         last ``len(transfer.keys)`` pages before the cut. A side pool's page ``i`` is stored
         under KV key ``keys[i]`` in the pool's namespace. ``restorable_prefix_pages`` lists every
         usable prefix length (SGLang intersects them across ranks)."""
+
         def run() -> Any:
             handle = self._ready()
             kv_pages = self._held_and_decided(handle, keys) if handle and keys else 0
@@ -134,12 +153,13 @@ class PoolsV2(StorageBase):
                 elif policy == "trailing_pages":  # one lookup per page
                     have = self._presence(transfer.name, keys[:kv_pages], deadline)
                     n = max(1, len(transfer.keys or []))
-                    usable = {end for end in range(1, kv_pages + 1)
-                              if all(have[max(0, end - n):end])}
+                    usable = {end for end in range(1, kv_pages + 1) if all(have[max(0, end - n) : end])}
                     boundary = max(usable, default=0)
                 else:
-                    self._note("batch_exists_v2", f"pool {transfer.name}: hit policy {policy} "
-                               "is not supported (no hit)")
+                    self._note(
+                        "batch_exists_v2",
+                        f"pool {transfer.name}: hit policy {policy} is not supported (no hit)",
+                    )
                     usable, boundary = set(), 0
                 if boundary:
                     hits[transfer.name] = boundary
@@ -165,8 +185,7 @@ class PoolsV2(StorageBase):
         for transfer in _iterate(transfers):
             n = _length(getattr(transfer, "keys", None) or [])
             name = getattr(transfer, "name", None)
-            ok = self._guard(op, functools.partial(self._transfer, transfer, load=load),
-                             [False] * n)
+            ok = self._guard(op, functools.partial(self._transfer, transfer, load=load), [False] * n)
             if name is not None:
                 out[name] = ok
             loaded = sum(map(bool, ok))
@@ -183,8 +202,7 @@ class PoolsV2(StorageBase):
             return []
         name = _pool_name(transfer.name)
         if name == "kv":  # the KV pool: the v1 calls (``backend``)
-            done: list[bool] = (self.batch_get_v1 if load else self.batch_set_v1)(
-                keys, transfer.host_indices)
+            done: list[bool] = (self.batch_get_v1 if load else self.batch_set_v1)(keys, transfer.host_indices)
             return done
         side = self.side_pools.get(name)
         if side is None or side.handle is None:
@@ -192,8 +210,7 @@ class PoolsV2(StorageBase):
             return [False] * len(keys)
         ids = side.page_ids(transfer.host_indices, len(keys))
         if ids is None:
-            self._note(f"pool.{name}", f"{len(keys)} keys with host indices that are not whole "
-                       "pages")
+            self._note(f"pool.{name}", f"{len(keys)} keys with host indices that are not whole pages")
             return [False] * len(keys)
         handle = side.handle
         kk = self._keys(handle, keys)
@@ -216,8 +233,7 @@ class PoolsV2(StorageBase):
 
     def _pool_handle(self, pool_name: Any) -> NamespaceHandle | None:
         name = _pool_name(pool_name)
-        handle = self.handle if name == "kv" else getattr(
-            self.side_pools.get(name), "handle", None)
+        handle = self.handle if name == "kv" else getattr(self.side_pools.get(name), "handle", None)
         if handle is None:
             self._note(f"pool.{name}", "a hit query for a pool SGLang never registered")
         return handle

@@ -88,8 +88,7 @@ class BackendConfig:
         known = set(cls.__dataclass_fields__)
         for key in extra:
             if key not in known:
-                raise ConfigError(f"extra_config.{key}",
-                                  f"unknown key; known: {', '.join(sorted(known))}")
+                raise ConfigError(f"extra_config.{key}", f"unknown key; known: {', '.join(sorted(known))}")
         cfg = cls(**extra)
         cfg.validate()
         return cfg
@@ -99,26 +98,33 @@ class BackendConfig:
             if not ok:
                 raise ConfigError(f"extra_config.{key}", message)
 
-        need(isinstance(self.address, str) and bool(self.address), "address",
-             "must be a non-empty string")
-        need(self.transport in TRANSPORT_NAMES.values(), "transport",
-             "must be 'shm', 'tcp' or 'cuda_ipc'")
+        need(isinstance(self.address, str) and bool(self.address), "address", "must be a non-empty string")
+        need(self.transport in TRANSPORT_NAMES.values(), "transport", "must be 'shm', 'tcp' or 'cuda_ipc'")
         for key in ("request_timeout_ms", "op_timeout_ms", "lease_ttl_ms", "probe_timeout_ms"):
             value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                 "must be a positive integer")
-        need(self.load_policy in LOAD_POLICIES, "load_policy",
-             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
-        need(_positive_number(self.probe_after_s), "probe_after_s",
-             f"must be a positive number of seconds, got {self.probe_after_s!r}")
-        need(self.prefill_seconds_per_token is None
-             or _positive_number(self.prefill_seconds_per_token), "prefill_seconds_per_token",
-             f"must be a positive number or null, got {self.prefill_seconds_per_token!r}")
-        for key in ("model_id", "model_revision", "tokenizer_digest", "cache_salt", "tenant",
-                    "token_file"):
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                key,
+                "must be a positive integer",
+            )
+        need(
+            self.load_policy in LOAD_POLICIES,
+            "load_policy",
+            f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}",
+        )
+        need(
+            _positive_number(self.probe_after_s),
+            "probe_after_s",
+            f"must be a positive number of seconds, got {self.probe_after_s!r}",
+        )
+        need(
+            self.prefill_seconds_per_token is None or _positive_number(self.prefill_seconds_per_token),
+            "prefill_seconds_per_token",
+            f"must be a positive number or null, got {self.prefill_seconds_per_token!r}",
+        )
+        for key in ("model_id", "model_revision", "tokenizer_digest", "cache_salt", "tenant", "token_file"):
             value = getattr(self, key)
-            need(value is None or (isinstance(value, str) and bool(value)), key,
-                 "must be a non-empty string")
+            need(value is None or (isinstance(value, str) and bool(value)), key, "must be a non-empty string")
         # The one identity rule (kvtier_contract.identity), refused here by its key's name.
         problem = revision_problem(self.model_revision) if self.model_revision else None
         need(problem is None, "model_revision", str(problem))
@@ -127,8 +133,9 @@ class BackendConfig:
 
 
 def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -144,25 +151,28 @@ def resolve_identity(cfg: BackendConfig, model_name: str | None) -> ModelIdentit
     """Model id, revision and tokenizer digest, or ``ConfigError`` naming the missing key."""
     model_id = cfg.model_id or model_name
     if not model_id:
-        raise ConfigError("extra_config.model_id",
-                          "required: SGLang gave the backend no model_name")
+        raise ConfigError("extra_config.model_id", "required: SGLang gave the backend no model_name")
     revision = cfg.model_revision
     if revision is None and model_name:
         m = _SNAPSHOT.search(model_name.rstrip("/") + "/")
         revision = m.group(1) if m else None
     if revision is None:
-        raise ConfigError("extra_config.model_revision",
-                          f"required: {model_name!r} is not a Hugging Face snapshot path; set the "
-                          "model's immutable revision (e.g. its commit hash)")
+        raise ConfigError(
+            "extra_config.model_revision",
+            f"required: {model_name!r} is not a Hugging Face snapshot path; set the "
+            "model's immutable revision (e.g. its commit hash)",
+        )
     digest = cfg.tokenizer_digest
     if digest is None and model_name:
         from kvtier.integrations.vllm.config import TOKENIZER_FILES, files_digest
 
         digest = files_digest(model_name, TOKENIZER_FILES)
     if digest is None:
-        raise ConfigError("extra_config.tokenizer_digest",
-                          f"required: no tokenizer files found in {model_name!r}; set a digest of "
-                          "the tokenizer (or \"none\" when requests carry token ids only)")
+        raise ConfigError(
+            "extra_config.tokenizer_digest",
+            f"required: no tokenizer files found in {model_name!r}; set a digest of "
+            'the tokenizer (or "none" when requests carry token ids only)',
+        )
     return ModelIdentity(model_id, revision, digest)
 
 

@@ -58,8 +58,7 @@ class HostPoolPages:
     pool owns the memory; this object holds the pool and a view of its buffer's storage, which
     keep the memory alive while it exists."""
 
-    def __init__(self, pool: Any, shape: _Shape, page_size: int, num_pages: int,
-                 name: str) -> None:
+    def __init__(self, pool: Any, shape: _Shape, page_size: int, num_pages: int, name: str) -> None:
         self.pool = pool
         self.page_size = page_size
         self.num_pages = num_pages
@@ -108,8 +107,10 @@ class HostPoolPages:
         layout: PagedKvLayout | None = getattr(self._local, "layout", None)
         if layout is None:
             s = self._shape
-            views = [torch.as_strided(self._raw, (self.num_pages, s.segment_bytes),
-                                      (s.page_stride, 1), off) for off in s.offsets]
+            views = [
+                torch.as_strided(self._raw, (self.num_pages, s.segment_bytes), (s.page_stride, 1), off)
+                for off in s.offsets
+            ]
             layout = PagedKvLayout.from_layer_tensors(views, name=self.name)
             self._local.layout = layout
         return layout
@@ -120,8 +121,8 @@ class HostPoolPages:
         as in ``get_page_buffer_meta``). None when they do not name whole pages of this pool."""
         return whole_pages(host_indices, n_pages, self.page_size, self.num_pages)
 
-def whole_pages(host_indices: Any, n_pages: int, page_size: int, num_pages: int
-                ) -> list[int] | None:
+
+def whole_pages(host_indices: Any, n_pages: int, page_size: int, num_pages: int) -> list[int] | None:
     """The pages (of ``num_pages`` pages of ``page_size`` tokens) named by ``host_indices``:
     ``n_pages * page_size`` indices, page after page, the first of each page naming it. None
     when they do not name whole pages of the pool."""
@@ -165,10 +166,22 @@ def _segments(pool: Any, page: int, page_size: int) -> list[tuple[int, int]]:
 
 
 # Pool attributes that make up a side pool's geometry (its namespace layout digest), where present.
-SIDE_GEOMETRY_ATTRS = ("dtype", "layout", "layer_num", "head_num", "head_dim", "kv_cache_dim",
-                   "num_mamba_layers", "temporal_dtype", "conv_dtype", "temporal_state_shape",
-                   "conv_state_shapes", "size_per_token", "indexer_dtype",
-                   "indexer_page_stride_size")
+SIDE_GEOMETRY_ATTRS = (
+    "dtype",
+    "layout",
+    "layer_num",
+    "head_num",
+    "head_dim",
+    "kv_cache_dim",
+    "num_mamba_layers",
+    "temporal_dtype",
+    "conv_dtype",
+    "temporal_state_shape",
+    "conv_state_shapes",
+    "size_per_token",
+    "indexer_dtype",
+    "indexer_page_stride_size",
+)
 
 
 @dataclass
@@ -196,8 +209,10 @@ class SidePool:
         block_bytes = int(dummy.numel()) * int(dummy.element_size())
         page = pool.get_data_page(0, flat=True)
         if int(page.numel()) * int(page.element_size()) != block_bytes or block_bytes < 1:
-            raise PoolShapeError(f"a data page has {page.numel() * page.element_size()} bytes, "
-                                 f"the pool's empty page {block_bytes}")
+            raise PoolShapeError(
+                f"a data page has {page.numel() * page.element_size()} bytes, "
+                f"the pool's empty page {block_bytes}"
+            )
         pages: HostPoolPages | None = None
         try:
             pages = HostPoolPages.probe(pool, f"sglang.v2.{name}")

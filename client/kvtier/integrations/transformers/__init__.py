@@ -26,8 +26,17 @@ from kvtier.integrations.transformers.identity import (
     tokenizer_files_digest,
 )
 
-__all__ = ["LAYOUT", "LAYOUT_MLA", "ConfigError", "KvtierPrefixCache", "PrefixCacheCounters",
-           "PrefixCacheOptions", "config_digest", "model_namespace", "tokenizer_files_digest"]
+__all__ = [
+    "LAYOUT",
+    "LAYOUT_MLA",
+    "ConfigError",
+    "KvtierPrefixCache",
+    "PrefixCacheCounters",
+    "PrefixCacheOptions",
+    "config_digest",
+    "model_namespace",
+    "tokenizer_files_digest",
+]
 
 _LAZY = ("KvtierPrefixCache", "PrefixCacheCounters")
 
@@ -39,7 +48,8 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as e:
             if e.name not in ("transformers", "torch"):
                 raise
-            raise ImportError(f"kvtier.integrations.transformers.{name} needs {e.name}: "
-                              "pip install 'kvtier[transformers]'") from e
+            raise ImportError(
+                f"kvtier.integrations.transformers.{name} needs {e.name}: pip install 'kvtier[transformers]'"
+            ) from e
         return getattr(prefix_cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

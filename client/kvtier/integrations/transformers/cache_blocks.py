@@ -33,8 +33,7 @@ class CacheBlocks:
     """One model's block geometry: [n, L, row] blocks <-> a one-row ``DynamicCache`` (see the
     module docstring)."""
 
-    def __init__(self, geometry: KvGeometry, tokens_per_block: int, dtype: torch.dtype,
-                 model: Any) -> None:
+    def __init__(self, geometry: KvGeometry, tokens_per_block: int, dtype: torch.dtype, model: Any) -> None:
         self.geometry = geometry
         self.tokens_per_block = tokens_per_block
         self.dtype = dtype
@@ -47,16 +46,17 @@ class CacheBlocks:
     def block_shape(self) -> tuple[int, int]:
         """One block: [L, H*T*Dk + H*T*Dv] (per layer K then V, each [H, T, D] C order)."""
         g = self.geometry
-        return g.num_layers, g.num_kv_heads * self.tokens_per_block * (g.key_dim +
-                                                                                g.value_dim)
+        return g.num_layers, g.num_kv_heads * self.tokens_per_block * (g.key_dim + g.value_dim)
 
     def parts(self, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of ``layer`` in [n, L, row] blocks, as [n, H, T, D] views."""
         g, T = self.geometry, self.tokens_per_block
         n, k_len = blocks.shape[0], g.num_kv_heads * T * g.key_dim
         row = blocks[:, layer]
-        return (row[:, :k_len].view(n, g.num_kv_heads, T, g.key_dim),
-                row[:, k_len:].view(n, g.num_kv_heads, T, g.value_dim))
+        return (
+            row[:, :k_len].view(n, g.num_kv_heads, T, g.key_dim),
+            row[:, k_len:].view(n, g.num_kv_heads, T, g.value_dim),
+        )
 
     def unpack(self, blocks: torch.Tensor) -> Any:
         """[n, L, row] blocks -> a DynamicCache of n*T tokens on the model's device."""
@@ -64,8 +64,10 @@ class CacheBlocks:
         n, H, T = blocks.shape[0], self.geometry.num_kv_heads, self.tokens_per_block
         cache = DynamicCache(config=self.model.config)
         for layer in range(self.geometry.num_layers):
-            k, v = (_wide(part).permute(1, 0, 2, 3).reshape(1, H, n * T, -1).view(self.dtype)
-                    for part in self.parts(blocks, layer))  # rows moved as wide words
+            k, v = (
+                _wide(part).permute(1, 0, 2, 3).reshape(1, H, n * T, -1).view(self.dtype)
+                for part in self.parts(blocks, layer)
+            )  # rows moved as wide words
             cache.update(k, v, layer)
         return cache
 
@@ -89,27 +91,30 @@ class CacheBlocks:
         """The number of tokens ``cache`` holds; ``InvalidArgument`` unless it is a DynamicCache
         of full-attention layers with one row in this model's shape and dtype."""
         if not isinstance(cache, DynamicCache):
-            raise InvalidArgument(f"expected a transformers DynamicCache, got "
-                                  f"{type(cache).__name__}", field="cache")
+            raise InvalidArgument(
+                f"expected a transformers DynamicCache, got {type(cache).__name__}", field="cache"
+            )
         g = self.geometry
         L, H = g.num_layers, g.num_kv_heads
         if len(cache.layers) != L or any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise InvalidArgument(f"expected {L} DynamicLayer layers, got "
-                                  f"{[type(x).__name__ for x in cache.layers]}", field="cache")
+            raise InvalidArgument(
+                f"expected {L} DynamicLayer layers, got {[type(x).__name__ for x in cache.layers]}",
+                field="cache",
+            )
         held = cache.get_seq_length()
         for i, layer in enumerate(cache.layers):
-            for name, t, D in (("keys", layer.keys, g.key_dim),
-                               ("values", layer.values, g.value_dim)):
+            for name, t, D in (("keys", layer.keys, g.key_dim), ("values", layer.values, g.value_dim)):
                 if held == 0 and (t is None or t.numel() == 0):
                     continue
                 if t is None or tuple(t.shape) != (1, H, held, D) or t.dtype != self.dtype:
                     shape = None if t is None else (tuple(t.shape), t.dtype)
-                    raise InvalidArgument(f"layer {i} {name}: expected [1, {H}, {held}, {D}] "
-                                          f"{self.dtype}, got {shape}", field="cache")
+                    raise InvalidArgument(
+                        f"layer {i} {name}: expected [1, {H}, {held}, {D}] {self.dtype}, got {shape}",
+                        field="cache",
+                    )
         return int(held)
 
     # -- generate -----------------------------------------------------------------------------------
-
 
 
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -129,13 +134,14 @@ def _wide(t: torch.Tensor, size: int | None = None) -> torch.Tensor:
     return t.view(_WIDE[size or _wide_size(t)])
 
 
-
-
 def _check_full_attention(config: Any) -> None:
     """Refuse a model whose DynamicCache is not made of full-attention DynamicLayers: a
     sliding-window layer drops old tokens, a linear-attention layer keeps a state, not a KV per
     token, so neither maps onto prefix blocks."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
     if kinds - {DynamicLayer.__name__}:
-        raise ConfigError("model", f"only full-attention models are supported; this model's "
-                                   f"cache has {sorted(kinds)} layers (sliding window or hybrid)")
+        raise ConfigError(
+            "model",
+            f"only full-attention models are supported; this model's "
+            f"cache has {sorted(kinds)} layers (sliding window or hybrid)",
+        )

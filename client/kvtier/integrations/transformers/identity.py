@@ -53,15 +53,38 @@ CONFIG_SALT_PREFIX = "hf-config:"
 # Config keys that do not change the KV a model computes for given token ids (the weights are
 # named by model id and revision; the dtype is its own namespace field). Every other key,
 # including unknown ones, goes into the config digest: a key left in only costs sharing.
-IGNORED_CONFIG_KEYS = frozenset({
-    "transformers_version", "_name_or_path", "name_or_path", "_commit_hash", "architectures",
-    "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states",
-    "return_dict", "id2label", "label2id", "problem_type", "pad_token_id", "bos_token_id",
-    "eos_token_id", "sep_token_id", "decoder_start_token_id", "tie_word_embeddings",
-    "_attn_implementation", "_attn_implementation_internal", "_experts_implementation",
-    "tokenizer_class", "task_specific_params", "finetuning_task", "prefix",
-    "chunk_size_feed_forward",
-})
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "_name_or_path",
+        "name_or_path",
+        "_commit_hash",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tie_word_embeddings",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "_experts_implementation",
+        "tokenizer_class",
+        "task_specific_params",
+        "finetuning_task",
+        "prefix",
+        "chunk_size_feed_forward",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -121,35 +144,56 @@ class PrefixCacheOptions:
         identity rule on them), the optional strings, the salt's length."""
         for key in ("model_revision", "tokenizer_digest"):
             value = getattr(self, key)
-            _need(isinstance(value, str) and bool(value.strip()), key,
-                  "required: a non-empty string (fail-closed, no default)")
+            _need(
+                isinstance(value, str) and bool(value.strip()),
+                key,
+                "required: a non-empty string (fail-closed, no default)",
+            )
         # The one identity rule (kvtier_contract.identity): no moving ref, no placeholder.
-        _need(revision_problem(self.model_revision) is None, "model_revision",
-              str(revision_problem(self.model_revision)))
-        _need(tokenizer_digest_problem(self.tokenizer_digest) is None, "tokenizer_digest",
-              str(tokenizer_digest_problem(self.tokenizer_digest)))
+        _need(
+            revision_problem(self.model_revision) is None,
+            "model_revision",
+            str(revision_problem(self.model_revision)),
+        )
+        _need(
+            tokenizer_digest_problem(self.tokenizer_digest) is None,
+            "tokenizer_digest",
+            str(tokenizer_digest_problem(self.tokenizer_digest)),
+        )
         for key in ("model_id", "cache_salt", "tenant", "token_file"):
             value = getattr(self, key)
-            _need(value is None or (isinstance(value, str) and bool(value.strip())), key,
-                  "must be None or a non-empty string")
-        _need(self.cache_salt is None or len(self.cache_salt) <= 160, "cache_salt",
-              "at most 160 characters")
+            _need(
+                value is None or (isinstance(value, str) and bool(value.strip())),
+                key,
+                "must be None or a non-empty string",
+            )
+        _need(self.cache_salt is None or len(self.cache_salt) <= 160, "cache_salt", "at most 160 characters")
 
     def _check_settings(self) -> None:
         """The cache's settings: positive integers, transport, flags, load policy."""
         for key in ("tokens_per_block", "request_timeout_ms", "op_timeout_ms"):
             value = getattr(self, key)
-            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-                  "must be a positive integer")
+            _need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                key,
+                "must be a positive integer",
+            )
         _need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
         for key in ("load", "store", "store_generated"):
             _need(isinstance(getattr(self, key), bool), key, "must be True or False")
-        _need(self.load_policy in LOAD_POLICIES, "load_policy",
-              f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
-        _need(isinstance(self.probe_after_s, (int, float)) and not isinstance(
-            self.probe_after_s, bool) and math.isfinite(self.probe_after_s)
-              and self.probe_after_s > 0, "probe_after_s",
-              f"must be a positive number of seconds, got {self.probe_after_s!r}")
+        _need(
+            self.load_policy in LOAD_POLICIES,
+            "load_policy",
+            f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}",
+        )
+        _need(
+            isinstance(self.probe_after_s, (int, float))
+            and not isinstance(self.probe_after_s, bool)
+            and math.isfinite(self.probe_after_s)
+            and self.probe_after_s > 0,
+            "probe_after_s",
+            f"must be a positive number of seconds, got {self.probe_after_s!r}",
+        )
 
 
 def _need(ok: bool, key: str, message: str) -> None:
@@ -182,10 +226,10 @@ def config_digest(config: Any) -> str:
     depth), as canonical JSON (sorted keys; values JSON cannot encode are written with str)."""
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):
-        raise ConfigError("config", f"expected a transformers PretrainedConfig, got "
-                                    f"{type(config).__name__}")
-    canonical = json.dumps(_strip(to_dict()), sort_keys=True, separators=(",", ":"),
-                           default=str, ensure_ascii=True)
+        raise ConfigError("config", f"expected a transformers PretrainedConfig, got {type(config).__name__}")
+    canonical = json.dumps(
+        _strip(to_dict()), sort_keys=True, separators=(",", ":"), default=str, ensure_ascii=True
+    )
     return hashlib.sha256(b"kvtier/hf-config/v1\0" + canonical.encode()).hexdigest()
 
 
@@ -238,9 +282,12 @@ def kv_geometry(config: Any) -> KvGeometry:
         latent = _positive("kv_lora_rank", text.kv_lora_rank)
         rope = _positive("qk_rope_head_dim", getattr(text, "qk_rope_head_dim", None))
         if (latent + rope) % 2:
-            raise ConfigError("config.kv_lora_rank", f"MLA latent row kv_lora_rank + "
-                              f"qk_rope_head_dim = {latent} + {rope} is odd; kvtier stores "
-                              f"rows of even width only")
+            raise ConfigError(
+                "config.kv_lora_rank",
+                f"MLA latent row kv_lora_rank + "
+                f"qk_rope_head_dim = {latent} + {rope} is odd; kvtier stores "
+                f"rows of even width only",
+            )
         return KvGeometry(layers, 1, latent, rope, latent=True)
     heads = _positive("num_attention_heads", getattr(text, "num_attention_heads", None))
     kv_heads = getattr(text, "num_key_value_heads", None)
@@ -249,8 +296,9 @@ def kv_geometry(config: Any) -> KvGeometry:
     if head_dim is None:
         hidden = _positive("hidden_size", getattr(text, "hidden_size", None))
         if hidden % heads:
-            raise ConfigError("config.head_dim", f"hidden_size {hidden} is not a multiple of "
-                                                 f"num_attention_heads {heads}")
+            raise ConfigError(
+                "config.head_dim", f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+            )
         head_dim = hidden // heads
     head_dim = _positive("head_dim", head_dim)
     return KvGeometry(layers, kv_heads, head_dim, head_dim)
@@ -261,8 +309,10 @@ def _model_id(options: PrefixCacheOptions, config: Any) -> str:
         return options.model_id
     name = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError("model_id", "required: the model's config has no _name_or_path (a model "
-                                      "built in code); pass model_id")
+        raise ConfigError(
+            "model_id",
+            "required: the model's config has no _name_or_path (a model built in code); pass model_id",
+        )
     return name
 
 
@@ -279,15 +329,23 @@ def model_namespace(config: Any, kv_dtype: str, options: PrefixCacheOptions) -> 
     ``"bfloat16"``). The config digest and the optional ``options.cache_salt`` form the
     namespace's ``cache_salt``: ``hf-config:<sha256 hex>[;salt:<cache_salt>]``."""
     if kv_dtype not in KV_DTYPES:
-        raise ConfigError("dtype", f"KV dtype {kv_dtype!r} is not one kvtier stores "
-                                   f"({', '.join(sorted(KV_DTYPES))})")
+        raise ConfigError(
+            "dtype", f"KV dtype {kv_dtype!r} is not one kvtier stores ({', '.join(sorted(KV_DTYPES))})"
+        )
     geo = kv_geometry(config)
     return Namespace(
-        model_id=_model_id(options, config), model_revision=options.model_revision,
-        tokenizer_digest=options.tokenizer_digest, kv_dtype=kv_dtype, layout=geo.layout,
-        tokens_per_block=options.tokens_per_block, num_layers=geo.num_layers,
-        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, cache_salt=_salt(options, config),
-        tenant=options.tenant)
+        model_id=_model_id(options, config),
+        model_revision=options.model_revision,
+        tokenizer_digest=options.tokenizer_digest,
+        kv_dtype=kv_dtype,
+        layout=geo.layout,
+        tokens_per_block=options.tokens_per_block,
+        num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim,
+        cache_salt=_salt(options, config),
+        tenant=options.tenant,
+    )
 
 
 _TORCH_DTYPE = re.compile(r"^torch\.")

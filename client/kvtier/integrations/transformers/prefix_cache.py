@@ -87,11 +87,13 @@ class PrefixCacheCounters:
 class KvtierPrefixCache:
     """Prefix caching for one Hugging Face causal LM (see the module docstring)."""
 
-    def __init__(self, client: Client | str, model: Any, *, model_revision: str,
-                 tokenizer_digest: str, **options: Any) -> None:
+    def __init__(
+        self, client: Client | str, model: Any, *, model_revision: str, tokenizer_digest: str, **options: Any
+    ) -> None:
         try:
-            self.options = PrefixCacheOptions(model_revision=model_revision,
-                                              tokenizer_digest=tokenizer_digest, **options)
+            self.options = PrefixCacheOptions(
+                model_revision=model_revision, tokenizer_digest=tokenizer_digest, **options
+            )
         except TypeError as e:
             known = ", ".join(f.name for f in fields(PrefixCacheOptions))
             raise ConfigError("options", f"{e}; known options: {known}") from None
@@ -100,22 +102,29 @@ class KvtierPrefixCache:
         _check_full_attention(config)
         self.dtype: torch.dtype = model.dtype
         self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
-        self.blocks = CacheBlocks(kv_geometry(config), self.options.tokens_per_block, self.dtype,
-                                  model)
+        self.blocks = CacheBlocks(kv_geometry(config), self.options.tokens_per_block, self.dtype, model)
         self._said: set[str] = set()  # store failures already logged
         self._predicted_s: float | None = None  # the last decision's predicted load time
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
-            client = Client.connect(client, lazy=True, settings=ClientSettings(  # away: misses
-                transport=o.transport, timeout_s=o.request_timeout_ms / 1000,
-                op_timeout_s=o.op_timeout_ms / 1000, token_file=o.token_file,
-                client_name="kvtier-transformers"))
+            client = Client.connect(
+                client,
+                lazy=True,
+                settings=ClientSettings(  # away: misses
+                    transport=o.transport,
+                    timeout_s=o.request_timeout_ms / 1000,
+                    op_timeout_s=o.op_timeout_ms / 1000,
+                    token_file=o.token_file,
+                    client_name="kvtier-transformers",
+                ),
+            )
         self.client: Client = client
         self.handle: NamespaceHandle = client.register(self.namespace)
         self.counters = PrefixCacheCounters()
-        self.decider = Decider(self.options.load_policy, probe_after_s=self.options.probe_after_s,
-                               prefill=PrefillRate())
+        self.decider = Decider(
+            self.options.load_policy, probe_after_s=self.options.probe_after_s, prefill=PrefillRate()
+        )
 
     @property
     def geometry(self) -> KvGeometry:
@@ -173,8 +182,9 @@ class KvtierPrefixCache:
             self.decider.report(tier, fig.latency_s, fig.bytes_per_s, age_s=fig.age_s)
         before = self.decider.stats
         slower, policy = before.tokens_recomputed_slower, before.tokens_recomputed_policy
-        d = self.decider.decide(tiers, block_tokens=self.options.tokens_per_block,
-                                block_bytes=self.blocks.block_bytes())
+        d = self.decider.decide(
+            tiers, block_tokens=self.options.tokens_per_block, block_bytes=self.blocks.block_bytes()
+        )
         c, after = self.counters, self.decider.stats
         c.tokens_recomputed_slower += after.tokens_recomputed_slower - slower
         c.tokens_recomputed_policy += after.tokens_recomputed_policy - policy
@@ -225,8 +235,10 @@ class KvtierPrefixCache:
         stored after. Calls this cannot cache (several rows, a padded attention mask, beam
         search or several return sequences, ``use_cache=False``) run uncached."""
         if "past_key_values" in kwargs:
-            raise InvalidArgument("generate brings its own cache; call model.generate to pass "
-                                  "past_key_values", field="past_key_values")
+            raise InvalidArgument(
+                "generate brings its own cache; call model.generate to pass past_key_values",
+                field="past_key_values",
+            )
         if not self._cacheable(input_ids, kwargs):
             self.counters.generate_uncached += 1
             return self.model.generate(input_ids, **kwargs)
@@ -244,9 +256,11 @@ class KvtierPrefixCache:
             reason = f"{type(e).__name__}: {e}"
             if reason not in self._said:
                 self._said.add(reason)
-                log.error("kvtier prefix cache: KV not stored after generate (the output is "
-                          "returned; said once per reason, counted in store_failures): %s",
-                          reason)
+                log.error(
+                    "kvtier prefix cache: KV not stored after generate (the output is "
+                    "returned; said once per reason, counted in store_failures): %s",
+                    reason,
+                )
         return out
 
     @contextlib.contextmanager
@@ -272,8 +286,10 @@ class KvtierPrefixCache:
                 self.decider.step(tokens, time.perf_counter() - t0)
                 self.counters.prefill_steps += 1
 
-        hooks = [self.model.register_forward_pre_hook(before, with_kwargs=True),
-                 self.model.register_forward_hook(after)]
+        hooks = [
+            self.model.register_forward_pre_hook(before, with_kwargs=True),
+            self.model.register_forward_hook(after),
+        ]
         try:
             yield
         finally:
@@ -305,15 +321,18 @@ class KvtierPrefixCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
 def _one_row(token_ids: Any) -> list[int]:
     """Token ids of one sequence: a 1-D sequence or tensor, or a [1, seq] tensor."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() == 2 and token_ids.shape[0] == 1:
             token_ids = token_ids[0]
         if token_ids.dim() != 1:
-            raise InvalidArgument(f"expected one sequence ([seq] or [1, seq]), got shape "
-                                  f"{list(token_ids.shape)}; batch size 1 only",
-                                  field="input_ids")
+            raise InvalidArgument(
+                f"expected one sequence ([seq] or [1, seq]), got shape "
+                f"{list(token_ids.shape)}; batch size 1 only",
+                field="input_ids",
+            )
         return [int(t) for t in token_ids.tolist()]
     if isinstance(token_ids, Sequence) and all(isinstance(t, int) for t in token_ids):
         return list(token_ids)

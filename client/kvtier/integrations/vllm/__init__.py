@@ -19,14 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats",
-           "KvtierSecondaryTier"]
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats", "KvtierSecondaryTier"]
 _MODULES = {"KvtierSecondaryTier": "tier"}
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        module = importlib.import_module(
-            f"kvtier.integrations.vllm.{_MODULES.get(name, 'connector')}")
+        module = importlib.import_module(f"kvtier.integrations.vllm.{_MODULES.get(name, 'connector')}")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

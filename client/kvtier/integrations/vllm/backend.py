@@ -22,8 +22,9 @@ from kvtier.settings import ClientSettings
 class DaemonBackend:
     """Owns one Client and one NamespaceHandle per (variant, tp rank). Single-threaded."""
 
-    def __init__(self, identity: EngineIdentity, cfg: ConnectorConfig, *,
-                 client_name: str = "vllm-scheduler") -> None:
+    def __init__(
+        self, identity: EngineIdentity, cfg: ConnectorConfig, *, client_name: str = "vllm-scheduler"
+    ) -> None:
         self.identity = identity
         self.cfg = cfg
         self.client_name = client_name
@@ -37,12 +38,19 @@ class DaemonBackend:
             # A lookup answered after lookup_timeout_ms is a miss anyway: no RPC waits longer.
             timeout_ms = min(self.cfg.request_timeout_ms, self.cfg.lookup_timeout_ms)
             self._client = Client.connect(  # lazy: away is a miss, logged once per cause
-                self.cfg.address, lazy=True, breaker=shared_breaker(self.cfg.address),
+                self.cfg.address,
+                lazy=True,
+                breaker=shared_breaker(self.cfg.address),
                 settings=ClientSettings(
-                    transport=self.cfg.transport, timeout_s=timeout_ms / 1000,
-                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000, client_name=self.client_name,
+                    transport=self.cfg.transport,
+                    timeout_s=timeout_ms / 1000,
+                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                    client_name=self.client_name,
                     probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
-                    token_file=self.cfg.token_file, unix_login=self.cfg.unix_login))
+                    token_file=self.cfg.token_file,
+                    unix_login=self.cfg.unix_login,
+                ),
+            )
         return self._client
 
     def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:
@@ -63,8 +71,7 @@ class DaemonBackend:
         for r in range(self.identity.tp_size):
             self.handle(BASE, r)
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
-               promote: bool = True) -> LookupOutcome:
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *, promote: bool = True) -> LookupOutcome:
         """Keys of every tp slice, then one pinned lookup of them all; the hit is the shortest.
         A slice that the published index says has no hit at all ends it with no round trip
         (a new prompt, the common case, costs the daemon nothing)."""
@@ -92,6 +99,7 @@ class DaemonBackend:
 
         def chain(rank: int, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
             return namespaces[rank].block_keys(token_ids, parent=parent, tenant_key=tenant_key)
+
         return chain
 
     def release(self, pins: Sequence[Pin]) -> None:

@@ -38,9 +38,17 @@ DEFAULT_ADDRESS = defaults.ADDRESS
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # Files whose bytes define a Hugging Face tokenizer (whichever of them exist).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                   "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
@@ -69,8 +77,9 @@ def settings_from(cls: type[_S], extra: Mapping[str, Any] | None, prefix: str) -
     known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
     for key in extra:
         if key not in known:
-            raise ConfigError(f"{prefix}.{key}",
-                              f"unknown key; known: {', '.join(sorted(known | {'socket'}))}")
+            raise ConfigError(
+                f"{prefix}.{key}", f"unknown key; known: {', '.join(sorted(known | {'socket'}))}"
+            )
     cfg = cls(**extra)
     cfg.validate()  # type: ignore[attr-defined]
     return cfg
@@ -78,35 +87,41 @@ def settings_from(cls: type[_S], extra: Mapping[str, Any] | None, prefix: str) -
 
 def needs(prefix: str) -> Need:
     """``need(ok, key, message)``: ConfigError ``<prefix>.<key>: message`` unless ``ok``."""
+
     def need(ok: bool, key: str, message: str) -> None:
         if not ok:
             raise ConfigError(f"{prefix}.{key}", message)
+
     return need
 
 
-def check_client_fields(cfg: Any, need: Need, *, positive: Sequence[str],
-                        strings: Sequence[str], flags: Sequence[str]) -> None:
+def check_client_fields(
+    cfg: Any, need: Need, *, positive: Sequence[str], strings: Sequence[str], flags: Sequence[str]
+) -> None:
     """The checks the connector's and the tier's settings share: the address, positive integer
     ``positive``, non-empty-or-absent ``strings``, boolean ``flags``, the tokenizer digest rule,
     and a Unix login (a Unix address, no token file)."""
-    need(isinstance(cfg.address, str) and bool(cfg.address), "address",
-         "must be a non-empty string")
+    need(isinstance(cfg.address, str) and bool(cfg.address), "address", "must be a non-empty string")
     for key in positive:
         value = getattr(cfg, key)
-        need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-             "must be a positive integer")
+        need(
+            isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            key,
+            "must be a positive integer",
+        )
     for key in strings:
         value = getattr(cfg, key)
-        need(value is None or (isinstance(value, str) and bool(value)), key,
-             "must be a non-empty string")
+        need(value is None or (isinstance(value, str) and bool(value)), key, "must be a non-empty string")
     problem = tokenizer_digest_problem(cfg.tokenizer_digest) if cfg.tokenizer_digest else None
     need(problem is None, "tokenizer_digest", str(problem))
     for key in flags:
         need(isinstance(getattr(cfg, key), bool), key, "must be true or false")
-    need(not (cfg.unix_login and cfg.token_file), "unix_login",
-         "give token_file or unix_login, not both")
-    need(not cfg.unix_login or cfg.address.startswith("unix:"), "unix_login",
-         "needs a Unix socket address (socket or unix: address)")
+    need(not (cfg.unix_login and cfg.token_file), "unix_login", "give token_file or unix_login, not both")
+    need(
+        not cfg.unix_login or cfg.address.startswith("unix:"),
+        "unix_login",
+        "needs a Unix socket address (socket or unix: address)",
+    )
 
 
 @dataclass(frozen=True)
@@ -152,25 +167,39 @@ class ConnectorConfig:
         the shared client fields, transport, revisions, then the load settings)."""
         need = needs("kv_connector_extra_config")
         check_client_fields(
-            self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "lease_ttl_ms",
-                                  "pin_release_steps", "step_budget_ms", "probe_timeout_ms",
-                                  "async_load_timeout_ms"),
+            self,
+            need,
+            positive=(
+                "lookup_timeout_ms",
+                "request_timeout_ms",
+                "lease_ttl_ms",
+                "pin_release_steps",
+                "step_budget_ms",
+                "probe_timeout_ms",
+                "async_load_timeout_ms",
+            ),
             strings=("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"),
-            flags=("load", "store", "store_generated", "event_token_ids", "unix_login"))
-        need(self.transport in TRANSPORT_NAMES.values(), "transport",
-             "must be 'shm', 'tcp' or 'cuda_ipc'")
+            flags=("load", "store", "store_generated", "event_token_ids", "unix_login"),
+        )
+        need(self.transport in TRANSPORT_NAMES.values(), "transport", "must be 'shm', 'tcp' or 'cuda_ipc'")
         self._check_revisions(need)
         self._check_loading(need)
 
     def _check_revisions(self, need: Need) -> None:
         """``adapter_revisions``' shape, then the one identity rule (kvtier_contract.identity)
         on every configured revision, refused by its key's name."""
-        need(isinstance(self.adapter_revisions, Mapping)
-             and all(isinstance(k, str) and isinstance(v, str) and v
-                     for k, v in self.adapter_revisions.items()),
-             "adapter_revisions", "must map adapter names to revision strings")
-        revisions = {"model_revision": self.model_revision, **{
-            f"adapter_revisions.{k}": v for k, v in self.adapter_revisions.items()}}
+        need(
+            isinstance(self.adapter_revisions, Mapping)
+            and all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in self.adapter_revisions.items()
+            ),
+            "adapter_revisions",
+            "must map adapter names to revision strings",
+        )
+        revisions = {
+            "model_revision": self.model_revision,
+            **{f"adapter_revisions.{k}": v for k, v in self.adapter_revisions.items()},
+        }
         for key, value in revisions.items():
             problem = revision_problem(value) if value else None
             need(problem is None, key, str(problem))
@@ -178,21 +207,34 @@ class ConnectorConfig:
     def _check_loading(self, need: Need) -> None:
         """The load settings: mode, policy, interference budget, probe delay, lookup wait."""
         need(self.load_mode in ("sync", "async"), "load_mode", "must be 'sync' or 'async'")
-        need(self.load_policy in LOAD_POLICIES, "load_policy",
-             f"must be one of {', '.join(repr(p) for p in LOAD_POLICIES)}")
+        need(
+            self.load_policy in LOAD_POLICIES,
+            "load_policy",
+            f"must be one of {', '.join(repr(p) for p in LOAD_POLICIES)}",
+        )
         budget = self.interference_budget
-        need(budget is None or (_real(budget) and 0 < budget <= 1), "interference_budget",
-             "must be a fraction in (0, 1] of an engine step, or null for no budget")
-        need(_real(self.probe_after_s) and 0 < self.probe_after_s < math.inf, "probe_after_s",
-             "must be a positive number of seconds")
-        need(isinstance(self.lookup_wait_ms, int) and not isinstance(self.lookup_wait_ms, bool)
-             and 0 <= self.lookup_wait_ms <= 1000, "lookup_wait_ms",
-             "must be an integer from 0 (never wait: answers come a step later) to 1000")
+        need(
+            budget is None or (_real(budget) and 0 < budget <= 1),
+            "interference_budget",
+            "must be a fraction in (0, 1] of an engine step, or null for no budget",
+        )
+        need(
+            _real(self.probe_after_s) and 0 < self.probe_after_s < math.inf,
+            "probe_after_s",
+            "must be a positive number of seconds",
+        )
+        need(
+            isinstance(self.lookup_wait_ms, int)
+            and not isinstance(self.lookup_wait_ms, bool)
+            and 0 <= self.lookup_wait_ms <= 1000,
+            "lookup_wait_ms",
+            "must be an integer from 0 (never wait: answers come a step later) to 1000",
+        )
+
 
 def _real(value: object) -> bool:
     """A finite int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -231,8 +273,7 @@ class EngineIdentity:
         return Namespace(**asdict(self), **asdict(variant), tp_rank=tp_rank)
 
 
-def resolve_model_revision(configured: str | None, engine_revision: str | None,
-                           model_path: str) -> str:
+def resolve_model_revision(configured: str | None, engine_revision: str | None, model_path: str) -> str:
     """The model's immutable revision: the extra config's, the commit vLLM resolved its
     ``--revision`` to (``engine_revision.resolved`` where vLLM provides it), an explicit
     ``--revision`` other than a branch default, or the commit of a Hugging Face snapshot
@@ -251,7 +292,8 @@ def resolve_model_revision(configured: str | None, engine_revision: str | None,
     raise ConfigError(
         "kv_connector_extra_config.model_revision",
         f"required: the model {model_path!r} is not a Hugging Face snapshot and vLLM was given no "
-        "--revision; set the model's immutable revision (e.g. its commit hash)")
+        "--revision; set the model's immutable revision (e.g. its commit hash)",
+    )
 
 
 def files_digest(directory: str | os.PathLike[str], names: tuple[str, ...]) -> str | None:
@@ -271,8 +313,9 @@ def files_digest(directory: str | os.PathLike[str], names: tuple[str, ...]) -> s
     return f"sha256:{h.hexdigest()}" if found else None
 
 
-def resolve_tokenizer_digest(configured: str | None, skipped: bool, tokenizer_path: str,
-                             hub_revision: str | None = None) -> str:
+def resolve_tokenizer_digest(
+    configured: str | None, skipped: bool, tokenizer_path: str, hub_revision: str | None = None
+) -> str:
     """``"none"`` when the engine runs without a tokenizer (token ids in, token ids out), the
     configured digest, the digest of the tokenizer files in a local directory, or, for a hub id
     at a commit, ``hf:<id>@<commit>`` (the files at a commit never change); else ``ConfigError``."""
@@ -286,13 +329,15 @@ def resolve_tokenizer_digest(configured: str | None, skipped: bool, tokenizer_pa
             return digest
     elif hub_revision and _COMMIT.fullmatch(hub_revision):
         return f"hf:{tokenizer_path}@{hub_revision}"
-    raise ConfigError("kv_connector_extra_config.tokenizer_digest",
-                      f"required: no tokenizer files found in {tokenizer_path!r} and no commit "
-                      "to name them by")
+    raise ConfigError(
+        "kv_connector_extra_config.tokenizer_digest",
+        f"required: no tokenizer files found in {tokenizer_path!r} and no commit to name them by",
+    )
 
 
-def adapter_variant(cfg: ConnectorConfig, name: str, path: str | None, cache_salt: str | None,
-                    digests: dict[str, str]) -> Variant:
+def adapter_variant(
+    cfg: ConnectorConfig, name: str, path: str | None, cache_salt: str | None, digests: dict[str, str]
+) -> Variant:
     """The variant of a request with LoRA adapter ``name`` at ``path``: the configured revision,
     else the digest of the adapter files (memoised in ``digests`` by path). ``ConfigError`` when
     neither exists: such requests are neither looked up nor stored."""
@@ -304,6 +349,8 @@ def adapter_variant(cfg: ConnectorConfig, name: str, path: str | None, cache_sal
             if revision is not None:
                 digests[path] = revision
     if revision is None:
-        raise ConfigError(f"kv_connector_extra_config.adapter_revisions.{name}",
-                          "no revision configured and no adapter files to digest")
+        raise ConfigError(
+            f"kv_connector_extra_config.adapter_revisions.{name}",
+            "no revision configured and no adapter files to digest",
+        )
     return Variant(adapter_id=name, adapter_revision=revision, cache_salt=cache_salt)

@@ -37,10 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 try:  # vLLM >= 0.32; older releases have no per-source hit metrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -49,13 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 from kvtier.adaptive import Decider
 from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import (
-    BASE,
-    ConfigError,
-    ConnectorConfig,
-    Variant,
-    adapter_variant,
-)
+from kvtier.integrations.vllm.config import BASE, ConfigError, ConnectorConfig, Variant, adapter_variant
 from kvtier.integrations.vllm.connector_meta import (
     _UNPREFIXED,
     PROM_COUNTERS,
@@ -68,9 +59,17 @@ from kvtier.integrations.vllm.connector_translate import engine_identity, layer_
 from kvtier.integrations.vllm.planner import Planner, RequestInfo
 from kvtier.integrations.vllm.worker import KvtierWorker
 
-__all__ = ["PROM_COUNTERS", "KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats",
-           "KvtierPromMetrics", "KvtierWorkerMeta", "engine_identity", "layer_order",
-           "step_input"]
+__all__ = [
+    "PROM_COUNTERS",
+    "KvtierConnector",
+    "KvtierConnectorMetadata",
+    "KvtierConnectorStats",
+    "KvtierPromMetrics",
+    "KvtierWorkerMeta",
+    "engine_identity",
+    "layer_order",
+    "step_input",
+]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -88,8 +87,9 @@ _TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK} if Cac
 class KvtierConnector(KVConnectorBase_V1):
     """See the module docstring. Construction never contacts the daemon."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.identity = engine_identity(vllm_config, kv_cache_config, self.cfg)
@@ -103,20 +103,27 @@ class KvtierConnector(KVConnectorBase_V1):
         self._step: tuple[KVConnectorMetadata | None, float] = (None, 0.0)  # (plan, its deadline)
         if role == KVConnectorRole.SCHEDULER:
             self.planner = Planner(
-                block_size=self.block_size, backend=DaemonBackend(self.identity, self.cfg),
+                block_size=self.block_size,
+                backend=DaemonBackend(self.identity, self.cfg),
                 lookup_timeout_s=self.cfg.lookup_timeout_ms / 1000,
                 lookup_wait_s=self.cfg.lookup_wait_ms / 1000,
-                pin_release_steps=self.cfg.pin_release_steps, load=self.cfg.load,
-                store=self.cfg.store, store_generated=self.cfg.store_generated,
+                pin_release_steps=self.cfg.pin_release_steps,
+                load=self.cfg.load,
+                store=self.cfg.store,
+                store_generated=self.cfg.store_generated,
                 load_async=self.cfg.load_mode == "async",
                 event_token_ids=self.cfg.event_token_ids,
-                decider=Decider(self.cfg.load_policy,
-                                probe_after_s=self.cfg.probe_after_s),
+                decider=Decider(self.cfg.load_policy, probe_after_s=self.cfg.probe_after_s),
                 block_bytes=self.identity.namespace().block_bytes,
                 interference_budget=self.cfg.interference_budget,
-                sync_load_budget_s=self.cfg.step_budget_ms / 1000)
-        log.info("kvtier connector (%s): %s at %s", role.name.lower(),
-                 self.identity.namespace().to_dict(), self.cfg.address)
+                sync_load_budget_s=self.cfg.step_budget_ms / 1000,
+            )
+        log.info(
+            "kvtier connector (%s): %s at %s",
+            role.name.lower(),
+            self.identity.namespace().to_dict(),
+            self.cfg.address,
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -127,33 +134,35 @@ class KvtierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         assert self.planner is not None
         # all_token_ids: vLLM's live, read-only view of prompt + output ids (generated blocks)
-        self.planner.on_new_request(RequestInfo(request.request_id,
-                                                list(request.prompt_token_ids or ()),
-                                                self._variant(request),
-                                                request.all_token_ids))
+        self.planner.on_new_request(
+            RequestInfo(
+                request.request_id,
+                list(request.prompt_token_ids or ()),
+                self._variant(request),
+                request.all_token_ids,
+            )
+        )
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.planner is not None
         if not self.planner.knows(request.request_id):  # a request vLLM did not announce
             self.on_new_request(request)
-        return self.planner.num_new_matched(request.request_id, num_computed_tokens,
-                                            request.num_tokens)
+        return self.planner.num_new_matched(request.request_id, num_computed_tokens, request.num_tokens)
 
-    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
-                                       ) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         assert self.planner is not None
         if CacheHitSource is None:
             return {}
         by_tier = self.planner.hit_sources(request.request_id, num_external_tokens)
-        return {_TIER_SOURCE.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED): n
-                for t, n in by_tier.items() if n}
+        return {_TIER_SOURCE.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED): n for t, n in by_tier.items() if n}
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.planner is not None
-        self.planner.after_alloc(request.request_id, blocks.get_block_ids()[0],
-                                 num_external_tokens)
+        self.planner.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.planner is not None
@@ -169,8 +178,7 @@ class KvtierConnector(KVConnectorBase_V1):
             for req_id in connector_output.finished_recving or ():
                 self.planner.load_finished(req_id)
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is not None:
             self.planner.request_finished(request.request_id)
         return False, None
@@ -200,8 +208,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KvtierConnectorMetadata):
-            self.worker.wait(kv_connector_metadata.plan.flush,
-                             self._step_deadline(kv_connector_metadata))
+            self.worker.wait(kv_connector_metadata.plan.flush, self._step_deadline(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -213,12 +220,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.cfg.load_mode == "async":  # vLLM calls this after the forward: hand off, return
             self.worker.load_async(meta.plan.loads, decoding=decoding)
         else:
-            self._load_errors |= self.worker.load(meta.plan.loads, self._step_deadline(meta),
-                                                  decoding=decoding)
+            self._load_errors |= self.worker.load(
+                meta.plan.loads, self._step_deadline(meta), decoding=decoding
+            )
             self.worker.forward_start()  # the forward starts after the loads
 
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending: none, kvtier never delays a free; finished receiving: the async
         loads that are over). Failed blocks go to ``get_block_ids_with_load_errors``, which vLLM
         calls right after this in the same step, so they arrive with the request's id."""
@@ -239,8 +246,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-step loads finish in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # whole-step stores are submitted in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -259,8 +267,10 @@ class KvtierConnector(KVConnectorBase_V1):
             data: dict[str, Any] = self.worker.take_stats()
         elif self.planner is not None:
             now = vars(self.planner.stats).copy()
-            data = {(k if k.startswith(_UNPREFIXED) else f"sched_{k}"):
-                    v - self._reported.get(k, 0) for k, v in now.items()}
+            data = {
+                (k if k.startswith(_UNPREFIXED) else f"sched_{k}"): v - self._reported.get(k, 0)
+                for k, v in now.items()
+            }
             self._reported = now
         else:
             return None
@@ -268,14 +278,17 @@ class KvtierConnector(KVConnectorBase_V1):
         return None if stats.is_empty() else stats
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
-                                 ) -> KVConnectorStats | None:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KvtierConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KVConnectorPromMetrics | None:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -296,9 +309,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if lora is None:
             return Variant(cache_salt=salt) if salt else BASE
         try:
-            return adapter_variant(self.cfg, lora.lora_name, lora.lora_path or None, salt,
-                                   self._adapter_digests)
+            return adapter_variant(
+                self.cfg, lora.lora_name, lora.lora_path or None, salt, self._adapter_digests
+            )
         except ConfigError as e:
             log.warning("kvtier: request %s not cached: %s", request.request_id, e)
             return None
-

@@ -16,14 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvtier.integrations.vllm.plans import LoadReport, StepPlan, StepReport
 
@@ -121,20 +115,26 @@ _UNPREFIXED = ("decision_", "load_seconds_")
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """The connector's counters in vLLM's own /metrics (front-end process)."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         from vllm.v1.metrics.utils import create_metric_per_engine
 
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             key: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc,
-                                  labelnames=labelnames), per_engine_labelvalues)
-            for key, doc in PROM_COUNTERS.items()}
+                self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, doc in PROM_COUNTERS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             per_engine = self._counters.get(key)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
-

@@ -54,8 +54,7 @@ class LookupOutcome:
 class Backend(Protocol):
     """The daemon as the lookup thread sees it (called from that thread only)."""
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
-               promote: bool = True) -> LookupOutcome:
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *, promote: bool = True) -> LookupOutcome:
         """A pinned lookup; ``promote`` False: hold the hits only, start no promotion of those
         held below the host tier (``NamespaceHandle.lookup_pinned``)."""
         ...
@@ -203,8 +202,11 @@ class LookupThread:
                 warmup()
             return
         req_id, gen, variant, tokens = task
-        outcome = (self._backend.lookup(variant, tokens) if self.promote
-                   else self._backend.lookup(variant, tokens, promote=False))
+        outcome = (
+            self._backend.lookup(variant, tokens)
+            if self.promote
+            else self._backend.lookup(variant, tokens, promote=False)
+        )
         with self._cond:
             if req_id in self._forgotten:
                 self._forgotten.discard(req_id)

@@ -73,8 +73,19 @@ from kvtier.integrations.vllm.plans import (
     StoreJob,
 )
 
-__all__ = ["BELOW_HOST", "LoadJob", "LoadReport", "Planner", "PlannerStats", "RequestInfo",
-           "ScheduledRequest", "StepInput", "StepPlan", "StepReport", "StoreJob"]
+__all__ = [
+    "BELOW_HOST",
+    "LoadJob",
+    "LoadReport",
+    "Planner",
+    "PlannerStats",
+    "RequestInfo",
+    "ScheduledRequest",
+    "StepInput",
+    "StepPlan",
+    "StepReport",
+    "StoreJob",
+]
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -82,16 +93,29 @@ log = logging.getLogger("vllm.kvtier")
 class Planner(LoadDecisions, StorePlanning):
     """See the module docstring."""
 
-    def __init__(self, *, block_size: int, backend: Backend, lookup_timeout_s: float = 0.3,
-                 lookup_wait_s: float = 0.002, pin_release_steps: int = 4, load: bool = True,
-                 store: bool = True, store_generated: bool = True, load_async: bool = False,
-                 event_token_ids: bool = False, decider: Decider | None = None,
-                 block_bytes: int = 0, interference_budget: float | None = None,
-                 sync_load_budget_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        backend: Backend,
+        lookup_timeout_s: float = 0.3,
+        lookup_wait_s: float = 0.002,
+        pin_release_steps: int = 4,
+        load: bool = True,
+        store: bool = True,
+        store_generated: bool = True,
+        load_async: bool = False,
+        event_token_ids: bool = False,
+        decider: Decider | None = None,
+        block_bytes: int = 0,
+        interference_budget: float | None = None,
+        sync_load_budget_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.block_size = block_size
-        self._init_decisions(decider, block_bytes, interference_budget,
-                             None if load_async else sync_load_budget_s, clock)
+        self._init_decisions(
+            decider, block_bytes, interference_budget, None if load_async else sync_load_budget_s, clock
+        )
         self.lookup_timeout_s = lookup_timeout_s
         self.lookup_wait_s = lookup_wait_s
         self.pin_release_steps = pin_release_steps
@@ -115,8 +139,7 @@ class Planner(LoadDecisions, StorePlanning):
     def knows(self, req_id: str) -> bool:
         return req_id in self._reqs
 
-    def num_new_matched(self, req_id: str, num_local_tokens: int, num_tokens: int
-                        ) -> tuple[int | None, bool]:
+    def num_new_matched(self, req_id: str, num_local_tokens: int, num_tokens: int) -> tuple[int | None, bool]:
         """Tokens loadable beyond the engine's ``num_local_tokens`` (block-aligned): None while
         the lookup is out, 0 on a miss or after the timeout. The bool: an asynchronous load
         (``load_async`` and a hit). After an async load vLLM asks again only when the whole
@@ -168,8 +191,11 @@ class Planner(LoadDecisions, StorePlanning):
                 st.pending_load = (first, count)
                 self._pending[req_id] = st
                 return
-            log.warning("kvtier: request %s: %d external tokens do not fit its blocks or hits",
-                        req_id, num_external_tokens)
+            log.warning(
+                "kvtier: request %s: %d external tokens do not fit its blocks or hits",
+                req_id,
+                num_external_tokens,
+            )
         self._release_now(st)
 
     # -- once per step --------------------------------------------------------------------------
@@ -211,8 +237,9 @@ class Planner(LoadDecisions, StorePlanning):
         self._release_now(st)
         st.relookup = True  # look up afresh when vLLM admits it again
 
-    def _plan_scheduled(self, scheduled: Sequence[ScheduledRequest], plan: StepPlan,
-                        flush: set[int]) -> set[str]:
+    def _plan_scheduled(
+        self, scheduled: Sequence[ScheduledRequest], plan: StepPlan, flush: set[int]
+    ) -> set[str]:
         """Loads and stores of the step's scheduled requests; the ids of those decoding."""
         decoding: set[str] = set()
         for s in scheduled:
@@ -311,8 +338,11 @@ class Planner(LoadDecisions, StorePlanning):
             st.pins_released = True
             self._releases.append((self._step + self.pin_release_steps, list(st.outcome.pins)))
         d = st.decision
-        return LoadJob(st.info.req_id, st.info.variant,
-                       [k[first : first + count] for k in st.outcome.keys],
-                       st.block_ids[first : first + count],
-                       self._tiers(st.outcome, first, first + count),
-                       d.predicted_s if d is not None and d.load_blocks == count else None)
+        return LoadJob(
+            st.info.req_id,
+            st.info.variant,
+            [k[first : first + count] for k in st.outcome.keys],
+            st.block_ids[first : first + count],
+            self._tiers(st.outcome, first, first + count),
+            d.predicted_s if d is not None and d.load_blocks == count else None,
+        )

@@ -31,9 +31,14 @@ BELOW_HOST = frozenset({"nvme", "cluster"})  # tiers a pinned lookup promotes or
 class LoadDecisions(PlannerState):
     """The planner's load decisions; see the module docstring."""
 
-    def _init_decisions(self, decider: Decider | None, block_bytes: int,
-                        interference_budget: float | None, sync_load_budget_s: float | None,
-                        clock: Callable[[], float]) -> None:
+    def _init_decisions(
+        self,
+        decider: Decider | None,
+        block_bytes: int,
+        interference_budget: float | None,
+        sync_load_budget_s: float | None,
+        clock: Callable[[], float],
+    ) -> None:
         """The decision's settings and figures, set by ``Planner.__init__`` (its parameters of
         the same names; ``sync_load_budget_s`` None for an async engine)."""
         # The load-or-recompute decision (adaptive by default: without figures it loads every
@@ -66,16 +71,21 @@ class LoadDecisions(PlannerState):
         # A sync load that fails costs vLLM the step's whole forward (the request is rescheduled
         # and recomputed from the failed block): a sync engine probes a cut tier by a read
         # instead (its next pinned lookups promote; the daemon's figure tells).
-        d = self.decider.decide(tiers, block_tokens=self.block_size,
-                                block_bytes=self.block_bytes, max_load_s=max_load_s,
-                                read_probes=not self.load_async)
+        d = self.decider.decide(
+            tiers,
+            block_tokens=self.block_size,
+            block_bytes=self.block_bytes,
+            max_load_s=max_load_s,
+            read_probes=not self.load_async,
+        )
         st.decision, st.decided_at = d, (first, len(tiers))
         if log.isEnabledFor(logging.DEBUG):
             _log_decision(st.info.req_id, d, tiers, max_load_s)
         # no promotions ahead of decisions that cut the tiers below the host tier, but for a
         # read probe's: the lookups until the next decision promote
-        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST) or \
-            bool(self.decider.probe_reads & BELOW_HOST)
+        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST) or bool(
+            self.decider.probe_reads & BELOW_HOST
+        )
         self.decider.probe_reads.clear()
         self._sync_decision_stats()
         return d.load_blocks
@@ -85,8 +95,11 @@ class LoadDecisions(PlannerState):
         share of a step (``interference_budget`` x the recent step time) while another request
         decodes; None: no limit."""
         max_load_s = self.sync_load_budget_s
-        if self.interference_budget is not None and self._step_s is not None \
-                and self._decoding - {st.info.req_id}:
+        if (
+            self.interference_budget is not None
+            and self._step_s is not None
+            and self._decoding - {st.info.req_id}
+        ):
             share = self.interference_budget * self._step_s  # the loads' share of a step
             max_load_s = share if max_load_s is None else min(max_load_s, share)
         return max_load_s
@@ -103,7 +116,6 @@ class LoadDecisions(PlannerState):
             out[tier] = out.get(tier, 0) + self.block_size
         return out
 
-
     def observe(self, steps: Sequence[StepReport], loads: Sequence[LoadReport]) -> None:
         """What the workers measured (``update_connector_output``, scheduler thread): each
         step's tokens and forward seconds feed the engine's prefill rate and the recent step
@@ -112,8 +124,7 @@ class LoadDecisions(PlannerState):
         for r in steps:
             if r.tokens > 0 and r.seconds > 0:
                 self.decider.step(r.tokens, r.seconds)
-                self._step_s = r.seconds if self._step_s is None else \
-                    0.8 * self._step_s + 0.2 * r.seconds
+                self._step_s = r.seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * r.seconds
         for load in loads:
             predicted: float | None = 0.0
             for req_id in load.req_ids:
@@ -149,7 +160,14 @@ class LoadDecisions(PlannerState):
 
 def _log_decision(req_id: str, d: Decision, tiers: list[str], max_load_s: float | None) -> None:
     """The debug line of request ``req_id``'s decision ``d`` for the hit ``tiers``."""
-    log.debug("kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, "
-              "recompute %s s, budget %s s", req_id, d.load_blocks, d.hit_blocks,
-              ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)), d.reason,
-              d.predicted_s, d.recompute_s, max_load_s)
+    log.debug(
+        "kvtier decision %s: %d of %d hit blocks (%s), %s, predicted %s s, recompute %s s, budget %s s",
+        req_id,
+        d.load_blocks,
+        d.hit_blocks,
+        ",".join(f"{t}x{tiers.count(t)}" for t in dict.fromkeys(tiers)),
+        d.reason,
+        d.predicted_s,
+        d.recompute_s,
+        max_load_s,
+    )

@@ -83,4 +83,3 @@ class PlannerState:
 
     def _outcome(self, st: _Req) -> LookupOutcome | None:
         raise NotImplementedError  # Planner's
-

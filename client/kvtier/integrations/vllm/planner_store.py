@@ -34,8 +34,7 @@ class StorePlanning(PlannerState):
             return st.info.token_ids
         return st.info.prompt_token_ids
 
-    def _chain(self, st: _Req, outcome: LookupOutcome, tokens: Sequence[int], upto: int
-               ) -> int:
+    def _chain(self, st: _Req, outcome: LookupOutcome, tokens: Sequence[int], upto: int) -> int:
         """Extend ``st.keys`` to ``upto`` blocks of ``tokens`` (each slice's chain goes on from
         its last key); the number of blocks that have keys."""
         keys = st.keys
@@ -67,11 +66,15 @@ class StorePlanning(PlannerState):
         if full <= start:
             return
         events = self.event_token_ids
-        job = StoreJob(self._next_job, st.info.req_id, st.info.variant,
-                       [k[start:full] for k in st.keys], st.block_ids[start:full],
-                       list(tokens[start * self.block_size : full * self.block_size])
-                       if events else None,
-                       [k[start - 1] if start else None for k in st.keys] if events else None)
+        job = StoreJob(
+            self._next_job,
+            st.info.req_id,
+            st.info.variant,
+            [k[start:full] for k in st.keys],
+            st.block_ids[start:full],
+            list(tokens[start * self.block_size : full * self.block_size]) if events else None,
+            [k[start - 1] if start else None for k in st.keys] if events else None,
+        )
         self._next_job += 1
         for bid in job.block_ids:
             self._fence[bid] = job.job_id
@@ -80,5 +83,6 @@ class StorePlanning(PlannerState):
         self.stats.store_blocks += full - start
         if full > len(st.info.prompt_token_ids) // self.block_size:
             self.stats.store_generated_blocks += full - max(
-                start, len(st.info.prompt_token_ids) // self.block_size)
+                start, len(st.info.prompt_token_ids) // self.block_size
+            )
         plan.stores.append(job)

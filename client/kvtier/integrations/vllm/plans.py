@@ -135,4 +135,3 @@ class LoadReport:
     req_ids: tuple[str, ...]
     bytes_by_tier: dict[str, int]
     seconds: float
-

@@ -48,18 +48,11 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.integrations.vllm.tier_config import (
-    PoolGeometry,
-    TierConfig,
-    hash_algo_name,
-    tier_namespace,
-)
+from kvtier.integrations.vllm.tier_config import PoolGeometry, TierConfig, hash_algo_name, tier_namespace
 from kvtier.integrations.vllm.tier_jobs import JobDone, TierJobs
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
@@ -73,16 +66,15 @@ METRICS = {
     "loaded_blocks": "Chunks the kvtier tier loaded into vLLM's CPU pool.",
     "load_failed_blocks": "Chunks a kvtier load could not bring (daemon away, evicted, late).",
     "stored_blocks": "Chunks the kvtier tier stored in the daemon.",
-    "store_dropped_blocks": "Chunks the kvtier tier dropped (daemon away, full, late, queue, "
-                            "budget).",
+    "store_dropped_blocks": "Chunks the kvtier tier dropped (daemon away, full, late, queue, budget).",
     "loaded_tokens": "Held tokens the kvtier tier answered HIT for (load_policy let them load).",
     "recomputed_slower_tokens": "Held tokens the kvtier tier answered MISS for because loading "
-                                "them was predicted slower than recomputing them.",
+    "them was predicted slower than recomputing them.",
     "recomputed_policy_tokens": "Held tokens answered MISS because load_policy is never.",
     "predicted_load_seconds": "Predicted time of the kvtier tier's loads that had a prediction.",
     "actual_load_seconds": "Measured time of the same loads.",
     "store_budget_dropped_blocks": "Chunks not stored because the interference budget was "
-                                   "spent (also in store_dropped_blocks).",
+    "spent (also in store_dropped_blocks).",
 }
 
 
@@ -108,20 +100,28 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     medium: ClassVar[Medium] = Medium.CPU
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.HOST
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
-                 tier_type: str, backpressure_detector: BackpressureDetector | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
-                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
         self.cfg = TierConfig.from_tier(kwargs)
         if self.cfg.locality:
             self.locality = Locality(self.cfg.locality.upper())
-        self.namespace = tier_namespace(self.cfg, pool_geometry(offloading_spec,
-                                                                self.block_size_bytes),
-                                        **engine_facts(offloading_spec))
+        self.namespace = tier_namespace(
+            self.cfg, pool_geometry(offloading_spec, self.block_size_bytes), **engine_facts(offloading_spec)
+        )
         # One flat byte view of the pool, the tier's own (released at shutdown).
-        self.jobs = TierJobs(self.cfg, self.namespace, primary_kv_view.cast("B"),
-                             self.block_size_bytes)
+        self.jobs = TierJobs(self.cfg, self.namespace, primary_kv_view.cast("B"), self.block_size_bytes)
         self._lookups = _Lookups(self.jobs, tier_type)
         self._load_keys: dict[int, list[OffloadKey]] = {}
         log.info("kvtier tier: namespace %s at %s", self.namespace.to_dict(), self.cfg.address)
@@ -153,14 +153,20 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def _result(self, done: JobDone) -> JobResult:
         keys = self._load_keys.pop(done.job_id, None)
         if keys is None or done.ok:
-            return JobResult(job_id=done.job_id, success=done.ok, transfer_time=done.seconds,
-                             transfer_bytes=done.nbytes)
+            return JobResult(
+                job_id=done.job_id, success=done.ok, transfer_time=done.seconds, transfer_bytes=done.nbytes
+            )
         # A failed promotion: keep the rows that arrived, and stop answering HIT for the rest
         # (vLLM would otherwise promote them again and again: vLLM #49176).
         self._lookups.mark_miss([k for k, f in zip(keys, done.found, strict=True) if not f])
         loaded = tuple(k for k, f in zip(keys, done.found, strict=True) if f)
-        return JobResult(job_id=done.job_id, success=False, successful_keys=loaded or None,
-                         transfer_time=done.seconds, transfer_bytes=done.nbytes)
+        return JobResult(
+            job_id=done.job_id,
+            success=False,
+            successful_keys=loaded or None,
+            transfer_time=done.seconds,
+            transfer_bytes=done.nbytes,
+        )
 
     def has_pending_work(self) -> bool:
         return self.jobs.has_pending()
@@ -185,15 +191,11 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.jobs.close()
 
     @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]
-                                 ) -> dict[str, OffloadingMetricMetadata]:
-        return {metric_name(k): OffloadingCounterMetadata(documentation=doc)
-                for k, doc in METRICS.items()}
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {metric_name(k): OffloadingCounterMetadata(documentation=doc) for k, doc in METRICS.items()}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         counts = {k: v for k, v in self.jobs.take_stats().items() if v}
         if not counts:
@@ -211,15 +213,19 @@ def pool_geometry(spec: Any, row_bytes: int) -> PoolGeometry:
     tokens = config.groups[0].tokens_per_block * spec.blocks_per_chunk
     groups = repr([(g.group_id, g.tokens_per_block, g.layer_names) for g in config.groups])
     return PoolGeometry(
-        row_bytes=row_bytes, chunk_tokens=tokens,
+        row_bytes=row_bytes,
+        chunk_tokens=tokens,
         kv_dtype=str(config.model.dtype).removeprefix("torch."),
         kv_layout=str(config.kv_cache_layout or "unknown"),
         canonical=bool(config.canonical_layout),
-        portable=bool(par.is_parallelism_agnostic), tp_size=par.tp_size, pp_size=par.pp_size,
+        portable=bool(par.is_parallelism_agnostic),
+        tp_size=par.tp_size,
+        pp_size=par.pp_size,
         world_size=par.world_size,
         groups=f"{groups};pcp={par.pcp_size};dcp={par.dcp_size};bpc={spec.blocks_per_chunk};"
-               f"replicated={bool(config.replicated_layout)}",
-        hash_algo=hash_algo_name(_hash_algo()))
+        f"replicated={bool(config.replicated_layout)}",
+        hash_algo=hash_algo_name(_hash_algo()),
+    )
 
 
 def engine_facts(spec: Any) -> dict[str, Any]:
@@ -231,9 +237,12 @@ def engine_facts(spec: Any) -> dict[str, Any]:
     mc = getattr(vc, "model_config", None)
     if mc is None:
         return {"model": str(spec.config.model.name)}
-    return {"model": str(mc.model), "engine_revision": mc.revision,
-            "skip_tokenizer": bool(mc.skip_tokenizer_init), "tokenizer": str(mc.tokenizer or "")
-            or None}
+    return {
+        "model": str(mc.model),
+        "engine_revision": mc.revision,
+        "skip_tokenizer": bool(mc.skip_tokenizer_init),
+        "tokenizer": str(mc.tokenizer or "") or None,
+    }
 
 
 def _hash_algo() -> str | None:

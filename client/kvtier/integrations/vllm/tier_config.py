@@ -113,21 +113,44 @@ class TierConfig:
         the shared client fields, the load policy's numbers, transport, then revisions)."""
         need = needs(PREFIX)
         check_client_fields(
-            self, need, positive=("lookup_timeout_ms", "request_timeout_ms", "job_timeout_ms",
-                                  "probe_timeout_ms", "lease_ttl_ms"),
-            strings=("model_id", "model_revision", "tokenizer_digest", "adapter_id",
-                     "adapter_revision", "cache_salt", "tenant", "token_file", "locality"),
-            flags=("load", "store", "unix_login"))
+            self,
+            need,
+            positive=(
+                "lookup_timeout_ms",
+                "request_timeout_ms",
+                "job_timeout_ms",
+                "probe_timeout_ms",
+                "lease_ttl_ms",
+            ),
+            strings=(
+                "model_id",
+                "model_revision",
+                "tokenizer_digest",
+                "adapter_id",
+                "adapter_revision",
+                "cache_salt",
+                "tenant",
+                "token_file",
+                "locality",
+            ),
+            flags=("load", "store", "unix_login"),
+        )
         self._check_policy(need)
-        need(self.transport in ("shm", "tcp"), "transport",
-             "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)")
+        need(
+            self.transport in ("shm", "tcp"),
+            "transport",
+            "must be 'shm' or 'tcp' (the tier moves bytes of vLLM's CPU pool)",
+        )
         self._check_revisions(need)
 
     def _check_revisions(self, need: Need) -> None:
         """An adapter's id and revision together, then the one identity rule on each
         revision (kvtier_contract.identity)."""
-        need((self.adapter_id is None) == (self.adapter_revision is None), "adapter_revision",
-             "adapter_id and adapter_revision go together")
+        need(
+            (self.adapter_id is None) == (self.adapter_revision is None),
+            "adapter_revision",
+            "adapter_id and adapter_revision go together",
+        )
         for key in ("model_revision", "adapter_revision"):  # the one identity rule
             value = getattr(self, key)
             problem = revision_problem(value) if value else None
@@ -135,22 +158,33 @@ class TierConfig:
 
     def _check_policy(self, need: Need) -> None:
         """The load policy and its numbers: probe delay, interference budget, prefill cost."""
-        need(self.load_policy in LOAD_POLICIES, "load_policy",
-             f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
-        need(_positive(self.probe_after_s), "probe_after_s",
-             f"must be a positive number of seconds, got {self.probe_after_s!r}")
-        need(self.interference_budget is None or (_positive(self.interference_budget)
-                                                  and self.interference_budget <= 1),
-             "interference_budget",
-             f"must be in (0, 1] or null, got {self.interference_budget!r}")
-        need(self.prefill_seconds_per_token is None or _positive(self.prefill_seconds_per_token),
-             "prefill_seconds_per_token",
-             f"must be a positive number or null, got {self.prefill_seconds_per_token!r}")
+        need(
+            self.load_policy in LOAD_POLICIES,
+            "load_policy",
+            f"must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}",
+        )
+        need(
+            _positive(self.probe_after_s),
+            "probe_after_s",
+            f"must be a positive number of seconds, got {self.probe_after_s!r}",
+        )
+        need(
+            self.interference_budget is None
+            or (_positive(self.interference_budget) and self.interference_budget <= 1),
+            "interference_budget",
+            f"must be in (0, 1] or null, got {self.interference_budget!r}",
+        )
+        need(
+            self.prefill_seconds_per_token is None or _positive(self.prefill_seconds_per_token),
+            "prefill_seconds_per_token",
+            f"must be a positive number or null, got {self.prefill_seconds_per_token!r}",
+        )
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -186,44 +220,61 @@ def hash_algo_name(algo: str | None) -> str:
     return f"{algo or 'unknown'}:seed={seed if seed is not None else 'default'}"
 
 
-def tier_namespace(cfg: TierConfig, geometry: PoolGeometry, *, model: str,
-                   engine_revision: Any = None, skip_tokenizer: bool = False,
-                   tokenizer: str | None = None) -> Namespace:
+def tier_namespace(
+    cfg: TierConfig,
+    geometry: PoolGeometry,
+    *,
+    model: str,
+    engine_revision: Any = None,
+    skip_tokenizer: bool = False,
+    tokenizer: str | None = None,
+) -> Namespace:
     """The tier's namespace: one block = one pool row, stored as opaque bytes (kv_dtype uint8,
     one layer, one head of ``row_bytes / (2 x chunk_tokens)``); the row's real format is in
     ``layout``. ``ConfigError`` when an identity field cannot be resolved."""
     if geometry.row_bytes % (2 * geometry.chunk_tokens):
-        raise ConfigError(f"{PREFIX}.row_bytes", f"pool rows of {geometry.row_bytes} B do not "
-                          f"split into {geometry.chunk_tokens} tokens x K,V")
-    revision, tokenizer_digest = _resolve_identity(cfg, model, engine_revision, skip_tokenizer,
-                                                   tokenizer or model)
+        raise ConfigError(
+            f"{PREFIX}.row_bytes",
+            f"pool rows of {geometry.row_bytes} B do not split into {geometry.chunk_tokens} tokens x K,V",
+        )
+    revision, tokenizer_digest = _resolve_identity(
+        cfg, model, engine_revision, skip_tokenizer, tokenizer or model
+    )
     shared = geometry.canonical and geometry.portable  # canonical rows fit every topology
     return Namespace(
-        model_id=cfg.model_id or model, model_revision=revision,
-        tokenizer_digest=tokenizer_digest, kv_dtype="uint8", layout=geometry.layout_name(),
-        tokens_per_block=geometry.chunk_tokens, num_layers=1, num_kv_heads=1,
+        model_id=cfg.model_id or model,
+        model_revision=revision,
+        tokenizer_digest=tokenizer_digest,
+        kv_dtype="uint8",
+        layout=geometry.layout_name(),
+        tokens_per_block=geometry.chunk_tokens,
+        num_layers=1,
+        num_kv_heads=1,
         head_dim=geometry.row_bytes // (2 * geometry.chunk_tokens),
-        tp_size=1 if shared else geometry.tp_size, pp_size=1 if shared else geometry.pp_size,
-        adapter_id=cfg.adapter_id, adapter_revision=cfg.adapter_revision,
-        cache_salt=cfg.cache_salt, tenant=cfg.tenant)
+        tp_size=1 if shared else geometry.tp_size,
+        pp_size=1 if shared else geometry.pp_size,
+        adapter_id=cfg.adapter_id,
+        adapter_revision=cfg.adapter_revision,
+        cache_salt=cfg.cache_salt,
+        tenant=cfg.tenant,
+    )
 
 
-def _resolve_identity(cfg: TierConfig, model: str, engine_revision: Any, skip_tokenizer: bool,
-                      tokenizer: str) -> tuple[str, str]:
+def _resolve_identity(
+    cfg: TierConfig, model: str, engine_revision: Any, skip_tokenizer: bool, tokenizer: str
+) -> tuple[str, str]:
     """The model revision and tokenizer digest by the connector's rules, a ``ConfigError``
     naming this tier's key instead of the connector's."""
     try:
         revision = resolve_model_revision(cfg.model_revision, engine_revision, model)
-        tokenizer_digest = resolve_tokenizer_digest(cfg.tokenizer_digest, skip_tokenizer,
-                                                    tokenizer, revision)
+        tokenizer_digest = resolve_tokenizer_digest(cfg.tokenizer_digest, skip_tokenizer, tokenizer, revision)
     except ConfigError as e:  # the same rule as the connector's, named by this tier's key
         key = e.field.rsplit(".", 1)[-1]
         raise ConfigError(f"{PREFIX}.{key}", str(e).split(": ", 1)[1]) from None
     return revision, tokenizer_digest
 
 
-def offload_block_key(namespace_digest: bytes, offload_key: bytes,
-                      tenant_key: bytes | None = None) -> bytes:
+def offload_block_key(namespace_digest: bytes, offload_key: bytes, tenant_key: bytes | None = None) -> bytes:
     """kvtier's block key for vLLM's ``OffloadKey`` (module docstring)."""
     msg = _DOMAIN + namespace_digest + len(offload_key).to_bytes(4, "little") + offload_key
     if tenant_key:

@@ -35,13 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.adaptive import (
-    Decider,
-    FixedPrefillRate,
-    InterferenceBudget,
-    LoadPolicy,
-    PrefillRate,
-)
+from kvtier.adaptive import Decider, FixedPrefillRate, InterferenceBudget, LoadPolicy, PrefillRate
 
 WINDOW_S = 0.2  # busy seconds per prefill-rate observation
 MAX_STEP_S = 5.0  # a longer gap between scheduler steps is not one step
@@ -63,11 +57,22 @@ class DecisionCounts:
 class TierDecisions:
     """See the module docstring."""
 
-    def __init__(self, *, policy: LoadPolicy, probe_after_s: float, budget: float | None,
-                 chunk_tokens: int, row_bytes: int, prefill_seconds_per_token: float | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        rate = FixedPrefillRate(prefill_seconds_per_token) if prefill_seconds_per_token \
+    def __init__(
+        self,
+        *,
+        policy: LoadPolicy,
+        probe_after_s: float,
+        budget: float | None,
+        chunk_tokens: int,
+        row_bytes: int,
+        prefill_seconds_per_token: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        rate = (
+            FixedPrefillRate(prefill_seconds_per_token)
+            if prefill_seconds_per_token
             else PrefillRate(clock=clock)
+        )
         self.measured_rate = prefill_seconds_per_token is None
         self.decider = Decider(policy, probe_after_s=probe_after_s, prefill=rate, clock=clock)
         self.budget = InterferenceBudget(budget)
@@ -88,8 +93,12 @@ class TierDecisions:
 
     # -- lookup thread ----------------------------------------------------------------------
 
-    def decide(self, offload_keys: Sequence[bytes], tiers: Sequence[str],
-               figures: dict[str, tuple[float, float, float]]) -> int:
+    def decide(
+        self,
+        offload_keys: Sequence[bytes],
+        tiers: Sequence[str],
+        figures: dict[str, tuple[float, float, float]],
+    ) -> int:
         """How many of the held chunks (``tiers``: each one's tier, prefix order) to answer
         HIT for. ``figures``: the daemon's per-tier (latency_s, bytes_per_s, age_s)."""
         if not tiers:
@@ -99,8 +108,7 @@ class TierDecisions:
                 self.decider.report(tier, lat, bps, age_s=age)
             s = self.decider.stats
             slower, policy = s.tokens_recomputed_slower, s.tokens_recomputed_policy
-            d = self.decider.decide(list(tiers), block_tokens=self.chunk_tokens,
-                                    block_bytes=self.row_bytes)
+            d = self.decider.decide(list(tiers), block_tokens=self.chunk_tokens, block_bytes=self.row_bytes)
             c = self.counts
             c.loaded_tokens += d.load_blocks * self.chunk_tokens
             c.recomputed_slower_tokens += s.tokens_recomputed_slower - slower
@@ -118,15 +126,19 @@ class TierDecisions:
 
     # -- job threads ------------------------------------------------------------------------
 
-    def loaded(self, offload_keys: Sequence[bytes], found: Sequence[bool], seconds: float,
-               charged_s: float) -> None:
+    def loaded(
+        self, offload_keys: Sequence[bytes], found: Sequence[bool], seconds: float, charged_s: float
+    ) -> None:
         """A load job is over: its figures (when every chunk's tier is known and all arrived)
         and the budget's correction."""
         with self._lock:
             self.budget.settle(charged_s, seconds)
             tiers = [self._tier_of.pop(bytes(k), None) for k in offload_keys]
-            predicted = self._predicted.pop((bytes(offload_keys[0]), len(offload_keys)), None) \
-                if offload_keys else None
+            predicted = (
+                self._predicted.pop((bytes(offload_keys[0]), len(offload_keys)), None)
+                if offload_keys
+                else None
+            )
             if not offload_keys or not all(found) or any(t is None for t in tiers):
                 return
             by_tier: dict[str, int] = {}

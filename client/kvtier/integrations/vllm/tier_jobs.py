@@ -79,11 +79,17 @@ class TierJobs:
     """See the module docstring. Thread-safety: the scheduler thread calls the submit/finished/
     stats methods, vLLM's lookup thread calls ``lookup``; shared state is under ``_lock``."""
 
-    def __init__(self, cfg: TierConfig, namespace: Namespace, rows: memoryview, row_bytes: int,
-                 *, client_name: str = "vllm-tier") -> None:
+    def __init__(
+        self,
+        cfg: TierConfig,
+        namespace: Namespace,
+        rows: memoryview,
+        row_bytes: int,
+        *,
+        client_name: str = "vllm-tier",
+    ) -> None:
         if namespace.block_bytes != row_bytes:
-            raise ValueError(f"namespace blocks of {namespace.block_bytes} B for rows of "
-                             f"{row_bytes} B")
+            raise ValueError(f"namespace blocks of {namespace.block_bytes} B for rows of {row_bytes} B")
         self.cfg = cfg
         self.namespace = namespace
         self._rows = rows
@@ -94,9 +100,13 @@ class TierJobs:
         self._pending: dict[Future[None], bool] = {}  # future -> is_load
         self._stats = TierStats()
         self.decisions = TierDecisions(
-            policy=cfg.load_policy, probe_after_s=cfg.probe_after_s,
-            budget=cfg.interference_budget, chunk_tokens=namespace.tokens_per_block,
-            row_bytes=row_bytes, prefill_seconds_per_token=cfg.prefill_seconds_per_token)
+            policy=cfg.load_policy,
+            probe_after_s=cfg.probe_after_s,
+            budget=cfg.interference_budget,
+            chunk_tokens=namespace.tokens_per_block,
+            row_bytes=row_bytes,
+            prefill_seconds_per_token=cfg.prefill_seconds_per_token,
+        )
         self._clients: dict[str, tuple[Client, NamespaceHandle]] = {}
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tier-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tier-store")
@@ -106,12 +116,10 @@ class TierJobs:
 
     # -- scheduler thread -------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, offload_keys: Sequence[bytes],
-                     chunk_ids: Sequence[int]) -> None:
+    def submit_store(self, job_id: int, offload_keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
         self._submit(job_id, False, list(offload_keys), [int(c) for c in chunk_ids])
 
-    def submit_load(self, job_id: int, offload_keys: Sequence[bytes],
-                    chunk_ids: Sequence[int]) -> None:
+    def submit_load(self, job_id: int, offload_keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
         self._submit(job_id, True, list(offload_keys), [int(c) for c in chunk_ids])
 
     def finished(self) -> list[JobDone]:
@@ -148,16 +156,18 @@ class TierJobs:
         except BufferError:
             pass
 
-    def _submit(self, job_id: int, is_load: bool, offload_keys: list[bytes],
-                chunk_ids: list[int]) -> None:
+    def _submit(self, job_id: int, is_load: bool, offload_keys: list[bytes], chunk_ids: list[int]) -> None:
         if len(offload_keys) != len(chunk_ids):
             raise ValueError(f"job {job_id}: {len(offload_keys)} keys, {len(chunk_ids)} chunks")
         if not offload_keys:  # nothing to move (e.g. stores turned off): done at once
             self._finish(job_id, is_load, [], 0, 0.0)
             return
         # The interference budget: a load is charged and runs; a store beyond it is dropped.
-        charged = self.decisions.charge_load(offload_keys) if is_load \
+        charged = (
+            self.decisions.charge_load(offload_keys)
+            if is_load
             else self.decisions.admit_store(len(offload_keys))
+        )
         if charged is None:
             self._finish(job_id, is_load, [False] * len(offload_keys), 0, 0.0)
             return
@@ -179,14 +189,20 @@ class TierJobs:
 
     # -- job threads --------------------------------------------------------------------------
 
-    def _run(self, job_id: int, is_load: bool, offload_keys: list[bytes],
-             chunk_ids: list[int], charged_s: float = 0.0) -> None:
+    def _run(
+        self,
+        job_id: int,
+        is_load: bool,
+        offload_keys: list[bytes],
+        chunk_ids: list[int],
+        charged_s: float = 0.0,
+    ) -> None:
         t0 = time.monotonic()
         found = [False] * len(offload_keys)
         try:
             _, handle = self._handle("transfer")
             keys = self._keys(handle, offload_keys)
-            views = [self._rows[c * self._row_bytes:(c + 1) * self._row_bytes] for c in chunk_ids]
+            views = [self._rows[c * self._row_bytes : (c + 1) * self._row_bytes] for c in chunk_ids]
             deadline = time.monotonic() + self.cfg.job_timeout_ms / 1000
             if is_load:
                 found = handle.get_into(keys, views, deadline=deadline)
@@ -195,8 +211,7 @@ class TierJobs:
                 ok = got.dropped == 0 and got.rejected == 0
                 found = [ok] * len(keys)
         except Exception as e:  # never into vLLM's scheduler: the job failed
-            log.warning("kvtier tier: %s job %d failed: %s", "load" if is_load else "store",
-                        job_id, e)
+            log.warning("kvtier tier: %s job %d failed: %s", "load" if is_load else "store", job_id, e)
         nbytes = sum(found) * self._row_bytes
         seconds = time.monotonic() - t0
         if is_load:  # the load figures (and the budget's correction)
@@ -205,8 +220,7 @@ class TierJobs:
             self.decisions.stored(charged_s, seconds)
         self._finish(job_id, is_load, found, nbytes, seconds)
 
-    def _finish(self, job_id: int, is_load: bool, found: list[bool], nbytes: int,
-                seconds: float) -> None:
+    def _finish(self, job_id: int, is_load: bool, found: list[bool], nbytes: int, seconds: float) -> None:
         n_ok = sum(found)
         with self._lock:
             if is_load:
@@ -226,13 +240,12 @@ class TierJobs:
         held = hits = 0
         try:
             client, handle = self._handle("lookup")
-            keys = self._keys(handle, offload_keys)[:client.max_batch]
+            keys = self._keys(handle, offload_keys)[: client.max_batch]
             if keys:
                 looked = handle.lookup_tiers(keys)
-                tiers = looked.tiers[:looked.hits]
+                tiers = looked.tiers[: looked.hits]
                 held = len(tiers)
-                figures = {t: (f.latency_s, f.bytes_per_s, f.age_s)
-                           for t, f in client.tier_figures().items()}
+                figures = {t: (f.latency_s, f.bytes_per_s, f.age_s) for t, f in client.tier_figures().items()}
                 hits = self.decisions.decide(offload_keys, tiers, figures)
         except Exception as e:
             log.warning("kvtier tier: lookup of %d keys failed: %s", len(offload_keys), e)
@@ -251,15 +264,24 @@ class TierJobs:
         if got is not None:
             return got
         cfg = self.cfg
-        timeout_ms = min(cfg.lookup_timeout_ms, cfg.request_timeout_ms) if role == "lookup" \
-            else cfg.request_timeout_ms
+        timeout_ms = (
+            min(cfg.lookup_timeout_ms, cfg.request_timeout_ms) if role == "lookup" else cfg.request_timeout_ms
+        )
         client = Client.connect(
-            cfg.address, lazy=True, breaker=shared_breaker(cfg.address), settings=ClientSettings(
-                transport=cfg.transport, timeout_s=timeout_ms / 1000,
-                lease_ttl_s=cfg.lease_ttl_ms / 1000, client_name=f"{self._client_name}-{role}",
+            cfg.address,
+            lazy=True,
+            breaker=shared_breaker(cfg.address),
+            settings=ClientSettings(
+                transport=cfg.transport,
+                timeout_s=timeout_ms / 1000,
+                lease_ttl_s=cfg.lease_ttl_ms / 1000,
+                client_name=f"{self._client_name}-{role}",
                 probe_timeout_s=cfg.probe_timeout_ms / 1000,
-                op_timeout_s=cfg.job_timeout_ms / 1000, token_file=cfg.token_file,
-                unix_login=cfg.unix_login))
+                op_timeout_s=cfg.job_timeout_ms / 1000,
+                token_file=cfg.token_file,
+                unix_login=cfg.unix_login,
+            ),
+        )
         got = (client, client.register(self.namespace))
         with self._lock:
             if role in self._clients:  # (another thread of the same role won: keep one)

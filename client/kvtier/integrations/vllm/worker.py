@@ -54,12 +54,7 @@ from typing import Any
 
 from kvtier.breaker import Breaker
 from kvtier.client import Client
-from kvtier.integrations.vllm.config import (
-    BASE,
-    ConfigError,
-    ConnectorConfig,
-    EngineIdentity,
-)
+from kvtier.integrations.vllm.config import BASE, ConfigError, ConnectorConfig, EngineIdentity
 from kvtier.integrations.vllm.worker_load import LoadPath
 from kvtier.integrations.vllm.worker_state import WorkerStats
 from kvtier.integrations.vllm.worker_steps import StepTiming
@@ -82,12 +77,18 @@ def shared_breaker(address: str) -> Breaker:
         return breaker
 
 
-
 class KvtierWorker(StepTiming, LoadPath, StorePath):
     """See the module docstring."""
 
-    def __init__(self, identity: EngineIdentity, cfg: ConnectorConfig, *, tp_rank: int = 0,
-                 max_queued_stores: int = 64, breaker: Breaker | None = None) -> None:
+    def __init__(
+        self,
+        identity: EngineIdentity,
+        cfg: ConnectorConfig,
+        *,
+        tp_rank: int = 0,
+        max_queued_stores: int = 64,
+        breaker: Breaker | None = None,
+    ) -> None:
         self.identity = identity
         self.cfg = cfg
         self.tp_rank = tp_rank
@@ -115,26 +116,37 @@ class KvtierWorker(StepTiming, LoadPath, StorePath):
 
         engine_layout = PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout)
         if engine_layout.block_bytes != self.block_bytes:
-            raise ConfigError("kv_cache", f"{engine_layout.num_layers} layers x "
-                              f"{engine_layout.page_bytes} B pages = {engine_layout.block_bytes} B "
-                              f"per block, but the namespace says {self.block_bytes} B")
-        self._layouts = (engine_layout,
-                         PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout),
-                         PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout))
+            raise ConfigError(
+                "kv_cache",
+                f"{engine_layout.num_layers} layers x "
+                f"{engine_layout.page_bytes} B pages = {engine_layout.block_bytes} B "
+                f"per block, but the namespace says {self.block_bytes} B",
+            )
+        self._layouts = (
+            engine_layout,
+            PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout),
+            PagedKvLayout.from_layer_tensors(layers, name=self.identity.layout),
+        )
         for role in ("load", "store"):
             self._clients[role] = Client.connect(  # lazy: away is a miss, logged once per cause
-                self.cfg.address, lazy=True, breaker=self.breaker, settings=ClientSettings(
-                    transport=self.cfg.transport, timeout_s=self.cfg.request_timeout_ms / 1000,
+                self.cfg.address,
+                lazy=True,
+                breaker=self.breaker,
+                settings=ClientSettings(
+                    transport=self.cfg.transport,
+                    timeout_s=self.cfg.request_timeout_ms / 1000,
                     lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
                     probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
-                    client_name=f"vllm-tp{self.tp_rank}-{role}", token_file=self.cfg.token_file,
-                    unix_login=self.cfg.unix_login))
+                    client_name=f"vllm-tp{self.tp_rank}-{role}",
+                    token_file=self.cfg.token_file,
+                    unix_login=self.cfg.unix_login,
+                ),
+            )
             self._handle(role, BASE)  # registered now, not on the engine's first step
         self._thread = threading.Thread(target=self._store_loop, name="kvtier-store", daemon=True)
         self._thread.start()
         if self.cfg.load_mode == "async":
-            self._load_thread = threading.Thread(target=self._load_loop, name="kvtier-load",
-                                                 daemon=True)
+            self._load_thread = threading.Thread(target=self._load_loop, name="kvtier-load", daemon=True)
             self._load_thread.start()
 
     @property

@@ -58,8 +58,9 @@ class LoadPath(WorkerState):
         self._load_busy = False
         self._load_thread = None
 
-    def load(self, jobs: Sequence[LoadJob], deadline: float | None = None, *,
-             decoding: bool = False) -> set[int]:
+    def load(
+        self, jobs: Sequence[LoadJob], deadline: float | None = None, *, decoding: bool = False
+    ) -> set[int]:
         """Load every job into its engine blocks now, within ``deadline`` (the step's budget);
         returns the block ids that failed. ``decoding``: a request decodes in this step (the
         load is charged to the interference budget: loads always run, before the stores)."""
@@ -71,12 +72,18 @@ class LoadPath(WorkerState):
                 self._stats.load_failed_blocks += len(missed)
             return missed
         deadline = self.step_deadline() if deadline is None else deadline
-        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True,
-                              charge=decoding)
+        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True, charge=decoding)
 
-    def _load_now(self, jobs: Sequence[LoadJob], layout: Any, deadline: float, *,
-                  engine_thread: bool, charge: bool = False, charged: float | None = None
-                  ) -> set[int]:
+    def _load_now(
+        self,
+        jobs: Sequence[LoadJob],
+        layout: Any,
+        deadline: float,
+        *,
+        engine_thread: bool,
+        charge: bool = False,
+        charged: float | None = None,
+    ) -> set[int]:
         """One batched ``get_blocks`` per variant into ``layout``'s engine blocks, by
         ``deadline``; the block ids that failed."""
         t0 = time.perf_counter()
@@ -86,11 +93,20 @@ class LoadPath(WorkerState):
         loaded, failed = self._get_blocks(jobs, layout, deadline, engine_thread)
         spent = time.perf_counter() - t0
         with self._cond:
-            self._count_load(client, out_of_time, loaded, failed, spent, engine_thread=engine_thread,
-                             charge=charge, charged=charged)
+            self._count_load(
+                client,
+                out_of_time,
+                loaded,
+                failed,
+                spent,
+                engine_thread=engine_thread,
+                charge=charge,
+                charged=charged,
+            )
             # out of time: an RPC not started for lack of it, or one that outlasted it
             timed_out = client.counters.out_of_time > out_of_time or (
-                bool(failed) and time.monotonic() >= deadline - 0.001)
+                bool(failed) and time.monotonic() >= deadline - 0.001
+            )
             if timed_out and not loaded:
                 # it needed more than the time it had (the daemon may answer ahead of the
                 # deadline with its reads still going): count twice that, which a load with
@@ -99,8 +115,9 @@ class LoadPath(WorkerState):
             self._report_load(jobs, engine_thread, loaded, failed, timed_out, spent)
         return failed
 
-    def _get_blocks(self, jobs: Sequence[LoadJob], layout: Any, deadline: float,
-                    engine_thread: bool) -> tuple[int, set[int]]:
+    def _get_blocks(
+        self, jobs: Sequence[LoadJob], layout: Any, deadline: float, engine_thread: bool
+    ) -> tuple[int, set[int]]:
         """The transfers of ``_load_now``: (blocks loaded, block ids that failed)."""
         failed: set[int] = set()
         loaded = 0
@@ -111,7 +128,8 @@ class LoadPath(WorkerState):
         for variant, keys, block_ids in _by_variant(jobs, self.tp_rank):
             try:
                 found = self._handle("load", variant, deadline).get_blocks(
-                    keys, layout, block_ids, deadline=deadline, host_only=host_only)
+                    keys, layout, block_ids, deadline=deadline, host_only=host_only
+                )
             except KvtierError as e:
                 log.warning("kvtier: load of %d blocks failed: %s", len(keys), e)
                 found = [False] * len(keys)
@@ -124,9 +142,18 @@ class LoadPath(WorkerState):
             failed.update(b for b, ok in zip(block_ids, found, strict=True) if not ok)
         return loaded, failed
 
-    def _count_load(self, client: Client, out_of_time: int, loaded: int, failed: set[int],
-                    spent: float, *, engine_thread: bool, charge: bool, charged: float | None
-                    ) -> None:
+    def _count_load(
+        self,
+        client: Client,
+        out_of_time: int,
+        loaded: int,
+        failed: set[int],
+        spent: float,
+        *,
+        engine_thread: bool,
+        charge: bool,
+        charged: float | None,
+    ) -> None:
         """A load's counters and its charge to the interference budget (caller holds _cond)."""
         self._stats.loaded_blocks += loaded
         self._stats.loaded_tokens += loaded * self.identity.tokens_per_block
@@ -143,8 +170,15 @@ class LoadPath(WorkerState):
             self.budget.charge_load(spent)
             self._stats.budget_load_seconds += spent
 
-    def _report_load(self, jobs: Sequence[LoadJob], engine_thread: bool, loaded: int,
-                     failed: set[int], timed_out: bool, spent: float) -> None:
+    def _report_load(
+        self,
+        jobs: Sequence[LoadJob],
+        engine_thread: bool,
+        loaded: int,
+        failed: set[int],
+        timed_out: bool,
+        spent: float,
+    ) -> None:
         """The load's figure for the scheduler's decision (caller holds _cond)."""
         if loaded and engine_thread not in self._warm_loads:
             # the first load of each path pays one-time setup (staging buffers, the data
@@ -153,15 +187,18 @@ class LoadPath(WorkerState):
         elif loaded or timed_out:
             # a load cut at its deadline is a figure too, a lower bound: what did arrive
             # took ``spent`` (nothing did: one block took longer than ``spent``)
-            arrived = None if not failed else (
-                {b for j in jobs for b in j.block_ids} - failed if loaded else
-                _first_block(jobs))
-            self._load_reports.append(LoadReport(
-                tuple(dict.fromkeys(j.req_id for j in jobs)),
-                self._load_bytes(jobs, arrived), spent))
+            arrived = (
+                None
+                if not failed
+                else ({b for j in jobs for b in j.block_ids} - failed if loaded else _first_block(jobs))
+            )
+            self._load_reports.append(
+                LoadReport(
+                    tuple(dict.fromkeys(j.req_id for j in jobs)), self._load_bytes(jobs, arrived), spent
+                )
+            )
 
-    def _load_bytes(self, jobs: Sequence[LoadJob], only: set[int] | None = None
-                    ) -> dict[str, int]:
+    def _load_bytes(self, jobs: Sequence[LoadJob], only: set[int] | None = None) -> dict[str, int]:
         """Bytes by tier of the jobs' blocks (``only``: of those engine block ids)."""
         out: dict[str, int] = {}
         for job in jobs:
@@ -184,8 +221,12 @@ class LoadPath(WorkerState):
         with self._cond:
             for req_id, req_jobs in by_req.items():
                 ids = [b for j in req_jobs for b in j.block_ids]
-                if self._layouts is None or self._closed or self._load_thread is None or \
-                        not self.breaker.allows():
+                if (
+                    self._layouts is None
+                    or self._closed
+                    or self._load_thread is None
+                    or not self.breaker.allows()
+                ):
                     self._stats.load_failed_blocks += len(ids)
                     self._loads_done.append((req_id, set(ids)))
                     continue
@@ -226,8 +267,7 @@ class LoadPath(WorkerState):
             try:
                 if self.breaker.allows():
                     deadline = time.monotonic() + self.cfg.async_load_timeout_ms / 1000
-                    failed = self._load_now(jobs, layout, deadline, engine_thread=False,
-                                            charged=charged)
+                    failed = self._load_now(jobs, layout, deadline, engine_thread=False, charged=charged)
                     if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
                         import torch
 
@@ -255,8 +295,7 @@ def _first_block(jobs: Sequence[LoadJob]) -> set[int]:
     return {jobs[0].block_ids[0]} if jobs and jobs[0].block_ids else set()
 
 
-def _by_variant(jobs: Sequence[LoadJob], rank: int
-                ) -> list[tuple[Variant, list[bytes], list[int]]]:
+def _by_variant(jobs: Sequence[LoadJob], rank: int) -> list[tuple[Variant, list[bytes], list[int]]]:
     """Jobs merged per variant (one batched transfer each), in first-seen order."""
     merged: dict[Variant, tuple[list[bytes], list[int]]] = {}
     for job in jobs:

@@ -55,6 +55,7 @@ class WorkerStats:
     store_dropped_budget_blocks: int = 0  # stores refused: the budget was spent
     store_dropped_budget_bytes: int = 0
 
+
 State = Literal["queued", "preparing", "copying", "snapshot", "done"]
 
 
@@ -70,7 +71,6 @@ class _Job:
         self.state: State = "queued"
         self.snapshot: Any = None
         self.revoked = False
-
 
 
 class WorkerState:
@@ -116,11 +116,11 @@ class WorkerState:
         self._stats.engine_seconds += seconds
         self._engine_s_total += seconds
 
-    def _handle(self, role: str, variant: Variant, deadline: float | None = None
-                ) -> NamespaceHandle:
+    def _handle(self, role: str, variant: Variant, deadline: float | None = None) -> NamespaceHandle:
         h = self._handles.get((role, variant))
         if h is None:
-            h = self._clients[role].register(self.identity.namespace(variant, self.tp_rank),
-                                             deadline=deadline)
+            h = self._clients[role].register(
+                self.identity.namespace(variant, self.tp_rank), deadline=deadline
+            )
             self._handles[(role, variant)] = h
         return h

@@ -43,6 +43,7 @@ from kvtier.integrations.vllm.worker_state import WorkerState, _Job
 
 log = logging.getLogger("vllm.kvtier")
 
+
 class _Guard:
     """The ``batches.CopyGuard`` of one job (store thread), over the worker's condition."""
 
@@ -73,7 +74,6 @@ class _Guard:
             return rec.snapshot is not None or not rec.revoked
 
 
-
 class StorePath(WorkerState):
     """The worker's stores and fence; see the module docstring."""
 
@@ -87,9 +87,13 @@ class StorePath(WorkerState):
         t0 = time.perf_counter()
         with self._cond:
             for job in jobs:
-                if self._layouts is None or self._closed or not self.breaker.allows() or \
-                        len(self._queue) >= self.max_queued_stores or \
-                        any(b in self._loading_blocks for b in job.block_ids):
+                if (
+                    self._layouts is None
+                    or self._closed
+                    or not self.breaker.allows()
+                    or len(self._queue) >= self.max_queued_stores
+                    or any(b in self._loading_blocks for b in job.block_ids)
+                ):
                     # (a block an async load is still writing is never read by a store)
                     self._stats.store_dropped_blocks += len(job.block_ids)
                     continue
@@ -242,8 +246,13 @@ class StorePath(WorkerState):
                 torch.cuda.current_stream(layout.device).wait_event(rec.forward_done)
             # over shm: one gather straight into the reserved arena slots, under the guard
             result = self._handle("store", job.variant).put_blocks(
-                keys, layout, job.block_ids, guard=_Guard(self, rec), token_ids=job.token_ids,
-                parent=job.parents[self.tp_rank] if job.parents else None)
+                keys,
+                layout,
+                job.block_ids,
+                guard=_Guard(self, rec),
+                token_ids=job.token_ids,
+                parent=job.parents[self.tp_rank] if job.parents else None,
+            )
             stored, present = result.stored, result.already_present
             dropped = result.dropped + result.rejected
         except Exception as e:  # a failed store is a future miss, never an engine error
@@ -267,8 +276,7 @@ class StorePath(WorkerState):
             if stored:
                 per_byte = spent / (stored * self.block_bytes)
                 old = self._store_s_per_byte
-                self._store_s_per_byte = per_byte if old is None else \
-                    0.8 * old + 0.2 * per_byte
+                self._store_s_per_byte = per_byte if old is None else 0.8 * old + 0.2 * per_byte
             if rec.charged is not None:
                 self.budget.settle(rec.charged, spent)
                 self._stats.budget_store_seconds += spent

@@ -71,8 +71,7 @@ class _Replies(asyncio.BufferedProtocol):
         self._wrong = 0  # DISCARD: the value's length
         self._into_dest = False  # the buffer handed out last is the current dest
 
-    def expect(self, n: int, dests: list[memoryview], payload_len: int,
-               done: asyncio.Future[None]) -> None:
+    def expect(self, n: int, dests: list[memoryview], payload_len: int, done: asyncio.Future[None]) -> None:
         """Start a request of ``n`` replies (the connection is idle)."""
         self._want, self._dests, self._payload_len, self._done = n, dests, payload_len, done
         self.results = []
@@ -88,7 +87,7 @@ class _Replies(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._state == PAYLOAD and not self._pending:
             self._into_dest = True  # the kernel writes the payload into the slot itself
-            return self._dests[len(self.results)][self._pos:self._payload_len]
+            return self._dests[len(self.results)][self._pos : self._payload_len]
         self._into_dest = False
         return memoryview(self._scratch)
 
@@ -128,7 +127,7 @@ class _Replies(asyncio.BufferedProtocol):
                         raise ProtocolFault("reply line too long")
                     return
                 line = bytes(p[:end])
-                del p[:end + 2]
+                del p[: end + 2]
                 self._line(line)
             elif self._state == HEADER:
                 take = min(len(p), HEADER_BYTES - len(self._header))
@@ -138,14 +137,14 @@ class _Replies(asyncio.BufferedProtocol):
                     self._state, self._pos = PAYLOAD, 0
             elif self._state == PAYLOAD:
                 take = min(len(p), self._payload_len - self._pos)
-                self._dests[len(self.results)][self._pos:self._pos + take] = p[:take]
+                self._dests[len(self.results)][self._pos : self._pos + take] = p[:take]
                 del p[:take]
                 self._pos += take
                 if self._pos == self._payload_len:
                     self._state, self._left = TAIL, 2
             else:  # TAIL (the CRLF after one of our values) or DISCARD (a value of another size)
                 take = min(len(p), self._left)
-                if self._state == TAIL and bytes(p[:take]) != b"\r\n"[2 - self._left:][:take]:
+                if self._state == TAIL and bytes(p[:take]) != b"\r\n"[2 - self._left :][:take]:
                     raise ProtocolFault("bulk reply not followed by CRLF")
                 del p[:take]
                 self._left -= take
@@ -177,8 +176,7 @@ class _Replies(asyncio.BufferedProtocol):
 
     def _add(self, result: Any) -> None:
         self.results.append(result)
-        if len(self.results) == self._want and self._done is not None \
-                and not self._done.done():
+        if len(self.results) == self._want and self._done is not None and not self._done.done():
             self._done.set_result(None)
 
 
@@ -204,8 +202,9 @@ class BulkConnection:
                 ctx.load_cert_chain(creds.cert_file, creds.key_file or None)
             self._ssl = ctx
 
-    async def get_into(self, rkeys: list[bytes], dests: list[memoryview], payload_len: int,
-                       timeout: float) -> list[Any]:
+    async def get_into(
+        self, rkeys: list[bytes], dests: list[memoryview], payload_len: int, timeout: float
+    ) -> list[Any]:
         """See the module docstring."""
         async with self._lock:
             try:
@@ -214,8 +213,7 @@ class BulkConnection:
                 self.abort()  # no byte reaches ``dests`` after this returns
                 raise
 
-    async def _get(self, rkeys: list[bytes], dests: list[memoryview],
-                   payload_len: int) -> list[Any]:
+    async def _get(self, rkeys: list[bytes], dests: list[memoryview], payload_len: int) -> list[Any]:
         proto = self._proto
         if proto is None or proto.transport is None:
             proto = await self._connect()
@@ -229,12 +227,15 @@ class BulkConnection:
     async def _connect(self) -> _Replies:
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_connection(
-            _Replies, self.host, self.port, ssl=self._ssl,
-            server_hostname=self.host if self._ssl else None)
+            _Replies, self.host, self.port, ssl=self._ssl, server_hostname=self.host if self._ssl else None
+        )
         self._proto = proto
         if self.creds.password:
-            auth = [b"AUTH"] + ([self.creds.username.encode()] if self.creds.username else []) \
+            auth = (
+                [b"AUTH"]
+                + ([self.creds.username.encode()] if self.creds.username else [])
                 + [self.creds.password.encode()]
+            )
             done: asyncio.Future[None] = loop.create_future()
             proto.expect(1, [], 0, done)
             assert proto.transport is not None

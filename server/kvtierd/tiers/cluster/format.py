@@ -73,20 +73,19 @@ def payload_digest(payload: bytes | memoryview) -> bytes:
 
 def mac(realm: Realm, signed: bytes | memoryview) -> bytes:
     """The MAC of a header's first 96 bytes under ``realm``'s key."""
-    return hashlib.blake2b(signed, key=realm.mac_key, digest_size=MAC_BYTES,
-                           person=_MAC_PERSON).digest()
+    return hashlib.blake2b(signed, key=realm.mac_key, digest_size=MAC_BYTES, person=_MAC_PERSON).digest()
 
 
-def encode_header(realm: Realm, namespace_digest: bytes, key: bytes,
-                  payload: bytes | memoryview) -> bytes:
+def encode_header(realm: Realm, namespace_digest: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
     """The 128-byte header that precedes ``payload`` in its value."""
     n = memoryview(payload).nbytes
     signed = SIGNED.pack(MAGIC, VERSION, 0, n, namespace_digest, key, payload_digest(payload))
     return signed + mac(realm, signed)
 
 
-def verify(value: bytes | memoryview, realm: Realm, namespace_digest: bytes, key: bytes,
-           payload_len: int) -> memoryview:
+def verify(
+    value: bytes | memoryview, realm: Realm, namespace_digest: bytes, key: bytes, payload_len: int
+) -> memoryview:
     """The payload of ``value`` if it is exactly the block ``key`` of ``namespace_digest`` with
     ``payload_len`` bytes, written by a daemon of ``realm``; otherwise :class:`CorruptValue`."""
     v = memoryview(value)
@@ -94,15 +93,15 @@ def verify(value: bytes | memoryview, realm: Realm, namespace_digest: bytes, key
         raise CorruptValue(f"short value ({v.nbytes} bytes)")
     if v.nbytes != HEADER_BYTES + payload_len:
         n = HEADER.unpack_from(v)[3]
-        raise CorruptValue(f"length {v.nbytes - HEADER_BYTES} (header {n}), "
-                           f"expected {payload_len}")
+        raise CorruptValue(f"length {v.nbytes - HEADER_BYTES} (header {n}), expected {payload_len}")
     payload = v[HEADER_BYTES:]
     verify_parts(v[:HEADER_BYTES], payload, realm, namespace_digest, key)
     return payload
 
 
-def verify_parts(header: bytes | memoryview, payload: bytes | memoryview, realm: Realm,
-                 namespace_digest: bytes, key: bytes) -> None:
+def verify_parts(
+    header: bytes | memoryview, payload: bytes | memoryview, realm: Realm, namespace_digest: bytes, key: bytes
+) -> None:
     """Check a value read as its 128-byte header and its payload (already the expected length,
     e.g. received straight into a host slot); :class:`CorruptValue` if it is not exactly the
     block ``key`` of ``namespace_digest`` as a daemon of ``realm`` wrote it. The MAC is checked
@@ -116,8 +115,7 @@ def verify_parts(header: bytes | memoryview, payload: bytes | memoryview, realm:
         raise CorruptValue("stored under another block's key")
     if n != memoryview(payload).nbytes:
         raise CorruptValue(f"length {memoryview(payload).nbytes} (header {n})")
-    if not hmac.compare_digest(mac(realm, memoryview(header)[:SIGNED.size]), tag):
-        raise CorruptValue("bad MAC (not written by a daemon of this fleet and realm)",
-                           forged=True)
+    if not hmac.compare_digest(mac(realm, memoryview(header)[: SIGNED.size]), tag):
+        raise CorruptValue("bad MAC (not written by a daemon of this fleet and realm)", forged=True)
     if payload_digest(payload) != pdigest:
         raise CorruptValue("payload digest mismatch")

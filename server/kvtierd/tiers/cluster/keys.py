@@ -43,9 +43,11 @@ def read_fleet_key(path: str | Path) -> bytes:
     """The fleet key in ``path`` (hex digits, whitespace ignored, at least 32 bytes); a
     ValueError naming ``cluster_fleet_key_file`` (never quoting the file's content) otherwise."""
     if not str(path):
-        raise ValueError(f"{FIELD}: required with cluster (a file holding the fleet key the "
-                         f"daemons of one fleet share, hex: openssl rand -hex 32 > FILE; "
-                         f"docs/cluster.md)")
+        raise ValueError(
+            f"{FIELD}: required with cluster (a file holding the fleet key the "
+            f"daemons of one fleet share, hex: openssl rand -hex 32 > FILE; "
+            f"docs/cluster.md)"
+        )
     try:
         text = Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
@@ -54,11 +56,14 @@ def read_fleet_key(path: str | Path) -> bytes:
     try:
         key = bytes.fromhex("".join(text.split()))
     except ValueError:
-        raise ValueError(f"{FIELD}: {str(path)!r} must hold the key as hex digits "
-                         f"(openssl rand -hex 32)") from None
+        raise ValueError(
+            f"{FIELD}: {str(path)!r} must hold the key as hex digits (openssl rand -hex 32)"
+        ) from None
     if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"{FIELD}: {str(path)!r} holds {len(key)} bytes of key; at least "
-                         f"{MIN_KEY_BYTES} are needed (openssl rand -hex 32)")
+        raise ValueError(
+            f"{FIELD}: {str(path)!r} holds {len(key)} bytes of key; at least "
+            f"{MIN_KEY_BYTES} are needed (openssl rand -hex 32)"
+        )
     return key
 
 
@@ -108,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the Redis ACL key pattern of a tenant's realm (no tenant: the untenanted one)."""
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2:
-        print("usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE [TENANT]",
-              file=sys.stderr)
+        print("usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE [TENANT]", file=sys.stderr)
         return 2
     try:
         keys = FleetKeys(read_fleet_key(args[0]))

@@ -54,13 +54,23 @@ class Node:
         self._probing = False  # the half-open probe is out
         kwargs: dict[str, Any] = {}
         if creds.tls:
-            kwargs.update(ssl=True, ssl_ca_certs=creds.ca_file or None,
-                          ssl_certfile=creds.cert_file or None, ssl_keyfile=creds.key_file or None)
+            kwargs.update(
+                ssl=True,
+                ssl_ca_certs=creds.ca_file or None,
+                ssl_certfile=creds.cert_file or None,
+                ssl_keyfile=creds.key_file or None,
+            )
         self.redis = aioredis.Redis(
-            host=host.strip("[]"), port=int(port), username=creds.username or None,
-            password=creds.password or None, socket_connect_timeout=creds.connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), decode_responses=False,
-            protocol=2, **kwargs)
+            host=host.strip("[]"),
+            port=int(port),
+            username=creds.username or None,
+            password=creds.password or None,
+            socket_connect_timeout=creds.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+            protocol=2,
+            **kwargs,
+        )
         self._log = RateLimitedLog(log, 30.0)
         self.bulk = BulkConnection(host.strip("[]"), int(port), creds)
 
@@ -69,15 +79,14 @@ class Node:
         """The breaker is closed (or open long enough that the next request is the probe)."""
         return time.monotonic() >= self._open_until
 
-    async def get_into(self, rkeys: list[bytes], dests: list[memoryview], payload_len: int,
-                       timeout: float) -> list[Any] | None:
+    async def get_into(
+        self, rkeys: list[bytes], dests: list[memoryview], payload_len: int, timeout: float
+    ) -> list[Any] | None:
         """Pipelined GETs into ``dests`` (kvtierd.tiers.cluster.bulk), under the breaker like
         ``run``: None when skipped, failed or late (no byte reaches ``dests`` afterwards)."""
-        return await self._guarded(
-            lambda: self.bulk.get_into(rkeys, dests, payload_len, timeout), timeout)
+        return await self._guarded(lambda: self.bulk.get_into(rkeys, dests, payload_len, timeout), timeout)
 
-    async def _guarded(self, call: Callable[[], Awaitable[list[Any]]],
-                       timeout: float) -> list[Any] | None:
+    async def _guarded(self, call: Callable[[], Awaitable[list[Any]]], timeout: float) -> list[Any] | None:
         if timeout <= 0 or not self.healthy or self._probing:
             return None
         probe = self._failures > 0
@@ -100,6 +109,7 @@ class Node:
     async def run(self, build: Callable[[Any], None], timeout: float) -> list[Any] | None:
         """One pipeline (``build`` adds its commands); see the module docstring. While the
         breaker is half-open only one request (the probe) goes out; the others miss."""
+
         async def call() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             build(pipe)
@@ -114,16 +124,26 @@ class Node:
         self._failures += 1
         factor = min(1 << (self._failures - 1), BREAKER_MAX_FACTOR)
         self._open_until = time.monotonic() + self._breaker_s * factor
-        self._log.warning("cluster node %s failed (%s): its keys are misses for %.1f s",
-                          self.address, err if isinstance(err, str) else type(err).__name__
-                          + (f": {err}" if str(err) else ""), self._breaker_s * factor)
+        self._log.warning(
+            "cluster node %s failed (%s): its keys are misses for %.1f s",
+            self.address,
+            err if isinstance(err, str) else type(err).__name__ + (f": {err}" if str(err) else ""),
+            self._breaker_s * factor,
+        )
 
     def figures(self) -> dict[str, Any]:
-        return {"address": self.address, "healthy": self.healthy, "hits": self.keys_hit,
-                "misses": self.keys_missed, "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written, "errors": self.errors,
-                "requests": self.requests, "latency_seconds_sum": self.latency_sum,
-                "slots": self.slots}
+        return {
+            "address": self.address,
+            "healthy": self.healthy,
+            "hits": self.keys_hit,
+            "misses": self.keys_missed,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "errors": self.errors,
+            "requests": self.requests,
+            "latency_seconds_sum": self.latency_sum,
+            "slots": self.slots,
+        }
 
     async def close(self) -> None:
         self.bulk.abort()
@@ -171,14 +191,20 @@ class Topology:
 
     async def refresh(self, timeout: float) -> bool:
         """Read the slot map from the first node that answers; whether one did."""
-        candidates = list(dict.fromkeys(
-            [a for a in (n.address for n in self.masters()) if self.nodes[a].healthy]
-            + self.seeds + list(self.nodes)))
+        candidates = list(
+            dict.fromkeys(
+                [a for a in (n.address for n in self.masters()) if self.nodes[a].healthy]
+                + self.seeds
+                + list(self.nodes)
+            )
+        )
         for address in candidates:
             node = self.node(address)
             try:
-                raw = await asyncio.wait_for(node.redis.execute_command("CLUSTER", "SLOTS"),  # type: ignore[no-untyped-call]
-                                             timeout)
+                raw = await asyncio.wait_for(
+                    node.redis.execute_command("CLUSTER", "SLOTS"),  # type: ignore[no-untyped-call]
+                    timeout,
+                )
             except (Exception, TimeoutError) as err:  # noqa: BLE001  (try the next node)
                 log.debug("CLUSTER SLOTS from %s failed: %s", address, err)
                 continue
@@ -190,8 +216,7 @@ class Topology:
             self.refreshes += 1
             self.known = True
             return True
-        self._log.warning("no cluster node answered CLUSTER SLOTS (tried %s)",
-                          ", ".join(candidates))
+        self._log.warning("no cluster node answered CLUSTER SLOTS (tried %s)", ", ".join(candidates))
         return False
 
     def _apply(self, raw: Any, via: str) -> None:
@@ -204,7 +229,7 @@ class Topology:
                 host = via.rpartition(":")[0]
             address = f"{host}:{int(master[1])}"
             node = self.node(address)
-            slots[start:end + 1] = [node] * (end + 1 - start)
+            slots[start : end + 1] = [node] * (end + 1 - start)
             counts[address] = counts.get(address, 0) + end + 1 - start
         self._slots = slots
         for address, node in self.nodes.items():

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from kvtierd.tiers.base import FETCH_CORRUPT, FETCH_MISS, FETCH_OK
 
-__all__ = ["FETCH_CORRUPT", "FETCH_MISS", "FETCH_OK", "ClusterSettings", "Credentials",
-           "parse_url"]
+__all__ = ["FETCH_CORRUPT", "FETCH_MISS", "FETCH_OK", "ClusterSettings", "Credentials", "parse_url"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,7 @@ def parse_url(url: str) -> tuple[tuple[str, ...], bool]:
     """``redis://h:p[,h:p…]`` or ``rediss://…`` (TLS) -> (seed addresses, tls)."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("redis", "rediss"):
-        raise ValueError(f"cluster: expected redis://HOST:PORT[,HOST:PORT…] or rediss://…, "
-                         f"got {url!r}")
+        raise ValueError(f"cluster: expected redis://HOST:PORT[,HOST:PORT…] or rediss://…, got {url!r}")
     seeds = []
     for part in rest.rstrip("/").split(","):
         host, colon, port = part.strip().rpartition(":")
@@ -63,5 +61,3 @@ def parse_url(url: str) -> tuple[tuple[str, ...], bool]:
             raise ValueError(f"cluster: expected HOST:PORT, got {part!r} in {url!r}")
         seeds.append(f"{host}:{int(port)}")
     return tuple(seeds), scheme == "rediss"
-
-

@@ -55,12 +55,7 @@ from kvtierd.domain import TierId
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.tiers.base import SharedColumns
 from kvtierd.tiers.cluster.bulk import WrongSize
-from kvtierd.tiers.cluster.format import (
-    HEADER_BYTES,
-    CorruptValue,
-    redis_key,
-    verify_parts,
-)
+from kvtierd.tiers.cluster.format import HEADER_BYTES, CorruptValue, redis_key, verify_parts
 from kvtierd.tiers.cluster.keys import FleetKeys, Realm
 from kvtierd.tiers.cluster.nodes import Node, Topology
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, ClusterSettings
@@ -73,10 +68,12 @@ MIN_REFRESH_GAP_S = 0.5  # slot-map reads asked for by failures or MOVED: at mos
 
 def _commands(name: str, rkeys: list[bytes]) -> Callable[[Any], None]:
     """A pipeline builder adding ``name rkey`` for each key."""
+
     def add(p: Any) -> None:
         fn = getattr(p, name)
         for k in rkeys:
             fn(k)
+
     return add
 
 
@@ -95,8 +92,7 @@ class ClusterTier(ClusterWrites):
 
     name = "cluster"
     id = TierId.CLUSTER
-    columns = SharedColumns(hits="blocks_hit_cluster", imports="cluster_imports",
-                            corrupt="cluster_corrupt")
+    columns = SharedColumns(hits="blocks_hit_cluster", imports="cluster_imports", corrupt="cluster_corrupt")
 
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
@@ -191,8 +187,9 @@ class ClusterTier(ClusterWrites):
         if not keys or self._closed:
             return [False] * len(keys)
         try:
-            return await asyncio.wait_for(self._call(self._exists(realm, digest, list(keys))),
-                                          self.settings.lookup_timeout_s)
+            return await asyncio.wait_for(
+                self._call(self._exists(realm, digest, list(keys))), self.settings.lookup_timeout_s
+            )
         except TimeoutError:
             with self._lock:
                 self.lookup_timeouts += 1
@@ -204,8 +201,7 @@ class ClusterTier(ClusterWrites):
         found = [False] * len(keys)
 
         async def one(node: Node, idx: list[int]) -> None:
-            out = await node.run(_commands("exists", [rkeys[i] for i in idx]),
-                                 deadline - time.monotonic())
+            out = await node.run(_commands("exists", [rkeys[i] for i in idx]), deadline - time.monotonic())
             if out is None:
                 node.keys_missed += len(idx)
                 self._poke()
@@ -220,21 +216,28 @@ class ClusterTier(ClusterWrites):
                     self._check_moved(r)
 
         groups = self.topology.group(rkeys)
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items() if n is not None),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(one(n, idx) for n, idx in groups.items() if n is not None), return_exceptions=True
+        )
         return found
 
-    async def fetch(self, realm: Realm, digest: bytes, keys: Sequence[bytes], payload_len: int,
-                    dests: Sequence[memoryview]) -> list[int]:
+    async def fetch(
+        self,
+        realm: Realm,
+        digest: bytes,
+        keys: Sequence[bytes],
+        payload_len: int,
+        dests: Sequence[memoryview],
+    ) -> list[int]:
         """Read, verify and copy each key's block into its ``dests`` view; see the module
         docstring. Returns only when no copy into ``dests`` is in progress any more."""
         if not keys or self._closed:
             return [FETCH_MISS] * len(keys)
-        return await self._call(self._fetch(realm, digest, list(keys), payload_len,
-                                            list(dests)))
+        return await self._call(self._fetch(realm, digest, list(keys), payload_len, list(dests)))
 
-    async def _fetch(self, realm: Realm, digest: bytes, keys: list[bytes], payload_len: int,
-                     dests: list[memoryview]) -> list[int]:
+    async def _fetch(
+        self, realm: Realm, digest: bytes, keys: list[bytes], payload_len: int, dests: list[memoryview]
+    ) -> list[int]:
         rkeys = [redis_key(realm, digest, k) for k in keys]
         result = [FETCH_MISS] * len(keys)
         groups = {n: idx for n, idx in self.topology.group(rkeys).items() if n is not None}
@@ -244,25 +247,38 @@ class ClusterTier(ClusterWrites):
         async def one(node: Node, idx: list[int]) -> None:
             per = len(idx) if total <= budget else max(1, budget * len(idx) // total)
             for start in range(0, len(idx), per):
-                chunk = idx[start:start + per]
-                out = await node.get_into([rkeys[i] for i in chunk], [dests[i] for i in chunk],
-                                          payload_len, self.settings.fetch_timeout_s)
+                chunk = idx[start : start + per]
+                out = await node.get_into(
+                    [rkeys[i] for i in chunk],
+                    [dests[i] for i in chunk],
+                    payload_len,
+                    self.settings.fetch_timeout_s,
+                )
                 if out is None:
                     node.keys_missed += len(idx) - start
                     self._poke()
                     return
                 for i, reply in zip(chunk, out, strict=True):
-                    result[i] = self._check(node, reply, realm, digest, keys[i], rkeys[i],
-                                            dests[i], payload_len)
+                    result[i] = self._check(
+                        node, reply, realm, digest, keys[i], rkeys[i], dests[i], payload_len
+                    )
 
         # Every node's coroutine has ended (none raises) before this returns: no copy into
         # ``dests`` happens after the caller frees them.
-        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()),
-                             return_exceptions=True)
+        await asyncio.gather(*(one(n, idx) for n, idx in groups.items()), return_exceptions=True)
         return result
 
-    def _check(self, node: Node, reply: Any, realm: Realm, digest: bytes, key: bytes,
-               rkey: bytes, dest: memoryview, payload_len: int) -> int:
+    def _check(
+        self,
+        node: Node,
+        reply: Any,
+        realm: Realm,
+        digest: bytes,
+        key: bytes,
+        rkey: bytes,
+        dest: memoryview,
+        payload_len: int,
+    ) -> int:
         """One GET's result: the payload is in ``dest`` if ``reply`` is a header; verified
         (identity, length, MAC, digest: kvtierd.tiers.cluster.format)."""
         if reply is None or isinstance(reply, ResponseError):
@@ -283,8 +299,9 @@ class ClusterTier(ClusterWrites):
         node.keys_missed += 1
         self.corrupt_values += 1
         self.mac_failures += err.forged
-        self._refused_log.warning("cluster value %s… on %s refused (%s): deleted",
-                                  rkey[:40].decode(), node.address, err.reason)
+        self._refused_log.warning(
+            "cluster value %s… on %s refused (%s): deleted", rkey[:40].decode(), node.address, err.reason
+        )
         self._loop.create_task(self._delete(node, rkey))
         return FETCH_CORRUPT
 
@@ -308,15 +325,13 @@ class ClusterTier(ClusterWrites):
         was = None
         while True:
             try:
-                ok = await self.topology.refresh(
-                    timeout=max(0.2, self.settings.lookup_timeout_s * 10))
+                ok = await self.topology.refresh(timeout=max(0.2, self.settings.lookup_timeout_s * 10))
             except Exception:  # noqa: BLE001  (the refresher must outlive any surprise)
                 log.exception("cluster slot map refresh failed")
                 ok = False
             if ok != was:
                 if ok:
-                    log.info("cluster tier connected: %d masters",
-                             len(self.topology.masters()))
+                    log.info("cluster tier connected: %d masters", len(self.topology.masters()))
                 else:
                     log.warning("cluster tier unreachable: lookups miss, stores are dropped")
                 was = ok
@@ -324,8 +339,7 @@ class ClusterTier(ClusterWrites):
             await asyncio.sleep(MIN_REFRESH_GAP_S)  # pokes (failures, MOVED) coalesce here
             self._refresh_now.clear()
             try:
-                await asyncio.wait_for(self._refresh_now.wait(),
-                                       max(0.0, interval - MIN_REFRESH_GAP_S))
+                await asyncio.wait_for(self._refresh_now.wait(), max(0.0, interval - MIN_REFRESH_GAP_S))
             except TimeoutError:
                 pass
             self._refresh_now.clear()
@@ -333,12 +347,17 @@ class ClusterTier(ClusterWrites):
     # -- figures ----------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {"connected": self.connected, "write_policy": self.settings.write_policy,
-                "queued_blocks": self.queued_blocks, "queued_bytes": self.queued_bytes,
-                "writes": self.writes, "write_drops": self.write_drops,
-                "corrupt_exports": self.corrupt_exports,
-                "corrupt_values": self.corrupt_values, "mac_failures": self.mac_failures,
-                "lookup_timeouts": self.lookup_timeouts,
-                "topology_refreshes": self.topology.refreshes,
-                "nodes": [n.figures() for n in sorted(self.topology.masters(),
-                                                       key=lambda n: n.address)]}
+        return {
+            "connected": self.connected,
+            "write_policy": self.settings.write_policy,
+            "queued_blocks": self.queued_blocks,
+            "queued_bytes": self.queued_bytes,
+            "writes": self.writes,
+            "write_drops": self.write_drops,
+            "corrupt_exports": self.corrupt_exports,
+            "corrupt_values": self.corrupt_values,
+            "mac_failures": self.mac_failures,
+            "lookup_timeouts": self.lookup_timeouts,
+            "topology_refreshes": self.topology.refreshes,
+            "nodes": [n.figures() for n in sorted(self.topology.masters(), key=lambda n: n.address)],
+        }

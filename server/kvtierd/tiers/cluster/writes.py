@@ -42,8 +42,9 @@ class Offer:
 
     __slots__ = ("items", "oks", "left", "done", "loop")
 
-    def __init__(self, items: list[WriteItem], done: Callable[[list[bool]], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, items: list[WriteItem], done: Callable[[list[bool]], None], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.items, self.done, self.loop = items, done, loop
         self.oks = [False] * len(items)
         self.left = len(items)
@@ -71,8 +72,11 @@ class ClusterWrites:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``offer`` would admit a block of ``nbytes`` now (a hint: no reservation)."""
-        return not self._closed and self.topology.known and \
-            self.queued_bytes + nbytes <= self.settings.queue_bytes
+        return (
+            not self._closed
+            and self.topology.known
+            and self.queued_bytes + nbytes <= self.settings.queue_bytes
+        )
 
     def dropped(self, n: int) -> None:
         """``n`` blocks were not offered because ``has_room`` said no: counted as drops."""
@@ -155,19 +159,21 @@ class ClusterWrites:
     async def _write(self, node: Node, batch: list[tuple[Offer, int]], ttl_ms: int) -> list[bool]:
         # a block altered in the host tier since its commit is not exported (hashed on this
         # tier's thread, off the daemon's loop)
-        intact = [expect is None or block_digest(view) == expect
-                  for _r, _d, _k, view, expect in (offer.items[i] for offer, i in batch)]
+        intact = [
+            expect is None or block_digest(view) == expect
+            for _r, _d, _k, view, expect in (offer.items[i] for offer, i in batch)
+        ]
         if not all(intact):
             with self._lock:
                 self.corrupt_exports += intact.count(False)
-            self._corrupt_log.warning("cluster tier: %d block(s) no longer matched their "
-                                      "digest: not written", intact.count(False))
+            self._corrupt_log.warning(
+                "cluster tier: %d block(s) no longer matched their digest: not written", intact.count(False)
+            )
         items = [offer.items[i] for (offer, i), ok in zip(batch, intact, strict=True) if ok]
 
         def build(p: Any) -> None:  # no NX: a value planted before this one must not stay
             for r, d, k, view, _d in items:
-                p.set(redis_key(r, d, k), b"".join((encode_header(r, d, k, view), view)),
-                      px=ttl_ms)
+                p.set(redis_key(r, d, k), b"".join((encode_header(r, d, k, view), view)), px=ttl_ms)
 
         out = await node.run(build, self.settings.write_timeout_s) if items else []
         if out is None:
@@ -175,8 +181,7 @@ class ClusterWrites:
             return [False] * len(batch)
         results = iter(out)
         oks = []
-        for (_r, _, _, view, _d), ok in zip((offer.items[i] for offer, i in batch), intact,
-                                        strict=True):
+        for (_r, _, _, view, _d), ok in zip((offer.items[i] for offer, i in batch), intact, strict=True):
             if not ok:
                 oks.append(False)
                 continue

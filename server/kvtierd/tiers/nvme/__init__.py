@@ -29,7 +29,20 @@ from kvtierd.tiers.nvme.format import (
 )
 
 __all__ = [
-    "CorruptMeta", "CorruptSlot", "Device", "DiskError", "DiskFull", "DiskIOError", "FileSystem",
-    "SlotHeader", "StoreMeta", "SyncFailed", "UnsafeFile", "decode_header",
-    "encode_header", "new_header", "slot_bytes", "verify_payload",
+    "CorruptMeta",
+    "CorruptSlot",
+    "Device",
+    "DiskError",
+    "DiskFull",
+    "DiskIOError",
+    "FileSystem",
+    "SlotHeader",
+    "StoreMeta",
+    "SyncFailed",
+    "UnsafeFile",
+    "decode_header",
+    "encode_header",
+    "new_header",
+    "slot_bytes",
+    "verify_payload",
 ]

@@ -137,7 +137,8 @@ class FileDevice(Device):
         if self.direct:
             a = self.align
             assert offset % a == 0 and all(memoryview(v).nbytes % a == 0 for v in views), (
-                f"O_DIRECT transfer not aligned to {a}: offset {offset}")
+                f"O_DIRECT transfer not aligned to {a}: offset {offset}"
+            )
 
     def pread_into(self, offset: int, views: Sequence[WBuffer]) -> int:
         self._check(offset, views)
@@ -179,8 +180,9 @@ class FileDevice(Device):
 
     def sync(self) -> None:
         if self._sync_failed is not None:
-            raise SyncFailed(f"fdatasync {self.path}: an earlier sync failed ({self._sync_failed})",
-                             err=errno.EIO)
+            raise SyncFailed(
+                f"fdatasync {self.path}: an earlier sync failed ({self._sync_failed})", err=errno.EIO
+            )
         with self._use("fdatasync") as fd:
             try:
                 os.fdatasync(fd)
@@ -271,8 +273,7 @@ class FileSystem:
         assert size_bytes > 0 and size_bytes % self.io_align == 0, size_bytes
         path = self._path(name)
         with _typed(f"create {path}"):
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600,
-                         dir_fd=self._dirfd)
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dirfd)
         try:
             with _typed(f"preallocate {size_bytes} bytes for {path}"):
                 self._preallocate(fd, size_bytes)
@@ -292,8 +293,9 @@ class FileSystem:
         path = self._path(name)
         use_direct = self.direct_io if direct is None else direct
         if direct and not self.direct_io:
-            raise DiskIOError(f"open {path}: O_DIRECT unsupported here ({self.direct_io_note})",
-                              err=errno.EINVAL)
+            raise DiskIOError(
+                f"open {path}: O_DIRECT unsupported here ({self.direct_io_note})", err=errno.EINVAL
+            )
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | _OPEN_FLAGS
         try:
             fd = os.open(name, flags | (os.O_DIRECT if use_direct else 0), dir_fd=self._dirfd)
@@ -319,8 +321,9 @@ class FileSystem:
             raise
         try:
             if dev.size > max_bytes:
-                raise DiskIOError(f"read {dev.path}: {dev.size} bytes, more than {max_bytes}",
-                                  err=errno.EFBIG)
+                raise DiskIOError(
+                    f"read {dev.path}: {dev.size} bytes, more than {max_bytes}", err=errno.EFBIG
+                )
             buf = bytearray(dev.size)
             return bytes(buf[: dev.pread_into(0, [buf])])
         finally:
@@ -330,8 +333,7 @@ class FileSystem:
         """Replace ``name`` by ``data``: after a crash, either all of it or the previous content."""
         tmp = name + ".tmp"
         with _typed(f"create {self._path(tmp)}"):
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600,
-                         dir_fd=self._dirfd)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600, dir_fd=self._dirfd)
         dev = FileDevice(fd, self._path(tmp), size=len(data), direct=False, align=1)
         try:
             dev.pwrite(0, [data])
@@ -361,8 +363,15 @@ class FileSystem:
                     continue  # removed meanwhile
                 raise
             m = st.st_mode
-            kind: EntryKind = ("symlink" if stat.S_ISLNK(m) else "file" if stat.S_ISREG(m)
-                               else "dir" if stat.S_ISDIR(m) else "other")
+            kind: EntryKind = (
+                "symlink"
+                if stat.S_ISLNK(m)
+                else "file"
+                if stat.S_ISREG(m)
+                else "dir"
+                if stat.S_ISDIR(m)
+                else "other"
+            )
             out.append(Entry(name, kind, st.st_size))
         return out
 

@@ -117,15 +117,28 @@ class SlotHeader:
         return slot_bytes(self.payload_len, self.io_align)
 
 
-def new_header(namespace_digest: bytes, key: bytes, payload: memoryview | bytes | bytearray, *,
-               sequence: int, io_align: int = DEFAULT_IO_ALIGN,
-               written_at_ns: int | None = None, checksum: int | None = None) -> SlotHeader:
+def new_header(
+    namespace_digest: bytes,
+    key: bytes,
+    payload: memoryview | bytes | bytearray,
+    *,
+    sequence: int,
+    io_align: int = DEFAULT_IO_ALIGN,
+    written_at_ns: int | None = None,
+    checksum: int | None = None,
+) -> SlotHeader:
     """The header for writing ``payload`` (its length computed here; its checksum too unless
     given: a block's digest from its commit, never recomputed from the bytes being written, so
     bytes altered in the host tier after the commit fail verification when read back)."""
-    return SlotHeader(namespace_digest, key, memoryview(payload).nbytes,
-                      payload_checksum(payload) if checksum is None else checksum,
-                      sequence, time.time_ns() if written_at_ns is None else written_at_ns, io_align)
+    return SlotHeader(
+        namespace_digest,
+        key,
+        memoryview(payload).nbytes,
+        payload_checksum(payload) if checksum is None else checksum,
+        sequence,
+        time.time_ns() if written_at_ns is None else written_at_ns,
+        io_align,
+    )
 
 
 def encode_header_into(h: SlotHeader, region: memoryview | bytearray) -> None:
@@ -133,9 +146,23 @@ def encode_header_into(h: SlotHeader, region: memoryview | bytearray) -> None:
     assert len(h.namespace_digest) == 32 and len(h.key) == 32, "digest and key are 32 bytes"
     assert h.payload_len > 0 and valid_io_align(h.io_align) and h.flags == 0, h
     assert len(region) == h.io_align, (len(region), h.io_align)
-    HEADER.pack_into(region, 0, MAGIC, FORMAT_VERSION, h.flags, HEADER.size, h.io_align, 0,
-                     h.namespace_digest, h.key, h.payload_len, h.payload_checksum, h.sequence,
-                     h.written_at_ns, 0)
+    HEADER.pack_into(
+        region,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        h.flags,
+        HEADER.size,
+        h.io_align,
+        0,
+        h.namespace_digest,
+        h.key,
+        h.payload_len,
+        h.payload_checksum,
+        h.sequence,
+        h.written_at_ns,
+        0,
+    )
     checksum = xxhash.xxh3_64_intdigest(memoryview(region)[:_CHECKED])
     struct.pack_into("<Q", region, _CHECKED, checksum)
     region[HEADER.size :] = bytes(h.io_align - HEADER.size)
@@ -148,9 +175,14 @@ def encode_header(h: SlotHeader) -> bytes:
     return bytes(region)
 
 
-def decode_header(region: memoryview | bytes | bytearray, *, expect_digest: bytes | None = None,
-                  expect_key: bytes | None = None, expect_payload_len: int | None = None,
-                  available_bytes: int | None = None) -> SlotHeader:
+def decode_header(
+    region: memoryview | bytes | bytearray,
+    *,
+    expect_digest: bytes | None = None,
+    expect_key: bytes | None = None,
+    expect_payload_len: int | None = None,
+    available_bytes: int | None = None,
+) -> SlotHeader:
     """Validate a whole header region (exactly ``io_align`` bytes) and return its header.
 
     ``available_bytes``: bytes from the slot's start to the end of its file (the slot must fit).
@@ -175,8 +207,21 @@ def _decode_region(region: memoryview) -> SlotHeader:
     caller expects are checked by ``decode_header`` after it."""
     io_align = len(region)
     assert valid_io_align(io_align), io_align
-    (magic, version, flags, header_len, disk_align, reserved, digest, key, payload_len, p_sum,
-     sequence, written_at_ns, h_sum) = HEADER.unpack_from(region)
+    (
+        magic,
+        version,
+        flags,
+        header_len,
+        disk_align,
+        reserved,
+        digest,
+        key,
+        payload_len,
+        p_sum,
+        sequence,
+        written_at_ns,
+        h_sum,
+    ) = HEADER.unpack_from(region)
     if magic != MAGIC:
         raise CorruptSlot("zero" if _is_zero(region) else "bad_magic")
     if version != FORMAT_VERSION:
@@ -184,8 +229,11 @@ def _decode_region(region: memoryview) -> SlotHeader:
     if xxhash.xxh3_64_intdigest(region[:_CHECKED]) != h_sum:
         raise CorruptSlot("bad_header_checksum")
     if (header_len, flags, reserved, disk_align) != (HEADER.size, 0, 0, io_align):
-        raise CorruptSlot("bad_layout", f"header_len {header_len} flags {flags} reserved "
-                          f"{reserved} io_align {disk_align} (region {io_align})")
+        raise CorruptSlot(
+            "bad_layout",
+            f"header_len {header_len} flags {flags} reserved "
+            f"{reserved} io_align {disk_align} (region {io_align})",
+        )
     if not _is_zero(region[HEADER.size :]):
         raise CorruptSlot("bad_padding", "non-zero bytes after the header")
     return SlotHeader(digest, key, payload_len, p_sum, sequence, written_at_ns, io_align, flags)
@@ -265,10 +313,12 @@ def _check_meta(m: StoreMeta) -> None:
     if m.format_version != FORMAT_VERSION:
         raise CorruptMeta(f"{META_NAME}: format_version {m.format_version} (this code reads 1)")
     if not valid_io_align(m.io_align):
-        raise CorruptMeta(f"{META_NAME}: io_align {m.io_align} is not a power of two in "
-                          f"[{MIN_IO_ALIGN}, {MAX_IO_ALIGN}]")
+        raise CorruptMeta(
+            f"{META_NAME}: io_align {m.io_align} is not a power of two in [{MIN_IO_ALIGN}, {MAX_IO_ALIGN}]"
+        )
     if m.file_bytes < 2 * m.io_align or m.file_bytes % m.io_align:
-        raise CorruptMeta(f"{META_NAME}: file_bytes {m.file_bytes} is not a multiple of io_align "
-                          f"holding at least one slot")
+        raise CorruptMeta(
+            f"{META_NAME}: file_bytes {m.file_bytes} is not a multiple of io_align holding at least one slot"
+        )
     if not 0 <= m.files <= MAX_FILES or m.created_ns < 0:
         raise CorruptMeta(f"{META_NAME}: files {m.files} / created_ns {m.created_ns} out of range")

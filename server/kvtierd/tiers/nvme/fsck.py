@@ -120,8 +120,10 @@ def _fsck(directory: str, progress: Progress | None) -> FsckReport:
 
 
 def _counts(report: FsckReport) -> str:
-    return (f"{report.total('valid')} valid slot(s), {report.total('corrupt')} corrupt, "
-            f"{len(report.problems)} problem(s)")
+    return (
+        f"{report.total('valid')} valid slot(s), {report.total('corrupt')} corrupt, "
+        f"{len(report.problems)} problem(s)"
+    )
 
 
 def _check_directory(fs: FileSystem, report: FsckReport, progress: Progress | None) -> None:
@@ -143,8 +145,9 @@ def _check_directory(fs: FileSystem, report: FsckReport, progress: Progress | No
         progress.say(f"checking {meta.files} data file(s), {format_bytes(progress.total)}")
     for index, found in enumerate(data):
         if found is None:
-            report.problems.append(Problem(data_file_name(index), "missing_file",
-                                           "listed by the meta file, absent"))
+            report.problems.append(
+                Problem(data_file_name(index), "missing_file", "listed by the meta file, absent")
+            )
         elif found.kind == "file":
             _check_data_file(fs, found, meta, report, progress)
             report.checked_bytes += found.size
@@ -164,22 +167,29 @@ def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
     elif e.name.endswith(".tmp") or e.name.startswith(".kvtier-probe-"):
         report.problems.append(Problem(e.name, "stale_temp", "left by an interrupted write"))
     elif index is not None:
-        report.problems.append(Problem(e.name, "foreign_file",
-                                       f"data file beyond the {meta.files} the meta file lists"))
+        report.problems.append(
+            Problem(e.name, "foreign_file", f"data file beyond the {meta.files} the meta file lists")
+        )
     else:
         report.problems.append(Problem(e.name, "foreign_file", f"unexpected {e.kind}, not touched"))
 
 
-def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckReport,
-                     progress: Progress | None) -> None:
+def _check_data_file(
+    fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckReport, progress: Progress | None
+) -> None:
     summary = FileSummary(e.name, e.size)
     report.files.append(summary)
     if e.size == 0:
         report.problems.append(Problem(e.name, "zero_length", f"0 bytes, expected {meta.file_bytes}"))
         return
     if e.size < meta.file_bytes:
-        report.problems.append(Problem(e.name, "truncated", f"{e.size} bytes, expected "
-                                       f"{meta.file_bytes}; checking the slots that are there"))
+        report.problems.append(
+            Problem(
+                e.name,
+                "truncated",
+                f"{e.size} bytes, expected {meta.file_bytes}; checking the slots that are there",
+            )
+        )
     elif e.size > meta.file_bytes:
         report.problems.append(Problem(e.name, "oversized", f"{e.size} bytes, expected {meta.file_bytes}"))
     try:
@@ -189,9 +199,11 @@ def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckRepo
         return
     tick = None
     if progress is not None:
+
         def tick(offset: int) -> None:
             if progress.due():
                 progress.report(report.checked_bytes + offset, f"{_counts(report)}; at {e.name}")
+
     try:
         _walk(dev, meta.io_align, summary, report.problems, tick)
     except DiskError as err:
@@ -200,8 +212,13 @@ def _check_data_file(fs: FileSystem, e: Entry, meta: StoreMeta, report: FsckRepo
         dev.close()
 
 
-def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
-          tick: Callable[[int], None] | None = None) -> None:
+def _walk(
+    dev: Device,
+    a: int,
+    summary: FileSummary,
+    problems: list[Problem],
+    tick: Callable[[int], None] | None = None,
+) -> None:
     size = dev.size
     region = bytearray(a)
     payload = bytearray()
@@ -233,8 +250,7 @@ def _walk(dev: Device, a: int, summary: FileSummary, problems: list[Problem],
     _judge_suspects(suspects, valid_offsets, valid_sequences, summary, problems)
 
 
-def _check_payload(dev: Device, offset: int, h: SlotHeader, buf: bytearray
-                   ) -> tuple[bytearray, str | None]:
+def _check_payload(dev: Device, offset: int, h: SlotHeader, buf: bytearray) -> tuple[bytearray, str | None]:
     """Read and verify the payload of the slot at ``offset`` whose header ``h`` decoded:
     (``buf``, or a bigger buffer when it was too small, for the next slot; why the payload is
     corrupt, or None)."""
@@ -252,8 +268,7 @@ def _check_payload(dev: Device, offset: int, h: SlotHeader, buf: bytearray
     return buf, None
 
 
-def _count_bad_header(c: CorruptSlot, offset: int, summary: FileSummary,
-                      problems: list[Problem]) -> None:
+def _count_bad_header(c: CorruptSlot, offset: int, summary: FileSummary, problems: list[Problem]) -> None:
     """A slot whose header does not decode: never written, not ours, or corrupt."""
     if c.reason == "zero":
         summary.empty += 1
@@ -264,9 +279,13 @@ def _count_bad_header(c: CorruptSlot, offset: int, summary: FileSummary,
         problems.append(Problem(summary.name, "corrupt_slot", str(c), offset))
 
 
-def _judge_suspects(suspects: list[tuple[int, int, int, str]], valid_offsets: list[int],
-                    valid_sequences: list[int], summary: FileSummary,
-                    problems: list[Problem]) -> None:
+def _judge_suspects(
+    suspects: list[tuple[int, int, int, str]],
+    valid_offsets: list[int],
+    valid_sequences: list[int],
+    summary: FileSummary,
+    problems: list[Problem],
+) -> None:
     """A slot whose payload fails verification is superseded when a newer valid slot lies inside
     it (its space was reused), else corrupt."""
     for start, end, sequence, reason in suspects:
@@ -286,13 +305,17 @@ def format_report(report: FsckReport, *, max_problems: int = 50) -> str:
     lines = [f"kvtierd fsck {report.directory}: {verdict}"]
     if (m := report.meta) is not None:
         created = datetime.datetime.fromtimestamp(m.created_ns / 1e9, datetime.UTC)
-        lines.append(f"format {m.format_version}, io_align {m.io_align}, {m.files} data file(s) of "
-                     f"{m.file_bytes} bytes, created {created:%Y-%m-%d %H:%M:%S} UTC")
+        lines.append(
+            f"format {m.format_version}, io_align {m.io_align}, {m.files} data file(s) of "
+            f"{m.file_bytes} bytes, created {created:%Y-%m-%d %H:%M:%S} UTC"
+        )
     unit = f"{report.meta.io_align}-byte" if report.meta is not None else "io-aligned"
     for f in report.files:
-        lines.append(f"  {f.name}: {f.valid} valid slot(s) ({f.payload_bytes} payload bytes), "
-                     f"{f.corrupt} corrupt, {f.superseded} superseded; {unit} units outside slots: "
-                     f"{f.empty} empty, {f.unrecognized} unrecognized")
+        lines.append(
+            f"  {f.name}: {f.valid} valid slot(s) ({f.payload_bytes} payload bytes), "
+            f"{f.corrupt} corrupt, {f.superseded} superseded; {unit} units outside slots: "
+            f"{f.empty} empty, {f.unrecognized} unrecognized"
+        )
     for p in report.problems[:max_problems]:
         where = f" @ {p.offset}" if p.offset is not None else ""
         lines.append(f"  PROBLEM {p.name}{where}: {p.kind}: {p.detail}")
@@ -317,26 +340,35 @@ exit status: 0 clean, 1 problems found, 2 unusable directory (missing, no or bad
 def add_fsck_arguments(f: argparse.ArgumentParser) -> None:
     """``kvtierd fsck``'s arguments (this module's parser and ``kvtierd fsck``'s)."""
     f.add_argument("directory", help="the NVMe tier directory (the daemon's --disk-dir)")
-    f.add_argument("--max-problems", type=int, default=50,
-                   help="problems listed in the report (default 50)")
-    f.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between progress lines on stderr (default 5; 0: none)")
+    f.add_argument("--max-problems", type=int, default=50, help="problems listed in the report (default 50)")
+    f.add_argument(
+        "--progress-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between progress lines on stderr (default 5; 0: none)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtierd fsck", description=FSCK_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvtierd fsck",
+        description=FSCK_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_fsck_arguments(parser)
     args = parser.parse_args(argv)
     progress = None
     if args.progress_interval > 0:
-        progress = Progress(f"kvtierd fsck {args.directory}", _stderr,
-                            interval_s=args.progress_interval)
+        progress = Progress(f"kvtierd fsck {args.directory}", _stderr, interval_s=args.progress_interval)
     try:
         report = fsck(args.directory, progress)
     except InUse as e:
-        print(f"kvtierd fsck {args.directory}: REFUSED: {e}; stop that daemon first (its files "
-              "change while it runs)", file=sys.stderr)
+        print(
+            f"kvtierd fsck {args.directory}: REFUSED: {e}; stop that daemon first (its files "
+            "change while it runs)",
+            file=sys.stderr,
+        )
         return 3
     print(format_report(report, max_problems=args.max_problems))
     return 2 if report.unusable is not None else 0 if report.clean else 1

@@ -57,11 +57,36 @@ from kvtierd.tiers.nvme.records import (
 from kvtierd.tiers.nvme.replay import Recovery, RecoveryStats, recover
 
 __all__ = [
-    "ADD_BODY", "ADD_FRAME_BYTES", "CHECKPOINT_NAME", "CHECKPOINT_TMP", "DEFAULT_JOURNAL_BYTES",
-    "DEL_BODY", "END_BODY", "FRAME_CRC", "FRAME_HEAD", "JOURNAL_FORMAT", "MAGIC", "MAX_SPEC_BYTES",
-    "NS_DIGEST", "T_ADD", "T_DEL", "T_END", "T_NS", "AddRecord", "DelRecord", "JournalWriter",
-    "NsRecord", "Record", "Recovery", "RecoveryStats", "encode_record", "journal_name",
-    "parse_journal_name", "recover", "remove_journals_before", "write_checkpoint",
+    "ADD_BODY",
+    "ADD_FRAME_BYTES",
+    "CHECKPOINT_NAME",
+    "CHECKPOINT_TMP",
+    "DEFAULT_JOURNAL_BYTES",
+    "DEL_BODY",
+    "END_BODY",
+    "FRAME_CRC",
+    "FRAME_HEAD",
+    "JOURNAL_FORMAT",
+    "MAGIC",
+    "MAX_SPEC_BYTES",
+    "NS_DIGEST",
+    "T_ADD",
+    "T_DEL",
+    "T_END",
+    "T_NS",
+    "AddRecord",
+    "DelRecord",
+    "JournalWriter",
+    "NsRecord",
+    "Record",
+    "Recovery",
+    "RecoveryStats",
+    "encode_record",
+    "journal_name",
+    "parse_journal_name",
+    "recover",
+    "remove_journals_before",
+    "write_checkpoint",
 ]
 
 # -- writing --------------------------------------------------------------------------------------
@@ -84,8 +109,9 @@ class JournalWriter:
     Concurrency: one thread at a time (the tier's commit thread); no locks.
     """
 
-    def __init__(self, fs: FileSystem, gen: int, dev: Device, pos: int, seq: int,
-                 capacity_bytes: int) -> None:
+    def __init__(
+        self, fs: FileSystem, gen: int, dev: Device, pos: int, seq: int, capacity_bytes: int
+    ) -> None:
         self._fs, self._gen, self._dev, self._pos, self._seq = fs, gen, dev, pos, seq
         self._capacity, self._closed = capacity_bytes, False
         self._tail: list[bytes] = []
@@ -94,8 +120,7 @@ class JournalWriter:
         self.records_synced = 0  # records this writer made durable
 
     @classmethod
-    def open(cls, fs: FileSystem, gen: int, *,
-             capacity_bytes: int = DEFAULT_JOURNAL_BYTES) -> JournalWriter:
+    def open(cls, fs: FileSystem, gen: int, *, capacity_bytes: int = DEFAULT_JOURNAL_BYTES) -> JournalWriter:
         """Create ``journal-{gen}.kvj`` (``capacity_bytes`` preallocated: DiskFull shows up here),
         or append to an existing one: after its last valid record, whose ignored tail is zeroed
         and synced first, so that no stale frame can ever follow a new one."""
@@ -132,8 +157,9 @@ class JournalWriter:
     def _check(self) -> None:
         assert not self._closed, "journal writer used after close"
         if self._failed is not None:
-            raise SyncFailed(f"journal {self._dev.path}: an earlier sync failed ({self._failed})",
-                             err=errno.EIO)
+            raise SyncFailed(
+                f"journal {self._dev.path}: an earlier sync failed ({self._failed})", err=errno.EIO
+            )
 
     def append(self, record: Record) -> None:
         """Add ``record`` to the in-memory tail with the next seq (not durable until flushed)."""
@@ -156,7 +182,10 @@ class JournalWriter:
                 self._dev.pwrite(self._pos, [b"".join(self._tail[:n])])
                 self._dev.sync()
                 self._pos, self.bytes_written, self.records_synced = (
-                    self._pos + size, self.bytes_written + size, self.records_synced + n)
+                    self._pos + size,
+                    self.bytes_written + size,
+                    self.records_synced + n,
+                )
                 del self._tail[:n]
         except SyncFailed as e:
             self._failed = str(e)
@@ -165,8 +194,9 @@ class JournalWriter:
     def _roll(self) -> None:
         """Continue in a new file of the next generation (the current one is full and synced)."""
         need = max(self._capacity, len(self._tail[0]))
-        dev = self._fs.create_file(journal_name(self._gen + 1), round_up(need, self._fs.io_align),
-                                   direct=False)
+        dev = self._fs.create_file(
+            journal_name(self._gen + 1), round_up(need, self._fs.io_align), direct=False
+        )
         self._dev.close()
         self._dev, self._gen, self._pos = dev, self._gen + 1, 0
 
@@ -178,16 +208,18 @@ class JournalWriter:
             self._dev.close()
 
 
-def write_checkpoint(fs: FileSystem, records: Iterable[NsRecord | AddRecord], *,
-                     journal_gen: int) -> None:
+def write_checkpoint(fs: FileSystem, records: Iterable[NsRecord | AddRecord], *, journal_gen: int) -> None:
     """Atomically replace ``checkpoint.kvc`` by ``records`` (NS before the ADDs that use them),
     then END(count, journal_gen): tmp file (preallocated), fsync, rename, directory fsync. On any
     failure the old checkpoint stays. Streams in 1 MiB chunks (holds the record list, not its
     bytes). Independent of the writer: may run on any thread, one checkpoint at a time."""
     recs = list(records)
     assert not any(isinstance(r, DelRecord) for r in recs), "a checkpoint holds no DEL records"
-    total = sum(ADD_FRAME_BYTES if isinstance(r, AddRecord) else len(encode_record(r, 0))
-                for r in recs) + _OVERHEAD + END_BODY.size
+    total = (
+        sum(ADD_FRAME_BYTES if isinstance(r, AddRecord) else len(encode_record(r, 0)) for r in recs)
+        + _OVERHEAD
+        + END_BODY.size
+    )
     _remove_if_present(fs, CHECKPOINT_TMP)  # left by a crash during an earlier checkpoint
     dev = fs.create_file(CHECKPOINT_TMP, round_up(total, fs.io_align), direct=False)
     try:
@@ -220,8 +252,11 @@ def _remove_if_present(fs: FileSystem, name: str) -> None:
 def remove_journals_before(fs: FileSystem, gen: int) -> int:
     """Remove the journal files of generations < ``gen`` (superseded by a checkpoint whose END
     names ``gen``); returns how many. Only regular files: anything else is fsck's to report."""
-    old = [e.name for e in fs.entries()
-           if e.kind == "file" and (g := parse_journal_name(e.name)) is not None and g < gen]
+    old = [
+        e.name
+        for e in fs.entries()
+        if e.kind == "file" and (g := parse_journal_name(e.name)) is not None and g < gen
+    ]
     for name in old:
         fs.remove(name)
     return len(old)

@@ -38,8 +38,12 @@ _ADD_FRAME = struct.Struct(FRAME_HEAD.format + ADD_BODY.format[1:] + FRAME_CRC.f
 
 T_NS, T_ADD, T_DEL, T_END = 1, 2, 3, 4
 MAX_SPEC_BYTES = 64 << 10
-_MAX_BODY = {T_NS: NS_DIGEST.size + MAX_SPEC_BYTES, T_ADD: ADD_BODY.size, T_DEL: DEL_BODY.size,
-             T_END: END_BODY.size}
+_MAX_BODY = {
+    T_NS: NS_DIGEST.size + MAX_SPEC_BYTES,
+    T_ADD: ADD_BODY.size,
+    T_DEL: DEL_BODY.size,
+    T_END: END_BODY.size,
+}
 _OVERHEAD = FRAME_HEAD.size + FRAME_CRC.size
 ADD_FRAME_BYTES = _ADD_FRAME.size  # 136
 
@@ -110,9 +114,20 @@ def encode_record(rec: Record, seq: int) -> bytes:
     """One frame. Raises InvalidArgument for a spec that is not JSON or over MAX_SPEC_BYTES."""
     assert len(rec.digest) == 32 and (isinstance(rec, NsRecord) or len(rec.key) == 32), rec
     if isinstance(rec, AddRecord):
-        return _frame(T_ADD, ADD_BODY.pack(rec.digest, rec.key, rec.file, rec.offset,
-                                           rec.payload_len, rec.slot_bytes, rec.payload_checksum,
-                                           rec.slot_seq), seq)
+        return _frame(
+            T_ADD,
+            ADD_BODY.pack(
+                rec.digest,
+                rec.key,
+                rec.file,
+                rec.offset,
+                rec.payload_len,
+                rec.slot_bytes,
+                rec.payload_checksum,
+                rec.slot_seq,
+            ),
+            seq,
+        )
     if isinstance(rec, DelRecord):
         return _frame(T_DEL, DEL_BODY.pack(rec.digest, rec.key, rec.file, rec.offset), seq)
     try:
@@ -127,8 +142,13 @@ def encode_record(rec: Record, seq: int) -> bytes:
 def _decode_body(rtype: int, body: bytes) -> Record | tuple[int, int] | None:
     """The record of a frame whose crc matched; END gives (count, gen); None if malformed."""
     if rtype != T_NS:
-        return (AddRecord(*ADD_BODY.unpack(body)) if rtype == T_ADD else
-                DelRecord(*DEL_BODY.unpack(body)) if rtype == T_DEL else END_BODY.unpack(body))
+        return (
+            AddRecord(*ADD_BODY.unpack(body))
+            if rtype == T_ADD
+            else DelRecord(*DEL_BODY.unpack(body))
+            if rtype == T_DEL
+            else END_BODY.unpack(body)
+        )
     try:
         spec = json.loads(body[NS_DIGEST.size :])
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -177,8 +197,9 @@ def _frame_problem(data: bytes, pos: int, allowed: tuple[int, ...]) -> str | Non
     return None
 
 
-def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None = None,
-          tick_every: int = 1 << 16) -> _Scan:
+def _scan(
+    data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None = None, tick_every: int = 1 << 16
+) -> _Scan:
     """Parse frames from offset 0 until the first invalid one (or a checkpoint's END);
     ``tick(records so far)`` every ``tick_every`` ADD records (progress)."""
     allowed = (T_NS, T_ADD, T_END) if checkpoint else (T_NS, T_ADD, T_DEL)
@@ -190,8 +211,12 @@ def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None =
     while pos < len(data):
         if data[pos + 4 : pos + 5] == b"\x02" and len(data) - pos >= size:  # fast path: ADD
             magic, _, body_len, seq, *fields, crc = unpack_add(data, pos)
-            if (magic == MAGIC and body_len == ADD_BODY.size and seq == out.last_seq + 1
-                    and xxh3(view[pos : pos + checked]) == crc):
+            if (
+                magic == MAGIC
+                and body_len == ADD_BODY.size
+                and seq == out.last_seq + 1
+                and xxh3(view[pos : pos + checked]) == crc
+            ):
                 records.append(AddRecord(*fields))
                 pos, out.last_seq = pos + size, seq
                 if len(records) >= next_tick and tick is not None:
@@ -210,8 +235,9 @@ def _scan(data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None =
     return out.ended(data, records, pos)
 
 
-def _slow_frame(data: bytes, pos: int, allowed: tuple[int, ...], last_seq: int
-                ) -> tuple[str | None, Record | tuple[int, int] | None, int]:
+def _slow_frame(
+    data: bytes, pos: int, allowed: tuple[int, ...], last_seq: int
+) -> tuple[str | None, Record | tuple[int, int] | None, int]:
     """The frame at ``pos`` the general way: (problem or None, its record, offset after it)."""
     problem = _frame_problem(data, pos, allowed)
     if problem is not None:

@@ -82,8 +82,7 @@ class _Replay:
                 self.namespaces[rec.digest] = rec.spec
 
 
-def recover(fs: FileSystem, progress: Progress | None = None, *,
-            tick_every: int = 1 << 16) -> Recovery:
+def recover(fs: FileSystem, progress: Progress | None = None, *, tick_every: int = 1 << 16) -> Recovery:
     """Read ``checkpoint.kvc`` (if present and valid), then replay the journals of generation >=
     its journal_gen (all of them without one) in generation order, each up to its first torn or
     corrupt record. Raises DiskError when a file cannot be read. Startup only, one thread.
@@ -100,10 +99,11 @@ def recover(fs: FileSystem, progress: Progress | None = None, *,
         replayed, journal_records = replayed + 1, journal_records + len(scan.records)
         torn += scan.torn_bytes
     if progress is not None:
-        progress.finish(reader.read, f"{ckpt_records} from the checkpoint, {journal_records} "
-                                     f"replayed from {replayed} journal(s)")
-    stats = RecoveryStats(ckpt_records, journal_records, torn, ignored, replayed,
-                          tuple(reader.problems))
+        progress.finish(
+            reader.read,
+            f"{ckpt_records} from the checkpoint, {journal_records} replayed from {replayed} journal(s)",
+        )
+    stats = RecoveryStats(ckpt_records, journal_records, torn, ignored, replayed, tuple(reader.problems))
     next_gen = max([1, ckpt_gen] + [g + 1 for g, _ in journals])
     return Recovery(state.namespaces, state.entries, next_gen, state.max_slot_seq, stats)
 
@@ -133,8 +133,9 @@ class _Reader:
         one was there but ignored)."""
         if CHECKPOINT_NAME not in names:
             return 0, 0, False
-        problem, scan = _read_checkpoint(self.fs, names[CHECKPOINT_NAME],
-                                         self.ticker(CHECKPOINT_NAME), self.tick_every)
+        problem, scan = _read_checkpoint(
+            self.fs, names[CHECKPOINT_NAME], self.ticker(CHECKPOINT_NAME), self.tick_every
+        )
         self._done(scan, f"{CHECKPOINT_NAME} read")
         if problem is None and scan.end_record is not None:
             state.apply(scan.records)
@@ -144,23 +145,31 @@ class _Reader:
 
     def journal(self, state: _Replay, name: str) -> _Scan:
         """Replay one journal file up to its first torn or corrupt record."""
-        scan = _scan(self.fs.read_file(name, max_bytes=_MAX_FILE_BYTES) or b"", checkpoint=False,
-                     tick=self.ticker(name), tick_every=self.tick_every)
+        scan = _scan(
+            self.fs.read_file(name, max_bytes=_MAX_FILE_BYTES) or b"",
+            checkpoint=False,
+            tick=self.ticker(name),
+            tick_every=self.tick_every,
+        )
         state.apply(scan.records)
         self._done(scan, f"{name} replayed")
         if scan.problem:
-            self.problems.append(f"{name}: replay stopped, {scan.problem}; "
-                                 f"{scan.torn_bytes} bytes ignored")
+            self.problems.append(f"{name}: replay stopped, {scan.problem}; {scan.torn_bytes} bytes ignored")
         return scan
 
 
-def _read_checkpoint(fs: FileSystem, kind: str, tick: Callable[[int], None] | None = None,
-                     tick_every: int = 1 << 16) -> tuple[str | None, _Scan]:
+def _read_checkpoint(
+    fs: FileSystem, kind: str, tick: Callable[[int], None] | None = None, tick_every: int = 1 << 16
+) -> tuple[str | None, _Scan]:
     """(why the checkpoint must be ignored or None, what it holds)."""
     if kind != "file":
         return f"a {kind}, not a regular file", _Scan()
-    scan = _scan(fs.read_file(CHECKPOINT_NAME, max_bytes=_MAX_FILE_BYTES) or b"",
-                 checkpoint=True, tick=tick, tick_every=tick_every)
+    scan = _scan(
+        fs.read_file(CHECKPOINT_NAME, max_bytes=_MAX_FILE_BYTES) or b"",
+        checkpoint=True,
+        tick=tick,
+        tick_every=tick_every,
+    )
     if scan.end_record is None:
         return f"no END record ({scan.problem or 'ends early'})", scan
     if scan.end_record[0] != len(scan.records):

@@ -21,8 +21,9 @@ ReadItem = tuple[NvmeLocation, bytes, bytes, memoryview]  # location, digest, ke
 Transfer = Callable[[int, list[memoryview]], None]  # (linear offset, views): one gathered call
 
 
-def write_runs(items: list[WriteItem], seqs: list[int], *, io_align: int, file_bytes: int,
-               pwrite: Transfer) -> list[int]:
+def write_runs(
+    items: list[WriteItem], seqs: list[int], *, io_align: int, file_bytes: int, pwrite: Transfer
+) -> list[int]:
     """Headers computed here (payload checksums too, unless the item carries its block's
     digest), then one ``pwrite`` per run of adjacent slots. Returns the checksums in item order."""
     a, fb = io_align, file_bytes
@@ -34,8 +35,7 @@ def write_runs(items: list[WriteItem], seqs: list[int], *, io_align: int, file_b
     for i in order:
         offset, digest, key, view, plen, given = items[i]
         region = view[: fmt.round_up(plen, a)]
-        h = fmt.new_header(digest, key, region[:plen], sequence=seqs[i], io_align=a,
-                           checksum=given)
+        h = fmt.new_header(digest, key, region[:plen], sequence=seqs[i], io_align=a, checksum=given)
         hdr = headers[i * a : (i + 1) * a]
         fmt.encode_header_into(h, hdr)
         checksums[i] = h.payload_checksum
@@ -50,8 +50,9 @@ def write_runs(items: list[WriteItem], seqs: list[int], *, io_align: int, file_b
     return checksums
 
 
-def read_runs(items: list[ReadItem], *, io_align: int, file_bytes: int,
-              pread: Transfer) -> list[Exception | None]:
+def read_runs(
+    items: list[ReadItem], *, io_align: int, file_bytes: int, pread: Transfer
+) -> list[Exception | None]:
     """One ``pread`` per run of adjacent slots into the arena slots, then every block verified:
     per item None or the CorruptSlot that makes it a miss."""
     a, fb = io_align, file_bytes
@@ -70,15 +71,15 @@ def read_runs(items: list[ReadItem], *, io_align: int, file_bytes: int,
         end = loc.offset + loc.slot_bytes
     if run:
         pread(start, run)
-    return [_verify(headers[i * a : (i + 1) * a], regions[i], item)
-            for i, item in enumerate(items)]
+    return [_verify(headers[i * a : (i + 1) * a], regions[i], item) for i, item in enumerate(items)]
 
 
 def _verify(header: memoryview, region: memoryview, item: ReadItem) -> Exception | None:
     loc, digest, key, _dest = item
     try:
-        h = fmt.decode_header(header, expect_digest=digest, expect_key=key,
-                              expect_payload_len=loc.payload_len)
+        h = fmt.decode_header(
+            header, expect_digest=digest, expect_key=key, expect_payload_len=loc.payload_len
+        )
         if h.sequence != loc.seq:
             raise fmt.CorruptSlot("wrong_key", f"sequence {h.sequence}, expected {loc.seq}")
         fmt.verify_payload(h, region)

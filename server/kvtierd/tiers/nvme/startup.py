@@ -55,8 +55,10 @@ class NvmeStartup:
     _readonly: set[int]
 
     if TYPE_CHECKING:  # NvmeTier's, used here
-        def checkpoint(self, namespaces: dict[bytes, dict[str, Any]],
-                       blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]) -> None: ...
+
+        def checkpoint(
+            self, namespaces: dict[bytes, dict[str, Any]], blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]
+        ) -> None: ...
         def _degrade(self, e: DiskError) -> None: ...
         def _linear(self, file: int, offset: int) -> int: ...
         def _pread(self, linear: int, views: list[memoryview]) -> None: ...
@@ -113,9 +115,15 @@ class NvmeStartup:
         f.recovery_mode = "warm" if rec.stats.journal_records == 0 else "replay"
         if writable and self._journal is not None:
             self.admitting, self.degraded_reason = True, ""
-        log.info("nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
-                 self.cfg.directory, f.recovered_blocks, f.recovery_mode, f.recovery_quarantined,
-                 f.recovery_seconds, f.direct_io)
+        log.info(
+            "nvme tier %s: %d blocks recovered (%s, %d quarantined) in %.3fs; direct I/O %s",
+            self.cfg.directory,
+            f.recovered_blocks,
+            f.recovery_mode,
+            f.recovery_quarantined,
+            f.recovery_seconds,
+            f.direct_io,
+        )
 
     def _start_journal(self, rec: jnl.Recovery, recovered: Recovered) -> None:
         """Compact a replayed journal into a checkpoint and open the next journal; a DiskError
@@ -130,8 +138,12 @@ class NvmeStartup:
             self._journal = jnl.JournalWriter.open(self.fs, self._journal_gen)
         except DiskError as e:
             self._degrade(e)
-            log.error("nvme tier %s opened degraded (recovered blocks are served, none "
-                      "admitted until a probe succeeds): %s", self.cfg.directory, e)
+            log.error(
+                "nvme tier %s opened degraded (recovered blocks are served, none "
+                "admitted until a probe succeeds): %s",
+                self.cfg.directory,
+                e,
+            )
 
     def _read_index(self) -> jnl.Recovery:
         """Open the directory and its block files, read checkpoint and journals (DiskError when
@@ -149,23 +161,31 @@ class NvmeStartup:
         raw = fs.read_file(fmt.META_NAME)
         nfiles = self.space.capacity_bytes // cfg.file_bytes
         if raw is None:
-            meta = fmt.StoreMeta(io_align=cfg.io_align, file_bytes=cfg.file_bytes, files=nfiles,
-                                 created_ns=time.time_ns())
+            meta = fmt.StoreMeta(
+                io_align=cfg.io_align, file_bytes=cfg.file_bytes, files=nfiles, created_ns=time.time_ns()
+            )
             fs.write_file_atomic(fmt.META_NAME, meta.encode())
         else:
             meta = fmt.StoreMeta.decode(raw)
             if (meta.io_align, meta.file_bytes) != (cfg.io_align, cfg.file_bytes):
-                raise ValueError(f"disk_dir: formatted with io_align {meta.io_align} and file "
-                                 f"size {meta.file_bytes}; configured {cfg.io_align} and "
-                                 f"{cfg.file_bytes} (use another directory)")
+                raise ValueError(
+                    f"disk_dir: formatted with io_align {meta.io_align} and file "
+                    f"size {meta.file_bytes}; configured {cfg.io_align} and "
+                    f"{cfg.file_bytes} (use another directory)"
+                )
         self.files = [None] * nfiles
         self._open_files()
         return jnl.recover(fs, self._progress("reading the index", "records"))
 
     def _progress(self, what: str, unit: str, total: int | None = None) -> Progress:
         """INFO lines on how far a recovery phase got (at most every progress_interval_s)."""
-        return Progress(f"nvme tier {self.cfg.directory}: {what}", log.info, total=total,
-                        unit=unit, interval_s=self.cfg.progress_interval_s)
+        return Progress(
+            f"nvme tier {self.cfg.directory}: {what}",
+            log.info,
+            total=total,
+            unit=unit,
+            interval_s=self.cfg.progress_interval_s,
+        )
 
     def _close_files(self) -> None:
         """Back to "not open" after a failed ``open()``: files, journal and directory closed,
@@ -180,8 +200,9 @@ class NvmeStartup:
         if self.fs is not None:
             self.fs.close()
             self.fs = None
-        self.space = SlabAllocator(self.space.capacity_bytes, slab_bytes=self.cfg.slab_bytes,
-                                   slot_align_bytes=self.cfg.io_align)
+        self.space = SlabAllocator(
+            self.space.capacity_bytes, slab_bytes=self.cfg.slab_bytes, slot_align_bytes=self.cfg.io_align
+        )
 
     def _open_files(self) -> None:
         """Open (or create) every missing block file. One that exists but cannot be opened for
@@ -200,9 +221,11 @@ class NvmeStartup:
                         # A truncated file: writing past its end would fail (an assert in the
                         # device, not a DiskError) and leak slots; the tier stays degraded.
                         dev.close()
-                        raise DiskIOError(f"{dev.path}: {dev.size} bytes, expected "
-                                          f"{self.cfg.file_bytes} (truncated; see kvtier fsck)",
-                                          err=errno.EINVAL)
+                        raise DiskIOError(
+                            f"{dev.path}: {dev.size} bytes, expected "
+                            f"{self.cfg.file_bytes} (truncated; see kvtier fsck)",
+                            err=errno.EINVAL,
+                        )
                     self.files[i] = dev
                 else:
                     self.files[i] = self.fs.create_file(name, self.cfg.file_bytes)
@@ -246,16 +269,22 @@ class NvmeStartup:
         progress.finish(len(candidates), f"{self.figures.recovery_quarantined} dropped")
         return out
 
-    def _locate(self, rec: jnl.Recovery, namespaces: dict[bytes, dict[str, Any]]
-                ) -> list[tuple[bytes, bytes, NvmeLocation]]:
+    def _locate(
+        self, rec: jnl.Recovery, namespaces: dict[bytes, dict[str, Any]]
+    ) -> list[tuple[bytes, bytes, NvmeLocation]]:
         """The recovered blocks whose file is open and whose namespace is known."""
         candidates: list[tuple[bytes, bytes, NvmeLocation]] = []
         progress = self._progress("locating blocks", "blocks", len(rec.entries))
         for i, ((digest, key), add) in enumerate(rec.entries.items()):
             if not i & 0xFFF:
                 progress.tick(i)
-            loc = NvmeLocation(self._linear(add.file, add.offset), add.slot_bytes, add.payload_len,
-                               add.payload_checksum, add.slot_seq)
+            loc = NvmeLocation(
+                self._linear(add.file, add.offset),
+                add.slot_bytes,
+                add.payload_len,
+                add.payload_checksum,
+                add.slot_seq,
+            )
             usable = add.file < len(self.files) and self.files[add.file] is not None
             if not usable or digest not in namespaces:
                 log.warning("recovery: block at %d dropped: no such file or namespace", loc.offset)
@@ -288,7 +317,6 @@ class NvmeStartup:
     def _check_header(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
         hdr = self._header_buffer()
         self._pread(loc.offset, [hdr])
-        h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key,
-                              expect_payload_len=loc.payload_len)
+        h = fmt.decode_header(hdr, expect_digest=digest, expect_key=key, expect_payload_len=loc.payload_len)
         if h.payload_checksum != loc.checksum or h.sequence != loc.seq:
             raise fmt.CorruptSlot("wrong_key", "header differs from the journal record")

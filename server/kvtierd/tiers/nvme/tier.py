@@ -54,9 +54,14 @@ class NvmeTier(NvmeStartup, StorageTier):
 
     name = "nvme"
     id = TierId.NVME
-    columns = StorageColumns(hits="blocks_hit_nvme", resident_blocks="nvme_resident_blocks",
-                             resident_bytes="nvme_resident_bytes", evictions="nvme_evictions",
-                             bytes_read="nvme_bytes_read", bytes_written="nvme_bytes_written")
+    columns = StorageColumns(
+        hits="blocks_hit_nvme",
+        resident_blocks="nvme_resident_blocks",
+        resident_bytes="nvme_resident_bytes",
+        evictions="nvme_evictions",
+        bytes_read="nvme_bytes_read",
+        bytes_written="nvme_bytes_written",
+    )
 
     def __init__(self, cfg: NvmeConfig, fs_factory: Callable[..., FileSystem] = FileSystem) -> None:
         assert cfg.file_bytes % cfg.slab_bytes == 0 and cfg.slab_bytes % cfg.io_align == 0
@@ -66,8 +71,9 @@ class NvmeTier(NvmeStartup, StorageTier):
         self.fs: FileSystem | None = None
         self.files: list[Device | None] = []
         nfiles = max(1, cfg.capacity_bytes // cfg.file_bytes)
-        self.space = SlabAllocator(nfiles * cfg.file_bytes, slab_bytes=cfg.slab_bytes,
-                                   slot_align_bytes=cfg.io_align)
+        self.space = SlabAllocator(
+            nfiles * cfg.file_bytes, slab_bytes=cfg.slab_bytes, slot_align_bytes=cfg.io_align
+        )
         self.figures = NvmeFigures()
         self.admitting = False
         self.degraded_reason = "not open"
@@ -141,14 +147,22 @@ class NvmeTier(NvmeStartup, StorageTier):
         """Tier-wide figures, named as NvmeStats' fields."""
         f = self.figures
         return {
-            "directory": self.cfg.directory, "capacity_bytes": self.capacity_bytes,
-            "used_bytes": self.used_bytes, "admitting": self.admitting,
-            "degraded_reason": self.degraded_reason, "direct_io": f.direct_io,
-            "bytes_written": f.bytes_written, "bytes_read": f.bytes_read,
-            "checksum_failures": f.checksum_failures, "quarantined_slots": f.quarantined_slots,
-            "commit_groups": f.commit_groups, "write_errors": f.write_errors,
-            "recovery_seconds": f.recovery_seconds, "recovered_blocks": f.recovered_blocks,
-            "recovery_quarantined": f.recovery_quarantined, "recovery_mode": f.recovery_mode,
+            "directory": self.cfg.directory,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "admitting": self.admitting,
+            "degraded_reason": self.degraded_reason,
+            "direct_io": f.direct_io,
+            "bytes_written": f.bytes_written,
+            "bytes_read": f.bytes_read,
+            "checksum_failures": f.checksum_failures,
+            "quarantined_slots": f.quarantined_slots,
+            "commit_groups": f.commit_groups,
+            "write_errors": f.write_errors,
+            "recovery_seconds": f.recovery_seconds,
+            "recovered_blocks": f.recovered_blocks,
+            "recovery_quarantined": f.recovery_quarantined,
+            "recovery_mode": f.recovery_mode,
         }
 
     def knows_namespace(self, digest: bytes) -> bool:
@@ -167,8 +181,7 @@ class NvmeTier(NvmeStartup, StorageTier):
             self._known_ns.discard(digest)
             raise
 
-    async def write_many(self, items: list[WriteItem]
-                         ) -> list[NvmeLocation]:
+    async def write_many(self, items: list[WriteItem]) -> list[NvmeLocation]:
         """``write`` for a batch: ``(offset, digest, key, arena slot, payload_len, checksum)``
         each (checksum: the block's digest, or None to compute it), slots allocated by the
         caller. One gathered ``pwritev`` per run of adjacent slots, one group
@@ -180,16 +193,21 @@ class NvmeTier(NvmeStartup, StorageTier):
         loop = asyncio.get_running_loop()
         fb = self.cfg.file_bytes
         try:
-            checksums = await loop.run_in_executor(self._io, partial(
-                runs.write_runs, items, seqs, io_align=self.io_align, file_bytes=fb,
-                pwrite=self._pwrite))
+            checksums = await loop.run_in_executor(
+                self._io,
+                partial(
+                    runs.write_runs, items, seqs, io_align=self.io_align, file_bytes=fb, pwrite=self._pwrite
+                ),
+            )
             records = []
             for (offset, digest, key, _view, plen, _c), seq, checksum in zip(
-                    items, seqs, checksums, strict=True):
+                items, seqs, checksums, strict=True
+            ):
                 file, off = divmod(offset, fb)
                 self._dirty_files.add(file)
-                records.append(jnl.AddRecord(digest, key, file, off, plen,
-                                             self.slot_bytes_for(plen), checksum, seq))
+                records.append(
+                    jnl.AddRecord(digest, key, file, off, plen, self.slot_bytes_for(plen), checksum, seq)
+                )
             for r in records[:-1]:
                 self._pending.append((r, None))  # same group as the last one, which is awaited
             await self._commit(records[-1], sync_files=True)
@@ -199,25 +217,34 @@ class NvmeTier(NvmeStartup, StorageTier):
             raise
         self.figures.writes += len(items)
         self.figures.bytes_written += sum(it[4] for it in items)
-        return [NvmeLocation(offset, self.slot_bytes_for(plen), plen, checksum, seq)
-                for (offset, _d, _k, _v, plen, _c), seq, checksum in zip(
-                    items, seqs, checksums, strict=True)]
+        return [
+            NvmeLocation(offset, self.slot_bytes_for(plen), plen, checksum, seq)
+            for (offset, _d, _k, _v, plen, _c), seq, checksum in zip(items, seqs, checksums, strict=True)
+        ]
 
     def _pwrite(self, linear: int, views: list[memoryview]) -> None:
         """I/O thread: write at a linear offset."""
         dev, off = self._where(linear)
         dev.pwrite(off, views)
 
-    async def read_many(self, items: list[tuple[NvmeLocation, bytes, bytes, memoryview]]
-                        ) -> list[Exception | None]:
+    async def read_many(
+        self, items: list[tuple[NvmeLocation, bytes, bytes, memoryview]]
+    ) -> list[Exception | None]:
         """Read a batch of blocks into arena slots in one executor call: one ``preadv`` per run
         of adjacent disk slots, then every block verified on its own. Per item: None (verified)
         or the CorruptSlot / DiskError that makes it a miss."""
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._io, partial(
-                runs.read_runs, items, io_align=self.io_align, file_bytes=self.cfg.file_bytes,
-                pread=self._pread))
+            results = await loop.run_in_executor(
+                self._io,
+                partial(
+                    runs.read_runs,
+                    items,
+                    io_align=self.io_align,
+                    file_bytes=self.cfg.file_bytes,
+                    pread=self._pread,
+                ),
+            )
         except DiskError as e:
             results = [e] * len(items)
         for (loc, *_), err in zip(items, results, strict=True):
@@ -260,8 +287,7 @@ class NvmeTier(NvmeStartup, StorageTier):
             batch, self._pending = self._pending, []
             files, self._dirty_files = self._dirty_files, set()
             try:
-                await loop.run_in_executor(self._committer, self._sync_group, files,
-                                           [r for r, _ in batch])
+                await loop.run_in_executor(self._committer, self._sync_group, files, [r for r, _ in batch])
             except DiskError as e:
                 self._degrade(e)
                 for _, f in batch:
@@ -306,8 +332,7 @@ class NvmeTier(NvmeStartup, StorageTier):
                 return False
             if self._journal is None or self._journal.failed:
                 # Never reopen a journal whose sync failed: continue in a new generation.
-                self._journal_gen = max(self._journal_gen, self._journal.gen if self._journal
-                                        else 0) + 1
+                self._journal_gen = max(self._journal_gen, self._journal.gen if self._journal else 0) + 1
                 self._journal = jnl.JournalWriter.open(self.fs, self._journal_gen)
         except (DiskError, DiskFull, OSError) as e:
             self.degraded_reason = f"{type(e).__name__}: {e}"
@@ -330,16 +355,18 @@ class NvmeTier(NvmeStartup, StorageTier):
 
     # -- shutdown ---------------------------------------------------------------------------------
 
-    def checkpoint(self, namespaces: dict[bytes, dict[str, Any]],
-                   blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]) -> None:
+    def checkpoint(
+        self, namespaces: dict[bytes, dict[str, Any]], blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]
+    ) -> None:
         """Blocking: write the whole index so the next start is warm, then rotate the journal."""
         if self.fs is None:
             return
         records: list[Any] = [jnl.NsRecord(d, spec) for d, spec in namespaces.items()]
         for digest, key, loc in blocks:
             file, off = divmod(loc.offset, self.cfg.file_bytes)
-            records.append(jnl.AddRecord(digest, key, file, off, loc.payload_len, loc.slot_bytes,
-                                         loc.checksum, loc.seq))
+            records.append(
+                jnl.AddRecord(digest, key, file, off, loc.payload_len, loc.slot_bytes, loc.checksum, loc.seq)
+            )
         new_gen = max(self._journal_gen, self._journal.gen if self._journal else 0) + 1
         jnl.write_checkpoint(self.fs, records, journal_gen=new_gen)
         if self._journal is not None:

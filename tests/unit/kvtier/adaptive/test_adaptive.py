@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.adaptive import (
-    Decider,
-    FixedPrefillRate,
-    InterferenceBudget,
-    LinearFit,
-    LoadFigures,
-    PrefillRate,
-)
+from kvtier.adaptive import Decider, FixedPrefillRate, InterferenceBudget, LinearFit, LoadFigures, PrefillRate
 
 MIB = 1 << 20
 BT = 16
@@ -73,8 +66,7 @@ def test_policies_always_and_never_ignore_figures() -> None:
         d = Decider(policy, clock=clock)  # type: ignore[arg-type]
         engine(clock, d)
         d.loaded({"nvme": MIB}, 10.0)  # a disk far slower than recompute
-        assert d.decide(["host", "nvme", "nvme"], block_tokens=BT, block_bytes=MIB
-                        ).load_blocks == want
+        assert d.decide(["host", "nvme", "nvme"], block_tokens=BT, block_bytes=MIB).load_blocks == want
     assert d.stats.tokens_recomputed_policy == 3 * BT
 
 

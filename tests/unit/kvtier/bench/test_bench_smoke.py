@@ -31,12 +31,36 @@ from kvtier.bench.report import TARGETS, format_table, to_json
 from kvtier.cli import build_parser
 
 QUICK_SIZES = (16 << 10, 64 << 10)
-THROUGHPUT_OPS = ("memcpy_put", "memcpy_get", "socket_put", "socket_get", "shm_put", "shm_get_into",
-                  "shm_get", "tcp_put", "tcp_get_into", "tcp_get")
-NVME_OPS = ("nvme_raw_write_1t", "nvme_raw_write", "nvme_demote", "nvme_raw_read_1t", "nvme_raw_read",
-            "nvme_promote_prefetch", "nvme_promote_prepare", "nvme_promote_get_into", "xxh3")
-LOOKUP_FIGURES = ("lookup_p50_ms", "lookup_p99_ms", "lookups_per_s", "lookup_1key_p50_ms",
-                  "daemon_cpu_us_per_lookup")
+THROUGHPUT_OPS = (
+    "memcpy_put",
+    "memcpy_get",
+    "socket_put",
+    "socket_get",
+    "shm_put",
+    "shm_get_into",
+    "shm_get",
+    "tcp_put",
+    "tcp_get_into",
+    "tcp_get",
+)
+NVME_OPS = (
+    "nvme_raw_write_1t",
+    "nvme_raw_write",
+    "nvme_demote",
+    "nvme_raw_read_1t",
+    "nvme_raw_read",
+    "nvme_promote_prefetch",
+    "nvme_promote_prepare",
+    "nvme_promote_get_into",
+    "xxh3",
+)
+LOOKUP_FIGURES = (
+    "lookup_p50_ms",
+    "lookup_p99_ms",
+    "lookups_per_s",
+    "lookup_1key_p50_ms",
+    "daemon_cpu_us_per_lookup",
+)
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
@@ -45,9 +69,23 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "quick", "--no-progress",
-                          "--no-redis", "--json", str(out)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "quick",
+            "--no-progress",
+            "--no-redis",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stderr == ""  # --no-progress: nothing on stderr
     result = json.loads(out.read_text())
@@ -65,8 +103,10 @@ def test_quick_suite_reports_every_figure(tmp_path: Path) -> None:
 
     # Each baseline reads and writes as much distinct memory as the kvtier path held against it
     # (a get that allocates writes fresh memory where its baseline fills one batch buffer).
-    touched = {(t["op"], t["block_bytes"]): (t["distinct_src_bytes"], t["distinct_dst_bytes"])
-               for t in result["throughput"]}
+    touched = {
+        (t["op"], t["block_bytes"]): (t["distinct_src_bytes"], t["distinct_dst_bytes"])
+        for t in result["throughput"]
+    }
     batch, sample = 1 << 20, 4 << 20
     for t in TARGETS:
         if t.baseline.startswith(("redis", "nvme")) or "unverified" in t.baseline:
@@ -102,23 +142,51 @@ def test_quick_ratios_are_labelled_indicative_and_others_get_a_verdict() -> None
     quick = format_table(Plan.from_args(_bench_args("quick")), _ratio_results())
     assert "indicative only" in quick and " NO" not in quick and "MISSED" not in quick
     assert "0.50x indicative" in quick
-    full = format_table(Plan.from_args(_bench_args("shm", "--sizes", "16KiB,64KiB")),
-                        _ratio_results())
+    full = format_table(Plan.from_args(_bench_args("shm", "--sizes", "16KiB,64KiB")), _ratio_results())
     assert "0.50x NO" in full and "MISSED" in full and "indicative" not in full
 
 
 def test_verify_suite_measures_verified_beside_unverified(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "verify", "--sizes", "64KiB",
-                          "--total-mib", "4", "--batch-mib", "2", "--repeat", "1", "--no-progress",
-                          "--no-redis", "--json", str(out)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "verify",
+            "--sizes",
+            "64KiB",
+            "--total-mib",
+            "4",
+            "--batch-mib",
+            "2",
+            "--repeat",
+            "1",
+            "--no-progress",
+            "--no-redis",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     got = {t["op"] for t in result["throughput"] if t["gbps"] > 0}
-    assert got == {"shm_put", "shm_get_into", "tcp_put", "tcp_get_into", "shm_unverified_put",
-                   "shm_unverified_get_into", "tcp_unverified_put", "tcp_unverified_get_into",
-                   "shm_daemon_put"}
+    assert got == {
+        "shm_put",
+        "shm_get_into",
+        "tcp_put",
+        "tcp_get_into",
+        "shm_unverified_put",
+        "shm_unverified_get_into",
+        "tcp_unverified_put",
+        "tcp_unverified_get_into",
+        "shm_daemon_put",
+    }
     ratios = {(t["op"], t["baseline"]) for t in result["targets"] if t.get("ratio")}
     assert ("shm_put", "shm_unverified_put") in ratios
     assert ("shm_get_into", "shm_unverified_get_into") in ratios
@@ -158,9 +226,22 @@ def test_progress_bar_counts_to_its_total() -> None:
 
 
 def _small_nvme_plan(disk_dir: Path) -> Plan:
-    plan = Plan.from_args(_bench_args("nvme", "--sizes", "64KiB,256KiB", "--total-mib", "4",
-                                      "--batch-mib", "1", "--repeat", "2", "--no-progress",
-                                      "--disk-dir", str(disk_dir)))
+    plan = Plan.from_args(
+        _bench_args(
+            "nvme",
+            "--sizes",
+            "64KiB,256KiB",
+            "--total-mib",
+            "4",
+            "--batch-mib",
+            "1",
+            "--repeat",
+            "2",
+            "--no-progress",
+            "--disk-dir",
+            str(disk_dir),
+        )
+    )
     return dataclasses.replace(plan, recovery_blocks=300)
 
 
@@ -190,14 +271,17 @@ def test_nvme_suite_reports_every_figure(tmp_path: Path) -> None:
     assert "NVMe promote (get_into, end to end)" in table and "after kill -9" in table
 
 
-def test_nvme_suite_refuses_to_fill_the_disk(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nvme_suite_refuses_to_fill_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _p: shutil_usage(free=1 << 30))
     with pytest.raises(RuntimeError, match="GiB free"):
         nvme.bench_nvme(_small_nvme_plan(tmp_path), tmp_path, Results(), Progress(1, enabled=False))
     results = Results()  # under `all`, the other figures still count: a note instead
-    nvme.bench_nvme(dataclasses.replace(_small_nvme_plan(tmp_path), suite="all"), tmp_path,
-                    results, Progress(1, enabled=False))
+    nvme.bench_nvme(
+        dataclasses.replace(_small_nvme_plan(tmp_path), suite="all"),
+        tmp_path,
+        results,
+        Progress(1, enabled=False),
+    )
     assert any("NVMe figures skipped" in n for n in results.notes)
     assert list(tmp_path.iterdir()) == []
 
@@ -227,22 +311,45 @@ def test_suites_that_run_nvme() -> None:
 def test_gpu_suite_dry_run_on_cpu(tmp_path: Path) -> None:
     """``kvtier bench gpu --device cpu``: the GPU benchmark's code path, byte-checked, on CPU."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "gpu", "--device", "cpu",
-                           "--gpu-blocks", "12", "--gpu-shape", "4,2,64,16", "--repeat", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--gpu-blocks",
+            "12",
+            "--gpu-shape",
+            "4,2,64,16",
+            "--repeat",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["byte_exact"] and report["blocks"] == 12 and report["block_bytes"] == 4 * 8192
-    assert set(report["gbps"]) == {"copy_ host->device", "copy_ device->host",
-                                   "shm put_blocks (device->daemon)",
-                                   "shm get_blocks (daemon->device)"}
+    assert set(report["gbps"]) == {
+        "copy_ host->device",
+        "copy_ device->host",
+        "shm put_blocks (device->daemon)",
+        "shm get_blocks (daemon->device)",
+    }
     assert "shm put_blocks" in proc.stdout
     assert report["notes"] == ["cuda_ipc: skipped, needs a CUDA device"]
 
 
 def _small_plan(**kw: object) -> Plan:
-    plan = Plan.from_args(_bench_args("--sizes", "64KiB", "--batch-mib", "1", "--total-mib", "8",
-                                      "--repeat", "2"))
+    plan = Plan.from_args(
+        _bench_args("--sizes", "64KiB", "--batch-mib", "1", "--total-mib", "8", "--repeat", "2")
+    )
     return dataclasses.replace(plan, **kw)  # type: ignore[arg-type]
 
 
@@ -295,4 +402,3 @@ def test_redis_baseline_uses_hiredis_and_fresh_keys_per_sample(tmp_path: Path) -
             get.run()
         assert get.check is not None
         get.check()
-

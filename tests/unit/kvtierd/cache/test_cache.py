@@ -15,12 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvtier_contract.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
 from kvtierd.cache import LoadJob, TieredCache
 from kvtierd.cache.lookup import LookupOptions
@@ -51,8 +46,9 @@ def done(coro: Coroutine[Any, Any, T]) -> T:
     raise AssertionError("the coroutine suspended")
 
 
-def pin_prefix(cache: TieredCache, session: Session, ns: NamespaceState,
-               ks: list[bytes]) -> tuple[LoadJob | None, bytes]:
+def pin_prefix(
+    cache: TieredCache, session: Session, ns: NamespaceState, ks: list[bytes]
+) -> tuple[LoadJob | None, bytes]:
     """A lookup holding its hit prefix: (the hold, each hit's tier)."""
     found = done(cache.lookup(ns, ks, LookupOptions(pin=session)))
     return found.job, found.tiers
@@ -66,9 +62,17 @@ def spec(block_bytes: int = BLOCK, model: str = "m") -> Namespace:
     """A namespace of ``block_bytes`` blocks of 4 tokens (float16, one layer, one head)."""
     head_dim, rest = divmod(block_bytes, 2 * 2 * TOKENS_PER_BLOCK)
     assert rest == 0
-    return Namespace(model_id=model, model_revision="r", tokenizer_digest="none",
-                     kv_dtype="float16", layout="contiguous", tokens_per_block=TOKENS_PER_BLOCK,
-                     num_layers=1, num_kv_heads=1, head_dim=head_dim)
+    return Namespace(
+        model_id=model,
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="float16",
+        layout="contiguous",
+        tokens_per_block=TOKENS_PER_BLOCK,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=head_dim,
+    )
 
 
 def session(sid: int = 1, transport: Transport = SHM) -> Session:
@@ -79,14 +83,20 @@ def session(sid: int = 1, transport: Transport = SHM) -> Session:
 def make_cache(request: pytest.FixtureRequest) -> Iterator[MakeCache]:
     arenas: list[Arena] = []
 
-    def make(slabs: int = 4, slab_bytes: int = BLOCK, align: int = BLOCK,
-             max_namespaces: int = 8, clock: Callable[[], float] = time.monotonic) -> TieredCache:
+    def make(
+        slabs: int = 4,
+        slab_bytes: int = BLOCK,
+        align: int = BLOCK,
+        max_namespaces: int = 8,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> TieredCache:
         arena = Arena(slabs * slab_bytes, prefault=False)
         arenas.append(arena)
         host = HostTier(arena, slab_bytes=slab_bytes, slot_align_bytes=align)
         policy = make_policy(request.param, ghost_capacity=16)
-        return TieredCache(host, policy, max_namespaces=max_namespaces,
-                           policy_name=request.param, clock=clock)
+        return TieredCache(
+            host, policy, max_namespaces=max_namespaces, policy_name=request.param, clock=clock
+        )
 
     yield make
     for a in arenas:
@@ -103,8 +113,7 @@ def ns(cache: TieredCache) -> NamespaceState:
     return cache.register_namespace(spec())
 
 
-def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
-        s: Session | None = None) -> bytes:
+def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes], s: Session | None = None) -> bytes:
     """Prepare and complete a store of ``ks`` (shm); returns the per-key status."""
     s = s or session()
     job, status, _ = cache.prepare_store(s, ns, ks, SHM)
@@ -113,16 +122,16 @@ def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
     return status
 
 
-def pin(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes],
-        s: Session | None = None) -> int:
+def pin(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes], s: Session | None = None) -> int:
     """Pin ``ks`` with a load job that is left open; returns its id."""
     job = load_job(cache, s or session(), ns, ks)
     assert job is not None and len(job.items) == len(ks)
     return job.id
 
 
-def load_job(cache: TieredCache, s: Session, ns: NamespaceState, ks: Sequence[bytes],
-         transport: Transport = SHM) -> LoadJob | None:
+def load_job(
+    cache: TieredCache, s: Session, ns: NamespaceState, ks: Sequence[bytes], transport: Transport = SHM
+) -> LoadJob | None:
     """prepare_load of a host-only cache: nothing is ever deferred."""
     job, deferred = done(cache.prepare_load(s, ns, ks, transport))
     assert deferred == {}
@@ -175,8 +184,7 @@ def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: Namespac
 # ---- two-phase stores ----------------------------------------------------------------------
 
 
-def test_writing_entries_are_invisible_until_committed(cache: TieredCache,
-                                                       ns: NamespaceState) -> None:
+def test_writing_entries_are_invisible_until_committed(cache: TieredCache, ns: NamespaceState) -> None:
     s1, s2 = session(1), session(2)
     job, status, offsets = cache.prepare_store(s1, ns, keys(1, 2), SHM)
     # [1w 2w]
@@ -219,7 +227,8 @@ def test_pinned_entries_are_never_evicted(cache: TieredCache, ns: NamespaceState
 
 
 def test_store_is_rejected_as_a_value_when_only_pinned_and_writing_remain(
-        cache: TieredCache, ns: NamespaceState) -> None:
+    cache: TieredCache, ns: NamespaceState
+) -> None:
     s = session()
     put(cache, ns, keys(1, 2))
     pin(cache, ns, keys(1, 2))
@@ -237,8 +246,7 @@ def test_store_is_rejected_as_a_value_when_only_pinned_and_writing_remain(
     assert ns.counters.stores_rejected == 2 and ns.counters.evictions == 0
 
 
-def test_already_present_keys_are_reported_and_not_rewritten(cache: TieredCache,
-                                                             ns: NamespaceState) -> None:
+def test_already_present_keys_are_reported_and_not_rewritten(cache: TieredCache, ns: NamespaceState) -> None:
     put(cache, ns, keys(1, 2))
     before = {k: ns.entries[k].offset for k in keys(1, 2)}
     job, status, offsets = cache.prepare_store(session(), ns, keys(1, 3, 2), SHM)
@@ -250,8 +258,7 @@ def test_already_present_keys_are_reported_and_not_rewritten(cache: TieredCache,
     assert ns.counters.stores_already_present == 2
 
 
-def test_a_key_twice_in_one_batch_is_reserved_once(cache: TieredCache,
-                                                   ns: NamespaceState) -> None:
+def test_a_key_twice_in_one_batch_is_reserved_once(cache: TieredCache, ns: NamespaceState) -> None:
     job, status, _ = cache.prepare_store(session(), ns, keys(1, 1), SHM)
     assert status == st(RESERVED, PRESENT)
     assert job is not None and len(job.items) == 1
@@ -259,7 +266,8 @@ def test_a_key_twice_in_one_batch_is_reserved_once(cache: TieredCache,
 
 
 def test_a_failed_complete_store_frees_its_slots_and_leaves_nothing_visible(
-        cache: TieredCache, ns: NamespaceState) -> None:
+    cache: TieredCache, ns: NamespaceState
+) -> None:
     s = session()
     job, _, _ = cache.prepare_store(s, ns, keys(1, 2), SHM)
     assert job is not None
@@ -298,8 +306,7 @@ def test_ok_false_overrides_item_ok(cache: TieredCache, ns: NamespaceState) -> N
     assert ns.entries == {}
 
 
-def test_item_ok_of_the_wrong_length_changes_nothing(cache: TieredCache,
-                                                     ns: NamespaceState) -> None:
+def test_item_ok_of_the_wrong_length_changes_nothing(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     job, _, _ = cache.prepare_store(s, ns, keys(1, 2), SHM)
     assert job is not None
@@ -346,8 +353,7 @@ def test_jobs_belong_to_their_session_and_kind(cache: TieredCache, ns: Namespace
     assert cache.complete_load(owner, load.id) == 1
 
 
-def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache,
-                                                            ns: NamespaceState) -> None:
+def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache, ns: NamespaceState) -> None:
     s = session(transport=TCP)
     job, _, _ = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
@@ -362,21 +368,22 @@ def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache,
     assert ns.counters.bytes_in_tcp == 2 * BLOCK and ns.counters.bytes_in_shm == 0
 
 
-def test_store_run_checks_session_index_and_length(cache: TieredCache,
-                                                   ns: NamespaceState) -> None:
+def test_store_run_checks_session_index_and_length(cache: TieredCache, ns: NamespaceState) -> None:
     s = session(transport=TCP)
     put(cache, ns, keys(1))
     job, _, offsets = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
     run_job, entries = cache.jobs.store_run(s.id, job.id, 1, 2, 2 * BLOCK)  # keys 2 and 3
     assert run_job is job and [e.offset for e in entries] == offsets[1:]
-    for args, field in [((99, job.id, 1, 1, BLOCK), "job_id"),  # another session
-                        ((s.id, job.id + 1, 1, 1, BLOCK), "job_id"),
-                        ((s.id, job.id, 0, 1, BLOCK), "index"),  # present, not reserved
-                        ((s.id, job.id, 1, 3, 3 * BLOCK), "index"),  # runs past the job
-                        ((s.id, job.id, 1, 1, BLOCK - 1), "length"),
-                        ((s.id, job.id, 1, 2, 3 * BLOCK), "length"),  # not one size per block
-                        ((s.id, job.id, 1, 0, 0), "length")]:
+    for args, field in [
+        ((99, job.id, 1, 1, BLOCK), "job_id"),  # another session
+        ((s.id, job.id + 1, 1, 1, BLOCK), "job_id"),
+        ((s.id, job.id, 0, 1, BLOCK), "index"),  # present, not reserved
+        ((s.id, job.id, 1, 3, 3 * BLOCK), "index"),  # runs past the job
+        ((s.id, job.id, 1, 1, BLOCK - 1), "length"),
+        ((s.id, job.id, 1, 2, 3 * BLOCK), "length"),  # not one size per block
+        ((s.id, job.id, 1, 0, 0), "length"),
+    ]:
         with pytest.raises((NotFound, InvalidArgument)) as exc:
             cache.jobs.store_run(*args)
         assert exc.value.field == field, args
@@ -400,8 +407,9 @@ def test_eviction_makes_room_in_policy_order(cache: TieredCache, ns: NamespaceSt
     assert cache.host.used_bytes == 4 * BLOCK
 
 
-def test_prepare_store_never_evicts_ready_keys_of_its_own_batch(cache: TieredCache,
-                                                                ns: NamespaceState) -> None:
+def test_prepare_store_never_evicts_ready_keys_of_its_own_batch(
+    cache: TieredCache, ns: NamespaceState
+) -> None:
     put(cache, ns, keys(1, 2, 3, 4))
     # [1 2 3 4]: 1 is the first victim, but it is part of the batch
     status = put(cache, ns, keys(5, 1))
@@ -414,8 +422,7 @@ def test_prepare_store_never_evicts_ready_keys_of_its_own_batch(cache: TieredCac
     assert ns.counters.evictions == 1
 
 
-def test_once_full_the_rest_of_the_batch_is_rejected(cache: TieredCache,
-                                                     ns: NamespaceState) -> None:
+def test_once_full_the_rest_of_the_batch_is_rejected(cache: TieredCache, ns: NamespaceState) -> None:
     put(cache, ns, keys(1, 2))
     pin(cache, ns, keys(1, 2))
     status = put(cache, ns, keys(3, 4, 5, 1, 6))
@@ -488,8 +495,9 @@ def test_a_store_that_cannot_get_a_slab_evicts_nothing(make_cache: MakeCache) ->
 # ---- loads ---------------------------------------------------------------------------------
 
 
-def test_prepare_load_pins_what_is_ready_and_complete_load_unpins(cache: TieredCache,
-                                                                  ns: NamespaceState) -> None:
+def test_prepare_load_pins_what_is_ready_and_complete_load_unpins(
+    cache: TieredCache, ns: NamespaceState
+) -> None:
     s = session()
     put(cache, ns, keys(1, 3))
     job = load_job(cache, s, ns, keys(1, 2, 3))
@@ -526,8 +534,7 @@ def test_two_load_jobs_pin_a_block_twice(cache: TieredCache, ns: NamespaceState)
 # ---- sessions ------------------------------------------------------------------------------
 
 
-def test_release_session_frees_reservations_and_unpins(cache: TieredCache,
-                                                      ns: NamespaceState) -> None:
+def test_release_session_frees_reservations_and_unpins(cache: TieredCache, ns: NamespaceState) -> None:
     s, other = session(1), session(2)
     put(cache, ns, keys(1, 2))
     pin(cache, ns, keys(1, 2), s)
@@ -576,28 +583,40 @@ def test_register_namespace_is_idempotent_and_bounded(make_cache: MakeCache) -> 
 def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     other = cache.register_namespace(spec(model="other"))
-    assert done(cache.lookup(ns, keys(1, 2))).hit == 0                          # 2 missed
-    put(cache, ns, keys(1, 2, 3))                                     # 3 accepted
-    assert done(cache.lookup(ns, keys(1, 2, 9))).hit == 2                       # 2 hit, 1 missed
-    job, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)           # 1 present
+    assert done(cache.lookup(ns, keys(1, 2))).hit == 0  # 2 missed
+    put(cache, ns, keys(1, 2, 3))  # 3 accepted
+    assert done(cache.lookup(ns, keys(1, 2, 9))).hit == 2  # 2 hit, 1 missed
+    job, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)  # 1 present
     assert job is not None
-    cache.complete_store(s, job.id, ok=False)                         # 1 dropped
+    cache.complete_store(s, job.id, ok=False)  # 1 dropped
     pin(cache, ns, keys(1, 2, 3))
-    put(cache, other, keys(7))                                        # other: 1 accepted
+    put(cache, other, keys(7))  # other: 1 accepted
     load = load_job(cache, s, other, keys(7))
     assert load is not None
     # [1* 2* 3*] [7*]: full
-    assert put(cache, ns, keys(5)) == st(REJECTED)                    # 1 rejected
-    cache.complete_load(s, load.id)                                   # other: 1 loaded
-    assert put(cache, ns, keys(8)) == st(RESERVED)                    # evicts 7 of other
+    assert put(cache, ns, keys(5)) == st(REJECTED)  # 1 rejected
+    cache.complete_load(s, load.id)  # other: 1 loaded
+    assert put(cache, ns, keys(8)) == st(RESERVED)  # evicts 7 of other
     tpb = TOKENS_PER_BLOCK
     assert ns.counters == Counters(
-        lookups=2, blocks_requested=5, blocks_hit_host=2, blocks_missed=3,
-        tokens_requested=5 * tpb, tokens_hit=2 * tpb, tokens_missed=3 * tpb,
-        stores_accepted=4, stores_already_present=1, stores_rejected=1, stores_dropped=1,
-        bytes_in_shm=4 * BLOCK, resident_blocks=4, resident_bytes=4 * BLOCK)
+        lookups=2,
+        blocks_requested=5,
+        blocks_hit_host=2,
+        blocks_missed=3,
+        tokens_requested=5 * tpb,
+        tokens_hit=2 * tpb,
+        tokens_missed=3 * tpb,
+        stores_accepted=4,
+        stores_already_present=1,
+        stores_rejected=1,
+        stores_dropped=1,
+        bytes_in_shm=4 * BLOCK,
+        resident_blocks=4,
+        resident_bytes=4 * BLOCK,
+    )
     assert other.counters == Counters(
-        stores_accepted=1, loads=1, evictions=1, bytes_in_shm=BLOCK, bytes_out_shm=BLOCK)
+        stores_accepted=1, loads=1, evictions=1, bytes_in_shm=BLOCK, bytes_out_shm=BLOCK
+    )
     total = cache.totals()
     assert total.stores_accepted == 5 and total.evictions == 1 and total.resident_blocks == 4
     assert total.lookups == 2 and total.loads == 1
@@ -627,8 +646,7 @@ def test_slots_of_an_expired_writer_are_held_back_one_lease(make_cache: MakeCach
     assert ns.counters.evictions == 1  # the returned slots took them
 
 
-def test_reserved_and_held_back_slots_count_against_the_tenants_host_quota(
-        make_cache: MakeCache) -> None:
+def test_reserved_and_held_back_slots_count_against_the_tenants_host_quota(make_cache: MakeCache) -> None:
     """Issue 26: a store prepared and never completed held its slots outside the tenant's
     ``host_bytes``, and so did the slots held back after its lease lapsed."""
     now = [100.0]
@@ -670,7 +688,8 @@ def test_no_job_attaches_to_a_released_session(cache: TieredCache, ns: Namespace
 
 
 def test_an_empty_idle_namespace_is_forgotten_and_its_counters_stay_in_the_totals(
-        make_cache: MakeCache) -> None:
+    make_cache: MakeCache,
+) -> None:
     now = [100.0]
     cache = make_cache(max_namespaces=2, clock=lambda: now[0])
     empty = cache.register_namespace(spec(model="empty"))

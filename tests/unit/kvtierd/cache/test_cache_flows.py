@@ -27,13 +27,23 @@ BLOCK = 4096
 def rig() -> Iterator[tuple[TieredCache, Session, NamespaceState]]:
     arena = Arena(4 * BLOCK, prefault=False)
     host = HostTier(arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK)
-    cache = TieredCache(host, make_policy("lru", ghost_capacity=4), max_namespaces=2,
-                        policy_name="lru")
-    sessions = SessionTable(max_sessions=4, default_ttl_s=10, min_ttl_s=1, max_ttl_s=10,
-                            on_release=cache.release_session)
-    ns = cache.register_namespace(Namespace(
-        model_id="m", model_revision="r", tokenizer_digest="none", kv_dtype="float16",
-        layout="contiguous", tokens_per_block=8, num_layers=1, num_kv_heads=1, head_dim=128))
+    cache = TieredCache(host, make_policy("lru", ghost_capacity=4), max_namespaces=2, policy_name="lru")
+    sessions = SessionTable(
+        max_sessions=4, default_ttl_s=10, min_ttl_s=1, max_ttl_s=10, on_release=cache.release_session
+    )
+    ns = cache.register_namespace(
+        Namespace(
+            model_id="m",
+            model_revision="r",
+            tokenizer_digest="none",
+            kv_dtype="float16",
+            layout="contiguous",
+            tokens_per_block=8,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=128,
+        )
+    )
     yield cache, sessions.open("c", None, Transport.SHM), ns
     arena.close()
 
@@ -46,18 +56,22 @@ def unexpected() -> Any:
     raise AssertionError("no wait without a chain: nothing to check again")
 
 
-def store(cache: TieredCache, s: Session, ns: NamespaceState, *, trust_client: bool,
-          given: list[int]) -> list[int | None]:
+def store(
+    cache: TieredCache, s: Session, ns: NamespaceState, *, trust_client: bool, given: list[int]
+) -> list[int | None]:
     """Store blocks 1 and 2 (filled with 1s and 2s): each one's digest once committed."""
+
     async def run() -> list[int | None]:
         job, _, offsets = await prepare_store_fitted(
-            cache, s, ns, [key(1), key(2)], Transport.SHM, token_ids=(), parent=None,
-            again=unexpected)
+            cache, s, ns, [key(1), key(2)], Transport.SHM, token_ids=(), parent=None, again=unexpected
+        )
         assert job is not None
         for n, off in enumerate(offsets):
             cache.host.view(off, BLOCK)[:] = bytes([n + 1]) * BLOCK
-        assert await complete_store_hashed(cache, s, job.id, True, [], given,
-                                           trust_client=trust_client) == (2, 0)
+        assert await complete_store_hashed(cache, s, job.id, True, [], given, trust_client=trust_client) == (
+            2,
+            0,
+        )
         return [ns.entries[key(i)].digest for i in (1, 2)]
 
     return asyncio.run(run())
@@ -69,7 +83,9 @@ def test_a_stores_digests_are_hashed_here_unless_the_client_is_trusted(rig: Any)
     for k in (key(1), key(2)):
         cache.drop_corrupt([ns.entries[k]])  # (start again with empty slots)
     assert store(cache, s, ns, trust_client=False, given=[11, 22]) == [
-        block_digest(bytes([1]) * BLOCK), block_digest(bytes([2]) * BLOCK)]
+        block_digest(bytes([1]) * BLOCK),
+        block_digest(bytes([2]) * BLOCK),
+    ]
 
 
 def test_a_corrupt_claim_drops_only_a_block_whose_bytes_differ(rig: Any) -> None:

@@ -37,8 +37,7 @@ def unreadable_until(healed: list[bool]) -> Callable[..., FileSystem]:
     return factory
 
 
-async def restarted_unreadable(make_rig: Callable[..., Rig], *ids: int
-                               ) -> tuple[Rig, list[bool]]:
+async def restarted_unreadable(make_rig: Callable[..., Rig], *ids: int) -> tuple[Rig, list[bool]]:
     """Blocks ``ids`` stored and durable on NVMe, then a restart on a directory that cannot be
     opened until ``healed[0]``: (the restarted rig, healed)."""
     rig = make_rig()
@@ -51,7 +50,8 @@ async def restarted_unreadable(make_rig: Callable[..., Rig], *ids: int
 
 @scenario
 async def test_a_tier_opened_late_restores_its_copies_into_the_live_index(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     again, healed = await restarted_unreadable(make_rig, 1, 2)
     assert (again.restored, again.nvme.admitting) == (0, False)
     assert again.nvme.degraded_reason.startswith("DiskIOError")
@@ -103,7 +103,8 @@ class HeldOpen:
 
 @scenario
 async def test_a_checkpoint_while_a_late_open_runs_keeps_every_durable_block(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     rig = make_rig()
     await rig.store(1, 2)
     await rig.settle()  # nvme [1 2]
@@ -128,8 +129,7 @@ async def test_a_checkpoint_while_a_late_open_runs_keeps_every_durable_block(
 
 
 @scenario
-async def test_a_late_open_that_fails_unforeseen_can_be_repeated(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_a_late_open_that_fails_unforeseen_can_be_repeated(make_rig: Callable[..., Rig]) -> None:
     again, healed = await restarted_unreadable(make_rig, 1, 2)
     healed[0] = True
     claim = again.nvme.space.claim
@@ -160,17 +160,29 @@ def _daemon_over(directory: Path, held: HeldOpen, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(build, "_nvme_tier", tier)
     # The Rig's geometry: 4 KiB host slots, 8 KiB NVMe slots in one 128 KiB block file.
-    return Daemon(DaemonConfig.from_flat(host_bytes=8 * BLOCK, slab_bytes=BLOCK, prefault=False,
-                               metrics_port=-1, disk_dir=str(directory), disk_bytes=16 * NVME_SLOT,
-                               disk_file_bytes=16 * NVME_SLOT, io_align_bytes=BLOCK,
-                               write_policy="write-through", lease_sweep_s=0.01,
-                               probe_interval_s=0.01, min_lease_ttl_s=0.01,
-                               disk_optional=True))  # (it starts with the tier not open)
+    return Daemon(
+        DaemonConfig.from_flat(
+            host_bytes=8 * BLOCK,
+            slab_bytes=BLOCK,
+            prefault=False,
+            metrics_port=-1,
+            disk_dir=str(directory),
+            disk_bytes=16 * NVME_SLOT,
+            disk_file_bytes=16 * NVME_SLOT,
+            io_align_bytes=BLOCK,
+            write_policy="write-through",
+            lease_sweep_s=0.01,
+            probe_interval_s=0.01,
+            min_lease_ttl_s=0.01,
+            disk_optional=True,
+        )
+    )  # (it starts with the tier not open)
 
 
 @scenario
 async def test_the_sweeper_keeps_expiring_leases_while_a_late_open_runs(
-        make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     held = HeldOpen()
     daemon = _daemon_over(tmp_path / "nvme", held, monkeypatch)
     held.heal()
@@ -198,7 +210,8 @@ async def test_the_sweeper_keeps_expiring_leases_while_a_late_open_runs(
 
 @scenario
 async def test_a_drain_during_a_late_open_waits_for_it_and_checkpoints_every_block(
-        make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_rig: Callable[..., Rig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rig = make_rig()
     await rig.store(1, 2)
     await rig.settle()  # nvme [1 2]
@@ -218,7 +231,8 @@ async def test_a_drain_during_a_late_open_waits_for_it_and_checkpoints_every_blo
 
 @scenario
 async def test_a_store_aborted_after_a_late_open_found_its_block_keeps_the_durable_copy(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     again, healed = await restarted_unreadable(make_rig, 1)
     job, status, _ = again.cache.prepare_store(again.session, again.ns, keys(1), SHM)
     assert job is not None and status == bytes([RESERVED])  # 1 is WRITING

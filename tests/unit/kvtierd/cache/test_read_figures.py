@@ -136,17 +136,17 @@ def test_the_slope_stays_between_zero_and_the_reads_own_rate() -> None:
 
 
 def test_the_collector_exposes_latency_and_bandwidth_per_tier() -> None:
-    snap = _snapshot(tier_figures=[
-        {"tier": 2, "latency_us": 52_000, "bytes_per_s": 80 * MIB, "age_ms": 3, "reads": 7},
-        {"tier": 3, "latency_us": 1_500, "bytes_per_s": 400 * MIB, "age_ms": 9, "reads": 2},
-    ])
+    snap = _snapshot(
+        tier_figures=[
+            {"tier": 2, "latency_us": 52_000, "bytes_per_s": 80 * MIB, "age_ms": 3, "reads": 7},
+            {"tier": 3, "latency_us": 1_500, "bytes_per_s": 400 * MIB, "age_ms": 9, "reads": 2},
+        ]
+    )
     families = {f.name: f for f in KvtierCollector(lambda: snap).collect()}
-    lat, bw = families["kvtier_tier_read_latency_seconds"], \
-        families["kvtier_tier_read_bytes_per_second"]
+    lat, bw = families["kvtier_tier_read_latency_seconds"], families["kvtier_tier_read_bytes_per_second"]
     assert isinstance(lat, GaugeMetricFamily)
     assert {s.labels["tier"]: s.value for s in lat.samples} == {"nvme": 0.052, "cluster": 0.0015}
-    assert {s.labels["tier"]: s.value for s in bw.samples} == {"nvme": 80 * MIB,
-                                                               "cluster": 400 * MIB}
+    assert {s.labels["tier"]: s.value for s in bw.samples} == {"nvme": 80 * MIB, "cluster": 400 * MIB}
     empty = {f.name: f for f in KvtierCollector(lambda: _snapshot()).collect()}
     assert empty["kvtier_tier_read_latency_seconds"].samples == []  # no read yet: no sample
 
@@ -199,8 +199,9 @@ def test_the_launcher_takes_either_flag_and_passes_the_rest_on(tmp_path: Path) -
 def test_kvtier_stats_prints_the_read_figures() -> None:
     from kvtier.cli import format_stats
 
-    snap = _snapshot(tier_figures=[
-        {"tier": 2, "latency_us": 52_000, "bytes_per_s": 80 * MIB, "age_ms": 1500, "reads": 7}])
+    snap = _snapshot(
+        tier_figures=[{"tier": 2, "latency_us": 52_000, "bytes_per_s": 80 * MIB, "age_ms": 1500, "reads": 7}]
+    )
     snap.update(eviction_policy="lru")
     text = format_stats(snap)
     assert "reads into the host tier: nvme 52.0 ms, 80.0 MiB/s (7 reads, last 1.5s ago)" in text

@@ -42,20 +42,8 @@ from kvtierd.policies import PolicyName, WritePolicyName, make_policy, make_writ
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.testing.faults import FaultyDevice, FaultyFileSystem
 from kvtierd.tiers import Arena, HostTier
-from kvtierd.tiers.nvme.device import (
-    Device,
-    DiskError,
-    DiskFull,
-    DiskIOError,
-    FileSystem,
-    SyncFailed,
-)
-from kvtierd.tiers.nvme.format import (
-    data_file_name,
-    encode_header,
-    new_header,
-    parse_data_file_name,
-)
+from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, DiskIOError, FileSystem, SyncFailed
+from kvtierd.tiers.nvme.format import data_file_name, encode_header, new_header, parse_data_file_name
 from kvtierd.tiers.nvme.journal import parse_journal_name
 from kvtierd.tiers.nvme.tier import NvmeConfig, NvmeTier
 from kvtierd.transports.tcp import DataChannelProtocol
@@ -81,8 +69,9 @@ def _now(coro: Coroutine[Any, Any, T]) -> T:
     raise AssertionError("the coroutine suspended")
 
 
-def pin_prefix(cache: TieredCache, session: Session, ns: NamespaceState, ks: list[bytes], *,
-               promote: bool = True) -> tuple[LoadJob | None, bytes]:
+def pin_prefix(
+    cache: TieredCache, session: Session, ns: NamespaceState, ks: list[bytes], *, promote: bool = True
+) -> tuple[LoadJob | None, bytes]:
     """A lookup holding its hit prefix: (the hold, each hit's tier)."""
     found = _now(cache.lookup(ns, ks, LookupOptions(pin=session, promote=promote)))
     return found.job, found.tiers
@@ -105,9 +94,17 @@ def payload(i: int) -> bytes:
 
 def spec() -> Namespace:
     """4 KiB blocks: 4 tokens x 1 layer x 1 head x 256 dim x float16 x (k, v)."""
-    return Namespace(model_id="m", model_revision="r", tokenizer_digest="none", kv_dtype="float16",
-                     layout="contiguous", tokens_per_block=4, num_layers=1, num_kv_heads=1,
-                     head_dim=256)
+    return Namespace(
+        model_id="m",
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="float16",
+        layout="contiguous",
+        tokens_per_block=4,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=256,
+    )
 
 
 def scenario(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
@@ -123,19 +120,39 @@ def scenario(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None
 class Rig:
     """One cache with an NVMe tier in its chain, wired as the daemon's composition root does."""
 
-    def __init__(self, directory: Path, *, host: int = 8, nvme: int = 16,
-                 write_policy: WritePolicyName = "write-through", watermark: float = 0.8,
-                 hits: int = 2, policy: PolicyName = "lru",
-                 fs_factory: Callable[..., FileSystem] = FaultyFileSystem) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        host: int = 8,
+        nvme: int = 16,
+        write_policy: WritePolicyName = "write-through",
+        watermark: float = 0.8,
+        hits: int = 2,
+        policy: PolicyName = "lru",
+        fs_factory: Callable[..., FileSystem] = FaultyFileSystem,
+    ) -> None:
         self.arena = Arena(host * BLOCK, prefault=False)
-        self.cache = TieredCache(HostTier(self.arena, slab_bytes=BLOCK, slot_align_bytes=A),
-                                 make_policy(policy, ghost_capacity=16), max_namespaces=4,
-                                 policy_name=policy)
-        self.nvme = NvmeTier(NvmeConfig(directory=str(directory), capacity_bytes=nvme * NVME_SLOT,
-                                        io_align=A, file_bytes=nvme * NVME_SLOT,
-                                        slab_bytes=NVME_SLOT, io_threads=2), fs_factory=fs_factory)
-        self.link: TierLink = self.cache.add_storage_tier(self.nvme, make_write_policy(
-            write_policy, flush_watermark=watermark, write_after_hits=hits))
+        self.cache = TieredCache(
+            HostTier(self.arena, slab_bytes=BLOCK, slot_align_bytes=A),
+            make_policy(policy, ghost_capacity=16),
+            max_namespaces=4,
+            policy_name=policy,
+        )
+        self.nvme = NvmeTier(
+            NvmeConfig(
+                directory=str(directory),
+                capacity_bytes=nvme * NVME_SLOT,
+                io_align=A,
+                file_bytes=nvme * NVME_SLOT,
+                slab_bytes=NVME_SLOT,
+                io_threads=2,
+            ),
+            fs_factory=fs_factory,
+        )
+        self.link: TierLink = self.cache.add_storage_tier(
+            self.nvme, make_write_policy(write_policy, flush_watermark=watermark, write_after_hits=hits)
+        )
         self.restored = self.link.restored
         self.ns = self.cache.register_namespace(spec())
         self.session = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=SHM)
@@ -156,8 +173,7 @@ class Rig:
     @property
     def journal(self) -> FaultyDevice:
         """The journal file being appended to."""
-        name = max((n for n in self.fs.devices if parse_journal_name(n) is not None),
-                   key=parse_journal_name)
+        name = max((n for n in self.fs.devices if parse_journal_name(n) is not None), key=parse_journal_name)
         return self.fs.devices[name]
 
     def entry(self, i: int) -> Entry:
@@ -212,8 +228,11 @@ class Rig:
     def lookup(self, *ids: int) -> tuple[int, str, str]:
         found = _now(self.cache.lookup(self.ns, keys(*ids)))
         hit, tiers, durable = found.hit, found.tiers, found.durable
-        return (hit, "".join("h" if t == TierId.HOST else "n" for t in tiers),
-                "".join("d" if d else "-" for d in durable))
+        return (
+            hit,
+            "".join("h" if t == TierId.HOST else "n" for t in tiers),
+            "".join("d" if d else "-" for d in durable),
+        )
 
     async def one_on_nvme_only(self) -> None:
         """Block 1 on NVMe only (a 4-block host tier): stored, flushed, then pushed out of the
@@ -305,8 +324,9 @@ class Gate:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @scenario
-async def test_write_back_loses_no_block_while_nvme_keeps_up(make_rig: Callable[..., Rig],
-                                                             policy: PolicyName) -> None:
+async def test_write_back_loses_no_block_while_nvme_keeps_up(
+    make_rig: Callable[..., Rig], policy: PolicyName
+) -> None:
     rig = make_rig(host=8, nvme=32, write_policy="write-back", watermark=0.5, policy=policy)
     for i in range(1, 25):  # a stream three times the host tier, one block at a time
         assert await rig.store(i) == bytes([RESERVED])
@@ -364,7 +384,8 @@ async def test_selective_flushes_a_block_at_its_nth_hit(make_rig: Callable[..., 
 
 @scenario
 async def test_selective_flushes_a_block_whose_nth_hit_came_while_degraded(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     rig = make_rig(write_policy="selective", hits=2)
     await rig.store(1, 2)
     rig.disk.fail_writes(1)
@@ -405,8 +426,7 @@ async def test_a_block_already_on_nvme_is_never_written_again(make_rig: Callable
 
 
 @scenario
-async def test_full_nvme_drops_lru_copies_and_blocks_left_with_no_copy(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_full_nvme_drops_lru_copies_and_blocks_left_with_no_copy(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4, nvme=4)
     await rig.store(1, 2, 3, 4)
     await rig.settle()  # host [1 2 3 4], nvme [1 2 3 4]: both full
@@ -423,8 +443,7 @@ async def test_full_nvme_drops_lru_copies_and_blocks_left_with_no_copy(
 
 
 @scenario
-async def test_full_nvme_keeps_an_entry_whose_host_copy_remains(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_full_nvme_keeps_an_entry_whose_host_copy_remains(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=8, nvme=4)
     await rig.store(1, 2, 3, 4)
     await rig.settle()
@@ -499,8 +518,7 @@ async def test_promotions_feed_the_tiers_read_figures(make_rig: Callable[..., Ri
 
 
 @scenario
-async def test_a_load_larger_than_the_host_tier_streams_in_rounds(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_a_load_larger_than_the_host_tier_streams_in_rounds(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4, nvme=32)
     for first in (1, 5, 9):
         await rig.store(*range(first, min(first + 4, 11)))
@@ -520,7 +538,8 @@ async def test_a_load_larger_than_the_host_tier_streams_in_rounds(
 
 @scenario
 async def test_a_pinned_lookup_answers_real_tiers_at_once_and_promotes_behind(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
     await rig.store(1, 2)
@@ -553,7 +572,8 @@ async def one_and_two_below(make_rig: Callable[..., Rig]) -> Rig:
 
 @scenario
 async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     """``Lookup(pin, hold_only)`` (issue 30): a client that may recompute NVMe hits holds them
     without making the daemon read them; the load that does take them promotes them then."""
     rig = await one_and_two_below(make_rig)
@@ -571,13 +591,13 @@ async def test_a_hold_only_pin_starts_no_promotion_and_the_load_promotes(
 
 @scenario
 async def test_a_host_only_load_pins_what_the_host_tier_holds_and_reads_nothing(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     """``PrepareLoad(host_only)`` (issue 30): a sync load planned from host hits must not wait
     on a disk; a block that left the host tier since the lookup is deferred at once."""
     rig = await one_and_two_below(make_rig)
     reads = rig.disk.reads
-    job, deferred = await rig.cache.prepare_load(rig.session, rig.ns, keys(1, 2, 3), SHM,
-                                                 host_only=True)
+    job, deferred = await rig.cache.prepare_load(rig.session, rig.ns, keys(1, 2, 3), SHM, host_only=True)
     assert job is not None and sorted(job.items) == [2]  # key 3 only
     assert deferred == {0: TierId.NVME, 1: TierId.NVME}
     assert rig.disk.reads == reads and rig.lookup(1, 2, 3) == (3, "nnh", "ddd")
@@ -588,7 +608,8 @@ async def test_a_host_only_load_pins_what_the_host_tier_holds_and_reads_nothing(
 
 @scenario
 async def test_a_slow_promotion_blocks_neither_the_loop_nor_a_second_load(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
     await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
@@ -605,8 +626,7 @@ async def test_a_slow_promotion_blocks_neither_the_loop_nor_a_second_load(
 
 
 @scenario
-async def test_flushes_and_promotions_complete_on_a_slow_disk(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_flushes_and_promotions_complete_on_a_slow_disk(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=2)
     rig.disk.latency_s = 0.05  # every read, write and sync of the block file
     await rig.store(1, 2)
@@ -618,8 +638,7 @@ async def test_flushes_and_promotions_complete_on_a_slow_disk(
 
 
 @scenario
-async def test_write_back_backpressure_gives_up_at_its_deadline(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_write_back_backpressure_gives_up_at_its_deadline(make_rig: Callable[..., Rig]) -> None:
     gate = Gate("write")
     rig = make_rig(host=4, write_policy="write-back", watermark=1.0, fs_factory=gate.filesystem)
     await rig.store(1, 2, 3, 4)  # host [1 2 3 4], all dirty: nothing over the watermark
@@ -654,8 +673,7 @@ def _other_namespace(rig: Rig) -> None:  # a valid header, of another namespace
 
 
 def _other_key(rig: Rig) -> None:  # a valid header, of another key
-    h = new_header(rig.ns.spec.digest, keys(77)[0], payload(1),
-                   sequence=rig.entry(1).copy_in(0).seq)
+    h = new_header(rig.ns.spec.digest, keys(77)[0], payload(1), sequence=rig.entry(1).copy_in(0).seq)
     rig.disk.poke(rig.where(1), encode_header(h))
 
 
@@ -679,8 +697,7 @@ DAMAGE: dict[str, tuple[str, Callable[[Rig], None]]] = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 @scenario
-async def test_a_damaged_slot_is_a_miss_and_is_quarantined(make_rig: Callable[..., Rig],
-                                                           damage: str) -> None:
+async def test_a_damaged_slot_is_a_miss_and_is_quarantined(make_rig: Callable[..., Rig], damage: str) -> None:
     when, damage_slot = DAMAGE[damage]
     rig = make_rig(host=4)
     if when == "before":
@@ -747,7 +764,8 @@ def _tree(d: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("damage", list(DIRECTORY))
 @scenario
 async def test_a_damaged_directory_never_stops_the_host_tier(
-        make_rig: Callable[..., Rig], tmp_path: Path, damage: str) -> None:
+    make_rig: Callable[..., Rig], tmp_path: Path, damage: str
+) -> None:
     damage_dir, error = DIRECTORY[damage]
     rig = make_rig(host=4)
     await rig.store(1, 2, 3)
@@ -785,7 +803,8 @@ FAULTS: dict[str, tuple[Callable[[FaultyDevice], None], type[DiskError]]] = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 @scenario
 async def test_a_disk_fault_stops_admission_until_a_probe_succeeds(
-        make_rig: Callable[..., Rig], fault: str) -> None:
+    make_rig: Callable[..., Rig], fault: str
+) -> None:
     arm, error = FAULTS[fault]
     rig = make_rig()
     await rig.store(1)
@@ -819,7 +838,8 @@ async def test_a_disk_fault_stops_admission_until_a_probe_succeeds(
 
 @scenario
 async def test_no_room_for_the_block_file_serves_from_host_until_a_probe_succeeds(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     def no_room_once(directory: str, **kwargs: Any) -> FileSystem:
         fs = FaultyFileSystem(directory, **kwargs)
         fs.fail_allocate(errno.ENOSPC)  # the block file's preallocation, at open
@@ -838,7 +858,8 @@ async def test_no_room_for_the_block_file_serves_from_host_until_a_probe_succeed
 
 @scenario
 async def test_a_namespace_record_lost_to_a_failed_journal_sync_is_journaled_again(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     rig = make_rig()
     rig.journal.tear_next_write(0, succeed=True)  # the journal page never reaches the disk ...
     rig.journal.fail_syncs(1)  # ... and fdatasync says so
@@ -856,8 +877,7 @@ async def test_a_namespace_record_lost_to_a_failed_journal_sync_is_journaled_aga
 
 
 @scenario
-async def test_a_read_error_is_a_miss_and_keeps_the_durable_copy(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_a_read_error_is_a_miss_and_keeps_the_durable_copy(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4)
     await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
     rig.disk.fail_reads(1, errno.EIO)  # a transient error: the copy itself is fine
@@ -868,7 +888,8 @@ async def test_a_read_error_is_a_miss_and_keeps_the_durable_copy(
 
 @scenario
 async def test_a_probe_reopening_the_block_file_spares_the_reads_in_progress(
-        make_rig: Callable[..., Rig]) -> None:
+    make_rig: Callable[..., Rig],
+) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
     await rig.one_on_nvme_only()  # host [2 3 4 5]; 1 on NVMe only
@@ -893,8 +914,7 @@ async def test_a_probe_reopening_the_block_file_spares_the_reads_in_progress(
 
 @pytest.mark.parametrize("stop", ["clean", "crash"])
 @scenario
-async def test_blocks_on_nvme_come_back_after_a_restart(make_rig: Callable[..., Rig],
-                                                        stop: str) -> None:
+async def test_blocks_on_nvme_come_back_after_a_restart(make_rig: Callable[..., Rig], stop: str) -> None:
     rig = make_rig(host=4)
     await rig.store(1, 2, 3)
     await rig.settle()
@@ -963,8 +983,7 @@ async def test_a_held_block_keeps_its_last_copy(make_rig: Callable[..., Rig]) ->
 
 
 @scenario
-async def test_a_cancelled_load_leaves_no_pin_and_no_endless_promotion(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_a_cancelled_load_leaves_no_pin_and_no_endless_promotion(make_rig: Callable[..., Rig]) -> None:
     gate = Gate("read")
     rig = make_rig(host=4, fs_factory=gate.filesystem)
     await rig.one_on_nvme_only()  # 1 on NVMe only
@@ -999,8 +1018,9 @@ class FakeTransport:
 
 def data_channel(rig: Rig) -> tuple[DataChannelProtocol, FakeTransport]:
     """The tcp data channel over the rig's cache, HELLO done for the rig's session."""
-    sessions = SessionTable(max_sessions=4, default_ttl_s=10, min_ttl_s=1, max_ttl_s=100,
-                            on_release=rig.cache.release_session)
+    sessions = SessionTable(
+        max_sessions=4, default_ttl_s=10, min_ttl_s=1, max_ttl_s=100, on_release=rig.cache.release_session
+    )
     rig.session = sessions.open("c", 10, SHM)
     channel, transport = DataChannelProtocol(rig.cache, sessions), FakeTransport()
     channel.connection_made(transport)  # type: ignore[arg-type]
@@ -1026,8 +1046,7 @@ async def test_a_pinned_lookup_job_sends_no_bytes(make_rig: Callable[..., Rig]) 
 
 
 @scenario
-async def test_a_write_run_header_is_bounded_before_anything_is_walked(
-        make_rig: Callable[..., Rig]) -> None:
+async def test_a_write_run_header_is_bounded_before_anything_is_walked(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4)
     channel, transport = data_channel(rig)
     job, _, _ = rig.cache.prepare_store(rig.session, rig.ns, keys(9), Transport.TCP)

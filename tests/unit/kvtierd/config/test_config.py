@@ -76,8 +76,7 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("shm_handshakes_per_uid", {"shm_handshakes_per_uid": 0}),
     ("data_max_unauthenticated", {"data_max_unauthenticated": 0}),
     ("data_max_connections_per_tenant", {"data_max_connections_per_tenant": -1}),
-    ("data_max_connections_per_tenant", {"data_max_connections": 8,
-                                         "data_max_connections_per_tenant": 9}),
+    ("data_max_connections_per_tenant", {"data_max_connections": 8, "data_max_connections_per_tenant": 9}),
     ("extra", {"extra": {"hots_bytes": 1}}),
     # wrong types are named too (a config file can hold anything)
     ("host_bytes", {"host_bytes": "1GiB"}),
@@ -101,15 +100,24 @@ def test_each_bad_field_is_named(field: str, values: dict[str, Any]) -> None:
 
 
 def test_good_edge_values_are_accepted() -> None:
-    cfg = DaemonConfig.from_flat(host_bytes=64 * MIB, metrics_port=-1, listen="", max_batch_blocks=65536,
-                       lease_ttl_s=5, min_lease_ttl_s=5, max_lease_ttl_s=5, drain_timeout_s=0,
-                       data_listen="", slot_align_bytes=1 << 12, slab_bytes=4096)
+    cfg = DaemonConfig.from_flat(
+        host_bytes=64 * MIB,
+        metrics_port=-1,
+        listen="",
+        max_batch_blocks=65536,
+        lease_ttl_s=5,
+        min_lease_ttl_s=5,
+        max_lease_ttl_s=5,
+        drain_timeout_s=0,
+        data_listen="",
+        slot_align_bytes=1 << 12,
+        slab_bytes=4096,
+    )
     assert cfg.sessions.lease_ttl_s == 5 and cfg.host_tier.slab_bytes == 4096
 
 
 def test_with_overrides_applies_non_none_values_and_validates() -> None:
-    cfg = with_overrides(DaemonConfig(), host_bytes="2GiB", slab_bytes=None, listen="",
-                         eviction_policy="arc")
+    cfg = with_overrides(DaemonConfig(), host_bytes="2GiB", slab_bytes=None, listen="", eviction_policy="arc")
     assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes, cfg.grpc.listen) == (2 * GIB, 64 * MIB, "")
     assert cfg.host_tier.eviction_policy == "arc"
     with pytest.raises(ValueError, match="^eviction_policy: "):
@@ -120,8 +128,10 @@ def test_with_overrides_applies_non_none_values_and_validates() -> None:
 
 def test_load_config_from_toml(tmp_path: Path) -> None:
     path = tmp_path / "kvtierd.toml"
-    path.write_text('host_bytes = "1GiB"\nslab-bytes = "16 MiB"\neviction_policy = "arc"\n'
-                    "lease_ttl_s = 3\nprefault = false\n")
+    path.write_text(
+        'host_bytes = "1GiB"\nslab-bytes = "16 MiB"\neviction_policy = "arc"\n'
+        "lease_ttl_s = 3\nprefault = false\n"
+    )
     cfg = load_config(path)
     # sizes parsed, dashes accepted, the rest from the default
     assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes) == (GIB, 16 * MIB)
@@ -139,37 +149,37 @@ def test_load_config_from_a_kvtierd_table(tmp_path: Path) -> None:
 
 def test_load_config_from_json(tmp_path: Path) -> None:
     path = tmp_path / "kvtierd.json"
-    path.write_text(json.dumps({"host_bytes": "1GiB", "slab_bytes": 8 * MIB,
-                                "max_batch_blocks": 128, "metrics_port": -1}))
+    path.write_text(
+        json.dumps({"host_bytes": "1GiB", "slab_bytes": 8 * MIB, "max_batch_blocks": 128, "metrics_port": -1})
+    )
     cfg = load_config(path)
     assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes) == (GIB, 8 * MIB)
     assert cfg.requests.max_batch_blocks == 128
     assert cfg.metrics.metrics_port == -1
 
 
-@pytest.mark.parametrize(("text", "field"), [
-    ('{"host_bytes": "1GiB", "hots_bytes": 1}', "hots_bytes"),  # unknown key named
-    ('{"host_bytes": "1 GiBs"}', "host_bytes"),  # unparsable size
-    ('{"host_bytes": -1}', "host_bytes"),
-    ('{"max_batch_blocks": "10"}', "max_batch_blocks"),  # a string where an int belongs
-    ('{"eviction_policy": "lfu"}', "eviction_policy"),
-    ('{"extra": {}}', "extra"),  # not a settable field
-])
-def test_load_config_rejects_bad_files_naming_the_field(tmp_path: Path, text: str,
-                                                        field: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"host_bytes": "1GiB", "hots_bytes": 1}', "hots_bytes"),  # unknown key named
+        ('{"host_bytes": "1 GiBs"}', "host_bytes"),  # unparsable size
+        ('{"host_bytes": -1}', "host_bytes"),
+        ('{"max_batch_blocks": "10"}', "max_batch_blocks"),  # a string where an int belongs
+        ('{"eviction_policy": "lfu"}', "eviction_policy"),
+        ('{"extra": {}}', "extra"),  # not a settable field
+    ],
+)
+def test_load_config_rejects_bad_files_naming_the_field(tmp_path: Path, text: str, field: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=field):
         load_config(path)
 
 
-@pytest.mark.parametrize(("name", "text"), [
-    ("list.json", "[1, 2]"),
-    ("broken.json", "{"),
-    ("broken.toml", "host_bytes = "),
-])
-def test_load_config_rejects_files_that_are_not_a_table(tmp_path: Path, name: str,
-                                                        text: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "text"), [("list.json", "[1, 2]"), ("broken.json", "{"), ("broken.toml", "host_bytes = ")]
+)
+def test_load_config_rejects_files_that_are_not_a_table(tmp_path: Path, name: str, text: str) -> None:
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ValueError):
@@ -188,10 +198,14 @@ def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> Non
     key = tmp_path / "fleet.key"
     for body, match in (
         ('cluster = "redis://127.0.0.1:7000"\n', "cluster_fleet_key_file: required with cluster"),
-        (f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{tmp_path / "none"}"\n',
-         "cluster_fleet_key_file: cannot read"),
-        (f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{key}"\n',
-         "cluster_fleet_key_file: .* 16 bytes of key; at least 32"),
+        (
+            f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{tmp_path / "none"}"\n',
+            "cluster_fleet_key_file: cannot read",
+        ),
+        (
+            f'cluster = "redis://127.0.0.1:7000"\ncluster_fleet_key_file = "{key}"\n',
+            "cluster_fleet_key_file: .* 16 bytes of key; at least 32",
+        ),
     ):
         key.write_text("0f" * 16)
         cfg.write_text(body)
@@ -204,10 +218,21 @@ def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> Non
     assert unused.cluster_tier.cluster == ""  # no cluster: not read
 
 
-@pytest.mark.parametrize(("hostport", "loopback"), [
-    ("127.0.0.1:1", True), ("127.8.9.10:1", True), ("[::1]:1", True), ("localhost:1", True),
-    ("127.evil.example:1", False), ("127.0.0.1.nip.io:1", False), ("0.0.0.0:1", False),
-    ("[::]:1", False), ("10.0.0.1:1", False), ("kvtier:1", False)])
+@pytest.mark.parametrize(
+    ("hostport", "loopback"),
+    [
+        ("127.0.0.1:1", True),
+        ("127.8.9.10:1", True),
+        ("[::1]:1", True),
+        ("localhost:1", True),
+        ("127.evil.example:1", False),
+        ("127.0.0.1.nip.io:1", False),
+        ("0.0.0.0:1", False),
+        ("[::]:1", False),
+        ("10.0.0.1:1", False),
+        ("kvtier:1", False),
+    ],
+)
 def test_the_loopback_check_reads_addresses_not_prefixes(hostport: str, loopback: bool) -> None:
     """Issue 26: any host name starting with "127." passed as loopback (plaintext allowed)."""
     from kvtierd.config import is_loopback
@@ -222,8 +247,11 @@ def test_an_optional_client_certificate_is_refused_not_ignored(tmp_path: Path) -
 
     for name in ("ca.crt", "s.crt", "s.key"):
         (tmp_path / name).write_text("x")
-    tls = dict(tls_cert=str(tmp_path / "s.crt"), tls_key=str(tmp_path / "s.key"),
-               tls_client_ca=str(tmp_path / "ca.crt"))
+    tls = dict(
+        tls_cert=str(tmp_path / "s.crt"),
+        tls_key=str(tmp_path / "s.key"),
+        tls_client_ca=str(tmp_path / "ca.crt"),
+    )
     with pytest.raises(ValueError, match="tls_client_ca: gRPC does not ask for optional"):
         validate(DaemonConfig.from_flat(**tls))  # type: ignore[arg-type]
     validate(DaemonConfig.from_flat(**tls, tls_require_client_cert=True))  # type: ignore[arg-type]
@@ -238,8 +266,9 @@ def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
 
     key = tmp_path / "fleet.key"
     key.write_text("ab" * 32 + "\n")
-    args = build_parser().parse_args(["serve", "--cluster", "redis://127.0.0.1:7000",
-                                      "--cluster-fleet-key-file", str(key)])
+    args = build_parser().parse_args(
+        ["serve", "--cluster", "redis://127.0.0.1:7000", "--cluster-fleet-key-file", str(key)]
+    )
     fields = set(flat_keys())
     cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
     assert cfg.cluster_tier.cluster_fleet_key_file == str(key)
@@ -254,23 +283,28 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: one line of words
 
 
-def test_serve_help_shows_every_flags_default_from_daemon_config(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_serve_help_shows_every_flags_default_from_daemon_config(capsys: pytest.CaptureFixture[str]) -> None:
     """The flags' own defaults are None ("not set": a --config file may set the field); the
     help shows the field's embedded default instead, written as a person writes it."""
     from kvtierd.cli import build_parser, config_default
 
     text = _help(capsys, "serve")
-    for shown in ("--host-bytes HOST_BYTES host tier size, e.g. 1GiB (default: 1GiB)",
-                  "(largest block), e.g. 64MiB (default: 64MiB)",
-                  "'' disables) (default: run/kvtier.sock)", "its group too) (default: 0600)",
-                  "--listen LISTEN gRPC TCP HOST:PORT ('' disables) (default: none)",
-                  "0 picks one) (default: 9464)", "(default: 127.0.0.1:0)",
-                  "at start (default: prefault = true)", "(default: disk_optional = false)",
-                  "(default: allow_host_bytes_over_available = false)", "(default: 4KiB)",
-                  "(default: write-back)", "--eviction-policy {lru,arc} host tier eviction order "
-                  "(default: lru)", "(default: 10.0)"):
+    for shown in (
+        "--host-bytes HOST_BYTES host tier size, e.g. 1GiB (default: 1GiB)",
+        "(largest block), e.g. 64MiB (default: 64MiB)",
+        "'' disables) (default: run/kvtier.sock)",
+        "its group too) (default: 0600)",
+        "--listen LISTEN gRPC TCP HOST:PORT ('' disables) (default: none)",
+        "0 picks one) (default: 9464)",
+        "(default: 127.0.0.1:0)",
+        "at start (default: prefault = true)",
+        "(default: disk_optional = false)",
+        "(default: allow_host_bytes_over_available = false)",
+        "(default: 4KiB)",
+        "(default: write-back)",
+        "--eviction-policy {lru,arc} host tier eviction order (default: lru)",
+        "(default: 10.0)",
+    ):
         assert shown in text, shown
     serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     fields = set(flat_keys())
@@ -287,8 +321,11 @@ def test_the_new_flags_set_their_fields() -> None:
 
     args = build_parser().parse_args(["serve", "--disk-optional", "--allow-host-bytes-over-available"])
     assert args.disk_optional is True and args.allow_host_bytes_over_available is True
-    cfg = with_overrides(DaemonConfig(), disk_optional=args.disk_optional,
-                         allow_host_bytes_over_available=args.allow_host_bytes_over_available)
+    cfg = with_overrides(
+        DaemonConfig(),
+        disk_optional=args.disk_optional,
+        allow_host_bytes_over_available=args.allow_host_bytes_over_available,
+    )
     assert cfg.nvme_tier.disk_optional and cfg.host_tier.allow_host_bytes_over_available
     assert not DaemonConfig().nvme_tier.disk_optional
     assert not DaemonConfig().host_tier.allow_host_bytes_over_available
@@ -305,16 +342,24 @@ def test_fsck_help_says_what_it_does_its_exit_codes_and_that_it_refuses_a_live_d
     assert "--progress-interval SECONDS" in text and "--max-problems" in text
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--disk-dir", "X"], "disk_bytes: must be > 0 with disk_dir (--disk-bytes)"),
-    (["--listen", "127.0.0.1:99999"], "listen: expected HOST:PORT with a port in 0..65535"),
-    (["--config", "/nonexistent/kvtierd.toml"],
-     "config: cannot read /nonexistent/kvtierd.toml: No such file or directory (--config)"),
-    (["--tenants-file", "/nonexistent/t.toml"],
-     "tenants_file: cannot read /nonexistent/t.toml: No such file or directory (--tenants-file)"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--disk-dir", "X"], "disk_bytes: must be > 0 with disk_dir (--disk-bytes)"),
+        (["--listen", "127.0.0.1:99999"], "listen: expected HOST:PORT with a port in 0..65535"),
+        (
+            ["--config", "/nonexistent/kvtierd.toml"],
+            "config: cannot read /nonexistent/kvtierd.toml: No such file or directory (--config)",
+        ),
+        (
+            ["--tenants-file", "/nonexistent/t.toml"],
+            "tenants_file: cannot read /nonexistent/t.toml: No such file or directory (--tenants-file)",
+        ),
+    ],
+)
 def test_serve_configuration_errors_name_the_flag_in_one_line(
-        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvtierd.cli import main
 
     assert main(["serve", "--socket", "/nonexistent/k.sock", "--metrics-port", "-1", *argv]) == 2

@@ -24,8 +24,10 @@ def test_a_sectioned_file_loads_as_its_flat_twin(tmp_path: Path) -> None:
     flat = tmp_path / "flat.toml"
     flat.write_text('host_bytes = "2GiB"\ndisk_dir = "/d"\ndisk_bytes = "1GiB"\nlisten = ""\n')
     sectioned = tmp_path / "sections.toml"
-    sectioned.write_text('[kvtierd]\nlisten = ""\n[kvtierd.host_tier]\nhost-bytes = "2GiB"\n'
-                         '[kvtierd.nvme_tier]\ndisk_dir = "/d"\ndisk_bytes = "1GiB"\n')
+    sectioned.write_text(
+        '[kvtierd]\nlisten = ""\n[kvtierd.host_tier]\nhost-bytes = "2GiB"\n'
+        '[kvtierd.nvme_tier]\ndisk_dir = "/d"\ndisk_bytes = "1GiB"\n'
+    )
     cfg = load_config(sectioned)
     assert cfg == load_config(flat)
     assert cfg.host_tier.host_bytes == 2 * GIB and cfg.nvme_tier.disk_dir == "/d"
@@ -48,7 +50,6 @@ def test_flat_construction_and_overrides_land_in_their_groups() -> None:
     cfg = DaemonConfig.from_flat(host_bytes=2 * GIB, lease_ttl_s=3.0, metrics_port=-1)
     assert (cfg.host_tier.host_bytes, cfg.sessions.lease_ttl_s) == (2 * GIB, 3.0)
     assert cfg.metrics.metrics_port == -1 and cfg.grpc == DaemonConfig().grpc
-    assert with_overrides(DaemonConfig(), host_bytes="2GiB", lease_ttl_s=3.0,
-                          metrics_port=-1) == cfg
+    assert with_overrides(DaemonConfig(), host_bytes="2GiB", lease_ttl_s=3.0, metrics_port=-1) == cfg
     with pytest.raises(TypeError, match="hots_bytes"):
         DaemonConfig.from_flat(hots_bytes=1)

@@ -41,8 +41,17 @@ zmq = pytest.importorskip("zmq")
 BLOCK = 4096
 TPB = 4
 # vLLM 0.32's field order (vllm/distributed/kv_events.py), those without a default first
-VLLM_STORED = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-               "medium", "lora_name", "extra_keys"]
+VLLM_STORED = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+]
 
 
 def keys(*ids: int) -> list[bytes]:
@@ -50,16 +59,28 @@ def keys(*ids: int) -> list[bytes]:
 
 
 def spec(**kw: Any) -> Namespace:
-    return Namespace(model_id="m", model_revision="r", tokenizer_digest="none",
-                     kv_dtype="float16", layout="contiguous", tokens_per_block=TPB,
-                     num_layers=1, num_kv_heads=1, head_dim=BLOCK // (4 * TPB), **kw)
+    return Namespace(
+        model_id="m",
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="float16",
+        layout="contiguous",
+        tokens_per_block=TPB,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=BLOCK // (4 * TPB),
+        **kw,
+    )
 
 
 @pytest.fixture
 def cache() -> Iterator[TieredCache]:
     arena = Arena(4 * BLOCK, prefault=False)
-    c = TieredCache(HostTier(arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK),
-                    make_policy("lru", ghost_capacity=16), max_namespaces=8)
+    c = TieredCache(
+        HostTier(arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK),
+        make_policy("lru", ghost_capacity=16),
+        max_namespaces=8,
+    )
     yield c
     arena.close()
 
@@ -75,13 +96,13 @@ def put(cache: TieredCache, ns: NamespaceState, ks: list[bytes], **kw: Any) -> N
 
 
 def test_block_stored_is_a_tagged_map_in_vllms_field_order() -> None:
-    ev = Stored(keys(1, 2), None, [1, 2, 3, 4, 5, 6, 7, 8], TPB, "CPU", "lora-a",
-                [("lora-a", "salt")] * 2, "team-a")
+    ev = Stored(
+        keys(1, 2), None, [1, 2, 3, 4, 5, 6, 7, 8], TPB, "CPU", "lora-a", [("lora-a", "salt")] * 2, "team-a"
+    )
     m = event_map(ev)
-    assert list(m)[:len(VLLM_STORED)] == VLLM_STORED
-    assert list(m)[len(VLLM_STORED):] == ["tenant_id"]  # kvtier's own, after vLLM's
-    ts, events, rank = decode_batch(encode_batch(12.5, [ev, Removed(keys(3), "STORAGE", None),
-                                                        Cleared()]))
+    assert list(m)[: len(VLLM_STORED)] == VLLM_STORED
+    assert list(m)[len(VLLM_STORED) :] == ["tenant_id"]  # kvtier's own, after vLLM's
+    ts, events, rank = decode_batch(encode_batch(12.5, [ev, Removed(keys(3), "STORAGE", None), Cleared()]))
     assert (ts, rank) == (12.5, 0)
     assert events[0]["block_hashes"] == keys(1, 2)  # msgpack bin, 32 bytes each
     assert events[0]["extra_keys"] == [["lora-a", "salt"]] * 2
@@ -98,8 +119,7 @@ def test_defaults_are_left_out_like_vllms_omit_defaults() -> None:
 # ---- the queue ------------------------------------------------------------------------------
 
 
-def test_the_queue_drops_whole_records_past_its_bound_and_counts_their_blocks(
-        cache: TieredCache) -> None:
+def test_the_queue_drops_whole_records_past_its_bound_and_counts_their_blocks(cache: TieredCache) -> None:
     ns = cache.register_namespace(spec())
     put(cache, ns, keys(1, 2, 3))
     entries = list(ns.entries.values())
@@ -119,7 +139,8 @@ def test_the_queue_drops_whole_records_past_its_bound_and_counts_their_blocks(
 
 
 def test_the_cache_tells_commits_and_evictions_in_order_one_queue_put_per_loop_turn(
-        cache: TieredCache) -> None:
+    cache: TieredCache,
+) -> None:
     q = EventQueue(max_blocks=100)
     events = BlockEvents(q)
     cache.residency.events = events
@@ -139,12 +160,14 @@ def test_the_cache_tells_commits_and_evictions_in_order_one_queue_put_per_loop_t
 
     asyncio.run(run())
     got = [(kind, medium, [e.key for e in es]) for kind, medium, es in q.take(0.0)]
-    assert got == [("stored", "CPU", keys(1, 2, 3, 4)), ("removed", "CPU", keys(1)),
-                   ("stored", "CPU", keys(5))]
+    assert got == [
+        ("stored", "CPU", keys(1, 2, 3, 4)),
+        ("removed", "CPU", keys(1)),
+        ("stored", "CPU", keys(5)),
+    ]
 
 
-def test_token_ids_and_parent_ride_with_the_entries_when_events_are_on(
-        cache: TieredCache) -> None:
+def test_token_ids_and_parent_ride_with_the_entries_when_events_are_on(cache: TieredCache) -> None:
     cache.residency.events = BlockEvents(EventQueue(100))
     ns = cache.register_namespace(spec(cache_salt="s", adapter_id="a", adapter_revision="1"))
     parent = keys(99)[0]
@@ -166,9 +189,19 @@ def test_token_ids_past_their_share_of_a_slot_are_not_kept(cache: TieredCache) -
     block's token ids outweigh the block the quotas count: past 1/64 of its slot they are not
     kept, and its events carry no tokens (the parent still rides)."""
     cache.residency.events = BlockEvents(EventQueue(100))
-    ns = cache.register_namespace(Namespace(
-        model_id="m", model_revision="r", tokenizer_digest="none", kv_dtype="uint8",
-        layout="contiguous", tokens_per_block=512, num_layers=1, num_kv_heads=1, head_dim=1))
+    ns = cache.register_namespace(
+        Namespace(
+            model_id="m",
+            model_revision="r",
+            tokenizer_digest="none",
+            kv_dtype="uint8",
+            layout="contiguous",
+            tokens_per_block=512,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+        )
+    )
     assert ns.slot_bytes == BLOCK  # 1 KiB of bytes, 2 KiB of token ids: 4 KiB slot
     parent = keys(99)[0]
     put(cache, ns, keys(1, 2), token_ids=list(range(1024)), parent=parent)
@@ -178,8 +211,7 @@ def test_token_ids_past_their_share_of_a_slot_are_not_kept(cache: TieredCache) -
     assert isinstance(ev, Stored) and list(ev.token_ids) == [] and ev.parent == parent
 
 
-def test_bad_token_ids_or_parent_are_refused_naming_the_field_and_change_nothing(
-        cache: TieredCache) -> None:
+def test_bad_token_ids_or_parent_are_refused_naming_the_field_and_change_nothing(cache: TieredCache) -> None:
     ns = cache.register_namespace(spec())
     s = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=Transport.SHM)
     with pytest.raises(InvalidArgument) as err:
@@ -206,11 +238,19 @@ def recv(sock: Any) -> list[bytes]:
 
 
 def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
-        cache: TieredCache, tmp_path: Path) -> None:
+    cache: TieredCache, tmp_path: Path
+) -> None:
     q = EventQueue(1000)
-    pub = EventPublisher(EventSettings(
-        endpoint=f"ipc://{tmp_path}/op", replay_endpoint=f"ipc://{tmp_path}/op-r",
-        tenant_endpoint=f"ipc://{tmp_path}/t-{{tenant}}", topic="kv", buffer_batches=2), q)
+    pub = EventPublisher(
+        EventSettings(
+            endpoint=f"ipc://{tmp_path}/op",
+            replay_endpoint=f"ipc://{tmp_path}/op-r",
+            tenant_endpoint=f"ipc://{tmp_path}/t-{{tenant}}",
+            topic="kv",
+            buffer_batches=2,
+        ),
+        q,
+    )
     a = cache.register_namespace(spec(tenant="a"))
     b = cache.register_namespace(spec(tenant="b"))
     put(cache, a, keys(1, 2))
@@ -225,8 +265,7 @@ def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
             subs[name].connect(f"ipc://{tmp_path}/{name}")
         # ZMQ's slow joiner: messages published before a subscription lands are not seen (b's
         # socket is bound only with b's first block): publish until every subscriber got one
-        both = [("stored", "CPU", list(a.entries.values())),
-                ("stored", "CPU", list(b.entries.values()))]
+        both = [("stored", "CPU", list(a.entries.values())), ("stored", "CPU", list(b.entries.values()))]
         waiting = set(subs)
         for _ in range(100):
             q.put(both)
@@ -240,14 +279,19 @@ def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
             while True:
                 topic, seq, payload = recv(subs[name])
                 evs = decode_batch(payload)[1]
-                if any(keys(4)[0] in e.get("block_hashes", ()) for e in evs) or \
-                        name == "t-b" and any(e["type"] == "BlockStored" for e in evs):
+                if (
+                    any(keys(4)[0] in e.get("block_hashes", ()) for e in evs)
+                    or name == "t-b"
+                    and any(e["type"] == "BlockStored" for e in evs)
+                ):
                     return topic, seq, evs
 
         topic, seq, events = last("op")
         assert topic == b"kv"
         assert [(e["type"], e.get("tenant_id")) for e in events] == [  # both records, one batch
-            ("BlockStored", "a"), ("BlockStored", "b")]
+            ("BlockStored", "a"),
+            ("BlockStored", "b"),
+        ]
         assert {e["tenant_id"] for e in last("t-a")[2]} == {"a"}
         assert {e["tenant_id"] for e in last("t-b")[2] if e["type"] != "AllBlocksCleared"} == {"b"}
         req = ctx.socket(zmq.DEALER)
@@ -257,8 +301,7 @@ def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
         assert [len(f) for f in answer] == [4, 4, 4]
         assert answer[-1] == [b"", b"", END_SEQ, b""]
         # the buffer keeps 2 messages: the last two seqs, the last one the one just received
-        assert answer[1][2] == seq and int.from_bytes(answer[0][2], "big") + 1 == \
-            int.from_bytes(seq, "big")
+        assert answer[1][2] == seq and int.from_bytes(answer[0][2], "big") + 1 == int.from_bytes(seq, "big")
         deadline = time.monotonic() + 5
         while pub.figures()["event_replay_requests"] < 1 and time.monotonic() < deadline:
             req.poll(10)

@@ -189,8 +189,12 @@ def test_the_stamp_marks_a_daemon_that_stopped_and_close_marks_retired() -> None
 
 def test_ready_map_refuses_changes_the_index_would_not_see() -> None:
     ready = ReadyMap()
-    for change in (ready.clear, lambda: ready.update({b"k": 1}),
-                   lambda: ready.setdefault(b"k", 1), ready.popitem):
+    for change in (
+        ready.clear,
+        lambda: ready.update({b"k": 1}),
+        lambda: ready.setdefault(b"k", 1),
+        ready.popitem,
+    ):
         with pytest.raises(TypeError):
             change()
 
@@ -203,8 +207,7 @@ def test_a_reader_refuses_a_segment_that_is_not_one() -> None:
 
 
 @pytest.mark.parametrize("n", [5, 400])  # one by one, and vectorized
-def test_changes_reach_readers_at_the_flush_and_batches_land_where_single_ones_would(
-        n: int) -> None:
+def test_changes_reach_readers_at_the_flush_and_batches_land_where_single_ones_would(n: int) -> None:
     ns, pubs = _ns(), Publishers(boot_epoch=1)
     reader = _reader(pubs, ns)
     keys = [_key(i, b"flush") for i in range(n)]
@@ -238,8 +241,9 @@ def test_lookup_tallies_saturate_instead_of_wrapping_a_counter() -> None:
 
     counters = Counters(tokens_hit=(1 << 63) - 5)
     ns = SimpleNamespace(id=7, counters=counters, spec=SimpleNamespace(tokens_per_block=16))
-    fake = SimpleNamespace(cache=SimpleNamespace(namespaces={7: ns}), _visible=lambda: [ns],
-                           _scope=lambda: None)
+    fake = SimpleNamespace(
+        cache=SimpleNamespace(namespaces={7: ns}), _visible=lambda: [ns], _scope=lambda: None
+    )
     t = pb.LookupTally(namespace_id=7, lookups=1, blocks_requested=1 << 32, blocks_hit=1 << 32)
     KvtierService._count_local_lookups(fake, [t])  # type: ignore[arg-type]
     assert counters.tokens_hit == (1 << 63) - 1
@@ -266,7 +270,8 @@ def test_two_keys_of_one_fingerprint_and_bucket_both_leave_in_one_batch() -> Non
 
 
 def test_a_failure_while_publishing_drops_that_index_and_the_next_handout_builds_it_anew(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvtierd.index import published
 
     ns, pubs = _ns(), Publishers(boot_epoch=1)
@@ -289,7 +294,8 @@ def test_a_failure_while_publishing_drops_that_index_and_the_next_handout_builds
 
 
 def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_not_lost(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """background_from = 1,000: the first build and a rebuild run on a thread while the loop
     keeps changing the namespace; the installed segment answers exactly as the dict does
     (no key lost, none left twice: removing it once leaves no stale hit)."""
@@ -310,8 +316,9 @@ def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_no
     installed = published.Publisher._built
     built: list[asyncio.Event] = []
 
-    def built_and_tell(self: published.Publisher, seg: published.Segment,
-                       error: BaseException | None) -> None:
+    def built_and_tell(
+        self: published.Publisher, seg: published.Segment, error: BaseException | None
+    ) -> None:
         installed(self, seg, error)
         built[0].set()
 
@@ -338,8 +345,7 @@ def test_a_big_namespace_is_built_off_the_loop_and_changes_made_meanwhile_are_no
         pubs.flush()
         pubs.tick()  # a building publisher is kept
         gate.set()
-        await until(lambda: ns.ready.publisher is not None and ns.ready.publisher.segment
-                    is not None)
+        await until(lambda: ns.ready.publisher is not None and ns.ready.publisher.segment is not None)
         reader = _reader(pubs, ns)
         assert reader.generation == 1
         for k in keys[:2001]:

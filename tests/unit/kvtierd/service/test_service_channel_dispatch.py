@@ -42,7 +42,7 @@ def test_a_call_reaches_its_handler_with_the_channels_tenant() -> None:
     svc = FakeService()
     status, out = call(svc, "Heartbeat", pb.HeartbeatRequest(session_id=5).SerializeToString())
     assert status == 0 and pb.HeartbeatReply.FromString(out).boot_epoch == 7
-    (request, context), = svc.seen
+    ((request, context),) = svc.seen
     assert request.session_id == 5 and type(context) is ChannelContext
     assert context.tenant == "t" and 0 < (context.time_remaining() or 0) <= 2.0
 
@@ -62,8 +62,7 @@ def test_an_undecodable_body_reaches_the_handler_as_such() -> None:
 
 def test_an_abort_is_the_replys_status_and_its_details_are_capped() -> None:
     svc = FakeService()
-    status, out = call(svc, "Prefetch", pb.PrefetchRequest(session_id=5)
-                       .SerializeToString())
+    status, out = call(svc, "Prefetch", pb.PrefetchRequest(session_id=5).SerializeToString())
     assert status == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert out == b"x" * MAX_ERROR_BYTES
     ChannelDispatch(svc).bad_frame()

@@ -15,8 +15,13 @@ from kvtierd.tenancy.room import DEFAULT_BUFFERED_BYTES
 from kvtierd.tenants import Tenants, load_tenants, token_digest
 
 MiB = 1 << 20
-SHARES = Shares(max_sessions=100, max_namespaces=10, shared_arena_bytes=64 * MiB,
-                disk_bytes=300 * MiB, tenant_arena_bytes=8 * MiB)
+SHARES = Shares(
+    max_sessions=100,
+    max_namespaces=10,
+    shared_arena_bytes=64 * MiB,
+    disk_bytes=300 * MiB,
+    tenant_arena_bytes=8 * MiB,
+)
 
 
 def tenants(tmp_path: Path, body: str) -> Tenants:
@@ -31,10 +36,13 @@ def entry(name: str, *tokens: str, extra: str = "") -> str:
 
 
 TCP = 'transports = ["tcp"]\n'
-FILE = (entry("a", "ta", "ta2", extra=TCP) + entry("b", "tb", extra=TCP) +
-        entry("c", "tc", extra='arena_bytes = "16MiB"\n') +
-        entry("peer", "tp", extra="unix_uids = [4000]\nunix_login = true\n") +
-        entry("q", "tq", extra=TCP + '[tenant.quotas]\nhost_bytes = "1MiB"\nsessions = 2\n'))
+FILE = (
+    entry("a", "ta", "ta2", extra=TCP)
+    + entry("b", "tb", extra=TCP)
+    + entry("c", "tc", extra='arena_bytes = "16MiB"\n')
+    + entry("peer", "tp", extra="unix_uids = [4000]\nunix_login = true\n")
+    + entry("q", "tq", extra=TCP + '[tenant.quotas]\nhost_bytes = "1MiB"\nsessions = 2\n')
+)
 
 
 @dataclass
@@ -97,12 +105,18 @@ def test_a_reload_revokes_what_the_new_file_no_longer_honours(tmp_path: Path) ->
     assert login is not None
     held["peer"] = Held("peer", login[1])
     held["none"] = Held("a", NO_CREDENTIAL)  # (a session of no credential on a tenants daemon)
-    assert [h for h in held.values() if h not in t.revoked(held.values())] == \
-        [held[k] for k in ("ta", "ta2", "tb", "tc", "peer")]
+    assert [h for h in held.values() if h not in t.revoked(held.values())] == [
+        held[k] for k in ("ta", "ta2", "tb", "tc", "peer")
+    ]
     # "ta" rotated out, b removed, the peer no longer logs in; c and ta2 stay
-    t.reload(tenants(tmp_path, entry("a", "ta2", extra=TCP) +
-                     entry("c", "tc", extra='arena_bytes = "16MiB"\n') +
-                     entry("peer", "tp", extra="unix_uids = [4000]\n")))
+    t.reload(
+        tenants(
+            tmp_path,
+            entry("a", "ta2", extra=TCP)
+            + entry("c", "tc", extra='arena_bytes = "16MiB"\n')
+            + entry("peer", "tp", extra="unix_uids = [4000]\n"),
+        )
+    )
     assert t.revoked(held.values()) == [held[k] for k in ("ta", "tb", "peer", "none")]
     # and the defaults are sized for the new file: a alone in the shared arena now
     assert t.quota("a", "host_bytes") == 64 * MiB and t.quota("a", "sessions") == 33
@@ -121,8 +135,10 @@ def test_the_ledger_refuses_past_the_limit_and_changes_nothing() -> None:
 
 def test_an_operator_does_not_shrink_the_tenants_shares(tmp_path: Path) -> None:
     """A file with one tenant and a monitoring operator: the tenant keeps the whole daemon."""
-    t = Tenancy(tenants(tmp_path, entry("a", "ta", extra=TCP) +
-                        entry("ops", "to", extra=TCP + "operator = true\n")), SHARES)
+    t = Tenancy(
+        tenants(tmp_path, entry("a", "ta", extra=TCP) + entry("ops", "to", extra=TCP + "operator = true\n")),
+        SHARES,
+    )
     assert t.quota("a", "sessions") == 100 and t.quota("a", "host_bytes") == 64 * MiB
     assert t.quota("ops", "sessions") == 100  # (a tenant's share, without shrinking it)
 

@@ -24,10 +24,10 @@ MakeTier = Callable[..., HostTier]
 def make_tier() -> Iterator[MakeTier]:
     arenas: list[Arena] = []
 
-    def make(slabs: int = 2, *, arena_bytes: int | None = None, slab_bytes: int = SLAB,
-             align: int = ALIGN) -> HostTier:
-        arena = Arena(arena_bytes if arena_bytes is not None else slabs * slab_bytes,
-                      prefault=False)
+    def make(
+        slabs: int = 2, *, arena_bytes: int | None = None, slab_bytes: int = SLAB, align: int = ALIGN
+    ) -> HostTier:
+        arena = Arena(arena_bytes if arena_bytes is not None else slabs * slab_bytes, prefault=False)
         arenas.append(arena)
         return HostTier(arena, slab_bytes=slab_bytes, slot_align_bytes=align)
 

@@ -99,8 +99,13 @@ class Rig:
         self.arena = Arena(4 * BLOCK, prefault=False)
         host = HostTier(self.arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK)
         self.cache = TieredCache(host, make_policy("lru", ghost_capacity=16), max_namespaces=4)
-        self.sessions = SessionTable(max_sessions=8, default_ttl_s=10, min_ttl_s=0.1,
-                                     max_ttl_s=100, on_release=self.cache.release_session)
+        self.sessions = SessionTable(
+            max_sessions=8,
+            default_ttl_s=10,
+            min_ttl_s=0.1,
+            max_ttl_s=100,
+            on_release=self.cache.release_session,
+        )
         self.a = self.cache.register_namespace(spec("a"))
         self.b = self.cache.register_namespace(spec("b"))
         self.s = self.sessions.open("reader", 10, Transport.TCP)
@@ -115,8 +120,9 @@ class Rig:
             self.cache.complete_store(self.s, job.id, ok=True)
         return status
 
-    def connect(self, room: int, server: DataChannelServer | None = None
-                ) -> tuple[DataChannelProtocol, Kernel]:
+    def connect(
+        self, room: int, server: DataChannelServer | None = None
+    ) -> tuple[DataChannelProtocol, Kernel]:
         channel, kernel = DataChannelProtocol(self.cache, self.sessions, server), Kernel(1 << 20)
         kernel.protocol = channel
         channel.connection_made(kernel)  # type: ignore[arg-type]
@@ -128,9 +134,17 @@ class Rig:
 
 
 def spec(model: str) -> Namespace:
-    return Namespace(model_id=model, model_revision="r", tokenizer_digest="none",
-                     kv_dtype="float16", layout="contiguous", tokens_per_block=4, num_layers=1,
-                     num_kv_heads=1, head_dim=BLOCK // 16)
+    return Namespace(
+        model_id=model,
+        model_revision="r",
+        tokenizer_digest="none",
+        kv_dtype="float16",
+        layout="contiguous",
+        tokens_per_block=4,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=BLOCK // 16,
+    )
 
 
 def keys(*ids: int) -> list[bytes]:
@@ -249,8 +263,9 @@ class Clock:
 
 
 def server(rig: Rig, clock: Clock | None = None, **limits: Any) -> DataChannelServer:
-    return DataChannelServer("127.0.0.1", 0, rig.cache, rig.sessions, DataChannelLimits(**limits),
-                             timers=clock)
+    return DataChannelServer(
+        "127.0.0.1", 0, rig.cache, rig.sessions, DataChannelLimits(**limits), timers=clock
+    )
 
 
 def error_of(kernel: Kernel) -> str:

@@ -46,8 +46,7 @@ class FakeBackend:
         self.figures: dict[str, TierFigure] = {}
         self.promoted: list[bool] = []  # per lookup: whether it asked the daemon to promote
 
-    def lookup(self, variant: Variant, token_ids: Sequence[int], *,
-               promote: bool = True) -> LookupOutcome:
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *, promote: bool = True) -> LookupOutcome:
         self.promoted.append(promote)
         tiers = self.tiers.get(token_ids[0], [])
         keys = [[bytes([i % 256]) * 32 for i in range(len(token_ids) // BS)]]
@@ -63,15 +62,28 @@ class FakeBackend:
         pass
 
 
-def planner(tiers: dict[int, list[str]], *, policy: str = "adaptive",
-            budget: float | None = None, sync_s: float | None = None,
-            load_async: bool = False) -> tuple[Planner, FakeBackend, Clock]:
+def planner(
+    tiers: dict[int, list[str]],
+    *,
+    policy: str = "adaptive",
+    budget: float | None = None,
+    sync_s: float | None = None,
+    load_async: bool = False,
+) -> tuple[Planner, FakeBackend, Clock]:
     clock = Clock()
     backend = FakeBackend(tiers)
-    p = Planner(block_size=BS, backend=backend, lookup_timeout_s=30, lookup_wait_s=10,
-                decider=Decider(policy, probe_after_s=5.0, clock=clock),  # type: ignore[arg-type]
-                block_bytes=BB, interference_budget=budget, sync_load_budget_s=sync_s,
-                load_async=load_async, clock=clock)
+    p = Planner(
+        block_size=BS,
+        backend=backend,
+        lookup_timeout_s=30,
+        lookup_wait_s=10,
+        decider=Decider(policy, probe_after_s=5.0, clock=clock),  # type: ignore[arg-type]
+        block_bytes=BB,
+        interference_budget=budget,
+        sync_load_budget_s=sync_s,
+        load_async=load_async,
+        clock=clock,
+    )
     return p, backend, clock
 
 
@@ -90,8 +102,13 @@ def engine_steps(p: Planner) -> None:
 
 def tier_loads(p: Planner, *, nvme_s_per_block: float) -> None:
     """Loads the workers ran: host 0.25 ms per block, nvme as given."""
-    p.observe([], [LoadReport(("w0",), {"host": 4 * BB}, 0.001),
-                   LoadReport(("w1",), {"nvme": 4 * BB}, 4 * nvme_s_per_block)])
+    p.observe(
+        [],
+        [
+            LoadReport(("w0",), {"host": 4 * BB}, 0.001),
+            LoadReport(("w1",), {"nvme": 4 * BB}, 4 * nvme_s_per_block),
+        ],
+    )
 
 
 def test_a_slow_nvme_tier_is_cut_after_the_host_prefix() -> None:
@@ -165,8 +182,7 @@ def test_a_sync_engine_probes_a_cut_tier_by_a_read_not_a_load() -> None:
     """A sync load that fails costs vLLM the step's forward (the request is recomputed from the
     failed block), so a sync engine never probes by loading: the next pinned lookups promote
     (the daemon reads the tier), and the daemon's figure of those reads brings the tier back."""
-    p, backend, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4,
-                                 10: HOST4_NVME4}, sync_s=0.1)
+    p, backend, clock = planner({7: HOST4_NVME4, 8: HOST4_NVME4, 9: HOST4_NVME4, 10: HOST4_NVME4}, sync_s=0.1)
     engine_steps(p)
     backend.figures = {"nvme": TierFigure(latency_s=0.15, bytes_per_s=5e7, age_s=0.0, reads=4)}
     p.build(StepInput())

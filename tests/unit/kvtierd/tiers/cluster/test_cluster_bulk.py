@@ -43,8 +43,14 @@ def stream() -> tuple[bytes, list[bytes], list[bytes]]:
     h2, p2 = value(2)
     h5, p5 = value(5)
     bulk = lambda h, p: b"$%d\r\n%s%s\r\n" % (HEADER_BYTES + len(p), h, p)  # noqa: E731
-    data = (bulk(h0, p0) + b"$-1\r\n" + bulk(h2, p2) + b"-MOVED 3999 127.0.0.1:7001\r\n"
-            + b"$10\r\n0123456789\r\n" + bulk(h5, p5))
+    data = (
+        bulk(h0, p0)
+        + b"$-1\r\n"
+        + bulk(h2, p2)
+        + b"-MOVED 3999 127.0.0.1:7001\r\n"
+        + b"$10\r\n0123456789\r\n"
+        + bulk(h5, p5)
+    )
     return data, [h0, h2, h5], [p0, p2, p5]
 
 
@@ -54,7 +60,7 @@ def feed(proto: _Replies, data: bytes, cut: int) -> None:
     while pos < len(data):
         buf = proto.get_buffer(-1)
         n = min(cut, len(buf), len(data) - pos)
-        buf[:n] = data[pos:pos + n]
+        buf[:n] = data[pos : pos + n]
         proto.buffer_updated(n)
         pos += n
 
@@ -66,7 +72,7 @@ def test_replies_cut_anywhere_are_parsed_and_payloads_land_in_their_slots(cut: i
         proto = _Replies()
         proto.connection_made(FakeTransport())  # type: ignore[arg-type]
         arena = bytearray(b"\xee" * (6 * (N + 64)))
-        dests = [memoryview(arena)[i * (N + 64):i * (N + 64) + N] for i in range(6)]
+        dests = [memoryview(arena)[i * (N + 64) : i * (N + 64) + N] for i in range(6)]
         done = asyncio.get_running_loop().create_future()
         proto.expect(6, dests, N, done)
         feed(proto, data, cut)
@@ -81,17 +87,20 @@ def test_replies_cut_anywhere_are_parsed_and_payloads_land_in_their_slots(cut: i
         for i in (1, 3, 4):  # nothing written where no value of ours arrived
             assert bytes(dests[i]) == b"\xee" * N
         for i in range(6):  # nor between the slots
-            gap = arena[i * (N + 64) + N:(i + 1) * (N + 64)]
+            gap = arena[i * (N + 64) + N : (i + 1) * (N + 64)]
             assert bytes(gap) == b"\xee" * 64
 
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(("data", "why"), [
-    (b"?what\r\n", "unexpected reply"),
-    (b"$abc\r\n", "bad bulk length"),
-    (b"x" * 5000, "reply line too long"),
-])
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"?what\r\n", "unexpected reply"),
+        (b"$abc\r\n", "bad bulk length"),
+        (b"x" * 5000, "reply line too long"),
+    ],
+)
 def test_garbage_fails_the_request_and_aborts_the_connection(data: bytes, why: str) -> None:
     async def run() -> None:
         proto = _Replies()

@@ -36,8 +36,7 @@ FLEET = FleetKeys(hashlib.sha256(b"fleet key").digest())
 REALM = FLEET.realm(None)
 
 
-def value(digest: bytes = DIGEST, key: bytes = KEY, payload: bytes = PAYLOAD,
-          realm: Realm = REALM) -> bytes:
+def value(digest: bytes = DIGEST, key: bytes = KEY, payload: bytes = PAYLOAD, realm: Realm = REALM) -> bytes:
     return encode_header(realm, digest, key, payload) + payload
 
 
@@ -46,8 +45,7 @@ def test_key_names_carry_their_realm_and_no_hash_tag_so_blocks_spread_over_every
     assert k == REALM.prefix + DIGEST.hex().encode() + b":" + KEY.hex().encode()
     assert k.startswith(b"kvt2:") and len(REALM.prefix) == 22
     assert b"{" not in k and len(k) == 151
-    slots = {key_slot(redis_key(REALM, DIGEST, hashlib.sha256(b"%d" % i).digest()))
-             for i in range(2000)}
+    slots = {key_slot(redis_key(REALM, DIGEST, hashlib.sha256(b"%d" % i).digest())) for i in range(2000)}
     assert len(slots) > 1800  # one model's blocks land on (nearly) every shard
 
 
@@ -73,26 +71,30 @@ def test_realms_are_derived_from_the_fleet_key_and_tenant_and_never_show_it() ->
         FleetKeys(bytes(31))
 
 
-def forge(v: bytes, *, mac: bytes | None = None, version: int = 2,
-          digest: bytes = DIGEST, key: bytes = KEY) -> bytes:
+def forge(
+    v: bytes, *, mac: bytes | None = None, version: int = 2, digest: bytes = DIGEST, key: bytes = KEY
+) -> bytes:
     """``v`` with its signed fields changed and everything else recomputed as an attacker
     can (payload digest), but not the MAC (``mac``: what to put there; default: keep it)."""
     payload = v[HEADER_BYTES:]
-    signed = SIGNED.pack(b"KVC1", version, 0, len(payload), digest, key,
-                         payload_digest(payload))
-    return signed + (mac if mac is not None else v[SIGNED.size:HEADER_BYTES]) + payload
+    signed = SIGNED.pack(b"KVC1", version, 0, len(payload), digest, key, payload_digest(payload))
+    return signed + (mac if mac is not None else v[SIGNED.size : HEADER_BYTES]) + payload
 
 
-@pytest.mark.parametrize(("planted", "reason"), [
-    (lambda: forge(value(), mac=bytes(32)), "bad MAC"),  # a valid header and digest, no MAC
-    (lambda: forge(value()[:HEADER_BYTES] + b"\x55" * len(PAYLOAD)),
-     "bad MAC"),  # other bytes, their digest recomputed, the authentic MAC kept
-    (lambda: value(realm=FLEET.realm("team-b")), "bad MAC"),  # another tenant's authentic value
-    (lambda: value(realm=FleetKeys(bytes(32)).realm(None)), "bad MAC"),  # another fleet's
-    (lambda: forge(value(), version=1), "unknown version"),
-])
-def test_a_value_this_realm_did_not_write_is_refused_as_forged(planted: object,
-                                                              reason: str) -> None:
+@pytest.mark.parametrize(
+    ("planted", "reason"),
+    [
+        (lambda: forge(value(), mac=bytes(32)), "bad MAC"),  # a valid header and digest, no MAC
+        (
+            lambda: forge(value()[:HEADER_BYTES] + b"\x55" * len(PAYLOAD)),
+            "bad MAC",
+        ),  # other bytes, their digest recomputed, the authentic MAC kept
+        (lambda: value(realm=FLEET.realm("team-b")), "bad MAC"),  # another tenant's authentic value
+        (lambda: value(realm=FleetKeys(bytes(32)).realm(None)), "bad MAC"),  # another fleet's
+        (lambda: forge(value(), version=1), "unknown version"),
+    ],
+)
+def test_a_value_this_realm_did_not_write_is_refused_as_forged(planted: object, reason: str) -> None:
     with pytest.raises(CorruptValue) as e:
         verify(planted(), REALM, DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
     assert reason in e.value.reason
@@ -111,25 +113,33 @@ def test_the_payload_digest_is_blake3_and_binds_the_payload() -> None:
 
 def test_a_version_1_value_without_a_mac_is_refused() -> None:
     payload = PAYLOAD
-    v1 = struct.pack("<4sHHQ32s32s16s", b"KVC1", 1, 0, len(payload), DIGEST, KEY,
-                     xxhash.xxh3_128_digest(payload)) + payload
+    v1 = (
+        struct.pack(
+            "<4sHHQ32s32s16s", b"KVC1", 1, 0, len(payload), DIGEST, KEY, xxhash.xxh3_128_digest(payload)
+        )
+        + payload
+    )
     with pytest.raises(CorruptValue, match="length"):  # 96-byte header: the size is off
         verify(v1, REALM, DIGEST, KEY, len(PAYLOAD))
     with pytest.raises(CorruptValue, match="unknown version 1"):  # even padded to size
         verify(v1[:96] + bytes(32) + payload, REALM, DIGEST, KEY, len(PAYLOAD))
 
 
-@pytest.mark.parametrize(("mutate", "reason"), [
-    (lambda v: v[:50], "short value"),
-    (lambda v: b"XXXX" + v[4:], "bad magic"),
-    (lambda v: v[:4] + struct.pack("<H", 3) + v[6:], "unknown version"),
-    (lambda v: v[:HEADER_BYTES - 1] + bytes([v[HEADER_BYTES - 1] ^ 1]) + v[HEADER_BYTES:],
-     "bad MAC"),
-    (lambda v: v[:-1], "length"),
-    (lambda v: v + b"\0", "length"),
-    (lambda v: v[:HEADER_BYTES + 7] + bytes([v[HEADER_BYTES + 7] ^ 1]) + v[HEADER_BYTES + 8:],
-     "payload digest mismatch"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda v: v[:50], "short value"),
+        (lambda v: b"XXXX" + v[4:], "bad magic"),
+        (lambda v: v[:4] + struct.pack("<H", 3) + v[6:], "unknown version"),
+        (lambda v: v[: HEADER_BYTES - 1] + bytes([v[HEADER_BYTES - 1] ^ 1]) + v[HEADER_BYTES:], "bad MAC"),
+        (lambda v: v[:-1], "length"),
+        (lambda v: v + b"\0", "length"),
+        (
+            lambda v: v[: HEADER_BYTES + 7] + bytes([v[HEADER_BYTES + 7] ^ 1]) + v[HEADER_BYTES + 8 :],
+            "payload digest mismatch",
+        ),
+    ],
+)
 def test_a_damaged_value_is_refused_naming_the_check(mutate: object, reason: str) -> None:
     with pytest.raises(CorruptValue) as e:
         verify(mutate(value()), REALM, DIGEST, KEY, len(PAYLOAD))  # type: ignore[operator]
@@ -148,24 +158,33 @@ def test_a_valid_value_under_another_key_or_namespace_is_refused() -> None:
 
 
 def test_cluster_urls() -> None:
-    assert parse_url("redis://10.0.0.1:7000,10.0.0.2:7001") == (
-        ("10.0.0.1:7000", "10.0.0.2:7001"), False)
+    assert parse_url("redis://10.0.0.1:7000,10.0.0.2:7001") == (("10.0.0.1:7000", "10.0.0.2:7001"), False)
     assert parse_url("rediss://redis.svc:6379/") == (("redis.svc:6379",), True)
-    for bad in ("10.0.0.1:7000", "http://h:1", "redis://h", "redis://h:0", "redis://h:x",
-                "redis://:7000", "redis://h:1,"):
+    for bad in (
+        "10.0.0.1:7000",
+        "http://h:1",
+        "redis://h",
+        "redis://h:0",
+        "redis://h:x",
+        "redis://:7000",
+        "redis://h:1,",
+    ):
         with pytest.raises(ValueError, match="cluster"):
             parse_url(bad)
 
 
-@pytest.mark.parametrize(("field", "bad", "match"), [
-    ("cluster", "redis://nohost", "cluster"),
-    ("cluster", "redis://127.0.0.1:7000", "cluster_fleet_key_file: required with cluster"),
-    ("cluster_write_policy", "sometimes", "cluster_write_policy"),
-    ("cluster_lookup_timeout_ms", 0, "cluster_lookup_timeout_ms"),
-    ("cluster_inflight_bytes", 1024, "cluster_inflight_bytes"),
-    ("cluster_ttl_s", 0, "cluster_ttl_s"),
-    ("cluster_breaker_s", -1.0, "cluster_breaker_s"),
-])
+@pytest.mark.parametrize(
+    ("field", "bad", "match"),
+    [
+        ("cluster", "redis://nohost", "cluster"),
+        ("cluster", "redis://127.0.0.1:7000", "cluster_fleet_key_file: required with cluster"),
+        ("cluster_write_policy", "sometimes", "cluster_write_policy"),
+        ("cluster_lookup_timeout_ms", 0, "cluster_lookup_timeout_ms"),
+        ("cluster_inflight_bytes", 1024, "cluster_inflight_bytes"),
+        ("cluster_ttl_s", 0, "cluster_ttl_s"),
+        ("cluster_breaker_s", -1.0, "cluster_breaker_s"),
+    ],
+)
 def test_bad_cluster_settings_name_the_field(field: str, bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DaemonConfig.from_flat(**{field: bad})  # type: ignore[arg-type]
@@ -182,10 +201,13 @@ def test_the_fleet_key_file_is_hex_of_at_least_32_bytes(tmp_path: Path) -> None:
     good.write_text(hashlib.sha256(b"k").hexdigest() + "\n")
     assert read_fleet_key(good) == hashlib.sha256(b"k").digest()
     spaced = tmp_path / "spaced.key"
-    spaced.write_text(" ".join(hashlib.sha512(b"k").hexdigest()[i:i + 8] for i in range(0, 128, 8)))
+    spaced.write_text(" ".join(hashlib.sha512(b"k").hexdigest()[i : i + 8] for i in range(0, 128, 8)))
     assert read_fleet_key(spaced) == hashlib.sha512(b"k").digest()  # 64 bytes, whitespace ignored
-    for text, match in (("ab" * 31, "31 bytes of key; at least 32"), ("zz" * 32, "hex digits"),
-                        ("", "0 bytes of key")):
+    for text, match in (
+        ("ab" * 31, "31 bytes of key; at least 32"),
+        ("zz" * 32, "hex digits"),
+        ("", "0 bytes of key"),
+    ):
         bad = tmp_path / "bad.key"
         bad.write_text(text)
         with pytest.raises(ValueError, match=f"cluster_fleet_key_file: .*{match}") as e:
@@ -195,8 +217,9 @@ def test_the_fleet_key_file_is_hex_of_at_least_32_bytes(tmp_path: Path) -> None:
         read_fleet_key(tmp_path / "missing.key")
 
 
-def test_the_keys_tool_prints_a_realms_acl_pattern(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_keys_tool_prints_a_realms_acl_pattern(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key = tmp_path / "fleet.key"
     key.write_text(hashlib.sha256(b"k").hexdigest())
     assert main([str(key), "team-a"]) == 0
@@ -208,11 +231,19 @@ def test_the_keys_tool_prints_a_realms_acl_pattern(tmp_path: Path,
 def test_keys_are_grouped_by_the_master_owning_their_slot() -> None:
     topo = Topology(["127.0.0.1:7000"], Credentials(), breaker_s=1.0)
     third = SLOTS // 3
-    topo._apply([[0, third - 1, [b"127.0.0.1", 7000, b"a"]],
-                 [third, 2 * third - 1, [b"127.0.0.1", 7001, b"b"]],
-                 [2 * third, SLOTS - 2, [b"", 7002, b"c"]]], via="127.0.0.1:7000")
+    topo._apply(
+        [
+            [0, third - 1, [b"127.0.0.1", 7000, b"a"]],
+            [third, 2 * third - 1, [b"127.0.0.1", 7001, b"b"]],
+            [2 * third, SLOTS - 2, [b"", 7002, b"c"]],
+        ],
+        via="127.0.0.1:7000",
+    )
     assert sorted(n.address for n in topo.masters()) == [
-        "127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]  # "" host: the node asked
+        "127.0.0.1:7000",
+        "127.0.0.1:7001",
+        "127.0.0.1:7002",
+    ]  # "" host: the node asked
     rkeys = [redis_key(REALM, DIGEST, hashlib.sha256(b"%d" % i).digest()) for i in range(3000)]
     groups = topo.group(rkeys)
     for node, idx in groups.items():

@@ -46,8 +46,9 @@ def make_store(root: Path, *, io_align: int = A, files: int = 2) -> Path:
     return d
 
 
-def put(d: Path, offset: int, *, n: int = 6000, seed: int = 1, sequence: int = 1, file: int = 0,
-        io_align: int = A) -> int:
+def put(
+    d: Path, offset: int, *, n: int = 6000, seed: int = 1, sequence: int = 1, file: int = 0, io_align: int = A
+) -> int:
     """Write one slot (key = seed) at ``offset``; returns the offset just after it."""
     data = payload(n, seed)
     h = new_header(NS, bytes([seed]) * 32, data, sequence=sequence, io_align=io_align)
@@ -120,8 +121,10 @@ def test_torn_header_over_old_payload(tmp_path: Path) -> None:
     poke(d / data_file_name(0), A, encode_header(new)[:512])
     report = fsck(str(d))
     corrupt = [p for p in report.problems if p.kind == "corrupt_slot"]
-    assert [(p.offset, p.detail.split(":")[0]) for p in corrupt] == [(0, "bad_payload_checksum"),
-                                                                    (A, "bad_padding")]
+    assert [(p.offset, p.detail.split(":")[0]) for p in corrupt] == [
+        (0, "bad_payload_checksum"),
+        (A, "bad_padding"),
+    ]
 
 
 def test_torn_header_over_zeros_is_caught_by_its_payload(tmp_path: Path) -> None:
@@ -162,8 +165,10 @@ def test_truncated_file(tmp_path: Path) -> None:
     put(d, end, seed=2)  # blocks 3-5
     os.truncate(d / data_file_name(0), end + 2 * A)  # the second slot loses its last block
     report = fsck(str(d))
-    assert kinds(report) == [("blocks-00000.kvt", "truncated", None),
-                             ("blocks-00000.kvt", "corrupt_slot", end)]
+    assert kinds(report) == [
+        ("blocks-00000.kvt", "truncated", None),
+        ("blocks-00000.kvt", "corrupt_slot", end),
+    ]
     assert "bad_length" in report.problems[1].detail
     assert report.total("valid") == 1
 
@@ -183,10 +188,12 @@ def test_foreign_and_leftover_files_are_reported_and_not_touched(tmp_path: Path)
     (d / "subdir").mkdir()
     before = snapshot(d)
     report = fsck(str(d))
-    assert sorted(kinds(report)) == [("blocks-00007.kvt", "foreign_file", None),
-                                     ("kvtier.meta.tmp", "stale_temp", None),
-                                     ("notes.txt", "foreign_file", None),
-                                     ("subdir", "foreign_file", None)]
+    assert sorted(kinds(report)) == [
+        ("blocks-00007.kvt", "foreign_file", None),
+        ("kvtier.meta.tmp", "stale_temp", None),
+        ("notes.txt", "foreign_file", None),
+        ("subdir", "foreign_file", None),
+    ]
     assert report.total("valid") == 1
     assert snapshot(d) == before
 
@@ -204,8 +211,10 @@ def test_symlinks_are_reported_and_never_followed(tmp_path: Path) -> None:
     os.symlink(outside / data_file_name(0), d / data_file_name(1))  # in a data file's place
     os.symlink(garbage, d / "blocks-00002.kvt")
     report = fsck(str(d))
-    assert sorted(kinds(report)) == [("blocks-00001.kvt", "symlink", None),
-                                     ("blocks-00002.kvt", "symlink", None)]
+    assert sorted(kinds(report)) == [
+        ("blocks-00001.kvt", "symlink", None),
+        ("blocks-00002.kvt", "symlink", None),
+    ]
     assert report.total("valid") == 1  # had fsck followed blocks-00001.kvt, it would count 3
     assert [f.name for f in report.files] == ["blocks-00000.kvt"]
     assert report.total("corrupt") == 0  # had it read the garbage, a corrupt slot would show
@@ -243,8 +252,9 @@ def test_report_for_a_person(tmp_path: Path) -> None:
     assert lines[-1] == "  PROBLEM blocks-00000.kvt @ 0: corrupt_slot: bad_header_checksum"
 
 
-def test_a_directory_a_live_daemon_holds_is_refused(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_directory_a_live_daemon_holds_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     d = make_store(tmp_path)
     put(d, 0, seed=1)
     held = OwnerLock.take(str(d / LOCK_NAME))  # as a daemon holds it while it runs

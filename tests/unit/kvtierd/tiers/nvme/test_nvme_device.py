@@ -99,8 +99,9 @@ def has_o_direct(dev: Device) -> bool:
 
 
 @pytest.mark.parametrize("where", ["tmp", "shm"])
-def test_o_direct_detection_matches_the_filesystem(where: str, tmp_path: Path,
-                                                   request: pytest.FixtureRequest) -> None:
+def test_o_direct_detection_matches_the_filesystem(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     # Found on the development host (Linux 6.18): ext4 /tmp and tmpfs /dev/shm both take O_DIRECT
     # (tmpfs does since Linux 6.6); older tmpfs refuses it at open() with EINVAL.
     directory = tmp_path if where == "tmp" else request.getfixturevalue("shm_dir")
@@ -118,8 +119,9 @@ def test_o_direct_detection_matches_the_filesystem(where: str, tmp_path: Path,
     fs.close()
 
 
-def test_without_o_direct_support_files_open_buffered(fs: FileSystem,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_o_direct_support_files_open_buffered(
+    fs: FileSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_open = os.open
 
     def no_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
@@ -223,8 +225,10 @@ def test_symlinks_are_never_followed(fs: FileSystem, tmp_path: Path) -> None:
         fs.create_file("blocks-00000.kvt", FILE)
     with pytest.raises(UnsafeFile):  # the temporary file of an atomic write is a symlink
         fs.write_file_atomic("kvtier.meta", b"{}")
-    assert [(e.name, e.kind) for e in fs.entries()] == [("blocks-00000.kvt", "symlink"),
-                                                        ("kvtier.meta.tmp", "symlink")]
+    assert [(e.name, e.kind) for e in fs.entries()] == [
+        ("blocks-00000.kvt", "symlink"),
+        ("kvtier.meta.tmp", "symlink"),
+    ]
     fs.remove("blocks-00000.kvt")  # removes the link, not its target
     assert outside.read_bytes() == b"precious" * 512
     assert fs.listdir() == ["kvtier.meta.tmp"]
@@ -247,8 +251,9 @@ def test_atomic_metadata_file(fs: FileSystem) -> None:
     assert fs.listdir() == ["renamed"]
 
 
-def test_atomic_write_whose_sync_fails_keeps_the_old_content(fs: FileSystem,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_write_whose_sync_fails_keeps_the_old_content(
+    fs: FileSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fs.write_file_atomic("kvtier.meta", b"old")
     monkeypatch.setattr(os, "fdatasync", failing(errno.EIO))
     with pytest.raises(SyncFailed):
@@ -260,6 +265,7 @@ def test_atomic_write_whose_sync_fails_keeps_the_old_content(fs: FileSystem,
 def failing(err: int) -> Callable[..., None]:
     def fail(*args: object) -> None:
         raise OSError(err, os.strerror(err))
+
     return fail
 
 

@@ -65,14 +65,14 @@ def test_slot_is_one_header_region_then_the_payload_rounded_up() -> None:
 
 def test_golden_header_bytes() -> None:
     # The worked example of docs/block_format.md: a 5-byte payload "hello", sequence 7.
-    h = new_header(NS, KEY, b"hello", sequence=7, io_align=4096,
-                   written_at_ns=1_700_000_000_000_000_000)
+    h = new_header(NS, KEY, b"hello", sequence=7, io_align=4096, written_at_ns=1_700_000_000_000_000_000)
     region = encode_header(h)
     assert h.payload_checksum == 0x9555E8555C62DCFD
     assert region[:128].hex() == (
         "4b5654424c4b303101000000800000000010000000000000000102030405060708090a0b0c0d0e0f"
         "101112131415161718191a1b1c1d1e1f" + "aa" * 32 + "0500000000000000fddc625c55e85595"
-        "070000000000000000002a36fe9c9717a1bca54502f76bf7")
+        "070000000000000000002a36fe9c9717a1bca54502f76bf7"
+    )
     assert region[128:] == bytes(4096 - 128)
 
 
@@ -81,8 +81,12 @@ def test_round_trip(io_align: int) -> None:
     h = header(io_align)
     region = encode_header(h)
     assert len(region) == io_align and region.startswith(MAGIC)
-    assert decode_header(region, expect_digest=NS, expect_key=KEY, expect_payload_len=6000,
-                         available_bytes=h.slot_bytes) == h
+    assert (
+        decode_header(
+            region, expect_digest=NS, expect_key=KEY, expect_payload_len=6000, available_bytes=h.slot_bytes
+        )
+        == h
+    )
     buf = slot(io_align)
     verify_payload(h, buf[io_align:])  # the padded payload region verifies as well
     verify_payload(h, PAYLOAD)

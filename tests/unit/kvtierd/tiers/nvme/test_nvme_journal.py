@@ -69,8 +69,9 @@ def fs(tmp_path: Path) -> Iterator[FaultyFileSystem]:
     f.close()
 
 
-def journal(fs: FaultyFileSystem, gen: int, *records: AddRecord | DelRecord | NsRecord,
-            capacity_bytes: int = A) -> JournalWriter:
+def journal(
+    fs: FaultyFileSystem, gen: int, *records: AddRecord | DelRecord | NsRecord, capacity_bytes: int = A
+) -> JournalWriter:
     w = JournalWriter.open(fs, gen, capacity_bytes=capacity_bytes)
     for r in records:
         w.append(r)
@@ -101,14 +102,28 @@ def test_append_sync_recover_round_trip(fs: FaultyFileSystem) -> None:
 
 
 def test_slot_reuse_keeps_only_the_newest_key(fs: FaultyFileSystem) -> None:
-    journal(fs, 1, add(1, 1), add(2, 1),  # B takes A's slot 1: A is gone
-            add(3, 2), add(3, 4), add(5, 2)).close()  # 3 moved to slot 4 before 5 took slot 2
+    journal(
+        fs,
+        1,
+        add(1, 1),
+        add(2, 1),  # B takes A's slot 1: A is gone
+        add(3, 2),
+        add(3, 4),
+        add(5, 2),
+    ).close()  # 3 moved to slot 4 before 5 took slot 2
     assert index(recover(fs)) == {2: 1, 3: 4, 5: 2}
 
 
 def test_del_removes_only_the_mapping_it_names(fs: FaultyFileSystem) -> None:
-    journal(fs, 1, add(1, 1), add(2, 2), dele(1, 1),  # 1 deleted
-            add(2, 3), dele(2, 2)).close()  # stale DEL: 2 lives in slot 3 now
+    journal(
+        fs,
+        1,
+        add(1, 1),
+        add(2, 2),
+        dele(1, 1),  # 1 deleted
+        add(2, 3),
+        dele(2, 2),
+    ).close()  # stale DEL: 2 lives in slot 3 now
     assert index(recover(fs)) == {2: 3}
 
 
@@ -336,8 +351,9 @@ def test_enospc_creating_a_journal_leaves_no_file(fs: FaultyFileSystem) -> None:
 
 def test_ten_thousand_adds_recover_fast(fs: FaultyFileSystem) -> None:
     n = 10_000
-    recs = [AddRecord(DIGEST, i.to_bytes(32, "big"), i % 4, (i // 4) * 8192, 5000, 8192, i, i)
-            for i in range(n)]
+    recs = [
+        AddRecord(DIGEST, i.to_bytes(32, "big"), i % 4, (i // 4) * 8192, 5000, 8192, i, i) for i in range(n)
+    ]
     journal(fs, 1, NS, *recs, capacity_bytes=2 << 20).close()
     t0 = time.perf_counter()
     r = recover(fs)
@@ -356,6 +372,15 @@ def test_golden_add_frame() -> None:
     # docs/journal_format.md, worked example
     rec = AddRecord(bytes(range(32)), b"\xaa" * 32, 1, 8192, 5, 8192, 0x9555E8555C62DCFD, 7)
     assert encode_record(rec, 1).hex() == (
-        "4b564a31" "02000000" "6c000000" "01000000" "00000000" + bytes(range(32)).hex() + "aa" * 32
-        + "01000000" "0020000000000000" "0500000000000000" "0020000000000000" "fddc625c55e85595"
-        "0700000000000000" "60833c4bd96fe5c5")
+        "4b564a31"
+        "02000000"
+        "6c000000"
+        "01000000"
+        "00000000" + bytes(range(32)).hex() + "aa" * 32 + "01000000"
+        "0020000000000000"
+        "0500000000000000"
+        "0020000000000000"
+        "fddc625c55e85595"
+        "0700000000000000"
+        "60833c4bd96fe5c5"
+    )
