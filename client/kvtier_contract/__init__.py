@@ -7,7 +7,7 @@ data-channel frames and the shm handshake (:mod:`~kvtier_contract.wire`), byte u
 (:mod:`~kvtier_contract.cudadrv`), protobuf helpers and the generated protobuf modules
 (:mod:`~kvtier_contract.v1`).
 
-Import rule (checked by tests/unit/test_import_rules.py): this package imports nothing of
+Import rule (checked by tests/unit/repository/test_import_rules.py): this package imports nothing of
 ``kvtier`` or ``kvtierd``; ``kvtierd`` imports only this package of the client side; ``kvtier``
 never imports ``kvtierd``. Importing it is cheap (no torch, cupy or vLLM).
 """

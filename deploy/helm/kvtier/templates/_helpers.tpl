@@ -98,7 +98,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* `kvtierd serve` arguments (tests/unit/test_helm_chart.py parses them with kvtierd's own parser). */}}
+{{/* `kvtierd serve` arguments (tests/unit/repository/test_helm_chart.py parses them with kvtierd's own parser). */}}
 {{- define "kvtier.args" -}}
 {{- $v := .Values }}
 {{- $args := list "--socket" (printf "%s/kvtier.sock" $v.daemon.socketDir) "--socket-mode" (toString $v.daemon.socketMode) }}

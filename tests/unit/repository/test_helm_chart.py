@@ -336,7 +336,7 @@ def test_rendered_tenants_file_is_valid_toml_with_the_values_types(tmp_path: Pat
 def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
     """mode external: the named templates put the same container in a dependent chart's pod."""
     chart = tmp_path / "engine-chart"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "helm" / "engine-chart", chart)
+    shutil.copytree(Path(__file__).parents[2] / "data" / "helm" / "engine-chart", chart)
     meta = chart / "Chart.yaml"
     meta.write_text(meta.read_text().replace("KVTIER_CHART", str(CHART)))
     out = helm("dependency", "build", str(chart))

@@ -27,7 +27,7 @@ from kvtierd.app import SERVICE_NAME
 from kvtierd.cli import build_parser
 from kvtierd.config import DaemonConfig, flat_keys, with_overrides
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 SIDECAR = ROOT / "deploy" / "kubernetes" / "sidecar.yaml"
