@@ -80,9 +80,6 @@ def _keep_origins(
         e.origin = (keys[i - 1] if i else parent, packed[i * span : (i + 1) * span])
 
 
-_check_live = check_live  # (kvtierd.cache.jobs: jobs attach only to live sessions)
-
-
 def _split_batch(
     ns: NamespaceState, keys: Sequence[bytes], status: bytearray
 ) -> tuple[dict[bytes, int], set[Entry]]:
@@ -202,7 +199,7 @@ class Stores:
         while KV events are on, for its ``BlockStored``; checked either way (InvalidArgument
         naming ``token_ids`` / ``parent_key``, nothing changed)."""
         check_origin(ns, keys, token_ids, parent)
-        _check_live(session)
+        check_live(session)  # (jobs attach only to live sessions)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
         fresh, protect = _split_batch(ns, keys, status)
