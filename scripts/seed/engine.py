@@ -4,7 +4,8 @@ SPEC``), builds one ``vllm.LLM`` and answers one ``SEED {json}`` line per JSON c
 * ``{"op": "generate", "ids": [...], "max_tokens": 1}`` -> ``ttft_s`` (vLLM's
   ``first_token_latency``: arrival to first token), ``wall_s``, ``num_cached_tokens``,
   ``prompt_tokens``, ``sources`` (deltas of ``vllm:prompt_tokens_by_source`` over the request) and
-  ``output`` (the generated ids); one request at a time.
+  ``output`` (the generated ids), and with a connector ``kvtier`` (the request's deltas of the
+  counters ``metrics`` reads: tokens loaded, blocks whose load failed...); one request at a time.
 * ``{"op": "metrics"}`` -> ``kvtier``: every vLLM counter whose name has ``kvtier`` in it (the
   connector's decisions and budget: docs/vllm.md), summed over labels.
 * ``{"op": "clients", "clients": [[ids, ...], ...], "max_tokens": n}``: closed-loop clients in
@@ -54,6 +55,7 @@ def engine_main(spec: dict[str, Any]) -> None:
             "kv_connector_extra_config": spec["connector"],
         }
     llm = LLM(**kwargs)
+    with_kvtier = spec.get("connector") is not None
 
     def params(n: int) -> Any:
         return SamplingParams(temperature=0, max_tokens=n, detokenize=False, ignore_eos=True)
@@ -79,6 +81,9 @@ def engine_main(spec: dict[str, Any]) -> None:
                 out[fam.name] = total
         return out
 
+    def changed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
     def answer(obj: dict[str, Any]) -> None:
         print(PROTO + json.dumps(obj), flush=True)
 
@@ -88,6 +93,7 @@ def engine_main(spec: dict[str, Any]) -> None:
         if cmd["op"] == "quit":
             break
         before = by_source()
+        k0 = kvtier_counters() if with_kvtier and cmd["op"] == "generate" else {}
         t0 = time.perf_counter()
         if cmd["op"] == "generate":
             (out,) = llm.generate(
@@ -104,6 +110,7 @@ def engine_main(spec: dict[str, Any]) -> None:
                     "prompt_tokens": len(cmd["ids"]),
                     "output": list(out.outputs[0].token_ids),
                     "sources": {s: after[s] - before[s] for s in SOURCES},
+                    "kvtier": changed(k0, kvtier_counters()) if with_kvtier else {},
                 }
             )
         elif cmd["op"] == "metrics":
