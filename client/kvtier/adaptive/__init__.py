@@ -10,7 +10,8 @@ Transformers) uses to decide, all plain Python with no engine import and no I/O:
   seconds per prefilled token, from its steps).
 * ``decision``: ``Decider.decide(tiers, ...)`` -> ``Decision``: how many blocks of a hit prefix to
   load under the ``always`` / ``never`` / ``adaptive`` policy, with probes that let a tier that was
-  cut back show it recovered; ``DecisionStats`` counts every decision.
+  cut back show it recovered; ``DecisionStats`` counts every decision; ``worth_waiting_s``: how
+  long a decided load is waited for (as long as recomputing it would take).
 * ``budget``: ``InterferenceBudget``: the transfer time kvtier may add to each engine step
   (a fraction of the step), loads charged before stores, stores refused (counted) when spent.
 """
@@ -18,7 +19,15 @@ Transformers) uses to decide, all plain Python with no engine import and no I/O:
 from __future__ import annotations
 
 from kvtier.adaptive.budget import BudgetStats, InterferenceBudget
-from kvtier.adaptive.decision import LOAD_POLICIES, Decider, Decision, DecisionStats, LoadPolicy
+from kvtier.adaptive.decision import (
+    LOAD_POLICIES,
+    WORTH_FLOOR_S,
+    Decider,
+    Decision,
+    DecisionStats,
+    LoadPolicy,
+    worth_waiting_s,
+)
 from kvtier.adaptive.figures import FixedPrefillRate, LinearFit, LoadFigures, PrefillRate
 
 __all__ = [
@@ -33,4 +42,6 @@ __all__ = [
     "LoadFigures",
     "LoadPolicy",
     "PrefillRate",
+    "WORTH_FLOOR_S",
+    "worth_waiting_s",
 ]

@@ -39,8 +39,21 @@ from typing import Literal
 from kvtier.adaptive.figures import Clock, LoadFigures, PrefillRate
 
 LoadPolicy = Literal["adaptive", "always", "never"]
+WORTH_FLOOR_S = 0.005  # the least a decided load is waited for (scheduling noise, one RPC)
 LOAD_POLICIES: tuple[LoadPolicy, ...] = ("adaptive", "always", "never")
 Reason = Literal["miss", "always", "never", "faster", "slower", "budget", "no-figures", "probe"]
+
+
+def worth_waiting_s(recompute_s: float | None) -> float | None:
+    """How long a decided load is worth waiting for: as long as recomputing its tokens would
+    take (``Decision.recompute_s``), never under ``WORTH_FLOOR_S``. A load still out by then has
+    already cost what recomputing would have, and waiting on can only cost more: the owner gives
+    up on what has not arrived (keeps the prefix that did) and recomputes the rest, so a load
+    predicted wrong costs at most twice the recompute, never a whole step budget or timeout.
+    None: unknown (no prefill rate yet, or a pinned policy): the owner's own limit applies."""
+    if recompute_s is None:
+        return None
+    return max(WORTH_FLOOR_S, recompute_s)
 
 
 @dataclass(frozen=True)

@@ -345,4 +345,5 @@ class Planner(LoadDecisions, StorePlanning):
             st.block_ids[first : first + count],
             self._tiers(st.outcome, first, first + count),
             d.predicted_s if d is not None and d.load_blocks == count else None,
+            d.recompute_s if d is not None and d.load_blocks == count else None,
         )

@@ -34,7 +34,9 @@ class RequestInfo:
 class LoadJob:
     """Load ``keys[slice][i]`` into engine block ``block_ids[i]`` before this step's forward.
     ``tiers[i]``: where the lookup found block ``i`` ("host", "nvme", ...; empty when unknown),
-    ``predicted_s``: the decision's predicted load time (None: no figures yet)."""
+    ``predicted_s``: the decision's predicted load time (None: no figures yet); ``recompute_s``:
+    its predicted recompute time of the same tokens (None: unknown; a sync load waits for its
+    blocks no longer than that, ``kvtier.adaptive.worth_waiting_s``)."""
 
     req_id: str
     variant: Variant
@@ -42,6 +44,7 @@ class LoadJob:
     block_ids: list[int]
     tiers: list[str] = field(default_factory=list)
     predicted_s: float | None = None
+    recompute_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ With ``load_mode="sync"`` (the default) loads run on the engine thread, one batc
 ``get_blocks`` per namespace variant (over shm, scatter kernels read straight from the pinned
 slots); a miss, a timeout or a daemon that is away fails those block ids, which vLLM
 recomputes (``kv_load_failure_policy="recompute"``). No load RPC or load round starts after the
-step's budget (``step_budget_ms``).
+step's budget (``step_budget_ms``), nor after the time recomputing the loaded blocks would take
+(the decision's ``recompute_s``, ``kvtier.adaptive.worth_waiting_s``): a load predicted wrong
+costs at most that, and the daemon answers by the deadline with what its host tier holds.
 
 Asynchronous loads (``load_mode="async"``). ``load_async(jobs)`` (engine thread, after the
 forward) queues one load per request and returns at once; the ``kvtier-load`` thread runs its
@@ -36,6 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.adaptive import worth_waiting_s
 from kvtier.client import Client
 from kvtier.integrations.vllm.config import Variant
 from kvtier.integrations.vllm.plans import LoadJob, LoadReport
@@ -61,9 +64,11 @@ class LoadPath(WorkerState):
     def load(
         self, jobs: Sequence[LoadJob], deadline: float | None = None, *, decoding: bool = False
     ) -> set[int]:
-        """Load every job into its engine blocks now, within ``deadline`` (the step's budget);
-        returns the block ids that failed. ``decoding``: a request decodes in this step (the
-        load is charged to the interference budget: loads always run, before the stores)."""
+        """Load every job into its engine blocks now, within ``deadline`` (the step's budget) and
+        no longer than recomputing them would take (the jobs' ``recompute_s``, when every job
+        has one: ``kvtier.adaptive.worth_waiting_s``); returns the block ids that failed.
+        ``decoding``: a request decodes in this step (the load is charged to the interference
+        budget: loads always run, before the stores)."""
         if not jobs:
             return set()
         if self._layouts is None or not self.breaker.allows():
@@ -72,6 +77,9 @@ class LoadPath(WorkerState):
                 self._stats.load_failed_blocks += len(missed)
             return missed
         deadline = self.step_deadline() if deadline is None else deadline
+        worth = _worth_waiting_s(jobs)
+        if worth is not None:  # no longer than recomputing the blocks would take
+            deadline = min(deadline, time.monotonic() + worth)
         return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True, charge=decoding)
 
     def _load_now(
@@ -303,3 +311,12 @@ def _by_variant(jobs: Sequence[LoadJob], rank: int) -> list[tuple[Variant, list[
         keys.extend(job.keys[rank])
         ids.extend(job.block_ids)
     return [(v, k, i) for v, (k, i) in merged.items()]
+
+
+def _worth_waiting_s(jobs: Sequence[LoadJob]) -> float | None:
+    """How long the engine thread waits for these loads: as long as recomputing all their
+    blocks would take (they load together, and would be recomputed together); None when a
+    job's recompute time is unknown (no figures yet, or the ``always`` policy)."""
+    if any(j.recompute_s is None for j in jobs):
+        return None
+    return worth_waiting_s(sum(j.recompute_s or 0.0 for j in jobs))

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.adaptive import Decider, FixedPrefillRate, InterferenceBudget, LinearFit, LoadFigures, PrefillRate
+from kvtier.adaptive import (
+    WORTH_FLOOR_S,
+    Decider,
+    FixedPrefillRate,
+    InterferenceBudget,
+    LinearFit,
+    LoadFigures,
+    PrefillRate,
+    worth_waiting_s,
+)
 
 MIB = 1 << 20
 BT = 16
@@ -351,3 +360,17 @@ def test_a_read_probe_loads_nothing_and_names_the_tier_to_read() -> None:
     d.report("nvme", 0.0002, 2e9)  # the daemon read it: fast again
     got = d.decide(hits, block_tokens=BT, block_bytes=MIB, read_probes=True)
     assert (got.load_blocks, got.reason) == (3, "faster")
+
+
+def test_a_decided_load_is_worth_waiting_for_as_long_as_recomputing_it() -> None:
+    assert worth_waiting_s(0.04) == 0.04
+    assert worth_waiting_s(0.0001) == WORTH_FLOOR_S  # never under scheduling noise
+    assert worth_waiting_s(None) is None  # unknown: the owner's own limit
+    clock = Clock()
+    d = Decider(clock=clock)
+    engine(clock, d)  # 1 ms a token
+    for n in (1, 2, 4):
+        d.loaded({"host": n * MIB}, 0.001 * n)
+    got = d.decide(["host"] * 2, block_tokens=BT, block_bytes=MIB)
+    assert got.reason == "faster" and got.recompute_s is not None
+    assert worth_waiting_s(got.recompute_s) == pytest.approx(2 * BT * 0.001, rel=0.3)

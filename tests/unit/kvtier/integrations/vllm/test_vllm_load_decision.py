@@ -254,7 +254,7 @@ def test_a_load_while_another_request_decodes_is_cut_to_the_budget() -> None:
     p2.close()
 
 
-def test_the_load_job_carries_tiers_and_prediction_and_the_report_settles_it() -> None:
+def test_the_load_job_carries_tiers_prediction_and_recompute_time_and_the_report_settles_it() -> None:
     p, _, _ = planner({7: HOST4_NVME4})
     engine_steps(p)
     tier_loads(p, nvme_s_per_block=0.2)
@@ -263,6 +263,9 @@ def test_the_load_job_carries_tiers_and_prediction_and_the_report_settles_it() -
     plan = p.build(StepInput([ScheduledRequest("r", list(range(12)), True, 4 * BS, 8 * BS)]))
     (job,) = plan.loads
     assert job.tiers == ["host"] * 4 and job.predicted_s is not None
+    # what recomputing the same 4 blocks would take: the sync load waits no longer
+    spt = p.decider.prefill.seconds_per_token()
+    assert spt is not None and job.recompute_s == pytest.approx(spt * 4 * BS)
     assert plan.tokens == 8 * BS and not plan.decoding
     before = p.stats.load_seconds_actual
     p.observe([], [LoadReport(("r",), {"host": 4 * BB}, 0.0015)])
