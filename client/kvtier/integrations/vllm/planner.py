@@ -128,6 +128,9 @@ class Planner(LoadDecisions, StorePlanning):
         self._clock = clock
         self._init_tables()
         self._thread = LookupThread(backend)
+        # ``never`` loads nothing: its lookups (which skip the stores of what is found) never
+        # have the daemon read a disk for it
+        self._thread.promote = self.decider.policy != "never"
 
     # -- admission ------------------------------------------------------------------------------
 

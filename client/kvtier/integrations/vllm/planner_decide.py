@@ -83,8 +83,8 @@ class LoadDecisions(PlannerState):
             _log_decision(st.info.req_id, d, tiers, max_load_s)
         # no promotions ahead of decisions that cut the tiers below the host tier, but for a
         # read probe's: the lookups until the next decision promote
-        self._thread.promote = not (self.decider.cut_tiers & BELOW_HOST) or bool(
-            self.decider.probe_reads & BELOW_HOST
+        self._thread.promote = self.decider.policy != "never" and (
+            not (self.decider.cut_tiers & BELOW_HOST) or bool(self.decider.probe_reads & BELOW_HOST)
         )
         self.decider.probe_reads.clear()
         self._sync_decision_stats()

@@ -225,12 +225,16 @@ def test_a_decision_reads_the_daemons_figures_that_arrived_while_the_engine_was_
 
 @pytest.mark.parametrize("policy, tokens", [("always", 8 * BS), ("never", 0)])
 def test_pinned_policies(policy: str, tokens: int) -> None:
-    p, _, _ = planner({7: HOST4_NVME4}, policy=policy)
+    """``always`` loads every hit (and its lookups promote, even from a slow tier); ``never``
+    loads none, and its lookups never have the daemon read a disk for blocks it will not load."""
+    p, backend, _ = planner({7: HOST4_NVME4, 8: HOST4_NVME4}, policy=policy)
     engine_steps(p)
     tier_loads(p, nvme_s_per_block=0.2)
     assert ask(p, "r", 7) == tokens
-    assert p.stats.decision_tokens_loaded == tokens
-    assert p.stats.decision_tokens_recomputed_policy == 8 * BS - tokens
+    assert ask(p, "s", 8) == tokens
+    assert p.stats.decision_tokens_loaded == 2 * tokens
+    assert p.stats.decision_tokens_recomputed_policy == 2 * (8 * BS - tokens)
+    assert backend.promoted == [policy == "always"] * 2
     p.close()
 
 
