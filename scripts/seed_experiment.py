@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mix-revisit", type=float, default=0.5, help="share of requests that revisit")
     g.add_argument("--mix-answer", type=int, default=24, help="tokens per answer")
     g.add_argument("--slow-docs", type=int, default=4, help="documents per phase of --slow")
-    g.add_argument("--slow-rounds", type=int, default=2, help="revisit rounds per phase of --slow")
+    g.add_argument("--slow-rounds", type=int, default=4, help="revisit rounds per phase of --slow")
     g.add_argument(
         "--slow-read-ms", type=int, default=150, help="each NVMe read's sleep in the slow phase of --slow"
     )

@@ -2,7 +2,8 @@
 SPEC``), builds one ``vllm.LLM`` and answers one ``SEED {json}`` line per JSON command on stdin:
 
 * ``{"op": "generate", "ids": [...], "max_tokens": 1}`` -> ``ttft_s`` (vLLM's
-  ``first_token_latency``: arrival to first token), ``wall_s``, ``num_cached_tokens``,
+  ``first_token_latency``: arrival to first token), ``wall_s``, ``admit_s`` and ``run_s`` (vLLM's
+  engine-core stamps: queued to first scheduled, and on to the first token), ``num_cached_tokens``,
   ``prompt_tokens``, ``sources`` (deltas of ``vllm:prompt_tokens_by_source`` over the request) and
   ``output`` (the generated ids), and with a connector ``kvtier`` (the request's deltas of the
   counters ``metrics`` reads: tokens loaded, blocks whose load failed...); one request at a time.
@@ -102,12 +103,16 @@ def engine_main(spec: dict[str, Any]) -> None:
             wall = time.perf_counter() - t0
             after = by_source()
             ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
+            stamps = [getattr(out.metrics, k, 0.0) for k in ("queued_ts", "scheduled_ts", "first_token_ts")]
             answer(
                 {
                     "ttft_s": ttft,
                     "wall_s": wall,
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "prompt_tokens": len(cmd["ids"]),
+                    # vLLM's engine-core stamps: queued -> first scheduled -> first token
+                    "admit_s": stamps[1] - stamps[0] if all(stamps) else None,
+                    "run_s": stamps[2] - stamps[1] if all(stamps) else None,
                     "output": list(out.outputs[0].token_ids),
                     "sources": {s: after[s] - before[s] for s in SOURCES},
                     "kvtier": changed(k0, kvtier_counters()) if with_kvtier else {},

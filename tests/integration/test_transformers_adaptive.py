@@ -8,6 +8,9 @@ through a real daemon and a real (randomly initialised, built here) Llama-shaped
   output: the tier is slower than the model's measured prefill;
   ``never`` restores nothing.
 * fast tier (the host tier of a plain daemon): ``adaptive`` restores what ``always`` restores.
+* a tier that turns slow after its figures said fast (``--read-latency-file``): the first
+  restore gives up after the recompute time (``kvtier.adaptive.worth_waiting_s``), not the
+  read's 300 ms, and tells the figures, so the next restore is not tried.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from conftest import DaemonProcess, make_namespace  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvtier  # noqa: E402
+from kvtier.adaptive import FixedPrefillRate  # noqa: E402
 from kvtier.integrations.transformers import KvtierPrefixCache  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,6 +42,56 @@ READ_LATENCY_MS = 300  # per NVMe read: a 4-block restore >= 300 ms, its recompu
 
 class SlowReadDaemon(DaemonProcess):
     module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
+
+
+class TurningDaemon(DaemonProcess):
+    """NVMe reads sleep the milliseconds ``latency`` holds (0 while it is missing)."""
+
+    def __init__(self, run_dir: Path, latency: Path, *args: str) -> None:
+        super().__init__(run_dir, *args)
+        self.module = ("kvtierd.testing.serve", "--read-latency-file", str(latency))
+
+
+def tiny_host_args(work: Path) -> list[str]:
+    """A 1 MiB host tier over write-through NVMe: stored prompts can be pushed to NVMe only."""
+    return [
+        "--host-bytes",
+        "1MiB",
+        "--slab-bytes",
+        "256KiB",
+        "--disk-dir",
+        str(work / "nvme"),
+        "--disk-bytes",
+        "64MiB",
+        "--write-policy",
+        "write-through",
+    ]
+
+
+def store_on_nvme_only(address: str, model: Any, seeds: range) -> dict[int, Any]:
+    """Generate (and store) each seed's prompt, push them out of the 1 MiB host tier, wait until
+    the daemon holds their 4 blocks on NVMe only; their plain outputs."""
+    expected = {}
+    with cache(address, model, "never") as pc:
+        for seed in seeds:
+            expected[seed] = pc.generate(prompt(seed), **GEN)
+        assert pc.counters.blocks_stored == len(seeds) * 4
+        with kvtier.Client.connect(address) as c:
+            h = c.register(make_namespace(model_id="test/filler"))
+            filler = [bytes([i % 251]) * (16 << 10) for i in range(160)]
+            h.put(h.block_keys(list(range(160 * 16))), filler)
+        deadline = time.monotonic() + 20
+        while True:
+            tiers = [
+                t
+                for seed in seeds
+                for t in pc.handle.lookup_detail(pc.handle.block_keys(prompt(seed)[0, :64].tolist())).tiers
+            ]
+            if tiers == ["nvme"] * 4 * len(seeds) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert tiers == ["nvme"] * 4 * len(seeds), tiers
+    return expected
 
 
 def mlp_heavy_llama() -> Any:
@@ -94,42 +148,9 @@ def slow(
 ) -> Iterator[tuple[SlowReadDaemon, dict[int, Any]]]:
     """The slow daemon holding prompts 10..15 on its NVMe tier only; their plain outputs."""
     work: Path = tmp_path_factory.mktemp("tf_adaptive")
-    d = SlowReadDaemon(
-        work / "daemon",
-        "--host-bytes",
-        "1MiB",
-        "--slab-bytes",
-        "256KiB",
-        "--disk-dir",
-        str(work / "nvme"),
-        "--disk-bytes",
-        "64MiB",
-        "--write-policy",
-        "write-through",
-    ).start()
+    d = SlowReadDaemon(work / "daemon", *tiny_host_args(work)).start()
     try:
-        expected = {}
-        with cache(d.unix, model, "never") as pc:
-            for seed in range(10, 16):
-                expected[seed] = pc.generate(prompt(seed), **GEN)
-            assert pc.counters.blocks_stored == 6 * 4
-            with kvtier.Client.connect(d.unix) as c:  # push them out of the 1 MiB host tier
-                h = c.register(make_namespace(model_id="test/filler"))
-                filler = [bytes([i % 251]) * (16 << 10) for i in range(160)]
-                h.put(h.block_keys(list(range(160 * 16))), filler)
-            deadline = time.monotonic() + 20
-            while True:
-                tiers = [
-                    t
-                    for seed in range(10, 16)
-                    for t in pc.handle.lookup_detail(
-                        pc.handle.block_keys(prompt(seed)[0, :64].tolist())
-                    ).tiers
-                ]
-                if tiers == ["nvme"] * 24 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            assert tiers == ["nvme"] * 24, tiers
+        expected = store_on_nvme_only(d.unix, model, range(10, 16))
         yield d, expected
     finally:
         d.kill()
@@ -203,3 +224,29 @@ def test_fast_tier_adaptive_loads_what_always_loads(daemon: DaemonProcess, model
                 assert pc.decider.stats.by_reason.get("faster", 0) >= 2, pc.decider.stats
                 assert pc.counters.tokens_recomputed_slower == 0
     assert restored == {"always": 3 * 64, "adaptive": 3 * 64}
+
+
+def test_a_tier_turned_slow_costs_one_restore_the_recompute_time(tmp_path: Path, model: Any) -> None:
+    latency = tmp_path / "read-latency-ms"
+    d = TurningDaemon(tmp_path / "daemon", latency, *tiny_host_args(tmp_path)).start()
+    try:
+        expected = store_on_nvme_only(d.unix, model, range(30, 34))
+        with cache(d.unix, model, "adaptive") as pc:
+            # 1 ms a token (a fixed figure: the test's timing must not hang on this host's
+            # speed): recomputing a 4-block hit takes 64 ms, reading it from a fast disk ~1 ms
+            pc.decider.prefill = FixedPrefillRate(0.001)
+            for seed in (30, 31):  # the disk is fast: the NVMe figure says so
+                assert torch.equal(pc.generate(prompt(seed), **GEN), expected[seed])
+            assert pc.counters.restored_tokens == 2 * 64
+            latency.write_text(str(READ_LATENCY_MS))  # now every read sleeps 300 ms
+            time.sleep(0.25)  # (the daemon reads the file again at most every 100 ms)
+            out, took = timed_generate(pc, 32)
+            assert torch.equal(out, expected[32])  # recomputed
+            assert pc.counters.restored_tokens == 2 * 64
+            assert took < READ_LATENCY_MS / 1000 - 0.05, took  # gave up after ~64 ms
+            out, _ = timed_generate(pc, 33)  # the cut restore told the figures: not tried
+            assert torch.equal(out, expected[33])
+            assert pc.decider.stats.by_reason.get("slower") == 1, pc.decider.stats
+            assert pc.counters.restored_tokens == 2 * 64
+    finally:
+        d.kill()

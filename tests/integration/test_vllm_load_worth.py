@@ -3,7 +3,7 @@
 A real ``KvtierWorker`` over shm (driven without vLLM, as test_engine_stall.py does) against a
 real daemon whose NVMe reads sleep 400 ms (``kvtierd.testing.serve --read-latency-ms``) and whose
 host tier is 2 MiB, so the first of the blocks put sit on NVMe only. The decision predicted the
-load fast; the disk is slow now. A load job that carries the decision's ``recompute_s`` (30 ms)
+load fast; the disk is slow now. A load job that carries the decision's ``recompute_s`` (60 ms)
 gives up after it (``kvtier.adaptive.worth_waiting_s``): the blocks fail (vLLM recomputes them)
 and the engine thread lost about the recompute time, not the step budget. Its report tells the
 decision it took at least twice that (the load was cut, so its true time is only bounded from
@@ -32,7 +32,7 @@ BS, L, H, D = 16, 2, 2, 64  # 16 KiB blocks
 HOST_BLOCKS = 128  # 2 MiB host tier
 READ_LATENCY_MS = 400
 STEP_BUDGET_MS = 300
-RECOMPUTE_S = 0.03
+RECOMPUTE_S = 0.06
 IDENTITY = EngineIdentity(
     model_id="test/worth",
     model_revision="r1",
@@ -99,7 +99,7 @@ def test_a_sync_load_waits_no_longer_than_recomputing_it(slow: DaemonProcess) ->
         failed = worker.load([job])
         took = time.monotonic() - t0
         assert failed == {0, 1}  # the disk did not deliver in time: vLLM recomputes them
-        assert took < RECOMPUTE_S + 0.05, took  # not the step's 300 ms budget
+        assert took < RECOMPUTE_S + 0.06, took  # not the step's 300 ms budget
         _, reports = worker.take_reports()
         (report,) = reports
         assert report.seconds >= 2 * max(RECOMPUTE_S, WORTH_FLOOR_S) * 0.9  # a lower bound

@@ -11,7 +11,8 @@ Transformers) uses to decide, all plain Python with no engine import and no I/O:
 * ``decision``: ``Decider.decide(tiers, ...)`` -> ``Decision``: how many blocks of a hit prefix to
   load under the ``always`` / ``never`` / ``adaptive`` policy, with probes that let a tier that was
   cut back show it recovered; ``DecisionStats`` counts every decision; ``worth_waiting_s``: how
-  long a decided load is waited for (as long as recomputing it would take).
+  long a decided load is waited for (as long as recomputing it would take); ``cut_load_s``: the
+  figure of a load given up on at that deadline.
 * ``budget``: ``InterferenceBudget``: the transfer time kvtier may add to each engine step
   (a fraction of the step), loads charged before stores, stores refused (counted) when spent.
 """
@@ -26,6 +27,7 @@ from kvtier.adaptive.decision import (
     Decision,
     DecisionStats,
     LoadPolicy,
+    cut_load_s,
     worth_waiting_s,
 )
 from kvtier.adaptive.figures import FixedPrefillRate, LinearFit, LoadFigures, PrefillRate
@@ -43,5 +45,6 @@ __all__ = [
     "LoadPolicy",
     "PrefillRate",
     "WORTH_FLOOR_S",
+    "cut_load_s",
     "worth_waiting_s",
 ]

@@ -39,7 +39,9 @@ from typing import Literal
 from kvtier.adaptive.figures import Clock, LoadFigures, PrefillRate
 
 LoadPolicy = Literal["adaptive", "always", "never"]
-WORTH_FLOOR_S = 0.005  # the least a decided load is waited for (scheduling noise, one RPC)
+# The least a decided load is waited for: twice kvtier.calls.MIN_RPC_S (20 ms: a client never
+# starts an RPC with less of its deadline left), so the load's RPCs start and have time to run.
+WORTH_FLOOR_S = 0.04
 LOAD_POLICIES: tuple[LoadPolicy, ...] = ("adaptive", "always", "never")
 Reason = Literal["miss", "always", "never", "faster", "slower", "budget", "no-figures", "probe"]
 
@@ -49,11 +51,21 @@ def worth_waiting_s(recompute_s: float | None) -> float | None:
     take (``Decision.recompute_s``), never under ``WORTH_FLOOR_S``. A load still out by then has
     already cost what recomputing would have, and waiting on can only cost more: the owner gives
     up on what has not arrived (keeps the prefix that did) and recomputes the rest, so a load
-    predicted wrong costs at most twice the recompute, never a whole step budget or timeout.
+    predicted wrong costs at most twice the recompute (or the floor and the recompute), never a
+    whole step budget or timeout.
     None: unknown (no prefill rate yet, or a pinned policy): the owner's own limit applies."""
     if recompute_s is None:
         return None
     return max(WORTH_FLOOR_S, recompute_s)
+
+
+def cut_load_s(spent_s: float, had_s: float) -> float:
+    """The figure of a load given up on at its deadline with nothing arrived: its true time is
+    only known to exceed ``had_s`` (the time it had), so it counts as twice that, or what was
+    spent if more (a lower bound: the next decision of this size predicts it does not fit, and
+    a real figure replaces it). Counting only the time spent would plan the same cut load again
+    and again (a daemon answers a load ahead of its deadline, with its reads still going)."""
+    return max(spent_s, 2 * had_s)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ block ``b``'s key names the whole prefix ``0 .. b*T+T-1``.
 Load or recompute (``load_policy``, docs/transformers.md §7): ``restore`` loads the stored
 prefix a ``kvtier.adaptive.Decider`` chooses, from each hit's tier (``lookup_tiers``), the load
 figures of earlier restores (and the daemon's ``tier_figures``) and the model's prefill rate,
-which ``generate`` measures by timing the model's forward passes.
+which ``generate`` measures by timing the model's forward passes. A restore waits for its
+blocks no longer than recomputing them would take (``kvtier.adaptive.worth_waiting_s``): a
+tier that turned slow since its figures costs one restore at most that, and the restore given
+up on tells the figures (``cut_load_s``), so the next decision recomputes.
 
 Failure behaviour: the daemon away, slow or restarting makes ``restore`` a miss and ``store`` a
 drop (the kvtier Client never raises for that); a block evicted between the lookup and the get
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.adaptive import Decider, PrefillRate
+from kvtier.adaptive import Decider, PrefillRate, cut_load_s, worth_waiting_s
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.transformers.cache_blocks import CacheBlocks, _check_full_attention
 from kvtier.integrations.transformers.identity import (
@@ -105,6 +108,7 @@ class KvtierPrefixCache:
         self.blocks = CacheBlocks(kv_geometry(config), self.options.tokens_per_block, self.dtype, model)
         self._said: set[str] = set()  # store failures already logged
         self._predicted_s: float | None = None  # the last decision's predicted load time
+        self._recompute_s: float | None = None  # ... and recompute time of the same tokens
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             o = self.options
@@ -165,9 +169,15 @@ class KvtierPrefixCache:
             return None, 0
         staging = torch.empty((hits, *self.blocks.block_shape()), dtype=self.dtype)
         started = time.perf_counter()
+        worth = worth_waiting_s(self._recompute_s)  # no longer than recomputing them takes
+        if worth is not None:
+            deadline = min(deadline, time.monotonic() + worth)
+        late = self.client.counters.out_of_time
         found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
+            if worth is not None and self.client.counters.out_of_time > late:  # given up on
+                self._loaded(tiers[:hits], cut_load_s(time.perf_counter() - started, worth), complete=False)
             return None, 0
         self._loaded(tiers[:n], time.perf_counter() - started, complete=n == hits)
         cache = self.blocks.unpack(staging[:n])
@@ -189,6 +199,7 @@ class KvtierPrefixCache:
         c.tokens_recomputed_slower += after.tokens_recomputed_slower - slower
         c.tokens_recomputed_policy += after.tokens_recomputed_policy - policy
         self._predicted_s = d.predicted_s
+        self._recompute_s = d.recompute_s
         return d.load_blocks
 
     def _loaded(self, tiers: list[str], seconds: float, *, complete: bool) -> None:

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.adaptive import worth_waiting_s
+from kvtier.adaptive import cut_load_s, worth_waiting_s
 from kvtier.client import Client
 from kvtier.integrations.vllm.config import Variant
 from kvtier.integrations.vllm.plans import LoadJob, LoadReport
@@ -115,11 +115,8 @@ class LoadPath(WorkerState):
             timed_out = client.counters.out_of_time > out_of_time or (
                 bool(failed) and time.monotonic() >= deadline - 0.001
             )
-            if timed_out and not loaded:
-                # it needed more than the time it had (the daemon may answer ahead of the
-                # deadline with its reads still going): count twice that, which a load with
-                # this much time is then predicted not to fit (a real figure replaces it)
-                spent = max(spent, 2 * had)
+            if timed_out and not loaded:  # it needed more than the time it had
+                spent = cut_load_s(spent, had)
             self._report_load(jobs, engine_thread, loaded, failed, timed_out, spent)
         return failed
 

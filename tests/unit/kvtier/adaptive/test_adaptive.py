@@ -18,6 +18,7 @@ from kvtier.adaptive import (
     PrefillRate,
     worth_waiting_s,
 )
+from kvtier.calls import MIN_RPC_S
 
 MIB = 1 << 20
 BT = 16
@@ -363,8 +364,11 @@ def test_a_read_probe_loads_nothing_and_names_the_tier_to_read() -> None:
 
 
 def test_a_decided_load_is_worth_waiting_for_as_long_as_recomputing_it() -> None:
-    assert worth_waiting_s(0.04) == 0.04
-    assert worth_waiting_s(0.0001) == WORTH_FLOOR_S  # never under scheduling noise
+    assert worth_waiting_s(0.09) == 0.09
+    assert worth_waiting_s(0.0001) == WORTH_FLOOR_S
+    # the floor lets the load's RPCs start: a client starts none with less than MIN_RPC_S left
+    # (a shorter deadline would fail every load at once, and read the tier as slow)
+    assert WORTH_FLOOR_S >= 2 * MIN_RPC_S
     assert worth_waiting_s(None) is None  # unknown: the owner's own limit
     clock = Clock()
     d = Decider(clock=clock)
@@ -373,4 +377,5 @@ def test_a_decided_load_is_worth_waiting_for_as_long_as_recomputing_it() -> None
         d.loaded({"host": n * MIB}, 0.001 * n)
     got = d.decide(["host"] * 2, block_tokens=BT, block_bytes=MIB)
     assert got.reason == "faster" and got.recompute_s is not None
-    assert worth_waiting_s(got.recompute_s) == pytest.approx(2 * BT * 0.001, rel=0.3)
+    assert got.recompute_s == pytest.approx(2 * BT * 0.001, rel=0.3)
+    assert worth_waiting_s(got.recompute_s) == WORTH_FLOOR_S  # 32 ms to recompute: the floor
