@@ -9,8 +9,8 @@ Six scenarios, each chosen by a flag; with none of the flags, all six run, in th
 * ``--fleet``: two engines sharing one daemon, cross-replica hits (scripts/seed/fleet.py);
 * ``--mix``: concurrent clients, revisits and new documents, sync vs async loads vs the engine
   alone, TTFT and inter-token latency (scripts/seed/mix.py);
-* ``--slow``: a tier slowed on purpose, then fast again: the engine alone against the ``always``
-  and ``adaptive`` load policies (scripts/seed/slow.py);
+* ``--slow``: a tier slowed on purpose, then fast again: the engine alone (before and after)
+  against the ``always``, ``adaptive`` and ``never`` load policies (scripts/seed/slow.py);
 * ``--interference``: a decoding request's inter-token latency with loads and stores running
   beside it, with the interference budget and without (scripts/seed/interference.py).
 

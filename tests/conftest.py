@@ -49,6 +49,43 @@ class DaemonProcess(DaemonAddresses):
         return self.proc.wait(15)
 
 
+class SlowDiskDaemon(DaemonProcess):
+    """kvtierd whose NVMe reads sleep (``kvtierd.testing.serve``, test-only): ``latency_ms``
+    before every read, or the milliseconds the file ``latency_file`` holds (0 while missing;
+    read again at most every 100 ms, so a test slows the disk and lets it recover)."""
+
+    def __init__(
+        self, run_dir: Path, *args: str, latency_ms: int | None = None, latency_file: Path | None = None
+    ) -> None:
+        super().__init__(run_dir, *args)
+        if (latency_ms is None) == (latency_file is None):
+            raise ValueError("one of latency_ms and latency_file")
+        fault = (
+            ["--read-latency-ms", str(latency_ms)]
+            if latency_file is None
+            else ["--read-latency-file", str(latency_file)]
+        )
+        self.module = ("kvtierd.testing.serve", *fault)
+
+
+def small_tiers(work: Path, host: str, slab: str, disk: str, policy: str) -> list[str]:
+    """Daemon arguments: a host tier of ``host`` bytes in ``slab`` slabs over an NVMe tier of
+    ``disk`` bytes in ``work/nvme`` with write ``policy``: a small host tier pushes blocks to
+    the NVMe tier only, so a test can make their loads read the disk."""
+    return [
+        "--host-bytes",
+        host,
+        "--slab-bytes",
+        slab,
+        "--disk-dir",
+        str(work / "nvme"),
+        "--disk-bytes",
+        disk,
+        "--write-policy",
+        policy,
+    ]
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[DaemonProcess] = []

@@ -1,6 +1,6 @@
-"""Never slower than recompute (``--slow``): the engine alone against kvtier with the ``always``
-and the ``adaptive`` load policy (docs/vllm.md, docs/adaptive.md), on a daemon whose tier is slow
-on purpose and then fast again.
+"""Never slower than recompute (``--slow``): the engine alone against kvtier with the ``always``,
+``adaptive`` and ``never`` load policies (docs/vllm.md, docs/adaptive.md), on a daemon whose tier
+is slow on purpose and then fast again.
 
 The daemon is ``python -m kvtierd.testing.serve --read-latency-file F serve ...`` (test-only: the
 real daemon, whose NVMe reads sleep the milliseconds written in ``F``) with a host tier of
@@ -15,15 +15,19 @@ Three phases, each with documents of its own (``--slow-docs`` of ``--fleet-doc-t
 * ``recovered``: 0 again. The adaptive engine starts it with figures that say the tier is slow
   and must see it recover (its probes, and the daemon's figures from the other engine's loads).
 
-In each phase, each engine (``alone``, ``always``, ``adaptive``; one request at a time,
-``max_tokens=1``) first visits every document (stores; not measured), then revisits them for
-``--slow-rounds`` rounds; the engine cache (``--small-blocks``) cannot keep them between rounds.
-One engine after the other, not interleaved request by request: three vLLM processes on two
-cores disturb each other's next request for a while after each one (tried: the ratios of one
-phase moved by up to 2x with the order of the engines).
-Per engine and phase: the revisits' wall clock and TTFT p50, the ratio to the engine alone, the
-tokens loaded and recomputed, and the adaptive engine's decision counters. The outputs of the
-three engines must be equal (check).
+In each phase, each engine (``alone``, ``always``, ``adaptive``, ``never``, then ``alone`` again;
+one request at a time, ``max_tokens=1``) first visits every document (stores; not measured), then
+revisits them for ``--slow-rounds`` rounds; the engine cache (``--small-blocks``) cannot keep them
+between rounds. One engine after the other, not interleaved request by request: three vLLM
+processes on two cores disturb each other's next request for a while after each one (tried: the
+ratios of one phase moved by up to 2x with the order of the engines). The baseline is the mean of
+the engine alone's two runs, request by request, so the machine's drift over a phase falls on
+both sides; ``never`` (the connector, nothing loaded by policy) shows the connector's own cost.
+Per engine and phase: the revisits' wall clock and TTFT p50, the ratios to the baseline (of the
+sums, and the median of the per-request ratios), the tokens computed, loaded and failed (the
+connector's own counters: vLLM counts a hit's tokens as transferred also when the load failed),
+and the adaptive engine's decision counters. Every engine's outputs must equal the engine
+alone's (check).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess, make_namespace
+from conftest import SlowDiskDaemon, make_namespace, small_tiers
 from tests_helpers import scrape_metrics, wait_for
 
 import kvtier
@@ -33,30 +33,11 @@ SIZES = [1, 4, 2, 3]  # blocks per load, in turn: sizes vary, so latency and ban
 # (at most 4: the NVMe tier's 4 I/O threads read them at once, each read SLOW_MS slower)
 
 
-class SlowDiskDaemon(DaemonProcess):
-    """kvtierd whose NVMe reads sleep the milliseconds a file holds (test-only launcher)."""
-
-    def __init__(self, run_dir: Path, latency_file: Path, *args: str) -> None:
-        super().__init__(run_dir, *args)
-        self.module = ("kvtierd.testing.serve", "--read-latency-file", str(latency_file))
-
-
 @pytest.fixture
 def slow(tmp_path: Path) -> Iterator[tuple[SlowDiskDaemon, Path]]:
     latency = tmp_path / "read-latency-ms"  # absent: no latency (the start reads the disk)
     d = SlowDiskDaemon(
-        tmp_path / "run",
-        latency,
-        "--host-bytes",
-        "2MiB",
-        "--slab-bytes",
-        "1MiB",
-        "--disk-dir",
-        str(tmp_path / "nvme"),
-        "--disk-bytes",
-        "16MiB",
-        "--write-policy",
-        "write-back",
+        tmp_path / "run", *small_tiers(tmp_path, "2MiB", "1MiB", "16MiB", "write-back"), latency_file=latency
     ).start()
     try:
         yield d, latency

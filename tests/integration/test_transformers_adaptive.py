@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import DaemonProcess, make_namespace  # noqa: E402
+from conftest import DaemonProcess, SlowDiskDaemon, make_namespace, small_tiers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvtier  # noqa: E402
@@ -40,32 +40,9 @@ GEN = dict(max_new_tokens=2, do_sample=False)
 READ_LATENCY_MS = 300  # per NVMe read: a 4-block restore >= 300 ms, its recompute ~ 10 ms
 
 
-class SlowReadDaemon(DaemonProcess):
-    module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
-
-
-class TurningDaemon(DaemonProcess):
-    """NVMe reads sleep the milliseconds ``latency`` holds (0 while it is missing)."""
-
-    def __init__(self, run_dir: Path, latency: Path, *args: str) -> None:
-        super().__init__(run_dir, *args)
-        self.module = ("kvtierd.testing.serve", "--read-latency-file", str(latency))
-
-
 def tiny_host_args(work: Path) -> list[str]:
     """A 1 MiB host tier over write-through NVMe: stored prompts can be pushed to NVMe only."""
-    return [
-        "--host-bytes",
-        "1MiB",
-        "--slab-bytes",
-        "256KiB",
-        "--disk-dir",
-        str(work / "nvme"),
-        "--disk-bytes",
-        "64MiB",
-        "--write-policy",
-        "write-through",
-    ]
+    return small_tiers(work, "1MiB", "256KiB", "64MiB", "write-through")
 
 
 def store_on_nvme_only(address: str, model: Any, seeds: range) -> dict[int, Any]:
@@ -145,10 +122,10 @@ def model() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def slow(
     tmp_path_factory: pytest.TempPathFactory, model: Any
-) -> Iterator[tuple[SlowReadDaemon, dict[int, Any]]]:
+) -> Iterator[tuple[SlowDiskDaemon, dict[int, Any]]]:
     """The slow daemon holding prompts 10..15 on its NVMe tier only; their plain outputs."""
     work: Path = tmp_path_factory.mktemp("tf_adaptive")
-    d = SlowReadDaemon(work / "daemon", *tiny_host_args(work)).start()
+    d = SlowDiskDaemon(work / "daemon", *tiny_host_args(work), latency_ms=READ_LATENCY_MS).start()
     try:
         expected = store_on_nvme_only(d.unix, model, range(10, 16))
         yield d, expected
@@ -170,7 +147,7 @@ def timed_generate(pc: KvtierPrefixCache, seed: int) -> tuple[Any, float]:
 
 
 def test_slow_tier_adaptive_recomputes_where_always_loads_slowly(
-    slow: tuple[SlowReadDaemon, dict[int, Any]], model: Any
+    slow: tuple[SlowDiskDaemon, dict[int, Any]], model: Any
 ) -> None:
     d, expected = slow
     with cache(d.unix, model, "always") as always:
@@ -228,7 +205,7 @@ def test_fast_tier_adaptive_loads_what_always_loads(daemon: DaemonProcess, model
 
 def test_a_tier_turned_slow_costs_one_restore_the_recompute_time(tmp_path: Path, model: Any) -> None:
     latency = tmp_path / "read-latency-ms"
-    d = TurningDaemon(tmp_path / "daemon", latency, *tiny_host_args(tmp_path)).start()
+    d = SlowDiskDaemon(tmp_path / "daemon", *tiny_host_args(tmp_path), latency_file=latency).start()
     try:
         expected = store_on_nvme_only(d.unix, model, range(30, 34))
         with cache(d.unix, model, "adaptive") as pc:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DaemonProcess
+from conftest import DaemonProcess, SlowDiskDaemon, small_tiers
 from tests_helpers import wait_for
 
 import kvtier
@@ -48,24 +48,12 @@ IDENTITY = EngineIdentity(
 pytestmark = pytest.mark.timeout(120)
 
 
-class SlowDiskDaemon(DaemonProcess):
-    module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
-
-
 @pytest.fixture
 def slow(tmp_path: Path) -> Any:
     d = SlowDiskDaemon(
         tmp_path / "run",
-        "--host-bytes",
-        "2MiB",
-        "--slab-bytes",
-        "1MiB",
-        "--disk-dir",
-        str(tmp_path / "nvme"),
-        "--disk-bytes",
-        "16MiB",
-        "--write-policy",
-        "write-back",
+        *small_tiers(tmp_path, "2MiB", "1MiB", "16MiB", "write-back"),
+        latency_ms=READ_LATENCY_MS,
     ).start()
     try:
         yield d
