@@ -12,10 +12,11 @@ tier before each arm). Every arm is a fresh engine serving the same workload, pr
 * timed: V1..V4 (6 blocks each, on NVMe), one after another.
 
 Arms: ``always`` (every hit loaded, kvtier before issue 30; it also stores W and V first),
-``never`` (the engine alone: kvtier's loads off, its lookups and stores as in the other arms) and
-``adaptive``. ``always`` waits for the slow disk on every revisit; ``adaptive`` recomputes what
-the disk would deliver later than the engine computes it, so its timed phase stays within the
-engine alone's plus a tolerance below one slow read; outputs are identical in all arms.
+``never`` (kvtier's loads off by policy, its lookups and stores as in the other arms),
+``adaptive``, and ``alone`` (the engine without kvtier). ``always`` waits for the slow disk on
+every revisit; ``adaptive`` recomputes what the disk would deliver later than the engine computes
+it, so its timed phase stays within the engine alone's (and never's) plus a tolerance below one
+slow read; outputs are identical in all arms.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, SlowDiskDaemon, small_tiers
 from test_vllm_e2e import BLOCK, HERE, Engine, connector, tokens, wait_resident
 
 import kvtier
@@ -35,7 +36,7 @@ from kvtier_contract.identity import Namespace
 pytestmark = pytest.mark.timeout(600)
 
 READ_LATENCY_MS = 400  # per NVMe read (the daemon reads with 4 I/O threads)
-# The adaptive arm may exceed the engine alone (never) by this much over its 4 timed revisits:
+# The adaptive arm may exceed the engine alone (and never) by this much over its 4 timed revisits:
 # less than one slow read (0.4 s), so an arm that waited for the disk once in the phase fails
 # (always: 4 x >= 0.4 s); more than this 2-core box's jitter between two engines' runs of
 # ~0.15 s (the daemon's background promotions from the lookups share the cores with the engine).
@@ -43,10 +44,6 @@ TOLERANCE_S = 0.3
 W = tokens(6 * BLOCK + 40, 700)
 NEW = tokens(6 * BLOCK + 40, 701)
 V = [tokens(6 * BLOCK + 40, 710 + i) for i in range(4)]
-
-
-class SlowReadDaemon(DaemonProcess):
-    module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
 
 
 def evict_host(d: DaemonProcess, seed: int) -> None:
@@ -97,19 +94,8 @@ def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(tmp_p
     from vllm_driver import write_model_dir
 
     write_model_dir(str(tmp_path / "model"))
-    d = SlowReadDaemon(
-        tmp_path / "daemon",
-        "--host-bytes",
-        "2MiB",
-        "--slab-bytes",
-        "1MiB",
-        "--disk-dir",
-        str(tmp_path / "nvme"),
-        "--disk-bytes",
-        "64MiB",
-        "--write-policy",
-        "write-through",
-    ).start()
+    tiers = small_tiers(tmp_path, "2MiB", "1MiB", "64MiB", "write-through")
+    d = SlowDiskDaemon(tmp_path / "daemon", *tiers, latency_ms=READ_LATENCY_MS).start()
 
     def store_then_evict(eng: Engine) -> None:  # W and V computed and stored, then NVMe only
         eng.generate([W, *V], max_tokens=4)
@@ -128,22 +114,25 @@ def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(tmp_p
         for i, policy in enumerate(("never", "adaptive"), start=1):
             evict_host(d, i)
             arms[policy] = run_arm(tmp_path, policy, connector(d, load_policy=policy, **common))
+        arms["alone"] = run_arm(tmp_path, "alone", None)
     finally:
         d.kill()
-    never, always, adaptive = arms["never"], arms["always"], arms["adaptive"]
+    never, always, adaptive, alone = arms["never"], arms["always"], arms["adaptive"], arms["alone"]
     print(
-        f"\ntimed revisits (4 x 6 NVMe blocks, reads slowed {READ_LATENCY_MS} ms): never load "
-        f"{never['seconds']:.2f} s, always load {always['seconds']:.2f} s, adaptive "
+        f"\ntimed revisits (4 x 6 NVMe blocks, reads slowed {READ_LATENCY_MS} ms): engine alone "
+        f"{alone['seconds']:.2f} s, never load {never['seconds']:.2f} s, always load "
+        f"{always['seconds']:.2f} s, adaptive "
         f"{adaptive['seconds']:.2f} s; each: { {k: v['each'] for k, v in arms.items()} }; "
         f"phases (queued->scheduled, ->first token): "
         f"{ {k: v['phases'] for k, v in arms.items()} }; "
         f"adaptive: { {k: v for k, v in adaptive['metrics'].items() if 'decision' in k} }"
     )
-    assert always["outputs"] == never["outputs"] == adaptive["outputs"]
+    assert always["outputs"] == never["outputs"] == adaptive["outputs"] == alone["outputs"]
     # always loaded the revisits from the slow disk (a lookup the busy daemon answers past
     # lookup_timeout_ms is a miss: at least 3 of the 4)...
     assert always["cached"][0] == 6 * BLOCK and sum(always["cached"][1:]) >= 3 * 6 * BLOCK
     assert always["seconds"] > never["seconds"] + 2 * READ_LATENCY_MS / 1000
+    assert always["seconds"] > alone["seconds"] + 2 * READ_LATENCY_MS / 1000
     # ...adaptive recomputed every timed revisit: the disk was measured slower than the engine
     # (by W's load, or first by the daemon's own per-tier figures from the always arm's reads)
     assert adaptive["cached"][1:] == [0] * 4
@@ -152,3 +141,4 @@ def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(tmp_p
     assert max(adaptive["each"]) < READ_LATENCY_MS / 1000  # never waited for a disk read
     assert never["cached"] == [0] * 5
     assert adaptive["seconds"] <= never["seconds"] + TOLERANCE_S
+    assert adaptive["seconds"] <= alone["seconds"] + TOLERANCE_S
