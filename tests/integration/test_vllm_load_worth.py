@@ -13,6 +13,7 @@ step's budget, as before.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,5 +99,37 @@ def test_a_sync_load_waits_no_longer_than_recomputing_it(slow: DaemonProcess) ->
         t0 = time.monotonic()
         assert worker.load([job]) == {2, 3}
         assert time.monotonic() - t0 >= 0.5 * STEP_BUDGET_MS / 1000
+    finally:
+        worker.close()
+
+
+def async_load(worker: KvtierWorker, job: LoadJob) -> tuple[float, set[int]]:
+    """Hand ``job`` to the load thread; (seconds until ``finished_loads`` reported it, failed)."""
+    t0 = time.monotonic()
+    worker.load_async([job])
+    while True:
+        done, failed = worker.finished_loads()
+        if done:
+            assert done == {job.req_id}
+            return time.monotonic() - t0, failed
+        assert time.monotonic() - t0 < 5.0, "the async load was never reported"
+        threading.Event().wait(0.005)
+
+
+def test_an_async_load_is_given_up_after_the_recompute_time(slow: DaemonProcess) -> None:
+    """The same for ``load_mode="async"``: the request waits for its load (vLLM parks it), so
+    a load later than its recompute has already cost it that; without ``recompute_s`` the load
+    waits for the disk (up to ``async_load_timeout_ms``) and gets the blocks."""
+    first, second = nvme_only_keys(slow)
+    cache = torch.zeros(L, 8, H, BS, 2 * D, dtype=torch.bfloat16)
+    cfg = ConnectorConfig(address=slow.unix, model_revision="r1", load_mode="async")
+    worker = KvtierWorker(IDENTITY, cfg)
+    worker.register([cache[i] for i in range(L)])
+    try:
+        job = LoadJob("r1", BASE, [first], [0, 1], ["nvme"] * 2, 0.002, RECOMPUTE_S)
+        took, failed = async_load(worker, job)
+        assert failed == {0, 1} and took < RECOMPUTE_S + 0.1, took
+        took, failed = async_load(worker, LoadJob("r2", BASE, [second], [2, 3], ["nvme"] * 2))
+        assert failed == set() and took >= READ_LATENCY_MS / 1000, took  # waited for the disk
     finally:
         worker.close()

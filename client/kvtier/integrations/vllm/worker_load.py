@@ -13,12 +13,15 @@ forward) queues one load per request and returns at once; the ``kvtier-load`` th
 ``get_blocks`` (the daemon pins the blocks from PrepareLoad until the copy into the engine blocks
 is done and CompleteLoad is sent, as for a synchronous load) within ``async_load_timeout_ms``,
 and ``finished_loads()`` (engine thread, every step) hands back the requests whose load is over
-and the block ids that failed. vLLM does not schedule a request while its load is in flight
-(``WAITING_FOR_REMOTE_KVS``), so no forward pass reads those blocks, and it holds them even if the
-request is aborted until the load is reported finished. kvtier itself never stores from a block
-a load is writing: ``submit_stores`` drops such a job (it cannot happen through the planner, which
-stores only scheduled requests' computed blocks; the check makes it a rule). Loads use the load
-session and their own ``PagedKvLayout`` (staging buffers) on the load thread only.
+and the block ids that failed. An async load the adaptive decision chose is also given up after
+the time recomputing it would take, from when the load thread starts it (the request waits for
+it: a load that late has already cost it the recompute). vLLM does not schedule a request while
+its load is in flight (``WAITING_FOR_REMOTE_KVS``), so no forward pass reads those blocks, and it
+holds them even if the request is aborted until the load is reported finished. kvtier itself
+never stores from a block a load is writing: ``submit_stores`` drops such a job (it cannot happen
+through the planner, which stores only scheduled requests' computed blocks; the check makes it a
+rule). Loads use the load session and their own ``PagedKvLayout`` (staging buffers) on the load
+thread only.
 
 Each load is counted, charged to the interference budget when a request decodes (sync: measured;
 async: predicted at hand-off, settled when done) and reported (``LoadReport``) for the
@@ -272,6 +275,9 @@ class LoadPath(WorkerState):
             try:
                 if self.breaker.allows():
                     deadline = time.monotonic() + self.cfg.async_load_timeout_ms / 1000
+                    worth = _worth_waiting_s(jobs)  # the request waits: no longer than recompute
+                    if worth is not None:
+                        deadline = min(deadline, time.monotonic() + worth)
                     failed = self._load_now(jobs, layout, deadline, engine_thread=False, charged=charged)
                     if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
                         import torch
