@@ -18,6 +18,24 @@ import pytest
 from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 
+def worker_identity(model_id: str) -> Any:
+    """The vLLM worker tests' engine: 16-token blocks of 2 layers x 2 KV heads x 64 dims in
+    bfloat16 (16 KiB per block), vLLM's LBHNC layout, revision ``r1``."""
+    from kvtier.integrations.vllm.config import EngineIdentity
+
+    return EngineIdentity(
+        model_id=model_id,
+        model_revision="r1",
+        tokenizer_digest="none",
+        kv_dtype="bfloat16",
+        layout="vllm.LBHNC",
+        tokens_per_block=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+
+
 def worker_keys(ns: Any, seed: int, n_blocks: int) -> list[bytes]:
     """The keys tests/integration/worker.py computes for ``seed``."""
     tokens = [int(t) for t in np.random.default_rng(seed).integers(0, 150_000, 16 * n_blocks)]

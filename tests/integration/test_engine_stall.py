@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import DaemonProcess
+from tests_helpers import worker_identity
 
 import kvtier
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity
+from kvtier.integrations.vllm.config import BASE, ConnectorConfig
 from kvtier.integrations.vllm.planner import LoadJob, StoreJob
 from kvtier.integrations.vllm.worker import KvtierWorker
 
@@ -29,17 +30,7 @@ BS, L, H, D = 16, 2, 2, 64  # 16 KiB blocks
 NUM_BLOCKS = 16
 STEP_S = 0.02
 STOP_S = 8.0
-IDENTITY = EngineIdentity(
-    model_id="test/stall",
-    model_revision="r1",
-    tokenizer_digest="none",
-    kv_dtype="bfloat16",
-    layout="vllm.LBHNC",
-    tokens_per_block=BS,
-    num_layers=L,
-    num_kv_heads=H,
-    head_dim=D,
-)
+IDENTITY = worker_identity("test/stall")  # BS, L, H, D as above
 HOT = [0, 1, 2, 3]  # engine blocks loads go into
 FRESH = [8, 9, 10, 11]  # engine blocks this step's forward writes and its store reads
 

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import DaemonProcess, SlowDiskDaemon, small_tiers
-from tests_helpers import wait_for
+from tests_helpers import wait_for, worker_identity
 
 import kvtier
 from kvtier.adaptive import WORTH_FLOOR_S
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity
+from kvtier.integrations.vllm.config import BASE, ConnectorConfig
 from kvtier.integrations.vllm.planner import LoadJob
 from kvtier.integrations.vllm.worker import KvtierWorker
 
@@ -34,17 +34,7 @@ HOST_BLOCKS = 128  # 2 MiB host tier
 READ_LATENCY_MS = 400
 STEP_BUDGET_MS = 300
 RECOMPUTE_S = 0.06
-IDENTITY = EngineIdentity(
-    model_id="test/worth",
-    model_revision="r1",
-    tokenizer_digest="none",
-    kv_dtype="bfloat16",
-    layout="vllm.LBHNC",
-    tokens_per_block=BS,
-    num_layers=L,
-    num_kv_heads=H,
-    head_dim=D,
-)
+IDENTITY = worker_identity("test/worth")  # BS, L, H, D as above
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import DaemonProcess
+from tests_helpers import worker_identity
 
 import kvtier
 from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.config import BASE, ConnectorConfig, Variant
 from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
 from kvtier.integrations.vllm.planner import (
     Planner,
@@ -34,17 +35,7 @@ from kvtier.integrations.vllm.worker import KvtierWorker
 BS = 16  # tokens per block
 L, H, D = 2, 2, 64
 NUM_BLOCKS = 16
-IDENTITY = EngineIdentity(
-    model_id="test/vllm",
-    model_revision="r1",
-    tokenizer_digest="none",
-    kv_dtype="bfloat16",
-    layout="vllm.LBHNC",
-    tokens_per_block=BS,
-    num_layers=L,
-    num_kv_heads=H,
-    head_dim=D,
-)
+IDENTITY = worker_identity("test/vllm")  # BS, L, H, D as above
 
 
 def prompt(n_tokens: int, seed: int = 0) -> list[int]:
