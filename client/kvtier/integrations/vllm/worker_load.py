@@ -79,10 +79,7 @@ class LoadPath(WorkerState):
             with self._cond:
                 self._stats.load_failed_blocks += len(missed)
             return missed
-        deadline = self.step_deadline() if deadline is None else deadline
-        worth = _worth_waiting_s(jobs)
-        if worth is not None:  # no longer than recomputing the blocks would take
-            deadline = min(deadline, time.monotonic() + worth)
+        deadline = _worth_deadline(self.step_deadline() if deadline is None else deadline, jobs)
         return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True, charge=decoding)
 
     def _load_now(
@@ -274,10 +271,8 @@ class LoadPath(WorkerState):
             failed = set(ids)
             try:
                 if self.breaker.allows():
-                    deadline = time.monotonic() + self.cfg.async_load_timeout_ms / 1000
-                    worth = _worth_waiting_s(jobs)  # the request waits: no longer than recompute
-                    if worth is not None:
-                        deadline = min(deadline, time.monotonic() + worth)
+                    # the request waits for it: no longer than recomputing it would take
+                    deadline = _worth_deadline(time.monotonic() + self.cfg.async_load_timeout_ms / 1000, jobs)
                     failed = self._load_now(jobs, layout, deadline, engine_thread=False, charged=charged)
                     if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
                         import torch
@@ -316,10 +311,11 @@ def _by_variant(jobs: Sequence[LoadJob], rank: int) -> list[tuple[Variant, list[
     return [(v, k, i) for v, (k, i) in merged.items()]
 
 
-def _worth_waiting_s(jobs: Sequence[LoadJob]) -> float | None:
-    """How long the engine thread waits for these loads: as long as recomputing all their
-    blocks would take (they load together, and would be recomputed together); None when a
-    job's recompute time is unknown (no figures yet, or the ``always`` policy)."""
+def _worth_deadline(deadline: float, jobs: Sequence[LoadJob]) -> float:
+    """``deadline``, cut to as long from now as recomputing all the jobs' blocks would take
+    (they load together, and would be recomputed together); uncut when a job's recompute time
+    is unknown (no figures yet, or the ``always`` policy)."""
     if any(j.recompute_s is None for j in jobs):
-        return None
-    return worth_waiting_s(sum(j.recompute_s or 0.0 for j in jobs))
+        return deadline
+    worth = worth_waiting_s(sum(j.recompute_s or 0.0 for j in jobs))
+    return deadline if worth is None else min(deadline, time.monotonic() + worth)
