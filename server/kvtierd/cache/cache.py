@@ -74,6 +74,7 @@ class TieredCache(Reads, Stores):
         self.policy_name = policy_name
         self.residency = HostResidency(host, policy, clock=clock)
         self.residency.room_for = self.room_for
+        self.residency.clean_quota = self.clean_quota
         self.host_quota: Callable[[NamespaceState], int | None] = lambda _ns: None
         """The ``host_bytes`` quota of a namespace's tenant (None: none). Set by the daemon from
         its Tenancy; stores (``fit``), promotions and imports (``room_for``) keep to it."""

@@ -236,18 +236,30 @@ class TierLink(Promotion, Recovery):
     async def ensure_room(
         self, slot_bytes: int, count: int, timeout_s: float = 0.5, *, pool: int = 0
     ) -> None:
-        """Backpressure before ``count`` new host blocks in arena ``pool``: flush the coldest
-        host blocks of that arena and wait (up to ``timeout_s``) until they can be placed by
-        evicting only blocks this tier holds, so that nothing is lost while the tier keeps up."""
+        """Backpressure before ``count`` new host blocks in arena ``pool``: ``clean_cold_end``
+        of that arena's blocks until they can be placed by evicting only blocks this tier
+        holds, so that nothing is lost while the tier keeps up."""
         host = self.residency.host
+
+        def need() -> int:
+            return count * slot_bytes - host.free_bytes(pool)
+
+        await self.clean_cold_end(need, lambda e: e.ns.pool == pool, timeout_s)
+
+    async def clean_cold_end(
+        self, need: Callable[[], int], mine: Callable[[Entry], bool], timeout_s: float, max_scan: int = 4096
+    ) -> None:
+        """Flush the coldest host blocks that are ``mine`` and wait (up to ``timeout_s``) until
+        ``need()`` bytes of them are clean (evictable with a copy here), blocks being written
+        included: an arena's room (``ensure_room``), a tenant's ``host_bytes`` (the cache's
+        ``make_room``). Returns early when nothing more can be written."""
         deadline = time.monotonic() + timeout_s
         while self.tier.admitting:
-            need = count * slot_bytes - host.free_bytes(pool)
-            waiting = False
+            left, waiting = need(), False
             for scanned, e in enumerate(self.residency.policy.victims()):
-                if need <= 0 or scanned >= 4096:
+                if left <= 0 or scanned >= max_scan:
                     break
-                if e.pins or e.promoting is not None or e.ns.pool != pool:
+                if e.pins or e.promoting is not None or not mine(e):
                     continue
                 if e.copy_in(self.level) is None:
                     if not e.flushing:
@@ -258,9 +270,7 @@ class TierLink(Promotion, Recovery):
                     waiting = True
                     if not e.flushing:  # could not be scheduled (not in host / not admitting)
                         continue
-                need -= e.ns.slot_bytes
-            if not waiting and need <= 0:
-                return
+                left -= e.ns.slot_bytes
             remaining = deadline - time.monotonic()
             if not waiting or remaining <= 0:
                 return

@@ -1,10 +1,11 @@
 """What a transfer's RPC asks of the cache beyond one primitive: the store and load flows that
 wait (kvtierd.service.transfers translates them and nothing more).
 
-* :func:`prepare_store_fitted`: a store is fitted into its tenant's ``host_bytes`` quota (its
-  coldest blocks go first), the chain makes room on the host tier's cold end (backpressure: it
-  may wait on NVMe), then, the fit checked again with no await before the reservation, the keys
-  are reserved (``TieredCache.prepare_store``).
+* :func:`prepare_store_fitted`: with a chain, the chain writes down the coldest blocks of the
+  store's tenant (its ``host_bytes`` quota) and of the host tier's cold end (backpressure: it
+  may wait on NVMe) so that evicting them loses nothing; then the store is fitted into that
+  quota (its coldest blocks go, those held below first) with no await before the reservation
+  of its keys (``TieredCache.prepare_store``).
 * :func:`complete_store_hashed`: the digest of each reserved key's block (docs/security.md
   "Bytes verified end to end"): an shm client's own (``verify_store = "client"``; a wrong one
   makes only its own tenant's block a miss at its next load), else hashed here from the slots;
@@ -43,16 +44,15 @@ async def prepare_store_fitted(
     parent: bytes | None,
     again: Callable[[], Session],
 ) -> tuple[StoreJob | None, bytes, list[int]]:
-    """``prepare_store`` after the quota fit and, with a chain, the room it makes. ``again``
-    runs after that wait: the session, checked again (the wait may have outlived the lease:
-    never attach a job to a released session; and other stores of the tenant may have reserved
-    meanwhile: the caller checks its job quotas again), and the fit is redone before the
-    reservation with no await between."""
-    cache.fit(ns, len(keys))  # the tenant's host_bytes (its coldest blocks go first)
-    if cache.chain:
+    """``prepare_store`` after, with a chain, the room it makes (``make_room``), and the quota
+    fit. ``again`` runs after that wait: the session, checked again (the wait may have outlived
+    the lease: never attach a job to a released session; and other stores of the tenant may
+    have reserved meanwhile: the caller checks its job quotas again), and the fit is done
+    before the reservation with no await between."""
+    if cache.chain:  # the tenant's coldest blocks are written down before ``fit`` evicts them
         await cache.make_room(ns, keys)
         session = again()
-        cache.fit(ns, len(keys))
+    cache.fit(ns, len(keys))  # the tenant's host_bytes (its coldest blocks go first)
     return cache.prepare_store(session, ns, keys, transport, token_ids=token_ids, parent=parent)
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from kvtierd.cache.read_figures import ReadFigures
-from kvtierd.cache.residency import HostResidency
+from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
 from kvtierd.events import MEDIUM_CPU
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.tiers.base import CorruptCopy, StorageColumns, StorageTier
@@ -62,8 +63,12 @@ class Promotion:
         if waiting:
             await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
         pending = self._todo(entries)
-        if pending:
-            await self.ensure_room(pending[0].ns.slot_bytes, len(pending), pool=pending[0].ns.pool)
+        if pending:  # (the tenant's quota, then the arena: ROOM_WAIT_S for both)
+            ns, deadline = pending[0].ns, time.monotonic() + ROOM_WAIT_S
+            await self.residency.clean_quota(ns, len(pending), ROOM_WAIT_S)
+            await self.ensure_room(
+                ns.slot_bytes, len(pending), max(0.0, deadline - time.monotonic()), pool=ns.pool
+            )
             pending = self._todo(entries)
         started = self._reserve(pending, protect)
         if started:

@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from kvtierd.events import MEDIUM_CPU, BlockEvents
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.tiers import HostTier
+
+ROOM_WAIT_S = 0.5
+"""How long a store or a promotion waits at most for the chain to write down the host blocks it
+will evict (its tenant's coldest, its arena's): within the SDK's 1 s RPC deadline. Past it,
+blocks not written down yet are evicted all the same (lost), and blocks still being written
+count against the tenant's ``host_bytes`` (the store is refused, the promotion is a miss)."""
+
+
+async def _no_wait(_ns: NamespaceState, _n: int, _timeout_s: float) -> None:
+    """``HostResidency.clean_quota`` of a cache without quotas."""
 
 
 class CopyHolder(Protocol):
@@ -49,6 +59,10 @@ class HostResidency:
         # coldest blocks evicted for them): promotions and imports ask before they allocate.
         # Set by the cache (TieredCache.room_for); by default, all of them.
         self.room_for: Callable[[NamespaceState, int, set[Entry]], int] = lambda _ns, n, _protect: n
+        # Before that, promotions let the chain write down the tenant's coldest blocks that
+        # room would evict (TieredCache.clean_quota, waiting up to ``timeout_s``); by default,
+        # no wait.
+        self.clean_quota: Callable[[NamespaceState, int, float], Awaitable[None]] = _no_wait
         self.events: BlockEvents | None = None
         """Where blocks entering and leaving the tiers are told (KV events; None: off). Set
         by the daemon; the cache and the links call it where a block becomes visible in a tier

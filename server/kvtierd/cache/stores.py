@@ -5,8 +5,8 @@ named here: :class:`Stores` is the half of that one class that reserves, commits
 entries (kvtierd.cache.reads is the half that pins and holds them; kvtierd.cache.flows runs
 the waiting and hashing around these calls, off the event loop where it hashes).
 
-* ``fit`` / ``room_for`` / ``fit_tenant``: a namespace's and a tenant's host quota, evicting
-  what they may; ``make_room``: the chain's flushes a batch must wait for.
+* ``fit`` / ``room_for`` / ``fit_tenant``: a tenant's host quota, evicting what they may (held
+  below first); ``make_room`` / ``clean_quota``: the flushes a batch waits for (what it evicts).
 * ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
 * ``corrupt_claims`` / ``drop_corrupt``: a load's claims of bytes that failed verification,
@@ -17,13 +17,14 @@ Concurrency: event-loop thread only, no locks (the cache's).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence, Set
 
 from kvtier_contract.errors import InvalidArgument, ResourceExhausted
 from kvtierd.cache.chain import TierLink
 from kvtierd.cache.fleet import SharedLink
 from kvtierd.cache.jobs import JobTable, LoadJob, StoreJob, check_live
-from kvtierd.cache.residency import HostResidency
+from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.events import MEDIUM_CPU
 from kvtierd.events.wire import pack_tokens
@@ -138,51 +139,77 @@ class Stores:
                 n //= 2
         return 0
 
+    def tenant_host_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s resident, reserved (WRITING: a store that never completes holds
+        them against its own quota) and limbo host slots, O(namespaces)."""
+        return sum(
+            (ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) * ns.slot_bytes
+            for ns in self.namespaces.values()
+            if ns.spec.tenant == tenant
+        )
+
     def fit_tenant(self, tenant: str, new_bytes: int, quota: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
-        evictable blocks go first (never another tenant's, nor those in ``protect``);
-        ResourceExhausted (quota host_bytes) when they cannot."""
-        mine = [ns for ns in self.namespaces.values() if ns.spec.tenant == tenant]
-        # resident, reserved (WRITING) and limbo slots, O(namespaces): a store that never
-        # completes holds its slots against its own tenant's quota, not the shared arena
-        used = sum(
-            (ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) * ns.slot_bytes for ns in mine
-        )
-        excess = used + new_bytes - quota
+        evictable blocks go, those held below first (never another tenant's, nor those in
+        ``protect``); ResourceExhausted (quota host_bytes) when they cannot."""
+        excess = self.tenant_host_bytes(tenant) + new_bytes - quota
         if excess <= 0:
             return
         if new_bytes > quota:
-            raise ResourceExhausted(
-                f"quota host_bytes ({quota}) is smaller than one batch of {new_bytes} bytes",
-                field="quota",
-                quota="host_bytes",
-            )
-        owned = set(mine)
-        victims = []
+            msg = f"quota host_bytes ({quota}) is smaller than one batch of {new_bytes} bytes"
+            raise ResourceExhausted(msg, field="quota", quota="host_bytes")
+        mine: list[Entry] = []
+        found = clean = 0  # bytes of those seen, of those held below (evicting them loses nothing)
+        look = 1024 if any(link.admitting for link in self.chain) else 0  # (for clean ones)
         for n, e in enumerate(self.policy.victims()):
-            if excess <= 0 or n > 1 << 16:
+            if clean >= excess or n > 1 << 16 or (found >= excess and n > look):
                 break
-            if e.ns in owned and e.evictable() and e.in_host and e not in protect:
-                victims.append(e)
-                excess -= e.ns.slot_bytes
+            if e.ns.spec.tenant == tenant and e.evictable() and e.in_host and e not in protect:
+                mine.append(e)
+                found += e.ns.slot_bytes
+                clean += e.ns.slot_bytes if e.copies else 0
+        victims = []
+        for e in sorted(mine, key=lambda e: not e.copies):  # held below first, each coldest first
+            if excess <= 0:
+                break
+            victims.append(e)
+            excess -= e.ns.slot_bytes
         if excess > 0:
-            raise ResourceExhausted(
-                f"quota host_bytes ({quota}) reached by tenant {tenant} "
-                "(its blocks are pinned or being written)",
-                field="quota",
-                quota="host_bytes",
-            )
+            msg = f"quota host_bytes ({quota}) reached by tenant {tenant} "
+            msg += "(its blocks are pinned or being written)"
+            raise ResourceExhausted(msg, field="quota", quota="host_bytes")
         for e in victims:
             self.residency.evict(e)
 
     # -- stores -----------------------------------------------------------------------------------
 
     async def make_room(self, ns: NamespaceState, keys: Sequence[bytes]) -> None:
-        """Backpressure before a store: let the chain clean the host tier's cold end so the new
-        blocks can be placed by evicting only blocks held below (no-op without a chain)."""
-        if self.chain:
-            new = sum(1 for k in keys if k not in ns.entries)
-            await self.chain[0].ensure_room(ns.slot_bytes, new, pool=ns.pool)
+        """Backpressure before a store (no-op without a chain): ``clean_quota`` then ``fit``,
+        then the chain cleans the arena's cold end, so the new blocks evict only blocks held
+        below; both waits together at most ROOM_WAIT_S."""
+        if not self.chain:
+            return
+        deadline = time.monotonic() + ROOM_WAIT_S
+        if self.host_quota(ns) is not None:
+            await self.clean_quota(ns, len(keys))  # (as ``fit`` counts them)
+            self.fit(ns, len(keys))
+        new = sum(1 for k in keys if k not in ns.entries)
+        await self.chain[0].ensure_room(
+            ns.slot_bytes, new, max(0.0, deadline - time.monotonic()), pool=ns.pool
+        )
+
+    async def clean_quota(self, ns: NamespaceState, n_blocks: int, timeout_s: float = ROOM_WAIT_S) -> None:
+        """Let the chain write down the coldest blocks of ``ns``'s tenant that ``n_blocks`` new
+        host slots of ``ns`` would evict (``fit``: its ``host_bytes``), up to ``timeout_s``."""
+        quota, tenant = self.host_quota(ns), ns.spec.tenant
+        if quota is None or tenant is None or not n_blocks or not self.chain:
+            return
+        new_bytes = n_blocks * ns.slot_bytes
+
+        def need() -> int:
+            return self.tenant_host_bytes(tenant) + new_bytes - quota
+
+        await self.chain[0].clean_cold_end(need, lambda e: e.ns.spec.tenant == tenant, timeout_s, 1 << 16)
 
     def prepare_store(
         self,
