@@ -37,8 +37,9 @@ TEAM_A = "team-a-tok-1"
 MiB = 1 << 20
 
 
-def _chart() -> tuple[list[str], str]:
-    """(the kvtier container's command + args, the tenants file) of the rendered DaemonSet."""
+def _chart(scrape: str | None = SCRAPE) -> tuple[list[str], str, str]:
+    """(the kvtier container's command + args, the tenants file, the scrape token of its
+    Secret) of the rendered DaemonSet; ``scrape`` None: the chart makes the token."""
     digest = hashlib.sha256(TEAM_A.encode()).hexdigest()
     docs = render(
         sets=(
@@ -48,13 +49,17 @@ def _chart() -> tuple[list[str], str]:
             f"tenants.list[0].tokensSha256={{{digest}}}",
             "tenants.list[0].transports={tcp}",
             "tenants.list[0].quotas.host_bytes=32MiB",
-            f"metrics.scrape.token={SCRAPE}",
             "metrics.serviceMonitor.enabled=true",
+            *((f"metrics.scrape.token={scrape}",) if scrape else ()),
         )
     )
     kvtier_c = container(docs)
-    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-tenants")]
-    return kvtier_c["command"] + kvtier_c["args"], secret["stringData"]["tenants.toml"]
+    secrets = {s["metadata"]["name"].rpartition("-")[2]: s["stringData"] for s in by_kind(docs)["Secret"]}
+    return (
+        kvtier_c["command"] + kvtier_c["args"],
+        secrets["tenants"]["tenants.toml"],
+        secrets["token"]["token"],
+    )
 
 
 def _for_this_machine(argv: list[str], run_dir: Path, tenants: Path) -> list[str]:
@@ -75,7 +80,7 @@ def _for_this_machine(argv: list[str], run_dir: Path, tenants: Path) -> list[str
 
 @pytest.fixture
 def chart_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    argv, toml = _chart()
+    argv, toml, _ = _chart()
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(toml)
     args = _for_this_machine(argv, tmp_path / "run", tenants)
@@ -132,7 +137,7 @@ def test_the_chart_sets_only_the_metrics_plaintext_flag_and_without_it_the_daemo
     """Plaintext /metrics on the pod IP is an explicit choice: the chart passes the narrow
     --allow-plaintext-metrics, and the same arguments without it are refused at start, naming
     metrics_host and both flags."""
-    argv, toml = _chart()
+    argv, toml, _ = _chart()
     assert "--allow-plaintext-metrics" in argv and "--allow-plaintext-remote" not in argv
     (tmp_path / "tenants.toml").write_text(toml)
     args = _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
@@ -146,13 +151,31 @@ def test_the_chart_sets_only_the_metrics_plaintext_flag_and_without_it_the_daemo
 def test_without_its_scrape_token_the_charts_daemon_refuses(tmp_path: Path) -> None:
     """The scrape token in the tenants file is what lets /metrics onto the pod IP with tenants:
     the chart's arguments with a tenants file without metrics_tokens_sha256 are refused."""
-    argv, toml = _chart()
+    argv, toml, _ = _chart()
     (tmp_path / "tenants.toml").write_text(
         "\n".join(line for line in toml.splitlines() if not line.startswith("metrics_tokens_sha256"))
     )
     args = _for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml")
     with pytest.raises(RuntimeError, match="metrics_host: .*metrics_tokens_sha256"):
         DaemonProcess(tmp_path / "run", *args).start()
+
+
+def test_the_token_the_chart_makes_scrapes_the_charts_daemon(tmp_path: Path) -> None:
+    """Issue 39: /metrics on the pod IP gets a scrape token by default. Given none, the chart
+    makes one (its Secret, for the monitors) and lists its digest in the tenants file: the
+    daemon starts with /metrics on the pod IP, the token reads every figure, none gets 401."""
+    argv, toml, token = _chart(scrape=None)
+    assert token and token != SCRAPE
+    (tmp_path / "tenants.toml").write_text(toml)
+    d = DaemonProcess(tmp_path / "run", *_for_this_machine(argv, tmp_path / "run", tmp_path / "tenants.toml"))
+    d.start()
+    try:
+        assert d.info["metrics"].startswith("http://0.0.0.0:")
+        code, body = scrape_metrics(d, token)
+        assert code == 200 and "process_resident_memory_bytes" in body
+        assert scrape_metrics(d, None)[0] == 401
+    finally:
+        d.kill()
 
 
 def test_an_engine_on_another_node_stores_and_loads_over_the_charts_mtls_listeners(tmp_path: Path) -> None:

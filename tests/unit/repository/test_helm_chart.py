@@ -1,6 +1,8 @@
 """deploy/helm/kvtier rendered by the real helm (``make helm``) and checked against real schemas.
 
-Both modes (daemonset, sidecar), with the chart's defaults and with tests/data/helm/values-all.yaml
+Both modes (daemonset, sidecar), with the chart's defaults (a DaemonSet adds the least the chart
+asks of it: tenants, here one tenant for the node's engines by Unix login, NODE_TENANT) and with
+tests/data/helm/values-all.yaml
 (TLS, mTLS, tenants with every quota, an NVMe tier, the scrape token, every monitoring object):
 ``helm lint --strict`` (values.schema.json included), Kubernetes' JSON schemas with unknown
 fields refused, prometheus-operator's schemas for the CRD kinds, the kvtier container's flags
@@ -35,6 +37,7 @@ from helm_chart import (
     validate_crds,
 )
 
+from kvtier_contract.units import parse_bytes
 from kvtier_contract.version import __version__
 from kvtierd.app import SERVICE_NAME
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
@@ -45,11 +48,25 @@ MODES = ["daemonset", "sidecar"]
 CASES = [(mode, values) for mode in MODES for values in ("defaults", "all")]
 SCRAPE_TOKEN = "scrape-token-for-tests"  # values-all.yaml's metrics.scrape.token
 QUANTITY = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+# A DaemonSet needs tenants (issue 39): the node's engines as one tenant, by Unix login.
+NODE_TENANT = (
+    "tenants.enabled=true",
+    "tenants.list[0].name=node",
+    "tenants.list[0].unixLogin=true",
+    "tenants.list[0].unixGids={10001}",
+    "tenants.list[0].transports={shm}",
+)
+
+
+def least(mode: str) -> tuple[str, ...]:
+    """The chart's defaults in ``mode``, with what the chart asks of that mode."""
+    return (f"mode={mode}", *(NODE_TENANT if mode == "daemonset" else ()))
 
 
 def rendered(mode: str, values: str) -> list[dict[str, Any]]:
-    files = (VALUES_ALL,) if values == "all" else ()
-    return render(*files, sets=(f"mode={mode}",))
+    if values == "all":
+        return render(VALUES_ALL, sets=(f"mode={mode}",))
+    return render(sets=least(mode))
 
 
 def quantity(q: str) -> int:
@@ -75,9 +92,10 @@ def test_chart_version_is_the_projects() -> None:
 
 @pytest.mark.parametrize("values", ["defaults", "all"])
 def test_helm_lint_strict_passes(values: str) -> None:
-    extra = ["--values", str(VALUES_ALL)] if values == "all" else []
     for mode in MODES:
-        out = helm("lint", "--strict", str(CHART), "--set", f"mode={mode}", *extra)
+        sets = (f"mode={mode}",) if values == "all" else least(mode)
+        extra = ["--values", str(VALUES_ALL)] if values == "all" else []
+        out = helm("lint", "--strict", str(CHART), *[a for s in sets for a in ("--set", s)], *extra)
         assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -172,7 +190,7 @@ def test_the_daemonset_prepares_the_nodes_socket_directory(tmp_path: Path) -> No
 
 
 def test_without_prepare_the_socket_directory_must_exist() -> None:
-    docs = render(sets=("mode=daemonset", "daemonset.prepareSocketDir=false"))
+    docs = render(sets=(*least("daemonset"), "daemonset.prepareSocketDir=false"))
     run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
     assert run["hostPath"]["type"] == "Directory" and "initContainers" not in pod_spec(docs)
 
@@ -249,15 +267,18 @@ def test_tls_files_come_from_a_tls_secret_mounted_where_the_flags_point() -> Non
         (("tenants.enabled=true",), "tenants.list or tenants.existingSecret"),
         (("resources.limits.memory=8Gi",), "resources.limits.memory"),
         (("tls.enabled=true",), "tls.existingSecret"),
-        (("tenants.enabled=true", "tenants.list[0].name=a"), "metrics.scrape"),
+        (
+            ("tenants.enabled=true", "tenants.list[0].name=a", "metrics.scrape.existingSecret=s"),
+            "tokenSha256",
+        ),
         (("daemon.extraArgs={--listen=0.0.0.0:50051}",), "daemon.extraArgs"),
         (("daemon.extraArgs={--allow-plaintext-metrics}",), "daemon.extraArgs"),
-        (("daemon.hostBytes=16GB",), "hostBytes"),
+        (("daemon.hostBytes=16GBs",), "hostBytes"),
         (("tenants.list[0].name=a", "tenants.list[0].quotas.sesions=1"), "sesions"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(sets: tuple[str, ...], says: str) -> None:
-    assert says in render_error(*sets)
+    assert says in render_error("mode=sidecar", *sets)
 
 
 def _chart_copy(tmp_path: Path, alerts: str | None, dashboard: str | None) -> Path:
@@ -384,6 +405,146 @@ def test_metrics_kept_on_loopback_or_off_render_no_scrape_token_and_no_plaintext
     validate_builtin(docs, tmp_path)
 
 
-def test_the_image_defaults_to_the_projects_version() -> None:
+def test_the_image_defaults_to_the_projects_version_and_says_it_is_a_placeholder() -> None:
+    """No registry publishes the image (issue 39): values.yaml, the chart's README and NOTES say
+    so, and how to build, push and name it."""
     for mode in MODES:
         assert container(rendered(mode, "defaults"))["image"].endswith(f"/kvtier:{__version__}")
+    for text in ((CHART / "values.yaml").read_text(), (CHART / "README.md").read_text()):
+        assert "docker build" in text and "docker push" in text and "image.repository" in text
+    out = helm(
+        "install",
+        "rel",
+        str(CHART),
+        "--dry-run=client",
+        *[a for s in least("daemonset") for a in ("--set", s)],
+    )
+    assert out.returncode == 0, out.stderr
+    assert "placeholder" in out.stdout and "docker push" in out.stdout  # NOTES
+    out = helm(
+        "install",
+        "rel",
+        str(CHART),
+        "--dry-run=client",
+        "--set",
+        "mode=sidecar",
+        "--set",
+        "image.repository=r.io/kvtier",
+    )
+    assert out.returncode == 0 and "placeholder" not in out.stdout, out.stderr
+
+
+def _token_secret(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (secret,) = [s for s in by_kind(docs)["Secret"] if s["metadata"]["name"].endswith("-metrics-token")]
+    return secret
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tls_listeners_without_a_client_credential_are_refused(mode: str) -> None:
+    """Issue 39 (HIGH): tls.enabled with no tenants rendered gRPC and the data port on 0.0.0.0
+    with no client credential, so a client holding only the CA certificate read every block."""
+    pem = ("tls.enabled=true", "tls.cert=CERT", "tls.key=KEY")
+    bare = (f"mode={mode}", "daemonset.allowWithoutTenants=true", *pem)
+    assert "tls.enabled: gRPC and the data channel would listen on the pod IP with no client credential" in (
+        render_error(*bare)
+    )
+    mtls = serve_config(render(sets=(*bare, "tls.requireClientCert=true", "tls.clientCA=CA")))
+    assert mtls.grpc.listen.startswith("0.0.0.0:") and mtls.grpc.tls_require_client_cert
+    assert not mtls.tenancy.tenants_file
+    tenanted = serve_config(render(sets=(f"mode={mode}", *NODE_TENANT, *pem)))
+    assert tenanted.grpc.listen.startswith("0.0.0.0:") and tenanted.tenancy.tenants_file
+
+
+def test_a_node_daemonset_without_tenants_is_refused_unless_declared_one_trust_domain() -> None:
+    """Issue 39 (MEDIUM): the DaemonSet had no tenants file by default (every engine pod of the
+    node read and wrote every block) and /metrics on the pod IP asked no token."""
+    assert "mode daemonset: without tenants every engine pod" in render_error()
+    assert "daemonset.allowWithoutTenants" in render_error()
+    docs = render(sets=("daemonset.allowWithoutTenants=true",))
+    assert not serve_config(docs).tenancy.tenants_file  # the operator's explicit choice
+    sidecar = render(sets=("mode=sidecar",))  # one engine per pod: the pod is the trust domain
+    assert not serve_config(sidecar).tenancy.tenants_file
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_a_given_scrape_token_the_chart_makes_one_and_the_monitors_send_it(
+    mode: str, tmp_path: Path
+) -> None:
+    """Issue 39 (MEDIUM): /metrics on the pod IP gets a scrape token by default. Given none, the
+    chart makes a random one: its Secret, the tenants file's digest (the daemon starts with it:
+    check_metrics_exposure) and both monitors agree within one render."""
+    sets = (
+        *least(mode),
+        *NODE_TENANT,
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.podMonitor.enabled=true",
+    )
+    docs = render(sets=sets)
+    token = _token_secret(docs)["stringData"]["token"]
+    assert len(token) >= 32 and token.isalnum()
+    tenants = tenants_of(docs, tmp_path)
+    assert tenants.is_metrics_token(token) and len(tenants.metrics_digests) == 1
+    cfg = serve_config(docs)
+    assert metrics_scrape_only(cfg)
+    check_metrics_exposure(cfg, len(tenants.metrics_digests))
+    for monitor in by_kind(docs)["ServiceMonitor"] + by_kind(docs)["PodMonitor"]:
+        (endpoint,) = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
+        ref = endpoint["authorization"]["credentials"]
+        assert ref == {"name": _token_secret(docs)["metadata"]["name"], "key": "token"}
+    validate_builtin(docs, tmp_path)
+    validate_crds(docs)
+    assert _token_secret(render(sets=sets))["stringData"]["token"] != token  # random, not derived
+
+
+SIZES_TAKEN = [
+    "16GiB",
+    "16gib",
+    "16 GiB",
+    " 16GiB ",
+    "512MiB",
+    "1.5GiB",
+    "0.5KiB",
+    "100GB",
+    "4k",
+    "4Ki",
+    "4KB",
+    "4kib",
+    "2T",
+    "1b",
+    "16Gi",
+    "16G",
+    "4096",
+]
+SIZES_REFUSED = ["16GBs", "16 XB", "-1GiB", "1.5", "0.1KiB", "GiB", "1,5GiB", "1e3", "16 G iB", ""]
+
+
+@pytest.mark.parametrize("size", SIZES_TAKEN + SIZES_REFUSED)
+def test_the_schema_takes_exactly_the_sizes_kvtierd_takes(size: str, tmp_path: Path) -> None:
+    """Issue 39 (new user): the schema refused sizes the daemon accepts. Each size goes to
+    daemon.hostBytes; a memory limit of 1 byte makes the chart say the bytes it counted, which
+    must be parse_bytes' (the daemon's parser); a size it refuses, the chart refuses."""
+    try:
+        want: int | None = parse_bytes(size)
+    except ValueError:
+        want = None
+    assert (want is not None) == (size in SIZES_TAKEN), size  # the lists agree with the parser
+    values = tmp_path / "v.yaml"
+    values.write_text(  # JSON: every size a string (YAML would read 1e3 as a number)
+        json.dumps(
+            {"mode": "sidecar", "daemon": {"hostBytes": size}, "resources": {"limits": {"memory": "1"}}}
+        )
+    )
+    out = helm("template", "rel", str(CHART), "--values", str(values))
+    assert out.returncode != 0
+    if want is None:
+        assert "must exceed" not in out.stderr, out.stderr
+        assert "hostBytes" in out.stderr or "size" in out.stderr, out.stderr
+    else:
+        assert f"every tenant arena ({want} bytes)" in out.stderr, out.stderr
+
+
+def test_sizes_may_be_numbers_in_values_files(tmp_path: Path) -> None:
+    values = tmp_path / "v.yaml"
+    values.write_text("mode: sidecar\ndaemon:\n  hostBytes: 17179869184\n")
+    cfg = serve_config(render(values))
+    assert cfg.host_tier.host_bytes == 16 << 30

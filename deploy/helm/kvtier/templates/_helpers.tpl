@@ -36,19 +36,51 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.metrics.scrape.existingSecret | default (printf "%s-metrics-token" (include "kvtier.fullname" .)) }}
 {{- end }}
 
+{{/* The scrape token (no existingSecret): metrics.scrape.token, else the one the chart's Secret
+     already holds in the cluster (lookup: kept across upgrades), else a new random one. Set
+     into .Values on first use, so that the tenants file's digest, the Secret and the checksum
+     of every template agree within one render. */}}
+{{- define "kvtier.scrapeToken" -}}
+{{- $s := .Values.metrics.scrape }}
+{{- if not $s.token }}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "kvtier.scrapeSecret" .) }}
+{{- $kept := dig "data" $s.key "" ($old | default dict) }}
+{{- $_ := set $s "token" (ternary (b64dec $kept) (randAlphaNum 43) (ne $kept "")) }}
+{{- end }}
+{{- $s.token }}
+{{- end }}
+
 {{/* Whether a scrape needs a bearer token: /metrics of a daemon with tenants. */}}
 {{- define "kvtier.scrapeNeedsToken" -}}
 {{- if and .Values.metrics.enabled .Values.metrics.exposed .Values.tenants.enabled }}true{{ end }}
 {{- end }}
 
-{{/* Bytes of a kvtierd size ("16GiB", "512MiB", "4096"); the schema allows no other form. */}}
+{{/* A size as text: a number in a values file (JSON: a float) written as an integer. */}}
+{{- define "kvtier.sizeText" -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) }}{{ int64 . }}{{ else }}{{ toString . }}{{ end }}
+{{- end }}
+
+{{/* Bytes of a kvtierd size, as kvtier_contract.units.parse_bytes reads it (values.schema.json
+     admits the same forms): an integer, or digits with an optional fraction and an optional
+     unit, case-insensitive, blanks around: "16GiB", "512 mib", "1.5GiB", "4k" (1000), "4Ki"
+     (1024), "100GB" (10^11). A fraction must come to a whole number of bytes. */}}
 {{- define "kvtier.bytes" -}}
-{{- $s := toString . }}
-{{- $n := regexFind "^[0-9]+" $s | int64 }}
-{{- $unit := trimPrefix (regexFind "^[0-9]+" $s) $s }}
-{{- $mul := dict "" 1 "B" 1 "KiB" 1024 "MiB" 1048576 "GiB" 1073741824 "TiB" 1099511627776 }}
-{{- if not (hasKey $mul $unit) }}{{ fail (printf "size %q: use B, KiB, MiB, GiB or TiB" $s) }}{{ end }}
-{{- mul $n (get $mul $unit) }}
+{{- $s := include "kvtier.sizeText" . }}
+{{- $ok := regexMatch "^\\s*[0-9]+(\\.[0-9]+)?\\s*[a-zA-Z]*\\s*$" $s }}
+{{- $mul := dict "" 1 "b" 1 "k" 1000 "kb" 1000 "m" 1000000 "mb" 1000000 "g" 1000000000 "gb" 1000000000 "t" 1000000000000 "tb" 1000000000000 "ki" 1024 "kib" 1024 "mi" 1048576 "mib" 1048576 "gi" 1073741824 "gib" 1073741824 "ti" 1099511627776 "tib" 1099511627776 }}
+{{- $unit := lower (regexReplaceAll "^[\\s0-9.]*([a-zA-Z]*)\\s*$" $s "${1}") }}
+{{- if or (not $ok) (not (hasKey $mul $unit)) }}{{ fail (printf "size %q: cannot parse it (examples: 16GiB, 512MiB, 4096)" $s) }}{{ end }}
+{{- $n := regexFind "[0-9]+" $s | int64 }}
+{{- $frac := regexReplaceAll "^\\s*[0-9]+\\.?([0-9]*).*$" $s "${1}" }}
+{{- $u := get $mul $unit | int64 }}
+{{- $bytes := mul $n $u }}
+{{- if $frac }}
+{{- $scale := printf "1%s" (repeat (len $frac) "0") | int64 }}
+{{- $part := mul (atoi $frac) $u }}
+{{- if mod $part $scale }}{{ fail (printf "size %q is not a whole number of bytes" $s) }}{{ end }}
+{{- $bytes = add $bytes (div $part $scale) }}
+{{- end }}
+{{- $bytes }}
 {{- end }}
 
 {{/* Bytes of a Kubernetes memory quantity ("18Gi"). */}}
@@ -73,8 +105,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $v.tenants.enabled (not $v.tenants.existingSecret) (not $v.tenants.list) }}
 {{- fail "tenants.enabled: set tenants.list or tenants.existingSecret (a Secret with key tenants.toml)" }}
 {{- end }}
-{{- if and (include "kvtier.scrapeNeedsToken" .) (not $v.metrics.scrape.token) (not (and $v.metrics.scrape.existingSecret $v.metrics.scrape.tokenSha256)) }}
-{{- fail "metrics.scrape: with tenants, /metrics asks for a token: set metrics.scrape.token, or metrics.scrape.existingSecret and metrics.scrape.tokenSha256 (or metrics.exposed=false: loopback only)" }}
+{{- /* Issue 39: TLS listeners on the pod IP need a client credential: a tenant's token or
+     mTLS name, or a client certificate signed by the client CA. */}}
+{{- if and $v.tls.enabled (not $v.tenants.enabled) (not $v.tls.requireClientCert) }}
+{{- fail "tls.enabled: gRPC and the data channel would listen on the pod IP with no client credential (anyone holding the CA certificate reads every block): set tenants.enabled (engines present a tenant's token or mTLS name) or tls.requireClientCert (engines present a certificate signed by tls.clientCA)" }}
+{{- end }}
+{{- /* Issue 39: a node daemon without tenants lets every engine pod that mounts the socket
+     directory read and write every block, and /metrics can ask no token. */}}
+{{- if and (eq $v.mode "daemonset") (not $v.tenants.enabled) (not $v.daemonset.allowWithoutTenants) }}
+{{- fail (printf "mode daemonset: without tenants every engine pod of the node that mounts %s reads and writes every block, and /metrics on the pod IP asks no token: set tenants.enabled with tenants.list (e.g. one tenant for the node's engines, run with runAsGroup 10001: name, unixLogin: true, unixGids: [10001], arenaBytes; or a token per team) or tenants.existingSecret; or daemonset.allowWithoutTenants=true when every such pod is one trust domain (deploy/kubernetes/README.md, Helm)" $v.daemon.socketDir) }}
+{{- end }}
+{{- if and (include "kvtier.scrapeNeedsToken" .) $v.metrics.scrape.existingSecret (not $v.metrics.scrape.tokenSha256) }}
+{{- fail "metrics.scrape.existingSecret: also set metrics.scrape.tokenSha256, the token's SHA-256 (echo -n \"$TOKEN\" | kvtierd hash-token), for the tenants file" }}
 {{- end }}
 {{- range $v.daemon.extraArgs }}
 {{- if has (regexReplaceAll "=.*" . "") (list "--listen" "--data-listen" "--allow-plaintext-remote" "--allow-plaintext-metrics" "--tenants-file" "--tls-cert" "--tls-key" "--metrics-host" "--socket") }}
@@ -127,10 +169,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- else }}
 {{- $args = concat $args (list "--metrics-port" "-1") }}
 {{- end }}
-{{- $args = concat $args (list "--host-bytes" (toString $v.daemon.hostBytes) "--eviction-policy" $v.daemon.evictionPolicy) }}
+{{- $args = concat $args (list "--host-bytes" (include "kvtier.sizeText" $v.daemon.hostBytes) "--eviction-policy" $v.daemon.evictionPolicy) }}
 {{- if $v.daemon.disk.hostPath }}
 {{- $args = concat $args (list "--disk-dir" "/var/lib/kvtier/nvme") }}
-{{- if $v.daemon.disk.bytes }}{{ $args = concat $args (list "--disk-bytes" (toString $v.daemon.disk.bytes)) }}{{ end }}
+{{- if $v.daemon.disk.bytes }}{{ $args = concat $args (list "--disk-bytes" (include "kvtier.sizeText" $v.daemon.disk.bytes)) }}{{ end }}
 {{- end }}
 {{- if $v.tenants.enabled }}
 {{- $args = concat $args (list "--tenants-file" "/etc/kvtier/tenants/tenants.toml") }}

@@ -6,7 +6,7 @@
 {{- define "kvtier.tenantsToml" -}}
 {{- if and .Values.metrics.enabled .Values.metrics.exposed }}
 {{- $s := .Values.metrics.scrape -}}
-metrics_tokens_sha256 = [{{ $s.tokenSha256 | default (sha256sum $s.token) | toJson }}]
+metrics_tokens_sha256 = [{{ if $s.tokenSha256 }}{{ toJson $s.tokenSha256 }}{{ else }}{{ include "kvtier.scrapeToken" $ | sha256sum | toJson }}{{ end }}]
 {{ end }}
 {{- range .Values.tenants.list }}
 [[tenant]]
@@ -33,7 +33,7 @@ operator = {{ .operator }}
 transports = {{ toJson . }}
 {{- end }}
 {{- with .arenaBytes }}
-arena_bytes = {{ toString . | toJson }}
+arena_bytes = {{ include "kvtier.sizeText" . | toJson }}
 {{- end }}
 {{- with .maxLeaseS }}
 max_lease_s = {{ float64 . }}
@@ -42,7 +42,7 @@ max_lease_s = {{ float64 . }}
 [tenant.quotas]
 {{- range $k, $q := . }}
 {{- if has $k (list "host_bytes" "pinned_bytes" "nvme_bytes" "buffered_bytes") }}
-{{ $k }} = {{ toString $q | toJson }}
+{{ $k }} = {{ include "kvtier.sizeText" $q | toJson }}
 {{- else }}
 {{ $k }} = {{ int64 $q }}
 {{- end }}
