@@ -5,6 +5,10 @@
 #   docker build -t kvtier:0.2.0 .
 #   docker run --rm -v kvtier-run:/run/kvtier -p 50052:50052 -p 9464:9464 kvtier:0.2.0 --host-bytes 8GiB
 #
+# 50052 is gRPC health only (probes): an SDK or `kvtier stats` pointed there is told so. Clients
+# use the Unix socket in the kvtier-run volume, or gRPC on 50051, which listens on the container's
+# loopback (not EXPOSEd) until --listen opens it with TLS and credentials (see below).
+#
 # Arguments after the image name are appended to `kvtierd serve` (a later flag wins), so the host
 # tier size and policy can be set per deployment; see docs/configuration.md for every flag.
 # The host tier is a memfd arena charged to this container's memory: give it a memory limit above

@@ -12,17 +12,26 @@ module, re-exported for callers.
 
 What a client is told is a :class:`ClientSettings` (``Client.connect``'s keyword arguments are its
 fields): ``Client.connect(address, settings=kvtier.ClientSettings(transport="tcp", ...))``.
+
+gRPC's own C-core log lines (``I1206 ... ssl_transport_security.cc``) stay out of the engine's
+logs: importing kvtier sets ``GRPC_VERBOSITY=ERROR`` unless it is set already (an operator's
+``GRPC_VERBOSITY=INFO`` still wins). grpc reads it when it is first imported: in a process
+that imported grpc before kvtier, set it there (docs/troubleshooting.md).
 """
 
 from __future__ import annotations
 
-from kvtier import aio
-from kvtier.client import Client, NamespaceHandle, PutResult
-from kvtier.settings import ClientSettings
-from kvtier_contract import errors
-from kvtier_contract.errors import KvtierError
-from kvtier_contract.identity import Namespace, block_keys, namespace_digest
-from kvtier_contract.version import __version__ as __version__
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before the first `import grpc` (below)
+
+from kvtier import aio  # noqa: E402
+from kvtier.client import Client, NamespaceHandle, PutResult  # noqa: E402
+from kvtier.settings import ClientSettings  # noqa: E402
+from kvtier_contract import errors  # noqa: E402
+from kvtier_contract.errors import KvtierError  # noqa: E402
+from kvtier_contract.identity import Namespace, block_keys, namespace_digest  # noqa: E402
+from kvtier_contract.version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "aio",

@@ -55,6 +55,11 @@ class AsyncClient:
     def counters(self) -> Any:
         return self.sync.counters
 
+    @property
+    def tenant(self) -> str | None:
+        """``Client.tenant``: the tenant the credential proved (namespaces without one take it)."""
+        return self.sync.tenant
+
     async def close(self) -> None:
         await self._run(self.sync.close)
         self._pool.shutdown(wait=False)

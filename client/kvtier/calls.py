@@ -163,6 +163,10 @@ class Registered(Protocol):
     registered_epoch: int
     register_retry_at: float  # (after a refusal) when the next call may register it again
 
+    def take_tenant(self, tenant: str) -> None:
+        """Give ``tenant`` (the one the session's credential proved) to a namespace registered
+        without one, before it is registered; a namespace naming one keeps it."""
+
 
 class SessionPort(Protocol):
     """What a put, a get or a lookup (:mod:`kvtier.batches`) needs of a session

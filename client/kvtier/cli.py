@@ -199,9 +199,10 @@ _SDK_ARGS = {
 
 
 def as_flags(message: str) -> str:
-    """``message`` with the SDK's ``name=`` spellings replaced by this command's flags."""
+    """``message`` with the SDK's ``name=`` spellings (``unix_login=True`` too) replaced by this
+    command's flags."""
     flags = re.sub(
-        r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=",
+        r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=(?:True\b)?",
         lambda m: _SDK_ARGS[m.group(1)],
         message,
     )

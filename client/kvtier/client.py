@@ -212,12 +212,20 @@ class Client:
 
     def register(self, namespace: Namespace, *, deadline: float | None = None) -> NamespaceHandle:
         """A handle for ``namespace`` (validated here; registered now if the session is open and
-        the breaker closed, within ``timeout_s`` and ``deadline``; else on the next (re)open)."""
+        the breaker closed, within ``timeout_s`` and ``deadline``; else on the next (re)open).
+        A namespace without ``tenant=`` takes the tenant of the client's credential (``tenant``)
+        when it is registered; one naming another tenant is refused by the daemon."""
         if not isinstance(namespace, Namespace):
             raise errors.InvalidArgument("expected a kvtier.Namespace", field="namespace")
         handle = NamespaceHandle(self, namespace)
         self.session.add_namespace(handle, deadline)
         return handle
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant the daemon took this client's credential for (token, Unix login or client
+        certificate); None on a daemon without tenants, or before a session was opened."""
+        return self.session.tenant
 
     def stats(self) -> dict[str, Any]:
         """The daemon's Stats figures as a dict; raises the error naming the cause and the fix

@@ -3,7 +3,8 @@
 Owns the gRPC channel (through its base :class:`kvtier.grpc_channel.GrpcChannel`, with the
 credentials it presents), the session the daemon knows (id, boot epoch, the figures its replies
 carry), the attached data transport, the session's control channels and the registration of its
-namespaces. States::
+namespaces (one naming no tenant takes the tenant the credential proved: ``tenant``, from
+OpenSessionReply). States::
 
     AWAY (no session) --_open: [Unix login] OpenSession, attach the transport, open the control
     channels, register every namespace--> CONNECTED --_disconnect--> AWAY
@@ -76,6 +77,7 @@ class Connection(GrpcChannel):
         self._epoch = 0
         self._max_batch = 1024
         self.lookup_slices_served = False  # the daemon serves LookupSlices (OpenSessionReply)
+        self.tenant: str | None = None  # the tenant the credential proved (OpenSessionReply)
         self._data_channel = DataChannel()  # the attached transport
         self._namespaces: list[Registered] = []
         self._closed = False
@@ -229,6 +231,7 @@ class Connection(GrpcChannel):
         self._session_id, self._epoch = reply.session_id, reply.boot_epoch
         self._max_batch = max(1, reply.max_batch_blocks)
         self.lookup_slices_served = reply.lookup_slices
+        self.tenant = reply.tenant or None
         self._take_figures(reply)  # figures from the start, not one heartbeat later
         self._data_channel.use(transport)
         if self.control_channel:
@@ -301,7 +304,10 @@ class Connection(GrpcChannel):
         return min(timeout, left)
 
     def _register(self, handle: Registered, timeout: float) -> None:
-        """RegisterNamespace; Away when the daemon does not answer (the caller trips)."""
+        """RegisterNamespace (a namespace naming no tenant takes the session's first); Away when
+        the daemon does not answer (the caller trips)."""
+        if self.tenant is not None:
+            handle.take_tenant(self.tenant)
         try:
             reply = self._stub.RegisterNamespace(
                 pb.RegisterNamespaceRequest(

@@ -82,6 +82,8 @@ def _explain_rpc(peer: Peer, method: str, code: str, details: str, tls_probe: bo
         return _unauthenticated(peer, at, details)
     if code == "PERMISSION_DENIED":
         return Diagnosis("permission", errors.PermissionDenied(f"{at}: {method}: {details}"))
+    if code == "UNIMPLEMENTED":  # the first call already: not the Kvtier service there
+        return _down("health-port", f"{at}: {_not_kvtier(method, details)}")
     if code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED"):
         return Diagnosis(code.lower(), errors.from_grpc_code(code, f"{at}: {method}: {details}"))
     if code == "DEADLINE_EXCEEDED" or "Deadline Exceeded" in details:
@@ -92,6 +94,21 @@ def _explain_rpc(peer: Peer, method: str, code: str, details: str, tls_probe: bo
             "link)",
         )
     return _unreachable(peer, at, details, tls_probe)
+
+
+HEALTH_ONLY = "this address answers only health checks"
+
+
+def _not_kvtier(method: str, details: str) -> str:
+    """Why a daemon answered UNIMPLEMENTED to ``method``: its health-only listener (which says
+    where its gRPC port is; grpc's "Method not found!" from an older daemon's or another server)."""
+    if details.startswith(HEALTH_ONLY):
+        return details
+    return (
+        f"{HEALTH_ONLY} or is not kvtierd ({method}: {details}): kvtierd's health port "
+        "(--health-listen; 50052 in the container image) serves gRPC health only; connect to its "
+        "gRPC port (--listen; 127.0.0.1:50051 in the image) or its Unix socket"
+    )
 
 
 def _down(cause: str, message: str, field: str = "address") -> Diagnosis:

@@ -6,6 +6,7 @@ and transfers are :mod:`kvtier.batches`, over the client's session.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from kvtier import batches
@@ -50,6 +51,14 @@ class NamespaceHandle:
         self.namespace_id = namespace.namespace_id
         self.registered_epoch = 0
         self.register_retry_at = 0.0
+
+    def take_tenant(self, tenant: str) -> None:
+        """The namespace, when it names no tenant, takes ``tenant``: the tenant the client's
+        credential proved (``OpenSessionReply.tenant``), given by the session before it registers
+        the namespace; the id and the block keys are then those of the tenant's namespace."""
+        if self.namespace.tenant is None and tenant:
+            self.namespace = replace(self.namespace, tenant=tenant)
+            self.namespace_id = self.namespace.namespace_id
 
     def block_keys(
         self, token_ids: Sequence[int], *, parent: bytes | None = None, extras: Sequence[bytes] | None = None

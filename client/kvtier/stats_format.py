@@ -135,12 +135,16 @@ def _fmt(key: str, value: Any) -> str:
 def format_stats(stats: dict[str, Any]) -> str:
     """A readable table: one column for the total, one per namespace."""
     used, cap = int(stats["host_used_bytes"]), int(stats["host_capacity_bytes"])
-    head = [
-        f"kvtierd  boot epoch {stats['boot_epoch']}  up {float(stats['uptime_s']):.0f}s  "
-        f"policy {stats['eviction_policy']}  sessions {stats['sessions']}",
-        f"host tier {format_bytes(used)} / {format_bytes(cap)} used "
-        f"({100 * used / max(cap, 1):.1f}%), {stats['pinned_blocks']} pinned, "
-        f"{stats['writing_blocks']} writing",
+    policy = f"  policy {stats['eviction_policy']}" if stats.get("eviction_policy") else ""
+    head = [  # (a tenant's reply has no policy, pins or writes: the daemon's, not its own)
+        f"kvtierd  boot epoch {stats['boot_epoch']}  up {float(stats['uptime_s']):.0f}s"
+        f"{policy}  sessions {stats['sessions']}",
+        f"host tier {format_bytes(used)} / {format_bytes(cap)} used ({100 * used / max(cap, 1):.1f}%)"
+        + (
+            f", {stats['pinned_blocks']} pinned, {stats['writing_blocks']} writing"
+            if policy
+            else " (this tenant's blocks, of the arena they live in)"
+        ),
     ]
     nvme = stats.get("nvme") or {}
     if nvme.get("enabled"):

@@ -12,11 +12,15 @@ import asyncio
 import hashlib
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
 from redis_cluster import make_test_pki
@@ -360,3 +364,73 @@ def test_a_tls_client_on_a_port_that_closes_plaintext_is_told_so(pki: Path) -> N
         )
     finally:
         port.close()
+
+
+def test_the_health_port_says_it_is_one_and_where_grpc_is(daemon_factory: Any) -> None:
+    """Issue 39: the health-only listener (50052, the port the image exposes) answered an SDK and
+    `kvtier stats` with "Method not found!"; now both say it is the health port and name the
+    daemon's gRPC addresses, and health checks still pass there."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    d = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--health-listen", "127.0.0.1:0")
+    health = d.info["health"]
+    text = refused(health, errors.Unavailable, "address", "answers only health checks", d.grpc, d.unix)
+    assert f"daemon at {health}" in text and "Method not found" not in text
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", health],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "answers only health checks" in out.stderr and d.grpc in out.stderr, out
+    with grpc.insecure_channel(health) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvtier.v1.Kvtier"), timeout=5
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_health_only_server_that_says_method_not_found_is_explained() -> None:
+    """A health-only gRPC server that answers only "Method not found!" (an older kvtierd's
+    health port, another server): the error still says what such a port is and where to go."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        refused(
+            f"127.0.0.1:{port}",
+            errors.Unavailable,
+            "address",
+            "answers only health checks",
+            "Method not found!",
+            "--health-listen",
+            "gRPC port (--listen",
+        )
+    finally:
+        server.stop(None)
+
+
+def test_a_namespace_takes_the_tenant_its_credential_proves(
+    daemon_factory: Any, tmp_path: Path, pki: Path
+) -> None:
+    """Issue 39: a Namespace without tenant= takes the tenant the token proved (the same
+    namespace, id and keys as one naming it); one naming another tenant stays refused; a token
+    read with its newline works."""
+    d = secured(daemon_factory, tmp_path, pki, tls=False)
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKEN + "\n") as c:
+        assert c.tenant == "team-a"
+        ns = c.register(make_namespace())
+        named = c.register(make_namespace(tenant="team-a"))
+        assert ns.namespace == named.namespace and ns.namespace_id == named.namespace_id
+        keys = ns.block_keys(list(range(32)))
+        assert keys == named.block_keys(list(range(32)))
+        assert ns.put(keys, [b"\7" * ns.block_bytes] * 2).stored == 2
+        assert [bytes(b) if b else None for b in named.get(keys)] == [b"\7" * ns.block_bytes] * 2
+        with pytest.raises(errors.PermissionDenied, match="not the tenant of this credential"):
+            c.register(make_namespace(tenant="team-b"))
+    with kvtier.Client.connect(daemon_factory("--host-bytes", "64MiB").unix, transport="tcp") as c:
+        assert c.tenant is None  # no tenants: a namespace stays as given
+        assert c.register(make_namespace()).namespace.tenant is None

@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 from conftest import DaemonProcess, make_namespace
 
@@ -91,3 +94,28 @@ def test_a_reader_that_goes_away_ends_stats_without_a_traceback(daemon: DaemonPr
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 141, err  # 128 + SIGPIPE, as a shell reports it
         assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_tenants_stats_and_a_missing_credential_read_right(daemon_factory: Any, tmp_path: Path) -> None:
+    """Issue 39: `kvtier stats` printed "policy " with nothing after it for a tenant (its reply
+    has no policy: the daemon's) and told a client without credential to pass
+    "--unix-loginTrue"."""
+    token = tmp_path / "token"
+    token.write_text("tok-stats-39\n")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        f'[[tenant]]\nname = "team-a"\ntokens_sha256 = ["{hashlib.sha256(b"tok-stats-39").hexdigest()}"]\n'
+    )
+    d = daemon_factory("--tenants-file", str(tenants), "--host-bytes", "64MiB", "--slab-bytes", "1MiB")
+    text = _stats(d, "--token-file", str(token))
+    first, second = text.splitlines()[:2]
+    assert "policy" not in first and "  sessions " in first, first
+    assert "(this tenant's blocks" in second and "pinned" not in second, second
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "stats", "--address", d.unix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "--unix-login on its Unix socket" in out.stderr, out.stderr
+    assert "True" not in out.stderr and "unix_login" not in out.stderr

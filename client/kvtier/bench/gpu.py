@@ -197,7 +197,7 @@ def _transports(spec: str, device: Any) -> tuple[list[str], list[str]]:
             try:
                 import cupy  # noqa: F401
             except ImportError:
-                why = "cupy is not installed (pip install 'kvtier[cuda]')"
+                why = "cupy is not installed (pip install cupy-cuda12x: the kvtier wheel's cuda extra)"
         if why:
             wanted.remove("cuda_ipc")
             notes.append(f"cuda_ipc: skipped, {why}")

@@ -86,8 +86,7 @@ class SessionHandlers(ServiceBase):
             caller.max_lease_s if caller is not None else None,
             CREDENTIAL.get(),
         )
-        adv = self.advertise()
-        pool = self.mapped_arena(s)
+        adv, pool = self.advertise(), self.mapped_arena(s)
         return pb.OpenSessionReply(
             boot_epoch=self.boot_epoch,
             session_id=s.id,
@@ -101,6 +100,7 @@ class SessionHandlers(ServiceBase):
             data_tls=adv.get("data_tls", False),
             lookup_slices=True,
             tier_figures=self._tier_figures(),
+            tenant=tenant or "",
         )
 
     @rpc
