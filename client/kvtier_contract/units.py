@@ -29,7 +29,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: str | int, *, field: str = "size") -> int:
-    """Parse ``"1GiB"``, ``"512 MiB"``, ``"4k"`` or a plain integer into bytes.
+    """Parse ``"1GiB"``, ``"512 MiB"``, ``"4k"`` or a plain integer into bytes: ``k M G T``
+    (``KB MB GB TB``) are powers of 1000 (``"1GB"`` is 10^9 bytes), ``Ki Mi Gi Ti`` (``KiB
+    MiB GiB TiB``) powers of 1024 (``"1GiB"`` is 2^30); case-insensitive. Every size the daemon
+    takes (its flags, its config file, the tenants file) is read here.
 
     Raises ValueError naming ``field`` for anything else (negative, unknown unit, fraction of a byte).
     """
@@ -46,6 +49,15 @@ def parse_bytes(value: str | int, *, field: str = "size") -> int:
     if n != int(n):
         raise ValueError(f"{field}: {value!r} is not a whole number of bytes")
     return int(n)
+
+
+def exact_bytes(n: int) -> str:
+    """``n`` as a size that :func:`parse_bytes` reads back exactly, in the largest binary
+    unit that divides it: ``exact_bytes(16 << 20) == "16MiB"``, ``exact_bytes(1000) == "1000B"``."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
 
 
 def format_bytes(n: float) -> str:

@@ -35,7 +35,7 @@ from kvtier_contract.units import format_bytes
 from kvtierd.config import DaemonConfig
 from kvtierd.tenants import Tenants, load_tenants
 from kvtierd.tiers.nvme.format import parse_data_file_name
-from kvtierd.tiers.nvme.journal import DEFAULT_JOURNAL_BYTES
+from kvtierd.tiers.nvme.journal import DEFAULT_JOURNAL_BYTES, parse_journal_name
 from kvtierd.tiers.nvme.tier import NvmeConfig
 
 DAEMON_RESERVE_BYTES = 256 << 20
@@ -343,23 +343,28 @@ def _cannot_create(probe: Path) -> str | None:
 
 def _space_problem(cfg: DaemonConfig, path: Path, probe: Path) -> str | None:
     """Whether the filesystem lacks the room the tier's open preallocates: its block files not
-    made yet and a new journal (a fuller one opens degraded: every write would fail)."""
+    made yet and a new journal (a fuller one opens degraded: every write would fail), less the
+    journals there already, which the open's checkpoint removes (a crashed daemon's)."""
     ncfg = nvme_config(cfg)
     files = max(1, ncfg.capacity_bytes // ncfg.file_bytes)
     try:
-        present = {parse_data_file_name(n) for n in os.listdir(path)} if path.is_dir() else set()
+        names = os.listdir(path) if path.is_dir() else []
+        journals = sum((path / n).stat().st_size for n in names if parse_journal_name(n) is not None)
     except OSError as e:  # (a race with the checks above, or a filesystem that refuses)
         return f"cannot list {path}: {e.strerror or e}"
+    present = {parse_data_file_name(n) for n in names}
     missing = files - sum(1 for i in present if i is not None and i < files)
-    need = missing * ncfg.file_bytes + DEFAULT_JOURNAL_BYTES
+    journal = max(0, DEFAULT_JOURNAL_BYTES - journals)
+    need = missing * ncfg.file_bytes + journal
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
     if need <= free:
         return None
+    parts = [f"{missing} block file(s) of {format_bytes(ncfg.file_bytes)}"] if missing else []
+    parts += [f"a journal of {format_bytes(journal)}"] if journal else []
     return (
         f"its filesystem has {format_bytes(free)} free, the NVMe tier needs {format_bytes(need)} "
-        f"more ({missing} block file(s) of {format_bytes(ncfg.file_bytes)} and a journal of "
-        f"{format_bytes(DEFAULT_JOURNAL_BYTES)}): lower --disk-bytes or free space"
+        f"more ({' and '.join(parts)}): lower --disk-bytes or free space"
     )
 
 

@@ -5,7 +5,8 @@ resumes the NVMe tier once the disk is back, every durable block intact. The NVM
 on a small tmpfs of its own (skipped where tmpfs cannot be mounted, i.e. without root).
 
 The tier: one 16 MiB block file and an 8 MiB journal preallocated at each start, on 48 MiB
-(after a crash the old journal stays until a checkpoint: 32 MiB in use).
+(after a crash the old journal stays until a checkpoint: 32 MiB in use; the open's checkpoint
+removes it before the new one is made, so a restart after a crash needs no new journal's room).
 """
 
 from __future__ import annotations
@@ -181,9 +182,32 @@ def test_a_restart_on_a_full_disk_serves_the_host_tier_and_resumes(
     else:
         d1.kill()  # journals to replay; the next start wants a checkpoint and a journal
     filler = fill(mnt)
-    refused(disk, tmp_path / "refused", "free, the NVMe tier needs 8.0 MiB more (0 block file(s)")
+    if stop == "graceful":  # refused before the open: no room for the new journal
+        refused(disk, tmp_path / "refused", "free, the NVMe tier needs 8.0 MiB more (a journal of 8.0 MiB)")
+    else:  # the old journal's room would do, but not the checkpoint that frees it: the open says
+        refused(disk, tmp_path / "refused", "the NVMe tier opened degraded: ", opened=True)
     d2 = daemon_factory(*DEGRADE, "--disk-dir", str(disk), run_dir=run)  # must start
     check_degraded_then_resumed(d2, keys, data, heal=filler.unlink)
+
+
+def test_a_restart_after_a_crash_reuses_the_old_journals_room(
+    daemon_factory: Any, tmp_path: Path, mnt: Path
+) -> None:
+    """Issue 39: the start's check demanded a whole new journal's free space although the
+    open's checkpoint removes the crashed daemon's journal first: with 2 MiB free the tier
+    opens, serving, every durable block back (before: refused, "needs 8.0 MiB more")."""
+    disk, run = mnt / "nvme", tmp_path / "run"
+    d1 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    keys, data = store_durably(d1)
+    d1.kill()  # its journal (8 MiB) stays for the next start to replay
+    filler = fill(mnt)
+    os.truncate(filler, filler.stat().st_size - (2 << 20))  # 2 MiB free: less than a journal
+    d2 = daemon_factory(*SERVE, "--disk-dir", str(disk), run_dir=run)
+    assert d2.info["tiers"]["nvme"]["state"] == "serving", d2.info
+    with kvtier.Client.connect(d2.unix, transport="shm") as client:
+        ns = client.register(make_namespace())
+        assert [bytes(g) if g else None for g in ns.get(keys)] == data
+        assert client.stats()["nvme"]["admitting"]
 
 
 def test_a_restart_on_a_read_only_filesystem_serves_and_resumes(

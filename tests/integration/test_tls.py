@@ -170,11 +170,15 @@ def test_a_plaintext_non_loopback_listener_is_refused_unless_allowed(tmp_path: P
         assert out.returncode == 2 and f"configuration error: {field}:" in out.stderr, out.stderr
     from conftest import DaemonProcess
 
+    tenants = tmp_path / "tenants.toml"  # plaintext allowed, but never without credentials
+    tenants.write_text(f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{hashlib.sha256(b"t").hexdigest()}"]\n')
     d = DaemonProcess(
         tmp_path / "d",
         "--listen",
         "0.0.0.0:0",
         "--allow-plaintext-remote",
+        "--tenants-file",
+        str(tenants),
         "--host-bytes",
         "64MiB",
         "--slab-bytes",

@@ -4,12 +4,15 @@
 cache, sessions, service, transports, metrics); ``run(cfg)`` (:mod:`~kvtierd.app.process`)
 drives the lifecycle:
 
-    checks (the sockets' lock; kvtierd.preflight: memory, NVMe directory, ports; then, in
+    checks (the Unix socket paths' length and the sockets' lock; kvtierd.preflight: memory,
+            NVMe directory, ports; then, in
             Daemon(), the tenants file, the cluster tier's files, the NVMe directory's lock
             and the tier's open, a tier that opens degraded refused unless disk_optional):
             a refusal is one StartupError line, exit 2, before the host arena is reserved
             (and prefaulted) and before any socket is bound; the arena comes next, then the
-            NVMe tier's recovered copies are put into the index   (kvtierd.app.build)
+            NVMe tier's recovered copies are put into the index   (kvtierd.app.build);
+            then the start's warnings are logged               (kvtierd.app.start_warnings).
+            A SIGINT/SIGTERM meanwhile is noted: the start stops once built, nothing bound.
       -> startup (bind everything, health SERVING, print the ready line)
                                                                  (kvtierd.app.listeners)
       -> serve (lease sweeper runs)

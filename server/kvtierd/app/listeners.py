@@ -36,6 +36,8 @@ from kvtierd.transports.tcp import DataChannelLimits, DataChannelServer
 ControlFactory = Callable[[Session, Callable[[ControlChannel], None]], ControlChannel]
 
 log = logging.getLogger("kvtierd")
+MAX_SOCKET_PATH_BYTES = 107
+"""The longest path a Unix socket may be bound at (``sun_path`` is 108 bytes, NUL included)."""
 
 
 class Listeners:
@@ -86,6 +88,7 @@ class Listeners:
         if g.health_listen:
             self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_server.add_generic_rpc_handlers((HealthOnly(self._grpc_addresses),))
             port = _add_port(self.health_server, "health_listen", g.health_listen, None)
             self.addresses["health"] = f"{g.health_listen.rpartition(':')[0]}:{port}"
 
@@ -96,6 +99,15 @@ class Listeners:
     async def stop(self, grace: float | None) -> None:
         for server in self.servers():
             await server.stop(grace)
+
+    def _grpc_addresses(self) -> str:
+        """Where the Kvtier service answers, in words (for HealthOnly's refusals)."""
+        where = [
+            f"{what} ({self.addresses[key]})"
+            for key, what in (("grpc", "the gRPC port"), ("unix", "the Unix socket"))
+            if key in self.addresses
+        ]
+        return " or ".join(where) or "the daemon's gRPC port (--listen) or Unix socket"
 
     def socket_path(self) -> str:
         path = self.cfg.grpc.socket_path
@@ -108,6 +120,31 @@ class Listeners:
             if path:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+
+
+class HealthOnly(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """The health-only listener's answer to any method but gRPC health: UNIMPLEMENTED in words
+    that send the caller to the daemon's gRPC addresses (``where``, read per call), instead of
+    grpc's "Method not found!" (a client pointed at the port the image exposes). Stateless."""
+
+    HEALTH = "/grpc.health.v1.Health/"
+
+    def __init__(self, where: Callable[[], str]) -> None:
+        self._where = where
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if str(details.method).startswith(self.HEALTH):
+            return None  # (the health servicer's)
+        why = (
+            "this address answers only health checks (the health port, --health-listen); "
+            f"connect to {self._where()}"
+        )
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, why)
+            return b""  # (not reached: abort raises)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 def start_metrics(
@@ -183,9 +220,11 @@ def data_channel_limits(cfg: DaemonConfig) -> DataChannelLimits:
 
 def lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
     """The lock of the daemon's Unix sockets (``<socket>.lock``: the gRPC socket and the shm
-    socket beside it), its directory made (0700 when new); None when it has neither."""
+    socket beside it), its directory made (0700 when new); None when it has neither. A socket
+    path too long to bind is a StartupError first."""
     if not cfg.grpc.socket_path and not cfg.transports.shm_enabled:
         return None
+    check_socket_paths(cfg)  # before anything is made
     base = os.path.abspath(cfg.shm_socket_path.removesuffix(".shm"))
     os.makedirs(os.path.dirname(base), mode=0o700, exist_ok=True)
     return OwnerLock.take(base + ".lock")
@@ -231,8 +270,66 @@ def raise_fd_limit() -> None:
             log.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
+def check_tls_files(cfg: DaemonConfig) -> None:
+    """The TLS files load as what they are meant to be (gRPC itself would only fail to bind):
+    ``tls_cert`` a certificate, ``tls_key`` its unencrypted key, ``tls_client_ca`` CA
+    certificates; ValueError naming the setting otherwise."""
+    g = cfg.grpc
+    if not g.tls_cert:
+        return
+    for name, path in (("tls_cert", g.tls_cert), ("tls_key", g.tls_key), ("tls_client_ca", g.tls_client_ca)):
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ValueError(f"{name}: cannot read {path} (not a file this user may read)")
+    _certificates("tls_cert", g.tls_cert)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(g.tls_cert, g.tls_key, password=lambda: b"")
+    except ssl.SSLError as e:
+        why = (
+            f"is not the key of the certificate in {g.tls_cert} (tls_cert): give the key that "
+            "certificate was made with, or the certificate of this key"
+            if e.reason == "KEY_VALUES_MISMATCH"
+            else "holds no unencrypted PEM private key" + (f" ({e.reason})" if e.reason else "")
+        )
+        raise ValueError(f"tls_key: {g.tls_key} {why}") from None
+    if g.tls_client_ca:
+        _certificates("tls_client_ca", g.tls_client_ca)
+
+
+def _certificates(name: str, path: str) -> None:
+    """``path`` (setting ``name``) holds at least one PEM certificate; ValueError otherwise."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        why = f" ({e.reason})" if e.reason else ""
+        raise ValueError(f"{name}: {path} holds no PEM certificate{why}") from None
+
+
+def check_socket_paths(cfg: DaemonConfig) -> None:
+    """Every Unix socket path the daemon binds (absolute: it is advertised to clients) fits a
+    Unix socket address (:data:`MAX_SOCKET_PATH_BYTES`); StartupError naming it otherwise."""
+    g = cfg.grpc
+    paths = [("socket_path", g.socket_path)] if g.socket_path else []
+    if cfg.transports.shm_enabled:
+        paths.append(("socket_path" if g.socket_path else "run_dir", cfg.shm_socket_path))
+    for name, path in paths:
+        full = os.path.abspath(path)
+        size = len(os.fsencode(full))
+        if size > MAX_SOCKET_PATH_BYTES:
+            setting = (
+                f"socket_path (--socket {g.socket_path})" if name == "socket_path" else f"run_dir {g.run_dir}"
+            )
+            raise StartupError(
+                f"{setting}: the Unix socket {full} is {size} bytes long, more than the "
+                f"{MAX_SOCKET_PATH_BYTES} a Unix socket path may have: choose a shorter --socket "
+                "(e.g. --socket /tmp/kvtier-$USER/kvtier.sock; `make serve SERVE_ARGS='--socket "
+                "...'`, clients then --address unix:///tmp/kvtier-$USER/kvtier.sock), or start "
+                "the daemon from a shorter directory (relative paths are resolved from it)"
+            )
+
+
 def _tls_credentials(cfg: DaemonConfig) -> grpc.ServerCredentials:
     """The TCP listener's TLS (mTLS with ``tls_client_ca``); files read here, at start."""
+    check_tls_files(cfg)
 
     def read(name: str, path: str) -> bytes:
         try:

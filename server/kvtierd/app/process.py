@@ -1,6 +1,8 @@
 """The daemon as a process: ``run(cfg)`` takes the sockets' lock, runs the startup checks,
 builds the :class:`~kvtierd.app.daemon.Daemon`, starts it, prints the ready line, waits for a
-signal (a second one exits at once; SIGHUP reloads the tenants file), drains and stops.
+signal (a second one exits at once; SIGHUP reloads the tenants file), drains and stops. A
+signal while the daemon is being built stops it before anything is bound; one before the event
+loop runs (Ctrl-C during the imports) is one line, no traceback.
 
 One event loop (uvloop when available) owns the daemon; the signal handlers run on it.
 """
@@ -19,6 +21,7 @@ from kvtier_contract.units import format_bytes
 from kvtierd import preflight
 from kvtierd.app.daemon import Daemon
 from kvtierd.app.listeners import lock_sockets
+from kvtierd.app.start_warnings import start_warnings
 from kvtierd.config import DaemonConfig
 from kvtierd.lockfile import InUse
 from kvtierd.preflight import StartupError
@@ -28,13 +31,21 @@ log = logging.getLogger("kvtierd")
 
 
 async def _main(cfg: DaemonConfig) -> None:
-    daemon = _checked_daemon(cfg)
+    with _EarlySignals() as early:  # SIGINT/SIGTERM while the daemon is built: noted
+        daemon = _checked_daemon(cfg)
+    if early.received:  # nothing bound yet: the tiers closed, nothing left behind
+        await daemon.abort_start()
+        log.info("kvtierd stopped before it was ready (signal %d during start)", early.received)
+        return
     _handle_signals(daemon)
     try:
         await daemon.start()
     except (StartupError, ValueError) as e:  # a port taken since the preflight, a TLS file
         await daemon.abort_start()  # no socket left behind, the NVMe tier closed
         raise e if isinstance(e, StartupError) else StartupError(f"{e}") from None
+    except BaseException:  # cancelled (asyncio.run's own SIGINT handler, in its first instant)
+        await daemon.abort_start()
+        raise
     tiers = daemon.tiers()
     ready = {
         "boot_epoch": daemon.boot_epoch,
@@ -68,7 +79,34 @@ def _checked_daemon(cfg: DaemonConfig) -> Daemon:
     except ValueError as e:  # a file read at start that the CLI found valid (changed since)
         raise StartupError(f"{e}") from None
     daemon._socket_lock = socket_lock
+    for warning in start_warnings(cfg):  # (a start refused above says only why)
+        log.warning("%s", warning)
     return daemon
+
+
+class _EarlySignals:
+    """SIGINT and SIGTERM while the daemon is being built (synchronous work: the checks, the
+    NVMe recovery, the arena's prefault), before the event loop's handlers are installed: the
+    first is noted (the start then stops before anything is bound), a second exits at once.
+    Main thread only; the handlers before it are put back on exit."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _EarlySignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._before[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _note(self, sig: int, frame: object) -> None:
+        if self.received:
+            os._exit(1)  # the second signal: no waiting for the build to finish
+        self.received = sig
 
 
 def _handle_signals(daemon: Daemon) -> None:
@@ -112,6 +150,9 @@ def run(cfg: DaemonConfig) -> None:
     except StartupError as e:  # a startup check (kvtierd.preflight): setting, flag and fix
         print(f"kvtierd serve: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # SIGINT before _main's handlers: nothing bound, or undone
+        print("kvtierd: interrupted while starting", file=sys.stderr)
+        sys.exit(130)
 
 
 def describe_tiers(tiers: dict[str, Any]) -> str:

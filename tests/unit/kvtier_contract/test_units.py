@@ -69,3 +69,20 @@ def test_format_bytes(n: int, text: str) -> None:
 @pytest.mark.parametrize("n", [0, 4096, 1536, 64 << 20, 3 << 30])
 def test_format_then_parse_round_trips_whole_units(n: int) -> None:
     assert parse_bytes(format_bytes(n).replace(" ", "")) == n
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(16 << 20, "16MiB"), (1 << 30, "1GiB"), (3 << 40, "3TiB"), (1000, "1000B"), (1536, "1536B")],
+)
+def test_exact_bytes_reads_back_exactly(n: int, text: str) -> None:
+    from kvtier_contract.units import exact_bytes
+
+    assert exact_bytes(n) == text and parse_bytes(text) == n
+
+
+def test_decimal_and_binary_units_differ_as_documented() -> None:
+    """``1gb`` is 10^9 bytes (issue 39: with 64 MiB slabs, a host tier of 896 MiB, now warned at
+    start: tests/unit/kvtierd/app/test_start_warnings.py); ``1GiB`` is 2^30."""
+    assert parse_bytes("1gb") == parse_bytes("1GB") == parse_bytes("1G") == 10**9
+    assert parse_bytes("1gib") == parse_bytes("1Gi") == 1 << 30

@@ -197,7 +197,9 @@ def test_free_ports_and_port_zero_pass_and_two_settings_on_one_port_do_not(held:
 
 def test_an_address_not_on_this_host_cannot_be_bound() -> None:
     with pytest.raises(StartupError, match=r"^listen 192\.0\.2\.1:5 \(--listen\): cannot bind "):
-        check_ports(DaemonConfig.from_flat(listen="192.0.2.1:5", allow_plaintext_remote=True))
+        check_ports(
+            DaemonConfig.from_flat(listen="192.0.2.1:5", allow_plaintext_remote=True, tenants_file="t.toml")
+        )
 
 
 def test_disk_dir_that_is_a_file_is_refused_unless_optional(tmp_path: Path) -> None:
@@ -254,3 +256,20 @@ def test_one_port_on_two_loopback_addresses_is_two_listeners() -> None:
                 listen=listen, metrics_host="0.0.0.0", metrics_port=free, metrics_plaintext_remote=True
             )
         )  # off loopback: the flag
+
+
+def test_a_journal_already_there_is_not_asked_for_again(tmp_path: Path) -> None:
+    """Issue 39: the check asked for a new journal's room even when a crashed daemon's journal
+    was there, which the open's checkpoint removes before it makes the next one."""
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    cfg = DaemonConfig.from_flat(disk_dir=str(disk), disk_bytes=1 << 50)  # 1 PiB: never fits
+    with pytest.raises(
+        StartupError, match=r"\(1048576 block file\(s\) of 1.0 GiB and a journal of 8.0 MiB\)"
+    ):
+        check_disk_dir(cfg)
+    with open(disk / "journal-00000001.kvj", "wb") as f:
+        f.truncate(8 << 20)  # a crashed daemon's (sparse here: its size is what the open frees)
+    with pytest.raises(StartupError) as e:
+        check_disk_dir(cfg)
+    assert "more (1048576 block file(s) of 1.0 GiB): lower --disk-bytes" in str(e.value), str(e.value)
