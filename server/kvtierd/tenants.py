@@ -56,6 +56,7 @@ thread). Pure data otherwise.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import tomllib
@@ -225,9 +226,7 @@ def load_tenants(path: str | Path) -> Tenants:
         raise ValueError(f"tenants_file: cannot read {p}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"tenants_file: {p} is not valid TOML: {e}") from None
-    unknown = set(raw) - {"tenant", "metrics_tokens_sha256"}
-    if unknown:
-        raise ValueError(f"tenants_file: unknown keys {sorted(unknown)}")
+    _no_unknown(raw, {"tenant", "metrics_tokens_sha256"}, "tenants_file")
     entries = raw.get("tenant", [])
     if not isinstance(entries, list) or not entries:
         raise ValueError("tenant: expected at least one [[tenant]] table")
@@ -275,14 +274,12 @@ def _digests(raw: Any, where: str, seen: set[bytes]) -> list[bytes]:
 def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a table")
-    unknown = set(entry) - _TENANT_KEYS
-    if "metrics_tokens_sha256" in unknown:
+    if "metrics_tokens_sha256" in entry:
         raise ValueError(
             f"{where}.metrics_tokens_sha256: scrape tokens are no tenant's: write "
             "the list at the top of the file, before the first [[tenant]]"
         )
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    _no_unknown(entry, _TENANT_KEYS, where)
     name = entry.get("name")
     if not isinstance(name, str) or not name or len(name) > 128:
         raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
@@ -362,12 +359,20 @@ def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int 
     return transports, max_lease, arena
 
 
+def _no_unknown(table: dict[str, Any], known: set[str], where: str) -> None:
+    """ValueError naming ``table``'s unknown keys, each with the known key it was probably
+    meant to be (a misspelt quota must not pass for no quota)."""
+    unknown = sorted(set(table) - known)
+    if unknown:
+        guesses = [(k, difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.6)) for k in unknown]
+        said = ", ".join(f"{k!r} (did you mean {g[0]!r}?)" if g else repr(k) for k, g in guesses)
+        raise ValueError(f"{where}: unknown keys {said}")
+
+
 def _quotas(raw: Any, where: str) -> Quotas:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a table")
-    unknown = set(raw) - set(_QUOTAS)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    _no_unknown(raw, set(_QUOTAS), where)
     values: dict[str, int] = {}
     for key, v in raw.items():
         if key in _BYTE_QUOTAS:

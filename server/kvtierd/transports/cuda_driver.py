@@ -50,7 +50,9 @@ class CupyDriver:
         try:
             from cupy.cuda import runtime
         except ImportError as e:
-            raise CudaUnavailable(f"cuda_ipc = true needs cupy: pip install 'kvtierd[cuda]' ({e})") from None
+            raise CudaUnavailable(
+                f"cuda_ipc = true needs cupy: the kvtierd wheel's cuda extra (README.md, Install) ({e})"
+            ) from None
         self.rt = runtime
         self._streams: dict[int, int] = {}
         try:

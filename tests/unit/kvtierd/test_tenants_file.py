@@ -120,6 +120,28 @@ def test_a_bad_file_names_the_field(tmp_path: Path, body: str, field: str) -> No
     assert str(e.value).startswith(f"{field}:"), str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("body", "field", "guess"),
+    [
+        (f'[[tenants]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n', "tenants_file", "'tenant'"),
+        (f'[[tenant]]\nname = "a"\ntoken_sha256 = ["{GOOD}"]\n', "tenant[0]", "'tokens_sha256'"),
+        (
+            f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n[tenant.quotas]\nhost_byte = "1GiB"\n',
+            "tenant[0].quotas",
+            "'host_bytes'",
+        ),
+    ],
+)
+def test_a_misspelt_key_gets_the_key_it_was_meant_to_be(
+    tmp_path: Path, body: str, field: str, guess: str
+) -> None:
+    # a misspelt quota must not pass for no quota, and the error says which key was meant
+    with pytest.raises(ValueError) as e:
+        load_tenants(write(tmp_path, body))
+    assert str(e.value).startswith(f"{field}: unknown keys "), str(e.value)
+    assert f"(did you mean {guess}?)" in str(e.value)
+
+
 def test_hash_token_prints_the_digest_a_file_holds() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvtierd", "hash-token"],
