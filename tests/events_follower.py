@@ -4,7 +4,8 @@ its events, filling gaps through the replay endpoint as vLLM's own subscriber ex
 Rules it follows (docs/events.md): the first message it sees, it replays from 0 first (a late
 joiner); a seq past the next one it expects is a gap (a lost message, or a daemon restart whose
 stream started at a later seq): it replays from the next expected seq and applies what comes
-back in order; a seq it has seen is skipped. ``lose`` drops chosen messages on arrival, to make
+back in order (asking again while an answer, bounded in bytes, stops short); a seq it has
+seen is skipped. ``lose`` drops chosen messages on arrival, to make
 gaps on purpose.
 """
 
@@ -95,10 +96,17 @@ class Follower:
             sock.close(0)
 
     def _fill(self, start: int, upto: int) -> None:
-        for seq, payload in self._replay(start):
-            if seq < upto and (self.next_seq is None or seq >= self.next_seq):
-                self.replayed += 1
-                self._apply(seq, payload)
+        """Replay ``start`` up to ``upto``: an answer is bounded (events_replay_max_bytes), so
+        ask again from where it stopped until it is empty or reaches ``upto``."""
+        while True:
+            answer = self._replay(start)
+            for seq, payload in answer:
+                if seq < upto and (self.next_seq is None or seq >= self.next_seq):
+                    self.replayed += 1
+                    self._apply(seq, payload)
+            if not answer or answer[-1][0] + 1 >= upto:
+                return
+            start = answer[-1][0] + 1
 
     # -- pumping ----------------------------------------------------------------------------------
 

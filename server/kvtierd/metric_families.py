@@ -209,6 +209,32 @@ def _event_families(ev: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily(
         "kvtier_event_streams", "Event streams bound (operator and tenants)", value=ev["event_streams"]
     )
+    yield from _event_bound_families(ev)
+
+
+def _event_bound_families(ev: dict[str, Any]) -> Iterator[Any]:
+    """What the KV-event publisher holds, and what its bounds refused or dropped."""
+    c = CounterMetricFamily
+    yield GaugeMetricFamily(
+        "kvtier_event_buffered_bytes",
+        "Bytes the replay buffers hold (all streams)",
+        value=ev["event_buffered_bytes"],
+    )
+    yield c(
+        "kvtier_event_buffer_dropped_messages_total",
+        "Messages dropped from replay buffers, oldest first, to stay within their bytes",
+        value=ev["event_buffer_dropped_messages"],
+    )
+    yield c(
+        "kvtier_event_replays_cut_total",
+        "Replay answers cut short: the requester's queue was full or it left",
+        value=ev["event_replays_cut"],
+    )
+    yield c(
+        "kvtier_event_connections_refused_total",
+        "Connections to an event socket refused: events_max_connections open already",
+        value=ev["event_connections_refused"],
+    )
 
 
 def _boot_families(snap: Snapshot) -> Iterator[Any]:

@@ -92,13 +92,19 @@ def test_events_without_pyzmq_are_refused_at_start_naming_the_setting(tmp_path: 
     )
     assert out.returncode == 2, out.stderr
     assert "events_endpoint: KV events need pyzmq and msgpack" in out.stderr, out.stderr
-    assert "kvtierd[events]" in out.stderr and "(--events-endpoint)" in out.stderr
+    assert "whl[events]" in out.stderr and "(--events-endpoint)" in out.stderr
 
 
 @pytest.mark.parametrize(
     ("args", "field"),
     [
         (("--events-endpoint", "tcp://0.0.0.0:5557"), "events_endpoint"),
+        (("--events-endpoint", "tcp://127.0.0.1:5557"), "events_endpoint"),  # every local user
+        (("--events-endpoint", "ipc:///tmp/e.sock", "--events-socket-mode", "400"), "events_socket_mode"),
+        (
+            ("--events-endpoint", "ipc:///tmp/e.sock", "--events-buffer-bytes", "1MiB"),
+            "events_buffer_bytes",  # below a stream's 4 MiB
+        ),
         (("--events-endpoint", "udp://x"), "events_endpoint"),
         (("--events-tenant-endpoint", "ipc:///tmp/ev.sock"), "events_tenant_endpoint"),
         (("--events-endpoint", "ipc:///tmp/e.sock", "--events-buffer-batches", "0"), "events_buffer_batches"),

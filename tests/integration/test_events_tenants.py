@@ -9,12 +9,14 @@ receives both; the tenant sockets are owner-only files.
 from __future__ import annotations
 
 import hashlib
+import signal
 import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import make_namespace
+from tests_helpers import wait_for
 
 import kvtier
 
@@ -98,3 +100,42 @@ def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: An
     finally:
         for f in (*follow.values(), operator):
             f.close()
+
+
+def test_a_tenant_added_by_a_reload_gets_a_private_stream_and_never_the_daemons_socket(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """The template puts tenant streams beside the gRPC socket (``{run}/{tenant}.sock``): a
+    reload adding tenant "kvtier" would make its path the gRPC socket's, which libzmq unlinks
+    at bind. It gets no stream, engines still connect; tenant "team-c" added alongside gets its
+    stream at the reload, 0600 from the start (bound private, renamed into place)."""
+    run = tmp_path / "run"
+    toml = tenants_toml(tmp_path / "tenants.toml")
+    d = daemon_factory(
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--tenants-file",
+        str(toml),
+        "--events-tenant-endpoint",
+        f"ipc://{run}/{{tenant}}.sock",
+        run_dir=run,
+    )
+    assert stat.S_IMODE((run / "team-a.sock").stat().st_mode) == 0o600
+    more = {"kvtier": "tok-k-e3", "team-c": "tok-c-e4"}
+    with toml.open("a") as f:
+        for n, t in more.items():
+            f.write(
+                f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{hashlib.sha256(t.encode()).hexdigest()}"]\n\n'
+            )
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for("team-c's stream", lambda: (run / "team-c.sock").exists())
+    assert stat.S_IMODE((run / "team-c.sock").stat().st_mode) == 0o600
+    for name, token in (("kvtier", more["kvtier"]), ("team-a", TOKENS["team-a"])):
+        with kvtier.Client.connect(d.unix, transport="tcp", token=token) as c:  # gRPC still the daemon's
+            ns = c.register(make_namespace(tenant=name))
+            assert ns.put(ns.block_keys(list(range(16))), [bytes(ns.block_bytes)]).stored == 1
+    assert stat.S_ISSOCK((run / "kvtier.sock").stat().st_mode)
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".kv")]  # no private dir left

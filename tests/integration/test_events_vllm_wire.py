@@ -111,9 +111,13 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
     assert ("BlockRemoved", "CPU") in kinds  # evicted (after a demotion)
     assert all(e[7] == 16 and e[8] for e in stored)  # block_size, 32-byte hashes
     assert {e[3] for e in stored} == {None, "lora-x"}
-    assert {json.dumps(e[4]) for e in stored if e[1] == "CPU"} == {
-        json.dumps([["pepper"]] * e[2]) for e in stored if e[3] is None and e[1] == "CPU"
-    } | {json.dumps([["lora-x"]] * e[2]) for e in stored if e[3] == "lora-x" and e[1] == "CPU"}
+    # vLLM's rule: the adapter on every block, the salt where a chain starts without a parent
+    for e in stored:
+        if e[1] == "CPU" and e[3] == "lora-x":
+            assert e[4] == [["lora-x"]] * e[2], e
+        elif e[1] == "CPU":
+            assert e[4] == (None if e[6] else [["pepper"]] + [None] * (e[2] - 1)), e
+    assert any(e[4] and e[4][0] == ["pepper"] for e in stored)  # a salted chain's head
     assert all(e[5] == 16 * e[2] for e in stored if e[1] == "CPU")  # the tokens came along
     assert sum(e[2] for e in stored if e[1] == "CPU") == 192
     assert all(rank == 0 for _s, _e, rank in got["decoded"])
@@ -121,4 +125,5 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
     assert got["ours"]["frames"] == got["vllms"]["frames"] == [4], got
     assert got["ours"]["ends_with_marker"] and got["vllms"]["ends_with_marker"]
     assert got["ours"]["empty_delimiter"] and got["vllms"]["empty_delimiter"]
-    assert got["ours"]["messages"] >= len(messages) and got["ours_decoded"]
+    # an answer is bounded (events_replay_max_bytes, events_send_queue_messages - 1 = 15)
+    assert got["ours"]["messages"] >= min(len(messages), 15) and got["ours_decoded"]

@@ -268,6 +268,9 @@ class Daemon:
         """SIGHUP: read the tenants file again; a bad file keeps the current tenants
         (kvtierd.app.reload)."""
         reload.reload_tenants(self.cfg, self.tenancy, self.tenant_arenas, self.sessions, self.cuda)
+        tenants = self.tenancy.tenants
+        if self.events is not None and tenants is not None:  # new tenants' event streams
+            self.events.add_tenants(build.event_buffer_caps(self.tenancy, list(tenants.by_name)))
 
     def _grpc_server(self, reflect: bool) -> grpc.aio.Server:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

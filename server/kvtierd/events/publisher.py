@@ -4,42 +4,62 @@ and sends them on ZMQ PUB sockets, with a replay buffer and a ROUTER socket per 
 Streams (docs/events.md): the **operator** stream (``events_endpoint``) carries every block;
 a **tenant** stream (``events_tenant_endpoint``, a template with ``{tenant}``, ipc:// only)
 carries one tenant's blocks and nothing else, on a socket of its own. Each stream has its own
-sequence numbers and its own bounded replay buffer of ``buffer_batches`` messages. A stream's
-first message is ``AllBlocksCleared`` and its first seq the wall clock in microseconds when it
-was made, not 0: a restart is then a forward gap to a subscriber that was following the old
-daemon, and the replay it asks for from its next expected seq is the new stream from its
-start (AllBlocksCleared, then the NVMe recovery) while that is still buffered.
+sequence numbers and its own replay buffer, bounded in bytes (:mod:`~kvtierd.events.replay`).
+A stream's first message is ``AllBlocksCleared`` and its first seq the wall clock in
+microseconds when it was made, not 0: a restart is then a forward gap to a subscriber that was
+following the old daemon, and the replay it asks for from its next expected seq is the new
+stream from its start (AllBlocksCleared, then the NVMe recovery) while that is still buffered.
+
+What it holds is bounded in bytes: the replay buffers (``stream_buffer_bytes`` each, a
+tenant's at most its ``buffered_bytes`` quota, ``buffer_bytes`` together); a message is at
+most ``max_message_bytes`` (batches split by bytes, a chain split in two where it must); each
+socket queues at most ``send_hwm`` messages per peer, and takes at most ``max_peers`` peers
+(:mod:`~kvtierd.events.gate`); a replay answer is at most ``replay_max_bytes`` and never waits
+for a requester that does not read.
 
 Lifecycle: ``start()`` (the caller's thread: binds the operator stream and the tenants named
-then, under the caller's umask) -> the thread runs -> ``close()`` (sends what is queued, up to a
-deadline, then closes the sockets). A tenant stream not bound at start (a tenant added by a
-reload) is bound by the thread when its first block comes, then chmod'ed to ``socket_mode``.
+then; ValueError naming the setting) -> the thread runs -> ``close()`` (sends what is queued, up
+to a deadline, then closes the sockets and unlinks their files). ``add_tenants()`` (a reload,
+the event loop) checks the new tenants' paths there and has the thread bind them; a tenant not
+announced gets its stream with its first block. Sockets are private before they exist
+(:mod:`~kvtierd.events.sockets`).
 
-Owns the ZMQ context's sockets (the thread alone uses them once started) and the replay
-buffers; reads records from :class:`~kvtierd.events.sink.EventQueue`. pyzmq and msgpack (the
-``events`` extra) are imported here, lazily by the composition root.
+Owns the ZMQ context's sockets (the thread alone uses them once started), the gate and the
+replay buffers; reads records from :class:`~kvtierd.events.sink.EventQueue`. pyzmq and msgpack
+(the ``events`` extra) are imported here, lazily by the composition root.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvtierd.events.gate import ConnectionGate
+from kvtierd.events.records import append_events, events_of
+from kvtierd.events.replay import ReplayBuffer, ReplayBuffers
 from kvtierd.events.sink import EventQueue, Record
-from kvtierd.events.wire import END_SEQ, SEQ, Cleared, Event, Removed, Stored, encode_batch, unpack_tokens
-
-if TYPE_CHECKING:
-    from kvtierd.index import Entry
+from kvtierd.events.sockets import Bound, SocketRules, bind, check_ipc_path, ipc_path, release
+from kvtierd.events.wire import (
+    BATCH_OVERHEAD_BYTES,
+    END_SEQ,
+    SEQ,
+    Cleared,
+    Event,
+    batch_payload,
+    encode_event,
+    split_event,
+)
 
 log = logging.getLogger("kvtierd.events")
-MAX_EVENTS_PER_BATCH = 1024  # one payload stays well below a MiB of keys
+MAX_EVENTS_PER_BATCH = 1024
+MAX_REQUEST_BYTES = 1024
+"""Largest message a peer may send to an event socket (a replay request is 8 bytes, a
+subscription a topic): a larger one closes its connection (ZMQ_MAXMSGSIZE)."""
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -55,8 +75,15 @@ class EventSettings:
     tenant_replay_endpoint: str = ""
     topic: str = ""
     buffer_batches: int = 10_000
-    socket_mode: int = 0o600
-    hwm: int = 100_000
+    stream_buffer_bytes: int = 4 << 20
+    buffer_bytes: int = 64 << 20
+    max_message_bytes: int = 128 << 10
+    replay_max_bytes: int = 1 << 20
+    send_hwm: int = 16
+    max_peers: int = 8
+    rules: SocketRules = field(default_factory=SocketRules)
+    private: bool = False
+    """The daemon has tenants: every stream carries tenants' blocks, none may be exposed."""
 
 
 @dataclass(eq=False)
@@ -64,7 +91,8 @@ class _Stream:
     name: str  # "" for the operator stream, else the tenant
     pub: Any
     replay: Any | None
-    buffer: deque[tuple[int, bytes]]
+    buffer: ReplayBuffer
+    bound: list[Bound | None]
     seq: int = 0
     events: list[Event] = field(default_factory=list)
 
@@ -76,7 +104,8 @@ def check_dependencies() -> None:
         import zmq  # noqa: F401
     except ImportError as e:
         raise ValueError(
-            f"events_endpoint: KV events need pyzmq and msgpack (pip install 'kvtierd[events]'): {e}"
+            "events_endpoint: KV events need pyzmq and msgpack (the kvtierd wheel's events extra, "
+            f"pip install 'dist/kvtierd-<version>-py3-none-any.whl[events]'; README.md, Install): {e}"
         ) from None
 
 
@@ -88,7 +117,8 @@ def tenant_endpoint(template: str, tenant: str) -> str | None:
 
 
 class EventPublisher:
-    """See the module docstring. ``figures()`` may be read from any thread."""
+    """See the module docstring. ``figures()`` may be read from any thread; ``add_tenants``
+    from the event loop (a lock hands the names to the thread)."""
 
     def __init__(self, settings: EventSettings, queue: EventQueue) -> None:
         import zmq
@@ -97,21 +127,30 @@ class EventPublisher:
         self.settings = settings
         self.queue = queue
         self._ctx = zmq.Context()
+        self._gate = ConnectionGate(self._ctx, settings.max_peers)
+        self._buffers = ReplayBuffers(settings.buffer_bytes)
         self._streams: dict[str, _Stream] = {}  # "" (operator) or tenant -> stream
         self._refused: set[str] = set()  # tenants whose endpoint could not be made
+        self._caps: dict[str, int] = {}  # tenant -> its replay buffer's bytes, when announced
+        self._announced: list[str] = []  # tenants a reload added, for the thread to bind
+        self._lock = threading.Lock()  # guards _announced and _caps
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.events_published = 0
         self.batches_published = 0
         self.replay_requests = 0
+        self.replays_cut = 0
         self.send_errors = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
 
-    def start(self, tenants: Sequence[str] = ()) -> None:
-        """Bind the operator stream and those of ``tenants`` (ValueError naming the setting
-        when an endpoint cannot be bound), then start the thread."""
+    def start(self, tenants: Sequence[str] | Mapping[str, int] = ()) -> None:
+        """Bind the operator stream and those of ``tenants`` (a mapping: each one's replay
+        buffer bytes, at most ``stream_buffer_bytes``), ValueError naming the setting when an
+        endpoint cannot be bound; then start the thread."""
         s = self.settings
+        if isinstance(tenants, Mapping):
+            self._caps.update(tenants)
         if s.endpoint:
             self._streams[""] = self._open("", s.endpoint, s.replay_endpoint, "events_endpoint")
         if s.tenant_endpoint:
@@ -119,6 +158,23 @@ class EventPublisher:
                 self._tenant_stream(t, strict=True)
         self._thread = threading.Thread(target=self._run, name="kvtierd-events", daemon=True)
         self._thread.start()
+
+    def add_tenants(self, caps: Mapping[str, int]) -> None:
+        """Tenants a reload added (each with its replay buffer's bytes): their paths checked
+        here (a refusal logged, naming the setting), their streams bound by the thread now."""
+        s = self.settings
+        for t, cap in caps.items():
+            if not s.tenant_endpoint or t in self._streams:
+                continue
+            try:
+                self._check_tenant(t)
+            except ValueError as e:
+                log.error("no KV-event stream for tenant %s: %s", t, e)
+                continue
+            with self._lock:
+                self._caps[t] = cap
+                self._announced.append(t)
+        self.queue.wake()
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (up to ``timeout_s``), then close every socket."""
@@ -128,9 +184,13 @@ class EventPublisher:
             self._thread.join(timeout_s)
         if self._thread is None or not self._thread.is_alive():
             for st in self._streams.values():
-                st.pub.close(linger=0)
-                if st.replay is not None:
-                    st.replay.close(linger=0)
+                for sock in (st.pub, st.replay):
+                    if sock is not None:
+                        self._gate.forget(sock)
+                        sock.close(linger=0)
+                for b in st.bound:
+                    release(b)
+            self._gate.close()
             self._ctx.term()
 
     def figures(self) -> dict[str, int]:
@@ -141,51 +201,87 @@ class EventPublisher:
             "event_replay_requests": self.replay_requests,
             "event_blocks_queued": self.queue.queued_blocks,
             "event_streams": len(self._streams),
+            "event_buffered_bytes": self._buffers.held_bytes,
+            "event_buffer_dropped_messages": self._buffers.dropped_messages,
+            "event_replays_cut": self.replays_cut,
+            "event_connections_refused": self._gate.refused,
         }
 
     # -- sockets ----------------------------------------------------------------------------------
 
     def _open(self, name: str, endpoint: str, replay_endpoint: str, setting: str) -> _Stream:
         zmq = self._zmq
-        pub = self._ctx.socket(zmq.PUB)
-        pub.set_hwm(self.settings.hwm)
-        replay = None
+        s = self.settings
+        for ep in (endpoint, replay_endpoint):
+            path = ipc_path(ep)
+            if path is not None:
+                check_ipc_path(path, setting, s.rules, private=s.private or bool(name))
+        socks: list[Any] = []
+        bound: list[Bound | None] = []
         try:
-            self._bind(pub, endpoint)
-            if replay_endpoint:
-                replay = self._ctx.socket(zmq.ROUTER)
-                self._bind(replay, replay_endpoint)
-        except zmq.ZMQError as e:
-            pub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
+            for ep, kind in ((endpoint, zmq.PUB), (replay_endpoint, zmq.ROUTER)):
+                if ep:
+                    sock = self._socket(kind, f"{'replay' if kind == zmq.ROUTER else 'pub'}:{name}")
+                    socks.append(sock)
+                    bound.append(bind(sock, ep, s.rules.mode))
+        except (zmq.ZMQError, OSError) as e:
+            for sock in socks:
+                self._gate.forget(sock)
+                sock.close(linger=0)
+            for b in bound:
+                release(b)
             raise ValueError(
                 f"{setting}: cannot bind {endpoint}{' / ' + replay_endpoint if replay_endpoint else ''}: {e}"
             ) from None
+        with self._lock:
+            cap = min(s.stream_buffer_bytes, self._caps.get(name, s.stream_buffer_bytes))
         st = _Stream(
-            name, pub, replay, deque(maxlen=self.settings.buffer_batches), seq=time.time_ns() // 1000
+            name,
+            socks[0],
+            socks[1] if len(socks) > 1 else None,
+            self._buffers.new(cap, s.buffer_batches),
+            bound,
+            seq=time.time_ns() // 1000,
         )
         st.events.append(Cleared())  # every stream starts by saying "forget what you knew"
         return st
 
-    def _bind(self, sock: Any, endpoint: str) -> None:
-        sock.bind(endpoint)
-        if endpoint.startswith("ipc://"):  # created under the caller's umask; then the mode
-            os.chmod(endpoint.removeprefix("ipc://"), self.settings.socket_mode)
+    def _socket(self, kind: int, domain: str) -> Any:
+        """A PUB or ROUTER socket: small queues, tiny requests, at most ``max_peers`` peers."""
+        zmq = self._zmq
+        sock = self._ctx.socket(kind)
+        sock.set_hwm(self.settings.send_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full requester: EAGAIN, never a wait
+        self._gate.watch(sock, domain)
+        return sock
+
+    def _endpoints(self, tenant: str) -> tuple[str, str]:
+        """A tenant's PUB and replay endpoints; ValueError when its name cannot be in a path."""
+        s = self.settings
+        pub = tenant_endpoint(s.tenant_endpoint, tenant)
+        replay = tenant_endpoint(s.tenant_replay_endpoint, tenant) if s.tenant_replay_endpoint else ""
+        if pub is None or replay is None:
+            raise ValueError(
+                f"events_tenant_endpoint: tenant name {tenant!r} cannot be put "
+                "in an endpoint (letters, digits, '.', '_', '-' only)"
+            )
+        return pub, replay
+
+    def _check_tenant(self, tenant: str) -> None:
+        """ValueError naming the setting when the tenant's stream may not be bound."""
+        for ep in self._endpoints(tenant):
+            path = ipc_path(ep)
+            if path is not None:
+                check_ipc_path(path, "events_tenant_endpoint", self.settings.rules, private=True)
 
     def _tenant_stream(self, tenant: str, *, strict: bool = False) -> _Stream | None:
         st = self._streams.get(tenant)
         if st is not None or tenant in self._refused:
             return st
-        s = self.settings
-        pub = tenant_endpoint(s.tenant_endpoint, tenant)
-        replay = tenant_endpoint(s.tenant_replay_endpoint, tenant) if s.tenant_replay_endpoint else ""
         try:
-            if pub is None or replay is None:
-                raise ValueError(
-                    f"events_tenant_endpoint: tenant name {tenant!r} cannot be put "
-                    "in an endpoint (letters, digits, '.', '_', '-' only)"
-                )
+            pub, replay = self._endpoints(tenant)
             st = self._open(tenant, pub, replay, "events_tenant_endpoint")
         except ValueError as e:
             if strict:
@@ -203,6 +299,8 @@ class EventPublisher:
             stopping = self._stop.is_set()
             records = self.queue.take(0.0 if stopping else 0.02)
             try:
+                self._gate.serve()
+                self._bind_announced()
                 self._serve_replays()
                 self._route(records)
                 self._send_all()
@@ -212,6 +310,12 @@ class EventPublisher:
                 time.sleep(0.05)
             if stopping and not records:
                 return
+
+    def _bind_announced(self) -> None:
+        with self._lock:
+            names, self._announced = self._announced, []
+        for t in names:
+            self._tenant_stream(t)
 
     def _route(self, records: list[Record]) -> None:
         """Turn records into events on the streams that may see them."""
@@ -224,99 +328,71 @@ class EventPublisher:
                         st.events.append(Cleared())
                 continue
             assert medium is not None
-            for tenant, evs in _events(kind, medium, entries):
+            for tenant, evs in events_of(kind, medium, entries):
                 if operator is not None:
-                    _append(operator.events, evs)
+                    append_events(operator.events, evs)
                 if tenanted and tenant is not None:
                     mine = self._tenant_stream(tenant)
                     if mine is not None:
-                        _append(mine.events, evs)
+                        append_events(mine.events, evs)
 
     def _send_all(self) -> None:
         topic = self.settings.topic.encode()
         for st in self._streams.values():
-            while st.events:
-                chunk = st.events[:MAX_EVENTS_PER_BATCH]
-                del st.events[:MAX_EVENTS_PER_BATCH]
-                payload = encode_batch(time.time(), chunk)
-                seq = SEQ.pack(st.seq)
-                st.pub.send_multipart((topic, seq, payload))
-                st.buffer.append((st.seq, payload))
+            events, st.events = st.events, []
+            for encoded in self._messages(events):
+                payload = batch_payload(time.time(), encoded)
+                st.pub.send_multipart((topic, SEQ.pack(st.seq), payload))
+                self._buffers.append(st.buffer, st.seq, payload)
                 st.seq += 1
-                self.events_published += len(chunk)
+                self.events_published += len(encoded)
                 self.batches_published += 1
 
+    def _messages(self, events: list[Event]) -> Iterator[list[bytes]]:
+        """``events`` encoded, in batches of at most ``max_message_bytes`` (an event larger
+        than that split in parts that fit; one block's alone if still larger)."""
+        room = self.settings.max_message_bytes - BATCH_OVERHEAD_BYTES
+        todo = list(reversed(events))
+        batch: list[bytes] = []
+        size = 0
+        while todo:
+            ev = todo.pop()
+            enc = encode_event(ev)
+            parts = split_event(ev, -(-len(enc) * 9 // (room * 8))) if len(enc) > room else None
+            if parts is not None:  # (a part still too large is split again)
+                todo.extend(reversed(parts))
+                continue
+            if batch and (size + len(enc) > room or len(batch) >= MAX_EVENTS_PER_BATCH):
+                yield batch
+                batch, size = [], 0
+            batch.append(enc)
+            size += len(enc)
+        if batch:
+            yield batch
+
     def _serve_replays(self) -> None:
-        topic = self.settings.topic.encode()
+        """Answer waiting replay requests (at most 64 a socket a turn): the buffered messages
+        from the asked seq, at most ``replay_max_bytes`` and one fewer than ``send_hwm`` (the
+        end marker's room), then the end marker. A requester whose queue is full gets the rest
+        cut (counted): it never holds more than ``send_hwm`` messages of the daemon's."""
+        zmq = self._zmq
+        s = self.settings
+        topic = s.topic.encode()
         for st in self._streams.values():
             sock = st.replay
-            while sock is not None and sock.poll(0):
+            for _ in range(64):
+                if sock is None or not sock.poll(0):
+                    break
                 frame = sock.recv_multipart()
                 self.replay_requests += 1
                 if len(frame) != 3 or len(frame[2]) != 8:
                     log.debug("bad replay request (%d frames)", len(frame))
                     continue
                 client, _, start = frame
-                first = int.from_bytes(start, "big")
-                for seq, payload in st.buffer:
-                    if seq >= first:
-                        sock.send_multipart((client, b"", topic, SEQ.pack(seq), payload))
-                sock.send_multipart((client, b"", b"", END_SEQ, b""))
-
-
-def _append(out: list[Event], evs: list[Event]) -> None:
-    """``out += evs``, a removal joining the removal before it (same medium and tenant): one
-    eviction is one record, and a burst of them one event."""
-    for ev in evs:
-        last = out[-1] if out else None
-        if (
-            isinstance(ev, Removed)
-            and isinstance(last, Removed)
-            and last.medium == ev.medium
-            and last.tenant == ev.tenant
-        ):
-            out[-1] = Removed([*last.keys, *ev.keys], ev.medium, ev.tenant)
-        else:
-            out.append(ev)
-
-
-def _events(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[str | None, list[Event]]]:
-    """The events of one record, per tenant: removals as one list per tenant; stores as one
-    ``BlockStored`` per chain (a block whose parent is the block before it joins it)."""
-    if kind == "removed":
-        by_tenant: dict[str | None, list[bytes]] = {}
-        for e in entries:
-            by_tenant.setdefault(e.ns.spec.tenant, []).append(e.key)
-        for tenant, keys in by_tenant.items():
-            yield tenant, [Removed(keys, medium, tenant)]
-        return
-    run: list[Entry] = []
-    for e in entries:
-        origin = e.origin
-        if run and not (origin is not None and origin[0] == run[-1].key and e.ns is run[-1].ns):
-            yield run[0].ns.spec.tenant, [_stored(run, medium)]
-            run = []
-        run.append(e)
-    if run:
-        yield run[0].ns.spec.tenant, [_stored(run, medium)]
-
-
-def _stored(run: list[Entry], medium: Any) -> Stored:
-    spec = run[0].ns.spec
-    tpb = spec.tokens_per_block
-    origin = run[0].origin
-    tokens: list[int] = []
-    if all(e.origin is not None and len(e.origin[1]) == 4 * tpb for e in run):
-        for e in run:
-            tokens.extend(unpack_tokens(e.origin[1]))  # type: ignore[index]  # (checked above)
-    extra: tuple[str, ...] = tuple(v for v in (spec.adapter_id, spec.cache_salt) if v)
-    return Stored(
-        keys=[e.key for e in run],
-        parent=origin[0] if origin is not None else None,
-        token_ids=tokens,
-        block_size=tpb,
-        medium=medium,
-        lora_name=spec.adapter_id,
-        extra_keys=[extra] * len(run) if extra else None,
-        tenant=spec.tenant,
-    )
+                answer = st.buffer.since(int.from_bytes(start, "big"), s.replay_max_bytes, s.send_hwm - 1)
+                try:
+                    for seq, payload in answer:
+                        sock.send_multipart((client, b"", topic, SEQ.pack(seq), payload), zmq.NOBLOCK)
+                    sock.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+                except zmq.ZMQError:  # EAGAIN: it reads nothing; EHOSTUNREACH: it left
+                    self.replays_cut += 1

@@ -95,11 +95,67 @@ def event_map(ev: Event) -> dict[str, Any]:
     return m
 
 
-def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
-    """One payload: ``[ts, [event map...], data_parallel_rank]`` (needs msgpack)."""
+def encode_event(ev: Event) -> bytes:
+    """One event's msgpack map, alone: :func:`batch_payload` puts encoded events in a batch
+    (needs msgpack)."""
     import msgpack
 
-    return bytes(msgpack.packb([ts, [event_map(e) for e in events], data_parallel_rank], use_bin_type=True))
+    return bytes(msgpack.packb(event_map(ev), use_bin_type=True))
+
+
+def batch_payload(ts: float, encoded: Sequence[bytes], data_parallel_rank: int = 0) -> bytes:
+    """One payload ``[ts, [event...], data_parallel_rank]`` of events already encoded (by
+    :func:`encode_event`): exactly what ``msgpack.packb`` of the whole would give, its size
+    the events' sizes plus at most :data:`BATCH_OVERHEAD_BYTES` (needs msgpack)."""
+    import msgpack
+
+    packer = msgpack.Packer(use_bin_type=True)
+    return b"".join(
+        (
+            packer.pack_array_header(3),
+            packer.pack(ts),
+            packer.pack_array_header(len(encoded)),
+            *encoded,
+            packer.pack(data_parallel_rank),
+        )
+    )
+
+
+BATCH_OVERHEAD_BYTES = 32
+"""A batch's bytes beside its events: two array headers (at most 1 + 5), the float (9), the rank."""
+
+
+def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
+    """One payload: ``[ts, [event map...], data_parallel_rank]`` (needs msgpack)."""
+    return batch_payload(ts, [encode_event(e) for e in events], data_parallel_rank)
+
+
+def split_event(ev: Event, parts: int) -> list[Event] | None:
+    """``ev`` as up to ``parts`` events that say the same, in order (a message too large for
+    one batch): each chain part has the last key of the part before it as its parent; None
+    when it cannot be split (one block, ``AllBlocksCleared``)."""
+    if isinstance(ev, Cleared) or len(ev.keys) < 2:
+        return None
+    n = len(ev.keys)
+    step = -(-n // max(2, min(parts, n)))  # ceil: blocks a part
+    cuts = range(0, n, step)
+    if isinstance(ev, Removed):
+        return [Removed(ev.keys[i : i + step], ev.medium, ev.tenant) for i in cuts]
+    tpb = len(ev.token_ids) // n  # 0: no tokens
+    ek = ev.extra_keys
+    return [
+        Stored(
+            ev.keys[i : i + step],
+            ev.keys[i - 1] if i else ev.parent,
+            ev.token_ids[i * tpb : (i + step) * tpb],
+            ev.block_size,
+            ev.medium,
+            ev.lora_name,
+            None if ek is None else ek[i : i + step],
+            ev.tenant,
+        )
+        for i in cuts
+    ]
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:

@@ -19,7 +19,8 @@ from kvtier_contract.identity import Namespace
 from kvtierd.cache import TieredCache
 from kvtierd.domain import Transport
 from kvtierd.events import BlockEvents, EventQueue
-from kvtierd.events.publisher import EventPublisher, EventSettings, _events, tenant_endpoint
+from kvtierd.events.publisher import EventPublisher, EventSettings, tenant_endpoint
+from kvtierd.events.records import events_of
 from kvtierd.events.wire import (
     END_SEQ,
     Cleared,
@@ -175,12 +176,18 @@ def test_token_ids_and_parent_ride_with_the_entries_when_events_are_on(cache: Ti
     e1, e2, e3 = (ns.entries[k] for k in keys(1, 2, 3))
     assert e1.origin == (parent, pack_tokens([0, 1, 2, 3]))
     assert e3.origin == (keys(2)[0], pack_tokens([8, 9, 10, 11]))
-    [(tenant, [ev])] = list(_events("stored", "CPU", [e1, e2, e3]))
+    [(tenant, [ev])] = list(events_of("stored", "CPU", [e1, e2, e3]))
     assert isinstance(ev, Stored)
     assert (ev.keys, ev.parent, list(ev.token_ids)) == (keys(1, 2, 3), parent, list(range(12)))
-    assert ev.extra_keys == [("a", "s")] * 3 and ev.lora_name == "a" and tenant is None
+    # vLLM's rule: the adapter on every block, the salt only where a chain starts without a
+    # parent (the parent's key carries it from there)
+    assert ev.extra_keys == [("a",)] * 3 and ev.lora_name == "a" and tenant is None
+    put(cache, ns, keys(5, 6), token_ids=list(range(8)))  # no parent: a prompt's start
+    [(_t, [head])] = list(events_of("stored", "CPU", [ns.entries[k] for k in keys(5, 6)]))
+    assert isinstance(head, Stored) and head.parent is None
+    assert head.extra_keys == [("a", "s"), ("a",)]
     # a run broken by a block from elsewhere: two events; no tokens unless all have them
-    runs = [e.keys for _t, [e] in _events("stored", "STORAGE", [e1, e3, e2])]  # type: ignore[attr-defined]
+    runs = [e.keys for _t, [e] in events_of("stored", "STORAGE", [e1, e3, e2])]  # type: ignore[attr-defined]
     assert runs == [keys(1), keys(3), keys(2)]
 
 
@@ -207,7 +214,7 @@ def test_token_ids_past_their_share_of_a_slot_are_not_kept(cache: TieredCache) -
     put(cache, ns, keys(1, 2), token_ids=list(range(1024)), parent=parent)
     e1, e2 = (ns.entries[k] for k in keys(1, 2))
     assert e1.origin == (parent, b"") and e2.origin == (keys(1)[0], b"")
-    [(_t, [ev])] = list(_events("stored", "CPU", [e1, e2]))
+    [(_t, [ev])] = list(events_of("stored", "CPU", [e1, e2]))
     assert isinstance(ev, Stored) and list(ev.token_ids) == [] and ev.parent == parent
 
 
