@@ -70,7 +70,8 @@ POLL_S = 0.005
 CHAIN = 64  # keys of a lookup chain
 WAIT_S = 120.0
 FLEET_KEY = os.urandom(32)  # the two daemons' fleet key (one per run)
-REALM = FleetKeys(FLEET_KEY).realm(None)
+CLUSTER_REALM = "cluster-bench"  # the two daemons' cluster_realm (no tenants file)
+REALM = FleetKeys(FLEET_KEY).untenanted(CLUSTER_REALM)
 
 
 def redis_key(digest: bytes, key: bytes) -> bytes:
@@ -113,6 +114,7 @@ def start_node(
     cfg.write_text(
         f'cluster = "{url}"\n'
         f'cluster_fleet_key_file = "{fleet}"\n'
+        f'cluster_realm = "{CLUSTER_REALM}"\n'
         "cluster_lookup_timeout_ms = 1000\n"
         "cluster_fetch_timeout_ms = 5000\n"
         "cluster_write_timeout_ms = 10000\n"

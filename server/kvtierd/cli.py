@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from kvtier_contract.units import parse_bytes
+from kvtier_contract.units import exact_bytes, parse_bytes
 from kvtier_contract.version import __version__
 
 if TYPE_CHECKING:
@@ -62,17 +62,10 @@ def config_default(name: str) -> str | None:
     if isinstance(value, bool):
         return f"{name} = {str(value).lower()}"
     if name in SIZE_FIELDS and isinstance(value, int):
-        return _exact_size(value) if value else "0"
-    if name == "socket_mode":
+        return exact_bytes(value) if value else "0"
+    if name in ("socket_mode", "events_socket_mode"):
         return f"{value:04o}"
     return "none" if value == "" else str(value)
-
-
-def _exact_size(n: int) -> str:
-    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "in one line and with exit status 2, a host tier larger than the memory "
         "available, a port in use and an unusable --disk-dir.",
     )
-    _host_and_listener_flags(s)
+    _host_flags(s)
+    _listener_flags(s)
     _storage_flags(s)
     _tenant_and_event_flags(s)
     _security_flags(s)
@@ -116,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
-    """``serve``: the config file, the host tier, the listeners, leases, cuda_ipc."""
+def _host_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the config file, the host tier, leases, cuda_ipc."""
     s.add_argument("--config", help="TOML or JSON file with DaemonConfig fields")
-    s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB")
+    s.add_argument("--host-bytes", type=_size, help="host tier size, e.g. 1GiB (GiB = 2^30 bytes, GB = 10^9)")
     s.add_argument(
         "--allow-host-bytes-over-available",
         dest="allow_host_bytes_over_available",
@@ -129,16 +123,6 @@ def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
         "tenant arenas) exceed the memory available (warned at start)",
     )
     s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
-    s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
-    s.add_argument(
-        "--socket-mode",
-        type=_mode,
-        help="mode of the Unix sockets, octal (600: the daemon's user only; 660: its group too)",
-    )
-    s.add_argument("--listen", help="gRPC TCP HOST:PORT ('' disables)")
-    s.add_argument("--data-listen", help="TCP data channel HOST:PORT")
-    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables, 0 picks one)")
-    s.add_argument("--metrics-host", help="Prometheus bind address")
     s.add_argument("--eviction-policy", choices=["lru", "arc"], help="host tier eviction order")
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
     s.add_argument(
@@ -154,6 +138,30 @@ def _host_and_listener_flags(s: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         help="offer the cuda_ipc transport (needs cupy and a GPU)",
+    )
+
+
+def _listener_flags(s: argparse.ArgumentParser) -> None:
+    """``serve``: the Unix sockets, the TCP listeners, /metrics, health and reflection."""
+    s.add_argument("--socket", dest="socket_path", help="gRPC Unix socket path ('' disables)")
+    s.add_argument(
+        "--socket-mode",
+        type=_mode,
+        help="mode of the Unix sockets, octal (600: the daemon's user only; 660: its group too)",
+    )
+    s.add_argument(
+        "--listen",
+        help="gRPC TCP HOST:PORT ('' disables); off loopback it needs --tenants-file or "
+        "--tls-require-client-cert (and TLS)",
+    )
+    s.add_argument("--data-listen", help="TCP data channel HOST:PORT (off loopback: as --listen)")
+    s.add_argument("--metrics-port", type=int, help="Prometheus port (-1 disables, 0 picks one)")
+    s.add_argument("--metrics-host", help="Prometheus bind address")
+    s.add_argument(
+        "--health-listen", help="HOST:PORT serving only gRPC health, plaintext (kubelet grpc probes)"
+    )
+    s.add_argument(
+        "--reflection", choices=["unix", "all", "off"], help="where gRPC server reflection is served"
     )
 
 
@@ -190,6 +198,11 @@ def _storage_flags(s: argparse.ArgumentParser) -> None:
         help="the fleet key (hex, >= 32 bytes) that "
         "authenticates cluster values; required with --cluster (docs/cluster.md)",
     )
+    s.add_argument(
+        "--cluster-realm",
+        help="without --tenants-file: this deployment's trust domain in the cluster "
+        "(daemons share values only within one realm); required with --cluster then",
+    )
 
 
 def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
@@ -200,8 +213,8 @@ def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--events-endpoint",
-        help="publish KV events (vLLM's wire format) on this "
-        "ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (docs/events.md); off by default",
+        help="publish KV events (vLLM's wire format) on this ZMQ PUB endpoint, e.g. "
+        "ipc:///run/kvtier-events/events.sock (tcp:// needs --allow-plaintext-remote; docs/events.md)",
     )
     s.add_argument(
         "--events-replay-endpoint", help="ZMQ ROUTER endpoint answering replay requests of --events-endpoint"
@@ -213,11 +226,16 @@ def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
         "--events-tenant-replay-endpoint", help="per-tenant replay endpoints: ipc://PATH with {tenant} in it"
     )
     s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per stream")
+    s.add_argument("--events-stream-buffer-bytes", type=_size, help="bytes kept for replay, per stream")
+    s.add_argument("--events-buffer-bytes", type=_size, help="bytes kept for replay, all streams")
+    s.add_argument(
+        "--events-socket-mode", type=_mode, help="mode of the ipc:// event sockets, octal (600: owner only)"
+    )
 
 
 def _security_flags(s: argparse.ArgumentParser) -> None:
-    """``serve``: TLS, plaintext exposure, health and reflection, byte verification."""
-    s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener serves TLS")
+    """``serve``: TLS, plaintext exposure, byte verification."""
+    s.add_argument("--tls-cert", help="PEM certificate: the TCP gRPC listener (--listen) serves TLS")
     s.add_argument("--tls-key", help="PEM key of --tls-cert")
     s.add_argument("--tls-client-ca", help="PEM CA verifying client certificates (mTLS)")
     s.add_argument(
@@ -232,7 +250,8 @@ def _security_flags(s: argparse.ArgumentParser) -> None:
         dest="allow_plaintext_remote",
         action="store_const",
         const=True,
-        help="allow a non-loopback listen/data-listen without TLS (warned at start)",
+        help="allow a non-loopback listen/data-listen without TLS (warned at start; it still "
+        "needs --tenants-file)",
     )
     s.add_argument(
         "--allow-plaintext-metrics",
@@ -240,12 +259,6 @@ def _security_flags(s: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         help="serve /metrics in plaintext off loopback; with tenants, only scrape tokens are accepted there",
-    )
-    s.add_argument(
-        "--health-listen", help="HOST:PORT serving only gRPC health, plaintext (kubelet grpc probes)"
-    )
-    s.add_argument(
-        "--reflection", choices=["unix", "all", "off"], help="where gRPC server reflection is served"
     )
     s.add_argument(
         "--no-verify-bytes",
@@ -258,7 +271,15 @@ def _security_flags(s: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _command(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C before the daemon's own handlers: its imports, its checks
+        print("kvtierd: interrupted", file=sys.stderr)
+        return 130
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the subcommand ``args`` names."""
     if args.command == "hash-token":
         from kvtierd.tenants import token_digest
 
@@ -301,47 +322,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# The DaemonConfig fields the ``serve`` flags set (each flag's ``dest``), in the order they are
-# handed to ``with_overrides``; a flag not given is None: the file's value or the default stays.
-_FLAG_FIELDS = (
-    "host_bytes",
-    "slab_bytes",
-    "socket_path",
-    "socket_mode",
-    "listen",
-    "data_listen",
-    "metrics_port",
-    "metrics_host",
-    "eviction_policy",
-    "lease_ttl_s",
-    "prefault",
-    "disk_dir",
-    "disk_bytes",
-    "disk_optional",
-    "allow_host_bytes_over_available",
-    "io_align_bytes",
-    "write_policy",
-    "cuda_ipc",
-    "cluster",
-    "cluster_write_policy",
-    "tenants_file",
-    "cluster_fleet_key_file",
-    "tls_cert",
-    "tls_key",
-    "tls_client_ca",
-    "tls_require_client_cert",
-    "allow_plaintext_remote",
-    "metrics_plaintext_remote",
-    "health_listen",
-    "reflection",
-    "verify_bytes",
-    "verify_store",
-    "events_endpoint",
-    "events_replay_endpoint",
-    "events_tenant_endpoint",
-    "events_tenant_replay_endpoint",
-    "events_buffer_batches",
-)
+_NOT_FIELDS = ("command", "config")
+"""The entries of a parsed ``serve`` that are no DaemonConfig field: every flag's ``dest`` is the
+field it sets (a flag not given is None: the file's value or the default stays)."""
 
 
 def _config(args: argparse.Namespace) -> DaemonConfig:
@@ -349,15 +332,17 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
     from kvtierd.config import load_config, with_overrides
 
     cfg = load_config(args.config)
-    return with_overrides(cfg, **{name: getattr(args, name) for name in _FLAG_FIELDS})
+    return with_overrides(cfg, **{k: v for k, v in vars(args).items() if k not in _NOT_FIELDS})
 
 
 def _check_files(cfg: DaemonConfig) -> None:
     """The files and packages the config names, refused here with the field rather than at
     start: the tenants file (and /metrics' exposure with it), the cluster's password file,
-    the events' packages."""
+    the events' packages, the TLS files."""
     from kvtierd.app import cluster_settings
+    from kvtierd.app.listeners import check_tls_files
 
+    check_tls_files(cfg)  # a key that is not the certificate's: named here, not "cannot bind"
     if cfg.tenancy.tenants_file:
         from kvtierd.tenancy.exposure import check_metrics_exposure
         from kvtierd.tenants import load_tenants

@@ -37,18 +37,20 @@ from kvtierd.tiers.cluster.keys import FleetKeys, Realm
 
 HOST = ("--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--lease-ttl-s", "5")
 FLEET_KEY = hashlib.sha256(b"the test fleet").digest()
-REALM = FleetKeys(FLEET_KEY).realm(None)  # the realm of daemons without tenants
+CLUSTER_REALM = "tests.engines"  # the cluster_realm of daemons without tenants (by default)
+REALM = FleetKeys(FLEET_KEY).untenanted(CLUSTER_REALM)
 
 
 def redis_key(digest: bytes, key: bytes, realm: Realm = REALM) -> bytes:
     return realm_key(realm, digest, key)
 
 
-def fleet_line(tmp_path: Path, key: bytes = FLEET_KEY) -> str:
-    """The config line giving a daemon ``key`` as its fleet key (a file per key)."""
+def fleet_line(tmp_path: Path, key: bytes = FLEET_KEY, realm: str = CLUSTER_REALM) -> str:
+    """The config lines giving a daemon ``key`` as its fleet key (a file per key) and, unless
+    ``realm`` is "" (a daemon with tenants), ``realm`` as its cluster_realm."""
     path = tmp_path / f"fleet-{key[:4].hex()}.key"
     path.write_text(key.hex() + "\n")
-    return f'cluster_fleet_key_file = "{path}"\n'
+    return f'cluster_fleet_key_file = "{path}"\n' + (f'cluster_realm = "{realm}"\n' if realm else "")
 
 
 def block(tag: str, i: int, nbytes: int) -> bytes:
@@ -66,8 +68,10 @@ def node(
     connect: bool = True,
     fleet_key: bytes = FLEET_KEY,
     token: str | None = None,
+    realm: str = CLUSTER_REALM,
 ) -> DaemonProcess:
-    """A daemon using the cluster at ``url`` with ``fleet_key`` (deadlines generous for a loaded
+    """A daemon using the cluster at ``url`` with ``fleet_key`` and, without a tenants file in
+    ``extra``, ``realm`` as its cluster_realm (deadlines generous for a loaded
     2-core CI, unless ``defaults``: the shipped ones), returned once its cluster tier is
     connected unless not ``connect`` (asked with ``token`` when it has tenants). (The daemon
     serves before its tier has the slot map: until then a store is not written to the cluster
@@ -79,9 +83,10 @@ def node(
         if defaults
         else ("cluster_lookup_timeout_ms = 1000\ncluster_fetch_timeout_ms = 3000\ncluster_breaker_s = 0.2\n")
     )
+    tenanted = any(line.startswith("tenants_file") for line in extra)
     cfg.write_text(
         f'cluster = "{url}"\n'
-        + fleet_line(tmp_path, fleet_key)
+        + fleet_line(tmp_path, fleet_key, "" if tenanted else realm)
         + generous
         + "".join(f"{line}\n" for line in extra)
     )
@@ -823,12 +828,39 @@ def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(
     for d, theirs in ((x, keys), (a, keys_x)):
         with kvtier.Client.connect(d.unix, transport="tcp") as c:
             assert c.register(spec).get(theirs) == [None] * 4
-    rx = FleetKeys(other_key).realm(None)
+    rx = FleetKeys(other_key).untenanted(CLUSTER_REALM)
     for k in keys:  # A's authentic values under X's keys
         rc.set(redis_key(spec.digest, k, rx), rc.get(redis_key(spec.digest, k)))
     with kvtier.Client.connect(x.unix, transport="tcp") as c:
         assert c.register(spec).get(keys) == [None] * 4
         assert c.stats()["cluster"]["mac_failures"] == 4
+
+
+def test_untenanted_daemons_of_another_realm_serve_none_of_each_others_values(
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
+    """Issue 39: untenanted daemons sharing one fleet key shared one realm, so what an engine of
+    one sidecar pod stored (its own bytes under another's keys) another pod's daemon served,
+    4 of 4. Each trust domain has its cluster_realm now: a daemon of another realm never asks
+    for those values, and serves none copied under its own keys (the MAC is another realm's);
+    daemons of one realm still share."""
+    poisoner = node(daemon_factory, tmp_path, "poisoner", cluster.url, realm="ns-b.engine")
+    victim = node(daemon_factory, tmp_path, "victim", cluster.url, realm="ns-a.engine")
+    peer = node(daemon_factory, tmp_path, "peer", cluster.url, realm="ns-a.engine")
+    spec, rc = make_namespace(), cluster.cluster_client()
+    keys, _ = store(poisoner, "poison", 4, fill=b"\x66")  # the keys the victim's engines ask for
+    with kvtier.Client.connect(victim.unix, transport="tcp") as c:
+        assert c.register(spec).get(keys) == [None] * 4
+    fleet = FleetKeys(FLEET_KEY)
+    va, vb = fleet.untenanted("ns-a.engine"), fleet.untenanted("ns-b.engine")
+    for k in keys:  # the poisoner's authentic values under the victim realm's keys
+        rc.set(redis_key(spec.digest, k, va), rc.get(redis_key(spec.digest, k, vb)))
+    with kvtier.Client.connect(victim.unix, transport="tcp") as c:
+        assert c.register(spec).get(keys) == [None] * 4
+        assert c.stats()["cluster"]["mac_failures"] == 4
+    keys, data = store(victim, "shared", 4)
+    with kvtier.Client.connect(peer.unix, transport="tcp") as c:  # the same realm: served
+        assert [bytes(g) if g is not None else None for g in c.register(spec).get(keys)] == data
 
 
 def test_a_redis_acl_user_held_to_its_realms_key_pattern_is_all_a_daemon_needs(

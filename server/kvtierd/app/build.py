@@ -11,21 +11,24 @@ loop at a tenants-file reload); a configuration that cannot be served is a
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtierd.app.listeners import private_umask
+from kvtier_contract.units import exact_bytes
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import ClusterTierConfig, DaemonConfig
 from kvtierd.policies import make_write_policy
 from kvtierd.preflight import StartupError, disk_refusal, nvme_config, tenant_arena_bytes
+from kvtierd.tenancy import Tenancy
 from kvtierd.tenancy.exposure import check_metrics_exposure
 from kvtierd.tenants import Tenants, load_tenants
 from kvtierd.tiers import Arena, HostTier, Recovered
 from kvtierd.tiers.base import TierUnavailable
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url
-from kvtierd.tiers.nvme.format import CorruptMeta
+from kvtierd.tiers.nvme.format import META_NAME, CorruptMeta, StoreMeta
 from kvtierd.tiers.nvme.tier import NvmeTier
 from kvtierd.transports.cuda_driver import CudaDriver
 from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
@@ -33,6 +36,7 @@ from kvtierd.transports.cuda_ipc import CudaIpcCopier, CudaIpcTransport
 log = logging.getLogger("kvtierd")
 if TYPE_CHECKING:  # pyzmq and msgpack: only when events are on
     from kvtierd.events.publisher import EventPublisher
+    from kvtierd.events.sockets import SocketRules
 
 T = TypeVar("T")
 
@@ -143,9 +147,10 @@ def attach_storage(
 
 
 def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublisher:
-    """The KV-event publisher (pyzmq and msgpack imported here), its sockets bound owner-only
-    (ipc://: then set to ``socket_mode``) and its thread started; ValueError naming the
-    setting when the packages are missing or an endpoint cannot be bound."""
+    """The KV-event publisher (pyzmq and msgpack imported here), its sockets bound private
+    (ipc://: then set to ``events_socket_mode``, before they appear) and its thread started;
+    ValueError naming the setting when the packages are missing or an endpoint cannot be
+    bound (or would reach the engines, or is one of the daemon's sockets)."""
     from kvtierd.events import EventQueue
     from kvtierd.events.publisher import EventPublisher, EventSettings, check_dependencies
 
@@ -159,13 +164,45 @@ def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublishe
             tenant_replay_endpoint=e.events_tenant_replay_endpoint,
             topic=e.events_topic,
             buffer_batches=e.events_buffer_batches,
-            socket_mode=cfg.grpc.socket_mode,
+            stream_buffer_bytes=e.events_stream_buffer_bytes,
+            buffer_bytes=e.events_buffer_bytes,
+            max_message_bytes=e.events_max_message_bytes,
+            replay_max_bytes=e.events_replay_max_bytes,
+            send_hwm=e.events_send_queue_messages,
+            max_peers=e.events_max_connections,
+            rules=event_socket_rules(cfg),
+            private=tenants is not None,
         ),
         EventQueue(e.events_queue_blocks),
     )
-    with private_umask():
-        publisher.start(list(tenants.by_name) if tenants is not None else [])
+    publisher.start(event_buffer_caps(Tenancy(tenants), list(tenants.by_name)) if tenants is not None else {})
     return publisher
+
+
+def event_buffer_caps(tenancy: Tenancy, names: list[str]) -> dict[str, int]:
+    """Each tenant's KV-event replay buffer bytes: its ``buffered_bytes`` quota."""
+    return {n: tenancy.quota(n, "buffered_bytes") or 0 for n in names}
+
+
+def event_socket_rules(cfg: DaemonConfig) -> SocketRules:
+    """Where event sockets may not go: the daemon's own sockets and lock; who they must not
+    reach: the group of the daemon's gRPC socket (its directory's, when that is setgid)."""
+    from kvtierd.events.sockets import SocketRules
+
+    shm = os.path.abspath(cfg.shm_socket_path)
+    base = shm.removesuffix(".shm")
+    gids = {os.getegid()}
+    try:
+        parent = os.stat(os.path.dirname(base))
+        if parent.st_mode & stat.S_ISGID:
+            gids.add(parent.st_gid)
+    except OSError:
+        pass
+    return SocketRules(
+        mode=cfg.events.events_socket_mode,
+        reserved=frozenset({base, shm, base + ".lock"}),
+        engine_gids=frozenset(gids),
+    )
 
 
 def _lock_disk(nvme: NvmeTier, cfg: DaemonConfig) -> None:
@@ -194,7 +231,7 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         import redis  # noqa: F401
     except ImportError as e:
         raise ValueError(
-            f"cluster: the cluster tier needs redis-py and hiredis (pip install 'kvtier[cluster]'): {e}"
+            f"cluster: the cluster tier needs redis-py and hiredis (the kvtierd wheel's cluster extra, README.md, Install): {e}"
         ) from None
     creds = _cluster_credentials(c, tls)
     from kvtierd.tiers.cluster.keys import read_fleet_key
@@ -203,6 +240,7 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         seeds=seeds,
         fleet_key=read_fleet_key(c.cluster_fleet_key_file),
         tenanted=bool(cfg.tenancy.tenants_file),
+        realm=c.cluster_realm,
         creds=creds,
         write_policy=c.cluster_write_policy,
         ttl_s=c.cluster_ttl_s,
@@ -250,17 +288,45 @@ def _open_nvme(nvme: NvmeTier, cfg: DaemonConfig) -> Recovered | None:
         opened: Recovered | None = nvme.open()
     except TierUnavailable:
         opened = None
-    except (CorruptMeta, ValueError) as e:  # not a kvtier directory, or another layout's
+    except CorruptMeta as e:  # not a kvtier directory
         nvme.close()
         raise StartupError(
             f"disk_dir {cfg.nvme_tier.disk_dir} (--disk-dir) cannot be used: "
             f"{e}; check it with kvtierd fsck, or choose another directory"
         ) from None
+    except ValueError as e:  # formatted with another layout (another size)
+        nvme.close()
+        raise StartupError(layout_refusal(cfg, f"{e}")) from None
     if not nvme.admitting and not cfg.nvme_tier.disk_optional:
         reason = nvme.degraded_reason
         nvme.close()
         raise StartupError(disk_refusal(cfg, f"the NVMe tier opened degraded: {reason}"))
     return opened
+
+
+def layout_refusal(cfg: DaemonConfig, why: str) -> str:
+    """The line refusing an NVMe directory formatted with another layout than ``cfg`` makes
+    (``why``: the tier's words), with the settings it was made with and how to reformat it."""
+    n = cfg.nvme_tier
+    try:
+        meta = StoreMeta.decode(Path(n.disk_dir, META_NAME).read_bytes())
+    except (OSError, CorruptMeta):  # (it was read a moment ago)
+        return f"disk_dir {n.disk_dir} (--disk-dir) cannot be used: {why}; choose another directory"
+    now = nvme_config(cfg)
+    same = f"--disk-bytes {exact_bytes(meta.file_bytes * meta.files)}"
+    if meta.files > 1:  # its file size came from disk_file_bytes
+        same += f' and disk_file_bytes = "{exact_bytes(meta.file_bytes)}"'
+    if meta.io_align != now.io_align:
+        same += f" and --io-align {meta.io_align}"
+    return (
+        f"disk_dir {n.disk_dir} (--disk-dir) was formatted with {meta.files} block file(s) of "
+        f"{exact_bytes(meta.file_bytes)} (io_align {meta.io_align}); this configuration makes "
+        f"block files of {exact_bytes(now.file_bytes)} (io_align {now.io_align}: --disk-bytes, "
+        "disk_file_bytes, --slab-bytes and --io-align set them), and a directory keeps the "
+        f"layout it was formatted with. Start with {same} as before, or reformat it, losing "
+        f"every block cached there: stop the daemon, remove the directory (rm -r {n.disk_dir}) "
+        "and start again; or choose another --disk-dir"
+    )
 
 
 def tenants(cfg: DaemonConfig) -> Tenants | None:

@@ -8,10 +8,12 @@ Pure functions; any thread.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 from typing import Any, get_args
 
 from kvtierd.config.groups import (
+    GROUP_OF,
     ClusterTierConfig,
     ClusterWritePolicy,
     EventsConfig,
@@ -154,6 +156,26 @@ def grpc(c: GrpcConfig) -> None:
         )
 
 
+def network_clients(g: GrpcConfig, t: TransportsConfig, tn: TenancyConfig) -> None:
+    """A listener off loopback (``listen``, ``data_listen``) authenticates its clients: a
+    tenants file (tokens, mTLS names) or required client certificates. TLS alone proves the
+    daemon to its clients, not them to it; plaintext (``allow_plaintext_remote``) is another
+    question, asked by :func:`grpc` and :func:`transports`."""
+    if tn.tenants_file or g.tls_require_client_cert:
+        return
+    for name, value in (("listen", g.listen), ("data_listen", t.data_listen)):
+        need(
+            not value or is_loopback(value),
+            name,
+            f"{value} is not a loopback address and nothing authenticates its clients: every "
+            "client that reaches it reads and writes every block (a TLS certificate proves the "
+            "daemon to them, not them to it). Add a tenants file (tenants_file, --tenants-file: "
+            "tokens per tenant, docs/security.md) or require client certificates (tls_client_ca "
+            "and tls_require_client_cert = true, --tls-client-ca --tls-require-client-cert), or "
+            "bind a loopback address",
+        )
+
+
 def metrics(c: MetricsConfig, g: GrpcConfig) -> None:
     """/metrics: a port or -1; plaintext HTTP off loopback only when allowed. (The scrape
     token it then needs with tenants: kvtierd.tenancy.exposure, once the tenants file is read.)"""
@@ -188,8 +210,8 @@ def nvme_tier(c: NvmeTierConfig, h: HostTierConfig) -> None:
         need(c.disk_file_bytes >= h.slab_bytes, "disk_file_bytes", "must hold a slab")
 
 
-def cluster_tier(c: ClusterTierConfig) -> None:
-    """The cluster's URL and fleet key file (read here) when configured, and its bounds."""
+def cluster_tier(c: ClusterTierConfig, t: TenancyConfig) -> None:
+    """The cluster's URL, fleet key file (read here) and realm when configured, and its bounds."""
     if c.cluster:
         try:
             from kvtierd.tiers.cluster.settings import parse_url
@@ -197,9 +219,24 @@ def cluster_tier(c: ClusterTierConfig) -> None:
             parse_url(c.cluster)
         except ValueError as e:
             raise ValueError(str(e)) from None
-        from kvtierd.tiers.cluster.keys import read_fleet_key
+        from kvtierd.tiers.cluster.keys import check_realm_name, read_fleet_key
 
         read_fleet_key(c.cluster_fleet_key_file)  # ValueError naming cluster_fleet_key_file
+        need(
+            bool(c.cluster_realm) or bool(t.tenants_file),
+            "cluster_realm",
+            "required with cluster without a tenants_file: the name of this deployment's trust "
+            "domain (e.g. its namespace and name); daemons of one fleet key and realm serve each "
+            "other's values, so give every deployment whose engines do not trust each other its "
+            "own (docs/cluster.md)",
+        )
+        need(
+            not (c.cluster_realm and t.tenants_file),
+            "cluster_realm",
+            "not with a tenants_file: each tenant is its own realm in the cluster",
+        )
+        if c.cluster_realm:
+            check_realm_name(c.cluster_realm)  # ValueError naming cluster_realm
     need(
         c.cluster_write_policy in get_args(ClusterWritePolicy),
         "cluster_write_policy",
@@ -221,6 +258,7 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
     """The ``events_*`` settings (the endpoints' syntax; binding them is the daemon's)."""
     need(c.events_buffer_batches >= 1, "events_buffer_batches", "must be >= 1")
     need(c.events_queue_blocks >= 1, "events_queue_blocks", "must be >= 1")
+    _events_bounds(c)
     for name in ("events_endpoint", "events_replay_endpoint"):
         _node_events_endpoint(name, getattr(c, name), g)
     need(
@@ -245,22 +283,67 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
     )
 
 
+def _events_bounds(c: EventsConfig) -> None:
+    """The bytes, queues and connections the publisher may hold (docs/events.md §4)."""
+    m = c.events_max_message_bytes
+    need(16 << 10 <= m <= 16 << 20, "events_max_message_bytes", "must be in 16KiB..16MiB")
+    need(
+        c.events_stream_buffer_bytes >= m,
+        "events_stream_buffer_bytes",
+        f"must be >= events_max_message_bytes ({m})",
+    )
+    need(
+        c.events_buffer_bytes >= c.events_stream_buffer_bytes,
+        "events_buffer_bytes",
+        f"must be >= events_stream_buffer_bytes ({c.events_stream_buffer_bytes})",
+    )
+    need(c.events_replay_max_bytes >= 1 << 10, "events_replay_max_bytes", "must be >= 1KiB")
+    need(c.events_send_queue_messages >= 2, "events_send_queue_messages", "must be >= 2")
+    need(c.events_max_connections >= 1, "events_max_connections", "must be >= 1")
+    need(
+        0o600 <= c.events_socket_mode <= 0o777 and c.events_socket_mode & 0o600 == 0o600,
+        "events_socket_mode",
+        f"expected an octal mode with the owner's rw bits (0o600), got {c.events_socket_mode!r}",
+    )
+
+
 def _node_events_endpoint(name: str, value: str, g: GrpcConfig) -> None:
-    """A node-wide event stream's endpoint ``name`` ("" = off): tcp:// or ipc://, and tcp://
-    only on loopback unless ``allow_plaintext_remote``."""
+    """A node-wide event stream's endpoint ``name`` ("" = off): ipc://, or tcp:// only with
+    ``allow_plaintext_remote`` (loopback too: every local user reaches it)."""
     if not value:
         return
     need(
-        value.startswith(("tcp://", "ipc://")), name, f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}"
+        value.startswith(("tcp://", "ipc://")), name, f"expected ipc://PATH or tcp://HOST:PORT, got {value!r}"
     )
-    if value.startswith("tcp://") and not g.allow_plaintext_remote:
-        need(
-            is_loopback(value.removeprefix("tcp://")),
-            name,
-            f"{value} is not a loopback address and ZMQ events are plaintext, unauthenticated"
-            " and carry every tenant's block keys: use ipc:// or loopback, or set "
-            "allow_plaintext_remote = true (docs/security.md)",
-        )
+    need(
+        not value.startswith("tcp://") or g.allow_plaintext_remote,
+        name,
+        f"{value}: ZMQ events are plaintext and unauthenticated, and a tcp:// endpoint (loopback "
+        "too) reaches every local user or the network; they carry every tenant's block keys and "
+        "token ids: use ipc:// (owner-only by default), or set allow_plaintext_remote = true "
+        "(--allow-plaintext-remote; docs/events.md §5)",
+    )
+
+
+def unknown_keys(extra: dict[str, Any]) -> None:
+    """No unknown key (a file's, or an override's): ValueError naming the first, with the
+    setting it was probably meant to be (difflib), and the others."""
+    if not extra:
+        return
+    first, *others = sorted(extra)
+    more = f"; also unknown: {', '.join(others)}" if others else ""
+    raise ValueError(f"{first}: unknown setting ({nearest_key(first)}){more}")
+
+
+def nearest_key(name: str) -> str:
+    """What an unknown key ``name`` (``key`` or ``section.key``) was probably meant to be."""
+    section, _, key = name.rpartition(".")
+    if section and key in GROUP_OF:
+        return f"{key} belongs in [{GROUP_OF[key]}], or unsectioned"
+    close = difflib.get_close_matches(key, list(GROUP_OF), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}?"
+    return "docs/configuration.md and kvtierd serve --help list the settings"
 
 
 def host_port(name: str, value: str) -> None:

@@ -64,7 +64,7 @@ class DaemonConfig:
         given: no size parsing); TypeError for a key no group has."""
         unknown = sorted(set(values) - set(GROUP_OF) - {"extra"})
         if unknown:
-            raise TypeError(f"DaemonConfig has no field {unknown[0]!r}")
+            raise TypeError(f"DaemonConfig has no field {unknown[0]!r} ({check.nearest_key(unknown[0])})")
         return dataclasses.replace(cls(), **_grouped(cls(), values))
 
     @property
@@ -77,6 +77,7 @@ class DaemonConfig:
 def validate(cfg: DaemonConfig) -> None:
     """Raise ValueError naming the field for any inconsistent value (the types of every group
     first, then each group's checks)."""
+    check.unknown_keys(cfg.extra)  # a misspelt key first: the rest may follow from it
     for name in GROUPS:
         check.types(getattr(cfg, name))
     check.host_tier(cfg.host_tier)
@@ -85,10 +86,10 @@ def validate(cfg: DaemonConfig) -> None:
     check.requests(cfg.requests)
     check.grpc(cfg.grpc)
     check.transports(cfg.transports, cfg.grpc)
+    check.network_clients(cfg.grpc, cfg.transports, cfg.tenancy)
     check.metrics(cfg.metrics, cfg.grpc)
-    check.need(not cfg.extra, "extra", f"unknown keys {sorted(cfg.extra)}")
     check.nvme_tier(cfg.nvme_tier, cfg.host_tier)
-    check.cluster_tier(cfg.cluster_tier)
+    check.cluster_tier(cfg.cluster_tier, cfg.tenancy)
     check.events(cfg.events, cfg.grpc, cfg.tenancy)
 
 

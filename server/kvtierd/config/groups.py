@@ -28,6 +28,10 @@ SIZE_FIELDS = (
     "cluster_queue_bytes",
     "cluster_inflight_bytes",
     "tenant_arena_bytes",
+    "events_stream_buffer_bytes",
+    "events_buffer_bytes",
+    "events_max_message_bytes",
+    "events_replay_max_bytes",
 )
 """Keys whose values may be written as sizes ("1GiB") in files and overrides."""
 
@@ -95,6 +99,13 @@ class ClusterTierConfig:
     daemons of one fleet share: every value written to the cluster carries a MAC under it (per
     tenant, a key derived from it), and a value whose MAC fails is a miss. Required with
     ``cluster`` (a daemon refuses to start without it). Never logged (docs/cluster.md)."""
+    cluster_realm: str = ""
+    """Without a tenants file: the name of this daemon's trust domain in the cluster (e.g. the
+    Kubernetes namespace and Deployment, ``ml-prod.llama-70b``; letters, digits, ``.``, ``_``,
+    ``-``). Daemons of one fleet key share values only within one realm: every engine that
+    reaches a daemon of a realm can write values that all its daemons serve. Required with
+    ``cluster`` when there is no tenants file; refused with one (each tenant is its own realm;
+    docs/cluster.md)."""
     cluster_tls_ca: str = ""
     """rediss://: CA bundle to verify the cluster's certificates ("" = the system's)."""
     cluster_tls_cert: str = ""
@@ -293,8 +304,9 @@ class EventsConfig:
 
     events_endpoint: str = ""
     """KV events (docs/events.md): the ZMQ PUB endpoint of the operator stream, every tenant's
-    blocks (``tcp://127.0.0.1:5557``, ``ipc:///run/kvtier/events.sock``); "" = off (the
-    default). Needs the ``events`` extra (pyzmq, msgpack)."""
+    blocks (``ipc:///run/kvtier-events/events.sock``); "" = off (the default). A ``tcp://``
+    one, loopback included, reaches every local user: refused unless
+    ``allow_plaintext_remote``. Needs the ``events`` extra (pyzmq, msgpack)."""
     events_replay_endpoint: str = ""
     """ZMQ ROUTER endpoint answering replay requests of the operator stream ("" = none)."""
     events_tenant_endpoint: str = ""
@@ -306,7 +318,32 @@ class EventsConfig:
     events_topic: str = ""
     """The topic frame of every event message (vLLM's default: "")."""
     events_buffer_batches: int = 10_000
-    """Messages (batches) each stream keeps for replay. >= 1."""
+    """Messages (batches) each stream keeps for replay, at most (the bytes below bound it
+    first). >= 1."""
+    events_stream_buffer_bytes: int = 4 << 20
+    """Bytes each stream's replay buffer keeps, at most (a tenant's stream: at most its
+    ``buffered_bytes`` quota too); past it the oldest messages are dropped (counted).
+    >= events_max_message_bytes."""
+    events_buffer_bytes: int = 64 << 20
+    """Bytes all replay buffers keep together, at most; past it the stream holding the most
+    drops its oldest messages first (counted). >= events_stream_buffer_bytes."""
+    events_max_message_bytes: int = 128 << 10
+    """Largest message (batch) sent: batches are split by bytes (a chain of blocks in two where
+    it must). 16KiB..16MiB."""
+    events_replay_max_bytes: int = 1 << 20
+    """Largest replay answer (the messages from the seq asked; at least one): a subscriber asks
+    again from where it stopped. >= 1KiB."""
+    events_send_queue_messages: int = 16
+    """Messages queued for one subscriber or replay requester, at most (ZMQ's send
+    high-water mark); a subscriber that falls further behind loses messages and replays them.
+    >= 2."""
+    events_max_connections: int = 8
+    """Connections each event socket (a stream's PUB, its replay ROUTER) takes at once; one
+    more is refused at its handshake (counted). >= 1."""
+    events_socket_mode: int = 0o600
+    """Mode of the ``ipc://`` event sockets (made private, then set to this before they
+    appear). With a tenants file, a mode that lets the engines' group (the daemon's gRPC
+    socket's) or every user connect is refused where they can enter the directory."""
     events_queue_blocks: int = 1 << 20
     """Blocks waiting to be published, at most; past it a record is dropped (counted in
     ``kvtier_event_blocks_dropped_total``) rather than slowing a request. >= 1."""

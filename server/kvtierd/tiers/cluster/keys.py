@@ -3,19 +3,21 @@
 The daemons of one fleet share a secret, the *fleet key* (``cluster_fleet_key_file``: hex, at
 least 32 bytes, e.g. ``openssl rand -hex 32``). Every value they write carries a MAC under a
 *realm* key derived from it, and a value whose MAC does not verify is never served
-(kvtierd.tiers.cluster.format). A realm is one tenant of a daemon with a tenants file, or
-"untenanted" for a daemon without one (whatever ``tenant`` its clients put in their namespaces:
-such a daemon has no credential that says who they are, so its values never pass for a
-tenant's)::
+(kvtierd.tiers.cluster.format). A realm is one tenant of a daemon with a tenants file, or, for
+daemons without one, the trust domain their ``cluster_realm`` names (whatever ``tenant`` their
+clients put in their namespaces: such a daemon has no credential that says who they are, so its
+values never pass for a tenant's, and every engine that reaches one daemon of a realm can plant
+values that every daemon of that realm serves: one realm per trust domain, e.g. per
+Deployment)::
 
     realm key = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/tenant/v1\\0" + tenant name)
-              = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/untenanted/v1")   (no tenants)
+              = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/untenanted/v2\\0" + cluster_realm)
     realm tag = hex(BLAKE2b-64(key = realm key, data = "kvtier/fleet/tag/v1"))     (16 hex)
 
 Redis keys start with ``kvt2:<realm tag>:``: an operator can give each tenant's traffic a Redis
 ACL key pattern (``~kvt2:<tag>:*``), and the tag, derived from the key, names no tenant and
-cannot be guessed without the fleet key. ``python -m kvtierd.tiers.cluster.keys FILE [TENANT]``
-prints a realm's pattern.
+cannot be guessed without the fleet key. ``python -m kvtierd.tiers.cluster.keys FILE TENANT``
+(or ``FILE --realm CLUSTER_REALM``) prints a realm's pattern.
 
 The key is never logged: :class:`FleetKeys` and :class:`Realm` leave it out of their ``repr``.
 Pure functions and immutable objects (the realm cache is a dict filled on first use, from the
@@ -31,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FIELD = "cluster_fleet_key_file"
+REALM_FIELD = "cluster_realm"
+MAX_REALM_CHARS = 128
 MIN_KEY_BYTES = 32
 MAC_BYTES = 32
 TAG_PREFIX = b"kvt2:"
 _TENANT_DOMAIN = b"kvtier/fleet/tenant/v1\0"
-_UNTENANTED_DOMAIN = b"kvtier/fleet/untenanted/v1"
+_UNTENANTED_DOMAIN = b"kvtier/fleet/untenanted/v2\0"
 _TAG_DOMAIN = b"kvtier/fleet/tag/v1"
 
 
@@ -67,10 +71,22 @@ def read_fleet_key(path: str | Path) -> bytes:
     return key
 
 
+def check_realm_name(name: str) -> str:
+    """``name`` if it is a valid ``cluster_realm`` (1 to 128 letters, digits, ``.``, ``_``, ``-``,
+    starting with a letter or digit); a ValueError naming ``cluster_realm`` otherwise."""
+    ok = 0 < len(name) <= MAX_REALM_CHARS and name[0].isascii() and name[0].isalnum()
+    if not ok or not all(c.isascii() and (c.isalnum() or c in "._-") for c in name):
+        raise ValueError(
+            f"{REALM_FIELD}: expected 1 to {MAX_REALM_CHARS} letters, digits, '.', '_' or '-' "
+            f"(a name for this deployment's trust domain, e.g. its namespace and name), got {name!r}"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class Realm:
-    """Whose values a Redis key holds: the MAC key and the key prefix of one tenant (or of
-    untenanted daemons) under one fleet key."""
+    """Whose values a Redis key holds: the MAC key and the key prefix of one tenant (or of the
+    untenanted daemons of one ``cluster_realm``) under one fleet key."""
 
     name: str | None
     """The tenant, or None (untenanted)."""
@@ -78,6 +94,8 @@ class Realm:
     """The 32-byte BLAKE2b key of this realm's MACs."""
     prefix: bytes = b""
     """``kvt2:<tag>:``, the start of every Redis key of this realm."""
+    cluster_realm: str = ""
+    """Untenanted: the ``cluster_realm`` of its daemons ("" for a tenant's realm)."""
 
     @property
     def acl_pattern(self) -> str:
@@ -93,34 +111,52 @@ class FleetKeys:
             raise ValueError(f"{FIELD}: a fleet key needs at least {MIN_KEY_BYTES} bytes")
         # BLAKE2b takes keys of at most 64 bytes: a longer one is hashed down first
         self._root = fleet_key if len(fleet_key) <= 64 else hashlib.blake2b(fleet_key).digest()
-        self._realms: dict[str | None, Realm] = {}
+        self._realms: dict[tuple[str, str], Realm] = {}
 
     def __repr__(self) -> str:
         return f"FleetKeys(<{len(self._realms)} realms>)"
 
-    def realm(self, tenant: str | None) -> Realm:
-        """The realm of ``tenant`` (None: untenanted)."""
-        r = self._realms.get(tenant)
+    def realm(self, tenant: str) -> Realm:
+        """The realm of ``tenant`` (a daemon with a tenants file)."""
+        r = self._realms.get(("tenant", tenant))
         if r is None:
-            data = _UNTENANTED_DOMAIN if tenant is None else _TENANT_DOMAIN + tenant.encode()
-            mac_key = hashlib.blake2b(data, key=self._root, digest_size=32).digest()
-            tag = hashlib.blake2b(_TAG_DOMAIN, key=mac_key, digest_size=8).hexdigest()
-            r = self._realms[tenant] = Realm(tenant, mac_key, TAG_PREFIX + tag.encode() + b":")
+            mac_key, prefix = self._derive(_TENANT_DOMAIN + tenant.encode())
+            r = self._realms["tenant", tenant] = Realm(tenant, mac_key, prefix)
         return r
+
+    def untenanted(self, cluster_realm: str) -> Realm:
+        """The realm of the daemons without tenants whose ``cluster_realm`` is this (checked:
+        ValueError naming it)."""
+        r = self._realms.get(("untenanted", cluster_realm))
+        if r is None:
+            mac_key, prefix = self._derive(_UNTENANTED_DOMAIN + check_realm_name(cluster_realm).encode())
+            r = self._realms["untenanted", cluster_realm] = Realm(None, mac_key, prefix, cluster_realm)
+        return r
+
+    def _derive(self, data: bytes) -> tuple[bytes, bytes]:
+        """(realm key, key prefix) of the realm ``data`` names."""
+        mac_key = hashlib.blake2b(data, key=self._root, digest_size=32).digest()
+        tag = hashlib.blake2b(_TAG_DOMAIN, key=mac_key, digest_size=8).hexdigest()
+        return mac_key, TAG_PREFIX + tag.encode() + b":"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the Redis ACL key pattern of a tenant's realm (no tenant: the untenanted one)."""
+    """Print the Redis ACL key pattern of a tenant's realm, or (``--realm NAME``) of the
+    untenanted daemons of ``cluster_realm`` NAME."""
     args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2:
-        print("usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE [TENANT]", file=sys.stderr)
+    if len(args) not in (2, 3) or (len(args) == 3) != (args[1] == "--realm"):
+        print(
+            "usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE (TENANT | --realm CLUSTER_REALM)",
+            file=sys.stderr,
+        )
         return 2
     try:
         keys = FleetKeys(read_fleet_key(args[0]))
+        realm = keys.untenanted(args[2]) if len(args) == 3 else keys.realm(args[1])
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    print(keys.realm(args[1] if len(args) == 2 else None).acl_pattern)
+    print(realm.acl_pattern)
     return 0
 
 

@@ -36,7 +36,10 @@ class ClusterSettings:
     Never logged."""
     tenanted: bool = False
     """The daemon has a tenants file: a namespace's values are in its tenant's realm (without
-    one, every namespace's are in the untenanted realm, whatever ``tenant`` it names)."""
+    one, every namespace's are in the untenanted realm of ``realm``, whatever ``tenant`` it
+    names)."""
+    realm: str = ""
+    """Without tenants: the ``cluster_realm``, the trust domain whose daemons share values."""
     creds: Credentials = field(default_factory=Credentials)
     write_policy: str = "commit"
     ttl_s: float = 86400.0

@@ -171,8 +171,11 @@ class ClusterTier(ClusterWrites):
 
     def realm_of(self, tenant: str | None) -> Realm:
         """The realm of a namespace naming ``tenant``: its tenant's with a tenants file, else
-        the untenanted one (a client's claim of a tenant is no credential)."""
-        return self.keys.realm(tenant if self.settings.tenanted else None)
+        the untenanted one of this daemon's ``cluster_realm`` (a client's claim of a tenant is no
+        credential)."""
+        if self.settings.tenanted:
+            return self.keys.realm(tenant or "")
+        return self.keys.untenanted(self.settings.realm)
 
     @property
     def pending_writes(self) -> int:

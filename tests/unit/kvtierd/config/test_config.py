@@ -77,7 +77,7 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("data_max_unauthenticated", {"data_max_unauthenticated": 0}),
     ("data_max_connections_per_tenant", {"data_max_connections_per_tenant": -1}),
     ("data_max_connections_per_tenant", {"data_max_connections": 8, "data_max_connections_per_tenant": 9}),
-    ("extra", {"extra": {"hots_bytes": 1}}),
+    ("hots_bytes", {"extra": {"hots_bytes": 1}}),  # an unknown key, named
     # wrong types are named too (a config file can hold anything)
     ("host_bytes", {"host_bytes": "1GiB"}),
     ("max_batch_blocks", {"max_batch_blocks": 1.5}),
@@ -213,6 +213,7 @@ def test_a_cluster_needs_a_fleet_key_file_of_32_hex_bytes(tmp_path: Path) -> Non
             load_config(cfg)
         assert "0f" * 16 not in str(e.value)
     key.write_text("a5" * 32 + "\n")
+    cfg.write_text(cfg.read_text() + 'cluster_realm = "tests"\n')  # no tenants file: a realm
     assert load_config(cfg).cluster_tier.cluster_fleet_key_file == str(key)
     unused = DaemonConfig.from_flat(cluster_fleet_key_file="unused")
     assert unused.cluster_tier.cluster == ""  # no cluster: not read
@@ -268,6 +269,7 @@ def test_the_fleet_key_file_has_a_serve_flag(tmp_path: Path) -> None:
     key.write_text("ab" * 32 + "\n")
     args = build_parser().parse_args(
         ["serve", "--cluster", "redis://127.0.0.1:7000", "--cluster-fleet-key-file", str(key)]
+        + ["--cluster-realm", "tests"]
     )
     fields = set(flat_keys())
     cfg = with_overrides(DaemonConfig(), **{k: v for k, v in vars(args).items() if k in fields})
@@ -290,11 +292,12 @@ def test_serve_help_shows_every_flags_default_from_daemon_config(capsys: pytest.
 
     text = _help(capsys, "serve")
     for shown in (
-        "--host-bytes HOST_BYTES host tier size, e.g. 1GiB (default: 1GiB)",
+        "--host-bytes HOST_BYTES host tier size, e.g. 1GiB (GiB = 2^30 bytes, GB = 10^9) (default: 1GiB)",
         "(largest block), e.g. 64MiB (default: 64MiB)",
         "'' disables) (default: run/kvtier.sock)",
         "its group too) (default: 0600)",
-        "--listen LISTEN gRPC TCP HOST:PORT ('' disables) (default: none)",
+        "--listen LISTEN gRPC TCP HOST:PORT ('' disables); off loopback it needs --tenants-file or "
+        "--tls-require-client-cert (and TLS) (default: none)",
         "0 picks one) (default: 9464)",
         "(default: 127.0.0.1:0)",
         "at start (default: prefault = true)",
@@ -366,3 +369,90 @@ def test_serve_configuration_errors_name_the_flag_in_one_line(
     err = capsys.readouterr().err
     assert err == f"kvtierd serve: configuration error: {says}" + err.split(says, 1)[1]
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"listen": "0.0.0.0:50051"},  # TLS proves the daemon to its clients, not them to it
+        {"listen": "10.0.0.5:50051"},
+        {"listen": "", "data_listen": "0.0.0.0:50053"},
+        {"listen": "127.0.0.1:50051", "data_listen": "[::]:50053"},
+    ],
+)
+def test_a_network_listener_without_client_authentication_is_refused(values: dict[str, str]) -> None:
+    """Issue 39 (HIGH): a non-loopback listen/data_listen with a certificate and no tenants
+    served every block to any client that trusted the CA. Now it needs a tenants file or
+    required client certificates; the error names the listener and both ways out."""
+    tls = {"tls_cert": "/pki/s.crt", "tls_key": "/pki/s.key"}
+    field = "listen" if values.get("listen", "").split(":")[0] not in ("", "127.0.0.1") else "data_listen"
+    with pytest.raises(ValueError) as e:
+        DaemonConfig.from_flat(**tls, **values)
+    msg = str(e.value)
+    assert msg.startswith(f"{field}: {values[field]} is not a loopback address and nothing authenticates"), (
+        msg
+    )
+    assert "--tenants-file" in msg and "--tls-require-client-cert" in msg
+    # with plaintext allowed it is refused all the same: plaintext is another question
+    with pytest.raises(ValueError, match=f"^{field}: .* nothing authenticates"):
+        DaemonConfig.from_flat(**values, allow_plaintext_remote=True)
+    # a tenants file (tokens), or required client certificates, authenticate the clients
+    assert DaemonConfig.from_flat(**tls, **values, tenants_file="/etc/kvtier/tenants.toml")
+    assert DaemonConfig.from_flat(**tls, **values, tls_client_ca="/pki/ca.crt", tls_require_client_cert=True)
+    assert DaemonConfig.from_flat(**values, tenants_file="/t.toml", allow_plaintext_remote=True)
+
+
+def test_loopback_listeners_need_no_client_authentication() -> None:
+    cfg = DaemonConfig.from_flat(listen="127.0.0.1:50051", data_listen="[::1]:0")
+    assert cfg.grpc.listen == "127.0.0.1:50051" and not cfg.tenancy.tenants_file
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('hots_bytes = "1GiB"\n', "hots_bytes: unknown setting (did you mean host_bytes?)"),
+        ("tenant_file = 'x'\n", "tenant_file: unknown setting (did you mean tenants_file?)"),
+        ("[grpc]\nhost_bytes = 1\n", "grpc.host_bytes: unknown setting (host_bytes belongs in [host_tier]"),
+        ("[host_tier]\nslab_byte = 1\n", "host_tier.slab_byte: unknown setting (did you mean slab_bytes?)"),
+        ("zzz = 1\nlisen = 'x'\n", "lisen: unknown setting (did you mean listen?); also unknown: zzz"),
+        ("qqqqq = 1\n", "qqqqq: unknown setting (docs/configuration.md and kvtierd serve --help list"),
+    ],
+)
+def test_a_misspelt_key_is_named_with_the_setting_it_was_meant_to_be(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_a_misspelt_key_comes_before_what_it_would_have_changed(tmp_path: Path) -> None:
+    """``tenant_file`` misspelt beside a network listener: the typo is the error, not the
+    listener's missing tenants file."""
+    path = tmp_path / "k.toml"
+    path.write_text('listen = "0.0.0.0:50051"\ntenant_file = "/t.toml"\n')
+    with pytest.raises(ValueError, match="^tenant_file: unknown setting .did you mean tenants_file"):
+        load_config(path)
+    with pytest.raises(TypeError, match="no field 'hots_bytes' .did you mean host_bytes"):
+        DaemonConfig.from_flat(hots_bytes=1)
+
+
+def test_the_documented_config_file_loads() -> None:
+    """docs/configuration.md §3's kvtierd.toml is a configuration the daemon accepts (its
+    network listener with TLS and a tenants file; the files named are not read here)."""
+    text = (Path(__file__).parents[4] / "docs" / "configuration.md").read_text()
+    example = next(
+        block.split("\n", 1)[1]
+        for block in text.split("```toml")[1:]
+        if block.split("\n", 1)[1].startswith("# kvtierd.toml")
+    ).split("```")[0]
+    import tomllib
+
+    raw = tomllib.loads(example)["kvtierd"]
+    cfg = with_overrides(DaemonConfig(), **{k: v for k, v in raw.items() if k != "socket_mode"})
+    assert cfg.grpc.listen == "0.0.0.0:50051" and cfg.tenancy.tenants_file
+    from kvtierd.app.start_warnings import start_warnings
+
+    assert start_warnings(cfg) == []  # nothing in the example is seldom meant

@@ -19,7 +19,7 @@ from kvtierd.tiers.cluster.format import HEADER_BYTES, encode_header
 from kvtierd.tiers.cluster.keys import FleetKeys
 
 DIGEST = hashlib.sha256(b"ns").digest()
-REALM = FleetKeys(hashlib.sha256(b"fleet").digest()).realm(None)
+REALM = FleetKeys(hashlib.sha256(b"fleet").digest()).untenanted("tests")
 N = 4096  # payload bytes
 
 

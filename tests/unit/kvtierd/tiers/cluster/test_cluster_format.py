@@ -33,7 +33,7 @@ DIGEST = hashlib.sha256(b"ns").digest()
 KEY = hashlib.sha256(b"block").digest()
 PAYLOAD = hashlib.shake_256(b"payload").digest(16384)
 FLEET = FleetKeys(hashlib.sha256(b"fleet key").digest())
-REALM = FLEET.realm(None)
+REALM = FLEET.untenanted("prod.engines")
 
 
 def value(digest: bytes = DIGEST, key: bytes = KEY, payload: bytes = PAYLOAD, realm: Realm = REALM) -> bytes:
@@ -59,13 +59,15 @@ def test_a_value_round_trips_and_its_header_echoes_identity() -> None:
 
 def test_realms_are_derived_from_the_fleet_key_and_tenant_and_never_show_it() -> None:
     fleet_key = hashlib.sha256(b"fleet key").digest()
-    a, b, none = FLEET.realm("team-a"), FLEET.realm("team-b"), FLEET.realm(None)
-    assert len({a.mac_key, b.mac_key, none.mac_key, fleet_key}) == 4
-    assert len({a.prefix, b.prefix, none.prefix}) == 3
+    a, b, none = FLEET.realm("team-a"), FLEET.realm("team-b"), FLEET.untenanted("team-a")
+    other = FLEET.untenanted("staging.engines")
+    assert len({a.mac_key, b.mac_key, none.mac_key, other.mac_key, fleet_key}) == 5
+    assert len({a.prefix, b.prefix, none.prefix, other.prefix}) == 4
     assert FleetKeys(fleet_key).realm("team-a") == a  # every daemon of the fleet agrees
+    assert FleetKeys(fleet_key).untenanted("team-a") == none
     assert FleetKeys(bytes(32)).realm("team-a").mac_key != a.mac_key  # another fleet
     assert b"team-a" not in a.prefix and a.acl_pattern == f"~{a.prefix.decode()}*"
-    for shown in (repr(a), repr(FLEET), repr(FLEET.realm(None))):
+    for shown in (repr(a), repr(FLEET), repr(none)):
         assert a.mac_key.hex() not in shown and fleet_key.hex() not in shown
     with pytest.raises(ValueError, match="cluster_fleet_key_file"):
         FleetKeys(bytes(31))
@@ -90,7 +92,8 @@ def forge(
             "bad MAC",
         ),  # other bytes, their digest recomputed, the authentic MAC kept
         (lambda: value(realm=FLEET.realm("team-b")), "bad MAC"),  # another tenant's authentic value
-        (lambda: value(realm=FleetKeys(bytes(32)).realm(None)), "bad MAC"),  # another fleet's
+        (lambda: value(realm=FleetKeys(bytes(32)).untenanted("prod.engines")), "bad MAC"),  # another fleet's
+        (lambda: value(realm=FLEET.untenanted("staging.engines")), "bad MAC"),  # another realm's
         (lambda: forge(value(), version=1), "unknown version"),
     ],
 )
@@ -225,7 +228,50 @@ def test_the_keys_tool_prints_a_realms_acl_pattern(
     assert main([str(key), "team-a"]) == 0
     realm = FleetKeys(hashlib.sha256(b"k").digest()).realm("team-a")
     assert capsys.readouterr().out == realm.acl_pattern + "\n"
+    assert main([str(key), "--realm", "prod.engines"]) == 0
+    assert (
+        capsys.readouterr().out
+        == FleetKeys(hashlib.sha256(b"k").digest()).untenanted("prod.engines").acl_pattern + "\n"
+    )
     assert main([str(tmp_path / "missing")]) == 2
+    assert main([str(key)]) == 2 and main([str(key), "--realm"]) == 2
+
+
+def test_the_untenanted_realm_key_is_derived_from_cluster_realm_as_documented() -> None:
+    """docs/cluster.md: BLAKE2b-256(key = fleet key, "kvtier/fleet/untenanted/v2\\0" + cluster_realm)."""
+    fleet_key = hashlib.sha256(b"fleet key").digest()
+    want = hashlib.blake2b(
+        b"kvtier/fleet/untenanted/v2\0prod.engines", key=fleet_key, digest_size=32
+    ).digest()
+    assert REALM.mac_key == want and REALM.name is None and REALM.cluster_realm == "prod.engines"
+    tag = hashlib.blake2b(b"kvtier/fleet/tag/v1", key=want, digest_size=8).hexdigest()
+    assert REALM.prefix == f"kvt2:{tag}:".encode()
+
+
+@pytest.mark.parametrize("bad", ["", "-x", "a b", "a/b", "é", "x" * 129])
+def test_a_bad_cluster_realm_is_refused_naming_it(bad: str) -> None:
+    with pytest.raises(ValueError, match="cluster_realm"):
+        FLEET.untenanted(bad)
+
+
+def test_a_daemon_without_tenants_needs_a_cluster_realm_and_one_with_tenants_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: untenanted daemons sharing a fleet key shared one realm, so an engine of one
+    deployment planted blocks another served. A realm per trust domain is required now."""
+    key = tmp_path / "fleet.key"
+    key.write_text("ab" * 32)
+    base = {"cluster": "redis://127.0.0.1:7000", "cluster_fleet_key_file": str(key)}
+    with pytest.raises(ValueError, match="cluster_realm: required with cluster without a tenants_file"):
+        DaemonConfig.from_flat(**base)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cluster_realm: expected"):
+        DaemonConfig.from_flat(**base, cluster_realm="a b")  # type: ignore[arg-type]
+    assert DaemonConfig.from_flat(**base, cluster_realm="ns.app").cluster_tier.cluster_realm == "ns.app"  # type: ignore[arg-type]
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "a"\ntokens_sha256 = ["' + "0" * 64 + '"]\n')
+    DaemonConfig.from_flat(**base, tenants_file=str(tenants))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cluster_realm: not with a tenants_file"):
+        DaemonConfig.from_flat(**base, tenants_file=str(tenants), cluster_realm="ns.app")  # type: ignore[arg-type]
 
 
 def test_keys_are_grouped_by_the_master_owning_their_slot() -> None:
