@@ -446,6 +446,34 @@ def test_lmcache_conformance_tool_passes_against_kvtier(lmcache_env: str, daemon
 
 
 @pytest.mark.timeout(300)
+def test_lmcache_bench_l2_runs_against_kvtier(lmcache_env: str, daemon: DaemonProcess) -> None:
+    """``lmcache bench l2`` numbers its keys' ``kv_rank`` 0, 1, 2, ... (opaque ranks) and gives
+    them 16-byte hashes: every key is stored, found and loaded back byte-exact (kvtier refused
+    every rank but 0 as malformed)."""
+    identity = dict(IDENTITY, num_layers=1, num_kv_heads=1)  # 16 tokens x 64 x bf16 x K,V: 4 KiB
+    spec = {
+        "type": "plugin",
+        "module_path": "kvtier.integrations.lmcache",
+        "class_name": "KvtierL2Adapter",
+        "adapter_params": params(daemon, models={"bench-model": identity}),
+    }
+    out = subprocess.run(
+        [str(Path(lmcache_env).parent / "lmcache"), "bench", "l2", "--l2-adapter", json.dumps(spec)]
+        + ["--num-keys", "8", "--in-flight", "2", "--data-size-kb", "4", "--warmup-rounds", "0"]
+        + ["--lookup-max-hit-rate", "1", "--no-skip-verify"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=200,
+        env=dict(os.environ, **ENV),
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    for line in ("success_keys=16/16", "found=16/16", "loaded=16/16", "All 16 keys data verified OK"):
+        assert line in out.stdout, out.stdout[-3000:]
+    assert "chunk refused" not in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
 def test_lmcache_conformance_tool_keys_are_refused_by_default_and_said_once(
     lmcache_env: str, daemon: DaemonProcess
 ) -> None:
@@ -630,6 +658,28 @@ def test_keys_separate_every_identity_field_and_refuse_what_fits_none() -> None:
     short = KeyMapper(AdapterConfig.from_params(base_params(min_chunk_hash_bytes=4)))
     four = short.resolve(Key(h[:4], kv_rank=0))
     assert four is not None and four[1] not in {r[1] for r in resolved if r is not None}
+
+
+def test_a_kv_rank_that_packs_no_world_size_is_kept_whole_as_an_opaque_rank() -> None:
+    """``lmcache bench l2`` numbers its keys' ``kv_rank`` 0, 1, 2, ... (no world size packed,
+    no parallel slice named): each is accepted, never read as a slice nor defaulted to one.
+    Every opaque rank shares one namespace (the daemon's namespaces do not grow with the
+    ranks), apart from every packed rank's, and the raw rank is in the key: two ranks never
+    share a block."""
+    mapper = KeyMapper(AdapterConfig.from_params(base_params()))
+    h = bytes(range(16))  # the bench's hashes: 16 bytes
+    opaque = [mapper.resolve(Key(h, kv_rank=r)) for r in (1, 2, 77, (1 << 24) - 1)]
+    assert all(r is not None for r in opaque), [mapper.resolve_or_why(Key(h, kv_rank=r)) for r in (1, 2)]
+    namespaces = {r[0] for r in opaque if r is not None}
+    assert len(namespaces) == 1 and next(iter(namespaces)).layout.endswith("/opaque-rank")
+    packed = [mapper.resolve(Key(h, kv_rank=r)) for r in (0, 2 << 24, 2 << 24 | 1 << 16)]
+    assert all(p is not None and p[0] not in namespaces for p in packed)
+    all_keys = {r[1] for r in opaque + packed if r is not None}
+    assert len(all_keys) == 7  # no two ranks name the same block
+    again = mapper.resolve(Key(h, kv_rank=77))
+    assert again is not None and again == opaque[2]  # the same rank: the same block
+    # A rank that claims a world size still has to fit it.
+    assert str(mapper.resolve_or_why(Key(h, kv_rank=1 << 24 | 1 << 16))).startswith("kv_rank: rank 1")
 
 
 def test_a_pin_is_released_when_the_last_of_its_keys_is_unlocked() -> None:

@@ -20,8 +20,9 @@ a real ``kvtierd`` process:
 * 128 pages stored and loaded (GB/s printed);
 * storage v2 (hybrid models: a KV pool with Mamba / SWA / indexer side pools, SGLang's
   ``MambaPoolHost`` page methods): the same calls on SGLang's own ``HiCacheFile`` and on kvtier
-  give the same answers and bytes; pools never share keys; which pools TP ranks share; misses
-  without a daemon;
+  give the same answers and bytes, also for a 4,160-page prompt asked in one ``batch_exists_v2``
+  (as SGLang's hybrid controller asks); pools never share keys; which pools TP ranks share;
+  misses without a daemon;
 * the reference backend's contract (``HiCacheFile``): an empty plain ``batch_set`` is True;
   ``clear()`` is True only when nothing is left (kvtier: False, said once).
 
@@ -467,6 +468,41 @@ def test_v2_hybrid_round_trip_agrees_with_sglang_file_backend(
     assert hits["kv-only"] == {"kv": 4, "pools": {"kv": 4}, "restorable": [1, 2, 3, 4]}
     assert loaded == {"kv": [True] * 4, "mamba": [True], "swa": [True, True]}
     assert missed == {"mamba": [False]}
+
+
+LONG_PROMPT_PAGES = 4160  # past 4,096: more pages than four of the client's lookup batches
+
+
+def test_v2_hit_of_a_long_prompt_agrees_with_sglang_file_backend(
+    drv: Driver, shared_daemon: DaemonProcess, workdir: Path
+) -> None:
+    """SGLang's hybrid controller asks for every page of a prompt in one ``batch_exists_v2``:
+    a 4,160-page prompt held whole, with its Mamba state on the last page, is a hit of 4,160
+    pages on kvtier as on SGLang's own HiCacheFile (kvtier answered 4,096 pages, and 0 with
+    the Mamba state)."""
+    k = keys("long", *range(LONG_PROMPT_PAGES))
+    mamba_query = [{"name": "mamba", "keys": [k[-1]], "policy": "trailing_pages"}]
+    answers = {}
+    for impl in ("file", "kvtier"):
+        kv, mamba = f"long/{impl}/kv", f"long/{impl}/mamba"
+        drv.ask("pool", name=kv, seed=90, **dict(KV, pages=LONG_PROMPT_PAGES))
+        drv.ask("pool", name=mamba, seed=91, **MAMBA)
+        kw: dict[str, Any] = {"file": str(workdir / "hicache-long")} if impl == "file" else {}
+        drv.backend(f"long/{impl}", kv, shared_daemon.unix, sides={"mamba": mamba}, **kw)
+        store = [
+            {"name": "kv", "keys": k, "pages": list(range(LONG_PROMPT_PAGES))},
+            {"name": "mamba", "keys": [k[-1]], "pages": [3], "policy": "trailing_pages"},
+        ]
+        stored = _v2(drv, f"long/{impl}", "batch_set_v2", transfers=store)
+        with_mamba = _v2(drv, f"long/{impl}", "batch_exists_v2", k, mamba_query)
+        kv_only = _v2(drv, f"long/{impl}", "batch_exists_v2", k)
+        answers[impl] = (stored, with_mamba, kv_only)
+    assert answers["kvtier"] == answers["file"]
+    stored, with_mamba, kv_only = answers["kvtier"]
+    assert stored == {"kv": [True] * LONG_PROMPT_PAGES, "mamba": [True]}
+    n = LONG_PROMPT_PAGES
+    assert with_mamba == {"kv": n, "pools": {"kv": n, "mamba": n}, "restorable": [n]}
+    assert kv_only == {"kv": n, "pools": {"kv": n}, "restorable": list(range(1, n + 1))}
 
 
 def test_v2_over_tcp_moves_the_same_bytes(drv: Driver, shared_daemon: DaemonProcess) -> None:

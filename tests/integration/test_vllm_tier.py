@@ -14,7 +14,9 @@ connector's tests, and a real ``kvtier serve`` daemon:
   the deadlines, with the outputs of a run without kvtier;
 * inside vLLM's TieringOffloadingManager (vllm_tier_jobs_driver.py): a store/lookup/load round
   trip moves the exact bytes, and against a hung or killed daemon every scheduler-side call
-  returns at once while the jobs finish as failed and the lookups as misses, within bounds.
+  returns at once while the jobs finish as failed and the lookups as misses, within bounds;
+* beside vLLM's own file tier in the same manager: a spec with no KV cache group is refused by a
+  ConfigError naming it, and a store job's chunks are one stored vLLM offload event.
 """
 
 from __future__ import annotations
@@ -299,3 +301,38 @@ def test_tier_calls_return_at_once_against_a_hung_daemon(workdir: Path) -> None:
         assert got["store_ok"] is False and got["load_ok"] is False
         assert got["finished_s"] < 8
         assert got["lookup_results"] == ["MISS"] * 4 and got["resolved_s"] < 5
+
+
+def test_tier_contract_beside_vllms_file_tier(workdir: Path, daemon: DaemonProcess) -> None:
+    """vLLM's own file tier and kvtier's, in vLLM's tiering manager on the same spec: a spec
+    with no KV cache group is refused by a ConfigError naming it (kvtier raised a bare
+    IndexError); with ``enable_kv_events`` and vLLM's KV events on, a store job's chunks are
+    one stored event, as the file tier's (kvtier emitted none), taken once; with vLLM's KV
+    events off, none."""
+    require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
+    args = {"address": daemon.unix, "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}"}
+    drv = DriverProcess(
+        [VLLM_PYTHON, str(HERE / "vllm_tier_jobs_driver.py"), json.dumps(args)],
+        workdir / "tier_contract.log",
+        env=dict(os.environ, PYTHONPATH=PATH),
+        cwd=workdir,
+        what="tier driver",
+    )
+    try:
+        fs = {"tier": "fs", "root": str(workdir / "fs-tier")}
+        refused = drv.request({"op": "no_groups", "tier": "kvtier"}, 60)
+        assert drv.request({"op": "no_groups", **fs}, 60) == {"ok": True}
+        on = {"kv_events": True, "extra": {"enable_kv_events": True}}
+        got = {t: drv.request({"op": "events", **kw, **on}, 60) for t, kw in (("fs", fs), ("kvtier", {}))}
+        off = drv.request({"op": "events", "tier": "kvtier", "kv_events": False, "extra": on["extra"]}, 60)
+    finally:
+        drv.close(quit_cmd={"op": "quit"})
+    assert refused["field"] == "secondary_tiers.kvtier.offloading_spec", refused
+    assert refused["error"].startswith("ConfigError: secondary_tiers.kvtier.offloading_spec: "), refused
+    assert "no KV cache group" in refused["error"]
+    for tier, medium in (("fs", "STORAGE"), ("kvtier", "CPU")):
+        r = got[tier]
+        assert r["stored"] is True, (tier, r)
+        assert r["events"] == [{"keys": r["keys"], "removed": False, "medium": medium}], (tier, r)
+        assert r["again"] == [], (tier, r)
+    assert off["stored"] is True and off["events"] == [], off

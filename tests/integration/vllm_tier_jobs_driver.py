@@ -20,6 +20,11 @@ one JSON command per stdin line with one ``DRIVER {json}`` line:
   ``on_schedule_end``, ``on_request_finished``) -> ``{"spt"}``; ``{"op": "fetch", "name",
   "seed", "n"}`` looks the chunks up step by step until resolved, loads the HIT prefix into rows
   16.. -> ``{"hits", "same", "seconds"}``; ``{"op": "stats", "name"}`` -> the tier's counters.
+* a tier's contract beside vLLM's own file tier (``"tier": "fs"``, its ``root``, or kvtier's):
+  ``{"op": "no_groups", "tier", "root"}`` builds vLLM's manager over a spec with no KV cache
+  group -> ``{"ok"}`` or ``{"error", "field"}``; ``{"op": "events", "tier", "root",
+  "kv_events", "extra"}`` stores 4 rows and takes the manager's events -> ``{"stored",
+  "events", "again", "keys"}``
 * ``{"op": "quit"}``
 """
 
@@ -58,6 +63,17 @@ def build(address: str, engine_id: str, **extra: object) -> tuple[object, object
         "job_timeout_ms": 2000,
         **extra,
     }
+    spec = make_spec(engine_id, tier)
+    manager = spec.get_manager()
+    return spec, manager.secondary_tiers[0]  # type: ignore[attr-defined]
+
+
+def make_spec(
+    engine_id: str, tier: dict[str, object], *, groups: bool = True, kv_events: bool = False
+) -> TieringOffloadingSpec:
+    """vLLM's tiering spec with ``tier`` as its one secondary tier. ``groups`` False: no KV
+    cache group (as vLLM's own offloading test helper can build); ``kv_events``: vLLM
+    publishes KV cache events."""
     par = OffloadingParallelConfig(
         rank=0,
         world_size=1,
@@ -70,10 +86,11 @@ def build(address: str, engine_id: str, **extra: object) -> tuple[object, object
         data_parallel_rank_local=None,
         is_parallelism_agnostic=False,
     )
+    group = OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"), group_id=0)
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"), group_id=0),),
+        groups=(group,) if groups else (),
         worker_kv_bytes_per_block=ROW_BYTES,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config={"cpu_bytes_to_use": 32 * ROW_BYTES, "secondary_tiers": [tier]},
         engine_id=engine_id,
         model=OffloadingModelConfig(name="/models/tiny", dtype="bfloat16"),
@@ -81,9 +98,65 @@ def build(address: str, engine_id: str, **extra: object) -> tuple[object, object
         parallel=par,
         kv_cache_layout="LBHNC",
     )
-    spec = TieringOffloadingSpec(config)
+    return TieringOffloadingSpec(config)
+
+
+def tier_entry(c: dict[str, object], address: str) -> dict[str, object]:
+    """The ``secondary_tiers`` entry of command ``c``: kvtier's, or vLLM's own file tier
+    (``"tier": "fs"``, under ``c["root"]``); ``c["extra"]``: more keys."""
+    extra = dict(c.get("extra") or {})  # type: ignore[call-overload]
+    if c.get("tier") == "fs":
+        return {"type": "fs", "root_dir": str(c["root"]), **extra}
+    return {
+        "type": "KvtierSecondaryTier",
+        "module_path": "kvtier.integrations.vllm",
+        "address": address,
+        "model_revision": "rev-a",
+        "tokenizer_digest": "none",
+        "job_timeout_ms": 2000,
+        **extra,
+    }
+
+
+def spec_built(c: dict[str, object], address: str) -> dict[str, object]:
+    """``{"op": "no_groups", "tier", "root"}``: vLLM's tiering manager over a spec with no KV
+    cache group -> ``{"ok": true}`` or ``{"error": "<type>: <message>", "field"}``."""
+    spec = make_spec(f"nogroups-{c.get('tier')}-{time.monotonic_ns()}", tier_entry(c, address), groups=False)
+    try:
+        manager = spec.get_manager()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(e).__name__}: {e}", "field": getattr(e, "field", None)}
+    manager.shutdown()  # type: ignore[attr-defined]
+    return {"ok": True}
+
+
+def stored_events(c: dict[str, object], address: str) -> dict[str, object]:
+    """``{"op": "events", "tier", "root", "kv_events", "extra"}``: a store job of 4 rows
+    through the tier inside vLLM's manager, then the manager's ``take_events()`` ->
+    ``{"stored", "events": [{"keys": [hex], "removed", "medium"}], "again": [...]}``."""
+    spec = make_spec(
+        f"events-{c.get('tier')}-{time.monotonic_ns()}",
+        tier_entry(c, address),
+        kv_events=bool(c["kv_events"]),
+    )
     manager = spec.get_manager()
-    return spec, manager.secondary_tiers[0]  # type: ignore[attr-defined]
+    tier = manager.secondary_tiers[0]  # type: ignore[attr-defined]
+    view = np.frombuffer(tier._primary_kv_view, dtype=np.uint8).reshape(-1, tier.block_size_bytes)
+    for i in range(4):
+        view[i, :] = pattern(70, i)
+    tier.submit_store(job(1, keys(70, 4), [0, 1, 2, 3], False, "ev"))
+    stored = wait_jobs(tier, {1}, 10).get(1, False)
+
+    def events() -> list[dict[str, object]]:
+        return [
+            {"keys": [bytes(k).hex() for k in e.keys], "removed": e.removed, "medium": e.medium.name}
+            for e in manager.take_events()  # type: ignore[attr-defined]
+        ]
+
+    got = events()
+    again = events()  # taken once
+    manager.shutdown()  # type: ignore[attr-defined]
+    return {"stored": stored, "events": got, "again": again, "keys": [k.hex() for k in keys(70, 4)]}
 
 
 def keys(seed: int, n: int) -> list[bytes]:
@@ -268,6 +341,9 @@ def main() -> None:
             print("DRIVER " + json.dumps(roundtrip(tier, view)), flush=True)
         if cmd["op"] == "timed":
             print("DRIVER " + json.dumps(timed(tier, int(cmd["keys"]))), flush=True)
+        if cmd["op"] in ("no_groups", "events"):
+            answer = (spec_built if cmd["op"] == "no_groups" else stored_events)(cmd, args["address"])
+            print("DRIVER " + json.dumps(answer), flush=True)
         if cmd["op"] in ("build", "store", "play", "fetch", "stats"):
             print("DRIVER " + json.dumps(getattr(named, cmd["op"])(cmd)), flush=True)
     tier.shutdown()  # type: ignore[attr-defined]

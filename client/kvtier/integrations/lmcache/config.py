@@ -90,14 +90,16 @@ class ModelIdentity:
         group: int,
         cache_salt: str | None,
         tenant: str | None,
+        opaque_rank: bool = False,
     ) -> Namespace:
-        """The kvtier namespace of one (kv rank, object group, cache salt) of this model."""
+        """The kvtier namespace of one (kv rank, object group, cache salt) of this model;
+        ``opaque_rank``: the one namespace of every kv rank that names no slice (``keys``)."""
         return Namespace(
             model_id=model_id,
             model_revision=self.model_revision,
             tokenizer_digest=self.tokenizer_digest,
             kv_dtype=self.kv_dtype,
-            layout=f"lmcache.mp.2LTD/group{group}",
+            layout=f"lmcache.mp.2LTD/group{group}" + ("/opaque-rank" if opaque_rank else ""),
             tokens_per_block=chunk_tokens,
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

@@ -129,9 +129,7 @@ class StorageBase(HiCacheStorage):
         """The leading pages of ``keys`` the daemon holds, cut to the prefix ``load_policy``
         loads: what ``batch_exists`` tells SGLang, so SGLang prefetches only that prefix and
         recomputes the rest."""
-        keys = keys[: self.client.max_batch]  # SGLang asks in batches of 128 or fewer
-        looked = handle.lookup_detail(self._keys(handle, keys))
-        tiers = looked.tiers[: looked.hits]
+        tiers = self._held_tiers(handle, keys)
         self.counters.pages_hit += len(tiers)
         if not tiers or self.pages is None:
             return len(tiers)
@@ -156,6 +154,21 @@ class StorageBase(HiCacheStorage):
             while len(self._predicted) > _REMEMBERED_PREFIXES:
                 self._predicted.popitem(last=False)
         return d.load_blocks
+
+    def _held_tiers(self, handle: NamespaceHandle, keys: list[str]) -> list[str]:
+        """The tier of each leading page of ``keys`` the daemon holds. A query of any length:
+        SGLang's hybrid controller sends every page of a prompt in one ``batch_exists_v2``, so
+        the keys go in lookups of at most the client's batch limit, the next one only while
+        every page so far is held (as ``HiCacheFile`` answers the whole prefix)."""
+        tiers: list[str] = []
+        step = max(1, self.client.max_batch)
+        for start in range(0, len(keys), step):
+            chunk = self._keys(handle, keys[start : start + step])
+            looked = handle.lookup_detail(chunk)
+            tiers += looked.tiers[: looked.hits]
+            if looked.hits < len(chunk):
+                break
+        return tiers
 
     def _loaded(self, keys: Sequence[str], found: Sequence[bool], seconds: float) -> None:
         """A load of pages ``batch_exists`` reported is over: its time, with its bytes by tier,

@@ -130,10 +130,11 @@ class PoolsV2(StorageBase):
     # -- storage interface v2 (hybrid models: the KV pool with side pools) ------------------------
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        """SGLang's hybrid hit query (``HiCacheFile.batch_exists_v2`` semantics): the leading KV
-        pages the daemon holds, then each transfer's pool cuts the usable prefix: ``ALL_PAGES``
-        needs the pool's page for every KV page of the prefix, ``TRAILING_PAGES`` only for the
-        last ``len(transfer.keys)`` pages before the cut. A side pool's page ``i`` is stored
+        """SGLang's hybrid hit query (``HiCacheFile.batch_exists_v2`` semantics) over ``keys`` of
+        any length (SGLang's hybrid controller sends every page of a prompt in one call): the
+        leading KV pages the daemon holds, then each transfer's pool cuts the usable prefix:
+        ``ALL_PAGES`` needs the pool's page for every KV page of the prefix, ``TRAILING_PAGES``
+        only for the last ``len(transfer.keys)`` pages before the cut. A side pool's page ``i`` is stored
         under KV key ``keys[i]`` in the pool's namespace. ``restorable_prefix_pages`` lists every
         usable prefix length (SGLang intersects them across ranks)."""
 

@@ -21,6 +21,14 @@ chunk's tier, the loads' times, the daemon's per-tier figures, and the engine's 
 from the scheduler's step cadence and the chunks it stores); vLLM recomputes from the first MISS.
 Store jobs beyond the ``interference_budget`` (a fraction of the measured step) are dropped.
 
+Events (``enable_kv_events``, as vLLM's file tier): when vLLM publishes KV cache events, each
+store job's chunks the daemon now holds are one stored ``OffloadingEvent`` (``take_events``). No
+removal events: the daemon evicts on its own and tells no tier; its own event stream publishes
+evictions (docs/events.md).
+
+A spec the tier cannot serve (no KV cache group to name a chunk's tokens by) is a
+``ConfigError`` naming it at construction.
+
 Identity and keys: ``tier_config`` (the namespace is the connector's fields plus the pool's row
 format; block keys are derived from vLLM's ``OffloadKey`` inside it). Metrics: vLLM's own
 ``vllm:kv_offload_tiering_*`` (tier label ``KvtierSecondaryTier``) from the job results, plus
@@ -38,6 +46,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -48,7 +57,14 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.integrations.vllm.tier_config import PoolGeometry, TierConfig, hash_algo_name, tier_namespace
+from kvtier.integrations.vllm.config import ConfigError
+from kvtier.integrations.vllm.tier_config import (
+    PREFIX,
+    PoolGeometry,
+    TierConfig,
+    hash_algo_name,
+    tier_namespace,
+)
 from kvtier.integrations.vllm.tier_jobs import JobDone, TierJobs
 
 if TYPE_CHECKING:
@@ -124,6 +140,8 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.jobs = TierJobs(self.cfg, self.namespace, primary_kv_view.cast("B"), self.block_size_bytes)
         self._lookups = _Lookups(self.jobs, tier_type)
         self._load_keys: dict[int, list[OffloadKey]] = {}
+        self._store_keys: dict[int, list[OffloadKey]] = {}  # store jobs in flight (events on)
+        self.events: list[OffloadingEvent] | None = _events_list(self.cfg, offloading_spec, tier_type)
         log.info("kvtier tier: namespace %s at %s", self.namespace.to_dict(), self.cfg.address)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -141,6 +159,8 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self.jobs.submit_store(job_metadata.job_id, [], [])  # reported done, nothing moved
             return
         self.jobs.submit_store(job_metadata.job_id, keys, job_metadata.chunk_ids.tolist())
+        if self.events is not None:  # (its result is taken on this thread, never before)
+            self._store_keys[job_metadata.job_id] = keys
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -151,6 +171,13 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         return [self._result(done) for done in self.jobs.finished()]
 
     def _result(self, done: JobDone) -> JobResult:
+        stored = self._store_keys.pop(done.job_id, None)
+        if stored is not None and self.events is not None:
+            held = [k for k, f in zip(stored, done.found, strict=False) if f]
+            if held:  # the chunks the daemon holds now (a dropped store stored none)
+                self.events.append(
+                    OffloadingEvent(keys=held, medium=self.medium, removed=False, locality=self.locality)
+                )
         keys = self._load_keys.pop(done.job_id, None)
         if keys is None or done.ok:
             return JobResult(
@@ -167,6 +194,11 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             transfer_time=done.seconds,
             transfer_bytes=done.nbytes,
         )
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The stored events since the last call (none unless ``enable_kv_events``)."""
+        events, self.events = self.events, ([] if self.events is not None else None)
+        return events or ()
 
     def has_pending_work(self) -> bool:
         return self.jobs.has_pending()
@@ -209,6 +241,12 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 def pool_geometry(spec: Any, row_bytes: int) -> PoolGeometry:
     """The row format of vLLM's CPU pool, from the spec's normalized ``OffloadingConfig``."""
     config = spec.config
+    if not config.groups:  # vLLM's test specs may have none; its file tier stores them as is
+        raise ConfigError(
+            f"{PREFIX}.offloading_spec",
+            f"{type(spec).__name__} has no KV cache group: the kvtier tier names a chunk by its "
+            "group's tokens per block, so it cannot serve this spec",
+        )
     par = config.parallel
     tokens = config.groups[0].tokens_per_block * spec.blocks_per_chunk
     groups = repr([(g.group_id, g.tokens_per_block, g.layer_names) for g in config.groups])
@@ -226,6 +264,22 @@ def pool_geometry(spec: Any, row_bytes: int) -> PoolGeometry:
         f"replicated={bool(config.replicated_layout)}",
         hash_algo=hash_algo_name(_hash_algo()),
     )
+
+
+def _events_list(cfg: TierConfig, spec: Any, tier_type: str) -> list[OffloadingEvent] | None:
+    """The event list when ``enable_kv_events`` is set and vLLM publishes KV cache events
+    (else None: nothing drains it); a warning when only the tier asks for them."""
+    if not cfg.enable_kv_events:
+        return None
+    published = getattr(getattr(spec, "kv_events_config", None), "enable_kv_cache_events", False)
+    if not published:
+        log.warning(
+            "kvtier tier %s: enable_kv_events is set but vLLM's KV cache events are off "
+            "(--kv-events-config): the tier emits none",
+            tier_type,
+        )
+        return None
+    return []
 
 
 def engine_facts(spec: Any) -> dict[str, Any]:

@@ -103,6 +103,10 @@ class TierConfig:
     prefill_seconds_per_token: float | None = None
     """The engine's prefill cost per token, set by the operator; None: measured from the
     scheduler's steps and the chunks vLLM stores (``tier_decide``)."""
+    enable_kv_events: bool = False
+    """Emit vLLM's offloading events (``BlockStored`` of the chunks each store job left in the
+    daemon), as vLLM's file tier does under the same key; effective only when vLLM publishes
+    KV cache events (``--kv-events-config``)."""
 
     @classmethod
     def from_tier(cls, kwargs: Mapping[str, Any]) -> TierConfig:
@@ -133,7 +137,7 @@ class TierConfig:
                 "token_file",
                 "locality",
             ),
-            flags=("load", "store", "unix_login"),
+            flags=("load", "store", "unix_login", "enable_kv_events"),
         )
         self._check_policy(need)
         need(
