@@ -231,7 +231,8 @@ def cluster_settings(cfg: DaemonConfig) -> ClusterSettings:
         import redis  # noqa: F401
     except ImportError as e:
         raise ValueError(
-            f"cluster: the cluster tier needs redis-py and hiredis (the kvtierd wheel's cluster extra, README.md, Install): {e}"
+            "cluster: the cluster tier needs redis-py and hiredis (the kvtierd wheel's cluster "
+            f"extra, README.md, Install): {e}"
         ) from None
     creds = _cluster_credentials(c, tls)
     from kvtierd.tiers.cluster.keys import read_fleet_key
