@@ -537,7 +537,7 @@ def test_the_daemon_refuses_to_start_with_cuda_ipc_and_no_cuda(tmp_path: Path) -
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "cuda_ipc = true needs cupy" in proc.stderr and "kvtierd[cuda]" in proc.stderr
+    assert "cuda_ipc = true needs cupy" in proc.stderr and "cuda extra" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
