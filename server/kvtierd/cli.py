@@ -69,14 +69,19 @@ def config_default(name: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: a flag is spelt whole, so a deployment's list of flags it sets itself
+    # (the chart's daemon.extraArgs check) cannot be passed with a prefix (--liste 0.0.0.0:1).
     p = argparse.ArgumentParser(
-        prog="kvtierd", description="kvtier daemon: host and NVMe tiers of KV-cache blocks"
+        prog="kvtierd",
+        description="kvtier daemon: host and NVMe tiers of KV-cache blocks",
+        allow_abbrev=False,
     )
     p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run the kvtierd daemon (embedded defaults, overridable)",
         formatter_class=_ConfigDefaults,
         description="Run the kvtierd daemon. Every flag overrides the DaemonConfig "
@@ -95,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser(
         "fsck",
+        allow_abbrev=False,
         help="verify an NVMe tier directory offline (every slot; refused while a daemon uses it)",
         description=FSCK_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvtierd.cli import _config, build_parser
 from kvtierd.config import flat_keys
 
@@ -25,3 +27,17 @@ def test_a_flag_given_overrides_the_file_and_one_not_given_does_not(tmp_path: Pa
     cfg = _config(args)
     assert cfg.grpc.listen == "127.0.0.1:7001"  # the file's
     assert cfg.sessions.lease_ttl_s == 7.0  # the flag's
+
+
+def test_a_flag_is_spelt_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefix is no flag: a deployment that sets --listen itself (the chart) and refuses it
+    in its extra arguments cannot be passed ``--liste 0.0.0.0:50051``."""
+    for argv in (
+        ["serve", "--liste", "0.0.0.0:50051"],
+        ["serve", "--allow-plaintext-r"],
+        ["fsck", "--max-p", "3", "d"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+        assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err
