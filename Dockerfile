@@ -43,7 +43,7 @@ RUN python -m pip install --no-cache-dir /wheels/kvtier-*.whl "$(ls /wheels/kvti
        --shell /usr/sbin/nologin kvtier \
     && mkdir -p /run/kvtier \
     && chown kvtier:kvtier /run/kvtier \
-    && chmod 0770 /run/kvtier
+    && chmod 1770 /run/kvtier
 WORKDIR /var/lib/kvtier
 # Numeric, so that Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001

@@ -126,7 +126,7 @@ $(SERVE_STAMP): pyproject.toml Makefile $(REQS)
 serve-env: $(SERVE_STAMP)
 
 serve: $(SERVE_STAMP)
-	@mkdir -p run
+	@mkdir -p -m 700 run
 	$(SERVE_VENV)/bin/kvtierd serve --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 # dist/kvtier-<version>-py3-none-any.whl (the SDK) and dist/kvtierd-<version>-py3-none-any.whl

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     _tenant_and_event_flags(s)
     _security_flags(s)
 
+    _other_commands(sub)
+    return p
+
+
+def _other_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``fsck`` and ``hash-token`` (flags spelt whole, as ``serve``'s)."""
     from kvtierd.tiers.nvme.fsck import FSCK_DESCRIPTION, add_fsck_arguments  # fsck's own
 
     f = sub.add_parser(
@@ -112,8 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the tokens_sha256 entry of a bearer token read "
         "from stdin (first line), for a tenants file",
     )
-
-    return p
 
 
 def _host_flags(s: argparse.ArgumentParser) -> None:

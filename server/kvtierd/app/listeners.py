@@ -28,6 +28,7 @@ from kvtierd.lockfile import OwnerLock
 from kvtierd.metrics import MetricsServer
 from kvtierd.preflight import StartupError, bind_refusal
 from kvtierd.sessions import Session, SessionTable
+from kvtierd.socket_dirs import socket_dir_refusal
 from kvtierd.tenancy.exposure import metrics_scrape_only
 from kvtierd.tenants import Tenant
 from kvtierd.transports.control import ControlChannel
@@ -227,6 +228,7 @@ def lock_sockets(cfg: DaemonConfig) -> OwnerLock | None:
     check_socket_paths(cfg)  # before anything is made
     base = os.path.abspath(cfg.shm_socket_path.removesuffix(".shm"))
     os.makedirs(os.path.dirname(base), mode=0o700, exist_ok=True)
+    check_socket_dirs(cfg)  # before the lock file is made there
     return OwnerLock.take(base + ".lock")
 
 
@@ -302,6 +304,30 @@ def _certificates(name: str, path: str) -> None:
     except ssl.SSLError as e:
         why = f" ({e.reason})" if e.reason else ""
         raise ValueError(f"{name}: {path} holds no PEM certificate{why}") from None
+
+
+def check_socket_dirs(cfg: DaemonConfig) -> None:
+    """No other user than the daemon's can replace its Unix sockets (and their lock): their
+    directory and those above it are not writable by others without the sticky bit, and theirs
+    belongs to the daemon's user or root (:mod:`kvtierd.socket_dirs`); StartupError naming the
+    setting, the directory and the fix otherwise."""
+    for setting, path in _unix_sockets(cfg):
+        why = socket_dir_refusal(setting, path)
+        if why:
+            raise StartupError(why)
+
+
+def _unix_sockets(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    """(the setting, in words with its flag; the path) of every Unix socket and lock file the
+    daemon binds or makes."""
+    g = cfg.grpc
+    setting = f"socket_path (--socket {g.socket_path})" if g.socket_path else f"run_dir {g.run_dir}"
+    paths = [g.socket_path] if g.socket_path else []
+    if cfg.transports.shm_enabled:
+        paths.append(cfg.shm_socket_path)
+    if paths:
+        paths.append(cfg.shm_socket_path.removesuffix(".shm") + ".lock")
+    return [(setting, path) for path in paths]
 
 
 def check_socket_paths(cfg: DaemonConfig) -> None:

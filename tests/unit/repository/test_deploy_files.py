@@ -13,8 +13,10 @@ import argparse
 import fnmatch
 import importlib.util
 import json
+import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -390,16 +392,48 @@ def _daemonset() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     return docs["Secret"], pod, kvtier
 
 
+def _sidecar_pod() -> dict[str, Any]:
+    import yaml
+
+    (deployment,) = [d for d in yaml.safe_load_all(SIDECAR.read_text()) if d]
+    pod: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return pod
+
+
 def test_daemonset_prepares_its_socket_dir_as_the_chart_does() -> None:
     """The node's /run/kvtier (a tmpfs: gone after a reboot) is made if missing and given to
-    10001, mode 0770, by an init container with only CHOWN and FOWNER: the chart's, same image."""
+    10001 by an init container with only CHOWN and FOWNER: the chart's, same image."""
     _, pod, kvtier = _daemonset()
     run = next(v for v in pod["volumes"] if v["name"] == "kvtier-run")
     assert run["hostPath"] == {"path": "/run/kvtier", "type": "DirectoryOrCreate"}
     (init,) = pod["initContainers"]
     assert init["image"] == kvtier["image"] and init["command"][-1] == "/run/kvtier"
-    assert "chown 10001:10001" in init["command"][2] and "chmod 0770" in init["command"][2]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+
+
+@pytest.mark.parametrize("shape", ["daemonset", "sidecar"])
+def test_the_socket_directory_is_made_sticky_for_the_daemon(shape: str, tmp_path: Path) -> None:
+    """A 0770 directory of the engines' group (or an emptyDir, 2777) let another uid rename
+    kvtier.sock away and serve a fake one that logged a tenant's token; kvtierd refuses such a
+    directory. Each manifest's init container (run here on a real directory) makes it 10001's,
+    mode 1770, and the image's /run/kvtier is made so too."""
+    pod = _daemonset()[1] if shape == "daemonset" else _sidecar_pod()
+    (init,) = pod["initContainers"]
+    kvtier = next(c for c in pod["containers"] if c["name"] == "kvtier")
+    assert init["image"] == kvtier["image"]
+    assert init["volumeMounts"] == [{"name": "kvtier-run", "mountPath": "/run/kvtier"}]
+    assert init["command"][-1] == "/run/kvtier"
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert "chmod 1770 /run/kvtier" in DOCKERFILE.read_text()
+    if os.geteuid() != 0:
+        pytest.skip("chown to 10001 needs root")
+    run = tmp_path / "run-kvtier"
+    run.mkdir()
+    os.chmod(run, 0o2777)  # an emptyDir with an fsGroup (a hostPath: 0755)
+    subprocess.run([*init["command"][:-1], str(run)], check=True, timeout=30)
+    st = run.stat()
+    mode = stat.S_IMODE(st.st_mode) & ~stat.S_ISGID  # (chmod keeps a directory's setgid: harmless)
+    assert (st.st_uid, st.st_gid, mode) == (10001, 10001, 0o1770)
 
 
 def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host_ipc() -> None:

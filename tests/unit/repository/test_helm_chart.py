@@ -167,26 +167,39 @@ def test_the_socket_directory_is_shared_at_the_same_path(mode: str) -> None:
     assert sc["runAsNonRoot"] and sc["runAsUser"] != 0 and not sc["allowPrivilegeEscalation"]
 
 
-def test_the_daemonset_prepares_the_nodes_socket_directory(tmp_path: Path) -> None:
-    """/run is a tmpfs on most nodes: by default an init container makes the directory the
-    daemon's (10001) with the engines' group (10001), mode 0770, over a DirectoryOrCreate
-    hostPath; its command, run here on a real directory, does exactly that."""
-    docs = rendered("daemonset", "defaults")
+@pytest.mark.parametrize("mode", MODES)
+def test_an_init_container_makes_the_socket_directory_sticky(mode: str, tmp_path: Path) -> None:
+    """/run is a tmpfs on most nodes and an emptyDir is made 0777 (2777 with the fsGroup): an
+    init container makes the directory the daemon's (10001) with the engines' group (10001),
+    mode 1770 (a 0770 one let a member of the group rename kvtier.sock away and serve a fake
+    one that logged another tenant's token; kvtierd now refuses it), over a DirectoryOrCreate
+    hostPath or the pod's emptyDir; its command, run here on a real directory, does exactly
+    that."""
+    docs = rendered(mode, "defaults")
     run = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "kvtier-run")
-    assert run["hostPath"]["type"] == "DirectoryOrCreate"
+    mount = (
+        run["hostPath"]["path"]
+        if mode == "daemonset"
+        else str(Path(serve_config(docs).grpc.socket_path).parent)
+    )
+    if mode == "daemonset":
+        assert run["hostPath"]["type"] == "DirectoryOrCreate"
     (init,) = pod_spec(docs)["initContainers"]
     assert init["image"] == container(docs)["image"]
     sc = init["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
-    assert [m["mountPath"] for m in init["volumeMounts"]] == [run["hostPath"]["path"]]
+    assert init["volumeMounts"] == [{"name": "kvtier-run", "mountPath": mount}]
+    assert init["command"][-1] == mount
     if os.geteuid() != 0:
         pytest.skip("chown to 10001 needs root")
     node_dir = tmp_path / "run-kvtier"
-    node_dir.mkdir(mode=0o755)
+    node_dir.mkdir()
+    os.chmod(node_dir, 0o2777)  # as an emptyDir with an fsGroup (a hostPath: 0755)
     subprocess.run([*init["command"][:-1], str(node_dir)], check=True, timeout=30)
     st = node_dir.stat()
-    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (10001, 10001, 0o770)
+    mode = stat.S_IMODE(st.st_mode) & ~stat.S_ISGID  # (chmod keeps a directory's setgid: harmless)
+    assert (st.st_uid, st.st_gid, mode) == (10001, 10001, 0o1770)
 
 
 def test_without_prepare_the_socket_directory_must_exist() -> None:
@@ -370,6 +383,9 @@ def test_an_engine_chart_carries_kvtier_in_its_own_pod(tmp_path: Path) -> None:
     socket_dir = str(Path(cfg.grpc.socket_path).parent)
     assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs, "engine")["volumeMounts"]
     assert {"name": "kvtier-run", "mountPath": socket_dir} in container(docs)["volumeMounts"]
+    (init,) = pod_spec(docs)["initContainers"]  # the emptyDir made 1770: kvtierd refuses 2777
+    assert init["volumeMounts"] == [{"name": "kvtier-run", "mountPath": socket_dir}]
+    assert "chmod 1770" in init["command"][2]
     labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
     (pm,) = kinds["PodMonitor"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()

@@ -296,3 +296,26 @@ authorization:
     key: {{ .Values.metrics.scrape.key }}
 {{- end }}
 {{- end }}
+
+{{/* The init container that makes the socket directory (the kvtier-run volume) the daemon's,
+     uid and group 10001 (the engines' way in), mode 1770: kvtierd refuses a socket directory
+     others may write without the sticky bit (any of them could rename its socket away and
+     serve a fake one at its path, collecting tokens). Root with only CHOWN and FOWNER. */}}
+{{- define "kvtier.prepareSocketDir" -}}
+# The socket directory: the daemon's (10001), the engines' group (10001), 1770 (sticky).
+- name: prepare-socket-dir
+  image: {{ printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) | quote }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["sh", "-c", "chown 10001:10001 \"$0\" && chmod 1770 \"$0\"", {{ .Values.daemon.socketDir | quote }}]
+  securityContext:
+    runAsUser: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities:
+      drop: ["ALL"]
+      add: ["CHOWN", "FOWNER"]
+  volumeMounts:
+    - name: kvtier-run
+      mountPath: {{ .Values.daemon.socketDir }}
+{{- end }}

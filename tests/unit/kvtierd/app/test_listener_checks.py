@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 from redis_cluster import make_test_pki
 
-from kvtierd.app.listeners import MAX_SOCKET_PATH_BYTES, check_socket_paths, check_tls_files
+from kvtierd.app.listeners import (
+    MAX_SOCKET_PATH_BYTES,
+    check_socket_dirs,
+    check_socket_paths,
+    check_tls_files,
+)
 from kvtierd.config import DaemonConfig
 from kvtierd.preflight import StartupError
 
@@ -95,3 +100,22 @@ def test_a_relative_socket_path_is_measured_from_the_working_directory(
     with pytest.raises(StartupError, match=r"^socket_path \(--socket run/kvtier.sock\): the Unix socket "):
         check_socket_paths(DaemonConfig())
     assert os.listdir(deep) == []
+
+
+def test_a_socket_directory_others_may_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    """The shm socket alone (no gRPC socket) is checked too, named by run_dir: a 0770
+    directory is refused with the fix, the same directory with the sticky bit passes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o770)
+    cfg = DaemonConfig.from_flat(socket_path="", listen="127.0.0.1:0", run_dir=str(run))
+    with pytest.raises(StartupError) as e:
+        check_socket_dirs(cfg)
+    assert str(e.value).startswith(
+        f"run_dir {run}: the Unix socket {run}/kvtier.sock.shm: its directory {run} (mode 0770) "
+        "is writable by its group without the sticky bit"
+    ), str(e.value)
+    assert f"run `chmod +t {run}`" in str(e.value)
+    os.chmod(run, 0o1770)
+    check_socket_dirs(cfg)
+    check_socket_dirs(DaemonConfig.from_flat(socket_path=str(tmp_path / "k.sock")))  # 0700
