@@ -235,6 +235,11 @@ def _event_bound_families(ev: dict[str, Any]) -> Iterator[Any]:
         "Connections to an event socket refused: events_max_connections open already",
         value=ev["event_connections_refused"],
     )
+    yield c(
+        "kvtier_event_subscriptions_dropped_total",
+        "Subscriptions to an event socket dropped: no prefix of events_topic (its connection closed)",
+        value=ev["event_subscriptions_dropped"],
+    )
 
 
 def _boot_families(snap: Snapshot) -> Iterator[Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import serve_cmd
+from tests_helpers import serve_cmd, serve_exits
 
 from kvtier_contract.protoutil import to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
@@ -116,3 +116,32 @@ def test_bad_event_settings_are_refused_naming_the_field(
     out = serve(tmp_path / "run", *args)
     assert out.returncode == 2, out.stderr
     assert f"configuration error: {field}: " in out.stderr, out.stderr
+
+
+def test_a_tenant_stream_naming_the_grpc_socket_through_a_symlink_is_refused_at_start(tmp_path: Path) -> None:
+    """Events bind before gRPC: a tenant ``kvtier`` whose stream path is the gRPC socket through
+    a symlinked directory was bound, then replaced by gRPC (the stream lost, nothing logged).
+    Now the start is refused, naming the setting."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "alias").symlink_to(run)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        "".join(
+            f'[[tenant]]\nname = "{n}"\ntokens_sha256 = ["{c * 64}"]\n\n'
+            for n, c in (("team-a", "a"), ("kvtier", "b"))
+        )
+    )
+    out = serve_exits(
+        run,
+        "--host-bytes",
+        "64MiB",
+        "--slab-bytes",
+        "1MiB",
+        "--tenants-file",
+        str(tenants),
+        "--events-tenant-endpoint",
+        f"ipc://{tmp_path}/alias/{{tenant}}.sock",
+    )
+    assert out.returncode == 2, out.stderr
+    assert "events_tenant_endpoint" in out.stderr and "the daemon's own sockets" in out.stderr, out.stderr

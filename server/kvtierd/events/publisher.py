@@ -1,5 +1,5 @@
 """The KV-event publisher: one thread that turns queued records into vLLM ``KVEventBatch``es
-and sends them on ZMQ PUB sockets, with a replay buffer and a ROUTER socket per stream.
+and sends them on ZMQ XPUB sockets, with a replay buffer and a ROUTER socket per stream.
 
 Streams (docs/events.md): the **operator** stream (``events_endpoint``) carries every block;
 a **tenant** stream (``events_tenant_endpoint``, a template with ``{tenant}``, ipc:// only)
@@ -14,8 +14,9 @@ What it holds is bounded in bytes: the replay buffers (``stream_buffer_bytes`` e
 tenant's at most its ``buffered_bytes`` quota, ``buffer_bytes`` together); a message is at
 most ``max_message_bytes`` (batches split by bytes, a chain split in two where it must); each
 socket queues at most ``send_hwm`` messages per peer, and takes at most ``max_peers`` peers
-(:mod:`~kvtierd.events.gate`); a replay answer is at most ``replay_max_bytes`` and never waits
-for a requester that does not read.
+(:mod:`~kvtierd.events.gate`) and holds at most ``len(topic) + 1`` subscriptions per peer
+(:mod:`~kvtierd.events.subscriptions`); a replay answer is at most ``replay_max_bytes`` and
+never waits for a requester that does not read.
 
 Lifecycle: ``start()`` (the caller's thread: binds the operator stream and the tenants named
 then; ValueError naming the setting) -> the thread runs -> ``close()`` (sends what is queued, up
@@ -35,7 +36,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,22 +45,13 @@ from kvtierd.events.records import append_events, events_of
 from kvtierd.events.replay import ReplayBuffer, ReplayBuffers
 from kvtierd.events.sink import EventQueue, Record
 from kvtierd.events.sockets import Bound, SocketRules, bind, check_ipc_path, ipc_path, release
-from kvtierd.events.wire import (
-    BATCH_OVERHEAD_BYTES,
-    END_SEQ,
-    SEQ,
-    Cleared,
-    Event,
-    batch_payload,
-    encode_event,
-    split_event,
-)
+from kvtierd.events.subscriptions import SubscriptionFilter, subscription_max_bytes
+from kvtierd.events.wire import END_SEQ, SEQ, Cleared, Event, batch_payload, messages
 
 log = logging.getLogger("kvtierd.events")
-MAX_EVENTS_PER_BATCH = 1024
 MAX_REQUEST_BYTES = 1024
-"""Largest message a peer may send to an event socket (a replay request is 8 bytes, a
-subscription a topic): a larger one closes its connection (ZMQ_MAXMSGSIZE)."""
+"""Largest message a peer may send to a replay socket (a request is 8 bytes; a PUB socket's
+limit: :func:`subscription_max_bytes`): a larger one closes its connection (ZMQ_MAXMSGSIZE)."""
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -128,6 +120,7 @@ class EventPublisher:
         self.queue = queue
         self._ctx = zmq.Context()
         self._gate = ConnectionGate(self._ctx, settings.max_peers)
+        self._subs = SubscriptionFilter(settings.topic.encode())
         self._buffers = ReplayBuffers(settings.buffer_bytes)
         self._streams: dict[str, _Stream] = {}  # "" (operator) or tenant -> stream
         self._refused: set[str] = set()  # tenants whose endpoint could not be made
@@ -205,6 +198,7 @@ class EventPublisher:
             "event_buffer_dropped_messages": self._buffers.dropped_messages,
             "event_replays_cut": self.replays_cut,
             "event_connections_refused": self._gate.refused,
+            "event_subscriptions_dropped": self._subs.dropped,
         }
 
     # -- sockets ----------------------------------------------------------------------------------
@@ -219,7 +213,7 @@ class EventPublisher:
         socks: list[Any] = []
         bound: list[Bound | None] = []
         try:
-            for ep, kind in ((endpoint, zmq.PUB), (replay_endpoint, zmq.ROUTER)):
+            for ep, kind in ((endpoint, zmq.XPUB), (replay_endpoint, zmq.ROUTER)):
                 if ep:
                     sock = self._socket(kind, f"{'replay' if kind == zmq.ROUTER else 'pub'}:{name}")
                     socks.append(sock)
@@ -247,13 +241,17 @@ class EventPublisher:
         return st
 
     def _socket(self, kind: int, domain: str) -> Any:
-        """A PUB or ROUTER socket: small queues, tiny requests, at most ``max_peers`` peers."""
+        """An XPUB (subscriptions applied by the thread) or ROUTER socket: small queues, tiny
+        requests, at most ``max_peers`` peers."""
         zmq = self._zmq
         sock = self._ctx.socket(kind)
         sock.set_hwm(self.settings.send_hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full requester: EAGAIN, never a wait
+        else:
+            sock.setsockopt(zmq.MAXMSGSIZE, subscription_max_bytes(self.settings.topic.encode()))
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
         self._gate.watch(sock, domain)
         return sock
 
@@ -339,36 +337,15 @@ class EventPublisher:
     def _send_all(self) -> None:
         topic = self.settings.topic.encode()
         for st in self._streams.values():
+            self._subs.serve(st.pub)  # subscriptions come in first: applied before this send
             events, st.events = st.events, []
-            for encoded in self._messages(events):
+            for encoded in messages(events, self.settings.max_message_bytes):
                 payload = batch_payload(time.time(), encoded)
                 st.pub.send_multipart((topic, SEQ.pack(st.seq), payload))
                 self._buffers.append(st.buffer, st.seq, payload)
                 st.seq += 1
                 self.events_published += len(encoded)
                 self.batches_published += 1
-
-    def _messages(self, events: list[Event]) -> Iterator[list[bytes]]:
-        """``events`` encoded, in batches of at most ``max_message_bytes`` (an event larger
-        than that split in parts that fit; one block's alone if still larger)."""
-        room = self.settings.max_message_bytes - BATCH_OVERHEAD_BYTES
-        todo = list(reversed(events))
-        batch: list[bytes] = []
-        size = 0
-        while todo:
-            ev = todo.pop()
-            enc = encode_event(ev)
-            parts = split_event(ev, -(-len(enc) * 9 // (room * 8))) if len(enc) > room else None
-            if parts is not None:  # (a part still too large is split again)
-                todo.extend(reversed(parts))
-                continue
-            if batch and (size + len(enc) > room or len(batch) >= MAX_EVENTS_PER_BATCH):
-                yield batch
-                batch, size = [], 0
-            batch.append(enc)
-            size += len(enc)
-        if batch:
-            yield batch
 
     def _serve_replays(self) -> None:
         """Answer waiting replay requests (at most 64 a socket a turn): the buffered messages

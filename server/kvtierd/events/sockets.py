@@ -1,7 +1,8 @@
 """Where KV-event sockets may be bound, and binding them private before they exist.
 
 Primitives: :func:`check_ipc_path` (ValueError naming the setting: a path that is one of the
-daemon's own sockets, an existing file that is not a stale socket of ours, or, for a stream
+daemon's own sockets under any spelling (:func:`same_place`: a symlinked directory, ``/var/run``
+for ``/run``), an existing file that is not a stale socket of ours, or, for a stream
 that must stay private, a socket the engines' group could reach), :func:`bind` (an
 ``ipc://`` endpoint bound inside a fresh 0700 directory beside its path, given its mode there,
 then renamed into place: no moment where another user could connect, and no process-wide
@@ -34,7 +35,8 @@ class SocketRules:
     mode: int = 0o600
     """The socket files' mode (``events_socket_mode``)."""
     reserved: frozenset[str] = frozenset()
-    """Absolute paths of the daemon's own sockets and lock: never an event socket's."""
+    """Absolute paths of the daemon's own sockets and lock: never an event socket's, however
+    spelt (compared by :func:`same_place`)."""
     engine_gids: frozenset[int] = frozenset()
     """Groups that reach the daemon's gRPC socket (the engines'): a private stream's socket
     must not be reachable by them."""
@@ -59,7 +61,7 @@ def ipc_path(endpoint: str) -> str | None:
 def check_ipc_path(path: str, setting: str, rules: SocketRules, *, private: bool) -> None:
     """ValueError naming ``setting`` when ``path`` may not become an event socket; ``private``:
     the stream carries tenants' blocks, and the engines' group must not reach it."""
-    if path in rules.reserved:
+    if any(same_place(path, r) for r in rules.reserved):
         raise ValueError(f"{setting}: {path} is one of the daemon's own sockets; choose another path")
     if not os.path.isdir(os.path.dirname(path)):
         raise ValueError(f"{setting}: {path}: its directory does not exist; create it first")
@@ -83,6 +85,21 @@ def check_ipc_path(path: str, setting: str, rules: SocketRules, *, private: bool
                 "token ids: set events_socket_mode = 0o600, or put it in a directory that group "
                 "cannot enter (docs/events.md §5)"
             )
+
+
+def same_place(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file, the files themselves needing not exist:
+    the same name in the same directory, the directories compared resolved (symlinks followed)
+    and, where both exist, by device and inode (a bind mount too)."""
+    if os.path.basename(a) != os.path.basename(b):
+        return False
+    da, db = os.path.dirname(a), os.path.dirname(b)
+    if os.path.realpath(da) == os.path.realpath(db):
+        return True
+    try:
+        return os.path.samefile(da, db)
+    except OSError:  # (one does not exist: then they are not one directory)
+        return False
 
 
 def exposure(path: str, rules: SocketRules) -> str:

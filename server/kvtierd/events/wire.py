@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -156,6 +156,32 @@ def split_event(ev: Event, parts: int) -> list[Event] | None:
         )
         for i in cuts
     ]
+
+
+MAX_EVENTS_PER_BATCH = 1024
+
+
+def messages(events: Sequence[Event], max_message_bytes: int) -> Iterator[list[bytes]]:
+    """``events`` encoded, in batches of at most ``max_message_bytes`` (an event larger than
+    that split in parts that fit; one block's alone if still larger)."""
+    room = max_message_bytes - BATCH_OVERHEAD_BYTES
+    todo = list(reversed(events))
+    batch: list[bytes] = []
+    size = 0
+    while todo:
+        ev = todo.pop()
+        enc = encode_event(ev)
+        parts = split_event(ev, -(-len(enc) * 9 // (room * 8))) if len(enc) > room else None
+        if parts is not None:  # (a part still too large is split again)
+            todo.extend(reversed(parts))
+            continue
+        if batch and (size + len(enc) > room or len(batch) >= MAX_EVENTS_PER_BATCH):
+            yield batch
+            batch, size = [], 0
+        batch.append(enc)
+        size += len(enc)
+    if batch:
+        yield batch
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:

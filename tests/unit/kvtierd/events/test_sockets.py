@@ -58,6 +58,26 @@ def test_the_daemons_own_sockets_and_other_files_are_never_taken(tmp_path: Path)
     check_ipc_path(str(tmp_path / "live.sock"), "events_endpoint", rules, private=False)
 
 
+def test_the_daemons_own_sockets_are_found_under_every_spelling(tmp_path: Path) -> None:
+    """A symlinked directory (``/var/run`` for ``/run``) names the same socket: refused, naming
+    the setting (compared as strings, ``alias/kvtier.sock`` passed and libzmq took it)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "alias").symlink_to(run)
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "up").symlink_to(tmp_path / "alias")
+    rules = SocketRules(reserved=frozenset({str(run / "kvtier.sock"), str(run / "kvtier.sock.shm")}))
+    for spelling in (
+        "alias/kvtier.sock",
+        "alias/kvtier.sock.shm",
+        "deep/up/kvtier.sock",
+        "deep/../run/kvtier.sock",
+    ):
+        with pytest.raises(ValueError, match=r"^events_tenant_endpoint: .* the daemon's own sockets"):
+            check_ipc_path(os.path.join(tmp_path, spelling), "events_tenant_endpoint", rules, private=True)
+    check_ipc_path(str(tmp_path / "alias" / "ev-kvtier.sock"), "events_tenant_endpoint", rules, private=True)
+
+
 def test_a_tenant_named_like_the_daemons_socket_leaves_it_alone(tmp_path: Path) -> None:
     """libzmq unlinks an ipc path before binding it: a tenant "kvtier" with the template
     ``{tenant}.sock`` beside the gRPC socket would take it over."""
