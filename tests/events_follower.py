@@ -134,8 +134,11 @@ class Follower:
         """Pump until ``check()`` holds (the daemon's own work, flushes, may still be going)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self.pump(0.1) and self.next_seq is not None and self.replay_endpoint:
-                self._fill(self.next_seq, 1 << 64)  # a lost last message leaves no gap to see
+            if not self.pump(0.1) and self.replay_endpoint:
+                # a lost last message leaves no gap to see; a subscriber whose subscription
+                # reached the daemon after the stream's last message saw none (vLLM's
+                # router-style subscriber asks the replay from 0 then, as here)
+                self._fill(0 if self.next_seq is None else self.next_seq, 1 << 64)
             if check():
                 return
             if time.monotonic() > deadline:
