@@ -35,9 +35,10 @@ from kvtier.breaker import Breaker
 from kvtier.calls import DOWN_CODES, MIN_RPC_S, REGISTER_RETRY_S, Away, Overloaded, Registered
 from kvtier.control import ControlChannels, tcp_dialer, unix_dialer
 from kvtier.data_channel import DataChannel
-from kvtier.diagnose import Diagnosis, Peer, explain_rpc, speaks_tls
+from kvtier.diagnose import Diagnosis, Peer, explain_reached, explain_rpc
 from kvtier.grpc_channel import GrpcChannel
 from kvtier.local_index import LocalIndexes
+from kvtier.reach import speaks_tls
 from kvtier.results import ClientCounters, TierFigure, TierFigures
 from kvtier.settings import ClientSettings
 from kvtier.transports import DataTransport, make_transport
@@ -195,6 +196,8 @@ class Connection(GrpcChannel):
         self._channel_open()
         if self._login_path:  # a fresh token per session: a restarted daemon knows none
             self._login(self._step_timeout(timeout, deadline, "Unix login"))
+        step = self._step_timeout(timeout, deadline, "OpenSession")
+        ends = self.clock() + step
         try:
             reply = self._stub.OpenSession(
                 pb.OpenSessionRequest(
@@ -202,12 +205,13 @@ class Connection(GrpcChannel):
                     lease_ttl_ms=int(self.lease_ttl_s * 1000),
                     transport=make_transport(self.transport_name).proto_value,
                 ),
-                timeout=self._step_timeout(timeout, deadline, "OpenSession"),
+                timeout=step,
             )
-        except grpc.RpcError as e:
+        except grpc.RpcError as e:  # the address asked itself, within what is left of the step
+            code, details = e.code().name, e.details() or ""
             raise Away(
-                f"OpenSession: {e.code().name}: {e.details()}",
-                explain_rpc(self._peer, "OpenSession", e.code().name, e.details() or ""),
+                f"OpenSession: {code}: {details}",
+                explain_reached(self._peer, "OpenSession", code, details, ends - self.clock()),
             ) from None
         transport = self._data_channel.attach(
             reply,
@@ -264,7 +268,8 @@ class Connection(GrpcChannel):
         try:
             return self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            diagnosis = self._sharpen(explain_rpc(self._peer, "Stats", e.code().name, e.details() or ""))
+            explained = explain_reached(self._peer, "Stats", e.code().name, e.details() or "", self.timeout_s)
+            diagnosis = self._sharpen(explained)
             raise diagnosis.error from None
 
     def _control_channels(
@@ -338,9 +343,11 @@ class Connection(GrpcChannel):
             diagnosis = _away_diagnosis(self._peer, why)
         message = str(diagnosis.error)
         self.counters.last_error = message
-        self.breaker.causes.report(
-            diagnosis.cause, f"{message}; meanwhile lookups miss and puts are dropped (the engine recomputes)"
-        )
+        if not diagnosis.transient:  # (the daemon answers now: the next try will say more)
+            self.breaker.causes.report(
+                diagnosis.cause,
+                f"{message}; meanwhile lookups miss and puts are dropped (the engine recomputes)",
+            )
 
     def _refused(self, handle: Registered, error: errors.KvtierError) -> None:
         """The daemon refused to register ``handle``'s namespace: its calls miss."""

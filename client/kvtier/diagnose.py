@@ -4,30 +4,31 @@ gRPC reports most mistakes in C-core words ("failed to connect to all addresses"
 closed"); the client turns each into one :mod:`kvtier_contract.errors` error here:
 
 * ``explain_rpc(peer, method, code, details)``: a failed RPC (OpenSession at connect, any call
-  that trips the breaker later) -> ``Diagnosis`` (a short ``cause`` key and the error);
+  that trips the breaker later) -> ``Diagnosis`` (a short ``cause`` key and the error); with
+  ``reach=`` (what :func:`kvtier.reach.reach` found at the address) whether anything is there is
+  taken from the socket, not from gRPC's words, which can be an earlier attempt's;
+* ``explain_reached(peer, method, code, details, timeout_s)``: the same, the address asked
+  first (within ``timeout_s``) where the code says it was not reached: what an open uses;
 * ``explain_attach(peer, error)``: the data transport could not attach; ``explain_login``: the
   Unix peer login failed;
-* ``speaks_tls(host, port, timeout_s)``: whether a TCP port answers a TLS handshake (told apart:
-  a plaintext client on a TLS port from a daemon that just closed the connection);
 * ``CauseLog``: one WARNING per cause, then at most one per ``interval_s`` (engines that must not
   fail learn why their lookups miss without a line per call).
 
-Pure functions of their arguments except ``speaks_tls`` (one TCP connection, and a name lookup
-on a helper thread for a host name) and ``CauseLog`` (its lock). Thread-safe.
+Pure functions of their arguments except ``explain_reached`` (one socket, :mod:`kvtier.reach`)
+and ``CauseLog`` (its lock). Thread-safe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvtier.addresses import grpc_host, socket_path
+from kvtier.reach import Reach, reach
 from kvtier_contract import errors
 
 log = logging.getLogger("kvtier.client")
@@ -65,18 +66,42 @@ class Diagnosis:
     cause: str
     error: errors.KvtierError
     rpc: tuple[str, str, str] | None = None  # the failed RPC: (method, code name, details)
+    # the address answers now and gRPC's words were an earlier attempt's (its connection still
+    # backing off): the next try may well work; kept in last_error, never a WARNING
+    transient: bool = False
 
 
 def explain_rpc(
-    peer: Peer, method: str, code: str, details: str, *, tls_probe: bool | None = None
+    peer: Peer,
+    method: str,
+    code: str,
+    details: str,
+    *,
+    tls_probe: bool | None = None,
+    reach: Reach | None = None,
 ) -> Diagnosis:
     """A failed RPC ``method`` (gRPC status ``code`` name and ``details``) explained.
-    ``tls_probe``: whether the port answered a TLS handshake (``speaks_tls``), when known."""
-    d = _explain_rpc(peer, method, code, details, tls_probe)
-    return Diagnosis(d.cause, d.error, (method, code, details))
+    ``tls_probe``: whether the port answered a TLS handshake (:func:`kvtier.reach.speaks_tls`);
+    ``reach``: what was at the address when asked (:func:`kvtier.reach.reach`), when known."""
+    d = _explain_rpc(peer, method, code, details, tls_probe, reach)
+    return dataclasses.replace(d, rpc=(method, code, details))
 
 
-def _explain_rpc(peer: Peer, method: str, code: str, details: str, tls_probe: bool | None) -> Diagnosis:
+UNREACHED = ("UNAVAILABLE", "UNKNOWN", "CANCELLED")  # codes of an address maybe not reached
+
+
+def explain_reached(peer: Peer, method: str, code: str, details: str, timeout_s: float) -> Diagnosis:
+    """``explain_rpc``, the address asked first (:func:`kvtier.reach.reach`, within
+    ``timeout_s``; a Unix socket never waits) when ``code`` is one of ``UNREACHED``: whether a
+    socket is there and listens is what the socket says now, not gRPC's last error (a
+    subchannel shared with another channel still backing off reports that channel's attempt)."""
+    seen = reach(peer.address, timeout_s) if code in UNREACHED else None
+    return explain_rpc(peer, method, code, details, reach=seen)
+
+
+def _explain_rpc(
+    peer: Peer, method: str, code: str, details: str, tls_probe: bool | None, seen: Reach | None
+) -> Diagnosis:
     at = f"daemon at {peer.address}"
     if code == "UNAUTHENTICATED":
         return _unauthenticated(peer, at, details)
@@ -84,16 +109,12 @@ def _explain_rpc(peer: Peer, method: str, code: str, details: str, tls_probe: bo
         return Diagnosis("permission", errors.PermissionDenied(f"{at}: {method}: {details}"))
     if code == "UNIMPLEMENTED":  # the first call already: not the Kvtier service there
         return _down("health-port", f"{at}: {_not_kvtier(method, details)}")
-    if code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED"):
+    if code not in (*UNREACHED, "DEADLINE_EXCEEDED"):
         return Diagnosis(code.lower(), errors.from_grpc_code(code, f"{at}: {method}: {details}"))
     if code == "DEADLINE_EXCEEDED" or "Deadline Exceeded" in details:
-        return _down(
-            "silent",
-            f"{at}: no answer within {peer.timeout_s:g} s: a wrong host, a "
-            "firewall, or a daemon too busy; check the address (timeout_s= for a slow "
-            "link)",
-        )
-    return _unreachable(peer, at, details, tls_probe)
+        why = "a wrong host, a firewall, or a daemon too busy; check the address (timeout_s= for a slow link)"
+        return _down("silent", f"{at}: no answer within {peer.timeout_s:g} s: {why}")
+    return _unreachable(peer, at, details, tls_probe, seen)
 
 
 HEALTH_ONLY = "this address answers only health checks"
@@ -150,7 +171,7 @@ def _unauthenticated(peer: Peer, at: str, details: str) -> Diagnosis:
     )
 
 
-def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis:
+def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None, seen: Reach | None) -> Diagnosis:
     if details.startswith("daemon is draining"):  # it answered: told to stop (a restart?)
         return _down(
             "draining",
@@ -159,27 +180,13 @@ def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> D
         )
     path = socket_path(peer.address)
     if path is not None:
-        if "No such file" in details:
-            return _down("no-socket", f"{at}: no socket file {path}: {START}")
-        if "Connection refused" in details:
-            return _down(
-                "stale-socket",
-                f"{at}: nothing listens on {path} (a daemon that "
-                "exited left its socket behind?): restart kvtierd, or fix the address",
-            )
-        if "Permission denied" in details:
-            return Diagnosis(
-                "socket-permission",
-                errors.PermissionDenied(
-                    f"{at}: permission denied on {path}: the daemon's socket is private to its "
-                    f"owner; run as that user, or use a tenant with unix_login ({SECURITY})",
-                    field="address",
-                ),
-            )
-        return _down("unreachable", f"{at}: {details}: {START}")
-    if "resolv" in details or "Domain name not found" in details or "DNS" in details:
+        return _unix_unreachable(at, path, details, seen)
+    said_dns, said_refused = _said_dns(details), "Connection refused" in details
+    if seen == "listening" and (said_dns or said_refused):
+        return _answers_now(at, "its port", details)
+    if seen == "unresolved" or (seen is None and said_dns):
         return _down("dns", f"{at}: cannot resolve host {grpc_host(peer.address)!r}: check the address")
-    if "Connection refused" in details:
+    if seen == "refused" or (seen is None and said_refused):
         return _down(
             "refused",
             f"{at}: nothing listens there (connection refused): is kvtierd "
@@ -188,6 +195,57 @@ def _unreachable(peer: Peer, at: str, details: str, tls_probe: bool | None) -> D
         )
     tls = _tls_trap(peer, at, details, tls_probe)
     return tls if tls is not None else _down("unreachable", f"{at}: {details}: {START}")
+
+
+def _said_dns(details: str) -> bool:
+    return "resolv" in details or "Domain name not found" in details or "DNS" in details
+
+
+_SAID_UNIX: dict[str, Reach] = {
+    "No such file": "missing",
+    "Connection refused": "refused",
+    "Permission denied": "permission",
+}
+
+
+def _said_unix(details: str) -> Reach | None:
+    """What gRPC's words say of a Unix socket (which may be an earlier attempt's)."""
+    return next((r for w, r in _SAID_UNIX.items() if w in details), None)
+
+
+def _answers_now(at: str, where: str, details: str) -> Diagnosis:
+    now = f"{at}: {where} accepts connections now, though gRPC still reports an earlier attempt"
+    retry = "a daemon that was just starting; retry (a lazy client does by itself)"
+    error = errors.Unavailable(f"{now} ({details}): {retry}", field="address")
+    return Diagnosis("answers-now", error, transient=True)
+
+
+def _unix_unreachable(at: str, path: str, details: str, seen: Reach | None) -> Diagnosis:
+    """A Unix socket not reached: by what its file says (``seen``), else by gRPC's words."""
+    said = _said_unix(details)
+    if seen == "listening" and said in ("missing", "refused"):
+        return _answers_now(at, f"its socket {path}", details)
+    seen = said if seen is None else seen  # not asked: gRPC's words
+    if seen == "missing":
+        return _down("no-socket", f"{at}: no socket file {path}: {START}")
+    if seen == "refused":
+        return _down(
+            "stale-socket",
+            f"{at}: nothing listens on {path} (a daemon that "
+            "exited left its socket behind?): restart kvtierd, or fix the address",
+        )
+    if seen == "permission":
+        return Diagnosis(
+            "socket-permission",
+            errors.PermissionDenied(
+                f"{at}: permission denied on {path}: the daemon's socket is private to its "
+                f"owner; run as that user, or use a tenant with unix_login ({SECURITY})",
+                field="address",
+            ),
+        )
+    if seen == "not-socket":
+        return _down("not-socket", f"{at}: {path} is not a socket (a file of another kind): fix the address")
+    return _down("unreachable", f"{at}: {details}: {START}")
 
 
 def _tls_trap(peer: Peer, at: str, details: str, tls_probe: bool | None) -> Diagnosis | None:
@@ -297,61 +355,6 @@ def explain_login(peer: Peer, error: errors.KvtierError) -> Diagnosis:
             ),
         )
     return _down("login-unreachable", f"{at}: Unix login failed: {error}; {START}", "unix_login")
-
-
-def speaks_tls(host: str, port: int, timeout_s: float) -> bool | None:
-    """Whether ``host:port`` answers a TLS handshake (certificates unchecked: only the protocol
-    is asked), all within ``timeout_s``: one address of the host (its first), resolved on a
-    helper thread unless it is an IP address; None when it cannot be resolved or reached."""
-    deadline = time.monotonic() + timeout_s
-    address = _first_address(host, port, timeout_s)
-    left = deadline - time.monotonic()
-    if address is None or left <= 0:
-        return None
-    family, sockaddr = address
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    with socket.socket(family, socket.SOCK_STREAM) as raw:
-        try:
-            raw.settimeout(left)
-            raw.connect(sockaddr)
-            raw.settimeout(max(0.001, deadline - time.monotonic()))  # the handshake: what is left
-        except OSError:
-            return None
-        try:
-            with ctx.wrap_socket(raw, server_hostname=host):
-                return True
-        except ssl.SSLError as e:  # an alert is TLS talking (a required client certificate)
-            return "ALERT" in str(e.reason or "").upper()
-        except TimeoutError:  # accepted, then silent: tells nothing
-            return None
-        except OSError:
-            return False
-
-
-def _first_address(host: str, port: int, timeout_s: float) -> tuple[int, Any] | None:
-    """(family, sockaddr) of ``host:port``'s first address; the name lookup (unbounded in the
-    C library) runs on a daemon thread waited for at most ``timeout_s``."""
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except (OSError, UnicodeError):
-        box: list[Any] = []
-        done = threading.Event()
-
-        def resolve() -> None:
-            try:
-                box.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-            except (OSError, UnicodeError):
-                pass
-            done.set()
-
-        threading.Thread(target=resolve, daemon=True, name="kvtier-resolve").start()
-        if not done.wait(timeout_s) or not box:
-            return None
-        found = box
-    family, _, _, _, sockaddr = found[0]
-    return family, sockaddr
 
 
 class CauseLog:

@@ -55,7 +55,7 @@ _FETCH_TIMEOUT_S = 5.0  # on the fetcher thread (a first build of a big namespac
 class Segment:
     """One mapped segment. Immutable for the client; the daemon writes slots and stamp."""
 
-    __slots__ = ("map", "buckets", "bucket_mask", "epoch", "generation", "flags", "_offset")
+    __slots__ = ("map", "buckets", "bucket_mask", "epoch", "generation", "flags", "_offset", "_words")
 
     def __init__(self, m: mmap.mmap, clock: Callable[[], float]) -> None:
         magic, version, epoch, _ns, generation, capacity, _probe, flags, _, _ = pi.HEADER.unpack_from(m, 0)
@@ -75,8 +75,17 @@ class Segment:
         self.epoch = epoch
         self.generation = generation
         self.flags = flags
-        stamp, _ = pi.STAMP_RETIRED.unpack_from(m, pi.STAMP_OFFSET)
+        self._words = memoryview(m)[: pi.HEADER_BYTES].cast("Q")  # the header's u64 words
+        stamp, _ = self.stamp_ns()
         self._offset = clock() - stamp / 1e9  # our clock minus the daemon's, give or take a tick
+
+    def stamp_ns(self) -> tuple[int, bool]:
+        """(the daemon's stamp in ns, retired): each word one aligned 8-byte load, as the daemon
+        writes it with one aligned store, so never a stamp half-written (a byte-wise ``struct``
+        read could see one, or the 0 of a daemon's ``pack_into``, and take the index for stale)."""
+        words = self._words
+        retired = words[pi.RETIRED_WORD] != 0
+        return words[pi.STAMP_WORD], retired
 
     def state(self, now: float) -> str:
         """ "ok", "stale" (the daemon's stamp is older than ``STALE_AFTER_S``) or "retired".
@@ -84,7 +93,7 @@ class Segment:
         The stamp is the daemon's monotonic clock; ours is compared through the offset seen at
         mapping time (the daemon answered then, so its stamp was fresh), so a clock namespace
         between the two processes changes nothing."""
-        stamp, retired = pi.STAMP_RETIRED.unpack_from(self.map, pi.STAMP_OFFSET)
+        stamp, retired = self.stamp_ns()
         if retired:
             return "retired"
         if now - self._offset - stamp / 1e9 > pi.STALE_AFTER_S:

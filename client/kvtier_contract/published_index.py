@@ -28,10 +28,13 @@ not yet answered) or late (gone a moment ago), which an advisory lookup allows.
 ``stamp`` is the daemon's CLOCK_MONOTONIC in ns, rewritten every ``STAMP_INTERVAL_S`` while
 the daemon runs (a reader that finds it more than ``STALE_AFTER_S`` old stops trusting the
 segment: the daemon froze or died); ``retired`` = 1 once the daemon replaced the segment
-(grown or compacted: ask for the new one) or shut down. ``generation`` counts a namespace's
-segments within one boot. ``flags``: ``FLAG_SHARED_TIER`` = the daemon has a cluster tier that
-may hold blocks this table does not list, so a lookup that is not a full hit must ask the
-daemon (over gRPC); a full hit is still answered here.
+(grown or compacted: ask for the new one) or shut down. Each is one aligned u64 word
+(``STAMP_WORD``, ``RETIRED_WORD`` of the header), written with one aligned 8-byte store and read
+with one aligned 8-byte load, never byte by byte (``struct`` on the mapping: a reader then sees
+a stamp half-written, or 0, as ``struct.pack_into`` zero-fills before it writes).
+``generation`` counts a namespace's segments within one boot. ``flags``: ``FLAG_SHARED_TIER`` =
+the daemon has a cluster tier that may hold blocks this table does not list, so a lookup that
+is not a full hit must ask the daemon (over gRPC); a full hit is still answered here.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ HEADER = struct.Struct("<4sIQQQQIIQQ")
 assert HEADER.size == 64
 HEADER_BYTES = 64
 STAMP_OFFSET = 48  # u64 stamp, then u64 retired
-STAMP_RETIRED = struct.Struct("<QQ")
+STAMP_RETIRED = struct.Struct("<QQ")  # their layout; read and written as words, never with it
+STAMP_WORD = STAMP_OFFSET // 8  # the header as u64 words (memoryview.cast("Q")): the stamp's
+RETIRED_WORD = STAMP_WORD + 1
 SLOT_BYTES = 8
 EMPTY = 0
 TOMBSTONE = 1

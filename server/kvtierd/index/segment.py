@@ -6,8 +6,8 @@ re-exports :class:`Segment`): creating and sealing the memfd, inserting and remo
 one or vectorized, filling a new generation in bulk, stamping liveness and retiring. Ownership:
 a Segment owns its memfd and the daemon's writable mapping; its Publisher owns the Segment.
 Concurrency: the event-loop thread writes a live segment; a build thread fills a new one that
-no one sees until the loop installs it; readers are other processes, lock-free (8-byte slot
-stores).
+no one sees until the loop installs it; readers are other processes, lock-free (aligned
+8-byte stores: each slot, the stamp, the retired word).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Segment:
             os.close(self.fd)
             raise
         self.slots = memoryview(self.map)[pi.HEADER_BYTES :].cast("Q")
+        self.words = memoryview(self.map)[: pi.HEADER_BYTES].cast("Q")  # the header's u64 words
         self.array = np.frombuffer(self.map, dtype="<u8", count=capacity, offset=pi.HEADER_BYTES)
         pi.HEADER.pack_into(
             self.map,
@@ -78,7 +79,13 @@ class Segment:
         self.left_out = 0
 
     def stamp(self, value: int, retired: bool = False) -> None:
-        pi.STAMP_RETIRED.pack_into(self.map, pi.STAMP_OFFSET, value, int(retired))
+        """The liveness stamp ``value`` (ns), after ``retired`` when True: each one aligned
+        8-byte store, so a reader's one aligned load sees the old word or the new one, never a
+        mix (``struct.pack_into`` zero-fills its bytes, then writes them one by one: readers
+        saw 0 and took the segment for stale)."""
+        if retired:
+            self.words[pi.RETIRED_WORD] = 1
+        self.words[pi.STAMP_WORD] = value
 
     def _walk(self, key: bytes) -> tuple[int, Iterator[int]]:
         """``key``'s fingerprint, and the first slot of each bucket it may live in, in order."""
@@ -204,8 +211,9 @@ class Segment:
         """Say retired, close the descriptor and drop the daemon's mapping (clients keep
         theirs until they let go)."""
         with contextlib.suppress(ValueError):
-            pi.STAMP_RETIRED.pack_into(self.map, pi.STAMP_OFFSET, time.monotonic_ns(), 1)
+            self.stamp(time.monotonic_ns(), retired=True)
         self.slots.release()
+        self.words.release()
         del self.array
         with contextlib.suppress(BufferError):
             self.map.close()

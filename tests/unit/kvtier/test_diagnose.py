@@ -8,12 +8,14 @@ mismatch, a silent host), on gRPC's own words, and the rate limit on an injected
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 import pytest
 
 from kvtier.breaker import Breaker
-from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_rpc
+from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_reached, explain_rpc
+from kvtier.reach import reach
 from kvtier.session import Session
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
@@ -132,3 +134,56 @@ def test_a_draining_daemon_is_said_to_be_draining_not_missing(details: str) -> N
         assert d.cause == "draining" and isinstance(d.error, errors.Unavailable)
         assert "is draining" in text and "retry" in text, text
         assert "is kvtierd running" not in text and "make serve" not in text, text
+
+
+NO_FILE = (
+    "failed to connect to all addresses; last error: UNAVAILABLE: unix:/s: connect failed: "
+    "No such file or directory"
+)
+
+
+def test_a_unix_socket_is_asked_itself_not_grpcs_last_words(tmp_path: Path) -> None:
+    """Issue 41: gRPC's words can be an earlier attempt's (a subchannel shared with another
+    channel, still backing off after "No such file"); what the socket file says now wins."""
+    path = tmp_path / "k.sock"
+    peer = Peer(f"unix://{path}", "tcp")
+
+    def told(code: str = "UNAVAILABLE", details: str = NO_FILE) -> tuple[str, str]:
+        d = explain_reached(peer, "OpenSession", code, details, 0.5)
+        return d.cause, str(d.error)
+
+    assert reach(peer.address, 0) == "missing" and told()[0] == "no-socket"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))  # a socket file nobody listens on, though gRPC said "No such file"
+    assert reach(peer.address, 0) == "refused"
+    cause, text = told()
+    assert cause == "stale-socket" and f"nothing listens on {path}" in text, text
+    stale.listen(1)  # listening now: gRPC's "No such file" was an earlier attempt's
+    d = explain_reached(peer, "OpenSession", "UNAVAILABLE", NO_FILE, 0.5)
+    assert d.cause == "answers-now" and d.transient and "no socket file" not in str(d.error)
+    assert f"its socket {path} accepts connections now" in str(d.error) and "retry" in str(d.error)
+    assert told(details="Socket closed")[0] == "unreachable"  # words that say it was reached
+    assert told("DEADLINE_EXCEEDED", "Deadline Exceeded")[0] == "silent"  # not asked: it waited
+    stale.close()
+    path.unlink()
+    path.write_text("")
+    assert reach(peer.address, 0) == "not-socket" and told()[0] == "not-socket"
+    assert explain_rpc(peer, "OpenSession", "UNAVAILABLE", NO_FILE).cause == "no-socket"  # not asked
+
+
+def test_a_tcp_address_is_asked_with_a_connect() -> None:
+    """A port's refusal is one connect's answer now; a port that accepts is never "refused"
+    whatever gRPC last said; an unresolvable host is told by its resolver."""
+    refused_words = (
+        "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Connection refused"
+    )
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        peer = Peer(f"127.0.0.1:{port}", "tcp")
+        assert reach(peer.address, 1.0) == "listening"
+        d = explain_reached(peer, "OpenSession", "UNAVAILABLE", refused_words, 1.0)
+        assert d.cause == "answers-now" and d.transient and "nothing listens" not in str(d.error)
+    d = explain_reached(peer, "OpenSession", "UNAVAILABLE", "Socket closed", 1.0)
+    assert d.cause == "refused" and "nothing listens there" in str(d.error)
+    assert reach("no-such-host.invalid:50051", 5.0) in ("unresolved", None)  # None: slower than 5 s
+    assert reach("dns:///h:1", 1.0) is None and reach(peer.address, 0) is None

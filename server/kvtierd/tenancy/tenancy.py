@@ -1,4 +1,4 @@
-"""The tenancy room: the one place that decides who a caller is and what its tenant may hold.
+"""Tenancy: the one place that decides who a caller is and what its tenant may hold.
 
 Primitives (every entry of the daemon asks these, none decides on its own):
 
