@@ -1,5 +1,5 @@
-"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. With ``connector_meta.py`` and
-``tier.py``, one of the three modules that import vLLM.
+"""``KvtierConnector``: the vLLM ``KVConnectorBase_V1`` adapter. With ``metadata`` (and the
+secondary tier's ``tier.adapter``), one of the three modules that import vLLM.
 
 Everything vLLM-shaped is translated here and nowhere else: ``VllmConfig`` -> ``EngineIdentity`` +
 ``ConnectorConfig``; ``Request`` -> ``RequestInfo``; ``SchedulerOutput`` -> ``StepInput``; the
@@ -21,8 +21,8 @@ with vLLM's worker -> scheduler channel (``build_connector_worker_meta`` -> ``Kv
 -> ``update_connector_output``), where the planner's decider turns them into figures.
 
 The classes vLLM requires beside the connector (its metadata, stats and Prometheus metrics) are
-in ``connector_meta`` and the translation of vLLM's configuration and scheduler output in
-``connector_translate``; both are re-exported here.
+in ``metadata`` and the translation of vLLM's configuration and scheduler output in
+``translate``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -45,19 +45,20 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     CacheHitSource = None
 
 from kvtier.adaptive import Decider
-from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import BASE, ConfigError, ConnectorConfig, Variant, adapter_variant
-from kvtier.integrations.vllm.connector_meta import (
-    _UNPREFIXED,
+from kvtier.integrations.vllm.config import ConfigError
+from kvtier.integrations.vllm.connector.backend import DaemonBackend
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, Variant, adapter_variant
+from kvtier.integrations.vllm.connector.metadata import (
     PROM_COUNTERS,
     KvtierConnectorMetadata,
     KvtierConnectorStats,
     KvtierPromMetrics,
     KvtierWorkerMeta,
+    scheduler_stat_name,
 )
-from kvtier.integrations.vllm.connector_translate import engine_identity, layer_order, step_input
-from kvtier.integrations.vllm.planner import Planner, RequestInfo
-from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.integrations.vllm.connector.planner import Planner, RequestInfo
+from kvtier.integrations.vllm.connector.translate import engine_identity, layer_order, step_input
+from kvtier.integrations.vllm.connector.worker import KvtierWorker
 
 __all__ = [
     "PROM_COUNTERS",
@@ -267,10 +268,7 @@ class KvtierConnector(KVConnectorBase_V1):
             data: dict[str, Any] = self.worker.take_stats()
         elif self.planner is not None:
             now = vars(self.planner.stats).copy()
-            data = {
-                (k if k.startswith(_UNPREFIXED) else f"sched_{k}"): v - self._reported.get(k, 0)
-                for k, v in now.items()
-            }
+            data = {scheduler_stat_name(k): v - self._reported.get(k, 0) for k, v in now.items()}
             self._reported = now
         else:
             return None

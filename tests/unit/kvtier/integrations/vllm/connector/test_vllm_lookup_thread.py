@@ -10,8 +10,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.integrations.vllm.config import BASE, Variant
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome, LookupThread, Pin
+from kvtier.integrations.vllm.connector.config import BASE, Variant
+from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome, LookupThread, Pin
 
 
 class Recorder:

@@ -4,7 +4,7 @@
 its ``kvtier.Client`` on the lookup thread's first task (``warmup``), so building the connector
 never waits for the daemon and the first request does not pay for the session; a daemon
 that is away answers every lookup as a miss at once (the breaker this process's workers share,
-``worker.shared_breaker``), and pins of a daemon that restarted are already gone.
+``kvtier.integrations.vllm.breaker.shared_breaker``), and pins of a daemon that restarted are already gone.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.lookup_thread import KeyChain, LookupOutcome, Pin
-from kvtier.integrations.vllm.worker import shared_breaker
+from kvtier.integrations.vllm.breaker import shared_breaker
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOutcome, Pin
 from kvtier.results import TierFigure
 from kvtier.settings import ClientSettings
 

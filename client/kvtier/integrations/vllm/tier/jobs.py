@@ -32,9 +32,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from kvtier.client import Client, NamespaceHandle
-from kvtier.integrations.vllm.tier_config import TierConfig, offload_block_key
-from kvtier.integrations.vllm.tier_decide import TierDecisions
-from kvtier.integrations.vllm.worker import shared_breaker
+from kvtier.integrations.vllm.breaker import shared_breaker
+from kvtier.integrations.vllm.tier.config import TierConfig, offload_block_key
+from kvtier.integrations.vllm.tier.decisions import TierDecisions
 from kvtier.settings import ClientSettings
 from kvtier_contract.identity import Namespace
 

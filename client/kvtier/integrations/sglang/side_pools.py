@@ -1,16 +1,17 @@
-"""The kvtier HiCache backend's storage interface v2: hybrid models' side pools.
+"""Hybrid models' side pools in kvtierd: SGLang's storage interface v2.
 
 SGLang registers every host pool of the model's group (``register_mem_host_pool_v2``): the KV
 pool again (``"kv"``) and a hybrid model's side pools (Mamba state, SWA window, DSA indexer,
 draft, DeepSeek V4 compressed pools), each in a namespace of its own (``_side_namespace``), so a
 side pool's page ``i`` is stored under KV key ``keys[i]`` in the pool's namespace. The v2 calls
 (``batch_exists_v2``, ``batch_get_v2``, ``batch_set_v2``) move the KV pool's pages through the
-v1 calls (``backend``) and a side pool's zero-copy (``SidePool.pages``) or as SGLang's flat
-data pages.
+KV pool's calls (``kv_pages.KvPages``) and a side pool's zero-copy (``SidePool.pages``) or as
+SGLang's flat data pages.
 
-Ownership and concurrency: a layer of ``KvtierHiCacheStorage`` over ``StorageBase``
-(``backend_base``): the side pools (``side_pools``, registered at SGLang startup, read-only
-after); SGLang's storage threads call concurrently, each call behind the never-raise guard.
+Ownership and concurrency: a part of ``KvtierHiCacheStorage``, handed the backend's
+``StorageCore``, its ``PageDecisions`` and its ``KvPages``; owns the side pools (``pools``,
+registered at SGLang startup, read-only after). SGLang's storage threads call concurrently, each
+call behind the never-raise guard.
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ from typing import Any
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
 from kvtier.client import NamespaceHandle
-from kvtier.integrations.sglang.backend_base import StorageBase, _iterate, _length, _policy, _pool_name, log
 from kvtier.integrations.sglang.config import ConfigError
+from kvtier.integrations.sglang.core import StorageCore, as_list, length, log
+from kvtier.integrations.sglang.decisions import PageDecisions
+from kvtier.integrations.sglang.kv_pages import KvPages
 from kvtier.integrations.sglang.pages import SIDE_GEOMETRY_ATTRS, PoolShapeError, SidePool
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace
 
 
-class PoolsV2(StorageBase):
+class SidePools:
     """The side pools and the v2 calls; see the module docstring."""
 
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+    def __init__(self, core: StorageCore, decisions: PageDecisions, kv: KvPages) -> None:
+        self.core = core
+        self.decisions = decisions
+        self.kv = kv
+        self.pools: dict[str, SidePool] = {}  # hybrid models' other host pools, by name
+
+    def register(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang registers every host pool of the model's group here (storage interface v2):
         the KV pool (``"kv"``, the pool ``register_mem_pool_host`` already registered) and, for
         hybrid models, each side pool (Mamba state, SWA window, DSA indexer, draft, DeepSeek V4
@@ -41,14 +50,13 @@ class PoolsV2(StorageBase):
         name, class, layout, dtypes and page bytes), so its pages never share a key with the KV
         pool's or another pool's. Raises ``ConfigError`` (SGLang does not start) for a pool whose
         pages cannot be stored exactly."""
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = _pool_name(host_pool_name)
         if name == "kv":
             self._check_kv_pool(host_pool)
             return
         side, namespace = self._probe_side(host_pool, name)
-        side.handle = self.client.register(namespace)
-        self.side_pools[name] = side
+        side.handle = self.core.client.register(namespace)
+        self.pools[name] = side
         log.info(
             "kvtier HiCache storage: pool %s: namespace %s (%d-byte pages, %s)",
             name,
@@ -60,7 +68,7 @@ class PoolsV2(StorageBase):
     def _check_kv_pool(self, host_pool: Any) -> None:
         """The v2 KV pool must be the pool ``register_mem_pool_host`` registered (else
         ``ConfigError``: a logical anchor is not supported)."""
-        if host_pool is not getattr(self, "mem_pool_host", None):
+        if host_pool is not self.core.pool:
             raise ConfigError(
                 "mem_pool_host",
                 f"HiCache KV pool {type(host_pool).__name__} "
@@ -106,13 +114,14 @@ class PoolsV2(StorageBase):
         geometry.update(page_bytes=str(side.block_bytes), page_size=str(page_size))
         digest = hashlib.sha256(repr(sorted(geometry.items())).encode()).hexdigest()[:16]
         layout = f"sglang.v2.{name}.{type(pool).__name__}.{getattr(pool, 'layout', None)}.{digest}"
-        cfg = self.storage_config
-        shared = self.is_mla and name != "mamba" and not hasattr(pool, "head_num")
+        core = self.core
+        cfg = core.storage_config
+        shared = core.is_mla and name != "mamba" and not hasattr(pool, "head_num")
         tp_size, tp_rank = (1, 0) if shared else (cfg.tp_size, cfg.tp_rank)
         return Namespace(
-            model_id=self.identity.model_id,
-            model_revision=self.identity.model_revision,
-            tokenizer_digest=self.identity.tokenizer_digest,
+            model_id=core.identity.model_id,
+            model_revision=core.identity.model_revision,
+            tokenizer_digest=core.identity.tokenizer_digest,
             kv_dtype="uint8",
             layout=layout,
             tokens_per_block=page_size,
@@ -123,13 +132,13 @@ class PoolsV2(StorageBase):
             tp_rank=tp_rank,
             pp_size=cfg.pp_size,
             pp_rank=cfg.pp_rank,
-            cache_salt=self.cfg.cache_salt,
-            tenant=self.cfg.tenant,
+            cache_salt=core.cfg.cache_salt,
+            tenant=core.cfg.tenant,
         )
 
     # -- storage interface v2 (hybrid models: the KV pool with side pools) ------------------------
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None) -> Any:
         """SGLang's hybrid hit query (``HiCacheFile.batch_exists_v2`` semantics) over ``keys`` of
         any length (SGLang's hybrid controller sends every page of a prompt in one call): the
         leading KV pages the daemon holds, then each transfer's pool cuts the usable prefix:
@@ -139,15 +148,15 @@ class PoolsV2(StorageBase):
         usable prefix length (SGLang intersects them across ranks)."""
 
         def run() -> Any:
-            handle = self._ready()
-            kv_pages = self._held_and_decided(handle, keys) if handle and keys else 0
+            handle = self.core.handle
+            kv_pages = self.decisions.held_and_decided(handle, keys) if handle and keys else 0
             hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
             restorable = list(range(1, kv_pages + 1))
-            deadline = time.monotonic() + self.cfg.op_timeout_ms / 1000
+            deadline = time.monotonic() + self.core.cfg.op_timeout_ms / 1000
             for transfer in pool_transfers or []:
                 if not restorable:
                     break
-                policy = _policy(transfer.hit_policy)
+                policy = _hit_policy(transfer.hit_policy)
                 if policy == "all_pages":  # one prefix lookup
                     boundary = self._held_prefix(transfer.name, keys[:kv_pages])
                     usable = set(range(1, boundary + 1))
@@ -157,7 +166,7 @@ class PoolsV2(StorageBase):
                     usable = {end for end in range(1, kv_pages + 1) if all(have[max(0, end - n) : end])}
                     boundary = max(usable, default=0)
                 else:
-                    self._note(
+                    self.core.note(
                         "batch_exists_v2",
                         f"pool {transfer.name}: hit policy {policy} is not supported (no hit)",
                     )
@@ -167,15 +176,15 @@ class PoolsV2(StorageBase):
                 restorable = [p for p in restorable if p in usable]
             return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-        self.counters.pages_queried += _length(keys)
-        return self._guard("batch_exists_v2", run, PoolTransferResult.empty())
+        self.core.counters.pages_queried += length(keys)
+        return self.core.guard("batch_exists_v2", run, PoolTransferResult.empty())
 
-    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+    def batch_get_v2(self, transfers: Any) -> dict[Any, list[bool]]:
         """Load each transfer's pages (``keys``, ``host_indices`` of its pool) into its host
         pool; ``True`` per page loaded, a page not found is left untouched."""
         return self._batch_v2("batch_get_v2", transfers, load=True)
 
-    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+    def batch_set_v2(self, transfers: Any) -> dict[Any, list[bool]]:
         """Store each transfer's pages (for a ``TRAILING_PAGES`` pool SGLang passes only the
         last pages of the prefix). Per pool all ``True`` when every page is stored or already
         there, else all ``False`` (as ``batch_set_v1``)."""
@@ -183,18 +192,18 @@ class PoolsV2(StorageBase):
 
     def _batch_v2(self, op: str, transfers: Any, *, load: bool) -> dict[Any, list[bool]]:
         out: dict[Any, list[bool]] = {}
-        for transfer in _iterate(transfers):
-            n = _length(getattr(transfer, "keys", None) or [])
+        for transfer in as_list(transfers):
+            n = length(getattr(transfer, "keys", None) or [])
             name = getattr(transfer, "name", None)
-            ok = self._guard(op, functools.partial(self._transfer, transfer, load=load), [False] * n)
+            ok = self.core.guard(op, functools.partial(self._transfer, transfer, load=load), [False] * n)
             if name is not None:
                 out[name] = ok
             loaded = sum(map(bool, ok))
             if load:
-                self.counters.v2_pages_loaded += loaded
+                self.core.counters.v2_pages_loaded += loaded
             else:
-                self.counters.v2_pages_stored += loaded
-            self.counters.v2_pages_failed += n - loaded
+                self.core.counters.v2_pages_stored += loaded
+            self.core.counters.v2_pages_failed += n - loaded
         return out
 
     def _transfer(self, transfer: Any, *, load: bool) -> list[bool]:
@@ -202,19 +211,21 @@ class PoolsV2(StorageBase):
         if not keys:
             return []
         name = _pool_name(transfer.name)
-        if name == "kv":  # the KV pool: the v1 calls (``backend``)
-            done: list[bool] = (self.batch_get_v1 if load else self.batch_set_v1)(keys, transfer.host_indices)
+        if name == "kv":  # the KV pool: the KV pool's calls (``kv_pages``)
+            done: list[bool] = (self.kv.batch_get_v1 if load else self.kv.batch_set_v1)(
+                keys, transfer.host_indices
+            )
             return done
-        side = self.side_pools.get(name)
+        side = self.pools.get(name)
         if side is None or side.handle is None:
-            self._note(f"pool.{name}", "a transfer for a pool SGLang never registered")
+            self.core.note(f"pool.{name}", "a transfer for a pool SGLang never registered")
             return [False] * len(keys)
         ids = side.page_ids(transfer.host_indices, len(keys))
         if ids is None:
-            self._note(f"pool.{name}", f"{len(keys)} keys with host indices that are not whole pages")
+            self.core.note(f"pool.{name}", f"{len(keys)} keys with host indices that are not whole pages")
             return [False] * len(keys)
         handle = side.handle
-        kk = self._keys(handle, keys)
+        kk = self.core.keys(handle, keys)
         if side.pages is not None:  # zero-copy, as batch_*_v1
             if load:
                 return handle.get_blocks(kk, side.pages.layout(), ids)
@@ -234,15 +245,15 @@ class PoolsV2(StorageBase):
 
     def _pool_handle(self, pool_name: Any) -> NamespaceHandle | None:
         name = _pool_name(pool_name)
-        handle = self.handle if name == "kv" else getattr(self.side_pools.get(name), "handle", None)
+        handle = self.core.handle if name == "kv" else getattr(self.pools.get(name), "handle", None)
         if handle is None:
-            self._note(f"pool.{name}", "a hit query for a pool SGLang never registered")
+            self.core.note(f"pool.{name}", "a hit query for a pool SGLang never registered")
         return handle
 
     def _held_prefix(self, pool_name: Any, keys: list[str]) -> int:
         """How many of the pool's pages of ``keys``, from the first, the daemon holds."""
         handle = self._pool_handle(pool_name)
-        return handle.lookup(self._keys(handle, keys)) if handle is not None and keys else 0
+        return handle.lookup(self.core.keys(handle, keys)) if handle is not None and keys else 0
 
     def _presence(self, pool_name: Any, keys: list[str], deadline: float) -> list[bool]:
         """Whether pool ``pool_name`` holds its page of each KV key (one lookup per key; the
@@ -252,7 +263,7 @@ class PoolsV2(StorageBase):
         if handle is None:
             return [False] * len(keys)
         have = []
-        for key in self._keys(handle, keys):
+        for key in self.core.keys(handle, keys):
             if time.monotonic() >= deadline:
                 have.append(False)
                 continue
@@ -261,3 +272,13 @@ class PoolsV2(StorageBase):
             hit = handle.lookup_local([key], count=False)
             have.append((handle.lookup([key]) if hit is None else hit) == 1)
         return have
+
+
+def _pool_name(name: Any) -> str:
+    """A PoolName (a ``str`` enum) or a plain string, as its value."""
+    return str(getattr(name, "value", name))
+
+
+def _hit_policy(policy: Any) -> str:
+    """A transfer's hit policy (an enum or a string), as its value."""
+    return str(getattr(policy, "value", policy))

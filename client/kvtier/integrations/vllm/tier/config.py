@@ -102,7 +102,7 @@ class TierConfig:
     dropped (counted). None: no budget."""
     prefill_seconds_per_token: float | None = None
     """The engine's prefill cost per token, set by the operator; None: measured from the
-    scheduler's steps and the chunks vLLM stores (``tier_decide``)."""
+    scheduler's steps and the chunks vLLM stores (``decisions``)."""
     enable_kv_events: bool = False
     """Emit vLLM's offloading events (``BlockStored`` of the chunks each store job left in the
     daemon), as vLLM's file tier does under the same key; effective only when vLLM publishes

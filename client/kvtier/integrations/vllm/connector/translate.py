@@ -3,7 +3,7 @@
 ``engine_identity`` reads every engine-wide namespace field from ``VllmConfig`` and the KV cache
 config (``ConfigError`` for what this connector cannot move), ``step_input`` turns a
 ``SchedulerOutput`` into the planner's ``StepInput`` and ``layer_order`` sorts the attention
-layers by index. No vLLM import at run time (its types only for checking); ``connector.py``
+layers by index. No vLLM import at run time (its types only for checking); ``adapter``
 re-exports every name.
 
 Ownership and concurrency: pure functions over the values vLLM hands in.
@@ -14,14 +14,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from kvtier.integrations.vllm.config import (
-    ConfigError,
-    ConnectorConfig,
-    EngineIdentity,
-    resolve_model_revision,
-    resolve_tokenizer_digest,
-)
-from kvtier.integrations.vllm.plans import ScheduledRequest, StepInput
+from kvtier.integrations.vllm.config import ConfigError, resolve_model_revision, resolve_tokenizer_digest
+from kvtier.integrations.vllm.connector.config import ConnectorConfig, EngineIdentity
+from kvtier.integrations.vllm.connector.plans import ScheduledRequest, StepInput
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

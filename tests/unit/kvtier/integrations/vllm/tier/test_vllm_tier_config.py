@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from kvtier.integrations.vllm.tier_config import (
+from kvtier.integrations.vllm.tier.config import (
     ConfigError,
     PoolGeometry,
     TierConfig,

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import pytest
 
 from kvtier.adaptive import Decider
-from kvtier.integrations.vllm.config import BASE, Variant
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
-from kvtier.integrations.vllm.planner import (
+from kvtier.integrations.vllm.connector.config import BASE, Variant
+from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome, Pin
+from kvtier.integrations.vllm.connector.planner import (
     LoadReport,
     Planner,
     RequestInfo,
@@ -245,7 +245,7 @@ def test_a_load_while_another_request_decodes_is_cut_to_the_budget() -> None:
     assert ask(p, "decoding", 5) == 0
     p.build(StepInput([ScheduledRequest("decoding", [0], True, 12 * BS, 1)]))  # it decodes
     got = ask(p, "r", 7)
-    budget_s = 0.25 * p._step_s  # type: ignore[operator]
+    budget_s = 0.25 * p.decisions.step_s  # type: ignore[operator]
     assert 0 < got < 8 * BS  # cut back to what fits...
     assert p.decider.figures.predict({"host": got // BS * BB}) <= budget_s  # type: ignore[operator]
     assert p.stats.decision_tokens_recomputed_budget == 8 * BS - got

@@ -11,30 +11,56 @@ after the step; when vLLM hands one of those block ids to a request again (re-al
 also after preemption or finish), the next plan lists the job in ``flush`` and the worker
 waits for it before the forward pass that could overwrite the block (the fence).
 
-Ownership and concurrency: a mixin of ``planner.Planner`` over its shared state
-(``planner_state``): the key chains in the request records, the job numbers and the fence map
-(engine block id -> the last store job reading it). Scheduler thread only.
+Ownership and concurrency: a part of ``planner.Planner``, handed the planner's counters; owns the
+store settings, the job numbers and the fence map (engine block id -> the last store job reading
+it), and writes the key chains and store progress of the request records it is given. Scheduler
+thread only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome
-from kvtier.integrations.vllm.planner_state import PlannerState, _Req
-from kvtier.integrations.vllm.plans import StepPlan, StoreJob
+from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome
+from kvtier.integrations.vllm.connector.plans import PlannerStats, StepPlan, StoreJob
+from kvtier.integrations.vllm.connector.requests import RequestState
 
 
-class StorePlanning(PlannerState):
-    """The planner's store jobs; see the module docstring."""
+class StorePlanning:
+    """The planner's store jobs and fence map; see the module docstring."""
 
-    def _tokens(self, st: _Req) -> Sequence[int]:
+    def __init__(
+        self,
+        stats: PlannerStats,
+        block_size: int,
+        enabled: bool,
+        store_generated: bool,
+        event_token_ids: bool,
+    ) -> None:
+        """``stats``: the planner's counters; the rest the planner's parameters (``enabled``:
+        its ``store``)."""
+        self.stats = stats
+        self.block_size = block_size
+        self.enabled = enabled
+        self.store_generated = store_generated
+        self.event_token_ids = event_token_ids
+        self._fence: dict[int, int] = {}  # engine block id -> last store job reading it
+        self._next_job = 1
+
+    def fence_blocks(self, block_ids: Sequence[int], flush: set[int]) -> None:
+        """Store jobs still reading ``block_ids`` (handed to a request again) into ``flush``."""
+        for bid in block_ids:
+            job = self._fence.pop(bid, None)
+            if job is not None:
+                flush.add(job)
+
+    def tokens(self, st: RequestState) -> Sequence[int]:
         """The token ids whose full blocks are stored: prompt and output, or the prompt alone."""
         if self.store_generated and st.info.token_ids is not None:
             return st.info.token_ids
         return st.info.prompt_token_ids
 
-    def _chain(self, st: _Req, outcome: LookupOutcome, tokens: Sequence[int], upto: int) -> int:
+    def _chain(self, st: RequestState, outcome: LookupOutcome, tokens: Sequence[int], upto: int) -> int:
         """Extend ``st.keys`` to ``upto`` blocks of ``tokens`` (each slice's chain goes on from
         its last key); the number of blocks that have keys."""
         keys = st.keys
@@ -48,13 +74,16 @@ class StorePlanning(PlannerState):
             have = len(keys[0])
         return have
 
-    def _plan_store(self, st: _Req, computed_tokens: int, plan: StepPlan) -> None:
-        if not self.store_enabled or st.info.variant is None:
+    def plan(
+        self, st: RequestState, outcome: LookupOutcome | None, computed_tokens: int, plan: StepPlan
+    ) -> None:
+        """The store job of ``st``'s blocks that ``computed_tokens`` completes, if any, into
+        ``plan`` (``outcome``: its lookup's answer, None while out)."""
+        if not self.enabled or st.info.variant is None:
             return
-        outcome = self._outcome(st)
         if outcome is None or not st.keys:
             return  # keys not hashed yet: planned on a later step
-        tokens = self._tokens(st)
+        tokens = self.tokens(st)
         # Full blocks whose KV this step computes and whose token ids are known (with async
         # scheduling or spec decode the ids of a computed slot may come a step later).
         full = min(len(tokens), computed_tokens) // self.block_size
@@ -65,6 +94,12 @@ class StorePlanning(PlannerState):
         full = min(full, self._chain(st, outcome, tokens, full))
         if full <= start:
             return
+        plan.stores.append(self._job(st, tokens, start, full))
+
+    def _job(self, st: RequestState, tokens: Sequence[int], start: int, full: int) -> StoreJob:
+        """Blocks ``start:full`` of ``st`` as the next store job: numbered, in the fence map,
+        counted, and ``st``'s store progress moved on to ``full``."""
+        assert st.keys is not None and st.info.variant is not None
         events = self.event_token_ids
         job = StoreJob(
             self._next_job,
@@ -85,4 +120,4 @@ class StorePlanning(PlannerState):
             self.stats.store_generated_blocks += full - max(
                 start, len(st.info.prompt_token_ids) // self.block_size
             )
-        plan.stores.append(job)
+        return job

@@ -1,6 +1,6 @@
 """Scheduler-side planning of the vLLM connector: which blocks to look up, load and store.
 
-Plain Python with no vLLM import: the adapter (``connector.py``) turns vLLM's ``Request`` and
+Plain Python with no vLLM import: the adapter (``adapter``) turns vLLM's ``Request`` and
 ``SchedulerOutput`` into ``RequestInfo`` / ``StepInput`` and the returned ``StepPlan`` into the
 connector metadata the workers receive.
 
@@ -27,8 +27,8 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   engine steps after it was handed to the workers), or released at once when vLLM does not load.
 * The last token is always computed: a hit never covers ``(num_tokens - 1) // block_size`` full
   blocks or more, so a synchronous load never claims the whole prompt.
-* The load-or-recompute decision: ``planner_decide`` (``LoadDecisions``).
-* Stores: ``planner_store`` (``StorePlanning``); each store job reads engine blocks on a worker
+* The load-or-recompute decision: ``load_decisions`` (``LoadDecisions``).
+* Stores: ``store_planning`` (``StorePlanning``); each store job reads engine blocks on a worker
   thread after the step, and the next plan fences it (``flush``) when vLLM hands one of its
   blocks to a request again.
 * Idempotent: a repeated ``num_new_matched`` for the same request returns the same answer (the
@@ -41,13 +41,14 @@ Rules it keeps (DESIGN §7, ../shared/notes/vllm-connector.md §7):
   ``finished_recving``), not ``pin_release_steps``. If the whole load failed vLLM asks again,
   and the answer is 0: the request is recomputed, never loaded twice.
 
-Ownership: the planner owns the per-request state (scheduler thread only) and the lookup thread
-(``LookupThread``, in ``lookup_thread.py``, with the ``Backend`` it drives and the
-``LookupOutcome`` it answers); the two share only the task queue and the result map, under one
-lock.
+Ownership: the planner owns the request records (``RequestState``, in ``requests``; scheduler
+thread only), the counters (``PlannerStats``), the lookup thread (``LookupThread``, in
+``lookup_thread``, with the ``Backend`` it drives and the ``LookupOutcome`` it answers; the two
+share only the task queue and the result map, under one lock) and two parts, each handed what it
+reads of those: ``decisions`` (``LoadDecisions``: the request table, the counters and the lookup
+thread) and ``stores`` (``StorePlanning``: the counters).
 
-The data it takes and hands out is in ``plans`` (re-exported here); the state its parts share is
-``planner_state``.
+The data it takes and hands out is in ``plans`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -57,11 +58,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtier.adaptive import Decider
-from kvtier.integrations.vllm.lookup_thread import Backend, LookupOutcome, LookupThread
-from kvtier.integrations.vllm.planner_decide import BELOW_HOST, LoadDecisions
-from kvtier.integrations.vllm.planner_state import _Req
-from kvtier.integrations.vllm.planner_store import StorePlanning
-from kvtier.integrations.vllm.plans import (
+from kvtier.integrations.vllm.connector.load_decisions import BELOW_HOST, LoadDecisions, hit_tiers
+from kvtier.integrations.vllm.connector.lookup_thread import Backend
+from kvtier.integrations.vllm.connector.lookups import Lookups
+from kvtier.integrations.vllm.connector.plans import (
     LoadJob,
     LoadReport,
     PlannerStats,
@@ -72,6 +72,8 @@ from kvtier.integrations.vllm.plans import (
     StepReport,
     StoreJob,
 )
+from kvtier.integrations.vllm.connector.requests import RequestState
+from kvtier.integrations.vllm.connector.store_planning import StorePlanning
 
 __all__ = [
     "BELOW_HOST",
@@ -90,7 +92,7 @@ __all__ = [
 log = logging.getLogger("vllm.kvtier")
 
 
-class Planner(LoadDecisions, StorePlanning):
+class Planner:
     """See the module docstring."""
 
     def __init__(
@@ -113,31 +115,37 @@ class Planner(LoadDecisions, StorePlanning):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_size = block_size
-        self._init_decisions(
-            decider, block_bytes, interference_budget, None if load_async else sync_load_budget_s, clock
-        )
-        self.lookup_timeout_s = lookup_timeout_s
-        self.lookup_wait_s = lookup_wait_s
         self.pin_release_steps = pin_release_steps
         self.load_enabled = load
-        self.store_enabled = store
-        self.store_generated = store_generated
         self.load_async = load_async
-        self.event_token_ids = event_token_ids
         self.stats = PlannerStats()
-        self._clock = clock
-        self._init_tables()
-        self._thread = LookupThread(backend)
-        # ``never`` loads nothing: its lookups (which skip the stores of what is found) never
-        # have the daemon read a disk for it
-        self._thread.promote = self.decider.policy != "never"
+        self._reqs: dict[str, RequestState] = {}
+        self._pending: dict[str, RequestState] = {}  # a load planned, not yet handed out
+        self._step = 0
+        self.lookups = Lookups(backend, self.stats, lookup_timeout_s, lookup_wait_s, load, clock)
+        self.decisions = LoadDecisions(
+            self.stats,
+            self.lookups.thread,
+            decider if decider is not None else Decider(clock=clock),
+            block_size=block_size,
+            block_bytes=block_bytes,
+            load_async=load_async,
+            interference_budget=interference_budget,
+            sync_load_budget_s=None if load_async else sync_load_budget_s,
+        )
+        self.stores = StorePlanning(self.stats, block_size, store, store_generated, event_token_ids)
+
+    @property
+    def decider(self) -> Decider:
+        """The load-or-recompute decision's ``Decider`` (``decisions``')."""
+        return self.decisions.decider
 
     # -- admission ------------------------------------------------------------------------------
 
     def on_new_request(self, info: RequestInfo) -> None:
-        st = _Req(info)
+        st = RequestState(info)
         self._reqs[info.req_id] = st
-        self._submit(st)
+        self.lookups.submit(st, self.stores.tokens(st))
 
     def knows(self, req_id: str) -> bool:
         return req_id in self._reqs
@@ -154,17 +162,12 @@ class Planner(LoadDecisions, StorePlanning):
             return st.matched[1], self.load_async and st.matched[1] > 0
         if st.relookup:
             st.relookup = False
-            self._submit(st)
-        outcome = self._outcome(st)
-        if outcome is None and self._wait_left > 0 and st.info.variant is not None:
-            t0 = time.perf_counter()
-            got = self._thread.wait(st.info.req_id, st.gen, self._wait_left)
-            self._wait_left -= time.perf_counter() - t0
-            if got is not None:
-                self.stats.lookup_waits += 1
-                outcome = self._accept(st, got)
+            self.lookups.submit(st, self.stores.tokens(st))
+        outcome = self.lookups.outcome(st)
         if outcome is None:
-            if self._clock() - st.submitted_at < self.lookup_timeout_s:
+            outcome = self.lookups.wait(st)
+        if outcome is None:
+            if not self.lookups.expired(st):
                 return None, False
             st.timed_out = True
             self.stats.lookup_timeouts += 1
@@ -172,13 +175,13 @@ class Planner(LoadDecisions, StorePlanning):
             return 0, False
         usable = min(outcome.hits, max(0, num_tokens - 1) // self.block_size)
         first = num_local_tokens // self.block_size
-        tiers = self._tiers(outcome, first, usable)
+        tiers = hit_tiers(outcome, first, usable)
         first_answer = st.matched is None
         if tiers and first_answer:
             self.stats.hit_blocks += len(tiers)
             self.stats.host_hit_blocks += tiers.count("host")
             self.stats.nvme_hit_blocks += tiers.count("nvme")
-        answer = self._decide(st, first, tiers) * self.block_size
+        answer = self.decisions.decide(st, first, tiers) * self.block_size
         st.matched = (num_local_tokens, answer)
         return answer, self.load_async and answer > 0
 
@@ -199,14 +202,14 @@ class Planner(LoadDecisions, StorePlanning):
                 req_id,
                 num_external_tokens,
             )
-        self._release_now(st)
+        self.lookups.release_now(st)
 
     # -- once per step --------------------------------------------------------------------------
 
     def build(self, step: StepInput) -> StepPlan:
         plan = StepPlan(step=self._step)
         flush: set[int] = set()
-        self._daemon_report()
+        self.decisions.daemon_report()
         for req_id in step.preempted:
             self._preempted(req_id, flush)
         decoding = self._plan_scheduled(step.scheduled, plan, flush)
@@ -215,17 +218,15 @@ class Planner(LoadDecisions, StorePlanning):
             # the workers report the load finished, so it is not in ``step.scheduled``. Its
             # blocks are new to it: fence any store job still reading them before the load
             # thread writes them (the workers start the load after this step's fence).
-            self._fence_blocks(st.block_ids, flush)
+            self.stores.fence_blocks(st.block_ids, flush)
             if st.pending_load is not None:
                 plan.loads.append(self._load_job(st))
         plan.flush = sorted(flush)
         plan.decoding = bool(decoding)
-        self._decoding = decoding
+        self.decisions.decoding = decoding
         self.stats.flushes += len(plan.flush)
         self._step += 1
-        self._wait_left = self.lookup_wait_s
-        while self._releases and self._releases[0][0] < self._step:  # N builds after the load
-            self._thread.release(self._releases.popleft()[1])
+        self.lookups.step_done(self._step)  # pins released N builds after the load
         return plan
 
     def _preempted(self, req_id: str, flush: set[int]) -> None:
@@ -237,7 +238,7 @@ class Planner(LoadDecisions, StorePlanning):
         st.block_ids, st.pending_load, st.matched, st.decision = [], None, None, None
         st.load_done = False
         self._pending.pop(req_id, None)
-        self._release_now(st)
+        self.lookups.release_now(st)
         st.relookup = True  # look up afresh when vLLM admits it again
 
     def _plan_scheduled(
@@ -246,7 +247,7 @@ class Planner(LoadDecisions, StorePlanning):
         """Loads and stores of the step's scheduled requests; the ids of those decoding."""
         decoding: set[str] = set()
         for s in scheduled:
-            self._fence_blocks(s.block_ids or (), flush)
+            self.stores.fence_blocks(s.block_ids or (), flush)
             st = self._reqs.get(s.req_id)
             if st is None:
                 continue
@@ -259,23 +260,18 @@ class Planner(LoadDecisions, StorePlanning):
                 decoding.add(s.req_id)  # (its prompt is computed: this step decodes)
             if st.pending_load is not None:
                 plan.loads.append(self._load_job(st))
-            self._plan_store(st, s.num_computed_tokens + s.num_scheduled_tokens, plan)
+            if self.stores.enabled and st.info.variant is not None:
+                computed = s.num_computed_tokens + s.num_scheduled_tokens
+                self.stores.plan(st, self.lookups.outcome(st), computed, plan)
         return decoding
-
-    def _fence_blocks(self, block_ids: Sequence[int], flush: set[int]) -> None:
-        """Store jobs still reading ``block_ids`` (handed to a request again) into ``flush``."""
-        for bid in block_ids:
-            job = self._fence.pop(bid, None)
-            if job is not None:
-                flush.add(job)
 
     def request_finished(self, req_id: str) -> None:
         """The request is done; its blocks go back to vLLM (in-flight stores are fenced)."""
         st = self._reqs.pop(req_id, None)
         self._pending.pop(req_id, None)
         if st is not None:
-            self._release_now(st)
-            self._thread.forget(req_id)
+            self.lookups.release_now(st)
+            self.lookups.forget(req_id)
 
     def load_finished(self, req_id: str) -> None:
         """The workers reported the request's async load finished (loaded or failed): its
@@ -283,53 +279,38 @@ class Planner(LoadDecisions, StorePlanning):
         st = self._reqs.get(req_id)
         if st is not None and st.loading:
             st.loading, st.load_done = False, True
-            self._release_now(st)
+            self.lookups.release_now(st)
 
     def loads_in_flight(self) -> int:
         return sum(1 for st in self._reqs.values() if st.loading)
 
     def close(self) -> None:
         for st in self._reqs.values():
-            self._release_now(st)
-        while self._releases:
-            self._thread.release(self._releases.popleft()[1])
-        self._thread.close()
+            self.lookups.release_now(st)
+        self.lookups.close()
 
     def pending_lookups(self) -> int:
-        return self._thread.pending()
+        return self.lookups.pending()
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the external hit by tier ("host", "nvme")."""
+        st = self._reqs.get(req_id)
+        if st is None or st.outcome is None or st.matched is None or not num_external_tokens:
+            return {}
+        first = st.matched[0] // self.block_size
+        tiers = st.outcome.tiers[first : first + num_external_tokens // self.block_size]
+        out: dict[str, int] = {}
+        for tier in tiers:
+            out[tier] = out.get(tier, 0) + self.block_size
+        return out
+
+    def observe(self, steps: Sequence[StepReport], loads: Sequence[LoadReport]) -> None:
+        """What the workers measured (``LoadDecisions.observe``)."""
+        self.decisions.observe(steps, loads, self._reqs)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _submit(self, st: _Req) -> None:
-        st.gen += 1
-        st.outcome, st.timed_out, st.pins_released = None, False, False
-        st.submitted_at = self._clock()
-        if st.info.variant is not None:
-            self.stats.lookups += 1  # a re-lookup (after preemption) covers the output so far too
-            self._thread.submit(st.info.req_id, st.gen, st.info.variant, self._tokens(st))
-
-    def _outcome(self, st: _Req) -> LookupOutcome | None:
-        if st.outcome is None:
-            got = self._thread.take(st.info.req_id, st.gen)
-            if got is not None:
-                self._accept(st, got)
-        return st.outcome
-
-    def _accept(self, st: _Req, got: LookupOutcome) -> LookupOutcome:
-        st.outcome = got
-        if got.keys and (not st.keys or len(got.keys[0]) > len(st.keys[0])):
-            st.keys = [list(k) for k in got.keys]  # a re-lookup may cover more
-        if st.timed_out or not self.load_enabled:
-            self._release_now(st)  # answered too late to load; keys still serve stores
-        return got
-
-    def _release_now(self, st: _Req) -> None:
-        if st.outcome is not None and not st.pins_released:
-            st.pins_released = True
-            if st.outcome.pins:
-                self._thread.release(st.outcome.pins)
-
-    def _load_job(self, st: _Req) -> LoadJob:
+    def _load_job(self, st: RequestState) -> LoadJob:
         assert st.pending_load is not None and st.outcome is not None and st.info.variant
         first, count = st.pending_load
         st.pending_load = None
@@ -337,16 +318,15 @@ class Planner(LoadDecisions, StorePlanning):
         self.stats.load_blocks += count
         if self.load_async:
             st.loading = True  # pins held until the workers report it (load_finished)
-        elif not st.pins_released and st.outcome.pins:
-            st.pins_released = True
-            self._releases.append((self._step + self.pin_release_steps, list(st.outcome.pins)))
+        else:
+            self.lookups.release_at(st, self._step + self.pin_release_steps)
         d = st.decision
         return LoadJob(
             st.info.req_id,
             st.info.variant,
             [k[first : first + count] for k in st.outcome.keys],
             st.block_ids[first : first + count],
-            self._tiers(st.outcome, first, first + count),
+            hit_tiers(st.outcome, first, first + count),
             d.predicted_s if d is not None and d.load_blocks == count else None,
             d.recompute_s if d is not None and d.load_blocks == count else None,
         )

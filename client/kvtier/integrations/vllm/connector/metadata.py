@@ -4,7 +4,7 @@
 by vLLM); ``KvtierWorkerMeta`` carries what the workers measured back to the scheduler
 (``build_connector_worker_meta`` -> ``update_connector_output``); ``KvtierConnectorStats``
 sums the counters over workers and the scheduler; ``KvtierPromMetrics`` turns them into
-``vllm:kvtier_<key>_total`` in vLLM's own /metrics (``PROM_COUNTERS``). ``connector.py``
+``vllm:kvtier_<key>_total`` in vLLM's own /metrics (``PROM_COUNTERS``). ``adapter``
 re-exports every name.
 
 Ownership and concurrency: values, each owned by the vLLM call that made it; no locks (vLLM
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvtier.integrations.vllm.plans import LoadReport, StepPlan, StepReport
+from kvtier.integrations.vllm.connector.plans import LoadReport, StepPlan, StepReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,6 +110,12 @@ PROM_COUNTERS = {
 }
 # Planner counters exported under their own name (the others as sched_<name>).
 _UNPREFIXED = ("decision_", "load_seconds_")
+
+
+def scheduler_stat_name(key: str) -> str:
+    """The name planner counter ``key`` is exported under: ``sched_<key>``, but for the
+    decision's counters, which keep their own."""
+    return key if key.startswith(_UNPREFIXED) else f"sched_{key}"
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):

@@ -27,15 +27,17 @@ Each load is counted, charged to the interference budget when a request decodes 
 async: predicted at hand-off, settled when done) and reported (``LoadReport``) for the
 scheduler's decision.
 
-Ownership and concurrency: a mixin of ``KvtierWorker`` (``worker.py``) over its shared state
-(``worker_state``): the load session (``_clients["load"]``), the async queue, the blocks being
-written and the finished loads; engine thread and ``kvtier-load`` thread, under ``_cond``, never
-held across an RPC or a copy.
+Ownership and concurrency: a part of ``KvtierWorker`` (``worker``), handed the worker's
+``WorkerState``; owns the load thread, the async queue, the blocks being written, the finished
+loads and the load reports, and uses the state's load session (``clients["load"]``). Engine
+thread and ``kvtier-load`` thread, under the state's ``cond``, never held across an RPC or a
+copy.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -43,26 +45,50 @@ from typing import Any
 
 from kvtier.adaptive import cut_load_s, worth_waiting_s
 from kvtier.client import Client
-from kvtier.integrations.vllm.config import Variant
-from kvtier.integrations.vllm.plans import LoadJob, LoadReport
-from kvtier.integrations.vllm.worker_state import WorkerState
+from kvtier.integrations.vllm.connector.config import Variant
+from kvtier.integrations.vllm.connector.plans import LoadJob, LoadReport
+from kvtier.integrations.vllm.connector.worker_state import WorkerState
 from kvtier_contract.errors import KvtierError
 
 log = logging.getLogger("vllm.kvtier")
 
 
-class LoadPath(WorkerState):
+class LoadPath:
     """The worker's loads; see the module docstring."""
 
-    def _init_async_loads(self) -> None:
-        """The async loads' state, empty (``KvtierWorker.__init__``)."""
-        # async loads (under _cond): queued (req_id, jobs), finished (req_id, failed block ids),
-        # engine blocks being written (block id -> loads writing it)
-        self._load_queue = deque()
-        self._loads_done = []
-        self._loading_blocks = {}
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        # async loads (under state.cond): queued (req_id, jobs, charge), finished (req_id,
+        # failed block ids), engine blocks being written (block id -> loads writing it)
+        self._load_queue: deque[tuple[str, list[LoadJob], float | None]] = deque()
+        self._loads_done: list[tuple[str, set[int]]] = []
+        self._loading_blocks: dict[int, int] = {}
         self._load_busy = False
-        self._load_thread = None
+        self._thread: threading.Thread | None = None
+        # the loads' figures for the scheduler's decision, and the paths (engine thread or not)
+        # that paid their one-time setup already
+        self._load_reports: list[LoadReport] = []
+        self._warm_loads: set[bool] = set()
+
+    def start(self) -> None:
+        """Start the ``kvtier-load`` thread (``load_mode="async"``, after ``register``)."""
+        self._thread = threading.Thread(target=self._load_loop, name="kvtier-load", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the load thread once the state is closed (its last load gets its timeout)."""
+        if self._thread is not None:
+            self._thread.join(timeout=self.state.cfg.async_load_timeout_ms / 1000 + 5)
+
+    def writing(self, block_ids: Sequence[int]) -> bool:
+        """Whether an async load is still writing one of ``block_ids`` (caller holds the
+        state's cond)."""
+        return any(b in self._loading_blocks for b in block_ids)
+
+    def take_reports(self) -> list[LoadReport]:
+        """The loads measured since the last call (caller holds the state's cond)."""
+        loads, self._load_reports = self._load_reports, []
+        return loads
 
     def load(
         self, jobs: Sequence[LoadJob], deadline: float | None = None, *, decoding: bool = False
@@ -74,13 +100,13 @@ class LoadPath(WorkerState):
         budget: loads always run, before the stores)."""
         if not jobs:
             return set()
-        if self._layouts is None or not self.breaker.allows():
+        if self.state.layouts is None or not self.state.breaker.allows():
             missed = {b for j in jobs for b in j.block_ids}
-            with self._cond:
-                self._stats.load_failed_blocks += len(missed)
+            with self.state.cond:
+                self.state.stats.load_failed_blocks += len(missed)
             return missed
-        deadline = _worth_deadline(self.step_deadline() if deadline is None else deadline, jobs)
-        return self._load_now(jobs, self._layouts[0], deadline, engine_thread=True, charge=decoding)
+        deadline = _worth_deadline(self.state.step_deadline() if deadline is None else deadline, jobs)
+        return self._load_now(jobs, self.state.layouts[0], deadline, engine_thread=True, charge=decoding)
 
     def _load_now(
         self,
@@ -96,11 +122,11 @@ class LoadPath(WorkerState):
         ``deadline``; the block ids that failed."""
         t0 = time.perf_counter()
         had = deadline - time.monotonic()  # the time this load may take
-        client = self._clients["load"]
+        client = self.state.clients["load"]
         out_of_time = client.counters.out_of_time
         loaded, failed = self._get_blocks(jobs, layout, deadline, engine_thread)
         spent = time.perf_counter() - t0
-        with self._cond:
+        with self.state.cond:
             self._count_load(
                 client,
                 out_of_time,
@@ -130,9 +156,9 @@ class LoadPath(WorkerState):
         # left the host tier since the lookup is a miss at once, not the step's budget spent on
         # a disk read (which would also open the breaker)
         host_only = engine_thread and all(j.tiers and set(j.tiers) == {"host"} for j in jobs)
-        for variant, keys, block_ids in _by_variant(jobs, self.tp_rank):
+        for variant, keys, block_ids in _by_variant(jobs, self.state.tp_rank):
             try:
-                found = self._handle("load", variant, deadline).get_blocks(
+                found = self.state.handle("load", variant, deadline).get_blocks(
                     keys, layout, block_ids, deadline=deadline, host_only=host_only
                 )
             except KvtierError as e:
@@ -159,21 +185,22 @@ class LoadPath(WorkerState):
         charge: bool,
         charged: float | None,
     ) -> None:
-        """A load's counters and its charge to the interference budget (caller holds _cond)."""
-        self._stats.loaded_blocks += loaded
-        self._stats.loaded_tokens += loaded * self.identity.tokens_per_block
-        self._stats.loaded_bytes += loaded * self.block_bytes
-        self._stats.load_failed_blocks += len(failed)
-        self._stats.load_seconds += spent
+        """A load's counters and its charge to the interference budget (caller holds the
+        state's cond)."""
+        self.state.stats.loaded_blocks += loaded
+        self.state.stats.loaded_tokens += loaded * self.state.identity.tokens_per_block
+        self.state.stats.loaded_bytes += loaded * self.state.block_bytes
+        self.state.stats.load_failed_blocks += len(failed)
+        self.state.stats.load_seconds += spent
         if engine_thread:
-            self._engine_time(spent)
-            self._stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
+            self.state.engine_time(spent)
+            self.state.stats.budget_exhausted += int(client.counters.out_of_time > out_of_time)
         if charged is not None:  # an async load charged its prediction when handed off
-            self.budget.settle(charged, spent)
-            self._stats.budget_load_seconds += spent
+            self.state.budget.settle(charged, spent)
+            self.state.stats.budget_load_seconds += spent
         elif charge:
-            self.budget.charge_load(spent)
-            self._stats.budget_load_seconds += spent
+            self.state.budget.charge_load(spent)
+            self.state.stats.budget_load_seconds += spent
 
     def _report_load(
         self,
@@ -184,7 +211,7 @@ class LoadPath(WorkerState):
         timed_out: bool,
         spent: float,
     ) -> None:
-        """The load's figure for the scheduler's decision (caller holds _cond)."""
+        """The load's figure for the scheduler's decision (caller holds the state's cond)."""
         if loaded and engine_thread not in self._warm_loads:
             # the first load of each path pays one-time setup (staging buffers, the data
             # channel): not a figure of the tier
@@ -210,7 +237,7 @@ class LoadPath(WorkerState):
             tiers = job.tiers or ["unknown"] * len(job.block_ids)
             for bid, tier in zip(job.block_ids, tiers, strict=False):
                 if only is None or bid in only:
-                    out[tier] = out.get(tier, 0) + self.block_bytes
+                    out[tier] = out.get(tier, 0) + self.state.block_bytes
         return out
 
     def load_async(self, jobs: Sequence[LoadJob], *, decoding: bool = False) -> None:
@@ -223,16 +250,16 @@ class LoadPath(WorkerState):
         by_req: dict[str, list[LoadJob]] = {}
         for job in jobs:
             by_req.setdefault(job.req_id, []).append(job)
-        with self._cond:
+        with self.state.cond:
             for req_id, req_jobs in by_req.items():
                 ids = [b for j in req_jobs for b in j.block_ids]
                 if (
-                    self._layouts is None
-                    or self._closed
-                    or self._load_thread is None
-                    or not self.breaker.allows()
+                    self.state.layouts is None
+                    or self.state.closed
+                    or self._thread is None
+                    or not self.state.breaker.allows()
                 ):
-                    self._stats.load_failed_blocks += len(ids)
+                    self.state.stats.load_failed_blocks += len(ids)
                     self._loads_done.append((req_id, set(ids)))
                     continue
                 for b in ids:
@@ -240,29 +267,29 @@ class LoadPath(WorkerState):
                 charged = None
                 if decoding:  # charged its prediction now (loads before this step's stores)
                     charged = sum(j.predicted_s or 0.0 for j in req_jobs)
-                    self.budget.charge_load(charged)
+                    self.state.budget.charge_load(charged)
                 self._load_queue.append((req_id, req_jobs, charged))
-            self._cond.notify_all()
-            self._engine_time(time.perf_counter() - t0)
+            self.state.cond.notify_all()
+            self.state.engine_time(time.perf_counter() - t0)
 
     def finished_loads(self) -> tuple[set[str], set[int]]:
         """The requests whose async load is over since the last call, and the block ids of
         theirs that failed (vLLM recomputes them): report both in the same step."""
-        with self._cond:
+        with self.state.cond:
             done, self._loads_done = self._loads_done, []
         return {r for r, _ in done}, {b for _, failed in done for b in failed}
 
     def loads_in_flight(self) -> int:
-        with self._cond:
+        with self.state.cond:
             return len(self._load_queue) + int(self._load_busy)
 
     def _load_loop(self) -> None:
-        assert self._layouts is not None
-        layout = self._layouts[2]
+        assert self.state.layouts is not None
+        layout = self.state.layouts[2]
         while True:
-            with self._cond:
-                while not self._load_queue and not self._closed:
-                    self._cond.wait()
+            with self.state.cond:
+                while not self._load_queue and not self.state.closed:
+                    self.state.cond.wait()
                 if not self._load_queue:
                     return
                 req_id, jobs, charged = self._load_queue.popleft()
@@ -270,21 +297,23 @@ class LoadPath(WorkerState):
             ids = [b for j in jobs for b in j.block_ids]
             failed = set(ids)
             try:
-                if self.breaker.allows():
+                if self.state.breaker.allows():
                     # the request waits for it: no longer than recomputing it would take
-                    deadline = _worth_deadline(time.monotonic() + self.cfg.async_load_timeout_ms / 1000, jobs)
+                    deadline = _worth_deadline(
+                        time.monotonic() + self.state.cfg.async_load_timeout_ms / 1000, jobs
+                    )
                     failed = self._load_now(jobs, layout, deadline, engine_thread=False, charged=charged)
                     if layout.device.type == "cuda":  # copies done before vLLM reads the blocks
                         import torch
 
                         torch.cuda.current_stream(layout.device).synchronize()
                 else:
-                    with self._cond:
-                        self._stats.load_failed_blocks += len(ids)
+                    with self.state.cond:
+                        self.state.stats.load_failed_blocks += len(ids)
             except Exception as e:  # every load is reported, loaded or failed
                 log.warning("kvtier: async load for %s failed: %s", req_id, e)
                 failed = set(ids)
-            with self._cond:
+            with self.state.cond:
                 for b in ids:
                     left = self._loading_blocks.get(b, 0) - 1
                     if left > 0:
@@ -293,7 +322,7 @@ class LoadPath(WorkerState):
                         self._loading_blocks.pop(b, None)
                 self._loads_done.append((req_id, failed))
                 self._load_busy = False
-                self._cond.notify_all()
+                self.state.cond.notify_all()
 
 
 def _first_block(jobs: Sequence[LoadJob]) -> set[int]:

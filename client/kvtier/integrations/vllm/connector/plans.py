@@ -1,9 +1,9 @@
 """The plain data the vLLM connector's scheduler side and workers exchange.
 
-What the adapter (``connector.py``) hands the planner (``RequestInfo``, ``StepInput`` of
+What the adapter (``adapter``) hands the planner (``RequestInfo``, ``StepInput`` of
 ``ScheduledRequest``s), what the planner hands the workers each step (``StepPlan`` of
 ``LoadJob``s and ``StoreJob``s), what the workers report back (``StepReport``, ``LoadReport``)
-and the planner's counters (``PlannerStats``). ``planner.py`` re-exports every name.
+and the planner's counters (``PlannerStats``). ``planner`` re-exports every name.
 
 Ownership and concurrency: values only (frozen where they cross threads or processes); a plan
 is built on the scheduler thread and read by the workers after vLLM serialises it.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.integrations.vllm.config import Variant
+from kvtier.integrations.vllm.connector.config import Variant
 
 
 @dataclass(frozen=True)

@@ -10,63 +10,77 @@ While the decisions cut the tiers below the host tier, the lookups hold hits onl
 read probe: a sync engine probes a cut tier by letting the next lookups promote (a failed
 sync load would cost the step's forward), and the daemon's figure of those reads tells.
 
-Ownership and concurrency: a mixin of ``planner.Planner`` over its shared state
-(``planner_state``); the ``kvtier.adaptive.Decider`` is the planner's. Scheduler thread only.
+Ownership and concurrency: a part of ``planner.Planner``, handed the planner's counters and
+lookup thread (whose ``promote`` it sets); owns the ``kvtier.adaptive.Decider``, the
+decision's settings and the figures it keeps (recent step time, the requests decoding, the
+daemon's last per-tier figures). Scheduler thread only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvtier.adaptive import Decider, Decision
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome
-from kvtier.integrations.vllm.planner_state import PlannerState, _Req
-from kvtier.integrations.vllm.plans import LoadReport, StepReport
+from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome, LookupThread
+from kvtier.integrations.vllm.connector.plans import LoadReport, PlannerStats, StepReport
+from kvtier.integrations.vllm.connector.requests import RequestState
 
 log = logging.getLogger("vllm.kvtier")
 BELOW_HOST = frozenset({"nvme", "cluster"})  # tiers a pinned lookup promotes or imports from
 
 
-class LoadDecisions(PlannerState):
+def hit_tiers(outcome: LookupOutcome, first: int, usable: int) -> list[str]:
+    """The tier of each hit block vLLM may load (``"unknown"`` where the lookup gave none)."""
+    n = max(0, usable - first)
+    tiers = list(outcome.tiers[first:usable])
+    return tiers + ["unknown"] * (n - len(tiers))
+
+
+class LoadDecisions:
     """The planner's load decisions; see the module docstring."""
 
-    def _init_decisions(
+    def __init__(
         self,
-        decider: Decider | None,
+        stats: PlannerStats,
+        thread: LookupThread,
+        decider: Decider,
+        *,
+        block_size: int,
         block_bytes: int,
+        load_async: bool,
         interference_budget: float | None,
         sync_load_budget_s: float | None,
-        clock: Callable[[], float],
     ) -> None:
-        """The decision's settings and figures, set by ``Planner.__init__`` (its parameters of
-        the same names; ``sync_load_budget_s`` None for an async engine)."""
-        # The load-or-recompute decision (adaptive by default: without figures it loads every
-        # hit, which is what measures the tiers). ``block_bytes``: the bytes one worker loads
-        # per block (one tp slice, every layer), what a tier's load time is predicted from.
-        self.decider = decider if decider is not None else Decider(clock=clock)
+        """``stats``, ``thread``: the planner's; the rest its parameters of the same names
+        (``sync_load_budget_s`` None for an async engine). ``decider``: adaptive by default
+        (without figures it loads every hit, which is what measures the tiers). ``block_bytes``:
+        the bytes one worker loads per block (one tp slice, every layer), what a tier's load
+        time is predicted from."""
+        self.stats = stats
+        self._thread = thread
+        self.decider = decider
+        self.block_size = block_size
         self.block_bytes = block_bytes
+        self.load_async = load_async
         self.interference_budget = interference_budget
         # a synchronous load runs within the step's budget (``step_budget_ms``) or fails there,
         # its time wasted: the decision cuts a sync load to what is predicted to fit
         self.sync_load_budget_s = sync_load_budget_s
-        self._step_s = None  # recent forward seconds per step (moving average)
-        self._decoding = set()  # requests that decoded in the last planned step
-        self._daemon_figures = {}
+        self.step_s: float | None = None  # recent forward seconds per step (moving average)
+        self.decoding: set[str] = set()  # requests that decoded in the last planned step (build)
+        self._daemon_figures: dict[str, tuple[float, float, int]] = {}
+        # ``never`` loads nothing: its lookups (which skip the stores of what is found) never
+        # have the daemon read a disk for it
+        self._thread.promote = decider.policy != "never"
 
-    def _tiers(self, outcome: LookupOutcome, first: int, usable: int) -> list[str]:
-        """The tier of each hit block vLLM may load (``"unknown"`` where the lookup gave none)."""
-        n = max(0, usable - first)
-        tiers = list(outcome.tiers[first:usable])
-        return tiers + ["unknown"] * (n - len(tiers))
-
-    def _decide(self, st: _Req, first: int, tiers: list[str]) -> int:
+    def decide(self, st: RequestState, first: int, tiers: list[str]) -> int:
         """Blocks of the hit ``tiers`` (from block ``first``) to load: the Decider's answer,
         decided once per hit (asked again for the same blocks, the same decision)."""
         d = st.decision
         if d is not None and st.decided_at == (first, len(tiers)):
             return d.load_blocks
-        self._daemon_report()  # (an idle engine's first decision: the figures of meanwhile)
+        self.daemon_report()  # (an idle engine's first decision: the figures of meanwhile)
         max_load_s = self._max_load_s(st)
         # A sync load that fails costs vLLM the step's whole forward (the request is rescheduled
         # and recomputed from the failed block): a sync engine probes a cut tier by a read
@@ -90,45 +104,36 @@ class LoadDecisions(PlannerState):
         self._sync_decision_stats()
         return d.load_blocks
 
-    def _max_load_s(self, st: _Req) -> float | None:
+    def _max_load_s(self, st: RequestState) -> float | None:
         """The seconds a load for ``st`` may take: the sync load budget, cut to the loads'
         share of a step (``interference_budget`` x the recent step time) while another request
         decodes; None: no limit."""
         max_load_s = self.sync_load_budget_s
         if (
             self.interference_budget is not None
-            and self._step_s is not None
-            and self._decoding - {st.info.req_id}
+            and self.step_s is not None
+            and self.decoding - {st.info.req_id}
         ):
-            share = self.interference_budget * self._step_s  # the loads' share of a step
+            share = self.interference_budget * self.step_s  # the loads' share of a step
             max_load_s = share if max_load_s is None else min(max_load_s, share)
         return max_load_s
 
-    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the external hit by tier ("host", "nvme")."""
-        st = self._reqs.get(req_id)
-        if st is None or st.outcome is None or st.matched is None or not num_external_tokens:
-            return {}
-        first = st.matched[0] // self.block_size
-        tiers = st.outcome.tiers[first : first + num_external_tokens // self.block_size]
-        out: dict[str, int] = {}
-        for tier in tiers:
-            out[tier] = out.get(tier, 0) + self.block_size
-        return out
-
-    def observe(self, steps: Sequence[StepReport], loads: Sequence[LoadReport]) -> None:
+    def observe(
+        self, steps: Sequence[StepReport], loads: Sequence[LoadReport], reqs: Mapping[str, RequestState]
+    ) -> None:
         """What the workers measured (``update_connector_output``, scheduler thread): each
         step's tokens and forward seconds feed the engine's prefill rate and the recent step
         time (the loads' budget share); each load's bytes by tier and seconds feed the tiers'
-        figures, with the decisions' predicted time of the same loads."""
+        figures, with the decisions' predicted time of the same loads (the requests' records:
+        ``reqs``)."""
         for r in steps:
             if r.tokens > 0 and r.seconds > 0:
                 self.decider.step(r.tokens, r.seconds)
-                self._step_s = r.seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * r.seconds
+                self.step_s = r.seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * r.seconds
         for load in loads:
             predicted: float | None = 0.0
             for req_id in load.req_ids:
-                st = self._reqs.get(req_id)
+                st = reqs.get(req_id)
                 d = st.decision if st is not None else None
                 if d is None or d.predicted_s is None or predicted is None:
                     predicted = None
@@ -138,7 +143,7 @@ class LoadDecisions(PlannerState):
         if loads:
             self._sync_decision_stats()
 
-    def _daemon_report(self) -> None:
+    def daemon_report(self) -> None:
         """The daemon's per-tier figures, as the lookup thread's session last heard them (a
         read of what its heartbeat brought: no RPC), into the decision when they changed."""
         for tier, f in self._thread.tier_figures().items():

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.integrations.vllm.config import Variant
+from kvtier.integrations.vllm.connector.config import Variant
 from kvtier.results import TierFigure
 
 log = logging.getLogger("vllm.kvtier")

@@ -16,7 +16,7 @@ by ``get_finished_jobs``). A daemon that is away or hung makes lookups misses, l
 stores drop, each within one RPC deadline, then at once while the breaker is open.
 
 Load or recompute (``load_policy``, docs/vllm.md §7): a lookup answers HIT only for the held
-prefix a ``kvtier.adaptive.Decider`` finds worth loading (``tier_decide.TierDecisions``: each
+prefix a ``kvtier.adaptive.Decider`` finds worth loading (``decisions.TierDecisions``: each
 chunk's tier, the loads' times, the daemon's per-tier figures, and the engine's prefill rate
 from the scheduler's step cadence and the chunks it stores); vLLM recomputes from the first MISS.
 Store jobs beyond the ``interference_budget`` (a fraction of the measured step) are dropped.
@@ -29,7 +29,7 @@ evictions (docs/events.md).
 A spec the tier cannot serve (no KV cache group to name a chunk's tokens by) is a
 ``ConfigError`` naming it at construction.
 
-Identity and keys: ``tier_config`` (the namespace is the connector's fields plus the pool's row
+Identity and keys: ``config`` (the namespace is the connector's fields plus the pool's row
 format; block keys are derived from vLLM's ``OffloadKey`` inside it). Metrics: vLLM's own
 ``vllm:kv_offload_tiering_*`` (tier label ``KvtierSecondaryTier``) from the job results, plus
 ``vllm:kv_offload_kvtier_*`` counters (``build_metric_definitions``).
@@ -58,14 +58,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm.config import ConfigError
-from kvtier.integrations.vllm.tier_config import (
+from kvtier.integrations.vllm.tier.config import (
     PREFIX,
     PoolGeometry,
     TierConfig,
     hash_algo_name,
     tier_namespace,
 )
-from kvtier.integrations.vllm.tier_jobs import JobDone, TierJobs
+from kvtier.integrations.vllm.tier.jobs import JobDone, TierJobs
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -212,7 +212,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.jobs.decisions.request_finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.jobs.decisions.step_end()  # one scheduler step: the step clock (tier_decide)
+        self.jobs.decisions.step_end()  # one scheduler step: the step clock (decisions)
         self._lookups.flush()
 
     def drain_jobs(self) -> None:
