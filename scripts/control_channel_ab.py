@@ -108,7 +108,10 @@ def main() -> None:
                     measure(plan, block, ops, results, progress)
                     for c in clients:
                         s = getattr(c, "session", c)  # (the baseline tree's Client was its Session)
-                        assert bool(s._control and s._control.calls) == s.control_channel
+                        conn = getattr(s, "connection", None)  # (this tree's Session holds one)
+                        control = conn.control if conn is not None else s._control
+                        wanted = conn.settings.control_channel if conn is not None else s.control_channel
+                        assert bool(control and control.calls) == wanted
                         c.close()
         finally:
             subprocess.run(

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import kvtier
 from kvtier.bench.procs import DaemonProc
-from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity
+from kvtier.integrations.vllm.connector.backend import DaemonBackend
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity
 
 BS = 16
 

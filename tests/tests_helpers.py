@@ -21,7 +21,7 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 def worker_identity(model_id: str) -> Any:
     """The vLLM worker tests' engine: 16-token blocks of 2 layers x 2 KV heads x 64 dims in
     bfloat16 (16 KiB per block), vLLM's LBHNC layout, revision ``r1``."""
-    from kvtier.integrations.vllm.config import EngineIdentity
+    from kvtier.integrations.vllm.connector.config import EngineIdentity
 
     return EngineIdentity(
         model_id=model_id,
@@ -50,6 +50,52 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def settled(what: str, sample: Callable[[], Any], *, quiet_s: float = 0.2, timeout: float = 20.0) -> Any:
+    """Poll ``sample`` until it gives the same value twice ``quiet_s`` apart (a steady state:
+    a daemon that took what it will, a buffer that stopped filling); that value. AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = sample()
+    while True:
+        time.sleep(quiet_s)
+        now = sample()
+        if now == last:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} to settle (last {last!r}, now {now!r})")
+        last = now
+
+
+def set_read_latency(path: Path, ms: int) -> None:
+    """Write ``ms`` to the latency file of a ``conftest.SlowDiskDaemon`` and return once the
+    daemon's next read takes it. The daemon reads the file again at most every ``refresh_s``
+    (``kvtierd.testing.faults.LatencyFile``, 100 ms) and says nowhere when it did: once that long
+    has passed since the write, any read refreshes it."""
+    from kvtierd.testing.faults import LatencyFile
+
+    path.write_text(str(ms))
+    time.sleep(LatencyFile.__init__.__kwdefaults__["refresh_s"] + 0.05)  # sleep: the refresh is a timer
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors process ``pid`` holds (a daemon's accepted and closed
+    connections, seen from outside)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class ManualClock:
+    """A clock that moves only when told (``advance``): timeouts pass without waiting."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def scrape_metrics(daemon: Any, token: str | None) -> tuple[int, str]:

@@ -161,6 +161,6 @@ def make_transport_value(name: str) -> int:
 def blocks_transport(session: SessionPort, layout: Any) -> int:
     """The transport value of a put_blocks/get_blocks job: cuda_ipc only for CUDA layouts
     on a cuda_ipc session (CPU layouts move over the mapped arena like shm)."""
-    if session.transport_name == "cuda_ipc" and getattr(layout.device, "type", "") == "cuda":
+    if session.settings.transport == "cuda_ipc" and getattr(layout.device, "type", "") == "cuda":
         return int(pb.TRANSPORT_CUDA_IPC)
-    return make_transport_value(session.transport_name)
+    return make_transport_value(session.settings.transport)

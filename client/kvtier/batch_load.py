@@ -107,7 +107,7 @@ def _load(
     the deadline (``deadline_cut``). A job that would start after the deadline does not
     (its keys are misses; what earlier jobs loaded stays loaded). ``host_only``: one round,
     of what the host tier holds now (``PrepareLoadRequest.host_only``)."""
-    tp = tp or make_transport_value(session.transport_name)
+    tp = tp or make_transport_value(session.settings.transport)
     deadline = session.deadline() if deadline is None else deadline
     found = [False] * len(keys)
     pipe = _LoadPipe(session, handle, pack_keys(keys), read, tp, deadline, found)
@@ -268,7 +268,7 @@ class _LoadPipe:
         offsets = [prep.offsets[i] for i in idx]
         digests = (
             [prep.digests[i] for i in idx]
-            if self.session.verify_bytes and len(prep.digests) == len(todo)
+            if self.session.settings.verify_bytes and len(prep.digests) == len(todo)
             else []
         )
         if self.failure is None and late(self.session, self.deadline):

@@ -57,7 +57,7 @@ def put(
         return session.data().write(
             job_id,
             [(i, off, views[p]) for i, p, off in zip(idx, pos, offsets, strict=True)],
-            digest=session.verify_bytes,
+            digest=session.settings.verify_bytes,
         )
 
     return _store(session, handle, keys, write, deadline=deadline, origin=origin)
@@ -109,7 +109,7 @@ def put_blocks(
                 digests = session.data().write(
                     job_id,
                     [(i, off, byte_view(source[p])) for i, p, off in zip(idx, pos, offsets, strict=True)],
-                    digest=session.verify_bytes,
+                    digest=session.settings.verify_bytes,
                 )
         finally:
             if guard is not None:
@@ -138,7 +138,7 @@ def _gather(
     data = session.data()
     mover = data.mover(layout.device)  # type: ignore[attr-defined]
     ids = [block_ids[p] for p in pos]
-    if session.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
+    if session.settings.verify_bytes and tp != pb.TRANSPORT_CUDA_IPC:
         # The mover fills the slots group by group; each group is hashed on the helper thread
         # while the next one is gathered.
         digests: list[int] | None = data.store_hashed(  # type: ignore[attr-defined]
@@ -161,7 +161,7 @@ def _store(
     deadline: float | None = None,
     origin: tuple[Sequence[int], int, bytes] | None = None,
 ) -> PutResult:
-    tp = tp or make_transport_value(session.transport_name)
+    tp = tp or make_transport_value(session.settings.transport)
     deadline = session.deadline() if deadline is None else deadline
     spans = job_spans(session, handle, tp, len(keys))
     pipe = _StorePipe(session, handle, pack_keys(keys), write, tp, deadline, pipelined(session, spans))

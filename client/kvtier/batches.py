@@ -27,7 +27,7 @@ client loads those again after CompleteLoad, round after round while each one se
 so a get larger than the daemon's free host tier still returns every block it has.
 
 Every put and get has an overall ``deadline`` (the caller's, e.g. an engine step's budget, else
-``session.op_timeout_s`` from its start): no RPC, batch or load round starts after it (what is
+``settings.op_timeout_s`` from its start): no RPC, batch or load round starts after it (what is
 left is a miss or a drop), and each RPC's own deadline is cut to it; only a completion, which
 frees daemon state, still gets ``MIN_RPC_S``.
 
@@ -164,7 +164,7 @@ def lookup_each_pinned(session: SessionPort, handle: Registered, keys: Sequence[
             pb.PrepareLoadRequest(
                 namespace_id=handle.namespace_id,
                 keys=pack_keys(keys),
-                transport=make_transport_value(session.transport_name),
+                transport=make_transport_value(session.settings.transport),
             ),
         )
     except Away:

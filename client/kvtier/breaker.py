@@ -31,7 +31,7 @@ log = logging.getLogger("kvtier.breaker")
 
 
 class Member(Protocol):
-    """A session that shares a breaker (``kvtier.session.Session``)."""
+    """A connection that shares a breaker (``kvtier.connection.Connection``)."""
 
     def probe(self) -> bool:
         """On the probe thread: True when the daemon answered and the session is usable."""

@@ -5,11 +5,12 @@ The exceptions are the session's internal vocabulary (:mod:`kvtier.client` and
 the breaker opened), :class:`OutOfTime` (the caller's deadline is spent: nothing trips),
 :class:`Overloaded` (the daemon shed the request), :class:`Unregistered` (the daemon refused a
 namespace) and :class:`Unanswered` (a call made with ``trip=False`` found the daemon away: the
-caller trips). :class:`PendingCall` is a call in flight on :class:`RpcThreads`, which owns the
-threads. :class:`Registered` is what a session needs of a namespace handle.
+caller trips). :class:`Deadlines` gives each RPC its timeout from a caller's deadline.
+:class:`PendingCall` is a call in flight on :class:`RpcThreads`, which owns the threads.
+:class:`Registered` is what a session needs of a namespace handle.
 
-Thread-safety: the exceptions are values; ``RpcThreads`` may be used from any thread; a
-``PendingCall`` is collected by the thread that started it.
+Thread-safety: the exceptions are values; ``Deadlines`` and ``RpcThreads`` may be used from any
+thread; a ``PendingCall`` is collected by the thread that started it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from kvtier.diagnose import Diagnosis
+from kvtier.diagnose import Diagnosis, Peer, explain_rpc
 from kvtier.results import ClientCounters
+from kvtier.settings import ClientSettings
 from kvtier_contract.identity import Namespace
 
 if TYPE_CHECKING:
@@ -67,12 +69,57 @@ REGISTER_RETRY_S = 1.0
 
 
 class Unanswered(Away):
-    """A call made with ``trip=False`` (``Session._start``) found the daemon down or silent:
+    """A call made with ``trip=False`` (``Session.start``) found the daemon down or silent:
     the caller trips the breaker with ``why`` once it has closed what it started."""
 
     def __init__(self, why: str, details: str) -> None:
         super().__init__(details)
         self.why = why
+
+
+class Deadlines:
+    """The deadlines of one client's RPCs, on its clock: an operation's end (``operation``), the
+    next RPC's timeout (``rpc``) and an open step's (``step``), each ``timeout_s`` of the
+    settings cut to what is left of a caller's deadline. Handed the settings, the clock, the
+    counters (``out_of_time``: the RPCs refused for want of time) and the peer (the diagnoses').
+    No state of its own: any thread."""
+
+    def __init__(
+        self, settings: ClientSettings, clock: Callable[[], float], counters: ClientCounters, peer: Peer
+    ) -> None:
+        self._settings, self._clock, self._counters, self._peer = settings, clock, counters, peer
+
+    def operation(self, timeout_s: float | None = None) -> float:
+        """The deadline ``timeout_s`` (default ``op_timeout_s``) from now."""
+        return self._clock() + (self._settings.op_timeout_s if timeout_s is None else timeout_s)
+
+    def rpc(self, deadline: float | None, *, floor: bool = False) -> float:
+        """The deadline of the next RPC: ``timeout_s``, cut to what is left before ``deadline``.
+        OutOfTime when less than MIN_RPC_S is left (``floor``: the RPC gets MIN_RPC_S anyway,
+        for a completion that frees daemon state)."""
+        timeout = self._settings.timeout_s
+        if deadline is None:
+            return timeout
+        left = deadline - self._clock()
+        if left < MIN_RPC_S:
+            if not floor:
+                self._counters.out_of_time += 1
+                raise OutOfTime("deadline spent")
+            left = MIN_RPC_S
+        return min(timeout, left)
+
+    def step(self, timeout: float, deadline: float | None, step: str) -> float:
+        """``timeout``, cut to what is left before ``deadline``; Away (the daemon was too slow
+        to answer, as a deadline exceeded) when less than MIN_RPC_S is left for ``step``."""
+        if deadline is None:
+            return timeout
+        left = deadline - self._clock()
+        if left < MIN_RPC_S:
+            raise Away(
+                f"{step}: DEADLINE_EXCEEDED: Deadline Exceeded",
+                explain_rpc(self._peer, step, "DEADLINE_EXCEEDED", "Deadline Exceeded"),
+            )
+        return min(timeout, left)
 
 
 class PendingCall:
@@ -172,16 +219,16 @@ class SessionPort(Protocol):
     """What a put, a get or a lookup (:mod:`kvtier.batches`) needs of a session
     (:class:`kvtier.session.Session` implements it); nothing else of the session is used there.
 
-    Lifecycle of one operation on it: ``deadline()`` fixes the operation's end (unless the
-    caller gave one); lookups are ``local_lookup`` (the published index, no round trip) or
-    ``call``; a put or get cuts its keys in jobs of at most ``max_batch`` keys (and
-    ``pipeline_bytes``), starts each job's Prepare* by ``call`` or ``start`` (on the session's
-    RPC threads, collected later: ``PendingCall.result``), moves the bytes inside ``transfer()``
-    on ``data()``, then completes every job it prepared by ``start_completion`` (under the
-    session that prepared it, even after a failure), and trips the breaker (``trip``) once it has
-    closed what it started when the daemon was found away or a transfer failed. Why calls miss
-    or drop is counted in ``counters``. Thread-safety: as the session's (any thread; transfers
-    serialized by ``transfer``).
+    Lifecycle of one operation on it: ``deadline()`` fixes the operation's end (unless the caller
+    gave one: ``settings.op_timeout_s`` from now); lookups are ``local_lookup`` (the published
+    index, no round trip) or ``call``; a put or get cuts its keys in jobs of at most ``max_batch``
+    keys (and ``pipeline_bytes``), starts each job's Prepare* by ``call`` or ``start`` (on the
+    session's RPC threads, collected later: ``PendingCall.result``), moves the bytes inside
+    ``transfer()`` on ``data()``, then completes every job it prepared by ``start_completion``
+    (under the session that prepared it, even after a failure), and trips the breaker (``trip``)
+    once it has closed what it started when the daemon was found away or a transfer failed. Why
+    calls miss or drop is counted in ``counters``. Thread-safety: as the session's (any thread;
+    transfers serialized by ``transfer``).
     """
 
     @property
@@ -190,21 +237,15 @@ class SessionPort(Protocol):
         ...
 
     @property
-    def transport_name(self) -> str: ...
-
-    @property
-    def verify_bytes(self) -> bool:
-        """Hash what a put copies, check what a get loads (docs/security.md)."""
+    def settings(self) -> ClientSettings:
+        """The client's one settings value (``transport``, ``verify_bytes``: hash what a put
+        copies, check what a get loads, docs/security.md; ``op_timeout_s``...)."""
         ...
 
     @property
     def pipeline_bytes(self) -> int:
-        """Cut puts and gets above this many bytes in overlapped jobs (0: off)."""
-        ...
-
-    @property
-    def op_timeout_s(self) -> float:
-        """An operation's bound when the caller gives no deadline."""
+        """Cut puts and gets above this many bytes in overlapped jobs (0: off); the session's
+        run-time state, from ``settings.pipeline_bytes``."""
         ...
 
     @property

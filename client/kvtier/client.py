@@ -22,8 +22,10 @@ namespaces and reattached the transport (also when a reply shows a new boot epoc
 mistakes (wrong block size, bad namespace) still raise
 :class:`kvtier_contract.errors.InvalidArgument`.
 
-Where the parts live: the session, the breaker and the data transport in :mod:`kvtier.session`
-(a ``Client`` uses one: ``client.session``); what it is told in :mod:`kvtier.settings`; the
+Where the parts live: the calls in :mod:`kvtier.session` (a ``Client`` holds one:
+``client.session``), the daemon session it holds, the breaker and the data transport in
+:mod:`kvtier.connection` (``client.session.connection``); what it is told in
+:mod:`kvtier.settings` (``client.settings``, one frozen value); the
 batched, two-phase operations behind ``NamespaceHandle`` in :mod:`kvtier.batches`; address
 handling in :mod:`kvtier.addresses`; the result types in :mod:`kvtier.results`. This module
 keeps the public API and argument checks.
@@ -41,6 +43,8 @@ from typing import Any
 from kvtier import batches
 from kvtier.addresses import address_target
 from kvtier.breaker import Breaker
+from kvtier.connection import Connection
+from kvtier.grpc_channel import GrpcChannel
 from kvtier.handle import NamespaceHandle
 from kvtier.local_index import LocalIndexes
 from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup, TierFigure
@@ -66,9 +70,12 @@ __all__ = [
 
 
 class Client:
-    """See the module docstring. Owns its :class:`kvtier.session.Session` (``session``: the gRPC
-    channel, the daemon session, the data transport; its docstring states the states and the
-    locking) and the handles it made; the public verbs and their argument checks are here."""
+    """See the module docstring. The SDK's composition root: builds and owns its
+    :class:`kvtier.session.Session` (``session``, holding its
+    :class:`kvtier.connection.Connection`: the gRPC channel, the daemon session, the data
+    transport; their docstrings state the states and the locking), each part handed the one
+    :class:`kvtier.settings.ClientSettings` (``settings``, frozen) it reads; and the handles it
+    made. The public verbs and their argument checks are here."""
 
     def __init__(
         self,
@@ -89,7 +96,11 @@ class Client:
             settings = ClientSettings.of(transport or "shm", **kwargs)
         elif kwargs or transport not in (None, settings.transport):
             raise TypeError("give settings or keyword arguments, not both")
-        self.session = Session(address, settings, breaker=breaker, clock=clock)
+        self.settings = settings
+        if breaker is None:
+            breaker = Breaker(settings.backoff_s)  # its own, probing at ``backoff_s``
+        connection = Connection(GrpcChannel(address, settings), settings, breaker, clock)
+        self.session = Session(connection)
 
     @classmethod
     def connect(
@@ -110,7 +121,7 @@ class Client:
         drop, and the client connects by itself once the daemon is there."""
         client = cls(address, transport, **kwargs)
         try:
-            diagnosis = client.session.first_open(strict=not lazy)
+            diagnosis = client.session.connection.first_open(strict=not lazy)
         except BaseException:
             client.close()
             raise
@@ -119,60 +130,25 @@ class Client:
             raise diagnosis.error
         return client
 
-    # -- what the session knows (read-only unless said) ---------------------------------------------
-
-    @property
-    def settings(self) -> ClientSettings:
-        return self.session.settings
+    # -- what the client knows (read-only unless said) --------------------------------------------
+    # Its settings are ``settings`` (the one ClientSettings: ``client.settings.timeout_s``...);
+    # of them only ``tenant_key`` (the engine integrations') and ``pipeline_bytes`` (settable)
+    # are read here. The rest is the session's connection's (``session.connection``).
 
     @property
     def address(self) -> str:
-        return self.session.address
-
-    @property
-    def transport_name(self) -> TransportName:
-        return self.session.transport_name
+        """The daemon's gRPC target (:func:`kvtier.addresses.address_target`)."""
+        return self.session.connection.channel.address
 
     @property
     def tenant_key(self) -> bytes | None:
-        return self.session.tenant_key
-
-    @property
-    def client_name(self) -> str:
-        return self.session.client_name
-
-    @property
-    def timeout_s(self) -> float:
-        return self.session.timeout_s
-
-    @property
-    def probe_timeout_s(self) -> float:
-        return self.session.probe_timeout_s
-
-    @property
-    def lease_ttl_s(self) -> float:
-        return self.session.lease_ttl_s
-
-    @property
-    def verify_bytes(self) -> bool:
-        return self.session.verify_bytes
-
-    @property
-    def control_channel(self) -> bool:
-        return self.session.control_channel
-
-    @property
-    def local(self) -> LocalIndexes | None:
-        """The daemon's published index, when this client answers lookups from it."""
-        return self.session.local
-
-    @property
-    def op_timeout_s(self) -> float:
-        return self.session.op_timeout_s
+        """``settings.tenant_key``: the tenant's key mixed into block keys."""
+        return self.settings.tenant_key
 
     @property
     def pipeline_bytes(self) -> int:
-        """``ClientSettings.pipeline_bytes`` in effect; settable per client."""
+        """The pipelining threshold in effect (``Session.pipeline_bytes``: from
+        ``settings.pipeline_bytes``); settable per client."""
         return self.session.pipeline_bytes
 
     @pipeline_bytes.setter
@@ -180,29 +156,36 @@ class Client:
         self.session.pipeline_bytes = value
 
     @property
+    def local(self) -> LocalIndexes | None:
+        """The daemon's published index, when this client answers lookups from it."""
+        return self.session.connection.local
+
+    @property
     def counters(self) -> ClientCounters:
-        return self.session.counters
+        return self.session.connection.counters
 
     @property
     def breaker(self) -> Breaker:
-        return self.session.breaker
+        return self.session.connection.breaker
 
     @property
     def connected(self) -> bool:
-        return self.session.connected
+        return self.session.connection.connected
 
     @property
     def boot_epoch(self) -> int:
-        return self.session.boot_epoch
+        return self.session.connection.boot_epoch
 
     @property
     def max_batch(self) -> int:
         """Most keys the daemon takes in one RPC (from the session; 1024 before one is open)."""
-        return self.session.max_batch
+        return self.session.connection.max_batch
 
     def tier_figures(self) -> dict[str, TierFigure]:
-        """The daemon's latest per-tier load figures (``Session.tier_figures``). Any thread."""
-        return self.session.tier_figures()
+        """The daemon's latest per-tier load figures (tier name -> ``TierFigure``, its age grown
+        by the time since it arrived); from the OpenSession reply and every heartbeat reply, empty
+        until one brought some (the daemon has read no tier below the host tier yet). Any thread."""
+        return self.session.connection.figures.now()
 
     def deadline(self, timeout_s: float | None = None) -> float:
         """The deadline ``timeout_s`` (default ``op_timeout_s``) from now, on this client's clock."""
@@ -225,12 +208,12 @@ class Client:
     def tenant(self) -> str | None:
         """The tenant the daemon took this client's credential for (token, Unix login or client
         certificate); None on a daemon without tenants, or before a session was opened."""
-        return self.session.tenant
+        return self.session.connection.tenant
 
     def stats(self) -> dict[str, Any]:
         """The daemon's Stats figures as a dict; raises the error naming the cause and the fix
         when the daemon cannot be reached or refuses (as ``connect`` does)."""
-        return to_dict(self.session.stats())
+        return to_dict(self.session.connection.stats())
 
     def lookup_slices(
         self, handles: Sequence[NamespaceHandle], chains: Sequence[Sequence[bytes]], *, promote: bool = True
@@ -246,7 +229,7 @@ class Client:
     def release(self, pin: int, epoch: int = 0) -> bool:
         """Unpin what ``lookup_pinned`` pinned. Never raises: a pin the daemon no longer knows
         (restart, lease expiry) is already released. Returns whether the daemon confirmed."""
-        if not pin or (epoch and epoch != self.session.boot_epoch):
+        if not pin or (epoch and epoch != self.session.connection.boot_epoch):
             return False
         try:
             self.session.call("CompleteLoad", pb.CompleteLoadRequest(job_id=pin), reconnect=False)

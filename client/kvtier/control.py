@@ -10,8 +10,9 @@ transfer makes two per batch; a frame on a Unix socket a fraction of that (docs/
 codes are the same; a failure is reported as a :class:`ControlError`, a ``grpc.RpcError`` with
 ``code()`` and ``details()``, so callers handle both paths alike.
 
-Lifecycle: a :class:`ControlChannels` belongs to one session of one Session (made when the
-session opens, closed when it is dropped). Each connection carries one call at a time; a thread
+Lifecycle: a :class:`ControlChannels` belongs to one daemon session of one
+:class:`kvtier.connection.Connection` (made by :func:`session_channels` when the session opens,
+closed when it is dropped). Each connection carries one call at a time; a thread
 takes an idle one or opens one (at most ``MAX_CHANNELS``; beyond that, or after the daemon
 refused the handshake, ``call`` answers None and the caller uses gRPC; for ``RETRY_S`` after a
 connection could not be made). A connection whose call
@@ -221,6 +222,28 @@ def tcp_dialer(
         return sock
 
     return dial
+
+
+def session_channels(
+    reply: Any, transport_name: str, tls: ssl.SSLContext | None, server_name: str, timeout: float
+) -> ControlChannels | None:
+    """The control channels of the session ``reply`` (OpenSessionReply) opened, its data
+    transport being ``transport_name``: on the daemon's shm socket (same host), on its data port
+    (tcp; TLS with ``tls`` when the port serves it, verified against ``server_name``), or None
+    (gRPC only)."""
+    secret, dial = bytes(reply.data_secret), None
+    if transport_name != "tcp" and reply.shm_socket:  # same host: the shm socket
+        dial = unix_dialer(reply.shm_socket, reply.session_id, secret)
+    elif transport_name == "tcp" and reply.data_port:  # the data port (TLS if it is)
+        dial = tcp_dialer(
+            reply.data_host,
+            reply.data_port,
+            reply.session_id,
+            secret,
+            tls=tls if reply.data_tls else None,
+            server_name=server_name,
+        )
+    return ControlChannels(dial, reply.session_id, timeout) if dial is not None else None
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -1,16 +1,16 @@
-"""GrpcChannel: the gRPC channel of one session to its daemon, and what the session presents on it.
+"""GrpcChannel: the gRPC channel of one connection to its daemon, and what it presents on it.
 
 Owns the channel and its stub, the credentials read from the settings (a bearer token, or the
 socket of a Unix login and the token that login got; the TLS files), and the
 :class:`kvtier.diagnose.Peer` the diagnoses describe (no secret). Lifecycle::
 
-    made (files read: InvalidArgument naming the setting) --_channel_open--> OPEN
-    OPEN --_login (a Unix login: a fresh token for every later call)--> OPEN
-    OPEN --_channel_close--> made (opened again by the next _channel_open)
+    made (files read: InvalidArgument naming the setting) --open--> OPEN
+    OPEN --login (a Unix login: a fresh token for every later call)--> OPEN
+    OPEN --close--> made (opened again by the next open)
 
-The base of :class:`kvtier.connection.Connection`. Thread-safety: ``_channel_open``, ``_login``
-and ``_channel_close`` run under the connection's ``_conn_lock``; the stub is used by any thread
-(each call reads the current token through :class:`kvtier.credentials.WithMetadata`).
+A part of :class:`kvtier.connection.Connection`, which is handed it. Thread-safety: ``open``,
+``login`` and ``close`` run under the connection's lock; ``stub`` is used by any thread (each
+call reads the current token through :class:`kvtier.credentials.WithMetadata`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,13 @@ from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
 
 
 class GrpcChannel:
-    """See the module docstring."""
+    """See the module docstring. ``address`` (the gRPC target), ``peer`` and ``tls_files`` are
+    fixed at construction; ``stub`` is the Kvtier stub while open, else None."""
 
     def __init__(self, address: str, settings: ClientSettings) -> None:
         """Files (token file, TLS) are read now: InvalidArgument naming the setting."""
         self.address = address_target(address)
-        self._take_credentials(settings)
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
-
-    def _take_credentials(self, s: ClientSettings) -> None:
-        """The token (or the Unix login's socket), the TLS files read, and what the diagnoses
-        know of them (``_peer``: no secret)."""
+        s = settings
         self._metadata = bearer_metadata(s.token, s.token_file)
         self._login_path = ""
         if s.unix_login:
@@ -51,8 +46,8 @@ class GrpcChannel:
                 )
             self._login_path = shm_socket_of(self.address)
         self._tls = tls_credentials(s.tls_ca, s.tls_cert, s.tls_key)
-        self._tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
-        self._peer = Peer(
+        self.tls_files = (s.tls_ca, s.tls_cert, s.tls_key)  # for a TLS data channel
+        self.peer = Peer(  # what the diagnoses know of the credentials: no secret
             self.address,
             s.transport,
             tls=self._tls is not None and not self.address.startswith("unix:"),
@@ -62,17 +57,24 @@ class GrpcChannel:
             unix_login=s.unix_login,
             timeout_s=s.timeout_s,
         )
+        self._channel: grpc.Channel | None = None
+        self.stub: Any = None
 
-    def _login(self, timeout: float) -> None:
-        """A Unix login's fresh token for every later call (caller holds ``_conn_lock``); Away
-        when the daemon refuses or cannot be reached (the engine recomputes meanwhile)."""
+    @property
+    def logs_in(self) -> bool:
+        """A Unix login: ``login`` gets a fresh token for every session."""
+        return bool(self._login_path)
+
+    def login(self, timeout: float) -> None:
+        """A Unix login's fresh token for every later call (the caller holds the connection's
+        lock); Away when the daemon refuses or cannot be reached (the engine recomputes)."""
         try:
             token = unix_login(self._login_path, timeout)
         except errors.KvtierError as e:
-            raise Away(f"Unix login: {e}", explain_login(self._peer, e)) from None
+            raise Away(f"Unix login: {e}", explain_login(self.peer, e)) from None
         self._metadata = (("authorization", f"Bearer {token}"),)
 
-    def _channel_open(self) -> None:
+    def open(self) -> None:
         if self._channel is None:
             options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 << 20)]
             if self._tls is not None and not self.address.startswith("unix:"):
@@ -83,10 +85,10 @@ class GrpcChannel:
             channel = self._channel
             if self._metadata or self._login_path:
                 channel = grpc.intercept_channel(channel, WithMetadata(lambda: self._metadata))
-            self._stub = pb_grpc.KvtierStub(channel)
+            self.stub = pb_grpc.KvtierStub(channel)
 
-    def _channel_close(self) -> None:
+    def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-            self._stub = None
+            self.stub = None

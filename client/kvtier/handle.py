@@ -13,6 +13,7 @@ from kvtier import batches
 from kvtier.buffers import byte_view
 from kvtier.calls import SessionPort
 from kvtier.results import ClientCounters, LookupResult, PinnedEach, PinnedLookup, PutResult
+from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
 
@@ -26,10 +27,10 @@ class HandleOwner(Protocol):
     def session(self) -> SessionPort: ...
 
     @property
-    def tenant_key(self) -> bytes | None: ...
+    def settings(self) -> ClientSettings: ...
 
     @property
-    def transport_name(self) -> str: ...
+    def tenant_key(self) -> bytes | None: ...
 
     @property
     def counters(self) -> ClientCounters: ...
@@ -148,7 +149,7 @@ class NamespaceHandle:
         ``keys``: one gather kernel into a staging tensor, then one batched put. ``guard``: the
         engine's say over when the engine blocks may be read (``batches.CopyGuard``).
         ``token_ids`` and ``parent``: optional, as for :meth:`put` (the daemon's KV events)."""
-        if self.client.transport_name in _MAPPED:
+        if self.client.settings.transport in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return batches.put_blocks(
                 self.client.session,
@@ -184,7 +185,7 @@ class NamespaceHandle:
         no RPC starts after it (the blocks not loaded by then are misses). ``host_only``: load
         only what the daemon's host tier holds now, never waiting on a promotion (a block that
         left the host tier is a miss at once; ``PrepareLoadRequest.host_only``)."""
-        if self.client.transport_name in _MAPPED:
+        if self.client.settings.transport in _MAPPED:
             self._check_layout(layout, keys, block_ids)
             return batches.get_blocks(
                 self.client.session, self, keys, layout, block_ids, deadline=deadline, host_only=host_only

@@ -1,6 +1,6 @@
 """Lookups without a round trip: the daemon's published indexes, mapped read-only.
 
-Lifecycle (owned by a :class:`kvtier.session.Session`)::
+Lifecycle (owned by a :class:`kvtier.connection.Connection`)::
 
     local = LocalIndexes()
     local.reset(shm_socket, session_id, boot_epoch, data_secret)   # each session (re)open

@@ -3,13 +3,16 @@
 One frozen value per client: the timeouts, the lease, the transport, pipelining, the lookup
 paths, the heartbeat, the breaker's backoff, TLS and the credential. ``Client.connect(address,
 transport, **kwargs)`` builds one from its keyword arguments (each a field here, same name and
-default); the engine integrations build theirs from their own configuration. What is not data
-(a :class:`kvtier.breaker.Breaker` shared by the clients of one engine worker, a clock) is given
-to the session beside its settings.
+default); the engine integrations build theirs from their own configuration. The client
+hands this one value to the parts that read it (``client.settings`` is the session's and its
+connection's; none copies a field): what changes at run time is not here but named state of the
+part that changes it (``Session.pipeline_bytes``, from ``pipeline_bytes``). What is not data (a
+:class:`kvtier.breaker.Breaker` shared by the clients of one engine worker, a clock) is given to
+the connection beside its settings.
 
 Validation happens at construction (``__post_init__``): a bad value raises
 :class:`kvtier_contract.errors.InvalidArgument` whose ``field`` names the field. Files (a token
-file, TLS certificates) are read when the session is made, not here.
+file, TLS certificates) are read when the gRPC channel is made, not here.
 
 Thread-safety: immutable; share freely.
 """
@@ -74,7 +77,8 @@ class ClientSettings:
     pipeline_bytes: int = 0
     """Pipelining (:mod:`kvtier.batches`): a put or get of more than this many bytes is cut into
     jobs of at most this size whose RPCs overlap the copies of the others. 0 = off (the
-    default: on the 2-vCPU development host it took more than it hid, docs/benchmarks.md §14)."""
+    default: on the 2-vCPU development host it took more than it hid, docs/benchmarks.md §14).
+    The starting value of ``Session.pipeline_bytes``, which ``Client.pipeline_bytes`` sets."""
 
     def __post_init__(self) -> None:
         names = tuple(TRANSPORT_NAMES.values())

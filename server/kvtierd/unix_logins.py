@@ -2,7 +2,7 @@
 tenant's ``unix_login``; kvtierd.tenants): grpcio does not show a Unix socket's peer credentials
 to a handler, so the shm socket (SO_PEERCRED) mints a token the client then sends on gRPC.
 
-Owned by the daemon's Tenancy (kvtierd.tenancy.room); thread-safe (one lock).
+Owned by the daemon's Tenancy (kvtierd.tenancy.tenancy); thread-safe (one lock).
 """
 
 from __future__ import annotations

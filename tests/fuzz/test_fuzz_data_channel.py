@@ -187,7 +187,7 @@ class Rig:
         assert load is not None and not deferred
         pinned = _done(self.cache.lookup(self.ns, keys(1), LookupOptions(pin=self.me))).job
         assert pinned is not None
-        store, status, self.store_slots = self.cache.prepare_store(
+        store, status, self.store_slots = self.cache.stores.reserve(
             self.me, self.ns, keys(11, 12, 13, 14), Transport.TCP
         )
         assert store is not None and set(status) == {StoreStatus.RESERVED}
@@ -206,7 +206,7 @@ class Rig:
 
     def commit(self, ns: Any, *ids: int) -> dict[int, bytes]:
         """Store blocks ``ids`` whole (shm: the client writes the slot itself): offset -> bytes."""
-        job, _, offsets = self.cache.prepare_store(self.other, ns, keys(*ids), Transport.SHM)
+        job, _, offsets = self.cache.stores.reserve(self.other, ns, keys(*ids), Transport.SHM)
         assert job is not None
         for off, i in zip(offsets, ids, strict=True):
             self.arena.mm[off : off + BLOCK] = payload(i)
@@ -215,7 +215,7 @@ class Rig:
 
     def reserve_foreign(self, *ids: int) -> int:
         """Other's tcp store job on ``ids`` (its slots get marker bytes: mark_foreign)."""
-        job, _, offsets = self.cache.prepare_store(self.other, self.ns, keys(*ids), Transport.TCP)
+        job, _, offsets = self.cache.stores.reserve(self.other, self.ns, keys(*ids), Transport.TCP)
         assert job is not None
         self._pending = [o for o in offsets if o]
         return job.id
@@ -262,7 +262,9 @@ class Rig:
         loaded ones once unpinned) and other writes its bytes into their slots."""
         self.evicted = True
         base = 1000 + 8 * len(self.foreign)
-        job, _, _ = self.cache.prepare_store(self.other, self.ns, keys(*range(base, base + 8)), Transport.SHM)
+        job, _, _ = self.cache.stores.reserve(
+            self.other, self.ns, keys(*range(base, base + 8)), Transport.SHM
+        )
         if job is None:
             return
         self._pending = [e.offset for e in job.items.values()]

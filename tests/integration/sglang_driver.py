@@ -331,7 +331,7 @@ class Driver:
                 found = b.batch_get_v1(keys[:n], host_indices(pool, pages[:n]), None) if n else []
                 result = {"reported": n, "found": found}
             elif m == "tiers":  # where the daemon holds each leading hit
-                result = b.handle.lookup_detail(b._keys(b.handle, keys)).tiers
+                result = b.handle.lookup_detail(b.core.keys(b.handle, keys)).tiers
             elif m in ("batch_get_v2", "batch_set_v2"):
                 got = getattr(b, m)(self.transfers(b, c["transfers"]), None)
                 result = {str(name): list(ok) for name, ok in got.items()}

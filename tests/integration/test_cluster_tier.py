@@ -96,6 +96,16 @@ def node(
     return d
 
 
+def wait_unreachable(tmp_path: Path, *names: str) -> None:
+    """Until each of the daemons ``names`` (started with ``node(..., connect=False)``) has tried
+    the cluster and logged it unreachable: a refusal, not a connection not tried yet."""
+    for name in names:
+        log = tmp_path / name / "kvtierd.log"
+        wait_for(
+            f"{name}'s cluster tier unreachable", lambda p=log: "cluster tier unreachable" in p.read_text()
+        )
+
+
 def cluster_stats(d: DaemonProcess, token: str | None = None) -> dict[str, Any]:
     with kvtier.Client.connect(d.unix, transport="tcp", token=token) as c:
         out: dict[str, Any] = c.stats()["cluster"]
@@ -512,7 +522,7 @@ def test_a_password_protected_cluster_needs_the_password_file(daemon_factory: An
             ns = c.register(make_namespace())
             assert [bytes(g) if g else None for g in ns.get(keys)] == data
         nopw = node(daemon_factory, tmp_path, "nopw", rc.url, connect=False)  # refused by the cluster: misses
-        time.sleep(1.0)
+        wait_unreachable(tmp_path, "nopw")
         assert not cluster_stats(nopw)["connected"]
         with kvtier.Client.connect(nopw.unix, transport="tcp") as c:
             ns = c.register(make_namespace())
@@ -538,7 +548,7 @@ def test_a_tls_cluster_with_client_certificates(daemon_factory: Any, tmp_path: P
             daemon_factory, tmp_path, "plain", rc.url.replace("rediss://", "redis://"), connect=False
         )
         nocert = node(daemon_factory, tmp_path, "nocert", rc.url, tls[0], connect=False)
-        time.sleep(1.0)
+        wait_unreachable(tmp_path, "plain", "nocert")
         for d in (plain, nocert):  # plaintext to a TLS port; TLS without a client certificate
             assert not cluster_stats(d)["connected"]
             with kvtier.Client.connect(d.unix, transport="tcp") as c:

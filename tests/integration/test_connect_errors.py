@@ -264,8 +264,8 @@ def test_the_vllm_connector_starts_says_why_once_and_misses(
     """The engine must not fail: the vLLM scheduler's backends (two, sharing this process's
     breaker for the address) start on an address with no daemon, say why once between them,
     and answer every lookup as a miss at once."""
-    from kvtier.integrations.vllm.backend import DaemonBackend
-    from kvtier.integrations.vllm.config import BASE, ConnectorConfig, EngineIdentity
+    from kvtier.integrations.vllm.connector.backend import DaemonBackend
+    from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity
 
     caplog.set_level(logging.WARNING, logger="kvtier.client")
     cfg = ConnectorConfig(address=f"unix:{tmp_path}/none.sock", lookup_timeout_ms=300)

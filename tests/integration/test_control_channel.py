@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import until_unauthenticated
+from tests_helpers import open_fds, until_unauthenticated, wait_for
 
 import kvtier
 from kvtier_contract import wire
@@ -113,7 +113,8 @@ def test_shm_transfers_lookups_and_heartbeats_use_the_control_channel(daemon: Da
         assert ns.lookup(keys) == 8
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
         c.session.call("Heartbeat", pb.HeartbeatRequest())
-        assert c.session._control is not None and c.session._control.calls >= 6  # put 2, get 2, lookup, beat
+        ctl = c.session.connection.control
+        assert ctl is not None and ctl.calls >= 6  # put 2, get 2, lookup, beat
         metrics = _metrics(daemon)
         assert 'kvtier_connections{transport="control"} 1.0' in metrics
         # the same handlers: their latency histograms count these calls
@@ -130,14 +131,14 @@ def test_without_the_control_channel_the_client_uses_grpc(daemon_factory: Any, t
         data = data_for(ns, 4)
         assert ns.put(keys, data).stored == 4
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c.session._control is not None and c.session._control.calls == 0
-        assert "not served" in c.session._control.refused
+        assert c.session.connection.control is not None and c.session.connection.control.calls == 0
+        assert "not served" in c.session.connection.control.refused
     with kvtier.Client.connect(d.grpc, "tcp") as c:
         ns = c.register(make_namespace())
         assert ns.put(keys, data).already_present == 4
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c.session._control is not None and c.session._control.calls == 0
-        assert "serves no control channel" in c.session._control.refused
+        assert c.session.connection.control is not None and c.session.connection.control.calls == 0
+        assert "serves no control channel" in c.session.connection.control.refused
 
 
 def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProcess) -> None:
@@ -148,7 +149,7 @@ def test_tcp_transfers_use_a_control_channel_on_the_data_port(daemon: DaemonProc
         assert ns.put(keys, data).stored == 8
         assert ns.lookup(keys) == 8
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c.session._control is not None and c.session._control.calls >= 5
+        assert c.session.connection.control is not None and c.session.connection.control.calls >= 5
         metrics = _metrics(daemon)
         assert 'kvtier_connections{transport="tcp"} 2.0' in metrics  # data + control
         assert 'kvtier_rpc_duration_seconds_count{method="PrepareLoad"} 1.0' in metrics
@@ -165,12 +166,15 @@ def test_a_control_connection_the_daemon_closed_while_idle_is_replaced(
         keys = ns.block_keys(list(range(16 * 2)))
         data = data_for(ns, 2, b"i")
         assert ns.put(keys, data).stored == 2
-        assert c.session._control is not None
-        time.sleep(1.5)  # the daemon closes the idle data and control connections
-        calls = c.session._control.calls
+        assert c.session.connection.control is not None
+        busy = open_fds(d.info["pid"])
+        wait_for(  # the daemon closes the idle data and control connections
+            "the idle connections closed", lambda: open_fds(d.info["pid"]) <= busy - 2, timeout=10
+        )
+        calls = c.session.connection.control.calls
         assert ns.lookup(keys) == 2
         assert [bytes(b) for b in ns.get(keys)] == data  # type: ignore[arg-type]
-        assert c.session._control.calls >= calls + 3  # on new control connections
+        assert c.session.connection.control.calls >= calls + 3  # on new control connections
         assert c.breaker.trips == 0 and c.counters.puts_dropped == 0
 
 
@@ -326,7 +330,7 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
     ns_b = b.register(make_namespace(tenant="team-b"))
     keys = ns_b.block_keys(list(range(16 * 2)))
     assert ns_b.put(keys, data_for(ns_b, 2)).stored == 2
-    assert b.session._control is not None and b.session._control.calls >= 2
+    assert b.session.connection.control is not None and b.session.connection.control.calls >= 2
     a = Raw(d, TOKENS["team-a"])
     reply = a.open()
     s, _ = connect(d, reply.session_id, bytes(reply.data_secret))
@@ -346,7 +350,9 @@ def test_a_tenants_channel_acts_as_that_tenant(daemon_factory: Any, tmp_path: Pa
         assert status == grpc.StatusCode.NOT_FOUND.value[0] and b"unknown namespace" in body
         # and team-b's session is not reachable through it either
         status, body = call(
-            s, "Heartbeat", pb.HeartbeatRequest(session_id=b.session._session_id).SerializeToString()
+            s,
+            "Heartbeat",
+            pb.HeartbeatRequest(session_id=b.session.connection.session_id).SerializeToString(),
         )
         assert status == grpc.StatusCode.NOT_FOUND.value[0]
     a.channel.close()
@@ -395,7 +401,7 @@ def test_a_stopped_daemon_is_a_miss_within_the_timeout(daemon: DaemonProcess) ->
         ns = c.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2)))
         assert ns.put(keys, data_for(ns, 2)).stored == 2
-        assert c.session._control is not None and c.session._control.calls >= 2
+        assert c.session.connection.control is not None and c.session.connection.control.calls >= 2
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGSTOP)
         try:

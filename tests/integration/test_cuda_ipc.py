@@ -418,7 +418,7 @@ def test_handles_are_shared_and_closed_with_the_session(daemon: InProcessDaemon)
     b = s.buffer(mem, offset=1 << 10, nbytes=1 << 10)  # same allocation: opened once
     assert len(drv.opened) == 1
     s.call("ReleaseCudaBuffer", buffer_id=a)
-    time.sleep(0.1)
+    time.sleep(0.1)  # sleep: a wrong close would come later, from the device's worker thread
     assert drv.closed == []  # b still uses the mapping
     refused(
         lambda: s.call(

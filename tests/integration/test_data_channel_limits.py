@@ -18,10 +18,13 @@ namespace ``tag`` is 16 KiB of the 8-byte word ``tag << 32 | i``, so any foreign
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import resource
 import select
 import socket
+import sys
+import termios
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,6 +35,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import DaemonProcess, make_namespace
+from tests_helpers import open_fds, settled, wait_for
 
 import kvtier
 from kvtier_contract import wire
@@ -228,6 +232,12 @@ def is_closed(s: socket.socket) -> bool:
         return True
 
 
+def queued(s: socket.socket, request: int) -> int:
+    """Bytes in ``s``'s kernel queue: ``termios.FIONREAD``, received and not read by us, or
+    ``termios.TIOCOUTQ``, sent and not yet taken by the peer."""
+    return int.from_bytes(fcntl.ioctl(s.fileno(), request, b"\0" * 4), sys.byteorder)
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -260,7 +270,9 @@ def test_complete_load_while_data_is_queued_sends_no_foreign_byte(
     job = reader.prepare_load(ns_a, 1, N_A)
     s = reader.connect(rcvbuf=64 * 1024)
     s.sendall(wire.pack(Op.READ, job))
-    time.sleep(0.3)  # the daemon writes what the kernel takes; the rest waits in its buffer
+    # the daemon writes what the kernel takes; the rest waits in its buffer
+    wait_for("the first bytes of the READ", lambda: queued(s, termios.FIONREAD) > 0)
+    settled("the kernel's buffers filling", lambda: queued(s, termios.FIONREAD))
     reader.complete_load(job)  # answered at once: the engine never waits on the data channel
     pinned = reader.stats()["pinned_blocks"]
     # another namespace stores more blocks than the host tier holds
@@ -325,11 +337,13 @@ def test_unread_replies_and_idle_sockets_keep_the_daemon_small(
     ns = peer.register()
     assert peer.store(ns, 1, 200) == 200
     job = peer.prepare_load(ns, 1, 200)  # 3.2 MiB per READ
-    time.sleep(0.5)
+    settled("the daemon's RSS at rest", lambda: round(rss_mib(pid)))
     base = rss_mib(pid)
     reader = peer.connect(rcvbuf=64 * 1024)
     sent = send_within(reader, wire.pack(Op.READ, job) * N_READS, 5.0)
-    time.sleep(1.0)  # let the daemon take what it will
+    settled(  # the daemon takes what it will, then stops reading
+        "the daemon's intake", lambda: (queued(reader, termios.TIOCOUTQ), round(rss_mib(pid)))
+    )
     after_reads = rss_mib(pid)
     idle: list[socket.socket] = []
     try:
@@ -484,8 +498,9 @@ def test_shm_handshakes_are_bounded(start: StartDaemon) -> None:
         s.connect(path)
         return s
 
+    fds = open_fds(d.info["pid"])
     held = [shm_socket() for _ in range(4)]
-    time.sleep(0.2)
+    wait_for("the daemon to accept the four", lambda: open_fds(d.info["pid"]) >= fds + 4)
     extra = shm_socket()
     assert eventually(lambda: is_closed(extra), 0.5)  # at once, long before the timeout
     assert not any(is_closed(s) for s in held)
@@ -507,7 +522,7 @@ def test_the_sdk_reconnects_quietly_after_an_idle_close(start: StartDaemon) -> N
         # idle: ERROR then EOF from the daemon, on the data connection and on the control
         # channel the first put used (closed on the daemon's own idle tick: waited for too, or a
         # call sent on it as the daemon closes it would race the close, which is not this test)
-        for s in [sock, *client.session._control._idle]:  # type: ignore[union-attr]
+        for s in [sock, *client.session.connection.control._idle]:  # type: ignore[union-attr]
             assert select.select([s], [], [], 5.0)[0]
         assert h.put(ks[4:], [block(7, i) for i in range(4, 8)]).stored == 4
         got = h.get(ks)

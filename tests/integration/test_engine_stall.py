@@ -22,9 +22,9 @@ from conftest import DaemonProcess
 from tests_helpers import worker_identity
 
 import kvtier
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig
-from kvtier.integrations.vllm.planner import LoadJob, StoreJob
-from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig
+from kvtier.integrations.vllm.connector.planner import LoadJob, StoreJob
+from kvtier.integrations.vllm.connector.worker import KvtierWorker
 
 BS, L, H, D = 16, 2, 2, 64  # 16 KiB blocks
 NUM_BLOCKS = 16
@@ -168,7 +168,7 @@ def test_the_fence_takes_over_a_store_stuck_in_an_rpc(daemon_factory: Any) -> No
         try:
             w.submit_stores([StoreJob(7, "r", BASE, [keys], FRESH)])
             deadline = time.monotonic() + 5
-            while w._unread[7].state != "preparing":  # the store thread is in its RPC
+            while w.stores._unread[7].state != "preparing":  # the store thread is in its RPC
                 assert time.monotonic() < deadline
                 time.sleep(0.001)
             t0 = time.perf_counter()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 import urllib.request
 
 import grpc
@@ -52,6 +51,6 @@ def test_garbage_requests_get_invalid_argument_counted_and_few_log_lines(daemon:
     assert {m: counted.get((m, "INVALID_ARGUMENT")) for m in METHODS} == {
         m: N / len(METHODS) for m in METHODS
     }
-    time.sleep(0.2)
+    # (every call was answered: what the daemon logs for a call, it logged before answering it)
     added = log.read_text().splitlines()[lines_before:]
     assert len(added) < 10, "\n".join(added[:20])

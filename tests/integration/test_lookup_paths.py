@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import DaemonProcess, make_namespace
+from tests_helpers import wait_for
 
 import kvtier
 from kvtier.client import NamespaceHandle
@@ -229,7 +230,15 @@ def test_a_frozen_daemon_stops_local_answers_after_the_stamp_goes_stale(daemon: 
         assert daemon.proc is not None
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(pi.STALE_AFTER_S + 0.3)
+            local_index = client.local
+            assert local_index is not None and local_index._view.segments
+            wait_for(
+                "the daemon's stamp stale in the client's eyes",
+                lambda: (
+                    {seg.state(time.monotonic()) for seg in local_index._view.segments.values()} == {"stale"}
+                ),
+                timeout=pi.STALE_AFTER_S + 5,
+            )
             local = client.counters.lookups_local
             t0 = time.monotonic()
             assert ns.lookup(keys) == 0  # stale index -> gRPC -> no answer in time -> a miss

@@ -43,10 +43,11 @@ def pinned(d: DaemonProcess) -> int:
 def test_the_same_answer_as_one_pinned_lookup_per_slice(daemon: DaemonProcess, control: bool) -> None:
     with kvtier.Client.connect(daemon.unix, "shm", control_channel=control) as c:
         handles, chains = slices(c, [6, 4, 5])
-        calls = c.session._control.calls if c.session._control is not None else 0
+        calls = c.session.connection.control.calls if c.session.connection.control is not None else 0
         got = c.lookup_slices(handles, chains)
         if control:
-            assert c.session._control is not None and c.session._control.calls == calls + 1  # one round trip
+            ctl = c.session.connection.control
+            assert ctl is not None and ctl.calls == calls + 1  # one round trip
         # per slice, its keys cut at the hit so far: 6, then 4 of 6, then 4 of 4
         one_by_one = [handles[0].lookup_pinned(chains[0])]
         one_by_one.append(handles[1].lookup_pinned(chains[1][:6]))
@@ -105,7 +106,7 @@ def raw(daemon: DaemonProcess) -> Iterator[Raw]:
 def test_bad_input_names_the_field_and_pins_nothing(daemon: DaemonProcess, raw: Raw) -> None:
     with kvtier.Client.connect(daemon.unix, "tcp") as c:
         handles, chains = slices(c, [6, 6])
-        sid = c.session._session_id
+        sid = c.session.connection.session_id
         ids = [h.namespace_id for h in handles]
         keys = [b"".join(k) for k in chains]
         assert raw.stub.OpenSession(pb.OpenSessionRequest(client_name="raw")).session_id

@@ -7,14 +7,27 @@ import os
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 from conftest import DaemonProcess
+from tests_helpers import wait_for
 
 HALF_OPEN = 200
 
 
 def threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def accept_queue(port: int) -> int:
+    """Connections waiting in the kernel for the listener on ``port`` to accept them (the
+    receive queue of a listening socket in /proc/net/tcp and tcp6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                return int(f[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def scrape(url: str) -> tuple[float, str]:
@@ -36,7 +49,7 @@ def test_half_open_connections_add_no_threads_and_a_scrape_still_answers(daemon:
             s = socket.create_connection((host, int(port)), timeout=5)
             s.sendall(b"GET /metr")
             socks.append(s)
-        time.sleep(0.5)  # the listener has accepted and read them all
+        wait_for("the listener to accept them all", lambda: accept_queue(int(port)) == 0)
         grown = threads(daemon.proc.pid) - before
         took, body = scrape(url)
         assert grown < 10, f"{grown} threads added by {HALF_OPEN} half-open connections"

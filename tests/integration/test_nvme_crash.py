@@ -61,7 +61,7 @@ def run_round(d: DaemonProcess, rnd: int, delay_s: float) -> tuple[set[Block], i
     )
     try:
         assert driver.stdout is not None and driver.stdout.readline().strip() == "READY"
-        time.sleep(delay_s)  # the random kill moment is what this test draws, not an ordering
+        time.sleep(delay_s)  # sleep: the random kill moment is what this test draws, not an ordering
         d.kill()
         out, err = driver.communicate(timeout=30)
     finally:

@@ -192,8 +192,8 @@ def test_a_later_job_the_daemon_does_not_answer_loses_no_earlier_job(client: kvt
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     data = blocks(10, ns.block_bytes)
-    client.session._stub = SilentFor(
-        client.session._stub, "PrepareStore", lambda request: request.keys[:32] == keys[5]
+    client.session.connection.channel.stub = SilentFor(
+        client.session.connection.channel.stub, "PrepareStore", lambda request: request.keys[:32] == keys[5]
     )
     # Jobs 0 and 1 are stored; job 2 went unanswered; job 3, prepared ahead, is aborted, not
     # copied, and only then does the breaker trip: no slot stays reserved until the lease ends.
@@ -242,16 +242,20 @@ def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(client: kvtier
     transport = client.session.data()
     real_write, real_read = transport.write, transport.read
 
+    ends = [0.0]  # the deadline of the call under way
+
     def slow(real: Any) -> Callable[..., Any]:
         def copy(job_id: int, items: Any, *args: Any, **kw: Any) -> Any:
             out = real(job_id, items, *args, **kw)
-            time.sleep(0.4)  # the engine's budget runs out during job 0
+            while time.monotonic() <= ends[0]:  # the engine's budget runs out during job 0
+                time.sleep(0.01)
             return out
 
         return copy
 
     transport.write = slow(real_write)  # type: ignore[method-assign]
-    result = ns.put(keys, data, deadline=time.monotonic() + 0.2)
+    ends[0] = time.monotonic() + 0.2
+    result = ns.put(keys, data, deadline=ends[0])
     # Job 0 stored; jobs 1 and 2, prepared ahead, aborted; job 3 too late to be prepared.
     assert result == kvtier.PutResult(stored=1, dropped=9)
     assert daemon_state(client) == (0, 0)
@@ -260,7 +264,8 @@ def test_a_deadline_reached_during_a_copy_stops_the_jobs_after_it(client: kvtier
 
     transport.read = slow(real_read)  # type: ignore[method-assign]
     into = np.zeros((10, ns.block_bytes), dtype=np.uint8)
-    found = ns.get_into(keys, list(into), deadline=time.monotonic() + 0.2)
+    ends[0] = time.monotonic() + 0.2
+    found = ns.get_into(keys, list(into), deadline=ends[0])
     assert found == [True] + [False] * 9  # job 0 confirmed; what came after it: misses
     assert (into[0] == data[0]).all()
     assert daemon_state(client) == (0, 0)
@@ -321,7 +326,7 @@ def test_threads_sharing_a_client_each_get_their_own_bytes(client: kvtier.Client
 
 def test_without_pipelining_each_batch_is_one_job_after_the_other(client: kvtier.Client) -> None:
     client.pipeline_bytes = 0
-    client.session._max_batch = 6  # what the daemon would say in OpenSession; two batches here
+    client.session.connection.max_batch = 6  # what the daemon would say in OpenSession; two batches here
     ns = client.register(make_namespace())
     keys = ns.block_keys(list(range(16 * 10)))
     log = record(client)

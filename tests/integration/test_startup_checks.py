@@ -119,7 +119,7 @@ def test_a_port_taken_after_the_checks_is_refused_and_the_sockets_removed(
         metrics_port=held,
     )
     with pytest.raises(StartupError) as e:
-        asyncio.run(app._main(cfg))
+        asyncio.run(app.serve_daemon(cfg))
     assert str(e.value).startswith(f"metrics_port {held} (--metrics-port) is in use: ")
     no_sockets(tmp_path)
 

@@ -168,6 +168,6 @@ def test_a_start_failing_after_the_tier_opened_closes_it(
     monkeypatch.setattr(preflight, "check_ports", lambda cfg: None)
     cfg = config(tmp_path, disk_dir=str(tmp_path / "nvme"), disk_bytes=16 << 20, metrics_port=held)
     with pytest.raises(StartupError) as e:
-        asyncio.run(app._main(cfg))
+        asyncio.run(app.serve_daemon(cfg))
     assert str(e.value).startswith(f"metrics_port {held} (--metrics-port) is in use: ")
     assert unlocked(cfg)

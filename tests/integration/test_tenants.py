@@ -178,7 +178,7 @@ def test_another_tenants_namespace_and_session_answer_like_absent_ones(
             assert theirs[0] == nothing[0] == grpc.StatusCode.NOT_FOUND
             assert theirs[1].replace(str(ns.namespace_id), "N") == nothing[1].replace(str(absent), "N")
         # a's session, used with b's credential: unknown
-        a_sid = a.session._session_id
+        a_sid = a.session.connection.session_id
         theirs = b.code("Heartbeat", pb.HeartbeatRequest(session_id=a_sid))
         nothing = b.code("Heartbeat", pb.HeartbeatRequest(session_id=absent))
         assert theirs[0] == nothing[0] == grpc.StatusCode.NOT_FOUND

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SlowDiskDaemon, make_namespace, small_tiers
-from tests_helpers import scrape_metrics, wait_for
+from tests_helpers import scrape_metrics, set_read_latency, wait_for
 
 import kvtier
 from kvtier.results import TierFigure
@@ -58,7 +58,7 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
     with kvtier.Client.connect(
         d.unix, "shm", lease_ttl_s=0.6, local_lookups=False, control_channel=control_channel
     ) as client:
-        assert (client.session._control is not None) == control_channel
+        assert (client.session.connection.control is not None) == control_channel
         ns = client.register(make_namespace())
         keys = ns.block_keys(list(range(16 * 2 * HOST_BLOCKS)))
         for i in range(0, len(keys), 16):
@@ -83,15 +83,15 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
             reply = client.session.call("Heartbeat", pb.HeartbeatRequest())  # as the thread does
             return sum(f.reads for f in reply.tier_figures)
 
-        latency.write_text(str(SLOW_MS))
-        time.sleep(0.15)  # the daemon reads the file again at most every 100 ms
+        set_read_latency(latency, SLOW_MS)
         took = 0.0
         for _ in range(4):
             t0 = time.monotonic()
             load()
             took = max(took, time.monotonic() - t0)
             assert time.monotonic() - t0 >= SLOW_MS / 1000  # the disk is slow: a load waits
-        client.session._figures.forget()  # (the loads' heartbeats brought some: wait for the thread's)
+        # (the loads' heartbeats brought some: wait for the thread's)
+        client.session.connection.figures.forget()
         wait_for(
             "the slow NVMe figure", lambda: (nvme_latency(client) or 0) >= 0.9 * SLOW_MS / 1000, timeout=1.0
         )  # a heartbeat comes every 0.2 s
@@ -105,10 +105,10 @@ def test_the_nvme_figure_follows_a_disk_that_slows_and_recovers(
         assert [f.tier for f in reply.tier_figures] == [pb.TIER_NVME]
         assert reply.tier_figures[0].latency_us >= 0.9 * SLOW_MS * 1000
         if control_channel:
-            assert client.session._control is not None and client.session._control.calls > 0
+            ctl = client.session.connection.control
+            assert ctl is not None and ctl.calls > 0
 
-        latency.write_text("0")  # the disk recovers
-        time.sleep(0.15)
+        set_read_latency(latency, 0)  # the disk recovers
         for _ in range(8):
             load()
         wait_for("the NVMe figure of all 12 loads", lambda: fig_now().reads == 12, timeout=1.0)
@@ -145,8 +145,7 @@ def test_a_host_only_load_never_waits_on_the_slow_disk(slow: tuple[SlowDiskDaemo
             lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4,
             timeout=10.0,
         )
-        latency.write_text("500")
-        time.sleep(0.15)
+        set_read_latency(latency, 500)
         bufs = [bytearray(ns.block_bytes) for _ in range(4)]
         t0 = time.monotonic()
         assert ns.get_into(keys[:4], bufs, host_only=True) == [False] * 4
@@ -180,8 +179,7 @@ def test_a_load_that_outlasts_its_deadline_on_a_slow_disk_is_answered_by_it(
             lambda: ns.lookup_detail(keys[:4]).tiers == ["nvme"] * 4,
             timeout=10.0,
         )
-        latency.write_text("400")
-        time.sleep(0.15)
+        set_read_latency(latency, 400)
         bufs = [bytearray(ns.block_bytes) for _ in range(4)]
         late = client.counters.out_of_time
         t0 = time.monotonic()

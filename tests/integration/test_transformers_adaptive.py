@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import DaemonProcess, SlowDiskDaemon, make_namespace, small_tiers  # noqa: E402
+from tests_helpers import set_read_latency  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvtier  # noqa: E402
@@ -215,8 +216,7 @@ def test_a_tier_turned_slow_costs_one_restore_the_recompute_time(tmp_path: Path,
             for seed in (30, 31):  # the disk is fast: the NVMe figure says so
                 assert torch.equal(pc.generate(prompt(seed), **GEN), expected[seed])
             assert pc.counters.restored_tokens == 2 * 64
-            latency.write_text(str(READ_LATENCY_MS))  # now every read sleeps 300 ms
-            time.sleep(0.25)  # (the daemon reads the file again at most every 100 ms)
+            set_read_latency(latency, READ_LATENCY_MS)  # now every read sleeps 300 ms
             out, took = timed_generate(pc, 32)
             assert torch.equal(out, expected[32])  # recomputed
             assert pc.counters.restored_tokens == 2 * 64

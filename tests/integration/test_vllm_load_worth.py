@@ -25,9 +25,9 @@ from tests_helpers import wait_for, worker_identity
 
 import kvtier
 from kvtier.adaptive import WORTH_FLOOR_S
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig
-from kvtier.integrations.vllm.planner import LoadJob
-from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig
+from kvtier.integrations.vllm.connector.planner import LoadJob
+from kvtier.integrations.vllm.connector.worker import KvtierWorker
 
 BS, L, H, D = 16, 2, 2, 64  # 16 KiB blocks
 HOST_BLOCKS = 128  # 2 MiB host tier

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import DaemonProcess
-from tests_helpers import worker_identity
+from tests_helpers import ManualClock, worker_identity
 
 import kvtier
-from kvtier.integrations.vllm.backend import DaemonBackend
-from kvtier.integrations.vllm.config import BASE, ConnectorConfig, Variant
-from kvtier.integrations.vllm.lookup_thread import LookupOutcome, Pin
-from kvtier.integrations.vllm.planner import (
+from kvtier.integrations.vllm.connector.backend import DaemonBackend
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, Variant
+from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome, Pin
+from kvtier.integrations.vllm.connector.planner import (
     Planner,
     RequestInfo,
     ScheduledRequest,
@@ -30,7 +30,7 @@ from kvtier.integrations.vllm.planner import (
     StepPlan,
     StoreJob,
 )
-from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.integrations.vllm.connector.worker import KvtierWorker
 
 BS = 16  # tokens per block
 L, H, D = 2, 2, 64
@@ -290,10 +290,11 @@ def test_no_lookup_wait_answers_on_a_later_step(daemon: DaemonProcess) -> None:
 def test_lookup_timeout_is_a_miss_for_good_and_late_pins_are_released(daemon: DaemonProcess) -> None:
     toks = prompt(3 * BS + 1)
     seed_blocks(daemon, toks, 3)
-    p, backend = make_planner(daemon, timeout_s=0.05, slow=True)
+    clock = ManualClock()
+    p, backend = make_planner(daemon, timeout_s=0.05, slow=True, clock=clock)
     p.on_new_request(RequestInfo("f", toks, BASE))
     assert p.num_new_matched("f", 0, len(toks)) == (None, False)
-    time.sleep(0.1)
+    clock.advance(0.1)  # past the 50 ms lookup timeout, the lookup still held by the backend
     assert p.num_new_matched("f", 0, len(toks)) == (0, False)
     assert p.stats.lookup_timeouts == 1
     backend.go.set()
@@ -560,7 +561,7 @@ def test_worker_reports_failed_loads_and_never_raises(daemon: DaemonProcess) -> 
     _, layers = lbhnc_cache(False)
     w = KvtierWorker(IDENTITY, cfg_for(daemon))
     w.register(layers)
-    from kvtier.integrations.vllm.planner import LoadJob
+    from kvtier.integrations.vllm.connector.planner import LoadJob
 
     missing = IDENTITY.namespace().block_keys(toks)[2]
     assert w.load([LoadJob("r", BASE, [[keys[0], missing]], [5, 6])]) == {6}
@@ -575,7 +576,7 @@ def test_worker_drops_stores_when_the_daemon_is_away(tmp_path: Any) -> None:
     _, layers = lbhnc_cache(True)
     w = KvtierWorker(IDENTITY, ConnectorConfig(address=f"unix:{tmp_path}/none.sock"))
     w.register(layers)
-    from kvtier.integrations.vllm.planner import StoreJob
+    from kvtier.integrations.vllm.connector.planner import StoreJob
 
     keys = IDENTITY.namespace().block_keys(prompt(2 * BS))
     w.submit_stores([StoreJob(1, "r", BASE, [keys], [0, 1])])
@@ -681,7 +682,7 @@ def test_worker_async_load_runs_off_the_engine_thread(daemon: DaemonProcess) -> 
     _, layers = lbhnc_cache(False)
     w = KvtierWorker(IDENTITY, cfg_for(daemon, load_mode="async"))
     w.register(layers)
-    from kvtier.integrations.vllm.planner import LoadJob, StoreJob
+    from kvtier.integrations.vllm.connector.planner import LoadJob, StoreJob
 
     def finished(timeout_s: float = 5.0) -> tuple[set[str], set[int]]:
         deadline = time.monotonic() + timeout_s
@@ -704,12 +705,12 @@ def test_worker_async_load_runs_off_the_engine_thread(daemon: DaemonProcess) -> 
     stats = w.take_stats()
     assert stats["loaded_blocks"] == 2 and stats["load_failed_blocks"] == 1
     assert stats["engine_seconds"] < 0.05  # the engine thread only queued it
-    with w._cond:  # a block a load is writing: a store reading it is dropped, never run
-        w._loading_blocks[11] = 1
+    with w.state.cond:  # a block a load is writing: a store reading it is dropped, never run
+        w.loads._loading_blocks[11] = 1
     w.submit_stores([StoreJob(1, "s", BASE, [keys[:1]], [11])])
     assert w.take_stats()["store_dropped_blocks"] == 1
-    with w._cond:
-        w._loading_blocks.clear()
+    with w.state.cond:
+        w.loads._loading_blocks.clear()
     daemon.kill()
     w.load_async([LoadJob("r2", BASE, [keys], [1, 2])])
     assert finished() == ({"r2"}, {1, 2})

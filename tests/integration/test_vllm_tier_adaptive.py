@@ -33,8 +33,8 @@ from test_vllm_tier import HERE, PATH, VLLM_PYTHON
 from test_vllm_tier_jobs import GEOMETRY, ROW, keys, wait
 
 import kvtier
-from kvtier.integrations.vllm.tier_config import TierConfig, tier_namespace
-from kvtier.integrations.vllm.tier_jobs import TierJobs
+from kvtier.integrations.vllm.tier.config import TierConfig, tier_namespace
+from kvtier.integrations.vllm.tier.jobs import TierJobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +67,7 @@ def play_steps(jobs: TierJobs, n: int, seed: int) -> None:
     d.request_started(f"play{seed}")
     d.step_end()
     for i in range(n):
-        time.sleep(STEP_S)
+        time.sleep(STEP_S)  # sleep: the engine's step, whose seconds per token the decider measures
         d.stored_chunks(1)
         jobs.submit_store(1000 * seed + i, keys(seed, 1 + i)[i:], [60])
         d.step_end()

@@ -10,8 +10,8 @@ import time
 
 from conftest import DaemonProcess
 
-from kvtier.integrations.vllm.tier_config import PoolGeometry, TierConfig, tier_namespace
-from kvtier.integrations.vllm.tier_jobs import MAX_QUEUED_JOBS, JobDone, TierJobs
+from kvtier.integrations.vllm.tier.config import PoolGeometry, TierConfig, tier_namespace
+from kvtier.integrations.vllm.tier.jobs import MAX_QUEUED_JOBS, JobDone, TierJobs
 
 ROW = 16 * 2 * 2 * 64 * 2  # 8 KiB rows
 GEOMETRY = PoolGeometry(

@@ -285,7 +285,7 @@ class Tiers:
         tier.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))  # type: ignore
         ids = set()
         for i in range(int(c["steps"])):  # type: ignore[arg-type]
-            time.sleep(step_s)  # the engine's forward
+            time.sleep(step_s)  # sleep: the engine's forward, whose seconds per token the tier measures
             jid = self.next_id()
             ids.add(jid)
             tier.submit_store(job(jid, keys(seed, i + 1)[i:], [30], False, ctx.req_id))  # type: ignore

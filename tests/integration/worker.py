@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import sys
-import time
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def main() -> None:
         off = prep.offsets[0]
         view[off : off + ns.block_bytes // 2] = block(seed, 0, ns.block_bytes)[: ns.block_bytes // 2]
         print("RESERVED", flush=True)
-        time.sleep(3600)
+        signal.pause()  # held, mid-write, until the test kills this process
     client.close()
 
 

@@ -94,7 +94,7 @@ def bench_lookup(plan: Plan, address: str, daemon_pid: int, results: Results, pr
                 results.add_lookup(name, statistics.median(one) * 1e3)
             progress.step("lookup latency")
         _check_local(client, base)
-        control = opened["control"][0].session._control
+        control = opened["control"][0].session.connection.control
         if control is None or not control.calls:
             raise RuntimeError("the control-channel path's lookups went over gRPC")
     finally:

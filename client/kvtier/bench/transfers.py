@@ -117,7 +117,7 @@ def transfer_ops(
 ) -> list[Op]:
     """put, get_into and get of ``block``-byte blocks over ``client``'s transport, in order
     (figures named ``<name>_put`` ..., by default the transport's name)."""
-    t = name or client.transport_name
+    t = name or client.settings.transport
     ns = client.register(bench_namespace(block))
     n = plan.blocks_per_batch(block)
     src, nkeys = random_batch(plan, block, seed=block), plan.batches(block) * n

@@ -28,6 +28,14 @@ guess.
 from kvtierd.app.build import cluster_settings
 from kvtierd.app.daemon import SERVICE_NAME, Daemon
 from kvtierd.app.housekeeping import NVME_HEALTH_NAME
-from kvtierd.app.process import _main, describe_tiers, run
+from kvtierd.app.process import describe_tiers, run, serve_daemon
 
-__all__ = ["NVME_HEALTH_NAME", "SERVICE_NAME", "Daemon", "_main", "cluster_settings", "describe_tiers", "run"]
+__all__ = [
+    "NVME_HEALTH_NAME",
+    "SERVICE_NAME",
+    "Daemon",
+    "serve_daemon",
+    "cluster_settings",
+    "describe_tiers",
+    "run",
+]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier_contract.units import exact_bytes
 from kvtierd.cache import TieredCache, TierLink
 from kvtierd.config import ClusterTierConfig, DaemonConfig
+from kvtierd.events import NO_EVENTS, BlockEvents, EventSink
 from kvtierd.policies import make_write_policy
 from kvtierd.preflight import StartupError, disk_refusal, nvme_config, tenant_arena_bytes
 from kvtierd.tenancy import Tenancy
@@ -177,6 +178,12 @@ def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublishe
     )
     publisher.start(event_buffer_caps(Tenancy(tenants), list(tenants.by_name)) if tenants is not None else {})
     return publisher
+
+
+def event_sink(publisher: EventPublisher | None) -> EventSink:
+    """What the cache tells of blocks entering and leaving its tiers: the publisher's queue, or
+    (events off) the no-op sink. Chosen once, here."""
+    return BlockEvents(publisher.queue) if publisher is not None else NO_EVENTS
 
 
 def event_buffer_caps(tenancy: Tenancy, names: list[str]) -> dict[str, int]:

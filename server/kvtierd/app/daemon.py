@@ -28,7 +28,7 @@ from kvtierd.app import build, drain, figures, listeners, reload
 from kvtierd.app.housekeeping import Housekeeper
 from kvtierd.cache import TieredCache
 from kvtierd.config import DaemonConfig
-from kvtierd.index import Entry, NamespaceState
+from kvtierd.index import Entry
 from kvtierd.index.published import Publishers
 from kvtierd.lockfile import OwnerLock
 from kvtierd.metrics import MetricsServer
@@ -79,10 +79,10 @@ class Daemon:
         # Tenants allowed shm or cuda_ipc get arenas of their own, before anything (NVMe
         # recovery included) registers a namespace: a namespace's arena is its tenant's.
         self.tenant_arenas = build.TenantArenas(self.host, cfg, tenants)
+        self._build_sessions(tenants)  # (the cache's admission counts their sessions)
         self.cache = self._build_cache(nvme, opened, cluster)
         # cuda_ipc (registers every arena made so far; later ones as they come)
         self.cuda: CudaIpcTransport | None = build.cuda_transport(cfg, self.host, self.cache, cuda_driver)
-        self._build_sessions(tenants)
         self._build_service()
         self._build_serving()
 
@@ -101,17 +101,13 @@ class Daemon:
             max_namespaces=cfg.sessions.max_namespaces,
             policy_name=cfg.host_tier.eviction_policy,
             arena_of=self.tenant_arenas.of,
+            tenancy=self.tenancy,
+            sessions=self.sessions,
         )
         cache.verify_bytes = cfg.transports.verify_bytes
-        cache.host_quota = self._host_quota
-        if self.events is not None:
-            from kvtierd.events import BlockEvents
-
-            cache.residency.events = BlockEvents(self.events.queue)
+        cache.residency.events = build.event_sink(self.events)
         if nvme is not None:
-            link = build.attach_storage(cache, nvme, opened, cfg)
-            link.tenant_quota = self._nvme_quota
-            link.quota_refused = lambda tenant: self.tenancy.count_refusal(tenant, "nvme_bytes")
+            build.attach_storage(cache, nvme, opened, cfg)
         if cluster is not None:  # started in start(); redis-py only when configured
             from kvtierd.tiers.cluster.tier import ClusterTier
 
@@ -175,20 +171,6 @@ class Daemon:
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._stamper: asyncio.Task[None] | None = None
-
-    def _host_quota(self, ns: NamespaceState) -> int | None:
-        """The ``host_bytes`` quota of ``ns``'s tenant (None: none, or single-tenant); for a
-        namespace left in the shared arena by a tenant that got an arena of its own later, a
-        tcp-only tenant's share of it."""
-        who = self.tenancy.tenant(ns.spec.tenant)
-        if who is None:
-            return None
-        quota = self.tenancy.quota(who, "host_bytes")
-        return self.tenancy.shared_share(who) if quota is None and ns.pool == 0 else quota
-
-    def _nvme_quota(self, tenant: str) -> int | None:
-        """The tenant's ``nvme_bytes`` quota (None: unlimited)."""
-        return self.tenancy.quota(tenant, "nvme_bytes") if self.tenancy.tenants else None
 
     def _metrics_caller(self, token: str | None) -> tuple[bool, Tenant | None]:
         """/metrics (its threads): single-tenant, anyone sees everything; with tenants, a scrape
@@ -285,7 +267,7 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         # One daemon per socket: its lock before anything is unlinked or bound (InUse: exit).
-        # A daemon process (_main) has taken it before the daemon was even built.
+        # A daemon process (serve_daemon) has taken it before the daemon was even built.
         if self._socket_lock is None:
             self._socket_lock = listeners.lock_sockets(cfg)
         listeners.raise_fd_limit()

@@ -18,7 +18,7 @@ from kvtierd.cache import TieredCache, TierLink
 
 if TYPE_CHECKING:  # (redis-py, pyzmq and msgpack: only when configured)
     from kvtierd.cache.fleet import ClusterLink
-    from kvtierd.events import BlockEvents
+    from kvtierd.events import EventSink
     from kvtierd.events.publisher import EventPublisher
 
 log = logging.getLogger("kvtierd")
@@ -45,7 +45,7 @@ async def close_storage(link: TierLink, deadline: float) -> None:
         )
         return
     try:
-        if await loop.run_in_executor(None, link.checkpoint):  # (or it said why not)
+        if await loop.run_in_executor(None, link.recovery.checkpoint):  # (or it said why not)
             log.info("%s checkpoint written (%d blocks flushed while draining)", link.tier.name, flushed)
     except Exception as e:  # noqa: BLE001  (the next start replays the journal instead)
         log.error("%s checkpoint failed: %s", link.tier.name, e)
@@ -71,8 +71,7 @@ async def close_fleet(fleet: ClusterLink, deadline: float) -> None:
     await asyncio.get_running_loop().run_in_executor(None, fleet.close)
 
 
-async def close_events(publisher: EventPublisher, events: BlockEvents | None) -> None:
+async def close_events(publisher: EventPublisher, events: EventSink) -> None:
     """The drain's last events (demotions) sent, then the publisher closed."""
-    if events is not None:
-        events.flush()
+    events.flush()
     await asyncio.get_running_loop().run_in_executor(None, publisher.close, 1.0)

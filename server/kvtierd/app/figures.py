@@ -43,7 +43,7 @@ def tiers(
             "bytes": cfg.nvme_tier.disk_bytes,
             "state": "serving" if link.tier.admitting else "degraded",
             "reason": link.tier.degraded_reason,
-            "recovered_blocks": link.restored,
+            "recovered_blocks": link.recovery.restored,
             "write_policy": cfg.nvme_tier.write_policy,
         }
     cluster: dict[str, Any] | None = None

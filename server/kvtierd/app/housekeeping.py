@@ -73,7 +73,7 @@ class Housekeeper:
                     next_probe = time.monotonic() + self.cfg.nvme_tier.probe_interval_s
                     # In the background: a late open may take minutes, and leases, limbo and
                     # health keep ticking meanwhile; drain waits for it (link.settle()).
-                    link.probe_soon()
+                    link.recovery.probe_soon()
                 await self.set_nvme_health(link.tier.admitting)
                 link.maybe_flush()
 

@@ -30,7 +30,9 @@ from kvtierd.transports.cuda_driver import CudaUnavailable
 log = logging.getLogger("kvtierd")
 
 
-async def _main(cfg: DaemonConfig) -> None:
+async def serve_daemon(cfg: DaemonConfig) -> None:
+    """The daemon process's life on its event loop: build, start, serve until a signal, drain
+    (a signal while it is built stops it before anything is bound)."""
     with _EarlySignals() as early:  # SIGINT/SIGTERM while the daemon is built: noted
         daemon = _checked_daemon(cfg)
     if early.received:  # nothing bound yet: the tiers closed, nothing left behind
@@ -138,9 +140,9 @@ def run(cfg: DaemonConfig) -> None:
         try:
             import uvloop
         except ImportError:
-            asyncio.run(_main(cfg))
+            asyncio.run(serve_daemon(cfg))
         else:
-            uvloop.run(_main(cfg))
+            uvloop.run(serve_daemon(cfg))
     except CudaUnavailable as e:
         print(f"kvtierd: {e}", file=sys.stderr)
         sys.exit(2)
@@ -150,7 +152,7 @@ def run(cfg: DaemonConfig) -> None:
     except StartupError as e:  # a startup check (kvtierd.preflight): setting, flag and fix
         print(f"kvtierd serve: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # SIGINT before _main's handlers: nothing bound, or undone
+    except KeyboardInterrupt:  # SIGINT before serve_daemon's handlers: nothing bound, or undone
         print("kvtierd: interrupted while starting", file=sys.stderr)
         sys.exit(130)
 

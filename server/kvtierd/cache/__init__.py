@@ -1,7 +1,7 @@
 """The cache: the index's only writer, the jobs, host residency and the chain of tiers below.
 
-See :mod:`kvtierd.cache.cache` for the primitives, and :mod:`kvtierd.cache.flows` for the store
-and load flows around them that wait or hash (quota fit and room before a store, digests).
+See :mod:`kvtierd.cache.cache` for the primitives, :mod:`kvtierd.cache.admission` for what a
+tenant may hold, and :mod:`kvtierd.cache.flows` for the flows around them that hash (digests).
 """
 
 from kvtierd.cache.cache import TieredCache

@@ -10,48 +10,60 @@ Primitives (event-loop thread only; no locks). Each either fully succeeds or cha
 * ``register_namespace(spec)`` -> NamespaceState (idempotent; id derived from the digest, so it
   is the same across daemon restarts and never names another namespace).
 * ``lookup(ns, keys, options)``, ``prepare_load`` / ``complete_load``, ``load_queued`` /
-  ``load_sent``: the read half of this class, written in kvtierd.cache.reads.
-* ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
-  ``complete_store(ok)`` -> WRITING entries become READY, or are freed: the store half of this
-  class, written in kvtierd.cache.stores.
+  ``load_sent``: served by the cache's ``reads`` (kvtierd.cache.reads).
+* ``await prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED: the
+  request checked, the caller admitted (kvtierd.cache.admission), room made and the keys
+  reserved by the cache's ``stores`` (kvtierd.cache.stores); ``complete_store(ok)`` -> WRITING
+  entries become READY, or are freed.
+* ``admit_pins`` after a load or a pinned lookup pinned: over the caller's ``pinned_bytes``, the
+  job is released.
 * ``release_session`` aborts a session's stores and releases its pins (close or lease expiry).
   A load job still sending keeps its pins until its last ``load_sent`` (kvtierd.cache.reads).
 
-Parts (one component, one writer): :class:`~kvtierd.cache.residency.HostResidency` (host slots,
-eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion,
-promotion), :class:`~kvtierd.cache.fleet.SharedLink` for the shared tier (imports, exports),
-:class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of them).
-
-This module holds the lifecycle of namespaces, sessions and the tiers' attachment; the two
-halves of the index's writes are written beside it: kvtierd.cache.reads (lookups, holds, loads)
-and kvtierd.cache.stores (quota fit, two-phase stores, corrupt claims).
+Parts (one component, one writer), over one :class:`~kvtierd.cache.state.CacheState`:
+:class:`~kvtierd.cache.reads.Reads` (lookups, holds, loads), :class:`~kvtierd.cache.stores.Stores`
+(quota fit, room, two-phase stores, corrupt claims), :class:`~kvtierd.cache.admission.Admission`
+(every count a tenant can exhaust), :class:`~kvtierd.cache.residency.HostResidency` (host slots,
+eviction, limbo), :class:`~kvtierd.cache.chain.TierLink` per storage tier (copies, demotion; its
+``promotion`` and ``recovery``), :class:`~kvtierd.cache.fleet.SharedLink` for the shared tier
+(imports, exports), :class:`~kvtierd.cache.jobs.JobTable` (jobs and the data plane's view of
+them). This module holds the lifecycle of namespaces, sessions and the tiers' attachment.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtier_contract.identity import Namespace
+from kvtierd.cache.admission import Admission, SessionView
+from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.chain import TierLink
 from kvtierd.cache.fleet import SharedLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
+from kvtierd.cache.lookup import LOCAL, LookupOptions, LookupResult
 from kvtierd.cache.read_figures import ReadFigure
 from kvtierd.cache.reads import Reads
 from kvtierd.cache.residency import HostResidency
-from kvtierd.cache.stores import Stores
-from kvtierd.domain import TierId
+from kvtierd.cache.state import CacheState
+from kvtierd.cache.stores import Stores, check_origin
+from kvtierd.domain import TierId, Transport
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy
 from kvtierd.sessions import Session
 from kvtierd.stats import Counters
+from kvtierd.tenancy import Tenancy
+from kvtierd.tenants import Tenant
 from kvtierd.tiers import HostTier, Recovered, SharedTier, StorageTier
 
 
-class TieredCache(Reads, Stores):
-    """Owns the index (entries of every namespace), the jobs, the host residency and the chain
-    of storage tiers below it.
+class TieredCache:
+    """Owns the cache's state (:class:`~kvtierd.cache.state.CacheState`: the index of every
+    namespace, the jobs, the chain of storage tiers below the host tier), its host residency
+    and its admission, and the two parts that write the index over that one state: ``reads``
+    (:class:`~kvtierd.cache.reads.Reads`) and ``stores`` (:class:`~kvtierd.cache.stores.Stores`).
+    Callers outside the cache call the primitives below; those that use one part take it.
 
     Concurrency: event-loop thread only, no locks. Data-plane servers on the same loop reach
     jobs through ``jobs`` (where bytes go); they never change the index.
@@ -66,6 +78,8 @@ class TieredCache(Reads, Stores):
         policy_name: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         arena_of: Callable[[str | None], int] = lambda _tenant: 0,
+        tenancy: Tenancy | None = None,
+        sessions: SessionView | None = None,
     ) -> None:
         self.host = host
         # the host arena (pool) of a tenant's blocks, fixed for a namespace when registered
@@ -73,38 +87,69 @@ class TieredCache(Reads, Stores):
         self.policy = policy
         self.policy_name = policy_name
         self.residency = HostResidency(host, policy, clock=clock)
-        self.residency.room_for = self.room_for
-        self.residency.clean_quota = self.clean_quota
-        self.host_quota: Callable[[NamespaceState], int | None] = lambda _ns: None
-        """The ``host_bytes`` quota of a namespace's tenant (None: none). Set by the daemon from
-        its Tenancy; stores (``fit``), promotions and imports (``room_for``) keep to it."""
-        self.chain: list[TierLink] = []
-        self.fleet: SharedLink | None = None  # the shared tier, outside the index
         self.namespaces: dict[int, NamespaceState] = {}
+        self.jobs = JobTable()
+        self.admission = Admission(tenancy or Tenancy(None), self.namespaces, self.jobs, sessions)
+        """Every count a tenant can exhaust (kvtierd.cache.admission); ``sessions``: the
+        daemon's session table, whose sessions it counts."""
+        self.state = CacheState(host, policy, self.residency, self.namespaces, self.jobs, self.admission)
+        self.reads = Reads(self.state)
+        self.stores = Stores(self.state)
+        self.residency.room_for = self.stores.room_for
+        self.residency.clean_quota = self.stores.clean_quota
         self.expired_counters = Counters()  # of the namespaces expire_idle forgot
         self._max_namespaces = max_namespaces
         self._clock = clock
-        self.jobs = JobTable()
-        self.pinned_blocks = 0
-        self.writing_blocks = 0
-        self.verify_bytes = True
+
+    # -- the state's figures and settings ---------------------------------------------------------
+
+    @property
+    def chain(self) -> list[TierLink]:
+        return self.state.chain
+
+    @property
+    def fleet(self) -> SharedLink | None:
+        return self.state.fleet
+
+    @property
+    def pinned_blocks(self) -> int:
+        return self.state.pinned_blocks
+
+    @property
+    def writing_blocks(self) -> int:
+        return self.state.writing_blocks
+
+    @property
+    def verify_bytes(self) -> bool:
         """Give every committed block a digest (config ``verify_bytes``; set by the daemon)."""
+        return self.state.verify_bytes
+
+    @verify_bytes.setter
+    def verify_bytes(self, on: bool) -> None:
+        self.state.verify_bytes = on
 
     def add_storage_tier(
         self, tier: StorageTier, write_policy: WritePolicy, opened: Recovered | None = None
     ) -> TierLink:
         """Put ``tier`` at the end of the chain and restore what it holds (blocking, at start);
         ``opened``: what ``tier.open()`` already returned (TierLink.restore), else opened here."""
-        link = TierLink(self.residency, tier, write_policy, self.namespaces.values, level=len(self.chain))
+        link = TierLink(
+            self.residency,
+            tier,
+            write_policy,
+            self.namespaces.values,
+            admission=self.admission,
+            level=len(self.chain),
+        )
         self.chain.append(link)
         self.residency.links = self.chain
-        link.restored = link.restore(self.register_namespace, opened)
+        link.recovery.restored = link.recovery.restore(self.register_namespace, opened)
         return link
 
     def add_shared_tier(self, tier: SharedTier) -> SharedLink:
         """Consult and feed ``tier`` (started by the caller) after the local chain."""
-        self.fleet = SharedLink(self.residency, tier)
-        return self.fleet
+        self.state.fleet = SharedLink(self.residency, tier)
+        return self.state.fleet
 
     # -- namespaces -------------------------------------------------------------------------------
 
@@ -174,18 +219,110 @@ class TieredCache(Reads, Stores):
             job = self.jobs.get(session.id, job_id, StoreJob)
             # A daemon-side copy still writing into the slots holds them back as well.
             copying = job_id in self.jobs.copying
-            self._end_store(session, job, False, (), self._clock() + session.ttl_s if copying else hold_until)
+            until = self._clock() + session.ttl_s if copying else hold_until
+            self.stores.end_store(session, job, False, (), until)
         for job_id in list(session.load_jobs):
-            self._finish_load(session, self.jobs.get(session.id, job_id, LoadJob))
+            self.reads.finish_load(session, self.jobs.get(session.id, job_id, LoadJob))
 
     def abort_job(self, session: Session, job: Job) -> None:
         """Its transfer failed: free a store's entries, unpin a load's (if still live)."""
         if not self.jobs.is_live(job):
             return
         if isinstance(job, StoreJob):
-            self._end_store(session, job, False, (), 0.0)
+            self.stores.end_store(session, job, False, (), 0.0)
         else:
-            self._finish_load(session, job)
+            self.reads.finish_load(session, job)
+
+    # -- stores and loads: the parts' primitives, at the cache boundary ---------------------------
+
+    async def prepare_store(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        keys: Sequence[bytes],
+        transport: Transport,
+        *,
+        token_ids: Sequence[int] = (),
+        parent: bytes | None = None,
+        caller: Tenant | None = None,
+    ) -> tuple[StoreJob | None, bytes, list[int]]:
+        """Per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED, each check once: the
+        request (``token_ids``: all the keys' tokens or none; ``parent``: the key before
+        ``keys[0]`` or None; InvalidArgument naming ``token_ids`` / ``parent_key``) and the
+        caller's job quotas first, before anything is evicted for it; with a chain, the room
+        made (``Stores.make_room``: it may wait on NVMe), then the session and the job quotas
+        again (the wait may have outlived the lease, other stores may have reserved); then the
+        tenant's host bytes (``Stores.fit``) and the reservation, with no await between."""
+        check_origin(ns, keys, token_ids, parent)
+        self.admission.admit_jobs(caller, session)
+        if self.state.chain:  # the tenant's coldest blocks are written down before ``fit`` evicts them
+            await self.stores.make_room(ns, keys)
+            session = self.admission.recheck(caller, session)
+        self.stores.fit(ns, len(keys))
+        return self.stores.reserve(session, ns, keys, transport, token_ids=token_ids, parent=parent)
+
+    def complete_store(
+        self,
+        session: Session,
+        job_id: int,
+        ok: bool,
+        item_ok: Sequence[bool] = (),
+        *,
+        hold_until: float = 0.0,
+        digests: Sequence[int] = (),
+    ) -> tuple[int, int]:
+        """WRITING entries become READY, or are freed: (committed, aborted). ``digests``: one
+        per reserved key (their order), each committed block's digest; empty: tcp jobs take
+        the digests of what the data channel received, other blocks get none."""
+        job = self.stores.checked_job(session, job_id, item_ok, digests)
+        return self.stores.end_store(session, job, ok, item_ok, hold_until, digests)
+
+    async def lookup(
+        self, ns: NamespaceState, keys: Sequence[bytes], options: LookupOptions = LOCAL
+    ) -> LookupResult:
+        """``Reads.lookup``."""
+        return await self.reads.lookup(ns, keys, options)
+
+    async def prepare_load(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        keys: Sequence[bytes],
+        transport: Transport,
+        *,
+        host_only: bool = False,
+        answer_by: AnswerBy | None = None,
+        caller: Tenant | None = None,
+    ) -> tuple[LoadJob | None, dict[int, int]]:
+        """``Reads.prepare_load`` after the caller's job quotas."""
+        self.admission.admit_jobs(caller, session)
+        return await self.reads.prepare_load(
+            session, ns, keys, transport, host_only=host_only, answer_by=answer_by
+        )
+
+    def admit_pins(self, caller: Tenant | None, session: Session, job: LoadJob) -> None:
+        """The caller's ``pinned_bytes``, ``job`` pinned: over it, the job is released at once
+        (nothing stays pinned; no load counted: nothing moved) and ResourceExhausted raised."""
+        try:
+            self.admission.admit_pins(caller, session)
+        except ResourceExhausted:
+            self.abort_job(session, job)
+            raise
+
+    def complete_load(self, session: Session, job_id: int) -> int:
+        return self.reads.complete_load(session, job_id)
+
+    def load_queued(self, job: LoadJob) -> None:
+        self.reads.load_queued(job)
+
+    def load_sent(self, job: LoadJob) -> None:
+        self.reads.load_sent(job)
+
+    def corrupt_claims(self, session: Session, job_id: int, indexes: Sequence[int]) -> list[Entry]:
+        return self.stores.corrupt_claims(session, job_id, indexes)
+
+    def drop_corrupt(self, entries: Sequence[Entry]) -> int:
+        return self.stores.drop_corrupt(entries)
 
     def sweep_limbo(self) -> int:
         return self.residency.sweep_limbo()
@@ -215,7 +352,7 @@ class TieredCache(Reads, Stores):
     def read_figures(self) -> dict[TierId, ReadFigure]:
         """What reading each tier below the host tier into it costs now (kvtierd.cache.read_figures);
         a tier with no read measured yet is absent."""
-        figures = [(TierId(link.id), link.read_figures) for link in self.chain]
+        figures = [(TierId(link.id), link.promotion.read_figures) for link in self.chain]
         if self.fleet is not None:
             figures.append((TierId(self.fleet.tier.id), self.fleet.read_figures))
         out: dict[TierId, ReadFigure] = {}

@@ -15,8 +15,10 @@ that seam alone, and keeps the copies' side of every entry (``entry.copy_in(leve
   (kvtierd.cache.recovery).
 
 The link is one object over one state (its queue, its copy policy, its task set): this module
-holds its state, demotion and copies; :class:`~kvtierd.cache.promotion.Promotion` and
-:class:`~kvtierd.cache.recovery.Recovery` are its other two sides, written apart.
+holds its state, demotion and copies, and it holds its two other parts, each handed what it uses:
+``promotion`` (:class:`~kvtierd.cache.promotion.Promotion`: reads back into host slots) and
+``recovery`` (:class:`~kvtierd.cache.recovery.LinkRecovery`: open, restore, probes,
+checkpoint), which reach the link's copies through ``add_copy`` / ``drop_copy`` / ``spawn``.
 
 Counters: per namespace in the cache's Counters, in the columns the tier names
 (``tier.columns``, kvtierd.tiers.base.StorageColumns); the tier keeps its own figures
@@ -36,25 +38,25 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from kvtier_contract.identity import Namespace
-from kvtierd.cache.promotion import Promotion
-from kvtierd.cache.read_figures import ReadFigures
-from kvtierd.cache.recovery import Recovery
+from kvtierd.cache.admission import Admission
+from kvtierd.cache.jobs import JobTable
+from kvtierd.cache.promotion import Promotion, bump
+from kvtierd.cache.recovery import LinkRecovery
 from kvtierd.cache.residency import HostResidency
 from kvtierd.events import MEDIUM_STORAGE
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
-from kvtierd.ratelog import RateLimitedLog
-from kvtierd.tiers.base import StorageTier, TierUnavailable
+from kvtierd.tenancy import Tenancy
+from kvtierd.tiers.base import Recovered, StorageTier, TierUnavailable
 
 log = logging.getLogger("kvtierd.chain")
 MAX_FLUSHES_IN_FLIGHT = 256  # blocks queued or being written
 FLUSH_BATCH_BYTES = 4 << 20  # one flush batch: a few MiB, one group commit
 FLUSH_WORKERS = 2
 MAX_VICTIM_SCAN = 4096  # copies looked at for one slot before the tier counts as full
-PROBE_LOG_INTERVAL_S = 300.0  # a probe failing the same unforeseen way logs this seldom
 
 
-class TierLink(Promotion, Recovery):
+class TierLink:
     """Owns the copy-eviction order of one storage tier, its write policy, the flush queue and
     workers, and the promotions in flight from it. See the module docstring."""
 
@@ -65,9 +67,12 @@ class TierLink(Promotion, Recovery):
         write_policy: WritePolicy,
         namespaces: Callable[[], Iterable[NamespaceState]],
         *,
+        admission: Admission | None = None,
         level: int = 0,
     ) -> None:
         self.residency = residency
+        # a tenant's nvme_bytes: counted, claimed and refused there (none: a link of no cache)
+        self.admission = admission or Admission(Tenancy(None), {}, JobTable())
         self.tier = tier
         self.id = tier.id
         self.level = level  # this link's place in the chain (0: right below the host tier)
@@ -75,29 +80,23 @@ class TierLink(Promotion, Recovery):
         self.policy: EvictionPolicy[Entry] = LruPolicy()  # entries holding a copy here
         self._namespaces = namespaces
         self.columns = tier.columns
-        self.restored = 0  # copies put back into the index at start
         self.flushes_in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._flushed = asyncio.Event()  # set whenever a flush batch ends
         self._flush_queue: deque[Entry] = deque()
         self._flush_workers = 0
-        # Set while the tier awaits a late open (it could not be opened at start), until the
-        # copies it found are back in the index.
-        self._deferred: Callable[[Namespace], NamespaceState] | None = None
-        self._probing: asyncio.Task[None] | None = None  # the probe (or late open) in progress
-        self._probe_failures = 0
-        self._probe_log = RateLimitedLog(log, PROBE_LOG_INTERVAL_S)
-        self.tenant_quota: Callable[[str], int | None] = lambda tenant: None
-        """Bytes a tenant's blocks may occupy in this tier (for NVMe the tenants file's
-        ``nvme_bytes``), None = unlimited; set by the daemon, read at every flush (a reload
-        applies at once)."""
-        self.quota_refused: Callable[[str], None] = lambda tenant: None
-        """Called with the tenant each time ``tenant_quota`` keeps one of its blocks from being
-        written here (the daemon counts it as that quota's refusal)."""
-        self._claimed: dict[str, int] = {}  # tenant -> bytes queued or being written here
-        self.read_figures = ReadFigures()
-        """What promotions from this tier cost now (kvtierd.cache.read_figures): fed once per
-        ``promote_many`` that read something."""
+        self.promotion = Promotion(self, residency, tier, level)
+        """Reads copies back into host slots, and what that costs now: its ``read_figures``
+        (kvtierd.cache.promotion)."""
+        self.recovery = LinkRecovery(self, residency, tier, level, namespaces)
+        """Opens the tier, puts its copies back into the index, probes it, checkpoints it
+        (kvtierd.cache.recovery)."""
+
+    def restore(
+        self, register: Callable[[Namespace], NamespaceState], opened: Recovered | None = None
+    ) -> int:
+        """``recovery.restore``: the tier opened and its copies put back (at start)."""
+        return self.recovery.restore(register, opened)
 
     @property
     def admitting(self) -> bool:
@@ -141,13 +140,12 @@ class TierLink(Promotion, Recovery):
         ):
             return
         e.flushing += 1  # claimed now: the host slot stays until the write is done
-        if e.ns.spec.tenant is not None:
-            self._claimed[e.ns.spec.tenant] = self._claimed.get(e.ns.spec.tenant, 0) + e.ns.block_bytes
+        self.admission.claim_nvme(self.level, e.ns.spec.tenant, e.ns.block_bytes)
         self.flushes_in_flight += 1
         self._flush_queue.append(e)
         if self._flush_workers < FLUSH_WORKERS:
             self._flush_workers += 1
-            self._spawn(self._flush_worker())
+            self.spawn(self._flush_worker())
 
     async def _flush_worker(self) -> None:
         """Take up to FLUSH_BATCH_BYTES of the queue at a time: one batched write (one gathered
@@ -207,13 +205,7 @@ class TierLink(Promotion, Recovery):
         """A flush batch ended (written or not): its entries' claims go."""
         for e in batch:
             e.flushing -= 1
-            tenant = e.ns.spec.tenant
-            if tenant is not None:
-                left = self._claimed.get(tenant, 0) - e.ns.block_bytes
-                if left > 0:
-                    self._claimed[tenant] = left
-                else:
-                    self._claimed.pop(tenant, None)
+            self.admission.unclaim_nvme(self.level, e.ns.spec.tenant, e.ns.block_bytes)
         self.flushes_in_flight -= len(batch)
         self._flushed.set()
 
@@ -224,13 +216,13 @@ class TierLink(Promotion, Recovery):
         for (e, _off), loc in zip(targets, locs, strict=True):
             ns = e.ns
             if ns.entries.get(e.key) is e and e.state is EntryState.READY and e.copy_in(self.level) is None:
-                self._add_copy(e, loc, announce=False)
+                self.add_copy(e, loc, announce=False)
                 demoted.append(e)
                 ns.counters.demotions += 1
-                self._bump(ns, self.columns.bytes_written, ns.block_bytes)
+                bump(ns, self.columns.bytes_written, ns.block_bytes)
             else:
                 self.tier.release(loc, ns.spec.digest, e.key)
-        if demoted and self.residency.events is not None:
+        if demoted:
             self.residency.events.stored(demoted, MEDIUM_STORAGE)
 
     async def ensure_room(
@@ -284,7 +276,7 @@ class TierLink(Promotion, Recovery):
         """Drain: flush every dirty host block (bounded concurrency) until ``deadline``. Nothing
         while the tier's own copies are not in the index yet (a late open in progress)."""
         n = 0
-        if not self.indexed:
+        if not self.recovery.indexed:
             return n
         for ns in list(self._namespaces()):
             for e in list(ns.ready.values()):
@@ -307,16 +299,13 @@ class TierLink(Promotion, Recovery):
         that does not fit is not written here: it lives in the host tier only, and is lost
         when that evicts it (the tenant's quota, not the tier, is full)."""
         tenant = ns.spec.tenant
-        quota = None if tenant is None else self.tenant_quota(tenant)
+        quota = None if tenant is None else self.admission.nvme_quota(tenant)
         if tenant is None or quota is None:
             return True
         if ns.block_bytes > quota:
-            self.quota_refused(tenant)
+            self.admission.refuse_nvme(tenant)
             return False
-        resident = self.columns.resident_bytes
-        used = self._claimed.get(tenant, 0) + sum(
-            getattr(n.counters, resident) for n in self._namespaces() if n.spec.tenant == tenant
-        )
+        used = self.admission.nvme_used(self.level, tenant, self.columns.resident_bytes)
         if used + ns.block_bytes <= quota:
             return True
         mine = [
@@ -327,12 +316,12 @@ class TierLink(Promotion, Recovery):
         for e in mine:
             if e.pins or e.holds or e.promoting is not None or e.copy_in(self.level) is None:
                 continue
-            self._drop_copy(e, corrupt=False)
-            self._bump(e.ns, self.columns.evictions, 1)
+            self.drop_copy(e, corrupt=False)
+            bump(e.ns, self.columns.evictions, 1)
             used -= e.ns.block_bytes
             if used + ns.block_bytes <= quota:
                 return True
-        self.quota_refused(tenant)
+        self.admission.refuse_nvme(tenant)
         return False
 
     def _allocate(self, block_bytes: int) -> int | None:
@@ -345,33 +334,32 @@ class TierLink(Promotion, Recovery):
                 break  # held or being read as far as we looked: the tier is full for now
             if e.pins or e.holds or e.promoting is not None:
                 continue
-            self._drop_copy(e, corrupt=False)
-            self._bump(e.ns, self.columns.evictions, 1)
+            self.drop_copy(e, corrupt=False)
+            bump(e.ns, self.columns.evictions, 1)
             off = self.tier.alloc(slot)
             if off is not None:
                 return off
         return None
 
-    def _add_copy(self, e: Entry, loc: Any, *, announce: bool = True) -> None:
+    def add_copy(self, e: Entry, loc: Any, *, announce: bool = True) -> None:
         """``e`` is held here now (``announce``: told to KV events at once; the callers that
         add many tell them in one call)."""
         e.set_copy(self.level, loc)
-        if announce and self.residency.events is not None:
+        if announce:
             self.residency.events.stored((e,), MEDIUM_STORAGE)
         self.policy.insert(e)
-        self._bump(e.ns, self.columns.resident_blocks, 1)
-        self._bump(e.ns, self.columns.resident_bytes, e.ns.block_bytes)
+        bump(e.ns, self.columns.resident_blocks, 1)
+        bump(e.ns, self.columns.resident_bytes, e.ns.block_bytes)
 
-    def _drop_copy(self, e: Entry, *, corrupt: bool) -> None:
+    def drop_copy(self, e: Entry, *, corrupt: bool) -> None:
         """Forget ``e``'s copy here; an entry left with no copy at all leaves the index."""
         loc = e.copy_in(self.level)
         assert loc is not None
         e.set_copy(self.level, None)
-        if self.residency.events is not None:
-            self.residency.events.removed((e,), MEDIUM_STORAGE)
+        self.residency.events.removed((e,), MEDIUM_STORAGE)
         self.policy.remove(e, evicted=not corrupt)
-        self._bump(e.ns, self.columns.resident_blocks, -1)
-        self._bump(e.ns, self.columns.resident_bytes, -e.ns.block_bytes)
+        bump(e.ns, self.columns.resident_blocks, -1)
+        bump(e.ns, self.columns.resident_bytes, -e.ns.block_bytes)
         if corrupt:
             self.tier.quarantine(loc, e.ns.spec.digest, e.key)
         else:
@@ -383,11 +371,7 @@ class TierLink(Promotion, Recovery):
         """``e`` lost its host slot but keeps its copy here."""
         self.policy.touch(e)
 
-    @staticmethod
-    def _bump(ns: NamespaceState, column: str, n: int) -> None:
-        setattr(ns.counters, column, getattr(ns.counters, column) + n)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

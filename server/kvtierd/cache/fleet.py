@@ -171,7 +171,7 @@ class SharedLink:
             entered.append(e)
         self._bump(ns, self.columns.corrupt, corrupt)
         self._bump(ns, self.columns.imports, len(entered))
-        if entered and self.residency.events is not None:
+        if entered:
             self.residency.events.stored(entered, MEDIUM_CPU)
         if entered:
             for link in self.residency.links:  # an NVMe write-through keeps a copy too
@@ -230,8 +230,7 @@ class SharedLink:
         def done(oks: list[bool]) -> None:
             if oks[0] and e.ns.entries.get(e.key) is e:  # still indexed (a copy on NVMe)
                 e.in_cluster = True
-                if self.residency.events is not None:
-                    self.residency.events.stored((e,), MEDIUM_REMOTE)
+                self.residency.events.stored((e,), MEDIUM_REMOTE)
 
         self.tier.offer(
             [(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key, memoryview(data), e.digest)],
@@ -248,7 +247,7 @@ class SharedLink:
             if ok:
                 e.in_cluster = True
                 written.append(e)
-        if written and self.residency.events is not None:
+        if written:
             self.residency.events.stored(written, MEDIUM_REMOTE)
 
     # -- lifecycle --------------------------------------------------------------------------------

@@ -1,15 +1,12 @@
-"""What a transfer's RPC asks of the cache beyond one primitive: the store and load flows that
-wait (kvtierd.service.transfers translates them and nothing more).
+"""What a transfer's RPC asks of the cache beyond one primitive: the flows that hash off the
+event loop (kvtierd.service.transfers translates them and nothing more; the store's room and
+admission are ``TieredCache.prepare_store``'s).
 
-* :func:`prepare_store_fitted`: with a chain, the chain writes down the coldest blocks of the
-  store's tenant (its ``host_bytes`` quota) and of the host tier's cold end (backpressure: it
-  may wait on NVMe) so that evicting them loses nothing; then the store is fitted into that
-  quota (its coldest blocks go, those held below first) with no await before the reservation
-  of its keys (``TieredCache.prepare_store``).
 * :func:`complete_store_hashed`: the digest of each reserved key's block (docs/security.md
   "Bytes verified end to end"): an shm client's own (``verify_store = "client"``; a wrong one
   makes only its own tenant's block a miss at its next load), else hashed here from the slots;
-  a tcp job's were hashed as its bytes arrived. Then ``complete_store``.
+  a tcp job's were hashed as its bytes arrived. The job is checked once before (its digests'
+  count, no CUDA copy in flight) and, when hashing awaited, found again after; then committed.
 * :func:`complete_load_verified`: a client's claims that blocks it loaded are corrupt are
   rehashed (a client cannot drop blocks that are fine), the job completed, and the blocks that
   differ dropped.
@@ -22,38 +19,14 @@ on the event-loop thread; the cache stays the index's only writer (these call it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtier_contract.digests import block_digests
 from kvtierd.cache.cache import TieredCache
 from kvtierd.cache.jobs import LoadJob, StoreJob
-from kvtierd.cache.stores import check_digest_count
 from kvtierd.domain import Transport
-from kvtierd.index import Entry, NamespaceState
+from kvtierd.index import Entry
 from kvtierd.sessions import Session
-
-
-async def prepare_store_fitted(
-    cache: TieredCache,
-    session: Session,
-    ns: NamespaceState,
-    keys: Sequence[bytes],
-    transport: Transport,
-    *,
-    token_ids: Sequence[int],
-    parent: bytes | None,
-    again: Callable[[], Session],
-) -> tuple[StoreJob | None, bytes, list[int]]:
-    """``prepare_store`` after, with a chain, the room it makes (``make_room``), and the quota
-    fit. ``again`` runs after that wait: the session, checked again (the wait may have outlived
-    the lease: never attach a job to a released session; and other stores of the tenant may
-    have reserved meanwhile: the caller checks its job quotas again), and the fit is done
-    before the reservation with no await between."""
-    if cache.chain:  # the tenant's coldest blocks are written down before ``fit`` evicts them
-        await cache.make_room(ns, keys)
-        session = again()
-    cache.fit(ns, len(keys))  # the tenant's host_bytes (its coldest blocks go first)
-    return cache.prepare_store(session, ns, keys, transport, token_ids=token_ids, parent=parent)
 
 
 async def complete_store_hashed(
@@ -69,21 +42,22 @@ async def complete_store_hashed(
     """``complete_store`` with each committed block's digest (see the module docstring);
     ``given``: the client's digests (their count is checked first: INVALID_ARGUMENT, nothing
     changes); ``trust_client``: an shm client's own are taken. (committed, aborted)."""
-    digests = await _store_digests(cache, session, job_id, ok, given, trust_client)
-    return cache.complete_store(session, job_id, ok, item_ok, digests=digests)
+    job = cache.stores.checked_job(session, job_id, item_ok, given)
+    digests, waited = await _store_digests(cache, job, ok, given, trust_client)
+    if waited:  # the job again after the hashing: still live, and no CUDA copy begun meanwhile
+        job = cache.jobs.get(session.id, job_id, StoreJob)
+        cache.jobs.not_copying(job_id)
+    return cache.stores.end_store(session, job, ok, item_ok, 0.0, digests)
 
 
 async def _store_digests(
-    cache: TieredCache, session: Session, job_id: int, ok: bool, given: Sequence[int], trust_client: bool
-) -> list[int]:
-    job = cache.jobs.get(session.id, job_id, StoreJob)
-    cache.jobs.not_copying(job.id)
-    given = list(given)
-    check_digest_count(given, job)
+    cache: TieredCache, job: StoreJob, ok: bool, given: Sequence[int], trust_client: bool
+) -> tuple[list[int], bool]:
+    """The digests ``complete_store`` takes, and whether computing them awaited."""
     if not cache.verify_bytes or not ok:
-        return []
+        return [], False
     if given and job.transport is Transport.SHM and trust_client:
-        return given
+        return list(given), False
     items = sorted(job.items.items())
     out = [job.digests.get(i, 0) for i, _e in items]
     todo = [
@@ -91,13 +65,14 @@ async def _store_digests(
         for n, (i, e) in enumerate(items)
         if i not in job.digests and (not job.transport.daemon_moved or i in job.received)
     ]
-    if todo:
-        nb, host = job.ns.block_bytes, cache.host
-        views = [host.view(e.offset, nb) for _n, e in todo]
-        hashed = await asyncio.get_running_loop().run_in_executor(None, block_digests, views)
-        for (n, _e), d in zip(todo, hashed, strict=True):
-            out[n] = d
-    return out
+    if not todo:
+        return out, False
+    nb, host = job.ns.block_bytes, cache.host
+    views = [host.view(e.offset, nb) for _n, e in todo]
+    hashed = await asyncio.get_running_loop().run_in_executor(None, block_digests, views)
+    for (n, _e), d in zip(todo, hashed, strict=True):
+        out[n] = d
+    return out, True
 
 
 async def complete_load_verified(

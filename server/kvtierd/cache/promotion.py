@@ -1,9 +1,9 @@
 """The promotion side of a storage tier's link: reading copies back into host slots.
 
-Part of the cache (kvtierd.cache): :class:`Promotion` is a part of
-:class:`~kvtierd.cache.chain.TierLink` (which owns all the state named here; see its module
-docstring). A load of a block held only below first reads it into a host slot (verified); a
-corrupt copy is quarantined and the block is a miss. ``prefetch`` starts promotions in the
+Part of the cache (kvtierd.cache): :class:`Promotion` is the part of a
+:class:`~kvtierd.cache.chain.TierLink` (its ``promotion``) that reads copies back. A load of a
+block held only below first reads it into a host slot (verified); a corrupt copy is quarantined
+and the block is a miss. ``prefetch`` starts promotions in the
 background. Every promotion feeds the link's ``read_figures`` (kvtierd.cache.read_figures).
 
 Concurrency: event-loop thread only. The reads run as tasks of the link, so a caller cancelled
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, Protocol
 
 from kvtierd.cache.read_figures import ReadFigures
 from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
@@ -29,19 +29,39 @@ log = logging.getLogger("kvtierd.chain")
 READ_BATCH_BYTES = 4 << 20  # one read_many: a few MiB
 
 
-class Promotion:
-    """The promotion part of a :class:`~kvtierd.cache.chain.TierLink`; see the module
-    docstring. The attributes below are the link's."""
+def bump(ns: NamespaceState, column: str, n: int) -> None:
+    """Add ``n`` to ``ns``'s counter ``column`` (a storage tier's column)."""
+    setattr(ns.counters, column, getattr(ns.counters, column) + n)
 
-    residency: HostResidency
-    tier: StorageTier
-    level: int
-    columns: StorageColumns
-    read_figures: ReadFigures
-    _spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
-    _drop_copy: Callable[..., None]
-    _bump: Callable[[NamespaceState, str, int], None]
-    ensure_room: Callable[..., Coroutine[Any, Any, None]]  # (the link's demotion side)
+
+class PromotionLink(Protocol):
+    """What a promotion asks of its link (kvtierd.cache.chain.TierLink): room made the
+    write-back way, its copies, its tasks."""
+
+    async def ensure_room(
+        self, slot_bytes: int, count: int, timeout_s: float = 0.5, *, pool: int = 0
+    ) -> None: ...
+
+    def drop_copy(self, e: Entry, *, corrupt: bool) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
+
+
+class Promotion:
+    """The promotion part of a :class:`~kvtierd.cache.chain.TierLink` (see the module
+    docstring): owns its ``read_figures``; it is handed the link (room, copies, tasks), the host
+    residency, the tier and its level; the promotions in flight are the entries' own
+    ``promoting`` futures. Event-loop thread only."""
+
+    def __init__(self, link: PromotionLink, residency: HostResidency, tier: StorageTier, level: int) -> None:
+        self.link = link
+        self.residency = residency
+        self.tier = tier
+        self.level = level
+        self.columns: StorageColumns = tier.columns
+        self.read_figures = ReadFigures()
+        """What promotions from this tier cost now (kvtierd.cache.read_figures): fed once per
+        ``promote_many`` that read something."""
 
     async def promote_many(
         self, entries: list[Entry], protect: set[Entry], *, asked: float | None = None
@@ -66,13 +86,13 @@ class Promotion:
         if pending:  # (the tenant's quota, then the arena: ROOM_WAIT_S for both)
             ns, deadline = pending[0].ns, time.monotonic() + ROOM_WAIT_S
             await self.residency.clean_quota(ns, len(pending), ROOM_WAIT_S)
-            await self.ensure_room(
+            await self.link.ensure_room(
                 ns.slot_bytes, len(pending), max(0.0, deadline - time.monotonic()), pool=ns.pool
             )
             pending = self._todo(entries)
         started = self._reserve(pending, protect)
         if started:
-            await asyncio.shield(self._spawn(self._read(started, asked)))
+            await asyncio.shield(self.link.spawn(self._read(started, asked)))
         return {e for e in entries if e.in_host}
 
     def _todo(self, entries: Iterable[Entry]) -> list[Entry]:
@@ -150,13 +170,13 @@ class Promotion:
                 self.residency.policy.insert(e)
                 self.residency.count(e, +1)
                 ns.counters.promotions += 1
-                self._bump(ns, self.columns.bytes_read, ns.block_bytes)
+                bump(ns, self.columns.bytes_read, ns.block_bytes)
                 promoted.append(e)
             else:
                 self._read_failed(e, err)
             if fut is not None:
                 fut.set_result(None)
-        if promoted and self.residency.events is not None:
+        if promoted:
             self.residency.events.stored(promoted, MEDIUM_CPU)
         return sum(e.ns.block_bytes for e in promoted)
 
@@ -179,7 +199,7 @@ class Promotion:
         self.residency.host.free(e.offset, ns.slot_bytes)
         e.offset = -1
         if corrupt and e.copy_in(self.level) is not None:
-            self._drop_copy(e, corrupt=True)
+            self.link.drop_copy(e, corrupt=True)
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
         """Start promoting, in the background, those of ``entries`` held only here; how many."""
@@ -187,7 +207,7 @@ class Promotion:
             e for e in entries if not e.in_host and e.promoting is None and e.copy_in(self.level) is not None
         ]
         if todo:
-            self._spawn(self._promote_quietly(todo, self.read_figures.clock()))
+            self.link.spawn(self._promote_quietly(todo, self.read_figures.clock()))
         return len(todo)
 
     async def _promote_quietly(self, entries: list[Entry], asked: float) -> None:

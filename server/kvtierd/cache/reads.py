@@ -1,8 +1,8 @@
 """The read side of the cache: lookups (and the holds they take) and loads.
 
-Part of :class:`~kvtierd.cache.TieredCache` (kvtierd.cache.cache), which owns every attribute
-named here: :class:`Reads` is the half of that one class that pins and holds READY entries; the
-other half (kvtierd.cache.cache) registers namespaces and reserves, commits and aborts entries.
+:class:`Reads` is handed the cache's :class:`~kvtierd.cache.state.CacheState` by
+:class:`~kvtierd.cache.TieredCache` and pins and holds its READY entries (kvtierd.cache.stores
+reserves, commits and aborts them).
 
 * ``lookup(ns, keys, options)`` (kvtierd.cache.lookup.LookupOptions): the longest READY prefix,
   each hit's tier and durability, counted; optionally the shared tier after the local prefix, a
@@ -23,25 +23,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtierd.cache.answer_by import AnswerBy
-from kvtierd.cache.chain import TierLink
-from kvtierd.cache.fleet import SharedLink
-from kvtierd.cache.jobs import JobTable, LoadJob, check_live
+from kvtierd.cache.jobs import LoadJob, check_live
 from kvtierd.cache.lookup import LOCAL, LookupOptions, LookupResult, count_hits, ready_prefix, tier_below
+from kvtierd.cache.state import CacheState
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, NamespaceState
-from kvtierd.policies import EvictionPolicy
 from kvtierd.sessions import Session
 
 
 class Reads:
-    """The read half of :class:`~kvtierd.cache.TieredCache`; see the module docstring. The
-    attributes below are the cache's."""
+    """The read part of :class:`~kvtierd.cache.TieredCache` over the cache's ``state`` (see
+    the module docstring). Owns nothing of its own; event-loop thread only (the cache's)."""
 
-    policy: EvictionPolicy[Entry]
-    chain: list[TierLink]
-    fleet: SharedLink | None
-    jobs: JobTable
-    pinned_blocks: int
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -55,11 +50,11 @@ class Reads:
         if options.prefetch:
             prefix = ready_prefix(ns, keys)
             below = [e for e in prefix if not e.in_host]
-            started = sum(link.prefetch(below) for link in self.chain) if below else 0
+            started = sum(link.promotion.prefetch(below) for link in self.state.chain) if below else 0
             return LookupResult(len(prefix), promoting=started)
-        fleet = self.fleet if options.shared else None
+        fleet = self.state.fleet if options.shared else None
         if options.pin is None:
-            hit, tiers, durable = count_hits(ns, keys, self.policy, self.chain)
+            hit, tiers, durable = count_hits(ns, keys, self.state.policy, self.state.chain)
             if fleet is not None and hit < len(keys):
                 more = await fleet.extend(ns, keys[hit:])
                 if more:
@@ -88,21 +83,21 @@ class Reads:
         tier in rounds. Blocks held only below start promoting in the background, unless
         ``promote`` is False (the client may not load them; the PrepareLoad that does promotes
         them then)."""
-        hit, tiers, durable = count_hits(ns, keys, self.policy, self.chain)
+        hit, tiers, durable = count_hits(ns, keys, self.state.policy, self.state.chain)
         if hit == 0:
             return LookupResult(0)
         check_live(session)
         items = {i: ns.ready[keys[i]] for i in range(hit)}
         for e in items.values():
             e.holds += 1
-        self.pinned_blocks += hit
-        job = LoadJob(self.jobs.next_id(), session.id, ns, session.transport, items, moves_bytes=False)
-        self.jobs.add(job)
+        self.state.pinned_blocks += hit
+        job = LoadJob(self.state.jobs.next_id(), session.id, ns, session.transport, items, moves_bytes=False)
+        self.state.jobs.add(job)
         session.load_jobs.add(job.id)
         below = [e for e in items.values() if not e.in_host] if promote else []
         if below:
-            for link in self.chain:
-                link.prefetch(below)
+            for link in self.state.chain:
+                link.promotion.prefetch(below)
         return LookupResult(hit, tiers, durable, job)
 
     # -- loads ------------------------------------------------------------------------------------
@@ -123,8 +118,8 @@ class Reads:
         promoted or imported (the rest is deferred at once). ``answer_by``: imports and
         promotions are waited for until then only (the reads go on; what has not arrived is
         deferred, and ``answer_by.cut`` says so)."""
-        if not host_only and self.fleet is not None and any(k not in ns.entries for k in keys):
-            importing = self.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
+        if not host_only and self.state.fleet is not None and any(k not in ns.entries for k in keys):
+            importing = self.state.fleet.import_(ns, keys, {e for e in map(ns.ready.get, keys) if e})
             await (importing if answer_by is None else answer_by.wait(importing))
             check_live(session)
         items: dict[int, Entry] = {}
@@ -134,7 +129,7 @@ class Reads:
                 items[i] = e
         items, deferred = await self._in_host(session, items, host_only, answer_by)
         for e in items.values():
-            self.policy.touch(e)
+            self.state.policy.touch(e)
         if not items:
             return None, deferred
         return self._new_load_job(session, ns, items, transport), deferred
@@ -145,14 +140,16 @@ class Reads:
         """``items`` (index -> READY entry) split into those with a host slot now (promoted
         first, as many as fit, unless ``host_only``) and the deferred ones still present
         below (index -> the storage tier holding them); without a chain, all of ``items``."""
-        if not (self.chain and items):
+        if not (self.state.chain and items):
             return items, {}
         if host_only:
-            deferred = {i: tier_below(self.chain, e) for i, e in items.items() if not e.in_host and e.copies}
+            deferred = {
+                i: tier_below(self.state.chain, e) for i, e in items.items() if not e.in_host and e.copies
+            }
             return {i: e for i, e in items.items() if e.in_host}, deferred
         kept = await self._promoted(session, items, answer_by)
         deferred = {
-            i: tier_below(self.chain, e)
+            i: tier_below(self.state.chain, e)
             for i, e in items.items()
             if i not in kept and e.copies and e.ns.ready.get(e.key) is e
         }
@@ -170,11 +167,11 @@ class Reads:
             e.pins += 1
         protect = set(items.values())
         try:
-            for link in self.chain:
+            for link in self.state.chain:
                 need = [e for e in items.values() if not e.in_host and e.copy_in(link.level) is not None]
                 if not need:
                     continue
-                promoting = link.promote_many(need, protect)
+                promoting = link.promotion.promote_many(need, protect)
                 if answer_by is None:
                     await promoting
                 elif await answer_by.wait(promoting) is None:
@@ -193,9 +190,9 @@ class Reads:
         return kept
 
     def complete_load(self, session: Session, job_id: int) -> int:
-        job = self.jobs.get(session.id, job_id, LoadJob)
-        self.jobs.not_copying(job_id)
-        self._finish_load(session, job)
+        job = self.state.jobs.get(session.id, job_id, LoadJob)
+        self.state.jobs.not_copying(job_id)
+        self.finish_load(session, job)
         if not job.moves_bytes:
             return len(job.items)
         c = job.ns.counters
@@ -210,9 +207,9 @@ class Reads:
         check_live(session)
         for e in items.values():
             e.pins += 1
-        self.pinned_blocks += len(items)
-        job = LoadJob(self.jobs.next_id(), session.id, ns, transport, items)
-        self.jobs.add(job)
+        self.state.pinned_blocks += len(items)
+        job = LoadJob(self.state.jobs.next_id(), session.id, ns, transport, items)
+        self.state.jobs.add(job)
         session.load_jobs.add(job.id)
         return job
 
@@ -230,8 +227,8 @@ class Reads:
         if not job.sending and job.ended:
             self._unpin(job)
 
-    def _finish_load(self, session: Session, job: LoadJob) -> None:
-        self.jobs.remove(job)
+    def finish_load(self, session: Session, job: LoadJob) -> None:
+        self.state.jobs.remove(job)
         session.load_jobs.discard(job.id)
         job.ended = True
         if not job.sending:  # else the last load_sent unpins
@@ -246,4 +243,4 @@ class Reads:
             for e in job.items.values():
                 assert e.holds > 0
                 e.holds -= 1
-        self.pinned_blocks -= len(job.items)
+        self.state.pinned_blocks -= len(job.items)

@@ -1,10 +1,10 @@
 """The recovery side of a storage tier's link: opening the tier, putting its copies back into
 the index, probes of a degraded tier, and the checkpoint on drain.
 
-Part of the cache (kvtierd.cache): :class:`Recovery` is a part of
-:class:`~kvtierd.cache.chain.TierLink` (which owns all the state named here; see its module
-docstring). **Recovery** puts the copies the tier found back into the index (at start, or when a
-tier that could not be opened at start opens on a later probe); **probes** of a degraded tier
+Part of the cache (kvtierd.cache): :class:`LinkRecovery` is the part of a
+:class:`~kvtierd.cache.chain.TierLink` (its ``recovery``) that opens and restores the tier.
+**Recovery** puts the copies the tier found back into the index (at start, or when a tier that
+could not be opened at start opens on a later probe); **probes** of a degraded tier
 (and that late open) run as one task of the link at a time (``probe_soon``): the caller never
 waits on the disk, cancelling it interrupts nothing, and ``settle()`` waits for it. Until a late
 open has put its copies back, ``flush_all`` and ``checkpoint`` do nothing: the index does not
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier_contract.identity import Namespace
 from kvtierd.cache.residency import HostResidency
@@ -29,23 +29,44 @@ from kvtierd.ratelog import RateLimitedLog
 from kvtierd.tiers.base import Recovered, StorageTier, TierUnavailable
 
 log = logging.getLogger("kvtierd.chain")
+PROBE_LOG_INTERVAL_S = 300.0  # a probe failing the same unforeseen way logs this seldom
 
 
-class Recovery:
-    """The recovery part of a :class:`~kvtierd.cache.chain.TierLink`; see the module docstring.
-    The attributes below are the link's."""
+class RecoveryLink(Protocol):
+    """What a recovery asks of its link (kvtierd.cache.chain.TierLink): its copies, its tasks."""
 
-    residency: HostResidency
-    tier: StorageTier
-    level: int
-    restored: int
-    _namespaces: Callable[[], Iterable[NamespaceState]]
-    _deferred: Callable[[Namespace], NamespaceState] | None
-    _probing: asyncio.Task[None] | None
-    _probe_failures: int
-    _probe_log: RateLimitedLog
-    _spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
-    _add_copy: Callable[..., None]
+    def add_copy(self, e: Entry, loc: Any, *, announce: bool = True) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
+
+
+class LinkRecovery:
+    """The recovery part of a :class:`~kvtierd.cache.chain.TierLink` (its ``recovery``; see
+    the module docstring). Owns the count of copies restored, the late open awaited (the
+    ``register`` it will use) and the probe in progress with its failure count; the copies
+    are the link's (``add_copy``), the probe a task of the link (``spawn``). Event-loop thread
+    only."""
+
+    def __init__(
+        self,
+        link: RecoveryLink,
+        residency: HostResidency,
+        tier: StorageTier,
+        level: int,
+        namespaces: Callable[[], Iterable[NamespaceState]],
+    ) -> None:
+        self.link = link
+        self.residency = residency
+        self.tier = tier
+        self.level = level
+        self._namespaces = namespaces
+        self.restored = 0  # copies put back into the index at start (and at a late open)
+        # Set while the tier awaits a late open (it could not be opened at start), until the
+        # copies it found are back in the index.
+        self._deferred: Callable[[Namespace], NamespaceState] | None = None
+        self._probing: asyncio.Task[None] | None = None  # the probe (or late open) in progress
+        self._probe_failures = 0
+        self._probe_log = RateLimitedLog(log, PROBE_LOG_INTERVAL_S)
 
     def restore(
         self, register: Callable[[Namespace], NamespaceState], opened: Recovered | None = None
@@ -80,7 +101,7 @@ class Recovery:
         task of this link (see the module docstring). A tier that could not be opened at start
         is opened there and its copies put back into the live index."""
         if self._probing is None:
-            self._probing = self._spawn(self._probe())
+            self._probing = self.link.spawn(self._probe())
 
     async def probe(self) -> bool:
         """``probe_soon`` and wait for that probe; whether the tier admits now. Cancelling the
@@ -146,10 +167,10 @@ class Recovery:
             elif e.copy_in(self.level) is not None:
                 self.tier.release(loc, digest, key)
                 continue
-            self._add_copy(e, loc, announce=False)
+            self.link.add_copy(e, loc, announce=False)
             announced.append(e)
             restored += 1
-        if announced and self.residency.events is not None:  # (at start: after the
+        if announced:  # (at start: after the
             self.residency.events.stored(announced, MEDIUM_STORAGE)  # AllBlocksCleared)
         if skipped:
             _log_skipped(self.tier.name, skipped, dropped)

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from kvtierd.events import MEDIUM_CPU, BlockEvents
+from kvtierd.events import MEDIUM_CPU, NO_EVENTS, EventSink
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy
 from kvtierd.tiers import HostTier
@@ -63,10 +63,11 @@ class HostResidency:
         # room would evict (TieredCache.clean_quota, waiting up to ``timeout_s``); by default,
         # no wait.
         self.clean_quota: Callable[[NamespaceState, int, float], Awaitable[None]] = _no_wait
-        self.events: BlockEvents | None = None
-        """Where blocks entering and leaving the tiers are told (KV events; None: off). Set
-        by the daemon; the cache and the links call it where a block becomes visible in a tier
-        (host: commit, promotion, import) or leaves it (host: eviction, corrupt drop)."""
+        self.events: EventSink = NO_EVENTS
+        """Where blocks entering and leaving the tiers are told (KV events; a no-op sink while
+        they are off). Chosen by the daemon's composition root; the cache and the links call it
+        where a block becomes visible in a tier (host: commit, promotion, import) or leaves it
+        (host: eviction, corrupt drop)."""
         self._clock = clock
         # Slots of stores aborted by lease expiry, held back until a deadline: the session's
         # process may be stalled, not dead, and still copying into them over shm.
@@ -158,8 +159,7 @@ class HostResidency:
         assert e.evictable(), e
         self.policy.remove(e, evicted=True)
         e.ns.counters.evictions += 1
-        if self.events is not None:
-            self.events.removed((e,), MEDIUM_CPU)
+        self.events.removed((e,), MEDIUM_CPU)
         if self.on_evict is not None:
             self.on_evict(e)
         self.count(e, -1)

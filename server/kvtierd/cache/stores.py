@@ -1,13 +1,14 @@
-"""The store half of the cache: quota fit, room, two-phase stores, corrupt claims.
+"""The store part of the cache: quota fit, room, two-phase stores, corrupt claims.
 
-Part of :class:`~kvtierd.cache.TieredCache` (kvtierd.cache.cache), which owns every attribute
-named here: :class:`Stores` is the half of that one class that reserves, commits and aborts
-entries (kvtierd.cache.reads is the half that pins and holds them; kvtierd.cache.flows runs
-the waiting and hashing around these calls, off the event loop where it hashes).
+:class:`Stores` is handed the cache's :class:`~kvtierd.cache.state.CacheState` by
+:class:`~kvtierd.cache.TieredCache` and reserves, commits and aborts its entries
+(kvtierd.cache.reads pins and holds them; kvtierd.cache.flows runs the hashing around these
+calls, off the event loop). A tenant's host bytes are the state's admission's to count and refuse
+(kvtierd.cache.admission); evicting its own blocks to keep to them is done here.
 
 * ``fit`` / ``room_for`` / ``fit_tenant``: a tenant's host quota, evicting what they may (held
   below first); ``make_room`` / ``clean_quota``: the flushes a batch waits for (what it evicts).
-* ``prepare_store`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
+* ``reserve`` -> per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED;
   ``complete_store(ok)`` -> WRITING entries become READY, or are freed.
 * ``corrupt_claims`` / ``drop_corrupt``: a load's claims of bytes that failed verification,
   checked against the slots and dropped only when they really differ.
@@ -18,20 +19,17 @@ Concurrency: event-loop thread only, no locks (the cache's).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Sequence, Set
 
 from kvtier_contract.errors import InvalidArgument, ResourceExhausted
-from kvtierd.cache.chain import TierLink
-from kvtierd.cache.fleet import SharedLink
-from kvtierd.cache.jobs import JobTable, LoadJob, StoreJob, check_live
-from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
+from kvtierd.cache.jobs import LoadJob, StoreJob, check_live
+from kvtierd.cache.residency import ROOM_WAIT_S
+from kvtierd.cache.state import CacheState
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.events import MEDIUM_CPU
 from kvtierd.events.wire import pack_tokens
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.policies import EvictionPolicy
 from kvtierd.sessions import Session
-from kvtierd.tiers import HostTier
 
 
 def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
@@ -105,25 +103,18 @@ def _split_batch(
 
 
 class Stores:
-    """The store half of :class:`~kvtierd.cache.TieredCache`; see the module docstring. The
-    attributes below are the cache's."""
+    """The store part of :class:`~kvtierd.cache.TieredCache`: reserves, commits and aborts
+    entries of the cache's ``state`` (see the module docstring); the tenant's host bytes are
+    counted and refused by the state's admission. Owns nothing of its own; event-loop thread
+    only (the cache's)."""
 
-    host: HostTier
-    policy: EvictionPolicy[Entry]
-    residency: HostResidency
-    host_quota: Callable[[NamespaceState], int | None]
-    chain: list[TierLink]
-    fleet: SharedLink | None
-    namespaces: dict[int, NamespaceState]
-    jobs: JobTable
-    pinned_blocks: int
-    writing_blocks: int
-    verify_bytes: bool
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
 
     def fit(self, ns: NamespaceState, n_blocks: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
         (``fit_tenant``; nothing to do without one)."""
-        quota = self.host_quota(ns)
+        quota = self.state.admission.host_quota(ns)
         if quota is not None and ns.spec.tenant is not None and n_blocks:
             self.fit_tenant(ns.spec.tenant, n_blocks * ns.slot_bytes, quota, protect)
 
@@ -139,29 +130,29 @@ class Stores:
                 n //= 2
         return 0
 
-    def tenant_host_bytes(self, tenant: str) -> int:
-        """Bytes of ``tenant``'s resident, reserved (WRITING: a store that never completes holds
-        them against its own quota) and limbo host slots, O(namespaces)."""
-        return sum(
-            (ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) * ns.slot_bytes
-            for ns in self.namespaces.values()
-            if ns.spec.tenant == tenant
-        )
-
     def fit_tenant(self, tenant: str, new_bytes: int, quota: int, protect: Set[Entry] = frozenset()) -> None:
         """Make ``new_bytes`` of host slots fit ``tenant``'s ``quota``: its own coldest
         evictable blocks go, those held below first (never another tenant's, nor those in
         ``protect``); ResourceExhausted (quota host_bytes) when they cannot."""
-        excess = self.tenant_host_bytes(tenant) + new_bytes - quota
+        admission = self.state.admission
+        excess = admission.tenant_host_bytes(tenant) + new_bytes - quota
         if excess <= 0:
             return
         if new_bytes > quota:
-            msg = f"quota host_bytes ({quota}) is smaller than one batch of {new_bytes} bytes"
-            raise ResourceExhausted(msg, field="quota", quota="host_bytes")
+            raise admission.refuse_host(quota, tenant, new_bytes)
+        victims = self._own_victims(tenant, excess, protect)
+        if sum(e.ns.slot_bytes for e in victims) < excess:
+            raise admission.refuse_host(quota, tenant, new_bytes)
+        for e in victims:
+            self.state.residency.evict(e)
+
+    def _own_victims(self, tenant: str, excess: int, protect: Set[Entry]) -> list[Entry]:
+        """``tenant``'s coldest evictable host blocks (held below first, each coldest first)
+        until ``excess`` bytes, or as many as there are within the scan."""
         mine: list[Entry] = []
         found = clean = 0  # bytes of those seen, of those held below (evicting them loses nothing)
-        look = 1024 if any(link.admitting for link in self.chain) else 0  # (for clean ones)
-        for n, e in enumerate(self.policy.victims()):
+        look = 1024 if any(link.admitting for link in self.state.chain) else 0  # (for clean ones)
+        for n, e in enumerate(self.state.policy.victims()):
             if clean >= excess or n > 1 << 16 or (found >= excess and n > look):
                 break
             if e.ns.spec.tenant == tenant and e.evictable() and e.in_host and e not in protect:
@@ -174,12 +165,7 @@ class Stores:
                 break
             victims.append(e)
             excess -= e.ns.slot_bytes
-        if excess > 0:
-            msg = f"quota host_bytes ({quota}) reached by tenant {tenant} "
-            msg += "(its blocks are pinned or being written)"
-            raise ResourceExhausted(msg, field="quota", quota="host_bytes")
-        for e in victims:
-            self.residency.evict(e)
+        return victims
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -187,31 +173,34 @@ class Stores:
         """Backpressure before a store (no-op without a chain): ``clean_quota`` then ``fit``,
         then the chain cleans the arena's cold end, so the new blocks evict only blocks held
         below; both waits together at most ROOM_WAIT_S."""
-        if not self.chain:
+        if not self.state.chain:
             return
         deadline = time.monotonic() + ROOM_WAIT_S
-        if self.host_quota(ns) is not None:
+        if self.state.admission.host_quota(ns) is not None:
             await self.clean_quota(ns, len(keys))  # (as ``fit`` counts them)
             self.fit(ns, len(keys))
         new = sum(1 for k in keys if k not in ns.entries)
-        await self.chain[0].ensure_room(
+        await self.state.chain[0].ensure_room(
             ns.slot_bytes, new, max(0.0, deadline - time.monotonic()), pool=ns.pool
         )
 
     async def clean_quota(self, ns: NamespaceState, n_blocks: int, timeout_s: float = ROOM_WAIT_S) -> None:
         """Let the chain write down the coldest blocks of ``ns``'s tenant that ``n_blocks`` new
         host slots of ``ns`` would evict (``fit``: its ``host_bytes``), up to ``timeout_s``."""
-        quota, tenant = self.host_quota(ns), ns.spec.tenant
-        if quota is None or tenant is None or not n_blocks or not self.chain:
+        admission = self.state.admission
+        quota, tenant = admission.host_quota(ns), ns.spec.tenant
+        if quota is None or tenant is None or not n_blocks or not self.state.chain:
             return
         new_bytes = n_blocks * ns.slot_bytes
 
         def need() -> int:
-            return self.tenant_host_bytes(tenant) + new_bytes - quota
+            return admission.tenant_host_bytes(tenant) + new_bytes - quota
 
-        await self.chain[0].clean_cold_end(need, lambda e: e.ns.spec.tenant == tenant, timeout_s, 1 << 16)
+        await self.state.chain[0].clean_cold_end(
+            need, lambda e: e.ns.spec.tenant == tenant, timeout_s, 1 << 16
+        )
 
-    def prepare_store(
+    def reserve(
         self,
         session: Session,
         ns: NamespaceState,
@@ -221,18 +210,17 @@ class Stores:
         token_ids: Sequence[int] = (),
         parent: bytes | None = None,
     ) -> tuple[StoreJob | None, bytes, list[int]]:
-        """Reserve the keys not held yet. ``token_ids`` (all the keys' tokens, or none) and
-        ``parent`` (the key before ``keys[0]``, or None) are kept with each reserved entry
-        while KV events are on, for its ``BlockStored``; checked either way (InvalidArgument
-        naming ``token_ids`` / ``parent_key``, nothing changed)."""
-        check_origin(ns, keys, token_ids, parent)
+        """Reserve the keys not held yet (``TieredCache.prepare_store`` checked the request and
+        made room). ``token_ids`` (all the keys' tokens, or none) and ``parent`` (the key before
+        ``keys[0]``, or None) are kept with each reserved entry while KV events are on, for its
+        ``BlockStored``."""
         check_live(session)  # (jobs attach only to live sessions)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
         fresh, protect = _split_batch(ns, keys, status)
-        job_id = self.jobs.next_id()
+        job_id = self.state.jobs.next_id()
         items = self._reserve(ns, fresh, protect, job_id, status, offsets)
-        if self.residency.events is not None:
+        if self.state.residency.events.publishing:
             _keep_origins(ns, keys, items, token_ids, parent)
         rejected = len(fresh) - len(items)  # (each placed key has its entry)
         if rejected:
@@ -242,9 +230,9 @@ class Stores:
         if not items:
             return None, bytes(status), offsets
         job = StoreJob(job_id, session.id, ns, transport, items)
-        self.jobs.add(job)
+        self.state.jobs.add(job)
         session.store_jobs.add(job_id)
-        self.writing_blocks += len(items)
+        self.state.writing_blocks += len(items)
         ns.writing_blocks += len(items)
         return job, bytes(status), offsets
 
@@ -262,7 +250,9 @@ class Stores:
         offset in ``offsets``: batch index -> entry. One walk of the victims for the batch;
         the keys past that prefix cannot be placed now (nothing evictable for this class: the
         rest of the batch cannot fit either)."""
-        placed = self.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) if fresh else []
+        placed = (
+            self.state.residency.allocate_many(ns.slot_bytes, len(fresh), protect, ns.pool) if fresh else []
+        )
         items: dict[int, Entry] = {}
         for (k, i), off in zip(fresh.items(), placed, strict=False):  # (placed: a prefix)
             e = Entry(ns, k, off, job_id)
@@ -272,29 +262,21 @@ class Stores:
             offsets[i] = off
         return items
 
-    def complete_store(
-        self,
-        session: Session,
-        job_id: int,
-        ok: bool,
-        item_ok: Sequence[bool] = (),
-        *,
-        hold_until: float = 0.0,
-        digests: Sequence[int] = (),
-    ) -> tuple[int, int]:
-        """``digests``: one per reserved key (their order), each committed block's digest
-        (kvtierd.cache.flows computes or checks them); empty: tcp jobs take the digests of what
-        the data channel received, other blocks get none."""
-        job = self.jobs.get(session.id, job_id, StoreJob)
-        self.jobs.not_copying(job_id)
+    def checked_job(
+        self, session: Session, job_id: int, item_ok: Sequence[bool], digests: Sequence[int]
+    ) -> StoreJob:
+        """A CompleteStore's job, checked before anything changes: live and ``session``'s, no
+        CUDA copy in flight, one ``item_ok`` and (when any) one digest per reserved key."""
+        job = self.state.jobs.get(session.id, job_id, StoreJob)
+        self.state.jobs.not_copying(job_id)
+        check_digest_count(digests, job)
         if item_ok and len(item_ok) != len(job.items):
             raise InvalidArgument(
                 f"has {len(item_ok)} values for {len(job.items)} reserved keys", field="item_ok"
             )
-        check_digest_count(digests, job)
-        return self._end_store(session, job, ok, item_ok, hold_until, digests)
+        return job
 
-    def _end_store(
+    def end_store(
         self,
         session: Session,
         job: StoreJob,
@@ -303,7 +285,7 @@ class Stores:
         hold_until: float,
         digests: Sequence[int] = (),
     ) -> tuple[int, int]:
-        self.jobs.remove(job)
+        self.state.jobs.remove(job)
         session.store_jobs.discard(job.id)
         committed: list[Entry] = []
         aborted = 0
@@ -315,16 +297,16 @@ class Stores:
             if good:
                 e.state = EntryState.READY
                 e.job = 0
-                if self.verify_bytes:
+                if self.state.verify_bytes:
                     e.digest = digests[n] if digests else job.digests.get(i)
                 ns.ready[e.key] = e
-                self.policy.insert(e)
-                self.residency.count(e, +1)
+                self.state.policy.insert(e)
+                self.state.residency.count(e, +1)
                 committed.append(e)
             else:
-                self.residency.free_reserved(e, hold_until)
+                self.state.residency.free_reserved(e, hold_until)
                 aborted += 1
-        self.writing_blocks -= len(job.items)
+        self.state.writing_blocks -= len(job.items)
         job.ns.writing_blocks -= len(job.items)
         if committed:
             self._announce_committed(committed)
@@ -337,12 +319,11 @@ class Stores:
     def _announce_committed(self, committed: list[Entry]) -> None:
         """Blocks just committed (READY in the host tier) told to the KV events, to each
         storage tier's link (its write policy) and to the cluster tier's."""
-        if self.residency.events is not None:
-            self.residency.events.stored(committed, MEDIUM_CPU)
-        for link in self.chain:
+        self.state.residency.events.stored(committed, MEDIUM_CPU)
+        for link in self.state.chain:
             link.on_committed(committed)
-        if self.fleet is not None:
-            self.fleet.on_committed(committed)
+        if self.state.fleet is not None:
+            self.state.fleet.on_committed(committed)
 
     def corrupt_claims(self, session: Session, job_id: int, indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
@@ -350,8 +331,8 @@ class Stores:
         (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
         client cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ.
         Every index is checked first (INVALID_ARGUMENT, nothing changes)."""
-        job = self.jobs.get(session.id, job_id, LoadJob)
-        self.jobs.moves_bytes(job)
+        job = self.state.jobs.get(session.id, job_id, LoadJob)
+        self.state.jobs.moves_bytes(job)
         if len(indexes) > len(job.items):
             raise InvalidArgument(
                 f"has {len(indexes)} indexes for a job of {len(job.items)} blocks", field="corrupt"
@@ -381,19 +362,17 @@ class Stores:
             if not e.evictable():
                 if not e.copies:  # (with a copy it would stay in the index unserved for good)
                     ns.ready.pop(e.key, None)
-                    if self.residency.events is not None:
-                        self.residency.events.removed((e,), MEDIUM_CPU)
+                    self.state.residency.events.removed((e,), MEDIUM_CPU)
                 continue
-            if self.residency.events is not None:
-                self.residency.events.removed((e,), MEDIUM_CPU)
-            self.policy.remove(e, evicted=False)
-            self.residency.count(e, -1)
-            self.host.free(e.offset, ns.slot_bytes)
+            self.state.residency.events.removed((e,), MEDIUM_CPU)
+            self.state.policy.remove(e, evicted=False)
+            self.state.residency.count(e, -1)
+            self.state.host.free(e.offset, ns.slot_bytes)
             e.offset = -1
             if not e.copies:
-                self.residency.forget(e)
+                self.state.residency.forget(e)
             else:
-                for link in self.chain:
+                for link in self.state.chain:
                     link.on_host_evicted(e)
         return n
 

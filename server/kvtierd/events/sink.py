@@ -1,14 +1,19 @@
-"""The cache's side of KV events: :class:`BlockEvents` takes what the cache says, in O(1) per
-call, and hands it to the publisher's bounded :class:`EventQueue`.
+"""The cache's side of KV events: the :class:`EventSink` seam, always present in the cache.
+:class:`BlockEvents` takes what the cache says, in O(1) per call, and hands it to the
+publisher's bounded :class:`EventQueue`; :class:`NoEvents` (events off) drops it.
 
 Primitives (called by the cache, kvtierd.cache, where a block becomes visible in a tier or
 leaves it): ``stored(entries, medium)``, ``removed(entries, medium)``; ``cleared()`` once, at
-start. A call only appends a record to a list; the list goes to the queue once per event-loop
-iteration (``loop.call_soon``), or at once where no loop runs yet (the NVMe recovery at start,
-which waits for room instead of dropping). Records hold the entries themselves: the publisher
-thread reads only what never changes after a reservation (``key``, ``ns.spec``, ``origin``).
+start; ``flush()`` at the drain; ``publishing``: whether anything is told (entries keep their
+token ids and parents only then). The composition root (kvtierd.app.build.event_sink) picks
+one sink per daemon, once. In ``BlockEvents`` a call only appends a record to a list; the list
+goes to the queue once per event-loop iteration (``loop.call_soon``), or at once where no loop
+runs yet (the NVMe recovery at start, which waits for room instead of dropping). Records hold
+the entries themselves: the publisher thread reads only what never changes after a
+reservation (``key``, ``ns.spec``, ``origin``).
 
-Concurrency: ``BlockEvents``: event-loop thread only. ``EventQueue``: any thread (one lock).
+Concurrency: ``BlockEvents``: event-loop thread only. ``NoEvents``: stateless, any thread.
+``EventQueue``: any thread (one lock).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvtierd.events.wire import Medium
 
@@ -77,8 +82,48 @@ class EventQueue:
         return self._blocks
 
 
+class EventSink(Protocol):
+    """What the cache calls where a block enters or leaves a tier (see the module docstring)."""
+
+    @property
+    def publishing(self) -> bool: ...
+
+    def stored(self, entries: Iterable[Entry], medium: Medium) -> None: ...
+
+    def removed(self, entries: Iterable[Entry], medium: Medium) -> None: ...
+
+    def cleared(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class NoEvents:
+    """The sink while KV events are off: every call does nothing. Owns nothing; any thread."""
+
+    publishing = False
+
+    def stored(self, entries: Iterable[Entry], medium: Medium) -> None:
+        pass
+
+    def removed(self, entries: Iterable[Entry], medium: Medium) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+NO_EVENTS = NoEvents()
+"""The one no-op sink (stateless: shared by every cache that publishes nothing)."""
+
+
 class BlockEvents:
-    """What the cache calls (see the module docstring). Event-loop thread only."""
+    """What the cache calls while KV events are on (see the module docstring). Owns the
+    records of the current event-loop iteration; event-loop thread only."""
+
+    publishing = True
 
     def __init__(self, queue: EventQueue) -> None:
         self.queue = queue

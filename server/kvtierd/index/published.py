@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtierd.index.publisher import BACKGROUND_FROM, NamespaceState, Publisher, ReadyMap
-from kvtierd.index.segment import Segment, _future_write_seal
+from kvtierd.index.segment import Segment, seals_future_writes
 
 __all__ = ["BACKGROUND_FROM", "NamespaceState", "Publisher", "Publishers", "ReadyMap", "Segment"]
 
@@ -75,7 +75,7 @@ class Publishers:
         """``clock``: idle time (s); ``stamp_clock``: the segments' liveness stamps (ns)."""
         self.boot_epoch = boot_epoch
         self.flags = flags  # pi.FLAG_* written into every segment (a cluster tier behind)
-        self.enabled = enabled and sys.byteorder == "little" and _future_write_seal()
+        self.enabled = enabled and sys.byteorder == "little" and seals_future_writes()
         self.idle_retire_s = idle_retire_s
         self.background_from = background_from
         self._clock = clock

@@ -220,7 +220,7 @@ class Segment:
         os.close(self.fd)
 
 
-def _future_write_seal() -> bool:
+def seals_future_writes() -> bool:
     """Whether this kernel seals a memfd against new writable mappings (Linux 5.1+)."""
     try:
         fd = os.memfd_create("kvtier-seal-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

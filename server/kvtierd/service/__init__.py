@@ -9,38 +9,24 @@ index or memory; every reply carries the boot epoch. Runs on the daemon's event 
 * :mod:`~kvtierd.service.registration`: :func:`add_to_server` (lenient request decoding);
 * :mod:`~kvtierd.service.channel`: the control channel's dispatch (the frames themselves:
   :mod:`kvtierd.transports.control`);
-* :mod:`~kvtierd.service.base`: the state and checks the handler families share;
-* the handler families: :mod:`~kvtierd.service.sessions` (sessions and namespaces),
-  :mod:`~kvtierd.service.lookups`, :mod:`~kvtierd.service.transfers` (stores and loads; the
-  flows that wait or hash are the cache's, :mod:`kvtierd.cache.flows`),
+* :mod:`~kvtierd.service.servicer`: :class:`KvtierService`, the gRPC servicer: each RPC through
+  the gate to its handler family;
+* :mod:`~kvtierd.service.scope`: the caller's checks and the settings the families share;
+* the handler families, plain classes each handed the parts it uses:
+  :mod:`~kvtierd.service.sessions` (sessions and namespaces), :mod:`~kvtierd.service.lookups`,
+  :mod:`~kvtierd.service.transfers` (stores and loads; the admission and the flows that hash
+  are the cache's: :mod:`kvtierd.cache.admission`, :mod:`kvtierd.cache.flows`),
   :mod:`~kvtierd.service.cuda`, :mod:`~kvtierd.service.stats`.
 
 Health and reflection are other services and never refused.
 """
 
-from kvtier_contract.v1 import kvtier_pb2_grpc as pb_grpc
-from kvtierd.service.base import BAD_INPUT_LOG_INTERVAL_S, ServiceBase
 from kvtierd.service.channel import ChannelDispatch
-from kvtierd.service.cuda import CudaHandlers
 from kvtierd.service.gate import CALLER, CREDENTIAL, NEVER_SHED, ChannelAbort, ChannelContext, Undecodable
-from kvtierd.service.lookups import MAX_SLICES, NO_OFFSET, LookupHandlers
+from kvtierd.service.lookups import MAX_SLICES, NO_OFFSET
 from kvtierd.service.registration import add_to_server
-from kvtierd.service.sessions import SessionHandlers
-from kvtierd.service.stats import StatsHandlers, salt_tag
-from kvtierd.service.transfers import TransferHandlers
-
-
-class KvtierService(
-    SessionHandlers,
-    LookupHandlers,
-    TransferHandlers,
-    CudaHandlers,
-    StatsHandlers,
-    pb_grpc.KvtierServicer,  # type: ignore[misc]
-):
-    """The control plane: every Kvtier handler, one family per base class. Owns nothing but its
-    latency histograms and error counts (per method and status); event-loop thread only."""
-
+from kvtierd.service.servicer import BAD_INPUT_LOG_INTERVAL_S, KvtierService
+from kvtierd.service.stats import salt_tag
 
 __all__ = [
     "BAD_INPUT_LOG_INTERVAL_S",
@@ -53,7 +39,6 @@ __all__ = [
     "ChannelContext",
     "ChannelDispatch",
     "KvtierService",
-    "ServiceBase",
     "Undecodable",
     "add_to_server",
     "salt_tag",

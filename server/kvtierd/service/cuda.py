@@ -8,31 +8,31 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.service.base import ServiceBase
-from kvtierd.service.gate import rpc
+from kvtierd.service.scope import Scope, ServiceSettings
 
 
-class CudaHandlers(ServiceBase):
+class CudaHandlers:
     """RegisterCudaBuffer, ReleaseCudaBuffer, CudaCopy (see the module docstring)."""
 
-    @rpc
+    def __init__(self, scope: Scope, settings: ServiceSettings) -> None:
+        self.scope = scope
+        self.settings = settings
+
     async def RegisterCudaBuffer(self, request: pb.RegisterCudaBufferRequest, context: Any) -> Any:
-        cuda = self._cuda()
-        s = self._session(request.session_id)
+        cuda = self.scope.cuda_transport()
+        s = self.scope.session(request.session_id)
         buffer_id = await cuda.register(
             s, request.device_uuid, request.ipc_handle, request.handle_offset, request.buffer_bytes
         )
-        return pb.RegisterCudaBufferReply(boot_epoch=self.boot_epoch, buffer_id=buffer_id)
+        return pb.RegisterCudaBufferReply(boot_epoch=self.settings.boot_epoch, buffer_id=buffer_id)
 
-    @rpc
     async def ReleaseCudaBuffer(self, request: pb.ReleaseCudaBufferRequest, context: Any) -> Any:
-        cuda = self._cuda()
-        cuda.release(self._session(request.session_id), request.buffer_id)
-        return pb.ReleaseCudaBufferReply(boot_epoch=self.boot_epoch)
+        cuda = self.scope.cuda_transport()
+        cuda.release(self.scope.session(request.session_id), request.buffer_id)
+        return pb.ReleaseCudaBufferReply(boot_epoch=self.settings.boot_epoch)
 
-    @rpc
     async def CudaCopy(self, request: pb.CudaCopyRequest, context: Any) -> Any:
-        cuda = self._cuda()
-        s = self._session(request.session_id)
+        cuda = self.scope.cuda_transport()
+        s = self.scope.session(request.session_id)
         copies, nbytes = await cuda.copy(s, request.job_id, request.buffer_id, list(request.buffer_offsets))
-        return pb.CudaCopyReply(boot_epoch=self.boot_epoch, copies=copies, bytes=nbytes)
+        return pb.CudaCopyReply(boot_epoch=self.settings.boot_epoch, copies=copies, bytes=nbytes)

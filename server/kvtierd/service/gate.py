@@ -90,7 +90,7 @@ class ChannelContext:
 
 
 class GateState(Protocol):
-    """What the gate reads and feeds of the service (kvtierd.service.base.ServiceBase)."""
+    """What the gate reads and feeds of the service (kvtierd.service.KvtierService)."""
 
     tenancy: Tenancy
     inflight: int

@@ -1,7 +1,6 @@
 """Handlers of lookups: Lookup, LookupSlices (one lookup over an engine's tensor-parallel
 slices, all or nothing), Prefetch. Each translates its request into TieredCache lookup calls and
-their answer into a reply. Event-loop thread only (see
-:class:`~kvtierd.service.base.ServiceBase`).
+their answer into a reply. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -13,39 +12,42 @@ from typing import Any
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.protoutil import split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache import TieredCache
 from kvtierd.cache.jobs import LoadJob
 from kvtierd.cache.lookup import PREFETCH, SHARED, LookupOptions
 from kvtierd.domain import TierId
 from kvtierd.index import NamespaceState
-from kvtierd.service.base import ServiceBase
-from kvtierd.service.gate import rpc
+from kvtierd.service.scope import Scope, ServiceSettings
 from kvtierd.sessions import Session
 
 NO_OFFSET = (1 << 64) - 1  # a held hit whose host slot may change has no offset to read
 MAX_SLICES = 64  # namespaces per LookupSlices call (an engine's TP ranks)
 
 
-class LookupHandlers(ServiceBase):
+class LookupHandlers:
     """Lookup, LookupSlices, Prefetch (see the module docstring)."""
 
-    @rpc
+    def __init__(self, scope: Scope, settings: ServiceSettings, cache: TieredCache) -> None:
+        self.scope = scope
+        self.settings = settings
+        self.cache = cache
+
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> Any:
-        s = self._session(request.session_id)
-        ns = self._namespace(request.namespace_id)
-        keys = split_keys(request.keys, self.max_batch)
-        base = self._arena_base(s, ns) if request.pin else 0
+        s = self.scope.session(request.session_id)
+        ns = self.scope.namespace(request.namespace_id)
+        keys = split_keys(request.keys, self.settings.max_batch)
+        base = self.scope.arena_base(s, ns) if request.pin else 0
         return (await self._lookup(s, ns, keys, request.pin, base, promote=not request.hold_only))[0]
 
-    @rpc
     async def LookupSlices(self, request: pb.LookupSlicesRequest, context: Any) -> Any:
         """Every argument is checked before anything is pinned; a failure after the first pin
         (a quota, the session gone) releases the pins taken so far, and so does a slice with
         no hit (the common prefix is empty: every slice's reply then has job_id 0). The loop
         yields between slices, so one big call (up to 64 slices) never holds the event loop for
         more than one slice's lookup (docs/benchmarks.md §21)."""
-        s = self._session(request.session_id)
+        s = self.scope.session(request.session_id)
         nss, chains = self._slices(request)
-        bases = [self._arena_base(s, ns) if request.pin else 0 for ns in nss]
+        bases = [self.scope.arena_base(s, ns) if request.pin else 0 for ns in nss]
         replies: list[Any] = []
         pinned: list[LoadJob] = []
         hit: int | None = None
@@ -53,7 +55,7 @@ class LookupHandlers(ServiceBase):
             for n, (ns, keys, base) in enumerate(zip(nss, chains, bases, strict=True)):
                 if n:  # other callers' RPCs run between slices: one slice at most delays them
                     await asyncio.sleep(0)
-                    s = self._session(request.session_id)  # (closed meanwhile: NOT_FOUND)
+                    s = self.scope.session(request.session_id)  # (closed meanwhile: NOT_FOUND)
                 reply, job = await self._lookup(
                     s,
                     ns,
@@ -74,7 +76,7 @@ class LookupHandlers(ServiceBase):
             raise
         if pinned and not hit:  # a slice holds none of it: nothing is loadable, nothing pinned
             self._unpin_slices(s, pinned, replies)
-        return pb.LookupSlicesReply(boot_epoch=self.boot_epoch, hit_blocks=hit or 0, slices=replies)
+        return pb.LookupSlicesReply(boot_epoch=self.settings.boot_epoch, hit_blocks=hit or 0, slices=replies)
 
     def _unpin_slices(self, s: Session, pinned: list[LoadJob], replies: list[Any]) -> None:
         """The common prefix is empty: the slices' pins released, and every reply says so
@@ -97,7 +99,9 @@ class LookupHandlers(ServiceBase):
             raise InvalidArgument(
                 f"{len(request.keys)} key chains for {len(ids)} namespaces (one per namespace)", field="keys"
             )
-        return [self._namespace(i) for i in ids], [list(split_keys(k, self.max_batch)) for k in request.keys]
+        return [self.scope.namespace(i) for i in ids], [
+            list(split_keys(k, self.settings.max_batch)) for k in request.keys
+        ]
 
     async def _lookup(
         self,
@@ -112,12 +116,13 @@ class LookupHandlers(ServiceBase):
         """One namespace's lookup (``base``: the session's arena start, for a pin's offsets):
         its reply, and the job holding its pins (``promote`` False: ``hold_only``)."""
         if pin:
-            self._check_jobs(s)
+            caller = self.scope.caller()
+            self.cache.admission.admit_jobs(caller, s)
             held = await self.cache.lookup(ns, keys, LookupOptions(pin=s, promote=promote, shared=True))
             job, tiers = held.job, held.tiers
             if job is None:
-                return pb.LookupReply(boot_epoch=self.boot_epoch), None
-            self._check_pins(s, job)
+                return pb.LookupReply(boot_epoch=self.settings.boot_epoch), None
+            self.cache.admit_pins(caller, s, job)
             n = len(job.items)
             # A hold keeps a block's last copy: its host slot only while it has no copy below.
             offsets = [
@@ -125,17 +130,21 @@ class LookupHandlers(ServiceBase):
                 for e, t in zip(job.items.values(), tiers, strict=True)
             ]
             return pb.LookupReply(
-                boot_epoch=self.boot_epoch, hit_blocks=n, job_id=job.id, tiers=tiers, offsets=offsets
+                boot_epoch=self.settings.boot_epoch, hit_blocks=n, job_id=job.id, tiers=tiers, offsets=offsets
             ), job
         found = await self.cache.lookup(ns, keys, SHARED)
         return pb.LookupReply(
-            boot_epoch=self.boot_epoch, hit_blocks=found.hit, tiers=found.tiers, durable=found.durable
+            boot_epoch=self.settings.boot_epoch,
+            hit_blocks=found.hit,
+            tiers=found.tiers,
+            durable=found.durable,
         ), None
 
-    @rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> Any:
-        self._session(request.session_id)
-        ns = self._namespace(request.namespace_id)
-        keys = split_keys(request.keys, self.max_batch)
+        self.scope.session(request.session_id)
+        ns = self.scope.namespace(request.namespace_id)
+        keys = split_keys(request.keys, self.settings.max_batch)
         found = await self.cache.lookup(ns, keys, PREFETCH)
-        return pb.PrefetchReply(boot_epoch=self.boot_epoch, ready_blocks=found.hit, promoting=found.promoting)
+        return pb.PrefetchReply(
+            boot_epoch=self.settings.boot_epoch, ready_blocks=found.hit, promoting=found.promoting
+        )

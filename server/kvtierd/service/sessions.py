@@ -1,7 +1,7 @@
 """Handlers of sessions and namespaces: RegisterNamespace, OpenSession, Heartbeat (with the
 clients' published-index lookup tallies), CloseSession. Each translates its request into
 SessionTable / TieredCache calls and their answer into a reply, after the caller's tenant's
-checks. Event-loop thread only (see :class:`~kvtierd.service.base.ServiceBase`).
+checks. Event-loop thread only .
 """
 
 from __future__ import annotations
@@ -12,20 +12,29 @@ from typing import Any
 from kvtier_contract.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvtier_contract.protoutil import namespace_from_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache import TieredCache
 from kvtierd.domain import Transport
 from kvtierd.index import NamespaceState
-from kvtierd.service.base import ServiceBase
-from kvtierd.service.gate import CALLER, CREDENTIAL, rpc
+from kvtierd.service.gate import CALLER, CREDENTIAL
+from kvtierd.service.scope import Scope, ServiceSettings
+from kvtierd.sessions import SessionTable
 from kvtierd.tenants import Tenant
 
 _MAX_TALLY = 1 << 32  # blocks per namespace per heartbeat: far above any real rate
 _COUNTER_CAP = (1 << 63) - 1  # counters fed by clients' tallies stop here (uint64 in Stats)
 
 
-class SessionHandlers(ServiceBase):
+class SessionHandlers:
     """RegisterNamespace, OpenSession, Heartbeat, CloseSession (see the module docstring)."""
 
-    @rpc
+    def __init__(
+        self, scope: Scope, settings: ServiceSettings, cache: TieredCache, sessions: SessionTable
+    ) -> None:
+        self.scope = scope
+        self.settings = settings
+        self.cache = cache
+        self.sessions = sessions
+
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context: Any) -> Any:
         spec = namespace_from_spec(request.spec)
         if request.digest and request.digest != spec.digest:
@@ -39,7 +48,10 @@ class SessionHandlers(ServiceBase):
             self._tenant_may_register(caller, spec)
         ns = self.cache.register_namespace(spec)
         return pb.RegisterNamespaceReply(
-            boot_epoch=self.boot_epoch, namespace_id=ns.id, block_bytes=ns.block_bytes, digest=spec.digest
+            boot_epoch=self.settings.boot_epoch,
+            namespace_id=ns.id,
+            block_bytes=ns.block_bytes,
+            digest=spec.digest,
         )
 
     def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
@@ -53,21 +65,14 @@ class SessionHandlers(ServiceBase):
             raise PermissionDenied(
                 f"{spec.tenant!r} is not the tenant of this credential", field="spec.tenant"
             )
-        if spec.namespace_id not in self.cache.namespaces:
-            self.tenancy.check(
-                caller,
-                "namespaces",
-                1 + sum(1 for ns in self.cache.namespaces.values() if ns.spec.tenant == spec.tenant),
-                f"tenant {spec.tenant}",
-            )
+        self.cache.admission.admit_namespace(caller, spec.namespace_id, spec.tenant)
 
-    @rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
-        if self.draining:
+        if self.settings.draining:
             raise Unavailable("daemon is draining")
         if request.transport not in set(Transport) | {pb.TRANSPORT_UNSPECIFIED}:
             raise InvalidArgument(f"unsupported transport {request.transport}", field="transport")
-        transport = self._transport(request.transport or pb.TRANSPORT_SHM)
+        transport = self.scope.transport(request.transport or pb.TRANSPORT_SHM)
         caller = CALLER.get()
         tenant = caller.name if caller is not None else None
         if caller is not None and transport.label not in caller.transports:
@@ -76,8 +81,7 @@ class SessionHandlers(ServiceBase):
                 f"(allowed: {', '.join(sorted(caller.transports))})",
                 field="transport",
             )
-        if caller is not None:
-            self.tenancy.check(caller, "sessions", len(self.sessions.of_tenant(caller.name)) + 1)
+        self.cache.admission.admit_session(caller)
         s = self.sessions.open(
             request.client_name,
             request.lease_ttl_ms / 1000.0,
@@ -86,38 +90,40 @@ class SessionHandlers(ServiceBase):
             caller.max_lease_s if caller is not None else None,
             CREDENTIAL.get(),
         )
-        adv, pool = self.advertise(), self.mapped_arena(s)
+        adv, pool = self.settings.advertise(), self.scope.mapped_arena(s)
         return pb.OpenSessionReply(
-            boot_epoch=self.boot_epoch,
+            boot_epoch=self.settings.boot_epoch,
             session_id=s.id,
             lease_ttl_ms=int(s.ttl_s * 1000),
             shm_socket=adv["shm_socket"],
             data_host=adv["data_host"],
             data_port=adv["data_port"],
             arena_bytes=self.cache.host.pool_bytes[pool] if pool is not None else 0,
-            max_batch_blocks=self.max_batch,
+            max_batch_blocks=self.settings.max_batch,
             data_secret=s.data_secret,
             data_tls=adv.get("data_tls", False),
             lookup_slices=True,
-            tier_figures=self._tier_figures(),
+            tier_figures=self.scope.tier_figures(),
             tenant=tenant or "",
         )
 
-    @rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
-        s = self._session(request.session_id)
+        s = self.scope.session(request.session_id)
         if request.local_lookups:
             self._count_local_lookups(request.local_lookups)
         return pb.HeartbeatReply(
-            boot_epoch=self.boot_epoch, lease_ttl_ms=int(s.ttl_s * 1000), tier_figures=self._tier_figures()
+            boot_epoch=self.settings.boot_epoch,
+            lease_ttl_ms=int(s.ttl_s * 1000),
+            tier_figures=self.scope.tier_figures(),
         )
 
     def _count_local_lookups(self, tallies: Sequence[Any]) -> None:
         """Add clients' published-index lookups to their namespaces' counters: all checked
         first, so a bad tally changes nothing. Counters saturate (a client cannot wrap them)."""
-        if len(tallies) > len(self._visible()):
+        if len(tallies) > len(self.scope.visible()):
             raise InvalidArgument(
-                f"has {len(tallies)} entries for {len(self._visible())} namespaces", field="local_lookups"
+                f"has {len(tallies)} entries for {len(self.scope.visible())} namespaces",
+                field="local_lookups",
             )
         checked: dict[int, tuple[Any, Any]] = {}
         for i, t in enumerate(tallies):
@@ -132,7 +138,7 @@ class SessionHandlers(ServiceBase):
                     field=name,
                 )
             ns = self.cache.namespaces.get(t.namespace_id)
-            scope = self._scope()
+            scope = self.scope.scope()
             if ns is not None and scope is not None and ns.spec.tenant != scope:
                 ns = None  # another tenant's: answered as an absent one
             if ns is None:  # (INVALID_ARGUMENT: NOT_FOUND would read as a forgotten session)
@@ -145,10 +151,9 @@ class SessionHandlers(ServiceBase):
         for ns, t in checked.values():
             _add_tally(ns, t)
 
-    @rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> Any:
-        self.sessions.close(request.session_id, self._scope())
-        return pb.CloseSessionReply(boot_epoch=self.boot_epoch)
+        self.sessions.close(request.session_id, self.scope.scope())
+        return pb.CloseSessionReply(boot_epoch=self.settings.boot_epoch)
 
 
 def _add_tally(ns: NamespaceState, t: pb.LookupTally) -> None:

@@ -1,7 +1,7 @@
 """The Stats handler and the reply it builds (also what /metrics renders): everything for the
 operator or a single-tenant daemon; for a tenant, its own namespaces and totals over them, its
 sessions, and no per-tier detail. A cache salt is shown only as :func:`salt_tag`. Event-loop
-thread only (see :class:`~kvtierd.service.base.ServiceBase`).
+thread only .
 """
 
 from __future__ import annotations
@@ -14,37 +14,54 @@ from typing import Any
 
 from kvtier_contract.protoutil import namespace_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache import TieredCache
 from kvtierd.index import NamespaceState
-from kvtierd.service.base import ServiceBase
-from kvtierd.service.gate import rpc
+from kvtierd.service.scope import Scope, ServiceSettings
+from kvtierd.sessions import SessionTable
 from kvtierd.stats import COUNTER_FIELDS, Counters
-from kvtierd.tenancy import QUOTA_NAMES
+from kvtierd.tenancy import QUOTA_NAMES, Tenancy
+from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 
-class StatsHandlers(ServiceBase):
+class StatsHandlers:
     """Stats (see the module docstring)."""
 
-    @rpc
+    def __init__(
+        self,
+        scope: Scope,
+        settings: ServiceSettings,
+        cache: TieredCache,
+        sessions: SessionTable,
+        tenancy: Tenancy,
+        cuda: CudaIpcTransport | None,
+    ) -> None:
+        self.scope = scope
+        self.settings = settings
+        self.cache = cache
+        self.sessions = sessions
+        self.tenancy = tenancy
+        self.cuda = cuda
+
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
         return self.stats_reply()
 
     def stats_reply(self) -> pb.StatsReply:
         """Everything (the operator, a single-tenant daemon, /metrics), or, for a tenant, its
         own namespaces and totals over them, its sessions, and no per-tier detail."""
-        scope = self._scope()
+        scope = self.scope.scope()
         if scope is not None:
             return self._tenant_stats(scope)
         c = self.cache
         host = c.host.stats()
         reply = pb.StatsReply(
-            boot_epoch=self.boot_epoch,
-            uptime_s=time.monotonic() - self.started,
+            boot_epoch=self.settings.boot_epoch,
+            uptime_s=time.monotonic() - self.settings.started,
             total=_counters(c.totals()),
             host_capacity_bytes=host["capacity_bytes"],
             host_used_bytes=host["used_bytes"],
             sessions=len(self.sessions),
             leases_expired=self.sessions.expired_total,
-            tier_figures=self._tier_figures(),
+            tier_figures=self.scope.tier_figures(),
             **c.figures(),
         )
         self._add_tiers(reply)
@@ -79,13 +96,13 @@ class StatsHandlers(ServiceBase):
     def _tenant_stats(self, scope: str) -> pb.StatsReply:
         """What tenant ``scope`` sees: its namespaces, totals over them, its sessions."""
         c = self.cache
-        visible = self._visible()
+        visible = self.scope.visible()
         total = Counters()
         for ns in visible:
             total.add(ns.counters)
         reply = pb.StatsReply(  # the capacity of the arena its blocks live in
-            boot_epoch=self.boot_epoch,
-            uptime_s=time.monotonic() - self.started,
+            boot_epoch=self.settings.boot_epoch,
+            uptime_s=time.monotonic() - self.settings.started,
             total=_counters(total),
             host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope)],
             host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes for ns in visible),

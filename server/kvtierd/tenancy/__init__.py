@@ -4,7 +4,7 @@ One component answers those questions for every entry of the daemon (gRPC, contr
 data channel, the shm and index handshakes, /metrics, the tiers' quotas), so that a reload's
 revocation and every quota are decided in one place (docs/security.md):
 
-* :class:`~kvtierd.tenancy.room.Tenancy`: the current tenants file, the Unix logins, who a
+* :class:`~kvtierd.tenancy.tenancy.Tenancy`: the current tenants file, the Unix logins, who a
   credential is, which sessions a reload revokes, every quota with its default;
 * :class:`~kvtierd.tenancy.ledger.Ledger`: what each tenant holds of the resources that have no
   owner object of their own to count them (control channels' buffered frame bytes).
@@ -16,6 +16,6 @@ The tenants file's format stays in :mod:`kvtierd.tenants` (parsing and validatio
 
 from kvtierd.tenancy.credential import NO_CREDENTIAL, Credential
 from kvtierd.tenancy.ledger import Ledger
-from kvtierd.tenancy.room import QUOTA_NAMES, Shares, Tenancy
+from kvtierd.tenancy.tenancy import QUOTA_NAMES, Shares, Tenancy
 
 __all__ = ["NO_CREDENTIAL", "QUOTA_NAMES", "Credential", "Ledger", "Shares", "Tenancy"]

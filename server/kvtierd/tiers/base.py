@@ -12,15 +12,15 @@ Two kinds implement it:
 
 * :class:`MemoryTier` (the host tier): bytes in memory that transports reach directly;
   ``view(offset, nbytes)``. Every block a client loads passes through it.
-* :class:`StorageTier` (the NVMe tier; the cluster tier of a later issue): copies of host
+* :class:`StorageTier` (the NVMe tier, kvtierd.tiers.nvme): copies of host
   blocks, written and read in batches (``write_many`` durable when it returns, ``read_many``
   verified into host slots), ``release`` / ``quarantine`` of a copy, recovery at ``open()``,
   ``checkpoint()`` on drain, and degraded mode (``admitting``, ``probe()``).
 
-Beside them, a :class:`SharedTier` (the cluster tier, kvtierd.tiers.cluster; an object store
-later) is not a tier of this daemon's slots: other daemons write it and it evicts on its own, so
-the index never records what it holds. It answers ``exists`` / ``fetch`` (into host slots the
-cache reserved) and takes ``offer`` ed copies; failure there is a miss, never an error.
+Beside them, a :class:`SharedTier` (the cluster tier, kvtierd.tiers.cluster) is not a tier of
+this daemon's slots: other daemons write it and it evicts on its own, so the index never records
+what it holds. It answers ``exists`` / ``fetch`` (into host slots the cache reserved) and takes
+``offer`` ed copies; failure there is a miss, never an error.
 
 The :class:`~kvtierd.cache.TieredCache` alone decides what goes where and writes the index; it
 drives storage tiers through this interface only (kvtierd/cache/chain.py) and shared tiers

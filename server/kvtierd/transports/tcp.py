@@ -55,10 +55,11 @@ log = logging.getLogger("kvtierd.tcp")
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
 
 
-class DataChannelServer(ConnectionTable, ServerTransport):
-    """Listens for data connections; owns the asyncio server and knows every open connection
-    (for the cap, session release and shutdown). Counts connections refused at the cap and
-    closed by a timeout (``figures``). Event-loop thread only."""
+class DataChannelServer(ServerTransport):
+    """Listens for data connections; owns the asyncio server and the :class:`ConnectionTable`
+    (``table``: every open connection, for the cap, session release and shutdown, and its
+    counts of connections refused at the cap and closed by a timeout, ``figures``), which each
+    connection's protocol is handed. Event-loop thread only."""
 
     name = "tcp"
 
@@ -78,7 +79,7 @@ class DataChannelServer(ConnectionTable, ServerTransport):
         ``control(session, on_close)``: the protocol of a control channel of that session, for
         a HELLO offering FEATURE_CONTROL (None: not offered back). ``timers``: the connections'
         clock and timers (None: the running loop's; tests drive their own)."""
-        super().__init__(limits, control, timers)
+        self.table = ConnectionTable(limits, control, timers)
         self.host, self.port = host, port
         self.ssl_context = ssl_context
         self._cache, self._sessions = cache, sessions
@@ -89,17 +90,20 @@ class DataChannelServer(ConnectionTable, ServerTransport):
             populate_arena(arena.mm, arena.fd)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataChannelProtocol(self._cache, self._sessions, self),
+            lambda: DataChannelProtocol(self._cache, self._sessions, self.table),
             self.host,
             self.port,
             ssl=self.ssl_context,
-            ssl_handshake_timeout=self.limits.hello_timeout_s if self.ssl_context else None,
+            ssl_handshake_timeout=self.table.limits.hello_timeout_s if self.ssl_context else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
     def release_session(self, session_id: int) -> None:
-        for conn in list(self._conns):
+        for conn in self.table.connections():
             conn.end_session(session_id)
+
+    def figures(self) -> dict[str, int]:
+        return self.table.figures()
 
     def advertise(self) -> dict[str, Any]:
         return {"data_host": self.host, "data_port": self.port, "data_tls": self.ssl_context is not None}
@@ -109,7 +113,7 @@ class DataChannelServer(ConnectionTable, ServerTransport):
         about to be unmapped)."""
         if self._server:
             self._server.close()
-        for conn in list(self._conns):
+        for conn in self.table.connections():
             if conn.transport is not None:
                 conn.transport.abort()
 

@@ -1,7 +1,7 @@
 """Admission to the data port: who may hold a data connection, and for how long.
 
-Role: the connection table behind :class:`kvtierd.transports.tcp.DataChannelServer` (its base
-class): the global cap, the budget of connections still waiting for HELLO (the oldest waiting one
+Role: the connection table behind :class:`kvtierd.transports.tcp.DataChannelServer` (which holds
+it): the global cap, the budget of connections still waiting for HELLO (the oldest waiting one
 makes room), each tenant's share past HELLO, and the counters of refused, timed-out and
 misbehaving connections. The limits are :class:`DataChannelLimits`; the connections are anything
 with the few members of :class:`Connection` (:class:`kvtierd.transports.tcp_protocol.
@@ -146,6 +146,10 @@ class ConnectionTable:
                 return False
             conn.tenant = tenant
         return True
+
+    def connections(self) -> list[Connection]:
+        """Every open connection (a copy: the caller may close them)."""
+        return list(self._conns)
 
     def controls_of(self, session_id: int) -> int:
         """Control connections of a session (a HELLO asking for one more than

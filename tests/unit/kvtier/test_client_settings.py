@@ -71,7 +71,7 @@ def test_a_clients_keyword_arguments_are_its_settings(tmp_path: Path) -> None:
     try:
         assert not isinstance(c, Session) and isinstance(c.session, Session)
         assert c.settings == ClientSettings(transport="tcp", timeout_s=0.3, heartbeat=False, client_name="x")
-        assert (c.transport_name, c.timeout_s, c.client_name) == ("tcp", 0.3, "x")
+        assert c.session.settings is c.settings and c.session.connection.settings is c.settings  # one
         c.pipeline_bytes = 1 << 20  # settable per client, as before
         assert c.session.pipeline_bytes == 1 << 20
     finally:
@@ -82,7 +82,7 @@ def test_a_clients_keyword_arguments_are_its_settings(tmp_path: Path) -> None:
         kvtier.Client(address, settings=ClientSettings(), timeout_s=2.0)  # one or the other
     same = kvtier.Client(address, settings=ClientSettings(transport="tcp", heartbeat=False))
     try:
-        assert same.transport_name == "tcp"
+        assert same.settings.transport == "tcp"
     finally:
         same.close()
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
 from kvtier.breaker import Breaker
+from kvtier.connection import Connection
 from kvtier.diagnose import CauseLog, Peer, explain_attach, explain_reached, explain_rpc
+from kvtier.grpc_channel import GrpcChannel
 from kvtier.reach import reach
-from kvtier.session import Session
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 
@@ -96,14 +98,16 @@ def test_the_sessions_of_one_breaker_share_its_cause_log() -> None:
 def test_a_failure_known_only_by_its_words_is_explained_too(tmp_path: Path) -> None:
     """Calls started on the RPC threads report ``Method: CODE: details``; the session explains
     those as a failed connect would, and any other words keep what failed as their cause."""
-    session = Session(f"unix://{tmp_path}/k.sock", ClientSettings(heartbeat=False))
+    settings = ClientSettings(heartbeat=False)
+    channel = GrpcChannel(f"unix://{tmp_path}/k.sock", settings)
+    session = Connection(channel, settings, Breaker(settings.backoff_s), time.monotonic)
     try:
-        session._note(
+        session.explainer.note(
             "PrepareStore: UNAVAILABLE: failed to connect to all addresses; last error: "
             f"FAILED_PRECONDITION: unix:{tmp_path}/k.sock: connect failed: No such file or directory"
         )
         assert f"no socket file {tmp_path}/k.sock: is kvtierd running?" in session.counters.last_error
-        session._note("store transfer: data channel closed")
+        session.explainer.note("store transfer: data channel closed")
         assert session.counters.last_error.endswith("store transfer: data channel closed")
         assert session.breaker.causes.seen() == ["away-store transfer", "no-socket"]
     finally:

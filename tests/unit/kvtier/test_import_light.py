@@ -31,9 +31,9 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r}))
         "kvtier.transports.tcp",
         "kvtierd.app",
         "kvtier.integrations.vllm",
-        "kvtier.integrations.vllm.planner",
-        "kvtier.integrations.vllm.backend",
-        "kvtier.integrations.vllm.worker",
+        "kvtier.integrations.vllm.connector.planner",
+        "kvtier.integrations.vllm.connector.backend",
+        "kvtier.integrations.vllm.connector.worker",
     ],
 )
 def test_import_does_not_load_heavy_modules(module: str, tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from kvtier.integrations.sglang.config import ConfigError as SGLangError
 from kvtier.integrations.transformers.identity import ConfigError as HFError
 from kvtier.integrations.transformers.identity import PrefixCacheOptions
 from kvtier.integrations.vllm.config import ConfigError as VllmError
-from kvtier.integrations.vllm.config import ConnectorConfig, resolve_model_revision
+from kvtier.integrations.vllm.config import resolve_model_revision
+from kvtier.integrations.vllm.connector.config import ConnectorConfig
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace, revision_problem, tokenizer_digest_problem
 from kvtierd.cache.chain import TierLink

@@ -506,7 +506,7 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
     --allow-plaintext-metrics, not --allow-plaintext-remote: /metrics there takes only it
     (tests/integration/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
     from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
-    from kvtierd.tenancy.room import QUOTA_NAMES
+    from kvtierd.tenancy.tenancy import QUOTA_NAMES
     from kvtierd.tenants import load_tenants
 
     secret, _, kvtier = _daemonset()

@@ -41,7 +41,7 @@ from kvtier_contract.units import parse_bytes
 from kvtier_contract.version import __version__
 from kvtierd.app import SERVICE_NAME
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
-from kvtierd.tenancy.room import QUOTA_NAMES
+from kvtierd.tenancy.tenancy import QUOTA_NAMES
 from kvtierd.tenants import load_tenants, token_digest
 
 MODES = ["daemonset", "sidecar"]

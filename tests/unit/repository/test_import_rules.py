@@ -7,7 +7,9 @@ arrow a reader has to follow. Rules:
 * ``kvtier_contract`` (the shared contract) imports nothing of ``kvtier`` or ``kvtierd``;
 * ``kvtierd`` (the daemon) imports nothing of ``kvtier`` (the SDK), only the contract;
 * ``kvtier`` never imports ``kvtierd``;
-* no import cycles between modules, anywhere.
+* no import cycles between modules, anywhere;
+* no private name (one leading underscore) crosses a module: neither ``from x import _y`` nor
+  ``x._y`` on an imported module of ours (tests, which are no module of ours, are not held to it).
 """
 
 from __future__ import annotations
@@ -118,3 +120,56 @@ def test_no_import_cycles() -> None:
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """``line: what`` for every private name (one leading underscore) ``module`` takes from
+    another module of ours: ``from x import _y``, and ``x._y`` on a module of ours it imported."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    modules_bound: dict[str, str] = {}  # local name -> a module of ours it names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                target = alias.name if alias.asname else alias.name.split(".")[0]
+                if target in known:
+                    modules_bound[local] = target
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    modules_bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                if _resolve(base, known) and _private(alias.name) and base != module:
+                    yield f"{node.lineno}: from {base} import {alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain: list[str] = []
+            v = node.value
+            while isinstance(v, ast.Attribute):
+                chain.insert(0, v.attr)
+                v = v.value
+            if isinstance(v, ast.Name) and v.id in modules_bound:
+                target = ".".join([modules_bound[v.id], *chain])
+                if target in known and target != module:
+                    yield f"{node.lineno}: {target}.{node.attr}"
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    """A private name is the module's own: one another module needs is a seam (make it
+    public) or code that belongs where it is used (move it). Tests are not held to this."""
+    known = modules()
+    bad = [f"{_name(p)}:{hit}" for m, p in sorted(known.items()) for hit in private_imports(m, p, known)]
+    assert not bad, f"{len(bad)} private names taken from another module of ours:\n" + "\n".join(bad)
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))

@@ -9,16 +9,19 @@ as ``KvtierHiCacheStorage(storage_config, kwargs)``. Lifecycle:
               (SGLang startup)  namespace from the pool's dtype and geometry, register it
     register_mem_host_pool_v2   each pool of the model's group: the KV pool again ("kv"), and a
               (SGLang startup)  hybrid model's side pools (Mamba, SWA, indexer, ...), each in a
-                                namespace of its own (``SidePool``, ``_side_namespace``)
+                                namespace of its own (``side_pools``)
     batch_exists / batch_get_v1 / batch_set_v1 / get / set / ...   (SGLang's storage threads)
     batch_exists_v2 / batch_get_v2 / batch_set_v2   (hybrid models: per-pool transfers)
     clear                       False: a shared daemon is not emptied by one engine (logged once)
     close
 
-The shared state, the never-raise guard, the counters and the load-or-recompute bookkeeping
-(``load_policy``, docs/sglang.md) are in ``backend_base`` (``StorageBase``); the storage
-interface v2 and the side pools in ``backend_v2`` (``PoolsV2``); this module is the startup
-and the v1 and plain calls on top of them.
+``KvtierHiCacheStorage`` is SGLang's ``HiCacheStorage`` and holds the parts that do the work,
+each handed what it uses: ``core`` (``core.StorageCore``: the client, settings, identity,
+counters, the never-raise guard, the KV pool's registration), ``decisions``
+(``decisions.PageDecisions``: load or recompute, ``load_policy``, docs/sglang.md), ``kv``
+(``kv_pages.KvPages``: the KV pool, the zero-copy and the plain calls) and ``side``
+(``side_pools.SidePools``: hybrid models' side pools, the v2 calls). Its methods are SGLang's
+calls, each handed to the part that owns it.
 
 Never raises into SGLang's storage threads: an exception there kills the thread and leaks host
 memory, so every storage call catches everything, counts it (``self.counters``) and answers a
@@ -32,23 +35,50 @@ incremented without a lock (approximate under races, as the SDK's).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvtier.integrations.sglang.backend_base import BackendCounters, _length, log
-from kvtier.integrations.sglang.backend_v2 import PoolsV2
-from kvtier.integrations.sglang.config import ConfigError
-from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError
-from kvtier_contract.errors import InvalidArgument
-from kvtier_contract.identity import KV_DTYPES, Namespace
+from kvtier.client import Client, NamespaceHandle
+from kvtier.integrations.sglang.core import BackendCounters, StorageCore, log
+from kvtier.integrations.sglang.decisions import PageDecisions
+from kvtier.integrations.sglang.kv_pages import KvPages
+from kvtier.integrations.sglang.pages import HostPoolPages
+from kvtier.integrations.sglang.side_pools import SidePools
 
 __all__ = ["BackendCounters", "KvtierHiCacheStorage"]
 
 
-class KvtierHiCacheStorage(PoolsV2):
-    """See the module docstring. Owns one kvtier ``Client`` and the namespace of this rank."""
+class KvtierHiCacheStorage(HiCacheStorage):
+    """See the module docstring. Owns its four parts (``core``, ``decisions``, ``kv``,
+    ``side``); SGLang's storage threads call it concurrently, as the parts allow."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.core = StorageCore(storage_config)
+        self.decisions = PageDecisions(self.core)
+        self.kv = KvPages(self.core, self.decisions)
+        self.side = SidePools(self.core, self.decisions, self.kv)
+        self._cleared_logged = False
+
+    @property
+    def client(self) -> Client:
+        return self.core.client
+
+    @property
+    def counters(self) -> BackendCounters:
+        return self.core.counters
+
+    @property
+    def pages(self) -> HostPoolPages | None:
+        """The KV pool's page geometry (None before ``register_mem_pool_host``)."""
+        return self.core.pages
+
+    @property
+    def handle(self) -> NamespaceHandle | None:
+        """This rank's KV namespace (None before ``register_mem_pool_host``)."""
+        return self.core.handle
 
     # -- startup ----------------------------------------------------------------------------------
 
@@ -56,127 +86,24 @@ class KvtierHiCacheStorage(PoolsV2):
         """Probe the host pool and register this rank's namespace (raises at SGLang startup when
         the pool cannot be stored exactly: unknown dtype, unsupported layout, irregular pages)."""
         super().register_mem_pool_host(mem_pool_host)
-        kind = "mla" if self.is_mla else "mha"
-        layout = getattr(mem_pool_host, "layout", None)
-        name = f"sglang.{layout}.{kind}"
-        try:
-            pages = HostPoolPages.probe(mem_pool_host, name)
-            namespace = self._namespace(mem_pool_host, name)
-        except ConfigError:
-            raise
-        except (
-            PoolShapeError,
-            ValueError,
-            NotImplementedError,
-            AttributeError,
-            TypeError,
-            InvalidArgument,
-        ) as e:
-            raise ConfigError(
-                "mem_pool_host",
-                f"{type(mem_pool_host).__name__} ({layout}): cannot store its pages: {type(e).__name__}: {e}",
-            ) from e
-        if namespace.block_bytes != pages.block_bytes:
-            raise ConfigError(
-                "mem_pool_host",
-                f"a page holds {pages.block_bytes} bytes in "
-                f"{pages.segments} segments; its geometry says "
-                f"{namespace.block_bytes}",
-            )
-        self.pages = pages
-        self.handle = self.client.register(namespace)
-        log.info(
-            "kvtier HiCache storage: namespace %s (%d-byte pages) at %s",
-            namespace.to_dict(),
-            pages.block_bytes,
-            self.cfg.address,
-        )
+        self.kv.register(mem_pool_host)
 
-    def _namespace(self, pool: Any, layout: str) -> Namespace:
-        dtype = str(pool.dtype).removeprefix("torch.")
-        if dtype not in KV_DTYPES:
-            raise ConfigError("mem_pool_host", f"KV dtype {dtype} is not one kvtier stores")
-        cfg = self.storage_config
-        if self.is_mla:
-            # The latent (kv_lora_rank + rope dims) is one row per token and layer, the same on
-            # every TP rank: one namespace for all ranks (tp 1/0), written by rank 0 only (SGLang's
-            # is_storage_writer) and read by all. Namespace counts K and V (x2): the row is its
-            # head_dim x 2, so block_bytes is the page's bytes exactly.
-            dim = int(pool.kv_cache_dim)
-            if dim % 2:
-                raise ConfigError("mem_pool_host", f"MLA row of odd width {dim}")
-            heads, head_dim, tp_size, tp_rank = 1, dim // 2, 1, 0
-        else:
-            heads, head_dim = int(pool.head_num), int(pool.head_dim)
-            tp_size, tp_rank = cfg.tp_size, cfg.tp_rank
-        return Namespace(
-            model_id=self.identity.model_id,
-            model_revision=self.identity.model_revision,
-            tokenizer_digest=self.identity.tokenizer_digest,
-            kv_dtype=dtype,
-            layout=layout,
-            tokens_per_block=int(pool.page_size),
-            num_layers=int(pool.layer_num),
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            pp_size=cfg.pp_size,
-            pp_rank=cfg.pp_rank,
-            cache_salt=self.cfg.cache_salt,
-            tenant=self.cfg.tenant,
-        )
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Every host pool of the model's group (``SidePools.register``; raises ``ConfigError``
+        at SGLang startup for a pool whose pages cannot be stored exactly)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self.side.register(host_pool, host_pool_name)
 
     # -- the zero-copy interface (interface_v1) --------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of ``keys``, from the first, the daemon holds, cut by ``load_policy`` to
-        the prefix worth loading (SGLang prefetches what this answers, recomputes the rest)."""
-
-        def run() -> int:
-            handle = self._ready()
-            if handle is None or not keys:
-                return 0
-            return self._held_and_decided(handle, keys)
-
-        self.counters.pages_queried += _length(keys)
-        return self._guard("batch_exists", run, 0)
+        return self.kv.batch_exists(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Load ``keys`` into the host pool pages named by ``host_indices``; a page not loaded
-        is left untouched and answers False."""
-
-        def run() -> list[bool]:
-            handle, ids = self._ready(), self._page_ids(host_indices, len(keys))
-            if handle is None or ids is None or self.pages is None:
-                return [False] * len(keys)
-            found = handle.get_blocks(self._keys(handle, keys), self.pages.layout(), ids)
-            self._loaded(keys, found, time.perf_counter() - start)
-            return found
-
-        n, start = _length(keys), time.perf_counter()
-        found = self._guard("batch_get_v1", run, [False] * n)
-        self._count_loaded(n, sum(map(bool, found)))
-        self._sample(self._loads, sum(map(bool, found)), start)
-        return found
+        return self.kv.batch_get_v1(keys, host_indices)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Store the host pool pages named by ``host_indices`` under ``keys``. All True when
-        every page is stored or already there; otherwise all False (the SDK counts a put's
-        outcomes, not which keys had which)."""
-
-        def run() -> bool:
-            handle, ids = self._ready(), self._page_ids(host_indices, len(keys))
-            if handle is None or ids is None or self.pages is None:
-                return False
-            result = handle.put_blocks(self._keys(handle, keys), self.pages.layout(), ids)
-            return result.stored + result.already_present == len(keys)
-
-        n, start = _length(keys), time.perf_counter()
-        ok = n > 0 and self._guard("batch_set_v1", run, False)
-        self._count_stored(n, ok)
-        self._sample(self._stores, n if ok else 0, start)
-        return [ok] * n
+        return self.kv.batch_set_v1(keys, host_indices)
 
     # -- the plain interface (flat data pages) ---------------------------------------------------
 
@@ -189,25 +116,7 @@ class KvtierHiCacheStorage(PoolsV2):
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        """Fill each target (a flat data page tensor) or, when none is given, a new one of the
-        pool's dtype; None for a page not found."""
-
-        def run() -> list[torch.Tensor | None]:
-            handle = self._ready()
-            if handle is None or not keys:
-                return [None] * len(keys)
-            targets = list(target_locations or [None] * len(keys))
-            bufs = [t if t is not None else self._new_page() for t in targets]
-            start = time.perf_counter()
-            found = handle.get_into(self._keys(handle, keys), bufs)
-            self._loaded(keys, found, time.perf_counter() - start)
-            return [b if f else None for b, f in zip(bufs, found, strict=True)]
-
-        n = _length(keys)
-        missed: list[torch.Tensor | None] = [None] * n
-        out = self._guard("batch_get", run, missed)
-        self._count_loaded(n, sum(t is not None for t in out))
-        return out
+        return self.kv.batch_get(keys, target_locations)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -215,33 +124,31 @@ class KvtierHiCacheStorage(PoolsV2):
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        """Store flat data pages ``values`` under ``keys``; True when all are stored."""
+        return self.kv.batch_set(keys, values)
 
-        def run() -> bool:
-            handle = self._ready()
-            if handle is None or values is None:
-                return False
-            result = handle.put(self._keys(handle, keys), list(values))
-            return result.stored + result.already_present == len(keys)
+    # -- storage interface v2 (hybrid models: the KV pool with side pools) ------------------------
 
-        n = _length(keys)
-        if n == 0 and keys is not None:
-            return True  # nothing to store is done (SGLang's HiCacheFile answers True too)
-        ok = n > 0 and self._guard("batch_set", run, False)
-        self._count_stored(n, ok)
-        return ok
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        return self.side.batch_exists_v2(keys, pool_transfers)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self.side.batch_get_v2(transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self.side.batch_set_v2(transfers)
+
+    # -- the rest ----------------------------------------------------------------------------------
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s of each zero-copy batch since the last
         call) when SGLang runs with ``--enable-metrics``; else None."""
-        if not self.metrics:
+        if not self.core.metrics:
             return None
 
         def run() -> Any:
             from sglang.srt.observability.metrics_collector import StorageMetrics
 
-            loads, stores = self._loads, self._stores
-            self._loads, self._stores = [], []
+            loads, stores = self.core.take_samples()
             return StorageMetrics(
                 prefetch_pgs=[n for n, _ in loads],
                 backup_pgs=[n for n, _ in stores],
@@ -249,7 +156,7 @@ class KvtierHiCacheStorage(PoolsV2):
                 backup_bandwidth=[g for _, g in stores],
             )
 
-        return self._guard("get_stats", run, None)
+        return self.core.guard("get_stats", run, None)
 
     def clear(self) -> bool:
         """``False``: nothing is cleared, and a warning says why, once. The daemon has no call
@@ -266,4 +173,4 @@ class KvtierHiCacheStorage(PoolsV2):
         return False
 
     def close(self) -> None:
-        self._guard("close", self.client.close, None)
+        self.core.guard("close", self.core.client.close, None)

@@ -134,7 +134,7 @@ def _wide(t: torch.Tensor, size: int | None = None) -> torch.Tensor:
     return t.view(_WIDE[size or _wide_size(t)])
 
 
-def _check_full_attention(config: Any) -> None:
+def check_full_attention(config: Any) -> None:
     """Refuse a model whose DynamicCache is not made of full-attention DynamicLayers: a
     sliding-window layer drops old tokens, a linear-attention layer keeps a state, not a KV per
     token, so neither maps onto prefix blocks."""

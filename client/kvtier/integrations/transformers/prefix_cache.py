@@ -49,7 +49,7 @@ from transformers import DynamicCache
 
 from kvtier.adaptive import Decider, PrefillRate, cut_load_s, worth_waiting_s
 from kvtier.client import Client, NamespaceHandle
-from kvtier.integrations.transformers.cache_blocks import CacheBlocks, _check_full_attention
+from kvtier.integrations.transformers.cache_blocks import CacheBlocks, check_full_attention
 from kvtier.integrations.transformers.identity import (
     ConfigError,
     KvGeometry,
@@ -102,7 +102,7 @@ class KvtierPrefixCache:
             raise ConfigError("options", f"{e}; known options: {known}") from None
         self.model = model
         config = model.config
-        _check_full_attention(config)
+        check_full_attention(config)
         self.dtype: torch.dtype = model.dtype
         self.namespace = model_namespace(config, dtype_name(self.dtype), self.options)
         self.blocks = CacheBlocks(kv_geometry(config), self.options.tokens_per_block, self.dtype, model)

@@ -7,11 +7,11 @@
   ``{"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm", ...}``.
 
 Importing this package has no side effects and does not import vLLM or torch (vLLM's front-end
-process imports it too); ``KvtierConnector`` and ``KvtierConnectorStats`` load
-``kvtier.integrations.vllm.connector`` (which imports vLLM) on first access,
-``KvtierSecondaryTier`` loads ``kvtier.integrations.vllm.tier``. The planning logic
-(``planner``), the engine identity (``config``, ``tier_config``), the worker's data movement
-(``worker``) and the tier's jobs (``tier_jobs``) are plain Python and tested without vLLM.
+process imports it too); ``KvtierConnector``, ``KvtierConnectorMetadata`` and
+``KvtierConnectorStats`` load the connector (``connector/``) on first access,
+``KvtierSecondaryTier`` the tier (``tier/``). The two products share only engine-free parts at
+this level: ``config`` (``ConfigError``, the settings checks, the revision and tokenizer rules)
+and ``breaker`` (one circuit breaker per daemon for every client of the process).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ their Redis keys' prefix and the key of their MACs.
   them valid (pinned) until ``done(oks)`` (one bool per admitted item) runs on the caller's
   loop; ``done`` is called exactly once, also when the tier closes. Each master has its own
   queue and writer: a slow or dead master delays (and, past ``write_timeout_s``, drops) only
-  its own keys (the write side: kvtierd.tiers.cluster.writes).
+  its own keys (the write side: a :class:`~kvtierd.tiers.cluster.writes.ClusterWriter`, the
+  tier's ``writer``).
 
 Failure is a miss, never an error: a node that fails or answers late opens its breaker
 (kvtierd.tiers.cluster.nodes); with no slot map (the cluster unreachable at start, or lost)
@@ -36,7 +37,8 @@ installed: every Redis socket, parse, digest and copy happens there, never on th
 loop) -> ``close()`` (every task of the tier's loop is cancelled; pending writes are dropped and
 their ``done`` called). Thread-safety: ``exists``/``fetch`` are awaited from the daemon's loop
 and run on the tier's; ``offer`` is called from the daemon's loop; the figures are plain ints
-(those touched from both threads under ``_lock``); ``stats()`` reads them from any thread.
+(those touched from both threads under a lock: the tier's, the writer's); ``stats()`` reads
+them from any thread.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -53,13 +54,13 @@ from redis.exceptions import ResponseError
 
 from kvtierd.domain import TierId
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.tiers.base import SharedColumns
+from kvtierd.tiers.base import SharedColumns, SharedWriteItem
 from kvtierd.tiers.cluster.bulk import WrongSize
 from kvtierd.tiers.cluster.format import HEADER_BYTES, CorruptValue, redis_key, verify_parts
 from kvtierd.tiers.cluster.keys import FleetKeys, Realm
 from kvtierd.tiers.cluster.nodes import Node, Topology
 from kvtierd.tiers.cluster.settings import FETCH_CORRUPT, FETCH_MISS, FETCH_OK, ClusterSettings
-from kvtierd.tiers.cluster.writes import ClusterWrites, Offer
+from kvtierd.tiers.cluster.writes import ClusterWriter
 
 log = logging.getLogger("kvtierd.cluster")
 T = TypeVar("T")
@@ -86,9 +87,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class ClusterTier(ClusterWrites):
-    """See the module docstring. Owns its thread, its loop, the topology and the write queues.
-    A :class:`~kvtierd.tiers.base.SharedTier`."""
+class ClusterTier:
+    """See the module docstring. Owns its thread, its loop, the topology, the read figures
+    (``corrupt_values``, ``mac_failures``, ``lookup_timeouts``; the last under ``_lock``) and
+    its ``writer`` (the write queues and their figures), which it hands the topology, the loop
+    and ``_poke``. A :class:`~kvtierd.tiers.base.SharedTier`."""
 
     name = "cluster"
     id = TierId.CLUSTER
@@ -98,19 +101,14 @@ class ClusterTier(ClusterWrites):
         self.settings = settings
         self.keys = FleetKeys(settings.fleet_key)  # ValueError: no (or a short) fleet key
         self.topology = Topology(settings.seeds, settings.creds, settings.breaker_s)
-        self.writes = self.write_drops = self.corrupt_values = self.lookup_timeouts = 0
-        self.corrupt_exports = 0  # blocks not written: their bytes no longer matched
+        self.corrupt_values = self.lookup_timeouts = 0
         self.mac_failures = 0  # values refused because their MAC failed (in corrupt_values too)
-        self._corrupt_log = RateLimitedLog(log, 10.0)
         self._refused_log = RateLimitedLog(log, 10.0)  # values refused (tier thread)
-        self.queued_blocks = self.queued_bytes = 0  # admitted, not yet written or dropped
-        self._lock = threading.Lock()  # the figures offer() and the writers both change
+        self._lock = threading.Lock()  # lookup_timeouts: the daemon's loop and the tier's
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._run, name="kvtier-cluster", daemon=True)
         self._refresh_now: asyncio.Event | None = None
-        self._queues: dict[Node | None, deque[tuple[Offer, int]]] = {}
-        self._writers: dict[Node, asyncio.Task[None]] = {}
-        self._closed = False
+        self.writer = ClusterWriter(settings, self.topology, self._loop, self._poke)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -133,9 +131,7 @@ class ClusterTier(ClusterWrites):
     def close(self) -> None:
         """Stop the thread: every task of the tier's loop is cancelled (fetches end, their
         callers see misses), pending writes are dropped (their ``done`` called with False)."""
-        with self._lock:
-            already, self._closed = self._closed, True
-        if already or not self._thread.is_alive():
+        if self.writer.stop() or not self._thread.is_alive():
             return
 
         async def stop() -> None:
@@ -144,10 +140,7 @@ class ClusterTier(ClusterWrites):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for q in self._queues.values():  # the writers are gone: what they held is dropped
-                while q:
-                    offer, i = q.popleft()
-                    self._resolve(offer, i, False)
+            self.writer.drop_queued()  # the writers are gone: what they held is dropped
             await self.topology.close()
 
         try:
@@ -160,6 +153,11 @@ class ClusterTier(ClusterWrites):
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the tier's loop; awaited from the daemon's."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` began: its first step stops the writer, so the writer holds the flag."""
+        return self.writer.closed
 
     @property
     def connected(self) -> bool:
@@ -180,14 +178,26 @@ class ClusterTier(ClusterWrites):
     @property
     def pending_writes(self) -> int:
         """Blocks admitted and not yet written or dropped (a drain waits for them)."""
-        return self.queued_blocks
+        return self.writer.queued_blocks
+
+    # -- writes (the writer's; called from the daemon's loop) ------------------------------------
+
+    def offer(self, items: list[SharedWriteItem], done: Callable[[list[bool]], None]) -> int:
+        """Queue blocks to write; see the module docstring (ClusterWriter.offer)."""
+        return self.writer.offer(items, done)
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.writer.has_room(nbytes)
+
+    def dropped(self, n: int) -> None:
+        self.writer.dropped(n)
 
     # -- lookups and reads (awaited from the daemon's loop) --------------------------------------
 
     async def exists(self, realm: Realm, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held, as far as the cluster answers within the lookup deadline
         (counted from the caller's side: a busy tier thread makes misses, not delays)."""
-        if not keys or self._closed:
+        if not keys or self.closed:
             return [False] * len(keys)
         try:
             return await asyncio.wait_for(
@@ -234,7 +244,7 @@ class ClusterTier(ClusterWrites):
     ) -> list[int]:
         """Read, verify and copy each key's block into its ``dests`` view; see the module
         docstring. Returns only when no copy into ``dests`` is in progress any more."""
-        if not keys or self._closed:
+        if not keys or self.closed:
             return [FETCH_MISS] * len(keys)
         return await self._call(self._fetch(realm, digest, list(keys), payload_len, list(dests)))
 
@@ -350,14 +360,15 @@ class ClusterTier(ClusterWrites):
     # -- figures ----------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        w = self.writer
         return {
             "connected": self.connected,
             "write_policy": self.settings.write_policy,
-            "queued_blocks": self.queued_blocks,
-            "queued_bytes": self.queued_bytes,
-            "writes": self.writes,
-            "write_drops": self.write_drops,
-            "corrupt_exports": self.corrupt_exports,
+            "queued_blocks": w.queued_blocks,
+            "queued_bytes": w.queued_bytes,
+            "writes": w.writes,
+            "write_drops": w.write_drops,
+            "corrupt_exports": w.corrupt_exports,
             "corrupt_values": self.corrupt_values,
             "mac_failures": self.mac_failures,
             "lookup_timeouts": self.lookup_timeouts,

@@ -1,14 +1,15 @@
 """The write side of the cluster tier: ``offer``, the per-master queues and their writers.
 
-Part of the cluster tier (kvtierd.tiers.cluster.tier): :class:`ClusterWrites` is a part of
-:class:`~kvtierd.tiers.cluster.tier.ClusterTier`, which owns all the state named here (see its
-module docstring for ``offer``'s contract). A write is a plain ``SET … PX ttl``, never NX (a
-value planted before the real store must not outlive it); each master has its own queue and
-writer, so a slow or dead master delays (and, past ``write_timeout_s``, drops) only its keys.
+:class:`ClusterWriter` is the part of :class:`~kvtierd.tiers.cluster.tier.ClusterTier` that
+writes (see the tier's module docstring for ``offer``'s contract), handed to the tier. A write
+is a plain ``SET … PX ttl``, never NX (a value planted before the real store must not outlive
+it); each master has its own queue and writer, so a slow or dead master delays (and, past
+``write_timeout_s``, drops) only its keys.
 
-Concurrency: ``offer``, ``has_room`` and ``dropped`` run on the daemon's loop; everything else
-on the tier's own loop thread; the figures both change (``queued_*``, ``writes``,
-``write_drops``, ``corrupt_exports``) under the tier's ``_lock``.
+Concurrency: ``offer``, ``has_room`` and ``dropped`` run on the daemon's loop, ``stop`` on the
+thread closing the tier; everything else on the tier's own loop thread; the figures both change
+(``queued_*``, ``writes``, ``write_drops``, ``corrupt_exports``) and ``closed`` under the
+writer's lock.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from kvtier_contract.digests import block_digest
 from kvtierd.ratelog import RateLimitedLog
@@ -50,30 +53,53 @@ class Offer:
         self.left = len(items)
 
 
-class ClusterWrites:
-    """The write part of a :class:`~kvtierd.tiers.cluster.tier.ClusterTier`; see the module
-    docstring. The attributes below are the tier's."""
+class ClusterWriter:
+    """Owns the per-master write queues and their writer tasks, the write figures
+    (``writes``, ``write_drops``, ``corrupt_exports``, ``queued_blocks``, ``queued_bytes``:
+    admitted, not yet written or dropped) and ``closed``, with the lock they change under.
+    Handed by the tier: its settings, its topology (read only), its loop (where the writers
+    run) and ``poke`` (asks the tier for a slot-map refresh: a node failed or answered MOVED).
+    See the module docstring for the threads."""
 
-    settings: ClusterSettings
-    topology: Topology
-    writes: int
-    write_drops: int
-    corrupt_exports: int
-    queued_blocks: int
-    queued_bytes: int
-    _lock: threading.Lock
-    _loop: asyncio.AbstractEventLoop
-    _closed: bool
-    _corrupt_log: RateLimitedLog
-    _queues: dict[Node | None, deque[tuple[Offer, int]]]
-    _writers: dict[Node, asyncio.Task[None]]
-    _poke: Callable[[], None]
-    _check_moved: Callable[[Any], None]
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        topology: Topology,
+        loop: asyncio.AbstractEventLoop,
+        poke: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.topology = topology
+        self._loop = loop
+        self._poke = poke
+        self.writes = self.write_drops = 0
+        self.corrupt_exports = 0  # blocks not written: their bytes no longer matched
+        self.queued_blocks = self.queued_bytes = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        self._corrupt_log = RateLimitedLog(log, 10.0)
+        self._queues: dict[Node | None, deque[tuple[Offer, int]]] = {}
+        self._writers: dict[Node, asyncio.Task[None]] = {}
+
+    def stop(self) -> bool:
+        """No more offers admitted (a writer's items left in its queue stay there, for
+        ``drop_queued``); whether it was stopped already."""
+        with self._lock:
+            already, self.closed = self.closed, True
+        return already
+
+    def drop_queued(self) -> None:
+        """Tier thread, once the writers are cancelled: what they held is dropped (each offer's
+        ``done`` told)."""
+        for q in self._queues.values():
+            while q:
+                offer, i = q.popleft()
+                self._resolve(offer, i, False)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``offer`` would admit a block of ``nbytes`` now (a hint: no reservation)."""
         return (
-            not self._closed
+            not self.closed
             and self.topology.known
             and self.queued_bytes + nbytes <= self.settings.queue_bytes
         )
@@ -88,7 +114,7 @@ class ClusterWrites:
         gets their results later, on the caller's loop (not called when none was admitted)."""
         n = nbytes = 0
         with self._lock:
-            if not self._closed and self.topology.known:
+            if not self.closed and self.topology.known:
                 room = self.settings.queue_bytes - self.queued_bytes
                 for _r, _, _, view, _d in items:
                     if nbytes + view.nbytes > room:
@@ -115,7 +141,7 @@ class ClusterWrites:
 
     def _dispatch(self, offer: Offer) -> None:
         """Tier thread: each item to its master's queue (no master: dropped now)."""
-        if self._closed:
+        if self.closed:
             self._loop_gone(offer)
             return
         rkeys = [redis_key(r, d, k) for r, d, k, _v, _d in offer.items]
@@ -153,7 +179,7 @@ class ClusterWrites:
                         self._resolve(offer, i, ok)
         finally:
             self._writers.pop(node, None)
-            if q and not self._closed:  # cancelled with items left: they go to the next writer
+            if q and not self.closed:  # cancelled with items left: they go to the next writer
                 self._writers[node] = self._loop.create_task(self._node_writer(node, q))
 
     async def _write(self, node: Node, batch: list[tuple[Offer, int]], ttl_ms: int) -> list[bool]:
@@ -187,7 +213,8 @@ class ClusterWrites:
                 continue
             r = next(results)
             if isinstance(r, Exception):
-                self._check_moved(r)
+                if isinstance(r, ResponseError):  # MOVED/ASK/CLUSTERDOWN: the slot map is stale
+                    self._poke()
                 oks.append(False)
                 continue
             oks.append(True)

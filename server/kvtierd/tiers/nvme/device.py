@@ -52,7 +52,7 @@ from kvtierd.tiers.nvme.errors import DiskFull as DiskFull
 from kvtierd.tiers.nvme.errors import DiskIOError as DiskIOError
 from kvtierd.tiers.nvme.errors import SyncFailed as SyncFailed
 from kvtierd.tiers.nvme.errors import UnsafeFile as UnsafeFile
-from kvtierd.tiers.nvme.errors import _typed
+from kvtierd.tiers.nvme.errors import as_disk_errors
 from kvtierd.tiers.nvme.errors import disk_error as disk_error
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -223,7 +223,7 @@ class FileSystem:
     def __init__(self, directory: str, *, io_align: int = 4096, create: bool = False) -> None:
         assert io_align >= 512 and io_align & (io_align - 1) == 0, io_align
         self.directory, self.io_align = directory, io_align
-        with _typed(f"open directory {directory}"):
+        with as_disk_errors(f"open directory {directory}"):
             if create:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
             self._dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -272,12 +272,12 @@ class FileSystem:
         """
         assert size_bytes > 0 and size_bytes % self.io_align == 0, size_bytes
         path = self._path(name)
-        with _typed(f"create {path}"):
+        with as_disk_errors(f"create {path}"):
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dirfd)
         try:
-            with _typed(f"preallocate {size_bytes} bytes for {path}"):
+            with as_disk_errors(f"preallocate {size_bytes} bytes for {path}"):
                 self._preallocate(fd, size_bytes)
-            with _typed(f"fsync {path}", sync=True):
+            with as_disk_errors(f"fsync {path}", sync=True):
                 os.fsync(fd)
             self.sync_dir()
         except BaseException:
@@ -303,7 +303,7 @@ class FileSystem:
             if not (use_direct and direct is None and e.errno in _UNSUPPORTED):
                 raise disk_error(e, f"open {path}") from e
             use_direct = False  # this file refuses O_DIRECT although the probe file took it
-            with _typed(f"open {path}"):
+            with as_disk_errors(f"open {path}"):
                 fd = os.open(name, flags, dir_fd=self._dirfd)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -332,7 +332,7 @@ class FileSystem:
     def write_file_atomic(self, name: str, data: bytes) -> None:
         """Replace ``name`` by ``data``: after a crash, either all of it or the previous content."""
         tmp = name + ".tmp"
-        with _typed(f"create {self._path(tmp)}"):
+        with as_disk_errors(f"create {self._path(tmp)}"):
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600, dir_fd=self._dirfd)
         dev = FileDevice(fd, self._path(tmp), size=len(data), direct=False, align=1)
         try:
@@ -348,7 +348,7 @@ class FileSystem:
     # -- directory ------------------------------------------------------------------------------
 
     def listdir(self) -> list[str]:
-        with _typed(f"list {self.directory}"):
+        with as_disk_errors(f"list {self.directory}"):
             return sorted(os.listdir(self._dirfd))
 
     def entries(self) -> list[Entry]:
@@ -356,7 +356,7 @@ class FileSystem:
         out = []
         for name in self.listdir():
             try:
-                with _typed(f"lstat {self._path(name)}"):
+                with as_disk_errors(f"lstat {self._path(name)}"):
                     st = os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
             except DiskIOError as e:
                 if e.errno == errno.ENOENT:
@@ -376,17 +376,17 @@ class FileSystem:
         return out
 
     def sync_dir(self) -> None:
-        with _typed(f"fsync directory {self.directory}", sync=True):
+        with as_disk_errors(f"fsync directory {self.directory}", sync=True):
             os.fsync(self._dirfd)
 
     def rename(self, src: str, dst: str) -> None:
         """Atomically replace ``dst`` by ``src`` and make the rename durable."""
-        with _typed(f"rename {self._path(src)} -> {self._path(dst)}"):
+        with as_disk_errors(f"rename {self._path(src)} -> {self._path(dst)}"):
             os.rename(src, dst, src_dir_fd=self._dirfd, dst_dir_fd=self._dirfd)
         self.sync_dir()
 
     def remove(self, name: str) -> None:
         """Unlink ``name`` (a symlink itself, never its target) and make it durable."""
-        with _typed(f"remove {self._path(name)}"):
+        with as_disk_errors(f"remove {self._path(name)}"):
             os.unlink(name, dir_fd=self._dirfd)
         self.sync_dir()

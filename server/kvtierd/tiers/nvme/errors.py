@@ -3,8 +3,9 @@
 Role: the error half of the disk seam (:mod:`kvtierd.tiers.nvme.device`, which re-exports them).
 :class:`DiskFull` (ENOSPC, EDQUOT), :class:`SyncFailed` (fsync / fdatasync failed),
 :class:`UnsafeFile` (a symlink or non-regular file) or :class:`DiskIOError` (everything else);
-``errno`` is kept. Ownership: plain exception types and pure functions, no state. Concurrency:
-any thread.
+``errno`` is kept. :func:`disk_error` types one OSError, :func:`as_disk_errors` every OSError
+raised in a ``with`` block (the device's calls). Ownership: plain exception types and pure
+functions, no state. Concurrency: any thread.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def disk_error(exc: OSError, what: str, *, sync: bool = False) -> DiskError:
 
 
 @contextmanager
-def _typed(what: str, *, sync: bool = False) -> Iterator[None]:
+def as_disk_errors(what: str, *, sync: bool = False) -> Iterator[None]:
     """Turn an OSError raised inside the block into its DiskError."""
     try:
         yield

@@ -24,9 +24,6 @@ from collections.abc import Iterable
 from kvtierd.tiers.nvme.device import Device, DiskIOError, FileSystem, SyncFailed
 from kvtierd.tiers.nvme.format import round_up
 from kvtierd.tiers.nvme.records import (
-    _CHUNK_BYTES,
-    _MAX_FILE_BYTES,
-    _OVERHEAD,
     ADD_BODY,
     ADD_FRAME_BYTES,
     CHECKPOINT_NAME,
@@ -36,8 +33,10 @@ from kvtierd.tiers.nvme.records import (
     END_BODY,
     FRAME_CRC,
     FRAME_HEAD,
+    FRAME_OVERHEAD_BYTES,
     JOURNAL_FORMAT,
     MAGIC,
+    MAX_LOG_FILE_BYTES,
     MAX_SPEC_BYTES,
     NS_DIGEST,
     T_ADD,
@@ -48,13 +47,15 @@ from kvtierd.tiers.nvme.records import (
     DelRecord,
     NsRecord,
     Record,
-    _frame,
-    _scan,
+    encode_frame,
     encode_record,
     journal_name,
     parse_journal_name,
+    scan_frames,
 )
 from kvtierd.tiers.nvme.replay import Recovery, RecoveryStats, recover
+
+_CHUNK_BYTES = 1 << 20  # a checkpoint is written in chunks of this size
 
 __all__ = [
     "ADD_BODY",
@@ -81,6 +82,7 @@ __all__ = [
     "Record",
     "Recovery",
     "RecoveryStats",
+    "encode_frame",
     "encode_record",
     "journal_name",
     "parse_journal_name",
@@ -125,11 +127,11 @@ class JournalWriter:
         or append to an existing one: after its last valid record, whose ignored tail is zeroed
         and synced first, so that no stale frame can ever follow a new one."""
         name = journal_name(gen)
-        data = fs.read_file(name, max_bytes=_MAX_FILE_BYTES)
+        data = fs.read_file(name, max_bytes=MAX_LOG_FILE_BYTES)
         if data is None:
             dev = fs.create_file(name, round_up(capacity_bytes, fs.io_align), direct=False)
             return cls(fs, gen, dev, 0, 0, capacity_bytes)
-        dev, scan = fs.open_file(name, direct=False), _scan(data, checkpoint=False)
+        dev, scan = fs.open_file(name, direct=False), scan_frames(data, checkpoint=False)
         try:
             if scan.torn_bytes:
                 dev.pwrite(scan.end, [bytes(scan.torn_bytes)])
@@ -217,7 +219,7 @@ def write_checkpoint(fs: FileSystem, records: Iterable[NsRecord | AddRecord], *,
     assert not any(isinstance(r, DelRecord) for r in recs), "a checkpoint holds no DEL records"
     total = (
         sum(ADD_FRAME_BYTES if isinstance(r, AddRecord) else len(encode_record(r, 0)) for r in recs)
-        + _OVERHEAD
+        + FRAME_OVERHEAD_BYTES
         + END_BODY.size
     )
     _remove_if_present(fs, CHECKPOINT_TMP)  # left by a crash during an earlier checkpoint
@@ -229,7 +231,7 @@ def write_checkpoint(fs: FileSystem, records: Iterable[NsRecord | AddRecord], *,
             if len(buf) >= _CHUNK_BYTES:
                 off += dev.pwrite(off, [buf])
                 buf = bytearray()
-        buf += _frame(T_END, END_BODY.pack(len(recs), journal_gen), len(recs) + 1)
+        buf += encode_frame(T_END, END_BODY.pack(len(recs), journal_gen), len(recs) + 1)
         assert off + len(buf) == total, (off, len(buf), total)
         dev.pwrite(off, [buf])
         dev.sync()

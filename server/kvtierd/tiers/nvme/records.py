@@ -2,8 +2,15 @@
 codec and the scanner that parses a file up to its first invalid frame.
 
 Role: what the index log's bytes mean; :mod:`kvtierd.tiers.nvme.journal` writes frames,
-:mod:`kvtierd.tiers.nvme.replay` reads them back (both re-exported from ``journal``). Ownership:
-frozen record values and pure functions, no state, no I/O. Concurrency: any thread.
+:mod:`kvtierd.tiers.nvme.replay` reads them back (both re-exported from ``journal``).
+
+Interface of both sides: the record values (:class:`NsRecord`, :class:`AddRecord`,
+:class:`DelRecord`), :func:`encode_record` (a record as one frame) and :func:`encode_frame` (any
+frame: a checkpoint's END), :func:`scan_frames` (a file's valid frames -> :class:`FrameScan`),
+the frame layouts (``FRAME_HEAD``, ``*_BODY``, ``FRAME_CRC``; ``FRAME_OVERHEAD_BYTES``,
+``ADD_FRAME_BYTES``), the file names, and ``MAX_LOG_FILE_BYTES`` (the most a log file is read
+into memory). Ownership: frozen record values and pure functions, no state, no I/O.
+Concurrency: any thread.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ _MAX_BODY = {
     T_DEL: DEL_BODY.size,
     T_END: END_BODY.size,
 }
-_OVERHEAD = FRAME_HEAD.size + FRAME_CRC.size
+FRAME_OVERHEAD_BYTES = FRAME_HEAD.size + FRAME_CRC.size
 ADD_FRAME_BYTES = _ADD_FRAME.size  # 136
 
 CHECKPOINT_NAME = "checkpoint.kvc"
@@ -52,8 +59,7 @@ CHECKPOINT_TMP = CHECKPOINT_NAME + ".tmp"
 JOURNAL_FORMAT = "journal-%08d.kvj"
 _JOURNAL_RE = re.compile(r"journal-(\d{8,})\.kvj")
 DEFAULT_JOURNAL_BYTES = 8 << 20  # ~61k ADD records per journal file before it rolls over
-_MAX_FILE_BYTES = 1 << 40  # what recovery reads whole into memory
-_CHUNK_BYTES = 1 << 20
+MAX_LOG_FILE_BYTES = 1 << 40  # what recovery reads whole into memory
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ def parse_journal_name(name: str) -> int | None:
 # -- frames ---------------------------------------------------------------------------------------
 
 
-def _frame(rtype: int, body: bytes, seq: int) -> bytes:
+def encode_frame(rtype: int, body: bytes, seq: int) -> bytes:
     head = FRAME_HEAD.pack(MAGIC, rtype, len(body), seq) + body
     return head + FRAME_CRC.pack(xxhash.xxh3_64_intdigest(head))
 
@@ -114,7 +120,7 @@ def encode_record(rec: Record, seq: int) -> bytes:
     """One frame. Raises InvalidArgument for a spec that is not JSON or over MAX_SPEC_BYTES."""
     assert len(rec.digest) == 32 and (isinstance(rec, NsRecord) or len(rec.key) == 32), rec
     if isinstance(rec, AddRecord):
-        return _frame(
+        return encode_frame(
             T_ADD,
             ADD_BODY.pack(
                 rec.digest,
@@ -129,14 +135,14 @@ def encode_record(rec: Record, seq: int) -> bytes:
             seq,
         )
     if isinstance(rec, DelRecord):
-        return _frame(T_DEL, DEL_BODY.pack(rec.digest, rec.key, rec.file, rec.offset), seq)
+        return encode_frame(T_DEL, DEL_BODY.pack(rec.digest, rec.key, rec.file, rec.offset), seq)
     try:
         spec = json.dumps(rec.spec, sort_keys=True, separators=(",", ":")).encode()
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"namespace spec is not JSON: {e}") from e
     if len(spec) > MAX_SPEC_BYTES:
         raise InvalidArgument(f"namespace spec is {len(spec)} bytes as JSON, over {MAX_SPEC_BYTES}")
-    return _frame(T_NS, rec.digest + spec, seq)
+    return encode_frame(T_NS, rec.digest + spec, seq)
 
 
 def _decode_body(rtype: int, body: bytes) -> Record | tuple[int, int] | None:
@@ -157,7 +163,7 @@ def _decode_body(rtype: int, body: bytes) -> Record | tuple[int, int] | None:
 
 
 @dataclass
-class _Scan:
+class FrameScan:
     """What a file holds: its valid records, where they end, and what follows them."""
 
     records: list[Record] = field(default_factory=list)
@@ -167,7 +173,7 @@ class _Scan:
     problem: str | None = None  # why the scan stopped before a clean (all-zero) end
     end_record: tuple[int, int] | None = None  # checkpoints: (record_count, journal_gen)
 
-    def ended(self, data: bytes, records: list[Record], end: int) -> _Scan:
+    def ended(self, data: bytes, records: list[Record], end: int) -> FrameScan:
         """The scan of ``data`` stopped at ``end`` with ``records``: what follows is measured,
         and all zeros there is no problem (the clean end of a preallocated file)."""
         self.records, self.end = records, end
@@ -179,7 +185,7 @@ class _Scan:
 
 def _frame_problem(data: bytes, pos: int, allowed: tuple[int, ...]) -> str | None:
     """Why the frame at ``pos`` is not a valid frame of an allowed type, or None."""
-    if len(data) - pos < _OVERHEAD:
+    if len(data) - pos < FRAME_OVERHEAD_BYTES:
         return "short frame"
     magic, rtype, body_len, _ = FRAME_HEAD.unpack_from(data, pos)
     if magic != MAGIC:
@@ -197,13 +203,13 @@ def _frame_problem(data: bytes, pos: int, allowed: tuple[int, ...]) -> str | Non
     return None
 
 
-def _scan(
+def scan_frames(
     data: bytes, *, checkpoint: bool, tick: Callable[[int], None] | None = None, tick_every: int = 1 << 16
-) -> _Scan:
+) -> FrameScan:
     """Parse frames from offset 0 until the first invalid one (or a checkpoint's END);
     ``tick(records so far)`` every ``tick_every`` ADD records (progress)."""
     allowed = (T_NS, T_ADD, T_END) if checkpoint else (T_NS, T_ADD, T_DEL)
-    out, pos, view = _Scan(), 0, memoryview(data)
+    out, pos, view = FrameScan(), 0, memoryview(data)
     records: list[Record] = []
     next_tick = tick_every if tick is not None else 1 << 62
     xxh3, unpack_add = xxhash.xxh3_64_intdigest, _ADD_FRAME.unpack_from  # (locals: the hot loop)

@@ -15,15 +15,15 @@ from typing import Any
 from kvtierd.progress import Progress
 from kvtierd.tiers.nvme.device import FileSystem
 from kvtierd.tiers.nvme.records import (
-    _MAX_FILE_BYTES,
     CHECKPOINT_NAME,
+    MAX_LOG_FILE_BYTES,
     AddRecord,
     DelRecord,
+    FrameScan,
     NsRecord,
     Record,
-    _Scan,
-    _scan,
     parse_journal_name,
+    scan_frames,
 )
 
 
@@ -123,7 +123,7 @@ class _Reader:
             return None
         return lambda n: progress.tick(self.read + n, f"reading {name}")
 
-    def _done(self, scan: _Scan, what: str) -> None:
+    def _done(self, scan: FrameScan, what: str) -> None:
         self.read += len(scan.records)
         if self.progress is not None:
             self.progress.tick(self.read, what)
@@ -143,10 +143,10 @@ class _Reader:
         self.problems.append(f"{CHECKPOINT_NAME} ignored: {problem}")
         return 0, 0, True
 
-    def journal(self, state: _Replay, name: str) -> _Scan:
+    def journal(self, state: _Replay, name: str) -> FrameScan:
         """Replay one journal file up to its first torn or corrupt record."""
-        scan = _scan(
-            self.fs.read_file(name, max_bytes=_MAX_FILE_BYTES) or b"",
+        scan = scan_frames(
+            self.fs.read_file(name, max_bytes=MAX_LOG_FILE_BYTES) or b"",
             checkpoint=False,
             tick=self.ticker(name),
             tick_every=self.tick_every,
@@ -160,12 +160,12 @@ class _Reader:
 
 def _read_checkpoint(
     fs: FileSystem, kind: str, tick: Callable[[int], None] | None = None, tick_every: int = 1 << 16
-) -> tuple[str | None, _Scan]:
+) -> tuple[str | None, FrameScan]:
     """(why the checkpoint must be ignored or None, what it holds)."""
     if kind != "file":
-        return f"a {kind}, not a regular file", _Scan()
-    scan = _scan(
-        fs.read_file(CHECKPOINT_NAME, max_bytes=_MAX_FILE_BYTES) or b"",
+        return f"a {kind}, not a regular file", FrameScan()
+    scan = scan_frames(
+        fs.read_file(CHECKPOINT_NAME, max_bytes=MAX_LOG_FILE_BYTES) or b"",
         checkpoint=True,
         tick=tick,
         tick_every=tick_every,

@@ -18,30 +18,33 @@ I/O runs on a bounded pool of ``io_threads`` threads; every journal write and ev
 on one commit thread, one group at a time, so a block is reported durable only after its bytes,
 its header and its journal record are (a failed fsync fails the whole group, never later "ok").
 
-Opening and recovery live in :mod:`kvtierd.tiers.nvme.startup` (a base class), the plain values
-in :mod:`kvtierd.tiers.nvme.values` (re-exported here).
+Parts: the open directory is a :class:`~kvtierd.tiers.nvme.files.BlockFiles` (None until
+open), made and recovered, with the first journal, by an
+:class:`~kvtierd.tiers.nvme.startup.NvmeStartup` per ``open()`` attempt and handed over; the
+commit thread is a :class:`~kvtierd.tiers.nvme.commit.GroupCommit`; the plain values live in
+:mod:`kvtierd.tiers.nvme.values` (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import threading
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from kvtier_contract.directio import aligned_buffer
 from kvtierd.domain import TierId
 from kvtierd.lockfile import OwnerLock
-from kvtierd.tiers.base import StorageColumns, StorageTier, WriteItem
+from kvtierd.tiers.base import Recovered, StorageColumns, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme import runs
-from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, DiskIOError, FileSystem
-from kvtierd.tiers.nvme.startup import NvmeStartup
+from kvtierd.tiers.nvme.commit import GroupCommit
+from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, FileSystem
+from kvtierd.tiers.nvme.files import BlockFiles
+from kvtierd.tiers.nvme.startup import NvmeStartup, Opened
 from kvtierd.tiers.nvme.values import NvmeConfig, NvmeFigures, NvmeLocation
 from kvtierd.tiers.slabs import SlabAllocator
 
@@ -49,8 +52,11 @@ __all__ = ["NvmeConfig", "NvmeFigures", "NvmeLocation", "NvmeTier"]
 log = logging.getLogger("kvtierd.nvme")
 
 
-class NvmeTier(NvmeStartup, StorageTier):
-    """Owns the block files, the slot allocator over them, the I/O pool and the journal."""
+class NvmeTier(StorageTier):
+    """Owns the open directory (``disk``: the block files), the slot allocator over them, the
+    I/O pool, the journal writer and its generation, the group commit (``_commits``, handed
+    ``_sync_group`` and ``_degrade``), the degraded state and the directory's lock (``owner``);
+    see the module docstring for the concurrency contract."""
 
     name = "nvme"
     id = TierId.NVME
@@ -68,8 +74,7 @@ class NvmeTier(NvmeStartup, StorageTier):
         self.cfg = cfg
         self.io_align = cfg.io_align
         self._fs_factory = fs_factory
-        self.fs: FileSystem | None = None
-        self.files: list[Device | None] = []
+        self.disk: BlockFiles | None = None  # the open directory, from open() to close()
         nfiles = max(1, cfg.capacity_bytes // cfg.file_bytes)
         self.space = SlabAllocator(
             nfiles * cfg.file_bytes, slab_bytes=cfg.slab_bytes, slot_align_bytes=cfg.io_align
@@ -79,19 +84,88 @@ class NvmeTier(NvmeStartup, StorageTier):
         self.degraded_reason = "not open"
         self._seq = 0
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvtier-nvme-io")
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nvme-commit")
-        self._tls = threading.local()
+        self._commits = GroupCommit(self._sync_group, self._degrade)
         self._journal: jnl.JournalWriter | None = None
         self._journal_gen = 0
-        self._pending: list[tuple[Any, asyncio.Future[None] | None]] = []
-        self._dirty_files: set[int] = set()
-        self._commit_task: asyncio.Task[None] | None = None
         self._known_ns: set[bytes] = set()
         self._quarantine: set[int] = set()
-        self._readonly: set[int] = set()  # block files open read-only (a read-only filesystem)
         self.owner: OwnerLock | None = None  # the directory's LOCK_NAME, from lock() to close()
 
+    @property
+    def fs(self) -> FileSystem | None:
+        """The open directory's FileSystem (None: not open)."""
+        return self.disk.fs if self.disk is not None else None
+
+    @property
+    def files(self) -> list[Device | None]:
+        """The block files' Devices (None: not open; empty: the tier is not open)."""
+        return self.disk.devices if self.disk is not None else []
+
     # -- startup ----------------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the directory's lock (one daemon per directory), creating the directory if
+        needed; nothing else is touched. InUse: another live process holds it; OSError: it
+        cannot be made now (the daemon starts anyway, and ``open()`` takes it later). The
+        daemon calls this first of all at start; ``open()`` calls it when not held yet."""
+        if self.owner is None:
+            os.makedirs(self.cfg.directory, mode=0o700, exist_ok=True)
+            self.owner = OwnerLock.take(os.path.join(self.cfg.directory, fmt.LOCK_NAME))
+
+    def open(self) -> Recovered:
+        """Format the directory, or recover its index (blocking; call before serving), through
+        an :class:`NvmeStartup`, whose :class:`Opened` the tier then owns.
+
+        Two ways to fail, neither fatal to the daemon:
+
+        * the index cannot be read (directory, metadata or log unreadable; no room for the
+          metadata of a fresh directory): DiskError, and nothing stays open, so ``open()`` may
+          be called again later (the cache's probe does, then restores what it finds);
+        * what comes after reading it fails (a block file that cannot be created or opened for
+          writing, the post-crash checkpoint, the new journal: a full or read-only filesystem):
+          the tier opens degraded. The recovered copies are returned and readable (block files
+          that cannot be written are opened read-only); ``probe()`` resumes admission.
+        """
+        self.admitting, self.degraded_reason = False, "not open"
+        startup = NvmeStartup(self.cfg, self._fs_factory, self.space, self._io)
+        try:
+            opened = startup.run(self.lock)
+        except BaseException as e:  # anything at all: back to "not open", so open() may repeat
+            self._not_open(startup, e)
+            raise
+        finally:
+            self.figures.recovery_quarantined = startup.quarantined
+            if startup.direct_io is not None:
+                self.figures.direct_io, self.figures.direct_io_note = startup.direct_io
+        self._adopt(opened, startup)
+        return opened.recovered
+
+    def _not_open(self, startup: NvmeStartup, e: BaseException) -> None:
+        """After a failed ``open()`` (the startup closed what it opened): the slots a partial
+        rebuild claimed free again (a fresh allocator), the reason kept."""
+        if startup.problem is not None:
+            self._degrade(startup.problem)
+        self.space = SlabAllocator(
+            self.space.capacity_bytes, slab_bytes=self.cfg.slab_bytes, slot_align_bytes=self.cfg.io_align
+        )
+        if isinstance(e, DiskError):
+            self.degraded_reason = f"{type(e).__name__}: {e}"
+
+    def _adopt(self, opened: Opened, startup: NvmeStartup) -> None:
+        """The end of a successful ``open()``: what the startup opened is the tier's now, with
+        the recovery's figures; admission resumes unless a block file is missing or read-only
+        or no journal is open (then the tier stays degraded until a probe)."""
+        self.disk, self._journal, self._journal_gen = opened.files, opened.journal, opened.journal_gen
+        self._seq = max(opened.log.max_slot_seq, self._seq)
+        self._known_ns = set(opened.recovered.namespaces)
+        if startup.problem is not None:
+            self._degrade(startup.problem)
+        f = self.figures
+        f.recovery_seconds = startup.seconds
+        f.recovered_blocks = len(opened.recovered.blocks)
+        f.recovery_mode = "warm" if opened.log.stats.journal_records == 0 else "replay"
+        if opened.files.writable and self._journal is not None:
+            self.admitting, self.degraded_reason = True, ""
 
     def slot_bytes_for(self, payload_len: int) -> int:
         return fmt.slot_bytes(payload_len, self.io_align)
@@ -101,32 +175,10 @@ class NvmeTier(NvmeStartup, StorageTier):
 
     # -- I/O ----------------------------------------------------------------------------------------
 
-    def _linear(self, file: int, offset: int) -> int:
-        return file * self.cfg.file_bytes + offset
-
-    def _where(self, linear: int) -> tuple[Device, int]:
-        file, off = divmod(linear, self.cfg.file_bytes)
-        dev = self.files[file]
-        if dev is None:
-            raise DiskError(f"block file {file} is not available")
-        return dev, off
-
-    def _pread(self, linear: int, views: list[memoryview]) -> None:
-        """I/O thread: read at a linear offset; once more on the new Device when a probe
-        swapped the file's Device (and closed the old one) between looking it up and the read."""
-        dev, off = self._where(linear)
-        try:
-            dev.pread_into(off, views)
-        except DiskIOError as e:
-            if e.errno != errno.EBADF or self._where(linear)[0] is dev:
-                raise
-            self._where(linear)[0].pread_into(off, views)
-
-    def _header_buffer(self) -> memoryview:
-        buf: memoryview | None = getattr(self._tls, "hdr", None)
-        if buf is None:
-            buf = self._tls.hdr = aligned_buffer(self.io_align, self.io_align)
-        return buf
+    def _open_disk(self) -> BlockFiles:
+        if self.disk is None:
+            raise DiskError(f"nvme tier not open: {self.degraded_reason}")
+        return self.disk
 
     def alloc(self, slot_bytes: int) -> int | None:
         return self.space.alloc(slot_bytes)
@@ -157,7 +209,7 @@ class NvmeTier(NvmeStartup, StorageTier):
             "bytes_read": f.bytes_read,
             "checksum_failures": f.checksum_failures,
             "quarantined_slots": f.quarantined_slots,
-            "commit_groups": f.commit_groups,
+            "commit_groups": self._commits.groups,
             "write_errors": f.write_errors,
             "recovery_seconds": f.recovery_seconds,
             "recovered_blocks": f.recovered_blocks,
@@ -174,7 +226,7 @@ class NvmeTier(NvmeStartup, StorageTier):
             return
         self._known_ns.add(digest)
         try:
-            await self._commit(jnl.NsRecord(digest, spec), sync_files=False)
+            await self._commits.commit(jnl.NsRecord(digest, spec))
         except DiskError:
             # Not durable: journal it again with the next block of the namespace, or recovery
             # would drop every block written after this failure for want of its namespace.
@@ -190,27 +242,24 @@ class NvmeTier(NvmeStartup, StorageTier):
             raise DiskError(f"nvme tier not admitting: {self.degraded_reason}")
         seqs = list(range(self._seq + 1, self._seq + 1 + len(items)))
         self._seq += len(items)
-        loop = asyncio.get_running_loop()
-        fb = self.cfg.file_bytes
+        loop, fb, pwrite = asyncio.get_running_loop(), self.cfg.file_bytes, self._open_disk().pwrite
         try:
             checksums = await loop.run_in_executor(
                 self._io,
-                partial(
-                    runs.write_runs, items, seqs, io_align=self.io_align, file_bytes=fb, pwrite=self._pwrite
-                ),
+                partial(runs.write_runs, items, seqs, io_align=self.io_align, file_bytes=fb, pwrite=pwrite),
             )
             records = []
             for (offset, digest, key, _view, plen, _c), seq, checksum in zip(
                 items, seqs, checksums, strict=True
             ):
                 file, off = divmod(offset, fb)
-                self._dirty_files.add(file)
+                self._commits.dirty(file)
                 records.append(
                     jnl.AddRecord(digest, key, file, off, plen, self.slot_bytes_for(plen), checksum, seq)
                 )
             for r in records[:-1]:
-                self._pending.append((r, None))  # same group as the last one, which is awaited
-            await self._commit(records[-1], sync_files=True)
+                self._commits.queue(r)  # same group as the last one, which is awaited
+            await self._commits.commit(records[-1])
         except DiskError as e:
             self.figures.write_errors += 1
             self._degrade(e)
@@ -221,11 +270,6 @@ class NvmeTier(NvmeStartup, StorageTier):
             NvmeLocation(offset, self.slot_bytes_for(plen), plen, checksum, seq)
             for (offset, _d, _k, _v, plen, _c), seq, checksum in zip(items, seqs, checksums, strict=True)
         ]
-
-    def _pwrite(self, linear: int, views: list[memoryview]) -> None:
-        """I/O thread: write at a linear offset."""
-        dev, off = self._where(linear)
-        dev.pwrite(off, views)
 
     async def read_many(
         self, items: list[tuple[NvmeLocation, bytes, bytes, memoryview]]
@@ -242,7 +286,7 @@ class NvmeTier(NvmeStartup, StorageTier):
                     items,
                     io_align=self.io_align,
                     file_bytes=self.cfg.file_bytes,
-                    pread=self._pread,
+                    pread=self._open_disk().pread,
                 ),
             )
         except DiskError as e:
@@ -263,49 +307,22 @@ class NvmeTier(NvmeStartup, StorageTier):
         """The slot is free again; its DEL record rides with the next commit group."""
         self.space.free(loc.offset, loc.slot_bytes)
         file, off = divmod(loc.offset, self.cfg.file_bytes)
-        self._pending.append((jnl.DelRecord(digest, key, file, off), None))
+        self._commits.queue(jnl.DelRecord(digest, key, file, off))
 
     def quarantine(self, loc: NvmeLocation, digest: bytes, key: bytes) -> None:
         """A slot that failed verification: forgotten, never reused during this boot."""
         self.figures.quarantined_slots += 1
         self._quarantine.add(loc.offset)
         file, off = divmod(loc.offset, self.cfg.file_bytes)
-        self._pending.append((jnl.DelRecord(digest, key, file, off), None))
+        self._commits.queue(jnl.DelRecord(digest, key, file, off))
 
     # -- group commit -----------------------------------------------------------------------------
 
-    async def _commit(self, record: Any, *, sync_files: bool) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((record, fut))
-        if self._commit_task is None or self._commit_task.done():
-            self._commit_task = asyncio.get_running_loop().create_task(self._commit_loop())
-        await fut
-
-    async def _commit_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while any(f is not None for _, f in self._pending):
-            batch, self._pending = self._pending, []
-            files, self._dirty_files = self._dirty_files, set()
-            try:
-                await loop.run_in_executor(self._committer, self._sync_group, files, [r for r, _ in batch])
-            except DiskError as e:
-                self._degrade(e)
-                for _, f in batch:
-                    if f is not None and not f.done():
-                        f.set_exception(e)
-                continue
-            self.figures.commit_groups += 1
-            for _, f in batch:
-                if f is not None and not f.done():
-                    f.set_result(None)
-
     def _sync_group(self, files: Iterable[int], records: list[Any]) -> None:
         """Commit thread: data files durable first, then their journal records."""
+        disk = self._open_disk()
         for i in sorted(files):
-            dev = self.files[i]
-            if dev is None:
-                raise DiskError(f"block file {i} is not available")
-            dev.sync()
+            disk.sync(i)
         assert self._journal is not None
         for r in records:
             self._journal.append(r)
@@ -321,19 +338,21 @@ class NvmeTier(NvmeStartup, StorageTier):
 
     def probe(self) -> bool:
         """Blocking: try to resume admission (space back, device healthy). True if admitting."""
-        if self.admitting or self.fs is None:
+        disk = self.disk
+        if self.admitting or disk is None:
             return self.admitting
         try:
-            self.fs.write_file_atomic("probe.tmp", bytes(self.io_align))
-            self.fs.remove("probe.tmp")
-            self._reopen_unwritable()
-            self._open_files()
-            if any(d is None for d in self.files) or self._readonly:
+            disk.fs.write_file_atomic("probe.tmp", bytes(self.io_align))
+            disk.fs.remove("probe.tmp")
+            disk.reopen_unwritable()
+            if (problem := disk.open_missing()) is not None:
+                self._degrade(problem)
+            if not disk.writable:
                 return False
             if self._journal is None or self._journal.failed:
                 # Never reopen a journal whose sync failed: continue in a new generation.
                 self._journal_gen = max(self._journal_gen, self._journal.gen if self._journal else 0) + 1
-                self._journal = jnl.JournalWriter.open(self.fs, self._journal_gen)
+                self._journal = jnl.JournalWriter.open(disk.fs, self._journal_gen)
         except (DiskError, DiskFull, OSError) as e:
             self.degraded_reason = f"{type(e).__name__}: {e}"
             return False
@@ -341,50 +360,30 @@ class NvmeTier(NvmeStartup, StorageTier):
         self.admitting, self.degraded_reason = True, ""
         return True
 
-    def _reopen_unwritable(self) -> None:
-        """Reopen for writing the block files open read-only or whose sync failed; a file that
-        is fine stays as it is. The new Device is swapped in before the old one is closed, and
-        closing waits for the reads in progress on it (Device contract): none sees a closed fd."""
-        assert self.fs is not None
-        for i, dev in enumerate(self.files):
-            if dev is None or (i not in self._readonly and not dev.sync_failed):
-                continue
-            self.files[i] = self.fs.open_file(fmt.data_file_name(i))  # DiskError: stays as is
-            self._readonly.discard(i)
-            dev.close()
-
     # -- shutdown ---------------------------------------------------------------------------------
 
     def checkpoint(
         self, namespaces: dict[bytes, dict[str, Any]], blocks: Iterable[tuple[bytes, bytes, NvmeLocation]]
     ) -> None:
         """Blocking: write the whole index so the next start is warm, then rotate the journal."""
-        if self.fs is None:
+        disk = self.disk
+        if disk is None:
             return
-        records: list[Any] = [jnl.NsRecord(d, spec) for d, spec in namespaces.items()]
-        for digest, key, loc in blocks:
-            file, off = divmod(loc.offset, self.cfg.file_bytes)
-            records.append(
-                jnl.AddRecord(digest, key, file, off, loc.payload_len, loc.slot_bytes, loc.checksum, loc.seq)
-            )
         new_gen = max(self._journal_gen, self._journal.gen if self._journal else 0) + 1
-        jnl.write_checkpoint(self.fs, records, journal_gen=new_gen)
+        disk.write_checkpoint(namespaces, blocks, journal_gen=new_gen)
         if self._journal is not None:
             self._journal.close()
             self._journal = None
-        jnl.remove_journals_before(self.fs, new_gen)
+        jnl.remove_journals_before(disk.fs, new_gen)
         self._journal_gen = new_gen
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
-        self._committer.shutdown(wait=True)
+        self._commits.close()
         if self._journal is not None:
             self._journal.close()
-        for dev in self.files:
-            if dev is not None:
-                dev.close()
-        if self.fs is not None:
-            self.fs.close()
+        if self.disk is not None:
+            self.disk.close()
         if self.owner is not None:
             self.owner.release()
             self.owner = None

@@ -44,7 +44,6 @@ class NvmeFigures:
     reads: int = 0
     checksum_failures: int = 0
     quarantined_slots: int = 0
-    commit_groups: int = 0
     write_errors: int = 0
     recovery_seconds: float = 0.0
     recovered_blocks: int = 0

@@ -12,7 +12,7 @@ from kvtier.integrations.sglang.config import ConfigError as SglangError
 from kvtier.integrations.transformers.identity import ConfigError as TransformersError
 from kvtier.integrations.transformers.identity import PrefixCacheOptions
 from kvtier.integrations.vllm.config import ConfigError as VllmError
-from kvtier.integrations.vllm.tier_config import TierConfig
+from kvtier.integrations.vllm.tier.config import TierConfig
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 BAD = [

@@ -116,7 +116,7 @@ def ns(cache: TieredCache) -> NamespaceState:
 def put(cache: TieredCache, ns: NamespaceState, ks: Sequence[bytes], s: Session | None = None) -> bytes:
     """Prepare and complete a store of ``ks`` (shm); returns the per-key status."""
     s = s or session()
-    job, status, _ = cache.prepare_store(s, ns, ks, SHM)
+    job, status, _ = cache.stores.reserve(s, ns, ks, SHM)
     if job is not None:
         cache.complete_store(s, job.id, ok=True)
     return status
@@ -186,7 +186,7 @@ def test_pin_prefix_pins_exactly_the_hit_prefix(cache: TieredCache, ns: Namespac
 
 def test_writing_entries_are_invisible_until_committed(cache: TieredCache, ns: NamespaceState) -> None:
     s1, s2 = session(1), session(2)
-    job, status, offsets = cache.prepare_store(s1, ns, keys(1, 2), SHM)
+    job, status, offsets = cache.stores.reserve(s1, ns, keys(1, 2), SHM)
     # [1w 2w]
     assert job is not None and status == st(RESERVED, RESERVED)
     assert len(set(offsets)) == 2 and all(o % BLOCK == 0 for o in offsets)
@@ -194,7 +194,7 @@ def test_writing_entries_are_invisible_until_committed(cache: TieredCache, ns: N
     assert load_job(cache, s2, ns, keys(1, 2)) is None
     assert pin_prefix(cache, s2, ns, keys(1, 2))[0] is None
     # another writer is told there is nothing to do (someone is already writing it)
-    assert cache.prepare_store(s2, ns, keys(2), SHM)[1] == st(PRESENT)
+    assert cache.stores.reserve(s2, ns, keys(2), SHM)[1] == st(PRESENT)
     assert cache.writing_blocks == 2
     assert cache.complete_store(s1, job.id, ok=True) == (2, 0)
     # [1 2]
@@ -204,10 +204,10 @@ def test_writing_entries_are_invisible_until_committed(cache: TieredCache, ns: N
 
 def test_writing_entries_are_never_evicted(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
-    job, _, _ = cache.prepare_store(s, ns, keys(1, 2, 3, 4), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1, 2, 3, 4), SHM)
     # [1w 2w 3w 4w]: the arena is full of blocks being written
     assert job is not None
-    job5, status, offsets = cache.prepare_store(s, ns, keys(5), SHM)
+    job5, status, offsets = cache.stores.reserve(s, ns, keys(5), SHM)
     assert job5 is None and status == st(REJECTED) and offsets == [0]
     assert all(ns.entries[k].state is EntryState.WRITING for k in keys(1, 2, 3, 4))
     assert ns.counters.evictions == 0
@@ -232,11 +232,11 @@ def test_store_is_rejected_as_a_value_when_only_pinned_and_writing_remain(
     s = session()
     put(cache, ns, keys(1, 2))
     pin(cache, ns, keys(1, 2))
-    writing, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)
+    writing, _, _ = cache.stores.reserve(s, ns, keys(3, 4), SHM)
     # [1* 2* 3w 4w]
     assert writing is not None
     used = cache.host.used_bytes
-    job, status, offsets = cache.prepare_store(s, ns, keys(5, 6), SHM)
+    job, status, offsets = cache.stores.reserve(s, ns, keys(5, 6), SHM)
     assert job is None and status == st(REJECTED, REJECTED) and offsets == [0, 0]
     # nothing changed
     assert resident(ns) == set(keys(1, 2)) and keys(5)[0] not in ns.entries
@@ -249,7 +249,7 @@ def test_store_is_rejected_as_a_value_when_only_pinned_and_writing_remain(
 def test_already_present_keys_are_reported_and_not_rewritten(cache: TieredCache, ns: NamespaceState) -> None:
     put(cache, ns, keys(1, 2))
     before = {k: ns.entries[k].offset for k in keys(1, 2)}
-    job, status, offsets = cache.prepare_store(session(), ns, keys(1, 3, 2), SHM)
+    job, status, offsets = cache.stores.reserve(session(), ns, keys(1, 3, 2), SHM)
     assert status == st(PRESENT, RESERVED, PRESENT)
     assert offsets[0] == offsets[2] == 0  # nothing to write for present keys
     assert offsets[1] not in before.values()
@@ -259,7 +259,7 @@ def test_already_present_keys_are_reported_and_not_rewritten(cache: TieredCache,
 
 
 def test_a_key_twice_in_one_batch_is_reserved_once(cache: TieredCache, ns: NamespaceState) -> None:
-    job, status, _ = cache.prepare_store(session(), ns, keys(1, 1), SHM)
+    job, status, _ = cache.stores.reserve(session(), ns, keys(1, 1), SHM)
     assert status == st(RESERVED, PRESENT)
     assert job is not None and len(job.items) == 1
     assert cache.host.used_bytes == BLOCK
@@ -269,7 +269,7 @@ def test_a_failed_complete_store_frees_its_slots_and_leaves_nothing_visible(
     cache: TieredCache, ns: NamespaceState
 ) -> None:
     s = session()
-    job, _, _ = cache.prepare_store(s, ns, keys(1, 2), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1, 2), SHM)
     assert job is not None
     assert cache.complete_store(s, job.id, ok=False) == (0, 2)
     # []
@@ -286,7 +286,7 @@ def test_a_failed_complete_store_frees_its_slots_and_leaves_nothing_visible(
 def test_item_ok_commits_part_of_a_job(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
     put(cache, ns, keys(2))
-    job, status, _ = cache.prepare_store(s, ns, keys(1, 2, 3, 4), SHM)
+    job, status, _ = cache.stores.reserve(s, ns, keys(1, 2, 3, 4), SHM)
     assert status == st(RESERVED, PRESENT, RESERVED, RESERVED)
     assert job is not None
     # item_ok follows the reserved keys only: 1, 3, 4
@@ -300,7 +300,7 @@ def test_item_ok_commits_part_of_a_job(cache: TieredCache, ns: NamespaceState) -
 
 def test_ok_false_overrides_item_ok(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
-    job, _, _ = cache.prepare_store(s, ns, keys(1, 2), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1, 2), SHM)
     assert job is not None
     assert cache.complete_store(s, job.id, ok=False, item_ok=[True, True]) == (0, 2)
     assert ns.entries == {}
@@ -308,7 +308,7 @@ def test_ok_false_overrides_item_ok(cache: TieredCache, ns: NamespaceState) -> N
 
 def test_item_ok_of_the_wrong_length_changes_nothing(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
-    job, _, _ = cache.prepare_store(s, ns, keys(1, 2), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1, 2), SHM)
     assert job is not None
     with pytest.raises(InvalidArgument) as exc:
         cache.complete_store(s, job.id, ok=True, item_ok=[True])
@@ -320,7 +320,7 @@ def test_item_ok_of_the_wrong_length_changes_nothing(cache: TieredCache, ns: Nam
 
 def test_a_job_completes_once(cache: TieredCache, ns: NamespaceState) -> None:
     s = session()
-    job, _, _ = cache.prepare_store(s, ns, keys(1), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1), SHM)
     assert job is not None
     cache.complete_store(s, job.id, ok=True)
     with pytest.raises(NotFound) as exc:
@@ -333,7 +333,7 @@ def test_a_job_completes_once(cache: TieredCache, ns: NamespaceState) -> None:
 def test_jobs_belong_to_their_session_and_kind(cache: TieredCache, ns: NamespaceState) -> None:
     owner, other = session(1), session(2)
     put(cache, ns, keys(1))
-    store, _, _ = cache.prepare_store(owner, ns, keys(2), SHM)
+    store, _, _ = cache.stores.reserve(owner, ns, keys(2), SHM)
     load = load_job(cache, owner, ns, keys(1))
     assert store is not None and load is not None
     # another session's job answers as an absent one (an id tells nothing)
@@ -355,7 +355,7 @@ def test_jobs_belong_to_their_session_and_kind(cache: TieredCache, ns: Namespace
 
 def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache, ns: NamespaceState) -> None:
     s = session(transport=TCP)
-    job, _, _ = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
+    job, _, _ = cache.stores.reserve(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
     for first in (0, 2):  # what the data channel does once a frame's bytes are in
         run_job, _ = cache.jobs.store_run(s.id, job.id, first, 1, BLOCK)
@@ -371,7 +371,7 @@ def test_tcp_store_job_whose_bytes_never_arrived_is_aborted(cache: TieredCache, 
 def test_store_run_checks_session_index_and_length(cache: TieredCache, ns: NamespaceState) -> None:
     s = session(transport=TCP)
     put(cache, ns, keys(1))
-    job, _, offsets = cache.prepare_store(s, ns, keys(1, 2, 3), TCP)
+    job, _, offsets = cache.stores.reserve(s, ns, keys(1, 2, 3), TCP)
     assert job is not None
     run_job, entries = cache.jobs.store_run(s.id, job.id, 1, 2, 2 * BLOCK)  # keys 2 and 3
     assert run_job is job and [e.offset for e in entries] == offsets[1:]
@@ -539,7 +539,7 @@ def test_release_session_frees_reservations_and_unpins(cache: TieredCache, ns: N
     put(cache, ns, keys(1, 2))
     pin(cache, ns, keys(1, 2), s)
     pin(cache, ns, keys(2), other)
-    job, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)
+    job, _, _ = cache.stores.reserve(s, ns, keys(3, 4), SHM)
     assert job is not None
     # [1* 2** 3w 4w]
     cache.release_session(s)
@@ -586,7 +586,7 @@ def test_counters_are_exact(cache: TieredCache, ns: NamespaceState) -> None:
     assert done(cache.lookup(ns, keys(1, 2))).hit == 0  # 2 missed
     put(cache, ns, keys(1, 2, 3))  # 3 accepted
     assert done(cache.lookup(ns, keys(1, 2, 9))).hit == 2  # 2 hit, 1 missed
-    job, _, _ = cache.prepare_store(s, ns, keys(3, 4), SHM)  # 1 present
+    job, _, _ = cache.stores.reserve(s, ns, keys(3, 4), SHM)  # 1 present
     assert job is not None
     cache.complete_store(s, job.id, ok=False)  # 1 dropped
     pin(cache, ns, keys(1, 2, 3))
@@ -629,7 +629,7 @@ def test_slots_of_an_expired_writer_are_held_back_one_lease(make_cache: MakeCach
     ns = cache.register_namespace(spec())
     put(cache, ns, keys(1, 2))
     writer = session(2)
-    cache.prepare_store(writer, ns, keys(3, 4), SHM)
+    cache.stores.reserve(writer, ns, keys(3, 4), SHM)
     # [1 2 3w 4w]; the writer's lease lapses (it may only be stalled, still copying over shm)
     writer.expired = True
     cache.release_session(writer)
@@ -653,24 +653,24 @@ def test_reserved_and_held_back_slots_count_against_the_tenants_host_quota(make_
     cache = make_cache(clock=lambda: now[0])
     ns = cache.register_namespace(dataclasses.replace(spec(), tenant="t"))
     slot = ns.slot_bytes
-    cache.fit_tenant("t", 2 * slot, 3 * slot)  # nothing held: two fit a quota of three
+    cache.stores.fit_tenant("t", 2 * slot, 3 * slot)  # nothing held: two fit a quota of three
     writer = session(2)
-    cache.prepare_store(writer, ns, keys(1, 2), SHM)  # [1w 2w]
+    cache.stores.reserve(writer, ns, keys(1, 2), SHM)  # [1w 2w]
     with pytest.raises(ResourceExhausted, match="quota host_bytes"):
-        cache.fit_tenant("t", 2 * slot, 3 * slot)  # 2 reserved + 2 more > 3
+        cache.stores.fit_tenant("t", 2 * slot, 3 * slot)  # 2 reserved + 2 more > 3
     writer.expired = True
     cache.release_session(writer)  # [] with 2 slots in limbo for one more lease
     assert ns.writing_blocks == 0 and ns.limbo_blocks == 2
     with pytest.raises(ResourceExhausted, match="quota host_bytes"):
-        cache.fit_tenant("t", 2 * slot, 3 * slot)
+        cache.stores.fit_tenant("t", 2 * slot, 3 * slot)
     now[0] += writer.ttl_s
     assert cache.sweep_limbo() == 2 and ns.limbo_blocks == 0
-    cache.fit_tenant("t", 2 * slot, 3 * slot)  # the tenant's slots are back
+    cache.stores.fit_tenant("t", 2 * slot, 3 * slot)  # the tenant's slots are back
 
 
 def test_a_closed_session_frees_its_slots_at_once(cache: TieredCache, ns: NamespaceState) -> None:
     writer = session(2)
-    cache.prepare_store(writer, ns, keys(3, 4), SHM)
+    cache.stores.reserve(writer, ns, keys(3, 4), SHM)
     cache.release_session(writer)  # closed, not expired: its process said it is done
     assert cache.limbo_blocks == 0 and cache.host.used_bytes == 0
 
@@ -680,7 +680,7 @@ def test_no_job_attaches_to_a_released_session(cache: TieredCache, ns: Namespace
     gone = session(3)
     gone.released = True  # its lease lapsed while the request awaited flushes or promotions
     with pytest.raises(NotFound, match="session_id"):
-        cache.prepare_store(gone, ns, keys(2), SHM)
+        cache.stores.reserve(gone, ns, keys(2), SHM)
     with pytest.raises(NotFound, match="session_id"):
         load_job(cache, gone, ns, keys(1))
     assert cache.writing_blocks == 0 and cache.pinned_blocks == 0
@@ -717,16 +717,16 @@ def test_room_for_promotions_keeps_to_the_tenants_quota(make_cache: MakeCache) -
     the blocks of the lookup itself (``protect``) nor pinned ones."""
     cache = make_cache()
     ns = cache.register_namespace(dataclasses.replace(spec(), tenant="t"))
-    cache.host_quota = lambda _ns: 3 * ns.slot_bytes
+    cache.admission.host_quota = lambda _ns: 3 * ns.slot_bytes
     put(cache, ns, keys(1, 2, 3))  # [1 2 3]: the quota is full
-    assert cache.room_for(ns, 2) == 2 and resident(ns) == set(keys(3))  # 1 and 2 made room
+    assert cache.stores.room_for(ns, 2) == 2 and resident(ns) == set(keys(3))  # 1 and 2 made room
     put(cache, ns, keys(4, 5))  # [3 4 5]
     held = {ns.entries[k] for k in keys(3, 4)}
-    assert cache.room_for(ns, 2, held) == 1 and resident(ns) == set(keys(3, 4))  # 5 only
+    assert cache.stores.room_for(ns, 2, held) == 1 and resident(ns) == set(keys(3, 4))  # 5 only
     pin = load_job(cache, session(7), ns, keys(3, 4))  # pinned: not evictable either
-    assert pin is not None and cache.room_for(ns, 2) == 1  # the slot 5 left
-    cache.host_quota = lambda _ns: None
-    assert cache.room_for(ns, 50) == 50  # no quota: the host tier alone decides
+    assert pin is not None and cache.stores.room_for(ns, 2) == 1  # the slot 5 left
+    cache.admission.host_quota = lambda _ns: None
+    assert cache.stores.room_for(ns, 50) == 50  # no quota: the host tier alone decides
 
 
 def test_a_namespace_with_held_back_slots_does_not_expire(make_cache: MakeCache) -> None:
@@ -736,7 +736,7 @@ def test_a_namespace_with_held_back_slots_does_not_expire(make_cache: MakeCache)
     cache = make_cache(clock=lambda: now[0])
     ns = cache.register_namespace(spec())
     writer = session(2)
-    cache.prepare_store(writer, ns, keys(1), SHM)
+    cache.stores.reserve(writer, ns, keys(1), SHM)
     writer.expired = True
     cache.release_session(writer)  # [] and one slot in limbo for a lease
     now[0] += 20

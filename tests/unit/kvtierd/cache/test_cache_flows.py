@@ -13,7 +13,7 @@ import pytest
 from kvtier_contract.digests import block_digest
 from kvtier_contract.identity import Namespace
 from kvtierd.cache import TieredCache
-from kvtierd.cache.flows import complete_load_verified, complete_store_hashed, prepare_store_fitted
+from kvtierd.cache.flows import complete_load_verified, complete_store_hashed
 from kvtierd.domain import Transport
 from kvtierd.index import NamespaceState
 from kvtierd.policies import make_policy
@@ -52,19 +52,13 @@ def key(i: int) -> bytes:
     return i.to_bytes(32, "big")
 
 
-def unexpected() -> Any:
-    raise AssertionError("no wait without a chain: nothing to check again")
-
-
 def store(
     cache: TieredCache, s: Session, ns: NamespaceState, *, trust_client: bool, given: list[int]
 ) -> list[int | None]:
     """Store blocks 1 and 2 (filled with 1s and 2s): each one's digest once committed."""
 
     async def run() -> list[int | None]:
-        job, _, offsets = await prepare_store_fitted(
-            cache, s, ns, [key(1), key(2)], Transport.SHM, token_ids=(), parent=None, again=unexpected
-        )
+        job, _, offsets = await cache.prepare_store(s, ns, [key(1), key(2)], Transport.SHM)
         assert job is not None
         for n, off in enumerate(offsets):
             cache.host.view(off, BLOCK)[:] = bytes([n + 1]) * BLOCK

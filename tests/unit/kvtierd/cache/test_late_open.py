@@ -58,10 +58,10 @@ async def test_a_tier_opened_late_restores_its_copies_into_the_live_index(
     assert again.lookup(1, 2) == (0, "", "")
     assert await again.store(2, 3) == bytes([RESERVED, RESERVED])  # the host tier serves
     assert again.lookup(2, 3) == (2, "hh", "--")
-    assert not await again.link.probe()  # still unreadable: nothing changes
+    assert not await again.link.recovery.probe()  # still unreadable: nothing changes
     healed[0] = True
-    assert await again.link.probe()  # opened now: copies restored, admitting
-    assert again.link.restored == 2
+    assert await again.link.recovery.probe()  # opened now: copies restored, admitting
+    assert again.link.recovery.restored == 2
     # 1: back from NVMe; 2: stored meanwhile, now with its durable copy; 3: host only (flushed
     # by the next write-through, not by the probe).
     assert again.lookup(1, 2) == (2, "nh", "dd")
@@ -112,16 +112,16 @@ async def test_a_checkpoint_while_a_late_open_runs_keeps_every_durable_block(
     held = HeldOpen()
     again = make_rig(fs_factory=held)
     held.heal()
-    caller = asyncio.ensure_future(again.link.probe())
+    caller = asyncio.ensure_future(again.link.recovery.probe())
     await held.wait_entered()  # the open reads the index, off the loop
     caller.cancel()  # the sweeper is cancelled (a drain): the open goes on regardless
     # A drain's checkpoint now would record the live index, which lacks 1 and 2, and delete the
     # journals that hold them: it is skipped, and flush_all writes nothing either.
-    assert await asyncio.to_thread(again.link.checkpoint) is False  # skipped, and says so
+    assert await asyncio.to_thread(again.link.recovery.checkpoint) is False  # skipped, and says so
     assert await again.link.flush_all(time.monotonic() + 1) == 0
     held.release()
     await again.settle()  # the open ends and puts its copies back
-    assert again.link.restored == 2 and again.lookup(1, 2) == (2, "nn", "dd")
+    assert again.link.recovery.restored == 2 and again.lookup(1, 2) == (2, "nn", "dd")
     again.stop()
     third = make_rig()
     assert third.restored == 2 and third.lookup(1, 2) == (2, "nn", "dd")
@@ -142,10 +142,10 @@ async def test_a_late_open_that_fails_unforeseen_can_be_repeated(make_rig: Calla
         return claim(offset, slot_bytes)
 
     again.nvme.space.claim = claim_then_fail  # type: ignore[method-assign]
-    assert not await again.link.probe()  # logged, not raised; slot of 1 claimed, then the bug
-    assert again.nvme.fs is None and not again.link.indexed
-    assert await again.link.probe()  # all over again: no slot is taken by the failed attempt
-    assert again.link.restored == 2 and again.nvme.figures.recovery_quarantined == 0
+    assert not await again.link.recovery.probe()  # logged, not raised; slot of 1 claimed, then the bug
+    assert again.nvme.fs is None and not again.link.recovery.indexed
+    assert await again.link.recovery.probe()  # all over again: no slot is taken by the failed attempt
+    assert again.link.recovery.restored == 2 and again.nvme.figures.recovery_quarantined == 0
     assert again.lookup(1, 2) == (2, "nn", "dd")
 
 
@@ -205,7 +205,7 @@ async def test_the_sweeper_keeps_expiring_leases_while_a_late_open_runs(
     assert not daemon.cache.chain[0].tier.admitting
     held.release()
     await daemon.drain_and_stop()
-    assert daemon.cache.chain[0].restored == 0  # an empty directory, formatted
+    assert daemon.cache.chain[0].recovery.restored == 0  # an empty directory, formatted
 
 
 @scenario
@@ -234,10 +234,10 @@ async def test_a_store_aborted_after_a_late_open_found_its_block_keeps_the_durab
     make_rig: Callable[..., Rig],
 ) -> None:
     again, healed = await restarted_unreadable(make_rig, 1)
-    job, status, _ = again.cache.prepare_store(again.session, again.ns, keys(1), SHM)
+    job, status, _ = await again.cache.prepare_store(again.session, again.ns, keys(1), SHM)
     assert job is not None and status == bytes([RESERVED])  # 1 is WRITING
     healed[0] = True
-    assert await again.link.probe()  # the late open finds 1 on disk: the entry gets the copy
+    assert await again.link.recovery.probe()  # the late open finds 1 on disk: the entry gets the copy
     again.cache.complete_store(again.session, job.id, ok=False)  # the client's write failed
     assert again.lookup(1) == (1, "n", "d")  # the block stays, held on NVMe
     assert await again.read(1) == [payload(1)]

@@ -3,7 +3,7 @@ test_tiering's Rig (4 KiB blocks, a real NVMe tier in a temp directory, a gate t
 
 The tenant's namespace is held to 4 blocks of a 16-block host tier (the write-back watermark never
 reached: the arena alone would never flush), as a tcp-only tenant is held to its share of the
-shared arena. Stores go through ``prepare_store_fitted`` as PrepareStore does, loads through the
+shared arena. Stores go through ``TieredCache.prepare_store`` as PrepareStore does, loads through the
 cache's ``prepare_load`` (promotions):
 
 * blocks a store evicts to fit the quota are on NVMe first, and read back byte for byte;
@@ -24,7 +24,6 @@ import test_tiering
 from test_tiering import RESERVED, SHM, Gate, Rig, keys, payload, scenario, spec
 
 from kvtier_contract.errors import ResourceExhausted
-from kvtierd.cache.flows import prepare_store_fitted
 from kvtierd.index import NamespaceState
 
 make_rig = test_tiering.make_rig  # the fixture
@@ -34,16 +33,14 @@ QUOTA = 4  # blocks of the tenant's host_bytes
 def tenanted(rig: Rig) -> NamespaceState:
     """The rig's cache given tenant ``t`` with a quota of QUOTA host slots: its namespace."""
     ns = rig.cache.register_namespace(dataclasses.replace(spec(), tenant="t"))
-    rig.cache.host_quota = lambda n: QUOTA * n.slot_bytes if n.spec.tenant == "t" else None
+    rig.cache.admission.host_quota = lambda n: QUOTA * n.slot_bytes if n.spec.tenant == "t" else None
     return ns
 
 
 async def put(rig: Rig, ns: NamespaceState, *ids: int) -> bytes:
     """Store blocks ``ids`` of ``ns`` the way PrepareStore and CompleteStore do."""
     ks = keys(*ids)
-    job, status, _ = await prepare_store_fitted(
-        rig.cache, rig.session, ns, ks, SHM, token_ids=(), parent=None, again=lambda: rig.session
-    )
+    job, status, _ = await rig.cache.prepare_store(rig.session, ns, ks, SHM)
     if job is not None:
         for i, e in job.items.items():
             rig.cache.host.arena.slot(e.offset, ns.block_bytes)[:] = payload(ids[i])

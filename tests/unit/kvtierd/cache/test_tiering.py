@@ -153,7 +153,7 @@ class Rig:
         self.link: TierLink = self.cache.add_storage_tier(
             self.nvme, make_write_policy(write_policy, flush_watermark=watermark, write_after_hits=hits)
         )
-        self.restored = self.link.restored
+        self.restored = self.link.recovery.restored
         self.ns = self.cache.register_namespace(spec())
         self.session = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=SHM)
         self._closed = False
@@ -190,8 +190,7 @@ class Rig:
     async def store(self, *ids: int) -> bytes:
         """Put blocks ``ids`` (backpressure first, as PrepareStore does); per-key status."""
         ks = keys(*ids)
-        await self.cache.make_room(self.ns, ks)
-        job, status, _ = self.cache.prepare_store(self.session, self.ns, ks, SHM)
+        job, status, _ = await self.cache.prepare_store(self.session, self.ns, ks, SHM)
         if job is not None:
             for i, e in job.items.items():
                 self.cache.host.arena.slot(e.offset, BLOCK)[:] = payload(ids[i])
@@ -255,7 +254,7 @@ class Rig:
 
     def stop(self) -> None:
         """A clean stop: checkpoint, then close (as drain_and_stop does after flush_all)."""
-        self.link.checkpoint()
+        self.link.recovery.checkpoint()
         self.close()
 
     def crash(self) -> None:
@@ -492,7 +491,7 @@ class Ticks:
 @scenario
 async def test_promotions_feed_the_tiers_read_figures(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4)
-    rig.link.read_figures = ReadFigures(weight=1.0, clock=Ticks())  # the latest batch alone
+    rig.link.promotion.read_figures = ReadFigures(weight=1.0, clock=Ticks())  # the latest batch alone
     await rig.store(1, 2, 3)
     await rig.settle()
     await rig.store(4, 5, 6, 7)
@@ -514,7 +513,7 @@ async def test_promotions_feed_the_tiers_read_figures(make_rig: Callable[..., Ri
     await rig.settle()  # 1..3 pushed out again
     rig.disk.fail_reads(1, errno.EIO)
     assert await rig.read(1) == [None]
-    assert rig.link.read_figures.reads == 2
+    assert rig.link.promotion.read_figures.reads == 2
 
 
 @scenario
@@ -1049,7 +1048,7 @@ async def test_a_pinned_lookup_job_sends_no_bytes(make_rig: Callable[..., Rig]) 
 async def test_a_write_run_header_is_bounded_before_anything_is_walked(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(host=4)
     channel, transport = data_channel(rig)
-    job, _, _ = rig.cache.prepare_store(rig.session, rig.ns, keys(9), Transport.TCP)
+    job, _, _ = await rig.cache.prepare_store(rig.session, rig.ns, keys(9), Transport.TCP)
     assert job is not None
     count = (1 << 32) - 1  # the largest a header carries: one byte per "block"
     t0 = time.perf_counter()

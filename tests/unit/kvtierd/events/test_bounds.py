@@ -72,7 +72,7 @@ def namespace(cache: TieredCache, **kw: Any) -> NamespaceState:
 
 def put(cache: TieredCache, ns: NamespaceState, ks: list[bytes], parent: bytes | None = None) -> None:
     s = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=Transport.SHM)
-    job, _, _ = cache.prepare_store(
+    job, _, _ = cache.stores.reserve(
         s, ns, ks, Transport.SHM, token_ids=list(range(len(ks) * TPB)), parent=parent
     )
     assert job is not None

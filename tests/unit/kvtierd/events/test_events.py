@@ -88,7 +88,7 @@ def cache() -> Iterator[TieredCache]:
 
 def put(cache: TieredCache, ns: NamespaceState, ks: list[bytes], **kw: Any) -> None:
     s = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=Transport.SHM)
-    job, _, _ = cache.prepare_store(s, ns, ks, Transport.SHM, **kw)
+    job, _, _ = cache.stores.reserve(s, ns, ks, Transport.SHM, **kw)
     assert job is not None
     cache.complete_store(s, job.id, ok=True)
 
@@ -222,10 +222,10 @@ def test_bad_token_ids_or_parent_are_refused_naming_the_field_and_change_nothing
     ns = cache.register_namespace(spec())
     s = Session(1, "s1", ttl_s=10.0, deadline=1e12, transport=Transport.SHM)
     with pytest.raises(InvalidArgument) as err:
-        cache.prepare_store(s, ns, keys(1, 2), Transport.SHM, token_ids=[1, 2, 3])
+        asyncio.run(cache.prepare_store(s, ns, keys(1, 2), Transport.SHM, token_ids=[1, 2, 3]))
     assert err.value.field == "token_ids"
     with pytest.raises(InvalidArgument) as err:
-        cache.prepare_store(s, ns, keys(1, 2), Transport.SHM, parent=b"short")
+        asyncio.run(cache.prepare_store(s, ns, keys(1, 2), Transport.SHM, parent=b"short"))
     assert err.value.field == "parent_key"
     assert not ns.entries and not s.store_jobs and cache.writing_blocks == 0
 

@@ -236,16 +236,17 @@ def test_lookup_tallies_saturate_instead_of_wrapping_a_counter() -> None:
     from types import SimpleNamespace
 
     from kvtier_contract.v1 import kvtier_pb2 as pb
-    from kvtierd.service import KvtierService
+    from kvtierd.service.sessions import SessionHandlers
     from kvtierd.stats import Counters
 
     counters = Counters(tokens_hit=(1 << 63) - 5)
     ns = SimpleNamespace(id=7, counters=counters, spec=SimpleNamespace(tokens_per_block=16))
     fake = SimpleNamespace(
-        cache=SimpleNamespace(namespaces={7: ns}), _visible=lambda: [ns], _scope=lambda: None
+        cache=SimpleNamespace(namespaces={7: ns}),
+        scope=SimpleNamespace(visible=lambda: [ns], scope=lambda: None),
     )
     t = pb.LookupTally(namespace_id=7, lookups=1, blocks_requested=1 << 32, blocks_hit=1 << 32)
-    KvtierService._count_local_lookups(fake, [t])  # type: ignore[arg-type]
+    SessionHandlers._count_local_lookups(fake, [t])  # type: ignore[arg-type]
     assert counters.tokens_hit == (1 << 63) - 1
     assert counters.blocks_hit_local == 1 << 32
     pb.Counters(tokens_hit=counters.tokens_hit)  # still fits the wire

@@ -88,7 +88,7 @@ def test_at_max_inflight_work_is_shed_and_releases_are_served(service: KvtierSer
         )
     )
     s = service.sessions.open("c", None, Transport.SHM)
-    store, _, _ = service.cache.prepare_store(s, ns, [key(1)], Transport.SHM)
+    store, _, _ = service.cache.stores.reserve(s, ns, [key(1)], Transport.SHM)
     load_session = service.sessions.open("d", None, Transport.SHM)
     assert store is not None and service.cache.writing_blocks == 1
     service.inflight = service.max_inflight  # e.g. a PrepareLoad waiting on the disk

@@ -11,7 +11,7 @@ import pytest
 from kvtier_contract.errors import FailedPrecondition, PermissionDenied
 from kvtierd.domain import Transport
 from kvtierd.tenancy import NO_CREDENTIAL, QUOTA_NAMES, Credential, Ledger, Shares, Tenancy
-from kvtierd.tenancy.room import DEFAULT_BUFFERED_BYTES
+from kvtierd.tenancy.tenancy import DEFAULT_BUFFERED_BYTES
 from kvtierd.tenants import Tenants, load_tenants, token_digest
 
 MiB = 1 << 20

@@ -25,6 +25,7 @@ from kvtierd.policies import make_policy
 from kvtierd.sessions import SessionTable
 from kvtierd.tiers import Arena, HostTier
 from kvtierd.transports.tcp import DataChannelLimits, DataChannelProtocol, DataChannelServer
+from kvtierd.transports.tcp_admission import ConnectionTable
 
 BLOCK = 4096
 HDR = wire.HEADER.size
@@ -112,7 +113,7 @@ class Rig:
 
     def put(self, ns: NamespaceState, *ids: int) -> bytes:
         """Store blocks ``ids`` of ``ns``, block ``i`` being 4 KiB of byte ``i``."""
-        job, status, offsets = self.cache.prepare_store(self.s, ns, keys(*ids), Transport.SHM)
+        job, status, offsets = self.cache.stores.reserve(self.s, ns, keys(*ids), Transport.SHM)
         if job is not None:
             for i, st, off in zip(ids, status, offsets, strict=True):
                 if st == RESERVED:
@@ -120,9 +121,7 @@ class Rig:
             self.cache.complete_store(self.s, job.id, ok=True)
         return status
 
-    def connect(
-        self, room: int, server: DataChannelServer | None = None
-    ) -> tuple[DataChannelProtocol, Kernel]:
+    def connect(self, room: int, server: ConnectionTable | None = None) -> tuple[DataChannelProtocol, Kernel]:
         channel, kernel = DataChannelProtocol(self.cache, self.sessions, server), Kernel(1 << 20)
         kernel.protocol = channel
         channel.connection_made(kernel)  # type: ignore[arg-type]
@@ -262,10 +261,12 @@ class Clock:
         self.now = end
 
 
-def server(rig: Rig, clock: Clock | None = None, **limits: Any) -> DataChannelServer:
-    return DataChannelServer(
+def server(rig: Rig, clock: Clock | None = None, **limits: Any) -> ConnectionTable:
+    """The connection table of a data-channel server (what its connections are handed)."""
+    srv = DataChannelServer(
         "127.0.0.1", 0, rig.cache, rig.sessions, DataChannelLimits(**limits), timers=clock
     )
+    return srv.table
 
 
 def error_of(kernel: Kernel) -> str:

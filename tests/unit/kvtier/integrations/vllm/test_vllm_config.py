@@ -7,15 +7,17 @@ from pathlib import Path
 import pytest
 
 from kvtier.integrations.vllm.config import (
-    BASE,
     ConfigError,
+    files_digest,
+    resolve_model_revision,
+    resolve_tokenizer_digest,
+)
+from kvtier.integrations.vllm.connector.config import (
+    BASE,
     ConnectorConfig,
     EngineIdentity,
     Variant,
     adapter_variant,
-    files_digest,
-    resolve_model_revision,
-    resolve_tokenizer_digest,
 )
 from kvtier_contract.errors import InvalidArgument
 

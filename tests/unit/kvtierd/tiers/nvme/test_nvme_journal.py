@@ -28,7 +28,7 @@ from kvtierd.tiers.nvme.journal import (
     JournalWriter,
     NsRecord,
     Recovery,
-    _frame,
+    encode_frame,
     encode_record,
     journal_name,
     recover,
@@ -274,7 +274,7 @@ def _damage_checkpoint(fs: FaultyFileSystem, how: str) -> None:
     size = len(encode_record(NS, 1)) + 2 * ADD_FRAME_BYTES
     if how == "count_mismatch":
         data = b"".join(encode_record(r, i) for i, r in enumerate(records, 1))
-        fs.write_file_atomic(CHECKPOINT_NAME, data + _frame(T_END, END_BODY.pack(2, 2), 4))
+        fs.write_file_atomic(CHECKPOINT_NAME, data + encode_frame(T_END, END_BODY.pack(2, 2), 4))
         return
     write_checkpoint(fs, records, journal_gen=2)
     dev = fs.open_file(CHECKPOINT_NAME)

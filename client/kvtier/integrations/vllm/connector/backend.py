@@ -1,0 +1,111 @@
+"""The daemon as the connector's scheduler half sees it: hash, pinned lookup, release.
+
+``DaemonBackend`` runs on the planner's lookup thread only (never the scheduler thread). It opens
+its ``kvtier.Client`` on the lookup thread's first task (``warmup``), so building the connector
+never waits for the daemon and the first request does not pay for the session; a daemon
+that is away answers every lookup as a miss at once (the breaker this process's workers share,
+``kvtier.integrations.vllm.breaker.shared_breaker``), and pins of a daemon that restarted are already gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.client import Client, NamespaceHandle
+from kvtier.integrations.vllm.breaker import shared_breaker
+from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity, Variant
+from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOutcome, Pin
+from kvtier.results import TierFigure
+from kvtier.settings import ClientSettings
+
+
+class DaemonBackend:
+    """Owns one Client and one NamespaceHandle per (variant, tp rank). Single-threaded."""
+
+    def __init__(
+        self, identity: EngineIdentity, cfg: ConnectorConfig, *, client_name: str = "vllm-scheduler"
+    ) -> None:
+        self.identity = identity
+        self.cfg = cfg
+        self.client_name = client_name
+        self._client: Client | None = None
+        self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
+        self.local_misses = 0  # lookups the published index answered as misses (no RPC)
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            # A lookup answered after lookup_timeout_ms is a miss anyway: no RPC waits longer.
+            timeout_ms = min(self.cfg.request_timeout_ms, self.cfg.lookup_timeout_ms)
+            self._client = Client.connect(  # lazy: away is a miss, logged once per cause
+                self.cfg.address,
+                lazy=True,
+                breaker=shared_breaker(self.cfg.address),
+                settings=ClientSettings(
+                    transport=self.cfg.transport,
+                    timeout_s=timeout_ms / 1000,
+                    lease_ttl_s=self.cfg.lease_ttl_ms / 1000,
+                    client_name=self.client_name,
+                    probe_timeout_s=self.cfg.probe_timeout_ms / 1000,
+                    token_file=self.cfg.token_file,
+                    unix_login=self.cfg.unix_login,
+                ),
+            )
+        return self._client
+
+    def handle(self, variant: Variant, tp_rank: int) -> NamespaceHandle:
+        h = self._handles.get((variant, tp_rank))
+        if h is None:
+            h = self.client.register(self.identity.namespace(variant, tp_rank))
+            self._handles[(variant, tp_rank)] = h
+        return h
+
+    def tier_figures(self) -> dict[str, TierFigure]:
+        """The daemon's per-tier load figures from this session's heartbeats (any thread, no
+        RPC; empty before the session is open)."""
+        client = self._client
+        return client.tier_figures() if client is not None else {}
+
+    def warmup(self) -> None:
+        """Open the session and register the base namespaces before the first request."""
+        for r in range(self.identity.tp_size):
+            self.handle(BASE, r)
+
+    def lookup(self, variant: Variant, token_ids: Sequence[int], *, promote: bool = True) -> LookupOutcome:
+        """Keys of every tp slice, then one pinned lookup of them all; the hit is the shortest.
+        A slice that the published index says has no hit at all ends it with no round trip
+        (a new prompt, the common case, costs the daemon nothing)."""
+        handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
+        keys = [h.block_keys(token_ids) for h in handles]
+        n_max = self.client.max_batch
+        for r, h in enumerate(handles):
+            # (uncounted: a hit is counted by the pinned lookup that follows, a miss here)
+            if h.lookup_local(keys[r][:n_max], count=False) == 0:
+                h.lookup_local(keys[r][:n_max])
+                self.local_misses += 1
+                return LookupOutcome(keys, 0, [], [], self._chain(handles))
+        # One round trip for every slice (LookupSlices): the hit every slice holds, pinned.
+        got = self.client.lookup_slices(handles, [k[:n_max] for k in keys], promote=promote)
+        pins = [(r, res.pin, res.epoch) for r, res in enumerate(got.slices) if res.pin]
+        tiers = got.slices[0].tiers if got.slices else []
+        n = got.hits
+        return LookupOutcome(keys, n, tiers[:n], pins, self._chain(handles))
+
+    def _chain(self, handles: list[NamespaceHandle]) -> KeyChain:
+        """Each slice's key chain, hashed the way ``block_keys`` hashes a prompt (same namespace
+        digest and tenant key), without the handles: safe on the scheduler thread."""
+        namespaces = [h.namespace for h in handles]
+        tenant_key = self.client.tenant_key
+
+        def chain(rank: int, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
+            return namespaces[rank].block_keys(token_ids, parent=parent, tenant_key=tenant_key)
+
+        return chain
+
+    def release(self, pins: Sequence[Pin]) -> None:
+        for _rank, pin, epoch in pins:
+            self.client.release(pin, epoch)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
