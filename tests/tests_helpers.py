@@ -226,3 +226,19 @@ def feed(channel: Any, data: bytes) -> None:
         buf[:n] = data[:n]
         channel.buffer_updated(n)
         data = data[n:]
+
+
+def event_streams(tmp_path: Path) -> list[str]:
+    """``kvtierd serve`` flags of the operator stream and one stream per tenant, with their
+    replay endpoints, as ipc:// sockets in ``tmp_path`` (ev.sock, replay.sock, ev-<tenant>.sock,
+    replay-<tenant>.sock)."""
+    return [
+        "--events-endpoint",
+        f"ipc://{tmp_path}/ev.sock",
+        "--events-replay-endpoint",
+        f"ipc://{tmp_path}/replay.sock",
+        "--events-tenant-endpoint",
+        f"ipc://{tmp_path}/ev-{{tenant}}.sock",
+        "--events-tenant-replay-endpoint",
+        f"ipc://{tmp_path}/replay-{{tenant}}.sock",
+    ]

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import scrape_metrics, serve_cmd
+from tests_helpers import event_streams, scrape_metrics, serve_cmd
 
 import kvtier
 
@@ -96,14 +96,7 @@ def test_an_event_flood_stays_within_the_configured_bytes(daemon_factory: Any, t
         "1MiB",
         "--tenants-file",
         str(tenants_toml(tmp_path / "tenants.toml")),
-        "--events-endpoint",
-        f"ipc://{tmp_path}/ev.sock",
-        "--events-replay-endpoint",
-        f"ipc://{tmp_path}/replay.sock",
-        "--events-tenant-endpoint",
-        f"ipc://{tmp_path}/ev-{{tenant}}.sock",
-        "--events-tenant-replay-endpoint",
-        f"ipc://{tmp_path}/replay-{{tenant}}.sock",
+        *event_streams(tmp_path),
         "--events-stream-buffer-bytes",
         "4MiB",
         "--events-buffer-bytes",

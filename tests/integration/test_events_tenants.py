@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import make_namespace
-from tests_helpers import wait_for
+from tests_helpers import event_streams, wait_for
 
 import kvtier
 
@@ -46,14 +46,7 @@ def test_a_tenants_subscriber_never_sees_another_tenants_keys(daemon_factory: An
         "1MiB",
         "--tenants-file",
         str(tenants_toml(tmp_path / "tenants.toml")),
-        "--events-endpoint",
-        f"ipc://{tmp_path}/ev.sock",
-        "--events-replay-endpoint",
-        f"ipc://{tmp_path}/replay.sock",
-        "--events-tenant-endpoint",
-        f"ipc://{tmp_path}/ev-{{tenant}}.sock",
-        "--events-tenant-replay-endpoint",
-        f"ipc://{tmp_path}/replay-{{tenant}}.sock",
+        *event_streams(tmp_path),
         run_dir=tmp_path / "run",
     )
     for name in ("ev-team-a.sock", "ev-team-b.sock", "replay-team-a.sock"):
