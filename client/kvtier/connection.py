@@ -153,7 +153,7 @@ class Connection:
             if self._closed:
                 return True
             stub = self.channel.stub
-            if self._session_id and not self._stale and stub is not None:
+            if self.connected and stub is not None:
                 try:
                     reply = stub.Heartbeat(pb.HeartbeatRequest(session_id=self._session_id), timeout=timeout)
                     self.figures.take(reply)
@@ -174,14 +174,18 @@ class Connection:
                 self.explainer.note(str(e))
             return True
 
-    def ensure(self, deadline: float | None = None) -> None:
-        """Connected (opened now, within ``deadline``), or Away at once while the breaker is
-        open (never waits for a probe)."""
+    def refuse_closed(self) -> None:
+        """Away at once when the client is closed or the breaker open."""
         if self._closed:
             raise Away("client closed")
         if not self.breaker.allows():
             raise Away(self.breaker.why or "daemon away (breaker open)")
-        if self._session_id and not self._stale:
+
+    def ensure(self, deadline: float | None = None) -> None:
+        """Connected (opened now, within ``deadline``), or Away at once while the breaker is
+        open (never waits for a probe)."""
+        self.refuse_closed()
+        if self.connected:
             return
         if not self._lock.acquire(timeout=self.deadlines.rpc(deadline)):
             raise Away("the session is being opened by another thread")
@@ -191,10 +195,7 @@ class Connection:
                 self._disconnect(keep_channel=True)
             if self._session_id:
                 return
-            if self._closed:
-                raise Away("client closed")
-            if not self.breaker.allows():
-                raise Away(self.breaker.why or "daemon away (breaker open)")
+            self.refuse_closed()
             try:
                 self._open(self.deadlines.rpc(deadline))
             except OutOfTime:

@@ -271,14 +271,6 @@ class Session:
             raise Unregistered(f"namespace {ns_id}: {e}") from None
         return handle
 
-    def _refuse_closed(self) -> None:
-        """Away at once when the client is closed or the breaker open."""
-        if self.connection.closed:
-            raise Away("client closed")
-        breaker = self.connection.breaker
-        if not breaker.allows():
-            raise Away(breaker.why or "daemon away (breaker open)")
-
     def start(
         self, method: str, request: Any, *, deadline: float | None = None, inline: bool = False
     ) -> PendingCall:
@@ -287,7 +279,7 @@ class Session:
         costs the caller's thread ~0.5 ms here), or, ``inline``, make it now on the caller's
         thread (nothing to overlap it with: no thread hand-off). Away at once while the
         breaker is open or the client is closed; every other outcome comes from ``result()``."""
-        self._refuse_closed()
+        self.connection.refuse_closed()
         return self._rpc.submit(
             method, deadline, lambda: self.call(method, request, deadline=deadline, trip=False), inline
         )
@@ -302,7 +294,7 @@ class Session:
         happens meanwhile (a later job's PrepareStore tripping the breaker must not keep it,
         and the slots it frees, waiting for the lease). It gets ``timeout_s``, cut to
         ``deadline`` but never below ``MIN_RPC_S``. ``inline``: as ``start``'s."""
-        self._refuse_closed()
+        self.connection.refuse_closed()
         if not self.connection.holds(session_id):
             raise Away("the session of the job is gone")
         return self._rpc.submit(

@@ -317,15 +317,15 @@ def check_socket_dirs(cfg: DaemonConfig) -> None:
             raise StartupError(why)
 
 
-def _unix_sockets(cfg: DaemonConfig) -> list[tuple[str, str]]:
-    """(the setting, in words with its flag; the path) of every Unix socket and lock file the
-    daemon binds or makes."""
+def _unix_sockets(cfg: DaemonConfig, *, lock: bool = True) -> list[tuple[str, str]]:
+    """(the setting, in words with its flag; the path) of every Unix socket the daemon binds
+    and (``lock``) the lock file it makes."""
     g = cfg.grpc
     setting = f"socket_path (--socket {g.socket_path})" if g.socket_path else f"run_dir {g.run_dir}"
     paths = [g.socket_path] if g.socket_path else []
     if cfg.transports.shm_enabled:
         paths.append(cfg.shm_socket_path)
-    if paths:
+    if paths and lock:
         paths.append(cfg.shm_socket_path.removesuffix(".shm") + ".lock")
     return [(setting, path) for path in paths]
 
@@ -333,17 +333,10 @@ def _unix_sockets(cfg: DaemonConfig) -> list[tuple[str, str]]:
 def check_socket_paths(cfg: DaemonConfig) -> None:
     """Every Unix socket path the daemon binds (absolute: it is advertised to clients) fits a
     Unix socket address (:data:`MAX_SOCKET_PATH_BYTES`); StartupError naming it otherwise."""
-    g = cfg.grpc
-    paths = [("socket_path", g.socket_path)] if g.socket_path else []
-    if cfg.transports.shm_enabled:
-        paths.append(("socket_path" if g.socket_path else "run_dir", cfg.shm_socket_path))
-    for name, path in paths:
+    for setting, path in _unix_sockets(cfg, lock=False):
         full = os.path.abspath(path)
         size = len(os.fsencode(full))
         if size > MAX_SOCKET_PATH_BYTES:
-            setting = (
-                f"socket_path (--socket {g.socket_path})" if name == "socket_path" else f"run_dir {g.run_dir}"
-            )
             raise StartupError(
                 f"{setting}: the Unix socket {full} is {size} bytes long, more than the "
                 f"{MAX_SOCKET_PATH_BYTES} a Unix socket path may have: choose a shorter --socket "

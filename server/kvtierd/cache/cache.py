@@ -143,7 +143,7 @@ class TieredCache:
         )
         self.chain.append(link)
         self.residency.links = self.chain
-        link.recovery.restored = link.recovery.restore(self.register_namespace, opened)
+        link.recovery.restored = link.restore(self.register_namespace, opened)
         return link
 
     def add_shared_tier(self, tier: SharedTier) -> SharedLink:

@@ -42,7 +42,7 @@ from kvtierd.cache.admission import Admission
 from kvtierd.cache.jobs import JobTable
 from kvtierd.cache.promotion import Promotion, bump
 from kvtierd.cache.recovery import LinkRecovery
-from kvtierd.cache.residency import HostResidency
+from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
 from kvtierd.events import MEDIUM_STORAGE
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
@@ -226,7 +226,7 @@ class TierLink:
             self.residency.events.stored(demoted, MEDIUM_STORAGE)
 
     async def ensure_room(
-        self, slot_bytes: int, count: int, timeout_s: float = 0.5, *, pool: int = 0
+        self, slot_bytes: int, count: int, timeout_s: float = ROOM_WAIT_S, *, pool: int = 0
     ) -> None:
         """Backpressure before ``count`` new host blocks in arena ``pool``: ``clean_cold_end``
         of that arena's blocks until they can be placed by evicting only blocks this tier

@@ -39,7 +39,7 @@ class PromotionLink(Protocol):
     write-back way, its copies, its tasks."""
 
     async def ensure_room(
-        self, slot_bytes: int, count: int, timeout_s: float = 0.5, *, pool: int = 0
+        self, slot_bytes: int, count: int, timeout_s: float = ROOM_WAIT_S, *, pool: int = 0
     ) -> None: ...
 
     def drop_copy(self, e: Entry, *, corrupt: bool) -> None: ...

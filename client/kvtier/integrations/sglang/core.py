@@ -16,9 +16,10 @@ answers a miss: ``False`` per key, 0 leading hits, ``None``. A daemon that is aw
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,8 +33,9 @@ from kvtier.integrations.sglang.config import (
     page_key,
     resolve_identity,
 )
-from kvtier.integrations.sglang.pages import HostPoolPages
+from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError
 from kvtier.settings import ClientSettings
+from kvtier_contract.errors import InvalidArgument
 
 log = logging.getLogger("kvtier.integrations.sglang.backend")
 _T = TypeVar("_T")
@@ -121,8 +123,7 @@ class StorageCore:
         """A flat data page of the KV pool's dtype."""
         assert self.pool is not None and self.pages is not None
         dtype = self.pool.dtype
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return torch.empty(self.pages.block_bytes // itemsize, dtype=dtype)
+        return torch.empty(self.pages.block_bytes // dtype.itemsize, dtype=dtype)
 
     def count_loaded(self, n: int, loaded: int) -> None:
         self.counters.pages_loaded += loaded
@@ -189,3 +190,15 @@ def _check_parallelism(cfg: Any) -> None:
         raise ConfigError("attn_cp_size", "attention context parallelism is not supported")
     if getattr(cfg, "should_split_heads", False):
         raise ConfigError("tp_lcm_size", "heterogeneous-TP head splitting is not supported")
+
+
+@contextlib.contextmanager
+def storable(field: str, pool: str) -> Iterator[None]:
+    """``ConfigError`` naming ``field`` when probing a host pool (``pool``: its words) or
+    building its namespace finds pages that cannot be stored exactly."""
+    try:
+        yield
+    except ConfigError:  # (a ValueError itself: kept as raised)
+        raise
+    except (PoolShapeError, ValueError, NotImplementedError, AttributeError, TypeError, InvalidArgument) as e:
+        raise ConfigError(field, f"{pool}: cannot store its pages: {type(e).__name__}: {e}") from e

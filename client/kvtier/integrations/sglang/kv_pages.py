@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from kvtier.integrations.sglang.config import ConfigError
-from kvtier.integrations.sglang.core import StorageCore, length, log
+from kvtier.integrations.sglang.core import StorageCore, length, log, storable
 from kvtier.integrations.sglang.decisions import PageDecisions
-from kvtier.integrations.sglang.pages import HostPoolPages, PoolShapeError
-from kvtier_contract.errors import InvalidArgument
+from kvtier.integrations.sglang.pages import HostPoolPages
 from kvtier_contract.identity import KV_DTYPES, Namespace
 
 
@@ -43,23 +42,9 @@ class KvPages:
         kind = "mla" if core.is_mla else "mha"
         layout = getattr(mem_pool_host, "layout", None)
         name = f"sglang.{layout}.{kind}"
-        try:
+        with storable("mem_pool_host", f"{type(mem_pool_host).__name__} ({layout})"):
             pages = HostPoolPages.probe(mem_pool_host, name)
             namespace = self._namespace(mem_pool_host, name)
-        except ConfigError:
-            raise
-        except (
-            PoolShapeError,
-            ValueError,
-            NotImplementedError,
-            AttributeError,
-            TypeError,
-            InvalidArgument,
-        ) as e:
-            raise ConfigError(
-                "mem_pool_host",
-                f"{type(mem_pool_host).__name__} ({layout}): cannot store its pages: {type(e).__name__}: {e}",
-            ) from e
         if namespace.block_bytes != pages.block_bytes:
             raise ConfigError(
                 "mem_pool_host",

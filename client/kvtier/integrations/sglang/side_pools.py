@@ -25,11 +25,10 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
 from kvtier.client import NamespaceHandle
 from kvtier.integrations.sglang.config import ConfigError
-from kvtier.integrations.sglang.core import StorageCore, as_list, length, log
+from kvtier.integrations.sglang.core import StorageCore, as_list, length, log, storable
 from kvtier.integrations.sglang.decisions import PageDecisions
 from kvtier.integrations.sglang.kv_pages import KvPages
-from kvtier.integrations.sglang.pages import SIDE_GEOMETRY_ATTRS, PoolShapeError, SidePool
-from kvtier_contract.errors import InvalidArgument
+from kvtier.integrations.sglang.pages import SIDE_GEOMETRY_ATTRS, SidePool
 from kvtier_contract.identity import Namespace
 
 
@@ -79,23 +78,9 @@ class SidePools:
     def _probe_side(self, host_pool: Any, name: str) -> tuple[SidePool, Namespace]:
         """Side pool ``name``'s pages and namespace; ``ConfigError`` naming
         ``host_pool.<name>`` when its pages cannot be stored exactly."""
-        try:
+        with storable(f"host_pool.{name}", type(host_pool).__name__):
             side = SidePool.probe(host_pool, name)
             return side, self._side_namespace(host_pool, name, side)
-        except ConfigError:
-            raise
-        except (
-            PoolShapeError,
-            ValueError,
-            NotImplementedError,
-            AttributeError,
-            TypeError,
-            InvalidArgument,
-        ) as e:
-            raise ConfigError(
-                f"host_pool.{name}",
-                f"{type(host_pool).__name__}: cannot store its pages: {type(e).__name__}: {e}",
-            ) from e
 
     def _side_namespace(self, pool: Any, name: str, side: SidePool) -> Namespace:
         """A side pool's namespace: the model's identity, and the pool's own geometry. Its pages
