@@ -30,6 +30,31 @@ VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / 
 TOKEN = "tok-wire-1"
 
 
+def with_replayed(ctx: Any, endpoint: str, live: list[list[bytes]]) -> list[list[bytes]]:
+    """``live`` [topic, seq, payload] messages with every message the replay endpoint still holds
+    added, ordered by seq: a replay from seq 0, asked again past each bounded answer."""
+    have = {int.from_bytes(m[1], "big"): m for m in live}
+    start = 0
+    while True:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        got = []
+        try:
+            while sock.poll(5000):
+                frames = sock.recv_multipart()  # [b"", topic, seq, payload]; the end: no topic
+                if not frames[1]:
+                    break
+                got.append(frames)
+        finally:
+            sock.close(0)
+        for _empty, topic, seq, payload in got:
+            have.setdefault(int.from_bytes(seq, "big"), [topic, seq, payload])
+        if not got:
+            return [have[s] for s in sorted(have)]
+        start = int.from_bytes(got[-1][2], "big") + 1
+
+
 def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: Any, tmp_path: Path) -> None:
     if not os.access(VLLM_PYTHON, os.X_OK):
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-env, or set KVTIER_VLLM_PYTHON)")
@@ -82,6 +107,10 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
                     )
         while sub.poll(1000):
             messages.append(sub.recv_multipart())
+        # what a live subscriber missed (ZMQ's slow joiner before the subscription lands, the
+        # daemon's 16-message send queue under load) it asks the replay endpoint for, as a vLLM
+        # consumer does on a gap in the sequence numbers
+        messages = with_replayed(ctx, replay, messages)
     finally:
         sub.close(0)
         ctx.term()
