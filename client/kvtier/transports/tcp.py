@@ -27,6 +27,8 @@ import ssl
 from collections.abc import Sequence
 from typing import Any
 
+import xxhash
+
 from kvtier.transports.base import DataTransport, Item
 from kvtier_contract import wire
 from kvtier_contract.digests import block_digest
@@ -40,6 +42,10 @@ _IOV = 64  # buffers per sendmsg / recvmsg_into call at most (well under IOV_MAX
 # 64 MiB calls starve the other side (measured: 1 MiB puts 2.25 GB/s with 64 MiB calls,
 # 3.39 GB/s with 4 MiB calls; 16 MiB calls lose again; docs/benchmarks.md).
 _CALL_BYTES = 4 << 20
+# Bytes per recvmsg_into call while a read is verified: each piece is hashed as soon as it lands,
+# while it is still in the core's L2 (512 KiB here), instead of after a whole frame of up to
+# 64 MiB that has left it (docs/benchmarks.md "Verified tcp gets").
+_HOT_BYTES = 256 << 10
 
 
 class TcpTransport(DataTransport):
@@ -104,7 +110,8 @@ class TcpTransport(DataTransport):
         return wire.block_frames(Op.WRITE, job_id, blocks)
 
     def read(self, job_id: int, items: list[Item], digests: Sequence[int] = ()) -> list[int]:
-        """Each frame's blocks are checked against ``digests`` once the frame is in."""
+        """Each block is checked against its digest in ``digests`` (0: not checked), hashed
+        piece by piece as it arrives (``_recv_checked``)."""
         s = self._live_socket()
         dest = {index: view for index, _offset, view in items}
         expect = {index: (k, digests[k]) for k, (index, _o, _v) in enumerate(items) if digests and digests[k]}
@@ -114,11 +121,11 @@ class TcpTransport(DataTransport):
             while dest:
                 op, _job, index, count, length = self._recv_header()
                 views = self._frame_views(dest, op, index, count, length)
-                _recv_views(s, list(views))
-                for i, v in enumerate(views, index):
-                    k, d = expect.get(i, (0, 0))
-                    if d and block_digest(v) != d:
-                        bad.append(k)
+                want = [expect.get(i, (0, 0)) for i in range(index, index + len(views))]
+                if any(d for _k, d in want):
+                    bad += [want[j][0] for j in _recv_checked(s, views, [d for _k, d in want])]
+                else:
+                    _recv_views(s, views)
         except OSError as e:
             self.close()
             raise TransportError(f"data channel read failed: {e}") from e
@@ -234,3 +241,48 @@ def _recv_views(s: socket.socket, views: list[memoryview]) -> None:
             else:
                 views[i] = views[i][got:]
                 got = 0
+
+
+def _recv_checked(s: socket.socket, views: list[memoryview], digests: list[int]) -> list[int]:
+    """Fill ``views`` in order like ``_recv_views``, in calls of about ``_HOT_BYTES``, each
+    piece fed to its block's xxh3 state as soon as it lands (the streaming digest equals
+    ``block_digest`` of the whole block); the positions whose digest differs from ``digests``
+    (0: not checked)."""
+    if isinstance(s, ssl.SSLSocket):  # TLS records are hashed once the frame is in
+        _recv_views(s, views)
+        return [k for k, (v, d) in enumerate(zip(views, digests, strict=True)) if d and block_digest(v) != d]
+    states = [xxhash.xxh3_64() if d else None for d in digests]
+    i, off, n = 0, 0, len(views)
+    while i < n:
+        if not len(views[i]):
+            i += 1
+            continue
+        got = s.recvmsg_into(_pieces(views, i, off))[0]
+        if got == 0:
+            raise TransportError("data channel closed by the daemon")
+        while got:
+            view, state = views[i], states[i]
+            take = min(len(view) - off, got)
+            if state is not None:
+                state.update(view[off : off + take])
+            got -= take
+            off += take
+            if off == len(view):
+                i, off = i + 1, 0
+    return [
+        k
+        for k, (st, d) in enumerate(zip(states, digests, strict=True))
+        if st is not None and st.intdigest() != d
+    ]
+
+
+def _pieces(views: list[memoryview], i: int, off: int) -> list[memoryview]:
+    """The scatter list of one verified receive: about ``_HOT_BYTES`` from ``views[i][off:]``."""
+    out: list[memoryview] = []
+    total = 0
+    while i < len(views) and total < _HOT_BYTES and len(out) < _IOV:
+        take = min(len(views[i]) - off, _HOT_BYTES - total)
+        out.append(views[i][off : off + take])
+        total += take
+        i, off = i + 1, 0
+    return out
