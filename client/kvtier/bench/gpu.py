@@ -36,6 +36,9 @@ from typing import Any
 GB = 1e9
 TARGET_GBPS = 45.0
 TARGET_RATIO = 0.8
+VERIFIED_RATIO = 0.9  # a verified transfer against its unverified twin (issue 41)
+PUT, GET = "(device->daemon)", "(daemon->device)"
+UNVERIFIED = ", not verified"
 
 
 class _Sampler:
@@ -84,6 +87,9 @@ def bench_gpu(args: argparse.Namespace) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-bench-gpu-") as tmp,
         DaemonProc(Path(tmp) / "kvtierd", host_bytes, max(64 << 20, bb), extra) as daemon,
+        DaemonProc(
+            Path(tmp) / "kvtierd-unverified", host_bytes, max(64 << 20, bb), [*extra, "--no-verify-bytes"]
+        ) as unverified,
         contextlib.ExitStack() as clients,
     ):
         ops: list[tuple[str, Callable[[], object]]] = [
@@ -91,8 +97,10 @@ def bench_gpu(args: argparse.Namespace) -> int:
             (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True)),
         ]
         for t in transports:
-            put, get = _round_trip(_bench_handle(daemon.unix, t, shape, clients), layout, src, dst)
-            ops += [(f"{t} put_blocks (device->daemon)", put), (f"{t} get_blocks (daemon->device)", get)]
+            for d, how in ((daemon, ""), (unverified, UNVERIFIED)):
+                ns = _bench_handle(d.unix, t, shape, clients, verify_bytes=not how)
+                put, get = _round_trip(ns, layout, src, dst)
+                ops += [(f"{t} put_blocks{how} {PUT}", put), (f"{t} get_blocks{how} {GET}", get)]
         exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
     best = {k: max(v) for k, v in s.figures.items()}
     _publish(_report(best, device, n, bb, exact, base, notes), args.json_out)
@@ -126,13 +134,20 @@ def _paged_cache(shape: tuple[int, ...], n: int, device: Any) -> tuple[Any, list
     return layout, perm[:n], perm[n : 2 * n]
 
 
-def _bench_handle(address: str, transport: str, shape: tuple[int, ...], clients: contextlib.ExitStack) -> Any:
-    """A connected client over ``transport`` (closed with ``clients``), its namespace of the
-    cache's ``shape`` registered."""
+def _bench_handle(
+    address: str, transport: str, shape: tuple[int, ...], clients: contextlib.ExitStack, *, verify_bytes: bool
+) -> Any:
+    """A connected client over ``transport`` (closed with ``clients``; ``verify_bytes`` as
+    ``ClientSettings.verify_bytes``), its namespace of the cache's ``shape`` registered."""
     import kvtier
 
     layers, heads, head_dim, tokens = shape
-    client = kvtier.Client.connect(address, transport, timeout_s=60)  # type: ignore[arg-type]
+    client = kvtier.Client.connect(
+        address,
+        transport,  # type: ignore[arg-type]
+        timeout_s=60,
+        verify_bytes=verify_bytes,
+    )
     clients.callback(client.close)
     if not client.connected:
         raise RuntimeError(f"{transport}: {client.counters.last_error}")
@@ -170,7 +185,7 @@ def _measure(
     for name, fn in ops:
         fn()
         sync()
-        if name.endswith("(daemon->device)"):
+        if name.endswith(GET):
             exact = exact and _same_blocks(layout, src, dst)
             layout.scatter(
                 dst, torch.zeros((len(dst), layout.block_bytes), dtype=torch.uint8, device=layout.device)
@@ -235,29 +250,35 @@ def _same_blocks(layout: Any, src: list[int], dst: list[int]) -> bool:
 def _report(
     best: dict[str, float], device: Any, n: int, bb: int, exact: bool, base: str, notes: list[str]
 ) -> dict[str, Any]:
+    """The table and JSON: each transfer against the pinned copy of its direction, and each
+    verified transfer against its unverified twin (the digest plan's check, docs/benchmarks.md)."""
     pairs = {
-        name: f"{base} device->host" if "(device->daemon)" in name else f"{base} host->device"
+        name: f"{base} device->host" if PUT in name else f"{base} host->device"
         for name in best
-        if "_blocks (" in name
+        if PUT in name or GET in name
     }
     lines = [
         f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
         f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
-        f"{'figure':34} {'GB/s':>7} {'x ' + base:>12}  target",
+        f"{'figure':48} {'GB/s':>7} {'x ' + base:>12}  target",
     ]
     ratios: dict[str, float] = {}
     for name, value in best.items():
         pair = pairs.get(name)
         if pair is None:
-            lines.append(f"{name:34} {value:7.2f}")
+            lines.append(f"{name:48} {value:7.2f}")
             continue
         ratio = value / best[pair]
         ratios[name] = ratio
         ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
         lines.append(
-            f"{name:34} {value:7.2f} {ratio:12.2f}  "
+            f"{name:48} {value:7.2f} {ratio:12.2f}  "
             f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)"
         )
+    verified = _verified_ratios(best)
+    for name, ratio in verified.items():
+        mark = "met" if ratio >= VERIFIED_RATIO else "missed"
+        lines.append(f"{name + ' / not verified':48} {ratio:20.2f}  {mark} (>= {VERIFIED_RATIO}x)")
     lines += notes
     return {
         "device": str(device),
@@ -266,6 +287,18 @@ def _report(
         "byte_exact": exact,
         "gbps": best,
         "ratio_to_pinned": ratios,
+        "verified_to_unverified": verified,
         "notes": notes,
         "table": "\n".join(lines),
     }
+
+
+def _verified_ratios(best: dict[str, float]) -> dict[str, float]:
+    """Each verified transfer's GB/s over its unverified twin's (same transport, direction)."""
+    out: dict[str, float] = {}
+    for name, value in best.items():
+        for way in (PUT, GET):
+            twin = name.replace(f" {way}", f"{UNVERIFIED} {way}")
+            if name.endswith(way) and UNVERIFIED not in name and twin in best:
+                out[name] = value / best[twin]
+    return out

@@ -341,8 +341,14 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path: Path) -> None:
         "copy_ device->host",
         "shm put_blocks (device->daemon)",
         "shm get_blocks (daemon->device)",
+        "shm put_blocks, not verified (device->daemon)",
+        "shm get_blocks, not verified (daemon->device)",
     }
-    assert "shm put_blocks" in proc.stdout
+    assert set(report["verified_to_unverified"]) == {
+        "shm put_blocks (device->daemon)",
+        "shm get_blocks (daemon->device)",
+    }
+    assert "shm put_blocks" in proc.stdout and "/ not verified" in proc.stdout
     assert report["notes"] == ["cuda_ipc: skipped, needs a CUDA device"]
 
 
