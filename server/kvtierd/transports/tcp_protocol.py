@@ -68,7 +68,6 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._seg = 0  # current segment
         self._job = 0
         self._pos = 0  # bytes of the current segment received
-        self._hashed = 0  # blocks of the current segment hashed (their digests in the job)
         self._left = 0  # payload bytes still to come
         self._errors: dict[int, int] = {}  # job -> first error status, reported on FLUSH
         self._sending: list[LoadJob] = []  # jobs with views in the write buffer (once per READ)
@@ -170,12 +169,11 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
         self._pos += nbytes
         seg = self._segments[self._seg]
         if self.cache.verify_bytes:  # (a read takes at most _READ_CHUNK: bytes still cached)
-            self._hashed = seg.hash_arrived(self._hashed, self._pos)
+            seg.hash_arrived(self._pos)
         if self._pos == len(seg.view):
             seg.job.arrived(seg.indexes)
             self._seg += 1
             self._pos = 0
-            self._hashed = 0
             if self._seg == len(self._segments):
                 self._segments = []
 
@@ -321,7 +319,6 @@ class DataChannelProtocol(asyncio.BufferedProtocol):
     def _on_write(self, job: int, first: int, count: int, length: int) -> None:
         """A payload of ``count`` blocks for consecutive key indexes from ``first``."""
         self._job, self._seg, self._pos, self._left = job, 0, 0, length
-        self._hashed = 0
         self._segments = []
         if length == 0:  # no block is empty: report it at FLUSH, the key is not received
             self._errors.setdefault(job, Status.BAD_LENGTH)

@@ -4,7 +4,7 @@ buffer for bytes that are discarded.
 Role: the destination half of :class:`kvtierd.transports.tcp_protocol.DataChannelProtocol`
 (which parses frames and feeds bytes in): ``plan_segments`` asks the cache's job table once per
 WRITE / WRITE_RUN frame where the run's blocks go and merges adjacent slots into one
-:class:`PayloadSegment` each; a segment hashes its blocks as they arrive. Ownership: a segment
+:class:`PayloadSegment` each; a segment hashes its bytes piece by piece as they arrive. Ownership: a segment
 is a view of arena bytes the job owns; the scratch buffer is module-wide. Concurrency:
 event-loop thread only (the scratch buffer is written by any connection and never read, so
 sharing it is harmless).
@@ -13,6 +13,9 @@ sharing it is harmless).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 from kvtier_contract.digests import block_digest
 from kvtierd.cache import StoreJob, TieredCache
@@ -32,22 +35,38 @@ def scratch() -> memoryview:
 
 @dataclass(eq=False)
 class PayloadSegment:
-    """Arena bytes of one or more adjacent slots of one store job, filled in order."""
+    """Arena bytes of one or more adjacent slots of one store job, filled in order; how far
+    its bytes are hashed (``fed``) and the xxh3 state of a block that arrives in pieces."""
 
     view: memoryview
     job: StoreJob
     indexes: range  # key indexes whose blocks the segment holds
+    fed: int = 0  # bytes of the segment hashed so far
+    state: Any = None  # xxh3 state of the block in progress, when it came in more than one piece
 
-    def hash_arrived(self, hashed: int, received: int) -> int:
-        """Hash the blocks that arrived in full (``received`` bytes of the segment so far) after
-        the first ``hashed``, while their bytes are still in the CPU's cache: their digests,
-        fixed at the commit (docs/security.md "Bytes verified end to end"). Returns the blocks
-        hashed now in all."""
+    def hash_arrived(self, received: int) -> None:
+        """Hash what arrived since the last call (the segment holds ``received`` bytes now)
+        while it is still in the CPU's cache: a block that came whole in this piece at once,
+        a block that spans pieces through xxh3's streaming state (the same digest). Each
+        block's digest goes to the job once its last byte is in, fixed at the commit
+        (docs/security.md "Bytes verified end to end")."""
         block = len(self.view) // len(self.indexes)
-        done = received // block
-        for b in range(hashed, done):
-            self.job.digests[self.indexes[b]] = block_digest(self.view[b * block : (b + 1) * block])
-        return done
+        pos = self.fed
+        while pos < received:
+            b, within = divmod(pos, block)
+            end = min(received, (b + 1) * block)
+            piece = self.view[pos:end]
+            if within == 0 and end - pos == block:
+                self.job.digests[self.indexes[b]] = block_digest(piece)
+            else:
+                if self.state is None:
+                    self.state = xxhash.xxh3_64()
+                self.state.update(piece)
+                if end - b * block == block:
+                    self.job.digests[self.indexes[b]] = self.state.intdigest()
+                    self.state = None
+            pos = end
+        self.fed = received
 
 
 def plan_segments(
