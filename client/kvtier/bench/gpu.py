@@ -97,14 +97,29 @@ def bench_gpu(args: argparse.Namespace) -> int:
             (f"{base} device->host", lambda: host.copy_(dev, non_blocking=True)),
         ]
         for t in transports:
-            for d, how in ((daemon, ""), (unverified, UNVERIFIED)):
-                ns = _bench_handle(d.unix, t, shape, clients, verify_bytes=not how)
-                put, get = _round_trip(ns, layout, src, dst)
-                ops += [(f"{t} put_blocks{how} {PUT}", put), (f"{t} get_blocks{how} {GET}", get)]
+            ops += _transport_ops(t, (daemon.unix, unverified.unix), shape, clients, (layout, src, dst))
         exact = _measure(ops, layout, (src, dst), s.sync, s.sample, args.repeat, s.figures.clear)
     best = {k: max(v) for k, v in s.figures.items()}
     _publish(_report(best, device, n, bb, exact, base, notes), args.json_out)
     return 0 if exact else 1
+
+
+def _transport_ops(
+    t: str,
+    addresses: tuple[str, str],
+    shape: tuple[int, ...],
+    clients: contextlib.ExitStack,
+    cache: tuple[Any, list[int], list[int]],
+) -> list[tuple[str, Callable[[], object]]]:
+    """The put and get of transport ``t``, verified (the daemon at ``addresses[0]``) and not
+    (the one at ``addresses[1]``, started with ``--no-verify-bytes``, its client too)."""
+    layout, src, dst = cache
+    ops: list[tuple[str, Callable[[], object]]] = []
+    for address, how in zip(addresses, ("", UNVERIFIED), strict=True):
+        ns = _bench_handle(address, t, shape, clients, verify_bytes=not how)
+        put, get = _round_trip(ns, layout, src, dst)
+        ops += [(f"{t} put_blocks{how} {PUT}", put), (f"{t} get_blocks{how} {GET}", get)]
+    return ops
 
 
 def _publish(report: dict[str, Any], json_out: str | None) -> None:
@@ -252,34 +267,23 @@ def _report(
 ) -> dict[str, Any]:
     """The table and JSON: each transfer against the pinned copy of its direction, and each
     verified transfer against its unverified twin (the digest plan's check, docs/benchmarks.md)."""
-    pairs = {
-        name: f"{base} device->host" if PUT in name else f"{base} host->device"
-        for name in best
+    ratios = {
+        name: value / best[f"{base} device->host" if PUT in name else f"{base} host->device"]
+        for name, value in best.items()
         if PUT in name or GET in name
     }
+    verified = _verified_ratios(best)
     lines = [
         f"kvtier bench gpu: {n} blocks x {bb >> 10} KiB on {device} "
         f"({'byte-exact' if exact else 'BYTES DIFFER'}); best of the rounds, GB/s",
         f"{'figure':48} {'GB/s':>7} {'x ' + base:>12}  target",
     ]
-    ratios: dict[str, float] = {}
-    for name, value in best.items():
-        pair = pairs.get(name)
-        if pair is None:
-            lines.append(f"{name:48} {value:7.2f}")
-            continue
-        ratio = value / best[pair]
-        ratios[name] = ratio
-        ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
-        lines.append(
-            f"{name:48} {value:7.2f} {ratio:12.2f}  "
-            f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)"
-        )
-    verified = _verified_ratios(best)
-    for name, ratio in verified.items():
-        mark = "met" if ratio >= VERIFIED_RATIO else "missed"
-        lines.append(f"{name + ' / not verified':48} {ratio:20.2f}  {mark} (>= {VERIFIED_RATIO}x)")
-    lines += notes
+    lines += [_figure_line(name, value, ratios.get(name)) for name, value in best.items()]
+    lines += [
+        f"{name + ' / not verified':48} {ratio:20.2f}  "
+        f"{'met' if ratio >= VERIFIED_RATIO else 'missed'} (>= {VERIFIED_RATIO}x)"
+        for name, ratio in verified.items()
+    ]
     return {
         "device": str(device),
         "blocks": n,
@@ -289,8 +293,19 @@ def _report(
         "ratio_to_pinned": ratios,
         "verified_to_unverified": verified,
         "notes": notes,
-        "table": "\n".join(lines),
+        "table": "\n".join(lines + notes),
     }
+
+
+def _figure_line(name: str, value: float, ratio: float | None) -> str:
+    """One figure of the table: its GB/s, and against its pinned copy with the targets."""
+    if ratio is None:
+        return f"{name:48} {value:7.2f}"
+    ok = value >= TARGET_GBPS and ratio >= TARGET_RATIO
+    return (
+        f"{name:48} {value:7.2f} {ratio:12.2f}  "
+        f"{'met' if ok else 'missed'} (>= {TARGET_GBPS:g} GB/s, >= {TARGET_RATIO}x)"
+    )
 
 
 def _verified_ratios(best: dict[str, float]) -> dict[str, float]:
