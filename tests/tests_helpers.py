@@ -37,7 +37,7 @@ def worker_identity(model_id: str) -> Any:
 
 
 def worker_keys(ns: Any, seed: int, n_blocks: int) -> list[bytes]:
-    """The keys tests/integration/worker.py computes for ``seed``."""
+    """The keys tests/integration/app/worker.py computes for ``seed``."""
     tokens = [int(t) for t in np.random.default_rng(seed).integers(0, 150_000, 16 * n_blocks)]
     return list(ns.block_keys(tokens))
 

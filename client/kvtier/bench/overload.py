@@ -11,7 +11,7 @@ RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...), and health latency p50 / p99 / max.
 queues without bound shows it in the health latency and in deadlines; a bounded one answers
 RESOURCE_EXHAUSTED fast and keeps health quick.
 
-``run_overload`` is the measurement (also used by tests/integration/test_overload.py);
+``run_overload`` is the measurement (also used by tests/integration/service/test_overload.py);
 ``bench_overload`` starts the daemon, runs it and prints the report.
 """
 

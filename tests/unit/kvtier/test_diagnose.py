@@ -1,7 +1,7 @@
 """kvtier.diagnose: the words a failure gets, and one WARNING per cause (issue 29, item 2).
 
 The daemon-backed cases (no socket, refused token, each TLS trap) are in
-tests/integration/test_connect_errors.py; here the cases a test daemon cannot stage (a hostname
+tests/integration/sdk/test_connect_errors.py; here the cases a test daemon cannot stage (a hostname
 mismatch, a silent host), on gRPC's own words, and the rate limit on an injected clock.
 """
 

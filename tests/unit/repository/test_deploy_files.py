@@ -504,7 +504,7 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
     pod IP now; with tenants it asks for a token, which a scrape sends in plaintext HTTP, so the
     file has a scrape-only token (metrics_tokens_sha256: no tenant's, refused by every RPC) and
     --allow-plaintext-metrics, not --allow-plaintext-remote: /metrics there takes only it
-    (tests/integration/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
+    (tests/integration/tenancy/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
     from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
     from kvtierd.tenancy.tenancy import QUOTA_NAMES
     from kvtierd.tenants import load_tenants

@@ -119,5 +119,5 @@ def test_the_published_index_doc_cites_the_tenant_test_that_exists() -> None:
     assert cited in doc
     assert (
         "def test_another_tenants_published_index_is_not_handed_out("
-        in (ROOT / "tests" / "integration" / "test_tenants.py").read_text()
+        in (ROOT / "tests" / "integration" / "tenancy" / "test_tenants.py").read_text()
     )

@@ -361,6 +361,8 @@ def test_integration_tests_sleep_bare_at_most_five_times_each_with_a_reason() ->
     a deadline on the state the test needs (``tests_helpers.wait_for``, ``settled``), an event,
     an injected clock. A bare sleep is for time itself (an engine's step, a random moment)."""
     files = sorted([*INTEGRATION.rglob("*.py"), *(ROOT / "tests").glob("*.py")])
+    # the tests sit in a folder per component (tests/integration/<component>/): all of them counted
+    assert any(p.parent.parent == INTEGRATION for p in files), "no tests/integration/<component>/*.py"
     bare = [(_name(p), line, why) for p in files for line, why in bare_sleeps(p)]
     unexplained = [f"{p}:{line}" for p, line, why in bare if not why]
     assert not unexplained, f"bare sleeps without a '# sleep: reason' comment: {unexplained}"

@@ -3,7 +3,7 @@
 Requirements are written once (packaging/*/requirements.txt) and read by the root development
 project; the extras the docs name agree between the root project and the distributions; torch is
 never a requirement; ``make serve`` installs only the runtime requirements (no dev tools, torch or
-Redis) and passes its ports through. The wheels themselves: tests/integration/test_wheels.py.
+Redis) and passes its ports through. The wheels themselves: tests/integration/deploy/test_wheels.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 every kind of boundary: payloads land in their destination views, everything else is parsed
 from the scratch buffer, and no byte is ever written outside the destination asked for.
 
-Against a real cluster (TLS, AUTH, errors): tests/integration/test_cluster_tier.py.
+Against a real cluster (TLS, AUTH, errors): tests/integration/cluster/test_cluster_tier.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The cluster tier's pure parts: value format, MACs and realms, key names, URLs, settings, slot
 grouping, the fleet key file.
 
-The tier against a real Redis Cluster: tests/integration/test_cluster_tier.py.
+The tier against a real Redis Cluster: tests/integration/cluster/test_cluster_tier.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The vLLM planner's lookup thread: ordering and the scheduler thread's bounded wait.
 
 The backend here records calls instead of talking to a daemon: what is under test is the
-thread's queueing, not the daemon (tests/integration/test_vllm_planner.py drives a real one).
+thread's queueing, not the daemon (tests/integration/vllm/test_vllm_planner.py drives a real one).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import kvtier
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 3)[0])  # tests/ (tests/integration/<component>/this file)
 from conftest import make_namespace  # noqa: E402
 
 NAMESPACE = make_namespace(model_id="test/crash", tokens_per_block=4)  # 4 KiB blocks

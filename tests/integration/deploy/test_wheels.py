@@ -30,7 +30,7 @@ import pytest
 
 from kvtier_contract.version import __version__
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 pytestmark = pytest.mark.wheels
 

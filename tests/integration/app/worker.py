@@ -17,7 +17,7 @@ import numpy as np
 import kvtier
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 3)[0])  # tests/ (tests/integration/<component>/this file)
 from conftest import make_namespace  # noqa: E402
 from tests_helpers import worker_keys  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Crash loop: a put workload against a real daemon, killed with SIGKILL at random moments.
 
-Each round runs tests/integration/nvme_driver.py against the daemon (write-through, so blocks
+Each round runs nvme_driver.py (next to this file) against the daemon (write-through, so blocks
 become durable within milliseconds), kills the daemon after a delay drawn from a seeded RNG, and
 restarts it on the same disk directory. Pass: every block the daemon reported durable, in any
 round, is still there and reads back with identical bytes; every other block that was put is

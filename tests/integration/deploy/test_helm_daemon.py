@@ -113,7 +113,7 @@ def test_the_scrape_token_reads_every_figure_and_anonymous_or_tenant_scrapes_get
 
 def test_the_scrape_token_is_refused_by_every_rpc(chart_daemon: DaemonProcess) -> None:
     """Sent in plaintext HTTP, the token must act on nothing: every Kvtier RPC refuses it as an
-    unknown token (Stats included; tests/integration/test_scrape_tokens.py: the handshakes)."""
+    unknown token (Stats included; tests/integration/tenancy/test_scrape_tokens.py: the handshakes)."""
     raw = TokenStub(chart_daemon.unix, SCRAPE)
     try:
         for method in pb.DESCRIPTOR.services_by_name["Kvtier"].methods:
