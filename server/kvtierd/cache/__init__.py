@@ -1,7 +1,7 @@
 """The cache: the index's only writer, the jobs, host residency and the chain of tiers below.
 
-See :mod:`kvtierd.cache.cache` for the primitives, :mod:`kvtierd.cache.admission` for what a
-tenant may hold, and :mod:`kvtierd.cache.flows` for the flows around them that hash (digests).
+See :mod:`kvtierd.cache.cache` for the primitives and :mod:`kvtierd.cache.admission` for what a
+tenant may hold (the completions that hash around them, digests: kvtierd.service.transfers).
 """
 
 from kvtierd.cache.cache import TieredCache

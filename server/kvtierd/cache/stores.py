@@ -2,9 +2,9 @@
 
 :class:`Stores` is handed the cache's :class:`~kvtierd.cache.state.CacheState` by
 :class:`~kvtierd.cache.TieredCache` and reserves, commits and aborts its entries
-(kvtierd.cache.reads pins and holds them; kvtierd.cache.flows runs the hashing around these
-calls, off the event loop). A tenant's host bytes are the state's admission's to count and refuse
-(kvtierd.cache.admission); evicting its own blocks to keep to them is done here.
+(kvtierd.cache.reads pins and holds them; kvtierd.service.transfers runs the hashing around
+these calls, off the event loop). A tenant's host bytes are the state's admission's to count
+and refuse (kvtierd.cache.admission); evicting its own blocks to keep to them is done here.
 
 * ``fit`` / ``room_for`` / ``fit_tenant``: a tenant's host quota, evicting what they may (held
   below first); ``make_room`` / ``clean_quota``: the flushes a batch waits for (what it evicts).
@@ -328,7 +328,7 @@ class Stores:
     def corrupt_claims(self, session: Session, job_id: int, indexes: Sequence[int]) -> list[Entry]:
         """The blocks of load job ``job_id`` at key ``indexes`` (a client found their bytes did
         not match their digest) that have a digest and a host slot: the caller rehashes them
-        (off the event loop, while the job's pins hold the slots: kvtierd.cache.flows), so a
+        (off the event loop, while the job's pins hold the slots: kvtierd.service.transfers), so a
         client cannot drop blocks that are fine, then ``drop_corrupt`` s those that differ.
         Every index is checked first (INVALID_ARGUMENT, nothing changes)."""
         job = self.state.jobs.get(session.id, job_id, LoadJob)

@@ -1,7 +1,7 @@
 """Policies: they only order and choose, never move bytes or write the index.
 
 * Eviction (which resident block goes first): ``make_policy("lru" | "arc", ghost_capacity)``;
-  primitives and iteration contract in :mod:`kvtierd.policies.base`.
+  primitives, iteration contract and the default (LRU) in :mod:`kvtierd.policies.base`.
 * Writing down the chain (when a host block is copied to a storage tier):
   ``make_write_policy("write-back" | "write-through" | "selective", …)``; hooks in
   :mod:`kvtierd.policies.write`.
@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from kvtierd.policies.arc import ArcPolicy
-from kvtierd.policies.base import EvictionPolicy, K
-from kvtierd.policies.lru import LruPolicy
+from kvtierd.policies.base import EvictionPolicy, K, LruPolicy
 from kvtierd.policies.write import (
     Selective,
     WriteBack,

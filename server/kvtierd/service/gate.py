@@ -1,5 +1,5 @@
 """The call gate: what every Kvtier call passes through before and after its handler, whether
-it came over gRPC or a session's control channel (:mod:`kvtierd.service.channel`).
+it came over gRPC or a session's control channel (:class:`ChannelDispatch`, below).
 
 In order: the caller is authenticated (a bearer token or a client certificate on gRPC; the
 session's tenant, as the current tenants file has it, on a control channel); admission: at most
@@ -15,8 +15,16 @@ gRPC statuses through the one table ``kvtier_contract.errors.GRPC_STATUS``; ever
 is observed per method, and ``after_rpc`` runs (the published indexes: the call's changes,
 before its reply).
 
-Owns nothing: the counts and histograms it feeds are the service's (:class:`GateState`).
-Event-loop thread only; ``CALLER`` / ``CREDENTIAL`` are context variables, one value per call.
+The control channel's side (framing and flow control: :mod:`kvtierd.transports.control`):
+:class:`ChannelDispatch` implements the transports' :class:`~kvtierd.transports.control.
+ControlDispatcher` (kvtierd.app hands one to each channel). A call that arrived as a frame is
+decoded, checked to name the channel's own session, and served by the same handler, through
+this same gate, as a gRPC call, with a :class:`ChannelContext`: the caller is the session's
+tenant. Its answer is (status code, reply or error bytes).
+
+Owns nothing: the counts and histograms it feeds are the service's (:class:`GateState`,
+:class:`Served`). Event-loop thread only; ``CALLER`` / ``CREDENTIAL`` are context variables, one
+value per call.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from kvtier_contract import wire
 from kvtier_contract.errors import GRPC_STATUS, OVERLOADED, KvtierError, ResourceExhausted
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.ratelog import RateLimitedLog
@@ -206,3 +216,65 @@ def _cert_names(context: Any) -> list[str]:
     for key in ("x509_common_name", "x509_subject_alternative_name"):
         names += [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in auth.get(key, ())]
     return names
+
+
+# -- the control channel's calls ----------------------------------------------------------------
+
+MAX_ERROR_BYTES = 4096
+_PARSE = {
+    name: getattr(pb, SERVICE.methods_by_name[name].input_type.name).FromString
+    for name in wire.CONTROL_METHODS
+}
+
+
+class Served(Protocol):
+    """What a channel's calls reach of the service (kvtierd.service.KvtierService): its
+    tenancy, its counts, and its handlers by method name."""
+
+    tenancy: Tenancy
+    bad_frames: int
+
+    def count_error(self, method: str, code: str) -> None: ...
+
+
+class ChannelDispatch:
+    """Serves control-channel calls with ``service``'s handlers, through the gate (see the module
+    docstring)."""
+
+    def __init__(self, service: Served) -> None:
+        self._service = service
+
+    @property
+    def tenancy(self) -> Tenancy:
+        """The daemon's one Tenancy (the channel counts its bytes and itself there)."""
+        return self._service.tenancy
+
+    def bad_frame(self) -> None:
+        """A frame broke the protocol (the channel closes): counted for /metrics."""
+        self._service.bad_frames += 1
+
+    async def call(
+        self, session_id: int, tenant: str | None, name: str, body: bytes, timeout_ms: int
+    ) -> tuple[int, bytes]:
+        """Serve one call of method ``name`` (one of ``wire.CONTROL_METHODS``) on a channel of
+        session ``session_id`` (its tenant: ``tenant``): (status code, reply or error bytes)."""
+        service = self._service
+        request: Any
+        try:
+            request = _PARSE[name](body)
+        except DecodeError as e:
+            request = Undecodable(str(e) or "malformed protobuf")
+        context = ChannelContext(tenant, timeout_ms / 1000 if timeout_ms else None)
+        if type(request) is not Undecodable and getattr(request, "session_id", session_id) != session_id:
+            # (as the handler says of another tenant's session: an id tells nothing)
+            service.count_error(name, "NOT_FOUND")
+            return (
+                grpc.StatusCode.NOT_FOUND.value[0],
+                f"unknown or expired session {request.session_id} (a control channel "
+                "serves only its own session)".encode(),
+            )
+        try:
+            reply = await getattr(service, name)(request, context)
+        except ChannelAbort as e:
+            return e.code.value[0], e.details.encode()[:MAX_ERROR_BYTES]
+        return 0, reply.SerializeToString()

@@ -6,8 +6,8 @@ revocation and every quota are decided in one place (docs/security.md):
 
 * :class:`~kvtierd.tenancy.tenancy.Tenancy`: the current tenants file, the Unix logins, who a
   credential is, which sessions a reload revokes, every quota with its default;
-* :class:`~kvtierd.tenancy.ledger.Ledger`: what each tenant holds of the resources that have no
-  owner object of their own to count them (control channels' buffered frame bytes).
+* :class:`~kvtierd.tenancy.tenancy.Ledger` (beside it): what each tenant holds of the resources
+  that have no owner object of their own to count them (control channels' buffered frame bytes).
 * :mod:`~kvtierd.tenancy.exposure`: which tokens /metrics takes off loopback (plaintext HTTP),
   and when a daemon with tenants may serve it there at all.
 
@@ -15,7 +15,6 @@ The tenants file's format stays in :mod:`kvtierd.tenants` (parsing and validatio
 """
 
 from kvtierd.tenancy.credential import NO_CREDENTIAL, Credential
-from kvtierd.tenancy.ledger import Ledger
-from kvtierd.tenancy.tenancy import QUOTA_NAMES, Shares, Tenancy
+from kvtierd.tenancy.tenancy import QUOTA_NAMES, Ledger, Shares, Tenancy
 
 __all__ = ["NO_CREDENTIAL", "QUOTA_NAMES", "Credential", "Ledger", "Shares", "Tenancy"]

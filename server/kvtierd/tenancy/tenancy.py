@@ -21,8 +21,8 @@ Primitives (every entry of the daemon asks these, none decides on its own):
   the current file no longer honours (a removed tenant, a removed token, certificate name or
   Unix login) or whose transport it no longer allows: the daemon closes them, and with them
   their channels, at once;
-* ``ledger``: what each tenant holds of the resources no other table counts
-  (:class:`~kvtierd.tenancy.ledger.Ledger`).
+* ``ledger``: what each tenant holds of the resources no other table counts (a
+  :class:`Ledger`, below).
 
 Without a tenants file the daemon is single-tenant: every caller is the one owner (None), no
 credential is asked, and only the daemon-wide bounds and ``buffered_bytes`` apply.
@@ -31,20 +31,28 @@ Ownership: the daemon (kvtierd.app) owns the one Tenancy; the service, the trans
 tiers hold it. Event-loop thread, except ``caller_of``, ``is_metrics_token`` and ``tenant``, which
 /metrics threads call: they read the current immutable :class:`~kvtierd.tenants.Tenants`,
 swapped in one assignment.
+
+:class:`Ledger`: per holder, how much of a bounded resource it holds now, for resources that no
+index or table counts already: the tenancy's counts each tenant's control channels and the bytes
+they hold (a tenant of None is the single-tenant daemon's one owner); the shm socket counts
+handshakes per peer uid, the data port connections per tenant, each in a ledger of its own.
+``take(holder, resource, n, limit)`` adds ``n`` if the holder's total stays within ``limit``
+(None: no limit) and says True, or changes nothing (False); ``give(holder, resource, n)``
+returns them. Owned by whoever made it (the Tenancy, a transport server); event-loop thread
+only (``held`` may be read from /metrics threads: a dict read of ints).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvtier_contract.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 from kvtierd.domain import Transport
 from kvtierd.tenancy.credential import Credential
-from kvtierd.tenancy.ledger import Ledger
 from kvtierd.tenants import Quotas, Tenant, Tenants, UnixLogins
 
 
@@ -82,6 +90,39 @@ class Shares:
     shared_arena_bytes: int = 1 << 30
     disk_bytes: int = 0
     tenant_arena_bytes: int = 256 << 20
+
+
+class Ledger:
+    """What each holder holds of bounded resources (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[Hashable, str], int] = {}
+
+    def take(self, holder: Hashable, resource: str, n: int, limit: int | None) -> bool:
+        """Count ``n`` more of ``resource`` against ``holder`` unless that passes ``limit``."""
+        assert n >= 0
+        key = (holder, resource)
+        now = self._held.get(key, 0)
+        if limit is not None and now + n > limit:
+            return False
+        self._held[key] = now + n
+        return True
+
+    def give(self, holder: Hashable, resource: str, n: int) -> None:
+        """Return ``n`` of ``resource`` that ``holder`` took."""
+        key = (holder, resource)
+        left = self._held.get(key, 0) - n
+        assert left >= 0, (key, n)
+        if left:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
+
+    def held(self, holder: Hashable, resource: str) -> int:
+        return self._held.get((holder, resource), 0)
+
+    def total(self, resource: str) -> int:
+        return sum(v for (_, r), v in list(self._held.items()) if r == resource)
 
 
 class Tenancy:

@@ -15,8 +15,7 @@ from kvtierd.tiers.base import (
     StorageTier,
     Tier,
 )
-from kvtierd.tiers.host import Arena, HostTier
-from kvtierd.tiers.slabs import SlabAllocator
+from kvtierd.tiers.host import Arena, HostTier, SlabAllocator
 
 __all__ = [
     "Arena",

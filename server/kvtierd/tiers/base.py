@@ -1,7 +1,7 @@
 """The tier seam: a place that holds block bytes in slots. Tiers know no index entries.
 
 Every tier has a space of ``capacity_bytes`` carved into slots (by size class, see
-:class:`~kvtierd.tiers.slabs.SlabAllocator`) and these primitives, all event-loop thread only:
+:class:`~kvtierd.tiers.host.SlabAllocator`) and these primitives, all event-loop thread only:
 
 * ``slot_bytes_for(payload_len)`` / ``fits(payload_len)``: the slot a block of that size takes;
 * ``alloc(slot_bytes)`` -> offset or None; ``free(offset, slot_bytes)``;

@@ -14,7 +14,7 @@ connection to a ``ControlChannel`` bound to that session; it lives until the pee
 a bad frame, the daemon's close, or its session's end (``close()``, or the data channel's).
 
 This module frames and paces; it knows no method's meaning. Each whole frame is handed to the
-channel's :class:`ControlDispatcher` (the daemon's: :class:`kvtierd.service.channel.ChannelDispatch`,
+channel's :class:`ControlDispatcher` (the daemon's: :class:`kvtierd.service.gate.ChannelDispatch`,
 wired by kvtierd.app), which serves it through the service's call gate as a gRPC call is served
 (admission, the deadline, error mapping, latency histograms, the published indexes' flush): the
 caller is the session's tenant, and a request must name the channel's own session.
@@ -52,7 +52,7 @@ CHANNELS = "control_channels"  # (likewise)
 
 class ControlDispatcher(Protocol):
     """What serves a control channel's calls and holds the ledger its bytes count in (the
-    daemon's: kvtierd.service.channel.ChannelDispatch). Event-loop thread only."""
+    daemon's: kvtierd.service.gate.ChannelDispatch). Event-loop thread only."""
 
     @property
     def tenancy(self) -> Tenancy:

@@ -63,7 +63,7 @@ def runs(
     """``(slot offset, buffer offset)`` per block -> ``(slot offset, buffer offset, bytes)``,
     merging blocks whose slots and buffer offsets both follow the previous block's, within one
     ``chunk`` of an arena (one cudaHostRegister range: a copy spanning two may be staged);
-    ``base(slot)``: where the slot's arena starts (arenas never touch: kvtierd.tiers.slabs)."""
+    ``base(slot)``: where the slot's arena starts (arenas never touch: kvtierd.tiers.host)."""
     out: list[tuple[int, int, int]] = []
     for slot, buf in pairs:
         if out:

@@ -50,7 +50,7 @@ from kvtier_contract.errors import FailedPrecondition, KvtierError, NotFound, Re
 from kvtierd.domain import Transport
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.sessions import Session, SessionTable
-from kvtierd.tenancy.ledger import Ledger
+from kvtierd.tenancy import Ledger
 from kvtierd.transports.base import CONTROL_CHANNELS_PER_SESSION, ChannelFactory, ServerTransport
 from kvtierd.transports.shm_index import IndexChannels
 from kvtierd.transports.shm_socket import peer, recv_exactly, refuse

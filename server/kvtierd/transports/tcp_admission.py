@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.tenancy.ledger import Ledger
+from kvtierd.tenancy import Ledger
 from kvtierd.transports.base import ChannelFactory
 
 log = logging.getLogger("kvtierd.tcp")

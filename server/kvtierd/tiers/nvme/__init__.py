@@ -1,10 +1,9 @@
 """NVMe tier: the disk seam (``device``, its typed ``errors``, its scatter/gather ``buffers``),
 the slot and directory format (``format``, grammar in docs/block_format.md), the offline checker
-(``fsck``), the index log (``journal``: writer and checkpoints; ``records``: its frame grammar;
-``replay``: recovery) and the tier itself (``tier``: ``NvmeTier``, holding its parts:
-``files``, the open block files; ``startup``, one opening and recovery, handed over;
-``commit``, the group commit; with ``runs``: batched I/O; ``values``: config, locations,
-figures).
+(``fsck``), the index log (``journal``: writer, checkpoints and the group commit; ``records``:
+its frame grammar; ``replay``: recovery) and the tier itself (``tier``: ``NvmeTier``, holding its
+parts: ``files``, the open block files and the batched I/O on them; ``startup``, one opening and
+recovery, handed over; the journal's group commit; with ``values``: config, locations, figures).
 Nothing here knows the index or policies; the cache's chain link (kvtierd.cache.chain.TierLink)
 connects the tier to it.
 """

@@ -1,26 +1,40 @@
-"""The NVMe tier's open directory: its FileSystem and one Device per block file.
+"""The NVMe tier's open directory, its FileSystem and one Device per block file, and the
+gathered I/O on those files.
 
 Role: what a tier's startup (:mod:`kvtierd.tiers.nvme.startup`) opens and hands to the tier
 (:mod:`kvtierd.tiers.nvme.tier`), which then reads, writes, syncs and reopens through it. Block
 offsets are linear over all files: ``file * file_bytes + offset``.
 
-Primitives: ``open_missing()`` (every block file not open yet, created when absent),
-``reopen_unwritable()`` (the probe), ``pread`` / ``pwrite`` at a linear offset, ``sync(file)``,
-``write_checkpoint(...)`` (the whole index, in the log's terms: file and offset), ``close()``.
+Primitives of :class:`BlockFiles`: ``open_missing()`` (every block file not open yet, created
+when absent), ``reopen_unwritable()`` (the probe), ``pread`` / ``pwrite`` at a linear offset,
+``sync(file)``, ``write_checkpoint(...)`` (the whole index, in the log's terms: file and
+offset), ``close()``.
+
+Batched block I/O (the "how" of :meth:`NvmeTier.write_many` / :meth:`NvmeTier.read_many`):
+:func:`write_runs` / :func:`read_runs` turn a batch of slots into one gathered ``pwritev`` /
+``preadv`` per run of slots that follow each other in one block file (through the ``pwrite`` /
+``pread`` the tier passes in: a BlockFiles'), slot headers built here, and each block read then
+verified on its own. They keep no state: the header buffers are the call's, the arena slots
+the caller's; each runs on one of the tier's I/O threads per batch, and batches touch disjoint
+slots.
 """
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvtier_contract.directio import aligned_buffer
+from kvtierd.tiers.base import WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme.device import Device, DiskError, DiskIOError, FileSystem
 from kvtierd.tiers.nvme.values import NvmeLocation
 
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # block files opened read-only then
+ReadItem = tuple[NvmeLocation, bytes, bytes, memoryview]  # location, digest, key, arena slot
+Transfer = Callable[[int, list[memoryview]], None]  # (linear offset, views): one gathered call
 
 
 class BlockFiles:
@@ -153,3 +167,73 @@ class BlockFiles:
                 dev.close()
         self.devices, self.readonly = [], set()
         self.fs.close()
+
+
+# -- gathered I/O: one call per run of adjacent slots ---------------------------------------------
+
+
+def write_runs(
+    items: list[WriteItem], seqs: list[int], *, io_align: int, file_bytes: int, pwrite: Transfer
+) -> list[int]:
+    """Headers computed here (payload checksums too, unless the item carries its block's
+    digest), then one ``pwrite`` per run of adjacent slots. Returns the checksums in item order."""
+    a, fb = io_align, file_bytes
+    checksums = [0] * len(items)
+    headers = aligned_buffer(a * len(items), a)
+    order = sorted(range(len(items)), key=lambda i: items[i][0])
+    run: list[memoryview] = []
+    run_start = run_end = -1
+    for i in order:
+        offset, digest, key, view, plen, given = items[i]
+        region = view[: fmt.round_up(plen, a)]
+        h = fmt.new_header(digest, key, region[:plen], sequence=seqs[i], io_align=a, checksum=given)
+        hdr = headers[i * a : (i + 1) * a]
+        fmt.encode_header_into(h, hdr)
+        checksums[i] = h.payload_checksum
+        if offset != run_end or offset // fb != run_start // fb:
+            if run:
+                pwrite(run_start, run)
+            run, run_start = [], offset
+        run += [hdr, region]
+        run_end = offset + fmt.slot_bytes(plen, a)
+    if run:
+        pwrite(run_start, run)
+    return checksums
+
+
+def read_runs(
+    items: list[ReadItem], *, io_align: int, file_bytes: int, pread: Transfer
+) -> list[Exception | None]:
+    """One ``pread`` per run of adjacent slots into the arena slots, then every block verified:
+    per item None or the CorruptSlot that makes it a miss."""
+    a, fb = io_align, file_bytes
+    headers = aligned_buffer(a * len(items), a)
+    regions = [dest[: fmt.round_up(loc.payload_len, a)] for loc, _d, _k, dest in items]
+    order = sorted(range(len(items)), key=lambda i: items[i][0].offset)
+    run: list[memoryview] = []
+    start = end = -1
+    for i in order:
+        loc = items[i][0]
+        if loc.offset != end or loc.offset // fb != start // fb:
+            if run:
+                pread(start, run)
+            run, start = [], loc.offset
+        run += [headers[i * a : (i + 1) * a], regions[i]]
+        end = loc.offset + loc.slot_bytes
+    if run:
+        pread(start, run)
+    return [_verify(headers[i * a : (i + 1) * a], regions[i], item) for i, item in enumerate(items)]
+
+
+def _verify(header: memoryview, region: memoryview, item: ReadItem) -> Exception | None:
+    loc, digest, key, _dest = item
+    try:
+        h = fmt.decode_header(
+            header, expect_digest=digest, expect_key=key, expect_payload_len=loc.payload_len
+        )
+        if h.sequence != loc.seq:
+            raise fmt.CorruptSlot("wrong_key", f"sequence {h.sequence}, expected {loc.seq}")
+        fmt.verify_payload(h, region)
+    except fmt.CorruptSlot as e:
+        return e
+    return None

@@ -22,13 +22,13 @@ from typing import Any
 from kvtier_contract.directio import aligned_buffer
 from kvtierd.lockfile import InUse
 from kvtierd.progress import Progress
+from kvtierd.tiers import SlabAllocator
 from kvtierd.tiers.base import Recovered
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
 from kvtierd.tiers.nvme.device import DiskError, FileSystem, disk_error
 from kvtierd.tiers.nvme.files import BlockFiles
 from kvtierd.tiers.nvme.values import NvmeConfig, NvmeLocation
-from kvtierd.tiers.slabs import SlabAllocator
 
 log = logging.getLogger("kvtierd.nvme")
 

@@ -21,7 +21,7 @@ its header and its journal record are (a failed fsync fails the whole group, nev
 Parts: the open directory is a :class:`~kvtierd.tiers.nvme.files.BlockFiles` (None until
 open), made and recovered, with the first journal, by an
 :class:`~kvtierd.tiers.nvme.startup.NvmeStartup` per ``open()`` attempt and handed over; the
-commit thread is a :class:`~kvtierd.tiers.nvme.commit.GroupCommit`; the plain values live in
+commit thread is a :class:`~kvtierd.tiers.nvme.journal.GroupCommit`; the plain values live in
 :mod:`kvtierd.tiers.nvme.values` (re-exported here).
 """
 
@@ -37,16 +37,14 @@ from typing import Any
 
 from kvtierd.domain import TierId
 from kvtierd.lockfile import OwnerLock
+from kvtierd.tiers import SlabAllocator
 from kvtierd.tiers.base import Recovered, StorageColumns, StorageTier, WriteItem
 from kvtierd.tiers.nvme import format as fmt
 from kvtierd.tiers.nvme import journal as jnl
-from kvtierd.tiers.nvme import runs
-from kvtierd.tiers.nvme.commit import GroupCommit
 from kvtierd.tiers.nvme.device import Device, DiskError, DiskFull, FileSystem
-from kvtierd.tiers.nvme.files import BlockFiles
+from kvtierd.tiers.nvme.files import BlockFiles, read_runs, write_runs
 from kvtierd.tiers.nvme.startup import NvmeStartup, Opened
 from kvtierd.tiers.nvme.values import NvmeConfig, NvmeFigures, NvmeLocation
-from kvtierd.tiers.slabs import SlabAllocator
 
 __all__ = ["NvmeConfig", "NvmeFigures", "NvmeLocation", "NvmeTier"]
 log = logging.getLogger("kvtierd.nvme")
@@ -84,7 +82,7 @@ class NvmeTier(StorageTier):
         self.degraded_reason = "not open"
         self._seq = 0
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvtier-nvme-io")
-        self._commits = GroupCommit(self._sync_group, self._degrade)
+        self._commits = jnl.GroupCommit(self._sync_group, self._degrade)
         self._journal: jnl.JournalWriter | None = None
         self._journal_gen = 0
         self._known_ns: set[bytes] = set()
@@ -246,7 +244,7 @@ class NvmeTier(StorageTier):
         try:
             checksums = await loop.run_in_executor(
                 self._io,
-                partial(runs.write_runs, items, seqs, io_align=self.io_align, file_bytes=fb, pwrite=pwrite),
+                partial(write_runs, items, seqs, io_align=self.io_align, file_bytes=fb, pwrite=pwrite),
             )
             records = []
             for (offset, digest, key, _view, plen, _c), seq, checksum in zip(
@@ -282,7 +280,7 @@ class NvmeTier(StorageTier):
             results = await loop.run_in_executor(
                 self._io,
                 partial(
-                    runs.read_runs,
+                    read_runs,
                     items,
                     io_align=self.io_align,
                     file_bytes=self.cfg.file_bytes,

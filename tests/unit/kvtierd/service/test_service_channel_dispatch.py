@@ -1,4 +1,4 @@
-"""kvtierd.service.channel.ChannelDispatch without sockets: a call is decoded and handed to the
+"""kvtierd.service.gate.ChannelDispatch without sockets: a call is decoded and handed to the
 handler of its name with a ChannelContext carrying the channel's tenant; one naming another
 session is NOT_FOUND (counted) and never reaches a handler; an undecodable body reaches the
 handler as Undecodable (the call gate answers it); an abort becomes the reply's status."""
@@ -11,8 +11,7 @@ from typing import Any
 import grpc
 
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.service.channel import MAX_ERROR_BYTES, ChannelDispatch
-from kvtierd.service.gate import ChannelContext, Undecodable
+from kvtierd.service.gate import MAX_ERROR_BYTES, ChannelContext, ChannelDispatch, Undecodable
 from kvtierd.tenancy import Tenancy
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvtier_contract import wire
 from kvtier_contract.v1 import kvtier_pb2 as pb
-from kvtierd.service.channel import ChannelDispatch
+from kvtierd.service.gate import ChannelDispatch
 from kvtierd.tenancy import Tenancy
 from kvtierd.transports.control import BUFFERED, CHANNELS, ControlChannel
 

@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from kvtierd.tiers.nvme.commit import GroupCommit
 from kvtierd.tiers.nvme.device import DiskError, SyncFailed
+from kvtierd.tiers.nvme.journal import GroupCommit
 
 
 class Groups:

@@ -1,6 +1,6 @@
-"""kvtierd.cache.flows over a host tier of 4 blocks (no chain): a store's digests are the
-client's when it is trusted, else hashed from the slots; a load's corrupt claims are rehashed,
-so a block that is fine is never dropped and one whose bytes differ is."""
+"""kvtierd.service.transfers' completions that hash, over a host tier of 4 blocks (no chain): a
+store's digests are the client's when it is trusted, else hashed from the slots; a load's corrupt
+claims are rehashed, so a block that is fine is never dropped and one whose bytes differ is."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from kvtier_contract.digests import block_digest
 from kvtier_contract.identity import Namespace
 from kvtierd.cache import TieredCache
-from kvtierd.cache.flows import complete_load_verified, complete_store_hashed
 from kvtierd.domain import Transport
 from kvtierd.index import NamespaceState
 from kvtierd.policies import make_policy
+from kvtierd.service.transfers import complete_load_verified, complete_store_hashed
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiers import Arena, HostTier
 
