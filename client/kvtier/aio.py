@@ -89,7 +89,8 @@ class AsyncNamespace:
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> PutResult:
         return await self.client._run(self.handle.put, keys, blocks)
 
-    async def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+    async def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """``NamespaceHandle.get`` (block views of one buffer; its lifetime rules)."""
         return await self.client._run(self.handle.get, keys)
 
     async def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[bool]:

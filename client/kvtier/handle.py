@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from kvtier import batches
 from kvtier.buffers import byte_view
 from kvtier.calls import SessionPort
+from kvtier.get_buffers import GetBuffers
 from kvtier.results import ClientCounters, LookupResult, PinnedEach, PinnedLookup, PutResult
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
@@ -39,7 +40,7 @@ class HandleOwner(Protocol):
 class NamespaceHandle:
     """A registered namespace on one Client: hashing plus the batch operations.
 
-    ``lookup`` -> longest ready prefix; ``put`` -> PutResult; ``get`` -> list of bytearray or
+    ``lookup`` -> longest ready prefix; ``put`` -> PutResult; ``get`` -> list of memoryview or
     None; ``get_into`` fills caller buffers and returns which keys were found. Checks its
     arguments here; the RPCs and transfers are :mod:`kvtier.batches`. Thread-safe as the Client
     is.
@@ -52,6 +53,7 @@ class NamespaceHandle:
         self.namespace_id = namespace.namespace_id
         self.registered_epoch = 0
         self.register_retry_at = 0.0
+        self.get_buffers = GetBuffers()  # the memory of ``get`` (kept for reuse)
 
     def take_tenant(self, tenant: str) -> None:
         """The namespace, when it names no tenant, takes ``tenant``: the tenant the client's
@@ -214,8 +216,12 @@ class NamespaceHandle:
             )
         layout.check_ids(block_ids)
 
-    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytearray | None]:
-        bufs = [bytearray(self.block_bytes) for _ in keys]
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[memoryview | None]:
+        """Load ``keys``: one writable block-long ``memoryview`` per key found, None per miss.
+        The views of one call are cut from one buffer (``kvtier.get_buffers``): the caller's
+        while it holds any of them (or anything over their memory), reused by a later get only
+        once nothing holds it; ``bytes(view)`` for a copy of one's own."""
+        bufs = self.get_buffers.take(len(keys), self.block_bytes)
         found = self.get_into(keys, bufs, deadline=deadline)
         return [b if f else None for b, f in zip(bufs, found, strict=True)]
 

@@ -1,17 +1,22 @@
 """Reference figures measured beside kvtier in the same run, on the same bytes and the same
-amount of distinct memory.
+amount of distinct memory, of the same kind.
 
 A kvtier path touches, per sample, one ``batch_bytes`` buffer on the engine's side (put's source,
 get_into's destination, reused for every batch) and ``sample_bytes`` of distinct memory on the
 daemon's side (the fresh slots a put fills, the slots of the latest put that a get reads). Every
 baseline touches the same, so that none copies from or into memory a cache still holds while
 the kvtier path it is held against cannot (docs/benchmarks.md §13). Each ``Op.touches`` says how
-many distinct bytes it reads and writes per sample; the buffers on the distinct side are
-prefaulted, as the daemon's arena is.
+many distinct bytes it reads and writes per sample.
+
+The memory is of the same kind on both sides too (``bench.memory``): the engine's side is an
+``engine_buffer`` (page-aligned, prefaulted), kvtier's paths using the same (bench.transfers);
+the daemon's side of a memcpy is ``arena_memory`` (a memfd mapped shared, 4 KiB pages, as the
+arena); ``bench.memory`` says why.
 
 * ``memcpy_put``: single-thread ``numpy.copyto`` of each block of one batch into the next block
   of a ``sample_bytes`` destination (as put); ``memcpy_get``: each block of a ``sample_bytes``
-  source into one batch buffer (as get_into).
+  source into one batch buffer (as get_into, and as get, which reuses one batch buffer when
+  the caller has dropped the previous get's blocks: kvtier.get_buffers).
 * ``socket_put`` / ``socket_get``: a raw loopback TCP stream between this process and a second
   one (default buffer sizes, TCP_NODELAY on both ends as kvtier's channel has). ``socket_put``:
   this process ``sendall``s each block of one batch, the sink ``recv_into``s the blocks into
@@ -38,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.memory import arena_memory, engine_batch, engine_buffer
 from kvtier.bench.plan import Op, Plan, Touches, size_label
 
 _CMD = struct.Struct("<QQQ")  # mode, block bytes, total bytes (mode 0 = stop)
@@ -79,7 +85,7 @@ def distinct_bytes(views: list[memoryview]) -> int:
 def memcpy_ops(plan: Plan, block: int) -> list[Op]:
     """memcpy as put (one batch into fresh memory) and as get_into (distinct memory into one
     batch), each over ``plan.sample_bytes(block)`` bytes per sample."""
-    batch = random_batch(plan, block)
+    batch = engine_batch(plan, block)
     return [_memcpy_put(plan, block, batch), _memcpy_get(plan, block, batch)]
 
 
@@ -89,7 +95,7 @@ def _memcpy_put(plan: Plan, block: int, batch: Any) -> Op:
     n, batches = plan.blocks_per_batch(block), plan.batches(block)
     batch_views = block_views(batch, block, n)
     copyto = np.copyto
-    fresh = prefaulted(plan.sample_bytes(block))
+    fresh = arena_memory(plan.sample_bytes(block))
     fresh_views = block_views(fresh, block, n * batches)
     put_src = [batch_views[i % n] for i in range(n * batches)]
     put_pairs = [
@@ -121,11 +127,11 @@ def _memcpy_get(plan: Plan, block: int, batch: Any) -> Op:
     buffer."""
     n, batches = plan.blocks_per_batch(block), plan.batches(block)
     copyto = np.copyto
-    stored = prefaulted(plan.sample_bytes(block))
+    stored = arena_memory(plan.sample_bytes(block))
     for j in range(batches):
         np.bitwise_xor(batch, j & 0xFF, out=stored[j * n * block : (j + 1) * n * block])
     stored_views = block_views(stored, block, n * batches)
-    dst = prefaulted(n * block, 0)
+    dst = engine_buffer(n * block)
     dst_views = block_views(dst, block, n)
     get_dst = [dst_views[i % n] for i in range(n * batches)]
     get_pairs = [
@@ -234,9 +240,9 @@ class SocketStream:
         assert s is not None, "use SocketStream as a context manager"
         n, batches = plan.blocks_per_batch(block), plan.batches(block)
         total = plan.sample_bytes(block)
-        views = block_views(random_batch(plan, block), block, n)
+        views = block_views(engine_batch(plan, block), block, n)
         send_views = [views[i % n] for i in range(n * batches)]
-        dst_views = block_views(prefaulted(n * block, 0), block, n)
+        dst_views = block_views(engine_buffer(n * block), block, n)
         recv_views = [dst_views[i % n] for i in range(n * batches)]
         count = bytearray(_COUNT.size)
         put = functools.partial(_stream_put, s, block, total, send_views, count)

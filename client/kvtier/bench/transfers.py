@@ -2,13 +2,17 @@
 
 This process is the client; the daemon is another process (``DaemonProc``). Each ``put`` run
 stores ``plan.total_bytes`` under fresh keys (so every byte moves); ``get_into`` (into one
-preallocated batch buffer) and ``get`` (a new bytearray per block) then read the keys of the
-latest put, all resident. The ops' checks compare the bytes read with the bytes put.
+preallocated batch buffer) and ``get`` (block views of one buffer per call, kvtier.get_buffers)
+then read the keys of the latest put, all resident. The ops' checks compare the bytes read with
+the bytes put.
 
 Memory each sample touches (``Op.touches``): put reads one batch buffer (reused for every batch)
 and fills ``plan.sample_bytes`` of fresh slots; get_into reads as many slots and writes one batch
-buffer; get reads as many slots into as many newly allocated bytes. The baselines
-(``baselines``) touch the same.
+buffer; get reads as many slots into one batch buffer too: each batch's blocks are dropped before
+the next get, which therefore reuses the buffer (a get whose previous blocks are still held
+writes fresh memory, and pays for it: kvtier.get_buffers). The baselines (``baselines``) touch
+the same memory, of the same kind: the batch buffers are ``bench.memory.engine_buffer``s
+(page-aligned, prefaulted), as the memcpy baselines' are.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.baselines import block_views, random_batch
+from kvtier.bench.baselines import block_views
+from kvtier.bench.memory import engine_batch, engine_buffer
 from kvtier.bench.plan import Op, Plan, Touches, size_label
 from kvtier.client import Client, NamespaceHandle
 from kvtier_contract.identity import Namespace
@@ -98,7 +103,8 @@ def _get_all_into(
 
 
 def _get_all(t: str, ns: NamespaceHandle, batches: list[list[bytes]]) -> None:
-    """get each batch of keys (new bytes per block); RuntimeError unless every block was found."""
+    """get each batch of keys (its blocks dropped before the next); RuntimeError unless every
+    block was found."""
     for batch in batches:
         if any(b is None for b in ns.get(batch)):
             raise RuntimeError(f"{t} get missed keys that were just put")
@@ -120,9 +126,9 @@ def transfer_ops(
     t = name or client.settings.transport
     ns = client.register(bench_namespace(block))
     n = plan.blocks_per_batch(block)
-    src, nkeys = random_batch(plan, block, seed=block), plan.batches(block) * n
+    src, nkeys = engine_batch(plan, block, seed=block), plan.batches(block) * n
     views = block_views(src, block, n)
-    dst_views = block_views(dst := np.zeros_like(src), block, n)
+    dst_views = block_views(dst := engine_buffer(src.nbytes), block, n)
     current: list[list[bytes]] = []
     # Keys of the warm-up and of every round, hashed now so that no timed put pays for them.
     pending = [list(_chunks(keys.take(nkeys), n)) for _ in range(plan.repeat + 1)]
@@ -148,5 +154,5 @@ def transfer_ops(
     return [
         Op(f"{t}_put", label % "put", put, touches=Touches(src=batch, dst=total)),
         Op(f"{t}_get_into", label % "get_into", get_into, check_get_into, Touches(src=total, dst=batch)),
-        Op(f"{t}_get", label % "get", get, check_get, Touches(src=total, dst=total)),
+        Op(f"{t}_get", label % "get", get, check_get, Touches(src=total, dst=batch)),
     ]

@@ -1,14 +1,17 @@
 """shm transport: map the daemon's memfd arena and copy bytes ourselves.
 
 The fd arrives over the daemon's shm Unix socket (SCM_RIGHTS; handshake in
-kvtier_contract.wire: the session's id and data secret, from OpenSessionReply). Each block
-is one copy between the caller's buffer and its slot.
+kvtier_contract.wire: the session's id and data secret, from OpenSessionReply). Blocks whose
+slots follow one another in the arena and whose buffers follow one another in memory (a batch's
+keys in one slab, one batch buffer: the usual case) are moved by one copy per run; the others,
+one copy per block. No per-block Python runs inside a run's copy.
 
-Copies are plain memoryview assignments (glibc memcpy), except reads whose destination lies 1 to
-63 bytes after the source modulo 4 KiB: there glibc's ``rep movsb`` path (used for copies below
-the L2 size on AMD Zen) runs at a quarter of its speed (measured 1.9 against 7.3 GB/s for
-256 KiB blocks), and every read of a page-aligned slot into a large numpy array or bytearray,
-whose data starts 16 bytes into a page, hit it. Those reads go through numpy's vectorised
+Copies are glibc memcpy (plain memoryview assignments below ``NOGIL_BYTES``, ``ctypes.memmove``
+above), except reads shorter than ``ALIAS_STOP_BYTES`` whose destination lies 1 to 63 bytes
+after the source modulo 4 KiB: there glibc's ``rep movsb`` path (used for copies below the L2
+size on AMD Zen) runs at a quarter of its speed (measured 1.4-1.9 against 7.0 GB/s for 256 KiB
+blocks), and every read of a page-aligned slot into a large numpy array or bytearray, whose data
+starts 16 bytes into a page, hit it. Those reads go block by block through numpy's vectorised
 ``positive`` loop, which has no such penalty. Writes skip the check: their destination (a slot)
 is page-aligned, so only sources starting in a page's last 32 bytes are slow, and the check
 would cost more than it saves (docs/benchmarks.md).
@@ -41,6 +44,10 @@ _ALIAS_BYTES = 64  # dst - src (mod 4 KiB) in (0, 64): the slow case of rep movs
 NOGIL_BYTES = 64 << 10  # blocks at least this large are copied with the GIL released
 HASH_GROUP_BYTES = 4 << 20  # bytes hashed on the helper thread alongside one copy
 INLINE_HASH_BYTES = 1 << 20  # smaller transfers hash in line (a thread hand-off costs ~50 µs)
+ALIAS_STOP_BYTES = 1 << 20
+"""Copies this large skip ``rep movsb`` (glibc stops using it at the L2 size on AMD, 512 KiB on
+the development host), and with it the aliasing penalty: measured 5.3-6.8 GB/s for aliased
+1-16 MiB copies, as for unaliased ones."""
 
 
 def _address(view: memoryview) -> int:
@@ -110,6 +117,31 @@ def _groups(items: list[Item]) -> list[list[Item]]:
     return groups
 
 
+def _runs(items: list[Item]) -> list[tuple[int, int, int, int, int]]:
+    """``items`` (writable views) as runs ``(buffer address, arena offset, bytes, lo, hi)``:
+    ``items[lo:hi]`` are blocks whose slots follow one another in the arena and whose buffers
+    follow one another in memory, so one copy moves them all. A block that follows neither
+    (another slab, a scattered buffer) starts a run of its own."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    address, buffer = ctypes.addressof, ctypes.c_char.from_buffer
+    end_addr = end_off = -1
+    for k, (_index, offset, view) in enumerate(items):
+        n, addr = len(view), address(buffer(view))
+        if addr == end_addr and offset == end_off:
+            a, o, size, lo, _hi = runs[-1]
+            runs[-1] = (a, o, size + n, lo, k + 1)
+        else:
+            runs.append((addr, offset, n, k, k + 1))
+        end_addr, end_off = addr + n, offset + n
+    return runs
+
+
+def _aliased(distance: int, n: int) -> bool:
+    """A read of ``n`` bytes whose destination lies ``distance`` bytes after its source hits
+    the slow case of ``rep movsb`` (module docstring): only below ``ALIAS_STOP_BYTES``."""
+    return n < ALIAS_STOP_BYTES and 0 < distance % _PAGE < _ALIAS_BYTES
+
+
 class ShmTransport(DataTransport):
     """Owns the arena mapping of one session."""
 
@@ -169,17 +201,23 @@ class ShmTransport(DataTransport):
     def _copy_in(self, items: list[Item]) -> None:
         # No alias check here: slots are page-aligned, so only a source that starts in the last
         # 32 bytes of a page is slow, and the check would cost more than it saves (measured
-        # +40% per 16 KiB block).
+        # +40% per 16 KiB block). Writable sources that follow one another into slots that
+        # follow one another are copied as one run (``_runs``); read-only ones (bytes) block by
+        # block, numpy finding their address.
         arena, base = self._arena(), self._base
-        memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
+        if not any(view.readonly for _i, _o, view in items):
+            for src, offset, n, lo, hi in _runs(items):
+                if hi - lo == 1 and n < NOGIL_BYTES:
+                    arena[offset : offset + n] = items[lo][2]
+                else:
+                    ctypes.memmove(base + offset, src, n)
+            return
         for _index, offset, view in items:
             n = len(view)
             if n < NOGIL_BYTES:
                 arena[offset : offset + n] = view
-            elif view.readonly:  # e.g. bytes: numpy finds its address
-                _vector_copy(arena[offset : offset + n], view, plain=True)
             else:
-                memmove(base + offset, address(buffer(view)), n)
+                _vector_copy(arena[offset : offset + n], view, plain=True)
 
     def read(self, job_id: int, items: list[Item], digests: Sequence[int] = ()) -> list[int]:
         """With ``digests``: each group of slots is hashed on the helper thread while this
@@ -233,17 +271,20 @@ class ShmTransport(DataTransport):
         return [k for k, (d, g) in enumerate(zip(digests, got.result(), strict=True)) if d and d != g]
 
     def _copy_out(self, items: list[Item]) -> None:
+        """One copy per run of slots that follow one another into buffers that follow one
+        another (``_runs``: a get_into of one batch buffer is a single run per slab); a run
+        shorter than ``ALIAS_STOP_BYTES`` whose destination aliases its source (module
+        docstring) goes block by block through numpy's loop instead."""
         arena, base = self._arena(), self._base
-        memmove, address, buffer = ctypes.memmove, ctypes.addressof, ctypes.c_char.from_buffer
-        for _index, offset, view in items:
-            n = len(view)
-            dst = address(buffer(view))
-            if 0 < (dst - base - offset) % _PAGE < _ALIAS_BYTES:
-                _vector_copy(view, arena[offset : offset + n])
-            elif n >= NOGIL_BYTES:
-                memmove(dst, base + offset, n)
+        memmove = ctypes.memmove
+        for dst, offset, n, lo, hi in _runs(items):
+            if hi - lo == 1 and n < NOGIL_BYTES and not _aliased(dst - base - offset, n):
+                items[lo][2][:] = arena[offset : offset + n]
+            elif _aliased(dst - base - offset, n):
+                for _index, off, view in items[lo:hi]:
+                    _vector_copy(view, arena[off : off + len(view)])
             else:
-                view[:] = arena[offset : offset + n]
+                memmove(dst, base + offset, n)
 
     @property
     def _pool(self) -> ThreadPoolExecutor:
