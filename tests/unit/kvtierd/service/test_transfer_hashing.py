@@ -16,6 +16,7 @@ from kvtierd.cache import TieredCache
 from kvtierd.domain import Transport
 from kvtierd.index import NamespaceState
 from kvtierd.policies import make_policy
+from kvtierd.service import transfers
 from kvtierd.service.transfers import complete_load_verified, complete_store_hashed
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tiers import Arena, HostTier
@@ -97,3 +98,18 @@ def test_a_corrupt_claim_drops_only_a_block_whose_bytes_differ(rig: Any) -> None
     cache.host.view(e.offset, BLOCK)[:1] = b"\x09"
     assert asyncio.run(claim(1)) == (1, ns.id)
     assert ns.counters.corrupt_blocks == 1 and key(1) in ns.ready and key(2) not in ns.ready
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8])
+@pytest.mark.parametrize("count", [1, 5, 16])
+def test_hashing_in_one_part_per_core_gives_every_digest_in_order(
+    monkeypatch: pytest.MonkeyPatch, cores: int, count: int
+) -> None:
+    """A job's hashing is cut into up to one part per core: the digests are each view's, in
+    order, whatever the cut (parts of at least HASH_PART_BYTES, here one block)."""
+    monkeypatch.setattr(transfers.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(transfers, "HASH_PART_BYTES", BLOCK)
+    payloads = [bytes([i]) * BLOCK + bytes([i, 255 - i]) for i in range(count)]
+    views = [memoryview(p) for p in payloads]
+    assert asyncio.run(transfers.hashed_on_cores(views)) == [block_digest(p) for p in payloads]
+    assert asyncio.run(transfers.hashed_on_cores([])) == []
