@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.jobs import LoadJob, check_live
 from kvtierd.cache.lookup import LOCAL, LookupOptions, LookupResult, count_hits, ready_prefix, tier_below
-from kvtierd.cache.promotion import LOOKUP_PROMOTION_SHARE
 from kvtierd.cache.state import CacheState
 from kvtierd.domain import Transport
 from kvtierd.index import Entry, NamespaceState
@@ -81,9 +80,9 @@ class Reads:
         Answers without waiting on a disk: each hit's tier as it is now. A held block stays in
         the index (it keeps its last copy) but may still move between tiers, so holding a prefix
         larger than the host tier never blocks the load of it, which streams through the host
-        tier in rounds. Blocks held only below start promoting in the background, at most
-        ``LOOKUP_PROMOTION_SHARE`` of the host pool in flight, unless ``promote`` is False (the
-        client may not load them; the PrepareLoad that does promotes them then)."""
+        tier in rounds. Blocks held only below start promoting in the background, unless
+        ``promote`` is False (the client may not load them; the PrepareLoad that does promotes
+        them then)."""
         hit, tiers, durable = count_hits(ns, keys, self.state.policy, self.state.chain)
         if hit == 0:
             return LookupResult(0)
@@ -98,7 +97,7 @@ class Reads:
         below = [e for e in items.values() if not e.in_host] if promote else []
         if below:
             for link in self.state.chain:
-                link.promotion.prefetch(below, share=LOOKUP_PROMOTION_SHARE)
+                link.promotion.prefetch(below)
         return LookupResult(hit, tiers, durable, job)
 
     # -- loads ------------------------------------------------------------------------------------
