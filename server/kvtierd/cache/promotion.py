@@ -4,8 +4,7 @@ Part of the cache (kvtierd.cache): :class:`Promotion` is the part of a
 :class:`~kvtierd.cache.chain.TierLink` (its ``promotion``) that reads copies back. A load of a
 block held only below first reads it into a host slot (verified); a corrupt copy is quarantined
 and the block is a miss. ``prefetch`` starts promotions in the
-background, at most ``PREFETCH_SHARE`` of a host pool in flight. Every promotion feeds the
-link's ``read_figures`` (kvtierd.cache.read_figures).
+background. Every promotion feeds the link's ``read_figures`` (kvtierd.cache.read_figures).
 
 Concurrency: event-loop thread only. The reads run as tasks of the link, so a caller cancelled
 meanwhile leaves them to finish; an entry is ``promoting`` (a future others join) from the
@@ -28,13 +27,6 @@ from kvtierd.tiers.base import CorruptCopy, StorageColumns, StorageTier
 
 log = logging.getLogger("kvtierd.chain")
 READ_BATCH_BYTES = 4 << 20  # one read_many: a few MiB
-PREFETCH_SHARE = 0.5
-"""The share of a host pool that prefetches (a pinned lookup's promotions, ``Prefetch``) may
-hold in flight: speculative reads, which a slow disk can make last, never take every slot, so a
-store of new blocks finds room without waiting for them (issue 41: on a 4-block host tier
-behind a disk whose reads took 150 ms, an engine's lookups promoted every slot away and the
-next engine's stores waited their whole room wait, then were dropped). A load's own promotions
-are not held to it."""
 
 
 def bump(ns: NamespaceState, column: str, n: int) -> None:
@@ -70,8 +62,6 @@ class Promotion:
         self.read_figures = ReadFigures()
         """What promotions from this tier cost now (kvtierd.cache.read_figures): fed once per
         ``promote_many`` that read something."""
-        self.prefetching: dict[int, int] = {}
-        """Slot bytes of each host pool asked for by prefetches still running (``prefetch``)."""
 
     async def promote_many(
         self, entries: list[Entry], protect: set[Entry], *, asked: float | None = None
@@ -212,32 +202,13 @@ class Promotion:
             self.link.drop_copy(e, corrupt=True)
 
     def prefetch(self, entries: Sequence[Entry]) -> int:
-        """Start promoting, in the background, those of ``entries`` held only here, as many as
-        fit in their pool's share for prefetches (``PREFETCH_SHARE``); how many."""
-        todo: list[Entry] = []
-        asked: dict[int, int] = {}
-        for e in entries:
-            if e.in_host or e.promoting is not None or e.copy_in(self.level) is None:
-                continue
-            pool, slot = e.ns.pool, e.ns.slot_bytes
-            if self.prefetching.get(pool, 0) + asked.get(pool, 0) + slot > self._prefetch_cap(pool, slot):
-                continue
-            asked[pool] = asked.get(pool, 0) + slot
-            todo.append(e)
+        """Start promoting, in the background, those of ``entries`` held only here; how many."""
+        todo = [
+            e for e in entries if not e.in_host and e.promoting is None and e.copy_in(self.level) is not None
+        ]
         if todo:
-            for pool, n in asked.items():
-                self.prefetching[pool] = self.prefetching.get(pool, 0) + n
-            self.link.spawn(self._promote_quietly(todo, self.read_figures.clock(), asked))
+            self.link.spawn(self._promote_quietly(todo, self.read_figures.clock()))
         return len(todo)
 
-    def _prefetch_cap(self, pool: int, slot_bytes: int) -> int:
-        """The slot bytes prefetches may hold in flight in ``pool``: ``PREFETCH_SHARE`` of it,
-        at least one slot."""
-        return max(slot_bytes, int(self.residency.host.pool_bytes[pool] * PREFETCH_SHARE))
-
-    async def _promote_quietly(self, entries: list[Entry], asked: float, held: dict[int, int]) -> None:
-        try:
-            await self.promote_many(entries, set(), asked=asked)
-        finally:
-            for pool, n in held.items():
-                self.prefetching[pool] -= n
+    async def _promote_quietly(self, entries: list[Entry], asked: float) -> None:
+        await self.promote_many(entries, set(), asked=asked)

@@ -468,39 +468,13 @@ async def test_prefetch_promotes_ahead_of_the_load(make_rig: Callable[..., Rig])
     await rig.settle()  # host [4 5 6 7]; 1..3 on NVMe only
     assert rig.lookup(1, 2, 3) == (3, "nnn", "ddd")
     assert prefetch(rig.cache, rig.ns, keys(9, 1)) == (0, 0)  # only the ready prefix
-    assert prefetch(rig.cache, rig.ns, keys(1, 2)) == (2, 2)  # half the host tier at most
-    await rig.settle()
-    assert prefetch(rig.cache, rig.ns, keys(1, 2, 3)) == (3, 1)  # 1 and 2 are in already
+    assert prefetch(rig.cache, rig.ns, keys(1, 2, 3)) == (3, 3)
     await rig.settle()
     assert rig.lookup(1, 2, 3) == (3, "hhh", "ddd")
     reads = rig.nvme.figures.reads
     assert (reads, rig.ns.counters.promotions) == (3, 3)
     assert await rig.read(1, 2, 3) == [payload(1), payload(2), payload(3)]
     assert rig.nvme.figures.reads == reads  # the load read nothing from disk
-
-
-@scenario
-async def test_prefetches_on_a_slow_disk_leave_stores_their_room(make_rig: Callable[..., Rig]) -> None:
-    """Speculative promotions hold at most half a host pool in flight (PREFETCH_SHARE): with
-    every read stuck on the disk, a store of new blocks still finds room at once, and a load's
-    own promotion is not held to the share."""
-    gate = Gate("read")
-    rig = make_rig(host=4, fs_factory=gate.filesystem)
-    await rig.store(1, 2, 3, 4)
-    await rig.settle()
-    await rig.store(5, 6, 7, 8)
-    await rig.settle()  # host [5 6 7 8]; 1..4 on NVMe only
-    assert prefetch(rig.cache, rig.ns, keys(1, 2, 3, 4)) == (4, 2)
-    await gate.wait_entered()  # both reads are on the disk, holding two host slots
-    assert prefetch(rig.cache, rig.ns, keys(3, 4)) == (2, 0)  # the share is taken
-    t0 = time.monotonic()
-    assert await rig.store(9, 10) == bytes([RESERVED, RESERVED])
-    assert time.monotonic() - t0 < 0.4  # not the room wait (0.5 s): no slot waited for a read
-    load = asyncio.create_task(rig.read(3))  # a load promotes what it needs, past the share
-    gate.open()
-    assert await load == [payload(3)]
-    await rig.settle()
-    assert rig.link.promotion.prefetching == {0: 0}  # every prefetch's share given back
 
 
 class Ticks:
