@@ -1,11 +1,19 @@
 """Admission: every count a tenant can exhaust, and the one place that refuses by a quota.
 
 The counts are read from their owners (the cache's namespaces and jobs, the session table, the
-storage tiers' columns), except the NVMe bytes a tenant has queued or being written, which the
-admission keeps itself (a link claims and unclaims them). Every decision goes through
+storage tiers' columns), except those no table holds, which the admission keeps itself: the NVMe
+bytes a tenant has queued or being written (a link claims and unclaims them), and a tenant's
+control channels and the bytes they hold (a :class:`kvtierd.tenancy.Ledger` of its own; the
+channels of :mod:`kvtierd.transports.control` take and give them). Every decision goes through
 :meth:`kvtierd.tenancy.Tenancy.check` or the tenant's quota (:meth:`kvtierd.tenancy.Tenancy.quota`),
-and every refusal the cache itself makes (a block a storage tier does not write) is counted in
-the tenancy's refusals; a refusal raised to an RPC is counted by the call gate.
+and every refusal no RPC carries (a block a storage tier does not write, a control channel or
+its bytes) is counted here in the tenancy's refusals; a refusal raised to an RPC is counted by
+the call gate.
+
+Not here: the transports' own limits, counted before a tenant is known or beside its quotas,
+each in a Ledger of the transport's (the shm socket's handshakes per peer uid,
+:mod:`kvtierd.transports.shm`; the data port's connections per tenant,
+:mod:`kvtierd.transports.tcp_admission`; 8 control channels a session on either).
 """
 
 from __future__ import annotations
@@ -17,8 +25,11 @@ from kvtier_contract.errors import ResourceExhausted
 from kvtierd.cache.jobs import JobTable, LoadJob, check_live
 from kvtierd.index import NamespaceState
 from kvtierd.sessions import Session
-from kvtierd.tenancy import Tenancy
+from kvtierd.tenancy import Ledger, Tenancy
 from kvtierd.tenants import Tenant
+
+CHANNELS = "control_channels"  # the quota's name and the ledger's resource
+BUFFERED = "buffered_bytes"  # (likewise)
 
 
 class SessionView(Protocol):
@@ -46,11 +57,23 @@ class Admission:
     * **NVMe bytes** (``nvme_fits``, ``claim_nvme``, ``unclaim_nvme``): a tenant's copies in a
       storage tier plus those queued or being written there; a block that does not fit is not
       written there (counted as a refusal of ``nvme_bytes``).
+    * **control channels** (``admit_channel``, ``release_channel``): per name of the channel's
+      session's tenant, counted when a channel is made and given back when it ends; one past
+      ``control_channels`` is refused (its transport closes it: the client goes on over gRPC).
+    * **buffered bytes** (``take_buffered``, ``hold_unread``, ``give_buffered``): what a
+      tenant's control channels hold, all of them together: bytes received and not yet a whole
+      frame and the request being served (taken as they arrive; bytes that would pass
+      ``buffered_bytes`` are refused and their channel closed), and replies the peer leaves
+      unread (taken unrefused: the tenant gets no further bytes in); a channel gives all back
+      by the time it has ended and its call returned. ``held_channels`` / ``held_buffered``
+      read both (stats, tests).
 
     A refusal is a ResourceExhausted naming the quota (field ``quota``) raised before anything
     changed, except ``admit_pins``, whose caller releases the job it was asked about (the
-    cache's ``admit_pins``: nothing stays pinned). A caller of None (single-tenant daemon, not
-    an RPC) is never refused by a per-caller count.
+    cache's ``admit_pins``: nothing stays pinned); the two of a control channel are counted
+    here as they are raised. A caller of None (single-tenant daemon, not an RPC) is never
+    refused by a per-caller count, except its control channels' ``buffered_bytes`` (the
+    owner's default quota).
 
     Concurrency: event-loop thread only, no locks; every check and the change it admits run
     with no await between them.
@@ -68,6 +91,7 @@ class Admission:
         self._namespaces = namespaces
         self._jobs = jobs
         self._nvme_claimed: dict[tuple[int, str], int] = {}  # (tier level, tenant) -> bytes
+        self._channels = Ledger()  # (tenant name, CHANNELS or BUFFERED) -> held
 
     # -- sessions and namespaces ------------------------------------------------------------------
 
@@ -187,3 +211,44 @@ class Admission:
             self._nvme_claimed[key] = left
         else:
             self._nvme_claimed.pop(key, None)
+
+    # -- control channels and their bytes ---------------------------------------------------------
+
+    def admit_channel(self, tenant: str | None) -> None:
+        """One more open control channel of ``tenant`` (quota ``control_channels``)."""
+        self._take(tenant, CHANNELS, 1)
+
+    def release_channel(self, tenant: str | None) -> None:
+        """A channel that ``admit_channel`` admitted ended."""
+        self._channels.give(tenant, CHANNELS, 1)
+
+    def take_buffered(self, tenant: str | None, nbytes: int) -> None:
+        """``nbytes`` more received by a channel of ``tenant`` (quota ``buffered_bytes``)."""
+        self._take(tenant, BUFFERED, nbytes)
+
+    def hold_unread(self, tenant: str | None, nbytes: int) -> None:
+        """``nbytes`` more of replies the peer has not read: counted, never refused."""
+        self._channels.take(tenant, BUFFERED, nbytes, None)
+
+    def give_buffered(self, tenant: str | None, nbytes: int) -> None:
+        """``nbytes`` taken by ``take_buffered`` or ``hold_unread`` no longer held."""
+        self._channels.give(tenant, BUFFERED, nbytes)
+
+    def held_channels(self, tenant: str | None) -> int:
+        """Open control channels of ``tenant`` (None: the single-tenant daemon's owner)."""
+        return self._channels.held(tenant, CHANNELS)
+
+    def held_buffered(self, tenant: str | None) -> int:
+        """Bytes held by ``tenant``'s control channels."""
+        return self._channels.held(tenant, BUFFERED)
+
+    def _take(self, tenant: str | None, quota: str, n: int) -> None:
+        """Count ``n`` more of ``quota`` against ``tenant`` as it is in the current file (one a
+        reload removed has the owner's quotas until its channels close), or raise and count."""
+        after = self._channels.held(tenant, quota) + n
+        try:
+            self.tenancy.check(self.tenancy.tenant(tenant), quota, after, f"tenant {tenant or '(owner)'}")
+        except ResourceExhausted:
+            self.tenancy.count_refusal(tenant, quota)
+            raise
+        self._channels.take(tenant, quota, n, None)

@@ -20,11 +20,13 @@ The control channel's side (framing and flow control: :mod:`kvtierd.transports.c
 ControlDispatcher` (kvtierd.app hands one to each channel). A call that arrived as a frame is
 decoded, checked to name the channel's own session, and served by the same handler, through
 this same gate, as a gRPC call, with a :class:`ChannelContext`: the caller is the session's
-tenant. Its answer is (status code, reply or error bytes).
+tenant. Its answer is (status code, reply or error bytes). The channel itself and the bytes it
+holds are admitted by the cache's admission (:class:`kvtierd.cache.admission.Admission`), which
+the dispatch hands it.
 
 Owns nothing: the counts and histograms it feeds are the service's (:class:`GateState`,
-:class:`Served`). Event-loop thread only; ``CALLER`` / ``CREDENTIAL`` are context variables, one
-value per call.
+:class:`Served`), the channels' counts the cache's admission's. Event-loop thread only;
+``CALLER`` / ``CREDENTIAL`` are context variables, one value per call.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from google.protobuf.message import DecodeError
 from kvtier_contract import wire
 from kvtier_contract.errors import GRPC_STATUS, OVERLOADED, KvtierError, ResourceExhausted
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtierd.cache.admission import Admission
 from kvtierd.ratelog import RateLimitedLog
 from kvtierd.stats import LatencyHistogram
 from kvtierd.tenancy import NO_CREDENTIAL, Credential, Tenancy
@@ -227,12 +230,21 @@ _PARSE = {
 }
 
 
+class Admitting(Protocol):
+    """What holds the daemon's admission (kvtierd.cache.TieredCache)."""
+
+    @property
+    def admission(self) -> Admission: ...
+
+
 class Served(Protocol):
     """What a channel's calls reach of the service (kvtierd.service.KvtierService): its
-    tenancy, its counts, and its handlers by method name."""
+    cache (whose admission counts the channels), its counts, and its handlers by method name."""
 
-    tenancy: Tenancy
     bad_frames: int
+
+    @property
+    def cache(self) -> Admitting: ...
 
     def count_error(self, method: str, code: str) -> None: ...
 
@@ -245,9 +257,9 @@ class ChannelDispatch:
         self._service = service
 
     @property
-    def tenancy(self) -> Tenancy:
-        """The daemon's one Tenancy (the channel counts its bytes and itself there)."""
-        return self._service.tenancy
+    def admission(self) -> Admission:
+        """The cache's admission (the channel counts itself and its bytes there)."""
+        return self._service.cache.admission
 
     def bad_frame(self) -> None:
         """A frame broke the protocol (the channel closes): counted for /metrics."""

@@ -6,8 +6,10 @@ revocation and every quota are decided in one place (docs/security.md):
 
 * :class:`~kvtierd.tenancy.tenancy.Tenancy`: the current tenants file, the Unix logins, who a
   credential is, which sessions a reload revokes, every quota with its default;
-* :class:`~kvtierd.tenancy.tenancy.Ledger` (beside it): what each tenant holds of the resources
-  that have no owner object of their own to count them (control channels' buffered frame bytes).
+* :class:`~kvtierd.tenancy.tenancy.Ledger` (beside it): what each holder holds of a resource
+  that has no owner object of its own to count it; its users keep their own (the cache's
+  admission: each tenant's control channels and the bytes they hold; the transports: handshakes
+  per peer uid, data-port connections per tenant).
 * :mod:`~kvtierd.tenancy.exposure`: which tokens /metrics takes off loopback (plaintext HTTP),
   and when a daemon with tenants may serve it there at all.
 

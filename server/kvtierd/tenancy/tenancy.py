@@ -20,9 +20,11 @@ Primitives (every entry of the daemon asks these, none decides on its own):
 * ``reload(tenants)`` swaps the file; ``revoked(sessions)`` names the sessions whose credential
   the current file no longer honours (a removed tenant, a removed token, certificate name or
   Unix login) or whose transport it no longer allows: the daemon closes them, and with them
-  their channels, at once;
-* ``ledger``: what each tenant holds of the resources no other table counts (a
-  :class:`Ledger`, below).
+  their channels, at once.
+
+What a tenant holds is never counted here: the cache's admission (kvtierd.cache.admission) reads
+it from its owners' tables, or keeps it where none does (control channels and their bytes, in a
+:class:`Ledger` of its own, below), and asks ``check``.
 
 Without a tenants file the daemon is single-tenant: every caller is the one owner (None), no
 credential is asked, and only the daemon-wide bounds and ``buffered_bytes`` apply.
@@ -33,12 +35,12 @@ tiers hold it. Event-loop thread, except ``caller_of``, ``is_metrics_token`` and
 swapped in one assignment.
 
 :class:`Ledger`: per holder, how much of a bounded resource it holds now, for resources that no
-index or table counts already: the tenancy's counts each tenant's control channels and the bytes
-they hold (a tenant of None is the single-tenant daemon's one owner); the shm socket counts
-handshakes per peer uid, the data port connections per tenant, each in a ledger of its own.
+index or table counts already: the cache's admission counts each tenant's control channels and
+the bytes they hold (a tenant of None is the single-tenant daemon's one owner); the shm socket
+counts handshakes per peer uid, the data port connections per tenant, each in a ledger of its own.
 ``take(holder, resource, n, limit)`` adds ``n`` if the holder's total stays within ``limit``
 (None: no limit) and says True, or changes nothing (False); ``give(holder, resource, n)``
-returns them. Owned by whoever made it (the Tenancy, a transport server); event-loop thread
+returns them. Owned by whoever made it (the admission, a transport server); event-loop thread
 only (``held`` may be read from /metrics threads: a dict read of ints).
 """
 
@@ -132,7 +134,6 @@ class Tenancy:
         self.shares = shares or Shares()
         self.logins = UnixLogins()
         """Tokens minted for Unix peers (the shm socket's login)."""
-        self.ledger = Ledger()
         self._refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
         self._tenants = tenants
         self._defaults: dict[str, dict[str, int | None]] = {}

@@ -23,11 +23,12 @@ Bounded: one call at a time (reading pauses while a call is served, and while th
 replies unread past ``CONTROL_MAX_BYTES``), so a peer holds at most one request, one reply and
 a socket buffer here; a frame longer than ``CONTROL_MAX_BYTES`` or naming an unknown method
 closes the connection; the bytes received and not yet a whole frame count against the tenant's
-``buffered_bytes`` quota over all its channels (kvtierd.tenancy: one that would pass it is
-closed), so half-sent frames park at most that much per tenant, not 4 MiB per channel (the
-request being served and replies the peer leaves unread count there too: a tenant over it gets
-no further bytes in); at most its ``control_channels`` quota per tenant (one more is closed once
-made: its client uses gRPC), 8 per session on the shm socket (``ShmFdServer``) and 8 on the
+``buffered_bytes`` quota over all its channels (counted by the cache's admission,
+kvtierd.cache.admission: one that would pass it is closed), so half-sent frames park at most
+that much per tenant, not 4 MiB per channel (the request being served and replies the peer
+leaves unread count there too: a tenant over it gets no further bytes in); at most its
+``control_channels`` quota per tenant (one more is closed once made: its client uses gRPC;
+counted there too), 8 per session on the shm socket (``ShmFdServer``) and 8 on the
 data port, where the data channel's limits apply too (``data_max_connections``, idle timeout).
 """
 
@@ -41,23 +42,35 @@ from typing import Protocol, cast
 import grpc
 
 from kvtier_contract import wire
+from kvtier_contract.errors import ResourceExhausted
 from kvtierd.ratelog import RateLimitedLog
-from kvtierd.tenancy import Tenancy
 
 log = logging.getLogger("kvtierd.control")
 _BAD_LOG = RateLimitedLog(log, 10.0)  # per daemon: a peer opening channel after channel floods nothing
-BUFFERED = "buffered_bytes"  # the ledger's resource and the quota's name
-CHANNELS = "control_channels"  # (likewise)
+
+
+class ChannelAdmission(Protocol):
+    """Where a channel counts itself and the bytes it holds, by its session's tenant (the
+    cache's admission: kvtierd.cache.admission.Admission, which owns the counts, the quotas
+    ``control_channels`` and ``buffered_bytes``, and the refusals' counting). ``admit_channel``
+    and ``take_buffered`` raise ResourceExhausted (counted) and change nothing when a quota
+    refuses. Event-loop thread only."""
+
+    def admit_channel(self, tenant: str | None) -> None: ...
+    def release_channel(self, tenant: str | None) -> None: ...
+    def take_buffered(self, tenant: str | None, nbytes: int) -> None: ...
+    def hold_unread(self, tenant: str | None, nbytes: int) -> None: ...
+    def give_buffered(self, tenant: str | None, nbytes: int) -> None: ...
 
 
 class ControlDispatcher(Protocol):
-    """What serves a control channel's calls and holds the ledger its bytes count in (the
-    daemon's: kvtierd.service.gate.ChannelDispatch). Event-loop thread only."""
+    """What serves a control channel's calls and admits it and its bytes (the daemon's:
+    kvtierd.service.gate.ChannelDispatch). Event-loop thread only."""
 
     @property
-    def tenancy(self) -> Tenancy:
-        """The daemon's one Tenancy: the ledger and quotas of ``buffered_bytes`` and
-        ``control_channels``."""
+    def admission(self) -> ChannelAdmission:
+        """The daemon's one admission: counts and quotas of ``control_channels`` and
+        ``buffered_bytes``."""
         ...
 
     def bad_frame(self) -> None:
@@ -92,24 +105,20 @@ class ControlChannel(asyncio.Protocol):
         self._write_paused = False  # the peer leaves replies unread
         self._closed = False  # close() was called: nothing more is served
         self._counted = False  # it holds one of its tenant's control_channels
-        self._reply_held = 0  # bytes of replies the peer has not read, counted in the ledger
+        self._reply_held = 0  # bytes of replies the peer has not read, counted in the admission
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass)
         self._transport.set_write_buffer_limits(high=wire.CONTROL_MAX_BYTES, low=0)
-        tenancy = self._dispatch.tenancy
-        quota = tenancy.quota(self._tenant, CHANNELS)
-        self._counted = tenancy.ledger.take(self._tenant, CHANNELS, 1, quota)
-        if not self._counted:  # (its client goes on over gRPC)
-            tenancy.count_refusal(self._tenant, CHANNELS)
-            _BAD_LOG.warning(
-                "control channel of tenant %s: quota control_channels (%s) reached: closed",
-                self._tenant,
-                quota,
-            )
+        try:
+            self._dispatch.admission.admit_channel(self._tenant)
+        except ResourceExhausted as e:  # (its client goes on over gRPC)
+            _BAD_LOG.warning("control channel of tenant %s: %s: closed", self._tenant, e)
             self.close()
+            return
+        self._counted = True
 
     def data_received(self, data: bytes) -> None:
         if self._closed:  # (a TLS transport still delivers what it decrypts while closing)
@@ -117,24 +126,21 @@ class ControlChannel(asyncio.Protocol):
         t = self._transport
         if self._reply_held and t is not None and not t.get_write_buffer_size():
             self._replies_read()  # (drained below the pause mark: no callback said so)
-        tenancy = self._dispatch.tenancy
-        if not tenancy.ledger.take(self._tenant, BUFFERED, len(data), tenancy.quota(self._tenant, BUFFERED)):
-            tenancy.count_refusal(self._tenant, BUFFERED)
+        try:
+            self._dispatch.admission.take_buffered(self._tenant, len(data))
+        except ResourceExhausted as e:
             _BAD_LOG.warning(
-                "control channel of tenant %s: quota buffered_bytes (%s) reached "
-                "by frames not yet whole: closed",
-                self._tenant,
-                tenancy.quota(self._tenant, BUFFERED),
+                "control channel of tenant %s: %s (frames not yet whole): closed", self._tenant, e
             )
             self.close()
             return
-        self._buf += data  # (every byte of _buf is counted in the ledger)
+        self._buf += data  # (every byte of _buf is counted in the admission)
         self._next()
 
     def _consumed(self, n: int) -> None:
         """``n`` bytes left the receive buffer: no longer held against the tenant."""
         del self._buf[:n]
-        self._dispatch.tenancy.ledger.give(self._tenant, BUFFERED, n)
+        self._dispatch.admission.give_buffered(self._tenant, n)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -146,7 +152,7 @@ class ControlChannel(asyncio.Protocol):
 
     def _replies_read(self) -> None:
         if self._reply_held:
-            self._dispatch.tenancy.ledger.give(self._tenant, BUFFERED, self._reply_held)
+            self._dispatch.admission.give_buffered(self._tenant, self._reply_held)
             self._reply_held = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -155,7 +161,7 @@ class ControlChannel(asyncio.Protocol):
         self._replies_read()
         if self._counted:
             self._counted = False
-            self._dispatch.tenancy.ledger.give(self._tenant, CHANNELS, 1)
+            self._dispatch.admission.release_channel(self._tenant)
         self._on_close(self)
 
     def close(self) -> None:
@@ -201,21 +207,21 @@ class ControlChannel(asyncio.Protocol):
         )
 
     async def _serve(self, name: str, body: bytes, timeout_ms: int) -> None:
-        ledger = self._dispatch.tenancy.ledger
+        admission = self._dispatch.admission
         try:
             status, out = await self._dispatch.call(self.session_id, self._tenant, name, body, timeout_ms)
         except Exception:  # noqa: BLE001  (a bug: answered, logged; the channel stays)
             log.exception("control channel: %s failed", name)
             status, out = grpc.StatusCode.INTERNAL.value[0], b"internal error"
         finally:
-            ledger.give(self._tenant, BUFFERED, wire.CALL.size + len(body))
+            admission.give_buffered(self._tenant, wire.CALL.size + len(body))
         t = self._transport
         if t is None or t.is_closing():
             return
         t.write(wire.RESULT.pack(len(out), status) + out)
         unread = t.get_write_buffer_size()  # what the kernel did not take: the peer's to read
         if unread > self._reply_held:
-            ledger.take(self._tenant, BUFFERED, unread - self._reply_held, None)
+            admission.hold_unread(self._tenant, unread - self._reply_held)
             self._reply_held = unread
         elif not unread:
             self._replies_read()
