@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.bench.plan import Plan, Results, size_label
 from kvtier.bench.targets import OP_LABELS, OP_ORDER, TARGETS, target_rows
+from kvtier_contract.cores import usable_cores
 from kvtier_contract.units import format_bytes
 
 RECOVERY_LABELS = {
@@ -29,7 +30,7 @@ IO_THREADS = 4  # the daemon's default io_threads (bench.nvme uses as many for t
 def machine() -> dict[str, Any]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
-        "nproc": os.cpu_count(),
+        "nproc": usable_cores(),
         "memory_bytes": mem,
         "cpu": _cpu_model(),
         "platform": platform.platform(),

@@ -27,11 +27,9 @@ import ssl
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
 from kvtier.transports.base import DataTransport, Item
 from kvtier_contract import wire
-from kvtier_contract.digests import block_digest
+from kvtier_contract.digests import StreamingDigests, block_digest
 from kvtier_contract.errors import TransportError
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtier_contract.wire import Buffer, Op
@@ -245,35 +243,25 @@ def _recv_views(s: socket.socket, views: list[memoryview]) -> None:
 
 def _recv_checked(s: socket.socket, views: list[memoryview], digests: list[int]) -> list[int]:
     """Fill ``views`` in order like ``_recv_views``, in calls of about ``_HOT_BYTES``, each
-    piece fed to its block's xxh3 state as soon as it lands (the streaming digest equals
+    piece hashed as soon as it lands (``StreamingDigests``: the same digest as
     ``block_digest`` of the whole block); the positions whose digest differs from ``digests``
     (0: not checked)."""
     if isinstance(s, ssl.SSLSocket):  # TLS records are hashed once the frame is in
         _recv_views(s, views)
         return [k for k, (v, d) in enumerate(zip(views, digests, strict=True)) if d and block_digest(v) != d]
-    states = [xxhash.xxh3_64() if d else None for d in digests]
-    i, off, n = 0, 0, len(views)
-    while i < n:
-        if not len(views[i]):
-            i += 1
-            continue
-        got = s.recvmsg_into(_pieces(views, i, off))[0]
+    stream = StreamingDigests([len(v) for v in views], [bool(d) for d in digests])
+    while not stream.done:
+        pieces = _pieces(views, stream.index, stream.offset)
+        got = s.recvmsg_into(pieces)[0]
         if got == 0:
             raise TransportError("data channel closed by the daemon")
-        while got:
-            view, state = views[i], states[i]
-            take = min(len(view) - off, got)
-            if state is not None:
-                state.update(view[off : off + take])
-            got -= take
-            off += take
-            if off == len(view):
-                i, off = i + 1, 0
-    return [
-        k
-        for k, (st, d) in enumerate(zip(states, digests, strict=True))
-        if st is not None and st.intdigest() != d
-    ]
+        for piece in pieces:  # the filled ones, the last maybe in part
+            if got <= len(piece):
+                stream.feed(piece[:got] if got < len(piece) else piece)
+                break
+            stream.feed(piece)
+            got -= len(piece)
+    return [k for k, (h, d) in enumerate(zip(stream.digests, digests, strict=True)) if d and h != d]
 
 
 def _pieces(views: list[memoryview], i: int, off: int) -> list[memoryview]:

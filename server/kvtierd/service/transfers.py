@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from kvtier_contract.cores import usable_cores
 from kvtier_contract.digests import block_digests
 from kvtier_contract.errors import Unavailable
 from kvtier_contract.protoutil import split_keys
@@ -214,12 +214,13 @@ HASH_PART_BYTES = 4 << 20  # a part of a job's hashing at least this large (a ha
 
 
 async def hashed_on_cores(views: Sequence[memoryview]) -> list[int]:
-    """The digests of ``views`` in order, hashed off the loop in up to one part per core (each
-    at least ``HASH_PART_BYTES``)."""
+    """The digests of ``views`` in order, hashed off the loop in up to one part per core this
+    process may use (``usable_cores``: a container's CPU quota, not the node's cores; each
+    part at least ``HASH_PART_BYTES``)."""
     if not views:
         return []
     total = sum(len(v) for v in views)
-    parts = max(1, min(os.cpu_count() or 1, len(views), total // HASH_PART_BYTES))
+    parts = max(1, min(usable_cores(), len(views), total // HASH_PART_BYTES))
     loop = asyncio.get_running_loop()
     step = -(-len(views) // parts)
     done = await asyncio.gather(

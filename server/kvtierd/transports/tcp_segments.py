@@ -4,20 +4,18 @@ buffer for bytes that are discarded.
 Role: the destination half of :class:`kvtierd.transports.tcp_protocol.DataChannelProtocol`
 (which parses frames and feeds bytes in): ``plan_segments`` asks the cache's job table once per
 WRITE / WRITE_RUN frame where the run's blocks go and merges adjacent slots into one
-:class:`PayloadSegment` each; a segment hashes its bytes piece by piece as they arrive. Ownership: a segment
-is a view of arena bytes the job owns; the scratch buffer is module-wide. Concurrency:
-event-loop thread only (the scratch buffer is written by any connection and never read, so
+:class:`PayloadSegment` each; a segment hashes its bytes piece by piece as they arrive
+(:class:`kvtier_contract.digests.StreamingDigests`). Ownership: a segment is a view of arena
+bytes the job owns, and owns its digests' state; the scratch buffer is module-wide.
+Concurrency: event-loop thread only (the scratch buffer is written by any connection and never read, so
 sharing it is harmless).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-import xxhash
-
-from kvtier_contract.digests import block_digest
+from kvtier_contract.digests import StreamingDigests
 from kvtierd.cache import StoreJob, TieredCache
 
 SCRATCH_BYTES = 1 << 20
@@ -35,38 +33,26 @@ def scratch() -> memoryview:
 
 @dataclass(eq=False)
 class PayloadSegment:
-    """Arena bytes of one or more adjacent slots of one store job, filled in order; how far
-    its bytes are hashed (``fed``) and the xxh3 state of a block that arrives in pieces."""
+    """Arena bytes of one or more adjacent slots of one store job (``view``: exactly their
+    blocks, back to back), filled in order; ``digests`` hashes them as they arrive. Made whole
+    by ``plan_segments`` (never grown after: its digests are laid out for its blocks)."""
 
     view: memoryview
     job: StoreJob
     indexes: range  # key indexes whose blocks the segment holds
-    fed: int = 0  # bytes of the segment hashed so far
-    state: Any = None  # xxh3 state of the block in progress, when it came in more than one piece
+    digests: StreamingDigests = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.digests = StreamingDigests.uniform(len(self.view) // len(self.indexes), len(self.indexes))
 
     def hash_arrived(self, received: int) -> None:
         """Hash what arrived since the last call (the segment holds ``received`` bytes now)
-        while it is still in the CPU's cache: a block that came whole in this piece at once,
-        a block that spans pieces through xxh3's streaming state (the same digest). Each
-        block's digest goes to the job once its last byte is in, fixed at the commit
-        (docs/security.md "Bytes verified end to end")."""
-        block = len(self.view) // len(self.indexes)
-        pos = self.fed
-        while pos < received:
-            b, within = divmod(pos, block)
-            end = min(received, (b + 1) * block)
-            piece = self.view[pos:end]
-            if within == 0 and end - pos == block:
-                self.job.digests[self.indexes[b]] = block_digest(piece)
-            else:
-                if self.state is None:
-                    self.state = xxhash.xxh3_64()
-                self.state.update(piece)
-                if end - b * block == block:
-                    self.job.digests[self.indexes[b]] = self.state.intdigest()
-                    self.state = None
-            pos = end
-        self.fed = received
+        while it is still in the CPU's cache (``StreamingDigests``: a block that came whole in
+        one piece at once, one that spans pieces through xxh3's streaming state, the same
+        digest). Each block's digest goes to the job once its last byte is in, fixed at the
+        commit (docs/security.md "Bytes verified end to end")."""
+        for b, digest in self.digests.arrived(self.view, received):
+            self.job.digests[self.indexes[b]] = digest
 
 
 def plan_segments(
@@ -76,16 +62,11 @@ def plan_segments(
     the job table validates the whole run; KvtierError: refused)."""
     job, entries = cache.jobs.store_run(session_id, job_id, first, count, length)
     block = length // count
-    host = cache.host
-    segments: list[PayloadSegment] = []
-    end = -1  # arena offset just past the last segment
+    runs: list[list[int]] = []  # [arena offset, first key index, blocks] of each segment
     for index, e in enumerate(entries, first):
-        if e.offset == end:  # adjacent to the previous slot: grow that segment
-            last = segments[-1]
-            start = e.offset - len(last.view)
-            last.view = host.view(start, len(last.view) + block)
-            last.indexes = range(last.indexes.start, index + 1)
+        if runs and e.offset == runs[-1][0] + runs[-1][2] * block:  # adjacent: grow that run
+            runs[-1][2] += 1
         else:
-            segments.append(PayloadSegment(host.view(e.offset, block), job, range(index, index + 1)))
-        end = e.offset + block
-    return segments
+            runs.append([e.offset, index, 1])
+    host = cache.host
+    return [PayloadSegment(host.view(at, n * block), job, range(i, i + n)) for at, i, n in runs]

@@ -107,7 +107,7 @@ def test_hashing_in_one_part_per_core_gives_every_digest_in_order(
 ) -> None:
     """A job's hashing is cut into up to one part per core: the digests are each view's, in
     order, whatever the cut (parts of at least HASH_PART_BYTES, here one block)."""
-    monkeypatch.setattr(transfers.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(transfers, "usable_cores", lambda: cores)
     monkeypatch.setattr(transfers, "HASH_PART_BYTES", BLOCK)
     payloads = [bytes([i]) * BLOCK + bytes([i, 255 - i]) for i in range(count)]
     views = [memoryview(p) for p in payloads]
