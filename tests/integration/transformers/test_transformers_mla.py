@@ -97,6 +97,11 @@ def prefix_cache(address: str, model: Any, **options: Any) -> KvtierPrefixCache:
         "tokenizer_digest": "none",
         "model_id": "test/tiny-mla",
         "tokens_per_block": T,
+        # What is checked is what loads and stores: every hit loaded (whether loading beats a
+        # recompute is test_transformers_adaptive.py's subject, and a tiny model on a loaded
+        # box recomputes faster), and deadlines a loaded 2-core CI box meets.
+        "load_policy": "always",
+        "request_timeout_ms": 5000,
         **options,
     }
     return KvtierPrefixCache(address, model, **options)

@@ -41,7 +41,14 @@ HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 BLOCK = 128  # vLLM's CPU block size
 BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # K,V x 2 layers x 2 KV heads x head dim 64 x bf16
-LOOKUP_TIMEOUT_MS = 500
+# The deadline tests' settings (a daemon killed, hung or stopped): the engine never waits longer.
+DEADLINES = {"lookup_timeout_ms": 500, "request_timeout_ms": 1000, "step_budget_ms": 100}
+# Every other test checks what loads and stores, so its lookups, RPCs and sync loads get the time
+# a loaded 2-core CI box may need: a fresh engine's first lookup registers its namespace beside an
+# engine busy on both cores and took past 500 ms there (then it is a miss, as it must be, and the
+# test saw 0 hits; an RPC past its deadline also opens the breaker, and later lookups miss too; a
+# sync load past the step's budget fails and vLLM recomputes).
+PATIENT_MS = 5000
 # The engine process imports this checkout's kvtier (not whatever the vLLM environment has).
 PATH = os.pathsep.join([str(HERE), str(ROOT / "client"), str(ROOT / "server")])
 
@@ -167,7 +174,9 @@ def connector(d: DaemonProcess | str, **kw: Any) -> dict[str, Any]:
     return {
         "address": address,
         "model_revision": "rev-a",
-        "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+        "lookup_timeout_ms": PATIENT_MS,
+        "request_timeout_ms": PATIENT_MS,
+        "step_budget_ms": PATIENT_MS,
         "load_policy": "always",
         "interference_budget": None,
         **kw,
@@ -318,7 +327,7 @@ def test_daemon_down_and_killed_mid_run_never_fails_a_request(
     d = DaemonProcess(workdir / "flaky", "--host-bytes", "64MiB").start()
     address = d.unix
     d.kill()  # killed before the engine starts
-    eng = Engine(workdir / "model", connector(address), workdir / "engine_c.log")
+    eng = Engine(workdir / "model", connector(address, **DEADLINES), workdir / "engine_c.log")
     try:
         t0 = time.monotonic()
         out = eng.generate([P, Q])
@@ -364,7 +373,9 @@ def test_a_stopped_daemon_never_slows_the_engine(workdir: Path, engine_a: dict[s
     waiting on RPC deadlines. vLLM's own prefix cache is off, so P asks kvtier every time: it
     loads from kvtier before the stop, and again soon after SIGCONT."""
     d = DaemonProcess(workdir / "stall", "--host-bytes", "64MiB").start()
-    eng = Engine(workdir / "model", connector(d), workdir / "engine_stall.log", prefix_caching=False)
+    eng = Engine(
+        workdir / "model", connector(d, **DEADLINES), workdir / "engine_stall.log", prefix_caching=False
+    )
     try:
         assert eng.generate([P])["cached"] == [0]
         assert wait_resident(d, 3) == 3

@@ -35,10 +35,14 @@ from kvtier_contract.identity import Namespace
 
 pytestmark = pytest.mark.timeout(600)
 
-READ_LATENCY_MS = 400  # per NVMe read (the daemon reads with 4 I/O threads)
+# Per NVMe read (the daemon reads with 4 I/O threads). Well above what the engine takes to
+# recompute a revisit: 0.15-0.5 s on a 2-core CI box, 0.9 s beside other tests' work; at 400 ms
+# the engine alone was once as slow as the disk, and at 1 s never was 0.9 s per revisit, so the
+# test's premise, "always loading is slower", did not hold.
+READ_LATENCY_MS = 2000
 # The adaptive arm may exceed the engine alone (and never) by this much over its 4 timed revisits:
-# less than one slow read (0.4 s), so an arm that waited for the disk once in the phase fails
-# (always: 4 x >= 0.4 s); more than this 2-core box's jitter between two engines' runs of
+# less than one slow read (2 s), so an arm that waited for the disk once in the phase fails
+# (always: 4 x >= 2 s); more than this 2-core box's jitter between two engines' runs of
 # ~0.15 s (the daemon's background promotions from the lookups share the cores with the engine).
 TOLERANCE_S = 0.3
 W = tokens(6 * BLOCK + 40, 700)
@@ -131,8 +135,8 @@ def test_adaptive_is_not_slower_than_the_engine_alone_where_always_load_is(tmp_p
     # always loaded the revisits from the slow disk (a lookup the busy daemon answers past
     # lookup_timeout_ms is a miss: at least 3 of the 4)...
     assert always["cached"][0] == 6 * BLOCK and sum(always["cached"][1:]) >= 3 * 6 * BLOCK
-    assert always["seconds"] > never["seconds"] + 2 * READ_LATENCY_MS / 1000
-    assert always["seconds"] > alone["seconds"] + 2 * READ_LATENCY_MS / 1000
+    assert always["seconds"] > never["seconds"] + READ_LATENCY_MS / 1000  # (the premise:
+    assert always["seconds"] > alone["seconds"] + READ_LATENCY_MS / 1000  # loading is slower)
     # ...adaptive recomputed every timed revisit: the disk was measured slower than the engine
     # (by W's load, or first by the daemon's own per-tier figures from the always arm's reads)
     assert adaptive["cached"][1:] == [0] * 4
