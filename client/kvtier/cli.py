@@ -81,7 +81,7 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
         "suite",
         nargs="?",
         default="all",
-        help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak",
+        help="all | shm | tcp | lookup | nvme | quick | tls | verify | gpu | overload | soak | trace",
     )
     b.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="block sizes")
     b.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
@@ -95,7 +95,8 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
 
 
 def _suite_args(b: argparse.ArgumentParser) -> None:
-    """The flags of ``kvtier bench`` that only some suites read (nvme, gpu, overload, soak)."""
+    """The flags of ``kvtier bench`` that only some suites read (nvme, gpu, overload, soak; trace:
+    ``_trace_args``)."""
     b.add_argument(
         "--disk-dir",
         help="nvme suite: where its tier and raw files go (a private "
@@ -125,6 +126,27 @@ def _suite_args(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--clients", type=int, default=4, help="soak suite: client processes, killed and restarted at random"
     )
+    _trace_args(b)
+
+
+def _trace_args(b: argparse.ArgumentParser) -> None:
+    """The flags of ``kvtier bench trace`` (docs/benchmarks.md, "Trace replay")."""
+    b.add_argument(
+        "--policies",
+        default="lru,arc",
+        help="trace suite: eviction policies, one daemon each (one refused at start: unavailable)",
+    )
+    b.add_argument("--traces", default="conversation,agentic", help="trace suite: synthesized traces")
+    b.add_argument("--trace-file", help="trace suite: replay this Mooncake-format JSONL instead")
+    b.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="trace suite: requests per trace (default 600; a file's all)",
+    )
+    b.add_argument("--seed", type=int, default=0, help="trace suite: seed of the synthesized traces")
+    b.add_argument("--trace-host-bytes", default="2MiB", help="trace suite: the daemon's host tier")
+    b.add_argument("--trace-disk-bytes", default="4MiB", help="trace suite: the daemon's NVMe tier")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +182,10 @@ def _main(argv: list[str] | None) -> int:
         from kvtier.bench.soak import bench_soak
 
         return bench_soak(args)
+    if args.suite == "trace":
+        from kvtier.bench.trace import bench_trace
+
+        return bench_trace(args)
     from kvtier.bench import run_bench  # heavy; imported only for bench
 
     return int(run_bench(args))

@@ -15,7 +15,9 @@ Modules: ``plan`` (what to measure, results), ``baselines`` (memcpy, socket, Red
 ``transfers`` (kvtier put/get/get_into), ``lookups``, ``nvme`` (the NVMe tier against raw
 O_DIRECT I/O, and recovery; suite ``nvme``, with ``nvme_daemon``, ``rawdisk`` and ``recovery``),
 ``report`` (table, targets, JSON), ``procs`` (daemon and Redis processes), ``progress`` (the
-stderr bar).
+stderr bar). Suites with commands of their own (``kvtier.cli`` starts them, not ``run_bench``):
+``gpu``, ``overload``, ``soak``, and ``trace`` (request traces of ``traces`` replayed against a
+daemon per eviction policy, issue 42).
 """
 
 from __future__ import annotations
