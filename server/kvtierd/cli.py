@@ -133,7 +133,7 @@ def _host_flags(s: argparse.ArgumentParser) -> None:
         "tenant arenas) exceed the memory available (warned at start)",
     )
     s.add_argument("--slab-bytes", type=_size, help="slab size (largest block), e.g. 64MiB")
-    s.add_argument("--eviction-policy", choices=["lru", "arc"], help="host tier eviction order")
+    s.add_argument("--eviction-policy", choices=["lru", "arc", "prefix"], help="host tier eviction order")
     s.add_argument("--lease-ttl-s", type=float, help="default session lease in seconds")
     s.add_argument(
         "--no-prefault",

@@ -9,7 +9,8 @@ that seam alone, and keeps the copies' side of every entry (``entry.copy_in(leve
 * **host eviction** of a block with a copy keeps it READY (served from the tier from then on).
 * **promote**: a load of a block held only below first reads it into a host slot (verified); a
   corrupt copy is quarantined and the block is a miss (kvtierd.cache.promotion).
-* **evict copies** in LRU order when the tier is full.
+* **evict copies** in the order of its policy when the tier is full: LRU, or prefix-aware
+  below a prefix-aware host tier (``kvtierd.policies.link_policy``; orphans first).
 * **recovery** puts the copies the tier found back into the index; **probes** of a degraded
   tier run as one task of the link; **drain** flushes and writes the tier's checkpoint
   (kvtierd.cache.recovery).
@@ -45,7 +46,7 @@ from kvtierd.cache.recovery import LinkRecovery
 from kvtierd.cache.residency import ROOM_WAIT_S, HostResidency
 from kvtierd.events import MEDIUM_STORAGE
 from kvtierd.index import Entry, EntryState, NamespaceState
-from kvtierd.policies import EvictionPolicy, LruPolicy, WritePolicy
+from kvtierd.policies import EvictionPolicy, WritePolicy, link_policy
 from kvtierd.tenancy import Tenancy
 from kvtierd.tiers.base import Recovered, StorageTier, TierUnavailable
 
@@ -77,7 +78,8 @@ class TierLink:
         self.id = tier.id
         self.level = level  # this link's place in the chain (0: right below the host tier)
         self.write_policy = write_policy
-        self.policy: EvictionPolicy[Entry] = LruPolicy()  # entries holding a copy here
+        # entries holding a copy here: the host tier's kind of order (LRU unless prefix-aware)
+        self.policy: EvictionPolicy[Entry] = link_policy(residency.policy)
         self._namespaces = namespaces
         self.columns = tier.columns
         self.flushes_in_flight = 0
@@ -105,7 +107,13 @@ class TierLink:
     # -- demotion (host -> tier) ------------------------------------------------------------------
 
     def on_committed(self, entries: Sequence[Entry]) -> None:
-        for e in self.write_policy.committed(entries):
+        """Blocks just committed (head-first): those the write policy writes now are queued,
+        tail-first under a prefix-aware order (their copies here then rank the tail coldest,
+        as the host tier ranks them)."""
+        chosen = list(self.write_policy.committed(entries))
+        if self.policy.wants_parents:  # (orphans from the start are not worth writing)
+            chosen = [e for e in reversed(chosen) if not self.residency.policy.orphaned(e)]
+        for e in chosen:
             self.schedule_flush(e)
         self.maybe_flush()
 
@@ -125,8 +133,8 @@ class TierLink:
         for scanned, e in enumerate(self.residency.policy.victims()):
             if excess <= 0 or self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT or scanned > 4096:
                 break
-            if e.copy_in(self.level) is None and not e.flushing:
-                self.schedule_flush(e)
+            if e.copy_in(self.level) is None and not e.flushing and not self.residency.policy.orphaned(e):
+                self.schedule_flush(e)  # (an orphan is not worth writing: evicting it loses nothing)
             excess -= e.ns.slot_bytes
 
     def schedule_flush(self, e: Entry) -> None:
@@ -253,7 +261,7 @@ class TierLink:
                     break
                 if e.pins or e.promoting is not None or not mine(e):
                     continue
-                if e.copy_in(self.level) is None:
+                if e.copy_in(self.level) is None and not self.residency.policy.orphaned(e):
                     if not e.flushing:
                         if self.flushes_in_flight >= MAX_FLUSHES_IN_FLIGHT:
                             waiting = True
@@ -329,7 +337,7 @@ class TierLink:
         off = self.tier.alloc(slot)
         if off is not None:
             return off
-        for n, e in enumerate(self.policy.victims()):  # LRU copies; the freed slab may move
+        for n, e in enumerate(self.policy.victims()):  # coldest copies; the freed slab may move
             if n >= MAX_VICTIM_SCAN:
                 break  # held or being read as far as we looked: the tier is full for now
             if e.pins or e.holds or e.promoting is not None:
@@ -357,6 +365,8 @@ class TierLink:
         assert loc is not None
         e.set_copy(self.level, None)
         self.residency.events.removed((e,), MEDIUM_STORAGE)
+        if not corrupt and self.policy.orphaned(e):
+            self.residency.orphans_evicted += 1
         self.policy.remove(e, evicted=not corrupt)
         bump(e.ns, self.columns.resident_blocks, -1)
         bump(e.ns, self.columns.resident_bytes, -e.ns.block_bytes)
@@ -367,9 +377,13 @@ class TierLink:
         if e.offset < 0 and e.promoting is None and not e.copies:
             self.residency.forget(e)
 
-    def on_host_evicted(self, e: Entry) -> None:
-        """``e`` lost its host slot but keeps its copy here."""
-        self.policy.touch(e)
+    def on_host_evicted(self, e: Entry, *, orphan: bool = False) -> None:
+        """``e`` lost its host slot but keeps its copy here (``orphan``: the host tier offered
+        it first as an orphan; so is its copy here)."""
+        if orphan:
+            self.policy.orphan((e,))
+        else:
+            self.policy.touch(e)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -4,7 +4,8 @@ local part: the longest READY prefix of a key chain, counted.
 Part of the cache (kvtierd.cache): ``TieredCache.lookup(ns, keys, options)`` is the one lookup of
 the daemon (the Lookup, LookupSlices and Prefetch RPCs); it runs :func:`count_hits` here, then
 what the options add (the shared tier, a hold, promotions). The functions here change no index
-entry: they touch hits in the eviction policies, tell the chain's write policies of the hits,
+entry but a hit's parent link (kept for a prefix-aware policy): they touch hits in the
+eviction policies (head-first), tell the chain's write policies of the hits,
 and count. Event-loop thread only.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtierd.cache.residency import file_chain
 from kvtierd.domain import TierId
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import EvictionPolicy
@@ -94,6 +96,7 @@ def count_hits(
     except ValueError:
         hit = len(found)
     hits: list[Entry] = found[:hit]  # type: ignore[assignment]  # no None before `hit`
+    file_chain(hits, policy)  # (parent links: for a prefix-aware policy only)
     if not chain:
         policy.touch_many(hits)
         tiers = _HOST_TIERS[:hit] if hit <= len(_HOST_TIERS) else bytes([TierId.HOST]) * hit

@@ -23,7 +23,7 @@ from collections.abc import Sequence, Set
 
 from kvtier_contract.errors import InvalidArgument, ResourceExhausted
 from kvtierd.cache.jobs import LoadJob, StoreJob, check_live
-from kvtierd.cache.residency import ROOM_WAIT_S
+from kvtierd.cache.residency import ROOM_WAIT_S, file_under
 from kvtierd.cache.state import CacheState
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.events import MEDIUM_CPU
@@ -150,7 +150,8 @@ class Stores:
         """``tenant``'s coldest evictable host blocks (held below first, each coldest first)
         until ``excess`` bytes, or as many as there are within the scan."""
         mine: list[Entry] = []
-        found = clean = 0  # bytes of those seen, of those held below (evicting them loses nothing)
+        found = clean = 0  # bytes of those seen, of those held below or orphans (evicting them loses nothing)
+        policy = self.state.policy
         look = 1024 if any(link.admitting for link in self.state.chain) else 0  # (for clean ones)
         for n, e in enumerate(self.state.policy.victims()):
             if clean >= excess or n > 1 << 16 or (found >= excess and n > look):
@@ -158,9 +159,10 @@ class Stores:
             if e.ns.spec.tenant == tenant and e.evictable() and e.in_host and e not in protect:
                 mine.append(e)
                 found += e.ns.slot_bytes
-                clean += e.ns.slot_bytes if e.copies else 0
+                clean += e.ns.slot_bytes if e.copies or policy.orphaned(e) else 0
         victims = []
-        for e in sorted(mine, key=lambda e: not e.copies):  # held below first, each coldest first
+        # held below (or orphans) first, each coldest first
+        for e in sorted(mine, key=lambda e: not (e.copies or policy.orphaned(e))):
             if excess <= 0:
                 break
             victims.append(e)
@@ -213,7 +215,7 @@ class Stores:
         """Reserve the keys not held yet (``TieredCache.prepare_store`` checked the request and
         made room). ``token_ids`` (all the keys' tokens, or none) and ``parent`` (the key before
         ``keys[0]``, or None) are kept with each reserved entry while KV events are on, for its
-        ``BlockStored``."""
+        ``BlockStored``; the parent links also while the host policy keeps chains whole."""
         check_live(session)  # (jobs attach only to live sessions)
         status = bytearray(len(keys))
         offsets = [0] * len(keys)
@@ -222,6 +224,9 @@ class Stores:
         items = self._reserve(ns, fresh, protect, job_id, status, offsets)
         if self.state.residency.events.publishing:
             _keep_origins(ns, keys, items, token_ids, parent)
+        if self.state.policy.wants_parents:  # (parent links: for a prefix-aware policy only)
+            for i, e in items.items():
+                file_under(e, keys[i - 1] if i else parent)
         rejected = len(fresh) - len(items)  # (each placed key has its entry)
         if rejected:
             ns.counters.stores_rejected += rejected
@@ -300,7 +305,6 @@ class Stores:
                 if self.state.verify_bytes:
                     e.digest = digests[n] if digests else job.digests.get(i)
                 ns.ready[e.key] = e
-                self.state.policy.insert(e)
                 self.state.residency.count(e, +1)
                 committed.append(e)
             else:
@@ -309,6 +313,7 @@ class Stores:
         self.state.writing_blocks -= len(job.items)
         job.ns.writing_blocks -= len(job.items)
         if committed:
+            self.state.residency.enter_policy(committed)
             self._announce_committed(committed)
         c.stores_accepted += len(committed)
         c.stores_dropped += aborted

@@ -70,7 +70,7 @@ def host_tier(c: HostTierConfig) -> None:
         "must be a positive multiple of slot_align_bytes",
     )
     need(c.host_bytes >= c.slab_bytes, "host_bytes", "must hold at least one slab")
-    need(c.eviction_policy in get_args(PolicyName), "eviction_policy", "must be 'lru' or 'arc'")
+    need(c.eviction_policy in get_args(PolicyName), "eviction_policy", "must be 'lru', 'arc' or 'prefix'")
 
 
 def sessions(c: SessionsConfig) -> None:

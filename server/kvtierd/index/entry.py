@@ -62,6 +62,7 @@ class Entry:
         "in_cluster",
         "digest",
         "origin",
+        "parent",
     )
 
     def __init__(self, ns: NamespaceState, key: bytes, offset: int, job: int) -> None:
@@ -81,6 +82,10 @@ class Entry:
         # (parent key or None, token ids packed as u32, or b"") as its store said, kept only
         # while KV events are on (kvtierd.events): what a router needs to place the block
         self.origin: tuple[bytes | None, bytes] | None = None
+        # The key of the block before it in its chain, or None (a chain's head, or not known):
+        # kept only while the host tier's policy keeps chains whole (its ``wants_parents``;
+        # kvtierd.cache.residency), which files the entry under it in ``ns.children``.
+        self.parent: bytes | None = None
 
     @property
     def in_host(self) -> bool:
@@ -142,3 +147,8 @@ class NamespaceState:
     ``namespace_idle_s`` is forgotten (``TieredCache.expire_idle``)."""
     pool: int = 0
     """The host arena its blocks live in (its tenant's; fixed at registration)."""
+    children: dict[bytes, Entry | set[Entry]] = field(default_factory=dict)
+    """Parent key -> the entry filed under it, or a set of them when a chain branches (each
+    entry under its ``parent``, once), kept only for a prefix-aware policy
+    (kvtierd.cache.residency): a key may be absent from ``entries`` (its block left), its
+    children are then orphans. An entry leaving the index leaves it (no empty set stays)."""

@@ -11,6 +11,12 @@ residency and tells the policy what happened through four primitives:
   dropped it to make space (history-keeping policies such as ARC remember a ghost);
   ``evicted=False`` means it went for another reason (delete, expiry, failed write) and
   leaves no history. No-op if ``key`` is unknown.
+- ``insert_many(keys)`` / ``touch_many(keys)``: a chain's keys, head-first (as stored or
+  hit); by default ``insert`` / ``touch`` of each in order.
+- ``orphan(keys)``: resident ``keys`` (head-first) lost an ancestor: no lookup can reach them
+  any more. A no-op for policies that do not keep chains whole (LRU, ARC); those that do
+  (``wants_parents``: kvtierd.policies.prefix) offer them first. ``orphaned(key)`` says
+  whether a key is offered first for that reason.
 - ``victims()``: resident keys, best victim first. Lazy: the caller usually consumes a
   few candidates, skipping the ones it cannot evict (pinned, being read).
 
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Generic, TypeVar
 
@@ -59,9 +65,24 @@ class EvictionPolicy(ABC, Generic[K]):
     Concurrency: event-loop thread only; no locks.
     """
 
+    wants_parents = False
+    """Whether the cache should keep its blocks' parent links and tell it of orphans."""
+
     @abstractmethod
     def insert(self, key: K) -> None:
         """Record that ``key`` became resident; asserts it was not resident already."""
+
+    def insert_many(self, keys: Sequence[K]) -> None:
+        """``insert`` each key of a chain given head-first (policies may order them otherwise)."""
+        for key in keys:
+            self.insert(key)
+
+    def orphan(self, keys: Sequence[K]) -> None:
+        """Resident ``keys`` (head-first) can no longer be hit; no-op by default."""
+
+    def orphaned(self, key: K) -> bool:
+        """Whether ``key`` is offered first as an orphan; False by default."""
+        return False
 
     @abstractmethod
     def touch(self, key: K) -> None:

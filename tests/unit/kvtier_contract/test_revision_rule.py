@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace, revision_problem, tokenizer_digest_problem
 from kvtierd.cache.chain import TierLink
 from kvtierd.domain import TierId
+from kvtierd.policies import LruPolicy
 from kvtierd.tiers.base import Recovered
 from kvtierd.tiers.nvme.tier import NvmeTier
 
@@ -237,7 +239,8 @@ def test_a_warm_restart_drops_refused_namespaces_in_one_summary_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     tier = RecoveredTier(["main", "HEAD~1", "latest", "dev"], blocks_each=3)
-    link = TierLink(None, tier, None, lambda: [])  # type: ignore[arg-type]
+    residency = SimpleNamespace(policy=LruPolicy())  # (what the link reads of it here)
+    link = TierLink(residency, tier, None, lambda: [])  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="kvtierd.chain"):
         assert link.restore(lambda ns: pytest.fail(f"registered {ns}")) == 0
     assert len(tier.released) == 12  # every block of a refused namespace is freed

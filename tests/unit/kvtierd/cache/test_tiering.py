@@ -321,7 +321,7 @@ class Gate:
 # -- write policies -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "prefix"])
 @scenario
 async def test_write_back_loses_no_block_while_nvme_keeps_up(
     make_rig: Callable[..., Rig], policy: PolicyName

@@ -116,6 +116,14 @@ def test_good_edge_values_are_accepted() -> None:
     assert cfg.sessions.lease_ttl_s == 5 and cfg.host_tier.slab_bytes == 4096
 
 
+def test_prefix_eviction_is_opt_in_and_names_its_field_when_misspelt() -> None:
+    assert DaemonConfig().host_tier.eviction_policy == "lru"  # the default until measured
+    cfg = with_overrides(DaemonConfig(), eviction_policy="prefix")
+    assert cfg.host_tier.eviction_policy == "prefix"
+    with pytest.raises(ValueError, match="^eviction_policy: .*'prefix'"):
+        with_overrides(cfg, eviction_policy="prefixes")
+
+
 def test_with_overrides_applies_non_none_values_and_validates() -> None:
     cfg = with_overrides(DaemonConfig(), host_bytes="2GiB", slab_bytes=None, listen="", eviction_policy="arc")
     assert (cfg.host_tier.host_bytes, cfg.host_tier.slab_bytes, cfg.grpc.listen) == (2 * GIB, 64 * MIB, "")

@@ -1,4 +1,4 @@
-"""Eviction-policy scenarios: one suite over every policy, then ARC-specific behaviour.
+"""Eviction-policy scenarios: one suite over every policy, then ARC's and PrefixPolicy's own.
 
 Keys are small integers. ``drain`` consumes ``victims()`` the way the cache does, and
 ``admit`` plays a tiny cache of fixed entry capacity so scans can be compared.
@@ -10,9 +10,17 @@ from collections.abc import Iterable
 
 import pytest
 
-from kvtierd.policies import ArcPolicy, EvictionPolicy, LruPolicy, PolicyName, make_policy
+from kvtierd.policies import (
+    ArcPolicy,
+    EvictionPolicy,
+    LruPolicy,
+    PolicyName,
+    PrefixPolicy,
+    link_policy,
+    make_policy,
+)
 
-POLICY_NAMES: list[PolicyName] = ["lru", "arc"]
+POLICY_NAMES: list[PolicyName] = ["lru", "arc", "prefix"]
 
 
 @pytest.fixture(params=POLICY_NAMES)
@@ -182,6 +190,32 @@ def test_unknown_policy_name_names_the_field() -> None:
 def test_make_policy_builds_the_named_class() -> None:
     assert isinstance(make_policy("lru", 0), LruPolicy)
     assert isinstance(make_policy("arc", 0), ArcPolicy)
+    assert isinstance(make_policy("prefix", 0), PrefixPolicy)
+
+
+def test_insert_many_keeps_every_key(policy: EvictionPolicy[int]) -> None:
+    policy.insert_many(keys(1, 2, 3))
+    assert sorted(order(policy)) == keys(1, 2, 3) and len(policy) == 3
+
+
+def test_orphan_of_unknown_keys_is_noop(policy: EvictionPolicy[int]) -> None:
+    fill(policy, keys(1, 2))
+    policy.orphan(keys(7, 8))
+    assert len(policy) == 2 and 7 not in policy and not policy.orphaned(7)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_chain_blind_policies_ignore_chains(name: PolicyName) -> None:
+    p: EvictionPolicy[int] = make_policy(name, ghost_capacity=4)
+    p.insert_many(keys(1, 2, 3))  # [1 2 3]: batch order
+    p.orphan(keys(3))  # a no-op
+    assert order(p) == keys(1, 2, 3) and not p.orphaned(3) and not p.wants_parents
+
+
+def test_link_policy_follows_the_host_policy() -> None:
+    assert isinstance(link_policy(PrefixPolicy[int]()), PrefixPolicy)
+    assert isinstance(link_policy(LruPolicy[int]()), LruPolicy)
+    assert isinstance(link_policy(ArcPolicy[int](4)), LruPolicy)
 
 
 # ---- ARC -----------------------------------------------------------------------------
@@ -319,3 +353,72 @@ def test_touch_promotes_t1_to_t2() -> None:
     assert (a.t1_size, a.t2_size) == (1, 1)
     a.touch(1)
     assert (a.t1_size, a.t2_size, len(a)) == (1, 1, 2)
+
+
+# ---- PrefixPolicy --------------------------------------------------------------------
+
+
+def test_prefix_batch_insert_puts_the_deepest_key_first() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, keys(9))
+    p.insert_many(keys(1, 2, 3))  # a chain 1 -> 2 -> 3, head-first
+    # [9 3 2 1]: older keys first, then the chain tail-first
+    assert order(p) == keys(9, 3, 2, 1) and p.wants_parents
+
+
+def test_prefix_batch_touch_puts_the_deepest_key_first() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, keys(1, 2, 3, 4))
+    p.touch_many(iter(keys(1, 2, 3)))  # a lookup's hits, head-first (any iterable)
+    assert order(p) == keys(4, 3, 2, 1)
+    p.touch_many(keys(5, 1))  # unknown keys are skipped
+    assert order(p) == keys(4, 3, 2, 1)
+
+
+def test_prefix_orphans_go_before_anything_reachable() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, keys(1, 2, 3, 4, 5))
+    p.orphan(keys(4, 5))  # 4 -> 5 lost their ancestor
+    # [5 4 | 1 2 3]: orphans first, the deepest first, then LRU
+    assert order(p) == keys(5, 4, 1, 2, 3)
+    assert p.orphaned(5) and not p.orphaned(1) and p.orphans == 2 and len(p) == 5
+    p.insert(6)
+    assert order(p) == keys(5, 4, 1, 2, 3, 6)
+    p.orphan(keys(2))  # newer orphans go first
+    assert order(p) == keys(2, 5, 4, 1, 3, 6)
+
+
+def test_prefix_hit_makes_an_orphan_reachable_again() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, keys(1, 2, 3))
+    p.orphan(keys(2, 3))  # [3 2 | 1]
+    p.touch(2)  # its ancestor was stored again and it was hit
+    assert order(p) == keys(3, 1, 2) and not p.orphaned(2)
+    p.touch_many(keys(3))
+    assert order(p) == keys(1, 2, 3) and p.orphans == 0
+
+
+def test_prefix_remove_forgets_orphans_and_reachable_keys() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, keys(1, 2, 3))
+    p.orphan(keys(3))
+    p.remove(3, evicted=True)
+    p.remove(1, evicted=False)
+    assert order(p) == keys(2) and p.orphans == 0 and 3 not in p
+    p.insert(3)  # no history: back as a reachable key
+    assert order(p) == keys(2, 3) and not p.orphaned(3)
+
+
+def test_prefix_iteration_survives_orphaning_mid_walk() -> None:
+    p = PrefixPolicy[int]()
+    fill(p, range(1, 21))
+    seen: list[int] = []
+    for k in p.victims():
+        seen.append(k)
+        if k == 2:
+            p.orphan(keys(15, 16))  # moved to the front of a later chunk's snapshot
+        if k % 2:
+            p.remove(k, evicted=True)
+    # every key once; 15 and 16 met at the front of the next chunk
+    assert sorted(seen) == list(range(1, 21)) and len(seen) == 20
+    assert seen[4:6] == keys(16, 15)
