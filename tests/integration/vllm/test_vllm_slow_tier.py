@@ -41,10 +41,12 @@ pytestmark = pytest.mark.timeout(600)
 # test's premise, "always loading is slower", did not hold.
 READ_LATENCY_MS = 2000
 # The adaptive arm may exceed the engine alone (and never) by this much over its 4 timed revisits:
-# less than one slow read (2 s), so an arm that waited for the disk once in the phase fails
-# (always: 4 x >= 2 s); more than this 2-core box's jitter between two engines' runs of
-# ~0.15 s (the daemon's background promotions from the lookups share the cores with the engine).
-TOLERANCE_S = 0.3
+# under a third of one slow read (2 s), so an arm that waited for the disk once in the phase
+# fails (always: 4 x >= 2 s; and each adaptive revisit is checked to stay under one read); more
+# than this 2-core box's jitter between two engines' runs (~0.15 s) plus what adaptive's pinned
+# lookups cost while their promotions sit on the slow disk: 0.04 s a revisit with 0.4 s reads,
+# 0.09 s with 2 s reads in a full CI run (issue 41's slow arm, docs/benchmarks.md §24.4).
+TOLERANCE_S = 0.6
 W = tokens(6 * BLOCK + 40, 700)
 NEW = tokens(6 * BLOCK + 40, 701)
 V = [tokens(6 * BLOCK + 40, 710 + i) for i in range(4)]

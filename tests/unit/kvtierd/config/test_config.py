@@ -313,7 +313,7 @@ def test_serve_help_shows_every_flags_default_from_daemon_config(capsys: pytest.
         "(default: allow_host_bytes_over_available = false)",
         "(default: 4KiB)",
         "(default: write-back)",
-        "--eviction-policy {lru,arc} host tier eviction order (default: lru)",
+        "--eviction-policy {lru,arc,prefix} host tier eviction order (default: lru)",
         "(default: 10.0)",
     ):
         assert shown in text, shown
