@@ -365,7 +365,8 @@ class TierLink:
         assert loc is not None
         e.set_copy(self.level, None)
         self.residency.events.removed((e,), MEDIUM_STORAGE)
-        if not corrupt and self.policy.orphaned(e):
+        orphan = self.policy.orphaned(e)
+        if not corrupt and orphan:
             self.residency.orphans_evicted += 1
         self.policy.remove(e, evicted=not corrupt)
         bump(e.ns, self.columns.resident_blocks, -1)
@@ -375,7 +376,7 @@ class TierLink:
         else:
             self.tier.release(loc, e.ns.spec.digest, e.key)
         if e.offset < 0 and e.promoting is None and not e.copies:
-            self.residency.forget(e)
+            self.residency.forget(e, orphan=orphan)
 
     def on_host_evicted(self, e: Entry, *, orphan: bool = False) -> None:
         """``e`` lost its host slot but keeps its copy here (``orphan``: the host tier offered

@@ -222,7 +222,7 @@ class HostResidency:
         self.host.free(e.offset, e.ns.slot_bytes)
         e.offset = -1
         if not e.copies:
-            self.forget(e)
+            self.forget(e, orphan=orphan)
             return
         for link in self.links:
             link.on_host_evicted(e, orphan=orphan)
@@ -247,13 +247,18 @@ class HostResidency:
         for link in self.links:
             link.on_host_evicted(e)
 
-    def forget(self, e: Entry) -> None:
-        """``e`` has no copy anywhere: it leaves the index (its descendants are orphans)."""
+    def forget(self, e: Entry, *, orphan: bool = False) -> None:
+        """``e`` has no copy anywhere: it leaves the index and its descendants are orphans.
+        ``orphan``: ``e`` was one when its last copy went (its policy said so before removing
+        it); what is filed below an orphan is one already (``check_reachable`` keeps that
+        true), so nothing is walked: evicting an orphaned chain block by block, in any order,
+        walks it once, not once per block."""
         e.ns.ready.pop(e.key, None)
         del e.ns.entries[e.key]
         if self.policy.wants_parents:
             self._unfile(e)
-            self.orphan(descendants(e.ns, e.key))
+            if not orphan:
+                self.orphan(descendants(e.ns, e.key))
 
     # -- chains -----------------------------------------------------------------------------------
 
@@ -265,13 +270,23 @@ class HostResidency:
         self.touch_ancestors(committed)
 
     def check_reachable(self, entries: Sequence[Entry]) -> None:
-        """Blocks just committed: those whose parent key is not indexed, and what is filed
-        below them, are orphans from the start."""
+        """Blocks just committed: those whose parent is not indexed or is an orphan, and what
+        is filed below them, are orphans from the start (so below an orphan all are: a hit
+        makes a block reachable again only with its whole prefix, ``PrefixPolicy.touch``).
+        A block already orphaned (by its parent's turn in this batch) is not walked again."""
         if not self.policy.wants_parents:
             return
+        indexed = entries[0].ns.entries if entries else {}
         for e in entries:
-            if e.parent is not None and e.parent not in e.ns.entries:
+            if e.parent is None or self.orphaned(e):
+                continue
+            parent = indexed.get(e.parent)
+            if parent is None or self.orphaned(parent):
                 self.orphan([e, *descendants(e.ns, e.key)])
+
+    def orphaned(self, e: Entry) -> bool:
+        """Whether a tier (host, or a link below) offers ``e`` first as an orphan."""
+        return self.policy.orphaned(e) or any(link.policy.orphaned(e) for link in self.links)
 
     def touch_ancestors(self, committed: Sequence[Entry]) -> None:
         """Blocks just committed (head-first) extend a chain held here: its indexed ancestors

@@ -370,12 +370,13 @@ class Stores:
                     self.state.residency.events.removed((e,), MEDIUM_CPU)
                 continue
             self.state.residency.events.removed((e,), MEDIUM_CPU)
+            orphan = self.state.policy.orphaned(e)
             self.state.policy.remove(e, evicted=False)
             self.state.residency.count(e, -1)
             self.state.host.free(e.offset, ns.slot_bytes)
             e.offset = -1
             if not e.copies:
-                self.state.residency.forget(e)
+                self.state.residency.forget(e, orphan=orphan)
             else:
                 for link in self.state.chain:
                     link.on_host_evicted(e)

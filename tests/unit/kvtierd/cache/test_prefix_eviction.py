@@ -18,7 +18,8 @@ from test_tiering import Rig, payload, scenario
 from test_tiering import keys as tiering_keys
 
 from kvtierd.cache import TieredCache
-from kvtierd.index import NamespaceState
+from kvtierd.cache import residency as residency_module
+from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import PolicyName, PrefixPolicy, make_policy
 from kvtierd.sessions import Session
 from kvtierd.tiers import Arena, HostTier
@@ -35,9 +36,9 @@ def arenas() -> Iterator[list[Arena]]:
         a.close()
 
 
-def cache_of(arenas: list[Arena], policy: PolicyName) -> tuple[TieredCache, NamespaceState]:
-    """A cache of exactly four blocks evicting by ``policy``, and its namespace."""
-    arena = Arena(4 * BLOCK, prefault=False)
+def cache_of(arenas: list[Arena], policy: PolicyName, blocks: int = 4) -> tuple[TieredCache, NamespaceState]:
+    """A cache of exactly ``blocks`` blocks evicting by ``policy``, and its namespace."""
+    arena = Arena(blocks * BLOCK, prefault=False)
     arenas.append(arena)
     host = HostTier(arena, slab_bytes=BLOCK, slot_align_bytes=BLOCK)
     cache = TieredCache(
@@ -137,6 +138,48 @@ def test_a_block_stored_below_a_missing_parent_is_an_orphan_at_once(arenas: list
     put(cache, ns, [X])
     put(cache, ns, [A2, A3], parent=A1)  # A1 is not held: [A3 A2 | X]
     assert [e.key for e in cache.policy.victims()] == [A3, A2, X]
+
+
+def test_a_block_stored_below_an_orphan_is_an_orphan_at_once(arenas: list[Arena]) -> None:
+    cache, ns = cache_of(arenas, "prefix")
+    put(cache, ns, [A0, A1])
+    cache.drop_corrupt([ns.entries[A0]])  # A1 an orphan
+    put(cache, ns, [A2], parent=A1)  # held below an orphan: no lookup reaches it either
+    assert cache.policy.orphaned(ns.entries[A2])
+    assert [e.key for e in cache.policy.victims()] == [A2, A1]
+
+
+@pytest.mark.parametrize("order", ["head-first", "tail-first"])
+def test_an_orphaned_chain_leaving_block_by_block_is_walked_once(
+    arenas: list[Arena], order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's long chain loses its head, then its blocks leave one at a time (here as
+    corrupt, in the order least kind to the cache): each leaving must not walk what is left
+    below it again, or an N-block chain costs N²/2 steps on the event loop."""
+    n = 600
+    cache, ns = cache_of(arenas, "prefix", blocks=n)
+    chain = keys(*range(1000, 1000 + n))
+    for i in range(0, n, 100):
+        put(cache, ns, chain[i : i + 100], parent=chain[i - 1] if i else None)
+    visited = 0
+    real = residency_module.descendants
+
+    def counted(ns: NamespaceState, key: bytes) -> list[Entry]:
+        nonlocal visited
+        found = real(ns, key)
+        visited += len(found)
+        return found
+
+    monkeypatch.setattr(residency_module, "descendants", counted)
+    cache.drop_corrupt([ns.entries[chain[0]]])
+    assert cache.policy.orphans == n - 1 and visited == n - 1
+    for k in chain[1:] if order == "head-first" else reversed(chain[1:]):
+        cache.drop_corrupt([ns.entries[k]])
+    assert ns.entries == {} and ns.children == {}
+    assert visited == n - 1  # the head's walk only
+    # (a chain committed below a missing parent in one batch is walked once too)
+    put(cache, ns, chain[1:101], parent=chain[0])
+    assert cache.policy.orphans == 100 and visited == n - 1 + 99
 
 
 def test_the_children_map_empties_as_blocks_leave(arenas: list[Arena]) -> None:
