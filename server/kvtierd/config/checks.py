@@ -285,6 +285,13 @@ def events(c: EventsConfig, g: GrpcConfig, t: TenancyConfig) -> None:
 
 def _events_bounds(c: EventsConfig) -> None:
     """The bytes, queues and connections the publisher may hold (docs/events.md §4)."""
+    need(
+        c.events_block_hashes in ("int64", "bytes"),
+        "events_block_hashes",
+        f'expected "int64" or "bytes", got {c.events_block_hashes!r}',
+    )
+    h = c.events_heartbeat_s
+    need(h == 0 or 0.05 <= h <= 3600, "events_heartbeat_s", f"must be 0 (never) or 0.05..3600, got {h!r}")
     m = c.events_max_message_bytes
     need(16 << 10 <= m <= 16 << 20, "events_max_message_bytes", "must be in 16KiB..16MiB")
     need(

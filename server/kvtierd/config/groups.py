@@ -319,6 +319,16 @@ class EventsConfig:
     """Per-tenant replay endpoints (``ipc://`` with ``{tenant}``); needs events_tenant_endpoint."""
     events_topic: str = ""
     """The topic frame of every event message (vLLM's default: "")."""
+    events_block_hashes: Literal["int64", "bytes"] = "int64"
+    """How block keys go on the wire: ``int64``, each key's low 64 bits as an unsigned integer
+    (what vLLM sends by default and what routers' indexers decode: Dynamo's refuses ``bin``
+    hashes), or ``bytes``, the whole 32-byte key (a subscriber that asks the daemon about
+    keys)."""
+    events_heartbeat_s: float = 2.0
+    """A stream with nothing to send for this long sends its last seq again with no events
+    (not buffered): a router that joined or reconnected since, or follows a restarted daemon,
+    sees its gap and replays within this time, not at the next store. 0: never; else
+    0.05..3600."""
     events_buffer_batches: int = 10_000
     """Messages (batches) each stream keeps for replay, at most (the bytes below bound it
     first). >= 1."""

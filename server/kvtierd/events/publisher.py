@@ -9,6 +9,10 @@ A stream's first message is ``AllBlocksCleared`` and its first seq the wall cloc
 microseconds when it was made, not 0: a restart is then a forward gap to a subscriber that was
 following the old daemon, and the replay it asks for from its next expected seq is the new
 stream from its start (AllBlocksCleared, then the NVMe recovery) while that is still buffered.
+A stream with nothing to send for ``heartbeat_s`` sends its last seq again with no events (not
+buffered, the seq not advanced): a subscriber that has that seq skips it, one that joined or
+reconnected since (a router after this daemon restarted) sees its gap at once and replays,
+instead of crediting the old stream's blocks until the next store.
 
 What it holds is bounded in bytes: the replay buffers (``stream_buffer_bytes`` each, a
 tenant's at most its ``buffered_bytes`` quota, ``buffer_bytes`` together); a message is at
@@ -46,7 +50,7 @@ from kvtierd.events.replay import ReplayBuffer, ReplayBuffers
 from kvtierd.events.sink import EventQueue, Record
 from kvtierd.events.sockets import Bound, SocketRules, bind, check_ipc_path, ipc_path, release
 from kvtierd.events.subscriptions import SubscriptionFilter, subscription_max_bytes
-from kvtierd.events.wire import END_SEQ, SEQ, Cleared, Event, batch_payload, messages
+from kvtierd.events.wire import END_SEQ, SEQ, BlockHashes, Cleared, Event, batch_payload, messages
 
 log = logging.getLogger("kvtierd.events")
 MAX_REQUEST_BYTES = 1024
@@ -66,6 +70,11 @@ class EventSettings:
     """Template with ``{tenant}`` for per-tenant PUB endpoints ("" = none)."""
     tenant_replay_endpoint: str = ""
     topic: str = ""
+    block_hashes: BlockHashes = "int64"
+    """Block keys on the wire: vLLM's default int64 form, or whole (``events_block_hashes``)."""
+    heartbeat_s: float = 0.0
+    """An idle stream repeats its last seq, with no events, this often (0: never; the daemon's
+    ``events_heartbeat_s`` is 2 s by default)."""
     buffer_batches: int = 10_000
     stream_buffer_bytes: int = 4 << 20
     buffer_bytes: int = 64 << 20
@@ -87,6 +96,7 @@ class _Stream:
     bound: list[Bound | None]
     seq: int = 0
     events: list[Event] = field(default_factory=list)
+    sent_at: float = 0.0  # time.monotonic() of its last message (a heartbeat's too)
 
 
 def check_dependencies() -> None:
@@ -131,6 +141,7 @@ class EventPublisher:
         self._stop = threading.Event()
         self.events_published = 0
         self.batches_published = 0
+        self.heartbeats = 0  # idle streams' repeats of their last seq (tests)
         self.replay_requests = 0
         self.replays_cut = 0
         self.send_errors = 0
@@ -336,16 +347,23 @@ class EventPublisher:
 
     def _send_all(self) -> None:
         topic = self.settings.topic.encode()
+        now, beat = time.monotonic(), self.settings.heartbeat_s
         for st in self._streams.values():
             self._subs.serve(st.pub)  # subscriptions come in first: applied before this send
             events, st.events = st.events, []
-            for encoded in messages(events, self.settings.max_message_bytes):
+            for encoded in messages(events, self.settings.max_message_bytes, self.settings.block_hashes):
                 payload = batch_payload(time.time(), encoded)
                 st.pub.send_multipart((topic, SEQ.pack(st.seq), payload))
                 self._buffers.append(st.buffer, st.seq, payload)
                 st.seq += 1
+                st.sent_at = now
                 self.events_published += len(encoded)
                 self.batches_published += 1
+            if beat and now - st.sent_at >= beat and st.seq:
+                # the last seq again, no events: a subscriber behind it sees the gap now
+                st.pub.send_multipart((topic, SEQ.pack(st.seq - 1), batch_payload(time.time(), ())))
+                st.sent_at = now
+                self.heartbeats += 1
 
     def _serve_replays(self) -> None:
         """Answer waiting replay requests (at most 64 a socket a turn): the buffered messages

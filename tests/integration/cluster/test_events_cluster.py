@@ -42,6 +42,7 @@ def test_blocks_written_to_the_cluster_are_remote_and_imports_are_cpu(
             cluster.url,
             f'events_endpoint = "{ev[n][0]}"',
             f'events_replay_endpoint = "{ev[n][1]}"',
+            'events_block_hashes = "bytes"',
         )
         for n in "ab"
     )

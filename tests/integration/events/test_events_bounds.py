@@ -153,6 +153,8 @@ def test_event_sockets_take_their_own_mode_and_never_the_engines_group(
         str(tenants_toml(tmp_path / "tenants.toml")),
         "--events-endpoint",
         f"ipc://{ev}/ev.sock",
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-tenant-endpoint",
         f"ipc://{ev}/ev-{{tenant}}.sock",
         "--events-tenant-replay-endpoint",

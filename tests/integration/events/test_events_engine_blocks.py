@@ -38,6 +38,8 @@ def test_put_blocks_publishes_the_engines_tokens_and_parent(
         "1MiB",
         "--events-endpoint",
         f"ipc://{tmp_path}/ev.sock",
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-replay-endpoint",
         f"ipc://{tmp_path}/replay.sock",
     )

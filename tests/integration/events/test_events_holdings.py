@@ -41,6 +41,8 @@ def serve(tmp: Path) -> tuple[str, ...]:
         "16MiB",
         "--events-endpoint",
         f"ipc://{tmp}/ev.sock",
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-replay-endpoint",
         f"ipc://{tmp}/replay.sock",
     )

@@ -78,6 +78,8 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
         "16MiB",
         "--events-endpoint",
         ev,
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-replay-endpoint",
         replay,
         run_dir=tmp_path / "run",

@@ -758,6 +758,8 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
         "1MiB",
         "--events-endpoint",
         f"ipc://{tmp_path}/ev.sock",
+        "--events-block-hashes",
+        "bytes",  # whole keys: the test asks the daemon about them
         "--events-replay-endpoint",
         f"ipc://{tmp_path}/replay.sock",
     )

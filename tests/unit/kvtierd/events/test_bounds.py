@@ -136,7 +136,7 @@ def settings(tmp: Path, **kw: Any) -> EventSettings:
         replay_endpoint=f"ipc://{tmp}/op-r",
         tenant_endpoint=f"ipc://{tmp}/t-{{tenant}}",
         tenant_replay_endpoint=f"ipc://{tmp}/t-{{tenant}}-r",
-        **kw,
+        **{"block_hashes": "bytes", **kw},  # (whole keys: the tests compare them)
     )
 
 

@@ -103,12 +103,26 @@ def test_block_stored_is_a_tagged_map_in_vllms_field_order() -> None:
     m = event_map(ev)
     assert list(m)[: len(VLLM_STORED)] == VLLM_STORED
     assert list(m)[len(VLLM_STORED) :] == ["tenant_id"]  # kvtier's own, after vLLM's
-    ts, events, rank = decode_batch(encode_batch(12.5, [ev, Removed(keys(3), "STORAGE", None), Cleared()]))
+    batch = [ev, Removed(keys(3), "STORAGE", None), Cleared()]
+    ts, events, rank = decode_batch(encode_batch(12.5, batch, hashes="bytes"))
     assert (ts, rank) == (12.5, 0)
     assert events[0]["block_hashes"] == keys(1, 2)  # msgpack bin, 32 bytes each
     assert events[0]["extra_keys"] == [["lora-a", "salt"]] * 2
     assert events[1] == {"type": "BlockRemoved", "block_hashes": keys(3), "medium": "STORAGE"}
     assert events[2] == {"type": "AllBlocksCleared"}
+
+
+def test_block_hashes_go_as_vllms_default_int64_form() -> None:
+    """vLLM sends ``int.from_bytes(hash, "big") & (2**64 - 1)`` unless told otherwise
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), and Dynamo's indexer decodes nothing else."""
+    k1, k2, k3 = (bytes(range(i, i + 32)) for i in (0, 40, 80))
+    ev = Stored([k2, k3], k1, [], TPB, "CPU", None, None, None)
+    _, events, _ = decode_batch(encode_batch(1.0, [ev, Removed([k3], "CPU", None)]))
+    low64 = [int.from_bytes(k, "big") & ((1 << 64) - 1) for k in (k1, k2, k3)]
+    assert low64[0] == 0x18191A1B1C1D1E1F
+    assert events[0]["parent_block_hash"] == low64[0] and events[0]["block_hashes"] == low64[1:]
+    assert events[1]["block_hashes"] == low64[2:]
+    assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in low64)
 
 
 def test_defaults_are_left_out_like_vllms_omit_defaults() -> None:
@@ -255,6 +269,7 @@ def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
             tenant_endpoint=f"ipc://{tmp_path}/t-{{tenant}}",
             topic="kv",
             buffer_batches=2,
+            block_hashes="bytes",
         ),
         q,
     )
@@ -318,5 +333,48 @@ def test_publisher_batches_routes_per_tenant_and_replays_a_bounded_buffer(
     finally:
         for s in subs.values():
             s.close(0)
+        ctx.term()
+        pub.close()
+
+
+def test_an_idle_stream_repeats_its_last_seq_with_no_events(cache: TieredCache, tmp_path: Path) -> None:
+    """A router that (re)connected after a stream's last message sees a seq within a heartbeat:
+    the last one again, no events, nothing buffered, so one that has it skips it."""
+    q = EventQueue(1000)
+    pub = EventPublisher(
+        EventSettings(
+            endpoint=f"ipc://{tmp_path}/op", replay_endpoint=f"ipc://{tmp_path}/op-r", heartbeat_s=0.1
+        ),
+        q,
+    )
+    ns = cache.register_namespace(spec())
+    put(cache, ns, keys(1))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        pub.start()
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tmp_path}/op")
+
+        def until_heartbeat() -> tuple[bytes | None, bytes]:
+            """The seq of the last message with events before a heartbeat, and the heartbeat's."""
+            last = None
+            while True:
+                _topic, seq, payload = recv(sub)
+                if not decode_batch(payload)[1]:
+                    return last, seq
+                last = seq
+
+        seen, beat = until_heartbeat()  # no store yet: AllBlocksCleared (if not missed), then a beat
+        assert seen in (None, beat)
+        beats = pub.heartbeats
+        q.put([("stored", "CPU", list(ns.entries.values()))])
+        stored, beat = until_heartbeat()
+        assert stored is not None and beat == stored  # the store's seq again, not a new one
+        assert int.from_bytes(stored, "big") == int.from_bytes(beat, "big")
+        assert pub.heartbeats > beats
+        assert pub.figures()["event_batches_published"] == 2  # AllBlocksCleared, the store
+    finally:
+        sub.close(0)
         ctx.term()
         pub.close()
