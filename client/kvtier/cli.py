@@ -147,6 +147,12 @@ def _trace_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0, help="trace suite: seed of the synthesized traces")
     b.add_argument("--trace-host-bytes", default="2MiB", help="trace suite: the daemon's host tier")
     b.add_argument("--trace-disk-bytes", default="4MiB", help="trace suite: the daemon's NVMe tier")
+    b.add_argument("--pods", type=int, default=0, help="trace suite: also route each trace over N daemons")
+    b.add_argument(
+        "--router-indexer",
+        help="trace suite: route by Dynamo's KV indexer, this Python's (make dynamo-env: .venv-dynamo)",
+    )
+    b.add_argument("--route-gap-ms", type=int, default=50, help="trace suite: time between routed requests")
 
 
 def main(argv: list[str] | None = None) -> int:

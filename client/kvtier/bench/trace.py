@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.bench.routing import RoutedReport, run_routed
 from kvtier.bench.traces import TRACE_KINDS, TraceRequest, load_jsonl, parents, synthesize
 from kvtier_contract.units import format_bytes, parse_bytes
 
@@ -67,6 +68,13 @@ class TraceSettings:
     block_bytes: int = 16 * KiB
     slab_bytes: int = 256 * KiB
     write_policy: str = "write-back"
+    pods: int = 0
+    """With 2 or more: each trace is replayed again over this many daemons, routed at random and
+    (with ``router_indexer``) by Dynamo's KV indexer (``kvtier.bench.routing``)."""
+    router_indexer: str | None = None
+    """The Python of an environment with ``ai-dynamo-runtime`` (``make dynamo-env``)."""
+    route_gap_ms: int = 50
+    """Time between two routed requests (events reach the router meanwhile)."""
     progress: bool = True
     json_out: str | None = None
 
@@ -82,6 +90,12 @@ class TraceSettings:
             raise ValueError(f"--traces: one or more of {','.join(TRACE_KINDS)} (got {args.traces!r})")
         if args.requests is not None and args.requests <= 0:
             raise ValueError("--requests must be positive")
+        if args.pods and not 2 <= args.pods <= 16:
+            raise ValueError(f"--pods: 2..16 daemons (got {args.pods})")
+        if args.router_indexer and not args.pods:
+            raise ValueError("--router-indexer needs --pods")
+        if not 0 <= args.route_gap_ms <= 10_000:
+            raise ValueError(f"--route-gap-ms: 0..10000 (got {args.route_gap_ms})")
         return cls(
             traces=traces,
             policies=policies,
@@ -90,6 +104,9 @@ class TraceSettings:
             trace_file=Path(args.trace_file) if args.trace_file else None,
             host_bytes=parse_bytes(args.trace_host_bytes, field="--trace-host-bytes"),
             disk_bytes=parse_bytes(args.trace_disk_bytes, field="--trace-disk-bytes"),
+            pods=args.pods or 0,
+            router_indexer=args.router_indexer,
+            route_gap_ms=args.route_gap_ms,
             progress=not args.no_progress,
             json_out=args.json_out,
         )
@@ -137,34 +154,48 @@ class ReplayReport:
 
 class Replayer:
     """Replays requests through one namespace handle and counts into ``report``; owns the keys
-    of every hash id seen and the set of those stored. One thread; the handle's client stays
-    open for the replayer's whole life."""
+    of every hash id seen and the set of those stored. ``token_ids``: stores carry their
+    blocks' tokens (a router that hashes tokens reads them in the KV events). One thread; the
+    handle's client stays open for the replayer's whole life."""
 
-    def __init__(self, ns: NamespaceHandle, parent_of: dict[int, int | None], report: ReplayReport) -> None:
-        self.ns, self.parent_of, self.report = ns, parent_of, report
+    def __init__(
+        self,
+        ns: NamespaceHandle,
+        parent_of: dict[int, int | None],
+        report: ReplayReport,
+        *,
+        token_ids: bool = False,
+    ) -> None:
+        self.ns, self.parent_of, self.report, self.token_ids = ns, parent_of, report, token_ids
         self.tpb = ns.namespace.tokens_per_block
         self.keys: dict[int, bytes] = {}
         self.stored: set[int] = set()
         words = ns.block_bytes // 8
         self._pattern = np.arange(words, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
 
+    def tokens(self, ids: tuple[int, ...]) -> list[int]:
+        """The tokens of blocks ``ids`` (each block's derived from its hash id), in order."""
+        tpb = self.tpb
+        return [(h * tpb + j) % (1 << 32) for h in ids for j in range(tpb)]
+
     def key(self, h: int) -> bytes:
         """Block ``h``'s key: chained from its parent's over tokens derived from ``h``."""
         if h not in self.keys:
             p = self.parent_of[h]
-            tokens = [(h * self.tpb + j) % (1 << 32) for j in range(self.tpb)]
-            self.keys[h] = self.ns.block_keys(tokens, parent=None if p is None else self.key(p))[0]
+            self.keys[h] = self.ns.block_keys(self.tokens((h,)), parent=None if p is None else self.key(p))[0]
         return self.keys[h]
 
     def block(self, h: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The bytes stored for block ``h`` (distinct for every id)."""
         return (self._pattern + np.uint64(h)).view(np.uint8)
 
-    def request(self, req: TraceRequest) -> None:
-        """Look up, load and check the hit prefix, store the rest (module docstring)."""
+    def request(self, req: TraceRequest) -> int:
+        """Look up, load and check the hit prefix, store the rest (module docstring); the
+        blocks the lookup hit."""
         ids = req.hash_ids
         keys = [self.key(h) for h in ids]
-        hit = self._load(ids, keys, self.ns.lookup(keys))
+        seen = self.ns.lookup(keys)
+        hit = self._load(ids, keys, seen)
         missed = ids[hit:]
         r = self.report
         r.requests += 1
@@ -174,6 +205,7 @@ class Replayer:
         r.eviction_recomputed_tokens += sum(h in self.stored for h in missed) * self.tpb
         if missed:
             self._store(missed, keys[hit:], keys[hit - 1] if hit else None)
+        return seen
 
     def _load(self, ids: tuple[int, ...], keys: list[bytes], n: int) -> int:
         """Load the first ``n`` blocks; how many of them, from the head, arrived (checked)."""
@@ -188,7 +220,8 @@ class Replayer:
         return hit
 
     def _store(self, ids: tuple[int, ...], keys: list[bytes], parent: bytes | None) -> None:
-        res = self.ns.put(keys, [self.block(h) for h in ids], parent=parent)
+        tokens = self.tokens(ids) if self.token_ids else None
+        res = self.ns.put(keys, [self.block(h) for h in ids], parent=parent, token_ids=tokens)
         taken = res.stored + res.already_present  # a refusal ends the batch: the rest is refused too
         for h in ids[:taken]:
             if h not in self.stored:
@@ -311,6 +344,24 @@ def ratios(reports: list[ReplayReport]) -> dict[str, float | str]:
     return out
 
 
+def format_routed(routed: list[RoutedReport]) -> str:
+    """One line per (trace, arm): hits over the pods, and how often the router's index was right."""
+    lines = []
+    for r in routed:
+        share = r.hit_tokens / r.total_tokens if r.total_tokens else 0.0
+        line = (
+            f"routed {r.trace} over {r.pods} pods ({r.policy}), {r.arm}: {r.requests} requests, "
+            f"hit {r.hit_tokens:,} of {r.total_tokens:,} tokens ({share:.1%})"
+        )
+        if r.arm == "indexer":
+            line += (
+                f"; the index predicted the lookup's hit for {r.predicted} "
+                f"({r.predicted / max(r.requests, 1):.1%}), off by {r.mispredicted_blocks} blocks in all"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def bench_trace(args: argparse.Namespace) -> int:
     """``kvtier bench trace``: 0 when every available policy replayed every trace, 1 when a run
     failed, 2 for bad arguments."""
@@ -323,6 +374,8 @@ def bench_trace(args: argparse.Namespace) -> int:
         print(f"kvtier bench trace: {e}", file=sys.stderr)
         return 2
     reports: list[ReplayReport] = []
+    routed: list[RoutedReport] = []
+    arms = (["indexer"] if settings.router_indexer else []) + ["random"] if settings.pods else []
     try:
         with tempfile.TemporaryDirectory(prefix="kvtier-bench-trace-") as tmp:
             for name, trace in traces.items():
@@ -330,15 +383,22 @@ def bench_trace(args: argparse.Namespace) -> int:
                     if settings.progress:
                         print(f"replaying {name} ({len(trace)} requests) with {policy}", file=sys.stderr)
                     reports.append(run_replay(settings, name, trace, policy, Path(tmp)))
+                for arm in arms:
+                    if settings.progress:
+                        print(f"routing {name} over {settings.pods} pods: {arm}", file=sys.stderr)
+                    routed.append(run_routed(settings, name, trace, arm, Path(tmp)))
     except (RuntimeError, AssertionError, OSError) as e:
         print(f"kvtier bench trace: failed: {e}", file=sys.stderr)
         return 1
     print(format_reports(settings, traces, reports))
+    if routed:
+        print(format_routed(routed))
     if settings.json_out:
         doc = {
             "settings": settings.describe(),
             "runs": [asdict(r) for r in reports],
             "ratios": ratios(reports),
+            "routed": [asdict(r) for r in routed],
         }
         Path(settings.json_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

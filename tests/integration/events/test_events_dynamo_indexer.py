@@ -1,7 +1,8 @@
 """A real router's indexer, fed only by kvtier's KV events, scores the node that holds a prefix.
 
 Dynamo's standalone KV indexer (``python -m dynamo.indexer`` from the ``ai-dynamo-runtime``
-wheel, its own environment: ``make dynamo-env``), written by no one here, subscribes to each
+wheel, its own environment: ``make dynamo-env``; driven by ``kvtier.bench.dynamo``), written by
+no one here, subscribes to each
 daemon's event stream (ipc://, with its replay endpoint) as it would to a vLLM engine's, hashes
 token ids with its own block hashing, and answers ``POST /query`` with each instance's longest
 matched prefix. Two daemons stand for two nodes. After stores, evictions and a daemon restart,
@@ -16,12 +17,7 @@ BlockHashValue").
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import socket
-import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +28,7 @@ from driver_process import require_env
 from tests_helpers import wait_for
 
 import kvtier
+from kvtier.bench.dynamo import DynamoIndexer
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
@@ -47,71 +44,10 @@ def tokens(seed: int, n_blocks: int) -> list[int]:
     return [int.from_bytes(h[i : i + 4], "little") % 150_000 for i in range(0, len(h), 4)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Indexer:
-    """Dynamo's standalone indexer as a process, and its HTTP API (POST /register, /query)."""
-
-    def __init__(self, python: str, log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        self.proc = subprocess.Popen(
-            [python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RUST_LOG": "info"},
-        )
-        wait_for("the indexer's HTTP port", self._up, timeout=60.0)
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, self.log.read_text()[-3000:]
-        try:
-            self.call("GET", "/workers")
-            return True
-        except OSError:
-            return False
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-            method=method,
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read() or b"null")
-
-    def register(self, instance: int, run: Path) -> None:
-        self.call(
-            "POST",
-            "/register",
-            {
-                "instance_id": instance,
-                "endpoint": f"ipc://{run}/ev.sock",
-                "replay_endpoint": f"ipc://{run}/replay.sock",
-                "model_name": MODEL,
-                "block_size": TPB,
-            },
-        )
-
-    def matched_blocks(self, toks: list[int]) -> dict[int, int]:
-        """Each instance's longest matched prefix of ``toks``, in blocks (absent: 0)."""
-        got = self.call("POST", "/query", {"token_ids": toks, "model_name": MODEL})
-        return {int(i): v["longest_matched"] // TPB for i, v in (got.get("instances") or {}).items()}
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture
-def indexer(tmp_path: Path) -> Iterator[Indexer]:
+def indexer(tmp_path: Path) -> Iterator[DynamoIndexer]:
     python = require_env(DYNAMO_PYTHON, "Dynamo", "dynamo-env", "KVTIER_SKIP_DYNAMO")
-    idx = Indexer(python, tmp_path / "indexer.log")
+    idx = DynamoIndexer(python, tmp_path / "indexer.log", model=MODEL, block_size=TPB)
     yield idx
     idx.close()
 
@@ -128,12 +64,12 @@ def serve(run: Path) -> tuple[str, ...]:
 
 
 def test_dynamos_indexer_scores_the_node_holding_the_longest_prefix(
-    daemon_factory: Any, indexer: Indexer, tmp_path: Path
+    daemon_factory: Any, indexer: DynamoIndexer, tmp_path: Path
 ) -> None:
     runs = {1: tmp_path / "node1", 2: tmp_path / "node2"}
     nodes = {n: daemon_factory(*serve(run), run_dir=run) for n, run in runs.items()}
     for n, run in runs.items():
-        indexer.register(n, run)
+        indexer.register(n, f"ipc://{run}/ev.sock", f"ipc://{run}/replay.sock")
     clients = {n: kvtier.Client.connect(d.unix, transport="shm") for n, d in nodes.items()}
     try:
         ns = {n: c.register(make_namespace()) for n, c in clients.items()}

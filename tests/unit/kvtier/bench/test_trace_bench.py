@@ -8,11 +8,13 @@ pushes blocks out of both tiers within a few seconds.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kvtier.bench.trace import TraceSettings, bench_trace, format_reports, ratios, run_replay
+from kvtier.bench.routing import run_routed
+from kvtier.bench.trace import TraceSettings, bench_trace, format_reports, format_routed, ratios, run_replay
 from kvtier.bench.traces import TRACE_KINDS, dump_jsonl, load_jsonl, parents, synthesize
 from kvtier.cli import build_parser
 
@@ -84,3 +86,19 @@ def test_the_command_refuses_bad_flags() -> None:
     assert run("--traces", "chat") == 2
     assert run("--requests", "0") == 2
     assert run("--trace-file", "/nonexistent/trace.jsonl") == 2
+    assert run("--pods", "1") == 2
+    assert run("--router-indexer", "/usr/bin/python3") == 2  # (needs --pods)
+    assert run("--pods", "2", "--route-gap-ms", "-1") == 2
+
+
+def test_a_routed_replay_over_random_pods_adds_up(tmp_path: Path) -> None:
+    """The random arm needs no router: two daemons with events on, stores with token ids. (The
+    indexer arm needs Dynamo's environment: tests/integration/events/test_events_dynamo_indexer.py
+    covers the index it routes by.)"""
+    settings = replace(TINY, pods=2, route_gap_ms=0)
+    trace = synthesize("agentic", 30, 0)
+    r = run_routed(settings, "agentic", trace, "random", tmp_path)
+    assert (r.arm, r.pods, r.requests) == ("random", 2, 30)
+    assert r.total_tokens == sum(len(q.hash_ids) for q in trace) * 16
+    assert 0 < r.hit_tokens < r.total_tokens and r.predicted <= r.requests
+    assert "routed agentic over 2 pods (lru), random: 30 requests" in format_routed([r])
