@@ -7,7 +7,9 @@ daemon's event stream (ipc://, with its replay endpoint) as it would to a vLLM e
 token ids with its own block hashing, and answers ``POST /query`` with each instance's longest
 matched prefix. Two daemons stand for two nodes. After stores, evictions and a daemon restart,
 the indexer's score for each node equals, block for block, the hits a ``lookup`` on that node
-then observes: a router fed by kvtier's events sends the request where its prefix is.
+then observes: a router fed by kvtier's events sends the request where its prefix is. An engine
+pod registered as an instance on its node daemon's stream is credited with that node's blocks,
+until it is unregistered (docs/events.md, "A router's indexer").
 
 The events go with vLLM's default int64 block hashes (``events_block_hashes``): this indexer
 refuses the 32-byte ``bin`` form ("data did not match any variant of untagged enum
@@ -117,6 +119,13 @@ def test_dynamos_indexer_scores_the_node_holding_the_longest_prefix(
         assert settle(tokens(10, 32)) == {}  # what it held before is no longer credited to it
         put(1, prompts[1])
         assert settle(prompts[1]) == {1: 40, 2: 10}
+
+        # engines as instances: a second engine pod on node 1, registered on node 1's stream,
+        # is credited with what node 1 holds (it loads from the same daemon); leaving, it is not
+        indexer.register(3, f"ipc://{runs[1]}/ev.sock", f"ipc://{runs[1]}/replay.sock")
+        wait_for("the second engine's credit", lambda: indexer.matched_blocks(prompts[1]).get(3) == 40, 30.0)
+        indexer.call("POST", "/unregister", {"instance_id": 3, "model_name": MODEL})
+        assert indexer.matched_blocks(prompts[1]) == {1: 40, 2: 10}
     finally:
         for c in clients.values():
             c.close()
