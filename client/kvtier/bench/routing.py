@@ -12,7 +12,7 @@ Two arms, each on fresh daemons:
   observes.
 * ``random``: each request goes to a pod drawn from ``random.Random(seed)``.
 
-Per request, on the chosen pod, exactly :class:`kvtier.bench.trace.Replayer`'s work (lookup,
+Per request, on the chosen pod, exactly :class:`kvtier.bench.replay.Replayer`'s work (lookup,
 checked ``get_into`` of the hit, ``put`` of the rest with its tokens); then ``route_gap_ms``
 pass before the next request (requests arrive spaced in a real trace; the events of one store
 reach the router within the publisher's 20 ms turn and the indexer's apply).
@@ -25,12 +25,12 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from kvtier.bench.dynamo import DynamoIndexer
+from kvtier.bench.procs import DaemonProc
+from kvtier.bench.replay import Replayer, ReplayReport, TraceSettings
 from kvtier.bench.traces import TraceRequest, parents
-
-if TYPE_CHECKING:
-    from kvtier.bench.trace import TraceSettings
+from kvtier.bench.transfers import bench_namespace, connect
 
 __all__ = ["RoutedReport", "run_routed"]
 
@@ -59,59 +59,75 @@ def run_routed(
 ) -> RoutedReport:
     """Replay ``trace`` over ``settings.pods`` fresh daemons routed by ``arm`` (module
     docstring). RuntimeError when a daemon or the indexer fails to start."""
-    from kvtier.bench.dynamo import DynamoIndexer
-    from kvtier.bench.procs import DaemonProc
-    from kvtier.bench.trace import Replayer, ReplayReport
-    from kvtier.bench.transfers import bench_namespace, connect
-
-    policy = settings.policies[0]
-    report = RoutedReport(trace=name, arm=arm, pods=settings.pods, policy=policy)
-    parent_of = parents(trace)
+    report = RoutedReport(trace=name, arm=arm, pods=settings.pods, policy=settings.policies[0])
     with contextlib.ExitStack() as stack:
-        replayers: list[Replayer] = []
-        streams: list[tuple[str, str]] = []
-        tpb = 0
-        for pod in range(settings.pods):
-            run_dir = root / f"{name}-{arm}-pod{pod}"
-            run_dir.mkdir(parents=True)
-            (run_dir / "kvtierd.toml").write_text(f'eviction_policy = "{policy}"\n')
-            ev, replay = f"ipc://{run_dir}/ev.sock", f"ipc://{run_dir}/replay.sock"
-            extra = ["--config", str(run_dir / "kvtierd.toml"), "--disk-dir", str(run_dir / "disk")]
-            extra += ["--disk-bytes", str(settings.disk_bytes), "--write-policy", settings.write_policy]
-            extra += ["--events-endpoint", ev, "--events-replay-endpoint", replay]
-            daemon = stack.enter_context(DaemonProc(run_dir, settings.host_bytes, settings.slab_bytes, extra))
-            client = stack.enter_context(contextlib.closing(connect(daemon.unix, "shm", local_lookups=False)))
-            ns = client.register(bench_namespace(settings.block_bytes, name=f"kvtier-bench-route-{name}"))
-            tpb = ns.namespace.tokens_per_block
-            replayers.append(Replayer(ns, parent_of, ReplayReport(trace=name, policy=policy), token_ids=True))
-            streams.append((ev, replay))
+        pods = _start_pods(stack, settings, name, arm, root, parents(trace))
         indexer = None
         if arm == "indexer":
             assert settings.router_indexer is not None
             log, model = root / f"{name}-indexer.log", f"kvtier-bench-{name}"
-            indexer = DynamoIndexer(settings.router_indexer, log, model=model, block_size=tpb)
+            indexer = DynamoIndexer(settings.router_indexer, log, model=model, block_size=pods[0][0].tpb)
             stack.callback(indexer.close)
-            for pod, (ev, replay) in enumerate(streams):
-                indexer.register(pod + 1, ev, replay)
-        rng = random.Random(settings.seed)
-        load = [0] * settings.pods
-        gap = settings.route_gap_ms / 1000
+            for n, (_replayer, ev, replay) in enumerate(pods):
+                indexer.register(n + 1, ev, replay)
         t0 = time.perf_counter()
-        for req in trace:
-            if indexer is not None:
-                scores = indexer.matched_blocks(replayers[0].tokens(req.hash_ids))
-                pod = min(range(settings.pods), key=lambda p: (-scores.get(p + 1, 0), load[p], p))
-                predicted = scores.get(pod + 1, 0)
-            else:
-                pod, predicted = rng.randrange(settings.pods), 0
-            load[pod] += 1
-            seen = replayers[pod].request(req)
-            report.predicted += predicted == seen
-            report.mispredicted_blocks += abs(predicted - seen)
-            time.sleep(gap)
+        _route(settings, trace, [p[0] for p in pods], indexer, report)
         report.seconds = round(time.perf_counter() - t0, 3)
-        for r in replayers:
+        for r, _ev, _replay in pods:
             report.requests += r.report.requests
             report.total_tokens += r.report.total_tokens
             report.hit_tokens += r.report.hit_tokens
     return report
+
+
+def _start_pods(
+    stack: contextlib.ExitStack,
+    settings: TraceSettings,
+    name: str,
+    arm: str,
+    root: Path,
+    parent_of: dict[int, int | None],
+) -> list[tuple[Replayer, str, str]]:
+    """``settings.pods`` daemons with events on, each with a replayer (token ids on): with their
+    event and replay endpoints. Closed by ``stack``."""
+    policy = settings.policies[0]
+    out = []
+    for pod in range(settings.pods):
+        run_dir = root / f"{name}-{arm}-pod{pod}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "kvtierd.toml").write_text(f'eviction_policy = "{policy}"\n')
+        ev, replay = f"ipc://{run_dir}/ev.sock", f"ipc://{run_dir}/replay.sock"
+        extra = ["--config", str(run_dir / "kvtierd.toml"), "--disk-dir", str(run_dir / "disk")]
+        extra += ["--disk-bytes", str(settings.disk_bytes), "--write-policy", settings.write_policy]
+        extra += ["--events-endpoint", ev, "--events-replay-endpoint", replay]
+        daemon = stack.enter_context(DaemonProc(run_dir, settings.host_bytes, settings.slab_bytes, extra))
+        client = stack.enter_context(contextlib.closing(connect(daemon.unix, "shm", local_lookups=False)))
+        ns = client.register(bench_namespace(settings.block_bytes, name=f"kvtier-bench-route-{name}"))
+        out.append(
+            (Replayer(ns, parent_of, ReplayReport(trace=name, policy=policy), token_ids=True), ev, replay)
+        )
+    return out
+
+
+def _route(
+    settings: TraceSettings,
+    trace: list[TraceRequest],
+    pods: list[Replayer],
+    indexer: DynamoIndexer | None,
+    report: RoutedReport,
+) -> None:
+    """Each request to the pod the indexer scores highest (or a random one), then the gap."""
+    rng = random.Random(settings.seed)
+    load = [0] * len(pods)
+    for req in trace:
+        if indexer is not None:
+            scores = indexer.matched_blocks(pods[0].tokens(req.hash_ids))
+            pod = min(range(len(pods)), key=lambda p: (-scores.get(p + 1, 0), load[p], p))
+            predicted = scores.get(pod + 1, 0)
+        else:
+            pod, predicted = rng.randrange(len(pods)), 0
+        load[pod] += 1
+        seen = pods[pod].request(req)
+        report.predicted += predicted == seen
+        report.mispredicted_blocks += abs(predicted - seen)
+        time.sleep(settings.route_gap_ms / 1000)
