@@ -152,6 +152,16 @@ def _host_families(snap: Snapshot) -> Iterator[Any]:
     yield g("kvtier_writing_blocks", "Blocks reserved and being written", value=snap["writing_blocks"])
     yield g("kvtier_limbo_blocks", "Slots held back after a lease expiry", value=snap["limbo_blocks"])
     yield g(
+        "kvtier_orphaned_blocks",
+        "Blocks held whose ancestor left the cache, offered first (eviction_policy prefix)",
+        value=snap.get("orphaned_blocks", 0),
+    )
+    yield CounterMetricFamily(
+        "kvtier_orphans_evicted",
+        "Blocks evicted (host slots, NVMe copies) while offered first as orphans (eviction_policy prefix)",
+        value=snap.get("orphans_evicted", 0),
+    )
+    yield g(
         "kvtier_draining",
         "1 while the daemon drains to stop (health NOT_SERVING, stores refused)",
         value=1 if snap.get("draining") else 0,

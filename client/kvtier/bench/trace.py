@@ -8,19 +8,20 @@ fixed host tier, an NVMe tier of a small fixed size below it (so blocks leave th
 would, request by request, in arrival order (as fast as it can: timestamps give only the order).
 A policy the daemon refuses at start is reported ``unavailable`` and the run goes on.
 
-Per request (:class:`~kvtier.bench.replay.Replayer`): the prompt's block keys (``handle.block_keys`` over tokens
-derived from each hash id, chained from the head as an engine's are), a lookup (the longest
+Per request (:class:`~kvtier.bench.replay.Replayer`): the prompt's block keys
+(``handle.block_keys`` over tokens derived from each hash id, chained from the head as an
+engine's are), a lookup (the longest
 prefix held, on any tier), ``get_into`` of that prefix with every block checked against the
 bytes stored for it (derived from its hash id), and a ``put`` of the missed blocks with the
 parent key of the first of them. At the end every block ever stored is probed alone (a 1-key
 lookup): held blocks whose parent chain is broken are *orphaned* (no prefix lookup can reach
 them).
 
-Figures per (trace, policy), :class:`~kvtier.bench.replay.ReplayReport`: hit tokens (blocks × tokens per block),
-recomputed tokens (every prompt token not hit), eviction-induced recomputed tokens (misses of
-blocks stored before), orphaned blocks; and, when both ran, prefix / lru of the
-eviction-induced recomputed tokens. With ``--pods N``, each trace again over N daemons routed by
-a real router's index or at random (:mod:`kvtier.bench.routing`).
+Figures per (trace, policy), :class:`~kvtier.bench.replay.ReplayReport`: hit tokens (blocks ×
+tokens per block), recomputed tokens (every prompt token not hit), eviction-induced recomputed
+tokens (misses of blocks stored before), orphaned blocks; and, when both ran, prefix / lru of
+the eviction-induced recomputed tokens. With ``--pods N``, each trace again over N daemons
+routed by a real router's index or at random (:mod:`kvtier.bench.routing`).
 """
 
 from __future__ import annotations

@@ -347,6 +347,8 @@ class TieredCache:
             "writing_blocks": self.writing_blocks,
             "limbo_blocks": self.limbo_blocks,
             "eviction_policy": self.policy_name,
+            "orphaned_blocks": self.residency.orphaned_blocks,
+            "orphans_evicted": self.residency.orphans_evicted,
         }
 
     def read_figures(self) -> dict[TierId, ReadFigure]:

@@ -284,6 +284,16 @@ class HostResidency:
             if parent is None or self.orphaned(parent):
                 self.orphan([e, *descendants(e.ns, e.key)])
 
+    @property
+    def orphaned_blocks(self) -> int:
+        """Blocks some tier offers first as orphans, each once (Stats: O(orphans))."""
+        if not self.policy.wants_parents:
+            return 0
+        held = set(self.policy.orphaned_keys())
+        for link in self.links:
+            held.update(link.policy.orphaned_keys())
+        return len(held)
+
     def orphaned(self, e: Entry) -> bool:
         """Whether a tier (host, or a link below) offers ``e`` first as an orphan."""
         return self.policy.orphaned(e) or any(link.policy.orphaned(e) for link in self.links)

@@ -84,6 +84,10 @@ class EvictionPolicy(ABC, Generic[K]):
         """Whether ``key`` is offered first as an orphan; False by default."""
         return False
 
+    def orphaned_keys(self) -> Iterable[K]:
+        """The keys offered first as orphans (none by default)."""
+        return ()
+
     @abstractmethod
     def touch(self, key: K) -> None:
         """Record a hit on ``key``; no-op if ``key`` is not resident."""

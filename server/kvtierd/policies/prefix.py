@@ -105,6 +105,9 @@ class PrefixPolicy(EvictionPolicy[K]):
         """Resident keys known to be orphans."""
         return len(self._orphans)
 
+    def orphaned_keys(self) -> Iterable[K]:
+        return self._orphans.keys()
+
     def __len__(self) -> int:
         return len(self._reachable) + len(self._orphans)
 

@@ -112,9 +112,11 @@ def test_an_orphan_goes_before_a_colder_reachable_block(arenas: list[Arena], pol
     if policy == "prefix":
         assert resident(ns) == {X, A1, Y, B}  # the orphan A2 went, not X
         assert cache.residency.orphans_evicted == 1
+        assert cache.figures()["orphaned_blocks"] == 1 and cache.figures()["orphans_evicted"] == 1  # (Stats)
     else:
         assert resident(ns) == {A1, A2, Y, B}  # LRU keeps the orphans, loses X
         assert cache.residency.orphans_evicted == 0
+        assert cache.figures()["orphaned_blocks"] == 0  # (not tracked)
 
 
 def test_parents_are_learned_from_lookups_and_store_parents(arenas: list[Arena]) -> None:
@@ -239,3 +241,20 @@ async def test_orphans_are_not_written_down_and_go_before_blocks_held_below(
     await rig.settle()
     assert rig.entry(1).in_host and 3 not in [int.from_bytes(k, "big") for k in rig.ns.entries]
     assert rig.cache.residency.orphans_evicted == 1
+
+
+def test_orphans_reach_stats_and_metrics(arenas: list[Arena]) -> None:
+    from kvtier_contract.protoutil import to_dict
+    from kvtier_contract.v1 import kvtier_pb2 as pb
+    from kvtierd.metric_families import KvtierCollector
+
+    cache, ns = cache_of(arenas, "prefix")
+    put(cache, ns, [A0, A1, A2])
+    cache.drop_corrupt([ns.entries[A0]])  # A1, A2: orphans
+    put(cache, ns, [X, Y, B])  # one eviction: an orphan
+    reply = pb.StatsReply(boot_epoch=1, **cache.figures())  # as the service builds it
+    assert (reply.orphaned_blocks, reply.orphans_evicted) == (1, 1)
+    snap = {**to_dict(reply), "rpc_errors": {}, "rpc_latency": {}}
+    families = {f.name: f for f in KvtierCollector(lambda: snap).collect()}
+    assert families["kvtier_orphaned_blocks"].samples[0].value == 1
+    assert families["kvtier_orphans_evicted"].samples[0].value == 1
