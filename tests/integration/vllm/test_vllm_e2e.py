@@ -85,8 +85,10 @@ class Engine(DriverProcess):
         enable_lora: bool = False,
         num_blocks: int | None = None,
         prefix_caching: bool = True,
+        kv_events: Path | None = None,
     ) -> None:
         spec = {
+            "kv_events": str(kv_events) if kv_events is not None else None,
             "model": str(model),
             "connector": connector,
             "max_model_len": 2048,
@@ -190,9 +192,12 @@ def namespace_stats(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def engine_a(workdir: Path, shared_daemon: DaemonProcess) -> dict[str, Any]:
-    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_a.log")
+    """Engine A serves P and Q once, with vLLM's own KV events on (``events``: what vLLM
+    published, its GPU blocks' and the connector's ``take_events``)."""
+    eng = Engine(workdir / "model", connector(shared_daemon), workdir / "engine_a.log", kv_events=workdir)
     try:
         out = eng.generate([P, Q])
+        out["events"] = eng.request({"op": "events"}, 60)["stored"]
     finally:
         eng.close()
     return out
@@ -224,6 +229,24 @@ def stored_again(eng: Any, d: DaemonProcess, prompts: list[list[int]], blocks: i
 def test_engine_a_stores_its_prompt_blocks(engine_a: dict[str, Any], shared_daemon: DaemonProcess) -> None:
     assert engine_a["cached"] == [0, 0]  # nothing in the daemon yet
     assert wait_resident(shared_daemon, 5) == 5  # P: 3 full blocks, Q: 2
+
+
+def test_vllms_own_events_tell_what_kvtier_stored_in_vllms_block_hashes(engine_a: dict[str, Any]) -> None:
+    """With vLLM's KV events on, the connector's ``take_events`` adds a ``BlockStored``
+    (medium CPU) for every block it stores, under the very hashes vLLM gives the same blocks in
+    its own GPU events, with their tokens: a router following the engine pods credits this
+    engine with what kvtier holds for it."""
+    events = engine_a["events"]
+    gpu = {h for e in events if e["medium"] == "GPU" for h in e["block_hashes"]}
+    ours = [e for e in events if e["medium"] == "CPU"]
+    stored = [h for e in ours for h in e["block_hashes"]]
+    full_blocks = len(P) // BLOCK + len(Q) // BLOCK  # prompt blocks only: 4 tokens generated
+    assert len(stored) == len(set(stored)) == full_blocks, (len(stored), full_blocks)
+    assert set(stored) <= gpu  # vLLM's own hashes of the same blocks
+    for e in ours:
+        assert len(e["token_ids"]) == BLOCK * len(e["block_hashes"])
+    heads = [e["token_ids"][:BLOCK] for e in ours if e["parent"] is None]
+    assert sorted(heads) == sorted([P[:BLOCK], Q[:BLOCK]])
 
 
 def test_engine_b_loads_from_kvtier_with_identical_outputs(

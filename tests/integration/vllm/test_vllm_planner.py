@@ -793,6 +793,34 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
         follow.close()
 
 
+def test_with_vllms_events_on_each_store_job_is_told_in_vllms_block_hashes(daemon: DaemonProcess) -> None:
+    """``engine_events`` (vLLM's KV events on): each planned store job is kept with vLLM's own
+    hashes of its blocks (the request's live ``block_hashes``), its parent hash, tokens and
+    adapter, for the adapter's ``take_events``; taken once; none without."""
+    for on in (True, False):
+        p, _ = make_planner(daemon)
+        p.stores.engine_events = on  # (the adapter sets it when vLLM's KV events are on)
+        toks = prompt(4 * BS, seed=5)
+        hashes: list[bytes] = []  # vLLM appends a block's hash once the block is full
+        p.on_new_request(RequestInfo("v", toks, BASE, None, hashes, "lora-x"))
+        assert matched(p, "v", 0, len(toks)) == (0, False)
+        p.after_alloc("v", [1, 2], 0)
+        hashes += [b"h0"]  # the first step computes BS + 3 tokens: one full block
+        p.build(StepInput([schedule("v", [1, 2], 0, BS + 3)]))
+        hashes += [b"h1", b"h2"]  # (no h3 yet: that block goes untold)
+        p.build(StepInput([schedule("v", [3, 4], BS + 3, 3 * BS - 3, replace=False)]))
+        told = p.stores.take_stored()
+        if not on:
+            assert told == []
+            continue
+        assert [(t.block_hashes, t.parent) for t in told] == [([b"h0"], None), ([b"h1", b"h2"], b"h0")]
+        assert [t.token_ids for t in told] == [toks[:BS], toks[BS : 3 * BS]]
+        assert {t.lora_name for t in told} == {"lora-x"}
+        assert p.stores.take_stored() == []  # taken once
+        p.request_finished("v")
+        p.close()
+
+
 def warm_worker_and_plan(daemon: DaemonProcess, p: Planner, w: KvtierWorker, req_id: str) -> StepPlan:
     """A worker past its first load (which pays one-time setup and is no tier figure), and the
     plan of a second request's load of 4 host blocks, ``req_id``, decoding one token."""

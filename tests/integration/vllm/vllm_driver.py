@@ -19,6 +19,9 @@ engine arguments. Then one JSON command per stdin line, one ``DRIVER {json}`` an
   finished first), "second_done_s"}``
 * ``{"op": "metrics"}`` -> ``{"metrics": {name[:source]: value}}`` (vLLM's Prometheus counters;
   kvtier's ``*seconds*`` counters unrounded)
+* ``{"op": "events"}`` (with ``kv_events``: a directory for vLLM's own KV-event sockets, its
+  publisher on) -> ``{"stored": [{"medium", "block_hashes", "parent", "token_ids"}...]}``: every
+  ``BlockStored`` vLLM published, replayed from its buffer and decoded by vLLM's own classes
 * ``{"op": "quit"}``
 
 Prompts are token ids and the tokenizer is skipped (no model hub here); weights are dummy.
@@ -178,6 +181,38 @@ def _phases(out: object) -> list[float] | None:
     return [m.scheduled_ts - m.queued_ts, m.first_token_ts - m.scheduled_ts]
 
 
+def stored_events(directory: str) -> list[dict]:
+    """Every ``BlockStored`` in vLLM's publisher buffer, by its replay protocol (from seq 0),
+    decoded with vLLM's own ``KVEventBatch``."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"ipc://{directory}/vllm-replay.sock")
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    out: list[dict] = []
+    while sock.poll(10_000):
+        _, _topic, seq, payload = sock.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        for ev in decoder.decode(payload).events:
+            if isinstance(ev, BlockStored):
+                hashes = [h if isinstance(h, int) else h.hex() for h in ev.block_hashes]
+                parent = ev.parent_block_hash
+                out.append(
+                    {
+                        "medium": ev.medium,
+                        "block_hashes": hashes,
+                        "parent": parent if parent is None or isinstance(parent, int) else parent.hex(),
+                        "token_ids": list(ev.token_ids),
+                    }
+                )
+    sock.close(0)
+    return out
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
@@ -201,6 +236,15 @@ def main() -> None:
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = spec["max_num_seqs"]
+    if spec.get("kv_events"):  # vLLM's own KV events (its GPU blocks, and connectors' take_events)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{spec['kv_events']}/vllm-ev.sock",
+            replay_endpoint=f"ipc://{spec['kv_events']}/vllm-replay.sock",
+        )
     if spec.get("kv_transfer_config") is not None:  # e.g. OffloadingConnector + kvtier's tier
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     elif spec.get("connector") is not None:
@@ -250,6 +294,8 @@ def main() -> None:
             )
         if cmd["op"] == "interleave":
             print("DRIVER " + json.dumps(interleave(llm, SamplingParams, cmd)), flush=True)
+        if cmd["op"] == "events":
+            print("DRIVER " + json.dumps({"stored": stored_events(spec["kv_events"])}), flush=True)
         if cmd["op"] == "metrics":  # vLLM's own Prometheus figures (counters summed by name)
             values: dict = {}
             seconds: dict = {}

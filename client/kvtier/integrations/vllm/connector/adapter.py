@@ -28,6 +28,7 @@ in ``metadata`` and the translation of vLLM's configuration and scheduler output
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +75,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -81,6 +83,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvtier")
+
+
+def _publishes_kv_events(vllm_config: VllmConfig) -> bool:
+    """vLLM's KV events are on (its scheduler then asks ``take_events`` every step)."""
+    ev = getattr(vllm_config, "kv_events_config", None)
+    return bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
+
 
 _TIER_SOURCE = {"host": CacheHitSource.HOST, "nvme": CacheHitSource.DISK} if CacheHitSource else {}
 
@@ -119,6 +128,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 interference_budget=self.cfg.interference_budget,
                 sync_load_budget_s=self.cfg.step_budget_ms / 1000,
             )
+            self.planner.stores.engine_events = _publishes_kv_events(vllm_config)  # (take_events)
         log.info(
             "kvtier connector (%s): %s at %s",
             role.name.lower(),
@@ -134,13 +144,17 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         assert self.planner is not None
-        # all_token_ids: vLLM's live, read-only view of prompt + output ids (generated blocks)
+        # all_token_ids, block_hashes: vLLM's live, read-only views of prompt + output ids
+        # (generated blocks) and of its own hashes of the full blocks (its KV events of our stores)
+        lora = getattr(request, "lora_request", None)
         self.planner.on_new_request(
             RequestInfo(
                 request.request_id,
                 list(request.prompt_token_ids or ()),
                 self._variant(request),
                 request.all_token_ids,
+                getattr(request, "block_hashes", None),
+                lora.lora_name if lora is not None else None,
             )
         )
 
@@ -178,6 +192,31 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.planner.observe(meta.steps, meta.loads)
             for req_id in connector_output.finished_recving or ():
                 self.planner.load_finished(req_id)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What this step's plan stores, as ``BlockStored`` with vLLM's own block hashes (in
+        the form its publisher sends them, ``maybe_convert_block_hash``), for vLLM's KV-event
+        publisher (called by the scheduler each step while its KV events are on): a router
+        subscribed to the engine pods sees what kvtier holds for this engine. ``medium`` is
+        ``CPU``; a hint, never taken back (the daemon's own stream, docs/events.md, tells
+        evictions)."""
+        if self.planner is None:
+            return ()
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return [
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in s.block_hashes],
+                parent_block_hash=None if s.parent is None else maybe_convert_block_hash(s.parent),
+                token_ids=s.token_ids,
+                block_size=self.block_size,
+                lora_id=None,
+                medium="CPU",
+                lora_name=s.lora_name,
+            )
+            for s in self.planner.stores.take_stored()
+        ]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.planner is not None:

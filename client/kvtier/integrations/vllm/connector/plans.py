@@ -2,8 +2,9 @@
 
 What the adapter (``adapter``) hands the planner (``RequestInfo``, ``StepInput`` of
 ``ScheduledRequest``s), what the planner hands the workers each step (``StepPlan`` of
-``LoadJob``s and ``StoreJob``s), what the workers report back (``StepReport``, ``LoadReport``)
-and the planner's counters (``PlannerStats``). ``planner`` re-exports every name.
+``LoadJob``s and ``StoreJob``s), what the workers report back (``StepReport``, ``LoadReport``),
+the stores told to vLLM's KV-event publisher (``StoredBlocks``) and the planner's counters
+(``PlannerStats``). ``planner`` re-exports every name.
 
 Ownership and concurrency: values only (frozen where they cross threads or processes); a plan
 is built on the scheduler thread and read by the workers after vLLM serialises it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.integrations.vllm.connector.config import Variant
 
@@ -28,6 +30,22 @@ class RequestInfo:
     prompt_token_ids: Sequence[int]
     variant: Variant | None
     token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[Any] | None = None
+    """vLLM's own block hashes of the request (its live ``Request.block_hashes``, one per full
+    block as vLLM computes them; read, never written), for the KV events vLLM publishes of what
+    kvtier stores (``StorePlanning.take_stored``). None: no such events."""
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """Blocks of one store job in vLLM's own terms, for a ``BlockStored`` of vLLM's publisher:
+    their vLLM block hashes (a chain, the first one's parent ``parent``), tokens and adapter."""
+
+    block_hashes: list[Any]
+    parent: Any | None
+    token_ids: list[int]
+    lora_name: str | None
 
 
 @dataclass(frozen=True)

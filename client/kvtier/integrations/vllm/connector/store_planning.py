@@ -11,19 +11,28 @@ after the step; when vLLM hands one of those block ids to a request again (re-al
 also after preemption or finish), the next plan lists the job in ``flush`` and the worker
 waits for it before the forward pass that could overwrite the block (the fence).
 
+With ``engine_events`` (vLLM's own KV events on), each store job is also kept in vLLM's terms
+(its block hashes, tokens, adapter: ``StoredBlocks``) until the scheduler takes them for its
+publisher (``take_stored``; the adapter's ``take_events``), so a router that follows the engine
+pods sees what kvtier holds for them.
+
 Ownership and concurrency: a part of ``planner.Planner``, handed the planner's counters; owns the
-store settings, the job numbers and the fence map (engine block id -> the last store job reading
-it), and writes the key chains and store progress of the request records it is given. Scheduler
-thread only.
+store settings, the job numbers, the fence map (engine block id -> the last store job reading
+it) and the records for vLLM's events, and writes the key chains and store progress of the
+request records it is given. Scheduler thread only.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome
-from kvtier.integrations.vllm.connector.plans import PlannerStats, StepPlan, StoreJob
+from kvtier.integrations.vllm.connector.plans import PlannerStats, StepPlan, StoredBlocks, StoreJob
 from kvtier.integrations.vllm.connector.requests import RequestState
+
+MAX_STORED_RECORDS = 4096
+"""Store jobs kept for vLLM's KV-event publisher between two scheduler steps, at most."""
 
 
 class StorePlanning:
@@ -46,6 +55,9 @@ class StorePlanning:
         self.event_token_ids = event_token_ids
         self._fence: dict[int, int] = {}  # engine block id -> last store job reading it
         self._next_job = 1
+        self.engine_events = False
+        """vLLM's KV events are on: keep each store job in vLLM's terms (set by the adapter)."""
+        self._stored: deque[StoredBlocks] = deque(maxlen=MAX_STORED_RECORDS)
 
     def fence_blocks(self, block_ids: Sequence[int], flush: set[int]) -> None:
         """Store jobs still reading ``block_ids`` (handed to a request again) into ``flush``."""
@@ -116,8 +128,34 @@ class StorePlanning:
         st.jobs.append(job.job_id)
         st.stored_upto = full
         self.stats.store_blocks += full - start
+        self._tell(st, tokens, start, full)
         if full > len(st.info.prompt_token_ids) // self.block_size:
             self.stats.store_generated_blocks += full - max(
                 start, len(st.info.prompt_token_ids) // self.block_size
             )
         return job
+
+    def _tell(self, st: RequestState, tokens: Sequence[int], start: int, full: int) -> None:
+        """With ``engine_events``: blocks ``start:full`` as vLLM names them, for its publisher."""
+        hashes = st.info.block_hashes
+        if not self.engine_events or hashes is None:
+            return
+        full = min(full, len(hashes))  # (vLLM hashes a block once its tokens are in: not behind
+        if full <= start:  # but for a token sampled and not appended yet; those go untold)
+            return
+        bs = self.block_size
+        self._stored.append(
+            StoredBlocks(
+                list(hashes[start:full]),
+                hashes[start - 1] if start else None,
+                list(tokens[start * bs : full * bs]),
+                st.info.lora_name,
+            )
+        )
+
+    def take_stored(self) -> list[StoredBlocks]:
+        """The store jobs planned since the last call, in vLLM's terms (``engine_events``; at
+        most ``MAX_STORED_RECORDS`` kept: a scheduler that never asks loses the oldest)."""
+        out = list(self._stored)
+        self._stored.clear()
+        return out
