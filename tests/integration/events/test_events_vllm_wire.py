@@ -32,8 +32,12 @@ TOKEN = "tok-wire-1"
 
 def with_replayed(ctx: Any, endpoint: str, live: list[list[bytes]]) -> list[list[bytes]]:
     """``live`` [topic, seq, payload] messages with every message the replay endpoint still holds
-    added, ordered by seq: a replay from seq 0, asked again past each bounded answer."""
-    have = {int.from_bytes(m[1], "big"): m for m in live}
+    added, ordered by seq: a replay from seq 0, asked again past each bounded answer. A seq's
+    first live message stands (an idle stream's heartbeat repeats the last seq with no events),
+    and a replayed one replaces it (the buffer holds the real message, never a heartbeat)."""
+    have: dict[int, list[bytes]] = {}
+    for m in live:
+        have.setdefault(int.from_bytes(m[1], "big"), m)
     start = 0
     while True:
         sock = ctx.socket(zmq.DEALER)
@@ -49,7 +53,7 @@ def with_replayed(ctx: Any, endpoint: str, live: list[list[bytes]]) -> list[list
         finally:
             sock.close(0)
         for _empty, topic, seq, payload in got:
-            have.setdefault(int.from_bytes(seq, "big"), [topic, seq, payload])
+            have[int.from_bytes(seq, "big")] = [topic, seq, payload]
         if not got:
             return [have[s] for s in sorted(have)]
         start = int.from_bytes(got[-1][2], "big") + 1
