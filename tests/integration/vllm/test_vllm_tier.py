@@ -84,10 +84,17 @@ class Engine(DriverProcess):
     """One vLLM engine process (vllm_driver.py) with kvtier's secondary tier, or none."""
 
     def __init__(
-        self, model: Path, ktc: dict[str, Any] | None, log: Path, *, enable_lora: bool = False
+        self,
+        model: Path,
+        ktc: dict[str, Any] | None,
+        log: Path,
+        *,
+        enable_lora: bool = False,
+        processes: str = "one",
     ) -> None:
         require_env(VLLM_PYTHON, "vLLM", "vllm-env", "KVTIER_SKIP_VLLM")
         spec = {
+            "processes": processes,
             "model": str(model),
             "kv_transfer_config": ktc,
             "connector": None,
@@ -123,9 +130,15 @@ class Engine(DriverProcess):
 
 
 def run(
-    model: Path, ktc: dict[str, Any] | None, log: Path, *calls: dict[str, Any], enable_lora: bool = False
+    model: Path,
+    ktc: dict[str, Any] | None,
+    log: Path,
+    *calls: dict[str, Any],
+    enable_lora: bool = False,
+    processes: str = "one",
 ) -> list[dict[str, Any]]:
-    eng = Engine(model, ktc, log, enable_lora=enable_lora)
+    """One engine (see ``Engine``) serving ``calls`` in turn, then closed."""
+    eng = Engine(model, ktc, log, enable_lora=enable_lora, processes=processes)
     try:
         return [eng.generate(**c) if c.get("prompts") else eng.metrics() for c in calls]
     finally:
@@ -158,7 +171,9 @@ def baseline(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine_a(workdir: Path, daemon: DaemonProcess) -> dict[str, Any]:
-    return run(workdir / "model", tier_config(daemon.unix), workdir / "engine_a.log", {"prompts": [P, Q]})[0]
+    """Engine A stores P and Q, in vLLM's own process layout (the others run in one process)."""
+    log = workdir / "engine_a.log"
+    return run(workdir / "model", tier_config(daemon.unix), log, {"prompts": [P, Q]}, processes="vllm")[0]
 
 
 def daemon_total(d: DaemonProcess) -> dict[str, Any]:
