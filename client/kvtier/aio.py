@@ -60,6 +60,11 @@ class AsyncClient:
         """``Client.tenant``: the tenant the credential proved (namespaces without one take it)."""
         return self.sync.tenant
 
+    @property
+    def events(self) -> bool:
+        """``Client.events``: the daemon publishes KV events of this client's blocks."""
+        return self.sync.events
+
     async def close(self) -> None:
         await self._run(self.sync.close)
         self._pool.shutdown(wait=False)

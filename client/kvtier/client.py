@@ -210,6 +210,13 @@ class Client:
         certificate); None on a daemon without tenants, or before a session was opened."""
         return self.session.connection.tenant
 
+    @property
+    def events(self) -> bool:
+        """Whether the daemon publishes KV events of this client's blocks (docs/events.md): then
+        a store's ``token_ids`` reach the routers that follow them. False before a session was
+        opened (``lazy=True`` and the daemon away)."""
+        return self.session.connection.events
+
     def stats(self) -> dict[str, Any]:
         """The daemon's Stats figures as a dict; raises the error naming the cause and the fix
         when the daemon cannot be reached or refuses (as ``connect`` does)."""

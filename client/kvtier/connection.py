@@ -64,7 +64,7 @@ Rpc = Callable[[str, Any], Any]
 class Connection:
     """See the module docstring. The session's state is read through ``session_id``,
     ``boot_epoch``, ``connected``, ``holds`` and the attributes the reply sets (``max_batch``,
-    ``lookup_slices_served``, ``tenant``, ``control``: written only by an open, read by any
+    ``lookup_slices_served``, ``tenant``, ``events``, ``control``: written only by an open, read by any
     thread)."""
 
     def __init__(
@@ -84,6 +84,7 @@ class Connection:
         self.max_batch = 1024  # most keys the daemon takes in one RPC (1024 before a session)
         self.lookup_slices_served = False  # the daemon serves LookupSlices (OpenSessionReply)
         self.tenant: str | None = None  # the tenant the credential proved (OpenSessionReply)
+        self.events = False  # the daemon publishes KV events of this session's blocks (same)
         self._client_name = settings.client_name or f"pid{os.getpid()}"
         self._lock = threading.RLock()
         self._session_id = 0
@@ -295,6 +296,7 @@ class Connection:
         self.max_batch = max(1, reply.max_batch_blocks)
         self.lookup_slices_served = reply.lookup_slices
         self.tenant = reply.tenant or None
+        self.events = reply.events
         self.figures.take(reply)  # figures from the start, not one heartbeat later
         self._data_channel.use(transport)
         if self.settings.control_channel:

@@ -105,6 +105,7 @@ class SessionHandlers:
             lookup_slices=True,
             tier_figures=self.scope.tier_figures(),
             tenant=tenant or "",
+            events=self.cache.residency.events.publishing,
         )
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:

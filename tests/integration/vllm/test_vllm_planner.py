@@ -747,7 +747,9 @@ def test_a_miss_in_the_published_index_costs_no_lookup_rpc(daemon: DaemonProcess
 def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory: Any, tmp_path: Any) -> None:
     """``event_token_ids``: the connector's stores (chunked prefill: two jobs, the second
     chaining on from the first) reach the daemon's KV events with their token ids and parent
-    key, so a router hashing tokens matches them; off (the default), none are sent."""
+    key, so a router hashing tokens matches them; off, none are sent; left out (None, the
+    default), they are sent because the daemon said at the session's open that it publishes
+    events (``Client.events``), and not to a daemon that publishes none."""
     pytest.importorskip("zmq")
     from events_follower import Follower
 
@@ -767,12 +769,14 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
     w = KvtierWorker(IDENTITY, cfg_for(d))
     w.register(lbhnc_cache(True)[1])
     try:
-        for on, seed in ((True, 1), (False, 2)):
-            p, _ = make_planner(d, event_token_ids=on)
+        for told, seed in ((True, 1), (False, 2), (None, 3)):
+            p, _ = make_planner(d, event_token_ids=told)
+            on = told is not False
             toks = prompt(4 * BS, seed=seed)
             keys = IDENTITY.namespace().block_keys(toks)
             p.on_new_request(RequestInfo("e", toks, BASE))
             assert matched(p, "e", 0, len(toks)) == (0, False)
+            assert p.lookups.thread.events()  # the session's open said so
             p.after_alloc("e", [1, 2], 0)
             jobs = p.build(StepInput([schedule("e", [1, 2], 0, BS + 3)])).stores
             jobs += p.build(StepInput([schedule("e", [3, 4], BS + 3, 3 * BS - 3, replace=False)])).stores
@@ -788,6 +792,16 @@ def test_event_token_ids_carry_each_store_jobs_tokens_and_parent(daemon_factory:
                 assert follow.stored[k]["parent"] == (keys[i - 1] if linked else None), i
             p.request_finished("e")
             p.close()
+        quiet = daemon_factory("--host-bytes", "64MiB", "--slab-bytes", "1MiB")  # no events
+        p, _ = make_planner(quiet, event_token_ids=None)
+        toks = prompt(2 * BS, seed=4)
+        p.on_new_request(RequestInfo("q", toks, BASE))
+        assert matched(p, "q", 0, len(toks)) == (0, False)
+        assert not p.lookups.thread.events()
+        p.after_alloc("q", [1, 2], 0)
+        (job,) = p.build(StepInput([schedule("q", [1, 2], 0, 2 * BS)])).stores
+        assert job.token_ids is None and job.parents is None
+        p.close()
     finally:
         w.close()
         follow.close()

@@ -66,6 +66,12 @@ class DaemonBackend:
         client = self._client
         return client.tier_figures() if client is not None else {}
 
+    def events(self) -> bool:
+        """Whether the daemon publishes KV events of this engine's blocks (``Client.events``;
+        any thread, no RPC; False before the session is open)."""
+        client = self._client
+        return client.events if client is not None else False
+
     def warmup(self) -> None:
         """Open the session and register the base namespaces before the first request."""
         for r in range(self.identity.tp_size):

@@ -54,7 +54,9 @@ class ConnectorConfig:
     load: bool = True
     store: bool = True
     store_generated: bool = True
-    event_token_ids: bool = False  # send stored blocks' token ids for the daemon's KV events
+    # Send stored blocks' token ids (and a job's parent key) for the daemon's KV events: None
+    # (the default) when the daemon says it publishes events of this engine's blocks.
+    event_token_ids: bool | None = None
     pin_release_steps: int = 4
     step_budget_ms: int = 100
     probe_timeout_ms: int = 250
@@ -89,7 +91,12 @@ class ConnectorConfig:
                 "async_load_timeout_ms",
             ),
             strings=("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"),
-            flags=("load", "store", "store_generated", "event_token_ids", "unix_login"),
+            flags=("load", "store", "store_generated", "unix_login"),
+        )
+        need(
+            self.event_token_ids is None or isinstance(self.event_token_ids, bool),
+            "event_token_ids",
+            "must be true, false or null (as the daemon publishes events)",
         )
         need(self.transport in TRANSPORT_NAMES.values(), "transport", "must be 'shm', 'tcp' or 'cuda_ipc'")
         self._check_revisions(need)

@@ -65,7 +65,8 @@ class Backend(Protocol):
         """Connect and register ahead of the first request (the lookup thread's first task)."""
 
     # Optional: ``tier_figures() -> Mapping[str, TierFigure]``, callable from any thread without
-    # an RPC (the daemon's per-tier load figures); ``LookupThread.tier_figures`` reads it.
+    # an RPC (the daemon's per-tier load figures); ``LookupThread.tier_figures`` reads it. And
+    # ``events() -> bool``, the same way: the daemon publishes KV events of the session's blocks.
 
     def close(self) -> None: ...
 
@@ -138,6 +139,13 @@ class LookupThread:
             else:
                 self._forgotten.add(req_id)
             self._cond.notify_all()
+
+    def events(self) -> bool:
+        """Whether the daemon publishes KV events of this engine's blocks, as the backend's
+        session was told at its open (any thread, no RPC); False without a session yet, or for a
+        backend without ``events``."""
+        told = getattr(self._backend, "events", None)
+        return bool(told()) if told is not None else False
 
     def tier_figures(self) -> Mapping[str, TierFigure]:
         """The daemon's per-tier load figures as the backend's session last heard them (any

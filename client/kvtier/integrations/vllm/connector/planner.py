@@ -107,7 +107,7 @@ class Planner:
         store: bool = True,
         store_generated: bool = True,
         load_async: bool = False,
-        event_token_ids: bool = False,
+        event_token_ids: bool | None = False,
         decider: Decider | None = None,
         block_bytes: int = 0,
         interference_budget: float | None = None,
@@ -133,7 +133,8 @@ class Planner:
             interference_budget=interference_budget,
             sync_load_budget_s=None if load_async else sync_load_budget_s,
         )
-        self.stores = StorePlanning(self.stats, block_size, store, store_generated, event_token_ids)
+        token_ids = self.lookups.thread.events if event_token_ids is None else lambda: event_token_ids
+        self.stores = StorePlanning(self.stats, block_size, store, store_generated, token_ids)
 
     @property
     def decider(self) -> Decider:

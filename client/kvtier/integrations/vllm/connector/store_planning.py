@@ -25,7 +25,7 @@ request records it is given. Scheduler thread only.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome
 from kvtier.integrations.vllm.connector.plans import PlannerStats, StepPlan, StoredBlocks, StoreJob
@@ -44,10 +44,11 @@ class StorePlanning:
         block_size: int,
         enabled: bool,
         store_generated: bool,
-        event_token_ids: bool,
+        event_token_ids: Callable[[], bool],
     ) -> None:
         """``stats``: the planner's counters; the rest the planner's parameters (``enabled``:
-        its ``store``)."""
+        its ``store``; ``event_token_ids``: asked at each store job, whether it carries its
+        token ids)."""
         self.stats = stats
         self.block_size = block_size
         self.enabled = enabled
@@ -112,7 +113,7 @@ class StorePlanning:
         """Blocks ``start:full`` of ``st`` as the next store job: numbered, in the fence map,
         counted, and ``st``'s store progress moved on to ``full``."""
         assert st.keys is not None and st.info.variant is not None
-        events = self.event_token_ids
+        events = self.event_token_ids()
         job = StoreJob(
             self._next_job,
             st.info.req_id,

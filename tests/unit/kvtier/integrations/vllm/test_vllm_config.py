@@ -51,6 +51,8 @@ def test_defaults_and_socket_shorthand() -> None:
     assert ConnectorConfig.from_extra({"interference_budget": 1}).interference_budget == 1
     for transport in ("shm", "tcp", "cuda_ipc"):
         assert ConnectorConfig.from_extra({"transport": transport}).transport == transport
+    assert cfg.event_token_ids is None  # as the daemon publishes events
+    assert ConnectorConfig.from_extra({"event_token_ids": False}).event_token_ids is False
 
 
 @pytest.mark.parametrize(
@@ -81,6 +83,8 @@ def test_defaults_and_socket_shorthand() -> None:
         ({"probe_after_s": float("inf")}, "probe_after_s"),
         ({"probe_after_s": "5"}, "probe_after_s"),
         ({"unix_login": "yes"}, "unix_login"),
+        ({"event_token_ids": "auto"}, "event_token_ids"),
+        ({"event_token_ids": 1}, "event_token_ids"),
         ({"unix_login": True, "token_file": "/t"}, "unix_login"),
         ({"unix_login": True, "address": "127.0.0.1:50051"}, "unix_login"),
     ],
