@@ -91,6 +91,12 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", dest="json_out", help="also write results to this file")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument(
+        "--daemon-args",
+        default="",
+        help="shm, tcp, tls, verify, lookup suites: more kvtierd serve arguments for their daemons "
+        "(one string, e.g. '--eviction-policy prefix')",
+    )
     _suite_args(b)
 
 

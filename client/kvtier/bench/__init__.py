@@ -130,7 +130,7 @@ def _run(plan: Plan, tmp: Path, results: Results, progress: Progress) -> None:
                 _verify_size(plan, tmp, block, results, progress)
     if plan.wants("lookup"):
         progress.show("starting kvtierd for lookups")
-        with DaemonProc(tmp / "kvtierd-lookup", 64 << 20, 4 << 20) as daemon:
+        with DaemonProc(tmp / "kvtierd-lookup", 64 << 20, 4 << 20, list(plan.daemon_args)) as daemon:
             assert daemon.proc is not None
             bench_lookup(plan, daemon.unix, daemon.proc.pid, results, progress)
     if plan.wants("nvme"):
@@ -157,7 +157,9 @@ def _one_size(
     progress.show(f"starting kvtierd for {size_label(block)} blocks")
     keys = KeySource()
     with (
-        DaemonProc(tmp / f"kvtierd-{block}", plan.host_bytes, plan.slab_bytes) as daemon,
+        DaemonProc(
+            tmp / f"kvtierd-{block}", plan.host_bytes, plan.slab_bytes, list(plan.daemon_args)
+        ) as daemon,
         contextlib.ExitStack() as clients,
     ):
         ops: list[Op] = []
@@ -188,7 +190,7 @@ def _tls_ops(plan: Plan, tmp: Path, block: int, keys: KeySource, stack: contextl
             tmp / f"kvtierd-tls-{block}",
             plan.host_bytes,
             plan.slab_bytes,
-            ["--tls-cert", str(cert), "--tls-key", str(key)],
+            ["--tls-cert", str(cert), "--tls-key", str(key), *plan.daemon_args],
         )
     )
     tls = stack.enter_context(contextlib.closing(connect(tls_daemon.grpc, "tcp", tls_ca=str(cert))))
@@ -215,7 +217,12 @@ def _verify_size(plan: Plan, tmp: Path, block: int, results: Results, progress: 
         ops: list[Op] = []
         for suffix, extra in daemons.items():
             d = stack.enter_context(
-                DaemonProc(tmp / f"kvtierd-verify{suffix}-{block}", plan.host_bytes, plan.slab_bytes, extra)
+                DaemonProc(
+                    tmp / f"kvtierd-verify{suffix}-{block}",
+                    plan.host_bytes,
+                    plan.slab_bytes,
+                    [*extra, *plan.daemon_args],
+                )
             )
             for transport, address in (("shm", d.unix), ("tcp", d.grpc)):
                 if suffix == "_daemon" and transport == "tcp":

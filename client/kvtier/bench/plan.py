@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,10 @@ class Plan:
     """Parent directory of the NVMe suite's tier and raw files (default: the system temp dir)."""
     recovery_blocks: int = 10_000
     """NVMe suite: blocks stored before each restart of the recovery figures."""
+    daemon_args: tuple[str, ...] = ()
+    """More ``kvtierd serve`` arguments for every daemon of the shm, tcp, tls, verify and lookup
+    suites (``--daemon-args``, e.g. ``--eviction-policy prefix``): one setting held against
+    another, each in a run of its own."""
 
     @property
     def indicative(self) -> bool:
@@ -84,6 +89,7 @@ class Plan:
             json_out=args.json_out,
             lookup_clients=max(1, args.lookup_clients),
             disk_dir=getattr(args, "disk_dir", None),
+            daemon_args=tuple(shlex.split(getattr(args, "daemon_args", None) or "")),
         )
         if suite == "quick":
             return cls(

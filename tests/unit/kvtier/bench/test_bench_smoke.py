@@ -408,3 +408,21 @@ def test_redis_baseline_uses_hiredis_and_fresh_keys_per_sample(tmp_path: Path) -
             get.run()
         assert get.check is not None
         get.check()
+
+
+def test_daemon_args_reach_every_daemon_the_suite_starts(tmp_path: Path) -> None:
+    """``--daemon-args``: one string, split as a shell would, given to the suite's daemons (a
+    setting the daemon refuses makes the run fail naming it; none given: no extra argument)."""
+    plan = Plan.from_args(_bench_args("shm", "--daemon-args", "--eviction-policy prefix"))
+    assert plan.daemon_args == ("--eviction-policy", "prefix")
+    assert Plan.from_args(_bench_args("shm")).daemon_args == ()
+    run = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "quick", "--no-progress", "--no-redis"]
+        + ["--daemon-args", "--eviction-policy nope"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "kvtierd did not start" in run.stderr and "eviction" in run.stderr, run.stderr
