@@ -360,10 +360,11 @@ class EventPublisher:
                 self.events_published += len(encoded)
                 self.batches_published += 1
             if beat and now - st.sent_at >= beat and st.seq:
-                # the last seq again, no events: a subscriber behind it sees the gap now
+                # the last seq again, no events: a subscriber behind it sees the gap now (counted
+                # first: one who received it reads a count that holds it)
+                self.heartbeats += 1
                 st.pub.send_multipart((topic, SEQ.pack(st.seq - 1), batch_payload(time.time(), ())))
                 st.sent_at = now
-                self.heartbeats += 1
 
     def _serve_replays(self) -> None:
         """Answer waiting replay requests (at most 64 a socket a turn): the buffered messages

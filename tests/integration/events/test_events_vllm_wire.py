@@ -30,32 +30,39 @@ VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / 
 TOKEN = "tok-wire-1"
 
 
-def with_replayed(ctx: Any, endpoint: str, live: list[list[bytes]]) -> list[list[bytes]]:
+def with_replayed(ctx: Any, endpoint: str, live: list[list[bytes]], wait_s: float = 60) -> list[list[bytes]]:
     """``live`` [topic, seq, payload] messages with every message the replay endpoint still holds
-    added, ordered by seq: a replay from seq 0, asked again past each bounded answer. A seq's
-    first live message stands (an idle stream's heartbeat repeats the last seq with no events),
-    and a replayed one replaces it (the buffer holds the real message, never a heartbeat)."""
+    added, ordered by seq: a replay from seq 0, asked again past each bounded answer until one
+    holds nothing (its end marker alone). An idle stream's heartbeat (the last seq again, no
+    events) is not a message of its own and is left out; a replayed message replaces a live one.
+    An answer that does not come within ``wait_s`` (a loaded box) fails the test, never ends the
+    replay early: a seq missed live and not asked for again would be lost."""
     have: dict[int, list[bytes]] = {}
     for m in live:
-        have.setdefault(int.from_bytes(m[1], "big"), m)
+        if msgpack.unpackb(m[2], raw=False)[1]:
+            have.setdefault(int.from_bytes(m[1], "big"), m)
     start = 0
     while True:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
         sock.send_multipart([b"", start.to_bytes(8, "big")])
-        got = []
+        got, ended = [], False
         try:
-            while sock.poll(5000):
+            while sock.poll(int(wait_s * 1000)):
                 frames = sock.recv_multipart()  # [b"", topic, seq, payload]; the end: no topic
                 if not frames[1]:
+                    ended = True
                     break
                 got.append(frames)
         finally:
             sock.close(0)
+        assert ended, f"no end marker from the replay endpoint in {wait_s} s (asked from {start})"
         for _empty, topic, seq, payload in got:
             have[int.from_bytes(seq, "big")] = [topic, seq, payload]
         if not got:
-            return [have[s] for s in sorted(have)]
+            seqs = sorted(have)
+            assert seqs == list(range(seqs[0], seqs[-1] + 1)), "a message neither live nor replayed"
+            return [have[s] for s in seqs]
         start = int.from_bytes(got[-1][2], "big") + 1
 
 
