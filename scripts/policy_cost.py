@@ -1,8 +1,9 @@
 """What an eviction policy costs the daemon: memory and CPU per block (docs/benchmarks.md §25.3).
 
 For each policy (``lru``, ``prefix``; ``--policies``) a fresh daemon with a host tier of
-``--host-mib`` and small blocks (1 KiB: 16 tokens x 1 layer x 1 head x 16 dim x bf16, so the
-index and the policy, not the bytes, dominate) takes the same work from one shm client:
+``--host-mib`` (default: room for every block, each 1 KiB block in a 4 KiB slot) and small
+blocks (1 KiB: 16 tokens x 1 layer x 1 head x 16 dim x bf16, so the index and the policy, not
+the bytes, dominate) takes the same work from one shm client:
 
 * **fill**: chains of ``--chain`` blocks (keys chained as an engine's are, each put's first
   block naming its parent), stored in puts of 256 until the tier holds ``--blocks``; reported:
@@ -49,7 +50,7 @@ def chains(h: kvtier.NamespaceHandle, first: int, blocks: int, chain: int) -> li
     """Keys of ``blocks`` blocks in chains of ``chain``, numbered from ``first`` (distinct)."""
     out = []
     for c in range(first, first + blocks // chain):
-        out.append(h.block_keys([c * 1_000_003 + t for t in range(chain * 16)]))
+        out.append(h.block_keys([c, *range(1, chain * 16)]))  # a distinct head: a distinct chain
     return out
 
 
@@ -110,7 +111,7 @@ def main() -> None:
     ap.add_argument("--host-mib", type=int, default=0, help="host tier (default: room for --blocks)")
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
-    host_mib = a.host_mib or max(64, (a.blocks * 1024 * 11 // 10) >> 20)
+    host_mib = a.host_mib or max(64, (a.blocks * 4096 * 11 // 10) >> 20)  # 4 KiB slots
     out: dict[str, list[dict[str, float]]] = {}
     for _ in range(a.rounds):
         for policy in a.policies.split(","):
