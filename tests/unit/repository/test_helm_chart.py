@@ -19,7 +19,7 @@ import stat
 import subprocess
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
@@ -40,6 +40,8 @@ from helm_chart import (
 from kvtier_contract.units import parse_bytes
 from kvtier_contract.version import __version__
 from kvtierd.app import SERVICE_NAME
+from kvtierd.config import DaemonConfig
+from kvtierd.policies import PolicyName
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenancy.tenancy import QUOTA_NAMES
 from kvtierd.tenants import load_tenants, token_digest
@@ -564,3 +566,16 @@ def test_sizes_may_be_numbers_in_values_files(tmp_path: Path) -> None:
     values.write_text("mode: sidecar\ndaemon:\n  hostBytes: 17179869184\n")
     cfg = serve_config(render(values))
     assert cfg.host_tier.host_bytes == 16 << 30
+
+
+@pytest.mark.parametrize("policy", get_args(PolicyName))
+def test_every_eviction_policy_kvtierd_takes_the_chart_takes(policy: str) -> None:
+    """``daemon.evictionPolicy``: the schema takes exactly kvtierd's policies, and the chart's
+    default is kvtierd's (an operator who leaves it out gets what the docs say)."""
+    cfg = serve_config(render(sets=(*least("sidecar"), f"daemon.evictionPolicy={policy}")))
+    assert cfg.host_tier.eviction_policy == policy
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    policies = schema["properties"]["daemon"]["properties"]["evictionPolicy"]["enum"]
+    assert sorted(policies) == sorted(get_args(PolicyName))
+    default = serve_config(rendered("sidecar", "defaults")).host_tier.eviction_policy
+    assert default == DaemonConfig().host_tier.eviction_policy
