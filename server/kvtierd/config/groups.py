@@ -49,9 +49,9 @@ class HostTierConfig:
     """Arena unit handed to a size class; the largest block a namespace may have."""
     slot_align_bytes: int = 4096
     """Every slot starts on this alignment (page-aligned for GPU registration and O_DIRECT)."""
-    eviction_policy: PolicyName = "lru"
-    """Host-tier eviction order: "lru", "arc" or "prefix" (LRU that keeps key chains whole: a
-    chain's tail goes before its head, orphaned blocks first). The NVMe tier evicts copies
+    eviction_policy: PolicyName = "prefix"
+    """Host-tier eviction order: "prefix" (LRU that keeps key chains whole: a chain's tail goes
+    before its head, orphaned blocks first), "lru" or "arc". The NVMe tier evicts copies
     prefix-aware with "prefix", by LRU otherwise."""
     prefault: bool = True
     """Allocate the arena's pages at start (fallocate) so that the first copies do not fault."""

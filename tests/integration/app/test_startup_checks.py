@@ -141,12 +141,12 @@ def test_the_ready_line_names_every_tier(tmp_path: Path) -> None:
             "bytes": 8 << 20,
             "shared_arena_bytes": 8 << 20,
             "tenant_arenas": 0,
-            "eviction_policy": "lru",
+            "eviction_policy": "prefix",
         },
         "nvme": None,
         "cluster": None,
     }
-    assert "host 8.0 MiB (lru); nvme off; cluster off" in logged, logged
+    assert "host 8.0 MiB (prefix); nvme off; cluster off" in logged, logged
 
     disk = tmp_path / "nvme"
     info, logged = ready(tmp_path / "b", "--disk-dir", str(disk), "--disk-bytes", "16MiB")

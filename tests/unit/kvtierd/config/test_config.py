@@ -18,7 +18,7 @@ GIB, MIB = 1 << 30, 1 << 20
 def test_the_embedded_default_is_valid() -> None:
     cfg = DaemonConfig()
     assert cfg.host_tier.host_bytes == GIB and cfg.host_tier.slab_bytes == 64 * MIB
-    assert cfg.host_tier.eviction_policy == "lru"
+    assert cfg.host_tier.eviction_policy == "prefix"
     assert cfg.shm_socket_path == "run/kvtier.sock.shm"
     assert load_config(None) == cfg
 
@@ -116,10 +116,10 @@ def test_good_edge_values_are_accepted() -> None:
     assert cfg.sessions.lease_ttl_s == 5 and cfg.host_tier.slab_bytes == 4096
 
 
-def test_prefix_eviction_is_opt_in_and_names_its_field_when_misspelt() -> None:
-    assert DaemonConfig().host_tier.eviction_policy == "lru"  # the default until measured
-    cfg = with_overrides(DaemonConfig(), eviction_policy="prefix")
-    assert cfg.host_tier.eviction_policy == "prefix"
+def test_prefix_eviction_is_the_default_and_names_its_field_when_misspelt() -> None:
+    assert DaemonConfig().host_tier.eviction_policy == "prefix"  # measured: docs/benchmarks.md §25
+    cfg = with_overrides(DaemonConfig(), eviction_policy="lru")
+    assert cfg.host_tier.eviction_policy == "lru"
     with pytest.raises(ValueError, match="^eviction_policy: .*'prefix'"):
         with_overrides(cfg, eviction_policy="prefixes")
 
@@ -313,7 +313,7 @@ def test_serve_help_shows_every_flags_default_from_daemon_config(capsys: pytest.
         "(default: allow_host_bytes_over_available = false)",
         "(default: 4KiB)",
         "(default: write-back)",
-        "--eviction-policy {lru,arc,prefix} host tier eviction order (default: lru)",
+        "--eviction-policy {lru,arc,prefix} host tier eviction order (default: prefix)",
         "(default: 10.0)",
     ):
         assert shown in text, shown
