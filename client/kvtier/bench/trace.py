@@ -116,18 +116,20 @@ def format_reports(
             f"  {name}: {len(trace)} requests, {blocks} distinct blocks "
             f"({format_bytes(blocks * settings.block_bytes)})"
         )
+    tw = max([_COLUMNS[0][2], *(len(r.trace) + 2 for r in reports)])  # a file's name may be long
+    columns = (("trace", "trace", tw), *_COLUMNS[1:])
     lines.append(
-        "".join(f"{head:>{w}}" if i > 1 else f"{head:<{w}}" for i, (head, _f, w) in enumerate(_COLUMNS))
+        "".join(f"{head:>{w}}" if i > 1 else f"{head:<{w}}" for i, (head, _f, w) in enumerate(columns))
     )
     for r in reports:
         if r.status != "ok":
-            lines.append(f"{r.trace:<14}{r.policy:<8}  unavailable: {r.reason}")
+            lines.append(f"{r.trace:<{tw}}{r.policy:<8}  unavailable: {r.reason}")
             continue
         row = {**asdict(r), "seconds": f"{r.seconds:.2f}"}
         lines.append(
             "".join(
                 f"{row[f]:<{w}}" if i <= 1 else f"{row[f]:>{w}}" if f == "seconds" else f"{row[f]:>{w},}"
-                for i, (_h, f, w) in enumerate(_COLUMNS)
+                for i, (_h, f, w) in enumerate(columns)
             )
         )
     for name, ratio in ratios(reports).items():

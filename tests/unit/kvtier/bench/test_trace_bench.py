@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.routing import run_routed
+from kvtier.bench.replay import ReplayReport
 from kvtier.bench.trace import TraceSettings, bench_trace, format_reports, format_routed, ratios, run_replay
 from kvtier.bench.traces import TRACE_KINDS, dump_jsonl, load_jsonl, parents, synthesize
 from kvtier.cli import build_parser
@@ -70,6 +71,18 @@ def test_a_tiny_replay_adds_up(tmp_path: Path) -> None:
     assert 0 <= report.orphaned_blocks <= report.held_blocks < report.stored_blocks
     table = format_reports(TINY, {"conversation": trace}, [report])
     assert "conversation  lru" in table and "prefix/lru" not in table
+
+
+def test_a_long_trace_name_keeps_its_columns() -> None:
+    """A file's stem names the trace (mooncake_conversation_trace: 27 characters): the table
+    widens its first column instead of running the name into the policy."""
+    name = "mooncake_conversation_trace"
+    trace = synthesize("conversation", 3, 0)
+    reports = [ReplayReport(trace=name, policy=p, requests=3) for p in ("lru", "prefix")]
+    reports.append(ReplayReport(trace=name, policy="nope", status="unavailable", reason="no"))
+    table = format_reports(TINY, {name: trace}, reports)
+    for policy in ("lru ", "prefix ", "nope      unavailable"):
+        assert f"\n{name}  {policy}" in table
 
 
 def test_a_policy_the_daemon_refuses_is_unavailable(tmp_path: Path) -> None:
