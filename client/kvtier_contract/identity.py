@@ -38,6 +38,7 @@ __all__ = [
     "KV_DTYPES",
     "MUTABLE_REVISIONS",
     "Namespace",
+    "block_key",
     "block_keys",
     "is_mutable_revision",
     "namespace_digest",
@@ -70,13 +71,14 @@ _Digest = Callable[[bytes], bytes]
 
 # One namespace field record: tag (u8), type (u8), value length (u32le). Then the value bytes.
 _FIELD_HEADER = struct.Struct("<BBI")
-_TYPE_ABSENT, _TYPE_STR, _TYPE_INT = 0, 1, 2
+_TYPE_ABSENT, _TYPE_STR, _TYPE_INT, _TYPE_GROUP = 0, 1, 2, 3
 _I64 = struct.Struct("<q")  # integer field value
 _U32 = struct.Struct("<I")  # extra length prefix
 
 _REQUIRED_STR = ("model_id", "model_revision", "tokenizer_digest", "kv_dtype", "layout")
 _POSITIVE_INT = ("tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "tp_size", "pp_size")
-_OPTIONAL_STR = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
+_OPTIONAL_STR = ("adapter_id", "adapter_revision", "cache_salt", "tenant", "group")
+_HASHED_FIELDS = 17  # records 1..17; ``group`` is record 17 with its own type (``_TYPE_GROUP``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +86,9 @@ class Namespace:
     """Everything that makes KV bytes interchangeable between two engines.
 
     Immutable and validated once in ``__post_init__``; two namespaces with equal fields have
-    equal ``digest``. Field order is part of the hashing spec (tags 1..17 in declaration order):
-    never reorder, insert or remove a field without a new domain tag (``kvtier/ns/v2``).
+    equal ``digest``. Field order is part of the hashing spec (tags 1..17 in declaration order,
+    ``group`` sharing tag 17 with ``tenant`` under its own type): never reorder, insert or remove
+    a field without a new domain tag (``kvtier/ns/v2``).
     """
 
     model_id: str
@@ -123,6 +126,10 @@ class Namespace:
     """Opaque salt that isolates otherwise identical namespaces, or None."""
     tenant: str | None = None
     """Tenant name, or None for a single-tenant deployment."""
+    group: str | None = None
+    """Group of tenants that owns this namespace (a shared scope: docs/hashing.md §7), or None;
+    never together with ``tenant``. Not a 18th record: it is hashed as record 17 of type 3
+    (``group``), so every namespace without a group keeps its digest."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +159,8 @@ class Namespace:
             _fail("tp_rank", f"must be in [0, tp_size={self.tp_size})")
         if self.pp_rank >= self.pp_size:
             _fail("pp_rank", f"must be in [0, pp_size={self.pp_size})")
+        if self.tenant is not None and self.group is not None:
+            _fail("group", "a namespace belongs to a tenant or to a group, not both")
         if (self.adapter_id is None) != (self.adapter_revision is None):
             missing = "adapter_revision" if self.adapter_revision is None else "adapter_id"
             _fail(missing, "adapter_id and adapter_revision must be given together")
@@ -178,8 +187,12 @@ class Namespace:
         return int.from_bytes(self.digest[:8], "little") & (2**63 - 1)
 
     def to_dict(self) -> dict[str, str | int | None]:
-        """All 17 fields by name, in declaration order (JSON-ready)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The 17 hashed fields by name, in declaration order (JSON-ready), and ``group`` only
+        when set (so a reader that predates groups reads every namespace without one)."""
+        d: dict[str, str | int | None] = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.group is None:
+            del d["group"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Namespace:
@@ -256,11 +269,17 @@ def _encode_field(tag: int, value: str | int | None) -> bytes:
 def namespace_digest(ns: Namespace) -> bytes:
     """SHA-256 of ``b"kvtier/ns/v1"`` then every field as (tag, type, u32le length, value).
 
-    Tags are 1..17 in declaration order; see ``docs/hashing.md``. Returns 32 bytes.
+    Tags are 1..17 in declaration order; a ``group`` is record 17 (``tenant``'s tag) of type 3.
+    See ``docs/hashing.md``. Returns 32 bytes.
     """
     h = hashlib.sha256(_NS_DOMAIN)
-    for tag, f in enumerate(fields(ns), start=1):
+    for tag, f in enumerate(fields(ns)[: _HASHED_FIELDS - 1], start=1):
         h.update(_encode_field(tag, getattr(ns, f.name)))
+    if ns.group is None:
+        h.update(_encode_field(_HASHED_FIELDS, ns.tenant))
+    else:
+        raw = ns.group.encode("utf-8")
+        h.update(_FIELD_HEADER.pack(_HASHED_FIELDS, _TYPE_GROUP, len(raw)) + raw)
     return h.digest()
 
 
@@ -301,6 +320,25 @@ def block_keys(
         prev = digest(b"".join((prefix, prev, packed, suffix)))
         keys.append(prev)
     return keys
+
+
+def block_key(
+    namespace_digest: bytes,
+    parent: bytes | None,
+    block_tokens: Sequence[int],
+    *,
+    extra: bytes = b"",
+    record: bytes = b"",
+    tenant_key: bytes | None = None,
+) -> bytes:
+    """The key of one full block (its tokens given), as :func:`block_keys` computes it, with
+    ``record`` hashed after ``u32le(len(extra)) ‖ extra`` (the boundary record of a salt region
+    inside the block, docs/hashing.md §7; empty: exactly ``block_keys``' key)."""
+    _check_bytes32("namespace_digest", namespace_digest)
+    (packed,) = _pack_blocks(_as_int_list(block_tokens), len(block_tokens), 1)
+    (suffix,) = _extra_suffixes([extra], 1)
+    prev = _ZERO_PARENT if parent is None else bytes(parent)
+    return _hash_fn(tenant_key)(b"".join((_BLOCK_DOMAIN, namespace_digest, prev, packed, suffix, record)))
 
 
 def _check_bytes32(name: str, value: object) -> None:

@@ -32,7 +32,7 @@ TRANSPORT_NAMES: dict[int, TransportName] = {
     pb.TRANSPORT_CUDA_IPC: "cuda_ipc",
 }
 
-_OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant")
+_OPTIONAL_SPEC = ("adapter_id", "adapter_revision", "cache_salt", "tenant", "group")
 _SPEC_FIELDS = tuple(f.name for f in pb.NamespaceSpec.DESCRIPTOR.fields)
 
 

@@ -122,11 +122,15 @@ REF_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "
 
 
 def ref_namespace_digest(fields: dict[str, Any]) -> bytes:
+    """docs/hashing.md §1, from scratch; a ``group`` (§7) is record 17 of type 3."""
     out = bytearray(b"kvtier/ns/v1")
     for tag, name, kind in REF_FIELDS:
         value = fields[name]
         out.append(tag)
-        if value is None:
+        if tag == 17 and fields.get("group") is not None:
+            raw = fields["group"].encode("utf-8")
+            out += bytes([3]) + len(raw).to_bytes(4, "little") + raw
+        elif value is None:
             assert kind == "str?"
             out += bytes([0]) + (0).to_bytes(4, "little")
         elif kind == "int":
@@ -281,6 +285,9 @@ def test_fresh_interpreters_agree(seed: str) -> None:
         ({"cache_salt": ""}, "cache_salt"),
         ({"tenant": " "}, "tenant"),
         ({"tenant": 7}, "tenant"),
+        ({"group": ""}, "group"),
+        ({"group": "g\x00"}, "group"),
+        ({"tenant": "t", "group": "g"}, "group"),  # a tenant's or a group's, never both
     ],
 )
 def test_invalid_namespace_names_its_field(overrides: dict[str, Any], field: str) -> None:
@@ -336,10 +343,27 @@ def test_adapter_x_salt_x_and_tenant_x_differ() -> None:
         ns(adapter_id="x", adapter_revision="x").digest,
         ns(cache_salt="x").digest,
         ns(tenant="x").digest,
+        ns(group="x").digest,  # record 17 of type 3: never a tenant's namespace of that name
         ns(cache_salt="xx").digest,
         ns().digest,
     }
-    assert len(digests) == 5
+    assert len(digests) == 6
+
+
+def test_a_group_is_record_17_of_type_3() -> None:
+    """Not an 18th record: every namespace without a group keeps its digest (the golden
+    vectors), and the group's bytes sit where the tenant's would, typed apart."""
+    assert ref_namespace_digest(ns().to_dict()) == ns().digest
+    assert ref_namespace_digest(ns(group="x").to_dict()) == ns(group="x").digest
+    assert ns(group="x").digest != ns(tenant="x").digest
+
+
+def test_group_round_trips_and_is_left_out_when_absent() -> None:
+    g = ns(group="acme-shared")
+    assert g.to_dict()["group"] == "acme-shared"
+    assert Namespace.from_dict(g.to_dict()) == g
+    assert "group" not in ns().to_dict()  # a reader that predates groups reads it
+    assert len(ns().to_dict()) == 17
 
 
 CHANGES: dict[str, Any] = {
@@ -360,6 +384,7 @@ CHANGES: dict[str, Any] = {
     "adapter_revision": "v2",
     "cache_salt": "s",
     "tenant": "t",
+    "group": "g",
 }
 
 
