@@ -58,8 +58,9 @@ class NamespaceHandle:
     def take_tenant(self, tenant: str) -> None:
         """The namespace, when it names no tenant, takes ``tenant``: the tenant the client's
         credential proved (``OpenSessionReply.tenant``), given by the session before it registers
-        the namespace; the id and the block keys are then those of the tenant's namespace."""
-        if self.namespace.tenant is None and tenant:
+        the namespace; the id and the block keys are then those of the tenant's namespace. A
+        group's namespace (``Namespace.group``) stays the group's."""
+        if self.namespace.tenant is None and self.namespace.group is None and tenant:
             self.namespace = replace(self.namespace, tenant=tenant)
             self.namespace_id = self.namespace.namespace_id
 

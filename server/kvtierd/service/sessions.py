@@ -56,7 +56,15 @@ class SessionHandlers:
 
     def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
         """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
-        two tenants never share a namespace, nor its blocks), within its quota."""
+        two tenants never share a namespace, nor its blocks), within its quota. A group's
+        namespace (``spec.group``, docs/hashing.md §7) needs the group's membership, which no
+        tenants file grants yet: refused for every caller."""
+        if spec.group is not None:
+            raise PermissionDenied(
+                f"{spec.group!r} is not a group of this credential's tenant "
+                "(this daemon's tenants file names no groups)",
+                field="spec.group",
+            )
         if spec.tenant is None:
             raise InvalidArgument(
                 "required: this daemon has tenants (set it to your tenant's name)", field="spec.tenant"

@@ -202,6 +202,8 @@ def test_a_tenant_registers_only_namespaces_naming_it(tenants: DaemonProcess, ra
     for spec, code, field in (
         (ns_of("team-a"), grpc.StatusCode.PERMISSION_DENIED, "spec.tenant"),
         (make_namespace(), grpc.StatusCode.INVALID_ARGUMENT, "spec.tenant"),
+        (make_namespace(group="team-b"), grpc.StatusCode.PERMISSION_DENIED, "spec.group"),
+        (make_namespace(group="shared"), grpc.StatusCode.PERMISSION_DENIED, "spec.group"),
     ):
         fields = {k: v for k, v in spec.to_dict().items() if v is not None}
         got, details = b.code(
@@ -211,6 +213,8 @@ def test_a_tenant_registers_only_namespaces_naming_it(tenants: DaemonProcess, ra
         assert got == code and details.startswith(f"{field}: "), details
     with client(tenants, "ops") as ops:  # the operator may register any tenant's
         assert ops.register(ns_of("team-a")).namespace_id
+        with pytest.raises(errors.PermissionDenied, match="spec.group"):  # but no group's yet
+            ops.register(make_namespace(group="shared"))
 
 
 def test_a_hog_at_every_quota_never_fails_another_tenant(tenants: DaemonProcess, raw: Any) -> None:
@@ -703,3 +707,22 @@ def test_unix_login_is_refused_without_tenants_and_with_a_token(daemon: DaemonPr
     assert e.value.field == "unix_login"
     with pytest.raises(errors.InvalidArgument):
         kvtier.Client.connect(daemon.grpc, transport="tcp", unix_login=True)
+
+
+def test_a_single_tenant_daemon_takes_a_groups_namespace_as_any_other(daemon: DaemonProcess) -> None:
+    """Without tenants nobody is kept apart, so a group's namespace (docs/hashing.md §7) is one
+    more namespace: the SDK sends ``group`` and the daemon's digest of it agrees."""
+    from kvtier_contract.scopes import Region, scoped_block_keys
+
+    group, mine = make_namespace(group="shared"), make_namespace()
+    tokens = list(range(64))  # 4 blocks: 2 shared, 2 private
+    keys = scoped_block_keys([Region(0, group), Region(32, mine)], tokens)
+    with kvtier.Client.connect(daemon.unix) as c:
+        g, m = c.register(group), c.register(mine)
+        assert g.namespace_id != m.namespace_id
+        block = b"\x07" * g.block_bytes
+        assert g.put(keys[:2], [block] * 2).stored == 2
+        assert m.put(keys[2:], [block] * 2, parent=keys[1]).stored == 2
+        assert g.lookup(keys[:2]) == 2 and m.lookup(keys[2:]) == 2
+        assert g.lookup(keys[2:]) == 0  # a tenant's blocks are not the group's
+        assert [bytes(b) for b in g.get(keys[:2]) if b is not None] == [block] * 2

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.routing import run_routed
 from kvtier.bench.replay import ReplayReport
+from kvtier.bench.routing import run_routed
 from kvtier.bench.trace import TraceSettings, bench_trace, format_reports, format_routed, ratios, run_replay
 from kvtier.bench.traces import TRACE_KINDS, dump_jsonl, load_jsonl, parents, synthesize
 from kvtier.cli import build_parser
