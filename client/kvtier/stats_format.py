@@ -66,7 +66,8 @@ def _salt(shown: str | None) -> str | None:
 def stats_json(stats: dict[str, Any]) -> dict[str, Any]:
     """The Stats reply as ``--json`` prints it: every field of the reply, with each namespace's
     ``spec`` (its identity, kvtier_contract.identity.Namespace's 17 fields, the cache salt as
-    its tag) holding null for an optional field left unset rather than the wire's empty string."""
+    its tag) holding null for an optional field left unset rather than the wire's empty string,
+    and ``group`` only for a group's namespace (as ``Namespace.to_dict``)."""
     out = dict(stats)
     out["namespaces"] = []
     for ns in stats["namespaces"]:
@@ -74,6 +75,8 @@ def stats_json(stats: dict[str, Any]) -> dict[str, Any]:
         for key in _OPTIONAL_IDENTITY:
             spec[key] = spec.get(key) or None
         spec["cache_salt"] = _salt(spec["cache_salt"])
+        if not spec.get("group"):
+            spec.pop("group", None)
         out["namespaces"].append({**ns, "spec": spec})
     return out
 
@@ -101,7 +104,8 @@ def _identity_lines(namespaces: list[dict[str, Any]]) -> list[str]:
             f"{sp.get('num_kv_heads', '?')}  head dim {sp.get('head_dim', '?')}",
             f"    tp rank {sp.get('tp_rank', 0)}/{sp.get('tp_size', 1)}  pp rank "
             f"{sp.get('pp_rank', 0)}/{sp.get('pp_size', 1)}  adapter {adapter}  cache salt "
-            f"{_salt(sp.get('cache_salt')) or '-'}  identity tenant {opt['tenant']}",
+            f"{_salt(sp.get('cache_salt')) or '-'}  identity "
+            + (f"group {sp['group']}" if sp.get("group") else f"tenant {opt['tenant']}"),
         ]
     return lines
 

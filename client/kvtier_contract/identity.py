@@ -166,6 +166,11 @@ class Namespace:
             _fail(missing, "adapter_id and adapter_revision must be given together")
 
     @property
+    def owner(self) -> str | None:
+        """Whose blocks these are: the tenant, else the group, else None (single-tenant)."""
+        return self.tenant if self.group is None else self.group
+
+    @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token in this slice: 2 (K, V) x layers x heads x head_dim x itemsize."""
         itemsize = KV_DTYPES[self.kv_dtype]
@@ -189,10 +194,8 @@ class Namespace:
     def to_dict(self) -> dict[str, str | int | None]:
         """The 17 hashed fields by name, in declaration order (JSON-ready), and ``group`` only
         when set (so a reader that predates groups reads every namespace without one)."""
-        d: dict[str, str | int | None] = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.group is None:
-            del d["group"]
-        return d
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in d.items() if k != "group" or v is not None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Namespace:
@@ -275,11 +278,10 @@ def namespace_digest(ns: Namespace) -> bytes:
     h = hashlib.sha256(_NS_DOMAIN)
     for tag, f in enumerate(fields(ns)[: _HASHED_FIELDS - 1], start=1):
         h.update(_encode_field(tag, getattr(ns, f.name)))
-    if ns.group is None:
-        h.update(_encode_field(_HASHED_FIELDS, ns.tenant))
-    else:
-        raw = ns.group.encode("utf-8")
-        h.update(_FIELD_HEADER.pack(_HASHED_FIELDS, _TYPE_GROUP, len(raw)) + raw)
+    record = _encode_field(_HASHED_FIELDS, ns.tenant if ns.group is None else ns.group)
+    if ns.group is not None:  # the same record, typed a group's
+        record = record[:1] + bytes([_TYPE_GROUP]) + record[2:]
+    h.update(record)
     return h.digest()
 
 

@@ -360,7 +360,7 @@ def _check_files(cfg: DaemonConfig) -> None:
     check_tls_files(cfg)  # a key that is not the certificate's: named here, not "cannot bind"
     if cfg.tenancy.tenants_file:
         from kvtierd.tenancy.exposure import check_metrics_exposure
-        from kvtierd.tenants import load_tenants
+        from kvtierd.tenants_file import load_tenants
 
         tenants = load_tenants(cfg.tenancy.tenants_file)  # refused here, with the field, not at start
         check_metrics_exposure(cfg, len(tenants.metrics_digests))

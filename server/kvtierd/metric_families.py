@@ -133,14 +133,20 @@ def _tenant_families(tenants: list[dict[str, Any]]) -> Iterator[Any]:
         "Requests refused (RESOURCE_EXHAUSTED) because a tenant's quota was reached",
         labels=["tenant", "quota"],
     )
+    group_refused = CounterMetricFamily(
+        "kvtier_group_stores_refused",
+        "Stores refused (PERMISSION_DENIED) into a group's namespace the tenant reads, not publishes",
+        labels=["tenant"],
+    )
     for t in tenants:
         sessions.add_metric([t["name"]], t["sessions"])
+        group_refused.add_metric([t["name"]], t.get("group_stores_refused", 0))
         namespaces.add_metric([t["name"]], t["namespaces"])
         for q in t["quotas"]:
             if q["limited"]:
                 limit.add_metric([t["name"], q["name"]], q["limit"])
             refused.add_metric([t["name"], q["name"]], q["refusals"])
-    yield from (sessions, namespaces, limit, refused)
+    yield from (sessions, namespaces, limit, refused, group_refused)
 
 
 def _host_families(snap: Snapshot) -> Iterator[Any]:

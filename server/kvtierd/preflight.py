@@ -33,7 +33,8 @@ from pathlib import Path
 
 from kvtier_contract.units import format_bytes
 from kvtierd.config import DaemonConfig
-from kvtierd.tenants import Tenants, load_tenants
+from kvtierd.tenants import Tenants
+from kvtierd.tenants_file import load_tenants
 from kvtierd.tiers.nvme.format import parse_data_file_name
 from kvtierd.tiers.nvme.journal import DEFAULT_JOURNAL_BYTES, parse_journal_name
 from kvtierd.tiers.nvme.tier import NvmeConfig

@@ -1,44 +1,6 @@
 """Tenants: who a caller is, from credentials only, and what each tenant may hold.
 
-A tenants file (TOML; config as data; re-read on SIGHUP) names every tenant (docs/security.md)::
-
-    [[tenant]]
-    name = "team-a"
-    tokens_sha256 = ["<64 hex: sha256 of a bearer token>", ...]   # several: rotation
-    unix_uids = [1000]          # shm handshakes only from these uids/gids ([] = any)
-    unix_gids = []
-    unix_login = false          # true: a Unix peer with one of these uids/gids is this tenant
-                                # without a token (it logs in on the shm socket: SO_PEERCRED)
-    mtls_names = ["team-a.kvtier"]   # client certificates (CN or DNS name) that are this tenant
-    operator = false            # an operator sees and may act on every tenant's namespaces
-    transports = ["tcp"]        # transports its sessions may use (default: all)
-    arena_bytes = "8GiB"        # a tenant allowed shm or cuda_ipc gets a host arena of its
-                                # own, the only memory its engines map (default: its
-                                # host_bytes quota, else the daemon's tenant_arena_bytes);
-                                # tcp-only tenants live in the shared arena, mapped by no one
-    max_lease_s = 30.0          # longest lease its sessions get (default: the daemon's
-                                # max_lease_ttl_s): how long a dead engine's pins can linger
-    [tenant.quotas]             # absent: the daemon's default, a fair share (docs/security.md)
-    sessions = 64
-    namespaces = 16
-    open_jobs = 256             # store and load jobs (pinned lookups included) of all sessions
-    session_open_jobs = 64      # ... of one session
-    host_bytes = "8GiB"         # its resident blocks in the host tier (over it: its own
-                                # coldest blocks are evicted first)
-    pinned_bytes = "2GiB"       # blocks held by its open loads and pinned lookups
-    nvme_bytes = "100GiB"       # its blocks in the NVMe tier (over it: its own coldest copies
-                                # there are evicted first, else the block is not written down)
-    buffered_bytes = "32MiB"    # control frames received and not yet answered, replies unread
-    control_channels = 64       # open control channels, all its sessions
-
-and, at the top (before the first ``[[tenant]]``), the scrape-only tokens::
-
-    metrics_tokens_sha256 = ["<64 hex>", ...]   # /metrics only (several: rotation)
-
-A scrape token is no tenant's: /metrics answers it with every figure (what the operator's token
-sees, ``process_*`` included; never keys or bytes), and everything else (every gRPC call, so no
-session and no handshake) refuses it exactly like an unknown token. A digest is either a scrape
-token's or a tenant's, never both.
+The tenants file that names them is read by :mod:`kvtierd.tenants_file` (its format is there).
 
 A caller presents ``authorization: Bearer <token>`` metadata on every Kvtier RPC, or a client
 certificate verified by the TLS listener whose common name or a DNS name is in a tenant's
@@ -56,50 +18,17 @@ thread). Pure data otherwise.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import hmac
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from kvtier_contract import wire
-from kvtier_contract.units import parse_bytes
 from kvtierd.unix_logins import UnixLogins
 
-__all__ = ["MAPPING_TRANSPORTS", "Quotas", "Tenant", "Tenants", "UnixLogins", "load_tenants", "token_digest"]
+__all__ = ["MAPPING_TRANSPORTS", "TRANSPORTS", "Quotas", "Tenant", "Tenants", "UnixLogins", "token_digest"]
 
-_QUOTAS = (
-    "sessions",
-    "namespaces",
-    "open_jobs",
-    "session_open_jobs",
-    "host_bytes",
-    "pinned_bytes",
-    "nvme_bytes",
-    "buffered_bytes",
-    "control_channels",
-)
-_BYTE_QUOTAS = ("host_bytes", "pinned_bytes", "nvme_bytes", "buffered_bytes")
-_TENANT_KEYS = {
-    "name",
-    "tokens_sha256",
-    "unix_uids",
-    "unix_gids",
-    "operator",
-    "quotas",
-    "transports",
-    "mtls_names",
-    "max_lease_s",
-    "arena_bytes",
-    "unix_login",
-}
-MIN_BUFFERED_BYTES = wire.CONTROL_MAX_BYTES + wire.CALL.size
-"""The least ``buffered_bytes`` quota: one whole control frame."""
 MAPPING_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
 """Transports whose clients map host memory: their tenants get an arena of their own."""
-_TRANSPORTS = ("shm", "tcp", "cuda_ipc")
+TRANSPORTS = ("shm", "tcp", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -120,17 +49,27 @@ class Quotas:
 
 @dataclass(frozen=True)
 class Tenant:
+    """A tenant of the file, or a **group** of its tenants (``group``: a ``[[group]]`` table).
+    A group owns namespaces (``Namespace.group``, docs/hashing.md §7) and is charged for their
+    blocks as a tenant is for its own, but it is no caller: it has no credential, no session
+    and no arena of its own (its blocks live in the shared arena, served over tcp). Its
+    ``members`` look its namespaces up and load their blocks; its ``publishers`` (members
+    too) are the only tenants that store into them."""
+
     name: str
     token_sha256: tuple[bytes, ...] = ()
     unix_uids: frozenset[int] = frozenset()
     unix_gids: frozenset[int] = frozenset()
     operator: bool = False
     quotas: Quotas = field(default_factory=Quotas)
-    transports: frozenset[str] = frozenset(_TRANSPORTS)
+    transports: frozenset[str] = frozenset(TRANSPORTS)
     mtls_names: frozenset[str] = frozenset()
     max_lease_s: float | None = None
     arena_bytes: int | None = None  # asked for in the file (see ``maps_memory``)
     unix_login: bool = False  # its unix_uids / unix_gids are a credential (UnixLogins)
+    group: bool = False
+    members: frozenset[str] = frozenset()  # a group's readers (its publishers among them)
+    publishers: frozenset[str] = frozenset()  # a group's writers
 
     @property
     def maps_memory(self) -> bool:
@@ -174,6 +113,20 @@ class Tenants:
     def __len__(self) -> int:
         return len(self.by_name)
 
+    def groups_of(self, tenant: str) -> frozenset[str]:
+        """The groups ``tenant`` is a member of."""
+        return frozenset(g.name for g in self.by_name.values() if g.group and tenant in g.members)
+
+    def reads(self, viewer: str | None, owner: str | None) -> bool:
+        """Whether tenant ``viewer`` is a member of group ``owner``."""
+        group = self.by_name.get(owner or "")
+        return group is not None and group.group and viewer in group.members
+
+    def writes(self, viewer: str | None, owner: str | None) -> bool:
+        """Whether tenant ``viewer`` is a publisher of group ``owner``."""
+        group = self.by_name.get(owner or "")
+        return group is not None and group.group and viewer in group.publishers
+
     def authenticate(self, token: str | None) -> Tenant | None:
         """The tenant whose token this is, or None."""
         if not token:
@@ -215,175 +168,3 @@ class Tenants:
 def token_digest(token: str) -> str:
     """What a tenants file holds for ``token`` (``kvtierd hash-token``)."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def load_tenants(path: str | Path) -> Tenants:
-    """Parse and validate a tenants file; ValueError naming the field at fault."""
-    p = Path(path)
-    try:
-        raw = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise ValueError(f"tenants_file: cannot read {p}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"tenants_file: {p} is not valid TOML: {e}") from None
-    _no_unknown(raw, {"tenant", "metrics_tokens_sha256"}, "tenants_file")
-    entries = raw.get("tenant", [])
-    if not isinstance(entries, list) or not entries:
-        raise ValueError("tenant: expected at least one [[tenant]] table")
-    seen_tokens: set[bytes] = set()
-    scrape = _digests(raw.get("metrics_tokens_sha256", []), "metrics_tokens_sha256", seen_tokens)
-    tenants: list[Tenant] = []
-    for i, entry in enumerate(entries):
-        tenants.append(_tenant(entry, f"tenant[{i}]", seen_tokens))
-    names = [t.name for t in tenants]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tenant: names must be unique, got {names}")
-    login_uids: dict[int, str] = {}
-    for i, t in enumerate(tenants):
-        for u in t.unix_uids if t.unix_login else ():
-            if u in login_uids:
-                raise ValueError(f"tenant[{i}].unix_uids: uid {u} already logs in as tenant {login_uids[u]}")
-            login_uids[u] = t.name
-    return Tenants(tenants, str(p), tuple(scrape))
-
-
-def _digests(raw: Any, where: str, seen: set[bytes]) -> list[bytes]:
-    """A list of token digests (64 hex digits each), none seen before (``seen`` grows)."""
-    if not isinstance(raw, list):
-        raise ValueError(f"{where}: expected a list of 64-hex-digit digests (`kvtierd hash-token`)")
-    digests: list[bytes] = []
-    for j, h in enumerate(raw):
-        try:
-            d = bytes.fromhex(h) if isinstance(h, str) else b""
-        except ValueError:
-            d = b""
-        if len(d) != 32:
-            raise ValueError(
-                f"{where}[{j}]: expected 64 hex digits (sha256 of the token: `kvtierd hash-token`)"
-            )
-        if d in seen:
-            raise ValueError(
-                f"{where}[{j}]: the same token twice (a token is one tenant's, or "
-                "a scrape token: metrics_tokens_sha256, never both)"
-            )
-        seen.add(d)
-        digests.append(d)
-    return digests
-
-
-def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
-    if not isinstance(entry, dict):
-        raise ValueError(f"{where}: expected a table")
-    if "metrics_tokens_sha256" in entry:
-        raise ValueError(
-            f"{where}.metrics_tokens_sha256: scrape tokens are no tenant's: write "
-            "the list at the top of the file, before the first [[tenant]]"
-        )
-    _no_unknown(entry, _TENANT_KEYS, where)
-    name = entry.get("name")
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
-    digests = _digests(entry.get("tokens_sha256", []), f"{where}.tokens_sha256", seen_tokens)
-    ids, operator, names, unix_login = _credentials(entry, where, digests)
-    transports, max_lease, arena = _allowances(entry, where)
-    return Tenant(
-        name,
-        tuple(digests),
-        ids["unix_uids"],
-        ids["unix_gids"],
-        operator,
-        _quotas(entry.get("quotas", {}), f"{where}.quotas"),
-        frozenset(transports),
-        frozenset(names),
-        None if max_lease is None else float(max_lease),
-        arena,
-        unix_login,
-    )
-
-
-def _credentials(
-    entry: dict[str, Any], where: str, digests: list[bytes]
-) -> tuple[dict[str, frozenset[int]], bool, list[str], bool]:
-    """How a tenant is known besides its token digests: its Unix peers, whether it is the
-    operator, its mTLS names, whether its Unix peers log in without a token; at least one."""
-    ids: dict[str, frozenset[int]] = {}
-    for key in ("unix_uids", "unix_gids"):
-        values = entry.get(key, [])
-        if not isinstance(values, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
-        ):
-            raise ValueError(f"{where}.{key}: expected a list of non-negative integers")
-        ids[key] = frozenset(values)
-    operator = entry.get("operator", False)
-    if not isinstance(operator, bool):
-        raise ValueError(f"{where}.operator: expected true or false")
-    names = entry.get("mtls_names", [])
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"{where}.mtls_names: expected a list of non-empty strings")
-    unix_login = entry.get("unix_login", False)
-    if not isinstance(unix_login, bool):
-        raise ValueError(f"{where}.unix_login: expected true or false")
-    if unix_login and not ids["unix_uids"] and not ids["unix_gids"]:
-        raise ValueError(
-            f"{where}.unix_login: needs unix_uids or unix_gids (the peers that log in as this tenant)"
-        )
-    if not digests and not names and not unix_login:
-        raise ValueError(
-            f"{where}.tokens_sha256: at least one token, mtls_names entry or "
-            "unix_login (a tenant is known only by its credential)"
-        )
-    return ids, operator, names, unix_login
-
-
-def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int | None]:
-    """What a tenant may use besides its quotas: its transports, its longest lease, the size
-    of its own arena (only for a tenant allowed shm or cuda_ipc)."""
-    transports = entry.get("transports", list(_TRANSPORTS))
-    if not isinstance(transports, list) or not transports or not all(t in _TRANSPORTS for t in transports):
-        raise ValueError(f"{where}.transports: expected a non-empty list of {', '.join(_TRANSPORTS)}")
-    max_lease = entry.get("max_lease_s")
-    if max_lease is not None and (
-        not isinstance(max_lease, (int, float)) or isinstance(max_lease, bool) or not 0 < max_lease <= 86400
-    ):
-        raise ValueError(f"{where}.max_lease_s: expected seconds in (0, 86400]")
-    arena = entry.get("arena_bytes")
-    if arena is not None:
-        arena = parse_bytes(arena, field=f"{where}.arena_bytes")
-        if arena <= 0:
-            raise ValueError(f"{where}.arena_bytes: expected a positive size")
-        if not MAPPING_TRANSPORTS & set(transports):
-            raise ValueError(
-                f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
-                "(a tcp-only tenant's blocks live in the shared arena)"
-            )
-    return transports, max_lease, arena
-
-
-def _no_unknown(table: dict[str, Any], known: set[str], where: str) -> None:
-    """ValueError naming ``table``'s unknown keys, each with the known key it was probably
-    meant to be (a misspelt quota must not pass for no quota)."""
-    unknown = sorted(set(table) - known)
-    if unknown:
-        guesses = [(k, difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.6)) for k in unknown]
-        said = ", ".join(f"{k!r} (did you mean {g[0]!r}?)" if g else repr(k) for k, g in guesses)
-        raise ValueError(f"{where}: unknown keys {said}")
-
-
-def _quotas(raw: Any, where: str) -> Quotas:
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a table")
-    _no_unknown(raw, set(_QUOTAS), where)
-    values: dict[str, int] = {}
-    for key, v in raw.items():
-        if key in _BYTE_QUOTAS:
-            v = parse_bytes(v, field=f"{where}.{key}")
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{where}.{key}: expected a non-negative integer")
-        if key == "buffered_bytes" and v < MIN_BUFFERED_BYTES:
-            raise ValueError(
-                f"{where}.{key}: at least one whole control frame "
-                f"({MIN_BUFFERED_BYTES} bytes: 4 MiB and its 9-byte head), or every "
-                "large call would close its channel"
-            )
-        values[key] = v
-    return Quotas(**values)

@@ -25,7 +25,8 @@ from kvtierd.policies import make_write_policy
 from kvtierd.preflight import StartupError, disk_refusal, nvme_config, tenant_arena_bytes
 from kvtierd.tenancy import Tenancy
 from kvtierd.tenancy.exposure import check_metrics_exposure
-from kvtierd.tenants import Tenants, load_tenants
+from kvtierd.tenants import Tenants
+from kvtierd.tenants_file import load_tenants
 from kvtierd.tiers import Arena, HostTier, Recovered
 from kvtierd.tiers.base import TierUnavailable
 from kvtierd.tiers.cluster.settings import ClusterSettings, Credentials, parse_url

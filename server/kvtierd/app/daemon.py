@@ -213,7 +213,7 @@ class Daemon:
         namespace's tenant: another tenant's namespace answers as an absent one)."""
         s = self.sessions.get(session_id)
         ns = self.cache.namespace(namespace_id)
-        if not self.tenancy.may_see(s.tenant, ns.spec.tenant):  # (the operator's may)
+        if not self.tenancy.may_see(s.tenant, ns.spec.owner):  # (the operator's, a member's may)
             raise NotFound(f"unknown namespace {namespace_id} (register it first)", field="namespace_id")
         return self.published.handout(ns)
 

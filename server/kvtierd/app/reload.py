@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvtierd.tenancy.exposure import metrics_scrape_only
-from kvtierd.tenants import load_tenants
+from kvtierd.tenants_file import load_tenants
 
 if TYPE_CHECKING:
     from kvtierd.app.build import TenantArenas

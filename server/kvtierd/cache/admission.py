@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from kvtier_contract.errors import ResourceExhausted
+from kvtier_contract.errors import PermissionDenied, ResourceExhausted
 from kvtierd.cache.jobs import JobTable, LoadJob, check_live
 from kvtierd.index import NamespaceState
 from kvtierd.sessions import Session
@@ -45,7 +45,9 @@ class Admission:
     is counted, and what a refusal leaves.
 
     * **sessions** and **namespaces** (``admit_session``, ``admit_namespace``): counted before
-      one is opened or registered (the open ones of the caller's tenant, plus this one).
+      one is opened or registered (the open ones of the caller's tenant, plus this one; a
+      group's namespaces against the group's quota).
+    * **stores into a group's namespace** (``admit_store_into``): its publishers' only.
     * **open jobs** (``admit_jobs``): per session (``session_open_jobs``) and per tenant
       (``open_jobs``), counted before a job is created (a store, a load, a pinned lookup), and
       for a store once more after it waited for room (others may have reserved meanwhile).
@@ -103,12 +105,29 @@ class Admission:
         if caller is not None:
             self.tenancy.check(caller, "sessions", len(self._of_tenant(caller.name)) + 1)
 
-    def admit_namespace(self, caller: Tenant | None, namespace_id: int, tenant: str | None) -> None:
-        """One more namespace of ``tenant`` (quota ``namespaces``), unless it is registered."""
+    def admit_namespace(self, caller: Tenant | None, namespace_id: int, owner: str | None) -> None:
+        """One more namespace of ``owner`` (quota ``namespaces``), unless it is registered: the
+        caller's quota, or the group's when ``owner`` is a group (its members register it)."""
         if caller is None or namespace_id in self._namespaces:
             return
-        held = sum(1 for ns in self._namespaces.values() if ns.spec.tenant == tenant)
-        self.tenancy.check(caller, "namespaces", 1 + held, f"tenant {tenant}")
+        held = sum(1 for ns in self._namespaces.values() if ns.spec.owner == owner)
+        group = self.tenancy.tenant(owner)
+        if group is not None and group.group:
+            self.tenancy.check(group, "namespaces", 1 + held, f"group {owner}")
+        else:
+            self.tenancy.check(caller, "namespaces", 1 + held, f"tenant {owner}")
+
+    def admit_store_into(self, caller: Tenant | None, ns: NamespaceState) -> None:
+        """A store of ``caller`` into ``ns``: a group's namespace takes only its publishers'
+        (and the operator's); a member's is refused (``PERMISSION_DENIED``) and counted."""
+        if caller is None or self.tenancy.may_store(caller.name, ns.spec.owner):
+            return
+        self.tenancy.count_group_store_refusal(caller.name)
+        raise PermissionDenied(
+            f"tenant {caller.name} reads group {ns.spec.owner!r} but does not publish it: "
+            "only its publishers store its blocks",
+            field="namespace_id",
+        )
 
     # -- jobs and pins ----------------------------------------------------------------------------
 
@@ -151,7 +170,7 @@ class Admission:
         """The ``host_bytes`` quota of ``ns``'s tenant (None: none, or single-tenant); for a
         namespace left in the shared arena by a tenant that got an arena of its own later, a
         tcp-only tenant's share of it."""
-        who = self.tenancy.tenant(ns.spec.tenant)
+        who = self.tenancy.tenant(ns.spec.owner)
         if who is None:
             return None
         quota = self.tenancy.quota(who, "host_bytes")
@@ -163,7 +182,7 @@ class Admission:
         return sum(
             (ns.counters.resident_blocks + ns.writing_blocks + ns.limbo_blocks) * ns.slot_bytes
             for ns in self._namespaces.values()
-            if ns.spec.tenant == tenant
+            if ns.spec.owner == tenant
         )
 
     @staticmethod
@@ -187,7 +206,7 @@ class Admission:
         """Bytes of ``tenant`` in the storage tier at ``level``: its copies (the tier's
         ``resident_column``) and those queued or being written."""
         held: int = sum(
-            getattr(n.counters, resident_column) for n in self._namespaces.values() if n.spec.tenant == tenant
+            getattr(n.counters, resident_column) for n in self._namespaces.values() if n.spec.owner == tenant
         )
         return self._nvme_claimed.get((level, tenant), 0) + held
 

@@ -175,7 +175,7 @@ class TieredCache:
             block_bytes,
             self.host.slot_bytes_for(block_bytes),
             last_used=self._clock(),
-            pool=self.arena_of(spec.tenant),
+            pool=self.arena_of(spec.owner),
         )
         self.namespaces[ns.id] = ns
         return ns
@@ -248,12 +248,14 @@ class TieredCache:
     ) -> tuple[StoreJob | None, bytes, list[int]]:
         """Per key RESERVED (entry WRITING) / ALREADY_PRESENT / REJECTED, each check once: the
         request (``token_ids``: all the keys' tokens or none; ``parent``: the key before
-        ``keys[0]`` or None; InvalidArgument naming ``token_ids`` / ``parent_key``) and the
-        caller's job quotas first, before anything is evicted for it; with a chain, the room
-        made (``Stores.make_room``: it may wait on NVMe), then the session and the job quotas
-        again (the wait may have outlived the lease, other stores may have reserved); then the
-        tenant's host bytes (``Stores.fit``) and the reservation, with no await between."""
+        ``keys[0]`` or None; InvalidArgument naming ``token_ids`` / ``parent_key``), the caller's
+        right to store into ``ns`` (a group's: its publishers) and its job quotas first, before
+        anything is evicted for it; with a chain, the room made (``Stores.make_room``: it may
+        wait on NVMe), then the session and the job quotas again (the wait may have outlived
+        the lease, other stores may have reserved); then the owner's host bytes
+        (``Stores.fit``) and the reservation, with no await between."""
         check_origin(ns, keys, token_ids, parent)
+        self.admission.admit_store_into(caller, ns)
         self.admission.admit_jobs(caller, session)
         if self.state.chain:  # the tenant's coldest blocks are written down before ``fit`` evicts them
             await self.stores.make_room(ns, keys)

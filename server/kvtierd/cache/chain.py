@@ -148,7 +148,7 @@ class TierLink:
         ):
             return
         e.flushing += 1  # claimed now: the host slot stays until the write is done
-        self.admission.claim_nvme(self.level, e.ns.spec.tenant, e.ns.block_bytes)
+        self.admission.claim_nvme(self.level, e.ns.spec.owner, e.ns.block_bytes)
         self.flushes_in_flight += 1
         self._flush_queue.append(e)
         if self._flush_workers < FLUSH_WORKERS:
@@ -213,7 +213,7 @@ class TierLink:
         """A flush batch ended (written or not): its entries' claims go."""
         for e in batch:
             e.flushing -= 1
-            self.admission.unclaim_nvme(self.level, e.ns.spec.tenant, e.ns.block_bytes)
+            self.admission.unclaim_nvme(self.level, e.ns.spec.owner, e.ns.block_bytes)
         self.flushes_in_flight -= len(batch)
         self._flushed.set()
 
@@ -306,7 +306,7 @@ class TierLink:
         tenant's own coldest copies (never another tenant's) within MAX_VICTIM_SCAN. A block
         that does not fit is not written here: it lives in the host tier only, and is lost
         when that evicts it (the tenant's quota, not the tier, is full)."""
-        tenant = ns.spec.tenant
+        tenant = ns.spec.owner
         quota = None if tenant is None else self.admission.nvme_quota(tenant)
         if tenant is None or quota is None:
             return True
@@ -319,7 +319,7 @@ class TierLink:
         mine = [
             e
             for n, e in zip(range(MAX_VICTIM_SCAN), self.policy.victims(), strict=False)
-            if e.ns.spec.tenant == tenant
+            if e.ns.spec.owner == tenant
         ]
         for e in mine:
             if e.pins or e.holds or e.promoting is not None or e.copy_in(self.level) is None:

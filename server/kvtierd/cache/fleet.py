@@ -22,7 +22,7 @@ be written there again.
   once).
   Either way a full queue or a failed write drops it (counted by the tier).
 
-Every call names the realm of the namespace's values (``tier.realm_of(ns.spec.tenant)``; for
+Every call names the realm of the namespace's values (``tier.realm_of(ns.spec.owner)``; for
 the cluster tier its tenant's with a tenants file, kvtierd.tiers.cluster.keys). Figures go to
 the tier's own counter columns (``tier.columns``).
 
@@ -71,7 +71,7 @@ class SharedLink:
         """Leading keys of ``keys`` the tier holds (answered within the lookup deadline)."""
         if not keys or not self.tier.connected:
             return 0
-        found = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest, keys)
+        found = await self.tier.exists(self.tier.realm_of(ns.spec.owner), ns.spec.digest, keys)
         try:
             return found.index(False)
         except ValueError:
@@ -90,7 +90,7 @@ class SharedLink:
             return []
         asked = self.read_figures.clock()
         # Slots are taken (evicting) only for blocks the tier holds.
-        present = await self.tier.exists(self.tier.realm_of(ns.spec.tenant), ns.spec.digest, todo)
+        present = await self.tier.exists(self.tier.realm_of(ns.spec.owner), ns.spec.digest, todo)
         if prefix_only and False in present:
             present = present[: present.index(False)]
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
@@ -124,7 +124,7 @@ class SharedLink:
         began = self.read_figures.clock()
         try:
             results = await self.tier.fetch(
-                self.tier.realm_of(ns.spec.tenant),
+                self.tier.realm_of(ns.spec.owner),
                 ns.spec.digest,
                 keys,
                 ns.block_bytes,
@@ -205,13 +205,7 @@ class SharedLink:
         host = self.residency.host
         realm = self.tier.realm_of
         items = [
-            (
-                realm(e.ns.spec.tenant),
-                e.ns.spec.digest,
-                e.key,
-                host.view(e.offset, e.ns.block_bytes),
-                e.digest,
-            )
+            (realm(e.ns.spec.owner), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes), e.digest)
             for e in todo
         ]
         admitted = todo[: self.tier.offer(items, lambda oks: self._written(admitted, oks))]
@@ -233,8 +227,7 @@ class SharedLink:
                 self.residency.events.stored((e,), MEDIUM_REMOTE)
 
         self.tier.offer(
-            [(self.tier.realm_of(e.ns.spec.tenant), e.ns.spec.digest, e.key, memoryview(data), e.digest)],
-            done,
+            [(self.tier.realm_of(e.ns.spec.owner), e.ns.spec.digest, e.key, memoryview(data), e.digest)], done
         )
 
     def _written(self, entries: list[Entry], oks: list[bool]) -> None:

@@ -115,8 +115,8 @@ class Stores:
         """Make ``n_blocks`` new host slots of ``ns`` fit its tenant's ``host_bytes`` quota
         (``fit_tenant``; nothing to do without one)."""
         quota = self.state.admission.host_quota(ns)
-        if quota is not None and ns.spec.tenant is not None and n_blocks:
-            self.fit_tenant(ns.spec.tenant, n_blocks * ns.slot_bytes, quota, protect)
+        if quota is not None and ns.spec.owner is not None and n_blocks:
+            self.fit_tenant(ns.spec.owner, n_blocks * ns.slot_bytes, quota, protect)
 
     def room_for(self, ns: NamespaceState, n: int, protect: Set[Entry] = frozenset()) -> int:
         """How many of ``n`` new host slots of ``ns`` (blocks promoted from below, imported
@@ -156,7 +156,7 @@ class Stores:
         for n, e in enumerate(self.state.policy.victims()):
             if clean >= excess or n > 1 << 16 or (found >= excess and n > look):
                 break
-            if e.ns.spec.tenant == tenant and e.evictable() and e.in_host and e not in protect:
+            if e.ns.spec.owner == tenant and e.evictable() and e.in_host and e not in protect:
                 mine.append(e)
                 found += e.ns.slot_bytes
                 clean += e.ns.slot_bytes if e.copies or policy.orphaned(e) else 0
@@ -190,7 +190,7 @@ class Stores:
         """Let the chain write down the coldest blocks of ``ns``'s tenant that ``n_blocks`` new
         host slots of ``ns`` would evict (``fit``: its ``host_bytes``), up to ``timeout_s``."""
         admission = self.state.admission
-        quota, tenant = admission.host_quota(ns), ns.spec.tenant
+        quota, tenant = admission.host_quota(ns), ns.spec.owner
         if quota is None or tenant is None or not n_blocks or not self.state.chain:
             return
         new_bytes = n_blocks * ns.slot_bytes
@@ -199,7 +199,7 @@ class Stores:
             return admission.tenant_host_bytes(tenant) + new_bytes - quota
 
         await self.state.chain[0].clean_cold_end(
-            need, lambda e: e.ns.spec.tenant == tenant, timeout_s, 1 << 16
+            need, lambda e: e.ns.spec.owner == tenant, timeout_s, 1 << 16
         )
 
     def reserve(

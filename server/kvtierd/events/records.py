@@ -48,7 +48,7 @@ def events_of(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[st
     if kind == "removed":
         by_tenant: dict[str | None, list[bytes]] = {}
         for e in entries:
-            by_tenant.setdefault(e.ns.spec.tenant, []).append(e.key)
+            by_tenant.setdefault(e.ns.spec.owner, []).append(e.key)
         for tenant, keys in by_tenant.items():
             yield tenant, [Removed(keys, medium, tenant)]
         return
@@ -56,11 +56,11 @@ def events_of(kind: str, medium: Any, entries: list[Entry]) -> Iterator[tuple[st
     for e in entries:
         origin = e.origin
         if run and not (origin is not None and origin[0] == run[-1].key and e.ns is run[-1].ns):
-            yield run[0].ns.spec.tenant, [stored_event(run, medium)]
+            yield run[0].ns.spec.owner, [stored_event(run, medium)]
             run = []
         run.append(e)
     if run:
-        yield run[0].ns.spec.tenant, [stored_event(run, medium)]
+        yield run[0].ns.spec.owner, [stored_event(run, medium)]
 
 
 def stored_event(run: list[Entry], medium: Any) -> Stored:
@@ -86,5 +86,5 @@ def stored_event(run: list[Entry], medium: Any) -> Stored:
         medium=medium,
         lora_name=spec.adapter_id,
         extra_keys=extra,
-        tenant=spec.tenant,
+        tenant=spec.owner,
     )

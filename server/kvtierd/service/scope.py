@@ -78,16 +78,20 @@ class Scope:
     def namespace(self, namespace_id: int) -> NamespaceState:
         """The namespace, or NotFound; another tenant's is answered exactly as an absent one
         (the same message as ``TieredCache.namespace``)."""
-        scope = self.scope()
         ns = self.cache.namespaces.get(namespace_id)
-        if ns is None or (scope is not None and ns.spec.tenant != scope):
+        if ns is None or not self.sees(ns):
             raise NotFound(f"unknown namespace {namespace_id} (register it first)", field="namespace_id")
         self.cache.used(ns)
         return ns
 
-    def visible(self) -> list[NamespaceState]:
+    def sees(self, ns: NamespaceState) -> bool:
+        """Whether the call may use ``ns``: its tenant's, a group's it is a member of, or any
+        (the operator, a single-tenant daemon)."""
         scope = self.scope()
-        return [ns for ns in self.cache.namespaces.values() if scope is None or ns.spec.tenant == scope]
+        return scope is None or self.tenancy.may_see(scope, ns.spec.owner)
+
+    def visible(self) -> list[NamespaceState]:
+        return [ns for ns in self.cache.namespaces.values() if self.sees(ns)]
 
     def tier_figures(self) -> list[pb.TierFigures]:
         """The cache's read figures per tier below the host tier, on the wire."""

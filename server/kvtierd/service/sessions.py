@@ -56,24 +56,25 @@ class SessionHandlers:
 
     def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
         """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
-        two tenants never share a namespace, nor its blocks), within its quota. A group's
-        namespace (``spec.group``, docs/hashing.md §7) needs the group's membership, which no
-        tenants file grants yet: refused for every caller."""
+        two tenants never share a namespace, nor its blocks), or naming a group it is a member
+        of (``spec.group``, docs/hashing.md §7), within the owner's quota."""
+        owner = self.scope.tenancy.tenant(spec.owner)
         if spec.group is not None:
-            raise PermissionDenied(
-                f"{spec.group!r} is not a group of this credential's tenant "
-                "(this daemon's tenants file names no groups)",
-                field="spec.group",
-            )
-        if spec.tenant is None:
+            if owner is None or not owner.group or not self.scope.tenancy.may_see(caller.name, spec.group):
+                raise PermissionDenied(
+                    f"{spec.group!r} is not a group of this credential's tenant", field="spec.group"
+                )
+        elif spec.tenant is None:
             raise InvalidArgument(
                 "required: this daemon has tenants (set it to your tenant's name)", field="spec.tenant"
             )
-        if spec.tenant != caller.name and not caller.operator:
+        elif owner is not None and owner.group:
+            raise InvalidArgument(f"{spec.tenant!r} is a group: name it as spec.group", field="spec.tenant")
+        elif spec.tenant != caller.name and not caller.operator:
             raise PermissionDenied(
                 f"{spec.tenant!r} is not the tenant of this credential", field="spec.tenant"
             )
-        self.cache.admission.admit_namespace(caller, spec.namespace_id, spec.tenant)
+        self.cache.admission.admit_namespace(caller, spec.namespace_id, spec.owner)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
         if self.settings.draining:
@@ -147,8 +148,7 @@ class SessionHandlers:
                     field=name,
                 )
             ns = self.cache.namespaces.get(t.namespace_id)
-            scope = self.scope.scope()
-            if ns is not None and scope is not None and ns.spec.tenant != scope:
+            if ns is not None and not self.scope.sees(ns):
                 ns = None  # another tenant's: answered as an absent one
             if ns is None:  # (INVALID_ARGUMENT: NOT_FOUND would read as a forgotten session)
                 raise InvalidArgument(

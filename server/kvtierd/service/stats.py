@@ -94,9 +94,10 @@ class StatsHandlers:
             reply.cuda_ipc.CopyFrom(pb.CudaIpcStats(**self.cuda.stats()))
 
     def _tenant_stats(self, scope: str) -> pb.StatsReply:
-        """What tenant ``scope`` sees: its namespaces, totals over them, its sessions."""
+        """What tenant ``scope`` sees: its namespaces, totals over them, its sessions (not the
+        namespaces of its groups: their figures count the other members' use too)."""
         c = self.cache
-        visible = self.scope.visible()
+        visible = [ns for ns in self.scope.visible() if ns.spec.owner == scope]
         total = Counters()
         for ns in visible:
             total.add(ns.counters)
@@ -125,7 +126,7 @@ class StatsHandlers:
         tenant holds (tenant name, "" for none of the tenants file -> count)."""
         held: dict[str, int] = {}
         for ns in namespaces:
-            tenant = ns.spec.tenant or ""
+            tenant = ns.spec.owner or ""
             tenant = tenant if self.tenancy.tenant(tenant) is not None else ""
             held[tenant] = held.get(tenant, 0) + 1
             spec = namespace_spec(ns.spec)
@@ -154,6 +155,8 @@ class StatsHandlers:
                 operator=t.operator,
                 namespaces=held.get(name, 0),
                 sessions=len(self.sessions.of_tenant(name)),
+                group=t.group,
+                group_stores_refused=self.tenancy.group_store_refusals(name),
             )
             for quota in QUOTA_NAMES:
                 limit = self.tenancy.quota(t, quota)

@@ -135,6 +135,8 @@ class Tenancy:
         self.logins = UnixLogins()
         """Tokens minted for Unix peers (the shm socket's login)."""
         self._refusals: dict[tuple[str, str], int] = {}  # (tenant, quota name) -> count
+        self._group_refusals: dict[str, int] = {}  # tenant -> stores refused in groups' namespaces
+        self._cut_off: set[str] = set()  # tenants the last reload took out of a group
         self._tenants = tenants
         self._defaults: dict[str, dict[str, int | None]] = {}
         if tenants is not None:
@@ -208,28 +210,53 @@ class Tenancy:
         return who is not None and who.allows_peer(uid, gid)
 
     def may_see(self, viewer: str | None, owner: str | None) -> bool:
-        """Whether a session of tenant ``viewer`` may use objects of tenant ``owner``."""
+        """Whether a session of tenant ``viewer`` may use objects of tenant ``owner``: its own,
+        a group's it is a member of (look up, load), everything for the operator."""
         if self._tenants is None or viewer == owner:
             return True
         who = self.tenant(viewer)
-        return who is not None and who.operator
+        return who is not None and (who.operator or self._tenants.reads(viewer, owner))
+
+    def may_store(self, viewer: str | None, owner: str | None) -> bool:
+        """Whether a session of tenant ``viewer`` may store blocks of tenant ``owner``: its
+        own, a group's it publishes, everyone's for the operator (a member only reads)."""
+        if self._tenants is None or viewer == owner:
+            return True
+        who = self.tenant(viewer)
+        return who is not None and (who.operator or self._tenants.writes(viewer, owner))
+
+    def count_group_store_refusal(self, tenant: str) -> None:
+        """Count one store of ``tenant`` into a group's namespace it does not publish."""
+        self._group_refusals[tenant] = self._group_refusals.get(tenant, 0) + 1
+
+    def group_store_refusals(self, tenant: str) -> int:
+        return self._group_refusals.get(tenant, 0)
 
     # -- reload and revocation -------------------------------------------------------------------
 
     def reload(self, tenants: Tenants) -> None:
-        """Swap in a new tenants file (validated by its loader) and size the defaults for it."""
+        """Swap in a new tenants file (validated by its loader) and size the defaults for it;
+        note the tenants it takes out of a group (``revoked`` closes their sessions)."""
+        old = self._tenants
         self._defaults = {t.name: self._default_quotas(t, tenants) for t in tenants.by_name.values()}
         self._tenants = tenants
+        self._cut_off = (
+            set() if old is None else {t for t in old.by_name if not old.groups_of(t) <= tenants.groups_of(t)}
+        )
 
     def revoked(self, sessions: Iterable[H]) -> list[H]:
         """The sessions whose credential the current file no longer honours for their tenant,
-        or whose transport it no longer allows that tenant."""
+        or whose transport it no longer allows that tenant, or whose tenant the last reload
+        took out of a group (what the session was handed of the group's, a published index
+        mapped among it, goes with the session; the client opens a new one)."""
         if self._tenants is None:
             return []
         return [
             s
             for s in sessions
-            if not self.honours(s.tenant, s.credential) or not self._allows_transport(s.tenant, s.transport)
+            if not self.honours(s.tenant, s.credential)
+            or not self._allows_transport(s.tenant, s.transport)
+            or s.tenant in self._cut_off
         ]
 
     def _allows_transport(self, tenant: str | None, transport: Transport) -> bool:

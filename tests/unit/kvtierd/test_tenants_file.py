@@ -1,4 +1,4 @@
-"""The tenants file (kvtierd.tenants): every bad entry is refused naming its field; tokens are
+"""The tenants file (kvtierd.tenants_file): every bad entry is refused naming its field; tokens are
 kept and compared only as SHA-256 digests."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtierd.tenants import UnixLogins, load_tenants, token_digest
+from kvtierd.tenants import UnixLogins, token_digest
+from kvtierd.tenants_file import load_tenants
 
 GOOD = hashlib.sha256(b"tok").hexdigest()
 
@@ -328,3 +329,47 @@ def test_a_bad_scrape_token_list_names_the_field(tmp_path: Path, body: str, fiel
     with pytest.raises(ValueError) as e:
         load_tenants(write(tmp_path, body))
     assert str(e.value).startswith(f"{field}:"), str(e.value)
+
+
+TWO_TENANTS = (
+    f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\n\n[[tenant]]\nname = "b"\nmtls_names = ["b"]\n\n'
+)
+
+
+def test_a_group_is_an_owner_no_one_can_be(tmp_path: Path) -> None:
+    t = load_tenants(
+        write(
+            tmp_path,
+            TWO_TENANTS + '[[group]]\nname = "g"\npublishers = ["a"]\nmembers = ["b"]\n'
+            '[group.quotas]\nhost_bytes = "1MiB"\nnamespaces = 2\n',
+        )
+    )
+    g = t.by_name["g"]
+    assert g.group and g.publishers == {"a"} and g.members == {"a", "b"}  # a publisher reads too
+    assert g.quotas.host_bytes == 1 << 20 and g.quotas.namespaces == 2
+    assert not g.maps_memory and not g.token_sha256 and not g.mtls_names and not g.unix_login
+    assert t.reads("b", "g") and t.reads("a", "g") and not t.reads("c", "g")
+    assert t.writes("a", "g") and not t.writes("b", "g")
+    assert not t.reads("a", "b") and not t.writes("a", "b")  # a tenant is no group
+    assert t.groups_of("b") == {"g"} and t.groups_of("c") == frozenset()
+    assert t.authenticate("tok").name == "a"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("group", "field"),
+    [
+        ('name = "a"\npublishers = ["a"]\n', "group[0].name"),  # a tenant's name
+        ('name = ""\npublishers = ["a"]\n', "group[0].name"),
+        ('name = "g"\npublishers = []\nmembers = ["a"]\n', "group[0].publishers"),  # no writer
+        ('name = "g"\npublishers = ["zed"]\n', "group[0].publishers"),
+        ('name = "g"\npublishers = ["a"]\nmembers = ["b", "zed"]\n', "group[0].members"),
+        ('name = "g"\npublishers = "a"\n', "group[0].publishers"),
+        ('name = "g"\npublishers = ["a"]\ntokens_sha256 = []\n', "group[0]"),  # a group has no credential
+        ('name = "g"\npublishers = ["a"]\n[group.quotas]\nsessions = 4\n', "group[0].quotas"),  # a member's
+        ('name = "g"\npublishers = ["a"]\n\n[[group]]\nname = "g"\npublishers = ["b"]\n', "group[1].name"),
+    ],
+)
+def test_a_bad_group_names_the_field(tmp_path: Path, group: str, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_tenants(write(tmp_path, TWO_TENANTS + "[[group]]\n" + group))
+    assert str(e.value).startswith(f"{field}:") or str(e.value).startswith(f"{field} "), str(e.value)

@@ -450,7 +450,7 @@ def test_daemonset_is_unprivileged_and_shares_a_hostpath_socket_dir_without_host
 
 
 def test_daemonset_tenants_file_comes_from_a_secret_and_parses(tmp_path: Path) -> None:
-    from kvtierd.tenants import load_tenants
+    from kvtierd.tenants_file import load_tenants
 
     secret, pod, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
@@ -468,7 +468,7 @@ def test_daemonset_tenants_set_every_quota_within_the_daemons_share(tmp_path: Pa
     """Issue 26: the example tenants left pinned_bytes and open_jobs unset. Every quota is
     written down, and the shared arena's tenants (tcp only) fit it together."""
     from kvtierd.tenancy import QUOTA_NAMES
-    from kvtierd.tenants import load_tenants
+    from kvtierd.tenants_file import load_tenants
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
@@ -484,7 +484,7 @@ def test_daemonset_tenants_set_every_quota_within_the_daemons_share(tmp_path: Pa
 
 
 def test_daemonset_memory_limit_covers_the_shared_arena_and_every_tenant_arena(tmp_path: Path) -> None:
-    from kvtierd.tenants import load_tenants
+    from kvtierd.tenants_file import load_tenants
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])
@@ -507,7 +507,7 @@ def test_daemonset_metrics_are_scrapeable_on_the_pod_ip_with_a_scrape_only_token
     (tests/integration/tenancy/test_scrape_tokens.py and test_helm_daemon.py, on a real daemon)."""
     from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
     from kvtierd.tenancy.tenancy import QUOTA_NAMES
-    from kvtierd.tenants import load_tenants
+    from kvtierd.tenants_file import load_tenants
 
     secret, _, kvtier = _daemonset()
     _, cfg = parse_serve(kvtier["command"] + kvtier["args"])

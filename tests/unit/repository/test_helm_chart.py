@@ -44,7 +44,8 @@ from kvtierd.config import DaemonConfig
 from kvtierd.policies import PolicyName
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenancy.tenancy import QUOTA_NAMES
-from kvtierd.tenants import load_tenants, token_digest
+from kvtierd.tenants import token_digest
+from kvtierd.tenants_file import load_tenants
 
 MODES = ["daemonset", "sidecar"]
 CASES = [(mode, values) for mode in MODES for values in ("defaults", "all")]

@@ -13,7 +13,8 @@ from kvtier_contract.errors import ResourceExhausted
 from kvtierd.cache.admission import Admission
 from kvtierd.cache.jobs import JobTable
 from kvtierd.tenancy import Tenancy
-from kvtierd.tenants import MIN_BUFFERED_BYTES, load_tenants, token_digest
+from kvtierd.tenants import token_digest
+from kvtierd.tenants_file import MIN_BUFFERED_BYTES, load_tenants
 
 FRAME = MIN_BUFFERED_BYTES  # one whole 4 MiB frame and its head: t's buffered_bytes
 

@@ -19,7 +19,8 @@ from kvtierd.index import NamespaceState
 from kvtierd.policies import make_policy
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Tenancy
-from kvtierd.tenants import Tenant, load_tenants, token_digest
+from kvtierd.tenants import Tenant, token_digest
+from kvtierd.tenants_file import load_tenants
 from kvtierd.tiers import Arena, HostTier
 
 BLOCK = 4096

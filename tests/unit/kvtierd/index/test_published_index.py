@@ -243,7 +243,7 @@ def test_lookup_tallies_saturate_instead_of_wrapping_a_counter() -> None:
     ns = SimpleNamespace(id=7, counters=counters, spec=SimpleNamespace(tokens_per_block=16))
     fake = SimpleNamespace(
         cache=SimpleNamespace(namespaces={7: ns}),
-        scope=SimpleNamespace(visible=lambda: [ns], scope=lambda: None),
+        scope=SimpleNamespace(visible=lambda: [ns], scope=lambda: None, sees=lambda _ns: True),
     )
     t = pb.LookupTally(namespace_id=7, lookups=1, blocks_requested=1 << 32, blocks_hit=1 << 32)
     SessionHandlers._count_local_lookups(fake, [t])  # type: ignore[arg-type]

@@ -12,7 +12,8 @@ from kvtier_contract.errors import FailedPrecondition, PermissionDenied
 from kvtierd.domain import Transport
 from kvtierd.tenancy import NO_CREDENTIAL, QUOTA_NAMES, Credential, Ledger, Shares, Tenancy
 from kvtierd.tenancy.tenancy import DEFAULT_BUFFERED_BYTES
-from kvtierd.tenants import Tenants, load_tenants, token_digest
+from kvtierd.tenants import Tenants, token_digest
+from kvtierd.tenants_file import load_tenants
 
 MiB = 1 << 20
 SHARES = Shares(
@@ -160,3 +161,27 @@ def test_a_reload_revokes_sessions_of_a_transport_it_no_longer_allows(tmp_path: 
     assert t.revoked([shm, tcp]) == []
     t.reload(tenants(tmp_path, entry("c", "tc", extra=TCP)))  # shm taken away
     assert t.revoked([shm, tcp]) == [shm]
+
+
+def test_members_read_publishers_store_and_a_reload_cuts_off_who_it_takes_out(tmp_path: Path) -> None:
+    def file(members: str) -> str:
+        group = f'[[group]]\nname = "g"\npublishers = ["a"]\nmembers = {members}\n'
+        return (
+            entry("a", "ta")
+            + entry("b", "tb")
+            + entry("c", "tc")
+            + entry("ops", "to", extra="operator = true\n")
+            + group
+        )
+
+    t = Tenancy(tenants(tmp_path, file('["b"]')), SHARES)
+    assert t.may_see("b", "g") and t.may_see("a", "g") and t.may_see("ops", "g") and not t.may_see("c", "g")
+    assert t.may_store("a", "g") and t.may_store("ops", "g") and not t.may_store("b", "g")
+    assert not t.may_see("b", "a")  # a group's member sees no other member's own
+    held = {n: Held(n, t.authenticate(f"t{n[0]}")[1]) for n in ("a", "b", "c")}  # type: ignore[index]
+    t.reload(tenants(tmp_path, file('["b", "c"]')))  # c joins: nothing to revoke
+    assert t.revoked(held.values()) == []
+    t.reload(tenants(tmp_path, file('["c"]')))  # b leaves the group
+    assert t.revoked(held.values()) == [held["b"]] and not t.may_see("b", "g") and t.may_see("c", "g")
+    t.reload(tenants(tmp_path, file('["c"]')))  # an unchanged file revokes no one again
+    assert t.revoked(held.values()) == []

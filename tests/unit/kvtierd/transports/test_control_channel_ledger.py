@@ -15,7 +15,8 @@ from kvtierd.cache.admission import Admission
 from kvtierd.cache.jobs import JobTable
 from kvtierd.service.gate import ChannelDispatch
 from kvtierd.tenancy import Tenancy
-from kvtierd.tenants import load_tenants, token_digest
+from kvtierd.tenants import token_digest
+from kvtierd.tenants_file import load_tenants
 from kvtierd.transports.control import ControlChannel
 
 BEAT = wire.CONTROL_METHODS.index("Heartbeat") + 1
