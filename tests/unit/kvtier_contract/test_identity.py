@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import hmac
 import json
-import os
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ref_hashing import ref_block_key, run_fresh
 
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import KV_DTYPES, Namespace, block_keys, namespace_digest
@@ -144,17 +141,11 @@ def ref_namespace_digest(fields: dict[str, Any]) -> bytes:
 def ref_block_keys(ns_digest: bytes, seq: dict[str, Any], tpb: int) -> list[bytes]:
     tokens = seq["token_ids"]
     parent = bytes.fromhex(seq["parent"]) if seq["parent"] else b"\x00" * 32
+    key = bytes.fromhex(seq["tenant_key"]) if seq["tenant_key"] else None
     keys = []
     for i in range(len(tokens) // tpb):
         extra = bytes.fromhex(seq["extras"][i]) if seq["extras"] else b""
-        msg = b"kvtier/block/v1" + ns_digest + parent
-        for t in tokens[i * tpb : (i + 1) * tpb]:
-            msg += t.to_bytes(4, "little")
-        msg += len(extra).to_bytes(4, "little") + extra
-        if seq["tenant_key"]:
-            parent = hmac.new(bytes.fromhex(seq["tenant_key"]), msg, hashlib.sha256).digest()
-        else:
-            parent = hashlib.sha256(msg).digest()
+        parent = ref_block_key(ns_digest, parent, tokens[i * tpb : (i + 1) * tpb], extra, key)
         keys.append(parent)
     return keys
 
@@ -232,17 +223,7 @@ print(json.dumps({"out": out, "heavy": sorted({"numpy", "torch"} & set(sys.modul
 
 @pytest.mark.parametrize("seed", ["0", "1", "12345", "random"])
 def test_fresh_interpreters_agree(seed: str) -> None:
-    env = dict(os.environ, PYTHONHASHSEED=seed)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "client"), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _RECOMPUTE, str(GOLDEN_PATH)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    result = json.loads(proc.stdout)
+    result = run_fresh(_RECOMPUTE, GOLDEN_PATH, seed)
     expected = [
         [n["digest"], n["namespace_id"], [s["keys"] for s in n["sequences"]]] for n in GOLDEN["namespaces"]
     ]

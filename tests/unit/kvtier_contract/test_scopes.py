@@ -4,16 +4,12 @@ needs, and every bad input refused naming its field."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ref_hashing import ref_block_key, run_fresh
 
 from kvtier_contract.errors import InvalidArgument
 from kvtier_contract.identity import Namespace, block_keys
@@ -73,19 +69,16 @@ def ref_scoped_keys(seq: dict[str, Any]) -> list[bytes]:
         owner = [r for r in regions if r["offset"] <= hi - 1][-1]
         digest = bytes.fromhex(GOLDEN["namespaces"][owner["namespace"]]["digest"])
         extra = bytes.fromhex(seq["extras"][i]) if seq["extras"] else b""
-        msg = b"kvtier/block/v1" + digest + prev + b"".join(t.to_bytes(4, "little") for t in tokens[lo:hi])
-        msg += len(extra).to_bytes(4, "little") + extra
         inside = [r for r in regions if lo < r["offset"] < hi]
+        record = b""
         if inside:
             digests = [bytes.fromhex(GOLDEN["namespaces"][r["namespace"]]["digest"]) for r in inside]
             body = b"".join(
                 (r["offset"] - lo).to_bytes(4, "little") + d for r, d in zip(inside, digests, strict=True)
             )
-            msg += bytes([1]) + len(body).to_bytes(4, "little") + body
-        if owner["key"]:
-            prev = hmac.new(bytes.fromhex(owner["key"]), msg, hashlib.sha256).digest()
-        else:
-            prev = hashlib.sha256(msg).digest()
+            record = bytes([1]) + len(body).to_bytes(4, "little") + body
+        key = bytes.fromhex(owner["key"]) if owner["key"] else None
+        prev = ref_block_key(digest, prev, tokens[lo:hi], extra, key, record)
         keys.append(prev)
     return keys
 
@@ -114,17 +107,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("seed", ["0", "12345", "random"])
 def test_fresh_interpreters_agree(seed: str) -> None:
-    env = dict(os.environ, PYTHONHASHSEED=seed)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "client"), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _RECOMPUTE, str(GOLDEN_PATH)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    assert json.loads(proc.stdout) == [s["keys"] for s in GOLDEN["sequences"]]
+    assert run_fresh(_RECOMPUTE, GOLDEN_PATH, seed) == [s["keys"] for s in GOLDEN["sequences"]]
 
 
 # --- properties ---------------------------------------------------------------------------------
