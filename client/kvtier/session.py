@@ -172,9 +172,10 @@ class Session:
             pass  # not registered yet: the daemon says so on first use and the session reopens
         except Away as e:
             conn.trip(str(e), e.diagnosis)
-        except (errors.ResourceExhausted, errors.Unavailable, errors.Internal) as e:
+        except (errors.ResourceExhausted, errors.Unavailable, errors.Internal, errors.NotFound) as e:
             # The daemon answered but cannot register it now (shed, namespace table full,
-            # draining): the handle stays unregistered, its calls miss until a reopen does.
+            # draining, a group's namespace its publishers have not made yet): the handle stays
+            # unregistered, its calls miss until a later call or a reopen registers it.
             conn.registrations.refused(handle, e)
 
     def call(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_contract.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvtier_contract.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kvtier_contract.protoutil import namespace_from_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache
@@ -57,12 +57,20 @@ class SessionHandlers:
     def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
         """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
         two tenants never share a namespace, nor its blocks), or naming a group it is a member
-        of (``spec.group``, docs/hashing.md §7), within the owner's quota."""
+        of (``spec.group``, docs/hashing.md §7; only its publishers create one, a member
+        registers one they made: ``NOT_FOUND`` before), within the owner's quota."""
         owner = self.scope.tenancy.tenant(spec.owner)
         if spec.group is not None:
             if owner is None or not owner.group or not self.scope.tenancy.may_see(caller.name, spec.group):
                 raise PermissionDenied(
                     f"{spec.group!r} is not a group of this credential's tenant", field="spec.group"
+                )
+            if spec.namespace_id not in self.cache.namespaces and not self.scope.tenancy.may_store(
+                caller.name, spec.group
+            ):  # (else a member could fill the group's namespaces quota with empty ones)
+                raise NotFound(
+                    f"group {spec.group!r} has no such namespace yet: its publishers register it",
+                    field="spec.group",
                 )
         elif spec.tenant is None:
             raise InvalidArgument(

@@ -102,7 +102,8 @@ def test_members_read_the_prefix_a_publisher_stored_once_and_miss_each_others_su
 
 def test_a_members_store_into_the_group_is_refused_and_counted(groups: DaemonProcess) -> None:
     keys = group_ns().block_keys(SHARED)
-    with client(groups, "member") as member, client(groups, "ops") as ops:
+    with client(groups, "member") as member, client(groups, "ops") as ops, client(groups, "pub") as pub:
+        pub.register(group_ns())  # (a publisher makes it)
         g = member.register(group_ns())
         with pytest.raises(errors.PermissionDenied, match="only its publishers") as e:
             g.put(keys, [block(0)] * 4)
@@ -140,9 +141,11 @@ def test_an_outsider_can_neither_register_nor_reach_the_group(groups: DaemonProc
 
 
 def test_the_groups_quota_is_charged_not_the_readers(groups: DaemonProcess) -> None:
-    with client(groups, "member") as member, client(groups, "ops") as ops:
+    other = make_namespace(group=GROUP, model_id="other/model")
+    with client(groups, "pub") as pub, client(groups, "member") as member, client(groups, "ops") as ops:
+        pub.register(group_ns())
         member.register(group_ns())
-        code, details = raw_register(groups, "member", make_namespace(group=GROUP, model_id="other/model"))
+        code, details = raw_register(groups, "pub", other)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reached by group acme-shared" in details
         member.register(make_namespace())  # the member's own quota is untouched
         figures = {t["name"]: t for t in ops.stats()["tenants"]}
@@ -150,6 +153,24 @@ def test_the_groups_quota_is_charged_not_the_readers(groups: DaemonProcess) -> N
         shown = {ns["tenant"]: ns["spec"] for ns in stats_json(ops.stats())["namespaces"]}  # `kvtier stats`
         assert shown[GROUP]["group"] == GROUP and shown[GROUP]["tenant"] is None
         assert "group" not in shown["member"] and shown["member"]["tenant"] == "member"
+
+
+def test_only_publishers_create_a_groups_namespace_and_a_member_early_just_misses(
+    groups: DaemonProcess,
+) -> None:
+    """A member cannot fill the group's namespaces quota with empty ones: a namespace of the
+    group that no publisher made yet is NOT_FOUND to it, and the SDK takes that as "not yet"
+    (its lookups miss, a later call registers it), so a member's engine may start first."""
+    code, details = raw_register(groups, "member", make_namespace(group=GROUP, model_id="junk/model"))
+    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("spec.group: ")
+    keys = group_ns().block_keys(SHARED)
+    with client(groups, "member") as member, client(groups, "pub") as pub, client(groups, "ops") as ops:
+        early = member.register(group_ns())  # no error: not registered yet
+        assert early.lookup(keys) == 0
+        assert {t["name"]: t for t in ops.stats()["tenants"]}[GROUP]["namespaces"] == 0
+        g = pub.register(group_ns())
+        assert g.put(keys, [block(i) for i in range(4)]).stored == 4
+        wait_for("the member's handle registers and hits", lambda: early.lookup(keys) == 4)
 
 
 def test_a_reload_that_drops_a_member_cuts_it_off_at_once(groups: DaemonProcess, tmp_path: Path) -> None:
