@@ -159,7 +159,12 @@ def test_vllm_decodes_the_daemons_events_and_speaks_its_replay(daemon_factory: A
             assert e[4] == [["lora-x"]] * e[2], e
         elif e[1] == "CPU":
             assert e[4] == (None if e[6] else [["pepper"]] + [None] * (e[2] - 1)), e
-    assert any(e[4] and e[4][0] == ["pepper"] for e in stored)  # a salted chain's head
+    heads = [e for e in stored if e[4] and e[4][0] == ["pepper"]]  # a salted chain's head
+    assert heads, (  # (failed twice in loaded folder runs, never alone: say what was seen)
+        f"no salted head among {len(stored)} BlockStored in {len(messages)} messages "
+        f"(seqs {int.from_bytes(messages[0][1], 'big')}..{int.from_bytes(messages[-1][1], 'big')}); "
+        f"CPU stores (blocks, lora, parent?): {[(e[2], e[3], bool(e[6])) for e in stored if e[1] == 'CPU']}"
+    )
     assert all(e[5] == 16 * e[2] for e in stored if e[1] == "CPU")  # the tokens came along
     assert sum(e[2] for e in stored if e[1] == "CPU") == 192
     assert all(rank == 0 for _s, _e, rank in got["decoded"])
