@@ -75,25 +75,50 @@ def scoped_block_keys(
     Raises ``InvalidArgument`` naming the bad argument (``regions[i].offset``, …).
     """
     offsets = _check_regions(regions, token_ids)
-    B = regions[0].namespace.tokens_per_block
-    n_full = len(block_keys(regions[0].namespace.digest, token_ids, B, extras=extras))  # checks ids, extras
+    first = regions[0]
     if len(regions) == 1:  # the flat case: exactly today's keys
-        r = regions[0]
-        return r.namespace.block_keys(token_ids, parent=parent, extras=extras, tenant_key=r.key)
+        return first.namespace.block_keys(token_ids, parent=parent, extras=extras, tenant_key=first.key)
+    B = first.namespace.tokens_per_block
+    tokens = _tokens(token_ids)
+    n_full = len(tokens) // B
+    block_keys(first.namespace.digest, tokens[n_full * B :], B)  # the partial tail's ids: checked
+    if extras is not None and (isinstance(extras, (bytes, bytearray)) or len(extras) != n_full):
+        raise InvalidArgument(f"must have one entry per full block ({n_full})", field="extras")
     if parent is not None and (not isinstance(parent, (bytes, bytearray)) or len(parent) != 32):
         raise InvalidArgument("must be exactly 32 bytes", field="parent")
-    tokens = _tokens(token_ids)
+    return _chain(regions, offsets, tokens, parent, extras)
+
+
+def _chain(
+    regions: Sequence[Region],
+    offsets: list[int],
+    tokens: list[int],
+    parent: bytes | None,
+    extras: Sequence[bytes] | None,
+) -> list[bytes]:
+    """The keys of ``scoped_block_keys`` (its arguments checked): a run of whole blocks of one
+    region in one ``block_keys`` call, a block split by a boundary alone."""
+    B = regions[0].namespace.tokens_per_block
+    n_full = len(tokens) // B
     keys: list[bytes] = []
-    prev = parent
-    for i in range(n_full):
-        lo, hi = i * B, (i + 1) * B
-        owner = regions[_region_of(offsets, hi - 1)]
-        extra = b"" if extras is None else bytes(extras[i])
-        record = _boundary_record(regions, lo, hi)
-        prev = block_key(
-            owner.namespace.digest, prev, tokens[lo:hi], extra=extra, record=record, tenant_key=owner.key
-        )
-        keys.append(prev)
+    prev, i = parent, 0
+    while i < n_full:
+        r = _region_of(offsets, (i + 1) * B - 1)
+        ns, key = regions[r].namespace, regions[r].key
+        record = _boundary_record(regions, i * B, (i + 1) * B)
+        if record:
+            extra = b"" if extras is None else bytes(extras[i])
+            keys.append(
+                block_key(
+                    ns.digest, prev, tokens[i * B : (i + 1) * B], extra=extra, record=record, tenant_key=key
+                )
+            )
+            end = i + 1
+        else:
+            end = n_full if r + 1 == len(offsets) else min(n_full, offsets[r + 1] // B)
+            ex = None if extras is None else extras[i:end]
+            keys += ns.block_keys(tokens[i * B : end * B], parent=prev, extras=ex, tenant_key=key)
+        prev, i = keys[-1], end
     return keys
 
 
@@ -156,6 +181,8 @@ def _region_of(offsets: list[int], token: int) -> int:
 
 
 def _tokens(token_ids: Sequence[int]) -> list[int]:
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise InvalidArgument("must be a sequence of ints", field="token_ids")
     tolist = getattr(token_ids, "tolist", None)
     out = tolist() if callable(tolist) else token_ids
     return out if isinstance(out, list) else list(out)

@@ -97,7 +97,7 @@ class StatsHandlers:
         """What tenant ``scope`` sees: its namespaces, totals over them, its sessions (not the
         namespaces of its groups: their figures count the other members' use too)."""
         c = self.cache
-        visible = [ns for ns in self.scope.visible() if ns.spec.owner == scope]
+        visible = [ns for ns in c.namespaces.values() if ns.spec.owner == scope]
         total = Counters()
         for ns in visible:
             total.add(ns.counters)

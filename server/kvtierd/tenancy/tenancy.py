@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -212,18 +212,24 @@ class Tenancy:
     def may_see(self, viewer: str | None, owner: str | None) -> bool:
         """Whether a session of tenant ``viewer`` may use objects of tenant ``owner``: its own,
         a group's it is a member of (look up, load), everything for the operator."""
-        if self._tenants is None or viewer == owner:
-            return True
-        who = self.tenant(viewer)
-        return who is not None and (who.operator or self._tenants.reads(viewer, owner))
+        return self._may(viewer, owner, Tenants.reads)
 
     def may_store(self, viewer: str | None, owner: str | None) -> bool:
         """Whether a session of tenant ``viewer`` may store blocks of tenant ``owner``: its
         own, a group's it publishes, everyone's for the operator (a member only reads)."""
-        if self._tenants is None or viewer == owner:
+        return self._may(viewer, owner, Tenants.writes)
+
+    def _may(
+        self,
+        viewer: str | None,
+        owner: str | None,
+        in_group: Callable[[Tenants, str | None, str | None], bool],
+    ) -> bool:
+        tenants = self._tenants
+        if tenants is None or viewer == owner:
             return True
         who = self.tenant(viewer)
-        return who is not None and (who.operator or self._tenants.writes(viewer, owner))
+        return who is not None and (who.operator or in_group(tenants, viewer, owner))
 
     def count_group_store_refusal(self, tenant: str) -> None:
         """Count one store of ``tenant`` into a group's namespace it does not publish."""
