@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvtier.client import Client, NamespaceHandle, PutResult, TransportName
+from kvtier.client import Client, NamespaceHandle, PublishedPrefix, PutResult, TransportName
 from kvtier_contract.identity import Namespace
 
 T = TypeVar("T")
@@ -50,6 +50,15 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self.sync.stats)
+
+    async def publish_prefix(self, group: str, name: str, token_ids: Sequence[int]) -> PublishedPrefix:
+        return await self._run(self.sync.publish_prefix, group, name, token_ids)
+
+    async def withdraw_prefix(self, group: str, name: str) -> bool:
+        return await self._run(self.sync.withdraw_prefix, group, name)
+
+    async def published_prefixes(self) -> list[PublishedPrefix]:
+        return await self._run(self.sync.published_prefixes)
 
     @property
     def counters(self) -> Any:

@@ -1,6 +1,9 @@
-"""The ``kvtier`` command: ``stats``, ``bench``, and ``serve`` / ``fsck`` (aliases of ``kvtierd``).
+"""The ``kvtier`` command: ``stats``, ``prefix``, ``bench``, and ``serve`` / ``fsck`` (aliases of
+``kvtierd``).
 
-The SDK's only place that reads the environment and files. What ``stats`` prints is made by
+The SDK's only place that reads the environment and files (with the modules it is made of:
+:mod:`kvtier.cli_daemon`, the address and credential flags of the commands that talk to a
+daemon; :mod:`kvtier.cli_prefix`, ``kvtier prefix``). What ``stats`` prints is made by
 :mod:`kvtier.stats_format`; the benchmarks live in :mod:`kvtier.bench`.
 """
 
@@ -9,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 
+from kvtier.cli_daemon import add_daemon_flags, as_flags, daemon_client
+from kvtier.cli_prefix import add_prefix_parser, run_prefix
 from kvtier.stats_format import format_stats, stats_json
-from kvtier_contract import defaults
 from kvtier_contract.version import __version__
 
 __all__ = ["DAEMON_COMMANDS", "as_flags", "build_parser", "format_stats", "main", "stats_json"]
@@ -36,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         alias.add_argument("daemon_args", nargs=argparse.REMAINDER)
 
     _stats_args(sub.add_parser("stats", help="print the daemon's statistics"))
+    add_prefix_parser(sub)
     _bench_args(sub.add_parser("bench", help="throughput and latency benchmark (see docs/benchmarks.md)"))
     return p
 
@@ -43,36 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _stats_args(st: argparse.ArgumentParser) -> None:
     """The flags of ``kvtier stats``."""
     st.add_argument(
-        "--address",
-        default=None,
-        help="unix:///abs/path, unix:rel/path or HOST:PORT (default: "
-        f"{defaults.ADDRESS}, the socket `make serve` makes under this directory)",
-    )
-    st.add_argument(
         "--json",
         action="store_true",
         help="machine-readable output (keys: docs/metrics.md, `kvtier stats --json`)",
     )
-    st.add_argument(
-        "--timeout-s",
-        type=float,
-        default=2.0,
-        help="deadline of the connect and of the Stats call, seconds (default 2)",
-    )
-    st.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding this tenant's bearer token (a daemon with tenants; an "
-        "operator's token sees every namespace); or KVTIER_TOKEN_FILE",
-    )
-    st.add_argument(
-        "--unix-login",
-        action="store_true",
-        help="no token: log in as this Unix user (a tenant with unix_login; a Unix socket address)",
-    )
-    st.add_argument("--tls-ca", help="PEM CA of a daemon whose TCP listener serves TLS")
-    st.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
-    st.add_argument("--tls-key", help="PEM key of --tls-cert")
+    add_daemon_flags(st, "Stats")
 
 
 def _bench_args(b: argparse.ArgumentParser) -> None:
@@ -182,6 +161,8 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stats":
         return _stats(args)
+    if args.command == "prefix":
+        return run_prefix(args)
     if args.suite == "gpu":
         from kvtier.bench.gpu import bench_gpu  # torch; imported only for this suite
 
@@ -223,51 +204,11 @@ def _daemon(command: str, daemon_args: list[str]) -> int:
     return 127  # not reached
 
 
-# The SDK's errors name its keyword arguments (token=, tls_ca=, ...); `kvtier stats` says its flags.
-_SDK_ARGS = {
-    "token_file": "--token-file",
-    "token": "--token-file",
-    "tls_ca": "--tls-ca",
-    "tls_cert": "--tls-cert",
-    "tls_key": "--tls-key",
-    "unix_login": "--unix-login",
-    "timeout_s": "--timeout-s",
-    "address": "--address",
-}
-
-
-def as_flags(message: str) -> str:
-    """``message`` with the SDK's ``name=`` spellings (``unix_login=True`` too) replaced by this
-    command's flags."""
-    flags = re.sub(
-        r"\b(token_file|token|tls_ca|tls_cert|tls_key|unix_login|timeout_s|address)=(?:True\b)?",
-        lambda m: _SDK_ARGS[m.group(1)],
-        message,
-    )
-    return re.sub(r"(--[a-z-]+)(?:\s*(?:or|/)\s*\1)+", r"\1", flags)  # token= or token_file=
-
-
 def _stats(args: argparse.Namespace) -> int:
-    from kvtier.client import Client
-    from kvtier.settings import ClientSettings
     from kvtier_contract.errors import KvtierError
 
     try:
-        client = Client(
-            args.address or defaults.default_address(),
-            settings=ClientSettings(
-                transport="tcp",
-                timeout_s=args.timeout_s,
-                heartbeat=False,
-                token_file=None
-                if args.unix_login
-                else args.token_file or os.environ.get("KVTIER_TOKEN_FILE"),
-                unix_login=args.unix_login,
-                tls_ca=args.tls_ca,
-                tls_cert=args.tls_cert,
-                tls_key=args.tls_key,
-            ),
-        )
+        client = daemon_client(args)
     except KvtierError as e:
         print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ the data channel are serialized by a lock, reconnects by another.
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,11 +48,13 @@ from kvtier.connection import Connection
 from kvtier.grpc_channel import GrpcChannel
 from kvtier.handle import NamespaceHandle
 from kvtier.local_index import LocalIndexes
+from kvtier.prefixes import PublishedPrefix, prefix_digest
 from kvtier.results import ClientCounters, LookupResult, PinnedLookup, PutResult, SlicesLookup, TierFigure
 from kvtier.session import Away, Session
 from kvtier.settings import ClientSettings
 from kvtier_contract import errors
 from kvtier_contract.identity import Namespace
+from kvtier_contract.prefixes import MAX_PREFIX_TOKENS
 from kvtier_contract.protoutil import TransportName, to_dict
 from kvtier_contract.v1 import kvtier_pb2 as pb
 
@@ -62,6 +65,7 @@ __all__ = [
     "LookupResult",
     "NamespaceHandle",
     "PinnedLookup",
+    "PublishedPrefix",
     "PutResult",
     "SlicesLookup",
     "TransportName",
@@ -222,6 +226,51 @@ class Client:
         when the daemon cannot be reached or refuses (as ``connect`` does)."""
         return to_dict(self.session.connection.stats())
 
+    # -- published prefixes (docs/security.md § Groups) ------------------------------------------------
+
+    def publish_prefix(self, group: str, name: str, token_ids: Sequence[int]) -> PublishedPrefix:
+        """Publish ``token_ids`` (a system prompt the group's tenants' requests begin with) for
+        ``group`` under ``name``: the daemon keeps its length and digest
+        (:func:`kvtier.prefixes.prefix_digest`, computed here; never the tokens) and lists it to
+        every member; republishing a name replaces it. Returns it as listed. InvalidArgument
+        (field ``token_ids``) before anything is sent for no ids, more than
+        ``MAX_PREFIX_TOKENS``, or one outside 0..2**32-1; the daemon's refusal in its words
+        (``group: ...``: not a group this credential publishes; ``name: ...``, a bound); raises
+        like ``stats`` when the daemon cannot be reached or refuses the credential."""
+        group, name = _text(group, "group"), _text(name, "name")
+        n = len(token_ids)
+        if not 0 < n <= MAX_PREFIX_TOKENS:
+            raise errors.InvalidArgument(
+                f"expected 1..{MAX_PREFIX_TOKENS} token ids, got {n}", field="token_ids"
+            )
+        try:
+            digest = prefix_digest(token_ids)
+        except struct.error:
+            raise errors.InvalidArgument(
+                "every token id must be an integer in 0..2**32-1", field="token_ids"
+            ) from None
+        request = pb.PublishPrefixRequest(group=group, name=name, tokens=n, digest=digest)
+        self.session.connection.sessionless("PublishPrefix", request, answered=True)
+        return PublishedPrefix(group, name, n, digest, publisher=True)
+
+    def withdraw_prefix(self, group: str, name: str) -> bool:
+        """Withdraw the prefix ``name`` of ``group`` (a publisher of it); whether it was there
+        (withdrawing one that is not is no error). Raises as ``publish_prefix`` does."""
+        request = pb.PublishPrefixRequest(
+            group=_text(group, "group"), name=_text(name, "name"), withdraw=True
+        )
+        return bool(self.session.connection.sessionless("PublishPrefix", request, answered=True).existed)
+
+    def published_prefixes(self) -> list[PublishedPrefix]:
+        """The prefixes published for every group this client's tenant is a member of (every
+        group for the operator and on a daemon without tenants), by group and name, each saying
+        whether this tenant publishes into its group (for a :class:`kvtier.prefixes.PrefixMatcher`).
+        Raises like ``stats``; FailedPrecondition from a daemon older than published prefixes."""
+        reply = self.session.connection.sessionless("ListPrefixes", pb.ListPrefixesRequest(), answered=True)
+        return [
+            PublishedPrefix(p.group, p.name, p.tokens, bytes(p.digest), p.publisher) for p in reply.prefixes
+        ]
+
     def lookup_slices(
         self, handles: Sequence[NamespaceHandle], chains: Sequence[Sequence[bytes]], *, promote: bool = True
     ) -> SlicesLookup:
@@ -252,3 +301,10 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _text(value: object, field: str) -> str:
+    """``value``, a string, or InvalidArgument naming ``field``."""
+    if not isinstance(value, str):
+        raise errors.InvalidArgument(f"expected a string, got {type(value).__name__}", field=field)
+    return value

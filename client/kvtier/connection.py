@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,7 @@ from kvtier.breaker import Breaker
 from kvtier.calls import DOWN_CODES, Away, Deadlines, OutOfTime, Registered
 from kvtier.control import ControlChannels, session_channels
 from kvtier.data_channel import DataChannel
-from kvtier.diagnose import Diagnosis, explain_reached
+from kvtier.diagnose import HEALTH_ONLY, Diagnosis, explain_reached
 from kvtier.explainer import Explainer, explain_words
 from kvtier.grpc_channel import GrpcChannel
 from kvtier.heartbeat import tally_request
@@ -310,6 +311,15 @@ class Connection:
     def stats(self) -> Any:
         """The daemon's StatsReply (``Client.stats``); raises the error naming the cause and the
         fix when the daemon cannot be reached or refuses (as ``Client.connect`` does)."""
+        return self.sessionless("Stats", pb.StatsRequest())
+
+    def sessionless(self, method: str, request: Any, *, answered: bool = False) -> Any:
+        """The reply of ``method``, an RPC that needs no session (Stats, PublishPrefix,
+        ListPrefixes), within ``timeout_s`` (a Unix login first, when that is the credential and
+        no session holds a token). Raises the error naming the cause and the fix when the daemon
+        cannot be reached or refuses the credential (as ``Client.connect`` does); ``answered``:
+        any other status is the daemon's answer to the request, raised in its words (which
+        begin with the field at fault), and a daemon that does not know ``method`` says so."""
         ch, timeout = self.channel, self.settings.timeout_s
         with self._lock:
             ch.open()
@@ -321,9 +331,12 @@ class Connection:
                         raise e.diagnosis.error from None
                     raise errors.Unavailable(str(e)) from None
         try:
-            return ch.stub.Stats(pb.StatsRequest(), timeout=timeout)
+            return getattr(ch.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            explained = explain_reached(ch.peer, "Stats", e.code().name, e.details() or "", timeout)
+            code, details = e.code(), e.details() or ""
+            if answered and code not in DOWN_CODES and code != grpc.StatusCode.UNAUTHENTICATED:
+                raise _answer(ch.peer.address, method, code.name, details) from None
+            explained = explain_reached(ch.peer, method, code.name, details, timeout)
             diagnosis = self.explainer.sharpen(explained)
             raise diagnosis.error from None
 
@@ -349,6 +362,25 @@ class Connection:
     def data(self) -> DataTransport:
         """The attached data transport; TransportError when none is."""
         return self._data_channel.get()
+
+
+def _answer(address: str, method: str, code: str, details: str) -> errors.KvtierError:
+    """The daemon's answer ``code`` to a sessionless ``method`` as the error to raise: in its
+    words (``field``: the field they begin with), or, for a method it does not serve (not its
+    health-only port), that it is older."""
+    if code == "UNIMPLEMENTED" and not details.startswith(HEALTH_ONLY):
+        return errors.FailedPrecondition(
+            f"daemon at {address} does not serve {method} ({details}): a kvtierd older than "
+            "this SDK; upgrade it"
+        )
+    error = errors.from_grpc_code(code, details)
+    named = _FIELD.match(details)  # the daemon's words begin with the field at fault
+    if named is not None:
+        error.field = named.group(1)
+    return error
+
+
+_FIELD = re.compile(r"([a-z_][a-z0-9_.\[\]]*): ")
 
 
 def _no_calls(method: str, request: Any) -> Any:

@@ -200,6 +200,20 @@ def _published_families(pub: dict[str, Any]) -> Iterator[Any]:
     )
 
 
+def _prefix_families(counts: dict[str, int] | None) -> Iterator[Any]:
+    """Published prefixes per group (the operator's view only: absent for a tenant)."""
+    if counts is None:
+        return
+    fam = GaugeMetricFamily(
+        "kvtier_published_prefixes",
+        "Prefixes a group's publishers published (docs/security.md § Groups)",
+        labels=["group"],
+    )
+    for group, n in sorted(counts.items()):
+        fam.add_metric([group], n)
+    yield fam
+
+
 def _event_families(ev: dict[str, Any]) -> Iterator[Any]:
     """KV events (docs/events.md): daemon-wide, only while events are on."""
     if not ev:
@@ -343,6 +357,7 @@ class KvtierCollector:
         yield from _tenant_families(snap.get("tenants") or [])
         yield from _connection_families(snap.get("connections", {}))
         yield from _published_families(snap.get("published", {}))
+        yield from _prefix_families(snap.get("published_prefixes"))
         yield from _event_families(snap.get("events", {}))
         yield from _boot_families(snap)
         yield from _rpc_families(snap)

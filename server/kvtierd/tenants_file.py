@@ -57,13 +57,17 @@ from __future__ import annotations
 import difflib
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvtier_contract import wire
 from kvtier_contract.units import parse_bytes
 from kvtierd.tenants import MAPPING_TRANSPORTS, TRANSPORTS, Quotas, Tenant, Tenants
 
-__all__ = ["GROUP_QUOTAS", "MIN_BUFFERED_BYTES", "load_tenants"]
+__all__ = ["GROUP_QUOTAS", "MAX_NAME_CHARS", "MIN_BUFFERED_BYTES", "NAME_RULE", "is_name", "load_tenants"]
+
+MAX_NAME_CHARS = 128
+NAME_RULE = f"a non-empty string of at most {MAX_NAME_CHARS} characters"
+"""What a tenant's or a group's name is (a published prefix's name too: kvtierd.tenancy.prefixes)."""
 
 _QUOTAS = (
     "sessions",
@@ -126,6 +130,11 @@ def load_tenants(path: str | Path) -> Tenants:
     return Tenants(tenants + _groups(raw.get("group", []), names), str(p), tuple(scrape))
 
 
+def is_name(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a name as the file takes one: :data:`NAME_RULE`."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS
+
+
 def _groups(entries: Any, tenants: list[str]) -> list[Tenant]:
     """The ``[[group]]`` tables: each a name no tenant or other group has, its publishers and
     members (tenants of this file; a publisher reads too) and its quotas (only those a group
@@ -139,8 +148,8 @@ def _groups(entries: Any, tenants: list[str]) -> list[Tenant]:
             raise ValueError(f"{where}: expected a table")
         _no_unknown(entry, {"name", "members", "publishers", "quotas"}, where)
         name = entry.get("name")
-        if not isinstance(name, str) or not name or len(name) > 128:
-            raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
+        if not is_name(name):
+            raise ValueError(f"{where}.name: expected {NAME_RULE}")
         if name in taken:
             raise ValueError(f"{where}.name: {name!r} is already a tenant's or a group's name")
         taken.add(name)
@@ -208,8 +217,8 @@ def _tenant(entry: Any, where: str, seen_tokens: set[bytes]) -> Tenant:
         )
     _no_unknown(entry, _TENANT_KEYS, where)
     name = entry.get("name")
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise ValueError(f"{where}.name: expected a non-empty string of at most 128 characters")
+    if not is_name(name):
+        raise ValueError(f"{where}.name: expected {NAME_RULE}")
     digests = _digests(entry.get("tokens_sha256", []), f"{where}.tokens_sha256", seen_tokens)
     ids, operator, names, unix_login = _credentials(entry, where, digests)
     transports, max_lease, arena = _allowances(entry, where)

@@ -109,6 +109,16 @@ class KvtierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.FromString,
                 _registered_method=True)
+        self.PublishPrefix = channel.unary_unary(
+                '/kvtier.v1.Kvtier/PublishPrefix',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixReply.FromString,
+                _registered_method=True)
+        self.ListPrefixes = channel.unary_unary(
+                '/kvtier.v1.Kvtier/ListPrefixes',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesReply.FromString,
+                _registered_method=True)
 
 
 class KvtierServicer:
@@ -222,6 +232,24 @@ class KvtierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishPrefix(self, request, context):
+        """Published prefixes of groups of tenants (docs/security.md § Groups): sessionless, like
+        Stats (the caller is the credential's tenant). A publisher of a group publishes a prefix
+        its tenants' requests begin with under a name (only its length and digest: never its
+        tokens), or withdraws it; every member lists them and keys requests that begin with one in
+        the group's scope. Bad input changes nothing; a group the caller does not publish, or no
+        group of the tenants file, is PERMISSION_DENIED (field group), the same words for both.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrefixes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvtierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +327,16 @@ def add_KvtierServicer_to_server(servicer, server):
                     servicer.CudaCopy,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.SerializeToString,
+            ),
+            'PublishPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishPrefix,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixReply.SerializeToString,
+            ),
+            'ListPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrefixes,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -706,6 +744,60 @@ class Kvtier:
             '/kvtier.v1.Kvtier/CudaCopy',
             kvtier_dot_v1_dot_kvtier__pb2.CudaCopyRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.CudaCopyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/PublishPrefix',
+            kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PublishPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Kvtier/ListPrefixes',
+            kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ListPrefixesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,8 @@ from kvtierd.service import ChannelDispatch, KvtierService, add_to_server
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.tenancy import Shares, Tenancy
 from kvtierd.tenancy.exposure import metrics_scrape_only
+from kvtierd.tenancy.prefix_file import PrefixFile
+from kvtierd.tenancy.prefixes import PublishedPrefixes
 from kvtierd.tenants import Tenant, Tenants
 from kvtierd.tiers import Recovered
 from kvtierd.tiers.cluster.settings import ClusterSettings
@@ -115,7 +117,7 @@ class Daemon:
         return cache
 
     def _build_sessions(self, tenants: Tenants | None) -> None:
-        """The session table, the published indexes and the tenancy."""
+        """The session table, the published indexes, the tenancy and the published prefixes."""
         cfg = self.cfg
         s = cfg.sessions
         self.sessions = SessionTable(
@@ -141,6 +143,9 @@ class Daemon:
                 tenant_arena_bytes=cfg.tenancy.tenant_arena_bytes,
             ),
         )
+        # published prefixes: in the NVMe tier's directory when there is one (else memory only)
+        disk_dir = cfg.nvme_tier.disk_dir
+        self.prefixes = PublishedPrefixes(self.tenancy, PrefixFile(disk_dir) if disk_dir else None)
 
     def _build_service(self) -> None:
         """The Kvtier service over the cache, the sessions and the tenancy."""
@@ -154,6 +159,7 @@ class Daemon:
             cuda=self.cuda,
             max_inflight=cfg.requests.max_inflight_rpcs,
             tenancy=self.tenancy,
+            prefixes=self.prefixes,
         )
         self.service.after_rpc = self.published.flush
         self.service.verify_store = cfg.transports.verify_store
@@ -250,6 +256,7 @@ class Daemon:
         """SIGHUP: read the tenants file again; a bad file keeps the current tenants
         (kvtierd.app.reload)."""
         reload.reload_tenants(self.cfg, self.tenancy, self.tenant_arenas, self.sessions, self.cuda)
+        self.prefixes.prune()  # (the prefixes of groups the file no longer has)
         tenants = self.tenancy.tenants
         if self.events is not None and tenants is not None:  # new tenants' event streams
             self.events.add_tenants(build.event_buffer_caps(self.tenancy, list(tenants.by_name)))

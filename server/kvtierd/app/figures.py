@@ -67,7 +67,7 @@ def snapshot(
 ) -> dict[str, Any]:
     """Stats as plain data: the Stats reply plus RPC figures; for a tenant's credential (not
     the operator's), the Stats reply it would get and nothing daemon-wide (RPC errors and
-    latency, connections, published indexes)."""
+    latency, connections, published indexes, published prefixes per group)."""
     scope = CALLER.set(caller)
     try:
         snap = to_dict(service.stats_reply())
@@ -85,6 +85,7 @@ def snapshot(
     snap["connections"] = {k: v for t in transports for k, v in t.figures().items()}
     snap["connections"]["control_bad_frames"] = service.bad_frames
     snap["published"] = published.figures()
+    snap["published_prefixes"] = service.prefixes.prefixes.counts()  # group -> prefixes
     if events is not None:
         snap["events"] = events.figures()
     return snap

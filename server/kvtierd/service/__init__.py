@@ -15,7 +15,8 @@ index or memory; every reply carries the boot epoch. Runs on the daemon's event 
   :mod:`~kvtierd.service.sessions` (sessions and namespaces), :mod:`~kvtierd.service.lookups`,
   :mod:`~kvtierd.service.transfers` (stores and loads, and the completions that hash around the
   cache's primitives; the admission is the cache's: :mod:`kvtierd.cache.admission`),
-  :mod:`~kvtierd.service.cuda`, :mod:`~kvtierd.service.stats`.
+  :mod:`~kvtierd.service.cuda`, :mod:`~kvtierd.service.stats`, :mod:`~kvtierd.service.prefixes`
+  (published prefixes; the registry is :mod:`kvtierd.tenancy.prefixes`).
 
 Health and reflection are other services and never refused.
 """

@@ -20,6 +20,7 @@ from kvtierd.ratelog import RateLimitedLog
 from kvtierd.service.cuda import CudaHandlers
 from kvtierd.service.gate import rpc
 from kvtierd.service.lookups import LookupHandlers
+from kvtierd.service.prefixes import PrefixHandlers
 from kvtierd.service.scope import Scope, ServiceSettings
 from kvtierd.service.sessions import SessionHandlers
 from kvtierd.service.stats import StatsHandlers
@@ -27,6 +28,7 @@ from kvtierd.service.transfers import TransferHandlers
 from kvtierd.sessions import Session, SessionTable
 from kvtierd.stats import LatencyHistogram
 from kvtierd.tenancy import Tenancy
+from kvtierd.tenancy.prefixes import PublishedPrefixes
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
 
 log = logging.getLogger("kvtierd.service")
@@ -49,6 +51,7 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         cuda: CudaIpcTransport | None = None,
         max_inflight: int = 1 << 30,
         tenancy: Tenancy | None = None,
+        prefixes: PublishedPrefixes | None = None,
     ) -> None:
         self.cache = cache
         self.sessions = sessions
@@ -62,6 +65,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         self.transfers = TransferHandlers(self.scope, self.settings, cache)
         self.cuda_rpc = CudaHandlers(self.scope, self.settings)
         self.stats = StatsHandlers(self.scope, self.settings, cache, sessions, self.tenancy, cuda)
+        self.prefixes = PrefixHandlers(
+            self.scope,
+            self.settings,
+            prefixes or PublishedPrefixes(self.tenancy),  # (memory only)
+        )
         # what the call gate (kvtierd.service.gate.GateState) reads and feeds
         self.latency: dict[str, LatencyHistogram] = {}
         self.max_inflight = max_inflight  # handlers in progress before RESOURCE_EXHAUSTED
@@ -161,3 +169,11 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> Any:
         return await self.stats.Stats(request, context)
+
+    @rpc
+    async def PublishPrefix(self, request: pb.PublishPrefixRequest, context: Any) -> Any:
+        return await self.prefixes.PublishPrefix(request, context)
+
+    @rpc
+    async def ListPrefixes(self, request: pb.ListPrefixesRequest, context: Any) -> Any:
+        return await self.prefixes.ListPrefixes(request, context)

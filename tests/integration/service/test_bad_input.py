@@ -4,9 +4,9 @@ Three layers are exercised: the gRPC control plane with a raw stub (what a buggy
 client can send), the SDK (``kvtier.Client``: caller mistakes raise before anything is sent) and
 the TCP data channel with hand-built frames (``kvtier_contract.wire``).
 
-"No change" is checked on the daemon's own figures: the Stats reply (less its uptime) is the same
-before and after the bad call. The daemon fixture: 64 MiB host tier, 1 MiB slabs, batches of at
-most 4096 keys; the test namespace has 16 KiB blocks.
+"No change" is checked on the daemon's own figures: the Stats reply (less its uptime) and the
+published prefixes are the same before and after the bad call. The daemon fixture: 64 MiB host
+tier, 1 MiB slabs, batches of at most 4096 keys; the test namespace has 16 KiB blocks.
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ class Ctx:
         )
 
     def state(self) -> dict[str, Any]:
-        """Everything Stats reports, less the uptime."""
+        """Everything Stats reports, less the uptime, and the published prefixes."""
         d = to_dict(self.call("Stats", pb.StatsRequest()))
         del d["uptime_s"]
+        d["published_prefixes"] = to_dict(self.call("ListPrefixes", pb.ListPrefixesRequest()))
         return d
 
 
@@ -357,6 +358,26 @@ case(
 )
 
 
+# Published prefixes (a daemon without tenants: any group name a tenants file could have).
+for _name, _fields, _field in [
+    ("no-name", {"name": ""}, "name"),
+    ("name-of-129", {"name": "n" * 129}, "name"),
+    ("no-group", {"group": ""}, "group"),
+    ("tokens-0", {"tokens": 0}, "tokens"),
+    ("tokens-over-the-bound", {"tokens": (1 << 20) + 1}, "tokens"),
+    ("digest-of-31", {"digest": bytes(31)}, "digest"),
+]:
+    case(
+        f"PublishPrefix-{_name}",
+        "PublishPrefix",
+        lambda c, f=_fields: pb.PublishPrefixRequest(
+            **{"group": "g", "name": "system", "tokens": 64, "digest": bytes(32), **f}
+        ),
+        StatusCode.INVALID_ARGUMENT,
+        _field,
+    )
+
+
 @pytest.mark.parametrize(
     ("method", "build", "code", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -369,7 +390,7 @@ def test_bad_request_is_refused_naming_the_field(
 
 def test_every_rpc_is_covered() -> None:
     rpcs = {m.name for m in pb.DESCRIPTOR.services_by_name["Kvtier"].methods}
-    covered = {c[1] for c in CASES} | {"RegisterNamespace", "Stats"}
+    covered = {c[1] for c in CASES} | {"RegisterNamespace", "Stats", "ListPrefixes"}  # (no fields)
     assert covered == rpcs
 
 

@@ -253,6 +253,7 @@ def verify_payload(h: SlotHeader, payload: memoryview | bytes | bytearray) -> No
 
 META_NAME = "kvtier.meta"
 LOCK_NAME = "kvtier.lock"  # flock'ed by the daemon that uses the directory (its pid inside)
+PREFIXES_NAME = "published-prefixes.json"  # the daemon's published prefixes (kvtierd.tenancy.prefix_file)
 DATA_FILE_FORMAT = "blocks-%05d.kvt"
 MAX_FILES = 100_000
 _DATA_FILE_RE = re.compile(r"blocks-(\d{5})\.kvt")

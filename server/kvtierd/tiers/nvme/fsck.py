@@ -39,6 +39,7 @@ from kvtierd.tiers.nvme.device import Device, DiskError, Entry, FileSystem
 from kvtierd.tiers.nvme.format import (
     LOCK_NAME,
     META_NAME,
+    PREFIXES_NAME,
     CorruptMeta,
     CorruptSlot,
     SlotHeader,
@@ -161,7 +162,7 @@ def _check_entry(e: Entry, meta: StoreMeta, report: FsckReport) -> None:
     elif e.name == CHECKPOINT_NAME or parse_journal_name(e.name) is not None:
         if e.kind != "file":  # the index log: its own checks are recover()'s, at startup
             report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))
-    elif e.name in (META_NAME, LOCK_NAME) or (index is not None and index < meta.files):
+    elif e.name in (META_NAME, LOCK_NAME, PREFIXES_NAME) or (index is not None and index < meta.files):
         if e.kind != "file":
             report.problems.append(Problem(e.name, "not_regular", f"a {e.kind}, not a regular file"))
     elif e.name.endswith(".tmp") or e.name.startswith(".kvtier-probe-"):

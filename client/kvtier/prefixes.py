@@ -1,0 +1,129 @@
+"""Published prefixes: the shared prompts of a group of tenants, as the engines match them.
+
+A publisher of a group (docs/security.md § Groups) publishes a prefix, a system prompt or a
+tool schema its tenants' requests begin with, under a name: the daemon keeps its length and
+digest (never its tokens) and tells every member. Until an engine names salt regions itself
+(vLLM's ``salt_regions``), an engine integration whose request begins with a published prefix
+of one of its groups keys those tokens in the group's scope and the rest in its own
+(:func:`regions_of`; docs/hashing.md §7): the group's blocks are stored once, by a publisher,
+and every member loads them; the private suffixes still chain from them and never match
+another tenant's.
+
+* :class:`PublishedPrefix`: one published prefix as the daemon lists it.
+* :func:`prefix_digest`: SHA-256 over the token ids as u32le (what is published and matched).
+* :class:`PrefixMatcher`: the longest published prefix a request begins with. Immutable; safe to
+  share between threads (a refresh builds a new one).
+* :class:`PrefixWatch`: an engine's matcher, fetched again from the daemon every ``refresh_s``.
+
+Lifecycle: ``Client.published_prefixes()`` -> ``PrefixMatcher(prefixes)`` -> ``match(tokens)``
+per request; rebuilt when the list is fetched again (``PrefixWatch``: the engines refresh it
+every few seconds, so a prefix published or withdrawn reaches them within that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier_contract import errors
+from kvtier_contract.prefixes import MAX_PREFIX_TOKENS
+
+__all__ = ["MAX_PREFIX_TOKENS", "PrefixMatcher", "PrefixWatch", "PublishedPrefix", "prefix_digest"]
+
+log = logging.getLogger("kvtier.prefixes")
+
+
+@dataclass(frozen=True)
+class PublishedPrefix:
+    """A prefix published for ``group`` under ``name``: its first ``tokens`` token ids hash to
+    ``digest`` (:func:`prefix_digest`). ``publisher``: the caller's tenant stores into the
+    group's namespaces (a member only loads from them)."""
+
+    group: str
+    name: str
+    tokens: int
+    digest: bytes
+    publisher: bool = False
+
+
+def prefix_digest(token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of ``token_ids`` packed as little-endian u32 (ids outside 0..2**32-1 raise
+    ``struct.error``)."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+class PrefixMatcher:
+    """Which published prefix a request's token ids begin with (see the module docstring)."""
+
+    def __init__(self, prefixes: Iterable[PublishedPrefix] = ()) -> None:
+        by_length: dict[int, dict[bytes, PublishedPrefix]] = {}
+        for p in prefixes:
+            if 0 < p.tokens <= MAX_PREFIX_TOKENS:
+                by_length.setdefault(p.tokens, {}).setdefault(p.digest, p)
+        self._by_length = sorted(by_length.items(), reverse=True)  # longest first
+        self.prefixes = tuple(p for _, d in self._by_length for p in d.values())
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+    def match(self, token_ids: Sequence[int]) -> PublishedPrefix | None:
+        """The longest published prefix that ``token_ids`` begin with (a request that is the
+        prefix alone, a publisher warming it, matches too), or None. One SHA-256 of the leading
+        tokens per distinct published length that fits."""
+        n = len(token_ids)
+        for length, digests in self._by_length:
+            if length > n:
+                continue
+            try:
+                found = digests.get(prefix_digest(token_ids[:length]))
+            except struct.error:
+                return None  # not token ids a prefix can be published for
+            if found is not None:
+                return found
+        return None
+
+
+class PrefixSource(Protocol):
+    """What a :class:`PrefixWatch` reads of its :class:`kvtier.Client` (which is one)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def published_prefixes(self) -> list[PublishedPrefix]: ...
+
+
+class PrefixWatch:
+    """The published prefixes of the groups a client's tenant belongs to, as one engine thread
+    matches its requests against them: fetched from the daemon on that thread when ``match``
+    finds the last fetch ``refresh_s`` old and the session open (a daemon away keeps the last
+    list: its lookups miss anyway; a daemon older than ``ListPrefixes`` lists none). Owns its
+    matcher and the time of the next fetch; single-threaded (the caller's thread, e.g. the
+    vLLM connector's lookup thread)."""
+
+    def __init__(
+        self, source: PrefixSource, refresh_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.source = source
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self.matcher = PrefixMatcher()
+        self._next = 0.0
+
+    def match(self, token_ids: Sequence[int]) -> PublishedPrefix | None:
+        """``PrefixMatcher.match`` on the current list (fetched first when due)."""
+        now = self.clock()
+        if now >= self._next and self.source.connected:
+            self._next = now + self.refresh_s
+            self._fetch()
+        return self.matcher.match(token_ids) if self.matcher.prefixes else None
+
+    def _fetch(self) -> None:
+        try:
+            self.matcher = PrefixMatcher(self.source.published_prefixes())
+        except errors.KvtierError as e:  # away, refused or older: keep the last list
+            log.debug("kvtier: published prefixes not fetched: %s", e)

@@ -1,0 +1,85 @@
+"""Matching requests against published prefixes (kvtier.prefixes): the longest one a request
+begins with, the prefix alone included; nothing for ids no prefix can hold; the engines' watch
+fetches the list at most every ``refresh_s`` and keeps the last one when the daemon is away."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+from tests_helpers import ManualClock
+
+from kvtier.prefixes import MAX_PREFIX_TOKENS, PrefixMatcher, PrefixWatch, PublishedPrefix, prefix_digest
+from kvtier_contract import errors
+
+SYSTEM = list(range(100, 140))
+TOOLS = SYSTEM + list(range(500, 520))
+
+
+def published(name: str, tokens: list[int], group: str = "g") -> PublishedPrefix:
+    return PublishedPrefix(group, name, len(tokens), prefix_digest(tokens))
+
+
+def test_the_digest_is_sha256_of_the_ids_as_u32le() -> None:
+    assert prefix_digest([1, 2**32 - 1]) == hashlib.sha256(struct.pack("<II", 1, 2**32 - 1)).digest()
+    with pytest.raises(struct.error):
+        prefix_digest([2**32])
+
+
+def test_the_longest_published_prefix_wins() -> None:
+    m = PrefixMatcher([published("system", SYSTEM), published("tools", TOOLS)])
+    assert m.match(TOOLS + [7, 8]) == published("tools", TOOLS)
+    assert m.match(SYSTEM + [7, 8]) == published("system", SYSTEM)
+    assert m.match(TOOLS) == published("tools", TOOLS)  # the prefix alone: a publisher warms it
+    assert m.match(SYSTEM[:-1]) is None  # shorter than any prefix
+    assert m.match([99] + SYSTEM) is None
+    assert m.match([]) is None
+
+
+def test_ids_no_prefix_can_hold_match_nothing() -> None:
+    m = PrefixMatcher([published("system", SYSTEM)])
+    assert m.match([2**40] + SYSTEM[1:] + [1]) is None
+    assert m.match([-1] * 50) is None
+
+
+def test_prefixes_of_no_tokens_or_past_the_bound_are_left_out() -> None:
+    odd = [
+        PublishedPrefix("g", "empty", 0, b"\0" * 32),
+        PublishedPrefix("g", "huge", MAX_PREFIX_TOKENS + 1, b""),
+    ]
+    assert len(PrefixMatcher(odd)) == 0
+
+
+class Source:
+    """A daemon's ListPrefixes as a PrefixWatch reads it: counted, away when told."""
+
+    def __init__(self, prefixes: list[PublishedPrefix]) -> None:
+        self.prefixes = prefixes
+        self.connected = True
+        self.calls = 0
+        self.fail: errors.KvtierError | None = None
+
+    def published_prefixes(self) -> list[PublishedPrefix]:
+        self.calls += 1
+        if self.fail is not None:
+            raise self.fail
+        return list(self.prefixes)
+
+
+def test_the_watch_fetches_at_most_every_refresh_and_keeps_the_last_list() -> None:
+    clock, source = ManualClock(), Source([published("system", SYSTEM)])
+    watch = PrefixWatch(source, 5.0, clock=clock)
+    request = SYSTEM + [1, 2, 3]
+    assert watch.match(request) is not None and source.calls == 1
+    source.prefixes = [published("tools", TOOLS)]  # published meanwhile
+    assert watch.match(request) is not None and source.calls == 1  # not due yet
+    clock.advance(5.0)
+    assert watch.match(request) is None and source.calls == 2  # "system" withdrawn
+    assert watch.match(TOOLS + [1]) is not None
+    clock.advance(5.0)
+    source.fail = errors.Unavailable("daemon away")
+    assert watch.match(TOOLS + [1]) is not None and source.calls == 3  # the last list kept
+    clock.advance(5.0)
+    source.connected = False  # a closed session is not asked
+    assert watch.match(TOOLS + [1]) is not None and source.calls == 3
