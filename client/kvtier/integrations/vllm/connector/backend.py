@@ -5,6 +5,8 @@ its ``kvtier.Client`` on the lookup thread's first task (``warmup``), so buildin
 never waits for the daemon and the first request does not pay for the session; a daemon
 that is away answers every lookup as a miss at once (the breaker this process's workers share,
 ``kvtier.integrations.vllm.breaker.shared_breaker``), and pins of a daemon that restarted are already gone.
+A request that begins with a prefix published by one of the tenant's groups is keyed in the
+group's scope up to it (``kvtier.prefixes``, docs/vllm.md "Shared prefixes").
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from collections.abc import Sequence
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.breaker import shared_breaker
 from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity, Variant
-from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOutcome, Pin
+from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOutcome, Pin, SharedScope
+from kvtier.prefixes import PrefixWatch, PublishedPrefix
 from kvtier.results import TierFigure
 from kvtier.settings import ClientSettings
+from kvtier_contract.scopes import Region, scoped_block_keys
 
 
 class DaemonBackend:
-    """Owns one Client and one NamespaceHandle per (variant, tp rank). Single-threaded."""
+    """Owns one Client, one NamespaceHandle per (variant, tp rank) and the watch of the
+    groups' published prefixes. Single-threaded."""
 
     def __init__(
         self, identity: EngineIdentity, cfg: ConnectorConfig, *, client_name: str = "vllm-scheduler"
@@ -30,6 +35,7 @@ class DaemonBackend:
         self.client_name = client_name
         self._client: Client | None = None
         self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
+        self._prefixes: PrefixWatch | None = None  # the groups' published prefixes (lazy)
         self.local_misses = 0  # lookups the published index answered as misses (no RPC)
 
     @property
@@ -76,26 +82,74 @@ class DaemonBackend:
         """Open the session and register the base namespaces before the first request."""
         for r in range(self.identity.tp_size):
             self.handle(BASE, r)
+        self._shared_prefix(BASE, ())  # the published prefixes' first fetch
 
     def lookup(self, variant: Variant, token_ids: Sequence[int], *, promote: bool = True) -> LookupOutcome:
         """Keys of every tp slice, then one pinned lookup of them all; the hit is the shortest.
         A slice that the published index says has no hit at all ends it with no round trip
-        (a new prompt, the common case, costs the daemon nothing)."""
+        (a new prompt, the common case, costs the daemon nothing). A request that begins with
+        a prefix one of the tenant's groups published (``kvtier.prefixes``) is keyed in the
+        group's scope up to it and in its own after (``kvtier_contract.scopes``): the group's
+        blocks are looked up first, the request's own only when every shared one hit."""
         handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
-        keys = [h.block_keys(token_ids) for h in handles]
+        match = self._shared_prefix(variant, token_ids)
+        if match is None:
+            keys = [h.block_keys(token_ids) for h in handles]
+            hits, tiers, pins = self._pinned(handles, keys, promote)
+            return LookupOutcome(keys, hits, tiers, pins, self._chain(handles))
+        scope_variant = variant.shared(match.group)
+        groups = [self.handle(scope_variant, r) for r in range(self.identity.tp_size)]
+        keys = [self._scoped(g, h, match.tokens, token_ids) for g, h in zip(groups, handles, strict=True)]
+        shared = min(match.tokens // self.identity.tokens_per_block, len(keys[0]))
+        hits, tiers, pins = (
+            self._pinned(groups, [k[:shared] for k in keys], promote) if shared else (0, [], [])
+        )
+        if hits == shared and len(keys[0]) > shared:
+            more, more_tiers, more_pins = self._pinned(handles, [k[shared:] for k in keys], promote)
+            hits, tiers, pins = hits + more, tiers + more_tiers, pins + more_pins
+        scope = SharedScope(shared, scope_variant, match.publisher)
+        return LookupOutcome(keys, hits, tiers, pins, self._chain(handles), scope)
+
+    def _shared_prefix(self, variant: Variant, token_ids: Sequence[int]) -> PublishedPrefix | None:
+        """The published prefix of one of the tenant's groups that the request begins with
+        (``shared_prefixes``; the list fetched every ``prefix_refresh_ms``). On a daemon with
+        tenants a group's blocks move over tcp only (no tenant maps a group's arena yet), so an
+        engine of another transport keys every request in its own scope there."""
+        if not self.cfg.shared_prefixes or variant.group is not None:
+            return None
+        if self.cfg.transport != "tcp" and self.client.tenant is not None:
+            return None
+        if self._prefixes is None:
+            self._prefixes = PrefixWatch(self.client, self.cfg.prefix_refresh_ms / 1000)
+        return self._prefixes.match(token_ids)
+
+    def _pinned(
+        self, handles: list[NamespaceHandle], keys: list[list[bytes]], promote: bool
+    ) -> tuple[int, list[str], list[Pin]]:
+        """The pinned lookup of ``keys[r]`` in ``handles[r]`` for every slice: hit blocks,
+        their tiers (slice 0), the pins."""
         n_max = self.client.max_batch
         for r, h in enumerate(handles):
             # (uncounted: a hit is counted by the pinned lookup that follows, a miss here)
             if h.lookup_local(keys[r][:n_max], count=False) == 0:
                 h.lookup_local(keys[r][:n_max])
                 self.local_misses += 1
-                return LookupOutcome(keys, 0, [], [], self._chain(handles))
+                return 0, [], []
         # One round trip for every slice (LookupSlices): the hit every slice holds, pinned.
         got = self.client.lookup_slices(handles, [k[:n_max] for k in keys], promote=promote)
         pins = [(r, res.pin, res.epoch) for r, res in enumerate(got.slices) if res.pin]
         tiers = got.slices[0].tiers if got.slices else []
-        n = got.hits
-        return LookupOutcome(keys, n, tiers[:n], pins, self._chain(handles))
+        return got.hits, tiers[: got.hits], pins
+
+    def _scoped(
+        self, group: NamespaceHandle, own: NamespaceHandle, shared: int, token_ids: Sequence[int]
+    ) -> list[bytes]:
+        """One slice's keys: the first ``shared`` tokens in the group's scope (no key: every
+        member hashes them alike), the rest in the tenant's own, chained on."""
+        regions = [Region(0, group.namespace)]
+        if shared < len(token_ids):
+            regions.append(Region(shared, own.namespace, self.client.tenant_key))
+        return scoped_block_keys(regions, token_ids)
 
     def _chain(self, handles: list[NamespaceHandle]) -> KeyChain:
         """Each slice's key chain, hashed the way ``block_keys`` hashes a prompt (same namespace

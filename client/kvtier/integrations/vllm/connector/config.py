@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvtier.adaptive import LOAD_POLICIES, LoadPolicy
@@ -69,6 +69,10 @@ class ConnectorConfig:
     # dropped and counted); None: no budget.
     interference_budget: float | None = 0.25
     probe_after_s: float = 5.0  # a tier cut back is tried again (one block) after this long
+    # A request that begins with a prefix one of the tenant's groups published keys it in the
+    # group's scope (issue 43, docs/vllm.md "Shared prefixes"); the list is fetched this often.
+    shared_prefixes: bool = True
+    prefix_refresh_ms: int = 5000
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -89,9 +93,10 @@ class ConnectorConfig:
                 "step_budget_ms",
                 "probe_timeout_ms",
                 "async_load_timeout_ms",
+                "prefix_refresh_ms",
             ),
             strings=("model_id", "model_revision", "tokenizer_digest", "tenant", "token_file"),
-            flags=("load", "store", "store_generated", "unix_login"),
+            flags=("load", "store", "store_generated", "unix_login", "shared_prefixes"),
         )
         need(
             self.event_token_ids is None or isinstance(self.event_token_ids, bool),
@@ -156,11 +161,19 @@ def _real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Variant:
-    """The per-request part of a namespace: LoRA adapter and cache salt (both optional)."""
+    """The per-request part of a namespace: LoRA adapter and cache salt (both optional), or
+    the group whose scope holds a published prefix (``group``: no salt, no tenant; the
+    connector's ``DaemonBackend`` keys a request's shared prefix in it)."""
 
     adapter_id: str | None = None
     adapter_revision: str | None = None
     cache_salt: str | None = None
+    group: str | None = None
+
+    def shared(self, group: str) -> Variant:
+        """This variant's adapter in ``group``'s scope (the scope of a prefix the group
+        published)."""
+        return replace(self, cache_salt=None, group=group)
 
 
 BASE = Variant()
@@ -186,8 +199,11 @@ class EngineIdentity:
 
     def namespace(self, variant: Variant = BASE, tp_rank: int = 0) -> Namespace:
         """The namespace of one tensor-parallel slice for requests of ``variant`` (the fields of
-        both classes are Namespace fields of the same names)."""
-        return Namespace(**asdict(self), **asdict(variant), tp_rank=tp_rank)
+        both classes are Namespace fields of the same names; a group's namespace has no tenant)."""
+        fields = asdict(self)
+        if variant.group is not None:
+            fields["tenant"] = None
+        return Namespace(**fields, **asdict(variant), tp_rank=tp_rank)
 
 
 def adapter_variant(

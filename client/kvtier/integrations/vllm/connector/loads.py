@@ -334,9 +334,11 @@ def _by_variant(jobs: Sequence[LoadJob], rank: int) -> list[tuple[Variant, list[
     """Jobs merged per variant (one batched transfer each), in first-seen order."""
     merged: dict[Variant, tuple[list[bytes], list[int]]] = {}
     for job in jobs:
-        keys, ids = merged.setdefault(job.variant, ([], []))
-        keys.extend(job.keys[rank])
-        ids.extend(job.block_ids)
+        for variant, part_keys, part_ids in job.parts(rank):
+            if part_ids:
+                keys, ids = merged.setdefault(variant, ([], []))
+                keys.extend(part_keys)
+                ids.extend(part_ids)
     return [(v, k, i) for v, (k, i) in merged.items()]
 
 

@@ -39,16 +39,30 @@ KeyChain = Callable[[int, "bytes | None", Sequence[int]], list[bytes]]
 
 
 @dataclass(frozen=True)
+class SharedScope:
+    """A request's leading ``blocks`` are keyed in a group's scope (a prefix the group
+    published, ``kvtier.prefixes``): they load from ``variant``'s namespace (the group's), and
+    are stored there only when this engine's tenant is a ``publisher`` of the group."""
+
+    blocks: int
+    variant: Variant
+    publisher: bool
+
+
+@dataclass(frozen=True)
 class LookupOutcome:
     """Answer of one background lookup: keys per slice, the hit prefix (minimum over slices),
     the tier of each hit (slice 0), the pins to release, and how to chain more keys on (the
-    request's generated blocks; None: the keys of the looked-up tokens are all there is)."""
+    request's generated blocks; None: the keys of the looked-up tokens are all there is).
+    ``shared``: the leading blocks keyed in a group's scope (None: every block is the
+    request's own variant's)."""
 
     keys: list[list[bytes]]
     hits: int
     tiers: list[str]
     pins: list[Pin]
     chain: KeyChain | None = None
+    shared: SharedScope | None = None
 
 
 class Backend(Protocol):

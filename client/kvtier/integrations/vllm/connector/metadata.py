@@ -92,6 +92,8 @@ PROM_COUNTERS = {
     "sched_lookups": "kvtier lookups issued by the scheduler",
     "sched_lookup_timeouts": "kvtier lookups answered as a miss after lookup_timeout_ms",
     "sched_hit_blocks": "Blocks vLLM was told it can load from kvtier",
+    "sched_shared_hit_blocks": "Of sched_hit_blocks, blocks of a prefix one of the tenant's groups published",
+    "sched_store_shared_skipped_blocks": "Blocks of a group not stored: the group's publishers store them",
     # the load-or-recompute decision (scheduler) and the interference budget (workers)
     "decision_tokens_loaded": "Hit tokens the load-or-recompute decision chose to load",
     "decision_tokens_recomputed_slower": "Hit tokens recomputed because loading them was slower",

@@ -182,6 +182,8 @@ class Planner:
             self.stats.hit_blocks += len(tiers)
             self.stats.host_hit_blocks += tiers.count("host")
             self.stats.nvme_hit_blocks += tiers.count("nvme")
+            if outcome.shared is not None:
+                self.stats.shared_hit_blocks += max(0, min(first + len(tiers), outcome.shared.blocks) - first)
         answer = self.decisions.decide(st, first, tiers) * self.block_size
         st.matched = (num_local_tokens, answer)
         return answer, self.load_async and answer > 0
@@ -322,6 +324,8 @@ class Planner:
         else:
             self.lookups.release_at(st, self._step + self.pin_release_steps)
         d = st.decision
+        scope = st.outcome.shared
+        shared = 0 if scope is None else max(0, min(count, scope.blocks - first))
         return LoadJob(
             st.info.req_id,
             st.info.variant,
@@ -330,4 +334,6 @@ class Planner:
             hit_tiers(st.outcome, first, first + count),
             d.predicted_s if d is not None and d.load_blocks == count else None,
             d.recompute_s if d is not None and d.load_blocks == count else None,
+            shared,
+            scope.variant if shared and scope is not None else None,
         )

@@ -54,7 +54,9 @@ class LoadJob:
     ``tiers[i]``: where the lookup found block ``i`` ("host", "nvme", ...; empty when unknown),
     ``predicted_s``: the decision's predicted load time (None: no figures yet); ``recompute_s``:
     its predicted recompute time of the same tokens (None: unknown; a sync load waits for its
-    blocks no longer than that, ``kvtier.adaptive.worth_waiting_s``)."""
+    blocks no longer than that, ``kvtier.adaptive.worth_waiting_s``). ``shared``: the first
+    ``shared`` blocks load from ``shared_variant``'s namespace (a group's published prefix),
+    the rest from ``variant``'s."""
 
     req_id: str
     variant: Variant
@@ -63,6 +65,15 @@ class LoadJob:
     tiers: list[str] = field(default_factory=list)
     predicted_s: float | None = None
     recompute_s: float | None = None
+    shared: int = 0
+    shared_variant: Variant | None = None
+
+    def parts(self, rank: int) -> list[tuple[Variant, list[bytes], list[int]]]:
+        """Slice ``rank``'s keys and engine blocks per namespace variant, in order."""
+        keys, ids, cut = self.keys[rank], self.block_ids, self.shared
+        if not cut or self.shared_variant is None:
+            return [(self.variant, keys, ids)]
+        return [(self.shared_variant, keys[:cut], ids[:cut]), (self.variant, keys[cut:], ids[cut:])]
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,8 @@ class PlannerStats:
     load_blocks: int = 0
     store_blocks: int = 0
     store_generated_blocks: int = 0
+    store_shared_skipped_blocks: int = 0  # a group's blocks not stored: this tenant only reads it
+    shared_hit_blocks: int = 0  # of hit_blocks, those of a group's published prefix
     flushes: int = 0
     # the load-or-recompute decision (the Decider's counters, exported unprefixed)
     decision_tokens_loaded: int = 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from kvtier.integrations.vllm.connector.config import Variant
 from kvtier.integrations.vllm.connector.lookup_thread import LookupOutcome
 from kvtier.integrations.vllm.connector.plans import PlannerStats, StepPlan, StoredBlocks, StoreJob
 from kvtier.integrations.vllm.connector.requests import RequestState
@@ -107,17 +108,30 @@ class StorePlanning:
         full = min(full, self._chain(st, outcome, tokens, full))
         if full <= start:
             return
-        plan.stores.append(self._job(st, tokens, start, full))
+        scope = outcome.shared
+        if scope is not None and start < scope.blocks:  # a group's published prefix first
+            cut = min(full, scope.blocks)
+            if scope.publisher:
+                plan.stores.append(self._job(st, tokens, start, cut, scope.variant))
+            else:  # a member only reads the group's blocks: a publisher stores them
+                self.stats.store_shared_skipped_blocks += cut - start
+                st.stored_upto = cut
+            start = cut
+            if full <= start:
+                return
+        plan.stores.append(self._job(st, tokens, start, full, st.info.variant))
 
-    def _job(self, st: RequestState, tokens: Sequence[int], start: int, full: int) -> StoreJob:
-        """Blocks ``start:full`` of ``st`` as the next store job: numbered, in the fence map,
-        counted, and ``st``'s store progress moved on to ``full``."""
-        assert st.keys is not None and st.info.variant is not None
+    def _job(
+        self, st: RequestState, tokens: Sequence[int], start: int, full: int, variant: Variant
+    ) -> StoreJob:
+        """Blocks ``start:full`` of ``st`` as the next store job into ``variant``'s namespace:
+        numbered, in the fence map, counted, and ``st``'s store progress moved on to ``full``."""
+        assert st.keys is not None
         events = self.event_token_ids()
         job = StoreJob(
             self._next_job,
             st.info.req_id,
-            st.info.variant,
+            variant,
             [k[start:full] for k in st.keys],
             st.block_ids[start:full],
             list(tokens[start * self.block_size : full * self.block_size]) if events else None,
