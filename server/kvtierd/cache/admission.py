@@ -105,17 +105,18 @@ class Admission:
         if caller is not None:
             self.tenancy.check(caller, "sessions", len(self._of_tenant(caller.name)) + 1)
 
-    def admit_namespace(self, caller: Tenant | None, namespace_id: int, owner: str | None) -> None:
-        """One more namespace of ``owner`` (quota ``namespaces``), unless it is registered: the
-        caller's quota, or the group's when ``owner`` is a group (its members register it)."""
+    def admit_namespace(self, caller: Tenant | None, namespace_id: int, owner: str | None) -> str | None:
+        """One more namespace of ``owner`` (quota ``namespaces``), unless it is registered;
+        whose quota it is charged to: ``owner``'s (a tenant's own; a group's when the caller
+        publishes into it), else the caller's (a member registering its group's namespace
+        before any publisher: its own act, so no member can fill its group's quota)."""
         if caller is None or namespace_id in self._namespaces:
-            return
-        held = sum(1 for ns in self._namespaces.values() if ns.spec.owner == owner)
-        group = self.tenancy.tenant(owner)
-        if group is not None and group.group:
-            self.tenancy.check(group, "namespaces", 1 + held, f"group {owner}")
-        else:
-            self.tenancy.check(caller, "namespaces", 1 + held, f"tenant {owner}")
+            return owner
+        payer = owner if self.tenancy.may_store(caller.name, owner) else caller.name
+        held = sum(1 for ns in self._namespaces.values() if ns.charged_to == payer)
+        who = self.tenancy.tenant(payer) or caller
+        self.tenancy.check(who, "namespaces", 1 + held, f"{'group' if who.group else 'tenant'} {payer}")
+        return payer
 
     def admit_store_into(self, caller: Tenant | None, ns: NamespaceState) -> None:
         """A store of ``caller`` into ``ns``: a group's namespace takes only its publishers'

@@ -153,7 +153,9 @@ class TieredCache:
 
     # -- namespaces -------------------------------------------------------------------------------
 
-    def register_namespace(self, spec: Namespace) -> NamespaceState:
+    def register_namespace(self, spec: Namespace, charged_to: str | None = None) -> NamespaceState:
+        """The namespace of ``spec``, made now unless it is registered (its ``namespaces``
+        quota charged to ``charged_to``, by default its owner)."""
         ns = self.namespaces.get(spec.namespace_id)
         if ns is not None:
             if ns.spec.digest != spec.digest:  # 63-bit id collision: refuse, never alias
@@ -176,6 +178,7 @@ class TieredCache:
             self.host.slot_bytes_for(block_bytes),
             last_used=self._clock(),
             pool=self.arena_of(spec.owner),
+            charged_to=charged_to or spec.owner,
         )
         self.namespaces[ns.id] = ns
         return ns

@@ -22,8 +22,9 @@ be written there again.
   once).
   Either way a full queue or a failed write drops it (counted by the tier).
 
-Every call names the realm of the namespace's values (``tier.realm_of(ns.spec.owner)``; for
-the cluster tier its tenant's with a tenants file, kvtierd.tiers.cluster.keys). Figures go to
+Every call names the realm of the namespace's values (``tier.realm_of(spec.tenant,
+spec.group)``; for the cluster tier its tenant's or its group's with a tenants file,
+kvtierd.tiers.cluster.keys). Figures go to
 the tier's own counter columns (``tier.columns``).
 
 Concurrency: event-loop thread only; the tier's I/O runs on its own thread.
@@ -71,7 +72,7 @@ class SharedLink:
         """Leading keys of ``keys`` the tier holds (answered within the lookup deadline)."""
         if not keys or not self.tier.connected:
             return 0
-        found = await self.tier.exists(self.tier.realm_of(ns.spec.owner), ns.spec.digest, keys)
+        found = await self.tier.exists(self._realm(ns), ns.spec.digest, keys)
         try:
             return found.index(False)
         except ValueError:
@@ -90,7 +91,7 @@ class SharedLink:
             return []
         asked = self.read_figures.clock()
         # Slots are taken (evicting) only for blocks the tier holds.
-        present = await self.tier.exists(self.tier.realm_of(ns.spec.owner), ns.spec.digest, todo)
+        present = await self.tier.exists(self._realm(ns), ns.spec.digest, todo)
         if prefix_only and False in present:
             present = present[: present.index(False)]
         todo = [k for k, p in zip(todo, present, strict=False) if p and k not in ns.entries]
@@ -124,7 +125,7 @@ class SharedLink:
         began = self.read_figures.clock()
         try:
             results = await self.tier.fetch(
-                self.tier.realm_of(ns.spec.owner),
+                self._realm(ns),
                 ns.spec.digest,
                 keys,
                 ns.block_bytes,
@@ -189,6 +190,10 @@ class SharedLink:
             c.tokens_hit += n * tpb
             c.tokens_missed -= n * tpb
 
+    def _realm(self, ns: NamespaceState) -> Any:
+        """The realm of ``ns``'s blocks in the tier: its group's, else its tenant's."""
+        return self.tier.realm_of(ns.spec.tenant, ns.spec.group)
+
     @staticmethod
     def _bump(ns: NamespaceState, column: str, n: int) -> None:
         if n:
@@ -203,9 +208,9 @@ class SharedLink:
         if not todo:
             return
         host = self.residency.host
-        realm = self.tier.realm_of
+        realm = self._realm
         items = [
-            (realm(e.ns.spec.owner), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes), e.digest)
+            (realm(e.ns), e.ns.spec.digest, e.key, host.view(e.offset, e.ns.block_bytes), e.digest)
             for e in todo
         ]
         admitted = todo[: self.tier.offer(items, lambda oks: self._written(admitted, oks))]
@@ -226,9 +231,7 @@ class SharedLink:
                 e.in_cluster = True
                 self.residency.events.stored((e,), MEDIUM_REMOTE)
 
-        self.tier.offer(
-            [(self.tier.realm_of(e.ns.spec.owner), e.ns.spec.digest, e.key, memoryview(data), e.digest)], done
-        )
+        self.tier.offer([(self._realm(e.ns), e.ns.spec.digest, e.key, memoryview(data), e.digest)], done)
 
     def _written(self, entries: list[Entry], oks: list[bool]) -> None:
         """``done`` of a commit-policy offer: the slots may go; written blocks are not resent

@@ -147,6 +147,10 @@ class NamespaceState:
     ``namespace_idle_s`` is forgotten (``TieredCache.expire_idle``)."""
     pool: int = 0
     """The host arena its blocks live in (its tenant's; fixed at registration)."""
+    charged_to: str | None = None
+    """Whose ``namespaces`` quota it counts against (kvtierd.cache.admission.admit_namespace):
+    its owner, or the member of a group that registered the group's namespace before any
+    publisher did (its act: a member never fills its group's quota)."""
     children: dict[bytes, Entry | set[Entry]] = field(default_factory=dict)
     """Parent key -> the entry filed under it, or a set of them when a chain branches (each
     entry under its ``parent``, once), kept only for a prefix-aware policy

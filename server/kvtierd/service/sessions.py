@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier_contract.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvtier_contract.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvtier_contract.protoutil import namespace_from_spec
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache
@@ -44,9 +44,8 @@ class SessionHandlers:
                 field="digest",
             )
         caller = CALLER.get()
-        if caller is not None:
-            self._tenant_may_register(caller, spec)
-        ns = self.cache.register_namespace(spec)
+        charged_to = self._tenant_may_register(caller, spec) if caller is not None else None
+        ns = self.cache.register_namespace(spec, charged_to)
         return pb.RegisterNamespaceReply(
             boot_epoch=self.settings.boot_epoch,
             namespace_id=ns.id,
@@ -54,23 +53,17 @@ class SessionHandlers:
             digest=spec.digest,
         )
 
-    def _tenant_may_register(self, caller: Tenant, spec: Any) -> None:
+    def _tenant_may_register(self, caller: Tenant, spec: Any) -> str | None:
         """A tenant registers only namespaces naming it (``spec.tenant``, part of the digest:
         two tenants never share a namespace, nor its blocks), or naming a group it is a member
-        of (``spec.group``, docs/hashing.md §7; only its publishers create one, a member
-        registers one they made: ``NOT_FOUND`` before), within the owner's quota."""
+        of (``spec.group``, docs/hashing.md §7), within a quota; whose quota a new one is
+        charged to (``Admission.admit_namespace``: a member that registers its group's
+        namespace first pays for it itself)."""
         owner = self.scope.tenancy.tenant(spec.owner)
         if spec.group is not None:
             if owner is None or not owner.group or not self.scope.tenancy.may_see(caller.name, spec.group):
                 raise PermissionDenied(
                     f"{spec.group!r} is not a group of this credential's tenant", field="spec.group"
-                )
-            if spec.namespace_id not in self.cache.namespaces and not self.scope.tenancy.may_store(
-                caller.name, spec.group
-            ):  # (else a member could fill the group's namespaces quota with empty ones)
-                raise NotFound(
-                    f"group {spec.group!r} has no such namespace yet: its publishers register it",
-                    field="spec.group",
                 )
         elif spec.tenant is None:
             raise InvalidArgument(
@@ -82,7 +75,7 @@ class SessionHandlers:
             raise PermissionDenied(
                 f"{spec.tenant!r} is not the tenant of this credential", field="spec.tenant"
             )
-        self.cache.admission.admit_namespace(caller, spec.namespace_id, spec.owner)
+        return self.cache.admission.admit_namespace(caller, spec.namespace_id, spec.owner)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> Any:
         if self.settings.draining:

@@ -118,17 +118,17 @@ class StatsHandlers:
         """Each namespace (every identity field, the cache salt as ``salt_tag``'s tag, never
         itself, and the tenant holding it: a tenant of the tenants file, else "") and each
         tenant (sessions, namespaces, quotas and refusals)."""
-        held = self._add_namespaces(reply, namespaces)
+        self._add_namespaces(reply, namespaces)
+        held: dict[str, int] = {}  # the namespaces each one's quota is charged with
+        for ns in self.cache.namespaces.values():
+            held[ns.charged_to or ""] = held.get(ns.charged_to or "", 0) + 1
         self._add_tenants(reply, tenant_names, held)
 
-    def _add_namespaces(self, reply: pb.StatsReply, namespaces: list[NamespaceState]) -> dict[str, int]:
-        """Each namespace's identity and counters (see ``_add_identities``); how many each
-        tenant holds (tenant name, "" for none of the tenants file -> count)."""
-        held: dict[str, int] = {}
+    def _add_namespaces(self, reply: pb.StatsReply, namespaces: list[NamespaceState]) -> None:
+        """Each namespace's identity and counters (see ``_add_identities``)."""
         for ns in namespaces:
             tenant = ns.spec.owner or ""
             tenant = tenant if self.tenancy.tenant(tenant) is not None else ""
-            held[tenant] = held.get(tenant, 0) + 1
             spec = namespace_spec(ns.spec)
             if ns.spec.cache_salt is not None:  # an isolation secret (vLLM: per user)
                 spec.cache_salt = salt_tag(ns.spec.cache_salt)
@@ -141,7 +141,6 @@ class StatsHandlers:
                 spec=spec,
                 tenant=tenant,
             )
-        return held
 
     def _add_tenants(self, reply: pb.StatsReply, tenant_names: list[str], held: dict[str, int]) -> None:
         """Each tenant of ``tenant_names`` in the tenants file: its sessions, the namespaces

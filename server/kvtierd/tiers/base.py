@@ -187,7 +187,7 @@ class SharedColumns:
 class SharedTier(Protocol):
     """A tier shared by the daemons of many nodes, outside the index; see the module docstring.
 
-    Every call names a *realm* (``realm_of(tenant)``: the tier's own value) that scopes the
+    Every call names a *realm* (``realm_of(tenant, group)``: the tier's own value) that scopes the
     blocks' names and how they are authenticated. ``write_policy``: ``"commit"`` (offer every
     committed block) or ``"evict"`` (offer a block leaving the host tier without a copy there).
 
@@ -211,7 +211,9 @@ class SharedTier(Protocol):
     def pending_writes(self) -> int:
         """Blocks admitted by ``offer`` and not yet written or dropped (a drain waits)."""
 
-    def realm_of(self, tenant: str | None) -> Any: ...
+    def realm_of(self, tenant: str | None, group: str | None = None) -> Any:
+        """The realm of a namespace's blocks: its ``group``'s when it has one, else its
+        ``tenant``'s (each a tier's own value)."""
 
     async def exists(self, realm: Any, digest: bytes, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held, as far as the tier answers within the lookup deadline."""

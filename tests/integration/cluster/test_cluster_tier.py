@@ -766,7 +766,7 @@ def test_a_value_planted_before_the_real_store_does_not_outlive_it(
 TENANT_TOKENS = {"team-a": "tok-cl-a", "team-b": "tok-cl-b", "ops": "tok-cl-ops"}
 
 
-def tenants_line(tmp_path: Path) -> str:
+def tenants_line(tmp_path: Path, extra: str = "") -> str:
     path = tmp_path / "tenants.toml"
     path.write_text(
         "".join(
@@ -775,6 +775,7 @@ def tenants_line(tmp_path: Path) -> str:
             + "\n"
             for name, t in TENANT_TOKENS.items()
         )
+        + extra
     )
     return f'tenants_file = "{path}"'
 
@@ -824,6 +825,37 @@ def test_a_tenants_blocks_are_served_only_from_values_of_its_own_realm(
     assert team_a_gets() == data
     assert all(rc.exists(redis_key(spec_a.digest, k, ra)) for k in keys)
     assert all(redis_key(spec_a.digest, k, ra).startswith(ra.prefix) for k in keys)
+
+
+def test_a_groups_blocks_are_written_under_its_own_realm_and_read_by_its_members_on_other_nodes(
+    cluster: RedisCluster, daemon_factory: Any, tmp_path: Path
+) -> None:
+    """Issue 43: what a publisher of group ``acme`` stores through one node goes to the cluster
+    under the group's realm (its own MAC key and Redis keys: neither the publisher's nor those
+    of a tenant named ``acme`` in another daemon's file); a member on another node, where no
+    publisher registered the group's namespace, loads it from there; team-a's own authentic
+    values copied under the group's keys are refused."""
+    ops = TENANT_TOKENS["ops"]
+    group = '[[group]]\nname = "acme"\npublishers = ["team-a"]\nmembers = ["team-b"]\n'
+    t1 = node(daemon_factory, tmp_path, "g1", cluster.url, tenants_line(tmp_path, group), token=ops)
+    t2 = node(daemon_factory, tmp_path, "g2", cluster.url, tenants_line(tmp_path, group), token=ops)
+    fleet, rc = FleetKeys(FLEET_KEY), cluster.cluster_client()
+    rg, spec = fleet.group("acme"), make_namespace(group="acme")
+    keys, data = store(t1, "group", 4, token=TENANT_TOKENS["team-a"], admin=ops, group="acme")
+    assert all(rc.exists(redis_key(spec.digest, k, rg)) for k in keys)
+    for other in (fleet.realm("team-a"), fleet.realm("acme")):
+        assert not any(rc.exists(redis_key(spec.digest, k, other)) for k in keys)
+    with kvtier.Client.connect(t2.unix, transport="tcp", token=TENANT_TOKENS["team-b"]) as c:
+        assert [bytes(g) if g is not None else None for g in c.register(spec).get(keys)] == data
+    # team-a's own authentic values, copied under the group's keys on a third node: refused
+    t3 = node(daemon_factory, tmp_path, "g3", cluster.url, tenants_line(tmp_path, group), token=ops)
+    keys_a, _ = store(t1, "group-a", 4, token=TENANT_TOKENS["team-a"], admin=ops, tenant="team-a")
+    spec_a = make_namespace(tenant="team-a")
+    for ka, kg in zip(keys_a, keys, strict=True):
+        rc.set(redis_key(spec.digest, kg, rg), rc.get(redis_key(spec_a.digest, ka, fleet.realm("team-a"))))
+    with kvtier.Client.connect(t3.unix, transport="tcp", token=TENANT_TOKENS["team-b"]) as c:
+        assert c.register(spec).get(keys) == [None] * 4
+    assert cluster_stats(t3, ops)["corrupt_values"] + cluster_stats(t3, ops)["mac_failures"] == 4
 
 
 def test_a_daemon_with_another_fleet_key_neither_serves_nor_is_served(

@@ -155,22 +155,28 @@ def test_the_groups_quota_is_charged_not_the_readers(groups: DaemonProcess) -> N
         assert "group" not in shown["member"] and shown["member"]["tenant"] == "member"
 
 
-def test_only_publishers_create_a_groups_namespace_and_a_member_early_just_misses(
-    groups: DaemonProcess,
-) -> None:
-    """A member cannot fill the group's namespaces quota with empty ones: a namespace of the
-    group that no publisher made yet is NOT_FOUND to it, and the SDK takes that as "not yet"
-    (its lookups miss, a later call registers it), so a member's engine may start first."""
-    code, details = raw_register(groups, "member", make_namespace(group=GROUP, model_id="junk/model"))
-    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("spec.group: ")
+def test_a_member_registering_its_groups_namespace_first_pays_for_it_itself(groups: DaemonProcess) -> None:
+    """A member may register a namespace of its group no publisher made yet (its engine may
+    start first, or the blocks are on another node: the cluster tier), charged to its own
+    ``namespaces`` quota, never the group's: a member cannot fill its group's quota with empty
+    ones, and the publisher still registers the group's one namespace."""
+    junk = make_namespace(group=GROUP, model_id="junk/model")
     keys = group_ns().block_keys(SHARED)
     with client(groups, "member") as member, client(groups, "pub") as pub, client(groups, "ops") as ops:
-        early = member.register(group_ns())  # no error: not registered yet
+        member.register(junk)
+        early = member.register(group_ns())
         assert early.lookup(keys) == 0
-        assert {t["name"]: t for t in ops.stats()["tenants"]}[GROUP]["namespaces"] == 0
-        g = pub.register(group_ns())
+        figures = {t["name"]: t for t in ops.stats()["tenants"]}
+        assert figures[GROUP]["namespaces"] == 0 and figures["member"]["namespaces"] == 2
+        g = pub.register(group_ns())  # the group's quota (1) is whole: nothing charged to it
+        assert g.namespace_id == early.namespace_id
         assert g.put(keys, [block(i) for i in range(4)]).stored == 4
-        wait_for("the member's handle registers and hits", lambda: early.lookup(keys) == 4)
+        assert early.lookup(keys) == 4
+        pub.register(make_namespace(group=GROUP, model_id="pub/model"))  # the group's first
+        code, details = raw_register(groups, "pub", make_namespace(group=GROUP, model_id="pub/model-2"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reached by group acme-shared" in details
+        with pytest.raises(errors.PermissionDenied, match="namespace_id"):  # still a reader only
+            early.put(keys, [block(i) for i in range(4)])
 
 
 def test_a_reload_that_drops_a_member_cuts_it_off_at_once(groups: DaemonProcess, tmp_path: Path) -> None:

@@ -3,21 +3,24 @@
 The daemons of one fleet share a secret, the *fleet key* (``cluster_fleet_key_file``: hex, at
 least 32 bytes, e.g. ``openssl rand -hex 32``). Every value they write carries a MAC under a
 *realm* key derived from it, and a value whose MAC does not verify is never served
-(kvtierd.tiers.cluster.format). A realm is one tenant of a daemon with a tenants file, or, for
-daemons without one, the trust domain their ``cluster_realm`` names (whatever ``tenant`` their
-clients put in their namespaces: such a daemon has no credential that says who they are, so its
-values never pass for a tenant's, and every engine that reaches one daemon of a realm can plant
-values that every daemon of that realm serves: one realm per trust domain, e.g. per
-Deployment)::
+(kvtierd.tiers.cluster.format). A realm is one tenant of a daemon with a tenants file, one
+group of tenants of such a daemon (docs/security.md § Groups: its publishers write, its members
+read; under its own key, so a group never shares a realm with a tenant of the same name in
+another daemon's file), or, for daemons without one, the trust domain their ``cluster_realm``
+names (whatever ``tenant`` their clients put in their namespaces: such a daemon has no
+credential that says who they are, so its values never pass for a tenant's, and every engine
+that reaches one daemon of a realm can plant values that every daemon of that realm serves: one
+realm per trust domain, e.g. per Deployment)::
 
     realm key = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/tenant/v1\\0" + tenant name)
+              = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/group/v1\\0" + group name)
               = BLAKE2b-256(key = fleet key, data = "kvtier/fleet/untenanted/v2\\0" + cluster_realm)
     realm tag = hex(BLAKE2b-64(key = realm key, data = "kvtier/fleet/tag/v1"))     (16 hex)
 
 Redis keys start with ``kvt2:<realm tag>:``: an operator can give each tenant's traffic a Redis
 ACL key pattern (``~kvt2:<tag>:*``), and the tag, derived from the key, names no tenant and
 cannot be guessed without the fleet key. ``python -m kvtierd.tiers.cluster.keys FILE TENANT``
-(or ``FILE --realm CLUSTER_REALM``) prints a realm's pattern.
+(or ``FILE --group GROUP``, ``FILE --realm CLUSTER_REALM``) prints a realm's pattern.
 
 The key is never logged: :class:`FleetKeys` and :class:`Realm` leave it out of their ``repr``.
 Pure functions and immutable objects (the realm cache is a dict filled on first use, from the
@@ -39,6 +42,7 @@ MIN_KEY_BYTES = 32
 MAC_BYTES = 32
 TAG_PREFIX = b"kvt2:"
 _TENANT_DOMAIN = b"kvtier/fleet/tenant/v1\0"
+_GROUP_DOMAIN = b"kvtier/fleet/group/v1\0"
 _UNTENANTED_DOMAIN = b"kvtier/fleet/untenanted/v2\0"
 _TAG_DOMAIN = b"kvtier/fleet/tag/v1"
 
@@ -89,13 +93,15 @@ class Realm:
     untenanted daemons of one ``cluster_realm``) under one fleet key."""
 
     name: str | None
-    """The tenant, or None (untenanted)."""
+    """The tenant or the group, or None (untenanted)."""
     mac_key: bytes = field(repr=False)
     """The 32-byte BLAKE2b key of this realm's MACs."""
     prefix: bytes = b""
     """``kvt2:<tag>:``, the start of every Redis key of this realm."""
     cluster_realm: str = ""
-    """Untenanted: the ``cluster_realm`` of its daemons ("" for a tenant's realm)."""
+    """Untenanted: the ``cluster_realm`` of its daemons ("" for a tenant's or a group's realm)."""
+    group: bool = False
+    """``name`` is a group of tenants."""
 
     @property
     def acl_pattern(self) -> str:
@@ -124,6 +130,14 @@ class FleetKeys:
             r = self._realms["tenant", tenant] = Realm(tenant, mac_key, prefix)
         return r
 
+    def group(self, group: str) -> Realm:
+        """The realm of group ``group`` of tenants (a daemon with a tenants file)."""
+        r = self._realms.get(("group", group))
+        if r is None:
+            mac_key, prefix = self._derive(_GROUP_DOMAIN + group.encode())
+            r = self._realms["group", group] = Realm(group, mac_key, prefix, group=True)
+        return r
+
     def untenanted(self, cluster_realm: str) -> Realm:
         """The realm of the daemons without tenants whose ``cluster_realm`` is this (checked:
         ValueError naming it)."""
@@ -141,18 +155,22 @@ class FleetKeys:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the Redis ACL key pattern of a tenant's realm, or (``--realm NAME``) of the
-    untenanted daemons of ``cluster_realm`` NAME."""
+    """Print the Redis ACL key pattern of a tenant's realm, of a group's (``--group NAME``), or
+    (``--realm NAME``) of the untenanted daemons of ``cluster_realm`` NAME."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (2, 3) or (len(args) == 3) != (args[1] == "--realm"):
+    if len(args) not in (2, 3) or (len(args) == 3) != (args[1] in ("--realm", "--group")):
         print(
-            "usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE (TENANT | --realm CLUSTER_REALM)",
+            "usage: python -m kvtierd.tiers.cluster.keys FLEET_KEY_FILE "
+            "(TENANT | --group GROUP | --realm CLUSTER_REALM)",
             file=sys.stderr,
         )
         return 2
     try:
         keys = FleetKeys(read_fleet_key(args[0]))
-        realm = keys.untenanted(args[2]) if len(args) == 3 else keys.realm(args[1])
+        if len(args) == 2:
+            realm = keys.realm(args[1])
+        else:
+            realm = keys.group(args[2]) if args[1] == "--group" else keys.untenanted(args[2])
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ Only kvtierd talks to the cluster (docs/cluster.md). Unlike the NVMe tier, the c
 tier of this daemon's copies: other daemons write and the cluster evicts on its own, so the
 index never records what it holds. The cache asks it (kvtierd.cache.fleet):
 
-Every call names the realm of the blocks (``realm_of(tenant)``, kvtierd.tiers.cluster.keys):
+Every call names the realm of the blocks (``realm_of(tenant, group)``, kvtierd.tiers.cluster.keys):
 their Redis keys' prefix and the key of their MACs.
 
 * ``exists(realm, digest, keys)`` -> one bool per key (pipelined ``EXISTS``, one pipeline per
@@ -167,13 +167,13 @@ class ClusterTier:
     def write_policy(self) -> str:
         return self.settings.write_policy
 
-    def realm_of(self, tenant: str | None) -> Realm:
-        """The realm of a namespace naming ``tenant``: its tenant's with a tenants file, else
-        the untenanted one of this daemon's ``cluster_realm`` (a client's claim of a tenant is no
-        credential)."""
-        if self.settings.tenanted:
-            return self.keys.realm(tenant or "")
-        return self.keys.untenanted(self.settings.realm)
+    def realm_of(self, tenant: str | None, group: str | None = None) -> Realm:
+        """The realm of a namespace naming ``tenant`` or ``group``: its group's or its tenant's
+        with a tenants file, else the untenanted one of this daemon's ``cluster_realm`` (a
+        client's claim of a tenant or a group is no credential)."""
+        if not self.settings.tenanted:
+            return self.keys.untenanted(self.settings.realm)
+        return self.keys.group(group) if group is not None else self.keys.realm(tenant or "")
 
     @property
     def pending_writes(self) -> int:

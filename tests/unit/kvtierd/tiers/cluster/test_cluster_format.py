@@ -237,6 +237,27 @@ def test_the_keys_tool_prints_a_realms_acl_pattern(
     assert main([str(key)]) == 2 and main([str(key), "--realm"]) == 2
 
 
+def test_a_groups_realm_is_derived_as_documented_and_is_no_tenants_nor_untenanted_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/cluster.md: BLAKE2b-256(key = fleet key, "kvtier/fleet/group/v1\\0" + group): group
+    ``x`` never has the realm (MAC key, Redis keys) of tenant ``x`` nor of cluster_realm ``x``,
+    so a tenants file that names a tenant like another file's group shares nothing with it."""
+    fleet_key = hashlib.sha256(b"fleet key").digest()
+    fleet = FleetKeys(fleet_key)
+    g = fleet.group("acme-shared")
+    want = hashlib.blake2b(b"kvtier/fleet/group/v1\0acme-shared", key=fleet_key, digest_size=32).digest()
+    assert g.mac_key == want and g.name == "acme-shared" and g.group and g == fleet.group("acme-shared")
+    others = (fleet.realm("acme-shared"), fleet.untenanted("acme-shared"))
+    assert all(g.mac_key != o.mac_key and g.prefix != o.prefix for o in others)
+    assert "acme-shared" not in g.acl_pattern and fleet_key.hex() not in repr(g)
+    key = tmp_path / "fleet.key"
+    key.write_text(fleet_key.hex())
+    assert main([str(key), "--group", "acme-shared"]) == 0
+    assert capsys.readouterr().out == g.acl_pattern + "\n"
+    assert main([str(key), "--group"]) == 2
+
+
 def test_the_untenanted_realm_key_is_derived_from_cluster_realm_as_documented() -> None:
     """docs/cluster.md: BLAKE2b-256(key = fleet key, "kvtier/fleet/untenanted/v2\\0" + cluster_realm)."""
     fleet_key = hashlib.sha256(b"fleet key").digest()
