@@ -64,8 +64,10 @@ class PrefixMatcher:
         by_length: dict[int, dict[bytes, PublishedPrefix]] = {}
         for p in prefixes:
             if 0 < p.tokens <= MAX_PREFIX_TOKENS:
-                by_length.setdefault(p.tokens, {}).setdefault(p.digest, p)
-        self._by_length = sorted(by_length.items(), reverse=True)  # longest first
+                same = by_length.setdefault(p.tokens, {})
+                if p.digest not in same or (p.publisher and not same[p.digest].publisher):
+                    same[p.digest] = p  # (published in two groups: one this tenant stores into)
+        self._by_length = sorted(by_length.items())  # shortest first: one hash pass over them
         self.prefixes = tuple(p for _, d in self._by_length for p in d.values())
 
     def __len__(self) -> int:
@@ -73,19 +75,19 @@ class PrefixMatcher:
 
     def match(self, token_ids: Sequence[int]) -> PublishedPrefix | None:
         """The longest published prefix that ``token_ids`` begin with (a request that is the
-        prefix alone, a publisher warming it, matches too), or None. One SHA-256 of the leading
-        tokens per distinct published length that fits."""
-        n = len(token_ids)
+        prefix alone, a publisher warming it, matches too), or None. One SHA-256 pass over the
+        leading tokens, up to the longest published length that fits."""
+        h, done, found = hashlib.sha256(), 0, None
         for length, digests in self._by_length:
-            if length > n:
-                continue
+            if length > len(token_ids):
+                break
             try:
-                found = digests.get(prefix_digest(token_ids[:length]))
+                h.update(struct.pack(f"<{length - done}I", *token_ids[done:length]))
             except struct.error:
-                return None  # not token ids a prefix can be published for
-            if found is not None:
-                return found
-        return None
+                return found  # not token ids a prefix can be published for
+            done = length
+            found = digests.get(h.copy().digest(), found)
+        return found
 
 
 class PrefixSource(Protocol):

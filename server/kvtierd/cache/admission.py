@@ -107,12 +107,18 @@ class Admission:
 
     def admit_namespace(self, caller: Tenant | None, namespace_id: int, owner: str | None) -> str | None:
         """One more namespace of ``owner`` (quota ``namespaces``), unless it is registered;
-        whose quota it is charged to: ``owner``'s (a tenant's own; a group's when the caller
-        publishes into it), else the caller's (a member registering its group's namespace
-        before any publisher: its own act, so no member can fill its group's quota)."""
-        if caller is None or namespace_id in self._namespaces:
-            return owner
-        payer = owner if self.tenancy.may_store(caller.name, owner) else caller.name
+        whose quota it is charged to (``NamespaceState.charged_to``): ``owner``'s (a tenant's
+        own; a group's when the caller publishes into it), else the caller's (a member
+        registering its group's namespace before any publisher: its own act, so no member can
+        fill its group's quota). A publisher registering one a member paid for moves the
+        charge to the group, within the group's quota."""
+        ns = self._namespaces.get(namespace_id)
+        if caller is None:
+            return owner if ns is None else ns.charged_to
+        publishes = self.tenancy.may_store(caller.name, owner)
+        if ns is not None and (ns.charged_to == owner or not publishes):
+            return ns.charged_to
+        payer = owner if publishes else caller.name
         held = sum(1 for ns in self._namespaces.values() if ns.charged_to == payer)
         who = self.tenancy.tenant(payer) or caller
         self.tenancy.check(who, "namespaces", 1 + held, f"{'group' if who.group else 'tenant'} {payer}")

@@ -46,6 +46,8 @@ class SessionHandlers:
         caller = CALLER.get()
         charged_to = self._tenant_may_register(caller, spec) if caller is not None else None
         ns = self.cache.register_namespace(spec, charged_to)
+        if charged_to is not None:  # (a publisher's registration takes over a member's charge)
+            ns.charged_to = charged_to
         return pb.RegisterNamespaceReply(
             boot_epoch=self.settings.boot_epoch,
             namespace_id=ns.id,

@@ -52,7 +52,7 @@ from kvtier_contract.prefixes import (
     MAX_PREFIXES_PER_GROUP,
     PREFIX_DIGEST_BYTES,
 )
-from kvtierd.tenancy.prefix_file import Groups, Prefix, PrefixFile
+from kvtierd.tenancy.prefix_file import MAX_FILE_BYTES, Groups, Prefix, PrefixFile, encode
 from kvtierd.tenancy.tenancy import Tenancy
 from kvtierd.tenants import Tenant
 from kvtierd.tenants_file import NAME_RULE, is_name
@@ -223,6 +223,12 @@ class PublishedPrefixes:
         async with self._lock:
             after, existed = plan(self._groups)  # every check: raises, nothing changed
             if after is not None:
+                if self.file is not None and len(encode(after)) > MAX_FILE_BYTES:
+                    raise ResourceExhausted(  # (a start reads no more: it would keep none)
+                        f"the published prefixes would not fit their file ({MAX_FILE_BYTES} "
+                        "bytes): withdraw some first",
+                        field="name",
+                    )
                 if self.file is not None:
                     await asyncio.get_running_loop().run_in_executor(None, self.file.save, after)
                 self._groups = after

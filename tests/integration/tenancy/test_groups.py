@@ -159,7 +159,7 @@ def test_a_member_registering_its_groups_namespace_first_pays_for_it_itself(grou
     """A member may register a namespace of its group no publisher made yet (its engine may
     start first, or the blocks are on another node: the cluster tier), charged to its own
     ``namespaces`` quota, never the group's: a member cannot fill its group's quota with empty
-    ones, and the publisher still registers the group's one namespace."""
+    ones. A publisher registering it moves the charge to the group, within the group's quota."""
     junk = make_namespace(group=GROUP, model_id="junk/model")
     keys = group_ns().block_keys(SHARED)
     with client(groups, "member") as member, client(groups, "pub") as pub, client(groups, "ops") as ops:
@@ -168,12 +168,15 @@ def test_a_member_registering_its_groups_namespace_first_pays_for_it_itself(grou
         assert early.lookup(keys) == 0
         figures = {t["name"]: t for t in ops.stats()["tenants"]}
         assert figures[GROUP]["namespaces"] == 0 and figures["member"]["namespaces"] == 2
-        g = pub.register(group_ns())  # the group's quota (1) is whole: nothing charged to it
+        g = pub.register(group_ns())  # the group's quota (1) was whole: now the charge is its
         assert g.namespace_id == early.namespace_id
+        figures = {t["name"]: t for t in ops.stats()["tenants"]}
+        assert figures[GROUP]["namespaces"] == 1 and figures["member"]["namespaces"] == 1
         assert g.put(keys, [block(i) for i in range(4)]).stored == 4
         assert early.lookup(keys) == 4
-        pub.register(make_namespace(group=GROUP, model_id="pub/model"))  # the group's first
-        code, details = raw_register(groups, "pub", make_namespace(group=GROUP, model_id="pub/model-2"))
+        code, details = raw_register(groups, "pub", make_namespace(group=GROUP, model_id="pub/model"))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reached by group acme-shared" in details
+        code, details = raw_register(groups, "pub", junk)  # the member's: the group's quota is full
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reached by group acme-shared" in details
         with pytest.raises(errors.PermissionDenied, match="namespace_id"):  # still a reader only
             early.put(keys, [block(i) for i in range(4)])

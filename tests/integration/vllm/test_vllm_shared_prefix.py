@@ -10,15 +10,18 @@ publisher stored and stores none of the group's blocks itself.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import time
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import DaemonProcess
-from test_vllm_planner import IDENTITY, lbhnc_cache, matched, prompt, schedule
+from test_vllm_planner import IDENTITY, decode, lbhnc_cache, matched, prompt, schedule
+from tests_helpers import wait_for
 
 import kvtier
 from kvtier.integrations.vllm.connector.backend import DaemonBackend
@@ -167,10 +170,7 @@ def test_a_member_loads_the_publishers_blocks_and_stores_none_of_the_groups(
     dst, layers2 = lbhnc_cache(False)
     w2 = KvtierWorker(IDENTITY, member_cfg)
     w2.register(layers2)
-    deadline, n, hit = time.monotonic() + 10, 0, 0
-    while hit < 2 * BS and time.monotonic() < deadline:  # (the member's handle of the group's
-        n += 1  # namespace, refused before the publisher made it, registers on a later call)
-        plan, hit = step(pm, f"m{n}", toks, T2, [7, 8, 9])
+    plan, hit = step(pm, "m1", toks, T2, [7, 8, 9])  # (its group handle registered at m0)
     assert hit == 2 * BS
     assert plan.loads[0].shared == 2 and w2.load(plan.loads) == set()
     for s, t in ((4, 7), (5, 8)):
@@ -180,3 +180,58 @@ def test_a_member_loads_the_publishers_blocks_and_stores_none_of_the_groups(
         x.close()
     for x in (pp, pm):
         x.close()
+
+
+def test_generated_tokens_completing_the_prefixs_last_block_chain_as_the_next_turn_keys_it(
+    daemon: DaemonProcess,
+) -> None:
+    """A prompt that is the published prefix alone (a publisher warming it, or a first turn)
+    ends inside block 2: decode completes that block, and its key has the boundary in it, as
+    the next turn's lookup (prefix + answer + a new message) computes it."""
+    with kvtier.Client.connect(daemon.unix) as c:
+        c.publish_prefix(GROUP, "system", SHARED)
+    p = planner(ConnectorConfig(address=daemon.unix))
+    toks = list(SHARED)
+    p.on_new_request(RequestInfo("t1", list(SHARED), T1, toks))
+    assert matched(p, "t1", 0, len(toks)) == (0, False)
+    p.after_alloc("t1", [0, 1, 2], 0)
+    plan = p.build(StepInput([schedule("t1", [0, 1, 2], 0, len(toks))]))
+    assert [(s.variant, s.block_ids) for s in plan.stores] == [(T1.shared(GROUP), [0, 1])]
+    toks.append(7)
+    stores = decode(p, "t1", toks, prompt(BS, seed=16), BS - 4)
+    generated = [s for step in stores for s in step]
+    assert [(s.variant, s.block_ids) for s in generated] == [(T1, [2])]
+    turn2 = toks + prompt(BS + 3, seed=17)
+    assert generated[0].keys[0] == expected_keys(T1, turn2)[2:3]
+    p.close()
+    with kvtier.Client.connect(daemon.unix) as c:
+        c.withdraw_prefix(GROUP, "system")
+
+
+def test_a_group_the_daemon_refuses_keys_the_request_in_its_own_scope(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """A prefix listed for a group the tenant can no longer register (taken out of it since
+    the list was fetched): the request is keyed, looked up and stored in its own scope."""
+    d = tenants_daemon(daemon_factory, tmp_path)
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["pub"]) as c:
+        c.publish_prefix(GROUP, "system", SHARED)
+    cfg = tenant_cfg(d, tmp_path, "member", prefix_refresh_ms=60_000)
+    p = planner(cfg)
+    toks = SHARED + prompt(BS + 3, seed=18)
+    step(p, "warm", prompt(BS + 1, seed=19), T2, [1, 2])  # the list fetched while a member
+    (tmp_path / "tenants.toml").write_text(
+        (tmp_path / "tenants.toml").read_text().replace('members = ["member"]', "members = []")
+    )
+    os.kill(d.proc.pid, signal.SIGHUP)
+    wait_for("the member is out of the group", lambda: not any(x.group == GROUP for x in member_prefixes(d)))
+    plan, hit = step(p, "own", toks, T2, [3, 4, 5])
+    assert hit == 0 and [s.variant for s in plan.stores] == [T2]
+    own = dataclasses.replace(IDENTITY.namespace(T2), tenant="member")
+    assert plan.stores[0].keys[0] == own.block_keys(toks)  # every full block in its own scope
+    p.close()
+
+
+def member_prefixes(d: DaemonProcess) -> list[Any]:
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["member"]) as c:
+        return c.published_prefixes()

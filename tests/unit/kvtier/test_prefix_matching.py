@@ -83,3 +83,18 @@ def test_the_watch_fetches_at_most_every_refresh_and_keeps_the_last_list() -> No
     clock.advance(5.0)
     source.connected = False  # a closed session is not asked
     assert watch.match(TOOLS + [1]) is not None and source.calls == 3
+
+
+def test_a_prefix_published_in_two_groups_matches_the_one_this_tenant_stores_into() -> None:
+    reads = PublishedPrefix("a-reads", "system", len(SYSTEM), prefix_digest(SYSTEM), publisher=False)
+    stores = PublishedPrefix("b-stores", "system", len(SYSTEM), prefix_digest(SYSTEM), publisher=True)
+    for order in ([reads, stores], [stores, reads]):
+        assert PrefixMatcher(order).match(SYSTEM + [1]) == stores
+
+
+def test_one_hash_pass_finds_the_longest_of_many_lengths() -> None:
+    prefixes = [published(f"p{n}", TOOLS[:n]) for n in range(1, len(TOOLS) + 1, 3)]
+    m = PrefixMatcher(prefixes)
+    for n in range(1, len(TOOLS) + 1):
+        want = max((p for p in prefixes if p.tokens <= n), key=lambda p: p.tokens)
+        assert m.match(TOOLS[:n]) == want

@@ -15,7 +15,7 @@ import pytest
 
 from kvtier_contract.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from kvtierd.tenancy import Tenancy
-from kvtierd.tenancy.prefix_file import Groups, Prefix, PrefixFile, encode
+from kvtierd.tenancy.prefix_file import MAX_FILE_BYTES, Groups, Prefix, PrefixFile, encode
 from kvtierd.tenancy.prefixes import NOT_A_PUBLISHER, Listed, PublishedPrefixes
 from kvtierd.tenants import Tenant, Tenants
 
@@ -217,3 +217,26 @@ def test_a_file_that_cannot_be_read_starts_empty_and_is_replaced(tmp_path: Path)
     run(reg.publish(caller(reg, "pub"), "g", "system", 3, D))
     assert file.load() == {"g": {"system": Prefix(3, D)}}
     assert registry(file=PrefixFile(str(tmp_path / "missing"))).counts() == {}  # no directory yet
+
+
+def test_a_publish_that_would_outgrow_the_file_a_start_reads_is_refused(tmp_path: Path) -> None:
+    """The file is read back at start up to MAX_FILE_BYTES (more: none kept), so a publish
+    past it is refused and changes nothing (a file of many groups' long names, nearly full)."""
+    groups = [f"g{i:03d}" for i in range(400)]
+    many = [Tenant(g, group=True, members=frozenset({"pub"}), publishers=frozenset({"pub"})) for g in groups]
+    names = {f"{n:02d}" + "n" * 126: Prefix(3, D) for n in range(16)}
+    step = len(encode({g: names for g in groups[:2]})) - len(encode({groups[0]: names}))
+    near: Groups = {g: names for g in groups[: (MAX_FILE_BYTES - len(encode({}))) // step]}
+    assert len(encode(near)) <= MAX_FILE_BYTES < len(encode(near)) + step  # less than a group left
+    (tmp_path / "published-prefixes.json").write_bytes(encode(near))
+    file = PrefixFile(str(tmp_path))
+    reg = registry(Tenants([*people().by_name.values(), *many]), file)
+    assert reg.counts() == {g: 16 for g in near}
+    full = next(g for g in groups if g not in near)
+    with pytest.raises(ResourceExhausted) as refused:
+        for n in range(16):
+            run(reg.publish(caller(reg, "pub"), full, f"{n:02d}" + "n" * 126, 3, D))
+    assert refused.value.field == "name"
+    saved = file.load()
+    assert saved is not None and reg.counts() == {g: len(n) for g, n in saved.items()}  # agree
+    assert len(encode(saved)) <= MAX_FILE_BYTES and reg.counts().get(full, 0) < 16

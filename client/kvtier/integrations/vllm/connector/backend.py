@@ -11,6 +11,8 @@ group's scope up to it (``kvtier.prefixes``, docs/vllm.md "Shared prefixes").
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
@@ -20,7 +22,10 @@ from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOut
 from kvtier.prefixes import PrefixWatch, PublishedPrefix
 from kvtier.results import TierFigure
 from kvtier.settings import ClientSettings
+from kvtier_contract.errors import KvtierError
 from kvtier_contract.scopes import Region, scoped_block_keys
+
+log = logging.getLogger("vllm.kvtier")
 
 
 class DaemonBackend:
@@ -36,6 +41,8 @@ class DaemonBackend:
         self._client: Client | None = None
         self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
         self._prefixes: PrefixWatch | None = None  # the groups' published prefixes (lazy)
+        self._refresh_s = cfg.prefix_refresh_ms / 1000
+        self._refused: dict[Variant, float] = {}  # a group's scope the daemon refused -> until
         self.local_misses = 0  # lookups the published index answered as misses (no RPC)
 
     @property
@@ -93,22 +100,36 @@ class DaemonBackend:
         blocks are looked up first, the request's own only when every shared one hit."""
         handles = [self.handle(variant, r) for r in range(self.identity.tp_size)]
         match = self._shared_prefix(variant, token_ids)
-        if match is None:
+        groups = None if match is None else self._group_handles(variant.shared(match.group))
+        if match is None or groups is None:
             keys = [h.block_keys(token_ids) for h in handles]
             hits, tiers, pins = self._pinned(handles, keys, promote)
             return LookupOutcome(keys, hits, tiers, pins, self._chain(handles))
-        scope_variant = variant.shared(match.group)
-        groups = [self.handle(scope_variant, r) for r in range(self.identity.tp_size)]
         keys = [self._scoped(g, h, match.tokens, token_ids) for g, h in zip(groups, handles, strict=True)]
         shared = min(match.tokens // self.identity.tokens_per_block, len(keys[0]))
-        hits, tiers, pins = (
-            self._pinned(groups, [k[:shared] for k in keys], promote) if shared else (0, [], [])
-        )
+        hits, tiers, pins = self._pinned(groups, [k[:shared] for k in keys], promote)
         if hits == shared and len(keys[0]) > shared:
-            more, more_tiers, more_pins = self._pinned(handles, [k[shared:] for k in keys], promote)
+            try:
+                more, more_tiers, more_pins = self._pinned(handles, [k[shared:] for k in keys], promote)
+            except Exception:
+                self.release(pins)  # (the group's: held by nothing else)
+                raise
             hits, tiers, pins = hits + more, tiers + more_tiers, pins + more_pins
-        scope = SharedScope(shared, scope_variant, match.publisher)
-        return LookupOutcome(keys, hits, tiers, pins, self._chain(handles), scope)
+        scope = SharedScope(shared, variant.shared(match.group), match.publisher)
+        return LookupOutcome(keys, hits, tiers, pins, self._chain(handles, groups, match.tokens), scope)
+
+    def _group_handles(self, scope: Variant) -> list[NamespaceHandle] | None:
+        """The group's namespace of every slice, or None while the daemon refuses it (a
+        tenant taken out of the group, a quota: asked again a refresh later; meanwhile the
+        request is keyed in its own scope)."""
+        if self._refused.get(scope, 0.0) > time.monotonic():
+            return None
+        try:
+            return [self.handle(scope, r) for r in range(self.identity.tp_size)]
+        except KvtierError as e:
+            log.warning("kvtier: group %s not used for %.0f s: %s", scope.group, self._refresh_s, e)
+            self._refused[scope] = time.monotonic() + self._refresh_s
+            return None
 
     def _shared_prefix(self, variant: Variant, token_ids: Sequence[int]) -> PublishedPrefix | None:
         """The published prefix of one of the tenant's groups that the request begins with
@@ -120,14 +141,19 @@ class DaemonBackend:
         if self.cfg.transport != "tcp" and self.client.tenant is not None:
             return None
         if self._prefixes is None:
-            self._prefixes = PrefixWatch(self.client, self.cfg.prefix_refresh_ms / 1000)
-        return self._prefixes.match(token_ids)
+            self._prefixes = PrefixWatch(self.client, self._refresh_s)
+        match = self._prefixes.match(token_ids)
+        if match is None or match.tokens < self.identity.tokens_per_block:
+            return None  # (shorter than a block: no block to share, only keys to change)
+        return match
 
     def _pinned(
         self, handles: list[NamespaceHandle], keys: list[list[bytes]], promote: bool
     ) -> tuple[int, list[str], list[Pin]]:
         """The pinned lookup of ``keys[r]`` in ``handles[r]`` for every slice: hit blocks,
-        their tiers (slice 0), the pins."""
+        their tiers (slice 0), the pins (none asked: none found)."""
+        if not keys[0]:
+            return 0, [], []
         n_max = self.client.max_batch
         for r, h in enumerate(handles):
             # (uncounted: a hit is counted by the pinned lookup that follows, a miss here)
@@ -151,13 +177,22 @@ class DaemonBackend:
             regions.append(Region(shared, own.namespace, self.client.tenant_key))
         return scoped_block_keys(regions, token_ids)
 
-    def _chain(self, handles: list[NamespaceHandle]) -> KeyChain:
+    def _chain(
+        self, handles: list[NamespaceHandle], groups: list[NamespaceHandle] | None = None, shared: int = 0
+    ) -> KeyChain:
         """Each slice's key chain, hashed the way ``block_keys`` hashes a prompt (same namespace
-        digest and tenant key), without the handles: safe on the scheduler thread."""
+        digest and tenant key), without the handles: safe on the scheduler thread. With
+        ``groups``: the first ``shared`` tokens were the group's, so a block that spans that
+        boundary (a prompt that ended inside it, completed by generated tokens) is hashed as
+        the next turn's lookup will hash it (``_scoped``)."""
         namespaces = [h.namespace for h in handles]
+        scopes = [g.namespace for g in groups or ()]
         tenant_key = self.client.tenant_key
 
-        def chain(rank: int, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
+        def chain(rank: int, parent: bytes | None, token_ids: Sequence[int], start: int) -> list[bytes]:
+            if scopes and start < shared < start + len(token_ids):
+                regions = [Region(0, scopes[rank]), Region(shared - start, namespaces[rank], tenant_key)]
+                return scoped_block_keys(regions, token_ids, parent=parent)
             return namespaces[rank].block_keys(token_ids, parent=parent, tenant_key=tenant_key)
 
         return chain

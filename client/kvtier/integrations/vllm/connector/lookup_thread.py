@@ -33,9 +33,9 @@ from kvtier.results import TierFigure
 log = logging.getLogger("vllm.kvtier")
 
 Pin = tuple[int, int, int]  # (slice index, pin id, boot epoch)
-# (slice index, parent key or None, token ids) -> the keys of the token ids' full blocks, chained
-# from the parent: pure hashing (no RPC), callable from any thread.
-KeyChain = Callable[[int, "bytes | None", Sequence[int]], list[bytes]]
+# (slice index, parent key or None, token ids, offset of the first in the request) -> the keys of
+# the token ids' full blocks, chained from the parent: pure hashing (no RPC), any thread.
+KeyChain = Callable[[int, "bytes | None", Sequence[int], int], list[bytes]]
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ class StorePlanning:
         if upto > have and outcome.chain is not None:
             block = tokens[have * self.block_size : upto * self.block_size]
             for r, chain in enumerate(keys):
-                chain.extend(outcome.chain(r, chain[-1] if chain else None, block))
+                chain.extend(outcome.chain(r, chain[-1] if chain else None, block, have * self.block_size))
             have = len(keys[0])
         return have
 
