@@ -2,7 +2,8 @@
 revisits, alone and with kvtier (docs/benchmarks.md §9). Run: ``make seed``, or
 ``.venv-vllm/bin/python scripts/seed_experiment.py`` (the defaults are the documented run).
 
-Six scenarios, each chosen by a flag; with none of the flags, all six run, in this order:
+Seven scenarios, each chosen by a flag; with none of the flags, the first six run, in this order
+(``--shared`` runs only when named: ~9 min of its own at its defaults):
 
 * ``--revisit``: the original experiment, described below (scripts/seed/revisit.py);
 * ``--chats``: multi-turn conversations, tokens by source per turn (scripts/seed/chats.py);
@@ -12,9 +13,11 @@ Six scenarios, each chosen by a flag; with none of the flags, all six run, in th
 * ``--slow``: a tier slowed on purpose, then fast again: the engine alone (before and after)
   against the ``always``, ``adaptive`` and ``never`` load policies (scripts/seed/slow.py);
 * ``--interference``: a decoding request's inter-token latency with loads and stores running
-  beside it, with the interference budget and without (scripts/seed/interference.py).
+  beside it, with the interference budget and without (scripts/seed/interference.py);
+* ``--shared``: many tenants (cache salts) sending one system prompt with private suffixes, flat
+  salting against a published prefix, and a timing probe across tenants (scripts/seed/shared.py).
 
-The last five use the same model shape with ``--small-layers`` layers (default 4, so that they
+The last six use the same model shape with ``--small-layers`` layers (default 4, so that they
 fit the runtime) and engine KV caches of a fixed number of blocks; their module docstrings say
 what they measure. The rest of this docstring is the ``--revisit`` scenario.
 
@@ -77,7 +80,8 @@ from seed.common import (
     parse_range,
 )
 
-SCENARIOS = ("revisit", "chats", "fleet", "mix", "slow", "interference")
+SCENARIOS = ("revisit", "chats", "fleet", "mix", "slow", "interference", "shared")
+OPT_IN = ("shared",)  # not in the default run (make seed)
 NEEDS = {
     "chats": ("alone", "sync"),
     "fleet": ("sync", "sync-b"),
@@ -99,7 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for name in SCENARIOS:
-        p.add_argument(f"--{name}", action="store_true", help=f"run the {name} scenario (none: all)")
+        p.add_argument(
+            f"--{name}", action="store_true", help=f"run the {name} scenario (none: all but shared)"
+        )
     g = p.add_argument_group("revisit")
     g.add_argument("--docs", type=int, default=4, help="documents in the working set")
     g.add_argument("--doc-tokens", default="1500-1900", help="document length range LO-HI")
@@ -162,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=160,
         help="tokens the decoding request of --interference generates",
     )
+    g = p.add_argument_group("shared (the small model; an engine and a daemon per arm)")
+    g.add_argument("--shared-tenants", type=int, default=64, help="tenants (cache salts), at least 2")
+    g.add_argument("--shared-prompt-tokens", type=int, default=4096, help="the system prompt's tokens")
+    g.add_argument("--shared-suffix-tokens", type=int, default=256, help="each tenant's private suffix")
+    g.add_argument("--shared-probes", type=int, default=32, help="probe rounds (other, fresh, own)")
     g = p.add_argument_group("all scenarios")
     g.add_argument(
         "--kv-cache-gib",
@@ -195,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if isinstance(getattr(args, key), str):
             setattr(args, key, parse_range(getattr(args, key)))
     args.doc_lo, args.doc_hi = parse_range(args.doc_tokens)
-    args.scenarios = [s for s in SCENARIOS if getattr(args, s)] or list(SCENARIOS)
+    args.scenarios = [s for s in SCENARIOS if getattr(args, s)] or [s for s in SCENARIOS if s not in OPT_IN]
     return args
 
 
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine_main(json.loads(args.engine))
         return 0
-    from seed import chats, fleet, interference, mix, revisit, slow
+    from seed import chats, fleet, interference, mix, revisit, shared, slow
 
     t0 = time.perf_counter()
     code = code_state()
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                     report, rec, good = revisit.run(
                         args, sub, kv_bytes_per_token(args.layers, args.dtype), plots
                     )
+                elif name == "shared":  # an engine and a daemon of its own per arm
+                    report, rec, good = shared.run(args, workdir / name)
                 else:
                     # every small engine the remaining scenarios need, started side by side
                     small.start(sorted({e for s in args.scenarios for e in NEEDS.get(s, ())}))

@@ -5,5 +5,6 @@
 * ``revisit``: the original experiment (documents revisited, engine alone vs kvtier);
 * ``chats``: multi-turn conversations (tokens by source per turn);
 * ``fleet``: two engines sharing one daemon (cross-replica hits);
-* ``mix``: concurrent clients, revisits and new documents (sync vs async loads vs alone).
+* ``mix``: concurrent clients, revisits and new documents (sync vs async loads vs alone);
+* ``shared``: tenants sharing a system prompt, flat salting vs a published prefix (issue 43).
 """

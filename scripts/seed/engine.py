@@ -1,7 +1,8 @@
 """The engine role: runs inside the vLLM environment's interpreter (``seed_experiment.py --engine
 SPEC``), builds one ``vllm.LLM`` and answers one ``SEED {json}`` line per JSON command on stdin:
 
-* ``{"op": "generate", "ids": [...], "max_tokens": 1}`` -> ``ttft_s`` (vLLM's
+* ``{"op": "generate", "ids": [...], "max_tokens": 1, "cache_salt": "t1"}`` (``cache_salt``
+  optional: vLLM's per-request salt, on the prompt dict) -> ``ttft_s`` (vLLM's
   ``first_token_latency``: arrival to first token), ``wall_s``, ``admit_s`` and ``run_s`` (vLLM's
   engine-core stamps: queued to first scheduled, and on to the first token), ``num_cached_tokens``,
   ``prompt_tokens``, ``sources`` (deltas of ``vllm:prompt_tokens_by_source`` over the request) and
@@ -47,6 +48,8 @@ def engine_main(spec: dict[str, Any]) -> None:
     )
     if spec.get("num_blocks"):  # a KV cache of exactly this many blocks
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
+    if spec.get("max_num_batched_tokens"):  # e.g. a long prompt in one prefill step
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",
@@ -97,9 +100,10 @@ def engine_main(spec: dict[str, Any]) -> None:
         k0 = kvtier_counters() if with_kvtier and cmd["op"] == "generate" else {}
         t0 = time.perf_counter()
         if cmd["op"] == "generate":
-            (out,) = llm.generate(
-                [{"prompt_token_ids": cmd["ids"]}], params(cmd.get("max_tokens", 1)), use_tqdm=False
-            )
+            prompt: dict[str, Any] = {"prompt_token_ids": cmd["ids"]}
+            if cmd.get("cache_salt"):
+                prompt["cache_salt"] = cmd["cache_salt"]
+            (out,) = llm.generate([prompt], params(cmd.get("max_tokens", 1)), use_tqdm=False)
             wall = time.perf_counter() - t0
             after = by_source()
             ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
