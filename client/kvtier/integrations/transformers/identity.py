@@ -132,6 +132,11 @@ class PrefixCacheOptions:
     probe_after_s: float = 5.0
     """A tier cut back by ``adaptive`` is loaded one block again after this many seconds without
     news of it, so a tier that recovered is seen."""
+    shared_prefixes: bool = True
+    """A prompt that begins with a prefix one of the tenant's groups published is keyed in the
+    group's scope up to it (``kvtier.shared_scopes``; docs/transformers.md §3)."""
+    prefix_refresh_ms: int = 5000
+    """How often the list of published prefixes is fetched from the daemon."""
 
     def __post_init__(self) -> None:
         """``ConfigError`` naming the first option refused: identity fields first, then the
@@ -171,7 +176,7 @@ class PrefixCacheOptions:
 
     def _check_settings(self) -> None:
         """The cache's settings: positive integers, transport, flags, load policy."""
-        for key in ("tokens_per_block", "request_timeout_ms", "op_timeout_ms"):
+        for key in ("tokens_per_block", "request_timeout_ms", "op_timeout_ms", "prefix_refresh_ms"):
             value = getattr(self, key)
             _need(
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
@@ -179,7 +184,7 @@ class PrefixCacheOptions:
                 "must be a positive integer",
             )
         _need(self.transport in ("shm", "tcp"), "transport", "must be 'shm' or 'tcp'")
-        for key in ("load", "store", "store_generated"):
+        for key in ("load", "store", "store_generated", "shared_prefixes"):
             _need(isinstance(getattr(self, key), bool), key, "must be True or False")
         _need(
             self.load_policy in LOAD_POLICIES,
@@ -316,8 +321,14 @@ def _model_id(options: PrefixCacheOptions, config: Any) -> str:
     return name
 
 
+def config_salt(config: Any) -> str:
+    """``hf-config:<sha256 hex>``: the part of a namespace's ``cache_salt`` that names the
+    model config (every scope of the model keeps it: a group's too)."""
+    return CONFIG_SALT_PREFIX + config_digest(config)
+
+
 def _salt(options: PrefixCacheOptions, config: Any) -> str:
-    salt = CONFIG_SALT_PREFIX + config_digest(config)
+    salt = config_salt(config)
     if options.cache_salt is not None:
         salt += ";salt:" + options.cache_salt
     assert len(salt) <= MAX_STR_CHARS

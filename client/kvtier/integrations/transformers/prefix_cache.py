@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -54,11 +54,13 @@ from kvtier.integrations.transformers.identity import (
     ConfigError,
     KvGeometry,
     PrefixCacheOptions,
+    config_salt,
     dtype_name,
     kv_geometry,
     model_namespace,
 )
 from kvtier.settings import ClientSettings
+from kvtier.shared_scopes import SharedScopes
 from kvtier_contract.errors import InvalidArgument
 
 log = logging.getLogger("kvtier.integrations.transformers")
@@ -76,6 +78,8 @@ class PrefixCacheCounters:
     blocks_stored: int = 0
     blocks_already_present: int = 0
     blocks_not_stored: int = 0  # dropped (daemon away, deadline) or rejected (no room)
+    blocks_shared_skipped: int = 0  # a group's blocks not stored: its publishers store them
+    shared_restored_tokens: int = 0  # of restored_tokens, those of a group's published prefix
     store_s: float = 0.0
     generate_uncached: int = 0  # generate calls passed through (batch > 1, padding, beams)
     store_failures: int = 0  # stores after generate that raised (logged; the output returned)
@@ -125,6 +129,13 @@ class KvtierPrefixCache:
             )
         self.client: Client = client
         self.handle: NamespaceHandle = client.register(self.namespace)
+        o, salt = self.options, config_salt(config)
+        self.scopes = SharedScopes(  # a group's scope keeps the model config's digest
+            client,
+            o.prefix_refresh_ms / 1000,
+            enabled=o.shared_prefixes,
+            shared=lambda own, group: replace(own, cache_salt=salt, tenant=None, group=group),
+        )
         self.counters = PrefixCacheCounters()
         self.decider = Decider(
             self.options.load_policy, probe_after_s=self.options.probe_after_s, prefill=PrefillRate()
@@ -159,9 +170,14 @@ class KvtierPrefixCache:
         if max_blocks <= 0:
             return None, 0
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
-        keys = self.handle.block_keys(ids[: max_blocks * T])[: self.client.max_batch]
-        looked = self.handle.lookup_tiers(keys)  # a miss without a round trip when it can
-        tiers = looked.tiers[: looked.hits]
+        scoped = self.scopes.keys(self.handle, ids)
+        keys = scoped.keys[: min(max_blocks, self.client.max_batch)]
+        tiers: list[str] = []
+        for part in scoped.cut(0, len(keys)):  # the group's blocks first, then its own
+            looked = part.handle.lookup_tiers(keys[part.start : part.end])  # a miss: no round trip
+            tiers += looked.tiers[: looked.hits]
+            if looked.hits < part.end - part.start:
+                break
         if not tiers:
             return None, 0
         hits = self._decide(tiers)
@@ -173,7 +189,13 @@ class KvtierPrefixCache:
         if worth is not None:
             deadline = min(deadline, time.monotonic() + worth)
         late = self.client.counters.out_of_time
-        found = self.handle.get_into(keys[:hits], list(staging), deadline=deadline)
+        found: list[bool] = []
+        for part in scoped.cut(0, hits):
+            found += part.handle.get_into(
+                keys[part.start : part.end], list(staging[part.start : part.end]), deadline=deadline
+            )
+            if not all(found):
+                break
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
             if worth is not None and self.client.counters.out_of_time > late:  # given up on
@@ -183,6 +205,7 @@ class KvtierPrefixCache:
         cache = self.blocks.unpack(staging[:n])
         self.counters.restore_hits += 1
         self.counters.restored_tokens += n * T
+        self.counters.shared_restored_tokens += min(n, scoped.shared) * T
         return cache, n * T
 
     def _decide(self, tiers: list[str]) -> int:
@@ -228,17 +251,23 @@ class KvtierPrefixCache:
         first = max(0, skip_tokens) // T
         if total <= first:
             return 0
-        keys = self.handle.block_keys(ids[: total * T])[first:]
+        scoped = self.scopes.keys(self.handle, ids)
         blocks = self.blocks.pack(cache, first * T, total * T)
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
-        result = self.handle.put(keys, list(blocks), deadline=deadline)
-        c = self.counters
+        c, stored = self.counters, 0
+        for part in scoped.cut(first, total):  # a group's blocks only where it publishes
+            if not part.stores:
+                c.blocks_shared_skipped += part.end - part.start
+                continue
+            a, b = part.start, part.end
+            result = part.handle.put(scoped.keys[a:b], list(blocks[a - first : b - first]), deadline=deadline)
+            stored += result.stored
+            c.blocks_already_present += result.already_present
+            c.blocks_not_stored += result.dropped + result.rejected
         c.stores += 1
-        c.blocks_stored += result.stored
-        c.blocks_already_present += result.already_present
-        c.blocks_not_stored += result.dropped + result.rejected
+        c.blocks_stored += stored
         c.store_s += time.perf_counter() - started
-        return result.stored
+        return stored
 
     def generate(self, input_ids: Any, **kwargs: Any) -> Any:
         """``model.generate(input_ids, **kwargs)`` with the longest stored prefix restored first
