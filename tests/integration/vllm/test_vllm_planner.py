@@ -462,6 +462,23 @@ def test_decode_stores_generated_blocks_chained_from_the_prompt(daemon: DaemonPr
     p.close()
 
 
+def test_a_finished_request_no_longer_counts_as_decoding(daemon: DaemonProcess) -> None:
+    """The interference budget cuts a load only while another request decodes: a request
+    vLLM finished (after the decode step async scheduling planned for it) is not one, or the
+    next request's load, with nothing decoding, would be cut (seen in docs/benchmarks.md §26)."""
+    p, _ = make_planner(daemon)
+    toks = prompt(2 * BS + 1)
+    p.on_new_request(RequestInfo("d", toks, BASE, list(toks)))
+    assert matched(p, "d", 0, len(toks)) == (0, False)
+    p.after_alloc("d", [0, 1, 2], 0)
+    p.build(StepInput([schedule("d", [0, 1, 2], 0, len(toks))]))  # prefill
+    p.build(StepInput([schedule("d", None, len(toks), 1, replace=False)]))  # a decode step
+    assert p.decisions.decoding == {"d"}
+    p.request_finished("d")
+    assert p.decisions.decoding == set()
+    p.close()
+
+
 def test_store_generated_off_stores_prompt_blocks_only(daemon: DaemonProcess) -> None:
     p, _ = make_planner(daemon, store_generated=False)
     prompt_toks = prompt(BS + 5)

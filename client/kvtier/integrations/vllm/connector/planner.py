@@ -272,6 +272,9 @@ class Planner:
         """The request is done; its blocks go back to vLLM (in-flight stores are fenced)."""
         st = self._reqs.pop(req_id, None)
         self._pending.pop(req_id, None)
+        # A finished request decodes no more: the next decisions owe it no interference budget
+        # (with async scheduling vLLM plans one more decode step of a request it then finishes).
+        self.decisions.decoding.discard(req_id)
         if st is not None:
             self.lookups.release_now(st)
             self.lookups.forget(req_id)
