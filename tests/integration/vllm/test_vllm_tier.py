@@ -171,9 +171,17 @@ def baseline(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine_a(workdir: Path, daemon: DaemonProcess) -> dict[str, Any]:
-    """Engine A stores P and Q, in vLLM's own process layout (the others run in one process)."""
-    log = workdir / "engine_a.log"
-    return run(workdir / "model", tier_config(daemon.unix), log, {"prompts": [P, Q]}, processes="vllm")[0]
+    """Engine A stores P and Q, in vLLM's own process layout (the others run in one process).
+    The tier's stores run after the steps, on its own threads, and vLLM's shutdown kills its
+    engine core (it always does here, after a few seconds): the engine stays until the daemon
+    holds P's and Q's 5 blocks (a full run's loaded box once lost two that way)."""
+    eng = Engine(workdir / "model", tier_config(daemon.unix), workdir / "engine_a.log", processes="vllm")
+    try:
+        out = eng.generate(prompts=[P, Q])
+        wait_resident(daemon, 5, timeout_s=30)
+        return out
+    finally:
+        eng.close()
 
 
 def daemon_total(d: DaemonProcess) -> dict[str, Any]:
