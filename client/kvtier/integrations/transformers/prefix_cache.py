@@ -60,7 +60,7 @@ from kvtier.integrations.transformers.identity import (
     model_namespace,
 )
 from kvtier.settings import ClientSettings
-from kvtier.shared_scopes import SharedScopes
+from kvtier.shared_scopes import ScopedKeys, SharedScopes
 from kvtier_contract.errors import InvalidArgument
 
 log = logging.getLogger("kvtier.integrations.transformers")
@@ -114,24 +114,11 @@ class KvtierPrefixCache:
         self._predicted_s: float | None = None  # the last decision's predicted load time
         self._recompute_s: float | None = None  # ... and recompute time of the same tokens
         self._owns_client = isinstance(client, str)
-        if isinstance(client, str):
-            o = self.options
-            client = Client.connect(
-                client,
-                lazy=True,
-                settings=ClientSettings(  # away: misses
-                    transport=o.transport,
-                    timeout_s=o.request_timeout_ms / 1000,
-                    op_timeout_s=o.op_timeout_ms / 1000,
-                    token_file=o.token_file,
-                    client_name="kvtier-transformers",
-                ),
-            )
-        self.client: Client = client
-        self.handle: NamespaceHandle = client.register(self.namespace)
+        self.client: Client = _connect(client, self.options) if isinstance(client, str) else client
+        self.handle: NamespaceHandle = self.client.register(self.namespace)
         o, salt = self.options, config_salt(config)
         self.scopes = SharedScopes(  # a group's scope keeps the model config's digest
-            client,
+            self.client,
             o.prefix_refresh_ms / 1000,
             enabled=o.shared_prefixes,
             shared=lambda own, group: replace(own, cache_salt=salt, tenant=None, group=group),
@@ -172,12 +159,7 @@ class KvtierPrefixCache:
         deadline = time.monotonic() + self.options.op_timeout_ms / 1000
         scoped = self.scopes.keys(self.handle, ids)
         keys = scoped.keys[: min(max_blocks, self.client.max_batch)]
-        tiers: list[str] = []
-        for part in scoped.cut(0, len(keys)):  # the group's blocks first, then its own
-            looked = part.handle.lookup_tiers(keys[part.start : part.end])  # a miss: no round trip
-            tiers += looked.tiers[: looked.hits]
-            if looked.hits < part.end - part.start:
-                break
+        tiers = _lookup(scoped, len(keys))
         if not tiers:
             return None, 0
         hits = self._decide(tiers)
@@ -189,13 +171,7 @@ class KvtierPrefixCache:
         if worth is not None:
             deadline = min(deadline, time.monotonic() + worth)
         late = self.client.counters.out_of_time
-        found: list[bool] = []
-        for part in scoped.cut(0, hits):
-            found += part.handle.get_into(
-                keys[part.start : part.end], list(staging[part.start : part.end]), deadline=deadline
-            )
-            if not all(found):
-                break
+        found = _get_into(scoped, hits, staging, deadline)
         n = next((i for i, f in enumerate(found) if not f), len(found))
         if n == 0:
             if worth is not None and self.client.counters.out_of_time > late:  # given up on
@@ -360,6 +336,44 @@ class KvtierPrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lookup(scoped: ScopedKeys, n: int) -> list[str]:
+    """The tier of each of the first ``n`` blocks' hit prefix: the group's blocks first, then
+    the cache's own (a miss in the published index costs no round trip)."""
+    tiers: list[str] = []
+    for part in scoped.cut(0, n):
+        looked = part.handle.lookup_tiers(scoped.keys[part.start : part.end])
+        tiers += looked.tiers[: looked.hits]
+        if looked.hits < part.end - part.start:
+            break
+    return tiers
+
+
+def _get_into(scoped: ScopedKeys, n: int, staging: torch.Tensor, deadline: float) -> list[bool]:
+    """The first ``n`` blocks into ``staging``, part by part (stops after a part that missed)."""
+    found: list[bool] = []
+    for part in scoped.cut(0, n):
+        a, b = part.start, part.end
+        found += part.handle.get_into(scoped.keys[a:b], list(staging[a:b]), deadline=deadline)
+        if not all(found):
+            break
+    return found
+
+
+def _connect(address: str, o: PrefixCacheOptions) -> Client:
+    """The cache's own client of the daemon at ``address`` (lazy: a daemon away is a miss)."""
+    return Client.connect(
+        address,
+        lazy=True,
+        settings=ClientSettings(
+            transport=o.transport,
+            timeout_s=o.request_timeout_ms / 1000,
+            op_timeout_s=o.op_timeout_ms / 1000,
+            token_file=o.token_file,
+            client_name="kvtier-transformers",
+        ),
+    )
 
 
 def _one_row(token_ids: Any) -> list[int]:
