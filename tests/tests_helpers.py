@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -244,3 +245,39 @@ def event_streams(tmp_path: Path) -> list[str]:
         "--events-tenant-replay-endpoint",
         f"ipc://{tmp_path}/replay-{{tenant}}.sock",
     ]
+
+
+def tenants_text(
+    tokens: dict[str, str],
+    *,
+    operators: Sequence[str] = (),
+    group: str = "",
+    publishers: Sequence[str] = (),
+    members: Sequence[str] = (),
+    group_quotas: str = "",
+) -> str:
+    """A tenants file (docs/security.md): each of ``tokens`` (name -> bearer token) a tcp-only
+    tenant (``operators`` the operator), and with ``group`` one ``[[group]]`` of ``publishers``
+    and ``members``, with ``group_quotas`` (TOML lines) as its ``[group.quotas]``."""
+    body = ""
+    for name, token in tokens.items():
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = ["tcp"]\n'
+        body += ("operator = true\n" if name in operators else "") + "\n"
+    if group:
+        body += f'[[group]]\nname = "{group}"\npublishers = {json.dumps(list(publishers))}\n'
+        body += f"members = {json.dumps(list(members))}\n"
+        body += f"[group.quotas]\n{group_quotas}" if group_quotas else ""
+    return body
+
+
+def write_tenants(directory: Path, tokens: dict[str, str], **group: Any) -> Path:
+    """``tenants_text(tokens, **group)`` as ``directory/tenants.toml``, each token in
+    ``directory/<name>.token``, and ``directory/kvtierd.toml`` naming the file; that config's
+    path (``--config`` of the daemon)."""
+    (directory / "tenants.toml").write_text(tenants_text(tokens, **group))
+    for name, token in tokens.items():
+        (directory / f"{name}.token").write_text(token + "\n")
+    config = directory / "kvtierd.toml"
+    config.write_text(f'tenants_file = "{directory / "tenants.toml"}"\n')
+    return config

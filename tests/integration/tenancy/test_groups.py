@@ -5,7 +5,6 @@ reload. Real daemon, real sockets, the tenants file of docs/security.md § Group
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace
-from tests_helpers import TokenStub, scrape_metrics, wait_for
+from tests_helpers import TokenStub, scrape_metrics, tenants_text, wait_for
 
 import kvtier
 from kvtier.stats_format import stats_json
@@ -28,15 +27,15 @@ SHARED = list(range(7, 7 + 64))  # 4 blocks of 16 tokens: the group's system pro
 BLOCK = 16 * 1024
 
 
-def tenants_toml(members: str = '["member"]', group_quotas: str = "namespaces = 1\n") -> str:
-    body = ""
-    for name, token in TOKENS.items():
-        body += (
-            f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n'
-        )
-        body += 'transports = ["tcp"]\n' + ("operator = true\n" if name == "ops" else "") + "\n"
-    group = f'[[group]]\nname = "{GROUP}"\npublishers = ["pub"]\nmembers = {members}\n'
-    return body + group + f"[group.quotas]\n{group_quotas}"
+def tenants_toml(members: tuple[str, ...] = ("member",)) -> str:
+    return tenants_text(
+        TOKENS,
+        operators=["ops"],
+        group=GROUP,
+        publishers=["pub"],
+        members=members,
+        group_quotas="namespaces = 1\n",
+    )
 
 
 @pytest.fixture
@@ -189,7 +188,7 @@ def test_a_reload_that_drops_a_member_cuts_it_off_at_once(groups: DaemonProcess,
         assert g.put(keys, [block(i) for i in range(4)]).stored == 4
         mine = member.register(group_ns())
         assert mine.lookup(keys) == 4
-        (tmp_path / "tenants.toml").write_text(tenants_toml(members="[]"))
+        (tmp_path / "tenants.toml").write_text(tenants_toml(members=()))
         os.kill(groups.proc.pid, signal.SIGHUP)
 
         def cut_off() -> bool:  # its session is closed: the SDK's next one cannot register it

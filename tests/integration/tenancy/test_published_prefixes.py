@@ -6,7 +6,6 @@ a shell. Real daemons, the tenants file of docs/security.md § Groups."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import DaemonProcess
-from tests_helpers import TokenStub, scrape_metrics, wait_for
+from tests_helpers import TokenStub, scrape_metrics, tenants_text, wait_for
 
 import kvtier
 from kvtier.prefixes import PublishedPrefix, prefix_digest
@@ -33,14 +32,8 @@ Code = grpc.StatusCode
 
 
 def tenants_toml(with_group: bool = True) -> str:
-    body = ""
-    for name, token in TOKENS.items():
-        body += (
-            f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{hashlib.sha256(token.encode()).hexdigest()}"]\n'
-        )
-        body += 'transports = ["tcp"]\n' + ("operator = true\n" if name == "ops" else "") + "\n"
-    group = f'[[group]]\nname = "{GROUP}"\npublishers = ["pub"]\nmembers = ["member"]\n'
-    return body + (group if with_group else "")
+    group = {"group": GROUP, "publishers": ["pub"], "members": ["member"]} if with_group else {}
+    return tenants_text(TOKENS, operators=["ops"], **group)
 
 
 def serve_args(work: Path) -> list[str]:

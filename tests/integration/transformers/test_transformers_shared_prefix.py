@@ -7,7 +7,6 @@ A tiny randomly initialised Llama built here, 16-token blocks."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ pytest.importorskip("transformers")
 
 from conftest import DaemonProcess  # noqa: E402
 from test_transformers_prefix import GEN, Computed, T, prefix_cache, prompt, tiny_llama  # noqa: E402
+from tests_helpers import write_tenants  # noqa: E402
 
 import kvtier  # noqa: E402
 
@@ -64,15 +64,8 @@ def test_salts_share_the_published_prefix_and_never_each_others_suffixes(daemon:
 def test_a_member_restores_the_publishers_blocks_and_stores_none_of_the_groups(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
-    body = ""
-    for name, token in TOKENS.items():
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = ["tcp"]\n\n'
-        (tmp_path / f"{name}.token").write_text(token + "\n")
-    body += f'[[group]]\nname = "{GROUP}"\npublishers = ["pub"]\nmembers = ["member"]\n'
-    (tmp_path / "tenants.toml").write_text(body)
-    (tmp_path / "kvtierd.toml").write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\n')
-    d: DaemonProcess = daemon_factory("--config", str(tmp_path / "kvtierd.toml"), run_dir=tmp_path / "d")
+    config = write_tenants(tmp_path, TOKENS, group=GROUP, publishers=["pub"], members=["member"])
+    d: DaemonProcess = daemon_factory("--config", str(config), run_dir=tmp_path / "d")
     with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["pub"]) as c:
         c.publish_prefix(GROUP, "system", SHARED[0].tolist())
     model = tiny_llama()

@@ -11,7 +11,6 @@ publisher stored and stores none of the group's blocks itself.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import signal
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 from conftest import DaemonProcess
 from test_vllm_planner import IDENTITY, decode, lbhnc_cache, matched, prompt, schedule
-from tests_helpers import wait_for
+from tests_helpers import wait_for, write_tenants
 
 import kvtier
 from kvtier.integrations.vllm.connector.backend import DaemonBackend
@@ -116,17 +115,9 @@ def test_without_a_published_prefix_keys_are_the_flat_ones(daemon: DaemonProcess
 
 
 def tenants_daemon(daemon_factory: Any, tmp_path: Path) -> DaemonProcess:
-    body = ""
-    for name, token in TOKENS.items():
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = ["tcp"]\n\n'
-    body += f'[[group]]\nname = "{GROUP}"\npublishers = ["pub"]\nmembers = ["member"]\n'
-    (tmp_path / "tenants.toml").write_text(body)
-    (tmp_path / "kvtierd.toml").write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\n')
-    for name, token in TOKENS.items():
-        (tmp_path / f"{name}.token").write_text(token + "\n")
+    config = write_tenants(tmp_path, TOKENS, group=GROUP, publishers=["pub"], members=["member"])
     d: DaemonProcess = daemon_factory(
-        "--config", str(tmp_path / "kvtierd.toml"), "--host-bytes", "64MiB", run_dir=tmp_path / "d"
+        "--config", str(config), "--host-bytes", "64MiB", run_dir=tmp_path / "d"
     )
     return d
 

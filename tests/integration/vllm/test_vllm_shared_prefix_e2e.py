@@ -11,7 +11,6 @@ for A's prompt is A's (the same bytes loaded), and B stores its own blocks only.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonProcess
 from test_vllm_e2e import BLOCK, HERE, Engine, connector, tokens
+from tests_helpers import write_tenants
 
 import kvtier
 
@@ -37,14 +37,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_driver import write_model_dir
 
     write_model_dir(str(path / "model"))
-    body = ""
-    for name, token in TOKENS.items():
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = ["tcp"]\n\n'
-        (path / f"{name}.token").write_text(token + "\n")
-    body += f'[[group]]\nname = "{GROUP}"\npublishers = ["pub"]\nmembers = ["member"]\n'
-    (path / "tenants.toml").write_text(body)
-    (path / "kvtierd.toml").write_text(f'tenants_file = "{path / "tenants.toml"}"\n')
+    write_tenants(path, TOKENS, group=GROUP, publishers=["pub"], members=["member"])
     return path
 
 
