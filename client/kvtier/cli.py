@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from kvtier.cli_daemon import add_daemon_flags, as_flags, daemon_client
+from kvtier.cli_daemon import add_daemon_flags, as_flags, call_daemon
 from kvtier.cli_prefix import add_prefix_parser, run_prefix
 from kvtier.stats_format import format_stats, stats_json
 from kvtier_contract.version import __version__
@@ -205,20 +205,9 @@ def _daemon(command: str, daemon_args: list[str]) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvtier_contract.errors import KvtierError
-
-    try:
-        client = daemon_client(args)
-    except KvtierError as e:
-        print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
-        return 2
-    try:
-        stats = client.stats()
-    except KvtierError as e:
-        print(f"kvtier stats: {as_flags(str(e))}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
+    status, stats = call_daemon("kvtier stats", args, lambda client: client.stats())
+    if status:
+        return status
     if args.json:
         print(json.dumps(stats_json(stats), indent=2, sort_keys=True))
     else:

@@ -1,7 +1,8 @@
 """What every ``kvtier`` command that talks to a daemon takes (``stats``, ``prefix``): the
 address and credential flags (:func:`add_daemon_flags`), the client they make
-(:func:`daemon_client`: a tcp client that opens no session until a call needs one), and the
-SDK's keyword arguments in its errors said as those flags (:func:`as_flags`).
+(:func:`daemon_client`: a tcp client that opens no session until a call needs one), one call
+through it with the errors said on stderr (:func:`call_daemon`), and the SDK's keyword
+arguments in its errors said as those flags (:func:`as_flags`).
 
 Part of the ``kvtier`` command (:mod:`kvtier.cli`): it reads the environment
 (``KVTIER_TOKEN_FILE``). Plain functions; no state.
@@ -12,14 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvtier_contract import defaults
 
 if TYPE_CHECKING:  # (grpc: imported when a command makes a client, not for --help)
     from kvtier.client import Client
 
-__all__ = ["add_daemon_flags", "as_flags", "daemon_client"]
+__all__ = ["add_daemon_flags", "as_flags", "call_daemon", "daemon_client"]
 
 
 def add_daemon_flags(p: argparse.ArgumentParser, call: str) -> None:
@@ -85,6 +88,25 @@ _SDK_ARGS = {
     "timeout_s": "--timeout-s",
     "address": "--address",
 }
+
+
+def call_daemon(what: str, args: argparse.Namespace, call: Callable[[Client], Any]) -> tuple[int, Any]:
+    """``call`` on :func:`daemon_client`'s client, closed after: (0, its answer), or the exit
+    status with the error said on stderr as ``what: ...`` (2: no client, 1: the call)."""
+    from kvtier_contract.errors import KvtierError
+
+    try:
+        client = daemon_client(args)
+    except KvtierError as e:
+        print(f"{what}: {as_flags(str(e))}", file=sys.stderr)
+        return 2, None
+    try:
+        return 0, call(client)
+    except KvtierError as e:
+        print(f"{what}: {as_flags(str(e))}", file=sys.stderr)
+        return 1, None
+    finally:
+        client.close()
 
 
 def as_flags(message: str) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cli_daemon import add_daemon_flags, as_flags, daemon_client
+from kvtier.cli_daemon import add_daemon_flags, call_daemon
 from kvtier_contract.prefixes import MAX_PREFIX_TOKENS
 
 if TYPE_CHECKING:
@@ -94,8 +94,6 @@ def read_tokens_file(path: str) -> list[int]:
 
 def run_prefix(args: argparse.Namespace) -> int:
     """Run ``kvtier prefix VERB`` (see the module docstring); its exit status."""
-    from kvtier_contract.errors import KvtierError
-
     what = f"kvtier prefix {args.verb}"
     ids: list[int] = []
     if args.verb == "publish":
@@ -104,19 +102,10 @@ def run_prefix(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"{what}: --tokens-file {e}", file=sys.stderr)
             return 2
-    try:
-        client = daemon_client(args)
-    except KvtierError as e:
-        print(f"{what}: {as_flags(str(e))}", file=sys.stderr)
-        return 2
-    try:
-        print(_VERBS[args.verb](client, args, ids))
-    except KvtierError as e:
-        print(f"{what}: {as_flags(str(e))}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    return 0
+    status, said = call_daemon(what, args, lambda client: _VERBS[args.verb](client, args, ids))
+    if not status:
+        print(said)
+    return status
 
 
 def _publish(client: Client, args: argparse.Namespace, ids: list[int]) -> str:

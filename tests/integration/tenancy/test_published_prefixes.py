@@ -148,6 +148,26 @@ def test_a_member_an_outsider_and_an_unknown_group_are_refused_alike(clean: Daem
     assert e.value.field == "group"
 
 
+def test_a_caller_without_a_credential_neither_publishes_nor_lists(clean: DaemonProcess) -> None:
+    """No token, or one the file does not hold: UNAUTHENTICATED for both calls, and nothing
+    changes (a peer that reaches the socket learns no group, no prefix)."""
+    with client(clean, "pub") as pub:
+        pub.publish_prefix(GROUP, "system", SYSTEM)
+    before = listed(clean, "ops")
+    for token in (None, "tok-not-in-the-file"):
+        stub = TokenStub(clean.grpc, token)
+        try:
+            for method, request in (
+                ("PublishPrefix", publish()),
+                ("PublishPrefix", publish(withdraw=True)),
+                ("ListPrefixes", pb.ListPrefixesRequest()),
+            ):
+                assert stub.code(method, request)[0] == Code.UNAUTHENTICATED, (token, method)
+        finally:
+            stub.channel.close()
+    assert listed(clean, "ops") == before
+
+
 @pytest.mark.parametrize(
     ("request_fields", "code", "field"),
     [
