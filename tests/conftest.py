@@ -137,12 +137,14 @@ def held() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def shm_handshake(daemon: DaemonProcess, session_id: int, secret: bytes) -> tuple[bytes, list[int]]:
+def shm_handshake(
+    daemon: DaemonProcess, session_id: int, secret: bytes, magic: bytes = wire.SHM_MAGIC
+) -> tuple[bytes, list[int]]:
     """The raw shm fd handshake (what a local process that opened the session can send, with
-    its data secret from OpenSessionReply): the reply and the fds."""
+    its data secret from OpenSessionReply): the reply and the fds (``KVS3``: every arena)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(daemon.info["shm"])
-        s.sendall(wire.shm_request(wire.SHM_MAGIC, session_id, secret))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
+        s.sendall(wire.shm_request(magic, session_id, secret))
+        msg, fds, _flags, _addr = socket.recv_fds(s, 4096, wire.SHM_MAX_ARENAS)
     return msg, fds

@@ -255,18 +255,23 @@ def tenants_text(
     publishers: Sequence[str] = (),
     members: Sequence[str] = (),
     group_quotas: str = "",
+    mapping: Sequence[str] = (),
+    group_arena: str = "",
 ) -> str:
     """A tenants file (docs/security.md): each of ``tokens`` (name -> bearer token) a tcp-only
-    tenant (``operators`` the operator), and with ``group`` one ``[[group]]`` of ``publishers``
-    and ``members``, with ``group_quotas`` (TOML lines) as its ``[group.quotas]``."""
+    tenant (``operators`` the operator; ``mapping`` allowed shm too: an arena of its own), and
+    with ``group`` one ``[[group]]`` of ``publishers`` and ``members``, with ``group_quotas``
+    (TOML lines) as its ``[group.quotas]`` and ``group_arena`` as its ``arena_bytes``."""
     body = ""
     for name, token in tokens.items():
         digest = hashlib.sha256(token.encode()).hexdigest()
-        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = ["tcp"]\n'
+        transports = '["shm", "tcp"]' if name in mapping else '["tcp"]'
+        body += f'[[tenant]]\nname = "{name}"\ntokens_sha256 = ["{digest}"]\ntransports = {transports}\n'
         body += ("operator = true\n" if name in operators else "") + "\n"
     if group:
         body += f'[[group]]\nname = "{group}"\npublishers = {json.dumps(list(publishers))}\n'
         body += f"members = {json.dumps(list(members))}\n"
+        body += f'arena_bytes = "{group_arena}"\n' if group_arena else ""
         body += f"[group.quotas]\n{group_quotas}" if group_quotas else ""
     return body
 

@@ -215,6 +215,20 @@ class Client:
         return self.session.connection.tenant
 
     @property
+    def reaches_groups(self) -> bool:
+        """Whether this client moves its groups' blocks (docs/security.md § Group arenas): over
+        tcp, on a daemon without tenants, or where the daemon handed its groups' arenas at the
+        shm handshake (read-only; a daemon that predates them did not: its groups' blocks move
+        over tcp only). True before a session was opened (as ``tenant`` is None then)."""
+        if self.tenant is None or self.settings.transport == "tcp":
+            return True
+        try:
+            data = self.session.data()
+        except errors.TransportError:
+            return False
+        return bool(getattr(data, "maps_groups", False))
+
+    @property
     def events(self) -> bool:
         """Whether the daemon publishes KV events of this client's blocks (docs/events.md): then
         a store's ``token_ids`` reach the routers that follow them. False before a session was

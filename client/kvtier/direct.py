@@ -53,25 +53,37 @@ def runs(offsets: Sequence[int], block_bytes: int, chunk: int = REGISTER_CHUNK) 
 class ArenaMover:
     """Moves batches between a ``PagedKvLayout`` and slots of one mapped arena."""
 
-    def __init__(self, arena: memoryview, device: torch.device, *, register: bool = True) -> None:
+    def __init__(
+        self,
+        arena: memoryview,
+        device: torch.device,
+        *,
+        register: bool = True,
+        writable_bytes: int | None = None,
+    ) -> None:
         """``register``: page-lock the arena for CUDA (portable: valid for every device's
-        context, so only the first CUDA mover of a mapping does it)."""
+        context, so only the first CUDA mover of a mapping does it). ``writable_bytes``: the
+        mapping's first bytes that stores may fill (the session's own arena; past them, its
+        groups' arenas, mapped read-only and registered as such); None: all of it."""
         self.device = device
         self.host = torch.frombuffer(arena, dtype=torch.uint8)
+        self.writable = self.host.numel() if writable_bytes is None else writable_bytes
         self.registered: list[tuple[int, int]] = []
         self.stream: Any = None
         if device.type == "cuda":
             if register:
-                self._register(self.host.data_ptr(), self.host.numel())
+                base, size = self.host.data_ptr(), self.host.numel()
+                self._register(base, self.writable, 1)  # cudaHostRegisterPortable
+                self._register(base + self.writable, size - self.writable, 1 | 8)  # ... | ReadOnly
             self.stream = torch.cuda.Stream(device)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def _register(self, base: int, size: int) -> None:
+    def _register(self, base: int, size: int, flags: int) -> None:
         cudart = torch.cuda.cudart()
         for start in range(0, size, REGISTER_CHUNK):
             length = min(REGISTER_CHUNK, size - start)
-            err = cudart.cudaHostRegister(base + start, length, 1)  # cudaHostRegisterPortable
+            err = cudart.cudaHostRegister(base + start, length, flags)
             if int(err) != 0:
                 self.close()
                 raise TransportError(f"cudaHostRegister of the shm arena failed ({err})")
@@ -94,7 +106,7 @@ class ArenaMover:
         holds the bytes (the daemon may then publish them). ``job_id`` is unused here (the
         cuda_ipc mover names the job to the daemon)."""
         bb = layout.block_bytes
-        self._check(offsets, bb)
+        self._check(offsets, bb, self.writable)
         if self.stream is None:
             for first, count, off in runs(offsets, bb):
                 layout.gather(block_ids[first : first + count], self._slots(off, count, bb))
@@ -134,8 +146,8 @@ class ArenaMover:
     def _slots(self, offset: int, count: int, block_bytes: int) -> torch.Tensor:
         return self.host[offset : offset + count * block_bytes].view(count, block_bytes)
 
-    def _check(self, offsets: Sequence[int], block_bytes: int) -> None:
-        size = self.host.numel()
+    def _check(self, offsets: Sequence[int], block_bytes: int, size: int | None = None) -> None:
+        size = self.host.numel() if size is None else size
         for off in offsets:
             if off < 0 or off + block_bytes > size:
                 raise TransportError(f"slot offset {off} outside the {size}-byte arena")

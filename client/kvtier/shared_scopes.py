@@ -13,10 +13,11 @@ The vLLM connector has its own split (its keys cross processes in the connector'
 ``kvtier.integrations.vllm.connector.backend``); the Transformers prefix cache uses this one.
 
 Rules, as the connector's: a prefix shorter than one block is not used (it would share no block
-and change every key); on a daemon with tenants a group's blocks move over tcp only (no tenant
-maps a group's arena yet), so a client of another transport keys every request in its own scope
-there; a group whose namespace the daemon refuses (a tenant taken out of the group, a quota) is
-not used until the list is fetched again.
+and change every key); a client that cannot move its groups' blocks (``Client.reaches_groups``:
+an shm client of a daemon that predates group arenas) keys every request in its own scope; a
+group whose namespace the daemon refuses (a tenant taken out of the group, a quota, a group
+without an arena of its own where the client maps memory) is not used until the list is
+fetched again.
 
 Lifecycle: ``SharedScopes(client, refresh_s)`` -> ``keys(own_handle, token_ids)`` per request.
 Owns its :class:`~kvtier.prefixes.PrefixWatch` and the group handles it registered; not
@@ -120,7 +121,7 @@ class SharedScopes:
     ) -> tuple[NamespaceHandle, int, bool] | None:
         """The group handle, prefix length and publisher flag of the published prefix the
         request begins with, or None (see the module docstring's rules)."""
-        if not self.enabled or (self.client.settings.transport != "tcp" and self.client.tenant is not None):
+        if not self.enabled or not self.client.reaches_groups:
             return None
         match = self._watch.match(token_ids)
         if match is None or match.tokens < own.namespace.tokens_per_block:

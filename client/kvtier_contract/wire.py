@@ -85,6 +85,20 @@ SHM_REFUSED = b"KVE1"
 SHM_REQUEST = struct.Struct("<4sQ")  # magic, session_id (then the secret, for KVS2 and KVC1)
 SHM_REPLY = struct.Struct("<4sQQ")  # magic, arena_bytes, boot_epoch
 SHM_MAX_ERROR_BYTES = 1000
+# ``KVS3`` (the same request as KVS2) asks for every arena the session may map: its tenant's own
+# (read-write) and, on a daemon with tenants, the arena of each group it reads (docs/security.md
+# "Group arenas"), sealed so that no client can write it (F_SEAL_FUTURE_WRITE: no new writable
+# mapping, no write(2), no hole punched). The offsets a session is told are offsets in the
+# concatenation of its arenas in the reply's order, the writable one first:
+#   daemon -> client:  SHM_MAGIC_V3 total_bytes:u64le boot_epoch:u64le count:u32le
+#                      count x (arena_bytes:u64le flags:u32le)   + count fds (SCM_RIGHTS), in order
+#                  or  SHM_REFUSED utf-8 message
+# A daemon that predates KVS3 refuses it (its message names the magic): the client asks KVS2.
+SHM_MAGIC_V3 = b"KVS3"
+SHM_REPLY_V3 = struct.Struct("<4sQQI")  # magic, total bytes, boot_epoch, arena count
+SHM_ARENA = struct.Struct("<QI")  # one arena's bytes and flags
+SHM_ARENA_WRITABLE = 1  # the session's own arena (only the first may be)
+SHM_MAX_ARENAS = 17  # its own and at most 16 groups' (more groups: the first 16 by name)
 
 # -- the Unix peer login (docs/security.md), on the same socket, one exchange per connection: the
 # daemon reads the peer's uid/gid (SO_PEERCRED) and, when a tenant of its tenants file logs in by

@@ -79,12 +79,13 @@ def check(cfg: DaemonConfig) -> list[str]:
 
 
 def tenant_arena_bytes(cfg: DaemonConfig, tenants: Tenants) -> dict[str, int]:
-    """Each tenant allowed shm or cuda_ipc -> the size of its own arena (whole slabs, >= one)."""
+    """Each tenant allowed shm or cuda_ipc, and each group one of whose readers is -> the size
+    of its own arena (whole slabs, >= one)."""
     slab = cfg.host_tier.slab_bytes
     return {
         t.name: max(slab, t.arena_size(cfg.tenancy.tenant_arena_bytes) // slab * slab)
         for t in tenants.by_name.values()
-        if t.maps_memory
+        if tenants.maps_memory(t)
     }
 
 

@@ -36,6 +36,9 @@ class Session:
     credential: Credential = NO_CREDENTIAL
     """What proved its tenant at OpenSession: a reload that no longer honours it closes the
     session (kvtierd.tenancy.Tenancy.revoked)."""
+    arenas: tuple[int, ...] | None = None
+    """The arenas (host pools) its client maps, in the order its offsets count them, fixed at
+    its first shm handshake (its own first, then its groups'); None: none handed yet."""
 
 
 class SessionTable:

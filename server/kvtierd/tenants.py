@@ -51,8 +51,9 @@ class Quotas:
 class Tenant:
     """A tenant of the file, or a **group** of its tenants (``group``: a ``[[group]]`` table).
     A group owns namespaces (``Namespace.group``, docs/hashing.md §7) and is charged for their
-    blocks as a tenant is for its own, but it is no caller: it has no credential, no session
-    and no arena of its own (its blocks live in the shared arena, served over tcp). Its
+    blocks as a tenant is for its own, but it is no caller: it has no credential and no
+    session; when one of its readers maps memory its blocks live in an arena of its own, which
+    they map read-only (else in the shared arena, served over tcp). Its
     ``members`` look its namespaces up and load their blocks; its ``publishers`` (members
     too) are the only tenants that store into them."""
 
@@ -112,6 +113,13 @@ class Tenants:
 
     def __len__(self) -> int:
         return len(self.by_name)
+
+    def maps_memory(self, t: Tenant) -> bool:
+        """Whether ``t`` has a host arena of its own: a tenant allowed shm or cuda_ipc, or a
+        group one of whose readers is (they map its arena read-only)."""
+        if not t.group:
+            return t.maps_memory
+        return any(m in self.by_name and self.by_name[m].maps_memory for m in t.members)
 
     def groups_of(self, tenant: str) -> frozenset[str]:
         """The groups ``tenant`` is a member of."""

@@ -39,6 +39,9 @@ system prompt its tenants share, stored once; docs/hashing.md §7)::
     name = "acme-shared"        # no tenant's name
     publishers = ["team-a"]     # the only tenants that store into its namespaces
     members = ["team-b"]        # look them up and load their blocks (publishers do too)
+    arena_bytes = "2GiB"        # when a reader maps memory (shm, cuda_ipc): the group's host
+                                # arena, which its readers map read-only (default: its
+                                # host_bytes quota, else the daemon's tenant_arena_bytes)
     [group.quotas]              # only namespaces, host_bytes, nvme_bytes: charged to the
     host_bytes = "1GiB"         # group, not to its readers (absent: a tenant's fair share)
 
@@ -146,7 +149,7 @@ def _groups(entries: Any, tenants: list[str]) -> list[Tenant]:
         where = f"group[{i}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: expected a table")
-        _no_unknown(entry, {"name", "members", "publishers", "quotas"}, where)
+        _no_unknown(entry, {"name", "members", "publishers", "quotas", "arena_bytes"}, where)
         name = entry.get("name")
         if not is_name(name):
             raise ValueError(f"{where}.name: expected {NAME_RULE}")
@@ -160,6 +163,7 @@ def _groups(entries: Any, tenants: list[str]) -> list[Tenant]:
         quotas = entry.get("quotas", {})
         if isinstance(quotas, dict):
             _no_unknown(quotas, set(GROUP_QUOTAS), f"{where}.quotas")
+        arena = _arena_bytes(entry, where)
         out.append(
             Tenant(
                 name,
@@ -168,6 +172,7 @@ def _groups(entries: Any, tenants: list[str]) -> list[Tenant]:
                 group=True,
                 members=members | publishers,
                 publishers=publishers,
+                arena_bytes=arena,
             )
         )
     return out
@@ -282,17 +287,25 @@ def _allowances(entry: dict[str, Any], where: str) -> tuple[list[str], Any, int 
         not isinstance(max_lease, (int, float)) or isinstance(max_lease, bool) or not 0 < max_lease <= 86400
     ):
         raise ValueError(f"{where}.max_lease_s: expected seconds in (0, 86400]")
-    arena = entry.get("arena_bytes")
+    arena = _arena_bytes(entry, where)
     if arena is not None:
-        arena = parse_bytes(arena, field=f"{where}.arena_bytes")
-        if arena <= 0:
-            raise ValueError(f"{where}.arena_bytes: expected a positive size")
         if not MAPPING_TRANSPORTS & set(transports):
             raise ValueError(
                 f"{where}.arena_bytes: only for a tenant allowed shm or cuda_ipc "
                 "(a tcp-only tenant's blocks live in the shared arena)"
             )
     return transports, max_lease, arena
+
+
+def _arena_bytes(entry: dict[str, Any], where: str) -> int | None:
+    """A tenant's or group's ``arena_bytes``: a positive size, or None when absent."""
+    arena = entry.get("arena_bytes")
+    if arena is None:
+        return None
+    size = parse_bytes(arena, field=f"{where}.arena_bytes")
+    if size <= 0:
+        raise ValueError(f"{where}.arena_bytes: expected a positive size")
+    return size
 
 
 def _no_unknown(table: dict[str, Any], known: set[str], where: str) -> None:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvtier.transports.base import DataTransport, Item
+from kvtier.transports.shm_arenas import arenas_of, handshake, map_arenas
 from kvtier_contract import wire
 from kvtier_contract.digests import block_digest, block_digests
 from kvtier_contract.errors import TransportError
@@ -152,40 +152,42 @@ class ShmTransport(DataTransport):
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._base = 0  # address of the mapping
-        self.arena_bytes = 0
+        self.arena_bytes = 0  # every arena mapped, one after another
+        self.writable_bytes = 0  # the first of them: the session's own
+        self.maps_groups = False  # the daemon handed its groups' arenas too (KVS3)
         self._movers: dict[str, Any] = {}  # device -> kvtier.direct.ArenaMover
         self._hash_pool: ThreadPoolExecutor | None = None
 
     def attach(self, session_id: int, reply: Any, timeout_s: float) -> None:
+        """Map every arena the daemon hands the session (``KVS3``): its own read-write, its
+        groups' read-only, one after another in one reserved range, so an offset the daemon
+        tells is an offset in that range. A daemon that predates ``KVS3`` is asked ``KVS2``
+        (its own arena alone)."""
         path = reply.shm_socket
         if not path:
             raise TransportError("daemon does not offer shm (shm_enabled = false)")
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(timeout_s)
-                s.connect(path)
-                s.sendall(wire.shm_request(wire.SHM_MAGIC, session_id, bytes(reply.data_secret)))
-                msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-        except OSError as e:
-            raise TransportError(f"shm handshake with {path} failed: {e}") from e
+        secret = bytes(reply.data_secret)
+        msg, fds = handshake(path, wire.shm_request(wire.SHM_MAGIC_V3, session_id, secret), timeout_s)
+        if not fds and b"bad shm handshake" in msg:  # (an older daemon)
+            msg, fds = handshake(path, wire.shm_request(wire.SHM_MAGIC, session_id, secret), timeout_s)
         if not fds:
             raise TransportError(f"shm handshake refused: {msg[4:].decode(errors='replace')}")
-        fd = fds[0]
         try:
-            magic, size, _epoch = wire.SHM_REPLY.unpack(msg[: wire.SHM_REPLY.size])
-            if magic != wire.SHM_MAGIC or size != os.fstat(fd).st_size:
-                raise TransportError("shm handshake: bad reply")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            arenas = arenas_of(msg, fds)
+            self._mm = map_arenas(arenas, fds)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         self._view = memoryview(self._mm)
         self._base = _address(self._view)
-        self.arena_bytes = size
+        self.arena_bytes = len(self._mm)
+        self.writable_bytes = arenas[0][0]
+        self.maps_groups = msg[:4] == wire.SHM_MAGIC_V3
 
     def write(self, job_id: int, items: list[Item], *, digest: bool = False) -> list[int] | None:
         """With ``digest``: each group of blocks is hashed from the caller's buffers on the
         helper thread while this thread copies the same group into its slots (``_Digests``)."""
+        self._writable(max((o + len(v) for _i, o, v in items), default=0))
         if not digest:
             self._copy_in(items)
             return None
@@ -247,6 +249,7 @@ class ShmTransport(DataTransport):
         ``HASH_GROUP_BYTES`` at a time: each group is hashed on the helper thread while the
         next one is copied (the bytes are in the slots only once a copy returns)."""
         arena = self._arena()
+        self._writable(max(offsets, default=-nbytes) + nbytes)
         per = max(1, HASH_GROUP_BYTES // max(1, nbytes))
         with _Digests(self._pool) as digests:
             for lo in range(0, len(offsets), per):
@@ -302,8 +305,18 @@ class ShmTransport(DataTransport):
             from kvtier.direct import ArenaMover
 
             pinned = any(getattr(m, "registered", None) for m in self._movers.values())
-            self._movers[key] = ArenaMover(self._arena(), device, register=not pinned)
+            self._movers[key] = ArenaMover(
+                self._arena(), device, register=not pinned, writable_bytes=self.writable_bytes
+            )
         return self._movers[key]
+
+    def _writable(self, end: int) -> None:
+        """Slots ending by ``end`` lie in the session's own arena (the daemon never hands a
+        store another: a group's is mapped read-only, and writing it would fault)."""
+        if end > self.writable_bytes:
+            raise TransportError(
+                f"a slot ends at {end}, past the session's own arena ({self.writable_bytes} bytes)"
+            )
 
     def _arena(self) -> memoryview:
         if self._view is None:

@@ -56,10 +56,11 @@ def host_tier(cfg: DaemonConfig) -> tuple[Arena, HostTier]:
 
 
 class TenantArenas:
-    """The host arenas of their own of tenants allowed shm or cuda_ipc: tenant -> its pool in
-    the host tier. An arena lives as long as the daemon and never changes tenant, so no slot
-    ever moves to another tenant (nothing to zero). Owned by the Daemon; built in its
-    ``__init__``, grown on the event loop at a reload."""
+    """The host arenas of their own of tenants allowed shm or cuda_ipc, and of groups one of
+    whose readers is (sealed: clients map them read-only): tenant or group -> its pool in the
+    host tier. An arena lives as long as the daemon and never changes owner, so no slot ever
+    moves to another tenant (nothing to zero). Owned by the Daemon; built in its ``__init__``,
+    grown on the event loop at a reload."""
 
     def __init__(self, host: HostTier, cfg: DaemonConfig, tenants: Tenants | None) -> None:
         self.host = host
@@ -85,7 +86,12 @@ class TenantArenas:
                     )
                 continue
             try:
-                arena = Arena(size, prefault=self.cfg.host_tier.prefault, name=f"kvtier-{name}"[:200])
+                arena = Arena(
+                    size,
+                    prefault=self.cfg.host_tier.prefault,
+                    name=f"kvtier-{name}"[:200],
+                    read_only=tenants.by_name[name].group,
+                )
             except OSError as e:  # its shm sessions are refused; never handed another arena
                 log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
                 continue
@@ -96,7 +102,8 @@ class TenantArenas:
             log.info("tenant %s: arena of %d bytes", name, size)
 
     def of(self, tenant: str | None) -> int:
-        """The arena (pool) of ``tenant``'s blocks: its own, or the shared one (0)."""
+        """The arena (pool) of ``tenant``'s (or a group's) blocks: its own, or the shared one
+        (0)."""
         return self.pools.get(tenant or "", 0)
 
 

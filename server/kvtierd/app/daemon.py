@@ -47,7 +47,7 @@ from kvtierd.transports.base import ServerTransport
 from kvtierd.transports.control import ControlChannel
 from kvtierd.transports.cuda_driver import CudaDriver
 from kvtierd.transports.cuda_ipc import CudaIpcTransport
-from kvtierd.transports.shm import ShmFdServer
+from kvtierd.transports.shm import MappedArena, ShmFdServer
 
 log = logging.getLogger("kvtierd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Kvtier"].full_name
@@ -190,13 +190,14 @@ class Daemon:
         caller = self.tenancy.caller_of(token)
         return caller is not None, caller
 
-    def _session_arena(self, session: Session) -> tuple[int, int] | None:
-        """fd and size of the arena ``session`` maps (shm handshake), or None: refused."""
-        pool = self.service.mapped_arena(session)
-        if pool is None:
+    def _session_arena(self, session: Session, groups: bool) -> list[MappedArena] | None:
+        """The arenas ``session`` maps (shm handshake; ``groups``: its groups' too, KVS3), its
+        own (written) first, or None: refused."""
+        pools = self.service.session_arenas(session, groups)
+        if pools is None:
             return None
-        arena = self.host.arenas[pool]
-        return arena.fd, arena.size
+        arenas = [self.host.arenas[p] for p in pools]
+        return [MappedArena(a.fd, a.size, n == 0) for n, a in enumerate(arenas)]
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)

@@ -38,6 +38,9 @@ class StoreJob:
     items: dict[int, Entry]  # key index in the request -> reserved entry
     received: set[int] = field(default_factory=set)  # tcp, cuda_ipc: keys whose bytes arrived
     digests: dict[int, int] = field(default_factory=dict)  # tcp: digests of received blocks
+    staged: dict[int, int] = field(default_factory=dict)
+    """Key index -> the slot its client writes instead, in the session's own arena, when the
+    entry's arena is one the session maps read-only (a group's): copied at the commit."""
 
     def live(self, index: int) -> bool:
         """Key ``index`` is still this job's to write (the job was not aborted meanwhile)."""

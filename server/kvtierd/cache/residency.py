@@ -234,11 +234,7 @@ class HostResidency:
         An entry that got a copy below while it was written (a late open found the block)
         stays instead, READY and held only there."""
         e.job = 0  # a data channel still holding this entry sees it is no longer its to write
-        if hold_until:
-            self._limbo.append((hold_until, e.offset, e.ns))
-            e.ns.limbo_blocks += 1
-        else:
-            self.host.free(e.offset, e.ns.slot_bytes)
+        self.free_slot(e.offset, e.ns, hold_until)
         if not e.copies:
             self.forget(e)
             return
@@ -246,6 +242,15 @@ class HostResidency:
         e.ns.ready[e.key] = e
         for link in self.links:
             link.on_host_evicted(e)
+
+    def free_slot(self, offset: int, ns: NamespaceState, hold_until: float = 0.0) -> None:
+        """A slot of ``ns``'s size that holds no entry (an aborted store's, a store's staging
+        slot) is freed, or held in limbo until ``hold_until`` (counted as ``ns``'s)."""
+        if hold_until:
+            self._limbo.append((hold_until, offset, ns))
+            ns.limbo_blocks += 1
+        else:
+            self.host.free(offset, ns.slot_bytes)
 
     def forget(self, e: Entry, *, orphan: bool = False) -> None:
         """``e`` has no copy anywhere: it leaves the index and its descendants are orphans.

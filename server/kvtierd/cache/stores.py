@@ -24,6 +24,7 @@ from collections.abc import Sequence, Set
 from kvtier_contract.errors import InvalidArgument, ResourceExhausted
 from kvtierd.cache.jobs import LoadJob, StoreJob, check_live
 from kvtierd.cache.residency import ROOM_WAIT_S, file_under
+from kvtierd.cache.staging import free_staged, stage
 from kvtierd.cache.state import CacheState
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.events import MEDIUM_CPU
@@ -267,6 +268,19 @@ class Stores:
             offsets[i] = off
         return items
 
+    def stage(self, session: Session, job: StoreJob, pool: int) -> dict[int, int]:
+        """Staging slots in arena ``pool`` (the session's own) for ``job``, whose arena the
+        session maps read-only (kvtierd.cache.staging); none placed for some: the job ends,
+        nothing reserved, and RESOURCE_EXHAUSTED."""
+        if not stage(self.state.residency, job, pool):
+            self.end_store(session, job, False, (), 0.0)
+            raise ResourceExhausted(
+                f"no room in the session's own arena to stage {len(job.items)} blocks for a "
+                "group's arena it maps read-only (store fewer at once)",
+                field="keys",
+            )
+        return job.staged
+
     def checked_job(
         self, session: Session, job_id: int, item_ok: Sequence[bool], digests: Sequence[int]
     ) -> StoreJob:
@@ -312,6 +326,7 @@ class Stores:
                 aborted += 1
         self.state.writing_blocks -= len(job.items)
         job.ns.writing_blocks -= len(job.items)
+        free_staged(self.state.residency, job, hold_until)  # (copied by now, or never to be)
         if committed:
             self.state.residency.enter_policy(committed)
             self._announce_committed(committed)

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvtier_contract.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvtier_contract.v1 import kvtier_pb2 as pb
+from kvtier_contract.wire import SHM_MAX_ARENAS
 from kvtierd.cache import TieredCache
 from kvtierd.domain import Transport
 from kvtierd.index import NamespaceState
@@ -107,28 +108,56 @@ class Scope:
         ]
 
     def mapped_arena(self, session: Session) -> int | None:
-        """The arena (pool) a session's client maps: the shared one on a single-tenant daemon,
-        its tenant's own on a daemon with tenants (None: it has none, nothing is handed out)."""
+        """The arena (pool) a session's client maps and writes: the shared one on a
+        single-tenant daemon, its tenant's own on a daemon with tenants (None: it has none,
+        nothing is handed out)."""
         if self.tenancy.tenants is None:
             return 0
         pool = self.cache.arena_of(session.tenant)
         return pool or None
 
+    def session_arenas(self, session: Session, groups: bool = True) -> tuple[int, ...] | None:
+        """Every arena a session's client maps, in the order its offsets count them: its own
+        (:meth:`mapped_arena`), then (``groups``: a client that maps them, KVS3) the arena of
+        each group its tenant reads (by name, at most ``SHM_MAX_ARENAS - 1``), read-only.
+        Fixed at the first call (its first shm handshake): a group joined later is reached over
+        tcp by that session; one left keeps its mapping (a mapping cannot be taken back) but no
+        call of it names the group's namespaces."""
+        if session.arenas is None:
+            own = self.mapped_arena(session)
+            if own is None:
+                return None
+            tenants = self.tenancy.tenants
+            names = sorted(tenants.groups_of(session.tenant or "")) if tenants and groups else []
+            pools = [p for p in map(self.cache.arena_of, names) if p and p != own]
+            session.arenas = (own, *pools[: SHM_MAX_ARENAS - 1])
+        return session.arenas
+
     def arena_base(self, session: Session, ns: NamespaceState) -> int:
-        """For a session whose client maps an arena: that arena's start, subtracted from the
-        offsets it is told (so they are offsets in its mapping). A namespace whose blocks live
-        in another arena (the operator acting on a tenant's, or one registered before its tenant
-        had an arena) cannot be moved through that mapping: FAILED_PRECONDITION (use tcp)."""
+        """For a session whose client maps arenas: what is subtracted from an offset of ``ns``'s
+        arena to make it one in that session's mapping (its arenas one after another). A
+        namespace whose blocks live in an arena it does not map (the operator acting on a
+        tenant's, one registered before its tenant had an arena, a group's not in its mapping)
+        cannot be moved through it: FAILED_PRECONDITION (use tcp)."""
         if session.transport is Transport.TCP:
             return 0
-        pool = self.mapped_arena(session)
-        if pool is None or ns.pool != pool:
+        own = self.mapped_arena(session)
+        layout = session.arenas or ((own,) if own is not None else ())
+        if ns.pool not in layout:
             raise FailedPrecondition(
                 f"namespace {ns.id} lives in a host arena this session does not map (open a "
                 "tcp session for it)",
                 field="transport",
             )
-        return self.cache.host.pool_bases[pool]
+        host = self.cache.host
+        before = sum(host.pool_bytes[p] for p in layout[: layout.index(ns.pool)])
+        return host.pool_bases[ns.pool] - before
+
+    def reads_only(self, session: Session, ns: NamespaceState) -> bool:
+        """Whether ``ns``'s arena is one ``session`` maps read-only (a group's): its stores are
+        staged in the session's own arena and copied by the daemon at their commit."""
+        layout = session.arenas
+        return session.transport is not Transport.TCP and layout is not None and ns.pool != layout[0]
 
     def job_transport(self, session: Session, value: int) -> Transport:
         """A job's transport: valid, and the one its session was opened for, or shm in a

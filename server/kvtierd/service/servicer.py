@@ -102,8 +102,8 @@ class KvtierService(pb_grpc.KvtierServicer):  # type: ignore[misc]
         key = (method, code)
         self.errors[key] = self.errors.get(key, 0) + 1
 
-    def mapped_arena(self, session: Session) -> int | None:
-        return self.scope.mapped_arena(session)
+    def session_arenas(self, session: Session, groups: bool) -> tuple[int, ...] | None:
+        return self.scope.session_arenas(session, groups)
 
     def stats_reply(self) -> pb.StatsReply:
         return self.stats.stats_reply()

@@ -39,6 +39,7 @@ from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache
 from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.jobs import LoadJob, StoreJob
+from kvtierd.cache.staging import copy_staged
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.index import Entry
 from kvtierd.service.scope import Scope, ServiceSettings
@@ -72,6 +73,11 @@ class TransferHandlers:
             parent=request.parent_key or None,
             caller=self.scope.caller(),
         )
+        if job is not None and self.scope.reads_only(s, ns):  # a group's arena: staged in its own
+            own = (s.arenas or (0,))[0]  # (reads_only: its layout is fixed)
+            base = self.cache.host.pool_bases[own]
+            staged = self.cache.stores.stage(s, job, own)
+            offsets = [staged.get(i, o) for i, o in enumerate(offsets)]
         if base and job is not None:
             offsets = [
                 o - base if st == StoreStatus.RESERVED else 0 for o, st in zip(offsets, status, strict=True)
@@ -178,11 +184,24 @@ async def complete_store_hashed(
     ``given``: the client's digests (their count is checked first: INVALID_ARGUMENT, nothing
     changes); ``trust_client``: an shm client's own are taken. (committed, aborted)."""
     job = cache.stores.checked_job(session, job_id, item_ok, given)
+    if ok and job.staged:  # written into its own arena: copied into the group's first
+        await _copy_staged(cache, job)
+        job = cache.jobs.get(session.id, job_id, StoreJob)
     digests, waited = await _store_digests(cache, job, ok, given, trust_client)
     if waited:  # the job again after the hashing: still live, and no CUDA copy begun meanwhile
         job = cache.jobs.get(session.id, job_id, StoreJob)
         cache.jobs.not_copying(job_id)
     return cache.stores.end_store(session, job, ok, item_ok, 0.0, digests)
+
+
+async def _copy_staged(cache: TieredCache, job: StoreJob) -> None:
+    """A staged job's slots copied into its entries' (kvtierd.cache.staging) on the loop's
+    executor; the job is marked copying until the copy ends, even when the call is cancelled
+    meanwhile (a release then holds its slots back, as for a CUDA copy)."""
+    cache.jobs.copying.add(job.id)
+    copy = asyncio.get_running_loop().run_in_executor(None, copy_staged, cache.residency, job)
+    copy.add_done_callback(lambda _f: cache.jobs.copying.discard(job.id))
+    await asyncio.shield(copy)
 
 
 async def _store_digests(

@@ -196,20 +196,30 @@ class Arena:
     Owns the fd and the mapping; ``close()`` releases both. Thread-safety: the mapping is plain
     memory; who may write which range is decided by the index (a slot is written only while its
     entry is WRITING and read only while pinned or READY).
+
+    Sealed against resizing (an ``ftruncate`` would fault every mapping). ``read_only``: a
+    group's arena, which clients map read-only: sealed after the daemon's own mapping with
+    ``F_SEAL_FUTURE_WRITE`` too, so no one can map it writable again, ``write(2)`` it or punch
+    a hole in it (a read-only descriptor alone is not enough: a memfd reopened through
+    ``/proc/<pid>/fd`` comes back read-write); only the daemon's mapping, made first, writes.
     """
 
     SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # (Linux 5.1; Python 3.12)
 
-    def __init__(self, size: int, *, prefault: bool = True, name: str = "kvtier-host") -> None:
+    def __init__(
+        self, size: int, *, prefault: bool = True, name: str = "kvtier-host", read_only: bool = False
+    ) -> None:
         self.size = size
+        self.seals = self.SEALS | (self.F_SEAL_FUTURE_WRITE if read_only else 0)
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
             if prefault:
                 # Allocate the pages now: the first copy into a slot must not pay the faults.
                 os.posix_fallocate(self.fd, 0, size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.SEALS)
             self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.seals)  # (after the mapping: see above)
         except BaseException:
             os.close(self.fd)
             raise
@@ -221,7 +231,7 @@ class Arena:
         try:
             return (
                 os.fstat(self.fd).st_size == self.size
-                and fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & self.SEALS == self.SEALS
+                and fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & self.seals == self.seals
             )
         except OSError:
             return False

@@ -1,9 +1,11 @@
 """shm fd server: gives a session's host arena memfd, and namespaces' published indexes, to
 same-host clients.
 
-Which arena: the one ``arena(session)`` names (kvtierd.app: the shared arena on a single-tenant
-daemon, the tenant's own arena on a daemon with tenants; a session with none is refused). A
-client therefore maps only memory that holds its own tenant's blocks.
+Which arenas: those ``arena(session)`` names (kvtierd.app: the shared arena on a single-tenant
+daemon, the tenant's own arena on a daemon with tenants, a session with none refused; with
+``KVS3``, after it, the arena of each group its tenant reads, sealed against every client's
+writes). A client therefore maps only memory that holds its own tenant's blocks, and its groups'
+read-only. ``KVS2`` hands the first arena alone (a client that predates group arenas).
 
 Handshakes on a Unix stream socket (one exchange per connection, then the daemon closes it),
 stated once in :mod:`kvtier_contract.wire` (``SHM_REQUEST`` / ``SHM_REPLY`` / ``SHM_REFUSED``)
@@ -42,7 +44,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvtier_contract import published_index as pi
 from kvtier_contract import wire
@@ -60,6 +62,15 @@ HANDSHAKES = "handshakes"  # what a peer uid holds of the socket (its ledger's r
 _SETTLE_TURNS = 4  # loop turns a handshake at a cap waits for one in progress to end
 
 
+class MappedArena(NamedTuple):
+    """One arena a session maps: its memfd (the daemon's; sent, never closed here), its size and
+    whether the session writes it (its own) or only reads it (a group's, sealed)."""
+
+    fd: int
+    size: int
+    writable: bool
+
+
 class Channel(Protocol):
     """A control channel as this server keeps it (kvtierd.transports.control.ControlChannel)."""
 
@@ -71,9 +82,11 @@ class Channel(Protocol):
 class ShmFdServer(ServerTransport):
     """Owns the listening socket and its file. Event-loop thread only.
 
-    What the daemon hands it: ``arena(session)``: the fd and size of the arena that session
-    maps, or None (refused). ``index(session_id, namespace_id)``: a read-only descriptor of that
-    namespace's published index (the caller here closes it), its size and generation; raises a
+    What the daemon hands it: ``arena(session, groups)``: the arenas that session maps, in the
+    order its offsets count them (:class:`MappedArena`, its own first; ``groups``: its groups'
+    after it, for a KVS3 client), or None (refused).
+    ``index(session_id, namespace_id)``: a read-only descriptor of that namespace's published
+    index (the caller here closes it), its size and generation; raises a
     KvtierError or OSError to refuse. None: index requests are refused.
     ``index_hold(namespace_id, +1 / -1)``: a channel starts / stops reading a namespace's
     index (the daemon stops publishing one that no channel reads). ``login(uid, gid)``: a
@@ -90,7 +103,7 @@ class ShmFdServer(ServerTransport):
     def __init__(
         self,
         path: str,
-        arena: Callable[[Session], tuple[int, int] | None],
+        arena: Callable[[Session, bool], list[MappedArena] | None],
         boot_epoch: int,
         sessions: SessionTable,
         *,
@@ -232,7 +245,7 @@ class ShmFdServer(ServerTransport):
                 )
             if magic == pi.INDEX_MAGIC:
                 return data + await recv_exactly(conn, pi.INDEX_REQUEST.size - len(data))
-            if magic in (wire.SHM_MAGIC, wire.CONTROL_MAGIC):
+            if magic in (wire.SHM_MAGIC, wire.SHM_MAGIC_V3, wire.CONTROL_MAGIC):
                 return data + await recv_exactly(conn, wire.DATA_SECRET_BYTES)
             if magic != wire.LOGIN_MAGIC:
                 raise ValueError("bad shm handshake")
@@ -248,8 +261,9 @@ class ShmFdServer(ServerTransport):
         return session
 
     def _serve_arena(self, conn: socket.socket, data: bytes) -> None:
-        """Hand the session's arena fd (KVS2); KvtierError: refused."""
-        _, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
+        """Hand the session's arena fd (KVS2), or every arena it maps (KVS3); KvtierError:
+        refused."""
+        magic, session_id = wire.SHM_REQUEST.unpack(data[: wire.SHM_REQUEST.size])
         session = self._session(conn, session_id, data[wire.SHM_REQUEST.size :])
         if session.transport is Transport.TCP:
             # a tcp session moves bytes over the data channel only: the arena is never
@@ -258,15 +272,21 @@ class ShmFdServer(ServerTransport):
                 f"session {session_id} was opened for the tcp transport: the arena is not handed to it",
                 field="transport",
             )
-        mapped = self._arena(session)
+        mapped = self._arena(session, magic == wire.SHM_MAGIC_V3)
         if mapped is None:  # a tenant whose own arena could not be made: never another
             raise FailedPrecondition(
                 f"tenant {session.tenant} has no arena of its own (see the daemon's log)", field="transport"
             )
-        fd, size = mapped
         conn.setblocking(True)
-        reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, size, self._epoch)
-        socket.send_fds(conn, [reply], [fd])
+        if magic == wire.SHM_MAGIC:
+            reply = wire.SHM_REPLY.pack(wire.SHM_MAGIC, mapped[0].size, self._epoch)
+            socket.send_fds(conn, [reply], [mapped[0].fd])
+        else:
+            total = sum(a.size for a in mapped)
+            reply = wire.SHM_REPLY_V3.pack(wire.SHM_MAGIC_V3, total, self._epoch, len(mapped)) + b"".join(
+                wire.SHM_ARENA.pack(a.size, wire.SHM_ARENA_WRITABLE if a.writable else 0) for a in mapped
+            )
+            socket.send_fds(conn, [reply], [a.fd for a in mapped])
         self.handed_out += 1
 
     async def _serve_control(self, conn: socket.socket, data: bytes) -> None:

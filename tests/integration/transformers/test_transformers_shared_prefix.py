@@ -61,17 +61,22 @@ def test_salts_share_the_published_prefix_and_never_each_others_suffixes(daemon:
         c.withdraw_prefix(GROUP, "system")
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # shm: the group's arena, mapped read-only
 def test_a_member_restores_the_publishers_blocks_and_stores_none_of_the_groups(
-    daemon_factory: Any, tmp_path: Path
+    daemon_factory: Any, tmp_path: Path, transport: str
 ) -> None:
-    config = write_tenants(tmp_path, TOKENS, group=GROUP, publishers=["pub"], members=["member"])
+    mapping = list(TOKENS) if transport == "shm" else []
+    config = write_tenants(
+        tmp_path, TOKENS, group=GROUP, publishers=["pub"], members=["member"], mapping=mapping
+    )
+    config.write_text(config.read_text() + 'tenant_arena_bytes = "64MiB"\n')
     d: DaemonProcess = daemon_factory("--config", str(config), run_dir=tmp_path / "d")
     with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["pub"]) as c:
         c.publish_prefix(GROUP, "system", SHARED[0].tolist())
     model = tiny_llama()
 
     def cache(tenant: str) -> Any:
-        return prefix_cache(d.unix, model, transport="tcp", token_file=str(tmp_path / f"{tenant}.token"))
+        return prefix_cache(d.unix, model, transport=transport, token_file=str(tmp_path / f"{tenant}.token"))
 
     m = with_suffix(24)
     with cache("member") as member:

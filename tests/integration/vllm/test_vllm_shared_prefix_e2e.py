@@ -30,14 +30,22 @@ SHARED = tokens(3 * BLOCK + 40, 71)  # the group's system prompt: a boundary ins
 SUFFIX_A, SUFFIX_B = tokens(BLOCK + 20, 72), tokens(BLOCK + 20, 73)
 
 
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The engines' transport: tcp, or shm (the group's blocks in an arena of its own that both
+    map read-only; the publisher's stores staged in its own arena)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("vllm_shared")
+def workdir(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Path:
+    path = tmp_path_factory.mktemp(f"vllm_shared_{transport}")
     sys.path.insert(0, str(HERE))
     from vllm_driver import write_model_dir
 
     write_model_dir(str(path / "model"))
-    write_tenants(path, TOKENS, group=GROUP, publishers=["pub"], members=["member"])
+    mapping = list(TOKENS) if transport == "shm" else []
+    write_tenants(path, TOKENS, group=GROUP, publishers=["pub"], members=["member"], mapping=mapping)
     return path
 
 
@@ -49,17 +57,19 @@ def daemon(workdir: Path) -> Iterator[DaemonProcess]:
     d.kill()
 
 
-def engine(workdir: Path, d: DaemonProcess, tenant: str) -> Engine:
-    cfg = connector(d, transport="tcp", token_file=str(workdir / f"{tenant}.token"), prefix_refresh_ms=200)
+def engine(workdir: Path, d: DaemonProcess, tenant: str, transport: str) -> Engine:
+    cfg = connector(
+        d, transport=transport, token_file=str(workdir / f"{tenant}.token"), prefix_refresh_ms=200
+    )
     return Engine(workdir / "model", cfg, workdir / f"engine_{tenant}.log")
 
 
 def test_members_load_the_published_prompt_and_never_each_others_suffixes(
-    workdir: Path, daemon: DaemonProcess
+    workdir: Path, daemon: DaemonProcess, transport: str
 ) -> None:
     with kvtier.Client.connect(daemon.unix, transport="tcp", token=TOKENS["pub"]) as c:
         c.publish_prefix(GROUP, "system", SHARED)
-    a = engine(workdir, daemon, "pub")
+    a = engine(workdir, daemon, "pub", transport)
     try:
         out_a = a.generate([SHARED + SUFFIX_A])
         metrics_a = a.metrics()
@@ -67,7 +77,7 @@ def test_members_load_the_published_prompt_and_never_each_others_suffixes(
         a.close()
     assert out_a["cached"] == [0]
     assert metrics_a["vllm:kvtier_stored_tokens"] == 4 * BLOCK  # 3 shared blocks, 1 of its own
-    b = engine(workdir, daemon, "member")
+    b = engine(workdir, daemon, "member", transport)
     try:
         out_b = b.generate([SHARED + SUFFIX_A])  # A's very prompt
         own = b.generate([SHARED + SUFFIX_B])

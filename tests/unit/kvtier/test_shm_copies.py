@@ -26,6 +26,7 @@ def transport() -> Iterator[shm.ShmTransport]:
     mm.write(np.random.default_rng(1).integers(0, 256, ARENA, dtype=np.uint8).tobytes())
     t._mm, t._view = mm, memoryview(mm)
     t._base, t.arena_bytes = shm._address(t._view), ARENA
+    t.writable_bytes = ARENA
     yield t
     t.close()
 

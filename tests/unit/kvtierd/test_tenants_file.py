@@ -367,9 +367,25 @@ def test_a_group_is_an_owner_no_one_can_be(tmp_path: Path) -> None:
         ('name = "g"\npublishers = ["a"]\ntokens_sha256 = []\n', "group[0]"),  # a group has no credential
         ('name = "g"\npublishers = ["a"]\n[group.quotas]\nsessions = 4\n', "group[0].quotas"),  # a member's
         ('name = "g"\npublishers = ["a"]\n\n[[group]]\nname = "g"\npublishers = ["b"]\n', "group[1].name"),
+        ('name = "g"\npublishers = ["a"]\narena_bytes = 0\n', "group[0].arena_bytes"),
+        ('name = "g"\npublishers = ["a"]\narena_bytes = "lots"\n', "group[0].arena_bytes"),
     ],
 )
 def test_a_bad_group_names_the_field(tmp_path: Path, group: str, field: str) -> None:
     with pytest.raises(ValueError) as e:
         load_tenants(write(tmp_path, TWO_TENANTS + "[[group]]\n" + group))
     assert str(e.value).startswith(f"{field}:") or str(e.value).startswith(f"{field} "), str(e.value)
+
+
+def test_a_group_has_an_arena_when_one_of_its_readers_maps_memory(tmp_path: Path) -> None:
+    """Its readers map it read-only (docs/security.md § Groups, "Group arenas"): ``arena_bytes``,
+    else its host_bytes quota, else the daemon's tenant_arena_bytes; none for tcp-only readers."""
+    body = (
+        f'[[tenant]]\nname = "a"\ntokens_sha256 = ["{GOOD}"]\ntransports = ["shm"]\n\n'
+        '[[tenant]]\nname = "b"\nmtls_names = ["b"]\ntransports = ["tcp"]\n\n'
+        '[[group]]\nname = "g"\npublishers = ["b"]\nmembers = ["a"]\narena_bytes = "3MiB"\n\n'
+        '[[group]]\nname = "h"\npublishers = ["b"]\n[group.quotas]\nhost_bytes = "5MiB"\n'
+    )
+    t = load_tenants(write(tmp_path, body))
+    assert t.maps_memory(t.by_name["g"]) and not t.maps_memory(t.by_name["h"])  # h: b only, tcp
+    assert t.by_name["g"].arena_size(1 << 20) == 3 << 20

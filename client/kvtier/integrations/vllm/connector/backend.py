@@ -133,12 +133,12 @@ class DaemonBackend:
 
     def _shared_prefix(self, variant: Variant, token_ids: Sequence[int]) -> PublishedPrefix | None:
         """The published prefix of one of the tenant's groups that the request begins with
-        (``shared_prefixes``; the list fetched every ``prefix_refresh_ms``). On a daemon with
-        tenants a group's blocks move over tcp only (no tenant maps a group's arena yet), so an
-        engine of another transport keys every request in its own scope there."""
+        (``shared_prefixes``; the list fetched every ``prefix_refresh_ms``). An engine whose
+        client cannot move its groups' blocks (``Client.reaches_groups``: shm to a daemon that
+        predates group arenas) keys every request in its own scope."""
         if not self.cfg.shared_prefixes or variant.group is not None:
             return None
-        if self.cfg.transport != "tcp" and self.client.tenant is not None:
+        if not self.client.reaches_groups:
             return None
         if self._prefixes is None:
             self._prefixes = PrefixWatch(self.client, self._refresh_s)
