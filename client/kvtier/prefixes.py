@@ -14,6 +14,8 @@ another tenant's.
 * :class:`PrefixMatcher`: the longest published prefix a request begins with. Immutable; safe to
   share between threads (a refresh builds a new one).
 * :class:`PrefixWatch`: an engine's matcher, fetched again from the daemon every ``refresh_s``.
+* :class:`SharedPrefixes`: the rules every integration takes a published prefix by (the vLLM
+  connector's plans, :mod:`kvtier.shared_scopes`), stated once.
 
 Lifecycle: ``Client.published_prefixes()`` -> ``PrefixMatcher(prefixes)`` -> ``match(tokens)``
 per request; rebuilt when the list is fetched again (``PrefixWatch``: the engines refresh it
@@ -26,16 +28,24 @@ import hashlib
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvtier_contract import errors
 from kvtier_contract.prefixes import MAX_PREFIX_TOKENS
 
-__all__ = ["MAX_PREFIX_TOKENS", "PrefixMatcher", "PrefixWatch", "PublishedPrefix", "prefix_digest"]
+__all__ = [
+    "MAX_PREFIX_TOKENS",
+    "PrefixMatcher",
+    "PrefixWatch",
+    "PublishedPrefix",
+    "SharedPrefixes",
+    "prefix_digest",
+]
 
 log = logging.getLogger("kvtier.prefixes")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,9 @@ class PrefixSource(Protocol):
     @property
     def connected(self) -> bool: ...
 
+    @property
+    def reaches_groups(self) -> bool: ...
+
     def published_prefixes(self) -> list[PublishedPrefix]: ...
 
 
@@ -129,3 +142,48 @@ class PrefixWatch:
             self.matcher = PrefixMatcher(self.source.published_prefixes())
         except errors.KvtierError as e:  # away, refused or older: keep the last list
             log.debug("kvtier: published prefixes not fetched: %s", e)
+
+
+class SharedPrefixes:
+    """When an integration keys a request's leading tokens in a group's scope, stated once for
+    all of them: the longest published prefix of one of the client's groups the request begins
+    with (its :class:`PrefixWatch`), unless the client cannot move its groups' blocks
+    (``Client.reaches_groups``: shm to a daemon that predates group arenas) or the prefix is
+    shorter than one block (it would share no block and change every key); and a group whose
+    namespace the daemon refused (a tenant taken out of the group, a quota) is set aside for
+    one refresh period, meanwhile the requests are keyed in their own scope.
+
+    Lifecycle: ``SharedPrefixes(client, refresh_s)`` -> ``match(token_ids, tokens_per_block)``
+    per request, ``open(scope, group, register)`` for the group's namespaces. Owns its watch
+    and the set-aside scopes; single-threaded (the thread that hashes requests)."""
+
+    def __init__(
+        self, source: PrefixSource, refresh_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.source = source
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._watch: PrefixWatch | None = None  # (made at the first match: no call before)
+        self._refused: dict[Hashable, float] = {}  # a scope the daemon refused -> until when
+
+    def match(self, token_ids: Sequence[int], tokens_per_block: int) -> PublishedPrefix | None:
+        """The published prefix the request is keyed in a group's scope up to, or None."""
+        if not self.source.reaches_groups:
+            return None
+        if self._watch is None:
+            self._watch = PrefixWatch(self.source, self.refresh_s, clock=self.clock)
+        found = self._watch.match(token_ids)
+        return None if found is None or found.tokens < tokens_per_block else found
+
+    def open(self, scope: Hashable, group: str, register: Callable[[], T]) -> T | None:
+        """``register()`` (the group's namespaces, ``scope`` naming them), or None while the
+        daemon's refusal of ``scope`` sets it aside; a refusal now (a KvtierError) sets it aside
+        for ``refresh_s``."""
+        if self._refused.get(scope, 0.0) > self.clock():
+            return None
+        try:
+            return register()
+        except errors.KvtierError as e:
+            log.warning("kvtier: group %s not used for %.0f s: %s", group, self.refresh_s, e)
+            self._refused[scope] = self.clock() + self.refresh_s
+            return None

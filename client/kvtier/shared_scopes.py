@@ -12,12 +12,9 @@ not hit whole.
 The vLLM connector has its own split (its keys cross processes in the connector's plans:
 ``kvtier.integrations.vllm.connector.backend``); the Transformers prefix cache uses this one.
 
-Rules, as the connector's: a prefix shorter than one block is not used (it would share no block
-and change every key); a client that cannot move its groups' blocks (``Client.reaches_groups``:
-an shm client of a daemon that predates group arenas) keys every request in its own scope; a
-group whose namespace the daemon refuses (a tenant taken out of the group, a quota, a group
-without an arena of its own where the client maps memory) is not used until the list is
-fetched again.
+Rules, the connector's too: :class:`kvtier.prefixes.SharedPrefixes` (a prefix shorter than one
+block is not used; a client that cannot move its groups' blocks keys every request in its own
+scope; a group whose namespace the daemon refuses is set aside until the list is fetched again).
 
 Lifecycle: ``SharedScopes(client, refresh_s)`` -> ``keys(own_handle, token_ids)`` per request.
 Owns its :class:`~kvtier.prefixes.PrefixWatch` and the group handles it registered; not
@@ -27,13 +24,11 @@ thread-safe (one per thread that hashes requests, as the integration's cache is)
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.client import Client, NamespaceHandle
-from kvtier.prefixes import PrefixWatch
-from kvtier_contract.errors import KvtierError
+from kvtier.prefixes import SharedPrefixes
 from kvtier_contract.identity import Namespace
 from kvtier_contract.scopes import Region, scoped_block_keys
 
@@ -97,9 +92,8 @@ class SharedScopes:
         self.shared = shared
         self.enabled = enabled
         self.refresh_s = refresh_s
-        self._watch = PrefixWatch(client, refresh_s)
+        self._rules = SharedPrefixes(client, refresh_s)
         self._groups: dict[tuple[int, str], NamespaceHandle] = {}  # (own id, group) -> handle
-        self._refused: dict[tuple[int, str], float] = {}  # ... -> monotonic time to try again
 
     def keys(self, own: NamespaceHandle, token_ids: Sequence[int]) -> ScopedKeys:
         """The keys of ``token_ids``' full blocks and their parts (one part, ``own``, unless
@@ -120,24 +114,15 @@ class SharedScopes:
         self, own: NamespaceHandle, token_ids: Sequence[int]
     ) -> tuple[NamespaceHandle, int, bool] | None:
         """The group handle, prefix length and publisher flag of the published prefix the
-        request begins with, or None (see the module docstring's rules)."""
-        if not self.enabled or not self.client.reaches_groups:
+        request begins with, or None (``kvtier.prefixes.SharedPrefixes``' rules)."""
+        match = self._rules.match(token_ids, own.namespace.tokens_per_block) if self.enabled else None
+        if match is None:
             return None
-        match = self._watch.match(token_ids)
-        if match is None or match.tokens < own.namespace.tokens_per_block:
-            return None
-        handle = self._handle(own, match.group)
-        return None if handle is None else (handle, match.tokens, match.publisher)
-
-    def _handle(self, own: NamespaceHandle, group: str) -> NamespaceHandle | None:
-        at = (own.namespace_id, group)
+        at = (own.namespace_id, match.group)
         handle = self._groups.get(at)
-        if handle is not None or self._refused.get(at, 0.0) > time.monotonic():
-            return handle
-        spec = self.shared(own.namespace, group)
-        try:
-            handle = self._groups[at] = self.client.register(spec)
-        except KvtierError as e:
-            log.warning("kvtier: group %s not used for %.0f s: %s", group, self.refresh_s, e)
-            self._refused[at] = time.monotonic() + self.refresh_s
-        return handle
+        if handle is None:
+            spec = self.shared(own.namespace, match.group)
+            handle = self._rules.open(at, match.group, lambda: self.client.register(spec))
+            if handle is not None:
+                self._groups[at] = handle
+        return None if handle is None else (handle, match.tokens, match.publisher)

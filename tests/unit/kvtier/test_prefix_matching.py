@@ -10,7 +10,14 @@ import struct
 import pytest
 from tests_helpers import ManualClock
 
-from kvtier.prefixes import MAX_PREFIX_TOKENS, PrefixMatcher, PrefixWatch, PublishedPrefix, prefix_digest
+from kvtier.prefixes import (
+    MAX_PREFIX_TOKENS,
+    PrefixMatcher,
+    PrefixWatch,
+    PublishedPrefix,
+    SharedPrefixes,
+    prefix_digest,
+)
 from kvtier_contract import errors
 
 SYSTEM = list(range(100, 140))
@@ -57,6 +64,7 @@ class Source:
     def __init__(self, prefixes: list[PublishedPrefix]) -> None:
         self.prefixes = prefixes
         self.connected = True
+        self.reaches_groups = True
         self.calls = 0
         self.fail: errors.KvtierError | None = None
 
@@ -98,3 +106,28 @@ def test_one_hash_pass_finds_the_longest_of_many_lengths() -> None:
     for n in range(1, len(TOOLS) + 1):
         want = max((p for p in prefixes if p.tokens <= n), key=lambda p: p.tokens)
         assert m.match(TOOLS[:n]) == want
+
+
+def test_the_shared_prefix_rules_every_integration_takes() -> None:
+    """kvtier.prefixes.SharedPrefixes: a prefix of at least one block, where the client moves
+    its groups' blocks; a group the daemon refused set aside for one refresh period."""
+    clock, source = ManualClock(), Source([published("system", SYSTEM)])
+    rules = SharedPrefixes(source, 5.0, clock=clock)
+    assert rules.match(SYSTEM + [1], tokens_per_block=16) == published("system", SYSTEM)
+    assert rules.match(SYSTEM + [1], tokens_per_block=len(SYSTEM) + 1) is None  # under a block
+    source.reaches_groups = False  # shm to a daemon without group arenas
+    assert rules.match(SYSTEM + [1], tokens_per_block=16) is None
+    calls: list[str] = []
+
+    def register() -> str:
+        calls.append("register")
+        if len(calls) == 1:
+            raise errors.PermissionDenied("not a group of this credential's tenant", field="spec.group")
+        return "handles"
+
+    assert rules.open("scope", "g", register) is None and len(calls) == 1
+    clock.advance(4.9)
+    assert rules.open("scope", "g", register) is None and len(calls) == 1  # set aside, not asked
+    assert rules.open("other", "h", register) == "handles"  # another scope is not
+    clock.advance(0.2)
+    assert rules.open("scope", "g", register) == "handles" and len(calls) == 3

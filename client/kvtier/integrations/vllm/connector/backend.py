@@ -12,17 +12,15 @@ group's scope up to it (``kvtier.prefixes``, docs/vllm.md "Shared prefixes").
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 from kvtier.client import Client, NamespaceHandle
 from kvtier.integrations.vllm.breaker import shared_breaker
 from kvtier.integrations.vllm.connector.config import BASE, ConnectorConfig, EngineIdentity, Variant
 from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOutcome, Pin, SharedScope
-from kvtier.prefixes import PrefixWatch, PublishedPrefix
+from kvtier.prefixes import PublishedPrefix, SharedPrefixes
 from kvtier.results import TierFigure
 from kvtier.settings import ClientSettings
-from kvtier_contract.errors import KvtierError
 from kvtier_contract.scopes import Region, scoped_block_keys
 
 log = logging.getLogger("vllm.kvtier")
@@ -40,10 +38,14 @@ class DaemonBackend:
         self.client_name = client_name
         self._client: Client | None = None
         self._handles: dict[tuple[Variant, int], NamespaceHandle] = {}
-        self._prefixes: PrefixWatch | None = None  # the groups' published prefixes (lazy)
-        self._refresh_s = cfg.prefix_refresh_ms / 1000
-        self._refused: dict[Variant, float] = {}  # a group's scope the daemon refused -> until
+        self._rules: SharedPrefixes | None = None  # the groups' published prefixes (lazy)
         self.local_misses = 0  # lookups the published index answered as misses (no RPC)
+
+    @property
+    def _shared(self) -> SharedPrefixes:
+        if self._rules is None:
+            self._rules = SharedPrefixes(self.client, self.cfg.prefix_refresh_ms / 1000)
+        return self._rules
 
     @property
     def client(self) -> Client:
@@ -119,33 +121,20 @@ class DaemonBackend:
         return LookupOutcome(keys, hits, tiers, pins, self._chain(handles, groups, match.tokens), scope)
 
     def _group_handles(self, scope: Variant) -> list[NamespaceHandle] | None:
-        """The group's namespace of every slice, or None while the daemon refuses it (a
-        tenant taken out of the group, a quota: asked again a refresh later; meanwhile the
-        request is keyed in its own scope)."""
-        if self._refused.get(scope, 0.0) > time.monotonic():
-            return None
-        try:
-            return [self.handle(scope, r) for r in range(self.identity.tp_size)]
-        except KvtierError as e:
-            log.warning("kvtier: group %s not used for %.0f s: %s", scope.group, self._refresh_s, e)
-            self._refused[scope] = time.monotonic() + self._refresh_s
-            return None
+        """The group's namespace of every slice, or None while the daemon refuses it
+        (``SharedPrefixes.open``: meanwhile the request is keyed in its own scope)."""
+        assert scope.group is not None
+        return self._shared.open(
+            scope, scope.group, lambda: [self.handle(scope, r) for r in range(self.identity.tp_size)]
+        )
 
     def _shared_prefix(self, variant: Variant, token_ids: Sequence[int]) -> PublishedPrefix | None:
         """The published prefix of one of the tenant's groups that the request begins with
-        (``shared_prefixes``; the list fetched every ``prefix_refresh_ms``). An engine whose
-        client cannot move its groups' blocks (``Client.reaches_groups``: shm to a daemon that
-        predates group arenas) keys every request in its own scope."""
+        (``shared_prefixes``; the list fetched every ``prefix_refresh_ms``;
+        ``kvtier.prefixes.SharedPrefixes``' rules)."""
         if not self.cfg.shared_prefixes or variant.group is not None:
             return None
-        if not self.client.reaches_groups:
-            return None
-        if self._prefixes is None:
-            self._prefixes = PrefixWatch(self.client, self._refresh_s)
-        match = self._prefixes.match(token_ids)
-        if match is None or match.tokens < self.identity.tokens_per_block:
-            return None  # (shorter than a block: no block to share, only keys to change)
-        return match
+        return self._shared.match(token_ids, self.identity.tokens_per_block)
 
     def _pinned(
         self, handles: list[NamespaceHandle], keys: list[list[bytes]], promote: bool
