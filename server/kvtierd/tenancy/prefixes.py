@@ -17,6 +17,11 @@ Primitives of :class:`PublishedPrefixes`:
   file written, then the change: a check that fails, or a write that fails (UNAVAILABLE),
   changes nothing. Republishing a name with the same length and digest writes nothing;
 * ``prune()`` (a task, after a reload): forget the groups the tenants file no longer has;
+* each caller's changes that write the file (each an fsync'd replace of it, twice fsync'd) are
+  bounded: ``WRITES_PER_S`` a second sustained, bursts of ``WRITE_BURST`` (a token bucket per
+  tenant; RESOURCE_EXHAUSTED naming ``group`` beyond, nothing changed), so a publisher cannot
+  keep the NVMe directory and the executor busy with fsyncs. Changes that write nothing (a
+  republish of the same prefix, a memory-only registry) are not counted;
 * ``counts()``: prefixes per group (/metrics).
 
 Groups: with a tenants file, its ``[[group]]`` tables, published into by their publishers and
@@ -42,6 +47,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +72,11 @@ log = logging.getLogger("kvtierd.prefixes")
 NOT_A_PUBLISHER = "no group of this daemon that this credential publishes into (a [[group]]'s publishers)"
 """The one refusal for a group that is not there and a group the caller does not publish."""
 
+WRITES_PER_S = 8.0
+"""A caller's changes that write the prefix file, a second, sustained (module docstring)."""
+WRITE_BURST = 64
+"""... at once, after a quiet while (a publisher publishing its names at start)."""
+
 Plan = Callable[[Groups], tuple[Groups | None, bool]]
 """A change: the registry after it (None: nothing to change) and whether the name existed."""
 
@@ -83,9 +95,14 @@ class Listed:
 class PublishedPrefixes:
     """See the module docstring."""
 
-    def __init__(self, tenancy: Tenancy, file: PrefixFile | None = None) -> None:
+    def __init__(
+        self, tenancy: Tenancy, file: PrefixFile | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.tenancy = tenancy
         self.file = file  # None: memory only (no durable directory)
+        self.clock = clock
+        self._budget: dict[str, tuple[float, float]] = {}  # caller -> (writes left, at); a
+        # tenant's name ("" on a single-tenant daemon): as many keys as the tenants file has
         self._groups: Groups = {}
         self._lock = asyncio.Lock()
         self._pruning: asyncio.Task[bool] | None = None
@@ -171,7 +188,7 @@ class PublishedPrefixes:
                 )
             return _with(groups, group, name, prefix), False
 
-        return await self._change(plan)
+        return await self._change(plan, caller)
 
     async def withdraw(self, caller: Tenant | None, group: str, name: str) -> bool:
         """Withdraw ``name`` from ``group`` (idempotent); whether it existed."""
@@ -183,7 +200,7 @@ class PublishedPrefixes:
                 return None, False
             return _with(groups, group, name, None), True
 
-        return await self._change(plan)
+        return await self._change(plan, caller)
 
     def prune(self) -> asyncio.Task[bool]:
         """Forget, soon, the groups the tenants file no longer has (a reload; event loop):
@@ -195,7 +212,7 @@ class PublishedPrefixes:
 
         async def run() -> bool:
             try:
-                return await self._change(plan)
+                return await self._change(plan, bounded=False)
             except KvtierError as e:
                 log.error("groups removed from the tenants file: their prefixes stay on disk: %s", e)
                 return False
@@ -212,14 +229,16 @@ class PublishedPrefixes:
         if not self.tenancy.may_store(viewer, group):
             raise PermissionDenied(NOT_A_PUBLISHER, field="group")
 
-    async def _change(self, plan: Plan) -> bool:
+    async def _change(self, plan: Plan, caller: Tenant | None = None, *, bounded: bool = True) -> bool:
         """Apply ``plan`` under the lock, the file written before the registry changes; it
-        runs to its end even when the caller is cancelled."""
-        task = asyncio.get_running_loop().create_task(self._apply(plan))
+        runs to its end even when the caller is cancelled. ``bounded``: a write counts against
+        ``caller``'s budget (not a reload's pruning)."""
+        who = (caller.name if caller is not None else "") if bounded else None
+        task = asyncio.get_running_loop().create_task(self._apply(plan, who))
         task.add_done_callback(_retrieved)
         return await asyncio.shield(task)
 
-    async def _apply(self, plan: Plan) -> bool:
+    async def _apply(self, plan: Plan, who: str | None) -> bool:
         async with self._lock:
             after, existed = plan(self._groups)  # every check: raises, nothing changed
             if after is not None:
@@ -230,9 +249,26 @@ class PublishedPrefixes:
                         field="name",
                     )
                 if self.file is not None:
+                    if who is not None:
+                        self._spend(who)
                     await asyncio.get_running_loop().run_in_executor(None, self.file.save, after)
                 self._groups = after
             return existed
+
+    def _spend(self, who: str) -> None:
+        """One of ``who``'s file writes, or RESOURCE_EXHAUSTED (field ``group``) when its
+        bucket is empty (nothing spent)."""
+        now = self.clock()
+        left, at = self._budget.get(who, (float(WRITE_BURST), now))
+        left = min(float(WRITE_BURST), left + (now - at) * WRITES_PER_S)
+        if left < 1.0:
+            wait_ms = math.ceil((1.0 - left) / WRITES_PER_S * 1000)
+            raise ResourceExhausted(
+                f"published prefixes changed too often: at most {WRITES_PER_S:g} changes a second "
+                f"per tenant, bursts of {WRITE_BURST} (each is written to disk); retry in {wait_ms} ms",
+                field="group",
+            )
+        self._budget[who] = (left - 1.0, now)
 
 
 def _check_names(group: str, name: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from kvtier_contract.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from kvtierd.tenancy import Tenancy
 from kvtierd.tenancy.prefix_file import MAX_FILE_BYTES, Groups, Prefix, PrefixFile, encode
-from kvtierd.tenancy.prefixes import NOT_A_PUBLISHER, Listed, PublishedPrefixes
+from kvtierd.tenancy.prefixes import NOT_A_PUBLISHER, WRITE_BURST, WRITES_PER_S, Listed, PublishedPrefixes
 from kvtierd.tenants import Tenant, Tenants
 
 T = TypeVar("T")
@@ -240,3 +240,27 @@ def test_a_publish_that_would_outgrow_the_file_a_start_reads_is_refused(tmp_path
     saved = file.load()
     assert saved is not None and reg.counts() == {g: len(n) for g, n in saved.items()}  # agree
     assert len(encode(saved)) <= MAX_FILE_BYTES and reg.counts().get(full, 0) < 16
+
+
+def test_a_callers_writes_of_the_file_are_bounded_and_a_refusal_changes_nothing() -> None:
+    """A token bucket a tenant: WRITE_BURST at once, then WRITES_PER_S a second; a change that
+    writes nothing (the same prefix again) costs nothing; another tenant has its own."""
+    now = [0.0]
+    file = Recorded()
+    reg = PublishedPrefixes(Tenancy(people()), file, clock=lambda: now[0])
+    pub, ops = caller(reg, "pub"), caller(reg, "ops")
+    for i in range(WRITE_BURST):  # publish and withdraw one name: a write each
+        if i % 2:
+            run(reg.withdraw(pub, "g", "system"))
+        else:
+            run(reg.publish(pub, "g", "system", 10, D))
+    assert len(file.saved) == WRITE_BURST
+    with pytest.raises(ResourceExhausted, match="retry in 125 ms") as e:
+        run(reg.publish(pub, "g", "system", 10, D))
+    assert e.value.field == "group"
+    assert len(file.saved) == WRITE_BURST and reg.listed(pub) == []  # nothing changed
+    run(reg.publish(ops, "g", "tools", 5, D))  # the operator's bucket is its own
+    run(reg.publish(ops, "g", "tools", 5, D))  # the same again: no write, nothing spent
+    now[0] += 1 / WRITES_PER_S
+    assert run(reg.publish(pub, "g", "system", 10, D)) is False
+    assert [p.name for p in reg.listed(pub)] == ["system", "tools"]
