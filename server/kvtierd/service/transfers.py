@@ -73,7 +73,9 @@ class TransferHandlers:
             parent=request.parent_key or None,
             caller=self.scope.caller(),
         )
-        if job is not None and self.scope.reads_only(s, ns):  # a group's arena: staged in its own
+        # a group's arena its client maps read-only: an shm job is staged in its own (a cuda_ipc
+        # job's bytes are the daemon's to move, into the group's slots themselves)
+        if job is not None and transport is Transport.SHM and self.scope.reads_only(s, ns):
             own = (s.arenas or (0,))[0]  # (reads_only: its layout is fixed)
             base = self.cache.host.pool_bases[own]
             staged = self.cache.stores.stage(s, job, own)

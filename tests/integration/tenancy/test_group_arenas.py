@@ -225,3 +225,43 @@ def test_a_group_store_with_no_room_to_stage_is_refused_and_holds_nothing(daemon
             assert g.put(gkeys, blocks(b"big", 2, g.block_bytes)).stored == 2
     finally:
         channel.close()
+
+
+def test_group_blocks_written_down_to_nvme_come_back_into_the_group_arena(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """The group's arena holds 2 MiB (128 blocks); 256 stored: the cold half is written down and
+    evicted, and a member's load promotes it back into the sealed arena (the daemon's O_DIRECT
+    reads land in its own mapping, made before the seal) with the same bytes."""
+    (tmp_path / "tenants.toml").write_text(
+        tenants_text(
+            {**TOKENS, "ops": "garena-ops-5"},
+            operators=["ops"],
+            group=GROUP,
+            publishers=["pub"],
+            members=["member"],
+            mapping=["pub", "member"],
+            group_arena="2MiB",
+        )
+    )
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\ntenant_arena_bytes = "4MiB"\n')
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "8MiB", "--slab-bytes", "1MiB",
+        "--disk-dir", str(tmp_path / "nvme"), "--disk-bytes", "16MiB", run_dir=tmp_path / "d",
+    )  # fmt: skip
+    prompt = list(range(16 * 256))
+    with client(d, "pub") as pub:
+        g = pub.register(make_namespace(group=GROUP))
+        keys = g.block_keys(prompt)
+        data = blocks(b"long prompt", len(keys), g.block_bytes)
+        for i in range(0, len(keys), 32):
+            assert g.put(keys[i : i + 32], data[i : i + 32], parent=keys[i - 1] if i else None).stored == 32
+    with client(d, "member") as member:
+        m = member.register(make_namespace(group=GROUP))
+        assert m.lookup(keys) == len(keys)
+        got = [bytes(b) for b in m.get(keys[-64:])]  # type: ignore[union-attr]  # (evicted: a tail)
+        assert got == data[-64:]
+    with kvtier.Client.connect(d.unix, transport="tcp", token="garena-ops-5") as ops:
+        (found,) = [ns for ns in ops.stats()["namespaces"] if ns["namespace_id"] == m.namespace_id]
+        assert found["counters"]["promotions"] > 0, found["counters"]  # they came back from NVMe
