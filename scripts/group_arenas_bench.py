@@ -109,10 +109,10 @@ def main() -> int:
                 rows.append((block, measure(d, block, args.repeat)))
     print("block    put own  put group (ratio)   get_into own  get_into group (ratio)   GB/s")
     for block, f in rows:
+        put, get = f["put group"] / f["put own"], f["get_into group"] / f["get_into own"]
         print(
-            f"{block >> 10:>5} KiB  {f['put own']:6.2f}  {f['put group']:6.2f} ({f['put group'] / f['put own']:.2f})"
-            f"      {f['get_into own']:6.2f}        {f['get_into group']:6.2f} "
-            f"({f['get_into group'] / f['get_into own']:.2f})"
+            f"{block >> 10:>5} KiB  {f['put own']:6.2f}  {f['put group']:6.2f} ({put:.2f})"
+            f"      {f['get_into own']:6.2f}        {f['get_into group']:6.2f} ({get:.2f})"
         )
     return 0
 
