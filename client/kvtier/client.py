@@ -214,19 +214,20 @@ class Client:
         certificate); None on a daemon without tenants, or before a session was opened."""
         return self.session.connection.tenant
 
-    @property
-    def reaches_groups(self) -> bool:
-        """Whether this client moves its groups' blocks (docs/security.md § Group arenas): over
-        tcp, on a daemon without tenants, or where the daemon handed its groups' arenas at the
-        shm handshake (read-only; a daemon that predates them did not: its groups' blocks move
-        over tcp only). True before a session was opened (as ``tenant`` is None then)."""
+    def reaches_group(self, group: str) -> bool:
+        """Whether this client moves ``group``'s blocks (docs/security.md § Groups, "Group
+        arenas"): over tcp, on a daemon without tenants, or where the daemon handed that group's
+        arena at the shm handshake (read-only). Not where it did not: a daemon that predates
+        group arenas, a group whose arena could not be made, one joined after the session
+        opened, past the 16 a session maps. True before a session was opened (as ``tenant`` is
+        None then)."""
         if self.tenant is None or self.settings.transport == "tcp":
             return True
         try:
             data = self.session.data()
         except errors.TransportError:
             return False
-        return bool(getattr(data, "maps_groups", False))
+        return group in getattr(data, "mapped_groups", ())
 
     @property
     def events(self) -> bool:

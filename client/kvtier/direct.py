@@ -24,6 +24,7 @@ client serialises transfers. Importing this module imports torch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,13 @@ from kvtier_contract.cudadrv import REGISTER_CHUNK
 from kvtier_contract.errors import TransportError
 
 Run = tuple[int, int, int]  # (first item, item count, arena offset of the first)
+
+
+def register_ranges(lo: int, hi: int, chunk: int = REGISTER_CHUNK) -> list[tuple[int, int]]:
+    """Bytes ``lo:hi`` of a mapping as the ranges it is page-locked in: cut at every multiple
+    of ``chunk`` from the mapping's start, as :func:`runs` cuts copies."""
+    cuts = [lo, *range((lo // chunk + 1) * chunk, hi, chunk), hi]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def runs(offsets: Sequence[int], block_bytes: int, chunk: int = REGISTER_CHUNK) -> list[Run]:
@@ -72,22 +80,28 @@ class ArenaMover:
         self.stream: Any = None
         if device.type == "cuda":
             if register:
-                base, size = self.host.data_ptr(), self.host.numel()
-                self._register(base, self.writable, 1)  # cudaHostRegisterPortable
-                self._register(base + self.writable, size - self.writable, 1 | 8)  # ... | ReadOnly
+                size = self.host.numel()
+                self._register(0, self.writable, 1)  # cudaHostRegisterPortable
+                if size > self.writable:  # its groups' arenas: ... | cudaHostRegisterReadOnly
+                    self._register(self.writable, size, 1 | 8, required=False)
             self.stream = torch.cuda.Stream(device)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def _register(self, base: int, size: int, flags: int) -> None:
-        cudart = torch.cuda.cudart()
-        for start in range(0, size, REGISTER_CHUNK):
-            length = min(REGISTER_CHUNK, size - start)
-            err = cudart.cudaHostRegister(base + start, length, flags)
+    def _register(self, lo: int, hi: int, flags: int, *, required: bool = True) -> None:
+        """Page-lock bytes ``lo:hi`` of the mapping in ranges cut at multiples of
+        ``REGISTER_CHUNK`` from its start (where ``runs`` cuts copies: no copy spans two). A
+        failure: TransportError when ``required``; else (a read-only part the device cannot
+        register) that part stays pageable, its copies slower, never wrong."""
+        cudart, base = torch.cuda.cudart(), self.host.data_ptr()
+        for start, end in register_ranges(lo, hi):
+            err = cudart.cudaHostRegister(base + start, end - start, flags)
             if int(err) != 0:
+                if not required:
+                    return
                 self.close()
                 raise TransportError(f"cudaHostRegister of the shm arena failed ({err})")
-            self.registered.append((base + start, length))
+            self.registered.append((base + start, end - start))
 
     def close(self) -> None:
         """Unregister the arena from CUDA and drop the tensor over it (its buffer export must

@@ -106,8 +106,7 @@ class PrefixSource(Protocol):
     @property
     def connected(self) -> bool: ...
 
-    @property
-    def reaches_groups(self) -> bool: ...
+    def reaches_group(self, group: str) -> bool: ...
 
     def published_prefixes(self) -> list[PublishedPrefix]: ...
 
@@ -147,9 +146,9 @@ class PrefixWatch:
 class SharedPrefixes:
     """When an integration keys a request's leading tokens in a group's scope, stated once for
     all of them: the longest published prefix of one of the client's groups the request begins
-    with (its :class:`PrefixWatch`), unless the client cannot move its groups' blocks
-    (``Client.reaches_groups``: shm to a daemon that predates group arenas) or the prefix is
-    shorter than one block (it would share no block and change every key); and a group whose
+    with (its :class:`PrefixWatch`), unless the client cannot move that group's blocks
+    (``Client.reaches_group``: an shm client that does not map the group's arena) or the prefix
+    is shorter than one block (it would share no block and change every key); and a group whose
     namespace the daemon refused (a tenant taken out of the group, a quota) is set aside for
     one refresh period, meanwhile the requests are keyed in their own scope.
 
@@ -168,12 +167,12 @@ class SharedPrefixes:
 
     def match(self, token_ids: Sequence[int], tokens_per_block: int) -> PublishedPrefix | None:
         """The published prefix the request is keyed in a group's scope up to, or None."""
-        if not self.source.reaches_groups:
-            return None
         if self._watch is None:
             self._watch = PrefixWatch(self.source, self.refresh_s, clock=self.clock)
         found = self._watch.match(token_ids)
-        return None if found is None or found.tokens < tokens_per_block else found
+        if found is None or found.tokens < tokens_per_block or not self.source.reaches_group(found.group):
+            return None
+        return found
 
     def open(self, scope: Hashable, group: str, register: Callable[[], T]) -> T | None:
         """``register()`` (the group's namespaces, ``scope`` naming them), or None while the

@@ -91,7 +91,9 @@ SHM_MAX_ERROR_BYTES = 1000
 # mapping, no write(2), no hole punched). The offsets a session is told are offsets in the
 # concatenation of its arenas in the reply's order, the writable one first:
 #   daemon -> client:  SHM_MAGIC_V3 total_bytes:u64le boot_epoch:u64le count:u32le
-#                      count x (arena_bytes:u64le flags:u32le)   + count fds (SCM_RIGHTS), in order
+#                      count x (arena_bytes:u64le flags:u32le)
+#                      (count - 1) x (name_len:u16le name: utf-8, the group of each read-only arena)
+#                      + count fds (SCM_RIGHTS), in order
 #                  or  SHM_REFUSED utf-8 message
 # A daemon that predates KVS3 refuses it (its message names the magic): the client asks KVS2.
 SHM_MAGIC_V3 = b"KVS3"
@@ -99,6 +101,8 @@ SHM_REPLY_V3 = struct.Struct("<4sQQI")  # magic, total bytes, boot_epoch, arena 
 SHM_ARENA = struct.Struct("<QI")  # one arena's bytes and flags
 SHM_ARENA_WRITABLE = 1  # the session's own arena (only the first may be)
 SHM_MAX_ARENAS = 17  # its own and at most 16 groups' (more groups: the first 16 by name)
+SHM_GROUP_NAME = struct.Struct("<H")  # a read-only arena's group name's length (utf-8 bytes)
+SHM_MAX_REPLY_BYTES = 16384  # a KVS3 reply at most (17 arenas, 16 names of <= 512 bytes)
 
 # -- the Unix peer login (docs/security.md), on the same socket, one exchange per connection: the
 # daemon reads the peer's uid/gid (SO_PEERCRED) and, when a tenant of its tenants file logs in by

@@ -154,7 +154,7 @@ class ShmTransport(DataTransport):
         self._base = 0  # address of the mapping
         self.arena_bytes = 0  # every arena mapped, one after another
         self.writable_bytes = 0  # the first of them: the session's own
-        self.maps_groups = False  # the daemon handed its groups' arenas too (KVS3)
+        self.mapped_groups: frozenset[str] = frozenset()  # groups whose arenas it maps (KVS3)
         self._movers: dict[str, Any] = {}  # device -> kvtier.direct.ArenaMover
         self._hash_pool: ThreadPoolExecutor | None = None
 
@@ -181,8 +181,8 @@ class ShmTransport(DataTransport):
         self._view = memoryview(self._mm)
         self._base = _address(self._view)
         self.arena_bytes = len(self._mm)
-        self.writable_bytes = arenas[0][0]
-        self.maps_groups = msg[:4] == wire.SHM_MAGIC_V3
+        self.writable_bytes = arenas[0].size
+        self.mapped_groups = frozenset(a.group for a in arenas[1:])
 
     def write(self, job_id: int, items: list[Item], *, digest: bool = False) -> list[int] | None:
         """With ``digest``: each group of blocks is hashed from the caller's buffers on the

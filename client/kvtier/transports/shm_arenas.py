@@ -13,6 +13,8 @@ import ctypes
 import mmap
 import os
 import socket
+import struct
+from typing import NamedTuple
 
 from kvtier_contract import wire
 from kvtier_contract.errors import TransportError
@@ -25,40 +27,71 @@ def handshake(path: str, request: bytes, timeout_s: float) -> tuple[bytes, list[
             s.settimeout(timeout_s)
             s.connect(path)
             s.sendall(request)
-            msg, fds, _flags, _addr = socket.recv_fds(s, 4096, wire.SHM_MAX_ARENAS)
+            msg, fds, _flags, _addr = socket.recv_fds(s, wire.SHM_MAX_REPLY_BYTES, wire.SHM_MAX_ARENAS)
     except OSError as e:
         raise TransportError(f"shm handshake with {path} failed: {e}") from e
     return msg, fds
 
 
-def arenas_of(msg: bytes, fds: list[int]) -> list[tuple[int, bool]]:
-    """The arenas a KVS2 or KVS3 reply hands, (bytes, writable) each, checked against their
-    fds: one writable arena first, the others read-only."""
-    if msg[:4] == wire.SHM_MAGIC:
-        _magic, size, _epoch = wire.SHM_REPLY.unpack(msg[: wire.SHM_REPLY.size])
-        arenas = [(size, True)]
+class Arena(NamedTuple):
+    """One arena of a session's mapping as the daemon handed it: its size, whether the session
+    writes it (its own, the first) and, for a group's (read-only), the group's name."""
+
+    size: int
+    writable: bool
+    group: str = ""
+
+
+def arenas_of(msg: bytes, fds: list[int]) -> list[Arena]:
+    """The arenas a KVS2 or KVS3 reply hands, checked against their fds: one writable arena
+    first, the others read-only and named, every size its fd's and a whole number of pages."""
+    if msg[:4] == wire.SHM_MAGIC and len(msg) == wire.SHM_REPLY.size:
+        _magic, size, _epoch = wire.SHM_REPLY.unpack(msg)
+        arenas = [Arena(size, True)]
     elif msg[:4] == wire.SHM_MAGIC_V3 and len(msg) >= wire.SHM_REPLY_V3.size:
-        _magic, _total, _epoch, count = wire.SHM_REPLY_V3.unpack(msg[: wire.SHM_REPLY_V3.size])
-        at, each = wire.SHM_REPLY_V3.size, wire.SHM_ARENA.size
-        if len(msg) != at + count * each:
-            raise TransportError("shm handshake: bad reply")
-        arenas = [
-            (size, bool(flags & wire.SHM_ARENA_WRITABLE))
-            for size, flags in (wire.SHM_ARENA.unpack_from(msg, at + k * each) for k in range(count))
-        ]
+        arenas = _v3(msg)
     else:
         raise TransportError("shm handshake: bad reply")
     if (
         len(arenas) != len(fds)
-        or not arenas[0][1]
-        or any(w for _n, w in arenas[1:])
-        or any(n != os.fstat(f).st_size or n % mmap.PAGESIZE for (n, _w), f in zip(arenas, fds, strict=True))
+        or not arenas[0].writable
+        or any(a.writable or not a.group for a in arenas[1:])
+        or any(a.size <= 0 or a.size % mmap.PAGESIZE for a in arenas)
+        or any(a.size != os.fstat(f).st_size for a, f in zip(arenas, fds, strict=True))
     ):
         raise TransportError("shm handshake: bad reply")
     return arenas
 
 
-def map_arenas(arenas: list[tuple[int, bool]], fds: list[int]) -> mmap.mmap:
+def _v3(msg: bytes) -> list[Arena]:
+    """A KVS3 reply's arenas (wire.SHM_REPLY_V3), its group names read; TransportError when
+    the reply does not hold exactly what its count says."""
+    _magic, _total, _epoch, count = wire.SHM_REPLY_V3.unpack_from(msg)
+    at, each = wire.SHM_REPLY_V3.size, wire.SHM_ARENA.size
+    if not 0 < count <= wire.SHM_MAX_ARENAS or len(msg) < at + count * each:
+        raise TransportError("shm handshake: bad reply")
+    sizes = [wire.SHM_ARENA.unpack_from(msg, at + k * each) for k in range(count)]
+    at += count * each
+    names = [""]
+    try:
+        for _ in range(count - 1):
+            (n,) = wire.SHM_GROUP_NAME.unpack_from(msg, at)
+            at += wire.SHM_GROUP_NAME.size
+            if at + n > len(msg):
+                raise TransportError("shm handshake: bad reply")
+            names.append(msg[at : at + n].decode())
+            at += n
+    except (struct.error, UnicodeDecodeError):
+        raise TransportError("shm handshake: bad reply") from None
+    if at != len(msg):
+        raise TransportError("shm handshake: bad reply")
+    return [
+        Arena(size, bool(flags & wire.SHM_ARENA_WRITABLE), name)
+        for (size, flags), name in zip(sizes, names, strict=True)
+    ]
+
+
+def map_arenas(arenas: list[Arena], fds: list[int]) -> mmap.mmap:
     """The arenas mapped one after another: one arena, an mmap of it; several, a range
     reserved as one anonymous mapping (nothing committed), each arena mapped over its part
     (``MAP_FIXED``), the writable one read-write, the others read-only. The returned mmap
@@ -66,13 +99,16 @@ def map_arenas(arenas: list[tuple[int, bool]], fds: list[int]) -> mmap.mmap:
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     rw = mmap.PROT_READ | mmap.PROT_WRITE
     if len(arenas) == 1:
-        return mmap.mmap(fds[0], arenas[0][0], flags=flags, prot=rw)
-    total = sum(n for n, _w in arenas)
+        try:
+            return mmap.mmap(fds[0], arenas[0].size, flags=flags, prot=rw)
+        except OSError as e:
+            raise TransportError(f"shm: mapping the arena failed: {e}") from e
+    total = sum(a.size for a in arenas)
     whole = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=rw)
     try:
         start = ctypes.addressof(ctypes.c_char.from_buffer(whole))
         at = 0
-        for (n, writable), fd in zip(arenas, fds, strict=True):
+        for (n, writable, _group), fd in zip(arenas, fds, strict=True):
             got = _libc_mmap(start + at, n, rw if writable else mmap.PROT_READ, flags | _MAP_FIXED, fd, 0)
             if got != start + at:
                 raise TransportError(f"shm: mapping an arena failed (errno {ctypes.get_errno()})")

@@ -65,7 +65,10 @@ class TenantArenas:
     def __init__(self, host: HostTier, cfg: DaemonConfig, tenants: Tenants | None) -> None:
         self.host = host
         self.cfg = cfg
-        self.pools: dict[str, int] = {}  # tenant -> its arena's pool; never reassigned
+        # (group?, name) -> its arena's pool; never reassigned. A group and a tenant of one name
+        # (a reload that turns one into the other) never share an arena: a tenant's holds its
+        # private blocks and is unsealed, a group's is sealed against its readers.
+        self.pools: dict[tuple[bool, str], int] = {}
         if tenants is not None:  # (no cuda_ipc yet: it registers every arena when made)
             self.add(tenants, None)
 
@@ -74,7 +77,8 @@ class TenantArenas:
         changed in the file takes effect at the next start (arenas are sealed against
         resizing)."""
         for name, size in tenant_arena_bytes(self.cfg, tenants).items():
-            pool = self.pools.get(name)
+            group = tenants.by_name[name].group
+            pool = self.pools.get((group, name))
             if pool is not None:
                 if self.host.pool_bytes[pool] != size:
                     log.warning(
@@ -87,10 +91,7 @@ class TenantArenas:
                 continue
             try:
                 arena = Arena(
-                    size,
-                    prefault=self.cfg.host_tier.prefault,
-                    name=f"kvtier-{name}"[:200],
-                    read_only=tenants.by_name[name].group,
+                    size, prefault=self.cfg.host_tier.prefault, name=f"kvtier-{name}"[:200], read_only=group
                 )
             except OSError as e:  # its shm sessions are refused; never handed another arena
                 log.error("tenant %s: cannot make its arena of %d bytes: %s", name, size, e)
@@ -98,13 +99,17 @@ class TenantArenas:
             pool = self.host.add_arena(arena)
             if copier is not None:
                 copier.add_arena(pool)
-            self.pools[name] = pool
+            self.pools[(group, name)] = pool
             log.info("tenant %s: arena of %d bytes", name, size)
 
-    def of(self, tenant: str | None) -> int:
-        """The arena (pool) of ``tenant``'s (or a group's) blocks: its own, or the shared one
-        (0)."""
-        return self.pools.get(tenant or "", 0)
+    def groups(self) -> dict[int, str]:
+        """Each group's arena (pool) -> the group's name."""
+        return {pool: name for (group, name), pool in self.pools.items() if group}
+
+    def of(self, owner: str | None, group: bool = False) -> int:
+        """The arena (pool) of a tenant's blocks (``group``: a group's): its own, or the
+        shared one (0)."""
+        return self.pools.get((group, owner or ""), 0)
 
 
 def cuda_transport(

@@ -196,8 +196,9 @@ class Daemon:
         pools = self.service.session_arenas(session, groups)
         if pools is None:
             return None
-        arenas = [self.host.arenas[p] for p in pools]
-        return [MappedArena(a.fd, a.size, n == 0) for n, a in enumerate(arenas)]
+        names = self.tenant_arenas.groups()
+        arenas = [(self.host.arenas[p], names.get(p, "")) for p in pools]
+        return [MappedArena(a.fd, a.size, n == 0, name) for n, (a, name) in enumerate(arenas)]
 
     def _release_session(self, session: Session) -> None:
         self.cache.release_session(session)

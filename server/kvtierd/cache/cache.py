@@ -77,7 +77,7 @@ class TieredCache:
         max_namespaces: int,
         policy_name: str = "lru",
         clock: Callable[[], float] = time.monotonic,
-        arena_of: Callable[[str | None], int] = lambda _tenant: 0,
+        arena_of: Callable[[str | None, bool], int] = lambda _owner, _group: 0,
         tenancy: Tenancy | None = None,
         sessions: SessionView | None = None,
     ) -> None:
@@ -177,7 +177,7 @@ class TieredCache:
             block_bytes,
             self.host.slot_bytes_for(block_bytes),
             last_used=self._clock(),
-            pool=self.arena_of(spec.owner),
+            pool=self.arena_of(spec.owner, spec.group is not None),
             charged_to=charged_to or spec.owner,
         )
         self.namespaces[ns.id] = ns

@@ -6,18 +6,20 @@ instead; the commit copies each into its entry's slot before the digests are tak
 blocks become visible, and the job's end frees them.
 
 * :func:`stage`: a staging slot for every reserved entry of a job, or none at all;
-* :func:`copy_staged`: the copies, on any thread while the job is marked copying (no other
-  writer reaches either slot: the entries are WRITING, the staging slots the job's);
+  :func:`zero_staged`: zeroed before the client is told of them;
+* :func:`copy_staged`: the copies of the keys that commit, on any thread while the job is
+  marked copying (no other writer reaches either slot: the entries are WRITING, the staging
+  slots the job's);
 * :func:`free_staged`: at the job's end, every way it ends (held in limbo after a lapsed lease,
   as the entries' own slots are: the session's process may still be writing them).
 
-Event-loop thread, but :func:`copy_staged`.
+Event-loop thread, but :func:`zero_staged` and :func:`copy_staged`.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from kvtierd.cache.jobs import StoreJob
 from kvtierd.cache.residency import HostResidency
@@ -37,12 +39,22 @@ def stage(residency: HostResidency, job: StoreJob, pool: int) -> bool:
     return True
 
 
-def copy_staged(residency: HostResidency, job: StoreJob) -> None:
-    """Each staged slot's bytes into its entry's slot (a CompleteStore's, before the commit):
-    one ``memmove`` (the GIL released) per run of slots that follow one another on both sides
-    (one allocation each: the usual case is one run per slab)."""
+def zero_staged(residency: HostResidency, job: StoreJob) -> None:
+    """Every staging slot of ``job`` zeroed (before its client is told of them): a slot hands
+    on nothing it held before (its tenant's evicted blocks), even into a group's arena when a
+    client reports as written a block it never wrote."""
+    host, slot = residency.host, job.ns.slot_bytes
+    for src, _dst, count in _runs(sorted((off, off) for off in job.staged.values()), slot, host.pool_of):
+        ctypes.memset(_address(host.view(src, count * slot)), 0, count * slot)
+
+
+def copy_staged(residency: HostResidency, job: StoreJob, keep: Collection[int]) -> None:
+    """The staged slots of the keys ``keep`` (batch indexes: those that commit) copied into
+    their entries' slots (a CompleteStore's, before the commit): one ``memmove`` (the GIL
+    released) per run of slots that follow one another on both sides (one allocation each:
+    the usual case is one run per slab)."""
     host, n = residency.host, job.ns.block_bytes
-    pairs = sorted((off, job.items[i].offset) for i, off in job.staged.items())
+    pairs = sorted((off, job.items[i].offset) for i, off in job.staged.items() if i in keep)
     for src, dst, count in _runs(pairs, job.ns.slot_bytes, host.pool_of):
         size = (count - 1) * job.ns.slot_bytes + n
         ctypes.memmove(_address(host.view(dst, size)), _address(host.view(src, size)), size)

@@ -268,12 +268,17 @@ class Stores:
             offsets[i] = off
         return items
 
-    def stage(self, session: Session, job: StoreJob, pool: int) -> dict[int, int]:
+    async def stage(self, session: Session, job: StoreJob, pool: int) -> dict[int, int]:
         """Staging slots in arena ``pool`` (the session's own) for ``job``, whose arena the
-        session maps read-only (kvtierd.cache.staging); none placed for some: the job ends,
-        nothing reserved, and RESOURCE_EXHAUSTED."""
-        if not stage(self.state.residency, job, pool):
-            self.end_store(session, job, False, (), 0.0)
+        session maps read-only (kvtierd.cache.staging), placed as a store into ``pool`` is
+        (with a chain, its coldest blocks written down first); none placed for some: the job
+        ends, nothing reserved, and RESOURCE_EXHAUSTED."""
+        if self.state.chain:
+            await self.state.chain[0].ensure_room(job.ns.slot_bytes, len(job.items), pool=pool)
+            check_live(session)
+        if not self.state.jobs.is_live(job) or not stage(self.state.residency, job, pool):
+            if self.state.jobs.is_live(job):
+                self.end_store(session, job, False, (), 0.0)
             raise ResourceExhausted(
                 f"no room in the session's own arena to stage {len(job.items)} blocks for a "
                 "group's arena it maps read-only (store fewer at once)",

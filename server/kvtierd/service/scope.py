@@ -113,7 +113,7 @@ class Scope:
         nothing is handed out)."""
         if self.tenancy.tenants is None:
             return 0
-        pool = self.cache.arena_of(session.tenant)
+        pool = self.cache.arena_of(session.tenant, False)
         return pool or None
 
     def session_arenas(self, session: Session, groups: bool = True) -> tuple[int, ...] | None:
@@ -129,7 +129,7 @@ class Scope:
                 return None
             tenants = self.tenancy.tenants
             names = sorted(tenants.groups_of(session.tenant or "")) if tenants and groups else []
-            pools = [p for p in map(self.cache.arena_of, names) if p and p != own]
+            pools = [p for p in (self.cache.arena_of(g, True) for g in names) if p and p != own]
             session.arenas = (own, *pools[: SHM_MAX_ARENAS - 1])
         return session.arenas
 

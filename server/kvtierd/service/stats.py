@@ -105,7 +105,7 @@ class StatsHandlers:
             boot_epoch=self.settings.boot_epoch,
             uptime_s=time.monotonic() - self.settings.started,
             total=_counters(total),
-            host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope)],
+            host_capacity_bytes=c.host.pool_bytes[c.arena_of(scope, False)],
             host_used_bytes=sum(ns.counters.resident_blocks * ns.slot_bytes for ns in visible),
             sessions=len(self.sessions.of_tenant(scope)),
         )

@@ -33,13 +33,13 @@ import grpc
 
 from kvtier_contract.cores import usable_cores
 from kvtier_contract.digests import block_digests
-from kvtier_contract.errors import Unavailable
+from kvtier_contract.errors import KvtierError, NotFound, Unavailable
 from kvtier_contract.protoutil import split_keys
 from kvtier_contract.v1 import kvtier_pb2 as pb
 from kvtierd.cache import TieredCache
 from kvtierd.cache.answer_by import AnswerBy
 from kvtierd.cache.jobs import LoadJob, StoreJob
-from kvtierd.cache.staging import copy_staged
+from kvtierd.cache.staging import copy_staged, zero_staged
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.index import Entry
 from kvtierd.service.scope import Scope, ServiceSettings
@@ -78,7 +78,7 @@ class TransferHandlers:
         if job is not None and transport is Transport.SHM and self.scope.reads_only(s, ns):
             own = (s.arenas or (0,))[0]  # (reads_only: its layout is fixed)
             base = self.cache.host.pool_bases[own]
-            staged = self.cache.stores.stage(s, job, own)
+            staged = await stage_zeroed(self.cache, s, job, own)
             offsets = [staged.get(i, o) for i, o in enumerate(offsets)]
         if base and job is not None:
             offsets = [
@@ -186,9 +186,12 @@ async def complete_store_hashed(
     ``given``: the client's digests (their count is checked first: INVALID_ARGUMENT, nothing
     changes); ``trust_client``: an shm client's own are taken. (committed, aborted)."""
     job = cache.stores.checked_job(session, job_id, item_ok, given)
-    if ok and job.staged:  # written into its own arena: copied into the group's first
-        await _copy_staged(cache, job)
-        job = cache.jobs.get(session.id, job_id, StoreJob)
+    if job.staged:  # written into its own arena: copied into the group's first
+        task = asyncio.get_running_loop().create_task(
+            _complete_staged(cache, session, job, ok, item_ok, given, trust_client)
+        )
+        task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
     digests, waited = await _store_digests(cache, job, ok, given, trust_client)
     if waited:  # the job again after the hashing: still live, and no CUDA copy begun meanwhile
         job = cache.jobs.get(session.id, job_id, StoreJob)
@@ -196,14 +199,53 @@ async def complete_store_hashed(
     return cache.stores.end_store(session, job, ok, item_ok, 0.0, digests)
 
 
-async def _copy_staged(cache: TieredCache, job: StoreJob) -> None:
-    """A staged job's slots copied into its entries' (kvtierd.cache.staging) on the loop's
-    executor; the job is marked copying until the copy ends, even when the call is cancelled
-    meanwhile (a release then holds its slots back, as for a CUDA copy)."""
+async def stage_zeroed(cache: TieredCache, session: Session, job: StoreJob, pool: int) -> dict[int, int]:
+    """``Stores.stage`` in arena ``pool`` (the session's own), the staging slots zeroed on the
+    loop's executor before the client is told of them (the job marked copying meanwhile: a
+    release holds the slots back); key index -> staging offset."""
+    staged = await cache.stores.stage(session, job, pool)
     cache.jobs.copying.add(job.id)
-    copy = asyncio.get_running_loop().run_in_executor(None, copy_staged, cache.residency, job)
-    copy.add_done_callback(lambda _f: cache.jobs.copying.discard(job.id))
-    await asyncio.shield(copy)
+    zero = asyncio.get_running_loop().run_in_executor(None, zero_staged, cache.residency, job)
+    zero.add_done_callback(lambda _f: cache.jobs.copying.discard(job.id))
+    await asyncio.shield(zero)
+    return staged
+
+
+async def _complete_staged(
+    cache: TieredCache,
+    session: Session,
+    job: StoreJob,
+    ok: bool,
+    item_ok: Sequence[bool],
+    given: Sequence[int],
+    trust_client: bool,
+) -> tuple[int, int]:
+    """A staged job's CompleteStore, run to its end as a task of its own (even when the call
+    is cancelled): the staging slots of the keys that commit copied into their entries' slots
+    on the loop's executor (kvtierd.cache.staging), the digests, the commit. The job is marked
+    copying throughout: no second CompleteStore or CUDA copy of it starts meanwhile, and a
+    release of its session holds its slots back until the copy is over."""
+    cache.jobs.copying.add(job.id)
+    try:
+        if ok:
+            keep = {i for n, i in enumerate(sorted(job.items)) if not item_ok or item_ok[n]}
+            await asyncio.get_running_loop().run_in_executor(None, copy_staged, cache.residency, job, keep)
+        digests, _waited = await _store_digests(cache, job, ok, given, trust_client)
+    finally:
+        cache.jobs.copying.discard(job.id)
+    if not cache.jobs.is_live(job):  # (its session was released meanwhile)
+        raise NotFound(f"unknown or finished job {job.id}", field="job_id")
+    return cache.stores.end_store(session, job, ok, item_ok, 0.0, digests)
+
+
+def _retrieved(task: asyncio.Task[tuple[int, int]]) -> None:
+    """A staged completion whose caller went away: its error is logged here, not lost."""
+    if (
+        not task.cancelled()
+        and task.exception() is not None
+        and not isinstance(task.exception(), KvtierError)
+    ):
+        log.warning("a staged store's completion failed: %s", task.exception())
 
 
 async def _store_digests(

@@ -333,7 +333,7 @@ class Tenancy:
         tenants = self._tenants
         if tenant is None or tenants is None:
             return None
-        shared = _sharers(tenants) + (1 if tenant.maps_memory else 0)
+        shared = _sharers(tenants) + (1 if tenants.maps_memory(tenant) else 0)
         return self.shares.shared_arena_bytes // max(1, shared)
 
     def default(self, tenant: str, name: str) -> int | None:
@@ -350,8 +350,9 @@ class Tenancy:
         n = max(1, sum(1 for o in tenants.by_name.values() if not o.operator))
         shared = max(1, _sharers(tenants))
         sh = self.shares
-        host = None if t.maps_memory else sh.shared_arena_bytes // shared
-        own = t.arena_size(sh.tenant_arena_bytes) if t.maps_memory else host
+        mapped = tenants.maps_memory(t)  # (a group: when a reader of it maps memory)
+        host = None if mapped else sh.shared_arena_bytes // shared
+        own = t.arena_size(sh.tenant_arena_bytes) if mapped else host
         return {
             "sessions": max(1, sh.max_sessions // n),
             "namespaces": max(1, sh.max_namespaces // n),
@@ -366,5 +367,6 @@ class Tenancy:
 
 
 def _sharers(tenants: Tenants) -> int:
-    """Tenants whose blocks live in the shared arena (tcp only), operators left out."""
-    return sum(1 for o in tenants.by_name.values() if not o.maps_memory and not o.operator)
+    """Tenants and groups whose blocks live in the shared arena (no arena of their own),
+    operators left out."""
+    return sum(1 for o in tenants.by_name.values() if not tenants.maps_memory(o) and not o.operator)

@@ -63,12 +63,14 @@ _SETTLE_TURNS = 4  # loop turns a handshake at a cap waits for one in progress t
 
 
 class MappedArena(NamedTuple):
-    """One arena a session maps: its memfd (the daemon's; sent, never closed here), its size and
-    whether the session writes it (its own) or only reads it (a group's, sealed)."""
+    """One arena a session maps: its memfd (the daemon's; sent, never closed here), its size,
+    whether the session writes it (its own) or only reads it (a group's, sealed: ``group``
+    names it)."""
 
     fd: int
     size: int
     writable: bool
+    group: str = ""
 
 
 class Channel(Protocol):
@@ -286,6 +288,9 @@ class ShmFdServer(ServerTransport):
             reply = wire.SHM_REPLY_V3.pack(wire.SHM_MAGIC_V3, total, self._epoch, len(mapped)) + b"".join(
                 wire.SHM_ARENA.pack(a.size, wire.SHM_ARENA_WRITABLE if a.writable else 0) for a in mapped
             )
+            for a in mapped[1:]:  # (a group's name: 1..128 characters, at most 512 bytes)
+                name = a.group.encode()
+                reply += wire.SHM_GROUP_NAME.pack(len(name)) + name
             socket.send_fds(conn, [reply], [a.fd for a in mapped])
         self.handed_out += 1
 

@@ -119,6 +119,17 @@ def test_runs_group_consecutive_slots() -> None:
     assert runs([0, 8, 16, 24], 8, chunk=16) == [(0, 2, 0), (2, 2, 16)]
 
 
+def test_registrations_are_cut_where_runs_are() -> None:
+    """A group's read-only arena starts past the session's own, anywhere: its ranges are cut at
+    the same multiples of the chunk as copies, so no run spans two registrations."""
+    from kvtier.direct import register_ranges
+
+    assert register_ranges(0, 40, chunk=16) == [(0, 16), (16, 32), (32, 40)]
+    assert register_ranges(24, 56, chunk=16) == [(24, 32), (32, 48), (48, 56)]
+    assert register_ranges(24, 30, chunk=16) == [(24, 30)]
+    assert register_ranges(32, 32, chunk=16) == []
+
+
 class FailingCopy(PagedKvLayout):
     """A layout whose kernels fail like a CUDA error would (RuntimeError)."""
 

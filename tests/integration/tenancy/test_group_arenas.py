@@ -97,7 +97,8 @@ def test_members_load_the_group_prefix_over_shm_and_nothing_private_is_mapped(da
         secret = blocks(b"pub's own suffix", 4, own_pub.block_bytes)
         assert own_pub.put(own_pub.block_keys(list(range(900, 964))), secret).stored == 4
 
-        assert member.reaches_groups and member.session.data().maps_groups  # type: ignore[attr-defined]
+        assert member.reaches_group(GROUP) and not member.reaches_group("another")
+        assert member.session.data().mapped_groups == {GROUP}  # type: ignore[attr-defined]
         g_member = member.register(make_namespace(group=GROUP))
         assert g_member.lookup(keys) == len(keys)
         assert [bytes(b) for b in g_member.get(keys)] == shared  # type: ignore[union-attr]
@@ -182,7 +183,7 @@ def test_an_old_client_maps_its_own_arena_and_a_tcp_member_moves_the_group_over_
     finally:
         channel.close()
     with client(daemon, "tcpm", "tcp") as tcpm:
-        assert tcpm.reaches_groups
+        assert tcpm.reaches_group(GROUP)
         got = tcpm.register(make_namespace(group=GROUP)).get(keys)
         assert [bytes(b) for b in got] == shared  # type: ignore[union-attr]
 
@@ -265,3 +266,53 @@ def test_group_blocks_written_down_to_nvme_come_back_into_the_group_arena(
     with kvtier.Client.connect(d.unix, transport="tcp", token="garena-ops-5") as ops:
         (found,) = [ns for ns in ops.stats()["namespaces"] if ns["namespace_id"] == m.namespace_id]
         assert found["counters"]["promotions"] > 0, found["counters"]  # they came back from NVMe
+
+
+def test_a_staged_store_never_carries_a_slots_old_bytes_into_the_group(daemon: DaemonProcess) -> None:
+    """A publisher's private block written into a slot, its store given up (the slot freed with
+    the bytes in it), then group stores staged in that very slot: one completed with the key
+    not written (``item_ok`` false), one reported written without a write. Neither brings the
+    old bytes into the group's arena, which the member maps (staging slots are zeroed, and only
+    the keys that commit are copied)."""
+    secret = hashlib.shake_256(b"pub's private block").digest(16 * 1024)
+    channel, reply = opened(daemon, "pub")
+    stub, md = pb_grpc.KvtierStub(channel), (("authorization", f"Bearer {TOKENS['pub']}"),)
+    call = lambda method, **kw: getattr(stub, method)(  # noqa: E731
+        getattr(pb, f"{method}Request")(session_id=reply.session_id, **kw), timeout=5, metadata=md
+    )
+    msg, fds = shm_handshake(daemon, reply.session_id, reply.data_secret, wire.SHM_MAGIC_V3)
+    try:
+        own = mmap.mmap(fds[0], 4 * MiB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        spaces = {}
+        for name, ns in (("own", make_namespace(tenant="pub")), ("group", make_namespace(group=GROUP))):
+            stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(spec=namespace_spec(ns), digest=ns.digest), timeout=5, metadata=md
+            )
+            spaces[name] = ns
+        key = spaces["own"].block_keys(list(range(16)))
+        held = call(
+            "PrepareStore",
+            namespace_id=spaces["own"].namespace_id,
+            keys=b"".join(key),
+            transport=pb.TRANSPORT_SHM,
+        )
+        own[held.offsets[0] : held.offsets[0] + len(secret)] = secret
+        call("CompleteStore", job_id=held.job_id, ok=False)  # given up: the slot keeps the bytes
+        for j, item_ok in enumerate(([False], [True])):  # not written, said so; said written, not
+            gkey = spaces["group"].block_keys(list(range(1000 * (j + 1), 1000 * (j + 1) + 16)))
+            staged = call(
+                "PrepareStore",
+                namespace_id=spaces["group"].namespace_id,
+                keys=b"".join(gkey),
+                transport=pb.TRANSPORT_SHM,
+            )
+            assert staged.offsets[0] == held.offsets[0]  # the very slot (its size class's free one)
+            call("CompleteStore", job_id=staged.job_id, ok=True, item_ok=item_ok)
+        own.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        channel.close()
+    with client(daemon, "member") as member:
+        view = bytes(member.session.data()._arena())  # type: ignore[attr-defined]
+        assert secret not in view and secret[:4096] not in view

@@ -64,9 +64,12 @@ class Source:
     def __init__(self, prefixes: list[PublishedPrefix]) -> None:
         self.prefixes = prefixes
         self.connected = True
-        self.reaches_groups = True
+        self.groups = {"g"}  # those whose blocks the client moves
         self.calls = 0
         self.fail: errors.KvtierError | None = None
+
+    def reaches_group(self, group: str) -> bool:
+        return group in self.groups
 
     def published_prefixes(self) -> list[PublishedPrefix]:
         self.calls += 1
@@ -115,7 +118,7 @@ def test_the_shared_prefix_rules_every_integration_takes() -> None:
     rules = SharedPrefixes(source, 5.0, clock=clock)
     assert rules.match(SYSTEM + [1], tokens_per_block=16) == published("system", SYSTEM)
     assert rules.match(SYSTEM + [1], tokens_per_block=len(SYSTEM) + 1) is None  # under a block
-    source.reaches_groups = False  # shm to a daemon without group arenas
+    source.groups = set()  # shm, the group's arena not mapped
     assert rules.match(SYSTEM + [1], tokens_per_block=16) is None
     calls: list[str] = []
 

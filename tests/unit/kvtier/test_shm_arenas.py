@@ -29,9 +29,11 @@ def memfd(size: int, fill: bytes, *, sealed: bool = False) -> int:
     return fd
 
 
-def reply(*arenas: tuple[int, int]) -> bytes:
+def reply(*arenas: tuple[int, int], names: tuple[bytes, ...] | None = None) -> bytes:
     head = wire.SHM_REPLY_V3.pack(wire.SHM_MAGIC_V3, sum(n for n, _f in arenas), 7, len(arenas))
-    return head + b"".join(wire.SHM_ARENA.pack(n, f) for n, f in arenas)
+    body = b"".join(wire.SHM_ARENA.pack(n, f) for n, f in arenas)
+    names = (b"g",) * (len(arenas) - 1) if names is None else names
+    return head + body + b"".join(wire.SHM_GROUP_NAME.pack(len(n)) + n for n in names)
 
 
 @pytest.fixture
@@ -43,8 +45,8 @@ def fds() -> Iterator[list[int]]:
 
 
 def test_a_reply_whose_arenas_match_their_fds_is_taken(fds: list[int]) -> None:
-    assert shm_arenas.arenas_of(reply((OWN, 1), (GROUP, 0)), fds) == [(OWN, True), (GROUP, False)]
-    assert shm_arenas.arenas_of(wire.SHM_REPLY.pack(wire.SHM_MAGIC, OWN, 7), fds[:1]) == [(OWN, True)]
+    assert shm_arenas.arenas_of(reply((OWN, 1), (GROUP, 0)), fds) == [(OWN, True, ""), (GROUP, False, "g")]
+    assert shm_arenas.arenas_of(wire.SHM_REPLY.pack(wire.SHM_MAGIC, OWN, 7), fds[:1]) == [(OWN, True, "")]
 
 
 @pytest.mark.parametrize(
@@ -55,9 +57,26 @@ def test_a_reply_whose_arenas_match_their_fds_is_taken(fds: list[int]) -> None:
         reply((OWN, 1), (GROUP, 1)),  # a group's writable
         reply((OWN, 1), (GROUP + PAGE, 0)),  # a size that is not its fd's
         reply((OWN, 1), (GROUP, 0))[:-1],  # cut short
+        reply((OWN, 1), (GROUP, 0)) + b"x",  # more than it says
+        reply((OWN, 1), (GROUP, 0), names=(b"",)),  # a group's arena without its name
+        reply((OWN, 1), (GROUP, 0), names=(b"\xff",)),  # not utf-8
+        reply((OWN, 1), (0, 0)),  # an empty arena
+        wire.SHM_REPLY_V3.pack(wire.SHM_MAGIC_V3, 0, 7, 0),  # no arena
         b"KVS9" + reply((OWN, 1), (GROUP, 0))[4:],
     ],
-    ids=["count", "first-read-only", "group-writable", "size", "short", "magic"],
+    ids=[
+        "count",
+        "first-read-only",
+        "group-writable",
+        "size",
+        "short",
+        "long",
+        "nameless",
+        "utf8",
+        "empty",
+        "none",
+        "magic",
+    ],
 )
 def test_a_reply_that_does_not_match_is_refused(fds: list[int], bad: bytes) -> None:
     with pytest.raises(TransportError, match="bad reply"):
