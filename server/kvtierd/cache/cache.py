@@ -43,11 +43,12 @@ from kvtierd.cache.chain import TierLink
 from kvtierd.cache.fleet import SharedLink
 from kvtierd.cache.jobs import Job, JobTable, LoadJob, StoreJob
 from kvtierd.cache.lookup import LOCAL, LookupOptions, LookupResult
+from kvtierd.cache.origins import check_origin
 from kvtierd.cache.read_figures import ReadFigure
 from kvtierd.cache.reads import Reads
 from kvtierd.cache.residency import HostResidency
 from kvtierd.cache.state import CacheState
-from kvtierd.cache.stores import Stores, check_origin
+from kvtierd.cache.stores import Stores
 from kvtierd.domain import TierId, Transport
 from kvtierd.index import Entry, NamespaceState
 from kvtierd.policies import EvictionPolicy, WritePolicy

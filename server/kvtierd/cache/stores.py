@@ -23,12 +23,12 @@ from collections.abc import Sequence, Set
 
 from kvtier_contract.errors import InvalidArgument, ResourceExhausted
 from kvtierd.cache.jobs import LoadJob, StoreJob, check_live
+from kvtierd.cache.origins import keep_origins
 from kvtierd.cache.residency import ROOM_WAIT_S, file_under
 from kvtierd.cache.staging import free_staged, stage
 from kvtierd.cache.state import CacheState
 from kvtierd.domain import StoreStatus, Transport
 from kvtierd.events import MEDIUM_CPU
-from kvtierd.events.wire import pack_tokens
 from kvtierd.index import Entry, EntryState, NamespaceState
 from kvtierd.sessions import Session
 
@@ -39,45 +39,6 @@ def check_digest_count(digests: Sequence[int], job: StoreJob) -> None:
         raise InvalidArgument(
             f"has {len(digests)} digests for {len(job.items)} reserved keys", field="digests"
         )
-
-
-# A block keeps its token ids (4 bytes each, for its KV events) only while they take at most this
-# share of its slot: a client's namespace of tiny blocks and many tokens per block cannot make
-# the daemon hold more for its blocks than the quotas it is held to count (host_bytes, nvme_bytes).
-TOKEN_SHARE_OF_SLOT = 64
-
-
-def check_origin(
-    ns: NamespaceState, keys: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None
-) -> None:
-    """A store's optional token ids (exactly ``tokens_per_block`` per key) and parent key (32
-    bytes): InvalidArgument naming the field otherwise."""
-    if token_ids and len(token_ids) != len(keys) * ns.spec.tokens_per_block:
-        raise InvalidArgument(
-            f"has {len(token_ids)} token ids for {len(keys)} keys of "
-            f"{ns.spec.tokens_per_block} tokens (expected {len(keys) * ns.spec.tokens_per_block}"
-            " or none)",
-            field="token_ids",
-        )
-    if parent is not None and len(parent) != 32:
-        raise InvalidArgument(
-            f"must be 32 bytes (a block key) or empty, got {len(parent)}", field="parent_key"
-        )
-
-
-def _keep_origins(
-    ns: NamespaceState,
-    keys: Sequence[bytes],
-    items: dict[int, Entry],
-    token_ids: Sequence[int],
-    parent: bytes | None,
-) -> None:
-    """Each reserved entry (``items``: batch index -> entry) keeps its parent key and packed
-    token ids for its KV events; token ids past their share of the slot are not kept."""
-    span = 4 * ns.spec.tokens_per_block  # one block's packed token ids
-    packed = pack_tokens(token_ids) if token_ids and span * TOKEN_SHARE_OF_SLOT <= ns.slot_bytes else b""
-    for i, e in items.items():
-        e.origin = (keys[i - 1] if i else parent, packed[i * span : (i + 1) * span])
 
 
 def _split_batch(
@@ -224,7 +185,7 @@ class Stores:
         job_id = self.state.jobs.next_id()
         items = self._reserve(ns, fresh, protect, job_id, status, offsets)
         if self.state.residency.events.publishing:
-            _keep_origins(ns, keys, items, token_ids, parent)
+            keep_origins(ns, keys, items, token_ids, parent)
         if self.state.policy.wants_parents:  # (parent links: for a prefix-aware policy only)
             for i, e in items.items():
                 file_under(e, keys[i - 1] if i else parent)
