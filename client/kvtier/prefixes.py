@@ -183,6 +183,11 @@ class SharedPrefixes:
         try:
             return register()
         except errors.KvtierError as e:
-            log.warning("kvtier: group %s not used for %.0f s: %s", group, self.refresh_s, e)
-            self._refused[scope] = self.clock() + self.refresh_s
+            self.refuse(scope, group, e)
             return None
+
+    def refuse(self, scope: Hashable, group: str, error: errors.KvtierError) -> None:
+        """The daemon refused ``scope`` (``group``'s namespaces) in a call after ``open``
+        (a lookup): set aside for ``refresh_s``, logged."""
+        log.warning("kvtier: group %s not used for %.0f s: %s", group, self.refresh_s, error)
+        self._refused[scope] = self.clock() + self.refresh_s

@@ -226,3 +226,29 @@ def test_a_group_the_daemon_refuses_keys_the_request_in_its_own_scope(
 def member_prefixes(d: DaemonProcess) -> list[Any]:
     with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["member"]) as c:
         return c.published_prefixes()
+
+
+def test_a_group_refused_at_the_lookup_keys_the_request_in_its_own_scope(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """The group's namespace registered (a first request keyed in its scope), then the member
+    taken out of the group: the next lookup of the group's blocks is refused (the namespace is
+    no longer its to see), and the request is keyed, looked up and stored in its own scope, the
+    group set aside, instead of failing every request that begins with the prefix."""
+    d = tenants_daemon(daemon_factory, tmp_path)
+    with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["pub"]) as c:
+        c.publish_prefix(GROUP, "system", SHARED)
+    p = planner(tenant_cfg(d, tmp_path, "member", prefix_refresh_ms=60_000))
+    _, hit = step(p, "first", SHARED + prompt(BS + 3, seed=20), T2, [1, 2, 3])  # keyed in the group
+    assert hit == 0 and p.stats.store_shared_skipped_blocks == 2
+    (tmp_path / "tenants.toml").write_text(
+        (tmp_path / "tenants.toml").read_text().replace('members = ["member"]', "members = []")
+    )
+    os.kill(d.proc.pid, signal.SIGHUP)
+    wait_for("the member is out of the group", lambda: not any(x.group == GROUP for x in member_prefixes(d)))
+    toks = SHARED + prompt(BS + 3, seed=21)
+    plan, hit = step(p, "after", toks, T2, [4, 5, 6])
+    assert hit == 0 and [s.variant for s in plan.stores] == [T2]
+    own = dataclasses.replace(IDENTITY.namespace(T2), tenant="member")
+    assert plan.stores[0].keys[0] == own.block_keys(toks)
+    p.close()

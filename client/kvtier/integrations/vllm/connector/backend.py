@@ -21,6 +21,7 @@ from kvtier.integrations.vllm.connector.lookup_thread import KeyChain, LookupOut
 from kvtier.prefixes import PublishedPrefix, SharedPrefixes
 from kvtier.results import TierFigure
 from kvtier.settings import ClientSettings
+from kvtier_contract.errors import FailedPrecondition, NotFound, PermissionDenied
 from kvtier_contract.scopes import Region, scoped_block_keys
 
 log = logging.getLogger("vllm.kvtier")
@@ -109,7 +110,16 @@ class DaemonBackend:
             return LookupOutcome(keys, hits, tiers, pins, self._chain(handles))
         keys = [self._scoped(g, h, match.tokens, token_ids) for g, h in zip(groups, handles, strict=True)]
         shared = min(match.tokens // self.identity.tokens_per_block, len(keys[0]))
-        hits, tiers, pins = self._pinned(groups, [k[:shared] for k in keys], promote)
+        try:
+            hits, tiers, pins = self._pinned(groups, [k[:shared] for k in keys], promote)
+        except (FailedPrecondition, NotFound, PermissionDenied) as e:
+            # the daemon will not move this group's blocks for this engine (a namespace of it in
+            # an arena its session does not map; membership taken away): keyed in its own scope,
+            # the group set aside until the list is fetched again
+            self._shared.refuse(variant.shared(match.group), match.group, e)
+            keys = [h.block_keys(token_ids) for h in handles]
+            hits, tiers, pins = self._pinned(handles, keys, promote)
+            return LookupOutcome(keys, hits, tiers, pins, self._chain(handles))
         if hits == shared and len(keys[0]) > shared:
             try:
                 more, more_tiers, more_pins = self._pinned(handles, [k[shared:] for k in keys], promote)
