@@ -19,16 +19,18 @@ them:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import mmap
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from conftest import DaemonProcess, make_namespace, shm_handshake
-from tests_helpers import tenants_text
+from tests_helpers import tenants_text, wait_for
 
 import kvtier
 from kvtier_contract import errors, wire
@@ -316,3 +318,53 @@ def test_a_staged_store_never_carries_a_slots_old_bytes_into_the_group(daemon: D
     with client(daemon, "member") as member:
         view = bytes(member.session.data()._arena())  # type: ignore[attr-defined]
         assert secret not in view and secret[:4096] not in view
+
+
+def test_a_reload_turning_a_tenant_into_a_group_of_its_name_hands_a_fresh_sealed_arena(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """Tenant ``x`` (shm: an arena of its own, holding its private blocks) is replaced at a
+    reload by a group named ``x`` that ``member`` reads over shm: the group gets an arena of
+    its own, sealed and empty, never ``x``'s, which still holds ``x``'s blocks unsealed."""
+    tokens = {"x": "garena-x-6", "member": TOKENS["member"]}
+    text = tenants_text(tokens, mapping=list(tokens))
+    (tmp_path / "tenants.toml").write_text(text)
+    cfg = tmp_path / "kvtierd.toml"
+    cfg.write_text(f'tenants_file = "{tmp_path / "tenants.toml"}"\ntenant_arena_bytes = "4MiB"\n')
+    d: DaemonProcess = daemon_factory(
+        "--config", str(cfg), "--host-bytes", "8MiB", "--slab-bytes", "1MiB", run_dir=tmp_path / "d"
+    )
+    secret = blocks(b"x's private prompt", 4, 16 * 1024)
+    with kvtier.Client.connect(d.unix, transport="shm", token=tokens["x"]) as x:
+        own = x.register(make_namespace(tenant="x"))
+        assert own.put(own.block_keys(list(range(64))), secret).stored == 4
+    member_only = text.split("[[tenant]]")[2]  # the member's table alone
+    (tmp_path / "tenants.toml").write_text(
+        "[[tenant]]" + member_only + '[[group]]\nname = "x"\npublishers = ["member"]\nmembers = []\n'
+    )
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGHUP)
+
+    def group_arena() -> bytes | None:
+        channel, reply = opened(d, "member")
+        try:
+            msg, fds = shm_handshake(d, reply.session_id, reply.data_secret, wire.SHM_MAGIC_V3)
+        finally:
+            channel.close()
+        try:
+            if len(fds) < 2:
+                return None
+            seals = fcntl.fcntl(fds[1], fcntl.F_GET_SEALS)
+            assert seals & 0x0010, "the group's arena is sealed against every client's writes"
+            ro = mmap.mmap(fds[1], os.fstat(fds[1]).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            try:
+                return bytes(ro)
+            finally:
+                ro.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    seen: list[bytes] = []
+    wait_for("the reload made group x's arena", lambda: seen.append(group_arena() or b"") or bool(seen[-1]))
+    assert not any(b[:4096] in seen[-1] for b in secret)
