@@ -45,7 +45,7 @@ from kvtierd.policies import PolicyName
 from kvtierd.tenancy.exposure import check_metrics_exposure, metrics_scrape_only
 from kvtierd.tenancy.tenancy import QUOTA_NAMES
 from kvtierd.tenants import token_digest
-from kvtierd.tenants_file import load_tenants
+from kvtierd.tenants_file import GROUP_QUOTAS, load_tenants
 
 MODES = ["daemonset", "sidecar"]
 CASES = [(mode, values) for mode in MODES for values in ("defaults", "all")]
@@ -217,16 +217,32 @@ def test_tenants_set_every_quota_and_memory_covers_every_arena(mode: str, tmp_pa
     cfg = serve_config(docs)
     tenants = tenants_of(docs, tmp_path)
     for t in tenants.by_name.values():
-        assert not [n for n in QUOTA_NAMES if getattr(t.quotas, n) is None], t.name
+        names = GROUP_QUOTAS if t.group else QUOTA_NAMES  # (a group holds blocks, never a session)
+        assert not [n for n in names if getattr(t.quotas, n) is None], t.name
     mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "tenants")
     assert cfg.tenancy.tenants_file == f"{mount['mountPath']}/tenants.toml" and mount["readOnly"]
     arenas = sum(
-        t.arena_size(cfg.tenancy.tenant_arena_bytes) for t in tenants.by_name.values() if t.maps_memory
+        t.arena_size(cfg.tenancy.tenant_arena_bytes)
+        for t in tenants.by_name.values()
+        if tenants.maps_memory(t)
+    )
+    assert tenants.by_name["acme-shared"].arena_bytes == 1 << 30 and tenants.maps_memory(
+        tenants.by_name["acme-shared"]
     )
     resources = container(docs)["resources"]
     assert quantity(resources["limits"]["memory"]) > cfg.host_tier.host_bytes + arenas
-    shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not t.maps_memory]
+    shared = [t.quotas.host_bytes or 0 for t in tenants.by_name.values() if not tenants.maps_memory(t)]
     assert sum(shared) <= cfg.host_tier.host_bytes
+
+
+def test_memory_must_cover_a_groups_arena_too() -> None:
+    """A group one of whose readers maps memory gets an arena of its own (issue 43): the chart
+    refuses a memory limit that covers the tenants' arenas but not the group's."""
+    sets = (*least("daemonset"), "resources.limits.memory=2Gi", "daemon.hostBytes=1GiB")
+    group = ("tenants.groups[0].name=g", "tenants.groups[0].publishers={node}")
+    assert render(sets=(*sets, *group, "tenants.groups[0].arenaBytes=512MiB"))  # 1 GiB + 256 + 512 MiB
+    error = render_error(*sets, *group, "tenants.groups[0].arenaBytes=1GiB")
+    assert "group's arena" in error, error
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -240,9 +256,8 @@ def test_the_scrape_token_is_scrape_only_and_the_monitors_send_it(mode: str, tmp
     digest = bytes.fromhex(token_digest(SCRAPE_TOKEN))
     assert tenants.metrics_digests == (digest,) and tenants.is_metrics_token(SCRAPE_TOKEN)
     assert tenants.by_token_digest(digest) is None  # no tenant: every RPC refuses it
-    assert sorted(tenants.by_name) == sorted(
-        t["name"] for t in yaml.safe_load(VALUES_ALL.read_text())["tenants"]["list"]
-    )
+    listed = yaml.safe_load(VALUES_ALL.read_text())["tenants"]
+    assert sorted(tenants.by_name) == sorted(t["name"] for t in listed["list"] + listed["groups"])
     assert not cfg.grpc.allow_plaintext_remote  # so no plaintext gRPC, and no acting token on /metrics
     assert cfg.metrics.metrics_plaintext_remote  # --allow-plaintext-metrics: scrape tokens only there
     assert cfg.metrics.metrics_host == "0.0.0.0" and metrics_scrape_only(cfg)
@@ -559,7 +574,7 @@ def test_the_schema_takes_exactly_the_sizes_kvtierd_takes(size: str, tmp_path: P
         assert "must exceed" not in out.stderr, out.stderr
         assert "hostBytes" in out.stderr or "size" in out.stderr, out.stderr
     else:
-        assert f"every tenant arena ({want} bytes)" in out.stderr, out.stderr
+        assert f"every tenant's and group's arena ({want} bytes)" in out.stderr, out.stderr
 
 
 def test_sizes_may_be_numbers_in_values_files(tmp_path: Path) -> None:

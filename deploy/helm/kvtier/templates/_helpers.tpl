@@ -124,11 +124,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 {{- $arenas := 0 }}
+{{- $mapping := list }}
 {{- if not $v.tenants.existingSecret }}
 {{- range $v.tenants.list }}
 {{- $maps := or (not .transports) (has "shm" .transports) (has "cuda_ipc" .transports) }}
 {{- if $maps }}
+{{- $mapping = append $mapping .name }}
 {{- $size := .arenaBytes | default (dig "quotas" "host_bytes" "" .) | default "256MiB" }}
+{{- $arenas = add $arenas (include "kvtier.bytes" $size | int64) }}
+{{- end }}
+{{- end }}
+{{- range $v.tenants.groups }}{{/* a group one of whose readers maps memory: an arena too */}}
+{{- $group := . }}
+{{- $reads := false }}
+{{- range concat .publishers (.members | default list) }}
+{{- if has . $mapping }}{{ $reads = true }}{{ end }}
+{{- end }}
+{{- if $reads }}
+{{- $size := $group.arenaBytes | default (dig "quotas" "host_bytes" "" $group) | default "256MiB" }}
 {{- $arenas = add $arenas (include "kvtier.bytes" $size | int64) }}
 {{- end }}
 {{- end }}
@@ -136,7 +149,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $need := add (include "kvtier.bytes" $v.daemon.hostBytes | int64) $arenas }}
 {{- $limit := include "kvtier.quantity" (dig "limits" "memory" "0" $v.resources) | int64 }}
 {{- if le $limit $need }}
-{{- fail (printf "resources.limits.memory (%d bytes) must exceed daemon.hostBytes plus every tenant arena (%d bytes): the arenas are prefaulted and charged to the kvtier container" $limit $need) }}
+{{- fail (printf "resources.limits.memory (%d bytes) must exceed daemon.hostBytes plus every tenant's and group's arena (%d bytes): the arenas are prefaulted and charged to the kvtier container" $limit $need) }}
 {{- end }}
 {{- end }}
 

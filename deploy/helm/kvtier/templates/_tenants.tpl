@@ -2,7 +2,8 @@
      network, first (TOML: before any [[tenant]]) the scrape token's digest, a scrape-only
      credential: /metrics answers it with every figure, and every gRPC call and handshake
      refuses it like an unknown token, so the token a scrape sends in plaintext HTTP reads
-     figures and acts on nothing. Then tenants.list. */}}
+     figures and acts on nothing. Then tenants.list, then tenants.groups ([[group]] tables:
+     docs/security.md § Groups). */}}
 {{- define "kvtier.tenantsToml" -}}
 {{- if and .Values.metrics.enabled .Values.metrics.exposed }}
 {{- $s := .Values.metrics.scrape -}}
@@ -42,6 +43,26 @@ max_lease_s = {{ float64 . }}
 [tenant.quotas]
 {{- range $k, $q := . }}
 {{- if has $k (list "host_bytes" "pinned_bytes" "nvme_bytes" "buffered_bytes") }}
+{{ $k }} = {{ include "kvtier.sizeText" $q | toJson }}
+{{- else }}
+{{ $k }} = {{ int64 $q }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{ end }}
+{{- range .Values.tenants.groups }}
+[[group]]
+name = {{ .name | toJson }}
+publishers = {{ toJson .publishers }}
+members = {{ toJson (.members | default list) }}
+{{- with .arenaBytes }}
+arena_bytes = {{ include "kvtier.sizeText" . | toJson }}
+{{- end }}
+{{- with .quotas }}
+[group.quotas]
+{{- range $k, $q := . }}
+{{- if has $k (list "host_bytes" "nvme_bytes") }}
 {{ $k }} = {{ include "kvtier.sizeText" $q | toJson }}
 {{- else }}
 {{ $k }} = {{ int64 $q }}
