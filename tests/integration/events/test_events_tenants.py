@@ -132,3 +132,31 @@ def test_a_tenant_added_by_a_reload_gets_a_private_stream_and_never_the_daemons_
             assert ns.put(ns.block_keys(list(range(16))), [bytes(ns.block_bytes)]).stored == 1
     assert stat.S_ISSOCK((run / "kvtier.sock").stat().st_mode)
     assert not [p.name for p in run.iterdir() if p.name.startswith(".kv")]  # no private dir left
+
+
+def test_a_groups_blocks_go_on_the_groups_own_stream(daemon_factory: Any, tmp_path: Path) -> None:
+    """A group of tenants (issue 43) has a stream of its own, named as a tenant's: its blocks
+    (``tenant_id`` the group) go there and on the operator's, never on a member's stream, so a
+    member's router that credits the group's shared prompt follows the group's stream too."""
+    path = tenants_toml(tmp_path / "tenants.toml")
+    path.write_text(
+        path.read_text() + '[[group]]\nname = "shared"\npublishers = ["team-a"]\nmembers = ["team-b"]\n'
+    )
+    d = daemon_factory(
+        "--host-bytes", "64MiB", "--slab-bytes", "1MiB", "--tenants-file", str(path),
+        *event_streams(tmp_path), run_dir=tmp_path / "run",
+    )  # fmt: skip
+    group = Follower(f"ipc://{tmp_path}/ev-shared.sock", f"ipc://{tmp_path}/replay-shared.sock")
+    member = Follower(f"ipc://{tmp_path}/ev-team-b.sock", f"ipc://{tmp_path}/replay-team-b.sock")
+    try:
+        with kvtier.Client.connect(d.unix, transport="tcp", token=TOKENS["team-a"]) as c:
+            ns = c.register(make_namespace(group="shared"))
+            keys = ns.block_keys(list(range(16 * 8)))
+            assert ns.put(keys, [bytes(ns.block_bytes)] * 8).stored == 8
+        group.settle(lambda: set(group.held) >= set(keys))
+        member.pump(0.3)
+        assert group.tenants == {"shared"} and set(group.held) == set(keys)
+        assert not set(member.held) & set(keys)
+    finally:
+        group.close()
+        member.close()
