@@ -120,9 +120,10 @@ class Scope:
         """Every arena a session's client maps, in the order its offsets count them: its own
         (:meth:`mapped_arena`), then (``groups``: a client that maps them, KVS3) the arena of
         each group its tenant reads (by name, at most ``SHM_MAX_ARENAS - 1``), read-only.
-        Fixed at the first call (its first shm handshake): a group joined later is reached over
-        tcp by that session; one left keeps its mapping (a mapping cannot be taken back) but no
-        call of it names the group's namespaces."""
+        Fixed at the first call (its first shm handshake): a group joined later is not in it
+        (its jobs on that group are FAILED_PRECONDITION; the engines key that group's prefixes
+        in their own scope, ``Client.reaches_group``); one left keeps its mapping (a mapping
+        cannot be taken back) but no call of it names the group's namespaces."""
         if session.arenas is None:
             own = self.mapped_arena(session)
             if own is None:
