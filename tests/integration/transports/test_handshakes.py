@@ -83,7 +83,8 @@ def test_the_arena_handshake_needs_the_sessions_data_secret(daemon: DaemonProces
     msg, fds = exchange(path, wire.SHM_REQUEST.pack(b"KVS1", sid))  # the id alone, as before
     assert (fds, msg[:4]) == (0, wire.SHM_REFUSED) and b"data secret" in msg, msg
     refusals = {
-        exchange(path, wire.shm_request(wire.SHM_MAGIC, s, secret))
+        exchange(path, wire.shm_request(magic, s, secret))
+        for magic in (wire.SHM_MAGIC, wire.SHM_MAGIC_V3)  # every arena (KVS3) as the first (KVS2)
         for s, secret in (
             (sid, bytes(32)),
             (sid, other.data_secret),
@@ -94,6 +95,8 @@ def test_the_arena_handshake_needs_the_sessions_data_secret(daemon: DaemonProces
     assert {(m.replace(b"999999", str(sid).encode()), n) for m, n in refusals} == {(unknown(sid), 0)}
     msg, fds = exchange(path, wire.shm_request(wire.SHM_MAGIC, sid, opened.data_secret))
     assert (fds, msg[:4]) == (1, wire.SHM_MAGIC)
+    msg, fds = exchange(path, wire.shm_request(wire.SHM_MAGIC_V3, sid, opened.data_secret))
+    assert (fds, msg[:4]) == (1, wire.SHM_MAGIC_V3)  # a single-tenant daemon: the one arena
 
 
 def test_the_index_handshake_needs_the_sessions_data_secret(daemon: DaemonProcess) -> None:
