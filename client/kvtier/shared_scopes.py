@@ -17,13 +17,12 @@ block is not used; a client that cannot move its groups' blocks keys every reque
 scope; a group whose namespace the daemon refuses is set aside until the list is fetched again).
 
 Lifecycle: ``SharedScopes(client, refresh_s)`` -> ``keys(own_handle, token_ids)`` per request.
-Owns its :class:`~kvtier.prefixes.PrefixWatch` and the group handles it registered; not
+Owns its :class:`~kvtier.prefixes.SharedPrefixes` and the group handles it registered; not
 thread-safe (one per thread that hashes requests, as the integration's cache is).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -33,8 +32,6 @@ from kvtier_contract.identity import Namespace
 from kvtier_contract.scopes import Region, scoped_block_keys
 
 __all__ = ["Part", "ScopedKeys", "SharedScopes", "group_namespace"]
-
-log = logging.getLogger("kvtier.shared_scopes")
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,6 @@ class SharedScopes:
         self.client = client
         self.shared = shared
         self.enabled = enabled
-        self.refresh_s = refresh_s
         self._rules = SharedPrefixes(client, refresh_s)
         self._groups: dict[tuple[int, str], NamespaceHandle] = {}  # (own id, group) -> handle
 

@@ -236,10 +236,9 @@ class Stores:
         ends, nothing reserved, and RESOURCE_EXHAUSTED."""
         if self.state.chain:
             await self.state.chain[0].ensure_room(job.ns.slot_bytes, len(job.items), pool=pool)
-            check_live(session)
-        if not self.state.jobs.is_live(job) or not stage(self.state.residency, job, pool):
-            if self.state.jobs.is_live(job):
-                self.end_store(session, job, False, (), 0.0)
+            check_live(session)  # (a release ends the session's jobs)
+        if not stage(self.state.residency, job, pool):
+            self.end_store(session, job, False, (), 0.0)
             raise ResourceExhausted(
                 f"no room in the session's own arena to stage {len(job.items)} blocks for a "
                 "group's arena it maps read-only (store fewer at once)",

@@ -154,11 +154,14 @@ class Scope:
         before = sum(host.pool_bytes[p] for p in layout[: layout.index(ns.pool)])
         return host.pool_bases[ns.pool] - before
 
-    def reads_only(self, session: Session, ns: NamespaceState) -> bool:
-        """Whether ``ns``'s arena is one ``session`` maps read-only (a group's): its stores are
-        staged in the session's own arena and copied by the daemon at their commit."""
+    def staging_arena(self, session: Session, ns: NamespaceState) -> int | None:
+        """The arena (pool) ``session``'s stores into ``ns`` are staged in: its own, when it
+        maps ``ns``'s arena read-only (a group's), so the daemon copies them over at their
+        commit; None: they are written in place."""
         layout = session.arenas
-        return session.transport is not Transport.TCP and layout is not None and ns.pool != layout[0]
+        if session.transport is Transport.TCP or layout is None or ns.pool == layout[0]:
+            return None
+        return layout[0]
 
     def job_transport(self, session: Session, value: int) -> Transport:
         """A job's transport: valid, and the one its session was opened for, or shm in a

@@ -75,8 +75,8 @@ class TransferHandlers:
         )
         # a group's arena its client maps read-only: an shm job is staged in its own (a cuda_ipc
         # job's bytes are the daemon's to move, into the group's slots themselves)
-        if job is not None and transport is Transport.SHM and self.scope.reads_only(s, ns):
-            own = (s.arenas or (0,))[0]  # (reads_only: its layout is fixed)
+        own = self.scope.staging_arena(s, ns) if transport is Transport.SHM else None
+        if job is not None and own is not None:
             base = self.cache.host.pool_bases[own]
             staged = await stage_zeroed(self.cache, s, job, own)
             offsets = [staged.get(i, o) for i, o in enumerate(offsets)]
@@ -240,12 +240,9 @@ async def _complete_staged(
 
 def _retrieved(task: asyncio.Task[tuple[int, int]]) -> None:
     """A staged completion whose caller went away: its error is logged here, not lost."""
-    if (
-        not task.cancelled()
-        and task.exception() is not None
-        and not isinstance(task.exception(), KvtierError)
-    ):
-        log.warning("a staged store's completion failed: %s", task.exception())
+    error = None if task.cancelled() else task.exception()
+    if error is not None and not isinstance(error, KvtierError):
+        log.warning("a staged store's completion failed: %s", error)
 
 
 async def _store_digests(
